@@ -1,0 +1,34 @@
+# Two commands on a fresh machine: `make demo`, then `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.stagewise-installed
+
+.PHONY: install test demo lint bench clean
+
+# torch goes first, pinned: this machine has the CPU wheel locally, and a bare
+# `torch` requirement would otherwise pull gigabytes of CUDA wheels.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks examples
+	$(VENV)/bin/ruff format --check src tests benchmarks examples
+
+demo: $(STAMP)
+	$(VENV)/bin/stagewise demo
+
+bench: $(STAMP)
+	$(PY) benchmarks/schedules_speed.py
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache

@@ -1,0 +1,72 @@
+"""stagewise: pipeline-parallel training for PyTorch.
+
+The pure core (actions, schedules, passes, validator, simulator, renderers)
+imports no torch; the runtime (``Pipeline``, ``init``, ``Layer``) is loaded on
+first use, so ``import stagewise`` stays cheap for planning and drawing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .actions import Action, Kind, parse_action
+from .passes import add_communication, add_grad_sync, lower, split_backward
+from .schedule import Schedule, loop_placement, v_placement
+from .schedules import generate, schedule_info, schedule_names
+from .timeline import Event, Timeline
+from .validate import ScheduleError, validate_schedule
+
+__version__ = "0.1.0"
+
+
+def build_schedule(
+    name: str,
+    num_ranks: int,
+    num_microbatches: int,
+    virtual_stages: int | None = None,
+    *,
+    grad_sync: bool = True,
+) -> Schedule:
+    """The complete, validated schedule ``name``: what the runtime executes.
+
+    >>> s = build_schedule("1f1b", num_ranks=2, num_microbatches=2)
+    >>> print(s.to_text())
+    rank 0: 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1 0SYNC
+    rank 1: 1RECV_F0 1F0 1B0 1SEND_B0 1RECV_F1 1F1 1B1 1SEND_B1 1SYNC
+    """
+    return lower(generate(name, num_ranks, num_microbatches, virtual_stages), grad_sync=grad_sync)
+
+
+# Runtime names, imported lazily so the pure core never pulls in torch.distributed.
+_LAZY = {}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        module = importlib.import_module(_LAZY[name], __name__)
+        return getattr(module, name)
+    raise AttributeError(f"module 'stagewise' has no attribute {name!r}")
+
+
+__all__ = [
+    "Action",
+    "Event",
+    "Kind",
+    "Schedule",
+    "ScheduleError",
+    "Timeline",
+    "add_communication",
+    "add_grad_sync",
+    "build_schedule",
+    "generate",
+    "loop_placement",
+    "lower",
+    "parse_action",
+    "schedule_info",
+    "schedule_names",
+    "split_backward",
+    "v_placement",
+    "validate_schedule",
+]

@@ -1,0 +1,1 @@
+"""Interleaved (virtual-stage) schedules."""

@@ -1,0 +1,126 @@
+"""The schedule registry: names -> pure generators of per-rank compute orders."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..actions import Action
+from ..schedule import Schedule, loop_placement, v_placement
+
+#: A generator takes (ranks p, micro-batches m, virtual stages v) and returns,
+#: for each rank, its compute actions (F, B or F, I, W) in order.
+Generator = Callable[[int, int, int], list[list[Action]]]
+
+
+@dataclass(frozen=True)
+class ScheduleInfo:
+    """What the registry knows about a schedule, besides how to generate it."""
+
+    name: str
+    generator: Generator
+    summary: str
+    paper: str
+    placement: str  # "loop" or "v"
+    virtual_stages: tuple[int, ...] | None  # allowed v, None = any v >= 1
+    default_virtual_stages: int
+    bubble: str  # closed form, for the README table
+    memory: str  # peak in-flight micro-batches on the busiest rank
+    synchronous: bool = True
+    min_microbatches: Callable[[int, int], int] | None = None  # (p, v) -> least m, None = 1
+
+    def check(self, num_ranks: int, num_microbatches: int, virtual_stages: int) -> None:
+        """Raise ValueError naming the constraint a combination breaks."""
+        if num_ranks < 1:
+            raise ValueError(f"schedule {self.name!r}: need at least 1 rank, got {num_ranks}")
+        if num_microbatches < 1:
+            raise ValueError(f"schedule {self.name!r}: need at least 1 micro-batch, got {num_microbatches}")
+        if self.virtual_stages is not None and virtual_stages not in self.virtual_stages:
+            allowed = " or ".join(map(str, self.virtual_stages))
+            raise ValueError(
+                f"schedule {self.name!r} needs virtual_stages = {allowed} per rank, got {virtual_stages}"
+            )
+        if virtual_stages < 1:
+            raise ValueError(f"schedule {self.name!r}: virtual_stages must be >= 1, got {virtual_stages}")
+        if self.min_microbatches is not None:
+            least = self.min_microbatches(num_ranks, virtual_stages)
+            if num_microbatches < least:
+                raise ValueError(
+                    f"schedule {self.name!r} with {num_ranks} ranks and {virtual_stages} virtual stages "
+                    f"needs at least {least} micro-batches, got {num_microbatches}"
+                )
+
+
+_REGISTRY: dict[str, ScheduleInfo] = {}
+
+
+def register(
+    name: str,
+    *,
+    summary: str,
+    paper: str,
+    bubble: str,
+    memory: str,
+    placement: str = "loop",
+    virtual_stages: tuple[int, ...] | None = (1,),
+    default_virtual_stages: int = 1,
+    synchronous: bool = True,
+    min_microbatches: Callable[[int, int], int] | None = None,
+) -> Callable[[Generator], Generator]:
+    """Decorator: add a generator to the registry under ``name``."""
+
+    def add(generator: Generator) -> Generator:
+        if name in _REGISTRY:
+            raise ValueError(f"schedule {name!r} is registered twice")
+        _REGISTRY[name] = ScheduleInfo(
+            name=name,
+            generator=generator,
+            summary=summary,
+            paper=paper,
+            placement=placement,
+            virtual_stages=virtual_stages,
+            default_virtual_stages=default_virtual_stages,
+            bubble=bubble,
+            memory=memory,
+            synchronous=synchronous,
+            min_microbatches=min_microbatches,
+        )
+        return generator
+
+    return add
+
+
+def schedule_names() -> list[str]:
+    _load_builtin()
+    return list(_REGISTRY)
+
+
+def schedule_info(name: str) -> ScheduleInfo:
+    _load_builtin()
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown schedule {name!r}; registered: {', '.join(_REGISTRY)}") from None
+
+
+def generate(name: str, num_ranks: int, num_microbatches: int, virtual_stages: int | None = None) -> Schedule:
+    """The compute-only schedule ``name`` for p ranks, m micro-batches and v stages per rank."""
+    info = schedule_info(name)
+    v = info.default_virtual_stages if virtual_stages is None else virtual_stages
+    info.check(num_ranks, num_microbatches, v)
+    placement = loop_placement(num_ranks, v) if info.placement == "loop" else v_placement(num_ranks, v)
+    ranks = info.generator(num_ranks, num_microbatches, v)
+    return Schedule(
+        name=name,
+        num_microbatches=num_microbatches,
+        placement=placement,
+        ranks=tuple(tuple(r) for r in ranks),
+        meta={"placement": info.placement},
+    )
+
+
+def _load_builtin() -> None:
+    # Importing the modules runs their @register decorators.
+    from . import basic  # noqa: F401
+    from . import interleaved  # noqa: F401
+    from . import zero_bubble  # noqa: F401

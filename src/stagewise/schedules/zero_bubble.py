@@ -1,0 +1,1 @@
+"""Zero-bubble schedules."""
