@@ -124,3 +124,4 @@ def _load_builtin() -> None:
     from . import basic  # noqa: F401
     from . import interleaved  # noqa: F401
     from . import zero_bubble  # noqa: F401
+    from . import dualpipe  # noqa: F401
