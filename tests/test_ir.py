@@ -83,10 +83,7 @@ def test_csv_errors_name_the_cell() -> None:
 
 def test_split_backward_turns_each_b_into_i_then_w() -> None:
     split = sw.split_backward(sw.generate("gpipe", 2, 2))
-    assert split.to_text() == (
-        "rank 0: 0F0 0F1 0I0 0W0 0I1 0W1\n"
-        "rank 1: 1F0 1F1 1I0 1W0 1I1 1W1"
-    )
+    assert split.to_text() == ("rank 0: 0F0 0F1 0I0 0W0 0I1 0W1\nrank 1: 1F0 1F1 1I0 1W0 1I1 1W1")
     sw.validate_schedule(sw.lower(split))
 
 

@@ -23,7 +23,9 @@ PURE = [
     "schedules",
     "render",
 ]
-_DIST_IMPORT = re.compile(r"^\s*(import torch\.distributed|from torch\.distributed|from torch import distributed)", re.M)
+_DIST_IMPORT = re.compile(
+    r"^\s*(import torch\.distributed|from torch\.distributed|from torch import distributed)", re.M
+)
 _TORCH_IMPORT = re.compile(r"^\s*(import torch\b|from torch\b)", re.M)
 
 
@@ -42,7 +44,9 @@ def test_only_the_transport_imports_torch_distributed() -> None:
 
 
 def test_the_pure_core_never_imports_torch() -> None:
-    offenders = [str(p.relative_to(SRC)) for entry in PURE for p in _files(entry) if _TORCH_IMPORT.search(p.read_text())]
+    offenders = [
+        str(p.relative_to(SRC)) for entry in PURE for p in _files(entry) if _TORCH_IMPORT.search(p.read_text())
+    ]
     assert offenders == [], f"pure modules import torch: {offenders}"
 
 

@@ -56,7 +56,9 @@ def test_compute_only_deadlock_is_found_and_explained() -> None:
         rank 1: 1F1 1B1 1F0 1B0
         """
     )
-    with pytest.raises(ScheduleError, match=r"deadlock: rank 1 action #0 1F1 .* waits for Message\(direction='F', stage=0"):
+    with pytest.raises(
+        ScheduleError, match=r"deadlock: rank 1 action #0 1F1 .* waits for Message\(direction='F', stage=0"
+    ):
         sw.validate_schedule(schedule)
 
 

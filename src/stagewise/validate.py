@@ -156,7 +156,9 @@ def _check_communication(schedule: Schedule) -> list[str]:
                 msg = message_of(a)
                 sends[msg].append((rank, idx))
                 if msg not in needed:
-                    problems.append(f"{_where(schedule, rank, idx)}: sends a value that stays on its rank or is never made")
+                    problems.append(
+                        f"{_where(schedule, rank, idx)}: sends a value that stays on its rank or is never made"
+                    )
                 elif msg not in made:
                     problems.append(f"{_where(schedule, rank, idx)}: sends {msg} before computing it")
             elif a.kind in (Kind.RECV_F, Kind.RECV_B):
@@ -167,7 +169,9 @@ def _check_communication(schedule: Schedule) -> list[str]:
                     problems.append(f"{_where(schedule, rank, idx)}: receives a value no other rank sends")
     for msg, (src, dst) in needed.items():
         if len(sends[msg]) != 1:
-            problems.append(f"rank {src}: {msg} (stage {msg.stage} -> rank {dst}) is sent {len(sends[msg])} times, expected 1")
+            problems.append(
+                f"rank {src}: {msg} (stage {msg.stage} -> rank {dst}) is sent {len(sends[msg])} times, expected 1"
+            )
         if len(recvs[msg]) != 1:
             problems.append(f"rank {dst}: {msg} (from rank {src}) is received {len(recvs[msg])} times, expected 1")
     if problems:

@@ -37,9 +37,7 @@ class ScheduleInfo:
             raise ValueError(f"schedule {self.name!r}: need at least 1 micro-batch, got {num_microbatches}")
         if self.virtual_stages is not None and virtual_stages not in self.virtual_stages:
             allowed = " or ".join(map(str, self.virtual_stages))
-            raise ValueError(
-                f"schedule {self.name!r} needs virtual_stages = {allowed} per rank, got {virtual_stages}"
-            )
+            raise ValueError(f"schedule {self.name!r} needs virtual_stages = {allowed} per rank, got {virtual_stages}")
         if virtual_stages < 1:
             raise ValueError(f"schedule {self.name!r}: virtual_stages must be >= 1, got {virtual_stages}")
         if self.min_microbatches is not None:
@@ -121,7 +119,9 @@ def generate(name: str, num_ranks: int, num_microbatches: int, virtual_stages: i
 
 def _load_builtin() -> None:
     # Importing the modules runs their @register decorators.
-    from . import basic  # noqa: F401
-    from . import interleaved  # noqa: F401
-    from . import zero_bubble  # noqa: F401
-    from . import dualpipe  # noqa: F401
+    from . import (
+        basic,  # noqa: F401
+        dualpipe,  # noqa: F401
+        interleaved,  # noqa: F401
+        zero_bubble,  # noqa: F401
+    )
