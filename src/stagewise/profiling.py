@@ -1,0 +1,469 @@
+"""Profiling: per-layer time and memory, measured on the device each layer runs on.
+
+For each layer (a block of the model) we measure, as the median of
+``repeats`` runs after ``warmup`` runs:
+
+* ``forward``: the forward pass with autograd recording, as in training;
+* ``backward_input`` (I): ``torch.autograd.grad`` of the outputs w.r.t. the
+  layer's inputs only (zero when no input needs a gradient, e.g. token ids);
+* ``backward_weight`` (W): the same w.r.t. the layer's parameters only;
+* ``backward`` (B): both at once, the ordinary full backward;
+* ``activation_bytes``: what autograd saves for backward, counted with
+  ``torch.autograd.graph.saved_tensors_hooks`` (parameters and buffers
+  excluded, each storage once); ``weight_activation_bytes`` the part of it
+  saved by operations that take a parameter (what W still needs after I);
+* ``parameter_bytes`` and ``output_bytes`` (what goes to the next stage).
+
+Timing uses CUDA events on a GPU and ``time.perf_counter`` elsewhere.
+Measured alone, I and W each walk the layer's graph, so I + W is usually a
+little more than B; :meth:`LayerProfile.cost_model` rescales them to sum to B
+(as a zero-bubble runtime that reuses I's intermediate gradients would).
+
+The split between measuring and deciding follows torchgpipe
+(``balance/profile.py`` measures, ``balance/blockpartition.py`` decides):
+here :func:`profile` measures and :mod:`stagewise.partition` decides.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map
+
+from .costs import CostModel
+from .partition import Partition, partition_costs
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One layer's measured costs: times in seconds, sizes in bytes (per sample batch)."""
+
+    name: str
+    forward: float
+    backward_input: float
+    backward_weight: float
+    backward: float
+    activation_bytes: float
+    weight_activation_bytes: float
+    parameter_bytes: float
+    output_bytes: float
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """What :func:`profile` measured, one :class:`LayerCost` per layer in execution order."""
+
+    layers: tuple[LayerCost, ...]
+    device: str
+    repeats: int
+    warmup: int
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __getitem__(self, key: int | str) -> LayerCost:
+        if isinstance(key, str):
+            for layer in self.layers:
+                if layer.name == key:
+                    return layer
+            raise KeyError(f"profile has no layer {key!r}; layers are {self.names}")
+        return self.layers[key]
+
+    @property
+    def names(self) -> list[str]:
+        return [layer.name for layer in self.layers]
+
+    def times(self) -> list[float]:
+        """Forward + full backward per layer: the cost vector a time-balanced partition evens out."""
+        return [layer.forward + layer.backward for layer in self.layers]
+
+    def partition(self, num_stages: int, **kwargs: Any) -> Partition:
+        """The time-balanced partition (:func:`stagewise.partition.partition_costs` on :meth:`times`)."""
+        return partition_costs(self.times(), num_stages, **kwargs)
+
+    def cost_model(
+        self,
+        partition: Partition | Sequence[int],
+        *,
+        latency: float = 0.0,
+        bandwidth: float = math.inf,
+        output_bytes: Sequence[float] | None = None,
+        match_backward: bool = True,
+    ) -> CostModel:
+        """Sum the layers into stages: stage k holds layers ``bounds[k]`` to ``bounds[k+1] - 1``.
+
+        ``partition`` is a :class:`~stagewise.partition.Partition` or its bounds
+        (``[0, 3, 8]``: layers 0-2 and 3-7). A stage sends its last layer's output
+        unless ``output_bytes`` (one per stage) says otherwise, e.g. a split
+        model's boundary sizes. With ``match_backward`` a stage's I and W are
+        scaled so that I + W equals its measured full backward.
+        """
+        bounds = _check_bounds(partition, len(self.layers))
+        p = len(bounds) - 1
+        if output_bytes is not None and len(output_bytes) != p:
+            raise ValueError(f"cost_model: output_bytes has {len(output_bytes)} entries, expected one per stage ({p})")
+        stages = [_sum_layers(self.layers[a:b], match_backward) for a, b in zip(bounds, bounds[1:])]
+        sent = [s.output_bytes for s in stages] if output_bytes is None else [float(x) for x in output_bytes]
+        return CostModel(
+            num_stages=p,
+            forward=tuple(s.forward for s in stages),
+            backward_input=tuple(s.backward_input for s in stages),
+            backward_weight=tuple(s.backward_weight for s in stages),
+            activation_bytes=tuple(s.activation_bytes for s in stages),
+            weight_activation_bytes=tuple(s.weight_activation_bytes for s in stages),
+            parameter_bytes=tuple(s.parameter_bytes for s in stages),
+            output_bytes=tuple(sent),
+            latency=latency,
+            bandwidth=bandwidth,
+        )
+
+
+def _sum_layers(layers: Sequence[LayerCost], match_backward: bool) -> LayerCost:
+    """Consecutive layers as one: times and bytes add up; the output is the last layer's."""
+    i = sum(x.backward_input for x in layers)
+    w = sum(x.backward_weight for x in layers)
+    full = sum(x.backward for x in layers)
+    if match_backward and i + w > 0:
+        i, w = i * full / (i + w), w * full / (i + w)
+    return LayerCost(
+        name="+".join(x.name for x in layers),
+        forward=sum(x.forward for x in layers),
+        backward_input=i,
+        backward_weight=w,
+        backward=full,
+        activation_bytes=sum(x.activation_bytes for x in layers),
+        weight_activation_bytes=sum(x.weight_activation_bytes for x in layers),
+        parameter_bytes=sum(x.parameter_bytes for x in layers),
+        output_bytes=layers[-1].output_bytes,
+    )
+
+
+def _check_bounds(partition: Partition | Sequence[int], n: int) -> tuple[int, ...]:
+    bounds = tuple(partition.bounds if isinstance(partition, Partition) else partition)
+    ok = len(bounds) >= 2 and bounds[0] == 0 and bounds[-1] == n and all(a < b for a, b in zip(bounds, bounds[1:]))
+    if not ok:
+        raise ValueError(
+            f"cost_model: bounds must rise strictly from 0 to the number of layers ({n}), got {list(bounds)} "
+            f"(to turn layer counts c into bounds: [0, c0, c0+c1, ...])"
+        )
+    return bounds
+
+
+def model_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """A model's top-level blocks: its children, with a child ModuleList/Sequential/ModuleDict opened one level.
+
+    For a transformer ``embed, layers (ModuleList of 12), norm, head`` that is
+    ``embed, layers.0, ..., layers.11, norm, head`` (in registration order).
+    """
+    blocks: list[tuple[str, nn.Module]] = []
+    for name, child in model.named_children():
+        if isinstance(child, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
+            blocks.extend((f"{name}.{sub}", grandchild) for sub, grandchild in child.named_children())
+        else:
+            blocks.append((name, child))
+    return blocks
+
+
+def profile(
+    layers_or_model: nn.Module | Sequence[nn.Module],
+    sample_inputs: Any,
+    *,
+    repeats: int = 5,
+    warmup: int = 2,
+) -> LayerProfile:
+    """Measure each layer of ``layers_or_model`` on ``sample_inputs`` (one micro-batch).
+
+    A list of modules, an ``nn.Sequential`` or an ``nn.ModuleList`` is a chain:
+    layer i+1 takes layer i's output (a tuple becomes its positional
+    arguments). Any other module is profiled block by block
+    (:func:`model_blocks`): one forward of the whole model records what each
+    block receives, then each block is timed alone on that. Code between
+    blocks is not measured. ``sample_inputs`` is one tensor or a tuple of
+    positional arguments. Global RNG state and module buffers (BatchNorm
+    statistics) are restored afterwards; no ``.grad`` is touched.
+    """
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"profile: need repeats >= 1 and warmup >= 0, got {repeats}, {warmup}")
+    inputs = sample_inputs if isinstance(sample_inputs, tuple) else (sample_inputs,)
+    if isinstance(layers_or_model, (nn.Sequential, nn.ModuleList)):
+        named = [(n, m) for n, m in layers_or_model.named_children()]
+    elif isinstance(layers_or_model, nn.Module):
+        named = model_blocks(layers_or_model)
+    else:
+        named = [(str(i), m) for i, m in enumerate(layers_or_model)]
+    if not named:
+        raise ValueError("profile: no layers to measure")
+    chain = not isinstance(layers_or_model, nn.Module) or isinstance(layers_or_model, (nn.Sequential, nn.ModuleList))
+    owners = [m for _, m in named] if chain else [layers_or_model]
+    with preserved_state(owners, inputs) as device:  # type: ignore[arg-type]
+        if chain:
+            calls = _capture_chain(named, inputs)
+        else:
+            calls = _capture_blocks(layers_or_model, named, inputs)  # type: ignore[arg-type]
+        return _measure_all(calls, device, repeats, warmup)
+
+
+def profile_blocks(
+    model: nn.Module,
+    blocks: Sequence[tuple[str, nn.Module]],
+    sample_inputs: Any,
+    *,
+    repeats: int = 5,
+    warmup: int = 2,
+) -> LayerProfile:
+    """Like :func:`profile` on a whole model, for the given ``(name, module)`` blocks of it."""
+    inputs = sample_inputs if isinstance(sample_inputs, tuple) else (sample_inputs,)
+    with preserved_state([model], inputs) as device:
+        return _measure_all(_capture_blocks(model, list(blocks), inputs), device, repeats, warmup)
+
+
+def _measure_all(calls: list[Call], device: torch.device, repeats: int, warmup: int) -> LayerProfile:
+    costs = [_measure(name, module, args, kwargs, device, repeats, warmup) for name, module, args, kwargs in calls]
+    return LayerProfile(layers=tuple(costs), device=str(device), repeats=repeats, warmup=warmup)
+
+
+@contextmanager
+def preserved_state(modules: Sequence[nn.Module], inputs: tuple[Any, ...]) -> Iterator[torch.device]:
+    """Run a block that executes ``modules`` without leaving a trace: RNG and buffers are restored after.
+
+    Yields the device the modules (or else the inputs) live on.
+    """
+    device = _device_of(list(modules), inputs)
+    saved = [(b, b.detach().clone()) for m in modules for b in m.buffers()]
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            yield device
+    finally:
+        with torch.no_grad():
+            for buffer, copy in saved:
+                buffer.copy_(copy)
+
+
+# --- capturing what each layer receives ---------------------------------------------------------
+
+Call = tuple[str, nn.Module, tuple[Any, ...], dict[str, Any]]
+
+
+def _detached(value: Any) -> Any:
+    """A private copy of ``value``'s tensors that needs a gradient exactly where the original did."""
+
+    def one(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        copy = t.detach().clone()
+        return copy.requires_grad_(t.requires_grad)
+
+    return tree_map(one, value)
+
+
+def _capture_chain(named: list[tuple[str, nn.Module]], inputs: tuple[Any, ...]) -> list[Call]:
+    calls: list[Call] = []
+    args = inputs
+    for name, module in named:
+        calls.append((name, module, _detached(args), {}))
+        out = module(*args)
+        args = out if isinstance(out, tuple) else (out,)
+    return calls
+
+
+def _capture_blocks(model: nn.Module, named: list[tuple[str, nn.Module]], inputs: tuple[Any, ...]) -> list[Call]:
+    seen: dict[str, Call] = {}
+    order: list[str] = []
+
+    def hook_for(name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if name not in seen:
+                seen[name] = (name, module, _detached(args), _detached(kwargs))
+                order.append(name)
+
+        return hook
+
+    handles = [m.register_forward_pre_hook(hook_for(n), with_kwargs=True) for n, m in named]
+    try:
+        model(*inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    return [seen[n] for n in order]
+
+
+# --- measuring one layer ------------------------------------------------------------------------
+
+
+def _device_of(modules: list[nn.Module], inputs: tuple[Any, ...]) -> torch.device:
+    for m in modules:
+        for t in m.parameters():
+            return t.device
+    for t in tree_leaves(inputs):
+        if isinstance(t, torch.Tensor):
+            return t.device
+    return torch.device("cpu")
+
+
+def _timer(device: torch.device) -> Callable[[Callable[[], Any]], tuple[Any, float]]:
+    if device.type == "cuda":
+
+        def cuda_time(fn: Callable[[], Any]) -> tuple[Any, float]:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn()
+            end.record()
+            end.synchronize()
+            return out, start.elapsed_time(end) / 1000.0
+
+        return cuda_time
+
+    def wall_time(fn: Callable[[], Any]) -> tuple[Any, float]:
+        start = time.perf_counter()
+        out = fn()
+        return out, time.perf_counter() - start
+
+    return wall_time
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _tensor_bytes(value: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tree_leaves(value) if isinstance(t, torch.Tensor))
+
+
+def _grad_outputs(out: Any) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def _measure(
+    name: str,
+    module: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    device: torch.device,
+    repeats: int,
+    warmup: int,
+) -> LayerCost:
+    params = [p for p in module.parameters() if p.requires_grad]
+    inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
+    resident = {_storage_key(t) for t in module.parameters()} | {_storage_key(t) for t in module.buffers()}
+    out, saved_bytes = _forward_counting_saved(module, args, kwargs, resident)
+    outs = _grad_outputs(out)
+    weight_bytes = min(_weight_saved_bytes(outs, {id(p) for p in params}, resident), saved_bytes)
+    out_bytes = _tensor_bytes(out)
+    del out, outs
+    timed = _timer(device)
+    samples: list[tuple[float, float, float, float]] = []
+
+    def forward() -> Any:
+        return module(*args, **kwargs)
+
+    for r in range(warmup + repeats):
+        times = _time_step(timed, forward, inputs, params)
+        if r >= warmup:
+            samples.append(times)
+    med = dict(zip("fiwb", (statistics.median(column) for column in zip(*samples))))
+    return LayerCost(
+        name=name,
+        forward=med["f"],
+        backward_input=med["i"],
+        backward_weight=med["w"],
+        backward=med["b"],
+        activation_bytes=float(saved_bytes),
+        weight_activation_bytes=float(weight_bytes),
+        parameter_bytes=float(sum(p.numel() * p.element_size() for p in module.parameters())),
+        output_bytes=float(out_bytes),
+    )
+
+
+def _time_step(
+    timed: Callable[[Callable[[], Any]], tuple[Any, float]],
+    forward: Callable[[], Any],
+    inputs: list[torch.Tensor],
+    params: list[torch.Tensor],
+) -> tuple[float, float, float, float]:
+    """One timed forward, then I (inputs only), W (parameters only) and B (both) on its graph."""
+    out, tf = timed(forward)
+    outs = _grad_outputs(out)
+    if not outs:
+        return tf, 0.0, 0.0, 0.0
+    grads = [torch.ones_like(t) for t in outs]
+
+    def grad(wrt: list[torch.Tensor], retain: bool) -> float:
+        if not wrt:
+            return 0.0
+        return timed(lambda: torch.autograd.grad(outs, wrt, grads, retain_graph=retain, allow_unused=True))[1]
+
+    ti = grad(inputs, True)
+    tw = grad(params, True)
+    tb = grad(inputs + params, False)
+    return tf, ti, tw, tb
+
+
+def _forward_counting_saved(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], resident: set[int]
+) -> tuple[Any, int]:
+    """Run the forward once, adding up the bytes of each storage autograd saves (parameters excluded)."""
+    counted: set[int] = set()
+    total = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        key = _storage_key(t)
+        if key and key not in resident and key not in counted:
+            counted.add(key)
+            total += t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = module(*args, **kwargs)
+    return out, total
+
+
+def _weight_saved_bytes(outs: list[torch.Tensor], params: set[int], resident: set[int]) -> int:
+    """Bytes saved by autograd nodes that compute a parameter's gradient (e.g. a Linear's input)."""
+    memo: dict[Any, bool] = {}
+
+    def only_params(node: Any, depth: int = 0) -> bool:
+        # True for a node whose inputs all come from parameters (AccumulateGrad of a parameter, or a view of one).
+        if node in memo:
+            return memo[node]
+        if hasattr(node, "variable"):
+            result = id(node.variable) in params
+        elif depth > 3 or not node.next_functions:
+            result = False
+        else:
+            nexts = [n for n, _ in node.next_functions if n is not None]
+            result = bool(nexts) and all(only_params(n, depth + 1) for n in nexts)
+        memo[node] = result
+        return result
+
+    seen: set[Any] = set()
+    stack = [t.grad_fn for t in outs if t.grad_fn is not None]
+    counted: set[int] = set()
+    total = 0
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        nexts = [n for n, _ in node.next_functions if n is not None]
+        stack.extend(nexts)
+        if not any(only_params(n) for n in nexts):
+            continue
+        for attr in dir(node):
+            if not attr.startswith("_saved_"):
+                continue
+            value = getattr(node, attr, None)
+            if isinstance(value, torch.Tensor):
+                key = _storage_key(value)
+                if key and key not in resident and key not in counted:
+                    counted.add(key)
+                    total += value.untyped_storage().nbytes()
+    return total

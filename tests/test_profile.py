@@ -1,0 +1,136 @@
+"""The profiler: per-layer times and bytes that make sense, and a cost model the simulator accepts."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+
+import stagewise as sw
+from stagewise.profiling import LayerProfile, model_blocks, profile
+from stagewise.simulate import simulate
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class Fork(nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, x * 2
+
+
+class Join(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return self.lin(a) + b
+
+
+def test_chain_bytes_are_exact() -> None:
+    layers = [nn.Linear(32, 16), nn.ReLU(), Fork(), Join(16)]
+    x = torch.randn(8, 32)
+    prof = profile(layers, x, repeats=2, warmup=1)
+    assert prof.names == ["0", "1", "2", "3"]
+    lin, relu, fork, join = prof.layers
+    # Linear keeps its input for the weight gradient; the weight itself is not an activation
+    assert lin.activation_bytes == lin.weight_activation_bytes == 8 * 32 * 4
+    assert relu.activation_bytes == 8 * 16 * 4 and relu.weight_activation_bytes == 0
+    assert lin.parameter_bytes == (32 * 16 + 16) * 4 and relu.parameter_bytes == 0
+    assert lin.output_bytes == 8 * 16 * 4 and fork.output_bytes == 2 * 8 * 16 * 4
+    assert join.parameter_bytes == (16 * 16 + 16) * 4
+    # the model input needs no gradient, so the first layer has no I; parameter-free layers have no W
+    assert lin.backward_input == 0 and lin.backward_weight > 0
+    assert relu.backward_weight == 0 and relu.backward_input > 0
+    assert all(layer.forward > 0 and layer.backward > 0 for layer in prof.layers)
+
+
+def test_input_and_weight_grads_add_up_to_the_full_backward() -> None:
+    torch.manual_seed(0)
+    layers = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.GELU()) for _ in range(3)])
+    x = torch.randn(64, 256, requires_grad=True)
+    prof = profile(layers, x, repeats=5, warmup=2)
+    for layer in prof.layers:
+        assert layer.forward > 0 and layer.backward_input > 0 and layer.backward_weight > 0
+        ratio = (layer.backward_input + layer.backward_weight) / layer.backward
+        assert 0.5 < ratio < 3.0, (layer, ratio)
+        assert 0 < layer.weight_activation_bytes <= layer.activation_bytes
+
+
+class Net(nn.Module):
+    """Registration order differs from call order; BatchNorm and Dropout have side effects to undo."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(16, 4)
+        self.body = nn.ModuleList([nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Dropout(0.5)])
+        self.embed = nn.Linear(8, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for layer in self.body:
+            h = layer(h)
+        return self.head(torch.relu(h))
+
+
+def test_model_blocks_in_call_order_without_side_effects() -> None:
+    torch.manual_seed(0)
+    model = Net()
+    assert [n for n, _ in model_blocks(model)] == ["head", "body.0", "body.1", "body.2", "embed"]
+    stats = model.body[1].running_mean.clone()
+    x = torch.randn(10, 8)
+    torch.manual_seed(123)
+    prof = profile(model, x, repeats=2, warmup=1)
+    after = torch.rand(3)
+    torch.manual_seed(123)
+    assert torch.equal(after, torch.rand(3))  # RNG state untouched
+    assert torch.equal(model.body[1].running_mean, stats)  # buffers restored
+    assert all(p.grad is None for p in model.parameters())
+    assert prof.names == ["embed", "body.0", "body.1", "body.2", "head"]
+    assert prof["head"].output_bytes == 10 * 4 * 4
+    with pytest.raises(KeyError, match="no layer 'tail'"):
+        prof["tail"]
+
+
+def test_cost_model_sums_stages_and_simulates() -> None:
+    torch.manual_seed(0)
+    layers = [nn.Linear(64, 64) for _ in range(5)]
+    x = torch.randn(16, 64, requires_grad=True)
+    prof = profile(layers, x, repeats=3, warmup=1)
+    part = prof.partition(2)
+    costs = prof.cost_model(part, latency=1e-6, bandwidth=1e10)
+    assert costs.num_stages == 2
+    for k, (a, b) in enumerate(zip(part.bounds, part.bounds[1:])):
+        stage = prof.layers[a:b]
+        assert costs.forward[k] == pytest.approx(sum(x.forward for x in stage))
+        assert costs.backward(k) == pytest.approx(sum(x.backward for x in stage))  # I + W rescaled to B
+        assert costs.parameter_bytes[k] == sum(x.parameter_bytes for x in stage)
+        assert costs.activation_bytes[k] == sum(x.activation_bytes for x in stage)
+        assert costs.output_bytes[k] == stage[-1].output_bytes
+    raw = prof.cost_model([0, 2, 5], match_backward=False)
+    assert raw.backward_input[1] == pytest.approx(sum(x.backward_input for x in prof.layers[2:]))
+    result = simulate(sw.build_schedule("1f1b", num_ranks=2, num_microbatches=4), costs)
+    slowest = max(costs.forward[k] + costs.backward(k) for k in range(2))
+    assert result.makespan >= 4 * slowest
+    with pytest.raises(ValueError, match="bounds must rise strictly from 0"):
+        prof.cost_model([2, 3])
+    with pytest.raises(ValueError, match="output_bytes has 1 entries"):
+        prof.cost_model([0, 2, 5], output_bytes=[1.0])
+
+
+def test_lazy_exports() -> None:
+    import stagewise.profiling  # noqa: F401 - importing the module must not shadow sw.profile
+
+    layers = [nn.Linear(4, 4)]
+    assert isinstance(sw.profile(layers, torch.randn(2, 4), repeats=1, warmup=0), LayerProfile)
+    assert sw.LayerProfile is LayerProfile
+    with pytest.raises(ValueError, match="repeats >= 1"):
+        profile(layers, torch.randn(2, 4), repeats=0)
