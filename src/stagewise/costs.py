@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
 
 
 def _per_stage(value: float | Sequence[float], num_stages: int, what: str) -> tuple[float, ...]:
@@ -42,6 +42,8 @@ class CostModel:
     step_time: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.num_stages < 1:
+            raise ValueError(f"cost model: need at least 1 stage, got {self.num_stages}")
         for name in (
             "forward",
             "backward_input",
@@ -58,11 +60,11 @@ class CostModel:
                 object.__setattr__(self, name, (0.0,) * self.num_stages)
                 continue
             values = _per_stage(value, self.num_stages, name)
-            bad = [(s, x) for s, x in enumerate(values) if x < 0 or math.isnan(x)]
+            bad = [(s, x) for s, x in enumerate(values) if not 0 <= x < math.inf]
             if bad:
-                raise ValueError(f"cost model: {name} must be >= 0, got {bad[0][1]} for stage {bad[0][0]}")
+                raise ValueError(f"cost model: {name} must be finite and >= 0, got {bad[0][1]} for stage {bad[0][0]}")
             object.__setattr__(self, name, values)
-        if self.latency < 0 or self.bandwidth <= 0:
+        if not 0 <= self.latency < math.inf or not self.bandwidth > 0:
             raise ValueError(f"cost model: need latency >= 0 and bandwidth > 0, got {self.latency}, {self.bandwidth}")
 
     @classmethod
@@ -78,8 +80,15 @@ class CostModel:
         parameter_bytes: float = 1.0,
         output_bytes: float = 1.0,
         comm_time: float = 0.0,
+        sync_time: float = 0.0,
+        step_time: float = 0.0,
     ) -> CostModel:
-        """Every stage alike; ``comm_time`` is a fixed transfer time (latency, infinite bandwidth)."""
+        """Every stage alike; ``comm_time`` is a fixed transfer time (latency, infinite bandwidth).
+
+        ``weight_activation_bytes`` defaults to half of ``activation_bytes``.
+        """
+        if num_stages < 1:
+            raise ValueError(f"cost model: need at least 1 stage, got {num_stages}")
         return cls(
             num_stages=num_stages,
             forward=(forward,) * num_stages,
@@ -93,6 +102,8 @@ class CostModel:
             parameter_bytes=(parameter_bytes,) * num_stages,
             output_bytes=(output_bytes,) * num_stages,
             latency=comm_time,
+            sync_time=(sync_time,) * num_stages,
+            step_time=(step_time,) * num_stages,
         )
 
     def backward(self, stage: int) -> float:
@@ -101,3 +112,72 @@ class CostModel:
     def transfer_time(self, stage: int) -> float:
         """Time to move stage ``stage``'s output (or input gradient) to a neighbouring rank."""
         return self.latency + self.output_bytes[stage] / self.bandwidth
+
+    # ---- JSON ------------------------------------------------------------
+    def to_dict(self) -> dict[str, object]:
+        """A JSON-ready dict (lists for per-stage values; infinite bandwidth is written as ``None``).
+
+        ``CostModel.from_dict(json.loads(json.dumps(c.to_dict()))) == c``.
+        """
+        out: dict[str, object] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, tuple):
+                value = list(value)
+            elif f.name == "bandwidth" and math.isinf(value):
+                value = None
+            out[f.name] = value
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, object]) -> CostModel:
+        """Read :meth:`to_dict`'s form; a per-stage field may also be one number for every stage.
+
+        ``num_stages`` and the three compute times are required; the other
+        fields default to 0 (bandwidth to infinite).
+        """
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"cost model: unknown fields {unknown}; expected some of {sorted(known)}")
+        for required in ("num_stages", "forward", "backward_input", "backward_weight"):
+            if required not in data:
+                raise ValueError(f"cost model: field {required!r} is missing")
+        raw_n = data["num_stages"]
+        if not isinstance(raw_n, int) or isinstance(raw_n, bool):
+            raise ValueError(f"cost model: num_stages must be an integer, got {raw_n!r}")
+        n = raw_n
+
+        def stage_values(name: str, default: object) -> tuple[float, ...]:
+            value = data.get(name, default)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return (float(value),) * n
+            if isinstance(value, Sequence) and not isinstance(value, str):
+                try:
+                    return _per_stage([float(x) for x in value], n, name)  # type: ignore[arg-type]
+                except (TypeError, ValueError) as err:
+                    raise ValueError(f"cost model: {name} must hold numbers, got {value!r} ({err})") from None
+            raise ValueError(f"cost model: {name} must be a number or a list of {n} numbers, got {value!r}")
+
+        def scalar(name: str, default: float, none: float) -> float:
+            value = data.get(name, default)
+            if value is None:
+                return none
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return float(value)
+            raise ValueError(f"cost model: {name} must be a number, got {value!r}")
+
+        return cls(
+            num_stages=n,
+            forward=stage_values("forward", None),
+            backward_input=stage_values("backward_input", None),
+            backward_weight=stage_values("backward_weight", None),
+            activation_bytes=stage_values("activation_bytes", 0.0),
+            weight_activation_bytes=stage_values("weight_activation_bytes", 0.0),
+            parameter_bytes=stage_values("parameter_bytes", 0.0),
+            output_bytes=stage_values("output_bytes", 0.0),
+            latency=scalar("latency", 0.0, 0.0),
+            bandwidth=scalar("bandwidth", math.inf, math.inf),
+            sync_time=stage_values("sync_time", 0.0),
+            step_time=stage_values("step_time", 0.0),
+        )

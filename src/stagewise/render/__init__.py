@@ -1,0 +1,15 @@
+"""Renderers: draw a :class:`~stagewise.timeline.Timeline` (simulated or measured) as PNG, trace or text.
+
+* :func:`render_png` — Gantt chart, one row per rank (matplotlib, imported on call);
+* :func:`render_trace` — Chrome / Perfetto trace JSON (open in ui.perfetto.dev;
+  :func:`trace_events` gives the same as a dict);
+* :func:`render_ascii` — a text chart for terminals and docstrings.
+"""
+
+from __future__ import annotations
+
+from .ascii import render_ascii
+from .png import render_png
+from .trace import render_trace, trace_events
+
+__all__ = ["render_ascii", "render_png", "render_trace", "trace_events"]
