@@ -10,9 +10,13 @@ from __future__ import annotations
 from typing import Any
 
 from .actions import Action, Kind, parse_action
+from .costs import CostModel
+from .partition import Partition, partition_costs
 from .passes import add_communication, add_grad_sync, lower, split_backward
+from .render import render_ascii, render_png, render_trace
 from .schedule import Schedule, loop_placement, v_placement
 from .schedules import generate, schedule_info, schedule_names
+from .simulate import SimResult, simulate
 from .timeline import Event, Timeline
 from .validate import ScheduleError, validate_schedule
 
@@ -38,7 +42,19 @@ def build_schedule(
 
 
 # Runtime names, imported lazily so the pure core never pulls in torch.distributed.
-_LAZY = {}
+_LAZY = {
+    "Pipeline": ".runtime.pipeline",
+    "PipelineError": ".runtime.errors",
+    "init": ".runtime.init",
+    "Layer": ".runtime.layers",
+    "build_model": ".runtime.layers",
+    "LayerProfile": ".profiling",
+    "SplitError": ".split",
+    "SplitModel": ".split",
+    "profile": ".profiling",
+    "split_model": ".split",
+    "stage": ".split",
+}
 
 
 def __getattr__(name: str) -> Any:
@@ -51,22 +67,41 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "CostModel",
+    "Partition",
+    "SimResult",
+    "partition_costs",
+    "render_ascii",
+    "render_png",
+    "render_trace",
+    "simulate",
     "Action",
     "Event",
     "Kind",
+    "Layer",
+    "Pipeline",
+    "PipelineError",
+    "LayerProfile",
     "Schedule",
     "ScheduleError",
+    "SplitError",
+    "SplitModel",
     "Timeline",
     "add_communication",
     "add_grad_sync",
+    "build_model",
     "build_schedule",
     "generate",
+    "init",
     "loop_placement",
     "lower",
     "parse_action",
+    "profile",
     "schedule_info",
     "schedule_names",
     "split_backward",
+    "split_model",
+    "stage",
     "v_placement",
     "validate_schedule",
 ]
