@@ -1,0 +1,62 @@
+"""``stagewise.init()``: join the process group torchrun describes, with an explicit timeout."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Env:
+    """Where this process stands: its global rank, the world size, its local rank and device."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+
+def init(
+    backend: str | None = None,
+    timeout: timedelta | float = timedelta(minutes=10),
+    *,
+    device: torch.device | str | None = None,
+) -> Env:
+    """Initialise ``torch.distributed`` from torchrun's environment and pick this process's device.
+
+    ``backend`` defaults to NCCL when CUDA is available and gloo otherwise; on
+    CUDA the device is ``cuda:LOCAL_RANK`` and is made current. Without
+    torchrun's variables (``python script.py``) a one-process group is made, so
+    the same script runs unchanged on one rank. ``timeout`` bounds every
+    collective and point-to-point wait of the backend. Calling it again returns
+    the existing setup.
+    """
+    if isinstance(timeout, (int, float)):
+        timeout = timedelta(seconds=timeout)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if device is None:
+        device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend, timeout=timeout)
+        else:
+            log.info("stagewise.init: no torchrun environment (RANK, WORLD_SIZE); starting a one-process group")
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    else:
+        backend = str(dist.get_backend())
+    env = Env(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
+    log.info("stagewise.init: rank %d of %d, %s on %s", env.rank, env.world_size, env.backend, env.device)
+    return env

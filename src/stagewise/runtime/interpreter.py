@@ -1,0 +1,297 @@
+"""The interpreter: runs one rank's action list, one small handler per action kind.
+
+It knows no schedule. Roughly:
+
+  F       take the stage's input (data, a local stage's output, or a posted receive), run the
+          stage; the last stage applies the loss, weighted by its micro-batch's share of the batch
+  B       one backward for the stage and micro-batch; hand the input gradient on
+  I       input gradient only, saving what W needs (see :mod:`.backward`)
+  W       weight gradients only, from what I saved
+  SEND_*  send a value a compute action left in the outbox (posted, waited for at the step's end)
+  RECV_*  post a receive early; the compute action that consumes it waits for it
+  SYNC    the stage's gradients are final: run the sync hooks (data-parallel reduction goes here)
+  STEP    step the stage's optimizer, if the pipeline has one
+
+A maximal run of non-compute actions is posted as one batch (sends, then
+receives), as the schedule validator assumes. Values between two stages of the
+same rank never touch the transport. Each action is timed with
+``time.perf_counter``; a compute action's time starts once its input is there.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..actions import Action, Kind
+from ..dataflow import Message, consumer_stage, message_of
+from .backward import WeightWork, backward_full, backward_input, backward_weight
+from .errors import PipelineError
+from .messages import Mailbox, Pending, describe
+from .transport import Transport
+from .tree import flatten, unflatten
+
+
+@dataclass
+class Step:
+    """One step's data and results: micro-batches in, losses or outputs out."""
+
+    mode: str  # "train" or "eval"
+    inputs: list[Any] | None  # micro-batches, for the rank holding stage 0
+    targets: list[Any] | None  # for the rank holding the last stage
+    weights: list[float] | None  # each micro-batch's share of the batch
+    losses: dict[int, torch.Tensor] = field(default_factory=dict)
+    outputs: dict[int, Any] = field(default_factory=dict)
+    events: list[tuple[Action, float, float]] = field(default_factory=list)
+
+
+@dataclass
+class _Saved:
+    """What a stage's backward for one micro-batch needs from its forward."""
+
+    inputs: list[torch.Tensor]  # the differentiable input leaves (their gradients go back)
+    roots: list[torch.Tensor]  # floating outputs, or the weighted loss on the last stage
+    weight_work: WeightWork | None = None
+
+
+class Interpreter:
+    """Executes action lists for the stages ``stages`` (index -> callable) of one rank."""
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        placement: tuple[int, ...],
+        stages: dict[int, Callable[[Any], Any]],
+        loss_fn: Callable[..., torch.Tensor] | None,
+        transport: Transport,
+        mailbox: Mailbox,
+        step_stage: Callable[[int], None],
+        sync_hooks: list[Callable[[int], None]],
+    ) -> None:
+        self.rank = rank
+        self.placement = placement
+        self.last = len(placement) - 1
+        self.stages = stages
+        self.loss_fn = loss_fn
+        self.transport = transport
+        self.mailbox = mailbox
+        self.step_stage = step_stage
+        self.sync_hooks = sync_hooks
+        self.compute: dict[Kind, Callable[[Action], None]] = {
+            Kind.F: self._forward,
+            Kind.B: self._backward,
+            Kind.I: self._backward_input,
+            Kind.W: self._backward_weight,
+        }
+        self.comm: dict[Kind, Callable[[Action], None]] = {
+            Kind.SEND_F: self._send,
+            Kind.SEND_B: self._send,
+            Kind.RECV_F: self._recv,
+            Kind.RECV_B: self._recv,
+        }
+        self.other: dict[Kind, Callable[[Action], None]] = {Kind.SYNC: self._sync, Kind.STEP: self._step}
+
+    # ---- the loop --------------------------------------------------------
+    def run(self, actions: Sequence[Action], step: Step) -> None:
+        """Execute ``actions`` in order; on any failure post it so that no other rank waits forever."""
+        self.step = step
+        self.inbox: dict[Message, Any] = {}  # values from a stage on this rank
+        self.outbox: dict[Message, Any] = {}  # values made here, waiting for their SEND
+        self.pending: dict[Message, Pending] = {}  # posted receives
+        self.sent: dict[Message, list[Any]] = {}  # works of posted forward sends, released once used
+        self.saved: dict[tuple[int, int], _Saved] = {}
+        self.current: Action | None = None
+        try:
+            idx = 0
+            while idx < len(actions):
+                end = idx + 1
+                if actions[idx].kind.is_compute:
+                    self._timed_compute(actions[idx])
+                else:
+                    while end < len(actions) and not actions[end].kind.is_compute:
+                        end += 1
+                    self._batch(actions[idx:end])
+                idx = end
+            self._check_drained()
+        except PipelineError:
+            raise
+        except BaseException as err:
+            where = f" at {self.current}" if self.current is not None else ""
+            self.transport.fail(f"rank {self.rank}{where}: {type(err).__name__}: {err}")
+            raise
+        finally:
+            self.inbox = self.outbox = {}
+            self.pending, self.saved, self.sent = {}, {}, {}
+
+    def _timed_compute(self, a: Action) -> None:
+        self.current = a
+        self._start = time.perf_counter()  # moved on by _ready() once the input is there
+        self.compute[a.kind](a)
+        self.step.events.append((a, self._start, time.perf_counter()))
+
+    def _ready(self) -> None:
+        self._start = time.perf_counter()
+
+    def _batch(self, actions: Sequence[Action]) -> None:
+        """Post the run's sends and receives as one batch; then run its SYNC / STEP actions.
+
+        SEND and RECV handlers only collect; the batch is posted once all are
+        in, and its posting time is shared evenly by its communication actions.
+        """
+        comm = [a for a in actions if a.kind.is_comm]
+        if comm:
+            t0 = time.perf_counter()
+            self._sends: list[tuple[Message, Any]] = []
+            self._recvs: list[Message] = []
+            for a in comm:
+                self.current = a
+                self.comm[a.kind](a)
+            ops, pendings = self.mailbox.batch(self._sends, self._recvs, self.step.mode)
+            works = self.transport.post(ops)
+            received = {p.msg: p for p in pendings}
+            for op, op_works in zip(ops, works):
+                if not op.send:
+                    _add(received[op.key].works, op_works)
+                elif op.key.direction == "F":
+                    _add(self.sent.setdefault(op.key, []), op_works)
+            self.pending.update(received)
+            share = (time.perf_counter() - t0) / len(comm)
+            self.step.events.extend((a, t0 + k * share, t0 + (k + 1) * share) for k, a in enumerate(comm))
+        for a in actions:
+            if not a.kind.is_comm:
+                self.current = a
+                t0 = time.perf_counter()
+                self.other[a.kind](a)
+                self.step.events.append((a, t0, time.perf_counter()))
+
+    # ---- values in and out -----------------------------------------------
+    def _deliver(self, msg: Message, value: Any) -> None:
+        if self.placement[consumer_stage(msg)] == self.rank:
+            self.inbox[msg] = value
+        else:
+            self.outbox[msg] = value
+
+    def _take(self, msg: Message) -> Any:
+        if msg in self.inbox:
+            return self.inbox.pop(msg)
+        pending = self.pending.pop(msg, None)
+        if pending is None:
+            raise RuntimeError(f"{self.current} needs {describe(msg)}, but no receive for it was posted before")
+        value = self.mailbox.receive(pending)
+        if msg.direction == "B":  # the next stage used our output to make this gradient: that send is done
+            done = Message("F", msg.stage - 1, msg.microbatch)
+            self.transport.release(self.sent.pop(done, []), f"the send of {describe(done)}")
+        return value
+
+    def _send(self, a: Action) -> None:
+        msg = message_of(a)
+        if msg not in self.outbox:
+            raise RuntimeError(f"{a} sends {describe(msg)}, which this rank has not computed yet")
+        self._sends.append((msg, self.outbox.pop(msg)))
+
+    def _recv(self, a: Action) -> None:
+        self._recvs.append(message_of(a))
+
+    # ---- compute ---------------------------------------------------------
+    def _forward(self, a: Action) -> None:
+        s, i = a.stage, a.microbatch
+        assert i is not None
+        train = self.step.mode == "train"
+        if s == 0:
+            assert self.step.inputs is not None
+            x, leaves = self.step.inputs[i], []
+        else:
+            x = self._take(Message("F", s - 1, i))
+            x, leaves = _as_leaves(x) if train else (x, [])
+        self._ready()
+        with torch.set_grad_enabled(train):
+            out = self.stages[s](x)
+        if s == self.last:
+            if train:
+                loss = self._loss(out, i)
+                self.saved[(s, i)] = _Saved(leaves, [loss * self.step.weights[i]])  # type: ignore[index]
+            else:
+                self.step.outputs[i] = out
+            return
+        if train:
+            self.saved[(s, i)] = _Saved(leaves, [t for t in flatten(out)[0] if t.is_floating_point()])
+        self._deliver(Message("F", s, i), out)
+
+    def _loss(self, out: Any, i: int) -> torch.Tensor:
+        if self.loss_fn is None:
+            raise ValueError("train_step needs a loss: build the Pipeline with loss_fn=...")
+        assert self.step.targets is not None
+        loss = self.loss_fn(out, self.step.targets[i])
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ValueError(f"loss_fn must return a scalar tensor (the micro-batch's mean loss), got {shape}")
+        self.step.losses[i] = loss.detach()
+        return loss.reshape(())
+
+    def _output_grads(self, s: int, i: int, n: int) -> list[torch.Tensor | None]:
+        if s == self.last:
+            return [None]
+        grads = list(self._take(Message("B", s + 1, i)))
+        if len(grads) != n:
+            raise RuntimeError(f"stage {s} micro-batch {i}: got {len(grads)} output gradients for {n} outputs")
+        return grads
+
+    def _hand_back(self, s: int, i: int, inputs: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
+        if s > 0:
+            value = tuple(torch.zeros_like(x) if g is None else g for x, g in zip(inputs, grads))
+            self._deliver(Message("B", s, i), value)
+
+    def _backward(self, a: Action) -> None:
+        s, i = a.stage, a.microbatch
+        saved = self.saved.pop((s, i))  # type: ignore[arg-type]
+        grads = self._output_grads(s, i, len(saved.roots))  # type: ignore[arg-type]
+        self._ready()
+        self._hand_back(s, i, saved.inputs, backward_full(saved.roots, grads, saved.inputs))  # type: ignore[arg-type]
+
+    def _backward_input(self, a: Action) -> None:
+        s, i = a.stage, a.microbatch
+        saved = self.saved[(s, i)]  # type: ignore[index]
+        grads = self._output_grads(s, i, len(saved.roots))  # type: ignore[arg-type]
+        self._ready()
+        input_grads, saved.weight_work = backward_input(saved.roots, grads, saved.inputs)
+        saved.roots = []
+        self._hand_back(s, i, saved.inputs, input_grads)  # type: ignore[arg-type]
+        saved.inputs = []
+
+    def _backward_weight(self, a: Action) -> None:
+        saved = self.saved.pop((a.stage, a.microbatch))  # type: ignore[arg-type]
+        assert saved.weight_work is not None, f"{a} before its I"
+        backward_weight(saved.weight_work)
+
+    # ---- per stage -------------------------------------------------------
+    def _sync(self, a: Action) -> None:
+        for hook in self.sync_hooks:
+            hook(a.stage)
+
+    def _step(self, a: Action) -> None:
+        self.step_stage(a.stage)
+
+    def _check_drained(self) -> None:
+        left = [f"{describe(m)} (unsent)" for m in self.outbox] + [f"{describe(m)} (unused)" for m in self.pending]
+        left += [f"{describe(m)} (unused)" for m in self.inbox]
+        if self.step.mode == "train":
+            left += [f"the backward of stage {s} micro-batch {i}" for s, i in self.saved]
+        if left:
+            raise RuntimeError(f"rank {self.rank}: the action list ended with work left over: {', '.join(left)}")
+
+
+def _add(works: list[Any], more: list[Any]) -> None:
+    """Append works not yet listed (on NCCL one group's works complete all of its ops)."""
+    works.extend(w for w in more if all(w is not old for old in works))
+
+
+def _as_leaves(value: Any) -> tuple[Any, list[torch.Tensor]]:
+    """``value`` with each floating tensor replaced by a fresh leaf that requires grad (the stage's own graph)."""
+    tensors, spec = flatten(value)
+    leaves = [t.detach().requires_grad_(True) if t.is_floating_point() else t for t in tensors]
+    return unflatten(spec, leaves), [t for t in leaves if t.is_floating_point()]

@@ -1,0 +1,187 @@
+"""Values between stages on different ranks: shapes learned on the first step, then cached and checked.
+
+A message (see :mod:`stagewise.dataflow`) carries a nested value: its tensors
+travel point-to-point, its containers and constants travel once, in the
+*meta*.
+
+The first time a message goes by (in a mode, "train" or "eval"; both ends
+know it is the first time), the receiver cannot post its receive early: it
+does not know the shapes. So the sender posts the meta's length, the pickled
+meta and the data *eagerly*, on their own tags, and the receiver takes them
+when the consuming action needs them. Eager sends never wait for a batch, so
+nothing can deadlock while shapes are being learned (no rank blocks before it
+has posted what others need). From then on both ends keep the meta: the
+receiver posts its receive as early as the schedule says, into buffers made
+from it, and the sender checks each value against it. A mismatch would make the
+receive hang or corrupt data, so the sender raises (and posts) an error that
+names the stage, the tensor and both shapes instead.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..dataflow import Message, consumer_stage
+from .errors import PipelineError
+from .transport import Op, Transport
+from .tree import Spec, flatten, leaf_paths, same_spec, unflatten
+
+
+@dataclass(frozen=True)
+class Meta:
+    """What a receiver needs to rebuild a value: its spec and each tensor's shape and dtype."""
+
+    spec: Spec
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[torch.dtype, ...]
+
+    @classmethod
+    def of(cls, value: Any) -> tuple[Meta, list[torch.Tensor]]:
+        leaves, spec = flatten(value)
+        return cls(spec, tuple(tuple(t.shape) for t in leaves), tuple(t.dtype for t in leaves)), leaves
+
+
+@dataclass
+class Pending:
+    """A receive: posted (``meta`` known, ``works`` running) or, on a first exchange, deferred (``meta`` None)."""
+
+    msg: Message
+    peer: int
+    mode: str
+    meta: Meta | None
+    buffers: list[torch.Tensor]
+    works: list[Any]
+
+
+def describe(msg: Message) -> str:
+    what = "output" if msg.direction == "F" else "input gradient"
+    return f"stage {msg.stage}'s {what} for micro-batch {msg.microbatch}"
+
+
+# what travels under a message's tags
+_DATA, _META_LEN, _META, _OTHER = range(4)
+
+
+class Mailbox:
+    """Turns a batch of outgoing values and expected messages into point-to-point ops, for one rank."""
+
+    def __init__(
+        self, transport: Transport, placement: tuple[int, ...], num_microbatches: int, device: torch.device
+    ) -> None:
+        self.transport = transport
+        self.placement = placement
+        self.num_microbatches = num_microbatches
+        self.device = device
+        self._known: dict[tuple[str, Message], Meta] = {}
+        transport.check_tag(self.tag(Message("B", len(placement) - 1, num_microbatches - 1), _OTHER))
+
+    def tag(self, msg: Message, what: int = _DATA) -> int:
+        """The message's own tag: no two values in flight between two ranks share one."""
+        index = ((msg.direction == "B") * len(self.placement) + msg.stage) * self.num_microbatches + msg.microbatch
+        return index * 4 + what
+
+    @property
+    def loss_tag(self) -> int:
+        return self.tag(Message("F", 0, 0), _OTHER)
+
+    def forget_shapes(self) -> None:
+        """Drop every cached meta; the next step exchanges shapes again (call on all ranks)."""
+        self._known.clear()
+
+    def batch(
+        self, sends: list[tuple[Message, Any]], recvs: list[Message], mode: str
+    ) -> tuple[list[Op], list[Pending]]:
+        """The ops of one batch whose shapes are known, and a Pending per receive.
+
+        Values sent for the first time are posted eagerly here, with their meta.
+        """
+        ops: list[Op] = []
+        for msg, value in sends:
+            meta, leaves = Meta.of(value)
+            peer = self.placement[consumer_stage(msg)]
+            known = self._known.get((mode, msg))
+            if known is None:
+                self._known[(mode, msg)] = meta
+                self._send_first(msg, peer, meta, leaves)
+                continue
+            self._check(msg, known, meta)
+            ops += [Op(peer, t.detach().contiguous(), send=True, tag=self.tag(msg), key=msg) for t in leaves]
+        pendings = []
+        for msg in recvs:
+            peer = self.placement[msg.stage]
+            meta = self._known.get((mode, msg))
+            if meta is None:
+                pendings.append(Pending(msg, peer, mode, None, [], []))
+                continue
+            buffers = [torch.empty(sh, dtype=dt, device=self.device) for sh, dt in zip(meta.shapes, meta.dtypes)]
+            ops += [Op(peer, b, send=False, tag=self.tag(msg), key=msg) for b in buffers]
+            pendings.append(Pending(msg, peer, mode, meta, buffers, []))
+        return ops, pendings
+
+    def receive(self, pending: Pending) -> Any:
+        """Wait for a received value (taking a deferred one, meta first) and rebuild it."""
+        what = f"{describe(pending.msg)} from rank {pending.peer}"
+        if pending.meta is not None:
+            self.transport.wait(pending.works, what)
+            return unflatten(pending.meta.spec, pending.buffers)
+        meta = self._take_meta(pending, what)
+        self._known[(pending.mode, pending.msg)] = meta
+        cpu = [torch.empty(sh, dtype=dt) for sh, dt in zip(meta.shapes, meta.dtypes)]
+        self._eager(pending.peer, cpu, self.tag(pending.msg), what)
+        return unflatten(meta.spec, [b.to(self.device) for b in cpu])
+
+    def _send_first(self, msg: Message, peer: int, meta: Meta, leaves: list[torch.Tensor]) -> None:
+        blob = pickle.dumps(meta)
+        ops = [
+            Op(peer, torch.tensor([len(blob)], dtype=torch.int64), send=True, tag=self.tag(msg, _META_LEN)),
+            Op(peer, torch.frombuffer(bytearray(blob), dtype=torch.uint8), send=True, tag=self.tag(msg, _META)),
+        ]
+        ops += [Op(peer, t.detach().to("cpu").contiguous(), send=True, tag=self.tag(msg)) for t in leaves]
+        self.transport.post_eager(ops)
+
+    def _take_meta(self, pending: Pending, what: str) -> Meta:
+        length = torch.empty(1, dtype=torch.int64)
+        self._eager(pending.peer, [length], self.tag(pending.msg, _META_LEN), f"the shapes of {what}")
+        blob = torch.empty(int(length.item()), dtype=torch.uint8)
+        self._eager(pending.peer, [blob], self.tag(pending.msg, _META), f"the shapes of {what}")
+        return pickle.loads(blob.numpy().tobytes())
+
+    def _eager(self, peer: int, buffers: list[torch.Tensor], tag: int, what: str) -> None:
+        works = self.transport.post_eager([Op(peer, b, send=False, tag=tag) for b in buffers])
+        self.transport.wait(works, what, eager=True)
+
+    def _check(self, msg: Message, known: Meta, meta: Meta) -> None:
+        to = f"to stage {consumer_stage(msg)}"
+        root = "output" if msg.direction == "F" else "input_grad"
+        problem = None
+        if not same_spec(known.spec, meta.spec):
+            problem = (
+                f"stage {msg.stage} sent a value {to} for micro-batch {msg.microbatch} whose structure or "
+                f"non-tensor values changed since the first step: {_brief(meta.spec)}, expected {_brief(known.spec)}"
+            )
+        else:
+            names = leaf_paths(meta.spec, root)
+            for name, s_new, s_old, d_new, d_old in zip(names, meta.shapes, known.shapes, meta.dtypes, known.dtypes):
+                if s_new != s_old or d_new != d_old:
+                    problem = (
+                        f"stage {msg.stage} sent {name} of shape {s_new} ({_dtype(d_new)}) {to} for micro-batch "
+                        f"{msg.microbatch}, expected shape {s_old} ({_dtype(d_old)}) as on the first step; "
+                        "shapes are fixed after the first step (call Pipeline.reset_shapes() on every rank to "
+                        "change them)"
+                    )
+                    break
+        if problem is not None:
+            raise PipelineError(self.transport.fail(f"rank {self.transport.rank}: {problem}"))
+
+
+def _dtype(d: torch.dtype) -> str:
+    return str(d).replace("torch.", "")
+
+
+def _brief(spec: Spec) -> str:
+    text = repr(spec)
+    return text if len(text) <= 120 else text[:117] + "..."

@@ -1,0 +1,263 @@
+"""Runtime pieces in one process: nested values, micro-batching, layer specs, partitions, the I/W split,
+and whole pipelines on a one-rank process group (every schedule, stages handing values over locally)."""
+
+from __future__ import annotations
+
+import sys
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import stagewise as sw
+from stagewise.runtime.backward import backward_full, backward_input, backward_weight
+from stagewise.runtime.layers import Chain, named_layers, parameter_count, partition
+from stagewise.runtime.microbatch import batch_size, merge, split
+from stagewise.runtime.tree import flatten, leaf_paths, unflatten
+
+sys.path.insert(0, str(Path(__file__).parent / "workers"))
+import models as mdl  # noqa: E402
+
+Pair = namedtuple("Pair", "a b")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: intra-op threads only contend for the (shared, small) CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ---- nested values ---------------------------------------------------------------
+def test_flatten_round_trips_containers_and_constants() -> None:
+    value = {"x": torch.ones(2), "rest": (torch.zeros(1), [3, "s", None]), "p": Pair(torch.ones(1), 2.5)}
+    leaves, spec = flatten(value)
+    assert len(leaves) == 3
+    back = unflatten(spec, leaves)
+    assert back["rest"][1] == [3, "s", None] and isinstance(back["p"], Pair) and back["p"].b == 2.5
+    assert leaf_paths(spec) == ["output['x']", "output['rest'][0]", "output['p'].a"]
+
+
+# ---- micro-batches ---------------------------------------------------------------
+def test_split_cuts_every_container_and_passes_constants() -> None:
+    x = torch.arange(10).reshape(5, 2)
+    value = (x, {"t": x.T, "k": "keep"}, [x[:, 0]], 7)
+    parts, sizes = split(value, 3, dims=(0, {"t": 1, "k": None}, [0], None))
+    assert sizes == [2, 2, 1]
+    assert torch.equal(parts[2][0], x[4:]) and torch.equal(parts[0][1]["t"], x.T[:, :2])
+    assert parts[1][1]["k"] == "keep" and parts[1][3] == 7
+    assert torch.equal(merge([p[0] for p in parts]), x)
+
+
+def test_split_errors_name_the_problem() -> None:
+    with pytest.raises(ValueError, match="4 micro-batches need at least 4 samples, but the inputs hold a batch of 3"):
+        split(torch.zeros(3, 2), 4)
+    with pytest.raises(ValueError, match="disagree on the batch size"):
+        batch_size((torch.zeros(3), torch.zeros(4)))
+    with pytest.raises(ValueError, match="no batch dim 2"):
+        batch_size(torch.zeros(3, 2), dims=2)
+    with pytest.raises(ValueError, match="no batched tensor"):
+        batch_size("text")
+
+
+def test_merge_keeps_structure() -> None:
+    pieces = [{"a": torch.ones(2, 3), "n": "x"}, {"a": torch.zeros(1, 3), "n": "x"}]
+    merged = merge(pieces)
+    assert merged["a"].shape == (3, 3) and merged["n"] == "x"
+
+
+# ---- layers and partitions ----------------------------------------------------------
+def test_layer_specs_are_seeded_by_index_and_leave_the_global_rng_alone() -> None:
+    torch.manual_seed(0)
+    before = torch.random.get_rng_state()
+    specs = [sw.Layer(nn.Linear, 4, 4), sw.Layer(nn.Linear, 4, 4)]
+    a, b = sw.build_model(specs, seed=3), sw.build_model(specs, seed=3)
+    assert torch.equal(torch.random.get_rng_state(), before)
+    assert torch.equal(a[0].weight, b[0].weight)
+    assert not torch.equal(a[0].weight, a[1].weight)  # seed + index differs per layer
+    assert torch.equal(a[1].weight, sw.Layer(nn.Linear, 4, 4).build(seed=4).weight)
+    assert [n for n, _ in a.named_parameters()] == ["0.weight", "0.bias", "1.weight", "1.bias"]
+
+
+def test_named_layers_keep_the_original_names() -> None:
+    seq = nn.Sequential()
+    seq.add_module("embed", nn.Linear(2, 2))
+    seq.add_module("head", nn.Linear(2, 2))
+    assert [n for n, _ in named_layers(seq)] == ["embed", "head"]
+    with pytest.raises(TypeError, match="not an nn.Module or a stagewise.Layer"):
+        named_layers([nn.Linear(2, 2), "oops"])
+
+
+def test_chain_unpacks_tuples() -> None:
+    class Two(nn.Module):
+        def forward(self, x):
+            return x, x + 1
+
+    class Add(nn.Module):
+        def forward(self, a, b):
+            return a + b
+
+    assert torch.equal(Chain([("0", Two()), ("1", Add())])(torch.ones(1)), torch.full((1,), 3.0))
+
+
+def test_partitions() -> None:
+    named = named_layers(mdl.mlp())
+    assert [len(r) for r in partition(named, 4)] == [3, 3, 2, 2]
+    assert [len(r) for r in partition(named, 2, [7, 3])] == [7, 3]
+    by_params = [len(r) for r in partition(named, 2, "parameters")]
+    assert sum(by_params) == 10 and by_params != [5, 5]
+    assert parameter_count(sw.Layer(nn.Linear, 1000, 1000)) == 1001000  # built on the meta device
+    with pytest.raises(ValueError, match="4 stages need at least 4 layers, got 3"):
+        partition(named[:3], 4)
+    with pytest.raises(ValueError, match="gives stages \\[1\\] no layers"):
+        partition(named, 2, [10, 0])
+    with pytest.raises(ValueError, match="must be 'uniform', 'parameters'"):
+        partition(named, 2, "balanced")
+
+
+# ---- the I/W split ---------------------------------------------------------------------
+def _graph_nodes(roots: list[torch.Tensor]) -> list:
+    seen, stack = [], [r.grad_fn for r in roots if r.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.append(node)
+        stack += [c for c, _ in node.next_functions if c is not None]
+    return seen
+
+
+def _stage(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), mdl.Block(8, dtype=torch.float32), nn.Linear(8, 3))
+
+
+@pytest.mark.parametrize("with_input", [True, False])
+def test_input_then_weight_equals_full_backward_and_runs_each_node_once(with_input: bool) -> None:
+    stage = _stage()
+    x0, g = torch.randn(2, 5, 4), torch.randn(2, 5, 3)
+
+    x = x0.clone().requires_grad_(with_input)
+    out = stage(x)
+    full_x = backward_full([out], [g], [x] if with_input else [])
+    full = {n: p.grad.clone() for n, p in stage.named_parameters()}
+    stage.zero_grad(set_to_none=True)
+
+    x = x0.clone().requires_grad_(with_input)
+    out = stage(x)
+    runs: dict = {}
+    for node in _graph_nodes([out]):
+        node.register_hook(lambda *_, node=node: runs.__setitem__(node, runs.get(node, 0) + 1))
+    input_grads, work = backward_input([out], [g], [x] if with_input else [])
+    assert all(p.grad is None for p in stage.parameters()), "I made a weight gradient"
+    in_i = set(runs)
+    backward_weight(work)
+    for name, p in stage.named_parameters():
+        torch.testing.assert_close(p.grad, full[name], rtol=1e-6, atol=1e-7)
+    if with_input:
+        torch.testing.assert_close(input_grads[0], full_x[0])
+        assert len(in_i) > 0
+    else:
+        assert in_i == set(), "with no input to differentiate, I does nothing"
+    twice = [type(n).__name__ for n, k in runs.items() if k > 1]
+    assert all(k <= 2 for k in runs.values())
+    # only the nodes where input and weight paths part (matmuls, norms) run in both I and W
+    assert set(twice) <= {"AddmmBackward0", "NativeLayerNormBackward0", "MmBackward0", "BmmBackward0"}, twice
+
+
+def test_weight_used_twice_falls_back_to_an_exact_restart() -> None:
+    lin = nn.Linear(4, 4)
+    x0, g = torch.randn(3, 4), torch.randn(3, 4)
+    x = x0.clone().requires_grad_()
+    (out := lin(torch.tanh(lin(x)))).backward(g)
+    ref_w, ref_x = lin.weight.grad.clone(), x.grad.clone()
+    lin.zero_grad(set_to_none=True)
+    x = x0.clone().requires_grad_()
+    out = lin(torch.tanh(lin(x)))
+    (gx,), work = backward_input([out], [g], [x])
+    assert lin.weight.grad is None
+    backward_weight(work)
+    torch.testing.assert_close(lin.weight.grad, ref_w)
+    torch.testing.assert_close(gx, ref_x)
+
+
+def test_outputs_that_need_no_gradient_and_scalar_losses() -> None:
+    stage = _stage(1)
+    x = torch.randn(2, 5, 4, requires_grad=True)
+    out = stage(x)
+    loss = out.square().mean()
+    (gx,), work = backward_input([loss, torch.ones(2)], [None, torch.ones(2)], [x])
+    backward_weight(work)
+    grads = {n: p.grad.clone() for n, p in stage.named_parameters()}
+    stage.zero_grad(set_to_none=True)
+    x2 = x.detach().clone().requires_grad_()
+    stage(x2).square().mean().backward()
+    torch.testing.assert_close(gx, x2.grad)
+    for n, p in stage.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad)
+
+
+# ---- whole pipelines on one rank -----------------------------------------------------
+@pytest.fixture(scope="module")
+def one_rank():
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    env = sw.init(backend="gloo")  # no torchrun variables: a one-process group
+    assert (env.rank, env.world_size, env.device.type) == (0, 1, "cpu")
+    yield env
+    dist.destroy_process_group()
+
+
+def _one_rank_cases() -> list[tuple[str, int]]:
+    cases = []
+    for name in sw.schedule_names():
+        info = sw.schedule_info(name)
+        if info.synchronous:
+            cases += [(name, v) for v in (info.virtual_stages or (1, 3))]
+    return cases
+
+
+@pytest.mark.parametrize("name,v", _one_rank_cases())
+def test_one_rank_pipeline_matches_the_model(one_rank, name: str, v: int) -> None:
+    layers = mdl.lm()
+    pipe = sw.Pipeline(layers, loss_fn=mdl.lm_loss, schedule=name, microbatches=3, virtual_stages=v, seed=5)
+    ref = sw.build_model(layers, seed=5)
+    x, y = mdl.lm_data(7, seed=0)
+    loss = pipe.train_step(x, y)
+    ref_loss = mdl.lm_loss(ref(x), y)
+    ref_loss.backward()
+    assert loss == pytest.approx(ref_loss.item(), rel=1e-12)
+    ref_params = dict(ref.named_parameters())
+    assert {n for n, _ in pipe.named_parameters()} == set(ref_params)
+    for n, p in pipe.named_parameters():
+        torch.testing.assert_close(p.grad, ref_params[n].grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(pipe.eval_step(x), ref(x), rtol=1e-10, atol=1e-12)
+
+
+def test_one_rank_eager_modules_and_float32(one_rank) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 5))
+    pipe = sw.Pipeline(model, loss_fn=F.cross_entropy, schedule="gpipe", microbatches=4)
+    assert pipe.get_submodule("0") is model[0]  # eager modules are used as they are
+    x, y = mdl.mlp_data(9, seed=1, dtype=torch.float32)
+    pipe.train_step(x, y)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_one_rank_pipeline_is_not_called(one_rank) -> None:
+    pipe = sw.Pipeline(mdl.mlp(), loss_fn=F.cross_entropy)
+    with pytest.raises(TypeError, match="train_step"):
+        pipe(torch.zeros(1, mdl.D))
+    with pytest.raises(ValueError, match="needs the inputs"):
+        pipe.train_step(None, torch.zeros(2))
