@@ -125,3 +125,16 @@ def _load_builtin() -> None:
         interleaved,  # noqa: F401
         zero_bubble,  # noqa: F401
     )
+
+
+def markdown_table() -> str:
+    """The README's schedule table, generated so it cannot drift from the registry."""
+    _load_builtin()
+    rows = [
+        "| schedule | virtual stages | bubble (uniform costs) | peak activations (rank 0) | paper |",
+        "|---|---|---|---|---|",
+    ]
+    for info in _REGISTRY.values():
+        v = "any" if info.virtual_stages is None else " or ".join(map(str, info.virtual_stages))
+        rows.append(f"| `{info.name}` | {v} ({info.placement}) | {info.bubble} | {info.memory} | {info.paper} |")
+    return "\n".join(rows)
