@@ -92,3 +92,9 @@ def test_grad_sync_follows_each_stages_last_weight_gradient() -> None:
     for rank, acts in enumerate(schedule.ranks):
         assert acts[-1] == Action(rank, Kind.SYNC)
         assert sum(a.kind is Kind.SYNC for a in acts) == 1
+
+
+def test_docstring_examples_of_the_package() -> None:
+    import doctest
+
+    assert doctest.testmod(sw).failed == 0

@@ -9,7 +9,14 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "stagewise"
 #: modules allowed to import torch.distributed (the transport, process-group set-up, the mesh)
-DISTRIBUTED_ALLOWED = {"runtime/transport.py", "runtime/init.py", "runtime/mesh.py", "cli.py"}
+DISTRIBUTED_ALLOWED = {
+    "runtime/transport.py",
+    "runtime/init.py",
+    "runtime/mesh.py",
+    "cli.py",
+    "runtime/sharding.py",  # wraps torch's FSDP2 fully_shard; its collectives run inside torch
+    "runtime/tensor_parallel.py",  # wraps torch's DTensor tensor-parallel styles; likewise
+}
 #: the pure core: no torch at all
 PURE = [
     "actions.py",
@@ -22,6 +29,7 @@ PURE = [
     "timeline.py",
     "schedules",
     "render",
+    "parallel",
 ]
 _DIST_IMPORT = re.compile(
     r"^\s*(import torch\.distributed|from torch\.distributed|from torch import distributed)", re.M

@@ -11,6 +11,7 @@ from typing import Any
 
 from .actions import Action, Kind, parse_action
 from .costs import CostModel
+from .parallel import ParallelConfig
 from .partition import Partition, partition_costs
 from .passes import add_communication, add_grad_sync, lower, split_backward
 from .render import render_ascii, render_png, render_trace
@@ -36,7 +37,7 @@ def build_schedule(
     >>> s = build_schedule("1f1b", num_ranks=2, num_microbatches=2)
     >>> print(s.to_text())
     rank 0: 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1 0SYNC
-    rank 1: 1RECV_F0 1F0 1B0 1SEND_B0 1RECV_F1 1F1 1B1 1SEND_B1 1SYNC
+    rank 1: 1RECV_F0 1F0 1RECV_F1 1B0 1SEND_B0 1F1 1B1 1SEND_B1 1SYNC
     """
     return lower(generate(name, num_ranks, num_microbatches, virtual_stages), grad_sync=grad_sync)
 
@@ -54,6 +55,14 @@ _LAZY = {
     "profile": ".profiling",
     "split_model": ".split",
     "stage": ".split",
+    "Mesh": ".runtime.mesh",
+    "build_mesh": ".runtime.mesh",
+    "column_parallel": ".runtime.tensor_parallel",
+    "row_parallel": ".runtime.tensor_parallel",
+    "vocab_parallel_embedding": ".runtime.tensor_parallel",
+    "Tied": ".runtime.tied",
+    "aux_loss": ".runtime.aux",
+    "collect_aux_losses": ".runtime.aux",
 }
 
 
@@ -68,6 +77,9 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "CostModel",
+    "Tied",
+    "aux_loss",
+    "collect_aux_losses",
     "Partition",
     "SimResult",
     "partition_costs",
@@ -103,5 +115,11 @@ __all__ = [
     "split_model",
     "stage",
     "v_placement",
+    "Mesh",
+    "ParallelConfig",
+    "build_mesh",
+    "column_parallel",
+    "row_parallel",
+    "vocab_parallel_embedding",
     "validate_schedule",
 ]

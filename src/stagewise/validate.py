@@ -53,7 +53,7 @@ def validate_schedule(schedule: Schedule) -> None:
             raise ScheduleError(schedule, problems)
         problems = _check_rendezvous(schedule)
     else:
-        problems = _check_dataflow(schedule)
+        problems = dataflow_problems(schedule)
     if problems:
         raise ScheduleError(schedule, problems)
 
@@ -270,7 +270,7 @@ def _peer(schedule: Schedule, msg: Message, side: str) -> int:
     return schedule.placement[msg.stage] if side == "S" else schedule.placement[dst]
 
 
-def _check_dataflow(schedule: Schedule) -> list[str]:
+def dataflow_problems(schedule: Schedule) -> list[str]:
     """Compute-only schedules: can every rank finish if each action waits for its inputs?"""
     n = schedule.num_stages
     ranks = schedule.ranks

@@ -27,7 +27,7 @@ import torch
 
 from ..dataflow import Message, consumer_stage
 from .errors import PipelineError
-from .transport import Op, Transport
+from .transport import Op, Transport, Watch
 from .tree import Spec, flatten, leaf_paths, same_spec, unflatten
 
 
@@ -38,11 +38,20 @@ class Meta:
     spec: Spec
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[torch.dtype, ...]
+    requires_grad: tuple[bool, ...] = ()  # per tensor: whether the receiving stage differentiates it
 
     @classmethod
     def of(cls, value: Any) -> tuple[Meta, list[torch.Tensor]]:
         leaves, spec = flatten(value)
-        return cls(spec, tuple(tuple(t.shape) for t in leaves), tuple(t.dtype for t in leaves)), leaves
+        grads = tuple(t.requires_grad for t in leaves)
+        return cls(spec, tuple(tuple(t.shape) for t in leaves), tuple(t.dtype for t in leaves), grads), leaves
+
+    def rebuild(self, buffers: list[torch.Tensor]) -> Any:
+        """The value from received buffers, flagged ``requires_grad`` as the sender's tensors were."""
+        for b, flag in zip(buffers, self.requires_grad):
+            if flag:
+                b.requires_grad_(True)
+        return unflatten(self.spec, buffers)
 
 
 @dataclass
@@ -55,6 +64,7 @@ class Pending:
     meta: Meta | None
     buffers: list[torch.Tensor]
     works: list[Any]
+    watch: Watch | None = None  # a helper already waiting for the works (see Transport.watch)
 
 
 def describe(msg: Message) -> str:
@@ -87,6 +97,10 @@ class Mailbox:
     @property
     def loss_tag(self) -> int:
         return self.tag(Message("F", 0, 0), _OTHER)
+
+    def knows(self, msg: Message, mode: str) -> bool:
+        """Whether ``msg``'s shapes are known in ``mode``, so its receive can be posted before it is needed."""
+        return (mode, msg) in self._known
 
     def forget_shapes(self) -> None:
         """Drop every cached meta; the next step exchanges shapes again (call on all ranks)."""
@@ -126,13 +140,13 @@ class Mailbox:
         """Wait for a received value (taking a deferred one, meta first) and rebuild it."""
         what = f"{describe(pending.msg)} from rank {pending.peer}"
         if pending.meta is not None:
-            self.transport.wait(pending.works, what)
-            return unflatten(pending.meta.spec, pending.buffers)
+            self.transport.wait(pending.works, what, watch=pending.watch)
+            return pending.meta.rebuild(pending.buffers)
         meta = self._take_meta(pending, what)
         self._known[(pending.mode, pending.msg)] = meta
         cpu = [torch.empty(sh, dtype=dt) for sh, dt in zip(meta.shapes, meta.dtypes)]
         self._eager(pending.peer, cpu, self.tag(pending.msg), what)
-        return unflatten(meta.spec, [b.to(self.device) for b in cpu])
+        return meta.rebuild([b.to(self.device) for b in cpu])
 
     def _send_first(self, msg: Message, peer: int, meta: Meta, leaves: list[torch.Tensor]) -> None:
         blob = pickle.dumps(meta)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -23,12 +23,16 @@ from ..schedules import schedule_info
 from ..timeline import Event, Timeline
 from ..validate import validate_schedule
 from . import transport as tp
+from .aux import attach, collect_aux_losses
+from .balance import plan_layers
 from .errors import PipelineError
 from .interpreter import Interpreter, Step
-from .layers import Layers, Partition, build_layer, call_layer, named_layers
-from .layers import partition as partition_layers
+from .layers import Layers, Partition, named_layers
+from .memory import ActivationMeter
 from .messages import Mailbox
 from .microbatch import Dims, merge, split
+from .recompute import Recompute, check_recompute, run_layers
+from .tied import TiedBuilder, TiedSync, stage_parameters
 
 log = logging.getLogger(__name__)
 
@@ -36,15 +40,31 @@ OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 
 class _Stage:
-    """The layers of one stage, applied in order under the calling convention."""
+    """The layers of one stage, applied in order under the calling convention (checkpointed if ``recompute``).
 
-    def __init__(self, modules: list[nn.Module]) -> None:
+    While training, the :func:`~stagewise.aux_loss` terms its layers add are
+    summed, scaled by ``aux_scale`` and carried on its outputs (:mod:`.aux`);
+    their detached values accumulate into ``aux_totals``.
+    """
+
+    def __init__(self, index: int, modules: list[nn.Module], recompute: Recompute = None) -> None:
+        self.index = index
         self.modules = modules
+        self.recompute = recompute
+        self.aux_scale = 1.0
+        self.aux_totals: dict[str, float] = {}
 
     def __call__(self, x: Any) -> Any:
-        for module in self.modules:
-            x = call_layer(module, x)
-        return x
+        if not torch.is_grad_enabled():
+            return run_layers(self.modules, x, None)
+        with collect_aux_losses() as terms:
+            out = run_layers(self.modules, x, self.recompute)
+        if not terms:
+            return out
+        for name, value in terms:
+            self.aux_totals[name] = self.aux_totals.get(name, 0.0) + float(value.detach()) * self.aux_scale
+        total = torch.stack([v for _, v in terms]).sum() * self.aux_scale
+        return attach(out, total, self.index)
 
 
 class Pipeline(nn.Module):
@@ -57,7 +77,12 @@ class Pipeline(nn.Module):
     :class:`~stagewise.Schedule` (e.g. loaded from CSV; its rank count must be
     the group size). ``microbatches`` defaults to the schedule's count, or the
     group size for a name; ``virtual_stages`` to the schedule's default.
-    ``partition``: ``"uniform"``, ``"parameters"`` or layer counts per stage.
+    ``partition``: ``"uniform"``, ``"parameters"``, ``"time"``, ``"memory"`` or
+    layer counts per stage; ``"time"`` and ``"memory"`` profile the layers on
+    ``sample_inputs`` (one micro-batch) on the group's first rank, building one
+    layer at a time (:mod:`stagewise.runtime.balance`). ``speeds`` and
+    ``memory_caps`` (bytes), one per rank, describe heterogeneous ranks: a rank
+    at speed 0.5 gets about half the work, none holds more than its cap.
     ``loss_fn(output, target)`` must return the micro-batch's *mean* loss; each
     micro-batch's loss is weighted by its share of the batch, so a step's
     gradients are those of the mean loss over the whole batch. ``optimizer``:
@@ -66,6 +91,14 @@ class Pipeline(nn.Module):
     ``batch_dim`` / ``target_batch_dim``: where the batch dim of the inputs /
     targets is (see :mod:`stagewise.runtime.microbatch`). ``timeout``: seconds
     any wait may take before every rank raises :class:`PipelineError`.
+
+    ``parallel``: a :class:`~stagewise.ParallelConfig` (or a built
+    :class:`~stagewise.Mesh`) for pipeline x data x ZeRO-sharded x tensor
+    parallelism: the schedule runs on the mesh's ``pp`` group (so ``group``
+    must be None), stages are replicated over ``dp`` and sharded over
+    ``sharding`` (gradients reduced at each stage's SYNC), and the layers that
+    ``tp_plan`` names are split over ``tp`` (see :mod:`stagewise.runtime.parallel`).
+    Each data-parallel replica trains on its own slice (:meth:`local_batch`).
 
     Every rank of the group must build its Pipelines in the same order.
     """
@@ -79,7 +112,12 @@ class Pipeline(nn.Module):
         microbatches: int | None = None,
         virtual_stages: int | None = None,
         partition: Partition = "uniform",
+        sample_inputs: Any = None,
+        speeds: Sequence[float] | None = None,
+        memory_caps: Sequence[float] | None = None,
         group: Any = None,
+        parallel: Any = None,
+        tp_plan: Any = None,
         seed: int = 0,
         device: torch.device | str | None = None,
         optimizer: OptimizerFactory | None = None,
@@ -87,21 +125,45 @@ class Pipeline(nn.Module):
         target_batch_dim: Dims = 0,
         timeout: float = 300.0,
         store: Any = None,
+        recompute: Recompute = None,
+        measure_memory: bool = False,
     ) -> None:
         super().__init__()
         tp.require_initialized()
-        group = tp.group_or_world(group)
+        self.hybrid = _hybrid(parallel, group)  # pp x dp x sharding x tp: the schedule runs on the pp group
+        group = tp.group_or_world(group if self.hybrid is None else self.hybrid.pp_group)
         self.rank = tp.group_rank(group)
         self.num_ranks = tp.group_size(group)
         self.schedule = _resolve_schedule(schedule, self.num_ranks, microbatches, virtual_stages)
         self.loss_fn = loss_fn
         self.batch_dim = batch_dim
         self.target_batch_dim = target_batch_dim
+        check_recompute(recompute)
+        self.recompute = recompute
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if tp.backend_of(group) == "nccl" else "cpu"
         self.device = torch.device(device)
 
-        stages = self._build_stages(named_layers(layers), partition, seed)
+        named = named_layers(layers)
+        plan = plan_layers(
+            named,
+            self.schedule,
+            partition,
+            group=group if self.hybrid is None else None,  # every pp group of a mesh must cut alike
+            device=self.device,
+            seed=seed,
+            sample_inputs=sample_inputs,
+            speeds=speeds,
+            memory_caps=memory_caps,
+        )
+        self.layer_profile = plan.profile
+        self._tied_builder = TiedBuilder(named, seed, self.device)
+        if self.hybrid is not None and self._tied_builder.uses:
+            raise ValueError("tied layers (sw.Tied) are not supported with parallel= yet")
+        stages = self._build_stages(named, plan.ranges, seed)
+        if self.hybrid is not None:  # split, shard or replicate the stages before optimizers see them
+            wait = lambda works, what: self.transport.wait(works, what)  # noqa: E731
+            self.hybrid.attach(self, {s: st.modules for s, st in stages.items()}, tp_plan, wait)
         self.optimizers = _optimizers(stages, optimizer)
         self._train_actions = self._with_steps(self.schedule.ranks[self.rank], optimizer is not None)
         self._eval_actions = tuple(
@@ -114,6 +176,24 @@ class Pipeline(nn.Module):
         self.transport.warm_up()
         self._mailbox = Mailbox(self.transport, self.schedule.placement, self.schedule.num_microbatches, self.device)
         self._sync_hooks: list[Callable[[int], None]] = []
+        if self.hybrid is not None:
+            self.register_sync_hook(self.hybrid.on_sync)
+        self.tied = TiedSync(
+            self._tied_builder,
+            self.layer_ranges,
+            self.schedule.placement,
+            self.rank,
+            group,
+            lambda works, what: self.transport.wait(works, what),
+        )
+        self.register_sync_hook(self.tied.on_sync)
+        self._stages = stages
+        for st in stages.values():
+            st.aux_scale = 1.0 / self.schedule.num_microbatches
+        self._losses: dict[str, Any] = {}
+        self._meter: ActivationMeter | None = None
+        if measure_memory:
+            self._meter = ActivationMeter(self.parameters(), lambda: self._interpreter.current)
         self._interpreter = Interpreter(
             rank=self.rank,
             placement=self.schedule.placement,
@@ -128,21 +208,25 @@ class Pipeline(nn.Module):
         self._step_started = 0.0
         self._clock_offset = time.time() - time.perf_counter()
 
-    def _build_stages(self, named: list[tuple[str, Any]], how: Partition, seed: int) -> dict[int, _Stage]:
+    def _build_stages(self, named: list[tuple[str, Any]], ranges: list[range], seed: int) -> dict[int, _Stage]:
         """Build this rank's layers only, registered under their names in the original model."""
-        self.layer_ranges = partition_layers(named, self.schedule.num_stages, how)
+        self.layer_ranges = ranges
         self.local_stages = self.schedule.stages_of(self.rank)
         stages: dict[int, _Stage] = {}
+        self._tied_copies: dict[str, nn.Module] = {}  # first-use name -> tied module whose first use is elsewhere
         for s in self.local_stages:
             modules = []
             for k in self.layer_ranges[s]:
                 name, layer = named[k]
                 if hasattr(self, name) and name not in self._modules:
                     raise ValueError(f"layer name {name!r} clashes with a Pipeline attribute; rename the layer")
-                module = build_layer(layer, k, seed).to(self.device)
+                module = self._tied_builder.build(layer, k)
                 self.add_module(name, module)
                 modules.append(module)
-            stages[s] = _Stage(modules)
+            stages[s] = _Stage(s, modules, self.recompute)
+        for key, (_, name0, _) in self._tied_builder.first.items():
+            if key in self._tied_builder.built and name0 not in self._modules:
+                self._tied_copies[name0] = self._tied_builder.built[key]
         log.info(
             "stagewise: rank %d holds stages %s (layers %s) of schedule %r",
             self.rank,
@@ -151,6 +235,19 @@ class Pipeline(nn.Module):
             self.schedule.name,
         )
         return stages
+
+    @classmethod
+    def from_model(cls, model: nn.Module, **options: Any) -> Pipeline:
+        """Pipeline an unmodified ``nn.Module``, cut at its ``pipeline_stage`` tags or among its blocks.
+
+        See :func:`stagewise.runtime.from_model.from_model` for the options
+        (``stages``, ``partition``, ``sample_inputs``, ``speeds``,
+        ``memory_caps``, ``free_unused``, ``concrete_args``, and every
+        Pipeline option but ``seed``).
+        """
+        from .from_model import from_model
+
+        return from_model(cls, model, **options)
 
     # ---- public API --------------------------------------------------------
     def train_step(self, inputs: Any = None, targets: Any = None) -> float:
@@ -198,9 +295,57 @@ class Pipeline(nn.Module):
         """Forget the cached shapes so the next step may use new ones (call on every rank)."""
         self._mailbox.forget_shapes()
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
+        """Clip the gradients of the whole model - every stage, every mesh axis - to total norm ``max_norm``.
+
+        As ``torch.nn.utils.clip_grad_norm_`` on the one-process model; returns the
+        norm before clipping. A collective: call it on every rank, after train_step.
+        """
+        from .parallel import clip_pipeline_grads
+
+        return clip_pipeline_grads(self, max_norm, norm_type)
+
+    def local_batch(self, inputs: Any = None, targets: Any = None) -> tuple[Any, Any]:
+        """This rank's data-parallel share of a global batch (all of it without ``parallel=``)."""
+        if self.hybrid is None:
+            return inputs, targets
+        h = self.hybrid
+        return h.local_batch(inputs, self.batch_dim, "inputs"), h.local_batch(targets, self.target_batch_dim, "targets")
+
     def register_sync_hook(self, hook: Callable[[int], None]) -> None:
         """Call ``hook(stage)`` at each SYNC action, once the stage's gradients are final."""
         self._sync_hooks.append(hook)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Any:
+        """This rank's parameters under their one-process names; a tied module held here only for a later use is
+        reported under its first use's name (it is not in ``state_dict()``: that is saved where the first use is)."""
+        yield from super().named_parameters(prefix, recurse, remove_duplicate)
+        for name, module in self._tied_copies.items():
+            yield from module.named_parameters(f"{prefix}.{name}" if prefix else name, recurse, remove_duplicate)
+
+    def last_step_losses(self) -> dict[str, float]:
+        """The last train_step's losses: ``{"loss": main, "aux": sum of aux terms, "aux/NAME": each}``.
+
+        Aux terms are summed over micro-batches (each weighted ``1/m``) and
+        over all ranks. A collective: call it on every rank.
+        """
+        everyone = tp.gather_objects(self._losses.get("aux_local", {}), self.transport.group)
+        names = sorted({n for d in everyone for n in d})
+        per = {n: sum(d.get(n, 0.0) for d in everyone) for n in names}
+        out = {"loss": self._losses.get("loss", float("nan")), "aux": sum(per.values())}
+        out.update({f"aux/{n}": v for n, v in per.items()})
+        return out
+
+    def memory_report(self) -> dict[str, Any]:
+        """Activation bytes of the last train_step on this rank (needs ``measure_memory=True``).
+
+        ``peak_bytes``: most bytes saved for backward alive at once;
+        ``forward_bytes``: ``{(stage, microbatch): bytes its F saved}``.
+        See :mod:`stagewise.runtime.memory`.
+        """
+        if self._meter is None:
+            raise ValueError("build the Pipeline with measure_memory=True to measure activation memory")
+        return {"peak_bytes": self._meter.peak, "forward_bytes": dict(self._meter.by_forward)}
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise TypeError("a Pipeline is not called directly: use train_step(inputs, targets) or eval_step(inputs)")
@@ -219,13 +364,34 @@ class Pipeline(nn.Module):
 
     def _train(self, inputs: Any, targets: Any) -> float:
         step = self._prepare("train", inputs, targets)
-        self._run(self._train_actions, step)
-        return self._share_loss(step)
+        loss_recv = self._post_loss_receive()
+        self.tied.start_step()
+        for st in self._stages.values():
+            st.aux_totals = {}
+        if self._meter is None:
+            self._run(self._train_actions, step)
+        else:
+            self._meter.reset()
+            with self._meter.hooks():
+                self._run(self._train_actions, step)
+        self.tied.finish()
+        loss = self._share_loss(step, loss_recv)
+        aux_local: dict[str, float] = {}
+        for st in self._stages.values():
+            for n, v in st.aux_totals.items():
+                aux_local[n] = aux_local.get(n, 0.0) + v
+        if self.hybrid is not None:  # wait for the gradient reductions; the mean over the replicas
+            last = self.rank == self.schedule.placement[-1]
+            loss = self.hybrid.after_train(loss, targets if last else None, self.target_batch_dim)
+        self._losses = {"loss": loss, "aux_local": aux_local}
+        return loss
 
     def _eval(self, inputs: Any, merge_outputs: bool) -> Any:
         step = self._prepare("eval", inputs, None)
         with torch.no_grad():
             self._run(self._eval_actions, step)
+        if self.hybrid is not None:
+            self.hybrid.after_eval()
         if self.schedule.placement[-1] != self.rank:
             return None
         outputs = [step.outputs[i] for i in range(self.schedule.num_microbatches)]
@@ -260,7 +426,20 @@ class Pipeline(nn.Module):
             step.weights = [n / total for n in target_sizes]
         return step
 
-    def _share_loss(self, step: Step) -> float:
+    def _post_loss_receive(self) -> tuple[torch.Tensor, list[Any], Any] | None:
+        """On gloo, post (and watch) the loss's receive before the step: the loss travels as soon as it is made."""
+        if self.transport.grouped or self.rank == self.schedule.placement[-1]:
+            return None  # on NCCL a receive outside the schedule's batches could stall the stream
+        buf, works, _ = self._loss_receive()
+        return buf, works, self.transport.watch(works)
+
+    def _loss_receive(self) -> tuple[torch.Tensor, list[Any], Any]:
+        buf = torch.empty(1, dtype=torch.float64, device=self.device)
+        op = tp.Op(self.schedule.placement[-1], buf, send=False, tag=self._mailbox.loss_tag)
+        (works,) = self.transport.post([op])
+        return buf, works, None
+
+    def _share_loss(self, step: Step, posted: tuple[torch.Tensor, list[Any], Any] | None = None) -> float:
         """The step's mean loss, computed where the last stage lives and sent to every other rank."""
         owner = self.schedule.placement[-1]
         if self.rank == owner:
@@ -271,13 +450,15 @@ class Pipeline(nn.Module):
             self.transport.post([tp.Op(r, buf, send=True, tag=tag) for r in range(self.num_ranks) if r != owner])
             self.transport.finish_sends()
         else:
-            buf = torch.empty(1, dtype=torch.float64, device=self.device)
-            (works,) = self.transport.post([tp.Op(owner, buf, send=False, tag=self._mailbox.loss_tag)])
-            self.transport.wait(works, f"the step's loss from rank {owner}")
+            buf, works, watch = self._loss_receive() if posted is None else posted
+            self.transport.wait(works, f"the step's loss from rank {owner}", watch=watch)
             self.transport.synchronize(self.device)
         return float(buf.item())
 
     def _step_optimizer(self, stage: int) -> None:
+        if self.hybrid is not None:
+            self.hybrid.before_step(stage)
+        self.tied.finish(stage)
         opt = self.optimizers.get(stage)
         if opt is not None:
             opt.step()
@@ -301,8 +482,9 @@ def _optimizers(stages: dict[int, _Stage], factory: OptimizerFactory | None) -> 
     if factory is None:
         return {}
     out = {}
-    for s, stage in stages.items():
-        params = [p for m in stage.modules for p in m.parameters() if p.requires_grad]
+    seen: set[int] = set()  # a module tied between two local stages is stepped by the first
+    for s, stage in sorted(stages.items()):
+        params = stage_parameters(stage.modules, seen)
         if params:
             out[s] = factory(params)
     return out
@@ -349,3 +531,14 @@ def _to(value: Any, device: torch.device) -> Any:
     if isinstance(value, dict):
         return {k: _to(v, device) for k, v in value.items()}
     return value
+
+
+def _hybrid(parallel: Any, group: Any) -> Any:
+    """The hybrid-parallel parts for ``parallel=`` (a ParallelConfig or Mesh), or None."""
+    if parallel is None:
+        return None
+    if group is not None:
+        raise ValueError("pass either group= or parallel=: with parallel= the pipeline runs on the mesh's pp group")
+    from .parallel import Hybrid
+
+    return Hybrid(parallel)

@@ -19,9 +19,17 @@ Two ways to post:
 No rank hangs when another fails: failures are written to an *error board* in
 the process group's c10d store, and every blocking wait watches the board and
 a deadline. A gloo wait blocks its thread and cannot be interrupted (a wait
-with a timeout closes the connection), so it runs on a helper thread while the
-caller watches; NCCL waits only order streams, and a step ends by polling a
-CUDA event.
+with a timeout closes the connection, and gloo's work objects cannot be
+polled: they report completion only once waited on), so it runs on a helper
+thread while the caller watches; NCCL waits only order streams, and a step
+ends by polling a CUDA event.
+
+Handing a wait to a helper costs two thread wake-ups (hundreds of microseconds
+on a busy CPU), so the caller can :meth:`Transport.watch` a receive it will
+need next: a helper waits for it in the background, and the later
+:meth:`Transport.wait` returns at once if it has arrived. Sends whose value the
+peer has already used (:meth:`Transport.release`) are complete, so they are
+waited on directly.
 """
 
 from __future__ import annotations
@@ -148,7 +156,7 @@ class Transport:
         self.failure: str | None = None
         self._sends: dict[int, Any] = {}  # id -> work, until finished or released
         self._eager_sends: list[Any] = []
-        self._waiter: _Waiter | None = None
+        self._waiters: list[_Waiter] = []
 
     @staticmethod
     def check_tag(tag: int) -> None:
@@ -234,8 +242,17 @@ class Transport:
             for op in ops
         ]
 
-    def wait(self, works: Sequence[Any], what: str, *, eager: bool = False) -> None:
-        """Block until ``works`` complete, raising :class:`PipelineError` on any rank's failure or the deadline."""
+    def watch(self, works: Sequence[Any]) -> Watch | None:
+        """Start waiting for ``works`` on a helper thread; pass the result to :meth:`wait` (None: nothing to watch)."""
+        if not works or self.failure is not None or self._stream_waits:
+            return None
+        return self._submit(works)
+
+    def wait(self, works: Sequence[Any], what: str, *, eager: bool = False, watch: Watch | None = None) -> None:
+        """Block until ``works`` complete, raising :class:`PipelineError` on any rank's failure or the deadline.
+
+        ``watch``: what :meth:`watch` returned for these works, if it was called.
+        """
         if not works:
             return
         if self.failure is not None:
@@ -244,23 +261,43 @@ class Transport:
             for w in works:
                 w.wait()
             return
-        if self._waiter is None:
-            self._waiter = _Waiter()
-        done = self._waiter.submit(works)
-        started = time.perf_counter()
-        while not done.event.wait(_POLL_S):
-            try:
-                self._watch(started, what)
-            except PipelineError:
-                self._waiter = None  # its thread is stuck in gloo; leave it behind
-                raise
-        if done.error is not None:
-            raise PipelineError(self.fail(f"rank {self.rank}: {what} failed: {done.error}")) from done.error
+        job = self._submit(works) if watch is None else watch
+        if not job.event.is_set():
+            started = time.perf_counter()
+            while not job.event.wait(_POLL_S):
+                try:
+                    self._watch(started, what)
+                except PipelineError:
+                    if job.waiter in self._waiters:  # its thread is stuck in gloo; leave it behind
+                        self._waiters.remove(job.waiter)
+                    raise
+        if job.error is not None:
+            raise PipelineError(self.fail(f"rank {self.rank}: {what} failed: {job.error}")) from job.error
+
+    def _submit(self, works: Sequence[Any]) -> Watch:
+        """Give ``works`` to an idle helper (one that has finished all it was given), or to a new one."""
+        for waiter in self._waiters:
+            if waiter.idle:
+                return waiter.submit(works)
+        waiter = _Waiter()
+        self._waiters.append(waiter)
+        return waiter.submit(works)
 
     def release(self, works: Sequence[Any], what: str) -> None:
-        """Wait for sends known to be done (their value was used) so their buffers are freed before the step ends."""
+        """Wait for sends known to be done (their value was used) so their buffers are freed before the step ends.
+
+        The peer has used the value, so each send has completed or is about to (its I/O thread marks it done):
+        a direct wait cannot block for long, and skips the helper's two wake-ups.
+        """
         mine = [self._sends.pop(id(w)) for w in works if id(w) in self._sends]
-        self.wait(mine, what)
+        if self._stream_waits:
+            self.wait(mine, what)
+            return
+        try:
+            for w in mine:
+                w.wait()
+        except Exception as err:
+            raise PipelineError(self.fail(f"rank {self.rank}: {what} failed: {err}")) from err
 
     def finish_sends(self) -> None:
         """Wait for every send posted so far: after this their buffers may be freed."""
@@ -281,14 +318,17 @@ class Transport:
             time.sleep(0.0002)
 
     def close(self) -> None:
-        if self._waiter is not None:
-            self._waiter.stop()
-            self._waiter = None
+        for waiter in self._waiters:
+            waiter.stop()
+        self._waiters = []
 
 
 @dataclass
-class _Job:
+class Watch:
+    """Works a helper thread is waiting for: ``event`` is set once they completed (or failed, with ``error``)."""
+
     works: Sequence[Any]
+    waiter: _Waiter
     event: threading.Event
     error: BaseException | None = None
 
@@ -297,12 +337,19 @@ class _Waiter:
     """A daemon thread that runs blocking gloo waits, one job at a time, on the caller's behalf."""
 
     def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[Watch | None] = queue.SimpleQueue()
+        self._last: Watch | None = None
         self._thread = threading.Thread(target=self._run, name="stagewise-wait", daemon=True)
         self._thread.start()
 
-    def submit(self, works: Sequence[Any]) -> _Job:
-        job = _Job(works, threading.Event())
+    @property
+    def idle(self) -> bool:
+        """True when every job given so far has finished."""
+        return self._last is None or self._last.event.is_set()
+
+    def submit(self, works: Sequence[Any]) -> Watch:
+        job = Watch(works, self, threading.Event())
+        self._last = job
         self._jobs.put(job)
         return job
 

@@ -28,6 +28,8 @@ class ScheduleInfo:
     memory: str  # peak in-flight micro-batches on the busiest rank
     synchronous: bool = True
     min_microbatches: Callable[[int, int], int] | None = None  # (p, v) -> least m, None = 1
+    #: (p, m, v) -> why the combination is not supported, or None; for limits that are not a least m
+    unsupported: Callable[[int, int, int], str | None] | None = None
 
     def check(self, num_ranks: int, num_microbatches: int, virtual_stages: int) -> None:
         """Raise ValueError naming the constraint a combination breaks."""
@@ -47,6 +49,13 @@ class ScheduleInfo:
                     f"schedule {self.name!r} with {num_ranks} ranks and {virtual_stages} virtual stages "
                     f"needs at least {least} micro-batches, got {num_microbatches}"
                 )
+        if self.unsupported is not None:
+            why = self.unsupported(num_ranks, num_microbatches, virtual_stages)
+            if why is not None:
+                raise ValueError(
+                    f"schedule {self.name!r} does not support {num_ranks} ranks x {num_microbatches} micro-batches "
+                    f"x {virtual_stages} virtual stages: {why}"
+                )
 
 
 _REGISTRY: dict[str, ScheduleInfo] = {}
@@ -64,6 +73,7 @@ def register(
     default_virtual_stages: int = 1,
     synchronous: bool = True,
     min_microbatches: Callable[[int, int], int] | None = None,
+    unsupported: Callable[[int, int, int], str | None] | None = None,
 ) -> Callable[[Generator], Generator]:
     """Decorator: add a generator to the registry under ``name``."""
 
@@ -82,6 +92,7 @@ def register(
             memory=memory,
             synchronous=synchronous,
             min_microbatches=min_microbatches,
+            unsupported=unsupported,
         )
         return generator
 

@@ -1,0 +1,241 @@
+"""stagewise vs ``torch.distributed.pipelining``: same model, schedule and rank count, one invocation.
+
+    .venv/bin/python benchmarks/pipeline_vs_torch.py                 # both configs, 2 and 4 ranks
+    .venv/bin/python benchmarks/pipeline_vs_torch.py --ranks 2 --configs overhead --schedules 1f1b
+
+For each config and rank count one torchrun job (gloo, one thread per
+process) times every schedule both libraries have, the libraries taking
+turns step by step (see ``_pipeline_worker.py``). Then, per schedule:
+
+* *torch ms*, *stagewise ms*: the median step time (slowest rank, barrier to end);
+* *ratio*: the median, over pairs of neighbouring steps, of torch / stagewise
+  (above 1: stagewise is faster; pairs see the same background load);
+* *ideal ms*: the larger of the critical path - ``stagewise.simulate`` on the
+  schedule, fed each stage's forward / input-grad / weight-grad time - and the
+  total compute divided by min(ranks, cores). Stage times are medians of this
+  thread's CPU time, measured in this process one rank's stages at a time, as
+  that rank runs them (see ``_pipeline_model.measure_rank``);
+* *eff*: ideal / measured step time, for each library;
+* *CPU ms*: the busiest rank's process CPU time per step (all threads);
+* *no CPU*: the share of the step the ranks' main threads were ready to run
+  but had no CPU (other processes had it): a bound on what any runtime can
+  reach on a shared machine.
+
+Both libraries run the same schedule *name*; the ideal is the stagewise
+schedule's. A schedule stagewise does not build for the rank and micro-batch
+counts is skipped, saying why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import stagewise as sw  # noqa: E402
+from _pipeline_model import (  # noqa: E402
+    CONFIGS,
+    SCHEDULES,
+    Config,
+    StageCost,
+    blocks_of_stage,
+    measure_rank,
+    stages_of_rank,
+)
+
+#: per config: schedules run by default, and (warm-up steps, timed steps per library)
+DEFAULTS = {
+    "overhead": (tuple(SCHEDULES), (2, 12)),
+    "compute": (("gpipe", "1f1b", "zb-v"), (1, 4)),
+}
+
+
+def stage_costs(cfg: Config, name: str, p: int, cache: dict[tuple, list[StageCost]]) -> list[StageCost]:
+    """Each stage's compute per micro-batch, measured one rank at a time (one thread); alike ranks measured once."""
+    import torch
+
+    torch.set_num_threads(1)
+    _, placement, v = SCHEDULES[name]
+    n = p * v
+    repeats = 25 if cfg.width <= 1024 else 5
+    costs: list[StageCost | None] = [None] * n
+    for rank in range(p):
+        local = stages_of_rank(placement, rank, p, v)
+        key = tuple((len(blocks_of_stage(cfg.blocks, n, s)), s == 0, s == n - 1) for s in local)
+        if key not in cache:
+            cache[key] = measure_rank(cfg, list(key), repeats)
+        for s, cost in zip(local, cache[key]):
+            costs[s] = cost
+    assert all(c is not None for c in costs)
+    return costs  # type: ignore[return-value]
+
+
+def ideal(name: str, p: int, cfg: Config, costs: list[StageCost], cores: int) -> tuple[float, float, float]:
+    """(ideal, critical path, compute / cores) in seconds for schedule ``name`` on ``p`` ranks."""
+    v = SCHEDULES[name][2]
+    schedule = sw.build_schedule(name, p, cfg.microbatches, v)
+    model = sw.CostModel.from_dict(
+        {
+            "num_stages": len(costs),
+            "forward": [c.forward for c in costs],
+            "backward_input": [c.backward_input for c in costs],
+            "backward_weight": [c.backward_weight for c in costs],
+        }
+    )
+    critical = sw.simulate(schedule, model).makespan
+    spread = cfg.microbatches * sum(c.total for c in costs) / min(p, cores)
+    return max(critical, spread), critical, spread
+
+
+def run_job(cfg: Config, p: int, schedules: list[str], counts: tuple[int, ...], timeout: float) -> dict:
+    warmup, steps = counts
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={p}",
+            "--max-restarts=0",
+            str(HERE / "_pipeline_worker.py"),
+            f"--config={cfg.name}",
+            f"--schedules={','.join(schedules)}",
+            f"--warmup={warmup}",
+            f"--steps={steps}",
+            f"--out={out}",
+        ]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        if not out.exists():
+            raise RuntimeError(f"worker job failed (rc {proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
+        for line in proc.stderr.splitlines():
+            if ": torch " in line or ": stagewise " in line:
+                print("  " + line, file=sys.stderr)
+        return json.loads(out.read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--configs", nargs="+", default=["overhead", "compute"], choices=sorted(CONFIGS))
+    parser.add_argument("--schedules", nargs="+", help="stagewise names (default: per config)")
+    parser.add_argument("--counts", type=int, nargs=2, metavar=("WARMUP", "STEPS"))
+    parser.add_argument("--cores", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--timeout", type=float, default=240.0, help="seconds per torchrun job")
+    parser.add_argument("--json", type=Path, help="also write every step time here")
+    args = parser.parse_args()
+
+    registered = set(sw.schedule_names())
+    started = time.perf_counter()
+    rows: list[Row] = []
+    raw = []
+    for name in args.configs:
+        cfg = Config.named(name)
+        wanted, counts = DEFAULTS[name]
+        wanted = args.schedules or wanted
+        missing = [s for s in wanted if s not in registered or s not in SCHEDULES]
+        if missing:
+            print(f"{name}: skipping {missing} (not registered in stagewise or no torch twin)", file=sys.stderr)
+        schedules = [s for s in wanted if s not in missing]
+        cache: dict[tuple, list[StageCost]] = {}
+        for p in args.ranks:
+            runnable = [s for s in schedules if _supported(s, p, cfg)]
+            print(f"{name}: {p} ranks: {', '.join(runnable)} ...", file=sys.stderr, flush=True)
+            result = run_job(cfg, p, runnable, tuple(args.counts or counts), args.timeout)
+            raw.append(result)
+            for sched in runnable:
+                best, critical, spread = ideal(sched, p, cfg, stage_costs(cfg, sched, p, cache), args.cores)
+                rows.append(Row(name, sched, p, best, critical, spread, result["schedules"][sched]))
+    print(f"\nload average {os.getloadavg()[0]:.2f}, {args.cores} cores, {time.perf_counter() - started:.0f} s\n")
+    print(table(rows))
+    if args.json:
+        args.json.write_text(json.dumps(raw, indent=1))
+
+
+def _supported(name: str, p: int, cfg: Config) -> bool:
+    """Whether stagewise builds ``name`` for p ranks and the config's micro-batches (else say why)."""
+    try:
+        sw.build_schedule(name, p, cfg.microbatches, SCHEDULES[name][2])
+    except ValueError as err:
+        print(f"{cfg.name}: {p} ranks: skipping {name}: {err}", file=sys.stderr)
+        return False
+    return True
+
+
+@dataclass
+class Row:
+    """One schedule at one rank count: the bounds, and each library's per-step figures."""
+
+    config: str
+    schedule: str
+    ranks: int
+    ideal: float
+    critical: float
+    spread: float
+    libs: dict
+
+    def median(self, lib: str, key: str = "times") -> float | None:
+        values = self.libs.get(lib, {}).get(key)
+        return statistics.median(values) if values else None
+
+    def ratio(self) -> float | None:
+        a, b = self.libs["torch"].get("times"), self.libs["stagewise"].get("times")
+        return statistics.median(x / y for x, y in zip(a, b)) if a and b else None
+
+    def no_cpu(self, lib: str) -> str:
+        d = self.libs.get(lib, {})
+        if not d.get("times"):
+            return "-"
+        return f"{statistics.median(w / t for w, t in zip(d['waiting'], d['times'])):.0%}"
+
+    def cells(self) -> list[str]:
+        t_torch, t_sw, ratio = self.median("torch"), self.median("stagewise"), self.ratio()
+        return [
+            self.config,
+            self.schedule,
+            str(self.ranks),
+            _ms(t_torch),
+            _ms(t_sw),
+            "-" if ratio is None else f"{ratio:.2f}x",
+            _eff(self.ideal, t_sw),
+            _eff(self.ideal, t_torch),
+            _ms(self.ideal),
+            _ms(self.critical),
+            _ms(self.spread),
+            _ms(self.median("torch", "cpu")),
+            _ms(self.median("stagewise", "cpu")),
+            f"{self.no_cpu('torch')} / {self.no_cpu('stagewise')}",
+        ]
+
+
+def table(rows: list[Row]) -> str:
+    head = (
+        "| config | schedule | ranks | torch ms | stagewise ms | ratio | eff stagewise | eff torch | ideal ms "
+        "| critical path ms | compute/cores ms | torch CPU ms | stagewise CPU ms | no CPU torch / sw |"
+    )
+    lines = [head, "|" + "|".join(["---"] * 3 + ["---:"] * 11) + "|"]
+    lines += ["| " + " | ".join(row.cells()) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _ms(t: float | None) -> str:
+    return "-" if t is None else f"{t * 1e3:.1f}"
+
+
+def _eff(ideal: float, t: float | None) -> str:
+    return "-" if t is None else f"{ideal / t:.0%}"
+
+
+if __name__ == "__main__":
+    main()

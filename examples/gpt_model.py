@@ -1,0 +1,110 @@
+"""A small GPT written as a list of layers, the form a pipeline cuts: embedding, blocks, head.
+
+:func:`gpt_layers` returns the model as named :class:`stagewise.Layer` specs,
+so each rank builds only the layers of its own stages, and
+``stagewise.build_model(gpt_layers(cfg), seed)`` is the same model in one
+process (same names, same initial weights).
+
+The output projection is *not* tied to the token embedding: the two live on
+different stages, and stagewise does not share parameters across stages yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import stagewise as sw
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 256
+    seq_len: int = 64
+    d_model: int = 64
+    n_heads: int = 4
+    n_layers: int = 6
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model ({self.d_model}) must be a multiple of n_heads ({self.n_heads})")
+        if min(self.vocab_size, self.seq_len, self.d_model, self.n_heads, self.n_layers) < 1:
+            raise ValueError(f"every GPTConfig field must be >= 1, got {self}")
+
+
+class Embedding(nn.Module):
+    """Token plus learned position embedding."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.positions = nn.Embedding(cfg.seq_len, cfg.d_model)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.tokens(idx) + self.positions(pos)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: causal self-attention, then an MLP, each with a residual."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = nn.Sequential(
+            nn.Linear(cfg.d_model, 4 * cfg.d_model), nn.GELU(), nn.Linear(4 * cfg.d_model, cfg.d_model)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.ln2(x))
+
+
+class Head(nn.Module):
+    """Final layer norm and the projection to byte logits."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(cfg.d_model)
+        self.out = nn.Linear(cfg.d_model, cfg.vocab_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.ln(x))
+
+
+def gpt_layers(cfg: GPTConfig) -> dict[str, sw.Layer]:
+    """The model as named layer specs in order: ``embed``, ``block0`` ... ``block{n-1}``, ``head``."""
+    layers = {"embed": sw.Layer(Embedding, cfg)}
+    layers.update({f"block{i}": sw.Layer(Block, cfg) for i in range(cfg.n_layers)})
+    layers["head"] = sw.Layer(Head, cfg)
+    return layers
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy (nats per byte) over every token of the (micro-)batch."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+@torch.no_grad()
+def generate(
+    model: nn.Module, prompt: bytes, length: int, seq_len: int, temperature: float = 0.8, seed: int = 0
+) -> bytes:
+    """Continue ``prompt`` by ``length`` bytes, sampling from the one-process model."""
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.tensor(list(prompt) or [10], dtype=torch.long)[None]
+    for _ in range(length):
+        logits = model(idx[:, -seq_len:])[0, -1] / max(temperature, 1e-6)
+        nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)
+        idx = torch.cat([idx, nxt[None]], dim=1)
+    return bytes(idx[0, -length:].tolist()) if length else b""

@@ -1,0 +1,116 @@
+"""The named device mesh of a hybrid-parallel job, and the few collectives stagewise runs over its axes.
+
+:class:`Mesh` is a value built once from a :class:`~stagewise.ParallelConfig`
+and passed explicitly (to :class:`~stagewise.Pipeline` as ``parallel=``): a
+torch ``DeviceMesh`` with axes ``("pp", "dp", "sharding", "tp")`` (see
+:mod:`stagewise.parallel.config` for the order), one process group per axis,
+and this rank's coordinates. Nothing is global: two meshes over the same
+processes are two sets of groups.
+
+Besides :mod:`.transport` (point-to-point) and :mod:`.init`, this is the only
+module that runs ``torch.distributed`` collectives: the data-parallel gradient
+all-reduce, the loss mean and the gradient norm go through the functions at
+the end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from ..parallel.config import AXES, Coords, ParallelConfig
+
+
+class Mesh:
+    """A :class:`~stagewise.ParallelConfig` laid out on the processes: groups per axis and this rank's place.
+
+    ``device_mesh`` is torch's ``DeviceMesh`` (named axes, for DTensor, FSDP2
+    and tensor parallelism); ``group(axis)`` the process group along one axis
+    (the ranks that differ from this one only there).
+    """
+
+    def __init__(self, config: ParallelConfig, device_mesh: DeviceMesh) -> None:
+        if tuple(device_mesh.mesh_dim_names or ()) != AXES:
+            raise ValueError(f"the device mesh must have the axes {AXES}, got {device_mesh.mesh_dim_names}")
+        if tuple(device_mesh.shape) != config.shape:
+            raise ValueError(f"the device mesh has shape {tuple(device_mesh.shape)}, the config {config.describe()}")
+        self.config = config
+        self.device_mesh = device_mesh
+        self.rank = dist.get_rank()
+        self.coords = Coords(*(device_mesh.get_local_rank(a) for a in AXES))
+
+    @property
+    def device_type(self) -> str:
+        return self.device_mesh.device_type
+
+    @property
+    def replica(self) -> int:
+        """Which slice of the batch this rank trains on (``dp_i * sharding + sharding_i``)."""
+        return self.coords.dp * self.config.sharding + self.coords.sharding
+
+    def group(self, axis: str) -> Any:
+        """The process group along ``axis``."""
+        return self.device_mesh.get_group(axis)
+
+    def sub(self, *axes: str) -> DeviceMesh:
+        """The sub-mesh over ``axes`` (in mesh order) that holds this rank."""
+        return self.device_mesh[axes if len(axes) > 1 else axes[0]]
+
+    def all_reduce(self, tensor: torch.Tensor, axes: Iterable[str], op: str = "sum") -> torch.Tensor:
+        """Reduce ``tensor`` in place over the ranks spanned by ``axes`` (one collective per axis of size > 1)."""
+        for axis in axes:
+            if self.config.size(axis) > 1:
+                all_reduce(tensor, self.group(axis), op)
+        return tensor
+
+    def __repr__(self) -> str:
+        return f"Mesh({self.config.describe()}, rank {self.rank} at {tuple(self.coords)})"
+
+
+def build_mesh(config: ParallelConfig, device_type: str | None = None) -> Mesh:
+    """Lay ``config`` out on the default process group (its size must be the product of the degrees).
+
+    ``device_type`` defaults to ``"cuda"`` under NCCL and ``"cpu"`` otherwise
+    (gloo). Every rank must call it, in the same order as its other group
+    creations.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialised: call stagewise.init() before building a mesh")
+    config.check_world(dist.get_world_size())
+    if device_type is None:
+        device_type = "cuda" if str(dist.get_backend()) == "nccl" else "cpu"
+    return Mesh(config, init_device_mesh(device_type, config.shape, mesh_dim_names=AXES))
+
+
+# ---- collectives ---------------------------------------------------------------
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+def all_reduce(tensor: torch.Tensor, group: Any, op: str = "sum") -> None:
+    """Reduce ``tensor`` in place over ``group`` and wait."""
+    dist.all_reduce(tensor, _OPS[op], group=group)
+
+
+def all_reduce_async(tensor: torch.Tensor, group: Any) -> Any:
+    """Start summing ``tensor`` in place over ``group``; returns the work to wait for."""
+    return dist.all_reduce(tensor, dist.ReduceOp.SUM, group=group, async_op=True)
+
+
+def group_size(group: Any) -> int:
+    return dist.get_world_size(group)
+
+
+def group_ranks(group: Any) -> list[int]:
+    """The global ranks of ``group`` (None: the world), in group-rank order."""
+    return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+
+
+def new_subgroup(ranks: list[int], member: bool) -> Any:
+    """A process group of the global ``ranks``, made by its members only (``member``: this rank is one)."""
+    if not member:
+        return None
+    return dist.new_group(ranks, use_local_synchronization=True)

@@ -1,0 +1,194 @@
+"""Hybrid parallelism for one Pipeline: which axis does what, and the operations that span every axis.
+
+A :class:`~stagewise.Pipeline` built with ``parallel=`` runs its schedule on
+the ``pp`` group of the mesh, and :class:`Hybrid` adds, per stage:
+
+* ``tp > 1``: the layers named by the tensor-parallel plan are split (:mod:`.tensor_parallel`);
+* ``sharding > 1``: every layer is an FSDP2 unit over ``(dp, sharding)``, reduced at SYNC (:mod:`.sharding`);
+* otherwise ``dp > 1``: gradients averaged over ``dp`` in buckets started at SYNC (:mod:`.data_parallel`).
+
+and makes the step's global quantities right with all four axes on: the loss
+is the mean over the ``dp * sharding`` replicas, and the gradient norm counts
+every gradient element once - summed over the stages (``pp``) and the pieces
+(``sharding``, ``tp``), not over the copies (``dp``, and whatever is
+replicated). Checkpoint names are the one-process model's on every axis: a
+split parameter is a DTensor under its own name.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..parallel.config import AXES, ParallelConfig
+from . import sharding as zero
+from .data_parallel import GradAverager, Wait
+from .mesh import Mesh, all_reduce, build_mesh
+from .microbatch import Dims, batch_size, split
+from .tensor_parallel import TPPlan, align_grad, apply_plan, local, pieces
+
+Reduce = Callable[[torch.Tensor, str], None]
+
+
+class Hybrid:
+    """The data, sharding and tensor-parallel parts of one Pipeline on a :class:`Mesh`."""
+
+    def __init__(self, parallel: ParallelConfig | Mesh) -> None:
+        if isinstance(parallel, ParallelConfig):
+            parallel = build_mesh(parallel)
+        if not isinstance(parallel, Mesh):
+            raise TypeError(f"parallel= takes a stagewise.ParallelConfig or Mesh, got {type(parallel).__name__}")
+        self.mesh = parallel
+        self.config = parallel.config
+        self.tp_split: list[str] = []
+        self._units: dict[int, list[Any]] = {}
+        self._split_params: dict[int, list[nn.Parameter]] = {}
+        self._averager: GradAverager | None = None
+
+    @property
+    def pp_group(self) -> Any:
+        return self.mesh.group("pp")
+
+    # ---- building --------------------------------------------------------
+    def attach(self, root: nn.Module, stages: dict[int, list[nn.Module]], tp_plan: TPPlan | None, wait: Wait) -> None:
+        """Split, shard or replicate this rank's stages (before any optimizer is built over their parameters)."""
+        c = self.config
+        if c.tp > 1:
+            if tp_plan is None:
+                raise ValueError(f"tp={c.tp} needs a tp_plan= saying which layers to split")
+            self.tp_split = apply_plan(root, self.mesh.sub("tp"), tp_plan)
+            if c.sharding == 1:  # (FSDP aligns the gradients of the layers it shards itself)
+                self._split_params = {s: [p for m in ls for p in m.parameters()] for s, ls in stages.items()}
+        if c.sharding > 1:
+            shard_mesh = self.mesh.sub("dp", "sharding") if c.dp > 1 else self.mesh.sub("sharding")
+            self._units = {s: zero.shard_layers(layers, shard_mesh) for s, layers in stages.items()}
+        elif c.dp > 1:
+            params = {s: [p for m in layers for p in m.parameters() if p.requires_grad] for s, layers in stages.items()}
+            self._averager = GradAverager(params, self.mesh.group("dp"), wait=wait)
+
+    # ---- the step --------------------------------------------------------
+    def on_sync(self, stage: int) -> None:
+        """SYNC: the stage's gradients are final: start their reduction over the replicas."""
+        for p in self._split_params.get(stage, ()):
+            align_grad(p)
+        if self._averager is not None:
+            self._averager.start(stage)
+        if stage in self._units:
+            zero.reduce(self._units[stage])
+
+    def before_step(self, stage: int | None = None) -> None:
+        """Wait for the reductions of ``stage`` (every stage if None)."""
+        if self._averager is not None:
+            self._averager.finish(stage)
+
+    def after_train(self, loss: float, targets: Any, dims: Dims) -> float:
+        """Every reduction done; the loss averaged over the replicas (``targets`` where the last stage is)."""
+        self.before_step()
+        n = 0.0 if targets is None else float(batch_size(targets, dims, "targets"))
+        total = torch.tensor([loss, n, n * n], dtype=torch.float64, device=self.mesh.device_type)
+        self.mesh.all_reduce(total, ("dp", "sharding"))
+        loss_sum, n_sum, sq_sum = total.tolist()
+        r = self.config.replicas
+        if n_sum > 0 and abs(r * sq_sum - n_sum * n_sum) > 0.5:  # equal sizes iff r * sum(n^2) == sum(n)^2
+            raise ValueError(
+                f"the {r} data-parallel replicas trained on batches of different sizes (mean {n_sum / r:g}); "
+                "their gradients were averaged with equal weights: give every replica the same batch size "
+                "(Pipeline.local_batch cuts a global batch evenly)"
+            )
+        return loss_sum / r
+
+    def after_eval(self) -> None:
+        for units in self._units.values():
+            zero.reshard(units)
+
+    # ---- global operations ----------------------------------------------
+    def copies(self, t: torch.Tensor) -> int:
+        """How many ranks of a pipeline stage's ``dp x sharding x tp`` block hold the same piece as ``t``."""
+        c = self.config
+        return c.dp * c.sharding * c.tp // pieces(t)
+
+    def reduce(self, t: torch.Tensor, op: str) -> None:
+        """Reduce over every axis: all ranks of the mesh."""
+        self.mesh.all_reduce(t, AXES, op)
+
+    def local_batch(self, value: Any, dims: Dims, what: str) -> Any:
+        """This replica's equal share of a global batch (``value`` cut along ``dims``)."""
+        r = self.config.replicas
+        if value is None or r == 1:
+            return value
+        parts, sizes = split(value, r, dims, what)
+        if len(set(sizes)) > 1:
+            raise ValueError(
+                f"the {what} hold a batch of {sum(sizes)}, which does not split evenly over "
+                f"dp={self.config.dp} x sharding={self.config.sharding} = {r} replicas"
+            )
+        return parts[self.mesh.replica]
+
+
+def grad_norm(
+    grads: Sequence[torch.Tensor],
+    norm_type: float,
+    copies: Callable[[torch.Tensor], int],
+    reduce: Reduce,
+    device: torch.device,
+) -> float:
+    """The ``norm_type``-norm of every gradient element of the model, each counted once.
+
+    ``grads`` are this rank's; ``copies(g)`` says on how many ranks the same
+    piece lives (its contribution is divided by that), ``reduce(t, op)`` sums
+    (or maxes) over all ranks, on ``device``.
+    """
+    norm_type = float(norm_type)
+    if norm_type <= 0:
+        raise ValueError(f"norm_type must be positive (or inf), got {norm_type}")
+    if math.isinf(norm_type):
+        acc = torch.zeros(1, dtype=torch.float64, device=device)
+        for g in grads:
+            if local(g).numel():
+                acc = torch.maximum(acc, local(g).detach().abs().max().to(torch.float64))
+        reduce(acc, "max")
+        return float(acc.item())
+    acc = torch.zeros(1, dtype=torch.float64, device=device)
+    for g in grads:
+        part = local(g).detach().to(torch.float64)
+        acc += part.abs().pow(norm_type).sum() / copies(g)
+    reduce(acc, "sum")
+    return float(acc.item()) ** (1.0 / norm_type)
+
+
+def clip_grad_norm_(
+    params: Iterable[nn.Parameter],
+    max_norm: float,
+    norm_type: float,
+    copies: Callable[[torch.Tensor], int],
+    reduce: Reduce,
+    device: torch.device,
+) -> float:
+    """Scale the gradients so that the model's total norm is at most ``max_norm``; returns the norm before.
+
+    The same rule as ``torch.nn.utils.clip_grad_norm_`` on the one-process
+    model: ``g *= min(1, max_norm / (norm + 1e-6))``.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    total = grad_norm(grads, norm_type, copies, reduce, device)
+    coef = min(1.0, max_norm / (total + 1e-6))
+    with torch.no_grad():
+        for g in grads:
+            local(g).mul_(coef)
+    return total
+
+
+def clip_pipeline_grads(pipe: Any, max_norm: float, norm_type: float) -> float:
+    """:meth:`Pipeline.clip_grad_norm_`: over the mesh's axes, or the pipeline group (one copy of each stage)."""
+    hybrid = pipe.hybrid
+    if hybrid is not None:
+        copies, reduce = hybrid.copies, hybrid.reduce
+    else:
+        params = list(pipe.parameters())
+        copies = lambda g: pipe.tied.copies(g, params)  # noqa: E731 (a tied parameter counts once)
+        reduce = lambda t, op: all_reduce(t, pipe.transport.group, op)  # noqa: E731
+    return clip_grad_norm_(pipe.parameters(), max_norm, norm_type, copies, reduce, pipe.device)

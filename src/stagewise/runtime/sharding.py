@@ -1,0 +1,68 @@
+"""ZeRO sharding over the ``sharding`` axis (replicated over ``dp``) with torch's FSDP2, driven by SYNC.
+
+Each layer of a stage that has parameters becomes one ``fully_shard`` unit
+on the ``(dp, sharding)`` sub-mesh (plain FSDP when ``dp == 1``, HSDP
+otherwise: sharded within a sharding group, replicated across dp). At rest -
+between steps - a rank holds ``1/sharding`` of each parameter, of its
+gradient and therefore of the optimizer state built over it (ZeRO stages 1
+and 2, and parameters too). During a step:
+
+* the first forward of a layer all-gathers its parameters (FSDP's pre-forward
+  hook), and they stay whole until the stage's SYNC, so every later
+  micro-batch's forward, backward, I and W uses them without further traffic;
+* gradients accumulate, unsharded, over the micro-batches (reduction is off);
+* at ``sSYNC`` the stage's gradients are reduce-scattered over ``sharding``
+  (and all-reduced over ``dp``), averaged, and the parameters resharded.
+
+FSDP2 itself reduces after every backward; a pipeline needs one reduction per
+step, after the last micro-batch. So reduction is switched off and run by hand
+at SYNC, as ``torch.distributed.pipelining`` does (``perform_reduce_grad`` in
+its ``stage.py``): that reaches into FSDP2's state (``_fsdp_param_groups``,
+``_root_post_backward_final_callback``), which may move between torch versions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+
+def shard_layers(layers: Iterable[nn.Module], mesh: DeviceMesh) -> list[FSDPModule]:
+    """Make each layer with trainable parameters an FSDP2 unit on ``mesh``, reduction left to :func:`reduce`."""
+    units = []
+    for layer in layers:
+        if not any(p.requires_grad for p in layer.parameters()):
+            continue
+        unit = fully_shard(layer, mesh=mesh, reshard_after_forward=False)
+        _accumulate(unit)
+        units.append(unit)
+    return units
+
+
+def reduce(units: Iterable[FSDPModule]) -> None:
+    """Reduce-scatter (and all-reduce over dp) the accumulated gradients, average them, reshard the parameters."""
+    for unit in units:
+        unit.set_is_last_backward(True)
+        unit.set_reshard_after_backward(True)
+        unit.set_requires_gradient_sync(True)
+        state = unit._get_fsdp_state()
+        for group in state._fsdp_param_groups:
+            group.post_backward()
+        state._root_post_backward_final_callback()
+        _accumulate(unit)
+
+
+def reshard(units: Iterable[FSDPModule]) -> None:
+    """Free the gathered parameters (after a forward-only step), keeping this rank's shard."""
+    for unit in units:
+        unit.reshard()
+
+
+def _accumulate(unit: FSDPModule) -> None:
+    """Backward passes only accumulate: no reduction, no resharding, until :func:`reduce`."""
+    unit.set_is_last_backward(False)
+    unit.set_reshard_after_backward(False)
+    unit.set_requires_gradient_sync(False)

@@ -1,0 +1,229 @@
+"""Tied parameters: one module used at several positions of the layer list (embedding <-> LM head).
+
+Roughly (DeepSpeed's ``TiedLayerSpec``, Paddle's ``SharedLayerDesc``): every
+:class:`Tied` entry with the same ``key`` shares one module. The first use gives
+the layer; later uses may call another function of it::
+
+    layers = [sw.Tied("embed", sw.Layer(nn.Embedding, V, D)), *blocks,
+              sw.Tied("embed", forward_fn=lambda emb, h: h @ emb.weight.T)]
+
+* **Built once per rank, identically on every rank**: the module is built
+  seeded as its *first* use (``seed + index of the first use``), on every rank
+  holding a stage that uses it; two uses on one rank share one module object.
+* **Gradients summed over exactly the owning ranks**, once each owning rank has
+  run the SYNC of its last stage using the key (an all-reduce started there on
+  a process group of the owners, waited for before the optimizer steps or at
+  the end of ``train_step``). When every use lives on one rank (the V
+  placement puts stage 0 and the last stage together) there is nothing to sum.
+* **Named and saved once**: the parameter is registered under its first use's
+  name (``"0.weight"``). A rank holding only a later use reports it under that
+  same name in ``parameters()`` / ``named_parameters()`` (its optimizer steps
+  it, with the same summed gradient, so the copies stay equal), but *not* in
+  ``state_dict()``: the union of the ranks' state dicts is the one-process
+  model's. :meth:`Pipeline.clip_grad_norm_` counts the parameter once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import mesh as comm
+from .layers import Layer, LayerLike, build_layer
+
+ForwardFn = Callable[..., Any]
+
+
+class Tied(Layer):
+    """A use of the module shared under ``key``; the first use gives ``layer``, later uses may give ``forward_fn``.
+
+    ``forward_fn(module, *inputs)`` replaces ``module(*inputs)`` at this position.
+    """
+
+    def __init__(self, key: str, layer: LayerLike | None = None, *, forward_fn: ForwardFn | None = None) -> None:
+        if not isinstance(key, str) or not key:
+            raise TypeError(f"Tied needs a non-empty string key, got {key!r}")
+        if layer is not None and not isinstance(layer, (nn.Module, Layer)) or isinstance(layer, Tied):
+            raise TypeError(f"Tied({key!r}) takes an nn.Module or a stagewise.Layer, got {type(layer).__name__}")
+        self.key = key
+        self.layer = layer
+        self.forward_fn = forward_fn
+        self.factory, self.args, self.kwargs = type(self), (), {}
+
+    def build(self, seed: int | None = None) -> nn.Module:
+        """The module alone (for parameter counts and profiles); a later use holds no parameters of its own."""
+        if self.layer is None:
+            return nn.Identity()
+        return self.layer.build(seed) if isinstance(self.layer, Layer) else self.layer
+
+    def __repr__(self) -> str:
+        fn = "" if self.forward_fn is None else ", forward_fn=..."
+        return f"Tied({self.key!r}, {self.layer!r}{fn})"
+
+
+class TiedCall(nn.Module):
+    """A use of a shared module: ``forward_fn(module, *x)``. Only the first use registers the module."""
+
+    def __init__(self, module: nn.Module, forward_fn: ForwardFn | None, registered: bool) -> None:
+        super().__init__()
+        if registered:
+            self.module = module
+        else:
+            self.__dict__["shared"] = module  # not a child: its parameters are named at the first use
+        self.__dict__["forward_fn"] = forward_fn
+
+    @property
+    def target(self) -> nn.Module:
+        return self._modules["module"] if "module" in self._modules else self.__dict__["shared"]
+
+    def forward(self, *x: Any) -> Any:
+        fn = self.__dict__["forward_fn"]
+        return self.target(*x) if fn is None else fn(self.target, *x)
+
+
+class TiedBuilder:
+    """Builds the layers of a model, each tied key's module once (seeded as its first use)."""
+
+    def __init__(self, named: Sequence[tuple[str, LayerLike]], seed: int, device: Any = None) -> None:
+        self.seed = seed
+        self.device = device
+        self.first: dict[str, tuple[int, str, LayerLike]] = {}
+        self.uses: dict[str, list[int]] = {}
+        for k, (name, layer) in enumerate(named):
+            if not isinstance(layer, Tied):
+                continue
+            self.uses.setdefault(layer.key, []).append(k)
+            if layer.key not in self.first:
+                if layer.layer is None:
+                    raise ValueError(
+                        f"layer {name!r} is the first use of tied key {layer.key!r}: it must give the layer"
+                    )
+                self.first[layer.key] = (k, name, layer.layer)
+            elif layer.layer is not None:
+                first = self.first[layer.key][1]
+                raise ValueError(
+                    f"layer {name!r} gives a layer for tied key {layer.key!r}, whose first use (layer {first!r}) "
+                    "already did: later uses share it and give at most forward_fn="
+                )
+        self.built: dict[str, nn.Module] = {}
+
+    def shared(self, key: str) -> nn.Module:
+        if key not in self.built:
+            k0, _, spec = self.first[key]
+            module = build_layer(spec, k0, self.seed)
+            self.built[key] = module if self.device is None else module.to(self.device)
+        return self.built[key]
+
+    def build(self, layer: LayerLike, index: int) -> nn.Module:
+        if not isinstance(layer, Tied):
+            module = build_layer(layer, index, self.seed)
+            return module if self.device is None else module.to(self.device)
+        module = self.shared(layer.key)
+        owner = index == self.first[layer.key][0]
+        if owner and layer.forward_fn is None:
+            return module
+        return TiedCall(module, layer.forward_fn, registered=owner)
+
+
+def stage_parameters(modules: Sequence[nn.Module], seen: set[int]) -> list[nn.Parameter]:
+    """The trainable parameters a stage's optimizer steps, shared modules included, each once over ``seen``."""
+    out = []
+    for m in modules:
+        params = list(m.parameters())
+        if isinstance(m, TiedCall) and "shared" in m.__dict__:
+            params += list(m.target.parameters())
+        for p in params:
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
+
+
+class TiedSync:
+    """Sums the gradients of each tied module over the ranks owning it, once per step.
+
+    ``stages_of[key]``: the stages using ``key``; ``placement``: stage -> rank.
+    The process groups (global ranks of the owners) are made here, in key
+    order, by the owning ranks only; every rank of the pipeline builds the same
+    list, so the calls line up.
+    """
+
+    def __init__(
+        self,
+        builder: TiedBuilder,
+        ranges: Sequence[range],
+        placement: Sequence[int],
+        rank: int,
+        group: Any,
+        wait: Callable[[list[Any], str], None],
+    ) -> None:
+        self.wait = wait
+        self.copies_of: dict[int, int] = {}  # id(param) -> owning ranks
+        self.local: dict[str, tuple[nn.Module, set[int]]] = {}  # key -> module, local stages using it
+        self.groups: dict[str, Any] = {}
+        global_ranks = comm.group_ranks(group)
+        for key in sorted(builder.uses):
+            stages = {s for s, r in enumerate(ranges) for k in builder.uses[key] if k in r}
+            owners = sorted({placement[s] for s in stages})
+            if len(owners) > 1:
+                group_k = comm.new_subgroup([global_ranks[r] for r in owners], member=rank in owners)
+                if rank in owners:
+                    self.groups[key] = group_k
+            if rank in owners:
+                module = builder.shared(key)
+                self.local[key] = (module, {s for s in stages if placement[s] == rank})
+                for p in module.parameters():
+                    self.copies_of[id(p)] = len(owners)
+        self._left: dict[str, set[int]] = {}
+        self._pending: dict[str, tuple[Any, torch.Tensor, list[torch.Tensor]]] = {}
+
+    def start_step(self) -> None:
+        self._left = {key: set(stages) for key, (_, stages) in self.local.items() if key in self.groups}
+
+    def on_sync(self, stage: int) -> None:
+        """SYNC of ``stage``: start the reduction of each key whose local stages are all synced."""
+        for key, left in self._left.items():
+            if stage in left:
+                left.discard(stage)
+                if not left:
+                    self._start(key)
+
+    @torch.no_grad()
+    def _start(self, key: str) -> None:
+        module = self.local[key][0]
+        grads = []
+        for p in module.parameters():
+            if p.requires_grad:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                grads.append(p.grad)
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self._pending[key] = (comm.all_reduce_async(flat, self.groups[key]), flat, grads)
+
+    @torch.no_grad()
+    def finish(self, stage: int | None = None) -> None:
+        """Wait for the reductions touching ``stage`` (all if None; unstarted ones start now) and write them back."""
+        if stage is None:
+            for key, left in self._left.items():
+                if left:
+                    left.clear()
+                    self._start(key)
+        keys = [k for k in self._pending if stage is None or stage in self.local[k][1]]
+        for key in keys:
+            work, flat, grads = self._pending.pop(key)
+            self.wait([work], f"the gradient all-reduce of tied key {key!r}")
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+    def copies(self, grad: torch.Tensor, params: Sequence[nn.Parameter]) -> int:
+        for p in params:
+            if p.grad is grad:
+                return self.copies_of.get(id(p), 1)
+        return 1

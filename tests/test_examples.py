@@ -1,0 +1,158 @@
+"""The examples, run the way a user runs them (``stagewise run -n N examples/...``), tiny and short.
+
+Each run is a subprocess under torch's launcher with a timeout; the tests check
+that the outputs exist, that the loss falls, that the checkpoint loads into the
+one-process model, and that ``--single`` computes what the pipeline computes.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import stagewise as sw
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+sys.path.insert(0, str(EXAMPLES))
+
+import gpt_stdlib  # noqa: E402
+import reporting  # noqa: E402
+from gpt_data import eval_batches, split, stdlib_corpus  # noqa: E402
+from gpt_model import GPTConfig, gpt_layers, lm_loss  # noqa: E402
+
+TINY_GPT = (
+    "--steps=16",
+    "--layers=2",
+    "--d-model=32",
+    "--heads=2",
+    "--seq-len=32",
+    "--batch-size=8",
+    "--microbatches=4",
+    "--lr=1e-2",
+    "--warmup=4",
+    "--eval-every=8",
+    "--eval-batches=2",
+    "--timeline-every=4",
+    "--sample=16",
+    "--no-progress",
+)
+TIMEOUT = 180  # seconds per run; a tiny run takes 10-20 s, most of it starting processes
+
+
+def _run(cmd: list[str], cwd: Path) -> str:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    try:
+        done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"{' '.join(cmd)} ran past {TIMEOUT} s:\n{err.stdout}\n{err.stderr}")
+    log = done.stdout + done.stderr
+    assert done.returncode == 0, f"{' '.join(cmd)} exited {done.returncode}:\n{log[-6000:]}"
+    return log
+
+
+def stagewise_run(nproc: int, script: str, *args: str, cwd: Path) -> str:
+    """``stagewise run -n NPROC examples/SCRIPT ARGS``, with the installed console script when there is one."""
+    exe = Path(sys.executable).with_name("stagewise")
+    launcher = [str(exe)] if exe.exists() else [sys.executable, "-m", "stagewise.cli"]
+    return _run([*launcher, "run", "-n", str(nproc), str(EXAMPLES / script), *args], cwd)
+
+
+@pytest.fixture(scope="module")
+def gpt_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    out = tmp_path_factory.mktemp("gpt") / "demo"
+    log = stagewise_run(4, "gpt_stdlib.py", *TINY_GPT, f"--out={out}", cwd=out.parent)
+    return out, log
+
+
+def test_gpt_on_4_ranks_writes_every_output(gpt_run: tuple[Path, str]) -> None:
+    out, log = gpt_run
+    for name in ("loss_curve.png", "timeline_measured.png", "timeline_simulated.png", "timeline_compare.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+    for name in ("timeline_measured.trace.json", "timeline_simulated.trace.json"):
+        trace = json.loads((out / name).read_text())
+        ranks = {e["tid"] for e in trace["traceEvents"] if e.get("ph") == "X"}
+        assert ranks == {0, 1, 2, 3}, name
+    rows = list(csv.DictReader((out / "metrics.csv").open()))
+    assert [int(r["step"]) for r in rows] == list(range(17))
+    assert "stagewise: GPT on the Python standard library" in log and "bubble" in log
+
+
+def test_gpt_loss_falls_and_the_bubble_is_measured(gpt_run: tuple[Path, str]) -> None:
+    summary = json.loads((gpt_run[0] / "summary.json").read_text())
+    assert summary["first_val_loss"] > 5.0  # about ln 256 = 5.55 before training
+    assert summary["final_val_loss"] < summary["first_val_loss"] - 1.0
+    assert summary["final_train_loss"] < summary["first_loss"] - 1.0
+    assert 0 < summary["bubble_simulated"] < 1 and 0 < summary["bubble_measured"] < 1
+
+
+def test_gpt_checkpoint_loads_into_the_one_process_model(gpt_run: tuple[Path, str]) -> None:
+    out = gpt_run[0]
+    ckpt = torch.load(out / "checkpoint.pt", weights_only=True)
+    cfg = GPTConfig(**ckpt["config"])
+    model = sw.build_model(gpt_layers(cfg), seed=ckpt["seed"])
+    model.load_state_dict(ckpt["model"])  # strict: every parameter of every stage, under its one-process name
+    _, valid = split(stdlib_corpus())
+    with torch.no_grad():
+        x, y = eval_batches(valid, 8, cfg.seq_len, 2)[0]
+        assert float(lm_loss(model(x), y)) < 4.5
+
+
+def test_single_process_run_computes_what_the_pipeline_computes(gpt_run: tuple[Path, str], tmp_path: Path) -> None:
+    _run([sys.executable, str(EXAMPLES / "gpt_stdlib.py"), "--single", *TINY_GPT, f"--out={tmp_path}"], tmp_path)
+
+    def losses(out: Path) -> list[float]:
+        return [float(r["loss"]) for r in csv.DictReader((out / "metrics.csv").open()) if r["loss"]]
+
+    pipelined, single = losses(gpt_run[0]), losses(tmp_path)
+    assert len(pipelined) == len(single) == 16
+    # same seed, data and optimizer: equal up to float rounding, which grows a little with the steps
+    assert single[:4] == pytest.approx(pipelined[:4], abs=1e-4)
+    assert single == pytest.approx(pipelined, abs=2e-2)
+
+
+def test_digits_cnn_from_tagged_model_on_2_ranks(tmp_path: Path) -> None:
+    import digits_cnn
+
+    out = tmp_path / "digits"
+    stagewise_run(2, "digits_cnn.py", "--steps=40", "--no-progress", f"--out={out}", cwd=tmp_path)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["final_loss"] < summary["first_loss"] - 1.0
+    assert summary["test_accuracy"] > 0.6  # 10 classes: chance is 0.1
+    assert (out / "loss_curve.png").exists()
+    state = torch.load(out / "checkpoint.pt", weights_only=True)["model"]
+    digits_cnn.DigitsNet().load_state_dict(state)  # strict: both stages' parameters, under the model's names
+
+
+def test_tensorboard_flag_needs_tensorboard(capsys: pytest.CaptureFixture[str]) -> None:
+    if reporting.tensorboard_available():
+        assert gpt_stdlib.parse_args(["--tensorboard"]).tensorboard
+        return
+    with pytest.raises(SystemExit) as exit_:
+        gpt_stdlib.parse_args(["--tensorboard"])
+    assert exit_.value.code == 2 and "needs the tensorboard package" in capsys.readouterr().err
+
+
+def test_learning_rate_warms_up_then_decays_to_a_tenth() -> None:
+    args = gpt_stdlib.parse_args(["--steps=100", "--warmup=10", "--lr=1.0"])
+    assert gpt_stdlib.lr_at(0, args) == pytest.approx(0.1)
+    assert gpt_stdlib.lr_at(10, args) == pytest.approx(1.0)
+    assert gpt_stdlib.lr_at(100, args) == pytest.approx(0.1)
+
+
+def test_measured_costs_recover_the_costs_of_a_simulated_step() -> None:
+    """The costs read off a timeline are those that made it: the simulated picture is comparable."""
+    schedule = sw.build_schedule("1f1b", 4, 8)
+    truth = sw.CostModel.uniform(4, forward=1.0, backward_input=1.5, backward_weight=0.5, comm_time=0.25)
+    timeline = sw.simulate(schedule, truth).timeline
+    costs = reporting.measured_costs([timeline], 4)
+    assert costs.forward == pytest.approx((1.0,) * 4)
+    assert [costs.backward(s) for s in range(4)] == pytest.approx([2.0] * 4)
+    assert costs.latency == pytest.approx(0.25)
+    assert sw.simulate(schedule, costs).makespan == pytest.approx(timeline.makespan)

@@ -1,0 +1,503 @@
+"""Checks for ``Pipeline.from_model`` and profile-based partitions, run on every rank of one torchrun job.
+
+    torchrun --standalone --nproc-per-node 2 tests/workers/from_model_checks.py --out DIR [--only a,b]
+
+Each check raises to fail and may return a dict of figures, written with its
+result (one JSON line per check and rank). ``checks(world)`` is a pure
+function of the world size, so pytest lists the same names without starting
+processes; :func:`launch` starts the job and reads the results back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import stagewise as sw
+from stagewise.runtime import transport
+
+RTOL, ATOL = 1e-10, 1e-12  # float64 on both sides: only summation order differs
+TIMEOUT = 60.0
+IN, D, CLASSES = 6, 16, 5
+
+
+@dataclass
+class Ctx:
+    rank: int
+    world: int
+    group: Any = None  # the pipeline group (None = WORLD)
+
+
+Check = Callable[[Ctx], "dict[str, Any] | None"]
+
+
+# ---- models -------------------------------------------------------------------------
+class Block(nn.Module):
+    def __init__(self, d: int = D) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d, dtype=torch.float64)
+        self.norm = nn.LayerNorm(d, dtype=torch.float64)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + torch.tanh(self.norm(self.lin(h)))
+
+
+class Head(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, CLASSES, dtype=torch.float64)
+
+    def forward(self, h: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
+        return self.lin(h - 0.5 * skip)
+
+
+class SkipNet(nn.Module):
+    """An arbitrary forward over ``embed, blocks.0 .. blocks.{n-1}, head``.
+
+    What crosses the cuts: ``h0`` (made on stage 0, used on the last: a
+    residual that skips every stage in between), ``n = x.size(0)`` (an int,
+    used to reshape on the last stage), the model's second input ``scale``
+    (used only on the last stage) and the running activation. ``gate`` is a
+    bare parameter used on the last stage; ``mask`` a non-persistent buffer.
+
+    ``tags``: None (untagged), ``"attr"`` (``pipeline_stage`` set after
+    building, block i on stage ``i * stages // n``) or ``"with"`` (built
+    inside ``with sw.stage(k):``, same placement).
+    """
+
+    def __init__(self, num_blocks: int, stages: int = 1, tags: str | None = None, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        where = [i * stages // num_blocks for i in range(num_blocks)]
+        with _stage(tags == "with", 0):
+            self.embed = nn.Linear(IN, D, dtype=torch.float64)
+        self.blocks = nn.ModuleList()
+        for k in where:
+            with _stage(tags == "with", k):
+                self.blocks.append(Block())
+        with _stage(tags == "with", stages - 1):
+            self.head = Head()
+        self.gate = nn.Parameter(torch.linspace(0.5, 1.5, D, dtype=torch.float64))
+        self.register_buffer("mask", (torch.arange(D) % 4 != 3).to(torch.float64), persistent=False)
+        if tags == "attr":
+            self.embed.pipeline_stage = 0
+            for blk, k in zip(self.blocks, where):
+                blk.pipeline_stage = k
+            self.head.pipeline_stage = stages - 1
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        h0 = torch.relu(self.embed(x))
+        n = x.size(0)
+        h = h0
+        for blk in self.blocks:
+            h = blk(h)
+        h = (h * self.gate * self.mask).reshape(n, 2, D // 2).flatten(1)
+        return self.head(h, h0) * scale.unsqueeze(-1)
+
+
+class _stage:
+    """``sw.stage(k)`` when ``on``, else nothing."""
+
+    def __init__(self, on: bool, k: int) -> None:
+        self.ctx = sw.stage(k) if on else None
+
+    def __enter__(self) -> None:
+        if self.ctx is not None:
+            self.ctx.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.ctx is not None:
+            self.ctx.__exit__(*exc)
+
+
+def skip_data(batch: int, seed: int) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, IN, generator=g, dtype=torch.float64)
+    scale = 0.5 + torch.rand(batch, generator=g, dtype=torch.float64)
+    return (x, scale), torch.randint(0, CLASSES, (batch,), generator=g)
+
+
+class Dense(nn.Module):
+    def __init__(self, d_in: int, d_out: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d_in, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.lin(x))
+
+
+NARROW, WIDE = 32, 384
+
+
+class Unbalanced(nn.Module):
+    """40 narrow layers (width 32), then 40 wide ones (384; on a CPU each costs ~8 narrow ones): a uniform cut
+    by count puts nearly all the work on the last stage; a wide layer is ~5 % of a balanced stage's work."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        widths = [NARROW] * 41 + [WIDE] * 40
+        self.layers = nn.ModuleList(Dense(a, b) for a, b in zip(widths, widths[1:]))
+        self.head = nn.Linear(WIDE, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+# ---- helpers --------------------------------------------------------------------------
+def _compare(pipe: sw.Pipeline, ref: nn.Module, what: str, rtol: float = RTOL, atol: float = ATOL) -> None:
+    ref_params = dict(ref.named_parameters())
+    for name, p in pipe.named_parameters():
+        assert name in ref_params, f"{what}: pipeline parameter {name!r} is not in the model"
+        assert p.grad is not None, f"{what}: {name} got no gradient"
+        expected = ref_params[name].grad
+        torch.testing.assert_close(p.grad, expected, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{what} {n}: {m}")
+
+
+def _raises(kind: type[BaseException], text: str, fn: Callable[[], Any]) -> str:
+    try:
+        fn()
+    except kind as err:
+        assert text in str(err), f"expected {text!r} in {err}"
+        return str(err)
+    raise AssertionError(f"no {kind.__name__} ({text!r})")
+
+
+def _everyone(obj: Any, ctx: Ctx) -> list[Any]:
+    return transport.gather_objects(obj, ctx.group)
+
+
+# ---- parity -----------------------------------------------------------------------------
+def parity(tags: str | None, schedule: str, stages: int, m: int, partition: str | None = None) -> Check:
+    """Two train steps and an eval step of SkipNet against an untouched deep copy of it, in one process."""
+
+    def check(ctx: Ctx) -> dict[str, Any]:
+        num_blocks = stages if tags else stages + 2
+        model = SkipNet(num_blocks, stages, tags, seed=3)
+        ref = copy.deepcopy(model)
+        (x, scale), y = skip_data(2 * m + 1, seed=0)
+        options: dict[str, Any] = {}
+        if tags is None:
+            options = {"stages": stages, "partition": partition}
+            if partition in ("time", "memory"):
+                options["sample_inputs"] = (x[:2], scale[:2])
+        pipe = sw.Pipeline.from_model(
+            model,
+            loss_fn=F.cross_entropy,
+            schedule=schedule,
+            microbatches=m,
+            group=ctx.group,
+            timeout=TIMEOUT,
+            **options,
+        )
+        assert pipe.schedule.num_stages == stages, pipe.schedule.num_stages
+        for step in range(2):
+            (x, scale), y = skip_data(2 * m + 1, seed=step)  # uneven micro-batches: n differs between them
+            loss = pipe.train_step((x, scale), y)
+            ref.zero_grad(set_to_none=True)
+            ref_loss = F.cross_entropy(ref(x, scale), y)
+            ref_loss.backward()
+            assert abs(loss - ref_loss.item()) <= 1e-10 * (1 + abs(ref_loss.item())), (loss, ref_loss.item())
+            _compare(pipe, ref, f"step {step}")
+            pipe.zero_grad(set_to_none=True)
+        out = pipe.eval_step((x, scale))
+        if pipe.rank == pipe.schedule.placement[-1]:
+            torch.testing.assert_close(out, ref(x, scale), rtol=RTOL, atol=ATOL)
+        # original names; this rank's share only; the rest of the model freed
+        mine = sorted(n for n, _ in pipe.named_parameters())
+        assert mine == sorted(n for n, p in model.named_parameters() if not p.is_meta), mine
+        keys = [k for ks in _everyone(list(pipe.state_dict()), ctx) for k in ks]
+        assert sorted(keys) == sorted(ref.state_dict()), keys
+        names = [n for ns in _everyone(mine, ctx) for n in ns]
+        assert sorted(names) == sorted(n for n, _ in ref.named_parameters()), names
+        crossing = pipe.model_cut.stage_inputs
+        if stages > 2:  # the residual and the int are passed through the middle stages
+            assert all("relu" in c and "size" in c for c in crossing[1:]), crossing
+        return {"blocks per stage": [len(r) for r in pipe.layer_ranges], "stage inputs": [list(c) for c in crossing]}
+
+    return check
+
+
+# ---- layer lists: speeds, memory caps, failures ------------------------------------------
+def equal_layers(n: int = 12, d: int = 128) -> list[sw.Layer]:
+    return [sw.Layer(Dense, d, d) for _ in range(n - 1)] + [sw.Layer(nn.Linear, d, CLASSES)]
+
+
+def layers_time_speeds(ctx: Ctx) -> dict[str, Any]:
+    """Equal layers, ranks at speeds 1 and 0.5: the slow rank gets about a third of the layers; gradients exact."""
+    layers = equal_layers()
+    x = torch.randn(64, 128, generator=torch.Generator().manual_seed(0))
+    y = torch.randint(0, CLASSES, (64,), generator=torch.Generator().manual_seed(1))
+    speeds = [1.0] * (ctx.world - 1) + [0.5]
+    pipe = sw.Pipeline(
+        layers,
+        loss_fn=F.cross_entropy,
+        schedule="1f1b",
+        microbatches=4,
+        partition="time",
+        sample_inputs=x[:16],
+        speeds=speeds,
+        group=ctx.group,
+        seed=4,
+        timeout=TIMEOUT,
+    )
+    counts = [len(r) for r in pipe.layer_ranges]
+    assert _everyone(counts, ctx) == [counts] * ctx.world, "ranks disagree on the partition"
+    times = pipe.layer_profile.times()
+    work = [sum(times[i] for i in r) for r in pipe.layer_ranges]
+    fast = statistics.mean(work[:-1])
+    assert 0.3 <= work[-1] / fast <= 0.75, (counts, work)  # about half the work (layers are discrete)
+    ref = sw.build_model(layers, seed=4)
+    pipe.train_step(x, y)
+    F.cross_entropy(ref(x), y).backward()
+    _compare(pipe, ref, "speeds", rtol=1e-5, atol=1e-6)
+    return {"layers per stage": counts, "slow stage's share of a fast one's work": round(work[-1] / fast, 3)}
+
+
+def layers_memory_caps(ctx: Ctx) -> dict[str, Any]:
+    """partition="memory" evens out bytes; a cap on one rank moves layers off it; an impossible cap raises
+    the same ValueError on every rank."""
+    widths = [64, 64, 256, 256, 64, 64, 64, 64]
+    layers = [sw.Layer(Dense, a, b) for a, b in zip(widths, widths[1:])] + [sw.Layer(nn.Linear, 64, CLASSES)]
+    x = torch.randn(8, 64)
+
+    def build(**kw: Any) -> sw.Pipeline:
+        return sw.Pipeline(
+            layers, schedule="gpipe", microbatches=2, sample_inputs=x[:4], group=ctx.group, timeout=TIMEOUT, **kw
+        )
+
+    balanced = build(partition="memory")
+    from stagewise.runtime.layers import layer_memory
+
+    memory = layer_memory(balanced.layer_profile, in_flight=2)
+    held = [sum(memory[i] for i in r) for r in balanced.layer_ranges]
+    cap = min(held) * 1.05
+    caps = [max(held) * 10] * (ctx.world - 1) + [cap]  # the last rank may hold little
+    capped = build(partition="time", memory_caps=caps)
+    last = sum(memory[i] for i in capped.layer_ranges[-1])
+    assert last <= cap, (last, cap)
+    message = _raises(
+        ValueError, "fits the memory caps", lambda: build(partition="memory", memory_caps=[1000.0] * ctx.world)
+    )
+    return {"bytes per stage (memory)": [int(b) for b in held], "error": message[:160]}
+
+
+def profile_failure(ctx: Ctx) -> None:
+    """The first rank fails while profiling (wrong sample width): it raises its own error, the others say so."""
+    bad = torch.randn(4, 7)
+    if ctx.rank == 0:
+        _raises(RuntimeError, "shapes cannot be multiplied", lambda: _time_pipe(ctx, bad))
+    else:
+        _raises(RuntimeError, "rank 0 of the pipeline group failed while profiling", lambda: _time_pipe(ctx, bad))
+
+
+def _time_pipe(ctx: Ctx, sample: torch.Tensor) -> sw.Pipeline:
+    return sw.Pipeline(equal_layers(4, 8), partition="time", sample_inputs=sample, group=ctx.group, timeout=TIMEOUT)
+
+
+def refusals(ctx: Ctx) -> None:
+    """Clear errors on every rank, before anything could hang."""
+    p = ctx.world
+    tied = SkipNet(p, p, "attr")
+    tied.head.lin.weight = tied.embed.weight  # (5, 6) vs (16, 6): shapes differ, but a tie is a tie
+    _raises(sw.SplitError, "tied parameters across stages", lambda: sw.Pipeline.from_model(tied, group=ctx.group))
+    _raises(
+        ValueError,
+        f"the model's tags name {p + 1} stages, which do not divide evenly over {p} ranks",
+        lambda: sw.Pipeline.from_model(SkipNet(p + 1, p + 1, "attr"), group=ctx.group),
+    )
+    _raises(
+        ValueError,
+        "which schedule '1f1b' cannot run",
+        lambda: sw.Pipeline.from_model(SkipNet(2 * p, 2 * p, "attr"), schedule="1f1b", group=ctx.group),
+    )
+    _raises(
+        sw.SplitError,
+        "so partition=, speeds= and memory_caps= do not apply",
+        lambda: sw.Pipeline.from_model(SkipNet(p, p, "attr"), partition="time", group=ctx.group),
+    )
+    _raises(
+        ValueError,
+        "pass sample_inputs=",
+        lambda: sw.Pipeline.from_model(SkipNet(p + 2), stages=p, partition="time", group=ctx.group),
+    )
+    _raises(
+        ValueError,
+        f"speeds has 1 entries, expected one per rank ({p})",
+        lambda: sw.Pipeline(equal_layers(4, 8), partition="parameters", speeds=[1.0], group=ctx.group),
+    )
+    _raises(
+        ValueError,
+        "partition='uniform' does not",
+        lambda: sw.Pipeline(equal_layers(4, 8), speeds=[1.0] * p, group=ctx.group),
+    )
+
+
+# ---- balance, measured -------------------------------------------------------------------
+BALANCE_STEPS = 9
+BALANCE_BOUND = 1.2
+CONTENDED = 1.25  # a rank whose busy wall time exceeds its CPU time by this much shares its core
+CONTENDED_BOUND = 2.0
+CONTENDED_CPU_BOUND = 1.3  # under contention even thread time drifts (cache, frequency); uniform stays >= 2
+
+
+def balance(ctx: Ctx) -> dict[str, Any]:
+    """Unbalanced (layer widths 32 and 384) on 1F1B with partition="time" and "uniform": each rank's busy time
+    per step (the timeline's compute events; median over steps) and its CPU time per step (thread time).
+
+    Time: CPU max/min <= 1.2; busy max/min <= 1.2 as well, unless the CPU is oversubscribed (busy wall time
+    > 1.25 x CPU time on a rank: other processes take turns on our cores, and the rank whose compute overlaps
+    the other's more is slowed more), then <= 2.0. Uniform: every figure >= 2."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(256, NARROW, generator=g), torch.randint(0, CLASSES, (256,), generator=g)
+    figures: dict[str, Any] = {}
+    for how in ("time", "uniform"):
+        pipe = sw.Pipeline.from_model(
+            Unbalanced(),
+            loss_fn=F.cross_entropy,
+            schedule="1f1b",
+            microbatches=4,
+            partition=how,
+            sample_inputs=x[:64] if how == "time" else None,
+            group=ctx.group,
+            timeout=TIMEOUT,
+        )
+        busy, cpu, spans = [], [], []
+        for step in range(1 + BALANCE_STEPS):
+            started = time.thread_time()
+            pipe.train_step(x, y)
+            if step:
+                cpu.append(time.thread_time() - started)
+                busy.append(pipe.timeline().busy(pipe.rank))
+                spans.append(pipe.timeline(gather=True).makespan)
+        busy = _everyone(statistics.median(busy), ctx)
+        cpu = _everyone(statistics.median(cpu), ctx)
+        figures[how] = {
+            "blocks per stage": [len(r) for r in pipe.layer_ranges],
+            "busy ms": [round(b * 1e3, 1) for b in busy],
+            "busy max/min": round(max(busy) / min(busy), 3),
+            "cpu ms": [round(c * 1e3, 1) for c in cpu],
+            "cpu max/min": round(max(cpu) / min(cpu), 3),
+            "wall/cpu": round(max(b / c for b, c in zip(busy, cpu)), 2),
+            "step ms": round(statistics.median(spans) * 1e3, 1),
+        }
+        if pipe.layer_profile is not None:
+            bounds = [r.start for r in pipe.layer_ranges] + [pipe.layer_ranges[-1].stop]
+            predicted = sw.simulate(pipe.schedule, pipe.layer_profile.cost_model(bounds)).makespan
+            figures[how]["simulated step ms"] = round(predicted * 1e3, 1)
+        del pipe
+    time_, uniform = figures["time"], figures["uniform"]
+    contended = time_["wall/cpu"] > CONTENDED
+    time_["busy bound"] = CONTENDED_BOUND if contended else BALANCE_BOUND
+    time_["cpu bound"] = CONTENDED_CPU_BOUND if contended else BALANCE_BOUND
+    assert time_["cpu max/min"] <= time_["cpu bound"] and time_["busy max/min"] <= time_["busy bound"], figures
+    assert uniform["cpu max/min"] >= 2.0 and uniform["busy max/min"] >= 2.0, figures
+    return figures
+
+
+# ---- the suites ------------------------------------------------------------------------------
+def checks(world: int) -> dict[str, Check]:
+    p = world
+    out: dict[str, Check] = {
+        f"tagged-1f1b-s{p}": parity("attr", "1f1b", p, m=p + 1),
+        f"with-stage-zb-h1-s{p}": parity("with", "zb-h1", p, m=p),
+        f"tagged-zb-v-s{2 * p}": parity("attr", "zb-v", 2 * p, m=p),
+        f"with-stage-dualpipe-v-s{2 * p}": parity("with", "dualpipe-v", 2 * p, m=2 * p),
+        f"untagged-time-1f1b-s{p}": parity(None, "1f1b", p, m=p + 1, partition="time"),
+        f"untagged-time-zb-v-s{2 * p}": parity(None, "zb-v", 2 * p, m=p, partition="time"),
+        f"untagged-parameters-gpipe-s{p}": parity(None, "gpipe", p, m=2, partition="parameters"),
+        "layers-time-speeds": layers_time_speeds,
+        "layers-memory-caps": layers_memory_caps,
+        "refusals": refusals,
+        "profile-failure": profile_failure,
+    }
+    if world == 2:
+        out["balance"] = balance
+    return out
+
+
+# ---- running them -------------------------------------------------------------------------------
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--only", default="", help="comma-separated check names (default: all)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    env = sw.init(backend="gloo", timeout=timedelta(seconds=120))
+    todo = checks(env.world_size)
+    if args.only:
+        todo = {k: v for k, v in todo.items() if k in args.only.split(",")}
+    args.out.mkdir(parents=True, exist_ok=True)
+    with open(args.out / f"rank{env.rank}.jsonl", "w") as f:
+        for name, check in todo.items():
+            started = time.perf_counter()
+            info: Any = None
+            try:
+                info = check(Ctx(env.rank, env.world_size))
+                ok, detail = True, ""
+            except BaseException:  # recorded, and the next check runs
+                ok, detail = False, traceback.format_exc()[-4000:]
+            row = {"check": name, "ok": ok, "detail": detail, "info": info, "seconds": time.perf_counter() - started}
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            torch.distributed.barrier()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+@dataclass
+class Results:
+    nprocs: int
+    by_check: dict[str, dict[int, dict[str, Any]]] = field(default_factory=dict)
+    log: str = ""
+
+    def get(self, name: str) -> dict[int, dict[str, Any]]:
+        """The check's result on every rank; raises AssertionError naming what failed."""
+        ranks = self.by_check.get(name, {})
+        missing = [r for r in range(self.nprocs) if r not in ranks]
+        assert not missing, f"check {name!r} has no result from ranks {missing}; worker log tail:\n{self.log[-6000:]}"
+        failed = {r: res["detail"] for r, res in sorted(ranks.items()) if not res["ok"]}
+        assert not failed, "\n".join(f"--- rank {r} ---\n{d}" for r, d in failed.items())
+        return ranks
+
+
+def launch(nprocs: int, out: Path, timeout: float) -> Results:
+    """Run every check on ``nprocs`` gloo ranks (one torchrun job, every wait bounded) and read the results."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}"]
+    cmd += ["--max-restarts=0", __file__, "--out", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        log = proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as err:
+        log = f"torchrun timed out after {timeout} s\n{err.stdout or ''}{err.stderr or ''}"
+    results = Results(nprocs, log=log if isinstance(log, str) else log.decode(errors="replace"))
+    for rank in range(nprocs):
+        path = out / f"rank{rank}.jsonl"
+        if path.exists():
+            for line in path.read_text().splitlines():
+                row = json.loads(line)
+                results.by_check.setdefault(row["check"], {})[rank] = row
+    return results
+
+
+if __name__ == "__main__":
+    main()
