@@ -69,7 +69,8 @@ def test_block_runs(index: int, tmp_path: Path) -> None:
         assert result.returncode == 0, result.stdout + result.stderr
         losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", result.stdout)]
         assert len(losses) == n and len(set(losses)) == 1, result.stdout  # every rank reports the same loss
-        assert losses[0] < 1.0, f"the quick start should learn its 64 samples: {result.stdout}"
+        if "for step in range" in code:
+            assert losses[0] < 1.0, f"the quick start should learn its 64 samples: {result.stdout}"
     elif mode == "shell":
         for line in code.replace("\\\n", " ").splitlines():
             if not line.startswith("stagewise "):
