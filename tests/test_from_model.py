@@ -6,23 +6,19 @@ The multi-process checks (2 and 4 ranks) live in tests/workers/from_model_checks
 from __future__ import annotations
 
 import copy
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
+from from_model_checks import SkipNet, skip_data  # noqa: E402
 from torch import nn
 
 import stagewise as sw
 from stagewise.profiling import LayerCost, LayerProfile
 from stagewise.runtime.balance import in_flight, per_stage, profile_layers, steadiest
 from stagewise.runtime.layers import layer_memory, named_layers, partition, stage_counts
-
-sys.path.insert(0, str(Path(__file__).parent / "workers"))
-from from_model_checks import SkipNet, skip_data  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="module")

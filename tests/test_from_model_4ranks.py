@@ -3,23 +3,20 @@ tests/workers/from_model_checks.py; each test asserts one check on every rank.""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
+from from_model_checks import checks
 
-sys.path.insert(0, str(Path(__file__).parent / "workers"))
-from from_model_checks import Results, checks, launch  # noqa: E402
+from _mp import SuiteResults, run_suite
 
 RANKS = 4
 NAMES = list(checks(RANKS))
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> Results:
-    return launch(RANKS, tmp_path_factory.mktemp("from_model4"), timeout=420)
+def results(tmp_path_factory: pytest.TempPathFactory) -> SuiteResults:
+    return run_suite("from_model_checks", RANKS, tmp_path_factory.mktemp("from_model4"), timeout=420)
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_check(results: Results, name: str) -> None:
+def test_check(results: SuiteResults, name: str) -> None:
     results.get(name)

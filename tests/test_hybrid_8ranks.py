@@ -8,46 +8,25 @@ over ``s`` ranks leaves each ``~1/s`` of it.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
+import hybrid_checks as hc
 import pytest
 
-from _mp import SuiteResults
-
-WORKERS = Path(__file__).parent / "workers"
-sys.path.insert(0, str(WORKERS))
-
-import hybrid_checks as hc  # noqa: E402
+from _mp import SuiteResults, run_suite
 
 RANKS = 8
 CHECKS = list(hc.layouts8())
 
 
-def _run(out: Path, timeout: float) -> SuiteResults:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}"]
-    cmd += ["--max-restarts=0", str(WORKERS / "hybrid_checks.py"), "--suite", "hybrid8", "--out", str(out)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-        log = proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as err:
-        log = f"torchrun timed out after {timeout} s\n{err.stdout or ''}{err.stderr or ''}"
-    results = SuiteResults(RANKS, log=log if isinstance(log, str) else log.decode(errors="replace"))
-    for rank in range(RANKS):
-        path = out / f"rank{rank}.jsonl"
-        for line in path.read_text().splitlines() if path.exists() else []:
-            row = json.loads(line)
-            results.by_check.setdefault(row["check"], {})[rank] = row
-    return results
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> SuiteResults:
-    return _run(tmp_path_factory.mktemp("hybrid8"), timeout=240)
+    return run_suite(
+        "hybrid_checks",
+        RANKS,
+        tmp_path_factory.mktemp("hybrid8"),
+        timeout=240,
+        suite="hybrid8",
+        env={"PYTHONWARNINGS": "ignore"},
+    )
 
 
 @pytest.mark.parametrize("name", CHECKS)
@@ -57,7 +36,7 @@ def test_check(results: SuiteResults, name: str) -> None:
 
 def _measured(results: SuiteResults, name: str) -> list[dict]:
     results.assert_ok(name)
-    return [results.by_check[name][r]["data"] for r in range(RANKS)]
+    return [results.by_check[name][r]["info"] for r in range(RANKS)]
 
 
 def test_sharding_halves_the_optimizer_state_of_a_2x2x2_mesh(results: SuiteResults) -> None:

@@ -8,9 +8,7 @@ checks its groups against the pure arithmetic, then splits (tp) and shards
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
+import hybrid_checks as hc  # noqa: E402
 import pytest
 import torch
 import torch.distributed as dist
@@ -20,10 +18,6 @@ from stagewise.parallel import AXES
 from stagewise.runtime import sharding
 from stagewise.runtime.mesh import build_mesh
 from stagewise.runtime.tensor_parallel import apply_plan, local
-
-sys.path.insert(0, str(Path(__file__).parent / "workers"))
-
-import hybrid_checks as hc  # noqa: E402
 
 CONFIG = sw.ParallelConfig(pp=2, dp=2, sharding=2, tp=2)
 SAMPLED = (0, 5, 10, 15)

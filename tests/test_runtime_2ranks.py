@@ -17,7 +17,7 @@ FEATURES = list(feature_checks(RANKS))
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory):
-    return run_suite("parity+features", RANKS, tmp_path_factory.mktemp("runtime2"), timeout=240)
+    return run_suite("runtime_checks", RANKS, tmp_path_factory.mktemp("runtime2"), timeout=240, suite="parity+features")
 
 
 @pytest.mark.parametrize("name", PARITY)

@@ -16,7 +16,9 @@ PARITY = list(parity_checks(RANKS))
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory):
-    return run_suite("parity+subgroups", RANKS, tmp_path_factory.mktemp("runtime4"), timeout=270)
+    return run_suite(
+        "runtime_checks", RANKS, tmp_path_factory.mktemp("runtime4"), timeout=270, suite="parity+subgroups"
+    )
 
 
 @pytest.mark.parametrize("name", PARITY)

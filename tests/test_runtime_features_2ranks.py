@@ -3,18 +3,10 @@ and measured activation memory vs the simulator; one torchrun job runs tests/wor
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-
-from _mp import SuiteResults
-
-WORKERS = Path(__file__).parent / "workers"
-sys.path.insert(0, str(WORKERS))
 from feature_checks import checks  # noqa: E402
+
+from _mp import SuiteResults, run_suite
 
 RANKS = 2
 NAMES = list(checks(RANKS))
@@ -22,24 +14,7 @@ NAMES = list(checks(RANKS))
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> SuiteResults:
-    import json
-
-    out = tmp_path_factory.mktemp("features2")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}"]
-    cmd += ["--max-restarts=0", str(WORKERS / "feature_checks.py"), "--out", str(out)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
-        log = proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as err:
-        log = f"torchrun timed out\n{err.stdout or ''}{err.stderr or ''}"
-    res = SuiteResults(RANKS, log=log if isinstance(log, str) else log.decode(errors="replace"))
-    for rank in range(RANKS):
-        path = out / f"rank{rank}.jsonl"
-        for line in path.read_text().splitlines() if path.exists() else []:
-            row = json.loads(line)
-            res.by_check.setdefault(row["check"], {})[rank] = row
-    return res
+    return run_suite("feature_checks", RANKS, tmp_path_factory.mktemp("features2"), timeout=240)
 
 
 @pytest.mark.parametrize("name", NAMES)

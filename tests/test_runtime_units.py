@@ -3,10 +3,9 @@ and whole pipelines on a one-rank process group (every schedule, stages handing 
 
 from __future__ import annotations
 
-import sys
 from collections import namedtuple
-from pathlib import Path
 
+import models as mdl  # noqa: E402
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,9 +16,6 @@ from stagewise.runtime.backward import backward_full, backward_input, backward_w
 from stagewise.runtime.layers import Chain, named_layers, parameter_count, partition
 from stagewise.runtime.microbatch import batch_size, merge, split
 from stagewise.runtime.tree import flatten, leaf_paths, unflatten
-
-sys.path.insert(0, str(Path(__file__).parent / "workers"))
-import models as mdl  # noqa: E402
 
 Pair = namedtuple("Pair", "a b")
 

@@ -10,19 +10,11 @@ processes; :func:`launch` starts the job and reads the results back.
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
-import os
 import statistics
-import subprocess
-import sys
 import time
-import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from datetime import timedelta
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -432,72 +424,3 @@ def checks(world: int) -> dict[str, Check]:
     if world == 2:
         out["balance"] = balance
     return out
-
-
-# ---- running them -------------------------------------------------------------------------------
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--only", default="", help="comma-separated check names (default: all)")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    env = sw.init(backend="gloo", timeout=timedelta(seconds=120))
-    todo = checks(env.world_size)
-    if args.only:
-        todo = {k: v for k, v in todo.items() if k in args.only.split(",")}
-    args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / f"rank{env.rank}.jsonl", "w") as f:
-        for name, check in todo.items():
-            started = time.perf_counter()
-            info: Any = None
-            try:
-                info = check(Ctx(env.rank, env.world_size))
-                ok, detail = True, ""
-            except BaseException:  # recorded, and the next check runs
-                ok, detail = False, traceback.format_exc()[-4000:]
-            row = {"check": name, "ok": ok, "detail": detail, "info": info, "seconds": time.perf_counter() - started}
-            f.write(json.dumps(row) + "\n")
-            f.flush()
-            torch.distributed.barrier()
-    sys.stdout.flush()
-    os._exit(0)
-
-
-@dataclass
-class Results:
-    nprocs: int
-    by_check: dict[str, dict[int, dict[str, Any]]] = field(default_factory=dict)
-    log: str = ""
-
-    def get(self, name: str) -> dict[int, dict[str, Any]]:
-        """The check's result on every rank; raises AssertionError naming what failed."""
-        ranks = self.by_check.get(name, {})
-        missing = [r for r in range(self.nprocs) if r not in ranks]
-        assert not missing, f"check {name!r} has no result from ranks {missing}; worker log tail:\n{self.log[-6000:]}"
-        failed = {r: res["detail"] for r, res in sorted(ranks.items()) if not res["ok"]}
-        assert not failed, "\n".join(f"--- rank {r} ---\n{d}" for r, d in failed.items())
-        return ranks
-
-
-def launch(nprocs: int, out: Path, timeout: float) -> Results:
-    """Run every check on ``nprocs`` gloo ranks (one torchrun job, every wait bounded) and read the results."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}"]
-    cmd += ["--max-restarts=0", __file__, "--out", str(out)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-        log = proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as err:
-        log = f"torchrun timed out after {timeout} s\n{err.stdout or ''}{err.stderr or ''}"
-    results = Results(nprocs, log=log if isinstance(log, str) else log.decode(errors="replace"))
-    for rank in range(nprocs):
-        path = out / f"rank{rank}.jsonl"
-        if path.exists():
-            for line in path.read_text().splitlines():
-                row = json.loads(line)
-                results.by_check.setdefault(row["check"], {})[rank] = row
-    return results
-
-
-if __name__ == "__main__":
-    main()

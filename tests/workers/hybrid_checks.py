@@ -12,16 +12,10 @@ starting processes.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
-import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -300,40 +294,7 @@ def layouts4() -> dict[str, Check]:
 SUITES: dict[str, Callable[[], dict[str, Check]]] = {"hybrid8": layouts8, "hybrid4": layouts4}
 
 
-def checks(suite: str) -> dict[str, Check]:
+def checks(world: int, suite: str) -> dict[str, Check]:
     if suite not in SUITES:
         raise ValueError(f"unknown suite {suite!r}; known: {', '.join(SUITES)}")
     return SUITES[suite]()
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--suite", required=True)
-    parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--only", default="", help="comma-separated check names (default: all)")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    env = sw.init(backend="gloo", timeout=timedelta(seconds=120))
-    todo = checks(args.suite)
-    if args.only:
-        todo = {k: v for k, v in todo.items() if k in args.only.split(",")}
-    args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / f"rank{env.rank}.jsonl", "w") as f:
-        for name, check in todo.items():
-            started = time.perf_counter()
-            data = None
-            try:
-                data = check(Ctx(env.rank, env.world_size))
-                ok, detail = True, ""
-            except BaseException:  # recorded, and the next check runs
-                ok, detail = False, traceback.format_exc()[-4000:]
-            row = {"check": name, "ok": ok, "detail": detail, "data": data, "seconds": time.perf_counter() - started}
-            f.write(json.dumps(row) + "\n")
-            f.flush()
-            torch.distributed.barrier()
-    sys.stdout.flush()
-    os._exit(0)
-
-
-if __name__ == "__main__":
-    main()

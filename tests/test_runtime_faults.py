@@ -1,0 +1,87 @@
+"""Hang forensics on 4 gloo ranks: one rank dies (or hangs) mid-step; every other rank raises a PipelineError
+naming the dead peer and its own place in the schedule, and exits, within the pipeline's timeout.
+
+Each rank is a plain process started here (tests/workers/fault_checks.py), around a TCPStore hosted by this
+test, so each survivor's own report is visible (torchrun would tear the job down once a worker dies)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+WORKER = Path(__file__).parent / "workers" / "fault_checks.py"
+WORLD, VICTIM = 4, 1
+TIMEOUT = 5.0  # the pipeline's, in fault_checks.py
+STARTUP = 40.0  # four interpreters importing torch on a busy 2-core machine
+
+
+def run_ranks(out: Path, hang: bool) -> tuple[dict[int, int | None], dict[int, str], float]:
+    """Start every rank; return their exit codes (None: killed by us, still running), reports and time taken."""
+    store = dist.TCPStore("127.0.0.1", 0, WORLD, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    cmd = [sys.executable, str(WORKER), "--world", str(WORLD), "--port", str(store.port), "--victim", str(VICTIM)]
+    cmd += ["--out", str(out)] + (["--hang"] if hang else [])
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    started = time.perf_counter()
+    procs = {
+        r: subprocess.Popen([*cmd, "--rank", str(r)], env=env, stderr=subprocess.PIPE, text=True) for r in range(WORLD)
+    }
+    codes: dict[int, int | None] = {}
+    try:
+        for r, p in procs.items():
+            if hang and r == VICTIM:
+                continue
+            try:
+                p.wait(timeout=max(1.0, STARTUP + 3 * TIMEOUT - (time.perf_counter() - started)))
+                codes[r] = p.returncode
+            except subprocess.TimeoutExpired:
+                codes[r] = None
+    finally:
+        took = time.perf_counter() - started
+        for r, p in procs.items():
+            if p.poll() is None:
+                p.kill()
+                codes.setdefault(r, None)
+            elif r not in codes:
+                codes[r] = p.returncode
+            p.communicate()
+    reports = {r: (out / f"rank{r}.txt").read_text() for r in range(WORLD) if (out / f"rank{r}.txt").exists()}
+    return codes, reports, took
+
+
+@pytest.mark.parametrize("hang", [False, True], ids=["dead-peer", "stuck-peer"])
+def test_every_survivor_reports_and_exits(tmp_path: Path, hang: bool) -> None:
+    codes, reports, took = run_ranks(tmp_path, hang)
+    survivors = [r for r in range(WORLD) if r != VICTIM]
+    assert all(codes[r] == 1 for r in survivors), f"exit codes {codes}; reports {reports}"
+    if not hang:
+        assert codes[VICTIM] == 17, codes
+    assert sorted(reports) == survivors, reports
+    for r in survivors:
+        text = reports[r]
+        assert text.startswith("PipelineError: "), text
+        # the failure that stands names the peer that died; for a stalled one, whichever rank's deadline passed
+        # first posts, and the chain back to the victim is in the ranks' own lines (rank 2's, checked below)
+        cause = text.splitlines()[0]
+        if hang:
+            assert re.search(r"waited \d+\.\d s for .* from rank \d; is another rank stuck or dead\?", cause), text
+        else:
+            assert f"from rank {VICTIM} failed: " in cause and "peer" in cause, text  # gloo: closed/reset by peer
+        # this rank's own place in its planned action list
+        mine = text.splitlines()[1]
+        assert re.match(rf"rank {r} at {r}[A-Z_]+\d* \(action \d+ of \d+; last completed: .*\), waiting for ", mine), (
+            text
+        )
+        assert "planned: " in mine and f">>{r}" in mine, text
+        seconds = float(re.search(r"\(after (\d+\.\d+) s\)", text).group(1))  # type: ignore[union-attr]
+        assert seconds < 2 * TIMEOUT + 2, text
+    # rank 2 receives stage 1's output for micro-batch 2 from the victim
+    assert f"waiting for stage 1's output for micro-batch 2 from rank {VICTIM}" in reports[2], reports[2]
+    assert took < STARTUP + 3 * TIMEOUT

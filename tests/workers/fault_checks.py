@@ -1,0 +1,98 @@
+"""One rank of a pipeline that loses a rank mid-step, started as a plain process (no torchrun).
+
+    python fault_checks.py --rank R --world N --port P --victim V --out DIR [--hang]
+
+The test hosts the c10d TCPStore, so the store outlives any rank, and starts
+every rank itself, so it sees each survivor's own report rather than torchrun
+tearing the job down. Step 0 runs normally (shapes are learned); in step 1 the
+victim rank calls ``os._exit(17)`` from a layer's forward on micro-batch 2
+(with ``--hang``, it sleeps there instead, and the others time out).
+Each survivor must raise :class:`~stagewise.PipelineError` within the pipeline's
+timeout; it writes the message to ``DIR/rankR.txt`` and exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import stagewise as sw
+
+D, CLASSES, M = 8, 3, 4
+TIMEOUT = 5.0
+VICTIM_EXIT = 17
+
+
+class Tripwire(nn.Module):
+    """Identity, except that on the armed rank its ``fire_at``-th training forward ends the process."""
+
+    armed = False
+    hang = False
+    fire_at = -1
+    calls = 0
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if Tripwire.armed and torch.is_grad_enabled():
+            if Tripwire.calls == Tripwire.fire_at:
+                sys.stderr.flush()
+                if Tripwire.hang:
+                    time.sleep(3600)  # stuck in compute: the others time out; the test kills this rank
+                os._exit(VICTIM_EXIT)
+            Tripwire.calls += 1
+        return h
+
+
+def layers(world: int) -> list[sw.Layer]:
+    out: list[sw.Layer] = []
+    for _ in range(world):  # one stage per rank under 1f1b: linear, tanh, tripwire
+        out += [sw.Layer(nn.Linear, D, D, dtype=torch.float64), sw.Layer(nn.Tanh), sw.Layer(Tripwire)]
+    return out + [sw.Layer(nn.Linear, D, CLASSES, dtype=torch.float64)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    for name in ("--rank", "--world", "--port", "--victim"):
+        parser.add_argument(name, type=int, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--hang", action="store_true", help="the victim sleeps instead of exiting")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", args.port, args.world, is_master=False, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=args.rank, world_size=args.world, timeout=timedelta(seconds=30))
+    partition = [3] * (args.world - 1) + [4]
+    pipe = sw.Pipeline(
+        layers(args.world), loss_fn=F.cross_entropy, schedule="1f1b", microbatches=M, partition=partition,
+        timeout=TIMEOUT,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(4 * M, D, dtype=torch.float64, generator=g), torch.randint(0, CLASSES, (4 * M,), generator=g)
+    pipe.train_step(x, y)
+    Tripwire.armed, Tripwire.fire_at = args.rank == args.victim, 2  # the third forward: micro-batch 2
+    Tripwire.hang = args.hang
+    started = time.perf_counter()
+    try:
+        pipe.train_step(x, y)
+        text, code = "no error: the step completed", 2
+    except sw.PipelineError as err:
+        text, code = f"PipelineError: {err}", 1
+    except BaseException:
+        text, code = traceback.format_exc(), 3
+    text += f"\n(after {time.perf_counter() - started:.2f} s)"
+    (args.out / f"rank{args.rank}.txt").write_text(text)
+    sys.stderr.write(f"rank {args.rank}: {text}\n")
+    sys.stderr.flush()
+    os._exit(code)  # no teardown: the process group has a dead member
+
+
+if __name__ == "__main__":
+    main()
