@@ -8,7 +8,14 @@ last node holding it (after the micro-batch's B, or its W on a zero-bubble
 schedule, whose I retains the graph). ``peak`` is the most bytes alive at once
 during the step, the quantity the simulator's ``peak_activation_bytes``
 predicts; ``by_forward[(stage, microbatch)]`` the bytes each F added, which is
-what a :class:`~stagewise.CostModel` takes as a stage's ``activation_bytes``.
+what a :class:`~stagewise.CostModel` takes as a stage's ``activation_bytes``;
+``by_weight[(stage, microbatch)]`` the part of them still alive when its W
+starts (what I left for W: its ``weight_activation_bytes``; 0 if I freed all).
+
+The pack hook keeps a *detached* view: a saved output holds its own
+``grad_fn``, so keeping the tensor itself would make a cycle (node -> saved
+variable -> hook object -> tensor -> node) that no garbage collector sees, and
+a node that only I ran (retained, never released by W) would leak.
 
 A checkpointed segment (:mod:`.recompute`) saves only its inputs through these
 hooks; what its recompute materialises during the backward is held by
@@ -47,10 +54,14 @@ class ActivationMeter:
         self.current = 0
         self.peak = 0
         self.by_forward: dict[tuple[int, int], int] = {}
+        self.by_weight: dict[tuple[int, int], int] = {}
+        self._owner: dict[Key, tuple[int, int]] = {}  # key -> the (stage, micro-batch) whose F saved it
+        self._owned: dict[tuple[int, int], int] = {}  # bytes alive per (stage, micro-batch)
 
     def reset(self) -> None:
         self.peak = self.current
         self.by_forward = {}
+        self.by_weight = {}
 
     def hooks(self) -> Any:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
@@ -72,9 +83,11 @@ class ActivationMeter:
             if action is not None and action.kind is Kind.F and action.microbatch is not None:
                 at = (action.stage, action.microbatch)
                 self.by_forward[at] = self.by_forward.get(at, 0) + nbytes
+                self._owner[key] = at
+                self._owned[at] = self._owned.get(at, 0) + nbytes
         else:
             entry[0] += 1
-        return _Held(self, key, t)
+        return _Held(self, key, t.detach())
 
     def _release(self, key: Key) -> None:
         entry = self.live.get(key)
@@ -82,8 +95,15 @@ class ActivationMeter:
             return
         entry[0] -= 1
         if entry[0] == 0:
+            action = self.where()
+            if action is not None and action.kind is Kind.W and action.microbatch is not None:
+                at = (action.stage, action.microbatch)
+                self.by_weight.setdefault(at, self._owned.get(at, 0))
             del self.live[key]
             self.current -= entry[1]
+            owner = self._owner.pop(key, None)
+            if owner is not None:
+                self._owned[owner] -= entry[1]
 
 
 def _unpack(held: Any) -> torch.Tensor:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -26,11 +27,13 @@ from . import transport as tp
 from .aux import attach, collect_aux_losses
 from .balance import plan_layers
 from .errors import PipelineError
+from .forensics import position
 from .interpreter import Interpreter, Step
 from .layers import Layers, Partition, named_layers
 from .memory import ActivationMeter
 from .messages import Mailbox
 from .microbatch import Dims, merge, split
+from .precision import autocast_context, autocast_loss, check_autocast
 from .recompute import Recompute, check_recompute, run_layers
 from .tied import TiedBuilder, TiedSync, stage_parameters
 
@@ -47,14 +50,21 @@ class _Stage:
     their detached values accumulate into ``aux_totals``.
     """
 
-    def __init__(self, index: int, modules: list[nn.Module], recompute: Recompute = None) -> None:
+    def __init__(
+        self, index: int, modules: list[nn.Module], recompute: Recompute = None, precision: Any = nullcontext
+    ) -> None:
         self.index = index
+        self.precision = precision  # a context factory: autocast, or nothing (see .precision)
         self.modules = modules
         self.recompute = recompute
         self.aux_scale = 1.0
         self.aux_totals: dict[str, float] = {}
 
     def __call__(self, x: Any) -> Any:
+        with self.precision():
+            return self._run(x)
+
+    def _run(self, x: Any) -> Any:
         if not torch.is_grad_enabled():
             return run_layers(self.modules, x, None)
         with collect_aux_losses() as terms:
@@ -90,7 +100,11 @@ class Pipeline(nn.Module):
     zeroed) by the schedule's STEP actions, or after the step if it has none.
     ``batch_dim`` / ``target_batch_dim``: where the batch dim of the inputs /
     targets is (see :mod:`stagewise.runtime.microbatch`). ``timeout``: seconds
-    any wait may take before every rank raises :class:`PipelineError`.
+    any wait may take before every rank raises :class:`PipelineError`; the
+    error names, on each rank, the action it was in and what it waited for
+    (:mod:`stagewise.runtime.forensics`). ``autocast``: ``torch.bfloat16`` (or
+    ``float16``) runs each stage's forward and the loss under
+    ``torch.autocast`` (:mod:`stagewise.runtime.precision`).
 
     ``parallel``: a :class:`~stagewise.ParallelConfig` (or a built
     :class:`~stagewise.Mesh`) for pipeline x data x ZeRO-sharded x tensor
@@ -127,6 +141,7 @@ class Pipeline(nn.Module):
         store: Any = None,
         recompute: Recompute = None,
         measure_memory: bool = False,
+        autocast: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         tp.require_initialized()
@@ -143,6 +158,9 @@ class Pipeline(nn.Module):
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if tp.backend_of(group) == "nccl" else "cpu"
         self.device = torch.device(device)
+        check_autocast(autocast)
+        self.autocast = autocast
+        self._precision = autocast_context(autocast, self.device)
 
         named = named_layers(layers)
         plan = plan_layers(
@@ -198,13 +216,14 @@ class Pipeline(nn.Module):
             rank=self.rank,
             placement=self.schedule.placement,
             stages=dict(stages),
-            loss_fn=loss_fn,
+            loss_fn=autocast_loss(loss_fn, self._precision),
             transport=self.transport,
             mailbox=self._mailbox,
             step_stage=self._step_optimizer,
             sync_hooks=self._sync_hooks,
         )
         self._last_step: Step | None = None
+        self._running: tuple[Action, ...] = ()
         self._step_started = 0.0
         self._clock_offset = time.time() - time.perf_counter()
 
@@ -223,7 +242,7 @@ class Pipeline(nn.Module):
                 module = self._tied_builder.build(layer, k)
                 self.add_module(name, module)
                 modules.append(module)
-            stages[s] = _Stage(s, modules, self.recompute)
+            stages[s] = _Stage(s, modules, self.recompute, self._precision)
         for key, (_, name0, _) in self._tied_builder.first.items():
             if key in self._tied_builder.built and name0 not in self._modules:
                 self._tied_copies[name0] = self._tied_builder.built[key]
@@ -340,12 +359,19 @@ class Pipeline(nn.Module):
         """Activation bytes of the last train_step on this rank (needs ``measure_memory=True``).
 
         ``peak_bytes``: most bytes saved for backward alive at once;
-        ``forward_bytes``: ``{(stage, microbatch): bytes its F saved}``.
+        ``forward_bytes``: ``{(stage, microbatch): bytes its F saved}``;
+        ``weight_bytes``: ``{(stage, microbatch): bytes of those still alive when its W started}``
+        (zero-bubble schedules only).
         See :mod:`stagewise.runtime.memory`.
         """
         if self._meter is None:
             raise ValueError("build the Pipeline with measure_memory=True to measure activation memory")
-        return {"peak_bytes": self._meter.peak, "forward_bytes": dict(self._meter.by_forward)}
+        meter = self._meter
+        return {
+            "peak_bytes": meter.peak,
+            "forward_bytes": dict(meter.by_forward),
+            "weight_bytes": dict(meter.by_weight),
+        }
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise TypeError("a Pipeline is not called directly: use train_step(inputs, targets) or eval_step(inputs)")
@@ -356,11 +382,18 @@ class Pipeline(nn.Module):
             raise PipelineError(f"the pipeline failed earlier and cannot run again: {self.transport.failure}")
         try:
             return body()
-        except PipelineError:
-            raise
+        except PipelineError as err:
+            raise PipelineError(f"{err}\n{self._position()}") from err
         except BaseException as err:
-            self.transport.fail(f"rank {self.rank}: {type(err).__name__}: {err}")
+            self.transport.fail(f"rank {self.rank}: {type(err).__name__}: {err}\n{self._position()}")
             raise
+
+    def _position(self) -> str:
+        """Where this rank stood in the action list it was running (see :mod:`.forensics`)."""
+        step, it = self._last_step, self._interpreter
+        done = step.events[-1][0] if step is not None and step.events else None
+        actions = self._running
+        return position(self.rank, actions, getattr(it, "current", None), done, self.transport.waiting)
 
     def _train(self, inputs: Any, targets: Any) -> float:
         step = self._prepare("train", inputs, targets)
@@ -398,7 +431,7 @@ class Pipeline(nn.Module):
         return merge(outputs) if merge_outputs else outputs
 
     def _run(self, actions: tuple[Action, ...], step: Step) -> None:
-        self._last_step = step
+        self._last_step, self._running = step, actions
         self._step_started = time.perf_counter()
         self._interpreter.run(actions, step)
         self.transport.finish_sends()

@@ -154,6 +154,7 @@ class Transport:
         self.timeout = timeout
         self.store = dist.PrefixStore(f"stagewise/{name}/", default_store() if store is None else store)
         self.failure: str | None = None
+        self.waiting = ""
         self._sends: dict[int, Any] = {}  # id -> work, until finished or released
         self._eager_sends: list[Any] = []
         self._waiters: list[_Waiter] = []
@@ -255,6 +256,7 @@ class Transport:
         """
         if not works:
             return
+        self.waiting = what  # the last thing waited for, named in the hang report (see .forensics)
         if self.failure is not None:
             raise PipelineError(self.failure)
         if self._stream_waits and not eager:
