@@ -425,6 +425,48 @@ def autocast(schedule: str) -> Check:
     return check
 
 
+class TokenMLP(nn.Module):
+    """Per-token layers over (batch, time, D): any sequence length works."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x))
+
+
+def pooled_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.mean(dim=1), y)
+
+
+def variable_shapes(schedule: str) -> Check:
+    """Sequences whose length differs per micro-batch and per step (sw.MicroBatches, variable_shapes=True):
+    the loss and gradients of the one-process model run on each micro-batch, weighted by its size."""
+
+    def check(ctx: Ctx) -> None:
+        layers = [sw.Layer(TokenMLP) for _ in range(3)] + [sw.Layer(nn.Linear, D, CLASSES, dtype=torch.float64)]
+        m = 4
+        pipe = pipeline(ctx, layers, pooled_loss, schedule, m, variable_shapes=True)
+        ref = sw.build_model(layers)
+        g = torch.Generator().manual_seed(5)
+        for step in range(3):
+            sizes = [2 + (k + step) % 3 for k in range(m)]  # uneven micro-batches
+            lengths = [3 + (5 * k + 2 * step) % 7 for k in range(m)]
+            xs = [torch.randn(n, t, D, generator=g, dtype=torch.float64) for n, t in zip(sizes, lengths)]
+            ys = [torch.randint(0, CLASSES, (n,), generator=g) for n in sizes]
+            loss = pipe.train_step(sw.MicroBatches(xs), sw.MicroBatches(ys))
+            ref.zero_grad()
+            total = sum(sizes)
+            ref_loss = sum(pooled_loss(ref(x), y) * (len(y) / total) for x, y in zip(xs, ys))
+            ref_loss.backward()
+            close(loss, ref_loss.item(), f"step {step} loss")
+            compare_grads(pipe, ref, f"step {step}")
+            pipe.zero_grad()
+
+    return check
+
+
 def checks(world: int) -> dict[str, Check]:
     out: dict[str, Check] = {}
     for s in SCHEDULES:
@@ -440,6 +482,8 @@ def checks(world: int) -> dict[str, Check]:
     out["aux-dualpipe-v"] = aux("dualpipe-v")
     for s in ("1f1b", "zb-h1"):
         out[f"autocast-{s}"] = autocast(s)
+    for s in ("1f1b", "zb-v"):
+        out[f"variable-shapes-{s}"] = variable_shapes(s)
     for s in ("1f1b", "zb-v"):
         out[f"batchnorm-{s}"] = batchnorm(s)
     for s, how in (
@@ -457,6 +501,7 @@ def checks(world: int) -> dict[str, Check]:
             "aux-1f1b",
             "aux-zb-v",
             "frozen-",
+            "variable-shapes-zb-v",
             "recompute-stage-zb-h1",
             "recompute-2",
             "clip-zb-v",

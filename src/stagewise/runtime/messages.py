@@ -15,6 +15,10 @@ receiver posts its receive as early as the schedule says, into buffers made
 from it, and the sender checks each value against it. A mismatch would make the
 receive hang or corrupt data, so the sender raises (and posts) an error that
 names the stage, the tensor and both shapes instead.
+
+With ``variable_shapes`` every value travels the first-time way, meta and
+all, so each micro-batch of each step may have shapes of its own (packed or
+variable-length sequences) at the cost of two small extra messages per value.
 """
 
 from __future__ import annotations
@@ -80,9 +84,16 @@ class Mailbox:
     """Turns a batch of outgoing values and expected messages into point-to-point ops, for one rank."""
 
     def __init__(
-        self, transport: Transport, placement: tuple[int, ...], num_microbatches: int, device: torch.device
+        self,
+        transport: Transport,
+        placement: tuple[int, ...],
+        num_microbatches: int,
+        device: torch.device,
+        *,
+        variable_shapes: bool = False,
     ) -> None:
         self.transport = transport
+        self.variable_shapes = variable_shapes
         self.placement = placement
         self.num_microbatches = num_microbatches
         self.device = device
@@ -100,7 +111,7 @@ class Mailbox:
 
     def knows(self, msg: Message, mode: str) -> bool:
         """Whether ``msg``'s shapes are known in ``mode``, so its receive can be posted before it is needed."""
-        return (mode, msg) in self._known
+        return not self.variable_shapes and (mode, msg) in self._known
 
     def forget_shapes(self) -> None:
         """Drop every cached meta; the next step exchanges shapes again (call on all ranks)."""
@@ -117,9 +128,10 @@ class Mailbox:
         for msg, value in sends:
             meta, leaves = Meta.of(value)
             peer = self.placement[consumer_stage(msg)]
-            known = self._known.get((mode, msg))
+            known = None if self.variable_shapes else self._known.get((mode, msg))
             if known is None:
-                self._known[(mode, msg)] = meta
+                if not self.variable_shapes:
+                    self._known[(mode, msg)] = meta
                 self._send_first(msg, peer, meta, leaves)
                 continue
             self._check(msg, known, meta)
@@ -127,7 +139,7 @@ class Mailbox:
         pendings = []
         for msg in recvs:
             peer = self.placement[msg.stage]
-            meta = self._known.get((mode, msg))
+            meta = None if self.variable_shapes else self._known.get((mode, msg))
             if meta is None:
                 pendings.append(Pending(msg, peer, mode, None, [], []))
                 continue
@@ -143,7 +155,8 @@ class Mailbox:
             self.transport.wait(pending.works, what, watch=pending.watch)
             return pending.meta.rebuild(pending.buffers)
         meta = self._take_meta(pending, what)
-        self._known[(pending.mode, pending.msg)] = meta
+        if not self.variable_shapes:
+            self._known[(pending.mode, pending.msg)] = meta
         cpu = [torch.empty(sh, dtype=dt) for sh, dt in zip(meta.shapes, meta.dtypes)]
         self._eager(pending.peer, cpu, self.tag(pending.msg), what)
         return meta.rebuild([b.to(self.device) for b in cpu])

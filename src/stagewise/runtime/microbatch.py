@@ -21,6 +21,17 @@ import torch
 Dims = Any  # int | None | a tuple/list/dict of Dims mirroring the value
 
 
+class MicroBatches(list):  # type: ignore[type-arg]
+    """A mini-batch given already cut, one entry per micro-batch.
+
+    For data that one tensor cannot hold: packed or variable-length sequences,
+    where each micro-batch has its own length. Pass it as ``inputs`` (and
+    ``targets``) of ``train_step``; each micro-batch's loss is weighted by its
+    number of samples. Shapes that differ between micro-batches or steps need
+    ``Pipeline(variable_shapes=True)``.
+    """
+
+
 def batch_size(value: Any, dims: Dims = 0, what: str = "inputs") -> int:
     """The number of samples in ``value``; every batched tensor must agree."""
     found: dict[str, int] = {}
@@ -43,6 +54,10 @@ def _sizes(value: Any, dims: Dims, path: str, found: dict[str, int]) -> None:
 
 def split(value: Any, num_microbatches: int, dims: Dims = 0, what: str = "inputs") -> tuple[list[Any], list[int]]:
     """``value`` cut into ``num_microbatches`` pieces, and the number of samples in each."""
+    if isinstance(value, MicroBatches):
+        if len(value) != num_microbatches:
+            raise ValueError(f"the {what} hold {len(value)} micro-batches, but the schedule runs {num_microbatches}")
+        return list(value), [batch_size(v, dims, f"{what}[{k}]") for k, v in enumerate(value)]
     total = batch_size(value, dims, what)
     if num_microbatches > total:
         raise ValueError(

@@ -105,6 +105,11 @@ class Pipeline(nn.Module):
     (:mod:`stagewise.runtime.forensics`). ``autocast``: ``torch.bfloat16`` (or
     ``float16``) runs each stage's forward and the loss under
     ``torch.autocast`` (:mod:`stagewise.runtime.precision`).
+    ``variable_shapes``: values between stages may change shape from one
+    micro-batch or step to the next (packed / variable-length sequences; pass
+    pre-cut micro-batches as :class:`~stagewise.MicroBatches`); each value then
+    carries its shapes. Off, shapes are learned on the first step and a later
+    change is an error naming the stage and tensor.
 
     ``parallel``: a :class:`~stagewise.ParallelConfig` (or a built
     :class:`~stagewise.Mesh`) for pipeline x data x ZeRO-sharded x tensor
@@ -142,6 +147,7 @@ class Pipeline(nn.Module):
         recompute: Recompute = None,
         measure_memory: bool = False,
         autocast: torch.dtype | None = None,
+        variable_shapes: bool = False,
     ) -> None:
         super().__init__()
         tp.require_initialized()
@@ -192,7 +198,13 @@ class Pipeline(nn.Module):
             group, name=name, pipeline_id=pipeline_id, timeout=timeout, store=store, side=tp.side_group(group)
         )
         self.transport.warm_up()
-        self._mailbox = Mailbox(self.transport, self.schedule.placement, self.schedule.num_microbatches, self.device)
+        self._mailbox = Mailbox(
+            self.transport,
+            self.schedule.placement,
+            self.schedule.num_microbatches,
+            self.device,
+            variable_shapes=variable_shapes,
+        )
         self._sync_hooks: list[Callable[[int], None]] = []
         if self.hybrid is not None:
             self.register_sync_hook(self.hybrid.on_sync)
