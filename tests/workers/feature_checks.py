@@ -445,7 +445,8 @@ def variable_shapes(schedule: str) -> Check:
     the loss and gradients of the one-process model run on each micro-batch, weighted by its size."""
 
     def check(ctx: Ctx) -> None:
-        layers = [sw.Layer(TokenMLP) for _ in range(3)] + [sw.Layer(nn.Linear, D, CLASSES, dtype=torch.float64)]
+        layers = [sw.Layer(TokenMLP) for _ in range(2 * ctx.world - 1)]
+        layers.append(sw.Layer(nn.Linear, D, CLASSES, dtype=torch.float64))
         m = 4
         pipe = pipeline(ctx, layers, pooled_loss, schedule, m, variable_shapes=True)
         ref = sw.build_model(layers)
