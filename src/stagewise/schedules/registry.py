@@ -129,13 +129,11 @@ def generate(name: str, num_ranks: int, num_microbatches: int, virtual_stages: i
 
 
 def _load_builtin() -> None:
-    # Importing the modules runs their @register decorators.
-    from . import (
-        basic,  # noqa: F401
-        dualpipe,  # noqa: F401
-        interleaved,  # noqa: F401
-        zero_bubble,  # noqa: F401
-    )
+    """Import the built-in schedule modules (their @register calls), in the order tables list them."""
+    import importlib
+
+    for module in ("basic", "interleaved", "zero_bubble", "dualpipe"):
+        importlib.import_module(f"{__package__}.{module}")
 
 
 def markdown_table() -> str:
