@@ -1,8 +1,8 @@
 """What ``pipeline_vs_torch.py`` benchmarks: the model, its configs, the schedule pairs, and stage costs.
 
-Shared by the launcher (which measures each stage's compute alone, in one
-process, for the simulator) and by the torchrun workers (which time whole
-training steps with each library).
+Shared by the launcher (which feeds the stage costs to the simulator) and by
+the torchrun workers (which time whole training steps with each library and,
+between them, each stage's compute alone).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def blocks_of_stage(blocks: int, stages: int, s: int) -> range:
 
 @dataclass(frozen=True)
 class StageCost:
-    """One stage's compute on one micro-batch, alone in one process (seconds): forward, input-grad, weight-grad."""
+    """One stage's compute on one micro-batch (seconds of CPU time): forward, input-grad, weight-grad."""
 
     forward: float
     backward_input: float
@@ -91,46 +91,60 @@ class StageCost:
         return self.forward + self.backward_input + self.backward_weight
 
 
-def measure_rank(cfg: Config, stages: list[tuple[int, bool, bool]], repeats: int) -> list[StageCost]:
-    """Median forward, full backward and input-only backward of one rank's stages; W is taken as B - I.
+class RankCompute:
+    """One rank's stages, rebuilt outside either library, to time their compute alone.
 
     ``stages``: (blocks, is first stage, is last stage) for each stage the rank
-    holds. They run as a rank runs them (all forwards, then the backwards in
-    reverse), so the caches hold what they would in the pipeline, and times
-    are this thread's CPU time, as time spent descheduled on a shared machine
-    is not compute. The first stage's input needs no gradient (I is 0, W all
-    of B); the last stage's forward includes the MSE loss.
+    holds. A sample runs them as the rank does (all forwards, then the
+    backwards in reverse, then input-only backwards), so the caches hold what
+    they would in the pipeline. Times are this thread's CPU time: time spent
+    descheduled on a shared machine is not compute. The first stage's input
+    needs no gradient (I is 0, W all of B); the last stage's forward includes
+    the MSE loss. W is taken as B - I.
     """
-    torch.manual_seed(0)
-    modules = [nn.Sequential(*[block(cfg.width) for _ in range(n)]) for n, _, _ in stages]
-    inputs = [torch.randn(cfg.microbatch, cfg.width, requires_grad=not first) for _, first, _ in stages]
-    y = torch.randn(cfg.microbatch, cfg.width)
-    fwd: list[list[float]] = [[] for _ in stages]
-    full: list[list[float]] = [[] for _ in stages]
-    inp: list[list[float]] = [[] for _ in stages]
 
-    def forward(k: int) -> torch.Tensor:
-        out = modules[k](inputs[k])
-        return F.mse_loss(out, y) if stages[k][2] else out
+    def __init__(self, cfg: Config, stages: list[tuple[int, bool, bool]]) -> None:
+        torch.manual_seed(0)
+        self.stages = stages
+        self.modules = [nn.Sequential(*[block(cfg.width) for _ in range(n)]) for n, _, _ in stages]
+        self.inputs = [torch.randn(cfg.microbatch, cfg.width, requires_grad=not first) for _, first, _ in stages]
+        self.target = torch.randn(cfg.microbatch, cfg.width)
+        self.samples: list[list[tuple[float, float, float]]] = [[] for _ in stages]
 
-    for _ in range(repeats + 1):
-        outs = {}
-        for k in range(len(stages)):
-            outs[k], t = _clock(forward, k)
-            fwd[k].append(t)
-        for k in reversed(range(len(stages))):
-            out = outs.pop(k)
-            full[k].append(_clock(out.backward, _ones(out))[1])
-        for k, (_, first, _) in enumerate(stages):
-            if not first:
-                out = forward(k)
-                inp[k].append(_clock(torch.autograd.grad, out, [inputs[k]], _ones(out))[1])
-    costs = []
-    for k in range(len(stages)):  # the first round warms up
-        f, b = statistics.median(fwd[k][1:]), statistics.median(full[k][1:])
-        i = min(statistics.median(inp[k][1:]), b) if inp[k] else 0.0
-        costs.append(StageCost(f, i, b - i))
-    return costs
+    def _forward(self, k: int) -> torch.Tensor:
+        out = self.modules[k](self.inputs[k])
+        return F.mse_loss(out, self.target) if self.stages[k][2] else out
+
+    def sample(self) -> None:
+        """Time a micro-batch through every stage: forward, full backward, input-only backward.
+
+        Two rounds, the first untimed: in a step the rank's weights are warm
+        from the previous micro-batch, and the libraries' steps just evicted them.
+        """
+        for _round in range(2):  # the last round's times are kept
+            fwd, full, inp = {}, {}, {}
+            outs = {}
+            for k in range(len(self.stages)):
+                outs[k], fwd[k] = _clock(self._forward, k)
+            for k in reversed(range(len(self.stages))):
+                out = outs.pop(k)
+                full[k] = _clock(out.backward, _ones(out))[1]
+            for k, (_, first, _) in enumerate(self.stages):
+                inp[k] = 0.0
+                if not first:
+                    out = self._forward(k)
+                    inp[k] = _clock(torch.autograd.grad, out, [self.inputs[k]], _ones(out))[1]
+        for k in range(len(self.stages)):
+            self.samples[k].append((fwd[k], full[k], inp[k]))
+
+    def costs(self) -> list[StageCost]:
+        """Per stage, the medians over the samples (the first one warms up)."""
+        out = []
+        for samples in self.samples:
+            kept = samples[1:] or samples
+            f, b, i = (statistics.median(x[j] for x in kept) for j in range(3))
+            out.append(StageCost(f, min(i, b), b - min(i, b)))
+        return out
 
 
 def _clock(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:

@@ -7,13 +7,17 @@ training steps with the libraries taking turns step by step (alternating
 which goes first), so changes in background load hit both alike. A step's
 time is the slowest rank's, from a barrier to its end; its CPU time the
 busiest rank's (all threads of the process); its *waiting* time the ranks'
-mean time ready to run with no CPU free (other processes had it). Rank 0
-writes one JSON file with every step's figures.
+mean time ready to run with no CPU free (other processes had it). After
+each pair of steps every rank also times one micro-batch through its own
+stages, rebuilt outside both libraries (``RankCompute``), so the stage costs
+behind the ideal are measured under the same load as the steps. Rank 0
+writes one JSON file with every step's figures and the stage costs.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -31,7 +35,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import stagewise as sw  # noqa: E402
-from _pipeline_model import SCHEDULES, Config, block, blocks_of_stage, stages_of_rank  # noqa: E402
+from _pipeline_model import SCHEDULES, Config, RankCompute, block, blocks_of_stage, stages_of_rank  # noqa: E402
 
 Step = Callable[[], None]
 
@@ -77,6 +81,14 @@ def torch_step(cfg: Config, name: str, rank: int, p: int, x: torch.Tensor, y: to
 
 def _seeded_block(cfg: Config, k: int) -> nn.Module:
     return sw.Layer(block, cfg.width).build(seed=k)
+
+
+def rank_compute(cfg: Config, name: str, rank: int, p: int) -> RankCompute:
+    """This rank's stages of schedule ``name``, rebuilt to time their compute alone."""
+    _, placement, v = SCHEDULES[name]
+    n = p * v
+    local = stages_of_rank(placement, rank, p, v)
+    return RankCompute(cfg, [(len(blocks_of_stage(cfg.blocks, n, s)), s == 0, s == n - 1) for s in local])
 
 
 def timed(step: Step) -> tuple[float, float, float]:
@@ -138,11 +150,14 @@ def main() -> None:
             except Exception as err:  # a library that cannot run this schedule here: say so, go on
                 row[lib] = {"error": f"{type(err).__name__}: {err}"}
                 print(f"rank {rank}: {lib} {name}: {row[lib]['error']}", file=sys.stderr)
+        compute = rank_compute(cfg, name, rank, p)
         for k in range(args.steps):  # the libraries take turns, step by step, so load changes hit both
             for lib in libs if k % 2 == 0 else libs[::-1]:
                 if "step" in row[lib]:
                     for key, value in zip(("times", "cpu", "waiting"), timed(row[lib]["step"])):
                         row[lib][key].append(value)
+            dist.barrier()
+            compute.sample()  # every rank at once, as in a step: under the same load as the steps
         for d in row.values():
             if "step" in d:  # the slowest rank's time, the busiest rank's CPU, the ranks' mean wait for a CPU
                 d["times"] = across_ranks(d["times"], dist.ReduceOp.MAX)
@@ -150,6 +165,11 @@ def main() -> None:
                 d["waiting"] = [w / p for w in across_ranks(d["waiting"], dist.ReduceOp.SUM)]
         keep = ("times", "cpu", "waiting", "error")
         results["schedules"][name] = {lib: {k: v for k, v in d.items() if k in keep} for lib, d in row.items()}
+        local = stages_of_rank(SCHEDULES[name][1], rank, p, SCHEDULES[name][2])
+        mine = [(s, dataclasses.astuple(c)) for s, c in zip(local, compute.costs())]
+        everyone: list[Any] = [None] * p
+        dist.all_gather_object(everyone, mine)
+        results["schedules"][name]["stage_costs"] = [c for _, c in sorted(x for rows in everyone for x in rows)]
         row.clear()
         dist.barrier()
     if rank == 0:

@@ -12,14 +12,17 @@ turns step by step (see ``_pipeline_worker.py``). Then, per schedule:
   (above 1: stagewise is faster; pairs see the same background load);
 * *ideal ms*: the larger of the critical path - ``stagewise.simulate`` on the
   schedule, fed each stage's forward / input-grad / weight-grad time - and the
-  total compute divided by min(ranks, cores). Stage times are medians of this
-  thread's CPU time, measured in this process one rank's stages at a time, as
-  that rank runs them (see ``_pipeline_model.measure_rank``);
+  total compute divided by min(ranks, cores). Stage times are medians of CPU
+  time, measured by each worker between the timed steps on its own stages,
+  rebuilt outside both libraries (see ``_pipeline_model.RankCompute``);
 * *eff*: ideal / measured step time, for each library;
 * *CPU ms*: the busiest rank's process CPU time per step (all threads);
 * *no CPU*: the share of the step the ranks' main threads were ready to run
-  but had no CPU (other processes had it): a bound on what any runtime can
-  reach on a shared machine.
+  but had no CPU (another process or thread had it): on a shared machine,
+  time no runtime can win back.
+
+The header gives the machine and the 1-minute load average before and after
+each torchrun job (the benchmark's own ranks count in the latter).
 
 Both libraries run the same schedule *name*; the ideal is the stagewise
 schedule's. A schedule stagewise does not build for the rank and micro-batch
@@ -31,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -48,36 +52,13 @@ from _pipeline_model import (  # noqa: E402
     SCHEDULES,
     Config,
     StageCost,
-    blocks_of_stage,
-    measure_rank,
-    stages_of_rank,
 )
 
 #: per config: schedules run by default, and (warm-up steps, timed steps per library)
 DEFAULTS = {
-    "overhead": (tuple(SCHEDULES), (2, 12)),
+    "overhead": (tuple(SCHEDULES), (2, 10)),
     "compute": (("gpipe", "1f1b", "zb-v"), (1, 4)),
 }
-
-
-def stage_costs(cfg: Config, name: str, p: int, cache: dict[tuple, list[StageCost]]) -> list[StageCost]:
-    """Each stage's compute per micro-batch, measured one rank at a time (one thread); alike ranks measured once."""
-    import torch
-
-    torch.set_num_threads(1)
-    _, placement, v = SCHEDULES[name]
-    n = p * v
-    repeats = 25 if cfg.width <= 1024 else 5
-    costs: list[StageCost | None] = [None] * n
-    for rank in range(p):
-        local = stages_of_rank(placement, rank, p, v)
-        key = tuple((len(blocks_of_stage(cfg.blocks, n, s)), s == 0, s == n - 1) for s in local)
-        if key not in cache:
-            cache[key] = measure_rank(cfg, list(key), repeats)
-        for s, cost in zip(local, cache[key]):
-            costs[s] = cost
-    assert all(c is not None for c in costs)
-    return costs  # type: ignore[return-value]
 
 
 def ideal(name: str, p: int, cfg: Config, costs: list[StageCost], cores: int) -> tuple[float, float, float]:
@@ -138,6 +119,7 @@ def main() -> None:
 
     registered = set(sw.schedule_names())
     started = time.perf_counter()
+    loads = [os.getloadavg()[0]]
     rows: list[Row] = []
     raw = []
     for name in args.configs:
@@ -148,19 +130,38 @@ def main() -> None:
         if missing:
             print(f"{name}: skipping {missing} (not registered in stagewise or no torch twin)", file=sys.stderr)
         schedules = [s for s in wanted if s not in missing]
-        cache: dict[tuple, list[StageCost]] = {}
         for p in args.ranks:
             runnable = [s for s in schedules if _supported(s, p, cfg)]
             print(f"{name}: {p} ranks: {', '.join(runnable)} ...", file=sys.stderr, flush=True)
+            loads.append(os.getloadavg()[0])
             result = run_job(cfg, p, runnable, tuple(args.counts or counts), args.timeout)
+            loads.append(os.getloadavg()[0])
             raw.append(result)
             for sched in runnable:
-                best, critical, spread = ideal(sched, p, cfg, stage_costs(cfg, sched, p, cache), args.cores)
+                costs = [StageCost(*c) for c in result["schedules"][sched]["stage_costs"]]
+                best, critical, spread = ideal(sched, p, cfg, costs, args.cores)
                 rows.append(Row(name, sched, p, best, critical, spread, result["schedules"][sched]))
-    print(f"\nload average {os.getloadavg()[0]:.2f}, {args.cores} cores, {time.perf_counter() - started:.0f} s\n")
+    print(f"\n{machine()}, {args.cores} cores; load average {min(loads):.2f}-{max(loads):.2f}; ", end="")
+    print(f"{time.perf_counter() - started:.0f} s; torch {torch_version()}\n")
     print(table(rows))
+    print("\n" + "\n".join(f"{name}: {Config.named(name).what}" for name in args.configs))
     if args.json:
         args.json.write_text(json.dumps(raw, indent=1))
+
+
+def machine() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        return names[0] if names else platform.processor() or platform.machine()
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def torch_version() -> str:
+    import torch
+
+    return torch.__version__
 
 
 def _supported(name: str, p: int, cfg: Config) -> bool:
