@@ -53,7 +53,7 @@ def run_suite(
     cmd += ["--max-restarts=0", str(WORKERS / "worker.py"), "--checks", module, "--out", str(out)]
     if suite is not None:
         cmd += ["--suite", suite]
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1", **(env or {}))
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
         log = proc.stdout + proc.stderr

@@ -47,7 +47,7 @@ TIMEOUT = 180  # seconds per run; a tiny run takes 10-20 s, most of it starting 
 
 
 def _run(cmd: list[str], cwd: Path) -> str:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
     try:
         done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
     except subprocess.TimeoutExpired as err:

@@ -37,6 +37,7 @@ def _env() -> dict[str, str]:
     env = dict(os.environ)
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONFAULTHANDLER"] = "1"  # a rank that aborts prints its Python stacks
     env["PYTHONUNBUFFERED"] = "1"  # each rank's line reaches the pipe whole, as it is printed
     return env
 

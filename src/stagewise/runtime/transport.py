@@ -34,10 +34,12 @@ waited on directly.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -57,6 +59,7 @@ _TAG_BITS = 20  # tags: pipeline id (10 bits) | message tag (20 bits)
 GROUPED_BACKENDS = {"nccl"}
 
 _pipelines_made: dict[str, int] = {}
+_open: weakref.WeakSet[Transport] = weakref.WeakSet()  # closed at exit, see _close_all
 
 
 @dataclass
@@ -158,6 +161,7 @@ class Transport:
         self._sends: dict[int, Any] = {}  # id -> work, until finished or released
         self._eager_sends: list[Any] = []
         self._waiters: list[_Waiter] = []
+        _open.add(self)
 
     @staticmethod
     def check_tag(tag: int) -> None:
@@ -319,10 +323,27 @@ class Transport:
             self._watch(started, "the GPU to finish the step")
             time.sleep(0.0002)
 
-    def close(self) -> None:
-        for waiter in self._waiters:
+    def close(self, join_s: float = 1.0) -> None:
+        """Stop the helper threads and join the idle ones (a helper stuck in gloo after a failure is left)."""
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
             waiter.stop()
-        self._waiters = []
+        deadline = time.perf_counter() + join_s
+        for waiter in waiters:
+            if waiter.idle:
+                waiter.join(max(0.0, deadline - time.perf_counter()))
+
+
+@atexit.register
+def _close_all() -> None:
+    """Join the helper threads before the interpreter shuts down.
+
+    A daemon thread that returns from a gloo wait while Python finalises is
+    ended inside torch's C++ frames, which aborts the process ("terminate called
+    without an active exception"); exit handlers run before finalisation.
+    """
+    for transport in list(_open):
+        transport.close()
 
 
 @dataclass
@@ -357,6 +378,9 @@ class _Waiter:
 
     def stop(self) -> None:
         self._jobs.put(None)
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
 
     def _run(self) -> None:
         while True:
