@@ -1,12 +1,15 @@
-"""A small GPT written as a list of layers, the form a pipeline cuts: embedding, blocks, head.
+"""A small GPT written as a list of layers, the form a pipeline cuts: embeddings, blocks, final norm, head.
 
 :func:`gpt_layers` returns the model as named :class:`stagewise.Layer` specs,
 so each rank builds only the layers of its own stages, and
 ``stagewise.build_model(gpt_layers(cfg), seed)`` is the same model in one
 process (same names, same initial weights).
 
-The output projection is *not* tied to the token embedding: the two live on
-different stages, and stagewise does not share parameters across stages yet.
+The output projection is tied to the token embedding, as in GPT-2: the head
+is a second use of the ``tokens`` layer (``sw.Tied``), computing the logits
+with the embedding matrix. The first and the last stage each hold a copy;
+stagewise sums its gradients over the two, and the state dict saves it once,
+as ``tokens.weight``. The position embedding is the model's own, untied.
 """
 
 from __future__ import annotations
@@ -35,17 +38,22 @@ class GPTConfig:
             raise ValueError(f"every GPTConfig field must be >= 1, got {self}")
 
 
-class Embedding(nn.Module):
-    """Token plus learned position embedding."""
+def token_embedding(cfg: GPTConfig) -> nn.Embedding:
+    """The byte embedding, N(0, 0.02) as in GPT-2: it is also the head, whose first logits stay near uniform."""
+    emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+    nn.init.normal_(emb.weight, std=0.02)
+    return emb
+
+
+class Positions(nn.Module):
+    """Adds a learned position embedding to the token embeddings."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.positions = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.weight = nn.Parameter(torch.randn(cfg.seq_len, cfg.d_model))
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        return self.tokens(idx) + self.positions(pos)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.weight[: x.shape[1]]
 
 
 class Block(nn.Module):
@@ -71,23 +79,21 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
-class Head(nn.Module):
-    """Final layer norm and the projection to byte logits."""
-
-    def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__()
-        self.ln = nn.LayerNorm(cfg.d_model)
-        self.out = nn.Linear(cfg.d_model, cfg.vocab_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(self.ln(x))
+def tied_logits(tokens: nn.Embedding, h: torch.Tensor) -> torch.Tensor:
+    """The head: byte logits from the token embedding matrix, ``h @ tokens.weight.T``."""
+    return F.linear(h, tokens.weight)
 
 
 def gpt_layers(cfg: GPTConfig) -> dict[str, sw.Layer]:
-    """The model as named layer specs in order: ``embed``, ``block0`` ... ``block{n-1}``, ``head``."""
-    layers = {"embed": sw.Layer(Embedding, cfg)}
+    """The model as named layer specs in order: ``tokens``, ``positions``, ``block0`` ... ``block{n-1}``,
+    ``ln_f``, ``head`` (the tied second use of ``tokens``, with no weights of its own)."""
+    layers = {
+        "tokens": sw.Tied("tokens", sw.Layer(token_embedding, cfg)),
+        "positions": sw.Layer(Positions, cfg),
+    }
     layers.update({f"block{i}": sw.Layer(Block, cfg) for i in range(cfg.n_layers)})
-    layers["head"] = sw.Layer(Head, cfg)
+    layers["ln_f"] = sw.Layer(nn.LayerNorm, cfg.d_model)
+    layers["head"] = sw.Tied("tokens", forward_fn=tied_logits)
     return layers
 
 

@@ -12,7 +12,8 @@ the progress and writes, under ``--out``:
 * ``timeline_measured.png`` / ``.trace.json``: one measured step (open the trace in ui.perfetto.dev);
 * ``timeline_simulated.png`` / ``.trace.json``: the simulator's prediction from the measured per-stage
   compute times, and ``timeline_compare.png`` with both;
-* ``checkpoint.pt``: the whole model's state dict (names as in one process) and its config;
+* ``checkpoint.pt``: the whole model's state dict (names as in one process, the tied token
+  embedding once) and its config;
   ``sw.build_model(gpt_layers(cfg), seed).load_state_dict(ckpt["model"])`` restores it;
 * ``summary.json``: the numbers of the summary table.
 """
@@ -61,7 +62,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=32, help="sequences per step (default 32)")
     p.add_argument("--microbatches", type=int, default=8, help="micro-batches per step (default 8)")
     p.add_argument("--schedule", default="1f1b", help="pipeline schedule (see `stagewise schedules`)")
-    p.add_argument("--partition", default="uniform", help="'uniform', 'parameters' or layer counts like 3,2,2,2")
+    p.add_argument(
+        "--partition",
+        default="parameters",
+        help="'parameters' (default: balances the blocks), 'uniform' or layer counts like 3,2,2,3",
+    )
     p.add_argument("--layers", type=int, default=6, help="transformer blocks (default 6)")
     p.add_argument("--d-model", type=int, default=64, help="width (default 64)")
     p.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
@@ -266,10 +271,11 @@ def report(
     model.load_state_dict(state)
     with torch.no_grad():
         reloaded = statistics.fmean(float(lm_loss(model(x), y)) for x, y in valid)
+    parameters = sum(v.numel() for v in state.values())  # the tied embedding once
     tokens_per_s = args.steps * args.batch_size * args.seq_len / busy
     rows = [
         ("mode", runner.describe()),
-        ("model", f"{sum(v.numel() for v in state.values()):,} parameters, {cfg.n_layers} blocks, d={cfg.d_model}"),
+        ("model", f"{parameters:,} parameters (embedding tied to the head), {cfg.n_layers} blocks, d={cfg.d_model}"),
         ("data", f"{args.steps} steps x {args.batch_size} x {args.seq_len} bytes"),
         ("train loss", f"{losses[0][1]:.3f} -> {final_train:.3f} (mean of the last 20 steps)"),
         ("validation loss", f"{vals[0][1]:.3f} -> {vals[-1][1]:.3f}  (reloaded checkpoint: {reloaded:.3f})"),
@@ -278,6 +284,7 @@ def report(
     ]
     summary: dict[str, Any] = {
         "mode": "single" if args.single else "pipeline",
+        "parameters": parameters,
         "first_loss": losses[0][1],
         "final_train_loss": final_train,
         "first_val_loss": vals[0][1],

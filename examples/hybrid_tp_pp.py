@@ -28,9 +28,22 @@ import torch.nn.functional as F
 from torch import nn
 
 import stagewise as sw
-from gpt_model import Embedding, GPTConfig
+from gpt_model import GPTConfig
 
 log = logging.getLogger("hybrid_tp_pp")
+
+
+class Embedding(nn.Module):
+    """Token plus learned position embedding (the tokens split by vocabulary under tensor parallelism)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.positions = nn.Embedding(cfg.seq_len, cfg.d_model)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.tokens(idx) + self.positions(pos)
 
 
 class TPBlock(nn.Module):

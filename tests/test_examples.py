@@ -102,6 +102,31 @@ def test_gpt_checkpoint_loads_into_the_one_process_model(gpt_run: tuple[Path, st
     with torch.no_grad():
         x, y = eval_batches(valid, 8, cfg.seq_len, 2)[0]
         assert float(lm_loss(model(x), y)) < 4.5
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["parameters"] == sum(p.numel() for p in model.parameters())
+
+
+def test_gpt_head_is_tied_to_the_token_embedding(gpt_run: tuple[Path, str]) -> None:
+    """GPT-2's weight tying: one (vocabulary x width) matrix, saved once, and the head computes with it."""
+    ckpt = torch.load(gpt_run[0] / "checkpoint.pt", weights_only=True)
+    cfg = GPTConfig(**ckpt["config"])
+    matrices = [k for k, v in ckpt["model"].items() if v.shape == (cfg.vocab_size, cfg.d_model)]
+    assert matrices == ["tokens.weight"]
+    assert not [k for k in ckpt["model"] if k.startswith("head.")]
+    model = sw.build_model(gpt_layers(cfg), seed=ckpt["seed"])
+    model.load_state_dict(ckpt["model"])
+    assert [n for n, _ in model.named_parameters() if n.startswith("head.")] == []
+    x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        h = x
+        for name, layer in model.named_children():  # everything before the head: the normed last hidden state
+            if name == "head":
+                break
+            h = layer(h)
+        logits = model.head(h)
+        torch.testing.assert_close(logits, h @ model.tokens.weight.T)
+        model.tokens.weight.mul_(2.0)  # the head reads the embedding's own tensor, not a copy of it
+        torch.testing.assert_close(model.head(h), 2.0 * logits)
 
 
 def test_single_process_run_computes_what_the_pipeline_computes(gpt_run: tuple[Path, str], tmp_path: Path) -> None:

@@ -70,3 +70,14 @@ def test_split_and_sharded_block_holds_a_quarter(mesh) -> None:
     held = sum(local(p).numel() for p in block.parameters())
     assert state == 2 * held  # exp_avg and exp_avg_sq, of this rank's shards only
     assert state / (2 * sum(whole.values())) < 0.3
+
+
+def test_tied_group_spans_the_owners_in_every_replica_at_one_tp_coordinate(mesh) -> None:
+    """A tied embedding / head on pp ranks 0 and 1: its gradient is summed over both stages and averaged over the
+    dp x sharding replicas, among the 8 ranks at this rank's tp coordinate (tp ranks hold the same gradient)."""
+    from stagewise.runtime.tied import _replicated
+
+    same_tp = [r for r in range(CONFIG.world_size) if CONFIG.coords(r).tp == mesh.coords.tp]
+    assert _replicated(mesh, [0, 1]) == same_tp
+    assert _replicated(mesh, [1]) == [r for r in same_tp if CONFIG.coords(r).pp == 1]  # V: both uses on one rank
+    assert mesh.rank in _replicated(mesh, [mesh.coords.pp])

@@ -23,11 +23,13 @@ TIMEOUT = 5.0  # the pipeline's, in fault_checks.py
 STARTUP = 40.0  # four interpreters importing torch on a busy 2-core machine
 
 
-def run_ranks(out: Path, hang: bool) -> tuple[dict[int, int | None], dict[int, str], float]:
+def run_ranks(
+    out: Path, hang: bool, mesh: bool = False, victim: int = VICTIM
+) -> tuple[dict[int, int | None], dict[int, str], float]:
     """Start every rank; return their exit codes (None: killed by us, still running), reports and time taken."""
     store = dist.TCPStore("127.0.0.1", 0, WORLD, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-    cmd = [sys.executable, str(WORKER), "--world", str(WORLD), "--port", str(store.port), "--victim", str(VICTIM)]
-    cmd += ["--out", str(out)] + (["--hang"] if hang else [])
+    cmd = [sys.executable, str(WORKER), "--world", str(WORLD), "--port", str(store.port), "--victim", str(victim)]
+    cmd += ["--out", str(out)] + (["--hang"] if hang else []) + (["--mesh"] if mesh else [])
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     started = time.perf_counter()
     procs = {
@@ -36,7 +38,7 @@ def run_ranks(out: Path, hang: bool) -> tuple[dict[int, int | None], dict[int, s
     codes: dict[int, int | None] = {}
     try:
         for r, p in procs.items():
-            if hang and r == VICTIM:
+            if (hang or mesh) and r == victim:
                 continue
             try:
                 p.wait(timeout=max(1.0, STARTUP + 3 * TIMEOUT - (time.perf_counter() - started)))
@@ -85,3 +87,16 @@ def test_every_survivor_reports_and_exits(tmp_path: Path, hang: bool) -> None:
     # rank 2 receives stage 1's output for micro-batch 2 from the victim
     assert f"waiting for stage 1's output for micro-batch 2 from rank {VICTIM}" in reports[2], reports[2]
     assert took < STARTUP + 3 * TIMEOUT
+
+
+def test_a_failure_in_one_replica_stops_the_other_pipelines(tmp_path: Path) -> None:
+    """pp 2 x dp 2: rank 3 raises in its forward and stays alive. Ranks 0 and 2, the other pipeline, meet it only
+    in the data-parallel all-reduce: they read its error on the mesh's board, well before their deadline."""
+    codes, reports, took = run_ranks(tmp_path, hang=False, mesh=True, victim=3)
+    assert "ValueError: the tripwire fired" in reports.get(3, ""), reports
+    for r in (0, 1, 2):
+        text = reports.get(r, "")
+        assert codes[r] == 1 and text.startswith("PipelineError: "), f"rank {r}: exit {codes[r]}: {text}"
+        assert "rank 1 (global rank 3: pp=1 dp=1 sharding=0 tp=0) at 1F2: ValueError: the tripwire fired" in text, text
+        seconds = float(re.search(r"\(after (\d+\.\d+) s\)", text).group(1))  # type: ignore[union-attr]
+        assert seconds < TIMEOUT, text  # the board, not the deadline

@@ -9,6 +9,11 @@ victim rank calls ``os._exit(17)`` from a layer's forward on micro-batch 2
 (with ``--hang``, it sleeps there instead, and the others time out).
 Each survivor must raise :class:`~stagewise.PipelineError` within the pipeline's
 timeout; it writes the message to ``DIR/rankR.txt`` and exits 1.
+
+With ``--mesh`` the ranks form ``pp=2 x dp=N/2`` and the victim *raises* in
+its forward instead (then stays alive, its connections open, until killed):
+the ranks of the other pipeline, which only meet it in the data-parallel
+all-reduce, must learn of its error from the mesh's shared error board.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ class Tripwire(nn.Module):
 
     armed = False
     hang = False
+    raises = False
     fire_at = -1
     calls = 0
 
@@ -47,6 +53,8 @@ class Tripwire(nn.Module):
                 sys.stderr.flush()
                 if Tripwire.hang:
                     time.sleep(3600)  # stuck in compute: the others time out; the test kills this rank
+                if Tripwire.raises:
+                    raise ValueError("the tripwire fired")
                 os._exit(VICTIM_EXIT)
             Tripwire.calls += 1
         return h
@@ -65,20 +73,25 @@ def main() -> None:
         parser.add_argument(name, type=int, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--hang", action="store_true", help="the victim sleeps instead of exiting")
+    parser.add_argument("--mesh", action="store_true", help="pp=2 x dp=world/2; the victim raises")
     args = parser.parse_args()
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", args.port, args.world, is_master=False, timeout=timedelta(seconds=30))
     dist.init_process_group("gloo", store=store, rank=args.rank, world_size=args.world, timeout=timedelta(seconds=30))
-    partition = [3] * (args.world - 1) + [4]
+    stages = 2 if args.mesh else args.world
+    partition = [3] * (stages - 1) + [4]
+    parallel = sw.ParallelConfig(pp=2, dp=args.world // 2) if args.mesh else None
     pipe = sw.Pipeline(
-        layers(args.world), loss_fn=F.cross_entropy, schedule="1f1b", microbatches=M, partition=partition,
-        timeout=TIMEOUT,
+        layers(stages), loss_fn=F.cross_entropy, schedule="1f1b", microbatches=M, partition=partition,
+        parallel=parallel, timeout=TIMEOUT,
     )  # fmt: skip
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(4 * M, D, dtype=torch.float64, generator=g), torch.randint(0, CLASSES, (4 * M,), generator=g)
+    x, y = (x, y) if parallel is None else (x.repeat(args.world // 2, 1), y.repeat(args.world // 2))
+    x, y = pipe.local_batch(x, y)
     pipe.train_step(x, y)
     Tripwire.armed, Tripwire.fire_at = args.rank == args.victim, 2  # the third forward: micro-batch 2
-    Tripwire.hang = args.hang
+    Tripwire.hang, Tripwire.raises = args.hang, args.mesh
     started = time.perf_counter()
     try:
         pipe.train_step(x, y)
@@ -91,6 +104,8 @@ def main() -> None:
     (args.out / f"rank{args.rank}.txt").write_text(text)
     sys.stderr.write(f"rank {args.rank}: {text}\n")
     sys.stderr.flush()
+    if args.mesh and args.rank == args.victim:
+        time.sleep(3600)  # alive, connections open: the others must not rely on a closed socket
     os._exit(code)  # no teardown: the process group has a dead member
 
 

@@ -86,6 +86,25 @@ def tp_plan() -> dict[str, Any]:
     }
 
 
+def tied_lm(blocks: int = 5) -> list[sw.Layer]:
+    """A tp_lm whose embedding is tied to the head (GPT-2's weight tying); 8 layers, enough for 4 ranks x 2."""
+    return [
+        sw.Tied("embed", sw.Layer(nn.Embedding, VOCAB, D, dtype=torch.float64)),
+        *[sw.Layer(TPBlock) for _ in range(blocks)],
+        sw.Layer(nn.LayerNorm, D, dtype=torch.float64),
+        sw.Tied("embed", forward_fn=_tied_head),
+    ]
+
+
+def _tied_head(emb: nn.Embedding, h: torch.Tensor) -> torch.Tensor:
+    return h @ emb.weight.T
+
+
+def tied_plan() -> dict[str, Any]:
+    """The blocks split as in tp_plan; the tied embedding / head stay whole."""
+    return {k: v for k, v in tp_plan().items() if k not in ("0", "*.lm")}
+
+
 # ---- checks ----------------------------------------------------------------------
 @dataclass
 class Ctx:
@@ -121,10 +140,13 @@ def _state_bytes(opt: torch.optim.Optimizer) -> int:
     )
 
 
-def _model(model: str) -> tuple[list[sw.Layer], Any, Any]:
+def _model(model: str) -> tuple[list[sw.Layer], Any, Any, dict[str, Any]]:
+    """Layers, loss, data and tensor-parallel plan of a test model."""
     if model == "lm":
-        return tp_lm(), mdl.lm_loss, mdl.lm_data
-    return mdl.mlp(), F.cross_entropy, mdl.mlp_data
+        return tp_lm(), mdl.lm_loss, mdl.lm_data, tp_plan()
+    if model == "tied":
+        return tied_lm(), mdl.lm_loss, mdl.lm_data, tied_plan()
+    return mdl.mlp(), F.cross_entropy, mdl.mlp_data, tp_plan()
 
 
 def parity(config: sw.ParallelConfig, schedule: str, m: int, model: str = "lm", clip: float = 0.05) -> Check:
@@ -132,14 +154,14 @@ def parity(config: sw.ParallelConfig, schedule: str, m: int, model: str = "lm", 
     sharding and tp), the clipped norm and the parameters after each step; returns optimizer-state bytes."""
 
     def check(ctx: Ctx) -> dict[str, Any]:
-        layers, loss_fn, data = _model(model)
+        layers, loss_fn, data, plan = _model(model)
         pipe = sw.Pipeline(
             layers,
             loss_fn=loss_fn,
             schedule=schedule,
             microbatches=m,
             parallel=config,
-            tp_plan=tp_plan(),
+            tp_plan=plan,
             seed=7,
             timeout=TIMEOUT,
         )
@@ -237,6 +259,14 @@ def invalid(ctx: Ctx) -> None:
     raises("either group= or parallel=", lambda: sw.Pipeline(mdl.mlp(), group=world, parallel=sw.ParallelConfig()))
     mesh = sw.build_mesh(sw.ParallelConfig(pp=2, tp=ctx.world // 2))
     raises("needs a tp_plan=", lambda: sw.Pipeline(mdl.mlp(), parallel=mesh, timeout=TIMEOUT))
+    raises(  # on every rank alike, those without the embedding too
+        "tp_plan keys ['0'] split layer '0', a use of tied key 'embed': tied modules stay whole",
+        lambda: sw.Pipeline(tied_lm(), parallel=mesh, tp_plan=tp_plan(), timeout=TIMEOUT),
+    )
+    raises(
+        "tp_plan keys ['7*'] split layer '7', a use of tied key 'embed'",  # the head's use, by a pattern
+        lambda: sw.Pipeline(tied_lm(), parallel=mesh, tp_plan={"7*": sw.column_parallel()}, timeout=TIMEOUT),
+    )
     pipe = sw.Pipeline(mdl.mlp(), loss_fn=F.cross_entropy, parallel=sw.ParallelConfig(pp=2, dp=ctx.world // 2))
     raises("does not split evenly", lambda: pipe.local_batch(*mdl.mlp_data(ctx.world // 2 + 1, seed=0)))
 
@@ -268,6 +298,10 @@ def layouts8() -> dict[str, Check]:
         # 4 x 2 x 1: a deep pipeline on V schedules (two stages per rank), replicated or sharded
         "pp4-dp2-zb-v": parity(P(pp=4, dp=2), "zb-v", 4, model="mlp"),
         "pp4-sharding2-dualpipe-v": parity(P(pp=4, sharding=2), "dualpipe-v", 4, model="mlp"),
+        # tied embedding / head across the pipeline, whole on every other axis; on V both uses share rank 0
+        "tied-pp2-dp2-tp2-1f1b": parity(P(pp=2, dp=2, tp=2), "1f1b", 3, model="tied"),
+        "tied-pp2-sharding2-tp2-zb-h1": parity(P(pp=2, sharding=2, tp=2), "zb-h1", 2, model="tied"),
+        "tied-pp4-dp2-zb-v": parity(P(pp=4, dp=2), "zb-v", 4, model="tied"),
         "factory-eval-names-dp": factory_and_eval(P(pp=2, dp=2, tp=2)),
         "factory-eval-names-sharding": factory_and_eval(P(pp=2, sharding=2, tp=2)),
         "clip-pp-only": clip_pp_only,
@@ -281,6 +315,7 @@ def layouts4() -> dict[str, Check]:
         "pp2-sharding2-1f1b": parity(P(pp=2, sharding=2), "1f1b", 2),
         "pp2-tp2-zb-h1": parity(P(pp=2, tp=2), "zb-h1", 2),
         "pp1-dp2-tp2-gpipe": parity(P(dp=2, tp=2), "gpipe", 2),
+        "tied-pp2-dp2-1f1b": parity(P(pp=2, dp=2), "1f1b", 2, model="tied"),
     }
 
 

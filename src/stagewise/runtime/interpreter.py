@@ -143,7 +143,7 @@ class Interpreter:
             raise
         except BaseException as err:
             where = f" at {self.current}" if self.current is not None else ""
-            self.transport.fail(f"rank {self.rank}{where}: {type(err).__name__}: {err}")
+            self.transport.fail(f"{self.transport.me}{where}: {type(err).__name__}: {err}")
             raise
         finally:
             self.inbox = self.outbox = {}

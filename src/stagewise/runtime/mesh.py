@@ -24,6 +24,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..parallel.config import AXES, Coords, ParallelConfig
 
+_meshes_made = 0
+
 
 class Mesh:
     """A :class:`~stagewise.ParallelConfig` laid out on the processes: groups per axis and this rank's place.
@@ -42,6 +44,10 @@ class Mesh:
         self.device_mesh = device_mesh
         self.rank = dist.get_rank()
         self.coords = Coords(*(device_mesh.get_local_rank(a) for a in AXES))
+        global _meshes_made
+        self.id = _meshes_made  # the same on every rank: meshes are built in the same order everywhere
+        _meshes_made += 1
+        self.pipelines_made = 0
 
     @property
     def device_type(self) -> str:
@@ -66,6 +72,10 @@ class Mesh:
             if self.config.size(axis) > 1:
                 all_reduce(tensor, self.group(axis), op)
         return tensor
+
+    def where(self) -> str:
+        """This rank on the mesh, for messages: ``"global rank 3: pp=1 dp=1 sharding=0 tp=0"``."""
+        return f"global rank {self.rank}: " + " ".join(f"{a}={c}" for a, c in zip(AXES, self.coords))
 
     def __repr__(self) -> str:
         return f"Mesh({self.config.describe()}, rank {self.rank} at {tuple(self.coords)})"

@@ -53,9 +53,27 @@ class Hybrid:
     def pp_group(self) -> Any:
         return self.mesh.group("pp")
 
+    def board_name(self) -> str:
+        """The error board shared by every pipeline of one Pipeline built on the mesh (one per pp group).
+
+        A failure in one replica then stops the others at their next wait, rather than at a deadline.
+        """
+        self.mesh.pipelines_made += 1
+        return f"mesh{self.mesh.id}/pipeline{self.mesh.pipelines_made - 1}"
+
     # ---- building --------------------------------------------------------
-    def attach(self, root: nn.Module, stages: dict[int, list[nn.Module]], tp_plan: TPPlan | None, wait: Wait) -> None:
-        """Split, shard or replicate this rank's stages (before any optimizer is built over their parameters)."""
+    def attach(
+        self,
+        root: nn.Module,
+        stages: dict[int, list[nn.Module]],
+        tp_plan: TPPlan | None,
+        wait: Wait,
+        whole: set[int] = frozenset(),  # type: ignore[assignment]
+    ) -> None:
+        """Split, shard or replicate this rank's stages (before any optimizer is built over their parameters).
+
+        ``whole``: ids of parameters left alone on every axis (tied ones: :mod:`.tied` reduces them itself).
+        """
         c = self.config
         if c.tp > 1:
             if tp_plan is None:
@@ -65,9 +83,12 @@ class Hybrid:
                 self._split_params = {s: [p for m in ls for p in m.parameters()] for s, ls in stages.items()}
         if c.sharding > 1:
             shard_mesh = self.mesh.sub("dp", "sharding") if c.dp > 1 else self.mesh.sub("sharding")
-            self._units = {s: zero.shard_layers(layers, shard_mesh) for s, layers in stages.items()}
+            self._units = {s: zero.shard_layers(layers, shard_mesh, whole) for s, layers in stages.items()}
         elif c.dp > 1:
-            params = {s: [p for m in layers for p in m.parameters() if p.requires_grad] for s, layers in stages.items()}
+            params = {
+                s: [p for m in layers for p in m.parameters() if p.requires_grad and id(p) not in whole]
+                for s, layers in stages.items()
+            }
             self._averager = GradAverager(params, self.mesh.group("dp"), wait=wait)
 
     # ---- the step --------------------------------------------------------
@@ -185,10 +206,11 @@ def clip_grad_norm_(
 def clip_pipeline_grads(pipe: Any, max_norm: float, norm_type: float) -> float:
     """:meth:`Pipeline.clip_grad_norm_`: over the mesh's axes, or the pipeline group (one copy of each stage)."""
     hybrid = pipe.hybrid
-    if hybrid is not None:
-        copies, reduce = hybrid.copies, hybrid.reduce
+    params = list(pipe.parameters())
+    if hybrid is not None:  # a tied parameter counts once over its copies on the mesh and across stages
+        copies = lambda g: hybrid.copies(g) * pipe.tied.copies(g, params)  # noqa: E731
+        reduce = hybrid.reduce
     else:
-        params = list(pipe.parameters())
         copies = lambda g: pipe.tied.copies(g, params)  # noqa: E731 (a tied parameter counts once)
         reduce = lambda t, op: all_reduce(t, pipe.transport.group, op)  # noqa: E731
     return clip_grad_norm_(pipe.parameters(), max_norm, norm_type, copies, reduce, pipe.device)

@@ -182,20 +182,29 @@ class Pipeline(nn.Module):
         )
         self.layer_profile = plan.profile
         self._tied_builder = TiedBuilder(named, seed, self.device)
-        if self.hybrid is not None and self._tied_builder.uses:
-            raise ValueError("tied layers (sw.Tied) are not supported with parallel= yet")
+        if self.hybrid is not None and self.hybrid.config.tp > 1:
+            self._tied_builder.check_plan([n for n, _ in named], tp_plan)
         stages = self._build_stages(named, plan.ranges, seed)
         if self.hybrid is not None:  # split, shard or replicate the stages before optimizers see them
             wait = lambda works, what: self.transport.wait(works, what)  # noqa: E731
-            self.hybrid.attach(self, {s: st.modules for s, st in stages.items()}, tp_plan, wait)
+            whole = {id(p) for m in self._tied_builder.built.values() for p in m.parameters()}
+            self.hybrid.attach(self, {s: st.modules for s, st in stages.items()}, tp_plan, wait, whole)
         self.optimizers = _optimizers(stages, optimizer)
         self._train_actions = self._with_steps(self.schedule.ranks[self.rank], optimizer is not None)
         self._eval_actions = tuple(
             a for a in self.schedule.ranks[self.rank] if a.kind in (Kind.F, Kind.SEND_F, Kind.RECV_F)
         )
         name, pipeline_id = tp.next_pipeline_id(group)
+        board = name if self.hybrid is None else self.hybrid.board_name()  # a failure anywhere stops the whole mesh
         self.transport = tp.Transport(
-            group, name=name, pipeline_id=pipeline_id, timeout=timeout, store=store, side=tp.side_group(group)
+            group,
+            name=name,
+            pipeline_id=pipeline_id,
+            timeout=timeout,
+            store=store,
+            side=tp.side_group(group),
+            board=board,
+            label=None if self.hybrid is None else f"rank {self.rank} ({self.hybrid.mesh.where()})",
         )
         self.transport.warm_up()
         self._mailbox = Mailbox(
@@ -215,6 +224,7 @@ class Pipeline(nn.Module):
             self.rank,
             group,
             lambda works, what: self.transport.wait(works, what),
+            mesh=None if self.hybrid is None else self.hybrid.mesh,
         )
         self.register_sync_hook(self.tied.on_sync)
         self._stages = stages
@@ -397,7 +407,7 @@ class Pipeline(nn.Module):
         except PipelineError as err:
             raise PipelineError(f"{err}\n{self._position()}") from err
         except BaseException as err:
-            self.transport.fail(f"rank {self.rank}: {type(err).__name__}: {err}\n{self._position()}")
+            self.transport.fail(f"{self.transport.me}: {type(err).__name__}: {err}\n{self._position()}")
             raise
 
     def _position(self) -> str:

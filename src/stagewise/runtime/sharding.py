@@ -23,18 +23,22 @@ its ``stage.py``): that reaches into FSDP2's state (``_fsdp_param_groups``,
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 
-def shard_layers(layers: Iterable[nn.Module], mesh: DeviceMesh) -> list[FSDPModule]:
-    """Make each layer with trainable parameters an FSDP2 unit on ``mesh``, reduction left to :func:`reduce`."""
+def shard_layers(layers: Iterable[nn.Module], mesh: DeviceMesh, whole: Container[int] = ()) -> list[FSDPModule]:
+    """Make each layer with trainable parameters an FSDP2 unit on ``mesh``, reduction left to :func:`reduce`.
+
+    Layers holding a parameter whose id is in ``whole`` (tied ones) stay unsharded.
+    """
     units = []
     for layer in layers:
-        if not any(p.requires_grad for p in layer.parameters()):
+        params = list(layer.parameters())
+        if not any(p.requires_grad for p in params) or any(id(p) in whole for p in params):
             continue
         unit = fully_shard(layer, mesh=mesh, reshard_after_forward=False)
         _accumulate(unit)

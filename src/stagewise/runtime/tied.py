@@ -25,7 +25,8 @@ the layer; later uses may call another function of it::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from fnmatch import fnmatchcase
 from typing import Any
 
 import torch
@@ -110,6 +111,25 @@ class TiedBuilder:
                 )
         self.built: dict[str, nn.Module] = {}
 
+    def check_plan(self, names: Sequence[str], plan: Mapping[str, Any] | None) -> None:
+        """Refuse a tensor-parallel plan that would split a tied module (it must stay whole on every rank).
+
+        Pure in the layers and the plan, so every rank raises alike. ``names``: the layer names.
+        """
+        if not plan:
+            return
+        for key, uses in self.uses.items():
+            inner = _submodule_names(self.first[key][2])
+            for k in uses:
+                under = [f"{names[k]}{mid}{sub}" for mid in ("", ".module") for sub in inner]
+                hits = sorted({pat for pat in plan for n in under if fnmatchcase(n, pat)})
+                if hits:
+                    raise ValueError(
+                        f"tp_plan keys {hits} split layer {names[k]!r}, a use of tied key {key!r}: tied modules stay "
+                        "whole under tensor parallelism (their gradient is summed across stages); leave them out "
+                        "of tp_plan"
+                    )
+
     def shared(self, key: str) -> nn.Module:
         if key not in self.built:
             k0, _, spec = self.first[key]
@@ -126,6 +146,17 @@ class TiedBuilder:
         if owner and layer.forward_fn is None:
             return module
         return TiedCall(module, layer.forward_fn, registered=owner)
+
+
+def _submodule_names(layer: LayerLike) -> list[str]:
+    """Name suffixes ("", ".sub", ...) of the layer's module tree (a spec is built on the meta device: no memory)."""
+    try:
+        if isinstance(layer, Layer):
+            with torch.device("meta"):
+                layer = layer.build(0)
+        return [f".{n}" if n else "" for n, _ in layer.named_modules()]
+    except Exception:  # a factory that cannot build on meta: check the layer's own name only
+        return [""]
 
 
 def stage_parameters(modules: Sequence[nn.Module], seen: set[int]) -> list[nn.Parameter]:
@@ -147,8 +178,10 @@ class TiedSync:
 
     ``stages_of[key]``: the stages using ``key``; ``placement``: stage -> rank.
     The process groups (global ranks of the owners) are made here, in key
-    order, by the owning ranks only; every rank of the pipeline builds the same
-    list, so the calls line up.
+    order, by their members only; every rank of the pipeline builds the same
+    list, so the calls line up. With a ``mesh`` a key's group spans its owners
+    in every replica (``dp x sharding``) at this rank's ``tp`` coordinate, and
+    the sum is divided by the number of replicas.
     """
 
     def __init__(
@@ -159,17 +192,20 @@ class TiedSync:
         rank: int,
         group: Any,
         wait: Callable[[list[Any], str], None],
+        mesh: Any = None,
     ) -> None:
         self.wait = wait
         self.copies_of: dict[int, int] = {}  # id(param) -> owning ranks
         self.local: dict[str, tuple[nn.Module, set[int]]] = {}  # key -> module, local stages using it
         self.groups: dict[str, Any] = {}
+        self.replicas = 1 if mesh is None else mesh.config.replicas
         global_ranks = comm.group_ranks(group)
         for key in sorted(builder.uses):
             stages = {s for s, r in enumerate(ranges) for k in builder.uses[key] if k in r}
             owners = sorted({placement[s] for s in stages})
-            if len(owners) > 1:
-                group_k = comm.new_subgroup([global_ranks[r] for r in owners], member=rank in owners)
+            members = [global_ranks[r] for r in owners] if mesh is None else _replicated(mesh, owners)
+            if len(members) > 1:
+                group_k = comm.new_subgroup(members, member=rank in owners)
                 if rank in owners:
                     self.groups[key] = group_k
             if rank in owners:
@@ -217,13 +253,27 @@ class TiedSync:
         for key in keys:
             work, flat, grads = self._pending.pop(key)
             self.wait([work], f"the gradient all-reduce of tied key {key!r}")
+            if self.replicas > 1:
+                flat.div_(self.replicas)
             offset = 0
             for g in grads:
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
+
+    def params(self) -> set[int]:
+        """ids of the tied parameters held here (kept out of sharding and data-parallel buckets)."""
+        return set(self.copies_of)
 
     def copies(self, grad: torch.Tensor, params: Sequence[nn.Parameter]) -> int:
         for p in params:
             if p.grad is grad:
                 return self.copies_of.get(id(p), 1)
         return 1
+
+
+def _replicated(mesh: Any, owners: Sequence[int]) -> list[int]:
+    """Global ranks of pipeline ranks ``owners`` in every replica (dp x sharding), at this rank's tp coordinate."""
+    c, tp = mesh.config, mesh.coords.tp
+    return sorted(
+        c.rank_of(pp=o, dp=d, sharding=s, tp=tp) for o in owners for d in range(c.dp) for s in range(c.sharding)
+    )

@@ -144,10 +144,20 @@ class Transport:
     """Point-to-point, the error board and deadline-aware waits for one pipeline on one group."""
 
     def __init__(
-        self, group: Any, *, name: str, pipeline_id: int, timeout: float, store: Any = None, side: Any = None
+        self,
+        group: Any,
+        *,
+        name: str,
+        pipeline_id: int,
+        timeout: float,
+        store: Any = None,
+        side: Any = None,
+        board: str | None = None,
+        label: str | None = None,
     ) -> None:
         self.group = group
         self.rank = dist.get_rank(group)
+        self.me = label or f"rank {self.rank}"  # how failure messages name this rank
         self.size = dist.get_world_size(group)
         self._global = [dist.get_global_rank(group, r) for r in range(self.size)]
         self.grouped = backend_of(group) in GROUPED_BACKENDS
@@ -155,7 +165,8 @@ class Transport:
         self._eager_group = group if side is None else side
         self._tag_base = (pipeline_id % 1024) << _TAG_BITS
         self.timeout = timeout
-        self.store = dist.PrefixStore(f"stagewise/{name}/", default_store() if store is None else store)
+        board = name if board is None else board  # pipelines sharing a board see each other's failures
+        self.store = dist.PrefixStore(f"stagewise/{board}/", default_store() if store is None else store)
         self.failure: str | None = None
         self.waiting = ""
         self._sends: dict[int, Any] = {}  # id -> work, until finished or released
@@ -192,7 +203,7 @@ class Transport:
         if waited > self.timeout:
             raise PipelineError(
                 self.fail(
-                    f"rank {self.rank} waited {waited:.1f} s for {what}; is another rank stuck or dead? "
+                    f"{self.me} waited {waited:.1f} s for {what}; is another rank stuck or dead? "
                     f"(timeout={self.timeout:g} s)"
                 )
             )
@@ -278,7 +289,7 @@ class Transport:
                         self._waiters.remove(job.waiter)
                     raise
         if job.error is not None:
-            raise PipelineError(self.fail(f"rank {self.rank}: {what} failed: {job.error}")) from job.error
+            raise PipelineError(self.fail(f"{self.me}: {what} failed: {job.error}")) from job.error
 
     def _submit(self, works: Sequence[Any]) -> Watch:
         """Give ``works`` to an idle helper (one that has finished all it was given), or to a new one."""
@@ -303,7 +314,7 @@ class Transport:
             for w in mine:
                 w.wait()
         except Exception as err:
-            raise PipelineError(self.fail(f"rank {self.rank}: {what} failed: {err}")) from err
+            raise PipelineError(self.fail(f"{self.me}: {what} failed: {err}")) from err
 
     def finish_sends(self) -> None:
         """Wait for every send posted so far: after this their buffers may be freed."""
