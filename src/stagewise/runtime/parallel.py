@@ -91,6 +91,10 @@ class Hybrid:
             }
             self._averager = GradAverager(params, self.mesh.group("dp"), wait=wait)
 
+    def drop_groups(self) -> None:
+        """At exit: forget the data-parallel group (the mesh itself names its groups, it does not hold them)."""
+        self._averager = None
+
     # ---- the step --------------------------------------------------------
     def on_sync(self, stage: int) -> None:
         """SYNC: the stage's gradients are final: start their reduction over the replicas."""

@@ -207,6 +207,7 @@ class Pipeline(nn.Module):
             label=None if self.hybrid is None else f"rank {self.rank} ({self.hybrid.mesh.where()})",
         )
         self.transport.warm_up()
+        tp.release_at_exit(self)
         self._mailbox = Mailbox(
             self.transport,
             self.schedule.placement,
@@ -525,6 +526,17 @@ class Pipeline(nn.Module):
         stepped = {a.stage for a in actions if a.kind is Kind.STEP}
         extra = [Action(s, Kind.STEP) for s in self.local_stages if s not in stepped]
         return tuple(actions) + tuple(extra)
+
+    def release_at_exit(self) -> None:
+        """At interpreter exit: let go of the process groups (see ``transport._close_all``)."""
+        transport = self.__dict__.get("transport")
+        if transport is None:
+            return
+        transport.drop_groups()
+        if transport.failure is None:
+            self.tied.groups = {}
+            if self.hybrid is not None:
+                self.hybrid.drop_groups()
 
     def __del__(self) -> None:
         transport = self.__dict__.get("transport")

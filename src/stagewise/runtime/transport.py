@@ -35,6 +35,7 @@ waited on directly.
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
 import queue
 import threading
@@ -59,7 +60,7 @@ _TAG_BITS = 20  # tags: pipeline id (10 bits) | message tag (20 bits)
 GROUPED_BACKENDS = {"nccl"}
 
 _pipelines_made: dict[str, int] = {}
-_open: weakref.WeakSet[Transport] = weakref.WeakSet()  # closed at exit, see _close_all
+_at_exit: weakref.WeakSet[Any] = weakref.WeakSet()  # released at exit, see _close_all
 
 
 @dataclass
@@ -172,7 +173,6 @@ class Transport:
         self._sends: dict[int, Any] = {}  # id -> work, until finished or released
         self._eager_sends: list[Any] = []
         self._waiters: list[_Waiter] = []
-        _open.add(self)
 
     @staticmethod
     def check_tag(tag: int) -> None:
@@ -334,6 +334,17 @@ class Transport:
             self._watch(started, "the GPU to finish the step")
             time.sleep(0.0002)
 
+    def drop_groups(self) -> None:
+        """Stop the helpers and forget the process groups, so that they can be destroyed (the pipeline is done).
+
+        After a failure the groups are kept: a collective may still be stuck in
+        them, and destroying a gloo group waits for its collectives.
+        """
+        self.close()
+        if self.failure is None:
+            self.group = self._eager_group = None
+            self._sends, self._eager_sends = {}, []
+
     def close(self, join_s: float = 1.0) -> None:
         """Stop the helper threads and join the idle ones (a helper stuck in gloo after a failure is left)."""
         waiters, self._waiters = self._waiters, []
@@ -347,14 +358,26 @@ class Transport:
 
 @atexit.register
 def _close_all() -> None:
-    """Join the helper threads before the interpreter shuts down.
+    """Before the interpreter shuts down: join the helper threads and let the process groups go.
 
-    A daemon thread that returns from a gloo wait while Python finalises is
-    ended inside torch's C++ frames, which aborts the process ("terminate called
-    without an active exception"); exit handlers run before finalisation.
+    Two ways a rank that trained fine can abort at exit ("terminate called
+    without an active exception"): a daemon thread that returns from a gloo
+    wait while Python finalises is ended inside torch's C++ frames; and a gloo
+    process group destroyed during finalisation (a Pipeline still holding it
+    after ``destroy_process_group()``) has worker threads that may drop the
+    last reference to a Python-owned tensor, which needs the interpreter.
+    Exit handlers run while Python is whole: unreferenced pipelines are
+    collected here, and live ones drop their references to process groups.
     """
-    for transport in list(_open):
-        transport.close()
+    gc.collect()
+    for owner in list(_at_exit):
+        owner.release_at_exit()
+    gc.collect()
+
+
+def release_at_exit(owner: Any) -> None:
+    """Have ``owner.release_at_exit()`` run at interpreter exit, if ``owner`` is still alive then."""
+    _at_exit.add(owner)
 
 
 @dataclass
