@@ -533,10 +533,11 @@ class Pipeline(nn.Module):
         if transport is None:
             return
         transport.drop_groups()
-        if transport.failure is None:
-            self.tied.groups = {}
-            if self.hybrid is not None:
-                self.hybrid.drop_groups()
+        tied = self.__dict__.get("tied")  # absent if the constructor failed after the transport was made
+        if transport.failure is None and tied is not None:
+            tied.groups = {}
+        if transport.failure is None and self.hybrid is not None:
+            self.hybrid.drop_groups()
 
     def __del__(self) -> None:
         transport = self.__dict__.get("transport")

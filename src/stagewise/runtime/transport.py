@@ -371,7 +371,10 @@ def _close_all() -> None:
     """
     gc.collect()
     for owner in list(_at_exit):
-        owner.release_at_exit()
+        try:
+            owner.release_at_exit()
+        except Exception as err:  # an exit handler must not stop the others
+            log.warning("stagewise: releasing %r at exit failed: %s", type(owner).__name__, err)
     gc.collect()
 
 
