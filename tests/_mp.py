@@ -15,7 +15,7 @@ from runtime_checks import feature_checks, parity_checks
 
 WORKERS = Path(__file__).parent / "workers"
 
-__all__ = ["SuiteResults", "feature_checks", "parity_checks", "run_suite"]
+__all__ = ["SuiteResults", "feature_checks", "parity_checks", "run_suite", "suites_by_ranks"]
 
 
 @dataclass
@@ -66,3 +66,23 @@ def run_suite(
             row = json.loads(line)
             results.by_check.setdefault(row["check"], {})[rank] = row
     return results
+
+
+def suites_by_ranks(module: str, label: str, timeout: float) -> Any:
+    """A module-scoped fixture: ``suites(ranks)`` runs ``module``'s checks on that many ranks once, then reuses it.
+
+    For test modules that run the same checks at several rank counts (one torchrun job per count).
+    """
+
+    @pytest.fixture(scope="module")
+    def suites(tmp_path_factory: pytest.TempPathFactory) -> Any:
+        done: dict[int, SuiteResults] = {}
+
+        def get(ranks: int) -> SuiteResults:
+            if ranks not in done:
+                done[ranks] = run_suite(module, ranks, tmp_path_factory.mktemp(f"{label}{ranks}"), timeout=timeout)
+            return done[ranks]
+
+        return get
+
+    return suites

@@ -223,20 +223,26 @@ def tied(schedule: str) -> Check:
     return check
 
 
+def two_mlp_steps(pipe: sw.Pipeline, ref: nn.Module, m: int) -> torch.Tensor:
+    """Two steps on uneven micro-batches (2m + 1 samples): loss and every gradient against ``ref``; the last inputs."""
+    for step in range(2):
+        x, y = mlp_data(2 * m + 1, seed=step)
+        loss = pipe.train_step(x, y)
+        ref.zero_grad()
+        ref_loss = F.cross_entropy(ref(x), y)
+        ref_loss.backward()
+        close(loss, ref_loss.item(), f"step {step} loss")
+        compare_grads(pipe, ref, f"step {step}")
+        pipe.zero_grad()
+    return x
+
+
 def recompute(schedule: str, how: Any) -> Check:
     def check(ctx: Ctx) -> None:
         layers, m = mlp(), 4
         pipe = pipeline(ctx, layers, F.cross_entropy, schedule, m, recompute=how)
         ref = sw.build_model(layers)
-        for step in range(2):
-            x, y = mlp_data(2 * m + 1, seed=step)
-            loss = pipe.train_step(x, y)
-            ref.zero_grad()
-            ref_loss = F.cross_entropy(ref(x), y)
-            ref_loss.backward()
-            close(loss, ref_loss.item(), f"step {step} loss")
-            compare_grads(pipe, ref, f"step {step}")
-            pipe.zero_grad()
+        x = two_mlp_steps(pipe, ref, m)
         out = pipe.eval_step(x)
         if out is not None:
             torch.testing.assert_close(out, ref(x), rtol=RTOL, atol=ATOL)
@@ -301,15 +307,7 @@ def frozen(schedule: str) -> Check:
         rest = sw.partition_costs([1.0] * 7, stages - 1).counts
         pipe = pipeline(ctx, layers, F.cross_entropy, schedule, m, partition=[1, *rest])
         ref = sw.build_model(layers)
-        for step in range(2):
-            x, y = mlp_data(2 * m + 1, seed=step)
-            loss = pipe.train_step(x, y)
-            ref.zero_grad()
-            ref_loss = F.cross_entropy(ref(x), y)
-            ref_loss.backward()
-            close(loss, ref_loss.item(), f"step {step} loss")
-            compare_grads(pipe, ref, f"step {step}")
-            pipe.zero_grad()
+        two_mlp_steps(pipe, ref, m)
 
     return check
 

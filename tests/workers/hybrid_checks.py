@@ -243,32 +243,24 @@ def _factory_and_eval(config: sw.ParallelConfig) -> None:
 def invalid(ctx: Ctx) -> None:
     """Clear errors before anything can hang: a wrong product, group= with parallel=, tp without a plan."""
 
-    def raises(text: str, fn: Callable[[], Any]) -> None:
-        try:
-            fn()
-        except ValueError as err:
-            assert text in str(err), f"expected {text!r} in {err}"
-        else:
-            raise AssertionError(f"no ValueError ({text!r})")
-
-    raises(
+    mdl.raises(
         f"pp=3 x dp=1 x sharding=1 x tp=1 = 3 processes, but the world has {ctx.world}",
         lambda: sw.Pipeline(mdl.mlp(), parallel=sw.ParallelConfig(pp=3)),
     )
     world = torch.distributed.group.WORLD
-    raises("either group= or parallel=", lambda: sw.Pipeline(mdl.mlp(), group=world, parallel=sw.ParallelConfig()))
+    mdl.raises("either group= or parallel=", lambda: sw.Pipeline(mdl.mlp(), group=world, parallel=sw.ParallelConfig()))
     mesh = sw.build_mesh(sw.ParallelConfig(pp=2, tp=ctx.world // 2))
-    raises("needs a tp_plan=", lambda: sw.Pipeline(mdl.mlp(), parallel=mesh, timeout=TIMEOUT))
-    raises(  # on every rank alike, those without the embedding too
+    mdl.raises("needs a tp_plan=", lambda: sw.Pipeline(mdl.mlp(), parallel=mesh, timeout=TIMEOUT))
+    mdl.raises(  # on every rank alike, those without the embedding too
         "tp_plan keys ['0'] split layer '0', a use of tied key 'embed': tied modules stay whole",
         lambda: sw.Pipeline(tied_lm(), parallel=mesh, tp_plan=tp_plan(), timeout=TIMEOUT),
     )
-    raises(
+    mdl.raises(
         "tp_plan keys ['7*'] split layer '7', a use of tied key 'embed'",  # the head's use, by a pattern
         lambda: sw.Pipeline(tied_lm(), parallel=mesh, tp_plan={"7*": sw.column_parallel()}, timeout=TIMEOUT),
     )
     pipe = sw.Pipeline(mdl.mlp(), loss_fn=F.cross_entropy, parallel=sw.ParallelConfig(pp=2, dp=ctx.world // 2))
-    raises("does not split evenly", lambda: pipe.local_batch(*mdl.mlp_data(ctx.world // 2 + 1, seed=0)))
+    mdl.raises("does not split evenly", lambda: pipe.local_batch(*mdl.mlp_data(ctx.world // 2 + 1, seed=0)))
 
 
 def clip_pp_only(ctx: Ctx) -> None:

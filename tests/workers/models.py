@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -150,3 +153,13 @@ class Boom(nn.Module):
         if Boom.armed:
             raise RuntimeError("Boom: a layer failed on purpose")
         return x
+
+
+def raises(text: str, fn: Callable[[], Any]) -> None:
+    """``fn()`` must raise a ValueError whose message contains ``text``."""
+    try:
+        fn()
+    except ValueError as err:
+        assert text in str(err), f"expected {text!r} in {err}"
+    else:
+        raise AssertionError(f"no ValueError ({text!r})")

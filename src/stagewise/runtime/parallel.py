@@ -18,7 +18,7 @@ split parameter is a DTensor under its own name.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -68,7 +68,7 @@ class Hybrid:
         stages: dict[int, list[nn.Module]],
         tp_plan: TPPlan | None,
         wait: Wait,
-        whole: set[int] = frozenset(),  # type: ignore[assignment]
+        whole: Container[int] = (),
     ) -> None:
         """Split, shard or replicate this rank's stages (before any optimizer is built over their parameters).
 

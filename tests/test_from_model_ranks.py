@@ -1,31 +1,27 @@
-"""``Pipeline.from_model`` and profile-based partitions on 2 gloo ranks: one torchrun job runs every check of
-tests/workers/from_model_checks.py; each test asserts one check on every rank."""
+"""``Pipeline.from_model`` and profile-based partitions on 2 and 4 gloo ranks: one torchrun job per rank count
+runs every check of tests/workers/from_model_checks.py; each test asserts one check on every rank."""
 
 from __future__ import annotations
 
 import pytest
 from from_model_checks import checks
 
-from _mp import SuiteResults, run_suite
+from _mp import suites_by_ranks
 
-RANKS = 2
-NAMES = [name for name in checks(RANKS) if name != "balance"]
+CASES = [(2, name) for name in checks(2) if name != "balance"] + [(4, name) for name in checks(4)]
 
-
-@pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> SuiteResults:
-    return run_suite("from_model_checks", RANKS, tmp_path_factory.mktemp("from_model2"), timeout=420)
+suites = suites_by_ranks("from_model_checks", "from_model", timeout=420)
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_check(results: SuiteResults, name: str) -> None:
-    results.get(name)
+@pytest.mark.parametrize(("ranks", "name"), CASES, ids=[f"{r}ranks-{n}" for r, n in CASES])
+def test_check(suites, ranks: int, name: str) -> None:
+    suites(ranks).get(name)
 
 
-def test_time_partition_balances_measured_busy_time(results: SuiteResults, record_property) -> None:
-    """A deliberately unbalanced model: with partition="time" the ranks' busy times are within 20 % of each other
-    (2x on an oversubscribed CPU, see from_model_checks.balance); with "uniform" they are far apart."""
-    figures = results.get("balance")[0]["info"]
+def test_time_partition_balances_measured_busy_time(suites, record_property) -> None:
+    """A deliberately unbalanced model on 2 ranks: with partition="time" the ranks' busy times are within 20 % of
+    each other (2x on an oversubscribed CPU, see from_model_checks.balance); with "uniform" they are far apart."""
+    figures = suites(2).get("balance")[0]["info"]
     for how in ("time", "uniform"):
         f = figures[how]
         print(
