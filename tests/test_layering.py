@@ -20,6 +20,7 @@ DISTRIBUTED_ALLOWED = {
 #: the pure core: no torch at all
 PURE = [
     "actions.py",
+    "profile_data.py",
     "schedule.py",
     "dataflow.py",
     "passes.py",

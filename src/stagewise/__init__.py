@@ -50,7 +50,7 @@ _LAZY = {
     "Layer": ".runtime.layers",
     "MicroBatches": ".runtime.microbatch",
     "build_model": ".runtime.layers",
-    "LayerProfile": ".profiling",
+    "LayerProfile": ".profile_data",
     "SplitError": ".split",
     "SplitModel": ".split",
     "profile": ".profiling",

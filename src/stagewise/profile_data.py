@@ -1,0 +1,130 @@
+"""Per-layer costs as plain data: what a profile measured, summed into stages for the simulator.
+
+Pure (no torch): the planner and the partitioner consume these without a
+process or a device; :mod:`stagewise.runtime.profiling` measures them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .costs import CostModel
+from .partition import Partition, partition_costs
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One layer's measured costs: times in seconds, sizes in bytes (per sample batch)."""
+
+    name: str
+    forward: float
+    backward_input: float
+    backward_weight: float
+    backward: float
+    activation_bytes: float
+    weight_activation_bytes: float
+    parameter_bytes: float
+    output_bytes: float
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """What :func:`profile` measured, one :class:`LayerCost` per layer in execution order."""
+
+    layers: tuple[LayerCost, ...]
+    device: str
+    repeats: int
+    warmup: int
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __getitem__(self, key: int | str) -> LayerCost:
+        if isinstance(key, str):
+            for layer in self.layers:
+                if layer.name == key:
+                    return layer
+            raise KeyError(f"profile has no layer {key!r}; layers are {self.names}")
+        return self.layers[key]
+
+    @property
+    def names(self) -> list[str]:
+        return [layer.name for layer in self.layers]
+
+    def times(self) -> list[float]:
+        """Forward + full backward per layer: the cost vector a time-balanced partition evens out."""
+        return [layer.forward + layer.backward for layer in self.layers]
+
+    def partition(self, num_stages: int, **kwargs: Any) -> Partition:
+        """The time-balanced partition (:func:`stagewise.partition.partition_costs` on :meth:`times`)."""
+        return partition_costs(self.times(), num_stages, **kwargs)
+
+    def cost_model(
+        self,
+        partition: Partition | Sequence[int],
+        *,
+        latency: float = 0.0,
+        bandwidth: float = math.inf,
+        output_bytes: Sequence[float] | None = None,
+        match_backward: bool = True,
+    ) -> CostModel:
+        """Sum the layers into stages: stage k holds layers ``bounds[k]`` to ``bounds[k+1] - 1``.
+
+        ``partition`` is a :class:`~stagewise.partition.Partition` or its bounds
+        (``[0, 3, 8]``: layers 0-2 and 3-7). A stage sends its last layer's output
+        unless ``output_bytes`` (one per stage) says otherwise, e.g. a split
+        model's boundary sizes. With ``match_backward`` a stage's I and W are
+        scaled so that I + W equals its measured full backward.
+        """
+        bounds = _check_bounds(partition, len(self.layers))
+        p = len(bounds) - 1
+        if output_bytes is not None and len(output_bytes) != p:
+            raise ValueError(f"cost_model: output_bytes has {len(output_bytes)} entries, expected one per stage ({p})")
+        stages = [_sum_layers(self.layers[a:b], match_backward) for a, b in zip(bounds, bounds[1:])]
+        sent = [s.output_bytes for s in stages] if output_bytes is None else [float(x) for x in output_bytes]
+        return CostModel(
+            num_stages=p,
+            forward=tuple(s.forward for s in stages),
+            backward_input=tuple(s.backward_input for s in stages),
+            backward_weight=tuple(s.backward_weight for s in stages),
+            activation_bytes=tuple(s.activation_bytes for s in stages),
+            weight_activation_bytes=tuple(s.weight_activation_bytes for s in stages),
+            parameter_bytes=tuple(s.parameter_bytes for s in stages),
+            output_bytes=tuple(sent),
+            latency=latency,
+            bandwidth=bandwidth,
+        )
+
+
+def _sum_layers(layers: Sequence[LayerCost], match_backward: bool) -> LayerCost:
+    """Consecutive layers as one: times and bytes add up; the output is the last layer's."""
+    i = sum(x.backward_input for x in layers)
+    w = sum(x.backward_weight for x in layers)
+    full = sum(x.backward for x in layers)
+    if match_backward and i + w > 0:
+        i, w = i * full / (i + w), w * full / (i + w)
+    return LayerCost(
+        name="+".join(x.name for x in layers),
+        forward=sum(x.forward for x in layers),
+        backward_input=i,
+        backward_weight=w,
+        backward=full,
+        activation_bytes=sum(x.activation_bytes for x in layers),
+        weight_activation_bytes=sum(x.weight_activation_bytes for x in layers),
+        parameter_bytes=sum(x.parameter_bytes for x in layers),
+        output_bytes=layers[-1].output_bytes,
+    )
+
+
+def _check_bounds(partition: Partition | Sequence[int], n: int) -> tuple[int, ...]:
+    bounds = tuple(partition.bounds if isinstance(partition, Partition) else partition)
+    ok = len(bounds) >= 2 and bounds[0] == 0 and bounds[-1] == n and all(a < b for a, b in zip(bounds, bounds[1:]))
+    if not ok:
+        raise ValueError(
+            f"cost_model: bounds must rise strictly from 0 to the number of layers ({n}), got {list(bounds)} "
+            f"(to turn layer counts c into bounds: [0, c0, c0+c1, ...])"
+        )
+    return bounds
