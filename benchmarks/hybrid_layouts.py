@@ -57,7 +57,7 @@ def parse_layout(text: str, world: int):  # -> sw.ParallelConfig
 
 
 def _bytes(tensors) -> int:  # type: ignore[no-untyped-def]
-    from stagewise.runtime.tensor_parallel import local
+    from stagewise.runtime.hybrid.tensor_parallel import local
 
     return sum(local(t).numel() * t.element_size() for t in tensors)
 

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 import stagewise as sw
-from stagewise import cli
 from stagewise.cli import main
 
 
@@ -114,7 +113,9 @@ def test_run_hands_over_to_torchrun(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     script = tmp_path / "train.py"
     script.write_text("pass\n")
     calls: list[list[str]] = []
-    monkeypatch.setattr(cli, "_torchrun", lambda argv: calls.append(argv) or 0)
+    import stagewise.runtime.launch as launch
+
+    monkeypatch.setattr(launch, "torchrun", lambda argv: calls.append(argv) or 0)
     assert main(["run", "-n", "3", "--", str(script), "--lr", "0.1"]) == 0
     assert main(["run", "-n", "2", str(script), "--steps", "5", "--", "x"]) == 0
     assert calls == [

@@ -16,9 +16,10 @@ from from_model_checks import SkipNet, skip_data  # noqa: E402
 from torch import nn
 
 import stagewise as sw
-from stagewise.profiling import LayerCost, LayerProfile
-from stagewise.runtime.balance import in_flight, per_stage, profile_layers, steadiest
-from stagewise.runtime.layers import layer_memory, named_layers, partition, stage_counts
+from stagewise.runtime.model.balance import in_flight, per_stage, profile_layers, steadiest
+from stagewise.runtime.model.layers import named_layers, partition
+from stagewise.runtime.model.profiling import LayerCost, LayerProfile
+from stagewise.stage_counts import layer_memory, stage_counts
 
 
 @pytest.fixture(autouse=True, scope="module")

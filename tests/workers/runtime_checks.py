@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import stagewise as sw
 from stagewise.actions import Action, Kind
 from stagewise.passes import lower, split_backward
-from stagewise.runtime import transport
+from stagewise.runtime.comm import collectives, groups
 from stagewise.schedule import Schedule, loop_placement, v_placement
 
 RTOL, ATOL = 1e-10, 1e-12  # float64 on both sides: only summation order differs
@@ -348,7 +348,7 @@ def state_dict_names(ctx: Ctx) -> None:
     layers = mdl.lm()
     pipe = sw.Pipeline(layers, schedule="zb-v", group=ctx.group, timeout=TIMEOUT)
     keys = list(pipe.state_dict())
-    everyone = transport.gather_objects(keys, ctx.group)
+    everyone = collectives.gather_objects(keys, ctx.group)
     flat = [k for ks in everyone for k in ks]
     assert sorted(flat) == sorted(sw.build_model(layers).state_dict()), flat
     ref = sw.build_model(layers, seed=0).state_dict()
@@ -359,12 +359,12 @@ def state_dict_names(ctx: Ctx) -> None:
 def grouped_transport(ctx: Ctx) -> None:
     """The NCCL code path (schedule batches via batch_isend_irecv, first exchanges on a gloo side group),
     exercised on gloo."""
-    transport.GROUPED_BACKENDS.add("gloo")
+    groups.GROUPED_BACKENDS.add("gloo")
     try:
         for name in ("1f1b", "dualpipe-v"):
             parity("mlp", name, 3)(ctx)
     finally:
-        transport.GROUPED_BACKENDS.discard("gloo")
+        groups.GROUPED_BACKENDS.discard("gloo")
 
 
 def subgroups(ctx: Ctx) -> None:

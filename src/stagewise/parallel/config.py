@@ -1,7 +1,7 @@
 """``ParallelConfig``: the degrees of a 4-D hybrid-parallel job and the rank <-> coordinates arithmetic.
 
 Pure: no torch. The runtime builds a named device mesh from it
-(:mod:`stagewise.runtime.mesh`).
+(:mod:`stagewise.runtime.hybrid.mesh`).
 
 Four mesh **axes**, outermost to innermost::
 

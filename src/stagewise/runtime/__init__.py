@@ -1,4 +1,4 @@
-"""The runtime: torch and torch.distributed live here, and nowhere else in stagewise.
+"""The runtime: everything that touches torch lives under here; the rest of stagewise is pure.
 
 Under ``torchrun --nproc-per-node N train.py``, every rank runs::
 
@@ -9,23 +9,23 @@ Under ``torchrun --nproc-per-node N train.py``, every rank runs::
     loss = pipe.train_step(inputs, targets)          # the batch's mean loss, on every rank
     opt.step(); opt.zero_grad()
 
-``layers`` are modules or lazy :class:`Layer` specs; layer k of a spec list
-is seeded with ``seed + k``, so ``build_model(layers, seed)`` is the same
-model in one process (the reference for tests and checkpoints; parameter
-names match). A layer's output is the next layer's input; a plain tuple is
-unpacked into arguments.
+The rooms:
 
-How it is built: :mod:`.pipeline` builds this rank's stages and runs this
-rank's action list through :mod:`.interpreter` (one handler per action kind,
-no schedule-specific code); :mod:`.backward` splits backward into input (I)
-and weight (W) parts; :mod:`.messages` turns values into point-to-point ops;
-:mod:`.transport` is the only module that talks to ``torch.distributed``
-besides :mod:`.init`.
+* ``pipeline.py``, ``context.py``, ``options.py``: the facade; where it runs; its options.
+* ``model/``: layers and layer lists, tied modules, profiling, partitioning, building this rank's stages.
+* ``frontends/``: other ways in: ``from_model`` (torch.fx tracing and cutting, ``split/``).
+* ``engine/``: the interpreter (one handler per action kind, no schedule-specific code), backward
+  split into I and W, the mailbox of boundary values, micro-batching, recompute, precision, memory,
+  hang forensics.
+* ``comm/``: the only room talking to torch.distributed: process-group set-up, groups, collectives,
+  the error board, deadline waits, the ``Transport`` protocol and its torch point-to-point implementation.
+* ``hybrid/``: the other parallel axes: the device mesh, data parallelism, ZeRO sharding (FSDP2),
+  tensor parallelism (DTensor).
 """
 
+from .comm.setup import Env, init
 from .errors import PipelineError
-from .init import Env, init
-from .layers import Chain, Layer, build_model
+from .model.layers import Chain, Layer, build_model
 from .pipeline import Pipeline
 
 __all__ = ["Chain", "Env", "Layer", "Pipeline", "PipelineError", "build_model", "init"]

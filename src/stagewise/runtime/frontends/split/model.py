@@ -10,8 +10,9 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_leaves
 
-from ..partition import Partition, partition_costs, uniform_counts
-from ..profiling import LayerProfile, model_blocks, preserved_state, profile_blocks
+from ....partition import Partition
+from ....stage_counts import needs_profile, stage_counts
+from ...model.profiling import LayerProfile, model_blocks, preserved_state, profile_blocks
 from .cut import cut
 from .tags import collect_tags
 from .trace import SplitError, assign_stages, first_calls, tagged_leaves, trace
@@ -103,7 +104,7 @@ def split_model(
 
     A model with ``pipeline_stage`` tags (set by hand or by ``with stage(k):``)
     is cut at its tags. An untagged model needs ``stages``: the cut points are
-    chosen among its top-level blocks (:func:`stagewise.profiling.model_blocks`,
+    chosen among its top-level blocks (:func:`stagewise.runtime.model.profiling.model_blocks`,
     e.g. ``embed, layers.0 .. layers.11, head``) by ``partition``:
 
     * ``"uniform"`` (default): as many blocks per stage as possible;
@@ -180,35 +181,34 @@ def _partition_blocks(
         )
     if partition is None:
         partition = "time" if costs is not None else "uniform"
-    if not isinstance(partition, str):
-        counts = [int(c) for c in partition]
-        if len(counts) != stages or sum(counts) != n or min(counts) < 1:
-            raise SplitError(f"partition {counts} must give {stages} stages >= 1 block each, {n} blocks in all")
-        return _from_counts(counts), None
-    if partition == "uniform":
-        return _from_counts(uniform_counts(n, stages)), None
-    if partition == "parameters":
-        sizes = [float(sum(p.numel() for p in named[b].parameters())) for b in blocks]
-        return partition_costs(sizes, stages), None
-    if partition != "time":
-        raise SplitError(f"partition must be 'uniform', 'parameters', 'time' or a list of counts, got {partition!r}")
     measured: LayerProfile | None = None
+    times: list[float] | None = None
     if isinstance(costs, LayerProfile):
-        measured = costs
-        missing = [b for b in blocks if b not in measured.names]
+        missing = [b for b in blocks if b not in costs.names]
         if missing:
             raise SplitError(f"the profile has no entry for block(s) {missing}")
-        values = [measured[b].forward + measured[b].backward for b in blocks]
+        measured = LayerProfile(tuple(costs[b] for b in blocks), costs.device, costs.repeats, costs.warmup)
     elif costs is not None:
-        values = [float(c) for c in costs]
-        if len(values) != n:
-            raise SplitError(f"costs has {len(values)} entries, expected one per block ({n}: {list(blocks)})")
-    else:
+        times = [float(c) for c in costs]
+    elif needs_profile(partition):
         if inputs is None:
-            raise SplitError('partition="time" profiles the blocks: pass example_inputs (or costs=)')
+            raise SplitError(f"partition={partition!r} profiles the blocks: pass example_inputs (or costs=)")
         measured = profile_blocks(model, [(b, named[b]) for b in blocks], inputs, repeats=repeats)
-        values = [measured[b].forward + measured[b].backward for b in blocks]
-    return partition_costs(values, stages), measured
+    try:
+        counts = stage_counts(
+            n,
+            stages,
+            partition,
+            parameters=lambda: [float(sum(p.numel() for p in named[b].parameters())) for b in blocks],
+            profile=measured,
+            unit="block",
+            times=times,
+        )
+    except SplitError:
+        raise
+    except ValueError as err:  # one set of messages for every frontend, raised as this frontend's error
+        raise SplitError(str(err)) from err
+    return _from_counts(counts), measured
 
 
 def _from_counts(counts: list[int]) -> Partition:

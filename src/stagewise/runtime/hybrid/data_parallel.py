@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import mesh as comm
+from ..comm import collectives, groups
 from .tensor_parallel import local
 
 #: the default bucket size, as ``DistributedDataParallel``'s
@@ -52,7 +52,7 @@ class GradAverager:
     ) -> None:
         self.stage_params = {s: list(ps) for s, ps in stage_params.items()}
         self.group = group
-        self.size = comm.group_size(group)
+        self.size = groups.group_size(group)
         self.bucket_bytes = bucket_bytes
         self._wait = wait or (lambda works, what: [w.wait() for w in works])
         self._pending: dict[int, list[_Bucket]] = {}
@@ -68,7 +68,7 @@ class GradAverager:
         buckets = []
         for part in _buckets(grads, self.bucket_bytes):
             flat = torch.cat([g.reshape(-1) for g in part])
-            buckets.append(_Bucket(comm.all_reduce_async(flat, self.group), flat, part))
+            buckets.append(_Bucket(collectives.all_reduce_async(flat, self.group), flat, part))
         self._pending[stage] = buckets
 
     @torch.no_grad()

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
-from .profile_data import LayerCost, LayerProfile
+from ...profile_data import LayerCost, LayerProfile
 
 
 def model_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -43,12 +43,13 @@ from typing import Any
 
 import torch
 
-from ..actions import Action, Kind
-from ..dataflow import Message, consumer_stage, consumes, message_of
+from ...actions import Action, Kind
+from ...dataflow import Message, consumer_stage, consumes, message_of
+from ..comm.transport import Transport
+from ..errors import PipelineError
 from .backward import WeightWork, backward_full, backward_input, backward_weight
-from .errors import PipelineError
+from .hooks import StageHooks
 from .messages import Mailbox, Pending, describe
-from .transport import Transport
 from .tree import flatten, unflatten
 
 
@@ -86,8 +87,7 @@ class Interpreter:
         loss_fn: Callable[..., torch.Tensor] | None,
         transport: Transport,
         mailbox: Mailbox,
-        step_stage: Callable[[int], None],
-        sync_hooks: list[Callable[[int], None]],
+        hooks: StageHooks,
     ) -> None:
         self.rank = rank
         self.placement = placement
@@ -96,8 +96,7 @@ class Interpreter:
         self.loss_fn = loss_fn
         self.transport = transport
         self.mailbox = mailbox
-        self.step_stage = step_stage
-        self.sync_hooks = sync_hooks
+        self.hooks = hooks
         self.compute: dict[Kind, Callable[[Action], None]] = {
             Kind.F: self._forward,
             Kind.B: self._backward,
@@ -325,11 +324,10 @@ class Interpreter:
 
     # ---- per stage -------------------------------------------------------
     def _sync(self, a: Action) -> None:
-        for hook in self.sync_hooks:
-            hook(a.stage)
+        self.hooks.sync(a.stage)
 
     def _step(self, a: Action) -> None:
-        self.step_stage(a.stage)
+        self.hooks.step(a.stage)
 
     def _check_drained(self) -> None:
         left = [f"{describe(m)} (unsent)" for m in self.outbox] + [f"{describe(m)} (unused)" for m in self.pending]

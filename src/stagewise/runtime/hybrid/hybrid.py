@@ -24,11 +24,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..parallel.config import AXES, ParallelConfig
+from ...parallel.config import AXES, ParallelConfig
+from ..comm.collectives import all_reduce
+from ..engine.microbatch import Dims, batch_size, split
 from . import sharding as zero
 from .data_parallel import GradAverager, Wait
-from .mesh import Mesh, all_reduce, build_mesh
-from .microbatch import Dims, batch_size, split
+from .mesh import Mesh, build_mesh
 from .tensor_parallel import TPPlan, align_grad, apply_plan, local, pieces
 
 Reduce = Callable[[torch.Tensor, str], None]

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import mesh as comm
+from ..comm import collectives, groups
 from .layers import Layer, LayerLike, build_layer
 
 ForwardFn = Callable[..., Any]
@@ -199,13 +199,13 @@ class TiedSync:
         self.local: dict[str, tuple[nn.Module, set[int]]] = {}  # key -> module, local stages using it
         self.groups: dict[str, Any] = {}
         self.replicas = 1 if mesh is None else mesh.config.replicas
-        global_ranks = comm.group_ranks(group)
+        global_ranks = groups.global_ranks(group)
         for key in sorted(builder.uses):
             stages = {s for s, r in enumerate(ranges) for k in builder.uses[key] if k in r}
             owners = sorted({placement[s] for s in stages})
             members = [global_ranks[r] for r in owners] if mesh is None else _replicated(mesh, owners)
             if len(members) > 1:
-                group_k = comm.new_subgroup(members, member=rank in owners)
+                group_k = groups.new_subgroup(members, member=rank in owners)
                 if rank in owners:
                     self.groups[key] = group_k
             if rank in owners:
@@ -239,7 +239,7 @@ class TiedSync:
         if not grads:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])
-        self._pending[key] = (comm.all_reduce_async(flat, self.groups[key]), flat, grads)
+        self._pending[key] = (collectives.all_reduce_async(flat, self.groups[key]), flat, grads)
 
     @torch.no_grad()
     def finish(self, stage: int | None = None) -> None:
@@ -259,6 +259,10 @@ class TiedSync:
             for g in grads:
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
+
+    def before_step(self, stage: int) -> None:
+        """STEP of ``stage``: its tied gradients must be summed first."""
+        self.finish(stage)
 
     def params(self) -> set[int]:
         """ids of the tied parameters held here (kept out of sharding and data-parallel buckets)."""

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ..actions import Kind
+from ...actions import Kind
 
 Key = tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype]
 

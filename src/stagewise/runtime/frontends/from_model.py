@@ -9,7 +9,7 @@
 
 A tagged model is cut at its tags. An untagged one is cut among its top-level
 blocks (``embed, blocks.0 .. blocks.11, head``) by ``partition``: the modes
-of a layer list, with blocks for layers (:func:`.layers.stage_counts`);
+of a layer list, with blocks for layers (:func:`stagewise.stage_counts.stage_counts`);
 ``"time"`` and ``"memory"`` profile the blocks on ``sample_inputs`` (one
 micro-batch) on the group's first rank (:mod:`.balance`).
 
@@ -43,16 +43,19 @@ from typing import TYPE_CHECKING, Any
 
 from torch import fx, nn
 
-from ..profiling import LayerProfile, model_blocks, profile_blocks
-from ..schedule import Schedule
-from ..split import SplitError, collect_tags, split_model
-from ..split.trace import first_calls, trace
-from . import transport as tp
-from .balance import caps_explained, in_flight, on_first_rank, per_stage, steadiest
-from .layers import Partition, check_options, needs_profile, stage_counts
+from ...schedule import Schedule
+from ...stage_counts import PartitionSpec, check_options, needs_profile, stage_counts
+from ..comm import groups
+from ..context import resolve_context, resolve_schedule
+from ..model.balance import caps_explained, in_flight, on_first_rank, per_stage, steadiest
+from ..model.profiling import LayerProfile, model_blocks, profile_blocks
+from ..model.stages import BuiltStages
+from ..options import RunOptions
+from .split import SplitError, collect_tags, split_model
+from .split.trace import first_calls, trace
 
 if TYPE_CHECKING:
-    from .pipeline import Pipeline
+    from ..pipeline import Pipeline
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +80,7 @@ def from_model(
     model: nn.Module,
     *,
     stages: int | None = None,
-    partition: Partition | None = None,
+    partition: PartitionSpec | None = None,
     sample_inputs: Any = None,
     speeds: Sequence[float] | None = None,
     memory_caps: Sequence[float] | None = None,
@@ -87,6 +90,7 @@ def from_model(
     microbatches: int | None = None,
     virtual_stages: int | None = None,
     group: Any = None,
+    device: Any = None,
     **options: Any,
 ) -> Pipeline:
     """A :class:`~stagewise.Pipeline` of ``model``, cut at its tags or (untagged) into ``stages`` among its blocks.
@@ -104,12 +108,14 @@ def from_model(
     Pipeline's.
     """
     _refuse(model, options)
-    tp.require_initialized()
-    pg = tp.group_or_world(group)
+    options = {k: v for k, v in options.items() if k not in ("parallel", "tp_plan")}
+    groups.require_initialized()
+    pg = groups.group_or_world(group)
     tags = collect_tags(model)
     if tags:
         stages = _tagged_stages(tags, stages, partition, speeds, memory_caps)
-    sched = _schedule(schedule, tp.group_size(pg), stages, microbatches, virtual_stages, "tags" if tags else "")
+    sched = _schedule(schedule, groups.group_size(pg), stages, microbatches, virtual_stages, "tags" if tags else "")
+    ctx = resolve_context(schedule=sched, microbatches=None, virtual_stages=None, group=group, device=device)
     n = sched.num_stages
     measured: LayerProfile | None = None
     if tags:
@@ -119,21 +125,23 @@ def from_model(
         how = partition or "uniform"
         counts, measured = _block_counts(model, sched, how, sample_inputs, speeds, memory_caps, concrete_args, pg)
         split = split_model(model, stages=n, partition=counts, concrete_args=concrete_args)
-    mine = {k: split.stage_modules[k] for k in sched.stages_of(tp.group_rank(pg))}
+    mine = {k: split.stage_modules[k] for k in ctx.local_stages}
     if free_unused:
         keep = {id(t) for gm in mine.values() for t in chain(gm.parameters(), gm.buffers())}
         log.info("stagewise: freed %.1f MB of other ranks' stages", _free_unused(model, keep) / 2**20)
     names = sorted({name for gm in split.stage_modules for name in _attributes(gm)})
     cut = ModelCut(split.stage_inputs, dict(split.module_stages), split.blocks)
     del split  # it holds every stage; this rank keeps its own only
-    layers = {f"stage{k}": mine.get(k, nn.Module()) for k in range(n)}
-    pipe = cls(layers, schedule=sched, partition=[1] * n, group=group, **options)
     starts = [sum(counts[:k]) for k in range(n + 1)]
-    pipe.layer_ranges = [range(a, b) for a, b in zip(starts, starts[1:])]  # blocks (untagged) or stage modules
-    pipe.layer_profile = measured
-    pipe.model_cut = cut
-    _adopt(pipe, mine, names, non_persistent(model))
-    return pipe
+    transient = non_persistent(model)
+    parts = BuiltStages(
+        modules={k: [gm] for k, gm in mine.items()},
+        register=lambda root: _adopt(root, mine, names, transient),
+        layer_ranges=[range(a, b) for a, b in zip(starts, starts[1:])],  # blocks (untagged) or stage modules
+        profile=measured,
+        model_cut=cut,
+    )
+    return cls._from_parts(ctx, parts, RunOptions(**options))
 
 
 def _refuse(model: Any, options: dict[str, Any]) -> None:
@@ -151,7 +159,7 @@ def _refuse(model: Any, options: dict[str, Any]) -> None:
 def _tagged_stages(
     tags: dict[str, int],
     stages: int | None,
-    partition: Partition | None,
+    partition: PartitionSpec | None,
     speeds: Sequence[float] | None,
     memory_caps: Sequence[float] | None,
 ) -> int:
@@ -176,20 +184,19 @@ def _schedule(
     source: str,
 ) -> Schedule:
     """The schedule to run, with as many stages as the model is cut into."""
-    from .pipeline import _resolve_schedule
 
     what = f"the model's {source} name {stages} stages" if source else f"stages={stages}"
     if isinstance(schedule, str) and stages is not None and virtual_stages is None:
         if stages % num_ranks:
             raise ValueError(f"{what}, which do not divide evenly over {num_ranks} ranks")
         try:
-            return _resolve_schedule(schedule, num_ranks, microbatches, stages // num_ranks)
+            return resolve_schedule(schedule, num_ranks, microbatches, stages // num_ranks)
         except ValueError as err:
             raise ValueError(
                 f"{what} on {num_ranks} ranks ({stages // num_ranks} per rank), which schedule {schedule!r} "
                 f"cannot run: {err}"
             ) from err
-    sched = _resolve_schedule(schedule, num_ranks, microbatches, virtual_stages)
+    sched = resolve_schedule(schedule, num_ranks, microbatches, virtual_stages)
     if stages is not None and sched.num_stages != stages:
         raise ValueError(f"{what}, but schedule {sched.name!r} on {num_ranks} ranks runs {sched.num_stages} stages")
     return sched
@@ -198,7 +205,7 @@ def _schedule(
 def _block_counts(
     model: nn.Module,
     sched: Schedule,
-    how: Partition,
+    how: PartitionSpec,
     sample_inputs: Any,
     speeds: Sequence[float] | None,
     memory_caps: Sequence[float] | None,
@@ -266,8 +273,6 @@ def _attributes(module: nn.Module) -> list[str]:
 
 def _adopt(pipe: nn.Module, mine: dict[int, fx.GraphModule], names: list[str], transient: set[str]) -> None:
     """Register this rank's stage modules' contents on the Pipeline under the model's names (not ``stage3``)."""
-    for k in mine:
-        del pipe._modules[f"stage{k}"]
     clashes = [name for name in names if hasattr(pipe, name)]
     if clashes:
         raise ValueError(f"the model's attributes {clashes} clash with Pipeline attributes; rename them")

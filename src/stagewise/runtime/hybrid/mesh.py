@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ..parallel.config import AXES, Coords, ParallelConfig
+from ...parallel.config import AXES, Coords, ParallelConfig
+from ..comm.collectives import all_reduce
 
 _meshes_made = 0
 
@@ -94,33 +95,3 @@ def build_mesh(config: ParallelConfig, device_type: str | None = None) -> Mesh:
     if device_type is None:
         device_type = "cuda" if str(dist.get_backend()) == "nccl" else "cpu"
     return Mesh(config, init_device_mesh(device_type, config.shape, mesh_dim_names=AXES))
-
-
-# ---- collectives ---------------------------------------------------------------
-_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
-
-
-def all_reduce(tensor: torch.Tensor, group: Any, op: str = "sum") -> None:
-    """Reduce ``tensor`` in place over ``group`` and wait."""
-    dist.all_reduce(tensor, _OPS[op], group=group)
-
-
-def all_reduce_async(tensor: torch.Tensor, group: Any) -> Any:
-    """Start summing ``tensor`` in place over ``group``; returns the work to wait for."""
-    return dist.all_reduce(tensor, dist.ReduceOp.SUM, group=group, async_op=True)
-
-
-def group_size(group: Any) -> int:
-    return dist.get_world_size(group)
-
-
-def group_ranks(group: Any) -> list[int]:
-    """The global ranks of ``group`` (None: the world), in group-rank order."""
-    return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-
-
-def new_subgroup(ranks: list[int], member: bool) -> Any:
-    """A process group of the global ``ranks``, made by its members only (``member``: this rank is one)."""
-    if not member:
-        return None
-    return dist.new_group(ranks, use_local_synchronization=True)

@@ -4,7 +4,7 @@ Every rank must hold the same partition, but timings differ from run to run
 and rank to rank. So the first rank of the group measures (one layer at a
 time, so a list of :class:`~stagewise.Layer` specs is never built whole) and
 sends its :class:`~stagewise.LayerProfile` to the others; each rank then cuts
-the same numbers the same way (:func:`.layers.stage_counts`).
+the same numbers the same way (:func:`stagewise.stage_counts.stage_counts`).
 
 On a shared machine a measurement is only ever slowed down (the process is
 preempted, never sped up), so the profile is taken :data:`ROUNDS` times and
@@ -27,12 +27,13 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from ..actions import Kind
-from ..profiling import LayerProfile, preserved_state, profile
-from ..schedule import Schedule
-from . import transport as tp
-from .layers import LayerLike, Partition, build_layer, check_options, needs_profile
+from ...actions import Kind
+from ...schedule import Schedule
+from ...stage_counts import PartitionSpec, check_options, needs_profile
+from ..comm import collectives, groups
+from .layers import LayerLike, build_layer
 from .layers import partition as partition_layers
+from .profiling import LayerProfile, preserved_state, profile
 
 T = TypeVar("T")
 
@@ -84,15 +85,15 @@ def on_first_rank(group: Any, fn: Callable[[], T], what: str) -> T:
     If it fails there, every rank raises: the first its own error, the others a
     RuntimeError that quotes it, so no rank waits for a value that never comes.
     """
-    if tp.group_rank(group) == 0:
+    if groups.group_rank(group) == 0:
         try:
             value = fn()
         except Exception as err:
-            tp.gather_objects(("error", f"{type(err).__name__}: {err}"), group)
+            collectives.gather_objects(("error", f"{type(err).__name__}: {err}"), group)
             raise
-        tp.gather_objects(("ok", value), group)
+        collectives.gather_objects(("ok", value), group)
         return value
-    status, value = tp.gather_objects(None, group)[0]
+    status, value = collectives.gather_objects(None, group)[0]
     if status == "error":
         raise RuntimeError(f"rank 0 of the pipeline group failed while {what}: {value}")
     return value  # type: ignore[no-any-return]
@@ -101,7 +102,7 @@ def on_first_rank(group: Any, fn: Callable[[], T], what: str) -> T:
 def plan_layers(
     named: Sequence[tuple[str, LayerLike]],
     schedule: Schedule,
-    how: Partition,
+    how: PartitionSpec,
     *,
     group: Any,
     device: torch.device,

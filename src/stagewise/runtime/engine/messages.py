@@ -29,9 +29,10 @@ from typing import Any
 
 import torch
 
-from ..dataflow import Message, consumer_stage
-from .errors import PipelineError
-from .transport import Op, Transport, Watch
+from ...dataflow import Message, consumer_stage
+from ..comm.transport import Op, Transport
+from ..comm.waits import Watch
+from ..errors import PipelineError
 from .tree import Spec, flatten, leaf_paths, same_spec, unflatten
 
 
@@ -77,7 +78,7 @@ def describe(msg: Message) -> str:
 
 
 # what travels under a message's tags
-_DATA, _META_LEN, _META, _OTHER = range(4)
+_DATA, _META_LEN, _META = range(3)
 
 
 class Mailbox:
@@ -98,16 +99,12 @@ class Mailbox:
         self.num_microbatches = num_microbatches
         self.device = device
         self._known: dict[tuple[str, Message], Meta] = {}
-        transport.check_tag(self.tag(Message("B", len(placement) - 1, num_microbatches - 1), _OTHER))
+        transport.check_tag(self.tag(Message("B", len(placement) - 1, num_microbatches - 1), _META))
 
     def tag(self, msg: Message, what: int = _DATA) -> int:
         """The message's own tag: no two values in flight between two ranks share one."""
         index = ((msg.direction == "B") * len(self.placement) + msg.stage) * self.num_microbatches + msg.microbatch
         return index * 4 + what
-
-    @property
-    def loss_tag(self) -> int:
-        return self.tag(Message("F", 0, 0), _OTHER)
 
     def knows(self, msg: Message, mode: str) -> bool:
         """Whether ``msg``'s shapes are known in ``mode``, so its receive can be posted before it is needed."""

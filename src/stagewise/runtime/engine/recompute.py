@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .layers import call_layer
+from ..model.layers import call_layer
 
 Recompute = Union[None, str, int]  # noqa: UP007
 

@@ -1,0 +1,94 @@
+"""Process groups: who is in a group, its backend and store, and the side groups a pipeline needs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+#: backends whose point-to-point must be posted in schedule batches (tests may add "gloo")
+GROUPED_BACKENDS = {"nccl"}
+
+_pipelines_made: dict[str, int] = {}
+
+
+def require_initialized() -> None:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is not initialised: call stagewise.init() (or torch.distributed.init_process_group) "
+            "before building a Pipeline"
+        )
+
+
+def group_or_world(group: Any) -> Any:
+    return dist.group.WORLD if group is None else group
+
+
+def group_rank(group: Any) -> int:
+    return dist.get_rank(group)
+
+
+def group_size(group: Any) -> int:
+    return dist.get_world_size(group)
+
+
+def global_rank() -> int:
+    return dist.get_rank()
+
+
+def global_ranks(group: Any) -> list[int]:
+    """The global ranks of ``group`` (None: the world), in group-rank order."""
+    return dist.get_process_group_ranks(group_or_world(group))
+
+
+def backend_of(group: Any) -> str:
+    return str(dist.get_backend(group))
+
+
+def default_store() -> Any:
+    """The store the default process group was rendezvoused with (torchrun's, or init's)."""
+    get = getattr(dist.distributed_c10d, "_get_default_store", None)
+    if get is None:
+        raise RuntimeError("this torch version does not expose the default store; pass store= to the Pipeline")
+    return get()
+
+
+def prefix_store(prefix: str, store: Any) -> Any:
+    """Keys under ``prefix`` in ``store``, so that pipelines and jobs sharing a store never read each other's."""
+    return dist.PrefixStore(prefix, store)
+
+
+def next_pipeline_id(group: Any) -> tuple[str, int]:
+    """A name and a tag every rank derives alike, as long as all build their pipelines in the same order."""
+    base = getattr(group, "group_name", None) or "group"
+    count = _pipelines_made.get(base, 0)
+    _pipelines_made[base] = count + 1
+    return f"{base}/{count}", count
+
+
+def new_subgroup(ranks: list[int], member: bool) -> Any:
+    """A process group of the global ``ranks``, made by its members only (``member``: this rank is one)."""
+    if not member:
+        return None
+    return dist.new_group(ranks, use_local_synchronization=True)
+
+
+def side_group(group: Any) -> Any:
+    """A gloo group with the members of ``group``, for eager point-to-point next to a grouped backend.
+
+    ``dist.new_group`` must be called by every process in the same order, and
+    each process only knows its own pipeline group, so the groups are gathered
+    first: a collective over the default group, as every rank builds its
+    Pipeline at the same time.
+    """
+    if backend_of(group) not in GROUPED_BACKENDS:
+        return None
+    mine = tuple(global_ranks(group))
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    found = None
+    for ranks in sorted(set(everyone)):
+        made = dist.new_group(list(ranks), backend="gloo")
+        if ranks == mine:
+            found = made
+    return found

@@ -1,0 +1,39 @@
+"""Letting go of process groups at interpreter exit, while Python is still whole.
+
+Two ways a rank that trained fine can abort at exit ("terminate called
+without an active exception"): a daemon thread that returns from a gloo wait
+while Python finalises is ended inside torch's C++ frames; and a gloo process
+group destroyed during finalisation (a Pipeline still holding it after
+``destroy_process_group()``) has worker threads that may drop the last
+reference to a Python-owned tensor, which needs the interpreter. Exit
+handlers run while Python is whole: unreferenced pipelines are collected
+here, and live ones drop their references to process groups.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import logging
+import weakref
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_at_exit: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def release_at_exit(owner: Any) -> None:
+    """Have ``owner.release_at_exit()`` run at interpreter exit, if ``owner`` is still alive then."""
+    _at_exit.add(owner)
+
+
+@atexit.register
+def _close_all() -> None:
+    gc.collect()
+    for owner in list(_at_exit):
+        try:
+            owner.release_at_exit()
+        except Exception as err:  # an exit handler must not stop the others
+            log.warning("stagewise: releasing %r at exit failed: %s", type(owner).__name__, err)
+    gc.collect()

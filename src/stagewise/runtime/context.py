@@ -1,0 +1,101 @@
+"""Where a pipeline runs: its process group (or mesh), this rank, the validated schedule, the device.
+
+Resolved once, before anything is built, so that every frontend (layer
+lists, ``from_model``, already-built stages) checks the same things the same
+way and refuses bad input before any rank communicates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..passes import lower
+from ..schedule import Schedule
+from ..schedules import schedule_info
+from ..validate import validate_schedule
+from .comm import groups
+
+if TYPE_CHECKING:
+    from ..parallel import ParallelConfig
+    from .hybrid.hybrid import Hybrid
+    from .hybrid.mesh import Mesh
+
+
+@dataclass
+class PipelineContext:
+    """The group the schedule runs on, this rank in it, the schedule, the device, and the hybrid axes (or None)."""
+
+    group: Any
+    rank: int
+    num_ranks: int
+    schedule: Schedule
+    device: torch.device
+    hybrid: Hybrid | None
+
+    @property
+    def local_stages(self) -> tuple[int, ...]:
+        return tuple(self.schedule.stages_of(self.rank))
+
+
+def resolve_context(
+    *,
+    schedule: str | Schedule,
+    microbatches: int | None,
+    virtual_stages: int | None,
+    group: Any = None,
+    parallel: ParallelConfig | Mesh | None = None,
+    device: torch.device | str | None = None,
+) -> PipelineContext:
+    """The context of a new pipeline; the schedule is complete and validated for the group's size."""
+    groups.require_initialized()
+    hybrid = _hybrid(parallel, group)  # pp x dp x sharding x tp: the schedule runs on the pp group
+    pg = groups.group_or_world(group if hybrid is None else hybrid.pp_group)
+    rank, size = groups.group_rank(pg), groups.group_size(pg)
+    sched = resolve_schedule(schedule, size, microbatches, virtual_stages)
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if groups.backend_of(pg) == "nccl" else "cpu"
+    return PipelineContext(pg, rank, size, sched, torch.device(device), hybrid)
+
+
+def resolve_schedule(
+    schedule: str | Schedule, num_ranks: int, microbatches: int | None, virtual_stages: int | None
+) -> Schedule:
+    """The complete, validated schedule to run, checked against the group before anything is built."""
+    from .. import build_schedule
+
+    if isinstance(schedule, str):
+        schedule_info(schedule)  # a clear error for unknown names
+        m = num_ranks if microbatches is None else microbatches
+        return build_schedule(schedule, num_ranks, m, virtual_stages)
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"schedule must be a registered name or a stagewise.Schedule, got {type(schedule).__name__}")
+    if schedule.num_ranks != num_ranks:
+        raise ValueError(
+            f"schedule {schedule.name!r} has {schedule.num_ranks} ranks, but the process group has {num_ranks}"
+        )
+    if microbatches is not None and microbatches != schedule.num_microbatches:
+        raise ValueError(
+            f"microbatches={microbatches}, but schedule {schedule.name!r} runs {schedule.num_microbatches}"
+        )
+    if virtual_stages is not None and virtual_stages != schedule.virtual_stages:
+        raise ValueError(
+            f"virtual_stages={virtual_stages}, but schedule {schedule.name!r} has {schedule.virtual_stages} per rank"
+        )
+    if schedule.is_complete:
+        validate_schedule(schedule)
+        return schedule
+    return lower(schedule)
+
+
+def _hybrid(parallel: ParallelConfig | Mesh | None, group: Any) -> Hybrid | None:
+    """The hybrid-parallel parts for ``parallel=`` (a ParallelConfig or Mesh), or None."""
+    if parallel is None:
+        return None
+    if group is not None:
+        raise ValueError("pass either group= or parallel=: with parallel= the pipeline runs on the mesh's pp group")
+    from .hybrid.hybrid import Hybrid
+
+    return Hybrid(parallel)

@@ -1,0 +1,60 @@
+"""What SYNC and STEP actions do for a stage: one object, composed of the parts that take part.
+
+At SYNC a stage's gradients are final: tied modules sum theirs over their
+owners, the hybrid axes start their reductions, and user hooks run. At STEP
+the stage's optimizer steps, after the reductions it needs have finished.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+
+class StagePart(Protocol):
+    """A part of the pipeline with work at a stage's SYNC and before its optimizer STEP."""
+
+    def on_sync(self, stage: int) -> None: ...
+    def before_step(self, stage: int) -> None: ...
+
+
+class StageHooks:
+    """The SYNC and STEP handlers of one rank: ``parts`` in order, then the user's hooks, then the optimizer."""
+
+    def __init__(self, parts: list[StagePart], optimizers: dict[int, torch.optim.Optimizer]) -> None:
+        self.parts = parts
+        self.optimizers = optimizers
+        self.user: list[Callable[[int], None]] = []
+
+    def sync(self, stage: int) -> None:
+        for part in self.parts:
+            part.on_sync(stage)
+        for hook in self.user:
+            hook(stage)
+
+    def step(self, stage: int) -> None:
+        for part in self.parts:
+            part.before_step(stage)
+        opt = self.optimizers.get(stage)
+        if opt is not None:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+
+def optimizer_per_stage(
+    modules: dict[int, list[Any]],
+    factory: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None,
+    stage_parameters: Callable[[list[Any], set[int]], list[torch.nn.Parameter]],
+) -> dict[int, torch.optim.Optimizer]:
+    """One optimizer per stage that has trainable parameters, so each STEP action steps its own stage."""
+    if factory is None:
+        return {}
+    out = {}
+    seen: set[int] = set()  # a module tied between two local stages is stepped by the first
+    for s, mods in sorted(modules.items()):
+        params = stage_parameters(mods, seen)
+        if params:
+            out[s] = factory(params)
+    return out
