@@ -23,6 +23,7 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples
 	$(VENV)/bin/ruff format --check src tests benchmarks examples
+	$(VENV)/bin/mypy
 
 # A GPT on the standard library's source, 4 pipeline stages in 4 local processes (a few minutes on CPU).
 demo: $(STAMP)

@@ -73,7 +73,8 @@ class Action(NamedTuple):
         mb = "" if self.microbatch is None else str(self.microbatch)
         return f"{self.stage}{self.kind.value}{mb}"
 
-    __repr__ = __str__
+    def __repr__(self) -> str:
+        return self.__str__()
 
 
 _KINDS_BY_LENGTH = sorted((k.value for k in Kind), key=len, reverse=True)

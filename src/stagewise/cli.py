@@ -31,7 +31,7 @@ class UsageError(Exception):
 # ---- stagewise schedules ------------------------------------------------------------
 
 
-def _add_schedules(sub: argparse._SubParsersAction) -> None:
+def _add_schedules(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser("schedules", help="list the registered schedules", description="List the schedules.")
     parser.set_defaults(handler=_cmd_schedules)
 
@@ -65,7 +65,7 @@ instead (JSON written by CostModel.to_dict, e.g. from a profiler).
 """
 
 
-def _add_simulate(sub: argparse._SubParsersAction) -> None:
+def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser(
         "simulate",
         help="simulate a schedule and draw it",
@@ -228,7 +228,7 @@ def _short_list(values: Sequence[float], limit: int = 16) -> str:
 # ---- stagewise run ------------------------------------------------------------------
 
 
-def _add_run(sub: argparse._SubParsersAction) -> None:
+def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser(
         "run",
         help="run a training script on N local processes (torch.distributed.run, standalone)",
@@ -257,7 +257,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
 # ---- entry point --------------------------------------------------------------------
 
 #: one function per subcommand; add a subcommand by writing ``_add_<name>`` and listing it here
-_SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_schedules, _add_simulate, _add_run]
+_SUBCOMMANDS: list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]] = [
+    _add_schedules,
+    _add_simulate,
+    _add_run,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -154,7 +154,7 @@ class CostModel:
                 return (float(value),) * n
             if isinstance(value, Sequence) and not isinstance(value, str):
                 try:
-                    return _per_stage([float(x) for x in value], n, name)  # type: ignore[arg-type]
+                    return _per_stage([float(x) for x in value], n, name)
                 except (TypeError, ValueError) as err:
                     raise ValueError(f"cost model: {name} must hold numbers, got {value!r} ({err})") from None
             raise ValueError(f"cost model: {name} must be a number or a list of {n} numbers, got {value!r}")

@@ -28,7 +28,7 @@ def v_placement(num_ranks: int, virtual_stages: int = 2) -> tuple[int, ...]:
     The first and the last stage share rank 0, so the loss is computed where
     the data entered and the turn-around at rank p-1 needs no transfer.
     """
-    placement = []
+    placement: list[int] = []
     for chunk in range(virtual_stages):
         ranks = range(num_ranks) if chunk % 2 == 0 else range(num_ranks - 1, -1, -1)
         placement.extend(ranks)

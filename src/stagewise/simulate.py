@@ -180,9 +180,10 @@ def _simulate(schedule: Schedule, ranks: list[list[Action]], costs: CostModel) -
         began, ended = starts[rank].append, ends[rank].append
         t, idx, end_idx = clock[rank], pos[rank], len(acts)
         cnt, byt, pk_c, pk_b, work = count[rank], mem[rank], peak_count[rank], peak_mem[rank], busy[rank]
+        mb: int  # compute actions carry a micro-batch; per-stage ones (None) never reach the index arithmetic
         while idx < end_idx:
             a = acts[idx]
-            s, kind, mb = a
+            s, kind, mb = a  # type: ignore[assignment]
             if kind is _F:
                 if s:
                     ready = arrival[2 * ((s - 1) * m + mb)]

@@ -108,16 +108,16 @@ def _labelled_row(row: list[Event], labels: dict[int, str], t0: float, quantum: 
     out = []
     k = 0
     while k < cols:
-        e = cells[k]
+        here = cells[k]
         run = 1
-        while k + run < cols and cells[k + run] is e:
+        while k + run < cols and cells[k + run] is here:
             run += 1
-        if e is None:
+        if here is None:
             out.append(_IDLE.ljust(cell) * run)
         elif run == 1:
-            out.append(labels[id(e)][: cell - 1].ljust(cell))
+            out.append(labels[id(here)][: cell - 1].ljust(cell))
         else:
-            label = labels[id(e)][: run * cell - 1]
+            label = labels[id(here)][: run * cell - 1]
             out.append(label + _FILL * (run * cell - 1 - len(label)) + " ")
         k += run
     return "".join(out)

@@ -133,7 +133,7 @@ def _draw_boxes(ax: Any, events: list[Event], timeline: Timeline, v: int, px_per
         )
         ax.add_collection(
             PolyCollection(
-                verts,
+                verts,  # type: ignore[arg-type]
                 facecolors=[b[3] for b in boxes],
                 edgecolors="white",
                 linewidths=edge if is_box else 0.0,
