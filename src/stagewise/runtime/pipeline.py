@@ -22,27 +22,26 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..actions import Action, Kind, parse_action
+from ..actions import Action, Kind
 from ..schedule import Schedule
 from ..stage_counts import PartitionSpec
-from ..timeline import Event, Timeline
-from .comm import collectives, groups, lifecycle
+from ..timeline import Timeline
+from .comm import groups, lifecycle
 from .comm.torch_p2p import TorchTransport
 from .comm.transport import Transport, TransportFactory, TransportSpec
 from .context import PipelineContext, resolve_context
-from .engine.forensics import position
 from .engine.hooks import StageHooks, optimizer_per_stage
-from .engine.interpreter import Interpreter, Step
+from .engine.interpreter import Interpreter
 from .engine.memory import ActivationMeter
 from .engine.messages import Mailbox
-from .engine.microbatch import Dims, merge
+from .engine.microbatch import Dims
 from .engine.precision import autocast_context, autocast_loss
 from .engine.recompute import Recompute
+from .engine.reports import gathered_losses, step_timeline
+from .engine.runner import Runner
 from .engine.stage import Stage
-from .engine.step import prepare_step
-from .errors import PipelineError
 from .model.layers import Layers, named_layers
-from .model.stages import BuiltStages, build_layer_stages
+from .model.stages import BuiltStages, build_layer_stages, given_stages
 from .model.tied import TiedBuilder, TiedSync, stage_parameters
 from .options import LossFn, OptimizerFactory, RunOptions
 
@@ -196,20 +195,7 @@ class Pipeline(nn.Module):
             parallel=parallel,
             device=device,
         )
-        mine = set(ctx.local_stages)
-        if set(stages) != mine:
-            raise ValueError(
-                f"rank {ctx.rank} holds stages {sorted(mine)} of schedule {ctx.schedule.name!r}, "
-                f"but from_stages got stages {sorted(stages)}"
-            )
-        modules = {s: [m] if isinstance(m, nn.Module) else list(m) for s, m in stages.items()}
-
-        def register(root: nn.Module) -> None:
-            for s, mods in sorted(modules.items()):
-                root.add_module(f"stage{s}", mods[0] if len(mods) == 1 else nn.ModuleList(mods))
-
-        ranges = [range(s, s + 1) for s in range(ctx.schedule.num_stages)]
-        return cls._from_parts(ctx, BuiltStages(modules, register, ranges), RunOptions(**options))
+        return cls._from_parts(ctx, given_stages(stages, ctx), RunOptions(**options))
 
     @classmethod
     def _from_parts(
@@ -239,8 +225,6 @@ class Pipeline(nn.Module):
             whole = {id(p) for m in tied.built.values() for p in m.parameters()}
             self.hybrid.attach(self, parts.modules, tp_plan, self._wait, whole)
         self.optimizers = optimizer_per_stage(parts.modules, options.optimizer, stage_parameters)
-        self._train_actions = train_actions(self.schedule, self.rank, options.optimizer is not None)
-        self._eval_actions = eval_actions(self.schedule, self.rank)
         self.transport = self._make_transport(ctx, options)
         self.transport.warm_up()
         lifecycle.release_at_exit(self)
@@ -252,21 +236,23 @@ class Pipeline(nn.Module):
         self.tied = TiedSync(tied, self.layer_ranges, self.schedule.placement, self.rank, ctx.group, self._wait, mesh)
         self.hooks = StageHooks([self.tied] if self.hybrid is None else [self.hybrid, self.tied], self.optimizers)
         precision = autocast_context(options.autocast, self.device)
-        self._stages = {s: Stage(s, mods, options.recompute, precision, 1.0 / m) for s, mods in parts.modules.items()}
-        self._losses: dict[str, Any] = {}
-        self._meter = ActivationMeter(self.parameters(), self._current) if options.measure_memory else None
-        self._interpreter = Interpreter(
+        stages = {s: Stage(s, mods, options.recompute, precision, 1.0 / m) for s, mods in parts.modules.items()}
+        interpreter = Interpreter(
             rank=self.rank,
             placement=self.schedule.placement,
-            stages=dict(self._stages),
+            stages=dict(stages),
             loss_fn=autocast_loss(options.loss_fn, precision),
             transport=self.transport,
             mailbox=self._mailbox,
             hooks=self.hooks,
         )
-        self._last_step: Step | None = None
-        self._running: tuple[Action, ...] = ()
-        self._step_started = 0.0
+        meter = ActivationMeter(self.parameters(), lambda: interpreter.current) if options.measure_memory else None
+        self._runner = Runner(
+            self.rank, self.schedule, self.device, self.transport, interpreter, stages,
+            train_actions(self.schedule, self.rank, options.optimizer is not None),
+            eval_actions(self.schedule, self.rank),
+            (options.batch_dim, options.target_batch_dim), options.loss_fn is not None, self.tied, self.hybrid, meter,
+        )  # fmt: skip
         self._clock_offset = time.time() - time.perf_counter()
 
     def _make_transport(self, ctx: PipelineContext, options: RunOptions) -> Transport:
@@ -286,9 +272,6 @@ class Pipeline(nn.Module):
     def _wait(self, works: list[Any], what: str) -> None:
         self.transport.wait(works, what)
 
-    def _current(self) -> Any:
-        return self._interpreter.current
-
     # ---- public API --------------------------------------------------------
     def train_step(self, inputs: Any = None, targets: Any = None) -> float:
         """One forward and backward of the mini-batch; returns its mean loss on every rank.
@@ -298,7 +281,7 @@ class Pipeline(nn.Module):
         ``inputs`` are needed on the rank holding stage 0, ``targets`` on the
         rank holding the last stage; other ranks may pass None.
         """
-        return self._guarded(lambda: self._train(inputs, targets))
+        return self._runner.guarded(lambda: self._runner.train(inputs, targets))
 
     def eval_step(self, inputs: Any = None, *, merge_outputs: bool = True) -> Any:
         """Forward only (no autograd graph); the last stage's rank gets the outputs, others None.
@@ -306,7 +289,7 @@ class Pipeline(nn.Module):
         Outputs are concatenated along dim 0, or returned per micro-batch with
         ``merge_outputs=False``.
         """
-        return self._guarded(lambda: self._eval(inputs, merge_outputs))
+        return self._runner.guarded(lambda: self._runner.eval(inputs, merge_outputs))
 
     def timeline(self, gather: bool = False) -> Timeline:
         """What this rank executed in the last step (seconds from its start) as a measured Timeline.
@@ -315,21 +298,17 @@ class Pipeline(nn.Module):
         all ranks are collected, on one clock, so the step renders like a
         simulated one.
         """
-        step = self._last_step
-        events = [] if step is None else step.events
-        name = self.schedule.name
-        meta = {"mode": step.mode if step else None, "microbatches": self.schedule.num_microbatches}
-        if not gather:
-            base = self._step_started
-            local = [Event(self.rank, a, t0 - base, t1 - base) for a, t0, t1 in events]
-            return Timeline(name, self.num_ranks, local, source="measured", unit="s", meta=meta)
-        wall = [(str(a), t0 + self._clock_offset, t1 + self._clock_offset) for a, t0, t1 in events]
-        everyone = collectives.gather_objects((self.rank, wall), self.transport.group)
-        starts = [t0 for _, rows in everyone for _, t0, _ in rows]
-        base = min(starts) if starts else 0.0
-        merged = [Event(rank, parse_action(a), t0 - base, t1 - base) for rank, rows in everyone for a, t0, t1 in rows]
-        merged.sort(key=lambda e: (e.rank, e.start))
-        return Timeline(name, self.num_ranks, merged, source="measured", unit="s", meta=meta)
+        step = self._runner.last_step
+        return step_timeline(
+            [] if step is None else step.events,
+            rank=self.rank,
+            num_ranks=self.num_ranks,
+            name=self.schedule.name,
+            meta={"mode": step.mode if step else None, "microbatches": self.schedule.num_microbatches},
+            started=self._runner.step_started,
+            clock_offset=self._clock_offset,
+            group=self.transport.group if gather else None,
+        )
 
     def reset_shapes(self) -> None:
         """Forget the cached shapes so the next step may use new ones (call on every rank)."""
@@ -371,12 +350,8 @@ class Pipeline(nn.Module):
         Aux terms are summed over micro-batches (each weighted ``1/m``) and
         over all ranks. A collective: call it on every rank.
         """
-        everyone = collectives.gather_objects(self._losses.get("aux_local", {}), self.transport.group)
-        names = sorted({n for d in everyone for n in d})
-        per = {n: sum(d.get(n, 0.0) for d in everyone) for n in names}
-        out = {"loss": self._losses.get("loss", float("nan")), "aux": sum(per.values())}
-        out.update({f"aux/{n}": v for n, v in per.items()})
-        return out
+        losses = self._runner.losses
+        return gathered_losses(losses.get("loss", float("nan")), losses.get("aux_local", {}), self.transport.group)
 
     def memory_report(self) -> dict[str, Any]:
         """Activation bytes of the last train_step on this rank (needs ``measure_memory=True``).
@@ -387,9 +362,9 @@ class Pipeline(nn.Module):
         (zero-bubble schedules only).
         See :mod:`stagewise.runtime.engine.memory`.
         """
-        if self._meter is None:
+        meter = self._runner.meter
+        if meter is None:
             raise ValueError("build the Pipeline with measure_memory=True to measure activation memory")
-        meter = self._meter
         return {
             "peak_bytes": meter.peak,
             "forward_bytes": dict(meter.by_forward),
@@ -398,93 +373,6 @@ class Pipeline(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise TypeError("a Pipeline is not called directly: use train_step(inputs, targets) or eval_step(inputs)")
-
-    # ---- steps -------------------------------------------------------------
-    def _guarded(self, body: Callable[[], Any]) -> Any:
-        if self.transport.failure is not None:
-            raise PipelineError(f"the pipeline failed earlier and cannot run again: {self.transport.failure}")
-        try:
-            return body()
-        except PipelineError as err:
-            raise PipelineError(f"{err}\n{self._position()}") from err
-        except BaseException as err:
-            self.transport.fail(f"{self.transport.me}: {type(err).__name__}: {err}\n{self._position()}")
-            raise
-
-    def _position(self) -> str:
-        """Where this rank stood in the action list it was running (see :mod:`.engine.forensics`)."""
-        step, it = self._last_step, self._interpreter
-        done = step.events[-1][0] if step is not None and step.events else None
-        return position(self.rank, self._running, getattr(it, "current", None), done, self.transport.waiting)
-
-    def _prepare(self, mode: str, inputs: Any, targets: Any) -> Step:
-        return prepare_step(
-            mode,
-            inputs,
-            targets,
-            rank=self.rank,
-            placement=self.schedule.placement,
-            num_microbatches=self.schedule.num_microbatches,
-            batch_dims=(self.batch_dim, self.target_batch_dim),
-            device=self.device,
-            has_loss=self.loss_fn is not None,
-        )
-
-    def _train(self, inputs: Any, targets: Any) -> float:
-        step = self._prepare("train", inputs, targets)
-        self.tied.start_step()
-        for st in self._stages.values():
-            st.aux_totals = {}
-        if self._meter is None:
-            self._run(self._train_actions, step)
-        else:
-            self._meter.reset()
-            with self._meter.hooks():
-                self._run(self._train_actions, step)
-        self.tied.finish()
-        loss = self._share_loss(step)
-        aux_local: dict[str, float] = {}
-        for st in self._stages.values():
-            for n, v in st.aux_totals.items():
-                aux_local[n] = aux_local.get(n, 0.0) + v
-        if self.hybrid is not None:  # wait for the gradient reductions; the mean over the replicas
-            last = self.rank == self.schedule.placement[-1]
-            loss = self.hybrid.after_train(loss, targets if last else None, self.target_batch_dim)
-        self._losses = {"loss": loss, "aux_local": aux_local}
-        return loss
-
-    def _eval(self, inputs: Any, merge_outputs: bool) -> Any:
-        step = self._prepare("eval", inputs, None)
-        with torch.no_grad():
-            self._run(self._eval_actions, step)
-        if self.hybrid is not None:
-            self.hybrid.after_eval()
-        if self.schedule.placement[-1] != self.rank:
-            return None
-        outputs = [step.outputs[i] for i in range(self.schedule.num_microbatches)]
-        return merge(outputs) if merge_outputs else outputs
-
-    def _run(self, actions: tuple[Action, ...], step: Step) -> None:
-        self._last_step, self._running = step, actions
-        self._step_started = time.perf_counter()
-        self._interpreter.run(actions, step)
-        self.transport.finish_sends()
-
-    def _share_loss(self, step: Step) -> float:
-        """The step's mean loss: computed where the last stage lives, broadcast over the pipeline group.
-
-        A collective every rank issues once per train step, after its action list
-        (the one exchange of a step outside the schedule's point-to-point).
-        """
-        owner = self.schedule.placement[-1]
-        value = 0.0
-        if self.rank == owner:
-            assert step.weights is not None
-            value = sum(float(step.losses[i]) * w for i, w in enumerate(step.weights))
-        buf = torch.tensor([value], dtype=torch.float64, device=self.device)
-        if self.num_ranks > 1:
-            self.transport.broadcast(buf, owner, f"the step's loss from rank {owner}")
-        return float(buf.item())
 
     def release_at_exit(self) -> None:
         """At interpreter exit: let go of the process groups (see :mod:`.comm.lifecycle`)."""

@@ -11,7 +11,7 @@ them.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -104,6 +104,24 @@ def _registrar(built: list[tuple[str, nn.Module]]) -> Callable[[nn.Module], None
             root.add_module(name, module)
 
     return register
+
+
+def given_stages(stages: Mapping[int, nn.Module | Sequence[nn.Module]], ctx: PipelineContext) -> BuiltStages:
+    """Stages the caller built (``Pipeline.from_stages``): checked against the schedule, registered as ``stage{s}``."""
+    mine = set(ctx.local_stages)
+    if set(stages) != mine:
+        raise ValueError(
+            f"rank {ctx.rank} holds stages {sorted(mine)} of schedule {ctx.schedule.name!r}, "
+            f"but from_stages got stages {sorted(stages)}"
+        )
+    modules = {s: [m] if isinstance(m, nn.Module) else list(m) for s, m in stages.items()}
+
+    def register(root: nn.Module) -> None:
+        for s, mods in sorted(modules.items()):
+            root.add_module(f"stage{s}", mods[0] if len(mods) == 1 else nn.ModuleList(mods))
+
+    ranges = [range(s, s + 1) for s in range(ctx.schedule.num_stages)]
+    return BuiltStages(modules, register, ranges)
 
 
 def stage_device(modules: dict[int, list[nn.Module]], default: torch.device) -> torch.device:

@@ -1,0 +1,44 @@
+"""What a step leaves behind for the user: its measured timeline and its losses, gathered over the ranks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...actions import Action, parse_action
+from ...timeline import Event, Timeline
+from ..comm import collectives
+
+
+def step_timeline(
+    events: list[tuple[Action, float, float]],
+    *,
+    rank: int,
+    num_ranks: int,
+    name: str,
+    meta: dict[str, object],
+    started: float,
+    clock_offset: float,
+    group: Any = None,
+) -> Timeline:
+    """This rank's ``events`` (perf_counter seconds) as a Timeline from ``started``; with ``group`` (a collective)
+    every rank's, on one wall clock (``clock_offset`` = time.time() - time.perf_counter() on each rank)."""
+    if group is None:
+        local = [Event(rank, a, t0 - started, t1 - started) for a, t0, t1 in events]
+        return Timeline(name, num_ranks, local, source="measured", unit="s", meta=meta)
+    wall = [(str(a), t0 + clock_offset, t1 + clock_offset) for a, t0, t1 in events]
+    everyone = collectives.gather_objects((rank, wall), group)
+    starts = [t0 for _, rows in everyone for _, t0, _ in rows]
+    base = min(starts) if starts else 0.0
+    merged = [Event(r, parse_action(a), t0 - base, t1 - base) for r, rows in everyone for a, t0, t1 in rows]
+    merged.sort(key=lambda e: (e.rank, e.start))
+    return Timeline(name, num_ranks, merged, source="measured", unit="s", meta=meta)
+
+
+def gathered_losses(loss: float, aux_local: dict[str, float], group: Any) -> dict[str, float]:
+    """``{"loss": main, "aux": sum of aux terms, "aux/NAME": each}``, aux terms summed over the ranks (a collective)."""
+    everyone = collectives.gather_objects(aux_local, group)
+    names = sorted({n for d in everyone for n in d})
+    per = {n: sum(d.get(n, 0.0) for d in everyone) for n in names}
+    out = {"loss": loss, "aux": sum(per.values())}
+    out.update({f"aux/{n}": v for n, v in per.items()})
+    return out
