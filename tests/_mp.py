@@ -15,7 +15,7 @@ from runtime_checks import feature_checks, parity_checks
 
 WORKERS = Path(__file__).parent / "workers"
 
-__all__ = ["SuiteResults", "feature_checks", "parity_checks", "run_suite", "suites_by_ranks"]
+__all__ = ["SuiteResults", "feature_checks", "parity_checks", "run_suite", "selected", "suites_by_ranks"]
 
 
 @dataclass
@@ -47,12 +47,18 @@ def run_suite(
     *,
     suite: str | None = None,
     env: dict[str, str] | None = None,
+    only: list[str] | None = None,
 ) -> SuiteResults:
-    """Run ``module``'s checks (tests/workers/MODULE.py) on ``nprocs`` gloo ranks in one bounded torchrun job."""
+    """Run ``module``'s checks (tests/workers/MODULE.py) on ``nprocs`` gloo ranks in one bounded torchrun job.
+
+    ``only``: the checks to run (all when None), e.g. :func:`selected` for ``pytest -k``.
+    """
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}"]
     cmd += ["--max-restarts=0", str(WORKERS / "worker.py"), "--checks", module, "--out", str(out)]
     if suite is not None:
         cmd += ["--suite", suite]
+    if only is not None:
+        cmd += ["--only", ",".join(only)]
     full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1", **(env or {}))
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
@@ -68,6 +74,24 @@ def run_suite(
     return results
 
 
+def selected(request: pytest.FixtureRequest, ranks: int | None = None) -> list[str] | None:
+    """The check names the session's selected tests of this module ask for (``pytest -k`` runs only those).
+
+    Tests name their check in a ``name`` parameter (and a ``ranks`` one where a module runs several rank
+    counts); None when a selected test of the module names none (then every check runs).
+    """
+    names: list[str] = []
+    for item in request.session.items:
+        if item.module is not request.module:
+            continue
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if "name" not in params:
+            return None
+        if ranks is None or params.get("ranks", ranks) == ranks:
+            names.append(params["name"])
+    return sorted(set(names))
+
+
 def suites_by_ranks(module: str, label: str, timeout: float) -> Any:
     """A module-scoped fixture: ``suites(ranks)`` runs ``module``'s checks on that many ranks once, then reuses it.
 
@@ -75,12 +99,13 @@ def suites_by_ranks(module: str, label: str, timeout: float) -> Any:
     """
 
     @pytest.fixture(scope="module")
-    def suites(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    def suites(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
         done: dict[int, SuiteResults] = {}
 
         def get(ranks: int) -> SuiteResults:
             if ranks not in done:
-                done[ranks] = run_suite(module, ranks, tmp_path_factory.mktemp(f"{label}{ranks}"), timeout=timeout)
+                out = tmp_path_factory.mktemp(f"{label}{ranks}")
+                done[ranks] = run_suite(module, ranks, out, timeout=timeout, only=selected(request, ranks))
             return done[ranks]
 
         return get

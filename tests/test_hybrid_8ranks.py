@@ -11,14 +11,14 @@ from __future__ import annotations
 import hybrid_checks as hc
 import pytest
 
-from _mp import SuiteResults, run_suite
+from _mp import SuiteResults, run_suite, selected
 
 RANKS = 8
 CHECKS = list(hc.layouts8())
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> SuiteResults:
+def results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> SuiteResults:
     return run_suite(
         "hybrid_checks",
         RANKS,
@@ -26,6 +26,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> SuiteResults:
         timeout=240,
         suite="hybrid8",
         env={"PYTHONWARNINGS": "ignore"},
+        only=selected(request),
     )
 
 

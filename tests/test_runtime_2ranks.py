@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from _mp import feature_checks, parity_checks, run_suite
+from _mp import feature_checks, parity_checks, run_suite, selected
 
 RANKS = 2
 PARITY = list(parity_checks(RANKS))
@@ -16,8 +16,15 @@ FEATURES = list(feature_checks(RANKS))
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory):
-    return run_suite("runtime_checks", RANKS, tmp_path_factory.mktemp("runtime2"), timeout=240, suite="parity+features")
+def results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    return run_suite(
+        "runtime_checks",
+        RANKS,
+        tmp_path_factory.mktemp("runtime2"),
+        timeout=240,
+        suite="parity+features",
+        only=selected(request),
+    )
 
 
 @pytest.mark.parametrize("name", PARITY)

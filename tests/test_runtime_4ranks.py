@@ -8,16 +8,21 @@ from __future__ import annotations
 
 import pytest
 
-from _mp import parity_checks, run_suite
+from _mp import parity_checks, run_suite, selected
 
 RANKS = 4
 PARITY = list(parity_checks(RANKS))
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory):
+def results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     return run_suite(
-        "runtime_checks", RANKS, tmp_path_factory.mktemp("runtime4"), timeout=270, suite="parity+subgroups"
+        "runtime_checks",
+        RANKS,
+        tmp_path_factory.mktemp("runtime4"),
+        timeout=270,
+        suite="parity+subgroups",
+        only=selected(request),
     )
 
 

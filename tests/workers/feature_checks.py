@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from common import Ctx
 from torch import nn
 
 import stagewise as sw
@@ -28,13 +29,6 @@ TIMEOUT = 60.0
 D, V, CLASSES = 16, 24, 5
 SCHEDULES = ("1f1b", "zb-v", "zb-h1", "interleaved-1f1b")
 Check = Callable[[Any], "dict[str, Any] | None"]
-
-
-@dataclasses.dataclass
-class Ctx:
-    rank: int
-    world: int
-    group: Any = None
 
 
 # ---- models -------------------------------------------------------------------------
@@ -67,7 +61,7 @@ def lm_data(batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def mlp(n: int = 8) -> list[sw.Layer]:
+def gelu_mlp(n: int = 8) -> list[sw.Layer]:
     layers = [sw.Layer(nn.Linear, D, D, dtype=torch.float64) if k % 2 == 0 else sw.Layer(nn.GELU) for k in range(n - 1)]
     return layers + [sw.Layer(nn.Linear, D, CLASSES, dtype=torch.float64)]
 
@@ -239,7 +233,7 @@ def two_mlp_steps(pipe: sw.Pipeline, ref: nn.Module, m: int) -> torch.Tensor:
 
 def recompute(schedule: str, how: Any) -> Check:
     def check(ctx: Ctx) -> None:
-        layers, m = mlp(), 4
+        layers, m = gelu_mlp(), 4
         pipe = pipeline(ctx, layers, F.cross_entropy, schedule, m, recompute=how)
         ref = sw.build_model(layers)
         x = two_mlp_steps(pipe, ref, m)
@@ -254,7 +248,7 @@ def clip(schedule: str) -> Check:
     """clip_grad_norm_ over the whole pipeline equals torch's on the one-process model (2-norm and inf-norm)."""
 
     def check(ctx: Ctx) -> None:
-        layers, m = mlp(), 4
+        layers, m = gelu_mlp(), 4
         pipe = pipeline(ctx, layers, F.cross_entropy, schedule, m)
         ref = sw.build_model(layers)
         for norm_type in (2.0, float("inf")):
@@ -346,7 +340,7 @@ def memory(schedule: str, how: Any = None) -> Check:
 
     def check(ctx: Ctx) -> dict[str, Any]:
         m = 2 * ctx.world
-        layers = mlp(2 * ctx.world * 2)
+        layers = gelu_mlp(2 * ctx.world * 2)
         pipe = pipeline(ctx, layers, F.cross_entropy, schedule, m, recompute=how, measure_memory=True)
         x, y = mlp_data(4 * m, seed=0)
         pipe.train_step(x, y)

@@ -13,11 +13,11 @@ from __future__ import annotations
 import copy
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from common import Ctx
 from torch import nn
 
 import stagewise as sw
@@ -26,13 +26,6 @@ from stagewise.runtime.comm import collectives
 RTOL, ATOL = 1e-10, 1e-12  # float64 on both sides: only summation order differs
 TIMEOUT = 60.0
 IN, D, CLASSES = 6, 16, 5
-
-
-@dataclass
-class Ctx:
-    rank: int
-    world: int
-    group: Any = None  # the pipeline group (None = WORLD)
 
 
 Check = Callable[[Ctx], "dict[str, Any] | None"]

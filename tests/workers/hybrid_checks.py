@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -23,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import models as mdl  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from common import Ctx  # noqa: E402
 from torch import nn  # noqa: E402
 
 import stagewise as sw  # noqa: E402
@@ -106,10 +106,6 @@ def tied_plan() -> dict[str, Any]:
 
 
 # ---- checks ----------------------------------------------------------------------
-@dataclass
-class Ctx:
-    rank: int
-    world: int
 
 
 Check = Callable[[Ctx], "dict[str, Any] | None"]

@@ -8,12 +8,12 @@ side can list the same names without starting processes.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import models as mdl
 import torch
 import torch.nn.functional as F
+from common import Ctx
 
 import stagewise as sw
 from stagewise.actions import Action, Kind
@@ -23,13 +23,6 @@ from stagewise.schedule import Schedule, loop_placement, v_placement
 
 RTOL, ATOL = 1e-10, 1e-12  # float64 on both sides: only summation order differs
 TIMEOUT = 30.0
-
-
-@dataclass
-class Ctx:
-    rank: int
-    world: int
-    group: Any = None  # the pipeline group (None = WORLD)
 
 
 Check = Callable[[Ctx], None]
