@@ -26,6 +26,7 @@ from ..validate import validate_schedule
 from . import transport as tp
 from .aux import attach, collect_aux_losses
 from .balance import plan_layers
+from .batchnorm import BatchNormPolicy, attach_batchnorms, check_batchnorm
 from .errors import PipelineError
 from .forensics import position
 from .interpreter import Interpreter, Step
@@ -119,6 +120,13 @@ class Pipeline(nn.Module):
     ``tp_plan`` names are split over ``tp`` (see :mod:`stagewise.runtime.parallel`).
     Each data-parallel replica trains on its own slice (:meth:`local_batch`).
 
+    ``batchnorm``: ``"micro"`` or ``"deferred"`` (or a
+    :class:`~stagewise.BatchNormPolicy`): each micro-batch is normalised with
+    its own statistics either way; ``"deferred"`` updates the running
+    statistics once per step over the whole batch, ``"micro"`` once per
+    micro-batch (:mod:`stagewise.runtime.batchnorm`). Left out, ``"micro"``
+    applies and a stage holding BatchNorm layers says so once.
+
     Every rank of the group must build its Pipelines in the same order.
     """
 
@@ -148,8 +156,10 @@ class Pipeline(nn.Module):
         measure_memory: bool = False,
         autocast: torch.dtype | None = None,
         variable_shapes: bool = False,
+        batchnorm: str | BatchNormPolicy | None = None,
     ) -> None:
         super().__init__()
+        norm_policy = check_batchnorm(batchnorm)
         tp.require_initialized()
         self.hybrid = _hybrid(parallel, group)  # pp x dp x sharding x tp: the schedule runs on the pp group
         group = tp.group_or_world(group if self.hybrid is None else self.hybrid.pp_group)
@@ -245,6 +255,7 @@ class Pipeline(nn.Module):
             step_stage=self._step_optimizer,
             sync_hooks=self._sync_hooks,
         )
+        self._norms = attach_batchnorms(self, norm_policy, {s: st.modules for s, st in stages.items()})
         self._last_step: Step | None = None
         self._running: tuple[Action, ...] = ()
         self._step_started = 0.0
@@ -456,7 +467,8 @@ class Pipeline(nn.Module):
     def _run(self, actions: tuple[Action, ...], step: Step) -> None:
         self._last_step, self._running = step, actions
         self._step_started = time.perf_counter()
-        self._interpreter.run(actions, step)
+        with self._norms.step(step.mode):
+            self._interpreter.run(actions, step)
         self.transport.finish_sends()
 
     def _prepare(self, mode: str, inputs: Any, targets: Any) -> Step:
