@@ -77,9 +77,8 @@ def bn_layers() -> list[sw.Layer]:
 
 def late_bn_layers() -> list[sw.Layer]:
     """BatchNorm in the last layers only (the last rank's stage): rank 0 must still say so."""
-    return [*(sw.Layer(Res) for _ in range(7)), sw.Layer(nn.BatchNorm1d, D, dtype=torch.float64), sw.Layer(Res)] + [
-        sw.Layer(nn.Linear, D, CLASSES, dtype=torch.float64)
-    ]
+    head = [sw.Layer(nn.BatchNorm1d, D, dtype=torch.float64), sw.Layer(nn.Linear, D, CLASSES, dtype=torch.float64)]
+    return [*(sw.Layer(Res) for _ in range(8)), *head]  # 10 layers: the BatchNorm is on the last stage of 2 or 4
 
 
 def data(batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
