@@ -92,14 +92,20 @@ def batchnorms(model: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
     return [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
 
 
-def reference_step(ref: nn.Module, x: torch.Tensor, y: torch.Tensor, m: int) -> float:
-    """One deferred-BatchNorm step of the one-process model: its loss; gradients in ``.grad``."""
+def reference_step(ref: nn.Module, x: torch.Tensor, y: torch.Tensor, m: int, replicas: int = 1) -> float:
+    """One deferred-BatchNorm step of the one-process model: its loss; gradients in ``.grad``.
+
+    With ``replicas``, the batch is first cut in that many equal shares (``Pipeline.local_batch``), each run as
+    ``m`` micro-batches; the running statistics cover all of them (``across_replicas=True``).
+    """
     norms = batchnorms(ref)
     buffers = {k: v.clone() for k, v in ref.named_buffers()}
     seen: dict[int, list[torch.Tensor]] = {id(bn): [] for bn in norms}
     hooks = [bn.register_forward_pre_hook(lambda mod, args: seen[id(mod)].append(args[0].detach())) for bn in norms]
-    xs, sizes = split(x, m)
-    ys, _ = split(y, m)
+    xs, ys, sizes = [], [], []
+    for xr, yr in zip(split(x, replicas)[0], split(y, replicas)[0]):
+        chunks, n = split(xr, m)
+        xs, ys, sizes = xs + chunks, ys + split(yr, m)[0], sizes + n
     total = 0.0
     try:
         for xi, yi, n in zip(xs, ys, sizes):
@@ -132,6 +138,8 @@ def train_and_compare(
     m: int = M,
     mode: Any = "deferred",
     evaluate: bool = True,
+    replicas: int = 1,
+    batch: int = BATCH,
     **kw: Any,
 ) -> sw.Pipeline:
     """``steps`` SGD steps of the pipeline and the reference; parameters and buffers compared after each,
@@ -141,9 +149,9 @@ def train_and_compare(
     ref = sw.build_model(layers)
     opt = torch.optim.SGD(ref.parameters(), lr=LR)
     for step in range(steps):
-        x, y = data(BATCH, seed=step)
-        loss = pipe.train_step(x, y)
-        ref_loss = reference_step(ref, x, y, m)
+        x, y = data(batch, seed=step)
+        loss = pipe.train_step(*pipe.local_batch(x, y))
+        ref_loss = reference_step(ref, x, y, m, replicas)
         opt.step()
         opt.zero_grad()
         assert abs(loss - ref_loss) <= 1e-10 * max(1.0, abs(ref_loss)), f"step {step} loss: {loss} vs {ref_loss}"
@@ -155,8 +163,9 @@ def train_and_compare(
     pipe.eval()  # eval mode: the running statistics normalise, as in the one-process model
     ref.eval()
     x, _ = data(BATCH, seed=99)
-    out = pipe.eval_step(x)
+    out = pipe.eval_step(pipe.local_batch(x)[0])
     if out is not None:
+        x = pipe.local_batch(x)[0]
         with torch.no_grad():
             torch.testing.assert_close(out, ref(x), rtol=RTOL, atol=ATOL)
     pipe.train()
@@ -207,6 +216,16 @@ def detect(ctx: Ctx) -> dict[str, Any]:
     return {"rank": ctx.rank}
 
 
+def replicas(ctx: Ctx) -> None:
+    """pp=2 x dp=2 with across_replicas=True: the running statistics of the global batch on every replica."""
+
+    def make(layers: list, **kw: Any) -> sw.Pipeline:
+        config = sw.ParallelConfig(pp=2, dp=ctx.world // 2)
+        return sw.Pipeline(layers, loss_fn=F.cross_entropy, microbatches=M, parallel=config, timeout=TIMEOUT, **kw)
+
+    train_and_compare(make, mode=sw.BatchNormPolicy("deferred", across_replicas=True), replicas=ctx.world // 2, batch=2 * BATCH)
+
+
 FOUR_RANKS = ("1f1b", "zb-v", "interleaved-1f1b", "zb-h1")
 
 
@@ -219,4 +238,6 @@ def checks(world: int) -> dict[str, Check]:
             out[f"deferred-{s}-recompute"] = deferred(s, "stage")
     out["deferred-zb-h1-recompute-1"] = deferred("zb-h1", 1)
     out["micro-fails"] = micro_fails
+    if world == 4:
+        out["deferred-across-replicas"] = replicas
     return out
