@@ -223,7 +223,8 @@ def replicas(ctx: Ctx) -> None:
         config = sw.ParallelConfig(pp=2, dp=ctx.world // 2)
         return sw.Pipeline(layers, loss_fn=F.cross_entropy, microbatches=M, parallel=config, timeout=TIMEOUT, **kw)
 
-    train_and_compare(make, mode=sw.BatchNormPolicy("deferred", across_replicas=True), replicas=ctx.world // 2, batch=2 * BATCH)
+    policy = sw.BatchNormPolicy("deferred", across_replicas=True)
+    train_and_compare(make, mode=policy, replicas=ctx.world // 2, batch=2 * BATCH)
 
 
 FOUR_RANKS = ("1f1b", "zb-v", "interleaved-1f1b", "zb-h1")
