@@ -182,3 +182,25 @@ def test_measured_costs_recover_the_costs_of_a_simulated_step() -> None:
     assert [costs.backward(s) for s in range(4)] == pytest.approx([2.0] * 4)
     assert costs.latency == pytest.approx(0.25)
     assert sw.simulate(schedule, costs).makespan == pytest.approx(timeline.makespan)
+
+
+def test_resnet_digits_with_deferred_batchnorm_on_2_ranks(tmp_path: Path) -> None:
+    """MindSpore-style tags, BatchNorm2d everywhere: trains, and the running statistics are per step."""
+    import resnet_digits
+
+    out = tmp_path / "resnet"
+    log = stagewise_run(2, "resnet_digits.py", "--steps=30", "--compare", f"--out={out}", cwd=tmp_path)
+    assert "holds BatchNorm layers" not in log  # batchnorm= was chosen: no detection message
+    summary = json.loads((out / "summary.json").read_text())
+    for run in ("pipelined", "single"):
+        assert summary[run]["final_loss"] < summary[run]["first_loss"] - 0.5, (run, summary[run])
+        assert summary[run]["test_accuracy"] > 0.5, (run, summary[run])  # 10 classes: chance is 0.1
+    state = torch.load(out / "checkpoint.pt", weights_only=True)["model"]
+    model = resnet_digits.ResNet()
+    model.load_state_dict(state)  # strict: both stages' parameters and buffers, under the model's names
+    counts = {k: int(v) for k, v in state.items() if k.endswith("num_batches_tracked")}
+    assert len(counts) == 15 and set(counts.values()) == {30}, counts  # once per step, not per micro-batch
+    _run(
+        [sys.executable, str(EXAMPLES / "resnet_digits.py"), "--single", "--steps=3", f"--out={tmp_path}/one"], tmp_path
+    )
+    assert "single" in json.loads((tmp_path / "one" / "summary.json").read_text())

@@ -45,6 +45,7 @@ def build_schedule(
 # Runtime names, imported lazily so the pure core never pulls in torch.distributed.
 _LAZY = {
     "Pipeline": ".runtime.pipeline",
+    "BatchNormPolicy": ".runtime.engine.batchnorm",
     "PipelineError": ".runtime.errors",
     "init": ".runtime.comm.setup",
     "Layer": ".runtime.model.layers",
@@ -77,6 +78,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "BatchNormPolicy",
     "CostModel",
     "Tied",
     "aux_loss",

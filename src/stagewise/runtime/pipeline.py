@@ -30,6 +30,7 @@ from .comm import groups, lifecycle
 from .comm.torch_p2p import TorchTransport
 from .comm.transport import Transport, TransportFactory, TransportSpec
 from .context import PipelineContext, resolve_context
+from .engine.batchnorm import BatchNormPolicy, attach_batchnorms, check_batchnorm
 from .engine.hooks import StageHooks, optimizer_per_stage
 from .engine.interpreter import Interpreter
 from .engine.memory import ActivationMeter
@@ -95,6 +96,13 @@ class Pipeline(nn.Module):
     ``tp_plan`` names are split over ``tp`` (see :mod:`stagewise.runtime.hybrid.hybrid`).
     Each data-parallel replica trains on its own slice (:meth:`local_batch`).
 
+    ``batchnorm``: ``"micro"`` or ``"deferred"`` (or a
+    :class:`~stagewise.BatchNormPolicy`): each micro-batch is normalised with
+    its own statistics either way; ``"deferred"`` updates the running
+    statistics once per step over the whole batch, ``"micro"`` once per
+    micro-batch (:mod:`stagewise.runtime.engine.batchnorm`). Left out, ``"micro"``
+    applies and a stage holding BatchNorm layers says so once.
+
     Every rank of the group must build its Pipelines in the same order.
     """
 
@@ -125,11 +133,12 @@ class Pipeline(nn.Module):
         autocast: torch.dtype | None = None,
         variable_shapes: bool = False,
         transport: TransportFactory | None = None,
+        batchnorm: str | BatchNormPolicy | None = None,
     ) -> None:
         super().__init__()
         options = RunOptions(
             loss_fn, optimizer, batch_dim, target_batch_dim, timeout, store, recompute, measure_memory, autocast,
-            variable_shapes, transport,
+            variable_shapes, transport, batchnorm,
         )  # fmt: skip
         ctx = resolve_context(
             schedule=schedule,
@@ -247,11 +256,17 @@ class Pipeline(nn.Module):
             hooks=self.hooks,
         )
         meter = ActivationMeter(self.parameters(), lambda: interpreter.current) if options.measure_memory else None
+        norms = attach_batchnorms(
+            check_batchnorm(options.batchnorm), parts.modules, lambda: interpreter.current,
+            hybrid=self.hybrid, group=ctx.group, num_microbatches=m,
+        )  # fmt: skip
+        self.hooks.parts.append(norms)
         self._runner = Runner(
             self.rank, self.schedule, self.device, self.transport, interpreter, stages,
             train_actions(self.schedule, self.rank, options.optimizer is not None),
             eval_actions(self.schedule, self.rank),
             (options.batch_dim, options.target_batch_dim), options.loss_fn is not None, self.tied, self.hybrid, meter,
+            norms,
         )  # fmt: skip
         self._clock_offset = time.time() - time.perf_counter()
 

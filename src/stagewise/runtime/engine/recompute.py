@@ -10,8 +10,9 @@ internals are alive at a time, during its backward.
 
 With the I/W split the non-reentrant checkpoint recomputes what I unpacks and
 W, restarted on the retained graph, gets the same values: gradients equal those
-without recompute (tested). Layers whose forward has side effects run twice:
-a BatchNorm updates its running statistics again on recompute.
+without recompute (tested). Layers whose forward has other side effects run
+them twice; BatchNorm's running statistics are updated by the F action only
+(:mod:`.batchnorm`).
 """
 
 from __future__ import annotations

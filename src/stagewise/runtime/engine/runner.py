@@ -20,6 +20,7 @@ from ...actions import Action
 from ...schedule import Schedule
 from ..comm.transport import Transport
 from ..errors import PipelineError
+from .batchnorm import BatchNorms
 from .forensics import position
 from .interpreter import Interpreter, Step
 from .memory import ActivationMeter
@@ -45,6 +46,7 @@ class Runner:
     tied: Any  # TiedSync: tied gradients summed over their owners
     hybrid: Any = None  # Hybrid: the other axes' reductions, or None
     meter: ActivationMeter | None = None
+    norms: BatchNorms | None = None  # BatchNorm running statistics under the batchnorm= policy
     last_step: Step | None = None
     running: tuple[Action, ...] = ()
     step_started: float = 0.0
@@ -119,7 +121,11 @@ class Runner:
     def _run(self, actions: tuple[Action, ...], step: Step) -> None:
         self.last_step, self.running = step, actions
         self.step_started = time.perf_counter()
-        self.interpreter.run(actions, step)
+        if self.norms is None:
+            self.interpreter.run(actions, step)
+        else:
+            with self.norms.step(step.mode):
+                self.interpreter.run(actions, step)
         self.transport.finish_sends()
 
     def _share_loss(self, step: Step) -> float:
