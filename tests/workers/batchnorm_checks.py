@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from common import Ctx
+from common import Ctx, Res
 from torch import nn
 
 import stagewise as sw
@@ -32,15 +32,6 @@ Check = Callable[[Any], "dict[str, Any] | None"]
 
 
 # ---- model ----------------------------------------------------------------------------
-class Res(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(D, D, dtype=torch.float64)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return h + torch.tanh(self.lin(h))
-
-
 class Channels(nn.Module):
     """(N, D) -> BatchNorm1d over 4 channels of length D/4 (a 3-d input: statistics over N and L) -> (N, D)."""
 

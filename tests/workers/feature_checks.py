@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from common import Ctx
+from common import Ctx, Res
 from torch import nn
 
 import stagewise as sw
@@ -32,15 +32,6 @@ Check = Callable[[Any], "dict[str, Any] | None"]
 
 
 # ---- models -------------------------------------------------------------------------
-class Res(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(D, D, dtype=torch.float64)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return h + torch.tanh(self.lin(h))
-
-
 def tied_lm() -> list[sw.Layer]:
     """Embedding and LM head share one weight: 8 layers."""
     return [
