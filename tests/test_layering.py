@@ -16,6 +16,7 @@ DISTRIBUTED_ALLOWED = {
     "cli.py",
     "runtime/sharding.py",  # wraps torch's FSDP2 fully_shard; its collectives run inside torch
     "runtime/tensor_parallel.py",  # wraps torch's DTensor tensor-parallel styles; likewise
+    "runtime/checkpoint/storage.py",  # the checkpoint's collectives and torch.distributed.checkpoint (DCP)
 }
 #: the pure core: no torch at all
 PURE = [
