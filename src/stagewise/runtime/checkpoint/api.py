@@ -66,6 +66,7 @@ def save(
     scheduler: Any = None,
     keep: int | None = None,
     timeout: float = 600.0,
+    collective: bool = True,
 ) -> Path:
     """Save ``model`` (a Pipeline, or a one-process module), its optimizer state and RNG as ``path/step-N``.
 
@@ -75,14 +76,15 @@ def save(
     ``scheduler``: an LR scheduler (or several in lockstep: the first one's
     state is saved). ``extra``: JSON-like user data (rank 0's is saved), e.g.
     the sampler's position. ``keep``: how many checkpoints to keep under ``path``.
-    ``timeout``: seconds every rank may take to finish writing. Returns the
-    checkpoint's folder.
+    ``timeout``: seconds every rank may take to finish writing.
+    ``collective=False`` saves a plain module from this process alone (a
+    Pipeline is always saved by all its ranks). Returns the checkpoint's folder.
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be an integer >= 0, got {step!r}")
     retention.check_keep(keep)
     root = Path(path)
-    ranks = _ranks(model)
+    ranks = _ranks(model, collective)
     names = state.parameter_names(model)
     optimizers = state.optimizers_of(model, optimizer)
     model_tensors = {state.MODEL + k: v for k, v in state.saved_tensors(model).items()}
@@ -135,6 +137,7 @@ def load(
     scheduler: Any = None,
     strict: bool = True,
     restore_rng: bool = True,
+    collective: bool = True,
 ) -> CheckpointInfo:
     """Verify the checkpoint at ``path`` (a ``step-N`` folder, or a root: its :func:`latest`) and load it.
 
@@ -147,8 +150,10 @@ def load(
     state, and left as they are when it has none (a model-only "seed" checkpoint).
     Raises :class:`CheckpointError` on every rank, before anything is changed,
     if the checkpoint is partial, corrupted, or for another model.
+    ``collective=False`` loads a plain module in this process alone (e.g. on
+    one rank of a running job).
     """
-    ranks = _ranks(model)
+    ranks = _ranks(model, collective)
     folder = _resolve(Path(path), ranks)
     record = _verified(folder, ranks)
     explicit = optimizer is not None
@@ -205,12 +210,14 @@ def latest(path: str | os.PathLike[str]) -> Path | None:
 
 
 # ---- helpers --------------------------------------------------------------------------------
-def _ranks(model: Any) -> storage.Ranks:
+def _ranks(model: Any, collective: bool) -> storage.Ranks:
     if state.is_pipeline(model):
+        if not collective:
+            raise ValueError("collective=False is for a plain module: every rank of a Pipeline saves and loads it")
         return storage.pipeline_ranks(model)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a stagewise.Pipeline or an nn.Module, got {type(model).__name__}")
-    return storage.module_ranks(collective=True)
+    return storage.module_ranks(collective)
 
 
 def _first(scheduler: Any) -> Any:
