@@ -73,6 +73,18 @@ def cc_same(model, opt, shared) -> int:
     return cc.assert_same(model, [opt], "p2")
 
 
+def test_load_sharded_checkpoint_into_one_process(results: dict[str, SuiteResults], shared) -> None:
+    """FSDP2 shards (pp 2 x sharding 2, DTensors) gathered by DCP into the plain one-process model."""
+    results["save4"].assert_ok("save-pp2xsharding2")
+    model = sw.build_model(cc.hc.tp_lm(), seed=5)
+    info = sw.checkpoint.load(shared / "sh", model)
+    assert info.layout["parallel"] == {"pp": 2, "dp": 1, "sharding": 2, "tp": 1}
+    import os
+
+    os.environ["STAGEWISE_CKPT_DIR"] = str(shared)
+    assert cc.assert_same(model, [], "sh", optim=False) == len(list(model.parameters()))
+
+
 def test_tied_pipeline_loss_equals_one_process(results: dict[str, SuiteResults]) -> None:
     info = results["resume2"].get("tied-restore-pp2")[0]["info"]
     assert info["pipeline"] == pytest.approx(info["one_process"], rel=1e-12, abs=0)
