@@ -75,7 +75,8 @@ def save(
     optimizer; by default a Pipeline's own (``Pipeline(optimizer=factory)``).
     ``scheduler``: an LR scheduler (or several in lockstep: the first one's
     state is saved). ``extra``: JSON-like user data (rank 0's is saved), e.g.
-    the sampler's position. ``keep``: how many checkpoints to keep under ``path``.
+    the sampler's position. ``keep``: how many checkpoints to keep under ``path``
+    (this one and the newest ``keep - 1`` others by step).
     ``timeout``: seconds every rank may take to finish writing.
     ``collective=False`` saves a plain module from this process alone (a
     Pipeline is always saved by all its ranks). Returns the checkpoint's folder.
@@ -122,7 +123,7 @@ def save(
             digests[META] = mf.digest(staging / META)
             mf.write_manifest(staging, digests)  # last: its presence means complete
             retention.publish(staging, final)
-            retention.prune(root, keep)
+            retention.prune(root, keep, final)
         except (OSError, CheckpointError) as err:
             problems.append(f"cannot publish {final}: {err}")
     storage.agree(problems, ranks, f"checkpoint {final} was not saved")

@@ -61,12 +61,13 @@ def publish(staging: Path, final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def prune(root: Path, keep: int | None) -> list[Path]:
-    """Delete all but the newest ``keep`` complete checkpoints; returns what was deleted."""
+def prune(root: Path, keep: int | None, current: Path) -> list[Path]:
+    """Keep ``current`` (just written) and the newest ``keep - 1`` other complete checkpoints by step; delete the
+    rest. Returns what was deleted."""
     if keep is None:
         return []
-    found = steps(root)
-    doomed = [path for _, path in found[: max(0, len(found) - keep)]]
+    others = [path for _, path in steps(root) if path != current]
+    doomed = others[: max(0, len(others) - (keep - 1))]
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
     return doomed
