@@ -287,6 +287,48 @@ def load_seed(ctx: Ctx) -> None:
         assert torch.equal(p.detach(), ref[name].detach()), name
 
 
+class Tagged(nn.Module):
+    """An unmodified model cut by stage tags (``Pipeline.from_model``); a residual crosses the cut."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with sw.stage(0):
+            self.embed = nn.Linear(mdl.D, 32, dtype=torch.float64)
+        with sw.stage(1):
+            self.body = nn.Sequential(nn.Tanh(), nn.Linear(32, 32, dtype=torch.float64))
+            self.head = nn.Linear(32, mdl.CLASSES, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        return self.head(self.body(h) + h)
+
+
+def from_model(ctx: Ctx) -> dict[str, Any]:
+    """A ``from_model`` pipeline saves under the model's own names: it loads into the plain model, and back."""
+    torch.manual_seed(0)
+    pipe = sw.Pipeline.from_model(Tagged(), loss_fn=nn.functional.cross_entropy, microbatches=4, optimizer=adamw)
+    x, y = mdl.mlp_data(8, seed=3)
+    pipe.train_step(x, y)
+    sw.checkpoint.save(root() / "tagged", pipe, step=1)
+    torch.manual_seed(1)
+    model = Tagged()
+    opt = adamw(list(model.parameters()))
+    sw.checkpoint.load(root() / "tagged", model, opt)
+    mine = dict(model.named_parameters())
+    for name, p in pipe.named_parameters():
+        assert torch.equal(p.detach(), mine[name].detach()), name
+        assert torch.equal(pipe.optimizers[pipe.local_stages[0]].state[p]["exp_avg"], opt.state[mine[name]]["exp_avg"])
+    with torch.no_grad():
+        expected = float(nn.functional.cross_entropy(model(x), y))
+    loss = pipe.train_step(x, y)
+    close(loss, expected)
+    torch.manual_seed(2)
+    again = sw.Pipeline.from_model(Tagged(), loss_fn=nn.functional.cross_entropy, microbatches=4, optimizer=adamw)
+    sw.checkpoint.load(root() / "tagged", again)
+    close(again.train_step(x, y), expected)
+    return {"loss": loss}
+
+
 # ---- loading elsewhere ---------------------------------------------------------------------------
 def load_reshard(model: str, schedule: str, tag: str, **kw: Any) -> Check:
     """Load a checkpoint saved under another layout: parameters and optimizer state exact, next loss close."""
@@ -357,6 +399,7 @@ def suites(world: int) -> dict[str, dict[str, Check]]:
             "save-tied-pp2": save_for_reshard("tied", "1f1b", "tied"),
             "load-seed-checkpoint-pp2": load_seed,
             "keep-and-latest": keeps_the_last_two,
+            "from-model-pipeline": from_model,
             "refuses-bad-checkpoints": refuses,
         },
         "save4": {
@@ -371,6 +414,7 @@ def suites(world: int) -> dict[str, dict[str, Check]]:
             "resume-zbv-user-optimizer": resume("dropout", "zb-v", "r-zbv", user_optimizer=True),
             "load-pp2-1f1b-into-zbv": load_reshard("plain", "zb-v", "p2"),
             "load-pp4-1f1b-into-pp2-zbv": load_reshard("plain", "zb-v", "p4"),
+            "load-pp4-1f1b-into-pp2-interleaved": load_reshard("plain", "interleaved-1f1b", "p4"),
             "tied-restore-pp2": tied_restore,
             "load-pp2xtp2-into-pp2": load_reshard("tp", "1f1b", "tp"),
         },
