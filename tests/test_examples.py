@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -124,6 +125,7 @@ def test_gpt_resumes_from_its_checkpoint_bit_exactly(gpt_run: tuple[Path, str], 
     out = tmp_path / "demo"
     stagewise_run(4, "gpt_stdlib.py", *TINY_GPT, f"--out={out}", "--save-every=4", "--stop-at=8", cwd=tmp_path)
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000004", "step-00000008"]
+    single = shutil.copytree(out, tmp_path / "single")  # the same checkpoint, resumed in one process below
     log = stagewise_run(4, "gpt_stdlib.py", *TINY_GPT, f"--out={out}", "--save-every=4", cwd=tmp_path)
     assert "resuming from" in log and "step 8" in log
 
@@ -134,6 +136,12 @@ def test_gpt_resumes_from_its_checkpoint_bit_exactly(gpt_run: tuple[Path, str], 
     assert sorted(resumed) == list(range(9, 17))
     assert resumed == {k: uninterrupted[k] for k in range(9, 17)}
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000012", "step-00000016"]
+    # another layout: the 4-stage checkpoint resumed by the one-process model (float rounding differs)
+    log = _run([sys.executable, str(EXAMPLES / "gpt_stdlib.py"), "--single", *TINY_GPT, f"--out={single}"], tmp_path)
+    assert "resuming from" in log
+    moved = {k: float(v) for k, v in losses(single).items()}
+    assert sorted(moved) == list(range(9, 17))
+    assert [moved[k] for k in range(9, 17)] == pytest.approx([float(uninterrupted[k]) for k in range(9, 17)], abs=2e-2)
 
 
 def test_gpt_head_is_tied_to_the_token_embedding(gpt_run: tuple[Path, str]) -> None:
