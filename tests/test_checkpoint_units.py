@@ -104,8 +104,8 @@ def test_keep_prunes_the_oldest(tmp_path: Path) -> None:
 
 
 def test_another_model_is_refused_naming_the_tensors_unless_not_strict(tmp_path: Path) -> None:
-    model, _, _ = _trained()
-    sw.checkpoint.save(tmp_path, model, step=1)
+    model, trained_opt, _ = _trained()
+    sw.checkpoint.save(tmp_path, model, trained_opt, step=1)
     bigger = sw.build_model(mdl.lm(3), seed=1)
     with pytest.raises(CheckpointError) as err:
         sw.checkpoint.load(tmp_path, bigger)
@@ -113,8 +113,11 @@ def test_another_model_is_refused_naming_the_tensors_unless_not_strict(tmp_path:
     smaller = sw.build_model(mdl.lm(1), seed=1)
     with pytest.raises(CheckpointError, match="'2.qkv.weight' is in the checkpoint but not in the model"):
         sw.checkpoint.load(tmp_path, smaller)
-    sw.checkpoint.load(tmp_path, bigger, strict=False)  # the names both have: the first blocks
+    opt = torch.optim.AdamW(bigger.parameters(), lr=1.0)
+    sw.checkpoint.load(tmp_path, bigger, opt, strict=False)  # the names both have: the first blocks
     assert torch.equal(bigger.get_submodule("1").qkv.weight, model.get_submodule("1").qkv.weight)
+    assert opt.state[bigger.get_submodule("1").qkv.weight]["step"] == 1  # (saved after one AdamW step)
+    assert not opt.state[bigger.get_submodule("3").qkv.weight]  # not in the checkpoint: fresh
 
 
 def test_an_optimizer_over_foreign_parameters_or_none_saved_is_refused(tmp_path: Path) -> None:

@@ -164,6 +164,8 @@ def restore_optimizers(
             hyper = None
             for p, index in zip(group["params"], index_group["params"]):
                 name = _name(names, p)
+                if name not in saved["optimizer"]["params"]:  # (strict=False) not in the checkpoint: left fresh
+                    continue
                 mine = saved["optimizer"]["params"][name]
                 if hyper is not None and mine != hyper[1]:
                     raise CheckpointError(
