@@ -10,6 +10,8 @@ one-process model at the end.
 
 from __future__ import annotations
 
+import os
+
 import checkpoint_checks as cc
 import pytest
 import torch
@@ -23,7 +25,9 @@ CHECKS = [(suite, name) for suite, _ in ORDER for name in cc.suites(4)[suite]]
 
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory: pytest.TempPathFactory):
-    return tmp_path_factory.mktemp("ckpt")
+    folder = tmp_path_factory.mktemp("ckpt")
+    os.environ["STAGEWISE_CKPT_DIR"] = str(folder)  # where checkpoint_checks' references are read here too
+    return folder
 
 
 @pytest.fixture(scope="module")
@@ -63,14 +67,7 @@ def test_load_pp2_checkpoint_into_one_process(results: dict[str, SuiteResults], 
     opt = cc.adamw(list(model.parameters()))
     info = sw.checkpoint.load(shared / "p2", model, opt)
     assert info.step == 2 and info.layout["pipeline"]["ranks"] == 2 and not info.rng_restored
-    assert cc_same(model, opt, shared) == len(list(model.parameters()))
-
-
-def cc_same(model, opt, shared) -> int:
-    import os
-
-    os.environ["STAGEWISE_CKPT_DIR"] = str(shared)
-    return cc.assert_same(model, [opt], "p2")
+    assert cc.assert_same(model, [opt], "p2") == len(list(model.parameters()))
 
 
 def test_load_sharded_checkpoint_into_one_process(results: dict[str, SuiteResults], shared) -> None:
@@ -79,9 +76,6 @@ def test_load_sharded_checkpoint_into_one_process(results: dict[str, SuiteResult
     model = sw.build_model(cc.hc.tp_lm(), seed=5)
     info = sw.checkpoint.load(shared / "sh", model)
     assert info.layout["parallel"] == {"pp": 2, "dp": 1, "sharding": 2, "tp": 1}
-    import os
-
-    os.environ["STAGEWISE_CKPT_DIR"] = str(shared)
     assert cc.assert_same(model, [], "sh", optim=False) == len(list(model.parameters()))
 
 

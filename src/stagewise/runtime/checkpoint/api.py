@@ -167,20 +167,8 @@ def load(
     if not strict:
         targets = {k: v for k, v in targets.items() if k in record["tensors"]}
     names = state.parameter_names(model)
-    opt_targets: dict[str, torch.Tensor] = {}
-    if optimizers and saved_opt is None:
-        problems.append(f"checkpoint {folder} holds no optimizer state (it was saved without an optimizer)")
-    elif optimizers:
-        opt_targets, found = state.optimizer_targets(optimizers, names, record)
-        problems += found if strict else []
-    loaded_opt = {names[id(p)] for opt in optimizers for g in opt.param_groups for p in g["params"]}
-    everyone = storage.gather(sorted(loaded_opt), ranks)
-    if saved_opt is not None and strict and any(everyone) and ranks.first:
-        covered = set().union(*map(set, everyone))
-        problems += [
-            f"the checkpoint has optimizer state for {n!r}, which no optimizer here holds"
-            for n in sorted(set(saved_opt["params"]) - covered)
-        ]
+    opt_targets, found = _optimizer_targets(record, optimizers, names, ranks, strict)
+    problems += found
     storage.agree(problems, ranks, f"checkpoint {folder} does not fit this model")
     storage.load_tensors({**targets, **opt_targets}, folder, ranks)
     if optimizers:
@@ -296,6 +284,34 @@ def _verified(folder: Path, ranks: storage.Ranks) -> dict[str, Any]:
     storage.agree(problems, ranks, f"refusing checkpoint {folder}")
     record = json.loads((folder / META).read_text())
     return record
+
+
+def _optimizer_targets(
+    record: dict[str, Any],
+    optimizers: list[torch.optim.Optimizer],
+    names: dict[int, str],
+    ranks: storage.Ranks,
+    strict: bool,
+) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """The optimizer state tensors this rank loads, and the problems: no state saved, names missing on either side
+    (saved names no optimizer on any rank holds: gathered)."""
+    saved = record.get("optimizer")
+    targets: dict[str, torch.Tensor] = {}
+    problems: list[str] = []
+    if optimizers and saved is None:
+        problems.append("the checkpoint holds no optimizer state (it was saved without an optimizer)")
+    elif optimizers:
+        targets, found = state.optimizer_targets(optimizers, names, record)
+        problems += found if strict else []
+    held = {names[id(p)] for opt in optimizers for g in opt.param_groups for p in g["params"]}
+    everyone = storage.gather(sorted(held), ranks)
+    if saved is not None and strict and any(everyone) and ranks.first:
+        covered = set().union(*map(set, everyone))
+        problems += [
+            f"the checkpoint has optimizer state for {n!r}, which no optimizer here holds"
+            for n in sorted(set(saved["params"]) - covered)
+        ]
+    return targets, problems
 
 
 def _model_names(record: dict[str, Any]) -> list[str]:
