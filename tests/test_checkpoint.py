@@ -79,6 +79,18 @@ def test_load_sharded_checkpoint_into_one_process(results: dict[str, SuiteResult
     assert cc.assert_same(model, [], "sh", optim=False) == len(list(model.parameters()))
 
 
+def test_tied_module_with_a_wrapped_first_use_loads_into_one_process(results: dict[str, SuiteResults], shared) -> None:
+    """Rank 1's tied copy is named as the one-process model names it (``0.module.weight``), optimizer state too."""
+    results["save2"].assert_ok("save-tied-wrapped-pp2")
+    record = (sw.checkpoint.latest(shared / "tiedw") / "stagewise.json").read_text()
+    assert '"optim/0.module.weight/exp_avg"' in record and '"optim/0.weight/' not in record
+    model = sw.build_model(cc.tied_wrapped(), seed=3)
+    opt = cc.adamw(list(model.parameters()))
+    sw.checkpoint.load(shared / "tiedw", model, opt)  # strict: every optimizer entry has its parameter here
+    state = opt.state[model.get_submodule("0").module.weight]
+    assert int(state["step"]) == 2 and state["exp_avg"].abs().sum() > 0
+
+
 def test_tied_pipeline_loss_equals_one_process(results: dict[str, SuiteResults]) -> None:
     info = results["resume2"].get("tied-restore-pp2")[0]["info"]
     assert info["pipeline"] == pytest.approx(info["one_process"], rel=1e-12, abs=0)

@@ -78,7 +78,17 @@ def tied() -> list[sw.Layer]:
     ]
 
 
-MODELS = {"plain": plain, "dropout": with_dropout, "tied": tied, "tp": hc.tp_lm}
+def _embed(emb: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return emb(x) * 2.0
+
+
+def tied_wrapped() -> list[sw.Layer]:
+    """The first use has a forward_fn too: its parameter is ``0.module.weight`` in one process."""
+    embedding = sw.Layer(nn.Embedding, mdl.VOCAB, mdl.D, dtype=torch.float64)
+    return [sw.Tied("embed", embedding, forward_fn=_embed), *tied()[1:]]
+
+
+MODELS = {"plain": plain, "dropout": with_dropout, "tied": tied, "tp": hc.tp_lm, "tied-wrapped": tied_wrapped}
 PP2_TP2 = {"parallel": sw.ParallelConfig(pp=2, tp=2), "tp_plan": hc.tp_plan()}
 PP2_SHARDING2 = {"parallel": sw.ParallelConfig(pp=2, sharding=2)}
 PP2_DP2 = {"parallel": sw.ParallelConfig(pp=2, dp=2)}
@@ -397,6 +407,7 @@ def suites(world: int) -> dict[str, dict[str, Check]]:
             "save-zbv-dropout-user-optimizer": save_resume("dropout", "zb-v", "r-zbv", user_optimizer=True),
             "save-pp2-1f1b": save_for_reshard("plain", "1f1b", "p2"),
             "save-tied-pp2": save_for_reshard("tied", "1f1b", "tied"),
+            "save-tied-wrapped-pp2": save_for_reshard("tied-wrapped", "1f1b", "tiedw"),
             "load-seed-checkpoint-pp2": load_seed,
             "keep-and-latest": keeps_the_last_two,
             "from-model-pipeline": from_model,

@@ -86,9 +86,11 @@ def save(
     retention.check_keep(keep)
     root = Path(path)
     ranks = _ranks(model, collective)
-    names = state.parameter_names(model)
+    saved = state.saved_tensors(model)
+    known = {n for names in storage.gather(sorted(saved), ranks) for n in names}  # the whole model's names
+    names = state.parameter_names(model, known)
     optimizers = state.optimizers_of(model, optimizer)
-    model_tensors = {state.MODEL + k: v for k, v in state.saved_tensors(model).items()}
+    model_tensors = {state.MODEL + k: v for k, v in saved.items()}
     optim_tensors, optim_meta = state.optimizer_state(optimizers, names)
     tensors = {**model_tensors, **optim_tensors}
     first = _first(scheduler)
@@ -166,7 +168,7 @@ def load(
     problems = _check_model(record, targets, ranks, strict)
     if not strict:
         targets = {k: v for k, v in targets.items() if k in record["tensors"]}
-    names = state.parameter_names(model)
+    names = state.parameter_names(model, set(_model_names(record)))
     opt_targets, found = _optimizer_targets(record, optimizers, names, ranks, strict)
     problems += found
     storage.agree(problems, ranks, f"checkpoint {folder} does not fit this model")

@@ -21,7 +21,7 @@ from __future__ import annotations
 import base64
 import random
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Container, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -43,21 +43,23 @@ def saved_tensors(target: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def load_targets(target: nn.Module, saved_names: Iterable[str]) -> dict[str, torch.Tensor]:
-    """The tensors this rank fills on load, by name: its ``state_dict()`` plus every tied copy it holds.
-
-    A tied copy's parameters are named under its first use (``0.weight``, or
-    ``0.module.weight`` when the first use has a ``forward_fn``: whichever the
-    checkpoint has).
-    """
+    """The tensors this rank fills on load, by name: its ``state_dict()`` plus every tied copy it holds."""
     out = dict(target.state_dict())
     if not is_pipeline(target):
         return out
-    names = set(saved_names)
+    known = set(saved_names)
     for first, module in target._tied_copies.items():
         for inner, t in module.state_dict().items():
-            plain, wrapped = f"{first}.{inner}", f"{first}.module.{inner}"
-            out[wrapped if wrapped in names and plain not in names else plain] = t
+            out[tied_name(first, inner, known)] = t
     return out
+
+
+def tied_name(first: str, inner: str, known: Container[str]) -> str:
+    """The one-process name of a tied copy's tensor ``inner``: under its first use ``first``, as ``first.inner``,
+    or ``first.module.inner`` when the first use has a ``forward_fn`` (whichever ``known`` - the names the owning
+    rank saved - has; ``Pipeline.named_parameters`` always says ``first.inner``)."""
+    plain, wrapped = f"{first}.{inner}", f"{first}.module.{inner}"
+    return wrapped if wrapped in known and plain not in known else plain
 
 
 def describe(tensors: Mapping[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
@@ -81,9 +83,16 @@ def optimizers_of(target: Any, optimizer: Any) -> list[torch.optim.Optimizer]:
     return items
 
 
-def parameter_names(target: nn.Module) -> dict[int, str]:
-    """id(parameter) -> its one-process name (a pipeline names its tied copies under their first use)."""
-    return {id(p): name for name, p in target.named_parameters()}
+def parameter_names(target: nn.Module, known: Container[str] = ()) -> dict[int, str]:
+    """id(parameter) -> its one-process name; a pipeline's tied copies under their first use (see :func:`tied_name`,
+    ``known``: the model's tensor names over every rank)."""
+    if not is_pipeline(target):
+        return {id(p): name for name, p in target.named_parameters()}
+    out = {id(p): name for name, p in nn.Module.named_parameters(target)}  # without the copies
+    for first, module in target._tied_copies.items():
+        for inner, p in module.named_parameters():
+            out.setdefault(id(p), tied_name(first, inner, known))
+    return out
 
 
 def _name(names: Mapping[int, str], p: torch.Tensor) -> str:
