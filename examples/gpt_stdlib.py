@@ -12,10 +12,17 @@ the progress and writes, under ``--out``:
 * ``timeline_measured.png`` / ``.trace.json``: one measured step (open the trace in ui.perfetto.dev);
 * ``timeline_simulated.png`` / ``.trace.json``: the simulator's prediction from the measured per-stage
   compute times, and ``timeline_compare.png`` with both;
-* ``checkpoint.pt``: the whole model's state dict (names as in one process, the tied token
-  embedding once) and its config;
-  ``sw.build_model(gpt_layers(cfg), seed).load_state_dict(ckpt["model"])`` restores it;
+* ``checkpoints/step-N``: a checkpoint every ``--save-every`` steps and at the end (the last
+  ``--keep``), written with :mod:`stagewise.checkpoint`: the model under its one-process names
+  (the tied token embedding once), the optimizer state by parameter name, RNG states, and in
+  ``extra`` the config, the seed and how many batches were drawn. A run finding a checkpoint there
+  resumes from it (``--no-resume`` starts afresh), under any number of processes or ``--single``;
+  ``sw.checkpoint.load(sw.checkpoint.latest(OUT / "checkpoints"), sw.build_model(gpt_layers(cfg)))``
+  loads it into the one-process model;
 * ``summary.json``: the numbers of the summary table.
+
+``--stop-at N`` stops after step N as if the job had been killed; run the same command again
+without it and training continues from the last checkpoint.
 """
 
 from __future__ import annotations
@@ -44,7 +51,6 @@ from reporting import (
     MetricsLog,
     TrainingProgress,
     console,
-    gather_state_dict,
     measured_costs,
     plot_losses,
     summary_table,
@@ -79,6 +85,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sample", type=int, default=200, help="bytes of text to sample at the end (default 200)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1, as torchrun sets)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps, and at the end (100)")
+    p.add_argument("--keep", type=int, default=2, help="checkpoints to keep (default 2)")
+    p.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints under OUT/checkpoints")
+    p.add_argument("--stop-at", type=int, default=None, help="stop after this step, as if interrupted")
     p.add_argument("--tensorboard", action="store_true", help="also log metrics to OUT/tb (needs tensorboard)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar or step lines")
     p.add_argument("--verbose", action="store_true", help="log stagewise's INFO messages")
@@ -89,7 +99,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--single trains in one process: run `python examples/gpt_stdlib.py --single`, not under a launcher")
     if args.tensorboard and not tensorboard_available():
         p.error("--tensorboard needs the tensorboard package (pip install tensorboard)")
-    for name in ("steps", "threads", "batch_size", "microbatches", "eval_every", "eval_batches", "timeline_every"):
+    names = ("steps", "threads", "batch_size", "microbatches", "eval_every", "eval_batches", "timeline_every")
+    for name in (*names, "save_every", "keep"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     return args
@@ -159,8 +170,12 @@ class Pipelined:
     def timeline(self) -> sw.Timeline:
         return self.pipe.timeline(gather=True)
 
-    def state_dict(self) -> dict[str, torch.Tensor] | None:
-        return gather_state_dict(self.pipe, dst=self.reporter_rank)
+    @property
+    def model(self) -> torch.nn.Module:
+        """What is checkpointed: the pipeline (every rank its share); its own per-stage optimizers go with it."""
+        return self.pipe
+
+    optimizer = None
 
     def close(self) -> None:
         dist.destroy_process_group()
@@ -194,8 +209,9 @@ class SingleProcess:
     def timeline(self) -> None:
         return None
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.optimizers[0]
 
     def close(self) -> None:
         pass
@@ -204,10 +220,38 @@ class SingleProcess:
 # ---- training -----------------------------------------------------------------------------------
 
 
+def checkpoint(runner: Pipelined | SingleProcess, args: argparse.Namespace, cfg: GPTConfig, step: int) -> None:
+    """Save the model, its optimizer state and RNG after ``step`` (a collective in the pipelined run)."""
+    extra = {"config": asdict(cfg), "seed": args.seed, "steps": args.steps, "batches_drawn": step}
+    where = args.out / "checkpoints"
+    sw.checkpoint.save(where, runner.model, runner.optimizer, step=step, extra=extra, keep=args.keep)
+
+
+def resume(runner: Pipelined | SingleProcess, args: argparse.Namespace, cfg: GPTConfig) -> int:
+    """Load the newest checkpoint under ``OUT/checkpoints`` if there is one; the step it was saved after."""
+    if args.no_resume or sw.checkpoint.latest(args.out / "checkpoints") is None:
+        return 0
+    info = sw.checkpoint.load(args.out / "checkpoints", runner.model, runner.optimizer)
+    saved = info.extra
+    if saved["config"] != asdict(cfg) or saved["seed"] != args.seed or saved["steps"] != args.steps:
+        raise SystemExit(
+            f"{info.path} was saved by a run with other settings ({saved}); use --no-resume or another --out"
+        )
+    if runner.reports:
+        console.print(f"resuming from {info.path} (step {info.step})")
+    return int(saved["batches_drawn"])
+
+
 def train(
-    runner: Pipelined | SingleProcess, args: argparse.Namespace, train_data: torch.Tensor, valid: list[Batch]
-) -> tuple[MetricsLog | None, list[sw.Timeline], float]:
-    """The loop; returns the metrics log, the kept measured timelines and the training seconds."""
+    runner: Pipelined | SingleProcess,
+    args: argparse.Namespace,
+    cfg: GPTConfig,
+    train_data: torch.Tensor,
+    valid: list[Batch],
+    start: int = 0,
+) -> tuple[MetricsLog | None, list[sw.Timeline], float, int]:
+    """The loop from step ``start + 1``; returns the metrics log, the kept measured timelines, the training
+    seconds and the last step done (``--stop-at`` may end it early)."""
     metrics = MetricsLog(args.out, tensorboard=args.tensorboard and runner.reports) if runner.reports else None
     progress = TrainingProgress(args.steps, unit="tok/s", enabled=runner.reports and not args.no_progress)
     tokens = args.batch_size * args.seq_len
@@ -216,11 +260,15 @@ def train(
     bubble = None
     val = runner.eval_loss(valid)
     if metrics is not None:
-        metrics.log(0, val_loss=val)
+        metrics.log(start, val_loss=val)
     data = batches(train_data, args.batch_size, args.seq_len, seed=args.seed)
+    for _ in range(start):  # the data position: the batches the saved run had drawn
+        next(data)
+    stop = args.steps if args.stop_at is None else min(args.steps, args.stop_at)
     busy = 0.0
+    step = start
     try:
-        for step in range(1, args.steps + 1):
+        for step in range(start + 1, stop + 1):
             lr = lr_at(step - 1, args)
             for opt in runner.optimizers:
                 for group in opt.param_groups:
@@ -239,11 +287,13 @@ def train(
                 rate = tokens * len(recent) / sum(recent)
                 metrics.log(step, loss=loss, lr=lr, rate=rate, bubble=bubble, val_loss=val)
                 progress.update(step, loss, rate, bubble)
+            if step % args.save_every == 0 or step == stop:
+                checkpoint(runner, args, cfg, step)
     finally:
         progress.close()
         if metrics is not None:
             metrics.close()
-    return metrics, timelines, busy
+    return metrics, timelines, busy, step
 
 
 def report(
@@ -252,31 +302,30 @@ def report(
     cfg: GPTConfig,
     metrics: MetricsLog,
     timelines: list[sw.Timeline],
-    state: dict[str, torch.Tensor],
     busy: float,
     wall: float,
     valid: list[Batch],
 ) -> None:
-    """Write the figures, the checkpoint and summary.json, reload the checkpoint in one process, print the table."""
+    """Write the figures and summary.json, load the last checkpoint into the one-process model, print the table."""
     out = args.out
     mode = "single process" if args.single else f"{runner.schedule.num_ranks} pipeline stages"
     losses = metrics.series("loss")
     vals = metrics.series("val_loss")
     final_train = statistics.fmean(loss for _, loss in losses[-20:])
     plot_losses(losses, vals, out / "loss_curve.png", title=f"GPT on stdlib source, {mode}")
-    torch.save({"model": state, "config": asdict(cfg), "seed": args.seed, "steps": args.steps}, out / "checkpoint.pt")
-    # the checkpoint holds the whole model under its one-process names: reload it there (into
-    # differently initialised weights, so that the check means something) and evaluate it
+    # the checkpoint holds the whole model under its one-process names: load it there, in this
+    # process alone (into differently initialised weights, so that the check means something)
     model = sw.build_model(gpt_layers(cfg), seed=args.seed + 1)
-    model.load_state_dict(state)
+    sw.checkpoint.load(out / "checkpoints", model, collective=False)
     with torch.no_grad():
         reloaded = statistics.fmean(float(lm_loss(model(x), y)) for x, y in valid)
-    parameters = sum(v.numel() for v in state.values())  # the tied embedding once
-    tokens_per_s = args.steps * args.batch_size * args.seq_len / busy
+    parameters = sum(p.numel() for p in model.parameters())  # the tied embedding once
+    trained = len(losses)
+    tokens_per_s = trained * args.batch_size * args.seq_len / busy
     rows = [
         ("mode", runner.describe()),
         ("model", f"{parameters:,} parameters (embedding tied to the head), {cfg.n_layers} blocks, d={cfg.d_model}"),
-        ("data", f"{args.steps} steps x {args.batch_size} x {args.seq_len} bytes"),
+        ("data", f"{trained} steps x {args.batch_size} x {args.seq_len} bytes"),
         ("train loss", f"{losses[0][1]:.3f} -> {final_train:.3f} (mean of the last 20 steps)"),
         ("validation loss", f"{vals[0][1]:.3f} -> {vals[-1][1]:.3f}  (reloaded checkpoint: {reloaded:.3f})"),
         ("throughput", f"{tokens_per_s:,.0f} tokens/s"),
@@ -333,11 +382,12 @@ def main(argv: list[str] | None = None) -> int:
             f"[bold]stagewise[/bold]: a {cfg.n_layers}-block GPT on {len(corpus):,} bytes of Python {py}'s "
             f"standard library ({len(STDLIB_FILES)} files); {runner.describe()}"
         )
-    metrics, timelines, busy = train(runner, args, train_data, valid)
-    state = runner.state_dict()  # a collective in the pipelined run
-    if runner.reports:
-        assert metrics is not None and state is not None
-        report(runner, args, cfg, metrics, timelines, state, busy, time.perf_counter() - started, valid)
+    start = resume(runner, args, cfg)
+    metrics, timelines, busy, last = train(runner, args, cfg, train_data, valid, start)
+    if runner.reports and last < args.steps:
+        console.print(f"stopped after step {last} (--stop-at); run again without it to resume from the checkpoint")
+    elif runner.reports and metrics is not None and metrics.series("loss"):
+        report(runner, args, cfg, metrics, timelines, busy, time.perf_counter() - started, valid)
     runner.close()
     return 0
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -93,29 +95,63 @@ def test_gpt_loss_falls_and_the_bubble_is_measured(gpt_run: tuple[Path, str]) ->
     assert 0 < summary["bubble_simulated"] < 1 and 0 < summary["bubble_measured"] < 1
 
 
+def _gpt_checkpoint(out: Path) -> tuple[GPTConfig, torch.nn.Module, Any]:
+    """The example's last checkpoint, loaded into the one-process model (this process has no process group)."""
+    last = sw.checkpoint.latest(out / "checkpoints")
+    assert last is not None and last.name == "step-00000016"
+    probe = json.loads((last / "stagewise.json").read_text())["extra"]
+    cfg = GPTConfig(**probe["config"])
+    model = sw.build_model(gpt_layers(cfg), seed=probe["seed"] + 7)
+    info = sw.checkpoint.load(last, model)  # strict: every parameter of every stage, under its one-process name
+    return cfg, model, info
+
+
 def test_gpt_checkpoint_loads_into_the_one_process_model(gpt_run: tuple[Path, str]) -> None:
     out = gpt_run[0]
-    ckpt = torch.load(out / "checkpoint.pt", weights_only=True)
-    cfg = GPTConfig(**ckpt["config"])
-    model = sw.build_model(gpt_layers(cfg), seed=ckpt["seed"])
-    model.load_state_dict(ckpt["model"])  # strict: every parameter of every stage, under its one-process name
+    cfg, model, info = _gpt_checkpoint(out)
+    assert info.step == 16 and info.layout["pipeline"]["ranks"] == 4 and info.extra["batches_drawn"] == 16
     _, valid = split(stdlib_corpus())
     with torch.no_grad():
         x, y = eval_batches(valid, 8, cfg.seq_len, 2)[0]
         assert float(lm_loss(model(x), y)) < 4.5
     summary = json.loads((out / "summary.json").read_text())
     assert summary["parameters"] == sum(p.numel() for p in model.parameters())
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000016"]  # --keep 2, one save
+
+
+def test_gpt_resumes_from_its_checkpoint_bit_exactly(gpt_run: tuple[Path, str], tmp_path: Path) -> None:
+    """Stopped after step 8 and started again (fresh processes): steps 9-16 lose exactly what the uninterrupted run
+    lost (same layout, float32 on CPU), because the model, AdamW's state, RNG and data position come back."""
+    out = tmp_path / "demo"
+    stagewise_run(4, "gpt_stdlib.py", *TINY_GPT, f"--out={out}", "--save-every=4", "--stop-at=8", cwd=tmp_path)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000004", "step-00000008"]
+    single = shutil.copytree(out, tmp_path / "single")  # the same checkpoint, resumed in one process below
+    log = stagewise_run(4, "gpt_stdlib.py", *TINY_GPT, f"--out={out}", "--save-every=4", cwd=tmp_path)
+    assert "resuming from" in log and "step 8" in log
+
+    def losses(folder: Path) -> dict[int, str]:
+        return {int(r["step"]): r["loss"] for r in csv.DictReader((folder / "metrics.csv").open()) if r["loss"]}
+
+    resumed, uninterrupted = losses(out), losses(gpt_run[0])
+    assert sorted(resumed) == list(range(9, 17))
+    assert resumed == {k: uninterrupted[k] for k in range(9, 17)}
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000012", "step-00000016"]
+    # another layout: the 4-stage checkpoint resumed by the one-process model (float rounding differs)
+    log = _run([sys.executable, str(EXAMPLES / "gpt_stdlib.py"), "--single", *TINY_GPT, f"--out={single}"], tmp_path)
+    assert "resuming from" in log
+    moved = {k: float(v) for k, v in losses(single).items()}
+    assert sorted(moved) == list(range(9, 17))
+    assert [moved[k] for k in range(9, 17)] == pytest.approx([float(uninterrupted[k]) for k in range(9, 17)], abs=2e-2)
 
 
 def test_gpt_head_is_tied_to_the_token_embedding(gpt_run: tuple[Path, str]) -> None:
     """GPT-2's weight tying: one (vocabulary x width) matrix, saved once, and the head computes with it."""
-    ckpt = torch.load(gpt_run[0] / "checkpoint.pt", weights_only=True)
-    cfg = GPTConfig(**ckpt["config"])
-    matrices = [k for k, v in ckpt["model"].items() if v.shape == (cfg.vocab_size, cfg.d_model)]
-    assert matrices == ["tokens.weight"]
-    assert not [k for k in ckpt["model"] if k.startswith("head.")]
-    model = sw.build_model(gpt_layers(cfg), seed=ckpt["seed"])
-    model.load_state_dict(ckpt["model"])
+    cfg, model, _ = _gpt_checkpoint(gpt_run[0])
+    record = json.loads((sw.checkpoint.latest(gpt_run[0] / "checkpoints") / "stagewise.json").read_text())
+    shape = [cfg.vocab_size, cfg.d_model]
+    matrices = [k for k, v in record["tensors"].items() if k.startswith("model/") and v["shape"] == shape]
+    assert matrices == ["model/tokens.weight"]  # saved once, though two ranks hold it
+    assert not [k for k in record["tensors"] if k.startswith("model/head.")]
     assert [n for n, _ in model.named_parameters() if n.startswith("head.")] == []
     x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -9,9 +9,10 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "stagewise"
 RUNTIME = SRC / "runtime"
-#: the rooms allowed to import torch.distributed: the transport and collectives, and the hybrid axes,
-#: which wrap torch's DeviceMesh, FSDP2 and DTensor (their collectives run inside torch)
-DISTRIBUTED_ROOMS = [RUNTIME / "comm", RUNTIME / "hybrid", RUNTIME / "launch.py"]
+#: the rooms allowed to import torch.distributed: the transport and collectives; the hybrid axes, which wrap
+#: torch's DeviceMesh, FSDP2 and DTensor; the checkpoint's storage, which wraps torch.distributed.checkpoint
+#: (their collectives run inside torch); the launcher
+DISTRIBUTED_ROOMS = [RUNTIME / "comm", RUNTIME / "hybrid", RUNTIME / "checkpoint" / "storage.py", RUNTIME / "launch.py"]
 _DIST_IMPORT = re.compile(
     r"^\s*(import torch\.distributed|from torch\.distributed|from torch import distributed)", re.M
 )

@@ -69,6 +69,10 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> Any:
+    if name == "checkpoint":  # a submodule: sw.checkpoint.save(...) without importing it first
+        import importlib
+
+        return importlib.import_module(".checkpoint", __name__)
     if name in _LAZY:
         import importlib
 

@@ -83,8 +83,10 @@ def build_layer_stages(
             built.append((name, module))
             modules[s].append(module)
     held = {name for name, _ in built}
-    copies = {  # first-use name -> tied module held here for a later use only
-        name0: tied.built[key] for key, (_, name0, _) in tied.first.items() if key in tied.built and name0 not in held
+    copies = {  # the module's one-process name (its first use's) -> tied module held here for a later use only
+        _first_use_name(named, k0, name0): tied.built[key]
+        for key, (k0, name0, _) in tied.first.items()
+        if key in tied.built and name0 not in held
     }
     log.info(
         "stagewise: rank %d holds stages %s (layers %s) of schedule %r",
@@ -94,6 +96,12 @@ def build_layer_stages(
         ctx.schedule.name,
     )
     return BuiltStages(modules, _registrar(built), plan.ranges, plan.profile, tied=tied, tied_copies=copies)
+
+
+def _first_use_name(named: Sequence[tuple[str, LayerLike]], k0: int, name0: str) -> str:
+    """Where the one-process model holds a tied module: at its first use, under ``.module`` when that use
+    wraps it with a ``forward_fn`` (a :class:`~stagewise.runtime.model.tied.TiedCall`)."""
+    return f"{name0}.module" if getattr(named[k0][1], "forward_fn", None) is not None else name0
 
 
 def _registrar(built: list[tuple[str, nn.Module]]) -> Callable[[nn.Module], None]:

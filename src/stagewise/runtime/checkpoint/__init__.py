@@ -1,0 +1,12 @@
+"""Layout-independent checkpoints: save a pipeline under one layout, load it under any other, or in one process.
+
+See :func:`save` and :func:`load`; the tensors are written with
+``torch.distributed.checkpoint`` under the one-process model's names
+(:mod:`.state`), sealed by a manifest of digests (:mod:`.manifest`), and
+published by a rename under ``ROOT/step-N`` (:mod:`.retention`).
+"""
+
+from .api import CheckpointInfo, latest, load, save
+from .manifest import CheckpointError
+
+__all__ = ["CheckpointError", "CheckpointInfo", "latest", "load", "save"]

@@ -1,0 +1,92 @@
+"""Where checkpoints live under a root folder: one ``step-NNNNNNNN`` folder each, published by a rename.
+
+A save writes into ``.step-NNNNNNNN.tmp`` and renames it into place once every
+rank has finished and the manifest is written, so a folder named ``step-*``
+is complete unless someone altered it (:func:`latest` also requires its
+manifest). ``keep`` prunes the oldest complete checkpoints. No torch here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+from .manifest import MANIFEST
+
+_NAME = re.compile(r"^step-(\d{8,})$")
+
+
+def folder_for(root: Path, step: int) -> Path:
+    return root / f"step-{step:08d}"
+
+
+def staging_for(root: Path, step: int) -> Path:
+    return root / f".step-{step:08d}.tmp"
+
+
+def steps(root: Path) -> list[tuple[int, Path]]:
+    """The complete checkpoints under ``root`` (a manifest present), oldest first."""
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in root.iterdir():
+        m = _NAME.match(entry.name)
+        if m and entry.is_dir() and (entry / MANIFEST).is_file():
+            found.append((int(m.group(1)), entry))
+    return sorted(found)
+
+
+def latest(root: str | os.PathLike[str]) -> Path | None:
+    """The newest complete checkpoint under ``root`` (its manifest present), or None if there is none.
+
+    Completeness is the manifest's presence; :func:`stagewise.checkpoint.load` then verifies every file.
+    """
+    found = steps(Path(root))
+    return found[-1][1] if found else None
+
+
+def publish(staging: Path, final: Path) -> None:
+    """Rename the finished ``staging`` folder to ``final`` (replacing an older save of the same step)."""
+    old = None
+    if final.exists():
+        old = final.with_name(f".{final.name}.replaced")
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(final, old)
+    os.replace(staging, final)
+    _sync_dir(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def prune(root: Path, keep: int | None, current: Path) -> list[Path]:
+    """Keep ``current`` (just written) and the newest ``keep - 1`` other complete checkpoints by step; delete the
+    rest. Returns what was deleted."""
+    if keep is None:
+        return []
+    others = [path for _, path in steps(root) if path != current]
+    doomed = others[: max(0, len(others) - (keep - 1))]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed
+
+
+def check_keep(keep: int | None) -> None:
+    if keep is not None and (not isinstance(keep, int) or keep < 1):
+        raise ValueError(f"keep must be None (keep every checkpoint) or a count >= 1, got {keep!r}")
+
+
+def _sync_dir(path: Path) -> None:
+    """Flush a rename to disk (where the platform can open a directory)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,279 @@
+"""What a checkpoint holds, by the one-process model's names: model tensors, optimizer state, RNG, layout.
+
+Keys in the tensor file (flat, for DCP):
+
+* ``model/NAME``: a parameter or buffer, NAME as in ``sw.build_model(...).state_dict()``;
+* ``optim/NAME/KEY``: a tensor of the optimizer state of parameter NAME (``exp_avg``, ``step``, ...).
+
+A pipeline rank saves what its ``state_dict()`` holds: a tied module once,
+where its first use is. It loads into every holder, including a rank that has
+the module only for a later use (``Pipeline._tied_copies``, kept out of
+``state_dict()``), so every copy is restored.
+
+Optimizer state is keyed by parameter name, never by index: the index of a
+parameter in a per-stage optimizer means different layers under different
+layouts. Hyper-parameters (``lr``, ``betas`` ...) are recorded per parameter
+name in the JSON metadata and given back to each param group on load.
+"""
+
+from __future__ import annotations
+
+import base64
+import random
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from .manifest import CheckpointError
+
+MODEL, OPTIM = "model/", "optim/"
+
+
+# ---- the model ------------------------------------------------------------------------------
+def is_pipeline(target: Any) -> bool:
+    return hasattr(target, "_tied_copies") and hasattr(target, "local_stages")
+
+
+def saved_tensors(target: nn.Module) -> dict[str, torch.Tensor]:
+    """What this rank writes of the model: its ``state_dict()`` (DTensors stay DTensors, so DCP writes shards)."""
+    return {name: t for name, t in target.state_dict().items()}
+
+
+def load_targets(target: nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors this rank fills on load, by name: its ``state_dict()`` plus every tied copy it holds."""
+    out = dict(target.state_dict())
+    if not is_pipeline(target):
+        return out
+    for first, module in target._tied_copies.items():
+        for inner, t in module.state_dict().items():
+            out[tied_name(first, inner)] = t
+    return out
+
+
+def tied_name(first: str, inner: str) -> str:
+    """The one-process name of a tied copy's tensor ``inner``: ``first`` is where the one-process model holds
+    the module (``Pipeline._tied_copies`` keys: the first use, or ``first.module`` when it has a ``forward_fn``)."""
+    return f"{first}.{inner}"
+
+
+def describe(tensors: Mapping[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
+    """``{name: {"shape": global shape, "dtype": "float64"}}`` (a DTensor's shape is the whole tensor's)."""
+    return {name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")} for name, t in tensors.items()}
+
+
+# ---- optimizers -----------------------------------------------------------------------------
+def optimizers_of(target: Any, optimizer: Any) -> list[torch.optim.Optimizer]:
+    """The optimizers to save or load: ``optimizer`` (one, a list, or a dict stage -> optimizer), or else the
+    pipeline's own per-stage ones (``Pipeline(optimizer=factory)``)."""
+    if optimizer is None:
+        own = getattr(target, "optimizers", None) if is_pipeline(target) else None
+        return [own[s] for s in sorted(own)] if own else []
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [optimizer]
+    items = [optimizer[k] for k in sorted(optimizer)] if isinstance(optimizer, Mapping) else list(optimizer)
+    for opt in items:
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(f"optimizer= takes an Optimizer, a list or a dict of them; got a {type(opt).__name__}")
+    return items
+
+
+def parameter_names(target: nn.Module) -> dict[int, str]:
+    """id(parameter) -> its one-process name; a pipeline's tied copies under their first use (see :func:`tied_name`,
+    the keys of ``Pipeline._tied_copies``)."""
+    if not is_pipeline(target):
+        return {id(p): name for name, p in target.named_parameters()}
+    out = {id(p): name for name, p in nn.Module.named_parameters(target)}  # without the copies
+    for first, module in target._tied_copies.items():
+        for inner, p in module.named_parameters():
+            out.setdefault(id(p), tied_name(first, inner))
+    return out
+
+
+def _name(names: Mapping[int, str], p: torch.Tensor) -> str:
+    if id(p) not in names:
+        raise CheckpointError(
+            f"an optimizer holds a parameter of shape {tuple(p.shape)} that the model does not have: build the "
+            "optimizer over the model's (or the pipeline's) parameters"
+        )
+    return names[id(p)]
+
+
+def optimizer_state(
+    optimizers: list[torch.optim.Optimizer], names: Mapping[int, str]
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Tensors (``optim/NAME/KEY``) and JSON metadata (hyper-parameters and other state, per NAME)."""
+    tensors: dict[str, torch.Tensor] = {}
+    params: dict[str, Any] = {}
+    state: dict[str, dict[str, Any]] = {}
+    for opt in optimizers:
+        for group in opt.param_groups:
+            hyper = encode({k: v for k, v in group.items() if k != "params"}, "optimizer param group")
+            for p in group["params"]:
+                name = _name(names, p)
+                params[name] = hyper
+                entries: dict[str, Any] = {}
+                for key, value in opt.state.get(p, {}).items():
+                    if isinstance(value, torch.Tensor):
+                        tensors[f"{OPTIM}{name}/{key}"] = value.detach()
+                        entries[key] = {"tensor": True}
+                    else:
+                        entries[key] = {"value": encode(value, f"optimizer state {key!r} of {name}")}
+                if entries:
+                    state[name] = entries
+    return tensors, {"params": params, "state": state}
+
+
+def optimizer_targets(
+    optimizers: list[torch.optim.Optimizer], names: Mapping[int, str], saved: Mapping[str, Any]
+) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Empty tensors for the optimizer state this rank loads, shaped as saved (a DTensor like its parameter
+    when the shapes agree, so DCP reshards it), and the problems found (missing names)."""
+    tensors: dict[str, torch.Tensor] = {}
+    problems: list[str] = []
+    described = saved["tensors"]
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                name = _name(names, p)
+                if name not in saved["optimizer"]["params"]:
+                    problems.append(f"the checkpoint has no optimizer entry for parameter {name!r}")
+                    continue
+                for key, entry in saved["optimizer"]["state"].get(name, {}).items():
+                    if "tensor" not in entry:
+                        continue
+                    full = f"{OPTIM}{name}/{key}"
+                    meta = described[full]
+                    dtype = getattr(torch, meta["dtype"])
+                    if list(p.shape) == meta["shape"]:
+                        tensors[full] = torch.empty_like(p, dtype=dtype)
+                    else:
+                        local = p.to_local() if hasattr(p, "to_local") else p
+                        tensors[full] = torch.empty(meta["shape"], dtype=dtype, device=local.device)
+    return tensors, problems
+
+
+def restore_optimizers(
+    optimizers: list[torch.optim.Optimizer],
+    names: Mapping[int, str],
+    saved: Mapping[str, Any],
+    tensors: Mapping[str, torch.Tensor],
+) -> None:
+    """Give each optimizer its state and hyper-parameters back, through its own ``load_state_dict``."""
+    for opt in optimizers:
+        current = opt.state_dict()
+        state: dict[int, dict[str, Any]] = {}
+        groups = []
+        for group, index_group in zip(opt.param_groups, current["param_groups"]):
+            hyper = None
+            for p, index in zip(group["params"], index_group["params"]):
+                name = _name(names, p)
+                if name not in saved["optimizer"]["params"]:  # (strict=False) not in the checkpoint: left fresh
+                    continue
+                mine = saved["optimizer"]["params"][name]
+                if hyper is not None and mine != hyper[1]:
+                    raise CheckpointError(
+                        f"parameters {hyper[0]!r} and {name!r} share a param group but were saved with different "
+                        "hyper-parameters: group the parameters as the saved run did"
+                    )
+                hyper = hyper or (name, mine)
+                entries = {}
+                for key, entry in saved["optimizer"]["state"].get(name, {}).items():
+                    entries[key] = tensors[f"{OPTIM}{name}/{key}"] if "tensor" in entry else decode(entry["value"])
+                if entries:
+                    state[index] = entries
+            restored = dict(index_group)
+            if hyper is not None:
+                restored.update(decode(hyper[1]))
+            groups.append(restored)
+        opt.load_state_dict({"state": state, "param_groups": groups})
+
+
+# ---- JSON values ----------------------------------------------------------------------------
+def encode(value: Any, what: str) -> Any:
+    """A JSON value that :func:`decode` turns back into ``value`` (tuples and scalar tensors tagged)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, tuple):
+        return {"__tuple__": [encode(v, what) for v in value]}
+    if isinstance(value, list):
+        return [encode(v, what) for v in value]
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return {k: encode(v, what) for k, v in value.items()}
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not hasattr(value, "to_local"):
+        dtype = str(value.dtype).removeprefix("torch.")
+        return {"__tensor__": value.item(), "dtype": dtype, "shape": list(value.shape)}
+    raise CheckpointError(f"{what}: cannot store a {type(value).__name__} ({value!r:.60}) as JSON")
+
+
+def decode(value: Any) -> Any:
+    if isinstance(value, list):
+        return [decode(v) for v in value]
+    if isinstance(value, dict):
+        if "__tuple__" in value:
+            return tuple(decode(v) for v in value["__tuple__"])
+        if "__tensor__" in value:
+            return torch.tensor(value["__tensor__"], dtype=getattr(torch, value["dtype"])).reshape(value["shape"])
+        return {k: decode(v) for k, v in value.items()}
+    return value
+
+
+# ---- random number generators ---------------------------------------------------------------
+def rng_state() -> dict[str, Any]:
+    """This process's generators: torch CPU, every CUDA device (if CUDA is up), Python's, NumPy's (if loaded)."""
+    out: dict[str, Any] = {"torch": _b64(torch.get_rng_state())}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
+    version, internal, gauss = random.getstate()
+    out["python"] = [version, list(internal), gauss]
+    np = sys.modules.get("numpy")
+    if np is not None:
+        kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+        out["numpy"] = [kind, [int(k) for k in keys], int(pos), int(has_gauss), float(cached)]
+    return out
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    torch.set_rng_state(_unb64(state["torch"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([_unb64(s) for s in state["cuda"]])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    np = sys.modules.get("numpy")
+    if "numpy" in state and np is not None:
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(bytes(t.tolist())).decode("ascii")
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.tensor(list(base64.b64decode(s)), dtype=torch.uint8)
+
+
+# ---- the layout -----------------------------------------------------------------------------
+def layout_of(target: Any, world: int) -> dict[str, Any]:
+    """How the model was laid out when saved (for the record, and to tell whether RNG states still apply)."""
+    if not is_pipeline(target):
+        return {"world": world, "pipeline": None}
+    s = target.schedule
+    out: dict[str, Any] = {
+        "world": world,
+        "pipeline": {
+            "ranks": s.num_ranks,
+            "schedule": s.name,
+            "microbatches": s.num_microbatches,
+            "virtual_stages": s.virtual_stages,
+            "placement": list(s.placement),
+            "layers": [[r.start, r.stop] for r in target.layer_ranges],
+        },
+        "parallel": None,
+    }
+    if target.hybrid is not None:
+        c = target.hybrid.config
+        out["parallel"] = {"pp": c.pp, "dp": c.dp, "sharding": c.sharding, "tp": c.tp}
+    return out
