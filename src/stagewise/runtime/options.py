@@ -16,6 +16,7 @@ from .engine.recompute import Recompute, check_recompute
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 LossFn = Callable[[Any, Any], torch.Tensor]
+LossWeights = Callable[[Any], Any]  # one micro-batch's targets -> how many items its mean loss is over
 
 
 @dataclass(frozen=True)
@@ -33,9 +34,12 @@ class RunOptions:
     autocast: torch.dtype | None = None
     variable_shapes: bool = False
     transport: TransportFactory | None = None
+    loss_weights: LossWeights | None = None
 
     def __post_init__(self) -> None:
         check_recompute(self.recompute)
         check_autocast(self.autocast)
         if not self.timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {self.timeout!r}")
+        if self.loss_weights is not None and not callable(self.loss_weights):
+            raise TypeError(f"loss_weights must be a function of a micro-batch's targets, got {self.loss_weights!r}")
