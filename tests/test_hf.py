@@ -38,7 +38,8 @@ def tiny(family: str, layers: int = 3) -> torch.nn.Module:
 
 @pytest.mark.parametrize("family", ["gpt2", "llama", "mistral", "qwen2", "qwen3"])
 def test_pieces_chained_equal_the_model(family: str) -> None:
-    """Embedding + layers | layers | layers + head, chained by hand, give the model's logits on a padded batch."""
+    """Embedding + layers | layers | layers + head, chained by hand, give the model's logits on a batch padded on
+    the right and on the left."""
     model = tiny(family, layers=3)
     layout = recognise(model)
     assert layout.family == ("gpt2" if family == "gpt2" else "llama")
@@ -48,6 +49,7 @@ def test_pieces_chained_equal_the_model(family: str) -> None:
     mask = torch.ones(3, 7, dtype=torch.long)
     mask[1, 4:] = 0
     mask[2, 2:] = 0
+    mask[0, :2] = 0  # left padding: its first query rows see no key at all
     x: tuple = (ids, mask)
     for piece in pieces:
         x = piece(*x) if isinstance(x, tuple) else piece(x)

@@ -72,13 +72,14 @@ def hf_model(family: str, layers: int, seed: int = 0) -> nn.Module:
     return model
 
 
-def hf_data(batch: int, seed: int) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """``(input_ids, attention_mask)`` right-padded to ``S`` and labels: -100 at the padding and at some tokens."""
+def hf_data(batch: int, seed: int, left: bool = False) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``(input_ids, attention_mask)`` right- (or left-) padded to ``S``; labels -100 at the padding and elsewhere."""
     g = torch.Generator().manual_seed(100 + seed)
     ids = torch.randint(1, V, (batch, S), generator=g)
     lengths = torch.randint(2, S + 1, (batch,), generator=g)
     lengths[0] = S
     mask = (torch.arange(S)[None, :] < lengths[:, None]).long()
+    mask = mask.flip(1) if left else mask
     ids = ids.masked_fill(mask == 0, 0)
     labels = ids.masked_fill(mask == 0, -100)
     labels = labels.masked_fill(torch.rand(batch, S, generator=g) < 0.2, -100)
@@ -102,7 +103,7 @@ def compare_grads(pipe: sw.Pipeline, ref: nn.Module, what: str) -> int:
 
 
 # ---- checks -------------------------------------------------------------------------
-def parity(family: str, schedule: str, m: int, layers: int, **options: Any) -> Check:
+def parity(family: str, schedule: str, m: int, layers: int, left: bool = False, **options: Any) -> Check:
     """Two train steps and an eval step against a deep copy in one process; names and state-dict keys."""
 
     def check(ctx: Ctx) -> dict[str, Any]:
@@ -114,7 +115,7 @@ def parity(family: str, schedule: str, m: int, layers: int, **options: Any) -> C
         )
         counts = []
         for step in range(2):
-            (ids, mask), labels = hf_data(2 * m + 1, seed=step)
+            (ids, mask), labels = hf_data(2 * m + 1, seed=step, left=left)
             loss = pipe.train_step((ids, mask), labels)
             ref.zero_grad(set_to_none=True)
             out = ref(input_ids=ids, attention_mask=mask, labels=labels)
@@ -185,6 +186,8 @@ def checks(world: int) -> dict[str, Check]:
                 out[f"{family}-{s}"] = parity(family, s, m, layers=2 * p)
         out["mistral-1f1b"] = parity("mistral", "1f1b", 3, layers=2 * p)
         out["qwen2-zb-v"] = parity("qwen2", "zb-v", 3, layers=2 * p)
+        out["llama-left-padded-zb-h1"] = parity("llama", "zb-h1", 3, layers=2 * p, left=True)
+        out["gpt2-left-padded-1f1b"] = parity("gpt2", "1f1b", 3, layers=2 * p, left=True)
         out["llama-parameters-gpipe"] = parity("llama", "gpipe", 3, layers=5, partition="parameters")
         out["gpt2-counts-1f1b"] = parity("gpt2", "1f1b", 3, layers=5, partition=[1, 4])
         out["llama-time-1f1b"] = parity(
