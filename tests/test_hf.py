@@ -77,6 +77,11 @@ def test_unknown_layout_names_what_it_looked_for() -> None:
         recognise(model)
 
 
+def test_base_model_refused_with_a_hint() -> None:
+    with pytest.raises(ValueError, match="not its base model"):
+        recognise(tiny("llama", layers=1).model)
+
+
 def test_same_layout_other_forward_refused() -> None:
     """Gemma has Llama's module names but scales its embedding: replaying Llama's forward would be wrong."""
     model = tf.GemmaForCausalLM(tf.GemmaConfig(**SMALL, num_hidden_layers=1, head_dim=8))

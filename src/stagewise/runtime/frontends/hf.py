@@ -129,7 +129,8 @@ def recognise(model: nn.Module) -> Layout:
     top = sorted(n for n in have if n and n.count(".") <= 1 and not n.split(".")[-1].isdigit())
     raise ValueError(
         f"from_hf does not recognise the layout of {kind}: it looked for the modules of a decoder-only causal LM "
-        f"({looked}); the model has {top}"
+        f"({looked}); the model has {top}. Pass the causal LM (AutoModelForCausalLM, with its lm_head), not its "
+        "base model"
     )
 
 
