@@ -103,8 +103,16 @@ def compare_grads(pipe: sw.Pipeline, ref: nn.Module, what: str) -> int:
 
 
 # ---- checks -------------------------------------------------------------------------
-def parity(family: str, schedule: str, m: int, layers: int, left: bool = False, **options: Any) -> Check:
-    """Two train steps and an eval step against a deep copy in one process; names and state-dict keys."""
+def parity(
+    family: str, schedule: str, m: int, layers: int, left: bool = False, as_dict: bool = False, **options: Any
+) -> Check:
+    """Two train steps and an eval step against a deep copy in one process; names and state-dict keys.
+
+    ``left``: left padding; ``as_dict``: the inputs as a tokenizer gives them (``input_ids``, ``attention_mask``).
+    """
+
+    def inputs(ids: torch.Tensor, mask: torch.Tensor) -> Any:
+        return {"input_ids": ids, "attention_mask": mask} if as_dict else (ids, mask)
 
     def check(ctx: Ctx) -> dict[str, Any]:
         model = hf_model(family, layers)
@@ -116,7 +124,7 @@ def parity(family: str, schedule: str, m: int, layers: int, left: bool = False, 
         counts = []
         for step in range(2):
             (ids, mask), labels = hf_data(2 * m + 1, seed=step, left=left)
-            loss = pipe.train_step((ids, mask), labels)
+            loss = pipe.train_step(inputs(ids, mask), labels)
             ref.zero_grad(set_to_none=True)
             out = ref(input_ids=ids, attention_mask=mask, labels=labels)
             ref_loss = reference_loss(out.logits, labels)
@@ -126,7 +134,7 @@ def parity(family: str, schedule: str, m: int, layers: int, left: bool = False, 
             assert abs(loss - hf) <= 4 * torch.finfo(torch.float32).eps * abs(hf), (loss, hf)
             counts.append(compare_grads(pipe, ref, f"step {step}"))
             pipe.zero_grad(set_to_none=True)
-        logits = pipe.eval_step((ids, mask))
+        logits = pipe.eval_step(inputs(ids, mask))
         if pipe.rank == pipe.schedule.placement[-1]:
             with torch.no_grad():
                 expected = ref(input_ids=ids, attention_mask=mask).logits
@@ -188,6 +196,8 @@ def checks(world: int) -> dict[str, Check]:
         out["qwen2-zb-v"] = parity("qwen2", "zb-v", 3, layers=2 * p)
         out["llama-left-padded-zb-h1"] = parity("llama", "zb-h1", 3, layers=2 * p, left=True)
         out["gpt2-left-padded-1f1b"] = parity("gpt2", "1f1b", 3, layers=2 * p, left=True)
+        out["gpt2-dict-inputs-zb-v"] = parity("gpt2", "zb-v", 3, layers=2 * p, as_dict=True)
+        out["llama-tied-recompute-zb-h1"] = parity("llama-tied", "zb-h1", 3, layers=2 * p, recompute="stage")
         out["llama-parameters-gpipe"] = parity("llama", "gpipe", 3, layers=5, partition="parameters")
         out["gpt2-counts-1f1b"] = parity("gpt2", "1f1b", 3, layers=5, partition=[1, 4])
         out["llama-time-1f1b"] = parity(
