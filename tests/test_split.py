@@ -250,7 +250,7 @@ def test_module_reused_across_stages_is_named() -> None:
         split_model(Reuse(), stages=2)
 
 
-def test_tied_parameters_across_stages_are_refused() -> None:
+def test_tied_parameters_across_stages_are_reported() -> None:
     class Tied(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -264,14 +264,15 @@ def test_tied_parameters_across_stages_are_refused() -> None:
 
     model = Tied()
     model.embed.pipeline_stage, model.mid.pipeline_stage, model.head.pipeline_stage = 0, 1, 1
-    with pytest.raises(SplitError, match=r"'embed.weight' = 'head.weight' is used on stages \[0, 1\]"):
-        split_model(model)
-    with pytest.raises(SplitError, match="tied parameters"):
-        split_model(Tied(), stages=2)  # untagged: any cut separates embed from head
+    split = split_model(model)
+    assert split.tied == {"embed.weight": (0, 1)}  # one parameter, its first name; the Pipeline sums its gradients
+    ids = torch.arange(10).reshape(2, 5)
+    torch.testing.assert_close(split.run(ids), model(ids))
+    assert split_model(Tied(), stages=2).tied == {"embed.weight": (0, 1)}  # untagged: any cut separates them
     model.head.pipeline_stage = 0
     model.mid.pipeline_stage = 0
     model.embed.pipeline_stage = 0
-    assert split_model(model).num_stages == 1  # both users on one stage is fine
+    assert split_model(model).tied == {}  # both users on one stage: nothing to sum
 
 
 def test_tag_errors_are_clear() -> None:

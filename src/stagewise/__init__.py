@@ -63,6 +63,8 @@ _LAZY = {
     "row_parallel": ".runtime.hybrid.tensor_parallel",
     "vocab_parallel_embedding": ".runtime.hybrid.tensor_parallel",
     "Tied": ".runtime.model.tied",
+    "causal_lm_loss": ".runtime.losses",
+    "count_tokens": ".runtime.losses",
     "aux_loss": ".runtime.engine.aux",
     "collect_aux_losses": ".runtime.engine.aux",
 }
@@ -85,6 +87,8 @@ __all__ = [
     "BatchNormPolicy",
     "CostModel",
     "Tied",
+    "causal_lm_loss",
+    "count_tokens",
     "aux_loss",
     "collect_aux_losses",
     "Partition",

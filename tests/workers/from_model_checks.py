@@ -221,6 +221,74 @@ def parity(tags: str | None, schedule: str, stages: int, m: int, partition: str 
     return check
 
 
+# ---- tied parameters across stages ------------------------------------------------------
+VOCAB = 11
+
+
+class TiedNet(nn.Module):
+    """A token embedding tied to the output: ``head.weight = embed.weight`` (two names of one parameter), or
+    (``functional``) the last block reading ``embed.weight`` itself (one name used on two stages)."""
+
+    def __init__(self, num_blocks: int, functional: bool) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.embed = nn.Embedding(VOCAB, D, dtype=torch.float64)
+        self.blocks = nn.ModuleList(Block() for _ in range(num_blocks))
+        self.functional = functional
+        if not functional:
+            self.head = nn.Linear(D, VOCAB, bias=False, dtype=torch.float64)
+            self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for blk in self.blocks:
+            h = blk(h)
+        return h @ self.embed.weight.T if self.functional else self.head(h)
+
+
+def token_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+
+
+def tied_model(schedule: str, stages: int, m: int, functional: bool) -> Check:
+    """Two SGD steps with clipping against an untouched copy: loss, every gradient, the clipped norm counting the
+    tied weight once, the parameters after the steps (the copies stay equal); every state-dict key saved once."""
+
+    def check(ctx: Ctx) -> dict[str, Any]:
+        model = TiedNet(stages + 1, functional)
+        ref = copy.deepcopy(model)
+        pipe = sw.Pipeline.from_model(
+            model, stages=stages, loss_fn=token_loss, schedule=schedule, microbatches=m, group=ctx.group,
+            timeout=TIMEOUT,
+        )  # fmt: skip
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.3)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.3)
+        ref_params = dict(ref.named_parameters(remove_duplicate=False))
+        for step in range(2):
+            g = torch.Generator().manual_seed(step)
+            ids, y = torch.randint(0, VOCAB, (2 * m + 1, 5), generator=g), torch.randint(0, VOCAB, (2 * m + 1, 5))
+            loss = pipe.train_step(ids, y)
+            ref_loss = token_loss(ref(ids), y)
+            ref_loss.backward()
+            assert abs(loss - ref_loss.item()) <= 1e-10 * (1 + abs(ref_loss.item())), (loss, ref_loss.item())
+            norm = pipe.clip_grad_norm_(0.05)
+            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05).item()
+            assert abs(norm - ref_norm) <= 1e-10 * ref_norm, (norm, ref_norm)
+            for name, p in pipe.named_parameters():
+                torch.testing.assert_close(p.grad, ref_params[name].grad, rtol=RTOL, atol=ATOL, msg=name)
+            opt.step(), ref_opt.step()
+            opt.zero_grad(), ref_opt.zero_grad()
+        for name, p in pipe.named_parameters():
+            torch.testing.assert_close(p, ref_params[name], rtol=RTOL, atol=ATOL, msg=name)
+        keys = [k for ks in _everyone(list(pipe.state_dict()), ctx) for k in ks]
+        assert sorted(keys) == sorted(ref.state_dict()), keys  # each key once, over all ranks
+        pipe.load_state_dict(pipe.state_dict())  # a key saved elsewhere is not asked for
+        owners = sorted({pipe.schedule.placement[0], pipe.schedule.placement[-1]})
+        return {"owners": owners, "groups": len(pipe.tied.groups)}
+
+    return check
+
+
 # ---- layer lists: speeds, memory caps, failures ------------------------------------------
 def equal_layers(n: int = 12, d: int = 128) -> list[sw.Layer]:
     return [sw.Layer(Dense, d, d) for _ in range(n - 1)] + [sw.Layer(nn.Linear, d, CLASSES)]
@@ -301,9 +369,6 @@ def _time_pipe(ctx: Ctx, sample: torch.Tensor) -> sw.Pipeline:
 def refusals(ctx: Ctx) -> None:
     """Clear errors on every rank, before anything could hang."""
     p = ctx.world
-    tied = SkipNet(p, p, "attr")
-    tied.head.lin.weight = tied.embed.weight  # (5, 6) vs (16, 6): shapes differ, but a tie is a tie
-    _raises(sw.SplitError, "tied parameters across stages", lambda: sw.Pipeline.from_model(tied, group=ctx.group))
     _raises(
         ValueError,
         f"the model's tags name {p + 1} stages, which do not divide evenly over {p} ranks",
@@ -376,6 +441,10 @@ def checks(world: int) -> dict[str, Check]:
         f"untagged-time-1f1b-s{p}": parity(None, "1f1b", p, m=p + 1, partition="time"),
         f"untagged-time-zb-v-s{2 * p}": parity(None, "zb-v", 2 * p, m=p, partition="time"),
         f"untagged-parameters-gpipe-s{p}": parity(None, "gpipe", p, m=2, partition="parameters"),
+        f"tied-1f1b-s{p}": tied_model("1f1b", p, m=p + 1, functional=False),
+        f"tied-functional-zb-h1-s{p}": tied_model("zb-h1", p, m=p, functional=True),
+        f"tied-zb-v-s{2 * p}": tied_model("zb-v", 2 * p, m=p, functional=False),
+        f"tied-functional-interleaved-1f1b-s{2 * p}": tied_model("interleaved-1f1b", 2 * p, m=p, functional=True),
         "layers-time-speeds": layers_time_speeds,
         "layers-memory-caps": layers_memory_caps,
         "refusals": refusals,

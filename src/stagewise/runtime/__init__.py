@@ -13,7 +13,8 @@ The rooms:
 
 * ``pipeline.py``, ``context.py``, ``options.py``: the facade; where it runs; its options.
 * ``model/``: layers and layer lists, tied modules, profiling, partitioning, building this rank's stages.
-* ``frontends/``: other ways in: ``from_model`` (torch.fx tracing and cutting, ``split/``).
+* ``frontends/``: other ways in: ``from_model`` (torch.fx tracing and cutting, ``split/``), ``from_hf``
+  (transformers causal LMs, cut among their decoder layers), ``ties`` (tied parameters a frontend finds).
 * ``engine/``: the interpreter (one handler per action kind, no schedule-specific code), backward
   split into I and W, the mailbox of boundary values, micro-batching, recompute, precision, memory,
   hang forensics.

@@ -17,6 +17,7 @@ from .engine.recompute import Recompute, check_recompute
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 LossFn = Callable[[Any, Any], torch.Tensor]
+LossWeights = Callable[[Any], Any]  # one micro-batch's targets -> how many items its mean loss is over
 
 
 @dataclass(frozen=True)
@@ -35,9 +36,12 @@ class RunOptions:
     variable_shapes: bool = False
     transport: TransportFactory | None = None
     batchnorm: str | BatchNormPolicy | None = None
+    loss_weights: LossWeights | None = None
 
     def __post_init__(self) -> None:
         check_batchnorm(self.batchnorm)
+        if self.loss_weights is not None and not callable(self.loss_weights):
+            raise TypeError(f"loss_weights must be a function of a micro-batch's targets, got {self.loss_weights!r}")
         check_recompute(self.recompute)
         check_autocast(self.autocast)
         if not self.timeout > 0:

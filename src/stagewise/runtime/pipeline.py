@@ -44,7 +44,7 @@ from .engine.stage import Stage
 from .model.layers import Layers, named_layers
 from .model.stages import BuiltStages, build_layer_stages, given_stages
 from .model.tied import TiedBuilder, TiedSync, stage_parameters
-from .options import LossFn, OptimizerFactory, RunOptions
+from .options import LossFn, LossWeights, OptimizerFactory, RunOptions
 
 if TYPE_CHECKING:
     from ..parallel import ParallelConfig
@@ -70,7 +70,11 @@ class Pipeline(nn.Module):
     at speed 0.5 gets about half the work, none holds more than its cap.
     ``loss_fn(output, target)`` must return the micro-batch's *mean* loss; each
     micro-batch's loss is weighted by its share of the batch, so a step's
-    gradients are those of the mean loss over the whole batch. ``optimizer``:
+    gradients are those of the mean loss over the whole batch. The share is of
+    the rows, or with ``loss_weights`` (a function of one micro-batch's targets
+    returning a count, e.g. :func:`~stagewise.count_tokens`) of the counts:
+    a token-level mean over the whole batch however unevenly the counted tokens
+    fall over the micro-batches (:mod:`stagewise.runtime.losses`). ``optimizer``:
     an optional factory ``params -> Optimizer``, one per stage, stepped (and
     zeroed) by the schedule's STEP actions.
     ``batch_dim`` / ``target_batch_dim``: where the batch dim of the inputs /
@@ -134,11 +138,12 @@ class Pipeline(nn.Module):
         variable_shapes: bool = False,
         transport: TransportFactory | None = None,
         batchnorm: str | BatchNormPolicy | None = None,
+        loss_weights: LossWeights | None = None,
     ) -> None:
         super().__init__()
         options = RunOptions(
             loss_fn, optimizer, batch_dim, target_batch_dim, timeout, store, recompute, measure_memory, autocast,
-            variable_shapes, transport, batchnorm,
+            variable_shapes, transport, batchnorm, loss_weights,
         )  # fmt: skip
         ctx = resolve_context(
             schedule=schedule,
@@ -175,6 +180,16 @@ class Pipeline(nn.Module):
         from .frontends.from_model import from_model
 
         return from_model(cls, model, **options)
+
+    @classmethod
+    def from_hf(cls, model: nn.Module, **options: Any) -> Pipeline:
+        """Pipeline a Hugging Face decoder-only causal LM (GPT-2, Llama, Mistral, Qwen2/3), cut among its layers.
+
+        See :func:`stagewise.runtime.frontends.hf.from_hf` for the options; the loss defaults to transformers'.
+        """
+        from .frontends.hf import from_hf
+
+        return from_hf(cls, model, **options)
 
     @classmethod
     def from_stages(
@@ -218,6 +233,11 @@ class Pipeline(nn.Module):
     # ---- assembly -------------------------------------------------------------
     def _assemble(self, ctx: PipelineContext, parts: BuiltStages, options: RunOptions, tp_plan: TPPlan | None) -> None:
         """Wrap the built stages in the engine: hybrid axes, optimizers, transport, hooks, interpreter."""
+        if options.loss_weights is not None and ctx.hybrid is not None and ctx.hybrid.config.replicas > 1:
+            raise NotImplementedError(
+                "loss_weights= with data-parallel replicas: replicas average their gradients with equal weights, "
+                "not by their token counts; use loss_weights with pipeline parallelism only"
+            )
         self.rank, self.num_ranks, self.schedule = ctx.rank, ctx.num_ranks, ctx.schedule
         self.hybrid, self.device, self.options = ctx.hybrid, ctx.device, options
         self.loss_fn, self.batch_dim, self.target_batch_dim = (
@@ -266,7 +286,7 @@ class Pipeline(nn.Module):
             train_actions(self.schedule, self.rank, options.optimizer is not None),
             eval_actions(self.schedule, self.rank),
             (options.batch_dim, options.target_batch_dim), options.loss_fn is not None, self.tied, self.hybrid, meter,
-            norms,
+            norms, options.loss_weights,
         )  # fmt: skip
         self._clock_offset = time.time() - time.perf_counter()
 

@@ -47,6 +47,7 @@ class Runner:
     hybrid: Any = None  # Hybrid: the other axes' reductions, or None
     meter: ActivationMeter | None = None
     norms: BatchNorms | None = None  # BatchNorm running statistics under the batchnorm= policy
+    loss_weights: Callable[[Any], Any] | None = None  # a micro-batch's weight: its count over the batch's
     last_step: Step | None = None
     running: tuple[Action, ...] = ()
     step_started: float = 0.0
@@ -82,6 +83,7 @@ class Runner:
             batch_dims=self.batch_dims,
             device=self.device,
             has_loss=self.has_loss,
+            loss_weights=self.loss_weights,
         )
 
     def train(self, inputs: Any, targets: Any) -> float:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -22,8 +22,13 @@ def prepare_step(
     batch_dims: tuple[Dims, Dims],
     device: torch.device,
     has_loss: bool,
+    loss_weights: Callable[[Any], Any] | None = None,
 ) -> Step:
-    """The :class:`Step` of ``rank``: inputs where stage 0 is, targets and loss weights where the last stage is."""
+    """The :class:`Step` of ``rank``: inputs where stage 0 is, targets and loss weights where the last stage is.
+
+    Each micro-batch's mean loss is weighted by its share of the batch: of the rows, or of
+    ``loss_weights(targets)`` summed over the micro-batches (e.g. non-ignored tokens; see :mod:`..losses`).
+    """
     m = num_microbatches
     first, last = placement[0], placement[-1]
     step = Step(mode, None, None, None)
@@ -42,9 +47,21 @@ def prepare_step(
         if sizes is not None and sizes != target_sizes:
             raise ValueError(f"inputs and targets disagree on the batch size: {sum(sizes)} vs {sum(target_sizes)}")
         step.targets = [to_device(c, device) for c in chunks]
-        total = sum(target_sizes)
-        step.weights = [n / total for n in target_sizes]
+        counts = target_sizes if loss_weights is None else [_count(loss_weights, c, i) for i, c in enumerate(chunks)]
+        total = sum(counts)
+        if total <= 0:
+            raise ValueError(f"loss_weights counted nothing to average over in the whole batch: {counts}")
+        step.weights = [n / total for n in counts]
     return step
+
+
+def _count(loss_weights: Callable[[Any], Any], targets: Any, i: int) -> float:
+    """``loss_weights`` of micro-batch ``i``'s targets, checked: a finite number >= 0."""
+    n = loss_weights(targets)
+    n = float(n.item() if isinstance(n, torch.Tensor) else n)
+    if not n >= 0 or n == float("inf"):
+        raise ValueError(f"loss_weights returned {n} for micro-batch {i}: expected a count >= 0")
+    return n
 
 
 def to_device(value: Any, device: torch.device) -> Any:

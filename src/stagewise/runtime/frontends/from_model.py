@@ -27,8 +27,12 @@ through the Pipeline (``deepcopy`` it first to keep a one-process twin). To
 never allocate other stages at all, give the Pipeline a list of
 :class:`~stagewise.Layer` specs instead.
 
-Limits: inputs are positional (a tensor, or a tuple of arguments); tied
-parameters on two stages are refused (:class:`~stagewise.SplitError`); a
+Tied parameters (one parameter used on several stages: ``head.weight =
+embed.weight``) are held by every rank owning a stage that uses them and
+their gradients are summed over those ranks at SYNC, as for
+:class:`~stagewise.Tied` (:mod:`.ties`); each name is saved once.
+
+Limits: inputs are positional (a tensor, or a tuple of arguments); a
 non-tensor value crossing a cut must be the same at every step for a given
 micro-batch (call ``reset_shapes()`` when it changes).
 """
@@ -53,6 +57,7 @@ from ..model.stages import BuiltStages
 from ..options import RunOptions
 from .split import SplitError, collect_tags, split_model
 from .split.trace import first_calls, trace
+from .ties import found_ties, save_once, unsaved_names
 
 if TYPE_CHECKING:
     from ..pipeline import Pipeline
@@ -114,7 +119,9 @@ def from_model(
     tags = collect_tags(model)
     if tags:
         stages = _tagged_stages(tags, stages, partition, speeds, memory_caps)
-    sched = _schedule(schedule, groups.group_size(pg), stages, microbatches, virtual_stages, "tags" if tags else "")
+    sched = schedule_for_stages(
+        schedule, groups.group_size(pg), stages, microbatches, virtual_stages, "tags" if tags else ""
+    )
     ctx = resolve_context(schedule=sched, microbatches=None, virtual_stages=None, group=group, device=device)
     n = sched.num_stages
     measured: LayerProfile | None = None
@@ -126,20 +133,28 @@ def from_model(
         counts, measured = _block_counts(model, sched, how, sample_inputs, speeds, memory_caps, concrete_args, pg)
         split = split_model(model, stages=n, partition=counts, concrete_args=concrete_args)
     mine = {k: split.stage_modules[k] for k in ctx.local_stages}
+    starts = [sum(counts[:k]) for k in range(n + 1)]
+    tied = found_ties(model, split.tied, starts[:-1])  # a parameter used on several stages: summed as sw.Tied
+    unsaved = unsaved_names(split.stage_modules, split.tied, sched.placement, ctx.rank, model)
     if free_unused:
         keep = {id(t) for gm in mine.values() for t in chain(gm.parameters(), gm.buffers())}
-        log.info("stagewise: freed %.1f MB of other ranks' stages", _free_unused(model, keep) / 2**20)
+        log.info("stagewise: freed %.1f MB of other ranks' stages", free_other_stages(model, keep) / 2**20)
     names = sorted({name for gm in split.stage_modules for name in _attributes(gm)})
     cut = ModelCut(split.stage_inputs, dict(split.module_stages), split.blocks)
     del split  # it holds every stage; this rank keeps its own only
-    starts = [sum(counts[:k]) for k in range(n + 1)]
     transient = non_persistent(model)
+
+    def register(root: nn.Module) -> None:
+        _adopt(root, mine, names, transient)
+        save_once(root, unsaved)
+
     parts = BuiltStages(
         modules={k: [gm] for k, gm in mine.items()},
-        register=lambda root: _adopt(root, mine, names, transient),
+        register=register,
         layer_ranges=[range(a, b) for a, b in zip(starts, starts[1:])],  # blocks (untagged) or stage modules
         profile=measured,
         model_cut=cut,
+        tied=tied,
     )
     return cls._from_parts(ctx, parts, RunOptions(**options))
 
@@ -175,7 +190,7 @@ def _tagged_stages(
     return tagged
 
 
-def _schedule(
+def schedule_for_stages(
     schedule: str | Schedule,
     num_ranks: int,
     stages: int | None,
@@ -248,7 +263,7 @@ def _block_counts(
     return counts, measured
 
 
-def _free_unused(model: nn.Module, keep: set[int]) -> int:
+def free_other_stages(model: nn.Module, keep: set[int]) -> int:
     """Move every parameter and buffer of ``model`` not in ``keep`` (ids) to the meta device; bytes freed."""
     freed = 0
     for module in model.modules():

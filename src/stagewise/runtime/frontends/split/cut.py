@@ -74,7 +74,6 @@ def cut(
         builder = _StageBuilder(gm, k, live[k])
         builder.copy(getattr(parts, f"submod_{k}"), qualnames)
         stages.append(builder.finish(live[k + 1] if k + 1 < num_stages else None))
-    check_shared_parameters(model, stages)
     return stages, live
 
 
@@ -125,20 +124,19 @@ class _StageBuilder:
         return self.get_attr(str(n.target)) if n.op == "get_attr" else self.env[n.name]
 
 
-def check_shared_parameters(model: nn.Module, stages: Sequence[nn.Module]) -> None:
-    """Raise if one parameter would live on two stages (a tied weight would be silently copied)."""
-    names: dict[int, list[str]] = {}
+def shared_parameters(model: nn.Module, stages: Sequence[nn.Module]) -> dict[str, tuple[int, ...]]:
+    """Parameters used on several stages (tied weights): the model's first name for each -> the stages using it.
+
+    A pipeline keeps one copy per owning rank and sums their gradients (as for :class:`~stagewise.Tied`).
+    """
+    names: dict[int, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
+        names.setdefault(id(p), name)
     users: dict[int, list[int]] = {}
     for k, stage in enumerate(stages):
         for p in stage.parameters():
             users.setdefault(id(p), []).append(k)
-    shared = [(names.get(pid, ["<unnamed>"]), ks) for pid, ks in users.items() if len(ks) > 1]
-    if shared:
-        lines = [f"parameter {' = '.join(map(repr, n))} is used on stages {ks}" for n, ks in shared]
-        raise SplitError(
-            "tied parameters across stages are not supported yet (each stage would train its own copy):\n  "
-            + "\n  ".join(lines)
-            + "\nput every user of a tied parameter on one stage, or untie it"
-        )
+    unnamed = [ks for pid, ks in users.items() if len(ks) > 1 and pid not in names]
+    if unnamed:
+        raise SplitError(f"a parameter that is not the model's own is used on stages {unnamed[0]}")
+    return {names[pid]: tuple(ks) for pid, ks in users.items() if len(ks) > 1}

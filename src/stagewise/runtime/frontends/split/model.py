@@ -13,7 +13,7 @@ from torch.utils._pytree import tree_leaves
 from ....partition import Partition
 from ....stage_counts import needs_profile, stage_counts
 from ...model.profiling import LayerProfile, model_blocks, preserved_state, profile_blocks
-from .cut import cut
+from .cut import cut, shared_parameters
 from .tags import collect_tags
 from .trace import SplitError, assign_stages, first_calls, tagged_leaves, trace
 
@@ -46,7 +46,9 @@ class SplitModel:
     process, the stages compute exactly what the model does (:meth:`run`).
     Stage modules share the model's modules and parameters and keep their
     qualified names, so ``stage_modules[k].state_dict()`` is a slice of
-    ``model.state_dict()`` with the same keys.
+    ``model.state_dict()`` with the same keys. ``tied``: parameters used on
+    several stages (a tied embedding and head), by the model's first name,
+    with the stages using them; a Pipeline sums their gradients over the owners.
     """
 
     stage_modules: tuple[fx.GraphModule, ...]
@@ -57,6 +59,7 @@ class SplitModel:
     blocks: tuple[str, ...] = ()
     block_partition: Partition | None = None
     profile: LayerProfile | None = field(default=None, repr=False)
+    tied: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def num_stages(self) -> int:
@@ -158,6 +161,7 @@ def split_model(
         blocks=blocks,
         block_partition=block_partition,
         profile=measured,
+        tied=shared_parameters(model, stage_modules),
     )
     if inputs is None:
         return split

@@ -1,0 +1,89 @@
+"""Tied parameters found in a model (not declared with :class:`~stagewise.Tied`), synced as Tied keys are.
+
+``from_model`` finds a parameter used on several stages (``head.weight = embed.weight``, or a head calling
+``h @ self.embed.weight.T``). Each becomes one key of :class:`..model.tied.TiedSync`: every rank owning a stage
+that uses it holds the parameter, and their gradients are summed at the SYNC of the last stage using it there,
+before any optimizer steps. Each name is saved once: a name (``embed.weight``) that stages on two ranks register
+is left out of ``state_dict()`` everywhere but on the first such stage's rank; a different name of the same
+parameter (``head.weight``) is saved where it is held, as ``model.state_dict()`` has both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from torch import nn
+
+from ..model.tied import TiedBuilder
+
+
+class FoundTies(TiedBuilder):
+    """Tied parameters of a model as TiedSync keys: ``uses[name]`` are unit indices (one per stage using it)."""
+
+    def __init__(self, uses: Mapping[str, list[int]], holder: Callable[[str], nn.Module]) -> None:
+        super().__init__([], 0)
+        self.uses = dict(uses)
+        self._holder = holder
+
+    def shared(self, key: str) -> nn.Module:
+        """A module whose one parameter is the tied one (made only on ranks that own it)."""
+        if key not in self.built:
+            self.built[key] = self._holder(key)
+        return self.built[key]
+
+
+def found_ties(model: nn.Module, ties: Mapping[str, Sequence[int]], anchors: Sequence[int]) -> FoundTies | None:
+    """``ties``: first name -> stages using it; ``anchors[k]``: a unit index inside stage k's layer range."""
+    if not ties:
+        return None
+
+    def holder(name: str) -> nn.Module:
+        box = nn.Module()
+        box.register_parameter("weight", model.get_parameter(name))
+        return box
+
+    return FoundTies({name: [anchors[k] for k in stages] for name, stages in ties.items()}, holder)
+
+
+def unsaved_names(
+    stage_modules: Sequence[nn.Module],
+    ties: Mapping[str, Sequence[int]],
+    placement: Sequence[int],
+    rank: int,
+    model: nn.Module,
+) -> set[str]:
+    """Names of tied parameters this rank holds but must not save: an earlier stage on another rank saves them."""
+    skip: set[str] = set()
+    for name, stages in ties.items():
+        param = model.get_parameter(name)
+        first_holder: dict[str, int] = {}
+        for k in sorted(stages):
+            for n, p in stage_modules[k].named_parameters(remove_duplicate=False):
+                if p is param:
+                    first_holder.setdefault(n, k)
+        for k in stages:
+            if placement[k] != rank:
+                continue
+            for n, p in stage_modules[k].named_parameters(remove_duplicate=False):
+                if p is param and placement[first_holder[n]] != rank:
+                    skip.add(n)
+    return skip
+
+
+def save_once(root: nn.Module, skip: set[str]) -> None:
+    """Leave ``skip`` out of ``root.state_dict()``, and do not ask for them in ``load_state_dict``."""
+    if not skip:
+        return
+
+    def drop(module: nn.Module, state: dict[str, Any], prefix: str, metadata: Any) -> None:
+        for name in skip:
+            state.pop(prefix + name, None)
+
+    def allow_missing(module: nn.Module, incompatible: Any) -> None:
+        for name in skip:
+            if name in incompatible.missing_keys:
+                incompatible.missing_keys.remove(name)
+
+    root.register_state_dict_post_hook(drop)
+    root.register_load_state_dict_post_hook(allow_missing)
