@@ -1,0 +1,694 @@
+"""The search: every layout, schedule, virtual-stage count, micro-batch count and recompute choice, best first.
+
+For each factorisation ``pp x dp x sharding x tp`` of the processes, each
+registered synchronous schedule and virtual-stage count, each micro-batch
+count dividing the per-replica batch and each recompute choice, the exact
+partitioner (:func:`stagewise.partition.partition_costs`) cuts the layers
+(balancing F + B per layer, with the ranks' speeds and their memory for
+parameters, gradients and optimizer state), the simulator times one step and
+tracks activations, and the collectives are added from
+:mod:`stagewise.plan.comm`.
+
+Pruning: each candidate first gets a *lower bound* on its step time that
+holds for every schedule (see :func:`_lower_bound`); candidates are taken in
+bound order and simulation stops once the bound reaches the ``top``-th best
+step time found. A candidate whose parameters, gradients and optimizer state
+(or one micro-batch of activations) already exceed a rank's memory is dropped
+before it is simulated.
+
+Gradient synchronisation (the runtime's ``SYNC``, after a stage's last
+backward): with ``sharding == 1`` the all-reduce over ``dp`` is started at
+SYNC and runs while the rank drains the pipeline, one collective after
+another on the rank's link (``runtime/data_parallel.py``), so only what is
+left after the rank's last compute adds to the step. With ``sharding > 1``
+the runtime (FSDP2, ``runtime/sharding.py``) gathers parameters at a layer's
+first forward and reduce-scatters at SYNC, blocking: those collectives are
+costed as rank time at SYNC. The optimizer step itself is not costed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+from ..actions import Kind
+from ..costs import CostModel
+from ..parallel import ParallelConfig
+from ..partition import partition_costs
+from ..passes import add_grad_sync
+from ..profile_data import LayerProfile
+from ..schedule import Schedule, loop_placement, v_placement
+from ..schedules import generate, schedule_info, schedule_names
+from ..simulate import SimResult, simulate
+from .comm import Link, crosses_nodes, ring_all_gather, ring_all_reduce, ring_reduce_scatter
+from .costing import LayerArrays, StageBase, StageCosts, layer_arrays, partition_weights, stage_base
+from .result import Dropped, Plan, PlanSearch, RankMemory
+
+
+@dataclass(frozen=True)
+class _Problem:
+    """The inputs, checked and expanded per rank."""
+
+    profile: LayerProfile
+    processes: int
+    per_node: int
+    memory: tuple[float, ...]
+    speeds: tuple[float, ...]
+    global_batch: int
+    profile_batch: int
+    optimizer_state: float
+    intra: Link
+    inter: Link
+    tp_layers: frozenset[int]
+    max_tp: int
+    schedules: tuple[str, ...]
+    max_virtual_stages: int
+    recompute: tuple[str | None, ...]
+    overhead: float
+    top: int
+
+
+@dataclass(frozen=True)
+class _Layout:
+    config: ParallelConfig
+    speeds: tuple[float, ...]  # per pp rank: the slowest rank of its group
+    caps: tuple[float, ...]  # per pp rank: the smallest memory of its group
+    links: dict[str, Link]
+    per_replica: int
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    layout: _Layout
+    schedule: str
+    v: int
+    m: int
+    recompute: str | None
+    bounds: tuple[int, ...]
+    costs: StageCosts
+    sync_blocking: tuple[float, ...]  # per stage, rank time at SYNC
+    sync_async: tuple[float, ...]  # per stage, an all-reduce started at SYNC
+    microbatch_size: int
+
+    def describe(self) -> str:
+        c = self.layout.config
+        rc = "off" if self.recompute is None else self.recompute
+        return (
+            f"pp={c.pp} dp={c.dp} tp={c.tp} sharding={c.sharding}, {self.schedule} v={self.v}, m={self.m}, "
+            f"recompute {rc}"
+        )
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+# ---- layouts ---------------------------------------------------------------------------
+
+
+def _layouts(prob: _Problem, why_not: list[str]) -> list[_Layout]:
+    """Every pp x dp x sharding x tp of the processes that can run at all; the others' reasons go to ``why_not``."""
+    n_layers, p = len(prob.profile), prob.processes
+    out = []
+    for pp in _divisors(p):
+        if pp > n_layers:
+            why_not.append(f"pp={pp}: more pipeline ranks than the {n_layers} layers")
+            continue
+        for tp in _divisors(p // pp):
+            if tp > 1 and not prob.tp_layers:
+                why_not.append(f"tp={tp}: no layer supports tensor parallelism (tp_layers is empty)")
+                continue
+            if tp > prob.max_tp:
+                why_not.append(f"tp={tp}: above max_tp={prob.max_tp}")
+                continue
+            for sharding in _divisors(p // pp // tp):
+                dp = p // pp // tp // sharding
+                config = ParallelConfig(pp=pp, dp=dp, tp=tp, sharding=sharding)
+                if prob.global_batch % config.replicas:
+                    why_not.append(
+                        f"{config.describe()}: {config.replicas} replicas do not divide the global batch "
+                        f"{prob.global_batch}"
+                    )
+                    continue
+                out.append(_layout(prob, config))
+    return out
+
+
+def _layout(prob: _Problem, config: ParallelConfig) -> _Layout:
+    group = prob.processes // config.pp
+    speeds = tuple(min(prob.speeds[k * group : (k + 1) * group]) for k in range(config.pp))
+    caps = tuple(min(prob.memory[k * group : (k + 1) * group]) for k in range(config.pp))
+    links = {
+        axis: prob.inter if crosses_nodes(config, axis, prob.per_node) else prob.intra
+        for axis in ("pp", "dp", "sharding", "tp")
+    }
+    return _Layout(config, speeds, caps, links, prob.global_batch // config.replicas)
+
+
+# ---- schedules -------------------------------------------------------------------------
+
+
+def _schedule_options(prob: _Problem, pp: int) -> list[tuple[str, int]]:
+    """(schedule, v) pairs to try; one stage per rank needs no pipeline schedule, so pp = 1 tries 1f1b alone."""
+    if pp == 1:
+        return [("1f1b", 1)] if "1f1b" in prob.schedules else [(prob.schedules[0], 1)]
+    n_layers = len(prob.profile)
+    out = []
+    for name in prob.schedules:
+        info = schedule_info(name)
+        if info.virtual_stages is None:  # v = 1 is another registered schedule (1f1b, gpipe): start at 2
+            vs = list(range(2, prob.max_virtual_stages + 1))
+        else:
+            vs = list(info.virtual_stages)
+        out += [(name, v) for v in vs if pp * v <= n_layers]
+    return out
+
+
+@lru_cache(maxsize=4096)
+def _splits_backward(name: str) -> bool:
+    s = generate(name, 2, 4, None)
+    return any(a.kind is Kind.I for acts in s.ranks for a in acts)
+
+
+@lru_cache(maxsize=256)
+def _compute_schedule(name: str, pp: int, m: int, v: int) -> Schedule:
+    return add_grad_sync(generate(name, pp, m, v))
+
+
+#: per rank, its activation states: (its stages, full activations held per stage, W-only parts held per stage)
+_States = tuple[tuple[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]], ...], ...]
+
+
+@lru_cache(maxsize=1024)
+def _activation_states(name: str, pp: int, m: int, v: int) -> _States:
+    """Per rank, each distinct state right after a forward: (stages, full activations held, W-only parts held).
+
+    A rank's activation memory only rises at a forward and depends on its action order alone, not on
+    timing, so the peak bytes for any stage sizes is the largest dot product over these states
+    (the simulator's ``peak_activation_bytes``, without simulating).
+    """
+    schedule = generate(name, pp, m, v)
+    out = []
+    for rank, acts in enumerate(schedule.ranks):
+        stages = schedule.stages_of(rank)
+        index = {st: k for k, st in enumerate(stages)}
+        full, keep = [0] * len(stages), [0] * len(stages)
+        states = set()
+        for a in acts:
+            k = index[a.stage]
+            if a.kind is Kind.F:
+                full[k] += 1
+                states.add((tuple(full), tuple(keep)))
+            elif a.kind is Kind.B:
+                full[k] -= 1
+            elif a.kind is Kind.I:
+                full[k] -= 1
+                keep[k] += 1
+            elif a.kind is Kind.W:
+                keep[k] -= 1
+        out.append(tuple((stages, f, w) for f, w in states))
+    return tuple(out)
+
+
+def _activation_peaks(c: _Candidate) -> list[float]:
+    """Peak activation bytes per pp rank (recompute's transient included): what the simulator would find."""
+    config = c.layout.config
+    act, keep = c.costs.activation, c.costs.keep
+    peaks = []
+    for states in _activation_states(c.schedule, config.pp, c.m, c.v):
+        best = 0.0
+        for stages, full, kept in states:
+            total = sum(n * act[s] for n, s in zip(full, stages)) + sum(n * keep[s] for n, s in zip(kept, stages))
+            best = max(best, total)
+        if c.recompute == "stage" and states:
+            best += max(c.costs.full_activation[s] for s in states[0][0])
+        peaks.append(best)
+    return peaks
+
+
+def _placement(name: str, pp: int, v: int) -> tuple[int, ...]:
+    return loop_placement(pp, v) if schedule_info(name).placement == "loop" else v_placement(pp, v)
+
+
+# ---- one candidate ---------------------------------------------------------------------
+
+
+def _static_memory(c: _Candidate, prob: _Problem) -> list[RankMemory]:
+    """Parameters, gradients and optimizer state per pp rank; activations 0 (filled in after simulating).
+
+    The runtime's sharding gathers a stage's parameters at its first forward and accumulates whole
+    gradients until SYNC, so only the optimizer state is divided by ``sharding`` at the peak.
+    """
+    config = c.layout.config
+    placement = _placement(c.schedule, config.pp, c.v)
+    params = [0.0] * config.pp
+    for s, r in enumerate(placement):
+        params[r] += c.costs.parameters[s]
+    return [
+        RankMemory(
+            parameters=params[r],
+            gradients=params[r],
+            optimizer=prob.optimizer_state * params[r] / config.sharding,
+            activations=0.0,
+            cap=c.layout.caps[r],
+        )
+        for r in range(config.pp)
+    ]
+
+
+def _lower_bound(c: _Candidate, placement: Sequence[int], splits: bool) -> float:
+    """A step time no schedule can beat with these stage costs (any order of each rank's actions).
+
+    Rank r cannot start before micro-batch 0 has passed the stages below its lowest one (``pre``);
+    it then runs all its work, and the gradient sync of the stage it finishes last; and after the
+    last input-gradient it computes, that gradient still has to pass every stage below (``post``).
+    """
+    costs, m = c.costs, c.m
+    p = c.layout.config.pp
+    lat = c.layout.links["pp"]
+    f, i, w = costs.forward, costs.backward_input, costs.backward_weight
+    lowest = [len(placement)] * p
+    for s, r in enumerate(placement):
+        lowest[r] = min(lowest[r], s)
+    prefix_f, prefix_i = [0.0], [0.0]
+    for s in range(len(placement)):
+        hop = lat.time(costs.output[s]) if s + 1 < len(placement) and placement[s + 1] != placement[s] else 0.0
+        prefix_f.append(prefix_f[-1] + f[s] + hop)
+        back = i[s] if splits else i[s] + w[s]
+        hop_b = lat.time(costs.output[s - 1]) if s > 0 and placement[s - 1] != placement[s] else 0.0
+        prefix_i.append(prefix_i[-1] + back + hop_b)
+    work = [0.0] * p
+    fi = [0.0] * p
+    sync_min = [math.inf] * p
+    for s, r in enumerate(placement):
+        work[r] += m * (f[s] + i[s] + w[s]) + c.sync_blocking[s]
+        fi[r] += m * (f[s] + (i[s] if splits else i[s] + w[s]))
+        sync_min[r] = min(sync_min[r], c.sync_async[s])
+    best = 0.0
+    for r in range(p):
+        lo = lowest[r]
+        bound = prefix_f[lo] + max(work[r] + sync_min[r], fi[r] + prefix_i[lo])
+        best = max(best, bound)
+    return best
+
+
+def _simulate(c: _Candidate) -> tuple[SimResult, float, list[float]]:
+    """Simulate; return the result, the step time with the asynchronous all-reduces, and each rank's end."""
+    config = c.layout.config
+    schedule = _compute_schedule(c.schedule, config.pp, c.m, c.v)
+    link = c.layout.links["pp"]
+    n = schedule.num_stages
+    model = CostModel(
+        num_stages=n,
+        forward=c.costs.forward,
+        backward_input=c.costs.backward_input,
+        backward_weight=c.costs.backward_weight,
+        activation_bytes=c.costs.activation,
+        weight_activation_bytes=c.costs.keep,
+        parameter_bytes=c.costs.parameters,
+        output_bytes=c.costs.output,
+        latency=link.latency,
+        bandwidth=link.bandwidth,
+        sync_time=c.sync_blocking,
+    )
+    sim = simulate(schedule, model)
+    begin = min(times[0] for times in sim.starts if times)
+    ends = []
+    for acts, rank_ends in zip(sim.actions, sim.ends):
+        comm_free = 0.0
+        for a, end in zip(acts, rank_ends):
+            if a.kind is Kind.SYNC and c.sync_async[a.stage] > 0:
+                comm_free = max(comm_free, end) + c.sync_async[a.stage]
+        ends.append(max(rank_ends[-1] if rank_ends else 0.0, comm_free) - begin)
+    return sim, max(ends), ends
+
+
+def _memory(c: _Candidate, prob: _Problem) -> list[RankMemory]:
+    """Predicted peak memory per pp rank: static terms plus the activation peak of the schedule's order."""
+    return [
+        RankMemory(m.parameters, m.gradients, m.optimizer, act, m.cap)
+        for m, act in zip(_static_memory(c, prob), _activation_peaks(c))
+    ]
+
+
+def _evaluate(c: _Candidate, memory: list[RankMemory]) -> Plan:
+    """Simulate a candidate that fits memory into a plan."""
+    config = c.layout.config
+    sim, step, _ = _simulate(c)
+    placement = _placement(c.schedule, config.pp, c.v)
+    busy = [0.0] * config.pp
+    tp_comm = [0.0] * config.pp
+    for s, r in enumerate(placement):
+        busy[r] += c.m * (c.costs.forward[s] + c.costs.backward_input[s] + c.costs.backward_weight[s])
+        tp_comm[r] += c.m * c.costs.tp_comm[s]
+    busiest = max(range(config.pp), key=lambda r: busy[r])
+    return Plan(
+        layout=config,
+        schedule=c.schedule,
+        virtual_stages=c.v,
+        microbatches=c.m,
+        microbatch_size=c.microbatch_size,
+        partition=tuple(b - a for a, b in zip(c.bounds, c.bounds[1:])),
+        recompute=c.recompute,
+        step_time=step,
+        bubble=sim.bubble_ratio,
+        memory=tuple(memory),
+        breakdown={
+            "compute": busy[busiest],
+            "tp_comm": tp_comm[busiest],
+            "grad_sync": step - sim.makespan + max(_per_rank(c.sync_blocking, placement, config.pp)),
+            "pipeline_idle": sim.bubble_ratio * sim.makespan,
+        },
+    )
+
+
+def _per_rank(values: Sequence[float], placement: Sequence[int], p: int) -> list[float]:
+    out = [0.0] * p
+    for s, r in enumerate(placement):
+        out[r] += values[s]
+    return out
+
+
+def _over_cap(rank: int, mem: RankMemory) -> str:
+    return (
+        f"pipeline rank {rank} needs {_gib(mem.total)} > its memory {_gib(mem.cap)} "
+        f"(parameters {_gib(mem.parameters)}, gradients {_gib(mem.gradients)}, optimizer state "
+        f"{_gib(mem.optimizer)}, activations {_gib(mem.activations)}; {mem.dominant} dominate)"
+    )
+
+
+def _gib(x: float) -> str:
+    if math.isinf(x):
+        return "inf"
+    return f"{x / 2**30:.3g} GiB" if x >= 2**30 else f"{x / 2**20:.3g} MiB" if x >= 2**20 else f"{x:.0f} B"
+
+
+# ---- the search ------------------------------------------------------------------------
+
+
+class _Partitions:
+    """The exact partition for each (layout shape, stages, tp, recompute, speeds, caps), computed once."""
+
+    def __init__(self, prob: _Problem) -> None:
+        self.prob = prob
+        self.arrays: dict[int, LayerArrays] = {}
+        self.cache: dict[tuple[object, ...], tuple[tuple[int, ...], StageBase] | str] = {}
+
+    def layer_arrays(self, tp: int) -> LayerArrays:
+        if tp not in self.arrays:
+            self.arrays[tp] = layer_arrays(self.prob.profile, tp, self.prob.tp_layers)
+        return self.arrays[tp]
+
+    def get(
+        self, layout: _Layout, placement: Sequence[int], v: int, recompute: str | None
+    ) -> tuple[tuple[int, ...], StageBase] | str:
+        config = layout.config
+        speeds = tuple(layout.speeds[r] for r in placement)
+        finite = any(not math.isinf(c) for c in layout.caps)
+        # parameters + gradients + optimizer state per parameter byte (see _static_memory)
+        per_byte = 2 + self.prob.optimizer_state / config.sharding
+        caps = tuple(layout.caps[r] / v / per_byte for r in placement) if finite else None
+        tp_link = layout.links["tp"]
+        free_key = (config.tp, recompute, speeds, tp_link if config.tp > 1 else None)
+        got = self._partition(free_key, None)
+        if caps is None or isinstance(got, str):
+            return got
+        arrays = self.layer_arrays(config.tp)
+        bounds = got[0]
+        if all(sum(arrays.parameters[a:b]) <= cap for a, b, cap in zip(bounds, bounds[1:], caps)):
+            return got  # the fastest cut already fits: no need to cut again under the caps
+        return self._partition((*free_key, caps), caps)
+
+    def _partition(
+        self, key: tuple[object, ...], caps: tuple[float, ...] | None
+    ) -> tuple[tuple[int, ...], StageBase] | str:
+        tp, recompute, speeds, tp_link = key[:4]
+        if key not in self.cache:
+            arrays = self.layer_arrays(tp)  # type: ignore[arg-type]
+            link = tp_link if isinstance(tp_link, Link) else Link()
+            weights = partition_weights(arrays, tp=tp, tp_link=link, recompute=recompute)  # type: ignore[arg-type]
+            try:
+                part = partition_costs(
+                    weights,
+                    len(speeds),  # type: ignore[arg-type]
+                    speeds=speeds,  # type: ignore[arg-type]
+                    memory=arrays.parameters if caps is not None else None,
+                    memory_caps=caps,
+                )
+            except ValueError as err:
+                self.cache[key] = f"parameters, gradients and optimizer state do not fit: {err}"
+            else:
+                base = stage_base(arrays, part.bounds, tp=tp, tp_link=link, recompute=recompute)  # type: ignore[arg-type]
+                self.cache[key] = (part.bounds, base)
+        return self.cache[key]
+
+
+def _sync_costs(layout: _Layout, params: Sequence[float]) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per stage: (blocking seconds at SYNC, an asynchronous all-reduce started there); see the module docstring."""
+    config, links = layout.config, layout.links
+    blocking, background = [], []
+    for nbytes in params:
+        if config.sharding > 1:
+            t = ring_all_gather(nbytes, config.sharding, links["sharding"])
+            t += ring_reduce_scatter(nbytes, config.sharding, links["sharding"])
+            t += ring_all_reduce(nbytes / config.sharding, config.dp, links["dp"])
+            blocking.append(t)
+            background.append(0.0)
+        else:
+            blocking.append(0.0)
+            background.append(ring_all_reduce(nbytes, config.dp, links["dp"]))
+    return tuple(blocking), tuple(background)
+
+
+def run_search(prob: _Problem) -> PlanSearch:
+    why_not: list[str] = []
+    layouts = _layouts(prob, why_not)
+    if not layouts:
+        raise ValueError(
+            f"plan: no factorisation pp x dp x sharding x tp of {prob.processes} processes works: "
+            + "; ".join(why_not[:8])
+            + (f"; ... ({len(why_not)} in all)" if len(why_not) > 8 else "")
+        )
+    parts = _Partitions(prob)
+    dropped: list[Dropped] = []
+    smallest: tuple[float, str, RankMemory] | None = None  # (peak / cap, what, memory) of the closest miss
+    queue: list[tuple[float, int, _Candidate, list[RankMemory]]] = []
+    count = 0
+    for layout in layouts:
+        config = layout.config
+        for name, v in _schedule_options(prob, config.pp):
+            info = schedule_info(name)
+            placement = _placement(name, config.pp, v)
+            splits = _splits_backward(name)
+            for recompute in prob.recompute:
+                got = parts.get(layout, placement, v, recompute)
+                for m in _divisors(layout.per_replica):
+                    count += 1
+                    what = f"{config.describe()}, {name} v={v}, m={m}, recompute {recompute or 'off'}"
+                    try:
+                        info.check(config.pp, m, v)
+                    except ValueError as err:
+                        dropped.append(Dropped(what, str(err)))
+                        continue
+                    if isinstance(got, str):
+                        dropped.append(Dropped(what, got))
+                        continue
+                    bounds, base = got
+                    size = layout.per_replica // m
+                    costs = base.at(size / prob.profile_batch, prob.overhead)
+                    blocking, background = _sync_costs(layout, costs.parameters)
+                    cand = _Candidate(layout, name, v, m, recompute, bounds, costs, blocking, background, size)
+                    memory = _memory(cand, prob)
+                    over = [r for r, mem in enumerate(memory) if mem.total > mem.cap]
+                    if over:
+                        worst = max(memory, key=lambda mem: mem.total / mem.cap)
+                        if smallest is None or worst.total / worst.cap < smallest[0]:
+                            smallest = (worst.total / worst.cap, what, worst)
+                        dropped.append(Dropped(what, _over_cap(over[0], memory[over[0]])))
+                        continue
+                    queue.append((_lower_bound(cand, placement, splits), count, cand, memory))
+    heapq.heapify(queue)
+    best: list[float] = []  # max-heap (negated) of the top step times found
+    plans: list[Plan] = []
+    simulated = 0
+    while queue:
+        bound, key, cand, memory = heapq.heappop(queue)
+        if len(best) >= prob.top and bound >= -best[0] * (1 + 1e-12):
+            queue.append((bound, key, cand, memory))
+            break
+        simulated += 1
+        result = _evaluate(cand, memory)
+        plans.append(result)
+        heapq.heappush(best, -result.step_time)
+        if len(best) > prob.top:
+            heapq.heappop(best)
+    if not plans:
+        raise ValueError(_no_plan_message(prob, smallest, dropped))
+    ranked = sorted(plans, key=_rank_key)[: prob.top]
+    ranked = _with_reasons(ranked)
+    return PlanSearch(
+        plans=tuple(ranked),
+        candidates=count,
+        pruned=len(queue),
+        simulated=simulated,
+        dropped=tuple(dropped),
+        layouts=len(layouts),
+    )
+
+
+def _no_plan_message(prob: _Problem, smallest: tuple[float, str, RankMemory] | None, dropped: Sequence[Dropped]) -> str:
+    if smallest is None:
+        reasons = sorted({d.reason for d in dropped})
+        return f"plan: no candidate can run: {'; '.join(reasons[:5])}"
+    _, what, mem = smallest
+    return (
+        f"plan: no plan fits the memory cap: the smallest predicted peak is {_gib(mem.total)} against "
+        f"{_gib(mem.cap)} ({what}); {mem.dominant} dominate it (parameters {_gib(mem.parameters)}, gradients "
+        f"{_gib(mem.gradients)}, optimizer state {_gib(mem.optimizer)}, activations {_gib(mem.activations)})"
+    )
+
+
+def _rank_key(p: Plan) -> tuple[float, float, int, int]:
+    """Fastest first; then the smaller peak; then the fewer pipeline ranks and micro-batches (simpler to run)."""
+    return (p.step_time, p.peak_memory, p.layout.pp * p.virtual_stages, p.microbatches)
+
+
+def _with_reasons(plans: list[Plan]) -> list[Plan]:
+    from dataclasses import replace
+
+    out = []
+    for k, plan in enumerate(plans):
+        if k + 1 < len(plans):
+            why = _why(plan, plans[k + 1])
+        else:
+            why = "last of the ranked plans"
+        out.append(replace(plan, why=why))
+    return out
+
+
+def _why(a: Plan, b: Plan) -> str:
+    """A short reason ``a`` ranks above ``b``: the step-time term where it gains most, or the tie-break."""
+    if b.step_time - a.step_time <= 1e-9 * max(a.step_time, 1e-30):
+        if a.peak_memory < b.peak_memory:
+            return f"same step time as the next, lower peak memory ({_gib(a.peak_memory)} vs {_gib(b.peak_memory)})"
+        return "same step time and memory as the next; fewer stages or micro-batches"
+    gain = (b.step_time - a.step_time) / b.step_time
+    terms = {
+        "less pipeline idle time": (b.breakdown["pipeline_idle"] - a.breakdown["pipeline_idle"]),
+        "less compute on the busiest rank": b.breakdown["compute"] - a.breakdown["compute"],
+        "less exposed gradient sync": b.breakdown["grad_sync"] - a.breakdown["grad_sync"],
+    }
+    term = max(terms, key=lambda k: terms[k])
+    detail = {
+        "less pipeline idle time": f"bubble {a.bubble:.1%} vs {b.bubble:.1%}",
+        "less compute on the busiest rank": f"{a.breakdown['compute']:.3g} s vs {b.breakdown['compute']:.3g} s",
+        "less exposed gradient sync": f"{a.breakdown['grad_sync']:.3g} s vs {b.breakdown['grad_sync']:.3g} s",
+    }[term]
+    return f"{gain:.2%} faster than the next: {term} ({detail})"
+
+
+def make_problem(
+    profile: LayerProfile,
+    processes: int,
+    *,
+    global_batch: int,
+    memory: float | Sequence[float],
+    speeds: float | Sequence[float] | None,
+    nodes: int,
+    profile_batch: int,
+    optimizer_state: float,
+    intra: Link,
+    inter: Link | None,
+    tp_layers: Collection[int | str],
+    max_tp: int | None,
+    schedules: Sequence[str] | None,
+    max_virtual_stages: int,
+    recompute: Sequence[str | None],
+    overhead: float,
+    top: int,
+) -> _Problem:
+    """Check every input, naming the option and the value expected."""
+    if not isinstance(profile, LayerProfile) or len(profile) == 0:
+        raise ValueError(f"plan: profile must be a non-empty LayerProfile, got {type(profile).__name__}")
+    if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
+        raise ValueError(f"plan: processes must be a positive int, got {processes!r}")
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1 or processes % nodes:
+        raise ValueError(f"plan: nodes must be a positive int dividing processes ({processes}), got {nodes!r}")
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise ValueError(f"plan: global_batch must be a positive int (samples per step), got {global_batch!r}")
+    if not isinstance(profile_batch, int) or profile_batch < 1:
+        raise ValueError(
+            f"plan: profile_batch must be a positive int (samples in the profiled micro-batch), got {profile_batch!r}"
+        )
+    if not 0 <= optimizer_state < math.inf:
+        raise ValueError(
+            f"plan: optimizer_state must be >= 0 (state bytes per parameter byte), got {optimizer_state!r}"
+        )
+    if not 0 <= overhead < math.inf:
+        raise ValueError(f"plan: overhead must be >= 0 seconds, got {overhead!r}")
+    if top < 1:
+        raise ValueError(f"plan: top must be >= 1, got {top}")
+    if max_virtual_stages < 1:
+        raise ValueError(f"plan: max_virtual_stages must be >= 1, got {max_virtual_stages}")
+    mem = _per_rank_values(memory, processes, "memory")
+    if any(not x > 0 for x in mem):
+        raise ValueError(f"plan: memory must be > 0 bytes per rank, got {min(mem)}")
+    spd = _per_rank_values(1.0 if speeds is None else speeds, processes, "speeds")
+    if any(not 0 < x < math.inf for x in spd):
+        raise ValueError(f"plan: speeds must be finite and > 0, got {min(spd)}")
+    names = profile.names
+    tp_idx = set()
+    for key in tp_layers:
+        if isinstance(key, str):
+            if key not in names:
+                raise ValueError(f"plan: tp_layers names {key!r}, not a layer of the profile ({names[:8]}...)")
+            tp_idx.add(names.index(key))
+        elif isinstance(key, int) and 0 <= key < len(names):
+            tp_idx.add(key)
+        else:
+            raise ValueError(f"plan: tp_layers entry {key!r} is not a layer index 0..{len(names) - 1} or name")
+    known = schedule_names()
+    chosen = [n for n in known if schedule_info(n).synchronous] if schedules is None else list(schedules)
+    for name in chosen:
+        if name not in known:
+            raise ValueError(f"plan: unknown schedule {name!r}; registered: {', '.join(known)}")
+        if not schedule_info(name).synchronous:
+            raise ValueError(f"plan: schedule {name!r} is asynchronous; the planner times synchronous steps only")
+    if not chosen:
+        raise ValueError("plan: schedules is empty")
+    for rc in recompute:
+        if rc not in (None, "stage"):
+            raise ValueError(f"plan: recompute choices must be None or 'stage', got {rc!r}")
+    per_node = processes // nodes
+    return _Problem(
+        profile=profile,
+        processes=processes,
+        per_node=per_node,
+        memory=tuple(mem),
+        speeds=tuple(spd),
+        global_batch=global_batch,
+        profile_batch=profile_batch,
+        optimizer_state=float(optimizer_state),
+        intra=intra,
+        inter=intra if inter is None else inter,
+        tp_layers=frozenset(tp_idx),
+        max_tp=per_node if max_tp is None else max_tp,
+        schedules=tuple(chosen),
+        max_virtual_stages=max_virtual_stages,
+        recompute=tuple(recompute) or (None,),
+        overhead=float(overhead),
+        top=top,
+    )
+
+
+def _per_rank_values(value: float | Sequence[float], n: int, what: str) -> list[float]:
+    if isinstance(value, (int, float)):
+        return [float(value)] * n
+    values = [float(x) for x in value]
+    if len(values) != n:
+        raise ValueError(f"plan: {what} has {len(values)} entries, expected one per process ({n})")
+    return values
