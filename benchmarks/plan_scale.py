@@ -12,28 +12,9 @@ import os
 import time
 
 from stagewise.plan import Link, search
-from stagewise.profile_data import LayerCost, LayerProfile
+from stagewise.plan.synthetic import transformer_profile
 
 GIB = 2**30
-
-
-def transformer_profile(blocks: int = 128, d: int = 8192, seq: int = 4096, vocab: int = 128_000) -> LayerProfile:
-    """A GPT-like profile for one sample (bf16): blocks alike; the embedding cheap but big, the head costly.
-
-    Times follow 2 x FLOPs / (400 TFLOP/s): a block is 24 s d^2 + 4 s^2 d FLOPs forward, the head 2 s d vocab.
-    """
-    rate = 400e12
-    block_f = (24 * seq * d * d + 4 * seq * seq * d) / rate
-    head_f = 2 * seq * d * vocab / rate
-    act = 34 * seq * d + 5 * 64 * seq * seq  # bytes per sample (Korthikanti et al. 2022, no recompute, 64 heads)
-    hidden = 2 * seq * d
-    layers = [LayerCost("embed", 1e-4, 0.0, 1e-4, 1e-4, hidden, 0.0, 2 * vocab * d, hidden)]
-    layers += [
-        LayerCost(f"block{k}", block_f, block_f, block_f, 2 * block_f, act, act / 3, 2 * 12 * d * d, hidden)
-        for k in range(blocks)
-    ]
-    layers.append(LayerCost("head", head_f, head_f, head_f, 2 * head_f, 2 * seq * vocab, hidden, 2 * vocab * d, 4))
-    return LayerProfile(tuple(layers), "synthetic", 1, 0)
 
 
 def main() -> None:

@@ -31,6 +31,7 @@ PURE = [
     "schedules",
     "render",
     "parallel",
+    "plan",
 ]
 _DIST_IMPORT = re.compile(
     r"^\s*(import torch\.distributed|from torch\.distributed|from torch import distributed)", re.M

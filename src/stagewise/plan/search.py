@@ -421,7 +421,9 @@ class _Partitions:
         bounds = got[0]
         if all(sum(arrays.parameters[a:b]) <= cap for a, b, cap in zip(bounds, bounds[1:], caps)):
             return got  # the fastest cut already fits: no need to cut again under the caps
-        return self._partition((*free_key, caps), caps)
+        capped = self._partition((*free_key, caps), caps)
+        # no cut fits: keep the fastest, so the memory check reports its exact peak and what dominates it
+        return got if isinstance(capped, str) else capped
 
     def _partition(
         self, key: tuple[object, ...], caps: tuple[float, ...] | None
