@@ -98,7 +98,7 @@ def test_the_search_finds_the_brute_force_optimum(times: list[float]) -> None:
     expected, what = _brute_force(profile, 4, 8)
     found = search(profile, 4, global_batch=8, recompute=(None,), max_virtual_stages=2, top=3)
     assert found.plans[0].step_time == pytest.approx(expected, rel=1e-12), (found.plans[0].describe(), what)
-    assert found.simulated < found.candidates  # the bound pruned something
+    assert found.simulated < found.candidates  # the bounds pruned something
     steps = [p.step_time for p in found.plans]
     assert steps == sorted(steps)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..costs import CostModel
 from ..parallel import ParallelConfig
 
 
@@ -74,6 +75,8 @@ class Plan:
     memory: tuple[RankMemory, ...]
     breakdown: dict[str, float] = field(default_factory=dict, compare=False, hash=False)
     why: str = ""
+    #: the per-stage costs the prediction simulated (sync_time: the blocking collectives), to re-simulate or draw it
+    costs: CostModel | None = field(default=None, compare=False, repr=False)
 
     @property
     def peak_memory(self) -> float:
@@ -129,11 +132,18 @@ class Dropped:
 
 @dataclass(frozen=True)
 class PlanSearch:
-    """The ranked plans and what the search did: candidates enumerated, pruned by a bound, simulated, dropped."""
+    """The ranked plans and what the search did.
+
+    ``candidates``: the size of the space (every layout x schedule x v x
+    recompute x micro-batch count); ``groups_expanded``: how many (layout,
+    schedule, v, recompute) groups were partitioned and bounded (the rest were
+    pruned whole by their bound); ``simulated``: candidates simulated;
+    ``dropped``: candidates examined and rejected, with the reason.
+    """
 
     plans: tuple[Plan, ...]
     candidates: int
-    pruned: int
+    groups_expanded: int
     simulated: int
     dropped: tuple[Dropped, ...]
     layouts: int

@@ -33,6 +33,7 @@ import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 from ..actions import Kind
 from ..costs import CostModel
@@ -210,8 +211,19 @@ def _activation_states(name: str, pp: int, m: int, v: int) -> _States:
                 keep[k] += 1
             elif a.kind is Kind.W:
                 keep[k] -= 1
-        out.append(tuple((stages, f, w) for f, w in states))
+        out.append(tuple((stages, f, w) for f, w in _maximal(states)))
     return tuple(out)
+
+
+def _maximal(states: set[tuple[tuple[int, ...], tuple[int, ...]]]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The states no other state dominates (holds at least as much of everything): only they can be the peak."""
+    flat = sorted(states, key=lambda st: -(sum(st[0]) + sum(st[1])))
+    keep: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    for st in flat:
+        vec = st[0] + st[1]
+        if not any(all(a >= b for a, b in zip(k[0] + k[1], vec)) for k in keep):
+            keep.append(st)
+    return keep
 
 
 def _activation_peaks(c: _Candidate) -> list[float]:
@@ -230,6 +242,7 @@ def _activation_peaks(c: _Candidate) -> list[float]:
     return peaks
 
 
+@lru_cache(maxsize=4096)
 def _placement(name: str, pp: int, v: int) -> tuple[int, ...]:
     return loop_placement(pp, v) if schedule_info(name).placement == "loop" else v_placement(pp, v)
 
@@ -296,6 +309,39 @@ def _lower_bound(c: _Candidate, placement: Sequence[int], splits: bool) -> float
     return best
 
 
+def _rank_terms(
+    costs: StageCosts,
+    placement: Sequence[int],
+    splits: bool,
+    link: Link,
+    sync_blocking: Sequence[float],
+    sync_async: Sequence[float],
+) -> list[tuple[float, float, float, float, float]]:
+    """Per rank, the terms of :func:`_lower_bound`: (pre, post, work per micro-batch, F + I per micro-batch,
+    sync), so that bound = max over ranks of ``pre + max(m * work + sync, m * fi + post)``."""
+    p = max(placement) + 1
+    f, i, w = costs.forward, costs.backward_input, costs.backward_weight
+    n = len(placement)
+    lowest = [n] * p
+    for s, r in enumerate(placement):
+        lowest[r] = min(lowest[r], s)
+    prefix_f, prefix_i = [0.0], [0.0]
+    for s in range(n):
+        hop = link.time(costs.output[s]) if s + 1 < n and placement[s + 1] != placement[s] else 0.0
+        prefix_f.append(prefix_f[-1] + f[s] + hop)
+        back = i[s] if splits else i[s] + w[s]
+        hop_b = link.time(costs.output[s - 1]) if s > 0 and placement[s - 1] != placement[s] else 0.0
+        prefix_i.append(prefix_i[-1] + back + hop_b)
+    work, fi, blocking = [0.0] * p, [0.0] * p, [0.0] * p
+    sync_min = [math.inf] * p
+    for s, r in enumerate(placement):
+        work[r] += f[s] + i[s] + w[s]
+        fi[r] += f[s] + (i[s] if splits else i[s] + w[s])
+        blocking[r] += sync_blocking[s]
+        sync_min[r] = min(sync_min[r], sync_async[s])
+    return [(prefix_f[lowest[r]], prefix_i[lowest[r]], work[r], fi[r], blocking[r] + sync_min[r]) for r in range(p)]
+
+
 def _simulate(c: _Candidate) -> tuple[SimResult, float, list[float]]:
     """Simulate; return the result, the step time with the asynchronous all-reduces, and each rank's end."""
     config = c.layout.config
@@ -325,6 +371,17 @@ def _simulate(c: _Candidate) -> tuple[SimResult, float, list[float]]:
                 comm_free = max(comm_free, end) + c.sync_async[a.stage]
         ends.append(max(rank_ends[-1] if rank_ends else 0.0, comm_free) - begin)
     return sim, max(ends), ends
+
+
+def _memory_floor(c: _Candidate, prob: _Problem, placement: Sequence[int]) -> list[RankMemory]:
+    """A cheap lower bound of :func:`_memory`: every forward of a stage allocates one micro-batch's activations."""
+    floor = [0.0] * c.layout.config.pp
+    for s, r in enumerate(placement):
+        one = c.costs.activation[s] + (c.costs.full_activation[s] if c.recompute == "stage" else 0.0)
+        floor[r] = max(floor[r], one)
+    return [
+        RankMemory(m.parameters, m.gradients, m.optimizer, act, m.cap) for m, act in zip(_static_memory(c, prob), floor)
+    ]
 
 
 def _memory(c: _Candidate, prob: _Problem) -> list[RankMemory]:
@@ -357,6 +414,7 @@ def _evaluate(c: _Candidate, memory: list[RankMemory]) -> Plan:
         step_time=step,
         bubble=sim.bubble_ratio,
         memory=tuple(memory),
+        costs=sim.costs,
         breakdown={
             "compute": busy[busiest],
             "tp_comm": tp_comm[busiest],
@@ -421,6 +479,8 @@ class _Partitions:
         bounds = got[0]
         if all(sum(arrays.parameters[a:b]) <= cap for a, b, cap in zip(bounds, bounds[1:], caps)):
             return got  # the fastest cut already fits: no need to cut again under the caps
+        if sum(arrays.parameters) > sum(caps) or max(arrays.parameters) > max(caps):
+            return got  # no cut can fit: the memory check will say by how much
         capped = self._partition((*free_key, caps), caps)
         # no cut fits: keep the fastest, so the memory check reports its exact peak and what dominates it
         return got if isinstance(capped, str) else capped
@@ -466,7 +526,162 @@ def _sync_costs(layout: _Layout, params: Sequence[float]) -> tuple[tuple[float, 
     return tuple(blocking), tuple(background)
 
 
+@dataclass(frozen=True)
+class _Group:
+    """The candidates that share a layout, schedule, v and recompute choice (and so a partition); m varies."""
+
+    layout: _Layout
+    schedule: str
+    v: int
+    recompute: str | None
+
+
+def _group_bound(prob: _Problem, parts: _Partitions, g: _Group) -> float:
+    """A bound for every m of the group, before partitioning: the busiest rank does at least its share.
+
+    Each pp rank computes ``per_replica / profile_batch`` samples' worth of its layers at its speed, so
+    the step is at least all layers' work over the summed speeds, and at least the costliest layer's
+    work on the fastest rank (the parts of the work that do not shrink with the batch are left out).
+    """
+    arrays = parts.layer_arrays(g.layout.config.tp)
+    work = [
+        f + i + w + (f if g.recompute == "stage" else 0.0)
+        for f, i, w in zip(arrays.forward, arrays.backward_input, arrays.backward_weight)
+    ]
+    samples = g.layout.per_replica / prob.profile_batch
+    return samples * max(sum(work) / sum(g.layout.speeds), max(work) / max(g.layout.speeds))
+
+
+class _Search:
+    """Best first: groups by their bound, expanded into candidates by theirs, simulated until no bound can win."""
+
+    def __init__(self, prob: _Problem) -> None:
+        self.prob = prob
+        self.parts = _Partitions(prob)
+        self.dropped: list[Dropped] = []
+        self.smallest: tuple[float, str, RankMemory] | None = None  # (peak / cap, what, memory) of the closest miss
+        self.queue: list[tuple[float, int, Any]] = []  # a _Group, or (group, m, bounds, base, sync costs)
+        self.counter = 0
+        self.expanded = 0
+
+    def push(self, bound: float, item: Any) -> None:
+        self.counter += 1
+        heapq.heappush(self.queue, (bound, self.counter, item))
+
+    def miss(self, what: str, memory: Sequence[RankMemory], exact: bool, cand: _Candidate) -> None:
+        """Keep the reason, and the memory of the candidate closest to fitting (for the error message)."""
+        worst = max(memory, key=lambda mem: mem.total / mem.cap)
+        if self.smallest is None or worst.total / worst.cap < self.smallest[0]:
+            if not exact:
+                worst = max(_memory(cand, self.prob), key=lambda mem: mem.total / mem.cap)
+            self.smallest = (worst.total / worst.cap, what, worst)
+        r = next(r for r, mem in enumerate(memory) if mem.total > mem.cap)
+        tail = "" if exact else " already with one micro-batch in flight"
+        self.dropped.append(Dropped(what, _over_cap(r, memory[r]) + tail))
+
+    def expand(self, g: _Group) -> None:
+        """Partition the group's layers and push each micro-batch count that can run, with its bound.
+
+        Every per-rank term of the bound is affine in the micro-batch size (the costs are), so the
+        terms are worked out at sizes 0 and 1 once and each micro-batch count costs O(ranks).
+        """
+        prob, config = self.prob, g.layout.config
+        self.expanded += 1
+        info = schedule_info(g.schedule)
+        placement = _placement(g.schedule, config.pp, g.v)
+        splits = _splits_backward(g.schedule)
+        got = self.parts.get(g.layout, placement, g.v, g.recompute)
+        if isinstance(got, str):
+            self.dropped.append(Dropped(f"{config.describe()}, {g.schedule} v={g.v}, every m", got))
+            return
+        bounds, base = got
+        at0, at1 = base.at(0.0, prob.overhead), base.at(1.0, prob.overhead)
+        blocking, background = _sync_costs(g.layout, at1.parameters)
+        link = g.layout.links["pp"]
+        t0 = _rank_terms(at0, placement, splits, link, blocking, background)
+        t1 = _rank_terms(at1, placement, splits, link, blocking, background)
+        slopes = [tuple(y - x for x, y in zip(a, b)) for a, b in zip(t0, t1)]
+        static = _static_memory(
+            _Candidate(g.layout, g.schedule, g.v, 1, g.recompute, bounds, at1, blocking, background, 1), prob
+        )
+        act_floor = [0.0] * config.pp  # activation bytes a rank reaches at least, per unit of micro-batch size
+        for s, r in enumerate(placement):
+            one = at1.activation[s] + (at1.full_activation[s] if g.recompute == "stage" else 0.0)
+            act_floor[r] = max(act_floor[r], one)
+        for m in _divisors(g.layout.per_replica):
+            what = f"{config.describe()}, {g.schedule} v={g.v}, m={m}, recompute {g.recompute or 'off'}"
+            try:
+                info.check(config.pp, m, g.v)
+            except ValueError as err:
+                self.dropped.append(Dropped(what, str(err)))
+                continue
+            size = g.layout.per_replica // m
+            sigma = size / prob.profile_batch
+            floor = [
+                RankMemory(x.parameters, x.gradients, x.optimizer, sigma * act_floor[r], x.cap)
+                for r, x in enumerate(static)
+            ]
+            if any(mem.total > mem.cap for mem in floor):
+                costs = base.at(sigma, prob.overhead)
+                cand = _Candidate(g.layout, g.schedule, g.v, m, g.recompute, bounds, costs, blocking, background, size)
+                self.miss(what, floor, False, cand)
+                continue
+            bound = 0.0
+            for (pre, post, work, fi, sync), (dpre, dpost, dwork, dfi, _) in zip(t0, slopes):
+                pre_s = pre + sigma * dpre
+                rest = max(m * (work + sigma * dwork) + sync, m * (fi + sigma * dfi) + post + sigma * dpost)
+                bound = max(bound, pre_s + rest)
+            self.push(bound, (g, m, bounds, base, blocking, background))
+
+    def run(self, layouts: list[_Layout]) -> PlanSearch:
+        prob = self.prob
+        candidates = 0
+        for layout in layouts:
+            for name, v in _schedule_options(prob, layout.config.pp):
+                for recompute in prob.recompute:
+                    g = _Group(layout, name, v, recompute)
+                    candidates += len(_divisors(layout.per_replica))
+                    self.push(_group_bound(prob, self.parts, g), g)
+        best: list[float] = []  # max-heap (negated) of the top step times found
+        plans: list[Plan] = []
+        simulated = 0
+        while self.queue:
+            bound, _, item = self.queue[0]
+            if len(best) >= prob.top and bound >= -best[0] * (1 + 1e-12):
+                break
+            heapq.heappop(self.queue)
+            if isinstance(item, _Group):
+                self.expand(item)
+                continue
+            g, m, bounds, base, blocking, background = item
+            size = g.layout.per_replica // m
+            costs = base.at(size / prob.profile_batch, prob.overhead)
+            item = _Candidate(g.layout, g.schedule, g.v, m, g.recompute, bounds, costs, blocking, background, size)
+            memory = _memory(item, prob)
+            if any(mem.total > mem.cap for mem in memory):
+                self.miss(item.describe(), memory, True, item)
+                continue
+            simulated += 1
+            result = _evaluate(item, memory)
+            plans.append(result)
+            heapq.heappush(best, -result.step_time)
+            if len(best) > prob.top:
+                heapq.heappop(best)
+        if not plans:
+            raise ValueError(_no_plan_message(prob, self.smallest, self.dropped))
+        ranked = _with_reasons(sorted(plans, key=_rank_key)[: prob.top])
+        return PlanSearch(
+            plans=tuple(ranked),
+            candidates=candidates,
+            groups_expanded=self.expanded,
+            simulated=simulated,
+            dropped=tuple(self.dropped),
+            layouts=len(layouts),
+        )
+
+
 def run_search(prob: _Problem) -> PlanSearch:
+    """Enumerate the layouts (or say why none works), then search them best first."""
     why_not: list[str] = []
     layouts = _layouts(prob, why_not)
     if not layouts:
@@ -475,71 +690,7 @@ def run_search(prob: _Problem) -> PlanSearch:
             + "; ".join(why_not[:8])
             + (f"; ... ({len(why_not)} in all)" if len(why_not) > 8 else "")
         )
-    parts = _Partitions(prob)
-    dropped: list[Dropped] = []
-    smallest: tuple[float, str, RankMemory] | None = None  # (peak / cap, what, memory) of the closest miss
-    queue: list[tuple[float, int, _Candidate, list[RankMemory]]] = []
-    count = 0
-    for layout in layouts:
-        config = layout.config
-        for name, v in _schedule_options(prob, config.pp):
-            info = schedule_info(name)
-            placement = _placement(name, config.pp, v)
-            splits = _splits_backward(name)
-            for recompute in prob.recompute:
-                got = parts.get(layout, placement, v, recompute)
-                for m in _divisors(layout.per_replica):
-                    count += 1
-                    what = f"{config.describe()}, {name} v={v}, m={m}, recompute {recompute or 'off'}"
-                    try:
-                        info.check(config.pp, m, v)
-                    except ValueError as err:
-                        dropped.append(Dropped(what, str(err)))
-                        continue
-                    if isinstance(got, str):
-                        dropped.append(Dropped(what, got))
-                        continue
-                    bounds, base = got
-                    size = layout.per_replica // m
-                    costs = base.at(size / prob.profile_batch, prob.overhead)
-                    blocking, background = _sync_costs(layout, costs.parameters)
-                    cand = _Candidate(layout, name, v, m, recompute, bounds, costs, blocking, background, size)
-                    memory = _memory(cand, prob)
-                    over = [r for r, mem in enumerate(memory) if mem.total > mem.cap]
-                    if over:
-                        worst = max(memory, key=lambda mem: mem.total / mem.cap)
-                        if smallest is None or worst.total / worst.cap < smallest[0]:
-                            smallest = (worst.total / worst.cap, what, worst)
-                        dropped.append(Dropped(what, _over_cap(over[0], memory[over[0]])))
-                        continue
-                    queue.append((_lower_bound(cand, placement, splits), count, cand, memory))
-    heapq.heapify(queue)
-    best: list[float] = []  # max-heap (negated) of the top step times found
-    plans: list[Plan] = []
-    simulated = 0
-    while queue:
-        bound, key, cand, memory = heapq.heappop(queue)
-        if len(best) >= prob.top and bound >= -best[0] * (1 + 1e-12):
-            queue.append((bound, key, cand, memory))
-            break
-        simulated += 1
-        result = _evaluate(cand, memory)
-        plans.append(result)
-        heapq.heappush(best, -result.step_time)
-        if len(best) > prob.top:
-            heapq.heappop(best)
-    if not plans:
-        raise ValueError(_no_plan_message(prob, smallest, dropped))
-    ranked = sorted(plans, key=_rank_key)[: prob.top]
-    ranked = _with_reasons(ranked)
-    return PlanSearch(
-        plans=tuple(ranked),
-        candidates=count,
-        pruned=len(queue),
-        simulated=simulated,
-        dropped=tuple(dropped),
-        layouts=len(layouts),
-    )
+    return _Search(prob).run(layouts)
 
 
 def _no_plan_message(prob: _Problem, smallest: tuple[float, str, RankMemory] | None, dropped: Sequence[Dropped]) -> str:
