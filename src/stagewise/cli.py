@@ -267,8 +267,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 # ---- entry point --------------------------------------------------------------------
 
+
 #: one function per subcommand; add a subcommand by writing ``_add_<name>`` and listing it here
-_SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_schedules, _add_simulate, _add_run]
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    from .plan.command import add_plan_command
+
+    add_plan_command(sub)
+
+
+_SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_schedules, _add_simulate, _add_run, _add_plan]
 
 
 def build_parser() -> argparse.ArgumentParser:
