@@ -52,7 +52,7 @@ def search(
     schedules: Sequence[str] | None = None,
     max_virtual_stages: int = 4,
     recompute: Sequence[str | None] = (None, "stage"),
-    overhead: float = 0.0,
+    overhead: float | Sequence[float] = 0.0,
     top: int = 5,
 ) -> PlanSearch:
     """Like :func:`plan`, returning the whole search: plans, candidates, pruned, simulated, dropped with reasons."""
@@ -95,7 +95,7 @@ def plan(
     schedules: Sequence[str] | None = None,
     max_virtual_stages: int = 4,
     recompute: Sequence[str | None] = (None, "stage"),
-    overhead: float = 0.0,
+    overhead: float | Sequence[float] = 0.0,
     top: int = 5,
 ) -> list[Plan]:
     """The ``top`` fastest plans that fit memory, fastest first, each saying why it beat the next.
@@ -109,8 +109,8 @@ def plan(
     ``intra`` / ``inter``: the links inside a node and between nodes (``inter``
     defaults to ``intra``). ``tp_layers``: indices or names of the layers that
     can be split by tensor parallelism (no tp without them); ``max_tp``
-    defaults to the processes per node. ``overhead``: seconds per F, I and W
-    that do not scale with the batch.
+    defaults to the processes per node. ``overhead``: seconds of each layer's
+    forward and of its backward that do not scale with the batch (one number, or one per layer).
 
     Raises ``ValueError`` when no factorisation of ``processes`` can run, or
     when no plan fits ``memory`` (naming the smallest peak and its largest term).

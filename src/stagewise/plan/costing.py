@@ -6,7 +6,8 @@ gets every per-layer time and every activation/output size multiplied by
 ``b / profile_batch``; parameter sizes do not change. That is exact for the
 bytes and a fair model for the time of large enough batches; a fixed cost per
 action that does not shrink with the batch (kernel launches, Python dispatch)
-is the ``overhead`` seconds added to each stage's F, I and W.
+is the ``overhead``: seconds per layer added to each forward and to each
+backward (half to I, half to W) whatever the micro-batch size.
 
 **Tensor parallelism** (Megatron-LM, Shoeybi et al. 2019, Sec. 3): a layer
 that supports tp runs ``1/tp`` of its compute, holds ``1/tp`` of its
@@ -104,15 +105,17 @@ class StageBase:
     input: tuple[float, ...]
     tp_fixed: tuple[float, ...]
     tp_per_scale: tuple[float, ...]
+    fixed: tuple[float, ...]  # seconds of each F and of each B that do not scale with the batch
     recompute: str | None
 
-    def at(self, scale: float, overhead: float) -> StageCosts:
+    def at(self, scale: float) -> StageCosts:
         """The stage costs for a micro-batch of ``scale`` times the profile batch."""
         f, i, w, act, keep, full, comm = [], [], [], [], [], [], []
         for s in range(len(self.forward)):
             tp_fwd = self.tp_fixed[s] + self.tp_per_scale[s] * scale
-            fs = self.forward[s] * scale + tp_fwd + overhead
-            is_ = self.backward_input[s] * scale + tp_fwd + overhead  # the f all-reduces mirror the g ones
+            fixed = self.fixed[s]
+            fs = self.forward[s] * scale + tp_fwd + fixed
+            is_ = self.backward_input[s] * scale + tp_fwd + fixed / 2  # the f all-reduces mirror the g ones
             acts = self.activation[s] * scale
             kp = self.keep[s] * scale
             full.append(acts)
@@ -122,7 +125,7 @@ class StageBase:
                 kp = min(kp, acts)
             f.append(fs)
             i.append(is_)
-            w.append(self.backward_weight[s] * scale + overhead)
+            w.append(self.backward_weight[s] * scale + fixed / 2)
             act.append(acts)
             keep.append(kp)
             comm.append(2 * tp_fwd)
@@ -133,12 +136,18 @@ class StageBase:
 
 
 def stage_base(
-    arrays: LayerArrays, bounds: Sequence[int], *, tp: int, tp_link: Link, recompute: str | None
+    arrays: LayerArrays,
+    bounds: Sequence[int],
+    *,
+    tp: int,
+    tp_link: Link,
+    recompute: str | None,
+    overhead: Sequence[float],
 ) -> StageBase:
     """Sum the layers of each stage (``bounds`` as in :class:`~stagewise.partition.Partition`)."""
     per_ar_fixed = 2 * (tp - 1) * tp_link.latency if tp > 1 else 0.0
     per_byte = 2 * (tp - 1) / (tp * tp_link.bandwidth) if tp > 1 else 0.0
-    cols: list[list[float]] = [[] for _ in range(10)]
+    cols: list[list[float]] = [[] for _ in range(11)]
     for a, b in zip(bounds, bounds[1:]):
         n_tp = sum(1 for k in range(a, b) if arrays.tp_layer[k])
         tp_bytes = sum(arrays.output[k] for k in range(a, b) if arrays.tp_layer[k])
@@ -153,17 +162,22 @@ def stage_base(
             arrays.output[a - 1] if a > 0 else 0.0,
             2 * n_tp * per_ar_fixed,
             2 * tp_bytes * per_byte,
+            sum(overhead[a:b]),
         )
         for col, value in zip(cols, values):
             col.append(value)
     return StageBase(*(tuple(c) for c in cols), recompute=recompute)  # type: ignore[arg-type]
 
 
-def partition_weights(arrays: LayerArrays, *, tp: int, tp_link: Link, recompute: str | None) -> list[float]:
-    """What the partitioner balances per layer: F + B (+ F again under recompute) + its tp all-reduces."""
+def partition_weights(
+    arrays: LayerArrays, *, tp: int, tp_link: Link, recompute: str | None, overhead: Sequence[float]
+) -> list[float]:
+    """What the partitioner balances per layer at the profile batch: F + B (+ F again under recompute) + its tp
+    all-reduces + its fixed costs (so one cut serves every micro-batch count: exact when nothing is fixed)."""
     weights = []
     for k in range(len(arrays.forward)):
-        fwd = arrays.forward[k]
+        fwd = arrays.forward[k] + overhead[k]
         tp_time = 4 * ring_all_reduce(arrays.output[k], tp, tp_link) if arrays.tp_layer[k] else 0.0
-        weights.append(fwd + arrays.backward_input[k] + arrays.backward_weight[k] + tp_time + (fwd if recompute else 0))
+        back = arrays.backward_input[k] + arrays.backward_weight[k] + overhead[k]
+        weights.append(fwd + back + tp_time + (fwd if recompute else 0))
     return weights

@@ -68,7 +68,7 @@ class _Problem:
     schedules: tuple[str, ...]
     max_virtual_stages: int
     recompute: tuple[str | None, ...]
-    overhead: float
+    overhead: tuple[float, ...]  # per layer
     top: int
 
 
@@ -492,7 +492,13 @@ class _Partitions:
         if key not in self.cache:
             arrays = self.layer_arrays(tp)  # type: ignore[arg-type]
             link = tp_link if isinstance(tp_link, Link) else Link()
-            weights = partition_weights(arrays, tp=tp, tp_link=link, recompute=recompute)  # type: ignore[arg-type]
+            weights = partition_weights(
+                arrays,
+                tp=tp,  # type: ignore[arg-type]
+                tp_link=link,
+                recompute=recompute,  # type: ignore[arg-type]
+                overhead=self.prob.overhead,
+            )  # type: ignore[arg-type]
             try:
                 part = partition_costs(
                     weights,
@@ -504,7 +510,14 @@ class _Partitions:
             except ValueError as err:
                 self.cache[key] = f"parameters, gradients and optimizer state do not fit: {err}"
             else:
-                base = stage_base(arrays, part.bounds, tp=tp, tp_link=link, recompute=recompute)  # type: ignore[arg-type]
+                base = stage_base(
+                    arrays,
+                    part.bounds,
+                    tp=tp,  # type: ignore[arg-type]
+                    tp_link=link,
+                    recompute=recompute,  # type: ignore[arg-type]
+                    overhead=self.prob.overhead,
+                )  # type: ignore[arg-type]
                 self.cache[key] = (part.bounds, base)
         return self.cache[key]
 
@@ -595,7 +608,7 @@ class _Search:
             self.dropped.append(Dropped(f"{config.describe()}, {g.schedule} v={g.v}, every m", got))
             return
         bounds, base = got
-        at0, at1 = base.at(0.0, prob.overhead), base.at(1.0, prob.overhead)
+        at0, at1 = base.at(0.0), base.at(1.0)
         blocking, background = _sync_costs(g.layout, at1.parameters)
         link = g.layout.links["pp"]
         t0 = _rank_terms(at0, placement, splits, link, blocking, background)
@@ -622,7 +635,7 @@ class _Search:
                 for r, x in enumerate(static)
             ]
             if any(mem.total > mem.cap for mem in floor):
-                costs = base.at(sigma, prob.overhead)
+                costs = base.at(sigma)
                 cand = _Candidate(g.layout, g.schedule, g.v, m, g.recompute, bounds, costs, blocking, background, size)
                 self.miss(what, floor, False, cand)
                 continue
@@ -655,7 +668,7 @@ class _Search:
                 continue
             g, m, bounds, base, blocking, background = item
             size = g.layout.per_replica // m
-            costs = base.at(size / prob.profile_batch, prob.overhead)
+            costs = base.at(size / prob.profile_batch)
             item = _Candidate(g.layout, g.schedule, g.v, m, g.recompute, bounds, costs, blocking, background, size)
             memory = _memory(item, prob)
             if any(mem.total > mem.cap for mem in memory):
@@ -761,7 +774,7 @@ def make_problem(
     schedules: Sequence[str] | None,
     max_virtual_stages: int,
     recompute: Sequence[str | None],
-    overhead: float,
+    overhead: float | Sequence[float],
     top: int,
 ) -> _Problem:
     """Check every input, naming the option and the value expected."""
@@ -781,8 +794,9 @@ def make_problem(
         raise ValueError(
             f"plan: optimizer_state must be >= 0 (state bytes per parameter byte), got {optimizer_state!r}"
         )
-    if not 0 <= overhead < math.inf:
-        raise ValueError(f"plan: overhead must be >= 0 seconds, got {overhead!r}")
+    fixed = [float(overhead)] * len(profile) if isinstance(overhead, (int, float)) else [float(x) for x in overhead]
+    if len(fixed) != len(profile) or not all(0 <= x < math.inf for x in fixed):
+        raise ValueError(f"plan: overhead must be seconds >= 0, one number or one per layer ({len(profile)})")
     if top < 1:
         raise ValueError(f"plan: top must be >= 1, got {top}")
     if max_virtual_stages < 1:
@@ -833,7 +847,7 @@ def make_problem(
         schedules=tuple(chosen),
         max_virtual_stages=max_virtual_stages,
         recompute=tuple(recompute) or (None,),
-        overhead=float(overhead),
+        overhead=tuple(fixed),
         top=top,
     )
 
