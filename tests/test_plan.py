@@ -271,3 +271,18 @@ def test_planning_4096_processes_over_512_nodes_returns_a_plan() -> None:
     assert best.peak_memory <= 80 * GIB
     assert sum(best.partition) == 130
     assert found.simulated < found.candidates
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_pruning_never_loses_the_best_plan(seed: int) -> None:
+    """With top larger than the space nothing is pruned: the best plan must be the one the pruned search found."""
+    import random
+
+    rng = random.Random(seed)
+    profile = _profile([rng.choice([0.25, 0.5, 1.0, 2.0]) for _ in range(7)], act=rng.choice([10.0, 1000.0]))
+    kwargs = dict(global_batch=8, intra=Link(0.05, 1e4), memory=rng.choice([math.inf, 1e5]), overhead=0.01)
+    pruned = search(profile, 4, top=2, **kwargs)
+    every = search(profile, 4, top=100_000, **kwargs)
+    assert every.simulated > pruned.simulated
+    assert pruned.plans[0].step_time == every.plans[0].step_time
+    assert pruned.plans[1].step_time == every.plans[1].step_time

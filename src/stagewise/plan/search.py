@@ -10,7 +10,7 @@ tracks activations, and the collectives are added from
 :mod:`stagewise.plan.comm`.
 
 Pruning: each candidate first gets a *lower bound* on its step time that
-holds for every schedule (see :func:`_lower_bound`); candidates are taken in
+holds for every schedule (see :func:`_rank_terms`); candidates are taken in
 bound order and simulation stops once the bound reaches the ``top``-th best
 step time found. A candidate whose parameters, gradients and optimizer state
 (or one micro-batch of activations) already exceed a rank's memory is dropped
@@ -273,42 +273,6 @@ def _static_memory(c: _Candidate, prob: _Problem) -> list[RankMemory]:
     ]
 
 
-def _lower_bound(c: _Candidate, placement: Sequence[int], splits: bool) -> float:
-    """A step time no schedule can beat with these stage costs (any order of each rank's actions).
-
-    Rank r cannot start before micro-batch 0 has passed the stages below its lowest one (``pre``);
-    it then runs all its work, and the gradient sync of the stage it finishes last; and after the
-    last input-gradient it computes, that gradient still has to pass every stage below (``post``).
-    """
-    costs, m = c.costs, c.m
-    p = c.layout.config.pp
-    lat = c.layout.links["pp"]
-    f, i, w = costs.forward, costs.backward_input, costs.backward_weight
-    lowest = [len(placement)] * p
-    for s, r in enumerate(placement):
-        lowest[r] = min(lowest[r], s)
-    prefix_f, prefix_i = [0.0], [0.0]
-    for s in range(len(placement)):
-        hop = lat.time(costs.output[s]) if s + 1 < len(placement) and placement[s + 1] != placement[s] else 0.0
-        prefix_f.append(prefix_f[-1] + f[s] + hop)
-        back = i[s] if splits else i[s] + w[s]
-        hop_b = lat.time(costs.output[s - 1]) if s > 0 and placement[s - 1] != placement[s] else 0.0
-        prefix_i.append(prefix_i[-1] + back + hop_b)
-    work = [0.0] * p
-    fi = [0.0] * p
-    sync_min = [math.inf] * p
-    for s, r in enumerate(placement):
-        work[r] += m * (f[s] + i[s] + w[s]) + c.sync_blocking[s]
-        fi[r] += m * (f[s] + (i[s] if splits else i[s] + w[s]))
-        sync_min[r] = min(sync_min[r], c.sync_async[s])
-    best = 0.0
-    for r in range(p):
-        lo = lowest[r]
-        bound = prefix_f[lo] + max(work[r] + sync_min[r], fi[r] + prefix_i[lo])
-        best = max(best, bound)
-    return best
-
-
 def _rank_terms(
     costs: StageCosts,
     placement: Sequence[int],
@@ -317,8 +281,14 @@ def _rank_terms(
     sync_blocking: Sequence[float],
     sync_async: Sequence[float],
 ) -> list[tuple[float, float, float, float, float]]:
-    """Per rank, the terms of :func:`_lower_bound`: (pre, post, work per micro-batch, F + I per micro-batch,
-    sync), so that bound = max over ranks of ``pre + max(m * work + sync, m * fi + post)``."""
+    """Per rank, the terms of a step-time bound no schedule can beat with these stage costs.
+
+    Rank r cannot start before micro-batch 0 has passed the stages below its lowest one (``pre``);
+    it then runs all its work and the gradient sync of the stage it finishes last; and after the
+    last input-gradient it computes, that gradient still has to pass every stage below (``post``).
+    Returns (pre, post, work per micro-batch, F + I per micro-batch, sync) per rank:
+    bound = max over ranks of ``pre + max(m * work + sync, m * fi + post)``.
+    """
     p = max(placement) + 1
     f, i, w = costs.forward, costs.backward_input, costs.backward_weight
     n = len(placement)
