@@ -138,6 +138,38 @@ def ping_pong(rank: int) -> Link:
     return Link(lat, bw)
 
 
+def action_cost(link: Link, rank: int, world: int) -> float:
+    """The runtime's own seconds per stage action, from timing a pipeline of trivial layers.
+
+    Four 1x1 linear layers, one per rank, 1F1B over 8 micro-batches of one sample: compute is
+    nil, so the step is transfers plus per-action costs. The simulator with forward = o and
+    backward = o (and the measured link) is affine in o; solve it for the measured median.
+    """
+    m = 8
+    layers = [sw.Layer(nn.Linear, 1, 1) for _ in range(world)]
+    pipe = sw.Pipeline(layers, loss_fn=F.mse_loss, schedule="1f1b", microbatches=m, partition=[1] * world, seed=0)
+    x, y = torch.randn(m, 1), torch.randn(m, 1)
+    times = []
+    for step in range(12):
+        dist.barrier()
+        t = time.perf_counter()
+        pipe.train_step(x, y)
+        elapsed = torch.tensor([time.perf_counter() - t])
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        if step >= 2:
+            times.append(float(elapsed))
+    measured = statistics.median(times)
+    schedule = sw.build_schedule("1f1b", world, m)
+
+    def span(o: float) -> float:
+        costs = sw.CostModel.uniform(world, forward=o, backward_input=o / 2, backward_weight=o / 2, output_bytes=4)
+        costs = replace(costs, latency=link.latency, bandwidth=link.bandwidth)
+        return sw.simulate(schedule, costs).makespan
+
+    base, unit = span(0.0), span(1.0) - span(0.0)
+    return max(0.0, (measured - base) / unit)
+
+
 def choose(plans: list[sw.Plan], count: int) -> list[tuple[int, sw.Plan]]:
     """The top 3, then ``count - 3`` spread over the rest down to the worst."""
     picks = list(range(min(3, len(plans))))
@@ -175,19 +207,36 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--plans", type=int, default=7)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument(
+        "--action-overhead", action="store_true", help="measure and model the runtime's per-action cost"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     env = sw.init(backend="gloo")
     rank, world = env.rank, env.world_size
     link = ping_pong(rank)
-    report: dict[str, Any] = {"world": world, "link": [link.latency, link.bandwidth], "models": {}}
+    per_action = action_cost(link, rank, world) if args.action_overhead else 0.0
+    report: dict[str, Any] = {
+        "world": world,
+        "link": [link.latency, link.bandwidth],
+        "action_overhead": per_action,
+        "models": {},
+    }
     for model, (make, _, data, batch, b0) in MODELS.items():
         x, _ = data(2 * b0, 99)
         small = median_profile(make(), x[:b0], world)
         big = median_profile(make(), x, world)
         linear, fixed = affine(small, big)
         found = search(
-            linear, world, global_batch=batch, profile_batch=b0, overhead=fixed, intra=link, optimizer_state=0, top=400
+            linear,
+            world,
+            global_batch=batch,
+            profile_batch=b0,
+            overhead=fixed,
+            action_overhead=per_action,
+            intra=link,
+            optimizer_state=0,
+            top=400,
         )
         rows = []
         for k, plan in choose(list(found.plans), args.plans):

@@ -50,18 +50,22 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--plans", type=int, default=7)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument(
+        "--action-overhead", action="store_true", help="time a trivial pipeline first and model that per-action cost"
+    )
     args = parser.parse_args()
     load = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "report.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}"]
         cmd += [str(HERE / "_plan_accuracy_worker.py"), "--out", str(out), "--plans", str(args.plans)]
-        cmd += ["--steps", str(args.steps)]
+        cmd += ["--steps", str(args.steps)] + (["--action-overhead"] if args.action_overhead else [])
         subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
         report = json.loads(out.read_text())
     lat, bw = report["link"]
     print(f"{args.ranks} ranks, load average {load[0]:.1f} (before) / {os.getloadavg()[0]:.1f} (after)")
     print(f"measured link: latency {lat * 1e6:.0f} us, bandwidth {bw / 1e6:.0f} MB/s")
+    print(f"runtime cost per stage action: {report['action_overhead'] * 1e3:.2f} ms (0 unless --action-overhead)")
     for model, data in report["models"].items():
         rows = data["rows"]
         runs = rows[0]["runs"]

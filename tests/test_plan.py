@@ -286,3 +286,14 @@ def test_pruning_never_loses_the_best_plan(seed: int) -> None:
     assert every.simulated > pruned.simulated
     assert pruned.plans[0].step_time == every.plans[0].step_time
     assert pruned.plans[1].step_time == every.plans[1].step_time
+
+
+def test_fixed_costs_do_not_scale_with_the_micro_batch() -> None:
+    """One process, 4 layers of F = 1, B = 2 per sample: a micro-batch of b samples costs 4b + 4o + a forward
+    and 8b + 4o + a backward (o per layer, a per action)."""
+    profile = _profile([1.0] * 4)
+    plans = search(profile, 1, global_batch=4, overhead=0.25, action_overhead=0.5, recompute=(None,), top=3).plans
+    for p in plans:
+        b, m = p.microbatch_size, p.microbatches
+        assert p.step_time == pytest.approx(m * ((4 * b + 4 * 0.25 + 0.5) + (8 * b + 4 * 0.25 + 0.5)))
+    assert plans[0].microbatches == 1  # fixed costs favour fewer, larger micro-batches

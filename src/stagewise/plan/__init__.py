@@ -53,6 +53,7 @@ def search(
     max_virtual_stages: int = 4,
     recompute: Sequence[str | None] = (None, "stage"),
     overhead: float | Sequence[float] = 0.0,
+    action_overhead: float = 0.0,
     top: int = 5,
 ) -> PlanSearch:
     """Like :func:`plan`, returning the whole search: plans, candidates, pruned, simulated, dropped with reasons."""
@@ -73,6 +74,7 @@ def search(
         max_virtual_stages=max_virtual_stages,
         recompute=recompute,
         overhead=overhead,
+        action_overhead=action_overhead,
         top=top,
     )
     return run_search(problem)
@@ -96,6 +98,7 @@ def plan(
     max_virtual_stages: int = 4,
     recompute: Sequence[str | None] = (None, "stage"),
     overhead: float | Sequence[float] = 0.0,
+    action_overhead: float = 0.0,
     top: int = 5,
 ) -> list[Plan]:
     """The ``top`` fastest plans that fit memory, fastest first, each saying why it beat the next.
@@ -110,7 +113,8 @@ def plan(
     defaults to ``intra``). ``tp_layers``: indices or names of the layers that
     can be split by tensor parallelism (no tp without them); ``max_tp``
     defaults to the processes per node. ``overhead``: seconds of each layer's
-    forward and of its backward that do not scale with the batch (one number, or one per layer).
+    forward and of its backward that do not scale with the batch (one number, or one per layer);
+    ``action_overhead``: the runtime's seconds per stage forward and per backward.
 
     Raises ``ValueError`` when no factorisation of ``processes`` can run, or
     when no plan fits ``memory`` (naming the smallest peak and its largest term).
@@ -133,6 +137,7 @@ def plan(
             max_virtual_stages=max_virtual_stages,
             recompute=recompute,
             overhead=overhead,
+            action_overhead=action_overhead,
             top=top,
         ).plans
     )

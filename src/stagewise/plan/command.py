@@ -48,6 +48,9 @@ def add_plan_command(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--tp-layers", default="", metavar="LIST", help="layers that support tp: all, or 1-8,10")
     parser.add_argument("--schedules", default=None, metavar="A,B", help="schedules to try (default: all sync)")
     parser.add_argument("--overhead", type=float, default=0.0, metavar="S", help="seconds per F/I/W not scaling")
+    parser.add_argument(
+        "--action-overhead", type=float, default=0.0, metavar="S", help="runtime seconds per stage F and per B"
+    )
     parser.add_argument("--top", type=int, default=5, metavar="K", help="plans to keep (default 5)")
     parser.add_argument("--json", metavar="PATH", help="write the plans and the search summary as JSON")
     parser.add_argument("--png", metavar="PATH", help="draw the best plan's simulated timeline")
@@ -119,6 +122,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         tp_layers=_tp_layers(args.tp_layers, len(profile)),
         schedules=None if args.schedules is None else args.schedules.split(","),
         overhead=args.overhead,
+        action_overhead=args.action_overhead,
         top=args.top,
     )
     _print_table(result)

@@ -7,7 +7,8 @@ gets every per-layer time and every activation/output size multiplied by
 bytes and a fair model for the time of large enough batches; a fixed cost per
 action that does not shrink with the batch (kernel launches, Python dispatch)
 is the ``overhead``: seconds per layer added to each forward and to each
-backward (half to I, half to W) whatever the micro-batch size.
+backward (half to I, half to W) whatever the micro-batch size; the runtime's
+own cost per stage action (dispatch, posting transfers) is ``action_overhead``.
 
 **Tensor parallelism** (Megatron-LM, Shoeybi et al. 2019, Sec. 3): a layer
 that supports tp runs ``1/tp`` of its compute, holds ``1/tp`` of its
@@ -143,6 +144,7 @@ def stage_base(
     tp_link: Link,
     recompute: str | None,
     overhead: Sequence[float],
+    action_overhead: float = 0.0,
 ) -> StageBase:
     """Sum the layers of each stage (``bounds`` as in :class:`~stagewise.partition.Partition`)."""
     per_ar_fixed = 2 * (tp - 1) * tp_link.latency if tp > 1 else 0.0
@@ -162,7 +164,7 @@ def stage_base(
             arrays.output[a - 1] if a > 0 else 0.0,
             2 * n_tp * per_ar_fixed,
             2 * tp_bytes * per_byte,
-            sum(overhead[a:b]),
+            sum(overhead[a:b]) + action_overhead,
         )
         for col, value in zip(cols, values):
             col.append(value)

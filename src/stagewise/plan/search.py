@@ -69,6 +69,7 @@ class _Problem:
     max_virtual_stages: int
     recompute: tuple[str | None, ...]
     overhead: tuple[float, ...]  # per layer
+    action_overhead: float  # per stage action (F, and B = I + W)
     top: int
 
 
@@ -487,6 +488,7 @@ class _Partitions:
                     tp_link=link,
                     recompute=recompute,  # type: ignore[arg-type]
                     overhead=self.prob.overhead,
+                    action_overhead=self.prob.action_overhead,
                 )  # type: ignore[arg-type]
                 self.cache[key] = (part.bounds, base)
         return self.cache[key]
@@ -745,6 +747,7 @@ def make_problem(
     max_virtual_stages: int,
     recompute: Sequence[str | None],
     overhead: float | Sequence[float],
+    action_overhead: float,
     top: int,
 ) -> _Problem:
     """Check every input, naming the option and the value expected."""
@@ -765,6 +768,8 @@ def make_problem(
             f"plan: optimizer_state must be >= 0 (state bytes per parameter byte), got {optimizer_state!r}"
         )
     fixed = [float(overhead)] * len(profile) if isinstance(overhead, (int, float)) else [float(x) for x in overhead]
+    if not 0 <= action_overhead < math.inf:
+        raise ValueError(f"plan: action_overhead must be seconds >= 0, got {action_overhead!r}")
     if len(fixed) != len(profile) or not all(0 <= x < math.inf for x in fixed):
         raise ValueError(f"plan: overhead must be seconds >= 0, one number or one per layer ({len(profile)})")
     if top < 1:
@@ -818,6 +823,7 @@ def make_problem(
         max_virtual_stages=max_virtual_stages,
         recompute=tuple(recompute) or (None,),
         overhead=tuple(fixed),
+        action_overhead=float(action_overhead),
         top=top,
     )
 
