@@ -15,8 +15,9 @@ from collections.abc import Collection, Sequence
 
 from ..profile_data import LayerProfile
 from .comm import Link, ring_all_gather, ring_all_reduce, ring_reduce_scatter
+from .inputs import make_problem
 from .result import Dropped, Plan, PlanSearch, RankMemory
-from .search import make_problem, run_search
+from .search import run_search
 
 #: a link with no latency and infinite bandwidth: the default, so a plan with no link data ignores transfers
 FREE_LINK = Link()

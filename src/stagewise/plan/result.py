@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ..costs import CostModel
@@ -147,3 +148,10 @@ class PlanSearch:
     simulated: int
     dropped: tuple[Dropped, ...]
     layouts: int
+
+
+def gib(x: float) -> str:
+    """Bytes for people: ``1.5 GiB``, ``12 MiB``, ``300 B``."""
+    if math.isinf(x):
+        return "inf"
+    return f"{x / 2**30:.3g} GiB" if x >= 2**30 else f"{x / 2**20:.3g} MiB" if x >= 2**20 else f"{x:.0f} B"

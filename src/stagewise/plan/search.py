@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -40,37 +40,14 @@ from ..costs import CostModel
 from ..parallel import ParallelConfig
 from ..partition import partition_costs
 from ..passes import add_grad_sync
-from ..profile_data import LayerProfile
 from ..schedule import Schedule, loop_placement, v_placement
-from ..schedules import generate, schedule_info, schedule_names
+from ..schedules import generate, schedule_info
 from ..simulate import SimResult, simulate
 from .comm import Link, crosses_nodes, ring_all_gather, ring_all_reduce, ring_reduce_scatter
 from .costing import LayerArrays, StageBase, StageCosts, layer_arrays, partition_weights, stage_base
-from .result import Dropped, Plan, PlanSearch, RankMemory
-
-
-@dataclass(frozen=True)
-class _Problem:
-    """The inputs, checked and expanded per rank."""
-
-    profile: LayerProfile
-    processes: int
-    per_node: int
-    memory: tuple[float, ...]
-    speeds: tuple[float, ...]
-    global_batch: int
-    profile_batch: int
-    optimizer_state: float
-    intra: Link
-    inter: Link
-    tp_layers: frozenset[int]
-    max_tp: int
-    schedules: tuple[str, ...]
-    max_virtual_stages: int
-    recompute: tuple[str | None, ...]
-    overhead: tuple[float, ...]  # per layer
-    action_overhead: float  # per stage action (F, and B = I + W)
-    top: int
+from .inputs import Problem
+from .ranking import rank_key, with_reasons
+from .result import Dropped, Plan, PlanSearch, RankMemory, gib
 
 
 @dataclass(frozen=True)
@@ -112,7 +89,7 @@ def _divisors(n: int) -> list[int]:
 # ---- layouts ---------------------------------------------------------------------------
 
 
-def _layouts(prob: _Problem, why_not: list[str]) -> list[_Layout]:
+def _layouts(prob: Problem, why_not: list[str]) -> list[_Layout]:
     """Every pp x dp x sharding x tp of the processes that can run at all; the others' reasons go to ``why_not``."""
     n_layers, p = len(prob.profile), prob.processes
     out = []
@@ -140,7 +117,7 @@ def _layouts(prob: _Problem, why_not: list[str]) -> list[_Layout]:
     return out
 
 
-def _layout(prob: _Problem, config: ParallelConfig) -> _Layout:
+def _layout(prob: Problem, config: ParallelConfig) -> _Layout:
     group = prob.processes // config.pp
     speeds = tuple(min(prob.speeds[k * group : (k + 1) * group]) for k in range(config.pp))
     caps = tuple(min(prob.memory[k * group : (k + 1) * group]) for k in range(config.pp))
@@ -154,7 +131,7 @@ def _layout(prob: _Problem, config: ParallelConfig) -> _Layout:
 # ---- schedules -------------------------------------------------------------------------
 
 
-def _schedule_options(prob: _Problem, pp: int) -> list[tuple[str, int]]:
+def _schedule_options(prob: Problem, pp: int) -> list[tuple[str, int]]:
     """(schedule, v) pairs to try; one stage per rank needs no pipeline schedule, so pp = 1 tries 1f1b alone."""
     if pp == 1:
         return [("1f1b", 1)] if "1f1b" in prob.schedules else [(prob.schedules[0], 1)]
@@ -251,7 +228,7 @@ def _placement(name: str, pp: int, v: int) -> tuple[int, ...]:
 # ---- one candidate ---------------------------------------------------------------------
 
 
-def _static_memory(c: _Candidate, prob: _Problem) -> list[RankMemory]:
+def _static_memory(c: _Candidate, prob: Problem) -> list[RankMemory]:
     """Parameters, gradients and optimizer state per pp rank; activations 0 (filled in after simulating).
 
     The runtime's sharding gathers a stage's parameters at its first forward and accumulates whole
@@ -344,7 +321,7 @@ def _simulate(c: _Candidate) -> tuple[SimResult, float, list[float]]:
     return sim, max(ends), ends
 
 
-def _memory_floor(c: _Candidate, prob: _Problem, placement: Sequence[int]) -> list[RankMemory]:
+def _memory_floor(c: _Candidate, prob: Problem, placement: Sequence[int]) -> list[RankMemory]:
     """A cheap lower bound of :func:`_memory`: every forward of a stage allocates one micro-batch's activations."""
     floor = [0.0] * c.layout.config.pp
     for s, r in enumerate(placement):
@@ -355,7 +332,7 @@ def _memory_floor(c: _Candidate, prob: _Problem, placement: Sequence[int]) -> li
     ]
 
 
-def _memory(c: _Candidate, prob: _Problem) -> list[RankMemory]:
+def _memory(c: _Candidate, prob: Problem) -> list[RankMemory]:
     """Predicted peak memory per pp rank: static terms plus the activation peak of the schedule's order."""
     return [
         RankMemory(m.parameters, m.gradients, m.optimizer, act, m.cap)
@@ -404,16 +381,10 @@ def _per_rank(values: Sequence[float], placement: Sequence[int], p: int) -> list
 
 def _over_cap(rank: int, mem: RankMemory) -> str:
     return (
-        f"pipeline rank {rank} needs {_gib(mem.total)} > its memory {_gib(mem.cap)} "
-        f"(parameters {_gib(mem.parameters)}, gradients {_gib(mem.gradients)}, optimizer state "
-        f"{_gib(mem.optimizer)}, activations {_gib(mem.activations)}; {mem.dominant} dominate)"
+        f"pipeline rank {rank} needs {gib(mem.total)} > its memory {gib(mem.cap)} "
+        f"(parameters {gib(mem.parameters)}, gradients {gib(mem.gradients)}, optimizer state "
+        f"{gib(mem.optimizer)}, activations {gib(mem.activations)}; {mem.dominant} dominate)"
     )
-
-
-def _gib(x: float) -> str:
-    if math.isinf(x):
-        return "inf"
-    return f"{x / 2**30:.3g} GiB" if x >= 2**30 else f"{x / 2**20:.3g} MiB" if x >= 2**20 else f"{x:.0f} B"
 
 
 # ---- the search ------------------------------------------------------------------------
@@ -422,7 +393,7 @@ def _gib(x: float) -> str:
 class _Partitions:
     """The exact partition for each (layout shape, stages, tp, recompute, speeds, caps), computed once."""
 
-    def __init__(self, prob: _Problem) -> None:
+    def __init__(self, prob: Problem) -> None:
         self.prob = prob
         self.arrays: dict[int, LayerArrays] = {}
         self.cache: dict[tuple[object, ...], tuple[tuple[int, ...], StageBase] | str] = {}
@@ -521,7 +492,7 @@ class _Group:
     recompute: str | None
 
 
-def _group_bound(prob: _Problem, parts: _Partitions, g: _Group) -> float:
+def _group_bound(prob: Problem, parts: _Partitions, g: _Group) -> float:
     """A bound for every m of the group, before partitioning: the busiest rank does at least its share.
 
     Each pp rank computes ``per_replica / profile_batch`` samples' worth of its layers at its speed, so
@@ -540,7 +511,7 @@ def _group_bound(prob: _Problem, parts: _Partitions, g: _Group) -> float:
 class _Search:
     """Best first: groups by their bound, expanded into candidates by theirs, simulated until no bound can win."""
 
-    def __init__(self, prob: _Problem) -> None:
+    def __init__(self, prob: Problem) -> None:
         self.prob = prob
         self.parts = _Partitions(prob)
         self.dropped: list[Dropped] = []
@@ -654,7 +625,7 @@ class _Search:
                 heapq.heappop(best)
         if not plans:
             raise ValueError(_no_plan_message(prob, self.smallest, self.dropped))
-        ranked = _with_reasons(sorted(plans, key=_rank_key)[: prob.top])
+        ranked = with_reasons(sorted(plans, key=rank_key)[: prob.top])
         return PlanSearch(
             plans=tuple(ranked),
             candidates=candidates,
@@ -665,7 +636,7 @@ class _Search:
         )
 
 
-def run_search(prob: _Problem) -> PlanSearch:
+def run_search(prob: Problem) -> PlanSearch:
     """Enumerate the layouts (or say why none works), then search them best first."""
     why_not: list[str] = []
     layouts = _layouts(prob, why_not)
@@ -678,160 +649,13 @@ def run_search(prob: _Problem) -> PlanSearch:
     return _Search(prob).run(layouts)
 
 
-def _no_plan_message(prob: _Problem, smallest: tuple[float, str, RankMemory] | None, dropped: Sequence[Dropped]) -> str:
+def _no_plan_message(prob: Problem, smallest: tuple[float, str, RankMemory] | None, dropped: Sequence[Dropped]) -> str:
     if smallest is None:
         reasons = sorted({d.reason for d in dropped})
         return f"plan: no candidate can run: {'; '.join(reasons[:5])}"
     _, what, mem = smallest
     return (
-        f"plan: no plan fits the memory cap: the smallest predicted peak is {_gib(mem.total)} against "
-        f"{_gib(mem.cap)} ({what}); {mem.dominant} dominate it (parameters {_gib(mem.parameters)}, gradients "
-        f"{_gib(mem.gradients)}, optimizer state {_gib(mem.optimizer)}, activations {_gib(mem.activations)})"
+        f"plan: no plan fits the memory cap: the smallest predicted peak is {gib(mem.total)} against "
+        f"{gib(mem.cap)} ({what}); {mem.dominant} dominate it (parameters {gib(mem.parameters)}, gradients "
+        f"{gib(mem.gradients)}, optimizer state {gib(mem.optimizer)}, activations {gib(mem.activations)})"
     )
-
-
-def _rank_key(p: Plan) -> tuple[float, float, int, int]:
-    """Fastest first; then the smaller peak; then the fewer pipeline ranks and micro-batches (simpler to run)."""
-    return (p.step_time, p.peak_memory, p.layout.pp * p.virtual_stages, p.microbatches)
-
-
-def _with_reasons(plans: list[Plan]) -> list[Plan]:
-    from dataclasses import replace
-
-    out = []
-    for k, plan in enumerate(plans):
-        if k + 1 < len(plans):
-            why = _why(plan, plans[k + 1])
-        else:
-            why = "last of the ranked plans"
-        out.append(replace(plan, why=why))
-    return out
-
-
-def _why(a: Plan, b: Plan) -> str:
-    """A short reason ``a`` ranks above ``b``: the step-time term where it gains most, or the tie-break."""
-    if b.step_time - a.step_time <= 1e-9 * max(a.step_time, 1e-30):
-        if a.peak_memory < b.peak_memory:
-            return f"same step time as the next, lower peak memory ({_gib(a.peak_memory)} vs {_gib(b.peak_memory)})"
-        return "same step time and memory as the next; fewer stages or micro-batches"
-    gain = (b.step_time - a.step_time) / b.step_time
-    terms = {
-        "less pipeline idle time": (b.breakdown["pipeline_idle"] - a.breakdown["pipeline_idle"]),
-        "less compute on the busiest rank": b.breakdown["compute"] - a.breakdown["compute"],
-        "less exposed gradient sync": b.breakdown["grad_sync"] - a.breakdown["grad_sync"],
-    }
-    term = max(terms, key=lambda k: terms[k])
-    detail = {
-        "less pipeline idle time": f"bubble {a.bubble:.1%} vs {b.bubble:.1%}",
-        "less compute on the busiest rank": f"{a.breakdown['compute']:.3g} s vs {b.breakdown['compute']:.3g} s",
-        "less exposed gradient sync": f"{a.breakdown['grad_sync']:.3g} s vs {b.breakdown['grad_sync']:.3g} s",
-    }[term]
-    return f"{gain:.2%} faster than the next: {term} ({detail})"
-
-
-def make_problem(
-    profile: LayerProfile,
-    processes: int,
-    *,
-    global_batch: int,
-    memory: float | Sequence[float],
-    speeds: float | Sequence[float] | None,
-    nodes: int,
-    profile_batch: int,
-    optimizer_state: float,
-    intra: Link,
-    inter: Link | None,
-    tp_layers: Collection[int | str],
-    max_tp: int | None,
-    schedules: Sequence[str] | None,
-    max_virtual_stages: int,
-    recompute: Sequence[str | None],
-    overhead: float | Sequence[float],
-    action_overhead: float,
-    top: int,
-) -> _Problem:
-    """Check every input, naming the option and the value expected."""
-    if not isinstance(profile, LayerProfile) or len(profile) == 0:
-        raise ValueError(f"plan: profile must be a non-empty LayerProfile, got {type(profile).__name__}")
-    if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
-        raise ValueError(f"plan: processes must be a positive int, got {processes!r}")
-    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1 or processes % nodes:
-        raise ValueError(f"plan: nodes must be a positive int dividing processes ({processes}), got {nodes!r}")
-    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
-        raise ValueError(f"plan: global_batch must be a positive int (samples per step), got {global_batch!r}")
-    if not isinstance(profile_batch, int) or profile_batch < 1:
-        raise ValueError(
-            f"plan: profile_batch must be a positive int (samples in the profiled micro-batch), got {profile_batch!r}"
-        )
-    if not 0 <= optimizer_state < math.inf:
-        raise ValueError(
-            f"plan: optimizer_state must be >= 0 (state bytes per parameter byte), got {optimizer_state!r}"
-        )
-    fixed = [float(overhead)] * len(profile) if isinstance(overhead, (int, float)) else [float(x) for x in overhead]
-    if not 0 <= action_overhead < math.inf:
-        raise ValueError(f"plan: action_overhead must be seconds >= 0, got {action_overhead!r}")
-    if len(fixed) != len(profile) or not all(0 <= x < math.inf for x in fixed):
-        raise ValueError(f"plan: overhead must be seconds >= 0, one number or one per layer ({len(profile)})")
-    if top < 1:
-        raise ValueError(f"plan: top must be >= 1, got {top}")
-    if max_virtual_stages < 1:
-        raise ValueError(f"plan: max_virtual_stages must be >= 1, got {max_virtual_stages}")
-    mem = _per_rank_values(memory, processes, "memory")
-    if any(not x > 0 for x in mem):
-        raise ValueError(f"plan: memory must be > 0 bytes per rank, got {min(mem)}")
-    spd = _per_rank_values(1.0 if speeds is None else speeds, processes, "speeds")
-    if any(not 0 < x < math.inf for x in spd):
-        raise ValueError(f"plan: speeds must be finite and > 0, got {min(spd)}")
-    names = profile.names
-    tp_idx = set()
-    for key in tp_layers:
-        if isinstance(key, str):
-            if key not in names:
-                raise ValueError(f"plan: tp_layers names {key!r}, not a layer of the profile ({names[:8]}...)")
-            tp_idx.add(names.index(key))
-        elif isinstance(key, int) and 0 <= key < len(names):
-            tp_idx.add(key)
-        else:
-            raise ValueError(f"plan: tp_layers entry {key!r} is not a layer index 0..{len(names) - 1} or name")
-    known = schedule_names()
-    chosen = [n for n in known if schedule_info(n).synchronous] if schedules is None else list(schedules)
-    for name in chosen:
-        if name not in known:
-            raise ValueError(f"plan: unknown schedule {name!r}; registered: {', '.join(known)}")
-        if not schedule_info(name).synchronous:
-            raise ValueError(f"plan: schedule {name!r} is asynchronous; the planner times synchronous steps only")
-    if not chosen:
-        raise ValueError("plan: schedules is empty")
-    for rc in recompute:
-        if rc not in (None, "stage"):
-            raise ValueError(f"plan: recompute choices must be None or 'stage', got {rc!r}")
-    per_node = processes // nodes
-    return _Problem(
-        profile=profile,
-        processes=processes,
-        per_node=per_node,
-        memory=tuple(mem),
-        speeds=tuple(spd),
-        global_batch=global_batch,
-        profile_batch=profile_batch,
-        optimizer_state=float(optimizer_state),
-        intra=intra,
-        inter=intra if inter is None else inter,
-        tp_layers=frozenset(tp_idx),
-        max_tp=per_node if max_tp is None else max_tp,
-        schedules=tuple(chosen),
-        max_virtual_stages=max_virtual_stages,
-        recompute=tuple(recompute) or (None,),
-        overhead=tuple(fixed),
-        action_overhead=float(action_overhead),
-        top=top,
-    )
-
-
-def _per_rank_values(value: float | Sequence[float], n: int, what: str) -> list[float]:
-    if isinstance(value, (int, float)):
-        return [float(value)] * n
-    values = [float(x) for x in value]
-    if len(values) != n:
-        raise ValueError(f"plan: {what} has {len(values)} entries, expected one per process ({n})")
-    return values
