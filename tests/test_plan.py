@@ -297,3 +297,12 @@ def test_fixed_costs_do_not_scale_with_the_micro_batch() -> None:
         b, m = p.microbatch_size, p.microbatches
         assert p.step_time == pytest.approx(m * ((4 * b + 4 * 0.25 + 0.5) + (8 * b + 4 * 0.25 + 0.5)))
     assert plans[0].microbatches == 1  # fixed costs favour fewer, larger micro-batches
+
+
+def test_infeasible_candidates_are_dropped_with_their_reason() -> None:
+    profile = _profile([1.0] * 4, params=GIB, act=1.0)  # 4 GiB per layer with AdamW: 16 GiB in all
+    found = search(profile, 2, global_batch=2, memory=9 * GIB, recompute=(None,), top=50)
+    assert all(p.layout.pp == 2 and p.peak_memory <= 9 * GIB for p in found.plans)
+    one_stage = [d for d in found.dropped if d.what.startswith("pp=1 dp=2")]
+    assert one_stage and "needs 16 GiB > its memory 9 GiB" in one_stage[0].reason
+    assert "parameters dominate" in one_stage[0].reason

@@ -86,12 +86,7 @@ class Plan:
 
     def describe(self) -> str:
         """One line: ``pp=4 dp=2 tp=1 sharding=1, 1f1b v=1, m=8, recompute off``."""
-        c = self.layout
-        rc = "off" if self.recompute is None else self.recompute
-        return (
-            f"pp={c.pp} dp={c.dp} tp={c.tp} sharding={c.sharding}, {self.schedule} v={self.virtual_stages}, "
-            f"m={self.microbatches}, recompute {rc}"
-        )
+        return describe(self.layout, self.schedule, self.virtual_stages, self.microbatches, self.recompute)
 
     def pipeline_options(self) -> dict[str, object]:
         """The ``sw.Pipeline`` keywords that run this plan (see ``stagewise.runtime.from_plan``)."""
@@ -121,6 +116,14 @@ class Plan:
             "breakdown": dict(self.breakdown),
             "why": self.why,
         }
+
+
+def describe(layout: ParallelConfig, schedule: str, v: int, m: int, recompute: str | None) -> str:
+    """How plans and dropped candidates are named: ``pp=4 dp=2 tp=1 sharding=1, 1f1b v=1, m=8, recompute off``."""
+    c = layout
+    return (
+        f"pp={c.pp} dp={c.dp} tp={c.tp} sharding={c.sharding}, {schedule} v={v}, m={m}, recompute {recompute or 'off'}"
+    )
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ from .comm import Link, crosses_nodes, ring_all_gather, ring_all_reduce, ring_re
 from .costing import LayerArrays, StageBase, StageCosts, layer_arrays, partition_weights, stage_base
 from .inputs import Problem
 from .ranking import rank_key, with_reasons
-from .result import Dropped, Plan, PlanSearch, RankMemory, gib
+from .result import Dropped, Plan, PlanSearch, RankMemory, describe, gib
 
 
 @dataclass(frozen=True)
@@ -73,12 +73,7 @@ class _Candidate:
     microbatch_size: int
 
     def describe(self) -> str:
-        c = self.layout.config
-        rc = "off" if self.recompute is None else self.recompute
-        return (
-            f"pp={c.pp} dp={c.dp} tp={c.tp} sharding={c.sharding}, {self.schedule} v={self.v}, m={self.m}, "
-            f"recompute {rc}"
-        )
+        return describe(self.layout.config, self.schedule, self.v, self.m, self.recompute)
 
 
 def _divisors(n: int) -> list[int]:
@@ -548,7 +543,9 @@ class _Search:
         splits = _splits_backward(g.schedule)
         got = self.parts.get(g.layout, placement, g.v, g.recompute)
         if isinstance(got, str):
-            self.dropped.append(Dropped(f"{config.describe()}, {g.schedule} v={g.v}, every m", got))
+            self.dropped.append(
+                Dropped(describe(config, g.schedule, g.v, 0, g.recompute).replace("m=0", "every m"), got)
+            )
             return
         bounds, base = got
         at0, at1 = base.at(0.0), base.at(1.0)
@@ -565,7 +562,7 @@ class _Search:
             one = at1.activation[s] + (at1.full_activation[s] if g.recompute == "stage" else 0.0)
             act_floor[r] = max(act_floor[r], one)
         for m in _divisors(g.layout.per_replica):
-            what = f"{config.describe()}, {g.schedule} v={g.v}, m={m}, recompute {g.recompute or 'off'}"
+            what = describe(config, g.schedule, g.v, m, g.recompute)
             try:
                 info.check(config.pp, m, g.v)
             except ValueError as err:
