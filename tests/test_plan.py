@@ -306,3 +306,17 @@ def test_infeasible_candidates_are_dropped_with_their_reason() -> None:
     one_stage = [d for d in found.dropped if d.what.startswith("pp=1 dp=2")]
     assert one_stage and "needs 16 GiB > its memory 9 GiB" in one_stage[0].reason
     assert "parameters dominate" in one_stage[0].reason
+
+
+def test_a_rank_short_of_memory_for_activations_gets_fewer_layers() -> None:
+    """Activations dominate and rank 1 is small: the time-balanced cut (4, 4) overflows it, so the planner
+    cuts again counting activations; the result matches the brute-force fastest cut that fits."""
+    profile = _profile([1.0] * 8, act=100.0, params=1.0)
+    memory = [10_000.0, 250.0]
+    plans = sw.plan(profile, 2, global_batch=1, memory=memory, recompute=(None,), schedules=["1f1b"])
+    best = plans[0]
+    assert best.partition[1] < 4 and best.memory[1].total <= 250.0
+    # brute force over cuts: 1F1B with one micro-batch holds one stage's activations per rank
+    fits = [b for b in _all_bounds(8, 2) if (b[2] - b[1]) * (100.0 + 4.0) <= 250.0]
+    fastest = min(fits, key=lambda b: max(_stage_time(profile, b)))
+    assert best.partition == tuple(hi - lo for lo, hi in zip(fastest, fastest[1:]))

@@ -577,6 +577,9 @@ class _Search:
             if any(mem.total > mem.cap for mem in floor):
                 costs = base.at(sigma)
                 cand = _Candidate(g.layout, g.schedule, g.v, m, g.recompute, bounds, costs, blocking, background, size)
+                if self.memory_cut(g, cand):
+                    continue
+                cand = _Candidate(g.layout, g.schedule, g.v, m, g.recompute, bounds, costs, blocking, background, size)
                 self.miss(what, floor, False, cand)
                 continue
             bound = 0.0
@@ -584,7 +587,55 @@ class _Search:
                 pre_s = pre + sigma * dpre
                 rest = max(m * (work + sigma * dwork) + sync, m * (fi + sigma * dfi) + post + sigma * dpost)
                 bound = max(bound, pre_s + rest)
-            self.push(bound, (g, m, bounds, base, blocking, background))
+            self.push(bound, (g, m, bounds, base, blocking, background, False))
+
+    def memory_cut(self, g: _Group, cand: _Candidate) -> bool:
+        """Cut again so that activations count too; push the new candidate and say whether there is one.
+
+        The first cut balances time under the static memory (parameters, gradients, optimizer
+        state). When activations then overflow a rank, each layer's memory becomes its static
+        bytes plus its activations times the most micro-batches any stage holds at once (as the
+        runtime's memory partition does: conservative for ranks that hold fewer), and the exact
+        partitioner cuts again under the ranks' caps; the result is checked exactly when popped.
+        """
+        prob, config = self.prob, g.layout.config
+        if g.recompute is not None:
+            return False
+        states = _activation_states(g.schedule, config.pp, cand.m, g.v)
+        held = max((f + w for rank in states for _, full, kept in rank for f, w in zip(full, kept)), default=1)
+        arrays = self.parts.layer_arrays(config.tp)
+        sigma = cand.microbatch_size / prob.profile_batch
+        per_byte = 2 + prob.optimizer_state / config.sharding
+        memory = [par * per_byte + held * act * sigma for par, act in zip(arrays.parameters, arrays.activation)]
+        placement = _placement(g.schedule, config.pp, g.v)
+        caps = [g.layout.caps[r] / g.v for r in placement]
+        tp_link = g.layout.links["tp"]
+        weights = partition_weights(arrays, tp=config.tp, tp_link=tp_link, recompute=None, overhead=prob.overhead)
+        speeds = [g.layout.speeds[r] for r in placement]
+        if sum(memory) > sum(caps) or max(memory) > max(caps):
+            return False  # no cut can fit
+        try:
+            part = partition_costs(weights, len(placement), speeds=speeds, memory=memory, memory_caps=caps)
+        except ValueError:
+            return False
+        if part.bounds == cand.bounds:
+            return False
+        base = stage_base(
+            arrays,
+            part.bounds,
+            tp=config.tp,
+            tp_link=tp_link,
+            recompute=None,
+            overhead=prob.overhead,
+            action_overhead=prob.action_overhead,
+        )
+        costs = base.at(sigma)
+        blocking, background = _sync_costs(g.layout, costs.parameters)
+        link = g.layout.links["pp"]
+        terms = _rank_terms(costs, placement, _splits_backward(g.schedule), link, blocking, background)
+        bound = max(pre + max(cand.m * work + sync, cand.m * fi + post) for pre, post, work, fi, sync in terms)
+        self.push(bound, (g, cand.m, part.bounds, base, blocking, background, True))
+        return True
 
     def run(self, layouts: list[_Layout]) -> PlanSearch:
         prob = self.prob
@@ -606,12 +657,14 @@ class _Search:
             if isinstance(item, _Group):
                 self.expand(item)
                 continue
-            g, m, bounds, base, blocking, background = item
+            g, m, bounds, base, blocking, background, recut = item
             size = g.layout.per_replica // m
             costs = base.at(size / prob.profile_batch)
             item = _Candidate(g.layout, g.schedule, g.v, m, g.recompute, bounds, costs, blocking, background, size)
             memory = _memory(item, prob)
             if any(mem.total > mem.cap for mem in memory):
+                if not recut and self.memory_cut(g, item):
+                    continue
                 self.miss(item.describe(), memory, True, item)
                 continue
             simulated += 1
