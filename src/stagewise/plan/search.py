@@ -9,6 +9,10 @@ parameters, gradients and optimizer state), the simulator times one step and
 tracks activations, and the collectives are added from
 :mod:`stagewise.plan.comm`.
 
+A candidate whose activations overflow a rank is cut once more with each
+layer's activations counted (times the most micro-batches a stage holds), so a
+rank short of memory gets fewer layers (:meth:`_Search.memory_cut`).
+
 Pruning: each candidate first gets a *lower bound* on its step time that
 holds for every schedule (see :func:`_rank_terms`); candidates are taken in
 bound order and simulation stops once the bound reaches the ``top``-th best
