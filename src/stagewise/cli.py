@@ -265,16 +265,18 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return _torchrun(["--standalone", f"--nproc-per-node={args.nproc}", args.script, *script_args])
 
 
-# ---- entry point --------------------------------------------------------------------
+# ---- stagewise plan (stagewise.plan.command) ----------------------------------------
 
 
-#: one function per subcommand; add a subcommand by writing ``_add_<name>`` and listing it here
 def _add_plan(sub: argparse._SubParsersAction) -> None:
     from .plan.command import add_plan_command
 
     add_plan_command(sub)
 
 
+# ---- entry point --------------------------------------------------------------------
+
+#: one function per subcommand; add a subcommand by writing ``_add_<name>`` and listing it here
 _SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_schedules, _add_simulate, _add_run, _add_plan]
 
 
