@@ -14,6 +14,7 @@ from .costs import CostModel
 from .parallel import ParallelConfig
 from .partition import Partition, partition_costs
 from .passes import add_communication, add_grad_sync, lower, split_backward
+from .plan import Plan, plan
 from .render import render_ascii, render_png, render_trace
 from .schedule import Schedule, loop_placement, v_placement
 from .schedules import generate, schedule_info, schedule_names
@@ -67,6 +68,7 @@ _LAZY = {
     "count_tokens": ".runtime.losses",
     "aux_loss": ".runtime.engine.aux",
     "collect_aux_losses": ".runtime.engine.aux",
+    "pipeline_from_plan": ".runtime.from_plan",
 }
 
 
@@ -92,6 +94,9 @@ __all__ = [
     "aux_loss",
     "collect_aux_losses",
     "Partition",
+    "Plan",
+    "plan",
+    "pipeline_from_plan",
     "SimResult",
     "partition_costs",
     "render_ascii",

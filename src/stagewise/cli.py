@@ -254,6 +254,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return torchrun(["--standalone", f"--nproc-per-node={args.nproc}", args.script, *script_args])
 
 
+# ---- stagewise plan (stagewise.plan.command) ----------------------------------------
+
+
+def _add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from .plan.command import add_plan_command
+
+    add_plan_command(sub)
+
+
 # ---- entry point --------------------------------------------------------------------
 
 #: one function per subcommand; add a subcommand by writing ``_add_<name>`` and listing it here
@@ -261,6 +270,7 @@ _SUBCOMMANDS: list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]
     _add_schedules,
     _add_simulate,
     _add_run,
+    _add_plan,
 ]
 
 

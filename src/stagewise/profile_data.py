@@ -6,9 +6,10 @@ process or a device; :mod:`stagewise.runtime.profiling` measures them.
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from .costs import CostModel
@@ -53,6 +54,44 @@ class LayerProfile:
     @property
     def names(self) -> list[str]:
         return [layer.name for layer in self.layers]
+
+    def to_json(self) -> str:
+        """A JSON object: ``device``, ``repeats``, ``warmup`` and ``layers`` (one object per layer, LayerCost's fields).
+
+        ``LayerProfile.from_json(p.to_json()) == p``.
+        """
+        return json.dumps(
+            {
+                "device": self.device,
+                "repeats": self.repeats,
+                "warmup": self.warmup,
+                "layers": [asdict(x) for x in self.layers],
+            }
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> LayerProfile:
+        """Read :meth:`to_json`'s form; a missing or unknown layer field is an error naming the layer and field."""
+        data = json.loads(text)
+        if not isinstance(data, Mapping) or not isinstance(data.get("layers"), list):
+            raise ValueError("profile JSON: expected an object with a 'layers' list (LayerProfile.to_json)")
+        names = [f.name for f in fields(LayerCost)]
+        layers = []
+        for k, raw in enumerate(data["layers"]):
+            if not isinstance(raw, Mapping):
+                raise ValueError(f"profile JSON: layer {k} is not an object")
+            missing = [n for n in names if n not in raw]
+            unknown = sorted(set(raw) - set(names))
+            if missing or unknown:
+                raise ValueError(f"profile JSON: layer {k} lacks fields {missing} / has unknown fields {unknown}")
+            values = {n: raw[n] if n == "name" else float(raw[n]) for n in names}
+            layers.append(LayerCost(**values))  # type: ignore[arg-type]
+        return cls(
+            layers=tuple(layers),
+            device=str(data.get("device", "unknown")),
+            repeats=int(data.get("repeats", 1)),
+            warmup=int(data.get("warmup", 0)),
+        )
 
     def times(self) -> list[float]:
         """Forward + full backward per layer: the cost vector a time-balanced partition evens out."""

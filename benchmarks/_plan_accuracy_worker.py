@@ -1,0 +1,255 @@
+"""One rank of ``plan_accuracy.py``: profile, measure the link, plan, run chosen plans, time them.
+
+Every rank profiles the layers at micro-batch sizes b and 2b at the same
+time (so the profile sees the contention the runs will), the median over the
+ranks is taken, and the two sizes give each layer a fixed part and a part
+linear in the batch. Ranks 0 and 1 measure the gloo link with a ping-pong.
+Each rank then plans alike, runs the chosen plans (warm-up, then timed steps:
+a step's time is the slowest rank's, from a barrier), and rank 0 writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+
+from stagewise.runtime.balance import profile_layers  # noqa: E402
+
+import stagewise as sw  # noqa: E402
+from gpt_model import Block, GPTConfig, Positions  # noqa: E402
+from stagewise.plan import Link, search  # noqa: E402
+from stagewise.profile_data import LayerProfile  # noqa: E402
+from stagewise.runtime.model.layers import named_layers  # noqa: E402
+
+GPT = GPTConfig(vocab_size=256, seq_len=64, d_model=64, n_heads=4, n_layers=6)
+
+
+def gpt_layers() -> list[sw.Layer]:
+    """The demo GPT (examples/gpt_model.py) with an untied head: the planner does not model tied weights."""
+    c = GPT
+    return (
+        [sw.Layer(nn.Embedding, c.vocab_size, c.d_model), sw.Layer(Positions, c)]
+        + [sw.Layer(Block, c) for _ in range(c.n_layers)]
+        + [sw.Layer(nn.LayerNorm, c.d_model), sw.Layer(nn.Linear, c.d_model, c.vocab_size)]
+    )
+
+
+def gpt_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def gpt_data(batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, GPT.vocab_size, (batch, GPT.seq_len + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+WIDTHS = [64, 512, 64, 64, 1024, 64, 64, 64, 256, 64, 64, 64]
+
+
+def mlp_layers() -> list[sw.Layer]:
+    """Linear + GELU pairs whose hidden widths differ 16-fold: stage costs are uneven for any equal cut."""
+    out = []
+    for a, b in zip(WIDTHS, WIDTHS[1:]):
+        out.append(sw.Layer(nn.Sequential, nn.Linear(a, b), nn.GELU()))
+    return out + [sw.Layer(nn.Linear, WIDTHS[-1], 10)]
+
+
+def mlp_data(batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, WIDTHS[0], generator=g), torch.randint(0, 10, (batch,), generator=g)
+
+
+MODELS: dict[str, Any] = {
+    "gpt": (gpt_layers, gpt_loss, gpt_data, 32, 2),  # layers, loss, data, global batch, profiled micro-batch
+    "mlp": (mlp_layers, F.cross_entropy, mlp_data, 256, 8),
+}
+
+
+def median_profile(layers: list[sw.Layer], sample: Any, world: int) -> LayerProfile:
+    mine = profile_layers(named_layers(layers), sample, seed=0, repeats=7, warmup=2)
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, mine.to_json())
+    profiles = [LayerProfile.from_json(text) for text in every]
+    costs = []
+    for k, layer in enumerate(mine.layers):
+        fields = ("forward", "backward_input", "backward_weight", "backward")
+        med = {f: statistics.median(getattr(p.layers[k], f) for p in profiles) for f in fields}
+        costs.append(replace(layer, **med))
+    return replace(mine, layers=tuple(costs))
+
+
+def affine(small: LayerProfile, big: LayerProfile) -> tuple[LayerProfile, list[float]]:
+    """Per layer: the part linear in the batch (big - small, for ``b`` samples) and the fixed part (2 small - big)."""
+    fixed, linear = [], []
+    for a, b in zip(small.layers, big.layers):
+        fix_f = max(0.0, 2 * a.forward - b.forward)
+        fix_b = max(0.0, 2 * a.backward - b.backward)
+        fixed.append((fix_f + fix_b) / 2)
+        scale = lambda x, y: max(y - x, 1e-9)  # noqa: E731
+        linear.append(
+            replace(
+                a,
+                forward=scale(a.forward, b.forward),
+                backward_input=scale(a.backward_input, b.backward_input),
+                backward_weight=scale(a.backward_weight, b.backward_weight),
+                backward=scale(a.backward, b.backward),
+            )
+        )
+    return replace(small, layers=tuple(linear)), fixed
+
+
+def ping_pong(rank: int) -> Link:
+    """Latency and bandwidth between ranks 0 and 1 (median of 20 round trips at 8 B and 4 MiB)."""
+    times = {}
+    for n in (2, 1 << 20):
+        buf = torch.zeros(n)
+        rounds = []
+        for _ in range(20):
+            dist.barrier()
+            t = time.perf_counter()
+            if rank == 0:
+                dist.send(buf, 1)
+                dist.recv(buf, 1)
+            elif rank == 1:
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
+            rounds.append((time.perf_counter() - t) / 2)
+        times[n * 4] = statistics.median(rounds)
+    link = [None]
+    if rank == 0:
+        small, big = times[8], times[4 << 20]
+        link = [(small, (4 << 20) / max(big - small, 1e-9))]
+    dist.broadcast_object_list(link, 0)
+    lat, bw = link[0]  # type: ignore[misc]
+    return Link(lat, bw)
+
+
+def action_cost(link: Link, rank: int, world: int) -> float:
+    """The runtime's own seconds per stage action, from timing a pipeline of trivial layers.
+
+    Four 1x1 linear layers, one per rank, 1F1B over 8 micro-batches of one sample: compute is
+    nil, so the step is transfers plus per-action costs. The simulator with forward = o and
+    backward = o (and the measured link) is affine in o; solve it for the measured median.
+    """
+    m = 8
+    layers = [sw.Layer(nn.Linear, 1, 1) for _ in range(world)]
+    pipe = sw.Pipeline(layers, loss_fn=F.mse_loss, schedule="1f1b", microbatches=m, partition=[1] * world, seed=0)
+    x, y = torch.randn(m, 1), torch.randn(m, 1)
+    times = []
+    for step in range(12):
+        dist.barrier()
+        t = time.perf_counter()
+        pipe.train_step(x, y)
+        elapsed = torch.tensor([time.perf_counter() - t])
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        if step >= 2:
+            times.append(float(elapsed))
+    measured = statistics.median(times)
+    schedule = sw.build_schedule("1f1b", world, m)
+
+    def span(o: float) -> float:
+        costs = sw.CostModel.uniform(world, forward=o, backward_input=o / 2, backward_weight=o / 2, output_bytes=4)
+        costs = replace(costs, latency=link.latency, bandwidth=link.bandwidth)
+        return sw.simulate(schedule, costs).makespan
+
+    base, unit = span(0.0), span(1.0) - span(0.0)
+    return max(0.0, (measured - base) / unit)
+
+
+def choose(plans: list[sw.Plan], count: int) -> list[tuple[int, sw.Plan]]:
+    """The top 3, then ``count - 3`` spread over the rest down to the worst."""
+    picks = list(range(min(3, len(plans))))
+    rest = list(range(3, len(plans)))
+    if rest and count > 3:
+        step = max(1, len(rest) // (count - 3))
+        picks += rest[::step][: count - 4] + [rest[-1]]
+    return [(k, plans[k]) for k in dict.fromkeys(picks)]
+
+
+def time_plan(plan: sw.Plan, model: str, steps: int, rank: int) -> dict[str, Any]:
+    make, loss_fn, data, batch, _ = MODELS[model]
+    # the activation meter cannot read FSDP2's sharded parameters (runtime/memory.py): no measurement there
+    meter = plan.layout.sharding == 1
+    pipe = sw.pipeline_from_plan(plan, make(), loss_fn=loss_fn, seed=0, measure_memory=meter, timeout=120)
+    times = []
+    for step in range(2 + steps):
+        x, y = data(batch, step)
+        inputs = pipe.local_batch(x, y)
+        dist.barrier()
+        t = time.perf_counter()
+        pipe.train_step(*inputs)
+        elapsed = torch.tensor([time.perf_counter() - t])
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        if step >= 2:
+            times.append(float(elapsed))
+    peak = torch.tensor([float(pipe.memory_report()["peak_bytes"]) if meter else -1.0])
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    measured = float(peak) if meter else None
+    return {"measured": statistics.median(times), "runs": len(times), "measured_activations": measured}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--plans", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument(
+        "--action-overhead", action="store_true", help="measure and model the runtime's per-action cost"
+    )
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    env = sw.init(backend="gloo")
+    rank, world = env.rank, env.world_size
+    link = ping_pong(rank)
+    per_action = action_cost(link, rank, world) if args.action_overhead else 0.0
+    report: dict[str, Any] = {
+        "world": world,
+        "link": [link.latency, link.bandwidth],
+        "action_overhead": per_action,
+        "models": {},
+    }
+    for model, (make, _, data, batch, b0) in MODELS.items():
+        x, _ = data(2 * b0, 99)
+        small = median_profile(make(), x[:b0], world)
+        big = median_profile(make(), x, world)
+        linear, fixed = affine(small, big)
+        found = search(
+            linear,
+            world,
+            global_batch=batch,
+            profile_batch=b0,
+            overhead=fixed,
+            action_overhead=per_action,
+            intra=link,
+            optimizer_state=0,
+            top=400,
+        )
+        rows = []
+        for k, plan in choose(list(found.plans), args.plans):
+            row = {"rank": k + 1, "plan": plan.describe(), "predicted": plan.step_time}
+            row["predicted_activations"] = max(m.activations for m in plan.memory)
+            row.update(time_plan(plan, model, args.steps, rank))
+            rows.append(row)
+        report["models"][model] = {"candidates": found.candidates, "simulated": found.simulated, "rows": rows}
+    if rank == 0:
+        args.out.write_text(json.dumps(report, indent=1))
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()

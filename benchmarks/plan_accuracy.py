@@ -1,0 +1,93 @@
+"""How good are the planner's predictions? Run planned layouts on local gloo ranks and compare.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/plan_accuracy.py [--ranks 4] [--plans 7] [--steps 5]
+
+For two models (the demo GPT, untied head; an MLP with 16-fold uneven
+widths) every rank profiles, the planner searches, and the top 3 plans plus
+a spread of poorer ones are run (median of --steps timed steps after 2
+warm-up steps). Prints predicted vs measured step time and peak activation
+bytes per plan, the mean absolute error and the Spearman rank correlation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman's rho: Pearson's correlation of the ranks (ties get their mean rank)."""
+
+    def ranks(xs: list[float]) -> list[float]:
+        order = sorted(range(len(xs)), key=lambda i: xs[i])
+        out = [0.0] * len(xs)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2
+            i = j + 1
+        return out
+
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = sum(ra) / len(ra), sum(rb) / len(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    var = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
+    return cov / var if var else float("nan")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--plans", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument(
+        "--action-overhead", action="store_true", help="time a trivial pipeline first and model that per-action cost"
+    )
+    args = parser.parse_args()
+    load = os.getloadavg()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "report.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}"]
+        cmd += [str(HERE / "_plan_accuracy_worker.py"), "--out", str(out), "--plans", str(args.plans)]
+        cmd += ["--steps", str(args.steps)] + (["--action-overhead"] if args.action_overhead else [])
+        subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        report = json.loads(out.read_text())
+    lat, bw = report["link"]
+    print(f"{args.ranks} ranks, load average {load[0]:.1f} (before) / {os.getloadavg()[0]:.1f} (after)")
+    print(f"measured link: latency {lat * 1e6:.0f} us, bandwidth {bw / 1e6:.0f} MB/s")
+    print(f"runtime cost per stage action: {report['action_overhead'] * 1e3:.2f} ms (0 unless --action-overhead)")
+    for model, data in report["models"].items():
+        rows = data["rows"]
+        runs = rows[0]["runs"]
+        print(f"\n{model}: {data['candidates']} candidates, {data['simulated']} simulated; median of {runs} steps")
+        print(f"{'#':>3}  {'predicted s':>11}  {'measured s':>10}  {'err':>6}  {'act pred':>9}  {'act meas':>9}  plan")
+        errors, mem_errors = [], []
+        for r in rows:
+            err = (r["predicted"] - r["measured"]) / r["measured"]
+            errors.append(abs(err))
+            meas = r["measured_activations"]
+            if meas:
+                mem_errors.append(abs((r["predicted_activations"] - meas) / meas))
+            shown = f"{meas / 1e6:>8.2f}M" if meas is not None else f"{'n/a':>9}"
+            print(
+                f"{r['rank']:>3}  {r['predicted']:>11.4f}  {r['measured']:>10.4f}  {err:>+6.0%}  "
+                f"{r['predicted_activations'] / 1e6:>8.2f}M  {shown}  {r['plan']}"
+            )
+        rho = spearman([r["predicted"] for r in rows], [r["measured"] for r in rows])
+        mem = sum(mem_errors) / max(len(mem_errors), 1)
+        print(f"step time: mean abs error {sum(errors) / len(errors):.0%}, Spearman {rho:.2f}")
+        print(f"activation peak: mean abs error {mem:.0%} ({len(mem_errors)} measured)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""Communication costs for the planner: links, ring collectives, and which link a mesh axis uses.
+
+A link moves ``bytes`` in ``latency + bytes / bandwidth`` seconds (the
+alpha-beta model). Collectives over ``n`` ranks are costed as *rings*
+(Patarasuk & Yuan, "Bandwidth optimal all-reduce algorithms for clusters of
+workstations", JPDC 2009; the model NCCL's and gloo's ring algorithms follow):
+
+* reduce-scatter and all-gather of ``S`` bytes: ``n - 1`` steps, each moving
+  ``S / n``: ``(n - 1) * (latency + S / (n * bandwidth))``;
+* all-reduce = reduce-scatter then all-gather: ``2 (n - 1) * (latency + S / (n * bandwidth))``.
+
+A ring is as slow as its slowest hop, so a group whose ranks are not all on
+one node is costed with the inter-node link.
+
+Ranks are numbered as :class:`~stagewise.parallel.ParallelConfig` numbers them
+(pp outermost, tp innermost) and packed onto nodes in order: rank ``r`` is on
+node ``r // processes_per_node``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..parallel import AXES, ParallelConfig
+
+
+@dataclass(frozen=True)
+class Link:
+    """A point-to-point link: ``latency`` seconds per message, ``bandwidth`` bytes per second."""
+
+    latency: float = 0.0
+    bandwidth: float = math.inf
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.latency < math.inf:
+            raise ValueError(f"Link.latency must be a finite number >= 0 seconds, got {self.latency!r}")
+        if not self.bandwidth > 0:
+            raise ValueError(f"Link.bandwidth must be > 0 bytes/s, got {self.bandwidth!r}")
+
+    def time(self, nbytes: float) -> float:
+        return self.latency + nbytes / self.bandwidth
+
+
+def ring_all_reduce(nbytes: float, n: int, link: Link) -> float:
+    """Seconds for a ring all-reduce of ``nbytes`` over ``n`` ranks (0 for one rank or nothing to send)."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return 2 * (n - 1) * (link.latency + nbytes / (n * link.bandwidth))
+
+
+def ring_reduce_scatter(nbytes: float, n: int, link: Link) -> float:
+    """Seconds for a ring reduce-scatter (or all-gather) of ``nbytes`` in total over ``n`` ranks."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return (n - 1) * (link.latency + nbytes / (n * link.bandwidth))
+
+
+ring_all_gather = ring_reduce_scatter
+
+
+def axis_stride(config: ParallelConfig, axis: str) -> int:
+    """Rank distance between neighbours along ``axis`` (tp: 1; pp: dp * sharding * tp)."""
+    k = AXES.index(axis)
+    stride = 1
+    for n in config.shape[k + 1 :]:
+        stride *= n
+    return stride
+
+
+def crosses_nodes(config: ParallelConfig, axis: str, processes_per_node: int) -> bool:
+    """Whether some group along ``axis`` has ranks on two nodes (then its ring runs at the inter-node link)."""
+    size = config.size(axis)
+    if size <= 1:
+        return False
+    stride = axis_stride(config, axis)
+    for first in range(config.world_size):
+        if config.coords(first)[AXES.index(axis)] != 0:
+            continue
+        nodes = {(first + i * stride) // processes_per_node for i in range(size)}
+        if len(nodes) > 1:
+            return True
+        if first >= processes_per_node:  # groups repeat node by node from here on
+            break
+    return False

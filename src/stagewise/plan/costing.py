@@ -1,0 +1,185 @@
+"""Per-layer and per-stage costs of a candidate: the profile scaled to its micro-batch, split by tp, recomputed.
+
+**Linear in the batch.** A profile measures one micro-batch of
+``profile_batch`` samples. A candidate whose micro-batch holds ``b`` samples
+gets every per-layer time and every activation/output size multiplied by
+``b / profile_batch``; parameter sizes do not change. That is exact for the
+bytes and a fair model for the time of large enough batches; a fixed cost per
+action that does not shrink with the batch (kernel launches, Python dispatch)
+is the ``overhead``: seconds per layer added to each forward and to each
+backward (half to I, half to W) whatever the micro-batch size; the runtime's
+own cost per stage action (dispatch, posting transfers) is ``action_overhead``.
+
+**Tensor parallelism** (Megatron-LM, Shoeybi et al. 2019, Sec. 3): a layer
+that supports tp runs ``1/tp`` of its compute, holds ``1/tp`` of its
+parameters and (approximately: Megatron without sequence parallelism keeps
+some replicated tensors) ``1/tp`` of its activations, and pays two all-reduces
+of its output per forward (the ``g`` operators) and two per backward (the
+``f`` operators), costed as rings on the tp group's link
+(:mod:`stagewise.plan.comm`). Other layers run whole on every tp rank.
+
+**Recompute** ``"stage"``: a stage keeps only its input between a forward and
+its backward, and the backward (B, or I where it is split) runs the forward
+again first. While one micro-batch's backward runs, its recomputed
+internals are alive: the planner adds one micro-batch's full stage
+activations to the rank's peak.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..profile_data import LayerProfile
+from .comm import Link, ring_all_reduce
+
+
+@dataclass(frozen=True)
+class LayerArrays:
+    """Per-layer costs at the profile's batch, after tp: times, and tp all-reduce bytes per forward/backward."""
+
+    forward: tuple[float, ...]
+    backward_input: tuple[float, ...]
+    backward_weight: tuple[float, ...]
+    activation: tuple[float, ...]
+    keep: tuple[float, ...]
+    parameters: tuple[float, ...]
+    output: tuple[float, ...]
+    tp_layer: tuple[bool, ...]
+
+
+def layer_arrays(profile: LayerProfile, tp: int, tp_layers: frozenset[int]) -> LayerArrays:
+    """Each layer's times and sizes at the profile batch, divided by ``tp`` where the layer supports it.
+
+    I and W are rescaled to sum to the measured full backward, as
+    :meth:`LayerProfile.cost_model` does.
+    """
+    f, i, w, act, keep, par, out, split = [], [], [], [], [], [], [], []
+    for k, layer in enumerate(profile.layers):
+        d = tp if k in tp_layers else 1
+        bi, bw = layer.backward_input, layer.backward_weight
+        if bi + bw > 0:
+            bi, bw = bi * layer.backward / (bi + bw), bw * layer.backward / (bi + bw)
+        else:
+            bi, bw = layer.backward, 0.0
+        f.append(layer.forward / d)
+        i.append(bi / d)
+        w.append(bw / d)
+        act.append(layer.activation_bytes / d)
+        keep.append(min(layer.weight_activation_bytes, layer.activation_bytes) / d)
+        par.append(layer.parameter_bytes / d)
+        out.append(layer.output_bytes)
+        split.append(d > 1)
+    return LayerArrays(*(tuple(x) for x in (f, i, w, act, keep, par, out)), tp_layer=tuple(split))  # type: ignore[arg-type,misc]
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Per-stage costs of one candidate (times in seconds, bytes per micro-batch), ready for a CostModel."""
+
+    forward: tuple[float, ...]
+    backward_input: tuple[float, ...]
+    backward_weight: tuple[float, ...]
+    activation: tuple[float, ...]
+    keep: tuple[float, ...]
+    parameters: tuple[float, ...]
+    output: tuple[float, ...]
+    full_activation: tuple[float, ...]  # without recompute: what a recomputed backward brings back
+    tp_comm: tuple[float, ...]  # seconds of tp all-reduce per micro-batch (forward + backward)
+
+
+@dataclass(frozen=True)
+class StageBase:
+    """Per-stage sums at the profile batch, so a candidate's costs are a linear function of its micro-batch.
+
+    A tp all-reduce of ``S * scale`` bytes costs ``2 (n-1) latency + scale * 2 (n-1) S / (n bandwidth)``:
+    ``tp_fixed`` holds the first terms of a stage's forward all-reduces, ``tp_per_scale`` the second.
+    """
+
+    forward: tuple[float, ...]
+    backward_input: tuple[float, ...]
+    backward_weight: tuple[float, ...]
+    activation: tuple[float, ...]
+    keep: tuple[float, ...]
+    parameters: tuple[float, ...]
+    output: tuple[float, ...]
+    input: tuple[float, ...]
+    tp_fixed: tuple[float, ...]
+    tp_per_scale: tuple[float, ...]
+    fixed: tuple[float, ...]  # seconds of each F and of each B that do not scale with the batch
+    recompute: str | None
+
+    def at(self, scale: float) -> StageCosts:
+        """The stage costs for a micro-batch of ``scale`` times the profile batch."""
+        f, i, w, act, keep, full, comm = [], [], [], [], [], [], []
+        for s in range(len(self.forward)):
+            tp_fwd = self.tp_fixed[s] + self.tp_per_scale[s] * scale
+            fixed = self.fixed[s]
+            fs = self.forward[s] * scale + tp_fwd + fixed
+            is_ = self.backward_input[s] * scale + tp_fwd + fixed / 2  # the f all-reduces mirror the g ones
+            acts = self.activation[s] * scale
+            kp = self.keep[s] * scale
+            full.append(acts)
+            if self.recompute == "stage":
+                is_ += fs
+                acts = self.input[s] * scale
+                kp = min(kp, acts)
+            f.append(fs)
+            i.append(is_)
+            w.append(self.backward_weight[s] * scale + fixed / 2)
+            act.append(acts)
+            keep.append(kp)
+            comm.append(2 * tp_fwd)
+        out = tuple(x * scale for x in self.output)
+        return StageCosts(
+            tuple(f), tuple(i), tuple(w), tuple(act), tuple(keep), self.parameters, out, tuple(full), tuple(comm)
+        )
+
+
+def stage_base(
+    arrays: LayerArrays,
+    bounds: Sequence[int],
+    *,
+    tp: int,
+    tp_link: Link,
+    recompute: str | None,
+    overhead: Sequence[float],
+    action_overhead: float = 0.0,
+) -> StageBase:
+    """Sum the layers of each stage (``bounds`` as in :class:`~stagewise.partition.Partition`)."""
+    per_ar_fixed = 2 * (tp - 1) * tp_link.latency if tp > 1 else 0.0
+    per_byte = 2 * (tp - 1) / (tp * tp_link.bandwidth) if tp > 1 else 0.0
+    cols: list[list[float]] = [[] for _ in range(11)]
+    for a, b in zip(bounds, bounds[1:]):
+        n_tp = sum(1 for k in range(a, b) if arrays.tp_layer[k])
+        tp_bytes = sum(arrays.output[k] for k in range(a, b) if arrays.tp_layer[k])
+        values = (
+            sum(arrays.forward[a:b]),
+            sum(arrays.backward_input[a:b]),
+            sum(arrays.backward_weight[a:b]),
+            sum(arrays.activation[a:b]),
+            sum(arrays.keep[a:b]),
+            sum(arrays.parameters[a:b]),
+            arrays.output[b - 1],
+            arrays.output[a - 1] if a > 0 else 0.0,
+            2 * n_tp * per_ar_fixed,
+            2 * tp_bytes * per_byte,
+            sum(overhead[a:b]) + action_overhead,
+        )
+        for col, value in zip(cols, values):
+            col.append(value)
+    return StageBase(*(tuple(c) for c in cols), recompute=recompute)  # type: ignore[arg-type,misc]
+
+
+def partition_weights(
+    arrays: LayerArrays, *, tp: int, tp_link: Link, recompute: str | None, overhead: Sequence[float]
+) -> list[float]:
+    """What the partitioner balances per layer at the profile batch: F + B (+ F again under recompute) + its tp
+    all-reduces + its fixed costs (so one cut serves every micro-batch count: exact when nothing is fixed)."""
+    weights = []
+    for k in range(len(arrays.forward)):
+        fwd = arrays.forward[k] + overhead[k]
+        tp_time = 4 * ring_all_reduce(arrays.output[k], tp, tp_link) if arrays.tp_layer[k] else 0.0
+        back = arrays.backward_input[k] + arrays.backward_weight[k] + overhead[k]
+        weights.append(fwd + back + tp_time + (fwd if recompute else 0))
+    return weights

@@ -1,0 +1,143 @@
+"""The planner's inputs, checked once (each error names the option), per-rank values expanded."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+from ..profile_data import LayerProfile
+from ..schedules import schedule_info, schedule_names
+from .comm import Link
+
+
+@dataclass(frozen=True)
+class Problem:
+    """The inputs, checked and expanded per rank."""
+
+    profile: LayerProfile
+    processes: int
+    per_node: int
+    memory: tuple[float, ...]
+    speeds: tuple[float, ...]
+    global_batch: int
+    profile_batch: int
+    optimizer_state: float
+    intra: Link
+    inter: Link
+    tp_layers: frozenset[int]
+    max_tp: int
+    schedules: tuple[str, ...]
+    max_virtual_stages: int
+    recompute: tuple[str | None, ...]
+    overhead: tuple[float, ...]  # per layer
+    action_overhead: float  # per stage action (F, and B = I + W)
+    top: int
+
+
+def make_problem(
+    profile: LayerProfile,
+    processes: int,
+    *,
+    global_batch: int,
+    memory: float | Sequence[float],
+    speeds: float | Sequence[float] | None,
+    nodes: int,
+    profile_batch: int,
+    optimizer_state: float,
+    intra: Link,
+    inter: Link | None,
+    tp_layers: Collection[int | str],
+    max_tp: int | None,
+    schedules: Sequence[str] | None,
+    max_virtual_stages: int,
+    recompute: Sequence[str | None],
+    overhead: float | Sequence[float],
+    action_overhead: float,
+    top: int,
+) -> Problem:
+    """Check every input, naming the option and the value expected."""
+    if not isinstance(profile, LayerProfile) or len(profile) == 0:
+        raise ValueError(f"plan: profile must be a non-empty LayerProfile, got {type(profile).__name__}")
+    if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
+        raise ValueError(f"plan: processes must be a positive int, got {processes!r}")
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1 or processes % nodes:
+        raise ValueError(f"plan: nodes must be a positive int dividing processes ({processes}), got {nodes!r}")
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise ValueError(f"plan: global_batch must be a positive int (samples per step), got {global_batch!r}")
+    if not isinstance(profile_batch, int) or profile_batch < 1:
+        raise ValueError(
+            f"plan: profile_batch must be a positive int (samples in the profiled micro-batch), got {profile_batch!r}"
+        )
+    if not 0 <= optimizer_state < math.inf:
+        raise ValueError(
+            f"plan: optimizer_state must be >= 0 (state bytes per parameter byte), got {optimizer_state!r}"
+        )
+    fixed = [float(overhead)] * len(profile) if isinstance(overhead, (int, float)) else [float(x) for x in overhead]
+    if not 0 <= action_overhead < math.inf:
+        raise ValueError(f"plan: action_overhead must be seconds >= 0, got {action_overhead!r}")
+    if len(fixed) != len(profile) or not all(0 <= x < math.inf for x in fixed):
+        raise ValueError(f"plan: overhead must be seconds >= 0, one number or one per layer ({len(profile)})")
+    if top < 1:
+        raise ValueError(f"plan: top must be >= 1, got {top}")
+    if max_virtual_stages < 1:
+        raise ValueError(f"plan: max_virtual_stages must be >= 1, got {max_virtual_stages}")
+    mem = _per_rank_values(memory, processes, "memory")
+    if any(not x > 0 for x in mem):
+        raise ValueError(f"plan: memory must be > 0 bytes per rank, got {min(mem)}")
+    spd = _per_rank_values(1.0 if speeds is None else speeds, processes, "speeds")
+    if any(not 0 < x < math.inf for x in spd):
+        raise ValueError(f"plan: speeds must be finite and > 0, got {min(spd)}")
+    names = profile.names
+    tp_idx = set()
+    for key in tp_layers:
+        if isinstance(key, str):
+            if key not in names:
+                raise ValueError(f"plan: tp_layers names {key!r}, not a layer of the profile ({names[:8]}...)")
+            tp_idx.add(names.index(key))
+        elif isinstance(key, int) and 0 <= key < len(names):
+            tp_idx.add(key)
+        else:
+            raise ValueError(f"plan: tp_layers entry {key!r} is not a layer index 0..{len(names) - 1} or name")
+    known = schedule_names()
+    chosen = [n for n in known if schedule_info(n).synchronous] if schedules is None else list(schedules)
+    for name in chosen:
+        if name not in known:
+            raise ValueError(f"plan: unknown schedule {name!r}; registered: {', '.join(known)}")
+        if not schedule_info(name).synchronous:
+            raise ValueError(f"plan: schedule {name!r} is asynchronous; the planner times synchronous steps only")
+    if not chosen:
+        raise ValueError("plan: schedules is empty")
+    for rc in recompute:
+        if rc not in (None, "stage"):
+            raise ValueError(f"plan: recompute choices must be None or 'stage', got {rc!r}")
+    per_node = processes // nodes
+    return Problem(
+        profile=profile,
+        processes=processes,
+        per_node=per_node,
+        memory=tuple(mem),
+        speeds=tuple(spd),
+        global_batch=global_batch,
+        profile_batch=profile_batch,
+        optimizer_state=float(optimizer_state),
+        intra=intra,
+        inter=intra if inter is None else inter,
+        tp_layers=frozenset(tp_idx),
+        max_tp=per_node if max_tp is None else max_tp,
+        schedules=tuple(chosen),
+        max_virtual_stages=max_virtual_stages,
+        recompute=tuple(recompute) or (None,),
+        overhead=tuple(fixed),
+        action_overhead=float(action_overhead),
+        top=top,
+    )
+
+
+def _per_rank_values(value: float | Sequence[float], n: int, what: str) -> list[float]:
+    if isinstance(value, (int, float)):
+        return [float(value)] * n
+    values = [float(x) for x in value]
+    if len(values) != n:
+        raise ValueError(f"plan: {what} has {len(values)} entries, expected one per process ({n})")
+    return values

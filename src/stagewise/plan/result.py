@@ -1,0 +1,160 @@
+"""What the planner returns: ranked :class:`Plan` values, and the search that produced them."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ..costs import CostModel
+from ..parallel import ParallelConfig
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Predicted peak bytes on one pipeline rank (every replica and tp rank of it alike).
+
+    ``parameters + gradients + optimizer`` is held all step (divided by
+    ``sharding`` when the layout shards); ``activations`` is the simulator's
+    peak of what the schedule keeps between forwards and backwards.
+    """
+
+    parameters: float
+    gradients: float
+    optimizer: float
+    activations: float
+    cap: float
+
+    @property
+    def total(self) -> float:
+        return self.parameters + self.gradients + self.optimizer + self.activations
+
+    @property
+    def dominant(self) -> str:
+        """Which term is largest: 'parameters' (with their gradients), 'optimizer state' or 'activations'."""
+        terms = {
+            "parameters": self.parameters + self.gradients,
+            "optimizer state": self.optimizer,
+            "activations": self.activations,
+        }
+        return max(terms, key=lambda k: terms[k])
+
+    def to_dict(self) -> dict[str, float]:
+        return {
+            "parameters": self.parameters,
+            "gradients": self.gradients,
+            "optimizer": self.optimizer,
+            "activations": self.activations,
+            "total": self.total,
+            "cap": self.cap,
+        }
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One way to run the model: layout, schedule, micro-batches, partition, recompute, and what it should cost.
+
+    ``partition`` holds layer counts per stage (``pp * virtual_stages`` of
+    them, in stage order, as ``Pipeline(partition=...)`` takes them).
+    ``step_time`` is the predicted seconds per training step; ``bubble`` the
+    simulated idle fraction of the pipeline ranks' compute; ``memory`` one
+    :class:`RankMemory` per pipeline rank. ``breakdown`` splits the step:
+    ``compute`` (the busiest rank's compute), ``grad_sync`` (gradient
+    collectives left exposed after the drain) and ``tp_comm`` (tensor-parallel
+    all-reduces inside the busiest rank's compute). ``why`` says why it ranks
+    above the next plan.
+    """
+
+    layout: ParallelConfig
+    schedule: str
+    virtual_stages: int
+    microbatches: int
+    microbatch_size: int
+    partition: tuple[int, ...]
+    recompute: str | None
+    step_time: float
+    bubble: float
+    memory: tuple[RankMemory, ...]
+    breakdown: dict[str, float] = field(default_factory=dict, compare=False, hash=False)
+    why: str = ""
+    #: the per-stage costs the prediction simulated (sync_time: the blocking collectives), to re-simulate or draw it
+    costs: CostModel | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def peak_memory(self) -> float:
+        """The largest predicted peak over the ranks."""
+        return max(m.total for m in self.memory)
+
+    def describe(self) -> str:
+        """One line: ``pp=4 dp=2 tp=1 sharding=1, 1f1b v=1, m=8, recompute off``."""
+        return describe(self.layout, self.schedule, self.virtual_stages, self.microbatches, self.recompute)
+
+    def pipeline_options(self) -> dict[str, object]:
+        """The ``sw.Pipeline`` keywords that run this plan (see ``stagewise.runtime.from_plan``)."""
+        return {
+            "schedule": self.schedule,
+            "microbatches": self.microbatches,
+            "virtual_stages": self.virtual_stages,
+            "partition": list(self.partition),
+            "recompute": self.recompute,
+            "parallel": self.layout,
+        }
+
+    def to_dict(self) -> dict[str, object]:
+        c = self.layout
+        return {
+            "layout": {"pp": c.pp, "dp": c.dp, "tp": c.tp, "sharding": c.sharding},
+            "schedule": self.schedule,
+            "virtual_stages": self.virtual_stages,
+            "microbatches": self.microbatches,
+            "microbatch_size": self.microbatch_size,
+            "partition": list(self.partition),
+            "recompute": self.recompute,
+            "step_time": self.step_time,
+            "bubble": self.bubble,
+            "peak_memory": self.peak_memory,
+            "memory": [m.to_dict() for m in self.memory],
+            "breakdown": dict(self.breakdown),
+            "why": self.why,
+        }
+
+
+def describe(layout: ParallelConfig, schedule: str, v: int, m: int, recompute: str | None) -> str:
+    """How plans and dropped candidates are named: ``pp=4 dp=2 tp=1 sharding=1, 1f1b v=1, m=8, recompute off``."""
+    c = layout
+    return (
+        f"pp={c.pp} dp={c.dp} tp={c.tp} sharding={c.sharding}, {schedule} v={v}, m={m}, recompute {recompute or 'off'}"
+    )
+
+
+@dataclass(frozen=True)
+class Dropped:
+    """A candidate the search rejected, and why (``what`` describes it as :meth:`Plan.describe` would)."""
+
+    what: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class PlanSearch:
+    """The ranked plans and what the search did.
+
+    ``candidates``: the size of the space (every layout x schedule x v x
+    recompute x micro-batch count); ``groups_expanded``: how many (layout,
+    schedule, v, recompute) groups were partitioned and bounded (the rest were
+    pruned whole by their bound); ``simulated``: candidates simulated;
+    ``dropped``: candidates examined and rejected, with the reason.
+    """
+
+    plans: tuple[Plan, ...]
+    candidates: int
+    groups_expanded: int
+    simulated: int
+    dropped: tuple[Dropped, ...]
+    layouts: int
+
+
+def gib(x: float) -> str:
+    """Bytes for people: ``1.5 GiB``, ``12 MiB``, ``300 B``."""
+    if math.isinf(x):
+        return "inf"
+    return f"{x / 2**30:.3g} GiB" if x >= 2**30 else f"{x / 2**20:.3g} MiB" if x >= 2**20 else f"{x:.0f} B"

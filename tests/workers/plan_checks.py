@@ -1,0 +1,81 @@
+"""Plans run: a few plans the planner picks for a tiny MLP, each trained against the one-process model (float64).
+
+torchrun --standalone --nproc-per-node 4 tests/workers/worker.py --checks plan_checks --out DIR
+
+The profile is synthetic (from parameter counts), so every rank plans alike
+without measuring; ``chosen(world)`` is pure, so the pytest side lists the
+same checks without starting processes.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import models as mdl  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from common import Ctx  # noqa: E402
+from hybrid_checks import _compare_grads  # noqa: E402
+
+import stagewise as sw  # noqa: E402
+from stagewise.plan import search  # noqa: E402
+from stagewise.profile_data import LayerCost, LayerProfile  # noqa: E402
+
+BATCH = 8
+TIMEOUT = 60.0
+
+
+def mlp_profile() -> LayerProfile:
+    """tests/workers/models.mlp(): times from parameter counts (GELU cheap), 8-byte values, batch 1."""
+    d, classes = mdl.D, mdl.CLASSES
+    layers = []
+    for k in range(8):
+        linear = k % 2 == 0
+        t = 2e-4 if linear else 2e-5
+        layers.append(
+            LayerCost(f"{k}", t, t, t if linear else 0.0, 2 * t, 8 * d, 8 * d, 8 * (d * d + d) * linear, 8 * d)
+        )
+    layers.append(LayerCost("8", 3e-5, 3e-5, 3e-5, 6e-5, 8 * d, 8 * d, 8 * 2 * d, 8 * d))
+    layers.append(LayerCost("9", 1e-4, 1e-4, 1e-4, 2e-4, 8 * d, 8 * d, 8 * (d * classes + classes), 8 * classes))
+    return LayerProfile(tuple(layers), "synthetic", 1, 0)
+
+
+def chosen(world: int) -> dict[str, sw.Plan]:
+    """The best plan, and the best with a pipeline over every rank, with sharding, and with v > 1."""
+    plans = search(mlp_profile(), world, global_batch=BATCH, top=400).plans
+    picks = {"best": plans[0]}
+    rules: dict[str, Callable[[sw.Plan], bool]] = {
+        "deepest": lambda p: p.layout.pp == world,
+        "sharded": lambda p: p.layout.sharding > 1 and p.layout.pp > 1,
+        "virtual": lambda p: p.virtual_stages > 1,
+        "recompute": lambda p: p.recompute == "stage" and p.layout.pp > 1,
+    }
+    for name, rule in rules.items():
+        match = [p for p in plans if rule(p)]
+        if match:
+            picks[name] = match[0]
+    return picks
+
+
+def run_plan(plan: sw.Plan) -> Callable[[Ctx], dict[str, Any]]:
+    def check(ctx: Ctx) -> dict[str, Any]:
+        layers = mdl.mlp()
+        pipe = sw.pipeline_from_plan(plan, layers, loss_fn=F.cross_entropy, seed=5, timeout=TIMEOUT)
+        ref = sw.build_model(layers, seed=5)
+        x, y = mdl.mlp_data(BATCH, 11)
+        loss = pipe.train_step(*pipe.local_batch(x, y))
+        ref_loss = F.cross_entropy(ref(x), y)
+        ref_loss.backward()
+        assert abs(loss - ref_loss.item()) <= 1e-10 * (1 + abs(ref_loss.item())), (loss, ref_loss.item())
+        _compare_grads(pipe, ref, plan.describe())
+        return {"plan": plan.describe(), "partition": list(plan.partition)}
+
+    return check
+
+
+def checks(world: int) -> dict[str, Callable[[Ctx], Any]]:
+    return {name: run_plan(plan) for name, plan in chosen(world).items()}
