@@ -1,0 +1,300 @@
+"""The validator's fast path: the reference checks, proved on flat integer arrays in one scan per rank.
+
+Why a second implementation: at 128 ranks x 1024 micro-batches a complete
+schedule holds up to ~1.8 M actions, and the reference checks
+(:mod:`stagewise._validate_reference`) build millions of ``Message`` tuples,
+sets and dicts of them, taking tens of seconds. Here a (stage, micro-batch)
+pair is the int ``s * m + i``, a message is ``2 * (s * m + i)`` (+1 for an
+input gradient), and everything the reference proves is decided from
+bytearrays and counters:
+
+* placement and ranges: each rank's set of stages and micro-batches, built in C;
+* completeness and local order: a state per (stage, micro-batch) that may only
+  go F (1) -> B (3), or F (1) -> I (2) -> W (3), and a compute action may only
+  run once the value it needs is computed on this rank (or received);
+* optimizer steps: a STEP finds all of its stage's backward done, and no SYNC
+  of its stage follows it; one STEP per stage when the schedule has any;
+* communication: each message crossing ranks is sent once after it is made and
+  received once before it is used (counts, then flags), and on each (sender,
+  receiver) channel the sends and receives list the same messages in order;
+* progress: the same blocking, batched rendezvous simulation as the reference
+  (complete schedules) or pure data flow (compute-only ones), on int messages.
+
+It answers only "valid or not"; when not, :func:`stagewise.validate.validate_schedule`
+runs the reference to name every problem, so the messages are the reference's.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from operator import itemgetter
+
+from .actions import Kind
+from .schedule import Schedule
+
+_F, _B, _I, _W = Kind.F, Kind.B, Kind.I, Kind.W
+_SEND_F, _RECV_F, _SEND_B, _RECV_B = Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B
+_SYNC, _STEP = Kind.SYNC, Kind.STEP
+_stage_of, _mb_of = itemgetter(0), itemgetter(2)
+
+
+def first_problem(schedule: Schedule) -> str | None:
+    """A short description of one problem, or None when every check passes."""
+    problem = _check_ranges(schedule)
+    if problem is not None:
+        return problem
+    scan = _Scan(schedule)
+    problem = scan.run()
+    if problem is not None:
+        return problem
+    if scan.complete:
+        return _rendezvous(scan.batches)
+    return _dataflow(schedule)
+
+
+def _check_ranges(schedule: Schedule) -> str | None:
+    """Placement and micro-batch ranges, with set operations that run in C."""
+    n, m = schedule.num_stages, schedule.num_microbatches
+    local: list[set[int]] = [set() for _ in schedule.ranks]
+    for s, r in enumerate(schedule.placement):
+        local[r].add(s)
+    for rank, acts in enumerate(schedule.ranks):
+        if not local[rank].issuperset(map(_stage_of, acts)):
+            return f"rank {rank}: an action of a stage that does not live on it (or outside 0..{n - 1})"
+        mbs = set(map(_mb_of, acts))
+        mbs.discard(None)
+        if mbs and (min(mbs) < 0 or max(mbs) >= m):  # type: ignore[type-var, operator]
+            return f"rank {rank}: a micro-batch outside 0..{m - 1}"
+    return None
+
+
+class _Scan:
+    """One pass over each rank's actions in order; see the module docstring for the state encoding."""
+
+    def __init__(self, schedule: Schedule) -> None:
+        self.schedule = schedule
+        self.complete = schedule.is_complete
+        self.forward_only = bool(schedule.meta.get("forward_only", False))
+        #: per rank, its communication batches (lists of ops: 2 * message, +1 for the receive side)
+        self.batches: list[list[list[int]]] = []
+
+    def run(self) -> str | None:
+        sch = self.schedule
+        n, m, plc = sch.num_stages, sch.num_microbatches, sch.placement
+        last = n - 1
+        # does stage s take its input from / its output gradient from another rank?
+        in_f_cross = [s > 0 and plc[s - 1] != plc[s] for s in range(n)]
+        in_b_cross = [s < last and plc[s + 1] != plc[s] for s in range(n)]
+        state = bytearray(n * m)
+        got = bytearray(2 * n * m)
+        sent = bytearray(2 * n * m)
+        done = [0] * n  # micro-batches whose backward of stage s is complete
+        steps = [0] * n
+        complete, forward_only = self.complete, self.forward_only
+        n_sent = n_recv = 0
+        send_lists: list[dict[int, list[int]]] = [{} for _ in sch.ranks]  # rank -> peer -> messages in order
+        recv_lists: list[dict[int, list[int]]] = [{} for _ in sch.ranks]
+        for rank, acts in enumerate(sch.ranks):
+            batches: list[list[int]] = []
+            cur: list[int] = []
+            sends, recvs = send_lists[rank], recv_lists[rank]
+            for s, k, i in acts:
+                if k is _F:
+                    key = s * m + i
+                    if state[key]:
+                        return f"rank {rank}: {s}F{i} runs twice or after its backward"
+                    if s:
+                        if in_f_cross[s]:
+                            if complete and not got[2 * (key - m)]:
+                                return f"rank {rank}: {s}F{i} before receiving its input"
+                        elif not state[key - m]:
+                            return f"rank {rank}: {s}F{i} before {s - 1}F{i} on the same rank"
+                    state[key] = 1
+                    if cur:  # a compute action ends the batch of communication before it
+                        batches.append(cur)
+                        cur = []
+                elif k is _B or k is _I:
+                    key = s * m + i
+                    if forward_only:
+                        return f"rank {rank}: backward {s}{k.value}{i} in a forward-only schedule"
+                    if state[key] != 1:
+                        return f"rank {rank}: {s}{k.value}{i} without its forward first, or twice"
+                    if s < last:
+                        if in_b_cross[s]:
+                            if complete and not got[2 * (key + m) + 1]:
+                                return f"rank {rank}: {s}{k.value}{i} before receiving its output gradient"
+                        elif state[key + m] < 2:
+                            return f"rank {rank}: {s}{k.value}{i} before {s + 1}'s input gradient on the same rank"
+                    if k is _B:
+                        state[key] = 3
+                        done[s] += 1
+                    else:
+                        state[key] = 2
+                    if cur:
+                        batches.append(cur)
+                        cur = []
+                elif k is _W:
+                    key = s * m + i
+                    if forward_only:
+                        return f"rank {rank}: backward {s}W{i} in a forward-only schedule"
+                    if state[key] != 2:
+                        return f"rank {rank}: {s}W{i} without its I first, or twice"
+                    state[key] = 3
+                    done[s] += 1
+                    if cur:
+                        batches.append(cur)
+                        cur = []
+                elif k is _SEND_F:
+                    key = s * m + i
+                    msg = 2 * key
+                    if s == last or not in_f_cross[s + 1] or sent[msg] or not state[key]:
+                        return f"rank {rank}: {s}SEND_F{i} is not needed, repeated or before its forward"
+                    sent[msg] = 1
+                    n_sent += 1
+                    cur.append(2 * msg)
+                    peer = plc[s + 1]
+                    if peer in sends:
+                        sends[peer].append(msg)
+                    else:
+                        sends[peer] = [msg]
+                elif k is _RECV_F:
+                    msg = 2 * ((s - 1) * m + i)
+                    if not in_f_cross[s] or got[msg]:
+                        return f"rank {rank}: {s}RECV_F{i} receives a value no other rank sends, or twice"
+                    got[msg] = 1
+                    n_recv += 1
+                    cur.append(2 * msg + 1)
+                    peer = plc[s - 1]
+                    if peer in recvs:
+                        recvs[peer].append(msg)
+                    else:
+                        recvs[peer] = [msg]
+                elif k is _SEND_B:
+                    key = s * m + i
+                    msg = 2 * key + 1
+                    if not s or not in_f_cross[s] or sent[msg] or state[key] < 2:
+                        return f"rank {rank}: {s}SEND_B{i} is not needed, repeated or before its backward"
+                    sent[msg] = 1
+                    n_sent += 1
+                    cur.append(2 * msg)
+                    peer = plc[s - 1]
+                    if peer in sends:
+                        sends[peer].append(msg)
+                    else:
+                        sends[peer] = [msg]
+                elif k is _RECV_B:
+                    msg = 2 * ((s + 1) * m + i) + 1
+                    if not in_b_cross[s] or got[msg]:
+                        return f"rank {rank}: {s}RECV_B{i} receives a value no other rank sends, or twice"
+                    got[msg] = 1
+                    n_recv += 1
+                    cur.append(2 * msg + 1)
+                    peer = plc[s + 1]
+                    if peer in recvs:
+                        recvs[peer].append(msg)
+                    else:
+                        recvs[peer] = [msg]
+                elif k is _SYNC:
+                    if forward_only or steps[s]:
+                        return f"rank {rank}: {s}SYNC in a forward-only schedule or after its STEP"
+                elif k is _STEP:
+                    if forward_only or steps[s] or done[s] != m:
+                        return f"rank {rank}: {s}STEP repeated, in a forward-only schedule, or before its backward"
+                    steps[s] = 1
+                else:
+                    return f"rank {rank}: unknown action kind {k!r}"
+            if cur:
+                batches.append(cur)
+            self.batches.append(batches)
+        if state.count(1 if forward_only else 3) != n * m:
+            return "some (stage, micro-batch) lacks its forward or backward"
+        if any(steps) and sum(steps) != n:
+            return "some stage has no optimizer step while others have one"
+        if complete:
+            needed = m * sum(in_f_cross) + (0 if forward_only else m * sum(in_b_cross))
+            if n_sent != needed or n_recv != needed:
+                return f"{n_sent} sends and {n_recv} receives for {needed} values crossing ranks"
+            for rank, sends in enumerate(send_lists):
+                for peer, msgs in sends.items():
+                    if recv_lists[peer].get(rank) != msgs:
+                        return f"channel rank {rank} -> rank {peer}: sends and receives disagree in order"
+        return None
+
+
+def _rendezvous(batches: list[list[list[int]]]) -> str | None:
+    """Blocking, batched point-to-point: a batch completes once every op in it has met its partner."""
+    p = len(batches)
+    posted: set[int] = set()
+    waiting: dict[int, int] = {}  # op not yet posted -> the rank whose batch waits for it
+    missing = [0] * p
+    pos = [0] * p
+    queue = deque(range(p))
+    while queue:
+        rank = queue.popleft()
+        mine, j = batches[rank], pos[rank]
+        end = len(mine)
+        while j < end:
+            lacking = 0
+            for op in mine[j]:
+                posted.add(op)
+                partner = op ^ 1
+                if partner in posted:
+                    waiter = waiting.pop(op, -1)
+                    if waiter >= 0:
+                        missing[waiter] -= 1
+                        if not missing[waiter]:
+                            queue.append(waiter)
+                else:
+                    waiting[partner] = rank
+                    lacking += 1
+            j += 1
+            if lacking:
+                missing[rank] = lacking
+                break
+        pos[rank] = j
+    if waiting:
+        return f"deadlock: ranks {sorted(set(waiting.values()))} wait for partners that never post"
+    return None
+
+
+def _dataflow(schedule: Schedule) -> str | None:
+    """Compute-only schedules: every rank finishes when each action waits for its inputs."""
+    n, m = schedule.num_stages, schedule.num_microbatches
+    last = n - 1
+    ranks = schedule.ranks
+    made = bytearray(2 * n * m)
+    waiting: dict[int, int] = {}
+    pos = [0] * len(ranks)
+    queue = deque(range(len(ranks)))
+    while queue:
+        rank = queue.popleft()
+        acts, j = ranks[rank], pos[rank]
+        end = len(acts)
+        while j < end:
+            s, k, i = acts[j]
+            if k is _F:
+                if s:
+                    need = 2 * ((s - 1) * m + i)
+                    if not made[need]:
+                        waiting[need] = rank
+                        break
+                if s < last:
+                    out = 2 * (s * m + i)
+                    made[out] = 1
+                    if out in waiting:
+                        queue.append(waiting.pop(out))
+            elif k is _B or k is _I:
+                if s < last:
+                    need = 2 * ((s + 1) * m + i) + 1
+                    if not made[need]:
+                        waiting[need] = rank
+                        break
+                if s:
+                    out = 2 * (s * m + i) + 1
+                    made[out] = 1
+                    if out in waiting:
+                        queue.append(waiting.pop(out))
+            j += 1
+        pos[rank] = j
+    stuck = [r for r in range(len(ranks)) if pos[r] < len(ranks[r])]
+    return f"deadlock: ranks {stuck} wait for values nobody makes first" if stuck else None
