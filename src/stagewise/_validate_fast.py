@@ -43,12 +43,10 @@ def first_problem(schedule: Schedule) -> str | None:
     problem = _check_ranges(schedule)
     if problem is not None:
         return problem
-    scan = _Scan(schedule)
-    problem = scan.run()
-    if problem is not None:
+    complete = schedule.is_complete
+    problem = _Scan(schedule, complete).run()
+    if problem is not None or complete:
         return problem
-    if scan.complete:
-        return _rendezvous(scan.batches)
     return _dataflow(schedule)
 
 
@@ -69,51 +67,70 @@ def _check_ranges(schedule: Schedule) -> str | None:
 
 
 class _Scan:
-    """One pass over each rank's actions in order; see the module docstring for the state encoding."""
+    """Every rank's actions in order, with the local checks and the rendezvous run in the same loop.
 
-    def __init__(self, schedule: Schedule) -> None:
+    A rank runs until a compute action finds its current batch of communication
+    not yet met by the partners (then it waits for the last partner to post),
+    so each action is looked at once. On a compute-only schedule no rank waits
+    here; :func:`_dataflow` then checks progress.
+    """
+
+    def __init__(self, schedule: Schedule, complete: bool) -> None:
         self.schedule = schedule
-        self.complete = schedule.is_complete
+        self.complete = complete
         self.forward_only = bool(schedule.meta.get("forward_only", False))
-        #: per rank, its communication batches (lists of ops: 2 * message, +1 for the receive side)
-        self.batches: list[list[list[int]]] = []
 
-    def run(self) -> str | None:
+    def run(self) -> str | None:  # noqa: C901 - one flat loop on purpose: it runs once per action
         sch = self.schedule
-        n, m, plc = sch.num_stages, sch.num_microbatches, sch.placement
-        last = n - 1
-        # does stage s take its input from / its output gradient from another rank?
+        n, m, plc, ranks = sch.num_stages, sch.num_microbatches, sch.placement, sch.ranks
+        p, last = len(ranks), n - 1
+        # does stage s take its input / its output gradient from another rank?
         in_f_cross = [s > 0 and plc[s - 1] != plc[s] for s in range(n)]
         in_b_cross = [s < last and plc[s + 1] != plc[s] for s in range(n)]
+        # the (sender, receiver) channel each stage's messages travel on, as the lists that record their order
+        channels: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
+        for s in range(n):
+            for other in (s - 1, s + 1):
+                if 0 <= other < n and plc[other] != plc[s]:
+                    channels.setdefault((plc[s], plc[other]), ([], []))
+        sends_f = [channels[(plc[s], plc[s + 1])][0] if in_b_cross[s] else None for s in range(n)]
+        sends_b = [channels[(plc[s], plc[s - 1])][0] if in_f_cross[s] else None for s in range(n)]
+        recvs_f = [channels[(plc[s - 1], plc[s])][1] if in_f_cross[s] else None for s in range(n)]
+        recvs_b = [channels[(plc[s + 1], plc[s])][1] if in_b_cross[s] else None for s in range(n)]
         state = bytearray(n * m)
-        got = bytearray(2 * n * m)
-        sent = bytearray(2 * n * m)
+        # op = 4 * (s*m + i) + 0 send of F output, +1 its receive, +2 send of input gradient, +3 its receive
+        posted = bytearray(4 * n * m)
+        waiter = [-1] * (4 * n * m)  # op not yet posted -> the rank whose batch waits for it
         done = [0] * n  # micro-batches whose backward of stage s is complete
         steps = [0] * n
         complete, forward_only = self.complete, self.forward_only
         n_sent = n_recv = 0
-        send_lists: list[dict[int, list[int]]] = [{} for _ in sch.ranks]  # rank -> peer -> messages in order
-        recv_lists: list[dict[int, list[int]]] = [{} for _ in sch.ranks]
-        for rank, acts in enumerate(sch.ranks):
-            batches: list[list[int]] = []
-            cur: list[int] = []
-            sends, recvs = send_lists[rank], recv_lists[rank]
-            for s, k, i in acts:
+        missing = [0] * p  # partners the rank's current batch still waits for
+        pos = [0] * p
+        queue = deque(range(p))
+        while queue:
+            rank = queue.popleft()
+            acts, j = ranks[rank], pos[rank]
+            end = len(acts)
+            lacking = 0
+            while j < end:
+                s, k, i = acts[j]
                 if k is _F:
+                    if lacking:
+                        break
                     key = s * m + i
                     if state[key]:
                         return f"rank {rank}: {s}F{i} runs twice or after its backward"
                     if s:
                         if in_f_cross[s]:
-                            if complete and not got[2 * (key - m)]:
+                            if complete and not posted[4 * (key - m) + 1]:
                                 return f"rank {rank}: {s}F{i} before receiving its input"
                         elif not state[key - m]:
                             return f"rank {rank}: {s}F{i} before {s - 1}F{i} on the same rank"
                     state[key] = 1
-                    if cur:  # a compute action ends the batch of communication before it
-                        batches.append(cur)
-                        cur = []
                 elif k is _B or k is _I:
+                    if lacking:
+                        break
                     key = s * m + i
                     if forward_only:
                         return f"rank {rank}: backward {s}{k.value}{i} in a forward-only schedule"
@@ -121,7 +138,7 @@ class _Scan:
                         return f"rank {rank}: {s}{k.value}{i} without its forward first, or twice"
                     if s < last:
                         if in_b_cross[s]:
-                            if complete and not got[2 * (key + m) + 1]:
+                            if complete and not posted[4 * (key + m) + 3]:
                                 return f"rank {rank}: {s}{k.value}{i} before receiving its output gradient"
                         elif state[key + m] < 2:
                             return f"rank {rank}: {s}{k.value}{i} before {s + 1}'s input gradient on the same rank"
@@ -130,10 +147,9 @@ class _Scan:
                         done[s] += 1
                     else:
                         state[key] = 2
-                    if cur:
-                        batches.append(cur)
-                        cur = []
                 elif k is _W:
+                    if lacking:
+                        break
                     key = s * m + i
                     if forward_only:
                         return f"rank {rank}: backward {s}W{i} in a forward-only schedule"
@@ -141,59 +157,6 @@ class _Scan:
                         return f"rank {rank}: {s}W{i} without its I first, or twice"
                     state[key] = 3
                     done[s] += 1
-                    if cur:
-                        batches.append(cur)
-                        cur = []
-                elif k is _SEND_F:
-                    key = s * m + i
-                    msg = 2 * key
-                    if s == last or not in_f_cross[s + 1] or sent[msg] or not state[key]:
-                        return f"rank {rank}: {s}SEND_F{i} is not needed, repeated or before its forward"
-                    sent[msg] = 1
-                    n_sent += 1
-                    cur.append(2 * msg)
-                    peer = plc[s + 1]
-                    if peer in sends:
-                        sends[peer].append(msg)
-                    else:
-                        sends[peer] = [msg]
-                elif k is _RECV_F:
-                    msg = 2 * ((s - 1) * m + i)
-                    if not in_f_cross[s] or got[msg]:
-                        return f"rank {rank}: {s}RECV_F{i} receives a value no other rank sends, or twice"
-                    got[msg] = 1
-                    n_recv += 1
-                    cur.append(2 * msg + 1)
-                    peer = plc[s - 1]
-                    if peer in recvs:
-                        recvs[peer].append(msg)
-                    else:
-                        recvs[peer] = [msg]
-                elif k is _SEND_B:
-                    key = s * m + i
-                    msg = 2 * key + 1
-                    if not s or not in_f_cross[s] or sent[msg] or state[key] < 2:
-                        return f"rank {rank}: {s}SEND_B{i} is not needed, repeated or before its backward"
-                    sent[msg] = 1
-                    n_sent += 1
-                    cur.append(2 * msg)
-                    peer = plc[s - 1]
-                    if peer in sends:
-                        sends[peer].append(msg)
-                    else:
-                        sends[peer] = [msg]
-                elif k is _RECV_B:
-                    msg = 2 * ((s + 1) * m + i) + 1
-                    if not in_b_cross[s] or got[msg]:
-                        return f"rank {rank}: {s}RECV_B{i} receives a value no other rank sends, or twice"
-                    got[msg] = 1
-                    n_recv += 1
-                    cur.append(2 * msg + 1)
-                    peer = plc[s + 1]
-                    if peer in recvs:
-                        recvs[peer].append(msg)
-                    else:
-                        recvs[peer] = [msg]
                 elif k is _SYNC:
                     if forward_only or steps[s]:
                         return f"rank {rank}: {s}SYNC in a forward-only schedule or after its STEP"
@@ -201,11 +164,52 @@ class _Scan:
                     if forward_only or steps[s] or done[s] != m:
                         return f"rank {rank}: {s}STEP repeated, in a forward-only schedule, or before its backward"
                     steps[s] = 1
-                else:
-                    return f"rank {rank}: unknown action kind {k!r}"
-            if cur:
-                batches.append(cur)
-            self.batches.append(batches)
+                else:  # communication: post the op; it lacks a partner until the other side posts
+                    if k is _SEND_F:
+                        key = s * m + i
+                        op = 4 * key
+                        chan = sends_f[s]
+                        if chan is None or posted[op] or not state[key]:
+                            return f"rank {rank}: {s}SEND_F{i} is not needed, repeated or before its forward"
+                        n_sent += 1
+                    elif k is _RECV_F:
+                        op = 4 * ((s - 1) * m + i) + 1
+                        chan = recvs_f[s]
+                        if chan is None or posted[op]:
+                            return f"rank {rank}: {s}RECV_F{i} receives a value no other rank sends, or twice"
+                        n_recv += 1
+                    elif k is _SEND_B:
+                        key = s * m + i
+                        op = 4 * key + 2
+                        chan = sends_b[s]
+                        if chan is None or posted[op] or state[key] < 2:
+                            return f"rank {rank}: {s}SEND_B{i} is not needed, repeated or before its backward"
+                        n_sent += 1
+                    elif k is _RECV_B:
+                        op = 4 * ((s + 1) * m + i) + 3
+                        chan = recvs_b[s]
+                        if chan is None or posted[op]:
+                            return f"rank {rank}: {s}RECV_B{i} receives a value no other rank sends, or twice"
+                        n_recv += 1
+                    else:
+                        return f"rank {rank}: unknown action kind {k!r}"
+                    chan.append(op >> 1)  # the message: both sides append the same number
+                    posted[op] = 1
+                    if posted[op ^ 1]:
+                        other = waiter[op]
+                        if other >= 0:
+                            waiter[op] = -1
+                            missing[other] -= 1
+                            if not missing[other]:
+                                queue.append(other)
+                    else:
+                        waiter[op ^ 1] = rank
+                        lacking += 1
+                j += 1
+            pos[rank] = j
+            missing[rank] = lacking
+        if any(missing):
+            return f"deadlock: ranks {[r for r in range(p) if missing[r]]} wait for partners that never post"
         if state.count(1 if forward_only else 3) != n * m:
             return "some (stage, micro-batch) lacks its forward or backward"
         if any(steps) and sum(steps) != n:
@@ -214,47 +218,10 @@ class _Scan:
             needed = m * sum(in_f_cross) + (0 if forward_only else m * sum(in_b_cross))
             if n_sent != needed or n_recv != needed:
                 return f"{n_sent} sends and {n_recv} receives for {needed} values crossing ranks"
-            for rank, sends in enumerate(send_lists):
-                for peer, msgs in sends.items():
-                    if recv_lists[peer].get(rank) != msgs:
-                        return f"channel rank {rank} -> rank {peer}: sends and receives disagree in order"
+            for (src, dst), (sent, got) in channels.items():
+                if sent != got:
+                    return f"channel rank {src} -> rank {dst}: sends and receives disagree in order"
         return None
-
-
-def _rendezvous(batches: list[list[list[int]]]) -> str | None:
-    """Blocking, batched point-to-point: a batch completes once every op in it has met its partner."""
-    p = len(batches)
-    posted: set[int] = set()
-    waiting: dict[int, int] = {}  # op not yet posted -> the rank whose batch waits for it
-    missing = [0] * p
-    pos = [0] * p
-    queue = deque(range(p))
-    while queue:
-        rank = queue.popleft()
-        mine, j = batches[rank], pos[rank]
-        end = len(mine)
-        while j < end:
-            lacking = 0
-            for op in mine[j]:
-                posted.add(op)
-                partner = op ^ 1
-                if partner in posted:
-                    waiter = waiting.pop(op, -1)
-                    if waiter >= 0:
-                        missing[waiter] -= 1
-                        if not missing[waiter]:
-                            queue.append(waiter)
-                else:
-                    waiting[partner] = rank
-                    lacking += 1
-            j += 1
-            if lacking:
-                missing[rank] = lacking
-                break
-        pos[rank] = j
-    if waiting:
-        return f"deadlock: ranks {sorted(set(waiting.values()))} wait for partners that never post"
-    return None
 
 
 def _dataflow(schedule: Schedule) -> str | None:

@@ -12,6 +12,7 @@ from collections import deque
 from operator import itemgetter
 
 from . import _validate_fast
+from ._gc import gc_paused
 from .actions import COMM, COMPUTE, Action, Kind
 from .schedule import Schedule
 from .validate import ScheduleError, dataflow_problems, validate_schedule
@@ -115,10 +116,15 @@ def _time_uniform(schedule: Schedule) -> list[list[_Recv]] | None:
     """
     n, m, p, plc = schedule.num_stages, schedule.num_microbatches, schedule.num_ranks, schedule.placement
     last = n - 1
-    f_cross = [s < last and plc[s + 1] != plc[s] for s in range(n)]  # stage s's output leaves its rank
-    b_cross = [s > 0 and plc[s - 1] != plc[s] for s in range(n)]  # stage s's input gradient leaves its rank
+    # messages are ints 2 * (s*m + i) (+1: input gradient); per stage, the base of what F / B,I need and make
+    # across ranks, or -1 when that value stays on the rank (or does not exist)
+    need_f = [2 * (s - 1) * m if s > 0 and plc[s - 1] != plc[s] else -1 for s in range(n)]
+    need_b = [2 * (s + 1) * m + 1 if s < last and plc[s + 1] != plc[s] else -1 for s in range(n)]
+    make_f = [2 * s * m if s < last and plc[s + 1] != plc[s] else -1 for s in range(n)]
+    make_b = [2 * s * m + 1 if s > 0 and plc[s - 1] != plc[s] else -1 for s in range(n)]
     compute = [[a for a in acts if a[1] in _COMPUTE] for acts in schedule.ranks]
     span = max(map(len, compute)) + 1
+    per_time = p * span
     made = [-1] * (2 * n * m)  # message -> made-order key (end time, rank, compute index) as one int
     waiting: dict[int, int] = {}
     starts: list[list[int]] = [[] for _ in range(p)]
@@ -131,33 +137,29 @@ def _time_uniform(schedule: Schedule) -> list[list[_Recv]] | None:
         acts, t, k, end = compute[rank], clock[rank], pos[rank], len(compute[rank])
         began, pending = starts[rank], recvs[rank]
         while k < end:
-            a = acts[k]
-            s, kind, i = a
-            need = -1
+            s, kind, i = acts[k]
             if kind is _F:
-                if s and b_cross[s]:
-                    need = 2 * ((s - 1) * m + i)
-            elif kind is not _W and s < last and f_cross[s]:  # B or I
-                need = 2 * ((s + 1) * m + i) + 1
-            if need >= 0:
-                key = made[need]
+                nb, ob, took, rk = need_f[s], make_f[s], 1, _RECV_F
+            elif kind is _W:
+                nb = ob = -1
+                took = 1
+            else:
+                nb, ob, took, rk = need_b[s], make_b[s], 2 if kind is _B else 1, _RECV_B
+            if nb >= 0:
+                key = made[nb + 2 * i]
                 if key < 0:
-                    waiting[need] = rank
+                    waiting[nb + 2 * i] = rank
                     break
-                ready = key // (p * span)
-                recv = new(Action, (s, _RECV_F if kind is _F else _RECV_B, i))
-                pending.append((bisect_left(began, ready), key, recv))
+                ready = key // per_time
+                # the first earlier start no sooner than ready; none (the slot is k) when the rank idled for it
+                slot = k if not k or ready > began[-1] else bisect_left(began, ready)
+                pending.append((slot, key, new(Action, (s, rk, i))))
                 if ready > t:
                     t = ready
             began.append(t)
-            t += 2 if kind is _B else 1
-            out = -1
-            if kind is _F:
-                if f_cross[s]:
-                    out = 2 * (s * m + i)
-            elif kind is not _W and b_cross[s]:
-                out = 2 * (s * m + i) + 1
-            if out >= 0:
+            t += took
+            if ob >= 0:
+                out = ob + 2 * i
                 made[out] = (t * p + rank) * span + k
                 if out in waiting:
                     queue.append(waiting.pop(out))
@@ -269,7 +271,8 @@ def lower(
     if validate and _validate_fast._check_ranges(schedule) is not None:
         validate_schedule(schedule)  # raises, naming every problem
     try:
-        result = _lower_unchecked(schedule, split=split, grad_sync=grad_sync, optimizer_steps=optimizer_steps)
+        with gc_paused():
+            result = _lower_unchecked(schedule, split=split, grad_sync=grad_sync, optimizer_steps=optimizer_steps)
         if validate:
             validate_schedule(result)
     except ScheduleError:

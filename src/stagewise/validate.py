@@ -30,6 +30,7 @@ action and neighbours. A property test keeps the two in agreement.
 from __future__ import annotations
 
 from . import _validate_fast
+from ._gc import gc_paused
 from ._validate_reference import dataflow_problems, reference_problems
 from .schedule import Schedule
 
@@ -61,7 +62,8 @@ def validate_schedule(schedule: Schedule) -> None:
     mode = bool(schedule.meta.get("forward_only", False))  # the one mutable fact validity depends on
     if schedule.__dict__.get("_validated_as") == mode:
         return
-    problem = _validate_fast.first_problem(schedule)
+    with gc_paused():
+        problem = _validate_fast.first_problem(schedule)
     if problem is not None:
         # the reference names every problem; if it found none, the fast path's own words stand
         raise ScheduleError(schedule, reference_problems(schedule) or [problem])

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .._gc import gc_paused
 from ..actions import Action
 from ..schedule import Schedule, loop_placement, v_placement
 
@@ -118,7 +119,8 @@ def generate(name: str, num_ranks: int, num_microbatches: int, virtual_stages: i
     v = info.default_virtual_stages if virtual_stages is None else virtual_stages
     info.check(num_ranks, num_microbatches, v)
     placement = loop_placement(num_ranks, v) if info.placement == "loop" else v_placement(num_ranks, v)
-    ranks = info.generator(num_ranks, num_microbatches, v)
+    with gc_paused():  # a generator makes up to ~1 M actions at 128 ranks x 1024 micro-batches
+        ranks = info.generator(num_ranks, num_microbatches, v)
     return Schedule(
         name=name,
         num_microbatches=num_microbatches,
