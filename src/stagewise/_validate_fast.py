@@ -157,14 +157,8 @@ class _Scan:
                         return f"rank {rank}: {s}W{i} without its I first, or twice"
                     state[key] = 3
                     done[s] += 1
-                elif k is _SYNC:
-                    if forward_only or steps[s]:
-                        return f"rank {rank}: {s}SYNC in a forward-only schedule or after its STEP"
-                elif k is _STEP:
-                    if forward_only or steps[s] or done[s] != m:
-                        return f"rank {rank}: {s}STEP repeated, in a forward-only schedule, or before its backward"
-                    steps[s] = 1
-                else:  # communication: post the op; it lacks a partner until the other side posts
+                else:  # communication (most actions of a complete schedule): post the op; it lacks a partner
+                    # until the other side posts
                     if k is _SEND_F:
                         key = s * m + i
                         op = 4 * key
@@ -192,7 +186,19 @@ class _Scan:
                             return f"rank {rank}: {s}RECV_B{i} receives a value no other rank sends, or twice"
                         n_recv += 1
                     else:
-                        return f"rank {rank}: unknown action kind {k!r}"
+                        if k is _SYNC:
+                            if forward_only or steps[s]:
+                                return f"rank {rank}: {s}SYNC in a forward-only schedule or after its STEP"
+                        elif k is _STEP:
+                            if forward_only or steps[s] or done[s] != m:
+                                return (
+                                    f"rank {rank}: {s}STEP repeated, in a forward-only schedule, or before its backward"
+                                )
+                            steps[s] = 1
+                        else:
+                            return f"rank {rank}: unknown action kind {k!r}"
+                        j += 1
+                        continue
                     chan.append(op >> 1)  # the message: both sides append the same number
                     posted[op] = 1
                     if posted[op ^ 1]:
