@@ -45,7 +45,10 @@ class Schedule:
     ``placement[s]`` is the rank that holds stage ``s``; ``ranks[r]`` is rank
     r's action list, in execution order. A schedule is *compute-only* while it
     holds just F/B/I/W actions, and *complete* once the passes have added
-    communication (see :mod:`stagewise.passes`).
+    communication (see :mod:`stagewise.passes`). ``meta`` carries facts that
+    are not actions: ``meta["forward_only"] = True`` marks an eval schedule
+    (:func:`stagewise.passes.forward_only`), which the validator then checks
+    for forwards only.
     """
 
     name: str
