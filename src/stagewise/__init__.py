@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ._gc import gc_paused
 from .actions import Action, Kind, parse_action
 from .costs import CostModel
 from .parallel import ParallelConfig
@@ -40,8 +41,9 @@ def build_schedule(
     rank 0: 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1 0SYNC
     rank 1: 1RECV_F0 1F0 1RECV_F1 1B0 1SEND_B0 1F1 1B1 1SEND_B1 1SYNC
     """
-    schedule = generate(name, num_ranks, num_microbatches, virtual_stages)
-    return lower(schedule, grad_sync=grad_sync, optimizer_steps=optimizer_steps)
+    with gc_paused():  # one collection after the build instead of one after each of its three steps
+        schedule = generate(name, num_ranks, num_microbatches, virtual_stages)
+        return lower(schedule, grad_sync=grad_sync, optimizer_steps=optimizer_steps)
 
 
 # Runtime names, imported lazily so the pure core never pulls in torch.distributed.
