@@ -1,17 +1,19 @@
-"""How long the pure core takes on a large pipeline: generate, simulate, lower + validate.
+"""How long the pure core takes on a large pipeline: generate, lower, validate, simulate.
 
 For every registered schedule at P ranks x M micro-batches (default 128 x 1024,
-v as the schedule needs) this times
+v as the schedule needs) this times, in seconds:
 
-* ``generate``        the compute-only schedule (the pure generator + registry checks);
-* ``simulate``        :func:`stagewise.simulate.simulate` of that compute-only schedule
-                      (makespan, bubble, peak memory);
-* ``timeline``        building the result's Timeline (one Event per action; lazy, only renderers need it);
-* ``build_schedule``  generate + lowering passes (grad sync, communication) + validation twice;
-* ``simulate (lowered)`` the simulator on the complete schedule the runtime would execute;
+* ``generate``  the compute-only schedule (the pure generator + registry checks);
+* ``lower``     the lowering passes (grad sync, send/recv) without validation;
+* ``validate``  :func:`stagewise.validate_schedule` of the complete schedule;
+* ``build``     their sum: what ``stagewise.build_schedule`` costs (target < 2 s);
+* ``build cpu``  the same in CPU time of this process (``time.process_time``): on a shared,
+                oversubscribed machine wall time also counts the other jobs' turns;
+* ``simulate``  :func:`stagewise.simulate` of the complete schedule (what ``stagewise simulate`` times);
 
-and prints one row per schedule (best of ``--repeat`` runs for the fast steps, one
-run of ``build_schedule``). A benchmark, not a test: results go to benchmarks/RESULTS.md.
+and prints one row per schedule, the median of ``--repeat`` runs of each step, with the
+load average before and after (the machine is shared). A benchmark, not a test: results
+go to benchmarks/RESULTS.md.
 
     .venv/bin/python benchmarks/schedules_speed.py [--ranks 128] [--microbatches 1024] [--repeat 3]
 """
@@ -19,63 +21,72 @@ run of ``build_schedule``). A benchmark, not a test: results go to benchmarks/RE
 from __future__ import annotations
 
 import argparse
+import os
 import platform
+import statistics
 import time
 from collections.abc import Callable
 from typing import TypeVar
 
 import stagewise as sw
+from stagewise.passes import lower
 from stagewise.simulate import simulate
 
 T = TypeVar("T")
 
 
-def best_of(repeat: int, fn: Callable[..., T], *args: object) -> tuple[float, T]:
-    best, result = float("inf"), None
-    for _ in range(repeat):
-        start = time.perf_counter()
-        result = fn(*args)
-        best = min(best, time.perf_counter() - start)
-    assert result is not None
-    return best, result
+_CPU: list[float] = []  # process time of the last timed() call
+
+
+def timed(fn: Callable[..., T], *args: object, **kwargs: object) -> tuple[float, T]:
+    start, cpu = time.perf_counter(), time.process_time()
+    result = fn(*args, **kwargs)
+    _CPU[:] = [time.process_time() - cpu]
+    return time.perf_counter() - start, result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", "-p", type=int, default=128)
     parser.add_argument("--microbatches", "-m", type=int, default=1024)
-    parser.add_argument("--repeat", type=int, default=3, help="runs of generate / simulate (best is shown)")
-    parser.add_argument("--skip-build", action="store_true", help="do not time build_schedule (the slow part)")
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each step (the median is shown)")
     parser.add_argument("--only", nargs="*", help="schedule names (default: all registered)")
     args = parser.parse_args()
     p, m = args.ranks, args.microbatches
     print(f"stagewise {sw.__version__}, Python {platform.python_version()}, {platform.machine()}; p={p}, m={m}")
+    print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     header = (
-        f"{'schedule':<14} {'v':>2} {'actions':>9} {'generate s':>11} {'simulate s':>11} {'timeline s':>11} "
-        f"{'lower+validate s':>17} {'sim lowered s':>14} {'bubble':>7}"
+        f"{'schedule':<17} {'v':>2} {'actions':>9} {'generate s':>10} {'lower s':>8} {'validate s':>10} "
+        f"{'build s':>8} {'build cpu s':>11} {'simulate s':>10} {'bubble':>7}"
     )
     print(header)
     print("-" * len(header))
     for name in args.only or sw.schedule_names():
-        print(bench_one(name, p, m, args.repeat, args.skip_build), flush=True)
+        print(bench_one(name, p, m, args.repeat), flush=True)
+    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
-def bench_one(name: str, p: int, m: int, repeat: int, skip_build: bool) -> str:
+def bench_one(name: str, p: int, m: int, repeat: int) -> str:
     v = sw.schedule_info(name).default_virtual_stages
-    try:
-        t_gen, schedule = best_of(repeat, sw.generate, name, p, m, v)
-    except ValueError as err:
-        return f"{name:<14} {v:>2} skipped: {err}"
-    t_sim, result = best_of(repeat, simulate, schedule)
-    t_timeline = min(best_of(1, lambda r: r.timeline, simulate(schedule))[0] for _ in range(repeat))
-    actions = sum(len(acts) for acts in schedule.ranks)
-    t_build = t_sim_full = float("nan")
-    if not skip_build:
-        t_build, complete = best_of(1, sw.build_schedule, name, p, m, v)
-        t_sim_full, _ = best_of(repeat, simulate, complete)
+    runs: dict[str, list[float]] = {"generate": [], "lower": [], "validate": [], "simulate": [], "cpu": []}
+    for _ in range(repeat):
+        t, schedule = timed(sw.generate, name, p, m, v)
+        runs["generate"].append(t)
+        cpu = _CPU[0]
+        t, complete = timed(lower, schedule, validate=False)
+        runs["lower"].append(t)
+        cpu += _CPU[0]
+        t, _ = timed(sw.validate_schedule, complete)  # a fresh object each run: nothing is cached
+        runs["validate"].append(t)
+        runs["cpu"].append(cpu + _CPU[0])
+        t, result = timed(simulate, complete)
+        runs["simulate"].append(t)
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    build = med["generate"] + med["lower"] + med["validate"]
+    actions = sum(len(acts) for acts in complete.ranks)
     return (
-        f"{name:<14} {v:>2} {actions:>9} {t_gen:>11.3f} {t_sim:>11.3f} {t_timeline:>11.3f} "
-        f"{t_build:>17.2f} {t_sim_full:>14.3f} {result.bubble_ratio:>7.1%}"
+        f"{name:<17} {v:>2} {actions:>9} {med['generate']:>10.2f} {med['lower']:>8.2f} {med['validate']:>10.2f} "
+        f"{build:>8.2f} {med['cpu']:>11.2f} {med['simulate']:>10.2f} {result.bubble_ratio:>7.1%}"
     )
 
 

@@ -29,25 +29,25 @@ def test_schedules_lists_every_registered_name(capsys: pytest.CaptureFixture[str
 
 
 def test_simulate_json(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run_main(capsys, "simulate", "--schedule", "1f1b", "--stages", "4", "--microbatches", "8", "--json")
+    code, out, _ = run_main(capsys, "simulate", "--schedule", "1f1b", "--ranks", "4", "--microbatches", "8", "--json")
     assert code == 0
     report = json.loads(out)
     assert report["schedule"] == "1f1b"
-    assert (report["stages"], report["microbatches"], report["virtual_stages"]) == (4, 8, 1)
+    assert (report["ranks"], report["microbatches"], report["virtual_stages"]) == (4, 8, 1)
     assert report["makespan"] == (8 + 4 - 1) * 3.0  # F = I = W = 1
     assert report["bubble_ratio"] == pytest.approx(3 / 11)
     assert report["peak_activations"] == [4, 3, 2, 1]
 
 
-def test_b_time_is_the_input_gradient_and_b_is_i_plus_w(capsys: pytest.CaptureFixture[str]) -> None:
+def test_i_time_is_the_input_gradient_and_b_is_i_plus_w(capsys: pytest.CaptureFixture[str]) -> None:
     def makespan(*times: str) -> float:
         code, out, _ = run_main(capsys, "simulate", "-s", "gpipe", "-p", "3", "-m", "5", "--json", *times)
         assert code == 0
         return float(json.loads(out)["makespan"])
 
-    assert makespan("--f-time", "1", "--b-time", "1.5", "--w-time", "0.5") == 7 * 3.0
-    assert makespan("--f-time", "1", "--b-time", "2", "--w-time", "0") == 7 * 3.0
+    assert makespan("--f-time", "1", "--i-time", "1.5", "--w-time", "0.5") == 7 * 3.0
     assert makespan("--f-time", "1", "--i-time", "2", "--w-time", "0") == 7 * 3.0
+    assert makespan("--f-time", "1", "--i-time", "0.5", "--w-time", "0.5") == 7 * 2.0
     # GPipe pays the transfer on each of the p-1 links once each way
     assert makespan("--comm-time", "0.25") == 7 * 3.0 + 2 * 2 * 0.25
 
@@ -87,7 +87,8 @@ def test_simulate_summary_ascii_and_files(capsys: pytest.CaptureFixture[str], tm
         (["-s", "nope", "-p", "4", "-m", "8"], "unknown schedule 'nope'"),
         (["-s", "1f1b", "-p", "4", "-m", "8", "-v", "2"], "needs virtual_stages = 1"),
         (["-s", "1f1b", "-p", "4", "-m", "0"], "--microbatches must be >= 1, got 0"),
-        (["-s", "1f1b", "-p", "0", "-m", "4"], "--stages must be >= 1, got 0"),
+        (["-s", "1f1b", "-p", "0", "-m", "4"], "--ranks must be >= 1, got 0"),
+        (["-s", "1f1b", "-m", "4"], "--ranks P is required"),
         (["-s", "1f1b", "-p", "4", "-m", "4", "--f-time", "-1"], "--f-time must be a finite number >= 0"),
         (["-s", "1f1b", "-p", "4", "-m", "4", "--comm-time", "inf"], "--comm-time must be a finite number >= 0"),
     ],
@@ -136,7 +137,7 @@ def test_run_rejects_bad_arguments(capsys: pytest.CaptureFixture[str], tmp_path:
 def test_console_script_prints_json() -> None:
     exe = Path(sys.executable).with_name("stagewise")
     done = subprocess.run(
-        [str(exe), "simulate", "--schedule", "gpipe", "--stages", "4", "--microbatches", "4", "--json"],
+        [str(exe), "simulate", "--schedule", "gpipe", "--ranks", "4", "--microbatches", "4", "--json"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -163,3 +164,19 @@ def test_simulate_with_a_cost_model_file(capsys: pytest.CaptureFixture[str], tmp
     assert code == 2 and "expected a JSON object" in err
     code, _, err = run_main(capsys, "simulate", "-s", "1f1b", "-p", "3", "-m", "4", "--costs", str(tmp_path / "no"))
     assert code == 2 and "--costs" in err and len(err.strip().splitlines()) == 1
+
+
+def test_old_flag_spellings_still_work_but_are_not_advertised(capsys: pytest.CaptureFixture[str]) -> None:
+    """--stages (meant ranks) and --b-time (meant I) stay for a release as hidden aliases of --ranks / --i-time."""
+    new_args = ["-s", "zb-h1", "--ranks", "3", "-m", "5", "--i-time", "1.5", "--json"]
+    old_args = ["-s", "zb-h1", "--stages", "3", "-m", "5", "--b-time", "1.5", "--json"]
+    code, new, _ = run_main(capsys, "simulate", *new_args)
+    assert code == 0
+    code, old, _ = run_main(capsys, "simulate", *old_args)
+    assert code == 0
+    assert json.loads(old) == json.loads(new)
+    assert json.loads(new)["costs"]["i_time"] == 1.5
+    code, out, _ = run_main(capsys, "simulate", "--help")
+    assert code == 0
+    assert "--ranks" in out and "--i-time" in out
+    assert "--stages" not in out and "--b-time" not in out

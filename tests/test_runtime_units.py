@@ -215,8 +215,7 @@ def _one_rank_cases() -> list[tuple[str, int]]:
     cases = []
     for name in sw.schedule_names():
         info = sw.schedule_info(name)
-        if info.synchronous:
-            cases += [(name, v) for v in (info.virtual_stages or (1, 3))]
+        cases += [(name, v) for v in (info.virtual_stages or (1, 3))]
     return cases
 
 

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from ._gc import gc_paused
 from .actions import Action, Kind, parse_action
 from .costs import CostModel
 from .parallel import ParallelConfig
 from .partition import Partition, partition_costs
-from .passes import add_communication, add_grad_sync, lower, split_backward
+from .passes import add_communication, add_grad_sync, add_optimizer_steps, forward_only, lower, split_backward
 from .plan import Plan, plan
 from .render import render_ascii, render_png, render_trace
 from .schedule import Schedule, loop_placement, v_placement
@@ -32,6 +33,7 @@ def build_schedule(
     virtual_stages: int | None = None,
     *,
     grad_sync: bool = True,
+    optimizer_steps: bool = False,
 ) -> Schedule:
     """The complete, validated schedule ``name``: what the runtime executes.
 
@@ -40,7 +42,9 @@ def build_schedule(
     rank 0: 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1 0SYNC
     rank 1: 1RECV_F0 1F0 1RECV_F1 1B0 1SEND_B0 1F1 1B1 1SEND_B1 1SYNC
     """
-    return lower(generate(name, num_ranks, num_microbatches, virtual_stages), grad_sync=grad_sync)
+    with gc_paused():  # one collection after the build instead of one after each of its three steps
+        schedule = generate(name, num_ranks, num_microbatches, virtual_stages)
+        return lower(schedule, grad_sync=grad_sync, optimizer_steps=optimizer_steps)
 
 
 # Runtime names, imported lazily so the pure core never pulls in torch.distributed.
@@ -118,6 +122,8 @@ __all__ = [
     "Timeline",
     "add_communication",
     "add_grad_sync",
+    "add_optimizer_steps",
+    "forward_only",
     "build_model",
     "build_schedule",
     "generate",

@@ -55,8 +55,8 @@ bubble and peak activation memory.
 
 Times are per micro-batch and per rank: --f-time is the forward of one
 micro-batch through one rank's share of the model (with v virtual stages each
-stage takes T/v), likewise --b-time and --w-time. The backward is split as
-B = I + W: --b-time is I, the input-gradient part (what the previous rank
+stage takes T/v), likewise --i-time and --w-time. The backward is split as
+B = I + W: --i-time is I, the input-gradient part (what the previous rank
 waits for), --w-time is W, the weight-gradient part. Schedules without split
 backward run a full B costing I + W. --comm-time is the time a value takes to
 reach the next rank (it overlaps compute). Cost units are arbitrary; the
@@ -75,9 +75,10 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     parser.add_argument(
         "--schedule", "-s", required=True, metavar="NAME", help="registered name (see `stagewise schedules`)"
     )
-    parser.add_argument(
-        "--stages", "-p", type=int, required=True, metavar="P", help="number of ranks P (pipeline degree)"
-    )
+    # not required=True: argparse would then refuse the hidden --stages alias below; checked in _check_simulate_args
+    parser.add_argument("--ranks", "-p", type=int, metavar="P", help="number of ranks P (pipeline degree); required")
+    # the old spelling (it always meant ranks, not stages): accepted for one release, not advertised
+    parser.add_argument("--stages", type=int, dest="ranks", help=argparse.SUPPRESS)
     parser.add_argument("--microbatches", "-m", type=int, required=True, metavar="M", help="micro-batches per step")
     parser.add_argument(
         "--virtual-stages",
@@ -89,13 +90,10 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     parser.add_argument("--f-time", type=float, default=1.0, metavar="T", help="forward time F per rank (default 1)")
     parser.add_argument(
-        "--b-time",
-        "--i-time",
-        type=float,
-        default=1.0,
-        metavar="T",
-        help="input-gradient time I per rank; B = I + W (default 1)",
+        "--i-time", type=float, default=1.0, metavar="T", help="input-gradient time I per rank; B = I + W (default 1)"
     )
+    # the old spelling (it always meant I, not the full backward B): accepted for one release, not advertised
+    parser.add_argument("--b-time", type=float, dest="i_time", help=argparse.SUPPRESS)
     parser.add_argument(
         "--w-time", type=float, default=1.0, metavar="T", help="weight-gradient time W per rank (default 1)"
     )
@@ -117,13 +115,15 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 
 
 def _check_simulate_args(args: argparse.Namespace) -> None:
-    if args.stages < 1:
-        raise UsageError(f"--stages must be >= 1, got {args.stages}")
+    if args.ranks is None:
+        raise UsageError("--ranks P is required: the number of ranks (pipeline degree)")
+    if args.ranks < 1:
+        raise UsageError(f"--ranks must be >= 1, got {args.ranks}")
     if args.microbatches < 1:
         raise UsageError(f"--microbatches must be >= 1, got {args.microbatches}")
     if args.virtual_stages is not None and args.virtual_stages < 1:
         raise UsageError(f"--virtual-stages must be >= 1, got {args.virtual_stages}")
-    for flag in ("f_time", "b_time", "w_time", "comm_time", "sync_time"):
+    for flag in ("f_time", "i_time", "w_time", "comm_time", "sync_time"):
         value = getattr(args, flag)
         if not 0 <= value < math.inf:
             raise UsageError(f"--{flag.replace('_', '-')} must be a finite number >= 0, got {value}")
@@ -137,7 +137,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from .simulate import simulate
 
     _check_simulate_args(args)
-    schedule = build_schedule(args.schedule, args.stages, args.microbatches, args.virtual_stages)
+    schedule = build_schedule(args.schedule, args.ranks, args.microbatches, args.virtual_stages)
     v = schedule.virtual_stages
     if args.costs:
         costs = _load_costs(args.costs)
@@ -145,14 +145,14 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         costs = CostModel.uniform(
             schedule.num_stages,
             forward=args.f_time / v,
-            backward_input=args.b_time / v,
+            backward_input=args.i_time / v,
             backward_weight=args.w_time / v,
             comm_time=args.comm_time,
             sync_time=args.sync_time / v,
         )
     if costs.num_stages != schedule.num_stages:
         raise UsageError(
-            f"--costs describes {costs.num_stages} stages, but {args.schedule} with {args.stages} ranks and "
+            f"--costs describes {costs.num_stages} stages, but {args.schedule} with {args.ranks} ranks and "
             f"{v} stages per rank has {schedule.num_stages}"
         )
     result = simulate(schedule, costs)
@@ -166,7 +166,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         render_trace(result.timeline, args.trace)
     report = {
         "schedule": args.schedule,
-        "stages": schedule.num_ranks,
+        "ranks": schedule.num_ranks,
+        "stages": schedule.num_ranks,  # the old key (it meant ranks), kept for one release
         "microbatches": schedule.num_microbatches,
         "virtual_stages": v,
         "makespan": result.makespan,
@@ -177,7 +178,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         if args.costs
         else {
             "f_time": args.f_time,
-            "b_time": args.b_time,
+            "i_time": args.i_time,
+            "b_time": args.i_time,  # the old key (it meant I), kept for one release
             "w_time": args.w_time,
             "comm_time": args.comm_time,
             "sync_time": args.sync_time,
@@ -190,7 +192,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     times = (
         f"costs from {args.costs}"
         if args.costs
-        else f"F={args.f_time:g} I={args.b_time:g} W={args.w_time:g} comm={args.comm_time:g}"
+        else f"F={args.f_time:g} I={args.i_time:g} W={args.w_time:g} comm={args.comm_time:g}"
     )
     print(f"{args.schedule}: {schedule.num_ranks} ranks, {stages}, {schedule.num_microbatches} micro-batches ({times})")
     print(f"  makespan   {result.makespan:g}")

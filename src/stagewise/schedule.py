@@ -6,9 +6,12 @@ import csv
 import io
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 from pathlib import Path
 
-from .actions import Action, Kind, parse_action
+from .actions import COMM, Action, Kind, parse_action
+
+_kind_of = itemgetter(1)
 
 
 def loop_placement(num_ranks: int, virtual_stages: int = 1) -> tuple[int, ...]:
@@ -42,7 +45,10 @@ class Schedule:
     ``placement[s]`` is the rank that holds stage ``s``; ``ranks[r]`` is rank
     r's action list, in execution order. A schedule is *compute-only* while it
     holds just F/B/I/W actions, and *complete* once the passes have added
-    communication (see :mod:`stagewise.passes`).
+    communication (see :mod:`stagewise.passes`). ``meta`` carries facts that
+    are not actions: ``meta["forward_only"] = True`` marks an eval schedule
+    (:func:`stagewise.passes.forward_only`), which the validator then checks
+    for forwards only.
     """
 
     name: str
@@ -84,11 +90,12 @@ class Schedule:
     @property
     def is_complete(self) -> bool:
         """True when the schedule carries its own communication actions."""
-        return any(a.kind.is_comm for actions in self.ranks for a in actions) or self.num_ranks == 1
+        # set operations over the kinds run in C: this is asked of schedules with millions of actions
+        return self.num_ranks == 1 or any(not COMM.isdisjoint(map(_kind_of, acts)) for acts in self.ranks)
 
     @property
     def uses_split_backward(self) -> bool:
-        return any(a.kind is Kind.I for actions in self.ranks for a in actions)
+        return any(Kind.I in set(map(_kind_of, acts)) for acts in self.ranks)
 
     def with_ranks(self, ranks: Sequence[Iterable[Action]], name: str | None = None) -> Schedule:
         return Schedule(

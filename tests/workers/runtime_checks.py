@@ -126,16 +126,13 @@ def _supported(name: str, p: int, m: int, v: int) -> bool:
 
 
 def parity_checks(world: int) -> dict[str, Check]:
-    """Every synchronous registered schedule (and a few written here) x models x micro-batch counts."""
+    """Every registered schedule (and a few written here) x models x micro-batch counts."""
     p = world
     out: dict[str, Check] = {}
     for name in sw.schedule_names():
         info = sw.schedule_info(name)
-        if not info.synchronous:
-            continue
         for v in _vs(info):
-            least = info.min_microbatches(p, v) if info.min_microbatches else 1
-            counts = [m for m in sorted({max(least, c) for c in (1, p - 1, 2 * p + 1)}) if _supported(name, p, m, v)]
+            counts = [m for m in sorted({1, p - 1, 2 * p + 1}) if m >= 1 and _supported(name, p, m, v)]
             if not counts:
                 continue
             tag = f"{name}-v{v}"

@@ -15,24 +15,14 @@ and the last backward either of them runs still has to go back to stage 0
 (vp-1-(v-1)m)/(vp+m-1) for m <= p. They differ in memory: interleaved 1F1B
 holds about p micro-batches of activations per rank, breadth-first all m.
 
-The loop and stagewise's communication model: :func:`stagewise.passes.add_communication`
-posts each receive right before the compute that uses it, and the validator
-runs the ranks with blocking, batched point-to-point (a batch completes once
-every partner has posted). A value that must wait for its consumer blocks its
-sender, and on a loop the blocked senders close a ring. For interleaved 1F1B
-that happens as soon as a second group of micro-batches follows the first
-(m > p), with Megatron-LM's order (Megatron's runtime posts the receives of
-the next forward and backward one step ahead) and with every variant tried
-(other warm-ups, group sizes and F/B patterns; a search found gap-free valid
-orders only for p = 2). On two ranks it fails one check earlier: both
-directions of the link carry forwards and gradients, and the two sides post
-them in different orders. For breadth-first it happens once rank 0 still runs
-first-chunk forwards while the wrapped values of p earlier micro-batches wait
-for it (m >= 2p). Those combinations are refused with a ValueError
-(``unsupported`` in the registry). The orders themselves are right for every
-m: their compute-only schedules validate and time as above, and a lowering
-that posts each receive in the consumer's first batch after the value is
-made (by a timing of the schedule) lowers them all.
+Both build, lower and validate for every p, m and v. On a loop the
+communication needs care: posting each receive right before the compute that
+uses it deadlocks under blocking, batched point-to-point once a second group
+of micro-batches follows the first (values waiting to cross from rank p-1
+back to rank 0 block their senders in a ring). :func:`stagewise.passes.add_communication`
+therefore posts each receive in the consumer's first batch after the value is
+made (judged by a timing of the schedule), and the validator's rendezvous
+simulation checks the result.
 """
 
 from __future__ import annotations
@@ -41,27 +31,6 @@ from ..actions import Action, Kind
 from .registry import register
 
 F, B = Kind.F, Kind.B
-
-
-def _interleaved_unsupported(p: int, m: int, v: int) -> str | None:
-    if p > 1 and v > 1 and m > p:
-        return (
-            f"with v > 1 it takes at most p = {p} micro-batches: beyond one group of p, values waiting to "
-            "cross from rank p-1 back to rank 0 block their senders in a ring, and the communication pass "
-            "(each receive posted right before its use) deadlocks under blocking point-to-point (on 2 ranks "
-            "the two sides already post the link's messages in different orders)"
-        )
-    return None
-
-
-def _bfs_unsupported(p: int, m: int, v: int) -> str | None:
-    if p > 1 and v > 1 and m >= 2 * p:
-        return (
-            f"with v > 1 it takes at most 2p-1 = {2 * p - 1} micro-batches: beyond that, values crossing from "
-            "rank p-1 back to rank 0 wait while rank 0 still runs its first-chunk forwards, their senders block "
-            "in a ring, and the communication pass (each receive posted right before its use) deadlocks"
-        )
-    return None
 
 
 def microbatch_groups(p: int, m: int) -> list[int]:
@@ -95,8 +64,7 @@ def chunk_order(groups: list[int], v: int, *, backward: bool) -> list[tuple[int,
 
 @register(
     "interleaved-1f1b",
-    summary="each rank holds v loop-placed stages; 1F1B over groups of p micro-batches, chunk by chunk "
-    "(for now m <= p when v > 1: see the module docstring)",
+    summary="each rank holds v loop-placed stages; 1F1B over groups of p micro-batches, chunk by chunk",
     paper="Narayanan et al., Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM, "
     "SC 2021, Sec. 2.2.2 (interleaved schedule, Fig. 4)",
     bubble="(p-1)/(vm+p-1) for m >= p, (vp-1-(v-1)m)/(vp+m-1) for m < p",
@@ -111,8 +79,7 @@ def interleaved_1f1b(p: int, m: int, v: int) -> list[list[Action]]:
     runs a group's forwards chunk by chunk, 0 to v-1, and its backwards chunk
     by chunk, v-1 to 0 (:func:`chunk_order`). Rank r runs (v-1)*g + p-1-r
     forwards first (g: the first group's size), then alternates one forward
-    and one backward, then drains its backwards. p=2, m=4, v=2 (the order;
-    the registry refuses m > p for now, see the module docstring)::
+    and one backward, then drains its backwards. p=2, m=4, v=2::
 
         rank 0  f0 f1 F0 F1 .  .  B0 B0 f2 B1 B1 f3 b0 b0 F2 b1 b1 F3 B2 B2 .  B3 B3 b2 b2 b3 b3
         rank 1  .  f0 f1 F0 B0 B0 F1 B1 B1 f2 b0 b0 f3 b1 b1 F2 B2 B2 F3 B3 B3 b2 b2 b3 b3 .  .
@@ -149,8 +116,7 @@ def interleaved_1f1b(p: int, m: int, v: int) -> list[list[Action]]:
 
 @register(
     "looped-bfs",
-    summary="each rank runs all m forwards of one local stage before the next, then backwards in reverse "
-    "(for now m <= 2p-1 when v > 1: see the module docstring)",
+    summary="each rank runs all m forwards of one local stage before the next, then backwards in reverse",
     paper="Lamy-Poirier, Breadth-First Pipeline Parallelism, MLSys 2023",
     bubble="(p-1)/(vm+p-1) for m >= p, (vp-1-(v-1)m)/(vp+m-1) for m < p",
     memory="m",
