@@ -180,7 +180,7 @@ def _title_and_legend(fig: Any, timeline: Timeline, title: str | None, v: int, d
 
     span = timeline.makespan
     facts = [_plural(timeline.num_ranks, "rank")]
-    m = timeline.meta.get("num_microbatches", timeline.meta.get("microbatches"))
+    m = timeline.meta.get("num_microbatches")
     if not isinstance(m, int):
         mbs = {e.action.microbatch for e in timeline.events if e.action.microbatch is not None}
         m = len(mbs) if mbs else None

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..passes import lower
+from ..passes import add_optimizer_steps, lower
 from ..schedule import Schedule
 from ..schedules import schedule_info
 from ..validate import validate_schedule
@@ -48,28 +48,41 @@ def resolve_context(
     group: Any = None,
     parallel: ParallelConfig | Mesh | None = None,
     device: torch.device | str | None = None,
+    optimizer_steps: bool = False,
 ) -> PipelineContext:
-    """The context of a new pipeline; the schedule is complete and validated for the group's size."""
+    """The context of a new pipeline; the schedule is complete and validated for the group's size.
+
+    ``optimizer_steps``: the pipeline steps an optimizer per stage, so the schedule gets a STEP per stage
+    (placed by :func:`stagewise.passes.add_optimizer_steps`, right after the stage's SYNC).
+    """
     groups.require_initialized()
     hybrid = _hybrid(parallel, group)  # pp x dp x sharding x tp: the schedule runs on the pp group
     pg = groups.group_or_world(group if hybrid is None else hybrid.pp_group)
     rank, size = groups.group_rank(pg), groups.group_size(pg)
-    sched = resolve_schedule(schedule, size, microbatches, virtual_stages)
+    sched = resolve_schedule(schedule, size, microbatches, virtual_stages, optimizer_steps=optimizer_steps)
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if groups.backend_of(pg) == "nccl" else "cpu"
     return PipelineContext(pg, rank, size, sched, torch.device(device), hybrid)
 
 
 def resolve_schedule(
-    schedule: str | Schedule, num_ranks: int, microbatches: int | None, virtual_stages: int | None
+    schedule: str | Schedule,
+    num_ranks: int,
+    microbatches: int | None,
+    virtual_stages: int | None,
+    *,
+    optimizer_steps: bool = False,
 ) -> Schedule:
-    """The complete, validated schedule to run, checked against the group before anything is built."""
+    """The complete, validated schedule to run, checked against the group before anything is built.
+
+    With ``optimizer_steps`` every stage has a STEP (a schedule that places its own keeps them).
+    """
     from .. import build_schedule
 
     if isinstance(schedule, str):
         schedule_info(schedule)  # a clear error for unknown names
         m = num_ranks if microbatches is None else microbatches
-        return build_schedule(schedule, num_ranks, m, virtual_stages)
+        return build_schedule(schedule, num_ranks, m, virtual_stages, optimizer_steps=optimizer_steps)
     if not isinstance(schedule, Schedule):
         raise TypeError(f"schedule must be a registered name or a stagewise.Schedule, got {type(schedule).__name__}")
     if schedule.num_ranks != num_ranks:
@@ -85,9 +98,11 @@ def resolve_schedule(
             f"virtual_stages={virtual_stages}, but schedule {schedule.name!r} has {schedule.virtual_stages} per rank"
         )
     if schedule.is_complete:
+        if optimizer_steps:
+            schedule = add_optimizer_steps(schedule)
         validate_schedule(schedule)
         return schedule
-    return lower(schedule)
+    return lower(schedule, optimizer_steps=optimizer_steps)
 
 
 def _hybrid(parallel: ParallelConfig | Mesh | None, group: Any) -> Hybrid | None:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..actions import Action, Kind
+from ..passes import forward_only
 from ..schedule import Schedule
 from ..stage_counts import PartitionSpec
 from ..timeline import Timeline
@@ -152,6 +152,7 @@ class Pipeline(nn.Module):
             group=group,
             parallel=parallel,
             device=device,
+            optimizer_steps=optimizer is not None,
         )
         named = named_layers(layers)
         parts = build_layer_stages(
@@ -211,6 +212,7 @@ class Pipeline(nn.Module):
         as ``stage{s}``. ``options``: the Pipeline's training options
         (``loss_fn``, ``optimizer``, ``timeout``, ...; see :class:`RunOptions`).
         """
+        run = RunOptions(**options)
         ctx = resolve_context(
             schedule=schedule,
             microbatches=microbatches,
@@ -218,8 +220,9 @@ class Pipeline(nn.Module):
             group=group,
             parallel=parallel,
             device=device,
+            optimizer_steps=run.optimizer is not None,
         )
-        return cls._from_parts(ctx, given_stages(stages, ctx), RunOptions(**options))
+        return cls._from_parts(ctx, given_stages(stages, ctx), run)
 
     @classmethod
     def _from_parts(
@@ -246,6 +249,7 @@ class Pipeline(nn.Module):
             options.target_batch_dim,
         )
         self.local_stages = ctx.local_stages
+        self.eval_schedule = forward_only(self.schedule)  # validated: what eval_step runs
         self.layer_ranges, self.layer_profile, self.model_cut = parts.layer_ranges, parts.profile, parts.model_cut
         self._tied_copies = parts.tied_copies
         parts.register(self)
@@ -283,8 +287,8 @@ class Pipeline(nn.Module):
         self.hooks.parts.append(norms)
         self._runner = Runner(
             self.rank, self.schedule, self.device, self.transport, interpreter, stages,
-            train_actions(self.schedule, self.rank, options.optimizer is not None),
-            eval_actions(self.schedule, self.rank),
+            self.schedule.ranks[self.rank],
+            self.eval_schedule.ranks[self.rank],
             (options.batch_dim, options.target_batch_dim), options.loss_fn is not None, self.tied, self.hybrid, meter,
             norms, options.loss_weights,
         )  # fmt: skip
@@ -339,7 +343,7 @@ class Pipeline(nn.Module):
             rank=self.rank,
             num_ranks=self.num_ranks,
             name=self.schedule.name,
-            meta={"mode": step.mode if step else None, "microbatches": self.schedule.num_microbatches},
+            meta={"mode": step.mode if step else None, "num_microbatches": self.schedule.num_microbatches},
             started=self._runner.step_started,
             clock_offset=self._clock_offset,
             group=self.transport.group if gather else None,
@@ -425,18 +429,3 @@ class Pipeline(nn.Module):
         transport = self.__dict__.get("transport")
         if transport is not None:
             transport.close()
-
-
-def train_actions(schedule: Schedule, rank: int, optimizing: bool) -> tuple[Action, ...]:
-    """What ``rank`` executes in a train step: its list, with a STEP per local stage when it has an optimizer."""
-    actions = schedule.ranks[rank]
-    if not optimizing:
-        return tuple(actions)
-    stepped = {a.stage for a in actions if a.kind is Kind.STEP}
-    extra = [Action(s, Kind.STEP) for s in schedule.stages_of(rank) if s not in stepped]
-    return tuple(actions) + tuple(extra)
-
-
-def eval_actions(schedule: Schedule, rank: int) -> tuple[Action, ...]:
-    """What ``rank`` executes in an eval step: the forwards and their communication."""
-    return tuple(a for a in schedule.ranks[rank] if a.kind in (Kind.F, Kind.SEND_F, Kind.RECV_F))

@@ -122,7 +122,10 @@ def from_model(
     sched = schedule_for_stages(
         schedule, groups.group_size(pg), stages, microbatches, virtual_stages, "tags" if tags else ""
     )
-    ctx = resolve_context(schedule=sched, microbatches=None, virtual_stages=None, group=group, device=device)
+    steps = options.get("optimizer") is not None
+    ctx = resolve_context(
+        schedule=sched, microbatches=None, virtual_stages=None, group=group, device=device, optimizer_steps=steps
+    )
     n = sched.num_stages
     measured: LayerProfile | None = None
     if tags:

@@ -306,7 +306,10 @@ def from_hf(
             f"{sched.num_stages} stages need at least {sched.num_stages} decoder layers; {type(model).__name__} has "
             f"{n} ({layout.layers})"
         )
-    ctx = resolve_context(schedule=sched, microbatches=None, virtual_stages=None, group=group, device=device)
+    steps = options.get("optimizer") is not None
+    ctx = resolve_context(
+        schedule=sched, microbatches=None, virtual_stages=None, group=group, device=device, optimizer_steps=steps
+    )
     units = [(str(i), HFStage(model, layout, [i], first=i == 0, last=i == n - 1)) for i in range(n)]
     plan = plan_layers(
         units,
