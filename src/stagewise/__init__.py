@@ -17,9 +17,13 @@ from .passes import add_communication, add_grad_sync, lower, split_backward
 from .render import render_ascii, render_png, render_trace
 from .schedule import Schedule, loop_placement, v_placement
 from .schedules import generate, schedule_info, schedule_names
+from .schedules.asynchronous import async_schedule
 from .simulate import SimResult, simulate
+from .simulate_async import AsyncReport, async_report
 from .timeline import Event, Timeline
 from .validate import ScheduleError, validate_schedule
+from .validate_versions import validate_versions
+from .versions import Version, VersionTable
 
 __version__ = "0.1.0"
 
@@ -64,6 +68,7 @@ _LAZY = {
     "Tied": ".runtime.model.tied",
     "aux_loss": ".runtime.engine.aux",
     "collect_aux_losses": ".runtime.engine.aux",
+    "async_reference": ".runtime.asynchronous.reference",
 }
 
 
@@ -77,7 +82,14 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "AsyncReport",
     "CostModel",
+    "Version",
+    "VersionTable",
+    "async_reference",
+    "async_report",
+    "async_schedule",
+    "validate_versions",
     "Tied",
     "aux_loss",
     "collect_aux_losses",

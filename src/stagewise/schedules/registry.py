@@ -30,6 +30,9 @@ class ScheduleInfo:
     min_microbatches: Callable[[int, int], int] | None = None  # (p, v) -> least m, None = 1
     #: (p, m, v) -> why the combination is not supported, or None; for limits that are not a least m
     unsupported: Callable[[int, int, int], str | None] | None = None
+    #: (p, m, v) -> the whole compute-only Schedule, meta included (asynchronous schedules carry a version
+    #: table); None = a Schedule around ``generator``'s action lists
+    build: Callable[[int, int, int], Schedule] | None = None
 
     def check(self, num_ranks: int, num_microbatches: int, virtual_stages: int) -> None:
         """Raise ValueError naming the constraint a combination breaks."""
@@ -74,6 +77,7 @@ def register(
     synchronous: bool = True,
     min_microbatches: Callable[[int, int], int] | None = None,
     unsupported: Callable[[int, int, int], str | None] | None = None,
+    build: Callable[[int, int, int], Schedule] | None = None,
 ) -> Callable[[Generator], Generator]:
     """Decorator: add a generator to the registry under ``name``."""
 
@@ -93,6 +97,7 @@ def register(
             synchronous=synchronous,
             min_microbatches=min_microbatches,
             unsupported=unsupported,
+            build=build,
         )
         return generator
 
@@ -117,6 +122,8 @@ def generate(name: str, num_ranks: int, num_microbatches: int, virtual_stages: i
     info = schedule_info(name)
     v = info.default_virtual_stages if virtual_stages is None else virtual_stages
     info.check(num_ranks, num_microbatches, v)
+    if info.build is not None:
+        return info.build(num_ranks, num_microbatches, v)
     placement = loop_placement(num_ranks, v) if info.placement == "loop" else v_placement(num_ranks, v)
     ranks = info.generator(num_ranks, num_microbatches, v)
     return Schedule(
@@ -132,7 +139,7 @@ def _load_builtin() -> None:
     """Import the built-in schedule modules (their @register calls), in the order tables list them."""
     import importlib
 
-    for module in ("basic", "interleaved", "zero_bubble", "dualpipe"):
+    for module in ("basic", "interleaved", "zero_bubble", "dualpipe", "asynchronous"):
         importlib.import_module(f"{__package__}.{module}")
 
 
