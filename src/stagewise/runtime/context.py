@@ -51,6 +51,8 @@ def resolve_context(
 ) -> PipelineContext:
     """The context of a new pipeline; the schedule is complete and validated for the group's size."""
     groups.require_initialized()
+    if parallel is not None:
+        _refuse_async_hybrid(schedule)
     hybrid = _hybrid(parallel, group)  # pp x dp x sharding x tp: the schedule runs on the pp group
     pg = groups.group_or_world(group if hybrid is None else hybrid.pp_group)
     rank, size = groups.group_rank(pg), groups.group_size(pg)
@@ -88,6 +90,18 @@ def resolve_schedule(
         validate_schedule(schedule)
         return schedule
     return lower(schedule)
+
+
+def _refuse_async_hybrid(schedule: str | Schedule) -> None:
+    """parallel= with an asynchronous schedule: refused before the mesh is built (see runtime/asynchronous)."""
+    from .asynchronous.train import is_async_request
+
+    if is_async_request(schedule):
+        name = schedule if isinstance(schedule, str) else schedule.name
+        raise ValueError(
+            f"parallel= is not supported with asynchronous schedule {name!r}: data-parallel replicas would have "
+            "to average each mini-batch's gradient at every stage's STEP, which is not implemented"
+        )
 
 
 def _hybrid(parallel: ParallelConfig | Mesh | None, group: Any) -> Hybrid | None:

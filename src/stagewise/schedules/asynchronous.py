@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from ..actions import Action, Kind
 from ..schedule import Schedule, loop_placement
-from ..versions import POLICIES, version_table
+from ..versions import POLICIES, VersionTable, version_table
 from .registry import _load_builtin, register
 
 F, B, SYNC, STEP = Kind.F, Kind.B, Kind.SYNC, Kind.STEP
@@ -126,6 +126,24 @@ def async_schedule(
     return schedule
 
 
+_NAME_OF_POLICY: dict[str, tuple[str, dict[str, bool]]] = {
+    "stash": ("pipedream", {}),
+    "none": ("pipedream", {"stashing": False}),
+    "vertical": ("pipedream", {"vertical_sync": True}),
+    "2bw": ("pipedream-2bw", {}),
+    "predict": ("xpipe", {}),
+}
+
+
+def window_of(schedule: Schedule, minibatches: int) -> Schedule:
+    """The same asynchronous schedule (policy, ranks, micro-batches per mini-batch) over ``minibatches``."""
+    table = schedule.meta.get("versions")
+    if not isinstance(table, VersionTable):
+        raise ValueError(f"schedule {schedule.name!r} is not asynchronous (it has no version table)")
+    name, options = _NAME_OF_POLICY[table.policy]
+    return async_schedule(name, schedule.num_ranks, minibatches, table.microbatches, **options)
+
+
 def registry_minibatch(name: str, p: int, m: int) -> int:
     """Micro-batches per mini-batch when an asynchronous schedule is built by name with m micro-batches in all.
 
@@ -194,4 +212,4 @@ for _name in ASYNC_NAMES:
         build=_builder(_name),  # type: ignore[arg-type]
     )(_generator(_name))  # type: ignore[arg-type]
 
-__all__ = ["ASYNC_NAMES", "POLICIES", "async_schedule", "no_flush_1f1b", "policy_of"]
+__all__ = ["ASYNC_NAMES", "POLICIES", "async_schedule", "no_flush_1f1b", "policy_of", "window_of"]
