@@ -73,6 +73,7 @@ class StageVersions:
         self.current = 0
         self.stored: dict[Version, list[torch.Tensor]] = {}
         self.sums: dict[int, list[torch.Tensor | None]] = {}
+        self.peak = 0  # most snapshots held at once (never reset: over all windows)
 
     def reset(self) -> None:
         """A new window: the weights as they are now are version 0; nothing is stashed."""
@@ -93,6 +94,7 @@ class StageVersions:
         values = predict(self.optimizer, self.stage.params, version.ahead)
         leaves = [v.requires_grad_(p.requires_grad) for v, p in zip(values, self.stage.params)]
         self.stored[version] = leaves
+        self.peak = max(self.peak, len(self.stored))
         return leaves
 
     def release(self, versions: tuple[Version, ...]) -> None:
