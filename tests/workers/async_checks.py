@@ -167,11 +167,31 @@ def _tied(ctx: Ctx) -> Any:
     )  # fmt: skip
 
 
-def _parallel(ctx: Ctx) -> Any:
+def _sharded(ctx: Ctx) -> Any:
     return sw.Pipeline(
         mdl.mlp(), loss_fn=F.cross_entropy, schedule="pipedream", optimizer=optimizer("sgd"),
-        parallel=sw.ParallelConfig(pp=ctx.world // 2 or 1, dp=2),
+        parallel=sw.ParallelConfig(pp=ctx.world // 2, sharding=2),
     )  # fmt: skip
+
+
+def data_parallel(name: str, opt: str, m: int) -> Check:
+    """pp = world/2 x dp = 2: replicas stream halves of each mini-batch; equal to the reference on whole ones."""
+
+    def check(ctx: Ctx) -> dict[str, Any]:
+        pp, window = ctx.world // 2, ctx.world // 2 + 1
+        schedule = sw.async_schedule(name, pp, window, m)
+        pipe = sw.Pipeline(
+            mdl.mlp(), loss_fn=F.cross_entropy, schedule=schedule, optimizer=optimizer(opt), seed=3,
+            parallel=sw.ParallelConfig(pp=pp, dp=2),
+        )  # fmt: skip
+        data = stream(2 * window + 1, 4 * m)
+        losses = list(pipe.train_stream(pipe.local_batch(x, y) for x, y in data))
+        ref = sw.async_reference(mdl.mlp(), schedule, optimizer(opt), data, loss_fn=F.cross_entropy, seed=3)
+        worst = compare(pipe, losses, ref)
+        assert worst <= TOL, f"{name} with dp=2: differs from the reference by {worst:.3e}"
+        return {"worst": worst}
+
+    return check
 
 
 def checks(world: int) -> dict[str, Check]:
@@ -193,5 +213,7 @@ def checks(world: int) -> dict[str, Check]:
     out["refuse-stream-sync"] = refused(_stream_sync_refused, "is synchronous: use train_step")
     out["refuse-tied"] = refused(_tied, "tied modules (emb) are not supported")
     if world % 2 == 0 and world >= 4:
-        out["refuse-parallel"] = refused(_parallel, "parallel= is not supported with asynchronous schedule")
+        out["refuse-sharding"] = refused(_sharded, "supports parallel= with pp and dp only")
+        out["dp-pipedream"] = data_parallel("pipedream", "adam", 1)
+        out["dp-xpipe"] = data_parallel("xpipe", "momentum", 2)
     return out

@@ -52,7 +52,7 @@ def resolve_context(
     """The context of a new pipeline; the schedule is complete and validated for the group's size."""
     groups.require_initialized()
     if parallel is not None:
-        _refuse_async_hybrid(schedule)
+        _refuse_async_hybrid(schedule, parallel)
     hybrid = _hybrid(parallel, group)  # pp x dp x sharding x tp: the schedule runs on the pp group
     pg = groups.group_or_world(group if hybrid is None else hybrid.pp_group)
     rank, size = groups.group_rank(pg), groups.group_size(pg)
@@ -92,15 +92,16 @@ def resolve_schedule(
     return lower(schedule)
 
 
-def _refuse_async_hybrid(schedule: str | Schedule) -> None:
-    """parallel= with an asynchronous schedule: refused before the mesh is built (see runtime/asynchronous)."""
+def _refuse_async_hybrid(schedule: str | Schedule, parallel: Any) -> None:
+    """parallel= with an asynchronous schedule: data parallelism only, checked before the mesh is built."""
     from .asynchronous.train import is_async_request
 
-    if is_async_request(schedule):
+    config = getattr(parallel, "config", parallel)  # a Mesh carries its ParallelConfig
+    if is_async_request(schedule) and (getattr(config, "tp", 1) > 1 or getattr(config, "sharding", 1) > 1):
         name = schedule if isinstance(schedule, str) else schedule.name
         raise ValueError(
-            f"parallel= is not supported with asynchronous schedule {name!r}: data-parallel replicas would have "
-            "to average each mini-batch's gradient at every stage's STEP, which is not implemented"
+            f"asynchronous schedule {name!r} supports parallel= with pp and dp only, got tp={config.tp}, "
+            f"sharding={config.sharding}: weight snapshots of split or sharded parameters are not implemented"
         )
 
 

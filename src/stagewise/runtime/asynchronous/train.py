@@ -15,8 +15,15 @@ What is refused, before any rank communicates (:func:`check_async`): no
 optimizer factory (each stage steps at its own STEPs), ``recompute=`` (a
 checkpointed segment would recompute on the live weights, not the stashed
 version), tied modules (their copies on two stages would step at different
-times), ``parallel=`` (checked in :mod:`..context`), and an optimizer
-without a prediction rule for ``xpipe``.
+times), ``parallel=`` with tp or sharding (checked in :mod:`..context`), and
+an optimizer without a prediction rule for ``xpipe``.
+
+Data parallelism (``parallel=ParallelConfig(pp=..., dp=...)``): each replica
+streams its own share of every mini-batch (:meth:`Pipeline.local_batch`); at
+each stage's SYNC the mini-batch's summed gradient becomes ``.grad`` and the
+replicas average it (the data-parallel averager, started at SYNC, waited for
+at STEP), so every replica applies the same update to the same version; the
+losses yielded are averaged over the replicas.
 """
 
 from __future__ import annotations
@@ -169,6 +176,10 @@ class AsyncTrainer:
                 buf[i // m] += float(step.losses[i]) * w
         if pipe.num_ranks > 1:
             pipe.transport.broadcast(buf, owner, f"the window's losses from rank {owner}")
+        if pipe.hybrid is not None:  # data parallel: each mini-batch's loss, averaged over the replicas
+            pipe.hybrid.before_step()
+            pipe.hybrid.mesh.all_reduce(buf, ("dp", "sharding"))
+            buf /= pipe.hybrid.config.replicas
         return [float(x) for x in buf.tolist()]
 
 
