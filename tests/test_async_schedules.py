@@ -264,3 +264,16 @@ def test_png_marks_versions(tmp_path: object) -> None:
     out = pathlib.Path(str(tmp_path)) / "pd.png"
     sw.render_png(timeline, out)
     assert out.stat().st_size > 1000
+
+
+def test_cli_reports_weight_versions(capsys: pytest.CaptureFixture[str], tmp_path: object) -> None:
+    import json
+
+    from stagewise.cli import main
+
+    assert main(["simulate", "-s", "pipedream", "-p", "4", "-m", "10", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["peak_weight_versions"] == [4, 3, 2, 1]
+    assert report["makespan"] == (10 + 4 - 1) * 3.0
+    assert main(["simulate", "-s", "1f1b", "-p", "2", "-m", "2", "--json"]) == 0
+    assert "peak_weight_versions" not in json.loads(capsys.readouterr().out)

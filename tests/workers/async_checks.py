@@ -194,6 +194,20 @@ def data_parallel(name: str, opt: str, m: int) -> Check:
     return check
 
 
+def eval_after_stream(ctx: Ctx) -> None:
+    """eval_step on an asynchronous pipeline runs the live (latest) weights: the reference model's outputs."""
+    p = ctx.world
+    schedule = sw.async_schedule("pipedream", p, p + 1)
+    data = stream(p + 3, 4)
+    losses, pipe = run_pipeline(ctx, schedule, "sgd", data)
+    ref = sw.async_reference(mdl.mlp(), schedule, optimizer("sgd"), data, loss_fn=F.cross_entropy, seed=3)
+    assert compare(pipe, losses, ref) <= TOL
+    x, _ = mdl.mlp_data(2 * (p + 1), seed=7)
+    out = pipe.eval_step(x if ctx.rank == 0 else None)
+    if ctx.rank == p - 1:
+        torch.testing.assert_close(out, ref.model(x).detach(), rtol=0, atol=TOL)
+
+
 def checks(world: int) -> dict[str, Check]:
     out: dict[str, Check] = {}
     for label, name, options, m_of, opt in VARIANTS:
@@ -212,6 +226,11 @@ def checks(world: int) -> dict[str, Check]:
     out["refuse-train-step"] = refused(_train_step_refused, "train with train_stream(batches), not train_step")
     out["refuse-stream-sync"] = refused(_stream_sync_refused, "is synchronous: use train_step")
     out["refuse-tied"] = refused(_tied, "tied modules (emb) are not supported")
+    out["refuse-split-backward"] = refused(
+        _pipe(optimizer=optimizer("sgd"), schedule=sw.split_backward(sw.async_schedule("pipedream", world, 2))),
+        "asynchronous schedules run whole backwards (B), not I/W",
+    )
+    out["eval-after-stream"] = eval_after_stream
     if world % 2 == 0 and world >= 4:
         out["refuse-sharding"] = refused(_sharded, "supports parallel= with pp and dp only")
         out["dp-pipedream"] = data_parallel("pipedream", "adam", 1)

@@ -16,6 +16,7 @@ from ..passes import lower
 from ..schedule import Schedule
 from ..schedules import schedule_info
 from ..validate import validate_schedule
+from ..validate_versions import validate_versions
 from .comm import groups
 
 if TYPE_CHECKING:
@@ -88,8 +89,10 @@ def resolve_schedule(
         )
     if schedule.is_complete:
         validate_schedule(schedule)
-        return schedule
-    return lower(schedule)
+    else:
+        schedule = lower(schedule)
+    validate_versions(schedule)  # asynchronous schedules: the version rules too (a no-op for the others)
+    return schedule
 
 
 def _refuse_async_hybrid(schedule: str | Schedule, parallel: Any) -> None:
