@@ -208,6 +208,22 @@ def eval_after_stream(ctx: Ctx) -> None:
         torch.testing.assert_close(out, ref.model(x).detach(), rtol=0, atol=TOL)
 
 
+def bad_data_fails_everywhere(ctx: Ctx) -> None:
+    """A mini-batch too small for its micro-batches fails on the rank that cuts it and, via the error board, on
+    every other rank, instead of leaving them waiting."""
+    pipe = sw.Pipeline(
+        mdl.mlp(), loss_fn=F.cross_entropy, schedule=sw.async_schedule("pipedream", ctx.world, 2, 2),
+        optimizer=optimizer("sgd"), timeout=60.0,
+    )  # fmt: skip
+    data = [mdl.mlp_data(4, 0), mdl.mlp_data(1, 1)]  # the second mini-batch holds 1 sample for 2 micro-batches
+    try:
+        list(pipe.train_stream(data))
+    except (ValueError, sw.PipelineError) as err:
+        assert "2 micro-batches need at least 2 samples" in str(err), str(err)
+        return
+    raise AssertionError("no error")
+
+
 def checks(world: int) -> dict[str, Check]:
     out: dict[str, Check] = {}
     for label, name, options, m_of, opt in VARIANTS:
@@ -235,4 +251,5 @@ def checks(world: int) -> dict[str, Check]:
         out["refuse-sharding"] = refused(_sharded, "supports parallel= with pp and dp only")
         out["dp-pipedream"] = data_parallel("pipedream", "adam", 1)
         out["dp-xpipe"] = data_parallel("xpipe", "momentum", 2)
+    out["bad-data-fails-everywhere"] = bad_data_fails_everywhere  # last: it leaves a failed pipeline behind
     return out

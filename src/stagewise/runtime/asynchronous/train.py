@@ -28,6 +28,7 @@ losses yielded are averaged over the replicas.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -122,13 +123,11 @@ class AsyncTrainer:
         """Train on ``batches`` (at most a window's worth) as one window; their losses, on every rank."""
         runner = self.pipe._runner
         table, actions = self.window(len(batches))
-        step = self._prepare(batches, table.microbatches)
 
-        def body() -> list[float]:
+        def body() -> list[float]:  # guarded: a failure here (bad data too) is posted, so no rank waits for it
+            step = self._prepare(batches, table.microbatches)
             self.interpreter.start_window(table)
             runner.last_step, runner.running = step, actions
-            import time
-
             runner.step_started = time.perf_counter()
             self.pipe.tied.start_step()
             self.interpreter.run(actions, step)
