@@ -171,12 +171,38 @@ def _builder(name: str) -> object:
     return build
 
 
+#: each registered schedule's rule, for its docstring (W_s^(c): stage s after c updates; i = t*m + k;
+#: c_F, c_B: the updates stage s made before its F / B of i; update c applies mini-batch c's gradient)
+_RULES = {
+    "pipedream": """PipeDream: 1F1B without a flush, one update per mini-batch at each stage.
+
+    Weight stashing (default):  F(s, i) and B(s, i) use W_s^(c_F(s, i)); with m = 1,
+        c_F(s, i) = max(0, i - (p - s - 1)), c_B(s, i) = i, so B differentiates a version p - s - 1 updates old.
+    stashing=False:             F uses W_s^(c_F), B uses W_s^(c_B) (stage recomputed from its saved input).
+    vertical_sync=True:         F and B of (s, i) use W_s^(c_F(0, i)), the version tagged at stage 0.
+    Update t (STEP t, after B(s, tm + m - 1)): W_s^(t+1) = opt(W_s^(t), sum_k grad of w_k loss_k at the version used).
+    """,
+    "pipedream-2bw": """PipeDream-2BW: every micro-batch of mini-batch t uses W_s^(max(0, t - 1)) for F and B.
+
+    Update t: W_s^(t+1) = opt(W_s^(t), sum_k grad f_k(W^(t-1))), i.e. W(t+1) = W(t) - lr grad f(W(t-1)) under SGD;
+    two versions per stage; needs m >= p - 1 (W^(t-1) must exist at t's first forward on stage 0).
+    """,
+    "xpipe": """XPipe: mini-batch t's first forward at stage s sees W_s^(c), c = c_F(s, tm), and predicts
+    Ŵ = W_s^(c) - lr * d * u(c) with d = t - c, the updates that land before t's own; all of t's F and B use Ŵ.
+
+    u: SGD's momentum buffer, Adam's m̂ / (sqrt(v̂) + eps) (+ wd W for AdamW). Update t: W_s^(t+1) = opt(W_s^(t),
+    sum_k grad f_k(Ŵ_t)).
+    """,
+}
+
+
 def _generator(name: str) -> object:
     def gen(p: int, m: int, v: int) -> list[list[Action]]:
         size = registry_minibatch(name, p, m)
         return no_flush_1f1b(p, m // size, size)
 
-    gen.__doc__ = no_flush_1f1b.__doc__
+    gen.__doc__ = _RULES[name] + "\n    The order:" + (no_flush_1f1b.__doc__ or "")
+    gen.__name__ = name.replace("-", "_")
     return gen
 
 
