@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import stagewise as sw
 from stagewise.actions import Action, Kind
@@ -277,3 +279,31 @@ def test_cli_reports_weight_versions(capsys: pytest.CaptureFixture[str], tmp_pat
     assert report["makespan"] == (10 + 4 - 1) * 3.0
     assert main(["simulate", "-s", "1f1b", "-p", "2", "-m", "2", "--json"]) == 0
     assert "peak_weight_versions" not in json.loads(capsys.readouterr().out)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    variant=st.sampled_from(VARIANTS),
+    p=st.integers(1, 4),
+    n=st.integers(1, 4),
+    m=st.integers(1, 3),
+    data=st.data(),
+)
+def test_any_changed_table_entry_is_refused(
+    variant: tuple[str, dict[str, bool]], p: int, n: int, m: int, data: st.DataObject
+) -> None:
+    """The generated table passes; the same table with one F or B entry moved to another version does not."""
+    name, opts = variant
+    if not supported(name, p, m):
+        return
+    schedule = build(name, p, n, m, **opts)
+    sw.validate_versions(schedule)
+    table = schedule.meta["versions"]
+    s = data.draw(st.integers(0, p - 1))
+    i = data.draw(st.integers(0, n * m - 1))
+    which = data.draw(st.sampled_from(["forward", "backward"]))
+    rows = [list(r) for r in getattr(table, which)]
+    old = rows[s][i]
+    rows[s][i] = data.draw(st.sampled_from([Version(old.base + 1, old.ahead), Version(old.base, old.ahead + 1)]))
+    with pytest.raises(sw.ScheduleError, match=f"{s}{which[0].upper()}{i} is tabled to use"):
+        sw.validate_versions(_with_table(schedule, **{which: tuple(map(tuple, rows))}))
