@@ -278,6 +278,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _async_versions(schedule: Schedule, result: SimResult) -> dict[str, object]:
+    """For an asynchronous schedule: label the timeline's boxes with their versions, report the versions kept."""
+    from .simulate_async import async_report, labelled_timeline
+    from .validate_versions import async_table
+
+    if async_table(schedule) is None:
+        return {}
+    labelled_timeline(schedule, result)
+    return {"peak_weight_versions": async_report(schedule, result).peak_versions}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``stagewise`` command line; returns the exit status (2 for bad arguments)."""
     parser = build_parser()
@@ -301,14 +312,3 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-def _async_versions(schedule: Schedule, result: SimResult) -> dict[str, object]:
-    """For an asynchronous schedule: label the timeline's boxes with their versions, report the versions kept."""
-    from .simulate_async import async_report, labelled_timeline
-    from .validate_versions import async_table
-
-    if async_table(schedule) is None:
-        return {}
-    labelled_timeline(schedule, result)
-    return {"peak_weight_versions": async_report(schedule, result).peak_versions}
