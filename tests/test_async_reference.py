@@ -211,3 +211,37 @@ def test_optimizers_without_a_rule_are_refused() -> None:
 def test_reference_refuses_a_synchronous_schedule() -> None:
     with pytest.raises(ValueError, match="not asynchronous"):
         sw.async_reference(layers(), sw.build_schedule("1f1b", 2, 2), torch.optim.SGD, batches(), loss_fn=F.mse_loss)
+
+
+# ---- a whole asynchronous pipeline on one rank ---------------------------------------
+@pytest.fixture(scope="module")
+def one_rank():
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    env = sw.init(backend="gloo")  # no torchrun variables: a one-process group
+    yield env
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    "name,options", [("pipedream", {}), ("pipedream", {"stashing": False}), ("pipedream-2bw", {}), ("xpipe", {})]
+)
+def test_one_rank_async_pipeline_matches_the_reference(one_rank, name: str, options: dict[str, bool]) -> None:
+    """One stage: no staleness except 2BW's designed delay; train_stream equals the reference, and by name too."""
+
+    def factory(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=LR, momentum=MU)
+
+    schedule = sw.async_schedule(name, 1, 2, 1, **options)
+    pipe = sw.Pipeline(layers(), loss_fn=F.mse_loss, schedule=schedule, optimizer=factory)
+    losses = list(pipe.train_stream(batches(), steps=3))
+    ref = sw.async_reference(layers(), schedule, factory, batches(), loss_fn=F.mse_loss)
+    assert losses == pytest.approx(ref.losses, abs=1e-15)
+    got = dict(pipe.named_parameters())
+    for n, q in ref.model.named_parameters():
+        assert got[n].item() == pytest.approx(q.item(), abs=1e-15), n
+    assert list(pipe.train_stream(batches(), steps=0)) == []
+    with pytest.raises(ValueError, match="train with train_stream"):
+        pipe.train_step(*batches()[0])
