@@ -307,3 +307,37 @@ def test_any_changed_table_entry_is_refused(
     rows[s][i] = data.draw(st.sampled_from([Version(old.base + 1, old.ahead), Version(old.base, old.ahead + 1)]))
     with pytest.raises(sw.ScheduleError, match=f"{s}{which[0].upper()}{i} is tabled to use"):
         sw.validate_versions(_with_table(schedule, **{which: tuple(map(tuple, rows))}))
+
+
+def _live_versions_brute_force(ranks: list[tuple[Action, ...]], table: object) -> list[list[int]]:
+    """The definition, action by action: the current weights, older ones still to be used, predictions in use."""
+    out = []
+    for acts in ranks:
+        uses = [(j, a.stage, (table.forward if a.kind is Kind.F else table.backward)[a.stage][a.microbatch])  # type: ignore[attr-defined]
+                for j, a in enumerate(acts) if a.kind in (Kind.F, Kind.B)]  # fmt: skip
+        current = 0
+        counts = []
+        for j, a in enumerate(acts):
+            live = {Version(current)}
+            for k, _, v in uses:
+                if v.ahead == 0 and v.base <= current and k >= j:
+                    live.add(v)
+            for _, _, v in uses:
+                if v.ahead:
+                    span = [k for k, _, w in uses if w == v]
+                    if min(span) <= j <= max(span):
+                        live.add(v)
+            counts.append(len(live))
+            current += a.kind is Kind.STEP
+        out.append(counts)
+    return out
+
+
+@pytest.mark.parametrize("name,opts", VARIANTS)
+def test_live_version_sweep_equals_the_definition(name: str, opts: dict[str, bool]) -> None:
+    for p, m in [(1, 1), (2, 1), (3, 2), (4, 1), (4, 3), (5, 2)]:
+        if not supported(name, p, m):
+            continue
+        schedule = sw.lower(build(name, p, 2 * p + 1, m, **opts))
+        table = schedule.meta["versions"]
+        assert live_versions(schedule.ranks, table) == _live_versions_brute_force(list(schedule.ranks), table)

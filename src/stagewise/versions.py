@@ -221,33 +221,45 @@ def live_versions(ranks: Sequence[Sequence[Action]], table: VersionTable) -> lis
     Counted: the current weights; every older W^(c) still to be used (at or
     after action j); every prediction between its first and its last use.
     Actions that are not F, B or STEP count the versions alive around them.
+    Each version is alive over one interval of the rank's actions, so a sweep
+    counts them in time linear in the actions and versions.
     """
     n = table.num_stages
     fwd = [list(r) for r in table.forward]
     bwd = [list(r) for r in table.backward]
     out: list[list[int]] = []
     for acts in ranks:
+        end = len(acts)
+        steps: dict[int, list[int]] = {}
         first: dict[tuple[int, Version], int] = {}
         last: dict[tuple[int, Version], int] = {}
         for j, a in enumerate(acts):
+            if a.kind is Kind.STEP:
+                steps.setdefault(a.stage, []).append(j)
+                continue
             v = _uses(a, fwd, bwd) if a.stage < n else None
             if v is not None:
                 first.setdefault((a.stage, v), j)
                 last[(a.stage, v)] = j
-        current: dict[int, int] = {s: 0 for s in {a.stage for a in acts}}
-        counts = []
-        for j, a in enumerate(acts):
-            live = {(s, Version(c)) for s, c in current.items()}
-            for key, lo in first.items():
-                s, v = key
-                if v.ahead == 0 and v.base <= current.get(s, 0):
-                    if last[key] >= j:
-                        live.add(key)
-                elif lo <= j <= last[key]:
-                    live.add(key)
-            counts.append(len(live))
-            if a.kind is Kind.STEP:
-                current[a.stage] = current.get(a.stage, 0) + 1
+        intervals: dict[tuple[int, Version], tuple[int, int]] = {}
+        for s in {a.stage for a in acts}:
+            at = steps.get(s, [])
+            for c in range(len(at) + 1):  # W^(c) is current from the STEP that makes it to the one replacing it
+                intervals[(s, Version(c))] = (0 if c == 0 else at[c - 1] + 1, at[c] if c < len(at) else end - 1)
+        for key, lo in first.items():
+            hi = last[key]
+            if key in intervals:  # an older version is kept until its last use
+                lo, hi = min(lo, intervals[key][0]), max(hi, intervals[key][1])
+            intervals[key] = (lo, hi)
+        diff = [0] * (end + 1)
+        for lo, hi in intervals.values():
+            if lo <= hi:
+                diff[lo] += 1
+                diff[hi + 1] -= 1
+        counts, live = [], 0
+        for j in range(end):
+            live += diff[j]
+            counts.append(live)
         out.append(counts)
     return out
 

@@ -92,10 +92,10 @@ def async_schedule(
 
     ``name``: ``"pipedream"`` (options ``stashing``, ``vertical_sync``),
     ``"pipedream-2bw"`` or ``"xpipe"``. The result's ``meta["versions"]`` is
-    the :class:`~stagewise.versions.VersionTable`; it is validated here
-    (:func:`stagewise.validate_versions.validate_versions`).
+    the :class:`~stagewise.versions.VersionTable`, whose rules are checked here
+    (:func:`stagewise.validate_versions.validate_versions`); the order is checked
+    by :func:`stagewise.lower` as every schedule's.
     """
-    from ..validate import validate_schedule
     from ..validate_versions import validate_versions
 
     policy = policy_of(name, stashing=stashing, vertical_sync=vertical_sync)
@@ -121,7 +121,6 @@ def async_schedule(
         ranks=tuple(tuple(r) for r in ranks),
         meta={"placement": "loop", "versions": table, "asynchronous": True},
     )
-    validate_schedule(schedule)
     validate_versions(schedule)
     return schedule
 
