@@ -245,3 +245,39 @@ def test_one_rank_async_pipeline_matches_the_reference(one_rank, name: str, opti
     assert list(pipe.train_stream(batches(), steps=0)) == []
     with pytest.raises(ValueError, match="train with train_stream"):
         pipe.train_step(*batches()[0])
+
+
+def test_2bw_with_two_microbatches_differentiates_the_version_before_the_last() -> None:
+    """p = 2, m = 2, N = 2: both mini-batches run on W(0) at both stages (max(0, t - 1) = 0), so
+    W(1) = W(0) - lr g_0(W(0)) and W(2) = W(1) - lr g_1(W(0)); each micro-batch's loss weighs 1/2."""
+    xs = [[1.0, -2.0], [0.5, 1.5]]
+    ys = [[0.3, 1.0], [-0.7, 0.2]]
+
+    def grads(t: int) -> tuple[float, float, float, float]:
+        """(loss, dL/da1, dL/da2, dL/db) of mini-batch t at W(0)."""
+        loss = ga1 = ga2 = gb = 0.0
+        for x, y in zip(xs[t], ys[t]):
+            h = A1 * A2 * x
+            _, l_k, gb_k, g_k = stage1(h, y, B)
+            d1, d2 = stage0_grad(g_k, x, A1, A2)
+            loss, ga1, ga2, gb = loss + l_k / 2, ga1 + d1 / 2, ga2 + d2 / 2, gb + gb_k / 2
+        return loss, ga1, ga2, gb
+
+    l0, a1_0, a2_0, b_0 = grads(0)
+    l1, a1_1, a2_1, b_1 = grads(1)
+    expected = (A1 - LR * (a1_0 + a1_1), A2 - LR * (a2_0 + a2_1), B - LR * (b_0 + b_1))
+    data = [
+        (
+            torch.tensor([[x] for x in xs[t]], dtype=torch.float64),
+            torch.tensor([[y] for y in ys[t]], dtype=torch.float64),
+        )
+        for t in range(2)
+    ]
+    schedule = sw.async_schedule("pipedream-2bw", 2, 2, 2)
+
+    def factory(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=LR)
+
+    run = sw.async_reference(layers(), schedule, factory, data, loss_fn=F.mse_loss, counts=[2, 1])
+    assert run.losses == pytest.approx([l0, l1], abs=1e-14)
+    assert weights(run) == pytest.approx(expected, abs=1e-14)
