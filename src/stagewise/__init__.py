@@ -19,9 +19,13 @@ from .plan import Plan, plan
 from .render import render_ascii, render_png, render_trace
 from .schedule import Schedule, loop_placement, v_placement
 from .schedules import generate, schedule_info, schedule_names
+from .schedules.asynchronous import async_schedule
 from .simulate import SimResult, simulate
+from .simulate_async import AsyncReport, async_report
 from .timeline import Event, Timeline
 from .validate import ScheduleError, validate_schedule
+from .validate_versions import validate_versions
+from .versions import Version, VersionTable
 
 __version__ = "0.1.0"
 
@@ -73,6 +77,7 @@ _LAZY = {
     "aux_loss": ".runtime.engine.aux",
     "collect_aux_losses": ".runtime.engine.aux",
     "pipeline_from_plan": ".runtime.from_plan",
+    "async_reference": ".runtime.asynchronous.reference",
 }
 
 
@@ -91,7 +96,14 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "BatchNormPolicy",
+    "AsyncReport",
     "CostModel",
+    "Version",
+    "VersionTable",
+    "async_reference",
+    "async_report",
+    "async_schedule",
+    "validate_versions",
     "Tied",
     "causal_lm_loss",
     "count_tokens",

@@ -79,6 +79,8 @@ class _Scan:
         self.schedule = schedule
         self.complete = complete
         self.forward_only = bool(schedule.meta.get("forward_only", False))
+        # an asynchronous schedule has a SYNC and a STEP per mini-batch: stagewise.validate_versions checks them
+        self.asynchronous = bool(schedule.meta.get("asynchronous", False))
 
     def run(self) -> str | None:  # noqa: C901 - one flat loop on purpose: it runs once per action
         sch = self.schedule
@@ -105,7 +107,7 @@ class _Scan:
         waiter = [-1] * (4 * n * m)  # op not yet posted -> the rank whose batch waits for it
         done = [0] * n  # micro-batches whose backward of stage s is complete
         steps = [0] * n
-        complete, forward_only = self.complete, self.forward_only
+        complete, forward_only, asynchronous = self.complete, self.forward_only, self.asynchronous
         n_sent = n_recv = 0
         missing = [0] * p  # partners the rank's current batch still waits for
         pos = [0] * p
@@ -188,7 +190,9 @@ class _Scan:
                             return f"rank {rank}: {s}RECV_B{i} receives a value no other rank sends, or twice"
                         n_recv += 1
                     else:
-                        if k is SYNC:
+                        if asynchronous and (k is SYNC or k is STEP):
+                            pass
+                        elif k is SYNC:
                             if forward_only or steps[s]:
                                 return f"rank {rank}: {s}SYNC in a forward-only schedule or after its STEP"
                         elif k is STEP:

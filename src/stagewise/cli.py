@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .costs import CostModel
+    from .schedule import Schedule
+    from .simulate import SimResult
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -156,6 +158,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
             f"{v} stages per rank has {schedule.num_stages}"
         )
     result = simulate(schedule, costs)
+    versions = _async_versions(schedule, result)  # asynchronous schedules: labels "3v1" and versions kept
     if args.png:
         from .render import render_png
 
@@ -174,6 +177,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         "bubble_ratio": result.bubble_ratio,
         "peak_activations": result.peak_activations,
         "peak_activation_bytes": result.peak_activation_bytes,
+        **versions,
         "costs": {"file": args.costs}
         if args.costs
         else {
@@ -284,6 +288,17 @@ def build_parser() -> argparse.ArgumentParser:
     for add in _SUBCOMMANDS:
         add(sub)
     return parser
+
+
+def _async_versions(schedule: Schedule, result: SimResult) -> dict[str, object]:
+    """For an asynchronous schedule: label the timeline's boxes with their versions, report the versions kept."""
+    from .simulate_async import async_report, labelled_timeline
+    from .validate_versions import async_table
+
+    if async_table(schedule) is None:
+        return {}
+    labelled_timeline(schedule, result)
+    return {"peak_weight_versions": async_report(schedule, result).peak_versions}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

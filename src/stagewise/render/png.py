@@ -151,12 +151,15 @@ def _draw_labels(ax: Any, events: list[Event], timeline: Timeline, v: int, px_pe
     size = max(5.0, min(9.0, row_pt * 0.42))
     char_px = size * 0.62 * ax.figure.dpi / 72
     chunks = chunk_index(timeline) if v > 1 else {}
+    named = timeline.meta.get("labels")  # e.g. {"1F3": "3v1"}: micro-batch and weight version (async schedules)
+    if not isinstance(named, dict):
+        named = {}
     for e in events:
         a = e.action
         if not a.kind.is_compute or a.microbatch is None:
             continue
         width = e.duration * px_per_unit
-        label = f"s{a.stage}:{a.microbatch}" if v > 1 else str(a.microbatch)
+        label = named.get(str(a)) or (f"s{a.stage}:{a.microbatch}" if v > 1 else str(a.microbatch))
         if len(label) * char_px + 4 > width:
             label = str(a.microbatch)
             if len(label) * char_px + 3 > width:

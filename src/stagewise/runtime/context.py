@@ -16,6 +16,7 @@ from ..passes import add_optimizer_steps, lower
 from ..schedule import Schedule
 from ..schedules import schedule_info
 from ..validate import validate_schedule
+from ..validate_versions import validate_versions
 from .comm import groups
 
 if TYPE_CHECKING:
@@ -56,6 +57,8 @@ def resolve_context(
     (placed by :func:`stagewise.passes.add_optimizer_steps`, right after the stage's SYNC).
     """
     groups.require_initialized()
+    if parallel is not None:
+        _refuse_async_hybrid(schedule, parallel)
     hybrid = _hybrid(parallel, group)  # pp x dp x sharding x tp: the schedule runs on the pp group
     pg = groups.group_or_world(group if hybrid is None else hybrid.pp_group)
     rank, size = groups.group_rank(pg), groups.group_size(pg)
@@ -101,8 +104,23 @@ def resolve_schedule(
         if optimizer_steps:
             schedule = add_optimizer_steps(schedule)
         validate_schedule(schedule)
-        return schedule
-    return lower(schedule, optimizer_steps=optimizer_steps)
+    else:
+        schedule = lower(schedule, optimizer_steps=optimizer_steps)
+    validate_versions(schedule)  # asynchronous schedules: the version rules too (a no-op for the others)
+    return schedule
+
+
+def _refuse_async_hybrid(schedule: str | Schedule, parallel: Any) -> None:
+    """parallel= with an asynchronous schedule: data parallelism only, checked before the mesh is built."""
+    from .asynchronous.train import is_async_request
+
+    config = getattr(parallel, "config", parallel)  # a Mesh carries its ParallelConfig
+    if is_async_request(schedule) and (getattr(config, "tp", 1) > 1 or getattr(config, "sharding", 1) > 1):
+        name = schedule if isinstance(schedule, str) else schedule.name
+        raise ValueError(
+            f"asynchronous schedule {name!r} supports parallel= with pp and dp only, got tp={config.tp}, "
+            f"sharding={config.sharding}: weight snapshots of split or sharded parameters are not implemented"
+        )
 
 
 def _hybrid(parallel: ParallelConfig | Mesh | None, group: Any) -> Hybrid | None:

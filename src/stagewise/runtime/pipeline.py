@@ -16,7 +16,7 @@ hooks, interpreter).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,6 +26,8 @@ from ..passes import forward_only
 from ..schedule import Schedule
 from ..stage_counts import PartitionSpec
 from ..timeline import Timeline
+from ..validate_versions import async_table
+from .asynchronous.train import check_async, train_stream
 from .comm import groups, lifecycle
 from .comm.torch_p2p import TorchTransport
 from .comm.transport import Transport, TransportFactory, TransportSpec
@@ -236,6 +238,7 @@ class Pipeline(nn.Module):
     # ---- assembly -------------------------------------------------------------
     def _assemble(self, ctx: PipelineContext, parts: BuiltStages, options: RunOptions, tp_plan: TPPlan | None) -> None:
         """Wrap the built stages in the engine: hybrid axes, optimizers, transport, hooks, interpreter."""
+        check_async(ctx.schedule, options, parts)  # asynchronous schedules: refuse what they cannot run, now
         if options.loss_weights is not None and ctx.hybrid is not None and ctx.hybrid.config.replicas > 1:
             raise NotImplementedError(
                 "loss_weights= with data-parallel replicas: replicas average their gradients with equal weights, "
@@ -320,7 +323,25 @@ class Pipeline(nn.Module):
         ``inputs`` are needed on the rank holding stage 0, ``targets`` on the
         rank holding the last stage; other ranks may pass None.
         """
+        if async_table(self.schedule) is not None:
+            raise ValueError(
+                f"schedule {self.schedule.name!r} is asynchronous: it has no per-step barrier and steps each stage "
+                "at its own STEPs; train with train_stream(batches), not train_step"
+            )
         return self._runner.guarded(lambda: self._runner.train(inputs, targets))
+
+    def train_stream(self, batches: Iterable[tuple[Any, Any]], steps: int | None = None) -> Iterator[float]:
+        """Asynchronous schedules: train on a stream of ``(inputs, targets)`` mini-batches, yielding each one's loss.
+
+        Every rank iterates its own ``batches`` (same length everywhere; a rank
+        not holding stage 0 / the last stage may give None for inputs / targets),
+        ``steps`` mini-batches at most (None: until the stream ends). The stream is
+        run in windows of the schedule's mini-batches; a window boundary drains the
+        pipeline (see :mod:`stagewise.runtime.asynchronous.train`). Each mini-batch's
+        loss is the mean over its micro-batches, on every rank. (Not ``train``:
+        ``nn.Module.train(mode)`` is taken, and ``eval()`` calls it.)
+        """
+        return train_stream(self, batches, steps)
 
     def eval_step(self, inputs: Any = None, *, merge_outputs: bool = True) -> Any:
         """Forward only (no autograd graph); the last stage's rank gets the outputs, others None.

@@ -30,6 +30,9 @@ class ScheduleInfo:
     #: False for schedules that apply updates while other micro-batches are in flight (no flush): they
     #: train by a different rule than one process, and planners and train_step leave them out
     synchronous: bool = True
+    #: (p, m, v) -> the whole compute-only Schedule, meta included (asynchronous schedules carry a version
+    #: table); None = a Schedule around ``generator``'s action lists
+    build: Callable[[int, int, int], Schedule] | None = None
 
     def check(self, num_ranks: int, num_microbatches: int, virtual_stages: int) -> None:
         """Raise ValueError naming the constraint a combination breaks.
@@ -62,6 +65,7 @@ def register(
     virtual_stages: tuple[int, ...] | None = (1,),
     default_virtual_stages: int = 1,
     synchronous: bool = True,
+    build: Callable[[int, int, int], Schedule] | None = None,
 ) -> Callable[[Generator], Generator]:
     """Decorator: add a generator to the registry under ``name``."""
 
@@ -79,6 +83,7 @@ def register(
             bubble=bubble,
             memory=memory,
             synchronous=synchronous,
+            build=build,
         )
         return generator
 
@@ -103,6 +108,8 @@ def generate(name: str, num_ranks: int, num_microbatches: int, virtual_stages: i
     info = schedule_info(name)
     v = info.default_virtual_stages if virtual_stages is None else virtual_stages
     info.check(num_ranks, num_microbatches, v)
+    if info.build is not None:
+        return info.build(num_ranks, num_microbatches, v)
     placement = loop_placement(num_ranks, v) if info.placement == "loop" else v_placement(num_ranks, v)
     with gc_paused():  # a generator makes up to ~1 M actions at 128 ranks x 1024 micro-batches
         ranks = info.generator(num_ranks, num_microbatches, v)
@@ -119,7 +126,7 @@ def _load_builtin() -> None:
     """Import the built-in schedule modules (their @register calls), in the order tables list them."""
     import importlib
 
-    for module in ("basic", "interleaved", "zero_bubble", "dualpipe"):
+    for module in ("basic", "interleaved", "zero_bubble", "dualpipe", "asynchronous"):
         importlib.import_module(f"{__package__}.{module}")
 
 
