@@ -11,10 +11,14 @@ from stagewise.validate import validate_reference
 FORWARD_KINDS = (Kind.F, Kind.SEND_F, Kind.RECV_F)
 
 
+#: the passes apply to synchronous schedules (asynchronous ones place a SYNC and a STEP per mini-batch themselves)
+SYNCHRONOUS = [n for n in sw.schedule_names() if sw.schedule_info(n).synchronous]
+
+
 def _grid() -> list[tuple[str, int, int, int]]:
     """Every registered schedule x ranks x micro-batches x virtual stages, with m < p, m = 1 and p = 1."""
     cases = []
-    for name in sw.schedule_names():
+    for name in SYNCHRONOUS:
         vs = sw.schedule_info(name).virtual_stages or (1, 2, 3)
         cases += [(name, p, m, v) for p in (1, 2, 3, 4) for m in (1, 2, 3, 5, 8) for v in vs]
     return cases
