@@ -27,25 +27,17 @@ from ..schedule import Schedule
 from ..stage_counts import PartitionSpec
 from ..timeline import Timeline
 from ..validate_versions import async_table
-from .asynchronous.train import check_async, train_stream
-from .comm import groups, lifecycle
-from .comm.torch_p2p import TorchTransport
-from .comm.transport import Transport, TransportFactory, TransportSpec
+from .assembly import build_engine
+from .asynchronous.train import train_stream
+from .comm import lifecycle
+from .comm.transport import Transport, TransportFactory
 from .context import PipelineContext, resolve_context
-from .engine.batchnorm import BatchNormPolicy, attach_batchnorms, check_batchnorm
-from .engine.hooks import StageHooks, optimizer_per_stage
-from .engine.interpreter import Interpreter
-from .engine.memory import ActivationMeter
-from .engine.messages import Mailbox
+from .engine.batchnorm import BatchNormPolicy
 from .engine.microbatch import Dims
-from .engine.precision import autocast_context, autocast_loss
 from .engine.recompute import Recompute
 from .engine.reports import gathered_losses, step_timeline
-from .engine.runner import Runner
-from .engine.stage import Stage
 from .model.layers import Layers, named_layers
 from .model.stages import BuiltStages, build_layer_stages, given_stages
-from .model.tied import TiedBuilder, TiedSync, stage_parameters
 from .options import LossFn, LossWeights, OptimizerFactory, RunOptions
 
 if TYPE_CHECKING:
@@ -237,82 +229,27 @@ class Pipeline(nn.Module):
 
     # ---- assembly -------------------------------------------------------------
     def _assemble(self, ctx: PipelineContext, parts: BuiltStages, options: RunOptions, tp_plan: TPPlan | None) -> None:
-        """Wrap the built stages in the engine: hybrid axes, optimizers, transport, hooks, interpreter."""
-        check_async(ctx.schedule, options, parts)  # asynchronous schedules: refuse what they cannot run, now
-        if options.loss_weights is not None and ctx.hybrid is not None and ctx.hybrid.config.replicas > 1:
-            raise NotImplementedError(
-                "loss_weights= with data-parallel replicas: replicas average their gradients with equal weights, "
-                "not by their token counts; use loss_weights with pipeline parallelism only"
-            )
+        """Register the built stages under their names and wrap them in the engine (:mod:`.assembly`)."""
         self.rank, self.num_ranks, self.schedule = ctx.rank, ctx.num_ranks, ctx.schedule
         self.hybrid, self.device, self.options = ctx.hybrid, ctx.device, options
-        self.loss_fn, self.batch_dim, self.target_batch_dim = (
-            options.loss_fn,
-            options.batch_dim,
-            options.target_batch_dim,
-        )
+        self.loss_fn, self.batch_dim = options.loss_fn, options.batch_dim
+        self.target_batch_dim = options.target_batch_dim
         self.local_stages = ctx.local_stages
         self.eval_schedule = forward_only(self.schedule)  # validated: what eval_step runs
         self.layer_ranges, self.layer_profile, self.model_cut = parts.layer_ranges, parts.profile, parts.model_cut
         self._tied_copies = parts.tied_copies
         parts.register(self)
-        tied = parts.tied or TiedBuilder([], 0)
-        if self.hybrid is not None:  # split, shard or replicate the stages before optimizers see them
-            whole = {id(p) for m in tied.built.values() for p in m.parameters()}
-            self.hybrid.attach(self, parts.modules, tp_plan, self._wait, whole)
-        self.optimizers = optimizer_per_stage(parts.modules, options.optimizer, stage_parameters)
-        self.transport = self._make_transport(ctx, options)
-        self.transport.warm_up()
-        lifecycle.release_at_exit(self)
-        m = self.schedule.num_microbatches
-        self._mailbox = Mailbox(
-            self.transport, self.schedule.placement, m, self.device, variable_shapes=options.variable_shapes
+        engine = build_engine(
+            self, ctx, parts, options, tp_plan, self.eval_schedule, on_transport=self._adopt_transport
         )
-        mesh = None if self.hybrid is None else self.hybrid.mesh
-        self.tied = TiedSync(tied, self.layer_ranges, self.schedule.placement, self.rank, ctx.group, self._wait, mesh)
-        self.hooks = StageHooks([self.tied] if self.hybrid is None else [self.hybrid, self.tied], self.optimizers)
-        precision = autocast_context(options.autocast, self.device)
-        stages = {s: Stage(s, mods, options.recompute, precision, 1.0 / m) for s, mods in parts.modules.items()}
-        interpreter = Interpreter(
-            rank=self.rank,
-            placement=self.schedule.placement,
-            stages=dict(stages),
-            loss_fn=autocast_loss(options.loss_fn, precision),
-            transport=self.transport,
-            mailbox=self._mailbox,
-            hooks=self.hooks,
-        )
-        meter = ActivationMeter(self.parameters(), lambda: interpreter.current) if options.measure_memory else None
-        norms = attach_batchnorms(
-            check_batchnorm(options.batchnorm), parts.modules, lambda: interpreter.current,
-            hybrid=self.hybrid, group=ctx.group, num_microbatches=m,
-        )  # fmt: skip
-        self.hooks.parts.append(norms)
-        self._runner = Runner(
-            self.rank, self.schedule, self.device, self.transport, interpreter, stages,
-            self.schedule.ranks[self.rank],
-            self.eval_schedule.ranks[self.rank],
-            (options.batch_dim, options.target_batch_dim), options.loss_fn is not None, self.tied, self.hybrid, meter,
-            norms, options.loss_weights,
-        )  # fmt: skip
+        self.optimizers, self.tied, self.hooks = engine.optimizers, engine.tied, engine.hooks
+        self._mailbox, self._runner = engine.mailbox, engine.runner
         self._clock_offset = time.time() - time.perf_counter()
 
-    def _make_transport(self, ctx: PipelineContext, options: RunOptions) -> Transport:
-        name, pipeline_id = groups.next_pipeline_id(ctx.group)
-        hybrid = ctx.hybrid
-        spec = TransportSpec(
-            ctx.group,
-            name=name,
-            pipeline_id=pipeline_id,
-            timeout=options.timeout,
-            store=options.store,
-            board=None if hybrid is None else hybrid.board_name(),  # a failure anywhere stops the whole mesh
-            label=None if hybrid is None else f"rank {ctx.rank} ({hybrid.mesh.where()})",
-        )
-        return (options.transport or TorchTransport)(spec)
-
-    def _wait(self, works: list[Any], what: str) -> None:
-        self.transport.wait(works, what)
+    def _adopt_transport(self, transport: Transport) -> None:
+        """Hold the transport as soon as it exists, so that a constructor failing later still lets it go at exit."""
+        self.transport = transport
+        lifecycle.release_at_exit(self)
 
     # ---- public API --------------------------------------------------------
     def train_step(self, inputs: Any = None, targets: Any = None) -> float:
