@@ -135,29 +135,11 @@ def _check_simulate_args(args: argparse.Namespace) -> None:
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
     from . import build_schedule
-    from .costs import CostModel
     from .simulate import simulate
 
     _check_simulate_args(args)
     schedule = build_schedule(args.schedule, args.ranks, args.microbatches, args.virtual_stages)
-    v = schedule.virtual_stages
-    if args.costs:
-        costs = _load_costs(args.costs)
-    else:
-        costs = CostModel.uniform(
-            schedule.num_stages,
-            forward=args.f_time / v,
-            backward_input=args.i_time / v,
-            backward_weight=args.w_time / v,
-            comm_time=args.comm_time,
-            sync_time=args.sync_time / v,
-        )
-    if costs.num_stages != schedule.num_stages:
-        raise UsageError(
-            f"--costs describes {costs.num_stages} stages, but {args.schedule} with {args.ranks} ranks and "
-            f"{v} stages per rank has {schedule.num_stages}"
-        )
-    result = simulate(schedule, costs)
+    result = simulate(schedule, _simulate_costs(args, schedule))
     versions = _async_versions(schedule, result)  # asynchronous schedules: labels "3v1" and versions kept
     if args.png:
         from .render import render_png
@@ -167,31 +149,65 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         from .render import render_trace
 
         render_trace(result.timeline, args.trace)
-    report = {
+    if args.json:
+        print(json.dumps(_simulate_report(args, schedule, result, versions)))
+        return 0
+    _print_simulation(args, schedule, result)
+    return 0
+
+
+def _simulate_costs(args: argparse.Namespace, schedule: Schedule) -> CostModel:
+    """The cost model: ``--costs`` (checked against the schedule's stage count) or uniform per-rank times."""
+    from .costs import CostModel
+
+    v = schedule.virtual_stages
+    if not args.costs:
+        return CostModel.uniform(
+            schedule.num_stages,
+            forward=args.f_time / v,
+            backward_input=args.i_time / v,
+            backward_weight=args.w_time / v,
+            comm_time=args.comm_time,
+            sync_time=args.sync_time / v,
+        )
+    costs = _load_costs(args.costs)
+    if costs.num_stages != schedule.num_stages:
+        raise UsageError(
+            f"--costs describes {costs.num_stages} stages, but {args.schedule} with {args.ranks} ranks and "
+            f"{v} stages per rank has {schedule.num_stages}"
+        )
+    return costs
+
+
+def _simulate_report(
+    args: argparse.Namespace, schedule: Schedule, result: SimResult, versions: dict[str, object]
+) -> dict[str, object]:
+    """What ``simulate --json`` prints."""
+    times: dict[str, object] = {
+        "f_time": args.f_time,
+        "i_time": args.i_time,
+        "b_time": args.i_time,  # the old key (it meant I), kept for one release
+        "w_time": args.w_time,
+        "comm_time": args.comm_time,
+        "sync_time": args.sync_time,
+    }
+    return {
         "schedule": args.schedule,
         "ranks": schedule.num_ranks,
         "stages": schedule.num_ranks,  # the old key (it meant ranks), kept for one release
         "microbatches": schedule.num_microbatches,
-        "virtual_stages": v,
+        "virtual_stages": schedule.virtual_stages,
         "makespan": result.makespan,
         "bubble_ratio": result.bubble_ratio,
         "peak_activations": result.peak_activations,
         "peak_activation_bytes": result.peak_activation_bytes,
         **versions,
-        "costs": {"file": args.costs}
-        if args.costs
-        else {
-            "f_time": args.f_time,
-            "i_time": args.i_time,
-            "b_time": args.i_time,  # the old key (it meant I), kept for one release
-            "w_time": args.w_time,
-            "comm_time": args.comm_time,
-            "sync_time": args.sync_time,
-        },
+        "costs": {"file": args.costs} if args.costs else times,
     }
-    if args.json:
-        print(json.dumps(report))
-        return 0
+
+
+def _print_simulation(args: argparse.Namespace, schedule: Schedule, result: SimResult) -> None:
+    v = schedule.virtual_stages
     stages = f"{v} stage{'s' if v > 1 else ''} per rank"
     times = (
         f"costs from {args.costs}"
@@ -201,8 +217,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     print(f"{args.schedule}: {schedule.num_ranks} ranks, {stages}, {schedule.num_microbatches} micro-batches ({times})")
     print(f"  makespan   {result.makespan:g}")
     print(f"  bubble     {result.bubble_ratio:.1%}")
-    peaks = result.peak_activations
-    print(f"  peak activations (micro-batches) per rank: {_short_list(peaks)}")
+    print(f"  peak activations (micro-batches) per rank: {_short_list(result.peak_activations)}")
     for flag, path in (("png", args.png), ("trace", args.trace)):
         if path:
             print(f"  wrote {flag}: {path}")
@@ -211,7 +226,6 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
         print()
         print(render_ascii(result.timeline, width=args.width))
-    return 0
 
 
 def _load_costs(path: str) -> CostModel:
