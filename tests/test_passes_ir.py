@@ -12,7 +12,7 @@ FORWARD_KINDS = (Kind.F, Kind.SEND_F, Kind.RECV_F)
 
 
 #: the passes apply to synchronous schedules (asynchronous ones place a SYNC and a STEP per mini-batch themselves)
-SYNCHRONOUS = [n for n in sw.schedule_names() if sw.schedule_info(n).synchronous]
+SYNCHRONOUS = sw.schedule_names(synchronous=True)
 
 
 def _grid() -> list[tuple[str, int, int, int]]:

@@ -23,7 +23,7 @@ from stagewise.validate import validate_reference
 def base_schedules(draw: st.DrawFn) -> Schedule:
     """A registered synchronous schedule at a small size, compute-only, lowered, with steps, or forward-only
     (asynchronous ones add version rules, checked by tests/test_async_schedules.py)."""
-    name = draw(st.sampled_from([n for n in sw.schedule_names() if sw.schedule_info(n).synchronous]))
+    name = draw(st.sampled_from(sw.schedule_names(synchronous=True)))
     info = sw.schedule_info(name)
     p = draw(st.integers(1, 4))
     m = draw(st.integers(1, 5))
@@ -140,7 +140,7 @@ def _receives_just_before_use(schedule: Schedule) -> Schedule:
     return schedule.with_ranks(ranks)
 
 
-@pytest.mark.parametrize("name", [n for n in sw.schedule_names() if sw.schedule_info(n).synchronous])
+@pytest.mark.parametrize("name", sw.schedule_names(synchronous=True))
 def test_fast_and_reference_agree_on_naively_placed_receives(name: str) -> None:
     """Both find the same deadlocks (and accept the same survivors) when receives sit right before use."""
     info = sw.schedule_info(name)

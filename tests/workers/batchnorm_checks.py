@@ -216,7 +216,7 @@ FOUR_RANKS = ("1f1b", "zb-v", "interleaved-1f1b", "zb-h1")
 
 def checks(world: int) -> dict[str, Check]:
     out: dict[str, Check] = {"detect": detect}
-    names = sw.schedule_names() if world == 2 else FOUR_RANKS
+    names = sw.schedule_names(synchronous=True) if world == 2 else FOUR_RANKS
     for s in names:
         out[f"deferred-{s}"] = deferred(s)
         if world == 2 or s in ("1f1b", "zb-v"):

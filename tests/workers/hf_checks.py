@@ -188,7 +188,7 @@ def checks(world: int) -> dict[str, Check]:
     p = world
     out: dict[str, Check] = {}
     if world == 2:
-        for s in sw.schedule_names():
+        for s in sw.schedule_names(synchronous=True):
             m = 2 * p if s == "dualpipe-v" else p + 1
             for family in ("gpt2", "llama", "llama-tied"):
                 out[f"{family}-{s}"] = parity(family, s, m, layers=2 * p)

@@ -129,7 +129,7 @@ def parity_checks(world: int) -> dict[str, Check]:
     """Every registered schedule (and a few written here) x models x micro-batch counts."""
     p = world
     out: dict[str, Check] = {}
-    for name in sw.schedule_names():
+    for name in sw.schedule_names(synchronous=True):
         info = sw.schedule_info(name)
         for v in _vs(info):
             counts = [m for m in sorted({1, p - 1, 2 * p + 1}) if m >= 1 and _supported(name, p, m, v)]

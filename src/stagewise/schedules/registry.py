@@ -90,9 +90,10 @@ def register(
     return add
 
 
-def schedule_names() -> list[str]:
+def schedule_names(*, synchronous: bool | None = None) -> list[str]:
+    """The registered schedules in table order; ``synchronous=True`` / ``False``: only those that flush / do not."""
     _load_builtin()
-    return list(_REGISTRY)
+    return [n for n, info in _REGISTRY.items() if synchronous is None or info.synchronous == synchronous]
 
 
 def schedule_info(name: str) -> ScheduleInfo:
