@@ -4,7 +4,8 @@
     .venv/bin/stagewise run -n 2 benchmarks/compare_methods.py -- --out out/compare --seeds 3
 
 Workload: an MLP (64-128-128-128-10, ReLU) on scikit-learn's bundled digits
-(8x8 images flattened; 1,500 for training, 297 held out; no download). Every
+(8x8 images flattened; 1,500 for training, 297 held out; no download; losses are
+evaluated on the largest multiple of m of each: 1,500 and 296 at m = 4). Every
 method gets the same initial weights (``Pipeline(seed=...)`` seeds each layer),
 the same mini-batches in the same order, the same optimizer (SGD with
 momentum, which XPipe's prediction needs) and the same number of samples; a
