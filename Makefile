@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.stagewise-installed
 
-.PHONY: install test demo lint bench clean
+.PHONY: install test demo lint bench compare clean
 
 # torch goes first, pinned: this machine has the CPU wheel locally, and a bare
 # `torch` requirement would otherwise pull gigabytes of CUDA wheels.
@@ -31,6 +31,10 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/schedules_speed.py
+
+# Every pipeline method on the same MLP, data, seeds and samples: table, JSON and plots in out/compare (minutes).
+compare: $(STAMP)
+	OMP_NUM_THREADS=1 $(VENV)/bin/stagewise run -n 2 benchmarks/compare_methods.py -- --out out/compare
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache
