@@ -187,6 +187,14 @@ class Pipeline(nn.Module):
         return from_hf(cls, model, **options)
 
     @classmethod
+    def from_plan(cls, plan: Any, layers: Layers, **options: Any) -> Pipeline:
+        """Run a :class:`~stagewise.Plan` from :func:`stagewise.plan` on ``layers`` (see
+        :func:`stagewise.runtime.from_plan.pipeline_from_plan`)."""
+        from .from_plan import pipeline_from_plan
+
+        return pipeline_from_plan(plan, layers, **options)
+
+    @classmethod
     def from_stages(
         cls,
         stages: Mapping[int, nn.Module | Sequence[nn.Module]],
