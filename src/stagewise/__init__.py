@@ -64,6 +64,8 @@ _LAZY = {
     "Tied": ".runtime.model.tied",
     "aux_loss": ".runtime.engine.aux",
     "collect_aux_losses": ".runtime.engine.aux",
+    "shm_transport": ".runtime.comm.shm",
+    "torch_transport": ".runtime.comm.choose",
 }
 
 
@@ -118,6 +120,8 @@ __all__ = [
     "stage",
     "v_placement",
     "Mesh",
+    "shm_transport",
+    "torch_transport",
     "ParallelConfig",
     "build_mesh",
     "column_parallel",

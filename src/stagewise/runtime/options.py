@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .comm.transport import TransportFactory
+from .comm.choose import TransportChoice, check_choice
 from .engine.microbatch import Dims
 from .engine.precision import check_autocast
 from .engine.recompute import Recompute, check_recompute
@@ -32,10 +32,11 @@ class RunOptions:
     measure_memory: bool = False
     autocast: torch.dtype | None = None
     variable_shapes: bool = False
-    transport: TransportFactory | None = None
+    transport: TransportChoice = None
 
     def __post_init__(self) -> None:
         check_recompute(self.recompute)
         check_autocast(self.autocast)
+        check_choice(self.transport)
         if not self.timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {self.timeout!r}")

@@ -27,8 +27,8 @@ from ..schedule import Schedule
 from ..stage_counts import PartitionSpec
 from ..timeline import Timeline
 from .comm import groups, lifecycle
-from .comm.torch_p2p import TorchTransport
-from .comm.transport import Transport, TransportFactory, TransportSpec
+from .comm.choose import TransportChoice, resolve
+from .comm.transport import Transport, TransportSpec
 from .context import PipelineContext, resolve_context
 from .engine.hooks import StageHooks, optimizer_per_stage
 from .engine.interpreter import Interpreter
@@ -83,9 +83,11 @@ class Pipeline(nn.Module):
     micro-batch or step to the next (packed / variable-length sequences; pass
     pre-cut micro-batches as :class:`~stagewise.MicroBatches`); each value then
     carries its shapes. Off, shapes are learned on the first step and a later
-    change is an error naming the stage and tensor. ``transport``: a factory
-    ``TransportSpec -> Transport`` (:mod:`stagewise.runtime.comm.transport`);
-    the default is torch.distributed point-to-point.
+    change is an error naming the stage and tensor. ``transport``: ``"auto"``
+    (shared memory when every rank is on this host and the group is gloo, else
+    torch.distributed), ``"shm"``, ``"torch"``, or a factory
+    ``TransportSpec -> Transport`` (:mod:`stagewise.runtime.comm.choose`);
+    unset, ``STAGEWISE_TRANSPORT`` may name one, else ``"auto"``.
 
     ``parallel``: a :class:`~stagewise.ParallelConfig` (or a built
     :class:`~stagewise.Mesh`) for pipeline x data x ZeRO-sharded x tensor
@@ -124,7 +126,7 @@ class Pipeline(nn.Module):
         measure_memory: bool = False,
         autocast: torch.dtype | None = None,
         variable_shapes: bool = False,
-        transport: TransportFactory | None = None,
+        transport: TransportChoice = None,
     ) -> None:
         super().__init__()
         options = RunOptions(
@@ -267,7 +269,7 @@ class Pipeline(nn.Module):
             board=None if hybrid is None else hybrid.board_name(),  # a failure anywhere stops the whole mesh
             label=None if hybrid is None else f"rank {ctx.rank} ({hybrid.mesh.where()})",
         )
-        return (options.transport or TorchTransport)(spec)
+        return resolve(options.transport)(spec)
 
     def _wait(self, works: list[Any], what: str) -> None:
         self.transport.wait(works, what)
