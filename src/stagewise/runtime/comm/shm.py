@@ -49,13 +49,15 @@ without cleaning up (``os._exit``, a signal) leaves little behind: every
 rank opens every doorbell when the transport is built, and after a barrier
 each unlinks its own; a receiver unlinks a slot once it has taken the
 slot's first value (the sender has it mapped by then). What is left (slots
-never used to the end) goes when the transport closes; after a failure,
-every rank unlinks every file of the pipeline it finds. A rank killed by a signal
-can leave files behind (named ``sw-*`` in ``/dev/shm``).
+never used to the end) goes when the transport closes. A failure ends the
+pipeline: every rank unlinks every file of the pipeline it finds as soon as
+it learns of it (a failed rank may end with ``os._exit``). Only a failure no
+surviving rank learns of (all killed) leaves files behind (``/dev/shm/sw-*``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import mmap
 import os
@@ -63,7 +65,7 @@ import platform
 import select
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -218,8 +220,11 @@ class Channels:
         return fd
 
     def ring(self, rank: int) -> None:
+        fd = self._bells.get(rank)  # None once closed
+        if fd is None:
+            return
         try:
-            os.write(self._open_bell(rank), b"\0")
+            os.write(fd, b"\0")
         except BlockingIOError:  # the pipe is full: it rings already
             pass
 
@@ -300,11 +305,17 @@ class Channels:
             slot.linked = False
             _unlink(slot.path)
 
+    def unlink_all(self) -> None:
+        """After a failure: unlink every file of the pipeline found in /dev/shm (a dead peer's included)."""
+        for path in glob.glob(glob.escape(self.prefix) + "-*"):
+            _unlink(path)
+        for slot in self._slots.values():
+            slot.linked = False
+
     def close(self, everything: bool) -> None:
         """Unlink this rank's slots as a receiver and its doorbell (with ``everything``: all the pipeline's files)."""
-        if everything:  # after a failure: every file of the pipeline, a dead peer's included
-            for path in glob.glob(glob.escape(self.prefix) + "-*"):
-                _unlink(path)
+        if everything:
+            self.unlink_all()
         for slot in self._slots.values():
             if slot.receiving and slot.linked:
                 _unlink(slot.path)
@@ -351,6 +362,7 @@ class ShmTransport:
         self.channels = Channels(f"{SHM_DIR}/sw-{nonce}", self.rank, self.size, self._check)
         dist.barrier(group=self.inner.group)  # every rank has opened every doorbell: their names can go
         self.channels.forget_names()
+        self._unlinked = False
 
     # ---- the inner transport's state
     @property
@@ -369,10 +381,28 @@ class ShmTransport:
         self.inner.check_tag(tag)
 
     def fail(self, message: str) -> str:
-        return self.inner.fail(message)
+        try:
+            return self.inner.fail(message)
+        finally:
+            self._failed()
 
     def check(self) -> None:
-        self.inner.check()
+        with self._guard():
+            self.inner.check()
+
+    def _failed(self) -> None:
+        """The pipeline is over: its names in /dev/shm go now (a rank may end with ``os._exit`` after this)."""
+        if not self._unlinked:
+            self._unlinked = True
+            self.channels.unlink_all()
+
+    @contextlib.contextmanager
+    def _guard(self) -> Iterator[None]:
+        try:
+            yield
+        except PipelineError:
+            self._failed()
+            raise
 
     def _check(self, started: float, what: str, peer: int) -> None:
         """Stop a wait: a failure posted anywhere, the deadline, or the peer's process gone."""
@@ -384,7 +414,7 @@ class ShmTransport:
     # ---- posting
     def post(self, ops: Sequence[Op]) -> list[list[Any]]:
         """Sends are copied into their slots now (complete on return); receives are completed by :meth:`wait`."""
-        self.inner.check()
+        self.check()
         counts: dict[tuple[int, int, bool], int] = {}
         out: list[list[Any]] = []
         rung: set[int] = set()
@@ -399,7 +429,8 @@ class ShmTransport:
                 key = (op.peer, op.tag, op.send)
                 k = counts[key] = counts.get(key, -1) + 1
                 if op.send:
-                    self.channels.send(op.peer, op.tag, k, t, f"value under tag {op.tag}")
+                    with self._guard():
+                        self.channels.send(op.peer, op.tag, k, t, f"value under tag {op.tag}")
                     rung.add(op.peer)
                     out.append([SENT])
                 else:
@@ -413,7 +444,8 @@ class ShmTransport:
         return self.inner.post_eager(ops)
 
     def broadcast(self, tensor: torch.Tensor, src: int, what: str) -> None:
-        self.inner.broadcast(tensor, src, what)
+        with self._guard():
+            self.inner.broadcast(tensor, src, what)
 
     def warm_up(self) -> None:
         self.inner.warm_up()
@@ -428,15 +460,17 @@ class ShmTransport:
         """Block until ``works`` complete (copying received values out), within the deadline, watching the board."""
         others = [w for w in works if not _mine(w)]
         if others:
-            self.inner.wait(others, what, eager=eager, watch=watch)
+            with self._guard():
+                self.inner.wait(others, what, eager=eager, watch=watch)
         pending = [w for w in works if isinstance(w, ShmWork) and not w.done]
         if not pending:
             return
-        self.inner.check()
+        self.check()
         self.inner.waits.waiting = what
         try:
-            for w in pending:
-                self.channels.complete(w, what)
+            with self._guard():
+                for w in pending:
+                    self.channels.complete(w, what)
         except PipelineError:
             raise
         except Exception as err:
@@ -445,10 +479,12 @@ class ShmTransport:
     def release(self, works: Sequence[Any], what: str) -> None:
         others = [w for w in works if not _mine(w)]
         if others:
-            self.inner.release(others, what)
+            with self._guard():
+                self.inner.release(others, what)
 
     def finish_sends(self) -> None:
-        self.inner.finish_sends()
+        with self._guard():
+            self.inner.finish_sends()
 
     def synchronize(self, device: torch.device) -> None:
         self.inner.synchronize(device)
@@ -460,7 +496,7 @@ class ShmTransport:
 
     def close(self) -> None:
         """Unlink the shared files (see the module docstring) and stop the inner transport's helpers."""
-        self.channels.close(everything=self.inner.failure is not None)
+        self.channels.close(everything=self.inner.failure is not None and not self._unlinked)
         self.inner.close()
 
 
