@@ -6,7 +6,8 @@ One torchrun job (gloo, 2 processes, one thread each). For each transport (``tor
 ``shm``: shared memory) and message size, rank 0 posts its receive, sends, and waits for the reply; rank 1
 echoes. Receives are posted before the peer sends, as the interpreter posts a step's receives at its start.
 Reported: the median and 90th percentile of half a round trip (one message: post, copy, wake-up, wait,
-through the same Python calls the engine makes), over blocks of 50 rounds.
+through the same Python calls the engine makes), over blocks of 50 rounds; and the CPU time both processes
+spent per message (all threads: gloo's I/O threads count), which background load changes far less.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def worker(rounds: int, sizes: list[int], out: Path) -> None:
     sw.init(backend="gloo")
     rank = dist.get_rank()
     peer = 1 - rank
-    results: dict[str, dict[int, list[float]]] = {}
+    results: dict[str, dict[int, dict[str, list[float]]]] = {}
     for pid, kind in enumerate(("torch", "shm")):
         spec = TransportSpec(dist.group.WORLD, name=f"pingpong/{kind}", pipeline_id=900 + pid, timeout=60.0)
         tr = choose.resolve(kind)(spec)
@@ -48,9 +49,10 @@ def worker(rounds: int, sizes: list[int], out: Path) -> None:
             in_buf = torch.empty(size // 4)
             dist.barrier()
             blocks: list[float] = []
+            cpu: list[float] = []
             recv = tr.post([Op(peer, in_buf, send=False, tag=mine)])[0]
             for block in range(rounds // 50 + 2):  # the first two blocks warm up
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 for _ in range(50):
                     if rank == 0:
                         sent = tr.post([Op(peer, out_buf, send=True, tag=theirs)])[0]
@@ -61,7 +63,10 @@ def worker(rounds: int, sizes: list[int], out: Path) -> None:
                     tr.release(sent, "the send")
                 if block >= 2:
                     blocks.append((time.perf_counter() - t0) / 100)  # 50 round trips = 100 messages
-            results[kind][size] = blocks
+                    cpu.append((time.process_time() - c0) / 100)  # this process, all threads: its share
+            both = torch.tensor(cpu, dtype=torch.float64)
+            dist.all_reduce(both)  # both ends' CPU per message
+            results[kind][size] = {"wall": blocks, "cpu": both.tolist()}
             dist.barrier()
         tr.close()
     if rank == 0:
@@ -91,14 +96,14 @@ def main() -> None:
         results = json.loads(out.read_text())
         load1 = os.getloadavg()[0]
     print(f"load average {load0:.2f} before, {load1:.2f} after; {args.rounds} round trips per size\n")
-    print("| bytes | gloo us/msg (median, p90) | shm us/msg (median, p90) | gloo / shm |")
-    print("|---:|---:|---:|---:|")
+    print("| bytes | gloo us/msg (median, p90) | shm us/msg (median, p90) | gloo / shm | CPU us/msg gloo | shm |")
+    print("|---:|---:|---:|---:|---:|---:|")
     for size in args.sizes:
         g, s = results["torch"][str(size)], results["shm"][str(size)]
-        gm, sm = statistics.median(g), statistics.median(s)
-        print(
-            f"| {size} | {gm * 1e6:.0f} ({_p90(g) * 1e6:.0f}) | {sm * 1e6:.0f} ({_p90(s) * 1e6:.0f}) | {gm / sm:.1f}x |"
-        )
+        gm, sm = statistics.median(g["wall"]), statistics.median(s["wall"])
+        wall = f"{gm * 1e6:.0f} ({_p90(g['wall']) * 1e6:.0f}) | {sm * 1e6:.0f} ({_p90(s['wall']) * 1e6:.0f})"
+        cpu = f"{statistics.median(g['cpu']) * 1e6:.0f} | {statistics.median(s['cpu']) * 1e6:.0f}"
+        print(f"| {size} | {wall} | {gm / sm:.1f}x | {cpu} |")
 
 
 def _p90(xs: list[float]) -> float:
