@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from stagewise.runtime.comm import choose
-from stagewise.runtime.comm.shm import SHM_DIR, Channels, Peer, same_host
+from stagewise.runtime.comm.shm import SHM_DIR, Channels, Peer, check_shm_group, same_host
 from stagewise.runtime.errors import PipelineError
+from stagewise.runtime.options import RunOptions
 
 pytestmark = pytest.mark.skipif(not os.access(SHM_DIR, os.W_OK), reason="needs a writable /dev/shm")
 
@@ -184,3 +185,22 @@ def test_transport_names_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     assert choose.resolve(None) is choose.torch_transport
     monkeypatch.delenv(choose.ENV)
     assert choose.resolve(None) is choose.auto_transport
+
+
+def test_groups_the_shm_transport_cannot_serve_are_refused_naming_the_ranks() -> None:
+    me = Peer.here()
+    check_shm_group("gloo", [me, me])  # one host, gloo: fine
+    with pytest.raises(ValueError, match="needs a gloo process group .* uses 'nccl'"):
+        check_shm_group("nccl", [me, me])
+    away = Peer("elsewhere", "another-boot", 1, "", True, "")
+    with pytest.raises(ValueError, match=r"group ranks \[1, 3\] run elsewhere than rank 0"):
+        check_shm_group("gloo", [me, away, me, away])
+    with pytest.raises(ValueError, match=r"group ranks \[2\] lack it"):
+        check_shm_group("gloo", [me, me, Peer(me.host, me.boot_id, 1, "", False, "")])
+
+
+def test_an_unknown_transport_option_is_refused_before_anything_is_built() -> None:
+    with pytest.raises(ValueError, match="transport must be one of 'auto', 'shm', 'torch'"):
+        RunOptions(transport="nccl")
+    with pytest.raises(ValueError, match="got 3"):
+        RunOptions(transport=3)  # type: ignore[arg-type]

@@ -430,11 +430,11 @@ class ShmTransport:
         rung: set[int] = set()
         try:
             for op in ops:
-                t = op.tensor
-                if t.device.type != "cpu" or not t.is_contiguous():
+                t = op.tensor  # on a GPU (a gloo group with device="cuda"), copy_ stages through the slot
+                if not t.is_contiguous():
                     raise ValueError(
-                        f"the shm transport moves contiguous CPU tensors; got a {t.device.type} tensor of shape "
-                        f"{tuple(t.shape)} for rank {op.peer} (use transport='torch' for GPU pipelines)"
+                        f"the shm transport moves contiguous tensors; got a non-contiguous one of shape "
+                        f"{tuple(t.shape)} for rank {op.peer}"
                     )
                 key = (op.peer, op.tag, op.send)
                 k = counts[key] = counts.get(key, -1) + 1
@@ -514,33 +514,33 @@ def _mine(work: Any) -> bool:
     return isinstance(work, (ShmWork, _Sent))
 
 
-def check_shm_group(spec: TransportSpec, peers: Sequence[Peer]) -> None:
+def check_shm_group(backend: str, peers: Sequence[Peer]) -> None:
     """Refuse, alike on every rank (the peers were gathered), a group the shm transport cannot serve."""
-    backend = backend_of(spec.group)
     if backend != "gloo":
         raise ValueError(
-            f"transport='shm' moves CPU tensors between processes of one host; this pipeline's group uses "
-            f"{backend!r} (use transport='torch' or 'auto')"
+            f"transport='shm' needs a gloo process group (CPU); this pipeline's group uses {backend!r} "
+            "(use transport='torch' or 'auto')"
         )
     first = peers[0]
     away = [r for r, p in enumerate(peers) if (p.host, p.boot_id) != (first.host, first.boot_id)]
     if away or not first.boot_id:
         raise ValueError(
             f"transport='shm' needs every rank of the pipeline on one host; group ranks {away} run elsewhere than "
-            f"rank 0 ({first.host}) (use transport='torch' or 'auto')"
+            f"rank 0 (host {first.host!r}) (use transport='torch' or 'auto')"
         )
     unable = [r for r, p in enumerate(peers) if not p.capable]
     if unable:
         raise ValueError(
-            f"transport='shm' needs an x86-64 Linux host with a writable {SHM_DIR}; group ranks {unable} have "
-            f"neither (machine {platform.machine()!r}) (use transport='torch' or 'auto')"
+            f"transport='shm' needs x86-64 Linux with a writable {SHM_DIR}; group ranks {unable} lack it "
+            "(use transport='torch' or 'auto')"
         )
 
 
 def shm_transport(spec: TransportSpec) -> ShmTransport:
     """The shared-memory transport: every rank of ``spec.group`` must be on this host (a collective)."""
-    if backend_of(spec.group) != "gloo":  # alike on every rank: refuse before any collective
-        check_shm_group(spec, [Peer.here()])
+    backend = backend_of(spec.group)
+    if backend != "gloo":  # alike on every rank: refuse before any collective
+        check_shm_group(backend, [Peer.here()])
     peers = gather_peers(spec.group)
-    check_shm_group(spec, peers)
+    check_shm_group(backend, peers)
     return ShmTransport(spec, peers)
