@@ -7,7 +7,8 @@ One torchrun job (gloo, 2 processes, one thread each). For each transport (``tor
 echoes. Receives are posted before the peer sends, as the interpreter posts a step's receives at its start.
 Reported: the median and 90th percentile of half a round trip (one message: post, copy, wake-up, wait,
 through the same Python calls the engine makes), over blocks of 50 rounds; and the CPU time both processes
-spent per message (all threads: gloo's I/O threads count), which background load changes far less.
+spent per message (all threads: gloo's I/O threads count), which background load changes far less; and
+the CPU time of the shm protocol's Python path alone, in one process (send, ring, expect, complete).
 """
 
 from __future__ import annotations
@@ -104,6 +105,28 @@ def main() -> None:
         wall = f"{gm * 1e6:.0f} ({_p90(g['wall']) * 1e6:.0f}) | {sm * 1e6:.0f} ({_p90(s['wall']) * 1e6:.0f})"
         cpu = f"{statistics.median(g['cpu']) * 1e6:.0f} | {statistics.median(s['cpu']) * 1e6:.0f}"
         print(f"| {size} | {wall} | {gm / sm:.1f}x | {cpu} |")
+    print(f"\nshm protocol's Python path alone (one process, 4096 bytes): {python_path() * 1e6:.1f} us/msg")
+
+
+def python_path(n: int = 20000, size: int = 4096) -> float:
+    """CPU seconds per message of the shm protocol's own Python path, in one process (no sleeping, no waking)."""
+    import torch
+
+    from stagewise.runtime.comm.shm import SHM_DIR, Channels
+
+    torch.set_num_threads(1)
+    prefix = f"{SHM_DIR}/sw-bench-{os.getpid()}"
+    a, b = Channels(prefix, 0, 2, lambda *_: None), Channels(prefix, 1, 2, lambda *_: None)
+    out, into = torch.randn(size // 4), torch.empty(size // 4)
+    c0 = time.process_time()
+    for _ in range(n):
+        a.send(1, 0, 0, out, "the value")
+        a.ring(1)
+        b.complete(b.expect(0, 0, 0, into), "the value")
+    took = (time.process_time() - c0) / n
+    a.close(everything=True)
+    b.close(everything=True)
+    return took
 
 
 def _p90(xs: list[float]) -> float:

@@ -33,7 +33,7 @@ The protocol (:class:`Channels`):
   per message costs more CPU than the copy).
 * *Doorbells*: one named pipe (FIFO) per rank, opened read-write and
   non-blocking by everyone; ringing writes one byte (a full pipe already
-  rings). A waiter sleeps in ``select`` on its own doorbell (no spinning: on
+  rings). A waiter sleeps in ``poll`` on its own doorbell (no spinning: on
   a 2-core machine a spinning rank steals its neighbour's core), re-checks its
   condition on every wake-up, and every 50 ms of quiet looks at the error
   board, the deadline and whether the peer's process is still alive (pids and
@@ -206,6 +206,8 @@ class Channels:
         for rank in range(self.size):  # every doorbell, now: see forget_names
             self._open_bell(rank)
         self._bell = self._bells[self.rank]
+        self._poller = select.poll()
+        self._poller.register(self._bell, select.POLLIN)
 
     def forget_names(self) -> None:
         """Unlink this rank's doorbell from /dev/shm: call once every rank has opened every doorbell (a barrier)."""
@@ -245,7 +247,7 @@ class Channels:
             return
         started = looked = time.perf_counter()
         while True:
-            rung, _, _ = select.select([self._bell], [], [], poll)
+            rung = self._poller.poll(poll * 1000.0)  # poll(), not select(): no limit on the fd number
             if rung:
                 self._drain()
             if ready():
