@@ -169,7 +169,9 @@ def test_peers_on_one_host_and_elsewhere() -> None:
     assert same_host([me, me])
     assert not same_host([me, Peer("elsewhere", me.boot_id, 1, "", True, "")])
     assert not same_host([me, Peer(me.host, "another-boot", 1, "", True, "")])
-    assert not same_host([me, Peer(me.host, me.boot_id, 1, "", False, "")])
+    assert not same_host([me, Peer(me.host, me.boot_id, 1, "", False, "", me.namespaces)])
+    assert same_host([me, Peer(me.host, me.boot_id, 1, "", True, "", me.namespaces)])
+    assert not same_host([me, Peer(me.host, me.boot_id, 1, "", True, "", "another container")])
     assert not Peer(me.host, me.boot_id, me.pid, "not-my-start", True, "").alive(), "a reused pid is another process"
 
 
@@ -196,7 +198,7 @@ def test_groups_the_shm_transport_cannot_serve_are_refused_naming_the_ranks() ->
     with pytest.raises(ValueError, match=r"group ranks \[1, 3\] run elsewhere than rank 0"):
         check_shm_group("gloo", [me, away, me, away])
     with pytest.raises(ValueError, match=r"group ranks \[2\] lack it"):
-        check_shm_group("gloo", [me, me, Peer(me.host, me.boot_id, 1, "", False, "")])
+        check_shm_group("gloo", [me, me, Peer(me.host, me.boot_id, 1, "", False, "", me.namespaces)])
 
 
 def test_an_unknown_transport_option_is_refused_before_anything_is_built() -> None:

@@ -4,7 +4,7 @@
 * ``"shm"`` (:func:`~.shm.shm_transport`): shared memory between processes of one host (gloo groups on
   x86-64 Linux); an error naming the ranks elsewhere otherwise.
 * ``"auto"`` (:func:`auto_transport`): shm when the group's backend is gloo and every rank is on this host
-  (same host name and boot id, gathered when the pipeline is built), else torch.
+  (same host name, boot id, pid and mount namespaces, gathered when the pipeline is built), else torch.
 
 When ``transport`` is not given, the environment variable ``STAGEWISE_TRANSPORT`` may name one (the tests run
 the runtime checks once per transport this way); else ``auto``.

@@ -85,7 +85,7 @@ SHM_DIR = "/dev/shm"
 _HEADER = 64  # seq and ack (int64 each), padded so the bytes start aligned
 _POLL_S = 0.05  # how long a wait sleeps before it looks at the board, the clock and the peer
 _ACK_POLL_S = 0.001  # a sender waiting for a slot to be taken is not rung: it looks this often
-_TSO_MACHINES = {"x86_64", "amd64", "i686", "i386"}
+_TSO_MACHINES = {"x86_64", "amd64"}
 
 #: raises PipelineError when a wait for ``peer`` must stop: (started, what, peer) -> None
 Checker = Callable[[float, str, int], None]
@@ -102,11 +102,17 @@ class Peer:
     start: str  # the process's start time (clock ticks since boot), so a reused pid is not taken for it
     capable: bool  # it can use this transport (x86-64, a writable /dev/shm)
     nonce: str
+    namespaces: str = ""  # pid and mount namespaces: containers on one kernel may see other pids and /dev/shm
 
     @classmethod
     def here(cls) -> Peer:
         pid = os.getpid()
-        return cls(socket.gethostname(), _boot_id(), pid, _start_time(pid) or "", _capable(), os.urandom(6).hex())
+        return cls(
+            socket.gethostname(), _boot_id(), pid, _start_time(pid) or "", _capable(), os.urandom(6).hex(), _spaces()
+        )
+
+    def where(self) -> tuple[str, str, str]:
+        return self.host, self.boot_id, self.namespaces
 
     def alive(self) -> bool:
         """False once the process has exited (a zombie counts as exited) or its pid belongs to another process."""
@@ -135,14 +141,22 @@ def _start_time(pid: int) -> str | None:
     return fields[19] if len(fields) > 19 else ""
 
 
+def _spaces() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid") + os.readlink("/proc/self/ns/mnt")
+    except OSError:
+        return ""
+
+
 def _capable() -> bool:
     return platform.machine().lower() in _TSO_MACHINES and os.access(SHM_DIR, os.W_OK) and hasattr(os, "mkfifo")
 
 
 def same_host(peers: Sequence[Peer]) -> bool:
-    """Whether every peer runs on this machine's kernel (same host name and boot) and can use shared memory."""
+    """Whether every peer runs on this machine's kernel (same host name, boot, pid and mount namespaces) and can
+    use shared memory."""
     first = peers[0]
-    return bool(first.boot_id) and all(p.capable and p.host == first.host and p.boot_id == first.boot_id for p in peers)
+    return bool(first.boot_id) and all(p.capable and p.where() == first.where() for p in peers)
 
 
 def gather_peers(group: Any) -> list[Peer]:
@@ -524,7 +538,7 @@ def check_shm_group(backend: str, peers: Sequence[Peer]) -> None:
             "(use transport='torch' or 'auto')"
         )
     first = peers[0]
-    away = [r for r, p in enumerate(peers) if (p.host, p.boot_id) != (first.host, first.boot_id)]
+    away = [r for r, p in enumerate(peers) if p.where() != first.where()]
     if away or not first.boot_id:
         raise ValueError(
             f"transport='shm' needs every rank of the pipeline on one host; group ranks {away} run elsewhere than "
