@@ -47,6 +47,7 @@ class Config:
 CONFIGS = {
     "overhead": Config("overhead", 1024, 8, 64, 8, "8 x Linear(1024,1024)+ReLU, batch 64 in 8 micro-batches"),
     "compute": Config("compute", 2048, 8, 256, 8, "8 x Linear(2048,2048)+ReLU, batch 256 in 8 micro-batches"),
+    "small": Config("small", 1024, 8, 64, 16, "8 x Linear(1024,1024)+ReLU, batch 64 in 16 micro-batches of 4 rows"),
 }
 
 #: stagewise schedule name -> (torch.distributed.pipelining class, placement, stages per rank)

@@ -1,10 +1,11 @@
 """One rank of ``pipeline_vs_torch.py``: times one config's schedules with both libraries.
 
 Started by torchrun (one job per rank count and config). For each schedule
-it builds the same model, cut the same way, once with ``stagewise.Pipeline``
-and once with ``torch.distributed.pipelining``, warms both up, then times
-training steps with the libraries taking turns step by step (alternating
-which goes first), so changes in background load hit both alike. A step's
+it builds the same model, cut the same way, with ``torch.distributed.pipelining``
+and with ``stagewise.Pipeline`` on each transport (gloo point-to-point,
+shared memory), warms each up, then times training steps with them taking
+turns step by step (rotating which goes first), so changes in background
+load hit all alike. A step's
 time is the slowest rank's, from a barrier to its end; its CPU time the
 busiest rank's (all threads of the process); its *waiting* time the ranks'
 mean time ready to run with no CPU free (other processes had it). After
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -40,11 +42,19 @@ from _pipeline_model import SCHEDULES, Config, RankCompute, block, blocks_of_sta
 Step = Callable[[], None]
 
 
-def stagewise_step(cfg: Config, name: str, rank: int, p: int, x: torch.Tensor, y: torch.Tensor) -> tuple[Step, Any]:
+def stagewise_step(
+    cfg: Config, name: str, rank: int, p: int, x: torch.Tensor, y: torch.Tensor, transport: str = "auto"
+) -> tuple[Step, Any]:
     layers = [sw.Layer(block, cfg.width) for _ in range(cfg.blocks)]
     v = SCHEDULES[name][2]
     pipe = sw.Pipeline(
-        layers, loss_fn=F.mse_loss, schedule=name, microbatches=cfg.microbatches, virtual_stages=v, seed=0
+        layers,
+        loss_fn=F.mse_loss,
+        schedule=name,
+        microbatches=cfg.microbatches,
+        virtual_stages=v,
+        seed=0,
+        transport=transport,
     )
 
     def step() -> None:
@@ -120,13 +130,21 @@ def across_ranks(values: list[float], op: Any) -> list[float]:
     return t.tolist()
 
 
+#: what is timed: torch.distributed.pipelining, and stagewise on each transport
+BUILDERS: dict[str, Callable[..., tuple[Step, Any]]] = {
+    "torch": torch_step,
+    "sw-gloo": functools.partial(stagewise_step, transport="torch"),
+    "sw-shm": functools.partial(stagewise_step, transport="shm"),
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", required=True)
     parser.add_argument("--schedules", required=True, help="comma-separated stagewise names")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--libs", default="torch,stagewise")
+    parser.add_argument("--libs", default=",".join(BUILDERS), help=f"comma-separated, of {', '.join(BUILDERS)}")
     parser.add_argument("--out", required=True, type=Path)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -136,14 +154,13 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(cfg.batch, cfg.width, generator=g)
     y = torch.randn(cfg.batch, cfg.width, generator=g)
-    builders = {"torch": torch_step, "stagewise": stagewise_step}
     libs = args.libs.split(",")
     results: dict[str, Any] = {"config": args.config, "ranks": p, "schedules": {}}
     for name in args.schedules.split(","):
         row: dict[str, Any] = {}
         for lib in libs:
             try:
-                step, keep = builders[lib](cfg, name, rank, p, x, y)
+                step, keep = BUILDERS[lib](cfg, name, rank, p, x, y)
                 for _ in range(args.warmup):
                     step()
                 row[lib] = {"step": step, "keep": keep, "times": [], "cpu": [], "waiting": []}
@@ -151,8 +168,8 @@ def main() -> None:
                 row[lib] = {"error": f"{type(err).__name__}: {err}"}
                 print(f"rank {rank}: {lib} {name}: {row[lib]['error']}", file=sys.stderr)
         compute = rank_compute(cfg, name, rank, p)
-        for k in range(args.steps):  # the libraries take turns, step by step, so load changes hit both
-            for lib in libs if k % 2 == 0 else libs[::-1]:
+        for k in range(args.steps):  # the libraries take turns, step by step, so load changes hit all alike
+            for lib in libs[k % len(libs) :] + libs[: k % len(libs)]:
                 if "step" in row[lib]:
                     for key, value in zip(("times", "cpu", "waiting"), timed(row[lib]["step"])):
                         row[lib][key].append(value)

@@ -4,19 +4,21 @@
     .venv/bin/python benchmarks/pipeline_vs_torch.py --ranks 2 --configs overhead --schedules 1f1b
 
 For each config and rank count one torchrun job (gloo, one thread per
-process) times every schedule both libraries have, the libraries taking
-turns step by step (see ``_pipeline_worker.py``). Then, per schedule:
+process) times every schedule both libraries have, torch and stagewise on
+each of its transports (``gloo``: torch.distributed point-to-point;
+``shm``: same-host shared memory) taking turns step by step (see
+``_pipeline_worker.py``). Then, per schedule:
 
-* *torch ms*, *stagewise ms*: the median step time (slowest rank, barrier to end);
-* *ratio*: the median, over pairs of neighbouring steps, of torch / stagewise
-  (above 1: stagewise is faster; pairs see the same background load);
+* *torch ms*, *gloo ms*, *shm ms*: the median step time (slowest rank, barrier to end);
+* *x gloo*, *x shm*: the median, over neighbouring steps, of torch / stagewise
+  (above 1: stagewise is faster; neighbours see the same background load);
 * *ideal ms*: the larger of the critical path - ``stagewise.simulate`` on the
   schedule, fed each stage's forward / input-grad / weight-grad time - and the
   total compute divided by min(ranks, cores). Stage times are medians of CPU
   time, measured by each worker between the timed steps on its own stages,
   rebuilt outside both libraries (see ``_pipeline_model.RankCompute``);
-* *eff*: ideal / measured step time, for each library;
-* *CPU ms*: the busiest rank's process CPU time per step (all threads);
+* *eff*: ideal / measured step time, for each;
+* *CPU ms*: the busiest rank's process CPU time per step (all threads), torch / gloo / shm;
 * *no CPU*: the share of the step the ranks' main threads were ready to run
   but had no CPU (another process or thread had it): on a shared machine,
   time no runtime can win back.
@@ -58,7 +60,9 @@ from _pipeline_model import (  # noqa: E402
 DEFAULTS = {
     "overhead": (tuple(SCHEDULES), (2, 10)),
     "compute": (("gpipe", "1f1b", "zb-v"), (1, 4)),
+    "small": (tuple(SCHEDULES), (2, 10)),
 }
+LIBS = ("torch", "sw-gloo", "sw-shm")
 
 
 def ideal(name: str, p: int, cfg: Config, costs: list[StageCost], cores: int) -> tuple[float, float, float]:
@@ -101,7 +105,7 @@ def run_job(cfg: Config, p: int, schedules: list[str], counts: tuple[int, ...], 
         if not out.exists():
             raise RuntimeError(f"worker job failed (rc {proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
         for line in proc.stderr.splitlines():
-            if ": torch " in line or ": stagewise " in line:
+            if any(f": {lib} " in line for lib in LIBS):
                 print("  " + line, file=sys.stderr)
         return json.loads(out.read_text())
 
@@ -109,7 +113,7 @@ def run_job(cfg: Config, p: int, schedules: list[str], counts: tuple[int, ...], 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--configs", nargs="+", default=["overhead", "compute"], choices=sorted(CONFIGS))
+    parser.add_argument("--configs", nargs="+", default=["overhead", "small", "compute"], choices=sorted(CONFIGS))
     parser.add_argument("--schedules", nargs="+", help="stagewise names (default: per config)")
     parser.add_argument("--counts", type=int, nargs=2, metavar=("WARMUP", "STEPS"))
     parser.add_argument("--cores", type=int, default=os.cpu_count() or 1)
@@ -190,8 +194,8 @@ class Row:
         values = self.libs.get(lib, {}).get(key)
         return statistics.median(values) if values else None
 
-    def ratio(self) -> float | None:
-        a, b = self.libs["torch"].get("times"), self.libs["stagewise"].get("times")
+    def ratio(self, lib: str) -> float | None:
+        a, b = self.libs["torch"].get("times"), self.libs.get(lib, {}).get("times")
         return statistics.median(x / y for x, y in zip(a, b)) if a and b else None
 
     def no_cpu(self, lib: str) -> str:
@@ -201,31 +205,28 @@ class Row:
         return f"{statistics.median(w / t for w, t in zip(d['waiting'], d['times'])):.0%}"
 
     def cells(self) -> list[str]:
-        t_torch, t_sw, ratio = self.median("torch"), self.median("stagewise"), self.ratio()
+        ratios = [self.ratio(lib) for lib in LIBS[1:]]
         return [
             self.config,
             self.schedule,
             str(self.ranks),
-            _ms(t_torch),
-            _ms(t_sw),
-            "-" if ratio is None else f"{ratio:.2f}x",
-            _eff(self.ideal, t_sw),
-            _eff(self.ideal, t_torch),
+            *(_ms(self.median(lib)) for lib in LIBS),
+            *("-" if r is None else f"{r:.2f}x" for r in ratios),
+            *(_eff(self.ideal, self.median(lib)) for lib in LIBS[::-1]),
             _ms(self.ideal),
             _ms(self.critical),
             _ms(self.spread),
-            _ms(self.median("torch", "cpu")),
-            _ms(self.median("stagewise", "cpu")),
-            f"{self.no_cpu('torch')} / {self.no_cpu('stagewise')}",
+            " / ".join(_ms(self.median(lib, "cpu")) for lib in LIBS),
+            " / ".join(self.no_cpu(lib) for lib in LIBS),
         ]
 
 
 def table(rows: list[Row]) -> str:
     head = (
-        "| config | schedule | ranks | torch ms | stagewise ms | ratio | eff stagewise | eff torch | ideal ms "
-        "| critical path ms | compute/cores ms | torch CPU ms | stagewise CPU ms | no CPU torch / sw |"
+        "| config | schedule | ranks | torch ms | gloo ms | shm ms | x gloo | x shm | eff shm | eff gloo | eff torch "
+        "| ideal ms | critical path ms | compute/cores ms | CPU ms torch / gloo / shm | no CPU torch / gloo / shm |"
     )
-    lines = [head, "|" + "|".join(["---"] * 3 + ["---:"] * 11) + "|"]
+    lines = [head, "|" + "|".join(["---"] * 3 + ["---:"] * 13) + "|"]
     lines += ["| " + " | ".join(row.cells()) + " |" for row in rows]
     return "\n".join(lines)
 

@@ -15,7 +15,18 @@ from runtime_checks import feature_checks, parity_checks
 
 WORKERS = Path(__file__).parent / "workers"
 
-__all__ = ["SuiteResults", "feature_checks", "parity_checks", "run_suite", "selected", "suites_by_ranks"]
+__all__ = [
+    "TRANSPORTS",
+    "SuiteResults",
+    "feature_checks",
+    "parity_checks",
+    "run_suite",
+    "selected",
+    "suites_by_ranks",
+]
+
+#: STAGEWISE_TRANSPORT values the runtime suites run under, and the transport class each must give
+TRANSPORTS = {"torch": "TorchTransport", "shm": "ShmTransport"}
 
 
 @dataclass
@@ -23,6 +34,7 @@ class SuiteResults:
     nprocs: int
     by_check: dict[str, dict[int, dict[str, Any]]] = field(default_factory=dict)
     log: str = ""
+    transport: str | None = None  # the STAGEWISE_TRANSPORT the job ran under
 
     def get(self, name: str) -> dict[int, dict[str, Any]]:
         """The check's row on every rank; fails the test naming the ranks that failed or never reported."""
@@ -37,6 +49,12 @@ class SuiteResults:
 
     def assert_ok(self, name: str) -> None:
         self.get(name)
+
+    def assert_transport(self) -> None:
+        """Every rank's pipelines got the transport STAGEWISE_TRANSPORT named (the check ``transport-in-use``)."""
+        assert self.transport is not None, "the suite ran without STAGEWISE_TRANSPORT"
+        got = {r: row["info"]["transport"] for r, row in self.get("transport-in-use").items()}
+        assert got == dict.fromkeys(range(self.nprocs), TRANSPORTS[self.transport]), (self.transport, got)
 
 
 def run_suite(
@@ -66,6 +84,7 @@ def run_suite(
     except subprocess.TimeoutExpired as err:
         log = f"torchrun timed out after {timeout} s\n{err.stdout or ''}{err.stderr or ''}"
     results = SuiteResults(nprocs, log=log if isinstance(log, str) else log.decode(errors="replace"))
+    results.transport = (env or {}).get("STAGEWISE_TRANSPORT")
     for rank in range(nprocs):
         path = out / f"rank{rank}.jsonl"
         for line in path.read_text().splitlines() if path.exists() else []:

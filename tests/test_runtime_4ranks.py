@@ -1,29 +1,37 @@
-"""The runtime on 4 gloo ranks: every schedule against the one-process model, and pipelines on subgroups.
+"""The runtime on 4 gloo ranks: every schedule against the one-process model, and pipelines on subgroups, once
+per transport (torch.distributed point-to-point and same-host shared memory).
 
-One torchrun job runs every check (tests/workers/runtime_checks.py) in one
-process group; each test below asserts one check's result on every rank.
+One torchrun job per transport runs every check (tests/workers/runtime_checks.py) in one process group; each
+test below asserts one check's result on every rank.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from _mp import parity_checks, run_suite, selected
+from _mp import TRANSPORTS, parity_checks, run_suite, selected
 
 RANKS = 4
 PARITY = list(parity_checks(RANKS))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=list(TRANSPORTS))
 def results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    only = selected(request)
     return run_suite(
         "runtime_checks",
         RANKS,
-        tmp_path_factory.mktemp("runtime4"),
+        tmp_path_factory.mktemp(f"runtime4-{request.param}"),
         timeout=270,
-        suite="parity+subgroups",
-        only=selected(request),
+        suite="parity+subgroups+transport",
+        env={"STAGEWISE_TRANSPORT": request.param},
+        only=None if only is None else [*only, "transport-in-use"],
     )
+
+
+def test_transport_in_use(results) -> None:
+    """The job ran on the transport its STAGEWISE_TRANSPORT names."""
+    results.assert_transport()
 
 
 @pytest.mark.parametrize("name", PARITY)

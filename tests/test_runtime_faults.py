@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from _mp import TRANSPORTS
+
 WORKER = Path(__file__).parent / "workers" / "fault_checks.py"
 WORLD, VICTIM = 4, 1
 TIMEOUT = 5.0  # the pipeline's, in fault_checks.py
@@ -24,13 +26,13 @@ STARTUP = 40.0  # four interpreters importing torch on a busy 2-core machine
 
 
 def run_ranks(
-    out: Path, hang: bool, mesh: bool = False, victim: int = VICTIM
+    out: Path, hang: bool, mesh: bool = False, victim: int = VICTIM, transport: str = "torch"
 ) -> tuple[dict[int, int | None], dict[int, str], float]:
     """Start every rank; return their exit codes (None: killed by us, still running), reports and time taken."""
     store = dist.TCPStore("127.0.0.1", 0, WORLD, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     cmd = [sys.executable, str(WORKER), "--world", str(WORLD), "--port", str(store.port), "--victim", str(victim)]
     cmd += ["--out", str(out)] + (["--hang"] if hang else []) + (["--mesh"] if mesh else [])
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", STAGEWISE_TRANSPORT=transport)
     started = time.perf_counter()
     procs = {
         r: subprocess.Popen([*cmd, "--rank", str(r)], env=env, stderr=subprocess.PIPE, text=True) for r in range(WORLD)
@@ -58,9 +60,10 @@ def run_ranks(
     return codes, reports, took
 
 
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
 @pytest.mark.parametrize("hang", [False, True], ids=["dead-peer", "stuck-peer"])
-def test_every_survivor_reports_and_exits(tmp_path: Path, hang: bool) -> None:
-    codes, reports, took = run_ranks(tmp_path, hang)
+def test_every_survivor_reports_and_exits(tmp_path: Path, hang: bool, transport: str) -> None:
+    codes, reports, took = run_ranks(tmp_path, hang, transport=transport)
     survivors = [r for r in range(WORLD) if r != VICTIM]
     assert all(codes[r] == 1 for r in survivors), f"exit codes {codes}; reports {reports}"
     if not hang:
@@ -74,8 +77,11 @@ def test_every_survivor_reports_and_exits(tmp_path: Path, hang: bool) -> None:
         cause = text.splitlines()[0]
         if hang:
             assert re.search(r"waited \d+\.\d s for .* from rank \d; is another rank stuck or dead\?", cause), text
-        else:
+        elif transport == "torch":
             assert f"from rank {VICTIM} failed: " in cause and "peer" in cause, text  # gloo: closed/reset by peer
+        else:  # shm: the survivor saw the victim's process gone
+            assert re.search(rf"from rank {VICTIM} failed: peer rank {VICTIM} \(pid \d+\) died", cause), text
+        assert text.endswith(f"on {TRANSPORTS[transport]})"), text
         # this rank's own place in its planned action list
         mine = text.splitlines()[1]
         assert re.match(rf"rank {r} at {r}[A-Z_]+\d* \(action \d+ of \d+; last completed: .*\), waiting for ", mine), (
@@ -86,10 +92,11 @@ def test_every_survivor_reports_and_exits(tmp_path: Path, hang: bool) -> None:
     assert f"waiting for stage 1's output for micro-batch 2 from rank {VICTIM}" in reports[2], reports[2]
 
 
-def test_a_failure_in_one_replica_stops_the_other_pipelines(tmp_path: Path) -> None:
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
+def test_a_failure_in_one_replica_stops_the_other_pipelines(tmp_path: Path, transport: str) -> None:
     """pp 2 x dp 2: rank 3 raises in its forward and stays alive. Ranks 0 and 2, the other pipeline, meet it only
     in the data-parallel all-reduce: they read its error on the mesh's board, well before their deadline."""
-    codes, reports, took = run_ranks(tmp_path, hang=False, mesh=True, victim=3)
+    codes, reports, took = run_ranks(tmp_path, hang=False, mesh=True, victim=3, transport=transport)
     assert "ValueError: the tripwire fired" in reports.get(3, ""), reports
     for r in (0, 1, 2):
         text = reports.get(r, "")

@@ -78,6 +78,8 @@ _LAZY = {
     "collect_aux_losses": ".runtime.engine.aux",
     "pipeline_from_plan": ".runtime.from_plan",
     "async_reference": ".runtime.asynchronous.reference",
+    "shm_transport": ".runtime.comm.shm",
+    "torch_transport": ".runtime.comm.choose",
 }
 
 
@@ -151,6 +153,8 @@ __all__ = [
     "stage",
     "v_placement",
     "Mesh",
+    "shm_transport",
+    "torch_transport",
     "ParallelConfig",
     "build_mesh",
     "column_parallel",

@@ -100,7 +100,7 @@ def main() -> None:
         text, code = f"PipelineError: {err}", 1
     except BaseException:
         text, code = traceback.format_exc(), 3
-    text += f"\n(after {time.perf_counter() - started:.2f} s)"
+    text += f"\n(after {time.perf_counter() - started:.2f} s on {type(pipe.transport).__name__})"
     (args.out / f"rank{args.rank}.txt").write_text(text)
     sys.stderr.write(f"rank {args.rank}: {text}\n")
     sys.stderr.flush()

@@ -387,10 +387,17 @@ def feature_checks(world: int) -> dict[str, Check]:
     }
 
 
+def transport_in_use(ctx: Ctx) -> dict[str, str]:
+    """Which transport this job's pipelines get (STAGEWISE_TRANSPORT, else auto): the tests compare it."""
+    pipe = sw.Pipeline(mdl.mlp(), loss_fn=F.cross_entropy, microbatches=2, group=ctx.group, timeout=TIMEOUT)
+    return {"transport": type(pipe.transport).__name__}
+
+
 SUITES: dict[str, Callable[[int], dict[str, Check]]] = {
     "parity": parity_checks,
     "features": feature_checks,
     "subgroups": lambda world: {"subgroups": subgroups},
+    "transport": lambda world: {"transport-in-use": transport_in_use},
 }
 
 

@@ -18,7 +18,7 @@ from torch import nn
 from ..schedule import Schedule
 from .asynchronous.train import check_async
 from .comm import groups
-from .comm.torch_p2p import TorchTransport
+from .comm.choose import resolve
 from .comm.transport import Transport, TransportSpec
 from .context import PipelineContext
 from .engine.batchnorm import attach_batchnorms, check_batchnorm
@@ -108,7 +108,7 @@ def build_engine(
 
 
 def make_transport(ctx: PipelineContext, options: RunOptions) -> Transport:
-    """The pipeline's transport: ``options.transport`` (a factory) or torch.distributed point-to-point."""
+    """The pipeline's transport: ``options.transport`` as :func:`.comm.choose.resolve` reads it ("auto" unset)."""
     name, pipeline_id = groups.next_pipeline_id(ctx.group)
     hybrid = ctx.hybrid
     spec = TransportSpec(
@@ -120,7 +120,7 @@ def make_transport(ctx: PipelineContext, options: RunOptions) -> Transport:
         board=None if hybrid is None else hybrid.board_name(),  # a failure anywhere stops the whole mesh
         label=None if hybrid is None else f"rank {ctx.rank} ({hybrid.mesh.where()})",
     )
-    return (options.transport or TorchTransport)(spec)
+    return resolve(options.transport)(spec)
 
 
 def _refuse(ctx: PipelineContext, parts: BuiltStages, options: RunOptions) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .comm.transport import TransportFactory
+from .comm.choose import TransportChoice, check_choice
 from .engine.batchnorm import BatchNormPolicy, check_batchnorm
 from .engine.microbatch import Dims
 from .engine.precision import check_autocast
@@ -34,7 +34,7 @@ class RunOptions:
     measure_memory: bool = False
     autocast: torch.dtype | None = None
     variable_shapes: bool = False
-    transport: TransportFactory | None = None
+    transport: TransportChoice = None
     batchnorm: str | BatchNormPolicy | None = None
     loss_weights: LossWeights | None = None
 
@@ -44,5 +44,6 @@ class RunOptions:
             raise TypeError(f"loss_weights must be a function of a micro-batch's targets, got {self.loss_weights!r}")
         check_recompute(self.recompute)
         check_autocast(self.autocast)
+        check_choice(self.transport)
         if not self.timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {self.timeout!r}")

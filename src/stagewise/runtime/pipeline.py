@@ -30,7 +30,8 @@ from ..validate_versions import async_table
 from .assembly import build_engine
 from .asynchronous.train import train_stream
 from .comm import lifecycle
-from .comm.transport import Transport, TransportFactory
+from .comm.choose import TransportChoice
+from .comm.transport import Transport
 from .context import PipelineContext, resolve_context
 from .engine.batchnorm import BatchNormPolicy
 from .engine.microbatch import Dims
@@ -82,9 +83,11 @@ class Pipeline(nn.Module):
     micro-batch or step to the next (packed / variable-length sequences; pass
     pre-cut micro-batches as :class:`~stagewise.MicroBatches`); each value then
     carries its shapes. Off, shapes are learned on the first step and a later
-    change is an error naming the stage and tensor. ``transport``: a factory
-    ``TransportSpec -> Transport`` (:mod:`stagewise.runtime.comm.transport`);
-    the default is torch.distributed point-to-point.
+    change is an error naming the stage and tensor. ``transport``: ``"auto"``
+    (shared memory when every rank is on this host and the group is gloo, else
+    torch.distributed), ``"shm"``, ``"torch"``, or a factory
+    ``TransportSpec -> Transport`` (:mod:`stagewise.runtime.comm.choose`);
+    unset, ``STAGEWISE_TRANSPORT`` may name one, else ``"auto"``.
 
     ``parallel``: a :class:`~stagewise.ParallelConfig` (or a built
     :class:`~stagewise.Mesh`) for pipeline x data x ZeRO-sharded x tensor
@@ -130,7 +133,7 @@ class Pipeline(nn.Module):
         measure_memory: bool = False,
         autocast: torch.dtype | None = None,
         variable_shapes: bool = False,
-        transport: TransportFactory | None = None,
+        transport: TransportChoice = None,
         batchnorm: str | BatchNormPolicy | None = None,
         loss_weights: LossWeights | None = None,
     ) -> None:
