@@ -233,7 +233,8 @@ class Pipeline(nn.Module):
             self.transport, self.schedule.placement, m, self.device, variable_shapes=options.variable_shapes
         )
         mesh = None if self.hybrid is None else self.hybrid.mesh
-        self.tied = TiedSync(tied, self.layer_ranges, self.schedule.placement, self.rank, ctx.group, self._wait, mesh)
+        placement, call = self.schedule.placement, self.transport.call
+        self.tied = TiedSync(tied, self.layer_ranges, placement, self.rank, ctx.group, self._wait, mesh, call)
         self.hooks = StageHooks([self.tied] if self.hybrid is None else [self.hybrid, self.tied], self.optimizers)
         precision = autocast_context(options.autocast, self.device)
         stages = {s: Stage(s, mods, options.recompute, precision, 1.0 / m) for s, mods in parts.modules.items()}
@@ -308,6 +309,7 @@ class Pipeline(nn.Module):
             started=self._runner.step_started,
             clock_offset=self._clock_offset,
             group=self.transport.group if gather else None,
+            wait=self._wait,
         )
 
     def reset_shapes(self) -> None:
@@ -351,7 +353,8 @@ class Pipeline(nn.Module):
         over all ranks. A collective: call it on every rank.
         """
         losses = self._runner.losses
-        return gathered_losses(losses.get("loss", float("nan")), losses.get("aux_local", {}), self.transport.group)
+        loss, aux = losses.get("loss", float("nan")), losses.get("aux_local", {})
+        return gathered_losses(loss, aux, self.transport.group, self._wait)
 
     def memory_report(self) -> dict[str, Any]:
         """Activation bytes of the last train_step on this rank (needs ``measure_memory=True``).

@@ -15,8 +15,8 @@ step ends by polling a CUDA event; gloo waits run on helper threads
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,8 @@ from .board import ErrorBoard
 from .groups import GROUPED_BACKENDS, backend_of, side_group
 from .transport import TAG_BITS, Op, TransportSpec
 from .waits import Waits, Watch
+
+T = TypeVar("T")
 
 
 class TorchTransport:
@@ -40,12 +42,12 @@ class TorchTransport:
         self._global = [dist.get_global_rank(group, r) for r in range(self.size)]
         self.grouped = backend_of(group) in GROUPED_BACKENDS
         self._stream_waits = backend_of(group) == "nccl"  # a wait orders streams, the CPU goes on
-        side = side_group(group)
-        self._eager_group = group if side is None else side
         self._tag_base = (spec.pipeline_id % 1024) << TAG_BITS
         self.timeout = spec.timeout
-        self.board = ErrorBoard(spec.name if spec.board is None else spec.board, spec.store)
+        self.board = ErrorBoard(spec.name if spec.board is None else spec.board, spec.store, spec.timeout, self.me)
         self.waits = Waits(self.board, spec.timeout, self.me)
+        side = side_group(group, lambda works, what: self.waits.wait(works, what))
+        self._eager_group = group if side is None else side
         self._sends: dict[int, Any] = {}  # id -> work, until finished or released
         self._eager_sends: list[Any] = []
 
@@ -120,6 +122,14 @@ class TorchTransport:
         self._live()
         work = dist.broadcast(tensor, group_src=src, group=self.group, async_op=True)
         self.wait([work], what)
+
+    def call(self, fn: Callable[[], T], what: str) -> T:
+        """A blocking call that cannot be made asynchronous (process-group creation), within the deadline.
+
+        It runs on a helper thread while this one watches the error board and the clock, as :meth:`wait` does.
+        """
+        self._live()
+        return self.waits.call(fn, what)
 
     def warm_up(self) -> None:
         """On NCCL, the first call in a group must involve all its ranks: make it a collective, here."""

@@ -14,12 +14,14 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from ..errors import PipelineError
 from .board import ErrorBoard
+
+T = TypeVar("T")
 
 _POLL_S = 0.05  # how often a long wait looks at the error board
 
@@ -63,6 +65,28 @@ class Waits:
                     raise
         if job.error is not None:
             raise PipelineError(self.board.fail(f"{self.me}: {what} failed: {job.error}")) from job.error
+
+    def call(self, fn: Callable[[], T], what: str) -> T:
+        """``fn()`` on a helper thread (left behind if it never returns), bounded like :meth:`wait`."""
+        self.waiting = what
+        box: dict[str, Any] = {}
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                box["value"] = fn()
+            except BaseException as err:  # handed to the caller
+                box["error"] = err
+            done.set()
+
+        threading.Thread(target=run, name="stagewise-call", daemon=True).start()
+        started = time.perf_counter()
+        while not done.wait(_POLL_S):
+            self.check_deadline(started, what)
+        if "error" in box:
+            err = box["error"]
+            raise PipelineError(self.board.fail(f"{self.me}: {what} failed: {err}")) from err
+        return box["value"]
 
     def check_deadline(self, started: float, what: str) -> None:
         """Raise if a failure was posted, or post one if ``what`` has been waited for past the timeout."""
