@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from .comm.transport import TransportFactory
+from .engine.finite import check_policy
 from .engine.microbatch import Dims
 from .engine.precision import check_autocast
 from .engine.recompute import Recompute, check_recompute
@@ -33,8 +34,10 @@ class RunOptions:
     autocast: torch.dtype | None = None
     variable_shapes: bool = False
     transport: TransportFactory | None = None
+    nan_policy: str = "raise"
 
     def __post_init__(self) -> None:
+        check_policy(self.nan_policy)
         check_recompute(self.recompute)
         check_autocast(self.autocast)
         if not self.timeout > 0:

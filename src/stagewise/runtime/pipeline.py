@@ -30,6 +30,7 @@ from .comm import groups, lifecycle
 from .comm.torch_p2p import TorchTransport
 from .comm.transport import Transport, TransportFactory, TransportSpec
 from .context import PipelineContext, resolve_context
+from .engine.finite import finite_check
 from .engine.hooks import StageHooks, optimizer_per_stage
 from .engine.interpreter import Interpreter
 from .engine.memory import ActivationMeter
@@ -85,7 +86,11 @@ class Pipeline(nn.Module):
     carries its shapes. Off, shapes are learned on the first step and a later
     change is an error naming the stage and tensor. ``transport``: a factory
     ``TransportSpec -> Transport`` (:mod:`stagewise.runtime.comm.transport`);
-    the default is torch.distributed point-to-point.
+    the default is torch.distributed point-to-point. ``nan_policy``: a
+    non-finite loss or gradient anywhere in the mesh either raises on every
+    rank before any optimizer steps (``"raise"``) or skips the step on every
+    rank, counted in :attr:`skipped_steps` (``"skip"``); see
+    :mod:`stagewise.runtime.engine.finite`.
 
     ``parallel``: a :class:`~stagewise.ParallelConfig` (or a built
     :class:`~stagewise.Mesh`) for pipeline x data x ZeRO-sharded x tensor
@@ -125,11 +130,12 @@ class Pipeline(nn.Module):
         autocast: torch.dtype | None = None,
         variable_shapes: bool = False,
         transport: TransportFactory | None = None,
+        nan_policy: str = "raise",
     ) -> None:
         super().__init__()
         options = RunOptions(
             loss_fn, optimizer, batch_dim, target_batch_dim, timeout, store, recompute, measure_memory, autocast,
-            variable_shapes, transport,
+            variable_shapes, transport, nan_policy,
         )  # fmt: skip
         ctx = resolve_context(
             schedule=schedule,
@@ -254,6 +260,7 @@ class Pipeline(nn.Module):
             eval_actions(self.schedule, self.rank),
             (options.batch_dim, options.target_batch_dim), options.loss_fn is not None, self.tied, self.hybrid, meter,
         )  # fmt: skip
+        self._runner.finite = finite_check(self, options.nan_policy)
         self._clock_offset = time.time() - time.perf_counter()
 
     def _make_transport(self, ctx: PipelineContext, options: RunOptions) -> Transport:
@@ -311,6 +318,12 @@ class Pipeline(nn.Module):
             group=self.transport.group if gather else None,
             wait=self._wait,
         )
+
+    @property
+    def skipped_steps(self) -> int:
+        """How many train steps ``nan_policy="skip"`` skipped for non-finite values (alike on every rank)."""
+        finite = self._runner.finite
+        return 0 if finite is None else finite.skipped
 
     def reset_shapes(self) -> None:
         """Forget the cached shapes so the next step may use new ones (call on every rank)."""

@@ -67,10 +67,5 @@ def gather_json(obj: Any, group: Any, wait: Wait | None = None, what: str = "a g
     return [decode(bytes(t[:n].cpu().numpy().tobytes())) for t, n in zip(out, sizes)]
 
 
-def gather_objects(obj: Any, group: Any, wait: Wait | None = None, what: str = "a gather of records") -> list[Any]:
-    """Kept for callers of the old name: :func:`gather_json`."""
-    return gather_json(obj, group, wait, what)
-
-
 def _nccl(group: Any) -> bool:
     return str(dist.get_backend(group)) == "nccl"

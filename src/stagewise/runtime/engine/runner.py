@@ -16,10 +16,11 @@ from typing import Any
 
 import torch
 
-from ...actions import Action
+from ...actions import Action, Kind
 from ...schedule import Schedule
 from ..comm.transport import Transport
 from ..errors import PipelineError
+from .finite import FiniteCheck
 from .forensics import position
 from .interpreter import Interpreter, Step
 from .memory import ActivationMeter
@@ -49,6 +50,7 @@ class Runner:
     running: tuple[Action, ...] = ()
     step_started: float = 0.0
     losses: dict[str, Any] = field(default_factory=dict)
+    finite: FiniteCheck | None = None  # the step-end check of non-finite values (see .finite), when set
 
     def guarded(self, body: Callable[[], Any]) -> Any:
         """Run ``body``; any failure is posted to the board (or annotated) with where this rank stood."""
@@ -87,13 +89,24 @@ class Runner:
         self.tied.start_step()
         for st in self.stages.values():
             st.aux_totals = {}
+        actions, steps = self.train_actions, ()
+        if self.finite is not None:  # optimizers step after the check (see .finite)
+            steps = tuple(a for a in actions if a.kind is Kind.STEP)
+            actions = tuple(a for a in actions if a.kind is not Kind.STEP)
         if self.meter is None:
-            self._run(self.train_actions, step)
+            self._run(actions, step)
         else:
             self.meter.reset()
             with self.meter.hooks():
-                self._run(self.train_actions, step)
+                self._run(actions, step)
         self.tied.finish()
+        if self.finite is not None:
+            if self.hybrid is not None:
+                self.hybrid.before_step()
+            last = self.schedule.placement[-1] == self.rank
+            skip = self.finite(step.losses if last else {}, self.schedule.num_stages - 1 if last else None)
+            if steps and not skip:
+                self.interpreter.run(steps, step)
         loss = self._share_loss(step)
         aux_local: dict[str, float] = {}
         for st in self.stages.values():
