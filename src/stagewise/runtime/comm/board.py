@@ -19,6 +19,7 @@ import logging
 from typing import Any
 
 from ..errors import PipelineError
+from . import heartbeat
 from .coordinator import UNREACHABLE, board_client
 from .exit_hook import mark_origin
 
@@ -40,12 +41,16 @@ class ErrorBoard:
             raise PipelineError(f"{me}: {err}" if me else str(err)) from err
         self.key = f"{name}/{_ERROR_KEY}"
         self.failure: str | None = None
+        heartbeat.start(timeout)  # so that a rank whose deadline passes can name the silent ones
 
     def fail(self, message: str) -> str:
         """Post ``message`` unless another rank's failure came first; returns the failure that stands."""
         if self.failure is not None:
             return self.failure
         try:
+            if self.store.check([JOB_KEY]):  # a process already ended with an error: that one is the cause
+                self.failure = self.store.get(JOB_KEY).decode()
+                return self.failure
             stood = self.store.compare_set(self.key, "", message)
             self.failure = stood.decode() if isinstance(stood, bytes) else str(stood)
             if self.failure == message:
@@ -59,7 +64,7 @@ class ErrorBoard:
         """Raise :class:`PipelineError` if any rank has posted a failure (or the coordinator is unreachable)."""
         if self.failure is None:
             try:
-                for key in (self.key, JOB_KEY):
+                for key in (JOB_KEY, self.key):
                     if self.store.check([key]):
                         self.failure = self.store.get(key).decode()
                         self.store.add(SEEN_KEY, 1)  # the origin may be waiting for readers before it exits

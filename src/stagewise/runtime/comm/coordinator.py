@@ -15,10 +15,11 @@ Two things make the store safe to lean on when a rank is in trouble:
   Pipeline at the same time, SPMD), bounded by the pipeline's timeout.
 * **A client of its own, with a deadline.** The store is hosted by one process
   (rank 0 under torchrun). If that process is stopped, every store call on
-  the shared client would block for the process group's timeout (minutes),
-  and a stuck call would hold the client's lock for everyone. The error
-  board therefore talks to the store over its own connection whose every call
-  times out after the pipeline's ``timeout``; a call that fails or times out
+  the shared client would block - a TCPStore client's timeout bounds waiting
+  for keys, not a silent host - and a stuck call would hold the client's lock
+  for everyone. The error board therefore talks to the store over its own
+  connection, each call made on a helper thread that must answer within the
+  pipeline's ``timeout`` (:class:`DeadlineStore`); a call that fails or times out
   means the coordinator is unreachable, and is reported as such
   (:data:`UNREACHABLE`) rather than as a raw socket error.
 """
@@ -110,6 +111,61 @@ def call_with_deadline(fn: Any, timeout: float, what: str, me: str | None = None
     return box.get("value")
 
 
+class DeadlineStore:
+    """A store whose every call runs on one helper thread and must return within ``timeout`` seconds.
+
+    A TCPStore client's calls block on the socket without a deadline when the
+    host is stopped (its ``timeout`` bounds waiting for keys, not the host's
+    reply), and a stuck call holds the client for every later one. Here a call
+    that does not return in time - or that finds the helper still stuck in an
+    earlier one - raises :class:`TimeoutError`: the coordinator is unreachable.
+    """
+
+    def __init__(self, store: Any, timeout: float) -> None:
+        self.store = store
+        self.timeout = timeout
+        self._lock = threading.Lock()
+        self._busy = threading.Event()  # set while a call is out on the helper
+
+    def _call(self, name: str, *args: Any) -> Any:
+        with self._lock:
+            if self._busy.is_set():
+                raise TimeoutError(f"an earlier store call has not returned after {self.timeout:g} s")
+            self._busy.set()
+            box: dict[str, Any] = {}
+            done = threading.Event()
+
+            def run() -> None:
+                try:
+                    box["value"] = getattr(self.store, name)(*args)
+                except BaseException as err:  # handed to the caller
+                    box["error"] = err
+                self._busy.clear()
+                done.set()
+
+            threading.Thread(target=run, name="stagewise-store", daemon=True).start()
+            if not done.wait(self.timeout):
+                raise TimeoutError(f"the store did not answer {name}() within {self.timeout:g} s")
+            if "error" in box:
+                raise box["error"]
+            return box.get("value")
+
+    def check(self, keys: list[str]) -> bool:
+        return bool(self._call("check", keys))
+
+    def get(self, key: str) -> bytes:
+        return self._call("get", key)  # type: ignore[no-any-return]
+
+    def set(self, key: str, value: str) -> None:
+        self._call("set", key, value)
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self._call("add", key, amount))
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        return self._call("compare_set", key, expected, desired)  # type: ignore[no-any-return]
+
+
 def tcp_store_of(store: Any) -> Any:
     """The TCPStore under ``store``'s prefixes, or None (a HashStore, a FileStore: no host to lose)."""
     seen = 0
@@ -119,16 +175,20 @@ def tcp_store_of(store: Any) -> Any:
     return store if isinstance(store, dist.TCPStore) else None
 
 
-def board_client(store: Any, timeout: float) -> Any:
+def board_client(store: Any, timeout: float, own: bool = False, cached: bool = False) -> Any:
     """A store for the run's keys (prefixed ``stagewise/<run>/``): a connection of its own, whose calls time out
-    after ``timeout`` seconds, to the host of ``store`` (the default group's when None)."""
+    after ``timeout`` seconds, to the host of ``store`` (the default group's when None); shared by the boards
+    with the same timeout, or (``own``) for one user alone, such as a helper thread; ``cached``: any connection
+    already open to that host will do (leaving: no time to open one)."""
     if store is None:
         store = _default_store()
     base = store
     tcp = tcp_store_of(store)
     if tcp is not None:
         key = (tcp.host, tcp.port, float(timeout))
-        base = _clients.get(key)
+        base = None if own else _clients.get(key)
+        if cached and base is None:
+            base = next((c for (h, p, _), c in _clients.items() if (h, p) == (tcp.host, tcp.port)), None)
         if base is None:
             try:
                 base = call_with_deadline(
@@ -140,8 +200,9 @@ def board_client(store: Any, timeout: float) -> Any:
                 )
             except Exception as err:
                 raise PipelineError(f"{UNREACHABLE} (at {tcp.host}:{tcp.port}): {err}") from err
-            _clients[key] = base
-    return dist.PrefixStore(f"stagewise/{agree_run_scope(timeout)}/", base)
+            if not own:
+                _clients[key] = base
+    return DeadlineStore(dist.PrefixStore(f"stagewise/{agree_run_scope(timeout)}/", base), timeout)
 
 
 def _default_store() -> Any:

@@ -95,7 +95,7 @@ def _post_and_linger(err: BaseException) -> None:
     if relayed:
         time.sleep(_RELAYED_S)
         return
-    store = board_client(None, _LINGER_S)
+    store = board_client(None, _LINGER_S, cached=True)
     store.compare_set(JOB_KEY, "", message)
     deadline = time.perf_counter() + _LINGER_S
     while time.perf_counter() < deadline:

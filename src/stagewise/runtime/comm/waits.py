@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ..errors import PipelineError
+from . import heartbeat
 from .board import ErrorBoard
 
 T = TypeVar("T")
@@ -96,7 +97,7 @@ class Waits:
             raise PipelineError(
                 self.board.fail(
                     f"{self.me} waited {waited:.1f} s for {what}; is another rank stuck or dead? "
-                    f"(timeout={self.timeout:g} s)"
+                    f"(timeout={self.timeout:g} s){heartbeat.describe_silent(self.timeout)}"
                 )
             )
 

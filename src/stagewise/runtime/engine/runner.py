@@ -131,6 +131,9 @@ class Runner:
 
     def _run(self, actions: tuple[Action, ...], step: Step) -> None:
         self.last_step, self.running = step, actions
+        reset = getattr(self.transport, "reset_waiting", None)  # "waiting for" must be this step's
+        if reset is not None:
+            reset()
         self.step_started = time.perf_counter()
         self.interpreter.run(actions, step)
         self.transport.finish_sends()
