@@ -22,7 +22,6 @@ SUBSET: list[fh.Case] = [
     ("sigstop", 0, "step"),
     ("sigkill", 0, "step"),
     ("exception", 0, "constructor"),
-    ("sigkill", 1, "constructor"),
     ("exception", 3, "clip"),
     ("sigstop", 3, "clip"),
 ]

@@ -29,7 +29,7 @@ from torch import nn
 import stagewise as sw
 
 D, V, M = 8, 11, 4
-TIMEOUT = 10.0
+TIMEOUT = 15.0
 
 
 class Trap:

@@ -27,6 +27,7 @@ Two things make the store safe to lean on when a rank is in trouble:
 from __future__ import annotations
 
 import os
+import queue
 import secrets
 import threading
 from datetime import timedelta
@@ -125,26 +126,33 @@ class DeadlineStore:
         self.store = store
         self.timeout = timeout
         self._lock = threading.Lock()
-        self._busy = threading.Event()  # set while a call is out on the helper
+        self._jobs: queue.SimpleQueue[tuple[str, tuple[Any, ...], dict[str, Any], threading.Event]] = (
+            queue.SimpleQueue()
+        )
+        self._stuck = False  # a call did not return in time: the helper may never come back
+        self._helper: threading.Thread | None = None
+
+    def _serve(self) -> None:
+        while True:
+            name, args, box, done = self._jobs.get()
+            try:
+                box["value"] = getattr(self.store, name)(*args)
+            except BaseException as err:  # handed to the caller
+                box["error"] = err
+            done.set()
 
     def _call(self, name: str, *args: Any) -> Any:
         with self._lock:
-            if self._busy.is_set():
+            if self._stuck:
                 raise TimeoutError(f"an earlier store call has not returned after {self.timeout:g} s")
-            self._busy.set()
+            if self._helper is None:
+                self._helper = threading.Thread(target=self._serve, name="stagewise-store", daemon=True)
+                self._helper.start()
             box: dict[str, Any] = {}
             done = threading.Event()
-
-            def run() -> None:
-                try:
-                    box["value"] = getattr(self.store, name)(*args)
-                except BaseException as err:  # handed to the caller
-                    box["error"] = err
-                self._busy.clear()
-                done.set()
-
-            threading.Thread(target=run, name="stagewise-store", daemon=True).start()
+            self._jobs.put((name, args, box, done))
             if not done.wait(self.timeout):
+                self._stuck = True
                 raise TimeoutError(f"the store did not answer {name}() within {self.timeout:g} s")
             if "error" in box:
                 raise box["error"]

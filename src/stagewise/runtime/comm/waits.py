@@ -24,7 +24,12 @@ from .board import ErrorBoard
 
 T = TypeVar("T")
 
-_POLL_S = 0.05  # how often a long wait looks at the error board
+_POLL_S = 0.05  # how often a long wait looks at the error board, for its first second
+_SLOW_POLL_S = 0.25  # and after that: every look is store calls on the host, which every waiting rank makes
+
+
+def _poll_s(waited: float) -> float:
+    return _POLL_S if waited < 1.0 else _SLOW_POLL_S
 
 
 @dataclass
@@ -57,7 +62,7 @@ class Waits:
         job = self._submit(works) if watch is None else watch
         if not job.event.is_set():
             started = time.perf_counter()
-            while not job.event.wait(_POLL_S):
+            while not job.event.wait(_poll_s(time.perf_counter() - started)):
                 try:
                     self.check_deadline(started, what)
                 except PipelineError:
@@ -82,7 +87,7 @@ class Waits:
 
         threading.Thread(target=run, name="stagewise-call", daemon=True).start()
         started = time.perf_counter()
-        while not done.wait(_POLL_S):
+        while not done.wait(_poll_s(time.perf_counter() - started)):
             self.check_deadline(started, what)
         if "error" in box:
             err = box["error"]
