@@ -84,6 +84,34 @@ def describe_silent(timeout: float) -> str:
     return f"; last sign of life: {', '.join(parts)} - stopped or dead?"
 
 
+def _stamps() -> dict[int, str | None]:
+    out: dict[int, str | None] = {}
+    for r in range(dist.get_world_size()):
+        key = f"alive/{r}"
+        out[r] = _store.get(key).decode() if _store.check([key]) else None
+    return out
+
+
+def describe_stopped(within: float = 2.5 * INTERVAL_S) -> str:
+    """After a communication failure: a clause naming the ranks that stamp nothing new for ``within`` seconds.
+
+    A killed peer makes gloo report "connection closed" without saying which peer; its stamp stops advancing,
+    while every live rank stamps every :data:`INTERVAL_S`. Costs ``within`` seconds, on the failure path only.
+    """
+    if _store is None:
+        return ""
+    try:
+        before = _stamps()
+        time.sleep(within)
+        after = _stamps()
+    except Exception:
+        return ""
+    still = [r for r in before if r != dist.get_rank() and before[r] == after[r]]
+    if not still:
+        return ""
+    return f"; no sign of life for {within:g} s from global rank {', '.join(map(str, still))} - stopped or dead?"
+
+
 @atexit.register
 def _halt() -> None:
     """Stop the thread while Python is whole (a daemon thread ending inside a store call at exit could abort)."""

@@ -70,7 +70,10 @@ class Waits:
                         self._waiters.remove(job.waiter)
                     raise
         if job.error is not None:
-            raise PipelineError(self.board.fail(f"{self.me}: {what} failed: {job.error}")) from job.error
+            if self.board.failure is None:  # which peer went away? gloo does not say
+                who = heartbeat.describe_stopped()
+                raise PipelineError(self.board.fail(f"{self.me}: {what} failed: {job.error}{who}")) from job.error
+            raise PipelineError(self.board.failure) from job.error
 
     def call(self, fn: Callable[[], T], what: str) -> T:
         """``fn()`` on a helper thread (left behind if it never returns), bounded like :meth:`wait`."""
