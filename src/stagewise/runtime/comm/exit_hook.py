@@ -18,7 +18,9 @@ in front of the existing one. For an uncaught exception it
    message with it - and a rank that fails *because of* another (a
    :class:`PipelineError` relayed from the board) long enough for torchrun to
    observe the origin's exit first, so its summary names the right rank
-   (torchrun ranks failures by whole-second timestamps);
+   (torchrun ranks failures by whole-second timestamps); global rank 0, which
+   hosts the store under torchrun's placement, waits like the origin, so that
+   slower ranks still read the failure rather than find the store gone;
 4. flushes stdio and logging, and leaves with ``os._exit(1)``: no C++
    destructors run, so nothing aborts. ``atexit`` handlers are skipped on
    this path - the process group may have dead members, and tearing it down
@@ -92,11 +94,12 @@ def _post_and_linger(err: BaseException) -> None:
     message = str(err) if isinstance(err, PipelineError) else f"rank {rank}: {type(err).__name__}: {err}"
     if world == 1:
         return
-    if relayed:
+    if relayed and rank != 0:
         time.sleep(_RELAYED_S)
         return
     store = board_client(None, _LINGER_S, cached=True)
-    store.compare_set(JOB_KEY, "", message)
+    if not relayed:
+        store.compare_set(JOB_KEY, "", message)
     deadline = time.perf_counter() + _LINGER_S
     while time.perf_counter() < deadline:
         if int(store.add(SEEN_KEY, 0)) >= world - 1:
