@@ -94,9 +94,10 @@ def _post_and_linger(err: BaseException) -> None:
     message = str(err) if isinstance(err, PipelineError) else f"rank {rank}: {type(err).__name__}: {err}"
     if world == 1:
         return
-    if relayed and rank != 0:
+    if relayed:  # after the origin, always (rank 0 too: torchrun must see the origin's exit first)
         time.sleep(_RELAYED_S)
-        return
+        if rank != 0:
+            return
     store = board_client(None, _LINGER_S, cached=True)
     if not relayed:
         store.compare_set(JOB_KEY, "", message)
