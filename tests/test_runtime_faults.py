@@ -25,12 +25,23 @@ TIMEOUT = 5.0  # the pipeline's, in fault_checks.py
 STARTUP = 40.0  # four interpreters importing torch on a busy 2-core machine
 
 
+def host_store() -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", 0, WORLD, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+
+
 def run_ranks(
-    out: Path, hang: bool, mesh: bool = False, victim: int = VICTIM, transport: str = "torch"
+    out: Path,
+    hang: bool,
+    mesh: bool = False,
+    victim: int = VICTIM,
+    store: dist.TCPStore | None = None,
+    job: str = "job",
+    transport: str = "torch",
 ) -> tuple[dict[int, int | None], dict[int, str], float]:
     """Start every rank; return their exit codes (None: killed by us, still running), reports and time taken."""
-    store = dist.TCPStore("127.0.0.1", 0, WORLD, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    store = store or host_store()
     cmd = [sys.executable, str(WORKER), "--world", str(WORLD), "--port", str(store.port), "--victim", str(victim)]
+    cmd += ["--job", job]
     cmd += ["--out", str(out)] + (["--hang"] if hang else []) + (["--mesh"] if mesh else [])
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", STAGEWISE_TRANSPORT=transport)
     started = time.perf_counter()
@@ -40,7 +51,7 @@ def run_ranks(
     codes: dict[int, int | None] = {}
     try:
         for r, p in procs.items():
-            if (hang or mesh) and r == victim:
+            if (hang or mesh) and r == victim and victim >= 0:
                 continue
             try:
                 p.wait(timeout=max(1.0, STARTUP + 3 * TIMEOUT - (time.perf_counter() - started)))
@@ -103,3 +114,35 @@ def test_a_failure_in_one_replica_stops_the_other_pipelines(tmp_path: Path, tran
         assert codes[r] == 1 and text.startswith("PipelineError: "), f"rank {r}: exit {codes[r]}: {text}"
         assert "rank 1 (global rank 3: pp=1 dp=1 sharding=0 tp=0) at 1F2: ValueError: the tripwire fired" in text, text
         assert "waited" not in text.splitlines()[0], text  # the board stopped them, not a deadline
+
+
+def test_a_clean_job_on_a_store_that_outlived_a_failed_one_trains(tmp_path: Path) -> None:
+    """A failed job leaves its failure in the store; the next job on the same store (new process group prefix,
+    same ``Pipeline(store=...)``) must not read it: its keys are scoped by the run. Its losses match the
+    one-process model's."""
+    import torch
+    import torch.nn.functional as F
+
+    sys.path.insert(0, str(WORKER.parent))
+    import fault_checks as fc
+
+    import stagewise as sw
+
+    store = host_store()
+    failed, clean = tmp_path / "failed", tmp_path / "clean"
+    failed.mkdir()
+    clean.mkdir()
+    codes, reports, _ = run_ranks(failed, hang=False, store=store, job="first")
+    assert codes[VICTIM] == 17 and all(codes[r] == 1 for r in range(WORLD) if r != VICTIM), (codes, reports)
+    codes, reports, _ = run_ranks(clean, hang=False, victim=-1, store=store, job="second")
+    assert all(codes[r] == 0 for r in range(WORLD)), (codes, reports)
+    # the reference: the same two steps in one process (plain SGD is not used: no optimizer, so the loss repeats)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4 * fc.M, fc.D, dtype=torch.float64, generator=g)
+    y = torch.randint(0, fc.CLASSES, (4 * fc.M,), generator=g)
+    want = F.cross_entropy(sw.build_model(fc.layers(WORLD))(x), y).item()
+    for r in range(WORLD):
+        words = reports[r].split()
+        assert words[0] == "ok", reports[r]
+        for got in map(float, words[1:]):
+            assert abs(got - want) < 1e-9 * max(1.0, abs(want)), (r, got, want)

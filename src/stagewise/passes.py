@@ -210,7 +210,7 @@ def _with_comm(schedule: Schedule, rank: int, recvs: list[_Recv]) -> list[Action
     return out
 
 
-def add_optimizer_steps(schedule: Schedule) -> Schedule:
+def add_optimizer_steps(schedule: Schedule, *, at_end: bool = False) -> Schedule:
     """Insert ``STEP`` for each stage right after its ``SYNC`` (or, without one, its last B or W).
 
     The optimizer step of a stage can run as soon as its gradients are final
@@ -219,12 +219,22 @@ def add_optimizer_steps(schedule: Schedule) -> Schedule:
     and lets it overlap with the other stages' drain. Stages that already have
     a STEP keep theirs. On a complete schedule the STEP joins the run of
     communication around it, as SYNC does.
+
+    ``at_end``: every STEP at the end of its rank's list instead (in stage
+    order), after all of the rank's compute and communication: for a runtime
+    that must run a collective over every rank before the first optimizer step
+    (the check of non-finite values), which is deadlock-free only there.
     """
-    ranks = []
+    ranks: list[list[Action]] = []
     for rank, acts in enumerate(schedule.ranks):
         stepped = {a.stage for a in acts if a.kind is Kind.STEP}
         stages = tuple(s for s in schedule.stages_of(rank) if s not in stepped)
-        ranks.append(_insert_after_last(acts, stages, Kind.STEP) if stages else acts)
+        if not stages:
+            ranks.append(list(acts))
+        elif at_end:
+            ranks.append([*acts, *(Action(s, Kind.STEP) for s in sorted(stages))])
+        else:
+            ranks.append(_insert_after_last(acts, stages, Kind.STEP))
     return schedule.with_ranks(ranks)
 
 

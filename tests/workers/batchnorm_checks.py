@@ -21,7 +21,7 @@ from common import Ctx, Res
 from torch import nn
 
 import stagewise as sw
-from stagewise.runtime.comm import collectives
+from gather import gather_objects
 from stagewise.runtime.engine.microbatch import split
 
 RTOL, ATOL = 1e-10, 1e-12
@@ -187,7 +187,7 @@ def micro_fails(ctx: Ctx) -> dict[str, Any]:
         train_and_compare(make, steps=1, mode="micro", evaluate=False)  # no communication after a failure
     except AssertionError:
         failed = True
-    everyone = collectives.gather_objects(failed, None)
+    everyone = gather_objects(failed, None)
     assert any(everyone), "per-micro-batch running statistics passed the deferred comparison on every rank"
     return {"failed_here": failed}
 

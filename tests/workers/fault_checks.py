@@ -1,6 +1,6 @@
 """One rank of a pipeline that loses a rank mid-step, started as a plain process (no torchrun).
 
-    python fault_checks.py --rank R --world N --port P --victim V --out DIR [--hang]
+    python fault_checks.py --rank R --world N --port P --victim V --out DIR [--hang] [--job NAME]
 
 The test hosts the c10d TCPStore, so the store outlives any rank, and starts
 every rank itself, so it sees each survivor's own report rather than torchrun
@@ -9,6 +9,13 @@ victim rank calls ``os._exit(17)`` from a layer's forward on micro-batch 2
 (with ``--hang``, it sleeps there instead, and the others time out).
 Each survivor must raise :class:`~stagewise.PipelineError` within the pipeline's
 timeout; it writes the message to ``DIR/rankR.txt`` and exits 1.
+
+The pipeline's error board is the test's store itself (``store=``), shared by
+every job the test starts; each job's process group lives under its own
+prefix (``--job``). With ``--victim -1`` no rank fails: the job trains two
+steps and writes its losses (``ok <loss0> <loss1>``), exit 0 (its timeout is
+long: nothing fails, and a loaded machine must not make it) - a clean job
+on a store that outlived a failed one must not read the old job's failure.
 
 With ``--mesh`` the ranks form ``pp=2 x dp=N/2`` and the victim *raises* in
 its forward instead (then stays alive, its connections open, until killed):
@@ -74,21 +81,33 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--hang", action="store_true", help="the victim sleeps instead of exiting")
     parser.add_argument("--mesh", action="store_true", help="pp=2 x dp=world/2; the victim raises")
+    parser.add_argument("--job", default="job", help="prefix of this job's process group in the store")
     args = parser.parse_args()
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", args.port, args.world, is_master=False, timeout=timedelta(seconds=30))
-    dist.init_process_group("gloo", store=store, rank=args.rank, world_size=args.world, timeout=timedelta(seconds=30))
+    job_store = dist.PrefixStore(f"{args.job}/", store)
+    wait = timedelta(seconds=30)
+    dist.init_process_group("gloo", store=job_store, rank=args.rank, world_size=args.world, timeout=wait)
     stages = 2 if args.mesh else args.world
     partition = [3] * (stages - 1) + [4]
     parallel = sw.ParallelConfig(pp=2, dp=args.world // 2) if args.mesh else None
     pipe = sw.Pipeline(
         layers(stages), loss_fn=F.cross_entropy, schedule="1f1b", microbatches=M, partition=partition,
-        parallel=parallel, timeout=TIMEOUT,
+        parallel=parallel, timeout=TIMEOUT if args.victim >= 0 else 60.0, store=store,
     )  # fmt: skip
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(4 * M, D, dtype=torch.float64, generator=g), torch.randint(0, CLASSES, (4 * M,), generator=g)
     x, y = (x, y) if parallel is None else (x.repeat(args.world // 2, 1), y.repeat(args.world // 2))
     x, y = pipe.local_batch(x, y)
+    if args.victim < 0:  # a clean job: two steps, losses reported
+        try:
+            losses = [pipe.train_step(x, y) for _ in range(2)]
+            text, code = "ok " + " ".join(repr(v) for v in losses), 0
+        except BaseException:
+            text, code = traceback.format_exc(), 3
+        (args.out / f"rank{args.rank}.txt").write_text(text)
+        sys.stdout.flush()
+        os._exit(code)
     pipe.train_step(x, y)
     Tripwire.armed, Tripwire.fire_at = args.rank == args.victim, 2  # the third forward: micro-batch 2
     Tripwire.hang, Tripwire.raises = args.hang, args.mesh

@@ -19,10 +19,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from common import Ctx, Res
+
+from gather import gather_objects
 from torch import nn
 
 import stagewise as sw
-from stagewise.runtime.comm import collectives
 
 RTOL, ATOL = 1e-10, 1e-12
 TIMEOUT = 60.0
@@ -199,7 +200,7 @@ def tied(schedule: str) -> Check:
         ref_params = dict(ref.named_parameters())
         for name, p in pipe.named_parameters():
             torch.testing.assert_close(p, ref_params[name], rtol=RTOL, atol=ATOL)
-        keys = collectives.gather_objects(list(pipe.state_dict()), ctx.group)
+        keys = gather_objects(list(pipe.state_dict()), ctx.group)
         flat = [k for ks in keys for k in ks]
         assert sorted(flat) == sorted(ref.state_dict()), flat
         owners = sorted({pipe.schedule.placement[0], pipe.schedule.placement[-1]})
@@ -336,7 +337,7 @@ def memory(schedule: str, how: Any = None) -> Check:
         x, y = mlp_data(4 * m, seed=0)
         pipe.train_step(x, y)
         report = pipe.memory_report()
-        everyone = collectives.gather_objects(report["forward_bytes"], ctx.group)
+        everyone = gather_objects(report["forward_bytes"], ctx.group)
         per_stage: dict[int, set[int]] = {}
         for d in everyone:
             for (s, _), b in d.items():
@@ -345,7 +346,7 @@ def memory(schedule: str, how: Any = None) -> Check:
         stage_bytes = [float(next(iter(per_stage[s]))) for s in range(pipe.schedule.num_stages)]
         # what I leaves for W (the rest of the stage's graph is freed by I), measured per micro-batch
         per_stage = {}
-        for d in collectives.gather_objects(report["weight_bytes"], ctx.group):
+        for d in gather_objects(report["weight_bytes"], ctx.group):
             for (s, _), b in d.items():
                 per_stage.setdefault(s, set()).add(b)
         assert all(len(v) == 1 for v in per_stage.values()), f"W-held bytes of one stage differ: {per_stage}"

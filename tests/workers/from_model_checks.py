@@ -18,10 +18,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from common import Ctx
+
+from gather import gather_objects
 from torch import nn
 
 import stagewise as sw
-from stagewise.runtime.comm import collectives
 
 RTOL, ATOL = 1e-10, 1e-12  # float64 on both sides: only summation order differs
 TIMEOUT = 60.0
@@ -166,7 +167,7 @@ def _raises(kind: type[BaseException], text: str, fn: Callable[[], Any]) -> str:
 
 
 def _everyone(obj: Any, ctx: Ctx) -> list[Any]:
-    return collectives.gather_objects(obj, ctx.group)
+    return gather_objects(obj, ctx.group)
 
 
 # ---- parity -----------------------------------------------------------------------------

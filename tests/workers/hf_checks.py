@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import stagewise as sw
-from stagewise.runtime.comm import collectives
+from gather import gather_objects
 
 RTOL, ATOL = 1e-10, 1e-12
 TIMEOUT = 90.0
@@ -139,7 +139,7 @@ def parity(
             with torch.no_grad():
                 expected = ref(input_ids=ids, attention_mask=mask).logits
             torch.testing.assert_close(logits, expected, rtol=RTOL, atol=ATOL)
-        keys = [k for ks in collectives.gather_objects(list(pipe.state_dict()), ctx.group) for k in ks]
+        keys = [k for ks in gather_objects(list(pipe.state_dict()), ctx.group) for k in ks]
         assert sorted(set(keys)) == sorted(ref.state_dict()), sorted(set(keys) ^ set(ref.state_dict()))
         assert len(keys) == len(set(keys)), "a state-dict key saved on two ranks"
         return {"tied": tied, "layers per stage": [len(r) for r in pipe.layer_ranges], "params checked": counts[-1]}

@@ -15,10 +15,12 @@ import torch
 import torch.nn.functional as F
 from common import Ctx
 
+from gather import gather_objects
+
 import stagewise as sw
 from stagewise.actions import Action, Kind
 from stagewise.passes import lower, split_backward
-from stagewise.runtime.comm import collectives, groups
+from stagewise.runtime.comm import groups
 from stagewise.schedule import Schedule, loop_placement, v_placement
 
 RTOL, ATOL = 1e-10, 1e-12  # float64 on both sides: only summation order differs
@@ -338,7 +340,7 @@ def state_dict_names(ctx: Ctx) -> None:
     layers = mdl.lm()
     pipe = sw.Pipeline(layers, schedule="zb-v", group=ctx.group, timeout=TIMEOUT)
     keys = list(pipe.state_dict())
-    everyone = collectives.gather_objects(keys, ctx.group)
+    everyone = gather_objects(keys, ctx.group)
     flat = [k for ks in everyone for k in ks]
     assert sorted(flat) == sorted(sw.build_model(layers).state_dict()), flat
     ref = sw.build_model(layers, seed=0).state_dict()

@@ -80,7 +80,9 @@ def build_engine(
     schedule, m = ctx.schedule, ctx.schedule.num_microbatches
     mailbox = Mailbox(transport, schedule.placement, m, ctx.device, variable_shapes=options.variable_shapes)
     mesh = None if ctx.hybrid is None else ctx.hybrid.mesh
-    tied_sync = TiedSync(tied, parts.layer_ranges, schedule.placement, ctx.rank, ctx.group, wait, mesh)
+    tied_sync = TiedSync(
+        tied, parts.layer_ranges, schedule.placement, ctx.rank, ctx.group, wait, mesh, transport.call
+    )  # (its process groups are made within the deadline: transport.call)
     hooks = StageHooks([tied_sync] if ctx.hybrid is None else [ctx.hybrid, tied_sync], optimizers)
     precision = autocast_context(options.autocast, ctx.device)
     stages = {s: Stage(s, mods, options.recompute, precision, 1.0 / m) for s, mods in parts.modules.items()}
@@ -96,7 +98,7 @@ def build_engine(
     meter = ActivationMeter(root.parameters(), lambda: interpreter.current) if options.measure_memory else None
     norms = attach_batchnorms(
         check_batchnorm(options.batchnorm), parts.modules, lambda: interpreter.current,
-        hybrid=ctx.hybrid, group=ctx.group, num_microbatches=m,
+        hybrid=ctx.hybrid, group=ctx.group, num_microbatches=m, wait=wait,
     )  # fmt: skip
     hooks.parts.append(norms)
     runner = Runner(

@@ -49,12 +49,13 @@ def resolve_context(
     group: Any = None,
     parallel: ParallelConfig | Mesh | None = None,
     device: torch.device | str | None = None,
-    optimizer_steps: bool = False,
+    optimizer_steps: str | None = None,
 ) -> PipelineContext:
     """The context of a new pipeline; the schedule is complete and validated for the group's size.
 
     ``optimizer_steps``: the pipeline steps an optimizer per stage, so the schedule gets a STEP per stage
-    (placed by :func:`stagewise.passes.add_optimizer_steps`, right after the stage's SYNC).
+    (:func:`stagewise.passes.add_optimizer_steps`): ``"after_sync"`` right after each stage's SYNC,
+    ``"at_end"`` at the end of each rank's list (see :attr:`RunOptions.step_placement`); None: no STEP.
     """
     groups.require_initialized()
     if parallel is not None:
@@ -74,18 +75,25 @@ def resolve_schedule(
     microbatches: int | None,
     virtual_stages: int | None,
     *,
-    optimizer_steps: bool = False,
+    optimizer_steps: str | None = None,
 ) -> Schedule:
     """The complete, validated schedule to run, checked against the group before anything is built.
 
-    With ``optimizer_steps`` every stage has a STEP (a schedule that places its own keeps them).
+    With ``optimizer_steps`` (``"after_sync"`` or ``"at_end"``) every stage has a STEP (a schedule that places
+    its own keeps them).
     """
+    if optimizer_steps not in (None, "after_sync", "at_end"):
+        raise ValueError(f"optimizer_steps must be None, 'after_sync' or 'at_end', got {optimizer_steps!r}")
+    at_end = optimizer_steps == "at_end"
     from .. import build_schedule
 
     if isinstance(schedule, str):
         schedule_info(schedule)  # a clear error for unknown names
         m = num_ranks if microbatches is None else microbatches
-        return build_schedule(schedule, num_ranks, m, virtual_stages, optimizer_steps=optimizer_steps)
+        built = build_schedule(schedule, num_ranks, m, virtual_stages, optimizer_steps=optimizer_steps == "after_sync")
+        built = _steps_at_end(built) if at_end else built
+        validate_versions(built)  # asynchronous schedules: the version rules too (a no-op for the others)
+        return built
     if not isinstance(schedule, Schedule):
         raise TypeError(f"schedule must be a registered name or a stagewise.Schedule, got {type(schedule).__name__}")
     if schedule.num_ranks != num_ranks:
@@ -101,13 +109,21 @@ def resolve_schedule(
             f"virtual_stages={virtual_stages}, but schedule {schedule.name!r} has {schedule.virtual_stages} per rank"
         )
     if schedule.is_complete:
-        if optimizer_steps:
-            schedule = add_optimizer_steps(schedule)
+        if optimizer_steps is not None:
+            schedule = add_optimizer_steps(schedule, at_end=at_end)
         validate_schedule(schedule)
     else:
-        schedule = lower(schedule, optimizer_steps=optimizer_steps)
+        schedule = lower(schedule, optimizer_steps=optimizer_steps == "after_sync")
+        if at_end:
+            schedule = _steps_at_end(schedule)
     validate_versions(schedule)  # asynchronous schedules: the version rules too (a no-op for the others)
     return schedule
+
+
+def _steps_at_end(schedule: Schedule) -> Schedule:
+    stepped = add_optimizer_steps(schedule, at_end=True)
+    validate_schedule(stepped)
+    return stepped
 
 
 def _refuse_async_hybrid(schedule: str | Schedule, parallel: Any) -> None:

@@ -11,6 +11,7 @@ from torch import nn
 
 from .comm.choose import TransportChoice, check_choice
 from .engine.batchnorm import BatchNormPolicy, check_batchnorm
+from .engine.finite import check_policy
 from .engine.microbatch import Dims
 from .engine.precision import check_autocast
 from .engine.recompute import Recompute, check_recompute
@@ -37,8 +38,10 @@ class RunOptions:
     transport: TransportChoice = None
     batchnorm: str | BatchNormPolicy | None = None
     loss_weights: LossWeights | None = None
+    nan_policy: str | None = "raise"
 
     def __post_init__(self) -> None:
+        check_policy(self.nan_policy)
         check_batchnorm(self.batchnorm)
         if self.loss_weights is not None and not callable(self.loss_weights):
             raise TypeError(f"loss_weights must be a function of a micro-batch's targets, got {self.loss_weights!r}")
@@ -47,3 +50,12 @@ class RunOptions:
         check_choice(self.transport)
         if not self.timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {self.timeout!r}")
+
+    @property
+    def step_placement(self) -> str | None:
+        """Where the schedule's STEP actions go: none without an optimizer factory; at the end of each rank's
+        list when the step-end check of non-finite values must come first (its collective runs at the first
+        STEP); else right after each stage's SYNC, overlapping the drain."""
+        if self.optimizer is None:
+            return None
+        return "at_end" if self.nan_policy is not None else "after_sync"

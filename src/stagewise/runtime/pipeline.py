@@ -34,6 +34,7 @@ from .comm.choose import TransportChoice
 from .comm.transport import Transport
 from .context import PipelineContext, resolve_context
 from .engine.batchnorm import BatchNormPolicy
+from .engine.finite import finite_check
 from .engine.microbatch import Dims
 from .engine.recompute import Recompute
 from .engine.reports import gathered_losses, step_timeline
@@ -87,7 +88,11 @@ class Pipeline(nn.Module):
     (shared memory when every rank is on this host and the group is gloo, else
     torch.distributed), ``"shm"``, ``"torch"``, or a factory
     ``TransportSpec -> Transport`` (:mod:`stagewise.runtime.comm.choose`);
-    unset, ``STAGEWISE_TRANSPORT`` may name one, else ``"auto"``.
+    unset, ``STAGEWISE_TRANSPORT`` may name one, else ``"auto"``. ``nan_policy``: a
+    non-finite loss or gradient anywhere in the mesh either raises on every
+    rank before any optimizer steps (``"raise"``) or skips the step on every
+    rank, counted in :attr:`skipped_steps` (``"skip"``); ``None`` checks
+    nothing (see :mod:`stagewise.runtime.engine.finite`).
 
     ``parallel``: a :class:`~stagewise.ParallelConfig` (or a built
     :class:`~stagewise.Mesh`) for pipeline x data x ZeRO-sharded x tensor
@@ -136,11 +141,12 @@ class Pipeline(nn.Module):
         transport: TransportChoice = None,
         batchnorm: str | BatchNormPolicy | None = None,
         loss_weights: LossWeights | None = None,
+        nan_policy: str | None = "raise",
     ) -> None:
         super().__init__()
         options = RunOptions(
             loss_fn, optimizer, batch_dim, target_batch_dim, timeout, store, recompute, measure_memory, autocast,
-            variable_shapes, transport, batchnorm, loss_weights,
+            variable_shapes, transport, batchnorm, loss_weights, nan_policy,
         )  # fmt: skip
         ctx = resolve_context(
             schedule=schedule,
@@ -149,7 +155,7 @@ class Pipeline(nn.Module):
             group=group,
             parallel=parallel,
             device=device,
-            optimizer_steps=optimizer is not None,
+            optimizer_steps=options.step_placement,
         )
         named = named_layers(layers)
         parts = build_layer_stages(
@@ -225,7 +231,7 @@ class Pipeline(nn.Module):
             group=group,
             parallel=parallel,
             device=device,
-            optimizer_steps=run.optimizer is not None,
+            optimizer_steps=run.step_placement,
         )
         return cls._from_parts(ctx, given_stages(stages, ctx), run)
 
@@ -255,7 +261,13 @@ class Pipeline(nn.Module):
         )
         self.optimizers, self.tied, self.hooks = engine.optimizers, engine.tied, engine.hooks
         self._mailbox, self._runner = engine.mailbox, engine.runner
+        self._runner.finite = finite_check(self, options.nan_policy)
+        if self._runner.finite is not None:
+            self.hooks.parts.append(self._runner)  # its before_step runs the check at the first STEP
         self._clock_offset = time.time() - time.perf_counter()
+
+    def _wait(self, works: list[Any], what: str) -> None:
+        self.transport.wait(works, what)
 
     def _adopt_transport(self, transport: Transport) -> None:
         """Hold the transport as soon as it exists, so that a constructor failing later still lets it go at exit."""
@@ -299,6 +311,12 @@ class Pipeline(nn.Module):
         """
         return self._runner.guarded(lambda: self._runner.eval(inputs, merge_outputs))
 
+    @property
+    def skipped_steps(self) -> int:
+        """How many train steps ``nan_policy="skip"`` skipped for non-finite values (alike on every rank)."""
+        finite = self._runner.finite
+        return 0 if finite is None else finite.skipped
+
     def timeline(self, gather: bool = False) -> Timeline:
         """What this rank executed in the last step (seconds from its start) as a measured Timeline.
 
@@ -316,6 +334,7 @@ class Pipeline(nn.Module):
             started=self._runner.step_started,
             clock_offset=self._clock_offset,
             group=self.transport.group if gather else None,
+            wait=self._wait,
         )
 
     def reset_shapes(self) -> None:
@@ -359,7 +378,8 @@ class Pipeline(nn.Module):
         over all ranks. A collective: call it on every rank.
         """
         losses = self._runner.losses
-        return gathered_losses(losses.get("loss", float("nan")), losses.get("aux_local", {}), self.transport.group)
+        loss, aux = losses.get("loss", float("nan")), losses.get("aux_local", {})
+        return gathered_losses(loss, aux, self.transport.group, self._wait)
 
     def memory_report(self) -> dict[str, Any]:
         """Activation bytes of the last train_step on this rank (needs ``measure_memory=True``).

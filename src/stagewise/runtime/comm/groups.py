@@ -73,19 +73,20 @@ def new_subgroup(ranks: list[int], member: bool) -> Any:
     return dist.new_group(ranks, use_local_synchronization=True)
 
 
-def side_group(group: Any) -> Any:
+def side_group(group: Any, wait: Any = None) -> Any:
     """A gloo group with the members of ``group``, for eager point-to-point next to a grouped backend.
 
     ``dist.new_group`` must be called by every process in the same order, and
     each process only knows its own pipeline group, so the groups are gathered
     first: a collective over the default group, as every rank builds its
-    Pipeline at the same time.
+    Pipeline at the same time (``wait``: the transport's deadline wait).
     """
     if backend_of(group) not in GROUPED_BACKENDS:
         return None
+    from .collectives import gather_json
+
     mine = tuple(global_ranks(group))
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    everyone = [tuple(r) for r in gather_json(list(mine), None, wait, "every rank's pipeline group")]
     found = None
     for ranks in sorted(set(everyone)):
         made = dist.new_group(list(ranks), backend="gloo")

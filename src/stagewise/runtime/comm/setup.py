@@ -10,6 +10,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from . import exit_hook
+from .coordinator import agree_run_scope
+
 log = logging.getLogger(__name__)
 
 
@@ -38,6 +41,13 @@ def init(
     the same script runs unchanged on one rank. ``timeout`` bounds every
     collective and point-to-point wait of the backend. Calling it again returns
     the existing setup.
+
+    Right after the group exists the ranks agree on the run's scope in the
+    store (torchrun's run id and restart count, or a nonce broadcast from rank
+    0: :mod:`.coordinator`), so no key of a previous job on the same store is
+    ever read; and an exception that ends the process then leaves it with exit
+    code 1 after posting it for the other ranks, never with an abort
+    (:mod:`.exit_hook`).
     """
     if isinstance(timeout, (int, float)):
         timeout = timedelta(seconds=timeout)
@@ -57,6 +67,8 @@ def init(
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
         backend = str(dist.get_backend())
+    agree_run_scope(timeout.total_seconds())  # keys of this run in the store: see .coordinator
+    exit_hook.install()
     env = Env(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
     log.info("stagewise.init: rank %d of %d, %s on %s", env.rank, env.world_size, env.backend, env.device)
     return env

@@ -70,7 +70,7 @@ import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -80,6 +80,8 @@ from .groups import backend_of
 from .torch_p2p import TorchTransport
 from .transport import Op, TransportSpec
 from .waits import Watch
+
+T = TypeVar("T")
 
 SHM_DIR = "/dev/shm"
 _HEADER = 64  # seq and ack (int64 each), padded so the bytes start aligned
@@ -160,10 +162,12 @@ def same_host(peers: Sequence[Peer]) -> bool:
 
 
 def gather_peers(group: Any) -> list[Peer]:
-    """Every group rank's :class:`Peer` (a collective over ``group``: all ranks call it together)."""
-    peers: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(peers, Peer.here(), group=group)
-    return peers
+    """Every group rank's :class:`Peer` (a collective over ``group``: all ranks call it together), as JSON."""
+    from dataclasses import asdict
+
+    from .collectives import gather_json
+
+    return [Peer(**d) for d in gather_json(asdict(Peer.here()), group, what="where every rank runs")]
 
 
 # ---- slots and doorbells ----------------------------------------------------------------
@@ -380,7 +384,8 @@ class ShmTransport:
         self.peers = list(peers)
         nonce = self.peers[0].nonce  # group rank 0's: alike on every rank
         self.channels = Channels(f"{SHM_DIR}/sw-{nonce}", self.rank, self.size, self._check)
-        dist.barrier(group=self.inner.group)  # every rank has opened every doorbell: their names can go
+        opened = dist.barrier(group=self.inner.group, async_op=True)
+        self.inner.wait([opened], "every rank opening its doorbells")  # then their names can go
         self.channels.forget_names()
         self._unlinked = False
 
@@ -396,6 +401,12 @@ class ShmTransport:
     @property
     def waiting(self) -> str:
         return self.inner.waiting
+
+    def reset_waiting(self) -> None:
+        self.inner.reset_waiting()
+
+    def call(self, fn: Callable[[], T], what: str) -> T:
+        return self.inner.call(fn, what)
 
     def check_tag(self, tag: int) -> None:
         self.inner.check_tag(tag)

@@ -15,8 +15,8 @@ step ends by polling a CUDA event; gloo waits run on helper threads
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,8 @@ from .board import ErrorBoard
 from .groups import GROUPED_BACKENDS, backend_of, side_group
 from .transport import TAG_BITS, Op, TransportSpec
 from .waits import Waits, Watch
+
+T = TypeVar("T")
 
 
 class TorchTransport:
@@ -40,14 +42,15 @@ class TorchTransport:
         self._global = [dist.get_global_rank(group, r) for r in range(self.size)]
         self.grouped = backend_of(group) in GROUPED_BACKENDS
         self._stream_waits = backend_of(group) == "nccl"  # a wait orders streams, the CPU goes on
-        side = side_group(group)
-        self._eager_group = group if side is None else side
         self._tag_base = (spec.pipeline_id % 1024) << TAG_BITS
         self.timeout = spec.timeout
-        self.board = ErrorBoard(spec.name if spec.board is None else spec.board, spec.store)
+        self.board = ErrorBoard(spec.name if spec.board is None else spec.board, spec.store, spec.timeout, self.me)
         self.waits = Waits(self.board, spec.timeout, self.me)
+        side = side_group(group, lambda works, what: self.waits.wait(works, what))
+        self._eager_group = group if side is None else side
         self._sends: dict[int, Any] = {}  # id -> work, until finished or released
         self._eager_sends: list[Any] = []
+        self._send_peer: dict[int, int] = {}  # id(work) -> the group rank it sends to (for failure messages)
 
     @property
     def failure(self) -> str | None:
@@ -56,6 +59,10 @@ class TorchTransport:
     @property
     def waiting(self) -> str:
         return self.waits.waiting
+
+    def reset_waiting(self) -> None:
+        """A step starts: what the last one waited for is no longer news (see engine.forensics)."""
+        self.waits.waiting = ""
 
     @staticmethod
     def check_tag(tag: int) -> None:
@@ -85,7 +92,7 @@ class TorchTransport:
             return []
         if not self.grouped:
             works = self._post_each(ops, self.group)
-            self._keep(w for w, op in zip(works, ops) if op.send)
+            self._keep(works, ops)
             return [[w] for w in works]
         p2p = [
             dist.P2POp(dist.isend if op.send else dist.irecv, op.tensor, g, self.group, self._tag_base + op.tag)
@@ -93,20 +100,24 @@ class TorchTransport:
         ]
         works = [w for w in dist.batch_isend_irecv(p2p) if w is not None]
         if len(works) == len(ops):  # a backend that does not coalesce: one work per op
-            self._keep(w for w, op in zip(works, ops) if op.send)
+            self._keep(works, ops)
             return [[w] for w in works]
         if any(op.send for op in ops):
-            self._keep(works)
+            self._sends.update((id(w), w) for w in works)
         return [works for _ in ops]
 
-    def _keep(self, works: Iterable[Any]) -> None:
-        self._sends.update((id(w), w) for w in works)
+    def _keep(self, works: Sequence[Any], ops: Sequence[Op]) -> None:
+        for w, op in zip(works, ops):
+            if op.send:
+                self._sends[id(w)] = w
+                self._send_peer[id(w)] = op.peer
 
     def post_eager(self, ops: Sequence[Op]) -> list[Any]:
         """Post ops one by one on gloo (the side group next to NCCL); tensors must live where gloo can read."""
         self._live()
         works = self._post_each(ops, self._eager_group)
         self._eager_sends.extend(w for w, op in zip(works, ops) if op.send)
+        self._send_peer.update((id(w), op.peer) for w, op in zip(works, ops) if op.send)
         return works
 
     def _post_each(self, ops: Sequence[Op], group: Any) -> list[Any]:
@@ -120,6 +131,14 @@ class TorchTransport:
         self._live()
         work = dist.broadcast(tensor, group_src=src, group=self.group, async_op=True)
         self.wait([work], what)
+
+    def call(self, fn: Callable[[], T], what: str) -> T:
+        """A blocking call that cannot be made asynchronous (process-group creation), within the deadline.
+
+        It runs on a helper thread while this one watches the error board and the clock, as :meth:`wait` does.
+        """
+        self._live()
+        return self.waits.call(fn, what)
 
     def warm_up(self) -> None:
         """On NCCL, the first call in a group must involve all its ranks: make it a collective, here."""
@@ -152,6 +171,8 @@ class TorchTransport:
         a direct wait cannot block for long, and skips the helper's two wake-ups.
         """
         mine = [self._sends.pop(id(w)) for w in works if id(w) in self._sends]
+        for w in mine:
+            self._send_peer.pop(id(w), None)
         if self._stream_waits:
             self.wait(mine, what)
             return
@@ -164,9 +185,20 @@ class TorchTransport:
     def finish_sends(self) -> None:
         """Wait for every send posted so far: after this their buffers may be freed."""
         sends, self._sends = list(self._sends.values()), {}
-        self.wait(sends, "its sends to complete")
+        for peer, works in self._by_peer(sends):
+            self.wait(works, f"its sends to {peer} to complete")
         sends, self._eager_sends = self._eager_sends, []
-        self.wait(sends, "its sends to complete", eager=True)
+        for peer, works in self._by_peer(sends):
+            self.wait(works, f"its sends to {peer} to complete", eager=True)
+        self._send_peer = {}
+
+    def _by_peer(self, works: Sequence[Any]) -> list[tuple[str, list[Any]]]:
+        """Sends grouped by the rank they go to, so that a failed one names its peer (a dead rank, usually)."""
+        out: dict[str, list[Any]] = {}
+        for w in works:
+            peer = self._send_peer.get(id(w))
+            out.setdefault("its peers" if peer is None else f"rank {peer}", []).append(w)
+        return list(out.items())
 
     def synchronize(self, device: torch.device) -> None:
         """On CUDA, wait for queued kernels and transfers while watching the error board."""

@@ -14,14 +14,22 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from ..errors import PipelineError
+from . import heartbeat
 from .board import ErrorBoard
 
-_POLL_S = 0.05  # how often a long wait looks at the error board
+T = TypeVar("T")
+
+_POLL_S = 0.05  # how often a long wait looks at the error board, for its first second
+_SLOW_POLL_S = 0.25  # and after that: every look is store calls on the host, which every waiting rank makes
+
+
+def _poll_s(waited: float) -> float:
+    return _POLL_S if waited < 1.0 else _SLOW_POLL_S
 
 
 @dataclass
@@ -54,7 +62,7 @@ class Waits:
         job = self._submit(works) if watch is None else watch
         if not job.event.is_set():
             started = time.perf_counter()
-            while not job.event.wait(_POLL_S):
+            while not job.event.wait(_poll_s(time.perf_counter() - started)):
                 try:
                     self.check_deadline(started, what)
                 except PipelineError:
@@ -62,7 +70,32 @@ class Waits:
                         self._waiters.remove(job.waiter)
                     raise
         if job.error is not None:
-            raise PipelineError(self.board.fail(f"{self.me}: {what} failed: {job.error}")) from job.error
+            if self.board.failure is None:  # which peer went away? gloo does not say
+                who = heartbeat.describe_stopped()
+                raise PipelineError(self.board.fail(f"{self.me}: {what} failed: {job.error}{who}")) from job.error
+            raise PipelineError(self.board.failure) from job.error
+
+    def call(self, fn: Callable[[], T], what: str) -> T:
+        """``fn()`` on a helper thread (left behind if it never returns), bounded like :meth:`wait`."""
+        self.waiting = what
+        box: dict[str, Any] = {}
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                box["value"] = fn()
+            except BaseException as err:  # handed to the caller
+                box["error"] = err
+            done.set()
+
+        threading.Thread(target=run, name="stagewise-call", daemon=True).start()
+        started = time.perf_counter()
+        while not done.wait(_poll_s(time.perf_counter() - started)):
+            self.check_deadline(started, what)
+        if "error" in box:
+            err = box["error"]
+            raise PipelineError(self.board.fail(f"{self.me}: {what} failed: {err}")) from err
+        return box["value"]
 
     def check_deadline(self, started: float, what: str) -> None:
         """Raise if a failure was posted, or post one if ``what`` has been waited for past the timeout."""
@@ -72,7 +105,7 @@ class Waits:
             raise PipelineError(
                 self.board.fail(
                     f"{self.me} waited {waited:.1f} s for {what}; is another rank stuck or dead? "
-                    f"(timeout={self.timeout:g} s)"
+                    f"(timeout={self.timeout:g} s){heartbeat.describe_silent(self.timeout)}"
                 )
             )
 

@@ -317,6 +317,7 @@ def attach_batchnorms(
     hybrid: Any,
     group: Any,
     num_microbatches: int,
+    wait: Callable[[list[Any], str], None] | None = None,
 ) -> BatchNorms:
     """Run this rank's BatchNorm layers under ``policy``; if it was not chosen and there are some, say so once.
 
@@ -329,8 +330,9 @@ def attach_batchnorms(
         reduce = lambda t: mesh.all_reduce(t, ("dp", "sharding"))  # noqa: E731
     norms = BatchNorms(policy, stages, current, reduce)
     if policy is None:
-        everyone = collectives.gather_objects(norms.summary(), group)
-        found = {s: kinds for d in everyone for s, kinds in d.items()}
+        summary = {str(s): kinds for s, kinds in norms.summary().items()}  # JSON keys are strings
+        everyone = collectives.gather_json(summary, group, wait, "which stages hold BatchNorm")
+        found = {int(s): kinds for d in everyone for s, kinds in d.items()}
         if found and groups.global_rank() == 0:
             announce(found, num_microbatches)
     return norms

@@ -21,6 +21,8 @@ CONTEXT = 4  # planned actions shown on each side of the one a rank is in
 def position(rank: int, actions: Sequence[Action], current: Action | None, done: Action | None, waiting: str) -> str:
     """One line: the action ``rank`` is in, its index in ``actions``, the last completed one and what it awaits."""
     n = len(actions)
+    if n == 0:  # no step has run: there is no plan to place it in
+        return f"rank {rank} before its first step" + (f", waiting for {waiting}" if waiting else "")
     at = _index(actions, current)
     last = "none" if done is None else f"{done} (action {_index(actions, done) + 1} of {n})"
     if current is None or current == done:  # between two actions, or after the last one

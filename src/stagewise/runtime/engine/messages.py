@@ -6,8 +6,8 @@ travel point-to-point, its containers and constants travel once, in the
 
 The first time a message goes by (in a mode, "train" or "eval"; both ends
 know it is the first time), the receiver cannot post its receive early: it
-does not know the shapes. So the sender posts the meta's length, the pickled
-meta and the data *eagerly*, on their own tags, and the receiver takes them
+does not know the shapes. So the sender posts the meta's length, the meta
+(JSON) and the data *eagerly*, on their own tags, and the receiver takes them
 when the consuming action needs them. Eager sends never wait for a batch, so
 nothing can deadlock while shapes are being learned (no rank blocks before it
 has posted what others need). From then on both ends keep the meta: the
@@ -23,17 +23,17 @@ variable-length sequences) at the cost of two small extra messages per value.
 
 from __future__ import annotations
 
-import pickle
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ...dataflow import Message, consumer_stage
+from ..comm.collectives import decode, encode
 from ..comm.transport import Op, Transport
 from ..comm.waits import Watch
 from ..errors import PipelineError
-from .tree import Spec, flatten, leaf_paths, same_spec, unflatten
+from .tree import Spec, flatten, leaf_paths, same_spec, spec_from_plain, spec_to_plain, unflatten
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,25 @@ class Meta:
         leaves, spec = flatten(value)
         grads = tuple(t.requires_grad for t in leaves)
         return cls(spec, tuple(tuple(t.shape) for t in leaves), tuple(t.dtype for t in leaves), grads), leaves
+
+    def to_bytes(self, where: str) -> bytes:
+        """JSON, not a pickle: a peer's bytes are parsed as plain data only."""
+        plain = {
+            "spec": spec_to_plain(self.spec, where),
+            "shapes": [list(s) for s in self.shapes],
+            "dtypes": [_dtype(d) for d in self.dtypes],
+            "grads": list(self.requires_grad),
+        }
+        return encode(plain)
+
+    @classmethod
+    def from_bytes(cls, blob: bytes) -> Meta:
+        data = decode(blob)
+        dtypes = tuple(getattr(torch, name) for name in data["dtypes"])
+        if not all(isinstance(d, torch.dtype) for d in dtypes):
+            raise ValueError(f"a peer sent unknown dtypes {data['dtypes']}")
+        shapes = tuple(tuple(int(n) for n in s) for s in data["shapes"])
+        return cls(spec_from_plain(data["spec"]), shapes, dtypes, tuple(bool(g) for g in data["grads"]))
 
     def rebuild(self, buffers: list[torch.Tensor]) -> Any:
         """The value from received buffers, flagged ``requires_grad`` as the sender's tensors were."""
@@ -159,7 +178,10 @@ class Mailbox:
         return meta.rebuild([b.to(self.device) for b in cpu])
 
     def _send_first(self, msg: Message, peer: int, meta: Meta, leaves: list[torch.Tensor]) -> None:
-        blob = pickle.dumps(meta)
+        try:
+            blob = meta.to_bytes("output" if msg.direction == "F" else "input_grad")
+        except TypeError as err:
+            raise PipelineError(self.transport.fail(f"rank {self.transport.rank}: stage {msg.stage}: {err}")) from err
         ops = [
             Op(peer, torch.tensor([len(blob)], dtype=torch.int64), send=True, tag=self.tag(msg, _META_LEN)),
             Op(peer, torch.frombuffer(bytearray(blob), dtype=torch.uint8), send=True, tag=self.tag(msg, _META)),
@@ -172,7 +194,7 @@ class Mailbox:
         self._eager(pending.peer, [length], self.tag(pending.msg, _META_LEN), f"the shapes of {what}")
         blob = torch.empty(int(length.item()), dtype=torch.uint8)
         self._eager(pending.peer, [blob], self.tag(pending.msg, _META), f"the shapes of {what}")
-        return pickle.loads(blob.numpy().tobytes())
+        return Meta.from_bytes(blob.numpy().tobytes())
 
     def _eager(self, peer: int, buffers: list[torch.Tensor], tag: int, what: str) -> None:
         works = self.transport.post_eager([Op(peer, b, send=False, tag=tag) for b in buffers])

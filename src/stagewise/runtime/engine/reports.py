@@ -19,14 +19,16 @@ def step_timeline(
     started: float,
     clock_offset: float,
     group: Any = None,
+    wait: collectives.Wait | None = None,
 ) -> Timeline:
     """This rank's ``events`` (perf_counter seconds) as a Timeline from ``started``; with ``group`` (a collective)
-    every rank's, on one wall clock (``clock_offset`` = time.time() - time.perf_counter() on each rank)."""
+    every rank's, on one wall clock (``clock_offset`` = time.time() - time.perf_counter() on each rank), gathered as
+    JSON within ``wait``'s deadline (the transport's: the pipeline's timeout and error board)."""
     if group is None:
         local = [Event(rank, a, t0 - started, t1 - started) for a, t0, t1 in events]
         return Timeline(name, num_ranks, local, source="measured", unit="s", meta=meta)
-    wall = [(str(a), t0 + clock_offset, t1 + clock_offset) for a, t0, t1 in events]
-    everyone = collectives.gather_objects((rank, wall), group)
+    wall = [[str(a), t0 + clock_offset, t1 + clock_offset] for a, t0, t1 in events]
+    everyone = collectives.gather_json([rank, wall], group, wait, "every rank's timeline")
     starts = [t0 for _, rows in everyone for _, t0, _ in rows]
     base = min(starts) if starts else 0.0
     merged = [Event(r, parse_action(a), t0 - base, t1 - base) for r, rows in everyone for a, t0, t1 in rows]
@@ -34,9 +36,12 @@ def step_timeline(
     return Timeline(name, num_ranks, merged, source="measured", unit="s", meta=meta)
 
 
-def gathered_losses(loss: float, aux_local: dict[str, float], group: Any) -> dict[str, float]:
-    """``{"loss": main, "aux": sum of aux terms, "aux/NAME": each}``, aux terms summed over the ranks (a collective)."""
-    everyone = collectives.gather_objects(aux_local, group)
+def gathered_losses(
+    loss: float, aux_local: dict[str, float], group: Any, wait: collectives.Wait | None = None
+) -> dict[str, float]:
+    """``{"loss": main, "aux": sum of aux terms, "aux/NAME": each}``, aux terms summed over the ranks (a collective,
+    bounded by ``wait``'s deadline)."""
+    everyone = collectives.gather_json(aux_local, group, wait, "every rank's aux losses")
     names = sorted({n for d in everyone for n in d})
     per = {n: sum(d.get(n, 0.0) for d in everyone) for n in names}
     out = {"loss": loss, "aux": sum(per.values())}

@@ -21,6 +21,7 @@ from ...schedule import Schedule
 from ..comm.transport import Transport
 from ..errors import PipelineError
 from .batchnorm import BatchNorms
+from .finite import FiniteCheck
 from .forensics import position
 from .interpreter import Interpreter, Step
 from .memory import ActivationMeter
@@ -52,6 +53,8 @@ class Runner:
     running: tuple[Action, ...] = ()
     step_started: float = 0.0
     losses: dict[str, Any] = field(default_factory=dict)
+    finite: FiniteCheck | None = None  # the step-end check of non-finite values (see .finite), when set
+    checked: bool = False  # whether this train step's check has run
 
     def guarded(self, body: Callable[[], Any]) -> Any:
         """Run ``body``; any failure is posted to the board (or annotated) with where this rank stood."""
@@ -89,6 +92,7 @@ class Runner:
     def train(self, inputs: Any, targets: Any) -> float:
         step = self._prepare("train", inputs, targets)
         self.tied.start_step()
+        self.checked = False
         for st in self.stages.values():
             st.aux_totals = {}
         if self.meter is None:
@@ -98,6 +102,7 @@ class Runner:
             with self.meter.hooks():
                 self._run(self.train_actions, step)
         self.tied.finish()
+        self.check_finite()  # when the list had no STEP (no optimizer factory), the check runs here
         loss = self._share_loss(step)
         aux_local: dict[str, float] = {}
         for st in self.stages.values():
@@ -120,8 +125,34 @@ class Runner:
         outputs = [step.outputs[i] for i in range(self.schedule.num_microbatches)]
         return merge(outputs) if merge_outputs else outputs
 
+    def check_finite(self) -> None:
+        """The step-end check of non-finite values (:mod:`.finite`), once per train step: at its first STEP action
+        (the schedule puts them at the end of each rank's list when checking) or after the list.
+
+        Every gradient must be final first: tied sums and the hybrid axes' reductions are waited for.
+        """
+        if self.finite is None or self.checked or self.last_step is None or self.last_step.mode != "train":
+            return
+        self.checked = True
+        self.tied.finish()
+        if self.hybrid is not None:
+            self.hybrid.before_step()
+        last = self.schedule.placement[-1] == self.rank
+        step = self.last_step
+        self.finite(step.losses if last else {}, self.schedule.num_stages - 1 if last else None)
+
+    def on_sync(self, stage: int) -> None:
+        """(A stage part: nothing at SYNC.)"""
+
+    def before_step(self, stage: int) -> None:
+        """A stage part: the first STEP of a train step runs the check of non-finite values."""
+        self.check_finite()
+
     def _run(self, actions: tuple[Action, ...], step: Step) -> None:
         self.last_step, self.running = step, actions
+        reset = getattr(self.transport, "reset_waiting", None)  # "waiting for" must be this step's
+        if reset is not None:
+            reset()
         self.step_started = time.perf_counter()
         if self.norms is None:
             self.interpreter.run(actions, step)

@@ -1,13 +1,19 @@
-"""Nested values (tensors inside tuples, lists and dicts) as a flat tensor list plus a picklable spec.
+"""Nested values (tensors inside tuples, lists and dicts) as a flat tensor list plus a plain-data spec.
 
 Values that cross a stage boundary travel as their tensor leaves; the spec
 carries the containers and every non-tensor leaf, so the receiver rebuilds the
 same value. Tuples, lists and dicts are containers; anything else that is not
 a tensor is a constant leaf (a string, a number, ``None``).
+
+A spec crosses ranks as JSON (:func:`spec_to_plain`, :func:`spec_from_plain`):
+constants and dict keys must be strings, numbers, booleans or None, and a
+namedtuple travels by its qualified name, found again among the receiver's
+loaded modules (nothing is imported or unpickled on a peer's word).
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -96,3 +102,62 @@ def same_spec(a: Spec, b: Spec) -> bool:
         return bool(a == b)
     except Exception:  # e.g. numpy arrays as constants
         return False
+
+
+_PLAIN = (str, int, float, bool, type(None))
+
+
+def spec_to_plain(spec: Spec, where: str = "value") -> Any:
+    """``spec`` as JSON-able data; a constant (or dict key) that JSON cannot carry is an error naming it."""
+    tag = spec[0]
+    if tag == "T":
+        return ["T"]
+    if tag == "C":
+        if not isinstance(spec[1], _PLAIN):
+            raise TypeError(
+                f"{where} holds a constant of type {type(spec[1]).__name__}: values crossing stages may hold only "
+                "tensors, tuples, lists, dicts and str / int / float / bool / None constants"
+            )
+        return ["C", spec[1]]
+    if tag in ("tuple", "list"):
+        return [tag, [spec_to_plain(c, f"{where}[{k}]") for k, c in enumerate(spec[1])]]
+    if tag == "namedtuple":
+        kind = spec[1]
+        children = [spec_to_plain(c, f"{where}.{n}") for n, c in zip(kind._fields, spec[2])]
+        return ["namedtuple", f"{kind.__module__}:{kind.__qualname__}", children]
+    if tag == "dict":
+        for key in spec[1]:
+            if not isinstance(key, _PLAIN):
+                kind = type(key).__name__
+                raise TypeError(f"{where} is a dict with a key of type {kind}: keys must be str or numbers")
+        return ["dict", list(spec[1]), [spec_to_plain(c, f"{where}[{k!r}]") for k, c in zip(spec[1], spec[2])]]
+    raise ValueError(f"unknown spec node {tag!r}")
+
+
+def spec_from_plain(data: Any) -> Spec:
+    """Inverse of :func:`spec_to_plain` (tuples again, namedtuple types looked up among loaded modules)."""
+    tag = data[0]
+    if tag == "T":
+        return TENSOR
+    if tag == "C":
+        return ("C", data[1])
+    if tag in ("tuple", "list"):
+        return (tag, tuple(spec_from_plain(c) for c in data[1]))
+    if tag == "namedtuple":
+        return ("namedtuple", _namedtuple_type(data[1]), tuple(spec_from_plain(c) for c in data[2]))
+    if tag == "dict":
+        return ("dict", tuple(data[1]), tuple(spec_from_plain(c) for c in data[2]))
+    raise ValueError(f"unknown spec node {tag!r} from a peer")
+
+
+def _namedtuple_type(name: str) -> type:
+    module_name, _, qualname = name.partition(":")
+    found: Any = sys.modules.get(module_name)
+    for part in qualname.split("."):
+        found = getattr(found, part, None)
+    if not (isinstance(found, type) and issubclass(found, tuple) and hasattr(found, "_fields")):
+        raise TypeError(
+            f"a peer sent a namedtuple {name!r} that is not a namedtuple among this rank's loaded modules "
+            "(define it at module level, in a module every rank imports)"
+        )
+    return found

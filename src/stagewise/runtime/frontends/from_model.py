@@ -122,7 +122,7 @@ def from_model(
     sched = schedule_for_stages(
         schedule, groups.group_size(pg), stages, microbatches, virtual_stages, "tags" if tags else ""
     )
-    steps = options.get("optimizer") is not None
+    steps = RunOptions(**options).step_placement  # (checks the options before anything communicates)
     ctx = resolve_context(
         schedule=sched, microbatches=None, virtual_stages=None, group=group, device=device, optimizer_steps=steps
     )

@@ -306,7 +306,7 @@ def from_hf(
             f"{sched.num_stages} stages need at least {sched.num_stages} decoder layers; {type(model).__name__} has "
             f"{n} ({layout.layers})"
         )
-    steps = options.get("optimizer") is not None
+    steps = RunOptions(**options).step_placement  # (checks the options before anything communicates)
     ctx = resolve_context(
         schedule=sched, microbatches=None, virtual_stages=None, group=group, device=device, optimizer_steps=steps
     )

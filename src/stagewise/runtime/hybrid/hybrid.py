@@ -49,6 +49,7 @@ class Hybrid:
         self._units: dict[int, list[Any]] = {}
         self._split_params: dict[int, list[nn.Parameter]] = {}
         self._averager: GradAverager | None = None
+        self._wait: Wait | None = None  # the pipeline's deadline wait, for the reductions issued here
 
     @property
     def pp_group(self) -> Any:
@@ -76,6 +77,7 @@ class Hybrid:
         ``whole``: ids of parameters left alone on every axis (tied ones: :mod:`.tied` reduces them itself).
         """
         c = self.config
+        self._wait = wait
         if c.tp > 1:
             if tp_plan is None:
                 raise ValueError(f"tp={c.tp} needs a tp_plan= saying which layers to split")
@@ -116,7 +118,7 @@ class Hybrid:
         self.before_step()
         n = 0.0 if targets is None else float(batch_size(targets, dims, "targets"))
         total = torch.tensor([loss, n, n * n], dtype=torch.float64, device=self.mesh.device_type)
-        self.mesh.all_reduce(total, ("dp", "sharding"))
+        self.mesh.all_reduce(total, ("dp", "sharding"), wait=self._wait, what="the step's loss")
         loss_sum, n_sum, sq_sum = total.tolist()
         r = self.config.replicas
         if n_sum > 0 and abs(r * sq_sum - n_sum * n_sum) > 0.5:  # equal sizes iff r * sum(n^2) == sum(n)^2
@@ -138,8 +140,8 @@ class Hybrid:
         return c.dp * c.sharding * c.tp // pieces(t)
 
     def reduce(self, t: torch.Tensor, op: str) -> None:
-        """Reduce over every axis: all ranks of the mesh."""
-        self.mesh.all_reduce(t, AXES, op)
+        """Reduce over every axis: all ranks of the mesh (within the pipeline's deadline once attached)."""
+        self.mesh.all_reduce(t, AXES, op, wait=self._wait, what="a reduction over the mesh")
 
     def local_batch(self, value: Any, dims: Dims, what: str) -> Any:
         """This replica's equal share of a global batch (``value`` cut along ``dims``)."""
@@ -217,5 +219,5 @@ def clip_pipeline_grads(pipe: Any, max_norm: float, norm_type: float) -> float:
         reduce = hybrid.reduce
     else:
         copies = lambda g: pipe.tied.copies(g, params)  # noqa: E731 (a tied parameter counts once)
-        reduce = lambda t, op: all_reduce(t, pipe.transport.group, op)  # noqa: E731
+        reduce = lambda t, op: all_reduce(t, pipe.transport.group, op, pipe._wait, "the gradient norm")  # noqa: E731
     return clip_grad_norm_(pipe.parameters(), max_norm, norm_type, copies, reduce, pipe.device)

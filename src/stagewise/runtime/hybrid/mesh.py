@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ...parallel.config import AXES, Coords, ParallelConfig
-from ..comm.collectives import all_reduce
+from ..comm.collectives import Wait, all_reduce
 
 _meshes_made = 0
 
@@ -67,11 +67,14 @@ class Mesh:
         """The sub-mesh over ``axes`` (in mesh order) that holds this rank."""
         return self.device_mesh[axes if len(axes) > 1 else axes[0]]
 
-    def all_reduce(self, tensor: torch.Tensor, axes: Iterable[str], op: str = "sum") -> torch.Tensor:
-        """Reduce ``tensor`` in place over the ranks spanned by ``axes`` (one collective per axis of size > 1)."""
+    def all_reduce(
+        self, tensor: torch.Tensor, axes: Iterable[str], op: str = "sum", wait: Wait | None = None, what: str = ""
+    ) -> torch.Tensor:
+        """Reduce ``tensor`` in place over the ranks spanned by ``axes`` (one collective per axis of size > 1),
+        each waited for through ``wait`` (the pipeline's deadline wait) when given."""
         for axis in axes:
             if self.config.size(axis) > 1:
-                all_reduce(tensor, self.group(axis), op)
+                all_reduce(tensor, self.group(axis), op, wait, f"{what or 'an all-reduce'} over {axis}")
         return tensor
 
     def where(self) -> str:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any, TypeVar
 
 import torch
@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from ...actions import Kind
+from ...profile_data import LayerCost
 from ...schedule import Schedule
 from ...stage_counts import PartitionSpec, check_options, needs_profile
 from ..comm import collectives, groups
@@ -89,14 +90,28 @@ def on_first_rank(group: Any, fn: Callable[[], T], what: str) -> T:
         try:
             value = fn()
         except Exception as err:
-            collectives.gather_objects(("error", f"{type(err).__name__}: {err}"), group)
+            collectives.gather_json(["error", f"{type(err).__name__}: {err}"], group)
             raise
-        collectives.gather_objects(("ok", value), group)
+        collectives.gather_json(["ok", _plain(value)], group)
         return value
-    status, value = collectives.gather_objects(None, group)[0]
+    status, value = collectives.gather_json(None, group)[0]
     if status == "error":
         raise RuntimeError(f"rank 0 of the pipeline group failed while {what}: {value}")
-    return value  # type: ignore[no-any-return]
+    return _unplain(value)  # type: ignore[no-any-return]
+
+
+def _plain(value: Any) -> Any:
+    """A profile as JSON-able data (what crosses ranks is plain data, never a pickle)."""
+    if isinstance(value, LayerProfile):
+        return {"profile": {**asdict(value), "layers": [asdict(c) for c in value.layers]}}
+    return {"value": value}
+
+
+def _unplain(data: Any) -> Any:
+    if "profile" in data:
+        p = data["profile"]
+        return LayerProfile(tuple(LayerCost(**c) for c in p["layers"]), p["device"], p["repeats"], p["warmup"])
+    return data["value"]
 
 
 def plan_layers(

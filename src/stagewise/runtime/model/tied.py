@@ -179,7 +179,9 @@ class TiedSync:
     ``stages_of[key]``: the stages using ``key``; ``placement``: stage -> rank.
     The process groups (global ranks of the owners) are made here, in key
     order, by their members only; every rank of the pipeline builds the same
-    list, so the calls line up. With a ``mesh`` a key's group spans its owners
+    list, so the calls line up; ``call`` runs each creation within the pipeline's deadline (it blocks until every
+    member has joined: a rank that failed before would otherwise hold the others for the backend's timeout). With
+    a ``mesh`` a key's group spans its owners
     in every replica (``dp x sharding``) at this rank's ``tp`` coordinate, and
     the sum is divided by the number of replicas.
     """
@@ -193,8 +195,10 @@ class TiedSync:
         group: Any,
         wait: Callable[[list[Any], str], None],
         mesh: Any = None,
+        call: Callable[[Callable[[], Any], str], Any] | None = None,
     ) -> None:
         self.wait = wait
+        call = call or (lambda fn, what: fn())
         self.copies_of: dict[int, int] = {}  # id(param) -> owning ranks
         self.local: dict[str, tuple[nn.Module, set[int]]] = {}  # key -> module, local stages using it
         self.groups: dict[str, Any] = {}
@@ -205,7 +209,10 @@ class TiedSync:
             owners = sorted({placement[s] for s in stages})
             members = [global_ranks[r] for r in owners] if mesh is None else _replicated(mesh, owners)
             if len(members) > 1:
-                group_k = groups.new_subgroup(members, member=rank in owners)
+                group_k = call(
+                    lambda m=members, o=owners: groups.new_subgroup(m, member=rank in o),  # type: ignore[misc]
+                    f"the process group of tied key {key!r} (global ranks {members})",
+                )
                 if rank in owners:
                     self.groups[key] = group_k
             if rank in owners:

@@ -1,0 +1,220 @@
+"""The coordinator: the c10d store every rank reaches, and the run's own corner of it.
+
+Two things make the store safe to lean on when a rank is in trouble:
+
+* **Run scope.** Every key stagewise writes lives under ``stagewise/<run>/``,
+  where ``<run>`` names this job and attempt, so a job on a store that outlived
+  a failed one (torchrun's agent store across ``--max-restarts``, or
+  ``Pipeline(store=...)`` reused) never reads the previous job's failure.
+  Under torchrun it is ``TORCHELASTIC_RUN_ID`` and
+  ``TORCHELASTIC_RESTART_COUNT`` (no communication needed). Without them
+  the ranks agree on a random nonce once, broadcast from global rank 0: in
+  :func:`stagewise.init` right after the process group exists, or - for
+  users who initialise ``torch.distributed`` themselves - lazily when the
+  first error board is made (every rank of the world builds its first
+  Pipeline at the same time, SPMD), bounded by the pipeline's timeout.
+* **A client of its own, with a deadline.** The store is hosted by one process
+  (rank 0 under torchrun). If that process is stopped, every store call on
+  the shared client would block - a TCPStore client's timeout bounds waiting
+  for keys, not a silent host - and a stuck call would hold the client's lock
+  for everyone. The error board therefore talks to the store over its own
+  connection, each call made on a helper thread that must answer within the
+  pipeline's ``timeout`` (:class:`DeadlineStore`); a call that fails or times out
+  means the coordinator is unreachable, and is reported as such
+  (:data:`UNREACHABLE`) rather than as a raw socket error.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import secrets
+import threading
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import PipelineError
+
+UNREACHABLE = "the coordinator (store host, rank 0) is unreachable"
+
+_scope: str | None = None
+_clients: dict[tuple[str, int, float], Any] = {}
+
+
+def torchrun_scope() -> str | None:
+    """``<run id>/attempt<k>`` from torchrun's environment, or None outside torchrun."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if not run_id:
+        return None
+    return f"{run_id}/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+def agree_run_scope(timeout: float | None = None) -> str:
+    """The run's scope, agreed once per process (see the module docstring); a collective over the world
+    the first time when torchrun's variables are absent. ``timeout`` bounds that broadcast (None: the backend's)."""
+    global _scope
+    if _scope is not None:
+        return _scope
+    scope = torchrun_scope()
+    if scope is None:
+        scope = f"run-{_broadcast_nonce(timeout)}"
+    _scope = scope
+    return scope
+
+
+def reset_run_scope() -> None:
+    """Forget the scope (after ``destroy_process_group``, a new group may be a new run)."""
+    global _scope
+    _scope = None
+
+
+def _broadcast_nonce(timeout: float | None) -> str:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return secrets.token_hex(8)
+    device = "cuda" if str(dist.get_backend()) == "nccl" else "cpu"
+    mine = int.from_bytes(secrets.token_bytes(7), "little")
+    buf = torch.tensor([mine], dtype=torch.int64, device=device)
+    work = dist.broadcast(buf, src=0, async_op=True)
+    if timeout is None:
+        work.wait()
+    else:
+        call_with_deadline(work.wait, timeout, "the run id from global rank 0")
+    return f"{int(buf.item()):014x}"
+
+
+def call_with_deadline(fn: Any, timeout: float, what: str, me: str | None = None) -> Any:
+    """``fn()`` on a helper thread; :class:`PipelineError` if it has not returned within ``timeout`` seconds.
+
+    For blocking calls that cannot be made asynchronous (process-group creation, a store rendezvous): the
+    helper is left behind if it never returns (a daemon; its thread ends with the process).
+    """
+    box: dict[str, Any] = {}
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as err:  # handed to the caller
+            box["error"] = err
+        done.set()
+
+    threading.Thread(target=run, name="stagewise-call", daemon=True).start()
+    if not done.wait(timeout):
+        who = me or f"rank {dist.get_rank() if dist.is_initialized() else '?'}"
+        raise PipelineError(
+            f"{who} waited {timeout:g} s for {what}; is another rank stuck or dead? (timeout={timeout:g} s)"
+        )
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+class DeadlineStore:
+    """A store whose every call runs on one helper thread and must return within ``timeout`` seconds.
+
+    A TCPStore client's calls block on the socket without a deadline when the
+    host is stopped (its ``timeout`` bounds waiting for keys, not the host's
+    reply), and a stuck call holds the client for every later one. Here a call
+    that does not return in time - or that finds the helper still stuck in an
+    earlier one - raises :class:`TimeoutError`: the coordinator is unreachable.
+    """
+
+    def __init__(self, store: Any, timeout: float) -> None:
+        self.store = store
+        self.timeout = timeout
+        self._lock = threading.Lock()
+        self._jobs: queue.SimpleQueue[tuple[str, tuple[Any, ...], dict[str, Any], threading.Event]] = (
+            queue.SimpleQueue()
+        )
+        self._stuck = False  # a call did not return in time: the helper may never come back
+        self._helper: threading.Thread | None = None
+
+    def _serve(self) -> None:
+        while True:
+            name, args, box, done = self._jobs.get()
+            try:
+                box["value"] = getattr(self.store, name)(*args)
+            except BaseException as err:  # handed to the caller
+                box["error"] = err
+            done.set()
+
+    def _call(self, name: str, *args: Any) -> Any:
+        with self._lock:
+            if self._stuck:
+                raise TimeoutError(f"an earlier store call has not returned after {self.timeout:g} s")
+            if self._helper is None:
+                self._helper = threading.Thread(target=self._serve, name="stagewise-store", daemon=True)
+                self._helper.start()
+            box: dict[str, Any] = {}
+            done = threading.Event()
+            self._jobs.put((name, args, box, done))
+            if not done.wait(self.timeout):
+                self._stuck = True
+                raise TimeoutError(f"the store did not answer {name}() within {self.timeout:g} s")
+            if "error" in box:
+                raise box["error"]
+            return box.get("value")
+
+    def check(self, keys: list[str]) -> bool:
+        return bool(self._call("check", keys))
+
+    def get(self, key: str) -> bytes:
+        return self._call("get", key)  # type: ignore[no-any-return]
+
+    def set(self, key: str, value: str) -> None:
+        self._call("set", key, value)
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self._call("add", key, amount))
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        return self._call("compare_set", key, expected, desired)  # type: ignore[no-any-return]
+
+
+def tcp_store_of(store: Any) -> Any:
+    """The TCPStore under ``store``'s prefixes, or None (a HashStore, a FileStore: no host to lose)."""
+    seen = 0
+    while isinstance(store, dist.PrefixStore) and seen < 16:
+        store = store.underlying_store
+        seen += 1
+    return store if isinstance(store, dist.TCPStore) else None
+
+
+def board_client(store: Any, timeout: float, own: bool = False, cached: bool = False) -> Any:
+    """A store for the run's keys (prefixed ``stagewise/<run>/``): a connection of its own, whose calls time out
+    after ``timeout`` seconds, to the host of ``store`` (the default group's when None); shared by the boards
+    with the same timeout, or (``own``) for one user alone, such as a helper thread; ``cached``: any connection
+    already open to that host will do (leaving: no time to open one)."""
+    if store is None:
+        store = _default_store()
+    base = store
+    tcp = tcp_store_of(store)
+    if tcp is not None:
+        key = (tcp.host, tcp.port, float(timeout))
+        base = None if own else _clients.get(key)
+        if cached and base is None:
+            base = next((c for (h, p, _), c in _clients.items() if (h, p) == (tcp.host, tcp.port)), None)
+        if base is None:
+            try:
+                base = call_with_deadline(
+                    lambda: dist.TCPStore(
+                        tcp.host, tcp.port, is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False
+                    ),
+                    timeout,
+                    f"a connection to the store at {tcp.host}:{tcp.port}",
+                )
+            except Exception as err:
+                raise PipelineError(f"{UNREACHABLE} (at {tcp.host}:{tcp.port}): {err}") from err
+            if not own:
+                _clients[key] = base
+    return DeadlineStore(dist.PrefixStore(f"stagewise/{agree_run_scope(timeout)}/", base), timeout)
+
+
+def _default_store() -> Any:
+    get = getattr(dist.distributed_c10d, "_get_default_store", None)
+    if get is None:
+        raise RuntimeError("this torch version does not expose the default store; pass store= to the Pipeline")
+    return get()
