@@ -18,10 +18,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from common import Ctx, Res
+from gather import gather_objects
 from torch import nn
 
 import stagewise as sw
-from gather import gather_objects
 from stagewise.runtime.engine.microbatch import split
 
 RTOL, ATOL = 1e-10, 1e-12

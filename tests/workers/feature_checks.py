@@ -19,7 +19,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from common import Ctx, Res
-
 from gather import gather_objects
 from torch import nn
 

@@ -18,7 +18,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from common import Ctx
-
 from gather import gather_objects
 from torch import nn
 

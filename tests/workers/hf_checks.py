@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from gather import gather_objects
 from torch import nn
 
 import stagewise as sw
-from gather import gather_objects
 
 RTOL, ATOL = 1e-10, 1e-12
 TIMEOUT = 90.0

@@ -14,7 +14,6 @@ import models as mdl
 import torch
 import torch.nn.functional as F
 from common import Ctx
-
 from gather import gather_objects
 
 import stagewise as sw

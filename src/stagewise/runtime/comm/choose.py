@@ -35,8 +35,9 @@ def auto_transport(spec: TransportSpec) -> Transport:
     """Shared memory when every rank of a gloo group is on this host, else torch.distributed (a collective)."""
     if backend_of(spec.group) != "gloo":
         return TorchTransport(spec)
-    peers = gather_peers(spec.group)
-    return ShmTransport(spec, peers) if same_host(peers) else TorchTransport(spec)
+    inner = TorchTransport(spec)  # its error board and deadline watch the gather: a rank failing now is named
+    peers = gather_peers(spec.group, inner.wait)
+    return ShmTransport(spec, peers, inner) if same_host(peers) else inner
 
 
 _FACTORIES: dict[str, TransportFactory] = {"auto": auto_transport, "shm": shm_transport, "torch": torch_transport}

@@ -161,13 +161,14 @@ def same_host(peers: Sequence[Peer]) -> bool:
     return bool(first.boot_id) and all(p.capable and p.where() == first.where() for p in peers)
 
 
-def gather_peers(group: Any) -> list[Peer]:
-    """Every group rank's :class:`Peer` (a collective over ``group``: all ranks call it together), as JSON."""
+def gather_peers(group: Any, wait: Callable[[list[Any], str], None] | None = None) -> list[Peer]:
+    """Every group rank's :class:`Peer` (a collective over ``group``: all ranks call it together), as JSON;
+    ``wait``: a deadline-bounded wait that watches the error board (a transport's)."""
     from dataclasses import asdict
 
     from .collectives import gather_json
 
-    return [Peer(**d) for d in gather_json(asdict(Peer.here()), group, what="where every rank runs")]
+    return [Peer(**d) for d in gather_json(asdict(Peer.here()), group, wait, "where every rank runs")]
 
 
 # ---- slots and doorbells ----------------------------------------------------------------
@@ -568,6 +569,7 @@ def shm_transport(spec: TransportSpec) -> ShmTransport:
     backend = backend_of(spec.group)
     if backend != "gloo":  # alike on every rank: refuse before any collective
         check_shm_group(backend, [Peer.here()])
-    peers = gather_peers(spec.group)
+    inner = TorchTransport(spec)  # its error board and deadline watch the gather
+    peers = gather_peers(spec.group, inner.wait)
     check_shm_group(backend, peers)
-    return ShmTransport(spec, peers)
+    return ShmTransport(spec, peers, inner)
