@@ -21,32 +21,17 @@ them when it ends; I frees all but ``weight_activation_bytes``, which W frees.
 
 from __future__ import annotations
 
-import gc
 from collections import deque
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from ._gc import gc_paused
 from .actions import COMM, Action, Kind
 from .costs import CostModel
 from .schedule import Schedule
 from .timeline import Event, Timeline
 
 _F, _B, _I, _W, _SYNC, _STEP = Kind.F, Kind.B, Kind.I, Kind.W, Kind.SYNC, Kind.STEP
-
-
-@contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector while building a timeline: its Events are
-    acyclic, and the collections their allocation triggers would double the time."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 @dataclass(eq=False)
@@ -81,7 +66,7 @@ class SimResult:
 
     @cached_property
     def timeline(self) -> Timeline:
-        with _gc_paused():
+        with gc_paused():
             events = [
                 Event(rank, a, start, end)
                 for rank, (acts, starts, ends) in enumerate(zip(self.actions, self.starts, self.ends))

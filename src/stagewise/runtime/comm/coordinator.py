@@ -85,12 +85,9 @@ def _broadcast_nonce(timeout: float | None) -> str:
     return f"{int(buf.item()):014x}"
 
 
-def call_with_deadline(fn: Any, timeout: float, what: str, me: str | None = None) -> Any:
-    """``fn()`` on a helper thread; :class:`PipelineError` if it has not returned within ``timeout`` seconds.
-
-    For blocking calls that cannot be made asynchronous (process-group creation, a store rendezvous): the
-    helper is left behind if it never returns (a daemon; its thread ends with the process).
-    """
+def start_call(fn: Any) -> tuple[threading.Event, dict[str, Any]]:
+    """Start ``fn()`` on a daemon helper thread: the event is set when it returned, with ``box["value"]`` or
+    ``box["error"]`` (a helper that never returns is left behind; it ends with the process)."""
     box: dict[str, Any] = {}
     done = threading.Event()
 
@@ -102,6 +99,16 @@ def call_with_deadline(fn: Any, timeout: float, what: str, me: str | None = None
         done.set()
 
     threading.Thread(target=run, name="stagewise-call", daemon=True).start()
+    return done, box
+
+
+def call_with_deadline(fn: Any, timeout: float, what: str, me: str | None = None) -> Any:
+    """``fn()`` on a helper thread; :class:`PipelineError` if it has not returned within ``timeout`` seconds.
+
+    For blocking calls that cannot be made asynchronous (process-group creation, a store rendezvous): the
+    helper is left behind if it never returns (a daemon; its thread ends with the process).
+    """
+    done, box = start_call(fn)
     if not done.wait(timeout):
         who = me or f"rank {dist.get_rank() if dist.is_initialized() else '?'}"
         raise PipelineError(

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 from ..errors import PipelineError
 from . import heartbeat
 from .board import ErrorBoard
+from .coordinator import start_call
 
 T = TypeVar("T")
 
@@ -78,17 +79,7 @@ class Waits:
     def call(self, fn: Callable[[], T], what: str) -> T:
         """``fn()`` on a helper thread (left behind if it never returns), bounded like :meth:`wait`."""
         self.waiting = what
-        box: dict[str, Any] = {}
-        done = threading.Event()
-
-        def run() -> None:
-            try:
-                box["value"] = fn()
-            except BaseException as err:  # handed to the caller
-                box["error"] = err
-            done.set()
-
-        threading.Thread(target=run, name="stagewise-call", daemon=True).start()
+        done, box = start_call(fn)
         started = time.perf_counter()
         while not done.wait(_poll_s(time.perf_counter() - started)):
             self.check_deadline(started, what)
