@@ -40,7 +40,7 @@ micro-batch (call ``reset_shapes()`` when it changes).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import chain
 from typing import TYPE_CHECKING, Any
@@ -50,7 +50,7 @@ from torch import fx, nn
 from ...schedule import Schedule
 from ...stage_counts import PartitionSpec, check_options, needs_profile, stage_counts
 from ..comm import groups
-from ..context import resolve_context, resolve_schedule
+from ..context import PipelineContext, resolve_context, resolve_schedule
 from ..model.balance import caps_explained, in_flight, on_first_rank, per_stage, steadiest
 from ..model.profiling import LayerProfile, model_blocks, profile_blocks
 from ..model.stages import BuiltStages
@@ -114,18 +114,12 @@ def from_model(
     """
     _refuse(model, options)
     options = {k: v for k, v in options.items() if k not in ("parallel", "tp_plan")}
-    groups.require_initialized()
-    pg = groups.group_or_world(group)
     tags = collect_tags(model)
     if tags:
         stages = _tagged_stages(tags, stages, partition, speeds, memory_caps)
-    sched = schedule_for_stages(
-        schedule, groups.group_size(pg), stages, microbatches, virtual_stages, "tags" if tags else ""
-    )
-    steps = RunOptions(**options).step_placement  # (checks the options before anything communicates)
-    ctx = resolve_context(
-        schedule=sched, microbatches=None, virtual_stages=None, group=group, device=device, optimizer_steps=steps
-    )
+    source = "tags" if tags else ""
+    ctx, run = frontend_context(schedule, stages, microbatches, virtual_stages, group, device, options, source)
+    sched, pg = ctx.schedule, ctx.group
     n = sched.num_stages
     measured: LayerProfile | None = None
     if tags:
@@ -140,8 +134,7 @@ def from_model(
     tied = found_ties(model, split.tied, starts[:-1])  # a parameter used on several stages: summed as sw.Tied
     unsaved = unsaved_names(split.stage_modules, split.tied, sched.placement, ctx.rank, model)
     if free_unused:
-        keep = {id(t) for gm in mine.values() for t in chain(gm.parameters(), gm.buffers())}
-        log.info("stagewise: freed %.1f MB of other ranks' stages", free_other_stages(model, keep) / 2**20)
+        free_unheld(model, mine.values())
     names = sorted({name for gm in split.stage_modules for name in _attributes(gm)})
     cut = ModelCut(split.stage_inputs, dict(split.module_stages), split.blocks)
     del split  # it holds every stage; this rank keeps its own only
@@ -159,7 +152,7 @@ def from_model(
         model_cut=cut,
         tied=tied,
     )
-    return cls._from_parts(ctx, parts, RunOptions(**options))
+    return cls._from_parts(ctx, parts, run)
 
 
 def _refuse(model: Any, options: dict[str, Any]) -> None:
@@ -191,6 +184,35 @@ def _tagged_stages(
     if stages is not None and stages != tagged:
         raise ValueError(f"stages={stages}, but the model's tags name {tagged} stages (0 to {tagged - 1})")
     return tagged
+
+
+def frontend_context(
+    schedule: str | Schedule,
+    stages: int | None,
+    microbatches: int | None,
+    virtual_stages: int | None,
+    group: Any,
+    device: Any,
+    options: dict[str, Any],
+    source: str = "",
+) -> tuple[PipelineContext, RunOptions]:
+    """A frontend's context (the schedule for ``stages`` stages on the group) and its options, checked before
+    anything communicates."""
+    run = RunOptions(**options)
+    groups.require_initialized()
+    size = groups.group_size(groups.group_or_world(group))
+    sched = schedule_for_stages(schedule, size, stages, microbatches, virtual_stages, source)
+    ctx = resolve_context(
+        schedule=sched, microbatches=None, virtual_stages=None, group=group, device=device,
+        optimizer_steps=run.step_placement,
+    )  # fmt: skip
+    return ctx, run
+
+
+def free_unheld(model: nn.Module, held: Iterable[nn.Module]) -> None:
+    """Free ``model``'s parameters and buffers that none of the ``held`` modules uses (:func:`free_other_stages`)."""
+    keep = {id(t) for m in held for t in chain(m.parameters(), m.buffers())}
+    log.info("stagewise: freed %.1f MB of other ranks' stages", free_other_stages(model, keep) / 2**20)
 
 
 def schedule_for_stages(

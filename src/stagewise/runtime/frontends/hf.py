@@ -45,7 +45,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import chain
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -53,14 +52,11 @@ from torch import nn
 
 from ...schedule import Schedule
 from ...stage_counts import PartitionSpec
-from ..comm import groups
-from ..context import resolve_context
 from ..losses import causal_lm_loss, count_tokens
 from ..model.balance import plan_layers
 from ..model.stages import BuiltStages
 from ..model.tied import Tied, TiedBuilder
-from ..options import RunOptions
-from .from_model import free_other_stages, schedule_for_stages
+from .from_model import free_unheld, frontend_context
 
 if TYPE_CHECKING:
     from ..pipeline import Pipeline
@@ -296,20 +292,14 @@ def from_hf(
     if options.get("loss_fn") is None:
         options["loss_fn"] = causal_lm_loss
         options.setdefault("loss_weights", count_tokens)
-    groups.require_initialized()
-    pg = groups.group_or_world(group)
-    layers = model.get_submodule(layout.layers)
-    n = len(layers)
-    sched = schedule_for_stages(schedule, groups.group_size(pg), stages, microbatches, virtual_stages, "")
+    n = len(model.get_submodule(layout.layers))
+    ctx, run = frontend_context(schedule, stages, microbatches, virtual_stages, group, device, options)
+    sched = ctx.schedule
     if n < sched.num_stages:
         raise ValueError(
             f"{sched.num_stages} stages need at least {sched.num_stages} decoder layers; {type(model).__name__} has "
             f"{n} ({layout.layers})"
         )
-    steps = RunOptions(**options).step_placement  # (checks the options before anything communicates)
-    ctx = resolve_context(
-        schedule=sched, microbatches=None, virtual_stages=None, group=group, device=device, optimizer_steps=steps
-    )
     units = [(str(i), HFStage(model, layout, [i], first=i == 0, last=i == n - 1)) for i in range(n)]
     plan = plan_layers(
         units,
@@ -327,8 +317,7 @@ def from_hf(
     mine = {s: HFStage(model, layout, plan.ranges[s], first=s == 0, last=s == last) for s in ctx.local_stages}
     held = [name for st in mine.values() for _, name in st.names]
     if free_unused:
-        keep = {id(t) for st in mine.values() for t in chain(st.parameters(), st.buffers())}
-        log.info("stagewise: freed %.1f MB of other ranks' stages", free_other_stages(model, keep) / 2**20)
+        free_unheld(model, mine.values())
     log.info(
         "stagewise: rank %d holds stages %s (decoder layers %s) of %s",
         ctx.rank,
@@ -343,7 +332,7 @@ def from_hf(
         profile=plan.profile,
         tied=_ties(model, layout, n),
     )
-    return cls._from_parts(ctx, parts, RunOptions(**options))
+    return cls._from_parts(ctx, parts, run)
 
 
 def _ties(model: nn.Module, layout: Layout, n: int) -> TiedBuilder | None:
