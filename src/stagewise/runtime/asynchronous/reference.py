@@ -83,6 +83,8 @@ def async_reference(
 
 
 class _Replay:
+    """The stages, their optimizers and the loss: what outlives a window."""
+
     def __init__(self, stages: list[Chain], optimizer: Callable[..., torch.optim.Optimizer], loss_fn: Any) -> None:
         self.stages = stages
         self.named = [[(n, q) for n, q in st.named_parameters()] for st in stages]
@@ -94,49 +96,8 @@ class _Replay:
         return functional_call(self.stages[s], {n: w for (n, _), w in zip(self.named[s], weights)}, (x,))
 
     def window(self, schedule: Schedule, batches: list[tuple[torch.Tensor, torch.Tensor]], m: int) -> list[float]:
-        table = async_table(schedule)
-        assert table is not None
-        p = schedule.num_stages
-        policy = table.policy
-        xs, ys, shares = [], [], []
-        for inputs, targets in batches:
-            xs += list(torch.tensor_split(inputs, m))
-            pieces = list(torch.tensor_split(targets, m))
-            ys += pieces
-            shares += [len(y) / len(targets) for y in pieces]
-        current = [0] * p
-        kept: list[dict[Version, list[torch.Tensor]]] = [{} for _ in range(p)]
-        for s in range(p):
-            kept[s][Version(0)] = [q.detach().clone() for _, q in self.named[s]]
-        chosen: dict[tuple[int, int], Version] = {}  # XPipe: mini-batch t's version at stage s, fixed at its first F
-        sums: list[dict[int, list[torch.Tensor]]] = [{} for _ in range(p)]
-        acts: dict[tuple[int, int], Any] = {}  # (s, i) -> (stage input, tag)
-        flow: dict[tuple[str, int, int], Any] = {}
-        losses = [0.0] * len(batches)
-
-        def version_for(s: int, i: int, kind: Kind, tag: int, forward: Version | None) -> Version:
-            """The rule, stated per policy: what (s, i)'s F or B uses, from the replay's own counts."""
-            t = i // m
-            if policy in ("stash", "none"):
-                if kind is Kind.B and policy == "stash":
-                    assert forward is not None
-                    return forward  # the stashed version of the forward
-                return Version(current[s])  # the current weights
-            if policy == "vertical":
-                return Version(tag)
-            if policy == "2bw":
-                return Version(max(0, t - 1))
-            if (s, t) not in chosen:  # predict: the bellwether fixes it
-                chosen[(s, t)] = Version(current[s], t - current[s])
-            return chosen[(s, t)]
-
-        def weights(s: int, v: Version) -> list[torch.Tensor]:
-            if v not in kept[s]:
-                assert v.base == current[s], f"stage {s}: {v} asked for at W^({current[s]})"
-                params = [q for _, q in self.named[s]]
-                kept[s][v] = predict(self.opts[s], params, v.ahead)  # type: ignore[arg-type]
-            return kept[s][v]
-
+        """Replay one window of ``batches`` (N mini-batches of ``m`` micro-batches); each mini-batch's loss."""
+        window = _Window(self, schedule, batches, m)
         timed = simulate(schedule)
         order = sorted(
             (start, rank, j, a)
@@ -144,46 +105,107 @@ class _Replay:
             for j, (a, start) in enumerate(zip(row, starts))
         )
         for _, _, _, a in order:
-            s, i = a.stage, a.microbatch
             if a.kind is Kind.F:
-                assert i is not None
-                x, tag = (xs[i], current[0]) if s == 0 else flow.pop(("F", s - 1, i))
-                v = version_for(s, i, Kind.F, tag, None)
-                with torch.no_grad():
-                    out = self.run(s, x, weights(s, v))
-                acts[(s, i)] = (x, tag, v)
-                if s == p - 1:
-                    losses[i // m] += float(self.loss_fn(out, ys[i])) * shares[i]
-                else:
-                    flow[("F", s, i)] = (out, tag)
+                window.forward(a.stage, a.microbatch)
             elif a.kind is Kind.B:
-                assert i is not None
-                x, tag, v_f = acts.pop((s, i))
-                v = version_for(s, i, Kind.B, tag, v_f)
-                leaves = [w.detach().requires_grad_(q.requires_grad) for w, (_, q) in zip(weights(s, v), self.named[s])]
-                x_leaf = x.detach().requires_grad_(s > 0)
-                out = self.run(s, x_leaf, leaves)
-                if s == p - 1:
-                    root, grad = self.loss_fn(out, ys[i]) * shares[i], None
-                else:
-                    root, grad = out, flow.pop(("B", s + 1, i))
-                wanted = ([x_leaf] if s > 0 else []) + [w for w in leaves if w.requires_grad]
-                got = torch.autograd.grad(root, wanted, grad, allow_unused=True)
-                if s > 0:
-                    flow[("B", s, i)], got = got[0], got[1:]
-                t = i // m
-                total = sums[s].setdefault(t, [torch.zeros_like(w) for w in leaves if w.requires_grad])
-                for k, g in enumerate(got):
-                    if g is not None:
-                        total[k] += g
+                window.backward(a.stage, a.microbatch)
             elif a.kind is Kind.STEP:
-                t = current[s]
-                trained = [q for _, q in self.named[s] if q.requires_grad]
-                for q, g in zip(trained, sums[s].pop(t)):
-                    q.grad = g
-                self.opts[s].step()
-                self.opts[s].zero_grad(set_to_none=True)
-                current[s] += 1
-                kept[s][Version(current[s])] = [q.detach().clone() for _, q in self.named[s]]
-        self.made = list(current)
-        return losses
+                window.step(a.stage)
+        self.made = list(window.current)
+        return window.losses
+
+
+class _Window:
+    """One window's state: the versions kept, the activations saved and the values in flight between stages."""
+
+    def __init__(
+        self, replay: _Replay, schedule: Schedule, batches: list[tuple[torch.Tensor, torch.Tensor]], m: int
+    ) -> None:
+        table = async_table(schedule)
+        assert table is not None
+        self.r, self.m, self.policy = replay, m, table.policy
+        self.p = p = schedule.num_stages
+        self.xs: list[torch.Tensor] = []
+        self.ys: list[torch.Tensor] = []
+        self.shares: list[float] = []  # each micro-batch's share of its mini-batch's loss
+        for inputs, targets in batches:
+            self.xs += list(torch.tensor_split(inputs, m))
+            pieces = list(torch.tensor_split(targets, m))
+            self.ys += pieces
+            self.shares += [len(y) / len(targets) for y in pieces]
+        self.current = [0] * p  # STEPs each stage has executed: its newest version
+        self.kept: list[dict[Version, list[torch.Tensor]]] = [
+            {Version(0): [q.detach().clone() for _, q in replay.named[s]]} for s in range(p)
+        ]
+        self.chosen: dict[tuple[int, int], Version] = {}  # XPipe: mini-batch t's version at stage s, fixed at its F
+        self.sums: list[dict[int, list[torch.Tensor]]] = [{} for _ in range(p)]
+        self.acts: dict[tuple[int, int], Any] = {}  # (s, i) -> (stage input, tag, version)
+        self.flow: dict[tuple[str, int, int], Any] = {}
+        self.losses = [0.0] * len(batches)
+
+    def version_for(self, s: int, i: int, kind: Kind, tag: int, forward: Version | None) -> Version:
+        """The rule, stated per policy: what (s, i)'s F or B uses, from the replay's own counts."""
+        t = i // self.m
+        if self.policy in ("stash", "none"):
+            if kind is Kind.B and self.policy == "stash":
+                assert forward is not None
+                return forward  # the stashed version of the forward
+            return Version(self.current[s])  # the current weights
+        if self.policy == "vertical":
+            return Version(tag)
+        if self.policy == "2bw":
+            return Version(max(0, t - 1))
+        if (s, t) not in self.chosen:  # predict: the bellwether fixes it
+            self.chosen[(s, t)] = Version(self.current[s], t - self.current[s])
+        return self.chosen[(s, t)]
+
+    def weights(self, s: int, v: Version) -> list[torch.Tensor]:
+        if v not in self.kept[s]:
+            assert v.base == self.current[s], f"stage {s}: {v} asked for at W^({self.current[s]})"
+            params = [q for _, q in self.r.named[s]]
+            self.kept[s][v] = predict(self.r.opts[s], params, v.ahead)  # type: ignore[arg-type]
+        return self.kept[s][v]
+
+    def forward(self, s: int, i: int | None) -> None:
+        assert i is not None
+        x, tag = (self.xs[i], self.current[0]) if s == 0 else self.flow.pop(("F", s - 1, i))
+        v = self.version_for(s, i, Kind.F, tag, None)
+        with torch.no_grad():
+            out = self.r.run(s, x, self.weights(s, v))
+        self.acts[(s, i)] = (x, tag, v)
+        if s == self.p - 1:
+            self.losses[i // self.m] += float(self.r.loss_fn(out, self.ys[i])) * self.shares[i]
+        else:
+            self.flow[("F", s, i)] = (out, tag)
+
+    def backward(self, s: int, i: int | None) -> None:
+        """Recompute the forward on the version the rule names, then the gradients, summed per mini-batch."""
+        assert i is not None
+        x, tag, v_f = self.acts.pop((s, i))
+        v = self.version_for(s, i, Kind.B, tag, v_f)
+        named = self.r.named[s]
+        leaves = [w.detach().requires_grad_(q.requires_grad) for w, (_, q) in zip(self.weights(s, v), named)]
+        x_leaf = x.detach().requires_grad_(s > 0)
+        out = self.r.run(s, x_leaf, leaves)
+        if s == self.p - 1:
+            root, grad = self.r.loss_fn(out, self.ys[i]) * self.shares[i], None
+        else:
+            root, grad = out, self.flow.pop(("B", s + 1, i))
+        wanted = ([x_leaf] if s > 0 else []) + [w for w in leaves if w.requires_grad]
+        got = torch.autograd.grad(root, wanted, grad, allow_unused=True)
+        if s > 0:
+            self.flow[("B", s, i)], got = got[0], got[1:]
+        total = self.sums[s].setdefault(i // self.m, [torch.zeros_like(w) for w in leaves if w.requires_grad])
+        for k, g in enumerate(got):
+            if g is not None:
+                total[k] += g
+
+    def step(self, s: int) -> None:
+        """Apply the oldest summed gradient of stage ``s``; its result is the next version."""
+        trained = [q for _, q in self.r.named[s] if q.requires_grad]
+        for q, g in zip(trained, self.sums[s].pop(self.current[s])):
+            q.grad = g
+        self.r.opts[s].step()
+        self.r.opts[s].zero_grad(set_to_none=True)
+        self.current[s] += 1
+        self.kept[s][Version(self.current[s])] = [q.detach().clone() for _, q in self.r.named[s]]
