@@ -13,6 +13,8 @@ momentum, the same total number of samples:
 
 * ``sync-dp``: ``Pipeline(parallel=ParallelConfig(pp=1, dp=2))``, one
   all-reduce of averaged gradients per step: each step waits for the slow rank;
+* ``sync-dp as WSP (D=0, wave 1)``: the same arithmetic as sync-dp (the tests
+  check it to 1e-15), through HetPipe's machinery: one all-reduce per step;
 * ``hetpipe-wsp D=d``: ``HetPipe`` with waves of ``--wave`` mini-batches and
   staleness bound d (D = 0: a barrier per wave; larger D lets the fast VW run
   ahead - but at most D waves, so over a long run it still waits);
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +62,7 @@ class Variant:
 def variants(wave: int) -> list[Variant]:
     return [
         Variant("sync-dp", "sync", None, (1, 1)),
+        Variant("sync-dp as WSP (D=0, wave 1)", "sync", 0, (1, 1)),
         Variant("hetpipe-wsp D=0", "sync", 0, (wave, wave)),
         Variant("hetpipe-wsp D=1", "async", 1, (wave, wave)),
         Variant("hetpipe-wsp D=2", "async", 2, (wave, wave)),
@@ -66,8 +70,8 @@ def variants(wave: int) -> list[Variant]:
     ]
 
 
-def mlp_layers() -> list[sw.Layer]:
-    widths = [64, 128, 128, 128]
+def mlp_layers(hidden: int = 128) -> list[sw.Layer]:
+    widths = [64, hidden, hidden, hidden]
     out: list[sw.Layer] = []
     for a, b in zip(widths, widths[1:]):
         out += [sw.Layer(nn.Linear, a, b), sw.Layer(nn.ReLU)]
@@ -103,7 +107,15 @@ def _optimizer(lr: float) -> Any:
 
 
 def run_variant(
-    v: Variant, data: tuple[torch.Tensor, ...], *, samples: int, batch: int, lr: float, seed: int, slowdown: float
+    v: Variant,
+    data: tuple[torch.Tensor, ...],
+    *,
+    samples: int,
+    batch: int,
+    lr: float,
+    seed: int,
+    slowdown: float,
+    hidden: int = 128,
 ) -> dict[str, Any]:
     """Train one row on 2 ranks (a collective); every rank returns the same record."""
     x, y, x_test, y_test = data
@@ -116,7 +128,7 @@ def run_variant(
     t0 = time.perf_counter()
     if v.staleness is None:
         pipe = sw.Pipeline(
-            mlp_layers(), loss_fn=F.cross_entropy, schedule="1f1b", microbatches=1, optimizer=_optimizer(lr),
+            mlp_layers(hidden), loss_fn=F.cross_entropy, schedule="1f1b", microbatches=1, optimizer=_optimizer(lr),
             seed=seed, parallel=sw.ParallelConfig(pp=1, dp=2), emulate_slowdown=factors[rank],
         )  # fmt: skip
         dist.barrier()
@@ -125,7 +137,7 @@ def run_variant(
         per_wave, lead, model = losses, 0, pipe
     else:
         het = sw.HetPipe(
-            mlp_layers(), loss_fn=F.cross_entropy, virtual_workers=[[0], [1]], staleness=v.staleness,
+            mlp_layers(hidden), loss_fn=F.cross_entropy, virtual_workers=[[0], [1]], staleness=v.staleness,
             schedule="1f1b", microbatches=1, wave=list(v.wave), optimizer=_optimizer(lr), seed=seed,
             emulate_slowdown=factors,
         )  # fmt: skip
@@ -158,13 +170,20 @@ def run_variant(
 
 
 def rows(
-    *, samples: int = 3072, batch: int = 32, wave: int = 4, lr: float = 0.05, seed: int = 0, slowdown: float = 2.0
+    *,
+    samples: int = 3072,
+    batch: int = 32,
+    wave: int = 4,
+    lr: float = 0.05,
+    seed: int = 0,
+    slowdown: float = 2.0,
+    hidden: int = 128,
 ) -> list[dict[str, Any]]:
     """Every variant's record (a collective on a 2-rank world, e.g. under ``stagewise run -n 2``).
 
     Keys: ``name``, ``family`` (sync/async), ``samples``, ``samples_per_s``, ``curve`` ((samples, loss) per
     wave, the mean over the VWs; per step for sync-dp), ``train_loss``, ``val_loss``, ``val_accuracy``,
-    ``max_lead``, ``seed``.
+    ``max_lead``, ``seed``. ``hidden``: the MLP's width (128: the comparison's digits MLP).
     """
     if dist.get_world_size() != 2:
         raise ValueError(f"hetpipe_wsp runs on 2 ranks (2 VWs x pp1), got {dist.get_world_size()}")
@@ -174,16 +193,25 @@ def rows(
     ]
 
 
-def markdown(records: list[dict[str, Any]]) -> str:
-    base = records[0]["samples_per_s"]
+def markdown(by_seed: list[list[dict[str, Any]]]) -> str:
+    """One line per variant: mean ± standard deviation over the seeds."""
+
+    def pair(values: list[float], digits: int) -> str:
+        sd = statistics.stdev(values) if len(values) > 1 else 0.0
+        return f"{statistics.fmean(values):.{digits}f} ± {sd:.{digits}f}"
+
     lines = [
         "| method | sync/async | samples | samples/s | vs sync-dp | train loss | val accuracy | max lead (waves) |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in records:
+    base = statistics.fmean(run[0]["samples_per_s"] for run in by_seed)
+    for k, first in enumerate(by_seed[0]):
+        rs = [run[k] for run in by_seed]
+        speed = [r["samples_per_s"] for r in rs]
         lines.append(
-            f"| {r['name']} | {r['family']} | {r['samples']} | {r['samples_per_s']:.0f} | "
-            f"{r['samples_per_s'] / base:.2f}x | {r['train_loss']:.4f} | {r['val_accuracy']:.3f} | {r['max_lead']} |"
+            f"| {first['name']} | {first['family']} | {first['samples']} | {pair(speed, 0)} | "
+            f"{statistics.fmean(speed) / base:.2f}x | {pair([r['train_loss'] for r in rs], 3)} | "
+            f"{pair([r['val_accuracy'] for r in rs], 3)} | {max(r['max_lead'] for r in rs)} |"
         )
     return "\n".join(lines)
 
@@ -196,13 +224,24 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--slowdown", type=float, default=2.0)
+    parser.add_argument("--hidden", type=int, default=128, help="MLP width (128: the comparison's digits MLP)")
+    parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
     sw.init()
-    records = rows(
-        samples=args.samples, batch=args.batch, wave=args.wave, lr=args.lr, seed=args.seed, slowdown=args.slowdown
-    )
+    records = [
+        rows(
+            samples=args.samples,
+            batch=args.batch,
+            wave=args.wave,
+            lr=args.lr,
+            seed=args.seed + k,
+            slowdown=args.slowdown,
+            hidden=args.hidden,
+        )  # fmt: skip
+        for k in range(args.seeds)
+    ]
     if dist.get_rank() == 0:
         print(markdown(records))
         if args.json is not None:
