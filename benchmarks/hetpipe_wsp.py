@@ -133,7 +133,11 @@ def run_variant(
         )  # fmt: skip
         dist.barrier()
         t0 = time.perf_counter()
-        losses = [pipe.train_step(xb, yb) for xb, yb in mine]  # each rank its own half of the global batch
+        losses = []
+        ends = []
+        for xb, yb in mine:  # each rank its own half of the global batch
+            losses.append(pipe.train_step(xb, yb))
+            ends.append(time.perf_counter() - t0)
         per_wave, lead, model = losses, 0, pipe
     else:
         het = sw.HetPipe(
@@ -143,10 +147,15 @@ def run_variant(
         )  # fmt: skip
         dist.barrier()
         t0 = time.perf_counter()
-        list(het.train_stream(mine))
+        ends = []
+        for k, _ in enumerate(het.train_stream(mine), start=1):
+            if k % v.wave[rank] == 0 or k == len(mine):
+                ends.append(time.perf_counter() - t0)  # this VW finished a wave
         per_wave, lead, model = het.stats.global_losses, het.stats.max_lead, het.pipe
     elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    wave_ends = torch.tensor(ends, dtype=torch.float64)  # when the last VW finished each wave (or step)
+    dist.all_reduce(wave_ends, op=dist.ReduceOp.MAX)
     done = torch.tensor([float(count * batch)], dtype=torch.float64)
     dist.all_reduce(done)
     with torch.no_grad():
@@ -160,7 +169,9 @@ def run_variant(
         "family": v.family,
         "samples": int(done.item()),
         "samples_per_s": done.item() / elapsed.item(),
-        "curve": [((k + 1) * step, float(loss)) for k, loss in enumerate(per_wave)],  # (samples, loss) per wave
+        "curve": [  # (samples, seconds, loss) per wave: the mean loss over the VWs
+            ((k + 1) * step, float(t), float(loss)) for k, (t, loss) in enumerate(zip(wave_ends.tolist(), per_wave))
+        ],
         "train_loss": train_loss,
         "val_loss": float(F.cross_entropy(logits, y_test)),
         "val_accuracy": float((logits.argmax(1) == y_test).float().mean()),
@@ -181,8 +192,8 @@ def rows(
 ) -> list[dict[str, Any]]:
     """Every variant's record (a collective on a 2-rank world, e.g. under ``stagewise run -n 2``).
 
-    Keys: ``name``, ``family`` (sync/async), ``samples``, ``samples_per_s``, ``curve`` ((samples, loss) per
-    wave, the mean over the VWs; per step for sync-dp), ``train_loss``, ``val_loss``, ``val_accuracy``,
+    Keys: ``name``, ``family`` (sync/async), ``samples``, ``samples_per_s``, ``curve`` ((samples, seconds, loss)
+    per wave, the mean over the VWs; per step for sync-dp), ``train_loss``, ``val_loss``, ``val_accuracy``,
     ``max_lead``, ``seed``. ``hidden``: the MLP's width (128: the comparison's digits MLP).
     """
     if dist.get_world_size() != 2:
