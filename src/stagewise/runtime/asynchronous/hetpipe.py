@@ -135,8 +135,11 @@ class HetPipe:
         Each parameter must have exactly one owner per VW: tied modules (a copy on two stages) are refused.
         """
         mine = [(n, q.numel()) for n, q in self.pipe.named_parameters()]
-        everyone = comm.gather_records(mine, self.group, lambda works, what: self.pipe.transport.wait(works, what))
-        per_vw = [[(n, k) for r in ranks for n, k in everyone[r]] for ranks in self.layout.workers]
+        record = {"params": mine, "counts": [len(r) for r in self.pipe.layer_ranges]}
+        everyone = comm.gather_records(record, self.group, lambda works, what: self.pipe.transport.wait(works, what))
+        #: layers per stage of every VW (each partitioned for its own ranks), e.g. for :func:`wsp_reference`
+        self.stage_counts = [everyone[ranks[0]]["counts"] for ranks in self.layout.workers]
+        per_vw = [[(n, k) for r in ranks for n, k in everyone[r]["params"]] for ranks in self.layout.workers]
         for v, listed in enumerate(per_vw):
             names = [n for n, _ in listed]
             twice = sorted({n for n in names if names.count(n) > 1})
