@@ -4,7 +4,8 @@
 
 Parity checks train a float64 MLP and compare every loss, every wave's global
 loss and every final parameter with ``sw.wsp_reference`` to 1e-12, for D in
-{0, 1} on 2 VWs x pp2 and on VWs of different stage counts (pp3 + pp1). D = 0
+{0, 1, 2} on 2 VWs x pp2 and on VWs of different stage counts (pp3 + pp1, pp2 + pp1 + pp1); the
+pp3 + pp1 run emulates a 2.5x slower rank 3 (``emulate_slowdown``), whose sleeps are counted, not timed. D = 0
 with one plain-SGD mini-batch per wave is compared with synchronous data
 parallelism computed in one process (the full batch's mean gradient). The
 mutants: D = 1 run against a D = 0 replay must differ by far; a HetPipe that
@@ -13,6 +14,7 @@ pulls one wave too early must be stopped by the run-time staleness check.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,6 +24,7 @@ import torch.nn.functional as F
 from common import Ctx
 
 import stagewise as sw
+from stagewise.runtime.engine import interpreter
 from stagewise.wsp import StalenessError
 
 TOL = 1e-12
@@ -71,11 +74,35 @@ def compare(het: sw.HetPipe, losses: list[float], ref: Any) -> float:
     return worst
 
 
-def parity(workers: list[list[int]], staleness: int, opt: str, schedule: str, wave: int, waves: int) -> Check:
+class _Sleeps:
+    """Stands in for the interpreter's ``time`` module: records the emulation's sleeps (no wall-clock judged)."""
+
+    def __init__(self) -> None:
+        self.calls: list[float] = []
+        self.perf_counter = time.perf_counter
+
+    def sleep(self, seconds: float) -> None:
+        self.calls.append(seconds)
+        time.sleep(seconds)
+
+
+def parity(
+    workers: list[list[int]], staleness: int, opt: str, schedule: str, wave: int, waves: int,
+    slow: list[float] | None = None,
+) -> Check:  # fmt: skip
     def check(ctx: Ctx) -> dict[str, Any]:
         data = global_batches(wave * waves - 1, 12)  # a shorter last wave
         kw = {"staleness": staleness, "schedule": schedule, "wave": wave}
-        het, losses = run(ctx, workers, data, optimizer=optimizer(opt), **kw)
+        sleeps, real = _Sleeps(), interpreter.time
+        interpreter.time = sleeps  # type: ignore[assignment]
+        try:
+            het, losses = run(ctx, workers, data, optimizer=optimizer(opt), emulate_slowdown=slow, **kw)
+        finally:
+            interpreter.time = real
+        factor = 1.0 if slow is None else slow[ctx.rank]
+        computes = 2 * len(data)  # one F and one B per mini-batch and stage, one stage per rank
+        assert len(sleeps.calls) == (computes if factor > 1 else 0), (factor, len(sleeps.calls))
+        assert all(t > 0 for t in sleeps.calls)
         ref = reference(workers, data, optimizer=optimizer(opt), **kw)
         worst = compare(het, losses, ref)
         assert worst <= TOL, f"differs from the replay by {worst:.3e}"
@@ -185,7 +212,7 @@ def checks(world: int) -> dict[str, Check]:
         "parity-d0-pipedream-2x2": parity(pp2, 0, "adam", "pipedream", wave=2, waves=3),
         "parity-d1-pipedream-2x2": parity(pp2, 1, "momentum", "pipedream", wave=2, waves=4),
         "parity-d1-1f1b-2x2": parity(pp2, 1, "sgd", "1f1b", wave=2, waves=3),
-        "parity-d1-pp3-pp1": parity([[0, 1, 2], [3]], 1, "sgd", "pipedream", wave=3, waves=3),
+        "parity-d1-pp3-pp1": parity([[0, 1, 2], [3]], 1, "sgd", "pipedream", wave=3, waves=3, slow=[1, 1, 1, 2.5]),
         "parity-d2-pp2-pp1-pp1": parity([[0, 1], [2], [3]], 2, "adam", "pipedream-2bw", wave=2, waves=4),
         "partitioned-by-speed": partitioned_by_speed,
         "d0-is-data-parallel": d0_is_data_parallel,
