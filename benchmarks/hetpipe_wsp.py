@@ -13,8 +13,8 @@ momentum, the same total number of samples:
 
 * ``sync-dp``: ``Pipeline(parallel=ParallelConfig(pp=1, dp=2))``, one
   all-reduce of averaged gradients per step: each step waits for the slow rank;
-* ``sync-dp as WSP (D=0, wave 1)``: the same arithmetic as sync-dp (the tests
-  check it to 1e-15), through HetPipe's machinery: one all-reduce per step;
+* ``sync-dp as WSP (D=0, wave 1)``: the arithmetic of sync DP (the tests check
+  it against one process to 1e-12), through HetPipe's machinery: one all-reduce per step;
 * ``hetpipe-wsp D=d``: ``HetPipe`` with waves of ``--wave`` mini-batches and
   staleness bound d (D = 0: a barrier per wave; larger D lets the fast VW run
   ahead - but at most D waves, so over a long run it still waits);
