@@ -78,6 +78,8 @@ _LAZY = {
     "collect_aux_losses": ".runtime.engine.aux",
     "pipeline_from_plan": ".runtime.from_plan",
     "async_reference": ".runtime.asynchronous.reference",
+    "HetPipe": ".runtime.asynchronous.hetpipe",
+    "wsp_reference": ".runtime.asynchronous.wsp_reference",
     "shm_transport": ".runtime.comm.shm",
     "torch_transport": ".runtime.comm.choose",
 }
@@ -103,6 +105,8 @@ __all__ = [
     "Version",
     "VersionTable",
     "async_reference",
+    "HetPipe",
+    "wsp_reference",
     "async_report",
     "async_schedule",
     "validate_versions",

@@ -95,6 +95,7 @@ def build_engine(
         mailbox=mailbox,
         hooks=hooks,
     )
+    interpreter.slowdown = options.slowdown_of(ctx.rank, ctx.num_ranks)
     meter = ActivationMeter(root.parameters(), lambda: interpreter.current) if options.measure_memory else None
     norms = attach_batchnorms(
         check_batchnorm(options.batchnorm), parts.modules, lambda: interpreter.current,

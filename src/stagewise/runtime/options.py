@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +39,7 @@ class RunOptions:
     batchnorm: str | BatchNormPolicy | None = None
     loss_weights: LossWeights | None = None
     nan_policy: str | None = "raise"
+    emulate_slowdown: float | Sequence[float] | None = None
 
     def __post_init__(self) -> None:
         check_policy(self.nan_policy)
@@ -48,6 +49,7 @@ class RunOptions:
         check_recompute(self.recompute)
         check_autocast(self.autocast)
         check_choice(self.transport)
+        _check_slowdown(self.emulate_slowdown)
         if not self.timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {self.timeout!r}")
 
@@ -59,3 +61,24 @@ class RunOptions:
         if self.optimizer is None:
             return None
         return "at_end" if self.nan_policy is not None else "after_sync"
+
+    def slowdown_of(self, rank: int, num_ranks: int) -> float:
+        """EMULATION of a slower device: the factor group rank ``rank`` stretches each compute action by."""
+        f = self.emulate_slowdown
+        if f is None:
+            return 1.0
+        if isinstance(f, (int, float)):
+            return float(f)
+        if len(f) != num_ranks:
+            raise ValueError(f"emulate_slowdown needs one factor per rank of the group ({num_ranks}), got {len(f)}")
+        return float(f[rank])
+
+
+def _check_slowdown(f: float | Sequence[float] | None) -> None:
+    """``emulate_slowdown``: factors >= 1 (sleeping can make a rank slower, never faster)."""
+    if f is None:
+        return
+    values = [f] if isinstance(f, (int, float)) else list(f)
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 1.0:
+            raise ValueError(f"emulate_slowdown factors must be numbers >= 1 (1: full speed), got {f!r}")

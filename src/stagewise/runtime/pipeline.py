@@ -93,6 +93,10 @@ class Pipeline(nn.Module):
     rank before any optimizer steps (``"raise"``) or skips the step on every
     rank, counted in :attr:`skipped_steps` (``"skip"``); ``None`` checks
     nothing (see :mod:`stagewise.runtime.engine.finite`).
+    ``emulate_slowdown`` (an EMULATION of heterogeneous devices, for experiments
+    on one machine): a factor f >= 1, or one per rank of the group; after each
+    compute action (F, B, I, W) the rank sleeps (f - 1) x the action's measured
+    time, so it looks f times slower and takes no CPU from the others.
 
     ``parallel``: a :class:`~stagewise.ParallelConfig` (or a built
     :class:`~stagewise.Mesh`) for pipeline x data x ZeRO-sharded x tensor
@@ -142,11 +146,12 @@ class Pipeline(nn.Module):
         batchnorm: str | BatchNormPolicy | None = None,
         loss_weights: LossWeights | None = None,
         nan_policy: str | None = "raise",
+        emulate_slowdown: float | Sequence[float] | None = None,
     ) -> None:
         super().__init__()
         options = RunOptions(
             loss_fn, optimizer, batch_dim, target_batch_dim, timeout, store, recompute, measure_memory, autocast,
-            variable_shapes, transport, batchnorm, loss_weights, nan_policy,
+            variable_shapes, transport, batchnorm, loss_weights, nan_policy, emulate_slowdown,
         )  # fmt: skip
         ctx = resolve_context(
             schedule=schedule,

@@ -39,6 +39,7 @@ class AsyncInterpreter(Interpreter):
             mailbox=base.mailbox,
             hooks=base.hooks,
         )
+        self.slowdown = base.slowdown
         self.versioned = stages
         self.versions = versions
         self.table: VersionTable | None = None

@@ -111,6 +111,7 @@ class Interpreter:
         }
         self.other: dict[Kind, Callable[[Action], None]] = {Kind.SYNC: self._sync, Kind.STEP: self._step}
         self.early = not transport.grouped  # post the step's receives at its start (see above)
+        self.slowdown = 1.0  # EMULATION: each compute action takes this many times its time (RunOptions)
         self._orders: dict[int, tuple[Sequence[Action], list[Message]]] = {}
 
     # ---- the loop --------------------------------------------------------
@@ -152,7 +153,11 @@ class Interpreter:
         self.current = a
         self._start = time.perf_counter()  # moved on by _ready() once the input is there
         self.compute[a.kind](a)
-        self.step.events.append((a, self._start, time.perf_counter()))
+        end = time.perf_counter()
+        if self.slowdown != 1.0:  # emulated heterogeneity: sleep (f - 1) x the measured time (no CPU taken)
+            time.sleep((self.slowdown - 1.0) * (end - self._start))
+            end = time.perf_counter()
+        self.step.events.append((a, self._start, end))
 
     def _ready(self) -> None:
         self._start = time.perf_counter()
