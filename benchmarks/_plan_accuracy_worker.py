@@ -31,7 +31,7 @@ from stagewise.runtime.balance import profile_layers  # noqa: E402
 
 import stagewise as sw  # noqa: E402
 from gpt_model import Block, GPTConfig, Positions  # noqa: E402
-from stagewise.plan import Link, search  # noqa: E402
+from stagewise.planning import Link, search  # noqa: E402
 from stagewise.profile_data import LayerProfile  # noqa: E402
 from stagewise.runtime.model.layers import named_layers  # noqa: E402
 

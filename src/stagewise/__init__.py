@@ -15,7 +15,7 @@ from .costs import CostModel
 from .parallel import ParallelConfig
 from .partition import Partition, partition_costs
 from .passes import add_communication, add_grad_sync, add_optimizer_steps, forward_only, lower, split_backward
-from .plan import Plan, plan
+from .planning import Calibration, Link, Plan, plan
 from .render import render_ascii, render_png, render_trace
 from .schedule import Schedule, loop_placement, v_placement
 from .schedules import generate, schedule_info, schedule_names
@@ -112,6 +112,8 @@ __all__ = [
     "aux_loss",
     "collect_aux_losses",
     "Partition",
+    "Calibration",
+    "Link",
     "Plan",
     "plan",
     "pipeline_from_plan",
