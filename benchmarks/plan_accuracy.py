@@ -53,7 +53,12 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--plans", type=int, default=7)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--json", type=Path, default=None, help="also write the raw report here")
+    parser.add_argument("--show", type=Path, default=None, help="print a saved report instead of running")
     args = parser.parse_args()
+    if args.show is not None:
+        show(json.loads(args.show.read_text()), args.ranks, None)
+        return
     load = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "report.json"
@@ -62,15 +67,22 @@ def main() -> None:
         cmd += ["--steps", str(args.steps)]
         subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
         report = json.loads(out.read_text())
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=1))
+    show(report, args.ranks, load)
+
+
+def show(report: dict, ranks: int, load: tuple[float, float, float] | None) -> None:
+    """Print the report: the calibration, then per model predicted vs measured, errors and rank correlations."""
     cal = report["calibration"]
     lat, bw = cal["intra"]
     print(
-        f"{args.ranks} ranks on {report['cores']} cores, load average {load[0]:.1f} (before) / "
-        f"{os.getloadavg()[0]:.1f} (after)"
+        f"{ranks} ranks on {report['cores']} cores, load average "
+        f"{'?' if load is None else f'{load[0]:.1f}'} (before) / {os.getloadavg()[0]:.1f} (after)"
     )
     print(
         f"calibration: link latency {lat * 1e6:.0f} us, bandwidth {bw / 1e6:.0f} MB/s; "
-        f"{cal['action'] * 1e3:.2f} ms per action;"
+        f"{cal['action'] * 1e3:.2f} ms per action, {cal['step'] * 1e3:.2f} ms per step;"
     )
     print(
         f"  FSDP2 {cal['sharding_fixed'] * 1e3:.2f} ms per unit + {cal['sharding_per_byte'] * 1e9:.2f} ns per byte "

@@ -114,3 +114,10 @@ def test_bad_plan_options_name_the_option() -> None:
         search(profile, 2, global_batch=2, core=2)  # type: ignore[typeddict-unknown-key]
     with pytest.raises(TypeError, match="global_batch"):
         sw.plan(profile, 2)  # type: ignore[call-arg]
+
+
+def test_the_cost_per_step_is_paid_once_per_step() -> None:
+    profile = _profile(4)
+    bare = {p.describe(): p.step_time for p in _only(profile, 4)}
+    for p in _only(profile, 4, calibration=Calibration(step=0.5)):
+        assert p.step_time == pytest.approx(bare[p.describe()] + 0.5, rel=1e-12)

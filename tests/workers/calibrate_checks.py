@@ -76,5 +76,22 @@ def across_nodes(ctx: Ctx) -> dict[str, Any]:
     return {"inter": [inter.latency, inter.bandwidth]}
 
 
+def sharded_meter(ctx: Ctx) -> dict[str, Any]:
+    """measure_memory on an FSDP2 layout counts the same activations as the unsharded layout (no parameters)."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    layers = [sw.Layer(nn.Linear, 8, 16), sw.Layer(nn.ReLU), sw.Layer(nn.Linear, 16, 3)]
+    x, y = torch.randn(8, 8, generator=torch.Generator().manual_seed(0)), torch.arange(8) % 3
+    peaks = {}
+    for name, config in (("dp", sw.ParallelConfig(dp=ctx.world)), ("sharding", sw.ParallelConfig(sharding=ctx.world))):
+        pipe = sw.Pipeline(layers, loss_fn=F.cross_entropy, microbatches=2, parallel=config, measure_memory=True)
+        pipe.train_step(*pipe.local_batch(x, y))
+        peaks[name] = pipe.memory_report()["peak_bytes"]
+    assert peaks["sharding"] == peaks["dp"] > 0, peaks
+    return peaks
+
+
 def checks(world: int) -> dict[str, Callable[[Ctx], Any]]:
-    return {"calibrated": calibrated, "across_nodes": across_nodes}
+    return {"calibrated": calibrated, "across_nodes": across_nodes, "sharded_meter": sharded_meter}

@@ -20,21 +20,24 @@ class Calibration:
     measured; the plan's own ``intra=`` / ``inter=`` win). ``action``: seconds the runtime spends per
     stage compute action (F, and B or the I + W pair) beyond the layers' own time. ``message``:
     seconds of a rank's time per point-to-point message it posts or receives (0 when the link
-    latency already holds it). ``sharding_fixed`` + ``sharding_per_byte`` x bytes: seconds one
-    FSDP2 unit (a layer with parameters) costs per step for its gather and reduce-scatter, measured
-    on ``sharding_group`` ranks (None: the ring model of :mod:`.comm`).
+    latency already holds it). ``step``: seconds per training step outside the schedule's actions
+    (splitting the batch, the loss reduction, the step's bookkeeping). ``sharding_fixed`` +
+    ``sharding_per_byte`` x bytes: seconds one FSDP2 unit (a layer with parameters) costs per step
+    for its gather and reduce-scatter, measured on ``sharding_group`` ranks (None: the ring model
+    of :mod:`.comm`).
     """
 
     intra: Link | None = None
     inter: Link | None = None
     action: float = 0.0
     message: float = 0.0
+    step: float = 0.0
     sharding_fixed: float | None = None
     sharding_per_byte: float | None = None
     sharding_group: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("action", "message"):
+        for name in ("action", "message", "step"):
             value = getattr(self, name)
             if not 0 <= value < math.inf:
                 raise ValueError(f"Calibration.{name} must be seconds >= 0, got {value!r}")
@@ -71,6 +74,7 @@ class Calibration:
             "inter": link(self.inter),
             "action": self.action,
             "message": self.message,
+            "step": self.step,
             "sharding_fixed": self.sharding_fixed,
             "sharding_per_byte": self.sharding_per_byte,
             "sharding_group": self.sharding_group,

@@ -41,10 +41,12 @@ activations to the rank's peak.
   ring model, or when calibrated ``units_s * fixed + bytes_s * per_byte`` (scaled to the group).
 * **Oversubscription** (``cores`` per node given, fewer than the node's processes): processes
   share cores, so a node cannot finish faster than its CPU work allows:
-  ``T = max(T_sim, max_node sum_{ranks r on it} busy_r / cores)`` with ``busy_r`` a rank's
+  ``T = max(T_sim, max_node sum_{ranks r on it} busy_r / cores) + step`` with ``busy_r`` a rank's
   compute (F + I + W of its stages, times m). For a pipeline with no bubble this is the
   ``processes / cores`` stretch of every compute; in the fill and drain fewer ranks run, which
-  the max credits (ranks waiting on a message sleep: the transports do not spin).
+  the max credits (ranks waiting on a message sleep: the transports do not spin). ``step``
+  (:class:`~stagewise.planning.Calibration`) is the runtime's measured cost per step outside
+  the schedule's actions (0 unless calibrated), paid once per step whatever the layout.
 
 """
 

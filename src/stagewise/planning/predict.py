@@ -59,9 +59,11 @@ def cpu_bound(busy: Sequence[float], processes: int, per_node: int, cores: int |
     return worst / cores
 
 
-def evaluate(c: Candidate, memory: list[RankMemory], processes: int, per_node: int, cores: int | None) -> Plan:
-    """Simulate a candidate that fits memory into a plan (its step at least the CPU bound, see
-    :mod:`stagewise.planning.costing`)."""
+def evaluate(
+    c: Candidate, memory: list[RankMemory], processes: int, per_node: int, cores: int | None, fixed: float = 0.0
+) -> Plan:
+    """Simulate a candidate that fits memory into a plan (its step at least the CPU bound, plus ``fixed`` seconds
+    per step; see :mod:`stagewise.planning.costing`)."""
     config = c.layout.config
     sim, simulated, _ = simulate_candidate(c)
     placement = placement_of(c.schedule, config.pp, c.v)
@@ -72,7 +74,7 @@ def evaluate(c: Candidate, memory: list[RankMemory], processes: int, per_node: i
         tp_comm[r] += c.m * c.costs.tp_comm[s]
     busiest = max(range(config.pp), key=lambda r: busy[r])
     cpu = cpu_bound(busy, processes, per_node, cores)
-    step = max(simulated, cpu)
+    step = max(simulated, cpu) + fixed
     return Plan(
         layout=config,
         schedule=c.schedule,

@@ -236,7 +236,7 @@ class _Search:
                 self.miss(item.describe(), memory, True, item)
                 continue
             simulated += 1
-            result = evaluate(item, memory, prob.processes, prob.per_node, prob.cores)
+            result = evaluate(item, memory, prob.processes, prob.per_node, prob.cores, prob.calibration.step)
             plans.append(result)
             heapq.heappush(best, -result.step_time)
             if len(best) > prob.top:

@@ -5,10 +5,11 @@ its other collectives. It measures, each step bounded by ``timeout``:
 
 * the links (:func:`stagewise.runtime.comm.probe.measure_links`): a ping-pong
   inside a node and, given ``nodes > 1``, across two nodes;
-* the runtime's own seconds per stage action: ranks 0 and 1 run a pipeline of
-  two ``Linear(1, 1)`` stages (1F1B, 8 one-sample micro-batches, nothing to
-  compute), and the simulator, with the measured link and a cost ``o`` per F
-  and per B, is solved for the measured step (it is affine in ``o``);
+* the runtime's own seconds per stage action and per step: ranks 0 and 1 run a
+  pipeline of two ``Linear(1, 1)`` stages (1F1B, nothing to compute) with 2 and
+  with 8 one-sample micro-batches; the simulator, with the measured link, a
+  cost ``o`` per F and per B and ``c`` per step, is affine in both, so the two
+  measured steps give ``o`` and ``c``;
 * FSDP2's cost per unit and per parameter byte over all ranks
   (:mod:`stagewise.runtime.hybrid.probe_sharding`), unless ``sharding=False``.
 
@@ -35,7 +36,7 @@ from ..simulate import simulate
 from .comm.groups import global_rank, group_size, new_subgroup, require_initialized
 from .comm.probe import measure_links, slowest
 
-_M = 8  # micro-batches of the trivial pipeline
+_MS = (2, 8)  # micro-batch counts of the trivial pipelines
 
 
 def calibrate(nodes: int = 1, *, sharding: bool = True, timeout: float = 60.0) -> Calibration:
@@ -46,8 +47,8 @@ def calibrate(nodes: int = 1, *, sharding: bool = True, timeout: float = 60.0) -
     intra, inter = measure_links(nodes, timeout=timeout)
     world = group_size(None)
     link = intra or inter or Link()
-    action = action_cost(link, timeout=timeout) if world >= 2 else 0.0
-    cal = Calibration(intra=intra, inter=inter, action=action)
+    action, step = action_cost(link, timeout=timeout) if world >= 2 else (0.0, 0.0)
+    cal = Calibration(intra=intra, inter=inter, action=action, step=step)
     if sharding and world >= 2:
         from .hybrid.probe_sharding import sharding_costs
 
@@ -56,39 +57,52 @@ def calibrate(nodes: int = 1, *, sharding: bool = True, timeout: float = 60.0) -
     return cal
 
 
-def action_cost(link: Link, *, steps: int = 10, timeout: float = 60.0) -> float:
-    """Seconds per stage action beyond compute and transfers, from a two-rank pipeline of trivial layers."""
+def action_cost(link: Link, *, steps: int = 10, timeout: float = 60.0) -> tuple[float, float]:
+    """``(seconds per stage action, seconds per step)`` beyond compute and transfers, from two-rank pipelines of
+    trivial layers at two micro-batch counts."""
+    deadline = time.monotonic() + timeout
+    measured = {m: slowest(_trivial_step(m, steps, timeout), deadline) for m in _MS}
+    resid, unit = {}, {}
+    for m in _MS:
+        base, one = _span(m, 0.0, link), _span(m, 1.0, link)
+        resid[m], unit[m] = measured[m] - base, one - base
+    lo, hi = _MS
+    action = max(0.0, (resid[hi] - resid[lo]) / (unit[hi] - unit[lo]))
+    step = max(0.0, statistics.mean(resid[m] - action * unit[m] for m in _MS))
+    return action, step
+
+
+def _span(m: int, o: float, link: Link) -> float:
+    """The simulated 1F1B step of two stages, ``m`` micro-batches, cost ``o`` per F and per B, on ``link``."""
+    costs = CostModel.uniform(2, forward=o, backward_input=o / 2, backward_weight=o / 2, output_bytes=4)
+    return simulate(
+        generate("1f1b", 2, m, None), replace(costs, latency=link.latency, bandwidth=link.bandwidth)
+    ).makespan
+
+
+def _trivial_step(m: int, steps: int, timeout: float) -> float:
+    """Ranks 0 and 1: the median step of 1F1B over two Linear(1, 1) stages and ``m`` micro-batches; others 0."""
     from .pipeline import Pipeline
 
-    deadline = time.monotonic() + timeout
     member = global_rank() < 2
     group = new_subgroup([0, 1], member)
-    elapsed = 0.0
-    if member:
-        pipe = Pipeline(
-            [nn.Linear(1, 1), nn.Linear(1, 1)],
-            loss_fn=F.mse_loss,
-            schedule="1f1b",
-            microbatches=_M,
-            partition=[1, 1],
-            group=group,
-            seed=0,
-            timeout=timeout,
-        )
-        x, y = torch.randn(_M, 1), torch.randn(_M, 1)
-        times = []
-        for step in range(steps + 2):
-            started = time.perf_counter()
-            pipe.train_step(x, y)
-            if step >= 2:  # warm-up
-                times.append(time.perf_counter() - started)
-        elapsed = statistics.median(times)
-    measured = slowest(elapsed, deadline)
-    schedule = generate("1f1b", 2, _M, None)
-
-    def span(o: float) -> float:
-        costs = CostModel.uniform(2, forward=o, backward_input=o / 2, backward_weight=o / 2, output_bytes=4)
-        return simulate(schedule, replace(costs, latency=link.latency, bandwidth=link.bandwidth)).makespan
-
-    base, unit = span(0.0), span(1.0) - span(0.0)
-    return max(0.0, (measured - base) / unit)
+    if not member:
+        return 0.0
+    pipe = Pipeline(
+        [nn.Linear(1, 1), nn.Linear(1, 1)],
+        loss_fn=F.mse_loss,
+        schedule="1f1b",
+        microbatches=m,
+        partition=[1, 1],
+        group=group,
+        seed=0,
+        timeout=timeout,
+    )
+    x, y = torch.randn(m, 1), torch.randn(m, 1)
+    times = []
+    for step in range(steps + 2):
+        started = time.perf_counter()
+        pipe.train_step(x, y)
+        if step >= 2:  # warm-up
+            times.append(time.perf_counter() - started)
+    return statistics.median(times)
