@@ -150,7 +150,7 @@ def main() -> None:
     env = sw.init(backend="gloo")
     rank, world = env.rank, env.world_size
     cal = sw.calibrate(timeout=120)
-    cores = os.cpu_count() or 1
+    cores = cal.cores  # measured: what the processes get together (os.cpu_count() is the nominal count)
     report: dict[str, Any] = {"world": world, "cores": cores, "calibration": cal.to_dict(), "models": {}}
     for model, (make, _, data, batch, b0) in MODELS.items():
         x, _ = data(2 * b0, 99)

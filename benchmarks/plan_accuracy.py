@@ -77,7 +77,7 @@ def show(report: dict, ranks: int, load: tuple[float, float, float] | None) -> N
     cal = report["calibration"]
     lat, bw = cal["intra"]
     print(
-        f"{ranks} ranks on {report['cores']} cores, load average "
+        f"{ranks} ranks on {report['cores']:.2f} effective cores (2 nominal), load average "
         f"{'?' if load is None else f'{load[0]:.1f}'} (before) / {os.getloadavg()[0]:.1f} (after)"
     )
     print(

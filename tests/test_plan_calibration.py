@@ -121,3 +121,13 @@ def test_the_cost_per_step_is_paid_once_per_step() -> None:
     bare = {p.describe(): p.step_time for p in _only(profile, 4)}
     for p in _only(profile, 4, calibration=Calibration(step=0.5)):
         assert p.step_time == pytest.approx(bare[p.describe()] + 0.5, rel=1e-12)
+
+
+def test_measured_cores_apply_unless_the_plan_gives_its_own() -> None:
+    profile = _profile(4, t=0.25)
+    measured = _find(_only(profile, 4, calibration=Calibration(cores=1.5)), 1, 1)
+    assert measured.step_time == pytest.approx(4 * 3.0 / 1.5, rel=1e-12)
+    own = _find(_only(profile, 4, calibration=Calibration(cores=1.5), cores=4), 1, 1)
+    assert own.step_time == pytest.approx(3.0, rel=1e-12)
+    with pytest.raises(ValueError, match="Calibration.cores"):
+        Calibration(cores=0.0)

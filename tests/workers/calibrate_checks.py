@@ -36,7 +36,8 @@ def calibrated(ctx: Ctx) -> dict[str, Any]:
     cal = sw.calibrate(timeout=60)
     assert cal.intra is not None and cal.inter is None, cal
     assert _usable(cal.intra.latency) and _usable(cal.intra.bandwidth), cal.intra
-    assert 0 <= cal.action < math.inf and cal.message == 0, cal
+    assert 0 <= cal.action < math.inf and 0 <= cal.step < math.inf and cal.message == 0, cal
+    assert cal.cores is not None and _usable(cal.cores), cal
     assert cal.sharding_fixed is not None and cal.sharding_per_byte is not None and cal.sharding_group == ctx.world
     assert 0 <= cal.sharding_fixed < math.inf and 0 <= cal.sharding_per_byte < math.inf, cal
     assert cal.sharding_fixed + cal.sharding_per_byte > 0, cal

@@ -61,7 +61,7 @@ class PlanOptions(TypedDict, total=False):
     overhead: float | Sequence[float]  # [0]
     action_overhead: float  # [0]
     calibration: Calibration | None  # [None]
-    cores: int | None  # [None: a core per process]
+    cores: float | None  # [the calibration's, else None: a core per process]
     top: int  # [5]
 
 

@@ -21,7 +21,8 @@ class Calibration:
     stage compute action (F, and B or the I + W pair) beyond the layers' own time. ``message``:
     seconds of a rank's time per point-to-point message it posts or receives (0 when the link
     latency already holds it). ``step``: seconds per training step outside the schedule's actions
-    (splitting the batch, the loss reduction, the step's bookkeeping). ``sharding_fixed`` +
+    (splitting the batch, the loss reduction, the step's bookkeeping). ``cores``: the cores a
+    node's processes effectively share, measured (used when the plan gives no ``cores=``). ``sharding_fixed`` +
     ``sharding_per_byte`` x bytes: seconds one FSDP2 unit (a layer with parameters) costs per step
     for its gather and reduce-scatter, measured on ``sharding_group`` ranks (None: the ring model
     of :mod:`.comm`).
@@ -32,6 +33,7 @@ class Calibration:
     action: float = 0.0
     message: float = 0.0
     step: float = 0.0
+    cores: float | None = None
     sharding_fixed: float | None = None
     sharding_per_byte: float | None = None
     sharding_group: int = 0
@@ -41,6 +43,8 @@ class Calibration:
             value = getattr(self, name)
             if not 0 <= value < math.inf:
                 raise ValueError(f"Calibration.{name} must be seconds >= 0, got {value!r}")
+        if self.cores is not None and not 0 < self.cores < math.inf:
+            raise ValueError(f"Calibration.cores must be > 0 (cores per node), got {self.cores!r}")
         measured = (self.sharding_fixed, self.sharding_per_byte)
         if (measured[0] is None) != (measured[1] is None):
             raise ValueError("Calibration: give sharding_fixed and sharding_per_byte together, or neither")
@@ -75,6 +79,7 @@ class Calibration:
             "action": self.action,
             "message": self.message,
             "step": self.step,
+            "cores": self.cores,
             "sharding_fixed": self.sharding_fixed,
             "sharding_per_byte": self.sharding_per_byte,
             "sharding_group": self.sharding_group,

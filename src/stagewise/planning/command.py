@@ -52,7 +52,7 @@ def add_plan_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "--action-overhead", type=float, default=0.0, metavar="S", help="runtime seconds per stage F and per B"
     )
     parser.add_argument(
-        "--cores", type=int, default=None, metavar="N", help="cores per node, when fewer than its processes"
+        "--cores", type=float, default=None, metavar="N", help="cores per node, when fewer than its processes"
     )
     parser.add_argument("--top", type=int, default=5, metavar="K", help="plans to keep (default 5)")
     parser.add_argument("--json", metavar="PATH", help="write the plans and the search summary as JSON")

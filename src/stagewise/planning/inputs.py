@@ -35,7 +35,7 @@ class Problem:
     action_overhead: float  # per stage action (F, and B = I + W): the argument plus the calibration's
     message: float  # per point-to-point message, charged to the action that posts or receives it
     calibration: Calibration
-    cores: int | None  # per node; None: a core (or device) per process
+    cores: float | None  # per node; None: a core (or device) per process
     top: int
 
 
@@ -59,7 +59,7 @@ def make_problem(
     overhead: float | Sequence[float] = 0.0,
     action_overhead: float = 0.0,
     calibration: Calibration | None = None,
-    cores: int | None = None,
+    cores: float | None = None,
     top: int = 5,
 ) -> Problem:
     """Check every input, naming the option and the value expected."""
@@ -121,8 +121,11 @@ def make_problem(
     cal = Calibration() if calibration is None else calibration
     if not isinstance(cal, Calibration):
         raise ValueError(f"plan: calibration must be a Calibration (stagewise.calibrate()), got {type(cal).__name__}")
-    if cores is not None and (isinstance(cores, bool) or not isinstance(cores, int) or cores < 1):
-        raise ValueError(f"plan: cores must be a positive int (cores per node) or None, got {cores!r}")
+    cores = cal.cores if cores is None else cores
+    if cores is not None and (
+        isinstance(cores, bool) or not isinstance(cores, (int, float)) or not 0 < cores < math.inf
+    ):
+        raise ValueError(f"plan: cores must be a number > 0 (cores per node) or None, got {cores!r}")
     intra = intra if intra is not None else cal.intra if cal.intra is not None else Link()
     inter = inter if inter is not None else cal.inter
     return Problem(

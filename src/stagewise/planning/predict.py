@@ -43,7 +43,7 @@ def simulate_candidate(c: Candidate) -> tuple[SimResult, float, list[float]]:
     return sim, max(ends), ends
 
 
-def cpu_bound(busy: Sequence[float], processes: int, per_node: int, cores: int | None) -> float:
+def cpu_bound(busy: Sequence[float], processes: int, per_node: int, cores: float | None) -> float:
     """The busiest node's compute over its cores: no step is shorter when processes outnumber cores.
 
     ``busy`` per pipeline rank (every replica and tp rank of it alike); ranks are packed onto
@@ -60,7 +60,7 @@ def cpu_bound(busy: Sequence[float], processes: int, per_node: int, cores: int |
 
 
 def evaluate(
-    c: Candidate, memory: list[RankMemory], processes: int, per_node: int, cores: int | None, fixed: float = 0.0
+    c: Candidate, memory: list[RankMemory], processes: int, per_node: int, cores: float | None, fixed: float = 0.0
 ) -> Plan:
     """Simulate a candidate that fits memory into a plan (its step at least the CPU bound, plus ``fixed`` seconds
     per step; see :mod:`stagewise.planning.costing`)."""

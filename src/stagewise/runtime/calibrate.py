@@ -10,6 +10,10 @@ its other collectives. It measures, each step bounded by ``timeout``:
   with 8 one-sample micro-batches; the simulator, with the measured link, a
   cost ``o`` per F and per B and ``c`` per step, is affine in both, so the two
   measured steps give ``o`` and ``c``;
+* the cores a node's processes effectively share: a fixed matrix-multiply loop
+  timed on rank 0 alone, then on every rank at once; ``per_node * alone / together``
+  (the CPU bound of :mod:`stagewise.planning.costing` with what the machine
+  gives, other jobs included, rather than its nominal core count);
 * FSDP2's cost per unit and per parameter byte over all ranks
   (:mod:`stagewise.runtime.hybrid.probe_sharding`), unless ``sharding=False``.
 
@@ -48,7 +52,8 @@ def calibrate(nodes: int = 1, *, sharding: bool = True, timeout: float = 60.0) -
     world = group_size(None)
     link = intra or inter or Link()
     action, step = action_cost(link, timeout=timeout) if world >= 2 else (0.0, 0.0)
-    cal = Calibration(intra=intra, inter=inter, action=action, step=step)
+    cores = effective_cores(world // nodes, timeout=timeout)
+    cal = Calibration(intra=intra, inter=inter, action=action, step=step, cores=cores)
     if sharding and world >= 2:
         from .hybrid.probe_sharding import sharding_costs
 
@@ -70,6 +75,23 @@ def action_cost(link: Link, *, steps: int = 10, timeout: float = 60.0) -> tuple[
     action = max(0.0, (resid[hi] - resid[lo]) / (unit[hi] - unit[lo]))
     step = max(0.0, statistics.mean(resid[m] - action * unit[m] for m in _MS))
     return action, step
+
+
+def effective_cores(per_node: int, *, rounds: int = 3, timeout: float = 60.0) -> float:
+    """How many cores this node's ``per_node`` processes get together: ``per_node * t_alone / t_together``."""
+    deadline = time.monotonic() + timeout
+    a = torch.randn(128, 128, dtype=torch.float64)
+
+    def work() -> float:
+        started = time.perf_counter()
+        for _ in range(40):
+            a @ a
+        return time.perf_counter() - started
+
+    alone = statistics.median(work() for _ in range(rounds)) if global_rank() == 0 else 0.0
+    alone = slowest(alone, deadline)  # (also the barrier before everyone starts)
+    together = slowest(statistics.median(work() for _ in range(rounds)), deadline)
+    return max(per_node * alone / together, 1e-3) if together > 0 else float(per_node)
 
 
 def _span(m: int, o: float, link: Link) -> float:
