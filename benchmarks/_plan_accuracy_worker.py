@@ -1,11 +1,13 @@
 """One rank of ``plan_accuracy.py``: profile, measure the link, plan, run chosen plans, time them.
 
-Every rank profiles the layers at micro-batch sizes b and 2b at the same
-time (so the profile sees the contention the runs will), the median over the
-ranks is taken, and the two sizes give each layer a fixed part and a part
-linear in the batch. Ranks 0 and 1 measure the gloo link with a ping-pong.
-Each rank then plans alike, runs the chosen plans (warm-up, then timed steps:
-a step's time is the slowest rank's, from a barrier), and rank 0 writes JSON.
+Rank 0 profiles the layers at micro-batch sizes b and 2b alone (the others
+wait), and the two sizes give each layer a fixed part and a part linear in
+the batch. ``sw.calibrate()`` measures the link, the runtime's cost per action
+and FSDP2's cost per unit on the group. Each rank then plans alike twice - with
+the calibration and ``cores`` = this machine's CPUs, and bare (profile and
+link only) - runs the plans chosen from the calibrated ranking (warm-up, then
+timed steps: a step's time is the slowest rank's, from a barrier), and rank 0
+writes JSON with both predictions.
 """
 
 from __future__ import annotations
@@ -27,12 +29,11 @@ from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 
-from stagewise.runtime.balance import profile_layers  # noqa: E402
-
 import stagewise as sw  # noqa: E402
 from gpt_model import Block, GPTConfig, Positions  # noqa: E402
-from stagewise.plan import Link, search  # noqa: E402
+from stagewise.planning import search  # noqa: E402
 from stagewise.profile_data import LayerProfile  # noqa: E402
+from stagewise.runtime.model.balance import profile_layers  # noqa: E402
 from stagewise.runtime.model.layers import named_layers  # noqa: E402
 
 GPT = GPTConfig(vocab_size=256, seq_len=64, d_model=64, n_heads=4, n_layers=6)
@@ -80,17 +81,11 @@ MODELS: dict[str, Any] = {
 }
 
 
-def median_profile(layers: list[sw.Layer], sample: Any, world: int) -> LayerProfile:
-    mine = profile_layers(named_layers(layers), sample, seed=0, repeats=7, warmup=2)
-    every: list[Any] = [None] * world
-    dist.all_gather_object(every, mine.to_json())
-    profiles = [LayerProfile.from_json(text) for text in every]
-    costs = []
-    for k, layer in enumerate(mine.layers):
-        fields = ("forward", "backward_input", "backward_weight", "backward")
-        med = {f: statistics.median(getattr(p.layers[k], f) for p in profiles) for f in fields}
-        costs.append(replace(layer, **med))
-    return replace(mine, layers=tuple(costs))
+def alone_profile(layers: list[sw.Layer], sample: Any, rank: int) -> LayerProfile:
+    """Rank 0 profiles while the others wait (a core to itself: the planner's ``cores`` models the sharing)."""
+    text = [profile_layers(named_layers(layers), sample, seed=0, repeats=7, warmup=2).to_json() if rank == 0 else None]
+    dist.broadcast_object_list(text, 0)
+    return LayerProfile.from_json(text[0])  # type: ignore[arg-type]
 
 
 def affine(small: LayerProfile, big: LayerProfile) -> tuple[LayerProfile, list[float]]:
@@ -113,64 +108,6 @@ def affine(small: LayerProfile, big: LayerProfile) -> tuple[LayerProfile, list[f
     return replace(small, layers=tuple(linear)), fixed
 
 
-def ping_pong(rank: int) -> Link:
-    """Latency and bandwidth between ranks 0 and 1 (median of 20 round trips at 8 B and 4 MiB)."""
-    times = {}
-    for n in (2, 1 << 20):
-        buf = torch.zeros(n)
-        rounds = []
-        for _ in range(20):
-            dist.barrier()
-            t = time.perf_counter()
-            if rank == 0:
-                dist.send(buf, 1)
-                dist.recv(buf, 1)
-            elif rank == 1:
-                dist.recv(buf, 0)
-                dist.send(buf, 0)
-            rounds.append((time.perf_counter() - t) / 2)
-        times[n * 4] = statistics.median(rounds)
-    link = [None]
-    if rank == 0:
-        small, big = times[8], times[4 << 20]
-        link = [(small, (4 << 20) / max(big - small, 1e-9))]
-    dist.broadcast_object_list(link, 0)
-    lat, bw = link[0]  # type: ignore[misc]
-    return Link(lat, bw)
-
-
-def action_cost(link: Link, rank: int, world: int) -> float:
-    """The runtime's own seconds per stage action, from timing a pipeline of trivial layers.
-
-    Four 1x1 linear layers, one per rank, 1F1B over 8 micro-batches of one sample: compute is
-    nil, so the step is transfers plus per-action costs. The simulator with forward = o and
-    backward = o (and the measured link) is affine in o; solve it for the measured median.
-    """
-    m = 8
-    layers = [sw.Layer(nn.Linear, 1, 1) for _ in range(world)]
-    pipe = sw.Pipeline(layers, loss_fn=F.mse_loss, schedule="1f1b", microbatches=m, partition=[1] * world, seed=0)
-    x, y = torch.randn(m, 1), torch.randn(m, 1)
-    times = []
-    for step in range(12):
-        dist.barrier()
-        t = time.perf_counter()
-        pipe.train_step(x, y)
-        elapsed = torch.tensor([time.perf_counter() - t])
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        if step >= 2:
-            times.append(float(elapsed))
-    measured = statistics.median(times)
-    schedule = sw.build_schedule("1f1b", world, m)
-
-    def span(o: float) -> float:
-        costs = sw.CostModel.uniform(world, forward=o, backward_input=o / 2, backward_weight=o / 2, output_bytes=4)
-        costs = replace(costs, latency=link.latency, bandwidth=link.bandwidth)
-        return sw.simulate(schedule, costs).makespan
-
-    base, unit = span(0.0), span(1.0) - span(0.0)
-    return max(0.0, (measured - base) / unit)
-
-
 def choose(plans: list[sw.Plan], count: int) -> list[tuple[int, sw.Plan]]:
     """The top 3, then ``count - 3`` spread over the rest down to the worst."""
     picks = list(range(min(3, len(plans))))
@@ -182,10 +119,9 @@ def choose(plans: list[sw.Plan], count: int) -> list[tuple[int, sw.Plan]]:
 
 
 def time_plan(plan: sw.Plan, model: str, steps: int, rank: int) -> dict[str, Any]:
+    """Median step time without the activation meter (its hooks cost time), then one metered step for the peak."""
     make, loss_fn, data, batch, _ = MODELS[model]
-    # the activation meter cannot read FSDP2's sharded parameters (runtime/memory.py): no measurement there
-    meter = plan.layout.sharding == 1
-    pipe = sw.pipeline_from_plan(plan, make(), loss_fn=loss_fn, seed=0, measure_memory=meter, timeout=120)
+    pipe = sw.pipeline_from_plan(plan, make(), loss_fn=loss_fn, seed=0, timeout=120)
     times = []
     for step in range(2 + steps):
         x, y = data(batch, step)
@@ -197,10 +133,11 @@ def time_plan(plan: sw.Plan, model: str, steps: int, rank: int) -> dict[str, Any
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         if step >= 2:
             times.append(float(elapsed))
-    peak = torch.tensor([float(pipe.memory_report()["peak_bytes"]) if meter else -1.0])
+    metered = sw.pipeline_from_plan(plan, make(), loss_fn=loss_fn, seed=0, measure_memory=True, timeout=120)
+    metered.train_step(*metered.local_batch(*data(batch, 0)))
+    peak = torch.tensor([float(metered.memory_report()["peak_bytes"])])
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    measured = float(peak) if meter else None
-    return {"measured": statistics.median(times), "runs": len(times), "measured_activations": measured}
+    return {"measured": statistics.median(times), "runs": len(times), "measured_activations": float(peak)}
 
 
 def main() -> None:
@@ -208,40 +145,26 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--plans", type=int, default=7)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument(
-        "--action-overhead", action="store_true", help="measure and model the runtime's per-action cost"
-    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     env = sw.init(backend="gloo")
     rank, world = env.rank, env.world_size
-    link = ping_pong(rank)
-    per_action = action_cost(link, rank, world) if args.action_overhead else 0.0
-    report: dict[str, Any] = {
-        "world": world,
-        "link": [link.latency, link.bandwidth],
-        "action_overhead": per_action,
-        "models": {},
-    }
+    cal = sw.calibrate(timeout=120)
+    cores = cal.cores  # measured: what the processes get together (os.cpu_count() is the nominal count)
+    report: dict[str, Any] = {"world": world, "cores": cores, "calibration": cal.to_dict(), "models": {}}
     for model, (make, _, data, batch, b0) in MODELS.items():
         x, _ = data(2 * b0, 99)
-        small = median_profile(make(), x[:b0], world)
-        big = median_profile(make(), x, world)
+        small = alone_profile(make(), x[:b0], rank)
+        big = alone_profile(make(), x, rank)
         linear, fixed = affine(small, big)
-        found = search(
-            linear,
-            world,
-            global_batch=batch,
-            profile_batch=b0,
-            overhead=fixed,
-            action_overhead=per_action,
-            intra=link,
-            optimizer_state=0,
-            top=400,
-        )
+        common: dict[str, Any] = {"global_batch": batch, "profile_batch": b0, "overhead": fixed, "optimizer_state": 0}
+        found = search(linear, world, calibration=cal, cores=cores, top=400, **common)
+        bare = {p.describe(): p for p in search(linear, world, intra=cal.intra, top=100_000, **common).plans}
         rows = []
         for k, plan in choose(list(found.plans), args.plans):
             row = {"rank": k + 1, "plan": plan.describe(), "predicted": plan.step_time}
+            row["bare"] = bare[plan.describe()].step_time if plan.describe() in bare else None
+            row["cpu_bound"] = plan.breakdown["cpu_bound"] >= plan.breakdown["simulated"]
             row["predicted_activations"] = max(m.activations for m in plan.memory)
             row.update(time_plan(plan, model, args.steps, rank))
             rows.append(row)

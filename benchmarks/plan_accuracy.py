@@ -3,16 +3,19 @@
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/plan_accuracy.py [--ranks 4] [--plans 7] [--steps 5]
 
 For two models (the demo GPT, untied head; an MLP with 16-fold uneven
-widths) every rank profiles, the planner searches, and the top 3 plans plus
-a spread of poorer ones are run (median of --steps timed steps after 2
-warm-up steps). Prints predicted vs measured step time and peak activation
-bytes per plan, the mean absolute error and the Spearman rank correlation.
+widths) rank 0 profiles, ``sw.calibrate()`` measures the group, the planner
+searches (calibrated, with this machine's core count), and the top 3 plans
+plus a spread of poorer ones are run (median of --steps timed steps after 2
+warm-up steps). Prints predicted (calibrated, and bare: profile + link only)
+vs measured step time and peak activation bytes per plan, the mean absolute
+error and the Spearman rank correlation.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -50,42 +53,75 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--plans", type=int, default=7)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument(
-        "--action-overhead", action="store_true", help="time a trivial pipeline first and model that per-action cost"
-    )
+    parser.add_argument("--json", type=Path, default=None, help="also write the raw report here")
+    parser.add_argument("--show", type=Path, default=None, help="print a saved report instead of running")
     args = parser.parse_args()
+    if args.show is not None:
+        show(json.loads(args.show.read_text()), args.ranks, None)
+        return
     load = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "report.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}"]
         cmd += [str(HERE / "_plan_accuracy_worker.py"), "--out", str(out), "--plans", str(args.plans)]
-        cmd += ["--steps", str(args.steps)] + (["--action-overhead"] if args.action_overhead else [])
+        cmd += ["--steps", str(args.steps)]
         subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
         report = json.loads(out.read_text())
-    lat, bw = report["link"]
-    print(f"{args.ranks} ranks, load average {load[0]:.1f} (before) / {os.getloadavg()[0]:.1f} (after)")
-    print(f"measured link: latency {lat * 1e6:.0f} us, bandwidth {bw / 1e6:.0f} MB/s")
-    print(f"runtime cost per stage action: {report['action_overhead'] * 1e3:.2f} ms (0 unless --action-overhead)")
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=1))
+    show(report, args.ranks, load)
+
+
+def show(report: dict, ranks: int, load: tuple[float, float, float] | None) -> None:
+    """Print the report: the calibration, then per model predicted vs measured, errors and rank correlations."""
+    cal = report["calibration"]
+    lat, bw = cal["intra"]
+    print(
+        f"{ranks} ranks on {report['cores']:.2f} effective cores (2 nominal), load average "
+        f"{'?' if load is None else f'{load[0]:.1f}'} (before) / {os.getloadavg()[0]:.1f} (after)"
+    )
+    print(
+        f"calibration: link latency {lat * 1e6:.0f} us, bandwidth {bw / 1e6:.0f} MB/s; "
+        f"{cal['action'] * 1e3:.2f} ms per action, {cal['step'] * 1e3:.2f} ms per step;"
+    )
+    print(
+        f"  FSDP2 {cal['sharding_fixed'] * 1e3:.2f} ms per unit + {cal['sharding_per_byte'] * 1e9:.2f} ns per byte "
+        f"on {cal['sharding_group']} ranks"
+    )
     for model, data in report["models"].items():
         rows = data["rows"]
         runs = rows[0]["runs"]
         print(f"\n{model}: {data['candidates']} candidates, {data['simulated']} simulated; median of {runs} steps")
-        print(f"{'#':>3}  {'predicted s':>11}  {'measured s':>10}  {'err':>6}  {'act pred':>9}  {'act meas':>9}  plan")
-        errors, mem_errors = [], []
+        print(
+            f"{'#':>3}  {'predicted s':>11}  {'measured s':>10}  {'err':>6}  {'bare s':>8}  {'err':>6}  "
+            f"{'act pred':>9}  {'act meas':>9}  plan"
+        )
+        errors, bare_errors, mem_errors = [], [], []
         for r in rows:
             err = (r["predicted"] - r["measured"]) / r["measured"]
             errors.append(abs(err))
+            bare = r["bare"]
+            bare_err = (bare - r["measured"]) / r["measured"] if bare is not None else math.nan
+            bare_errors.append(abs(bare_err))
             meas = r["measured_activations"]
             if meas:
                 mem_errors.append(abs((r["predicted_activations"] - meas) / meas))
             shown = f"{meas / 1e6:>8.2f}M" if meas is not None else f"{'n/a':>9}"
             print(
                 f"{r['rank']:>3}  {r['predicted']:>11.4f}  {r['measured']:>10.4f}  {err:>+6.0%}  "
+                f"{bare if bare is not None else math.nan:>8.4f}  {bare_err:>+6.0%}  "
                 f"{r['predicted_activations'] / 1e6:>8.2f}M  {shown}  {r['plan']}"
+                f"{' [cpu bound]' if r['cpu_bound'] else ''}"
             )
         rho = spearman([r["predicted"] for r in rows], [r["measured"] for r in rows])
         mem = sum(mem_errors) / max(len(mem_errors), 1)
         print(f"step time: mean abs error {sum(errors) / len(errors):.0%}, Spearman {rho:.2f}")
+        ok = [(e, r) for e, r in zip(bare_errors, rows) if not math.isnan(e)]
+        rho_bare = spearman([r["bare"] for _, r in ok], [r["measured"] for _, r in ok])
+        print(
+            f"bare (profile + link only): mean abs error {sum(e for e, _ in ok) / max(len(ok), 1):.0%}, "
+            f"Spearman {rho_bare:.2f}"
+        )
         print(f"activation peak: mean abs error {mem:.0%} ({len(mem_errors)} measured)")
 
 

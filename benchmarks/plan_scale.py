@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 import time
 
-from stagewise.plan import Link, search
-from stagewise.plan.synthetic import transformer_profile
+from stagewise.planning import Link, search
+from stagewise.planning.synthetic import transformer_profile
 
 GIB = 2**30
 

@@ -10,9 +10,9 @@ import pytest
 
 import stagewise as sw
 from stagewise.costs import CostModel
-from stagewise.plan import Link, search
-from stagewise.plan.comm import crosses_nodes, ring_all_reduce, ring_reduce_scatter
-from stagewise.plan.synthetic import transformer_profile
+from stagewise.planning import Link, search
+from stagewise.planning.comm import crosses_nodes, ring_all_reduce, ring_reduce_scatter
+from stagewise.planning.synthetic import transformer_profile
 from stagewise.profile_data import LayerCost, LayerProfile
 from stagewise.schedules import generate, schedule_info, schedule_names
 

@@ -9,7 +9,7 @@ import pytest
 
 import stagewise as sw
 from stagewise.cli import main
-from stagewise.plan import Link
+from stagewise.planning import Link
 from stagewise.profile_data import LayerCost, LayerProfile
 
 

@@ -15,7 +15,7 @@ from .costs import CostModel
 from .parallel import ParallelConfig
 from .partition import Partition, partition_costs
 from .passes import add_communication, add_grad_sync, add_optimizer_steps, forward_only, lower, split_backward
-from .plan import Plan, plan
+from .planning import Calibration, Link, Plan, plan
 from .render import render_ascii, render_png, render_trace
 from .schedule import Schedule, loop_placement, v_placement
 from .schedules import generate, schedule_info, schedule_names
@@ -77,6 +77,7 @@ _LAZY = {
     "aux_loss": ".runtime.engine.aux",
     "collect_aux_losses": ".runtime.engine.aux",
     "pipeline_from_plan": ".runtime.from_plan",
+    "calibrate": ".runtime.calibrate",
     "async_reference": ".runtime.asynchronous.reference",
     "HetPipe": ".runtime.asynchronous.hetpipe",
     "wsp_reference": ".runtime.asynchronous.wsp_reference",
@@ -116,9 +117,12 @@ __all__ = [
     "aux_loss",
     "collect_aux_losses",
     "Partition",
+    "Calibration",
+    "Link",
     "Plan",
     "plan",
     "pipeline_from_plan",
+    "calibrate",
     "SimResult",
     "partition_costs",
     "render_ascii",

@@ -274,11 +274,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return torchrun(["--standalone", f"--nproc-per-node={args.nproc}", args.script, *script_args])
 
 
-# ---- stagewise plan (stagewise.plan.command) ----------------------------------------
+# ---- stagewise plan (stagewise.planning.command) ----------------------------------------
 
 
 def _add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from .plan.command import add_plan_command
+    from .planning.command import add_plan_command
 
     add_plan_command(sub)
 

@@ -1,10 +1,10 @@
-"""Run a plan: map a :class:`~stagewise.plan.Plan` to the ``Pipeline`` keywords that execute it."""
+"""Run a plan: map a :class:`~stagewise.Plan` to the ``Pipeline`` keywords that execute it."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from ..plan import Plan
+from ..planning import Plan
 from .pipeline import Pipeline
 
 

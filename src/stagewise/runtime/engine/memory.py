@@ -34,6 +34,15 @@ from ...actions import Kind
 Key = tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype]
 
 
+def _storage_ptr(p: torch.Tensor) -> int | None:
+    """Where a parameter's values live: a sharded (DTensor) parameter's local shard; None if it has no storage."""
+    local = p.to_local() if hasattr(p, "to_local") else p
+    try:
+        return int(local.untyped_storage().data_ptr())
+    except RuntimeError:  # e.g. a parameter FSDP2 has freed or not materialised
+        return None
+
+
 class _Held:
     __slots__ = ("key", "meter", "tensor")
 
@@ -48,7 +57,7 @@ class ActivationMeter:
     """Counts the bytes saved for backward during a step; ``where()`` names the running action (stage, micro-batch)."""
 
     def __init__(self, params: Iterable[torch.Tensor], where: Callable[[], Any]) -> None:
-        self.param_storages = {p.untyped_storage().data_ptr() for p in params}
+        self.param_storages = {ptr for p in params if (ptr := _storage_ptr(p)) is not None}
         self.where = where
         self.live: dict[Key, list[int]] = {}  # key -> [holders, bytes]
         self.current = 0
@@ -67,8 +76,8 @@ class ActivationMeter:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
 
     def _pack(self, t: torch.Tensor) -> Any:
-        if isinstance(t, torch.nn.Parameter) or t.device.type == "meta":
-            return t
+        if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter) or t.device.type == "meta":
+            return t  # a parameter, or a view of one (FSDP2 gathers whole parameters into fresh storage each step)
         ptr = t.untyped_storage().data_ptr()
         if ptr in self.param_storages or t.numel() == 0:
             return t

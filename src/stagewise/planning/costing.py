@@ -16,13 +16,38 @@ parameters and (approximately: Megatron without sequence parallelism keeps
 some replicated tensors) ``1/tp`` of its activations, and pays two all-reduces
 of its output per forward (the ``g`` operators) and two per backward (the
 ``f`` operators), costed as rings on the tp group's link
-(:mod:`stagewise.plan.comm`). Other layers run whole on every tp rank.
+(:mod:`stagewise.planning.comm`). Other layers run whole on every tp rank.
 
 **Recompute** ``"stage"``: a stage keeps only its input between a forward and
 its backward, and the backward (B, or I where it is split) runs the forward
 again first. While one micro-batch's backward runs, its recomputed
 internals are alive: the planner adds one micro-batch's full stage
 activations to the rank's peak.
+**The step time, as predicted** (one candidate; ``b`` samples per micro-batch,
+``sigma = b / profile_batch``; sums over a stage's layers ``l``):
+
+* ``F_s = sigma * sum f_l + T_s + c_s``, ``I_s = sigma * sum i_l + T_s + c_s / 2``,
+  ``W_s = sigma * sum w_l + c_s / 2`` (B = I + W where the schedule does not split it),
+  with ``T_s`` the stage's tp all-reduces and the fixed cost per action
+  ``c_s = sum o_l + action + message * (in_s + out_s)``: ``o_l`` the profile's per-layer
+  ``overhead``, ``action`` the runtime's measured cost per stage action and ``message`` its
+  cost per point-to-point message, ``in_s = [s > 0]``, ``out_s = [s < S - 1]`` (an F receives
+  an activation and sends one; a B the same gradients back). ``action`` and ``message`` come
+  from :class:`~stagewise.planning.Calibration`.
+* The simulator runs the schedule with these costs and the pipeline link
+  (``latency + bytes / bandwidth`` per transfer), giving ``T_sim``.
+* Gradient sync at SYNC (:mod:`stagewise.planning.candidate`): dp all-reduce as a ring,
+  overlapping the drain; sharding's gather + reduce-scatter as blocking rank time, from the
+  ring model, or when calibrated ``units_s * fixed + bytes_s * per_byte`` (scaled to the group).
+* **Oversubscription** (``cores`` per node given, fewer than the node's processes): processes
+  share cores, so a node cannot finish faster than its CPU work allows:
+  ``T = max(T_sim, max_node sum_{ranks r on it} busy_r / cores) + step`` with ``busy_r`` a rank's
+  compute (F + I + W of its stages, times m). For a pipeline with no bubble this is the
+  ``processes / cores`` stretch of every compute; in the fill and drain fewer ranks run, which
+  the max credits (ranks waiting on a message sleep: the transports do not spin). ``step``
+  (:class:`~stagewise.planning.Calibration`) is the runtime's measured cost per step outside
+  the schedule's actions (0 unless calibrated), paid once per step whatever the layout.
+
 """
 
 from __future__ import annotations
@@ -86,6 +111,7 @@ class StageCosts:
     output: tuple[float, ...]
     full_activation: tuple[float, ...]  # without recompute: what a recomputed backward brings back
     tp_comm: tuple[float, ...]  # seconds of tp all-reduce per micro-batch (forward + backward)
+    units: tuple[int, ...] = ()  # layers with parameters per stage
 
 
 @dataclass(frozen=True)
@@ -107,6 +133,7 @@ class StageBase:
     tp_fixed: tuple[float, ...]
     tp_per_scale: tuple[float, ...]
     fixed: tuple[float, ...]  # seconds of each F and of each B that do not scale with the batch
+    units: tuple[int, ...]  # layers with parameters (FSDP2 units when sharded)
     recompute: str | None
 
     def at(self, scale: float) -> StageCosts:
@@ -132,7 +159,16 @@ class StageBase:
             comm.append(2 * tp_fwd)
         out = tuple(x * scale for x in self.output)
         return StageCosts(
-            tuple(f), tuple(i), tuple(w), tuple(act), tuple(keep), self.parameters, out, tuple(full), tuple(comm)
+            tuple(f),
+            tuple(i),
+            tuple(w),
+            tuple(act),
+            tuple(keep),
+            self.parameters,
+            out,
+            tuple(full),
+            tuple(comm),
+            self.units,
         )
 
 
@@ -145,12 +181,16 @@ def stage_base(
     recompute: str | None,
     overhead: Sequence[float],
     action_overhead: float = 0.0,
+    message: float = 0.0,
 ) -> StageBase:
     """Sum the layers of each stage (``bounds`` as in :class:`~stagewise.partition.Partition`)."""
     per_ar_fixed = 2 * (tp - 1) * tp_link.latency if tp > 1 else 0.0
     per_byte = 2 * (tp - 1) / (tp * tp_link.bandwidth) if tp > 1 else 0.0
     cols: list[list[float]] = [[] for _ in range(11)]
-    for a, b in zip(bounds, bounds[1:]):
+    last = len(bounds) - 2
+    units = []
+    for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        units.append(sum(1 for k in range(a, b) if arrays.parameters[k] > 0))
         n_tp = sum(1 for k in range(a, b) if arrays.tp_layer[k])
         tp_bytes = sum(arrays.output[k] for k in range(a, b) if arrays.tp_layer[k])
         values = (
@@ -164,11 +204,11 @@ def stage_base(
             arrays.output[a - 1] if a > 0 else 0.0,
             2 * n_tp * per_ar_fixed,
             2 * tp_bytes * per_byte,
-            sum(overhead[a:b]) + action_overhead,
+            sum(overhead[a:b]) + action_overhead + message * ((s > 0) + (s < last)),
         )
         for col, value in zip(cols, values):
             col.append(value)
-    return StageBase(*(tuple(c) for c in cols), recompute=recompute)  # type: ignore[arg-type,misc]
+    return StageBase(*(tuple(c) for c in cols), units=tuple(units), recompute=recompute)  # type: ignore[arg-type,misc]
 
 
 def partition_weights(

@@ -51,6 +51,9 @@ def add_plan_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     parser.add_argument(
         "--action-overhead", type=float, default=0.0, metavar="S", help="runtime seconds per stage F and per B"
     )
+    parser.add_argument(
+        "--cores", type=float, default=None, metavar="N", help="cores per node, when fewer than its processes"
+    )
     parser.add_argument("--top", type=int, default=5, metavar="K", help="plans to keep (default 5)")
     parser.add_argument("--json", metavar="PATH", help="write the plans and the search summary as JSON")
     parser.add_argument("--png", metavar="PATH", help="draw the best plan's simulated timeline")
@@ -123,6 +126,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         schedules=None if args.schedules is None else args.schedules.split(","),
         overhead=args.overhead,
         action_overhead=args.action_overhead,
+        cores=args.cores,
         top=args.top,
     )
     _print_table(result)

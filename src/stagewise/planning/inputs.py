@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from ..profile_data import LayerProfile
 from ..schedules import schedule_info, schedule_names
+from .calibration import Calibration
 from .comm import Link
 
 
@@ -31,7 +32,10 @@ class Problem:
     max_virtual_stages: int
     recompute: tuple[str | None, ...]
     overhead: tuple[float, ...]  # per layer
-    action_overhead: float  # per stage action (F, and B = I + W)
+    action_overhead: float  # per stage action (F, and B = I + W): the argument plus the calibration's
+    message: float  # per point-to-point message, charged to the action that posts or receives it
+    calibration: Calibration
+    cores: float | None  # per node; None: a core (or device) per process
     top: int
 
 
@@ -40,21 +44,23 @@ def make_problem(
     processes: int,
     *,
     global_batch: int,
-    memory: float | Sequence[float],
-    speeds: float | Sequence[float] | None,
-    nodes: int,
-    profile_batch: int,
-    optimizer_state: float,
-    intra: Link,
-    inter: Link | None,
-    tp_layers: Collection[int | str],
-    max_tp: int | None,
-    schedules: Sequence[str] | None,
-    max_virtual_stages: int,
-    recompute: Sequence[str | None],
-    overhead: float | Sequence[float],
-    action_overhead: float,
-    top: int,
+    memory: float | Sequence[float] = math.inf,
+    speeds: float | Sequence[float] | None = None,
+    nodes: int = 1,
+    profile_batch: int = 1,
+    optimizer_state: float = 2.0,
+    intra: Link | None = None,
+    inter: Link | None = None,
+    tp_layers: Collection[int | str] = (),
+    max_tp: int | None = None,
+    schedules: Sequence[str] | None = None,
+    max_virtual_stages: int = 4,
+    recompute: Sequence[str | None] = (None, "stage"),
+    overhead: float | Sequence[float] = 0.0,
+    action_overhead: float = 0.0,
+    calibration: Calibration | None = None,
+    cores: float | None = None,
+    top: int = 5,
 ) -> Problem:
     """Check every input, naming the option and the value expected."""
     if not isinstance(profile, LayerProfile) or len(profile) == 0:
@@ -112,6 +118,16 @@ def make_problem(
         if rc not in (None, "stage"):
             raise ValueError(f"plan: recompute choices must be None or 'stage', got {rc!r}")
     per_node = processes // nodes
+    cal = Calibration() if calibration is None else calibration
+    if not isinstance(cal, Calibration):
+        raise ValueError(f"plan: calibration must be a Calibration (stagewise.calibrate()), got {type(cal).__name__}")
+    cores = cal.cores if cores is None else cores
+    if cores is not None and (
+        isinstance(cores, bool) or not isinstance(cores, (int, float)) or not 0 < cores < math.inf
+    ):
+        raise ValueError(f"plan: cores must be a number > 0 (cores per node) or None, got {cores!r}")
+    intra = intra if intra is not None else cal.intra if cal.intra is not None else Link()
+    inter = inter if inter is not None else cal.inter
     return Problem(
         profile=profile,
         processes=processes,
@@ -129,7 +145,10 @@ def make_problem(
         max_virtual_stages=max_virtual_stages,
         recompute=tuple(recompute) or (None,),
         overhead=tuple(fixed),
-        action_overhead=float(action_overhead),
+        action_overhead=float(action_overhead) + cal.action,
+        message=cal.message,
+        calibration=cal,
+        cores=cores,
         top=top,
     )
 

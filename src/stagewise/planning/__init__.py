@@ -1,0 +1,101 @@
+"""The planner: from a layer profile to ranked ways of running the model (DAPPLE's profiler -> planner -> runtime).
+
+Pure (no torch). :func:`plan` searches layouts (pp x dp x sharding x tp),
+schedules, virtual stages, micro-batch counts, partitions and recompute,
+predicts each one's step time and per-rank peak memory with the simulator,
+and returns the best as :class:`Plan` values; ``stagewise.runtime.from_plan``
+turns one into a ``Pipeline``. :mod:`.search` says how, :mod:`.costing` how
+a step is costed (the equations), :mod:`.comm` how collectives are costed,
+:class:`Calibration` what the runtime measured (``stagewise.calibrate()``).
+
+(The package is ``stagewise.planning``; ``stagewise.plan`` is the function.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from typing import TYPE_CHECKING, TypedDict
+
+from ..profile_data import LayerProfile
+from .calibration import Calibration
+from .comm import Link, ring_all_gather, ring_all_reduce, ring_reduce_scatter
+from .inputs import make_problem
+from .result import Dropped, Plan, PlanSearch, RankMemory
+from .search import run_search
+
+if TYPE_CHECKING:  # (annotations only: Python 3.10's typing has neither)
+    from typing_extensions import Required, Unpack
+
+__all__ = [
+    "Calibration",
+    "Dropped",
+    "Link",
+    "Plan",
+    "PlanOptions",
+    "PlanSearch",
+    "RankMemory",
+    "plan",
+    "ring_all_gather",
+    "ring_all_reduce",
+    "ring_reduce_scatter",
+    "search",
+]
+
+
+class PlanOptions(TypedDict, total=False):
+    """The keywords of :func:`plan` and :func:`search` (defaults in brackets); see :func:`plan`."""
+
+    global_batch: Required[int]
+    memory: float | Sequence[float]  # [inf]
+    speeds: float | Sequence[float] | None  # [all 1]
+    nodes: int  # [1]
+    profile_batch: int  # [1]
+    optimizer_state: float  # [2.0]
+    intra: Link | None  # [the calibration's, else free]
+    inter: Link | None  # [the calibration's, else intra]
+    tp_layers: Collection[int | str]  # [()]
+    max_tp: int | None  # [processes per node]
+    schedules: Sequence[str] | None  # [every synchronous one]
+    max_virtual_stages: int  # [4]
+    recompute: Sequence[str | None]  # [(None, "stage")]
+    overhead: float | Sequence[float]  # [0]
+    action_overhead: float  # [0]
+    calibration: Calibration | None  # [None]
+    cores: float | None  # [the calibration's, else None: a core per process]
+    top: int  # [5]
+
+
+def search(profile: LayerProfile, processes: int, **options: Unpack[PlanOptions]) -> PlanSearch:
+    """Like :func:`plan`, returning the whole search: plans, candidates, pruned, simulated, dropped with reasons."""
+    unknown = sorted(set(options) - set(PlanOptions.__annotations__))
+    if unknown:
+        raise TypeError(f"plan: unknown option(s) {unknown}; known: {', '.join(PlanOptions.__annotations__)}")
+    if "global_batch" not in options:
+        raise TypeError("plan: global_batch= (samples per step) is required")
+    return run_search(make_problem(profile, processes, **options))
+
+
+def plan(profile: LayerProfile, processes: int, **options: Unpack[PlanOptions]) -> list[Plan]:
+    """The ``top`` fastest plans that fit memory, fastest first, each saying why it beat the next.
+
+    ``profile``: per-layer times and bytes of one micro-batch of ``profile_batch`` samples
+    (:func:`stagewise.profile`); costs scale linearly with the micro-batch size.
+    ``processes`` ranks on ``nodes`` nodes (packed in rank order), each with
+    ``memory`` bytes and relative ``speeds`` (one number, or one per rank).
+    ``global_batch``: samples per step, split over the ``dp * sharding`` replicas, then into
+    micro-batches. ``optimizer_state``: optimizer bytes per parameter byte (AdamW: 2).
+    ``intra`` / ``inter``: the links inside a node and between nodes (``inter``
+    defaults to ``intra``; both default to the ``calibration``'s measured links, else free).
+    ``tp_layers``: indices or names of the layers that
+    can be split by tensor parallelism (no tp without them); ``max_tp``
+    defaults to the processes per node. ``overhead``: seconds of each layer's
+    forward and of its backward that do not scale with the batch (one number, or one per layer);
+    ``action_overhead``: the runtime's seconds per stage forward and per backward (added to the
+    calibration's). ``calibration``: what ``stagewise.calibrate()`` measured on the group (links,
+    per-action and per-message costs, FSDP2's cost per layer). ``cores``: cores per node; when
+    fewer than its processes, no step is shorter than the node's compute over its cores.
+
+    Raises ``ValueError`` when no factorisation of ``processes`` can run, or
+    when no plan fits ``memory`` (naming the smallest peak and its largest term).
+    """
+    return list(search(profile, processes, **options).plans)

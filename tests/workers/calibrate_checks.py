@@ -1,0 +1,98 @@
+"""sw.calibrate() on the actual group: measured values are positive and finite, and the planner uses them.
+
+torchrun --standalone --nproc-per-node 2 tests/workers/worker.py --checks calibrate_checks --out DIR
+
+No timing is asserted: only that each measurement is a usable number and that
+a plan made with the calibration carries exactly those numbers in its costs.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import Ctx  # noqa: E402
+
+import stagewise as sw  # noqa: E402
+from stagewise.planning import Calibration, search  # noqa: E402
+from stagewise.profile_data import LayerCost, LayerProfile  # noqa: E402
+
+
+def _usable(x: float) -> bool:
+    return 0 < x < math.inf
+
+
+def _profile() -> LayerProfile:
+    layer = lambda k: LayerCost(f"l{k}", 1e-3, 1e-3, 1e-3, 2e-3, 64.0, 32.0, 4096.0 * (k + 1), 64.0)  # noqa: E731
+    return LayerProfile(tuple(layer(k) for k in range(4)), "synthetic", 1, 0)
+
+
+def calibrated(ctx: Ctx) -> dict[str, Any]:
+    cal = sw.calibrate(timeout=60)
+    assert cal.intra is not None and cal.inter is None, cal
+    assert _usable(cal.intra.latency) and _usable(cal.intra.bandwidth), cal.intra
+    assert 0 <= cal.action < math.inf and 0 <= cal.step < math.inf and cal.message == 0, cal
+    assert cal.cores is not None and _usable(cal.cores), cal
+    assert cal.sharding_fixed is not None and cal.sharding_per_byte is not None and cal.sharding_group == ctx.world
+    assert 0 <= cal.sharding_fixed < math.inf and 0 <= cal.sharding_per_byte < math.inf, cal
+    assert cal.sharding_fixed + cal.sharding_per_byte > 0, cal
+    # the planner uses them: the link, the cost per action, FSDP2's cost (the same plan without: the difference)
+    profile = _profile()
+    kw: dict[str, Any] = {"global_batch": 4, "recompute": (None,), "schedules": ["1f1b"], "top": 400}
+    with_cal = {p.describe(): p for p in search(profile, 2, calibration=cal, **kw).plans}
+    bare = {p.describe(): p for p in search(profile, 2, **kw).plans}
+    piped = next(p for d, p in with_cal.items() if p.layout.pp == 2)
+    assert piped.costs is not None and piped.costs.latency == cal.intra.latency
+    assert piped.costs.bandwidth == cal.intra.bandwidth
+    base = bare[piped.describe()].costs
+    assert base is not None
+    for got, ref in zip(piped.costs.forward, base.forward):
+        assert abs(got - (ref + cal.action)) <= 1e-12 * (1 + ref), (got, ref, cal.action)
+    sharded = next(p for p in with_cal.values() if p.layout.sharding == 2)
+    assert sharded.costs is not None
+    expected = cal.sharding_time(sum(lay.parameter_bytes for lay in profile.layers), 4, 2)
+    assert expected is not None
+    assert abs(sharded.costs.sync_time[0] - expected) <= 1e-12 * (1 + expected), (sharded.costs.sync_time, expected)
+    return {"latency": cal.intra.latency, "bandwidth": cal.intra.bandwidth, "action": cal.action}
+
+
+def across_nodes(ctx: Ctx) -> dict[str, Any]:
+    """A nodes x processes shape of 2 x 1: the only pair crosses nodes, so inter is measured, intra is not."""
+    cal = sw.calibrate(nodes=ctx.world, sharding=False, timeout=60)
+    intra, inter = cal.intra, cal.inter
+    assert intra is None and inter is not None and _usable(inter.latency) and _usable(inter.bandwidth), cal
+    assert cal.sharding_fixed is None
+    try:
+        sw.calibrate(nodes=3, timeout=60)
+    except ValueError as err:
+        assert "nodes" in str(err), err
+    else:
+        raise AssertionError("nodes=3 on 2 processes was accepted")
+    assert isinstance(cal, Calibration)
+    return {"inter": [inter.latency, inter.bandwidth]}
+
+
+def sharded_meter(ctx: Ctx) -> dict[str, Any]:
+    """measure_memory on an FSDP2 layout counts the same activations as the unsharded layout (no parameters)."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    layers = [sw.Layer(nn.Linear, 8, 16), sw.Layer(nn.ReLU), sw.Layer(nn.Linear, 16, 3)]
+    x, y = torch.randn(8, 8, generator=torch.Generator().manual_seed(0)), torch.arange(8) % 3
+    peaks = {}
+    for name, config in (("dp", sw.ParallelConfig(dp=ctx.world)), ("sharding", sw.ParallelConfig(sharding=ctx.world))):
+        pipe = sw.Pipeline(layers, loss_fn=F.cross_entropy, microbatches=2, parallel=config, measure_memory=True)
+        pipe.train_step(*pipe.local_batch(x, y))
+        peaks[name] = pipe.memory_report()["peak_bytes"]
+    assert peaks["sharding"] == peaks["dp"] > 0, peaks
+    return peaks
+
+
+def checks(world: int) -> dict[str, Callable[[Ctx], Any]]:
+    return {"calibrated": calibrated, "across_nodes": across_nodes, "sharded_meter": sharded_meter}
