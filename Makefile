@@ -32,7 +32,7 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/schedules_speed.py
 
-# Every pipeline method on the same MLP, data, seeds and samples: table, JSON and plots in out/compare (minutes).
+# Every pipeline method on the same GPT and CNN, data, seeds and samples: tables, JSON, plots in out/compare (~15 min).
 compare: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/stagewise run -n 2 benchmarks/compare_methods.py -- --out out/compare
 
