@@ -31,30 +31,36 @@ def samples_to_target(curve: list[list[float]], target: float, smooth: int = 5) 
 
 
 def mean_sd(values: list[float]) -> tuple[float, float]:
+    """Mean and standard deviation over seeds; NaN for both when a seed's value is not finite (it diverged)."""
+    if not all(math.isfinite(v) for v in values):
+        return math.nan, math.nan
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
 
 def loss_verdict(mean: float, sd: float, sync_mean: float, sync_sd: float) -> str:
-    """Compare a row's validation loss with the synchronous rows', counting the row's own seed spread.
+    """Compare a row's validation loss (mean and sd over seeds) with the synchronous rows', counting the spread.
 
-    The tolerance is the larger of 5 % of the synchronous mean and twice the
-    synchronous rows' spread. The row's interval is its mean ± 2 sd over seeds:
-    "as synchronous" only if the whole interval is within the tolerance,
-    "worse"/"better" only if the whole interval is beyond it; otherwise the
-    seeds disagree and the verdict says so (a wide spread is not a match).
+    ``sync_sd`` is the synchronous rows' typical seed spread. "Worse"/"better"
+    when the gap exceeds the larger of 5 % of the synchronous mean and twice
+    the combined spread, sqrt(sd^2 + sync_sd^2). Within that, "as synchronous"
+    only when the row's own spread is no wider than the synchronous rows'
+    (plus 5 % of their mean); a row whose seeds scatter more is "unclear",
+    never "as synchronous" (the first rule widened its tolerance with the
+    row's spread, so the noisiest rows were the surest matches).
     """
+    if math.isnan(mean):
+        return "diverged (a non-finite loss on some seed)"
     gap = mean - sync_mean
     if math.isnan(gap):
         return "no synchronous row to compare the loss with"
-    tolerance = max(0.05 * sync_mean, 2 * sync_sd)
-    low, high = gap - 2 * sd, gap + 2 * sd
-    if low > tolerance:
+    tolerance = max(0.05 * sync_mean, 2 * math.hypot(sd, sync_sd))
+    if gap > tolerance:
         return f"converges worse (val loss +{gap:.3f} vs the sync mean)"
-    if high < -tolerance:
+    if gap < -tolerance:
         return f"converges better (val loss {gap:.3f} vs the sync mean)"
-    if -tolerance <= low and high <= tolerance:
+    if sd <= sync_sd + 0.05 * sync_mean:
         return "loss as synchronous training"
-    return f"loss unclear: seeds spread ±{sd:.3f} around {gap:+.3f} vs the sync mean"
+    return f"loss unclear: seeds spread ±{sd:.3f} (sync ±{sync_sd:.3f}), {gap:+.3f} vs the sync mean"
 
 
 def verdict(row: dict[str, Any], sync_val: float, sync_sd: float) -> str:
@@ -103,8 +109,12 @@ def summarise(
                 "runs": seeds,
             }
         )
-    sync_vals = [x["val_loss"] for r in rows if r["family"] == "sync" for x in r["runs"]]
-    sync_val, sync_sd = mean_sd(sync_vals) if sync_vals else (math.nan, 0.0)  # no sync row: no comparison
+    sync_vals = [
+        x["val_loss"] for r in rows if r["family"] == "sync" for x in r["runs"] if math.isfinite(x["val_loss"])
+    ]
+    sync_sds = [r["val_loss"][1] for r in rows if r["family"] == "sync" and math.isfinite(r["val_loss"][1])]
+    sync_val = statistics.fmean(sync_vals) if sync_vals else math.nan  # no sync row: no comparison
+    sync_sd = statistics.fmean(sync_sds) if sync_sds else 0.0
     for row in rows:
         row["verdict"] = verdict(row, sync_val, sync_sd)
     return rows

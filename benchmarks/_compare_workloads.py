@@ -197,7 +197,7 @@ def _gpt_workload(cfg: GPTConfig = GPT_CONFIG) -> Workload:
         f"{cfg.seq_len}-byte windows, untied head) on ~0.7 MB of stdlib source; train loss on 128 fixed training "
         "windows, val loss/accuracy (next byte) on 128 held-out windows"
     )
-    return Workload("gpt", gpt_layers, _lm_loss, train, eval_sets, _accuracy, 0.5, 16, 2.6, text)
+    return Workload("gpt", gpt_layers, _lm_loss, train, eval_sets, _accuracy, 0.5, 16, 3.0, text)
 
 
 WORKLOADS: dict[str, Callable[[], Workload]] = {
