@@ -32,9 +32,9 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/schedules_speed.py
 
-# Every pipeline method on the same MLP, data, seeds and samples: table, JSON and plots in out/compare (minutes).
+# Every pipeline method on the same GPT and CNN, data, seeds and samples: tables, JSON, plots in out/compare (~2-3 min).
 compare: $(STAMP)
-	OMP_NUM_THREADS=1 $(VENV)/bin/stagewise run -n 2 benchmarks/compare_methods.py -- --out out/compare
+	OMP_NUM_THREADS=1 $(VENV)/bin/stagewise compare -n 2 --out out/compare
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

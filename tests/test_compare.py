@@ -1,11 +1,12 @@
-"""The methods comparison (benchmarks/compare_methods.py) in a tiny configuration on 2 ranks.
+"""The methods comparison (benchmarks/compare_methods.py) in a tiny configuration on 2 ranks, both workloads.
 
-One torchrun job trains every method for a few mini-batches; the tests read its
-JSON and markdown and check them against references: the table's shape, every
-method's losses finite, the synchronous rows equal to one-process training,
-the asynchronous rows equal to ``sw.async_reference``'s replay of their version
-rule, and the simulated columns equal to the closed forms of the README.
-No timing is asserted (samples/s is only checked to be a positive number).
+One torchrun job trains every method for one window on the GPT and the CNN;
+the tests read its JSON and markdown and check them against references: the
+tables' shape, every method's losses finite, the synchronous rows equal to
+one-process training, the asynchronous rows equal to ``sw.async_reference``'s
+replay of their version rule, the memory columns against the model's
+parameter bytes, and the verdict rule against its definition. No timing is
+asserted (samples/s is only checked to be a positive number).
 """
 
 from __future__ import annotations
@@ -20,17 +21,20 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import stagewise as sw
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
+import _compare_report as report  # noqa: E402
 import compare_methods as cm  # noqa: E402
+from _compare_workloads import workload  # noqa: E402
 
-STEPS, BATCH, M, WINDOW, SEED, LR = 6, 32, 4, 3, 0, 0.1
-TIMEOUT = 300
+STEPS, BATCH, M, WINDOW, SEED, LR = 3, 16, 4, 3, 0, 0.1
+WORKLOADS = ("gpt", "cnn")
+TIMEOUT = 800
+pytestmark = pytest.mark.timeout(TIMEOUT + 60)  # one job for the module; ~40 s of CPU, far longer on a loaded machine
 
 
 @pytest.fixture(scope="module")
@@ -38,91 +42,165 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("compare")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=0"]
     cmd += [str(BENCH / "compare_methods.py"), "--out", str(out), f"--steps={STEPS}", f"--batch={BATCH}"]
-    cmd += [f"--microbatches={M}", f"--window={WINDOW}", f"--seeds={SEED}", f"--lr={LR}"]
+    cmd += [f"--microbatches={M}", f"--window={WINDOW}", f"--seeds={SEED}", f"--lr={LR}", "--workload", *WORKLOADS]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     try:
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
     except subprocess.TimeoutExpired as err:
         pytest.fail(f"compare_methods ran past {TIMEOUT} s:\n{err.stdout}\n{err.stderr}")
     assert done.returncode == 0, f"compare_methods exited {done.returncode}:\n{(done.stdout + done.stderr)[-6000:]}"
-    data = json.loads((out / "compare.json").read_text())
-    data["markdown"] = (out / "compare.md").read_text()
+    data = {name: json.loads((out / name / "compare.json").read_text()) for name in WORKLOADS}
+    for name in WORKLOADS:
+        data[name]["markdown"] = (out / name / "compare.md").read_text()
     data["out"] = out
     return data
 
 
-def _row(result: dict[str, Any], name: str) -> dict[str, Any]:
-    return next(r for r in result["rows"] if r["method"] == name)
+def _row(result: dict[str, Any], name: str, method: str) -> dict[str, Any]:
+    return next(r for r in result[name]["rows"] if r["method"] == method)
 
 
-def test_every_method_ran_with_finite_losses(result: dict[str, Any]) -> None:
-    assert [r["method"] for r in result["rows"]] == [m.name for m in cm.METHODS]
-    for row, method in zip(result["rows"], cm.METHODS, strict=True):
+@pytest.mark.parametrize("name", WORKLOADS)
+def test_every_method_ran_with_finite_losses(result: dict[str, Any], name: str) -> None:
+    assert [r["method"] for r in result[name]["rows"]] == [m.name for m in cm.METHODS]
+    for row, method in zip(result[name]["rows"], cm.METHODS, strict=True):
         assert row["family"] == method.family
         (run,) = row["runs"]
         assert [c[0] for c in run["curve"]] == [BATCH * k for k in range(1, STEPS + 1)], row["method"]
         losses = [c[2] for c in run["curve"]] + [run["train_loss"], run["val_loss"]]
         assert all(math.isfinite(v) and v > 0 for v in losses), (row["method"], losses)
         assert 0.0 <= run["val_accuracy"] <= 1.0 and run["samples_per_s"] > 0
-        assert row["verdict"], row["method"]
-    for name in ("loss_vs_samples.png", "loss_vs_time.png"):
-        assert (result["out"] / name).stat().st_size > 0
+        assert 0.0 <= row["sim_bubble"] < 1.0 and row["sim_throughput"] > 0 and row["verdict"]
+    for png in ("loss_vs_samples", "loss_vs_time", "timelines_measured", "timelines_simulated"):
+        assert (result["out"] / name / f"{png}.png").stat().st_size > 0
+    assert f"**{name}**" in (result["out"] / "compare.md").read_text()
 
 
-def test_markdown_table_has_one_row_per_method_and_every_column(result: dict[str, Any]) -> None:
-    lines = result["markdown"].splitlines()
-    start = lines.index(cm.HEADER)
-    columns = cm.HEADER.count("|") - 1
-    rows = [line for line in lines[start + 2 :] if line.startswith("|")]
-    assert [row.split(" | ")[0].lstrip("| ") for row in rows] == [m.name for m in cm.METHODS]
-    for row in rows:
-        assert row.count("|") - 1 == columns, row
+@pytest.mark.parametrize("name", WORKLOADS)
+def test_markdown_tables_have_one_row_per_method_and_every_column(result: dict[str, Any], name: str) -> None:
+    lines = result[name]["markdown"].splitlines()
+    for header in (report.HEADER, report.MEMORY_HEADER):
+        start = lines.index(header)
+        columns = header.count("|") - 1
+        rows = []
+        for line in lines[start + 2 :]:
+            if not line.startswith("|"):
+                break
+            rows.append(line)
+        assert [row.split(" | ")[0].lstrip("| ") for row in rows] == [m.name for m in cm.METHODS]
+        assert all(row.count("|") - 1 == columns for row in rows), header
 
 
-def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    x_train, y_train, _, _ = cm.load_digits()
-    return cm.minibatches(x_train, y_train, STEPS, BATCH, SEED)
+def _parameter_bytes(name: str) -> int:
+    return sum(p.numel() * p.element_size() for p in sw.build_model(workload(name).layers(), 0).parameters())
 
 
-def test_sync_rows_match_one_process_training(result: dict[str, Any]) -> None:
-    model = sw.build_model(cm.mlp_layers(), seed=SEED)
+@pytest.mark.parametrize("name", WORKLOADS)
+def test_memory_columns_add_up_to_the_model(result: dict[str, Any], name: str) -> None:
+    total = _parameter_bytes(name)
+    for row in result[name]["rows"]:
+        mem, sim = row["memory"], row["sim_memory"]
+        assert sum(mem["weights"]) == total and sum(sim["weights"]) == pytest.approx(total), row["method"]
+        assert len(mem["weights"]) == 2 and len(sim["weights"]) == cm.SIM_RANKS
+        if row["family"] == "sync":
+            assert mem["versions"] == [0, 0] and mem["activations_source"] == "measured"
+            assert all(a > 0 for a in mem["activations"]), row["method"]
+        else:  # the version store runs forwards on snapshots: at least one copy of each rank's weights
+            assert all(v >= w for v, w in zip(mem["versions"], mem["weights"], strict=True)), row["method"]
+            assert mem["activations_source"] == "sim"
+        extra = [(n - 1) * w for n, w in zip(row["versions"], sim["weights"], strict=True)]
+        assert sim["versions"] == pytest.approx(extra), row["method"]
+
+
+def _batches(name: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return workload(name).train(STEPS, BATCH, SEED)
+
+
+@pytest.mark.parametrize("name", WORKLOADS)
+def test_sync_rows_match_one_process_training(result: dict[str, Any], name: str) -> None:
+    wl = workload(name)
+    model = sw.build_model(wl.layers(), seed=SEED)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     expected = []
-    for x, y in _batches():
+    for x, y in _batches(name):
         opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
+        loss = wl.loss_fn(model(x), y)
         loss.backward()
         opt.step()
         expected.append(loss.item())
     for method in (m for m in cm.METHODS if m.family == "sync"):
-        got = [c[2] for c in _row(result, method.name)["runs"][0]["curve"]]
+        got = [c[2] for c in _row(result, name, method.name)["runs"][0]["curve"]]
         assert got == pytest.approx(expected, abs=1e-4), method.name
 
 
+@pytest.mark.parametrize("name", WORKLOADS)
 @pytest.mark.parametrize("method", [m for m in cm.METHODS if m.family == "async"], ids=lambda m: m.name)
-def test_async_rows_match_the_one_process_replay(result: dict[str, Any], method: cm.Method) -> None:
+def test_async_rows_match_the_one_process_replay(result: dict[str, Any], name: str, method: cm.Method) -> None:
+    wl = workload(name)
     run = sw.async_reference(
-        cm.mlp_layers(),
+        wl.layers(),
         method.build(2, M, WINDOW),
         lambda params: torch.optim.SGD(params, lr=LR, momentum=0.9),
-        _batches(),
-        loss_fn=F.cross_entropy,
+        _batches(name),
+        loss_fn=wl.loss_fn,
         seed=SEED,
     )
-    got = [c[2] for c in _row(result, method.name)["runs"][0]["curve"]]
+    got = [c[2] for c in _row(result, name, method.name)["runs"][0]["curve"]]
     assert got == pytest.approx(run.losses, abs=1e-4), method.name
 
 
 def test_simulated_columns_follow_the_closed_forms(result: dict[str, Any]) -> None:
     p = cm.SIM_RANKS
-    assert _row(result, "1f1b")["sim_bubble"] == pytest.approx((p - 1) / (M + p - 1))
-    assert _row(result, "gpipe")["versions"] == [1] * p
+    row = lambda method: _row(result, "cnn", method)  # noqa: E731
+    assert row("gpipe")["versions"] == [1] * p
     stash = [1 + math.ceil((p - s - 1) / M) for s in range(p)]
-    assert _row(result, "pipedream (stashing)")["versions"] == stash
-    assert _row(result, "pipedream (stashing + vertical sync)")["versions"] == [1 + math.ceil((p - 1) / M)] * p
-    assert _row(result, "pipedream (no stashing)")["versions"] == [1] * p
-    assert _row(result, "pipedream-2bw")["versions"] == [2] * p
-    assert _row(result, "xpipe")["versions"] == [2 + math.ceil((p - s - 1) / M) for s in range(p - 1)] + [1]
-    n = WINDOW * M  # an asynchronous window drains once: bubble (p - 1) / (N m + p - 1)
-    assert _row(result, "pipedream (stashing)")["sim_bubble"] == pytest.approx((p - 1) / (n + p - 1))
-    assert _row(result, "1f1b")["activations"] == [min(M, p - s) for s in range(p)]
+    assert row("pipedream (stashing)")["versions"] == stash
+    assert row("pipedream (stashing + vertical sync)")["versions"] == [1 + math.ceil((p - 1) / M)] * p
+    assert row("pipedream (no stashing)")["versions"] == [1] * p
+    assert row("pipedream-2bw")["versions"] == [2] * p
+    assert row("xpipe")["versions"] == [2 + math.ceil((p - s - 1) / M) for s in range(p - 1)] + [1]
+    assert row("1f1b")["activations"] == [min(M, p - s) for s in range(p)]
+    costs = sw.CostModel.from_dict(result["cnn"]["profiled"]["costs"])  # the simulator on the profiled costs
+    again = sw.simulate(sw.build_schedule("1f1b", p, M), costs)
+    assert row("1f1b")["sim_bubble"] == pytest.approx(again.bubble_ratio)
+    assert row("1f1b")["sim_throughput"] == pytest.approx(M * (BATCH / M) / again.makespan)
+
+
+def test_verdict_counts_the_seed_spread() -> None:
+    assert report.loss_verdict(1.0, 0.0, 1.0, 0.0) == "loss as synchronous training"
+    assert report.loss_verdict(1.01, 0.2, 1.0, 0.0).startswith("loss unclear")  # the old rule said "as synchronous"
+    assert report.loss_verdict(1.5, 0.01, 1.0, 0.01).startswith("converges worse")
+    assert report.loss_verdict(1.5, 0.3, 1.0, 0.01).startswith("loss unclear")
+    assert report.loss_verdict(0.5, 0.01, 1.0, 0.01).startswith("converges better")
+    assert report.loss_verdict(1.04, 0.004, 1.0, 0.0) == "loss as synchronous training"
+    assert report.loss_verdict(1.0, 0.06, 1.0, 0.0).startswith("loss unclear")
+    assert report.loss_verdict(1.3, 0.3, 1.0, 0.02).startswith("loss unclear")  # the first rule: "as synchronous"
+    assert report.loss_verdict(1.0, 0.088, 1.0, 0.088) == "loss as synchronous training"
+    assert report.loss_verdict(math.nan, math.nan, 1.0, 0.1).startswith("diverged")
+
+
+def test_cli_passes_its_options_to_the_benchmark() -> None:
+    from stagewise.cli import build_parser
+    from stagewise.compare_command import compare_arguments, find_benchmark
+
+    args = build_parser().parse_args(["compare", "--workload", "cnn", "--steps", "8", "--seeds", "0", "1", "--", "-h"])
+    assert compare_arguments(args) == ["--out", "out/compare", "--workload", "cnn", "--steps", "8"] + [
+        "--seeds",
+        "0",
+        "1",
+        "-h",
+    ]
+    assert find_benchmark() == BENCH / "compare_methods.py"
+
+
+def test_rows_from_another_module_are_appended(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "extra_rows.py").write_text(
+        "import compare_methods as cm\nCOMPARE_METHODS = [cm.Method('extra', 'sync', cm.METHODS[1].build)]\n"
+    )
+    (tmp_path / "clash_rows.py").write_text(
+        "import compare_methods as cm\nCOMPARE_METHODS = [cm.Method('1f1b', 'sync', cm.METHODS[1].build)]\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert [m.name for m in cm.all_methods(["extra_rows"])] == [m.name for m in cm.METHODS] + ["extra"]
+    with pytest.raises(ValueError, match="unique"):
+        cm.all_methods(["clash_rows"])

@@ -283,6 +283,15 @@ def _add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_plan_command(sub)
 
 
+# ---- stagewise compare (stagewise.compare_command) ---------------------------------
+
+
+def _add_compare(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from .compare_command import add_compare_command
+
+    add_compare_command(sub)
+
+
 # ---- entry point --------------------------------------------------------------------
 
 #: one function per subcommand; add a subcommand by writing ``_add_<name>`` and listing it here
@@ -291,6 +300,7 @@ _SUBCOMMANDS: list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]
     _add_simulate,
     _add_run,
     _add_plan,
+    _add_compare,
 ]
 
 
