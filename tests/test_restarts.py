@@ -30,6 +30,9 @@ sys.path.insert(0, str(WORKERS))
 
 import restart_train  # noqa: E402
 
+#: eleven torchrun attempts of two processes each: on a loaded machine a start alone takes seconds
+pytestmark = pytest.mark.timeout(900)
+
 STEPS = 12
 #: attempt -> (rank, step, when): each kill lands after the checkpoint the attempt resumed from
 KILLS = [
@@ -62,7 +65,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     jobs = {"plain": _job(root / "plain", "", 0), "killed": _job(root / "killed", kills, len(KILLS))}
     for name, job in jobs.items():
         try:
-            code = job.wait(timeout=500)
+            code = job.wait(timeout=800)
         except subprocess.TimeoutExpired:
             job.kill()
             code = job.wait()
