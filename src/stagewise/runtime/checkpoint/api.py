@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import manifest as mf
 from . import agreement, retention, state, storage
+from . import manifest as mf
 from .manifest import CheckpointError
 
 META = "stagewise.json"
