@@ -80,6 +80,7 @@ def main() -> int:
     sw.init(timeout=60)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     rank = int(os.environ.get("RANK", "0"))
+    torch.manual_seed(1000 + rank)  # dropout's stream: the same in every job; a resume brings the saved one back
     (args.out / "attempts").mkdir(parents=True, exist_ok=True)
     (args.out / "attempts" / f"{attempt}-{rank}").touch()
     kills = kills_for(args.kills, attempt, rank)
