@@ -65,9 +65,8 @@ def final(folder: Path) -> tuple[list[float], dict[str, torch.Tensor]]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     info = sw.checkpoint.load(folder / "ckpt", model, opt, collective=False)
     tensors = {n: p.detach().clone() for n, p in model.named_parameters()}
-    for i, (p, st) in enumerate(opt.state.items()):
+    for i, st in enumerate(opt.state.values()):
         tensors.update({f"optim{i}/{k}": torch.as_tensor(v) for k, v in st.items()})
-        del p
     return info.extra["losses"], tensors
 
 
