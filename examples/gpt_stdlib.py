@@ -22,7 +22,9 @@ the progress and writes, under ``--out``:
 * ``summary.json``: the numbers of the summary table.
 
 ``--stop-at N`` stops after step N as if the job had been killed; run the same command again
-without it and training continues from the last checkpoint.
+without it and training continues from the last checkpoint. Under
+``stagewise run -n 4 --max-restarts 3 examples/gpt_stdlib.py ...`` a rank that dies restarts the
+job, which resumes from the last checkpoint by itself (``sw.checkpoint.resume``).
 """
 
 from __future__ import annotations
@@ -229,9 +231,11 @@ def checkpoint(runner: Pipelined | SingleProcess, args: argparse.Namespace, cfg:
 
 def resume(runner: Pipelined | SingleProcess, args: argparse.Namespace, cfg: GPTConfig) -> int:
     """Load the newest checkpoint under ``OUT/checkpoints`` if there is one; the step it was saved after."""
-    if args.no_resume or sw.checkpoint.latest(args.out / "checkpoints") is None:
+    if args.no_resume:
         return 0
-    info = sw.checkpoint.load(args.out / "checkpoints", runner.model, runner.optimizer)
+    info = sw.checkpoint.resume(args.out / "checkpoints", runner.model, runner.optimizer)  # None: nothing saved yet
+    if info is None:
+        return 0
     saved = info.extra
     if saved["config"] != asdict(cfg) or saved["seed"] != args.seed or saved["steps"] != args.steps:
         raise SystemExit(

@@ -3,6 +3,7 @@
     sw.checkpoint.save("ckpt", pipe, step=100, extra={"batch": 100})
     info = sw.checkpoint.load("ckpt", pipe)          # the newest complete checkpoint under ckpt/
     sw.checkpoint.load(sw.checkpoint.latest("ckpt"), sw.build_model(layers))  # in one process
+    info = sw.checkpoint.resume("ckpt", pipe)        # None on a fresh start; after a restart, the newest
 
 See :mod:`stagewise.runtime.checkpoint`.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-_NAMES = ("CheckpointError", "CheckpointInfo", "latest", "load", "save")
+_NAMES = ("CheckpointError", "CheckpointInfo", "latest", "load", "resume", "save")
 
 
 def __getattr__(name: str) -> Any:

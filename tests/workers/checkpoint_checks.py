@@ -15,6 +15,7 @@ bit for bit where the layout is the same.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import sys
@@ -266,6 +267,27 @@ def refuses(ctx: Ctx) -> dict[str, Any]:
     return seen
 
 
+def refuses_divergent_replicas(ctx: Ctx) -> dict[str, Any]:
+    """pp2 x dp2: one replica's weight nudged by one ulp; the save is refused on every rank, naming it and the
+    ranks, and nothing is published. A replicated optimizer state diverging is named too."""
+    pipe = pipeline("plain", "1f1b", seed=1, **PP2_DP2)
+    train(pipe, 0, 1)
+    name, param = next(iter(pipe.named_parameters()))
+    names = [None] * ctx.world
+    dist.all_gather_object(names, name)
+    if ctx.rank == ctx.world - 1:
+        with torch.no_grad():
+            param.view(-1)[0] = torch.nextafter(param.view(-1)[0], torch.tensor(math.inf, dtype=param.dtype))
+    twins = [r for r, n in enumerate(names) if n == names[-1]]
+    assert len(twins) == 2, names
+    err = _error(
+        lambda: sw.checkpoint.save(root() / "diverged", pipe, step=1),
+        [f"{names[-1]!r}", f"rank {twins[0]} vs rank {twins[1]}", "diverged"],
+    )
+    assert not list((root() / "diverged").glob("step-*")), "a divergent checkpoint was published"
+    return {"error": err}
+
+
 def data_file(folder: Path) -> Path:
     return sorted(folder.glob("*.distcp"))[-1]
 
@@ -413,6 +435,7 @@ def suites(world: int) -> dict[str, dict[str, Check]]:
             "save-pp2xdp2": save_resume("dropout", "1f1b", "r-h", **PP2_DP2),
             "save-pp2xtp2": save_for_reshard("tp", "1f1b", "tp", **PP2_TP2),
             "save-pp2xsharding2": save_for_reshard("tp", "1f1b", "sh", **PP2_SHARDING2),
+            "refuses-divergent-replicas": refuses_divergent_replicas,
         },
         "resume2": {
             "resume-1f1b": resume("dropout", "1f1b", "r-1f1b"),

@@ -8,5 +8,6 @@ published by a rename under ``ROOT/step-N`` (:mod:`.retention`).
 
 from .api import CheckpointInfo, latest, load, save
 from .manifest import CheckpointError
+from .resume import resume
 
-__all__ = ["CheckpointError", "CheckpointInfo", "latest", "load", "save"]
+__all__ = ["CheckpointError", "CheckpointInfo", "latest", "load", "resume", "save"]

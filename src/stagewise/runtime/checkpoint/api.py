@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import agreement, retention, state, storage
 from . import manifest as mf
-from . import retention, state, storage
 from .manifest import CheckpointError
 
 META = "stagewise.json"
@@ -99,11 +99,14 @@ def save(
         "rng": state.rng_state(),
         "extra": state.encode(extra, "extra=") if ranks.first else None,
         "scheduler": state.encode(first.state_dict(), "scheduler state") if ranks.first and first else None,
+        "digests": agreement.digests(tensors) if ranks.size > 1 else {},
     }
     everyone = storage.gather(mine, ranks)
     staging, final = retention.staging_for(root, step), retention.folder_for(root, step)
     problems = []
     if ranks.first:
+        problems += agreement.disagreements([m["digests"] for m in everyone])  # before anything is written
+    if ranks.first and not problems:
         try:
             if staging.exists():  # a save of this step that died half-way
                 shutil.rmtree(staging)

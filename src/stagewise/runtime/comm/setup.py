@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from . import exit_hook
+from .attempt_store import attempt_store
 from .coordinator import agree_run_scope
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,12 @@ def init(
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            dist.init_process_group(backend, timeout=timeout)
+            store = attempt_store(timeout)  # torchrun: this restart attempt's own keys (see .attempt_store)
+            if store is None:
+                dist.init_process_group(backend, timeout=timeout)
+            else:
+                rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+                dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
         else:
             log.info("stagewise.init: no torchrun environment (RANK, WORLD_SIZE); starting a one-process group")
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
