@@ -130,9 +130,9 @@ def _step_counts(
         steps = dict.fromkeys(map(_stage_of, acts), 0)
         for s, k, i in acts:
             if k is _F:
-                c_f[s][i] = steps[s]
+                c_f[s][i] = steps[s]  # type: ignore[index]  # None: TypeError, the caller falls back
             elif k is _B:
-                c_b[s][i] = steps[s]
+                c_b[s][i] = steps[s]  # type: ignore[index]  # None: TypeError, the caller falls back
             elif k is _STEP:
                 steps[s] += 1
     return c_f, c_b
@@ -207,7 +207,7 @@ def _in_range(ranks: Sequence[Sequence[Action]], n: int, total: int) -> bool:
             return False
         mbs = set(map(_mb_of, acts))
         mbs.discard(None)
-        if mbs and (min(mbs) < 0 or max(mbs) >= total):  # type: ignore[type-var, operator]
+        if mbs and (min(mbs) < 0 or max(mbs) >= total):
             return False
     return True
 
@@ -236,9 +236,9 @@ def _first_forward(ranks: Sequence[Sequence[Action]], n: int, minibatches: int, 
     for acts in ranks:
         for s, k, i in acts:
             if k is _F:
-                t = i // m
+                t = i // m  # type: ignore[operator]  # None: TypeError, the caller falls back
                 if 0 <= t < minibatches and first[s][t] < 0:
-                    first[s][t] = i
+                    first[s][t] = i  # type: ignore[assignment]
     return first
 
 
@@ -256,9 +256,9 @@ def _lifetimes(
         count = [0] * n  # STEPs of each stage so far on this rank
         for j, (s, k, i) in enumerate(acts):
             if k is _F:
-                v = fwd[s][i]
+                v = fwd[s][i]  # type: ignore[index]  # None: TypeError, the caller falls back
             elif k is _B:
-                v = bwd[s][i]
+                v = bwd[s][i]  # type: ignore[index]  # None: TypeError, the caller falls back
             elif k is _STEP:
                 steps_of[s] += 1
                 count[s] += 1
@@ -307,7 +307,7 @@ def _live_versions(
         end = len(acts)
         # the (stage, version) each F and B uses, and where: a dict of the pairs keeps the last index per key
         used = [j for j, a in enumerate(acts) if a[1] is _F or a[1] is _B]
-        keys = [(s, (fwd if k is _F else bwd)[s][i]) for s, k, i in map(acts.__getitem__, used)]
+        keys = [(s, (fwd if k is _F else bwd)[s][i]) for s, k, i in map(acts.__getitem__, used)]  # type: ignore[index]  # None: TypeError, the caller falls back
         last = dict(zip(keys, used))
         first = dict(zip(reversed(keys), reversed(used)))
         steps: dict[int, list[int]] = {}
