@@ -49,6 +49,7 @@ from itertools import accumulate, chain, repeat
 from operator import itemgetter
 from typing import NamedTuple
 
+from ._gc import gc_paused
 from .actions import Action, Kind
 
 POLICIES = ("stash", "none", "vertical", "2bw", "predict")
@@ -294,7 +295,8 @@ def live_versions(ranks: Sequence[Sequence[Action]], table: VersionTable) -> lis
     ):
         return _reference.live_versions(ranks, table)
     try:
-        return _live_versions(ranks, table.forward, table.backward)
+        with gc_paused():  # ~1 tuple per action, all acyclic
+            return _live_versions(ranks, table.forward, table.backward)
     except TypeError:  # an F or B without a micro-batch
         return _reference.live_versions(ranks, table)
 
