@@ -10,6 +10,8 @@ v as the schedule needs) this times, in seconds:
 * ``build cpu``  the same in CPU time of this process (``time.process_time``): on a shared,
                 oversubscribed machine wall time also counts the other jobs' turns;
 * ``simulate``  :func:`stagewise.simulate` of the complete schedule (what ``stagewise simulate`` times);
+* ``cli``       ``stagewise simulate --schedule X --stages P --microbatches M --json`` end to end in a fresh
+                process (start-up, build, simulate, report; target < 2 s), wall and CPU (``cli cpu``), one run;
 
 and prints one row per schedule, the median of ``--repeat`` runs of each step, with the
 load average before and after (the machine is shared). A benchmark, not a test: results
@@ -23,9 +25,13 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import resource
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 import stagewise as sw
@@ -57,7 +63,7 @@ def main() -> None:
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     header = (
         f"{'schedule':<17} {'v':>2} {'actions':>9} {'generate s':>10} {'lower s':>8} {'validate s':>10} "
-        f"{'build s':>8} {'build cpu s':>11} {'simulate s':>10} {'bubble':>7}"
+        f"{'build s':>8} {'build cpu s':>11} {'simulate s':>10} {'bubble':>7} {'cli s':>6} {'cli cpu s':>9}"
     )
     print(header)
     print("-" * len(header))
@@ -86,8 +92,22 @@ def bench_one(name: str, p: int, m: int, repeat: int) -> str:
     actions = sum(len(acts) for acts in complete.ranks)
     return (
         f"{name:<17} {v:>2} {actions:>9} {med['generate']:>10.2f} {med['lower']:>8.2f} {med['validate']:>10.2f} "
-        f"{build:>8.2f} {med['cpu']:>11.2f} {med['simulate']:>10.2f} {result.bubble_ratio:>7.1%}"
+        f"{build:>8.2f} {med['cpu']:>11.2f} {med['simulate']:>10.2f} {result.bubble_ratio:>7.1%} {cli(name, p, m)}"
     )
+
+
+def cli(name: str, p: int, m: int) -> str:
+    """Wall and CPU seconds of the ``stagewise simulate ... --json`` command in a fresh interpreter."""
+    script = Path(sys.executable).with_name("stagewise")  # the console script next to this interpreter
+    command = [str(script), "simulate", "--schedule", name, "--stages", str(p)]
+    command += ["--microbatches", str(m), "--json"]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+    return f"{wall:>6.2f} {cpu:>9.2f}"
 
 
 if __name__ == "__main__":

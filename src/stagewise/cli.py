@@ -135,12 +135,15 @@ def _check_simulate_args(args: argparse.Namespace) -> None:
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
     from . import build_schedule
+    from ._gc import gc_paused
     from .simulate import simulate
 
     _check_simulate_args(args)
-    schedule = build_schedule(args.schedule, args.ranks, args.microbatches, args.virtual_stages)
-    result = simulate(schedule, _simulate_costs(args, schedule))
-    versions = _async_versions(schedule, result)  # asynchronous schedules: labels "3v1" and versions kept
+    with gc_paused():  # one short-lived process making millions of acyclic objects: no collector passes over them
+        schedule = build_schedule(args.schedule, args.ranks, args.microbatches, args.virtual_stages)
+        result = simulate(schedule, _simulate_costs(args, schedule))
+        # asynchronous schedules: labels "3v1" (for what draws the timeline) and versions kept
+        versions = _async_versions(schedule, result, label=bool(args.png or args.trace or not args.json))
     if args.png:
         from .render import render_png
 
@@ -357,15 +360,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _async_versions(schedule: Schedule, result: SimResult) -> dict[str, object]:
-    """For an asynchronous schedule: label the timeline's boxes with their versions, report the versions kept."""
-    from .simulate_async import async_report, labelled_timeline
+def _async_versions(schedule: Schedule, result: SimResult, *, label: bool = True) -> dict[str, object]:
+    """For an asynchronous schedule: label the timeline's boxes with their versions (when it will be drawn),
+    report the versions kept (only the peaks: the full memory report costs seconds at 128 x 1024)."""
+    from .simulate_async import labelled_timeline, peak_versions
     from .validate_versions import async_table
 
     if async_table(schedule) is None:
         return {}
-    labelled_timeline(schedule, result)
-    return {"peak_weight_versions": async_report(schedule, result).peak_versions}
+    if label:
+        labelled_timeline(schedule, result)
+    return {"peak_weight_versions": peak_versions(schedule)}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

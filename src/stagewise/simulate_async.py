@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .actions import Kind
+from .actions import COMM, Action, Kind
 from .schedule import Schedule
 from .simulate import SimResult
 from .timeline import Timeline
@@ -47,7 +47,7 @@ def _table(schedule: Schedule) -> VersionTable:
 def async_report(schedule: Schedule, result: SimResult) -> AsyncReport:
     """Weight-version memory and steady state of ``schedule``, timed as ``result`` (``simulate(schedule, costs)``)."""
     table = _table(schedule)
-    ranks = [[a for a in acts if not a.kind.is_comm] for acts in schedule.ranks]
+    ranks = _without_comm(schedule)
     counts = live_versions(ranks, table)
     param = result.costs.parameter_bytes
     curves, peaks, peak_bytes, totals = [], [], [], []
@@ -64,6 +64,15 @@ def async_report(schedule: Schedule, result: SimResult) -> AsyncReport:
     period = (step_ends[-1] - step_ends[0]) / (len(step_ends) - 1) if len(step_ends) > 1 else result.makespan
     throughput = table.minibatches / result.makespan if result.makespan > 0 else 0.0
     return AsyncReport(peaks, peak_bytes, totals, curves, period, throughput, result.bubble_ratio)
+
+
+def peak_versions(schedule: Schedule) -> list[int]:
+    """Per rank, the most weight versions alive at once: ``async_report(...).peak_versions`` without the timing."""
+    return [max(row, default=0) for row in live_versions(_without_comm(schedule), _table(schedule))]
+
+
+def _without_comm(schedule: Schedule) -> list[list[Action]]:
+    return [[a for a in acts if a[1] not in COMM] for acts in schedule.ranks]
 
 
 def _peak_sum(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:

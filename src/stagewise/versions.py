@@ -45,11 +45,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate, chain, repeat
+from operator import itemgetter
 from typing import NamedTuple
 
+from ._gc import gc_paused
 from .actions import Action, Kind
 
 POLICIES = ("stash", "none", "vertical", "2bw", "predict")
+
+
+_F, _B, _STEP = Kind.F, Kind.B, Kind.STEP
+_stage_of, _mb_of = itemgetter(0), itemgetter(2)
+_TEXT = {k: k.value for k in Kind}
 
 
 class Version(NamedTuple):
@@ -106,111 +114,168 @@ def step_counts(
     ranks: Sequence[Sequence[Action]], num_stages: int, num_microbatches: int
 ) -> tuple[list[list[int]], list[list[int]]]:
     """(c_F, c_B): how many STEPs of stage s precede its F / B of micro-batch i in its rank's order (-1 if absent)."""
-    c_f = [[-1] * num_microbatches for _ in range(num_stages)]
-    c_b = [[-1] * num_microbatches for _ in range(num_stages)]
+    if not _in_range(ranks, num_stages, num_microbatches):
+        return _reference.step_counts(ranks, num_stages, num_microbatches)
+    try:
+        return _step_counts(ranks, num_stages, num_microbatches)
+    except TypeError:  # an F or B without a micro-batch
+        return _reference.step_counts(ranks, num_stages, num_microbatches)
+
+
+def _step_counts(
+    ranks: Sequence[Sequence[Action]], n: int, num_microbatches: int
+) -> tuple[list[list[int]], list[list[int]]]:
+    c_f = [[-1] * num_microbatches for _ in range(n)]
+    c_b = [[-1] * num_microbatches for _ in range(n)]
     for acts in ranks:
-        steps: dict[int, int] = {}
-        for a in acts:
-            if a.kind is Kind.STEP:
-                steps[a.stage] = steps.get(a.stage, 0) + 1
-            elif a.kind is Kind.F and a.microbatch is not None:
-                c_f[a.stage][a.microbatch] = steps.get(a.stage, 0)
-            elif a.kind is Kind.B and a.microbatch is not None:
-                c_b[a.stage][a.microbatch] = steps.get(a.stage, 0)
+        steps = dict.fromkeys(map(_stage_of, acts), 0)
+        for s, k, i in acts:
+            if k is _F:
+                c_f[s][i] = steps[s]  # type: ignore[index]  # None: TypeError, the caller falls back
+            elif k is _B:
+                c_b[s][i] = steps[s]  # type: ignore[index]  # None: TypeError, the caller falls back
+            elif k is _STEP:
+                steps[s] += 1
     return c_f, c_b
 
 
 def version_table(
     ranks: Sequence[Sequence[Action]], num_stages: int, policy: str, minibatches: int, microbatches: int
 ) -> VersionTable:
-    """The table of ``policy`` (see the module docstring) for the action lists ``ranks``."""
+    """The table of ``policy`` (see the module docstring) for the action lists ``ranks``.
+
+    Rows are built from interned ``Version`` objects (rows that are equal by the policy's rule are one
+    object), so the table of 128 ranks x 1024 micro-batches takes a fraction of a second.
+    """
     if policy not in POLICIES:
         raise ValueError(f"unknown weight-version policy {policy!r}; expected one of {', '.join(POLICIES)}")
     n, m = num_stages, microbatches
-    total = minibatches * m
-    c_f, c_b = step_counts(ranks, n, total)
-    fwd: list[list[Version]] = [[Version(0)] * total for _ in range(n)]
-    bwd: list[list[Version]] = [[Version(0)] * total for _ in range(n)]
-    first_f = _first_forward(ranks, n, minibatches, m)
-    for s in range(n):
-        for i in range(total):
-            t = i // m
-            if policy == "stash":
-                fwd[s][i] = bwd[s][i] = Version(c_f[s][i])
-            elif policy == "none":
-                fwd[s][i], bwd[s][i] = Version(c_f[s][i]), Version(c_b[s][i])
-            elif policy == "vertical":
-                fwd[s][i] = bwd[s][i] = Version(c_f[0][i])
-            elif policy == "2bw":
-                fwd[s][i] = bwd[s][i] = Version(max(0, t - 1))
-            else:  # predict: the bellwether's version, t - c updates ahead
-                c = c_f[s][first_f[s][t]] if first_f[s][t] >= 0 else 0
-                fwd[s][i] = bwd[s][i] = Version(c, max(0, t - c))
+    if not _in_range(ranks, n, minibatches * m):
+        return _reference.version_table(ranks, n, policy, minibatches, m)
+    try:
+        fwd, bwd = version_rows(ranks, n, policy, minibatches, m)
+    except TypeError:  # an F or B without a micro-batch
+        return _reference.version_table(ranks, n, policy, minibatches, m)
     release, keep = _lifetimes(ranks, n, fwd, bwd)
     return VersionTable(
         policy=policy,
         minibatches=minibatches,
         microbatches=m,
-        forward=tuple(tuple(r) for r in fwd),
-        backward=tuple(tuple(r) for r in bwd),
+        forward=tuple(fwd),
+        backward=tuple(bwd),
         release=tuple(release),
         keep_at_step=tuple(tuple(k) for k in keep),
     )
+
+
+def version_rows(
+    ranks: Sequence[Sequence[Action]], n: int, policy: str, minibatches: int, m: int
+) -> tuple[list[tuple[Version, ...]], list[tuple[Version, ...]]]:
+    """The forward and backward rows of :func:`version_table`, without the lifetimes (for the validator)."""
+    c_f, c_b = _step_counts(ranks, n, minibatches * m)
+    cache: dict[tuple[int, int], Version] = {}
+    fwd: list[tuple[Version, ...]]
+    bwd: list[tuple[Version, ...]]
+    if policy == "stash":
+        fwd = bwd = [_interned(row, cache) for row in c_f]
+    elif policy == "none":
+        fwd, bwd = [_interned(row, cache) for row in c_f], [_interned(row, cache) for row in c_b]
+    elif policy == "vertical":
+        row = _interned(c_f[0], cache) if n else ()
+        fwd = bwd = [row] * n
+    elif policy == "2bw":
+        row = _per_minibatch([_version(max(0, t - 1), 0, cache) for t in range(minibatches)], m)
+        fwd = bwd = [row] * n
+    else:  # predict: the bellwether's version, t - c updates ahead
+        first_f = _first_forward(ranks, n, minibatches, m)
+        fwd = []
+        for s in range(n):
+            bases = [c_f[s][first] if first >= 0 else 0 for first in first_f[s]]
+            fwd.append(_per_minibatch([_version(c, max(0, t - c), cache) for t, c in enumerate(bases)], m))
+        bwd = fwd
+    return fwd, bwd
+
+
+def _in_range(ranks: Sequence[Sequence[Action]], n: int, total: int) -> bool:
+    """Every stage in 0..n-1 and every micro-batch None or in 0..total-1 (checked in C): the fast paths index by them.
+
+    Anything else (a hand-edited schedule the validator has not seen yet) goes to the reference implementations,
+    which skip what is out of range; so does an F or B without a micro-batch (the fast paths raise TypeError).
+    """
+    for acts in ranks:
+        stages = set(map(_stage_of, acts))
+        if stages and (min(stages) < 0 or max(stages) >= n):
+            return False
+        mbs = set(map(_mb_of, acts))
+        mbs.discard(None)
+        if mbs and (min(mbs) < 0 or max(mbs) >= total):
+            return False
+    return True
+
+
+def _version(base: int, ahead: int, cache: dict[tuple[int, int], Version]) -> Version:
+    v = cache.get((base, ahead))
+    if v is None:
+        v = cache[(base, ahead)] = Version(base, ahead)
+    return v
+
+
+def _interned(row: list[int], cache: dict[tuple[int, int], Version]) -> tuple[Version, ...]:
+    """``tuple(Version(c) for c in row)``, each distinct version one object."""
+    by_base = {c: _version(c, 0, cache) for c in set(row)}
+    return tuple(map(by_base.__getitem__, row))
+
+
+def _per_minibatch(versions: list[Version], m: int) -> tuple[Version, ...]:
+    """One version per mini-batch, repeated for its m micro-batches."""
+    return tuple(chain.from_iterable(repeat(v, m) for v in versions))
 
 
 def _first_forward(ranks: Sequence[Sequence[Action]], n: int, minibatches: int, m: int) -> list[list[int]]:
     """first[s][t]: the micro-batch of mini-batch t that stage s forwards first (its bellwether), -1 if none."""
     first = [[-1] * minibatches for _ in range(n)]
     for acts in ranks:
-        for a in acts:
-            if a.kind is Kind.F and a.microbatch is not None:
-                t = a.microbatch // m
-                if 0 <= t < minibatches and first[a.stage][t] < 0:
-                    first[a.stage][t] = a.microbatch
+        for s, k, i in acts:
+            if k is _F:
+                t = i // m  # type: ignore[operator]  # None: TypeError, the caller falls back
+                if 0 <= t < minibatches and first[s][t] < 0:
+                    first[s][t] = i  # type: ignore[assignment]
     return first
 
 
-def _uses(a: Action, fwd: list[list[Version]], bwd: list[list[Version]]) -> Version | None:
-    if a.microbatch is None or not 0 <= a.stage < len(fwd) or not 0 <= a.microbatch < len(fwd[a.stage]):
-        return None
-    if a.kind is Kind.F:
-        return fwd[a.stage][a.microbatch]
-    if a.kind is Kind.B:
-        return bwd[a.stage][a.microbatch]
-    return None
-
-
 def _lifetimes(
-    ranks: Sequence[Sequence[Action]], n: int, fwd: list[list[Version]], bwd: list[list[Version]]
+    ranks: Sequence[Sequence[Action]], n: int, fwd: Sequence[Sequence[Version]], bwd: Sequence[Sequence[Version]]
 ) -> tuple[list[dict[str, tuple[Version, ...]]], list[list[bool]]]:
-    """Per stage: after which action each version is used for the last time; whether W^(c) outlives its STEP."""
-    last_use: list[dict[Version, str]] = [{} for _ in range(n)]
+    """Per stage: after which action each version is used for the last time; whether W^(c) outlives its STEP.
+
+    One scan of every rank; the text form is made only for the actions that end up last.
+    """
+    last_use: list[dict[Version, tuple[int, int]]] = [{} for _ in range(n)]
     used_after_step: list[set[int]] = [set() for _ in range(n)]
-    steps_of: list[int] = [0] * n
-    for acts in ranks:
-        for a in acts:
-            if a.kind is Kind.STEP and 0 <= a.stage < n:
-                steps_of[a.stage] += 1
+    steps_of = [0] * n
+    for rank, acts in enumerate(ranks):
+        count = [0] * n  # STEPs of each stage so far on this rank
+        for j, (s, k, i) in enumerate(acts):
+            if k is _F:
+                v = fwd[s][i]  # type: ignore[index]  # None: TypeError, the caller falls back
+            elif k is _B:
+                v = bwd[s][i]  # type: ignore[index]  # None: TypeError, the caller falls back
+            elif k is _STEP:
+                steps_of[s] += 1
+                count[s] += 1
                 continue
-            v = _uses(a, fwd, bwd)
-            if v is None:
+            else:
                 continue
-            last_use[a.stage][v] = str(a)
-    for acts in ranks:
-        count: dict[int, int] = {}
-        for a in acts:
-            if a.kind is Kind.STEP and 0 <= a.stage < n:
-                count[a.stage] = count.get(a.stage, 0) + 1
-                continue
-            v = _uses(a, fwd, bwd)
-            if v is not None and v.ahead == 0 and v.base < count.get(a.stage, 0):
-                used_after_step[a.stage].add(v.base)
-    release: list[dict[str, tuple[Version, ...]]] = [{} for _ in range(n)]
+            last_use[s][v] = (rank, j)
+            if not v[1] and v[0] < count[s]:
+                used_after_step[s].add(v[0])
+    release: list[dict[str, tuple[Version, ...]]] = []
     for s in range(n):
         grouped: dict[str, list[Version]] = {}
-        for v, where in last_use[s].items():
-            grouped.setdefault(where, []).append(v)
-        release[s] = {k: tuple(sorted(vs)) for k, vs in grouped.items()}
+        for v, (rank, j) in last_use[s].items():
+            a = ranks[rank][j]
+            grouped.setdefault(f"{a[0]}{_TEXT[a[1]]}{a[2]}", []).append(v)
+        release.append({k: tuple(sorted(vs)) for k, vs in grouped.items()})
     keep = [[c in used_after_step[s] for c in range(steps_of[s] + 1)] for s in range(n)]
     return release, keep
 
@@ -225,24 +290,33 @@ def live_versions(ranks: Sequence[Sequence[Action]], table: VersionTable) -> lis
     counts them in time linear in the actions and versions.
     """
     n = table.num_stages
-    fwd = [list(r) for r in table.forward]
-    bwd = [list(r) for r in table.backward]
+    if not _in_range(ranks, n, table.minibatches * table.microbatches) or any(
+        len(row) != table.minibatches * table.microbatches for row in (*table.forward, *table.backward)
+    ):
+        return _reference.live_versions(ranks, table)
+    try:
+        with gc_paused():  # ~1 tuple per action, all acyclic
+            return _live_versions(ranks, table.forward, table.backward)
+    except TypeError:  # an F or B without a micro-batch
+        return _reference.live_versions(ranks, table)
+
+
+def _live_versions(
+    ranks: Sequence[Sequence[Action]], fwd: Sequence[Sequence[Version]], bwd: Sequence[Sequence[Version]]
+) -> list[list[int]]:
     out: list[list[int]] = []
     for acts in ranks:
         end = len(acts)
+        # the (stage, version) each F and B uses, and where: a dict of the pairs keeps the last index per key
+        used = [j for j, a in enumerate(acts) if a[1] is _F or a[1] is _B]
+        keys = [(s, (fwd if k is _F else bwd)[s][i]) for s, k, i in map(acts.__getitem__, used)]  # type: ignore[index]  # None: TypeError, the caller falls back
+        last = dict(zip(keys, used))
+        first = dict(zip(reversed(keys), reversed(used)))
         steps: dict[int, list[int]] = {}
-        first: dict[tuple[int, Version], int] = {}
-        last: dict[tuple[int, Version], int] = {}
-        for j, a in enumerate(acts):
-            if a.kind is Kind.STEP:
-                steps.setdefault(a.stage, []).append(j)
-                continue
-            v = _uses(a, fwd, bwd) if a.stage < n else None
-            if v is not None:
-                first.setdefault((a.stage, v), j)
-                last[(a.stage, v)] = j
+        for j in [j for j, a in enumerate(acts) if a[1] is _STEP]:
+            steps.setdefault(acts[j][0], []).append(j)
         intervals: dict[tuple[int, Version], tuple[int, int]] = {}
-        for s in {a.stage for a in acts}:
+        for s in set(map(_stage_of, acts)):
             at = steps.get(s, [])
             for c in range(len(at) + 1):  # W^(c) is current from the STEP that makes it to the one replacing it
                 intervals[(s, Version(c))] = (0 if c == 0 else at[c - 1] + 1, at[c] if c < len(at) else end - 1)
@@ -256,11 +330,7 @@ def live_versions(ranks: Sequence[Sequence[Action]], table: VersionTable) -> lis
             if lo <= hi:
                 diff[lo] += 1
                 diff[hi + 1] -= 1
-        counts, live = [], 0
-        for j in range(end):
-            live += diff[j]
-            counts.append(live)
-        out.append(counts)
+        out.append(list(accumulate(diff[:end])))
     return out
 
 
@@ -289,3 +359,6 @@ def version_bound(policy: str, num_ranks: int, microbatches: int, stage: int) ->
     if policy == "predict":
         return 1 if s == p - 1 else 1 + in_flight
     raise ValueError(f"unknown weight-version policy {policy!r}; expected one of {', '.join(POLICIES)}")
+
+
+from . import _versions_reference as _reference  # noqa: E402 - it imports Version and VersionTable from here
