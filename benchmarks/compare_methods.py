@@ -59,6 +59,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+if __name__ == "__main__":  # method modules import this one by name: let them find it, not a second copy
+    sys.modules.setdefault("compare_methods", sys.modules[__name__])
 
 import stagewise as sw  # noqa: E402
 from _compare_costs import SIM_RANKS, profile_costs, simulated, simulated_activation_bytes  # noqa: E402
@@ -114,7 +116,7 @@ METHODS: list[Method] = [
 ]
 
 #: modules (importable from benchmarks/) whose ``COMPARE_METHODS`` rows are appended to METHODS
-EXTRA_METHOD_MODULES: tuple[str, ...] = ()
+EXTRA_METHOD_MODULES: tuple[str, ...] = ("_compare_hetpipe",)
 
 
 def all_methods(extra: list[str] | None = None) -> list[Method]:

@@ -56,17 +56,25 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return data
 
 
+ALL = cm.all_methods()  # METHODS and the rows of EXTRA_METHOD_MODULES (HetPipe's)
+
+
 def _row(result: dict[str, Any], name: str, method: str) -> dict[str, Any]:
     return next(r for r in result[name]["rows"] if r["method"] == method)
 
 
 @pytest.mark.parametrize("name", WORKLOADS)
 def test_every_method_ran_with_finite_losses(result: dict[str, Any], name: str) -> None:
-    assert [r["method"] for r in result[name]["rows"]] == [m.name for m in cm.METHODS]
-    for row, method in zip(result[name]["rows"], cm.METHODS, strict=True):
+    assert [r["method"] for r in result[name]["rows"]] == [m.name for m in ALL]
+    assert len(ALL) > len(cm.METHODS)  # HetPipe's rows are in
+    for row, method in zip(result[name]["rows"], ALL, strict=True):
         assert row["family"] == method.family
         (run,) = row["runs"]
-        assert [c[0] for c in run["curve"]] == [BATCH * k for k in range(1, STEPS + 1)], row["method"]
+        samples = [c[0] for c in run["curve"]]
+        if method.run is None:
+            assert samples == [BATCH * k for k in range(1, STEPS + 1)], row["method"]
+        else:  # HetPipe: per wave, two VWs on equal halves
+            assert samples == sorted(samples) and samples[-1] == BATCH * (STEPS // 2 * 2), (row["method"], samples)
         losses = [c[2] for c in run["curve"]] + [run["train_loss"], run["val_loss"]]
         assert all(math.isfinite(v) and v > 0 for v in losses), (row["method"], losses)
         assert 0.0 <= run["val_accuracy"] <= 1.0 and run["samples_per_s"] > 0
@@ -87,7 +95,7 @@ def test_markdown_tables_have_one_row_per_method_and_every_column(result: dict[s
             if not line.startswith("|"):
                 break
             rows.append(line)
-        assert [row.split(" | ")[0].lstrip("| ") for row in rows] == [m.name for m in cm.METHODS]
+        assert [row.split(" | ")[0].lstrip("| ") for row in rows] == [m.name for m in ALL]
         assert all(row.count("|") - 1 == columns for row in rows), header
 
 
@@ -100,6 +108,9 @@ def test_memory_columns_add_up_to_the_model(result: dict[str, Any], name: str) -
     total = _parameter_bytes(name)
     for row in result[name]["rows"]:
         mem, sim = row["memory"], row["sim_memory"]
+        if row["method"].startswith("hetpipe"):  # each VW (one rank) holds the whole model; at p = 4, pp2 each
+            assert mem["weights"] == [total, total] and sum(sim["weights"]) == pytest.approx(2 * total)
+            continue
         assert sum(mem["weights"]) == total and sum(sim["weights"]) == pytest.approx(total), row["method"]
         assert len(mem["weights"]) == 2 and len(sim["weights"]) == cm.SIM_RANKS
         if row["family"] == "sync":
@@ -201,6 +212,6 @@ def test_rows_from_another_module_are_appended(tmp_path: Path, monkeypatch: pyte
         "import compare_methods as cm\nCOMPARE_METHODS = [cm.Method('1f1b', 'sync', cm.METHODS[1].build)]\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    assert [m.name for m in cm.all_methods(["extra_rows"])] == [m.name for m in cm.METHODS] + ["extra"]
+    assert [m.name for m in cm.all_methods(["extra_rows"])] == [m.name for m in ALL] + ["extra"]
     with pytest.raises(ValueError, match="unique"):
         cm.all_methods(["clash_rows"])
