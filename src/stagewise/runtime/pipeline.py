@@ -166,6 +166,8 @@ class Pipeline(nn.Module):
             speeds=speeds,
             memory_caps=memory_caps,
             seed=seed,
+            timeout=options.timeout,
+            store=options.store,
         )
         if ctx.hybrid is not None and ctx.hybrid.config.tp > 1 and parts.tied is not None:
             parts.tied.check_plan([n for n, _ in named], tp_plan)

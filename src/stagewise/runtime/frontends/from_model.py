@@ -122,10 +122,11 @@ def from_model(
     sched = schedule_for_stages(
         schedule, groups.group_size(pg), stages, microbatches, virtual_stages, "tags" if tags else ""
     )
-    steps = RunOptions(**options).step_placement  # (checks the options before anything communicates)
+    run = RunOptions(**options)  # (checks the options before anything communicates)
     ctx = resolve_context(
-        schedule=sched, microbatches=None, virtual_stages=None, group=group, device=device, optimizer_steps=steps
-    )
+        schedule=sched, microbatches=None, virtual_stages=None, group=group, device=device,
+        optimizer_steps=run.step_placement,
+    )  # fmt: skip
     n = sched.num_stages
     measured: LayerProfile | None = None
     if tags:
@@ -133,7 +134,9 @@ def from_model(
         counts = [1] * n
     else:
         how = partition or "uniform"
-        counts, measured = _block_counts(model, sched, how, sample_inputs, speeds, memory_caps, concrete_args, pg)
+        counts, measured = _block_counts(
+            model, sched, how, sample_inputs, speeds, memory_caps, concrete_args, pg, (run.timeout, run.store)
+        )
         split = split_model(model, stages=n, partition=counts, concrete_args=concrete_args)
     mine = {k: split.stage_modules[k] for k in ctx.local_stages}
     starts = [sum(counts[:k]) for k in range(n + 1)]
@@ -229,6 +232,7 @@ def _block_counts(
     memory_caps: Sequence[float] | None,
     concrete_args: dict[str, Any] | None,
     group: Any,
+    deadline: tuple[float, Any] = (300.0, None),
 ) -> tuple[list[int], LayerProfile | None]:
     """How many top-level blocks each stage gets, the same on every rank; and the profile it came from."""
     named = dict(model_blocks(model))
@@ -249,6 +253,7 @@ def _block_counts(
             group,
             lambda: steadiest(lambda: profile_blocks(model, [(b, named[b]) for b in blocks], args)),
             "profiling the model's blocks",
+            *deadline,  # the pipeline's timeout and store
         )
     with caps_explained(sched, memory_caps):
         counts = stage_counts(

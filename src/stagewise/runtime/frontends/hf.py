@@ -306,10 +306,11 @@ def from_hf(
             f"{sched.num_stages} stages need at least {sched.num_stages} decoder layers; {type(model).__name__} has "
             f"{n} ({layout.layers})"
         )
-    steps = RunOptions(**options).step_placement  # (checks the options before anything communicates)
+    run = RunOptions(**options)  # (checks the options before anything communicates)
     ctx = resolve_context(
-        schedule=sched, microbatches=None, virtual_stages=None, group=group, device=device, optimizer_steps=steps
-    )
+        schedule=sched, microbatches=None, virtual_stages=None, group=group, device=device,
+        optimizer_steps=run.step_placement,
+    )  # fmt: skip
     units = [(str(i), HFStage(model, layout, [i], first=i == 0, last=i == n - 1)) for i in range(n)]
     plan = plan_layers(
         units,
@@ -321,6 +322,8 @@ def from_hf(
         sample_inputs=sample_inputs,
         speeds=speeds,
         memory_caps=memory_caps,
+        timeout=run.timeout,
+        store=run.store,
     )
     del units
     last = sched.num_stages - 1

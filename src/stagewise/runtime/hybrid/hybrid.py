@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ...parallel.config import AXES, ParallelConfig
+from ..comm import groups
 from ..comm.collectives import all_reduce
 from ..engine.microbatch import Dims, batch_size, split
 from . import sharding as zero
@@ -93,6 +94,13 @@ class Hybrid:
                 for s, layers in stages.items()
             }
             self._averager = GradAverager(params, self.mesh.group("dp"), wait=wait)
+
+    def bound_groups(self, timeout: float) -> None:
+        """Every axis group gives up on a collective after ``timeout`` seconds (see :func:`..comm.groups.bound`):
+        FSDP2 and DTensor wait for theirs inside torch, where only the group's timeout stops a wait."""
+        for axis in AXES:
+            if self.config.size(axis) > 1:
+                groups.bound(self.mesh.group(axis), timeout)
 
     def drop_groups(self) -> None:
         """At exit: forget the data-parallel group (the mesh itself names its groups, it does not hold them)."""
