@@ -55,7 +55,7 @@ def grad_norm(
         part = _local(g).detach().to(torch.float64)
         acc += part.abs().pow(norm_type).sum() / copies(g)
     reduce(acc, "sum")
-    return float(acc.item()) ** (1.0 / norm_type)
+    return float(float(acc.item()) ** (1.0 / norm_type))
 
 
 def clip_grad_norm_(

@@ -99,6 +99,6 @@ def build_mesh(config: ParallelConfig, device_type: str | None = None) -> Mesh:
         device_type = "cuda" if str(dist.get_backend()) == "nccl" else "cpu"
     # an axis spanning the world gets a group of its own rather than the default one (the user's), so that
     # the pipeline can give it its timeout (comm.groups.bound)
-    backend = str(dist.get_backend())
-    whole = {a: backend for a, n in zip(AXES, config.shape) if n > 1 and n == dist.get_world_size()}
+    backend, world = str(dist.get_backend()), dist.get_world_size()
+    whole: dict[int | str, Any] = {a: backend for a, n in zip(AXES, config.shape) if n > 1 and n == world}
     return Mesh(config, init_device_mesh(device_type, config.shape, mesh_dim_names=AXES, backend_override=whole))
