@@ -49,8 +49,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_job(out: Path, fault: str, victim: int, where: str) -> tuple[dict[int, int | None], dict[int, str], dict]:
-    """Start the four ranks; wait for all but a stopped victim; return exit codes, reports and stderr logs."""
+def run_job(
+    out: Path, fault: str, victim: int, where: str, worker: Path = WORKER
+) -> tuple[dict[int, int | None], dict[int, str], dict]:
+    """Start the four ranks of ``worker``; wait for all but a stopped victim; return exit codes, reports, logs."""
     out.mkdir(parents=True, exist_ok=True)
     port = free_port()
     procs = {}
@@ -70,7 +72,7 @@ def run_job(out: Path, fault: str, victim: int, where: str) -> tuple[dict[int, i
         for k in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_USE_AGENT_STORE"):
             env.pop(k, None)
         logs[r] = open(out / f"log{r}.txt", "w")
-        cmd = [sys.executable, str(WORKER), "--fault", fault, "--victim", str(victim), "--where", where]
+        cmd = [sys.executable, str(worker), "--fault", fault, "--victim", str(victim), "--where", where]
         procs[r] = subprocess.Popen([*cmd, "--out", str(out)], env=env, stdout=logs[r], stderr=subprocess.STDOUT)
     codes: dict[int, int | None] = {}
     started = time.monotonic()
@@ -125,16 +127,16 @@ def judge(case: Case, codes: dict[int, int | None], reports: dict[int, str], log
     return problems
 
 
-def run_case(case: Case, out: Path) -> Outcome:
-    codes, reports, logs = run_job(out, *case)
+def run_case(case: Case, out: Path, worker: Path = WORKER) -> Outcome:
+    codes, reports, logs = run_job(out, *case, worker=worker)
     return Outcome(case, codes, reports, logs, judge(case, codes, reports, logs))
 
 
-def run_cases(cases: list[Case], out: Path, parallel: int = 2) -> list[Outcome]:
-    """The cases, ``parallel`` jobs at a time (each job is four processes)."""
+def run_cases(cases: list[Case], out: Path, parallel: int = 2, worker: Path = WORKER) -> list[Outcome]:
+    """The cases, ``parallel`` jobs at a time (each job is four processes of ``worker``)."""
     names = [f"{f}-rank{v}-{w}" for f, v, w in cases]
     with ThreadPoolExecutor(parallel) as pool:
-        return list(pool.map(lambda c, n: run_case(c, out / n), cases, names))
+        return list(pool.map(lambda c, n: run_case(c, out / n, worker), cases, names))
 
 
 def clean_job(out: Path) -> tuple[dict[int, int | None], dict[int, str], dict]:

@@ -72,6 +72,7 @@ def build_engine(
     if ctx.hybrid is not None:  # split, shard or replicate the stages before optimizers see them
         whole = {id(p) for m in tied.built.values() for p in m.parameters()}
         ctx.hybrid.attach(root, parts.modules, tp_plan, wait, whole)
+        ctx.hybrid.bound_groups(options.timeout)  # FSDP2's and DTensor's collectives stop at the pipeline's timeout
     optimizers = optimizer_per_stage(parts.modules, options.optimizer, stage_parameters)
     transport = make_transport(ctx, options)
     made.append(transport)
@@ -83,6 +84,8 @@ def build_engine(
     tied_sync = TiedSync(
         tied, parts.layer_ranges, schedule.placement, ctx.rank, ctx.group, wait, mesh, transport.call
     )  # (its process groups are made within the deadline: transport.call)
+    for tied_group in tied_sync.groups.values():
+        groups.bound(tied_group, options.timeout)
     hooks = StageHooks([tied_sync] if ctx.hybrid is None else [ctx.hybrid, tied_sync], optimizers)
     precision = autocast_context(options.autocast, ctx.device)
     stages = {s: Stage(s, mods, options.recompute, precision, 1.0 / m) for s, mods in parts.modules.items()}

@@ -17,7 +17,7 @@ from ..schedule import Schedule
 from ..schedules import schedule_info
 from ..validate import validate_schedule
 from ..validate_versions import validate_versions
-from .comm import groups
+from .comm import exit_hook, groups
 
 if TYPE_CHECKING:
     from ..parallel import ParallelConfig
@@ -58,6 +58,7 @@ def resolve_context(
     ``"at_end"`` at the end of each rank's list (see :attr:`RunOptions.step_placement`); None: no STEP.
     """
     groups.require_initialized()
+    exit_hook.install()  # programs that set up torch.distributed themselves leave cleanly too (as after sw.init)
     if parallel is not None:
         _refuse_async_hybrid(schedule, parallel)
     hybrid = _hybrid(parallel, group)  # pp x dp x sharding x tp: the schedule runs on the pp group

@@ -34,6 +34,7 @@ from .comm.choose import TransportChoice
 from .comm.transport import Transport
 from .context import PipelineContext, resolve_context
 from .engine.batchnorm import BatchNormPolicy
+from .engine.clip import clip_pipeline_grads
 from .engine.finite import finite_check
 from .engine.microbatch import Dims
 from .engine.recompute import Recompute
@@ -171,6 +172,8 @@ class Pipeline(nn.Module):
             speeds=speeds,
             memory_caps=memory_caps,
             seed=seed,
+            timeout=options.timeout,
+            store=options.store,
         )
         if ctx.hybrid is not None and ctx.hybrid.config.tp > 1 and parts.tied is not None:
             parts.tied.check_plan([n for n, _ in named], tp_plan)
@@ -352,8 +355,6 @@ class Pipeline(nn.Module):
         As ``torch.nn.utils.clip_grad_norm_`` on the one-process model; returns the
         norm before clipping. A collective: call it on every rank, after train_step.
         """
-        from .hybrid.hybrid import clip_pipeline_grads
-
         return clip_pipeline_grads(self, max_norm, norm_type)
 
     def local_batch(self, inputs: Any = None, targets: Any = None) -> tuple[Any, Any]:

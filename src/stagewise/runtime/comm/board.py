@@ -18,6 +18,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch.distributed as dist
+
 from ..errors import PipelineError
 from . import heartbeat
 from .coordinator import UNREACHABLE, board_client
@@ -27,7 +29,7 @@ log = logging.getLogger(__name__)
 
 _ERROR_KEY = "error"
 JOB_KEY = "job/error"
-SEEN_KEY = "job/seen"  # how many ranks have read the job's failure (the failing store host waits for them)
+SEEN_KEY = "job/seen"  # job/seen/<global rank>: that rank has read a failure (the failing store host waits for them)
 
 
 class ErrorBoard:
@@ -50,11 +52,14 @@ class ErrorBoard:
         try:
             if self.store.check([JOB_KEY]):  # a process already ended with an error: that one is the cause
                 self.failure = self.store.get(JOB_KEY).decode()
+                self._seen()
                 return self.failure
             stood = self.store.compare_set(self.key, "", message)
             self.failure = stood.decode() if isinstance(stood, bytes) else str(stood)
             if self.failure == message:
                 mark_origin()
+            else:
+                self._seen()
         except Exception as err:  # the store itself is gone: keep the local message
             log.warning("stagewise: could not post the failure to the store: %s", err)
             self.failure = f"{message}\n({UNREACHABLE}: other ranks may not see this failure)"
@@ -67,13 +72,17 @@ class ErrorBoard:
                 for key in (JOB_KEY, self.key):
                     if self.store.check([key]):
                         self.failure = self.store.get(key).decode()
-                        self.store.add(SEEN_KEY, 1)  # the origin may be waiting for readers before it exits
+                        self._seen()
                         break
             except Exception as err:
                 who = f"{self.me}: " if self.me else ""
                 self.failure = f"{who}{UNREACHABLE}: {_brief(err)}"
         if self.failure is not None:
             raise PipelineError(self.failure)
+
+    def _seen(self) -> None:
+        """Say that this rank has read the failure (the origin, maybe the store host, waits for its readers)."""
+        self.store.set(f"{SEEN_KEY}/{dist.get_rank()}", "1")
 
 
 def _brief(err: BaseException) -> str:

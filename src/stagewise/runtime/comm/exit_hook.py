@@ -6,8 +6,10 @@ dead or stopped peer, and helper threads blocked in a gloo wait are torn down
 mid-call; either aborts ("terminate called without an active exception",
 SIGABRT). Under torchrun the aborting rank then looks like the root cause.
 
-:func:`install` (called by :func:`stagewise.init`) puts a ``sys.excepthook``
-in front of the existing one. For an uncaught exception it
+:func:`install` (called by :func:`stagewise.init`, and when a Pipeline is
+first built, for programs that set up ``torch.distributed`` themselves) puts a
+``sys.excepthook`` in front of the existing one. For an uncaught exception in
+a process of a multi-process group it
 
 1. prints the traceback (the previous hook);
 2. posts the failure to the run's job key on the error board, so ranks that
@@ -20,7 +22,13 @@ in front of the existing one. For an uncaught exception it
    observe the origin's exit first, so its summary names the right rank
    (torchrun ranks failures by whole-second timestamps); global rank 0, which
    hosts the store under torchrun's placement, waits like the origin, so that
-   slower ranks still read the failure rather than find the store gone;
+   slower ranks still read the failure rather than find the store gone. A
+   rank can be slow for as long as a pipeline's timeout: stuck in a
+   collective inside torch (FSDP2's) with a rank that left, it learns of the
+   failure only when the group's timeout ends the wait. So past
+   :data:`_LINGER_S`, the origin and rank 0 keep waiting - up to the longest
+   pipeline timeout - while some rank that has not read is still alive
+   (stamping its heartbeat);
 4. flushes stdio and logging, and leaves with ``os._exit(1)``: no C++
    destructors run, so nothing aborts. ``atexit`` handlers are skipped on
    this path - the process group may have dead members, and tearing it down
@@ -40,6 +48,7 @@ from types import TracebackType
 import torch.distributed as dist
 
 from ..errors import PipelineError
+from . import heartbeat
 
 _installed = False
 _origin = False  # this process posted the failure that stands on some board
@@ -62,8 +71,8 @@ def install() -> None:
 
     def hook(kind: type[BaseException], err: BaseException, tb: TracebackType | None) -> None:
         previous(kind, err, tb)
-        if issubclass(kind, KeyboardInterrupt) or not dist.is_initialized():
-            return
+        if issubclass(kind, KeyboardInterrupt) or not dist.is_initialized() or dist.get_world_size() == 1:
+            return  # the ordinary way: no peer to tell, nothing stuck to abort on
         leave(err)
 
     sys.excepthook = hook
@@ -101,8 +110,14 @@ def _post_and_linger(err: BaseException) -> None:
     store = board_client(None, _LINGER_S, cached=True)
     if not relayed:
         store.compare_set(JOB_KEY, "", message)
-    deadline = time.perf_counter() + _LINGER_S
-    while time.perf_counter() < deadline:
-        if int(store.add(SEEN_KEY, 0)) >= world - 1:
+    started = time.perf_counter()
+    while True:
+        waited = time.perf_counter() - started
+        unread = [r for r in range(world) if r != rank and not store.check([f"{SEEN_KEY}/{r}"])]
+        if not unread or waited > _LINGER_S + heartbeat.longest_timeout():
             return
-        time.sleep(0.05)
+        if waited > _LINGER_S:  # those that have not read may be stuck in torch: wait while they are alive
+            silent = {r for r, _ in heartbeat.silent_ranks(2.5 * heartbeat.INTERVAL_S)}
+            if all(r in silent for r in unread):
+                return
+        time.sleep(0.05 if waited < _LINGER_S else 0.25)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -73,7 +74,24 @@ def new_subgroup(ranks: list[int], member: bool) -> Any:
     return dist.new_group(ranks, use_local_synchronization=True)
 
 
-def side_group(group: Any, wait: Any = None) -> Any:
+def bound(group: Any, timeout: float) -> None:
+    """Make ``group``'s backend give up on a collective after ``timeout`` seconds (the pipeline's), not its default.
+
+    For the collectives stagewise does not wait for itself - FSDP2's all-gathers and reduce-scatters, DTensor's
+    tensor-parallel reductions, issued and waited for inside torch on the main thread: a gloo wait there can be
+    interrupted by nothing but the group's own timeout (30 minutes by default), so a stopped peer would hold
+    this rank that long. None, a group this rank is not in, and the default group (the user's) are left alone.
+    """
+    if group is None or group is dist.GroupMember.NON_GROUP_MEMBER or group is dist.GroupMember.WORLD:
+        return
+    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout), group)
+
+
+def _delta(timeout: float | None) -> timedelta | None:
+    return None if timeout is None else timedelta(seconds=timeout)
+
+
+def side_group(group: Any, wait: Any = None, timeout: float | None = None) -> Any:
     """A gloo group with the members of ``group``, for eager point-to-point next to a grouped backend.
 
     ``dist.new_group`` must be called by every process in the same order, and
@@ -89,7 +107,7 @@ def side_group(group: Any, wait: Any = None) -> Any:
     everyone = [tuple(r) for r in gather_json(list(mine), None, wait, "every rank's pipeline group")]
     found = None
     for ranks in sorted(set(everyone)):
-        made = dist.new_group(list(ranks), backend="gloo")
+        made = dist.new_group(list(ranks), backend="gloo", timeout=_delta(timeout))
         if ranks == mine:
             found = made
     return found

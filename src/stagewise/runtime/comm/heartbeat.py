@@ -26,11 +26,13 @@ INTERVAL_S = 1.0
 _thread: threading.Thread | None = None
 _stop = threading.Event()
 _store: Any = None
+_timeout = 0.0  # the longest timeout of the boards that started the stamping
 
 
 def start(timeout: float) -> None:
     """Start stamping (once per process; no-op on one rank or without a process group)."""
-    global _thread, _store
+    global _thread, _store, _timeout
+    _timeout = max(_timeout, timeout)
     if _thread is not None or not dist.is_initialized() or dist.get_world_size() == 1:
         return
     from .coordinator import board_client
@@ -70,6 +72,11 @@ def silent_ranks(threshold: float) -> list[tuple[int, float | None]]:
         if age > threshold:
             out.append((r, age))
     return out
+
+
+def longest_timeout() -> float:
+    """The longest pipeline timeout this process has seen (0 before any board): how long a peer may be stuck."""
+    return _timeout
 
 
 def describe_silent(timeout: float) -> str:

@@ -46,7 +46,7 @@ class TorchTransport:
         self.timeout = spec.timeout
         self.board = ErrorBoard(spec.name if spec.board is None else spec.board, spec.store, spec.timeout, self.me)
         self.waits = Waits(self.board, spec.timeout, self.me)
-        side = side_group(group, lambda works, what: self.waits.wait(works, what))
+        side = side_group(group, lambda works, what: self.waits.wait(works, what), spec.timeout)
         self._eager_group = group if side is None else side
         self._sends: dict[int, Any] = {}  # id -> work, until finished or released
         self._eager_sends: list[Any] = []

@@ -18,6 +18,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import torch.distributed as dist
+
 from ..errors import PipelineError
 from . import heartbeat
 from .board import ErrorBoard
@@ -41,6 +43,22 @@ class Watch:
     waiter: _Waiter
     event: threading.Event
     error: BaseException | None = None
+
+
+_setup_boards = 0
+
+
+def setup_waits(timeout: float, store: Any = None) -> Waits:
+    """Waits for a collective made before a pipeline's transport exists (the profile handed round, say).
+
+    Its board is one of its own - named by a count every rank advances alike, as all build their pipelines in
+    the same order - and, as every board, it watches the run's job key, where a process that dies of an
+    exception posts it. Close it after use (:meth:`Waits.close`).
+    """
+    global _setup_boards
+    _setup_boards += 1
+    me = f"global rank {dist.get_rank()}"
+    return Waits(ErrorBoard(f"setup/{_setup_boards - 1}", store, timeout, me), timeout, me)
 
 
 class Waits:

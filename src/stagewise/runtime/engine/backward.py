@@ -25,6 +25,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+# ``torch.autograd.backward`` / ``grad`` given output gradients import this - and sympy, some 500 modules,
+# seconds on a loaded machine - on their first call. Imported with the library instead: inside a rank's first
+# backward it held up every rank waiting for that gradient, past the pipeline's timeout (issue 17).
+import torch.fx.experimental.symbolic_shapes  # noqa: F401  (imported for its cost, see above)
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 Node = Any  # torch.autograd.graph.Node

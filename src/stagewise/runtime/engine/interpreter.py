@@ -45,6 +45,7 @@ import torch
 
 from ...actions import Action, Kind
 from ...dataflow import Message, consumer_stage, consumes, message_of
+from ..comm.failures import comm_failure, is_comm_error
 from ..comm.transport import Transport
 from ..errors import PipelineError
 from .backward import WeightWork, backward_full, backward_input, backward_weight
@@ -143,6 +144,8 @@ class Interpreter:
             raise
         except BaseException as err:
             where = f" at {self.current}" if self.current is not None else ""
+            if is_comm_error(err):  # a collective inside torch (FSDP2, DTensor): whose failure is it?
+                raise comm_failure(self.transport, err, f"{self.transport.me}{where}") from err
             self.transport.fail(f"{self.transport.me}{where}: {type(err).__name__}: {err}")
             raise
         finally:

@@ -127,7 +127,9 @@ def from_model(
         counts = [1] * n
     else:
         how = partition or "uniform"
-        counts, measured = _block_counts(model, sched, how, sample_inputs, speeds, memory_caps, concrete_args, pg)
+        counts, measured = _block_counts(
+            model, sched, how, sample_inputs, speeds, memory_caps, concrete_args, pg, (run.timeout, run.store)
+        )
         split = split_model(model, stages=n, partition=counts, concrete_args=concrete_args)
     mine = {k: split.stage_modules[k] for k in ctx.local_stages}
     starts = [sum(counts[:k]) for k in range(n + 1)]
@@ -251,6 +253,7 @@ def _block_counts(
     memory_caps: Sequence[float] | None,
     concrete_args: dict[str, Any] | None,
     group: Any,
+    deadline: tuple[float, Any] = (300.0, None),
 ) -> tuple[list[int], LayerProfile | None]:
     """How many top-level blocks each stage gets, the same on every rank; and the profile it came from."""
     named = dict(model_blocks(model))
@@ -271,6 +274,7 @@ def _block_counts(
             group,
             lambda: steadiest(lambda: profile_blocks(model, [(b, named[b]) for b in blocks], args)),
             "profiling the model's blocks",
+            *deadline,  # the pipeline's timeout and store
         )
     with caps_explained(sched, memory_caps):
         counts = stage_counts(

@@ -311,6 +311,8 @@ def from_hf(
         sample_inputs=sample_inputs,
         speeds=speeds,
         memory_caps=memory_caps,
+        timeout=run.timeout,
+        store=run.store,
     )
     del units
     last = sched.num_stages - 1

@@ -17,22 +17,19 @@ split parameter is a DTensor under its own name.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Container, Iterable, Sequence
+from collections.abc import Container
 from typing import Any
 
 import torch
 from torch import nn
 
 from ...parallel.config import AXES, ParallelConfig
-from ..comm.collectives import all_reduce
+from ..comm import groups
 from ..engine.microbatch import Dims, batch_size, split
 from . import sharding as zero
 from .data_parallel import GradAverager, Wait
 from .mesh import Mesh, build_mesh
-from .tensor_parallel import TPPlan, align_grad, apply_plan, local, pieces
-
-Reduce = Callable[[torch.Tensor, str], None]
+from .tensor_parallel import TPPlan, align_grad, apply_plan, pieces
 
 
 class Hybrid:
@@ -93,6 +90,13 @@ class Hybrid:
                 for s, layers in stages.items()
             }
             self._averager = GradAverager(params, self.mesh.group("dp"), wait=wait)
+
+    def bound_groups(self, timeout: float) -> None:
+        """Every axis group gives up on a collective after ``timeout`` seconds (see :func:`..comm.groups.bound`):
+        FSDP2 and DTensor wait for theirs inside torch, where only the group's timeout stops a wait."""
+        for axis in AXES:
+            if self.config.size(axis) > 1:
+                groups.bound(self.mesh.group(axis), timeout)
 
     def drop_groups(self) -> None:
         """At exit: forget the data-parallel group (the mesh itself names its groups, it does not hold them)."""
@@ -155,69 +159,3 @@ class Hybrid:
                 f"dp={self.config.dp} x sharding={self.config.sharding} = {r} replicas"
             )
         return parts[self.mesh.replica]
-
-
-def grad_norm(
-    grads: Sequence[torch.Tensor],
-    norm_type: float,
-    copies: Callable[[torch.Tensor], int],
-    reduce: Reduce,
-    device: torch.device,
-) -> float:
-    """The ``norm_type``-norm of every gradient element of the model, each counted once.
-
-    ``grads`` are this rank's; ``copies(g)`` says on how many ranks the same
-    piece lives (its contribution is divided by that), ``reduce(t, op)`` sums
-    (or maxes) over all ranks, on ``device``.
-    """
-    norm_type = float(norm_type)
-    if norm_type <= 0:
-        raise ValueError(f"norm_type must be positive (or inf), got {norm_type}")
-    if math.isinf(norm_type):
-        acc = torch.zeros(1, dtype=torch.float64, device=device)
-        for g in grads:
-            if local(g).numel():
-                acc = torch.maximum(acc, local(g).detach().abs().max().to(torch.float64))
-        reduce(acc, "max")
-        return float(acc.item())
-    acc = torch.zeros(1, dtype=torch.float64, device=device)
-    for g in grads:
-        part = local(g).detach().to(torch.float64)
-        acc += part.abs().pow(norm_type).sum() / copies(g)
-    reduce(acc, "sum")
-    return float(acc.item()) ** (1.0 / norm_type)
-
-
-def clip_grad_norm_(
-    params: Iterable[nn.Parameter],
-    max_norm: float,
-    norm_type: float,
-    copies: Callable[[torch.Tensor], int],
-    reduce: Reduce,
-    device: torch.device,
-) -> float:
-    """Scale the gradients so that the model's total norm is at most ``max_norm``; returns the norm before.
-
-    The same rule as ``torch.nn.utils.clip_grad_norm_`` on the one-process
-    model: ``g *= min(1, max_norm / (norm + 1e-6))``.
-    """
-    grads = [p.grad for p in params if p.grad is not None]
-    total = grad_norm(grads, norm_type, copies, reduce, device)
-    coef = min(1.0, max_norm / (total + 1e-6))
-    with torch.no_grad():
-        for g in grads:
-            local(g).mul_(coef)
-    return total
-
-
-def clip_pipeline_grads(pipe: Any, max_norm: float, norm_type: float) -> float:
-    """:meth:`Pipeline.clip_grad_norm_`: over the mesh's axes, or the pipeline group (one copy of each stage)."""
-    hybrid = pipe.hybrid
-    params = list(pipe.parameters())
-    if hybrid is not None:  # a tied parameter counts once over its copies on the mesh and across stages
-        copies = lambda g: hybrid.copies(g) * pipe.tied.copies(g, params)  # noqa: E731
-        reduce = hybrid.reduce
-    else:
-        copies = lambda g: pipe.tied.copies(g, params)  # noqa: E731 (a tied parameter counts once)
-        reduce = lambda t, op: all_reduce(t, pipe.transport.group, op, pipe._wait, "the gradient norm")  # noqa: E731
-    return clip_grad_norm_(pipe.parameters(), max_norm, norm_type, copies, reduce, pipe.device)

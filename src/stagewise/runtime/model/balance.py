@@ -32,6 +32,8 @@ from ...profile_data import LayerCost
 from ...schedule import Schedule
 from ...stage_counts import PartitionSpec, check_options, needs_profile
 from ..comm import collectives, groups
+from ..comm.waits import setup_waits
+from ..errors import PipelineError
 from .layers import LayerLike, build_layer
 from .layers import partition as partition_layers
 from .profiling import LayerProfile, preserved_state, profile
@@ -80,23 +82,30 @@ def in_flight(schedule: Schedule) -> int:
     return peak
 
 
-def on_first_rank(group: Any, fn: Callable[[], T], what: str) -> T:
+def on_first_rank(group: Any, fn: Callable[[], T], what: str, timeout: float = 300.0, store: Any = None) -> T:
     """``fn()`` computed on the group's first rank and handed to every rank (a collective).
 
     If it fails there, every rank raises: the first its own error, the others a
-    RuntimeError that quotes it, so no rank waits for a value that never comes.
+    :class:`PipelineError` that quotes it, so no rank waits for a value that never comes. Each rank waits at
+    most ``timeout`` seconds for the hand-over (the others: ``fn`` included) and stops at any failure posted
+    on the run's board (``store``: the c10d store, None for the default group's), as a pipeline's own waits
+    do: a rank that dies or stops meanwhile is named, not waited for.
     """
-    if groups.group_rank(group) == 0:
-        try:
-            value = fn()
-        except Exception as err:
-            collectives.gather_json(["error", f"{type(err).__name__}: {err}"], group)
-            raise
-        collectives.gather_json(["ok", _plain(value)], group)
-        return value
-    status, value = collectives.gather_json(None, group)[0]
+    waits = setup_waits(timeout, store)
+    try:
+        if groups.group_rank(group) == 0:
+            try:
+                value = fn()
+            except Exception as err:
+                collectives.gather_json(["error", f"{type(err).__name__}: {err}"], group, waits.wait, what)
+                raise
+            collectives.gather_json(["ok", _plain(value)], group, waits.wait, what)
+            return value
+        status, value = collectives.gather_json(None, group, waits.wait, f"the result of {what} from rank 0")[0]
+    finally:
+        waits.close()
     if status == "error":
-        raise RuntimeError(f"rank 0 of the pipeline group failed while {what}: {value}")
+        raise PipelineError(f"rank 0 of the pipeline group failed while {what}: {value}")
     return _unplain(value)  # type: ignore[no-any-return]
 
 
@@ -125,11 +134,14 @@ def plan_layers(
     sample_inputs: Any = None,
     speeds: Sequence[float] | None = None,
     memory_caps: Sequence[float] | None = None,
+    timeout: float = 300.0,
+    store: Any = None,
 ) -> LayerPlan:
     """The layer ranges of each stage; ``"time"`` / ``"memory"`` profile ``sample_inputs`` (one micro-batch) first.
 
     ``group``: the ranks that must cut alike (a collective over it when a
-    profile is needed; None is the world, as for the pipelines of a mesh).
+    profile is needed; None is the world, as for the pipelines of a mesh), within ``timeout`` seconds
+    (see :func:`on_first_rank`).
     """
     stage_speeds, caps = per_stage(schedule, speeds, memory_caps)
     # every rank checks what it can before the collective, so a bad argument fails everywhere alike
@@ -142,6 +154,8 @@ def plan_layers(
             group,
             lambda: steadiest(lambda: profile_layers(named, sample_inputs, seed=seed, device=device)),
             "profiling the layers",
+            timeout,
+            store,
         )
     with caps_explained(schedule, memory_caps):
         ranges = partition_layers(

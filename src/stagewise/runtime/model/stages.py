@@ -59,8 +59,13 @@ def build_layer_stages(
     speeds: Sequence[float] | None = None,
     memory_caps: Sequence[float] | None = None,
     seed: int = 0,
+    timeout: float = 300.0,
+    store: Any = None,
 ) -> BuiltStages:
-    """Plan the layer list over the schedule's stages, then build this rank's layers only (layer k seeded seed+k)."""
+    """Plan the layer list over the schedule's stages, then build this rank's layers only (layer k seeded seed+k).
+
+    ``timeout`` and ``store``: the pipeline's, for the profile handed round (see :func:`.balance.on_first_rank`).
+    """
     plan = plan_layers(
         named,
         ctx.schedule,
@@ -71,6 +76,8 @@ def build_layer_stages(
         sample_inputs=sample_inputs,
         speeds=speeds,
         memory_caps=memory_caps,
+        timeout=timeout,
+        store=store,
     )
     tied = TiedBuilder(named, seed, ctx.device)
     modules: dict[int, list[nn.Module]] = {}
