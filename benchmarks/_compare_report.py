@@ -109,10 +109,10 @@ def summarise(
                 "runs": seeds,
             }
         )
-    sync_vals = [
-        x["val_loss"] for r in rows if r["family"] == "sync" for x in r["runs"] if math.isfinite(x["val_loss"])
-    ]
-    sync_sds = [r["val_loss"][1] for r in rows if r["family"] == "sync" and math.isfinite(r["val_loss"][1])]
+    # the reference: the synchronous rows that train exactly as one process (not, e.g., HetPipe's D = 0)
+    refs = [r for r, m in zip(rows, methods, strict=True) if r["family"] == "sync" and getattr(m, "reference", True)]
+    sync_vals = [x["val_loss"] for r in refs for x in r["runs"] if math.isfinite(x["val_loss"])]
+    sync_sds = [r["val_loss"][1] for r in refs if math.isfinite(r["val_loss"][1])]
     sync_val = statistics.fmean(sync_vals) if sync_vals else math.nan  # no sync row: no comparison
     sync_sd = statistics.fmean(sync_sds) if sync_sds else 0.0
     for row in rows:

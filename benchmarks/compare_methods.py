@@ -93,6 +93,7 @@ class Method:
     build: Callable[[int, int, int], sw.Schedule]
     run: Callable[[Method, RunContext, int], dict[str, Any]] | None = None
     simulate: Callable[[Method, RunContext], dict[str, Any]] | None = None
+    reference: bool = True  # a "sync" row that trains as one process does: the verdicts' reference
 
 
 def _sync(name: str, virtual: int | None = None) -> Callable[[int, int, int], sw.Schedule]:

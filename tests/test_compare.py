@@ -215,3 +215,26 @@ def test_rows_from_another_module_are_appended(tmp_path: Path, monkeypatch: pyte
     assert [m.name for m in cm.all_methods(["extra_rows"])] == [m.name for m in ALL] + ["extra"]
     with pytest.raises(ValueError, match="unique"):
         cm.all_methods(["clash_rows"])
+
+
+def test_the_verdicts_reference_is_the_rows_that_train_as_one_process() -> None:
+    build = cm.METHODS[1].build
+    methods = [
+        cm.Method("sync", "sync", build),
+        cm.Method("dp-like", "sync", build, reference=False),  # HetPipe's D = 0: another training
+        cm.Method("stale", "async", build),
+    ]
+    sim = {"bubble": 0.3, "throughput": 1.0, "versions": [1], "activations": [1], "memory": {}}
+
+    def runs(losses: list[float]) -> list[dict[str, Any]]:
+        return [
+            {"curve": [(16, 1.0, v)], "samples_per_s": 1.0, "train_loss": v, "val_loss": v, "val_accuracy": 0.5,
+             "memory": {}}
+            for v in losses
+        ]  # fmt: skip
+
+    by_name = {"sync": runs([1.00, 1.02, 0.98]), "dp-like": runs([3.0, 3.1, 2.9]), "stale": runs([1.5, 1.52, 1.48])}
+    rows = report.summarise(methods, by_name, {m.name: sim for m in methods}, target=0.1)
+    verdicts = {r["method"]: r["verdict"] for r in rows}
+    assert "converges worse (val loss +0.500" in verdicts["stale"]  # against 1.0, not the mean with dp-like
+    assert "converges worse" in verdicts["dp-like"] and "as synchronous" in verdicts["sync"]
