@@ -86,6 +86,8 @@ def pipeline(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     sw.init()
     layers, loss_fn = _model(args)
+    batches = _batches(args, args.warmup + args.steps)
+    sample = batches[0][0][: args.batch_size // args.microbatches]  # one micro-batch, for partition="time"
     pipe = sw.Pipeline(
         layers,
         loss_fn=loss_fn,
@@ -93,10 +95,12 @@ def pipeline(args: argparse.Namespace) -> None:
         microbatches=args.microbatches,
         seed=0,
         transport=args.transport,
+        partition=args.partition,
+        sample_inputs=sample if args.partition in ("time", "memory") else None,
         optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
     )
     times, cpu, outside = [], [], []
-    for x, y in _batches(args, args.warmup + args.steps):
+    for x, y in batches:
         dist.barrier()
         t0, c0 = time.perf_counter(), time.process_time()
         pipe.train_step(x, y)
@@ -130,6 +134,7 @@ def _run_pipeline(args: argparse.Namespace, schedule: str, m: int, transport: st
         result = Path(tmp) / "result.json"
         cmd = [str(Path(sys.executable).parent / "stagewise"), "run", "-n", "2", __file__, "--", "--role", "pipeline"]
         cmd += ["--schedule", schedule, "--microbatches", str(m), "--transport", transport, "--result", str(result)]
+        cmd += ["--partition", args.partition]
         done = subprocess.run(cmd + _flags(args), capture_output=True, text=True, env=_env(1))
         if done.returncode:
             return {"error": (done.stderr or done.stdout).strip().splitlines()[-1][:120]}
@@ -158,6 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--microbatches", type=int, default=1)
     p.add_argument("--schedule", default="1f1b")
     p.add_argument("--transport", default="auto")
+    p.add_argument("--partition", default="uniform", help="the pipelines' partition mode (uniform, time, ...)")
     p.add_argument("--result", default="")
     p.add_argument("--schedules", nargs="+", default=["1f1b", "zb-v", "interleaved-1f1b"])
     p.add_argument("--counts", nargs="+", type=int, default=[2, 4, 8], help="micro-batch counts to try")
@@ -189,7 +195,8 @@ def drive(args: argparse.Namespace) -> None:
     print(
         f"\n{platform.processor() or platform.machine()}, {os.cpu_count()} cores; load average "
         f"{load0:.2f} before, {_load():.2f} after; {time.perf_counter() - t0:.0f} s; GPT d_model {args.d_model}, "
-        f"{args.layers} blocks, batch {args.batch_size} x {args.seq_len} tokens; median of {args.steps} steps\n"
+        f"{args.layers} blocks, batch {args.batch_size} x {args.seq_len} tokens; median of {args.steps} steps; "
+        f"pipelines partitioned {args.partition!r}\n"
     )
     print("| run | tokens/s | step ms | vs 1 process, 2 threads | CPU ms (busiest) | bubble | CPU outside compute ms |")
     print("|---|---:|---:|---:|---:|---:|---:|")
