@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +46,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import stagewise as sw
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _compare_workloads import load_digits  # noqa: E402  (the comparison's digits split)
+from _compare_workloads import minibatches as stream  # noqa: E402
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -76,30 +81,6 @@ def mlp_layers(hidden: int = 128) -> list[sw.Layer]:
     for a, b in zip(widths, widths[1:]):
         out += [sw.Layer(nn.Linear, a, b), sw.Layer(nn.ReLU)]
     return out + [sw.Layer(nn.Linear, widths[-1], 10)]
-
-
-def load_digits(test_size: int = 297) -> tuple[torch.Tensor, ...]:
-    """(x_train, y_train, x_test, y_test): scikit-learn's bundled digits, one fixed split, standardised."""
-    from sklearn.datasets import load_digits as sklearn_digits
-
-    digits = sklearn_digits()
-    x = torch.tensor(digits.data, dtype=torch.float32)
-    y = torch.tensor(digits.target, dtype=torch.long)
-    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
-    test, train = order[:test_size], order[test_size:]
-    x = (x - x[train].mean()) / x[train].std()
-    return x[train], y[train], x[test], y[test]
-
-
-def stream(x: torch.Tensor, y: torch.Tensor, count: int, size: int, seed: int) -> list[Batch]:
-    """``count`` mini-batches drawn epoch by epoch from a seeded permutation."""
-    gen, order, out = torch.Generator().manual_seed(seed), torch.empty(0, dtype=torch.long), []
-    for _ in range(count):
-        if len(order) < size:
-            order = torch.randperm(len(x), generator=gen)
-        idx, order = order[:size], order[size:]
-        out.append((x[idx], y[idx]))
-    return out
 
 
 def _optimizer(lr: float) -> Any:
