@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections import deque
 from operator import itemgetter
 
+from . import _validate_arrays
 from .actions import Kind
 from .schedule import Schedule
 
@@ -39,7 +40,15 @@ _stage_of, _mb_of = itemgetter(0), itemgetter(2)
 
 
 def first_problem(schedule: Schedule) -> str | None:
-    """A short description of one problem, or None when every check passes."""
+    """A short description of one problem, or None when every check passes.
+
+    A schedule straight from the lowering carries a progress certificate: the
+    array path proves it valid on whole arrays; when it cannot (no certificate,
+    one that does not fit, or a problem), the scan below decides.
+    """
+    certificate = schedule.__dict__.get("_progress_certificate")
+    if certificate is not None and _validate_arrays.proves_valid(schedule, certificate):
+        return None
     problem = _check_ranges(schedule)
     if problem is not None:
         return problem
