@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 
 import stagewise as sw
 from stagewise import Action, Kind, Schedule, ScheduleError
+from stagewise._passes_reference import add_communication_reference
+from stagewise._validate_arrays import proves_valid
 from stagewise._validate_fast import first_problem
 from stagewise._validate_reference import reference_problems
 from stagewise.validate import validate_reference
@@ -153,3 +155,249 @@ def test_fast_and_reference_agree_on_naively_placed_receives(name: str) -> None:
                 verdicts.append(_agree(sw.forward_only(naive, validate=False)))
     if name in ("interleaved-1f1b", "looped-bfs"):
         assert not all(verdicts), "expected some deadlocks on the loop (see schedules/interleaved.py)"
+
+
+# ---- the array path: lowering on whole arrays, validation by progress certificate ---------------------------
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.sampled_from(sw.schedule_names()),
+    st.integers(1, 5),
+    st.integers(1, 8),
+    st.integers(1, 3),
+    st.booleans(),
+    st.booleans(),
+)
+def test_array_lowering_equals_the_reference_pass(name: str, p: int, m: int, v: int, split: bool, steps: bool) -> None:
+    """Same actions in the same order on every rank, and the same certificate (the uniform start times)."""
+    info = sw.schedule_info(name)
+    v = info.virtual_stages[v % len(info.virtual_stages)] if info.virtual_stages else v
+    try:
+        schedule = sw.generate(name, p, m, v)
+    except ValueError:  # a size this schedule does not take
+        return
+    if split:
+        schedule = sw.split_backward(schedule)
+    schedule = sw.add_grad_sync(schedule)
+    if steps:
+        schedule = sw.add_optimizer_steps(schedule)
+    reference = add_communication_reference(schedule)
+    assert reference is not None
+    expected, certificate = reference
+    lowered = sw.add_communication(schedule)
+    assert lowered.ranks == expected.ranks
+    assert lowered.__dict__["_progress_certificate"] == certificate
+
+
+def _certified(schedule: Schedule) -> tuple[Schedule, list[list[int]]]:
+    """``schedule`` lowered by the reference pass, with its certificate."""
+    result = add_communication_reference(schedule)
+    assert result is not None
+    return result
+
+
+def _batches(schedule: Schedule) -> tuple[list[int], dict[int, tuple[int, int]], dict[int, tuple[int, int]]]:
+    """Per rank its number of batches; per message, (rank, batch) of its send and of its receive."""
+    m = schedule.num_microbatches
+    counts, sends, recvs = [], {}, {}
+    for rank, acts in enumerate(schedule.ranks):
+        batch = 0
+        for a in acts:
+            if a.kind.is_compute:
+                batch += 1
+            elif a.kind is Kind.SEND_F:
+                sends[2 * (a.stage * m + a.microbatch)] = (rank, batch)
+            elif a.kind is Kind.SEND_B:
+                sends[2 * (a.stage * m + a.microbatch) + 1] = (rank, batch)
+            elif a.kind is Kind.RECV_F:
+                recvs[2 * ((a.stage - 1) * m + a.microbatch)] = (rank, batch)
+            elif a.kind is Kind.RECV_B:
+                recvs[2 * ((a.stage + 1) * m + a.microbatch) + 1] = (rank, batch)
+        counts.append(batch + 1)
+    return counts, sends, recvs
+
+
+def _longest_paths(nodes: list[tuple[int, int]], edges: list[tuple[tuple[int, int], tuple[int, int]]]) -> dict | None:
+    """Numbers with c(a) > c(b) for every edge (a, b) (a waits for b), or None if the edges close a cycle."""
+    waits: dict[tuple[int, int], list[tuple[int, int]]] = {x: [] for x in nodes}
+    for a, b in edges:
+        waits[a].append(b)
+    value: dict[tuple[int, int], int] = {}
+    state: dict[tuple[int, int], int] = {}
+    for root in nodes:
+        stack = [(root, 0)]
+        while stack:
+            x, i = stack.pop()
+            if i == 0:
+                if state.get(x) == 2:
+                    continue
+                if state.get(x) == 1:
+                    return None
+                state[x] = 1
+            if i < len(waits[x]):
+                stack.append((x, i + 1))
+                y = waits[x][i]
+                if state.get(y) == 1:
+                    return None
+                if state.get(y) != 2:
+                    stack.append((y, 0))
+                continue
+            value[x] = 1 + max((value[y] for y in waits[x]), default=0)
+            state[x] = 2
+    return value
+
+
+def _partner_edges(schedule: Schedule) -> tuple[list[tuple[int, int]], list]:
+    """The batches, and the cross-rank waits: the batch of an op waits for the batch before its partner's."""
+    counts, sends, recvs = _batches(schedule)
+    nodes = [(r, b) for r, c in enumerate(counts) for b in range(c)]
+    edges = []
+    for msg, (sr, sb) in sends.items():
+        if msg not in recvs:
+            continue
+        rr, rb = recvs[msg]
+        if rb > 0:
+            edges.append(((sr, sb), (rr, rb - 1)))
+        if sb > 0:
+            edges.append(((rr, rb), (sr, sb - 1)))
+    return nodes, edges
+
+
+def _true_certificate(schedule: Schedule) -> list[list[int]] | None:
+    """A certificate that holds whenever the schedule can finish (longest waits), or None when it cannot."""
+    nodes, edges = _partner_edges(schedule)
+    edges += [((r, b), (r, b - 1)) for r, b in nodes if b > 0]
+    value = _longest_paths(nodes, edges)
+    if value is None:
+        return None
+    counts, _, _ = _batches(schedule)
+    return [[value[(r, b)] for b in range(n)] for r, n in enumerate(counts)]
+
+
+@st.composite
+def certified_schedules(draw: st.DrawFn) -> tuple[Schedule, list[list[int]]]:
+    """A registered synchronous schedule on 2-4 ranks, lowered by the reference pass, with its certificate."""
+    name = draw(st.sampled_from(sw.schedule_names(synchronous=True)))
+    info = sw.schedule_info(name)
+    schedule = sw.generate(
+        name, draw(st.integers(2, 4)), draw(st.integers(1, 5)), draw(st.sampled_from(info.virtual_stages or (1, 2)))
+    )
+    if draw(st.booleans()):
+        schedule = sw.split_backward(schedule)
+    schedule = sw.add_grad_sync(schedule)
+    if draw(st.booleans()):
+        schedule = sw.add_optimizer_steps(schedule)
+    return _certified(schedule)
+
+
+def _nudge(schedule: Schedule, data: st.DataObject) -> Schedule:
+    """Swap two neighbouring actions of a rank: edits that keep progress but break an order, most often."""
+    ranks = [list(acts) for acts in schedule.ranks]
+    acts = ranks[data.draw(st.integers(0, len(ranks) - 1), label="rank")]
+    if len(acts) > 1:
+        i = data.draw(st.integers(0, len(acts) - 2), label="i")
+        acts[i], acts[i + 1] = acts[i + 1], acts[i]
+    return schedule.with_ranks(ranks)
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(certified_schedules(), st.data(), st.integers(0, 3))
+def test_certified_path_agrees_with_the_reference(
+    lowered_and_certificate: tuple[Schedule, list[list[int]]], data: st.DataObject, edits: int
+) -> None:
+    """Lowered schedules, then edited. Given a certificate that fits (the lowering's before any edit, then
+    one computed from the edited schedule's waits), the array path accepts exactly what the reference
+    accepts; a stale certificate never makes it accept what the reference rejects."""
+    lowered, certificate = lowered_and_certificate
+    assert proves_valid(lowered, certificate)
+    for _ in range(edits):
+        lowered = _nudge(lowered, data) if data.draw(st.booleans(), label="nudge") else _mutate(lowered, data)
+    valid = not reference_problems(lowered)
+    if proves_valid(lowered, certificate):
+        assert valid
+    fitting = _true_certificate(lowered)
+    if fitting is not None:
+        assert proves_valid(lowered, fitting) == valid
+    object.__setattr__(lowered, "_progress_certificate", fitting or certificate)
+    _agree(lowered)  # through first_problem, which tries the array path first
+
+
+def test_certificate_checks_catch_deadlocks() -> None:
+    """Receives placed just before use deadlock on looped placements. No certificate passes there: not the
+    lowering's, not per-rank batch numbers (increasing, but ignoring partners), and not numbers that respect
+    every partner but decrease along a rank (the mutant that skips the increase check accepts those)."""
+    decreasing_found = 0
+    sizes = [(name, p, m) for name in ("interleaved-1f1b", "looped-bfs") for p in (2, 3, 4) for m in (2, 3, 5, 8)]
+    for name, p, m in sizes:
+        lowered, certificate = _certified(sw.add_grad_sync(sw.generate(name, p, m, 2)))
+        naive = _receives_just_before_use(lowered)
+        if not reference_problems(naive):
+            continue
+        counts, _, _ = _batches(naive)
+        assert not proves_valid(naive, [list(range(c)) for c in counts])
+        if [len(c) for c in certificate] == counts:
+            assert not proves_valid(naive, certificate)
+        nodes, edges = _partner_edges(naive)
+        partner_only = _longest_paths(nodes, edges)
+        if partner_only is None:
+            continue
+        c = [[partner_only[(r, b)] for b in range(n)] for r, n in enumerate(counts)]
+        assert not proves_valid(naive, c)
+        decreasing_found += 1
+    assert decreasing_found, "expected a deadlock whose partner constraints alone can be satisfied"
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(base_schedules(), st.data())
+def test_random_certificates_prove_nothing_false(schedule: Schedule, data: st.DataObject) -> None:
+    """Any numbers at all: accepted only on schedules the reference accepts (the check is sound for every c)."""
+    if schedule.is_complete or schedule.num_ranks < 2 or schedule.meta.get("forward_only"):
+        return
+    lowered, certificate = _certified(sw.add_grad_sync(schedule))
+    candidates = [lowered, _receives_just_before_use(lowered), _mutate(lowered, data)]
+    target = data.draw(st.sampled_from(candidates), label="schedule")
+    counts, _, _ = _batches(target)
+    c = [data.draw(st.lists(st.integers(-3, 12), min_size=k, max_size=k), label="c") for k in counts]
+    if proves_valid(target, c):
+        assert not reference_problems(target)
+
+
+def test_a_schedule_made_from_a_lowered_one_carries_no_certificate() -> None:
+    lowered = sw.build_schedule("1f1b", 3, 4)
+    assert "_progress_certificate" in lowered.__dict__
+    assert "_progress_certificate" not in lowered.with_ranks(lowered.ranks).__dict__
+
+
+def _sender(schedule: Schedule, a: Action) -> int:
+    """The rank a receive takes its value from (-1 for any other action)."""
+    if a.kind is Kind.RECV_F:
+        return schedule.placement[a.stage - 1]
+    if a.kind is Kind.RECV_B:
+        return schedule.placement[a.stage + 1]
+    return -1
+
+
+def test_a_receive_moved_before_an_earlier_one_from_its_sender_fails_the_channel_order() -> None:
+    """A receive moved to just before the previous receive from the same sender: every count and local order
+    still holds, and often progress too (by a certificate that pairs by message), but the k-th receive on the
+    channel is no longer the k-th send: only the channel order check says no, as the reference does."""
+    found = 0
+    for name in sw.schedule_names(synchronous=True):
+        for p, m in ((2, 4), (3, 6)):
+            lowered, _ = _certified(sw.add_grad_sync(sw.generate(name, p, m)))
+            for rank, acts in enumerate(lowered.ranks):
+                senders = [_sender(lowered, a) for a in acts]
+                for j in range(len(acts)):
+                    earlier = [i for i in range(j) if senders[i] == senders[j] >= 0]
+                    if not earlier:
+                        continue
+                    ranks = [list(a) for a in lowered.ranks]
+                    ranks[rank].insert(earlier[-1], ranks[rank].pop(j))
+                    moved = lowered.with_ranks(ranks)
+                    assert reference_problems(moved)
+                    fitting = _true_certificate(moved)
+                    if fitting is not None:
+                        assert not proves_valid(moved, fitting)
+                        found += 1
+    assert found
