@@ -15,7 +15,7 @@ reference's (a property test compares them).
 from __future__ import annotations
 
 from collections import deque
-from itertools import chain, compress, repeat
+from itertools import chain, repeat
 from operator import itemgetter
 
 import numpy as np
@@ -48,9 +48,11 @@ def add_communication(schedule: Schedule) -> tuple[list[list[Action]], list[list
     is_compute = np.frombuffer(compute_bytes, np.uint8).astype(bool)
     n_compute = int(is_compute.sum())
     rank_of = np.repeat(np.arange(p, dtype=np.int64), lens)
-    cacts = np.fromiter(compress(flat(ranks), compute_bytes), object, n_compute)
-    cs = np.fromiter(map(_stage_of, cacts), np.int64, n_compute)
-    ci = np.fromiter(map(_mb_of, cacts), np.int64, n_compute)
+    every = np.fromiter(flat(ranks), object, total)
+    cacts = every[is_compute]
+    listed = cacts.tolist()
+    cs = np.fromiter(map(_stage_of, listed), np.int64, n_compute)
+    ci = np.fromiter(map(_mb_of, listed), np.int64, n_compute)
     ck = code[is_compute]
     crank = rank_of[is_compute]
     per_rank = np.bincount(crank, minlength=p)
@@ -79,9 +81,8 @@ def add_communication(schedule: Schedule) -> tuple[list[list[Action]], list[list
     timing = _time(need_a.tolist(), make_a.tolist(), took_a.tolist(), base_l, p, 2 * n * m)
     if timing is None:
         return None
-    start_l, made_l = timing
+    start_l = timing
     start = np.asarray(start_l, np.int64)
-    made_at = np.asarray(made_l, np.int64)  # message -> end time of its producer
 
     # each receive: the first compute of its rank that starts no earlier than the value is made (at the
     # latest its consumer); receives sharing a slot go in the order their values were made: (time, rank,
@@ -91,12 +92,13 @@ def add_communication(schedule: Schedule) -> tuple[list[list[Action]], list[list
     producer_of = np.zeros(2 * n * m, np.int64)
     producing = np.nonzero(make_a >= 0)[0]
     producer_of[make_a[producing]] = producing
-    ready = made_at[message]
+    made_by_g = producer_of[message]
+    ready = start[made_by_g] + took_a[made_by_g]  # when the producer ends
     c_rank = crank[consumer]
     # per rank searchsorted on the (increasing) start times, as one search over (rank, time) pairs
     horizon = int(took_a.sum()) + 1  # no start or end time exceeds all the work done one after another
     slot = np.searchsorted(crank * horizon + start, c_rank * horizon + ready)
-    order = np.lexsort((producer_of[message], ready, slot))  # slots are global: rank-major already
+    order = np.lexsort((made_by_g, ready, slot))  # slots are global: rank-major already
     recv_at_compute = slot[order]
     consumer = consumer[order]
     certificate = [start_l[a:b] for a, b in zip(base_l[:-1], base_l[1:], strict=True)]
@@ -113,7 +115,7 @@ def add_communication(schedule: Schedule) -> tuple[list[list[Action]], list[list
     out_at = np.arange(total, dtype=np.int64) + np.cumsum(before) + np.cumsum(after) - after
     n_out = total + int(before.sum()) + int(after.sum())
     out = np.empty(n_out, object)
-    out[out_at] = np.fromiter(flat(ranks), object, total)
+    out[out_at] = every
     made_by = cacts[sends].tolist()
     send_kinds = np.where(is_f[sends], 4, 6).tolist()
     out[out_at[compute_at[sends]] + 1] = _retyped(made_by, send_kinds)
@@ -142,12 +144,12 @@ def _clock_ends(start: np.ndarray, took: np.ndarray, base: list[int]) -> list[in
 
 def _time(
     need: list[int], make: list[int], took: list[int], base: list[int], p: int, n_messages: int
-) -> tuple[list[int], list[int]] | None:
+) -> list[int] | None:
     """The uniform-cost timing of all compute actions (indexed globally, rank after rank).
 
     Each rank runs its compute actions in order; one that needs a message from another rank starts
-    no earlier than the message is made. Returns the start time of every compute action and the time
-    each message is made (-1: never), or None when some rank waits for a value that nobody makes first.
+    no earlier than the message is made. Returns the start time of every compute action, or None when
+    some rank waits for a value that nobody makes first.
     """
     made = [-1] * n_messages
     start = [0] * base[-1]
@@ -176,4 +178,4 @@ def _time(
                     queue.append(waiting.pop(out))
             g += 1
         clock[rank], pos[rank] = t, g
-    return None if waiting else (start, made)
+    return None if waiting else start

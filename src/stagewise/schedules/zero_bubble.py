@@ -247,11 +247,12 @@ def _rank_order(p: int, r: int, start: list[list[int]]) -> list[Action]:
         (_F1, up_stage, F, p - 1 - r, None),
         (_I0, down_stage, I, p - 1 - r, down_stage),
     )
+    new = tuple.__new__  # Action(...) without the namedtuple's Python-level __new__: ~1.2 M actions at 128 x 1024
     for sweep, stage, kind, shift, w_stage in sweeps:
         for k, origin in enumerate(start[sweep]):
-            slot[origin + shift] = Action(stage, kind, k)
+            slot[origin + shift] = new(Action, (stage, kind, k))
             if w_stage is not None:
-                owed[origin + shift] = Action(w_stage, W, k)
+                owed[origin + shift] = new(Action, (w_stage, W, k))
     order: list[Action] = []
     pending: deque[Action] = deque()
     for action, w in zip(slot, owed):
