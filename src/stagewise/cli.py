@@ -139,23 +139,26 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from .simulate import simulate
 
     _check_simulate_args(args)
-    with gc_paused():  # one short-lived process making millions of acyclic objects: no collector passes over them
+    # one short-lived process making millions of acyclic objects: no collector passes over them, and they
+    # are dropped before the pause ends (re-enabled with them alive, the next allocation would scan them all)
+    with gc_paused():
         schedule = build_schedule(args.schedule, args.ranks, args.microbatches, args.virtual_stages)
         result = simulate(schedule, _simulate_costs(args, schedule))
         # asynchronous schedules: labels "3v1" (for what draws the timeline) and versions kept
         versions = _async_versions(schedule, result, label=bool(args.png or args.trace or not args.json))
-    if args.png:
-        from .render import render_png
+        if args.png:
+            from .render import render_png
 
-        render_png(result.timeline, args.png)
-    if args.trace:
-        from .render import render_trace
+            render_png(result.timeline, args.png)
+        if args.trace:
+            from .render import render_trace
 
-        render_trace(result.timeline, args.trace)
-    if args.json:
-        print(json.dumps(_simulate_report(args, schedule, result, versions)))
-        return 0
-    _print_simulation(args, schedule, result)
+            render_trace(result.timeline, args.trace)
+        if args.json:
+            print(json.dumps(_simulate_report(args, schedule, result, versions)))
+        else:
+            _print_simulation(args, schedule, result)
+        del schedule, result, versions
     return 0
 
 
