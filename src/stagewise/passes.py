@@ -93,6 +93,11 @@ def add_communication(schedule: Schedule) -> Schedule:
     """
     if any(not COMM.isdisjoint(map(_kind_of, acts)) for acts in schedule.ranks):
         raise ValueError(f"schedule {schedule.name!r} already has communication actions")
+    return _add_communication(schedule)
+
+
+def _add_communication(schedule: Schedule) -> Schedule:
+    """:func:`add_communication` of a schedule known to have no communication actions yet."""
     timing = _lower_arrays.add_communication(schedule)
     if timing is None:  # the order itself cannot finish: say where
         raise ScheduleError(schedule, dataflow_problems(schedule))
@@ -194,5 +199,5 @@ def _lower_unchecked(schedule: Schedule, *, split: bool, grad_sync: bool, optimi
     if optimizer_steps:
         schedule = add_optimizer_steps(schedule)
     if not schedule.is_complete:
-        schedule = add_communication(schedule)
+        schedule = _add_communication(schedule)
     return schedule
