@@ -6,31 +6,30 @@ action: two pure-Python passes, ~1.5 s for a V schedule at 128 ranks x 1024
 micro-batches. Here every per-action fact the timing needs (the message a
 compute waits for, the one it makes, its duration) is computed once with vector
 operations, so the one loop that must stay sequential (the timing: a rank waits
-for what another makes) touches three ints per action; the sends and receives
-are then placed by computing every output position at once and filling one
-object array. The result, schedule and certificate, is identical to the
-reference's (a property test compares them).
+for what another makes) touches a few list items per action; the sends and receives
+are then placed by computing every output position at once and filling
+the output columns (no action objects: :class:`stagewise._columns.ActionRows`
+makes a rank's row when it is asked for). The result, schedule and
+certificate, is identical to the reference's (a property test compares them).
 """
 
 from __future__ import annotations
 
-from collections import deque
-from itertools import chain, repeat
-from operator import itemgetter
-
 import numpy as np
 
-from .actions import Action, Kind
+from ._columns import RECV_B as _RECV_B
+from ._columns import RECV_F as _RECV_F
+from ._columns import SEND_B as _SEND_B
+from ._columns import SEND_F as _SEND_F
+from ._columns import Columns
+from ._earliest import earliest_starts
 from .schedule import Schedule
 
-_KINDS = (Kind.F, Kind.B, Kind.I, Kind.W, Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B, Kind.SYNC, Kind.STEP)
-_CODE_BY_ID = {id(k): c for c, k in enumerate(_KINDS)}
-_COMPUTE_FLAGS = bytes(1 if c < 4 else 0 for c in range(256))
-_stage_of, _kind_of, _mb_of = itemgetter(0), itemgetter(1), itemgetter(2)
 
+def add_communication(cols: Columns, schedule: Schedule) -> tuple[Columns, list[list[int]]] | None:
+    """The actions with their sends and receives, as columns, and the progress certificate; None if stuck.
 
-def add_communication(schedule: Schedule) -> tuple[list[list[Action]], list[list[int]]] | None:
-    """Each rank's actions with its sends and receives, and the progress certificate; None if stuck.
+    ``cols`` are ``schedule``'s columns (:func:`stagewise._columns.columns`).
 
     Same placement rule as :func:`stagewise.passes.add_communication` documents
     (and :mod:`stagewise._passes_reference` spells out): sends right after their
@@ -38,21 +37,14 @@ def add_communication(schedule: Schedule) -> tuple[list[list[Action]], list[list
     value is made under uniform costs (F = I = W = 1, B = 2).
     """
     n, m, p, plc = schedule.num_stages, schedule.num_microbatches, schedule.num_ranks, schedule.placement
-    ranks = schedule.ranks
-    flat = chain.from_iterable
-    lens = list(map(len, ranks))
-    total = sum(lens)
-    kb = bytes(map(_CODE_BY_ID.get, map(id, map(_kind_of, flat(ranks))), repeat(10)))  # 10: not a Kind
-    compute_bytes = kb.translate(_COMPUTE_FLAGS)
-    code = np.frombuffer(kb, np.uint8)
-    is_compute = np.frombuffer(compute_bytes, np.uint8).astype(bool)
+    code = cols.kind
+    total = code.size
+    lens = np.diff(cols.base)
+    is_compute = code < _SEND_F
     n_compute = int(is_compute.sum())
-    rank_of = np.repeat(np.arange(p, dtype=np.int64), lens)
-    every = np.fromiter(flat(ranks), object, total)
-    cacts = every[is_compute]
-    listed = cacts.tolist()
-    cs = np.fromiter(map(_stage_of, listed), np.int64, n_compute)
-    ci = np.fromiter(map(_mb_of, listed), np.int64, n_compute)
+    rank_of = cols.rank
+    cs = cols.stage[is_compute]
+    ci = cols.microbatch[is_compute]
     ck = code[is_compute]
     crank = rank_of[is_compute]
     per_rank = np.bincount(crank, minlength=p)
@@ -78,11 +70,11 @@ def add_communication(schedule: Schedule) -> tuple[list[list[Action]], list[list
     make_a = np.where(ob >= 0, ob + 2 * ci, -1)
     took_a = np.where(ck == 1, 2, 1)
     base_l = base.tolist()
-    timing = _time(need_a.tolist(), make_a.tolist(), took_a.tolist(), base_l, p, 2 * n * m)
-    if timing is None:
+    took_l = took_a.tolist()
+    start_l, reached = earliest_starts(need_a.tolist(), make_a.tolist(), took_l, [0] * n_compute, base_l, 2 * n * m)
+    if reached != base_l[1:]:  # some rank waits for a value nobody makes first
         return None
-    start_l = timing
-    start = np.asarray(start_l, np.int64)
+    start = np.fromiter(start_l, np.int64, n_compute)
 
     # each receive: the first compute of its rank that starts no earlier than the value is made (at the
     # latest its consumer); receives sharing a slot go in the order their values were made: (time, rank,
@@ -114,68 +106,19 @@ def add_communication(schedule: Schedule) -> tuple[list[list[Action]], list[list
     before = np.bincount(recv_at, minlength=total)
     out_at = np.arange(total, dtype=np.int64) + np.cumsum(before) + np.cumsum(after) - after
     n_out = total + int(before.sum()) + int(after.sum())
-    out = np.empty(n_out, object)
-    out[out_at] = every
-    made_by = cacts[sends].tolist()
-    send_kinds = np.where(is_f[sends], 4, 6).tolist()
-    out[out_at[compute_at[sends]] + 1] = _retyped(made_by, send_kinds)
+    kind, stage, mb = np.empty(n_out, np.uint8), np.empty(n_out, np.int64), np.empty(n_out, np.int64)
+    kind[out_at], stage[out_at], mb[out_at] = code, cols.stage, cols.microbatch
+    at = out_at[compute_at[sends]] + 1  # each send right after the compute that made its value
+    kind[at], stage[at], mb[at] = np.where(is_f[sends], _SEND_F, _SEND_B), cs[sends], ci[sends]
     if consumer.size:
         first = np.searchsorted(recv_at, recv_at)  # receives sharing a slot are adjacent, in order
-        offset = np.arange(recv_at.size, dtype=np.int64) - first
-        used_by = cacts[consumer].tolist()
-        recv_kinds = np.where(is_f[consumer], 5, 7).tolist()
-        out[out_at[recv_at] - before[recv_at] + offset] = _retyped(used_by, recv_kinds)
-    ends = np.cumsum(np.bincount(rank_of, weights=before + after, minlength=p).astype(np.int64) + lens).tolist()
-    flat_out = out.tolist()
-    starts = [0, *ends[:-1]]
-    return [flat_out[a:b] for a, b in zip(starts, ends, strict=True)], certificate
-
-
-def _retyped(actions: list[Action], kinds: list[int]) -> np.ndarray:
-    """An object array of ``Action(a.stage, kind, a.microbatch)``, made in C (``tuple.__new__`` on zipped fields)."""
-    fields = zip(map(_stage_of, actions), map(_KINDS.__getitem__, kinds), map(_mb_of, actions), strict=True)
-    return np.fromiter(map(tuple.__new__, repeat(Action), fields), object, len(actions))
+        at = out_at[recv_at] - before[recv_at] + np.arange(recv_at.size, dtype=np.int64) - first
+        kind[at], stage[at], mb[at] = np.where(is_f[consumer], _RECV_F, _RECV_B), cs[consumer], ci[consumer]
+    out_base = np.zeros(p + 1, np.int64)
+    np.cumsum(np.bincount(rank_of, weights=before + after, minlength=p).astype(np.int64) + lens, out=out_base[1:])
+    return Columns(kind=kind, stage=stage, microbatch=mb, base=out_base), certificate
 
 
 def _clock_ends(start: np.ndarray, took: np.ndarray, base: list[int]) -> list[int]:
     """Each rank's end time: the end of its last compute action (0 for a rank without any)."""
     return [int(start[b - 1] + took[b - 1]) if b > a else 0 for a, b in zip(base[:-1], base[1:], strict=True)]
-
-
-def _time(
-    need: list[int], make: list[int], took: list[int], base: list[int], p: int, n_messages: int
-) -> list[int] | None:
-    """The uniform-cost timing of all compute actions (indexed globally, rank after rank).
-
-    Each rank runs its compute actions in order; one that needs a message from another rank starts
-    no earlier than the message is made. Returns the start time of every compute action, or None when
-    some rank waits for a value that nobody makes first.
-    """
-    made = [-1] * n_messages
-    start = [0] * base[-1]
-    waiting: dict[int, int] = {}
-    clock = [0] * p
-    pos = base[:-1]
-    queue = deque(range(p))
-    while queue:
-        rank = queue.popleft()
-        g, end, t = pos[rank], base[rank + 1], clock[rank]
-        while g < end:
-            nb = need[g]
-            if nb >= 0:
-                ready = made[nb]
-                if ready < 0:
-                    waiting[nb] = rank
-                    break
-                if ready > t:
-                    t = ready
-            start[g] = t
-            t += took[g]
-            out = make[g]
-            if out >= 0:
-                made[out] = t
-                if out in waiting:
-                    queue.append(waiting.pop(out))
-            g += 1
-        clock[rank], pos[rank] = t, g
-    return None if waiting else start

@@ -34,22 +34,14 @@ valid is rejected here and nothing is accepted that the checks above do not prov
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import chain, compress
-from operator import index, itemgetter
+from itertools import chain
 
 import numpy as np
 
-from .actions import Kind
+from ._columns import columns
 from .schedule import Schedule
 
-# kind codes: compute first (so "compute" is code < 4), then communication, then per-stage kinds
-_ORDER = (Kind.F, Kind.B, Kind.I, Kind.W, Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B, Kind.SYNC, Kind.STEP)
-_F, _B, _I, _W, _SEND_F, _RECV_F, _SEND_B, _RECV_B, _SYNC, _STEP = range(10)
-# by identity, as the scan compares kinds (a plain string "F" equals Kind.F but is no action kind)
-_CODE_BY_ID = {id(k): c for c, k in enumerate(_ORDER)}
-_PER_STAGE_FLAGS = bytes(1 if c >= _SYNC else 0 for c in range(256))
-_PER_ACTION_FLAGS = bytes(0 if c >= _SYNC else 1 for c in range(256))
-_stage_of, _kind_of, _mb_of = itemgetter(0), itemgetter(1), itemgetter(2)
+_F, _B, _I, _W, _SEND_F, _RECV_F, _SEND_B, _RECV_B, _SYNC, _STEP = range(10)  # the codes of _columns.KINDS
 
 #: per rank, one int per batch: the batches before each compute action, then the one after the last
 Certificate = Sequence[Sequence[int]]
@@ -67,33 +59,15 @@ def proves_valid(schedule: Schedule, certificate: Certificate) -> bool:  # noqa:
         return False
     asynchronous = bool(sch.meta.get("asynchronous", False))
     n, m, p = sch.num_stages, sch.num_microbatches, sch.num_ranks
-    ranks = sch.ranks
-    lens = np.fromiter(map(len, ranks), np.int64, p)
-    total = int(lens.sum())
-    if len(certificate) != p or total == 0:
+    cols = columns(sch)
+    if cols is None or len(certificate) != p or cols.kind.size == 0:
         return False
-    try:
-        kb = bytes(map(_CODE_BY_ID.__getitem__, map(id, map(_kind_of, chain.from_iterable(ranks)))))
-    except KeyError:  # not a Kind member
-        return False
-    kind = np.frombuffer(kb, np.uint8)
-    per_action = kb.translate(_PER_ACTION_FLAGS)
-    n_actions = per_action.count(1)
-    try:
-        # operator.index: exact integers only (fromiter alone would take 2.5 or "2")
-        stage = np.fromiter(map(index, map(_stage_of, chain.from_iterable(ranks))), np.int64, total)
-        acts = compress(chain.from_iterable(ranks), per_action)
-        mb_acts = np.fromiter(map(index, map(_mb_of, acts)), np.int64, n_actions)
-    except (TypeError, ValueError, OverflowError):  # a missing or non-integer field
-        return False
-    if n_actions != total and any(
-        i is not None for i in map(_mb_of, compress(chain.from_iterable(ranks), kb.translate(_PER_STAGE_FLAGS)))
-    ):
-        return False
-    rank = np.repeat(np.arange(p, dtype=np.int64), lens)
-    acting = np.frombuffer(per_action, np.uint8).astype(bool)
-    mb = np.zeros(total, np.int64)
-    mb[acting] = mb_acts
+    kind, stage, mb = cols.kind, cols.stage, cols.microbatch
+    total = kind.size
+    rank = cols.rank
+    acting = kind < _SYNC
+    mb_acts = mb[acting]
+    n_actions = mb_acts.size
 
     # placement and ranges
     if stage.min() < 0 or stage.max() >= n:

@@ -10,7 +10,9 @@ from __future__ import annotations
 from operator import itemgetter
 
 from . import _lower_arrays, _validate_fast
+from ._columns import ActionRows, columns, in_range
 from ._gc import gc_paused
+from ._passes_reference import add_communication_reference
 from .actions import COMM, COMPUTE, Action, Kind
 from .schedule import Schedule
 from .validate import ScheduleError, dataflow_problems, validate_schedule
@@ -98,11 +100,21 @@ def add_communication(schedule: Schedule) -> Schedule:
 
 def _add_communication(schedule: Schedule) -> Schedule:
     """:func:`add_communication` of a schedule known to have no communication actions yet."""
-    timing = _lower_arrays.add_communication(schedule)
-    if timing is None:  # the order itself cannot finish: say where
-        raise ScheduleError(schedule, dataflow_problems(schedule))
-    ranks, certificate = timing
-    result = schedule.with_ranks(ranks)
+    cols = columns(schedule)
+    if cols is None or not in_range(cols, schedule.num_stages, schedule.num_microbatches):
+        # not numbers, or out of range: the plain pass places what it can, and the validator names the fault
+        timing = add_communication_reference(schedule)
+        if timing is None:
+            raise ScheduleError(schedule, dataflow_problems(schedule))
+        result, certificate = timing
+    else:
+        lowered = _lower_arrays.add_communication(cols, schedule)
+        if lowered is None:  # the order itself cannot finish: say where
+            raise ScheduleError(schedule, dataflow_problems(schedule))
+        out, certificate = lowered
+        result = Schedule(
+            schedule.name, schedule.num_microbatches, schedule.placement, ActionRows(out), dict(schedule.meta)
+        )
     # the timing orders the batches: the validator checks this order instead of re-running the rendezvous
     # (stagewise._validate_arrays); not in meta, so a schedule made from this one does not inherit it
     object.__setattr__(result, "_progress_certificate", certificate)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from operator import itemgetter
 from pathlib import Path
 
+from ._columns import SEND_F, SYNC, ActionRows, I
 from .actions import COMM, Action, Kind, parse_action
 
 _kind_of = itemgetter(1)
@@ -54,7 +55,8 @@ class Schedule:
     name: str
     num_microbatches: int
     placement: tuple[int, ...]
-    ranks: tuple[tuple[Action, ...], ...]
+    #: a tuple of tuples, or (from the lowering) an :class:`~stagewise._columns.ActionRows` that acts as one
+    ranks: Sequence[tuple[Action, ...]]
     meta: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -91,10 +93,16 @@ class Schedule:
     def is_complete(self) -> bool:
         """True when the schedule carries its own communication actions."""
         # set operations over the kinds run in C: this is asked of schedules with millions of actions
+        if isinstance(self.ranks, ActionRows):
+            return self.num_ranks == 1 or bool(
+                ((self.ranks.columns.kind >= SEND_F) & (self.ranks.columns.kind < SYNC)).any()
+            )
         return self.num_ranks == 1 or any(not COMM.isdisjoint(map(_kind_of, acts)) for acts in self.ranks)
 
     @property
     def uses_split_backward(self) -> bool:
+        if isinstance(self.ranks, ActionRows):
+            return bool((self.ranks.columns.kind == I).any())
         return any(Kind.I in set(map(_kind_of, acts)) for acts in self.ranks)
 
     def with_ranks(self, ranks: Sequence[Iterable[Action]], name: str | None = None) -> Schedule:

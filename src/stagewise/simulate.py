@@ -21,10 +21,13 @@ them when it ends; I frees all but ``weight_activation_bytes``, which W frees.
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 from functools import cached_property
 
+import numpy as np
+
+from ._columns import SEND_F, SYNC, B, Columns, F, I, W, columns, in_range
+from ._earliest import earliest_starts
 from ._gc import gc_paused
 from .actions import COMM, Action, Kind
 from .costs import CostModel
@@ -58,11 +61,33 @@ class SimResult:
     peak_activations: list[float]
     peak_activation_bytes: list[float]
     costs: CostModel = field(repr=False)
-    #: per rank: the actions that took rank time (no SEND/RECV), in order, and their start and end times
-    actions: list[list[Action]] = field(repr=False)
-    starts: list[list[float]] = field(repr=False)
-    ends: list[list[float]] = field(repr=False)
     meta: dict[str, object] = field(default_factory=dict, repr=False)
+    _schedule: Schedule | None = field(default=None, repr=False)
+    #: every action that took rank time, rank after rank: start and end times; rank r holds base[r]..base[r+1]-1
+    _start: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
+    _end: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
+    _base: list[int] = field(default_factory=list, repr=False)
+
+    @cached_property
+    def starts(self) -> list[list[float]]:
+        """Per rank, the start time of each of :attr:`actions`."""
+        return self._split(self._start)
+
+    @cached_property
+    def ends(self) -> list[list[float]]:
+        """Per rank, the end time of each of :attr:`actions`."""
+        return self._split(self._end)
+
+    def _split(self, times: np.ndarray) -> list[list[float]]:
+        flat = times.tolist()
+        return [flat[a:b] for a, b in zip(self._base[:-1], self._base[1:], strict=True)]
+
+    @cached_property
+    def actions(self) -> list[list[Action]]:
+        """Per rank, the actions that took rank time (all but SEND/RECV), in order; built on first use."""
+        if self._schedule is None:
+            return [[] for _ in range(self.num_ranks)]
+        return [[a for a in acts if a[1] not in COMM] for acts in self._schedule.ranks]
 
     @cached_property
     def timeline(self) -> Timeline:
@@ -111,150 +136,121 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
     """Time ``schedule`` under ``costs`` (uniform F = I = W = 1, free transfers by default).
 
     Raises ``ValueError`` when the cost model has the wrong number of stages,
-    or when the schedule cannot finish (a rank waits for a value nobody makes
-    first); :func:`~stagewise.validate.validate_schedule` explains the latter.
+    when an action is not a (stage, kind, micro-batch) in range, or when the
+    schedule cannot finish (a rank waits for a value nobody makes first);
+    :func:`~stagewise.validate.validate_schedule` explains the latter.
     """
     n = schedule.num_stages
     if costs is None:
         costs = CostModel.uniform(n)
     if costs.num_stages != n:
         raise ValueError(f"cost model describes {costs.num_stages} stages, schedule {schedule.name!r} has {n}")
-    m = schedule.num_microbatches
-    # SEND/RECV take no rank time: the transfers are in the arrival times
-    ranks = [[a for a in acts if a[1] not in COMM] for acts in schedule.ranks]
-    # a schedule the validator passed has every stage and micro-batch in range (placement check)
-    proved = schedule.__dict__.get("_validated_as") is not None
-    for rank, acts in enumerate([] if proved else ranks):
-        bad = [a for a in acts if not (0 <= a[0] < n and (a[2] is None or 0 <= a[2] < m))]
-        if bad:
-            raise ValueError(
-                f"schedule {schedule.name!r}: rank {rank} runs {bad[0]}, outside stages 0..{n - 1} "
-                f"and micro-batches 0..{m - 1}"
-            )
-    return _simulate(schedule, ranks, costs)
+    with gc_paused():
+        cols = columns(schedule)  # the validator's, when it just passed this schedule
+        if cols is None or (
+            schedule.__dict__.get("_validated_as") is None and not in_range(cols, n, schedule.num_microbatches)
+        ):
+            raise ValueError(_first_unreadable(schedule))
+        return _simulate(schedule, cols, costs)
 
 
-def _simulate(schedule: Schedule, ranks: list[list[Action]], costs: CostModel) -> SimResult:
+def _first_unreadable(schedule: Schedule) -> str:
+    """The error for the first action that is not a (stage, kind, micro-batch) in range (a slow scan: errors only)."""
+    n, m = schedule.num_stages, schedule.num_microbatches
+    for rank, acts in enumerate(schedule.ranks):
+        for a in acts:
+            s, kind, mb = a
+            per_stage = kind is Kind.SYNC or kind is Kind.STEP
+            if not (any(kind is k for k in Kind) and isinstance(s, int) and (per_stage or isinstance(mb, int))):
+                return (
+                    f"schedule {schedule.name!r}: rank {rank} runs {tuple(a)!r}, which is not an action "
+                    "(stage, Kind, micro-batch)"
+                )
+            if not (0 <= s < n and (mb is None if per_stage else 0 <= mb < m)):  # type: ignore[operator]
+                return (
+                    f"schedule {schedule.name!r}: rank {rank} runs {a}, outside stages 0..{n - 1} "
+                    f"and micro-batches 0..{m - 1}"
+                )
+    raise AssertionError("columns() refused a schedule whose every action reads")  # pragma: no cover
+
+
+def _simulate(schedule: Schedule, cols: Columns, costs: CostModel) -> SimResult:
+    """Every per-action fact as arrays, then the one sequential walk (:func:`~stagewise._earliest.earliest_starts`)."""
     n, m, p = schedule.num_stages, schedule.num_microbatches, schedule.num_ranks
-    placement = schedule.placement
-    fwd, b_in, b_wt = costs.forward, costs.backward_input, costs.backward_weight
-    b_full = tuple(x + y for x, y in zip(b_in, b_wt))
-    sync, step = costs.sync_time, costs.step_time
-    act = costs.activation_bytes
-    keep = tuple(min(k, a) for k, a in zip(costs.weight_activation_bytes, act))
-    # Arrival delay of stage s's output at stage s+1, and of stage s's input gradient at stage s-1.
-    delay_f = [costs.transfer_time(s) if s + 1 < n and placement[s + 1] != placement[s] else 0.0 for s in range(n)]
-    delay_b = [costs.transfer_time(s - 1) if s > 0 and placement[s - 1] != placement[s] else 0.0 for s in range(n)]
-    inv_v = 1.0 / schedule.virtual_stages
-    last = n - 1
+    placement = np.asarray(schedule.placement, np.int64)
+    timed = (cols.kind < SEND_F) | (cols.kind >= SYNC)  # SEND/RECV take no rank time: transfers are in arrivals
+    kind, stage, mb = cols.kind[timed], cols.stage[timed], cols.microbatch[timed]
+    lens = np.bincount(cols.rank[timed], minlength=p)
+    base = np.zeros(p + 1, np.int64)
+    np.cumsum(lens, out=base[1:])
 
-    # A message is a flat int: (stage, micro-batch) -> 2 * (stage * m + mb) (+1 for gradients).
-    arrival: list[float | None] = [None] * (2 * n * m)
-    waiting: dict[int, int] = {}  # message -> the rank blocked on it
-    starts: list[list[float]] = [[] for _ in range(p)]
-    ends: list[list[float]] = [[] for _ in range(p)]
-    clock = [0.0] * p
-    pos = [0] * p
-    busy = [0.0] * p
-    count = [0.0] * p
-    mem = [0.0] * p
-    peak_count = [0.0] * p
-    peak_mem = [0.0] * p
-    queue = deque(range(p))
-    while queue:
-        rank = queue.popleft()
-        acts = ranks[rank]
-        began, ended = starts[rank].append, ends[rank].append
-        t, idx, end_idx = clock[rank], pos[rank], len(acts)
-        cnt, byt, pk_c, pk_b, work = count[rank], mem[rank], peak_count[rank], peak_mem[rank], busy[rank]
-        mb: int  # compute actions carry a micro-batch; per-stage ones (None) never reach the index arithmetic
-        while idx < end_idx:
-            a = acts[idx]
-            s, kind, mb = a  # type: ignore[assignment]
-            if kind is _F:
-                if s:
-                    ready = arrival[2 * ((s - 1) * m + mb)]
-                    if ready is None:
-                        waiting[2 * ((s - 1) * m + mb)] = rank
-                        break
-                    if ready > t:
-                        t = ready
-                start = t
-                t += fwd[s]
-                cnt += 1.0
-                byt += act[s]
-                if cnt > pk_c:
-                    pk_c = cnt
-                if byt > pk_b:
-                    pk_b = byt
-                if s < last:
-                    key = 2 * (s * m + mb)
-                    arrival[key] = t + delay_f[s]
-                    if key in waiting:
-                        queue.append(waiting.pop(key))
-            elif kind is _B or kind is _I:
-                if s < last:
-                    ready = arrival[2 * ((s + 1) * m + mb) + 1]
-                    if ready is None:
-                        waiting[2 * ((s + 1) * m + mb) + 1] = rank
-                        break
-                    if ready > t:
-                        t = ready
-                start = t
-                if kind is _B:
-                    t += b_full[s]
-                    byt -= act[s]
-                else:
-                    t += b_in[s]
-                    byt -= act[s] - keep[s]
-                cnt -= 1.0
-                if s:
-                    key = 2 * (s * m + mb) + 1
-                    arrival[key] = t + delay_b[s]
-                    if key in waiting:
-                        queue.append(waiting.pop(key))
-            elif kind is _W:
-                start = t
-                t += b_wt[s]
-                byt -= keep[s]
-            else:  # SYNC or STEP: this rank's time only, not compute
-                began(t)
-                t += sync[s] if kind is _SYNC else step[s]
-                ended(t)
-                idx += 1
-                continue
-            work += t - start
-            began(start)
-            ended(t)
-            idx += 1
-        clock[rank], pos[rank] = t, idx
-        count[rank], mem[rank], peak_count[rank], peak_mem[rank], busy[rank] = cnt, byt, pk_c, pk_b, work
+    fwd, b_in, b_wt = (np.asarray(x, np.float64) for x in (costs.forward, costs.backward_input, costs.backward_weight))
+    act = np.asarray(costs.activation_bytes, np.float64)
+    keep = np.minimum(np.asarray(costs.weight_activation_bytes, np.float64), act)
+    # arrival delay of stage s's output at stage s+1, and of stage s's input gradient at stage s-1
+    transfer = np.asarray([costs.transfer_time(s) for s in range(n)], np.float64)
+    delay_f = np.zeros(n)
+    cross_f = placement[1:] != placement[:-1]  # stage s -> s+1 changes rank
+    delay_f[:-1] = np.where(cross_f, transfer[:-1], 0.0)
+    delay_b = np.zeros(n)
+    delay_b[1:] = np.where(cross_f, transfer[:-1], 0.0)
 
-    stuck = [r for r in range(p) if pos[r] < len(ranks[r])]
+    is_f, is_b, is_i, is_w = kind == F, kind == B, kind == I, kind == W
+    is_bi = is_b | is_i
+    key = stage * m + mb
+    # a message is a flat int: (stage, micro-batch) -> 2 * (stage * m + mb) (+1 for gradients)
+    need = np.where(is_f & (stage > 0), 2 * (key - m), np.where(is_bi & (stage < n - 1), 2 * (key + m) + 1, -1))
+    make = np.where(is_f & (stage < n - 1), 2 * key, np.where(is_bi & (stage > 0), 2 * key + 1, -1))
+    took = np.select(
+        [is_f, is_b, is_i, is_w, kind == SYNC],
+        [fwd[stage], b_in[stage] + b_wt[stage], b_in[stage], b_wt[stage], np.asarray(costs.sync_time)[stage]],
+        np.asarray(costs.step_time, np.float64)[stage],
+    )
+    delay = np.where(is_f, delay_f[stage], delay_b[stage])
+    base_l = base.tolist()
+    start_l, reached = earliest_starts(need.tolist(), make.tolist(), took.tolist(), delay.tolist(), base_l, 2 * n * m)
+    stuck = [r for r in range(p) if reached[r] < base_l[r + 1]]
     if stuck:
         r = stuck[0]
+        waits = schedule.ranks[r][int(np.nonzero(timed)[0][reached[r]] - cols.base[r])]
         raise ValueError(
-            f"schedule {schedule.name!r} cannot finish: rank {r} waits at {ranks[r][pos[r]]} "
+            f"schedule {schedule.name!r} cannot finish: rank {r} waits at {waits} "
             f"for a value no rank produces first (run validate_schedule for details)"
         )
-    firsts = [times[0] for times in starts if times]
-    makespan = max(times[-1] for times in ends if times) - min(firsts) if firsts else 0.0
+    start = np.fromiter(start_l, np.float64, len(start_l))
+    end = start + took  # the walk's own sums: t += took
+    computing = kind < SEND_F
+    # activations, counted in micro-batches and in bytes, in each rank's order (F adds at its start, a
+    # backward frees at its end; the running sums are order-dependent only, so cumulative sums per rank)
+    d_count = np.where(is_f, 1.0, np.where(is_bi, -1.0, 0.0))
+    d_bytes = np.select([is_f, is_b, is_i, is_w], [act[stage], -act[stage], -(act - keep)[stage], -keep[stage]], 0.0)
+    spent = np.where(computing, end - start, 0.0)
+    peak_count, peak_bytes, busy = [], [], []
+    for a, b in zip(base_l[:-1], base_l[1:], strict=True):
+        peak_count.append(max(0.0, float(np.cumsum(d_count[a:b]).max())) if b > a else 0.0)
+        peak_bytes.append(max(0.0, float(np.cumsum(d_bytes[a:b]).max())) if b > a else 0.0)
+        busy.append(float(np.cumsum(spent[a:b])[-1]) if b > a else 0.0)
+
+    present = lens > 0
+    makespan = float(end[base[1:][present] - 1].max() - start[base[:-1][present]].min()) if present.any() else 0.0
     bubble = 1.0 - sum(busy) / (p * makespan) if makespan > 0 else 0.0
+    inv_v = 1.0 / schedule.virtual_stages
     return SimResult(
         name=schedule.name,
         num_ranks=p,
         makespan=makespan,
         bubble_ratio=bubble,
         peak_activations=[c * inv_v for c in peak_count],
-        peak_activation_bytes=peak_mem,
+        peak_activation_bytes=peak_bytes,
         costs=costs,
-        actions=ranks,
-        starts=starts,
-        ends=ends,
         meta={
             "num_stages": n,
             "num_microbatches": m,
             "virtual_stages": schedule.virtual_stages,
-            "placement": list(placement),
+            "placement": list(schedule.placement),
         },
+        _schedule=schedule,
+        _start=start,
+        _end=end,
+        _base=base_l,
     )
