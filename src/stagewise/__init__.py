@@ -7,7 +7,7 @@ first use, so ``import stagewise`` stays cheap for planning and drawing.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._gc import gc_paused
 from .actions import Action, Kind, parse_action
@@ -15,7 +15,6 @@ from .costs import CostModel
 from .parallel import ParallelConfig
 from .partition import Partition, partition_costs
 from .passes import add_communication, add_grad_sync, add_optimizer_steps, forward_only, lower, split_backward
-from .planning import Calibration, Link, Plan, plan
 from .render import render_ascii, render_png, render_trace
 from .schedule import Schedule, loop_placement, v_placement
 from .schedules import generate, schedule_info, schedule_names
@@ -26,6 +25,9 @@ from .timeline import Event, Timeline
 from .validate import ScheduleError, validate_schedule
 from .validate_versions import validate_versions
 from .versions import Version, VersionTable
+
+if TYPE_CHECKING:  # loaded on first use (below): `stagewise simulate` does not need the planner
+    from .planning import Calibration, Link, Plan, plan
 
 __version__ = "0.1.0"
 
@@ -53,6 +55,10 @@ def build_schedule(
 
 # Runtime names, imported lazily so the pure core never pulls in torch.distributed.
 _LAZY = {
+    "Calibration": ".planning",
+    "Link": ".planning",
+    "Plan": ".planning",
+    "plan": ".planning",
     "Pipeline": ".runtime.pipeline",
     "BatchNormPolicy": ".runtime.engine.batchnorm",
     "PipelineError": ".runtime.errors",
