@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import stagewise as sw
-from stagewise.actions import Kind
+from stagewise._columns import ActionRows
+from stagewise.actions import Action, Kind
 from stagewise.costs import CostModel
 from stagewise.passes import lower
 from stagewise.schedule import Schedule, loop_placement
@@ -225,3 +226,36 @@ def test_each_stage_and_microbatch_once_and_bubble_never_grows_with_m(
     now, more = simulate(schedule), simulate(order(name, p, m + 1, v))
     assert now.makespan == optimum(p, m, v)
     assert more.bubble_ratio <= now.bubble_ratio + 1e-12
+
+
+def _plain_orders(name: str, p: int, m: int, v: int) -> tuple[tuple[Action, ...], ...]:
+    """The orders the docstrings describe, action by action (the reference for the column generators)."""
+    ranks = []
+    for r in range(p):
+        if name == "looped-bfs":
+            acts = [Action(c * p + r, Kind.F, i) for c in range(v) for i in range(m)]
+            acts += [Action(c * p + r, Kind.B, i) for c in range(v - 1, -1, -1) for i in range(m)]
+        else:
+            groups, first, fwd, bwd = microbatch_groups(p, m), 0, [], []
+            for size in groups:
+                fwd += [(c, i) for c in range(v) for i in range(first, first + size)]
+                bwd += [(c, i) for c in range(v - 1, -1, -1) for i in range(first, first + size)]
+                first += size
+            warmup = min((v - 1) * groups[0] + p - 1 - r, v * m)
+            acts = [Action(c * p + r, Kind.F, i) for c, i in fwd[:warmup]]
+            for (cf, i), (cb, j) in zip(fwd[warmup:], bwd, strict=False):
+                acts += [Action(cf * p + r, Kind.F, i), Action(cb * p + r, Kind.B, j)]
+            acts += [Action(c * p + r, Kind.B, i) for c, i in bwd[v * m - warmup :]]
+        ranks.append(tuple(acts))
+    return tuple(ranks)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_column_orders_equal_the_plain_orders(name: str) -> None:
+    """The generators compute their orders as arrays (ActionRows); spelled out action by action they agree."""
+    for p in (1, 2, 3, 4, 5, 8):
+        for m in range(1, 3 * p + 3):
+            for v in (1, 2, 3):
+                rows = sw.schedule_info(name).generator(p, m, v)
+                assert isinstance(rows, ActionRows)
+                assert tuple(rows) == _plain_orders(name, p, m, v), (name, p, m, v)

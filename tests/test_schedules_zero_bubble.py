@@ -10,9 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import stagewise as sw
-from stagewise.actions import Kind
+from stagewise._columns import ActionRows
+from stagewise.actions import Action, Kind
 from stagewise.costs import CostModel
-from stagewise.schedules.zero_bubble import _sweep_starts
+from stagewise.schedules.zero_bubble import _sweep_starts, v_wave
 from stagewise.simulate import SimResult, simulate
 
 NAMES = ("zb-h1", "zb-h2", "zb-v", "dualpipe-v")
@@ -197,6 +198,46 @@ def test_v_wave_plan_has_zero_slack(warmup: int) -> None:
         assert len(set(f0) | set(i1)) == len(set(f1) | set(i0)) == 2 * m  # one sweep per start time
         for k in range(m):  # each sweep starts once the previous one has crossed all p ranks
             assert f1[k] >= f0[k] + p and i1[k] >= f1[k] + p and i0[k] >= i1[k] + p
+
+
+def _plain_rank_order(p: int, r: int, start: list[list[int]]) -> list[Action]:
+    """The V wave's rank order spelled out time unit by time unit (the reference for the column generator):
+    each sweep's action at its time, and in every free unit the oldest W whose I has run."""
+    down, up = r, 2 * p - 1 - r
+    size = max(start[3][-1] + p - r, start[1][-1] + r + 1)
+    slot: list[Action | None] = [None] * size
+    owed: list[Action | None] = [None] * size
+    sweeps = ((0, down, Kind.F, r, None), (1, up, Kind.I, r, up), (2, up, Kind.F, p - 1 - r, None))
+    for sweep, stage, kind, shift, w_stage in (*sweeps, (3, down, Kind.I, p - 1 - r, down)):
+        for k, origin in enumerate(start[sweep]):
+            assert slot[origin + shift] is None
+            slot[origin + shift] = Action(stage, kind, k)
+            if w_stage is not None:
+                owed[origin + shift] = Action(w_stage, Kind.W, k)
+    order: list[Action] = []
+    pending: list[Action] = []
+    for action, w in zip(slot, owed, strict=True):
+        if action is None:
+            if pending:
+                order.append(pending.pop(0))
+        else:
+            order.append(action)
+            if w is not None:
+                pending.append(w)
+    return order + pending
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 5, 7, 8])
+def test_v_wave_columns_equal_the_plain_order(p: int) -> None:
+    """v_wave computes the orders as arrays (W slots by a running maximum); the plain walk gives the same."""
+    for m in [1, 2, p - 1, p, p + 1, 2 * p + 3, 17]:
+        if m < 1:
+            continue
+        for warmup in {0, 1, p - 1, p, 2 * p}:
+            start = _sweep_starts(p, m, min(warmup, m))
+            rows = v_wave(p, m, warmup)
+            assert isinstance(rows, ActionRows)
+            assert tuple(rows) == tuple(tuple(_plain_rank_order(p, r, start)) for r in range(p)), (p, m, warmup)
 
 
 def test_zb_v_golden_text() -> None:

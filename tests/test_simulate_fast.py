@@ -9,8 +9,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import stagewise as sw
-from stagewise._columns import ActionRows, columns
+from stagewise._columns import ActionRows, Columns, columns
 from stagewise._simulate_reference import simulate_reference
+from stagewise._validate_fast import _check_ranges
 from stagewise.actions import Action, Kind
 from stagewise.costs import CostModel
 from stagewise.schedule import Schedule
@@ -101,7 +102,8 @@ def test_a_lowered_schedule_is_its_columns_and_makes_a_rank_only_when_asked() ->
     assert rows._rows == [None, None, None]
     one = rows[1]
     assert rows._rows[0] is None and rows._rows[1] is one and rows[1] is one and rows[-2] is one
-    plain = lowered.with_ranks(lowered.ranks)  # tuples of the same actions
+    plain = lowered.with_ranks(list(lowered.ranks))  # tuples of the same actions
+    assert lowered.with_ranks(rows).ranks is rows  # a pass that keeps the rows keeps the columns
     assert not isinstance(plain.ranks, ActionRows)
     # the rows read back into exactly the columns they were made from
     mine, read = columns(lowered), columns(plain)
@@ -128,3 +130,50 @@ def test_a_schedule_whose_actions_are_not_numbers_is_lowered_by_the_plain_pass()
     ranks[0][0] = Action(0, Kind.F, 7)
     with pytest.raises(sw.ScheduleError, match="micro-batch"):
         sw.lower(good.with_ranks(ranks))
+
+
+@st.composite
+def column_schedules(draw: st.DrawFn) -> Schedule:
+    """A compute-only registered schedule as columns (ActionRows), sometimes with a stage or a micro-batch
+    moved out of place or range: what a column generator could hand the passes."""
+    name = draw(st.sampled_from(sw.schedule_names(synchronous=True)))
+    info = sw.schedule_info(name)
+    p, m = draw(st.integers(1, 4)), draw(st.integers(1, 5))
+    v = draw(st.sampled_from(info.virtual_stages or (1, 2, 3)))
+    try:
+        schedule = sw.generate(name, p, m, v)
+    except ValueError:
+        schedule = sw.generate("1f1b", p, m, 1)
+    if draw(st.booleans()):
+        schedule = sw.split_backward(schedule)
+    cols = columns(schedule)
+    assert cols is not None
+    stage, mb = cols.stage.copy(), cols.microbatch.copy()
+    if draw(st.booleans()):
+        field = draw(st.sampled_from([stage, mb]))
+        field[draw(st.integers(0, field.size - 1))] = draw(st.integers(-1, schedule.num_stages + m))
+    rows = ActionRows(Columns(kind=cols.kind.copy(), stage=stage, microbatch=mb, base=cols.base.copy()))
+    return Schedule(schedule.name, m, schedule.placement, rows)
+
+
+@given(column_schedules())
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_column_passes_equal_the_object_passes(schedule: Schedule) -> None:
+    """Grad sync and the range check on columns give what the object code gives on the same actions."""
+    assert isinstance(schedule.ranks, ActionRows)
+    plain = schedule.with_ranks(list(schedule.ranks))
+    assert not isinstance(plain.ranks, ActionRows)
+    assert _check_ranges(schedule) == _check_ranges(plain)
+    synced, expected = sw.add_grad_sync(schedule), sw.add_grad_sync(plain)
+    if _check_ranges(plain) is None:  # in place: the columns pass ran (no rank's row made)
+        assert isinstance(synced.ranks, ActionRows) and synced.ranks._rows.count(None) == len(synced.ranks)
+    assert synced.ranks == expected.ranks
+    if _check_ranges(plain) is None:  # the whole lowering: the same schedule, or the same error
+        assert _lowered(schedule) == _lowered(plain)
+
+
+def _lowered(schedule: Schedule) -> Schedule | str:
+    try:
+        return sw.lower(schedule)
+    except sw.ScheduleError as err:
+        return str(err)

@@ -61,8 +61,9 @@ class ActionRows(Sequence[tuple[Action, ...]]):
     """A schedule's per-rank action tuples, each made from the columns on first access, then kept.
 
     Behaves as the tuple of tuples it stands for: equal to it, same hash,
-    pickled as it. Only the lowering makes these (after checking nothing in
-    them needs an object: every kind a :class:`Kind`, every field an int).
+    pickled as it. Made by the lowering (after checking nothing in them needs
+    an object: every kind a :class:`Kind`, every field an int) and by
+    generators that compute an order as arrays (the V schedules).
     """
 
     __slots__ = ("columns", "_rows")
@@ -170,3 +171,47 @@ def in_range(cols: Columns, num_stages: int, num_microbatches: int) -> bool:
     return (not stage.size or (int(stage.min()) >= 0 and int(stage.max()) < num_stages)) and (
         not mb.size or (int(mb.min()) >= 0 and int(mb.max()) < num_microbatches)
     )
+
+
+def insert_after_last(cols: Columns, placement: Sequence[int], code: int, after: Sequence[int]) -> Columns | None:
+    """``cols`` with one action ``(s, code)`` right after the last action of stage s whose kind is in ``after``,
+    for every stage s that has one; None if a stage is out of range or an action of a stage sits on another
+    rank than ``placement`` says (the object pass handles that schedule).
+
+    The column form of :func:`stagewise.passes.add_grad_sync`'s insertion, for a schedule that is columns
+    already (a generator's or the lowering's): no rank's row is made.
+    """
+    n = len(placement)
+    stage, kind = cols.stage, cols.kind
+    if stage.size and (int(stage.min()) < 0 or int(stage.max()) >= n):
+        return None
+    rank = cols.rank
+    if not np.array_equal(np.asarray(placement, np.int64)[stage], rank):
+        return None
+    hits = np.flatnonzero(np.isin(kind, np.asarray(after, np.uint8)))
+    if not hits.size:
+        return cols
+    # the last hit of each stage: scanning the hits backwards, the first time each stage appears
+    rev = hits[::-1]
+    stages, first = np.unique(stage[rev], return_index=True)
+    at = rev[first]  # flat index of each stage's last hit (one action, one stage: no two alike)
+    order = np.argsort(at)
+    at, stages = at[order], stages[order]
+    where = at + 1
+    out_kind = np.insert(kind, where, np.uint8(code))
+    out_stage = np.insert(stage, where, stages)
+    out_mb = np.insert(cols.microbatch, where, -1)
+    added = np.bincount(rank[at], minlength=cols.base.size - 1)
+    base = cols.base.copy()
+    base[1:] += np.cumsum(added)
+    return Columns(kind=out_kind, stage=out_stage, microbatch=out_mb, base=base)
+
+
+def from_rows(rows: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> Columns:
+    """Columns from each rank's (kind codes, stages, micro-batches), for a generator that computes its orders
+    as arrays."""
+    lens = np.fromiter((len(kind) for kind, _, _ in rows), np.int64, len(rows))
+    base = np.zeros(len(rows) + 1, np.int64)
+    np.cumsum(lens, out=base[1:])
+    kind, stage, mb = (np.concatenate([row[j] for row in rows]) if rows else np.zeros(0, np.int64) for j in range(3))
+    return Columns(kind=kind.astype(np.uint8), stage=stage.astype(np.int64), microbatch=mb.astype(np.int64), base=base)

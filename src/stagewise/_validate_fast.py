@@ -29,7 +29,10 @@ from __future__ import annotations
 from collections import deque
 from operator import itemgetter
 
+import numpy as np
+
 from . import _validate_arrays
+from ._columns import SYNC, ActionRows, Columns
 from .actions import Kind
 from .schedule import Schedule
 
@@ -62,6 +65,8 @@ def first_problem(schedule: Schedule) -> str | None:
 def _check_ranges(schedule: Schedule) -> str | None:
     """Placement and micro-batch ranges, with set operations that run in C."""
     n, m = schedule.num_stages, schedule.num_microbatches
+    if isinstance(schedule.ranks, ActionRows):  # columns: the same two facts as whole-array tests
+        return _check_column_ranges(schedule, schedule.ranks.columns)
     local: list[set[int]] = [set() for _ in schedule.ranks]
     for s, r in enumerate(schedule.placement):
         local[r].add(s)
@@ -73,6 +78,22 @@ def _check_ranges(schedule: Schedule) -> str | None:
         if mbs and (min(mbs) < 0 or max(mbs) >= m):  # type: ignore[type-var, operator]
             return f"rank {rank}: a micro-batch outside 0..{m - 1}"
     return None
+
+
+def _check_column_ranges(schedule: Schedule, cols: Columns) -> str | None:
+    n, m = schedule.num_stages, schedule.num_microbatches
+    rank, stage = cols.rank, cols.stage
+    placed = np.asarray(schedule.placement, np.int64)[np.clip(stage, 0, n - 1)]
+    wrong = (stage < 0) | (stage >= n) | (placed != rank)
+    mb = cols.microbatch
+    outside = (cols.kind < SYNC) & ((mb < 0) | (mb >= m))
+    bad = np.flatnonzero(wrong | outside)
+    if not bad.size:
+        return None
+    r = int(rank[bad[0]])  # the first rank with a problem; its stages are checked before its micro-batches
+    if wrong[cols.base[r] : cols.base[r + 1]].any():
+        return f"rank {r}: an action of a stage that does not live on it (or outside 0..{n - 1})"
+    return f"rank {r}: a micro-batch outside 0..{m - 1}"
 
 
 class _Scan:

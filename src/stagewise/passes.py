@@ -10,7 +10,10 @@ from __future__ import annotations
 from operator import itemgetter
 
 from . import _lower_arrays, _validate_fast
-from ._columns import ActionRows, columns, in_range
+from ._columns import SYNC as _SYNC_CODE
+from ._columns import ActionRows, columns, in_range, insert_after_last
+from ._columns import B as _B_CODE
+from ._columns import W as _W_CODE
 from ._gc import gc_paused
 from ._passes_reference import add_communication_reference
 from .actions import COMM, COMPUTE, Action, Kind
@@ -47,6 +50,10 @@ def add_grad_sync(schedule: Schedule) -> Schedule:
     From that point the stage's gradients are final, so data-parallel
     all-reduce or tied-weight reduction can start while other stages drain.
     """
+    if isinstance(schedule.ranks, ActionRows):  # columns in, columns out: no rank's row is made
+        cols = insert_after_last(schedule.ranks.columns, schedule.placement, _SYNC_CODE, (_B_CODE, _W_CODE))
+        if cols is not None:
+            return schedule.with_ranks(ActionRows(cols))
     return schedule.with_ranks(
         [_insert_after_last(acts, schedule.stages_of(rank), Kind.SYNC) for rank, acts in enumerate(schedule.ranks)]
     )
@@ -203,10 +210,16 @@ def lower(
     return result
 
 
+def _has_sync(schedule: Schedule) -> bool:
+    if isinstance(schedule.ranks, ActionRows):
+        return bool((schedule.ranks.columns.kind == _SYNC_CODE).any())
+    return any(Kind.SYNC in set(map(_kind_of, acts)) for acts in schedule.ranks)
+
+
 def _lower_unchecked(schedule: Schedule, *, split: bool, grad_sync: bool, optimizer_steps: bool) -> Schedule:
     if split:
         schedule = split_backward(schedule)
-    if grad_sync and not any(Kind.SYNC in set(map(_kind_of, acts)) for acts in schedule.ranks):
+    if grad_sync and not _has_sync(schedule):
         schedule = add_grad_sync(schedule)
     if optimizer_steps:
         schedule = add_optimizer_steps(schedule)

@@ -55,7 +55,8 @@ class Schedule:
     name: str
     num_microbatches: int
     placement: tuple[int, ...]
-    #: a tuple of tuples, or (from the lowering) an :class:`~stagewise._columns.ActionRows` that acts as one
+    #: a tuple of tuples, or (from the lowering or a column generator) an :class:`~stagewise._columns.ActionRows`
+    #: that acts as one
     ranks: Sequence[tuple[Action, ...]]
     meta: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
 
@@ -110,7 +111,7 @@ class Schedule:
             name=self.name if name is None else name,
             num_microbatches=self.num_microbatches,
             placement=self.placement,
-            ranks=tuple(tuple(r) for r in ranks),
+            ranks=ranks if isinstance(ranks, ActionRows) else tuple(tuple(r) for r in ranks),
             meta=dict(self.meta),
         )
 

@@ -7,7 +7,7 @@ repository, github.com/deepseek-ai/DualPipe.
 
 from __future__ import annotations
 
-from ..actions import Action
+from .._columns import ActionRows
 from .registry import register
 from .zero_bubble import v_wave
 
@@ -23,7 +23,7 @@ from .zero_bubble import v_wave
     bubble="(p-1)/(6m+p-1) for m >= p (F = I = W per stage)",
     memory="min(p+1, m) (2p+2 stage activations)",
 )
-def dualpipe_v(p: int, m: int, v: int) -> list[list[Action]]:
+def dualpipe_v(p: int, m: int, v: int) -> ActionRows:
     """One direction of micro-batches through a V: rank r holds stage r and stage 2p-1-r.
 
     DualPipeV's steady state pairs the forward of micro-batch k+p on one

@@ -27,10 +27,12 @@ simulation checks the result.
 
 from __future__ import annotations
 
-from ..actions import Action, Kind
-from .registry import register
+import numpy as np
 
-F, B = Kind.F, Kind.B
+from .._columns import ActionRows, from_rows
+from .._columns import B as _B
+from .._columns import F as _F
+from .registry import register
 
 
 def microbatch_groups(p: int, m: int) -> list[int]:
@@ -72,7 +74,7 @@ def chunk_order(groups: list[int], v: int, *, backward: bool) -> list[tuple[int,
     virtual_stages=None,
     default_virtual_stages=2,
 )
-def interleaved_1f1b(p: int, m: int, v: int) -> list[list[Action]]:
+def interleaved_1f1b(p: int, m: int, v: int) -> ActionRows:
     """Megatron-LM's interleaved 1F1B, for any m and v (v = 1 is exactly ``1f1b``).
 
     The micro-batches go in groups of p (:func:`microbatch_groups`); a rank
@@ -99,19 +101,23 @@ def interleaved_1f1b(p: int, m: int, v: int) -> list[list[Action]]:
     ranks.
     """
     groups = microbatch_groups(p, m)
-    forward = chunk_order(groups, v, backward=False)
-    backward = chunk_order(groups, v, backward=True)
+    f_chunk, f_mb = np.asarray(chunk_order(groups, v, backward=False), np.int64).reshape(-1, 2).T
+    b_chunk, b_mb = np.asarray(chunk_order(groups, v, backward=True), np.int64).reshape(-1, 2).T
     total = v * m
-    ranks = []
+    kind = np.zeros(2 * total, np.int64)
+    rows = []
     for r in range(p):
-        warmup = min((v - 1) * groups[0] + p - 1 - r, total)
-        acts = [Action(c * p + r, F, i) for c, i in forward[:warmup]]
-        for k in range(total - warmup):
-            (cf, i), (cb, j) = forward[warmup + k], backward[k]
-            acts += [Action(cf * p + r, F, i), Action(cb * p + r, B, j)]
-        acts += [Action(c * p + r, B, i) for c, i in backward[total - warmup :]]
-        ranks.append(acts)
-    return ranks
+        w = min((v - 1) * groups[0] + p - 1 - r, total)
+        # positions in the rank's order: w forwards, then F B pairs, then the last w backwards
+        steady = w + 2 * np.arange(total - w, dtype=np.int64)
+        at_f = np.concatenate([np.arange(w, dtype=np.int64), steady])
+        at_b = np.concatenate([steady + 1, w + 2 * (total - w) + np.arange(w, dtype=np.int64)])
+        kind[at_f], kind[at_b] = _F, _B
+        stage, mb = np.empty(2 * total, np.int64), np.empty(2 * total, np.int64)
+        stage[at_f], stage[at_b] = f_chunk * p + r, b_chunk * p + r
+        mb[at_f], mb[at_b] = f_mb, b_mb
+        rows.append((kind.copy(), stage, mb))
+    return ActionRows(from_rows(rows))
 
 
 @register(
@@ -123,7 +129,7 @@ def interleaved_1f1b(p: int, m: int, v: int) -> list[list[Action]]:
     virtual_stages=None,
     default_virtual_stages=2,
 )
-def looped_bfs(p: int, m: int, v: int) -> list[list[Action]]:
+def looped_bfs(p: int, m: int, v: int) -> ActionRows:
     """Breadth-first looping: stage by stage, all micro-batches at once (v = 1 is exactly ``gpipe``).
 
     Rank r runs the forwards of stage r for micro-batches 0 .. m-1, then of
@@ -139,8 +145,7 @@ def looped_bfs(p: int, m: int, v: int) -> list[list[Action]]:
     final, and can be reduced, while the rank still works on its other
     stages.
     """
-    return [
-        [Action(c * p + r, F, i) for c in range(v) for i in range(m)]
-        + [Action(c * p + r, B, i) for c in range(v - 1, -1, -1) for i in range(m)]
-        for r in range(p)
-    ]
+    chunk = np.concatenate([np.repeat(np.arange(v, dtype=np.int64), m), np.repeat(np.arange(v - 1, -1, -1), m)])
+    kind = np.repeat(np.array([_F, _B], np.int64), v * m)
+    mb = np.tile(np.arange(m, dtype=np.int64), 2 * v)
+    return ActionRows(from_rows([(kind, chunk * p + r, mb) for r in range(p)]))

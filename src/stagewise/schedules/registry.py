@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from .._columns import ActionRows
 from .._gc import gc_paused
 from ..actions import Action
 from ..schedule import Schedule, loop_placement, v_placement
 
 #: A generator takes (ranks p, micro-batches m, virtual stages v) and returns,
-#: for each rank, its compute actions (F, B or F, I, W) in order.
-Generator = Callable[[int, int, int], list[list[Action]]]
+#: for each rank, its compute actions (F, B or F, I, W) in order: lists of actions, or an
+#: :class:`~stagewise._columns.ActionRows` made from integer columns (kept as it is, not copied).
+Generator = Callable[[int, int, int], Sequence[Sequence[Action]]]
 
 
 @dataclass(frozen=True)
@@ -118,7 +120,7 @@ def generate(name: str, num_ranks: int, num_microbatches: int, virtual_stages: i
         name=name,
         num_microbatches=num_microbatches,
         placement=placement,
-        ranks=tuple(tuple(r) for r in ranks),
+        ranks=ranks if isinstance(ranks, ActionRows) else tuple(tuple(r) for r in ranks),
         meta={"placement": info.placement},
     )
 
