@@ -118,26 +118,41 @@ def choose(plans: list[sw.Plan], count: int) -> list[tuple[int, sw.Plan]]:
     return [(k, plans[k]) for k in dict.fromkeys(picks)]
 
 
-def time_plan(plan: sw.Plan, model: str, steps: int, rank: int) -> dict[str, Any]:
-    """Median step time without the activation meter (its hooks cost time), then one metered step for the peak."""
+ROUNDS = 3  # each plan's timed steps are split into this many rounds, the plans taking turns
+
+
+def time_plans(plans: list[sw.Plan], model: str, steps: int) -> list[dict[str, Any]]:
+    """Median step time of each plan without the activation meter (its hooks cost time), then one metered step each.
+
+    The plans take turns: ``steps`` timed steps per plan in :data:`ROUNDS` rounds, every plan once per round, so a
+    load that comes and goes on this shared machine weighs on every plan alike rather than on whichever ran then.
+    A step's time is the slowest rank's, from a barrier.
+    """
     make, loss_fn, data, batch, _ = MODELS[model]
-    pipe = sw.pipeline_from_plan(plan, make(), loss_fn=loss_fn, seed=0, timeout=120)
-    times = []
-    for step in range(2 + steps):
-        x, y = data(batch, step)
-        inputs = pipe.local_batch(x, y)
-        dist.barrier()
-        t = time.perf_counter()
-        pipe.train_step(*inputs)
-        elapsed = torch.tensor([time.perf_counter() - t])
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        if step >= 2:
-            times.append(float(elapsed))
-    metered = sw.pipeline_from_plan(plan, make(), loss_fn=loss_fn, seed=0, measure_memory=True, timeout=120)
-    metered.train_step(*metered.local_batch(*data(batch, 0)))
-    peak = torch.tensor([float(metered.memory_report()["peak_bytes"])])
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    return {"measured": statistics.median(times), "runs": len(times), "measured_activations": float(peak)}
+    pipes = [sw.pipeline_from_plan(plan, make(), loss_fn=loss_fn, seed=0, timeout=120) for plan in plans]
+    times: list[list[float]] = [[] for _ in plans]
+    per_round = -(-steps // ROUNDS)
+    for round_ in range(ROUNDS):
+        for k, pipe in enumerate(pipes):
+            warm = 2 if round_ == 0 else 0
+            for step in range(warm + per_round):
+                x, y = data(batch, step)
+                inputs = pipe.local_batch(x, y)
+                dist.barrier()
+                t = time.perf_counter()
+                pipe.train_step(*inputs)
+                elapsed = torch.tensor([time.perf_counter() - t])
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                if step >= warm:
+                    times[k].append(float(elapsed))
+    out = []
+    for plan, ts in zip(plans, times):
+        metered = sw.pipeline_from_plan(plan, make(), loss_fn=loss_fn, seed=0, measure_memory=True, timeout=120)
+        metered.train_step(*metered.local_batch(*data(batch, 0)))
+        peak = torch.tensor([float(metered.memory_report()["peak_bytes"])])
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        out.append({"measured": statistics.median(ts), "runs": len(ts), "measured_activations": float(peak)})
+    return out
 
 
 def main() -> None:
@@ -161,12 +176,15 @@ def main() -> None:
         found = search(linear, world, calibration=cal, cores=cores, top=400, **common)
         bare = {p.describe(): p for p in search(linear, world, intra=cal.intra, top=100_000, **common).plans}
         rows = []
-        for k, plan in choose(list(found.plans), args.plans):
+        chosen = choose(list(found.plans), args.plans)
+        for (k, plan), timed in zip(chosen, time_plans([plan for _, plan in chosen], model, args.steps)):
             row = {"rank": k + 1, "plan": plan.describe(), "predicted": plan.step_time}
             row["bare"] = bare[plan.describe()].step_time if plan.describe() in bare else None
-            row["cpu_bound"] = plan.breakdown["cpu_bound"] >= plan.breakdown["simulated"]
+            row["cpu_bound"] = (
+                max(plan.breakdown["cpu_bound"], plan.breakdown["shared_cores"]) > plan.breakdown["simulated"]
+            )
             row["predicted_activations"] = max(m.activations for m in plan.memory)
-            row.update(time_plan(plan, model, args.steps, rank))
+            row.update(timed)
             rows.append(row)
         report["models"][model] = {"candidates": found.candidates, "simulated": found.simulated, "rows": rows}
     if rank == 0:

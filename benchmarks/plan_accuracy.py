@@ -111,7 +111,7 @@ def show(report: dict, ranks: int, load: tuple[float, float, float] | None) -> N
                 f"{r['rank']:>3}  {r['predicted']:>11.4f}  {r['measured']:>10.4f}  {err:>+6.0%}  "
                 f"{bare if bare is not None else math.nan:>8.4f}  {bare_err:>+6.0%}  "
                 f"{r['predicted_activations'] / 1e6:>8.2f}M  {shown}  {r['plan']}"
-                f"{' [cpu bound]' if r['cpu_bound'] else ''}"
+                f"{' [cores shared]' if r['cpu_bound'] else ''}"
             )
         rho = spearman([r["predicted"] for r in rows], [r["measured"] for r in rows])
         mem = sum(mem_errors) / max(len(mem_errors), 1)
