@@ -171,7 +171,7 @@ def _hookless_leaf(fn: Node) -> torch.Tensor | None:
     """The leaf tensor behind an AccumulateGrad node, if it is a plain tensor or Parameter with no hooks."""
     if fn is None or fn.name() != _ACCUMULATE:
         return None
-    leaf = fn.variable
+    leaf: torch.Tensor = fn.variable
     if type(leaf) not in (torch.Tensor, torch.nn.Parameter) or leaf._backward_hooks:
         return None
     if getattr(leaf, "_post_accumulate_grad_hooks", None) or leaf.is_sparse:
