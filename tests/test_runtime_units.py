@@ -176,12 +176,22 @@ def _mlp(seed: int, bias: bool = True) -> nn.Module:
 def test_plain_linears_accumulate_their_weight_gradient_without_the_engine(bias: bool) -> None:
     """W of 2-D linear layers adds grad.T @ x into .grad itself (no temporary), over several micro-batches, and
     equals the engine's full backward in float64."""
-    ref, split = _mlp(3, bias), _mlp(3, bias)
+    ref, split, whole = _mlp(3, bias), _mlp(3, bias), _mlp(3, bias)
     xs = [torch.randn(7, 6, dtype=torch.float64) for _ in range(3)]
     gs = [torch.randn(7, 4, dtype=torch.float64) for _ in range(3)]
     for x0, g in zip(xs, gs):  # reference: the engine, micro-batch after micro-batch
         x = x0.clone().requires_grad_()
-        backward_full([ref(x)], [g], [x])
+        ref(x).backward(g)
+        x2 = x0.clone().requires_grad_()
+        ran: list = []
+        out = whole(x2)
+        for node in _graph_nodes([out]):
+            node.register_hook(lambda *_, node=node, ran=ran: ran.append(node))
+        (gx,) = backward_full([out], [g], [x2])  # B: I then the fused W, here
+        torch.testing.assert_close(gx, x.grad, rtol=1e-13, atol=1e-14)
+        assert not any(type(n).__name__ == "TBackward0" for n in ran), "B made a weight gradient in the engine"
+    for (name, p), r in zip(whole.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, r.grad, rtol=1e-13, atol=1e-14, msg=name)
     works, runs = [], {}
     for x0, g in zip(xs, gs):  # all I first, then all W: W accumulates into what the others left
         x = x0.clone().requires_grad_()

@@ -48,10 +48,22 @@ Node = Any  # torch.autograd.graph.Node
 def backward_full(
     roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None], inputs: Sequence[torch.Tensor]
 ) -> list[torch.Tensor | None]:
-    """B: weight gradients accumulate into ``.grad``; returns the gradient of each input (None if unused)."""
+    """B: weight gradients accumulate into ``.grad``; returns the gradient of each input (None if unused).
+
+    A stage with plain linear layers on its input path runs as I then W at once: the fused accumulation of
+    their weight gradients costs less than the engine's temporary and (transposed) add. Otherwise (no such
+    layer, a weight reached from two places, or no input to differentiate) it is one engine pass.
+    """
     pairs = [(r, g) for r, g in zip(roots, grads) if r.requires_grad]
-    if pairs:
-        torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs])
+    if not pairs:
+        return [x.grad for x in inputs]
+    filled = [(r, g if g is not None else torch.ones_like(r)) for r, g in pairs]
+    root_edges, graph = _graph_of(filled, inputs)
+    if graph.clean and any(_linear_parts(node, weights) for node, weights in graph.regions.items()):
+        input_grads, work = _input_part(filled, inputs, root_edges, graph)
+        backward_weight(work)
+        return input_grads
+    torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs])
     return [x.grad for x in inputs]
 
 
@@ -69,13 +81,22 @@ def backward_input(
 ) -> tuple[list[torch.Tensor | None], WeightWork]:
     """I: the gradient of each input (None if unused) and the pending weight work; no ``.grad`` changes."""
     pairs = [(r, g if g is not None else torch.ones_like(r)) for r, g in zip(roots, grads) if r.requires_grad]
-    work = WeightWork()
     if not pairs:
-        return [None] * len(inputs), work
+        return [None] * len(inputs), WeightWork()
+    root_edges, graph = _graph_of(pairs, inputs)
+    return _input_part(pairs, inputs, root_edges, graph)
+
+
+def _graph_of(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], inputs: Sequence[torch.Tensor]) -> tuple[Any, _Graph]:
     root_edges = [get_gradient_edge(r) for r, _ in pairs]
     input_nodes = {get_gradient_edge(x).node for x in inputs}
-    graph = _Graph([e.node for e in root_edges], input_nodes)
+    return root_edges, _Graph([e.node for e in root_edges], input_nodes)
 
+
+def _input_part(
+    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], inputs: Sequence[torch.Tensor], root_edges: Any, graph: _Graph
+) -> tuple[list[torch.Tensor | None], WeightWork]:
+    work = WeightWork()
     saved: dict[Node, tuple[torch.Tensor | None, ...]] = {}
     hooks = [node.register_prehook(_saver(saved, node)) for node in graph.regions] if graph.clean else []
     try:
@@ -133,14 +154,11 @@ _LINEAR_NODES = ("AddmmBackward0", "MmBackward0")
 _ACCUMULATE = "torch::autograd::AccumulateGrad"
 
 
-def _plain_linear(
-    node: Node, weights: Sequence[torch.Tensor], grads: tuple[torch.Tensor | None, ...]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
-    """(output gradient, input, weight, bias) if ``node`` is a linear layer's ``addmm(bias, x, weight.t())`` or
-    ``mm(x, weight.t())`` whose region holds exactly that weight and bias, all plain 2-D tensors of one dtype and
-    layout-free leaves with no hooks; else None (W goes through the engine)."""
+def _linear_parts(node: Node, weights: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(weight, bias or None) if ``node`` is a linear layer's ``addmm(bias, x, weight.t())`` (alpha = beta = 1)
+    or ``mm(x, weight.t())`` whose region holds exactly that weight and bias, hookless leaves; else None."""
     name = node.name()
-    if name not in _LINEAR_NODES or len(grads) != 1 or grads[0] is None:
+    if name not in _LINEAR_NODES:
         return None
     nexts = node.next_functions
     if name == "AddmmBackward0":
@@ -153,13 +171,25 @@ def _plain_linear(
         return None
     weight = _hookless_leaf(t_fn.next_functions[0][0])
     bias = _hookless_leaf(bias_fn) if bias_fn is not None else None
-    if weight is None or (bias_fn is not None and bias is None):
+    if weight is None or weight.dim() != 2 or (bias_fn is not None and bias is None):
         return None
     owned = [weight] if bias is None else [weight, bias]
     if len(weights) != len(owned) or {id(w) for w in weights} != {id(w) for w in owned}:
         return None
-    grad, x = grads[0], node._saved_mat1 if name == "AddmmBackward0" else node._saved_self
-    if grad.dim() != 2 or x is None or x.dim() != 2 or weight.dim() != 2:
+    return weight, bias
+
+
+def _plain_linear(
+    node: Node, weights: Sequence[torch.Tensor], grads: tuple[torch.Tensor | None, ...]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """(output gradient, input, weight, bias) for a linear layer W can accumulate itself (:func:`_linear_parts`,
+    with 2-D gradient and input of the weight's dtype and device); else None (W goes through the engine)."""
+    parts = _linear_parts(node, weights)
+    if parts is None or len(grads) != 1 or grads[0] is None:
+        return None
+    weight, bias = parts
+    grad, x = grads[0], node._saved_mat1 if node.name() == "AddmmBackward0" else node._saved_self
+    if grad.dim() != 2 or x is None or x.dim() != 2:
         return None
     alike = (t.dtype == weight.dtype and t.device == weight.device and t.layout == torch.strided for t in (grad, x))
     if not all(alike) or (bias is not None and bias.dtype != weight.dtype):
