@@ -208,6 +208,42 @@ def test_plain_linears_accumulate_their_weight_gradient_without_the_engine(bias:
         torch.testing.assert_close(p.grad, r.grad, rtol=1e-13, atol=1e-14, msg=name)
 
 
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_first_stage_of_plain_linears_accumulates_its_weight_gradients_itself(bias: bool) -> None:
+    """No input to differentiate (the first stage): I does nothing, W carries the gradient to each linear layer
+    and accumulates the layer's weight gradient itself; float64 equal to the engine's over several micro-batches."""
+    ref, split, whole = _mlp(5, bias), _mlp(5, bias), _mlp(5, bias)
+    works, ran = [], []
+    for _ in range(3):
+        x, g = torch.randn(7, 6, dtype=torch.float64), torch.randn(7, 4, dtype=torch.float64)
+        ref(x).backward(g)
+        assert backward_full([whole(x)], [g], []) == []  # B: the same, at once
+        out = split(x)
+        for node in _graph_nodes([out]):
+            node.register_hook(lambda *_, node=node: ran.append(type(node).__name__))
+        grads, work = backward_input([out], [g], [])
+        assert grads == [] and not ran and len(work.catches) == 1 and not work.calls
+        works.append(work)
+    for work in works:
+        backward_weight(work)
+    assert "TBackward0" not in ran and "AccumulateGrad" not in ran, ran
+    for (name, p), r, w in zip(split.named_parameters(), ref.parameters(), whole.parameters()):
+        torch.testing.assert_close(p.grad, r.grad, rtol=1e-13, atol=1e-14, msg=name)
+        torch.testing.assert_close(w.grad, r.grad, rtol=1e-13, atol=1e-14, msg=name)
+
+
+def test_a_first_stage_with_a_weight_used_elsewhere_goes_through_the_engine() -> None:
+    lin = nn.Linear(4, 4).double()
+    x, g = torch.randn(3, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)
+    (lin(x) * lin.weight.sum()).backward(g)
+    ref = lin.weight.grad.clone()
+    lin.zero_grad(set_to_none=True)
+    _, work = backward_input([lin(x) * lin.weight.sum()], [g], [])
+    assert not work.catches and len(work.calls) == 1
+    backward_weight(work)
+    torch.testing.assert_close(lin.weight.grad, ref, rtol=1e-13, atol=1e-14)
+
+
 def test_a_hooked_or_scaled_linear_goes_through_the_engine() -> None:
     """A weight hook must run, so that layer's W is the engine's; addmm with beta != 1 is not a linear layer."""
     stage = _mlp(4)

@@ -43,6 +43,7 @@ import torch.fx.experimental.symbolic_shapes  # noqa: F401  (imported for its co
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 Node = Any  # torch.autograd.graph.Node
+_Layer = tuple[Node, torch.Tensor, torch.Tensor, "torch.Tensor | None"]  # a linear layer: node, input, weight, bias
 
 
 def backward_full(
@@ -50,16 +51,17 @@ def backward_full(
 ) -> list[torch.Tensor | None]:
     """B: weight gradients accumulate into ``.grad``; returns the gradient of each input (None if unused).
 
-    A stage with plain linear layers on its input path runs as I then W at once: the fused accumulation of
-    their weight gradients costs less than the engine's temporary and (transposed) add. Otherwise (no such
-    layer, a weight reached from two places, or no input to differentiate) it is one engine pass.
+    A stage with plain linear layers runs as I then W at once: the fused accumulation of their weight
+    gradients costs less than the engine's temporary and (transposed) add. Otherwise (no such layer, a
+    weight reached from two places) it is one engine pass.
     """
     pairs = [(r, g) for r, g in zip(roots, grads) if r.requires_grad]
     if not pairs:
         return [x.grad for x in inputs]
     filled = [(r, g if g is not None else torch.ones_like(r)) for r, g in pairs]
     root_edges, graph = _graph_of(filled, inputs)
-    if graph.clean and any(_linear_parts(node, weights) for node, weights in graph.regions.items()):
+    linear = any(_linear_parts(node, weights) for node, weights in graph.regions.items())
+    if (graph.clean and linear) or (not any(graph.to_input.values()) and _only_linears(graph)):
         input_grads, work = _input_part(filled, inputs, root_edges, graph)
         backward_weight(work)
         return input_grads
@@ -74,6 +76,9 @@ class WeightWork:
     calls: list[tuple[list[Any], list[torch.Tensor], list[torch.Tensor]]] = field(default_factory=list)
     #: linear layers W accumulates itself: (gradient of the output, input, weight, bias or None)
     linears: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]] = field(default_factory=list)
+    #: a stage whose input needs no gradient and whose weights are all plain linear layers': its roots, their
+    #: gradients, and per layer (node, input, weight, bias): the engine only carries gradients to the layers
+    catches: list[tuple[list[Any], list[torch.Tensor], list[_Layer]]] = field(default_factory=list)
 
 
 def backward_input(
@@ -127,8 +132,41 @@ def _input_part(
             work.calls.append(([e for e, _ in edges], [g for _, g in edges], weights))
     outside = [(e, g) for (_, g), e in zip(pairs, root_edges) if not graph.to_input[e.node]]
     if outside and graph.root_weights:
-        work.calls.append(([e for e, _ in outside], [g for _, g in outside], graph.root_weights))
+        layers = None if any(graph.to_input.values()) else _only_linears(graph)
+        if layers:
+            work.catches.append(([e for e, _ in outside], [g for _, g in outside], layers))
+        else:
+            work.calls.append(([e for e, _ in outside], [g for _, g in outside], graph.root_weights))
     return [got.get(id(x)) for x in inputs], work
+
+
+def _only_linears(graph: _Graph) -> list[_Layer] | None:
+    """Every plain linear layer of a graph that touches no input, with its input, weight and bias, if those
+    layers' weights and biases are all the graph's leaves and each is reached through its layer only; else None.
+    """
+    uses: dict[Node, int] = {}
+    for node in graph.order:
+        for child, _ in node.next_functions:
+            if child is not None:
+                uses[child] = uses.get(child, 0) + 1
+    expected: dict[Node, int] = {}
+    found = []
+    for node in graph.order:
+        leaves = _linear_leaves(node)
+        if leaves is None:
+            continue
+        weight, bias, t_fn, w_acc, b_acc = leaves
+        x = node._saved_mat1 if node.name() == "AddmmBackward0" else node._saved_self
+        if uses.get(t_fn) != 1 or x is None or x.dim() != 2 or x.dtype != weight.dtype or x.device != weight.device:
+            return None
+        for acc in (w_acc, b_acc):
+            if acc is not None:
+                expected[acc] = expected.get(acc, 0) + 1
+        found.append((node, x, weight, bias))
+    accs = [n for n in graph.order if n.name() == _ACCUMULATE]
+    if not found or graph.roots & set(accs) or any(uses.get(a, 0) != expected.get(a, 0) for a in accs):
+        return None
+    return found
 
 
 def backward_weight(work: WeightWork) -> None:
@@ -136,6 +174,12 @@ def backward_weight(work: WeightWork) -> None:
     for edges, grads, weights in work.calls:
         torch.autograd.backward(edges, grad_tensors=grads, inputs=weights)
     work.calls.clear()
+    for edges, grads, layers in work.catches:  # the gradient at each layer's output, then each layer's W
+        caught = torch.autograd.grad(edges, [GradientEdge(n, 0) for n, _, _, _ in layers], grads, allow_unused=True)
+        for (_, x, weight, bias), grad in zip(layers, caught):
+            if grad is not None:
+                work.linears.append((grad, x, weight, bias))
+    work.catches.clear()
     with torch.no_grad():
         for grad, x, weight, bias in work.linears:
             if weight.grad is None:
@@ -154,9 +198,10 @@ _LINEAR_NODES = ("AddmmBackward0", "MmBackward0")
 _ACCUMULATE = "torch::autograd::AccumulateGrad"
 
 
-def _linear_parts(node: Node, weights: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """(weight, bias or None) if ``node`` is a linear layer's ``addmm(bias, x, weight.t())`` (alpha = beta = 1)
-    or ``mm(x, weight.t())`` whose region holds exactly that weight and bias, hookless leaves; else None."""
+def _linear_leaves(node: Node) -> tuple[torch.Tensor, torch.Tensor | None, Node, Node, Node | None] | None:
+    """(weight, bias or None, the transpose's node, the weight's and bias's AccumulateGrad) if ``node`` is a
+    linear layer's ``addmm(bias, x, weight.t())`` (alpha = beta = 1) or ``mm(x, weight.t())`` of hookless
+    leaves; else None."""
     name = node.name()
     if name not in _LINEAR_NODES:
         return None
@@ -169,10 +214,21 @@ def _linear_parts(node: Node, weights: Sequence[torch.Tensor]) -> tuple[torch.Te
         bias_fn, t_fn = None, nexts[1][0]  # mm(x, weight.t())
     if t_fn is None or t_fn.name() != "TBackward0":
         return None
-    weight = _hookless_leaf(t_fn.next_functions[0][0])
+    w_acc = t_fn.next_functions[0][0]
+    weight = _hookless_leaf(w_acc)
     bias = _hookless_leaf(bias_fn) if bias_fn is not None else None
     if weight is None or weight.dim() != 2 or (bias_fn is not None and bias is None):
         return None
+    return weight, bias, t_fn, w_acc, bias_fn
+
+
+def _linear_parts(node: Node, weights: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(weight, bias or None) if ``node`` is a linear layer (:func:`_linear_leaves`) whose region holds exactly
+    that weight and bias; else None."""
+    leaves = _linear_leaves(node)
+    if leaves is None:
+        return None
+    weight, bias = leaves[0], leaves[1]
     owned = [weight] if bias is None else [weight, bias]
     if len(weights) != len(owned) or {id(w) for w in weights} != {id(w) for w in owned}:
         return None
@@ -224,8 +280,8 @@ class _Graph:
     """
 
     def __init__(self, roots: Sequence[Node], input_nodes: set[Node]) -> None:
-        order = _post_order(roots)
-        root_set = set(roots)
+        order = self.order = _post_order(roots)
+        root_set = self.roots = set(roots)
         self.to_input: dict[Node, bool] = {}
         to_weight: dict[Node, bool] = {}
         leaves: list[Node] = []
