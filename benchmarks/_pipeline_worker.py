@@ -183,10 +183,11 @@ def main() -> None:
         keep = ("times", "cpu", "waiting", "error")
         results["schedules"][name] = {lib: {k: v for k, v in d.items() if k in keep} for lib, d in row.items()}
         local = stages_of_rank(SCHEDULES[name][1], rank, p, SCHEDULES[name][2])
-        mine = [(s, dataclasses.astuple(c)) for s, c in zip(local, compute.costs())]
-        everyone: list[Any] = [None] * p
-        dist.all_gather_object(everyone, mine)
-        results["schedules"][name]["stage_costs"] = [c for _, c in sorted(x for rows in everyone for x in rows)]
+        for kernels, key in (("stagewise", "stage_costs"), ("autograd", "stage_costs_autograd")):
+            mine = [(s, dataclasses.astuple(c)) for s, c in zip(local, compute.costs(kernels))]
+            everyone: list[Any] = [None] * p
+            dist.all_gather_object(everyone, mine)
+            results["schedules"][name][key] = [c for _, c in sorted(x for rows in everyone for x in rows)]
         row.clear()
         dist.barrier()
     if rank == 0:
