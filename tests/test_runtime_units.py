@@ -356,3 +356,35 @@ def test_one_rank_pipeline_is_not_called(one_rank) -> None:
         pipe(torch.zeros(1, mdl.D))
     with pytest.raises(ValueError, match="needs the inputs"):
         pipe.train_step(None, torch.zeros(2))
+
+
+class _Counted(nn.Linear):
+    """A plain linear layer that counts its forwards (the fused W must not make a checkpoint re-run them)."""
+
+    calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        type(self).calls += 1
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "zb-h1"])
+def test_a_recomputed_stage_runs_its_forward_twice_and_no_more(one_rank, name: str) -> None:
+    """recompute="stage": each layer's forward runs once in F and once when the backward (B, or I) unpacks the
+    checkpoint: 2 x layers x micro-batches calls per step. Reading the saved inputs of a checkpointed linear
+    node for the fused W re-runs the forward each time (it did: 8x slower steps), so those stages keep the
+    engine's W. Gradients equal the model's."""
+    layers = [sw.Layer(_Counted, 6, 6, dtype=torch.float64) for _ in range(3)]
+    pipe = sw.Pipeline(layers, loss_fn=F.mse_loss, schedule=name, microbatches=4, recompute="stage", seed=3)
+    ref = sw.build_model(layers, seed=3)
+    x = torch.randn(8, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    y = torch.randn(8, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    _Counted.calls = 0
+    loss = pipe.train_step(x, y)
+    assert _Counted.calls == 2 * 3 * 4
+    ref_loss = F.mse_loss(ref(x), y)
+    ref_loss.backward()
+    assert loss == pytest.approx(ref_loss.item(), rel=1e-12)
+    ref_params = dict(ref.named_parameters())
+    for n, p in pipe.named_parameters():
+        torch.testing.assert_close(p.grad, ref_params[n].grad, rtol=1e-10, atol=1e-12)

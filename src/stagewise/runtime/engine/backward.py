@@ -55,16 +55,25 @@ _Layer = tuple[Node, torch.Tensor, torch.Tensor, "torch.Tensor | None"]  # a lin
 
 
 def backward_full(
-    roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None], inputs: Sequence[torch.Tensor]
+    roots: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor | None],
+    inputs: Sequence[torch.Tensor],
+    *,
+    fused: bool = True,
 ) -> list[torch.Tensor | None]:
     """B: weight gradients accumulate into ``.grad``; returns the gradient of each input (None if unused).
 
     A stage with plain linear layers runs as I then W at once: the fused accumulation of their weight
     gradients costs less than the engine's temporary and (transposed) add. Otherwise (no such layer, a
-    weight reached from two places) it is one engine pass.
+    weight reached from two places, or ``fused=False``) it is one engine pass. ``fused=False`` for a
+    recomputed (checkpointed) stage: reading a linear node's saved input there re-runs the stage's
+    forward each time (measured: a recomputed GPT step 8x slower), so the engine, which unpacks once, runs it.
     """
     pairs = [(r, g) for r, g in zip(roots, grads) if r.requires_grad]
     if not pairs:
+        return [x.grad for x in inputs]
+    if not fused:
+        torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs])
         return [x.grad for x in inputs]
     filled = [(r, g if g is not None else torch.ones_like(r)) for r, g in pairs]
     root_edges, graph = _graph_of(filled, inputs)
@@ -90,14 +99,21 @@ class WeightWork:
 
 
 def backward_input(
-    roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None], inputs: Sequence[torch.Tensor]
+    roots: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor | None],
+    inputs: Sequence[torch.Tensor],
+    *,
+    fused: bool = True,
 ) -> tuple[list[torch.Tensor | None], WeightWork]:
-    """I: the gradient of each input (None if unused) and the pending weight work; no ``.grad`` changes."""
+    """I: the gradient of each input (None if unused) and the pending weight work; no ``.grad`` changes.
+
+    ``fused=False`` (a recomputed stage, see :func:`backward_full`): every weight goes through the engine.
+    """
     pairs = [(r, g if g is not None else torch.ones_like(r)) for r, g in zip(roots, grads) if r.requires_grad]
     if not pairs:
         return [None] * len(inputs), WeightWork()
     root_edges, graph = _graph_of(pairs, inputs)
-    return _input_part(pairs, inputs, root_edges, graph)
+    return _input_part(pairs, inputs, root_edges, graph, fused)
 
 
 def _graph_of(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], inputs: Sequence[torch.Tensor]) -> tuple[Any, _Graph]:
@@ -107,7 +123,11 @@ def _graph_of(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], inputs: Sequen
 
 
 def _input_part(
-    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], inputs: Sequence[torch.Tensor], root_edges: Any, graph: _Graph
+    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    inputs: Sequence[torch.Tensor],
+    root_edges: Any,
+    graph: _Graph,
+    fused: bool = True,
 ) -> tuple[list[torch.Tensor | None], WeightWork]:
     work = WeightWork()
     saved: dict[Node, tuple[torch.Tensor | None, ...]] = {}
@@ -131,7 +151,7 @@ def _input_part(
         work.calls.append(([r for r, _ in pairs], [g for _, g in pairs], graph.all_weights))
         return [got.get(id(x)) for x in inputs], work
     for node, weights in graph.regions.items():
-        linear = _plain_linear(node, weights, saved.get(node, ()))
+        linear = _plain_linear(node, weights, saved.get(node, ())) if fused else None
         if linear is not None:
             work.linears.append(linear)
             continue
@@ -140,7 +160,7 @@ def _input_part(
             work.calls.append(([e for e, _ in edges], [g for _, g in edges], weights))
     outside = [(e, g) for (_, g), e in zip(pairs, root_edges) if not graph.to_input[e.node]]
     if outside and graph.root_weights:
-        layers = None if any(graph.to_input.values()) else _only_linears(graph)
+        layers = None if any(graph.to_input.values()) or not fused else _only_linears(graph)
         if layers:
             work.catches.append(([e for e, _ in outside], [g for _, g in outside], layers))
         else:

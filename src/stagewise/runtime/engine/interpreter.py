@@ -313,14 +313,16 @@ class Interpreter:
         saved = self.saved.pop((s, i))  # type: ignore[arg-type]
         grads = self._output_grads(s, i, len(saved.roots))  # type: ignore[arg-type]
         self._ready()
-        self._hand_back(s, i, saved.inputs, backward_full(saved.roots, grads, saved.inputs))  # type: ignore[arg-type]
+        fused = getattr(self.stages[s], "recompute", None) is None  # a checkpointed stage: see backward_full
+        self._hand_back(s, i, saved.inputs, backward_full(saved.roots, grads, saved.inputs, fused=fused))  # type: ignore[arg-type]
 
     def _backward_input(self, a: Action) -> None:
         s, i = a.stage, a.microbatch
         saved = self.saved[(s, i)]  # type: ignore[index]
         grads = self._output_grads(s, i, len(saved.roots))  # type: ignore[arg-type]
         self._ready()
-        input_grads, saved.weight_work = backward_input(saved.roots, grads, saved.inputs)
+        fused = getattr(self.stages[s], "recompute", None) is None  # a checkpointed stage: see backward_full
+        input_grads, saved.weight_work = backward_input(saved.roots, grads, saved.inputs, fused=fused)
         saved.roots = []
         self._hand_back(s, i, saved.inputs, input_grads)  # type: ignore[arg-type]
         saved.inputs = []
