@@ -388,3 +388,27 @@ def test_a_recomputed_stage_runs_its_forward_twice_and_no_more(one_rank, name: s
     ref_params = dict(ref.named_parameters())
     for n, p in pipe.named_parameters():
         torch.testing.assert_close(p.grad, ref_params[n].grad, rtol=1e-10, atol=1e-12)
+
+
+def test_b_takes_the_fused_path_only_for_large_weights_without_recompute(one_rank, monkeypatch) -> None:
+    """The fused B repays its graph walk only with enough weight to save a pass over: a stage under
+    FUSE_B_MIN_WEIGHTS elements, or a recomputed one, runs the engine's B."""
+    from stagewise.runtime.engine import interpreter
+
+    seen: list[bool] = []
+    real = interpreter.backward_full
+
+    def spy(*args, fused: bool = True):  # type: ignore[no-untyped-def]
+        seen.append(fused)
+        return real(*args, fused=fused)
+
+    monkeypatch.setattr(interpreter, "backward_full", spy)
+    n = 1 << 10  # one 1024 x 1024 weight: 2^20 elements, over the threshold; 8 x 8 is under
+    assert n * n >= interpreter.FUSE_B_MIN_WEIGHTS > 64
+    for width, recompute, expected in ((n, None, True), (8, None, False), (n, "stage", False)):
+        seen.clear()
+        pipe = sw.Pipeline(
+            [nn.Linear(width, width)], loss_fn=F.mse_loss, schedule="gpipe", microbatches=2, recompute=recompute
+        )
+        pipe.train_step(torch.randn(4, width), torch.randn(4, width))
+        assert seen == [expected, expected], (width, recompute, seen)
