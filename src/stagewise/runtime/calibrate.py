@@ -47,7 +47,7 @@ from ..planning.calibration import Calibration, LayoutCost
 from ..planning.comm import Link
 from ..schedules import generate
 from ..simulate import simulate
-from .comm.groups import global_rank, group_size, new_subgroup, require_initialized
+from .comm.groups import global_rank, group_size, new_subgroup, require_initialized, transient_groups
 from .comm.probe import measure_links, slowest
 
 _MS = (2, 8)  # micro-batch counts of the trivial pipelines
@@ -68,7 +68,8 @@ def calibrate(nodes: int = 1, *, sharding: bool = True, layouts: bool = True, ti
     if sharding and world >= 2:
         from .hybrid.probe_sharding import sharding_costs
 
-        fixed, per_byte = sharding_costs(timeout=timeout)
+        with transient_groups():
+            fixed, per_byte = sharding_costs(timeout=timeout)
         cal = replace(cal, sharding_fixed=fixed, sharding_per_byte=per_byte, sharding_group=world)
     if layouts and world >= 2:
         cal = replace(cal, layouts=layout_costs(cal, world, nodes, timeout=timeout))
@@ -79,7 +80,8 @@ def action_cost(link: Link, *, steps: int = 10, timeout: float = 60.0) -> tuple[
     """``(seconds per stage action, seconds per step)`` beyond compute and transfers, from two-rank pipelines of
     trivial layers at two micro-batch counts."""
     deadline = time.monotonic() + timeout
-    measured = {m: slowest(_trivial_step(m, steps, timeout), deadline) for m in _MS}
+    with transient_groups():
+        measured = {m: slowest(_trivial_step(m, steps, timeout), deadline) for m in _MS}
     resid, unit = {}, {}
     for m in _MS:
         base, one = _span(m, 0.0, link), _span(m, 1.0, link)
@@ -182,6 +184,11 @@ def _predicted(cal: Calibration, world: int, nodes: int, pp: int, dp: int, shard
 
 def _layout_step(pp: int, dp: int, sharding: int, u: int, m: int, steps: int, timeout: float) -> float:
     """The median over ``steps`` of the slowest rank's train step of the trivial pipeline on this layout."""
+    with transient_groups():
+        return _time_layout(pp, dp, sharding, u, m, steps, timeout)
+
+
+def _time_layout(pp: int, dp: int, sharding: int, u: int, m: int, steps: int, timeout: float) -> float:
     from ..parallel import ParallelConfig
     from .pipeline import Pipeline
 
@@ -206,6 +213,7 @@ def _layout_step(pp: int, dp: int, sharding: int, u: int, m: int, steps: int, ti
         elapsed = slowest(time.perf_counter() - started, deadline)
         if step >= 2:
             times.append(elapsed)
+    pipe.transport.close()
     return statistics.median(times)
 
 
