@@ -47,7 +47,7 @@ from ..planning.calibration import Calibration, LayoutCost
 from ..planning.comm import Link
 from ..schedules import generate
 from ..simulate import simulate
-from .comm.groups import global_rank, group_size, new_subgroup, require_initialized, transient_groups
+from .comm.groups import global_rank, group_size, new_subgroup, require_initialized
 from .comm.probe import measure_links, slowest
 
 _MS = (2, 8)  # micro-batch counts of the trivial pipelines
@@ -68,8 +68,7 @@ def calibrate(nodes: int = 1, *, sharding: bool = True, layouts: bool = True, ti
     if sharding and world >= 2:
         from .hybrid.probe_sharding import sharding_costs
 
-        with transient_groups():
-            fixed, per_byte = sharding_costs(timeout=timeout)
+        fixed, per_byte = sharding_costs(timeout=timeout)
         cal = replace(cal, sharding_fixed=fixed, sharding_per_byte=per_byte, sharding_group=world)
     if layouts and world >= 2:
         cal = replace(cal, layouts=layout_costs(cal, world, nodes, timeout=timeout))
@@ -80,8 +79,7 @@ def action_cost(link: Link, *, steps: int = 10, timeout: float = 60.0) -> tuple[
     """``(seconds per stage action, seconds per step)`` beyond compute and transfers, from two-rank pipelines of
     trivial layers at two micro-batch counts."""
     deadline = time.monotonic() + timeout
-    with transient_groups():
-        measured = {m: slowest(_trivial_step(m, steps, timeout), deadline) for m in _MS}
+    measured = {m: slowest(_trivial_step(m, steps, timeout), deadline) for m in _MS}
     resid, unit = {}, {}
     for m in _MS:
         base, one = _span(m, 0.0, link), _span(m, 1.0, link)
@@ -183,12 +181,13 @@ def _predicted(cal: Calibration, world: int, nodes: int, pp: int, dp: int, shard
 
 
 def _layout_step(pp: int, dp: int, sharding: int, u: int, m: int, steps: int, timeout: float) -> float:
-    """The median over ``steps`` of the slowest rank's train step of the trivial pipeline on this layout."""
-    with transient_groups():
-        return _time_layout(pp, dp, sharding, u, m, steps, timeout)
+    """The median over ``steps`` of the slowest rank's train step of the trivial pipeline on this layout.
 
-
-def _time_layout(pp: int, dp: int, sharding: int, u: int, m: int, steps: int, timeout: float) -> float:
+    Its process groups stay (as every pipeline's do): destroying them mid-run lets torch hand a later
+    group the name, and so the stale rendezvous keys, of a destroyed one (hashed names count the live
+    groups), which failed the next ``new_group`` with "connection refused". The cost: at 8 ranks the
+    40 probes' gloo threads take ~11 % of a core per idle process afterwards (benchmarks/RESULTS.md).
+    """
     from ..parallel import ParallelConfig
     from .pipeline import Pipeline
 

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import gc
-from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -114,28 +111,3 @@ def side_group(group: Any, wait: Any = None, timeout: float | None = None) -> An
         if ranks == mine:
             found = made
     return found
-
-
-@contextmanager
-def transient_groups() -> Iterator[None]:
-    """Process groups made inside the block are destroyed when it ends (a collective: every rank enters it alike).
-
-    For probes that build pipelines only to time them (:mod:`stagewise.runtime.calibrate`): each hybrid
-    pipeline makes several gloo groups, each with I/O threads that keep waking while the group lives. Forty
-    probe pipelines at 8 ranks left ~400 threads per process that burned ~11 % of a core each while idle -
-    half of a 2-core machine - under every step timed afterwards. Whatever in the block holds a group must
-    be dropped before it ends.
-    """
-    before = set(_registered_groups())
-    try:
-        yield
-    finally:
-        gc.collect()  # the block's pipelines, and the transports holding the groups
-        for group in _registered_groups():
-            if group not in before:
-                dist.destroy_process_group(group)
-
-
-def _registered_groups() -> list[Any]:
-    # torch keeps every live group in the world's map (no public listing); the default group is never new here
-    return list(dist.distributed_c10d._world.pg_map)
