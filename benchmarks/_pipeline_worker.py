@@ -138,6 +138,17 @@ BUILDERS: dict[str, Callable[..., tuple[Step, Any]]] = {
 }
 
 
+def start_rank(config: str) -> tuple[int, int, Config, torch.Tensor, torch.Tensor]:
+    """One thread, the gloo group, and the config's batch (the same on every rank): (rank, ranks, config, x, y)."""
+    torch.set_num_threads(1)
+    sw.init(backend="gloo")
+    cfg = Config.named(config)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(cfg.batch, cfg.width, generator=g)
+    y = torch.randn(cfg.batch, cfg.width, generator=g)
+    return dist.get_rank(), dist.get_world_size(), cfg, x, y
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", required=True)
@@ -147,13 +158,7 @@ def main() -> None:
     parser.add_argument("--libs", default=",".join(BUILDERS), help=f"comma-separated, of {', '.join(BUILDERS)}")
     parser.add_argument("--out", required=True, type=Path)
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    sw.init(backend="gloo")
-    rank, p = dist.get_rank(), dist.get_world_size()
-    cfg = Config.named(args.config)
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(cfg.batch, cfg.width, generator=g)
-    y = torch.randn(cfg.batch, cfg.width, generator=g)
+    rank, p, cfg, x, y = start_rank(args.config)
     libs = args.libs.split(",")
     results: dict[str, Any] = {"config": args.config, "ranks": p, "schedules": {}}
     for name in args.schedules.split(","):

@@ -42,20 +42,12 @@ COMPUTE = ("F", "B", "I", "W")
 
 
 def worker(args: argparse.Namespace) -> None:
-    import torch
     import torch.distributed as dist
 
-    import stagewise as sw
-    from _pipeline_model import SCHEDULES, Config, stages_of_rank
-    from _pipeline_worker import rank_compute, stagewise_step
+    from _pipeline_model import SCHEDULES, stages_of_rank
+    from _pipeline_worker import rank_compute, stagewise_step, start_rank
 
-    torch.set_num_threads(1)
-    sw.init(backend="gloo")
-    rank, p = dist.get_rank(), dist.get_world_size()
-    cfg = Config.named(args.config)
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(cfg.batch, cfg.width, generator=g)
-    y = torch.randn(cfg.batch, cfg.width, generator=g)
+    rank, p, cfg, x, y = start_rank(args.config)
     out: dict[str, Any] = {}
     for name in ",".join(args.schedules).split(","):
         step, pipe = stagewise_step(cfg, name, rank, p, x, y, transport=args.transport)
