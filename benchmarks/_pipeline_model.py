@@ -97,11 +97,23 @@ class RankCompute:
 
     ``stages``: (blocks, is first stage, is last stage) for each stage the rank
     holds. A sample runs them as the rank does (all forwards, then the
-    backwards in reverse, then input-only backwards), so the caches hold what
-    they would in the pipeline. Times are this thread's CPU time: time spent
-    descheduled on a shared machine is not compute. The first stage's input
-    needs no gradient (I is 0, W all of B); the last stage's forward includes
-    the MSE loss. W is taken as B - I.
+    backwards in reverse), so the caches hold what they would in the pipeline.
+    Times are this thread's CPU time: time spent descheduled on a shared
+    machine is not compute. The last stage's forward includes the MSE loss.
+
+    Two sets of backward costs come out of each sample:
+
+    * ``costs("stagewise")``: the backward kernels stagewise runs (I:
+      ``backward_input``, W: ``backward_weight``; B is I then W for these
+      stages of plain linear layers), timed directly. The first stage's input
+      needs no gradient (I is 0, W all of B);
+    * ``costs("autograd")``: PyTorch's own backward, as
+      torch.distributed.pipelining runs it (I: ``autograd.grad`` to the
+      input; W: the full ``backward`` minus I).
+
+    The ideal of ``pipeline_vs_torch.py`` uses the first (what a runtime with
+    no overhead would take with stagewise's kernels; since those accumulate
+    weight gradients fused, it is below the second).
     """
 
     def __init__(self, cfg: Config, stages: list[tuple[int, bool, bool]]) -> None:
@@ -110,41 +122,53 @@ class RankCompute:
         self.modules = [nn.Sequential(*[block(cfg.width) for _ in range(n)]) for n, _, _ in stages]
         self.inputs = [torch.randn(cfg.microbatch, cfg.width, requires_grad=not first) for _, first, _ in stages]
         self.target = torch.randn(cfg.microbatch, cfg.width)
-        self.samples: list[list[tuple[float, float, float]]] = [[] for _ in stages]
+        self.samples: dict[str, list[list[tuple[float, float, float]]]] = {
+            "stagewise": [[] for _ in stages],
+            "autograd": [[] for _ in stages],
+        }
 
     def _forward(self, k: int) -> torch.Tensor:
         out = self.modules[k](self.inputs[k])
         return F.mse_loss(out, self.target) if self.stages[k][2] else out
 
     def sample(self) -> None:
-        """Time a micro-batch through every stage: forward, full backward, input-only backward.
+        """Time a micro-batch through every stage: forward, then each kind of backward.
 
         Two rounds, the first untimed: in a step the rank's weights are warm
         from the previous micro-batch, and the libraries' steps just evicted them.
         """
+        from stagewise.runtime.engine.backward import backward_input, backward_weight
+
+        n = len(self.stages)
         for _round in range(2):  # the last round's times are kept
-            fwd, full, inp = {}, {}, {}
+            fwd, full, inp, sw_i, sw_w = {}, {}, {}, {}, {}
             outs = {}
-            for k in range(len(self.stages)):
+            for k in range(n):
                 outs[k], fwd[k] = _clock(self._forward, k)
-            for k in reversed(range(len(self.stages))):
+            for k in reversed(range(n)):  # autograd: the full backward
                 out = outs.pop(k)
                 full[k] = _clock(out.backward, _ones(out))[1]
-            for k, (_, first, _) in enumerate(self.stages):
+            for k in reversed(range(n)):  # stagewise: I, then W
+                out = self._forward(k)
+                leaves = [self.inputs[k]] if self.inputs[k].requires_grad else []
+                (_, work), sw_i[k] = _clock(backward_input, [out], [_ones(out)], leaves)
+                sw_w[k] = _clock(backward_weight, work)[1]
+            for k, (_, first, _) in enumerate(self.stages):  # autograd: the input gradient alone
                 inp[k] = 0.0
                 if not first:
                     out = self._forward(k)
                     inp[k] = _clock(torch.autograd.grad, out, [self.inputs[k]], _ones(out))[1]
-        for k in range(len(self.stages)):
-            self.samples[k].append((fwd[k], full[k], inp[k]))
+        for k in range(n):
+            self.samples["stagewise"][k].append((fwd[k], sw_i[k], sw_w[k]))
+            i = min(inp[k], full[k])
+            self.samples["autograd"][k].append((fwd[k], i, full[k] - i))
 
-    def costs(self) -> list[StageCost]:
+    def costs(self, kernels: str = "stagewise") -> list[StageCost]:
         """Per stage, the medians over the samples (the first one warms up)."""
         out = []
-        for samples in self.samples:
+        for samples in self.samples[kernels]:
             kept = samples[1:] or samples
-            f, b, i = (statistics.median(x[j] for x in kept) for j in range(3))
-            out.append(StageCost(f, min(i, b), b - min(i, b)))
+            out.append(StageCost(*(statistics.median(x[j] for x in kept) for j in range(3))))
         return out
 
 

@@ -138,6 +138,17 @@ BUILDERS: dict[str, Callable[..., tuple[Step, Any]]] = {
 }
 
 
+def start_rank(config: str) -> tuple[int, int, Config, torch.Tensor, torch.Tensor]:
+    """One thread, the gloo group, and the config's batch (the same on every rank): (rank, ranks, config, x, y)."""
+    torch.set_num_threads(1)
+    sw.init(backend="gloo")
+    cfg = Config.named(config)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(cfg.batch, cfg.width, generator=g)
+    y = torch.randn(cfg.batch, cfg.width, generator=g)
+    return dist.get_rank(), dist.get_world_size(), cfg, x, y
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", required=True)
@@ -147,13 +158,7 @@ def main() -> None:
     parser.add_argument("--libs", default=",".join(BUILDERS), help=f"comma-separated, of {', '.join(BUILDERS)}")
     parser.add_argument("--out", required=True, type=Path)
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    sw.init(backend="gloo")
-    rank, p = dist.get_rank(), dist.get_world_size()
-    cfg = Config.named(args.config)
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(cfg.batch, cfg.width, generator=g)
-    y = torch.randn(cfg.batch, cfg.width, generator=g)
+    rank, p, cfg, x, y = start_rank(args.config)
     libs = args.libs.split(",")
     results: dict[str, Any] = {"config": args.config, "ranks": p, "schedules": {}}
     for name in args.schedules.split(","):
@@ -183,10 +188,11 @@ def main() -> None:
         keep = ("times", "cpu", "waiting", "error")
         results["schedules"][name] = {lib: {k: v for k, v in d.items() if k in keep} for lib, d in row.items()}
         local = stages_of_rank(SCHEDULES[name][1], rank, p, SCHEDULES[name][2])
-        mine = [(s, dataclasses.astuple(c)) for s, c in zip(local, compute.costs())]
-        everyone: list[Any] = [None] * p
-        dist.all_gather_object(everyone, mine)
-        results["schedules"][name]["stage_costs"] = [c for _, c in sorted(x for rows in everyone for x in rows)]
+        for kernels, key in (("stagewise", "stage_costs"), ("autograd", "stage_costs_autograd")):
+            mine = [(s, dataclasses.astuple(c)) for s, c in zip(local, compute.costs(kernels))]
+            everyone: list[Any] = [None] * p
+            dist.all_gather_object(everyone, mine)
+            results["schedules"][name][key] = [c for _, c in sorted(x for rows in everyone for x in rows)]
         row.clear()
         dist.barrier()
     if rank == 0:

@@ -1,6 +1,6 @@
 """One rank of ``plan_accuracy.py``: profile, measure the link, plan, run chosen plans, time them.
 
-Rank 0 profiles the layers at micro-batch sizes b and 2b alone (the others
+Rank 0 profiles the layers at micro-batch sizes b and 8b alone (the others
 wait), and the two sizes give each layer a fixed part and a part linear in
 the batch. ``sw.calibrate()`` measures the link, the runtime's cost per action
 and FSDP2's cost per unit on the group. Each rank then plans alike twice - with
@@ -88,21 +88,27 @@ def alone_profile(layers: list[sw.Layer], sample: Any, rank: int) -> LayerProfil
     return LayerProfile.from_json(text[0])  # type: ignore[arg-type]
 
 
-def affine(small: LayerProfile, big: LayerProfile) -> tuple[LayerProfile, list[float]]:
-    """Per layer: the part linear in the batch (big - small, for ``b`` samples) and the fixed part (2 small - big)."""
+SPAN = 8  # the large profile holds SPAN times the small one's samples: the fit spans the plans' micro-batch sizes
+
+
+def affine(small: LayerProfile, big: LayerProfile, span: int = SPAN) -> tuple[LayerProfile, list[float]]:
+    """Per layer: the part linear in the batch (for the small profile's ``b`` samples: ``(big - small) / (span - 1)``)
+    and the fixed part (``small`` less that). Measured at b and ``span * b`` samples, so the line is exact at both
+    ends of the range the plans use (b = 2 and 16 samples for the GPT, whose cost per sample grows past b = 4)."""
     fixed, linear = [], []
+    k = span - 1
     for a, b in zip(small.layers, big.layers):
-        fix_f = max(0.0, 2 * a.forward - b.forward)
-        fix_b = max(0.0, 2 * a.backward - b.backward)
+        slope = lambda x, y: max((y - x) / k, 1e-9)  # noqa: E731
+        fix_f = max(0.0, a.forward - slope(a.forward, b.forward))
+        fix_b = max(0.0, a.backward - slope(a.backward, b.backward))
         fixed.append((fix_f + fix_b) / 2)
-        scale = lambda x, y: max(y - x, 1e-9)  # noqa: E731
         linear.append(
             replace(
                 a,
-                forward=scale(a.forward, b.forward),
-                backward_input=scale(a.backward_input, b.backward_input),
-                backward_weight=scale(a.backward_weight, b.backward_weight),
-                backward=scale(a.backward, b.backward),
+                forward=slope(a.forward, b.forward),
+                backward_input=slope(a.backward_input, b.backward_input),
+                backward_weight=slope(a.backward_weight, b.backward_weight),
+                backward=slope(a.backward, b.backward),
             )
         )
     return replace(small, layers=tuple(linear)), fixed
@@ -118,26 +124,50 @@ def choose(plans: list[sw.Plan], count: int) -> list[tuple[int, sw.Plan]]:
     return [(k, plans[k]) for k in dict.fromkeys(picks)]
 
 
-def time_plan(plan: sw.Plan, model: str, steps: int, rank: int) -> dict[str, Any]:
-    """Median step time without the activation meter (its hooks cost time), then one metered step for the peak."""
+ROUNDS = 3  # each plan's timed steps are split into this many rounds, the plans taking turns
+
+
+def time_plans(plans: list[sw.Plan], model: str, steps: int) -> list[dict[str, Any]]:
+    """Median step time of each plan without the activation meter (its hooks cost time), then one metered step each.
+
+    The plans take turns: ``steps`` timed steps per plan in :data:`ROUNDS` rounds, every plan once per round, so a
+    load that comes and goes on this shared machine weighs on every plan alike rather than on whichever ran then.
+    A step's time is the slowest rank's, from a barrier.
+    """
     make, loss_fn, data, batch, _ = MODELS[model]
-    pipe = sw.pipeline_from_plan(plan, make(), loss_fn=loss_fn, seed=0, timeout=120)
-    times = []
-    for step in range(2 + steps):
-        x, y = data(batch, step)
-        inputs = pipe.local_batch(x, y)
-        dist.barrier()
-        t = time.perf_counter()
-        pipe.train_step(*inputs)
-        elapsed = torch.tensor([time.perf_counter() - t])
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        if step >= 2:
-            times.append(float(elapsed))
-    metered = sw.pipeline_from_plan(plan, make(), loss_fn=loss_fn, seed=0, measure_memory=True, timeout=120)
-    metered.train_step(*metered.local_batch(*data(batch, 0)))
-    peak = torch.tensor([float(metered.memory_report()["peak_bytes"])])
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    return {"measured": statistics.median(times), "runs": len(times), "measured_activations": float(peak)}
+    pipes = [sw.pipeline_from_plan(plan, make(), loss_fn=loss_fn, seed=0, timeout=120) for plan in plans]
+    times: list[list[float]] = [[] for _ in plans]
+    cpus: list[list[float]] = [[] for _ in plans]  # the busiest rank's CPU seconds in the step (its process)
+    per_round = -(-steps // ROUNDS)
+    for round_ in range(ROUNDS):
+        for k, pipe in enumerate(pipes):
+            warm = 2 if round_ == 0 else 0
+            for step in range(warm + per_round):
+                x, y = data(batch, step)
+                inputs = pipe.local_batch(x, y)
+                dist.barrier()
+                t, c = time.perf_counter(), time.process_time()
+                pipe.train_step(*inputs)
+                elapsed = torch.tensor([time.perf_counter() - t, time.process_time() - c])
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                if step >= warm:
+                    times[k].append(float(elapsed[0]))
+                    cpus[k].append(float(elapsed[1]))
+    out = []
+    for plan, ts, cs in zip(plans, times, cpus):
+        metered = sw.pipeline_from_plan(plan, make(), loss_fn=loss_fn, seed=0, measure_memory=True, timeout=120)
+        metered.train_step(*metered.local_batch(*data(batch, 0)))
+        peak = torch.tensor([float(metered.memory_report()["peak_bytes"])])
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        out.append(
+            {
+                "measured": statistics.median(ts),
+                "runs": len(ts),
+                "measured_activations": float(peak),
+                "cpu_busiest": statistics.median(cs),
+            }
+        )
+    return out
 
 
 def main() -> None:
@@ -153,7 +183,7 @@ def main() -> None:
     cores = cal.cores  # measured: what the processes get together (os.cpu_count() is the nominal count)
     report: dict[str, Any] = {"world": world, "cores": cores, "calibration": cal.to_dict(), "models": {}}
     for model, (make, _, data, batch, b0) in MODELS.items():
-        x, _ = data(2 * b0, 99)
+        x, _ = data(SPAN * b0, 99)
         small = alone_profile(make(), x[:b0], rank)
         big = alone_profile(make(), x, rank)
         linear, fixed = affine(small, big)
@@ -161,12 +191,16 @@ def main() -> None:
         found = search(linear, world, calibration=cal, cores=cores, top=400, **common)
         bare = {p.describe(): p for p in search(linear, world, intra=cal.intra, top=100_000, **common).plans}
         rows = []
-        for k, plan in choose(list(found.plans), args.plans):
+        chosen = choose(list(found.plans), args.plans)
+        for (k, plan), timed in zip(chosen, time_plans([plan for _, plan in chosen], model, args.steps)):
             row = {"rank": k + 1, "plan": plan.describe(), "predicted": plan.step_time}
             row["bare"] = bare[plan.describe()].step_time if plan.describe() in bare else None
-            row["cpu_bound"] = plan.breakdown["cpu_bound"] >= plan.breakdown["simulated"]
+            row["cpu_bound"] = (
+                max(plan.breakdown["cpu_bound"], plan.breakdown["shared_cores"]) > plan.breakdown["simulated"]
+            )
             row["predicted_activations"] = max(m.activations for m in plan.memory)
-            row.update(time_plan(plan, model, args.steps, rank))
+            row["compute_busiest"] = plan.breakdown["compute"]
+            row.update(timed)
             rows.append(row)
         report["models"][model] = {"candidates": found.candidates, "simulated": found.simulated, "rows": rows}
     if rank == 0:

@@ -16,8 +16,12 @@ each of its transports (``gloo``: torch.distributed point-to-point;
   schedule, fed each stage's forward / input-grad / weight-grad time - and the
   total compute divided by min(ranks, cores). Stage times are medians of CPU
   time, measured by each worker between the timed steps on its own stages,
-  rebuilt outside both libraries (see ``_pipeline_model.RankCompute``);
+  rebuilt outside both libraries, with the backward kernels stagewise runs
+  (see ``_pipeline_model.RankCompute``);
 * *eff*: ideal / measured step time, for each;
+* *autograd ideal ms*, *eff shm (autograd)*: the same with PyTorch's own
+  backward as the stage costs (what torch.distributed.pipelining computes; the
+  ideal before stagewise fused its weight-gradient accumulation);
 * *CPU ms*: the busiest rank's process CPU time per step (all threads), torch / gloo / shm;
 * *no CPU*: the share of the step the ranks' main threads were ready to run
   but had no CPU (another process or thread had it): on a shared machine,
@@ -144,7 +148,9 @@ def main() -> None:
             for sched in runnable:
                 costs = [StageCost(*c) for c in result["schedules"][sched]["stage_costs"]]
                 best, critical, spread = ideal(sched, p, cfg, costs, args.cores)
-                rows.append(Row(name, sched, p, best, critical, spread, result["schedules"][sched]))
+                stock = [StageCost(*c) for c in result["schedules"][sched]["stage_costs_autograd"]]
+                autograd = ideal(sched, p, cfg, stock, args.cores)[0]
+                rows.append(Row(name, sched, p, best, critical, spread, autograd, result["schedules"][sched]))
     print(f"\n{machine()}, {args.cores} cores; load average {min(loads):.2f}-{max(loads):.2f}; ", end="")
     print(f"{time.perf_counter() - started:.0f} s; torch {torch_version()}\n")
     print(table(rows))
@@ -188,6 +194,7 @@ class Row:
     ideal: float
     critical: float
     spread: float
+    autograd: float  # the ideal with PyTorch's own backward as stage costs
     libs: dict
 
     def median(self, lib: str, key: str = "times") -> float | None:
@@ -216,6 +223,8 @@ class Row:
             _ms(self.ideal),
             _ms(self.critical),
             _ms(self.spread),
+            _ms(self.autograd),
+            _eff(self.autograd, self.median("sw-shm")),
             " / ".join(_ms(self.median(lib, "cpu")) for lib in LIBS),
             " / ".join(self.no_cpu(lib) for lib in LIBS),
         ]
@@ -224,9 +233,10 @@ class Row:
 def table(rows: list[Row]) -> str:
     head = (
         "| config | schedule | ranks | torch ms | gloo ms | shm ms | x gloo | x shm | eff shm | eff gloo | eff torch "
-        "| ideal ms | critical path ms | compute/cores ms | CPU ms torch / gloo / shm | no CPU torch / gloo / shm |"
+        "| ideal ms | critical path ms | compute/cores ms | autograd ideal ms | eff shm (autograd) "
+        "| CPU ms torch / gloo / shm | no CPU torch / gloo / shm |"
     )
-    lines = [head, "|" + "|".join(["---"] * 3 + ["---:"] * 13) + "|"]
+    lines = [head, "|" + "|".join(["---"] * 3 + ["---:"] * 15) + "|"]
     lines += ["| " + " | ".join(row.cells()) + " |" for row in rows]
     return "\n".join(lines)
 

@@ -94,7 +94,7 @@ def show(report: dict, ranks: int, load: tuple[float, float, float] | None) -> N
         print(f"\n{model}: {data['candidates']} candidates, {data['simulated']} simulated; median of {runs} steps")
         print(
             f"{'#':>3}  {'predicted s':>11}  {'measured s':>10}  {'err':>6}  {'bare s':>8}  {'err':>6}  "
-            f"{'act pred':>9}  {'act meas':>9}  plan"
+            f"{'act pred':>9}  {'act meas':>9}  {'cpu/comp':>8}  plan"
         )
         errors, bare_errors, mem_errors = [], [], []
         for r in rows:
@@ -107,11 +107,13 @@ def show(report: dict, ranks: int, load: tuple[float, float, float] | None) -> N
             if meas:
                 mem_errors.append(abs((r["predicted_activations"] - meas) / meas))
             shown = f"{meas / 1e6:>8.2f}M" if meas is not None else f"{'n/a':>9}"
+            # the busiest rank's CPU seconds in a step over the compute the profile gives it (older reports: n/a)
+            inflate = r["cpu_busiest"] / r["compute_busiest"] if r.get("compute_busiest") else math.nan
             print(
                 f"{r['rank']:>3}  {r['predicted']:>11.4f}  {r['measured']:>10.4f}  {err:>+6.0%}  "
                 f"{bare if bare is not None else math.nan:>8.4f}  {bare_err:>+6.0%}  "
-                f"{r['predicted_activations'] / 1e6:>8.2f}M  {shown}  {r['plan']}"
-                f"{' [cpu bound]' if r['cpu_bound'] else ''}"
+                f"{r['predicted_activations'] / 1e6:>8.2f}M  {shown}  {inflate:>8.2f}  {r['plan']}"
+                f"{' [cores shared]' if r['cpu_bound'] else ''}"
             )
         rho = spearman([r["predicted"] for r in rows], [r["measured"] for r in rows])
         mem = sum(mem_errors) / max(len(mem_errors), 1)

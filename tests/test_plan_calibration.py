@@ -7,8 +7,12 @@ import math
 import pytest
 
 import stagewise as sw
-from stagewise.planning import Calibration, Link, search
+from stagewise.costs import CostModel
+from stagewise.passes import add_grad_sync
+from stagewise.planning import Calibration, LayoutCost, Link, search
 from stagewise.profile_data import LayerCost, LayerProfile
+from stagewise.schedules import generate
+from stagewise.simulate_shared import shared_makespan
 
 
 def _profile(n: int, t: float = 1.0, params: float = 1024.0) -> LayerProfile:
@@ -55,8 +59,14 @@ def test_processes_beyond_the_cores_are_bounded_by_the_nodes_compute() -> None:
     assert shared.step_time == pytest.approx(4 * 3.0 / 2, rel=1e-12)
     assert shared.breakdown["cpu_bound"] == pytest.approx(6.0) and shared.breakdown["simulated"] == pytest.approx(3.0)
     assert _find(_only(profile, 4, cores=4), 1, 1).step_time == pytest.approx(3.0, rel=1e-12)
+    # a pipeline of 4 ranks on 2 cores: the fill and drain leave a core idle, so the shared-core replay (6.75) is
+    # above both the dedicated 1F1B (7 x 0.75) and the node's compute over its cores (4 x 4 x 0.75 / 2 = 6)
     piped = _find(_only(profile, 4, cores=2), 4, 4)
-    assert piped.step_time == pytest.approx(max(piped.breakdown["simulated"], 4 * 4 * 0.75 / 2), rel=1e-12)
+    uniform = CostModel.uniform(4, forward=0.25, backward_input=0.25, backward_weight=0.25, output_bytes=16.0)
+    replay = shared_makespan(add_grad_sync(generate("1f1b", 4, 4, None)), uniform, [1.0] * 4, 2.0)
+    assert replay == pytest.approx(6.75, rel=1e-12)
+    assert piped.step_time == pytest.approx(replay, rel=1e-12) and piped.breakdown["shared_cores"] == piped.step_time
+    assert piped.breakdown["simulated"] == pytest.approx(5.25) and piped.breakdown["cpu_bound"] == pytest.approx(6.0)
     # two nodes of 2 processes, 1 core each: each node's pair of ranks over one core
     two = _find(_only(profile, 4, nodes=2, cores=1), 1, 1)
     assert two.step_time == pytest.approx(2 * 3.0, rel=1e-12)
@@ -131,3 +141,60 @@ def test_measured_cores_apply_unless_the_plan_gives_its_own() -> None:
     assert own.step_time == pytest.approx(3.0, rel=1e-12)
     with pytest.raises(ValueError, match="Calibration.cores"):
         Calibration(cores=0.0)
+
+
+def test_a_layout_cost_fit_recovers_its_terms_and_holds_slopes_at_zero() -> None:
+    """Residuals made from known terms come back exactly; a corner set whose slopes read negative (noise) gets them at
+    0 with the mean over the corners kept, so extrapolating to many layers and micro-batches cannot go below it."""
+    true = LayoutCost(2, 2, 1, 1, 0.004, 0.001, 0.0005, 0.00025)
+    corners = {(u, m): true.at(u, m) for u in (1, 2) for m in (2, 6)}
+    got = LayoutCost.fit(2, 2, 1, 1, corners)
+    for name in ("fixed", "per_unit", "per_microbatch", "per_unit_microbatch"):
+        assert getattr(got, name) == pytest.approx(getattr(true, name), rel=1e-9, abs=1e-15)
+    noisy = {(1, 2): 0.010, (2, 2): 0.008, (1, 6): 0.009, (2, 6): 0.006}  # every slope negative
+    flat = LayoutCost.fit(1, 4, 1, 1, noisy)
+    assert (flat.per_unit, flat.per_microbatch, flat.per_unit_microbatch) == (0.0, 0.0, 0.0)
+    assert flat.fixed == pytest.approx(0.00825, rel=1e-12) and flat.at(6, 32) == pytest.approx(0.00825, rel=1e-12)
+    assert LayoutCost(1, 1, 1, 1, -1.0).at(1, 1) == 0.0  # never below 0
+    with pytest.raises(ValueError, match="2 x 2 corners"):
+        LayoutCost.fit(1, 1, 1, 1, {(1, 2): 0.0, (2, 2): 0.0, (1, 6): 0.0})
+    with pytest.raises(ValueError, match="ints >= 1"):
+        LayoutCost(0, 1, 1, 1, 0.0)
+    with pytest.raises(ValueError, match="finite"):
+        LayoutCost(1, 1, 1, 1, math.nan)
+    with pytest.raises(ValueError, match="LayoutCost entries"):
+        Calibration(layouts=((1, 1, 1, 1, 0.0),))  # type: ignore[arg-type]
+
+
+def test_a_measured_layout_replaces_the_cost_per_step_for_that_layout_only() -> None:
+    """A plan on a measured layout pays that layout's fitted cost at its units per rank and micro-batches (tp falls
+    back to the tp = 1 row); every other layout pays ``step``."""
+    cal = Calibration(step=0.5, layouts=(LayoutCost(2, 2, 1, 1, 0.25, 0.125, 0.0625, 0.03125),))
+    assert cal.step_for(2, 2, 1, 1, 3, 4) == pytest.approx(0.25 + 0.125 * 3 + (0.0625 + 0.03125 * 3) * 4)
+    assert cal.step_for(2, 2, 2, 1, 3, 4) == cal.step_for(2, 2, 1, 1, 3, 4)
+    assert cal.step_for(4, 1, 1, 1, 3, 4) == 0.5
+    profile = _profile(4)
+    bare = {p.describe(): p for p in _only(profile, 4)}
+    checked = 0
+    for p in _only(profile, 4, calibration=cal):
+        ref = bare[p.describe()]
+        if (p.layout.pp, p.layout.dp) == (2, 2):
+            units = max(p.partition)  # every layer has parameters; v = 1, so a rank holds one stage
+            extra = cal.step_for(2, 2, 1, 1, units, p.microbatches)
+            checked += 1
+        else:
+            extra = 0.5
+        assert p.step_time == pytest.approx(ref.step_time + extra, rel=1e-12), p.describe()
+    assert checked > 0
+    assert cal.to_dict()["layouts"] == [
+        {
+            "pp": 2,
+            "dp": 2,
+            "tp": 1,
+            "sharding": 1,
+            "fixed": 0.25,
+            "per_unit": 0.125,
+            "per_microbatch": 0.0625,
+            "per_unit_microbatch": 0.03125,
+        }
+    ]

@@ -166,6 +166,105 @@ def test_input_then_weight_equals_full_backward_and_runs_each_node_once(with_inp
     assert set(twice) <= {"AddmmBackward0", "NativeLayerNormBackward0", "MmBackward0", "BmmBackward0"}, twice
 
 
+def _mlp(seed: int, bias: bool = True) -> nn.Module:
+    torch.manual_seed(seed)
+    layers = [nn.Linear(6, 5, bias=bias), nn.ReLU(), nn.Linear(5, 5, bias=bias), nn.Tanh(), nn.Linear(5, 4, bias=bias)]
+    return nn.Sequential(*layers).double()
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_plain_linears_accumulate_their_weight_gradient_without_the_engine(bias: bool) -> None:
+    """W of 2-D linear layers adds grad.T @ x into .grad itself (no temporary), over several micro-batches, and
+    equals the engine's full backward in float64."""
+    ref, split, whole = _mlp(3, bias), _mlp(3, bias), _mlp(3, bias)
+    xs = [torch.randn(7, 6, dtype=torch.float64) for _ in range(3)]
+    gs = [torch.randn(7, 4, dtype=torch.float64) for _ in range(3)]
+    for x0, g in zip(xs, gs):  # reference: the engine, micro-batch after micro-batch
+        x = x0.clone().requires_grad_()
+        ref(x).backward(g)
+        x2 = x0.clone().requires_grad_()
+        ran: list = []
+        out = whole(x2)
+        for node in _graph_nodes([out]):
+            node.register_hook(lambda *_, node=node, ran=ran: ran.append(node))
+        (gx,) = backward_full([out], [g], [x2])  # B: I then the fused W, here
+        torch.testing.assert_close(gx, x.grad, rtol=1e-13, atol=1e-14)
+        assert not any(type(n).__name__ == "TBackward0" for n in ran), "B made a weight gradient in the engine"
+    for (name, p), r in zip(whole.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, r.grad, rtol=1e-13, atol=1e-14, msg=name)
+    works, runs = [], {}
+    for x0, g in zip(xs, gs):  # all I first, then all W: W accumulates into what the others left
+        x = x0.clone().requires_grad_()
+        out = split(x)
+        for node in _graph_nodes([out]):
+            node.register_hook(lambda *_, node=node: runs.__setitem__(node, runs.get(node, 0) + 1))
+        works.append(backward_input([out], [g], [x])[1])
+    assert all(len(w.linears) == 3 and not w.calls for w in works), "every layer is a plain linear"
+    before = dict(runs)
+    for work in works:
+        backward_weight(work)
+    assert runs == before, "W ran the engine"
+    for (name, p), r in zip(split.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, r.grad, rtol=1e-13, atol=1e-14, msg=name)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_first_stage_of_plain_linears_accumulates_its_weight_gradients_itself(bias: bool) -> None:
+    """No input to differentiate (the first stage): I does nothing, W carries the gradient to each linear layer
+    and accumulates the layer's weight gradient itself; float64 equal to the engine's over several micro-batches."""
+    ref, split, whole = _mlp(5, bias), _mlp(5, bias), _mlp(5, bias)
+    works, ran = [], []
+    for _ in range(3):
+        x, g = torch.randn(7, 6, dtype=torch.float64), torch.randn(7, 4, dtype=torch.float64)
+        ref(x).backward(g)
+        assert backward_full([whole(x)], [g], []) == []  # B: the same, at once
+        out = split(x)
+        for node in _graph_nodes([out]):
+            node.register_hook(lambda *_, node=node: ran.append(type(node).__name__))
+        grads, work = backward_input([out], [g], [])
+        assert grads == [] and not ran and len(work.catches) == 1 and not work.calls
+        works.append(work)
+    for work in works:
+        backward_weight(work)
+    assert "TBackward0" not in ran and "AccumulateGrad" not in ran, ran
+    for (name, p), r, w in zip(split.named_parameters(), ref.parameters(), whole.parameters()):
+        torch.testing.assert_close(p.grad, r.grad, rtol=1e-13, atol=1e-14, msg=name)
+        torch.testing.assert_close(w.grad, r.grad, rtol=1e-13, atol=1e-14, msg=name)
+
+
+def test_a_first_stage_with_a_weight_used_elsewhere_goes_through_the_engine() -> None:
+    lin = nn.Linear(4, 4).double()
+    x, g = torch.randn(3, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)
+    (lin(x) * lin.weight.sum()).backward(g)
+    ref = lin.weight.grad.clone()
+    lin.zero_grad(set_to_none=True)
+    _, work = backward_input([lin(x) * lin.weight.sum()], [g], [])
+    assert not work.catches and len(work.calls) == 1
+    backward_weight(work)
+    torch.testing.assert_close(lin.weight.grad, ref, rtol=1e-13, atol=1e-14)
+
+
+def test_a_hooked_or_scaled_linear_goes_through_the_engine() -> None:
+    """A weight hook must run, so that layer's W is the engine's; addmm with beta != 1 is not a linear layer."""
+    stage = _mlp(4)
+    seen = []
+    stage[2].weight.register_hook(lambda g: seen.append(g.clone()))
+    x = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
+    (gx,), work = backward_input([stage(x)], [torch.ones(3, 4, dtype=torch.float64)], [x])
+    assert len(work.linears) == 2 and len(work.calls) == 1
+    backward_weight(work)
+    assert len(seen) == 1
+    torch.testing.assert_close(seen[0], stage[2].weight.grad)
+    w, b = torch.randn(4, 6, dtype=torch.float64, requires_grad=True), torch.randn(4, dtype=torch.float64)
+    b.requires_grad_()
+    x = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
+    out = torch.addmm(b, x, w.t(), beta=2.0)
+    (gx,), work = backward_input([out], [torch.ones(3, 4, dtype=torch.float64)], [x])
+    assert not work.linears
+    backward_weight(work)
+    torch.testing.assert_close(b.grad, torch.full((4,), 6.0, dtype=torch.float64))
+
+
 def test_weight_used_twice_falls_back_to_an_exact_restart() -> None:
     lin = nn.Linear(4, 4)
     x0, g = torch.randn(3, 4), torch.randn(3, 4)
@@ -257,3 +356,59 @@ def test_one_rank_pipeline_is_not_called(one_rank) -> None:
         pipe(torch.zeros(1, mdl.D))
     with pytest.raises(ValueError, match="needs the inputs"):
         pipe.train_step(None, torch.zeros(2))
+
+
+class _Counted(nn.Linear):
+    """A plain linear layer that counts its forwards (the fused W must not make a checkpoint re-run them)."""
+
+    calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        type(self).calls += 1
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "zb-h1"])
+def test_a_recomputed_stage_runs_its_forward_twice_and_no_more(one_rank, name: str) -> None:
+    """recompute="stage": each layer's forward runs once in F and once when the backward (B, or I) unpacks the
+    checkpoint: 2 x layers x micro-batches calls per step. Reading the saved inputs of a checkpointed linear
+    node for the fused W re-runs the forward each time (it did: 8x slower steps), so those stages keep the
+    engine's W. Gradients equal the model's."""
+    layers = [sw.Layer(_Counted, 6, 6, dtype=torch.float64) for _ in range(3)]
+    pipe = sw.Pipeline(layers, loss_fn=F.mse_loss, schedule=name, microbatches=4, recompute="stage", seed=3)
+    ref = sw.build_model(layers, seed=3)
+    x = torch.randn(8, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    y = torch.randn(8, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    _Counted.calls = 0
+    loss = pipe.train_step(x, y)
+    assert _Counted.calls == 2 * 3 * 4
+    ref_loss = F.mse_loss(ref(x), y)
+    ref_loss.backward()
+    assert loss == pytest.approx(ref_loss.item(), rel=1e-12)
+    ref_params = dict(ref.named_parameters())
+    for n, p in pipe.named_parameters():
+        torch.testing.assert_close(p.grad, ref_params[n].grad, rtol=1e-10, atol=1e-12)
+
+
+def test_b_takes_the_fused_path_only_for_large_weights_without_recompute(one_rank, monkeypatch) -> None:
+    """The fused B repays its graph walk only with enough weight to save a pass over: a stage under
+    FUSE_B_MIN_WEIGHTS elements, or a recomputed one, runs the engine's B."""
+    from stagewise.runtime.engine import interpreter
+
+    seen: list[bool] = []
+    real = interpreter.backward_full
+
+    def spy(*args, fused: bool = True):  # type: ignore[no-untyped-def]
+        seen.append(fused)
+        return real(*args, fused=fused)
+
+    monkeypatch.setattr(interpreter, "backward_full", spy)
+    n = 1 << 10  # one 1024 x 1024 weight: 2^20 elements, over the threshold; 8 x 8 is under
+    assert n * n >= interpreter.FUSE_B_MIN_WEIGHTS > 64
+    for width, recompute, expected in ((n, None, True), (8, None, False), (n, "stage", False)):
+        seen.clear()
+        pipe = sw.Pipeline(
+            [nn.Linear(width, width)], loss_fn=F.mse_loss, schedule="gpipe", microbatches=2, recompute=recompute
+        )
+        pipe.train_step(torch.randn(4, width), torch.randn(4, width))
+        assert seen == [expected, expected], (width, recompute, seen)

@@ -1,6 +1,7 @@
-"""The shared-memory slot / doorbell protocol (runtime/comm/shm.py) in one process (two threads) and across
-two processes, against the values sent; the transport choice's errors. No process group is needed here: the
-runtime checks run on this transport in test_runtime_2ranks.py / test_runtime_4ranks.py / test_runtime_faults.py.
+"""The shared-memory slot / doorbell protocol (runtime/comm/shm_slots.py, shm_doorbell.py) in one process
+(two threads) and across two processes, against the values sent; the transport choice's errors. No process
+group is needed here: the runtime checks run on this transport in test_runtime_2ranks.py /
+test_runtime_4ranks.py / test_runtime_faults.py.
 """
 
 from __future__ import annotations

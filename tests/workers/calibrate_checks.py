@@ -41,6 +41,12 @@ def calibrated(ctx: Ctx) -> dict[str, Any]:
     assert cal.sharding_fixed is not None and cal.sharding_per_byte is not None and cal.sharding_group == ctx.world
     assert 0 <= cal.sharding_fixed < math.inf and 0 <= cal.sharding_per_byte < math.inf, cal
     assert cal.sharding_fixed + cal.sharding_per_byte > 0, cal
+    # one fitted cost per factorisation of the world (tp = 1), slopes never negative, used by step_for
+    layouts = {(r.pp, r.dp, r.tp, r.sharding): r for r in cal.layouts}
+    assert set(layouts) == {(1, 2, 1, 1), (1, 1, 1, 2), (2, 1, 1, 1)}, layouts
+    for r in layouts.values():
+        assert min(r.per_unit, r.per_microbatch, r.per_unit_microbatch) >= 0 and math.isfinite(r.fixed), r
+        assert cal.step_for(r.pp, r.dp, 1, r.sharding, 3, 5) == r.at(3, 5)
     # the planner uses them: the link, the cost per action, FSDP2's cost (the same plan without: the difference)
     profile = _profile()
     kw: dict[str, Any] = {"global_batch": 4, "recompute": (None,), "schedules": ["1f1b"], "top": 400}
@@ -63,7 +69,8 @@ def calibrated(ctx: Ctx) -> dict[str, Any]:
 
 def across_nodes(ctx: Ctx) -> dict[str, Any]:
     """A nodes x processes shape of 2 x 1: the only pair crosses nodes, so inter is measured, intra is not."""
-    cal = sw.calibrate(nodes=ctx.world, sharding=False, timeout=60)
+    cal = sw.calibrate(nodes=ctx.world, sharding=False, layouts=False, timeout=60)
+    assert cal.layouts == ()
     intra, inter = cal.intra, cal.inter
     assert intra is None and inter is not None and _usable(inter.latency) and _usable(inter.bandwidth), cal
     assert cal.sharding_fixed is None

@@ -17,7 +17,7 @@ from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, TypedDict
 
 from ..profile_data import LayerProfile
-from .calibration import Calibration
+from .calibration import Calibration, LayoutCost
 from .comm import Link, ring_all_gather, ring_all_reduce, ring_reduce_scatter
 from .inputs import make_problem
 from .result import Dropped, Plan, PlanSearch, RankMemory
@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # (annotations only: Python 3.10's typing has neither)
 
 __all__ = [
     "Calibration",
+    "LayoutCost",
     "Dropped",
     "Link",
     "Plan",

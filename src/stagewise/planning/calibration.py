@@ -13,6 +13,65 @@ from .comm import Link
 
 
 @dataclass(frozen=True)
+class LayoutCost:
+    """Seconds per step one layout's runtime costs beyond the planner's model of it, fitted on that layout.
+
+    ``fixed + per_unit * u + (per_microbatch + per_unit_microbatch * u) * m`` for ``u`` layers with
+    parameters on a rank and ``m`` micro-batches per replica. Measured (:func:`stagewise.calibrate`)
+    on trivial pipelines of the layout at u = 1, 2 and m = 2, 4, less what the planner predicts
+    for those pipelines: the step-end collectives over every rank, their waits on busy cores and,
+    with sharding, FSDP2's hooks around every unit's forward and backward of every micro-batch,
+    which a two-rank probe and a per-step cost per unit do not see.
+    """
+
+    pp: int
+    dp: int
+    tp: int
+    sharding: int
+    fixed: float
+    per_unit: float = 0.0
+    per_microbatch: float = 0.0
+    per_unit_microbatch: float = 0.0
+
+    def __post_init__(self) -> None:
+        sizes = (self.pp, self.dp, self.tp, self.sharding)
+        if not all(isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in sizes):
+            raise ValueError(f"LayoutCost: pp, dp, tp, sharding must be ints >= 1, got {sizes}")
+        terms = (self.fixed, self.per_unit, self.per_microbatch, self.per_unit_microbatch)
+        if not all(math.isfinite(x) for x in terms):
+            raise ValueError(f"LayoutCost: terms must be finite seconds, got {terms}")
+
+    @classmethod
+    def fit(cls, pp: int, dp: int, tp: int, sharding: int, residuals: dict[tuple[int, int], float]) -> LayoutCost:
+        """The terms through four measured corners ``{(u, m): seconds}`` (two unit counts x two micro-batch counts),
+        slopes held >= 0.
+
+        A cost cannot shrink as layers or micro-batches are added: a negative slope is noise in the
+        medians, and extrapolated to a real model's layers and micro-batches it would cancel real
+        costs. Each slope is the mean of the two it can be read from (less the cross term), and
+        ``fixed`` makes the mean over the corners right.
+        """
+        us, ms = sorted({u for u, _ in residuals}), sorted({m for _, m in residuals})
+        if len(us) != 2 or len(ms) != 2 or len(residuals) != 4:
+            raise ValueError(f"LayoutCost.fit: expected 2 x 2 corners (u, m), got {sorted(residuals)}")
+        (u1, u2), (m1, m2), r = us, ms, residuals
+        du, dm = u2 - u1, m2 - m1
+        d = max(0.0, ((r[u2, m2] - r[u1, m2]) - (r[u2, m1] - r[u1, m1])) / (du * dm))
+        c = max(0.0, ((r[u1, m2] - r[u1, m1]) + (r[u2, m2] - r[u2, m1])) / (2 * dm) - d * (u1 + u2) / 2)
+        b = max(0.0, ((r[u2, m1] - r[u1, m1]) + (r[u2, m2] - r[u1, m2])) / (2 * du) - d * (m1 + m2) / 2)
+        a = sum(r[u, m] - b * u - (c + d * u) * m for u, m in r) / 4
+        return cls(pp, dp, tp, sharding, a, b, c, d)
+
+    def at(self, units: int, microbatches: int) -> float:
+        """The fitted seconds per step (never below 0: a fit's negative terms only cancel positive ones)."""
+        per_mb = self.per_microbatch + self.per_unit_microbatch * units
+        return max(0.0, self.fixed + self.per_unit * units + per_mb * microbatches)
+
+    def to_dict(self) -> dict[str, float]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+@dataclass(frozen=True)
 class Calibration:
     """Measured costs: links, the runtime's own cost per action and per message, and FSDP2's cost per layer.
 
@@ -21,7 +80,9 @@ class Calibration:
     stage compute action (F, and B or the I + W pair) beyond the layers' own time. ``message``:
     seconds of a rank's time per point-to-point message it posts or receives (0 when the link
     latency already holds it). ``step``: seconds per training step outside the schedule's actions
-    (splitting the batch, the loss reduction, the step's bookkeeping). ``cores``: the cores a
+    (splitting the batch, the loss reduction, the step's bookkeeping); ``layouts``: what the runtime
+    adds per step on each measured layout (:class:`LayoutCost`), used instead of ``step`` for that
+    layout (:meth:`step_for`). ``cores``: the cores a
     node's processes effectively share, measured (used when the plan gives no ``cores=``). ``sharding_fixed`` +
     ``sharding_per_byte`` x bytes: seconds one FSDP2 unit (a layer with parameters) costs per step
     for its gather and reduce-scatter, measured on ``sharding_group`` ranks (None: the ring model
@@ -37,6 +98,7 @@ class Calibration:
     sharding_fixed: float | None = None
     sharding_per_byte: float | None = None
     sharding_group: int = 0
+    layouts: tuple[LayoutCost, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("action", "message", "step"):
@@ -45,6 +107,9 @@ class Calibration:
                 raise ValueError(f"Calibration.{name} must be seconds >= 0, got {value!r}")
         if self.cores is not None and not 0 < self.cores < math.inf:
             raise ValueError(f"Calibration.cores must be > 0 (cores per node), got {self.cores!r}")
+        for row in self.layouts:
+            if not isinstance(row, LayoutCost):
+                raise ValueError(f"Calibration.layouts: expected LayoutCost entries, got {type(row).__name__}")
         measured = (self.sharding_fixed, self.sharding_per_byte)
         if (measured[0] is None) != (measured[1] is None):
             raise ValueError("Calibration: give sharding_fixed and sharding_per_byte together, or neither")
@@ -69,6 +134,16 @@ class Calibration:
         share = ((n - 1) / n) / ((g - 1) / g)
         return units * self.sharding_fixed * steps + nbytes * self.sharding_per_byte * share
 
+    def step_for(self, pp: int, dp: int, tp: int, sharding: int, units: int, microbatches: int) -> float:
+        """Seconds per step outside what the rest of the model predicts, for this layout with ``units`` layers with
+        parameters on the rank holding most and ``microbatches`` per replica: its measured :class:`LayoutCost`;
+        without one, that of the same layout at tp = 1 (tp's collectives are costed per layer); else ``step``."""
+        rows = {(r.pp, r.dp, r.tp, r.sharding): r for r in self.layouts}
+        for key in ((pp, dp, tp, sharding), (pp, dp, 1, sharding)):
+            if key in rows:
+                return rows[key].at(units, microbatches)
+        return self.step
+
     def to_dict(self) -> dict[str, object]:
         def link(x: Link | None) -> list[float] | None:
             return None if x is None else [x.latency, x.bandwidth]
@@ -83,4 +158,5 @@ class Calibration:
             "sharding_fixed": self.sharding_fixed,
             "sharding_per_byte": self.sharding_per_byte,
             "sharding_group": self.sharding_group,
+            "layouts": [row.to_dict() for row in self.layouts],
         }

@@ -40,13 +40,18 @@ activations to the rank's peak.
   overlapping the drain; sharding's gather + reduce-scatter as blocking rank time, from the
   ring model, or when calibrated ``units_s * fixed + bytes_s * per_byte`` (scaled to the group).
 * **Oversubscription** (``cores`` per node given, fewer than the node's processes): processes
-  share cores, so a node cannot finish faster than its CPU work allows:
-  ``T = max(T_sim, max_node sum_{ranks r on it} busy_r / cores) + step`` with ``busy_r`` a rank's
-  compute (F + I + W of its stages, times m). For a pipeline with no bubble this is the
-  ``processes / cores`` stretch of every compute; in the fill and drain fewer ranks run, which
-  the max credits (ranks waiting on a message sleep: the transports do not spin). ``step``
-  (:class:`~stagewise.planning.Calibration`) is the runtime's measured cost per step outside
-  the schedule's actions (0 unless calibrated), paid once per step whatever the layout.
+  share cores. The compute is replayed with the node's cores shared among the processes computing
+  at each moment (:mod:`stagewise.simulate_shared`: ``n`` processes computing on ``c`` cores each
+  advance at ``min(1, c / n)``; a pipeline rank stands for its replicas on the node, and ranks
+  waiting on a message sleep - the transports do not spin), giving ``T_shared``; the step is
+  ``T = max(T_sim, T_cpu, T_shared) + step`` with ``T_cpu = max_node sum_{ranks r on it} busy_r / cores``
+  (``busy_r`` a rank's compute, F + I + W of its stages times m), the bound that holds with perfect
+  packing, and ``T_shared`` at least that wherever the node never idles. ``step``
+  (:class:`~stagewise.planning.Calibration`) is the runtime's measured cost per step outside the
+  schedule's actions: for a layout the calibration measured, its fitted
+  :class:`~stagewise.planning.LayoutCost` at the busiest rank's layers with parameters and the
+  micro-batch count (the step-end collectives over every rank, FSDP2's hooks per unit and
+  micro-batch); else one number, paid once per step whatever the layout.
 
 """
 

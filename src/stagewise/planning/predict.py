@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from ..actions import Kind
 from ..costs import CostModel
 from ..simulate import SimResult, simulate
+from ..simulate_shared import shared_makespan
 from .candidate import Candidate
 from .orders import compute_schedule, placement_of
 from .result import Plan, RankMemory
@@ -43,6 +44,17 @@ def simulate_candidate(c: Candidate) -> tuple[SimResult, float, list[float]]:
     return sim, max(ends), ends
 
 
+def sharing(pp: int, processes: int, per_node: int) -> tuple[list[float], list[int]]:
+    """Per pipeline rank: how many of its node's processes compute with it, and which node that is.
+
+    Ranks are packed onto nodes in order, pp outermost, so pipeline rank ``r`` is global ranks
+    ``r * g .. (r + 1) * g - 1`` with ``g = processes / pp`` (its replicas): they share a node with the
+    neighbouring pipeline ranks when ``g < per_node``, or fill nodes of their own.
+    """
+    group = processes // pp
+    return [float(min(group, per_node))] * pp, [r * group // per_node for r in range(pp)]
+
+
 def cpu_bound(busy: Sequence[float], processes: int, per_node: int, cores: float | None) -> float:
     """The busiest node's compute over its cores: no step is shorter when processes outnumber cores.
 
@@ -62,8 +74,8 @@ def cpu_bound(busy: Sequence[float], processes: int, per_node: int, cores: float
 def evaluate(
     c: Candidate, memory: list[RankMemory], processes: int, per_node: int, cores: float | None, fixed: float = 0.0
 ) -> Plan:
-    """Simulate a candidate that fits memory into a plan (its step at least the CPU bound, plus ``fixed`` seconds
-    per step; see :mod:`stagewise.planning.costing`)."""
+    """Simulate a candidate that fits memory into a plan (its step at least the CPU bound, the cores shared when
+    processes outnumber them, plus ``fixed`` seconds per step; see :mod:`stagewise.planning.costing`)."""
     config = c.layout.config
     sim, simulated, _ = simulate_candidate(c)
     placement = placement_of(c.schedule, config.pp, c.v)
@@ -74,7 +86,12 @@ def evaluate(
         tp_comm[r] += c.m * c.costs.tp_comm[s]
     busiest = max(range(config.pp), key=lambda r: busy[r])
     cpu = cpu_bound(busy, processes, per_node, cores)
-    step = max(simulated, cpu) + fixed
+    shared = 0.0
+    if cores is not None and cores < per_node:  # the compute replayed on the node's shared cores, same tail
+        weights, nodes = sharing(config.pp, processes, per_node)
+        schedule = compute_schedule(c.schedule, config.pp, c.m, c.v)
+        shared = shared_makespan(schedule, sim.costs, weights, cores, nodes) + simulated - sim.makespan
+    step = max(simulated, cpu, shared) + fixed
     return Plan(
         layout=config,
         schedule=c.schedule,
@@ -94,6 +111,7 @@ def evaluate(
             "pipeline_idle": sim.bubble_ratio * sim.makespan,
             "simulated": simulated,
             "cpu_bound": cpu,
+            "shared_cores": shared,
         },
     )
 

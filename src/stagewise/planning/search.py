@@ -54,6 +54,14 @@ class _Group:
     recompute: str | None
 
 
+def _per_rank_units(c: Candidate) -> list[int]:
+    """Layers with parameters on each pipeline rank (what per-unit costs of a layout scale with)."""
+    out = [0] * c.layout.config.pp
+    for s, r in enumerate(placement_of(c.schedule, c.layout.config.pp, c.v)):
+        out[r] += c.costs.units[s] if c.costs.units else 0
+    return out
+
+
 def _group_bound(prob: Problem, parts: Partitions, g: _Group) -> float:
     """A bound for every m of the group, before partitioning: the busiest rank does at least its share.
 
@@ -236,7 +244,10 @@ class _Search:
                 self.miss(item.describe(), memory, True, item)
                 continue
             simulated += 1
-            result = evaluate(item, memory, prob.processes, prob.per_node, prob.cores, prob.calibration.step)
+            config = item.layout.config
+            units = max(_per_rank_units(item))
+            fixed = prob.calibration.step_for(config.pp, config.dp, config.tp, config.sharding, units, m)
+            result = evaluate(item, memory, prob.processes, prob.per_node, prob.cores, fixed)
             plans.append(result)
             heapq.heappush(best, -result.step_time)
             if len(best) > prob.top:

@@ -10,6 +10,15 @@ its other collectives. It measures, each step bounded by ``timeout``:
   with 8 one-sample micro-batches; the simulator, with the measured link, a
   cost ``o`` per F and per B and ``c`` per step, is affine in both, so the two
   measured steps give ``o`` and ``c``;
+* what each layout costs beyond the model (``layouts``, slowest part): every rank
+  runs, for each ``pp x dp x sharding`` factorisation of the group (tp = 1),
+  pipelines of ``pp`` stages of 1 and 2 ``Linear(1, 1)`` layers with 2 and 6
+  micro-batches per replica; what the planner predicts for each (its action
+  costs, transfers, gradient collectives, FSDP2 per unit) is taken off the
+  measured step, and the four residuals give that layout's
+  :class:`~stagewise.planning.LayoutCost` - the step-end collectives over 4 or 8
+  processes and FSDP2's hooks per unit and micro-batch cost what no two-rank or
+  one-micro-batch probe shows;
 * the cores a node's processes effectively share: a fixed matrix-multiply loop
   timed on rank 0 alone, then on every rank at once; ``per_node * alone / together``
   (the CPU bound of :mod:`stagewise.planning.costing` with what the machine
@@ -24,6 +33,7 @@ measured latency the simulator already charges per transfer.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from dataclasses import replace
@@ -33,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..costs import CostModel
-from ..planning.calibration import Calibration
+from ..planning.calibration import Calibration, LayoutCost
 from ..planning.comm import Link
 from ..schedules import generate
 from ..simulate import simulate
@@ -43,8 +53,9 @@ from .comm.probe import measure_links, slowest
 _MS = (2, 8)  # micro-batch counts of the trivial pipelines
 
 
-def calibrate(nodes: int = 1, *, sharding: bool = True, timeout: float = 60.0) -> Calibration:
-    """Measure links, the runtime's cost per action and (``sharding``) FSDP2's cost per unit; every rank gets it."""
+def calibrate(nodes: int = 1, *, sharding: bool = True, layouts: bool = True, timeout: float = 60.0) -> Calibration:
+    """Measure links, the runtime's cost per action and (``sharding``) FSDP2's cost per unit and (``layouts``) each
+    layout's cost per step; every rank gets it."""
     require_initialized()
     if not timeout > 0:
         raise ValueError(f"calibrate: timeout must be > 0 seconds, got {timeout!r}")
@@ -59,6 +70,8 @@ def calibrate(nodes: int = 1, *, sharding: bool = True, timeout: float = 60.0) -
 
         fixed, per_byte = sharding_costs(timeout=timeout)
         cal = replace(cal, sharding_fixed=fixed, sharding_per_byte=per_byte, sharding_group=world)
+    if layouts and world >= 2:
+        cal = replace(cal, layouts=layout_costs(cal, world, nodes, timeout=timeout))
     return cal
 
 
@@ -77,8 +90,12 @@ def action_cost(link: Link, *, steps: int = 10, timeout: float = 60.0) -> tuple[
     return action, step
 
 
-def effective_cores(per_node: int, *, rounds: int = 3, timeout: float = 60.0) -> float:
-    """How many cores this node's ``per_node`` processes get together: ``per_node * t_alone / t_together``."""
+def effective_cores(per_node: int, *, rounds: int = 5, timeout: float = 60.0) -> float:
+    """How many cores this node's ``per_node`` processes get together: ``per_node * t_alone / t_together``.
+
+    Alone and together alternate, ``rounds`` pairs after a warm-up pair, and the ratio is the median of the
+    pairs': a load that comes and goes then moves both sides of a pair alike, not one side of the whole probe.
+    """
     deadline = time.monotonic() + timeout
     a = torch.randn(128, 128, dtype=torch.float64)
 
@@ -88,10 +105,115 @@ def effective_cores(per_node: int, *, rounds: int = 3, timeout: float = 60.0) ->
             a @ a
         return time.perf_counter() - started
 
-    alone = statistics.median(work() for _ in range(rounds)) if global_rank() == 0 else 0.0
-    alone = slowest(alone, deadline)  # (also the barrier before everyone starts)
-    together = slowest(statistics.median(work() for _ in range(rounds)), deadline)
-    return max(per_node * alone / together, 1e-3) if together > 0 else float(per_node)
+    ratios = []
+    for k in range(rounds + 1):
+        alone = slowest(work() if global_rank() == 0 else 0.0, deadline)  # (also the barrier before everyone starts)
+        together = slowest(work(), deadline)
+        if k and together > 0:
+            ratios.append(alone / together)
+    cores = per_node * statistics.median(ratios) if ratios else float(per_node)
+    # never more than the processes or the CPUs this process may run on: a noisy 'alone' (a first-call warm-up, a
+    # clock boost) must not promise cores the node does not have
+    return min(max(cores, 1e-3), per_node, _usable_cpus())
+
+
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def layout_costs(
+    cal: Calibration, world: int, nodes: int, *, steps: int = 12, timeout: float = 60.0
+) -> tuple[LayoutCost, ...]:
+    """One :class:`LayoutCost` per ``pp x dp x sharding`` factorisation of ``world`` (tp = 1): trivial pipelines of the
+    layout at ``u`` layers per stage and ``m`` micro-batches (the corners of :data:`_UNITS` x :data:`_MS_LAYOUT`),
+    measured less predicted, solved for the four terms."""
+    rows = []
+    base = replace(cal, step=0.0, layouts=())
+    for pp in _divisors(world):
+        for sharding in _divisors(world // pp):
+            dp = world // pp // sharding
+            r = {
+                (u, m): _layout_step(pp, dp, sharding, u, m, steps, timeout)
+                - _predicted(base, world, nodes, pp, dp, sharding, u, m)
+                for u in _UNITS
+                for m in _MS_LAYOUT
+            }
+            rows.append(LayoutCost.fit(pp, dp, 1, sharding, r))
+    return tuple(rows)
+
+
+_UNITS = (1, 2)  # layers per stage in the layout probes
+_MS_LAYOUT = (2, 6)  # micro-batches per replica in the layout probes
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _predicted(cal: Calibration, world: int, nodes: int, pp: int, dp: int, sharding: int, u: int, m: int) -> float:
+    """What the planner predicts for the probe pipeline (its layers cost nothing but their actions and transfers)."""
+    from ..planning import search
+    from ..profile_data import LayerCost, LayerProfile
+
+    layer = LayerCost("probe", 1e-9, 5e-10, 5e-10, 1e-9, 4.0, 0.0, 8.0, 4.0)  # equal, so the cut is u per stage
+    profile = LayerProfile(
+        layers=tuple(replace(layer, name=f"probe{k}") for k in range(pp * u)), device="cpu", repeats=1, warmup=0
+    )
+    plans = search(
+        profile,
+        world,
+        nodes=nodes,
+        global_batch=m * dp * sharding,
+        profile_batch=1,
+        schedules=["1f1b"],
+        max_virtual_stages=1,
+        calibration=cal,
+        top=100_000,
+    ).plans
+    for p in plans:
+        layout = (p.layout.pp, p.layout.dp, p.layout.tp, p.layout.sharding)
+        if layout == (pp, dp, 1, sharding) and p.microbatches == m and p.recompute is None:
+            return p.step_time
+    return 0.0
+
+
+def _layout_step(pp: int, dp: int, sharding: int, u: int, m: int, steps: int, timeout: float) -> float:
+    """The median over ``steps`` of the slowest rank's train step of the trivial pipeline on this layout.
+
+    Its process groups stay (as every pipeline's do): destroying them mid-run lets torch hand a later
+    group the name, and so the stale rendezvous keys, of a destroyed one (hashed names count the live
+    groups), which failed the next ``new_group`` with "connection refused". The cost: at 8 ranks the
+    40 probes' gloo threads take ~11 % of a core per idle process afterwards (benchmarks/RESULTS.md).
+    """
+    from ..parallel import ParallelConfig
+    from .pipeline import Pipeline
+
+    deadline = time.monotonic() + timeout
+    pipe = Pipeline(
+        [nn.Linear(1, 1) for _ in range(pp * u)],
+        loss_fn=F.mse_loss,
+        schedule="1f1b",
+        microbatches=m,
+        partition=[u] * pp,
+        parallel=ParallelConfig(pp=pp, dp=dp, tp=1, sharding=sharding),
+        seed=0,
+        timeout=timeout,
+    )
+    n = m * dp * sharding
+    x, y = pipe.local_batch(torch.randn(n, 1), torch.randn(n, 1))
+    times = []
+    for step in range(steps + 2):
+        slowest(0.0, deadline)  # everyone starts together, as a timed step in a benchmark does
+        started = time.perf_counter()
+        pipe.train_step(x, y)
+        elapsed = slowest(time.perf_counter() - started, deadline)
+        if step >= 2:
+            times.append(elapsed)
+    pipe.transport.close()
+    return statistics.median(times)
 
 
 def _span(m: int, o: float, link: Link) -> float:
