@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 import stagewise as sw
 from stagewise import _versions_reference as reference
+from stagewise._columns import ActionRows, columns
 from stagewise._validate_versions_fast import first_version_problem
 from stagewise.actions import Action
 from stagewise.schedule import Schedule
@@ -134,3 +135,66 @@ def test_a_hand_written_action_out_of_range_goes_to_the_reference() -> None:
             reference.version_table, ranks, 2, "stash", 2, 1
         )
         assert _outcome(live_versions, ranks, table) == _outcome(reference.live_versions, ranks, table)
+
+
+def _as_columns(ranks: tuple[tuple[Action, ...], ...], n: int, total: int) -> ActionRows | None:
+    """The same lists as columns (what the generators and the lowering hand over), when they read as numbers."""
+    cols = columns(Schedule("edited", total, tuple(range(n)), ranks))
+    return None if cols is None else ActionRows(cols)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    schedule=async_schedules(),
+    data=st.data(),
+    edits=st.integers(0, 3),
+    policy=st.sampled_from(POLICIES),
+    repeat=st.booleans(),
+)
+def test_column_tables_and_live_counts_equal_the_reference(
+    schedule: Schedule, data: st.DataObject, edits: int, policy: str, repeat: bool
+) -> None:
+    """Step counts, tables (lifetimes included) and live counts computed on columns equal the reference's, also
+    with an action repeated somewhere on its rank (two last uses with one text)."""
+    table = schedule.meta["versions"]
+    ranks = _moved(schedule, data, edits)
+    if repeat:
+        r = data.draw(st.integers(0, len(ranks) - 1))
+        acts = list(ranks[r])
+        acts.insert(data.draw(st.integers(0, len(acts))), data.draw(st.sampled_from(acts)))
+        ranks = (*ranks[:r], tuple(acts), *ranks[r + 1 :])
+    n, total = schedule.num_stages, schedule.num_microbatches
+    rows = _as_columns(ranks, n, total)
+    assert rows is not None
+    assert step_counts(rows, n, total) == reference.step_counts(ranks, n, total)
+    fast = version_table(rows, n, policy, table.minibatches, table.microbatches)
+    slow = reference.version_table(ranks, n, policy, table.minibatches, table.microbatches)
+    assert _tables_equal(fast, slow)
+    assert live_versions(rows, fast) == reference.live_versions(ranks, slow)
+    if not repeat:
+        assert rows._rows.count(None) == len(rows)  # all of it without making an action
+
+
+@settings(max_examples=150, deadline=None)
+@given(schedule=async_schedules(), data=st.data(), edits=st.integers(0, 2), steps=st.integers(0, 1))
+def test_column_verdicts_agree_with_the_reference(
+    schedule: Schedule, data: st.DataObject, edits: int, steps: int
+) -> None:
+    """The shape, table, rules and bounds checks on columns: the reference's verdict on moved actions and on a
+    STEP dropped or a backward split."""
+    table = schedule.meta["versions"]
+    ranks = [list(acts) for acts in _moved(schedule, data, edits)]
+    if steps:
+        r = data.draw(st.integers(0, len(ranks) - 1))
+        j = data.draw(st.integers(0, len(ranks[r]) - 1))
+        a = ranks[r][j]
+        if a.kind is sw.Kind.STEP:
+            del ranks[r][j]
+        elif a.kind is sw.Kind.B:
+            ranks[r][j : j + 1] = [Action(a.stage, sw.Kind.I, a.microbatch), Action(a.stage, sw.Kind.W, a.microbatch)]
+    plain = Schedule(schedule.name, schedule.num_microbatches, schedule.placement, tuple(map(tuple, ranks)))
+    rows = _as_columns(plain.ranks, schedule.num_stages, schedule.num_microbatches)
+    assert rows is not None
+    as_cols = Schedule(schedule.name, schedule.num_microbatches, schedule.placement, rows, {"versions": table})
+    assert first_version_problem(as_cols, table) == first_version_problem(plain, table)
+    assert (first_version_problem(as_cols, table) is None) == _reference_verdict(plain, table)

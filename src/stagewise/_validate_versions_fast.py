@@ -14,6 +14,14 @@ from __future__ import annotations
 from itertools import chain, repeat
 from operator import attrgetter, gt, ne
 
+import numpy as np
+
+from ._columns import STEP as _CSTEP
+from ._columns import ActionRows, Columns, columns
+from ._columns import B as _CB
+from ._columns import I as _CI
+from ._columns import W as _CW
+from ._versions_columns import live_version_counts, running_counts
 from .actions import Kind
 from .schedule import Schedule
 from .versions import VersionTable, _in_range, live_versions, step_counts, version_bound, version_rows, version_table
@@ -33,6 +41,8 @@ def _shape(schedule: Schedule, table: VersionTable) -> str | None:
         return "asynchronous schedules hold one stage per rank"
     if schedule.num_microbatches != n_mb * m or table.num_stages != schedule.num_stages:
         return "the version table's size differs from the schedule's"
+    if isinstance(schedule.ranks, ActionRows):
+        return _shape_columns(schedule, schedule.ranks.columns, n_mb, m)
     for rank, acts in enumerate(schedule.ranks):
         kinds = {a[1] for a in acts}
         if _I in kinds or _W in kinds:
@@ -49,6 +59,37 @@ def _shape(schedule: Schedule, table: VersionTable) -> str | None:
         if any(steps.get(s, 0) != n_mb for s in schedule.stages_of(rank)):
             return f"rank {rank}: a stage without one STEP per mini-batch"
     return None
+
+
+def _shape_columns(schedule: Schedule, cols: Columns, n_mb: int, m: int) -> str | None:
+    """The per-rank checks of :func:`_shape` on whole arrays; the first rank that fails names its first problem."""
+    kind, stage, p, n = cols.kind, cols.stage, schedule.num_ranks, schedule.num_stages
+    rank = cols.rank
+    split = (kind == _CI) | (kind == _CW)
+    is_step = kind == _CSTEP
+    at_step = np.flatnonzero(is_step)
+    # at each STEP of a stage: its backwards so far on this rank, and which STEP of the stage it is (1-based)
+    done = running_counts(cols, n, kind == _CB)[at_step]
+    c = running_counts(cols, n, is_step)[at_step] + 1
+    early = at_step[done < c * m]
+    steps = np.zeros((p, n), np.int64)
+    np.add.at(steps, (rank[at_step], stage[at_step]), 1)
+    placed = np.zeros((p, n), bool)
+    placed[np.asarray(schedule.placement, np.int64), np.arange(n)] = True
+    short = ((steps != n_mb) & placed).any(axis=1)
+    bad_split = np.bincount(rank[split], minlength=p) > 0
+    bad_early = np.bincount(rank[early], minlength=p) > 0
+    failing = np.flatnonzero(bad_split | bad_early | short)
+    if not failing.size:
+        return None
+    r = int(failing[0])
+    if bad_split[r]:
+        return f"rank {r}: a split backward (I/W) in an asynchronous schedule"
+    if bad_early[r]:
+        first = int(early[rank[early] == r][0])
+        k = int(np.searchsorted(at_step, first))
+        return f"rank {r}: STEP {int(c[k]) - 1} of stage {int(stage[first])} before the last backward of its mini-batch"
+    return f"rank {r}: a stage without one STEP per mini-batch"
 
 
 def _table(schedule: Schedule, table: VersionTable) -> str | None:
@@ -89,10 +130,17 @@ def _rules(schedule: Schedule, table: VersionTable) -> str | None:
 
 
 def _bounds(schedule: Schedule, table: VersionTable) -> str | None:
-    for rank, row in enumerate(live_versions(schedule.ranks, table)):
-        if not row:
+    cols = columns(schedule)
+    counts = None if cols is None else live_version_counts(cols, table)
+    peaks = (
+        [max(row, default=0) for row in live_versions(schedule.ranks, table)]
+        if counts is None
+        else [int(row.max()) if row.size else 0 for row in counts]
+    )
+    for rank, peak in enumerate(peaks):
+        if not peak:
             continue
         s = schedule.stages_of(rank)[0]
-        if max(row) > version_bound(table.policy, schedule.num_ranks, table.microbatches, s):
+        if peak > version_bound(table.policy, schedule.num_ranks, table.microbatches, s):
             return f"rank {rank}: stage {s} keeps more weight versions than policy {table.policy!r} allows"
     return None

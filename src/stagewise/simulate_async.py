@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .actions import COMM, Action, Kind
+from ._columns import columns
+from ._versions_columns import live_version_counts, without_comm
+from .actions import COMM, Kind
 from .schedule import Schedule
 from .simulate import SimResult
 from .timeline import Timeline
@@ -47,15 +49,14 @@ def _table(schedule: Schedule) -> VersionTable:
 def async_report(schedule: Schedule, result: SimResult) -> AsyncReport:
     """Weight-version memory and steady state of ``schedule``, timed as ``result`` (``simulate(schedule, costs)``)."""
     table = _table(schedule)
-    ranks = _without_comm(schedule)
-    counts = live_versions(ranks, table)
+    counts = _counts(schedule, table)
     param = result.costs.parameter_bytes
     curves, peaks, peak_bytes, totals = [], [], [], []
     act_curves = result.memory
-    for rank, (acts, row) in enumerate(zip(ranks, counts)):
+    for rank, row in enumerate(counts):
         s = schedule.stages_of(rank)[0]
         starts = result.starts[rank]
-        curve = [(starts[j], row[j] * param[s]) for j in range(len(acts))]
+        curve = [(starts[j], row[j] * param[s]) for j in range(len(row))]
         curves.append(curve)
         peaks.append(max(row, default=0))
         peak_bytes.append(max(row, default=0) * param[s])
@@ -68,11 +69,17 @@ def async_report(schedule: Schedule, result: SimResult) -> AsyncReport:
 
 def peak_versions(schedule: Schedule) -> list[int]:
     """Per rank, the most weight versions alive at once: ``async_report(...).peak_versions`` without the timing."""
-    return [max(row, default=0) for row in live_versions(_without_comm(schedule), _table(schedule))]
+    return [max(row, default=0) for row in _counts(schedule, _table(schedule))]
 
 
-def _without_comm(schedule: Schedule) -> list[list[Action]]:
-    return [[a for a in acts if a[1] not in COMM] for acts in schedule.ranks]
+def _counts(schedule: Schedule, table: VersionTable) -> list[list[int]]:
+    """Versions alive at each action of each rank, SEND/RECV left out: on the columns when they read (no action
+    objects made), else by the list sweep."""
+    cols = columns(schedule)
+    counts = None if cols is None else live_version_counts(without_comm(cols), table)
+    if counts is not None:
+        return [row.tolist() for row in counts]
+    return live_versions([[a for a in acts if a[1] not in COMM] for acts in schedule.ranks], table)
 
 
 def _peak_sum(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:

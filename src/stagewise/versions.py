@@ -49,6 +49,7 @@ from itertools import accumulate, chain, repeat
 from operator import itemgetter
 from typing import NamedTuple
 
+from ._columns import ActionRows, in_range
 from ._gc import gc_paused
 from .actions import Action, Kind
 
@@ -117,9 +118,20 @@ def step_counts(
     if not _in_range(ranks, num_stages, num_microbatches):
         return _reference.step_counts(ranks, num_stages, num_microbatches)
     try:
-        return _step_counts(ranks, num_stages, num_microbatches)
+        return _step_counts_any(ranks, num_stages, num_microbatches)
     except TypeError:  # an F or B without a micro-batch
         return _reference.step_counts(ranks, num_stages, num_microbatches)
+
+
+def _step_counts_any(
+    ranks: Sequence[Sequence[Action]], n: int, num_microbatches: int
+) -> tuple[list[list[int]], list[list[int]]]:
+    """:func:`_step_counts`, on the columns when ``ranks`` is columns (in range: the caller checked)."""
+    if isinstance(ranks, ActionRows):
+        counts = _columns.step_counts_columns(ranks.columns, n, num_microbatches)
+        if counts is not None:
+            return counts[0].tolist(), counts[1].tolist()
+    return _step_counts(ranks, n, num_microbatches)
 
 
 def _step_counts(
@@ -156,7 +168,10 @@ def version_table(
         fwd, bwd = version_rows(ranks, n, policy, minibatches, m)
     except TypeError:  # an F or B without a micro-batch
         return _reference.version_table(ranks, n, policy, minibatches, m)
-    release, keep = _lifetimes(ranks, n, fwd, bwd)
+    if isinstance(ranks, ActionRows):
+        release, keep = _columns.lifetimes_columns(ranks.columns, n, tuple(fwd), tuple(bwd))
+    else:
+        release, keep = _lifetimes(ranks, n, fwd, bwd)
     return VersionTable(
         policy=policy,
         minibatches=minibatches,
@@ -172,7 +187,7 @@ def version_rows(
     ranks: Sequence[Sequence[Action]], n: int, policy: str, minibatches: int, m: int
 ) -> tuple[list[tuple[Version, ...]], list[tuple[Version, ...]]]:
     """The forward and backward rows of :func:`version_table`, without the lifetimes (for the validator)."""
-    c_f, c_b = _step_counts(ranks, n, minibatches * m)
+    c_f, c_b = _step_counts_any(ranks, n, minibatches * m)
     cache: dict[tuple[int, int], Version] = {}
     fwd: list[tuple[Version, ...]]
     bwd: list[tuple[Version, ...]]
@@ -187,7 +202,11 @@ def version_rows(
         row = _per_minibatch([_version(max(0, t - 1), 0, cache) for t in range(minibatches)], m)
         fwd = bwd = [row] * n
     else:  # predict: the bellwether's version, t - c updates ahead
-        first_f = _first_forward(ranks, n, minibatches, m)
+        first_f = (
+            _columns.first_forward_columns(ranks.columns, n, minibatches, m).tolist()
+            if isinstance(ranks, ActionRows)
+            else _first_forward(ranks, n, minibatches, m)
+        )
         fwd = []
         for s in range(n):
             bases = [c_f[s][first] if first >= 0 else 0 for first in first_f[s]]
@@ -202,6 +221,8 @@ def _in_range(ranks: Sequence[Sequence[Action]], n: int, total: int) -> bool:
     Anything else (a hand-edited schedule the validator has not seen yet) goes to the reference implementations,
     which skip what is out of range; so does an F or B without a micro-batch (the fast paths raise TypeError).
     """
+    if isinstance(ranks, ActionRows):
+        return in_range(ranks.columns, n, total)
     for acts in ranks:
         stages = set(map(_stage_of, acts))
         if stages and (min(stages) < 0 or max(stages) >= n):
@@ -294,6 +315,10 @@ def live_versions(ranks: Sequence[Sequence[Action]], table: VersionTable) -> lis
         len(row) != table.minibatches * table.microbatches for row in (*table.forward, *table.backward)
     ):
         return _reference.live_versions(ranks, table)
+    if isinstance(ranks, ActionRows):
+        counts = _columns.live_version_counts(ranks.columns, table)
+        if counts is not None:
+            return [row.tolist() for row in counts]
     try:
         with gc_paused():  # ~1 tuple per action, all acyclic
             return _live_versions(ranks, table.forward, table.backward)
@@ -361,4 +386,5 @@ def version_bound(policy: str, num_ranks: int, microbatches: int, stage: int) ->
     raise ValueError(f"unknown weight-version policy {policy!r}; expected one of {', '.join(POLICIES)}")
 
 
+from . import _versions_columns as _columns  # noqa: E402 - it imports Version and VersionTable from here
 from . import _versions_reference as _reference  # noqa: E402 - it imports Version and VersionTable from here

@@ -32,7 +32,14 @@ per m(F + B) in the steady state.
 
 from __future__ import annotations
 
-from ..actions import Action, Kind
+import numpy as np
+
+from .._columns import STEP as _STEP
+from .._columns import SYNC as _SYNC
+from .._columns import ActionRows, from_rows
+from .._columns import B as _B
+from .._columns import F as _F
+from ..actions import Kind
 from ..schedule import Schedule, loop_placement
 from ..versions import POLICIES, VersionTable, version_table
 from .registry import _load_builtin, register
@@ -43,23 +50,32 @@ F, B, SYNC, STEP = Kind.F, Kind.B, Kind.SYNC, Kind.STEP
 ASYNC_NAMES = ("pipedream", "pipedream-2bw", "xpipe")
 
 
-def no_flush_1f1b(p: int, minibatches: int, microbatches: int) -> list[list[Action]]:
-    """Each rank's 1F1B order over N*m micro-batches, with SYNC and STEP after each mini-batch's last backward."""
+def no_flush_1f1b(p: int, minibatches: int, microbatches: int) -> ActionRows:
+    """Each rank's 1F1B order over N*m micro-batches, with SYNC and STEP after each mini-batch's last backward.
+
+    Computed as columns (no action objects; :class:`~stagewise._columns.ActionRows` makes a rank's row when
+    asked): at 128 ranks x 1024 micro-batches the window holds ~1 M actions, and the version table, its
+    check and the lowering all read the columns.
+    """
     total, m = minibatches * microbatches, microbatches
-    new = tuple.__new__  # Action(...) without the keyword-argument machinery: ~0.5 M actions at 128 x 1024
-    ranks = []
+    i = np.arange(total, dtype=np.int64)
+    ends = i % m == m - 1  # the last backward of a mini-batch: SYNC and STEP follow it
+    rows = []
     for r in range(p):
-        warmup = min(p - r - 1, total)
-        acts = [new(Action, (r, F, i)) for i in range(warmup)]
-        update = (new(Action, (r, SYNC, None)), new(Action, (r, STEP, None)))
-        for i in range(total):
-            if warmup + i < total:
-                acts.append(new(Action, (r, F, warmup + i)))
-            acts.append(new(Action, (r, B, i)))
-            if i % m == m - 1:
-                acts += update
-        ranks.append(acts)
-    return ranks
+        w = min(p - r - 1, total)
+        has_f = (w + i < total).astype(np.int64)
+        size = has_f + 1 + 2 * ends
+        at = w + np.cumsum(size) - size  # where micro-batch i's block (F of w+i, B of i, SYNC, STEP) starts
+        kind = np.empty(w + int(size.sum()), np.int64)
+        mb = np.full(kind.size, -1, np.int64)
+        kind[:w], mb[:w] = _F, np.arange(w)
+        f_at = at[has_f == 1]
+        kind[f_at], mb[f_at] = _F, np.arange(w, total)
+        b_at = at + has_f
+        kind[b_at], mb[b_at] = _B, i
+        kind[b_at[ends] + 1], kind[b_at[ends] + 2] = _SYNC, _STEP
+        rows.append((kind, np.full(kind.size, r, np.int64), mb))
+    return ActionRows(from_rows(rows))
 
 
 def policy_of(name: str, *, stashing: bool = True, vertical_sync: bool = False) -> str:
@@ -120,7 +136,7 @@ def async_schedule(
         name=label,
         num_microbatches=n_mb * m,
         placement=loop_placement(p),
-        ranks=tuple(tuple(r) for r in ranks),
+        ranks=ranks,
         meta={"placement": "loop", "versions": table, "asynchronous": True},
     )
     validate_versions(schedule)
@@ -192,7 +208,7 @@ _RULES = {
 
 
 def _generator(name: str) -> object:
-    def gen(p: int, m: int, v: int) -> list[list[Action]]:
+    def gen(p: int, m: int, v: int) -> ActionRows:
         size = registry_minibatch(name, p, m)
         return no_flush_1f1b(p, m // size, size)
 

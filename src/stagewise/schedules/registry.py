@@ -112,7 +112,8 @@ def generate(name: str, num_ranks: int, num_microbatches: int, virtual_stages: i
     v = info.default_virtual_stages if virtual_stages is None else virtual_stages
     info.check(num_ranks, num_microbatches, v)
     if info.build is not None:
-        return info.build(num_ranks, num_microbatches, v)
+        with gc_paused():  # an asynchronous window's version table holds ~0.3 M objects at 128 x 1024
+            return info.build(num_ranks, num_microbatches, v)
     placement = loop_placement(num_ranks, v) if info.placement == "loop" else v_placement(num_ranks, v)
     with gc_paused():  # a generator makes up to ~1 M actions at 128 ranks x 1024 micro-batches
         ranks = info.generator(num_ranks, num_microbatches, v)
