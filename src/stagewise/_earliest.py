@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+from itertools import chain
 from typing import Any, TypeVar
 
 T = TypeVar("T", int, float)
@@ -55,19 +56,9 @@ def earliest_starts(
         rank = queue.popleft()
         t = clock[rank]
         blocked = held[rank]
-        if blocked is not None:
-            held[rank] = None
-            g, nb, tk, out, dl = blocked
-            ready = arrival[nb]
-            if ready > t:
-                t = ready
-            start[g] = t
-            t += tk
-            if out >= 0:
-                arrival[out] = t + dl
-                if out in waiting:
-                    queue.append(waiting.pop(out))
-        for g, nb, tk, out, dl in rows[rank]:
+        held[rank] = None
+        # a woken rank runs its held action first (its message is there now), then goes on with its row
+        for g, nb, tk, out, dl in rows[rank] if blocked is None else chain((blocked,), rows[rank]):
             if nb >= 0:
                 ready = arrival[nb]
                 if ready is None:
