@@ -33,6 +33,7 @@ import stagewise as sw  # noqa: E402
 from gpt_model import Block, GPTConfig, Positions  # noqa: E402
 from stagewise.planning import search  # noqa: E402
 from stagewise.profile_data import LayerProfile  # noqa: E402
+from stagewise.runtime.calibrate import effective_cores  # noqa: E402
 from stagewise.runtime.model.balance import profile_layers  # noqa: E402
 from stagewise.runtime.model.layers import named_layers  # noqa: E402
 
@@ -124,6 +125,31 @@ def choose(plans: list[sw.Plan], count: int) -> list[tuple[int, sw.Plan]]:
     return [(k, plans[k]) for k in dict.fromkeys(picks)]
 
 
+def mesh_per_layout(plans: list[sw.Plan]) -> dict[sw.ParallelConfig, sw.Mesh]:
+    """One mesh per layout, shared by that layout's pipelines: a gloo group's polling thread lives as long as the
+    run, and the many groups of a mesh per pipeline would take CPU from every step timed after them."""
+    meshes: dict[sw.ParallelConfig, sw.Mesh] = {}
+    for plan in plans:
+        if plan.layout not in meshes:
+            meshes[plan.layout] = sw.build_mesh(plan.layout)
+    return meshes
+
+
+def model_cores(layers: list[sw.Layer], loss_fn: Any, data: Any, b0: int, world: int, default: float | None) -> float:
+    """The cores the ranks share on this model's own work: its forward and backward at ``SPAN // 2`` times the
+    profiled micro-batch (the middle of the plans' sizes), alone and on every rank at once
+    (``COMPUTE_CORES=matmul`` keeps the calibration's cache-resident probe)."""
+    if os.environ.get("COMPUTE_CORES") == "matmul":
+        return float(default or world)
+    model = sw.build_model(layers, seed=0)
+    x, y = data(SPAN // 2 * b0, 7)
+
+    def work() -> None:
+        loss_fn(model(x), y).backward()
+
+    return effective_cores(world, work=work, timeout=120)
+
+
 ROUNDS = 3  # each plan's timed steps are split into this many rounds, the plans taking turns
 
 
@@ -135,7 +161,11 @@ def time_plans(plans: list[sw.Plan], model: str, steps: int) -> list[dict[str, A
     A step's time is the slowest rank's, from a barrier.
     """
     make, loss_fn, data, batch, _ = MODELS[model]
-    pipes = [sw.pipeline_from_plan(plan, make(), loss_fn=loss_fn, seed=0, timeout=120) for plan in plans]
+    meshes = mesh_per_layout(plans)
+    pipes = [
+        sw.pipeline_from_plan(plan, make(), loss_fn=loss_fn, seed=0, timeout=120, parallel=meshes[plan.layout])
+        for plan in plans
+    ]
     times: list[list[float]] = [[] for _ in plans]
     cpus: list[list[float]] = [[] for _ in plans]  # the busiest rank's CPU seconds in the step (its process)
     per_round = -(-steps // ROUNDS)
@@ -155,7 +185,9 @@ def time_plans(plans: list[sw.Plan], model: str, steps: int) -> list[dict[str, A
                     cpus[k].append(float(elapsed[1]))
     out = []
     for plan, ts, cs in zip(plans, times, cpus):
-        metered = sw.pipeline_from_plan(plan, make(), loss_fn=loss_fn, seed=0, measure_memory=True, timeout=120)
+        metered = sw.pipeline_from_plan(
+            plan, make(), loss_fn=loss_fn, seed=0, measure_memory=True, timeout=120, parallel=meshes[plan.layout]
+        )
         metered.train_step(*metered.local_batch(*data(batch, 0)))
         peak = torch.tensor([float(metered.memory_report()["peak_bytes"])])
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
@@ -180,13 +212,13 @@ def main() -> None:
     env = sw.init(backend="gloo")
     rank, world = env.rank, env.world_size
     cal = sw.calibrate(timeout=120)
-    cores = cal.cores  # measured: what the processes get together (os.cpu_count() is the nominal count)
-    report: dict[str, Any] = {"world": world, "cores": cores, "calibration": cal.to_dict(), "models": {}}
-    for model, (make, _, data, batch, b0) in MODELS.items():
+    report: dict[str, Any] = {"world": world, "cores": cal.cores, "calibration": cal.to_dict(), "models": {}}
+    for model, (make, loss_fn, data, batch, b0) in MODELS.items():
         x, _ = data(SPAN * b0, 99)
         small = alone_profile(make(), x[:b0], rank)
         big = alone_profile(make(), x, rank)
         linear, fixed = affine(small, big)
+        cores = model_cores(make(), loss_fn, data, b0, world, cal.cores)
         common: dict[str, Any] = {"global_batch": batch, "profile_batch": b0, "overhead": fixed, "optimizer_state": 0}
         found = search(linear, world, calibration=cal, cores=cores, top=400, **common)
         bare = {p.describe(): p for p in search(linear, world, intra=cal.intra, top=100_000, **common).plans}
@@ -202,7 +234,12 @@ def main() -> None:
             row["compute_busiest"] = plan.breakdown["compute"]
             row.update(timed)
             rows.append(row)
-        report["models"][model] = {"candidates": found.candidates, "simulated": found.simulated, "rows": rows}
+        report["models"][model] = {
+            "candidates": found.candidates,
+            "simulated": found.simulated,
+            "rows": rows,
+            "cores": cores,
+        }
     if rank == 0:
         args.out.write_text(json.dumps(report, indent=1))
     dist.barrier()

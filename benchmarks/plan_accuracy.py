@@ -91,7 +91,9 @@ def show(report: dict, ranks: int, load: tuple[float, float, float] | None) -> N
     for model, data in report["models"].items():
         rows = data["rows"]
         runs = rows[0]["runs"]
-        print(f"\n{model}: {data['candidates']} candidates, {data['simulated']} simulated; median of {runs} steps")
+        cores = f", {data['cores']:.2f} cores on its work" if "cores" in data else ""
+        found = f"{data['candidates']} candidates, {data['simulated']} simulated"
+        print(f"\n{model}: {found}; median of {runs} steps{cores}")
         print(
             f"{'#':>3}  {'predicted s':>11}  {'measured s':>10}  {'err':>6}  {'bare s':>8}  {'err':>6}  "
             f"{'act pred':>9}  {'act meas':>9}  {'cpu/comp':>8}  plan"

@@ -8,7 +8,7 @@ import pytest
 from _mp import SuiteResults, run_suite
 
 RANKS = 4
-CHECKS = list(plan_checks.chosen(RANKS))
+CHECKS = [*plan_checks.chosen(RANKS), "on_mesh"]
 
 
 @pytest.fixture(scope="module")

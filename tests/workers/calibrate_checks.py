@@ -32,8 +32,17 @@ def _profile() -> LayerProfile:
     return LayerProfile(tuple(layer(k) for k in range(4)), "synthetic", 1, 0)
 
 
+def _groups() -> int:
+    """The process groups this process holds (every group it made or joined stays until exit)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    return len(c10d._world.pg_map)
+
+
 def calibrated(ctx: Ctx) -> dict[str, Any]:
+    before = _groups()
     cal = sw.calibrate(timeout=60)
+    made = _groups() - before
     assert cal.intra is not None and cal.inter is None, cal
     assert _usable(cal.intra.latency) and _usable(cal.intra.bandwidth), cal.intra
     assert 0 <= cal.action < math.inf and 0 <= cal.step < math.inf and cal.message == 0, cal
@@ -64,6 +73,21 @@ def calibrated(ctx: Ctx) -> dict[str, Any]:
     expected = cal.sharding_time(sum(lay.parameter_bytes for lay in profile.layers), 4, 2)
     assert expected is not None
     assert abs(sharded.costs.sync_time[0] - expected) <= 1e-12 * (1 + expected), (sharded.costs.sync_time, expected)
+    # the layout probes leave one mesh's groups per layout, not one per probe pipeline (idle gloo groups poll:
+    # a mesh per probe left ~500 threads per process at 8 ranks that took 89 % of a core from later steps)
+    from stagewise.runtime.hybrid.mesh import build_mesh
+
+    start = _groups()
+    calls = []  # the shared cores measured on the caller's own work: rank 0 runs it alone and together, 6 rounds
+    again = sw.calibrate(timeout=60, layouts=False, workload=lambda: calls.append(sum(k * k for k in range(20_000))))
+    without_layouts = _groups() - start
+    assert len(calls) == (12 if ctx.rank == 0 else 6), len(calls)
+    assert again.cores is not None and 0 < again.cores <= ctx.world, again.cores
+    start = _groups()
+    for r in cal.layouts:
+        build_mesh(sw.ParallelConfig(pp=r.pp, dp=r.dp, tp=r.tp, sharding=r.sharding))
+    per_layout_mesh = _groups() - start
+    assert per_layout_mesh > 0 and made == without_layouts + per_layout_mesh, (made, without_layouts, per_layout_mesh)
     return {"latency": cal.intra.latency, "bandwidth": cal.intra.bandwidth, "action": cal.action}
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -61,10 +62,30 @@ def chosen(world: int) -> dict[str, sw.Plan]:
     return picks
 
 
-def run_plan(plan: sw.Plan) -> Callable[[Ctx], dict[str, Any]]:
+def run_plan(plan: sw.Plan, mesh: bool = False) -> Callable[[Ctx], dict[str, Any]]:
+    """``mesh``: run the plan on a built mesh of its layout that another pipeline uses already (no new groups)."""
+
     def check(ctx: Ctx) -> dict[str, Any]:
         layers = mdl.mlp()
-        pipe = sw.pipeline_from_plan(plan, layers, loss_fn=F.cross_entropy, seed=5, timeout=TIMEOUT)
+        options: dict[str, Any] = {"loss_fn": F.cross_entropy, "seed": 5, "timeout": TIMEOUT}
+        if mesh:
+            import torch.distributed.distributed_c10d as c10d
+
+            built = sw.build_mesh(plan.layout)
+            other = sw.ParallelConfig(pp=1, dp=ctx.world)
+            wrong = built if plan.layout != other else sw.build_mesh(sw.ParallelConfig(pp=ctx.world))
+            try:
+                sw.pipeline_from_plan(replace(plan, layout=other), layers, parallel=wrong, **options)
+            except ValueError as err:
+                assert "parallel=" in str(err) and other.describe() in str(err), err
+            else:
+                raise AssertionError("a mesh of another layout was accepted")
+            groups = len(c10d._world.pg_map)
+            sw.pipeline_from_plan(plan, layers, parallel=built, **options)  # a first pipeline on it
+            options["parallel"] = built
+        pipe = sw.pipeline_from_plan(plan, layers, **options)
+        if mesh:
+            assert len(c10d._world.pg_map) == groups, "a pipeline on a built mesh made process groups"
         ref = sw.build_model(layers, seed=5)
         x, y = mdl.mlp_data(BATCH, 11)
         loss = pipe.train_step(*pipe.local_batch(x, y))
@@ -78,4 +99,5 @@ def run_plan(plan: sw.Plan) -> Callable[[Ctx], dict[str, Any]]:
 
 
 def checks(world: int) -> dict[str, Callable[[Ctx], Any]]:
-    return {name: run_plan(plan) for name, plan in chosen(world).items()}
+    plans = chosen(world)
+    return {name: run_plan(plan) for name, plan in plans.items()} | {"on_mesh": run_plan(plans["sharded"], mesh=True)}

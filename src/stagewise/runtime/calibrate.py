@@ -19,8 +19,8 @@ its other collectives. It measures, each step bounded by ``timeout``:
   :class:`~stagewise.planning.LayoutCost` - the step-end collectives over 4 or 8
   processes and FSDP2's hooks per unit and micro-batch cost what no two-rank or
   one-micro-batch probe shows;
-* the cores a node's processes effectively share: a fixed matrix-multiply loop
-  timed on rank 0 alone, then on every rank at once; ``per_node * alone / together``
+* the cores a node's processes effectively share: a fixed matrix-multiply loop,
+  or the model's own ``workload``, timed on rank 0 alone, then on every rank at once; ``per_node * alone / together``
   (the CPU bound of :mod:`stagewise.planning.costing` with what the machine
   gives, other jobs included, rather than its nominal core count);
 * FSDP2's cost per unit and per parameter byte over all ranks
@@ -36,7 +36,9 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -50,12 +52,27 @@ from ..simulate import simulate
 from .comm.groups import global_rank, group_size, new_subgroup, require_initialized
 from .comm.probe import measure_links, slowest
 
+if TYPE_CHECKING:
+    from .hybrid.mesh import Mesh
+
 _MS = (2, 8)  # micro-batch counts of the trivial pipelines
 
 
-def calibrate(nodes: int = 1, *, sharding: bool = True, layouts: bool = True, timeout: float = 60.0) -> Calibration:
-    """Measure links, the runtime's cost per action and (``sharding``) FSDP2's cost per unit and (``layouts``) each
-    layout's cost per step; every rank gets it."""
+def calibrate(
+    nodes: int = 1,
+    *,
+    sharding: bool = True,
+    layouts: bool = True,
+    workload: Callable[[], object] | None = None,
+    timeout: float = 60.0,
+) -> Calibration:
+    """Measure links, the runtime's cost per action, the cores the node's processes share and (``sharding``)
+    FSDP2's cost per unit and (``layouts``) each layout's cost per step; every rank gets it.
+
+    ``workload``: a piece of the model's own work (a forward and backward of some of its layers on a
+    micro-batch, say) for measuring the shared cores (:func:`effective_cores`); left out, a small
+    matrix-multiply loop, which fits a core's cache and so shares the cores better than most models do.
+    """
     require_initialized()
     if not timeout > 0:
         raise ValueError(f"calibrate: timeout must be > 0 seconds, got {timeout!r}")
@@ -63,7 +80,7 @@ def calibrate(nodes: int = 1, *, sharding: bool = True, layouts: bool = True, ti
     world = group_size(None)
     link = intra or inter or Link()
     action, step = action_cost(link, timeout=timeout) if world >= 2 else (0.0, 0.0)
-    cores = effective_cores(world // nodes, timeout=timeout)
+    cores = effective_cores(world // nodes, work=workload, timeout=timeout)
     cal = Calibration(intra=intra, inter=inter, action=action, step=step, cores=cores)
     if sharding and world >= 2:
         from .hybrid.probe_sharding import sharding_costs
@@ -90,25 +107,36 @@ def action_cost(link: Link, *, steps: int = 10, timeout: float = 60.0) -> tuple[
     return action, step
 
 
-def effective_cores(per_node: int, *, rounds: int = 5, timeout: float = 60.0) -> float:
+def effective_cores(
+    per_node: int, *, work: Callable[[], object] | None = None, rounds: int = 5, timeout: float = 60.0
+) -> float:
     """How many cores this node's ``per_node`` processes get together: ``per_node * t_alone / t_together``.
 
     Alone and together alternate, ``rounds`` pairs after a warm-up pair, and the ratio is the median of the
     pairs': a load that comes and goes then moves both sides of a pair alike, not one side of the whole probe.
+    ``work`` is what is timed (default: 40 products of a 128 x 128 float64 matrix). What the cores give
+    depends on it: processes whose data outgrow their core's cache slow each other down through the shared
+    cache and memory, which a cache-resident loop does not show (the demo GPT's forward and backward at 16
+    samples costs 1.2x its CPU time alone when 4 processes on 2 cores run it at once; benchmarks/RESULTS.md).
     """
     deadline = time.monotonic() + timeout
     a = torch.randn(128, 128, dtype=torch.float64)
 
-    def work() -> float:
-        started = time.perf_counter()
+    def default() -> None:
         for _ in range(40):
             a @ a
+
+    run = default if work is None else work
+
+    def timed() -> float:
+        started = time.perf_counter()
+        run()
         return time.perf_counter() - started
 
     ratios = []
     for k in range(rounds + 1):
-        alone = slowest(work() if global_rank() == 0 else 0.0, deadline)  # (also the barrier before everyone starts)
-        together = slowest(work(), deadline)
+        alone = slowest(timed() if global_rank() == 0 else 0.0, deadline)  # (also the barrier before everyone starts)
+        together = slowest(timed(), deadline)
         if k and together > 0:
             ratios.append(alone / together)
     cores = per_node * statistics.median(ratios) if ratios else float(per_node)
@@ -130,13 +158,17 @@ def layout_costs(
     """One :class:`LayoutCost` per ``pp x dp x sharding`` factorisation of ``world`` (tp = 1): trivial pipelines of the
     layout at ``u`` layers per stage and ``m`` micro-batches (the corners of :data:`_UNITS` x :data:`_MS_LAYOUT`),
     measured less predicted, solved for the four terms."""
+    from ..parallel import ParallelConfig
+    from .hybrid.mesh import build_mesh
+
     rows = []
     base = replace(cal, step=0.0, layouts=())
     for pp in _divisors(world):
         for sharding in _divisors(world // pp):
             dp = world // pp // sharding
+            mesh = build_mesh(ParallelConfig(pp=pp, dp=dp, tp=1, sharding=sharding))  # one per layout: see _layout_step
             r = {
-                (u, m): _layout_step(pp, dp, sharding, u, m, steps, timeout)
+                (u, m): _layout_step(mesh, u, m, steps, timeout)
                 - _predicted(base, world, nodes, pp, dp, sharding, u, m)
                 for u in _UNITS
                 for m in _MS_LAYOUT
@@ -180,17 +212,19 @@ def _predicted(cal: Calibration, world: int, nodes: int, pp: int, dp: int, shard
     return 0.0
 
 
-def _layout_step(pp: int, dp: int, sharding: int, u: int, m: int, steps: int, timeout: float) -> float:
-    """The median over ``steps`` of the slowest rank's train step of the trivial pipeline on this layout.
+def _layout_step(mesh: Mesh, u: int, m: int, steps: int, timeout: float) -> float:
+    """The median over ``steps`` of the slowest rank's train step of the trivial pipeline on ``mesh``'s layout.
 
-    Its process groups stay (as every pipeline's do): destroying them mid-run lets torch hand a later
-    group the name, and so the stale rendezvous keys, of a destroyed one (hashed names count the live
-    groups), which failed the next ``new_group`` with "connection refused". The cost: at 8 ranks the
-    40 probes' gloo threads take ~11 % of a core per idle process afterwards (benchmarks/RESULTS.md).
+    The probes of one layout share its mesh, so the calibration leaves one set of process groups per layout.
+    A mesh per probe left ~500 gloo threads per process at 8 ranks, whose idle polling took 89 % of a core
+    from every later step (benchmarks/RESULTS.md); destroying them is not an option: torch then hands a
+    later group the name, and so the stale rendezvous keys, of a destroyed one (hashed names count the live
+    groups), and the next ``new_group`` fails with "connection refused".
     """
-    from ..parallel import ParallelConfig
     from .pipeline import Pipeline
 
+    config = mesh.config
+    pp, dp, sharding = config.pp, config.dp, config.sharding
     deadline = time.monotonic() + timeout
     pipe = Pipeline(
         [nn.Linear(1, 1) for _ in range(pp * u)],
@@ -198,7 +232,7 @@ def _layout_step(pp: int, dp: int, sharding: int, u: int, m: int, steps: int, ti
         schedule="1f1b",
         microbatches=m,
         partition=[u] * pp,
-        parallel=ParallelConfig(pp=pp, dp=dp, tp=1, sharding=sharding),
+        parallel=mesh,
         seed=0,
         timeout=timeout,
     )
