@@ -33,7 +33,7 @@ import stagewise as sw  # noqa: E402
 from gpt_model import Block, GPTConfig, Positions  # noqa: E402
 from stagewise.planning import search  # noqa: E402
 from stagewise.profile_data import LayerProfile  # noqa: E402
-from stagewise.runtime.calibrate import effective_cores  # noqa: E402
+from stagewise.runtime.calibrate import effective_cores, idle_cpu  # noqa: E402
 from stagewise.runtime.model.balance import profile_layers  # noqa: E402
 from stagewise.runtime.model.layers import named_layers  # noqa: E402
 
@@ -125,14 +125,17 @@ def choose(plans: list[sw.Plan], count: int) -> list[tuple[int, sw.Plan]]:
     return [(k, plans[k]) for k in dict.fromkeys(picks)]
 
 
+MESHES: dict[sw.ParallelConfig, sw.Mesh] = {}  # every model's plans share them
+
+
 def mesh_per_layout(plans: list[sw.Plan]) -> dict[sw.ParallelConfig, sw.Mesh]:
-    """One mesh per layout, shared by that layout's pipelines: a gloo group's polling thread lives as long as the
-    run, and the many groups of a mesh per pipeline would take CPU from every step timed after them."""
-    meshes: dict[sw.ParallelConfig, sw.Mesh] = {}
+    """One mesh per layout, shared by that layout's pipelines (both models'): a gloo group's polling thread lives
+    as long as the run, and the many groups of a mesh per pipeline would take CPU from every step timed after
+    them."""
     for plan in plans:
-        if plan.layout not in meshes:
-            meshes[plan.layout] = sw.build_mesh(plan.layout)
-    return meshes
+        if plan.layout not in MESHES:
+            MESHES[plan.layout] = sw.build_mesh(plan.layout)
+    return MESHES
 
 
 def model_cores(layers: list[sw.Layer], loss_fn: Any, data: Any, b0: int, world: int, default: float | None) -> float:
@@ -147,7 +150,7 @@ def model_cores(layers: list[sw.Layer], loss_fn: Any, data: Any, b0: int, world:
     def work() -> None:
         loss_fn(model(x), y).backward()
 
-    return effective_cores(world, work=work, timeout=120)
+    return effective_cores(world, work=work, rounds=15, timeout=120)
 
 
 ROUNDS = 3  # each plan's timed steps are split into this many rounds, the plans taking turns
@@ -158,7 +161,9 @@ def time_plans(plans: list[sw.Plan], model: str, steps: int) -> list[dict[str, A
 
     The plans take turns: ``steps`` timed steps per plan in :data:`ROUNDS` rounds, every plan once per round, so a
     load that comes and goes on this shared machine weighs on every plan alike rather than on whichever ran then.
-    A step's time is the slowest rank's, from a barrier.
+    Each turn starts with an untimed step (two in the first round): a run of one plan times warm steps, and the
+    first step after another plan's runs cold. A step's time is the slowest rank's, from a barrier; ``cpu_total``
+    is every rank's CPU time in it, summed (all threads of each process).
     """
     make, loss_fn, data, batch, _ = MODELS[model]
     meshes = mesh_per_layout(plans)
@@ -168,10 +173,11 @@ def time_plans(plans: list[sw.Plan], model: str, steps: int) -> list[dict[str, A
     ]
     times: list[list[float]] = [[] for _ in plans]
     cpus: list[list[float]] = [[] for _ in plans]  # the busiest rank's CPU seconds in the step (its process)
+    sums: list[list[float]] = [[] for _ in plans]  # every rank's CPU seconds in the step, summed
     per_round = -(-steps // ROUNDS)
     for round_ in range(ROUNDS):
         for k, pipe in enumerate(pipes):
-            warm = 2 if round_ == 0 else 0
+            warm = 2 if round_ == 0 else 1  # each turn starts warm, as a run of one plan does
             for step in range(warm + per_round):
                 x, y = data(batch, step)
                 inputs = pipe.local_batch(x, y)
@@ -179,12 +185,15 @@ def time_plans(plans: list[sw.Plan], model: str, steps: int) -> list[dict[str, A
                 t, c = time.perf_counter(), time.process_time()
                 pipe.train_step(*inputs)
                 elapsed = torch.tensor([time.perf_counter() - t, time.process_time() - c])
+                total = elapsed.clone()
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                dist.all_reduce(total, op=dist.ReduceOp.SUM)
                 if step >= warm:
                     times[k].append(float(elapsed[0]))
                     cpus[k].append(float(elapsed[1]))
+                    sums[k].append(float(total[1]))
     out = []
-    for plan, ts, cs in zip(plans, times, cpus):
+    for plan, ts, cs, total in zip(plans, times, cpus, sums):
         metered = sw.pipeline_from_plan(
             plan, make(), loss_fn=loss_fn, seed=0, measure_memory=True, timeout=120, parallel=meshes[plan.layout]
         )
@@ -197,6 +206,7 @@ def time_plans(plans: list[sw.Plan], model: str, steps: int) -> list[dict[str, A
                 "runs": len(ts),
                 "measured_activations": float(peak),
                 "cpu_busiest": statistics.median(cs),
+                "cpu_total": statistics.median(total),
             }
         )
     return out
@@ -224,8 +234,17 @@ def main() -> None:
         bare = {p.describe(): p for p in search(linear, world, intra=cal.intra, top=100_000, **common).plans}
         rows = []
         chosen = choose(list(found.plans), args.plans)
-        for (k, plan), timed in zip(chosen, time_plans([plan for _, plan in chosen], model, args.steps)):
+        # the chosen plans' meshes exist from here on, and their transport threads poll: the idle CPU is measured
+        # again with them (calibrate() measured it with its own groups only) and the chosen plans predicted with it
+        mesh_per_layout([plan for _, plan in chosen])
+        background = idle_cpu(timeout=120)
+        now = replace(cal, background=background)
+        redone = search(linear, world, calibration=now, cores=cores, top=100_000, **common).plans
+        again = {p.describe(): p for p in redone}
+        for (k, first), timed in zip(chosen, time_plans([plan for _, plan in chosen], model, args.steps)):
+            plan = again[first.describe()]
             row = {"rank": k + 1, "plan": plan.describe(), "predicted": plan.step_time}
+            row["predicted_at_calibration"] = first.step_time
             row["bare"] = bare[plan.describe()].step_time if plan.describe() in bare else None
             row["cpu_bound"] = (
                 max(plan.breakdown["cpu_bound"], plan.breakdown["shared_cores"]) > plan.breakdown["simulated"]
@@ -239,6 +258,7 @@ def main() -> None:
             "simulated": found.simulated,
             "rows": rows,
             "cores": cores,
+            "background": background,
         }
     if rank == 0:
         args.out.write_text(json.dumps(report, indent=1))

@@ -73,7 +73,10 @@ def main() -> None:
 
 
 def show(report: dict, ranks: int, load: tuple[float, float, float] | None) -> None:
-    """Print the report: the calibration, then per model predicted vs measured, errors and rank correlations."""
+    """Print the report: the calibration, then per model predicted vs measured, errors and rank correlations.
+
+    The predictions use the idle CPU measured once the chosen plans' meshes exist (``predicted_at_calibration``
+    in the JSON keeps the ones with calibrate()'s)."""
     cal = report["calibration"]
     lat, bw = cal["intra"]
     print(
@@ -86,12 +89,14 @@ def show(report: dict, ranks: int, load: tuple[float, float, float] | None) -> N
     )
     print(
         f"  FSDP2 {cal['sharding_fixed'] * 1e3:.2f} ms per unit + {cal['sharding_per_byte'] * 1e9:.2f} ns per byte "
-        f"on {cal['sharding_group']} ranks"
+        f"on {cal['sharding_group']} ranks; idle CPU per process {cal.get('background', 0.0):.1%} of a core"
     )
     for model, data in report["models"].items():
         rows = data["rows"]
         runs = rows[0]["runs"]
         cores = f", {data['cores']:.2f} cores on its work" if "cores" in data else ""
+        if "background" in data:  # measured again once the chosen plans' meshes exist; the predictions use it
+            cores += f", idle CPU {data['background']:.1%} of a core per process with its meshes"
         found = f"{data['candidates']} candidates, {data['simulated']} simulated"
         print(f"\n{model}: {found}; median of {runs} steps{cores}")
         print(

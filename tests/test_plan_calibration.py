@@ -155,6 +155,9 @@ def test_a_layout_cost_fit_recovers_its_terms_and_holds_slopes_at_zero() -> None
     flat = LayoutCost.fit(1, 4, 1, 1, noisy)
     assert (flat.per_unit, flat.per_microbatch, flat.per_unit_microbatch) == (0.0, 0.0, 0.0)
     assert flat.fixed == pytest.approx(0.00825, rel=1e-12) and flat.at(6, 32) == pytest.approx(0.00825, rel=1e-12)
+    both = LayoutCost.fit(2, 2, 1, 1, noisy, cpu=corners)  # the cpu terms fit the same way, apart
+    assert both.cpu == pytest.approx((0.004, 0.001, 0.0005, 0.00025), rel=1e-9, abs=1e-15)
+    assert both.fixed == flat.fixed and both.cpu_at(3, 5) == pytest.approx(true.at(3, 5), rel=1e-12)
     assert LayoutCost(1, 1, 1, 1, -1.0).at(1, 1) == 0.0  # never below 0
     with pytest.raises(ValueError, match="2 x 2 corners"):
         LayoutCost.fit(1, 1, 1, 1, {(1, 2): 0.0, (2, 2): 0.0, (1, 6): 0.0})
@@ -196,5 +199,53 @@ def test_a_measured_layout_replaces_the_cost_per_step_for_that_layout_only() -> 
             "per_unit": 0.125,
             "per_microbatch": 0.0625,
             "per_unit_microbatch": 0.03125,
+            "cpu": (0.0, 0.0, 0.0, 0.0),
         }
     ]
+
+
+def test_a_layouts_hidden_cpu_is_charged_to_the_shared_cores_only() -> None:
+    """A layout's ``cpu`` terms (CPU per process per step beyond its compute actions) add to every process's compute
+    where processes outnumber the cores - in the CPU bound and, spread over each rank's actions, in the shared-core
+    replay - and change nothing where each process has a core."""
+    hidden = LayoutCost(4, 1, 1, 1, 0.0, cpu=(0.5, 0.25, 0.0, 0.0))  # 0.5 + 0.25 per layer with parameters
+    cal = Calibration(layouts=(hidden,))
+    assert cal.cpu_for(4, 1, 1, 1, 2, 4) == pytest.approx(1.0) and cal.cpu_for(2, 2, 1, 1, 2, 4) == 0.0
+    assert cal.cpu_for(4, 1, 2, 1, 2, 4) == cal.cpu_for(4, 1, 1, 1, 2, 4)  # tp falls back to the tp = 1 row
+    profile = _profile(4, t=0.25)
+    # each of the 4 ranks holds one layer: 0.75 of hidden CPU beside its m (F + B) = 4 x 0.75 = 3 of compute
+    assert _find(_only(profile, 4, calibration=cal), 4, 4).step_time == pytest.approx(5.25, rel=1e-12)  # own cores
+    piped = _find(_only(profile, 4, calibration=cal, cores=2), 4, 4)
+    assert piped.breakdown["hidden_cpu"] == pytest.approx(0.75)
+    assert piped.breakdown["cpu_bound"] == pytest.approx(4 * (3.0 + 0.75) / 2, rel=1e-12)
+    stretch = 1.25  # (3 + 0.75) / 3 on every rank
+    uniform = CostModel.uniform(
+        4, forward=0.25 * stretch, backward_input=0.25 * stretch, backward_weight=0.25 * stretch, output_bytes=16.0
+    )
+    replay = shared_makespan(add_grad_sync(generate("1f1b", 4, 4, None)), uniform, [1.0] * 4, 2.0)
+    assert piped.breakdown["shared_cores"] == pytest.approx(replay, rel=1e-12)
+    assert piped.step_time == pytest.approx(max(replay, 7.5), rel=1e-12) and replay > 6.75
+    # a layout it was not measured on pays nothing
+    assert _find(_only(profile, 4, calibration=cal, cores=2), 1, 1).step_time == pytest.approx(6.0, rel=1e-12)
+    with pytest.raises(ValueError, match="LayoutCost.cpu"):
+        LayoutCost(1, 1, 1, 1, 0.0, cpu=(0.0, math.inf, 0.0, 0.0))
+
+
+def test_idle_transport_cpu_takes_its_share_of_the_shared_cores() -> None:
+    """``background`` (CPU seconds per second each process spends idle) leaves ``cores - per_node * background``
+    for the work when processes outnumber cores: dp=4 on 2 cores at 0.125 each computes 48 on 1.5 cores, not 2; with a
+    core per process it changes nothing, and it never leaves less than a tenth of the cores."""
+    profile = _profile(4, t=0.25)
+    busy = _find(_only(profile, 4, calibration=Calibration(background=0.125), cores=2), 1, 1)
+    assert busy.step_time == pytest.approx(4 * 3.0 / 1.5, rel=1e-12) and busy.breakdown["cpu_bound"] == busy.step_time
+    piped = _find(_only(profile, 4, calibration=Calibration(background=0.125), cores=2), 4, 4)
+    uniform = CostModel.uniform(4, forward=0.25, backward_input=0.25, backward_weight=0.25, output_bytes=16.0)
+    assert piped.breakdown["shared_cores"] == pytest.approx(
+        shared_makespan(add_grad_sync(generate("1f1b", 4, 4, None)), uniform, [1.0] * 4, 1.5), rel=1e-12
+    )
+    own = _find(_only(profile, 4, calibration=Calibration(background=0.125), cores=4), 1, 1)
+    assert own.step_time == pytest.approx(3.0, rel=1e-12)
+    floor = _find(_only(profile, 4, calibration=Calibration(background=10.0), cores=2), 1, 1)
+    assert floor.step_time == pytest.approx(4 * 3.0 / 0.2, rel=1e-12)
+    with pytest.raises(ValueError, match="Calibration.background"):
+        Calibration(background=-0.1)

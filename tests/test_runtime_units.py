@@ -368,13 +368,31 @@ class _Counted(nn.Linear):
         return super().forward(x)
 
 
-@pytest.mark.parametrize("name", ["gpipe", "zb-h1"])
-def test_a_recomputed_stage_runs_its_forward_twice_and_no_more(one_rank, name: str) -> None:
+class _CountedBlock(nn.Module):
+    """A residual block with several weight regions (norm, two linears), counting its forwards."""
+
+    calls = 0
+
+    def __init__(self, d: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        kw = {"dtype": dtype}
+        self.norm, self.up, self.down = nn.LayerNorm(d, **kw), nn.Linear(d, 2 * d, **kw), nn.Linear(2 * d, d, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _Counted.calls += 1
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+@pytest.mark.parametrize("name", ["gpipe", "zb-h1", "zb-v"])  # zb-v: two stages on the rank, the second split
+@pytest.mark.parametrize("layer", [_Counted, _CountedBlock])
+def test_a_recomputed_stage_runs_its_forward_twice_and_no_more(one_rank, name: str, layer: type) -> None:
     """recompute="stage": each layer's forward runs once in F and once when the backward (B, or I) unpacks the
     checkpoint: 2 x layers x micro-batches calls per step. Reading the saved inputs of a checkpointed linear
     node for the fused W re-runs the forward each time (it did: 8x slower steps), so those stages keep the
-    engine's W. Gradients equal the model's."""
-    layers = [sw.Layer(_Counted, 6, 6, dtype=torch.float64) for _ in range(3)]
+    engine's W; and W restarting the engine per weight region re-ran it once per region (a stage of GPT blocks:
+    W at 7-8x its B), so a checkpointed stage does its W within I. Gradients equal the model's."""
+    args = (6, 6) if layer is _Counted else (6,)
+    layers = [sw.Layer(layer, *args, dtype=torch.float64) for _ in range(3)]
     pipe = sw.Pipeline(layers, loss_fn=F.mse_loss, schedule=name, microbatches=4, recompute="stage", seed=3)
     ref = sw.build_model(layers, seed=3)
     x = torch.randn(8, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))

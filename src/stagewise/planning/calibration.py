@@ -22,6 +22,12 @@ class LayoutCost:
     for those pipelines: the step-end collectives over every rank, their waits on busy cores and,
     with sharding, FSDP2's hooks around every unit's forward and backward of every micro-batch,
     which a two-rank probe and a per-step cost per unit do not see.
+
+    ``cpu`` holds the same four terms for CPU seconds per process per step beyond the compute actions
+    the planner counts (gloo's transport threads, the step's bookkeeping, collectives): on cores the
+    processes share, that CPU is taken from the compute of every process on the node, which the
+    wall-clock terms of a probe too small to fill the cores do not show. Fitted first, from each
+    process's CPU time in the same probes; the wall-clock terms are then what the model with it still misses.
     """
 
     pp: int
@@ -32,6 +38,7 @@ class LayoutCost:
     per_unit: float = 0.0
     per_microbatch: float = 0.0
     per_unit_microbatch: float = 0.0
+    cpu: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
 
     def __post_init__(self) -> None:
         sizes = (self.pp, self.dp, self.tp, self.sharding)
@@ -40,35 +47,60 @@ class LayoutCost:
         terms = (self.fixed, self.per_unit, self.per_microbatch, self.per_unit_microbatch)
         if not all(math.isfinite(x) for x in terms):
             raise ValueError(f"LayoutCost: terms must be finite seconds, got {terms}")
+        if len(self.cpu) != 4 or not all(math.isfinite(x) for x in self.cpu):
+            raise ValueError(f"LayoutCost.cpu: expected 4 finite terms (seconds), got {self.cpu!r}")
 
     @classmethod
-    def fit(cls, pp: int, dp: int, tp: int, sharding: int, residuals: dict[tuple[int, int], float]) -> LayoutCost:
+    def fit(
+        cls,
+        pp: int,
+        dp: int,
+        tp: int,
+        sharding: int,
+        residuals: dict[tuple[int, int], float],
+        cpu: dict[tuple[int, int], float] | None = None,
+    ) -> LayoutCost:
         """The terms through four measured corners ``{(u, m): seconds}`` (two unit counts x two micro-batch counts),
-        slopes held >= 0.
-
-        A cost cannot shrink as layers or micro-batches are added: a negative slope is noise in the
-        medians, and extrapolated to a real model's layers and micro-batches it would cancel real
-        costs. Each slope is the mean of the two it can be read from (less the cross term), and
-        ``fixed`` makes the mean over the corners right.
-        """
-        us, ms = sorted({u for u, _ in residuals}), sorted({m for _, m in residuals})
-        if len(us) != 2 or len(ms) != 2 or len(residuals) != 4:
-            raise ValueError(f"LayoutCost.fit: expected 2 x 2 corners (u, m), got {sorted(residuals)}")
-        (u1, u2), (m1, m2), r = us, ms, residuals
-        du, dm = u2 - u1, m2 - m1
-        d = max(0.0, ((r[u2, m2] - r[u1, m2]) - (r[u2, m1] - r[u1, m1])) / (du * dm))
-        c = max(0.0, ((r[u1, m2] - r[u1, m1]) + (r[u2, m2] - r[u2, m1])) / (2 * dm) - d * (u1 + u2) / 2)
-        b = max(0.0, ((r[u2, m1] - r[u1, m1]) + (r[u2, m2] - r[u1, m2])) / (2 * du) - d * (m1 + m2) / 2)
-        a = sum(r[u, m] - b * u - (c + d * u) * m for u, m in r) / 4
-        return cls(pp, dp, tp, sharding, a, b, c, d)
+        slopes held >= 0; ``cpu`` (same corners, CPU seconds per process) gives :attr:`cpu` the same way."""
+        cpu_terms = corner_fit(cpu, "LayoutCost.fit (cpu)") if cpu is not None else (0.0, 0.0, 0.0, 0.0)
+        return cls(pp, dp, tp, sharding, *corner_fit(residuals, "LayoutCost.fit"), cpu=cpu_terms)
 
     def at(self, units: int, microbatches: int) -> float:
         """The fitted seconds per step (never below 0: a fit's negative terms only cancel positive ones)."""
-        per_mb = self.per_microbatch + self.per_unit_microbatch * units
-        return max(0.0, self.fixed + self.per_unit * units + per_mb * microbatches)
+        terms = (self.fixed, self.per_unit, self.per_microbatch, self.per_unit_microbatch)
+        return _bilinear(terms, units, microbatches)
 
-    def to_dict(self) -> dict[str, float]:
+    def cpu_at(self, units: int, microbatches: int) -> float:
+        """The fitted CPU seconds per process per step beyond its compute actions (never below 0)."""
+        return _bilinear(self.cpu, units, microbatches)
+
+    def to_dict(self) -> dict[str, object]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+def _bilinear(terms: tuple[float, float, float, float], u: int, m: int) -> float:
+    a, b, c, d = terms
+    return max(0.0, a + b * u + (c + d * u) * m)
+
+
+def corner_fit(residuals: dict[tuple[int, int], float], what: str) -> tuple[float, float, float, float]:
+    """``(fixed, per_unit, per_microbatch, per_unit_microbatch)`` through four corners ``{(u, m): seconds}``.
+
+    A cost cannot shrink as layers or micro-batches are added: a negative slope is noise in the
+    medians, and extrapolated to a real model's layers and micro-batches it would cancel real
+    costs. Each slope is the mean of the two it can be read from (less the cross term), held >= 0, and
+    ``fixed`` makes the mean over the corners right.
+    """
+    us, ms = sorted({u for u, _ in residuals}), sorted({m for _, m in residuals})
+    if len(us) != 2 or len(ms) != 2 or len(residuals) != 4:
+        raise ValueError(f"{what}: expected 2 x 2 corners (u, m), got {sorted(residuals)}")
+    (u1, u2), (m1, m2), r = us, ms, residuals
+    du, dm = u2 - u1, m2 - m1
+    d = max(0.0, ((r[u2, m2] - r[u1, m2]) - (r[u2, m1] - r[u1, m1])) / (du * dm))
+    c = max(0.0, ((r[u1, m2] - r[u1, m1]) + (r[u2, m2] - r[u2, m1])) / (2 * dm) - d * (u1 + u2) / 2)
+    b = max(0.0, ((r[u2, m1] - r[u1, m1]) + (r[u2, m2] - r[u1, m2])) / (2 * du) - d * (m1 + m2) / 2)
+    a = sum(r[u, m] - b * u - (c + d * u) * m for u, m in r) / 4
+    return a, b, c, d
 
 
 @dataclass(frozen=True)
@@ -82,7 +114,9 @@ class Calibration:
     latency already holds it). ``step``: seconds per training step outside the schedule's actions
     (splitting the batch, the loss reduction, the step's bookkeeping); ``layouts``: what the runtime
     adds per step on each measured layout (:class:`LayoutCost`), used instead of ``step`` for that
-    layout (:meth:`step_for`). ``cores``: the cores a
+    layout (:meth:`step_for`). ``background``: CPU seconds per second a process spends while it waits for
+    nothing (measured idle: gloo's transport threads wake 100 times a second each, one per process group the
+    process holds), taken from the shared cores. ``cores``: the cores a
     node's processes effectively share, measured (used when the plan gives no ``cores=``). ``sharding_fixed`` +
     ``sharding_per_byte`` x bytes: seconds one FSDP2 unit (a layer with parameters) costs per step
     for its gather and reduce-scatter, measured on ``sharding_group`` ranks (None: the ring model
@@ -99,9 +133,10 @@ class Calibration:
     sharding_per_byte: float | None = None
     sharding_group: int = 0
     layouts: tuple[LayoutCost, ...] = ()
+    background: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("action", "message", "step"):
+        for name in ("action", "message", "step", "background"):
             value = getattr(self, name)
             if not 0 <= value < math.inf:
                 raise ValueError(f"Calibration.{name} must be seconds >= 0, got {value!r}")
@@ -138,11 +173,21 @@ class Calibration:
         """Seconds per step outside what the rest of the model predicts, for this layout with ``units`` layers with
         parameters on the rank holding most and ``microbatches`` per replica: its measured :class:`LayoutCost`;
         without one, that of the same layout at tp = 1 (tp's collectives are costed per layer); else ``step``."""
+        row = self._layout(pp, dp, tp, sharding)
+        return self.step if row is None else row.at(units, microbatches)
+
+    def cpu_for(self, pp: int, dp: int, tp: int, sharding: int, units: int, microbatches: int) -> float:
+        """CPU seconds per step a process of this layout with ``units`` layers with parameters spends beyond its
+        compute actions (its :class:`LayoutCost`'s ``cpu`` terms, found as in :meth:`step_for`; 0 unmeasured)."""
+        row = self._layout(pp, dp, tp, sharding)
+        return 0.0 if row is None else row.cpu_at(units, microbatches)
+
+    def _layout(self, pp: int, dp: int, tp: int, sharding: int) -> LayoutCost | None:
         rows = {(r.pp, r.dp, r.tp, r.sharding): r for r in self.layouts}
         for key in ((pp, dp, tp, sharding), (pp, dp, 1, sharding)):
             if key in rows:
-                return rows[key].at(units, microbatches)
-        return self.step
+                return rows[key]
+        return None
 
     def to_dict(self) -> dict[str, object]:
         def link(x: Link | None) -> list[float] | None:
@@ -159,4 +204,5 @@ class Calibration:
             "sharding_per_byte": self.sharding_per_byte,
             "sharding_group": self.sharding_group,
             "layouts": [row.to_dict() for row in self.layouts],
+            "background": self.background,
         }

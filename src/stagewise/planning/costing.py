@@ -22,7 +22,10 @@ of its output per forward (the ``g`` operators) and two per backward (the
 its backward, and the backward (B, or I where it is split) runs the forward
 again first. While one micro-batch's backward runs, its recomputed
 internals are alive: the planner adds one micro-batch's full stage
-activations to the rank's peak.
+activations to the rank's peak. Under a schedule that splits B, a
+recomputed stage does its W within I (I = F + I + W, W = 0): the runtime
+does, because W in parts would re-run the checkpointed forward once per
+part (:mod:`stagewise.runtime.engine.interpreter`).
 **The step time, as predicted** (one candidate; ``b`` samples per micro-batch,
 ``sigma = b / profile_batch``; sums over a stage's layers ``l``):
 
@@ -45,8 +48,13 @@ activations to the rank's peak.
   advance at ``min(1, c / n)``; a pipeline rank stands for its replicas on the node, and ranks
   waiting on a message sleep - the transports do not spin), giving ``T_shared``; the step is
   ``T = max(T_sim, T_cpu, T_shared) + step`` with ``T_cpu = max_node sum_{ranks r on it} busy_r / cores``
-  (``busy_r`` a rank's compute, F + I + W of its stages times m), the bound that holds with perfect
-  packing, and ``T_shared`` at least that wherever the node never idles. ``step``
+  (``busy_r`` a rank's compute, F + I + W of its stages times m, plus ``h_r``), the bound that holds
+  with perfect packing, and ``T_shared`` at least that wherever the node never idles. ``h_r`` is the
+  CPU a process of the layout spends per step beside its compute actions (gloo's transport threads,
+  the step's bookkeeping: :attr:`~stagewise.planning.LayoutCost.cpu` at the rank's layers with
+  parameters and m; 0 for a layout not calibrated): on shared cores it is taken from the compute of
+  the node's processes, so the replay stretches each of rank r's actions by ``busy_r + h_r`` over
+  ``busy_r``. With a core per process it costs no step time and is left out. ``step``
   (:class:`~stagewise.planning.Calibration`) is the runtime's measured cost per step outside the
   schedule's actions: for a layout the calibration measured, its fitted
   :class:`~stagewise.planning.LayoutCost` at the busiest rank's layers with parameters and the
@@ -152,13 +160,15 @@ class StageBase:
             acts = self.activation[s] * scale
             kp = self.keep[s] * scale
             full.append(acts)
-            if self.recompute == "stage":
-                is_ += fs
+            ws = self.backward_weight[s] * scale + fixed / 2
+            if self.recompute == "stage":  # the forward again, and W within I (the runtime's, see above)
+                is_ += fs + ws
+                ws = 0.0
                 acts = self.input[s] * scale
                 kp = min(kp, acts)
             f.append(fs)
             i.append(is_)
-            w.append(self.backward_weight[s] * scale + fixed / 2)
+            w.append(ws)
             act.append(acts)
             keep.append(kp)
             comm.append(2 * tp_fwd)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from ..actions import Kind
 from ..costs import CostModel
@@ -72,10 +73,23 @@ def cpu_bound(busy: Sequence[float], processes: int, per_node: int, cores: float
 
 
 def evaluate(
-    c: Candidate, memory: list[RankMemory], processes: int, per_node: int, cores: float | None, fixed: float = 0.0
+    c: Candidate,
+    memory: list[RankMemory],
+    processes: int,
+    per_node: int,
+    cores: float | None,
+    fixed: float = 0.0,
+    hidden: Sequence[float] = (),
+    background: float = 0.0,
 ) -> Plan:
     """Simulate a candidate that fits memory into a plan (its step at least the CPU bound, the cores shared when
-    processes outnumber them, plus ``fixed`` seconds per step; see :mod:`stagewise.planning.costing`)."""
+    processes outnumber them, plus ``fixed`` seconds per step; see :mod:`stagewise.planning.costing`).
+
+    ``hidden``: per pipeline rank, CPU seconds per step each of its processes spends beyond its compute actions
+    (transport threads, bookkeeping); on shared cores it is charged with the compute, spread over the rank's
+    actions in proportion to their length. ``background``: CPU seconds per second each process spends idle (its
+    transport threads), which leaves the node's processes ``cores - per_node * background`` cores for their work.
+    """
     config = c.layout.config
     sim, simulated, _ = simulate_candidate(c)
     placement = placement_of(c.schedule, config.pp, c.v)
@@ -85,12 +99,24 @@ def evaluate(
         busy[r] += c.m * (c.costs.forward[s] + c.costs.backward_input[s] + c.costs.backward_weight[s])
         tp_comm[r] += c.m * c.costs.tp_comm[s]
     busiest = max(range(config.pp), key=lambda r: busy[r])
-    cpu = cpu_bound(busy, processes, per_node, cores)
+    extra = list(hidden) if hidden else [0.0] * config.pp
+    if len(extra) != config.pp or not all(x >= 0 for x in extra):
+        raise ValueError(f"evaluate: hidden needs one CPU time >= 0 per pipeline rank ({config.pp}), got {extra}")
+    oversubscribed = cores is not None and cores < per_node
+    charged = [b + x for b, x in zip(busy, extra)] if oversubscribed else busy
+    left = cores
+    if oversubscribed:  # what the processes' idle transport threads leave (never below a tenth of the cores)
+        assert cores is not None
+        left = max(cores - per_node * background, cores / 10)
+    cpu = cpu_bound(charged, processes, per_node, left)
     shared = 0.0
-    if cores is not None and cores < per_node:  # the compute replayed on the node's shared cores, same tail
+    if oversubscribed:  # the compute (and its hidden CPU) replayed on the node's shared cores, same tail
+        assert left is not None
         weights, nodes = sharing(config.pp, processes, per_node)
         schedule = compute_schedule(c.schedule, config.pp, c.m, c.v)
-        shared = shared_makespan(schedule, sim.costs, weights, cores, nodes) + simulated - sim.makespan
+        stretch = [charged[r] / busy[r] if busy[r] > 0 else 1.0 for r in range(config.pp)]
+        shared = shared_makespan(schedule, _stretched(sim.costs, placement, stretch), weights, left, nodes)
+        shared += simulated - sim.makespan
     step = max(simulated, cpu, shared) + fixed
     return Plan(
         layout=config,
@@ -112,7 +138,24 @@ def evaluate(
             "simulated": simulated,
             "cpu_bound": cpu,
             "shared_cores": shared,
+            "hidden_cpu": extra[busiest],
         },
+    )
+
+
+def _stretched(costs: CostModel, placement: Sequence[int], stretch: Sequence[float]) -> CostModel:
+    """The cost model with each stage's compute times multiplied by its rank's ``stretch``."""
+    if all(x == 1.0 for x in stretch):
+        return costs
+
+    def scale(values: Sequence[float]) -> tuple[float, ...]:
+        return tuple(v * stretch[placement[s]] for s, v in enumerate(values))
+
+    return replace(
+        costs,
+        forward=scale(costs.forward),
+        backward_input=scale(costs.backward_input),
+        backward_weight=scale(costs.backward_weight),
     )
 
 

@@ -245,9 +245,12 @@ class _Search:
                 continue
             simulated += 1
             config = item.layout.config
-            units = max(_per_rank_units(item))
-            fixed = prob.calibration.step_for(config.pp, config.dp, config.tp, config.sharding, units, m)
-            result = evaluate(item, memory, prob.processes, prob.per_node, prob.cores, fixed)
+            units = _per_rank_units(item)
+            key = (config.pp, config.dp, config.tp, config.sharding)
+            fixed = prob.calibration.step_for(*key, max(units), m)
+            hidden = [prob.calibration.cpu_for(*key, u, m) for u in units]
+            cal = prob.calibration
+            result = evaluate(item, memory, prob.processes, prob.per_node, prob.cores, fixed, hidden, cal.background)
             plans.append(result)
             heapq.heappush(best, -result.step_time)
             if len(best) > prob.top:

@@ -18,13 +18,19 @@ its other collectives. It measures, each step bounded by ``timeout``:
   measured step, and the four residuals give that layout's
   :class:`~stagewise.planning.LayoutCost` - the step-end collectives over 4 or 8
   processes and FSDP2's hooks per unit and micro-batch cost what no two-rank or
-  one-micro-batch probe shows;
+  one-micro-batch probe shows. Each process's CPU time in those steps, less
+  its predicted compute actions, gives the layout's ``cpu`` terms first: the
+  CPU of gloo's threads and the step's bookkeeping, which on shared cores is
+  taken from every process's compute (at 4 processes on 2 cores, 5-9 ms per
+  process per step beside ~26 ms of compute on the demo GPT);
 * the cores a node's processes effectively share: a fixed matrix-multiply loop,
   or the model's own ``workload``, timed on rank 0 alone, then on every rank at once; ``per_node * alone / together``
   (the CPU bound of :mod:`stagewise.planning.costing` with what the machine
   gives, other jobs included, rather than its nominal core count);
 * FSDP2's cost per unit and per parameter byte over all ranks
-  (:mod:`stagewise.runtime.hybrid.probe_sharding`), unless ``sharding=False``.
+  (:mod:`stagewise.runtime.hybrid.probe_sharding`), unless ``sharding=False``;
+* last, the CPU a process spends idle (:func:`idle_cpu`, ``background``): the
+  transport threads of the process groups it holds, the probes' included.
 
 The result is a :class:`stagewise.Calibration` for ``sw.plan(..., calibration=...)``.
 The per-message CPU cost stays 0: on a point-to-point link it is part of the
@@ -50,7 +56,7 @@ from ..planning.comm import Link
 from ..schedules import generate
 from ..simulate import simulate
 from .comm.groups import global_rank, group_size, new_subgroup, require_initialized
-from .comm.probe import measure_links, slowest
+from .comm.probe import average, measure_links, slowest
 
 if TYPE_CHECKING:
     from .hybrid.mesh import Mesh
@@ -89,7 +95,21 @@ def calibrate(
         cal = replace(cal, sharding_fixed=fixed, sharding_per_byte=per_byte, sharding_group=world)
     if layouts and world >= 2:
         cal = replace(cal, layouts=layout_costs(cal, world, nodes, timeout=timeout))
-    return cal
+    return replace(cal, background=idle_cpu(timeout=timeout))  # last: with every group the probes left
+
+
+def idle_cpu(seconds: float = 0.5, *, timeout: float = 60.0) -> float:
+    """CPU seconds per second this process spends while its main thread sleeps, the mean over ranks (a collective).
+
+    Every gloo process group keeps a transport thread that wakes 100 times a second whether or not anything is
+    sent; after ``calibrate()`` at 8 ranks a process holds ~43 of them, 4.4 % of a core idle, and on 2 cores
+    shared by 8 processes that is a sixth of the machine under every step.
+    """
+    deadline = time.monotonic() + timeout
+    slowest(0.0, deadline)  # everyone idles at once
+    started = time.process_time()
+    time.sleep(seconds)
+    return max(0.0, average((time.process_time() - started) / seconds, deadline))
 
 
 def action_cost(link: Link, *, steps: int = 10, timeout: float = 60.0) -> tuple[float, float]:
@@ -108,12 +128,14 @@ def action_cost(link: Link, *, steps: int = 10, timeout: float = 60.0) -> tuple[
 
 
 def effective_cores(
-    per_node: int, *, work: Callable[[], object] | None = None, rounds: int = 5, timeout: float = 60.0
+    per_node: int, *, work: Callable[[], object] | None = None, rounds: int = 9, timeout: float = 60.0
 ) -> float:
     """How many cores this node's ``per_node`` processes get together: ``per_node * t_alone / t_together``.
 
-    Alone and together alternate, ``rounds`` pairs after a warm-up pair, and the ratio is the median of the
-    pairs': a load that comes and goes then moves both sides of a pair alike, not one side of the whole probe.
+    Alone and together alternate, ``rounds`` pairs after a warm-up pair (one pair's ratio ranges 1.6-2.4 for the
+    demo GPT's work at 4 processes on 2 cores; the median of 5 moved 1.26-1.86 between runs), and the ratio is the
+    median of the pairs': a load that comes and goes then moves both sides of a pair alike, not one side of
+    the whole probe.
     ``work`` is what is timed (default: 40 products of a 128 x 128 float64 matrix). What the cores give
     depends on it: processes whose data outgrow their core's cache slow each other down through the shared
     cache and memory, which a cache-resident loop does not show (the demo GPT's forward and backward at 16
@@ -167,13 +189,15 @@ def layout_costs(
         for sharding in _divisors(world // pp):
             dp = world // pp // sharding
             mesh = build_mesh(ParallelConfig(pp=pp, dp=dp, tp=1, sharding=sharding))  # one per layout: see _layout_step
-            r = {
-                (u, m): _layout_step(mesh, u, m, steps, timeout)
-                - _predicted(base, world, nodes, pp, dp, sharding, u, m)
-                for u in _UNITS
-                for m in _MS_LAYOUT
-            }
-            rows.append(LayoutCost.fit(pp, dp, 1, sharding, r))
+            corners = [(u, m) for u in _UNITS for m in _MS_LAYOUT]
+            measured = {k: _layout_step(mesh, *k, steps, timeout) for k in corners}
+            # first the CPU the model does not count (measured less the predicted compute actions), then the wall
+            # time that the model with that CPU still misses
+            hidden = {k: measured[k][1] - _predicted(base, world, nodes, pp, dp, sharding, *k)[1] for k in corners}
+            cpu_only = LayoutCost.fit(pp, dp, 1, sharding, dict.fromkeys(corners, 0.0), hidden)
+            with_cpu = replace(base, layouts=(cpu_only,))
+            wall = {k: measured[k][0] - _predicted(with_cpu, world, nodes, pp, dp, sharding, *k)[0] for k in corners}
+            rows.append(LayoutCost.fit(pp, dp, 1, sharding, wall, hidden))
     return tuple(rows)
 
 
@@ -185,8 +209,11 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _predicted(cal: Calibration, world: int, nodes: int, pp: int, dp: int, sharding: int, u: int, m: int) -> float:
-    """What the planner predicts for the probe pipeline (its layers cost nothing but their actions and transfers)."""
+def _predicted(
+    cal: Calibration, world: int, nodes: int, pp: int, dp: int, sharding: int, u: int, m: int
+) -> tuple[float, float]:
+    """What the planner predicts for the probe pipeline (its layers cost nothing but their actions and transfers):
+    ``(step time, compute per process)``."""
     from ..planning import search
     from ..profile_data import LayerCost, LayerProfile
 
@@ -208,12 +235,13 @@ def _predicted(cal: Calibration, world: int, nodes: int, pp: int, dp: int, shard
     for p in plans:
         layout = (p.layout.pp, p.layout.dp, p.layout.tp, p.layout.sharding)
         if layout == (pp, dp, 1, sharding) and p.microbatches == m and p.recompute is None:
-            return p.step_time
-    return 0.0
+            return p.step_time, p.breakdown["compute"]
+    return 0.0, 0.0
 
 
-def _layout_step(mesh: Mesh, u: int, m: int, steps: int, timeout: float) -> float:
-    """The median over ``steps`` of the slowest rank's train step of the trivial pipeline on ``mesh``'s layout.
+def _layout_step(mesh: Mesh, u: int, m: int, steps: int, timeout: float) -> tuple[float, float]:
+    """Medians over ``steps`` of the slowest rank's train step of the trivial pipeline on ``mesh``'s layout and of
+    the CPU seconds a process spends in it (all its threads, the mean over ranks).
 
     The probes of one layout share its mesh, so the calibration leaves one set of process groups per layout.
     A mesh per probe left ~500 gloo threads per process at 8 ranks, whose idle polling took 89 % of a core
@@ -238,16 +266,18 @@ def _layout_step(mesh: Mesh, u: int, m: int, steps: int, timeout: float) -> floa
     )
     n = m * dp * sharding
     x, y = pipe.local_batch(torch.randn(n, 1), torch.randn(n, 1))
-    times = []
+    times, cpus = [], []
     for step in range(steps + 2):
         slowest(0.0, deadline)  # everyone starts together, as a timed step in a benchmark does
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         pipe.train_step(x, y)
-        elapsed = slowest(time.perf_counter() - started, deadline)
+        elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
+        elapsed, cpu = slowest(elapsed, deadline), average(cpu, deadline)
         if step >= 2:
             times.append(elapsed)
+            cpus.append(cpu)
     pipe.transport.close()
-    return statistics.median(times)
+    return statistics.median(times), statistics.median(cpus)
 
 
 def _span(m: int, o: float, link: Link) -> float:

@@ -40,6 +40,13 @@ def slowest(seconds: float, deadline: float) -> float:
     return float(t)
 
 
+def average(seconds: float, deadline: float) -> float:
+    """The mean of every rank's ``seconds`` (a collective over the default group)."""
+    t = torch.tensor([seconds], dtype=torch.float64)
+    _bounded(lambda: dist.all_reduce(t, dist.ReduceOp.SUM), deadline, "the sum over ranks")
+    return float(t) / dist.get_world_size()
+
+
 def _one_way(me: int, peer: int, nbytes: int, rounds: int) -> float:
     """Median one-way seconds for ``nbytes`` between ``me`` and ``peer`` (the lower rank sends first)."""
     buf = torch.zeros(nbytes // 4)

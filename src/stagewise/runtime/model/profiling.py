@@ -4,10 +4,14 @@ For each layer (a block of the model) we measure, as the median of
 ``repeats`` runs after ``warmup`` runs:
 
 * ``forward``: the forward pass with autograd recording, as in training;
-* ``backward_input`` (I): ``torch.autograd.grad`` of the outputs w.r.t. the
-  layer's inputs only (zero when no input needs a gradient, e.g. token ids);
-* ``backward_weight`` (W): the same w.r.t. the layer's parameters only;
-* ``backward`` (B): both at once, the ordinary full backward;
+* ``backward_input`` (I) and ``backward_weight`` (W): the backward split as
+  the runtime splits it for zero-bubble schedules
+  (:mod:`stagewise.runtime.engine.backward`: I towards the inputs only, zero
+  work when no input needs a gradient, e.g. token ids; W the weight gradients
+  it left, accumulated into ``.grad``);
+* ``backward`` (B): the runtime's whole backward on a second forward's graph,
+  accumulating into ``.grad`` as a micro-batch does, on the fused or the
+  engine's path as a stage of this layer's weights would take it;
 * ``activation_bytes``: what autograd saves for backward, counted with
   ``torch.autograd.graph.saved_tensors_hooks`` (parameters and buffers
   excluded, each storage once); ``weight_activation_bytes`` the part of it
@@ -15,9 +19,14 @@ For each layer (a block of the model) we measure, as the median of
 * ``parameter_bytes`` and ``output_bytes`` (what goes to the next stage).
 
 Timing uses CUDA events on a GPU and ``time.perf_counter`` elsewhere.
-Measured alone, I and W each walk the layer's graph, so I + W is usually a
-little more than B; :meth:`LayerProfile.cost_model` rescales them to sum to B
-(as a zero-bubble runtime that reuses I's intermediate gradients would).
+The backward is timed through the runtime's own code rather than
+``torch.autograd.grad``, because that is what a stage runs: adding into
+``.grad`` and the runtime's graph walk cost the demo GPT's layers 20 % more
+than ``autograd.grad`` at 16 samples and 50 % more at 2 (the MLP of
+``benchmarks/plan_accuracy.py``: 2.2x at 8 samples), and a planner fed the
+bare gradient under-predicted every step (benchmarks/RESULTS.md). I + W comes
+within a few per cent of B; :meth:`LayerProfile.cost_model` rescales them to
+sum to B. Each parameter's ``.grad`` is put back as it was.
 
 The split between measuring and deciding follows torchgpipe
 (``balance/profile.py`` measures, ``balance/blockpartition.py`` decides):
@@ -37,6 +46,8 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 from ...profile_data import LayerCost, LayerProfile
+from ..engine.backward import backward_full, backward_input, backward_weight
+from ..engine.interpreter import FUSE_B_MIN_WEIGHTS
 
 
 def model_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -85,11 +96,11 @@ def profile(
         raise ValueError("profile: no layers to measure")
     chain = not isinstance(layers_or_model, nn.Module) or isinstance(layers_or_model, (nn.Sequential, nn.ModuleList))
     owners = [m for _, m in named] if chain else [layers_or_model]
-    with preserved_state(owners, inputs) as device:  # type: ignore[arg-type]
+    with preserved_state(owners, inputs) as device:
         if chain:
             calls = _capture_chain(named, inputs)
         else:
-            calls = _capture_blocks(layers_or_model, named, inputs)  # type: ignore[arg-type]
+            calls = _capture_blocks(layers_or_model, named, inputs)
         return _measure_all(calls, device, repeats, warmup)
 
 
@@ -246,10 +257,16 @@ def _measure(
     def forward() -> Any:
         return module(*args, **kwargs)
 
-    for r in range(warmup + repeats):
-        times = _time_step(timed, forward, inputs, params)
-        if r >= warmup:
-            samples.append(times)
+    fused = sum(p.numel() for p in params if p.dim() == 2) >= FUSE_B_MIN_WEIGHTS  # B's path, as a stage picks it
+    kept = [(p, None if p.grad is None else p.grad.detach().clone()) for p in params]
+    try:
+        for r in range(warmup + repeats):
+            times = _time_step(timed, forward, inputs, bool(params), fused)
+            if r >= warmup:
+                samples.append(times)
+    finally:
+        for p, grad in kept:
+            p.grad = grad
     med = dict(zip("fiwb", (statistics.median(column) for column in zip(*samples))))
     return LayerCost(
         name=name,
@@ -268,24 +285,29 @@ def _time_step(
     timed: Callable[[Callable[[], Any]], tuple[Any, float]],
     forward: Callable[[], Any],
     inputs: list[torch.Tensor],
-    params: list[torch.Tensor],
+    has_weights: bool,
+    fused: bool,
 ) -> tuple[float, float, float, float]:
-    """One timed forward, then I (inputs only), W (parameters only) and B (both) on its graph."""
+    """One timed forward, then the runtime's I and W on its graph; B on a second forward's graph.
+
+    I and B less the same calls on a one-node graph, timed alongside: a stage makes one such call per
+    micro-batch, not one per layer, and the runtime's cost per action (``Calibration.action``) holds it.
+    """
     out, tf = timed(forward)
     outs = _grad_outputs(out)
     if not outs:
         return tf, 0.0, 0.0, 0.0
-    grads = [torch.ones_like(t) for t in outs]
-
-    def grad(wrt: list[torch.Tensor], retain: bool) -> float:
-        if not wrt:
-            return 0.0
-        return timed(lambda: torch.autograd.grad(outs, wrt, grads, retain_graph=retain, allow_unused=True))[1]
-
-    ti = grad(inputs, True)
-    tw = grad(params, True)
-    tb = grad(inputs + params, False)
-    return tf, ti, tw, tb
+    grads: list[torch.Tensor | None] = [torch.ones_like(t) for t in outs]
+    (_, work), ti = timed(lambda: backward_input(outs, grads, inputs))
+    _, tw = timed(lambda: backward_weight(work)) if has_weights else (None, 0.0)  # nothing to accumulate
+    again = _grad_outputs(forward())
+    _, tb = timed(lambda: backward_full(again, grads, inputs, fused=fused))
+    device = outs[0].device
+    z = torch.ones(1, device=device, requires_grad=True)
+    one = [torch.ones(1, device=device)]
+    _, bi = timed(lambda: backward_input([z * 1.0], one, [z]))
+    _, bb = timed(lambda: backward_full([z * 1.0], one, [z], fused=fused))
+    return tf, max(0.0, ti - bi), tw, max(0.0, tb - bb)
 
 
 def _forward_counting_saved(
