@@ -245,11 +245,10 @@ class _Search:
                 continue
             simulated += 1
             config = item.layout.config
-            units = _per_rank_units(item)
+            cal, units = prob.calibration, _per_rank_units(item)
             key = (config.pp, config.dp, config.tp, config.sharding)
-            fixed = prob.calibration.step_for(*key, max(units), m)
-            hidden = [prob.calibration.cpu_for(*key, u, m) for u in units]
-            cal = prob.calibration
+            fixed = cal.step_for(*key, max(units), m)
+            hidden = [cal.cpu_for(*key, u, m) for u in units]
             result = evaluate(item, memory, prob.processes, prob.per_node, prob.cores, fixed, hidden, cal.background)
             plans.append(result)
             heapq.heappush(best, -result.step_time)

@@ -21,8 +21,8 @@ its other collectives. It measures, each step bounded by ``timeout``:
   one-micro-batch probe shows. Each process's CPU time in those steps, less
   its predicted compute actions, gives the layout's ``cpu`` terms first: the
   CPU of gloo's threads and the step's bookkeeping, which on shared cores is
-  taken from every process's compute (at 4 processes on 2 cores, 5-9 ms per
-  process per step beside ~26 ms of compute on the demo GPT);
+  taken from every process's compute (at 4 processes on 2 cores, 6-8 ms per
+  process per step beside 22-27 ms of compute on the demo GPT);
 * the cores a node's processes effectively share: a fixed matrix-multiply loop,
   or the model's own ``workload``, timed on rank 0 alone, then on every rank at once; ``per_node * alone / together``
   (the CPU bound of :mod:`stagewise.planning.costing` with what the machine

@@ -20,13 +20,13 @@ For each layer (a block of the model) we measure, as the median of
 
 Timing uses CUDA events on a GPU and ``time.perf_counter`` elsewhere.
 The backward is timed through the runtime's own code rather than
-``torch.autograd.grad``, because that is what a stage runs: adding into
-``.grad`` and the runtime's graph walk cost the demo GPT's layers 20 % more
-than ``autograd.grad`` at 16 samples and 50 % more at 2 (the MLP of
-``benchmarks/plan_accuracy.py``: 2.2x at 8 samples), and a planner fed the
-bare gradient under-predicted every step (benchmarks/RESULTS.md). I + W comes
-within a few per cent of B; :meth:`LayerProfile.cost_model` rescales them to
-sum to B. Each parameter's ``.grad`` is put back as it was.
+``torch.autograd.grad``, because that is what a stage runs: with ``.grad``
+accumulation and the runtime's graph walk the demo GPT's layers' B sums to
+29.1 ms at 16 samples where ``autograd.grad`` gave 25.0, and a planner fed the
+bare gradient under-predicted every step (benchmarks/RESULTS.md). I + W is
+1.04x B for the GPT's layers at 16 samples, 1.2-1.5x for smaller layers or
+batches; :meth:`LayerProfile.cost_model` rescales them to sum to B. Each
+parameter's ``.grad`` is put back as it was.
 
 The split between measuring and deciding follows torchgpipe
 (``balance/profile.py`` measures, ``balance/blockpartition.py`` decides):
@@ -96,11 +96,11 @@ def profile(
         raise ValueError("profile: no layers to measure")
     chain = not isinstance(layers_or_model, nn.Module) or isinstance(layers_or_model, (nn.Sequential, nn.ModuleList))
     owners = [m for _, m in named] if chain else [layers_or_model]
-    with preserved_state(owners, inputs) as device:
+    with preserved_state(owners, inputs) as device:  # type: ignore[arg-type]
         if chain:
             calls = _capture_chain(named, inputs)
         else:
-            calls = _capture_blocks(layers_or_model, named, inputs)
+            calls = _capture_blocks(layers_or_model, named, inputs)  # type: ignore[arg-type]
         return _measure_all(calls, device, repeats, warmup)
 
 
