@@ -90,40 +90,44 @@ def shared_makespan(
 
     while True:
         wake = float("inf")
-        for r in range(p):  # start what can start now; zero-length actions finish at once
-            while state[r] == 0:
-                if pos[r] == len(ranks[r]):
-                    state[r] = 3
-                    end = max(end, t)
-                    break
-                key = need(r)
-                ready = 0.0 if key is None else arrival[key]
-                if ready is None:
-                    break  # its input is not made yet
-                if ready > t:
-                    wake = min(wake, ready)
-                    break
-                s, kind, _ = ranks[r][pos[r]]
-                if first is None:
-                    first = t
-                if kind is _F or kind is _B or kind is _I or kind is _W:
-                    work = (
-                        costs.forward[s]
-                        if kind is _F
-                        else b_full[s]
-                        if kind is _B
-                        else (costs.backward_input[s] if kind is _I else costs.backward_weight[s])
-                    )
-                    if work > 0:
-                        left[r], state[r] = work, 1
+        swept = False
+        while not swept:  # sweep again while an action that took no time hands on a message in this instant
+            swept = True
+            for r in range(p):  # start what can start now; zero-length actions finish at once
+                while state[r] == 0:
+                    if pos[r] == len(ranks[r]):
+                        state[r] = 3
+                        end = max(end, t)
+                        break
+                    key = need(r)
+                    ready = 0.0 if key is None else arrival[key]
+                    if ready is None:
+                        break  # its input is not made yet
+                    if ready > t:
+                        wake = min(wake, ready)
+                        break
+                    s, kind, _ = ranks[r][pos[r]]
+                    if first is None:
+                        first = t
+                    if kind is _F or kind is _B or kind is _I or kind is _W:
+                        work = (
+                            costs.forward[s]
+                            if kind is _F
+                            else b_full[s]
+                            if kind is _B
+                            else (costs.backward_input[s] if kind is _I else costs.backward_weight[s])
+                        )
+                        if work > 0:
+                            left[r], state[r] = work, 1
+                        else:
+                            finish(r)
+                            swept = False
                     else:
-                        finish(r)
-                else:
-                    took = costs.sync_time[s] if kind is _SYNC else costs.step_time[s]
-                    if took > 0:
-                        until[r], state[r] = t + took, 2
-                    else:
-                        finish(r)
+                        took = costs.sync_time[s] if kind is _SYNC else costs.step_time[s]
+                        if took > 0:
+                            until[r], state[r] = t + took, 2
+                        else:
+                            finish(r)
         busy = dict.fromkeys(pools, 0.0)
         for r in range(p):
             if state[r] == 1:
