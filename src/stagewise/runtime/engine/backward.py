@@ -107,13 +107,18 @@ def backward_input(
 ) -> tuple[list[torch.Tensor | None], WeightWork]:
     """I: the gradient of each input (None if unused) and the pending weight work; no ``.grad`` changes.
 
-    ``fused=False`` (a recomputed stage, see :func:`backward_full`): every weight goes through the engine.
+    ``fused=False`` (a recomputed stage, see :func:`backward_full`): the whole backward, W included, through
+    the engine, and no work left for W. W restarts the engine once per weight region, each a new graph task,
+    and torch's non-reentrant checkpoint re-runs the stage's forward for every graph task that unpacks it:
+    split, W of a stage of 3 GPT blocks took 7-8x its B (benchmarks/RESULTS.md).
     """
+    if not fused:
+        return backward_full(roots, grads, inputs, fused=False), WeightWork()
     pairs = [(r, g if g is not None else torch.ones_like(r)) for r, g in zip(roots, grads) if r.requires_grad]
     if not pairs:
         return [None] * len(inputs), WeightWork()
     root_edges, graph = _graph_of(pairs, inputs)
-    return _input_part(pairs, inputs, root_edges, graph, fused)
+    return _input_part(pairs, inputs, root_edges, graph)
 
 
 def _graph_of(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], inputs: Sequence[torch.Tensor]) -> tuple[Any, _Graph]:
@@ -127,7 +132,6 @@ def _input_part(
     inputs: Sequence[torch.Tensor],
     root_edges: Any,
     graph: _Graph,
-    fused: bool = True,
 ) -> tuple[list[torch.Tensor | None], WeightWork]:
     work = WeightWork()
     saved: dict[Node, tuple[torch.Tensor | None, ...]] = {}
@@ -151,7 +155,7 @@ def _input_part(
         work.calls.append(([r for r, _ in pairs], [g for _, g in pairs], graph.all_weights))
         return [got.get(id(x)) for x in inputs], work
     for node, weights in graph.regions.items():
-        linear = _plain_linear(node, weights, saved.get(node, ())) if fused else None
+        linear = _plain_linear(node, weights, saved.get(node, ()))
         if linear is not None:
             work.linears.append(linear)
             continue
@@ -160,7 +164,7 @@ def _input_part(
             work.calls.append(([e for e, _ in edges], [g for _, g in edges], weights))
     outside = [(e, g) for (_, g), e in zip(pairs, root_edges) if not graph.to_input[e.node]]
     if outside and graph.root_weights:
-        layers = None if any(graph.to_input.values()) or not fused else _only_linears(graph)
+        layers = None if any(graph.to_input.values()) else _only_linears(graph)
         if layers:
             work.catches.append(([e for e, _ in outside], [g for _, g in outside], layers))
         else:

@@ -343,13 +343,8 @@ class Interpreter:
         saved = self.saved[(s, i)]  # type: ignore[index]
         grads = self._output_grads(s, i, len(saved.roots))  # type: ignore[arg-type]
         self._ready()
-        if getattr(self.stages[s], "recompute", None) is not None:
-            # A checkpointed stage does its W here, whole. W restarts the engine once per weight region, each a
-            # new graph task, and torch's non-reentrant checkpoint re-runs the stage's forward for each graph
-            # task that unpacks it: W of a stage of 3 GPT blocks took 7-8x its B (benchmarks/RESULTS.md).
-            input_grads, saved.weight_work = backward_full(saved.roots, grads, saved.inputs, fused=False), WeightWork()
-        else:
-            input_grads, saved.weight_work = backward_input(saved.roots, grads, saved.inputs)
+        fused = getattr(self.stages[s], "recompute", None) is None  # a checkpointed stage: see backward_input
+        input_grads, saved.weight_work = backward_input(saved.roots, grads, saved.inputs, fused=fused)
         saved.roots = []
         self._hand_back(s, i, saved.inputs, input_grads)  # type: ignore[arg-type]
         saved.inputs = []
