@@ -3,11 +3,13 @@
 Rank 0 profiles the layers at micro-batch sizes b and 8b alone (the others
 wait), and the two sizes give each layer a fixed part and a part linear in
 the batch. ``sw.calibrate()`` measures the link, the runtime's cost per action
-and FSDP2's cost per unit on the group. Each rank then plans alike twice - with
-the calibration and ``cores`` = this machine's CPUs, and bare (profile and
-link only) - runs the plans chosen from the calibrated ranking (warm-up, then
-timed steps: a step's time is the slowest rank's, from a barrier), and rank 0
-writes JSON with both predictions.
+and FSDP2's cost per unit on the group, ``sw.measure_compute_scale()`` what the
+runtime's compute actions cost over the plan's costs for them. Each rank then
+plans alike three times - with the calibration, the compute scale and the
+calibration's cores; as round 5 did ("before": no scale, the cores measured on
+the model's own work); bare (profile and link only) - runs the plans chosen
+from the first ranking (warm-up, then timed steps: a step's time is the
+slowest rank's, from a barrier), and rank 0 writes JSON with the predictions.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from gpt_model import Block, GPTConfig, Positions  # noqa: E402
 from stagewise.planning import search  # noqa: E402
 from stagewise.profile_data import LayerProfile  # noqa: E402
 from stagewise.runtime.calibrate import effective_cores, idle_cpu  # noqa: E402
+from stagewise.runtime.compute_scale import probe_plan  # noqa: E402
 from stagewise.runtime.model.balance import profile_layers  # noqa: E402
 from stagewise.runtime.model.layers import named_layers  # noqa: E402
 
@@ -230,7 +233,13 @@ def main() -> None:
         linear, fixed = affine(small, big)
         cores = model_cores(make(), loss_fn, data, b0, world, cal.cores)
         common: dict[str, Any] = {"global_batch": batch, "profile_batch": b0, "overhead": fixed, "optimizer_state": 0}
-        found = search(linear, world, calibration=cal, cores=cores, top=400, **common)
+        # the runtime's compute per action on this group against the plan's costs for it, where every rank computes
+        probe = probe_plan(linear, world, calibration=cal, **common)
+        xs, ys = data(batch, 98)
+        scale = sw.measure_compute_scale(
+            linear, make(), loss_fn, xs, ys, calibration=cal, parallel=mesh_per_layout([probe])[probe.layout], **common
+        )
+        found = search(linear, world, calibration=cal, compute_scale=scale, top=400, **common)
         bare = {p.describe(): p for p in search(linear, world, intra=cal.intra, top=100_000, **common).plans}
         rows = []
         chosen = choose(list(found.plans), args.plans)
@@ -239,12 +248,17 @@ def main() -> None:
         mesh_per_layout([plan for _, plan in chosen])
         background = idle_cpu(timeout=120)
         now = replace(cal, background=background)
-        redone = search(linear, world, calibration=now, cores=cores, top=100_000, **common).plans
+        redone = search(linear, world, calibration=now, compute_scale=scale, top=100_000, **common).plans
         again = {p.describe(): p for p in redone}
+        # round 5's model, for comparison in the same run: the cores measured on the model's work, no scale
+        before = {
+            p.describe(): p for p in search(linear, world, calibration=now, cores=cores, top=100_000, **common).plans
+        }
         for (k, first), timed in zip(chosen, time_plans([plan for _, plan in chosen], model, args.steps)):
             plan = again[first.describe()]
             row = {"rank": k + 1, "plan": plan.describe(), "predicted": plan.step_time}
             row["predicted_at_calibration"] = first.step_time
+            row["predicted_before"] = before[plan.describe()].step_time if plan.describe() in before else None
             row["bare"] = bare[plan.describe()].step_time if plan.describe() in bare else None
             row["cpu_bound"] = (
                 max(plan.breakdown["cpu_bound"], plan.breakdown["shared_cores"]) > plan.breakdown["simulated"]
@@ -258,7 +272,10 @@ def main() -> None:
             "simulated": found.simulated,
             "rows": rows,
             "cores": cores,
+            "compute_scale": list(scale),
             "background": background,
+            "profile": linear.to_json(),  # what the planner was given: a saved report can be re-predicted
+            "overhead": fixed,
         }
     if rank == 0:
         args.out.write_text(json.dumps(report, indent=1))

@@ -95,6 +95,9 @@ def show(report: dict, ranks: int, load: tuple[float, float, float] | None) -> N
         rows = data["rows"]
         runs = rows[0]["runs"]
         cores = f", {data['cores']:.2f} cores on its work" if "cores" in data else ""
+        if "compute_scale" in data:
+            names = ("F", "B", "I+W")
+            cores += ", compute scale " + " ".join(f"{n} {k:.2f}" for n, k in zip(names, data["compute_scale"]))
         if "background" in data:  # measured again once the chosen plans' meshes exist; the predictions use it
             cores += f", idle CPU {data['background']:.1%} of a core per process with its meshes"
         found = f"{data['candidates']} candidates, {data['simulated']} simulated"
@@ -103,13 +106,15 @@ def show(report: dict, ranks: int, load: tuple[float, float, float] | None) -> N
             f"{'#':>3}  {'predicted s':>11}  {'measured s':>10}  {'err':>6}  {'bare s':>8}  {'err':>6}  "
             f"{'act pred':>9}  {'act meas':>9}  {'cpu/comp':>8}  plan"
         )
-        errors, bare_errors, mem_errors = [], [], []
+        errors, bare_errors, mem_errors, before_errors = [], [], [], []
         for r in rows:
             err = (r["predicted"] - r["measured"]) / r["measured"]
             errors.append(abs(err))
             bare = r["bare"]
             bare_err = (bare - r["measured"]) / r["measured"] if bare is not None else math.nan
             bare_errors.append(abs(bare_err))
+            if r.get("predicted_before") is not None:
+                before_errors.append((r["predicted_before"], r["measured"]))
             meas = r["measured_activations"]
             if meas:
                 mem_errors.append(abs((r["predicted_activations"] - meas) / meas))
@@ -125,6 +130,13 @@ def show(report: dict, ranks: int, load: tuple[float, float, float] | None) -> N
         rho = spearman([r["predicted"] for r in rows], [r["measured"] for r in rows])
         mem = sum(mem_errors) / max(len(mem_errors), 1)
         print(f"step time: mean abs error {sum(errors) / len(errors):.0%}, Spearman {rho:.2f}")
+        if before_errors:  # the model before the compute scale, in the same run
+            mean = sum(abs(p - m) / m for p, m in before_errors) / len(before_errors)
+            rho_before = spearman([p for p, _ in before_errors], [m for _, m in before_errors])
+            print(
+                f"before (round 5: cores on the model's work, no scale): mean abs error {mean:.0%}, "
+                f"Spearman {rho_before:.2f}"
+            )
         ok = [(e, r) for e, r in zip(bare_errors, rows) if not math.isnan(e)]
         rho_bare = spearman([r["bare"] for _, r in ok], [r["measured"] for _, r in ok])
         print(

@@ -249,3 +249,56 @@ def test_idle_transport_cpu_takes_its_share_of_the_shared_cores() -> None:
     assert floor.step_time == pytest.approx(4 * 3.0 / 0.2, rel=1e-12)
     with pytest.raises(ValueError, match="Calibration.background"):
         Calibration(background=-0.1)
+
+
+def test_a_measured_compute_scale_multiplies_each_stages_forward_and_backward_only() -> None:
+    """compute_scale=(kf, kb[, ks]): F = kf (sigma f + c), I = kb (sigma i + c/2), W = kb (sigma w + c/2), with c the
+    fixed cost per action (overhead, action), and ks for kb under a schedule that splits the backward (kb when not
+    given); tp all-reduces are not compute and stay; a recomputed I is the scaled F + I + W; one number scales all;
+    bad values name the option."""
+    profile = _profile(4)
+    cal = Calibration(action=0.25)
+    kw: dict = {"calibration": cal, "overhead": 0.5}
+    bare = _find(_only(profile, 4, **kw), 4, 4)
+    got = _find(_only(profile, 4, compute_scale=(2.0, 3.0), **kw), 4, 4)
+    assert bare.costs is not None and got.costs is not None
+    for s in range(4):
+        assert got.costs.forward[s] == pytest.approx(2.0 * bare.costs.forward[s], rel=1e-12)
+        assert got.costs.backward_input[s] == pytest.approx(3.0 * bare.costs.backward_input[s], rel=1e-12)
+        assert got.costs.backward_weight[s] == pytest.approx(3.0 * bare.costs.backward_weight[s], rel=1e-12)
+    assert got.step_time > bare.step_time
+    # a split backward (I and W apart) has a factor of its own; a fused one under the same options keeps kb
+    zb = {"schedules": ["zb-h1"], **kw}
+    split_bare = _find(_only(profile, 4, **zb), 4, 4)
+    for scale, k in (((2.0, 3.0, 5.0), 5.0), ((2.0, 3.0), 3.0)):
+        split = _find(_only(profile, 4, compute_scale=scale, **zb), 4, 4)
+        assert split_bare.costs is not None and split.costs is not None and split.schedule == "zb-h1"
+        assert split.costs.forward[1] == pytest.approx(2.0 * split_bare.costs.forward[1], rel=1e-12)
+        assert split.costs.backward_input[1] == pytest.approx(k * split_bare.costs.backward_input[1], rel=1e-12)
+        assert split.costs.backward_weight[1] == pytest.approx(k * split_bare.costs.backward_weight[1], rel=1e-12)
+    fused = _find(_only(profile, 4, compute_scale=(2.0, 3.0, 5.0), **kw), 4, 4)
+    assert fused.costs is not None and fused.costs.backward_input == got.costs.backward_input
+    same = _find(_only(profile, 4, compute_scale=1.5, **kw), 4, 4)
+    assert same.costs is not None and same.costs.forward[1] == pytest.approx(1.5 * bare.costs.forward[1], rel=1e-12)
+    assert same.costs.backward_input[1] == pytest.approx(1.5 * bare.costs.backward_input[1], rel=1e-12)
+    # recompute: I runs the forward again and does W (the runtime's rule), each at its own factor
+    rc = {"recompute": ("stage",)}
+    plain = _find(_only(profile, 4, **rc, **kw), 4, 4)
+    scaled = _find(_only(profile, 4, compute_scale=(2.0, 3.0), **rc, **kw), 4, 4)
+    assert plain.costs is not None and scaled.costs is not None
+    f, i_w = bare.costs.forward[2], bare.costs.backward_input[2] + bare.costs.backward_weight[2]
+    assert plain.costs.backward_input[2] == pytest.approx(f + i_w, rel=1e-12)
+    assert scaled.costs.backward_input[2] == pytest.approx(2.0 * f + 3.0 * i_w, rel=1e-12)
+    assert scaled.costs.backward_weight[2] == 0.0
+    # tp all-reduces are transfers, not compute: the same seconds with or without the scale
+    tp = {"tp_layers": range(4), "schedules": ["1f1b"], "recompute": (None,), "top": 1000, "global_batch": 4}
+    tp["intra"] = Link(latency=0.01, bandwidth=1e6)
+    one = next(p for p in search(profile, 2, **tp).plans if p.layout.tp == 2)
+    two = next(p for p in search(profile, 2, compute_scale=(2.0, 2.0), **tp).plans if p.describe() == one.describe())
+    assert one.costs is not None and two.costs is not None and one.breakdown["tp_comm"] > 0
+    assert two.breakdown["tp_comm"] == pytest.approx(one.breakdown["tp_comm"], rel=1e-12)
+    tp_fwd = one.breakdown["tp_comm"] / one.microbatches / 2  # per forward: half of a micro-batch's all-reduces
+    assert two.costs.forward[0] == pytest.approx(2.0 * (one.costs.forward[0] - tp_fwd) + tp_fwd, rel=1e-12)
+    for bad in (0.0, -1.0, math.inf, math.nan, (1.0,), (1.0, 2.0, 3.0, 4.0), (1.0, 0.0), (1.0, 1.0, -1.0), True):
+        with pytest.raises(ValueError, match="compute_scale"):
+            search(profile, 2, global_batch=2, compute_scale=bad)  # type: ignore[arg-type]

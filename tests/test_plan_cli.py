@@ -46,6 +46,22 @@ def test_plan_prints_a_table_and_writes_the_json_sw_plan_returns(
     assert report["search"]["simulated"] >= 3
     assert expected[0].schedule in out and "step s" in out and "why" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # a measured compute scale: the same plans as sw.plan(..., compute_scale=(F, B)); one number scales both
+    for flag, scale in ((["1.5", "2"], (1.5, 2.0)), (["1.25"], 1.25)):
+        code = main(
+            ["plan", "--profile", str(path), "-n", "4", "--global-batch", "8", "--intra", "0.01:1e4", "--top", "3"]
+            + ["--compute-scale", *flag, "--json", str(out_json)]
+        )
+        assert code == 0
+        scaled = sw.plan(_profile(), 4, global_batch=8, intra=Link(0.01, 1e4), top=3, compute_scale=scale)
+        assert [p["step_time"] for p in json.loads(out_json.read_text())["plans"]] == [p.step_time for p in scaled]
+        assert scaled[0].step_time > expected[0].step_time
+    capsys.readouterr()
+    assert (
+        main(["plan", "--profile", str(path), "-n", "4", "--global-batch", "8", "--compute-scale", "1", "2", "3", "4"])
+        == 2
+    )
+    assert "compute_scale" in capsys.readouterr().err
 
 
 def test_plan_synthetic_and_bad_input(capsys: pytest.CaptureFixture[str]) -> None:

@@ -131,5 +131,82 @@ def sharded_meter(ctx: Ctx) -> dict[str, Any]:
     return peaks
 
 
+def _burn(seconds: float) -> None:
+    """Spend ``seconds`` of this thread's CPU (a wall-clock bound would count the time others hold the core)."""
+    import time
+
+    start = time.thread_time()
+    while time.thread_time() - start < seconds:
+        pass
+
+
+def _spin_layer(forward: float, backward: float) -> Any:
+    """A layer whose forward spends ``forward`` CPU seconds and whose backward ``backward``, whatever the batch."""
+    import torch
+    from torch import nn
+
+    class Burn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            _burn(forward)
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+            _burn(backward)
+            return grad
+
+    class Spin(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(1))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return Burn.apply(x * self.w)
+
+    return Spin()
+
+
+def compute_scale(ctx: Ctx) -> dict[str, Any]:
+    """Layers that spend 6 ms of CPU per forward and 9 ms per backward, profiled as 3 and 3: the probes find the
+    runtime's F at 2x and its B, fused or split, at 3x the plans' costs (within the runtime's own few hundred
+    microseconds per action), and the layers given are left untouched (the probes train a copy)."""
+    import torch
+    import torch.nn.functional as F
+
+    per = LayerCost("spin", 3e-3, 1.5e-3, 1.5e-3, 3e-3, 64.0, 32.0, 4.0, 64.0)
+    profile = LayerProfile((per, per), "synthetic", 2, 0)
+    layers = [_spin_layer(6e-3, 9e-3), _spin_layer(6e-3, 9e-3)]
+    before = [p.detach().clone() for layer in layers for p in layer.parameters()]
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    from stagewise.runtime.compute_scale import probe_plan
+
+    plan = probe_plan(profile, ctx.world, global_batch=8, profile_batch=2)
+    assert (plan.layout.pp, plan.schedule, plan.microbatches) == (ctx.world, "1f1b", 2 * ctx.world), plan
+    split = probe_plan(profile, ctx.world, "zb-h1", global_batch=8, profile_batch=2)
+    assert (split.layout.pp, split.schedule, split.microbatches) == (ctx.world, "zb-h1", 2 * ctx.world), split
+    kf, kb, ks = sw.measure_compute_scale(profile, layers, F.mse_loss, x, y, global_batch=8, profile_batch=2, steps=3)
+    assert 1.9 < kf < 2.4 and 2.85 < kb < 3.4 and 2.85 < ks < 3.5, (kf, kb, ks)
+    after = [p.detach() for layer in layers for p in layer.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(before, after)) and all(p.grad is None for p in after), "touched"
+    # planned with it, the stages cost what the probe measured
+    got = sw.plan(profile, ctx.world, global_batch=8, profile_batch=2, compute_scale=(kf, kb, ks), top=1000)
+    scaled = next(p for p in got if p.describe() == plan.describe())
+    assert scaled.costs is not None and plan.costs is not None
+    assert abs(scaled.costs.forward[0] - kf * plan.costs.forward[0]) < 1e-12
+    with_bad = None
+    try:
+        sw.measure_compute_scale(profile, layers, F.mse_loss, x, y, global_batch=8, profile_batch=2, steps=0)
+    except ValueError as err:
+        with_bad = str(err)
+    assert with_bad is not None and "steps" in with_bad, with_bad
+    return {"scale": [round(kf, 1), round(kb, 1), round(ks, 1)]}
+
+
 def checks(world: int) -> dict[str, Callable[[Ctx], Any]]:
-    return {"calibrated": calibrated, "across_nodes": across_nodes, "sharded_meter": sharded_meter}
+    return {
+        "calibrated": calibrated,
+        "across_nodes": across_nodes,
+        "sharded_meter": sharded_meter,
+        "compute_scale": compute_scale,
+    }

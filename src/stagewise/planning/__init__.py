@@ -61,6 +61,7 @@ class PlanOptions(TypedDict, total=False):
     recompute: Sequence[str | None]  # [(None, "stage")]
     overhead: float | Sequence[float]  # [0]
     action_overhead: float  # [0]
+    compute_scale: float | Sequence[float]  # [1: the profile as measured]
     calibration: Calibration | None  # [None]
     cores: float | None  # [the calibration's, else None: a core per process]
     top: int  # [5]
@@ -92,8 +93,12 @@ def plan(profile: LayerProfile, processes: int, **options: Unpack[PlanOptions]) 
     defaults to the processes per node. ``overhead``: seconds of each layer's
     forward and of its backward that do not scale with the batch (one number, or one per layer);
     ``action_overhead``: the runtime's seconds per stage forward and per backward (added to the
-    calibration's). ``calibration``: what ``stagewise.calibrate()`` measured on the group (links,
-    per-action and per-message costs, FSDP2's cost per layer). ``cores``: cores per node; when
+    calibration's). ``compute_scale``: what the runtime's compute actions cost over what the profile predicts for
+    them, one factor or (forward, backward[, I + W under schedules that split the backward]), as
+    :func:`stagewise.measure_compute_scale` measures it on the group (each stage's forward and backward are
+    multiplied by it, tp all-reduces aside). ``calibration``: what
+    ``stagewise.calibrate()`` measured on the group (links, per-action and per-message costs, FSDP2's cost per
+    layer). ``cores``: cores per node; when
     fewer than its processes, no step is shorter than the node's compute over its cores.
 
     Raises ``ValueError`` when no factorisation of ``processes`` can run, or

@@ -54,6 +54,14 @@ def add_plan_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     parser.add_argument(
         "--cores", type=float, default=None, metavar="N", help="cores per node, when fewer than its processes"
     )
+    parser.add_argument(
+        "--compute-scale",
+        type=float,
+        nargs="+",
+        default=[1.0],
+        metavar="K",
+        help="the runtime's compute over the profile's: one factor, or forward and backward (sw.measure_compute_scale)",
+    )
     parser.add_argument("--top", type=int, default=5, metavar="K", help="plans to keep (default 5)")
     parser.add_argument("--json", metavar="PATH", help="write the plans and the search summary as JSON")
     parser.add_argument("--png", metavar="PATH", help="draw the best plan's simulated timeline")
@@ -126,6 +134,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         schedules=None if args.schedules is None else args.schedules.split(","),
         overhead=args.overhead,
         action_overhead=args.action_overhead,
+        compute_scale=args.compute_scale[0] if len(args.compute_scale) == 1 else args.compute_scale,
         cores=args.cores,
         top=args.top,
     )

@@ -29,14 +29,17 @@ part (:mod:`stagewise.runtime.engine.interpreter`).
 **The step time, as predicted** (one candidate; ``b`` samples per micro-batch,
 ``sigma = b / profile_batch``; sums over a stage's layers ``l``):
 
-* ``F_s = sigma * sum f_l + T_s + c_s``, ``I_s = sigma * sum i_l + T_s + c_s / 2``,
-  ``W_s = sigma * sum w_l + c_s / 2`` (B = I + W where the schedule does not split it),
+* ``F_s = k_F (sigma * sum f_l + c_s) + T_s``, ``I_s = k_B (sigma * sum i_l + c_s / 2) + T_s``,
+  ``W_s = k_B (sigma * sum w_l + c_s / 2)`` (B = I + W where the schedule does not split it; where it
+  does, ``k_IW`` in place of ``k_B``),
   with ``T_s`` the stage's tp all-reduces and the fixed cost per action
   ``c_s = sum o_l + action + message * (in_s + out_s)``: ``o_l`` the profile's per-layer
   ``overhead``, ``action`` the runtime's measured cost per stage action and ``message`` its
   cost per point-to-point message, ``in_s = [s > 0]``, ``out_s = [s < S - 1]`` (an F receives
   an activation and sends one; a B the same gradients back). ``action`` and ``message`` come
-  from :class:`~stagewise.planning.Calibration`.
+  from :class:`~stagewise.planning.Calibration`; ``(k_F, k_B, k_IW)`` is ``compute_scale`` (1 unless
+  given): what the runtime's F, B and split I + W actions measured on the group over these predictions
+  for them (:func:`stagewise.measure_compute_scale`).
 * The simulator runs the schedule with these costs and the pipeline link
   (``latency + bytes / bandwidth`` per transfer), giving ``T_sim``.
 * Gradient sync at SYNC (:mod:`stagewise.planning.candidate`): dp all-reduce as a ring,
@@ -148,19 +151,22 @@ class StageBase:
     fixed: tuple[float, ...]  # seconds of each F and of each B that do not scale with the batch
     units: tuple[int, ...]  # layers with parameters (FSDP2 units when sharded)
     recompute: str | None
+    factor: tuple[float, float, float] = (1.0, 1.0, 1.0)  # measured / predicted compute: F, B, I and W
 
-    def at(self, scale: float) -> StageCosts:
-        """The stage costs for a micro-batch of ``scale`` times the profile batch."""
+    def at(self, scale: float, split: bool = False) -> StageCosts:
+        """The stage costs for a micro-batch of ``scale`` times the profile batch (``split``: under a schedule that
+        runs I and W apart, whose measured factor is its own)."""
         f, i, w, act, keep, full, comm = [], [], [], [], [], [], []
         for s in range(len(self.forward)):
             tp_fwd = self.tp_fixed[s] + self.tp_per_scale[s] * scale
             fixed = self.fixed[s]
-            fs = self.forward[s] * scale + tp_fwd + fixed
-            is_ = self.backward_input[s] * scale + tp_fwd + fixed / 2  # the f all-reduces mirror the g ones
+            kf, kb = self.factor[0], self.factor[2 if split else 1]
+            fs = kf * (self.forward[s] * scale + fixed) + tp_fwd
+            is_ = kb * (self.backward_input[s] * scale + fixed / 2) + tp_fwd  # the f all-reduces mirror the g ones
             acts = self.activation[s] * scale
             kp = self.keep[s] * scale
             full.append(acts)
-            ws = self.backward_weight[s] * scale + fixed / 2
+            ws = kb * (self.backward_weight[s] * scale + fixed / 2)
             if self.recompute == "stage":  # the forward again, and W within I (the runtime's, see above)
                 is_ += fs + ws
                 ws = 0.0
@@ -197,6 +203,7 @@ def stage_base(
     overhead: Sequence[float],
     action_overhead: float = 0.0,
     message: float = 0.0,
+    factor: tuple[float, float, float] = (1.0, 1.0, 1.0),
 ) -> StageBase:
     """Sum the layers of each stage (``bounds`` as in :class:`~stagewise.partition.Partition`)."""
     per_ar_fixed = 2 * (tp - 1) * tp_link.latency if tp > 1 else 0.0
@@ -223,7 +230,7 @@ def stage_base(
         )
         for col, value in zip(cols, values):
             col.append(value)
-    return StageBase(*(tuple(c) for c in cols), units=tuple(units), recompute=recompute)  # type: ignore[arg-type,misc]
+    return StageBase(*(tuple(c) for c in cols), units=tuple(units), recompute=recompute, factor=factor)  # type: ignore[arg-type,misc]
 
 
 def partition_weights(

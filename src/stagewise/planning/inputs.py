@@ -34,6 +34,7 @@ class Problem:
     overhead: tuple[float, ...]  # per layer
     action_overhead: float  # per stage action (F, and B = I + W): the argument plus the calibration's
     message: float  # per point-to-point message, charged to the action that posts or receives it
+    compute_scale: tuple[float, float, float]  # the runtime's measured compute over the plan's: F, B, split I + W
     calibration: Calibration
     cores: float | None  # per node; None: a core (or device) per process
     top: int
@@ -58,6 +59,7 @@ def make_problem(
     recompute: Sequence[str | None] = (None, "stage"),
     overhead: float | Sequence[float] = 0.0,
     action_overhead: float = 0.0,
+    compute_scale: float | Sequence[float] = 1.0,
     calibration: Calibration | None = None,
     cores: float | None = None,
     top: int = 5,
@@ -84,6 +86,7 @@ def make_problem(
         raise ValueError(f"plan: action_overhead must be seconds >= 0, got {action_overhead!r}")
     if len(fixed) != len(profile) or not all(0 <= x < math.inf for x in fixed):
         raise ValueError(f"plan: overhead must be seconds >= 0, one number or one per layer ({len(profile)})")
+    scale = _compute_scale(compute_scale)
     if top < 1:
         raise ValueError(f"plan: top must be >= 1, got {top}")
     if max_virtual_stages < 1:
@@ -147,10 +150,35 @@ def make_problem(
         overhead=tuple(fixed),
         action_overhead=float(action_overhead) + cal.action,
         message=cal.message,
+        compute_scale=scale,
         calibration=cal,
         cores=cores,
         top=top,
     )
+
+
+def _compute_scale(value: float | Sequence[float]) -> tuple[float, float, float]:
+    """``compute_scale`` as (forward, backward, split backward) factors, each finite and > 0: one number for all
+    three, (forward, backward) for a split backward like the fused one, or all three."""
+    if isinstance(value, (int, float)):
+        values = [value] * 3
+    else:
+        try:
+            values = list(value)
+        except TypeError:
+            values = []
+        if len(values) == 2:
+            values.append(values[1])
+    if (
+        isinstance(value, bool)
+        or len(values) != 3
+        or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < math.inf for x in values)
+    ):
+        raise ValueError(
+            f"plan: compute_scale must be a number > 0, or (forward, backward[, split backward]) numbers > 0 "
+            f"(stagewise.measure_compute_scale()), got {value!r}"
+        )
+    return float(values[0]), float(values[1]), float(values[2])
 
 
 def _per_rank_values(value: float | Sequence[float], n: int, what: str) -> list[float]:

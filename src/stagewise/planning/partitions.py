@@ -83,6 +83,7 @@ class Partitions:
                     overhead=self.prob.overhead,
                     action_overhead=self.prob.action_overhead,
                     message=self.prob.message,
+                    factor=self.prob.compute_scale,
                 )
                 self.cache[key] = (part.bounds, base)
         return self.cache[key]

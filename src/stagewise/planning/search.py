@@ -123,7 +123,7 @@ class _Search:
             )
             return
         bounds, base = got
-        at0, at1 = base.at(0.0), base.at(1.0)
+        at0, at1 = base.at(0.0, splits), base.at(1.0, splits)
         blocking, background = sync_costs(g.layout, at1, prob.calibration)
         link = g.layout.links["pp"]
         t0 = rank_terms(at0, placement, splits, link, blocking, background)
@@ -150,7 +150,7 @@ class _Search:
                 for r, x in enumerate(static)
             ]
             if any(mem.total > mem.cap for mem in floor):
-                costs = base.at(sigma)
+                costs = base.at(sigma, splits)
                 cand = Candidate(g.layout, g.schedule, g.v, m, g.recompute, bounds, costs, blocking, background, size)
                 if self.memory_cut(g, cand):
                     continue
@@ -204,8 +204,9 @@ class _Search:
             overhead=prob.overhead,
             action_overhead=prob.action_overhead,
             message=prob.message,
+            factor=prob.compute_scale,
         )
-        costs = base.at(sigma)
+        costs = base.at(sigma, splits_backward(g.schedule))
         blocking, background = sync_costs(g.layout, costs, prob.calibration)
         link = g.layout.links["pp"]
         terms = rank_terms(costs, placement, splits_backward(g.schedule), link, blocking, background)
@@ -235,7 +236,7 @@ class _Search:
                 continue
             g, m, bounds, base, blocking, background, recut = item
             size = g.layout.per_replica // m
-            costs = base.at(size / prob.profile_batch)
+            costs = base.at(size / prob.profile_batch, splits_backward(g.schedule))
             item = Candidate(g.layout, g.schedule, g.v, m, g.recompute, bounds, costs, blocking, background, size)
             memory = memory_of(item, prob)
             if any(mem.total > mem.cap for mem in memory):

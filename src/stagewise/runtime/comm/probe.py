@@ -47,6 +47,13 @@ def average(seconds: float, deadline: float) -> float:
     return float(t) / dist.get_world_size()
 
 
+def summed(values: list[float], deadline: float) -> list[float]:
+    """Each of ``values`` summed over every rank (a collective over the default group)."""
+    t = torch.tensor(values, dtype=torch.float64)
+    _bounded(lambda: dist.all_reduce(t, dist.ReduceOp.SUM), deadline, "the sums over ranks")
+    return [float(x) for x in t]
+
+
 def _one_way(me: int, peer: int, nbytes: int, rounds: int) -> float:
     """Median one-way seconds for ``nbytes`` between ``me`` and ``peer`` (the lower rank sends first)."""
     buf = torch.zeros(nbytes // 4)

@@ -68,6 +68,9 @@ class Step:
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
     outputs: dict[int, Any] = field(default_factory=dict)
     events: list[tuple[Action, float, float]] = field(default_factory=list)
+    #: CPU seconds in compute actions by kind, from their input's arrival (waits excluded): what the planner's
+    #: costs predict, compared by :func:`stagewise.measure_compute_scale`
+    compute_cpu: dict[Kind, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -129,6 +132,9 @@ class Interpreter:
         self.sent: dict[Message, list[Any]] = {}  # works of posted forward sends, released once used
         self.saved: dict[tuple[int, int], _Saved] = {}
         self.current: Action | None = None
+        # the compute runs on this thread unless torch's intra-op pool helps: then the process's CPU (with the
+        # transport's threads, a few percent) is the closer measure
+        self._cpu_clock = time.thread_time if torch.get_num_threads() == 1 else time.process_time
         self.order = self._receive_order(actions)
         self.consumed = 0  # how many of them were taken
         try:
@@ -159,8 +165,11 @@ class Interpreter:
     def _timed_compute(self, a: Action) -> None:
         self.current = a
         self._start = time.perf_counter()  # moved on by _ready() once the input is there
+        self._cpu = self._cpu_clock()
         self.compute[a.kind](a)
         end = time.perf_counter()
+        cpu = self.step.compute_cpu
+        cpu[a.kind] = cpu.get(a.kind, 0.0) + self._cpu_clock() - self._cpu
         if self.slowdown != 1.0:  # emulated heterogeneity: sleep (f - 1) x the measured time (no CPU taken)
             time.sleep((self.slowdown - 1.0) * (end - self._start))
             end = time.perf_counter()
@@ -168,6 +177,7 @@ class Interpreter:
 
     def _ready(self) -> None:
         self._start = time.perf_counter()
+        self._cpu = self._cpu_clock()
 
     def _batch(self, actions: Sequence[Action]) -> None:
         """Post the run's sends and receives as one batch; then run its SYNC / STEP actions.
