@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
 #: the probes' schedules: the backward fused (B), then split (I and W)
 PROBES = ("1f1b", "zb-h1")
-WARMUP = 2  # untimed steps first: the first builds buffers, the second still runs colder than the rest
+WARMUP = 2  # untimed steps first (the first learns shapes and builds buffers); the median is over the rest
 
 
 def measure_compute_scale(
@@ -86,7 +86,7 @@ def measure_compute_scale(
         predicted = [a + b for a, b in zip(predicted, want)]
     both = summed([x for row in measured for x in row] + predicted, time.monotonic() + timeout)
     per_step, total = [both[3 * i : 3 * i + 3] for i in range(steps)], both[3 * steps :]
-    # the median step: a step that a burst of other work slowed (one in ten here) does not move it
+    # the median step: a step that a burst of other work on the machine slowed does not move it
     f, b, iw = (_ratio(statistics.median_low(row[k] for row in per_step), total[k]) for k in range(3))
     return f, b, iw
 
