@@ -80,6 +80,7 @@ class _Sleeps:
     def __init__(self) -> None:
         self.calls: list[float] = []
         self.perf_counter = time.perf_counter
+        self.thread_time, self.process_time = time.thread_time, time.process_time  # the compute's CPU clocks
 
     def sleep(self, seconds: float) -> None:
         self.calls.append(seconds)
