@@ -3,12 +3,14 @@
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/plan_accuracy.py [--ranks 4] [--plans 7] [--steps 5]
 
 For two models (the demo GPT, untied head; an MLP with 16-fold uneven
-widths) rank 0 profiles, ``sw.calibrate()`` measures the group, the planner
-searches (calibrated, with this machine's core count), and the top 3 plans
-plus a spread of poorer ones are run (median of --steps timed steps after 2
-warm-up steps). Prints predicted (calibrated, and bare: profile + link only)
-vs measured step time and peak activation bytes per plan, the mean absolute
-error and the Spearman rank correlation.
+widths) rank 0 profiles, ``sw.calibrate()`` measures the group,
+``sw.measure_compute_scale()`` the runtime's compute against the profile, the
+planner searches (calibrated and scaled, on the calibration's cores), and the
+top 3 plans plus a spread of poorer ones are run (median of --steps timed
+steps after 2 warm-up steps). Prints predicted (calibrated; as round 5 did,
+"before"; and bare: profile + link only) vs measured step time and peak
+activation bytes per plan, the mean absolute error and the Spearman rank
+correlation.
 """
 
 from __future__ import annotations
