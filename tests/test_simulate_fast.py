@@ -132,6 +132,22 @@ def test_a_schedule_whose_actions_are_not_numbers_is_lowered_by_the_plain_pass()
         sw.lower(good.with_ranks(ranks))
 
 
+def test_a_value_made_twice_is_lowered_by_the_plain_pass_and_named() -> None:
+    """Two actions making one value (4I2 twice on rank 0, 0I2 gone): the column pass's timing cannot tell which
+    one a receive waits for (it indexed past the rank's actions: found by the property test below); the plain
+    pass places it and the validator names both faults."""
+    good = sw.split_backward(sw.generate("interleaved-1f1b", 4, 4, 3))
+    cols = columns(good)
+    assert cols is not None
+    k = [str(a) for a in good.ranks[0]].index("0I2")
+    stage = cols.stage.copy()
+    stage[int(cols.base[0]) + k] = 4
+    rows = ActionRows(Columns(kind=cols.kind.copy(), stage=stage, microbatch=cols.microbatch.copy(), base=cols.base))
+    for bad in (Schedule(good.name, 4, good.placement, rows), good.with_ranks([list(a) for a in rows])):
+        with pytest.raises(sw.ScheduleError, match=r"stage 0 micro-batch 2 has 0x 0B2, 0x 0I2(.|\n)*2x 4I2"):
+            sw.lower(bad)
+
+
 @st.composite
 def column_schedules(draw: st.DrawFn) -> Schedule:
     """A compute-only registered schedule as columns (ActionRows), sometimes with a stage or a micro-batch

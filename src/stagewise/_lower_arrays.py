@@ -26,6 +26,11 @@ from ._earliest import earliest_starts
 from .schedule import Schedule
 
 
+class MadeTwice(ValueError):
+    """Two compute actions make the same value: which one a receive waits for depends on the order the
+    timing visits the ranks in, which only the plain pass follows (the validator then names the duplicate)."""
+
+
 def add_communication(cols: Columns, schedule: Schedule) -> tuple[Columns, list[list[int]]] | None:
     """The actions with their sends and receives, as columns, and the progress certificate; None if stuck.
 
@@ -34,7 +39,8 @@ def add_communication(cols: Columns, schedule: Schedule) -> tuple[Columns, list[
     Same placement rule as :func:`stagewise.passes.add_communication` documents
     (and :mod:`stagewise._passes_reference` spells out): sends right after their
     producer, each receive in the first batch of its rank that starts once the
-    value is made under uniform costs (F = I = W = 1, B = 2).
+    value is made under uniform costs (F = I = W = 1, B = 2). Raises :class:`MadeTwice` when two
+    actions make one value.
     """
     n, m, p, plc = schedule.num_stages, schedule.num_microbatches, schedule.num_ranks, schedule.placement
     code = cols.kind
@@ -69,6 +75,9 @@ def add_communication(cols: Columns, schedule: Schedule) -> tuple[Columns, list[
     need_a = np.where(nb >= 0, nb + 2 * ci, -1)
     make_a = np.where(ob >= 0, ob + 2 * ci, -1)
     took_a = np.where(ck == 1, 2, 1)
+    made = make_a[make_a >= 0]
+    if made.size and int(np.bincount(made).max()) > 1:
+        raise MadeTwice(f"schedule {schedule.name!r}: a value is made by two actions")
     base_l = base.tolist()
     took_l = took_a.tolist()
     start_l, reached = earliest_starts(need_a.tolist(), make_a.tolist(), took_l, [0] * n_compute, base_l, 2 * n * m)

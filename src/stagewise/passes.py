@@ -108,14 +108,22 @@ def add_communication(schedule: Schedule) -> Schedule:
 def _add_communication(schedule: Schedule) -> Schedule:
     """:func:`add_communication` of a schedule known to have no communication actions yet."""
     cols = columns(schedule)
-    if cols is None or not in_range(cols, schedule.num_stages, schedule.num_microbatches):
-        # not numbers, or out of range: the plain pass places what it can, and the validator names the fault
+    fast = cols is not None and in_range(cols, schedule.num_stages, schedule.num_microbatches)
+    lowered = None
+    if fast:
+        assert cols is not None
+        try:
+            lowered = _lower_arrays.add_communication(cols, schedule)
+        except _lower_arrays.MadeTwice:
+            fast = False
+    if not fast:
+        # not numbers, out of range, or a value made twice: the plain pass places what it can, and the
+        # validator names the fault
         timing = add_communication_reference(schedule)
         if timing is None:
             raise ScheduleError(schedule, dataflow_problems(schedule))
         result, certificate = timing
     else:
-        lowered = _lower_arrays.add_communication(cols, schedule)
         if lowered is None:  # the order itself cannot finish: say where
             raise ScheduleError(schedule, dataflow_problems(schedule))
         out, certificate = lowered
