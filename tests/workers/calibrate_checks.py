@@ -168,15 +168,16 @@ def _spin_layer(forward: float, backward: float) -> Any:
 
 
 def compute_scale(ctx: Ctx) -> dict[str, Any]:
-    """Layers that spend 6 ms of CPU per forward and 9 ms per backward, profiled as 3 and 3: the probes find the
-    runtime's F at 2x and its B, fused or split, at 3x the plans' costs (within the runtime's own few hundred
-    microseconds per action), and the layers given are left untouched (the probes train a copy)."""
+    """Layers that spend 12 ms of CPU per forward and 18 ms per backward, profiled as 3 and 3: the probes find the
+    runtime's F at 4x and its B, fused or split, at 6x the plans' costs (the runtime's own CPU per action, a few
+    hundred microseconds, is left room up to 2 ms), and the layers given are left untouched (the probes train a
+    copy)."""
     import torch
     import torch.nn.functional as F
 
     per = LayerCost("spin", 3e-3, 1.5e-3, 1.5e-3, 3e-3, 64.0, 32.0, 4.0, 64.0)
     profile = LayerProfile((per, per), "synthetic", 2, 0)
-    layers = [_spin_layer(6e-3, 9e-3), _spin_layer(6e-3, 9e-3)]
+    layers = [_spin_layer(12e-3, 18e-3), _spin_layer(12e-3, 18e-3)]
     before = [p.detach().clone() for layer in layers for p in layer.parameters()]
     x, y = torch.randn(8, 4), torch.randn(8, 4)
     from stagewise.runtime.compute_scale import probe_plan
@@ -186,7 +187,7 @@ def compute_scale(ctx: Ctx) -> dict[str, Any]:
     split = probe_plan(profile, ctx.world, "zb-h1", global_batch=8, profile_batch=2)
     assert (split.layout.pp, split.schedule, split.microbatches) == (ctx.world, "zb-h1", 2 * ctx.world), split
     kf, kb, ks = sw.measure_compute_scale(profile, layers, F.mse_loss, x, y, global_batch=8, profile_batch=2, steps=3)
-    assert 1.9 < kf < 2.4 and 2.85 < kb < 3.4 and 2.85 < ks < 3.5, (kf, kb, ks)
+    assert 3.9 < kf < 4.7 and 5.85 < kb < 6.7 and 5.85 < ks < 6.7, (kf, kb, ks)
     after = [p.detach() for layer in layers for p in layer.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(before, after)) and all(p.grad is None for p in after), "touched"
     # planned with it, the stages cost what the probe measured

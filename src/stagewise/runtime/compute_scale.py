@@ -138,8 +138,7 @@ def _probe(
     mine = [s for s, r in enumerate(pipe.schedule.placement) if r == pipe.rank]
     forward = plan.microbatches * sum(costs.forward[s] for s in mine)
     backward = plan.microbatches * sum(costs.backward_input[s] + costs.backward_weight[s] for s in mine)
-    split = any(a.kind is Kind.I for acts in pipe.schedule.ranks for a in acts)
-    return measured, [forward, 0.0, backward] if split else [forward, backward, 0.0]
+    return measured, [forward, 0.0, backward] if pipe.schedule.uses_split_backward else [forward, backward, 0.0]
 
 
 def _ratio(measured: float, predicted: float) -> float:

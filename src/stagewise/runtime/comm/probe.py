@@ -42,9 +42,7 @@ def slowest(seconds: float, deadline: float) -> float:
 
 def average(seconds: float, deadline: float) -> float:
     """The mean of every rank's ``seconds`` (a collective over the default group)."""
-    t = torch.tensor([seconds], dtype=torch.float64)
-    _bounded(lambda: dist.all_reduce(t, dist.ReduceOp.SUM), deadline, "the sum over ranks")
-    return float(t) / dist.get_world_size()
+    return summed([seconds], deadline)[0] / dist.get_world_size()
 
 
 def summed(values: list[float], deadline: float) -> list[float]:
