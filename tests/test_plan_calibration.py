@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -10,7 +11,7 @@ import stagewise as sw
 from stagewise.costs import CostModel
 from stagewise.passes import add_grad_sync
 from stagewise.planning import Calibration, LayoutCost, Link, search
-from stagewise.profile_data import LayerCost, LayerProfile
+from stagewise.profile_data import CheckpointCost, LayerCost, LayerProfile
 from stagewise.schedules import generate
 from stagewise.simulate_shared import shared_makespan
 
@@ -249,6 +250,35 @@ def test_idle_transport_cpu_takes_its_share_of_the_shared_cores() -> None:
     assert floor.step_time == pytest.approx(4 * 3.0 / 0.2, rel=1e-12)
     with pytest.raises(ValueError, match="Calibration.background"):
         Calibration(background=-0.1)
+
+
+def test_a_recomputed_stage_pays_the_checkpoints_line_at_its_saved_tensors_whatever_the_micro_batch() -> None:
+    """Under recompute a stage's F gains k_F (c_F + n p_F) and its backward the forward again plus k_B (c_B + n p_B),
+    n the saved tensors of its layers (CheckpointCost); neither grows with the batch; without recompute, or with a
+    profile that has no CheckpointCost (one written before it), nothing is added; the JSON form keeps both."""
+    ck = CheckpointCost(segment_forward=0.5, segment_backward=0.75, per_saved_forward=0.125, per_saved_backward=0.25)
+    base = _profile(4)
+    saved = [3.0, 5.0, 7.0, 9.0]
+    profile = replace(base, layers=tuple(replace(x, saved_tensors=n) for x, n in zip(base.layers, saved)))
+    profile = replace(profile, checkpoint=ck)
+    assert LayerProfile.from_json(profile.to_json()) == profile
+    kw: dict = {"overhead": 0.5, "recompute": ("stage",)}
+    for scale, (kf, kb) in ((None, (1.0, 1.0)), ((2.0, 3.0), (2.0, 3.0))):
+        opts = {**kw, **({"compute_scale": scale} if scale else {})}
+        for m in (1, 4):  # micro-batches of 4 and of 1 sample
+            old = _find(_only(base, 4, **opts), 4, m)
+            new = _find(_only(profile, 4, **opts), 4, m)
+            assert old.costs is not None and new.costs is not None and new.recompute == "stage"
+            for s, n in enumerate(saved):
+                assert new.costs.forward[s] == pytest.approx(old.costs.forward[s] + kf * (0.5 + n * 0.125), rel=1e-12)
+                want = old.costs.backward_input[s] + kb * (0.75 + n * 0.25)
+                assert new.costs.backward_input[s] == pytest.approx(want, rel=1e-12)
+            assert new.step_time > old.step_time
+    off = {"recompute": (None,)}
+    assert _find(_only(profile, 4, **off), 4, 4).costs == _find(_only(base, 4, **off), 4, 4).costs
+    assert replace(profile, checkpoint=None).checkpoint is None
+    legacy = _find(_only(replace(profile, checkpoint=None), 4, **kw), 4, 4)
+    assert legacy.costs == _find(_only(base, 4, **kw), 4, 4).costs
 
 
 def test_a_measured_compute_scale_multiplies_each_stages_forward_and_backward_only() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import pytest
@@ -158,7 +159,66 @@ def test_the_backward_is_timed_through_the_runtimes_own_code(monkeypatch: pytest
     lin = nn.Linear(8, 8)
     lin.weight.grad = torch.full_like(lin.weight, 3.0)
     prof = profile([lin, nn.ReLU()], torch.randn(4, 8, requires_grad=True), repeats=3, warmup=1)
-    # 2 layers x 4 runs, I and B each once more on the one-node graph whose time is taken off
-    assert calls == {"backward_input": 16, "backward_weight": 4, "backward_full": 16}
+    # 2 layers x 4 runs, I and B each once more on the one-node graph whose time is taken off, B once more on the
+    # checkpointed forward's graph; then the checkpoint's chains (2 lengths, 15 + 2 runs, plain and checkpointed)
+    chains = len(profiling.CHAINS) * (15 + 2) * 2
+    assert calls == {"backward_input": 16, "backward_weight": 4, "backward_full": 2 * 4 * 3 + chains}
     assert torch.equal(lin.weight.grad, torch.full_like(lin.weight, 3.0)) and lin.bias.grad is None
     assert prof.layers[1].backward_weight == 0 and prof.layers[0].backward_weight > 0
+
+
+class Scale(nn.Module):
+    """x * w: autograd saves both factors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.w
+
+
+def test_saved_tensors_are_counted_and_the_checkpoints_line_is_fitted_through_what_was_timed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """x * w saves 2 tensors (the parameter too: a checkpoint hooks it), ReLU 1 (its output), 3 products 6; each
+    layer's checkpoint extras are what the checkpointed forward and backward measured beyond the plain ones, and
+    the profile's CheckpointCost is the least-squares line through those and the chains' points; a profile
+    written before these fields loads with none."""
+    from stagewise.runtime.model import profiling
+
+    chain = nn.Sequential(Scale(), nn.ReLU(), nn.Sequential(Scale(), Scale(), Scale()))
+    points: list[list[tuple[float, float, float]]] = []
+    real = profiling.checkpoint_chains
+
+    def recording(*args: object, **kwargs: object) -> list[tuple[float, float, float]]:
+        got = real(*args, **kwargs)  # type: ignore[arg-type]
+        points.append(list(got))
+        return got
+
+    monkeypatch.setattr(profiling, "checkpoint_chains", recording)
+    prof = profile(chain, torch.randn(4, 8, requires_grad=True), repeats=3, warmup=1)
+    assert [x.saved_tensors for x in prof.layers] == [2.0, 1.0, 6.0]
+    assert [n for n, _, _ in points[0]] == [2.0 * k for k in profiling.CHAINS]
+    xy = points[0] + [(x.saved_tensors, x.checkpoint_forward, x.checkpoint_backward) for x in prof.layers]
+    ck = prof.checkpoint
+    assert ck is not None
+    lines = ((1, ck.segment_forward, ck.per_saved_forward), (2, ck.segment_backward, ck.per_saved_backward))
+    for col, fixed, per in lines:  # the least-squares line from the normal equations, as a reference
+        n = len(xy)
+        sx, sy = sum(p[0] for p in xy), sum(p[col] for p in xy)
+        sxx, sxy = sum(p[0] ** 2 for p in xy), sum(p[0] * p[col] for p in xy)
+        slope = max(0.0, (n * sxy - sx * sy) / (n * sxx - sx * sx))
+        assert per == pytest.approx(slope, rel=1e-9, abs=1e-15)
+        assert fixed == pytest.approx(max(0.0, (sy - slope * sx) / n), rel=1e-9, abs=1e-15)
+    want = (ck.segment_forward + 10 * ck.per_saved_forward, ck.segment_backward + 10 * ck.per_saved_backward)
+    assert ck.stage(10.0) == pytest.approx(want, rel=1e-12)
+    again = LayerProfile.from_json(prof.to_json())
+    assert again == prof
+    old = json.loads(prof.to_json())
+    del old["checkpoint"]
+    for layer in old["layers"]:
+        for field in ("saved_tensors", "checkpoint_forward", "checkpoint_backward"):
+            del layer[field]
+    legacy = LayerProfile.from_json(json.dumps(old))
+    assert legacy.checkpoint is None and [x.saved_tensors for x in legacy.layers] == [0.0, 0.0, 0.0]

@@ -25,7 +25,12 @@ internals are alive: the planner adds one micro-batch's full stage
 activations to the rank's peak. Under a schedule that splits B, a
 recomputed stage does its W within I (I = F + I + W, W = 0): the runtime
 does, because W in parts would re-run the checkpointed forward once per
-part (:mod:`stagewise.runtime.engine.interpreter`).
+part (:mod:`stagewise.runtime.engine.interpreter`). The checkpoint itself
+costs time too (a hook per saved tensor, packed in the forward and again
+when the backward re-runs it): the stage's F gains ``k_F c^F_s`` and its
+backward ``k_B c^B_s``, where ``c_s`` is the profile's
+:class:`~stagewise.profile_data.CheckpointCost` line at the stage's saved
+tensors (0 for a profile without one). It does not grow with the batch.
 **The step time, as predicted** (one candidate; ``b`` samples per micro-batch,
 ``sigma = b / profile_batch``; sums over a stage's layers ``l``):
 
@@ -71,7 +76,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..profile_data import LayerProfile
+from ..profile_data import CheckpointCost, LayerProfile
 from .comm import Link, ring_all_reduce
 
 
@@ -87,6 +92,8 @@ class LayerArrays:
     parameters: tuple[float, ...]
     output: tuple[float, ...]
     tp_layer: tuple[bool, ...]
+    saved: tuple[float, ...] = ()  # tensors autograd saves per layer (what a checkpoint's hooks pay for)
+    checkpoint: CheckpointCost | None = None
 
 
 def layer_arrays(profile: LayerProfile, tp: int, tp_layers: frozenset[int]) -> LayerArrays:
@@ -95,7 +102,7 @@ def layer_arrays(profile: LayerProfile, tp: int, tp_layers: frozenset[int]) -> L
     I and W are rescaled to sum to the measured full backward, as
     :meth:`LayerProfile.cost_model` does.
     """
-    f, i, w, act, keep, par, out, split = [], [], [], [], [], [], [], []
+    f, i, w, act, keep, par, out, split, saved = [], [], [], [], [], [], [], [], []
     for k, layer in enumerate(profile.layers):
         d = tp if k in tp_layers else 1
         bi, bw = layer.backward_input, layer.backward_weight
@@ -111,7 +118,13 @@ def layer_arrays(profile: LayerProfile, tp: int, tp_layers: frozenset[int]) -> L
         par.append(layer.parameter_bytes / d)
         out.append(layer.output_bytes)
         split.append(d > 1)
-    return LayerArrays(*(tuple(x) for x in (f, i, w, act, keep, par, out)), tp_layer=tuple(split))  # type: ignore[arg-type,misc]
+        saved.append(layer.saved_tensors)
+    return LayerArrays(  # type: ignore[misc]
+        *(tuple(x) for x in (f, i, w, act, keep, par, out)),  # type: ignore[arg-type]
+        tp_layer=tuple(split),
+        saved=tuple(saved),
+        checkpoint=profile.checkpoint,
+    )
 
 
 @dataclass(frozen=True)
@@ -152,6 +165,8 @@ class StageBase:
     units: tuple[int, ...]  # layers with parameters (FSDP2 units when sharded)
     recompute: str | None
     factor: tuple[float, float, float] = (1.0, 1.0, 1.0)  # measured / predicted compute: F, B, I and W
+    checkpoint_forward: tuple[float, ...] = ()  # seconds a recompute segment adds to each F (fixed)
+    checkpoint_backward: tuple[float, ...] = ()  # ... and to each backward, beyond the forward again
 
     def at(self, scale: float, split: bool = False) -> StageCosts:
         """The stage costs for a micro-batch of ``scale`` times the profile batch (``split``: under a schedule that
@@ -167,8 +182,9 @@ class StageBase:
             kp = self.keep[s] * scale
             full.append(acts)
             ws = kb * (self.backward_weight[s] * scale + fixed / 2)
-            if self.recompute == "stage":  # the forward again, and W within I (the runtime's, see above)
-                is_ += fs + ws
+            if self.recompute == "stage":  # the forward again, W within I, the checkpoint's hooks (see above)
+                is_ += fs + ws + kb * self.checkpoint_backward[s]
+                fs += kf * self.checkpoint_forward[s]
                 ws = 0.0
                 acts = self.input[s] * scale
                 kp = min(kp, acts)
@@ -211,8 +227,12 @@ def stage_base(
     cols: list[list[float]] = [[] for _ in range(11)]
     last = len(bounds) - 2
     units = []
+    ck_f, ck_b = [], []
     for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
         units.append(sum(1 for k in range(a, b) if arrays.parameters[k] > 0))
+        extra = arrays.checkpoint.stage(sum(arrays.saved[a:b])) if arrays.checkpoint and arrays.saved else (0.0, 0.0)
+        ck_f.append(extra[0])
+        ck_b.append(extra[1])
         n_tp = sum(1 for k in range(a, b) if arrays.tp_layer[k])
         tp_bytes = sum(arrays.output[k] for k in range(a, b) if arrays.tp_layer[k])
         values = (
@@ -230,18 +250,29 @@ def stage_base(
         )
         for col, value in zip(cols, values):
             col.append(value)
-    return StageBase(*(tuple(c) for c in cols), units=tuple(units), recompute=recompute, factor=factor)  # type: ignore[arg-type,misc]
+    return StageBase(  # type: ignore[misc]
+        *(tuple(c) for c in cols),  # type: ignore[arg-type]
+        units=tuple(units),
+        recompute=recompute,
+        factor=factor,
+        checkpoint_forward=tuple(ck_f),
+        checkpoint_backward=tuple(ck_b),
+    )
 
 
 def partition_weights(
     arrays: LayerArrays, *, tp: int, tp_link: Link, recompute: str | None, overhead: Sequence[float]
 ) -> list[float]:
-    """What the partitioner balances per layer at the profile batch: F + B (+ F again under recompute) + its tp
-    all-reduces + its fixed costs (so one cut serves every micro-batch count: exact when nothing is fixed)."""
+    """What the partitioner balances per layer at the profile batch: F + B (+ F again and the checkpoint's hooks
+    under recompute) + its tp all-reduces + its fixed costs (so one cut serves every micro-batch count: exact when
+    nothing is fixed)."""
     weights = []
     for k in range(len(arrays.forward)):
         fwd = arrays.forward[k] + overhead[k]
         tp_time = 4 * ring_all_reduce(arrays.output[k], tp, tp_link) if arrays.tp_layer[k] else 0.0
         back = arrays.backward_input[k] + arrays.backward_weight[k] + overhead[k]
-        weights.append(fwd + back + tp_time + (fwd if recompute else 0))
+        hooks = 0.0
+        if recompute and arrays.checkpoint is not None and arrays.saved:  # the checkpoint's cost per saved tensor
+            hooks = arrays.saved[k] * (arrays.checkpoint.per_saved_forward + arrays.checkpoint.per_saved_backward)
+        weights.append(fwd + back + tp_time + (fwd + hooks if recompute else 0))
     return weights

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import torch
@@ -28,7 +28,6 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from ...actions import Kind
-from ...profile_data import LayerCost
 from ...schedule import Schedule
 from ...stage_counts import PartitionSpec, check_options, needs_profile
 from ..comm import collectives, groups
@@ -36,7 +35,7 @@ from ..comm.waits import setup_waits
 from ..errors import PipelineError
 from .layers import LayerLike, build_layer
 from .layers import partition as partition_layers
-from .profiling import LayerProfile, preserved_state, profile
+from .profiling import LayerProfile, measure_layers, preserved_state, with_checkpoint_cost
 
 T = TypeVar("T")
 
@@ -112,14 +111,13 @@ def on_first_rank(group: Any, fn: Callable[[], T], what: str, timeout: float = 3
 def _plain(value: Any) -> Any:
     """A profile as JSON-able data (what crosses ranks is plain data, never a pickle)."""
     if isinstance(value, LayerProfile):
-        return {"profile": {**asdict(value), "layers": [asdict(c) for c in value.layers]}}
+        return {"profile": value.to_json()}
     return {"value": value}
 
 
 def _unplain(data: Any) -> Any:
     if "profile" in data:
-        p = data["profile"]
-        return LayerProfile(tuple(LayerCost(**c) for c in p["layers"]), p["device"], p["repeats"], p["warmup"])
+        return LayerProfile.from_json(data["profile"])
     return data["value"]
 
 
@@ -216,13 +214,13 @@ def profile_layers(
         home = next((t.device for t in module.parameters()), device)
         module = module.to(device)  # a spec is built on the CPU; an eager module goes back home after
         args = x if type(x) is tuple else (x,)
-        (cost,) = profile([module], args, repeats=repeats, warmup=warmup).layers
+        (cost,) = measure_layers([module], args, repeats=repeats, warmup=warmup).layers
         layers.append(replace(cost, name=name))
         x = _next_input(module, args)
         if module is layer:
             module.to(home)
         del module
-    return LayerProfile(layers=tuple(layers), device=str(device), repeats=repeats, warmup=warmup)
+    return with_checkpoint_cost(LayerProfile(layers=tuple(layers), device=str(device), repeats=repeats, warmup=warmup))
 
 
 def _next_input(module: nn.Module, args: tuple[Any, ...]) -> Any:

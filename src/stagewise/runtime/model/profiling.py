@@ -16,7 +16,14 @@ For each layer (a block of the model) we measure, as the median of
   ``torch.autograd.graph.saved_tensors_hooks`` (parameters and buffers
   excluded, each storage once); ``weight_activation_bytes`` the part of it
   saved by operations that take a parameter (what W still needs after I);
-* ``parameter_bytes`` and ``output_bytes`` (what goes to the next stage).
+* ``parameter_bytes`` and ``output_bytes`` (what goes to the next stage);
+* ``saved_tensors`` (how many tensors autograd saves, parameters included) and
+  ``checkpoint_forward`` / ``checkpoint_backward``: what checkpointing the
+  layer alone (as the runtime's recompute does a stage) adds to its forward,
+  and to its backward beyond running the forward again. Once per profile,
+  :func:`with_checkpoint_cost` fits a line through these in the saved tensors
+  (:class:`~stagewise.profile_data.CheckpointCost`): a recomputed stage is one
+  segment, and the planner charges it the line at its layers' saved tensors.
 
 Timing uses CUDA events on a GPU and ``time.perf_counter`` elsewhere.
 The backward is timed through the runtime's own code rather than
@@ -39,13 +46,15 @@ import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils.checkpoint import checkpoint
 
-from ...profile_data import LayerCost, LayerProfile
+from ...profile_data import CheckpointCost, LayerCost, LayerProfile
 from ..engine.backward import backward_full, backward_input, backward_weight
 from ..engine.interpreter import FUSE_B_MIN_WEIGHTS
 
@@ -83,6 +92,17 @@ def profile(
     positional arguments. Global RNG state and module buffers (BatchNorm
     statistics) are restored afterwards; no ``.grad`` is touched.
     """
+    return with_checkpoint_cost(measure_layers(layers_or_model, sample_inputs, repeats=repeats, warmup=warmup))
+
+
+def measure_layers(
+    layers_or_model: nn.Module | Sequence[nn.Module],
+    sample_inputs: Any,
+    *,
+    repeats: int = 5,
+    warmup: int = 2,
+) -> LayerProfile:
+    """:func:`profile` but the checkpoint's fitted cost (taken once per profile, not per layer)."""
     if repeats < 1 or warmup < 0:
         raise ValueError(f"profile: need repeats >= 1 and warmup >= 0, got {repeats}, {warmup}")
     inputs = sample_inputs if isinstance(sample_inputs, tuple) else (sample_inputs,)
@@ -115,12 +135,72 @@ def profile_blocks(
     """Like :func:`profile` on a whole model, for the given ``(name, module)`` blocks of it."""
     inputs = sample_inputs if isinstance(sample_inputs, tuple) else (sample_inputs,)
     with preserved_state([model], inputs) as device:
-        return _measure_all(_capture_blocks(model, list(blocks), inputs), device, repeats, warmup)
+        measured = _measure_all(_capture_blocks(model, list(blocks), inputs), device, repeats, warmup)
+    return with_checkpoint_cost(measured)
 
 
 def _measure_all(calls: list[Call], device: torch.device, repeats: int, warmup: int) -> LayerProfile:
     costs = [_measure(name, module, args, kwargs, device, repeats, warmup) for name, module, args, kwargs in calls]
     return LayerProfile(layers=tuple(costs), device=str(device), repeats=repeats, warmup=warmup)
+
+
+def with_checkpoint_cost(measured: LayerProfile) -> LayerProfile:
+    """``measured`` with what a checkpointed segment costs (:class:`~stagewise.profile_data.CheckpointCost`): the
+    least-squares line, in the tensors a segment saves, through every segment timed - each layer checkpointed
+    alone, and chains of 1 and 17 products (:func:`checkpoint_chains`), which pin the line where layers cluster.
+    A stage is one segment: its extra is the line at the sum of its layers' saved tensors."""
+    device = torch.device(measured.device)
+    points = checkpoint_chains(device, repeats=max(measured.repeats, 15), warmup=max(measured.warmup, 2))
+    points += [(x.saved_tensors, x.checkpoint_forward, x.checkpoint_backward) for x in measured.layers]
+    fixed_f, per_f = _line([(n, f) for n, f, _ in points])
+    fixed_b, per_b = _line([(n, b) for n, _, b in points])
+    return replace(measured, checkpoint=CheckpointCost(fixed_f, fixed_b, per_f, per_b))
+
+
+def _line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Intercept and slope of the least-squares line, both clamped at zero (differences of small times)."""
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    slope = max(0.0, sum((x - mx) * (y - my) for x, y in points) / sxx) if sxx > 0 else 0.0
+    return max(0.0, my - slope * mx), slope
+
+
+CHAINS = (1, 17)  # products per checkpointed chain: two saved tensors each
+
+
+def checkpoint_chains(device: torch.device, *, repeats: int = 15, warmup: int = 2) -> list[tuple[float, float, float]]:
+    """Chains of ``k`` products ``a * w`` on tiny tensors, plain and checkpointed: per chain, its saved tensors,
+    the forward's extra and the backward's extra beyond the plain backward and the forward again (medians)."""
+    timed = _timer(device)
+    a = torch.ones(8, device=device, requires_grad=True)
+    w = torch.ones(8, device=device, requires_grad=True)
+    points = []
+    for k in CHAINS:
+
+        def run(x: torch.Tensor, k: int = k) -> torch.Tensor:
+            for _ in range(k):
+                x = x * w
+            return x
+
+        rows = []
+        for r in range(warmup + repeats):
+            tf, tb = _forward_backward(timed, lambda: run(a), a)
+            tcf, tcb = _forward_backward(timed, lambda: checkpoint(run, a, use_reentrant=False), a)
+            if r >= warmup:
+                rows.append((tcf - tf, tcb - tb - tf))
+        points.append((2.0 * k, statistics.median(x for x, _ in rows), statistics.median(y for _, y in rows)))
+    return points
+
+
+def _forward_backward(
+    timed: Callable[[Callable[[], Any]], tuple[Any, float]], forward: Callable[[], torch.Tensor], leaf: torch.Tensor
+) -> tuple[float, float]:
+    out, tf = timed(forward)
+    _, tb = timed(lambda: backward_full([out], [torch.ones_like(out)], [leaf], fused=False))
+    leaf.grad = None
+    return tf, tb
 
 
 @contextmanager
@@ -246,28 +326,31 @@ def _measure(
     params = [p for p in module.parameters() if p.requires_grad]
     inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
     resident = {_storage_key(t) for t in module.parameters()} | {_storage_key(t) for t in module.buffers()}
-    out, saved_bytes = _forward_counting_saved(module, args, kwargs, resident)
+    out, saved_bytes, saved_count = _forward_counting_saved(module, args, kwargs, resident)
     outs = _grad_outputs(out)
     weight_bytes = min(_weight_saved_bytes(outs, {id(p) for p in params}, resident), saved_bytes)
     out_bytes = _tensor_bytes(out)
     del out, outs
     timed = _timer(device)
-    samples: list[tuple[float, float, float, float]] = []
+    samples: list[tuple[float, ...]] = []
 
     def forward() -> Any:
         return module(*args, **kwargs)
+
+    def checkpointed() -> Any:  # as the runtime's recompute runs a segment (engine.recompute)
+        return checkpoint(lambda *a: module(*a, **kwargs), *args, use_reentrant=False)
 
     fused = sum(p.numel() for p in params if p.dim() == 2) >= FUSE_B_MIN_WEIGHTS  # B's path, as a stage picks it
     kept = [(p, None if p.grad is None else p.grad.detach().clone()) for p in params]
     try:
         for r in range(warmup + repeats):
-            times = _time_step(timed, forward, inputs, bool(params), fused)
+            times = _time_step(timed, forward, checkpointed, inputs, bool(params), fused)
             if r >= warmup:
                 samples.append(times)
     finally:
         for p, grad in kept:
             p.grad = grad
-    med = dict(zip("fiwb", (statistics.median(column) for column in zip(*samples))))
+    med = dict(zip(("f", "i", "w", "b", "cf", "cb"), (statistics.median(column) for column in zip(*samples))))
     return LayerCost(
         name=name,
         forward=med["f"],
@@ -278,17 +361,22 @@ def _measure(
         weight_activation_bytes=float(weight_bytes),
         parameter_bytes=float(sum(p.numel() * p.element_size() for p in module.parameters())),
         output_bytes=float(out_bytes),
+        saved_tensors=float(saved_count),
+        checkpoint_forward=med["cf"],
+        checkpoint_backward=med["cb"],
     )
 
 
 def _time_step(
     timed: Callable[[Callable[[], Any]], tuple[Any, float]],
     forward: Callable[[], Any],
+    checkpointed: Callable[[], Any],
     inputs: list[torch.Tensor],
     has_weights: bool,
     fused: bool,
-) -> tuple[float, float, float, float]:
-    """One timed forward, then the runtime's I and W on its graph; B on a second forward's graph.
+) -> tuple[float, ...]:
+    """One timed forward, then the runtime's I and W on its graph; B on a second forward's graph; the forward
+    checkpointed and B on its graph (their extra over the forward, and over B and the forward again).
 
     I and B less the same calls on a one-node graph, timed alongside: a stage makes one such call per
     micro-batch, not one per layer, and the runtime's cost per action (``Calibration.action``) holds it.
@@ -296,7 +384,7 @@ def _time_step(
     out, tf = timed(forward)
     outs = _grad_outputs(out)
     if not outs:
-        return tf, 0.0, 0.0, 0.0
+        return tf, 0.0, 0.0, 0.0, 0.0, 0.0
     grads: list[torch.Tensor | None] = [torch.ones_like(t) for t in outs]
     (_, work), ti = timed(lambda: backward_input(outs, grads, inputs))
     _, tw = timed(lambda: backward_weight(work)) if has_weights else (None, 0.0)  # nothing to accumulate
@@ -307,18 +395,23 @@ def _time_step(
     one = [torch.ones(1, device=device)]
     _, bi = timed(lambda: backward_input([z * 1.0], one, [z]))
     _, bb = timed(lambda: backward_full([z * 1.0], one, [z], fused=fused))
-    return tf, max(0.0, ti - bi), tw, max(0.0, tb - bb)
+    kept, tcf = timed(checkpointed)
+    _, tcb = timed(lambda: backward_full(_grad_outputs(kept), grads, inputs, fused=fused))
+    return tf, max(0.0, ti - bi), tw, max(0.0, tb - bb), tcf - tf, tcb - tb - tf
 
 
 def _forward_counting_saved(
     module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], resident: set[int]
-) -> tuple[Any, int]:
-    """Run the forward once, adding up the bytes of each storage autograd saves (parameters excluded)."""
+) -> tuple[Any, int, int]:
+    """Run the forward once, adding up the bytes of each storage autograd saves (parameters excluded), and
+    counting the tensors it saves (parameters included: a checkpoint's hooks see every one)."""
     counted: set[int] = set()
     total = 0
+    calls = 0
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal total
+        nonlocal total, calls
+        calls += 1
         key = _storage_key(t)
         if key and key not in resident and key not in counted:
             counted.add(key)
@@ -327,7 +420,7 @@ def _forward_counting_saved(
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = module(*args, **kwargs)
-    return out, total
+    return out, total, calls
 
 
 def _weight_saved_bytes(outs: list[torch.Tensor], params: set[int], resident: set[int]) -> int:
