@@ -84,10 +84,12 @@ def calibrated(ctx: Ctx) -> dict[str, Any]:
     from stagewise.runtime.hybrid.mesh import build_mesh
 
     start = _groups()
-    calls = []  # the shared cores measured on the caller's own work: rank 0 runs it alone and together, 10 rounds
-    again = sw.calibrate(timeout=60, layouts=False, workload=lambda: calls.append(sum(k * k for k in range(20_000))))
+    calls = []  # the shared cores measured on the caller's own work: rank 0 runs it alone and together, 9 rounds per
+    # pass and a warm-up round
+    work = lambda: calls.append(sum(k * k for k in range(20_000)))  # noqa: E731
+    again = sw.calibrate(timeout=60, layouts=False, passes=2, workload=work)
     without_layouts = _groups() - start
-    assert len(calls) == (20 if ctx.rank == 0 else 10), len(calls)
+    assert len(calls) == (38 if ctx.rank == 0 else 19), len(calls)
     assert again.cores is not None and 0 < again.cores <= ctx.world, again.cores
     start = _groups()
     for r in cal.layouts:
@@ -110,6 +112,13 @@ def across_nodes(ctx: Ctx) -> dict[str, Any]:
         assert "nodes" in str(err), err
     else:
         raise AssertionError("nodes=3 on 2 processes was accepted")
+    for bad in (0, 1.5, True):
+        try:
+            sw.calibrate(passes=bad, timeout=60)  # type: ignore[arg-type]
+        except ValueError as err:
+            assert "passes" in str(err) and repr(bad) in str(err), err
+        else:
+            raise AssertionError(f"passes={bad!r} was accepted")
     assert isinstance(cal, Calibration)
     return {"inter": [inter.latency, inter.bandwidth]}
 

@@ -60,6 +60,7 @@ from .comm.probe import average, measure_links, slowest
 
 if TYPE_CHECKING:
     from .hybrid.mesh import Mesh
+    from .pipeline import Pipeline
 
 _MS = (2, 8)  # micro-batch counts of the trivial pipelines
 
@@ -70,6 +71,7 @@ def calibrate(
     sharding: bool = True,
     layouts: bool = True,
     workload: Callable[[], object] | None = None,
+    passes: int = 3,
     timeout: float = 60.0,
 ) -> Calibration:
     """Measure links, the runtime's cost per action, the cores the node's processes share and (``sharding``)
@@ -78,15 +80,23 @@ def calibrate(
     ``workload``: a piece of the model's own work (a forward and backward of some of its layers on a
     micro-batch, say) for measuring the shared cores (:func:`effective_cores`); left out, a small
     matrix-multiply loop, which fits a core's cache and so shares the cores better than most models do.
+
+    ``passes``: each probe runs this many times (the links back to back, the pipelines' steps in interleaved
+    passes) and the median of each measured quantity is taken before anything is fitted. One pass moved the
+    link latency 56-698 us, the cost per action 46-129 us and a layout's CPU per step 0.6-7.2 ms between three
+    calls in one run on this project's 2-core VM; ``calibrate()`` then takes about ``passes`` times as long.
     """
     require_initialized()
     if not timeout > 0:
         raise ValueError(f"calibrate: timeout must be > 0 seconds, got {timeout!r}")
-    intra, inter = measure_links(nodes, timeout=timeout)
+    if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+        raise ValueError(f"calibrate: passes must be an int >= 1, got {passes!r}")
+    found = [measure_links(nodes, timeout=timeout) for _ in range(passes)]
+    intra, inter = (_median_link([pair[k] for pair in found]) for k in (0, 1))
     world = group_size(None)
     link = intra or inter or Link()
-    action, step = action_cost(link, timeout=timeout) if world >= 2 else (0.0, 0.0)
-    cores = effective_cores(world // nodes, work=workload, timeout=timeout)
+    action, step = action_cost(link, passes=passes, timeout=timeout) if world >= 2 else (0.0, 0.0)
+    cores = effective_cores(world // nodes, work=workload, rounds=9 * passes, timeout=timeout)
     cal = Calibration(intra=intra, inter=inter, action=action, step=step, cores=cores)
     if sharding and world >= 2:
         from .hybrid.probe_sharding import sharding_costs
@@ -94,8 +104,18 @@ def calibrate(
         fixed, per_byte = sharding_costs(timeout=timeout)
         cal = replace(cal, sharding_fixed=fixed, sharding_per_byte=per_byte, sharding_group=world)
     if layouts and world >= 2:
-        cal = replace(cal, layouts=layout_costs(cal, world, nodes, timeout=timeout))
+        cal = replace(cal, layouts=layout_costs(cal, world, nodes, passes=passes, timeout=timeout))
     return replace(cal, background=idle_cpu(timeout=timeout))  # last: with every group the probes left
+
+
+def _median_link(links: list[Link | None]) -> Link | None:
+    """Latency and bandwidth each the median over passes (every pass finds the same pairs, or none)."""
+    if links[0] is None:
+        return None
+    got = [x for x in links if x is not None]
+    return Link(
+        latency=statistics.median(x.latency for x in got), bandwidth=statistics.median(x.bandwidth for x in got)
+    )
 
 
 def idle_cpu(seconds: float = 0.5, *, timeout: float = 60.0) -> float:
@@ -112,11 +132,20 @@ def idle_cpu(seconds: float = 0.5, *, timeout: float = 60.0) -> float:
     return max(0.0, average((time.process_time() - started) / seconds, deadline))
 
 
-def action_cost(link: Link, *, steps: int = 10, timeout: float = 60.0) -> tuple[float, float]:
+def action_cost(link: Link, *, steps: int = 20, passes: int = 1, timeout: float = 60.0) -> tuple[float, float]:
     """``(seconds per stage action, seconds per step)`` beyond compute and transfers, from two-rank pipelines of
-    trivial layers at two micro-batch counts."""
+    trivial layers at two micro-batch counts (each the median over ``passes`` interleaved passes of ``steps``)."""
     deadline = time.monotonic() + timeout
-    measured = {m: slowest(_trivial_step(m, steps, timeout), deadline) for m in _MS}
+    pipes = {m: _trivial_pipeline(m, timeout) for m in _MS}
+    runs: dict[int, list[float]] = {m: [] for m in _MS}
+    for _ in range(passes):
+        for m in _MS:
+            runs[m].append(slowest(_trivial_step(pipes[m], m, steps), time.monotonic() + timeout))
+    for pipe in pipes.values():
+        if pipe is not None:
+            pipe.transport.close()
+    measured = {m: statistics.median(runs[m]) for m in _MS}
+    slowest(0.0, deadline)
     resid, unit = {}, {}
     for m in _MS:
         base, one = _span(m, 0.0, link), _span(m, 1.0, link)
@@ -175,30 +204,39 @@ def _usable_cpus() -> int:
 
 
 def layout_costs(
-    cal: Calibration, world: int, nodes: int, *, steps: int = 12, timeout: float = 60.0
+    cal: Calibration, world: int, nodes: int, *, steps: int = 12, passes: int = 1, timeout: float = 60.0
 ) -> tuple[LayoutCost, ...]:
     """One :class:`LayoutCost` per ``pp x dp x sharding`` factorisation of ``world`` (tp = 1): trivial pipelines of the
     layout at ``u`` layers per stage and ``m`` micro-batches (the corners of :data:`_UNITS` x :data:`_MS_LAYOUT`),
-    measured less predicted, solved for the four terms."""
+    measured less predicted, solved for the four terms. Each corner's step and CPU are medians over ``passes``
+    passes through every layout (a slow spell on the machine then lands on one pass of each, not on one layout)."""
     from ..parallel import ParallelConfig
     from .hybrid.mesh import build_mesh
 
     rows = []
     base = replace(cal, step=0.0, layouts=())
-    for pp in _divisors(world):
-        for sharding in _divisors(world // pp):
-            dp = world // pp // sharding
-            mesh = build_mesh(ParallelConfig(pp=pp, dp=dp, tp=1, sharding=sharding))  # one per layout: see _layout_step
-            corners = [(u, m) for u in _UNITS for m in _MS_LAYOUT]
-            measured = {k: _layout_step(mesh, *k, steps, timeout) for k in corners}
-            # first the CPU the model does not count (measured less the predicted compute actions), then the wall
-            # time that the model with that CPU still misses
-            hidden = {k: measured[k][1] - _predicted(base, world, nodes, pp, dp, sharding, *k)[1] for k in corners}
-            cpu_only = LayoutCost.fit(pp, dp, 1, sharding, dict.fromkeys(corners, 0.0), hidden)
-            with_cpu = replace(base, layouts=(cpu_only,))
-            wall = {k: measured[k][0] - _predicted(with_cpu, world, nodes, pp, dp, sharding, *k)[0] for k in corners}
-            rows.append(LayoutCost.fit(pp, dp, 1, sharding, wall, hidden))
+    shapes = [(pp, world // pp // sh, sh) for pp in _divisors(world) for sh in _divisors(world // pp)]
+    corners = [(u, m) for u in _UNITS for m in _MS_LAYOUT]
+    meshes = {shape: build_mesh(ParallelConfig(pp=shape[0], dp=shape[1], tp=1, sharding=shape[2])) for shape in shapes}
+    runs: dict[tuple[tuple[int, int, int], tuple[int, int]], list[tuple[float, float]]] = {}
+    for _ in range(passes):
+        for shape in shapes:  # one mesh per layout: see _layout_step
+            for k in corners:
+                runs.setdefault((shape, k), []).append(_layout_step(meshes[shape], *k, steps, timeout))
+    for pp, dp, sharding in shapes:
+        measured = {k: _median_pair(runs[((pp, dp, sharding), k)]) for k in corners}
+        # first the CPU the model does not count (measured less the predicted compute actions), then the wall
+        # time that the model with that CPU still misses
+        hidden = {k: measured[k][1] - _predicted(base, world, nodes, pp, dp, sharding, *k)[1] for k in corners}
+        cpu_only = LayoutCost.fit(pp, dp, 1, sharding, dict.fromkeys(corners, 0.0), hidden)
+        with_cpu = replace(base, layouts=(cpu_only,))
+        wall = {k: measured[k][0] - _predicted(with_cpu, world, nodes, pp, dp, sharding, *k)[0] for k in corners}
+        rows.append(LayoutCost.fit(pp, dp, 1, sharding, wall, hidden))
     return tuple(rows)
+
+
+def _median_pair(pairs: list[tuple[float, float]]) -> tuple[float, float]:
+    return statistics.median(a for a, _ in pairs), statistics.median(b for _, b in pairs)
 
 
 _UNITS = (1, 2)  # layers per stage in the layout probes
@@ -288,15 +326,15 @@ def _span(m: int, o: float, link: Link) -> float:
     ).makespan
 
 
-def _trivial_step(m: int, steps: int, timeout: float) -> float:
-    """Ranks 0 and 1: the median step of 1F1B over two Linear(1, 1) stages and ``m`` micro-batches; others 0."""
+def _trivial_pipeline(m: int, timeout: float) -> Pipeline | None:
+    """Ranks 0 and 1: 1F1B over two Linear(1, 1) stages and ``m`` micro-batches; None on the others."""
     from .pipeline import Pipeline
 
     member = global_rank() < 2
     group = new_subgroup([0, 1], member)
     if not member:
-        return 0.0
-    pipe = Pipeline(
+        return None
+    return Pipeline(
         [nn.Linear(1, 1), nn.Linear(1, 1)],
         loss_fn=F.mse_loss,
         schedule="1f1b",
@@ -306,6 +344,12 @@ def _trivial_step(m: int, steps: int, timeout: float) -> float:
         seed=0,
         timeout=timeout,
     )
+
+
+def _trivial_step(pipe: Pipeline | None, m: int, steps: int) -> float:
+    """The median step of ``pipe`` (:func:`_trivial_pipeline`) after two warm-up steps; 0 where it is None."""
+    if pipe is None:
+        return 0.0
     x, y = torch.randn(m, 1), torch.randn(m, 1)
     times = []
     for step in range(steps + 2):
