@@ -98,7 +98,7 @@ def show(report: dict, ranks: int, load: tuple[float, float, float] | None) -> N
         runs = rows[0]["runs"]
         cores = f", {data['cores']:.2f} cores on its work" if "cores" in data else ""
         if "compute_scale" in data:
-            names = ("F", "B", "I+W")
+            names = ("F", "B", "I+W", "fixed F", "B", "I+W")  # per sample, then fixed per action (older: 3)
             cores += ", compute scale " + " ".join(f"{n} {k:.2f}" for n, k in zip(names, data["compute_scale"]))
         if "background" in data:  # measured again once the chosen plans' meshes exist; the predictions use it
             cores += f", idle CPU {data['background']:.1%} of a core per process with its meshes"
@@ -118,7 +118,7 @@ def show(report: dict, ranks: int, load: tuple[float, float, float] | None) -> N
             if r.get("predicted_before") is not None:
                 before_errors.append((r["predicted_before"], r["measured"]))
             meas = r["measured_activations"]
-            if meas:
+            if meas and "recompute off" in r["plan"]:  # the meter does not see what a recompute re-materialises
                 mem_errors.append(abs((r["predicted_activations"] - meas) / meas))
             shown = f"{meas / 1e6:>8.2f}M" if meas is not None else f"{'n/a':>9}"
             # the busiest rank's CPU seconds in a step over the compute the profile gives it (older reports: n/a)
@@ -145,7 +145,7 @@ def show(report: dict, ranks: int, load: tuple[float, float, float] | None) -> N
             f"bare (profile + link only): mean abs error {sum(e for e, _ in ok) / max(len(ok), 1):.0%}, "
             f"Spearman {rho_bare:.2f}"
         )
-        print(f"activation peak: mean abs error {mem:.0%} ({len(mem_errors)} measured)")
+        print(f"activation peak: mean abs error {mem:.0%} ({len(mem_errors)} measured without recompute)")
 
 
 if __name__ == "__main__":
