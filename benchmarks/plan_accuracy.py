@@ -98,7 +98,7 @@ def show(report: dict, ranks: int, load: tuple[float, float, float] | None) -> N
         runs = rows[0]["runs"]
         cores = f", {data['cores']:.2f} cores on its work" if "cores" in data else ""
         if "compute_scale" in data:
-            names = ("F", "B", "I+W", "fixed F", "B", "I+W")  # per sample, then fixed per action (older: 3)
+            names = ("F", "B", "I+W")
             cores += ", compute scale " + " ".join(f"{n} {k:.2f}" for n, k in zip(names, data["compute_scale"]))
         if "background" in data:  # measured again once the chosen plans' meshes exist; the predictions use it
             cores += f", idle CPU {data['background']:.1%} of a core per process with its meshes"

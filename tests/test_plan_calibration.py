@@ -10,7 +10,7 @@ import pytest
 import stagewise as sw
 from stagewise.costs import CostModel
 from stagewise.passes import add_grad_sync
-from stagewise.planning import Calibration, ComputeScale, LayoutCost, Link, search
+from stagewise.planning import Calibration, LayoutCost, Link, search
 from stagewise.profile_data import CheckpointCost, LayerCost, LayerProfile
 from stagewise.schedules import generate
 from stagewise.simulate_shared import shared_makespan
@@ -306,18 +306,6 @@ def test_a_measured_compute_scale_multiplies_each_stages_forward_and_backward_on
         assert split.costs.forward[1] == pytest.approx(2.0 * split_bare.costs.forward[1], rel=1e-12)
         assert split.costs.backward_input[1] == pytest.approx(k * split_bare.costs.backward_input[1], rel=1e-12)
         assert split.costs.backward_weight[1] == pytest.approx(k * split_bare.costs.backward_weight[1], rel=1e-12)
-    # six factors: the part fixed per action (overhead 0.5 + action 0.25 per stage of one layer) has its own
-    c = 0.5 + 0.25
-    six = _find(_only(profile, 4, compute_scale=ComputeScale(2.0, 3.0, 5.0, 7.0, 11.0, 13.0), **kw), 4, 4)
-    assert six.costs is not None
-    for s in range(4):
-        assert six.costs.forward[s] == pytest.approx(2.0 * (bare.costs.forward[s] - c) + 7.0 * c, rel=1e-12)
-        want_i = 3.0 * (bare.costs.backward_input[s] - c / 2) + 11.0 * c / 2
-        assert six.costs.backward_input[s] == pytest.approx(want_i, rel=1e-12)
-    split6 = _find(_only(profile, 4, compute_scale=(2.0, 3.0, 5.0, 7.0, 11.0, 13.0), **zb), 4, 4)
-    assert split6.costs is not None and split_bare.costs is not None
-    want_w = 5.0 * (split_bare.costs.backward_weight[1] - c / 2) + 13.0 * c / 2
-    assert split6.costs.backward_weight[1] == pytest.approx(want_w, rel=1e-12)
     fused = _find(_only(profile, 4, compute_scale=(2.0, 3.0, 5.0), **kw), 4, 4)
     assert fused.costs is not None and fused.costs.backward_input == got.costs.backward_input
     same = _find(_only(profile, 4, compute_scale=1.5, **kw), 4, 4)
@@ -341,19 +329,6 @@ def test_a_measured_compute_scale_multiplies_each_stages_forward_and_backward_on
     assert two.breakdown["tp_comm"] == pytest.approx(one.breakdown["tp_comm"], rel=1e-12)
     tp_fwd = one.breakdown["tp_comm"] / one.microbatches / 2  # per forward: half of a micro-batch's all-reduces
     assert two.costs.forward[0] == pytest.approx(2.0 * (one.costs.forward[0] - tp_fwd) + tp_fwd, rel=1e-12)
-    for bad in (
-        0.0,
-        -1.0,
-        math.inf,
-        math.nan,
-        (1.0,),
-        (1.0, 2.0, 3.0, 4.0),
-        (1.0, 0.0),
-        (1.0, 1.0, -1.0),
-        True,
-        (1.0,) * 5,
-        (1.0,) * 5 + (0.0,),
-        (1.0,) * 7,
-    ):
+    for bad in (0.0, -1.0, math.inf, math.nan, (1.0,), (1.0, 2.0, 3.0, 4.0), (1.0, 0.0), (1.0, 1.0, -1.0), True):
         with pytest.raises(ValueError, match="compute_scale"):
             search(profile, 2, global_batch=2, compute_scale=bad)  # type: ignore[arg-type]

@@ -149,21 +149,20 @@ def _burn(seconds: float) -> None:
         pass
 
 
-def _spin_layer(forward: tuple[float, float], backward: tuple[float, float]) -> Any:
-    """A layer whose forward spends ``a + c b`` CPU seconds on ``b`` samples for ``forward = (a, c)``, and whose
-    backward likewise for ``backward``."""
+def _spin_layer(forward: float, backward: float) -> Any:
+    """A layer whose forward spends ``forward`` CPU seconds and whose backward ``backward``, whatever the batch."""
     import torch
     from torch import nn
 
     class Burn(torch.autograd.Function):
         @staticmethod
         def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-            _burn(forward[0] + forward[1] * x.shape[0])
+            _burn(forward)
             return x.clone()
 
         @staticmethod
         def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-            _burn(backward[0] + backward[1] * grad.shape[0])
+            _burn(backward)
             return grad
 
     class Spin(nn.Module):
@@ -178,45 +177,40 @@ def _spin_layer(forward: tuple[float, float], backward: tuple[float, float]) -> 
 
 
 def compute_scale(ctx: Ctx) -> dict[str, Any]:
-    """Layers whose forward spends 8 ms + 1 ms per sample of CPU and backward 12 ms + 1.5 ms per sample, profiled
-    as 0.5 ms per sample each way and 2 ms fixed (``overhead``): probed at 4 micro-batches of 2 samples and 1 of
-    8, the runtime's F is 2x the plans' per-sample cost and 4x their fixed cost, its B, fused or split, 3x and
-    6x (the runtime's own CPU per action, a few hundred microseconds, is fixed: room up to 2 ms is left in the
-    fixed factors); planned with them, a stage costs what the layers burn; the layers given are left untouched
-    (the probes train a copy)."""
+    """Layers that spend 12 ms of CPU per forward and 18 ms per backward, profiled as 3 and 3: the probes find the
+    runtime's F at 4x and its B, fused or split, at 6x the plans' costs (the runtime's own CPU per action, a few
+    hundred microseconds, is left room up to 2 ms), and the layers given are left untouched (the probes train a
+    copy)."""
     import torch
     import torch.nn.functional as F
 
-    per = LayerCost("spin", 1e-3, 0.5e-3, 0.5e-3, 1e-3, 64.0, 32.0, 4.0, 64.0)  # at the profile batch: 2 samples
+    per = LayerCost("spin", 3e-3, 1.5e-3, 1.5e-3, 3e-3, 64.0, 32.0, 4.0, 64.0)
     profile = LayerProfile((per, per), "synthetic", 2, 0)
-    layers = [_spin_layer((8e-3, 1e-3), (12e-3, 1.5e-3)) for _ in range(2)]
+    layers = [_spin_layer(12e-3, 18e-3), _spin_layer(12e-3, 18e-3)]
     before = [p.detach().clone() for layer in layers for p in layer.parameters()]
     x, y = torch.randn(8, 4), torch.randn(8, 4)
-    from stagewise.runtime.compute_scale import probe_microbatches, probe_plan
+    from stagewise.runtime.compute_scale import probe_plan
 
-    opts: dict[str, Any] = {"global_batch": 8, "profile_batch": 2, "overhead": 2e-3}
-    assert probe_microbatches(ctx.world) == (2 * ctx.world, 1)
-    plan = probe_plan(profile, ctx.world, **opts)
+    plan = probe_plan(profile, ctx.world, global_batch=8, profile_batch=2)
     assert (plan.layout.pp, plan.schedule, plan.microbatches) == (ctx.world, "1f1b", 2 * ctx.world), plan
-    split = probe_plan(profile, ctx.world, "zb-h1", microbatches=1, **opts)
-    assert (split.layout.pp, split.schedule, split.microbatches) == (ctx.world, "zb-h1", 1), split
-    scale = sw.measure_compute_scale(profile, layers, F.mse_loss, x, y, steps=3, **opts)
-    kf, kb, ks, kf0, kb0, ks0 = scale
-    assert 1.85 < kf < 2.25 and 2.8 < kb < 3.3 and 2.8 < ks < 3.3, scale
-    assert 3.9 < kf0 < 5.1 and 5.9 < kb0 < 7.1 and 5.9 < ks0 < 7.1, scale
+    split = probe_plan(profile, ctx.world, "zb-h1", global_batch=8, profile_batch=2)
+    assert (split.layout.pp, split.schedule, split.microbatches) == (ctx.world, "zb-h1", 2 * ctx.world), split
+    kf, kb, ks = sw.measure_compute_scale(profile, layers, F.mse_loss, x, y, global_batch=8, profile_batch=2, steps=3)
+    assert 3.9 < kf < 4.7 and 5.85 < kb < 6.7 and 5.85 < ks < 6.7, (kf, kb, ks)
     after = [p.detach() for layer in layers for p in layer.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(before, after)) and all(p.grad is None for p in after), "touched"
-    # planned with it, a stage's F at 2 samples costs what its layer burns (10 ms), within the probe's slack
-    got = sw.plan(profile, ctx.world, compute_scale=scale, top=1000, **opts)
+    # planned with it, the stages cost what the probe measured
+    got = sw.plan(profile, ctx.world, global_batch=8, profile_batch=2, compute_scale=(kf, kb, ks), top=1000)
     scaled = next(p for p in got if p.describe() == plan.describe())
-    assert scaled.costs is not None and 9.9e-3 < scaled.costs.forward[0] < 12.5e-3, scaled.costs.forward
+    assert scaled.costs is not None and plan.costs is not None
+    assert abs(scaled.costs.forward[0] - kf * plan.costs.forward[0]) < 1e-12
     with_bad = None
     try:
-        sw.measure_compute_scale(profile, layers, F.mse_loss, x, y, steps=0, **opts)
+        sw.measure_compute_scale(profile, layers, F.mse_loss, x, y, global_batch=8, profile_batch=2, steps=0)
     except ValueError as err:
         with_bad = str(err)
     assert with_bad is not None and "steps" in with_bad, with_bad
-    return {"scale": [round(k, 2) for k in scale]}
+    return {"scale": [round(kf, 1), round(kb, 1), round(ks, 1)]}
 
 
 def checks(world: int) -> dict[str, Callable[[Ctx], Any]]:

@@ -17,7 +17,7 @@ from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, TypedDict
 
 from ..profile_data import LayerProfile
-from .calibration import Calibration, ComputeScale, LayoutCost
+from .calibration import Calibration, LayoutCost
 from .comm import Link, ring_all_gather, ring_all_reduce, ring_reduce_scatter
 from .inputs import make_problem
 from .result import Dropped, Plan, PlanSearch, RankMemory
@@ -28,7 +28,6 @@ if TYPE_CHECKING:  # (annotations only: Python 3.10's typing has neither)
 
 __all__ = [
     "Calibration",
-    "ComputeScale",
     "LayoutCost",
     "Dropped",
     "Link",
@@ -95,8 +94,7 @@ def plan(profile: LayerProfile, processes: int, **options: Unpack[PlanOptions]) 
     forward and of its backward that do not scale with the batch (one number, or one per layer);
     ``action_overhead``: the runtime's seconds per stage forward and per backward (added to the
     calibration's). ``compute_scale``: what the runtime's compute actions cost over what the profile predicts for
-    them, one factor, (forward, backward[, I + W under schedules that split the backward]), or a
-    :class:`ComputeScale` (those three and three for the costs fixed per action) as
+    them, one factor or (forward, backward[, I + W under schedules that split the backward]), as
     :func:`stagewise.measure_compute_scale` measures it on the group (each stage's forward and backward are
     multiplied by it, tp all-reduces aside). ``calibration``: what
     ``stagewise.calibrate()`` measured on the group (links, per-action and per-message costs, FSDP2's cost per

@@ -8,28 +8,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from .comm import Link
-
-
-class ComputeScale(NamedTuple):
-    """What the runtime's compute actions cost on the group over what the planner predicts for them
-    (:func:`stagewise.measure_compute_scale`); ``sw.plan(..., compute_scale=...)`` takes it.
-
-    Each stage's forward, fused backward and split backward (I + W) are multiplied by ``forward``, ``backward``
-    and ``split`` in the part that grows with the micro-batch, and by the ``*_fixed`` factors in the part fixed
-    per action (the profile's per-layer ``overhead``, the calibration's cost per action, a checkpoint's hooks).
-    They differ: on this project's 2-core VM the uneven MLP's backward at 32 samples per micro-batch cost
-    1.6-1.9x its prediction and at 128 samples 1.0-1.2x, which one factor per action cannot both be.
-    """
-
-    forward: float
-    backward: float
-    split: float
-    forward_fixed: float
-    backward_fixed: float
-    split_fixed: float
 
 
 @dataclass(frozen=True)

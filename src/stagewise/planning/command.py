@@ -60,8 +60,7 @@ def add_plan_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         nargs="+",
         default=[1.0],
         metavar="K",
-        help="the runtime's compute over the plan's: one factor, F B [I+W], or those three and the same three for "
-        "the costs fixed per action (sw.measure_compute_scale)",
+        help="the runtime's compute over the plan's: one factor, or F B [I+W] (sw.measure_compute_scale)",
     )
     parser.add_argument("--top", type=int, default=5, metavar="K", help="plans to keep (default 5)")
     parser.add_argument("--json", metavar="PATH", help="write the plans and the search summary as JSON")

@@ -27,25 +27,24 @@ recomputed stage does its W within I (I = F + I + W, W = 0): the runtime
 does, because W in parts would re-run the checkpointed forward once per
 part (:mod:`stagewise.runtime.engine.interpreter`). The checkpoint itself
 costs time too (a hook per saved tensor, packed in the forward and again
-when the backward re-runs it): the stage's F gains ``k'_F c^F_s`` and its
-backward ``k'_B c^B_s``, where ``c_s`` is the profile's
+when the backward re-runs it): the stage's F gains ``k_F c^F_s`` and its
+backward ``k_B c^B_s``, where ``c_s`` is the profile's
 :class:`~stagewise.profile_data.CheckpointCost` line at the stage's saved
 tensors (0 for a profile without one). It does not grow with the batch.
 **The step time, as predicted** (one candidate; ``b`` samples per micro-batch,
 ``sigma = b / profile_batch``; sums over a stage's layers ``l``):
 
-* ``F_s = k_F sigma sum f_l + k'_F c_s + T_s``, ``I_s = k_B sigma sum i_l + k'_B c_s / 2 + T_s``,
-  ``W_s = k_B sigma sum w_l + k'_B c_s / 2`` (B = I + W where the schedule does not split it; where it
-  does, ``k_IW`` and ``k'_IW`` in place of ``k_B`` and ``k'_B``),
+* ``F_s = k_F (sigma * sum f_l + c_s) + T_s``, ``I_s = k_B (sigma * sum i_l + c_s / 2) + T_s``,
+  ``W_s = k_B (sigma * sum w_l + c_s / 2)`` (B = I + W where the schedule does not split it; where it
+  does, ``k_IW`` in place of ``k_B``),
   with ``T_s`` the stage's tp all-reduces and the fixed cost per action
   ``c_s = sum o_l + action + message * (in_s + out_s)``: ``o_l`` the profile's per-layer
   ``overhead``, ``action`` the runtime's measured cost per stage action and ``message`` its
   cost per point-to-point message, ``in_s = [s > 0]``, ``out_s = [s < S - 1]`` (an F receives
   an activation and sends one; a B the same gradients back). ``action`` and ``message`` come
-  from :class:`~stagewise.planning.Calibration`; ``(k_F, k_B, k_IW, k'_F, k'_B, k'_IW)`` is
-  ``compute_scale`` (:class:`~stagewise.planning.ComputeScale`, 1 unless given): what the runtime's F, B
-  and split I + W actions measured on the group over these predictions for them, for the part that grows
-  with the batch and for the part fixed per action (:func:`stagewise.measure_compute_scale`).
+  from :class:`~stagewise.planning.Calibration`; ``(k_F, k_B, k_IW)`` is ``compute_scale`` (1 unless
+  given): what the runtime's F, B and split I + W actions measured on the group over these predictions
+  for them (:func:`stagewise.measure_compute_scale`).
 * The simulator runs the schedule with these costs and the pipeline link
   (``latency + bytes / bandwidth`` per transfer), giving ``T_sim``.
 * Gradient sync at SYNC (:mod:`stagewise.planning.candidate`): dp all-reduce as a ring,
@@ -165,7 +164,7 @@ class StageBase:
     fixed: tuple[float, ...]  # seconds of each F and of each B that do not scale with the batch
     units: tuple[int, ...]  # layers with parameters (FSDP2 units when sharded)
     recompute: str | None
-    factor: tuple[float, ...] = (1.0,) * 6  # measured / predicted compute (ComputeScale): per sample, then fixed
+    factor: tuple[float, float, float] = (1.0, 1.0, 1.0)  # measured / predicted compute: F, B, I and W
     checkpoint_forward: tuple[float, ...] = ()  # seconds a recompute segment adds to each F (fixed)
     checkpoint_backward: tuple[float, ...] = ()  # ... and to each backward, beyond the forward again
 
@@ -177,16 +176,15 @@ class StageBase:
             tp_fwd = self.tp_fixed[s] + self.tp_per_scale[s] * scale
             fixed = self.fixed[s]
             kf, kb = self.factor[0], self.factor[2 if split else 1]
-            kf0, kb0 = self.factor[3], self.factor[5 if split else 4]
-            fs = kf * self.forward[s] * scale + kf0 * fixed + tp_fwd
-            is_ = kb * self.backward_input[s] * scale + kb0 * fixed / 2 + tp_fwd  # the f all-reduces mirror the g
+            fs = kf * (self.forward[s] * scale + fixed) + tp_fwd
+            is_ = kb * (self.backward_input[s] * scale + fixed / 2) + tp_fwd  # the f all-reduces mirror the g ones
             acts = self.activation[s] * scale
             kp = self.keep[s] * scale
             full.append(acts)
-            ws = kb * self.backward_weight[s] * scale + kb0 * fixed / 2
+            ws = kb * (self.backward_weight[s] * scale + fixed / 2)
             if self.recompute == "stage":  # the forward again, W within I, the checkpoint's hooks (see above)
-                is_ += fs + ws + kb0 * self.checkpoint_backward[s]
-                fs += kf0 * self.checkpoint_forward[s]
+                is_ += fs + ws + kb * self.checkpoint_backward[s]
+                fs += kf * self.checkpoint_forward[s]
                 ws = 0.0
                 acts = self.input[s] * scale
                 kp = min(kp, acts)
@@ -221,7 +219,7 @@ def stage_base(
     overhead: Sequence[float],
     action_overhead: float = 0.0,
     message: float = 0.0,
-    factor: tuple[float, ...] = (1.0,) * 6,
+    factor: tuple[float, float, float] = (1.0, 1.0, 1.0),
 ) -> StageBase:
     """Sum the layers of each stage (``bounds`` as in :class:`~stagewise.partition.Partition`)."""
     per_ar_fixed = 2 * (tp - 1) * tp_link.latency if tp > 1 else 0.0

@@ -34,7 +34,7 @@ class Problem:
     overhead: tuple[float, ...]  # per layer
     action_overhead: float  # per stage action (F, and B = I + W): the argument plus the calibration's
     message: float  # per point-to-point message, charged to the action that posts or receives it
-    compute_scale: tuple[float, float, float, float, float, float]  # ComputeScale's six factors
+    compute_scale: tuple[float, float, float]  # the runtime's measured compute over the plan's: F, B, split I + W
     calibration: Calibration
     cores: float | None  # per node; None: a core (or device) per process
     top: int
@@ -157,10 +157,9 @@ def make_problem(
     )
 
 
-def _compute_scale(value: float | Sequence[float]) -> tuple[float, float, float, float, float, float]:
-    """``compute_scale`` as the six factors of a :class:`~stagewise.planning.ComputeScale`, each finite and > 0:
-    one number for all; (forward, backward), a split backward like the fused one; (forward, backward, split); or
-    those and the three for the costs fixed per action. Fewer than six: the fixed costs take the same factors."""
+def _compute_scale(value: float | Sequence[float]) -> tuple[float, float, float]:
+    """``compute_scale`` as (forward, backward, split backward) factors, each finite and > 0: one number for all
+    three, (forward, backward) for a split backward like the fused one, or all three."""
     if isinstance(value, (int, float)):
         values = [value] * 3
     else:
@@ -170,18 +169,16 @@ def _compute_scale(value: float | Sequence[float]) -> tuple[float, float, float,
             values = []
         if len(values) == 2:
             values.append(values[1])
-    if len(values) == 3:
-        values += values
     if (
         isinstance(value, bool)
-        or len(values) != 6
+        or len(values) != 3
         or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < math.inf for x in values)
     ):
         raise ValueError(
-            f"plan: compute_scale must be a number > 0, or (forward, backward[, split backward[, the same three for "
-            f"the fixed costs]]) numbers > 0 (stagewise.measure_compute_scale()), got {value!r}"
+            f"plan: compute_scale must be a number > 0, or (forward, backward[, split backward]) numbers > 0 "
+            f"(stagewise.measure_compute_scale()), got {value!r}"
         )
-    return tuple(float(x) for x in values)  # type: ignore[return-value]
+    return float(values[0]), float(values[1]), float(values[2])
 
 
 def _per_rank_values(value: float | Sequence[float], n: int, what: str) -> list[float]:

@@ -14,17 +14,12 @@ predictions for them in CPU time.
 The probe: the planner's own 1F1B plan over every rank (one stage each, no
 replicas) with about two micro-batches per rank, so that most of its step has
 every rank computing, as the plans worth running do; then the same with ZB-H1,
-which splits the backward; then both again with one micro-batch per two ranks,
-four times the samples each. A few steps of each; each rank's CPU seconds in its
+which splits the backward. A few steps of each; each rank's CPU seconds in its
 F, B and I + W actions (from their input's arrival: waits excluded), summed
-over ranks and over the two schedules, per step; the median step against the same
-sums of the plans' predicted costs. The two sizes split each factor in two: one
-for the part of an action's cost that grows with its samples and one for the
-part fixed per action (:func:`_split_factor`) - the uneven MLP's backward
-measured 1.6-1.9x its prediction at 32 samples and 1.0-1.2x at 128, as its
-fixed costs, not its arithmetic, were under-predicted.
+over ranks and over the two probes, per step; the median step over the same
+sums of the plans' predicted costs.
 ``sw.plan(..., compute_scale=...)`` multiplies every stage's forward, fused
-backward and split backward by them. As they include what sharing
+backward and split backward by the three factors. As they include what sharing
 the cores costs beyond the cores themselves, plan with them on the
 calibration's cores (``sw.calibrate()``'s cache-resident probe), not on cores
 measured on the model's own work (``calibrate(workload=...)``), which count
@@ -41,7 +36,6 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ..actions import Kind
-from ..planning.calibration import ComputeScale
 from ..profile_data import LayerProfile
 from .comm.groups import group_size, require_initialized
 from .comm.probe import summed
@@ -66,10 +60,10 @@ def measure_compute_scale(
     parallel: Mesh | None = None,
     timeout: float = 60.0,
     **options: Any,
-) -> ComputeScale:
-    """The runtime's CPU seconds in F, in B and in I + W actions over the planner's prediction for them, on 1F1B
-    and ZB-H1 pipelines of ``layers`` over every rank at two micro-batch sizes, split into the factor of the part
-    that grows with the batch and that of the part fixed per action (see the module docstring).
+) -> tuple[float, float, float]:
+    """``(forward, backward, split backward)``: the runtime's CPU seconds in F, in B and in I + W actions over the
+    planner's prediction for them, on 1F1B and ZB-H1 pipelines of ``layers`` over every rank (see the module
+    docstring).
 
     ``options`` are those of :func:`stagewise.plan` (``global_batch``, ``profile_batch``, ``overhead``,
     ``calibration``, ...), as the plans to be scaled will get them; ``inputs`` and ``targets`` one global batch.
@@ -81,67 +75,25 @@ def measure_compute_scale(
         raise ValueError(f"measure_compute_scale: steps must be an int >= 1, got {steps!r}")
     if not timeout > 0:
         raise ValueError(f"measure_compute_scale: timeout must be > 0 seconds, got {timeout!r}")
-    processes = group_size(None)
-    sizes: list[tuple[int, list[float], list[float]]] = []  # per probe size: m, measured and predicted F, B, I + W
-    for target in probe_microbatches(processes):
-        measured = [[0.0] * 3 for _ in range(steps)]  # per step: F, B, I + W (both schedules' k-th steps)
-        predicted = [0.0] * 3
-        m = 0
-        for schedule in PROBES:
-            plan = probe_plan(profile, processes, schedule, microbatches=target, **options)
-            m = plan.microbatches
-            got, want = _probe(plan, layers, loss_fn, inputs, targets, steps, parallel, timeout)
-            for row, more in zip(measured, got):
-                for k in range(3):
-                    row[k] += more[k]
-            predicted = [a + b for a, b in zip(predicted, want)]
-        both = summed([x for row in measured for x in row] + predicted, time.monotonic() + timeout)
-        per_step, total = [both[3 * i : 3 * i + 3] for i in range(steps)], both[3 * steps :]
-        # the median step: a step that a burst of other work on the machine slowed does not move it
-        sizes.append((m, [statistics.median_low(row[k] for row in per_step) for k in range(3)], total))
-    factors = [_split_factor(sizes, k) for k in range(3)]
-    return ComputeScale(*(f for f, _ in factors), *(f0 for _, f0 in factors))
+    measured = [[0.0] * 3 for _ in range(steps)]  # per step: F, B, I + W (both probes' k-th steps)
+    predicted = [0.0] * 3
+    for schedule in PROBES:
+        plan = probe_plan(profile, group_size(None), schedule, **options)
+        got, want = _probe(plan, layers, loss_fn, inputs, targets, steps, parallel, timeout)
+        for row, more in zip(measured, got):
+            for k in range(3):
+                row[k] += more[k]
+        predicted = [a + b for a, b in zip(predicted, want)]
+    both = summed([x for row in measured for x in row] + predicted, time.monotonic() + timeout)
+    per_step, total = [both[3 * i : 3 * i + 3] for i in range(steps)], both[3 * steps :]
+    # the median step: a step that a burst of other work on the machine slowed does not move it
+    f, b, iw = (_ratio(statistics.median_low(row[k] for row in per_step), total[k]) for k in range(3))
+    return f, b, iw
 
 
-def probe_microbatches(processes: int) -> tuple[int, int]:
-    """The two probes' micro-batch counts: about two per rank (the pipeline full most of its step) and about one
-    per two ranks (micro-batches four times as large, as the plans with few micro-batches run them)."""
-    return 2 * processes, max(1, processes // 2)
-
-
-SANE = 4.0  # the two-size split is kept only within this factor of the single ratio either way
-
-
-def _split_factor(sizes: list[tuple[int, list[float], list[float]]], k: int) -> tuple[float, float]:
-    """``(per-sample factor, fixed factor)`` of kind ``k`` from the probes at two micro-batch counts.
-
-    Both probes run the same global batch ``G`` over the same cut, so kind k's predicted total at ``m``
-    micro-batches is ``G L + m C`` (``L`` the per-sample part summed over stages, ``C`` the fixed part per
-    micro-batch): the two predictions give ``L`` and ``C``, the two measurements then ``beta G L + alpha m C``
-    give ``beta`` and ``alpha``. Where that is degenerate (equal counts, no fixed part, a factor <= 0 or beyond
-    :data:`SANE` of the single ratio, as noise makes of a small fixed part) both are the single ratio:
-    everything measured over everything predicted.
-    """
-    (m1, got1, want1), (m2, got2, want2) = sizes
-    single = _ratio(got1[k] + got2[k], want1[k] + want2[k])
-    if m1 == m2:
-        return single, single
-    fixed = (want1[k] - want2[k]) / (m1 - m2)  # C
-    grow = want1[k] - m1 * fixed  # G L
-    if fixed <= 0 or grow <= 0:
-        return single, single
-    alpha = (got1[k] - got2[k]) / ((m1 - m2) * fixed)
-    beta = (got1[k] - alpha * m1 * fixed) / grow
-    if not all(single / SANE <= x <= single * SANE for x in (alpha, beta)):
-        return single, single
-    return beta, alpha
-
-
-def probe_plan(
-    profile: LayerProfile, processes: int, schedule: str = "1f1b", *, microbatches: int | None = None, **options: Any
-) -> Plan:
+def probe_plan(profile: LayerProfile, processes: int, schedule: str = "1f1b", **options: Any) -> Plan:
     """A plan :func:`measure_compute_scale` runs: ``schedule``, no recompute, one stage per process (no replicas),
-    and the micro-batch count closest to ``microbatches`` (default: twice the processes)."""
+    and the micro-batch count closest to twice the processes."""
     from ..planning import search
 
     options = {**options, "schedules": [schedule], "recompute": (None,), "top": 100_000}
@@ -154,7 +106,7 @@ def probe_plan(
             f"measure_compute_scale: no {schedule} pipeline without replicas fits {processes} processes "
             f"(the probe needs one plan of pp = processes, dp = tp = sharding = 1)"
         )
-    want = 2 * processes if microbatches is None else microbatches
+    want = 2 * processes
     return min(plans, key=lambda p: (abs(p.microbatches - want), p.microbatches))
 
 
