@@ -44,9 +44,10 @@ class CheckpointCost:
     own work, in seconds per micro-batch: a fixed cost per checkpointed segment, and one per tensor autograd saves
     in it (a Python hook packs each in the forward and each again when the backward re-runs the forward).
 
-    Neither grows with the batch: at the demo GPT's sizes (8 blocks, ~250 saved tensors) the checkpointed
-    forward costs ~0.8 ms more than the plain one and the backward ~1.8 ms more than the plain backward plus the
-    forward again; a planner that charged recompute the forward again only under-predicted such plans by ~15 %.
+    Neither grows much with the batch: for a stage of half the benchmark GPT's layers (3 blocks, ~75 saved
+    tensors) the checkpointed forward costs 0.5-0.7 ms more than the plain one and the backward 0.8-0.9 ms more
+    than the plain backward plus the forward again, at 2 and 8 samples; a planner that charged recompute the
+    forward again only predicted such plans 12-19 % low (benchmarks/RESULTS.md, round 7).
     """
 
     segment_forward: float

@@ -82,9 +82,10 @@ def calibrate(
     matrix-multiply loop, which fits a core's cache and so shares the cores better than most models do.
 
     ``passes``: each probe runs this many times (the links back to back, the pipelines' steps in interleaved
-    passes) and the median of each measured quantity is taken before anything is fitted. One pass moved the
-    link latency 56-698 us, the cost per action 46-129 us and a layout's CPU per step 0.6-7.2 ms between three
-    calls in one run on this project's 2-core VM; ``calibrate()`` then takes about ``passes`` times as long.
+    passes) and the median of each measured quantity is taken before anything is fitted. With one pass, three
+    calls in one run on this project's 2-core VM measured the link latency at 56-698 us, the cost per action at
+    46-129 us and one layout's fixed CPU per step at -1.9 to 5.3 ms; ``calibrate()`` takes about ``passes``
+    times as long.
     """
     require_initialized()
     if not timeout > 0:
@@ -135,7 +136,6 @@ def idle_cpu(seconds: float = 0.5, *, timeout: float = 60.0) -> float:
 def action_cost(link: Link, *, steps: int = 20, passes: int = 1, timeout: float = 60.0) -> tuple[float, float]:
     """``(seconds per stage action, seconds per step)`` beyond compute and transfers, from two-rank pipelines of
     trivial layers at two micro-batch counts (each the median over ``passes`` interleaved passes of ``steps``)."""
-    deadline = time.monotonic() + timeout
     pipes = {m: _trivial_pipeline(m, timeout) for m in _MS}
     runs: dict[int, list[float]] = {m: [] for m in _MS}
     for _ in range(passes):
@@ -145,7 +145,6 @@ def action_cost(link: Link, *, steps: int = 20, passes: int = 1, timeout: float 
         if pipe is not None:
             pipe.transport.close()
     measured = {m: statistics.median(runs[m]) for m in _MS}
-    slowest(0.0, deadline)
     resid, unit = {}, {}
     for m in _MS:
         base, one = _span(m, 0.0, link), _span(m, 1.0, link)

@@ -102,7 +102,7 @@ def measure_layers(
     repeats: int = 5,
     warmup: int = 2,
 ) -> LayerProfile:
-    """:func:`profile` but the checkpoint's fitted cost (taken once per profile, not per layer)."""
+    """:func:`profile` without the checkpoint's fitted line (which is taken once per profile, not per layer)."""
     if repeats < 1 or warmup < 0:
         raise ValueError(f"profile: need repeats >= 1 and warmup >= 0, got {repeats}, {warmup}")
     inputs = sample_inputs if isinstance(sample_inputs, tuple) else (sample_inputs,)
