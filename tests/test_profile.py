@@ -222,3 +222,27 @@ def test_saved_tensors_are_counted_and_the_checkpoints_line_is_fitted_through_wh
             del layer[field]
     legacy = LayerProfile.from_json(json.dumps(old))
     assert legacy.checkpoint is None and [x.saved_tensors for x in legacy.layers] == [0.0, 0.0, 0.0]
+
+
+class Shrinking(nn.Module):
+    """Saves one tensor fewer on every call: torch's checkpoint refuses to re-run it (its recompute differs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        for _ in range(max(1, 60 - self.calls)):
+            x = x * x
+        return x
+
+
+def test_a_layer_the_checkpoint_cannot_re_run_is_profiled_without_its_checkpoint_cost() -> None:
+    """Profiling does not fail on a layer that recompute could not run: its checkpoint extras are 0, the others'
+    are measured, and its own times are."""
+    prof = profile([nn.Linear(8, 8), Shrinking()], torch.randn(4, 8, requires_grad=True), repeats=3, warmup=1)
+    lin, shrinking = prof.layers
+    assert shrinking.checkpoint_forward == 0.0 and shrinking.checkpoint_backward == 0.0
+    assert shrinking.forward > 0 and shrinking.saved_tensors >= 2 and lin.checkpoint_forward != 0.0
+    assert prof.checkpoint is not None

@@ -42,6 +42,7 @@ here :func:`profile` measures and :mod:`stagewise.partition` decides.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -52,7 +53,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointError, checkpoint
 
 from ...profile_data import CheckpointCost, LayerCost, LayerProfile
 from ..engine.backward import backward_full, backward_input, backward_weight
@@ -351,6 +352,8 @@ def _measure(
         for p, grad in kept:
             p.grad = grad
     med = dict(zip(("f", "i", "w", "b", "cf", "cb"), (statistics.median(column) for column in zip(*samples))))
+    if any(math.isnan(row[4]) for row in samples):  # the checkpoint refused it once: no cost to charge, nor a recompute
+        med["cf"] = med["cb"] = 0.0
     return LayerCost(
         name=name,
         forward=med["f"],
@@ -395,8 +398,11 @@ def _time_step(
     one = [torch.ones(1, device=device)]
     _, bi = timed(lambda: backward_input([z * 1.0], one, [z]))
     _, bb = timed(lambda: backward_full([z * 1.0], one, [z], fused=fused))
-    kept, tcf = timed(checkpointed)
-    _, tcb = timed(lambda: backward_full(_grad_outputs(kept), grads, inputs, fused=fused))
+    try:
+        kept, tcf = timed(checkpointed)
+        _, tcb = timed(lambda: backward_full(_grad_outputs(kept), grads, inputs, fused=fused))
+    except CheckpointError:  # a layer whose re-run differs (a cache it appends to, say): recompute cannot run it
+        return tf, max(0.0, ti - bi), tw, max(0.0, tb - bb), math.nan, math.nan
     return tf, max(0.0, ti - bi), tw, max(0.0, tb - bb), tcf - tf, tcb - tb - tf
 
 
