@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 
 import pytest
@@ -244,5 +245,5 @@ def test_a_layer_the_checkpoint_cannot_re_run_is_profiled_without_its_checkpoint
     prof = profile([nn.Linear(8, 8), Shrinking()], torch.randn(4, 8, requires_grad=True), repeats=3, warmup=1)
     lin, shrinking = prof.layers
     assert shrinking.checkpoint_forward == 0.0 and shrinking.checkpoint_backward == 0.0
-    assert shrinking.forward > 0 and shrinking.saved_tensors >= 2 and lin.checkpoint_forward != 0.0
+    assert shrinking.forward > 0 and shrinking.saved_tensors >= 2 and not math.isnan(lin.checkpoint_forward)
     assert prof.checkpoint is not None

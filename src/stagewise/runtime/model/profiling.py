@@ -159,13 +159,13 @@ def with_checkpoint_cost(measured: LayerProfile) -> LayerProfile:
 
 
 def _line(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """Intercept and slope of the least-squares line, both clamped at zero (differences of small times)."""
-    n = len(points)
-    mx = sum(x for x, _ in points) / n
-    my = sum(y for _, y in points) / n
-    sxx = sum((x - mx) ** 2 for x, _ in points)
-    slope = max(0.0, sum((x - mx) * (y - my) for x, y in points) / sxx) if sxx > 0 else 0.0
-    return max(0.0, my - slope * mx), slope
+    """Intercept and slope of the least-squares line (the chains' two sizes make it defined), neither below zero:
+    these are differences of small times, and a falling line is noise (then the mean, flat)."""
+    xs, ys = [x for x, _ in points], [y for _, y in points]
+    slope, intercept = statistics.linear_regression(xs, ys)
+    if slope < 0:
+        slope, intercept = 0.0, statistics.fmean(ys)
+    return max(0.0, intercept), slope
 
 
 CHAINS = (1, 17)  # products per checkpointed chain: two saved tensors each
