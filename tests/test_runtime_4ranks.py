@@ -34,6 +34,11 @@ def test_transport_in_use(results) -> None:
     results.assert_transport()
 
 
+def test_step_exchanges(results) -> None:
+    """The transport's broadcast and all-reduce give every rank the same, expected values (three rounds)."""
+    results.assert_ok("step-exchanges")
+
+
 @pytest.mark.parametrize("name", PARITY)
 def test_parity(results, name: str) -> None:
     results.assert_ok(name)

@@ -394,11 +394,48 @@ def transport_in_use(ctx: Ctx) -> dict[str, str]:
     return {"transport": type(pipe.transport).__name__}
 
 
+def step_exchanges(ctx: Ctx) -> None:
+    """The transport's own broadcast and all-reduce (the step's loss, the check for non-finite values): from
+    every source and over three rounds (a slot reused), against the values every rank computes alone; values
+    are multiples of 1/4, so any summation order gives the same bits. Bad input is named."""
+    pipe = sw.Pipeline(mdl.mlp(), loss_fn=F.cross_entropy, microbatches=2, group=ctx.group, timeout=TIMEOUT)
+    t, n = pipe.transport, ctx.world
+
+    def value(rank: int, round_: int) -> torch.Tensor:
+        return torch.tensor([[rank + 0.25, -rank * round_], [round_ / 4, 7.0 - rank]], dtype=torch.float64)
+
+    for round_ in range(3):
+        for src in range(n):
+            buf = value(ctx.rank, round_) if ctx.rank == src else torch.full((2, 2), float("nan"), dtype=torch.float64)
+            t.broadcast(buf, src, f"round {round_} from {src}")
+            assert torch.equal(buf, value(src, round_)), (round_, src, buf)
+        total = value(ctx.rank, round_)
+        t.all_reduce(total, "sum", f"round {round_}'s sum")
+        assert torch.equal(total, sum(value(r, round_) for r in range(n))), (round_, total)
+        top = value(ctx.rank, round_).reshape(-1)[:3]
+        t.all_reduce(top, "max", f"round {round_}'s max")
+        want = torch.stack([value(r, round_).reshape(-1)[:3] for r in range(n)]).amax(0)
+        assert torch.equal(top, want), (round_, top, want)
+    try:
+        t.all_reduce(torch.zeros(1), "mean", "a bad op")
+    except ValueError as err:
+        assert "'mean'" in str(err) and "sum" in str(err), err
+    else:
+        raise AssertionError("an unknown reduction was accepted")
+    if type(t).__name__ == "ShmTransport":  # every rank refuses before sending anything
+        try:
+            t.all_reduce(torch.zeros(4, 2).t(), "sum", "a transposed flag")
+        except ValueError as err:
+            assert "a transposed flag" in str(err) and "contiguous" in str(err), err
+        else:
+            raise AssertionError("a non-contiguous tensor was accepted")
+
+
 SUITES: dict[str, Callable[[int], dict[str, Check]]] = {
     "parity": parity_checks,
     "features": feature_checks,
     "subgroups": lambda world: {"subgroups": subgroups},
-    "transport": lambda world: {"transport-in-use": transport_in_use},
+    "transport": lambda world: {"transport-in-use": transport_in_use, "step-exchanges": step_exchanges},
 }
 
 

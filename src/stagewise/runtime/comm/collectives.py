@@ -34,6 +34,8 @@ def all_reduce(tensor: torch.Tensor, group: Any, op: str = "sum", wait: Wait | N
 
 def all_reduce_async(tensor: torch.Tensor, group: Any, op: str = "sum") -> Any:
     """Start reducing ``tensor`` in place over ``group``; returns the work to wait for."""
+    if op not in _OPS:
+        raise ValueError(f"all_reduce: op must be one of {sorted(_OPS)}, got {op!r}")
     return dist.all_reduce(tensor, _OPS[op], group=group, async_op=True)
 
 

@@ -5,12 +5,16 @@ gloo's own I/O threads), which caps the efficiency of schedules that send
 many small messages. Ranks on one host can instead copy each value into a
 shared buffer and wake the receiver with one byte.
 
-What goes where. Only the steady state moves through shared memory: the
+What goes where. The steady state moves through shared memory: the
 schedule's batched point-to-point (:meth:`ShmTransport.post`), whose shapes
-both ends know. Everything else goes through an inner
+both ends know, and the two small exchanges every train step ends with, the
+loss broadcast and the all-reduce of the check for non-finite values
+(:meth:`ShmTransport.broadcast`, :meth:`ShmTransport.all_reduce`: as gloo
+collectives on 4 ranks of a loaded 2-core host they took ~1 ms each, plus
+gloo's I/O threads' CPU). Everything else goes through an inner
 :class:`~.torch_p2p.TorchTransport` on the same group, unchanged: first
-exchanges and variable shapes (``post_eager``), the loss broadcast, the
-collectives of the hybrid axes, the error board, deadlines and forensics.
+exchanges and variable shapes (``post_eager``), the collectives of the hybrid
+axes, the error board, deadlines and forensics.
 
 The pieces, a file each:
 
@@ -67,6 +71,11 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+#: the slots' tags of the step-end exchanges: below every message tag (those are >= 0)
+_BROADCAST_TAG, _REDUCE_TAG = -1, -2
+#: the reductions :meth:`ShmTransport.all_reduce` applies, in group-rank order on every rank
+_REDUCE = {"sum": torch.add, "max": torch.maximum}
 
 
 # ---- the transport ------------------------------------------------------------------------
@@ -183,8 +192,43 @@ class ShmTransport:
         return self.inner.post_eager(ops)
 
     def broadcast(self, tensor: torch.Tensor, src: int, what: str) -> None:
-        with self._guard():
-            self.inner.broadcast(tensor, src, what)
+        """``tensor`` from group rank ``src`` to every rank, in place: ``src`` copies it into each peer's slot."""
+        if self.size == 1:
+            return
+        if self.rank == src:
+            self._send_all(tensor, _BROADCAST_TAG, what)
+        else:
+            self.wait([self.channels.expect(src, _BROADCAST_TAG, 0, _flat(tensor, what))], what)
+
+    def all_reduce(self, tensor: torch.Tensor, op: str, what: str) -> None:
+        """Reduce ``tensor`` in place over the group: every rank sends its value to every other and reduces all
+        of them in group-rank order, so every rank computes the same bits (a small tensor: n - 1 copies each)."""
+        if op not in _REDUCE:
+            raise ValueError(f"all_reduce: op must be one of {sorted(_REDUCE)}, got {op!r}")
+        if self.size == 1:
+            return
+        mine = _flat(tensor, what).clone()
+        self._send_all(mine, _REDUCE_TAG, what)
+        parts = {p: torch.empty_like(mine) for p in range(self.size) if p != self.rank}
+        self.wait([self.channels.expect(p, _REDUCE_TAG, 0, t) for p, t in parts.items()], what)
+        parts[self.rank] = mine
+        total = parts[0]
+        for p in range(1, self.size):
+            total = _REDUCE[op](total, parts[p])
+        tensor.copy_(total)
+
+    def _send_all(self, tensor: torch.Tensor, tag: int, what: str) -> None:
+        """Copy ``tensor`` into a slot to every other rank, then ring them."""
+        self._live()
+        flat = _flat(tensor, what)
+        peers = [p for p in range(self.size) if p != self.rank]
+        try:
+            with self._guard():
+                for p in peers:
+                    self.channels.send(p, tag, 0, flat, what)
+        finally:
+            for p in peers:
+                self.channels.ring(p)
 
     def warm_up(self) -> None:
         self.inner.warm_up()
@@ -237,6 +281,13 @@ class ShmTransport:
         """Unlink the shared files (see the module docstring) and stop the inner transport's helpers."""
         self.channels.close(everything=self.inner.failure is not None and not self._unlinked)
         self.inner.close()
+
+
+def _flat(tensor: torch.Tensor, what: str) -> torch.Tensor:
+    """``tensor``, checked contiguous: a slot copies to and from its bytes in place."""
+    if not tensor.is_contiguous():
+        raise ValueError(f"{what}: the shm transport moves contiguous tensors, got one of shape {tuple(tensor.shape)}")
+    return tensor
 
 
 def _mine(work: Any) -> bool:

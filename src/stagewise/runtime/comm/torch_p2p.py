@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from ..errors import PipelineError
 from .board import ErrorBoard
+from .collectives import all_reduce_async
 from .groups import GROUPED_BACKENDS, backend_of, side_group
 from .transport import TAG_BITS, Op, TransportSpec
 from .waits import Waits, Watch
@@ -131,6 +132,11 @@ class TorchTransport:
         self._live()
         work = dist.broadcast(tensor, group_src=src, group=self.group, async_op=True)
         self.wait([work], what)
+
+    def all_reduce(self, tensor: torch.Tensor, op: str, what: str) -> None:
+        """Reduce ``tensor`` in place over the group (``"sum"`` or ``"max"``), within the deadline."""
+        self._live()
+        self.wait([all_reduce_async(tensor, self.group, op)], what)
 
     def call(self, fn: Callable[[], T], what: str) -> T:
         """A blocking call that cannot be made asynchronous (process-group creation), within the deadline.

@@ -176,7 +176,7 @@ def finite_check(pipe: Any, policy: str | None) -> FiniteCheck | None:
     group), within its deadline."""
     if policy is None:
         return None
-    from ..comm.collectives import all_reduce, gather_json
+    from ..comm.collectives import gather_json
 
     hybrid, transport = pipe.hybrid, pipe.transport
     stage_of = {id(p): s for s, st in pipe._runner.stages.items() for m in st.modules for p in m.parameters()}
@@ -185,8 +185,8 @@ def finite_check(pipe: Any, policy: str | None) -> FiniteCheck | None:
     def reduce(flag: torch.Tensor) -> None:
         if hybrid is not None:
             hybrid.reduce(flag, "sum")
-        else:
-            all_reduce(flag, transport.group, "sum", transport.wait, "the check for non-finite values")
+        else:  # the pipeline's own transport: through shared memory where the ranks share a host
+            transport.all_reduce(flag, "sum", "the check for non-finite values")
 
     def gather(obj: Any) -> list[Any]:
         return gather_json(obj, group, transport.wait, "where the non-finite values are")
