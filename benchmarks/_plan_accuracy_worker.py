@@ -226,11 +226,14 @@ def main() -> None:
     rank, world = env.rank, env.world_size
     cal = sw.calibrate(timeout=120)
     report: dict[str, Any] = {"world": world, "cores": cal.cores, "calibration": cal.to_dict(), "models": {}}
-    for model, (make, loss_fn, data, batch, b0) in MODELS.items():
+    # every model profiled first, before any plan's process groups exist (each gloo group's thread wakes 100
+    # times a second on every rank: the MLP's layers, 1-20 us each, profiled after the GPT's plans varied 2x)
+    profiles = {}
+    for model, (make, _, data, _, b0) in MODELS.items():
         x, _ = data(SPAN * b0, 99)
-        small = alone_profile(make(), x[:b0], rank)
-        big = alone_profile(make(), x, rank)
-        linear, fixed = affine(small, big)
+        profiles[model] = affine(alone_profile(make(), x[:b0], rank), alone_profile(make(), x, rank))
+    for model, (make, loss_fn, data, batch, b0) in MODELS.items():
+        linear, fixed = profiles[model]
         cores = model_cores(make(), loss_fn, data, b0, world, cal.cores)
         common: dict[str, Any] = {"global_batch": batch, "profile_batch": b0, "overhead": fixed, "optimizer_state": 0}
         # the runtime's compute per action on this group against the plan's costs for it, where every rank computes

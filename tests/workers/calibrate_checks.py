@@ -8,6 +8,7 @@ a plan made with the calibration carries exactly those numbers in its costs.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import sys
@@ -195,7 +196,27 @@ def compute_scale(ctx: Ctx) -> dict[str, Any]:
     assert (plan.layout.pp, plan.schedule, plan.microbatches) == (ctx.world, "1f1b", 2 * ctx.world), plan
     split = probe_plan(profile, ctx.world, "zb-h1", global_batch=8, profile_batch=2)
     assert (split.layout.pp, split.schedule, split.microbatches) == (ctx.world, "zb-h1", 2 * ctx.world), split
-    kf, kb, ks = sw.measure_compute_scale(profile, layers, F.mse_loss, x, y, global_batch=8, profile_batch=2, steps=3)
+    calls = []
+    real = sw.Pipeline.train_step
+
+    def counted(self: Any, *args: Any) -> Any:
+        calls.append(self.schedule.name)
+        return real(self, *args)
+
+    sw.Pipeline.train_step = counted  # type: ignore[method-assign]
+    try:
+        kf, kb, ks = sw.measure_compute_scale(
+            profile, layers, F.mse_loss, x, y, global_batch=8, profile_batch=2, steps=2, passes=2
+        )
+    finally:
+        sw.Pipeline.train_step = real  # type: ignore[method-assign]
+    # two passes, the probes taking turns: 2 untimed + 2 timed steps each, then 1 + 2 each
+    assert [(n, len(list(g))) for n, g in itertools.groupby(calls)] == [
+        ("1f1b", 4),
+        ("zb-h1", 4),
+        ("1f1b", 3),
+        ("zb-h1", 3),
+    ], calls
     assert 3.9 < kf < 4.7 and 5.85 < kb < 6.7 and 5.85 < ks < 6.7, (kf, kb, ks)
     after = [p.detach() for layer in layers for p in layer.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(before, after)) and all(p.grad is None for p in after), "touched"
@@ -210,6 +231,12 @@ def compute_scale(ctx: Ctx) -> dict[str, Any]:
     except ValueError as err:
         with_bad = str(err)
     assert with_bad is not None and "steps" in with_bad, with_bad
+    with_bad = None
+    try:
+        sw.measure_compute_scale(profile, layers, F.mse_loss, x, y, global_batch=8, profile_batch=2, passes=0)
+    except ValueError as err:
+        with_bad = str(err)
+    assert with_bad is not None and "passes must be an int >= 1, got 0" in with_bad, with_bad
     return {"scale": [round(kf, 1), round(kb, 1), round(ks, 1)]}
 
 

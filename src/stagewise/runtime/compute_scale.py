@@ -17,7 +17,11 @@ every rank computing, as the plans worth running do; then the same with ZB-H1,
 which splits the backward. A few steps of each; each rank's CPU seconds in its
 F, B and I + W actions (from their input's arrival: waits excluded), summed
 over ranks and over the two probes, per step; the median step over the same
-sums of the plans' predicted costs.
+sums of the plans' predicted costs. The steps are taken in ``passes`` turns,
+the two probes alternating: on this project's 2-core VM with 8 ranks, the
+median of 10 steps moved up to 12 % between consecutive seconds of one run
+(the same pipeline, nothing else running), so one burst of steps measures the
+moment as much as the layers.
 ``sw.plan(..., compute_scale=...)`` multiplies every stage's forward, fused
 backward and split backward by the three factors. As they include what sharing
 the cores costs beyond the cores themselves, plan with them on the
@@ -57,35 +61,49 @@ def measure_compute_scale(
     targets: Any,
     *,
     steps: int = 10,
+    passes: int = 3,
     parallel: Mesh | None = None,
     timeout: float = 60.0,
     **options: Any,
 ) -> tuple[float, float, float]:
     """``(forward, backward, split backward)``: the runtime's CPU seconds in F, in B and in I + W actions over the
     planner's prediction for them, on 1F1B and ZB-H1 pipelines of ``layers`` over every rank (see the module
-    docstring).
+    docstring): ``steps`` timed steps of each per pass, in ``passes`` passes.
 
     ``options`` are those of :func:`stagewise.plan` (``global_batch``, ``profile_batch``, ``overhead``,
     ``calibration``, ...), as the plans to be scaled will get them; ``inputs`` and ``targets`` one global batch.
     ``parallel``: a built mesh of the probes' layout to reuse (:func:`probe_plan` names it), else one is built.
-    The probes train a deep copy of ``layers``: the modules given keep their weights, buffers and gradients.
+    The probes train deep copies of ``layers``: the modules given keep their weights, buffers and gradients.
     """
     require_initialized()
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"measure_compute_scale: steps must be an int >= 1, got {steps!r}")
+    for name, value in (("steps", steps), ("passes", passes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"measure_compute_scale: {name} must be an int >= 1, got {value!r}")
     if not timeout > 0:
         raise ValueError(f"measure_compute_scale: timeout must be > 0 seconds, got {timeout!r}")
-    measured = [[0.0] * 3 for _ in range(steps)]  # per step: F, B, I + W (both probes' k-th steps)
-    predicted = [0.0] * 3
-    for schedule in PROBES:
-        plan = probe_plan(profile, group_size(None), schedule, **options)
-        got, want = _probe(plan, layers, loss_fn, inputs, targets, steps, parallel, timeout)
-        for row, more in zip(measured, got):
-            for k in range(3):
-                row[k] += more[k]
-        predicted = [a + b for a, b in zip(predicted, want)]
+    plans = [probe_plan(profile, group_size(None), schedule, **options) for schedule in PROBES]
+    if parallel is None:  # both probes have the layout pp = every rank: one mesh for the two
+        from .hybrid.mesh import build_mesh
+
+        parallel = build_mesh(plans[0].layout)
+    pipes: list[Any] = []
+    measured = [[0.0] * 3 for _ in range(steps * passes)]  # per step: F, B, I + W (both probes' k-th steps)
+    try:
+        pipes += [_pipeline(plan, layers, loss_fn, parallel, timeout) for plan in plans]
+        batches = [pipe.local_batch(inputs, targets) for pipe in pipes]
+        for turn in range(passes):
+            for pipe, batch in zip(pipes, batches):
+                rows = _steps(pipe, batch, steps, WARMUP if turn == 0 else 1)
+                for row, more in zip(measured[turn * steps : (turn + 1) * steps], rows):
+                    for k in range(3):
+                        row[k] += more[k]
+    finally:
+        for pipe in pipes:
+            pipe.transport.close()
+    predicted = [sum(col) for col in zip(*(_predicted(plan, pipe) for plan, pipe in zip(plans, pipes)))]
+    n = len(measured)
     both = summed([x for row in measured for x in row] + predicted, time.monotonic() + timeout)
-    per_step, total = [both[3 * i : 3 * i + 3] for i in range(steps)], both[3 * steps :]
+    per_step, total = [both[3 * i : 3 * i + 3] for i in range(n)], both[3 * n :]
     # the median step: a step that a burst of other work on the machine slowed does not move it
     f, b, iw = (_ratio(statistics.median_low(row[k] for row in per_step), total[k]) for k in range(3))
     return f, b, iw
@@ -110,35 +128,38 @@ def probe_plan(profile: LayerProfile, processes: int, schedule: str = "1f1b", **
     return min(plans, key=lambda p: (abs(p.microbatches - want), p.microbatches))
 
 
-def _probe(
-    plan: Plan, layers: Any, loss_fn: Any, inputs: Any, targets: Any, steps: int, parallel: Mesh | None, timeout: float
-) -> tuple[list[list[float]], list[float]]:
-    """This rank's CPU seconds in F, B and I + W actions of ``plan``, per step, and the plan's predictions for them."""
+def _pipeline(plan: Plan, layers: Any, loss_fn: Any, mesh: Mesh, timeout: float) -> Any:
+    """A pipeline of ``plan`` training a copy of ``layers`` (modules given, or inside Layer specs, keep their
+    weights and gradients)."""
     from .from_plan import pipeline_from_plan
 
-    # the probe trains: a copy, so that modules given (or modules inside Layer specs) keep their weights and grads
-    mesh = {} if parallel is None else {"parallel": parallel}
-    pipe = pipeline_from_plan(plan, copy.deepcopy(layers), loss_fn=loss_fn, seed=0, timeout=timeout, **mesh)
-    measured: list[list[float]] = []
+    return pipeline_from_plan(plan, copy.deepcopy(layers), loss_fn=loss_fn, seed=0, timeout=timeout, parallel=mesh)
+
+
+def _steps(pipe: Any, batch: Any, steps: int, warm: int) -> list[list[float]]:
+    """This rank's CPU seconds in F, B and I + W actions per timed step, after ``warm`` untimed ones (the first
+    step learns shapes and builds buffers; a turn after the other probe's starts cold)."""
     slot = {Kind.F: 0, Kind.B: 1, Kind.I: 2, Kind.W: 2}
-    try:
-        batch = pipe.local_batch(inputs, targets)
-        for step in range(steps + WARMUP):
-            pipe.train_step(*batch)
-            done = pipe._runner.last_step
-            if step >= WARMUP and done is not None:
-                row = [0.0, 0.0, 0.0]
-                for kind, seconds in done.compute_cpu.items():
-                    row[slot[kind]] += seconds
-                measured.append(row)
-    finally:
-        pipe.transport.close()
+    rows = []
+    for step in range(warm + steps):
+        pipe.train_step(*batch)
+        done = pipe._runner.last_step
+        if step >= warm and done is not None:
+            row = [0.0, 0.0, 0.0]
+            for kind, seconds in done.compute_cpu.items():
+                row[slot[kind]] += seconds
+            rows.append(row)
+    return rows
+
+
+def _predicted(plan: Plan, pipe: Any) -> list[float]:
+    """The plan's prediction for this rank's F, B and I + W CPU seconds in one step."""
     costs = plan.costs
     assert costs is not None
     mine = [s for s, r in enumerate(pipe.schedule.placement) if r == pipe.rank]
     forward = plan.microbatches * sum(costs.forward[s] for s in mine)
     backward = plan.microbatches * sum(costs.backward_input[s] + costs.backward_weight[s] for s in mine)
-    return measured, [forward, 0.0, backward] if pipe.schedule.uses_split_backward else [forward, backward, 0.0]
+    return [forward, 0.0, backward] if pipe.schedule.uses_split_backward else [forward, backward, 0.0]
 
 
 def _ratio(measured: float, predicted: float) -> float:
