@@ -39,6 +39,7 @@ from stagewise.runtime.calibrate import effective_cores, idle_cpu  # noqa: E402
 from stagewise.runtime.compute_scale import probe_plan  # noqa: E402
 from stagewise.runtime.model.balance import profile_layers  # noqa: E402
 from stagewise.runtime.model.layers import named_layers  # noqa: E402
+from stagewise.runtime.model.profiling import steadiest  # noqa: E402
 
 GPT = GPTConfig(vocab_size=256, seq_len=64, d_model=64, n_heads=4, n_layers=6)
 
@@ -85,9 +86,15 @@ MODELS: dict[str, Any] = {
 }
 
 
+PROFILE_ROUNDS = 3
+
+
 def alone_profile(layers: list[sw.Layer], sample: Any, rank: int) -> LayerProfile:
-    """Rank 0 profiles while the others wait (a core to itself: the planner's ``cores`` models the sharing)."""
-    text = [profile_layers(named_layers(layers), sample, seed=0, repeats=7, warmup=2).to_json() if rank == 0 else None]
+    """Rank 0 profiles while the others wait (a core to itself: the planner's ``cores`` models the sharing), in
+    :data:`PROFILE_ROUNDS` rounds, each layer from its fastest (:func:`~stagewise.runtime.model.profiling.steadiest`:
+    three profiles of the MLP in one 4-rank run, one after another, gave its per-sample forward 37 / 50 / 53 us)."""
+    measure = lambda: profile_layers(named_layers(layers), sample, seed=0, repeats=7, warmup=2)  # noqa: E731
+    text = [steadiest(measure, PROFILE_ROUNDS).to_json() if rank == 0 else None]
     dist.broadcast_object_list(text, 0)
     return LayerProfile.from_json(text[0])  # type: ignore[arg-type]
 
@@ -224,14 +231,15 @@ def main() -> None:
     torch.set_num_threads(1)
     env = sw.init(backend="gloo")
     rank, world = env.rank, env.world_size
-    cal = sw.calibrate(timeout=120)
-    report: dict[str, Any] = {"world": world, "cores": cal.cores, "calibration": cal.to_dict(), "models": {}}
-    # every model profiled first, before any plan's process groups exist (each gloo group's thread wakes 100
-    # times a second on every rank: the MLP's layers, 1-20 us each, profiled after the GPT's plans varied 2x)
+    # every model profiled first, before the calibration's or any plan's process groups exist (each gloo group's
+    # thread wakes 100 times a second on every rank: the MLP's layers, 1-20 us each, profiled after the GPT's plans
+    # varied 2x between runs)
     profiles = {}
     for model, (make, _, data, _, b0) in MODELS.items():
         x, _ = data(SPAN * b0, 99)
         profiles[model] = affine(alone_profile(make(), x[:b0], rank), alone_profile(make(), x, rank))
+    cal = sw.calibrate(timeout=120)
+    report: dict[str, Any] = {"world": world, "cores": cal.cores, "calibration": cal.to_dict(), "models": {}}
     for model, (make, loss_fn, data, batch, b0) in MODELS.items():
         linear, fixed = profiles[model]
         cores = model_cores(make(), loss_fn, data, b0, world, cal.cores)

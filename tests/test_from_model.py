@@ -16,9 +16,9 @@ from from_model_checks import SkipNet, skip_data  # noqa: E402
 from torch import nn
 
 import stagewise as sw
-from stagewise.runtime.model.balance import in_flight, per_stage, profile_layers, steadiest
+from stagewise.runtime.model.balance import in_flight, per_stage, profile_layers
 from stagewise.runtime.model.layers import named_layers, partition
-from stagewise.runtime.model.profiling import LayerCost, LayerProfile
+from stagewise.runtime.model.profiling import LayerCost, LayerProfile, steadiest
 from stagewise.stage_counts import layer_memory, stage_counts
 
 
@@ -100,7 +100,7 @@ def test_in_flight_counts_the_micro_batches_a_stage_holds() -> None:
 
 def test_steadiest_keeps_each_layers_fastest_round() -> None:
     rounds = iter([fake_profile([3.0, 1.0]), fake_profile([1.0, 5.0]), fake_profile([2.0, 2.0])])
-    assert steadiest(lambda: next(rounds)).times() == pytest.approx([1.0, 1.0])
+    assert steadiest(lambda: next(rounds), 3).times() == pytest.approx([1.0, 1.0])
 
 
 # ---- profiling a layer list -------------------------------------------------------------------

@@ -247,3 +247,31 @@ def test_a_layer_the_checkpoint_cannot_re_run_is_profiled_without_its_checkpoint
     assert shrinking.checkpoint_forward == 0.0 and shrinking.checkpoint_backward == 0.0
     assert shrinking.forward > 0 and shrinking.saved_tensors >= 2 and not math.isnan(lin.checkpoint_forward)
     assert prof.checkpoint is not None
+
+
+def test_rounds_keep_each_layers_fastest_round_and_fit_the_checkpoint_line_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``profile(rounds=3)`` measures three times; each layer keeps the round where its F + B was least (a burst of
+    other work only ever slows a round), and the checkpoint line is fitted once, on what was kept."""
+    from dataclasses import replace
+
+    from stagewise.profile_data import LayerCost
+    from stagewise.runtime.model import profiling
+
+    def one(f0: float, f1: float) -> LayerProfile:
+        cost = LayerCost("x", 0.0, 0.0, 0.0, 0.0, 8.0, 4.0, 16.0, 8.0)
+        return LayerProfile(
+            (replace(cost, name="a", forward=f0, backward=f0), replace(cost, name="b", forward=f1)), "cpu", 1, 0
+        )
+
+    rounds = iter([one(3.0, 1.0), one(1.0, 5.0), one(2.0, 2.0)])
+    fitted: list[LayerProfile] = []
+    monkeypatch.setattr(profiling, "measure_layers", lambda *args, **kwargs: next(rounds))
+    monkeypatch.setattr(profiling, "with_checkpoint_cost", lambda p: fitted.append(p) or p)
+    got = profiling.profile(nn.Linear(2, 2), torch.zeros(1, 2), rounds=3)
+    assert [(c.name, c.forward, c.backward) for c in got.layers] == [("a", 1.0, 1.0), ("b", 1.0, 0.0)]
+    assert fitted == [got] and next(rounds, None) is None
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match=f"rounds must be an int >= 1, got {bad!r}"):
+            profile(nn.Linear(2, 2), torch.zeros(1, 2), rounds=bad)  # type: ignore[arg-type]

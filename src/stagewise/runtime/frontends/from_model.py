@@ -51,8 +51,8 @@ from ...schedule import Schedule
 from ...stage_counts import PartitionSpec, check_options, needs_profile, stage_counts
 from ..comm import groups
 from ..context import PipelineContext, resolve_context, resolve_schedule
-from ..model.balance import caps_explained, in_flight, on_first_rank, per_stage, steadiest
-from ..model.profiling import LayerProfile, model_blocks, profile_blocks
+from ..model.balance import ROUNDS, caps_explained, in_flight, on_first_rank, per_stage
+from ..model.profiling import LayerProfile, model_blocks, profile_blocks, steadiest
 from ..model.stages import BuiltStages
 from ..options import RunOptions
 from .split import SplitError, collect_tags, split_model
@@ -272,7 +272,7 @@ def _block_counts(
         args = sample_inputs if isinstance(sample_inputs, tuple) else (sample_inputs,)
         measured = on_first_rank(
             group,
-            lambda: steadiest(lambda: profile_blocks(model, [(b, named[b]) for b in blocks], args)),
+            lambda: steadiest(lambda: profile_blocks(model, [(b, named[b]) for b in blocks], args), ROUNDS),
             "profiling the model's blocks",
             *deadline,  # the pipeline's timeout and store
         )

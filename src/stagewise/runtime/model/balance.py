@@ -35,7 +35,7 @@ from ..comm.waits import setup_waits
 from ..errors import PipelineError
 from .layers import LayerLike, build_layer
 from .layers import partition as partition_layers
-from .profiling import LayerProfile, measure_layers, preserved_state, with_checkpoint_cost
+from .profiling import LayerProfile, measure_layers, preserved_state, steadiest, with_checkpoint_cost
 
 T = TypeVar("T")
 
@@ -150,7 +150,7 @@ def plan_layers(
             raise ValueError(f"partition={how!r} profiles the layers: pass sample_inputs= (one micro-batch of inputs)")
         measured = on_first_rank(
             group,
-            lambda: steadiest(lambda: profile_layers(named, sample_inputs, seed=seed, device=device)),
+            lambda: steadiest(lambda: profile_layers(named, sample_inputs, seed=seed, device=device), ROUNDS),
             "profiling the layers",
             timeout,
             store,
@@ -180,13 +180,6 @@ def caps_explained(schedule: Schedule, memory_caps: Sequence[float] | None) -> I
             f"{err} (memory_caps={list(memory_caps)} per rank, each shared evenly by the rank's "
             f"{schedule.virtual_stages} stages)"
         ) from err
-
-
-def steadiest(measure: Callable[[], LayerProfile], rounds: int = ROUNDS) -> LayerProfile:
-    """``measure()`` taken ``rounds`` times; each layer's costs from its round with the least forward + backward."""
-    runs = [measure() for _ in range(rounds)]
-    best = [min(costs, key=lambda c: c.forward + c.backward) for costs in zip(*(r.layers for r in runs))]
-    return replace(runs[0], layers=tuple(best))
 
 
 def profile_layers(

@@ -81,6 +81,7 @@ def profile(
     *,
     repeats: int = 5,
     warmup: int = 2,
+    rounds: int = 1,
 ) -> LayerProfile:
     """Measure each layer of ``layers_or_model`` on ``sample_inputs`` (one micro-batch).
 
@@ -92,8 +93,23 @@ def profile(
     blocks is not measured. ``sample_inputs`` is one tensor or a tuple of
     positional arguments. Global RNG state and module buffers (BatchNorm
     statistics) are restored afterwards; no ``.grad`` is touched.
+
+    ``rounds``: the whole measurement taken that many times, each layer's costs from its fastest round
+    (:func:`steadiest`): on a shared machine a burst of other work slows every repeat of the layers measured
+    while it lasts, which a median over one layer's back-to-back repeats does not reject.
     """
-    return with_checkpoint_cost(measure_layers(layers_or_model, sample_inputs, repeats=repeats, warmup=warmup))
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"profile: rounds must be an int >= 1, got {rounds!r}")
+    measured = steadiest(lambda: measure_layers(layers_or_model, sample_inputs, repeats=repeats, warmup=warmup), rounds)
+    return with_checkpoint_cost(measured)
+
+
+def steadiest(measure: Callable[[], LayerProfile], rounds: int) -> LayerProfile:
+    """``measure()`` taken ``rounds`` times; each layer's costs from its round with the least forward + backward
+    (a measurement on a shared machine is only ever slowed down: the process is preempted, never sped up)."""
+    runs = [measure() for _ in range(rounds)]
+    best = [min(costs, key=lambda c: c.forward + c.backward) for costs in zip(*(r.layers for r in runs))]
+    return replace(runs[0], layers=tuple(best))
 
 
 def measure_layers(
