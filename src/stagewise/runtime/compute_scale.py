@@ -19,9 +19,10 @@ F, B and I + W actions (from their input's arrival: waits excluded), summed
 over ranks and over the two probes, per step; the median step over the same
 sums of the plans' predicted costs. The steps are taken in ``passes`` turns,
 the two probes alternating: on this project's 2-core VM with 8 ranks, the
-median of 10 steps moved up to 12 % between consecutive seconds of one run
-(the same pipeline, nothing else running), so one burst of steps measures the
-moment as much as the layers.
+median of 10 steps of one pipeline moved by up to a fifth from one second to
+the next (nothing else running), so one burst of steps measures the moment as
+much as the layers (eight consecutive probes of 10 steps: forward factors
+1.68-2.16; five of three turns: 1.65-1.86).
 ``sw.plan(..., compute_scale=...)`` multiplies every stage's forward, fused
 backward and split backward by the three factors. As they include what sharing
 the cores costs beyond the cores themselves, plan with them on the
