@@ -89,6 +89,24 @@ MODELS: dict[str, Any] = {
 PROFILE_ROUNDS = 3
 
 
+def core_speed(rank: int, rounds: int = 5) -> float:
+    """CPU seconds rank 0 spends on a fixed workload (small matmuls and tanh, one thread) while the others wait:
+    the median of ``rounds``. Taken before the probe and after the plans are timed, its ratio says whether a core
+    did the same work at the same speed in both (a host's other tenants, invisible as steal, change it)."""
+    spent = [0.0]
+    if rank == 0:
+        a = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+        times = []
+        for _ in range(rounds):
+            start, x = time.thread_time(), a
+            for _ in range(300):
+                x = torch.tanh(x @ a * 0.1)
+            times.append(time.thread_time() - start)
+        spent = [statistics.median(times)]
+    dist.broadcast_object_list(spent, 0)
+    return float(spent[0])
+
+
 def alone_profile(layers: list[sw.Layer], sample: Any, rank: int) -> LayerProfile:
     """Rank 0 profiles while the others wait (a core to itself: the planner's ``cores`` models the sharing), in
     :data:`PROFILE_ROUNDS` rounds, each layer from its fastest (:func:`~stagewise.runtime.model.profiling.steadiest`:
@@ -244,6 +262,7 @@ def main() -> None:
         linear, fixed = profiles[model]
         cores = model_cores(make(), loss_fn, data, b0, world, cal.cores)
         common: dict[str, Any] = {"global_batch": batch, "profile_batch": b0, "overhead": fixed, "optimizer_state": 0}
+        speed_before = core_speed(rank)
         # the runtime's compute per action on this group against the plan's costs for it, where every rank computes
         probe = probe_plan(linear, world, calibration=cal, **common)
         xs, ys = data(batch, 98)
@@ -279,6 +298,7 @@ def main() -> None:
             row.update(timed)
             rows.append(row)
         report["models"][model] = {
+            "core_seconds": [speed_before, core_speed(rank)],  # before the probe, after the plans were timed
             "candidates": found.candidates,
             "simulated": found.simulated,
             "rows": rows,
