@@ -20,6 +20,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -90,9 +91,11 @@ PROFILE_ROUNDS = 3
 
 
 def core_speed(rank: int, rounds: int = 5) -> float:
-    """CPU seconds rank 0 spends on a fixed workload (small matmuls and tanh, one thread) while the others wait:
-    the median of ``rounds``. Taken before the probe and after the plans are timed, its ratio says whether a core
-    did the same work at the same speed in both (a host's other tenants, invisible as steal, change it)."""
+    """CPU seconds rank 0 spends on a fixed workload (small matmuls and tanh, one thread, ~7 ms) while the others
+    wait: the median of ``rounds``. Taken around the probe and around each round of the plans' timing, the two
+    means say whether a core did the same work at the same speed in both (a host's other tenants, invisible as
+    steal, change it; one reading is a moment: two taken before the probe and after the timing moved 0.75-1.47x
+    without following the runs' bias)."""
     spent = [0.0]
     if rank == 0:
         a = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
@@ -184,14 +187,17 @@ def model_cores(layers: list[sw.Layer], loss_fn: Any, data: Any, b0: int, world:
 ROUNDS = 3  # each plan's timed steps are split into this many rounds, the plans taking turns
 
 
-def time_plans(plans: list[sw.Plan], model: str, steps: int) -> list[dict[str, Any]]:
+def time_plans(
+    plans: list[sw.Plan], model: str, steps: int, speed: Callable[[], float]
+) -> tuple[list[dict[str, Any]], list[float]]:
     """Median step time of each plan without the activation meter (its hooks cost time), then one metered step each.
 
     The plans take turns: ``steps`` timed steps per plan in :data:`ROUNDS` rounds, every plan once per round, so a
     load that comes and goes on this shared machine weighs on every plan alike rather than on whichever ran then.
     Each turn starts with an untimed step (two in the first round): a run of one plan times warm steps, and the
     first step after another plan's runs cold. A step's time is the slowest rank's, from a barrier; ``cpu_total``
-    is every rank's CPU time in it, summed (all threads of each process).
+    is every rank's CPU time in it, summed (all threads of each process). ``speed()`` is read before each round
+    and after the last (returned with the rows).
     """
     make, loss_fn, data, batch, _ = MODELS[model]
     meshes = mesh_per_layout(plans)
@@ -203,7 +209,9 @@ def time_plans(plans: list[sw.Plan], model: str, steps: int) -> list[dict[str, A
     cpus: list[list[float]] = [[] for _ in plans]  # the busiest rank's CPU seconds in the step (its process)
     sums: list[list[float]] = [[] for _ in plans]  # every rank's CPU seconds in the step, summed
     per_round = -(-steps // ROUNDS)
+    speeds = []
     for round_ in range(ROUNDS):
+        speeds.append(speed())
         for k, pipe in enumerate(pipes):
             warm = 2 if round_ == 0 else 1  # each turn starts warm, as a run of one plan does
             for step in range(warm + per_round):
@@ -220,6 +228,7 @@ def time_plans(plans: list[sw.Plan], model: str, steps: int) -> list[dict[str, A
                     times[k].append(float(elapsed[0]))
                     cpus[k].append(float(elapsed[1]))
                     sums[k].append(float(total[1]))
+    speeds.append(speed())
     out = []
     for plan, ts, cs, total in zip(plans, times, cpus, sums):
         metered = sw.pipeline_from_plan(
@@ -237,7 +246,7 @@ def time_plans(plans: list[sw.Plan], model: str, steps: int) -> list[dict[str, A
                 "cpu_total": statistics.median(total),
             }
         )
-    return out
+    return out, speeds
 
 
 def main() -> None:
@@ -262,13 +271,14 @@ def main() -> None:
         linear, fixed = profiles[model]
         cores = model_cores(make(), loss_fn, data, b0, world, cal.cores)
         common: dict[str, Any] = {"global_batch": batch, "profile_batch": b0, "overhead": fixed, "optimizer_state": 0}
-        speed_before = core_speed(rank)
+        probing = [core_speed(rank)]
         # the runtime's compute per action on this group against the plan's costs for it, where every rank computes
         probe = probe_plan(linear, world, calibration=cal, **common)
         xs, ys = data(batch, 98)
         scale = sw.measure_compute_scale(
             linear, make(), loss_fn, xs, ys, calibration=cal, parallel=mesh_per_layout([probe])[probe.layout], **common
         )
+        probing.append(core_speed(rank))
         found = search(linear, world, calibration=cal, compute_scale=scale, top=400, **common)
         bare = {p.describe(): p for p in search(linear, world, intra=cal.intra, top=100_000, **common).plans}
         rows = []
@@ -284,7 +294,8 @@ def main() -> None:
         before = {
             p.describe(): p for p in search(linear, world, calibration=now, cores=cores, top=100_000, **common).plans
         }
-        for (k, first), timed in zip(chosen, time_plans([plan for _, plan in chosen], model, args.steps)):
+        timings, timing = time_plans([plan for _, plan in chosen], model, args.steps, lambda: core_speed(rank))
+        for (k, first), timed in zip(chosen, timings):
             plan = again[first.describe()]
             row = {"rank": k + 1, "plan": plan.describe(), "predicted": plan.step_time}
             row["predicted_at_calibration"] = first.step_time
@@ -298,7 +309,9 @@ def main() -> None:
             row.update(timed)
             rows.append(row)
         report["models"][model] = {
-            "core_seconds": [speed_before, core_speed(rank)],  # before the probe, after the plans were timed
+            # the fixed workload's CPU seconds: the mean around the probe, the mean around the timing's rounds
+            "core_seconds": [statistics.fmean(probing), statistics.fmean(timing)],
+            "core_readings": {"probe": probing, "timing": timing},
             "candidates": found.candidates,
             "simulated": found.simulated,
             "rows": rows,

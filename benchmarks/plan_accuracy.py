@@ -104,7 +104,7 @@ def show(report: dict, ranks: int, load: tuple[float, float, float] | None) -> N
             cores += f", idle CPU {data['background']:.1%} of a core per process with its meshes"
         if "core_seconds" in data:  # a fixed workload's CPU time when probing over when the plans were timed
             before, after = data["core_seconds"]
-            cores += f", core speed while timing {before / after:.2f}x what it was while probing"
+            cores += f", core speed while timing {before / after:.2f}x that around the probe"
         found = f"{data['candidates']} candidates, {data['simulated']} simulated"
         print(f"\n{model}: {found}; median of {runs} steps{cores}")
         print(

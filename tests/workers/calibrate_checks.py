@@ -225,18 +225,14 @@ def compute_scale(ctx: Ctx) -> dict[str, Any]:
     scaled = next(p for p in got if p.describe() == plan.describe())
     assert scaled.costs is not None and plan.costs is not None
     assert abs(scaled.costs.forward[0] - kf * plan.costs.forward[0]) < 1e-12
-    with_bad = None
-    try:
-        sw.measure_compute_scale(profile, layers, F.mse_loss, x, y, global_batch=8, profile_batch=2, steps=0)
-    except ValueError as err:
-        with_bad = str(err)
-    assert with_bad is not None and "steps" in with_bad, with_bad
-    with_bad = None
-    try:
-        sw.measure_compute_scale(profile, layers, F.mse_loss, x, y, global_batch=8, profile_batch=2, passes=0)
-    except ValueError as err:
-        with_bad = str(err)
-    assert with_bad is not None and "passes must be an int >= 1, got 0" in with_bad, with_bad
+    for bad in ({"steps": 0}, {"passes": 0}):
+        with_bad = None
+        try:
+            sw.measure_compute_scale(profile, layers, F.mse_loss, x, y, global_batch=8, profile_batch=2, **bad)
+        except ValueError as err:
+            with_bad = str(err)
+        (name,) = bad
+        assert with_bad is not None and f"{name} must be an int >= 1, got 0" in with_bad, with_bad
     return {"scale": [round(kf, 1), round(kb, 1), round(ks, 1)]}
 
 
