@@ -38,6 +38,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import NamedTuple
 
+from ..arguments import is_count
+
 #: the mesh axes, outermost first
 AXES: tuple[str, ...] = ("pp", "dp", "sharding", "tp")
 
@@ -69,7 +71,7 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_count(value):
                 raise ValueError(f"ParallelConfig.{f.name} must be a positive int, got {value!r}")
 
     # ---- sizes -----------------------------------------------------------

@@ -6,6 +6,7 @@ import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
+from ..arguments import is_count
 from ..profile_data import LayerProfile
 from ..schedules import schedule_info, schedule_names
 from .calibration import Calibration
@@ -67,11 +68,11 @@ def make_problem(
     """Check every input, naming the option and the value expected."""
     if not isinstance(profile, LayerProfile) or len(profile) == 0:
         raise ValueError(f"plan: profile must be a non-empty LayerProfile, got {type(profile).__name__}")
-    if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
+    if not is_count(processes):
         raise ValueError(f"plan: processes must be a positive int, got {processes!r}")
-    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1 or processes % nodes:
+    if not is_count(nodes) or processes % nodes:
         raise ValueError(f"plan: nodes must be a positive int dividing processes ({processes}), got {nodes!r}")
-    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+    if not is_count(global_batch):
         raise ValueError(f"plan: global_batch must be a positive int (samples per step), got {global_batch!r}")
     if not isinstance(profile_batch, int) or profile_batch < 1:
         raise ValueError(

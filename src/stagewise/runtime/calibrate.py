@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..arguments import is_count
 from ..costs import CostModel
 from ..planning.calibration import Calibration, LayoutCost
 from ..planning.comm import Link
@@ -90,7 +91,7 @@ def calibrate(
     require_initialized()
     if not timeout > 0:
         raise ValueError(f"calibrate: timeout must be > 0 seconds, got {timeout!r}")
-    if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+    if not is_count(passes):
         raise ValueError(f"calibrate: passes must be an int >= 1, got {passes!r}")
     found = [measure_links(nodes, timeout=timeout) for _ in range(passes)]
     intra, inter = (_median_link([pair[k] for pair in found]) for k in (0, 1))

@@ -41,6 +41,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ..actions import Kind
+from ..arguments import is_count
 from ..profile_data import LayerProfile
 from .comm.groups import group_size, require_initialized
 from .comm.probe import summed
@@ -78,7 +79,7 @@ def measure_compute_scale(
     """
     require_initialized()
     for name, value in (("steps", steps), ("passes", passes)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not is_count(value):
             raise ValueError(f"measure_compute_scale: {name} must be an int >= 1, got {value!r}")
     if not timeout > 0:
         raise ValueError(f"measure_compute_scale: timeout must be > 0 seconds, got {timeout!r}")

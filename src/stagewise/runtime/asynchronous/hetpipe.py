@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ...arguments import is_count
 from ...schedules import schedule_info
 from ...schedules.asynchronous import async_schedule, registry_minibatch
 from ...wsp import VWLayout, WaveRule, check_clocks, check_more
@@ -260,7 +261,7 @@ def _vw_schedule(name: str, p: int, m: int | None, wave: int | None) -> tuple[An
     """The VW's schedule (an asynchronous window, or a synchronous name), the micro-batches to pass, the wave."""
     if not isinstance(name, str):
         raise ValueError("HetPipe: schedule must be a registered name (each VW builds it for its own stage count)")
-    if wave is not None and (isinstance(wave, bool) or not isinstance(wave, int) or wave < 1):
+    if wave is not None and not is_count(wave):
         raise ValueError(f"HetPipe: wave (mini-batches per wave) must be an integer >= 1, got {wave!r}")
     if schedule_info(name).synchronous:
         return name, m, wave or 1

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...arguments import is_count
 from . import agreement, retention, state, storage
 from . import manifest as mf
 from .manifest import CheckpointError
@@ -81,7 +82,7 @@ def save(
     ``collective=False`` saves a plain module from this process alone (a
     Pipeline is always saved by all its ranks). Returns the checkpoint's folder.
     """
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+    if not is_count(step, 0):
         raise ValueError(f"step must be an integer >= 0, got {step!r}")
     retention.check_keep(keep)
     root = Path(path)

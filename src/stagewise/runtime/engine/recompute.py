@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ...arguments import is_count
 from ..model.layers import call_layer
 
 Recompute = Union[None, str, int]  # noqa: UP007
@@ -32,7 +33,7 @@ Recompute = Union[None, str, int]  # noqa: UP007
 def check_recompute(recompute: Recompute) -> None:
     if recompute is None or recompute == "stage":
         return
-    if isinstance(recompute, bool) or not isinstance(recompute, int) or recompute < 1:
+    if not is_count(recompute):
         raise ValueError(f"recompute must be None, 'stage' or a positive layer count, got {recompute!r}")
 
 

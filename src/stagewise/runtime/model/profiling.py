@@ -55,6 +55,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.checkpoint import CheckpointError, checkpoint
 
+from ...arguments import is_count
 from ...profile_data import CheckpointCost, LayerCost, LayerProfile
 from ..engine.backward import backward_full, backward_input, backward_weight
 from ..engine.interpreter import FUSE_B_MIN_WEIGHTS
@@ -98,7 +99,7 @@ def profile(
     (:func:`steadiest`): on a shared machine a burst of other work slows every repeat of the layers measured
     while it lasts, which a median over one layer's back-to-back repeats does not reject.
     """
-    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+    if not is_count(rounds):
         raise ValueError(f"profile: rounds must be an int >= 1, got {rounds!r}")
     measured = steadiest(lambda: measure_layers(layers_or_model, sample_inputs, repeats=repeats, warmup=warmup), rounds)
     return with_checkpoint_cost(measured)

@@ -27,6 +27,8 @@ from typing import Any
 
 from torch import nn
 
+from ....arguments import is_count
+
 TAG = "pipeline_stage"
 
 _stack: list[int] = []
@@ -40,7 +42,7 @@ def _tagging_init(self: nn.Module, *args: Any, **kwargs: Any) -> None:
 
 
 def _check_stage(k: Any, where: str) -> int:
-    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+    if not is_count(k, 0):
         raise ValueError(f"{where}: a pipeline stage is an int >= 0, got {k!r}")
     return k
 
