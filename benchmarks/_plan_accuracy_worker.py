@@ -206,6 +206,7 @@ def time_plans(
         for plan in plans
     ]
     times: list[list[float]] = [[] for _ in plans]
+    rounds: list[list[float]] = [[] for _ in plans]  # each round's median step time
     cpus: list[list[float]] = [[] for _ in plans]  # the busiest rank's CPU seconds in the step (its process)
     sums: list[list[float]] = [[] for _ in plans]  # every rank's CPU seconds in the step, summed
     per_round = -(-steps // ROUNDS)
@@ -214,6 +215,7 @@ def time_plans(
         speeds.append(speed())
         for k, pipe in enumerate(pipes):
             warm = 2 if round_ == 0 else 1  # each turn starts warm, as a run of one plan does
+            start = len(times[k])
             for step in range(warm + per_round):
                 x, y = data(batch, step)
                 inputs = pipe.local_batch(x, y)
@@ -228,9 +230,10 @@ def time_plans(
                     times[k].append(float(elapsed[0]))
                     cpus[k].append(float(elapsed[1]))
                     sums[k].append(float(total[1]))
+            rounds[k].append(statistics.median(times[k][start:]))
     speeds.append(speed())
     out = []
-    for plan, ts, cs, total in zip(plans, times, cpus, sums):
+    for plan, ts, cs, total, medians in zip(plans, times, cpus, sums, rounds):
         metered = sw.pipeline_from_plan(
             plan, make(), loss_fn=loss_fn, seed=0, measure_memory=True, timeout=120, parallel=meshes[plan.layout]
         )
@@ -241,6 +244,7 @@ def time_plans(
             {
                 "measured": statistics.median(ts),
                 "runs": len(ts),
+                "round_medians": medians,
                 "measured_activations": float(peak),
                 "cpu_busiest": statistics.median(cs),
                 "cpu_total": statistics.median(total),
@@ -254,7 +258,14 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--plans", type=int, default=7)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--same-plans", type=Path, default=None)
     args = parser.parse_args()
+    unknown = [name for name in args.models.split(",") if name not in MODELS]
+    if unknown:
+        raise SystemExit(f"--models: unknown {unknown}; expected names from {list(MODELS)}")
+    models = {name: MODELS[name] for name in args.models.split(",")}
+    same = json.loads(args.same_plans.read_text()) if args.same_plans is not None else None
     torch.set_num_threads(1)
     env = sw.init(backend="gloo")
     rank, world = env.rank, env.world_size
@@ -262,12 +273,12 @@ def main() -> None:
     # thread wakes 100 times a second on every rank: the MLP's layers, 1-20 us each, profiled after the GPT's plans
     # varied 2x between runs)
     profiles = {}
-    for model, (make, _, data, _, b0) in MODELS.items():
+    for model, (make, _, data, _, b0) in models.items():
         x, _ = data(SPAN * b0, 99)
         profiles[model] = affine(alone_profile(make(), x[:b0], rank), alone_profile(make(), x, rank))
     cal = sw.calibrate(timeout=120)
     report: dict[str, Any] = {"world": world, "cores": cal.cores, "calibration": cal.to_dict(), "models": {}}
-    for model, (make, loss_fn, data, batch, b0) in MODELS.items():
+    for model, (make, loss_fn, data, batch, b0) in models.items():
         linear, fixed = profiles[model]
         cores = model_cores(make(), loss_fn, data, b0, world, cal.cores)
         common: dict[str, Any] = {"global_batch": batch, "profile_batch": b0, "overhead": fixed, "optimizer_state": 0}
@@ -283,6 +294,14 @@ def main() -> None:
         bare = {p.describe(): p for p in search(linear, world, intra=cal.intra, top=100_000, **common).plans}
         rows = []
         chosen = choose(list(found.plans), args.plans)
+        if same is not None:  # the plans an earlier run timed, ranked as this run ranks them
+            ranking = search(linear, world, calibration=cal, compute_scale=scale, top=100_000, **common).plans
+            where = {p.describe(): (k, p) for k, p in enumerate(ranking)}
+            wanted = [r["plan"] for r in same["models"][model]["rows"]]
+            missing = [name for name in wanted if name not in where]
+            if missing:
+                raise SystemExit(f"--same-plans: {model} plans {missing} are not among this run's {len(where)}")
+            chosen = [where[name] for name in wanted]
         # the chosen plans' meshes exist from here on, and their transport threads poll: the idle CPU is measured
         # again with them (calibrate() measured it with its own groups only) and the chosen plans predicted with it
         mesh_per_layout([plan for _, plan in chosen])

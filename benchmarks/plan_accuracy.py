@@ -57,24 +57,34 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--json", type=Path, default=None, help="also write the raw report here")
     parser.add_argument("--show", type=Path, default=None, help="print a saved report instead of running")
+    parser.add_argument("--models", default="gpt,mlp", help="which models, comma-separated")
+    parser.add_argument(
+        "--same-plans",
+        type=Path,
+        default=None,
+        help="time the plans of this earlier report (its --json) again and compare the two runs' measurements",
+    )
     args = parser.parse_args()
+    same = json.loads(args.same_plans.read_text()) if args.same_plans is not None else None
     if args.show is not None:
-        show(json.loads(args.show.read_text()), args.ranks, None)
+        show(json.loads(args.show.read_text()), args.ranks, None, same)
         return
     load = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "report.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}"]
         cmd += [str(HERE / "_plan_accuracy_worker.py"), "--out", str(out), "--plans", str(args.plans)]
-        cmd += ["--steps", str(args.steps)]
+        cmd += ["--steps", str(args.steps), "--models", args.models]
+        if args.same_plans is not None:
+            cmd += ["--same-plans", str(args.same_plans.resolve())]
         subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
         report = json.loads(out.read_text())
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=1))
-    show(report, args.ranks, load)
+    show(report, args.ranks, load, same)
 
 
-def show(report: dict, ranks: int, load: tuple[float, float, float] | None) -> None:
+def show(report: dict, ranks: int, load: tuple[float, float, float] | None, same: dict | None = None) -> None:
     """Print the report: the calibration, then per model predicted vs measured, errors and rank correlations.
 
     The predictions use the idle CPU measured once the chosen plans' meshes exist (``predicted_at_calibration``
@@ -149,6 +159,30 @@ def show(report: dict, ranks: int, load: tuple[float, float, float] | None) -> N
             f"Spearman {rho_bare:.2f}"
         )
         print(f"activation peak: mean abs error {mem:.0%} ({len(mem_errors)} measured without recompute)")
+        repeatability(rows, same["models"].get(model) if same is not None else None)
+
+
+def repeatability(rows: list[dict], earlier: dict | None) -> None:
+    """How far the measurement itself moves: a plan's median per round of this run against its median over the
+    run, and (given an earlier report of the same plans) this run's measurement against that run's - the error a
+    prediction would have if it were the earlier run's measurement of the very plan."""
+    per_round = [abs(m / r["measured"] - 1) for r in rows for m in r.get("round_medians", [])]
+    if per_round:
+        mean = sum(per_round) / len(per_round)
+        print(f"repeatability: a plan's median per round vs over the run, mean abs {mean:.0%}")
+    if earlier is None:
+        return
+    then = {r["plan"]: r["measured"] for r in earlier["rows"]}
+    pairs = [(then[r["plan"]], r) for r in rows if r["plan"] in then]
+    if not pairs:
+        return
+    moved = sum(abs(t / r["measured"] - 1) for t, r in pairs) / len(pairs)
+    predicted = sum(abs(r["predicted"] / r["measured"] - 1) for _, r in pairs) / len(pairs)
+    rho = spearman([t for t, _ in pairs], [r["measured"] for _, r in pairs])
+    print(
+        f"repeatability: the earlier run's measurement as the prediction, mean abs error {moved:.0%}, "
+        f"Spearman {rho:.2f} (this run's prediction on the same {len(pairs)} plans: {predicted:.0%})"
+    )
 
 
 if __name__ == "__main__":
