@@ -9,8 +9,13 @@ from __future__ import annotations
 import glob
 import multiprocessing
 import os
+import signal
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -162,6 +167,53 @@ def test_a_quiet_wait_looks_at_its_check_until_it_raises(prefix: str) -> None:
         ch.complete(ch.expect(1, 0, 0, torch.empty(2)), "the value")
     assert calls == ["the value"] * 3
     ch.close(everything=True)
+
+
+NAMES = Path(__file__).parent / "workers" / "shm_names_checks.py"
+
+
+@pytest.mark.parametrize("kill", ["sigkill", "sigterm-group"])
+def test_a_process_killed_holding_names_leaves_none(prefix: str, kill: str) -> None:
+    """A rank killed outright (SIGKILL), or with its whole process group (SIGTERM, as torchrun ends every worker
+    once one died), runs no cleanup: the resource tracker it registered its names with removes them."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, str(NAMES), "hold", prefix]
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line == "ready\n", (line, proc.stderr.read() if proc.poll() is not None else "")
+        held = sorted(glob.glob(prefix + "-*"))
+        assert held == [f"{prefix}-0-1-0-0-48", f"{prefix}-bell0", f"{prefix}-bell1"], held
+        if kill == "sigkill":
+            os.kill(proc.pid, signal.SIGKILL)
+        else:
+            os.killpg(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)  # stderr closes when the tracker, which shares it, has ended
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    deadline = time.monotonic() + 60  # the tracker has exited by now: this only rides out a slow file system
+    while glob.glob(prefix + "-*") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert glob.glob(prefix + "-*") == [], err
+    assert "leaked shared_memory objects" in err, err  # the tracker's own report of what it removed
+
+
+def test_a_clean_run_leaves_the_tracker_nothing(prefix: str) -> None:
+    """Every name registered is unregistered once gone (the receiver's unlink; the sender's first ack): a
+    double or a missing unregister would print the tracker's traceback or leak warning."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    done = subprocess.run(
+        [sys.executable, str(NAMES), "clean", prefix], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "tracked: []", done.stdout
+    assert "resource_tracker" not in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert glob.glob(prefix + "-*") == []
 
 
 def test_peers_on_one_host_and_elsewhere() -> None:

@@ -22,6 +22,8 @@ The pieces, a file each:
   time), whether they can use shared memory, the refusal of a group that cannot;
 * ``shm_slots.py``: the slot layout in ``/dev/shm`` and the send / receive
   protocol on it (:class:`Channels`), including memory order;
+* ``shm_names.py``: the names' removal, by this process or, if it dies
+  holding them, by the resource tracker;
 * ``shm_doorbell.py``: the notification, a named pipe per rank and a sleeping
   ``poll`` on it (no spinning), which looks at the error board, the deadline and
   the peer's process every 50 ms;
@@ -35,8 +37,10 @@ transport is built, and after a barrier each unlinks its own; a receiver
 unlinks a slot once it has taken the slot's first value. What is left (slots
 never used to the end) goes when the transport closes. A failure ends the
 pipeline: every rank unlinks every file of the pipeline it finds as soon as
-it learns of it (a failed rank may end with ``os._exit``). Only a failure no
-surviving rank learns of (all killed) leaves files behind (``/dev/shm/sw-*``).
+it learns of it (a failed rank may end with ``os._exit``). A process killed
+holding names (all ranks killed, or torchrun ending the survivors before they
+learn of the failure) leaves them to Python's resource tracker, which unlinks
+them once the process is gone (``shm_names.py``).
 """
 
 from __future__ import annotations

@@ -19,18 +19,12 @@ import select
 import time
 from collections.abc import Callable
 
+from .shm_names import track, unlink, untrack
+
 POLL_S = 0.05  # how long a wait sleeps before it looks at the board, the clock and the peer
 
 #: raises PipelineError when a wait for ``peer`` must stop: (started, what, peer) -> None
 Checker = Callable[[float, str, int], None]
-
-
-def unlink(path: str) -> None:
-    """Remove a name from /dev/shm, if it is still there (a peer may have removed it first)."""
-    try:
-        os.unlink(path)
-    except OSError:  # gone already (the peer unlinked it), or nothing more to do
-        pass
 
 
 class Doorbells:
@@ -54,14 +48,19 @@ class Doorbells:
             path = self.path(rank)
             try:
                 os.mkfifo(path, 0o600)
+                track(path)  # created here: removed by the tracker if this process dies before forget_name
             except FileExistsError:
                 pass
             fd = self._fds[rank] = os.open(path, os.O_RDWR | os.O_NONBLOCK)  # RDWR: never blocks, never ENXIO
         return fd
 
     def forget_name(self) -> None:
-        """Unlink this rank's doorbell from /dev/shm: call once every rank has opened every doorbell (a barrier)."""
+        """Unlink this rank's doorbell from /dev/shm: call once every rank has opened every doorbell (a barrier).
+
+        Each rank unlinks its own; the others' that this rank created are theirs to unlink from here on."""
         unlink(self.path(self.rank))
+        for rank in self._fds:
+            untrack(self.path(rank))
 
     def ring(self, rank: int) -> None:
         fd = self._fds.get(rank)  # None once closed
@@ -101,6 +100,8 @@ class Doorbells:
     def close(self) -> None:
         """Unlink this rank's doorbell (if still named) and close every doorbell's fd."""
         unlink(self.path(self.rank))
+        for rank in self._fds:
+            untrack(self.path(rank))
         for fd in self._fds.values():
             try:
                 os.close(fd)

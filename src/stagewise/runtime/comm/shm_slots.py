@@ -27,7 +27,10 @@ slot's reuse. Weaker CPUs would need fences that Python cannot issue, so the
 transport refuses to run elsewhere (``shm_peers.Peer.capable``).
 
 *Names.* A receiver unlinks a slot once it has taken the slot's first value
-(the sender has it mapped by then); what is left goes when the channels close.
+(the sender has it mapped by then), before it acknowledges the value; what is
+left goes when the channels close. Each side registers the names it opens with
+the resource tracker (:mod:`.shm_names`) and unregisters them once they are
+gone: the receiver when it unlinks, the sender when it sees the first ack.
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .shm_doorbell import POLL_S, Checker, Doorbells, unlink
+from .shm_doorbell import POLL_S, Checker, Doorbells
+from .shm_names import track, unlink, untrack
 
 _HEADER = 64  # seq and ack (int64 each), padded so the bytes start aligned
 _ACK_POLL_S = 0.001  # a sender waiting for a slot to be taken is not rung: it looks this often
@@ -113,6 +117,7 @@ class Channels:
         if found is None:
             path = f"{self.prefix}-{src}-{dst}-{tag}-{k}-{nbytes}"
             fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+            track(path)  # both sides: whichever dies holding the name, its tracker removes it
             try:
                 size = _HEADER + max(nbytes, 8)
                 os.ftruncate(fd, size)  # both sides, same size: whoever comes second changes nothing
@@ -134,6 +139,9 @@ class Channels:
         if header[1] < n - 1:
             what = f"rank {peer} to take the previous {what}"
             self.bells.await_(lambda: header[1] >= n - 1, what, peer, _ACK_POLL_S)
+        if slot.linked and n > 1:  # the first value was acknowledged, so the receiver has unlinked the name
+            slot.linked = False
+            untrack(slot.path)
         if slot.nbytes:
             slot.data.copy_(raw)
         header[0] = n  # after the bytes (see the module docstring on memory order)
@@ -154,11 +162,11 @@ class Channels:
         slot = work.slot
         if slot.nbytes:
             _bytes_of(work.tensor).copy_(slot.data)
-        header[1] = n  # no ring: a sender rarely waits for this (only a whole step ahead), and then it polls
-        work.done = True
         if slot.linked:  # the sender wrote it, so both sides hold the mapping: the name has served
             slot.linked = False
-            unlink(slot.path)
+            unlink(slot.path)  # before the ack: a sender that sees an ack knows the name is gone
+        header[1] = n  # no ring: a sender rarely waits for this (only a whole step ahead), and then it polls
+        work.done = True
 
     def unlink_all(self) -> None:
         """After a failure: unlink every file of the pipeline found in /dev/shm (a dead peer's included)."""
@@ -166,6 +174,7 @@ class Channels:
             unlink(path)
         for slot in self._slots.values():
             slot.linked = False
+            untrack(slot.path)
 
     def close(self, everything: bool) -> None:
         """Unlink this rank's slots as a receiver and its doorbell (with ``everything``: all the pipeline's files)."""
@@ -174,6 +183,7 @@ class Channels:
         for slot in self._slots.values():
             if slot.receiving and slot.linked:
                 unlink(slot.path)
+            untrack(slot.path)  # a sent value never taken: its receiver unlinks the name
         self.bells.close()
         self._slots = {}  # the mappings go with their last tensor view
 
