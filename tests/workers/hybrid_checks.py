@@ -274,6 +274,45 @@ def clip_pp_only(ctx: Ctx) -> None:
         _compare_grads(pipe, ref, f"clipped in the {norm_type}-norm")
 
 
+def _inf_where_marked(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy, plus an infinity (a constant: no gradient) where a target is marked -100, which
+    cross-entropy ignores: a non-finite loss whose gradients stay finite, so only the check can stop it."""
+    marked = (y == -100).any()
+    return F.cross_entropy(logits, y) + torch.where(marked, float("inf"), 0.0).to(logits.dtype)
+
+
+def nan_in_one_replica(ctx: Ctx) -> None:
+    """pp 2 x dp 4: the last replica's loss is infinite and every gradient finite, so the data-parallel reduction
+    of the gradients spreads nothing. The check reduces its flag over the pipeline's group and then the
+    replicas, so every rank of every replica refuses the step ("raise") or drops its gradients and counts the
+    skip ("skip"), and no stage's optimizer (stepped inside the schedule) moved a weight: they stay the
+    one-process model's."""
+    config = sw.ParallelConfig(pp=2, dp=ctx.world // 2)
+    x, y = mdl.mlp_data(4 * config.replicas, seed=3)
+    y[-1] = -100  # the last replica's rows only
+    ref = sw.build_model(mdl.mlp(), seed=5)
+    for policy in ("raise", "skip"):
+        pipe = sw.Pipeline(
+            mdl.mlp(), loss_fn=_inf_where_marked, schedule="1f1b", microbatches=2, parallel=config, seed=5,
+            timeout=TIMEOUT, nan_policy=policy, optimizer=lambda params: torch.optim.SGD(params, lr=0.5),
+        )  # fmt: skip
+        batch = pipe.local_batch(x, y)
+        marked = bool((batch[1] == -100).any())
+        assert marked == (pipe.hybrid.mesh.replica == config.replicas - 1), (ctx.rank, pipe.hybrid.mesh.replica)
+        if policy == "raise":
+            try:
+                pipe.train_step(*batch)
+            except sw.PipelineError as err:
+                assert "non-finite values in the train step: stage 1's loss for micro-batch 1 is inf" in str(err), err
+            else:
+                raise AssertionError(f"rank {ctx.rank} (marked batch: {marked}) trained through an infinite loss")
+        else:
+            pipe.train_step(*batch)
+            assert pipe.skipped_steps == 1, (ctx.rank, pipe.skipped_steps)
+            assert all(p.grad is None for p in pipe.parameters()), f"rank {ctx.rank} kept the step's gradients"
+        _compare_params(pipe, ref, f"after a {policy!r} step with an infinite loss in one replica")
+
+
 def layouts8() -> dict[str, Check]:
     P = sw.ParallelConfig
     return {
@@ -293,6 +332,7 @@ def layouts8() -> dict[str, Check]:
         "factory-eval-names-dp": factory_and_eval(P(pp=2, dp=2, tp=2)),
         "factory-eval-names-sharding": factory_and_eval(P(pp=2, sharding=2, tp=2)),
         "clip-pp-only": clip_pp_only,
+        "nan-in-one-replica": nan_in_one_replica,
         "invalid": invalid,
     }
 

@@ -143,9 +143,10 @@ class Hybrid:
         c = self.config
         return c.dp * c.sharding * c.tp // pieces(t)
 
-    def reduce(self, t: torch.Tensor, op: str) -> None:
-        """Reduce over every axis: all ranks of the mesh (within the pipeline's deadline once attached)."""
-        self.mesh.all_reduce(t, AXES, op, wait=self._wait, what="a reduction over the mesh")
+    def reduce(self, t: torch.Tensor, op: str, axes: tuple[str, ...] = AXES) -> None:
+        """Reduce over ``axes`` (default every one: all ranks of the mesh), within the pipeline's deadline once
+        attached."""
+        self.mesh.all_reduce(t, axes, op, wait=self._wait, what="a reduction over the mesh")
 
     def local_batch(self, value: Any, dims: Dims, what: str) -> Any:
         """This replica's equal share of a global batch (``value`` cut along ``dims``)."""
