@@ -203,12 +203,14 @@ def test_a_process_killed_holding_names_leaves_none(prefix: str, kill: str) -> N
     assert "leaked shared_memory objects" in err, err  # the tracker's own report of what it removed
 
 
-def test_a_clean_run_leaves_the_tracker_nothing(prefix: str) -> None:
-    """Every name registered is unregistered once gone (the receiver's unlink; the sender's first ack): a
-    double or a missing unregister would print the tracker's traceback or leak warning."""
+@pytest.mark.parametrize("mode", ["clean", "spawned"])
+def test_a_clean_run_leaves_the_tracker_nothing(prefix: str, mode: str) -> None:
+    """Every name registered is unregistered once gone (the receiver's unlink; the sender's first ack), by the
+    side that created it: a double or a missing unregister would print the tracker's traceback or leak
+    warning - also when the sender is a multiprocessing child sharing the receiver's tracker."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     done = subprocess.run(
-        [sys.executable, str(NAMES), "clean", prefix], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, str(NAMES), mode, prefix], env=env, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "tracked: []", done.stdout

@@ -28,9 +28,9 @@ transport refuses to run elsewhere (``shm_peers.Peer.capable``).
 
 *Names.* A receiver unlinks a slot once it has taken the slot's first value
 (the sender has it mapped by then), before it acknowledges the value; what is
-left goes when the channels close. Each side registers the names it opens with
-the resource tracker (:mod:`.shm_names`) and unregisters them once they are
-gone: the receiver when it unlinks, the sender when it sees the first ack.
+left goes when the channels close. The side that creates a name registers it
+with the resource tracker (:mod:`.shm_names`) and unregisters it once it is
+gone: as the receiver when it unlinks, as the sender when it sees the first ack.
 """
 
 from __future__ import annotations
@@ -116,8 +116,7 @@ class Channels:
         found = self._slots.get(key)
         if found is None:
             path = f"{self.prefix}-{src}-{dst}-{tag}-{k}-{nbytes}"
-            fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
-            track(path)  # both sides: whichever dies holding the name, its tracker removes it
+            fd = _open(path)
             try:
                 size = _HEADER + max(nbytes, 8)
                 os.ftruncate(fd, size)  # both sides, same size: whoever comes second changes nothing
@@ -189,6 +188,23 @@ class Channels:
 
 
 _EMPTY = torch.empty(0, dtype=torch.uint8)
+
+
+def _open(path: str) -> int:
+    """Open a slot's file, creating it if neither side has yet; the side that creates it tracks the name.
+
+    One side only: ranks started by ``multiprocessing`` share one resource tracker, which keeps a name once,
+    so a second registration would make the second unregistration an error in the tracker."""
+    while True:
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        except FileExistsError:
+            try:
+                return os.open(path, os.O_RDWR)
+            except FileNotFoundError:  # unlinked in between (a failure's cleanup): create it again
+                continue
+        track(path)
+        return fd
 
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
