@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...parallel.config import AXES
 from ..errors import PipelineError
 
 POLICIES = ("raise", "skip")
@@ -177,7 +178,6 @@ def finite_check(pipe: Any, policy: str | None) -> FiniteCheck | None:
     group), within its deadline."""
     if policy is None:
         return None
-    from ...parallel.config import AXES
     from ..comm.collectives import gather_json
 
     hybrid, transport = pipe.hybrid, pipe.transport
