@@ -290,13 +290,15 @@ def main() -> None:
             linear, make(), loss_fn, xs, ys, calibration=cal, parallel=mesh_per_layout([probe])[probe.layout], **common
         )
         probing.append(core_speed(rank))
-        found = search(linear, world, calibration=cal, compute_scale=scale, top=400, **common)
+        # with --same-plans every plan is ranked: an earlier run's may lie beyond this run's top 400
+        found = search(
+            linear, world, calibration=cal, compute_scale=scale, top=400 if same is None else 100_000, **common
+        )
         bare = {p.describe(): p for p in search(linear, world, intra=cal.intra, top=100_000, **common).plans}
         rows = []
         chosen = choose(list(found.plans), args.plans)
         if same is not None:  # the plans an earlier run timed, ranked as this run ranks them
-            ranking = search(linear, world, calibration=cal, compute_scale=scale, top=100_000, **common).plans
-            where = {p.describe(): (k, p) for k, p in enumerate(ranking)}
+            where = {p.describe(): (k, p) for k, p in enumerate(found.plans)}
             wanted = [r["plan"] for r in same["models"][model]["rows"]]
             missing = [name for name in wanted if name not in where]
             if missing:
