@@ -34,13 +34,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import stagewise as sw  # noqa: E402
 from gpt_model import Block, GPTConfig, Positions  # noqa: E402
+from stagewise.partition import LayerProfile  # noqa: E402
 from stagewise.planning import search  # noqa: E402
-from stagewise.profile_data import LayerProfile  # noqa: E402
-from stagewise.runtime.calibrate import effective_cores, idle_cpu  # noqa: E402
-from stagewise.runtime.compute_scale import probe_plan  # noqa: E402
-from stagewise.runtime.model.balance import profile_layers  # noqa: E402
-from stagewise.runtime.model.layers import named_layers  # noqa: E402
-from stagewise.runtime.model.profiling import steadiest  # noqa: E402
+from stagewise.runtime.frontends.balance import profile_layers  # noqa: E402
+from stagewise.runtime.frontends.layers import named_layers  # noqa: E402
+from stagewise.runtime.measure.calibrate import effective_cores, idle_cpu  # noqa: E402
+from stagewise.runtime.measure.compute_scale import probe_plan  # noqa: E402
+from stagewise.runtime.measure.profiling import steadiest  # noqa: E402
 
 GPT = GPTConfig(vocab_size=256, seq_len=64, d_model=64, n_heads=4, n_layers=6)
 
@@ -112,7 +112,7 @@ def core_speed(rank: int, rounds: int = 5) -> float:
 
 def alone_profile(layers: list[sw.Layer], sample: Any, rank: int) -> LayerProfile:
     """Rank 0 profiles while the others wait (a core to itself: the planner's ``cores`` models the sharing), in
-    :data:`PROFILE_ROUNDS` rounds, each layer from its fastest (:func:`~stagewise.runtime.model.profiling.steadiest`:
+    :data:`PROFILE_ROUNDS` rounds, each layer from its fastest (:func:`~stagewise.runtime.measure.profiling.steadiest`:
     three profiles of the MLP in one 4-rank run, one after another, gave its per-sample forward 37 / 50 / 53 us)."""
     measure = lambda: profile_layers(named_layers(layers), sample, seed=0, repeats=7, warmup=2)  # noqa: E731
     text = [steadiest(measure, PROFILE_ROUNDS).to_json() if rank == 0 else None]

@@ -77,7 +77,7 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def summarize(rank: int, name: str, data: dict[str, Any]) -> list[str]:
-    from stagewise.actions import parse_action
+    from stagewise.ir import parse_action
 
     costs = {int(s): c for s, c in data["costs"].items()}
     rows: dict[str, list[float]] = {}

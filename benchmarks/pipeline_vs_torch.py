@@ -12,7 +12,7 @@ each of its transports (``gloo``: torch.distributed point-to-point;
 * *torch ms*, *gloo ms*, *shm ms*: the median step time (slowest rank, barrier to end);
 * *x gloo*, *x shm*: the median, over neighbouring steps, of torch / stagewise
   (above 1: stagewise is faster; neighbours see the same background load);
-* *ideal ms*: the larger of the critical path - ``stagewise.simulate`` on the
+* *ideal ms*: the larger of the critical path - ``stagewise.simulate.arrays`` on the
   schedule, fed each stage's forward / input-grad / weight-grad time - and the
   total compute divided by min(ranks, cores). Stage times are medians of CPU
   time, measured by each worker between the timed steps on its own stages,

@@ -11,8 +11,7 @@ from __future__ import annotations
 import os
 import time
 
-from stagewise.planning import Link, search
-from stagewise.planning.synthetic import transformer_profile
+from stagewise.planning import Link, search, transformer_profile
 
 GIB = 2**30
 

@@ -46,7 +46,7 @@ def plan(kills: int, steps: int, every: int, seed: int) -> list[tuple[int, int, 
 
 def job(out: Path, steps: int, every: int, kills: list[tuple[int, int, str]]) -> tuple[int, float]:
     spec = ",".join(f"{a}:{r}:{s}:{w}" for a, (r, s, w) in enumerate(kills))
-    cmd = [sys.executable, "-m", "stagewise.cli", "run", "-n", "2", "--max-restarts", str(len(kills))]
+    cmd = [sys.executable, "-m", "stagewise.cli.main", "run", "-n", "2", "--max-restarts", str(len(kills))]
     cmd += [str(WORKERS / "restart_train.py"), "--out", str(out), "--steps", str(steps), "--save-every", str(every)]
     cmd += ["--kills", spec]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")

@@ -11,7 +11,7 @@ v as the schedule needs) this times, in seconds:
                 (once at the end of each step's GC pause) where build_schedule pays it once;
 * ``build cpu``  the same in CPU time of this process (``time.process_time``): on a shared,
                 oversubscribed machine wall time also counts the other jobs' turns;
-* ``simulate``  :func:`stagewise.simulate` of the complete schedule (what ``stagewise simulate`` times);
+* ``simulate``  :func:`stagewise.simulate.arrays` of the complete schedule (what ``stagewise simulate`` times);
 * ``cli``       ``stagewise simulate --schedule X --stages P --microbatches M --json`` end to end in a fresh
                 process (start-up, build, simulate, report; target < 2 s), wall and CPU (``cli cpu``), medians;
 

@@ -31,8 +31,8 @@ def worker(rounds: int, sizes: list[int], out: Path) -> None:
     import torch.distributed as dist
 
     import stagewise as sw
-    from stagewise.runtime.comm import choose
-    from stagewise.runtime.comm.transport import Op, TransportSpec
+    from stagewise.runtime.comm.transport import choose
+    from stagewise.runtime.comm.transport.protocol import Op, TransportSpec
 
     torch.set_num_threads(1)
     sw.init(backend="gloo")
@@ -112,7 +112,7 @@ def python_path(n: int = 20000, size: int = 4096) -> float:
     """CPU seconds per message of the shm protocol's own Python path, in one process (no sleeping, no waking)."""
     import torch
 
-    from stagewise.runtime.comm.shm import SHM_DIR, Channels
+    from stagewise.runtime.comm.shm.transport import SHM_DIR, Channels
 
     torch.set_num_threads(1)
     prefix = f"{SHM_DIR}/sw-bench-{os.getpid()}"

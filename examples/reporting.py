@@ -24,7 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 import stagewise as sw
-from stagewise.actions import Kind
+from stagewise.ir import Kind
 
 console = Console(highlight=False)
 

@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import stagewise as sw
-from stagewise.actions import Action, Kind
-from stagewise.validate_versions import _bounds, _rules
-from stagewise.versions import Version, live_versions, version_bound, version_table
+from stagewise.asynchronous import Version, live_versions, version_bound, version_table
+from stagewise.ir import Action, Kind
+from stagewise.validate.versions import _bounds, _rules
 
 VARIANTS = [
     ("pipedream", {}),
@@ -255,7 +255,7 @@ def test_weight_memory_counts_pipedream_stashes() -> None:
 
 
 def test_png_marks_versions(tmp_path: object) -> None:
-    from stagewise.simulate_async import labelled_timeline
+    from stagewise.simulate import labelled_timeline
 
     schedule = sw.lower(build("pipedream", 3, 4, 1))
     timeline = labelled_timeline(schedule, sw.simulate(schedule))
@@ -271,7 +271,7 @@ def test_png_marks_versions(tmp_path: object) -> None:
 def test_cli_reports_weight_versions(capsys: pytest.CaptureFixture[str], tmp_path: object) -> None:
     import json
 
-    from stagewise.cli import main
+    from stagewise.cli.main import main
 
     assert main(["simulate", "-s", "pipedream", "-p", "4", "-m", "10", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import stagewise as sw
-from stagewise.runtime.engine import batchnorm as bnm
-from stagewise.runtime.engine.batchnorm import BatchNormPolicy, Moments, check_batchnorm, combine, commit
+from stagewise.runtime.features import batchnorm as bnm
+from stagewise.runtime.features.batchnorm import BatchNormPolicy, Moments, check_batchnorm, combine, commit
 
 SIZES = [(5,), (4, 4, 3, 3), (1, 7, 2), (2, 2, 2, 2, 2, 2)]
 
@@ -164,7 +164,7 @@ def test_direct_calls_outside_a_step_are_plain_batchnorm(one_rank) -> None:
 
 def test_detection_message_once_unless_chosen(one_rank, caplog: pytest.LogCaptureFixture) -> None:
     bnm._announced = False
-    with caplog.at_level(logging.WARNING, logger="stagewise.runtime.engine.batchnorm"):
+    with caplog.at_level(logging.WARNING, logger="stagewise.runtime.features.batchnorm"):
         sw.Pipeline(bc.bn_layers(), loss_fn=F.cross_entropy, microbatches=bc.M, batchnorm="micro")
         assert not caplog.records
         for _ in range(2):

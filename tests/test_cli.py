@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import stagewise as sw
-from stagewise.cli import main
+from stagewise.cli.main import main
 
 
 def run_main(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -148,7 +148,7 @@ def test_console_script_prints_json() -> None:
 
 
 def test_simulate_with_a_cost_model_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    from stagewise.costs import CostModel
+    from stagewise.simulate import CostModel
 
     costs = CostModel.uniform(3, forward=1.0, backward_input=2.0, backward_weight=0.0)
     path = tmp_path / "costs.json"

@@ -191,8 +191,8 @@ def test_verdict_counts_the_seed_spread() -> None:
 
 
 def test_cli_passes_its_options_to_the_benchmark() -> None:
-    from stagewise.cli import build_parser
-    from stagewise.compare_command import compare_arguments, find_benchmark
+    from stagewise.cli.compare import compare_arguments, find_benchmark
+    from stagewise.cli.main import build_parser
 
     args = build_parser().parse_args(["compare", "--workload", "cnn", "--steps", "8", "--seeds", "0", "1", "--", "-h"])
     assert compare_arguments(args) == ["--out", "out/compare", "--workload", "cnn", "--steps", "8"] + [

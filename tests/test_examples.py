@@ -62,7 +62,7 @@ def _run(cmd: list[str], cwd: Path) -> str:
 def stagewise_run(nproc: int, script: str, *args: str, cwd: Path) -> str:
     """``stagewise run -n NPROC examples/SCRIPT ARGS``, with the installed console script when there is one."""
     exe = Path(sys.executable).with_name("stagewise")
-    launcher = [str(exe)] if exe.exists() else [sys.executable, "-m", "stagewise.cli"]
+    launcher = [str(exe)] if exe.exists() else [sys.executable, "-m", "stagewise.cli.main"]
     return _run([*launcher, "run", "-n", str(nproc), str(EXAMPLES / script), *args], cwd)
 
 

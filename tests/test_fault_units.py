@@ -8,7 +8,7 @@ from collections import namedtuple
 import pytest
 import torch
 
-from stagewise.actions import Action, Kind
+from stagewise.ir import Action, Kind
 from stagewise.runtime.comm.coordinator import DeadlineStore
 from stagewise.runtime.engine.forensics import position
 from stagewise.runtime.engine.messages import Meta

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from stagewise.runtime.engine.finite import FiniteCheck, any_non_finite
 from stagewise.runtime.errors import PipelineError
+from stagewise.runtime.features.finite import FiniteCheck, any_non_finite
 
 CPU = torch.device("cpu")
 

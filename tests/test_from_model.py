@@ -16,10 +16,10 @@ from from_model_checks import SkipNet, skip_data  # noqa: E402
 from torch import nn
 
 import stagewise as sw
-from stagewise.runtime.model.balance import in_flight, per_stage, profile_layers
-from stagewise.runtime.model.layers import named_layers, partition
-from stagewise.runtime.model.profiling import LayerCost, LayerProfile, steadiest
-from stagewise.stage_counts import layer_memory, stage_counts
+from stagewise.partition import layer_memory, stage_counts
+from stagewise.runtime.frontends.balance import in_flight, per_stage, profile_layers
+from stagewise.runtime.frontends.layers import named_layers, partition
+from stagewise.runtime.measure.profiling import LayerCost, LayerProfile, steadiest
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -123,7 +123,7 @@ def test_profile_layers_follows_the_calling_convention_and_keeps_the_rng(monkeyp
     that need one: none of the sample's, add's first argument (its second is a sum of the sample), out's input (it
     comes from a layer with weights). Checked on the calls, not on I's time: less the one-node call timed beside
     it, a layer this small takes about none, and noise decides its sign."""
-    from stagewise.runtime.model import profiling
+    from stagewise.runtime.measure import profiling
 
     asked: list[list[bool]] = []  # per call of I on a layer: which inputs need a gradient
     real = profiling.backward_input

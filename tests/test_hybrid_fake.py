@@ -75,7 +75,7 @@ def test_split_and_sharded_block_holds_a_quarter(mesh) -> None:
 def test_tied_group_spans_the_owners_in_every_replica_at_one_tp_coordinate(mesh) -> None:
     """A tied embedding / head on pp ranks 0 and 1: its gradient is summed over both stages and averaged over the
     dp x sharding replicas, among the 8 ranks at this rank's tp coordinate (tp ranks hold the same gradient)."""
-    from stagewise.runtime.model.tied import _replicated
+    from stagewise.runtime.frontends.tied import _replicated
 
     same_tp = [r for r in range(CONFIG.world_size) if CONFIG.coords(r).tp == mesh.coords.tp]
     assert _replicated(mesh, [0, 1]) == same_tp

@@ -77,7 +77,17 @@ def rows(machines: list[tuple[str, str]], tmp_path_factory: pytest.TempPathFacto
     out = tmp_path_factory.mktemp("multinode")
     jobs = []
     for i, ((name, veth), addr) in enumerate(zip(machines, ADDRS, strict=True)):
-        cmd = ["ip", "netns", "exec", name, "env", f"GLOO_SOCKET_IFNAME={veth}", sys.executable, "-m", "stagewise.cli"]
+        cmd = [
+            "ip",
+            "netns",
+            "exec",
+            name,
+            "env",
+            f"GLOO_SOCKET_IFNAME={veth}",
+            sys.executable,
+            "-m",
+            "stagewise.cli.main",
+        ]
         cmd += ["run", "-n", "2", "--nnodes", "2", "--node-rank", str(i), "--rdzv-endpoint", f"{ADDRS[0]}:{PORT}"]
         cmd += ["--local-addr", addr, str(WORKERS / "multinode_train.py"), "--out", str(out)]
         log = open(out / f"machine{i}.log", "w")  # noqa: SIM115 (closed with the process)

@@ -12,8 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import stagewise as sw
+from stagewise import parallel as config_module
 from stagewise.parallel import AXES, Coords, ParallelConfig
-from stagewise.parallel import config as config_module
 
 degrees = st.integers(min_value=1, max_value=4)
 configs = st.builds(ParallelConfig, pp=degrees, dp=degrees, tp=degrees, sharding=degrees)

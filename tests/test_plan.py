@@ -9,12 +9,10 @@ import re
 import pytest
 
 import stagewise as sw
-from stagewise.costs import CostModel
-from stagewise.planning import Link, search
-from stagewise.planning.comm import crosses_nodes, ring_all_reduce, ring_reduce_scatter
-from stagewise.planning.synthetic import transformer_profile
-from stagewise.profile_data import LayerCost, LayerProfile
+from stagewise.partition import LayerCost, LayerProfile
+from stagewise.planning import Link, crosses_nodes, ring_all_reduce, ring_reduce_scatter, search, transformer_profile
 from stagewise.schedules import generate, schedule_info, schedule_names
+from stagewise.simulate import CostModel
 
 GIB = 2**30
 

@@ -8,12 +8,11 @@ from dataclasses import replace
 import pytest
 
 import stagewise as sw
-from stagewise.costs import CostModel
+from stagewise.partition import CheckpointCost, LayerCost, LayerProfile
 from stagewise.passes import add_grad_sync
 from stagewise.planning import Calibration, LayoutCost, Link, search
-from stagewise.profile_data import CheckpointCost, LayerCost, LayerProfile
 from stagewise.schedules import generate
-from stagewise.simulate_shared import shared_makespan
+from stagewise.simulate import CostModel, shared_makespan
 
 
 def _profile(n: int, t: float = 1.0, params: float = 1024.0) -> LayerProfile:

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 import stagewise as sw
-from stagewise.cli import main
+from stagewise.cli.main import main
+from stagewise.partition import LayerCost, LayerProfile
 from stagewise.planning import Link
-from stagewise.profile_data import LayerCost, LayerProfile
 
 
 def _profile() -> LayerProfile:

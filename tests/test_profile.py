@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import stagewise as sw
-from stagewise.runtime.model.profiling import LayerProfile, model_blocks, profile
+from stagewise.runtime.measure.profiling import LayerProfile, model_blocks, profile
 from stagewise.simulate import simulate
 
 
@@ -128,7 +128,7 @@ def test_cost_model_sums_stages_and_simulates() -> None:
 
 
 def test_lazy_exports() -> None:
-    import stagewise.runtime.model.profiling  # noqa: F401 - importing the module must not shadow sw.profile
+    import stagewise.runtime.measure.profiling  # noqa: F401 - importing the module must not shadow sw.profile
 
     layers = [nn.Linear(4, 4)]
     assert isinstance(sw.profile(layers, torch.randn(2, 4), repeats=1, warmup=0), LayerProfile)
@@ -142,7 +142,7 @@ def test_the_backward_is_timed_through_the_runtimes_own_code(monkeypatch: pytest
     ``autograd.grad`` does not), each run once per timed repeat, W only where there are weights, I and B less the
     same call on a one-node graph (a stage makes one per micro-batch, not one per layer); every parameter's
     ``.grad`` is back as it was, a gradient already there included."""
-    from stagewise.runtime.model import profiling
+    from stagewise.runtime.measure import profiling
 
     calls: dict[str, int] = {}
 
@@ -186,7 +186,7 @@ def test_saved_tensors_are_counted_and_the_checkpoints_line_is_fitted_through_wh
     layer's checkpoint extras are what the checkpointed forward and backward measured beyond the plain ones, and
     the profile's CheckpointCost is the least-squares line through those and the chains' points; a profile
     written before these fields loads with none."""
-    from stagewise.runtime.model import profiling
+    from stagewise.runtime.measure import profiling
 
     chain = nn.Sequential(Scale(), nn.ReLU(), nn.Sequential(Scale(), Scale(), Scale()))
     points: list[list[tuple[float, float, float]]] = []
@@ -256,8 +256,8 @@ def test_rounds_keep_each_layers_fastest_round_and_fit_the_checkpoint_line_once(
     other work only ever slows a round), and the checkpoint line is fitted once, on what was kept."""
     from dataclasses import replace
 
-    from stagewise.profile_data import LayerCost
-    from stagewise.runtime.model import profiling
+    from stagewise.partition import LayerCost
+    from stagewise.runtime.measure import profiling
 
     def one(f0: float, f1: float) -> LayerProfile:
         cost = LayerCost("x", 0.0, 0.0, 0.0, 0.0, 8.0, 4.0, 16.0, 8.0)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from stagewise.schedules.registry import markdown_table
+from stagewise.schedules import markdown_table
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 BIN = Path(sys.executable).parent

@@ -8,12 +8,9 @@ from pathlib import Path
 import pytest
 
 import stagewise as sw
-from stagewise.actions import Action, Kind, parse_action
-from stagewise.costs import CostModel
+from stagewise.ir import Action, Event, Kind, Schedule, Timeline, loop_placement, parse_action
 from stagewise.render import render_ascii, render_png, render_trace
-from stagewise.schedule import Schedule, loop_placement
-from stagewise.simulate import simulate
-from stagewise.timeline import Event, Timeline
+from stagewise.simulate import CostModel, simulate
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import stagewise as sw
-from stagewise.cli import main
+from stagewise.cli.main import main
 
 WORKERS = Path(__file__).parent / "workers"
 sys.path.insert(0, str(WORKERS))
@@ -50,7 +50,7 @@ KILLS = [
 
 
 def _job(out: Path, kills: str, restarts: int) -> subprocess.Popen[str]:
-    cmd = [sys.executable, "-m", "stagewise.cli", "run", "-n", "2", "--max-restarts", str(restarts)]
+    cmd = [sys.executable, "-m", "stagewise.cli.main", "run", "-n", "2", "--max-restarts", str(restarts)]
     cmd += [str(WORKERS / "restart_train.py"), "--out", str(out), "--steps", str(STEPS), "--save-every", "2"]
     cmd += ["--kills", kills]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", LOGLEVEL="WARNING")

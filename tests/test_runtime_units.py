@@ -15,7 +15,7 @@ import stagewise as sw
 from stagewise.runtime.engine.backward import backward_full, backward_input, backward_weight
 from stagewise.runtime.engine.microbatch import batch_size, merge, split
 from stagewise.runtime.engine.tree import flatten, leaf_paths, unflatten
-from stagewise.runtime.model.layers import Chain, named_layers, parameter_count, partition
+from stagewise.runtime.frontends.layers import Chain, named_layers, parameter_count, partition
 
 Pair = namedtuple("Pair", "a b")
 

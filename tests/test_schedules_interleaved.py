@@ -10,12 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import stagewise as sw
-from stagewise._columns import ActionRows
-from stagewise.actions import Action, Kind
-from stagewise.costs import CostModel
+from stagewise.ir import Action, ActionRows, Kind, Schedule, loop_placement
 from stagewise.passes import lower
-from stagewise.schedule import Schedule, loop_placement
-from stagewise.simulate import simulate
+from stagewise.simulate import CostModel, simulate
 from stagewise.validate import ScheduleError, validate_schedule
 
 NAMES = ("interleaved-1f1b", "looped-bfs")
@@ -26,7 +23,7 @@ def microbatch_groups(p: int, m: int) -> list[int]:
     # Imported late, after the registry has loaded every built-in module in its own order: importing
     # the module first would register these schedules ahead of the others and reorder schedule_names().
     sw.schedule_names()
-    from stagewise.schedules.interleaved import microbatch_groups as groups
+    from stagewise.schedules import microbatch_groups as groups
 
     return groups(p, m)
 

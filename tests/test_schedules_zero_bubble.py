@@ -10,11 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import stagewise as sw
-from stagewise._columns import ActionRows
-from stagewise.actions import Action, Kind
-from stagewise.costs import CostModel
-from stagewise.schedules.zero_bubble import _sweep_starts, v_wave
-from stagewise.simulate import SimResult, simulate
+from stagewise.ir import Action, ActionRows, Kind
+from stagewise.schedules import v_wave
+from stagewise.schedules.zero_bubble import _sweep_starts
+from stagewise.simulate import CostModel, SimResult, simulate
 
 NAMES = ("zb-h1", "zb-h2", "zb-v", "dualpipe-v")
 V_OF = {"zb-h1": 1, "zb-h2": 1, "zb-v": 2, "dualpipe-v": 2}

@@ -10,11 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import stagewise as sw
-from stagewise.actions import Action, Kind
-from stagewise.costs import CostModel
-from stagewise.dataflow import consumes, produces
-from stagewise.schedule import Schedule, loop_placement
-from stagewise.simulate import simulate
+from stagewise.ir import Action, Kind, Schedule, consumes, loop_placement, produces
+from stagewise.simulate import CostModel, simulate
 
 GRID = [(p, m) for p in (1, 2, 3, 4, 6) for m in (1, 2, 3, 5, 8, 13)]
 #: (F, I, W) triples that add exactly in binary floating point

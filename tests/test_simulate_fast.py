@@ -9,13 +9,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import stagewise as sw
-from stagewise._columns import ActionRows, Columns, columns
-from stagewise._simulate_reference import simulate_reference
-from stagewise._validate_fast import _check_ranges
-from stagewise.actions import Action, Kind
-from stagewise.costs import CostModel
-from stagewise.schedule import Schedule
-from stagewise.simulate import simulate
+from oracles.simulate_reference import simulate_reference
+from stagewise.ir import Action, ActionRows, Columns, Kind, Schedule, columns
+from stagewise.simulate import CostModel, simulate
+from stagewise.validate.fast import _check_ranges
 
 _TIMES = st.floats(0.0, 4.0, allow_nan=False).map(lambda x: round(x, 3))
 

@@ -6,11 +6,9 @@ import random
 
 import pytest
 
-from stagewise.costs import CostModel
 from stagewise.passes import add_grad_sync
 from stagewise.schedules import generate, schedule_info, schedule_names
-from stagewise.simulate import simulate
-from stagewise.simulate_shared import shared_makespan
+from stagewise.simulate import CostModel, shared_makespan, simulate
 
 SYNC_SCHEDULES = [n for n in schedule_names() if schedule_info(n).synchronous]
 

@@ -11,7 +11,7 @@ from torch import nn
 
 import stagewise as sw
 from stagewise.runtime.frontends.split import SplitError, collect_tags, split_model, stage
-from stagewise.runtime.model.profiling import profile
+from stagewise.runtime.measure.profiling import profile
 
 
 @pytest.fixture(autouse=True)

@@ -1,7 +1,7 @@
 """The fast validator agrees with the straightforward reference, on valid and on broken schedules.
 
-``validate_schedule`` decides on flat integer arrays (``stagewise._validate_fast``)
-and asks the reference (``stagewise._validate_reference``) to name the problems;
+``validate_schedule`` decides on flat integer arrays (``stagewise.validate.fast``)
+and asks the reference (``stagewise.validate.reference``) to name the problems;
 these property tests keep the two verdicts equal on random small schedules,
 including ones broken by random edits.
 """
@@ -14,11 +14,11 @@ from hypothesis import strategies as st
 
 import stagewise as sw
 from stagewise import Action, Kind, Schedule, ScheduleError
-from stagewise._passes_reference import add_communication_reference
-from stagewise._validate_arrays import proves_valid
-from stagewise._validate_fast import first_problem
-from stagewise._validate_reference import reference_problems
+from stagewise.passes.reference import add_communication_reference
 from stagewise.validate import validate_reference
+from stagewise.validate.arrays import proves_valid
+from stagewise.validate.fast import first_problem
+from stagewise.validate.reference import reference_problems
 
 
 @st.composite

@@ -1,9 +1,9 @@
 """The fast weight-version computations and version validator against the straightforward reference.
 
-:mod:`stagewise.versions` builds tables on interned rows and comprehensions and
-:mod:`stagewise._validate_versions_fast` decides validity on whole rows; the
-reference (:mod:`stagewise._versions_reference`, and the per-entry reporting
-checks of :mod:`stagewise.validate_versions`) goes action by action. On
+:mod:`stagewise.asynchronous.versions` builds tables on interned rows and comprehensions and
+:mod:`stagewise.validate.versions_fast` decides validity on whole rows; the
+reference (:mod:`stagewise.asynchronous.reference`, and the per-entry reporting
+checks of :mod:`stagewise.validate.versions`) goes action by action. On
 generated asynchronous schedules and on random edits of them (actions moved,
 STEPs moved, table entries changed) both must give the same tables, the same
 live-version counts and the same verdict.
@@ -18,13 +18,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import stagewise as sw
-from stagewise import _versions_reference as reference
-from stagewise._columns import ActionRows, columns
-from stagewise._validate_versions_fast import first_version_problem
-from stagewise.actions import Action
-from stagewise.schedule import Schedule
-from stagewise.validate_versions import _bounds, _rules, _shape, _table_matches
-from stagewise.versions import POLICIES, Version, VersionTable, live_versions, step_counts, version_table
+from stagewise.asynchronous import POLICIES, Version, VersionTable, live_versions, reference, step_counts, version_table
+from stagewise.ir import Action, ActionRows, Schedule, columns
+from stagewise.validate.versions import _bounds, _rules, _shape, _table_matches
+from stagewise.validate.versions_fast import first_version_problem
 
 VARIANTS = [
     ("pipedream", {}),

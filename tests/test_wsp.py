@@ -1,11 +1,12 @@
-"""The pure wave-synchronous rule (stagewise.wsp): the layout's checks, the clock rule against a brute-force
+"""The pure wave-synchronous rule (stagewise.asynchronous.wsp): the layout's checks, the clock rule against a
+brute-force
 statement of the bound, and the checks of the reduction's clock slots."""
 
 from __future__ import annotations
 
 import pytest
 
-from stagewise.wsp import StalenessError, VWLayout, WaveRule, check_clocks, check_more
+from stagewise.asynchronous import StalenessError, VWLayout, WaveRule, check_clocks, check_more
 
 
 def test_layout_maps_ranks_and_options() -> None:

@@ -9,48 +9,28 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._gc import gc_paused
-from .actions import Action, Kind, parse_action
-from .costs import CostModel
+from .asynchronous import Version, VersionTable
+from .ir import Action, Event, Kind, Schedule, Timeline, loop_placement, parse_action, v_placement
 from .parallel import ParallelConfig
 from .partition import Partition, partition_costs
-from .passes import add_communication, add_grad_sync, add_optimizer_steps, forward_only, lower, split_backward
+from .passes import (
+    add_communication,
+    add_grad_sync,
+    add_optimizer_steps,
+    build_schedule,
+    forward_only,
+    lower,
+    split_backward,
+)
 from .render import render_ascii, render_png, render_trace
-from .schedule import Schedule, loop_placement, v_placement
-from .schedules import generate, schedule_info, schedule_names
-from .schedules.asynchronous import async_schedule
-from .simulate import SimResult, simulate
-from .simulate_async import AsyncReport, async_report
-from .timeline import Event, Timeline
-from .validate import ScheduleError, validate_schedule
-from .validate_versions import validate_versions
-from .versions import Version, VersionTable
+from .schedules import async_schedule, generate, schedule_info, schedule_names
+from .simulate import AsyncReport, CostModel, SimResult, async_report, simulate
+from .validate import ScheduleError, validate_schedule, validate_versions
 
 if TYPE_CHECKING:  # loaded on first use (below): `stagewise simulate` does not need the planner
     from .planning import Calibration, Link, Plan, plan
 
 __version__ = "0.1.0"
-
-
-def build_schedule(
-    name: str,
-    num_ranks: int,
-    num_microbatches: int,
-    virtual_stages: int | None = None,
-    *,
-    grad_sync: bool = True,
-    optimizer_steps: bool = False,
-) -> Schedule:
-    """The complete, validated schedule ``name``: what the runtime executes.
-
-    >>> s = build_schedule("1f1b", num_ranks=2, num_microbatches=2)
-    >>> print(s.to_text())
-    rank 0: 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1 0SYNC
-    rank 1: 1RECV_F0 1F0 1RECV_F1 1B0 1SEND_B0 1F1 1B1 1SEND_B1 1SYNC
-    """
-    with gc_paused():  # one collection after the build instead of one after each of its three steps
-        schedule = generate(name, num_ranks, num_microbatches, virtual_stages)
-        return lower(schedule, grad_sync=grad_sync, optimizer_steps=optimizer_steps)
 
 
 # Runtime names, imported lazily so the pure core never pulls in torch.distributed.
@@ -60,16 +40,16 @@ _LAZY = {
     "Plan": ".planning",
     "plan": ".planning",
     "Pipeline": ".runtime.pipeline",
-    "BatchNormPolicy": ".runtime.engine.batchnorm",
+    "BatchNormPolicy": ".runtime.features.batchnorm",
     "PipelineError": ".runtime.errors",
     "init": ".runtime.comm.setup",
-    "Layer": ".runtime.model.layers",
+    "Layer": ".runtime.frontends.layers",
     "MicroBatches": ".runtime.engine.microbatch",
-    "build_model": ".runtime.model.layers",
-    "LayerProfile": ".profile_data",
+    "build_model": ".runtime.frontends.layers",
+    "LayerProfile": ".partition.profile_data",
     "SplitError": ".runtime.frontends.split",
     "SplitModel": ".runtime.frontends.split",
-    "profile": ".runtime.model.profiling",
+    "profile": ".runtime.measure.profiling",
     "split_model": ".runtime.frontends.split",
     "stage": ".runtime.frontends.split",
     "Mesh": ".runtime.hybrid.mesh",
@@ -77,19 +57,19 @@ _LAZY = {
     "column_parallel": ".runtime.hybrid.tensor_parallel",
     "row_parallel": ".runtime.hybrid.tensor_parallel",
     "vocab_parallel_embedding": ".runtime.hybrid.tensor_parallel",
-    "Tied": ".runtime.model.tied",
+    "Tied": ".runtime.frontends.tied",
     "causal_lm_loss": ".runtime.losses",
     "count_tokens": ".runtime.losses",
-    "aux_loss": ".runtime.engine.aux",
-    "collect_aux_losses": ".runtime.engine.aux",
-    "pipeline_from_plan": ".runtime.from_plan",
-    "calibrate": ".runtime.calibrate",
-    "measure_compute_scale": ".runtime.compute_scale",
-    "async_reference": ".runtime.asynchronous.reference",
+    "aux_loss": ".runtime.features.aux",
+    "collect_aux_losses": ".runtime.features.aux",
+    "pipeline_from_plan": ".runtime.frontends.plan",
+    "calibrate": ".runtime.measure.calibrate",
+    "measure_compute_scale": ".runtime.measure.compute_scale",
+    "async_reference": ".runtime.asynchronous.replay",
     "HetPipe": ".runtime.asynchronous.hetpipe",
-    "wsp_reference": ".runtime.asynchronous.wsp_reference",
-    "shm_transport": ".runtime.comm.shm",
-    "torch_transport": ".runtime.comm.choose",
+    "wsp_reference": ".runtime.asynchronous.wsp_replay",
+    "shm_transport": ".runtime.comm.shm.transport",
+    "torch_transport": ".runtime.comm.transport.choose",
 }
 
 

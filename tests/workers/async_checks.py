@@ -24,7 +24,7 @@ from common import Ctx
 from torch import nn
 
 import stagewise as sw
-from stagewise.versions import live_versions, version_bound
+from stagewise.asynchronous import live_versions, version_bound
 
 TOL = 1e-12
 Check = Callable[[Any], "dict[str, Any] | None"]

@@ -20,8 +20,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import Ctx  # noqa: E402
 
 import stagewise as sw  # noqa: E402
+from stagewise.partition import LayerCost, LayerProfile  # noqa: E402
 from stagewise.planning import Calibration, search  # noqa: E402
-from stagewise.profile_data import LayerCost, LayerProfile  # noqa: E402
 
 
 def _usable(x: float) -> bool:
@@ -190,7 +190,7 @@ def compute_scale(ctx: Ctx) -> dict[str, Any]:
     layers = [_spin_layer(12e-3, 18e-3), _spin_layer(12e-3, 18e-3)]
     before = [p.detach().clone() for layer in layers for p in layer.parameters()]
     x, y = torch.randn(8, 4), torch.randn(8, 4)
-    from stagewise.runtime.compute_scale import probe_plan
+    from stagewise.runtime.measure.compute_scale import probe_plan
 
     plan = probe_plan(profile, ctx.world, global_batch=8, profile_batch=2)
     assert (plan.layout.pp, plan.schedule, plan.microbatches) == (ctx.world, "1f1b", 2 * ctx.world), plan

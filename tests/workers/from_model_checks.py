@@ -338,7 +338,7 @@ def layers_memory_caps(ctx: Ctx) -> dict[str, Any]:
         )
 
     balanced = build(partition="memory")
-    from stagewise.stage_counts import layer_memory
+    from stagewise.partition import layer_memory
 
     memory = layer_memory(balanced.layer_profile, in_flight=2)
     held = [sum(memory[i] for i in r) for r in balanced.layer_ranges]

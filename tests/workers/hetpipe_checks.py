@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from common import Ctx
 
 import stagewise as sw
+from stagewise.asynchronous import StalenessError
 from stagewise.runtime.engine import interpreter
-from stagewise.wsp import StalenessError
 
 TOL = 1e-12
 Check = Callable[[Any], "dict[str, Any] | None"]

@@ -23,8 +23,8 @@ from common import Ctx  # noqa: E402
 from hybrid_checks import _compare_grads  # noqa: E402
 
 import stagewise as sw  # noqa: E402
+from stagewise.partition import LayerCost, LayerProfile  # noqa: E402
 from stagewise.planning import search  # noqa: E402
-from stagewise.profile_data import LayerCost, LayerProfile  # noqa: E402
 
 BATCH = 8
 TIMEOUT = 60.0

@@ -17,10 +17,9 @@ from common import Ctx
 from gather import gather_objects
 
 import stagewise as sw
-from stagewise.actions import Action, Kind
+from stagewise.ir import Action, Kind, Schedule, loop_placement, v_placement
 from stagewise.passes import lower, split_backward
 from stagewise.runtime.comm import groups
-from stagewise.schedule import Schedule, loop_placement, v_placement
 
 RTOL, ATOL = 1e-10, 1e-12  # float64 on both sides: only summation order differs
 TIMEOUT = 30.0

@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from stagewise.runtime.comm.shm_names import tracked
-from stagewise.runtime.comm.shm_slots import Channels
+from stagewise.runtime.comm.shm.names import tracked
+from stagewise.runtime.comm.shm.slots import Channels
 
 
 def never(started: float, what: str, peer: int) -> None:

@@ -3,7 +3,7 @@
 Pure (no torch). :func:`plan` searches layouts (pp x dp x sharding x tp),
 schedules, virtual stages, micro-batch counts, partitions and recompute,
 predicts each one's step time and per-rank peak memory with the simulator,
-and returns the best as :class:`Plan` values; ``stagewise.runtime.from_plan``
+and returns the best as :class:`Plan` values; ``stagewise.runtime.frontends.plan``
 turns one into a ``Pipeline``. :mod:`.search` says how, :mod:`.costing` how
 a step is costed (the equations), :mod:`.comm` how collectives are costed,
 :class:`Calibration` what the runtime measured (``stagewise.calibrate()``).
@@ -16,12 +16,13 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, TypedDict
 
-from ..profile_data import LayerProfile
+from ..partition import LayerProfile
 from .calibration import Calibration, LayoutCost
-from .comm import Link, ring_all_gather, ring_all_reduce, ring_reduce_scatter
+from .comm import Link, crosses_nodes, ring_all_gather, ring_all_reduce, ring_reduce_scatter
 from .inputs import make_problem
 from .result import Dropped, Plan, PlanSearch, RankMemory
 from .search import run_search
+from .synthetic import transformer_profile
 
 if TYPE_CHECKING:  # (annotations only: Python 3.10's typing has neither)
     from typing_extensions import Required, Unpack
@@ -36,10 +37,12 @@ __all__ = [
     "PlanSearch",
     "RankMemory",
     "plan",
+    "crosses_nodes",
     "ring_all_gather",
     "ring_all_reduce",
     "ring_reduce_scatter",
     "search",
+    "transformer_profile",
 ]
 
 

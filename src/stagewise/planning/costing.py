@@ -29,7 +29,7 @@ part (:mod:`stagewise.runtime.engine.interpreter`). The checkpoint itself
 costs time too (a hook per saved tensor, packed in the forward and again
 when the backward re-runs it): the stage's F gains ``k_F c^F_s`` and its
 backward ``k_B c^B_s``, where ``c_s`` is the profile's
-:class:`~stagewise.profile_data.CheckpointCost` line at the stage's saved
+:class:`~stagewise.partition.profile_data.CheckpointCost` line at the stage's saved
 tensors (0 for a profile without one). It does not grow with the batch.
 **The step time, as predicted** (one candidate; ``b`` samples per micro-batch,
 ``sigma = b / profile_batch``; sums over a stage's layers ``l``):
@@ -52,7 +52,7 @@ tensors (0 for a profile without one). It does not grow with the batch.
   ring model, or when calibrated ``units_s * fixed + bytes_s * per_byte`` (scaled to the group).
 * **Oversubscription** (``cores`` per node given, fewer than the node's processes): processes
   share cores. The compute is replayed with the node's cores shared among the processes computing
-  at each moment (:mod:`stagewise.simulate_shared`: ``n`` processes computing on ``c`` cores each
+  at each moment (:mod:`stagewise.simulate.shared`: ``n`` processes computing on ``c`` cores each
   advance at ``min(1, c / n)``; a pipeline rank stands for its replicas on the node, and ranks
   waiting on a message sleep - the transports do not spin), giving ``T_shared``; the step is
   ``T = max(T_sim, T_cpu, T_shared) + step`` with ``T_cpu = max_node sum_{ranks r on it} busy_r / cores``
@@ -76,7 +76,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..profile_data import CheckpointCost, LayerProfile
+from ..partition import CheckpointCost, LayerProfile
 from .comm import Link, ring_all_reduce
 
 
@@ -221,7 +221,7 @@ def stage_base(
     message: float = 0.0,
     factor: tuple[float, float, float] = (1.0, 1.0, 1.0),
 ) -> StageBase:
-    """Sum the layers of each stage (``bounds`` as in :class:`~stagewise.partition.Partition`)."""
+    """Sum the layers of each stage (``bounds`` as in :class:`~stagewise.partition.cut.Partition`)."""
     per_ar_fixed = 2 * (tp - 1) * tp_link.latency if tp > 1 else 0.0
     per_byte = 2 * (tp - 1) / (tp * tp_link.bandwidth) if tp > 1 else 0.0
     cols: list[list[float]] = [[] for _ in range(11)]

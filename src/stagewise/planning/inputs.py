@@ -6,8 +6,8 @@ import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from ..arguments import is_count
-from ..profile_data import LayerProfile
+from .._util import is_count
+from ..partition import LayerProfile
 from ..schedules import schedule_info, schedule_names
 from .calibration import Calibration
 from .comm import Link

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from ..actions import Kind
+from ..ir import Kind, Schedule, loop_placement, v_placement
 from ..passes import add_grad_sync
-from ..schedule import Schedule, loop_placement, v_placement
 from ..schedules import generate, schedule_info
 
 

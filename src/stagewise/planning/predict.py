@@ -5,10 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from ..actions import Kind
-from ..costs import CostModel
-from ..simulate import SimResult, simulate
-from ..simulate_shared import shared_makespan
+from ..ir import Kind
+from ..simulate import CostModel, SimResult, shared_makespan, simulate
 from .candidate import Candidate
 from .orders import compute_schedule, placement_of
 from .result import Plan, RankMemory

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..costs import CostModel
 from ..parallel import ParallelConfig
+from ..simulate import CostModel
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ class Plan:
         return describe(self.layout, self.schedule, self.virtual_stages, self.microbatches, self.recompute)
 
     def pipeline_options(self) -> dict[str, object]:
-        """The ``sw.Pipeline`` keywords that run this plan (see ``stagewise.runtime.from_plan``)."""
+        """The ``sw.Pipeline`` keywords that run this plan (see ``stagewise.runtime.frontends.plan``)."""
         return {
             "schedule": self.schedule,
             "microbatches": self.microbatches,

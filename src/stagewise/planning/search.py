@@ -3,7 +3,7 @@
 For each factorisation ``pp x dp x sharding x tp`` of the processes, each
 registered synchronous schedule and virtual-stage count, each micro-batch
 count dividing the per-replica batch and each recompute choice, the exact
-partitioner (:func:`stagewise.partition.partition_costs`) cuts the layers
+partitioner (:func:`stagewise.partition.cut.partition_costs`) cuts the layers
 (balancing F + B per layer, with the ranks' speeds and their memory for
 parameters, gradients and optimizer state), the simulator times one step and
 tracks activations, and the collectives are added from

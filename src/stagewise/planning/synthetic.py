@@ -9,7 +9,7 @@ that, I and W alike); activation bytes per block from Korthikanti et al.,
 
 from __future__ import annotations
 
-from ..profile_data import LayerCost, LayerProfile
+from ..partition import LayerCost, LayerProfile
 
 
 def transformer_profile(

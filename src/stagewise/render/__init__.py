@@ -1,4 +1,4 @@
-"""Renderers: draw a :class:`~stagewise.timeline.Timeline` (simulated or measured) as PNG, trace or text.
+"""Renderers: draw a :class:`~stagewise.ir.timeline.Timeline` (simulated or measured) as PNG, trace or text.
 
 * :func:`render_png` — Gantt chart, one row per rank (matplotlib, imported on call);
 * :func:`render_trace` — Chrome / Perfetto trace JSON (open in ui.perfetto.dev;

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import math
 
-from ..actions import Kind
-from ..timeline import Event, Timeline
+from ..ir import Event, Kind, Timeline
 from .labels import short_label, stages_per_rank
 
 _IDLE = "."

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from ..actions import Kind
-from ..timeline import Event, Timeline
+from ..ir import Event, Kind, Timeline
 
 #: compute kinds and per-stage kinds, in legend order
 DRAWN_KINDS = (Kind.F, Kind.B, Kind.I, Kind.W, Kind.SYNC, Kind.STEP)

@@ -5,8 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..actions import Kind
-from ..timeline import Event, Timeline
+from ..ir import Event, Kind, Timeline
 from .labels import DRAWN_KINDS, KIND_NAMES, chunk_index, stages_per_rank, time_scale_name
 
 #: box colours by kind (Tableau-like, distinguishable in grey scale and by most colour-blind readers)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..timeline import Timeline
+from ..ir import Timeline
 from .labels import short_label, stages_per_rank
 
 #: microseconds per timeline unit; simulated cost units are shown as milliseconds

@@ -26,7 +26,7 @@ The rooms:
 
 from .comm.setup import Env, init
 from .errors import PipelineError
-from .model.layers import Chain, Layer, build_model
+from .frontends.layers import Chain, Layer, build_model
 from .pipeline import Pipeline
 
 __all__ = ["Chain", "Env", "Layer", "Pipeline", "PipelineError", "build_model", "init"]

@@ -15,22 +15,22 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..schedule import Schedule
+from ..ir import Schedule
 from .asynchronous.train import check_async
 from .comm import groups
-from .comm.choose import resolve
-from .comm.transport import Transport, TransportSpec
+from .comm.transport.choose import resolve
+from .comm.transport.protocol import Transport, TransportSpec
 from .context import PipelineContext
-from .engine.batchnorm import attach_batchnorms, check_batchnorm
 from .engine.hooks import StageHooks, optimizer_per_stage
 from .engine.interpreter import Interpreter
-from .engine.memory import ActivationMeter
 from .engine.messages import Mailbox
-from .engine.precision import autocast_context, autocast_loss
 from .engine.runner import Runner
 from .engine.stage import Stage
-from .model.stages import BuiltStages
-from .model.tied import TiedBuilder, TiedSync, stage_parameters
+from .features.batchnorm import attach_batchnorms, check_batchnorm
+from .features.memory import ActivationMeter
+from .features.precision import autocast_context, autocast_loss
+from .frontends.stages import BuiltStages
+from .frontends.tied import TiedBuilder, TiedSync, stage_parameters
 from .options import RunOptions
 
 if TYPE_CHECKING:

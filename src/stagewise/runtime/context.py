@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..ir import Schedule
 from ..passes import add_optimizer_steps, lower
-from ..schedule import Schedule
 from ..schedules import schedule_info
-from ..validate import validate_schedule
-from ..validate_versions import validate_versions
-from .comm import exit_hook, groups
+from ..validate import validate_schedule, validate_versions
+from .comm import groups
+from .comm.faults import exit_hook
 
 if TYPE_CHECKING:
     from ..parallel import ParallelConfig
@@ -54,7 +54,7 @@ def resolve_context(
     """The context of a new pipeline; the schedule is complete and validated for the group's size.
 
     ``optimizer_steps``: the pipeline steps an optimizer per stage, so the schedule gets a STEP per stage
-    (:func:`stagewise.passes.add_optimizer_steps`): ``"after_sync"`` right after each stage's SYNC,
+    (:func:`stagewise.passes.lowering.add_optimizer_steps`): ``"after_sync"`` right after each stage's SYNC,
     ``"at_end"`` at the end of each rank's list (see :attr:`RunOptions.step_placement`); None: no STEP.
     """
     groups.require_initialized()

@@ -9,12 +9,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from .comm.choose import TransportChoice, check_choice
-from .engine.batchnorm import BatchNormPolicy, check_batchnorm
-from .engine.finite import check_policy
+from .comm.transport.choose import TransportChoice, check_choice
 from .engine.microbatch import Dims
-from .engine.precision import check_autocast
-from .engine.recompute import Recompute, check_recompute
+from .features.batchnorm import BatchNormPolicy, check_batchnorm
+from .features.finite import check_policy
+from .features.precision import check_autocast
+from .features.recompute import Recompute, check_recompute
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 LossFn = Callable[[Any, Any], torch.Tensor]

@@ -22,25 +22,24 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ..ir import Schedule, Timeline
+from ..partition import PartitionSpec
 from ..passes import forward_only
-from ..schedule import Schedule
-from ..stage_counts import PartitionSpec
-from ..timeline import Timeline
-from ..validate_versions import async_table
+from ..validate import async_table
 from .assembly import build_engine
 from .asynchronous.train import train_stream
 from .comm import lifecycle
-from .comm.choose import TransportChoice
-from .comm.transport import Transport
+from .comm.transport.choose import TransportChoice
+from .comm.transport.protocol import Transport
 from .context import PipelineContext, resolve_context
-from .engine.batchnorm import BatchNormPolicy
-from .engine.clip import clip_pipeline_grads
-from .engine.finite import finite_check
 from .engine.microbatch import Dims
-from .engine.recompute import Recompute
 from .engine.reports import gathered_losses, step_timeline
-from .model.layers import Layers, named_layers
-from .model.stages import BuiltStages, build_layer_stages, given_stages
+from .features.batchnorm import BatchNormPolicy
+from .features.clip import clip_pipeline_grads
+from .features.finite import finite_check
+from .features.recompute import Recompute
+from .frontends.layers import Layers, named_layers
+from .frontends.stages import BuiltStages, build_layer_stages, given_stages
 from .options import LossFn, LossWeights, OptimizerFactory, RunOptions
 
 if TYPE_CHECKING:
@@ -62,7 +61,7 @@ class Pipeline(nn.Module):
     ``partition``: ``"uniform"``, ``"parameters"``, ``"time"``, ``"memory"`` or
     layer counts per stage; ``"time"`` and ``"memory"`` profile the layers on
     ``sample_inputs`` (one micro-batch) on the group's first rank, building one
-    layer at a time (:mod:`stagewise.runtime.model.balance`). ``speeds`` and
+    layer at a time (:mod:`stagewise.runtime.frontends.balance`). ``speeds`` and
     ``memory_caps`` (bytes), one per rank, describe heterogeneous ranks: a rank
     at speed 0.5 gets about half the work, none holds more than its cap.
     ``loss_fn(output, target)`` must return the micro-batch's *mean* loss; each
@@ -80,7 +79,7 @@ class Pipeline(nn.Module):
     error names, on each rank, the action it was in and what it waited for
     (:mod:`stagewise.runtime.engine.forensics`). ``autocast``: ``torch.bfloat16`` (or
     ``float16``) runs each stage's forward and the loss under
-    ``torch.autocast`` (:mod:`stagewise.runtime.engine.precision`).
+    ``torch.autocast`` (:mod:`stagewise.runtime.features.precision`).
     ``variable_shapes``: values between stages may change shape from one
     micro-batch or step to the next (packed / variable-length sequences; pass
     pre-cut micro-batches as :class:`~stagewise.MicroBatches`); each value then
@@ -88,12 +87,12 @@ class Pipeline(nn.Module):
     change is an error naming the stage and tensor. ``transport``: ``"auto"``
     (shared memory when every rank is on this host and the group is gloo, else
     torch.distributed), ``"shm"``, ``"torch"``, or a factory
-    ``TransportSpec -> Transport`` (:mod:`stagewise.runtime.comm.choose`);
+    ``TransportSpec -> Transport`` (:mod:`stagewise.runtime.comm.transport.choose`);
     unset, ``STAGEWISE_TRANSPORT`` may name one, else ``"auto"``. ``nan_policy``: a
     non-finite loss or gradient anywhere in the mesh either raises on every
     rank before any optimizer steps (``"raise"``) or skips the step on every
     rank, counted in :attr:`skipped_steps` (``"skip"``); ``None`` checks
-    nothing (see :mod:`stagewise.runtime.engine.finite`).
+    nothing (see :mod:`stagewise.runtime.features.finite`).
     ``emulate_slowdown`` (an EMULATION of heterogeneous devices, for experiments
     on one machine): a factor f >= 1, or one per rank of the group; after each
     compute action (F, B, I, W) the rank sleeps (f - 1) x the action's measured
@@ -111,7 +110,7 @@ class Pipeline(nn.Module):
     :class:`~stagewise.BatchNormPolicy`): each micro-batch is normalised with
     its own statistics either way; ``"deferred"`` updates the running
     statistics once per step over the whole batch, ``"micro"`` once per
-    micro-batch (:mod:`stagewise.runtime.engine.batchnorm`). Left out, ``"micro"``
+    micro-batch (:mod:`stagewise.runtime.features.batchnorm`). Left out, ``"micro"``
     applies and a stage holding BatchNorm layers says so once.
 
     Every rank of the group must build its Pipelines in the same order.
@@ -206,8 +205,8 @@ class Pipeline(nn.Module):
     @classmethod
     def from_plan(cls, plan: Any, layers: Layers, **options: Any) -> Pipeline:
         """Run a :class:`~stagewise.Plan` from :func:`stagewise.plan` on ``layers`` (see
-        :func:`stagewise.runtime.from_plan.pipeline_from_plan`)."""
-        from .from_plan import pipeline_from_plan
+        :func:`stagewise.runtime.frontends.plan.pipeline_from_plan`)."""
+        from .frontends.plan import pipeline_from_plan
 
         return pipeline_from_plan(plan, layers, **options)
 
@@ -394,7 +393,7 @@ class Pipeline(nn.Module):
         ``forward_bytes``: ``{(stage, microbatch): bytes its F saved}``;
         ``weight_bytes``: ``{(stage, microbatch): bytes of those still alive when its W started}``
         (zero-bubble schedules only).
-        See :mod:`stagewise.runtime.engine.memory`.
+        See :mod:`stagewise.runtime.features.memory`.
         """
         meter = self._runner.meter
         if meter is None:

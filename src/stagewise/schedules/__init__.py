@@ -1,5 +1,20 @@
-"""Registered schedules: pure generators of per-rank action lists."""
+"""Registered schedules: pure generators of per-rank action lists, synchronous and asynchronous."""
 
-from .registry import ScheduleInfo, generate, register, schedule_info, schedule_names
+from .asynchronous import async_schedule, registry_minibatch, window_of
+from .interleaved import microbatch_groups
+from .registry import ScheduleInfo, generate, markdown_table, register, schedule_info, schedule_names
+from .zero_bubble import v_wave
 
-__all__ = ["ScheduleInfo", "generate", "register", "schedule_info", "schedule_names"]
+__all__ = [
+    "ScheduleInfo",
+    "async_schedule",
+    "generate",
+    "markdown_table",
+    "microbatch_groups",
+    "register",
+    "registry_minibatch",
+    "schedule_info",
+    "schedule_names",
+    "v_wave",
+    "window_of",
+]

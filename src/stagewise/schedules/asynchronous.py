@@ -8,7 +8,7 @@ in flight at stage s. Right after the backward of the last micro-batch of each
 mini-batch comes ``SYNC`` and ``STEP``: the stage's gradient of that
 mini-batch (coalesced over its micro-batches) is final and its optimizer
 steps. The weights each F and B use are in the schedule's version table
-(:mod:`stagewise.versions`, where the equations are).
+(:mod:`stagewise.asynchronous.versions`, where the equations are).
 
 p=3, N=4, m=1 (PipeDream; B takes two units, SYNC and STEP none, after each B)::
 
@@ -34,14 +34,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._columns import STEP as _STEP
-from .._columns import SYNC as _SYNC
-from .._columns import ActionRows, from_rows
-from .._columns import B as _B
-from .._columns import F as _F
-from ..actions import Kind
-from ..schedule import Schedule, loop_placement
-from ..versions import POLICIES, VersionTable, version_table
+from ..asynchronous import POLICIES, VersionTable, version_table
+from ..ir import STEP as _STEP
+from ..ir import SYNC as _SYNC
+from ..ir import ActionRows, Kind, Schedule, from_rows, loop_placement
+from ..ir import B as _B
+from ..ir import F as _F
 from .registry import _load_builtin, register
 
 F, B, SYNC, STEP = Kind.F, Kind.B, Kind.SYNC, Kind.STEP
@@ -53,7 +51,7 @@ ASYNC_NAMES = ("pipedream", "pipedream-2bw", "xpipe")
 def no_flush_1f1b(p: int, minibatches: int, microbatches: int) -> ActionRows:
     """Each rank's 1F1B order over N*m micro-batches, with SYNC and STEP after each mini-batch's last backward.
 
-    Computed as columns (no action objects; :class:`~stagewise._columns.ActionRows` makes a rank's row when
+    Computed as columns (no action objects; :class:`~stagewise.ir.columns.ActionRows` makes a rank's row when
     asked): at 128 ranks x 1024 micro-batches the window holds ~1 M actions, and the version table, its
     check and the lowering all read the columns.
     """
@@ -110,11 +108,11 @@ def async_schedule(
 
     ``name``: ``"pipedream"`` (options ``stashing``, ``vertical_sync``),
     ``"pipedream-2bw"`` or ``"xpipe"``. The result's ``meta["versions"]`` is
-    the :class:`~stagewise.versions.VersionTable`, whose rules are checked here
-    (:func:`stagewise.validate_versions.validate_versions`); the order is checked
+    the :class:`~stagewise.asynchronous.versions.VersionTable`, whose rules are checked here
+    (:func:`stagewise.validate.versions.validate_versions`); the order is checked
     by :func:`stagewise.lower` as every schedule's.
     """
-    from ..validate_versions import validate_versions
+    from ..validate import validate_versions
 
     policy = policy_of(name, stashing=stashing, vertical_sync=vertical_sync)
     p, n_mb, m = num_ranks, minibatches, microbatches

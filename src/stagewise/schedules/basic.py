@@ -5,7 +5,7 @@ Vocabulary: p ranks, each holding one stage (stage r on rank r); m micro-batches
 
 from __future__ import annotations
 
-from ..actions import Action, Kind
+from ..ir import Action, Kind
 from .registry import register
 
 F, B = Kind.F, Kind.B

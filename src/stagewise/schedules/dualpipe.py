@@ -7,7 +7,7 @@ repository, github.com/deepseek-ai/DualPipe.
 
 from __future__ import annotations
 
-from .._columns import ActionRows
+from ..ir import ActionRows
 from .registry import register
 from .zero_bubble import v_wave
 

@@ -19,7 +19,7 @@ Both build, lower and validate for every p, m and v. On a loop the
 communication needs care: posting each receive right before the compute that
 uses it deadlocks under blocking, batched point-to-point once a second group
 of micro-batches follows the first (values waiting to cross from rank p-1
-back to rank 0 block their senders in a ring). :func:`stagewise.passes.add_communication`
+back to rank 0 block their senders in a ring). :func:`stagewise.passes.lowering.add_communication`
 therefore posts each receive in the consumer's first batch after the value is
 made (judged by a timing of the schedule), and the validator's rendezvous
 simulation checks the result.
@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._columns import ActionRows, from_rows
-from .._columns import B as _B
-from .._columns import F as _F
+from ..ir import ActionRows, from_rows
+from ..ir import B as _B
+from ..ir import F as _F
 from .registry import register
 
 

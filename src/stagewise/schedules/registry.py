@@ -5,14 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .._columns import ActionRows
-from .._gc import gc_paused
-from ..actions import Action
-from ..schedule import Schedule, loop_placement, v_placement
+from .._util import gc_paused
+from ..ir import Action, ActionRows, Schedule, loop_placement, v_placement
 
 #: A generator takes (ranks p, micro-batches m, virtual stages v) and returns,
 #: for each rank, its compute actions (F, B or F, I, W) in order: lists of actions, or an
-#: :class:`~stagewise._columns.ActionRows` made from integer columns (kept as it is, not copied).
+#: :class:`~stagewise.ir.columns.ActionRows` made from integer columns (kept as it is, not copied).
 Generator = Callable[[int, int, int], Sequence[Sequence[Action]]]
 
 

@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._columns import ActionRows, from_rows
-from .._columns import F as _CF
-from .._columns import I as _CI
-from .._columns import W as _CW
-from ..actions import Action, Kind
+from ..ir import Action, ActionRows, Kind, from_rows
+from ..ir import F as _CF
+from ..ir import I as _CI
+from ..ir import W as _CW
 from .registry import register
 
 F, I, W = Kind.F, Kind.I, Kind.W
@@ -195,7 +194,7 @@ def v_wave(p: int, m: int, warmup: int) -> ActionRows:
     time of its parity left to W, so a rank's steady state is 2 F, 2 I and
     2 W every six units.
 
-    Made as integer columns (no action objects: :class:`~stagewise._columns.ActionRows`
+    Made as integer columns (no action objects: :class:`~stagewise.ir.columns.ActionRows`
     makes a rank's row when asked), so the lowering reads them as they are: at
     128 ranks x 1024 micro-batches the V has ~1.2 M compute actions.
     """

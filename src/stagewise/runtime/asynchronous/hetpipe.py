@@ -1,6 +1,6 @@
 """``HetPipe``: virtual workers (one pipeline each) trained by wave-synchronous parallel (Park et al., ATC 2020).
 
-The rule is :mod:`stagewise.wsp`'s (equations there); the parameter-server
+The rule is :mod:`stagewise.asynchronous.wsp`'s (equations there); the parameter-server
 role is delayed collectives (:mod:`stagewise.runtime.comm.wsp`, which says
 why). Per rank, a run is::
 
@@ -26,15 +26,14 @@ from typing import Any
 
 import torch
 
-from ...arguments import is_count
-from ...schedules import schedule_info
-from ...schedules.asynchronous import async_schedule, registry_minibatch
-from ...wsp import VWLayout, WaveRule, check_clocks, check_more
+from ..._util import is_count
+from ...asynchronous import VWLayout, WaveRule, check_clocks, check_more
+from ...schedules import async_schedule, registry_minibatch, schedule_info
 from ..comm import wsp as comm
-from ..comm.choose import TransportChoice, resolve
-from ..comm.transport import TransportSpec
+from ..comm.transport.choose import TransportChoice, resolve
+from ..comm.transport.protocol import TransportSpec
 from ..errors import PipelineError
-from ..model.layers import Layers
+from ..frontends.layers import Layers
 from ..options import LossFn, OptimizerFactory
 
 _made = [0]  # HetPipes built in this process (alike on every rank, SPMD): names their shared error board

@@ -19,15 +19,15 @@ from typing import Any
 
 import torch
 
-from ...actions import Action
-from ...versions import VersionTable
+from ...asynchronous import VersionTable
+from ...ir import Action
 from ..engine.interpreter import Interpreter, _Saved
 from ..engine.tree import flatten
 from .versions import StageVersions, VersionedStage
 
 
 class AsyncInterpreter(Interpreter):
-    """An :class:`Interpreter` whose train steps follow a :class:`~stagewise.versions.VersionTable`."""
+    """An :class:`Interpreter` whose train steps follow a :class:`~stagewise.asynchronous.versions.VersionTable`."""
 
     def __init__(self, base: Interpreter, stages: dict[int, VersionedStage], versions: dict[int, StageVersions]):
         super().__init__(

@@ -6,7 +6,7 @@ mini-batches at a time and runs each window as one validated schedule; the
 window's losses come out once it ends. A window boundary drains the
 pipeline: the next window starts with empty stages and versions counted
 afresh from the weights (and optimizer state) the last one left, so the
-stream is trained exactly by the rule of :mod:`stagewise.versions` applied
+stream is trained exactly by the rule of :mod:`stagewise.asynchronous.versions` applied
 window by window. Larger windows amortise the drain (bubble
 (p - 1)/(N*m + p - 1)). A last, shorter window runs the same schedule over
 the mini-batches left.
@@ -35,10 +35,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ...schedule import Schedule
-from ...schedules.asynchronous import window_of
-from ...validate_versions import async_table
-from ...versions import VersionTable
+from ...asynchronous import VersionTable
+from ...ir import Schedule
+from ...schedules import window_of
+from ...validate import async_table
 from ..engine.interpreter import Step
 from ..engine.microbatch import split
 from ..engine.step import to_device
@@ -47,7 +47,7 @@ from .predict import check_predictable
 from .versions import StageVersions, VersionedStage
 
 if TYPE_CHECKING:
-    from ..model.stages import BuiltStages
+    from ..frontends.stages import BuiltStages
     from ..options import RunOptions
     from ..pipeline import Pipeline
 
@@ -110,7 +110,7 @@ class AsyncTrainer:
             schedule = self.pipe.schedule
             if n != self.size:
                 from ...passes import lower
-                from ...validate_versions import validate_versions
+                from ...validate import validate_versions
 
                 schedule = lower(window_of(schedule, n))
                 validate_versions(schedule)

@@ -10,7 +10,7 @@ mini-batch's accumulator; at the mini-batch's SYNC the sum becomes the live
 parameters' ``.grad``, and STEP steps the optimizer.
 
 Memory: the live parameters, plus one snapshot per version the table keeps
-alive (:func:`stagewise.versions.live_versions` counts those, the current
+alive (:func:`stagewise.asynchronous.versions.live_versions` counts those, the current
 weights included: at run time the current version's snapshot is a copy of
 the live parameters, so a rank holds at most one parameter copy more than
 the simulator counts).
@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from ...versions import Version
+from ...asynchronous import Version
 from ..engine.stage import Stage
 from .predict import predict
 

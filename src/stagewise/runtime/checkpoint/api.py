@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...arguments import is_count
+from ..._util import is_count
 from . import agreement, retention, state, storage
 from . import manifest as mf
 from .manifest import CheckpointError

@@ -8,6 +8,6 @@ board every wait watches; ``waits`` bounds each wait by a deadline;
 ``lifecycle`` lets go of process groups at exit.
 """
 
-from .transport import Op, Transport, TransportFactory, TransportSpec
+from .transport.protocol import Op, Transport, TransportFactory, TransportSpec
 
 __all__ = ["Op", "Transport", "TransportFactory", "TransportSpec"]

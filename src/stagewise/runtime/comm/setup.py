@@ -10,9 +10,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from . import exit_hook
 from .attempt_store import attempt_store
 from .coordinator import agree_run_scope
+from .faults import exit_hook
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ...actions import Action
+from ...ir import Action
 
 CONTEXT = 4  # planned actions shown on each side of the one a rank is in
 

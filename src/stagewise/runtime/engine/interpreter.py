@@ -43,10 +43,9 @@ from typing import Any
 
 import torch
 
-from ...actions import Action, Kind
-from ...dataflow import Message, consumer_stage, consumes, message_of
-from ..comm.failures import comm_failure, is_comm_error
-from ..comm.transport import Transport
+from ...ir import Action, Kind, Message, consumer_stage, consumes, message_of
+from ..comm.faults.failures import comm_failure, is_comm_error
+from ..comm.transport.protocol import Transport
 from ..errors import PipelineError
 from .backward import WeightWork, backward_full, backward_input, backward_weight
 from .hooks import StageHooks

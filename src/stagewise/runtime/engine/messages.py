@@ -1,6 +1,6 @@
 """Values between stages on different ranks: shapes learned on the first step, then cached and checked.
 
-A message (see :mod:`stagewise.dataflow`) carries a nested value: its tensors
+A message (see :mod:`stagewise.ir.dataflow`) carries a nested value: its tensors
 travel point-to-point, its containers and constants travel once, in the
 *meta*.
 
@@ -28,10 +28,10 @@ from typing import Any
 
 import torch
 
-from ...dataflow import Message, consumer_stage
+from ...ir import Message, consumer_stage
 from ..comm.collectives import decode, encode
-from ..comm.transport import Op, Transport
-from ..comm.waits import Watch
+from ..comm.faults.waits import Watch
+from ..comm.transport.protocol import Op, Transport
 from ..errors import PipelineError
 from .tree import Spec, flatten, leaf_paths, same_spec, spec_from_plain, spec_to_plain, unflatten
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...actions import Action, parse_action
-from ...timeline import Event, Timeline
+from ...ir import Action, Event, Timeline, parse_action
 from ..comm import collectives
 
 

@@ -16,15 +16,14 @@ from typing import Any
 
 import torch
 
-from ...actions import Action
-from ...schedule import Schedule
-from ..comm.transport import Transport
+from ...ir import Action, Schedule
+from ..comm.transport.protocol import Transport
 from ..errors import PipelineError
-from .batchnorm import BatchNorms
-from .finite import FiniteCheck
+from ..features.batchnorm import BatchNorms
+from ..features.finite import FiniteCheck
+from ..features.memory import ActivationMeter
 from .forensics import position
 from .interpreter import Interpreter, Step
-from .memory import ActivationMeter
 from .microbatch import Dims, merge
 from .stage import Stage
 from .step import prepare_step

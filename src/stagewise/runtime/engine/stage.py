@@ -9,8 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .aux import attach, collect_aux_losses
-from .recompute import Recompute, run_layers
+from ..features.aux import attach, collect_aux_losses
+from ..features.recompute import Recompute, run_layers
 
 
 class Stage:

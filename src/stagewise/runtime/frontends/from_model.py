@@ -9,7 +9,7 @@
 
 A tagged model is cut at its tags. An untagged one is cut among its top-level
 blocks (``embed, blocks.0 .. blocks.11, head``) by ``partition``: the modes
-of a layer list, with blocks for layers (:func:`stagewise.stage_counts.stage_counts`);
+of a layer list, with blocks for layers (:func:`stagewise.partition.modes.stage_counts`);
 ``"time"`` and ``"memory"`` profile the blocks on ``sample_inputs`` (one
 micro-batch) on the group's first rank (:mod:`.balance`).
 
@@ -47,16 +47,16 @@ from typing import TYPE_CHECKING, Any
 
 from torch import fx, nn
 
-from ...schedule import Schedule
-from ...stage_counts import PartitionSpec, check_options, needs_profile, stage_counts
+from ...ir import Schedule
+from ...partition import PartitionSpec, check_options, needs_profile, stage_counts
 from ..comm import groups
 from ..context import PipelineContext, resolve_context, resolve_schedule
-from ..model.balance import ROUNDS, caps_explained, in_flight, on_first_rank, per_stage
-from ..model.profiling import LayerProfile, model_blocks, profile_blocks, steadiest
-from ..model.stages import BuiltStages
+from ..measure.profiling import LayerProfile, model_blocks, profile_blocks, steadiest
 from ..options import RunOptions
+from .balance import ROUNDS, caps_explained, in_flight, on_first_rank, per_stage
 from .split import SplitError, collect_tags, split_model
 from .split.trace import first_calls, trace
+from .stages import BuiltStages
 from .ties import found_ties, save_once, unsaved_names
 
 if TYPE_CHECKING:

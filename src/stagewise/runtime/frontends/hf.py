@@ -14,7 +14,7 @@ GPT-2), a list of decoder layers that each take the hidden states, the causal
 cos/sin), then a final norm and the LM head. So the layers are the units of the
 cut, the embedding is attached to the first unit and the norm and head to the
 last, and any partition mode of a layer list applies
-(:func:`stagewise.stage_counts.stage_counts` through :mod:`..model.balance`).
+(:func:`stagewise.partition.modes.stage_counts` through :mod:`..model.balance`).
 
 What crosses a cut: ``(hidden_states, attention_mask, position_ids)``: the 2-D
 padding mask (or None) and the positions, which need no gradient; each stage
@@ -50,13 +50,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ...schedule import Schedule
-from ...stage_counts import PartitionSpec
+from ...ir import Schedule
+from ...partition import PartitionSpec
 from ..losses import causal_lm_loss, count_tokens
-from ..model.balance import plan_layers
-from ..model.stages import BuiltStages
-from ..model.tied import Tied, TiedBuilder
+from .balance import plan_layers
 from .from_model import free_unheld, frontend_context
+from .stages import BuiltStages
+from .tied import Tied, TiedBuilder
 
 if TYPE_CHECKING:
     from ..pipeline import Pipeline

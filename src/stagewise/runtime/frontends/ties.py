@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from ..model.tied import TiedBuilder
+from .tied import TiedBuilder
 
 
 class FoundTies(TiedBuilder):

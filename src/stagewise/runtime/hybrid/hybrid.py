@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...parallel.config import AXES, ParallelConfig
+from ...parallel import AXES, ParallelConfig
 from ..comm import groups
 from ..engine.microbatch import Dims, batch_size, split
 from . import sharding as zero

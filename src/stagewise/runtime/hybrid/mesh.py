@@ -3,7 +3,7 @@
 :class:`Mesh` is a value built once from a :class:`~stagewise.ParallelConfig`
 and passed explicitly (to :class:`~stagewise.Pipeline` as ``parallel=``): a
 torch ``DeviceMesh`` with axes ``("pp", "dp", "sharding", "tp")`` (see
-:mod:`stagewise.parallel.config` for the order), one process group per axis,
+:mod:`stagewise.parallel` for the order), one process group per axis,
 and this rank's coordinates. Nothing is global: two meshes over the same
 processes are two sets of groups.
 
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ...parallel.config import AXES, Coords, ParallelConfig
+from ...parallel import AXES, Coords, ParallelConfig
 from ..comm.collectives import Wait, all_reduce
 
 _meshes_made = 0

@@ -10,9 +10,8 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_leaves
 
-from ....partition import Partition
-from ....stage_counts import needs_profile, stage_counts
-from ...model.profiling import LayerProfile, model_blocks, preserved_state, profile_blocks
+from ....partition import Partition, needs_profile, stage_counts
+from ...measure.profiling import LayerProfile, model_blocks, preserved_state, profile_blocks
 from .cut import cut, shared_parameters
 from .tags import collect_tags
 from .trace import SplitError, assign_stages, first_calls, tagged_leaves, trace
@@ -107,7 +106,7 @@ def split_model(
 
     A model with ``pipeline_stage`` tags (set by hand or by ``with stage(k):``)
     is cut at its tags. An untagged model needs ``stages``: the cut points are
-    chosen among its top-level blocks (:func:`stagewise.runtime.model.profiling.model_blocks`,
+    chosen among its top-level blocks (:func:`stagewise.runtime.measure.profiling.model_blocks`,
     e.g. ``embed, layers.0 .. layers.11, head``) by ``partition``:
 
     * ``"uniform"`` (default): as many blocks per stage as possible;

@@ -27,7 +27,7 @@ from typing import Any
 
 from torch import nn
 
-from ....arguments import is_count
+from ...._util import is_count
 
 TAG = "pipeline_stage"
 

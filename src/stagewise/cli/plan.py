@@ -1,0 +1,206 @@
+"""``stagewise plan``: plan from a profile JSON or a synthetic transformer, print the top plans, write JSON / PNG."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from ..partition import LayerProfile
+from ..planning import Link, Plan, PlanSearch
+
+GIB = 2**30
+
+_HELP = """\
+Search layouts (pp x dp x sharding x tp), schedules, virtual stages,
+micro-batch counts, partitions and recompute for the fastest plans that fit
+memory, and print them best first. The profile is per-layer times and sizes of
+one micro-batch of --profile-batch samples (LayerProfile.to_json, e.g. from
+stagewise.profile), or --synthetic, a GPT-like stack:
+"blocks=32,hidden=4096,seq=2048,vocab=50000,heads=32,flops=4e14".
+Columns: step = predicted seconds per step; bubble = simulated idle share of
+the pipeline ranks; peak = the largest predicted per-rank memory; why = what
+the plan gains over the next one.
+"""
+
+
+def add_plan_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = sub.add_parser(
+        "plan",
+        help="plan layout, schedule and partition",
+        description=_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--profile", metavar="PATH", help="LayerProfile JSON")
+    src.add_argument("--synthetic", metavar="SPEC", help="a synthetic transformer, key=value pairs")
+    parser.add_argument("-n", "--processes", type=int, required=True, metavar="N", help="number of processes")
+    parser.add_argument("--nodes", type=int, default=1, metavar="K", help="nodes the processes are packed on")
+    parser.add_argument("--global-batch", type=int, required=True, metavar="B", help="samples per step")
+    parser.add_argument("--profile-batch", type=int, default=1, metavar="B", help="samples in the profiled batch")
+    parser.add_argument("--memory", type=float, default=math.inf, metavar="GIB", help="memory per process, GiB")
+    parser.add_argument("--optimizer-state", type=float, default=2.0, metavar="K", help="state bytes per param byte")
+    parser.add_argument("--intra", default="0:inf", metavar="LAT:BW", help="intra-node link: seconds:bytes/s")
+    parser.add_argument("--inter", default=None, metavar="LAT:BW", help="inter-node link (default: --intra)")
+    parser.add_argument("--tp-layers", default="", metavar="LIST", help="layers that support tp: all, or 1-8,10")
+    parser.add_argument("--schedules", default=None, metavar="A,B", help="schedules to try (default: all sync)")
+    parser.add_argument("--overhead", type=float, default=0.0, metavar="S", help="seconds per F/I/W not scaling")
+    parser.add_argument(
+        "--action-overhead", type=float, default=0.0, metavar="S", help="runtime seconds per stage F and per B"
+    )
+    parser.add_argument(
+        "--cores", type=float, default=None, metavar="N", help="cores per node, when fewer than its processes"
+    )
+    parser.add_argument(
+        "--compute-scale",
+        type=float,
+        nargs="+",
+        default=[1.0],
+        metavar="K",
+        help="the runtime's compute over the plan's: one factor, or F B [I+W] (sw.measure_compute_scale)",
+    )
+    parser.add_argument("--top", type=int, default=5, metavar="K", help="plans to keep (default 5)")
+    parser.add_argument("--json", metavar="PATH", help="write the plans and the search summary as JSON")
+    parser.add_argument("--png", metavar="PATH", help="draw the best plan's simulated timeline")
+    parser.set_defaults(handler=_cmd_plan)
+
+
+def _link(text: str, flag: str) -> Link:
+    try:
+        lat, bw = text.split(":")
+        return Link(float(lat), float(bw))
+    except ValueError as err:
+        raise ValueError(f"{flag} must be LATENCY:BANDWIDTH (seconds:bytes per second), got {text!r} ({err})") from None
+
+
+def _tp_layers(text: str, n: int) -> list[int]:
+    if not text:
+        return []
+    if text == "all":
+        return list(range(n))
+    out: list[int] = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        try:
+            out += list(range(int(lo), int(hi or lo) + 1))
+        except ValueError:
+            raise ValueError(f"--tp-layers: expected 'all' or ranges like 1-8,10, got {part!r}") from None
+    return out
+
+
+def _synthetic(spec: str) -> LayerProfile:
+    from ..planning import transformer_profile
+
+    kwargs: dict[str, Any] = {}
+    for item in filter(None, spec.split(",")):
+        key, _, value = item.partition("=")
+        if key not in ("blocks", "hidden", "seq", "vocab", "heads", "flops"):
+            raise ValueError(f"--synthetic: unknown key {key!r}; known: blocks, hidden, seq, vocab, heads, flops")
+        try:
+            kwargs[key] = float(value) if key == "flops" else int(value)
+        except ValueError:
+            raise ValueError(f"--synthetic: {key} must be a number, got {value!r}") from None
+    return transformer_profile(**kwargs)
+
+
+def _load(args: argparse.Namespace) -> LayerProfile:
+    if args.synthetic is not None:
+        return _synthetic(args.synthetic)
+    try:
+        text = Path(args.profile).read_text()
+    except OSError as err:
+        raise ValueError(f"--profile {args.profile}: {err}") from None
+    return LayerProfile.from_json(text)
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from ..planning import search
+
+    profile = _load(args)
+    result = search(
+        profile,
+        args.processes,
+        nodes=args.nodes,
+        global_batch=args.global_batch,
+        profile_batch=args.profile_batch,
+        memory=args.memory * GIB,
+        optimizer_state=args.optimizer_state,
+        intra=_link(args.intra, "--intra"),
+        inter=None if args.inter is None else _link(args.inter, "--inter"),
+        tp_layers=_tp_layers(args.tp_layers, len(profile)),
+        schedules=None if args.schedules is None else args.schedules.split(","),
+        overhead=args.overhead,
+        action_overhead=args.action_overhead,
+        compute_scale=args.compute_scale[0] if len(args.compute_scale) == 1 else args.compute_scale,
+        cores=args.cores,
+        top=args.top,
+    )
+    _print_table(result)
+    if args.json:
+        Path(args.json).write_text(json.dumps(_report(result), indent=1))
+    if args.png:
+        _draw(result.plans[0], args.png)
+    return 0
+
+
+def _report(result: PlanSearch) -> dict[str, Any]:
+    return {
+        "plans": [p.to_dict() for p in result.plans],
+        "search": {
+            "layouts": result.layouts,
+            "candidates": result.candidates,
+            "groups_expanded": result.groups_expanded,
+            "simulated": result.simulated,
+            "dropped": len(result.dropped),
+        },
+    }
+
+
+def _print_table(result: PlanSearch) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"top {len(result.plans)} plans ({result.candidates} candidates, {result.simulated} simulated)")
+    for col in (
+        "#",
+        "pp x dp x tp x sh",
+        "schedule",
+        "v",
+        "m",
+        "partition",
+        "recompute",
+        "step s",
+        "bubble",
+        "peak GiB",
+        "why",
+    ):
+        table.add_column(col)
+    for k, p in enumerate(result.plans, 1):
+        c = p.layout
+        part = " ".join(map(str, p.partition))
+        table.add_row(
+            str(k),
+            f"{c.pp} x {c.dp} x {c.tp} x {c.sharding}",
+            p.schedule,
+            str(p.virtual_stages),
+            str(p.microbatches),
+            part if len(part) <= 24 else part[:21] + "...",
+            p.recompute or "off",
+            f"{p.step_time:.4g}",
+            f"{p.bubble:.1%}",
+            f"{p.peak_memory / GIB:.3g}",
+            p.why,
+        )
+    Console(width=200).print(table)
+
+
+def _draw(plan: Plan, path: str) -> None:
+    from ..passes import add_grad_sync
+    from ..render import render_png
+    from ..schedules import generate
+    from ..simulate import simulate
+
+    schedule = add_grad_sync(generate(plan.schedule, plan.layout.pp, plan.microbatches, plan.virtual_stages))
+    render_png(simulate(schedule, plan.costs).timeline, path, title=f"{plan.describe()}: {plan.step_time:.4g} s")

@@ -1,0 +1,26 @@
+"""Partitioning: how many layers each stage gets, as arithmetic on cost vectors (no torch, no measurement).
+
+* :mod:`.cut`: the exact min-max cut of a cost vector under memory caps (:func:`partition_costs`);
+* :mod:`.modes`: the partition modes every frontend shares (``"uniform"``, ``"parameters"``, ``"time"``,
+  ``"memory"``, explicit counts) and their one set of messages (:func:`stage_counts`);
+* :mod:`.profile_data`: a measured layer profile as plain data (:class:`LayerProfile`).
+"""
+
+from .cut import Partition, partition_costs, uniform_counts
+from .modes import PartitionSpec, check_options, counts_to_ranges, layer_memory, needs_profile, stage_counts
+from .profile_data import CheckpointCost, LayerCost, LayerProfile
+
+__all__ = [
+    "CheckpointCost",
+    "LayerCost",
+    "LayerProfile",
+    "Partition",
+    "PartitionSpec",
+    "check_options",
+    "counts_to_ranges",
+    "layer_memory",
+    "needs_profile",
+    "partition_costs",
+    "stage_counts",
+    "uniform_counts",
+]

@@ -1,0 +1,215 @@
+"""Per-layer costs as plain data: what a profile measured, summed into stages for the simulator.
+
+Pure (no torch): the planner and the partitioner consume these without a
+process or a device; :mod:`stagewise.runtime.profiling` measures them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from ..simulate import CostModel
+from .cut import Partition, partition_costs
+
+OPTIONAL = frozenset(
+    {"saved_tensors", "checkpoint_forward", "checkpoint_backward"}
+)  # LayerCost fields a profile written before them may lack
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One layer's measured costs: times in seconds, sizes in bytes (per sample batch)."""
+
+    name: str
+    forward: float
+    backward_input: float
+    backward_weight: float
+    backward: float
+    activation_bytes: float
+    weight_activation_bytes: float
+    parameter_bytes: float
+    output_bytes: float
+    saved_tensors: float = 0.0  # tensors autograd saves in a forward (parameters too): a recompute hooks each
+    checkpoint_forward: float = 0.0  # what checkpointing this layer alone adds to its forward
+    checkpoint_backward: float = 0.0  # ... and to its backward, beyond running the forward again
+
+
+@dataclass(frozen=True)
+class CheckpointCost:
+    """What ``torch.utils.checkpoint`` (non-reentrant, as the runtime's recompute uses it) adds beyond the layers'
+    own work, in seconds per micro-batch: a fixed cost per checkpointed segment, and one per tensor autograd saves
+    in it (a Python hook packs each in the forward and each again when the backward re-runs the forward).
+
+    Neither grows much with the batch: for a stage of half the benchmark GPT's layers (3 blocks, ~75 saved
+    tensors) the checkpointed forward costs 0.5-0.7 ms more than the plain one and the backward 0.8-0.9 ms more
+    than the plain backward plus the forward again, at 2 and 8 samples; a planner that charged recompute the
+    forward again only predicted such plans 12-19 % low (benchmarks/RESULTS.md, round 7).
+    """
+
+    segment_forward: float
+    segment_backward: float
+    per_saved_forward: float
+    per_saved_backward: float
+
+    def stage(self, saved: float) -> tuple[float, float]:
+        """The (forward, backward) extra of one segment whose layers save ``saved`` tensors."""
+        return (
+            self.segment_forward + saved * self.per_saved_forward,
+            self.segment_backward + saved * self.per_saved_backward,
+        )
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """What :func:`profile` measured, one :class:`LayerCost` per layer in execution order."""
+
+    layers: tuple[LayerCost, ...]
+    device: str
+    repeats: int
+    warmup: int
+    checkpoint: CheckpointCost | None = None  # None: not measured (recompute then costs the forward again only)
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __getitem__(self, key: int | str) -> LayerCost:
+        if isinstance(key, str):
+            for layer in self.layers:
+                if layer.name == key:
+                    return layer
+            raise KeyError(f"profile has no layer {key!r}; layers are {self.names}")
+        return self.layers[key]
+
+    @property
+    def names(self) -> list[str]:
+        return [layer.name for layer in self.layers]
+
+    def to_json(self) -> str:
+        """A JSON object: ``device``, ``repeats``, ``warmup``, ``layers`` (one object per layer, LayerCost's fields)
+        and, where measured, ``checkpoint`` (CheckpointCost's fields).
+
+        ``LayerProfile.from_json(p.to_json()) == p``.
+        """
+        data: dict[str, Any] = {
+            "device": self.device,
+            "repeats": self.repeats,
+            "warmup": self.warmup,
+            "layers": [asdict(x) for x in self.layers],
+        }
+        if self.checkpoint is not None:
+            data["checkpoint"] = asdict(self.checkpoint)
+        return json.dumps(data)
+
+    @classmethod
+    def from_json(cls, text: str) -> LayerProfile:
+        """Read :meth:`to_json`'s form; a missing or unknown layer field is an error naming the layer and field."""
+        data = json.loads(text)
+        if not isinstance(data, Mapping) or not isinstance(data.get("layers"), list):
+            raise ValueError("profile JSON: expected an object with a 'layers' list (LayerProfile.to_json)")
+        names = [f.name for f in fields(LayerCost)]
+        layers = []
+        for k, raw in enumerate(data["layers"]):
+            if not isinstance(raw, Mapping):
+                raise ValueError(f"profile JSON: layer {k} is not an object")
+            missing = [n for n in names if n not in raw and n not in OPTIONAL]
+            unknown = sorted(set(raw) - set(names))
+            if missing or unknown:
+                raise ValueError(f"profile JSON: layer {k} lacks fields {missing} / has unknown fields {unknown}")
+            values = {n: raw[n] if n == "name" else float(raw[n]) for n in names if n in raw}
+            layers.append(LayerCost(**values))  # type: ignore[arg-type]
+        checkpoint = None
+        if data.get("checkpoint") is not None:
+            raw = data["checkpoint"]
+            names = [f.name for f in fields(CheckpointCost)]
+            if not isinstance(raw, Mapping) or sorted(raw) != sorted(names):
+                raise ValueError(f"profile JSON: 'checkpoint' must be an object with exactly the fields {names}")
+            checkpoint = CheckpointCost(**{n: float(raw[n]) for n in names})
+        return cls(
+            layers=tuple(layers),
+            device=str(data.get("device", "unknown")),
+            repeats=int(data.get("repeats", 1)),
+            warmup=int(data.get("warmup", 0)),
+            checkpoint=checkpoint,
+        )
+
+    def times(self) -> list[float]:
+        """Forward + full backward per layer: the cost vector a time-balanced partition evens out."""
+        return [layer.forward + layer.backward for layer in self.layers]
+
+    def partition(self, num_stages: int, **kwargs: Any) -> Partition:
+        """The time-balanced partition (:func:`stagewise.partition.cut.partition_costs` on :meth:`times`)."""
+        return partition_costs(self.times(), num_stages, **kwargs)
+
+    def cost_model(
+        self,
+        partition: Partition | Sequence[int],
+        *,
+        latency: float = 0.0,
+        bandwidth: float = math.inf,
+        output_bytes: Sequence[float] | None = None,
+        match_backward: bool = True,
+    ) -> CostModel:
+        """Sum the layers into stages: stage k holds layers ``bounds[k]`` to ``bounds[k+1] - 1``.
+
+        ``partition`` is a :class:`~stagewise.partition.cut.Partition` or its bounds
+        (``[0, 3, 8]``: layers 0-2 and 3-7). A stage sends its last layer's output
+        unless ``output_bytes`` (one per stage) says otherwise, e.g. a split
+        model's boundary sizes. With ``match_backward`` a stage's I and W are
+        scaled so that I + W equals its measured full backward.
+        """
+        bounds = _check_bounds(partition, len(self.layers))
+        p = len(bounds) - 1
+        if output_bytes is not None and len(output_bytes) != p:
+            raise ValueError(f"cost_model: output_bytes has {len(output_bytes)} entries, expected one per stage ({p})")
+        stages = [_sum_layers(self.layers[a:b], match_backward) for a, b in zip(bounds, bounds[1:])]
+        sent = [s.output_bytes for s in stages] if output_bytes is None else [float(x) for x in output_bytes]
+        return CostModel(
+            num_stages=p,
+            forward=tuple(s.forward for s in stages),
+            backward_input=tuple(s.backward_input for s in stages),
+            backward_weight=tuple(s.backward_weight for s in stages),
+            activation_bytes=tuple(s.activation_bytes for s in stages),
+            weight_activation_bytes=tuple(s.weight_activation_bytes for s in stages),
+            parameter_bytes=tuple(s.parameter_bytes for s in stages),
+            output_bytes=tuple(sent),
+            latency=latency,
+            bandwidth=bandwidth,
+        )
+
+
+def _sum_layers(layers: Sequence[LayerCost], match_backward: bool) -> LayerCost:
+    """Consecutive layers as one: times and bytes add up; the output is the last layer's."""
+    i = sum(x.backward_input for x in layers)
+    w = sum(x.backward_weight for x in layers)
+    full = sum(x.backward for x in layers)
+    if match_backward and i + w > 0:
+        i, w = i * full / (i + w), w * full / (i + w)
+    return LayerCost(
+        name="+".join(x.name for x in layers),
+        forward=sum(x.forward for x in layers),
+        backward_input=i,
+        backward_weight=w,
+        backward=full,
+        activation_bytes=sum(x.activation_bytes for x in layers),
+        weight_activation_bytes=sum(x.weight_activation_bytes for x in layers),
+        parameter_bytes=sum(x.parameter_bytes for x in layers),
+        output_bytes=layers[-1].output_bytes,
+        saved_tensors=sum(x.saved_tensors for x in layers),
+        checkpoint_forward=sum(x.checkpoint_forward for x in layers),
+        checkpoint_backward=sum(x.checkpoint_backward for x in layers),
+    )
+
+
+def _check_bounds(partition: Partition | Sequence[int], n: int) -> tuple[int, ...]:
+    bounds = tuple(partition.bounds if isinstance(partition, Partition) else partition)
+    ok = len(bounds) >= 2 and bounds[0] == 0 and bounds[-1] == n and all(a < b for a, b in zip(bounds, bounds[1:]))
+    if not ok:
+        raise ValueError(
+            f"cost_model: bounds must rise strictly from 0 to the number of layers ({n}), got {list(bounds)} "
+            f"(to turn layer counts c into bounds: [0, c0, c0+c1, ...])"
+        )
+    return bounds

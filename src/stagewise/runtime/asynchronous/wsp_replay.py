@@ -1,0 +1,160 @@
+"""The one-process reference of HetPipe's wave-synchronous parallel: :mod:`stagewise.asynchronous.wsp`'s
+equations, replayed.
+
+Every VW is a whole model in this process. Clock by clock, each VW pulls
+W0 + (1/K)[G(c - 1 - D) + its own updates of clocks c-D .. c-1], trains its
+wave (an asynchronous window by the schedule's version rule, replayed by
+:mod:`.reference`'s replay, or N plain synchronous steps), and its update
+u_v^c = W(end) - W(start) is kept; G(k) sums every VW's updates through clock
+k. Because the pulled weights depend only on which clocks are in - never on
+arrival order - this sequential replay is what the multi-process run computes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...asynchronous import WaveRule
+from ...partition import counts_to_ranges, uniform_counts
+from ...schedules import async_schedule, registry_minibatch, schedule_info, window_of
+from ..frontends.layers import Chain, Layers, build_model
+from .replay import _Replay
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class WSPReferenceRun:
+    """Each VW's mini-batch losses, each wave's loss averaged over the VWs, and the final global model."""
+
+    losses: list[list[float]]
+    global_losses: list[float]
+    model: Chain
+
+
+def wsp_reference(
+    layers: Layers,
+    streams: Sequence[Sequence[Batch]],
+    *,
+    stages: Sequence[int],
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    staleness: int = 0,
+    schedule: str = "pipedream",
+    microbatches: int | None = None,
+    wave: int | Sequence[int] | None = None,
+    seed: int = 0,
+    counts: Sequence[Sequence[int]] | None = None,
+) -> WSPReferenceRun:
+    """Replay HetPipe on ``streams[v]`` (VW v's mini-batches) with ``stages[v]`` stages per VW, in one process.
+
+    The options mean what :class:`~stagewise.HetPipe`'s do; ``counts[v]``: VW v's layers per stage (default
+    uniform, as the Pipeline's default partition).
+    """
+    rule, k = WaveRule(staleness), len(stages)
+    if len(streams) != k:
+        raise ValueError(f"wsp_reference: {k} VWs but {len(streams)} streams")
+    workers = [
+        _Worker(layers, p, seed, loss_fn, optimizer, schedule, microbatches, _size(wave, v, p, schedule), counts, v)
+        for v, p in enumerate(stages)
+    ]
+    chunks = [[list(s[i : i + w.size]) for i in range(0, len(s), w.size)] for s, w in zip(streams, workers)]
+    waves = {len(c) for c in chunks}
+    if len(waves) != 1:
+        raise ValueError(f"wsp_reference: the VWs' streams make different numbers of waves: {[len(c) for c in chunks]}")
+    w0 = workers[0].flat()
+    sums: list[torch.Tensor] = []  # sum over VWs of each clock's updates
+    own: list[list[torch.Tensor]] = [[] for _ in range(k)]
+    losses: list[list[float]] = [[] for _ in range(k)]
+    global_losses = []
+    for c in range(waves.pop()):
+        known = rule.needed_before(c)
+        total = torch.zeros_like(w0)
+        for s in sums[: known + 1]:
+            total += s
+        updates, means = [], []
+        for v, worker in enumerate(workers):
+            mine = torch.zeros_like(w0)
+            for c_own in rule.own_terms(c):
+                mine += own[v][c_own]
+            worker.load(w0 + (total + mine) / k)
+            start = worker.flat()
+            got = worker.wave(chunks[v][c])
+            losses[v] += got
+            means.append(sum(got) / len(got))
+            updates.append(worker.flat() - start)
+            own[v].append(updates[-1])
+        step = torch.zeros_like(w0)
+        for u in updates:
+            step += u
+        sums.append(step)
+        global_losses.append(sum(means) / k)
+    total = torch.zeros_like(w0)
+    for s in sums:
+        total += s
+    final = build_model(layers, seed)
+    _load(final, w0 + total / k)
+    return WSPReferenceRun(losses, global_losses, final)
+
+
+def _size(wave: int | Sequence[int] | None, v: int, p: int, schedule: str) -> int:
+    if isinstance(wave, Sequence):
+        return wave[v]
+    return wave or (1 if schedule_info(schedule).synchronous else p)
+
+
+class _Worker:
+    """One VW's whole model, cut into its stages, with one optimizer per stage (as its pipeline has)."""
+
+    def __init__(
+        self, layers: Layers, p: int, seed: int, loss_fn: Any, optimizer: Any, schedule: str, m: int | None,
+        size: int, counts: Sequence[Sequence[int]] | None, v: int,
+    ) -> None:  # fmt: skip
+        self.model = build_model(layers, seed)
+        children = list(self.model.named_children())
+        ranges = counts_to_ranges(list(counts[v]) if counts is not None else uniform_counts(len(children), p))
+        self.replay = _Replay([Chain([children[j] for j in r]) for r in ranges], optimizer, loss_fn)
+        self.loss_fn, self.size = loss_fn, size
+        self.sync = schedule_info(schedule).synchronous
+        self.m = (m or p) if self.sync else (m or registry_minibatch(schedule, p, 1))
+        self.schedule = None if self.sync else async_schedule(schedule, p, size, self.m)
+
+    def flat(self) -> torch.Tensor:
+        return torch.cat([q.detach().reshape(-1).to(torch.float64) for q in self.model.parameters()])
+
+    def load(self, flat: torch.Tensor) -> None:
+        _load(self.model, flat)
+
+    def wave(self, batches: list[Batch]) -> list[float]:
+        if self.schedule is not None:
+            sched = self.schedule if len(batches) == self.size else window_of(self.schedule, len(batches))
+            return self.replay.window(sched, batches, self.m)
+        return [self._sync_step(x, y) for x, y in batches]
+
+    def _sync_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """One synchronous step: the gradient of the batch's mean loss (micro-batches weighted by their shares)."""
+        total = 0.0
+        for xk, yk in zip(torch.tensor_split(x, self.m), torch.tensor_split(y, self.m)):
+            loss = self.loss_fn(self.model(xk), yk) * (len(yk) / len(y))
+            loss.backward()
+            total += float(loss.detach())
+        for opt in self.replay.opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return total
+
+
+def _load(model: nn.Module, flat: torch.Tensor) -> None:
+    at = 0
+    with torch.no_grad():
+        for q in model.parameters():
+            q.copy_(flat[at : at + q.numel()].view_as(q).to(q.dtype))
+            at += q.numel()
+
+
+__all__ = ["WSPReferenceRun", "wsp_reference"]

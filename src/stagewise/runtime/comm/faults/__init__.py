@@ -1,0 +1,8 @@
+"""Failure handling: no rank hangs when another fails, and every survivor names the one at fault.
+
+* :mod:`.board`: the error board, one key in the c10d store where the first failure is posted;
+* :mod:`.waits`: waits with a deadline that watch the board;
+* :mod:`.heartbeat`: signs of life, to name the rank that is stuck down a chain of waits;
+* :mod:`.exit_hook`: how a failing rank leaves (posted, flushed, exit code 1, never an abort);
+* :mod:`.failures`: a collective that failed inside torch, told as the pipeline's failure.
+"""

@@ -1,0 +1,8 @@
+"""Transports: moving values between the ranks of one pipeline.
+
+* :mod:`.protocol`: the :class:`Transport` protocol the engine speaks, and :class:`TransportSpec`;
+* :mod:`.torch_p2p`: torch.distributed point-to-point (gloo, NCCL);
+* :mod:`.choose`: which transport ``transport=`` names (``"auto"``, ``"torch"``, ``"shm"``, a factory).
+
+The shared-memory transport is its own package, :mod:`stagewise.runtime.comm.shm`.
+"""

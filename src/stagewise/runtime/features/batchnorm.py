@@ -1,0 +1,365 @@
+"""BatchNorm under micro-batching: each micro-batch normalised alone, running statistics per step.
+
+A pipeline runs a mini-batch as ``m`` micro-batches, one after another on
+each stage. A BatchNorm layer in training mode therefore normalises each
+micro-batch with that micro-batch's own mean and variance: the pipeline
+cannot use the whole mini-batch's statistics, because stage ``s`` must hand
+micro-batch 0 on to stage ``s+1`` (and, in 1F1B, start its backward) before
+it has seen micro-batch ``m-1``; waiting would serialise the pipeline (GPipe,
+Huang et al. 2019, Sec. 2.2, names the issue). The forward and the gradients
+are those of the one-process model run micro-batch by micro-batch.
+
+What ``Pipeline(batchnorm=...)`` chooses is what happens to the *running*
+statistics, the ones eval mode normalises with:
+
+* ``"micro"`` (today's behaviour, and the default): torch's own update, once
+  per micro-batch, so after a step ``num_batches_tracked`` has grown by ``m``
+  and the running mean and variance are an exponential average over
+  micro-batches of size ``B/m`` (their variances are noisier than the batch's);
+* ``"deferred"`` (torchgpipe's DeferredBatchNorm idea, Kim et al. 2020,
+  Sec. 3.3): the forwards leave the running statistics alone; each layer
+  accumulates its inputs' per-channel count, mean and sum of squared
+  deviations over the step's micro-batches, combined exactly (Chan, Golub and
+  LeVeque's pairwise update, in float64), and the stage commits them once, at
+  its SYNC, with the layer's ``momentum`` (``momentum=None``: the cumulative
+  average), the unbiased variance over the whole batch (``n - 1`` with ``n``
+  the total count) and ``num_batches_tracked`` one higher: what one
+  BatchNorm call on the concatenation of the micro-batches' inputs does.
+
+With ``BatchNormPolicy("deferred", across_replicas=True)`` and ``parallel=``
+data-parallel or sharded replicas, the accumulated statistics are combined
+over the replicas (``dp x sharding``) at SYNC before they are committed, so
+every replica holds the running statistics of the global batch; off by
+default, as with PyTorch DDP without SyncBatchNorm, where each replica keeps
+its own.
+
+Either way, a forward that a backward recomputes (``recompute=``), and the
+I/W split of zero-bubble schedules (which re-runs no forward of its own, but
+may trigger a checkpoint's recomputation twice, once for I and once for W),
+leave the running statistics alone: only the schedule's F action of a
+micro-batch counts. A layer in eval mode (frozen BatchNorm) or built with
+``track_running_stats=False`` is left as it is. ``eval_step`` with the layers
+in training mode normalises per micro-batch; under ``"deferred"`` it does not
+touch the running statistics.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from ...ir import Action, Kind
+from ..comm import collectives, groups
+
+log = logging.getLogger(__name__)
+
+MODES = ("micro", "deferred")
+_announced = False  # the detection message is logged once per process
+
+
+@dataclass(frozen=True)
+class BatchNormPolicy:
+    """What a Pipeline does with the running statistics of its BatchNorm layers (see the module docstring).
+
+    ``mode``: ``"micro"`` or ``"deferred"``. ``across_replicas`` (deferred
+    only): combine the step's statistics over the data-parallel / sharded
+    replicas of ``parallel=`` before committing them.
+    """
+
+    mode: str = "deferred"
+    across_replicas: bool = False
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"batchnorm mode must be one of {', '.join(map(repr, MODES))}, got {self.mode!r}")
+        if self.across_replicas and self.mode != "deferred":
+            raise ValueError("BatchNormPolicy(across_replicas=True) needs mode='deferred'")
+
+
+def check_batchnorm(value: Any) -> BatchNormPolicy | None:
+    """The policy for ``Pipeline(batchnorm=value)``: None (not chosen), a mode name or a BatchNormPolicy."""
+    if value is None or isinstance(value, BatchNormPolicy):
+        return value
+    if isinstance(value, str) and value in MODES:
+        return BatchNormPolicy(value)
+    raise ValueError(
+        f"batchnorm= must be one of {', '.join(map(repr, MODES))} or a stagewise.BatchNormPolicy, got {value!r}"
+    )
+
+
+# ---- statistics -----------------------------------------------------------------------
+@dataclass
+class Moments:
+    """Per-channel count, mean and sum of squared deviations (M2) of the values seen, in float64."""
+
+    n: int
+    mean: torch.Tensor
+    m2: torch.Tensor
+
+    @staticmethod
+    def zeros(channels: int, device: torch.device | str = "cpu") -> Moments:
+        z = torch.zeros(channels, dtype=torch.float64, device=device)
+        return Moments(0, z, z.clone())
+
+    @staticmethod
+    def of(x: torch.Tensor) -> Moments:
+        """The moments of a BatchNorm input ``(N, C, *)`` per channel (dim 1)."""
+        dims = [0, *range(2, x.dim())]
+        x = x.detach()
+        if x.dtype not in (torch.float32, torch.float64):
+            x = x.float()  # half types: var_mean in float32, then float64 like the rest
+        var, mean = torch.var_mean(x, dim=dims, correction=0)
+        n = x.numel() // max(x.shape[1], 1)
+        return Moments(n, mean.to(torch.float64), var.to(torch.float64) * n)
+
+    def add(self, other: Moments) -> None:
+        """Merge ``other`` in (Chan et al.'s pairwise update): exactly the moments of both sets together."""
+        if other.n == 0:
+            return
+        if self.n == 0:
+            self.n, self.mean, self.m2 = other.n, other.mean.clone(), other.m2.clone()
+            return
+        n = self.n + other.n
+        delta = other.mean - self.mean
+        self.mean = self.mean + delta * (other.n / n)
+        self.m2 = self.m2 + other.m2 + delta * delta * (self.n * other.n / n)
+        self.n = n
+
+    def unbiased_var(self) -> torch.Tensor:
+        """The variance with Bessel's correction over the whole count (what BatchNorm's running_var averages)."""
+        return self.m2 / max(self.n - 1, 1)
+
+
+def combine(parts: Sequence[Moments]) -> Moments:
+    """The moments of the union of ``parts`` (all with the same channel count)."""
+    out = Moments.zeros(parts[0].mean.numel(), parts[0].mean.device)
+    for p in parts:
+        out.add(p)
+    return out
+
+
+@torch.no_grad()
+def commit(bn: _BatchNorm, stats: Moments) -> None:
+    """Update ``bn``'s running statistics with one batch's moments, as ``bn(batch)`` in training mode would."""
+    if stats.n == 0 or bn.running_mean is None or bn.running_var is None:
+        return
+    if bn.num_batches_tracked is not None:
+        bn.num_batches_tracked.add_(1)
+    if bn.momentum is None:  # cumulative moving average
+        factor = 1.0 / float(bn.num_batches_tracked) if bn.num_batches_tracked is not None else 0.0
+    else:
+        factor = float(bn.momentum)
+    for buf, value in ((bn.running_mean, stats.mean), (bn.running_var, stats.unbiased_var())):
+        buf.copy_(buf.to(torch.float64) * (1.0 - factor) + value.to(buf.device) * factor)
+
+
+def sum_over_replicas(parts: list[Moments], reduce: Callable[[torch.Tensor], Any]) -> None:
+    """Make each of ``parts`` the moments of its layer over every replica (``reduce`` sums a tensor in place).
+
+    Two sums: counts and sums give the global mean; then each replica's M2 plus
+    ``n (mean - global mean)^2``, summed, gives the global M2 (no cancellation).
+    """
+    if not parts:
+        return
+    sizes = [p.mean.numel() for p in parts]
+    first = torch.cat([torch.tensor([float(p.n) for p in parts], dtype=torch.float64, device=parts[0].mean.device)])
+    first = torch.cat([first, *(p.mean * p.n for p in parts)])
+    reduce(first)
+    counts = [int(round(c)) for c in first[: len(parts)].tolist()]
+    means = [s / max(n, 1) for s, n in zip(first[len(parts) :].split(sizes), counts)]
+    second = torch.cat([p.m2 + p.n * (p.mean - g) ** 2 for p, g in zip(parts, means)])
+    reduce(second)
+    for p, n, g, m2 in zip(parts, counts, means, second.split(sizes)):
+        p.n, p.mean, p.m2 = n, g, m2.clone()
+
+
+# ---- the pipeline's layers ------------------------------------------------------------
+def batchnorm_layers(modules: Sequence[nn.Module]) -> list[_BatchNorm]:
+    """Every BatchNorm (``_BatchNorm``: BatchNorm1d/2d/3d, SyncBatchNorm, lazy ones) under ``modules``, once."""
+    seen: set[int] = set()
+    out = []
+    for root in modules:
+        for m in root.modules():
+            if isinstance(m, _BatchNorm) and id(m) not in seen:
+                seen.add(id(m))
+                out.append(m)
+    return out
+
+
+class BatchNorms:
+    """This rank's BatchNorm layers, run under a policy by forward hooks.
+
+    ``current()`` says which action the rank runs: only an F counts as the
+    micro-batch's forward; any other (B, I or W recomputing a checkpointed
+    segment) runs the layer without touching its running statistics. Outside
+    :meth:`step` (the user calling the layers directly) the hooks do nothing.
+    """
+
+    def __init__(
+        self,
+        policy: BatchNormPolicy | None,
+        stages: dict[int, list[nn.Module]],
+        current: Callable[[], Action | None],
+        reduce: Callable[[torch.Tensor], Any] | None = None,
+    ) -> None:
+        self.policy = policy
+        self.deferred = policy is not None and policy.mode == "deferred"
+        self.current = current
+        self.reduce = reduce if policy is not None and policy.across_replicas else None
+        self.layers: dict[int, list[_BatchNorm]] = {}
+        for s, modules in sorted(stages.items()):
+            mine = [bn for bn in batchnorm_layers(modules) if all(bn not in v for v in self.layers.values())]
+            if mine:
+                self.layers[s] = mine
+        self.pending: dict[int, dict[int, Moments]] = {}  # stage -> id(layer) -> the step's moments so far
+        self.mode: str | None = None  # "train" / "eval" inside a step, else None
+        self.committed: set[int] = set()
+        self._muted: list[tuple[nn.Module, dict[str, torch.Tensor] | None]] = []  # layers to restore, innermost last
+        self._handles = []
+        for s, layers in self.layers.items():
+            for bn in layers:
+                self._handles.append(bn.register_forward_pre_hook(self._before(s)))
+                self._handles.append(bn.register_forward_hook(self._after, always_call=True))
+
+    def summary(self) -> dict[int, dict[str, int]]:
+        """``{stage: {layer class name: count}}`` of this rank's BatchNorm layers."""
+        out: dict[int, dict[str, int]] = {}
+        for s, layers in self.layers.items():
+            for bn in layers:
+                out.setdefault(s, {})
+                out[s][type(bn).__name__] = out[s].get(type(bn).__name__, 0) + 1
+        return out
+
+    @contextmanager
+    def step(self, mode: str) -> Iterator[None]:
+        """Run one train or eval step; a train step commits, at its end, any stage no SYNC action committed."""
+        self.mode, self.pending, self.committed = mode, {}, set()
+        try:
+            yield
+        finally:
+            self.mode = None
+            while self._muted:  # left muted by a forward that raised
+                self._restore(*self._muted.pop())
+        if mode == "train":
+            self.mode = mode
+            for s in self.layers:
+                self.on_sync(s)
+            self.mode = None
+
+    def before_step(self, stage: int) -> None:
+        """Nothing to wait for: the commit happened at SYNC."""
+
+    def on_sync(self, stage: int) -> None:
+        """SYNC: the stage's forwards are done; commit its accumulated statistics (over replicas if asked)."""
+        if not self.deferred or self.mode != "train" or stage not in self.layers or stage in self.committed:
+            return
+        self.committed.add(stage)
+        got = self.pending.pop(stage, {})
+        layers = [bn for bn in self.layers[stage] if bn.running_var is not None]
+        parts = [got.get(id(bn)) or Moments.zeros(bn.running_var.numel(), bn.running_var.device) for bn in layers]
+        if self.reduce is not None:
+            sum_over_replicas(parts, self.reduce)
+        for bn, stats in zip(layers, parts):
+            commit(bn, stats)
+
+    def _before(self, stage: int) -> Callable[[nn.Module, tuple[Any, ...]], None]:
+        def hook(bn: nn.Module, args: tuple[Any, ...]) -> None:
+            if self.mode is None or not bn.training or not bn.track_running_stats or bn.running_mean is None:
+                return
+            action = self.current()
+            forward = action is not None and action.kind is Kind.F
+            if forward and not self.deferred:
+                return  # "micro": torch's own update, once per micro-batch
+            if not self.deferred:  # "micro", recomputed: run as the F did (checkpoint compares), then undo
+                self._muted.append((bn, {k: b.clone() for k, b in bn.named_buffers(recurse=False)}))
+                return
+            bn.track_running_stats = False  # normalise with the micro-batch's statistics, update nothing
+            self._muted.append((bn, None))
+            if forward and self.mode == "train":
+                seen = Moments.of(args[0])
+                acc = self.pending.setdefault(stage, {}).setdefault(id(bn), seen)
+                if acc is not seen:
+                    acc.add(seen)
+
+        return hook
+
+    def _after(self, bn: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+        if self._muted and self._muted[-1][0] is bn:
+            self._restore(*self._muted.pop())
+
+    @staticmethod
+    @torch.no_grad()
+    def _restore(bn: nn.Module, saved: dict[str, torch.Tensor] | None) -> None:
+        if saved is None:
+            bn.track_running_stats = True
+            return
+        for k, b in bn.named_buffers(recurse=False):
+            b.copy_(saved[k])
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+def attach_batchnorms(
+    policy: BatchNormPolicy | None,
+    stages: dict[int, list[nn.Module]],
+    current: Callable[[], Action | None],
+    *,
+    hybrid: Any,
+    group: Any,
+    num_microbatches: int,
+    wait: Callable[[list[Any], str], None] | None = None,
+) -> BatchNorms:
+    """Run this rank's BatchNorm layers under ``policy``; if it was not chosen and there are some, say so once.
+
+    ``current``: the action the interpreter is executing (a forward counts only inside F). Without a policy
+    this gathers, over ``group``, which stages hold BatchNorm, so that global rank 0 can tell.
+    """
+    reduce = None
+    if hybrid is not None and hybrid.config.replicas > 1:
+        mesh = hybrid.mesh
+        reduce = lambda t: mesh.all_reduce(t, ("dp", "sharding"))  # noqa: E731
+    norms = BatchNorms(policy, stages, current, reduce)
+    if policy is None:
+        summary = {str(s): kinds for s, kinds in norms.summary().items()}  # JSON keys are strings
+        everyone = collectives.gather_json(summary, group, wait, "which stages hold BatchNorm")
+        found = {int(s): kinds for d in everyone for s, kinds in d.items()}
+        if found and groups.global_rank() == 0:
+            announce(found, num_microbatches)
+    return norms
+
+
+def announce(found: dict[int, dict[str, int]], microbatches: int) -> None:
+    """The detection message (once per process): what micro-batching does to BatchNorm and how to choose."""
+    global _announced
+    if _announced:
+        return
+    _announced = True
+    where = "; ".join(
+        f"stage {s}: " + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) for s, kinds in sorted(found.items())
+    )
+    sync = any("SyncBatchNorm" in kinds for kinds in found.values())
+    log.warning(
+        "stagewise: the pipeline holds BatchNorm layers (%s). Under micro-batching each of the %d micro-batches "
+        "is normalised with its own statistics, and by default (batchnorm='micro') the running statistics are "
+        "updated once per micro-batch (num_batches_tracked grows by %d per step). Pass batchnorm='deferred' to "
+        "update them once per step over the whole batch, as the one-process model does, or batchnorm='micro' to "
+        "keep this behaviour and silence this message.%s",
+        where,
+        microbatches,
+        microbatches,
+        " SyncBatchNorm synchronises over its process_group in every training forward: only the ranks that hold "
+        "its stage run it, so give it the stage's data-parallel group (or use BatchNorm with "
+        "stagewise.BatchNormPolicy('deferred', across_replicas=True))."
+        if sync
+        else "",
+    )

@@ -1,0 +1,198 @@
+"""Non-finite losses and gradients: found anywhere in the mesh at the step, before any optimizer steps.
+
+One NaN in a batch makes the loss, every gradient and (after the optimizer)
+every weight NaN, silently. So at the end of a train step, once every
+gradient is final (tied sums and the hybrid axes' reductions waited for),
+each rank folds "is anything of mine non-finite" into one float on the
+device - no host sync per tensor - and one all-reduce over the pipeline group
+(through its transport; then over the mesh's other axes with ``parallel=``)
+tells every rank the same answer; one
+``.item()`` reads it. Only when the answer is "yes" do the ranks look closer
+and gather where (the failing path, where cost does not matter).
+
+``nan_policy="raise"``: every rank raises :class:`PipelineError` naming the
+stage, the micro-batch and the first non-finite value, and no optimizer has
+stepped. ``"skip"``: every rank drops the step's gradients (so neither the
+schedule's STEP actions nor an optimizer the user steps after ``train_step``
+changes a weight) and counts the step in ``Pipeline.skipped_steps``.
+
+So that the check comes before any optimizer step while the runtime executes
+exactly its schedule, a checking Pipeline with an optimizer factory has its
+STEP actions placed at the end of each rank's list
+(:func:`stagewise.passes.lowering.add_optimizer_steps` with ``at_end=True``), and the
+first STEP runs the check (the runner is a part of the SYNC/STEP hooks); the
+steps' overlap with the drain is what this costs. ``nan_policy=None`` checks
+nothing and places each stage's STEP right after its SYNC.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...parallel import AXES
+from ..errors import PipelineError
+
+POLICIES = ("raise", "skip")
+
+
+def check_policy(policy: str | None) -> None:
+    if policy is not None and policy not in POLICIES:
+        raise ValueError(f"nan_policy must be one of {POLICIES} or None (no check), got {policy!r}")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(t, "to_local", None)  # a DTensor's own piece
+    return to_local() if callable(to_local) else t
+
+
+def _screen(t: torch.Tensor) -> torch.Tensor:
+    """A 0-dim tensor that is non-finite if ``t`` holds a NaN or an infinity: its sum.
+
+    One read of the tensor and no temporaries (``isfinite(t).any()`` costs
+    ~40x more on CPU: 3.2 ms against 77 us for 2**20 floats). A NaN or an
+    infinity always makes the sum non-finite; a finite tensor whose sum
+    overflows is a false alarm, which :class:`FiniteCheck` clears with the
+    exact test. Half-precision sums accumulate in float32, so they overflow
+    only where float32 would.
+    """
+    half = t.dtype in (torch.float16, torch.bfloat16)
+    return t.sum(dtype=torch.float32 if half else None).to(torch.float64)
+
+
+def any_non_finite(losses: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """A one-element float64 tensor on ``device``: 1 if the screen of any loss or gradient here is not finite.
+
+    The screen (:func:`_screen`) never misses a NaN or an infinity; it can
+    flag a finite tensor whose sum overflows, which :func:`findings` (exact)
+    then finds clean.
+    """
+    flag = torch.zeros(1, dtype=torch.float64, device=device)
+    sums = [loss.detach().reshape(()).to(torch.float64) for loss in losses]
+    for g in grads:
+        part = _local(g)
+        if part.numel():
+            sums.append(_screen(part.detach()).to(device))
+    if sums:
+        flag += (~torch.isfinite(torch.stack([s.to(device) for s in sums]))).any()
+    return flag
+
+
+def findings(
+    rank: int,
+    losses: dict[int, torch.Tensor],
+    named: Sequence[tuple[str, nn.Parameter]],
+    stage_of: dict[int, int],
+    last_stage: int | None,
+) -> dict[str, Any]:
+    """Where this rank's first non-finite loss and gradient are (plain data, to gather); host syncs are fine here."""
+    out: dict[str, Any] = {"rank": rank, "loss": None, "grad": None}
+    for i in sorted(losses):
+        value = float(losses[i])
+        if not math.isfinite(value):
+            out["loss"] = [last_stage, i, value]
+            break
+    for name, p in named:
+        if p.grad is None:
+            continue
+        g = _local(p.grad).detach()
+        bad = (~torch.isfinite(g)).reshape(-1).nonzero()
+        if bad.numel():
+            k = int(bad[0])
+            out["grad"] = [stage_of.get(id(p)), name, k, float(g.reshape(-1)[k])]
+            break
+    return out
+
+
+def message(everyone: list[dict[str, Any]], policy: str) -> str:
+    """One text, alike on every rank, from every rank's :func:`findings`."""
+    parts = []
+    loss = next((f for f in everyone if f["loss"] is not None), None)
+    grad = next((f for f in everyone if f["grad"] is not None), None)
+    if loss is not None:
+        stage, mb, value = loss["loss"]
+        parts.append(f"stage {stage}'s loss for micro-batch {mb} is {value} (rank {loss['rank']})")
+    if grad is not None:
+        stage, name, k, value = grad["grad"]
+        where = "a tied module" if stage is None else f"stage {stage}"
+        mb = "" if loss is None else f" (the first non-finite loss is micro-batch {loss['loss'][1]}'s)"
+        parts.append(f"{where}: gradient {name}[{k}] = {value} (rank {grad['rank']}){mb}")
+    found = "; ".join(parts) or "a non-finite value on some rank"
+    what = "no optimizer stepped" if policy == "raise" else "the step is skipped"
+    return f"non-finite values in the train step: {found}; {what} (nan_policy={policy!r})"
+
+
+def drop_grads(params: Sequence[nn.Parameter]) -> None:
+    """Forget the step's gradients, as a STEP's ``zero_grad(set_to_none=True)`` would (optimizers skip None)."""
+    for p in params:
+        p.grad = None
+
+
+class FiniteCheck:
+    """The step-end check of one rank (see the module docstring)."""
+
+    def __init__(
+        self,
+        policy: str,
+        rank: int,
+        named: Sequence[tuple[str, nn.Parameter]],
+        stage_of: dict[int, int],
+        reduce: Callable[[torch.Tensor], None],
+        gather: Callable[[Any], list[Any]],
+        device: torch.device,
+    ) -> None:
+        check_policy(policy)
+        self.policy = policy
+        self.rank = rank
+        self.named = list(named)
+        self.stage_of = stage_of
+        self.reduce = reduce
+        self.gather = gather
+        self.device = device
+        self.skipped = 0
+
+    def __call__(self, losses: dict[int, torch.Tensor], last_stage: int | None) -> bool:
+        """True if the step must be skipped; raises under ``"raise"``; False when every value is finite."""
+        grads = [p.grad for _, p in self.named if p.grad is not None]
+        flag = any_non_finite([losses[i] for i in sorted(losses)], grads, self.device)
+        self.reduce(flag)
+        if float(flag.item()) == 0.0:
+            return False
+        everyone = self.gather(findings(self.rank, losses, self.named, self.stage_of, last_stage))
+        if all(f["loss"] is None and f["grad"] is None for f in everyone):
+            return False  # only an overflowing sum: every value is finite
+        text = message(everyone, self.policy)
+        if self.policy == "raise":
+            raise PipelineError(text)
+        drop_grads([p for _, p in self.named])
+        self.skipped += 1
+        return True
+
+
+def finite_check(pipe: Any, policy: str | None) -> FiniteCheck | None:
+    """The check for a Pipeline (None for ``nan_policy=None``): reduced over the whole mesh (or the pipeline
+    group), within its deadline."""
+    if policy is None:
+        return None
+    from ..comm.collectives import gather_json
+
+    hybrid, transport = pipe.hybrid, pipe.transport
+    stage_of = {id(p): s for s, st in pipe._runner.stages.items() for m in st.modules for p in m.parameters()}
+    group = None if hybrid is not None else transport.group  # the mesh spans the world
+
+    def reduce(flag: torch.Tensor) -> None:
+        # over the pipeline's group through its own transport (shared memory where the ranks share a host: a gloo
+        # all-reduce of the pp axis took ~1 ms on 4 ranks of a 2-core host, at the end of every step), then over
+        # the mesh's other axes; the flag counts ranks, so the sum is exact in any order
+        transport.all_reduce(flag, "sum", "the check for non-finite values")
+        if hybrid is not None:
+            hybrid.reduce(flag, "sum", tuple(a for a in AXES if a != "pp"))
+
+    def gather(obj: Any) -> list[Any]:
+        return gather_json(obj, group, transport.wait, "where the non-finite values are")
+
+    return FiniteCheck(policy, pipe.rank, list(pipe.named_parameters()), stage_of, reduce, gather, pipe.device)

@@ -1,0 +1,119 @@
+"""Activation memory as the runtime holds it: bytes saved for backward, alive at once, per rank.
+
+Roughly: while a step runs under :class:`ActivationMeter`, every tensor autograd
+saves for a backward passes through ``torch.autograd.graph.saved_tensors_hooks``;
+the meter counts its bytes once per distinct tensor view (a tensor saved by two
+nodes counts once), parameters excluded, and uncounts it when autograd frees the
+last node holding it (after the micro-batch's B, or its W on a zero-bubble
+schedule, whose I retains the graph). ``peak`` is the most bytes alive at once
+during the step, the quantity the simulator's ``peak_activation_bytes``
+predicts; ``by_forward[(stage, microbatch)]`` the bytes each F added, which is
+what a :class:`~stagewise.CostModel` takes as a stage's ``activation_bytes``;
+``by_weight[(stage, microbatch)]`` the part of them still alive when its W
+starts (what I left for W: its ``weight_activation_bytes``; 0 if I freed all).
+
+The pack hook keeps a *detached* view: a saved output holds its own
+``grad_fn``, so keeping the tensor itself would make a cycle (node -> saved
+variable -> hook object -> tensor -> node) that no garbage collector sees, and
+a node that only I ran (retained, never released by W) would leak.
+
+A checkpointed segment (:mod:`.recompute`) saves only its inputs through these
+hooks; what its recompute materialises during the backward is held by
+``torch.utils.checkpoint`` itself and is not counted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from ...ir import Kind
+
+Key = tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype]
+
+
+def _storage_ptr(p: torch.Tensor) -> int | None:
+    """Where a parameter's values live: a sharded (DTensor) parameter's local shard; None if it has no storage."""
+    local = p.to_local() if hasattr(p, "to_local") else p
+    try:
+        return int(local.untyped_storage().data_ptr())
+    except RuntimeError:  # e.g. a parameter FSDP2 has freed or not materialised
+        return None
+
+
+class _Held:
+    __slots__ = ("key", "meter", "tensor")
+
+    def __init__(self, meter: ActivationMeter, key: Key, tensor: torch.Tensor) -> None:
+        self.meter, self.key, self.tensor = meter, key, tensor
+
+    def __del__(self) -> None:
+        self.meter._release(self.key)
+
+
+class ActivationMeter:
+    """Counts the bytes saved for backward during a step; ``where()`` names the running action (stage, micro-batch)."""
+
+    def __init__(self, params: Iterable[torch.Tensor], where: Callable[[], Any]) -> None:
+        self.param_storages = {ptr for p in params if (ptr := _storage_ptr(p)) is not None}
+        self.where = where
+        self.live: dict[Key, list[int]] = {}  # key -> [holders, bytes]
+        self.current = 0
+        self.peak = 0
+        self.by_forward: dict[tuple[int, int], int] = {}
+        self.by_weight: dict[tuple[int, int], int] = {}
+        self._owner: dict[Key, tuple[int, int]] = {}  # key -> the (stage, micro-batch) whose F saved it
+        self._owned: dict[tuple[int, int], int] = {}  # bytes alive per (stage, micro-batch)
+
+    def reset(self) -> None:
+        self.peak = self.current
+        self.by_forward = {}
+        self.by_weight = {}
+
+    def hooks(self) -> Any:
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter) or t.device.type == "meta":
+            return t  # a parameter, or a view of one (FSDP2 gathers whole parameters into fresh storage each step)
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in self.param_storages or t.numel() == 0:
+            return t
+        key = (ptr, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        entry = self.live.get(key)
+        if entry is None:
+            nbytes = t.numel() * t.element_size()
+            self.live[key] = [1, nbytes]
+            self.current += nbytes
+            self.peak = max(self.peak, self.current)
+            action = self.where()
+            if action is not None and action.kind is Kind.F and action.microbatch is not None:
+                at = (action.stage, action.microbatch)
+                self.by_forward[at] = self.by_forward.get(at, 0) + nbytes
+                self._owner[key] = at
+                self._owned[at] = self._owned.get(at, 0) + nbytes
+        else:
+            entry[0] += 1
+        return _Held(self, key, t.detach())
+
+    def _release(self, key: Key) -> None:
+        entry = self.live.get(key)
+        if entry is None:
+            return
+        entry[0] -= 1
+        if entry[0] == 0:
+            action = self.where()
+            if action is not None and action.kind is Kind.W and action.microbatch is not None:
+                at = (action.stage, action.microbatch)
+                self.by_weight.setdefault(at, self._owned.get(at, 0))
+            del self.live[key]
+            self.current -= entry[1]
+            owner = self._owner.pop(key, None)
+            if owner is not None:
+                self._owned[owner] -= entry[1]
+
+
+def _unpack(held: Any) -> torch.Tensor:
+    return held.tensor if isinstance(held, _Held) else held

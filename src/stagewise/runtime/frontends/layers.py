@@ -1,0 +1,162 @@
+"""Layers: lazy layer specs, the calling convention between layers, and cutting a model into stages.
+
+A model is an ordered list of layers. Each layer is an ``nn.Module`` (eager:
+fine for small models, every rank holds the whole model) or a :class:`Layer`
+spec (lazy: built only on the rank that holds its stage, so no rank allocates
+another stage's weights).
+
+Calling convention: a layer's output is the next layer's input. A plain
+``tuple`` output is unpacked into positional arguments (``next(*out)``);
+anything else (a tensor, a dict, a list) is passed as one argument. The model's
+inputs follow the same rule for the first layer.
+
+Determinism: layer ``k`` (0-based position in the model) is built with the CPU
+generator seeded to ``seed + k``, so :func:`build_model` with the same seed
+builds, in one process, exactly the model a :class:`~stagewise.Pipeline`
+spreads over its ranks (eager modules are used as they are).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Union
+
+import torch
+from torch import nn
+
+from ...partition import LayerProfile, PartitionSpec, counts_to_ranges, stage_counts
+
+LayerLike = Union[nn.Module, "Layer"]
+Layers = Union[nn.Sequential, nn.ModuleList, Sequence[LayerLike], Mapping[str, LayerLike]]  # noqa: UP007
+
+
+class Layer:
+    """A recipe for one layer, ``factory(*args, **kwargs)``, built only where it is needed.
+
+    >>> spec = Layer(nn.Linear, 4, 8, bias=False)
+    >>> spec.build(seed=0).weight.shape
+    torch.Size([8, 4])
+    """
+
+    def __init__(self, factory: Callable[..., nn.Module], *args: Any, **kwargs: Any) -> None:
+        if not callable(factory):
+            raise TypeError(f"Layer needs a callable that returns an nn.Module, got {factory!r}")
+        self.factory = factory
+        self.args = args
+        self.kwargs = kwargs
+
+    def build(self, seed: int | None = None) -> nn.Module:
+        """Call the factory, with the CPU generator seeded to ``seed`` if given (global RNG state is kept)."""
+        with torch.random.fork_rng(devices=[]):
+            if seed is not None:
+                torch.random.default_generator.manual_seed(seed)
+            module = self.factory(*self.args, **self.kwargs)
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"{self!r} returned {type(module).__name__}, not an nn.Module")
+        return module
+
+    def __repr__(self) -> str:
+        name = getattr(self.factory, "__qualname__", repr(self.factory))
+        args = [repr(a) for a in self.args] + [f"{k}={v!r}" for k, v in self.kwargs.items()]
+        return f"Layer({name}{''.join(', ' + a for a in args)})"
+
+
+def call_layer(layer: Callable[..., Any], x: Any) -> Any:
+    """Apply ``layer`` to the previous layer's output under the calling convention."""
+    return layer(*x) if type(x) is tuple else layer(x)
+
+
+def named_layers(layers: Layers) -> list[tuple[str, LayerLike]]:
+    """The model's layers in order, named as in the original model (``"0"``, ``"embed"``, ...)."""
+    if isinstance(layers, nn.Sequential):
+        named = list(layers.named_children())
+    elif isinstance(layers, Mapping):
+        named = [(str(k), v) for k, v in layers.items()]
+    elif isinstance(layers, (nn.ModuleList, Sequence)):
+        named = [(str(k), v) for k, v in enumerate(layers)]
+    else:
+        raise TypeError(
+            f"layers must be an nn.Sequential, a list of modules or Layer specs, or a dict of them; "
+            f"got {type(layers).__name__}"
+        )
+    for name, layer in named:
+        if not isinstance(layer, (nn.Module, Layer)):
+            raise TypeError(f"layer {name!r} is a {type(layer).__name__}, not an nn.Module or a stagewise.Layer")
+        if "." in name:
+            raise ValueError(f"layer name {name!r} contains '.', which parameter names use as separator")
+    if not named:
+        raise ValueError("the model has no layers")
+    return named
+
+
+def build_layer(layer: LayerLike, index: int, seed: int) -> nn.Module:
+    """Layer ``index`` of the model: a spec is built seeded with ``seed + index``; a module is returned as is."""
+    return layer.build(seed + index) if isinstance(layer, Layer) else layer
+
+
+class Chain(nn.Sequential):
+    """Layers applied in order under the calling convention (an ``nn.Sequential`` that unpacks tuples)."""
+
+    def __init__(self, named: Sequence[tuple[str, nn.Module]]) -> None:
+        super().__init__(OrderedDict(named))
+
+    def forward(self, *inputs: Any) -> Any:
+        x: Any = inputs[0] if len(inputs) == 1 else inputs
+        for layer in self.children():
+            x = call_layer(layer, x)
+        return x
+
+
+def build_model(layers: Layers, seed: int = 0) -> Chain:
+    """The whole model in one process, equal to what a Pipeline with the same ``seed`` builds.
+
+    Use it as the reference: ``loss_fn(build_model(layers, seed)(x), y).backward()``
+    gives the gradients ``Pipeline(layers, seed=seed).train_step(x, y)`` gives,
+    and ``named_parameters()`` names match.
+    """
+    from .tied import TiedBuilder  # a tied module (sw.Tied) is built once, registered at its first use
+
+    named = named_layers(layers)
+    builder = TiedBuilder(named, seed)
+    return Chain([(name, builder.build(layer, k)) for k, (name, layer) in enumerate(named)])
+
+
+def parameter_count(layer: LayerLike) -> int:
+    """Parameters of a layer; a spec is built on the meta device, so no memory is used."""
+    if isinstance(layer, Layer):
+        with torch.device("meta"):
+            layer = layer.build()
+    return sum(p.numel() for p in layer.parameters())
+
+
+def partition(
+    named: Sequence[tuple[str, LayerLike]],
+    num_stages: int,
+    how: PartitionSpec = "uniform",
+    *,
+    profile: LayerProfile | None = None,
+    speeds: Sequence[float] | None = None,
+    memory_caps: Sequence[float] | None = None,
+    in_flight: int = 1,
+) -> list[range]:
+    """Which layers each stage holds: contiguous ranges, one per stage, none empty.
+
+    ``how`` is ``"uniform"`` (equal layer counts, the first stages take the
+    remainder), ``"parameters"`` (the least possible largest parameter count
+    per stage, by :func:`stagewise.partition.cut.partition_costs`), ``"time"`` or
+    ``"memory"`` (balance a :class:`~stagewise.LayerProfile` of the layers,
+    see :func:`stage_counts`) or explicit layer counts per stage such as
+    ``[3, 2, 2, 1]``. ``speeds`` and ``memory_caps`` are per stage.
+    """
+    counts = stage_counts(
+        len(named),
+        num_stages,
+        how,
+        parameters=lambda: [parameter_count(layer) for _, layer in named],
+        profile=profile,
+        speeds=speeds,
+        memory_caps=memory_caps,
+        in_flight=in_flight,
+    )
+    return counts_to_ranges(counts)

@@ -1,0 +1,94 @@
+"""Measure the links of the actual group: a ping-pong between two ranks, inside a node and across two.
+
+Small and bounded: ``rounds`` round trips at two message sizes (8 B and
+4 MiB) between one pair of ranks, every exchange bounded by a deadline, so a
+missing peer raises a ``PipelineError`` naming the wait instead of hanging. The one-way
+time of the small message is the latency; the extra time of the large one
+over its extra bytes gives the bandwidth (the alpha-beta model of
+:class:`stagewise.Link`). Ranks are taken to be packed onto nodes in order
+(``processes_per_node`` consecutive ranks per node), as the planner assumes.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+
+from ...planning import Link
+from ..comm.coordinator import call_with_deadline
+
+T = TypeVar("T")
+
+SMALL, LARGE = 8, 4 << 20  # bytes per message
+
+
+def _bounded(fn: Callable[[], T], deadline: float, what: str) -> T:
+    """``fn()`` on a helper thread, raising if it has not returned by the ``time.monotonic()`` deadline (gloo
+    works cannot be polled: see :mod:`.waits`)."""
+    return call_with_deadline(fn, max(deadline - time.monotonic(), 0.001), f"the link probe: {what}")  # type: ignore[no-any-return]
+
+
+def slowest(seconds: float, deadline: float) -> float:
+    """The largest of every rank's ``seconds`` (a collective over the default group)."""
+    t = torch.tensor([seconds], dtype=torch.float64)
+    _bounded(lambda: dist.all_reduce(t, dist.ReduceOp.MAX), deadline, "the max over ranks")
+    return float(t)
+
+
+def average(seconds: float, deadline: float) -> float:
+    """The mean of every rank's ``seconds`` (a collective over the default group)."""
+    return summed([seconds], deadline)[0] / dist.get_world_size()
+
+
+def summed(values: list[float], deadline: float) -> list[float]:
+    """Each of ``values`` summed over every rank (a collective over the default group)."""
+    t = torch.tensor(values, dtype=torch.float64)
+    _bounded(lambda: dist.all_reduce(t, dist.ReduceOp.SUM), deadline, "the sums over ranks")
+    return [float(x) for x in t]
+
+
+def _one_way(me: int, peer: int, nbytes: int, rounds: int) -> float:
+    """Median one-way seconds for ``nbytes`` between ``me`` and ``peer`` (the lower rank sends first)."""
+    buf = torch.zeros(nbytes // 4)
+    times = []
+    for _ in range(rounds + 1):  # the first round trip sets up the connection: not counted
+        started = time.perf_counter()
+        order = ("send", "recv") if me < peer else ("recv", "send")
+        for op in order:
+            (dist.send if op == "send" else dist.recv)(buf, peer)
+        times.append((time.perf_counter() - started) / 2)
+    return statistics.median(times[1:])
+
+
+def ping_pong(a: int, b: int, *, rounds: int = 10, timeout: float = 30.0) -> Link:
+    """The link between global ranks ``a`` and ``b``, measured by them, returned on every rank (a collective)."""
+    deadline = time.monotonic() + timeout
+    me = dist.get_rank()
+    fit = torch.zeros(2, dtype=torch.float64)
+    if me in (a, b):
+        peer = b if me == a else a
+        what = f"round trips between ranks {me} and {peer}"
+        small = _bounded(lambda: _one_way(me, peer, SMALL, rounds), deadline, what)
+        large = _bounded(lambda: _one_way(me, peer, LARGE, rounds), deadline, what)
+        fit[0] = small
+        # noise can hide the latency inside the large message's time: then its whole time bounds the bandwidth
+        fit[1] = (LARGE - SMALL) / max(large - small, 0.1 * large, 1e-9)
+    _bounded(lambda: dist.broadcast(fit, src=a), deadline, f"the result of rank {a}'s probe")
+    return Link(latency=max(float(fit[0]), 0.0), bandwidth=float(fit[1]))
+
+
+def measure_links(nodes: int = 1, *, rounds: int = 10, timeout: float = 30.0) -> tuple[Link | None, Link | None]:
+    """``(intra, inter)`` for this group on ``nodes`` nodes: ranks 0-1 inside node 0, ranks 0 and
+    ``processes_per_node`` across; None where the shape has no such pair (a collective)."""
+    world = dist.get_world_size()
+    if nodes < 1 or world % nodes:
+        raise ValueError(f"measure_links: nodes must be a positive int dividing the {world} processes, got {nodes}")
+    per_node = world // nodes
+    intra = ping_pong(0, 1, rounds=rounds, timeout=timeout) if per_node >= 2 else None
+    inter = ping_pong(0, per_node, rounds=rounds, timeout=timeout) if nodes >= 2 else None
+    return intra, inter
