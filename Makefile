@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.stagewise-installed
 
-.PHONY: install test demo lint bench compare clean
+.PHONY: install test test-core test-runtime test-distributed test-system demo lint bench compare clean
 
 # torch goes first, pinned: this machine has the CPU wheel locally, and a bare
 # `torch` requirement would otherwise pull gigabytes of CUDA wheels.
@@ -17,8 +17,25 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# The whole suite; the targets below run one folder each (its tests carry the folder's marker: -m core, ...).
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The pure core, no torch (a test there that loads torch fails): well under a minute.
+test-core: $(STAMP)
+	$(PY) -m pytest -q tests/core
+
+# torch in one process, no launcher.
+test-runtime: $(STAMP)
+	$(PY) -m pytest -q tests/runtime
+
+# torchrun jobs of 2 to 8 gloo ranks, one per module.
+test-distributed: $(STAMP)
+	$(PY) -m pytest -q tests/distributed
+
+# Whole programs in subprocesses: the examples, the README, restarts, faults, two machines.
+test-system: $(STAMP)
+	$(PY) -m pytest -q tests/system
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples
@@ -30,11 +47,21 @@ demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/stagewise run -n 4 examples/gpt_stdlib.py --out out/demo
 
 bench: $(STAMP)
-	$(PY) benchmarks/schedules_speed.py
+	$(PY) -m benchmarks.schedules_speed
 
 # Every pipeline method on the same GPT and CNN, data, seeds and samples: tables, JSON, plots in out/compare (~2-3 min).
+# (benchmarks/compare from this checkout: the same as `$(PY) -m benchmarks.compare --ranks 2 --out out/compare`.)
 compare: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/stagewise compare -n 2 --out out/compare
+
+# Pipeline.from_hf on every tested transformers family: 1f1b and zb-v, tied and untied heads, right padding and
+# -100 labels, 2 and 4 ranks, against the one-process model; the table of measured errors goes to out/hf_grid.md
+# (a few minutes).
+.PHONY: hf-grid
+hf-grid: $(STAMP)
+	mkdir -p out
+	STAGEWISE_HF_GRID=out/hf_grid.md OMP_NUM_THREADS=1 $(PY) -m pytest -q tests/distributed/test_hf_ranks.py
+	cat out/hf_grid.md
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

@@ -1,7 +1,7 @@
 """Asynchronous schedules next to 1F1B on the same processes: time per mini-batch, measured and simulated.
 
-    .venv/bin/stagewise run -n 2 benchmarks/async_schedules.py
-    .venv/bin/stagewise run -n 4 benchmarks/async_schedules.py -- --minibatches 24 --window 8
+    .venv/bin/python -m benchmarks.async_schedules
+    .venv/bin/python -m benchmarks.async_schedules --ranks 4 --minibatches 24 --window 8
 
 Every variant trains the same float32 MLP on the same mini-batches of m
 micro-batches: ``1f1b`` with ``train_step`` (a flush per mini-batch, the
@@ -12,13 +12,15 @@ the variants; *ms / mini-batch* is the median over the rounds of the slowest
 rank's wall time over the mini-batch count. *sim* is the simulator's time per mini-batch with
 F = 1, B = 2 (free transfers) relative to 1F1B's, *measured* the same ratio
 as measured: what the bubble saves, minus what weight snapshots and
-functional calls cost. Rank 0 prints the table.
+functional calls cost. Rank 0 prints the table. Run as a module, it starts
+``--ranks`` local ranks (torchrun) running itself.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -28,6 +30,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import stagewise as sw
+from stagewise.passes import lower
+from stagewise.schedules import async_schedule
+
+from ._launch import launched, on_ranks
 
 LAYERS, CLASSES = 12, 10
 
@@ -42,17 +48,17 @@ def layers(d: int) -> list[sw.Layer]:
 def variants(p: int, window: int, m: int) -> list[tuple[str, Any, str]]:
     return [
         ("1f1b", sw.build_schedule("1f1b", p, m), "sgd"),
-        ("pipedream", sw.async_schedule("pipedream", p, window, m), "sgd"),
-        ("pipedream nostash", sw.async_schedule("pipedream", p, window, m, stashing=False), "sgd"),
-        ("pipedream vsync", sw.async_schedule("pipedream", p, window, m, vertical_sync=True), "sgd"),
-        ("pipedream-2bw", sw.async_schedule("pipedream-2bw", p, window, m), "sgd"),
-        ("xpipe", sw.async_schedule("xpipe", p, window, m), "momentum"),
+        ("pipedream", async_schedule("pipedream", p, window, m), "sgd"),
+        ("pipedream nostash", async_schedule("pipedream", p, window, m, stashing=False), "sgd"),
+        ("pipedream vsync", async_schedule("pipedream", p, window, m, vertical_sync=True), "sgd"),
+        ("pipedream-2bw", async_schedule("pipedream-2bw", p, window, m), "sgd"),
+        ("xpipe", async_schedule("xpipe", p, window, m), "momentum"),
     ]
 
 
 def sim_per_minibatch(schedule: sw.Schedule, m: int) -> float:
     costs = sw.CostModel.uniform(schedule.num_stages, forward=1, backward_input=1, backward_weight=1)
-    result = sw.simulate(sw.lower(schedule) if not schedule.is_complete else schedule, costs)
+    result = sw.simulate(lower(schedule) if not schedule.is_complete else schedule, costs)
     return result.makespan / (schedule.num_microbatches // m)
 
 
@@ -65,7 +71,8 @@ def run(pipe: sw.Pipeline, label: str, batches: list[tuple[torch.Tensor, torch.T
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--ranks", type=int, default=2, help="ranks to start when run as a module (default 2)")
     parser.add_argument("--minibatches", type=int, default=16, help="timed mini-batches per variant")
     parser.add_argument("--window", type=int, default=8, help="mini-batches per asynchronous window")
     parser.add_argument("--microbatches", type=int, default=4, help="micro-batches per mini-batch")
@@ -73,6 +80,8 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=256, help="hidden size of the MLP")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds per variant (the median is shown)")
     args = parser.parse_args()
+    if not launched():  # python -m benchmarks.async_schedules: start the ranks, each running this module
+        sys.exit(on_ranks(args.ranks, "benchmarks.async_schedules", sys.argv[1:]))
     torch.set_num_threads(1)
     env = sw.init(backend="gloo")
     p, m = env.world_size, args.microbatches

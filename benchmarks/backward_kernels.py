@@ -1,6 +1,6 @@
 """The backward of one pipeline stage, kernel by kernel: PyTorch's engine against stagewise's I / W / B.
 
-    .venv/bin/python benchmarks/backward_kernels.py [--rows 8] [--width 1024]
+    .venv/bin/python -m benchmarks.backward_kernels [--rows 8] [--width 1024]
 
 A stage of 2 x (Linear(width, width) + ReLU) on a micro-batch of ``rows``
 rows, one thread; four such stages take turns so that each stage's weights
@@ -25,26 +25,26 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+# internal: this benchmark times the runtime's backward kernels themselves (I, W, B), which have no public
+# name: a user never calls them, the interpreter does
 from stagewise.runtime.engine.backward import backward_full, backward_input, backward_weight
 
+STAGES = 4  # stages taking turns, so that each one's weights leave the cache as in a pipeline
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", type=int, default=8)
-    parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--repeat", type=int, default=30)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    w, r = args.width, args.rows
-    stages = [nn.Sequential(nn.Linear(w, w), nn.ReLU(), nn.Linear(w, w), nn.ReLU()) for _ in range(4)]
-    g = torch.randn(r, w)
 
-    def clock(fn: Callable[[], None]) -> float:
+def _clock(fn: Callable[[], None], repeat: int) -> float:
+    """ms per stage of ``fn`` (which runs every stage): the mean over ``repeat`` calls after one warm-up call."""
+    fn()
+    t = time.perf_counter()
+    for _ in range(repeat):
         fn()
-        t = time.perf_counter()
-        for _ in range(args.repeat):
-            fn()
-        return (time.perf_counter() - t) / args.repeat / len(stages) * 1e3
+    return (time.perf_counter() - t) / repeat / STAGES * 1e3
+
+
+def stage_backwards(w: int, r: int, repeat: int) -> None:
+    """The table of a stage's backward, kernel by kernel, its forward subtracted."""
+    stages = [nn.Sequential(nn.Linear(w, w), nn.ReLU(), nn.Linear(w, w), nn.ReLU()) for _ in range(STAGES)]
+    g = torch.randn(r, w)
 
     def fwd() -> list[tuple[torch.Tensor, torch.Tensor]]:
         out = []
@@ -74,7 +74,7 @@ def main() -> None:
         for _, o in fwd():
             o.backward(g)
 
-    forward = clock(lambda: None if fwd() else None)
+    forward = _clock(lambda: None if fwd() else None, repeat)
     print(f"rows {r}, width {w}; forward {forward:.3f} ms per stage (subtracted below)\n")
     print("| per stage | ms |\n|---|---:|")
     for label, fn in (
@@ -84,8 +84,11 @@ def main() -> None:
         ("stagewise B", sw_b),
         ("engine backward", engine),
     ):
-        print(f"| {label} | {clock(fn) - forward:.3f} |")
+        print(f"| {label} | {_clock(fn, repeat) - forward:.3f} |")
 
+
+def accumulation(w: int, r: int, repeat: int) -> None:
+    """Per layer, the weight-gradient accumulation alone: ``add_(mm(...))`` against ``addmm_``."""
     gg, x = torch.randn(r, w), torch.randn(r, w)
     grads = [torch.zeros(w, w) for _ in range(8)]
 
@@ -97,8 +100,20 @@ def main() -> None:
         for acc in grads:
             acc.addmm_(gg.t(), x)
 
-    scale = len(stages) / len(grads) * 1e3  # clock() divides by the stage count: per layer, in us
-    print(f"\nper layer: mm + add_ {clock(unfused) * scale:.0f} us, addmm_ {clock(fused) * scale:.0f} us")
+    scale = STAGES / len(grads) * 1e3  # _clock() divides by the stage count: per layer, in us
+    unfused_us, fused_us = _clock(unfused, repeat) * scale, _clock(fused, repeat) * scale
+    print(f"\nper layer: mm + add_ {unfused_us:.0f} us, addmm_ {fused_us:.0f} us")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=8)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--repeat", type=int, default=30)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    stage_backwards(args.width, args.rows, args.repeat)
+    accumulation(args.width, args.rows, args.repeat)
 
 
 if __name__ == "__main__":

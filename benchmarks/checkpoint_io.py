@@ -1,7 +1,7 @@
 """Checkpoint save and load time and size for the GPT example's model, at 2 and 4 ranks.
 
-    .venv/bin/python benchmarks/checkpoint_io.py                      # the demo's GPT (6 blocks, d=64)
-    .venv/bin/python benchmarks/checkpoint_io.py --d-model 256 --layers 8 --repeats 3
+    .venv/bin/python -m benchmarks.checkpoint_io                      # the demo's GPT (6 blocks, d=64)
+    .venv/bin/python -m benchmarks.checkpoint_io --d-model 256 --layers 8 --repeats 3
 
 One torchrun job per rank count (gloo, one thread per process) builds the
 GPT of ``examples/gpt_stdlib.py`` as a 1F1B pipeline with per-stage AdamW,
@@ -20,13 +20,27 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "examples"))
+from ._examples import example
+from ._launch import environ, torchrun
+
+
+def same_tensors(pipe: Any) -> dict[str, Any]:
+    """What ``sw.checkpoint.save`` writes of this rank, as one flat dict for bare DCP: the model's state and every
+    tensor of the optimizers' state (DCP alone: no manifest, no hashing, no name checks)."""
+    import torch
+
+    out = {f"model/{k}": v for k, v in pipe.state_dict().items()}
+    names = {id(p): name for name, p in pipe.named_parameters()}  # the one-process names, as the checkpoint's
+    for opt in pipe.optimizers.values():
+        for p, state in opt.state.items():
+            tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+            out.update({f"optim/{names[id(p)]}/{k}": v for k, v in tensors.items()})
+    return out
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -35,9 +49,9 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed.checkpoint as dcp
 
     import stagewise as sw
-    from gpt_model import GPTConfig, gpt_layers, lm_loss
-    from stagewise.runtime.checkpoint import state
 
+    gpt = example("gpt_model")
+    GPTConfig, gpt_layers, lm_loss = gpt.GPTConfig, gpt.gpt_layers, gpt.lm_loss
     torch.set_num_threads(1)
     sw.init()
     cfg = GPTConfig(d_model=args.d_model, n_layers=args.layers, n_heads=4, seq_len=64)
@@ -61,10 +75,7 @@ def worker(args: argparse.Namespace) -> None:
         dist.barrier()
         times[key].append(time.perf_counter() - t0)
 
-    names = state.parameter_names(pipe)
-    optimizers = state.optimizers_of(pipe, None)
-    raw, _ = state.optimizer_state(optimizers, names)
-    raw.update({state.MODEL + k: v for k, v in pipe.state_dict().items()})
+    raw = same_tensors(pipe)
     for i in range(args.repeats):
         timed("save", lambda i=i: sw.checkpoint.save(root / "sw", pipe, step=i, keep=1))
         timed("load", lambda: sw.checkpoint.load(root / "sw", pipe))
@@ -96,10 +107,10 @@ def main() -> None:
     for n in args.ranks:
         with tempfile.TemporaryDirectory() as tmp:
             result = Path(tmp) / "result.json"
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}"]
-            cmd += [__file__, "--worker", f"--root={tmp}", f"--result={result}", f"--repeats={args.repeats}"]
-            cmd += [f"--d-model={args.d_model}", f"--layers={args.layers}"]
-            env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+            flags = ["--worker", f"--root={tmp}", f"--result={result}", f"--repeats={args.repeats}"]
+            flags += [f"--d-model={args.d_model}", f"--layers={args.layers}"]
+            cmd = torchrun(n, "benchmarks.checkpoint_io", flags)
+            env = environ(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
             done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
             if done.returncode != 0:
                 raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")

@@ -1,35 +1,36 @@
 """Soak the fault matrix: every case of {SIGKILL, SIGSTOP, exception} x {rank 0, 1, 3} x {step, constructor, clip}
 at 4 ranks (rank 0 hosts the store), repeated; prints how many runs of each case passed the judge
-(tests/workers/fault_harness.py: exit codes and messages), then the distinct problems seen.
+(tests/system/scripts/fault_harness.py: exit codes and messages), then the distinct problems seen.
 
-    .venv/bin/python benchmarks/fault_soak.py --repeats 4 --parallel 2 [--out DIR] [--clean] [--part K/N]
+    .venv/bin/python -m benchmarks.fault_soak --repeats 4 --parallel 2 [--out DIR] [--clean] [--part K/N]
 
 ``--clean`` also runs one fault-free job after each round and counts the ones that trained. ``--part K/N`` runs
 only the cases whose index in the matrix is K modulo N (a soak in chunks short enough to share the machine).
+The harness and its programs are the system tests', run with pytest's module path.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "workers"))
-
-import fault_harness as fh  # noqa: E402
+from ._launch import with_the_tests
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--parallel", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--clean", action="store_true")
     parser.add_argument("--part", default="0/1", help="K/N: the cases whose index is K modulo N")
     args = parser.parse_args()
+    with_the_tests("benchmarks.fault_soak", "fault_harness")
+    import fault_harness as fh
+
     k_part, n_parts = (int(x) for x in args.part.split("/"))
     cases = [c for i, c in enumerate(fh.ALL_CASES) if i % n_parts == k_part]
     out = args.out or Path(tempfile.mkdtemp(prefix="fault_soak_"))

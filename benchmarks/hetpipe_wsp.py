@@ -1,7 +1,9 @@
 """HetPipe's wave-synchronous parallel against synchronous data parallelism, one virtual worker EMULATED 2x slower.
 
-    flock /tmp/sw-bench.lock nice -n -10 .venv/bin/stagewise run -n 2 benchmarks/hetpipe_wsp.py
-    .venv/bin/stagewise run -n 2 benchmarks/hetpipe_wsp.py -- --samples 3072 --json out/hetpipe.json
+    flock /tmp/sw-bench.lock nice -n -10 .venv/bin/python -m benchmarks.hetpipe_wsp
+    .venv/bin/python -m benchmarks.hetpipe_wsp --samples 3072 --json out/hetpipe.json
+
+Run as a module, it starts its two ranks (torchrun) running itself.
 
 Two virtual workers of one rank each (2 x pp1: one process per core on a
 2-core machine), rank 1 slowed down by ``emulate_slowdown=2.0`` (after each
@@ -47,9 +49,9 @@ from torch import nn
 
 import stagewise as sw
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _compare_workloads import load_digits  # noqa: E402  (the comparison's digits split)
-from _compare_workloads import minibatches as stream  # noqa: E402
+from ._launch import launched, on_ranks
+from .compare.workloads import load_digits  # the comparison's digits split
+from .compare.workloads import minibatches as stream
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -87,6 +89,40 @@ def _optimizer(lr: float) -> Any:
     return lambda params: torch.optim.SGD(params, lr=lr, momentum=0.9)
 
 
+def _train(
+    v: Variant, mine: list[Batch], *, lr: float, seed: int, slowdown: float, hidden: int
+) -> tuple[list[float], int, Any, list[float], float]:
+    """Train row ``v`` on this rank's mini-batches: (the loss per wave, or per step for sync DP; the most waves a VW
+    ran ahead; the model; when this rank finished each wave or step; when the timing started)."""
+    rank = dist.get_rank()
+    factors = [1.0, slowdown]
+    if v.staleness is None:
+        pipe = sw.Pipeline(
+            mlp_layers(hidden), loss_fn=F.cross_entropy, schedule="1f1b", microbatches=1, optimizer=_optimizer(lr),
+            seed=seed, parallel=sw.ParallelConfig(pp=1, dp=2), emulate_slowdown=factors[rank],
+        )  # fmt: skip
+        dist.barrier()
+        t0 = time.perf_counter()
+        losses = []
+        ends = []
+        for xb, yb in mine:  # each rank its own half of the global batch
+            losses.append(pipe.train_step(xb, yb))
+            ends.append(time.perf_counter() - t0)
+        return losses, 0, pipe, ends, t0
+    het = sw.HetPipe(
+        mlp_layers(hidden), loss_fn=F.cross_entropy, virtual_workers=[[0], [1]], staleness=v.staleness,
+        schedule="1f1b", microbatches=1, wave=list(v.wave), optimizer=_optimizer(lr), seed=seed,
+        emulate_slowdown=factors,
+    )  # fmt: skip
+    dist.barrier()
+    t0 = time.perf_counter()
+    ends = []
+    for k, _ in enumerate(het.train_stream(mine), start=1):
+        if k % v.wave[rank] == 0 or k == len(mine):
+            ends.append(time.perf_counter() - t0)  # this VW finished a wave
+    return het.stats.global_losses, het.stats.max_lead, het.pipe, ends, t0
+
+
 def run_variant(
     v: Variant,
     data: tuple[torch.Tensor, ...],
@@ -101,38 +137,11 @@ def run_variant(
     """Train one row on 2 ranks (a collective); every rank returns the same record."""
     x, y, x_test, y_test = data
     rank = dist.get_rank()
-    factors = [1.0, slowdown]
     share = v.wave[rank] / sum(v.wave)  # this VW's part of the samples
     count = round(samples * share / batch)
     mine = stream(x, y, count, batch, seed * 100 + rank)
     dist.barrier()
-    t0 = time.perf_counter()
-    if v.staleness is None:
-        pipe = sw.Pipeline(
-            mlp_layers(hidden), loss_fn=F.cross_entropy, schedule="1f1b", microbatches=1, optimizer=_optimizer(lr),
-            seed=seed, parallel=sw.ParallelConfig(pp=1, dp=2), emulate_slowdown=factors[rank],
-        )  # fmt: skip
-        dist.barrier()
-        t0 = time.perf_counter()
-        losses = []
-        ends = []
-        for xb, yb in mine:  # each rank its own half of the global batch
-            losses.append(pipe.train_step(xb, yb))
-            ends.append(time.perf_counter() - t0)
-        per_wave, lead, model = losses, 0, pipe
-    else:
-        het = sw.HetPipe(
-            mlp_layers(hidden), loss_fn=F.cross_entropy, virtual_workers=[[0], [1]], staleness=v.staleness,
-            schedule="1f1b", microbatches=1, wave=list(v.wave), optimizer=_optimizer(lr), seed=seed,
-            emulate_slowdown=factors,
-        )  # fmt: skip
-        dist.barrier()
-        t0 = time.perf_counter()
-        ends = []
-        for k, _ in enumerate(het.train_stream(mine), start=1):
-            if k % v.wave[rank] == 0 or k == len(mine):
-                ends.append(time.perf_counter() - t0)  # this VW finished a wave
-        per_wave, lead, model = het.stats.global_losses, het.stats.max_lead, het.pipe
+    per_wave, lead, model, ends, t0 = _train(v, mine, lr=lr, seed=seed, slowdown=slowdown, hidden=hidden)
     elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     wave_ends = torch.tensor(ends, dtype=torch.float64)  # when the last VW finished each wave (or step)
@@ -220,6 +229,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
+    if not launched():  # python -m benchmarks.hetpipe_wsp: start the two ranks, each running this module
+        sys.exit(on_ranks(2, "benchmarks.hetpipe_wsp", sys.argv[1:]))
     torch.set_num_threads(1)
     sw.init()
     records = [

@@ -1,7 +1,7 @@
 """One model, the same processes, several 4-D layouts: step time and memory per rank.
 
-    .venv/bin/python benchmarks/hybrid_layouts.py                       # 8 processes, the default layouts
-    .venv/bin/python benchmarks/hybrid_layouts.py --layouts pp2-dp4 dp2-sharding4 --steps 5
+    .venv/bin/python -m benchmarks.hybrid_layouts                       # 8 processes, the default layouts
+    .venv/bin/python -m benchmarks.hybrid_layouts --layouts pp2-dp4 dp2-sharding4 --steps 5
 
 A layout is written ``pp2-dp2-sharding1-tp2`` (missing axes are 1). One
 torchrun job (gloo, one thread per process) trains the tensor-parallel GPT of
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -27,8 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "examples"))
+from ._examples import example
+from ._launch import environ, torchrun
 
 DEFAULT_LAYOUTS = (
     "dp8",
@@ -44,11 +43,12 @@ DEFAULT_LAYOUTS = (
 
 def parse_layout(text: str, world: int):  # -> sw.ParallelConfig
     import stagewise as sw
+    from stagewise.parallel import AXES
 
     degrees = {}
     for part in text.split("-"):
         axis = part.rstrip("0123456789")
-        if axis not in sw.parallel.AXES or axis == part:
+        if axis not in AXES or axis == part:
             raise SystemExit(f"bad layout part {part!r} in {text!r}: write e.g. pp2-dp2-sharding1-tp2")
         degrees[axis] = int(part[len(axis) :])
     config = sw.ParallelConfig(**degrees)
@@ -57,9 +57,10 @@ def parse_layout(text: str, world: int):  # -> sw.ParallelConfig
 
 
 def _bytes(tensors) -> int:  # type: ignore[no-untyped-def]
-    from stagewise.runtime.hybrid.tensor_parallel import local
+    """Bytes this rank holds of ``tensors``: a DTensor's local shard (tensor parallel, sharded), else the tensor."""
+    from torch.distributed.tensor import DTensor
 
-    return sum(local(t).numel() * t.element_size() for t in tensors)
+    return sum((t.to_local() if isinstance(t, DTensor) else t).numel() * t.element_size() for t in tensors)
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -67,7 +68,11 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     import stagewise as sw
-    from hybrid_tp_pp import GPTConfig, lm_loss, random_walk, tp_gpt_layers, tp_plan
+
+    tp = example("hybrid_tp_pp")
+    GPTConfig, lm_loss, random_walk, tp_gpt_layers, tp_plan = (
+        tp.GPTConfig, tp.lm_loss, tp.random_walk, tp.tp_gpt_layers, tp.tp_plan
+    )  # fmt: skip
 
     torch.set_num_threads(1)
     env = sw.init(backend="gloo")
@@ -150,11 +155,11 @@ def main() -> None:
         parse_layout(text, args.ranks)  # fail early, before starting processes
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}"]
-        cmd += [__file__, "--worker", "--out", str(out), "--layouts", *args.layouts]
+        flags = ["--worker", "--out", str(out), "--layouts", *args.layouts]
         for flag in ("steps", "schedule", "microbatches", "batch_size", "layers", "d_model"):
-            cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+            flags += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+        cmd = torchrun(args.ranks, "benchmarks.hybrid_layouts", flags)
+        env = environ(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
         started = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if proc.returncode != 0 or not out.exists():

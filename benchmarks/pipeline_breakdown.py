@@ -1,17 +1,17 @@
 """Where a stagewise step's time goes, per rank, against the ideal's stage costs (issue 16, part 3).
 
-    .venv/bin/python benchmarks/pipeline_breakdown.py --ranks 2 --configs overhead small --schedules zb-v dualpipe-v
+    .venv/bin/python -m benchmarks.pipeline_breakdown --ranks 2 --configs overhead small --schedules zb-v dualpipe-v
 
 One torchrun job per config (the same model, cut and stage-cost measurement
-as ``pipeline_vs_torch.py``; stagewise only, one transport). Each rank runs
-the warm-up steps, then the timed steps, and after each one reads the
-step's measured timeline (``Pipeline.timeline()``: every action of the
+as ``benchmarks.pipeline_vs_torch``, whose worker's parts it uses; stagewise
+only, one transport). Each rank runs the warm-up steps, then the timed
+steps, and after each one reads the step's measured timeline (``Pipeline.timeline()``: every action of the
 rank, a compute action timed from the moment its input was there). Per
 rank, medians over the timed steps:
 
 * *step*: wall time of ``train_step`` on this rank; *CPU*: its process CPU time;
 * per compute kind (F, I, W, B): measured ms per step, and the ideal's, that
-  is the same actions costed with the stage times ``pipeline_vs_torch.py``
+  is the same actions costed with the stage times ``benchmarks.pipeline_vs_torch``
   feeds its simulator (``RankCompute``, measured between the timed steps);
 * *comm*: time posting sends and receives (SEND/RECV actions), and per message;
 * *other*: SYNC / STEP actions;
@@ -29,14 +29,12 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+from ._launch import environ, torchrun
 
 COMPUTE = ("F", "B", "I", "W")
 
@@ -44,8 +42,8 @@ COMPUTE = ("F", "B", "I", "W")
 def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
-    from _pipeline_model import SCHEDULES, stages_of_rank
-    from _pipeline_worker import rank_compute, stagewise_step, start_rank
+    from .pipeline_vs_torch.model import SCHEDULES, stages_of_rank
+    from .pipeline_vs_torch.worker import rank_compute, stagewise_step, start_rank
 
     rank, p, cfg, x, y = start_rank(args.config)
     out: dict[str, Any] = {}
@@ -158,13 +156,12 @@ def main() -> None:
     for cfg in args.configs:
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "r.json"
-            cmd = [
-                sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}",
-                "--max-restarts=0", __file__, "--worker", f"--config={cfg}",
-                f"--schedules={','.join(args.schedules)}", f"--transport={args.transport}",
-                f"--warmup={args.warmup}", f"--steps={args.steps}", f"--out={out}",
+            flags = [
+                "--worker", f"--config={cfg}", f"--schedules={','.join(args.schedules)}",
+                f"--transport={args.transport}", f"--warmup={args.warmup}", f"--steps={args.steps}", f"--out={out}",
             ]  # fmt: skip
-            env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+            cmd = torchrun(args.ranks, "benchmarks.pipeline_breakdown", flags, options=["--max-restarts=0"])
+            env = environ(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
             if not out.exists():
                 raise RuntimeError((proc.stdout + proc.stderr)[-4000:])

@@ -1,6 +1,6 @@
 """Planner search cost at scale: 128 transformer blocks (+ embedding and head) on 4,096 processes over 512 nodes.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/plan_scale.py
+    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.plan_scale
 
 Prints the search size (layouts, candidates, simulated, pruned, dropped) and
 the wall time; the target is < 30 s. Results go to benchmarks/RESULTS.md.
@@ -8,6 +8,7 @@ the wall time; the target is < 30 s. Results go to benchmarks/RESULTS.md.
 
 from __future__ import annotations
 
+import argparse
 import os
 import time
 
@@ -17,6 +18,7 @@ GIB = 2**30
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0]).parse_args()  # no options: --help only
     profile = transformer_profile()
     started, cpu = time.perf_counter(), time.process_time()
     result = search(

@@ -1,12 +1,12 @@
 """Restart soak: one job SIGKILLed on N attempts in a row under ``stagewise run --max-restarts N``.
 
-    .venv/bin/python benchmarks/restart_soak.py                 # 30 kills, 40 steps, a checkpoint every 2
-    .venv/bin/python benchmarks/restart_soak.py --kills 50 --seed 1
+    .venv/bin/python -m benchmarks.restart_soak                 # 30 kills, 40 steps, a checkpoint every 2
+    .venv/bin/python -m benchmarks.restart_soak --kills 50 --seed 1
 
 The kill plan is drawn from ``--seed``: on attempt a, rank 0 or 1 kills itself
 before a step, in the middle of one, or after writing its share of a
-checkpoint (tests/workers/restart_train.py), always after the checkpoint that
-attempt resumes from. An uninterrupted job of the same script runs first. The
+checkpoint (tests/system/scripts/restart_train.py, run with pytest's module
+path), always after the checkpoint that attempt resumes from. An uninterrupted job of the same script runs first. The
 soak passes when the killed job used every attempt (N + 1), exited 0, and
 ended with the same losses, parameters and AdamW state, bit for bit. Printed:
 attempts, wall time of both jobs, and the seconds each restart cost.
@@ -25,9 +25,7 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-WORKERS = HERE.parent / "tests" / "workers"
-sys.path.insert(0, str(WORKERS))
+from ._launch import with_the_tests
 
 
 def plan(kills: int, steps: int, every: int, seed: int) -> list[tuple[int, int, str]]:
@@ -46,8 +44,10 @@ def plan(kills: int, steps: int, every: int, seed: int) -> list[tuple[int, int, 
 
 def job(out: Path, steps: int, every: int, kills: list[tuple[int, int, str]]) -> tuple[int, float]:
     spec = ",".join(f"{a}:{r}:{s}:{w}" for a, (r, s, w) in enumerate(kills))
-    cmd = [sys.executable, "-m", "stagewise.cli.main", "run", "-n", "2", "--max-restarts", str(len(kills))]
-    cmd += [str(WORKERS / "restart_train.py"), "--out", str(out), "--steps", str(steps), "--save-every", str(every)]
+    import restart_train
+
+    cmd = [sys.executable, "-m", "stagewise.cli", "run", "-n", "2", "--max-restarts", str(len(kills))]
+    cmd += [restart_train.__file__, "--out", str(out), "--steps", str(steps), "--save-every", str(every)]
     cmd += ["--kills", spec]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     started = time.perf_counter()
@@ -58,7 +58,6 @@ def job(out: Path, steps: int, every: int, kills: list[tuple[int, int, str]]) ->
 
 def final(folder: Path) -> tuple[list[float], dict[str, torch.Tensor]]:
     import restart_train
-
     import stagewise as sw
 
     model = sw.build_model(restart_train.layers())
@@ -77,6 +76,7 @@ def main() -> int:
     p.add_argument("--save-every", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
+    with_the_tests("benchmarks.restart_soak", "restart_train")
     kills = plan(args.kills, args.steps, args.save_every, args.seed)
     with tempfile.TemporaryDirectory(prefix="sw-restart-soak-") as tmp:
         root = Path(tmp)

@@ -11,7 +11,7 @@ v as the schedule needs) this times, in seconds:
                 (once at the end of each step's GC pause) where build_schedule pays it once;
 * ``build cpu``  the same in CPU time of this process (``time.process_time``): on a shared,
                 oversubscribed machine wall time also counts the other jobs' turns;
-* ``simulate``  :func:`stagewise.simulate.arrays` of the complete schedule (what ``stagewise simulate`` times);
+* ``simulate``  :func:`stagewise.simulation.arrays` of the complete schedule (what ``stagewise simulate`` times);
 * ``cli``       ``stagewise simulate --schedule X --stages P --microbatches M --json`` end to end in a fresh
                 process (start-up, build, simulate, report; target < 2 s), wall and CPU (``cli cpu``), medians;
 
@@ -19,7 +19,7 @@ and prints one row per schedule, the median of ``--repeat`` runs of each step, w
 load average before and after (the machine is shared). A benchmark, not a test: results
 go to benchmarks/RESULTS.md.
 
-    .venv/bin/python benchmarks/schedules_speed.py [--ranks 128] [--microbatches 1024] [--repeat 3]
+    .venv/bin/python -m benchmarks.schedules_speed [--ranks 128] [--microbatches 1024] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ from typing import TypeVar
 
 import stagewise as sw
 from stagewise.passes import lower
-from stagewise.simulate import simulate
+from stagewise.schedules import generate
+from stagewise.simulation import simulate
 
 T = TypeVar("T")
 
@@ -83,7 +84,7 @@ def bench_one(name: str, p: int, m: int, repeat: int) -> str:
         runs["build"].append(t)
         runs["cpu"].append(_CPU[0])
         del built
-        t, schedule = timed(sw.generate, name, p, m, v)
+        t, schedule = timed(generate, name, p, m, v)
         runs["generate"].append(t)
         t, complete = timed(lower, schedule, validate=False)
         runs["lower"].append(t)
@@ -105,7 +106,7 @@ def cli(name: str, p: int, m: int, repeat: int) -> str:
     """Wall and CPU seconds of the ``stagewise simulate ... --json`` command in a fresh interpreter (medians of
     ``repeat`` runs: one start-up can land on a busy moment of a shared machine)."""
     script = Path(sys.executable).with_name("stagewise")  # the console script next to this interpreter
-    command = [str(script), "simulate", "--schedule", name, "--stages", str(p)]
+    command = [str(script), "simulate", "--schedule", name, "--ranks", str(p)]
     command += ["--microbatches", str(m), "--json"]
     walls, cpus = [], []
     for _ in range(repeat):

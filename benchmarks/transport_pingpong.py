@@ -1,6 +1,6 @@
 """Time per message of each stagewise transport: a ping-pong between 2 ranks, through the Transport protocol.
 
-    .venv/bin/python benchmarks/transport_pingpong.py [--rounds 2000] [--sizes 16 4096 65536 262144]
+    .venv/bin/python -m benchmarks.transport_pingpong [--rounds 2000] [--sizes 16 4096 65536 262144]
 
 One torchrun job (gloo, 2 processes, one thread each). For each transport (``torch``: gloo point-to-point;
 ``shm``: shared memory) and message size, rank 0 posts its receive, sends, and waits for the reply; rank 1
@@ -18,12 +18,11 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve()
+from ._launch import environ, torchrun
 
 
 def worker(rounds: int, sizes: list[int], out: Path) -> None:
@@ -31,8 +30,12 @@ def worker(rounds: int, sizes: list[int], out: Path) -> None:
     import torch.distributed as dist
 
     import stagewise as sw
-    from stagewise.runtime.comm.transport import choose
-    from stagewise.runtime.comm.transport.protocol import Op, TransportSpec
+    from stagewise.runtime import shm_transport, torch_transport
+
+    # the transports' door: the Transport protocol's values, for driving a transport directly as the engine does
+    from stagewise.runtime.comm import Op, TransportSpec
+
+    factories = {"torch": torch_transport, "shm": shm_transport}
 
     torch.set_num_threads(1)
     sw.init(backend="gloo")
@@ -41,7 +44,7 @@ def worker(rounds: int, sizes: list[int], out: Path) -> None:
     results: dict[str, dict[int, dict[str, list[float]]]] = {}
     for pid, kind in enumerate(("torch", "shm")):
         spec = TransportSpec(dist.group.WORLD, name=f"pingpong/{kind}", pipeline_id=900 + pid, timeout=60.0)
-        tr = choose.resolve(kind)(spec)
+        tr = factories[kind](spec)
         results[kind] = {}
         for n, size in enumerate(sizes):
             ping, pong = 2 * n, 2 * n + 1  # tags of their own: the receive left posted at the end matches nothing
@@ -88,9 +91,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "pingpong.json"
         load0 = os.getloadavg()[0]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(HERE)]
-        cmd += [f"--rounds={args.rounds}", "--sizes", *map(str, args.sizes), f"--worker={out}"]
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        flags = [f"--rounds={args.rounds}", "--sizes", *map(str, args.sizes), f"--worker={out}"]
+        cmd = torchrun(2, "benchmarks.transport_pingpong", flags)
+        env = environ(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
         if not out.exists():
             raise SystemExit(f"ping-pong job failed (rc {proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
@@ -112,6 +115,8 @@ def python_path(n: int = 20000, size: int = 4096) -> float:
     """CPU seconds per message of the shm protocol's own Python path, in one process (no sleeping, no waking)."""
     import torch
 
+    # internal: this times the shm protocol's own Python path, below the Transport protocol, which only the shm
+    # transport's message streams (Channels) expose
     from stagewise.runtime.comm.shm.transport import SHM_DIR, Channels
 
     torch.set_num_threads(1)

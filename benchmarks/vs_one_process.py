@@ -1,7 +1,7 @@
 """The demo GPT pipelined over 2 processes against one process on the same 2 cores: where does pipelining pay?
 
-    .venv/bin/python benchmarks/vs_one_process.py                      # the demo's GPT (d_model 64)
-    .venv/bin/python benchmarks/vs_one_process.py --d-model 256 --steps 20
+    .venv/bin/python -m benchmarks.vs_one_process                      # the demo's GPT (d_model 64)
+    .venv/bin/python -m benchmarks.vs_one_process --d-model 256 --steps 20
 
 Every row trains the same model (``examples/gpt_model.py``), data, batch and
 AdamW for ``--steps`` timed steps after ``--warmup`` untimed ones, in a fresh
@@ -34,13 +34,13 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from ._examples import example
+from ._launch import environ, torchrun
 
 
 def _model(args: argparse.Namespace):  # noqa: ANN202 - the example's types
-    sys.path.insert(0, str(ROOT / "examples"))
-    from gpt_model import GPTConfig, gpt_layers, lm_loss
-
+    gpt = example("gpt_model")
+    GPTConfig, gpt_layers, lm_loss = gpt.GPTConfig, gpt.gpt_layers, gpt.lm_loss
     cfg = GPTConfig(d_model=args.d_model, n_layers=args.layers, n_heads=args.heads, seq_len=args.seq_len)
     return gpt_layers(cfg), lm_loss
 
@@ -124,7 +124,8 @@ def _flags(args: argparse.Namespace) -> list[str]:
 
 
 def _run_single(args: argparse.Namespace, threads: int, m: int) -> dict[str, object]:
-    cmd = [sys.executable, __file__, "--role", "single", "--threads", str(threads), "--microbatches", str(m)]
+    cmd = [sys.executable, "-m", "benchmarks.vs_one_process", "--role", "single", "--threads", str(threads)]
+    cmd += ["--microbatches", str(m)]
     out = subprocess.run(cmd + _flags(args), check=True, capture_output=True, text=True, env=_env(threads))
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -132,17 +133,17 @@ def _run_single(args: argparse.Namespace, threads: int, m: int) -> dict[str, obj
 def _run_pipeline(args: argparse.Namespace, schedule: str, m: int, transport: str) -> dict[str, object]:
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
-        cmd = [str(Path(sys.executable).parent / "stagewise"), "run", "-n", "2", __file__, "--", "--role", "pipeline"]
-        cmd += ["--schedule", schedule, "--microbatches", str(m), "--transport", transport, "--result", str(result)]
-        cmd += ["--partition", args.partition]
-        done = subprocess.run(cmd + _flags(args), capture_output=True, text=True, env=_env(1))
+        flags = ["--role", "pipeline", "--schedule", schedule, "--microbatches", str(m), "--transport", transport]
+        flags += ["--result", str(result), "--partition", args.partition]
+        cmd = torchrun(2, "benchmarks.vs_one_process", flags + _flags(args))  # as `stagewise run -n 2` does
+        done = subprocess.run(cmd, capture_output=True, text=True, env=_env(1))
         if done.returncode:
             return {"error": (done.stderr or done.stdout).strip().splitlines()[-1][:120]}
         return json.loads(result.read_text())
 
 
 def _env(threads: int) -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    return environ(OMP_NUM_THREADS=str(threads))
 
 
 def _load() -> float:

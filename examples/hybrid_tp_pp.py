@@ -91,9 +91,9 @@ def tp_gpt_layers(cfg: GPTConfig) -> list[sw.Layer]:
 
 def tp_plan() -> dict:
     """Which modules tensor parallelism splits, by name in the one-process model (``*`` matches any prefix)."""
-    column, row = sw.column_parallel, sw.row_parallel
+    column, row = sw.runtime.column_parallel, sw.runtime.row_parallel
     return {
-        "0.tokens": sw.vocab_parallel_embedding(),
+        "0.tokens": sw.runtime.vocab_parallel_embedding(),
         "*.q": column(),
         "*.k": column(),
         "*.v": column(),

@@ -1,6 +1,6 @@
-"""The simulator written plainly, one action at a time: the reference for :mod:`stagewise.simulate.arrays`.
+"""The simulator written plainly, one action at a time: the reference for :mod:`stagewise.simulation.arrays`.
 
-:func:`stagewise.simulate.arrays.simulate` computes the same times, peaks and bubble
+:func:`stagewise.simulation.arrays.simulate` computes the same times, peaks and bubble
 with every per-action fact prepared as arrays first; a property test keeps the
 two equal on random schedules and cost models.
 """
@@ -11,7 +11,7 @@ from collections import deque
 from typing import NamedTuple
 
 from stagewise.ir import COMM, Kind, Schedule
-from stagewise.simulate import CostModel
+from stagewise.simulation import CostModel
 
 _F, _B, _I, _W, _SYNC, _STEP = Kind.F, Kind.B, Kind.I, Kind.W, Kind.SYNC, Kind.STEP
 

@@ -8,13 +8,7 @@
 
 from .arrays import live_version_counts, running_counts, without_comm
 from .table import POLICIES, Version, VersionTable
-from .versions import (
-    live_versions,
-    step_counts,
-    version_bound,
-    version_rows,
-    version_table,
-)
+from .versions import live_versions, step_counts, version_bound, version_rows, version_table
 from .wsp import StalenessError, VWLayout, WaveRule, check_clocks, check_more
 
 __all__ = [

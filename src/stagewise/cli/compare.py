@@ -1,34 +1,34 @@
-"""``stagewise compare``: the methods comparison (``benchmarks/compare_methods.py``) on N local processes.
+"""``stagewise compare``: the methods comparison (``python -m benchmarks.compare``) on N local processes.
 
-Thin: it finds the benchmark in the source checkout (the comparison is an
-experiment shipped with the repository, not part of the installed library),
-turns its options into the benchmark's arguments and launches it as
+The comparison is an experiment of the source repository, not library code:
+it trains the examples' GPT and CNN on scikit-learn's digits and draws with
+matplotlib, and lives in ``benchmarks/compare/`` beside them. A wheel ships
+neither, so this command runs the benchmark from a source checkout - the one
+stagewise is installed from (``pip install -e .``), else the working
+directory - and, from a wheel with no checkout at hand, exits 2 saying so.
+It turns its options into the benchmark's arguments and starts the ranks as
 ``stagewise run -n N`` would.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
-BENCHMARK = Path("benchmarks") / "compare_methods.py"
+from .common import Subparsers, UsageError
+
+#: the benchmark's module, and the file that marks a checkout holding it
+MODULE = "benchmarks.compare"
+MARKER = Path("benchmarks") / "compare" / "__main__.py"
 
 
-def find_benchmark() -> Path:
-    """The benchmark script: next to this package's source tree, else under the working directory."""
-    for root in (Path(__file__).resolve().parents[2], Path.cwd()):
-        if (root / BENCHMARK).is_file():
-            return root / BENCHMARK
-    raise ValueError(
-        f"stagewise compare needs {BENCHMARK} from the stagewise source checkout; run it from the repository root"
-    )
-
-
-def add_compare_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_command(sub: Subparsers) -> None:
     parser = sub.add_parser(
         "compare",
         help="train every pipeline method on the same data and seeds: table, JSON, plots",
-        description="Run benchmarks/compare_methods.py on N local processes (torchrun --standalone). "
+        description="Run the benchmark benchmarks/compare (python -m benchmarks.compare) from a stagewise source "
+        "checkout on N local processes (torchrun --standalone). "
         "Arguments after -- go to the benchmark as they are (see its --help).",
     )
     parser.add_argument("-n", "--nproc", type=int, default=2, metavar="N", help="processes (default 2)")
@@ -38,6 +38,18 @@ def add_compare_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     parser.add_argument("--out", default="out/compare", help="output folder (default out/compare)")
     parser.add_argument("extra", nargs=argparse.REMAINDER, help="more benchmark arguments, after --")
     parser.set_defaults(handler=run_compare)
+
+
+def find_checkout() -> Path:
+    """The source checkout holding the benchmark: the one this package was installed from, else the working
+    directory."""
+    for root in (Path(__file__).resolve().parents[3], Path.cwd()):
+        if (root / MARKER).is_file():
+            return root
+    raise UsageError(
+        f"stagewise compare runs the benchmark {MARKER.parent}/ of a stagewise source checkout, and neither this "
+        f"installation nor the working directory {Path.cwd()} is one: run it from the repository's root"
+    )
 
 
 def compare_arguments(args: argparse.Namespace) -> list[str]:
@@ -53,12 +65,19 @@ def compare_arguments(args: argparse.Namespace) -> list[str]:
     return out + (extra[1:] if extra[:1] == ["--"] else extra)
 
 
+def torchrun_arguments(args: argparse.Namespace) -> list[str]:
+    """What torchrun gets: N local ranks, each running the benchmark's module with its arguments."""
+    return ["--standalone", f"--nproc-per-node={args.nproc}", "-m", MODULE, *compare_arguments(args)]
+
+
 def run_compare(args: argparse.Namespace) -> int:
     if args.nproc < 2:
-        raise ValueError(f"-n must be >= 2 (a pipeline needs two processes), got {args.nproc}")
+        raise UsageError(f"-n must be >= 2 (a pipeline needs two processes), got {args.nproc}")
     if args.steps is not None and args.steps < 1:
-        raise ValueError(f"--steps must be >= 1, got {args.steps}")
-    script = find_benchmark()
+        raise UsageError(f"--steps must be >= 1, got {args.steps}")
+    root = find_checkout()
+    # the ranks import the benchmark by name (torchrun -m) from whatever directory this was started in
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
     from ..runtime.launch import torchrun
 
-    return torchrun(["--standalone", f"--nproc-per-node={args.nproc}", str(script), *compare_arguments(args)])
+    return torchrun(torchrun_arguments(args))

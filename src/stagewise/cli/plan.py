@@ -10,6 +10,7 @@ from typing import Any
 
 from ..partition import LayerProfile
 from ..planning import Link, Plan, PlanSearch
+from .common import Subparsers
 
 GIB = 2**30
 
@@ -26,7 +27,7 @@ the plan gains over the next one.
 """
 
 
-def add_plan_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_command(sub: Subparsers) -> None:
     parser = sub.add_parser(
         "plan",
         help="plan layout, schedule and partition",
@@ -59,12 +60,12 @@ def add_plan_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         nargs="+",
         default=[1.0],
         metavar="K",
-        help="the runtime's compute over the plan's: one factor, or F B [I+W] (sw.measure_compute_scale)",
+        help="the runtime's compute over the plan's: one factor, or F B [I+W] (sw.runtime.measure_compute_scale)",
     )
     parser.add_argument("--top", type=int, default=5, metavar="K", help="plans to keep (default 5)")
     parser.add_argument("--json", metavar="PATH", help="write the plans and the search summary as JSON")
     parser.add_argument("--png", metavar="PATH", help="draw the best plan's simulated timeline")
-    parser.set_defaults(handler=_cmd_plan)
+    parser.set_defaults(handler=run_plan)
 
 
 def _link(text: str, flag: str) -> Link:
@@ -115,7 +116,7 @@ def _load(args: argparse.Namespace) -> LayerProfile:
     return LayerProfile.from_json(text)
 
 
-def _cmd_plan(args: argparse.Namespace) -> int:
+def run_plan(args: argparse.Namespace) -> int:
     from ..planning import search
 
     profile = _load(args)
@@ -200,7 +201,7 @@ def _draw(plan: Plan, path: str) -> None:
     from ..passes import add_grad_sync
     from ..render import render_png
     from ..schedules import generate
-    from ..simulate import simulate
+    from ..simulation import simulate
 
     schedule = add_grad_sync(generate(plan.schedule, plan.layout.pp, plan.microbatches, plan.virtual_stages))
     render_png(simulate(schedule, plan.costs).timeline, path, title=f"{plan.describe()}: {plan.step_time:.4g} s")

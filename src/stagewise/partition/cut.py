@@ -22,7 +22,7 @@ to hundreds of blocks of a real model.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 
@@ -75,6 +75,37 @@ def partition_costs(
     Ties are broken towards putting layers on earlier stages.
     """
     n, p = len(costs), num_stages
+    speed, extras, caps = _checked(costs, p, speeds, extra, memory, memory_caps)
+    prefix = _prefix_sums(costs)
+    mem_prefix = _prefix_sums(memory if memory is not None else [0.0] * n)
+
+    def cost(k: int, i: int, j: int) -> float:
+        if mem_prefix[j] - mem_prefix[i] > caps[k]:
+            return math.inf
+        return (prefix[j] - prefix[i] + extras[k]) / speed[k]
+
+    choice = _best_cuts(n, p, cost)
+    if choice is None:
+        raise ValueError(_infeasible_reason(n, p, caps, mem_prefix))
+    bounds = [n]
+    for k in range(p - 1, 0, -1):
+        bounds.append(choice[k][bounds[-1]])
+    bounds.append(0)
+    bounds.reverse()
+    stage_costs = tuple(cost(k, bounds[k], bounds[k + 1]) for k in range(p))
+    return Partition(bounds=tuple(bounds), stage_costs=stage_costs)
+
+
+def _checked(
+    costs: Sequence[float],
+    p: int,
+    speeds: float | Sequence[float] | None,
+    extra: Sequence[float] | None,
+    memory: Sequence[float] | None,
+    memory_caps: float | Sequence[float] | None,
+) -> tuple[list[float], list[float], list[float]]:
+    """The per-stage speeds, extras and memory caps, each input checked (the error names it)."""
+    n = len(costs)
     if p < 1:
         raise ValueError(f"partition: need at least 1 stage, got {p}")
     if n < p:
@@ -88,18 +119,19 @@ def partition_costs(
     caps = _per_stage(memory_caps, p, math.inf, "memory_caps")
     if memory is not None and len(memory) != n:
         raise ValueError(f"partition: memory has {len(memory)} entries, expected one per layer ({n})")
+    return speed, extras, caps
+
+
+def _prefix_sums(values: Sequence[float]) -> list[float]:
     prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + float(c))
-    mem_prefix = [0.0]
-    for x in memory if memory is not None else [0.0] * n:
-        mem_prefix.append(mem_prefix[-1] + float(x))
+    for x in values:
+        prefix.append(prefix[-1] + float(x))
+    return prefix
 
-    def cost(k: int, i: int, j: int) -> float:
-        if mem_prefix[j] - mem_prefix[i] > caps[k]:
-            return math.inf
-        return (prefix[j] - prefix[i] + extras[k]) / speed[k]
 
+def _best_cuts(n: int, p: int, cost: Callable[[int, int, int], float]) -> list[list[int]] | None:
+    """The DP of the module docstring: ``choice[k][j]``, where stage k starts when stages 0..k end at layer j;
+    None when no partition is feasible (every one has a stage over its memory cap)."""
     inf = math.inf
     best = [[inf] * (n + 1) for _ in range(p)]
     choice = [[0] * (n + 1) for _ in range(p)]
@@ -116,15 +148,7 @@ def partition_costs(
                 if here < value:
                     value, arg = here, i
             best[k][j], choice[k][j] = value, arg
-    if best[p - 1][n] == inf:
-        raise ValueError(_infeasible_reason(n, p, caps, mem_prefix))
-    bounds = [n]
-    for k in range(p - 1, 0, -1):
-        bounds.append(choice[k][bounds[-1]])
-    bounds.append(0)
-    bounds.reverse()
-    stage_costs = tuple(cost(k, bounds[k], bounds[k + 1]) for k in range(p))
-    return Partition(bounds=tuple(bounds), stage_costs=stage_costs)
+    return None if best[p - 1][n] == inf else choice
 
 
 def _infeasible_reason(n: int, p: int, caps: list[float], mem_prefix: list[float]) -> str:

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from ..simulate import CostModel
+from ..simulation import CostModel
 from .cut import Partition, partition_costs
 
 OPTIONAL = frozenset(

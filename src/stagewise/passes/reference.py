@@ -42,14 +42,8 @@ def _time_uniform(schedule: Schedule) -> tuple[list[list[_Recv]], list[list[int]
     rank the start time of each compute action and the rank's end time: a progress certificate for
     the lowered schedule (the batch before compute k gets its start time; see stagewise.validate.arrays).
     """
-    n, m, p, plc = schedule.num_stages, schedule.num_microbatches, schedule.num_ranks, schedule.placement
-    last = n - 1
-    # messages are ints 2 * (s*m + i) (+1: input gradient); per stage, the base of what F / B,I need and make
-    # across ranks, or -1 when that value stays on the rank (or does not exist)
-    need_f = [2 * (s - 1) * m if s > 0 and plc[s - 1] != plc[s] else -1 for s in range(n)]
-    need_b = [2 * (s + 1) * m + 1 if s < last and plc[s + 1] != plc[s] else -1 for s in range(n)]
-    make_f = [2 * s * m if s < last and plc[s + 1] != plc[s] else -1 for s in range(n)]
-    make_b = [2 * s * m + 1 if s > 0 and plc[s - 1] != plc[s] else -1 for s in range(n)]
+    n, m, p = schedule.num_stages, schedule.num_microbatches, schedule.num_ranks
+    need_f, need_b, make_f, make_b = _message_bases(schedule)
     compute = [[a for a in acts if a[1] in _COMPUTE] for acts in schedule.ranks]
     span = max(map(len, compute)) + 1
     per_time = p * span
@@ -94,13 +88,33 @@ def _time_uniform(schedule: Schedule) -> tuple[list[list[_Recv]], list[list[int]
                     queue.append(waiting.pop(out))
             k += 1
         clock[rank], pos[rank] = t, k
-    if waiting:
-        return None
+    return None if waiting else _finished(recvs, starts, clock)
+
+
+def _finished(
+    recvs: list[list[_Recv]], starts: list[list[int]], clock: list[int]
+) -> tuple[list[list[_Recv]], list[list[int]]]:
+    """Each rank's receives in placing order, and its start times closed by its end time (the certificate)."""
     for pending in recvs:
         pending.sort()  # nearly sorted already: by slot, then by when the value was made
     for began, t in zip(starts, clock, strict=True):
         began.append(t)
     return recvs, starts
+
+
+def _message_bases(schedule: Schedule) -> tuple[list[int], list[int], list[int], list[int]]:
+    """Per stage, the base of the message F needs, B/I need, F makes and B/I make across ranks (-1: none).
+
+    Messages are ints ``2 * (s*m + i)`` (+1: input gradient); -1 when that value stays on the rank (or does not
+    exist), so the timing loop adds ``2 * i`` to a base and tests its sign.
+    """
+    n, m, plc = schedule.num_stages, schedule.num_microbatches, schedule.placement
+    last = n - 1
+    need_f = [2 * (s - 1) * m if s > 0 and plc[s - 1] != plc[s] else -1 for s in range(n)]
+    need_b = [2 * (s + 1) * m + 1 if s < last and plc[s + 1] != plc[s] else -1 for s in range(n)]
+    make_f = [2 * s * m if s < last and plc[s + 1] != plc[s] else -1 for s in range(n)]
+    make_b = [2 * s * m + 1 if s > 0 and plc[s - 1] != plc[s] else -1 for s in range(n)]
+    return need_f, need_b, make_f, make_b
 
 
 def _with_comm(schedule: Schedule, rank: int, recvs: list[_Recv]) -> list[Action]:

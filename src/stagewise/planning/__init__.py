@@ -59,7 +59,7 @@ class PlanOptions(TypedDict, total=False):
     inter: Link | None  # [the calibration's, else intra]
     tp_layers: Collection[int | str]  # [()]
     max_tp: int | None  # [processes per node]
-    schedules: Sequence[str] | None  # [every synchronous one]
+    schedules: Sequence[str] | None  # [every synchronous one]; "auto" adds synthesized ones (see .auto)
     max_virtual_stages: int  # [4]
     recompute: Sequence[str | None]  # [(None, "stage")]
     overhead: float | Sequence[float]  # [0]
@@ -77,7 +77,12 @@ def search(profile: LayerProfile, processes: int, **options: Unpack[PlanOptions]
         raise TypeError(f"plan: unknown option(s) {unknown}; known: {', '.join(PlanOptions.__annotations__)}")
     if "global_batch" not in options:
         raise TypeError("plan: global_batch= (samples per step) is required")
-    return run_search(make_problem(profile, processes, **options))
+    names = options.get("schedules")
+    auto = names is not None and not isinstance(names, str) and "auto" in names
+    if auto:  # the registered ones are searched as usual (all of them when "auto" is alone); see .auto
+        assert names is not None
+        options["schedules"] = [n for n in names if n != "auto"] or None
+    return run_search(make_problem(profile, processes, **options), synthesize=auto)
 
 
 def plan(profile: LayerProfile, processes: int, **options: Unpack[PlanOptions]) -> list[Plan]:
@@ -103,6 +108,10 @@ def plan(profile: LayerProfile, processes: int, **options: Unpack[PlanOptions]) 
     ``stagewise.calibrate()`` measured on the group (links, per-action and per-message costs, FSDP2's cost per
     layer). ``cores``: cores per node; when
     fewer than its processes, no step is shorter than the node's compute over its cores.
+
+    ``schedules``: the registered schedules to search (every synchronous one by default); ``"auto"`` among
+    them also re-plans each of the ``top`` plans with a schedule synthesized for its stage costs and left-over
+    memory (:mod:`stagewise.synthesis`), kept as ``schedule="auto"`` where faster (:mod:`.auto`).
 
     Raises ``ValueError`` when no factorisation of ``processes`` can run, or
     when no plan fits ``memory`` (naming the smallest peak and its largest term).

@@ -52,7 +52,7 @@ tensors (0 for a profile without one). It does not grow with the batch.
   ring model, or when calibrated ``units_s * fixed + bytes_s * per_byte`` (scaled to the group).
 * **Oversubscription** (``cores`` per node given, fewer than the node's processes): processes
   share cores. The compute is replayed with the node's cores shared among the processes computing
-  at each moment (:mod:`stagewise.simulate.shared`: ``n`` processes computing on ``c`` cores each
+  at each moment (:mod:`stagewise.simulation.shared`: ``n`` processes computing on ``c`` cores each
   advance at ``min(1, c / n)``; a pipeline rank stands for its replicas on the node, and ranks
   waiting on a message sleep - the transports do not spin), giving ``T_shared``; the step is
   ``T = max(T_sim, T_cpu, T_shared) + step`` with ``T_cpu = max_node sum_{ranks r on it} busy_r / cores``

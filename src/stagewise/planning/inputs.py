@@ -66,6 +66,46 @@ def make_problem(
     top: int = 5,
 ) -> Problem:
     """Check every input, naming the option and the value expected."""
+    _check_counts(profile, processes, nodes, global_batch, profile_batch, optimizer_state)
+    fixed = _overheads(overhead, action_overhead, len(profile))
+    scale = _compute_scale(compute_scale)
+    _check_search_limits(top, max_virtual_stages)
+    mem, spd = _memory_and_speeds(memory, speeds, processes)
+    tp_idx = _tp_indices(tp_layers, profile.names)
+    chosen = _chosen_schedules(schedules)
+    _check_recompute(recompute)
+    per_node = processes // nodes
+    cal, cores = _calibration_and_cores(calibration, cores)
+    intra, inter = _links(intra, inter, cal)
+    return Problem(
+        profile=profile,
+        processes=processes,
+        per_node=per_node,
+        memory=tuple(mem),
+        speeds=tuple(spd),
+        global_batch=global_batch,
+        profile_batch=profile_batch,
+        optimizer_state=float(optimizer_state),
+        intra=intra,
+        inter=inter,
+        tp_layers=frozenset(tp_idx),
+        max_tp=per_node if max_tp is None else max_tp,
+        schedules=tuple(chosen),
+        max_virtual_stages=max_virtual_stages,
+        recompute=tuple(recompute) or (None,),
+        overhead=tuple(fixed),
+        action_overhead=float(action_overhead) + cal.action,
+        message=cal.message,
+        compute_scale=scale,
+        calibration=cal,
+        cores=cores,
+        top=top,
+    )
+
+
+def _check_counts(
+    profile: LayerProfile, processes: int, nodes: int, global_batch: int, profile_batch: int, optimizer_state: float
+) -> None:
     if not isinstance(profile, LayerProfile) or len(profile) == 0:
         raise ValueError(f"plan: profile must be a non-empty LayerProfile, got {type(profile).__name__}")
     if not is_count(processes):
@@ -82,23 +122,45 @@ def make_problem(
         raise ValueError(
             f"plan: optimizer_state must be >= 0 (state bytes per parameter byte), got {optimizer_state!r}"
         )
-    fixed = [float(overhead)] * len(profile) if isinstance(overhead, (int, float)) else [float(x) for x in overhead]
+
+
+def _overheads(overhead: float | Sequence[float], action_overhead: float, layers: int) -> list[float]:
+    """``overhead`` per layer (seconds), ``action_overhead`` checked too."""
+    fixed = [float(overhead)] * layers if isinstance(overhead, (int, float)) else [float(x) for x in overhead]
     if not 0 <= action_overhead < math.inf:
         raise ValueError(f"plan: action_overhead must be seconds >= 0, got {action_overhead!r}")
-    if len(fixed) != len(profile) or not all(0 <= x < math.inf for x in fixed):
-        raise ValueError(f"plan: overhead must be seconds >= 0, one number or one per layer ({len(profile)})")
-    scale = _compute_scale(compute_scale)
+    if len(fixed) != layers or not all(0 <= x < math.inf for x in fixed):
+        raise ValueError(f"plan: overhead must be seconds >= 0, one number or one per layer ({layers})")
+    return fixed
+
+
+def _check_search_limits(top: int, max_virtual_stages: int) -> None:
     if top < 1:
         raise ValueError(f"plan: top must be >= 1, got {top}")
     if max_virtual_stages < 1:
         raise ValueError(f"plan: max_virtual_stages must be >= 1, got {max_virtual_stages}")
+
+
+def _check_recompute(recompute: Sequence[str | None]) -> None:
+    for rc in recompute:
+        if rc not in (None, "stage"):
+            raise ValueError(f"plan: recompute choices must be None or 'stage', got {rc!r}")
+
+
+def _memory_and_speeds(
+    memory: float | Sequence[float], speeds: float | Sequence[float] | None, processes: int
+) -> tuple[list[float], list[float]]:
     mem = _per_rank_values(memory, processes, "memory")
     if any(not x > 0 for x in mem):
         raise ValueError(f"plan: memory must be > 0 bytes per rank, got {min(mem)}")
     spd = _per_rank_values(1.0 if speeds is None else speeds, processes, "speeds")
     if any(not 0 < x < math.inf for x in spd):
         raise ValueError(f"plan: speeds must be finite and > 0, got {min(spd)}")
-    names = profile.names
+    return mem, spd
+
+
+def _tp_indices(tp_layers: Collection[int | str], names: list[str]) -> set[int]:
+    """The indices of the layers ``tp_layers`` names (by index or by name)."""
     tp_idx = set()
     for key in tp_layers:
         if isinstance(key, str):
@@ -109,6 +171,11 @@ def make_problem(
             tp_idx.add(key)
         else:
             raise ValueError(f"plan: tp_layers entry {key!r} is not a layer index 0..{len(names) - 1} or name")
+    return tp_idx
+
+
+def _chosen_schedules(schedules: Sequence[str] | None) -> list[str]:
+    """The schedules to search: registered and synchronous (all of those by default)."""
     known = schedule_names()
     chosen = [n for n in known if schedule_info(n).synchronous] if schedules is None else list(schedules)
     for name in chosen:
@@ -118,10 +185,11 @@ def make_problem(
             raise ValueError(f"plan: schedule {name!r} is asynchronous; the planner times synchronous steps only")
     if not chosen:
         raise ValueError("plan: schedules is empty")
-    for rc in recompute:
-        if rc not in (None, "stage"):
-            raise ValueError(f"plan: recompute choices must be None or 'stage', got {rc!r}")
-    per_node = processes // nodes
+    return chosen
+
+
+def _calibration_and_cores(calibration: Calibration | None, cores: float | None) -> tuple[Calibration, float | None]:
+    """The calibration (a default one if none), and the cores per node (the calibration's if not given)."""
     cal = Calibration() if calibration is None else calibration
     if not isinstance(cal, Calibration):
         raise ValueError(f"plan: calibration must be a Calibration (stagewise.calibrate()), got {type(cal).__name__}")
@@ -130,32 +198,14 @@ def make_problem(
         isinstance(cores, bool) or not isinstance(cores, (int, float)) or not 0 < cores < math.inf
     ):
         raise ValueError(f"plan: cores must be a number > 0 (cores per node) or None, got {cores!r}")
+    return cal, cores
+
+
+def _links(intra: Link | None, inter: Link | None, cal: Calibration) -> tuple[Link, Link]:
+    """The links within and across nodes: as given, else the calibration's; across defaults to within."""
     intra = intra if intra is not None else cal.intra if cal.intra is not None else Link()
     inter = inter if inter is not None else cal.inter
-    return Problem(
-        profile=profile,
-        processes=processes,
-        per_node=per_node,
-        memory=tuple(mem),
-        speeds=tuple(spd),
-        global_batch=global_batch,
-        profile_batch=profile_batch,
-        optimizer_state=float(optimizer_state),
-        intra=intra,
-        inter=intra if inter is None else inter,
-        tp_layers=frozenset(tp_idx),
-        max_tp=per_node if max_tp is None else max_tp,
-        schedules=tuple(chosen),
-        max_virtual_stages=max_virtual_stages,
-        recompute=tuple(recompute) or (None,),
-        overhead=tuple(fixed),
-        action_overhead=float(action_overhead) + cal.action,
-        message=cal.message,
-        compute_scale=scale,
-        calibration=cal,
-        cores=cores,
-        top=top,
-    )
+    return intra, intra if inter is None else inter
 
 
 def _compute_scale(value: float | Sequence[float]) -> tuple[float, float, float]:

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from ..ir import Kind
-from ..simulate import CostModel, SimResult, shared_makespan, simulate
+from ..simulation import CostModel, SimResult, shared_makespan, simulate
 from .candidate import Candidate
 from .orders import compute_schedule, placement_of
 from .result import Plan, RankMemory
@@ -91,30 +91,16 @@ def evaluate(
     config = c.layout.config
     sim, simulated, _ = simulate_candidate(c)
     placement = placement_of(c.schedule, config.pp, c.v)
-    busy = [0.0] * config.pp
-    tp_comm = [0.0] * config.pp
-    for s, r in enumerate(placement):
-        busy[r] += c.m * (c.costs.forward[s] + c.costs.backward_input[s] + c.costs.backward_weight[s])
-        tp_comm[r] += c.m * c.costs.tp_comm[s]
+    compute = zip(c.costs.forward, c.costs.backward_input, c.costs.backward_weight)
+    busy = _per_rank([c.m * (f + i + w) for f, i, w in compute], placement, config.pp)
+    tp_comm = _per_rank([c.m * x for x in c.costs.tp_comm], placement, config.pp)
     busiest = max(range(config.pp), key=lambda r: busy[r])
     extra = list(hidden) if hidden else [0.0] * config.pp
     if len(extra) != config.pp or not all(x >= 0 for x in extra):
         raise ValueError(f"evaluate: hidden needs one CPU time >= 0 per pipeline rank ({config.pp}), got {extra}")
-    oversubscribed = cores is not None and cores < per_node
-    charged = [b + x for b, x in zip(busy, extra)] if oversubscribed else busy
-    left = cores
-    if oversubscribed:  # what the processes' idle transport threads leave (never below a tenth of the cores)
-        assert cores is not None
-        left = max(cores - per_node * background, cores / 10)
-    cpu = cpu_bound(charged, processes, per_node, left)
-    shared = 0.0
-    if oversubscribed:  # the compute (and its hidden CPU) replayed on the node's shared cores, same tail
-        assert left is not None
-        weights, nodes = sharing(config.pp, processes, per_node)
-        schedule = compute_schedule(c.schedule, config.pp, c.m, c.v)
-        stretch = [charged[r] / busy[r] if busy[r] > 0 else 1.0 for r in range(config.pp)]
-        shared = shared_makespan(schedule, _stretched(sim.costs, placement, stretch), weights, left, nodes)
-        shared += simulated - sim.makespan
+    cpu, shared = _on_shared_cores(
+        c, sim, simulated, placement, busy, extra, processes=processes, per_node=per_node, cores=cores, bg=background
+    )
     step = max(simulated, cpu, shared) + fixed
     return Plan(
         layout=config,
@@ -139,6 +125,43 @@ def evaluate(
             "hidden_cpu": extra[busiest],
         },
     )
+
+
+def _on_shared_cores(
+    c: Candidate,
+    sim: SimResult,
+    simulated: float,
+    placement: Sequence[int],
+    busy: list[float],
+    extra: list[float],
+    *,
+    processes: int,
+    per_node: int,
+    cores: float | None,
+    bg: float,
+) -> tuple[float, float]:
+    """The CPU bound, and the step replayed on the node's shared cores (0 unless processes outnumber cores).
+
+    ``busy`` / ``extra``: per pipeline rank, its compute and its hidden CPU seconds; ``bg``: :func:`evaluate`'s
+    ``background``.
+    """
+    pp = c.layout.config.pp
+    oversubscribed = cores is not None and cores < per_node
+    charged = [b + x for b, x in zip(busy, extra)] if oversubscribed else busy
+    left = cores
+    if oversubscribed:  # what the processes' idle transport threads leave (never below a tenth of the cores)
+        assert cores is not None
+        left = max(cores - per_node * bg, cores / 10)
+    cpu = cpu_bound(charged, processes, per_node, left)
+    if not oversubscribed:
+        return cpu, 0.0
+    # the compute (and its hidden CPU) replayed on the node's shared cores, same tail
+    assert left is not None
+    weights, nodes = sharing(pp, processes, per_node)
+    schedule = compute_schedule(c.schedule, pp, c.m, c.v)
+    stretch = [charged[r] / busy[r] if busy[r] > 0 else 1.0 for r in range(pp)]
+    shared = shared_makespan(schedule, _stretched(sim.costs, placement, stretch), weights, left, nodes)
+    return cpu, shared + (simulated - sim.makespan)
 
 
 def _stretched(costs: CostModel, placement: Sequence[int], stretch: Sequence[float]) -> CostModel:

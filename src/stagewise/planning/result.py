@@ -5,8 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ..ir import Schedule
 from ..parallel import ParallelConfig
-from ..simulate import CostModel
+from ..simulation import CostModel
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,8 @@ class Plan:
     why: str = ""
     #: the per-stage costs the prediction simulated (sync_time: the blocking collectives), to re-simulate or draw it
     costs: CostModel | None = field(default=None, compare=False, repr=False)
+    #: the schedule itself when ``schedule == "auto"`` (synthesized for ``costs``; stagewise.planning.auto)
+    synthesized: Schedule | None = field(default=None, compare=False, repr=False)
 
     @property
     def peak_memory(self) -> float:
@@ -91,7 +94,7 @@ class Plan:
     def pipeline_options(self) -> dict[str, object]:
         """The ``sw.Pipeline`` keywords that run this plan (see ``stagewise.runtime.frontends.plan``)."""
         return {
-            "schedule": self.schedule,
+            "schedule": self.schedule if self.synthesized is None else self.synthesized,
             "microbatches": self.microbatches,
             "virtual_stages": self.virtual_stages,
             "partition": list(self.partition),

@@ -33,6 +33,7 @@ from typing import Any
 
 from ..partition import partition_costs
 from ..schedules import schedule_info
+from .auto import synthesized_plans
 from .candidate import Candidate, memory_of, over_cap, rank_terms, static_memory, sync_costs
 from .costing import partition_weights, stage_base
 from .inputs import Problem
@@ -214,7 +215,8 @@ class _Search:
         self.push(bound, (g, cand.m, part.bounds, base, blocking, background, True))
         return True
 
-    def run(self, layouts: list[Layout]) -> PlanSearch:
+    def run(self, layouts: list[Layout], synthesize: bool = False) -> PlanSearch:
+        """Best first until no bound can win; with ``synthesize``, the top plans again with ``"auto"`` schedules."""
         prob = self.prob
         candidates = 0
         for layout in layouts:
@@ -225,6 +227,7 @@ class _Search:
                     self.push(_group_bound(prob, self.parts, g), g)
         best: list[float] = []  # max-heap (negated) of the top step times found
         plans: list[Plan] = []
+        kept: list[tuple[Plan, Candidate]] = []  # (plan, its candidate), for the synthesized plans
         simulated = 0
         while self.queue:
             bound, _, item = self.queue[0]
@@ -252,9 +255,12 @@ class _Search:
             hidden = [cal.cpu_for(*key, u, m) for u in units]
             result = evaluate(item, memory, prob.processes, prob.per_node, prob.cores, fixed, hidden, cal.background)
             plans.append(result)
+            kept.append((result, item))
             heapq.heappush(best, -result.step_time)
             if len(best) > prob.top:
                 heapq.heappop(best)
+        if synthesize and plans:
+            plans += synthesized_plans(prob, kept)
         if not plans:
             raise ValueError(_no_plan_message(prob, self.smallest, self.dropped))
         ranked = with_reasons(sorted(plans, key=rank_key)[: prob.top])
@@ -268,7 +274,7 @@ class _Search:
         )
 
 
-def run_search(prob: Problem) -> PlanSearch:
+def run_search(prob: Problem, synthesize: bool = False) -> PlanSearch:
     """Enumerate the layouts (or say why none works), then search them best first."""
     why_not: list[str] = []
     found = enumerate_layouts(prob, why_not)
@@ -278,7 +284,7 @@ def run_search(prob: Problem) -> PlanSearch:
             + "; ".join(why_not[:8])
             + (f"; ... ({len(why_not)} in all)" if len(why_not) > 8 else "")
         )
-    return _Search(prob).run(found)
+    return _Search(prob).run(found, synthesize)
 
 
 def _no_plan_message(prob: Problem, smallest: tuple[float, str, RankMemory] | None, dropped: Sequence[Dropped]) -> str:

@@ -9,24 +9,73 @@ Under ``torchrun --nproc-per-node N train.py``, every rank runs::
     loss = pipe.train_step(inputs, targets)          # the batch's mean loss, on every rank
     opt.step(); opt.zero_grad()
 
-The rooms:
+The rooms (this door loads none of them until a name is asked for):
 
-* ``pipeline.py``, ``context.py``, ``options.py``: the facade; where it runs; its options.
-* ``model/``: layers and layer lists, tied modules, profiling, partitioning, building this rank's stages.
-* ``frontends/``: other ways in: ``from_model`` (torch.fx tracing and cutting, ``split/``), ``from_hf``
-  (transformers causal LMs, cut among their decoder layers), ``ties`` (tied parameters a frontend finds).
-* ``engine/``: the interpreter (one handler per action kind, no schedule-specific code), backward
-  split into I and W, the mailbox of boundary values, micro-batching, recompute, precision, memory,
-  hang forensics.
-* ``comm/``: the only room talking to torch.distributed: process-group set-up, groups, collectives,
-  the error board, deadline waits, the ``Transport`` protocol and its torch point-to-point implementation.
-* ``hybrid/``: the other parallel axes: the device mesh, data parallelism, ZeRO sharding (FSDP2),
-  tensor parallelism (DTensor).
+* ``pipeline.py``, ``hetpipe.py``: the facades (every way in); ``options.py`` their one options value;
+  ``context.py`` where a pipeline runs; ``combinations.py`` what is refused; ``assembly.py`` the engine
+  around the built stages.
+* ``frontends/``: every way in returns parts for the assembly: layer lists, ``from_model`` (torch.fx,
+  ``split/``), ``from_hf``, ``from_stages``, plans; layers, tied modules, balancing.
+* ``engine/``: executes the IR: the interpreter (one handler per action kind, no schedule-specific code),
+  the runner (the one step protocol), stages, SYNC/STEP hooks, messages, backward split into I and W.
+* ``features/``: optional per-step behaviour, one file per option.
+* ``asynchronous/``: weight versions at run time, the version-aware interpreter, windows, one-process replays.
+* ``hybrid/``: the other parallel axes: device mesh, data parallelism, FSDP2 sharding, DTensor TP.
+* ``comm/``: talking to torch.distributed: set-up, groups, collectives; ``transport/``, ``shm/``, ``faults/``.
+* ``checkpoint/``: save / load / resume on torch.distributed.checkpoint; ``measure/``: profiling, calibration.
 """
 
-from .comm.setup import Env, init
-from .errors import PipelineError
-from .frontends.layers import Chain, Layer, build_model
-from .pipeline import Pipeline
+from __future__ import annotations
 
-__all__ = ["Chain", "Env", "Layer", "Pipeline", "PipelineError", "build_model", "init"]
+import importlib
+from typing import Any
+
+#: public runtime names -> the module that defines them (imported on first use)
+_NAMES = {
+    "Pipeline": ".pipeline",
+    "HetPipe": ".hetpipe",
+    "WSPStats": ".hetpipe",
+    "Options": ".options",
+    "PipelineOptions": ".options",
+    "init": ".comm.setup",
+    "Env": ".comm.setup",
+    "PipelineError": ".errors",
+    "Layer": ".frontends.layers",
+    "Chain": ".frontends.layers",
+    "build_model": ".frontends.one_process",
+    "Tied": ".frontends.tied",
+    "MicroBatches": ".engine.microbatch",
+    "stage": ".frontends.split",
+    "split_model": ".frontends.split",
+    "SplitModel": ".frontends.split",
+    "SplitError": ".frontends.split",
+    "Mesh": ".hybrid.mesh",
+    "build_mesh": ".hybrid.mesh",
+    "column_parallel": ".hybrid.tensor_parallel",
+    "row_parallel": ".hybrid.tensor_parallel",
+    "vocab_parallel_embedding": ".hybrid.tensor_parallel",
+    "BatchNormPolicy": ".features.batchnorm",
+    "aux_loss": ".features.aux",
+    "collect_aux_losses": ".features.aux",
+    "causal_lm_loss": ".losses",
+    "count_tokens": ".losses",
+    "profile": ".measure.profiling",
+    "calibrate": ".measure.calibrate",
+    "measure_compute_scale": ".measure.compute_scale",
+    "async_reference": ".asynchronous.replay",
+    "wsp_reference": ".asynchronous.wsp_replay",
+    "shm_transport": ".comm.shm.transport",
+    "torch_transport": ".comm.transport.choose",
+}
+
+__all__ = sorted(_NAMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _NAMES:
+        return getattr(importlib.import_module(_NAMES[name], __name__), name)
+    raise AttributeError(f"module 'stagewise.runtime' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(_NAMES)

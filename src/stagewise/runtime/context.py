@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..ir import Schedule
-from ..passes import add_optimizer_steps, lower
+from ..passes import add_optimizer_steps, build_schedule, lower
 from ..schedules import schedule_info
 from ..validate import validate_schedule, validate_versions
 from .comm import groups
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from ..parallel import ParallelConfig
     from .hybrid.hybrid import Hybrid
     from .hybrid.mesh import Mesh
+    from .options import Options
 
 
 @dataclass
@@ -40,34 +41,80 @@ class PipelineContext:
     def local_stages(self) -> tuple[int, ...]:
         return tuple(self.schedule.stages_of(self.rank))
 
+    @property
+    def cut_group(self) -> Any:
+        """The ranks that must cut the model alike: the pipeline group, or every rank of a mesh (None: the
+        world), so that the replicas of a stage hold the same layers."""
+        return self.group if self.hybrid is None else None
 
-def resolve_context(
-    *,
-    schedule: str | Schedule,
-    microbatches: int | None,
-    virtual_stages: int | None,
-    group: Any = None,
-    parallel: ParallelConfig | Mesh | None = None,
-    device: torch.device | str | None = None,
-    optimizer_steps: str | None = None,
-) -> PipelineContext:
-    """The context of a new pipeline; the schedule is complete and validated for the group's size.
 
-    ``optimizer_steps``: the pipeline steps an optimizer per stage, so the schedule gets a STEP per stage
-    (:func:`stagewise.passes.lowering.add_optimizer_steps`): ``"after_sync"`` right after each stage's SYNC,
-    ``"at_end"`` at the end of each rank's list (see :attr:`RunOptions.step_placement`); None: no STEP.
+def resolve_schedule_for(options: Options, stages: int | None = None) -> Schedule:
+    """The complete, validated schedule of a new pipeline, for its group's size; no process group is made.
+
+    ``stages``: how many stages the model is cut into, when its source fixes it (a tagged model); else
+    ``options.stages``, else the schedule's own count. The schedule gets a STEP per stage when the pipeline
+    steps an optimizer (:attr:`Options.step_placement`).
     """
     groups.require_initialized()
+    size = pipeline_size(options)
+    if stages is not None and options.stages is not None and options.stages != stages:
+        raise ValueError(f"stages={options.stages}, but the model's tags name {stages} stages (0 to {stages - 1})")
+    count = stages if stages is not None else options.stages
+    return schedule_for_stages(options, size, count, "the model's tags" if stages is not None else "")
+
+
+def place(options: Options, schedule: Schedule) -> PipelineContext:
+    """Where ``schedule`` runs: the process group (the mesh's pp group with ``parallel=``), this rank, the device.
+
+    With ``parallel=`` a :class:`~stagewise.ParallelConfig`, the mesh's process groups are made here.
+    """
     exit_hook.install()  # programs that set up torch.distributed themselves leave cleanly too (as after sw.init)
-    if parallel is not None:
-        _refuse_async_hybrid(schedule, parallel)
-    hybrid = _hybrid(parallel, group)  # pp x dp x sharding x tp: the schedule runs on the pp group
-    pg = groups.group_or_world(group if hybrid is None else hybrid.pp_group)
+    hybrid = _hybrid(options.parallel)  # pp x dp x sharding x tp: the schedule runs on the pp group
+    pg = groups.group_or_world(options.group if hybrid is None else hybrid.pp_group)
     rank, size = groups.group_rank(pg), groups.group_size(pg)
-    sched = resolve_schedule(schedule, size, microbatches, virtual_stages, optimizer_steps=optimizer_steps)
+    if size != schedule.num_ranks:
+        raise ValueError(f"schedule {schedule.name!r} has {schedule.num_ranks} ranks, but the group has {size}")
+    device = options.device
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if groups.backend_of(pg) == "nccl" else "cpu"
-    return PipelineContext(pg, rank, size, sched, torch.device(device), hybrid)
+    return PipelineContext(pg, rank, size, schedule, torch.device(device), hybrid)
+
+
+def pipeline_size(options: Options) -> int:
+    """How many ranks the schedule runs on: the mesh's ``pp`` degree, or the group's size."""
+    parallel = options.parallel
+    if parallel is not None:
+        config = getattr(parallel, "config", parallel)  # a Mesh carries its ParallelConfig
+        pp = getattr(config, "pp", None)
+        if not isinstance(pp, int):
+            raise TypeError(f"parallel= takes a stagewise.ParallelConfig or Mesh, got {type(parallel).__name__}")
+        return pp
+    return int(groups.group_size(groups.group_or_world(options.group)))
+
+
+def schedule_for_stages(options: Options, num_ranks: int, stages: int | None, source: str = "") -> Schedule:
+    """The schedule to run on ``num_ranks`` ranks, with ``stages`` stages when the model fixes the count.
+
+    With a schedule name and no ``virtual_stages``, ``stages`` divided by the group size gives the virtual
+    stages per rank (4 stages on 2 ranks with ``"zb-v"``).
+    """
+    schedule, m, v = options.schedule, options.microbatches, options.virtual_stages
+    steps = options.step_placement
+    what = f"{source} name {stages} stages" if source else f"stages={stages}"
+    if isinstance(schedule, str) and stages is not None and v is None:
+        if stages % num_ranks:
+            raise ValueError(f"{what}, which do not divide evenly over {num_ranks} ranks")
+        try:
+            return resolve_schedule(schedule, num_ranks, m, stages // num_ranks, optimizer_steps=steps)
+        except ValueError as err:
+            raise ValueError(
+                f"{what} on {num_ranks} ranks ({stages // num_ranks} per rank), which schedule {schedule!r} "
+                f"cannot run: {err}"
+            ) from err
+    sched = resolve_schedule(schedule, num_ranks, m, v, optimizer_steps=steps)
+    if stages is not None and sched.num_stages != stages:
+        raise ValueError(f"{what}, but schedule {sched.name!r} on {num_ranks} ranks runs {sched.num_stages} stages")
+    return sched
 
 
 def resolve_schedule(
@@ -86,8 +133,6 @@ def resolve_schedule(
     if optimizer_steps not in (None, "after_sync", "at_end"):
         raise ValueError(f"optimizer_steps must be None, 'after_sync' or 'at_end', got {optimizer_steps!r}")
     at_end = optimizer_steps == "at_end"
-    from .. import build_schedule
-
     if isinstance(schedule, str):
         schedule_info(schedule)  # a clear error for unknown names
         m = num_ranks if microbatches is None else microbatches
@@ -127,25 +172,10 @@ def _steps_at_end(schedule: Schedule) -> Schedule:
     return stepped
 
 
-def _refuse_async_hybrid(schedule: str | Schedule, parallel: Any) -> None:
-    """parallel= with an asynchronous schedule: data parallelism only, checked before the mesh is built."""
-    from .asynchronous.train import is_async_request
-
-    config = getattr(parallel, "config", parallel)  # a Mesh carries its ParallelConfig
-    if is_async_request(schedule) and (getattr(config, "tp", 1) > 1 or getattr(config, "sharding", 1) > 1):
-        name = schedule if isinstance(schedule, str) else schedule.name
-        raise ValueError(
-            f"asynchronous schedule {name!r} supports parallel= with pp and dp only, got tp={config.tp}, "
-            f"sharding={config.sharding}: weight snapshots of split or sharded parameters are not implemented"
-        )
-
-
-def _hybrid(parallel: ParallelConfig | Mesh | None, group: Any) -> Hybrid | None:
+def _hybrid(parallel: ParallelConfig | Mesh | None) -> Hybrid | None:
     """The hybrid-parallel parts for ``parallel=`` (a ParallelConfig or Mesh), or None."""
     if parallel is None:
         return None
-    if group is not None:
-        raise ValueError("pass either group= or parallel=: with parallel= the pipeline runs on the mesh's pp group")
     from .hybrid.hybrid import Hybrid
 
     return Hybrid(parallel)

@@ -1,14 +1,25 @@
-"""How a pipeline trains, whatever built its stages: the options every constructor shares."""
+"""The options of every way in: one frozen, validated value with one meaning per name.
+
+``Pipeline(layers, ...)``, ``Pipeline.from_model``, ``from_hf``, ``from_stages``, ``from_plan`` and
+``HetPipe`` all take these keywords (or an :class:`Options` built once and reused). A name means the same
+thing everywhere; an option that cannot apply to a way in (``seed=`` for a model whose weights already
+exist) is refused by name, with the reason, before any rank communicates (:func:`check_applicable`); a
+misspelt one is refused naming the closest valid one.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+import difflib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 from torch import nn
 
+from .._util import is_count
+from ..ir import Schedule
+from ..partition import PartitionSpec, needs_profile
 from .comm.transport.choose import TransportChoice, check_choice
 from .engine.microbatch import Dims
 from .features.batchnorm import BatchNormPolicy, check_batchnorm
@@ -16,42 +27,101 @@ from .features.finite import check_policy
 from .features.precision import check_autocast
 from .features.recompute import Recompute, check_recompute
 
+if TYPE_CHECKING:
+    from ..parallel import ParallelConfig
+    from .hybrid.mesh import Mesh
+    from .hybrid.tensor_parallel import TPPlan
+
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 LossFn = Callable[[Any, Any], torch.Tensor]
 LossWeights = Callable[[Any], Any]  # one micro-batch's targets -> how many items its mean loss is over
 
 
 @dataclass(frozen=True)
-class RunOptions:
-    """The training options of :class:`~stagewise.Pipeline` (see its docstring for each one's meaning)."""
+class Options:
+    """Every option of a pipeline (see :class:`~stagewise.Pipeline` for each one's meaning).
 
+    Build one with keywords (``Options(schedule="zb-v", microbatches=8)``), or let a constructor build it
+    from its keywords. ``given`` records which options were set explicitly (so that one that cannot apply
+    to a way in is refused only when asked for).
+    """
+
+    # what runs
+    schedule: str | Schedule = "1f1b"
+    microbatches: int | None = None
+    virtual_stages: int | None = None
+    stages: int | None = None
+    # where it runs
+    group: Any = None
+    parallel: ParallelConfig | Mesh | None = None
+    tp_plan: TPPlan | None = None
+    device: torch.device | str | None = None
+    transport: TransportChoice = None
+    timeout: float = 300.0
+    store: Any = None
+    # how the model is cut and built
+    partition: PartitionSpec = "uniform"
+    sample_inputs: Any = None
+    speeds: Sequence[float] | None = None
+    memory_caps: Sequence[float] | None = None
+    seed: int = 0
+    free_unused: bool = True
+    concrete_args: dict[str, Any] | None = None
+    # how it trains
     loss_fn: LossFn | None = None
+    loss_weights: LossWeights | None = None
     optimizer: OptimizerFactory | None = None
     batch_dim: Dims = 0
     target_batch_dim: Dims = 0
-    timeout: float = 300.0
-    store: Any = None
     recompute: Recompute = None
-    measure_memory: bool = False
     autocast: torch.dtype | None = None
-    variable_shapes: bool = False
-    transport: TransportChoice = None
     batchnorm: str | BatchNormPolicy | None = None
-    loss_weights: LossWeights | None = None
     nan_policy: str | None = "raise"
+    measure_memory: bool = False
+    variable_shapes: bool = False
     emulate_slowdown: float | Sequence[float] | None = None
+    given: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        _check_what_runs(self)
+        _check_cut(self)
         check_policy(self.nan_policy)
         check_batchnorm(self.batchnorm)
+        if self.loss_fn is not None and not callable(self.loss_fn):
+            raise TypeError(f"loss_fn must be a function (output, target) -> mean loss, got {self.loss_fn!r}")
+        if self.optimizer is not None and not callable(self.optimizer):
+            raise TypeError(f"optimizer must be a factory params -> torch.optim.Optimizer, got {self.optimizer!r}")
         if self.loss_weights is not None and not callable(self.loss_weights):
             raise TypeError(f"loss_weights must be a function of a micro-batch's targets, got {self.loss_weights!r}")
         check_recompute(self.recompute)
         check_autocast(self.autocast)
         check_choice(self.transport)
         _check_slowdown(self.emulate_slowdown)
-        if not self.timeout > 0:
+        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not self.timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {self.timeout!r}")
+        if self.group is not None and self.parallel is not None:
+            raise ValueError("pass either group= or parallel=: with parallel= the pipeline runs on the mesh's pp group")
+
+    @classmethod
+    def of(cls, entry: str, options: Options | None = None, keywords: Mapping[str, Any] | None = None) -> Options:
+        """``options`` (or the defaults) with ``keywords`` set on top; an unknown keyword is refused, naming the
+        closest valid one and ``entry`` (how the user called: ``"Pipeline.from_hf"``)."""
+        keywords = dict(keywords or {})
+        if options is not None and not isinstance(options, Options):
+            raise TypeError(f"{entry}: options must be a stagewise.Options, got {type(options).__name__}")
+        unknown = sorted(set(keywords) - set(OPTION_NAMES))
+        if unknown:
+            raise TypeError(f"{entry}: {_unknown(unknown)}")
+        base = options if options is not None else cls()
+        return replace(base, **keywords, given=base.given | frozenset(keywords))
+
+    def is_given(self, name: str) -> bool:
+        return name in self.given
+
+    def with_defaults(self, **defaults: Any) -> Options:
+        """These options with ``defaults`` filled in where the user gave none (a way in's own defaults)."""
+        unset = {k: v for k, v in defaults.items() if k not in self.given}
+        return replace(self, **unset) if unset else self
 
     @property
     def step_placement(self) -> str | None:
@@ -72,6 +142,89 @@ class RunOptions:
         if len(f) != num_ranks:
             raise ValueError(f"emulate_slowdown needs one factor per rank of the group ({num_ranks}), got {len(f)}")
         return float(f[rank])
+
+
+OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in fields(Options) if f.name != "given")
+
+
+class PipelineOptions(TypedDict, total=False):
+    """The keywords every way in takes (the fields of :class:`Options`), for type checkers and editors."""
+
+    schedule: str | Schedule
+    microbatches: int | None
+    virtual_stages: int | None
+    stages: int | None
+    group: Any
+    parallel: ParallelConfig | Mesh | None
+    tp_plan: TPPlan | None
+    device: torch.device | str | None
+    transport: TransportChoice
+    timeout: float
+    store: Any
+    partition: PartitionSpec
+    sample_inputs: Any
+    speeds: Sequence[float] | None
+    memory_caps: Sequence[float] | None
+    seed: int
+    free_unused: bool
+    concrete_args: dict[str, Any] | None
+    loss_fn: LossFn | None
+    loss_weights: LossWeights | None
+    optimizer: OptimizerFactory | None
+    batch_dim: Dims
+    target_batch_dim: Dims
+    recompute: Recompute
+    autocast: torch.dtype | None
+    batchnorm: str | BatchNormPolicy | None
+    nan_policy: str | None
+    measure_memory: bool
+    variable_shapes: bool
+    emulate_slowdown: float | Sequence[float] | None
+
+
+def check_applicable(entry: str, refused: Mapping[str, str], options: Options) -> None:
+    """Refuse every option the user gave that ``entry`` cannot apply (``refused``: option -> why not)."""
+    bad = [name for name in OPTION_NAMES if name in refused and options.is_given(name)]
+    if bad:
+        raise ValueError("; ".join(f"{entry} does not take {name}=: {refused[name]}" for name in bad))
+
+
+def _unknown(names: list[str]) -> str:
+    parts = []
+    for name in names:
+        close = difflib.get_close_matches(name, OPTION_NAMES, n=1, cutoff=0.6)
+        parts.append(f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name))
+    return f"unknown option {', '.join(parts)} (stagewise.Options lists every option)"
+
+
+def _check_what_runs(o: Options) -> None:
+    if not isinstance(o.schedule, (str, Schedule)):
+        raise TypeError(f"schedule must be a registered name or a stagewise.Schedule, got {type(o.schedule).__name__}")
+    for name in ("microbatches", "virtual_stages", "stages"):
+        value = getattr(o, name)
+        if value is not None and not is_count(value):
+            raise ValueError(f"{name} must be an integer >= 1 (or None), got {value!r}")
+
+
+def _check_cut(o: Options) -> None:
+    if isinstance(o.seed, bool) or not isinstance(o.seed, int):
+        raise TypeError(f"seed must be an int, got {o.seed!r}")
+    if not isinstance(o.partition, str) and not (
+        isinstance(o.partition, Sequence) and all(is_count(k) for k in o.partition)
+    ):
+        raise ValueError(
+            "partition must be 'uniform', 'parameters', 'time', 'memory' or a list of layer counts, "
+            f"got {o.partition!r}"
+        )
+    needs_profile(o.partition)  # an unknown mode name is refused here
+    for name in ("speeds", "memory_caps"):
+        values = getattr(o, name)
+        if values is None:
+            continue
+        if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+            raise TypeError(f"{name} must be a sequence of numbers, one per rank, got {values!r}")
+        if any(isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 for v in values):
+            raise ValueError(f"{name} must be numbers > 0, one per rank, got {list(values)}")
 
 
 def _check_slowdown(f: float | Sequence[float] | None) -> None:

@@ -104,6 +104,13 @@ def schedule_info(name: str) -> ScheduleInfo:
         raise ValueError(f"unknown schedule {name!r}; registered: {', '.join(_REGISTRY)}") from None
 
 
+def is_asynchronous(schedule: str | Schedule) -> bool:
+    """Whether ``schedule`` (a registered name, or a Schedule: one carrying a version table) is asynchronous."""
+    if isinstance(schedule, str):
+        return not schedule_info(schedule).synchronous
+    return isinstance(schedule, Schedule) and schedule.meta.get("versions") is not None
+
+
 def generate(name: str, num_ranks: int, num_microbatches: int, virtual_stages: int | None = None) -> Schedule:
     """The compute-only schedule ``name`` for p ranks, m micro-batches and v stages per rank."""
     info = schedule_info(name)

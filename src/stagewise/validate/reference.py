@@ -1,15 +1,16 @@
-"""The validator's straightforward reference: every check written the obvious way, on Action objects.
+"""The validator's rules, stated once: each check written the obvious way, on Action objects.
 
-:func:`stagewise.validate.schedules.validate_schedule` proves the same facts on flat
-integer arrays (fast enough for 128 ranks x 1024 micro-batches); this module is
-what it is checked against (a property test on random schedules) and what
-writes its error messages: when the fast path finds a problem, these checks
-run to list every problem with its rank, action and neighbours.
+:data:`RULES` lists them in the order they are checked (the package's door, :mod:`stagewise.validate`, says
+what each one asks). Each check writes every problem it finds with its rank, action and neighbours; the first
+rule that fails is the one reported. The fast paths (:mod:`.fast`, :mod:`.arrays`) decide the same rules on
+flat integers and only say "valid or not"; property tests on schedules that break each rule keep them in
+agreement with these checks (tests/core/test_validator_rules.py).
 """
 
 from __future__ import annotations
 
 from collections import Counter, defaultdict, deque
+from collections.abc import Callable
 
 from ..ir import Action, Kind, Message, Schedule, consumes, message_of, produces
 
@@ -20,17 +21,19 @@ def is_forward_only(schedule: Schedule) -> bool:
 
 
 def reference_problems(schedule: Schedule) -> list[str]:
-    """Every problem of the first failing check group (empty when the schedule is valid)."""
-    for check in (_check_placement, _check_completeness, _check_local_order, _check_steps):
+    """Every problem of the first rule that fails (empty when the schedule is valid)."""
+    broken = broken_rule(schedule)
+    return [] if broken is None else broken[1]
+
+
+def broken_rule(schedule: Schedule) -> tuple[str, list[str]] | None:
+    """The first rule of :data:`RULES` that ``schedule`` breaks, by name, with every problem of it; None if
+    valid."""
+    for name, check in RULES:
         problems = check(schedule)
         if problems:
-            return problems
-    if schedule.is_complete:
-        problems = _check_communication(schedule)
-        if problems:
-            return problems
-        return _check_rendezvous(schedule)
-    return dataflow_problems(schedule)
+            return name, problems
+    return None
 
 
 def _where(schedule: Schedule, rank: int, idx: int) -> str:
@@ -144,10 +147,18 @@ def _check_steps(schedule: Schedule) -> list[str]:
 
 
 def _check_communication(schedule: Schedule) -> list[str]:
-    """Every cross-rank message: one send after it is made, one receive before it is used."""
+    """Every cross-rank message: one send after it is made, one receive before it is used; then channel order.
+    A compute-only schedule has no communication of its own: nothing to check."""
+    if not schedule.is_complete:
+        return []
+    needed = _crossing(schedule)
+    return _check_sends_and_receives(schedule, needed) or _check_channel_order(schedule, needed)
+
+
+def _crossing(schedule: Schedule) -> dict[Message, tuple[int, int]]:
+    """Every value the compute actions make that another rank uses: message -> (src rank, dst rank)."""
     n, placement = schedule.num_stages, schedule.placement
-    problems = []
-    needed: dict[Message, tuple[int, int]] = {}  # message -> (src rank, dst rank)
+    needed: dict[Message, tuple[int, int]] = {}
     for acts in schedule.ranks:
         for a in acts:
             msg = produces(a, n) if a.kind.is_compute else None
@@ -157,6 +168,14 @@ def _check_communication(schedule: Schedule) -> list[str]:
             src, dst = placement[msg.stage], placement[dst_stage]
             if src != dst:
                 needed[msg] = (src, dst)
+    return needed
+
+
+def _check_sends_and_receives(schedule: Schedule, needed: dict[Message, tuple[int, int]]) -> list[str]:
+    """Each crossing value sent once, after it is made, and received once, before it is used; nothing else sent
+    or received."""
+    n = schedule.num_stages
+    problems = []
     sends: dict[Message, list[tuple[int, int]]] = defaultdict(list)
     recvs: dict[Message, list[tuple[int, int]]] = defaultdict(list)
     for rank, acts in enumerate(schedule.ranks):
@@ -192,9 +211,13 @@ def _check_communication(schedule: Schedule) -> list[str]:
             )
         if len(recvs[msg]) != 1:
             problems.append(f"rank {dst}: {msg} (from rank {src}) is received {len(recvs[msg])} times, expected 1")
-    if problems:
-        return problems
-    # Channel order: the k-th send from a to b must meet the k-th receive on b from a.
+    return problems
+
+
+def _check_channel_order(schedule: Schedule, needed: dict[Message, tuple[int, int]]) -> list[str]:
+    """Channel order: the k-th send from a to b must meet the k-th receive on b from a (point-to-point matches
+    in posting order). Run once every op is known to be needed, so ``needed`` names both ends."""
+    problems = []
     send_order: dict[tuple[int, int], list[Message]] = defaultdict(list)
     recv_order: dict[tuple[int, int], list[Message]] = defaultdict(list)
     for rank, acts in enumerate(schedule.ranks):
@@ -215,6 +238,12 @@ def _check_communication(schedule: Schedule) -> list[str]:
                 )
                 break
     return problems
+
+
+def _check_progress(schedule: Schedule) -> list[str]:
+    """The ranks run together can finish: the blocking, batched rendezvous for a complete schedule, data flow
+    for a compute-only one."""
+    return _check_rendezvous(schedule) if schedule.is_complete else dataflow_problems(schedule)
 
 
 def _segments(acts: tuple[Action, ...]) -> list[tuple[int, int]]:
@@ -325,3 +354,14 @@ def dataflow_problems(schedule: Schedule) -> list[str]:
                 f"which is itself stuck at {blocker}"
             )
     return problems
+
+
+#: The rules, by name, in the order they are checked, each with the check that names its problems.
+RULES: tuple[tuple[str, Callable[[Schedule], list[str]]], ...] = (
+    ("placement", _check_placement),
+    ("completeness", _check_completeness),
+    ("local order", _check_local_order),
+    ("optimizer steps", _check_steps),
+    ("communication", _check_communication),
+    ("progress", _check_progress),
+)

@@ -1,30 +1,9 @@
-"""The validator: proves a schedule computes every gradient once and cannot deadlock.
+"""The validator's door for every schedule: the fast path decides, the reference names the problems.
 
-Checks, in order (each error names the rank and prints the offending actions):
-
-1. placement: every action runs on the rank that holds its stage;
-2. completeness: each (stage, micro-batch) has exactly one F and one backward
-   (a B, or an I and a W), and nothing else; a forward-only (eval) schedule,
-   marked ``meta["forward_only"]``, has exactly one F and no backward;
-3. local order: on a rank, backward after its own F, I before W, and across
-   two stages held by the same rank, data order (F of s-1 before F of s, ...);
-4. optimizer steps: if the schedule has STEP actions, each stage has exactly
-   one, after all of the stage's compute and its SYNC; a forward-only schedule
-   has neither SYNC nor STEP;
-5. communication (complete schedules): every value crossing ranks is sent once
-   after it is made and received once before it is used, and on each
-   (sender, receiver) channel the k-th send is the k-th receive;
-6. progress: executing all ranks together with *blocking* point-to-point can
-   finish. Maximal runs of communication actions are posted as one batch (as
-   ``batch_isend_irecv`` does) and a batch completes once every operation in it
-   has met its partner (rendezvous). Compute-only schedules are checked as pure
-   data flow instead.
-
-Two implementations prove these facts: a fast one on flat integer arrays
-(:mod:`stagewise.validate.fast`, seconds at 128 ranks x 1024 micro-batches)
-decides, and when it finds a problem the straightforward reference
-(:mod:`stagewise.validate.reference`) lists every problem with its rank,
-action and neighbours. A property test keeps the two in agreement.
+The rules, and how each fast path is checked against them, are listed once in :mod:`stagewise.validate`;
+they are stated in :mod:`.reference`. :func:`validate_schedule` asks :mod:`.fast` (seconds at 128 ranks x
+1024 micro-batches), and when it finds a problem, the reference lists every problem of the first broken
+rule with its rank, action and neighbours.
 """
 
 from __future__ import annotations

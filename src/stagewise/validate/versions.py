@@ -1,23 +1,10 @@
-"""The version rules of asynchronous schedules, checked on top of :func:`stagewise.validate.validate_schedule`.
+"""The version rules of asynchronous schedules, stated as reporting checks, on top of the schedule rules.
 
 A schedule is asynchronous when ``meta["versions"]`` holds a
-:class:`~stagewise.asynchronous.versions.VersionTable`. Checks (each error names the stage,
-the rank and the action):
-
-1. shape: one stage per rank, N STEPs per stage, STEP k after the last
-   backward of mini-batch k (so STEP k applies mini-batch k's gradient), no
-   I/W split (a split backward has no single version to differentiate);
-2. the table is the one the policy gives for this action order (a table
-   edited by hand, or an order changed after the table was made, is refused);
-3. the policy's own rule: under ``stash``, ``vertical``, ``2bw`` and
-   ``predict`` every backward differentiates the version of its forward;
-   under ``vertical`` all stages use stage 0's version for a micro-batch; under
-   ``2bw`` and ``predict`` all micro-batches of a mini-batch share one version;
-4. existence: each W^(c) a stage uses has been made by then (c <= the
-   stage's STEP count there); each prediction is made at its first use from
-   the current weights;
-5. memory: the live versions of stage s never exceed the policy's bound
-   (:func:`stagewise.asynchronous.versions.version_bound`).
+:class:`~stagewise.asynchronous.versions.VersionTable`. The rules (shape, table, policy and existence,
+bounds) are listed once in :mod:`stagewise.validate`; each is stated here by the check that names every
+problem of it (the stage, the rank and the action), checked in that order. :mod:`.versions_fast` decides
+them first; these checks run when it refuses.
 """
 
 from __future__ import annotations

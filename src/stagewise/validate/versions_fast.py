@@ -5,8 +5,9 @@ reporting checks look at each with several comparisons and f-strings. Here the
 table's rows are compared whole (tuple equality and ``map`` run in C) and only
 the order is scanned in Python, once. It answers "valid or not"; when not,
 :func:`stagewise.validate.versions.validate_versions` runs the reporting checks,
-which name every broken rule. ``tests/test_versions_fast.py`` keeps the two
-verdicts equal.
+which name every broken rule. Each function here decides the rule of the reporting check
+of the same name; tests/core/test_validator_rules.py compares each pair on edits that break
+that rule, tests/core/test_versions_fast.py the whole verdicts.
 """
 
 from __future__ import annotations

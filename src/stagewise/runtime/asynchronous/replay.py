@@ -11,7 +11,8 @@ action starts after what it depends on has ended, so that order respects
 every data dependency, and each stage sees its own actions in its rank's
 order. Windows of the schedule's N mini-batches drain as the pipeline's do.
 
-Stages hold tensors in, tensors out (one tensor between stages).
+What crosses a stage boundary may be any nesting of tensors (a Hugging Face stage hands on its hidden states,
+mask and positions); the floating tensors carry the gradients back.
 """
 
 from __future__ import annotations
@@ -23,15 +24,18 @@ from typing import Any
 import torch
 from torch import nn
 from torch.func import functional_call
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ...asynchronous import Version
 from ...ir import Kind, Schedule
 from ...partition import counts_to_ranges, uniform_counts
 from ...schedules import window_of
-from ...simulate import simulate
+from ...simulation import simulate
 from ...validate import async_table
-from ..frontends.layers import Chain, Layers, build_model
+from ..frontends.layers import Chain, Layers
+from ..frontends.one_process import build_model
 from .predict import predict
+from .replay_norms import ReplayNorms
 
 
 @dataclass
@@ -53,12 +57,14 @@ def async_reference(
     seed: int = 0,
     counts: Sequence[int] | None = None,
     steps: int | None = None,
+    batchnorm: str = "micro",
 ) -> ReferenceRun:
     """Train ``build_model(layers, seed)`` on ``batches`` by ``schedule``'s weight-version rule, in one process.
 
     ``schedule``: an asynchronous schedule (its mini-batch count is the window).
     ``counts``: layers per stage (default: uniform, as the Pipeline's default).
     ``optimizer``: the per-stage factory the Pipeline gets.
+    ``batchnorm``: what BatchNorm's running statistics follow, as ``Pipeline(batchnorm=...)`` (:mod:`.replay_norms`).
     """
     table = async_table(schedule)
     if table is None:
@@ -68,7 +74,7 @@ def async_reference(
     p = schedule.num_stages
     ranges = counts_to_ranges(list(counts) if counts is not None else uniform_counts(len(children), p))
     stages = [Chain([children[k] for k in r]) for r in ranges]
-    replay = _Replay(stages, optimizer, loss_fn)
+    replay = _Replay(stages, optimizer, loss_fn, batchnorm)
     window = table.minibatches
     todo = list(batches) if steps is None else list(batches)[:steps]
     losses: list[float] = []
@@ -81,11 +87,36 @@ def async_reference(
     return ReferenceRun(losses, model, made)
 
 
+def _floating(value: Any) -> list[torch.Tensor]:
+    """The floating-point tensors of a nested value, in flattening order (what carries a gradient)."""
+    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+def _as_leaves(value: Any) -> tuple[Any, list[torch.Tensor]]:
+    """``value`` with each floating tensor replaced by a fresh leaf that requires grad (and those leaves)."""
+    flat, spec = tree_flatten(value)
+    leaves: list[torch.Tensor] = []
+    out = []
+    for t in flat:
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            t = t.detach().requires_grad_(True)
+            leaves.append(t)
+        out.append(t)
+    return tree_unflatten(out, spec), leaves
+
+
 class _Replay:
     """The stages, their optimizers and the loss: what outlives a window."""
 
-    def __init__(self, stages: list[Chain], optimizer: Callable[..., torch.optim.Optimizer], loss_fn: Any) -> None:
+    def __init__(
+        self,
+        stages: list[Chain],
+        optimizer: Callable[..., torch.optim.Optimizer],
+        loss_fn: Any,
+        batchnorm: str = "micro",
+    ) -> None:
         self.stages = stages
+        self.norms = ReplayNorms(list(stages), batchnorm)
         self.named = [[(n, q) for n, q in st.named_parameters()] for st in stages]
         self.opts = [optimizer([q for _, q in named if q.requires_grad]) for named in self.named]
         self.loss_fn = loss_fn
@@ -162,14 +193,14 @@ class _Window:
         if v not in self.kept[s]:
             assert v.base == self.current[s], f"stage {s}: {v} asked for at W^({self.current[s]})"
             params = [q for _, q in self.r.named[s]]
-            self.kept[s][v] = predict(self.r.opts[s], params, v.ahead)  # type: ignore[arg-type]
+            self.kept[s][v] = predict(self.r.opts[s], params, v.ahead)
         return self.kept[s][v]
 
     def forward(self, s: int, i: int | None) -> None:
         assert i is not None
         x, tag = (self.xs[i], self.current[0]) if s == 0 else self.flow.pop(("F", s - 1, i))
         v = self.version_for(s, i, Kind.F, tag, None)
-        with torch.no_grad():
+        with torch.no_grad(), self.r.norms.forward(s, i // self.m):
             out = self.r.run(s, x, self.weights(s, v))
         self.acts[(s, i)] = (x, tag, v)
         if s == self.p - 1:
@@ -184,16 +215,19 @@ class _Window:
         v = self.version_for(s, i, Kind.B, tag, v_f)
         named = self.r.named[s]
         leaves = [w.detach().requires_grad_(q.requires_grad) for w, (_, q) in zip(self.weights(s, v), named)]
-        x_leaf = x.detach().requires_grad_(s > 0)
-        out = self.r.run(s, x_leaf, leaves)
+        x_in, x_leaves = _as_leaves(x) if s > 0 else (x, [])
+        with self.r.norms.quiet(s):
+            out = self.r.run(s, x_in, leaves)
         if s == self.p - 1:
-            root, grad = self.r.loss_fn(out, self.ys[i]) * self.shares[i], None
+            roots, grads = [self.r.loss_fn(out, self.ys[i]) * self.shares[i]], None
         else:
-            root, grad = out, self.flow.pop(("B", s + 1, i))
-        wanted = ([x_leaf] if s > 0 else []) + [w for w in leaves if w.requires_grad]
-        got = torch.autograd.grad(root, wanted, grad, allow_unused=True)
+            handed = self.flow.pop(("B", s + 1, i))  # one gradient per floating output, None where it needs none
+            pairs = [(o, g) for o, g in zip(_floating(out), handed) if o.requires_grad and g is not None]
+            roots, grads = [o for o, _ in pairs], [g for _, g in pairs]
+        wanted = x_leaves + [w for w in leaves if w.requires_grad]
+        got = list(torch.autograd.grad(roots, wanted, grads, allow_unused=True)) if roots else [None] * len(wanted)
         if s > 0:
-            self.flow[("B", s, i)], got = got[0], got[1:]
+            self.flow[("B", s, i)], got = got[: len(x_leaves)], got[len(x_leaves) :]
         total = self.sums[s].setdefault(i // self.m, [torch.zeros_like(w) for w in leaves if w.requires_grad])
         for k, g in enumerate(got):
             if g is not None:
@@ -202,6 +236,7 @@ class _Window:
     def step(self, s: int) -> None:
         """Apply the oldest summed gradient of stage ``s``; its result is the next version."""
         trained = [q for _, q in self.r.named[s] if q.requires_grad]
+        self.r.norms.step(s, self.current[s])
         for q, g in zip(trained, self.sums[s].pop(self.current[s])):
             q.grad = g
         self.r.opts[s].step()

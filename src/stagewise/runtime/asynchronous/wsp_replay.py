@@ -22,7 +22,8 @@ from torch import nn
 from ...asynchronous import WaveRule
 from ...partition import counts_to_ranges, uniform_counts
 from ...schedules import async_schedule, registry_minibatch, schedule_info, window_of
-from ..frontends.layers import Chain, Layers, build_model
+from ..frontends.layers import Chain, Layers
+from ..frontends.one_process import build_model
 from .replay import _Replay
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -50,11 +51,13 @@ def wsp_reference(
     wave: int | Sequence[int] | None = None,
     seed: int = 0,
     counts: Sequence[Sequence[int]] | None = None,
+    autocast: torch.dtype | None = None,
 ) -> WSPReferenceRun:
     """Replay HetPipe on ``streams[v]`` (VW v's mini-batches) with ``stages[v]`` stages per VW, in one process.
 
     The options mean what :class:`~stagewise.HetPipe`'s do; ``counts[v]``: VW v's layers per stage (default
-    uniform, as the Pipeline's default partition).
+    uniform, as the Pipeline's default partition); ``autocast``: each synchronous step's forward and loss run
+    under ``torch.autocast`` in that dtype, as the pipelines' stages do.
     """
     rule, k = WaveRule(staleness), len(stages)
     if len(streams) != k:
@@ -63,43 +66,46 @@ def wsp_reference(
         _Worker(layers, p, seed, loss_fn, optimizer, schedule, microbatches, _size(wave, v, p, schedule), counts, v)
         for v, p in enumerate(stages)
     ]
-    chunks = [[list(s[i : i + w.size]) for i in range(0, len(s), w.size)] for s, w in zip(streams, workers)]
-    waves = {len(c) for c in chunks}
-    if len(waves) != 1:
-        raise ValueError(f"wsp_reference: the VWs' streams make different numbers of waves: {[len(c) for c in chunks]}")
+    for worker in workers:
+        worker.autocast = autocast
+    chunks = _waves(streams, workers)
     w0 = workers[0].flat()
     sums: list[torch.Tensor] = []  # sum over VWs of each clock's updates
     own: list[list[torch.Tensor]] = [[] for _ in range(k)]
     losses: list[list[float]] = [[] for _ in range(k)]
     global_losses = []
-    for c in range(waves.pop()):
-        known = rule.needed_before(c)
-        total = torch.zeros_like(w0)
-        for s in sums[: known + 1]:
-            total += s
+    for c in range(len(chunks[0])):
+        total = _summed(sums[: rule.needed_before(c) + 1], w0)
         updates, means = [], []
         for v, worker in enumerate(workers):
-            mine = torch.zeros_like(w0)
-            for c_own in rule.own_terms(c):
-                mine += own[v][c_own]
-            worker.load(w0 + (total + mine) / k)
+            worker.load(w0 + (total + _summed([own[v][c_own] for c_own in rule.own_terms(c)], w0)) / k)
             start = worker.flat()
             got = worker.wave(chunks[v][c])
             losses[v] += got
             means.append(sum(got) / len(got))
             updates.append(worker.flat() - start)
             own[v].append(updates[-1])
-        step = torch.zeros_like(w0)
-        for u in updates:
-            step += u
-        sums.append(step)
+        sums.append(_summed(updates, w0))
         global_losses.append(sum(means) / k)
-    total = torch.zeros_like(w0)
-    for s in sums:
-        total += s
     final = build_model(layers, seed)
-    _load(final, w0 + total / k)
+    _load(final, w0 + _summed(sums, w0) / k)
     return WSPReferenceRun(losses, global_losses, final)
+
+
+def _waves(streams: Sequence[Sequence[Batch]], workers: list[_Worker]) -> list[list[list[Batch]]]:
+    """Each VW's stream cut into its waves (``worker.size`` mini-batches each); every VW makes as many."""
+    chunks = [[list(s[i : i + w.size]) for i in range(0, len(s), w.size)] for s, w in zip(streams, workers)]
+    if len({len(c) for c in chunks}) != 1:
+        raise ValueError(f"wsp_reference: the VWs' streams make different numbers of waves: {[len(c) for c in chunks]}")
+    return chunks
+
+
+def _summed(terms: Sequence[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """``terms`` added one by one, in order, onto zeros like ``like``."""
+    total = torch.zeros_like(like)
+    for t in terms:
+        total += t
+    return total
 
 
 def _size(wave: int | Sequence[int] | None, v: int, p: int, schedule: str) -> int:
@@ -123,6 +129,7 @@ class _Worker:
         self.sync = schedule_info(schedule).synchronous
         self.m = (m or p) if self.sync else (m or registry_minibatch(schedule, p, 1))
         self.schedule = None if self.sync else async_schedule(schedule, p, size, self.m)
+        self.autocast: torch.dtype | None = None
 
     def flat(self) -> torch.Tensor:
         return torch.cat([q.detach().reshape(-1).to(torch.float64) for q in self.model.parameters()])
@@ -140,7 +147,8 @@ class _Worker:
         """One synchronous step: the gradient of the batch's mean loss (micro-batches weighted by their shares)."""
         total = 0.0
         for xk, yk in zip(torch.tensor_split(x, self.m), torch.tensor_split(y, self.m)):
-            loss = self.loss_fn(self.model(xk), yk) * (len(yk) / len(y))
+            with torch.autocast("cpu", dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None):
+                loss = self.loss_fn(self.model(xk), yk) * (len(yk) / len(y))
             loss.backward()
             total += float(loss.detach())
         for opt in self.replay.opts:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -84,9 +84,38 @@ def save(
     """
     if not is_count(step, 0):
         raise ValueError(f"step must be an integer >= 0, got {step!r}")
+    part = virtual_worker(model, path)
+    if part is not None:  # a HetPipe: each virtual worker saves its own pipeline, under ROOT/vwK
+        folder, pipe, mine = part
+        wrapped = {"virtual_worker": mine, "extra": extra}
+        return save(folder, pipe, optimizer, step=step, extra=wrapped, scheduler=scheduler, keep=keep, timeout=timeout)
     retention.check_keep(keep)
     root = Path(path)
     ranks = _ranks(model, collective)
+    tensors, mine = _contribution(model, optimizer, scheduler, extra, ranks)
+    everyone = storage.gather(mine, ranks)
+    staging, final = retention.staging_for(root, step), retention.folder_for(root, step)
+    storage.agree(_staged(staging, everyone, ranks), ranks, f"cannot start checkpoint {final}")
+    storage.save_tensors(tensors, staging, ranks)
+    storage.barrier(ranks, timeout, f"finished writing checkpoint {final}")
+    files = mf.files_of(staging)
+    hashed = storage.gather(mf.digests(staging, mf.share(files, ranks.rank, ranks.size)), ranks)
+    problems = []
+    if ranks.first:
+        try:
+            _publish(staging, final, _record(everyone, model, ranks, step), hashed)
+            retention.prune(root, keep, final)
+        except (OSError, CheckpointError) as err:
+            problems.append(f"cannot publish {final}: {err}")
+    storage.agree(problems, ranks, f"checkpoint {final} was not saved")
+    return final
+
+
+def _contribution(
+    model: nn.Module, optimizer: Any, scheduler: Any, extra: Any, ranks: storage.Ranks
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """This rank's tensors to write, and what it tells rank 0 about them (names, shapes, optimizer
+    hyper-parameters, its RNG; rank 0 adds ``extra`` and the scheduler's state)."""
     saved = state.saved_tensors(model)
     names = state.parameter_names(model)
     optimizers = state.optimizers_of(model, optimizer)
@@ -102,9 +131,12 @@ def save(
         "scheduler": state.encode(first.state_dict(), "scheduler state") if ranks.first and first else None,
         "digests": agreement.digests(tensors) if ranks.size > 1 else {},
     }
-    everyone = storage.gather(mine, ranks)
-    staging, final = retention.staging_for(root, step), retention.folder_for(root, step)
-    problems = []
+    return tensors, mine
+
+
+def _staged(staging: Path, everyone: list[dict[str, Any]], ranks: storage.Ranks) -> list[str]:
+    """Rank 0 checks the replicas agree, then makes the empty staging folder; the problems (none elsewhere)."""
+    problems: list[str] = []
     if ranks.first:
         problems += agreement.disagreements([m["digests"] for m in everyone])  # before anything is written
     if ranks.first and not problems:
@@ -114,25 +146,16 @@ def save(
             staging.mkdir(parents=True)
         except OSError as err:
             problems.append(f"cannot make {staging}: {err}")
-    storage.agree(problems, ranks, f"cannot start checkpoint {final}")
-    storage.save_tensors(tensors, staging, ranks)
-    storage.barrier(ranks, timeout, f"finished writing checkpoint {final}")
-    files = mf.files_of(staging)
-    hashed = storage.gather(mf.digests(staging, mf.share(files, ranks.rank, ranks.size)), ranks)
-    problems = []
-    if ranks.first:
-        try:
-            record = _record(everyone, model, ranks, step)
-            mf.write_durably(staging / META, json.dumps(record, indent=1, allow_nan=True))
-            digests = {name: d for share in hashed for name, d in share.items()}
-            digests[META] = mf.digest(staging / META)
-            mf.write_manifest(staging, digests)  # last: its presence means complete
-            retention.publish(staging, final)
-            retention.prune(root, keep, final)
-        except (OSError, CheckpointError) as err:
-            problems.append(f"cannot publish {final}: {err}")
-    storage.agree(problems, ranks, f"checkpoint {final} was not saved")
-    return final
+    return problems
+
+
+def _publish(staging: Path, final: Path, record: dict[str, Any], hashed: list[dict[str, dict[str, object]]]) -> None:
+    """Rank 0: ``stagewise.json``, then ``MANIFEST.json`` last (its presence means complete), then the rename."""
+    mf.write_durably(staging / META, json.dumps(record, indent=1, allow_nan=True))
+    digests = {name: d for share in hashed for name, d in share.items()}
+    digests[META] = mf.digest(staging / META)
+    mf.write_manifest(staging, digests)  # last: its presence means complete
+    retention.publish(staging, final)
 
 
 def load(
@@ -159,13 +182,13 @@ def load(
     ``collective=False`` loads a plain module in this process alone (e.g. on
     one rank of a running job).
     """
+    if virtual_worker(model, path) is not None:
+        return _load_virtual_worker(path, model, optimizer, scheduler=scheduler, strict=strict, restore_rng=restore_rng)
     ranks = _ranks(model, collective)
     folder = _resolve(Path(path), ranks)
     record = _verified(folder, ranks)
-    explicit = optimizer is not None
     optimizers = state.optimizers_of(model, optimizer)
-    saved_opt = record.get("optimizer")
-    if optimizers and saved_opt is None and not explicit:
+    if optimizers and record.get("optimizer") is None and optimizer is None:
         optimizers = []  # the pipeline's own optimizers stay fresh: a model-only checkpoint
     targets = {state.MODEL + k: v for k, v in state.load_targets(model).items()}
     problems = _check_model(record, targets, ranks, strict)
@@ -178,11 +201,7 @@ def load(
     storage.load_tensors({**targets, **opt_targets}, folder, ranks)
     if optimizers:
         state.restore_optimizers(optimizers, names, record, opt_targets)
-    scheduler_restored = False
-    if scheduler is not None and record.get("scheduler") is not None:
-        for s in _all(scheduler):
-            s.load_state_dict(state.decode(record["scheduler"]))
-        scheduler_restored = True
+    scheduler_restored = _restore_schedulers(scheduler, record)
     rng_restored = restore_rng and record["layout"]["world"] == ranks.size
     if rng_restored:
         state.set_rng_state(record["rng"][ranks.rank])
@@ -196,6 +215,32 @@ def load(
         scheduler_restored=scheduler_restored,
         rng_restored=rng_restored,
     )
+
+
+def _restore_schedulers(scheduler: Any, record: dict[str, Any]) -> bool:
+    """Load the saved scheduler state into every scheduler given; whether there was one to load."""
+    if scheduler is None or record.get("scheduler") is None:
+        return False
+    for s in _all(scheduler):
+        s.load_state_dict(state.decode(record["scheduler"]))
+    return True
+
+
+def _load_virtual_worker(path: str | os.PathLike[str], model: Any, optimizer: Any, **options: Any) -> CheckpointInfo:
+    """A HetPipe: each virtual worker loads its own pipeline, then rebases its wave rule on what it loaded."""
+    part = virtual_worker(model, path)
+    assert part is not None
+    folder, pipe, _ = part
+    info = load(folder, pipe, optimizer, **options)
+    model.restore_part(info.extra["virtual_worker"])
+    return replace(info, extra=info.extra["extra"])
+
+
+def virtual_worker(model: Any, path: str | os.PathLike[str]) -> tuple[Path, nn.Module, dict[str, Any]] | None:
+    """For a model made of virtual workers (:class:`~stagewise.HetPipe`): where this rank's worker keeps its
+    checkpoints under ``path``, its pipeline, and the state of the rule it saves beside it; else None."""
+    part = getattr(model, "checkpoint_part", None)
+    return None if part is None else part(Path(path))
 
 
 def latest(path: str | os.PathLike[str]) -> Path | None:
@@ -287,7 +332,7 @@ def _verified(folder: Path, ranks: storage.Ranks) -> dict[str, Any]:
         if META not in expected:
             problems.append(f"the manifest of {folder} does not list {META}")
     storage.agree(problems, ranks, f"refusing checkpoint {folder}")
-    record = json.loads((folder / META).read_text())
+    record: dict[str, Any] = json.loads((folder / META).read_text())
     return record
 
 

@@ -16,7 +16,7 @@ from typing import Any
 from torch import nn
 
 from . import retention, storage
-from .api import CheckpointInfo, _ranks, load
+from .api import CheckpointInfo, _ranks, load, virtual_worker
 
 
 def resume(
@@ -36,6 +36,14 @@ def resume(
         info = sw.checkpoint.resume("ckpt", pipe)
         start = 0 if info is None else info.step
     """
+    part = virtual_worker(model, path)
+    if part is not None:  # a HetPipe: every virtual worker looks under its own folder, alike (they saved alike)
+        folder, pipe, _ = part
+        ranks = _ranks(pipe, collective)
+        newest = retention.latest(folder) if ranks.first else None
+        if storage.gather(None if newest is None else str(newest), ranks)[0] is None:
+            return None
+        return load(path, model, optimizer, scheduler=scheduler)
     ranks = _ranks(model, collective)
     newest = retention.latest(Path(path)) if ranks.first else None
     chosen = storage.gather(None if newest is None else str(newest), ranks)[0]

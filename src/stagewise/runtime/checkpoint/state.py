@@ -7,7 +7,7 @@ Keys in the tensor file (flat, for DCP):
 
 A pipeline rank saves what its ``state_dict()`` holds: a tied module once,
 where its first use is. It loads into every holder, including a rank that has
-the module only for a later use (``Pipeline._tied_copies``, kept out of
+the module only for a later use (``Pipeline.tied_copies``, kept out of
 ``state_dict()``), so every copy is restored.
 
 Optimizer state is keyed by parameter name, never by index: the index of a
@@ -47,7 +47,8 @@ def load_targets(target: nn.Module) -> dict[str, torch.Tensor]:
     out = dict(target.state_dict())
     if not is_pipeline(target):
         return out
-    for first, module in target._tied_copies.items():
+    copies: dict[str, nn.Module] = target.tied_copies  # type: ignore[assignment]  # (a Pipeline's property)
+    for first, module in copies.items():
         for inner, t in module.state_dict().items():
             out[tied_name(first, inner)] = t
     return out
@@ -55,7 +56,7 @@ def load_targets(target: nn.Module) -> dict[str, torch.Tensor]:
 
 def tied_name(first: str, inner: str) -> str:
     """The one-process name of a tied copy's tensor ``inner``: ``first`` is where the one-process model holds
-    the module (``Pipeline._tied_copies`` keys: the first use, or ``first.module`` when it has a ``forward_fn``)."""
+    the module (``Pipeline.tied_copies`` keys: the first use, or ``first.module`` when it has a ``forward_fn``)."""
     return f"{first}.{inner}"
 
 
@@ -82,11 +83,12 @@ def optimizers_of(target: Any, optimizer: Any) -> list[torch.optim.Optimizer]:
 
 def parameter_names(target: nn.Module) -> dict[int, str]:
     """id(parameter) -> its one-process name; a pipeline's tied copies under their first use (see :func:`tied_name`,
-    the keys of ``Pipeline._tied_copies``)."""
+    the keys of ``Pipeline.tied_copies``)."""
     if not is_pipeline(target):
         return {id(p): name for name, p in target.named_parameters()}
     out = {id(p): name for name, p in nn.Module.named_parameters(target)}  # without the copies
-    for first, module in target._tied_copies.items():
+    copies: dict[str, nn.Module] = target.tied_copies  # type: ignore[assignment]  # (a Pipeline's property)
+    for first, module in copies.items():
         for inner, p in module.named_parameters():
             out.setdefault(id(p), tied_name(first, inner))
     return out

@@ -1,13 +1,18 @@
 """Communication: the only room of stagewise (with the hybrid axes' torch wrappers) that talks to torch.distributed.
 
-``setup`` joins the process group; ``groups`` names groups and stores;
-``collectives`` holds the collectives stagewise issues; ``board`` is the error
-board every wait watches; ``waits`` bounds each wait by a deadline;
-``transport`` defines the :class:`Transport` protocol the engine speaks, and
-``torch_p2p`` implements it on torch.distributed point-to-point;
-``lifecycle`` lets go of process groups at exit.
+Three rooms and a few modules at the root:
+
+* :mod:`.transport`: the :class:`Transport` protocol the engine speaks (moving values between the ranks of a
+  pipeline), the torch.distributed point-to-point transport, and how ``transport=`` picks one;
+* :mod:`.shm`: the same-host transport, through shared memory;
+* :mod:`.faults`: failure handling - the :class:`Guard` every transport is given (error board, deadlines,
+  forensics), the heartbeat, the exit hook;
+* ``setup`` joins the process group; ``groups`` names groups and stores; ``coordinator`` is the run's corner
+  of the store; ``collectives`` holds the collectives stagewise issues; ``wsp`` HetPipe's delayed sums;
+  ``lifecycle`` lets go of process groups at exit.
 """
 
+from .faults.guard import Guard
 from .transport.protocol import Op, Transport, TransportFactory, TransportSpec
 
-__all__ = ["Op", "Transport", "TransportFactory", "TransportSpec"]
+__all__ = ["Guard", "Op", "Transport", "TransportFactory", "TransportSpec"]

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 
 from .coordinator import torchrun_scope
 
 
-def attempt_store(timeout: timedelta) -> dist.Store | None:
+def attempt_store(timeout: timedelta) -> Any:
     """A prefixed client of the agent's store for this attempt, or None outside torchrun's agent store
     (then ``init_process_group``'s own ``env://`` rendezvous is used)."""
     scope = torchrun_scope()

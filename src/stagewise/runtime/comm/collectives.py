@@ -1,7 +1,7 @@
 """The collectives stagewise issues itself (reductions over mesh axes, gathering small records).
 
 Every one is started asynchronously and waited for through a ``wait(works,
-what)`` - the transport's deadline-bounded wait, which watches the error
+what)`` - the pipeline guard's deadline-bounded wait, which watches the error
 board - so no collective of the library outlives the pipeline's ``timeout``
 or another rank's failure. Records travel as JSON bytes in uint8 tensors:
 nothing a peer sends is unpickled.
@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
-#: ``wait(works, what)``: block until ``works`` complete, within the deadline (see ``Transport.wait``)
+#: ``wait(works, what)``: block until ``works`` complete, within the deadline (see ``Guard.wait``)
 Wait = Callable[[Sequence[Any], str], None]
 
 

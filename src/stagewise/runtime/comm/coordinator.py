@@ -169,7 +169,7 @@ class DeadlineStore:
         return bool(self._call("check", keys))
 
     def get(self, key: str) -> bytes:
-        return self._call("get", key)  # type: ignore[no-any-return]
+        return self._call("get", key)
 
     def set(self, key: str, value: str) -> None:
         self._call("set", key, value)
@@ -178,7 +178,7 @@ class DeadlineStore:
         return int(self._call("add", key, amount))
 
     def compare_set(self, key: str, expected: str, desired: str) -> bytes:
-        return self._call("compare_set", key, expected, desired)  # type: ignore[no-any-return]
+        return self._call("compare_set", key, expected, desired)
 
 
 def tcp_store_of(store: Any) -> Any:

@@ -74,6 +74,15 @@ def new_subgroup(ranks: list[int], member: bool) -> Any:
     return dist.new_group(ranks, use_local_synchronization=True)
 
 
+def new_world_subgroup(ranks: list[int]) -> Any:
+    """A process group of the global ``ranks``, made by every rank of the world (in the same order everywhere)."""
+    return dist.new_group(ranks)
+
+
+def world_size() -> int:
+    return int(dist.get_world_size())
+
+
 def bound(group: Any, timeout: float) -> None:
     """Make ``group``'s backend give up on a collective after ``timeout`` seconds (the pipeline's), not its default.
 
@@ -97,7 +106,7 @@ def side_group(group: Any, wait: Any = None, timeout: float | None = None) -> An
     ``dist.new_group`` must be called by every process in the same order, and
     each process only knows its own pipeline group, so the groups are gathered
     first: a collective over the default group, as every rank builds its
-    Pipeline at the same time (``wait``: the transport's deadline wait).
+    Pipeline at the same time (``wait``: the pipeline guard's deadline wait).
     """
     if backend_of(group) not in GROUPED_BACKENDS:
         return None

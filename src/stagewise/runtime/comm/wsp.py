@@ -16,7 +16,7 @@ finished wave c - D. The semantics are the same bounded staleness, but
 * nothing new to trust: collectives in the order every rank issues them, no
   rpc agent, no pickled messages.
 
-Waits go through the pipeline's transport (its deadline and error board), so
+Waits go through the pipeline's guard (its deadline and error board), so
 a failure anywhere stops every VW instead of leaving one waiting.
 """
 

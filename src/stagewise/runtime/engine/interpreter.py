@@ -68,7 +68,7 @@ class Step:
     outputs: dict[int, Any] = field(default_factory=dict)
     events: list[tuple[Action, float, float]] = field(default_factory=list)
     #: CPU seconds in compute actions by kind, from their input's arrival (waits excluded): what the planner's
-    #: costs predict, compared by :func:`stagewise.measure_compute_scale`
+    #: costs predict, compared by :func:`stagewise.runtime.measure_compute_scale`
     compute_cpu: dict[Kind, float] = field(default_factory=dict)
 
 
@@ -154,8 +154,8 @@ class Interpreter:
         except BaseException as err:
             where = f" at {self.current}" if self.current is not None else ""
             if is_comm_error(err):  # a collective inside torch (FSDP2, DTensor): whose failure is it?
-                raise comm_failure(self.transport, err, f"{self.transport.me}{where}") from err
-            self.transport.fail(f"{self.transport.me}{where}: {type(err).__name__}: {err}")
+                raise comm_failure(self.transport.guard, err, f"{self.transport.guard.me}{where}") from err
+            self.transport.guard.fail(f"{self.transport.guard.me}{where}: {type(err).__name__}: {err}")
             raise
         finally:
             self.inbox = self.outbox = {}
@@ -279,7 +279,7 @@ class Interpreter:
         train = self.step.mode == "train"
         if s == 0:
             assert self.step.inputs is not None
-            x, leaves = self.step.inputs[i], []
+            x, leaves = self.step.inputs[i], list[torch.Tensor]()
         else:
             x = self._take(Message("F", s - 1, i))
             x, leaves = _as_leaves(x) if train else (x, [])
@@ -340,7 +340,7 @@ class Interpreter:
         """
         known = self._fuse_cache.get(s)
         if known is None:
-            stage = self.stages[s]  # type: ignore[index]
+            stage = self.stages[s]
             modules = getattr(stage, "modules", ())
             weights = sum(p.numel() for m in modules for p in m.parameters() if p.dim() == 2)
             known = getattr(stage, "recompute", None) is None and weights >= FUSE_B_MIN_WEIGHTS

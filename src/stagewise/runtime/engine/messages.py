@@ -30,8 +30,8 @@ import torch
 
 from ...ir import Message, consumer_stage
 from ..comm.collectives import decode, encode
-from ..comm.faults.waits import Watch
-from ..comm.transport.protocol import Op, Transport
+from ..comm.faults.waiters import Watch
+from ..comm.transport.protocol import Op, Transport, check_tag
 from ..errors import PipelineError
 from .tree import Spec, flatten, leaf_paths, same_spec, spec_from_plain, spec_to_plain, unflatten
 
@@ -118,7 +118,7 @@ class Mailbox:
         self.num_microbatches = num_microbatches
         self.device = device
         self._known: dict[tuple[str, Message], Meta] = {}
-        transport.check_tag(self.tag(Message("B", len(placement) - 1, num_microbatches - 1), _META))
+        check_tag(self.tag(Message("B", len(placement) - 1, num_microbatches - 1), _META))
 
     def tag(self, msg: Message, what: int = _DATA) -> int:
         """The message's own tag: no two values in flight between two ranks share one."""
@@ -155,13 +155,14 @@ class Mailbox:
         pendings = []
         for msg in recvs:
             peer = self.placement[msg.stage]
-            meta = None if self.variable_shapes else self._known.get((mode, msg))
-            if meta is None:
+            expected = None if self.variable_shapes else self._known.get((mode, msg))
+            if expected is None:
                 pendings.append(Pending(msg, peer, mode, None, [], []))
                 continue
-            buffers = [torch.empty(sh, dtype=dt, device=self.device) for sh, dt in zip(meta.shapes, meta.dtypes)]
+            shapes = zip(expected.shapes, expected.dtypes)
+            buffers = [torch.empty(sh, dtype=dt, device=self.device) for sh, dt in shapes]
             ops += [Op(peer, b, send=False, tag=self.tag(msg), key=msg) for b in buffers]
-            pendings.append(Pending(msg, peer, mode, meta, buffers, []))
+            pendings.append(Pending(msg, peer, mode, expected, buffers, []))
         return ops, pendings
 
     def receive(self, pending: Pending) -> Any:
@@ -181,7 +182,9 @@ class Mailbox:
         try:
             blob = meta.to_bytes("output" if msg.direction == "F" else "input_grad")
         except TypeError as err:
-            raise PipelineError(self.transport.fail(f"rank {self.transport.rank}: stage {msg.stage}: {err}")) from err
+            raise PipelineError(
+                self.transport.guard.fail(f"rank {self.transport.rank}: stage {msg.stage}: {err}")
+            ) from err
         ops = [
             Op(peer, torch.tensor([len(blob)], dtype=torch.int64), send=True, tag=self.tag(msg, _META_LEN)),
             Op(peer, torch.frombuffer(bytearray(blob), dtype=torch.uint8), send=True, tag=self.tag(msg, _META)),
@@ -221,7 +224,7 @@ class Mailbox:
                     )
                     break
         if problem is not None:
-            raise PipelineError(self.transport.fail(f"rank {self.transport.rank}: {problem}"))
+            raise PipelineError(self.transport.guard.fail(f"rank {self.transport.rank}: {problem}"))
 
 
 def _dtype(d: torch.dtype) -> str:

@@ -22,7 +22,7 @@ def step_timeline(
 ) -> Timeline:
     """This rank's ``events`` (perf_counter seconds) as a Timeline from ``started``; with ``group`` (a collective)
     every rank's, on one wall clock (``clock_offset`` = time.time() - time.perf_counter() on each rank), gathered as
-    JSON within ``wait``'s deadline (the transport's: the pipeline's timeout and error board)."""
+    JSON within ``wait``'s deadline (the pipeline guard's: its timeout and error board)."""
     if group is None:
         local = [Event(rank, a, t0 - started, t1 - started) for a, t0, t1 in events]
         return Timeline(name, num_ranks, local, source="measured", unit="s", meta=meta)

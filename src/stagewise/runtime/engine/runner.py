@@ -1,22 +1,26 @@
-"""Running steps: a train or eval step of one rank, from the mini-batch to the loss every rank returns.
+"""Running steps: the one step protocol, from the mini-batches to the losses every rank returns.
 
-The Runner owns what a step touches (the interpreter and its action lists,
-the stages, tied sums, the hybrid axes' reductions, the memory meter) and
-what a step leaves behind (its events, its losses); the Pipeline facade only
-delegates. A failure on this rank is posted to the error board with this
-rank's place in its action list (:mod:`.forensics`).
+Every train step goes through :meth:`Runner.train`: a synchronous schedule's step (one mini-batch), an
+asynchronous schedule's window (several mini-batches, each stage stepping at its own STEPs) and, through
+those, every HetPipe wave. It owns the whole step: the tied sums, the aux totals, the memory meter, the
+BatchNorm policy, the transport's waits, the interpreter's run and its finishing sends, the check of
+non-finite values, the shared losses and the hybrid axes' reductions. The Pipeline facade only delegates.
+A failure on this rank is posted to the error board with this rank's place in its action list
+(:mod:`.forensics`).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ...ir import Action, Schedule
+from ..asynchronous.windows import Windows
 from ..comm.transport.protocol import Transport
 from ..errors import PipelineError
 from ..features.batchnorm import BatchNorms
@@ -26,12 +30,12 @@ from .forensics import position
 from .interpreter import Interpreter, Step
 from .microbatch import Dims, merge
 from .stage import Stage
-from .step import prepare_step
+from .step import prepare_window
 
 
 @dataclass
 class Runner:
-    """Executes this rank's train and eval action lists and shares the step's loss."""
+    """Executes this rank's train and eval action lists and shares the step's losses."""
 
     rank: int
     schedule: Schedule
@@ -48,23 +52,28 @@ class Runner:
     meter: ActivationMeter | None = None
     norms: BatchNorms | None = None  # BatchNorm running statistics under the batchnorm= policy
     loss_weights: Callable[[Any], Any] | None = None  # a micro-batch's weight: its count over the batch's
+    windows: Windows | None = None  # an asynchronous schedule's windows (None: synchronous)
     last_step: Step | None = None
     running: tuple[Action, ...] = ()
     step_started: float = 0.0
     losses: dict[str, Any] = field(default_factory=dict)
-    finite: FiniteCheck | None = None  # the step-end check of non-finite values (see .finite), when set
-    checked: bool = False  # whether this train step's check has run
+    finite: FiniteCheck | None = None  # the check of non-finite values (see .finite), when set
+    checked: bool = False  # whether this train step's collective check has run
+    stepped: dict[int, int] = field(default_factory=dict)  # STEPs each stage ran in this step (asynchronous)
+    per_minibatch: int = 0  # micro-batches per mini-batch of the step running
+    trained: int = 0  # mini-batches trained before the step running (names a failing one in the stream)
 
     def guarded(self, body: Callable[[], Any]) -> Any:
         """Run ``body``; any failure is posted to the board (or annotated) with where this rank stood."""
-        if self.transport.failure is not None:
-            raise PipelineError(f"the pipeline failed earlier and cannot run again: {self.transport.failure}")
+        guard = self.transport.guard
+        if guard.failure is not None:
+            raise PipelineError(f"the pipeline failed earlier and cannot run again: {guard.failure}")
         try:
             return body()
         except PipelineError as err:
             raise PipelineError(f"{err}\n{self.position()}") from err
         except BaseException as err:
-            self.transport.fail(f"{self.transport.me}: {type(err).__name__}: {err}\n{self.position()}")
+            guard.fail(f"{guard.me}: {type(err).__name__}: {err}\n{self.position()}")
             raise
 
     def position(self) -> str:
@@ -72,51 +81,42 @@ class Runner:
         step = self.last_step
         done = step.events[-1][0] if step is not None and step.events else None
         current = getattr(self.interpreter, "current", None)
-        return position(self.rank, self.running, current, done, self.transport.waiting)
+        return position(self.rank, self.running, current, done, self.transport.guard.waiting)
 
-    def _prepare(self, mode: str, inputs: Any, targets: Any) -> Step:
-        return prepare_step(
-            mode,
-            inputs,
-            targets,
-            rank=self.rank,
-            placement=self.schedule.placement,
-            num_microbatches=self.schedule.num_microbatches,
-            batch_dims=self.batch_dims,
-            device=self.device,
-            has_loss=self.has_loss,
-            loss_weights=self.loss_weights,
-        )
-
-    def train(self, inputs: Any, targets: Any) -> float:
-        step = self._prepare("train", inputs, targets)
+    # ---- the protocol --------------------------------------------------------------------------
+    def train(self, batches: Sequence[tuple[Any, Any]]) -> list[float]:
+        """Train on ``batches`` (one mini-batch for a synchronous schedule, a window's for an asynchronous one);
+        each mini-batch's mean loss, alike on every rank."""
+        if self.windows is None:
+            if len(batches) != 1:
+                raise ValueError(f"a synchronous step trains one mini-batch, got {len(batches)}")
+            actions = self.train_actions
+        else:
+            table, actions = self.windows.get(len(batches))
+            self.interpreter.start_window(table)  # type: ignore[attr-defined]
+        self.per_minibatch = self._microbatches(len(batches))
+        step = self._prepare("train", batches, self.per_minibatch)
         self.tied.start_step()
-        self.checked = False
+        self.checked, self.stepped = False, {}
         for st in self.stages.values():
             st.aux_totals = {}
-        if self.meter is None:
-            self._run(self.train_actions, step)
-        else:
-            self.meter.reset()
-            with self.meter.hooks():
-                self._run(self.train_actions, step)
+        with self.meter.hooks() if self.meter is not None else nullcontext():
+            if self.meter is not None:
+                self.meter.reset()
+            self._run(actions, step, len(batches))
         self.tied.finish()
         self.check_finite()  # when the list had no STEP (no optimizer factory), the check runs here
-        loss = self._share_loss(step)
-        aux_local: dict[str, float] = {}
-        for st in self.stages.values():
-            for n, v in st.aux_totals.items():
-                aux_local[n] = aux_local.get(n, 0.0) + v
+        losses = self._share_losses(step, len(batches))
         if self.hybrid is not None:  # wait for the gradient reductions; the mean over the replicas
-            last = self.rank == self.schedule.placement[-1]
-            loss = self.hybrid.after_train(loss, targets if last else None, self.batch_dims[1])
-        self.losses = {"loss": loss, "aux_local": aux_local}
-        return loss
+            losses = self.hybrid.after_train(losses, self._samples(step), exact=self.loss_weights is not None)
+        self.losses = {"loss": losses[-1], "aux_local": self._aux()}
+        self.trained += len(batches)
+        return losses
 
     def eval(self, inputs: Any, merge_outputs: bool) -> Any:
-        step = self._prepare("eval", inputs, None)
+        step = self._prepare("eval", [(inputs, None)], self.schedule.num_microbatches)
         with torch.no_grad():
-            self._run(self.eval_actions, step)
+            self._run(self.eval_actions, step, 1)
         if self.hybrid is not None:
             self.hybrid.after_eval()
         if self.schedule.placement[-1] != self.rank:
@@ -124,13 +124,56 @@ class Runner:
         outputs = [step.outputs[i] for i in range(self.schedule.num_microbatches)]
         return merge(outputs) if merge_outputs else outputs
 
-    def check_finite(self) -> None:
-        """The step-end check of non-finite values (:mod:`.finite`), once per train step: at its first STEP action
-        (the schedule puts them at the end of each rank's list when checking) or after the list.
+    def _run(self, actions: tuple[Action, ...], step: Step, minibatches: int) -> None:
+        self.last_step, self.running = step, actions
+        self.transport.guard.reset_waiting()  # "waiting for" must be this step's
+        self.step_started = time.perf_counter()
+        norms: AbstractContextManager[Any] = nullcontext()
+        if self.norms is not None:
+            norms = self.norms.step(step.mode, minibatches, self.per_minibatch)
+        with norms:
+            self.interpreter.run(actions, step)
+        self.transport.finish_sends()
 
-        Every gradient must be final first: tied sums and the hybrid axes' reductions are waited for.
-        """
-        if self.finite is None or self.checked or self.last_step is None or self.last_step.mode != "train":
+    def _prepare(self, mode: str, batches: Sequence[tuple[Any, Any]], m: int) -> Step:
+        replicas = 1 if self.hybrid is None else self.hybrid.config.replicas
+        weighted = self.loss_weights is not None and replicas > 1
+        return prepare_window(
+            mode,
+            batches,
+            rank=self.rank,
+            placement=self.schedule.placement,
+            num_microbatches=m,
+            batch_dims=self.batch_dims,
+            device=self.device,
+            has_loss=self.has_loss,
+            loss_weights=self.loss_weights,
+            denominators=self._over_replicas if weighted and mode == "train" else None,
+        )
+
+    def _microbatches(self, minibatches: int) -> int:
+        """Micro-batches per mini-batch."""
+        if self.windows is None:
+            return self.schedule.num_microbatches
+        return self.windows.get(minibatches)[0].microbatches
+
+    def _over_replicas(self, totals: list[float]) -> list[float]:
+        """Each mini-batch's counted items over every data-parallel replica, divided by the replica count: the
+        weights then make the replicas' averaged gradient the global batch's token mean, however unevenly the
+        counted items fall over the replicas."""
+        t = torch.tensor(totals, dtype=torch.float64, device=self.device)
+        self.hybrid.mesh.all_reduce(t, ("dp", "sharding"), wait=self.transport.guard.wait, what="the counted items")
+        return [x / self.hybrid.config.replicas for x in t.tolist()]
+
+    # ---- checks and results --------------------------------------------------------------------
+    def check_finite(self) -> None:
+        """The step-end check of non-finite values (:mod:`..features.finite`), once per synchronous train step:
+        at its first STEP action (the schedule puts them at the end of each rank's list when checking) or after
+        the list. Every gradient must be final first: tied sums and the hybrid axes' reductions are waited for.
+        (Asynchronous schedules check each stage at each of its STEPs instead: :meth:`before_step`.)"""
+        if self.finite is None or self.windows is not None or self.checked:
+            return
+        if self.last_step is None or self.last_step.mode != "train":
             return
         self.checked = True
         self.tied.finish()
@@ -144,34 +187,50 @@ class Runner:
         """(A stage part: nothing at SYNC.)"""
 
     def before_step(self, stage: int) -> None:
-        """A stage part: the first STEP of a train step runs the check of non-finite values."""
-        self.check_finite()
+        """A stage part: a synchronous step's first STEP runs the collective check; an asynchronous window checks
+        the stage's own mini-batch at each of its STEPs (no collective: the stages step at different times)."""
+        if self.windows is None:
+            self.check_finite()
+            return
+        if self.finite is None or self.last_step is None:
+            return
+        k = self.stepped.get(stage, 0)
+        self.stepped[stage] = k + 1
+        if self.hybrid is not None:
+            self.hybrid.before_step(stage)
+        m = self.per_minibatch
+        last = stage == self.schedule.num_stages - 1
+        losses = {i: v for i, v in self.last_step.losses.items() if i // m == k} if last else {}
+        self.finite.check_stage(stage, self.trained + k, losses)
 
-    def _run(self, actions: tuple[Action, ...], step: Step) -> None:
-        self.last_step, self.running = step, actions
-        reset = getattr(self.transport, "reset_waiting", None)  # "waiting for" must be this step's
-        if reset is not None:
-            reset()
-        self.step_started = time.perf_counter()
-        if self.norms is None:
-            self.interpreter.run(actions, step)
-        else:
-            with self.norms.step(step.mode):
-                self.interpreter.run(actions, step)
-        self.transport.finish_sends()
+    def _share_losses(self, step: Step, n: int) -> list[float]:
+        """Each mini-batch's mean loss: computed where the last stage lives, broadcast over the pipeline group.
 
-    def _share_loss(self, step: Step) -> float:
-        """The step's mean loss: computed where the last stage lives, broadcast over the pipeline group.
-
-        A collective every rank issues once per train step, after its action list
-        (the one exchange of a step outside the schedule's point-to-point).
+        A collective every rank issues once per train step, after its action list (the one exchange of a
+        step outside the schedule's point-to-point).
         """
         owner = self.schedule.placement[-1]
-        value = 0.0
+        buf = torch.zeros(n, dtype=torch.float64, device=self.device)
         if self.rank == owner:
             assert step.weights is not None
-            value = sum(float(step.losses[i]) * w for i, w in enumerate(step.weights))
-        buf = torch.tensor([value], dtype=torch.float64, device=self.device)
+            m = len(step.weights) // n
+            values = [float(step.losses[i]) * w for i, w in enumerate(step.weights)]
+            buf += torch.tensor([sum(values[t * m : (t + 1) * m]) for t in range(n)], dtype=torch.float64)
         if self.schedule.num_ranks > 1:
-            self.transport.broadcast(buf, owner, f"the step's loss from rank {owner}")
-        return float(buf.item())
+            self.transport.broadcast(buf, owner, f"the step's losses from rank {owner}")
+        return [float(x) for x in buf.tolist()]
+
+    def _samples(self, step: Step) -> float | None:
+        """The rows this rank's mini-batches trained on (where the last stage lives), for the replicas' check."""
+        if step.targets is None:
+            return None
+        from .microbatch import batch_size
+
+        return float(sum(batch_size(t, self.batch_dims[1], "targets") for t in step.targets))
+
+    def _aux(self) -> dict[str, float]:
+        aux_local: dict[str, float] = {}
+        for st in self.stages.values():
+            for n, v in st.aux_totals.items():
+                aux_local[n] = aux_local.get(n, 0.0) + v
+        return aux_local

@@ -1,4 +1,10 @@
-"""One step's data: the mini-batch cut into micro-batches where it is needed, each loss weighted by its share."""
+"""One step's data: its mini-batches cut into micro-batches where they are needed, each loss weighted by its share.
+
+A synchronous train step is one mini-batch; an asynchronous window is several, one after another (micro-batch
+``i`` belongs to mini-batch ``i // m``). Either way each micro-batch's mean loss is weighted by its share of its
+mini-batch: of the rows, or of ``loss_weights(targets)`` summed over the mini-batch's micro-batches (e.g.
+non-ignored tokens; see :mod:`..losses`).
+"""
 
 from __future__ import annotations
 
@@ -10,11 +16,13 @@ import torch
 from .interpreter import Step
 from .microbatch import Dims, split
 
+#: per mini-batch, its local total of counted items -> the total its weights divide by (over the replicas)
+Denominators = Callable[[list[float]], list[float]]
 
-def prepare_step(
+
+def prepare_window(
     mode: str,
-    inputs: Any,
-    targets: Any,
+    batches: Sequence[tuple[Any, Any]],
     *,
     rank: int,
     placement: Sequence[int],
@@ -23,36 +31,68 @@ def prepare_step(
     device: torch.device,
     has_loss: bool,
     loss_weights: Callable[[Any], Any] | None = None,
+    denominators: Denominators | None = None,
 ) -> Step:
-    """The :class:`Step` of ``rank``: inputs where stage 0 is, targets and loss weights where the last stage is.
+    """The :class:`Step` of ``rank`` for ``batches`` (``(inputs, targets)`` per mini-batch): inputs where stage 0
+    is, targets and loss weights where the last stage is.
 
-    Each micro-batch's mean loss is weighted by its share of the batch: of the rows, or of
-    ``loss_weights(targets)`` summed over the micro-batches (e.g. non-ignored tokens; see :mod:`..losses`).
+    ``denominators``: what each mini-batch's weights divide by, from its local total (default: the total);
+    data-parallel replicas make it the total over every replica, so the mean is the global batch's.
     """
     m = num_microbatches
-    first, last = placement[0], placement[-1]
-    step = Step(mode, None, None, None)
-    sizes = None
-    if rank == first:
-        if inputs is None:
-            raise ValueError(f"rank {rank} holds stage 0, so {mode}_step needs the inputs")
-        chunks, sizes = split(inputs, m, batch_dims[0], "inputs")
-        step.inputs = [to_device(c, device) for c in chunks]
-    if mode == "train" and rank == last:
-        if targets is None:
-            raise ValueError(f"rank {rank} holds the last stage, so train_step needs the targets")
-        if not has_loss:
-            raise ValueError("train_step needs a loss: build the Pipeline with loss_fn=...")
-        chunks, target_sizes = split(targets, m, batch_dims[1], "targets")
-        if sizes is not None and sizes != target_sizes:
-            raise ValueError(f"inputs and targets disagree on the batch size: {sum(sizes)} vs {sum(target_sizes)}")
-        step.targets = [to_device(c, device) for c in chunks]
-        counts = target_sizes if loss_weights is None else [_count(loss_weights, c, i) for i, c in enumerate(chunks)]
-        total = sum(counts)
-        if total <= 0:
-            raise ValueError(f"loss_weights counted nothing to average over in the whole batch: {counts}")
-        step.weights = [n / total for n in counts]
+    first, last = rank == placement[0], rank == placement[-1]
+    step = Step(mode, [] if first else None, None, None)
+    if mode == "train" and last:
+        step.targets, step.weights = [], []
+    counts: list[list[float]] = []
+    for t, item in enumerate(batches):
+        if not (isinstance(item, (tuple, list)) and len(item) == 2):
+            raise ValueError(f"mini-batch {t} must be an (inputs, targets) pair, got {type(item).__name__}")
+        inputs, targets = item
+        where = f"{mode}_step" if len(batches) == 1 else f"mini-batch {t}"
+        sizes = None
+        if first:
+            if inputs is None:
+                raise ValueError(f"rank {rank} holds stage 0, so {where} needs the inputs")
+            chunks, sizes = split(inputs, m, batch_dims[0], "inputs")
+            step.inputs += [to_device(c, device) for c in chunks]  # type: ignore[operator]
+        if step.targets is not None:
+            if targets is None:
+                raise ValueError(f"rank {rank} holds the last stage, so {where} needs the targets")
+            if not has_loss:
+                raise ValueError("training needs a loss: build the Pipeline with loss_fn=...")
+            chunks, target_sizes = split(targets, m, batch_dims[1], "targets")
+            if sizes is not None and sizes != target_sizes:
+                raise ValueError(f"inputs and targets disagree on the batch size: {sum(sizes)} vs {sum(target_sizes)}")
+            step.targets += [to_device(c, device) for c in chunks]
+            if loss_weights is None:
+                counts.append([float(n) for n in target_sizes])
+            else:
+                counts.append([_count(loss_weights, c, t * m + i) for i, c in enumerate(chunks)])
+    if step.weights is not None:
+        step.weights += _weights(counts, denominators)
     return step
+
+
+def prepare_step(
+    mode: str,
+    inputs: Any,
+    targets: Any,
+    **where: Any,
+) -> Step:
+    """One mini-batch's :class:`Step` (see :func:`prepare_window`)."""
+    return prepare_window(mode, [(inputs, targets)], **where)
+
+
+def _weights(counts: list[list[float]], denominators: Denominators | None) -> list[float]:
+    totals = [sum(c) for c in counts]
+    over = totals if denominators is None else denominators(totals)
+    out: list[float] = []
+    for t, (c, total) in enumerate(zip(counts, over)):
+        if total <= 0:
+            raise ValueError(f"loss_weights counted nothing to average over in mini-batch {t}: {c}")
+        out += [n / total for n in c]
+    return out
 
 
 def _count(loss_weights: Callable[[Any], Any], targets: Any, i: int) -> float:

@@ -90,7 +90,7 @@ def check_batchnorm(value: Any) -> BatchNormPolicy | None:
     if isinstance(value, str) and value in MODES:
         return BatchNormPolicy(value)
     raise ValueError(
-        f"batchnorm= must be one of {', '.join(map(repr, MODES))} or a stagewise.BatchNormPolicy, got {value!r}"
+        f"batchnorm= must be one of {', '.join(map(repr, MODES))} or a stagewise.runtime.BatchNormPolicy, got {value!r}"
     )
 
 
@@ -218,9 +218,11 @@ class BatchNorms:
             mine = [bn for bn in batchnorm_layers(modules) if all(bn not in v for v in self.layers.values())]
             if mine:
                 self.layers[s] = mine
-        self.pending: dict[int, dict[int, Moments]] = {}  # stage -> id(layer) -> the step's moments so far
+        #: (stage, mini-batch) -> id(layer) -> the mini-batch's moments so far
+        self.pending: dict[tuple[int, int], dict[int, Moments]] = {}
         self.mode: str | None = None  # "train" / "eval" inside a step, else None
-        self.committed: set[int] = set()
+        self.committed: dict[int, int] = {}  # stage -> mini-batches committed in this step
+        self.minibatches, self.per_minibatch = 1, 0
         self._muted: list[tuple[nn.Module, dict[str, torch.Tensor] | None]] = []  # layers to restore, innermost last
         self._handles = []
         for s, layers in self.layers.items():
@@ -238,32 +240,41 @@ class BatchNorms:
         return out
 
     @contextmanager
-    def step(self, mode: str) -> Iterator[None]:
-        """Run one train or eval step; a train step commits, at its end, any stage no SYNC action committed."""
-        self.mode, self.pending, self.committed = mode, {}, set()
+    def step(self, mode: str, minibatches: int = 1, per_minibatch: int = 0) -> Iterator[None]:
+        """Run one train or eval step of ``minibatches`` mini-batches (an asynchronous window has several) of
+        ``per_minibatch`` micro-batches each; a train step commits, at its end, any mini-batch no SYNC did."""
+        self.mode, self.pending, self.committed = mode, {}, {}
+        self.minibatches, self.per_minibatch = minibatches, per_minibatch
         try:
             yield
         finally:
             self.mode = None
             while self._muted:  # left muted by a forward that raised
                 self._restore(*self._muted.pop())
-        if mode == "train":
+        if mode == "train" and self.deferred:
             self.mode = mode
             for s in self.layers:
-                self.on_sync(s)
+                while self.committed.get(s, 0) < self.minibatches:
+                    self.on_sync(s)
             self.mode = None
 
     def before_step(self, stage: int) -> None:
         """Nothing to wait for: the commit happened at SYNC."""
 
     def on_sync(self, stage: int) -> None:
-        """SYNC: the stage's forwards are done; commit its accumulated statistics (over replicas if asked)."""
-        if not self.deferred or self.mode != "train" or stage not in self.layers or stage in self.committed:
+        """SYNC: the stage's forwards of its next mini-batch are done; commit that mini-batch's statistics (over
+        the replicas if asked). A synchronous step has one SYNC per stage; an asynchronous window one per
+        mini-batch, in order."""
+        if not self.deferred or self.mode != "train" or stage not in self.layers:
             return
-        self.committed.add(stage)
-        got = self.pending.pop(stage, {})
-        layers = [bn for bn in self.layers[stage] if bn.running_var is not None]
-        parts = [got.get(id(bn)) or Moments.zeros(bn.running_var.numel(), bn.running_var.device) for bn in layers]
+        k = self.committed.get(stage, 0)
+        if k >= self.minibatches:
+            return
+        self.committed[stage] = k + 1
+        got = self.pending.pop((stage, k), {})
+        running = [(bn, bn.running_var) for bn in self.layers[stage] if bn.running_var is not None]
+        layers = [bn for bn, _ in running]
+        parts = [got.get(id(bn)) or Moments.zeros(var.numel(), var.device) for bn, var in running]
         if self.reduce is not None:
             sum_over_replicas(parts, self.reduce)
         for bn, stats in zip(layers, parts):
@@ -280,11 +291,12 @@ class BatchNorms:
             if not self.deferred:  # "micro", recomputed: run as the F did (checkpoint compares), then undo
                 self._muted.append((bn, {k: b.clone() for k, b in bn.named_buffers(recurse=False)}))
                 return
-            bn.track_running_stats = False  # normalise with the micro-batch's statistics, update nothing
+            bn.track_running_stats = False  # type: ignore[assignment]  # (a bool: torch stubs the attribute loosely)
             self._muted.append((bn, None))
             if forward and self.mode == "train":
                 seen = Moments.of(args[0])
-                acc = self.pending.setdefault(stage, {}).setdefault(id(bn), seen)
+                k = action.microbatch // self.per_minibatch if self.per_minibatch else 0  # type: ignore[union-attr,operator]
+                acc = self.pending.setdefault((stage, k), {}).setdefault(id(bn), seen)
                 if acc is not seen:
                     acc.add(seen)
 
@@ -298,7 +310,7 @@ class BatchNorms:
     @torch.no_grad()
     def _restore(bn: nn.Module, saved: dict[str, torch.Tensor] | None) -> None:
         if saved is None:
-            bn.track_running_stats = True
+            bn.track_running_stats = True  # type: ignore[assignment]  # (a bool: torch stubs the attribute loosely)
             return
         for k, b in bn.named_buffers(recurse=False):
             b.copy_(saved[k])
@@ -317,7 +329,7 @@ def attach_batchnorms(
     hybrid: Any,
     group: Any,
     num_microbatches: int,
-    wait: Callable[[list[Any], str], None] | None = None,
+    wait: Callable[[Sequence[Any], str], None] | None = None,
 ) -> BatchNorms:
     """Run this rank's BatchNorm layers under ``policy``; if it was not chosen and there are some, say so once.
 
@@ -359,7 +371,7 @@ def announce(found: dict[int, dict[str, int]], microbatches: int) -> None:
         microbatches,
         " SyncBatchNorm synchronises over its process_group in every training forward: only the ranks that hold "
         "its stage run it, so give it the stage's data-parallel group (or use BatchNorm with "
-        "stagewise.BatchNormPolicy('deferred', across_replicas=True))."
+        "stagewise.runtime.BatchNormPolicy('deferred', across_replicas=True))."
         if sync
         else "",
     )

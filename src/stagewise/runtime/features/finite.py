@@ -108,7 +108,9 @@ def findings(
     return out
 
 
-def message(everyone: list[dict[str, Any]], policy: str) -> str:
+def message(
+    everyone: list[dict[str, Any]], policy: str, where: str = "the train step", outcome: str | None = None
+) -> str:
     """One text, alike on every rank, from every rank's :func:`findings`."""
     parts = []
     loss = next((f for f in everyone if f["loss"] is not None), None)
@@ -118,12 +120,12 @@ def message(everyone: list[dict[str, Any]], policy: str) -> str:
         parts.append(f"stage {stage}'s loss for micro-batch {mb} is {value} (rank {loss['rank']})")
     if grad is not None:
         stage, name, k, value = grad["grad"]
-        where = "a tied module" if stage is None else f"stage {stage}"
+        place = "a tied module" if stage is None else f"stage {stage}"
         mb = "" if loss is None else f" (the first non-finite loss is micro-batch {loss['loss'][1]}'s)"
-        parts.append(f"{where}: gradient {name}[{k}] = {value} (rank {grad['rank']}){mb}")
+        parts.append(f"{place}: gradient {name}[{k}] = {value} (rank {grad['rank']}){mb}")
     found = "; ".join(parts) or "a non-finite value on some rank"
-    what = "no optimizer stepped" if policy == "raise" else "the step is skipped"
-    return f"non-finite values in the train step: {found}; {what} (nan_policy={policy!r})"
+    what = outcome or ("no optimizer stepped" if policy == "raise" else "the step is skipped")
+    return f"non-finite values in {where}: {found}; {what} (nan_policy={policy!r})"
 
 
 def drop_grads(params: Sequence[nn.Parameter]) -> None:
@@ -144,8 +146,10 @@ class FiniteCheck:
         reduce: Callable[[torch.Tensor], None],
         gather: Callable[[Any], list[Any]],
         device: torch.device,
+        post: Callable[[str], Any] | None = None,
     ) -> None:
         check_policy(policy)
+        self.post = post  # posts a failure found on this rank alone on the error board
         self.policy = policy
         self.rank = rank
         self.named = list(named)
@@ -154,6 +158,25 @@ class FiniteCheck:
         self.gather = gather
         self.device = device
         self.skipped = 0
+
+    def check_stage(self, stage: int, minibatch: int, losses: dict[int, torch.Tensor]) -> None:
+        """An asynchronous window's STEP of ``stage`` for mini-batch ``minibatch`` of the stream: this stage's own
+        gradients (and, on the last stage, that mini-batch's losses), checked here alone, before the stage's
+        optimizer steps. Only ``"raise"``: the stages step at different times, so no rank can skip a
+        mini-batch on every rank (:mod:`..combinations` refuses ``"skip"``); the failure is posted and every
+        rank stops, naming this one."""
+        mine = [(n, p) for n, p in self.named if self.stage_of.get(id(p)) == stage]
+        grads = [p.grad for _, p in mine if p.grad is not None]
+        flag = any_non_finite([losses[i] for i in sorted(losses)], grads, self.device)
+        if float(flag.item()) == 0.0:
+            return
+        found = findings(self.rank, losses, mine, self.stage_of, stage if losses else None)
+        if found["loss"] is None and found["grad"] is None:
+            return  # only an overflowing sum: every value is finite
+        text = message([found], self.policy, f"mini-batch {minibatch} of the stream", f"stage {stage} did not step")
+        if self.post is not None:
+            self.post(f"rank {self.rank}: {text}")  # the others learn it at their next wait, naming this rank
+        raise PipelineError(text)
 
     def __call__(self, losses: dict[int, torch.Tensor], last_stage: int | None) -> bool:
         """True if the step must be skipped; raises under ``"raise"``; False when every value is finite."""
@@ -173,15 +196,16 @@ class FiniteCheck:
         return True
 
 
-def finite_check(pipe: Any, policy: str | None) -> FiniteCheck | None:
-    """The check for a Pipeline (None for ``nan_policy=None``): reduced over the whole mesh (or the pipeline
-    group), within its deadline."""
+def finite_check(
+    policy: str | None, runner: Any, transport: Any, hybrid: Any, named: Sequence[tuple[str, nn.Parameter]]
+) -> FiniteCheck | None:
+    """The check for a pipeline (None for ``nan_policy=None``): reduced over the whole mesh (or the pipeline
+    group), within its deadline. ``named``: the pipeline's parameters under their one-process names."""
     if policy is None:
         return None
     from ..comm.collectives import gather_json
 
-    hybrid, transport = pipe.hybrid, pipe.transport
-    stage_of = {id(p): s for s, st in pipe._runner.stages.items() for m in st.modules for p in m.parameters()}
+    stage_of = {id(p): s for s, st in runner.stages.items() for m in st.modules for p in m.parameters()}
     group = None if hybrid is not None else transport.group  # the mesh spans the world
 
     def reduce(flag: torch.Tensor) -> None:
@@ -193,6 +217,6 @@ def finite_check(pipe: Any, policy: str | None) -> FiniteCheck | None:
             hybrid.reduce(flag, "sum", tuple(a for a in AXES if a != "pp"))
 
     def gather(obj: Any) -> list[Any]:
-        return gather_json(obj, group, transport.wait, "where the non-finite values are")
+        return gather_json(obj, group, transport.guard.wait, "where the non-finite values are")
 
-    return FiniteCheck(policy, pipe.rank, list(pipe.named_parameters()), stage_of, reduce, gather, pipe.device)
+    return FiniteCheck(policy, runner.rank, named, stage_of, reduce, gather, runner.device, transport.guard.fail)

@@ -81,7 +81,7 @@ class ActivationMeter:
         ptr = t.untyped_storage().data_ptr()
         if ptr in self.param_storages or t.numel() == 0:
             return t
-        key = (ptr, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        key = (ptr, int(t.storage_offset()), tuple(t.shape), tuple(t.stride()), t.dtype)
         entry = self.live.get(key)
         if entry is None:
             nbytes = t.numel() * t.element_size()

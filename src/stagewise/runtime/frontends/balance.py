@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_map
 from ...ir import Kind, Schedule
 from ...partition import PartitionSpec, check_options, needs_profile
 from ..comm import collectives, groups
-from ..comm.faults.waits import setup_waits
+from ..comm.faults.guard import setup_guard
 from ..errors import PipelineError
 from ..measure.profiling import LayerProfile, measure_layers, preserved_state, steadiest, with_checkpoint_cost
 from .layers import LayerLike, build_layer
@@ -89,7 +89,7 @@ def on_first_rank(group: Any, fn: Callable[[], T], what: str, timeout: float = 3
     on the run's board (``store``: the c10d store, None for the default group's), as a pipeline's own waits
     do: a rank that dies or stops meanwhile is named, not waited for.
     """
-    waits = setup_waits(timeout, store)
+    waits = setup_guard(timeout, store)
     try:
         if groups.group_rank(group) == 0:
             try:
@@ -104,7 +104,7 @@ def on_first_rank(group: Any, fn: Callable[[], T], what: str, timeout: float = 3
         waits.close()
     if status == "error":
         raise PipelineError(f"rank 0 of the pipeline group failed while {what}: {value}")
-    return _unplain(value)  # type: ignore[no-any-return]
+    return _unplain(value)
 
 
 def _plain(value: Any) -> Any:

@@ -1,4 +1,4 @@
-"""``Pipeline.from_model``: an unmodified ``nn.Module`` cut into stages by :func:`stagewise.split_model`, pipelined.
+"""``Pipeline.from_model``: an unmodified ``nn.Module`` cut into stages (:func:`stagewise.runtime.split_model`).
 
 ::
 
@@ -40,7 +40,7 @@ micro-batch (call ``reset_shapes()`` when it changes).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import chain
 from typing import TYPE_CHECKING, Any
@@ -48,19 +48,18 @@ from typing import TYPE_CHECKING, Any
 from torch import fx, nn
 
 from ...ir import Schedule
-from ...partition import PartitionSpec, check_options, needs_profile, stage_counts
-from ..comm import groups
-from ..context import PipelineContext, resolve_context, resolve_schedule
+from ...partition import check_options, needs_profile, stage_counts
 from ..measure.profiling import LayerProfile, model_blocks, profile_blocks, steadiest
-from ..options import RunOptions
 from .balance import ROUNDS, caps_explained, in_flight, on_first_rank, per_stage
+from .parts import BUILT_MODEL, Parts
 from .split import SplitError, collect_tags, split_model
 from .split.trace import first_calls, trace
-from .stages import BuiltStages
+from .tied import TiedCall
 from .ties import found_ties, save_once, unsaved_names
 
 if TYPE_CHECKING:
-    from ..pipeline import Pipeline
+    from ..context import PipelineContext
+    from ..options import Options
 
 log = logging.getLogger(__name__)
 
@@ -80,135 +79,83 @@ class ModelCut:
     blocks: tuple[str, ...]
 
 
-def from_model(
-    cls: type[Pipeline],
-    model: nn.Module,
-    *,
-    stages: int | None = None,
-    partition: PartitionSpec | None = None,
-    sample_inputs: Any = None,
-    speeds: Sequence[float] | None = None,
-    memory_caps: Sequence[float] | None = None,
-    concrete_args: dict[str, Any] | None = None,
-    free_unused: bool = True,
-    schedule: str | Schedule = "1f1b",
-    microbatches: int | None = None,
-    virtual_stages: int | None = None,
-    group: Any = None,
-    device: Any = None,
-    **options: Any,
-) -> Pipeline:
-    """A :class:`~stagewise.Pipeline` of ``model``, cut at its tags or (untagged) into ``stages`` among its blocks.
+class FromModel:
+    """``Pipeline.from_model(model, ...)``: an unmodified module, cut at its tags or among its top-level blocks."""
 
-    ``stages`` defaults to the schedule's stage count; with a schedule name
-    and no ``virtual_stages``, ``stages`` divided by the group size gives the
-    virtual stages per rank (4 stages on 2 ranks with ``"zb-v"``). A tagged
-    model's stage count is its largest tag + 1. ``partition`` (untagged
-    only): ``"uniform"`` (default), ``"parameters"``, ``"time"``,
-    ``"memory"`` or block counts per stage; ``speeds`` and ``memory_caps``
-    (bytes) are per rank, as for a layer list. ``concrete_args`` goes to
-    torch.fx. ``free_unused``: free the other ranks' stages of ``model``
-    (see the module docstring). Every other option (``loss_fn``,
-    ``optimizer``, ``device``, ``batch_dim``, ``timeout``, ...) is the
-    Pipeline's.
-    """
-    _refuse(model, options)
-    options = {k: v for k, v in options.items() if k not in ("parallel", "tp_plan")}
-    tags = collect_tags(model)
-    if tags:
-        stages = _tagged_stages(tags, stages, partition, speeds, memory_caps)
-    source = "tags" if tags else ""
-    ctx, run = frontend_context(schedule, stages, microbatches, virtual_stages, group, device, options, source)
-    sched, pg = ctx.schedule, ctx.group
-    n = sched.num_stages
-    measured: LayerProfile | None = None
-    if tags:
-        split = split_model(model, concrete_args=concrete_args)
-        counts = [1] * n
-    else:
-        how = partition or "uniform"
-        counts, measured = _block_counts(
-            model, sched, how, sample_inputs, speeds, memory_caps, concrete_args, pg, (run.timeout, run.store)
-        )
-        split = split_model(model, stages=n, partition=counts, concrete_args=concrete_args)
-    mine = {k: split.stage_modules[k] for k in ctx.local_stages}
-    starts = [sum(counts[:k]) for k in range(n + 1)]
-    tied = found_ties(model, split.tied, starts[:-1])  # a parameter used on several stages: summed as sw.Tied
-    unsaved = unsaved_names(split.stage_modules, split.tied, sched.placement, ctx.rank, model)
-    if free_unused:
-        free_unheld(model, mine.values())
-    names = sorted({name for gm in split.stage_modules for name in _attributes(gm)})
-    cut = ModelCut(split.stage_inputs, dict(split.module_stages), split.blocks)
-    del split  # it holds every stage; this rank keeps its own only
-    transient = non_persistent(model)
+    entry = "Pipeline.from_model"
+    refused = {"seed": BUILT_MODEL}
 
-    def register(root: nn.Module) -> None:
-        _adopt(root, mine, names, transient)
-        save_once(root, unsaved)
+    def __init__(self, model: nn.Module) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"from_model needs an nn.Module, got {type(model).__name__}")
+        if _is_transformers_model(model):
+            raise TypeError(
+                f"from_model traces a model with torch.fx, which transformers' forwards do not survive; "
+                f"{type(model).__name__} is a transformers model: use Pipeline.from_hf(model, ...) (causal LMs)"
+            )
+        declared = [name for name, m in model.named_modules() if isinstance(m, TiedCall)]
+        if declared:
+            raise ValueError(
+                f"from_model: the model holds sw.Tied uses ({', '.join(declared)}), which only a layer list reads; "
+                "tie a built model's weights as PyTorch does (head.weight = embed.weight) and from_model finds them, "
+                "or give the layer list to Pipeline(layers)"
+            )
+        self.model = model
+        self.tags = collect_tags(model)
 
-    parts = BuiltStages(
-        modules={k: [gm] for k, gm in mine.items()},
-        register=register,
-        layer_ranges=[range(a, b) for a, b in zip(starts, starts[1:])],  # blocks (untagged) or stage modules
-        profile=measured,
-        model_cut=cut,
-        tied=tied,
-    )
-    return cls._from_parts(ctx, parts, run)
+    def defaults(self, options: Options) -> Options:
+        if self.tags:
+            chosen = [n for n in ("partition", "speeds", "memory_caps") if options.is_given(n)]
+            if chosen:
+                verb = "does" if len(chosen) == 1 else "do"
+                raise SplitError(
+                    f"the model has pipeline_stage tags ({len(self.tags)} modules), so "
+                    f"{', '.join(n + '=' for n in chosen)} {verb} not apply; remove the tags to let from_model "
+                    "choose cut points"
+                )
+        return options
 
+    def stage_count(self, options: Options) -> int | None:
+        return max(self.tags.values()) + 1 if self.tags else None
 
-def _refuse(model: Any, options: dict[str, Any]) -> None:
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"from_model needs an nn.Module, got {type(model).__name__}")
-    if "seed" in options or "layers" in options:
-        raise TypeError("from_model trains the model's own parameters: seed= and layers= apply to Layer lists only")
-    if options.get("parallel") is not None or options.get("tp_plan") is not None:
-        raise NotImplementedError(
-            "from_model does not support parallel= / tp_plan= yet; give the Pipeline a list of layers for "
-            "hybrid parallelism"
+    def build(self, ctx: PipelineContext, options: Options) -> Parts:
+        model, sched = self.model, ctx.schedule
+        n = sched.num_stages
+        measured: LayerProfile | None = None
+        if self.tags:
+            split = split_model(model, concrete_args=options.concrete_args)
+            counts = [1] * n
+        else:
+            counts, measured = _block_counts(model, sched, options, ctx.cut_group)
+            split = split_model(model, stages=n, partition=counts, concrete_args=options.concrete_args)
+        mine = {k: split.stage_modules[k] for k in ctx.local_stages}
+        starts = [sum(counts[:k]) for k in range(n + 1)]
+        tied = found_ties(model, split.tied, starts[:-1])  # a parameter used on several stages: summed as sw.Tied
+        unsaved = unsaved_names(split.stage_modules, split.tied, sched.placement, ctx.rank, model)
+        if options.free_unused:
+            free_unheld(model, mine.values())
+        names = sorted({name for gm in split.stage_modules for name in _attributes(gm)})
+        cut = ModelCut(split.stage_inputs, dict(split.module_stages), split.blocks)
+        del split  # it holds every stage; this rank keeps its own only
+        transient = non_persistent(model)
+
+        def register(root: nn.Module) -> None:
+            _adopt(root, mine, names, transient)
+            save_once(root, unsaved)
+
+        return Parts(
+            modules={k: [gm] for k, gm in mine.items()},
+            register=register,
+            layer_ranges=[range(a, b) for a, b in zip(starts, starts[1:])],  # blocks (untagged) or stage modules
+            profile=measured,
+            model_cut=cut,
+            tied=tied,
         )
 
 
-def _tagged_stages(
-    tags: dict[str, int],
-    stages: int | None,
-    partition: PartitionSpec | None,
-    speeds: Sequence[float] | None,
-    memory_caps: Sequence[float] | None,
-) -> int:
-    """A tagged model's stage count (its largest tag + 1); options that choose cut points do not apply."""
-    if partition is not None or speeds is not None or memory_caps is not None:
-        raise SplitError(
-            f"the model has pipeline_stage tags ({len(tags)} modules), so partition=, speeds= and memory_caps= "
-            "do not apply; remove the tags to let from_model choose cut points"
-        )
-    tagged = max(tags.values()) + 1
-    if stages is not None and stages != tagged:
-        raise ValueError(f"stages={stages}, but the model's tags name {tagged} stages (0 to {tagged - 1})")
-    return tagged
-
-
-def frontend_context(
-    schedule: str | Schedule,
-    stages: int | None,
-    microbatches: int | None,
-    virtual_stages: int | None,
-    group: Any,
-    device: Any,
-    options: dict[str, Any],
-    source: str = "",
-) -> tuple[PipelineContext, RunOptions]:
-    """A frontend's context (the schedule for ``stages`` stages on the group) and its options, checked before
-    anything communicates."""
-    run = RunOptions(**options)
-    groups.require_initialized()
-    size = groups.group_size(groups.group_or_world(group))
-    sched = schedule_for_stages(schedule, size, stages, microbatches, virtual_stages, source)
-    ctx = resolve_context(
-        schedule=sched, microbatches=None, virtual_stages=None, group=group, device=device,
-        optimizer_steps=run.step_placement,
-    )  # fmt: skip
-    return ctx, run
+def _is_transformers_model(model: nn.Module) -> bool:
+    """A transformers ``PreTrainedModel`` (by its classes' modules: transformers is not imported for this)."""
+    return any(c.__module__.split(".")[0] == "transformers" for c in type(model).__mro__)
 
 
 def free_unheld(model: nn.Module, held: Iterable[nn.Module]) -> None:
@@ -217,45 +164,12 @@ def free_unheld(model: nn.Module, held: Iterable[nn.Module]) -> None:
     log.info("stagewise: freed %.1f MB of other ranks' stages", free_other_stages(model, keep) / 2**20)
 
 
-def schedule_for_stages(
-    schedule: str | Schedule,
-    num_ranks: int,
-    stages: int | None,
-    microbatches: int | None,
-    virtual_stages: int | None,
-    source: str,
-) -> Schedule:
-    """The schedule to run, with as many stages as the model is cut into."""
-
-    what = f"the model's {source} name {stages} stages" if source else f"stages={stages}"
-    if isinstance(schedule, str) and stages is not None and virtual_stages is None:
-        if stages % num_ranks:
-            raise ValueError(f"{what}, which do not divide evenly over {num_ranks} ranks")
-        try:
-            return resolve_schedule(schedule, num_ranks, microbatches, stages // num_ranks)
-        except ValueError as err:
-            raise ValueError(
-                f"{what} on {num_ranks} ranks ({stages // num_ranks} per rank), which schedule {schedule!r} "
-                f"cannot run: {err}"
-            ) from err
-    sched = resolve_schedule(schedule, num_ranks, microbatches, virtual_stages)
-    if stages is not None and sched.num_stages != stages:
-        raise ValueError(f"{what}, but schedule {sched.name!r} on {num_ranks} ranks runs {sched.num_stages} stages")
-    return sched
-
-
 def _block_counts(
-    model: nn.Module,
-    sched: Schedule,
-    how: PartitionSpec,
-    sample_inputs: Any,
-    speeds: Sequence[float] | None,
-    memory_caps: Sequence[float] | None,
-    concrete_args: dict[str, Any] | None,
-    group: Any,
-    deadline: tuple[float, Any] = (300.0, None),
+    model: nn.Module, sched: Schedule, options: Options, group: Any
 ) -> tuple[list[int], LayerProfile | None]:
     """How many top-level blocks each stage gets, the same on every rank; and the profile it came from."""
+    how, speeds, memory_caps = options.partition, options.speeds, options.memory_caps
+    sample_inputs, concrete_args = options.sample_inputs, options.concrete_args
     named = dict(model_blocks(model))
     blocks = first_calls(trace(model, set(named), concrete_args).graph, list(named))
     n, num_stages = len(blocks), sched.num_stages
@@ -274,7 +188,8 @@ def _block_counts(
             group,
             lambda: steadiest(lambda: profile_blocks(model, [(b, named[b]) for b in blocks], args), ROUNDS),
             "profiling the model's blocks",
-            *deadline,  # the pipeline's timeout and store
+            options.timeout,
+            options.store,
         )
     with caps_explained(sched, memory_caps):
         counts = stage_counts(
@@ -302,7 +217,8 @@ def free_other_stages(model: nn.Module, keep: set[int]) -> int:
                     continue
                 freed += t.numel() * t.element_size()
                 meta = t.detach().to("meta")
-                store[name] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+                held = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+                store[name] = held  # type: ignore[assignment]  # (the buffers' dict holds plain tensors)
     return freed
 
 

@@ -69,6 +69,7 @@ def call_layer(layer: Callable[..., Any], x: Any) -> Any:
 
 def named_layers(layers: Layers) -> list[tuple[str, LayerLike]]:
     """The model's layers in order, named as in the original model (``"0"``, ``"embed"``, ...)."""
+    named: list[tuple[str, LayerLike]]
     if isinstance(layers, nn.Sequential):
         named = list(layers.named_children())
     elif isinstance(layers, Mapping):
@@ -106,20 +107,6 @@ class Chain(nn.Sequential):
         for layer in self.children():
             x = call_layer(layer, x)
         return x
-
-
-def build_model(layers: Layers, seed: int = 0) -> Chain:
-    """The whole model in one process, equal to what a Pipeline with the same ``seed`` builds.
-
-    Use it as the reference: ``loss_fn(build_model(layers, seed)(x), y).backward()``
-    gives the gradients ``Pipeline(layers, seed=seed).train_step(x, y)`` gives,
-    and ``named_parameters()`` names match.
-    """
-    from .tied import TiedBuilder  # a tied module (sw.Tied) is built once, registered at its first use
-
-    named = named_layers(layers)
-    builder = TiedBuilder(named, seed)
-    return Chain([(name, builder.build(layer, k)) for k, (name, layer) in enumerate(named)])
 
 
 def parameter_count(layer: LayerLike) -> int:

@@ -1,48 +1,87 @@
-"""Run a plan: map a :class:`~stagewise.Plan` to the ``Pipeline`` keywords that execute it."""
+"""``Pipeline.from_plan``: a :class:`~stagewise.Plan` from :func:`stagewise.plan`, run on a layer list.
+
+The plan fixes the layout and the schedule (``schedule``, ``microbatches``, ``virtual_stages``,
+``partition``, ``recompute``, ``parallel``); everything else comes from the caller's options. Giving one
+of the plan's own options is an error, so a run cannot silently differ from what was predicted - except
+``parallel=`` a built :class:`~stagewise.Mesh` of the plan's own layout, so that several pipelines of one
+layout share one set of process groups (each gloo group keeps a polling thread alive for the run).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 from ...planning import Plan
-from ..hybrid.mesh import Mesh
-from ..pipeline import Pipeline
+from ...schedules import is_asynchronous
+from .layer_list import LayerList
+from .layers import Layers
+from .parts import Parts
+
+if TYPE_CHECKING:
+    from ..context import PipelineContext
+    from ..options import Options
 
 
-def pipeline_from_plan(plan: Plan, layers: Any, **pipeline_options: Any) -> Pipeline:
-    """``sw.Pipeline(layers, schedule=..., microbatches=..., virtual_stages=..., partition=counts, recompute=...,
-    parallel=ParallelConfig(...), **pipeline_options)`` for ``plan``.
+class FromPlan:
+    """The plan's options on top of the caller's, then the layer list cut by the plan's partition."""
 
-    The plan fixes the layout and the schedule; everything else (``loss_fn``,
-    ``tp_plan``, ``optimizer``, ``seed``, ...) comes from ``pipeline_options``.
-    Passing one of the plan's own keywords there is an error, so a run cannot
-    silently differ from what was predicted - except ``parallel=`` a built
-    :class:`~stagewise.Mesh` of the plan's own layout, so that several
-    pipelines of one layout share one set of process groups (each gloo group
-    keeps a polling thread alive for the rest of the run).
-    """
-    if not isinstance(plan, Plan):
-        raise TypeError(f"pipeline_from_plan: expected a stagewise Plan, got {type(plan).__name__}")
-    options = plan.pipeline_options()
-    mesh = pipeline_options.get("parallel")
-    if isinstance(mesh, Mesh):
-        if mesh.config != plan.layout:
+    entry = "Pipeline.from_plan"
+    refused: dict[str, str] = {}
+
+    def __init__(self, plan: Plan, layers: Layers) -> None:
+        if not isinstance(plan, Plan):
+            raise TypeError(f"Pipeline.from_plan: expected a stagewise Plan, got {type(plan).__name__}")
+        if is_asynchronous(plan.schedule):
             raise ValueError(
-                f"pipeline_from_plan: parallel= is a mesh of {mesh.config.describe()}, "
-                f"the plan ({plan.describe()}) needs {plan.layout.describe()}"
+                f"Pipeline.from_plan: plans run synchronous schedules (the planner searches those only), "
+                f"got {plan.schedule!r}: build Pipeline(layers, schedule={plan.schedule!r}, ...) instead"
             )
-        options["parallel"] = pipeline_options.pop("parallel")
-    clash = sorted(set(options) & set(pipeline_options))
-    if clash:
+        self.plan = plan
+        self.layers = LayerList(layers, entry=self.entry)
+        n = len(self.layers.named)
+        if n != sum(plan.partition):
+            raise ValueError(
+                f"Pipeline.from_plan: the plan cuts {sum(plan.partition)} layers {list(plan.partition)}, "
+                f"but {n} layers were given"
+            )
+
+    def defaults(self, options: Options) -> Options:
+        plan = self.plan
+        own: dict[str, Any] = plan.pipeline_options()
+        mesh = options.parallel if options.is_given("parallel") else None
+        if mesh is not None and not _is_plan_mesh(mesh, plan):
+            raise ValueError(
+                f"Pipeline.from_plan: parallel= must be left out or be a built Mesh of the plan's layout "
+                f"({plan.layout.describe()}), got {mesh!r}"
+            )
+        clash = sorted(k for k in own if options.is_given(k) and k != "parallel")
+        if clash:
+            raise ValueError(
+                f"Pipeline.from_plan: {', '.join(k + '=' for k in clash)} are set by the plan ({plan.describe()}); "
+                "leave them out of the options"
+            )
+        if mesh is not None:
+            own["parallel"] = mesh
+        if plan.layout.tp > 1 and options.tp_plan is None:
+            raise ValueError(f"Pipeline.from_plan: the plan uses tp={plan.layout.tp}; pass tp_plan= for its layers")
+        return replace(options, **own)
+
+    def stage_count(self, options: Options) -> int | None:
+        return None
+
+    def build(self, ctx: PipelineContext, options: Options) -> Parts:
+        return self.layers.build(ctx, options)
+
+
+def _is_plan_mesh(mesh: Any, plan: Plan) -> bool:
+    from ..hybrid.mesh import Mesh
+
+    if not isinstance(mesh, Mesh):
+        return False
+    if mesh.config != plan.layout:
         raise ValueError(
-            f"pipeline_from_plan: {clash} are set by the plan ({plan.describe()}); leave them out of the options"
+            f"Pipeline.from_plan: parallel= is a mesh of {mesh.config.describe()}, "
+            f"the plan ({plan.describe()}) needs {plan.layout.describe()}"
         )
-    n_layers = len(layers) if hasattr(layers, "__len__") else None
-    if n_layers is not None and n_layers != sum(plan.partition):
-        raise ValueError(
-            f"pipeline_from_plan: the plan cuts {sum(plan.partition)} layers {list(plan.partition)}, "
-            f"but {n_layers} layers were given"
-        )
-    if plan.layout.tp > 1 and pipeline_options.get("tp_plan") is None:
-        raise ValueError(f"pipeline_from_plan: the plan uses tp={plan.layout.tp}; pass tp_plan= for its layers")
-    return Pipeline(layers, **options, **pipeline_options)
+    return True

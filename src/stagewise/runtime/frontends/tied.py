@@ -52,7 +52,7 @@ class Tied(Layer):
         self.key = key
         self.layer = layer
         self.forward_fn = forward_fn
-        self.factory, self.args, self.kwargs = type(self), (), {}
+        self.factory, self.args, self.kwargs = type(self), (), {}  # type: ignore[assignment]  # (a spec, not built)
 
     def build(self, seed: int | None = None) -> nn.Module:
         """The module alone (for parameter counts and profiles); a later use holds no parameters of its own."""
@@ -78,7 +78,9 @@ class TiedCall(nn.Module):
 
     @property
     def target(self) -> nn.Module:
-        return self._modules["module"] if "module" in self._modules else self.__dict__["shared"]
+        module = self._modules["module"] if "module" in self._modules else self.__dict__["shared"]
+        assert isinstance(module, nn.Module)
+        return module
 
     def forward(self, *x: Any) -> Any:
         fn = self.__dict__["forward_fn"]
@@ -129,6 +131,12 @@ class TiedBuilder:
                         "whole under tensor parallelism (their gradient is summed across stages); leave them out "
                         "of tp_plan"
                     )
+
+    def parameter_ids(self) -> set[int]:
+        """ids of the tied parameters already in memory (built, or given as modules): the hybrid axes leave these
+        alone, whose gradients :class:`TiedSync` reduces itself over every copy and replica."""
+        modules = [*self.built.values(), *(m for _, _, m in self.first.values() if isinstance(m, nn.Module))]
+        return {id(p) for m in modules for p in m.parameters()}
 
     def shared(self, key: str) -> nn.Module:
         if key not in self.built:
@@ -204,17 +212,18 @@ class TiedSync:
         self.groups: dict[str, Any] = {}
         self.replicas = 1 if mesh is None else mesh.config.replicas
         global_ranks = groups.global_ranks(group)
+        world = mesh is not None or len(global_ranks) == groups.world_size()
         for key in sorted(builder.uses):
             stages = {s for s, r in enumerate(ranges) for k in builder.uses[key] if k in r}
             owners = sorted({placement[s] for s in stages})
-            members = [global_ranks[r] for r in owners] if mesh is None else _replicated(mesh, owners)
-            if len(members) > 1:
-                group_k = call(
-                    lambda m=members, o=owners: groups.new_subgroup(m, member=rank in o),  # type: ignore[misc]
-                    f"the process group of tied key {key!r} (global ranks {members})",
+            every = [[global_ranks[r] for r in owners]] if mesh is None else _replicated(mesh, owners)
+            if len(every[0]) > 1:
+                made = call(
+                    lambda e=every, o=owners: _groups(e, rank in o, world),  # type: ignore[misc]
+                    f"the process group of tied key {key!r} (global ranks {every})",
                 )
                 if rank in owners:
-                    self.groups[key] = group_k
+                    self.groups[key] = made
             if rank in owners:
                 module = builder.shared(key)
                 self.local[key] = (module, {s for s in stages if placement[s] == rank})
@@ -282,9 +291,26 @@ class TiedSync:
         return 1
 
 
-def _replicated(mesh: Any, owners: Sequence[int]) -> list[int]:
-    """Global ranks of pipeline ranks ``owners`` in every replica (dp x sharding), at this rank's tp coordinate."""
-    c, tp = mesh.config, mesh.coords.tp
-    return sorted(
-        c.rank_of(pp=o, dp=d, sharding=s, tp=tp) for o in owners for d in range(c.dp) for s in range(c.sharding)
-    )
+def _replicated(mesh: Any, owners: Sequence[int]) -> list[list[int]]:
+    """Global ranks of pipeline ranks ``owners`` in every replica (dp x sharding), one list per tp coordinate;
+    this rank's coordinate first."""
+    c, mine = mesh.config, mesh.coords.tp
+    order = [mine] + [t for t in range(c.tp) if t != mine]
+    return [
+        sorted(c.rank_of(pp=o, dp=d, sharding=s, tp=t) for o in owners for d in range(c.dp) for s in range(c.sharding))
+        for t in order
+    ]
+
+
+def _groups(every: list[list[int]], member: bool, world: bool) -> Any:
+    """The tied key's group of this rank (the first of ``every``), made with the process groups alike on every
+    rank when the pipeline spans the world (every rank makes every group, in one order: torch's groups made by
+    their members only leave the ranks' later groups out of step), else by its members only."""
+    if not world:
+        return groups.new_subgroup(every[0], member)
+    mine = None
+    for members in sorted(every):
+        made = groups.new_world_subgroup(members)
+        if members == every[0]:
+            mine = made
+    return mine if member else None

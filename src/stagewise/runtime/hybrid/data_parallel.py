@@ -29,7 +29,7 @@ from .tensor_parallel import local
 #: the default bucket size, as ``DistributedDataParallel``'s
 BUCKET_BYTES = 25 * 1024 * 1024
 
-Wait = Callable[[list[Any], str], None]
+Wait = Callable[[Sequence[Any], str], None]
 
 
 @dataclass

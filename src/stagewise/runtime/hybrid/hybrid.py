@@ -17,7 +17,7 @@ split parameter is a DTensor under its own name.
 
 from __future__ import annotations
 
-from collections.abc import Container
+from collections.abc import Container, Sequence
 from typing import Any
 
 import torch
@@ -25,7 +25,7 @@ from torch import nn
 
 from ...parallel import AXES, ParallelConfig
 from ..comm import groups
-from ..engine.microbatch import Dims, batch_size, split
+from ..engine.microbatch import Dims, split
 from . import sharding as zero
 from .data_parallel import GradAverager, Wait
 from .mesh import Mesh, build_mesh
@@ -85,7 +85,7 @@ class Hybrid:
             shard_mesh = self.mesh.sub("dp", "sharding") if c.dp > 1 else self.mesh.sub("sharding")
             self._units = {s: zero.shard_layers(layers, shard_mesh, whole) for s, layers in stages.items()}
         elif c.dp > 1:
-            params = {
+            params: dict[int, Sequence[nn.Parameter]] = {
                 s: [p for m in layers for p in m.parameters() if p.requires_grad and id(p) not in whole]
                 for s, layers in stages.items()
             }
@@ -117,21 +117,26 @@ class Hybrid:
         if self._averager is not None:
             self._averager.finish(stage)
 
-    def after_train(self, loss: float, targets: Any, dims: Dims) -> float:
-        """Every reduction done; the loss averaged over the replicas (``targets`` where the last stage is)."""
+    def after_train(self, losses: list[float], samples: float | None, *, exact: bool = False) -> list[float]:
+        """Every reduction done; each mini-batch's loss averaged over the replicas.
+
+        ``samples``: the rows this replica trained on (where the last stage is; None elsewhere). Replicas
+        average their gradients with equal weights, so, unless the losses were weighted over every replica
+        already (``exact``: ``loss_weights=``), they must have trained on equally many rows.
+        """
         self.before_step()
-        n = 0.0 if targets is None else float(batch_size(targets, dims, "targets"))
-        total = torch.tensor([loss, n, n * n], dtype=torch.float64, device=self.mesh.device_type)
+        n = 0.0 if samples is None else float(samples)
+        total = torch.tensor([*losses, n, n * n], dtype=torch.float64, device=self.mesh.device_type)
         self.mesh.all_reduce(total, ("dp", "sharding"), wait=self._wait, what="the step's loss")
-        loss_sum, n_sum, sq_sum = total.tolist()
+        *loss_sums, n_sum, sq_sum = total.tolist()
         r = self.config.replicas
-        if n_sum > 0 and abs(r * sq_sum - n_sum * n_sum) > 0.5:  # equal sizes iff r * sum(n^2) == sum(n)^2
+        if not exact and n_sum > 0 and abs(r * sq_sum - n_sum * n_sum) > 0.5:  # equal iff r sum(n^2) == sum(n)^2
             raise ValueError(
                 f"the {r} data-parallel replicas trained on batches of different sizes (mean {n_sum / r:g}); "
                 "their gradients were averaged with equal weights: give every replica the same batch size "
                 "(Pipeline.local_batch cuts a global batch evenly)"
             )
-        return loss_sum / r
+        return [s / r for s in loss_sums]
 
     def after_eval(self) -> None:
         for units in self._units.values():

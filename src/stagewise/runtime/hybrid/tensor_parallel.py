@@ -5,10 +5,10 @@ in the one-process model (``fnmatch`` patterns, ``*`` crossing dots), e.g.
 for a transformer block with separate ``q``/``k``/``v`` projections::
 
     plan = {
-        "0": sw.vocab_parallel_embedding(),        # the token embedding, vocabulary split
-        "*.q": sw.column_parallel(), "*.k": sw.column_parallel(), "*.v": sw.column_parallel(),
-        "*.proj": sw.row_parallel(),               # attention output: partial sums, one all-reduce
-        "*.fc": sw.column_parallel(), "*.out": sw.row_parallel(),
+        "0": sw.runtime.vocab_parallel_embedding(),        # the token embedding, vocabulary split
+        "*.q": sw.runtime.column_parallel(), "*.k": sw.runtime.column_parallel(), "*.v": sw.runtime.column_parallel(),
+        "*.proj": sw.runtime.row_parallel(),               # attention output: partial sums, one all-reduce
+        "*.fc": sw.runtime.column_parallel(), "*.out": sw.runtime.row_parallel(),
     }
 
 Each rank applies the entries that match its own stages' modules. The styles

@@ -32,7 +32,7 @@ its other collectives. It measures, each step bounded by ``timeout``:
 * last, the CPU a process spends idle (:func:`idle_cpu`, ``background``): the
   transport threads of the process groups it holds, the probes' included.
 
-The result is a :class:`stagewise.Calibration` for ``sw.plan(..., calibration=...)``.
+The result is a :class:`stagewise.planning.Calibration` for ``sw.plan(..., calibration=...)``.
 The per-message CPU cost stays 0: on a point-to-point link it is part of the
 measured latency the simulator already charges per transfer.
 """
@@ -53,8 +53,8 @@ from torch import nn
 from ..._util import is_count
 from ...planning import Calibration, LayoutCost, Link
 from ...schedules import generate
-from ...simulate import CostModel, simulate
-from ..comm.groups import global_rank, group_size, new_subgroup, require_initialized
+from ...simulation import CostModel, simulate
+from ..comm.groups import global_rank, group_size, new_world_subgroup, require_initialized
 from .links import average, measure_links, slowest
 
 if TYPE_CHECKING:
@@ -329,7 +329,7 @@ def _trivial_pipeline(m: int, timeout: float) -> Pipeline | None:
     from ..pipeline import Pipeline
 
     member = global_rank() < 2
-    group = new_subgroup([0, 1], member)
+    group = new_world_subgroup([0, 1])  # (every rank makes it: groups made by their members alone skew later ones)
     if not member:
         return None
     return Pipeline(

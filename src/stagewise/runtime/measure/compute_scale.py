@@ -1,4 +1,4 @@
-"""``sw.measure_compute_scale()``: what the runtime's compute actions cost on the group, over what the planner predicts.
+"""``measure_compute_scale()``: what the runtime's compute actions cost on the group, over the planner's prediction.
 
 A layer profile times each layer alone, warm, back to back in one process. A
 pipeline stage runs the same layers as one action after a wait, in one of
@@ -133,9 +133,9 @@ def probe_plan(profile: LayerProfile, processes: int, schedule: str = "1f1b", **
 def _pipeline(plan: Plan, layers: Any, loss_fn: Any, mesh: Mesh, timeout: float) -> Any:
     """A pipeline of ``plan`` training a copy of ``layers`` (modules given, or inside Layer specs, keep their
     weights and gradients)."""
-    from ..frontends.plan import pipeline_from_plan
+    from ..pipeline import Pipeline
 
-    return pipeline_from_plan(plan, copy.deepcopy(layers), loss_fn=loss_fn, seed=0, timeout=timeout, parallel=mesh)
+    return Pipeline.from_plan(plan, copy.deepcopy(layers), loss_fn=loss_fn, seed=0, timeout=timeout, parallel=mesh)
 
 
 def _steps(pipe: Any, batch: Any, steps: int, warm: int) -> list[list[float]]:
@@ -145,7 +145,7 @@ def _steps(pipe: Any, batch: Any, steps: int, warm: int) -> list[list[float]]:
     rows = []
     for step in range(warm + steps):
         pipe.train_step(*batch)
-        done = pipe._runner.last_step
+        done = pipe.last_step
         if step >= warm and done is not None:
             row = [0.0, 0.0, 0.0]
             for kind, seconds in done.compute_cpu.items():

@@ -5,7 +5,7 @@ Small and bounded: ``rounds`` round trips at two message sizes (8 B and
 missing peer raises a ``PipelineError`` naming the wait instead of hanging. The one-way
 time of the small message is the latency; the extra time of the large one
 over its extra bytes gives the bandwidth (the alpha-beta model of
-:class:`stagewise.Link`). Ranks are taken to be packed onto nodes in order
+:class:`stagewise.planning.Link`). Ranks are taken to be packed onto nodes in order
 (``processes_per_node`` consecutive ranks per node), as the planner assumes.
 """
 
@@ -29,8 +29,8 @@ SMALL, LARGE = 8, 4 << 20  # bytes per message
 
 def _bounded(fn: Callable[[], T], deadline: float, what: str) -> T:
     """``fn()`` on a helper thread, raising if it has not returned by the ``time.monotonic()`` deadline (gloo
-    works cannot be polled: see :mod:`.waits`)."""
-    return call_with_deadline(fn, max(deadline - time.monotonic(), 0.001), f"the link probe: {what}")  # type: ignore[no-any-return]
+    works cannot be polled: see :mod:`stagewise.runtime.comm.faults.waiters`)."""
+    return call_with_deadline(fn, max(deadline - time.monotonic(), 0.001), f"the link probe: {what}")
 
 
 def slowest(seconds: float, deadline: float) -> float:

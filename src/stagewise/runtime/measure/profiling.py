@@ -21,9 +21,12 @@ For each layer (a block of the model) we measure, as the median of
   ``checkpoint_forward`` / ``checkpoint_backward``: what checkpointing the
   layer alone (as the runtime's recompute does a stage) adds to its forward,
   and to its backward beyond running the forward again. Once per profile,
-  :func:`with_checkpoint_cost` fits a line through these in the saved tensors
+  :func:`~.checkpoint_cost.with_checkpoint_cost` fits a line through these in the saved tensors
   (:class:`~stagewise.partition.CheckpointCost`): a recomputed stage is one
   segment, and the planner charges it the line at its layers' saved tensors.
+
+This module chooses the layers and records what each receives; :mod:`.layer_cost` measures one layer,
+:mod:`.checkpoint_cost` fits the checkpoint's line.
 
 Timing uses CUDA events on a GPU and ``time.perf_counter`` elsewhere.
 The backward is timed through the runtime's own code rather than
@@ -42,9 +45,6 @@ here :func:`profile` measures and :mod:`stagewise.partition.cut` decides.
 
 from __future__ import annotations
 
-import math
-import statistics
-import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
@@ -53,12 +53,11 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
-from torch.utils.checkpoint import CheckpointError, checkpoint
 
 from ..._util import is_count
-from ...partition import CheckpointCost, LayerCost, LayerProfile
-from ..engine.backward import backward_full, backward_input, backward_weight
-from ..engine.interpreter import FUSE_B_MIN_WEIGHTS
+from ...partition import LayerCost, LayerProfile
+from .checkpoint_cost import CHAINS, checkpoint_chains, with_checkpoint_cost
+from .layer_cost import measure_layer
 
 
 def model_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -158,67 +157,8 @@ def profile_blocks(
 
 
 def _measure_all(calls: list[Call], device: torch.device, repeats: int, warmup: int) -> LayerProfile:
-    costs = [_measure(name, module, args, kwargs, device, repeats, warmup) for name, module, args, kwargs in calls]
+    costs = [measure_layer(name, module, args, kwargs, device, repeats, warmup) for name, module, args, kwargs in calls]
     return LayerProfile(layers=tuple(costs), device=str(device), repeats=repeats, warmup=warmup)
-
-
-def with_checkpoint_cost(measured: LayerProfile) -> LayerProfile:
-    """``measured`` with what a checkpointed segment costs (:class:`~stagewise.partition.CheckpointCost`): the
-    least-squares line, in the tensors a segment saves, through every segment timed - each layer checkpointed
-    alone, and chains of 1 and 17 products (:func:`checkpoint_chains`), which pin the line where layers cluster.
-    A stage is one segment: its extra is the line at the sum of its layers' saved tensors."""
-    device = torch.device(measured.device)
-    points = checkpoint_chains(device, repeats=max(measured.repeats, 15), warmup=max(measured.warmup, 2))
-    points += [(x.saved_tensors, x.checkpoint_forward, x.checkpoint_backward) for x in measured.layers]
-    fixed_f, per_f = _line([(n, f) for n, f, _ in points])
-    fixed_b, per_b = _line([(n, b) for n, _, b in points])
-    return replace(measured, checkpoint=CheckpointCost(fixed_f, fixed_b, per_f, per_b))
-
-
-def _line(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """Intercept and slope of the least-squares line (the chains' two sizes make it defined), neither below zero:
-    these are differences of small times, and a falling line is noise (then the mean, flat)."""
-    xs, ys = [x for x, _ in points], [y for _, y in points]
-    slope, intercept = statistics.linear_regression(xs, ys)
-    if slope < 0:
-        slope, intercept = 0.0, statistics.fmean(ys)
-    return max(0.0, intercept), slope
-
-
-CHAINS = (1, 17)  # products per checkpointed chain: two saved tensors each
-
-
-def checkpoint_chains(device: torch.device, *, repeats: int = 15, warmup: int = 2) -> list[tuple[float, float, float]]:
-    """Chains of ``k`` products ``a * w`` on tiny tensors, plain and checkpointed: per chain, its saved tensors,
-    the forward's extra and the backward's extra beyond the plain backward and the forward again (medians)."""
-    timed = _timer(device)
-    a = torch.ones(8, device=device, requires_grad=True)
-    w = torch.ones(8, device=device, requires_grad=True)
-    points = []
-    for k in CHAINS:
-
-        def run(x: torch.Tensor, k: int = k) -> torch.Tensor:
-            for _ in range(k):
-                x = x * w
-            return x
-
-        rows = []
-        for r in range(warmup + repeats):
-            tf, tb = _forward_backward(timed, lambda: run(a), a)
-            tcf, tcb = _forward_backward(timed, lambda: checkpoint(run, a, use_reentrant=False), a)
-            if r >= warmup:
-                rows.append((tcf - tf, tcb - tb - tf))
-        points.append((2.0 * k, statistics.median(x for x, _ in rows), statistics.median(y for _, y in rows)))
-    return points
-
-
-def _forward_backward(
-    timed: Callable[[Callable[[], Any]], tuple[Any, float]], forward: Callable[[], torch.Tensor], leaf: torch.Tensor
-) -> tuple[float, float]:
-    out, tf = timed(forward)
-    _, tb = timed(lambda: backward_full([out], [torch.ones_like(out)], [leaf], fused=False))
-    leaf.grad = None
-    return tf, tb
 
 
 @contextmanager
@@ -286,9 +226,6 @@ def _capture_blocks(model: nn.Module, named: list[tuple[str, nn.Module]], inputs
     return [seen[n] for n in order]
 
 
-# --- measuring one layer ------------------------------------------------------------------------
-
-
 def _device_of(modules: list[nn.Module], inputs: tuple[Any, ...]) -> torch.device:
     for m in modules:
         for t in m.parameters():
@@ -299,191 +236,16 @@ def _device_of(modules: list[nn.Module], inputs: tuple[Any, ...]) -> torch.devic
     return torch.device("cpu")
 
 
-def _timer(device: torch.device) -> Callable[[Callable[[], Any]], tuple[Any, float]]:
-    if device.type == "cuda":
-
-        def cuda_time(fn: Callable[[], Any]) -> tuple[Any, float]:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            out = fn()
-            end.record()
-            end.synchronize()
-            return out, start.elapsed_time(end) / 1000.0
-
-        return cuda_time
-
-    def wall_time(fn: Callable[[], Any]) -> tuple[Any, float]:
-        start = time.perf_counter()
-        out = fn()
-        return out, time.perf_counter() - start
-
-    return wall_time
-
-
-def _storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
-
-
-def _tensor_bytes(value: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in tree_leaves(value) if isinstance(t, torch.Tensor))
-
-
-def _grad_outputs(out: Any) -> list[torch.Tensor]:
-    return [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
-
-
-def _measure(
-    name: str,
-    module: nn.Module,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    device: torch.device,
-    repeats: int,
-    warmup: int,
-) -> LayerCost:
-    params = [p for p in module.parameters() if p.requires_grad]
-    inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
-    resident = {_storage_key(t) for t in module.parameters()} | {_storage_key(t) for t in module.buffers()}
-    out, saved_bytes, saved_count = _forward_counting_saved(module, args, kwargs, resident)
-    outs = _grad_outputs(out)
-    weight_bytes = min(_weight_saved_bytes(outs, {id(p) for p in params}, resident), saved_bytes)
-    out_bytes = _tensor_bytes(out)
-    del out, outs
-    timed = _timer(device)
-    samples: list[tuple[float, ...]] = []
-
-    def forward() -> Any:
-        return module(*args, **kwargs)
-
-    def checkpointed() -> Any:  # as the runtime's recompute runs a segment (engine.recompute)
-        return checkpoint(lambda *a: module(*a, **kwargs), *args, use_reentrant=False)
-
-    fused = sum(p.numel() for p in params if p.dim() == 2) >= FUSE_B_MIN_WEIGHTS  # B's path, as a stage picks it
-    kept = [(p, None if p.grad is None else p.grad.detach().clone()) for p in params]
-    try:
-        for r in range(warmup + repeats):
-            times = _time_step(timed, forward, checkpointed, inputs, bool(params), fused)
-            if r >= warmup:
-                samples.append(times)
-    finally:
-        for p, grad in kept:
-            p.grad = grad
-    med = dict(zip(("f", "i", "w", "b", "cf", "cb"), (statistics.median(column) for column in zip(*samples))))
-    if any(math.isnan(row[4]) for row in samples):  # the checkpoint refused it once: no cost to charge, nor a recompute
-        med["cf"] = med["cb"] = 0.0
-    return LayerCost(
-        name=name,
-        forward=med["f"],
-        backward_input=med["i"],
-        backward_weight=med["w"],
-        backward=med["b"],
-        activation_bytes=float(saved_bytes),
-        weight_activation_bytes=float(weight_bytes),
-        parameter_bytes=float(sum(p.numel() * p.element_size() for p in module.parameters())),
-        output_bytes=float(out_bytes),
-        saved_tensors=float(saved_count),
-        checkpoint_forward=med["cf"],
-        checkpoint_backward=med["cb"],
-    )
-
-
-def _time_step(
-    timed: Callable[[Callable[[], Any]], tuple[Any, float]],
-    forward: Callable[[], Any],
-    checkpointed: Callable[[], Any],
-    inputs: list[torch.Tensor],
-    has_weights: bool,
-    fused: bool,
-) -> tuple[float, ...]:
-    """One timed forward, then the runtime's I and W on its graph; B on a second forward's graph; the forward
-    checkpointed and B on its graph (their extra over the forward, and over B and the forward again).
-
-    I and B less the same calls on a one-node graph, timed alongside: a stage makes one such call per
-    micro-batch, not one per layer, and the runtime's cost per action (``Calibration.action``) holds it.
-    """
-    out, tf = timed(forward)
-    outs = _grad_outputs(out)
-    if not outs:
-        return tf, 0.0, 0.0, 0.0, 0.0, 0.0
-    grads: list[torch.Tensor | None] = [torch.ones_like(t) for t in outs]
-    (_, work), ti = timed(lambda: backward_input(outs, grads, inputs))
-    _, tw = timed(lambda: backward_weight(work)) if has_weights else (None, 0.0)  # nothing to accumulate
-    again = _grad_outputs(forward())
-    _, tb = timed(lambda: backward_full(again, grads, inputs, fused=fused))
-    device = outs[0].device
-    z = torch.ones(1, device=device, requires_grad=True)
-    one = [torch.ones(1, device=device)]
-    _, bi = timed(lambda: backward_input([z * 1.0], one, [z]))
-    _, bb = timed(lambda: backward_full([z * 1.0], one, [z], fused=fused))
-    try:
-        kept, tcf = timed(checkpointed)
-        _, tcb = timed(lambda: backward_full(_grad_outputs(kept), grads, inputs, fused=fused))
-    except CheckpointError:  # a layer whose re-run differs (a cache it appends to, say): recompute cannot run it
-        return tf, max(0.0, ti - bi), tw, max(0.0, tb - bb), math.nan, math.nan
-    return tf, max(0.0, ti - bi), tw, max(0.0, tb - bb), tcf - tf, tcb - tb - tf
-
-
-def _forward_counting_saved(
-    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], resident: set[int]
-) -> tuple[Any, int, int]:
-    """Run the forward once, adding up the bytes of each storage autograd saves (parameters excluded), and
-    counting the tensors it saves (parameters included: a checkpoint's hooks see every one)."""
-    counted: set[int] = set()
-    total = 0
-    calls = 0
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal total, calls
-        calls += 1
-        key = _storage_key(t)
-        if key and key not in resident and key not in counted:
-            counted.add(key)
-            total += t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = module(*args, **kwargs)
-    return out, total, calls
-
-
-def _weight_saved_bytes(outs: list[torch.Tensor], params: set[int], resident: set[int]) -> int:
-    """Bytes saved by autograd nodes that compute a parameter's gradient (e.g. a Linear's input)."""
-    memo: dict[Any, bool] = {}
-
-    def only_params(node: Any, depth: int = 0) -> bool:
-        # True for a node whose inputs all come from parameters (AccumulateGrad of a parameter, or a view of one).
-        if node in memo:
-            return memo[node]
-        if hasattr(node, "variable"):
-            result = id(node.variable) in params
-        elif depth > 3 or not node.next_functions:
-            result = False
-        else:
-            nexts = [n for n, _ in node.next_functions if n is not None]
-            result = bool(nexts) and all(only_params(n, depth + 1) for n in nexts)
-        memo[node] = result
-        return result
-
-    seen: set[Any] = set()
-    stack = [t.grad_fn for t in outs if t.grad_fn is not None]
-    counted: set[int] = set()
-    total = 0
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        nexts = [n for n, _ in node.next_functions if n is not None]
-        stack.extend(nexts)
-        if not any(only_params(n) for n in nexts):
-            continue
-        for attr in dir(node):
-            if not attr.startswith("_saved_"):
-                continue
-            value = getattr(node, attr, None)
-            if isinstance(value, torch.Tensor):
-                key = _storage_key(value)
-                if key and key not in resident and key not in counted:
-                    counted.add(key)
-                    total += value.untyped_storage().nbytes()
-    return total
+__all__ = [
+    "CHAINS",
+    "LayerCost",
+    "LayerProfile",
+    "checkpoint_chains",
+    "measure_layers",
+    "model_blocks",
+    "preserved_state",
+    "profile",
+    "profile_blocks",
+    "steadiest",
+    "with_checkpoint_cost",
+]

@@ -1,7 +1,9 @@
 """Failure handling: no rank hangs when another fails, and every survivor names the one at fault.
 
+* :mod:`.guard`: the :class:`~.guard.Guard`, one per pipeline, shared by its transport and its collectives:
+  the error board, deadline-bounded waits, "waiting for", how messages name this rank;
 * :mod:`.board`: the error board, one key in the c10d store where the first failure is posted;
-* :mod:`.waits`: waits with a deadline that watch the board;
+* :mod:`.waiters`: the helper threads that run blocking gloo waits while the guard watches board and clock;
 * :mod:`.heartbeat`: signs of life, to name the rank that is stuck down a chain of waits;
 * :mod:`.exit_hook`: how a failing rank leaves (posted, flushed, exit code 1, never an abort);
 * :mod:`.failures`: a collective that failed inside torch, told as the pipeline's failure.

@@ -1,7 +1,7 @@
 """The error board: one key in the c10d store where the first failure of any rank is posted for all to see.
 
 No rank hangs when another fails: every blocking wait looks at the board
-(:mod:`.waits`), and a failure anywhere stops every pipeline that shares the
+(through the pipeline's :class:`~.guard.Guard`), and a failure anywhere stops every pipeline that shares the
 board (all the pipelines of one mesh share one). Besides its own key, every
 board watches the run's *job* key, where a process posts the exception that
 ends it (:mod:`.exit_hook`), so a rank that dies outside any step (in a
@@ -11,25 +11,28 @@ Keys live under the run's scope on a connection of the board's own whose
 calls time out (:mod:`.coordinator`): a board never reads a previous job's
 failure, and never blocks past the pipeline's timeout on a stopped or dead
 store host; it then says the coordinator is unreachable.
+
+What must happen as soon as a rank learns of a failure, wherever it learns
+it (the shm transport removing its names from /dev/shm, say), is asked for
+with :meth:`ErrorBoard.when_failed`: the board is the one place a failure
+becomes known, whether posted here or read from the store.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
 
 from ...errors import PipelineError
 from ..coordinator import UNREACHABLE, board_client
-from . import heartbeat
-from .exit_hook import mark_origin
+from .exit_hook import JOB_KEY, SEEN_KEY, mark_origin
 
 log = logging.getLogger(__name__)
 
 _ERROR_KEY = "error"
-JOB_KEY = "job/error"
-SEEN_KEY = "job/seen"  # job/seen/<global rank>: that rank has read a failure (the failing store host waits for them)
 
 
 class ErrorBoard:
@@ -41,9 +44,28 @@ class ErrorBoard:
             self.store = board_client(store, timeout)
         except PipelineError as err:
             raise PipelineError(f"{me}: {err}" if me else str(err)) from err
+        self.name = name
         self.key = f"{name}/{_ERROR_KEY}"
         self.failure: str | None = None
-        heartbeat.start(timeout)  # so that a rank whose deadline passes can name the silent ones
+        self._on_failure: list[Callable[[], None]] = []
+
+    def when_failed(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` once this board knows a failure (at once if it already does): posted here or read."""
+        if self.failure is not None:
+            fn()
+        else:
+            self._on_failure.append(fn)
+
+    def _stand(self, failure: str) -> str:
+        """``failure`` is the one that stands, for this board: remember it and tell whoever asked to know."""
+        self.failure = failure
+        todo, self._on_failure = self._on_failure, []
+        for fn in todo:
+            try:
+                fn()
+            except Exception as err:  # cleaning up must not hide the failure itself
+                log.warning("stagewise: acting on a failure failed: %s: %s", type(err).__name__, err)
+        return failure
 
     def fail(self, message: str) -> str:
         """Post ``message`` unless another rank's failure came first; returns the failure that stands."""
@@ -51,19 +73,19 @@ class ErrorBoard:
             return self.failure
         try:
             if self.store.check([JOB_KEY]):  # a process already ended with an error: that one is the cause
-                self.failure = self.store.get(JOB_KEY).decode()
+                failure = self._stand(self.store.get(JOB_KEY).decode())
                 self._seen()
-                return self.failure
+                return failure
             stood = self.store.compare_set(self.key, "", message)
-            self.failure = stood.decode() if isinstance(stood, bytes) else str(stood)
-            if self.failure == message:
+            failure = self._stand(stood.decode() if isinstance(stood, bytes) else str(stood))
+            if failure == message:
                 mark_origin()
             else:
                 self._seen()
         except Exception as err:  # the store itself is gone: keep the local message
             log.warning("stagewise: could not post the failure to the store: %s", err)
-            self.failure = f"{message}\n({UNREACHABLE}: other ranks may not see this failure)"
-        return self.failure
+            failure = self._stand(f"{message}\n({UNREACHABLE}: other ranks may not see this failure)")
+        return failure
 
     def check(self) -> None:
         """Raise :class:`PipelineError` if any rank has posted a failure (or the coordinator is unreachable)."""
@@ -71,12 +93,12 @@ class ErrorBoard:
             try:
                 for key in (JOB_KEY, self.key):
                     if self.store.check([key]):
-                        self.failure = self.store.get(key).decode()
+                        self._stand(self.store.get(key).decode())
                         self._seen()
                         break
             except Exception as err:
                 who = f"{self.me}: " if self.me else ""
-                self.failure = f"{who}{UNREACHABLE}: {_brief(err)}"
+                self._stand(f"{who}{UNREACHABLE}: {_brief(err)}")
         if self.failure is not None:
             raise PipelineError(self.failure)
 

@@ -50,6 +50,10 @@ import torch.distributed as dist
 from ...errors import PipelineError
 from . import heartbeat
 
+#: the run's job-level keys on the board: the first error of any process, and who has read it
+JOB_KEY = "job/error"
+SEEN_KEY = "job/seen"  # job/seen/<global rank>: that rank has read a failure (the failing store host waits for them)
+
 _installed = False
 _origin = False  # this process posted the failure that stands on some board
 _LINGER_S = 3.0  # at most this long, for the others to read the origin's failure
@@ -96,7 +100,6 @@ def leave(err: BaseException) -> None:
 
 def _post_and_linger(err: BaseException) -> None:
     from ..coordinator import board_client
-    from .board import JOB_KEY, SEEN_KEY
 
     rank, world = dist.get_rank(), dist.get_world_size()
     relayed = isinstance(err, PipelineError) and not _origin

@@ -14,12 +14,11 @@ of life (:mod:`.heartbeat`).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch.distributed as dist
 
 from ...errors import PipelineError
 from . import heartbeat
+from .guard import Guard
 
 _SIGNS = ("gloo", "nccl", "connection closed", "connection reset", "timed out", "broken pipe")
 
@@ -34,16 +33,16 @@ def is_comm_error(err: BaseException) -> bool:
     return isinstance(err, RuntimeError) and any(sign in text for sign in _SIGNS)
 
 
-def comm_failure(transport: Any, err: BaseException, who: str) -> PipelineError:
+def comm_failure(guard: Guard, err: BaseException, who: str) -> PipelineError:
     """The :class:`PipelineError` to raise for ``err`` (see the module docstring); posts it if none stands.
 
-    ``transport``: the pipeline's (its ``check``, ``fail`` and ``timeout``); ``who``: this rank and action.
+    ``guard``: the pipeline's (``transport.guard``); ``who``: this rank and action.
     """
     try:
-        transport.check()  # a failure posted anywhere (or the coordinator gone) is the story
+        guard.check()  # a failure posted anywhere (or the coordinator gone) is the story
     except PipelineError as posted:
         return posted
     lines = str(err).strip().splitlines()
     brief = f"{type(err).__name__}: {lines[0] if lines else ''}"
-    clause = heartbeat.describe_stopped() or heartbeat.describe_silent(transport.timeout)
-    return PipelineError(transport.fail(f"{who}: a collective inside torch failed: {brief}{clause}"))
+    clause = heartbeat.describe_stopped() or heartbeat.describe_silent(guard.timeout)
+    return PipelineError(guard.fail(f"{who}: a collective inside torch failed: {brief}{clause}"))

@@ -88,7 +88,7 @@ def same_host(peers: Sequence[Peer]) -> bool:
 
 def gather_peers(group: Any, wait: Callable[[Sequence[Any], str], None] | None = None) -> list[Peer]:
     """Every group rank's :class:`Peer` (a collective over ``group``: all ranks call it together), as JSON;
-    ``wait``: a deadline-bounded wait that watches the error board (a transport's)."""
+    ``wait``: a deadline-bounded wait that watches the error board (the pipeline guard's)."""
     from dataclasses import asdict
 
     from ..collectives import gather_json

@@ -11,23 +11,27 @@ both ends know, and the two small exchanges every train step ends with, the
 loss broadcast and the all-reduce of the check for non-finite values
 (:meth:`ShmTransport.broadcast`, :meth:`ShmTransport.all_reduce`: as gloo
 collectives on 4 ranks of a loaded 2-core host they took ~1 ms each, plus
-gloo's I/O threads' CPU). Everything else goes through an inner
-:class:`~.torch_p2p.TorchTransport` on the same group, unchanged: first
-exchanges and variable shapes (``post_eager``), the collectives of the hybrid
-axes, the error board, deadlines and forensics.
+gloo's I/O threads' CPU). First exchanges and variable shapes
+(``post_eager``) go over torch point-to-point on the same gloo group, through
+the pieces the torch transport posts with (:mod:`..transport.p2p`): a value
+whose shapes are not known yet has no slot to go to. The error board,
+deadlines and forensics are the pipeline's :class:`~..faults.guard.Guard`,
+which every wait here goes through (a doorbell's every 50 ms, see
+:meth:`ShmTransport._check`); the guard tells this transport when a failure
+is learnt, wherever it is learnt, so that the names go at once (below).
 
 The pieces, a file each:
 
-* ``shm_peers.py``: who the peers are (host, boot, namespaces, pid and start
+* ``peers.py``: who the peers are (host, boot, namespaces, pid and start
   time), whether they can use shared memory, the refusal of a group that cannot;
-* ``shm_slots.py``: the slot layout in ``/dev/shm`` and the send / receive
+* ``slots.py``: the slot layout in ``/dev/shm`` and the send / receive
   protocol on it (:class:`Channels`), including memory order;
-* ``shm_names.py``: the names' removal, by this process or, if it dies
+* ``names.py``: the names' removal, by this process or, if it dies
   holding them, by the resource tracker;
-* ``shm_doorbell.py``: the notification, a named pipe per rank and a sleeping
+* ``doorbell.py``: the notification, a named pipe per rank and a sleeping
   ``poll`` on it (no spinning), which looks at the error board, the deadline and
   the peer's process every 50 ms;
-* this file: the :class:`~.transport.Transport` on top, and its construction.
+* this file: the :class:`~..transport.protocol.Transport` on top, and its construction.
 
 Names in /dev/shm live only as long as needed, so that a process that ends
 without cleaning up (``os._exit``, a signal) leaves little behind: they
@@ -40,23 +44,23 @@ pipeline: every rank unlinks every file of the pipeline it finds as soon as
 it learns of it (a failed rank may end with ``os._exit``). A process killed
 holding names (all ranks killed, or torchrun ending the survivors before they
 learn of the failure) leaves them to Python's resource tracker, which unlinks
-them once the process is gone (``shm_names.py``).
+them once the process is gone (``names.py``).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ...errors import PipelineError
-from ..faults.waits import Watch
+from ..faults.guard import Guard
+from ..faults.waiters import Watch
 from ..groups import backend_of
-from ..transport.protocol import Op, TransportSpec
-from ..transport.torch_p2p import TorchTransport
+from ..transport.p2p import Addresses, Eager
+from ..transport.protocol import Op, TransportSpec, guard_for
 from .doorbell import Checker
 from .peers import SHM_DIR, Peer, check_shm_group, gather_peers, same_host
 from .slots import SENT, Channels, ShmWork, _Sent
@@ -74,17 +78,16 @@ __all__ = [
     "shm_transport",
 ]
 
-T = TypeVar("T")
-
 #: the slots' tags of the step-end exchanges: below every message tag (those are >= 0)
 _BROADCAST_TAG, _REDUCE_TAG = -1, -2
 #: the reductions :meth:`ShmTransport.all_reduce` applies, in group-rank order on every rank
-_REDUCE = {"sum": torch.add, "max": torch.maximum}
+_REDUCE: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {"sum": torch.add, "max": torch.maximum}
 
 
 # ---- the transport ------------------------------------------------------------------------
 class ShmTransport:
-    """The :class:`~.transport.Transport` for ranks on one host: steady-state point-to-point through /dev/shm.
+    """The :class:`~..transport.protocol.Transport` for ranks on one host: steady-state point-to-point through
+    /dev/shm, eager ops over torch on the same gloo group, every wait bounded by the pipeline's guard.
 
     Built by :func:`shm_transport` (or ``transport="auto"`` / ``"shm"``), after
     every rank's :class:`Peer` was gathered.
@@ -92,55 +95,19 @@ class ShmTransport:
 
     grouped = False  # every op completes on its own; receives may be posted ahead of the schedule
 
-    def __init__(self, spec: TransportSpec, peers: Sequence[Peer], inner: TorchTransport | None = None) -> None:
-        self.inner = inner if inner is not None else TorchTransport(spec)
-        self.rank, self.size, self.me = self.inner.rank, self.inner.size, self.inner.me
-        self.timeout = spec.timeout
+    def __init__(self, spec: TransportSpec, peers: Sequence[Peer], guard: Guard | None = None) -> None:
+        self.group = spec.group
+        self.rank, self.size = dist.get_rank(self.group), dist.get_world_size(self.group)
+        self.guard = guard if guard is not None else guard_for(spec)
+        self.eager = Eager(self.group, Addresses(self.group, spec.pipeline_id), self.guard)
         self.peers = list(peers)
         nonce = self.peers[0].nonce  # group rank 0's: alike on every rank
         self.channels = Channels(f"{SHM_DIR}/sw-{nonce}", self.rank, self.size, self._check)
-        opened = dist.barrier(group=self.inner.group, async_op=True)
-        self.inner.wait([opened], "every rank opening its doorbells")  # then their names can go
-        self.channels.forget_names()
         self._unlinked = False
-
-    # ---- the inner transport's state
-    @property
-    def group(self) -> Any:
-        return self.inner.group
-
-    @property
-    def failure(self) -> str | None:
-        return self.inner.failure
-
-    @property
-    def waiting(self) -> str:
-        return self.inner.waiting
-
-    def reset_waiting(self) -> None:
-        self.inner.reset_waiting()
-
-    def call(self, fn: Callable[[], T], what: str) -> T:
-        return self.inner.call(fn, what)
-
-    def check_tag(self, tag: int) -> None:
-        self.inner.check_tag(tag)
-
-    def fail(self, message: str) -> str:
-        try:
-            return self.inner.fail(message)
-        finally:
-            self._failed()
-
-    def check(self) -> None:
-        with self._guard():
-            self.inner.check()
-
-    def _live(self) -> None:
-        """Raise if a failure is known here (no store round trip: the waits look at the board while they wait)."""
-        if self.inner.failure is not None:
-            self._failed()
-            raise PipelineError(self.inner.failure)
+        self.guard.when_failed(self._failed)  # whoever learns of a failure first, the names go at once
+        opened = dist.barrier(group=self.group, async_op=True)
+        self.guard.wait([opened], "every rank opening its doorbells")  # then their names can go
+        self.channels.forget_names()
 
     def _failed(self) -> None:
         """The pipeline is over: its names in /dev/shm go now (a rank may end with ``os._exit`` after this)."""
@@ -148,25 +115,19 @@ class ShmTransport:
             self._unlinked = True
             self.channels.unlink_all()
 
-    @contextlib.contextmanager
-    def _guard(self) -> Iterator[None]:
-        try:
-            yield
-        except PipelineError:
-            self._failed()
-            raise
-
     def _check(self, started: float, what: str, peer: int) -> None:
         """Stop a wait: a failure posted anywhere, the deadline, or the peer's process gone."""
-        self.inner.waits.check_deadline(started, what)
+        self.guard.check_deadline(started, what)
         who = self.peers[peer]
         if not who.alive():
-            raise PipelineError(self.fail(f"{self.me}: {what} failed: peer rank {peer} (pid {who.pid}) died"))
+            raise PipelineError(
+                self.guard.fail(f"{self.guard.me}: {what} failed: peer rank {peer} (pid {who.pid}) died")
+            )
 
     # ---- posting
     def post(self, ops: Sequence[Op]) -> list[list[Any]]:
         """Sends are copied into their slots now (complete on return); receives are completed by :meth:`wait`."""
-        self._live()
+        self.guard.live()
         counts: dict[tuple[int, int, bool], int] = {}
         out: list[list[Any]] = []
         rung: set[int] = set()
@@ -181,8 +142,7 @@ class ShmTransport:
                 key = (op.peer, op.tag, op.send)
                 k = counts[key] = counts.get(key, -1) + 1
                 if op.send:
-                    with self._guard():
-                        self.channels.send(op.peer, op.tag, k, t, f"value under tag {op.tag}")
+                    self.channels.send(op.peer, op.tag, k, t, f"value under tag {op.tag}")
                     rung.add(op.peer)
                     out.append([SENT])
                 else:
@@ -193,7 +153,8 @@ class ShmTransport:
         return out
 
     def post_eager(self, ops: Sequence[Op]) -> list[Any]:
-        return self.inner.post_eager(ops)
+        """Over torch point-to-point on the gloo group: shapes not known yet have no slot to go to."""
+        return self.eager.post(ops)
 
     def broadcast(self, tensor: torch.Tensor, src: int, what: str) -> None:
         """``tensor`` from group rank ``src`` to every rank, in place: ``src`` copies it into each peer's slot."""
@@ -223,68 +184,62 @@ class ShmTransport:
 
     def _send_all(self, tensor: torch.Tensor, tag: int, what: str) -> None:
         """Copy ``tensor`` into a slot to every other rank, then ring them."""
-        self._live()
+        self.guard.live()
         flat = _flat(tensor, what)
         peers = [p for p in range(self.size) if p != self.rank]
         try:
-            with self._guard():
-                for p in peers:
-                    self.channels.send(p, tag, 0, flat, what)
+            for p in peers:
+                self.channels.send(p, tag, 0, flat, what)
         finally:
             for p in peers:
                 self.channels.ring(p)
 
     def warm_up(self) -> None:
-        self.inner.warm_up()
+        """Nothing: a gloo group needs no first collective (NCCL's does, and this transport refuses NCCL)."""
 
     # ---- waiting
     def watch(self, works: Sequence[Any]) -> Watch | None:
-        """No helper thread for shared-memory works (taking an arrived value costs no hand-off); others: inner."""
-        others = [w for w in works if not _mine(w)]
-        return self.inner.watch(others) if others else None
+        """No helper thread for shared-memory works (taking an arrived value costs no hand-off); eager works:
+        the guard's."""
+        return self.guard.watch([w for w in works if not _mine(w)])
 
     def wait(self, works: Sequence[Any], what: str, *, eager: bool = False, watch: Watch | None = None) -> None:
         """Block until ``works`` complete (copying received values out), within the deadline, watching the board."""
-        others = [w for w in works if not _mine(w)]
-        if others:
-            with self._guard():
-                self.inner.wait(others, what, eager=eager, watch=watch)
+        self.guard.wait([w for w in works if not _mine(w)], what, watch=watch, blocking=eager)
         pending = [w for w in works if isinstance(w, ShmWork) and not w.done]
         if not pending:
             return
-        self._live()
-        self.inner.waits.waiting = what
+        self.guard.live()
+        self.guard.waiting = what  # the doorbell's waits poll the guard's deadline (see _check)
         try:
-            with self._guard():
-                for w in pending:
-                    self.channels.complete(w, what)
+            for w in pending:
+                self.channels.complete(w, what)
         except PipelineError:
             raise
         except Exception as err:
-            raise PipelineError(self.fail(f"{self.me}: {what} failed: {type(err).__name__}: {err}")) from err
+            raise PipelineError(
+                self.guard.fail(f"{self.guard.me}: {what} failed: {type(err).__name__}: {err}")
+            ) from err
 
     def release(self, works: Sequence[Any], what: str) -> None:
-        others = [w for w in works if not _mine(w)]
-        if others:
-            with self._guard():
-                self.inner.release(others, what)
+        """Nothing to do: a send through a slot is complete once posted, and eager sends end with the step."""
 
     def finish_sends(self) -> None:
-        with self._guard():
-            self.inner.finish_sends()
+        """Wait for the eager sends (those through slots completed when posted)."""
+        self.eager.finish()
 
     def synchronize(self, device: torch.device) -> None:
-        self.inner.synchronize(device)
+        """On CUDA (a gloo group with device="cuda"), wait for queued kernels and copies, watching the board."""
+        self.guard.wait_gpu(device, "the GPU to finish the step")
 
     # ---- lifecycle
-    def drop_groups(self) -> None:
-        self.close()
-        self.inner.drop_groups()
-
     def close(self) -> None:
-        """Unlink the shared files (see the module docstring) and stop the inner transport's helpers."""
-        self.channels.close(everything=self.inner.failure is not None and not self._unlinked)
-        self.inner.close()
+        """Unlink the shared files (see the module docstring), stop the guard's helpers, let go of the group."""
+        self.channels.close(everything=self.guard.failure is not None and not self._unlinked)
+        self.guard.close()
+        if self.guard.failure is None:
+            self.group = None
+            self.eager.forget_group()
 
 
 def _flat(tensor: torch.Tensor, what: str) -> torch.Tensor:
@@ -303,7 +258,7 @@ def shm_transport(spec: TransportSpec) -> ShmTransport:
     backend = backend_of(spec.group)
     if backend != "gloo":  # alike on every rank: refuse before any collective
         check_shm_group(backend, [Peer.here()])
-    inner = TorchTransport(spec)  # its error board and deadline watch the gather
-    peers = gather_peers(spec.group, inner.wait)
+    guard = guard_for(spec)  # the pipeline's: its error board and deadline watch the gather
+    peers = gather_peers(spec.group, guard.wait)
     check_shm_group(backend, peers)
-    return ShmTransport(spec, peers, inner)
+    return ShmTransport(spec, peers, guard)

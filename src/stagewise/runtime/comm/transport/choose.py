@@ -16,7 +16,7 @@ import os
 
 from ..groups import backend_of
 from ..shm.transport import ShmTransport, gather_peers, same_host, shm_transport
-from .protocol import Transport, TransportFactory, TransportSpec
+from .protocol import Transport, TransportFactory, TransportSpec, guard_for
 from .torch_p2p import TorchTransport
 
 ENV = "STAGEWISE_TRANSPORT"
@@ -33,11 +33,11 @@ def torch_transport(spec: TransportSpec) -> TorchTransport:
 
 def auto_transport(spec: TransportSpec) -> Transport:
     """Shared memory when every rank of a gloo group is on this host, else torch.distributed (a collective)."""
+    guard = guard_for(spec)  # made once, for whichever transport is picked
     if backend_of(spec.group) != "gloo":
-        return TorchTransport(spec)
-    inner = TorchTransport(spec)  # its error board and deadline watch the gather: a rank failing now is named
-    peers = gather_peers(spec.group, inner.wait)
-    return ShmTransport(spec, peers, inner) if same_host(peers) else inner
+        return TorchTransport(spec, guard)
+    peers = gather_peers(spec.group, guard.wait)  # its board and deadline watch the gather: a failing rank is named
+    return ShmTransport(spec, peers, guard) if same_host(peers) else TorchTransport(spec, guard)
 
 
 _FACTORIES: dict[str, TransportFactory] = {"auto": auto_transport, "shm": shm_transport, "torch": torch_transport}

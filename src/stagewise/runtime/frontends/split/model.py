@@ -124,29 +124,9 @@ def split_model(
     inputs = (
         None if example_inputs is None else (example_inputs if isinstance(example_inputs, tuple) else (example_inputs,))
     )
-    tags = collect_tags(model)
-    blocks: tuple[str, ...] = ()
-    block_partition: Partition | None = None
-    measured: LayerProfile | None = None
-    if tags:
-        if partition is not None or costs is not None:
-            raise SplitError(
-                f"the model has pipeline_stage tags ({len(tags)} modules), so partition= and costs= do not apply; "
-                "remove the tags to let split_model choose cut points"
-            )
-        gm = trace(model, tagged_leaves(model, tags), concrete_args)
-    else:
-        if stages is None:
-            raise SplitError(
-                "the model has no pipeline_stage tags: tag submodules (module.pipeline_stage = k or "
-                "`with stage(k):`) or pass stages=N to cut it among its top-level blocks"
-            )
-        named = dict(model_blocks(model))
-        gm = trace(model, set(named), concrete_args)
-        blocks = tuple(first_calls(gm.graph, list(named)))
-        block_partition, measured = _partition_blocks(model, blocks, named, inputs, stages, partition, costs, repeats)
-        bounds = block_partition.bounds
-        tags = {blocks[i]: k for k in range(stages) for i in range(bounds[k], bounds[k + 1])}
+    gm, tags, blocks, block_partition, measured = _traced(
+        model, collect_tags(model), inputs, stages, partition, costs, concrete_args, repeats
+    )
     placed_by = "placed by the partition on" if blocks else "tagged"
     stage_of = assign_stages(gm.graph, tags, stages, placed_by=placed_by)
     num_stages = max(stage_of.values()) + 1 if stages is None else stages
@@ -165,6 +145,39 @@ def split_model(
     if inputs is None:
         return split
     return replace(split, boundaries=_record_boundaries(model, split, inputs, made))
+
+
+def _traced(
+    model: nn.Module,
+    tags: dict[str, int],
+    inputs: tuple[Any, ...] | None,
+    stages: int | None,
+    partition: str | Sequence[int] | None,
+    costs: Sequence[float] | LayerProfile | None,
+    concrete_args: dict[str, Any] | None,
+    repeats: int,
+) -> tuple[fx.GraphModule, dict[str, int], tuple[str, ...], Partition | None, LayerProfile | None]:
+    """The model traced, and its modules' stages: its tags, or (untagged) its top-level blocks partitioned into
+    ``stages``, with the blocks in call order, their partition and the profile it was balanced on (if any)."""
+    if tags:
+        if partition is not None or costs is not None:
+            raise SplitError(
+                f"the model has pipeline_stage tags ({len(tags)} modules), so partition= and costs= do not apply; "
+                "remove the tags to let split_model choose cut points"
+            )
+        return trace(model, tagged_leaves(model, tags), concrete_args), tags, (), None, None
+    if stages is None:
+        raise SplitError(
+            "the model has no pipeline_stage tags: tag submodules (module.pipeline_stage = k or "
+            "`with stage(k):`) or pass stages=N to cut it among its top-level blocks"
+        )
+    named = dict(model_blocks(model))
+    gm = trace(model, set(named), concrete_args)
+    blocks = tuple(first_calls(gm.graph, list(named)))
+    block_partition, measured = _partition_blocks(model, blocks, named, inputs, stages, partition, costs, repeats)
+    bounds = block_partition.bounds
+    tags = {blocks[i]: k for k in range(stages) for i in range(bounds[k], bounds[k + 1])}
+    return gm, tags, blocks, block_partition, measured
 
 
 def _partition_blocks(

@@ -1,0 +1,1 @@
+"""The seeds' comparison: every pipeline method on the same workloads (``python -m benchmarks.compare``)."""

@@ -1,0 +1,1 @@
+"""stagewise against torch.distributed.pipelining (``python -m benchmarks.pipeline_vs_torch``)."""

@@ -1,0 +1,236 @@
+"""``stagewise simulate``: one step of a schedule under uniform (or given) costs; makespan, bubble, memory, charts.
+
+Bad arguments raise :class:`~.common.UsageError` (exit 2); a schedule that
+fails validation raises ``ScheduleError`` (exit 1, every problem shown).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .common import Subparsers, UsageError
+
+if TYPE_CHECKING:
+    from ..ir import Schedule
+    from ..simulation import CostModel, SimResult
+
+_HELP = """\
+Simulate one step of a schedule under uniform costs and report its makespan,
+bubble and peak activation memory.
+
+Times are per micro-batch and per rank: --f-time is the forward of one
+micro-batch through one rank's share of the model (with v virtual stages each
+stage takes T/v), likewise --i-time and --w-time. The backward is split as
+B = I + W: --i-time is I, the input-gradient part (what the previous rank
+waits for), --w-time is W, the weight-gradient part. Schedules without split
+backward run a full B costing I + W. --comm-time is the time a value takes to
+reach the next rank (it overlaps compute). Cost units are arbitrary; the
+trace file shows 1 unit as 1 ms. --costs FILE reads a per-stage cost model
+instead (JSON written by CostModel.to_dict, e.g. from a profiler).
+"""
+
+
+def add_command(sub: Subparsers) -> None:
+    parser = sub.add_parser(
+        "simulate",
+        help="simulate a schedule and draw it",
+        description=_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--schedule", "-s", required=True, metavar="NAME", help="registered name (see `stagewise schedules`)"
+    )
+    # not required=True: argparse would then refuse the hidden --stages alias below; checked in check_arguments
+    parser.add_argument("--ranks", "-p", type=int, metavar="P", help="number of ranks P (pipeline degree); required")
+    # the old spelling (it always meant ranks, not stages): accepted for one release, not advertised
+    parser.add_argument("--stages", type=int, dest="ranks", help=argparse.SUPPRESS)
+    parser.add_argument("--microbatches", "-m", type=int, required=True, metavar="M", help="micro-batches per step")
+    parser.add_argument(
+        "--virtual-stages",
+        "-v",
+        type=int,
+        default=None,
+        metavar="V",
+        help="stages per rank (default: the schedule's own)",
+    )
+    _add_times(parser)
+    parser.add_argument("--png", metavar="PATH", help="write a Gantt chart PNG")
+    parser.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace JSON")
+    parser.add_argument("--ascii", action="store_true", help="print a text chart")
+    parser.add_argument("--width", type=int, default=120, metavar="N", help="width of the text chart (default 120)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a summary")
+    parser.set_defaults(handler=run_simulate)
+
+
+def _add_times(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--f-time", type=float, default=1.0, metavar="T", help="forward time F per rank (default 1)")
+    parser.add_argument(
+        "--i-time", type=float, default=1.0, metavar="T", help="input-gradient time I per rank; B = I + W (default 1)"
+    )
+    # the old spelling (it always meant I, not the full backward B): accepted for one release, not advertised
+    parser.add_argument("--b-time", type=float, dest="i_time", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--w-time", type=float, default=1.0, metavar="T", help="weight-gradient time W per rank (default 1)"
+    )
+    parser.add_argument(
+        "--comm-time", type=float, default=0.0, metavar="T", help="transfer time between ranks (default 0)"
+    )
+    parser.add_argument(
+        "--sync-time", type=float, default=0.0, metavar="T", help="gradient-sync time per rank (default 0)"
+    )
+    parser.add_argument(
+        "--costs", metavar="PATH", help="per-stage cost model JSON (CostModel.to_dict); replaces the time flags"
+    )
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    if args.ranks is None:
+        raise UsageError("--ranks P is required: the number of ranks (pipeline degree)")
+    if args.ranks < 1:
+        raise UsageError(f"--ranks must be >= 1, got {args.ranks}")
+    if args.microbatches < 1:
+        raise UsageError(f"--microbatches must be >= 1, got {args.microbatches}")
+    if args.virtual_stages is not None and args.virtual_stages < 1:
+        raise UsageError(f"--virtual-stages must be >= 1, got {args.virtual_stages}")
+    for flag in ("f_time", "i_time", "w_time", "comm_time", "sync_time"):
+        value = getattr(args, flag)
+        if not 0 <= value < math.inf:
+            raise UsageError(f"--{flag.replace('_', '-')} must be a finite number >= 0, got {value}")
+    if args.width < 10:
+        raise UsageError(f"--width must be >= 10, got {args.width}")
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    from .. import build_schedule
+    from .._util import gc_paused
+    from ..simulation import simulate
+
+    check_arguments(args)
+    # one short-lived process making millions of acyclic objects: no collector passes over them, and they
+    # are dropped before the pause ends (re-enabled with them alive, the next allocation would scan them all)
+    with gc_paused():
+        schedule = build_schedule(args.schedule, args.ranks, args.microbatches, args.virtual_stages)
+        result = simulate(schedule, _costs(args, schedule))
+        # asynchronous schedules: labels "3v1" (for what draws the timeline) and versions kept
+        versions = _async_versions(schedule, result, label=bool(args.png or args.trace or not args.json))
+        if args.png:
+            from ..render import render_png
+
+            render_png(result.timeline, args.png)
+        if args.trace:
+            from ..render import render_trace
+
+            render_trace(result.timeline, args.trace)
+        if args.json:
+            print(json.dumps(_report(args, schedule, result, versions)))
+        else:
+            _print_summary(args, schedule, result)
+        del schedule, result, versions
+    return 0
+
+
+def _costs(args: argparse.Namespace, schedule: Schedule) -> CostModel:
+    """The cost model: ``--costs`` (checked against the schedule's stage count) or uniform per-rank times."""
+    from ..simulation import CostModel
+
+    v = schedule.virtual_stages
+    if not args.costs:
+        return CostModel.uniform(
+            schedule.num_stages,
+            forward=args.f_time / v,
+            backward_input=args.i_time / v,
+            backward_weight=args.w_time / v,
+            comm_time=args.comm_time,
+            sync_time=args.sync_time / v,
+        )
+    costs = _load_costs(args.costs)
+    if costs.num_stages != schedule.num_stages:
+        raise UsageError(
+            f"--costs describes {costs.num_stages} stages, but {args.schedule} with {args.ranks} ranks and "
+            f"{v} stages per rank has {schedule.num_stages}"
+        )
+    return costs
+
+
+def _report(
+    args: argparse.Namespace, schedule: Schedule, result: SimResult, versions: dict[str, object]
+) -> dict[str, object]:
+    """What ``simulate --json`` prints."""
+    times: dict[str, object] = {
+        "f_time": args.f_time,
+        "i_time": args.i_time,
+        "b_time": args.i_time,  # the old key (it meant I), kept for one release
+        "w_time": args.w_time,
+        "comm_time": args.comm_time,
+        "sync_time": args.sync_time,
+    }
+    return {
+        "schedule": args.schedule,
+        "ranks": schedule.num_ranks,
+        "stages": schedule.num_ranks,  # the old key (it meant ranks), kept for one release
+        "microbatches": schedule.num_microbatches,
+        "virtual_stages": schedule.virtual_stages,
+        "makespan": result.makespan,
+        "bubble_ratio": result.bubble_ratio,
+        "peak_activations": result.peak_activations,
+        "peak_activation_bytes": result.peak_activation_bytes,
+        **versions,
+        "costs": {"file": args.costs} if args.costs else times,
+    }
+
+
+def _print_summary(args: argparse.Namespace, schedule: Schedule, result: SimResult) -> None:
+    v = schedule.virtual_stages
+    stages = f"{v} stage{'s' if v > 1 else ''} per rank"
+    times = (
+        f"costs from {args.costs}"
+        if args.costs
+        else f"F={args.f_time:g} I={args.i_time:g} W={args.w_time:g} comm={args.comm_time:g}"
+    )
+    print(f"{args.schedule}: {schedule.num_ranks} ranks, {stages}, {schedule.num_microbatches} micro-batches ({times})")
+    print(f"  makespan   {result.makespan:g}")
+    print(f"  bubble     {result.bubble_ratio:.1%}")
+    print(f"  peak activations (micro-batches) per rank: {_short_list(result.peak_activations)}")
+    for flag, path in (("png", args.png), ("trace", args.trace)):
+        if path:
+            print(f"  wrote {flag}: {path}")
+    if args.ascii:
+        from ..render import render_ascii
+
+        print()
+        print(render_ascii(result.timeline, width=args.width))
+
+
+def _load_costs(path: str) -> CostModel:
+    from ..simulation import CostModel
+
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise UsageError(f"--costs {path}: {err}") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"--costs {path}: expected a JSON object (CostModel.to_dict), got {type(data).__name__}")
+    return CostModel.from_dict(data)
+
+
+def _short_list(values: Sequence[float], limit: int = 16) -> str:
+    shown = " ".join(f"{x:g}" for x in values[:limit])
+    return shown + (f" ... ({len(values)} ranks)" if len(values) > limit else "")
+
+
+def _async_versions(schedule: Schedule, result: SimResult, *, label: bool = True) -> dict[str, object]:
+    """For an asynchronous schedule: label the timeline's boxes with their versions (when it will be drawn),
+    report the versions kept (only the peaks: the full memory report costs seconds at 128 x 1024)."""
+    from ..simulation import labelled_timeline, peak_versions
+    from ..validate import async_table
+
+    if async_table(schedule) is None:
+        return {}
+    if label:
+        labelled_timeline(schedule, result)
+    return {"peak_weight_versions": peak_versions(schedule)}

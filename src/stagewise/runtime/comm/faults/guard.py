@@ -1,0 +1,190 @@
+"""The guard: one per pipeline, so that no rank waits forever and every failure names the rank at fault.
+
+Why one object: every transport (torch point-to-point, shared memory, one a
+user writes) and every collective the pipeline issues outside its transport
+(the hybrid axes' reductions, tied sums, gathers of records) must stop at the
+same deadline and at the same posted failure, and name this rank the same
+way. So the pipeline makes one :class:`Guard` and gives it to its transport
+(:class:`~stagewise.runtime.comm.transport.protocol.TransportSpec`) and to its
+collectives. A transport moves values and asks its guard whenever it waits;
+it holds no board, deadline or forensics of its own.
+
+What a guard owns:
+
+* the error board (:mod:`.board`): :attr:`Guard.failure`, :meth:`Guard.fail`,
+  :meth:`Guard.check` (a store round trip), :meth:`Guard.live` (none), and
+  :meth:`Guard.when_failed`, for what must happen as soon as this rank learns
+  of a failure (the shm transport removes its names from /dev/shm);
+* the deadline: :meth:`Guard.wait` on torch works (gloo's on helper threads,
+  :mod:`.waiters`; NCCL's only order streams), :meth:`Guard.watch` to start such
+  a wait early, :meth:`Guard.call` for a blocking call, and
+  :meth:`Guard.check_deadline` for waits that poll (the shm doorbells, a CUDA
+  event: :meth:`Guard.wait_gpu`);
+* forensics: :attr:`Guard.waiting`, what this rank waited for last (the hang
+  report, :mod:`stagewise.runtime.engine.forensics`), which each step clears
+  (:meth:`Guard.reset_waiting`); :attr:`Guard.me`, how messages name this rank;
+* the process's heartbeat (:mod:`.heartbeat`, started with the first guard)
+  and exit hook (:mod:`.exit_hook`, installed), which a failing rank leans on.
+
+What it does not own: process groups and the values that travel (the transports).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from ...errors import PipelineError
+from ..coordinator import start_call
+from . import exit_hook, heartbeat
+from .board import ErrorBoard
+from .waiters import Waiters, Watch, poll_s
+
+T = TypeVar("T")
+
+
+class Guard:
+    """One pipeline's error board, deadline and forensics, shared by its transport and its collectives.
+
+    ``board``: the board's name (pipelines sharing one see each other's failures: one per mesh); ``me``: how
+    messages name this rank; ``orders_streams``: waits on works of the pipeline's backend only order CUDA
+    streams (NCCL), the CPU goes on.
+    """
+
+    def __init__(self, board: str, timeout: float, me: str, *, store: Any = None, orders_streams: bool = False) -> None:
+        self.me = me
+        self.timeout = timeout
+        self.orders_streams = orders_streams
+        self.board = ErrorBoard(board, store, timeout, me)
+        heartbeat.start(timeout)  # so that a rank whose deadline passes can name the silent ones
+        exit_hook.install()  # a rank that fails outside any wait still posts, and leaves with exit code 1
+        self.waiting = ""  # the last thing waited for, named in the hang report (see engine.forensics)
+        self._waiters = Waiters()
+
+    # ---- the error board ------------------------------------------------------------------------
+    @property
+    def failure(self) -> str | None:
+        """The failure that stands, as far as this rank knows (no store round trip), or None."""
+        return self.board.failure
+
+    def fail(self, message: str) -> str:
+        """Post ``message`` unless a failure came first; returns the failure that stands."""
+        return self.board.fail(message)
+
+    def check(self) -> None:
+        """Raise :class:`PipelineError` if any rank has posted a failure (asks the store)."""
+        self.board.check()
+
+    def live(self) -> None:
+        """Raise :class:`PipelineError` if a failure is known here (no store round trip: waits look while waiting)."""
+        if self.board.failure is not None:
+            raise PipelineError(self.board.failure)
+
+    def when_failed(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` once, as soon as this rank learns of a failure (at once if it already knows of one)."""
+        self.board.when_failed(fn)
+
+    # ---- forensics ------------------------------------------------------------------------------
+    def reset_waiting(self) -> None:
+        """A step starts: what the last one waited for is no longer news (see engine.forensics)."""
+        self.waiting = ""
+
+    # ---- deadline-bounded waits -----------------------------------------------------------------
+    def watch(self, works: Sequence[Any]) -> Watch | None:
+        """Start waiting for ``works`` on a helper thread; pass the result to :meth:`wait` (None: nothing to watch)."""
+        if not works or self.board.failure is not None or self.orders_streams:
+            return None
+        return self._waiters.submit(works)
+
+    def wait(self, works: Sequence[Any], what: str, *, watch: Watch | None = None, blocking: bool = False) -> None:
+        """Block until ``works`` complete, raising :class:`PipelineError` on any rank's failure or the deadline.
+
+        ``blocking``: the works block a thread until done even where the backend only orders streams (gloo
+        works next to NCCL: the eager side group), so they are waited for on a helper thread too.
+        """
+        if not works:
+            return
+        self.live()
+        self.waiting = what
+        if self.orders_streams and not blocking:  # NCCL: orders streams and returns; the step's end syncs
+            for w in works:
+                w.wait()
+            return
+        job = self._waiters.submit(works) if watch is None else watch
+        if not job.event.is_set():
+            started = time.perf_counter()
+            while not job.event.wait(poll_s(time.perf_counter() - started)):
+                try:
+                    self.check_deadline(started, what)
+                except PipelineError:
+                    self._waiters.abandon(job.waiter)  # its thread is stuck in gloo; leave it behind
+                    raise
+        if job.error is not None:
+            if self.board.failure is None:  # which peer went away? gloo does not say
+                who = heartbeat.describe_stopped()
+                raise PipelineError(self.board.fail(f"{self.me}: {what} failed: {job.error}{who}")) from job.error
+            raise PipelineError(self.board.failure) from job.error
+
+    def call(self, fn: Callable[[], T], what: str) -> T:
+        """``fn()`` on a helper thread (left behind if it never returns), bounded like :meth:`wait`.
+
+        For a blocking call that cannot be made asynchronous (process-group creation).
+        """
+        self.live()
+        self.waiting = what
+        done, box = start_call(fn)
+        started = time.perf_counter()
+        while not done.wait(poll_s(time.perf_counter() - started)):
+            self.check_deadline(started, what)
+        if "error" in box:
+            err = box["error"]
+            raise PipelineError(self.board.fail(f"{self.me}: {what} failed: {err}")) from err
+        value: T = box["value"]
+        return value
+
+    def check_deadline(self, started: float, what: str) -> None:
+        """Raise if a failure was posted, or post one if ``what`` has been waited for past the timeout."""
+        self.board.check()
+        waited = time.perf_counter() - started
+        if waited > self.timeout:
+            raise PipelineError(
+                self.board.fail(
+                    f"{self.me} waited {waited:.1f} s for {what}; is another rank stuck or dead? "
+                    f"(timeout={self.timeout:g} s){heartbeat.describe_silent(self.timeout)}"
+                )
+            )
+
+    def wait_gpu(self, device: torch.device, what: str) -> None:
+        """On CUDA, wait for the queued kernels and transfers by polling an event (a GPU wait cannot be handed
+        to a helper thread without blocking it), within the deadline; nothing on other devices."""
+        if device.type != "cuda":
+            return
+        event = torch.cuda.Event()
+        event.record()
+        started = time.perf_counter()
+        while not event.query():
+            self.check_deadline(started, what)
+            time.sleep(0.0002)
+
+    def close(self) -> None:
+        """Stop the helper threads (a later wait starts new ones)."""
+        self._waiters.close()
+
+
+_setup_guards = 0
+
+
+def setup_guard(timeout: float, store: Any = None) -> Guard:
+    """A guard for a collective made before a pipeline exists (the profile handed round, say).
+
+    Its board is one of its own - named by a count every rank advances alike, as all build their pipelines in
+    the same order - and, as every board, it watches the run's job key, where a process that dies of an
+    exception posts it. Close it after use (:meth:`Guard.close`).
+    """
+    global _setup_guards
+    _setup_guards += 1
+    return Guard(f"setup/{_setup_guards - 1}", timeout, f"global rank {dist.get_rank()}", store=store)

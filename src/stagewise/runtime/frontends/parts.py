@@ -1,0 +1,79 @@
+"""What every way in hands the assembly: this rank's built stages (:class:`Parts`), and the frontend protocol.
+
+Construction flows one way: a frontend (a layer list, ``from_model``, ``from_hf``, ``from_stages``, a plan)
+says which options it cannot apply and fills in its own defaults, may fix the stage count (a tagged
+model), then builds this rank's stages for the resolved context. :func:`stagewise.runtime.assembly.assemble`
+wraps the parts in the engine, whoever made them. No frontend knows the Pipeline class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from torch import nn
+
+from ...partition import LayerProfile
+from .tied import TiedBuilder
+
+if TYPE_CHECKING:
+    from ..context import PipelineContext
+    from ..options import Options
+
+
+@dataclass
+class Parts:
+    """This rank's stages as a frontend built them.
+
+    ``modules[s]``: the modules local stage ``s`` applies, in order.
+    ``register(root)``: puts them on the Pipeline under their one-process names
+    (so ``state_dict()`` keys match the one-process model's).
+    ``layer_ranges[s]``: which layers (or blocks) of the source stage ``s`` holds.
+    ``tied``: the builder of :class:`~stagewise.Tied` modules (None: no ties).
+    ``seeded``: every replica built the same weights from the same seed; when False (a model built by the
+    user), replicas over ``parallel=``'s data, sharding and tensor axes are made equal by a broadcast from
+    the first, as torch's DistributedDataParallel does.
+    """
+
+    modules: dict[int, list[nn.Module]]
+    register: Callable[[nn.Module], None]
+    layer_ranges: list[range]
+    profile: LayerProfile | None = None
+    model_cut: Any = None
+    tied: TiedBuilder | None = None
+    tied_copies: dict[str, nn.Module] = field(default_factory=dict)
+    seeded: bool = False
+
+
+@runtime_checkable
+class Frontend(Protocol):
+    """A way into a Pipeline."""
+
+    @property
+    def entry(self) -> str:
+        """How the user called, for messages: ``"Pipeline(layers)"``, ``"Pipeline.from_hf"``, ..."""
+        ...
+
+    @property
+    def refused(self) -> Mapping[str, str]:
+        """Options this way in cannot apply, and why (refused when given: :func:`..options.check_applicable`)."""
+        ...
+
+    def defaults(self, options: Options) -> Options:
+        """``options`` with this way in's own defaults filled in (options the user did not give)."""
+        ...
+
+    def stage_count(self, options: Options) -> int | None:
+        """The number of stages the source fixes (a tagged model's), or None: the schedule decides."""
+        ...
+
+    def build(self, ctx: PipelineContext, options: Options) -> Parts:
+        """This rank's stages for ``ctx`` (called once the context is resolved and checked)."""
+        ...
+
+
+#: why a model built before the Pipeline cannot take the options that build or cut layers
+BUILT_MODEL = "the model's weights exist already (seed it before you build it; with parallel= its replicas are made equal by a broadcast from the first)"  # noqa: E501
+LAYERS_ONLY = "applies to models stagewise traces with torch.fx (from_model)"
+FROM_MODELS = "applies to from_model / from_hf, which free the other ranks' parts of a model built whole"

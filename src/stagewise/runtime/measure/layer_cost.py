@@ -1,0 +1,236 @@
+"""What one layer costs, measured: its forward, backward (I, W, B) and checkpoint times, and what it saves.
+
+One call of :func:`measure_layer` per layer of a profile (:mod:`.profiling` chooses the layers and what each
+receives). The backward is timed through the runtime's own code (:mod:`stagewise.runtime.engine.backward`),
+because that is what a stage runs; ``.grad`` is put back as it was. Timing uses CUDA events on a GPU and
+``time.perf_counter`` elsewhere (:func:`timer`).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import CheckpointError, checkpoint
+
+from ...partition import LayerCost
+from ..engine.backward import backward_full, backward_input, backward_weight
+from ..engine.interpreter import FUSE_B_MIN_WEIGHTS
+
+#: ``timed(fn)``: ``fn()``'s result and the seconds it took on the device
+Timer = Callable[[Callable[[], Any]], tuple[Any, float]]
+
+
+def timer(device: torch.device) -> Timer:
+    """A timer for ``device``: CUDA events on a GPU (the kernels' time, not the launch's), the wall clock elsewhere."""
+    if device.type == "cuda":
+
+        def cuda_time(fn: Callable[[], Any]) -> tuple[Any, float]:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn()
+            end.record()
+            end.synchronize()
+            return out, start.elapsed_time(end) / 1000.0
+
+        return cuda_time
+
+    def wall_time(fn: Callable[[], Any]) -> tuple[Any, float]:
+        start = time.perf_counter()
+        out = fn()
+        return out, time.perf_counter() - start
+
+    return wall_time
+
+
+def measure_layer(
+    name: str,
+    module: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    device: torch.device,
+    repeats: int,
+    warmup: int,
+) -> LayerCost:
+    """``module(*args, **kwargs)``'s costs: the median of ``repeats`` timed steps after ``warmup`` others, and
+    the bytes it saves for backward, sends on and holds."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
+    resident = {_storage_key(t) for t in module.parameters()} | {_storage_key(t) for t in module.buffers()}
+    out, saved_bytes, saved_count = _forward_counting_saved(module, args, kwargs, resident)
+    outs = grad_outputs(out)
+    weight_bytes = min(_weight_saved_bytes(outs, {id(p) for p in params}, resident), saved_bytes)
+    out_bytes = _tensor_bytes(out)
+    del out, outs
+    med = _median_times(module, args, kwargs, params, inputs, timer(device), repeats, warmup)
+    return LayerCost(
+        name=name,
+        forward=med["f"],
+        backward_input=med["i"],
+        backward_weight=med["w"],
+        backward=med["b"],
+        activation_bytes=float(saved_bytes),
+        weight_activation_bytes=float(weight_bytes),
+        parameter_bytes=float(sum(p.numel() * p.element_size() for p in module.parameters())),
+        output_bytes=float(out_bytes),
+        saved_tensors=float(saved_count),
+        checkpoint_forward=med["cf"],
+        checkpoint_backward=med["cb"],
+    )
+
+
+def _median_times(
+    module: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    params: list[nn.Parameter],
+    inputs: list[torch.Tensor],
+    timed: Timer,
+    repeats: int,
+    warmup: int,
+) -> dict[str, float]:
+    """The median of each time :func:`_time_step` takes (f, i, w, b, and the checkpoint's cf, cb), every
+    parameter's ``.grad`` put back after."""
+    samples: list[tuple[float, ...]] = []
+
+    def forward() -> Any:
+        return module(*args, **kwargs)
+
+    def checkpointed() -> Any:  # as the runtime's recompute runs a segment (engine.recompute)
+        return checkpoint(lambda *a: module(*a, **kwargs), *args, use_reentrant=False)
+
+    fused = sum(p.numel() for p in params if p.dim() == 2) >= FUSE_B_MIN_WEIGHTS  # B's path, as a stage picks it
+    kept = [(p, None if p.grad is None else p.grad.detach().clone()) for p in params]
+    try:
+        for r in range(warmup + repeats):
+            times = _time_step(timed, forward, checkpointed, inputs, bool(params), fused)
+            if r >= warmup:
+                samples.append(times)
+    finally:
+        for p, grad in kept:
+            p.grad = grad
+    med = dict(zip(("f", "i", "w", "b", "cf", "cb"), (statistics.median(column) for column in zip(*samples))))
+    if any(math.isnan(row[4]) for row in samples):  # the checkpoint refused it once: no cost to charge, nor a recompute
+        med["cf"] = med["cb"] = 0.0
+    return med
+
+
+def _time_step(
+    timed: Timer,
+    forward: Callable[[], Any],
+    checkpointed: Callable[[], Any],
+    inputs: list[torch.Tensor],
+    has_weights: bool,
+    fused: bool,
+) -> tuple[float, ...]:
+    """One timed forward, then the runtime's I and W on its graph; B on a second forward's graph; the forward
+    checkpointed and B on its graph (their extra over the forward, and over B and the forward again).
+
+    I and B less the same calls on a one-node graph, timed alongside: a stage makes one such call per
+    micro-batch, not one per layer, and the runtime's cost per action (``Calibration.action``) holds it.
+    """
+    out, tf = timed(forward)
+    outs = grad_outputs(out)
+    if not outs:
+        return tf, 0.0, 0.0, 0.0, 0.0, 0.0
+    grads: list[torch.Tensor | None] = [torch.ones_like(t) for t in outs]
+    (_, work), ti = timed(lambda: backward_input(outs, grads, inputs))
+    _, tw = timed(lambda: backward_weight(work)) if has_weights else (None, 0.0)  # nothing to accumulate
+    again = grad_outputs(forward())
+    _, tb = timed(lambda: backward_full(again, grads, inputs, fused=fused))
+    device = outs[0].device
+    z = torch.ones(1, device=device, requires_grad=True)
+    one = [torch.ones(1, device=device)]
+    _, bi = timed(lambda: backward_input([z * 1.0], one, [z]))
+    _, bb = timed(lambda: backward_full([z * 1.0], one, [z], fused=fused))
+    try:
+        kept, tcf = timed(checkpointed)
+        _, tcb = timed(lambda: backward_full(grad_outputs(kept), grads, inputs, fused=fused))
+    except CheckpointError:  # a layer whose re-run differs (a cache it appends to, say): recompute cannot run it
+        return tf, max(0.0, ti - bi), tw, max(0.0, tb - bb), math.nan, math.nan
+    return tf, max(0.0, ti - bi), tw, max(0.0, tb - bb), tcf - tf, tcb - tb - tf
+
+
+def grad_outputs(out: Any) -> list[torch.Tensor]:
+    """The tensors of ``out`` a backward starts from (those that need a gradient)."""
+    return [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _tensor_bytes(value: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tree_leaves(value) if isinstance(t, torch.Tensor))
+
+
+def _forward_counting_saved(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], resident: set[int]
+) -> tuple[Any, int, int]:
+    """Run the forward once, adding up the bytes of each storage autograd saves (parameters excluded), and
+    counting the tensors it saves (parameters included: a checkpoint's hooks see every one)."""
+    counted: set[int] = set()
+    total = 0
+    calls = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total, calls
+        calls += 1
+        key = _storage_key(t)
+        if key and key not in resident and key not in counted:
+            counted.add(key)
+            total += t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = module(*args, **kwargs)
+    return out, total, calls
+
+
+def _weight_saved_bytes(outs: list[torch.Tensor], params: set[int], resident: set[int]) -> int:
+    """Bytes saved by autograd nodes that compute a parameter's gradient (e.g. a Linear's input)."""
+    memo: dict[Any, bool] = {}
+
+    def only_params(node: Any, depth: int = 0) -> bool:
+        # True for a node whose inputs all come from parameters (AccumulateGrad of a parameter, or a view of one).
+        if node in memo:
+            return memo[node]
+        if hasattr(node, "variable"):
+            result = id(node.variable) in params
+        elif depth > 3 or not node.next_functions:
+            result = False
+        else:
+            nexts = [n for n, _ in node.next_functions if n is not None]
+            result = bool(nexts) and all(only_params(n, depth + 1) for n in nexts)
+        memo[node] = result
+        return result
+
+    seen: set[Any] = set()
+    stack = [t.grad_fn for t in outs if t.grad_fn is not None]
+    counted: set[int] = set()
+    total = 0
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        nexts = [n for n, _ in node.next_functions if n is not None]
+        stack.extend(nexts)
+        if not any(only_params(n) for n in nexts):
+            continue
+        for attr in dir(node):
+            if not attr.startswith("_saved_"):
+                continue
+            value = getattr(node, attr, None)
+            if isinstance(value, torch.Tensor):
+                key = _storage_key(value)
+                if key and key not in resident and key not in counted:
+                    counted.add(key)
+                    total += value.untyped_storage().nbytes()
+    return total

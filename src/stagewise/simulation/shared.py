@@ -1,0 +1,182 @@
+"""The simulator's makespan when the ranks share fewer cores than there are processes (processor sharing).
+
+:func:`stagewise.simulation.arrays.simulate` gives each rank a device of its own. On a
+node whose processes outnumber its cores - 4 or 8 ranks on this project's
+2-core machine, or any oversubscribed host - the operating system shares the
+cores among the processes that are computing: while ``n`` of them compute on
+``c`` cores, each advances at ``min(1, c / n)`` of its own speed, and a rank
+waiting for a message sleeps (the transports do not spin) and takes no core.
+
+That is what this event-driven replay does, on the same dependency rules as
+the simulator (an action starts when its rank is free and its input has
+arrived; transfers take ``latency + bytes / bandwidth`` and no core; SYNC and
+STEP take their time on their rank and no core). One pipeline rank may stand
+for several processes on the node - its data-parallel, sharding and tensor
+replicas, which run the same timeline - so each rank carries a ``weight``: the
+number of the node's processes that compute whenever it does.
+
+It answers the makespan only; the planner uses it in place of
+``max(simulated, busiest node's work / cores)`` - a bound that holds with
+perfect packing and misses the fill and drain, where fewer ranks compute than
+there are cores, and the steady state, where more do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..ir import COMM, Kind, Schedule
+from .costs import CostModel
+
+_F, _B, _I, _W, _SYNC = Kind.F, Kind.B, Kind.I, Kind.W, Kind.SYNC
+
+
+def shared_makespan(
+    schedule: Schedule,
+    costs: CostModel,
+    weights: Sequence[float],
+    cores: float,
+    nodes: Sequence[int] | None = None,
+) -> float:
+    """The step's makespan when rank ``r`` is ``weights[r]`` processes computing alike on node ``nodes[r]``'s
+    ``cores`` shared cores (``nodes`` None: one node).
+
+    With ``cores`` at least each node's summed weights it equals ``simulate(schedule, costs).makespan``.
+    Raises ``ValueError`` on a schedule that cannot finish, as the simulator does.
+    """
+    n, p = schedule.num_stages, schedule.num_ranks
+    if costs.num_stages != n:
+        raise ValueError(f"cost model describes {costs.num_stages} stages, schedule {schedule.name!r} has {n}")
+    if len(weights) != p or not all(w > 0 for w in weights):
+        raise ValueError(f"shared_makespan: one weight > 0 per rank ({p}), got {list(weights)}")
+    if not cores > 0:
+        raise ValueError(f"shared_makespan: cores must be > 0, got {cores!r}")
+    node = [0] * p if nodes is None else list(nodes)
+    if len(node) != p:
+        raise ValueError(f"shared_makespan: one node per rank ({p}), got {len(node)}")
+    replay = _SharedCores(schedule, costs, weights, cores, node)
+    while replay.advance(replay.start_ready()):
+        pass
+    stuck = [r for r in range(p) if replay.state[r] != 3]
+    if stuck:
+        r = stuck[0]
+        raise ValueError(
+            f"schedule {schedule.name!r} cannot finish: rank {r} waits at {replay.ranks[r][replay.pos[r]]} "
+            f"for a value no rank produces first (run validate_schedule for details)"
+        )
+    return replay.end - (replay.first or 0.0)
+
+
+class _SharedCores:
+    """The replay's state at time ``t``: per rank, its next action, the work left of a running compute action
+    (seconds at full speed), the end of a running SYNC/STEP, and what it is doing; each message's arrival."""
+
+    __slots__ = (
+        "arrival", "b_full", "cores", "costs", "delay_b", "delay_f", "end", "first", "last", "left", "m", "node",
+        "pools", "pos", "ranks", "state", "t", "until", "weights",
+    )  # fmt: skip
+
+    def __init__(
+        self, schedule: Schedule, costs: CostModel, weights: Sequence[float], cores: float, node: list[int]
+    ) -> None:
+        n, m, p = schedule.num_stages, schedule.num_microbatches, schedule.num_ranks
+        plc, last = schedule.placement, n - 1
+        self.costs, self.m, self.last = costs, m, last
+        self.weights, self.cores, self.node, self.pools = weights, cores, node, sorted(set(node))
+        self.b_full = [x + y for x, y in zip(costs.backward_input, costs.backward_weight)]
+        self.delay_f = [costs.transfer_time(s) if s < last and plc[s + 1] != plc[s] else 0.0 for s in range(n)]
+        self.delay_b = [costs.transfer_time(s - 1) if s > 0 and plc[s - 1] != plc[s] else 0.0 for s in range(n)]
+        self.ranks = [[a for a in acts if a[1] not in COMM] for acts in schedule.ranks]
+        self.arrival: list[float | None] = [None] * (2 * n * m)
+        self.pos = [0] * p
+        self.left = [0.0] * p
+        self.until = [0.0] * p
+        self.state = [0] * p  # 0 idle, 1 computing, 2 in SYNC/STEP, 3 done (literals: read per rank per event)
+        self.first: float | None = None
+        self.end = 0.0
+        self.t = 0.0
+
+    def finish(self, r: int) -> None:
+        """Rank ``r``'s running action ends now: its message leaves, the rank is idle."""
+        s, kind, i = self.ranks[r][self.pos[r]]
+        m = self.m
+        if kind is _F and s < self.last:
+            self.arrival[2 * (s * m + i)] = self.t + self.delay_f[s]  # type: ignore[operator]
+        elif (kind is _B or kind is _I) and s:
+            self.arrival[2 * (s * m + i) + 1] = self.t + self.delay_b[s]  # type: ignore[operator]
+        self.pos[r] += 1
+        self.state[r] = 0
+
+    def start_ready(self) -> float:
+        """Start on every idle rank what can start now (zero-length actions finish at once, and the ranks are
+        swept again while one of them hands on a message in this instant); the next arrival awaited."""
+        ranks, state, pos, arrival, costs, t = self.ranks, self.state, self.pos, self.arrival, self.costs, self.t
+        m, last, left, until, first = self.m, self.last, self.left, self.until, self.first
+        wake = float("inf")
+        swept = False
+        while not swept:
+            swept = True
+            for r in range(len(ranks)):
+                while state[r] == 0:
+                    if pos[r] == len(ranks[r]):
+                        state[r] = 3
+                        self.end = max(self.end, t)
+                        break
+                    s, kind, i = ranks[r][pos[r]]
+                    if kind is _F and s:  # the message it waits for
+                        ready = arrival[2 * ((s - 1) * m + i)]  # type: ignore[operator]
+                    elif (kind is _B or kind is _I) and s < last:
+                        ready = arrival[2 * ((s + 1) * m + i) + 1]  # type: ignore[operator]
+                    else:
+                        ready = 0.0
+                    if ready is None:
+                        break  # its input is not made yet
+                    if ready > t:
+                        wake = min(wake, ready)
+                        break
+                    if first is None:
+                        first = self.first = t
+                    if kind is _F or kind is _B or kind is _I or kind is _W:
+                        work = (
+                            costs.forward[s]
+                            if kind is _F
+                            else self.b_full[s]
+                            if kind is _B
+                            else (costs.backward_input[s] if kind is _I else costs.backward_weight[s])
+                        )
+                        if work > 0:
+                            left[r], state[r] = work, 1
+                        else:
+                            self.finish(r)
+                            swept = False
+                    else:
+                        took = costs.sync_time[s] if kind is _SYNC else costs.step_time[s]
+                        if took > 0:
+                            until[r], state[r] = t + took, 2
+                        else:
+                            self.finish(r)
+        return wake
+
+    def advance(self, wake: float) -> bool:
+        """Run to the next event (an action ends, or the message ``wake`` arrives), the computing ranks of each
+        node sharing its cores; False when there is none (every rank done, or waiting for nothing that comes)."""
+        state, left, until, t, p = self.state, self.left, self.until, self.t, len(self.state)
+        weights, cores, node = self.weights, self.cores, self.node
+        busy = dict.fromkeys(self.pools, 0.0)
+        for r in range(p):
+            if state[r] == 1:
+                busy[node[r]] += weights[r]
+        rate = [min(1.0, cores / busy[node[r]]) if state[r] == 1 else 1.0 for r in range(p)]
+        done_at = [t + left[r] / rate[r] if state[r] == 1 else until[r] if state[r] == 2 else 0.0 for r in range(p)]
+        nxt = min([wake] + [done_at[r] for r in range(p) if state[r] in (1, 2)])
+        if nxt == float("inf"):
+            return False
+        for r in range(p):
+            if state[r] == 1:
+                left[r] -= (nxt - t) * rate[r]
+        self.t = nxt
+        close = nxt + 1e-12 * (1.0 + abs(nxt))
+        for r in range(p):
+            if state[r] in (1, 2) and done_at[r] <= close:
+                self.finish(r)
+        return True

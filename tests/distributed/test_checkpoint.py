@@ -1,0 +1,99 @@
+"""Checkpoints across layouts and processes: save at pp=2, load at pp=4, pp=2 zb-v and in one process; resume.
+
+Four torchrun jobs share one folder, in order (tests/distributed/workers/checkpoint_checks.py):
+``save2`` (2 ranks) saves at pp=2; ``save4`` (4 ranks, fresh processes) loads
+those at pp=4 and saves at pp=4 and pp2 x dp2; ``resume2`` and ``resume4``
+(fresh processes again) load and continue. This process writes the
+one-process "seed checkpoint" first and loads the pp=2 checkpoint into the
+one-process model at the end.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import checkpoint_checks as cc
+import hybrid_checks as hc
+import stagewise as sw
+from checkpoint_models import adamw, plain, tied_wrapped
+from helpers.torchrun import SuiteResults, run_suite
+
+ORDER = [("save2", 2), ("save4", 4), ("resume2", 2), ("resume4", 4)]
+CHECKS = [(suite, name) for suite, _ in ORDER for name in cc.suites(4)[suite]]
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory):
+    folder = tmp_path_factory.mktemp("ckpt")
+    os.environ["STAGEWISE_CKPT_DIR"] = str(folder)  # where checkpoint_checks' references are read here too
+    return folder
+
+
+@pytest.fixture(scope="module")
+def results(shared, tmp_path_factory: pytest.TempPathFactory) -> dict[str, SuiteResults]:
+    seed = sw.build_model(plain(), seed=42)
+    sw.checkpoint.save(shared / "seed", seed, step=0)
+    env = {"STAGEWISE_CKPT_DIR": str(shared), "PYTHONWARNINGS": "ignore"}
+    done = {}
+    for suite, ranks in ORDER:
+        out = tmp_path_factory.mktemp(suite)
+        done[suite] = run_suite("checkpoint_checks", ranks, out, timeout=300, suite=suite, env=env)
+    return done
+
+
+@pytest.mark.parametrize(("suite", "name"), CHECKS)
+def test_check(results: dict[str, SuiteResults], suite: str, name: str) -> None:
+    results[suite].assert_ok(name)
+
+
+def test_resumed_losses_are_the_uninterrupted_ones(results: dict[str, SuiteResults]) -> None:
+    """The same four losses, to the last bit, whether the run stopped after two steps or not (fresh processes)."""
+    for saver, resumer in [
+        ("save-1f1b-dropout", "resume-1f1b"),
+        ("save-zbv-dropout-user-optimizer", "resume-zbv-user-optimizer"),
+    ]:
+        saved = results["save2"].get(saver)[0]["info"]["losses"]
+        resumed = results["resume2"].get(resumer)[0]["info"]["losses"]
+        assert resumed == saved[2:], (saver, saved, resumed)
+    saved = results["save4"].get("save-pp2xdp2")[0]["info"]["losses"]
+    assert results["resume4"].get("resume-pp2xdp2")[0]["info"]["losses"] == saved[2:]
+
+
+def test_load_pp2_checkpoint_into_one_process(results: dict[str, SuiteResults], shared) -> None:
+    """The pp=2 checkpoint (per-stage optimizers) into sw.build_model and one AdamW: parameters and state by name."""
+    results["save2"].assert_ok("save-pp2-1f1b")
+    model = sw.build_model(plain(), seed=123)
+    opt = adamw(list(model.parameters()))
+    info = sw.checkpoint.load(shared / "p2", model, opt)
+    assert info.step == 2 and info.layout["pipeline"]["ranks"] == 2 and not info.rng_restored
+    assert cc.assert_same(model, [opt], "p2") == len(list(model.parameters()))
+
+
+def test_load_sharded_checkpoint_into_one_process(results: dict[str, SuiteResults], shared) -> None:
+    """FSDP2 shards (pp 2 x sharding 2, DTensors) gathered by DCP into the plain one-process model."""
+    results["save4"].assert_ok("save-pp2xsharding2")
+    model = sw.build_model(hc.tp_lm(), seed=5)
+    info = sw.checkpoint.load(shared / "sh", model)
+    assert info.layout["parallel"] == {"pp": 2, "dp": 1, "sharding": 2, "tp": 1}
+    assert cc.assert_same(model, [], "sh", optim=False) == len(list(model.parameters()))
+
+
+def test_tied_module_with_a_wrapped_first_use_loads_into_one_process(results: dict[str, SuiteResults], shared) -> None:
+    """Rank 1's tied copy is named as the one-process model names it (``0.module.weight``), optimizer state too."""
+    results["save2"].assert_ok("save-tied-wrapped-pp2")
+    record = (sw.checkpoint.latest(shared / "tiedw") / "stagewise.json").read_text()
+    assert '"optim/0.module.weight/exp_avg"' in record and '"optim/0.weight/' not in record
+    model = sw.build_model(tied_wrapped(), seed=3)
+    opt = adamw(list(model.parameters()))
+    sw.checkpoint.load(shared / "tiedw", model, opt)  # strict: every optimizer entry has its parameter here
+    state = opt.state[model.get_submodule("0").module.weight]
+    assert int(state["step"]) == 2 and state["exp_avg"].abs().sum() > 0
+
+
+def test_tied_pipeline_loss_equals_one_process(results: dict[str, SuiteResults]) -> None:
+    info = results["resume2"].get("tied-restore-pp2")[0]["info"]
+    assert info["pipeline"] == pytest.approx(info["one_process"], rel=1e-12, abs=0)
+    assert torch.isfinite(torch.tensor(info["pipeline"]))

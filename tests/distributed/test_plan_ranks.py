@@ -1,0 +1,28 @@
+"""Plans the planner picks, run on 4 gloo ranks against the one-process model.
+
+The checks are in tests/distributed/workers/plan_checks.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import plan_checks
+from helpers.torchrun import SuiteResults, run_suite
+
+RANKS = 4
+CHECKS = [*plan_checks.chosen(RANKS), "on_mesh"]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> SuiteResults:
+    return run_suite("plan_checks", RANKS, tmp_path_factory.mktemp("plan4"), timeout=240)
+
+
+def test_the_plans_cover_pipelines_sharding_and_virtual_stages() -> None:
+    assert {"best", "deepest", "sharded", "virtual", "recompute"} <= set(CHECKS)
+
+
+@pytest.mark.parametrize("name", CHECKS)
+def test_plan_runs_like_one_process(results: SuiteResults, name: str) -> None:
+    results.assert_ok(name)

@@ -1,0 +1,219 @@
+"""Checks for BatchNorm under micro-batching (issue 18), run on every rank of one torchrun job.
+
+    torchrun --standalone --nproc-per-node 2 tests/distributed/workers/worker.py --checks batchnorm_checks --out DIR
+
+The reference is the one-process model (``sw.build_model``) in float64, run the
+way the pipeline runs the batch: micro-batch by micro-batch in training mode
+(each normalised with its own statistics; gradients weighted by size), its
+buffers then put back, and each BatchNorm layer called once, in training mode,
+on the concatenation of the inputs it saw: torch's own running-statistics
+update over the whole batch. Also importable in one process (tests/runtime/test_batchnorm.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import stagewise as sw
+from helpers.compare import ATOL, RTOL, assert_params_close
+from helpers.models import Res
+from stagewise.runtime.engine.microbatch import split
+from worker import Check, Ctx, gather_objects
+
+TIMEOUT = 60.0
+D, CLASSES = 16, 5
+M, BATCH, STEPS, LR = 4, 14, 3, 0.1  # 14 samples in 4 micro-batches: 4, 4, 3, 3
+
+
+# ---- model ----------------------------------------------------------------------------
+class Channels(nn.Module):
+    """(N, D) -> BatchNorm1d over 4 channels of length D/4 (a 3-d input: statistics over N and L) -> (N, D)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(4, momentum=0.5, dtype=torch.float64)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.norm(h.reshape(h.shape[0], 4, D // 4)).reshape(h.shape[0], D)
+
+
+def bn_layers() -> list[sw.Layer]:
+    """10 layers, BatchNorm with momentum 0.3, None (cumulative average) and 0.5, one behind another."""
+    return [
+        sw.Layer(nn.Linear, D, D, dtype=torch.float64),
+        sw.Layer(nn.BatchNorm1d, D, momentum=0.3, dtype=torch.float64),
+        sw.Layer(nn.GELU),
+        sw.Layer(nn.Linear, D, D, dtype=torch.float64),
+        sw.Layer(nn.BatchNorm1d, D, momentum=None, dtype=torch.float64),
+        sw.Layer(Res),
+        sw.Layer(Channels),
+        sw.Layer(Res),
+        sw.Layer(Res),
+        sw.Layer(nn.Linear, D, CLASSES, dtype=torch.float64),
+    ]
+
+
+def late_bn_layers() -> list[sw.Layer]:
+    """BatchNorm in the last layers only (the last rank's stage): rank 0 must still say so."""
+    head = [sw.Layer(nn.BatchNorm1d, D, dtype=torch.float64), sw.Layer(nn.Linear, D, CLASSES, dtype=torch.float64)]
+    return [*(sw.Layer(Res) for _ in range(8)), *head]  # 10 layers: the BatchNorm is on the last stage of 2 or 4
+
+
+def data(batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, D, generator=g, dtype=torch.float64) * 2.0 + 3.0  # far from normalised
+    return x, torch.randint(0, CLASSES, (batch,), generator=g)
+
+
+# ---- the reference --------------------------------------------------------------------
+def batchnorms(model: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
+    return [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
+
+def reference_step(ref: nn.Module, x: torch.Tensor, y: torch.Tensor, m: int, replicas: int = 1) -> float:
+    """One deferred-BatchNorm step of the one-process model: its loss; gradients in ``.grad``.
+
+    With ``replicas``, the batch is first cut in that many equal shares (``Pipeline.local_batch``), each run as
+    ``m`` micro-batches; the running statistics cover all of them (``across_replicas=True``).
+    """
+    norms = batchnorms(ref)
+    buffers = {k: v.clone() for k, v in ref.named_buffers()}
+    seen: dict[int, list[torch.Tensor]] = {id(bn): [] for bn in norms}
+    hooks = [bn.register_forward_pre_hook(lambda mod, args: seen[id(mod)].append(args[0].detach())) for bn in norms]
+    xs, ys, sizes = [], [], []
+    for xr, yr in zip(split(x, replicas)[0], split(y, replicas)[0]):
+        chunks, n = split(xr, m)
+        xs, ys, sizes = xs + chunks, ys + split(yr, m)[0], sizes + n
+    total = 0.0
+    try:
+        for xi, yi, n in zip(xs, ys, sizes):
+            loss = F.cross_entropy(ref(xi), yi) * (n / sum(sizes))
+            loss.backward()
+            total += loss.item()
+    finally:
+        for h in hooks:
+            h.remove()
+    with torch.no_grad():
+        for k, v in ref.named_buffers():
+            v.copy_(buffers[k])  # undo the per-micro-batch updates
+        for bn in norms:
+            if bn.training:
+                bn(torch.cat(seen[id(bn)]))  # torch's update, once, over the whole batch
+    return total
+
+
+def train_and_compare(
+    make: Callable[..., sw.Pipeline],
+    steps: int = STEPS,
+    m: int = M,
+    mode: Any = "deferred",
+    evaluate: bool = True,
+    replicas: int = 1,
+    batch: int = BATCH,
+    **kw: Any,
+) -> sw.Pipeline:
+    """``steps`` SGD steps of the pipeline and the reference; parameters and buffers compared after each,
+    then (``evaluate``) eval_step's outputs against the one-process model's in eval mode."""
+    layers = bn_layers()
+    pipe = make(layers, batchnorm=mode, optimizer=lambda ps: torch.optim.SGD(ps, lr=LR), **kw)
+    ref = sw.build_model(layers)
+    opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    for step in range(steps):
+        x, y = data(batch, seed=step)
+        loss = pipe.train_step(*pipe.local_batch(x, y))
+        ref_loss = reference_step(ref, x, y, m, replicas)
+        opt.step()
+        opt.zero_grad()
+        assert abs(loss - ref_loss) <= 1e-10 * max(1.0, abs(ref_loss)), f"step {step} loss: {loss} vs {ref_loss}"
+        assert_params_close(pipe, ref, f"after step {step}", buffers=True)
+    counts = {n: int(b) for n, b in pipe.named_buffers() if n.endswith("num_batches_tracked")}
+    assert all(c == steps for c in counts.values()), f"num_batches_tracked {counts}, expected {steps} (one per step)"
+    if not evaluate:
+        return pipe
+    pipe.eval()  # eval mode: the running statistics normalise, as in the one-process model
+    ref.eval()
+    x, _ = data(BATCH, seed=99)
+    out = pipe.eval_step(pipe.local_batch(x)[0])
+    if out is not None:
+        x = pipe.local_batch(x)[0]
+        with torch.no_grad():
+            torch.testing.assert_close(out, ref(x), rtol=RTOL, atol=ATOL)
+    pipe.train()
+    return pipe
+
+
+# ---- checks ---------------------------------------------------------------------------
+def deferred(schedule: str, recompute: Any = None) -> Check:
+    def check(ctx: Ctx) -> None:
+        def make(layers: list, **kw: Any) -> sw.Pipeline:
+            return sw.Pipeline(
+                layers,
+                loss_fn=F.cross_entropy,
+                schedule=schedule,
+                microbatches=M,
+                group=ctx.group,
+                timeout=TIMEOUT,
+                recompute=recompute,
+                **kw,
+            )
+
+        train_and_compare(make)
+
+    return check
+
+
+def micro_fails(ctx: Ctx) -> dict[str, Any]:
+    """The mutant: committing once per micro-batch ("micro") must fail the deferred comparison on some rank."""
+
+    def make(layers: list, **kw: Any) -> sw.Pipeline:
+        return sw.Pipeline(layers, loss_fn=F.cross_entropy, schedule="1f1b", microbatches=M, timeout=TIMEOUT, **kw)
+
+    failed = False
+    try:
+        train_and_compare(make, steps=1, mode="micro", evaluate=False)  # no communication after a failure
+    except AssertionError:
+        failed = True
+    everyone = gather_objects(failed, None)
+    assert any(everyone), "per-micro-batch running statistics passed the deferred comparison on every rank"
+    return {"failed_here": failed}
+
+
+def detect(ctx: Ctx) -> dict[str, Any]:
+    """Two pipelines with BatchNorm only on the last rank, no batchnorm= given: one message (checked by the test)."""
+    for _ in range(2):
+        sw.Pipeline(late_bn_layers(), loss_fn=F.cross_entropy, schedule="1f1b", microbatches=2, timeout=TIMEOUT)
+    sw.Pipeline(late_bn_layers(), loss_fn=F.cross_entropy, microbatches=2, timeout=TIMEOUT, batchnorm="micro")
+    return {"rank": ctx.rank}
+
+
+def replicas(ctx: Ctx) -> None:
+    """pp=2 x dp=2 with across_replicas=True: the running statistics of the global batch on every replica."""
+
+    def make(layers: list, **kw: Any) -> sw.Pipeline:
+        config = sw.ParallelConfig(pp=2, dp=ctx.world // 2)
+        return sw.Pipeline(layers, loss_fn=F.cross_entropy, microbatches=M, parallel=config, timeout=TIMEOUT, **kw)
+
+    policy = sw.runtime.BatchNormPolicy("deferred", across_replicas=True)
+    train_and_compare(make, mode=policy, replicas=ctx.world // 2, batch=2 * BATCH)
+
+
+FOUR_RANKS = ("1f1b", "zb-v", "interleaved-1f1b", "zb-h1")
+
+
+def checks(world: int) -> dict[str, Check]:
+    out: dict[str, Check] = {"detect": detect}
+    names = sw.schedule_names(synchronous=True) if world == 2 else FOUR_RANKS
+    for s in names:
+        out[f"deferred-{s}"] = deferred(s)
+        if world == 2 or s in ("1f1b", "zb-v"):
+            out[f"deferred-{s}-recompute"] = deferred(s, "stage")
+    out["deferred-zb-h1-recompute-1"] = deferred("zb-h1", 1)
+    out["micro-fails"] = micro_fails
+    if world == 4:
+        out["deferred-across-replicas"] = replicas
+    return out

@@ -1,0 +1,240 @@
+"""sw.calibrate() on the actual group: measured values are positive and finite, and the planner uses them.
+
+torchrun --standalone --nproc-per-node 2 tests/distributed/workers/worker.py --checks calibrate_checks --out DIR
+
+No timing is asserted: only that each measurement is a usable number and that
+a plan made with the calibration carries exactly those numbers in its costs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import stagewise as sw
+from stagewise.partition import LayerCost, LayerProfile
+from stagewise.planning import Calibration, search
+from worker import Ctx
+
+
+def _usable(x: float) -> bool:
+    return 0 < x < math.inf
+
+
+def _profile() -> LayerProfile:
+    layer = lambda k: LayerCost(f"l{k}", 1e-3, 1e-3, 1e-3, 2e-3, 64.0, 32.0, 4096.0 * (k + 1), 64.0)  # noqa: E731
+    return LayerProfile(tuple(layer(k) for k in range(4)), "synthetic", 1, 0)
+
+
+def _groups() -> int:
+    """The process groups this process holds (every group it made or joined stays until exit)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    return len(c10d._world.pg_map)
+
+
+def calibrated(ctx: Ctx) -> dict[str, Any]:
+    before = _groups()
+    cal = sw.calibrate(timeout=60)
+    made = _groups() - before
+    assert cal.intra is not None and cal.inter is None, cal
+    assert _usable(cal.intra.latency) and _usable(cal.intra.bandwidth), cal.intra
+    assert 0 <= cal.action < math.inf and 0 <= cal.step < math.inf and cal.message == 0, cal
+    assert cal.cores is not None and _usable(cal.cores), cal
+    # idle, a process still spends CPU: its process groups' transport threads wake 100 times a second
+    assert 0 < cal.background < 1, cal.background
+    assert cal.sharding_fixed is not None and cal.sharding_per_byte is not None and cal.sharding_group == ctx.world
+    assert 0 <= cal.sharding_fixed < math.inf and 0 <= cal.sharding_per_byte < math.inf, cal
+    assert cal.sharding_fixed + cal.sharding_per_byte > 0, cal
+    # one fitted cost per factorisation of the world (tp = 1), slopes never negative, used by step_for
+    layouts = {(r.pp, r.dp, r.tp, r.sharding): r for r in cal.layouts}
+    assert set(layouts) == {(1, 2, 1, 1), (1, 1, 1, 2), (2, 1, 1, 1)}, layouts
+    for r in layouts.values():
+        assert min(r.per_unit, r.per_microbatch, r.per_unit_microbatch) >= 0 and math.isfinite(r.fixed), r
+        assert cal.step_for(r.pp, r.dp, 1, r.sharding, 3, 5) == r.at(3, 5)
+        # the CPU beside the compute actions, measured in the same probes (a process always spends some: gloo's
+        # threads, the step's bookkeeping), its slopes never negative either
+        assert any(x != 0.0 for x in r.cpu) and min(r.cpu[1:]) >= 0 and all(map(math.isfinite, r.cpu)), r
+        assert cal.cpu_for(r.pp, r.dp, 1, r.sharding, 3, 5) == r.cpu_at(3, 5)
+    # the planner uses them: the link, the cost per action, FSDP2's cost (the same plan without: the difference)
+    profile = _profile()
+    kw: dict[str, Any] = {"global_batch": 4, "recompute": (None,), "schedules": ["1f1b"], "top": 400}
+    with_cal = {p.describe(): p for p in search(profile, 2, calibration=cal, **kw).plans}
+    bare = {p.describe(): p for p in search(profile, 2, **kw).plans}
+    piped = next(p for d, p in with_cal.items() if p.layout.pp == 2)
+    assert piped.costs is not None and piped.costs.latency == cal.intra.latency
+    assert piped.costs.bandwidth == cal.intra.bandwidth
+    base = bare[piped.describe()].costs
+    assert base is not None
+    for got, ref in zip(piped.costs.forward, base.forward):
+        assert abs(got - (ref + cal.action)) <= 1e-12 * (1 + ref), (got, ref, cal.action)
+    sharded = next(p for p in with_cal.values() if p.layout.sharding == 2)
+    assert sharded.costs is not None
+    expected = cal.sharding_time(sum(lay.parameter_bytes for lay in profile.layers), 4, 2)
+    assert expected is not None
+    assert abs(sharded.costs.sync_time[0] - expected) <= 1e-12 * (1 + expected), (sharded.costs.sync_time, expected)
+    # the layout probes leave one mesh's groups per layout, not one per probe pipeline (idle gloo groups poll:
+    # a mesh per probe left ~500 threads per process at 8 ranks that took 89 % of a core from later steps)
+    from stagewise.runtime.hybrid.mesh import build_mesh
+
+    start = _groups()
+    calls = []  # the shared cores measured on the caller's own work: rank 0 runs it alone and together, 9 rounds per
+    # pass and a warm-up round
+    work = lambda: calls.append(sum(k * k for k in range(20_000)))  # noqa: E731
+    again = sw.calibrate(timeout=60, layouts=False, passes=2, workload=work)
+    without_layouts = _groups() - start
+    assert len(calls) == (38 if ctx.rank == 0 else 19), len(calls)
+    assert again.cores is not None and 0 < again.cores <= ctx.world, again.cores
+    start = _groups()
+    for r in cal.layouts:
+        build_mesh(sw.ParallelConfig(pp=r.pp, dp=r.dp, tp=r.tp, sharding=r.sharding))
+    per_layout_mesh = _groups() - start
+    assert per_layout_mesh > 0 and made == without_layouts + per_layout_mesh, (made, without_layouts, per_layout_mesh)
+    return {"latency": cal.intra.latency, "bandwidth": cal.intra.bandwidth, "action": cal.action}
+
+
+def across_nodes(ctx: Ctx) -> dict[str, Any]:
+    """A nodes x processes shape of 2 x 1: the only pair crosses nodes, so inter is measured, intra is not."""
+    cal = sw.calibrate(nodes=ctx.world, sharding=False, layouts=False, timeout=60)
+    assert cal.layouts == ()
+    intra, inter = cal.intra, cal.inter
+    assert intra is None and inter is not None and _usable(inter.latency) and _usable(inter.bandwidth), cal
+    assert cal.sharding_fixed is None
+    try:
+        sw.calibrate(nodes=3, timeout=60)
+    except ValueError as err:
+        assert "nodes" in str(err), err
+    else:
+        raise AssertionError("nodes=3 on 2 processes was accepted")
+    for bad in (0, 1.5, True):
+        try:
+            sw.calibrate(passes=bad, timeout=60)  # type: ignore[arg-type]
+        except ValueError as err:
+            assert "passes" in str(err) and repr(bad) in str(err), err
+        else:
+            raise AssertionError(f"passes={bad!r} was accepted")
+    assert isinstance(cal, Calibration)
+    return {"inter": [inter.latency, inter.bandwidth]}
+
+
+def sharded_meter(ctx: Ctx) -> dict[str, Any]:
+    """measure_memory on an FSDP2 layout counts the same activations as the unsharded layout (no parameters)."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    layers = [sw.Layer(nn.Linear, 8, 16), sw.Layer(nn.ReLU), sw.Layer(nn.Linear, 16, 3)]
+    x, y = torch.randn(8, 8, generator=torch.Generator().manual_seed(0)), torch.arange(8) % 3
+    peaks = {}
+    for name, config in (("dp", sw.ParallelConfig(dp=ctx.world)), ("sharding", sw.ParallelConfig(sharding=ctx.world))):
+        pipe = sw.Pipeline(layers, loss_fn=F.cross_entropy, microbatches=2, parallel=config, measure_memory=True)
+        pipe.train_step(*pipe.local_batch(x, y))
+        peaks[name] = pipe.memory_report()["peak_bytes"]
+    assert peaks["sharding"] == peaks["dp"] > 0, peaks
+    return peaks
+
+
+def _burn(seconds: float) -> None:
+    """Spend ``seconds`` of this thread's CPU (a wall-clock bound would count the time others hold the core)."""
+    import time
+
+    start = time.thread_time()
+    while time.thread_time() - start < seconds:
+        pass
+
+
+def _spin_layer(forward: float, backward: float) -> Any:
+    """A layer whose forward spends ``forward`` CPU seconds and whose backward ``backward``, whatever the batch."""
+    import torch
+    from torch import nn
+
+    class Burn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            _burn(forward)
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+            _burn(backward)
+            return grad
+
+    class Spin(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(1))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return Burn.apply(x * self.w)
+
+    return Spin()
+
+
+def compute_scale(ctx: Ctx) -> dict[str, Any]:
+    """Layers that spend 12 ms of CPU per forward and 18 ms per backward, profiled as 3 and 3: the probes find the
+    runtime's F at 4x and its B, fused or split, at 6x the plans' costs (the runtime's own CPU per action, a few
+    hundred microseconds, is left room up to 2 ms), and the layers given are left untouched (the probes train a
+    copy)."""
+    import torch
+    import torch.nn.functional as F
+
+    per = LayerCost("spin", 3e-3, 1.5e-3, 1.5e-3, 3e-3, 64.0, 32.0, 4.0, 64.0)
+    profile = LayerProfile((per, per), "synthetic", 2, 0)
+    layers = [_spin_layer(12e-3, 18e-3), _spin_layer(12e-3, 18e-3)]
+    before = [p.detach().clone() for layer in layers for p in layer.parameters()]
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    from stagewise.runtime.measure.compute_scale import probe_plan
+
+    plan = probe_plan(profile, ctx.world, global_batch=8, profile_batch=2)
+    assert (plan.layout.pp, plan.schedule, plan.microbatches) == (ctx.world, "1f1b", 2 * ctx.world), plan
+    split = probe_plan(profile, ctx.world, "zb-h1", global_batch=8, profile_batch=2)
+    assert (split.layout.pp, split.schedule, split.microbatches) == (ctx.world, "zb-h1", 2 * ctx.world), split
+    calls = []
+    real = sw.Pipeline.train_step
+
+    def counted(self: Any, *args: Any) -> Any:
+        calls.append(self.schedule.name)
+        return real(self, *args)
+
+    sw.Pipeline.train_step = counted  # type: ignore[method-assign]
+    try:
+        kf, kb, ks = sw.runtime.measure_compute_scale(
+            profile, layers, F.mse_loss, x, y, global_batch=8, profile_batch=2, steps=2, passes=2
+        )
+    finally:
+        sw.Pipeline.train_step = real  # type: ignore[method-assign]
+    # two passes, the probes taking turns: 2 untimed + 2 timed steps each, then 1 + 2 each
+    assert [(n, len(list(g))) for n, g in itertools.groupby(calls)] == [
+        ("1f1b", 4),
+        ("zb-h1", 4),
+        ("1f1b", 3),
+        ("zb-h1", 3),
+    ], calls
+    assert 3.9 < kf < 4.7 and 5.85 < kb < 6.7 and 5.85 < ks < 6.7, (kf, kb, ks)
+    after = [p.detach() for layer in layers for p in layer.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(before, after)) and all(p.grad is None for p in after), "touched"
+    # planned with it, the stages cost what the probe measured
+    got = sw.plan(profile, ctx.world, global_batch=8, profile_batch=2, compute_scale=(kf, kb, ks), top=1000)
+    scaled = next(p for p in got if p.describe() == plan.describe())
+    assert scaled.costs is not None and plan.costs is not None
+    assert abs(scaled.costs.forward[0] - kf * plan.costs.forward[0]) < 1e-12
+    for bad in ({"steps": 0}, {"passes": 0}):
+        with_bad = None
+        try:
+            sw.runtime.measure_compute_scale(profile, layers, F.mse_loss, x, y, global_batch=8, profile_batch=2, **bad)
+        except ValueError as err:
+            with_bad = str(err)
+        (name,) = bad
+        assert with_bad is not None and f"{name} must be an int >= 1, got 0" in with_bad, with_bad
+    return {"scale": [round(kf, 1), round(kb, 1), round(ks, 1)]}
+
+
+def checks(world: int) -> dict[str, Callable[[Ctx], Any]]:
+    return {
+        "calibrated": calibrated,
+        "across_nodes": across_nodes,
+        "sharded_meter": sharded_meter,
+        "compute_scale": compute_scale,
+    }

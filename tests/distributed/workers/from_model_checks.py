@@ -1,0 +1,287 @@
+"""Checks for ``Pipeline.from_model`` and profile-based partitions, run on every rank of one torchrun job.
+
+    torchrun --standalone --nproc-per-node 2 tests/distributed/workers/worker.py --checks from_model_checks \
+        --out DIR [--only a,b]
+
+Each check raises to fail and may return a dict of figures, written with its
+result (one JSON line per check and rank). ``checks(world)`` is a pure
+function of the world size, so pytest lists the same names without starting
+processes. The models are in ``helpers.nets``.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import stagewise as sw
+from helpers.compare import ATOL, RTOL, assert_grads_close, assert_params_close
+from helpers.nets import CLASSES, NARROW, VOCAB, Dense, SkipNet, TiedNet, Unbalanced, skip_data, token_loss
+from worker import Check, Ctx, gather_objects, raises
+
+TIMEOUT = 60.0
+
+
+# ---- helpers --------------------------------------------------------------------------
+def _everyone(obj: Any, ctx: Ctx) -> list[Any]:
+    return gather_objects(obj, ctx.group)
+
+
+# ---- parity -----------------------------------------------------------------------------
+def parity(tags: str | None, schedule: str, stages: int, m: int, partition: str | None = None) -> Check:
+    """Two train steps and an eval step of SkipNet against an untouched deep copy of it, in one process."""
+
+    def check(ctx: Ctx) -> dict[str, Any]:
+        num_blocks = stages if tags else stages + 2
+        model = SkipNet(num_blocks, stages, tags, seed=3)
+        ref = copy.deepcopy(model)
+        (x, scale), y = skip_data(2 * m + 1, seed=0)
+        options: dict[str, Any] = {}
+        if tags is None:
+            options = {"stages": stages, "partition": partition}
+            if partition in ("time", "memory"):
+                options["sample_inputs"] = (x[:2], scale[:2])
+        pipe = sw.Pipeline.from_model(
+            model,
+            loss_fn=F.cross_entropy,
+            schedule=schedule,
+            microbatches=m,
+            group=ctx.group,
+            timeout=TIMEOUT,
+            **options,
+        )
+        assert pipe.schedule.num_stages == stages, pipe.schedule.num_stages
+        for step in range(2):
+            (x, scale), y = skip_data(2 * m + 1, seed=step)  # uneven micro-batches: n differs between them
+            loss = pipe.train_step((x, scale), y)
+            ref.zero_grad(set_to_none=True)
+            ref_loss = F.cross_entropy(ref(x, scale), y)
+            ref_loss.backward()
+            assert abs(loss - ref_loss.item()) <= 1e-10 * (1 + abs(ref_loss.item())), (loss, ref_loss.item())
+            assert_grads_close(pipe, ref, f"step {step}")
+            pipe.zero_grad(set_to_none=True)
+        out = pipe.eval_step((x, scale))
+        if pipe.rank == pipe.schedule.placement[-1]:
+            torch.testing.assert_close(out, ref(x, scale), rtol=RTOL, atol=ATOL)
+        # original names; this rank's share only; the rest of the model freed
+        mine = sorted(n for n, _ in pipe.named_parameters())
+        assert mine == sorted(n for n, p in model.named_parameters() if not p.is_meta), mine
+        keys = [k for ks in _everyone(list(pipe.state_dict()), ctx) for k in ks]
+        assert sorted(keys) == sorted(ref.state_dict()), keys
+        names = [n for ns in _everyone(mine, ctx) for n in ns]
+        assert sorted(names) == sorted(n for n, _ in ref.named_parameters()), names
+        crossing = pipe.model_cut.stage_inputs
+        if stages > 2 and partition != "time":  # the residual and the int are passed through the middle stages
+            # (a profiled cut depends on measured times, so which values cross it is only checked for fixed cuts)
+            assert all("relu" in c and "size" in c for c in crossing[1:]), crossing
+        return {"blocks per stage": [len(r) for r in pipe.layer_ranges], "stage inputs": [list(c) for c in crossing]}
+
+    return check
+
+
+# ---- tied parameters across stages ------------------------------------------------------
+def tied_model(schedule: str, stages: int, m: int, functional: bool) -> Check:
+    """Two SGD steps with clipping against an untouched copy: loss, every gradient, the clipped norm counting the
+    tied weight once, the parameters after the steps (the copies stay equal); every state-dict key saved once."""
+
+    def check(ctx: Ctx) -> dict[str, Any]:
+        model = TiedNet(stages + 1, functional)
+        ref = copy.deepcopy(model)
+        pipe = sw.Pipeline.from_model(
+            model, stages=stages, loss_fn=token_loss, schedule=schedule, microbatches=m, group=ctx.group,
+            timeout=TIMEOUT,
+        )  # fmt: skip
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.3)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.3)
+        for step in range(2):
+            g = torch.Generator().manual_seed(step)
+            ids, y = torch.randint(0, VOCAB, (2 * m + 1, 5), generator=g), torch.randint(0, VOCAB, (2 * m + 1, 5))
+            loss = pipe.train_step(ids, y)
+            ref_loss = token_loss(ref(ids), y)
+            ref_loss.backward()
+            assert abs(loss - ref_loss.item()) <= 1e-10 * (1 + abs(ref_loss.item())), (loss, ref_loss.item())
+            norm = pipe.clip_grad_norm_(0.05)
+            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05).item()
+            assert abs(norm - ref_norm) <= 1e-10 * ref_norm, (norm, ref_norm)
+            assert_grads_close(pipe, ref, f"step {step}", aliases=True)
+            opt.step(), ref_opt.step()
+            opt.zero_grad(), ref_opt.zero_grad()
+        assert_params_close(pipe, ref, "after two steps", aliases=True)
+        keys = [k for ks in _everyone(list(pipe.state_dict()), ctx) for k in ks]
+        assert sorted(keys) == sorted(ref.state_dict()), keys  # each key once, over all ranks
+        pipe.load_state_dict(pipe.state_dict())  # a key saved elsewhere is not asked for
+        owners = sorted({pipe.schedule.placement[0], pipe.schedule.placement[-1]})
+        return {"owners": owners, "groups": len(pipe.tied.groups)}
+
+    return check
+
+
+# ---- layer lists: speeds, memory caps, failures ------------------------------------------
+def equal_layers(n: int = 12, d: int = 128) -> list[sw.Layer]:
+    return [sw.Layer(Dense, d, d) for _ in range(n - 1)] + [sw.Layer(nn.Linear, d, CLASSES)]
+
+
+def layers_time_speeds(ctx: Ctx) -> dict[str, Any]:
+    """Equal layers, ranks at speeds 1 and 0.5: the slow rank gets about a third of the layers; gradients exact."""
+    layers = equal_layers()
+    x = torch.randn(64, 128, generator=torch.Generator().manual_seed(0))
+    y = torch.randint(0, CLASSES, (64,), generator=torch.Generator().manual_seed(1))
+    speeds = [1.0] * (ctx.world - 1) + [0.5]
+    pipe = sw.Pipeline(
+        layers,
+        loss_fn=F.cross_entropy,
+        schedule="1f1b",
+        microbatches=4,
+        partition="time",
+        sample_inputs=x[:16],
+        speeds=speeds,
+        group=ctx.group,
+        seed=4,
+        timeout=TIMEOUT,
+    )
+    counts = [len(r) for r in pipe.layer_ranges]
+    assert _everyone(counts, ctx) == [counts] * ctx.world, "ranks disagree on the partition"
+    times = pipe.layer_profile.times()
+    work = [sum(times[i] for i in r) for r in pipe.layer_ranges]
+    fast = statistics.mean(work[:-1])
+    assert 0.3 <= work[-1] / fast <= 0.75, (counts, work)  # about half the work (layers are discrete)
+    ref = sw.build_model(layers, seed=4)
+    pipe.train_step(x, y)
+    F.cross_entropy(ref(x), y).backward()
+    assert_grads_close(pipe, ref, "speeds", rtol=1e-5, atol=1e-6)
+    return {"layers per stage": counts, "slow stage's share of a fast one's work": round(work[-1] / fast, 3)}
+
+
+def layers_memory_caps(ctx: Ctx) -> dict[str, Any]:
+    """partition="memory" evens out bytes; a cap on one rank moves layers off it; an impossible cap raises
+    the same ValueError on every rank."""
+    widths = [64, 64, 256, 256, 64, 64, 64, 64]
+    layers = [sw.Layer(Dense, a, b) for a, b in zip(widths, widths[1:])] + [sw.Layer(nn.Linear, 64, CLASSES)]
+    x = torch.randn(8, 64)
+
+    def build(**kw: Any) -> sw.Pipeline:
+        return sw.Pipeline(
+            layers, schedule="gpipe", microbatches=2, sample_inputs=x[:4], group=ctx.group, timeout=TIMEOUT, **kw
+        )
+
+    balanced = build(partition="memory")
+    from stagewise.partition import layer_memory
+
+    memory = layer_memory(balanced.layer_profile, in_flight=2)
+    held = [sum(memory[i] for i in r) for r in balanced.layer_ranges]
+    cap = min(held) * 1.05
+    caps = [max(held) * 10] * (ctx.world - 1) + [cap]  # the last rank may hold little
+    capped = build(partition="time", memory_caps=caps)
+    last = sum(memory[i] for i in capped.layer_ranges[-1])
+    assert last <= cap, (last, cap)
+    message = raises(
+        ValueError, "fits the memory caps", lambda: build(partition="memory", memory_caps=[1000.0] * ctx.world)
+    )
+    return {"bytes per stage (memory)": [int(b) for b in held], "error": message[:160]}
+
+
+def profile_failure(ctx: Ctx) -> None:
+    """The first rank fails while profiling (wrong sample width): it raises its own error, the others say so."""
+    bad = torch.randn(4, 7)
+    if ctx.rank == 0:
+        raises(RuntimeError, "shapes cannot be multiplied", lambda: _time_pipe(ctx, bad))
+    else:
+        raises(RuntimeError, "rank 0 of the pipeline group failed while profiling", lambda: _time_pipe(ctx, bad))
+
+
+def _time_pipe(ctx: Ctx, sample: torch.Tensor) -> sw.Pipeline:
+    return sw.Pipeline(equal_layers(4, 8), partition="time", sample_inputs=sample, group=ctx.group, timeout=TIMEOUT)
+
+
+def refusals(ctx: Ctx) -> None:
+    """Clear errors on every rank, before anything could hang."""
+    p = ctx.world
+    raises(
+        ValueError,
+        f"the model's tags name {p + 1} stages, which do not divide evenly over {p} ranks",
+        lambda: sw.Pipeline.from_model(SkipNet(p + 1, p + 1, "attr"), group=ctx.group),
+    )
+    raises(
+        ValueError,
+        "which schedule '1f1b' cannot run",
+        lambda: sw.Pipeline.from_model(SkipNet(2 * p, 2 * p, "attr"), schedule="1f1b", group=ctx.group),
+    )
+    raises(
+        sw.runtime.SplitError,
+        "so partition= does not apply",
+        lambda: sw.Pipeline.from_model(SkipNet(p, p, "attr"), partition="time", group=ctx.group),
+    )
+    raises(
+        ValueError,
+        "pass sample_inputs=",
+        lambda: sw.Pipeline.from_model(SkipNet(p + 2), stages=p, partition="time", group=ctx.group),
+    )
+    raises(
+        ValueError,
+        f"speeds has 1 entries, expected one per rank ({p})",
+        lambda: sw.Pipeline(equal_layers(4, 8), partition="parameters", speeds=[1.0], group=ctx.group),
+    )
+    raises(
+        ValueError,
+        "partition='uniform' does not",
+        lambda: sw.Pipeline(equal_layers(4, 8), speeds=[1.0] * p, group=ctx.group),
+    )
+
+
+# ---- balance, from the profile -------------------------------------------------------------
+def balance(ctx: Ctx) -> dict[str, Any]:
+    """Unbalanced (layer widths 32 and 384) with partition="time": the cut is the exact min-max cut of the
+    profile's costs (deterministic given the profile, unlike measured step times, which live in benchmarks/),
+    and it is better balanced on those costs than the uniform cut."""
+    from stagewise.partition import partition_costs
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, NARROW, generator=g)
+    pipe = sw.Pipeline.from_model(
+        Unbalanced(), loss_fn=F.cross_entropy, schedule="1f1b", microbatches=4, partition="time",
+        sample_inputs=x, group=ctx.group, timeout=TIMEOUT,
+    )  # fmt: skip
+    prof = pipe.layer_profile
+    assert prof is not None
+    costs = prof.times()
+    counts = [len(r) for r in pipe.layer_ranges]
+    best = partition_costs(costs, ctx.world)
+    assert counts == list(best.counts), (counts, best.counts)
+    uniform = [len(costs) // ctx.world + (k < len(costs) % ctx.world) for k in range(ctx.world)]
+
+    def worst(cs: list[int]) -> float:
+        bounds = [sum(cs[:k]) for k in range(len(cs) + 1)]
+        return max(sum(costs[a:b]) for a, b in zip(bounds, bounds[1:]))
+
+    assert worst(counts) < worst(uniform), (counts, uniform, costs)
+    return {"blocks per stage": counts, "uniform": uniform}
+
+
+# ---- the suites ------------------------------------------------------------------------------
+def checks(world: int) -> dict[str, Check]:
+    p = world
+    out: dict[str, Check] = {
+        f"tagged-1f1b-s{p}": parity("attr", "1f1b", p, m=p + 1),
+        f"with-stage-zb-h1-s{p}": parity("with", "zb-h1", p, m=p),
+        f"tagged-zb-v-s{2 * p}": parity("attr", "zb-v", 2 * p, m=p),
+        f"with-stage-dualpipe-v-s{2 * p}": parity("with", "dualpipe-v", 2 * p, m=2 * p),
+        f"untagged-time-1f1b-s{p}": parity(None, "1f1b", p, m=p + 1, partition="time"),
+        f"untagged-time-zb-v-s{2 * p}": parity(None, "zb-v", 2 * p, m=p, partition="time"),
+        f"untagged-parameters-gpipe-s{p}": parity(None, "gpipe", p, m=2, partition="parameters"),
+        f"tied-1f1b-s{p}": tied_model("1f1b", p, m=p + 1, functional=False),
+        f"tied-functional-zb-h1-s{p}": tied_model("zb-h1", p, m=p, functional=True),
+        f"tied-zb-v-s{2 * p}": tied_model("zb-v", 2 * p, m=p, functional=False),
+        f"tied-functional-interleaved-1f1b-s{2 * p}": tied_model("interleaved-1f1b", 2 * p, m=p, functional=True),
+        "layers-time-speeds": layers_time_speeds,
+        "layers-memory-caps": layers_memory_caps,
+        "refusals": refusals,
+        "profile-failure": profile_failure,
+    }
+    if world == 2:
+        out["balance"] = balance
+    return out

@@ -1,0 +1,87 @@
+"""The combination matrix: every way in x every option, each cell exact against its reference or refused.
+
+Pure data, shared by the torchrun checks (``matrix_checks``), the pytest side (``test_matrix``) and the docs
+(``docs/matrix.md`` is :func:`markdown` of it, checked by a test). A cell is ``EXACT`` (trained against the
+one-process model in float64, or for asynchronous schedules and HetPipe the one-process replay of their
+rule) or a refusal: the words the error must contain, raised on every rank before the mesh's process groups
+exist. This is the specification: the checks compute what happens and compare it with what is written here.
+"""
+
+from __future__ import annotations
+
+ROWS: dict[str, str] = {
+    "layers": "`Pipeline(layers)`",
+    "from_model": "`Pipeline.from_model`",
+    "from_hf": "`Pipeline.from_hf`",
+    "from_stages": "`Pipeline.from_stages`",
+    "from_plan": "`Pipeline.from_plan`",
+    "hetpipe": "`HetPipe`",
+}
+
+COLUMNS: dict[str, str] = {
+    "dp": "`parallel=` dp",
+    "sharding": "`parallel=` sharding",
+    "tp": "`parallel=` tp",
+    "recompute": "`recompute=`",
+    "bn_micro": '`batchnorm="micro"`',
+    "bn_deferred": '`batchnorm="deferred"`',
+    "nan_raise": '`nan_policy="raise"`',
+    "nan_skip": '`nan_policy="skip"`',
+    "autocast": "`autocast=`",
+    "tied": "tied weights",
+    "async": "asynchronous schedule",
+    "measure_memory": "`measure_memory=`",
+    "checkpoint": "checkpoint save / load",
+}
+
+EXACT = "exact"
+
+#: refusals: the words every rank's error must contain (and the reason, for the docs)
+HETPIPE_AXES = "HetPipe does not take parallel="
+FROM_STAGES_TIED = "holds a sw.Tied: a tie across ranks is invisible"
+PLAN_ASYNC = "plans run synchronous schedules"
+HETPIPE_BN = "HetPipe does not take batchnorm="
+HETPIPE_SKIP = "HetPipe does not take nan_policy='skip'"
+HETPIPE_TIED = "HetPipe does not take tied modules"
+
+_REFUSED: dict[tuple[str, str], tuple[str, str]] = {
+    ("hetpipe", "dp"): (HETPIPE_AXES, "the virtual workers are HetPipe's data parallelism"),
+    ("hetpipe", "sharding"): (HETPIPE_AXES, "each virtual worker's pipeline runs on its own ranks"),
+    ("hetpipe", "tp"): (HETPIPE_AXES, "each virtual worker's pipeline runs on its own ranks"),
+    ("hetpipe", "bn_micro"): (HETPIPE_BN, "the wave rule shares parameters only, not running statistics"),
+    ("hetpipe", "bn_deferred"): (HETPIPE_BN, "the wave rule shares parameters only, not running statistics"),
+    ("hetpipe", "nan_skip"): (HETPIPE_SKIP, "a virtual worker cannot skip a wave's update the others count"),
+    ("hetpipe", "tied"): (HETPIPE_TIED, "each parameter needs one owner per virtual worker"),
+    ("from_stages", "tied"): (FROM_STAGES_TIED, "a tie across ranks is invisible to stages built apart"),
+    ("from_plan", "async"): (PLAN_ASYNC, "the planner searches synchronous schedules only"),
+}
+
+
+def expected(row: str, column: str) -> str:
+    """``EXACT``, or the words the refusal of this cell must contain."""
+    return _REFUSED.get((row, column), (EXACT, ""))[0]
+
+
+def cells() -> list[tuple[str, str]]:
+    return [(r, c) for r in ROWS for c in COLUMNS]
+
+
+def markdown() -> str:
+    """The matrix as a markdown table: ✓ for exact, ✗ with a footnote number for refused."""
+    notes: list[str] = []
+    lines = ["| | " + " | ".join(COLUMNS.values()) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
+    for row, label in ROWS.items():
+        out = []
+        for column in COLUMNS:
+            refusal = _REFUSED.get((row, column))
+            if refusal is None:
+                out.append("✓")
+                continue
+            text = f"refused: {refusal[1]}"
+            if text not in notes:
+                notes.append(text)
+            out.append(f"✗ ({notes.index(text) + 1})")
+        lines.append(f"| {label} | " + " | ".join(out) + " |")
+    lines.append("")
+    lines += [f"{k}. {text}" for k, text in enumerate(notes, start=1)]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,110 @@
+"""The worker side of the torchrun suites: what a check runs in, and the entry that runs one module's checks.
+
+    torchrun --standalone --nproc-per-node 2 tests/distributed/workers/worker.py --checks runtime_checks --out DIR
+
+(with ``PYTHONPATH=tests``, as pytest hands on its ``pythonpath``: the checks import ``helpers``).
+``--checks`` names a module beside this file whose ``checks(world[, suite])`` returns ``{name: check}``;
+each check is called with a :class:`Ctx` and returns None or a JSON-able dict (``info``) that the pytest
+side (``helpers.torchrun``) may inspect. One JSON line per check and rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import stagewise as sw
+
+__all__ = ["Check", "Ctx", "gather_objects", "main", "raises", "refused"]
+
+
+@dataclass
+class Ctx:
+    """A check's rank and world size; ``group``: the pipeline group (None = WORLD)."""
+
+    rank: int
+    world: int
+    group: Any = None
+
+
+#: a check: called on every rank with its context; returns None or plain data for the pytest side
+Check = Callable[[Ctx], "dict[str, Any] | None"]
+
+
+def gather_objects(obj: Any, group: Any) -> list[Any]:
+    """Every rank's ``obj`` (pickled: the checks compare the ranks' own reports; the library sends plain data)."""
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def raises(kind: type[BaseException], words: str | Sequence[str], fn: Callable[[], Any]) -> str:
+    """``fn()`` must raise ``kind`` with each of ``words`` in its message (pytest.raises, on a rank); the message."""
+    words = [words] if isinstance(words, str) else list(words)
+    try:
+        fn()
+    except kind as err:
+        for w in words:
+            assert w in str(err), f"expected {w!r} in: {err}"
+        return str(err)
+    raise AssertionError(f"no {kind.__name__} (expected one naming {words})")
+
+
+def refused(build: Callable[[Ctx], Any], match: str) -> Check:
+    """A check: ``build(ctx)`` raises a ValueError naming ``match``, on every rank."""
+
+    def check(ctx: Ctx) -> None:
+        raises(ValueError, match, lambda: build(ctx))
+
+    return check
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--checks", required=True, help="module beside this file that defines checks()")
+    parser.add_argument("--suite", default=None)
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--only", default="", help="comma-separated check names (default: all)")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds any collective may take")
+    args = parser.parse_args()
+    module = importlib.import_module(args.checks)
+    torch.set_num_threads(1)
+    env = sw.init(backend="gloo", timeout=timedelta(seconds=args.timeout))
+    todo = module.checks(env.world_size) if args.suite is None else module.checks(env.world_size, args.suite)
+    if args.only:
+        todo = {k: v for k, v in todo.items() if k in args.only.split(",")}
+    args.out.mkdir(parents=True, exist_ok=True)
+    with open(args.out / f"rank{env.rank}.jsonl", "w") as f:
+        for name, check in todo.items():
+            started = time.perf_counter()
+            info = None
+            try:
+                info = check(Ctx(env.rank, env.world_size))
+                ok, detail = True, ""
+            except BaseException:  # recorded, and the next check runs
+                ok, detail = False, traceback.format_exc()[-4000:]
+            row = {"check": name, "ok": ok, "detail": detail, "info": info, "seconds": time.perf_counter() - started}
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            dist.barrier()
+    # Checks that fail on purpose leave receives behind that will never complete; skip the teardown.
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    # run as the module ``worker`` that the checks import, so that the entry and the checks share one Ctx class
+    importlib.import_module("worker").main()

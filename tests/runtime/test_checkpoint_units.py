@@ -1,0 +1,139 @@
+"""stagewise.checkpoint in one process (no process group): round trip, refusals, retention, the safe unpickler."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import stagewise as sw
+from helpers import models as mdl
+from stagewise.checkpoint import CheckpointError
+from stagewise.runtime.checkpoint import storage
+
+
+def _trained(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    model = sw.build_model(mdl.lm(2), seed=seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.8, 0.9))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    x, y = mdl.lm_data(4, seed=1)
+    mdl.lm_loss(model(x), y).backward()
+    opt.step()
+    sched.step()
+    return model, opt, sched
+
+
+def test_round_trip_restores_model_optimizer_scheduler_rng_and_extra(tmp_path: Path) -> None:
+    model, opt, sched = _trained()
+    random.seed(3)
+    torch.manual_seed(4)
+    where = sw.checkpoint.save(tmp_path, model, opt, step=7, extra={"epoch": 1, "index": (2, 3)}, scheduler=sched)
+    assert where == tmp_path / "step-00000007" and sw.checkpoint.latest(tmp_path) == where
+    expected = (torch.rand(3), random.random())
+    other, opt2, sched2 = _trained(seed=9)
+    opt2.param_groups[0]["betas"] = (0.5, 0.5)
+    info = sw.checkpoint.load(tmp_path, other, opt2, scheduler=sched2)
+    assert (torch.rand(3).tolist(), random.random()) == (expected[0].tolist(), expected[1])
+    assert info.step == 7 and info.extra == {"epoch": 1, "index": (2, 3)} and info.rng_restored
+    assert info.versions["torch"] == torch.__version__ and info.layout == {"world": 1, "pipeline": None}
+    for (name, a), b in zip(model.state_dict().items(), other.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert opt2.param_groups[0]["betas"] == (0.8, 0.9) and opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+    assert sched2.state_dict() == sched.state_dict()
+    for p, q in zip(model.parameters(), other.parameters()):
+        for key, value in opt.state[p].items():
+            assert torch.equal(value, opt2.state[q][key]), key
+
+
+def test_a_flipped_byte_an_unlisted_file_or_a_missing_file_is_refused_naming_it(tmp_path: Path) -> None:
+    model, opt, _ = _trained()
+    good = sw.checkpoint.save(tmp_path / "good", model, opt, step=1)
+    cases = {}
+    for case in ("flipped", "unlisted", "missing", "record"):
+        cases[case] = shutil.copytree(good, tmp_path / case)
+    data = sorted(cases["flipped"].glob("*.distcp"))[0]
+    raw = bytearray(data.read_bytes())
+    raw[-10] ^= 0x80
+    data.write_bytes(bytes(raw))
+    (cases["unlisted"] / "notes.txt").write_text("hello")
+    (cases["missing"] / ".metadata").unlink()
+    record = cases["record"] / "stagewise.json"
+    record.write_text(record.read_text().replace('"step": 1', '"step": 2'))
+    fresh = sw.build_model(mdl.lm(2), seed=5)
+    before = [p.detach().clone() for p in fresh.parameters()]
+    for case, words in {
+        "flipped": [str(data), "corrupted", "sha256"],
+        "unlisted": [str(cases["unlisted"] / "notes.txt"), "not in the manifest"],
+        "missing": [str(cases["missing"] / ".metadata"), "missing"],
+        "record": [str(record), "corrupted"],
+    }.items():
+        with pytest.raises(CheckpointError) as err:
+            sw.checkpoint.load(cases[case], fresh)
+        for w in words:
+            assert w in str(err.value), (case, str(err.value))
+    assert all(torch.equal(a, b) for a, b in zip(before, fresh.parameters()))  # untouched
+
+
+def test_a_partial_folder_is_not_the_latest_and_is_refused(tmp_path: Path) -> None:
+    model, _, _ = _trained()
+    sw.checkpoint.save(tmp_path, model, step=1)
+    second = sw.checkpoint.save(tmp_path, model, step=2)
+    (second / "MANIFEST.json").unlink()
+    assert sw.checkpoint.latest(tmp_path) == tmp_path / "step-00000001"
+    with pytest.raises(CheckpointError, match="partial"):
+        sw.checkpoint.load(second, model)
+    assert sw.checkpoint.latest(tmp_path / "nowhere") is None
+    with pytest.raises(CheckpointError, match="no checkpoint at"):
+        sw.checkpoint.load(tmp_path / "nowhere", model)
+
+
+def test_keep_prunes_the_oldest(tmp_path: Path) -> None:
+    model, _, _ = _trained()
+    for step in (5, 1, 9, 3):
+        sw.checkpoint.save(tmp_path, model, step=step, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000003", "step-00000009"]
+    with pytest.raises(ValueError, match="keep must be"):
+        sw.checkpoint.save(tmp_path, model, step=10, keep=0)
+    with pytest.raises(ValueError, match="step must be"):
+        sw.checkpoint.save(tmp_path, model, step=-1)
+
+
+def test_another_model_is_refused_naming_the_tensors_unless_not_strict(tmp_path: Path) -> None:
+    model, trained_opt, _ = _trained()
+    sw.checkpoint.save(tmp_path, model, trained_opt, step=1)
+    bigger = sw.build_model(mdl.lm(3), seed=1)
+    with pytest.raises(CheckpointError) as err:
+        sw.checkpoint.load(tmp_path, bigger)
+    assert "'3.qkv.weight' of the model is missing" in str(err.value)
+    smaller = sw.build_model(mdl.lm(1), seed=1)
+    with pytest.raises(CheckpointError, match="'2.qkv.weight' is in the checkpoint but not in the model"):
+        sw.checkpoint.load(tmp_path, smaller)
+    opt = torch.optim.AdamW(bigger.parameters(), lr=1.0)
+    sw.checkpoint.load(tmp_path, bigger, opt, strict=False)  # the names both have: the first blocks
+    assert torch.equal(bigger.get_submodule("1").qkv.weight, model.get_submodule("1").qkv.weight)
+    assert opt.state[bigger.get_submodule("1").qkv.weight]["step"] == 1  # (saved after one AdamW step)
+    assert not opt.state[bigger.get_submodule("3").qkv.weight]  # not in the checkpoint: fresh
+
+
+def test_an_optimizer_over_foreign_parameters_or_none_saved_is_refused(tmp_path: Path) -> None:
+    model, _, _ = _trained()
+    stray = torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
+    with pytest.raises(CheckpointError, match="that the model does not have"):
+        sw.checkpoint.save(tmp_path, model, stray, step=1)
+    sw.checkpoint.save(tmp_path, model, step=1)
+    with pytest.raises(CheckpointError, match="holds no optimizer state"):
+        sw.checkpoint.load(tmp_path, model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_the_metadata_unpickler_builds_nothing_but_dcp_metadata(tmp_path: Path) -> None:
+    model, _, _ = _trained()
+    where = sw.checkpoint.save(tmp_path, model, step=1)
+    assert storage.SafeReader(str(where)).read_metadata().state_dict_metadata  # DCP's own metadata reads
+    (where / ".metadata").write_bytes(pickle.dumps(os.getcwd))
+    with pytest.raises(CheckpointError, match="refusing to build"):
+        storage.SafeReader(str(where)).read_metadata()

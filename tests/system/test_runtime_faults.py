@@ -1,0 +1,144 @@
+"""Hang forensics on 4 gloo ranks: one rank dies (or hangs) mid-step; every other rank raises a PipelineError
+naming the dead peer and its own place in the schedule, and exits, within the pipeline's timeout.
+
+Each rank is a plain process started here (tests/system/scripts/fault_checks.py), around a TCPStore hosted by this
+test, so each survivor's own report is visible (torchrun would tear the job down once a worker dies)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import fault_checks as fc
+import stagewise as sw
+from helpers.torchrun import TRANSPORTS
+
+WORKER = Path(fc.__file__)
+WORLD, VICTIM = 4, 1
+TIMEOUT = 5.0  # the pipeline's, in fault_checks.py
+STARTUP = 40.0  # four interpreters importing torch on a busy 2-core machine
+
+
+def host_store() -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", 0, WORLD, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+
+
+def run_ranks(
+    out: Path,
+    hang: bool,
+    mesh: bool = False,
+    victim: int = VICTIM,
+    store: dist.TCPStore | None = None,
+    job: str = "job",
+    transport: str = "torch",
+) -> tuple[dict[int, int | None], dict[int, str], float]:
+    """Start every rank; return their exit codes (None: killed by us, still running), reports and time taken."""
+    store = store or host_store()
+    cmd = [sys.executable, str(WORKER), "--world", str(WORLD), "--port", str(store.port), "--victim", str(victim)]
+    cmd += ["--job", job]
+    cmd += ["--out", str(out)] + (["--hang"] if hang else []) + (["--mesh"] if mesh else [])
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", STAGEWISE_TRANSPORT=transport)
+    started = time.perf_counter()
+    procs = {
+        r: subprocess.Popen([*cmd, "--rank", str(r)], env=env, stderr=subprocess.PIPE, text=True) for r in range(WORLD)
+    }
+    codes: dict[int, int | None] = {}
+    try:
+        for r, p in procs.items():
+            if (hang or mesh) and r == victim and victim >= 0:
+                continue
+            try:
+                p.wait(timeout=max(1.0, STARTUP + 3 * TIMEOUT - (time.perf_counter() - started)))
+                codes[r] = p.returncode
+            except subprocess.TimeoutExpired:
+                codes[r] = None
+    finally:
+        took = time.perf_counter() - started
+        for r, p in procs.items():
+            if p.poll() is None:
+                p.kill()
+                codes.setdefault(r, None)
+            elif r not in codes:
+                codes[r] = p.returncode
+            p.communicate()
+    reports = {r: (out / f"rank{r}.txt").read_text() for r in range(WORLD) if (out / f"rank{r}.txt").exists()}
+    return codes, reports, took
+
+
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
+@pytest.mark.parametrize("hang", [False, True], ids=["dead-peer", "stuck-peer"])
+def test_every_survivor_reports_and_exits(tmp_path: Path, hang: bool, transport: str) -> None:
+    codes, reports, took = run_ranks(tmp_path, hang, transport=transport)
+    survivors = [r for r in range(WORLD) if r != VICTIM]
+    assert all(codes[r] == 1 for r in survivors), f"exit codes {codes}; reports {reports}"
+    if not hang:
+        assert codes[VICTIM] == 17, codes
+    assert sorted(reports) == survivors, reports
+    for r in survivors:
+        text = reports[r]
+        assert text.startswith("PipelineError: "), text
+        # the failure that stands names the peer that died; for a stalled one, whichever rank's deadline passed
+        # first posts, and the chain back to the victim is in the ranks' own lines (rank 2's, checked below)
+        cause = text.splitlines()[0]
+        if hang:
+            assert re.search(r"waited \d+\.\d s for .* from rank \d; is another rank stuck or dead\?", cause), text
+        elif transport == "torch":
+            assert f"from rank {VICTIM} failed: " in cause and "peer" in cause, text  # gloo: closed/reset by peer
+        else:  # shm: the survivor saw the victim's process gone
+            assert re.search(rf"from rank {VICTIM} failed: peer rank {VICTIM} \(pid \d+\) died", cause), text
+        assert text.endswith(f"on {TRANSPORTS[transport]})"), text
+        # this rank's own place in its planned action list
+        mine = text.splitlines()[1]
+        assert re.match(rf"rank {r} at {r}[A-Z_]+\d* \(action \d+ of \d+; last completed: .*\), waiting for ", mine), (
+            text
+        )
+        assert "planned: " in mine and f">>{r}" in mine, text
+    # rank 2 receives stage 1's output for micro-batch 2 from the victim
+    assert f"waiting for stage 1's output for micro-batch 2 from rank {VICTIM}" in reports[2], reports[2]
+
+
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
+def test_a_failure_in_one_replica_stops_the_other_pipelines(tmp_path: Path, transport: str) -> None:
+    """pp 2 x dp 2: rank 3 raises in its forward and stays alive. Ranks 0 and 2, the other pipeline, meet it only
+    in the data-parallel all-reduce: they read its error on the mesh's board, well before their deadline."""
+    codes, reports, took = run_ranks(tmp_path, hang=False, mesh=True, victim=3, transport=transport)
+    assert "ValueError: the tripwire fired" in reports.get(3, ""), reports
+    for r in (0, 1, 2):
+        text = reports.get(r, "")
+        assert codes[r] == 1 and text.startswith("PipelineError: "), f"rank {r}: exit {codes[r]}: {text}"
+        assert "rank 1 (global rank 3: pp=1 dp=1 sharding=0 tp=0) at 1F2: ValueError: the tripwire fired" in text, text
+        assert "waited" not in text.splitlines()[0], text  # the board stopped them, not a deadline
+
+
+def test_a_clean_job_on_a_store_that_outlived_a_failed_one_trains(tmp_path: Path) -> None:
+    """A failed job leaves its failure in the store; the next job on the same store (new process group prefix,
+    same ``Pipeline(store=...)``) must not read it: its keys are scoped by the run. Its losses match the
+    one-process model's."""
+    store = host_store()
+    failed, clean = tmp_path / "failed", tmp_path / "clean"
+    failed.mkdir()
+    clean.mkdir()
+    codes, reports, _ = run_ranks(failed, hang=False, store=store, job="first")
+    assert codes[VICTIM] == 17 and all(codes[r] == 1 for r in range(WORLD) if r != VICTIM), (codes, reports)
+    codes, reports, _ = run_ranks(clean, hang=False, victim=-1, store=store, job="second")
+    assert all(codes[r] == 0 for r in range(WORLD)), (codes, reports)
+    # the reference: the same two steps in one process (plain SGD is not used: no optimizer, so the loss repeats)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4 * fc.M, fc.D, dtype=torch.float64, generator=g)
+    y = torch.randint(0, fc.CLASSES, (4 * fc.M,), generator=g)
+    want = F.cross_entropy(sw.build_model(fc.layers(WORLD))(x), y).item()
+    for r in range(WORLD):
+        words = reports[r].split()
+        assert words[0] == "ok", reports[r]
+        for got in map(float, words[1:]):
+            assert abs(got - want) < 1e-9 * max(1.0, abs(want)), (r, got, want)
