@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.stagewise-installed
 
-.PHONY: install test test-core test-runtime test-distributed test-system demo lint bench compare clean
+.PHONY: install test test-core test-runtime test-distributed test-system demo lint docs docs-screenshots bench compare clean
 
 # torch goes first, pinned: this machine has the CPU wheel locally, and a bare
 # `torch` requirement would otherwise pull gigabytes of CUDA wheels.
@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,hf]'
+	$(PY) -m pip install -q -e '.[dev,hf,examples,docs]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -37,10 +37,27 @@ test-distributed: $(STAMP)
 test-system: $(STAMP)
 	$(PY) -m pytest -q tests/system
 
+# The whole fault matrix, which tests/system/test_fault_matrix.py samples: {SIGKILL, SIGSTOP, exception} x {rank 0,
+# a middle rank, the last rank} x {train_step, constructor, clip, eval_step, checkpoint save, checkpoint load, an
+# asynchronous window, a HetPipe wave}, 72 jobs of 4 ranks, 2 at a time (~25 min on 2 cores); the figures go in
+# benchmarks/RESULTS.md. A soak of random faults: `$(PY) -m benchmarks.fault_soak --random 100`.
+fault-matrix: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m benchmarks.fault_soak --all --parallel 2
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples
 	$(VENV)/bin/ruff format --check src tests benchmarks examples
 	$(VENV)/bin/mypy
+
+# The documentation site (mkdocs, Material theme, the API reference from the docstrings) into out/site; --strict:
+# a warning or a broken link fails. Open out/site/index.html.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+# The built site opened in headless Chromium (Debian's chromium): the home page and a guide, screenshotted into
+# out/site-screenshots (tests/system/test_docs_site.py, which CI runs with the rest of the tests).
+docs-screenshots: $(STAMP)
+	STAGEWISE_SCREENSHOTS=out/site-screenshots $(PY) -m pytest -q tests/system/test_docs_site.py
 
 # A GPT on the standard library's source, 4 pipeline stages in 4 local processes (a few minutes on CPU).
 demo: $(STAMP)
@@ -62,6 +79,13 @@ hf-grid: $(STAMP)
 	mkdir -p out
 	STAGEWISE_HF_GRID=out/hf_grid.md OMP_NUM_THREADS=1 $(PY) -m pytest -q tests/distributed/test_hf_ranks.py
 	cat out/hf_grid.md
+
+# The CUDA paths run and measured in one table (under 8 minutes on an H100; benchmarks/gpu_check): parity, host
+# synchronisations, bf16 throughput against the plain loop, peak memory against the predictions, offload.
+# Without a CUDA device it prints "no CUDA device"; `$(PY) -m benchmarks.gpu_check --device cpu` runs it small on the CPU.
+.PHONY: gpu-check
+gpu-check: $(STAMP)
+	$(PY) -m benchmarks.gpu_check
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

@@ -82,14 +82,14 @@ def load_digits(seed: int = 0, test_size: int = 297) -> tuple[torch.Tensor, ...]
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", type=Path, default=Path("out/digits"))
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--microbatches", type=int, default=4)
-    p.add_argument("--schedule", default="1f1b")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--out", type=Path, default=Path("out/digits"), help="output folder (default out/digits)")
+    p.add_argument("--steps", type=int, default=100, help="training steps (default 100)")
+    p.add_argument("--batch-size", type=int, default=64, help="images per step (default 64)")
+    p.add_argument("--microbatches", type=int, default=4, help="micro-batches per step (default 4)")
+    p.add_argument("--schedule", default="1f1b", help="pipeline schedule (default 1f1b; see `stagewise schedules`)")
+    p.add_argument("--lr", type=float, default=1e-3, help="learning rate of AdamW (default 1e-3)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the model, the data split and the batches (default 0)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar or step lines")
     args = p.parse_args(argv)
 
     started = time.perf_counter()

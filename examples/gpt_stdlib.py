@@ -86,7 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeline-every", type=int, default=10, help="measure the bubble every N steps (default 10)")
     p.add_argument("--sample", type=int, default=200, help="bytes of text to sample at the end (default 200)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1, as torchrun sets)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the model and the batches (default 0)")
     p.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps, and at the end (100)")
     p.add_argument("--keep", type=int, default=2, help="checkpoints to keep (default 2)")
     p.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints under OUT/checkpoints")

@@ -66,7 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-batches", type=int, default=4, help="validation batches (default 4)")
     p.add_argument("--timeline-every", type=int, default=10, help="measure the bubble every N steps (default 10)")
     p.add_argument("--generate", type=int, default=60, help="bytes to generate from the reloaded model (default 60)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the model and the batches (default 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar or step lines")
     p.add_argument("--verbose", action="store_true", help="log stagewise's INFO messages")
     args = p.parse_args(argv)

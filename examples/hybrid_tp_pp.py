@@ -123,16 +123,19 @@ def random_walk(batch: int, cfg: GPTConfig, step: int) -> tuple[torch.Tensor, to
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for axis in ("pp", "dp", "sharding", "tp"):
-        parser.add_argument(f"--{axis}", type=int, default=1)
-    parser.add_argument("--schedule", default="1f1b")
-    parser.add_argument("--microbatches", type=int, default=4)
+    axes = {"pp": "pipeline", "dp": "data-parallel", "sharding": "ZeRO sharding (FSDP2)", "tp": "tensor-parallel"}
+    for axis, what in axes.items():
+        parser.add_argument(f"--{axis}", type=int, default=1, help=f"{what} degree (default 1)")
+    parser.add_argument(
+        "--schedule", default="1f1b", help="pipeline schedule (default 1f1b; see `stagewise schedules`)"
+    )
+    parser.add_argument("--microbatches", type=int, default=4, help="micro-batches per step (default 4)")
     parser.add_argument("--batch-size", type=int, default=16, help="global batch, cut over dp x sharding")
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--d-model", type=int, default=64)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
+    parser.add_argument("--layers", type=int, default=4, help="transformer blocks (default 4)")
+    parser.add_argument("--d-model", type=int, default=64, help="width (default 64)")
+    parser.add_argument("--heads", type=int, default=4, help="attention heads, a multiple of --tp (default 4)")
+    parser.add_argument("--lr", type=float, default=3e-3, help="learning rate of AdamW (default 3e-3)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 

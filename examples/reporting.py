@@ -199,31 +199,19 @@ def write_timelines(measured: sw.Timeline, schedule: sw.Schedule, costs: sw.Cost
     """Draw one measured step next to the simulator's prediction from the same per-stage costs.
 
     Writes ``timeline_measured.{png,trace.json}``, ``timeline_simulated.{png,trace.json}``
-    and ``timeline_compare.png`` (the two charts stacked, same time axis unit);
+    and ``timeline_compare.png`` (the two charts stacked on one time scale);
     returns the simulated timeline (in seconds).
     """
     simulated = dataclasses.replace(sw.simulate(schedule, costs).timeline, unit="s")
     what = f"{schedule.name}, {schedule.num_ranks} ranks, {schedule.num_microbatches} micro-batches"
     how = f"from the measured compute times and a {costs.latency * 1e3:.2f} ms transfer latency"
-    pictures = []
-    for timeline, label in ((measured, "measured"), (simulated, "simulated")):
-        title = f"measured: {what}" if label == "measured" else f"simulated {how}: {what}"
-        png = sw.render_png(timeline, out / f"timeline_{label}.png", title=title)
+    titles = [f"measured: {what}", f"simulated {how}: {what}"]
+    for timeline, label, title in zip((measured, simulated), ("measured", "simulated"), titles):
+        sw.render_png(timeline, out / f"timeline_{label}.png", title=title)
         sw.render_trace(timeline, out / f"timeline_{label}.trace.json")
-        pictures.append(png)
-    _stack_images(pictures, out / "timeline_compare.png")
+    sw.render.render_stack([measured, simulated], out / "timeline_compare.png", titles=titles)  # one time scale
     (out / "costs.json").write_text(json.dumps(costs.to_dict(), indent=1))
     return simulated
-
-
-def _stack_images(paths: Sequence[Path], target: Path) -> None:
-    import matplotlib.image as mpimg
-    import numpy as np
-
-    images = [mpimg.imread(p)[..., :3] for p in paths]
-    width = max(img.shape[1] for img in images)
-    padded = [np.pad(img, ((0, 0), (0, width - img.shape[1]), (0, 0)), constant_values=1.0) for img in images]
-    mpimg.imsave(target, np.concatenate(padded, axis=0))
 
 
 # ---- loss curve, checkpoint, summary ----------------------------------------------------------

@@ -149,14 +149,19 @@ def train_pipelined(args: argparse.Namespace, data: tuple[torch.Tensor, ...]) ->
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", type=Path, default=Path("out/resnet"))
-    p.add_argument("--steps", type=int, default=150)
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--microbatches", type=int, default=4)
-    p.add_argument("--schedule", default="1f1b")
-    p.add_argument("--batchnorm", default="deferred", choices=["deferred", "micro"])
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("out/resnet"), help="output folder (default out/resnet)")
+    p.add_argument("--steps", type=int, default=150, help="training steps (default 150)")
+    p.add_argument("--batch-size", type=int, default=64, help="images per step (default 64)")
+    p.add_argument("--microbatches", type=int, default=4, help="micro-batches per step (default 4)")
+    p.add_argument("--schedule", default="1f1b", help="pipeline schedule (default 1f1b; see `stagewise schedules`)")
+    p.add_argument(
+        "--batchnorm",
+        default="deferred",
+        choices=["deferred", "micro"],
+        help="BatchNorm statistics: once per step over the whole batch (deferred, the default) or per micro-batch",
+    )
+    p.add_argument("--lr", type=float, default=0.05, help="learning rate of SGD with momentum 0.9 (default 0.05)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the model, the data split and the batches (default 0)")
     p.add_argument("--single", action="store_true", help="train in one process, without a pipeline")
     p.add_argument("--compare", action="store_true", help="also train the one-process model and report both")
     args = p.parse_args(argv)

@@ -50,7 +50,7 @@ import stagewise as sw
 from .._launch import launched, on_ranks
 from .costs import SIM_RANKS, profile_costs, simulated
 from .methods import Method, RunContext, all_methods
-from .report import markdown, plots, summarise, timeline_grid
+from .report import markdown, plots, summarise
 from .train import train_default
 from .workloads import WORKLOADS, Workload, workload
 
@@ -73,20 +73,21 @@ def _profile(wl: Workload, args: argparse.Namespace, rank: int) -> dict[str, Any
 
 
 def _draw_timelines(methods: list[Method], runs: dict[str, Any], sims: dict[str, Any], out: Path) -> None:
+    """One panel per method, full width, each on its own time scale (a window of 32 micro-batches beside a step)."""
     measured, simulated_ = [], []
-    for k, method in enumerate(methods):
+    for method in methods:
         timeline = runs[method.name][0].get("timeline")
         if timeline is not None:
-            path = out / f"_measured_{k}.png"
-            measured.append(sw.render_png(timeline, path, title=f"{method.name}: measured, last step/window", dpi=55))
+            measured.append((timeline, f"{method.name}: measured, last step/window"))
         result = sims[method.name].get("timeline")
         if result is not None:
-            sim_tl = dataclasses.replace(result.timeline, unit="s")
-            path = out / f"_simulated_{k}.png"
-            simulated_.append(sw.render_png(sim_tl, path, title=f"{method.name}: simulated p=4, profiled", dpi=55))
-    for pictures, name in ((measured, "timelines_measured.png"), (simulated_, "timelines_simulated.png")):
-        if pictures:
-            timeline_grid(pictures, out / name)
+            simulated_.append(
+                (dataclasses.replace(result.timeline, unit="s"), f"{method.name}: simulated p=4, profiled")
+            )
+    for panels, name in ((measured, "timelines_measured.png"), (simulated_, "timelines_simulated.png")):
+        if panels:
+            timelines, titles = zip(*panels)
+            sw.render.render_stack(timelines, out / name, titles=titles, share_x=False, dpi=80)
 
 
 def _header(wl: Workload, args: argparse.Namespace, world: int, profiled: dict[str, Any]) -> str:

@@ -188,19 +188,3 @@ def plots(rows: list[dict[str, Any]], out: Path, title: str) -> None:
         fig.tight_layout()
         fig.savefig(out / name, dpi=90)
         plt.close(fig)
-
-
-def timeline_grid(pictures: list[Path], target: Path, columns: int = 3) -> None:
-    """Put per-method timeline PNGs side by side in one image (``columns`` per row), then drop the parts."""
-    import matplotlib.image as mpimg
-    import numpy as np
-
-    images = [mpimg.imread(p)[..., :3] for p in pictures]
-    h, w = max(i.shape[0] for i in images), max(i.shape[1] for i in images)
-    padded = [np.pad(i, ((0, h - i.shape[0]), (0, w - i.shape[1]), (0, 0)), constant_values=1.0) for i in images]
-    blank = np.ones((h, w, 3), dtype=padded[0].dtype)
-    padded += [blank] * (-len(padded) % columns)
-    rows = [np.concatenate(padded[k : k + columns], axis=1) for k in range(0, len(padded), columns)]
-    mpimg.imsave(target, np.concatenate(rows, axis=0))
-    for p in pictures:
-        p.unlink()

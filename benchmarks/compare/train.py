@@ -54,6 +54,7 @@ def train_default(method: Method, ctx: RunContext, seed: int) -> dict[str, Any]:
         optimizer=lambda params: torch.optim.SGD(params, lr=args.lr, momentum=0.9),
         seed=seed,
         measure_memory=method.family == "sync",
+        nan_policy=None,  # a method that diverges is a result ("diverged"), not a reason to stop the comparison
     )
     curve: list[tuple[int, float, float]] = []
     act_peak = 0

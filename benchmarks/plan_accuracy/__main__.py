@@ -6,11 +6,15 @@ For two models (the demo GPT, untied head; an MLP with 16-fold uneven
 widths) rank 0 profiles, ``sw.calibrate()`` measures the group,
 ``sw.runtime.measure_compute_scale()`` the runtime's compute against the profile, the
 planner searches (calibrated and scaled, on the calibration's cores), and the
-top 3 plans plus a spread of poorer ones are run (median of --steps timed
-steps after 2 warm-up steps). Prints predicted (calibrated; as round 5 did,
-"before"; and bare: profile + link only) vs measured step time and peak
-activation bytes per plan, the mean absolute error and the Spearman rank
-correlation.
+top 3 plans, a spread of poorer ones and (``--per-layout``, the default) each
+layout's best plan are run. Each plan's step is measured as the planner
+predicts it - steps back to back, the slowest rank's time per step (see
+``stagewise.Plan``), the median of --steps timed steps after warm-up ones -
+and, beside it, from a barrier before each step (how rounds 1-9 measured).
+Prints predicted (calibrated; as round 5 did, "before"; and bare: profile +
+link only) vs measured step time and peak activation bytes per plan, the mean
+absolute error and the Spearman rank correlation, and the error per kind of
+layout (pipeline only, data-parallel, sharded).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import math
 import os
 import subprocess
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 
 from .._launch import environ, torchrun
@@ -65,6 +70,12 @@ def main() -> None:
         default=None,
         help="time the plans of this earlier report (its --json) again and compare the two runs' measurements",
     )
+    parser.add_argument(
+        "--per-layout",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time each layout's best plan (default: on)",
+    )
     args = parser.parse_args()
     same = json.loads(args.same_plans.read_text()) if args.same_plans is not None else None
     if args.show is not None:
@@ -76,6 +87,7 @@ def main() -> None:
         flags = ["--out", str(out), "--plans", str(args.plans), "--steps", str(args.steps), "--models", args.models]
         if args.same_plans is not None:
             flags += ["--same-plans", str(args.same_plans.resolve())]
+        flags += ["--per-layout" if args.per_layout else "--no-per-layout"]
         cmd = torchrun(args.ranks, "benchmarks.plan_accuracy.worker", flags)
         subprocess.run(cmd, check=True, env=environ(OMP_NUM_THREADS="1"))
         report = json.loads(out.read_text())
@@ -100,6 +112,7 @@ def show(report: dict, ranks: int, load: tuple[float, float, float] | None, same
         for r in rows:
             _show_row(r)
         _show_errors(rows)
+        by_kind(rows)
         repeatability(rows, same["models"].get(model) if same is not None else None)
 
 
@@ -179,6 +192,26 @@ def _show_errors(rows: list[dict]) -> None:
         f"Spearman {rho_bare:.2f}"
     )
     print(f"activation peak: mean abs error {mem:.0%} ({len(mem_errors)} measured without recompute)")
+
+
+def by_kind(rows: list[dict]) -> None:
+    """The step time's mean absolute and mean signed error per kind of layout (pipeline only, data-parallel,
+    sharded), against the back-to-back measurement and, where the report has it, the one from a barrier."""
+    kinds: dict[str, list[dict]] = {}
+    for r in rows:
+        kinds.setdefault(r.get("kind", "?"), []).append(r)
+    for kind, group in sorted(kinds.items()):
+        err = [(r["predicted"] - r["measured"]) / r["measured"] for r in group]
+        line = f"{kind}: {len(group)} plans, mean abs error {_mean(map(abs, err)):.0%}, signed {_mean(err):+.0%}"
+        if all("measured_barrier" in r for r in group):
+            barrier = [(r["predicted"] - r["measured_barrier"]) / r["measured_barrier"] for r in group]
+            line += f" (from a barrier: {_mean(map(abs, barrier)):.0%}, signed {_mean(barrier):+.0%})"
+        print(line)
+
+
+def _mean(values: Iterable[float]) -> float:
+    xs = list(values)
+    return sum(xs) / len(xs) if xs else math.nan
 
 
 def repeatability(rows: list[dict], earlier: dict | None) -> None:

@@ -8,8 +8,9 @@ runtime's compute actions cost over the plan's costs for them. Each rank then
 plans alike three times - with the calibration, the compute scale and the
 calibration's cores; as round 5 did ("before": no scale, the cores measured on
 the model's own work); bare (profile and link only) - runs the plans chosen
-from the first ranking (warm-up, then timed steps: a step's time is the
-slowest rank's, from a barrier), and rank 0 writes JSON with the predictions.
+from the first ranking (the top ones, a spread of poorer ones, and each layout's
+best), times them as the planner predicts a step (back to back: see
+:func:`time_plans`), and rank 0 writes JSON with the predictions.
 """
 
 from __future__ import annotations
@@ -26,8 +27,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
 
 import stagewise as sw
 from stagewise.partition import LayerProfile
@@ -41,55 +40,7 @@ from stagewise.runtime import build_mesh, measure_compute_scale
 from stagewise.runtime.measure.calibrate import effective_cores, idle_cpu
 from stagewise.runtime.measure.compute_scale import probe_plan
 
-from .._examples import example
-
-_gpt = example("gpt_model")
-Block, GPTConfig, Positions = _gpt.Block, _gpt.GPTConfig, _gpt.Positions
-
-GPT = GPTConfig(vocab_size=256, seq_len=64, d_model=64, n_heads=4, n_layers=6)
-
-
-def gpt_layers() -> list[sw.Layer]:
-    """The demo GPT (examples/gpt_model.py) with an untied head: the planner does not model tied weights."""
-    c = GPT
-    return (
-        [sw.Layer(nn.Embedding, c.vocab_size, c.d_model), sw.Layer(Positions, c)]
-        + [sw.Layer(Block, c) for _ in range(c.n_layers)]
-        + [sw.Layer(nn.LayerNorm, c.d_model), sw.Layer(nn.Linear, c.d_model, c.vocab_size)]
-    )
-
-
-def gpt_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-
-
-def gpt_data(batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, GPT.vocab_size, (batch, GPT.seq_len + 1), generator=g)
-    return tokens[:, :-1], tokens[:, 1:]
-
-
-WIDTHS = [64, 512, 64, 64, 1024, 64, 64, 64, 256, 64, 64, 64]
-
-
-def mlp_layers() -> list[sw.Layer]:
-    """Linear + GELU pairs whose hidden widths differ 16-fold: stage costs are uneven for any equal cut."""
-    out = []
-    for a, b in zip(WIDTHS, WIDTHS[1:]):
-        out.append(sw.Layer(nn.Sequential, nn.Linear(a, b), nn.GELU()))
-    return out + [sw.Layer(nn.Linear, WIDTHS[-1], 10)]
-
-
-def mlp_data(batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(batch, WIDTHS[0], generator=g), torch.randint(0, 10, (batch,), generator=g)
-
-
-MODELS: dict[str, Any] = {
-    "gpt": (gpt_layers, gpt_loss, gpt_data, 32, 2),  # layers, loss, data, global batch, profiled micro-batch
-    "mlp": (mlp_layers, F.cross_entropy, mlp_data, 256, 8),
-}
-
+from .models import MODELS
 
 PROFILE_ROUNDS = 3
 
@@ -152,13 +103,19 @@ def affine(small: LayerProfile, big: LayerProfile, span: int = SPAN) -> tuple[La
     return replace(small, layers=tuple(linear)), fixed
 
 
-def choose(plans: list[sw.Plan], count: int) -> list[tuple[int, sw.Plan]]:
-    """The top 3, then ``count - 3`` spread over the rest down to the worst."""
+def choose(plans: list[sw.Plan], count: int, per_layout: bool = False) -> list[tuple[int, sw.Plan]]:
+    """The top 3, then ``count - 3`` spread over the rest down to the worst; with ``per_layout`` also each layout's
+    best plan (so that data-parallel and sharded layouts are timed, not only the pipelines that rank first)."""
     picks = list(range(min(3, len(plans))))
     rest = list(range(3, len(plans)))
     if rest and count > 3:
         step = max(1, len(rest) // (count - 3))
         picks += rest[::step][: count - 4] + [rest[-1]]
+    if per_layout:
+        firsts: dict[sw.ParallelConfig, int] = {}
+        for k, plan in enumerate(plans):
+            firsts.setdefault(plan.layout, k)
+        picks += sorted(set(firsts.values()) - set(picks))
     return [(k, plans[k]) for k in dict.fromkeys(picks)]
 
 
@@ -196,14 +153,16 @@ ROUNDS = 3  # each plan's timed steps are split into this many rounds, the plans
 def time_plans(
     plans: list[sw.Plan], model: str, steps: int, speed: Callable[[], float]
 ) -> tuple[list[dict[str, Any]], list[float]]:
-    """Median step time of each plan without the activation meter (its hooks cost time), then one metered step each.
+    """Each plan's step time measured as the planner predicts it, and from a barrier; then one metered step each.
 
-    The plans take turns: ``steps`` timed steps per plan in :data:`ROUNDS` rounds, every plan once per round, so a
-    load that comes and goes on this shared machine weighs on every plan alike rather than on whichever ran then.
-    Each turn starts with an untimed step (two in the first round): a run of one plan times warm steps, and the
-    first step after another plan's runs cold. A step's time is the slowest rank's, from a barrier; ``cpu_total``
-    is every rank's CPU time in it, summed (all threads of each process). ``speed()`` is read before each round
-    and after the last (returned with the rows).
+    The prediction is the time per step of steps run back to back (see :class:`stagewise.Plan`): ``measured``
+    is the median over the timed steps of the slowest rank's seconds from the end of its previous step to the
+    end of this one. ``measured_barrier`` times each step alone from a barrier (how earlier rounds measured:
+    it adds the skew of leaving the barrier and the cold start of every step). The plans take turns: ``steps``
+    timed steps per plan and way in :data:`ROUNDS` rounds, every plan once per round, so a load that comes and
+    goes on this shared machine weighs on every plan alike rather than on whichever ran then. Each turn starts
+    with untimed steps (two in the first round). ``cpu_busiest`` / ``cpu_total``: the busiest rank's CPU seconds
+    in a back-to-back step, and every rank's summed. ``speed()`` is read before each round and after the last.
     """
     make, loss_fn, data, batch, _ = MODELS[model]
     meshes = mesh_per_layout(plans)
@@ -211,52 +170,71 @@ def time_plans(
         sw.Pipeline.from_plan(plan, make(), loss_fn=loss_fn, seed=0, timeout=120, parallel=meshes[plan.layout])
         for plan in plans
     ]
-    times: list[list[float]] = [[] for _ in plans]
-    rounds: list[list[float]] = [[] for _ in plans]  # each round's median step time
-    cpus: list[list[float]] = [[] for _ in plans]  # the busiest rank's CPU seconds in the step (its process)
-    sums: list[list[float]] = [[] for _ in plans]  # every rank's CPU seconds in the step, summed
     per_round = -(-steps // ROUNDS)
+    batches = [data(batch, k) for k in range(per_round + 2)]
+    rows: list[dict[str, list[float]]] = [{"wall": [], "busiest": [], "total": [], "barrier": []} for _ in plans]
+    rounds: list[list[float]] = [[] for _ in plans]  # each round's median back-to-back step
     speeds = []
     for round_ in range(ROUNDS):
         speeds.append(speed())
+        warm = 2 if round_ == 0 else 1  # each turn starts warm, as a run of one plan does
         for k, pipe in enumerate(pipes):
-            warm = 2 if round_ == 0 else 1  # each turn starts warm, as a run of one plan does
-            start = len(times[k])
-            for step in range(warm + per_round):
-                wall, busiest, total = _timed_step(pipe, *data(batch, step))
-                if step >= warm:
-                    times[k].append(wall)
-                    cpus[k].append(busiest)
-                    sums[k].append(total)
-            rounds[k].append(statistics.median(times[k][start:]))
+            wall, busiest, total = back_to_back(pipe, batches[: warm + per_round], warm)
+            rows[k]["wall"] += wall
+            rows[k]["busiest"] += busiest
+            rows[k]["total"] += total
+            rows[k]["barrier"] += [_barrier_step(pipe, *b) for b in batches[:per_round]]
+            rounds[k].append(statistics.median(wall))
     speeds.append(speed())
     out = []
-    for plan, ts, cs, total, medians in zip(plans, times, cpus, sums, rounds):
+    for plan, row, medians in zip(plans, rows, rounds):
         out.append(
             {
-                "measured": statistics.median(ts),
-                "runs": len(ts),
+                "measured": statistics.median(row["wall"]),
+                "measured_barrier": statistics.median(row["barrier"]),
+                "runs": len(row["wall"]),
                 "round_medians": medians,
                 "measured_activations": _metered_peak(plan, model, meshes[plan.layout]),
-                "cpu_busiest": statistics.median(cs),
-                "cpu_total": statistics.median(total),
+                "cpu_busiest": statistics.median(row["busiest"]),
+                "cpu_total": statistics.median(row["total"]),
             }
         )
     return out, speeds
 
 
-def _timed_step(pipe: sw.Pipeline, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float, float]:
-    """One train step from a barrier: (the slowest rank's seconds, the busiest rank's CPU seconds, all ranks' CPU
-    seconds summed)."""
+def back_to_back(
+    pipe: sw.Pipeline, batches: list[tuple[torch.Tensor, torch.Tensor]], warm: int
+) -> tuple[list[float], list[float], list[float]]:
+    """Train on ``batches`` one step after another (the first ``warm`` untimed); per timed step: the slowest rank's
+    seconds since its previous step ended, the busiest rank's CPU seconds and every rank's summed."""
+    inputs = [pipe.local_batch(x, y) for x, y in batches]
+    dist.barrier()
+    for b in inputs[:warm]:
+        pipe.train_step(*b)
+    wall, cpu = [], []
+    t, c = time.perf_counter(), time.process_time()
+    for b in inputs[warm:]:
+        pipe.train_step(*b)
+        t2, c2 = time.perf_counter(), time.process_time()
+        wall.append(t2 - t)
+        cpu.append(c2 - c)
+        t, c = t2, c2
+    slowest, busiest, total = torch.tensor(wall), torch.tensor(cpu), torch.tensor(cpu)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    dist.all_reduce(busiest, op=dist.ReduceOp.MAX)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    return slowest.tolist(), busiest.tolist(), total.tolist()
+
+
+def _barrier_step(pipe: sw.Pipeline, x: torch.Tensor, y: torch.Tensor) -> float:
+    """One train step from a barrier: the slowest rank's seconds."""
     inputs = pipe.local_batch(x, y)
     dist.barrier()
-    t, c = time.perf_counter(), time.process_time()
+    t = time.perf_counter()
     pipe.train_step(*inputs)
-    elapsed = torch.tensor([time.perf_counter() - t, time.process_time() - c])
-    total = elapsed.clone()
+    elapsed = torch.tensor([time.perf_counter() - t])
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    dist.all_reduce(total, op=dist.ReduceOp.SUM)
-    return float(elapsed[0]), float(elapsed[1]), float(total[1])
+    return float(elapsed[0])
 
 
 def _metered_peak(plan: sw.Plan, model: str, mesh: sw.Mesh) -> float:
@@ -271,10 +249,12 @@ def _metered_peak(plan: sw.Plan, model: str, mesh: sw.Mesh) -> float:
     return float(peak)
 
 
-def _chosen(found: Any, count: int, earlier: dict | None, model: str) -> list[tuple[int, sw.Plan]]:
+def _chosen(
+    found: Any, count: int, earlier: dict | None, model: str, per_layout: bool = False
+) -> list[tuple[int, sw.Plan]]:
     """The plans to time, with their place in this run's ranking: :func:`choose`'s, or an earlier run's."""
     if earlier is None:
-        return choose(list(found.plans), count)
+        return choose(list(found.plans), count, per_layout)
     where = {p.describe(): (k, p) for k, p in enumerate(found.plans)}  # the plans an earlier run timed, ranked anew
     wanted = [r["plan"] for r in earlier["models"][model]["rows"]]
     missing = [name for name in wanted if name not in where]
@@ -286,6 +266,7 @@ def _chosen(found: Any, count: int, earlier: dict | None, model: str) -> list[tu
 def _row(k: int, first: sw.Plan, plan: sw.Plan, timed: dict[str, Any], before: dict, bare: dict) -> dict[str, Any]:
     """One timed plan: its predictions (now, at the calibration, round 5's, bare) and what was measured."""
     row: dict[str, Any] = {"rank": k + 1, "plan": plan.describe(), "predicted": plan.step_time}
+    row["kind"] = layout_kind(plan.layout)
     row["predicted_at_calibration"] = first.step_time
     row["predicted_before"] = before[plan.describe()].step_time if plan.describe() in before else None
     row["bare"] = bare[plan.describe()].step_time if plan.describe() in bare else None
@@ -294,6 +275,15 @@ def _row(k: int, first: sw.Plan, plan: sw.Plan, timed: dict[str, Any], before: d
     row["compute_busiest"] = plan.breakdown["compute"]
     row.update(timed)
     return row
+
+
+def layout_kind(layout: sw.ParallelConfig) -> str:
+    """``"sharded"`` (sharding > 1), ``"data-parallel"`` (dp > 1), ``"tensor-parallel"`` or ``"pipeline"`` only."""
+    if layout.sharding > 1:
+        return "sharded"
+    if layout.dp > 1:
+        return "data-parallel"
+    return "tensor-parallel" if layout.tp > 1 else "pipeline"
 
 
 def measure_model(
@@ -313,11 +303,10 @@ def measure_model(
         linear, make(), loss_fn, xs, ys, calibration=cal, parallel=mesh_per_layout([probe])[probe.layout], **common
     )
     probing.append(core_speed(rank))
-    # with --same-plans every plan is ranked: an earlier run's may lie beyond this run's top 400
-    top = 400 if earlier is None else 100_000
-    found = search(linear, world, calibration=cal, compute_scale=scale, top=top, **common)
+    # every plan ranked: an earlier run's (--same-plans) or a layout's best may lie beyond the top 400
+    found = search(linear, world, calibration=cal, compute_scale=scale, top=100_000, **common)
     bare = {p.describe(): p for p in search(linear, world, intra=cal.intra, top=100_000, **common).plans}
-    chosen = _chosen(found, args.plans, earlier, model)
+    chosen = _chosen(found, args.plans, earlier, model, args.per_layout)
     # the chosen plans' meshes exist from here on, and their transport threads poll: the idle CPU is measured
     # again with them (calibrate() measured it with its own groups only) and the chosen plans predicted with it
     mesh_per_layout([plan for _, plan in chosen])
@@ -351,6 +340,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--same-plans", type=Path, default=None)
+    parser.add_argument("--per-layout", action=argparse.BooleanOptionalAction, default=True)
     args = parser.parse_args()
     unknown = [name for name in args.models.split(",") if name not in MODELS]
     if unknown:

@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -16,7 +15,6 @@ from stagewise.schedules import generate
 from stagewise.simulation import CostModel, simulate
 from stagewise.synthesis import report_of, synthesize
 
-from ..compare.report import timeline_grid
 from .suite import embed_head, uniform
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
@@ -51,16 +49,10 @@ def draw(stem: str, title: str, costs: CostModel, p: int, m: int, v: int, placem
     rep = report_of(auto)
     schedules: list[tuple[str, Schedule]] = [(n, generate(n, p, m, v)) for n in names]
     schedules.append((f"synthesized (bound {rep.lower_bound:.4g})", auto))
-    with tempfile.TemporaryDirectory() as tmp:
-        parts = []
-        for k, (label, schedule) in enumerate(schedules):
-            sim = simulate(schedule, costs)
-            path = Path(tmp) / f"{k}.png"
-            name = f"{title}: {label}, p={p}, m={m}, makespan {sim.makespan:.4g}"
-            parts.append(sw.render_png(sim.timeline, path, title=name, dpi=50))
-        target = DOCS / f"synthesis-{stem}.png"
-        timeline_grid(parts, target, columns=1)
-    return target
+    timelines = [simulate(schedule, costs).timeline for _, schedule in schedules]
+    titles = [f"{label}, p={p}, m={m}" for label, _ in schedules]
+    target = DOCS / f"synthesis-{stem}.png"
+    return sw.render.render_stack(timelines, target, titles=titles, title=title, dpi=80)  # one time scale
 
 
 def draw_all() -> list[Path]:

@@ -14,6 +14,7 @@ import importlib
 import warnings
 from typing import TYPE_CHECKING, Any
 
+from ._util import VERSION
 from .ir import Action, Schedule, Timeline
 from .parallel import ParallelConfig
 from .passes import build_schedule
@@ -46,7 +47,7 @@ if TYPE_CHECKING:  # loaded on first use (below): the runtime pulls in torch, th
         stage,
     )
 
-__version__ = "0.2.0"
+__version__ = VERSION
 
 __all__ = [
     # running a pipeline

@@ -7,6 +7,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TypeGuard
 
+#: stagewise's version (``stagewise.__version__``; the installed distribution's, as pip reports it, is the same)
+VERSION = "0.2.0"
+
 
 def is_count(value: object, least: int = 1) -> TypeGuard[int]:
     """Whether ``value`` is an int (not a bool, which Python counts as one) of at least ``least``.

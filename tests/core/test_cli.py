@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import stagewise as sw
+import stagewise._util
 from stagewise.cli.main import main
 
 
@@ -190,7 +191,7 @@ def test_version_falls_back_to_the_source_tree(
         raise importlib.metadata.PackageNotFoundError(name)
 
     monkeypatch.setattr(importlib.metadata, "version", missing)
-    monkeypatch.setattr(sw, "__version__", "9.8.7")
+    monkeypatch.setattr(stagewise._util, "VERSION", "9.8.7")
     assert run_main(capsys, "--version")[:2] == (0, "stagewise 9.8.7\n")
 
 

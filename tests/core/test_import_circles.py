@@ -1,8 +1,8 @@
 """No import circles in src/stagewise: not at module level, and not hidden in a function's lazy import either.
 
 Read from the code as text (ast), so the check imports nothing: a circle is a strongly connected component of
-two or more modules in the graph "module A imports module B" (a package door counts as its own module;
-imports under ``if TYPE_CHECKING:`` are annotations only and are left out).
+two or more modules in the graph "module A imports module B" (a package door counts as its own module). Imports
+under ``if TYPE_CHECKING:`` count too: a circle through annotations is still two modules that need each other.
 """
 
 from __future__ import annotations
@@ -30,14 +30,12 @@ def _base(module: str, is_package: bool, level: int, name: str | None) -> str:
 
 
 def _imports(module: str, path: Path) -> set[str]:
-    """The modules ``module`` imports, wherever in the file (type-checking blocks aside)."""
+    """The modules ``module`` imports, wherever in the file."""
     out: set[str] = set()
     package = path.name == "__init__.py"
 
     def visit(node: ast.AST) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
-                continue
             if isinstance(child, ast.ImportFrom):
                 base = _base(module, package, child.level, child.module)
                 for alias in child.names:

@@ -10,19 +10,21 @@ import pytest
 import stagewise as sw
 from stagewise.cli.main import main
 from stagewise.partition import LayerCost, LayerProfile
-from stagewise.planning import Link
+from stagewise.planning import Calibration, LayoutCost, Link
 
 
-def _profile() -> LayerProfile:
+def _profile(batch: int | None = 2) -> LayerProfile:
     times = [0.5, 1.0, 1.0, 1.0, 1.0, 2.0]
-    return LayerProfile(
-        tuple(LayerCost(f"l{k}", t, t, t, 2 * t, 100.0, 50.0, 1000.0, 10.0) for k, t in enumerate(times)), "cpu", 3, 1
-    )
+    layers = tuple(LayerCost(f"l{k}", t, t, t, 2 * t, 100.0, 50.0, 1000.0, 10.0) for k, t in enumerate(times))
+    return LayerProfile(layers, "cpu", 3, 1, batch=batch)
 
 
 def test_profile_json_round_trips() -> None:
-    p = _profile()
-    assert LayerProfile.from_json(p.to_json()) == p
+    for p in (_profile(), _profile(None)):
+        assert LayerProfile.from_json(p.to_json()) == p
+    assert json.loads(_profile(8).to_json())["batch"] == 8
+    with pytest.raises(ValueError, match="'batch' must be a positive int"):
+        LayerProfile.from_json(json.dumps({**json.loads(_profile().to_json()), "batch": 0}))
     with pytest.raises(ValueError, match=r"layer 0 lacks fields \['forward'"):
         LayerProfile.from_json(json.dumps({"layers": [{"name": "x"}]}))
 
@@ -74,3 +76,80 @@ def test_plan_synthetic_and_bad_input(capsys: pytest.CaptureFixture[str]) -> Non
     code = main(["plan", "--synthetic", "blocks=2", "-n", "2", "--global-batch", "4", "--memory", "1e-9"])
     err = capsys.readouterr().err
     assert code == 2 and "no plan fits the memory cap" in err
+
+
+def _plan_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = main(["plan", *args])
+    captured = capsys.readouterr()
+    return code, captured.out, " ".join(captured.err.split())  # rich wraps long warnings
+
+
+def test_the_profile_batch_comes_from_the_file_and_a_different_one_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The file records its batch: --profile-batch may repeat it, not contradict it, and a file without one
+    needs it (it used to default to 1 and scale every time by the wrong factor)."""
+    path, out = tmp_path / "profile.json", tmp_path / "plans.json"
+    path.write_text(_profile(batch=4).to_json())
+    common = ["--profile", str(path), "-n", "2", "--global-batch", "16", "--intra", "0:inf", "--json", str(out)]
+    code, _, _ = _plan_cli(common, capsys)
+    assert code == 0
+    expected = sw.plan(_profile(batch=None), 2, global_batch=16, profile_batch=4)
+    assert [p["step_time"] for p in json.loads(out.read_text())["plans"]] == [p.step_time for p in expected]
+    code, _, err = _plan_cli([*common, "--profile-batch", "1"], capsys)
+    assert code == 2 and "measured on micro-batches of 4 samples" in err
+    assert _plan_cli([*common, "--profile-batch", "4"], capsys)[0] == 0
+    path.write_text(_profile(batch=None).to_json())
+    code, _, err = _plan_cli(common, capsys)
+    assert code == 2 and "--profile-batch" in err and "does not record" in err
+    assert _plan_cli([*common, "--profile-batch", "4"], capsys)[0] == 0
+    # the library refuses the same contradiction
+    with pytest.raises(ValueError, match="profile_batch=1, but the profile was measured on micro-batches of 4"):
+        sw.plan(_profile(batch=4), 2, global_batch=16, profile_batch=1)
+
+
+def test_links_not_calibrated_warn_loudly_and_a_saved_calibration_is_used(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path, out, saved = tmp_path / "profile.json", tmp_path / "plans.json", tmp_path / "cal.json"
+    path.write_text(_profile().to_json())
+    common = ["--profile", str(path), "-n", "4", "--global-batch", "8", "--json", str(out)]
+    code, _, err = _plan_cli(common, capsys)
+    warning = json.loads(out.read_text())["warnings"]
+    assert code == 0 and "links are not calibrated" in err and "--calibration" in err
+    assert len(warning) == 1 and "links are not calibrated" in warning[0]
+    cal = Calibration(
+        intra=Link(1e-3, 1e6), action=1e-3, step=2e-3, cores=3.0, layouts=(LayoutCost(2, 2, 1, 1, 0.01),), processes=4
+    )
+    assert Calibration.load(cal.save(saved)) == cal
+    code, _, err = _plan_cli([*common, "--calibration", str(saved)], capsys)
+    assert code == 0 and "warning" not in err and json.loads(out.read_text())["warnings"] == []
+    expected = sw.plan(_profile(), 4, global_batch=8, calibration=cal)
+    assert [p["step_time"] for p in json.loads(out.read_text())["plans"]] == [p.step_time for p in expected]
+    # a calibration measured on other processes holds for those only; --intra alone silences the link warning
+    code, _, err = _plan_cli(
+        ["--profile", str(path), "-n", "2", "--global-batch", "8", "--calibration", str(saved)], capsys
+    )
+    assert code == 0 and "measured on 4 processes" in err
+    assert "warning" not in _plan_cli([*common, "--intra", "1e-4:1e9"], capsys)[2]
+    saved.write_text('{"intra": [1e-4, 1e9], "colour": 1}')
+    code, _, err = _plan_cli([*common, "--calibration", str(saved)], capsys)
+    assert code == 2 and "unknown keys ['colour']" in err
+
+
+def test_best_per_layout_lists_each_layouts_best_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path, out = tmp_path / "profile.json", tmp_path / "plans.json"
+    path.write_text(_profile().to_json())
+    args = ["--profile", str(path), "-n", "4", "--global-batch", "8", "--intra", "1e-4:1e8", "--top", "20"]
+    code, text, _ = _plan_cli([*args, "--best-per-layout", "--json", str(out)], capsys)
+    assert code == 0 and "layouts, each with its best plan" in text
+    got = json.loads(out.read_text())["plans"]
+    everything = sw.plan(_profile(), 4, global_batch=8, intra=Link(1e-4, 1e8), top=100_000)
+    best: dict[tuple[int, ...], float] = {}
+    for p in everything:
+        key = (p.layout.pp, p.layout.dp, p.layout.tp, p.layout.sharding)
+        best[key] = min(best.get(key, float("inf")), p.step_time)
+    layouts = [tuple(p["layout"][k] for k in ("pp", "dp", "tp", "sharding")) for p in got]
+    assert len(set(layouts)) == len(layouts) == len(best)  # every layout once
+    assert [p["step_time"] for p in got] == sorted(best.values())
+    assert all(p["step_time"] == best[key] for p, key in zip(got, layouts))

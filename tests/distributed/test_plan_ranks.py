@@ -1,4 +1,5 @@
-"""Plans the planner picks, run on 4 gloo ranks against the one-process model.
+"""Plans the planner picks, run on 4 gloo ranks against the one-process model; sw.plan gives every rank the
+same plans, and ranks holding different plans are refused.
 
 The checks are in tests/distributed/workers/plan_checks.py.
 """
@@ -11,7 +12,7 @@ import plan_checks
 from helpers.torchrun import SuiteResults, run_suite
 
 RANKS = 4
-CHECKS = [*plan_checks.chosen(RANKS), "on_mesh"]
+CHECKS = [*plan_checks.chosen(RANKS), "on_mesh", "agreed", "different_plans"]
 
 
 @pytest.fixture(scope="module")

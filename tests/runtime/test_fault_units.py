@@ -1,18 +1,32 @@
-"""One-process pieces of fault handling (issue 17): plain-data metadata, the store deadline, forensics text."""
+"""One-process pieces of fault handling (issues 17, 32): plain-data metadata, the store deadline, forensics text,
+private /dev/shm names, the first line of an error, the run's nonce, no pickles."""
 
 from __future__ import annotations
 
+import ast
+import os
+import stat
 import threading
+import time
 from collections import namedtuple
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
+import stagewise
 from stagewise.ir import Action, Kind
+from stagewise.runtime.comm import coordinator
+from stagewise.runtime.comm.attempt_store import elect
 from stagewise.runtime.comm.coordinator import DeadlineStore
+from stagewise.runtime.comm.faults import heartbeat
+from stagewise.runtime.comm.faults.guard import Guard
+from stagewise.runtime.comm.shm import names
 from stagewise.runtime.engine.forensics import position
 from stagewise.runtime.engine.messages import Meta
 from stagewise.runtime.engine.tree import flatten, spec_from_plain, spec_to_plain, unflatten
+from stagewise.runtime.errors import PipelineError
 
 Pair = namedtuple("Pair", ["h", "mask"])
 
@@ -74,3 +88,144 @@ def test_position_before_the_first_step_has_no_empty_plan() -> None:
     assert text == "rank 2 before its first step, waiting for the run id"
     text = position(0, (Action(0, Kind.F, 0), Action(0, Kind.B, 0)), Action(0, Kind.B, 0), None, "")
     assert text.startswith("rank 0 at 0B0 (action 2 of 2; last completed: none)") and ">>0B0<<" in text
+
+
+# ---- /dev/shm names: never through a link, never someone else's (issue 32) -------------------------------------
+def test_a_shm_name_is_created_0600_whatever_the_umask(tmp_path: Path) -> None:
+    old = os.umask(0o277)  # would leave 0400
+    try:
+        fd, created = names.open_private(str(tmp_path / "slot"), os.O_RDWR, stat.S_IFREG)
+    finally:
+        os.umask(old)
+    os.close(fd)
+    assert created and stat.S_IMODE(os.stat(tmp_path / "slot").st_mode) == 0o600
+    fd, created = names.open_private(str(tmp_path / "slot"), os.O_RDWR, stat.S_IFREG)  # the peer's open: accepted
+    os.close(fd)
+    assert not created
+
+
+def test_a_shm_name_someone_else_made_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    target = tmp_path / "elsewhere"
+    target.write_bytes(b"")
+    os.symlink(target, tmp_path / "link")
+    with pytest.raises(PipelineError, match="is a symbolic link"):
+        names.open_private(str(tmp_path / "link"), os.O_RDWR, stat.S_IFREG)
+    loose = tmp_path / "loose"
+    loose.write_bytes(b"")
+    os.chmod(loose, 0o644)
+    with pytest.raises(PipelineError, match="its mode is 0644, not 0600"):
+        names.open_private(str(loose), os.O_RDWR, stat.S_IFREG)
+    os.mkfifo(tmp_path / "bell", 0o600)
+    with pytest.raises(PipelineError, match="it is a FIFO, not a regular file"):
+        names.open_private(str(tmp_path / "bell"), os.O_RDWR | os.O_NONBLOCK, stat.S_IFREG)
+    mine = tmp_path / "mine"
+    mine.write_bytes(b"")
+    os.chmod(mine, 0o600)
+    monkeypatch.setattr(os, "getuid", lambda: os.stat(mine).st_uid + 1)
+    with pytest.raises(PipelineError, match="it belongs to uid .*, not to this process's"):
+        names.open_private(str(mine), os.O_RDWR, stat.S_IFREG)
+
+
+# ---- the first line names the rank at fault (issue 32) ---------------------------------------------------------
+class _Board:
+    failure: str | None = None
+
+    def check(self) -> None:
+        pass
+
+    def fail(self, message: str) -> str:
+        self.failure = self.failure or message
+        return self.failure
+
+
+def _guard(timeout: float) -> Guard:
+    guard = Guard.__new__(Guard)  # no store, no process group: the deadline logic alone
+    guard.board, guard.timeout, guard.me = _Board(), timeout, "rank 3"  # type: ignore[assignment]
+    return guard
+
+
+def test_a_deadline_names_the_silent_rank_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(heartbeat, "silent_ranks", lambda threshold: [(3, 0.5), (2, 4.0), (1, 9.5)])
+    monkeypatch.setattr(heartbeat.dist, "get_rank", lambda: 3)
+    assert heartbeat.blame_silent(10.0) == "global ranks 1, 2 stopped or died (no sign of life for 9.5 s)"
+    with pytest.raises(PipelineError) as err:
+        _guard(1.0).check_deadline(time.perf_counter() - 2.0, "stage 2's output for micro-batch 1 from rank 2")
+    first = str(err.value).splitlines()[0]
+    assert first.startswith("global ranks 1, 2 stopped or died (no sign of life for 9.5 s); rank 3 waited 2.0 s"), first
+
+
+def test_past_the_timeout_a_patient_wait_goes_on_while_every_rank_stamps(monkeypatch: pytest.MonkeyPatch) -> None:
+    silent: list[tuple[int, float | None]] = []
+    monkeypatch.setattr(heartbeat, "silent_ranks", lambda threshold: silent)
+    monkeypatch.setattr(heartbeat.dist, "get_rank", lambda: 3)
+    guard = _guard(1.0)
+    guard.check_deadline(time.perf_counter() - 2.0, "the others' writing", patience=30.0)  # all alive: goes on
+    with pytest.raises(PipelineError, match=r"rank 3 waited 31\.\d s .*; is another rank stuck or dead\? \(timeout=30"):
+        guard.check_deadline(time.perf_counter() - 31.0, "the others' writing", patience=30.0)
+    silent.append((0, 6.0))
+    with pytest.raises(PipelineError, match=r"^global rank 0 stopped or died"):
+        _guard(1.0).check_deadline(time.perf_counter() - 2.0, "the others' writing", patience=30.0)
+
+
+def test_a_bounded_call_stops_at_a_failure_posted_for_the_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(coordinator, "_watch", None)
+    coordinator.watch_calls(lambda: "rank 2: ValueError: boom", lambda timeout: "")
+    started = time.perf_counter()
+    with pytest.raises(PipelineError, match="^rank 2: ValueError: boom$"):
+        coordinator.call_with_deadline(lambda: time.sleep(30), 60.0, "the link probe")
+    assert time.perf_counter() - started < 30  # (it did not wait for the call: the sleep is 30 s)
+    coordinator.watch_calls(lambda: None, lambda timeout: "global rank 1 stopped or died (no sign of life for 3.0 s)")
+    with pytest.raises(PipelineError, match=r"^global rank 1 stopped or died .*: rank 0 waited 0.3 s for the probe"):
+        coordinator.call_with_deadline(lambda: time.sleep(30), 0.3, "the probe", me="rank 0")
+
+
+# ---- a reused run id on a store that outlived its job (issue 32) -----------------------------------------------
+def test_the_nonce_is_rank_0s_fresh_one_whatever_an_earlier_job_left(tmp_path: Path) -> None:
+    store = dist.HashStore()
+    store.set("hello/1", "stale")  # an earlier job's keys, as a long-lived store keeps them
+    store.set("ack/1/stale", "old-nonce")
+    store.set("got/stale/old-nonce", "1")
+    got: dict[int, str] = {}
+
+    def rank(r: int) -> None:
+        got[r] = elect(store, r, 4, 30.0)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (1, 2, 3, 0)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(got) == [0, 1, 2, 3] and len(set(got.values())) == 1 and got[0] != "old-nonce", got
+
+
+# ---- nothing a peer sends is unpickled (issue 32) --------------------------------------------------------------
+_PEER_PICKLES = {"all_gather_object", "broadcast_object_list", "scatter_object_list", "gather_object"}
+_PEER_PICKLES |= {"send_object_list", "recv_object_list"}
+
+
+def _calls(tree: ast.AST) -> list[tuple[int, str]]:
+    """Every call of the tree as ``(line, dotted name)`` (``dist.all_gather_object``, ``pickle.loads``)."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            parts, f = [], node.func
+            while isinstance(f, ast.Attribute):
+                parts.append(f.attr)
+                f = f.value
+            if isinstance(f, ast.Name):
+                parts.append(f.id)
+            out.append((node.lineno, ".".join(reversed(parts))))
+    return out
+
+
+def test_the_library_pickles_nothing_a_peer_sends() -> None:
+    """No object collective (they pickle what a peer sends), no pickle.load(s), no torch.load in the library: the
+    one unpickler is the checkpoint's, for DCP's own metadata files, with a fixed list of classes."""
+    src = Path(stagewise.__file__).parent
+    found = []
+    for path in src.rglob("*.py"):
+        for line, name in _calls(ast.parse(path.read_text())):
+            last = name.rsplit(".", 1)[-1]
+            if last in _PEER_PICKLES or name in ("pickle.load", "pickle.loads", "torch.load"):
+                found.append(f"{path.relative_to(src)}:{line}: {name}")
+    assert not found, found

@@ -1,4 +1,5 @@
-"""The non-finite screen in one process: it never misses a NaN or an infinity, and an overflowing sum is no alarm."""
+"""The non-finite screen in one process: it never misses a NaN or an infinity, an overflowing sum is no alarm, and a
+refused or skipped step leaves nothing behind."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import torch
 from torch import nn
 
 from stagewise.runtime.errors import PipelineError
-from stagewise.runtime.features.finite import FiniteCheck, any_non_finite
+from stagewise.runtime.features.finite import Buffers, FiniteCheck, any_non_finite
 
 CPU = torch.device("cpu")
 
@@ -62,3 +63,29 @@ def test_a_real_non_finite_gradient_still_raises_and_skips() -> None:
         check({}, None)
     check, p = _check("skip", grad.clone())
     assert check({}, None) is True and p.grad is None and check.skipped == 1
+
+
+def test_a_refused_or_skipped_step_puts_every_buffer_back_and_drops_its_gradients() -> None:
+    """A NaN sample poisons a BatchNorm's running statistics in the forward; the check puts back every buffer as
+    the step found it (the same tensors), under "raise" too, and leaves no gradient (issue 32)."""
+    for policy in ("raise", "skip"):
+        bn = nn.BatchNorm1d(3, dtype=torch.float64)
+        bn(torch.randn(8, 3, dtype=torch.float64))  # running statistics that are not the initial ones
+        p = nn.Parameter(torch.zeros(2))
+        buffers = Buffers([bn])
+        check = FiniteCheck(policy, 0, [("w", p)], {id(p): 0}, lambda f: None, lambda o: [o], CPU, buffers=buffers)
+        before = {n: (b, b.clone()) for n, b in bn.named_buffers()}
+        check.begin()
+        x = torch.randn(8, 3, dtype=torch.float64)
+        x[3, 1] = float("nan")
+        bn(x)
+        assert bn.running_mean.isnan().any() and int(bn.num_batches_tracked) == 2
+        p.grad = torch.tensor([1.0, float("nan")])
+        if policy == "raise":
+            with pytest.raises(PipelineError, match=r"gradient w\[1\] = nan"):
+                check({}, None)
+        else:
+            assert check({}, None) is True
+        assert p.grad is None, policy
+        for n, b in bn.named_buffers():
+            assert b is before[n][0] and torch.equal(b, before[n][1]), (policy, n)

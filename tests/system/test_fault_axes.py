@@ -28,13 +28,13 @@ CASES: list[fh.Case] = [
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[fh.Case, fh.Outcome]:
     out = tmp_path_factory.mktemp("axes")
-    return {o.case: o for o in fh.run_cases(CASES, out, parallel=2, worker=WORKER)}
+    return {o.case: o for o in fh.run_cases(CASES, out, parallel=2, worker=WORKER, timeout=20.0)}
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{f}-rank{v}-{w}" for f, v, w in CASES])
 def test_fault_case(outcomes: dict[fh.Case, fh.Outcome], case: fh.Case) -> None:
     o = outcomes[case]
-    detail = "\n".join(f"--- rank {r} (exit {o.codes.get(r)}) ---\n{o.reports.get(r, '')[:1500]}" for r in range(4))
+    detail = fh.describe(o)
     assert not o.problems, "\n".join(o.problems) + "\n" + detail
     if case[2] == "plain":  # the victim's own exception reached the others: its exit hook posted it
         for r in (0, 1, 3):

@@ -26,16 +26,16 @@ COMMANDS = (schedules, simulate, run, plan, compare)
 
 
 def version() -> str:
-    """The installed distribution's version (what pip reports), else the source tree's ``stagewise.__version__``."""
+    """The installed distribution's version (what pip reports), else the source tree's (``stagewise._util.VERSION``)."""
     from importlib.metadata import PackageNotFoundError
     from importlib.metadata import version as installed
 
     try:
         return installed("stagewise")
     except PackageNotFoundError:  # imported from a source tree that was never installed
-        from .. import __version__
+        from .. import _util
 
-        return __version__
+        return _util.VERSION
 
 
 class _Version(argparse.Action):

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..partition import LayerProfile
-from ..planning import Link, Plan, PlanSearch
+from ..planning import Calibration, Link, Plan, PlanSearch
 from .common import Subparsers
 
 GIB = 2**30
@@ -18,12 +18,18 @@ _HELP = """\
 Search layouts (pp x dp x sharding x tp), schedules, virtual stages,
 micro-batch counts, partitions and recompute for the fastest plans that fit
 memory, and print them best first. The profile is per-layer times and sizes of
-one micro-batch of --profile-batch samples (LayerProfile.to_json, e.g. from
-stagewise.profile), or --synthetic, a GPT-like stack:
+one micro-batch (LayerProfile.to_json, e.g. from stagewise.profile, which
+records the micro-batch's samples; --profile-batch for a file that does not),
+or --synthetic, a GPT-like stack:
 "blocks=32,hidden=4096,seq=2048,vocab=50000,heads=32,flops=4e14".
-Columns: step = predicted seconds per step; bubble = simulated idle share of
-the pipeline ranks; peak = the largest predicted per-rank memory; why = what
-the plan gains over the next one.
+Links and the runtime's own costs come from --calibration, a file saved with
+sw.calibrate(...).save(path) on the group that will run the plan; without it
+(or --intra) every transfer and collective is free, which flatters data
+parallelism and sharding.
+Columns: step = predicted seconds per training step, run back to back (see
+stagewise.Plan); bubble = simulated idle share of the pipeline ranks; peak =
+the largest predicted per-rank memory; why = what the plan gains over the
+next one.
 """
 
 
@@ -40,10 +46,23 @@ def add_command(sub: Subparsers) -> None:
     parser.add_argument("-n", "--processes", type=int, required=True, metavar="N", help="number of processes")
     parser.add_argument("--nodes", type=int, default=1, metavar="K", help="nodes the processes are packed on")
     parser.add_argument("--global-batch", type=int, required=True, metavar="B", help="samples per step")
-    parser.add_argument("--profile-batch", type=int, default=1, metavar="B", help="samples in the profiled batch")
+    parser.add_argument(
+        "--profile-batch",
+        type=int,
+        default=None,
+        metavar="B",
+        help="samples in the profiled micro-batch (default: what the profile records; required when it does not)",
+    )
     parser.add_argument("--memory", type=float, default=math.inf, metavar="GIB", help="memory per process, GiB")
     parser.add_argument("--optimizer-state", type=float, default=2.0, metavar="K", help="state bytes per param byte")
-    parser.add_argument("--intra", default="0:inf", metavar="LAT:BW", help="intra-node link: seconds:bytes/s")
+    parser.add_argument(
+        "--calibration",
+        metavar="PATH",
+        help="a calibration saved from sw.calibrate() (Calibration.save): links, the runtime's costs, cores",
+    )
+    parser.add_argument(
+        "--intra", default=None, metavar="LAT:BW", help="intra-node link: seconds:bytes/s (default: calibrated)"
+    )
     parser.add_argument("--inter", default=None, metavar="LAT:BW", help="inter-node link (default: --intra)")
     parser.add_argument("--tp-layers", default="", metavar="LIST", help="layers that support tp: all, or 1-8,10")
     parser.add_argument("--schedules", default=None, metavar="A,B", help="schedules to try (default: all sync)")
@@ -63,6 +82,11 @@ def add_command(sub: Subparsers) -> None:
         help="the runtime's compute over the plan's: one factor, or F B [I+W] (sw.runtime.measure_compute_scale)",
     )
     parser.add_argument("--top", type=int, default=5, metavar="K", help="plans to keep (default 5)")
+    parser.add_argument(
+        "--best-per-layout",
+        action="store_true",
+        help="list the best plan of each layout (the top K layouts) rather than the top K plans",
+    )
     parser.add_argument("--json", metavar="PATH", help="write the plans and the search summary as JSON")
     parser.add_argument("--png", metavar="PATH", help="draw the best plan's simulated timeline")
     parser.set_defaults(handler=run_plan)
@@ -113,13 +137,49 @@ def _load(args: argparse.Namespace) -> LayerProfile:
         text = Path(args.profile).read_text()
     except OSError as err:
         raise ValueError(f"--profile {args.profile}: {err}") from None
-    return LayerProfile.from_json(text)
+    profile = LayerProfile.from_json(text)
+    given, recorded = args.profile_batch, profile.batch
+    if recorded is None and given is None:
+        raise ValueError(
+            f"--profile {args.profile} does not record the samples it was measured on: pass --profile-batch B "
+            "(every predicted time scales with it; sw.profile records it)"
+        )
+    if recorded is not None and given is not None and given != recorded:
+        raise ValueError(
+            f"--profile-batch {given}, but --profile {args.profile} was measured on micro-batches of {recorded} "
+            "samples; leave --profile-batch out"
+        )
+    return profile
+
+
+def _calibration(args: argparse.Namespace) -> Calibration | None:
+    return None if args.calibration is None else Calibration.load(args.calibration)
+
+
+def _warnings(args: argparse.Namespace, cal: Calibration | None) -> list[str]:
+    """What makes these plans less trustworthy than they look, one line each."""
+    out = []
+    if args.intra is None and (cal is None or not cal.links_measured):
+        out.append(
+            "links are not calibrated: every transfer and collective is free in these plans, which favours "
+            "data parallelism and sharding. Measure the group with sw.calibrate(...).save(path) and pass "
+            "--calibration PATH (or give --intra LATENCY:BANDWIDTH)."
+        )
+    if cal is not None and cal.processes is not None and cal.processes != args.processes:
+        out.append(
+            f"--calibration {args.calibration} was measured on {cal.processes} processes, the plans are for "
+            f"{args.processes}: its per-layout costs and cores hold for {cal.processes} only."
+        )
+    if cal is not None and args.nodes > 1 and cal.inter is None and args.inter is None:
+        out.append(f"--nodes {args.nodes}, but the calibration has no link between nodes: they cost as one node's.")
+    return out
 
 
 def run_plan(args: argparse.Namespace) -> int:
     from ..planning import search
 
     profile = _load(args)
+    cal = _calibration(args)
     result = search(
         profile,
         args.processes,
@@ -128,26 +188,30 @@ def run_plan(args: argparse.Namespace) -> int:
         profile_batch=args.profile_batch,
         memory=args.memory * GIB,
         optimizer_state=args.optimizer_state,
-        intra=_link(args.intra, "--intra"),
+        intra=None if args.intra is None else _link(args.intra, "--intra"),
         inter=None if args.inter is None else _link(args.inter, "--inter"),
         tp_layers=_tp_layers(args.tp_layers, len(profile)),
         schedules=None if args.schedules is None else args.schedules.split(","),
         overhead=args.overhead,
         action_overhead=args.action_overhead,
         compute_scale=args.compute_scale[0] if len(args.compute_scale) == 1 else args.compute_scale,
+        calibration=cal,
         cores=args.cores,
         top=args.top,
+        best_per_layout=args.best_per_layout,
     )
-    _print_table(result)
+    warnings = _warnings(args, cal)
+    _print_table(result, warnings, args.best_per_layout)
     if args.json:
-        Path(args.json).write_text(json.dumps(_report(result), indent=1))
+        Path(args.json).write_text(json.dumps(_report(result, warnings), indent=1))
     if args.png:
         _draw(result.plans[0], args.png)
     return 0
 
 
-def _report(result: PlanSearch) -> dict[str, Any]:
+def _report(result: PlanSearch, warnings: list[str]) -> dict[str, Any]:
     return {
+        "warnings": warnings,
         "plans": [p.to_dict() for p in result.plans],
         "search": {
             "layouts": result.layouts,
@@ -159,11 +223,19 @@ def _report(result: PlanSearch) -> dict[str, Any]:
     }
 
 
-def _print_table(result: PlanSearch) -> None:
+def _print_table(result: PlanSearch, warnings: list[str], per_layout: bool) -> None:
+    """The plans as a table on stdout; each warning loud on stderr, before it and again under it."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
-    table = Table(title=f"top {len(result.plans)} plans ({result.candidates} candidates, {result.simulated} simulated)")
+    loud = Console(stderr=True, width=120)
+    for text in warnings:
+        loud.print(f"[bold yellow]warning:[/] {escape(text)}", highlight=False)
+    what = "layouts, each with its best plan" if per_layout else "plans"
+    table = Table(
+        title=f"top {len(result.plans)} {what} ({result.candidates} candidates, {result.simulated} simulated)"
+    )
     for col in (
         "#",
         "pp x dp x tp x sh",
@@ -195,13 +267,19 @@ def _print_table(result: PlanSearch) -> None:
             p.why,
         )
     Console(width=200).print(table)
+    if warnings:
+        loud.print(f"[bold yellow]{len(warnings)} warning(s) above: these predictions may mislead.[/]")
 
 
 def _draw(plan: Plan, path: str) -> None:
+    """The best plan's simulated timeline; a plan's costs are seconds, so the axis says seconds."""
+    from dataclasses import replace
+
     from ..passes import add_grad_sync
     from ..render import render_png
     from ..schedules import generate
     from ..simulation import simulate
 
     schedule = add_grad_sync(generate(plan.schedule, plan.layout.pp, plan.microbatches, plan.virtual_stages))
-    render_png(simulate(schedule, plan.costs).timeline, path, title=f"{plan.describe()}: {plan.step_time:.4g} s")
+    timeline = replace(simulate(schedule, plan.costs).timeline, unit="s")
+    render_png(timeline, path, title=f"{plan.describe()}: {plan.step_time:.4g} s")

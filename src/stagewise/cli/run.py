@@ -1,4 +1,8 @@
-"""``stagewise run``: a training script on N local processes with torch's own launcher, restarted if asked."""
+"""``stagewise run``: a training script on N local processes with torch's own launcher, restarted if asked.
+
+Ctrl-C ends the job with one line (``interrupted: rank 1 stopped after step 37; last checkpoint
+ckpt/step-00000036``) and exit status 130: see :mod:`stagewise.runtime.interrupt`.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +18,8 @@ def add_command(sub: Subparsers) -> None:
         help="run a training script on N local processes (torch.distributed.run), restarted on failure if asked",
         description="Launch N local processes of SCRIPT with torch's own launcher "
         "(torchrun --standalone: rendezvous on localhost; with --nnodes, c10d rendezvous across machines). "
-        "Arguments after the script go to it.",
+        "Arguments after the script go to it. Ctrl-C stops every process and prints one line, where the job "
+        "stopped and its last checkpoint; the exit status is then 130.",
     )
     parser.add_argument("-n", "--nproc", type=int, required=True, metavar="N", help="processes (ranks) per machine")
     parser.add_argument(

@@ -164,7 +164,7 @@ def _report(
     times: dict[str, object] = {
         "f_time": args.f_time,
         "i_time": args.i_time,
-        "b_time": args.i_time,  # the old key (it meant I), kept for one release
+        "b_time": args.i_time + args.w_time,  # the full backward B = I + W, what a schedule without split runs
         "w_time": args.w_time,
         "comm_time": args.comm_time,
         "sync_time": args.sync_time,

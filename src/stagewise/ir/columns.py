@@ -22,14 +22,19 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import chain, compress, repeat
 from operator import index, itemgetter
-from typing import TYPE_CHECKING, Any, overload
+from typing import Any, Protocol, overload
 
 import numpy as np
 
 from .actions import Action, Kind
 
-if TYPE_CHECKING:
-    from .schedule import Schedule
+
+class _Rows(Protocol):
+    """What :func:`columns` reads of a :class:`~stagewise.ir.schedule.Schedule` (which imports this module)."""
+
+    @property
+    def ranks(self) -> Sequence[Sequence[Action]]: ...
+
 
 #: kind codes: compute first (so "compute" is code < 4), then communication, then the per-stage kinds
 KINDS = (Kind.F, Kind.B, Kind.I, Kind.W, Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B, Kind.SYNC, Kind.STEP)
@@ -116,7 +121,7 @@ def _make_row(cols: Columns, rank: int) -> tuple[Action, ...]:
     return tuple(map(tuple.__new__, repeat(Action), fields))
 
 
-def columns(schedule: Schedule) -> Columns | None:
+def columns(schedule: _Rows) -> Columns | None:
     """The schedule's columns, or None when an action does not read as numbers.
 
     None means: a kind that is not a :class:`~stagewise.ir.actions.Kind` member, a
@@ -133,7 +138,7 @@ def columns(schedule: Schedule) -> Columns | None:
     return cached
 
 
-def _read(schedule: Schedule) -> Columns | None:
+def _read(schedule: _Rows) -> Columns | None:
     ranks = schedule.ranks
     flat = chain.from_iterable
     lens = np.fromiter(map(len, ranks), np.int64, len(ranks))

@@ -65,13 +65,28 @@ class CheckpointCost:
 
 @dataclass(frozen=True)
 class LayerProfile:
-    """What :func:`profile` measured, one :class:`LayerCost` per layer in execution order."""
+    """What :func:`profile` measured, one :class:`LayerCost` per layer in execution order.
+
+    ``batch``: the samples in the micro-batch the times and sizes are for (:func:`stagewise.profile` records
+    the sample inputs' first dimension). The planner scales every cost by the candidate's micro-batch over it,
+    so a wrong batch makes every predicted time wrong by the same factor; None: not recorded (a profile written
+    before it was, or made by hand), and the planner then needs ``profile_batch=``.
+    """
 
     layers: tuple[LayerCost, ...]
     device: str
     repeats: int
     warmup: int
     checkpoint: CheckpointCost | None = None  # None: not measured (recompute then costs the forward again only)
+    batch: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.batch is not None and (
+            isinstance(self.batch, bool) or not isinstance(self.batch, int) or self.batch < 1
+        ):
+            raise ValueError(
+                f"LayerProfile.batch must be a positive int (samples profiled) or None, got {self.batch!r}"
+            )
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -90,7 +105,7 @@ class LayerProfile:
 
     def to_json(self) -> str:
         """A JSON object: ``device``, ``repeats``, ``warmup``, ``layers`` (one object per layer, LayerCost's fields)
-        and, where measured, ``checkpoint`` (CheckpointCost's fields).
+        and, where known, ``batch`` (samples profiled) and ``checkpoint`` (CheckpointCost's fields).
 
         ``LayerProfile.from_json(p.to_json()) == p``.
         """
@@ -100,6 +115,8 @@ class LayerProfile:
             "warmup": self.warmup,
             "layers": [asdict(x) for x in self.layers],
         }
+        if self.batch is not None:
+            data["batch"] = self.batch
         if self.checkpoint is not None:
             data["checkpoint"] = asdict(self.checkpoint)
         return json.dumps(data)
@@ -128,12 +145,16 @@ class LayerProfile:
             if not isinstance(raw, Mapping) or sorted(raw) != sorted(names):
                 raise ValueError(f"profile JSON: 'checkpoint' must be an object with exactly the fields {names}")
             checkpoint = CheckpointCost(**{n: float(raw[n]) for n in names})
+        batch = data.get("batch")
+        if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
+            raise ValueError(f"profile JSON: 'batch' must be a positive int (samples profiled), got {batch!r}")
         return cls(
             layers=tuple(layers),
             device=str(data.get("device", "unknown")),
             repeats=int(data.get("repeats", 1)),
             warmup=int(data.get("warmup", 0)),
             checkpoint=checkpoint,
+            batch=batch,
         )
 
     def times(self) -> list[float]:

@@ -13,7 +13,9 @@ a step is costed (the equations), :mod:`.comm` how collectives are costed,
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+import importlib
+import sys
+from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, TypedDict
 
 from ..partition import LayerProfile
@@ -53,7 +55,7 @@ class PlanOptions(TypedDict, total=False):
     memory: float | Sequence[float]  # [inf]
     speeds: float | Sequence[float] | None  # [all 1]
     nodes: int  # [1]
-    profile_batch: int  # [1]
+    profile_batch: int  # [the profile's batch (LayerProfile.batch), else 1]
     optimizer_state: float  # [2.0]
     intra: Link | None  # [the calibration's, else free]
     inter: Link | None  # [the calibration's, else intra]
@@ -68,6 +70,7 @@ class PlanOptions(TypedDict, total=False):
     calibration: Calibration | None  # [None]
     cores: float | None  # [the calibration's, else None: a core per process]
     top: int  # [5]
+    best_per_layout: bool  # [False]: the top plans; True: the top layouts, each with its best plan
 
 
 def search(profile: LayerProfile, processes: int, **options: Unpack[PlanOptions]) -> PlanSearch:
@@ -87,6 +90,11 @@ def search(profile: LayerProfile, processes: int, **options: Unpack[PlanOptions]
 
 def plan(profile: LayerProfile, processes: int, **options: Unpack[PlanOptions]) -> list[Plan]:
     """The ``top`` fastest plans that fit memory, fastest first, each saying why it beat the next.
+
+    Inside a job (torch.distributed initialised, more than one process) this is a collective: every rank
+    calls it, global rank 0's inputs go to every rank and every rank gets the same plans
+    (``stagewise.runtime.plan_agreement``), so that ``Pipeline.from_plan`` builds one pipeline, not several
+    that wait on each other. :func:`search` plans on this process alone.
 
     ``profile``: per-layer times and bytes of one micro-batch of ``profile_batch`` samples
     (:func:`stagewise.profile`); costs scale linearly with the micro-batch size.
@@ -116,4 +124,21 @@ def plan(profile: LayerProfile, processes: int, **options: Unpack[PlanOptions]) 
     Raises ``ValueError`` when no factorisation of ``processes`` can run, or
     when no plan fits ``memory`` (naming the smallest peak and its largest term).
     """
+    together = _job_search()
+    if together is not None:
+        return list(together(profile, processes, **options).plans)
     return list(search(profile, processes, **options).plans)
+
+
+def _job_search() -> Callable[..., PlanSearch] | None:
+    """The runtime's collective search when this process is one rank of an initialised job of several, else None.
+
+    The one place the pure planner reaches into the runtime, and only once torch.distributed is loaded and
+    initialised in this process: the planner never imports torch itself (``sys.modules`` is looked at, not
+    imported from).
+    """
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+        return None
+    together: Callable[..., PlanSearch] = importlib.import_module("stagewise.runtime.plan_agreement").search_together
+    return together

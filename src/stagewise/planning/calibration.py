@@ -6,8 +6,13 @@ How each field enters the predicted step is written out in :mod:`stagewise.plann
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
 
 from .comm import Link
 
@@ -120,7 +125,11 @@ class Calibration:
     node's processes effectively share, measured (used when the plan gives no ``cores=``). ``sharding_fixed`` +
     ``sharding_per_byte`` x bytes: seconds one FSDP2 unit (a layer with parameters) costs per step
     for its gather and reduce-scatter, measured on ``sharding_group`` ranks (None: the ring model
-    of :mod:`.comm`).
+    of :mod:`.comm`). ``processes`` / ``nodes``: the group it was measured on (None: not recorded); the layout
+    costs and the cores hold for that many processes only.
+
+    A calibration takes minutes to measure: :meth:`save` it, and :meth:`load` it for later plans
+    (``stagewise plan --calibration FILE``).
     """
 
     intra: Link | None = None
@@ -134,6 +143,8 @@ class Calibration:
     sharding_group: int = 0
     layouts: tuple[LayoutCost, ...] = ()
     background: float = 0.0
+    processes: int | None = None
+    nodes: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("action", "message", "step", "background"):
@@ -153,6 +164,10 @@ class Calibration:
                 raise ValueError(f"Calibration: sharding costs must be finite and >= 0, got {measured}")
             if self.sharding_group < 2:
                 raise ValueError(f"Calibration.sharding_group must be >= 2 ranks, got {self.sharding_group}")
+        for name in ("processes", "nodes"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"Calibration.{name} must be a positive int or None, got {value!r}")
 
     def sharding_time(self, nbytes: float, units: int, n: int) -> float | None:
         """Seconds of gather + reduce-scatter per step for ``units`` layers of ``nbytes`` on ``n`` ranks (None: not
@@ -205,4 +220,62 @@ class Calibration:
             "sharding_group": self.sharding_group,
             "layouts": [row.to_dict() for row in self.layouts],
             "background": self.background,
+            "processes": self.processes,
+            "nodes": self.nodes,
         }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Calibration:
+        """The inverse of :meth:`to_dict`; an unknown key or a malformed value is an error naming it (keys a
+        calibration saved before they existed take their defaults)."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"calibration: expected an object (Calibration.to_dict), got {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"calibration: unknown keys {unknown}; known: {sorted(known)}")
+        values = dict(data)
+        try:
+            for name in ("intra", "inter"):
+                if values.get(name) is not None:
+                    latency, bandwidth = values[name]
+                    values[name] = Link(float(latency), float(bandwidth))
+            values["layouts"] = tuple(
+                LayoutCost(**{**row, "cpu": tuple(row.get("cpu", (0.0,) * 4))}) for row in values.get("layouts", ())
+            )
+        except (TypeError, ValueError) as err:
+            raise ValueError(
+                f"calibration: a link is [latency, bandwidth] and a layout LayoutCost's fields ({err})"
+            ) from None
+        return cls(**values)
+
+    def to_json(self) -> str:
+        """:meth:`to_dict` as JSON (``Calibration.from_json(c.to_json()) == c``)."""
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Calibration:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"calibration: not JSON ({err})") from None
+        return cls.from_dict(data)
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write :meth:`to_json` to ``path``; returns the path."""
+        out = Path(path)
+        out.write_text(self.to_json())
+        return out
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Calibration:
+        """Read a calibration :meth:`save` wrote (errors name the file)."""
+        try:
+            return cls.from_json(Path(path).read_text())
+        except (OSError, ValueError) as err:
+            raise ValueError(f"calibration {os.fspath(path)}: {err}") from None
+
+    @property
+    def links_measured(self) -> bool:
+        """Whether the links were measured (else transfers and collectives cost only what the plan says)."""
+        return self.intra is not None or self.inter is not None

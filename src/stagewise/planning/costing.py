@@ -31,8 +31,9 @@ when the backward re-runs it): the stage's F gains ``k_F c^F_s`` and its
 backward ``k_B c^B_s``, where ``c_s`` is the profile's
 :class:`~stagewise.partition.profile_data.CheckpointCost` line at the stage's saved
 tensors (0 for a profile without one). It does not grow with the batch.
-**The step time, as predicted** (one candidate; ``b`` samples per micro-batch,
-``sigma = b / profile_batch``; sums over a stage's layers ``l``):
+**The step time, as predicted** (what a step is - back to back, what it includes and leaves out - is
+defined on :class:`~stagewise.planning.Plan`; here one candidate, ``b`` samples per micro-batch,
+``sigma = b / profile_batch``, sums over a stage's layers ``l``):
 
 * ``F_s = k_F (sigma * sum f_l + c_s) + T_s``, ``I_s = k_B (sigma * sum i_l + c_s / 2) + T_s``,
   ``W_s = k_B (sigma * sum w_l + c_s / 2)`` (B = I + W where the schedule does not split it; where it
@@ -62,7 +63,9 @@ tensors (0 for a profile without one). It does not grow with the batch.
   the step's bookkeeping: :attr:`~stagewise.planning.LayoutCost.cpu` at the rank's layers with
   parameters and m; 0 for a layout not calibrated): on shared cores it is taken from the compute of
   the node's processes, so the replay stretches each of rank r's actions by ``busy_r + h_r`` over
-  ``busy_r``. With a core per process it costs no step time and is left out. ``step``
+  ``busy_r``, less what the rank's blocking SYNC accounts for: its seconds times the share of a core each
+  process holds, ``min(1, cores / processes)`` (the SYNC's collectives are that CPU, already timed).
+  With a core per process it costs no step time and is left out. ``step``
   (:class:`~stagewise.planning.Calibration`) is the runtime's measured cost per step outside the
   schedule's actions: for a layout the calibration measured, its fitted
   :class:`~stagewise.planning.LayoutCost` at the busiest rank's layers with parameters and the

@@ -39,6 +39,7 @@ class Problem:
     calibration: Calibration
     cores: float | None  # per node; None: a core (or device) per process
     top: int
+    best_per_layout: bool = False  # the top layouts, each with its best plan, rather than the top plans
 
 
 def make_problem(
@@ -49,7 +50,7 @@ def make_problem(
     memory: float | Sequence[float] = math.inf,
     speeds: float | Sequence[float] | None = None,
     nodes: int = 1,
-    profile_batch: int = 1,
+    profile_batch: int | None = None,
     optimizer_state: float = 2.0,
     intra: Link | None = None,
     inter: Link | None = None,
@@ -64,19 +65,18 @@ def make_problem(
     calibration: Calibration | None = None,
     cores: float | None = None,
     top: int = 5,
+    best_per_layout: bool = False,
 ) -> Problem:
     """Check every input, naming the option and the value expected."""
+    profile_batch = _profile_batch(profile, profile_batch)
     _check_counts(profile, processes, nodes, global_batch, profile_batch, optimizer_state)
-    fixed = _overheads(overhead, action_overhead, len(profile))
-    scale = _compute_scale(compute_scale)
     _check_search_limits(top, max_virtual_stages)
+    fixed, scale = _overheads(overhead, action_overhead, len(profile)), _compute_scale(compute_scale)
     mem, spd = _memory_and_speeds(memory, speeds, processes)
-    tp_idx = _tp_indices(tp_layers, profile.names)
-    chosen = _chosen_schedules(schedules)
+    tp_idx, chosen = _tp_indices(tp_layers, profile.names), _chosen_schedules(schedules)
     _check_recompute(recompute)
-    per_node = processes // nodes
     cal, cores = _calibration_and_cores(calibration, cores)
-    intra, inter = _links(intra, inter, cal)
+    (intra, inter), per_node = _links(intra, inter, cal), processes // nodes
     return Problem(
         profile=profile,
         processes=processes,
@@ -100,7 +100,22 @@ def make_problem(
         calibration=cal,
         cores=cores,
         top=top,
+        best_per_layout=bool(best_per_layout),
     )
+
+
+def _profile_batch(profile: LayerProfile, given: int | None) -> int:
+    """The samples the profile's costs are for: the profile's own record, which ``profile_batch`` may only repeat
+    (a different number would scale every predicted time by the wrong factor); 1 for a profile without one."""
+    recorded = getattr(profile, "batch", None)
+    if given is None:
+        return 1 if recorded is None else recorded
+    if recorded is not None and given != recorded:
+        raise ValueError(
+            f"plan: profile_batch={given!r}, but the profile was measured on micro-batches of {recorded} samples "
+            f"(LayerProfile.batch); leave profile_batch out"
+        )
+    return given
 
 
 def _check_counts(

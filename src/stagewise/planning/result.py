@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -56,13 +58,27 @@ class Plan:
 
     ``partition`` holds layer counts per stage (``pp * virtual_stages`` of
     them, in stage order, as ``Pipeline(partition=...)`` takes them).
-    ``step_time`` is the predicted seconds per training step; ``bubble`` the
+    ``step_time`` is the predicted step time (below); ``bubble`` the
     simulated idle fraction of the pipeline ranks' compute; ``memory`` one
     :class:`RankMemory` per pipeline rank. ``breakdown`` splits the step:
     ``compute`` (the busiest rank's compute), ``grad_sync`` (gradient
     collectives left exposed after the drain) and ``tp_comm`` (tensor-parallel
     all-reduces inside the busiest rank's compute). ``why`` says why it ranks
     above the next plan.
+
+    **Predicted step time**: the seconds per ``Pipeline.train_step`` of a training loop in its steady state,
+    steps run back to back on every rank: the slowest rank's time from the end of one step to the end of the
+    next (equal on every rank, as each step ends with every rank holding its loss). It is the simulator's
+    makespan of one step's actions - every micro-batch's forward and backward on every stage, the transfers
+    between stages, the pipeline's idle time, tensor-parallel all-reduces, the gradient reductions at each
+    stage's SYNC that the drain does not hide (data-parallel all-reduce, FSDP2's gathers and reduce-scatters)
+    - stretched where processes share cores, plus the runtime's measured costs per action and per step
+    (splitting the batch, the step-end exchanges of loss and non-finite check; :class:`Calibration`). It
+    leaves out: the optimizer step (``opt.step()``, or the STEP actions of ``Pipeline(optimizer=...)``), the
+    data loader and moving the batch to the device, the first steps (shapes learned, buffers and connections
+    made), checkpoints, meters (``measure_memory``), and anything the caller puts between steps - a barrier
+    before each step adds the wait for the last rank to arrive and the skew of leaving it.
+    ``benchmarks/plan_accuracy`` measures exactly this (and, beside it, the step from a barrier).
     """
 
     layout: ParallelConfig
@@ -102,6 +118,23 @@ class Plan:
             "parallel": self.layout,
         }
 
+    def digest(self) -> str:
+        """A short hash of what the plan makes the runtime do (:meth:`pipeline_options`; a synthesized schedule's
+        actions): ranks that hold plans with the same digest build the same pipeline. The predictions are left
+        out, so plans that run alike match however they were predicted."""
+        c = self.layout
+        runs = {
+            "layout": [c.pp, c.dp, c.tp, c.sharding],
+            "schedule": self.schedule,
+            "virtual_stages": self.virtual_stages,
+            "microbatches": self.microbatches,
+            "partition": list(self.partition),
+            "recompute": self.recompute,
+            "synthesized": None if self.synthesized is None else self.synthesized.to_text(),
+            "placement": None if self.synthesized is None else list(self.synthesized.placement),
+        }
+        return hashlib.sha256(json.dumps(runs, sort_keys=True).encode()).hexdigest()[:16]
+
     def to_dict(self) -> dict[str, object]:
         c = self.layout
         return {
@@ -118,6 +151,7 @@ class Plan:
             "memory": [m.to_dict() for m in self.memory],
             "breakdown": dict(self.breakdown),
             "why": self.why,
+            "digest": self.digest(),
         }
 
 

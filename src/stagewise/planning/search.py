@@ -27,10 +27,12 @@ The costs of one candidate are in :mod:`.candidate` (memory, collectives, bounds
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..parallel import ParallelConfig
 from ..partition import partition_costs
 from ..schedules import schedule_info
 from .auto import synthesized_plans
@@ -216,7 +218,11 @@ class _Search:
         return True
 
     def run(self, layouts: list[Layout], synthesize: bool = False) -> PlanSearch:
-        """Best first until no bound can win; with ``synthesize``, the top plans again with ``"auto"`` schedules."""
+        """Best first until no bound can win; with ``synthesize``, the top plans again with ``"auto"`` schedules.
+
+        With ``best_per_layout`` a layout's candidates stop once none can beat its best plan, and the search
+        stops once no bound can enter the ``top`` layouts' best plans.
+        """
         prob = self.prob
         candidates = 0
         for layout in layouts:
@@ -225,53 +231,96 @@ class _Search:
                     g = _Group(layout, name, v, recompute)
                     candidates += len(divisors(layout.per_replica))
                     self.push(_group_bound(prob, self.parts, g), g)
-        best: list[float] = []  # max-heap (negated) of the top step times found
-        plans: list[Plan] = []
+        bar = _Bar(prob.top, prob.best_per_layout)
         kept: list[tuple[Plan, Candidate]] = []  # (plan, its candidate), for the synthesized plans
-        simulated = 0
         while self.queue:
             bound, _, item = self.queue[0]
-            if len(best) >= prob.top and bound >= -best[0] * (1 + 1e-12):
+            if bound >= bar.level * (1 + 1e-12):
                 break
             heapq.heappop(self.queue)
+            group = item if isinstance(item, _Group) else item[0]
+            if not bar.may_win(group.layout.config, bound):
+                continue
             if isinstance(item, _Group):
                 self.expand(item)
                 continue
-            g, m, bounds, base, blocking, background, recut = item
-            size = g.layout.per_replica // m
-            costs = base.at(size / prob.profile_batch, splits_backward(g.schedule))
-            item = Candidate(g.layout, g.schedule, g.v, m, g.recompute, bounds, costs, blocking, background, size)
-            memory = memory_of(item, prob)
-            if any(mem.total > mem.cap for mem in memory):
-                if not recut and self.memory_cut(g, item):
-                    continue
-                self.miss(item.describe(), memory, True, item)
-                continue
-            simulated += 1
-            config = item.layout.config
-            cal, units = prob.calibration, _per_rank_units(item)
-            key = (config.pp, config.dp, config.tp, config.sharding)
-            fixed = cal.step_for(*key, max(units), m)
-            hidden = [cal.cpu_for(*key, u, m) for u in units]
-            result = evaluate(item, memory, prob.processes, prob.per_node, prob.cores, fixed, hidden, cal.background)
-            plans.append(result)
-            kept.append((result, item))
-            heapq.heappush(best, -result.step_time)
-            if len(best) > prob.top:
-                heapq.heappop(best)
+            found = self.evaluate(item)
+            if found is not None:
+                kept.append(found)
+                bar.add(found[0])
+        plans = [plan for plan, _ in kept]
         if synthesize and plans:
             plans += synthesized_plans(prob, kept)
         if not plans:
             raise ValueError(_no_plan_message(prob, self.smallest, self.dropped))
-        ranked = with_reasons(sorted(plans, key=rank_key)[: prob.top])
+        ranked = with_reasons(bar.ranked(plans))
         return PlanSearch(
             plans=tuple(ranked),
             candidates=candidates,
             groups_expanded=self.expanded,
-            simulated=simulated,
+            simulated=len(kept),
             dropped=tuple(self.dropped),
             layouts=len(layouts),
         )
+
+    def evaluate(self, item: tuple[Any, ...]) -> tuple[Plan, Candidate] | None:
+        """Simulate one popped candidate into a plan, or None (it overflows memory: cut again, or dropped)."""
+        prob = self.prob
+        g, m, bounds, base, blocking, background, recut = item
+        size = g.layout.per_replica // m
+        costs = base.at(size / prob.profile_batch, splits_backward(g.schedule))
+        cand = Candidate(g.layout, g.schedule, g.v, m, g.recompute, bounds, costs, blocking, background, size)
+        memory = memory_of(cand, prob)
+        if any(mem.total > mem.cap for mem in memory):
+            if not recut and self.memory_cut(g, cand):
+                return None
+            self.miss(cand.describe(), memory, True, cand)
+            return None
+        config = cand.layout.config
+        cal, units = prob.calibration, _per_rank_units(cand)
+        key = (config.pp, config.dp, config.tp, config.sharding)
+        fixed = cal.step_for(*key, max(units), m)
+        hidden = [cal.cpu_for(*key, u, m) for u in units]
+        plan = evaluate(cand, memory, prob.processes, prob.per_node, prob.cores, fixed, hidden, cal.background)
+        return plan, cand
+
+
+class _Bar:
+    """What a bound must beat: the ``top``-th best step time found, over plans or (``per_layout``) over the
+    layouts' best plans; and, per layout, that layout's best."""
+
+    def __init__(self, top: int, per_layout: bool) -> None:
+        self.top, self.per_layout = top, per_layout
+        self.best: list[float] = []  # max-heap (negated) of the top step times
+        self.layouts: dict[ParallelConfig, float] = {}
+
+    @property
+    def level(self) -> float:
+        return -self.best[0] if len(self.best) >= self.top else math.inf
+
+    def may_win(self, layout: ParallelConfig, bound: float) -> bool:
+        """Whether a candidate of ``layout`` bounded by ``bound`` can still enter the result."""
+        return not self.per_layout or bound < self.layouts.get(layout, math.inf) * (1 + 1e-12)
+
+    def add(self, plan: Plan) -> None:
+        if self.per_layout:
+            self.layouts[plan.layout] = min(plan.step_time, self.layouts.get(plan.layout, math.inf))
+            self.best = [-x for x in heapq.nsmallest(self.top, self.layouts.values())]
+            heapq.heapify(self.best)
+            return
+        heapq.heappush(self.best, -plan.step_time)
+        if len(self.best) > self.top:
+            heapq.heappop(self.best)
+
+    def ranked(self, plans: list[Plan]) -> list[Plan]:
+        """The ``top`` plans best first (``per_layout``: each layout's best, then those best first)."""
+        ordered = sorted(plans, key=rank_key)
+        if self.per_layout:
+            firsts: dict[ParallelConfig, Plan] = {}
+            for plan in ordered:
+                firsts.setdefault(plan.layout, plan)
+            ordered = list(firsts.values())
+        return ordered[: self.top]
 
 
 def run_search(prob: Problem, synthesize: bool = False) -> PlanSearch:

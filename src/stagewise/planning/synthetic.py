@@ -38,4 +38,4 @@ def transformer_profile(
         for k in range(blocks)
     ]
     layers.append(LayerCost("head", head_f, head_f, head_f, 2 * head_f, 2 * s * vocab, out, 2 * vocab * d, 4))
-    return LayerProfile(tuple(layers), "synthetic", 1, 0)
+    return LayerProfile(tuple(layers), "synthetic", 1, 0, batch=1)

@@ -3,7 +3,8 @@
 One function, :func:`assemble`, whatever frontend built the parts, in the order the parts need each other:
 the parts are registered on the Pipeline under their one-process names; replicas a user built are made
 equal; the hybrid axes split, shard or replicate the stages before any optimizer sees their parameters;
-the transport exists before anything communicates; the hooks know every part with work at SYNC and STEP;
+the transport exists before anything communicates; the hooks know every part with work at SYNC and STEP
+(and, with ``offload=``, step the optimizers on the host);
 an asynchronous schedule gets the version-aware interpreter. The Pipeline keeps what this returns.
 """
 
@@ -34,6 +35,7 @@ from .errors import PipelineError
 from .features.batchnorm import attach_batchnorms, check_batchnorm
 from .features.finite import finite_check
 from .features.memory import ActivationMeter
+from .features.offload import offload_optimizers
 from .features.precision import autocast_context, autocast_loss
 from .frontends.parts import Parts
 from .frontends.tied import TiedBuilder, TiedSync, stage_parameters
@@ -113,6 +115,7 @@ def _engine(
         ctx.hybrid.attach(root, parts.modules, options.tp_plan, wait, whole)
         ctx.hybrid.bound_groups(options.timeout)  # FSDP2's and DTensor's collectives stop at the pipeline's timeout
     optimizers = optimizer_per_stage(parts.modules, options.optimizer, stage_parameters)
+    offload = offload_optimizers(options.offload, optimizers, ctx.device, transport.guard.wait_gpu)
     transport.warm_up()
     schedule, m = ctx.schedule, ctx.schedule.num_microbatches
     mailbox = Mailbox(transport, schedule.placement, m, ctx.device, variable_shapes=options.variable_shapes)
@@ -123,7 +126,7 @@ def _engine(
     held.tied = tied_sync
     for tied_group in tied_sync.groups.values():
         groups.bound(tied_group, options.timeout)
-    hooks = StageHooks([tied_sync] if ctx.hybrid is None else [ctx.hybrid, tied_sync], optimizers)
+    hooks = StageHooks([tied_sync] if ctx.hybrid is None else [ctx.hybrid, tied_sync], optimizers, offload)
     precision = autocast_context(options.autocast, ctx.device)
     stages = {s: Stage(s, mods, options.recompute, precision, 1.0 / m) for s, mods in parts.modules.items()}
     interpreter = _interpreter(ctx, options, stages, optimizers, transport, mailbox, hooks)

@@ -1,18 +1,97 @@
-"""Launching local ranks with torch's own launcher (``torch.distributed.run``), for ``stagewise run``."""
+"""Launching local ranks with torch's own launcher (``torch.distributed.run``), for ``stagewise run``.
+
+Ctrl-C (SIGINT) ends the job with one line and exit status 130 (:mod:`stagewise.runtime.interrupt`): the
+launcher takes SIGINT itself rather than leaving it to torch's agent (whose shutdown logs a warning per
+worker and whose exception ends in a traceback), raises the agent's own ``SignalException`` so that the agent
+forwards SIGINT to every worker and waits for them, quiets the agent's shutdown messages, then prints where
+the workers stopped. Other signals (SIGTERM, SIGHUP, SIGQUIT) stay torch's.
+"""
 
 from __future__ import annotations
 
+import logging
+import os
+import signal
 import sys
+import tempfile
+from types import FrameType
+from typing import Any
+
+from .interrupt import FOLDER_ENV, records, summary
+
+#: the signals torch's agent keeps handling: torchrun's --signals-to-handle, through its environment variable
+#: (PET_ + the option: a torch without the option ignores it, and keeps SIGINT: a traceback, as before)
+_TORCH_SIGNALS = {"PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGHUP,SIGQUIT"}
 
 
 def torchrun(argv: list[str]) -> int:
-    """Hand over to ``torch.distributed.run``; returns the exit status (1 when a child failed)."""
+    """Hand over to ``torch.distributed.run``; returns the exit status (1 when a child failed, 130 on Ctrl-C)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
-    try:
-        torchrun_main(argv)
-    except ChildFailedError as err:
-        print(f"stagewise run: {err}", file=sys.stderr)
-        return 1
+    hush = _Hush()
+    with tempfile.TemporaryDirectory(prefix="stagewise-run-") as folder:
+        saved = {k: os.environ.get(k) for k in (FOLDER_ENV, *_TORCH_SIGNALS)}
+        os.environ[FOLDER_ENV] = folder  # the workers inherit it: where they say where they stopped
+        os.environ.update(_TORCH_SIGNALS)
+        previous = signal.signal(signal.SIGINT, hush.interrupt(SignalException))
+        hush.attach()
+        try:
+            torchrun_main(argv)
+        except ChildFailedError as err:
+            print(f"stagewise run: {err}", file=sys.stderr)
+            return 1
+        except SignalException as err:
+            if err.sigval != signal.SIGINT:
+                raise
+            print(summary(records(folder)), file=sys.stderr, flush=True)
+            return 128 + int(signal.SIGINT)
+        finally:
+            signal.signal(signal.SIGINT, previous)
+            hush.detach()
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
     return 0
+
+
+class _Hush(logging.Filter):
+    """Once Ctrl-C arrived, drop what torch's launcher logs while it shuts the workers down ("Received
+    SIGINT death signal", "Sending process ... closing signal", one per worker)."""
+
+    LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.distributed.run")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stopping = False
+        self._on: list[logging.Logger] = []
+
+    def interrupt(self, raise_as: type[Exception]) -> Any:
+        """The SIGINT handler: the agent's own signal exception, once (a second Ctrl-C while the workers are
+        leaving is ignored: raising again would abandon them mid-shutdown)."""
+
+        def handler(signum: int, frame: FrameType | None) -> None:
+            if self.stopping:
+                return
+            self.stopping = True
+            raise raise_as(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))  # type: ignore[call-arg]
+
+        return handler
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self.stopping
+
+    def attach(self) -> None:
+        """On every logger of torch's launcher (a logger's filters see its own records only)."""
+        names = [n for n in logging.root.manager.loggerDict if n.startswith(self.LOGGERS)]
+        self._on = [logging.getLogger(n) for n in names]
+        for logger in self._on:
+            logger.addFilter(self)
+
+    def detach(self) -> None:
+        for logger in self._on:
+            logger.removeFilter(self)
+        self._on = []

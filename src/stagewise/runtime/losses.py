@@ -49,6 +49,7 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int
     return total / (shifted != ignore_index).sum().clamp(min=1)
 
 
-def count_tokens(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> int:
-    """How many targets :func:`causal_lm_loss` averages over in ``labels`` (the ``loss_weights`` for it)."""
-    return int((labels[:, 1:] != ignore_index).sum())
+def count_tokens(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """How many targets :func:`causal_lm_loss` averages over in ``labels`` (the ``loss_weights`` for it), as a
+    0-dim tensor on the labels' device: the pipeline reads the counts once per step, not once per micro-batch."""
+    return (labels[:, 1:] != ignore_index).sum()

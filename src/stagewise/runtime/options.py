@@ -24,6 +24,7 @@ from .comm.transport.choose import TransportChoice, check_choice
 from .engine.microbatch import Dims
 from .features.batchnorm import BatchNormPolicy, check_batchnorm
 from .features.finite import check_policy
+from .features.offload import check_offload
 from .features.precision import check_autocast
 from .features.recompute import Recompute, check_recompute
 
@@ -71,6 +72,7 @@ class Options:
     loss_fn: LossFn | None = None
     loss_weights: LossWeights | None = None
     optimizer: OptimizerFactory | None = None
+    offload: str | None = None
     batch_dim: Dims = 0
     target_batch_dim: Dims = 0
     recompute: Recompute = None
@@ -93,6 +95,12 @@ class Options:
             raise TypeError(f"optimizer must be a factory params -> torch.optim.Optimizer, got {self.optimizer!r}")
         if self.loss_weights is not None and not callable(self.loss_weights):
             raise TypeError(f"loss_weights must be a function of a micro-batch's targets, got {self.loss_weights!r}")
+        check_offload(self.offload)
+        if self.offload is not None and self.optimizer is None:
+            raise ValueError(
+                f"offload={self.offload!r} moves the optimizer's state to the host: it needs optimizer=, a factory "
+                "params -> Optimizer (the optimizer each stage steps at its STEP actions)"
+            )
         check_recompute(self.recompute)
         check_autocast(self.autocast)
         check_choice(self.transport)
@@ -171,6 +179,7 @@ class PipelineOptions(TypedDict, total=False):
     loss_fn: LossFn | None
     loss_weights: LossWeights | None
     optimizer: OptimizerFactory | None
+    offload: str | None
     batch_dim: Dims
     target_batch_dim: Dims
     recompute: Recompute

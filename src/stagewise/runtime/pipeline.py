@@ -77,7 +77,10 @@ class Pipeline(nn.Module):
     ``recompute``, ``autocast`` (``torch.bfloat16`` / ``float16``), ``batchnorm`` (``"micro"`` or
     ``"deferred"``: running statistics per micro-batch or once per step over the whole batch),
     ``nan_policy`` (``"raise"``, ``"skip"`` or None: a non-finite loss or gradient anywhere in the mesh),
-    ``measure_memory``, ``variable_shapes``, ``emulate_slowdown`` (an EMULATION of slower devices).
+    ``measure_memory``, ``variable_shapes``, ``emulate_slowdown`` (an EMULATION of slower devices),
+    ``offload="optimizer"`` (the optimizer's state, and float32 master weights, in host memory; the update runs
+    on the host: :mod:`stagewise.runtime.features.offload`). ``schedule="auto"`` synthesizes the schedule for
+    the layers' measured costs (a layer list with ``sample_inputs``: :mod:`stagewise.runtime.auto`).
 
     Asynchronous schedules (``pipedream``, ``pipedream-2bw``, ``xpipe``) train with :meth:`train_stream`;
     synchronous ones with :meth:`train_step`. Every rank must build its Pipelines in the same order.

@@ -8,6 +8,8 @@ a plan made with the calibration carries exactly those numbers in its costs.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import itertools
 import math
 from collections.abc import Callable
@@ -37,8 +39,16 @@ def _groups() -> int:
 
 def calibrated(ctx: Ctx) -> dict[str, Any]:
     before = _groups()
-    cal = sw.calibrate(timeout=60)
+    shown = io.StringIO()
+    with contextlib.redirect_stderr(shown):
+        cal = sw.calibrate(timeout=60)
     made = _groups() - before
+    # rank 0 draws the progress (finished: the last state of the bar), the others none (torch may warn on any)
+    drawn = shown.getvalue()
+    assert ("calibrate ━" in drawn and "done" in drawn) if ctx.rank == 0 else "━" not in drawn, drawn
+    # the group it was measured on, and a file that gives the same calibration back
+    assert (cal.processes, cal.nodes) == (ctx.world, 1), cal
+    assert Calibration.from_json(cal.to_json()) == cal
     assert cal.intra is not None and cal.inter is None, cal
     assert _usable(cal.intra.latency) and _usable(cal.intra.bandwidth), cal.intra
     assert 0 <= cal.action < math.inf and 0 <= cal.step < math.inf and cal.message == 0, cal
@@ -199,12 +209,16 @@ def compute_scale(ctx: Ctx) -> dict[str, Any]:
         return real(self, *args)
 
     sw.Pipeline.train_step = counted  # type: ignore[method-assign]
+    shown = io.StringIO()
     try:
-        kf, kb, ks = sw.runtime.measure_compute_scale(
-            profile, layers, F.mse_loss, x, y, global_batch=8, profile_batch=2, steps=2, passes=2
-        )
+        with contextlib.redirect_stderr(shown):
+            kf, kb, ks = sw.runtime.measure_compute_scale(
+                profile, layers, F.mse_loss, x, y, global_batch=8, profile_batch=2, steps=2, passes=2
+            )
     finally:
         sw.Pipeline.train_step = real  # type: ignore[method-assign]
+    drawn = shown.getvalue()
+    assert ("measure_compute_scale ━" in drawn and "5/5" in drawn) if ctx.rank == 0 else "━" not in drawn, drawn
     # two passes, the probes taking turns: 2 untimed + 2 timed steps each, then 1 + 2 each
     assert [(n, len(list(g))) for n, g in itertools.groupby(calls)] == [
         ("1f1b", 4),

@@ -132,21 +132,37 @@ def save_for_reshard(model: str, schedule: str, tag: str, **kw: Any) -> Check:
     return check
 
 
-def keeps_the_last_two(ctx: Ctx) -> None:
-    """keep=2: after four saves, only steps 2 and 3 remain; latest() is step 3; a half-written one is ignored."""
+def keeps_the_last_two(ctx: Ctx) -> dict[str, Any]:
+    """keep=2: after four saves, only steps 2 and 3 remain; latest() is step 3. A newer step-N that lost its
+    manifest is refused by load and resume on every rank (never a silent fall-back), naming how to fall back;
+    once it is moved away, the newest complete one loads, and an interrupted save (``.step-N.tmp``) is named
+    in the reason and ignored."""
     pipe = pipeline("plain", "1f1b", seed=1)
     where = root() / "keep"
     for step in range(4):
         sw.checkpoint.save(where, pipe, step=step, keep=2)
     assert sorted(p.name for p in where.glob("step-*")) == ["step-00000002", "step-00000003"]
     dist.barrier()
-    if ctx.rank == 0:  # a later save that died before its manifest: not complete, so not the latest
+    if ctx.rank == 0:  # a later checkpoint whose manifest went away, and a save that died before its manifest
         shutil.copytree(where / "step-00000003", where / "step-00000009")
         (where / "step-00000009" / "MANIFEST.json").unlink()
+        shutil.copytree(where / "step-00000003", where / ".step-00000010.tmp")
     dist.barrier()
     assert sw.checkpoint.latest(where) == where / "step-00000003"
+    words = ["step-00000009, is incomplete", "refusing to fall back", "move step-00000009 away"]
+    refused = raises(CheckpointError, words, lambda: sw.checkpoint.load(where, pipe))
+    raises(CheckpointError, words, lambda: sw.checkpoint.resume(where, pipe))
+    dist.barrier()
+    if ctx.rank == 0:
+        (where / "step-00000009").rename(where / "damaged-9")
+    dist.barrier()
     info = sw.checkpoint.load(where, pipe)
     assert info.step == 3, info
+    assert "the newest of 2 complete checkpoints" in info.reason, info.reason
+    assert "interrupted save of step 10 is ignored" in info.reason, info.reason
+    resumed = sw.checkpoint.resume(where, pipe)
+    assert resumed is not None and resumed.step == 3 and resumed.reason == info.reason, resumed
+    return {"refused": refused, "reason": info.reason}
 
 
 def refuses(ctx: Ctx) -> dict[str, Any]:
@@ -217,7 +233,7 @@ def refuses_divergent_replicas(ctx: Ctx) -> dict[str, Any]:
 
 
 def data_file(folder: Path) -> Path:
-    return sorted(folder.glob("*.distcp"))[-1]
+    return sorted(folder.rglob("*.distcp"))[-1]
 
 
 def load_seed(ctx: Ctx) -> None:

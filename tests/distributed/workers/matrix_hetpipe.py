@@ -58,7 +58,7 @@ def _share(x: torch.Tensor, y: torch.Tensor, v: int) -> tuple[torch.Tensor, torc
 
 
 def hetpipe_cell(column: str, ctx: Ctx) -> dict[str, Any]:
-    from matrix_checks import column_options
+    from matrix_build import column_options
 
     options = column_options("hetpipe", column)
     dtype = torch.float32 if column == "autocast" else torch.float64

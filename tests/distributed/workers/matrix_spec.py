@@ -31,6 +31,7 @@ COLUMNS: dict[str, str] = {
     "tied": "tied weights",
     "async": "asynchronous schedule",
     "measure_memory": "`measure_memory=`",
+    "offload": '`offload="optimizer"`',
     "checkpoint": "checkpoint save / load",
 }
 

@@ -105,6 +105,7 @@ def nan_raises(factory: bool) -> Check:
         named = ["stage 1's loss for micro-batch 1 is nan (rank 1)", "no optimizer stepped"]
         raises(sw.PipelineError, named, lambda: pipe.train_step(x, y))
         same(pipe, before, "after the refused step")
+        assert all(p.grad is None for p in pipe.parameters()), "the refused step left its gradients"
 
     return check
 
@@ -154,6 +155,62 @@ def skips(factory: bool) -> Check:
     return check
 
 
+def bn_layers() -> list[sw.Layer]:
+    """Two stages with a BatchNorm each: a NaN sample poisons its running statistics in the forward."""
+    return [
+        sw.Layer(nn.Linear, D, D, dtype=torch.float64),
+        sw.Layer(nn.BatchNorm1d, D, dtype=torch.float64),
+        sw.Layer(nn.Linear, D, D, dtype=torch.float64),
+        sw.Layer(nn.BatchNorm1d, D, dtype=torch.float64),
+        sw.Layer(nn.Tanh),
+        sw.Layer(nn.Linear, D, CLASSES, dtype=torch.float64),
+    ]
+
+
+def buffers(pipe: sw.Pipeline) -> dict[str, torch.Tensor]:
+    return {n: b.detach().clone() for n, b in pipe.named_buffers()}
+
+
+def equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
+    assert sorted(got) == sorted(want), (what, sorted(got), sorted(want))
+    for n in got:
+        torch.testing.assert_close(got[n], want[n], rtol=0, atol=0, msg=lambda s, n=n: f"{what} {n}: {s}")
+
+
+def nan_leaves_nothing(policy: str, mode: str) -> Check:
+    """A NaN batch between two clean steps, under ``batchnorm=mode``: refused (``raise``) or skipped, it leaves
+    the running statistics and every other buffer as they were and no gradient behind, so the run goes on
+    exactly as a twin pipeline that never saw the NaN batch (same seed, the same clean steps)."""
+
+    def check(ctx: Ctx) -> dict[str, Any]:
+        def make() -> sw.Pipeline:
+            return sw.Pipeline(
+                bn_layers(), loss_fn=F.cross_entropy, schedule="1f1b", microbatches=M, partition=[2, 4], seed=5,
+                optimizer=lambda ps: torch.optim.SGD(ps, lr=LR), nan_policy=policy, batchnorm=mode, timeout=60.0,
+            )  # fmt: skip
+
+        pipe, twin = make(), make()
+        for p in (pipe, twin):
+            p.train_step(*data(1))
+        before = buffers(pipe)
+        assert before and all(torch.isfinite(b).all() for b in before.values()), before
+        x, y = nan_batch()
+        if policy == "raise":
+            raises(sw.PipelineError, "non-finite values in the train step", lambda: pipe.train_step(x, y))
+        else:
+            pipe.train_step(x, y)
+            assert pipe.skipped_steps == 1, pipe.skipped_steps
+        equal(buffers(pipe), before, f"{policy}: the buffers after the NaN step")
+        assert all(p.grad is None for p in pipe.parameters()), f"{policy}: the NaN step left gradients"
+        for p in (pipe, twin):
+            p.train_step(*data(3))
+        equal(buffers(pipe), buffers(twin), f"{policy}: the buffers after the next clean step")
+        equal(snapshot(pipe), snapshot(twin), f"{policy}: the weights after the next clean step")
+        return {"buffers": len(before)}
+
+    return check
+
+
 def bad_policy(ctx: Ctx) -> None:
     named = "nan_policy must be one of ('raise', 'skip') or None (no check), got 'ignore'"
     raises(ValueError, named, lambda: pipeline("ignore", True))
@@ -167,4 +224,5 @@ def checks(world: int) -> dict[str, Check]:
         "skip-optimizer": skips(True),
         "skip-user-optimizer": skips(False),
         "bad-policy": bad_policy,
+        **{f"{p}-bn-{m}": nan_leaves_nothing(p, m) for p in ("raise", "skip") for m in ("micro", "deferred")},
     }

@@ -19,11 +19,12 @@ import stagewise as sw
 from helpers import models as mdl
 from helpers.compare import assert_grads_close
 from stagewise.partition import LayerCost, LayerProfile
-from stagewise.planning import search
-from worker import Ctx
+from stagewise.planning import Link, search
+from worker import Ctx, gather_objects, raises
 
 BATCH = 8
 TIMEOUT = 60.0
+SLOW = Link(1e-3, 1e6)  # a link slow enough that pipelines win, so the ranks' cuts matter
 
 
 def mlp_profile() -> LayerProfile:
@@ -94,6 +95,55 @@ def run_plan(plan: sw.Plan, mesh: bool = False) -> Callable[[Ctx], dict[str, Any
     return check
 
 
+def _measured_here(rank: int) -> LayerProfile:
+    """The MLP's profile as one rank might measure it: every time a little off, by a rank's own amount."""
+    base = mlp_profile()
+    slow = [4.0 if k == 2 * rank else 1.0 for k in range(len(base.layers))]  # enough to move the cuts
+    layers = tuple(replace(x, forward=x.forward * f, backward=x.backward * f) for x, f in zip(base.layers, slow))
+    return replace(base, layers=layers)
+
+
+def agreed(ctx: Ctx) -> dict[str, Any]:
+    """sw.plan inside a job: every rank plans on rank 0's profile and options, so every rank holds the same plans
+    (each rank's own search, on its own measurements and memory, would not), and the first one runs."""
+    mine = _measured_here(ctx.rank)
+    options: dict[str, Any] = {"global_batch": BATCH, "top": 5, "memory": 1e9 * (1 + ctx.rank), "intra": SLOW}
+    alone = [p.digest() for p in search(mine, ctx.world, **options).plans]
+    plans = sw.plan(mine, ctx.world, **options)
+    everyone = gather_objects(([p.digest() for p in plans], alone), None)
+    assert all(got == everyone[0][0] for got, _ in everyone), [got for got, _ in everyone]
+    assert len({tuple(own) for _, own in everyone}) > 1, "every rank planned alike alone: the check proves nothing"
+    rank0 = search(_measured_here(0), ctx.world, intra=SLOW, global_batch=BATCH, top=5, memory=1e9)
+    assert [p.digest() for p in plans] == [p.digest() for p in rank0.plans]
+    assert [p.step_time for p in plans] == [p.step_time for p in rank0.plans]
+    run_plan(plans[0])(ctx)
+    return {"plans": [p.describe() for p in plans]}
+
+
+def different_plans(ctx: Ctx) -> dict[str, Any]:
+    """Ranks 0 and 2 hold one plan, ranks 1 and 3 another (of another layout): every rank refuses, naming who holds
+    which, before any process group of either layout is made (it used to hang until the deadline)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    plans = search(mlp_profile(), ctx.world, global_batch=BATCH, top=400).plans
+    a = plans[0]
+    b = next(p for p in plans if p.layout != a.layout)
+    mine = a if ctx.rank % 2 == 0 else b
+    groups = len(c10d._world.pg_map)
+    message = raises(
+        ValueError,
+        ["the ranks hold different plans", f"ranks 0, 2: {a.describe()}", f"ranks 1, 3: {b.describe()}", a.digest()],
+        lambda: sw.Pipeline.from_plan(mine, mdl.mlp(), loss_fn=F.cross_entropy, timeout=TIMEOUT),
+    )
+    assert len(c10d._world.pg_map) == groups, "process groups were made before the plans were compared"
+    assert len(set(gather_objects(message, None))) == 1, "the ranks raised different errors"
+    return {"message": message}
+
+
 def checks(world: int) -> dict[str, Callable[[Ctx], Any]]:
     plans = chosen(world)
-    return {name: run_plan(plan) for name, plan in plans.items()} | {"on_mesh": run_plan(plans["sharded"], mesh=True)}
+    return (
+        {name: run_plan(plan) for name, plan in plans.items()}
+        | {"on_mesh": run_plan(plans["sharded"], mesh=True)}
+        | {"agreed": agreed, "different_plans": different_plans}
+    )

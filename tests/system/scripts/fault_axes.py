@@ -14,7 +14,7 @@ Rank 0 hosts the store (``env://``), as in fault_matrix.py; ``KIND`` as there. `
   raises after building its Pipeline, outside any step; the exit hook, installed by the Pipeline, posts it.
 
 The default group keeps init's 10-minute timeout: a wait bounded by nothing but that would outlive the
-test's guard. Every rank writes ``DIR/rankR.txt`` as fault_matrix.py does.
+test's guard. ``--timeout``: the pipelines' (20 s). Every rank writes ``DIR/rankR.txt`` as fault_matrix.py does.
 """
 
 from __future__ import annotations
@@ -63,8 +63,8 @@ def layers() -> list[sw.Layer]:
     ]
 
 
-def pipeline(where: str, x: torch.Tensor) -> sw.Pipeline:
-    common = dict(loss_fn=F.cross_entropy, schedule="1f1b", timeout=TIMEOUT)
+def pipeline(where: str, x: torch.Tensor, timeout: float) -> sw.Pipeline:
+    common = dict(loss_fn=F.cross_entropy, schedule="1f1b", timeout=timeout)
     if where == "shard":
         return sw.Pipeline(layers(), microbatches=M // 2, parallel=sw.ParallelConfig(pp=2, sharding=2), **common)
     if where == "profile":
@@ -82,6 +82,7 @@ def main() -> None:
     parser.add_argument("--victim", type=int, default=-1)
     parser.add_argument("--where", choices=["shard", "profile", "plain"], required=True)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--timeout", type=float, default=TIMEOUT)
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.where == "plain":
@@ -89,7 +90,7 @@ def main() -> None:
         rank = dist.get_rank()
     else:
         rank = sw.init("gloo").rank
-    Trap.fault, Trap.where = args.fault, args.where
+    Trap.fault, Trap.where, Trap.out = args.fault, args.where, args.out
     Trap.armed = args.fault != "none" and rank == args.victim
     report = args.out / f"rank{rank}.txt"
     g = torch.Generator().manual_seed(0)
@@ -97,7 +98,7 @@ def main() -> None:
     try:
         if args.where == "profile" and rank != 0:
             fire("profile")  # while rank 0 profiles and the others wait for its profile
-        pipe = pipeline(args.where, x)
+        pipe = pipeline(args.where, x, args.timeout)
         if args.where == "plain":
             fire("plain")
         loss = 0.0

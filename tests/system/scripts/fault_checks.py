@@ -21,6 +21,14 @@ With ``--mesh`` the ranks form ``pp=2 x dp=N/2`` and the victim *raises* in
 its forward instead (then stays alive, its connections open, until killed):
 the ranks of the other pipeline, which only meet it in the data-parallel
 all-reduce, must learn of its error from the mesh's shared error board.
+
+With ``--run-id ID`` the ranks join as torchrun's workers do with an agent
+store: ``stagewise.init`` with ``TORCHELASTIC_RUN_ID=ID``, restart count 0 and
+``TORCHELASTIC_USE_AGENT_STORE=True`` on the test's store, and the pipeline's
+board on the default store - a job that reuses an earlier job's run id and
+attempt on a store that outlived it. With ``--refused`` every rank fails at
+once, after one step: it loads a checkpoint that is not there (the same
+CheckpointError everywhere), uncaught, with a pipeline timeout of 600 s.
 """
 
 from __future__ import annotations
@@ -82,23 +90,26 @@ def main() -> None:
     parser.add_argument("--hang", action="store_true", help="the victim sleeps instead of exiting")
     parser.add_argument("--mesh", action="store_true", help="pp=2 x dp=world/2; the victim raises")
     parser.add_argument("--job", default="job", help="prefix of this job's process group in the store")
+    parser.add_argument("--run-id", default=None, help="join as torchrun's workers do, with this run id")
+    parser.add_argument("--refused", action="store_true", help="every rank fails at once (a missing checkpoint)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", args.port, args.world, is_master=False, timeout=timedelta(seconds=30))
-    job_store = dist.PrefixStore(f"{args.job}/", store)
-    wait = timedelta(seconds=30)
-    dist.init_process_group("gloo", store=job_store, rank=args.rank, world_size=args.world, timeout=wait)
+    store = join(args)
     stages = 2 if args.mesh else args.world
     partition = [3] * (stages - 1) + [4]
     parallel = sw.ParallelConfig(pp=2, dp=args.world // 2) if args.mesh else None
+    timeout = 600.0 if args.refused else TIMEOUT if args.victim >= 0 else 60.0
     pipe = sw.Pipeline(
         layers(stages), loss_fn=F.cross_entropy, schedule="1f1b", microbatches=M, partition=partition,
-        parallel=parallel, timeout=TIMEOUT if args.victim >= 0 else 60.0, store=store,
+        parallel=parallel, timeout=timeout, store=store,
     )  # fmt: skip
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(4 * M, D, dtype=torch.float64, generator=g), torch.randint(0, CLASSES, (4 * M,), generator=g)
     x, y = (x, y) if parallel is None else (x.repeat(args.world // 2, 1), y.repeat(args.world // 2))
     x, y = pipe.local_batch(x, y)
+    if args.refused:
+        pipe.train_step(x, y)
+        sw.checkpoint.load(args.out / "nowhere", pipe)  # every rank raises alike; the exit hook takes it
     if args.victim < 0:  # a clean job: two steps, losses reported
         try:
             losses = [pipe.train_step(x, y) for _ in range(2)]
@@ -126,6 +137,24 @@ def main() -> None:
     if args.mesh and args.rank == args.victim:
         time.sleep(3600)  # alive, connections open: the others must not rely on a closed socket
     os._exit(code)  # no teardown: the process group has a dead member
+
+
+def join(args: argparse.Namespace) -> dist.TCPStore | None:
+    """Join the job's process group on the test's store; the store for the pipeline's board (None: the default
+    store, as under torchrun)."""
+    wait = timedelta(seconds=30)
+    if args.run_id is not None:
+        os.environ.update(
+            RANK=str(args.rank), WORLD_SIZE=str(args.world), LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(args.port), TORCHELASTIC_RUN_ID=args.run_id, TORCHELASTIC_RESTART_COUNT="0",
+            TORCHELASTIC_USE_AGENT_STORE="True",
+        )  # fmt: skip
+        sw.init("gloo", timeout=30.0)
+        return None
+    store = dist.TCPStore("127.0.0.1", args.port, args.world, is_master=False, timeout=wait)
+    job_store = dist.PrefixStore(f"{args.job}/", store)
+    dist.init_process_group("gloo", store=job_store, rank=args.rank, world_size=args.world, timeout=wait)
+    return store
 
 
 if __name__ == "__main__":

@@ -58,13 +58,14 @@ def direction(optimizer: torch.optim.Optimizer, param: torch.nn.Parameter) -> tu
     state = optimizer.state.get(param, {})
     if type(optimizer) is torch.optim.SGD:
         buf = state.get("momentum_buffer")
-        return lr, torch.zeros_like(param) if buf is None else buf.detach()
+        return lr, torch.zeros_like(param) if buf is None else buf.detach().to(param.device)
     if "exp_avg" not in state:
         return lr, torch.zeros_like(param)
     beta1, beta2 = group["betas"]
     k = float(state["step"])
-    m_hat = state["exp_avg"] / (1 - beta1**k)
-    denom = (state["exp_avg_sq"] / (1 - beta2**k)).sqrt() + group["eps"]
+    # (the state may live on the host: offload="optimizer" keeps it there)
+    m_hat = state["exp_avg"].to(param.device) / (1 - beta1**k)
+    denom = (state["exp_avg_sq"].to(param.device) / (1 - beta2**k)).sqrt() + group["eps"]
     u = m_hat / denom
     if group.get("decoupled_weight_decay", type(optimizer) is torch.optim.AdamW):
         u = u + group["weight_decay"] * param.detach()

@@ -2,24 +2,35 @@
 
 A save, on every rank of the mesh (or pipeline group):
 
-1. gathers what rank 0 records (names and shapes, optimizer hyper-parameters, every rank's RNG);
+1. gathers what rank 0 records (names and shapes, optimizer hyper-parameters, every rank's RNG) and the
+   pieces each rank holds, so that each piece is written once;
 2. rank 0 makes ``ROOT/.step-N.tmp``; every rank writes its share of the tensors there with DCP;
-3. a barrier with a deadline: every rank has finished writing;
+3. a barrier: every rank has finished writing;
 4. the files are hashed, each rank a share; rank 0 writes ``stagewise.json`` (JSON, no pickle), then
    ``MANIFEST.json`` last, and renames the folder to ``ROOT/step-N``; old ones beyond ``keep`` go.
+
+Every wait goes through the pipeline's guard (:mod:`.storage`): a rank that
+stops or dies anywhere in a save or a load gives every other rank a
+:class:`~stagewise.PipelineError` naming it within the pipeline's timeout;
+only a wait behind the others' writing or hashing may last the call's
+``timeout``, and only while every rank shows signs of life.
 
 A load verifies before it touches anything: every rank hashes a share of the
 files and the verdicts are gathered (a shared file system is assumed, as DCP
 assumes it), then each rank checks the names and shapes it needs against the
 checkpoint and the problems are gathered again, so either every rank raises
 the same error or every rank loads. Spreading the hashing costs each rank
-``1/world`` of the reading; deciding together keeps a rank from entering DCP's
-collectives while another has given up.
+``1/world`` of the reading; deciding together keeps a rank from reading a
+checkpoint another has refused. Which folder a load of a root takes, and why,
+is logged (:func:`.retention.choose`, which refuses a newest checkpoint that
+lost its manifest rather than fall back silently) and kept in
+:attr:`CheckpointInfo.reason`.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from dataclasses import dataclass, replace
@@ -30,11 +41,13 @@ import torch
 from torch import nn
 
 from ..._util import is_count
-from . import agreement, retention, state, storage
+from ..interrupt import note_checkpoint
+from . import agreement, retention, state, storage, verify
 from . import manifest as mf
 from .manifest import CheckpointError
+from .verify import META
 
-META = "stagewise.json"
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -45,6 +58,7 @@ class CheckpointInfo:
     ``layout``: how the model was laid out (world size, pipeline ranks, schedule,
     placement, layer ranges, parallel degrees). ``rng_restored``: the RNG states
     are per rank, so they are restored only when the number of ranks is the same.
+    ``reason``: why this folder was loaded (the one named, or the newest under a root).
     """
 
     path: Path
@@ -55,6 +69,7 @@ class CheckpointInfo:
     optimizer_restored: bool
     scheduler_restored: bool
     rng_restored: bool
+    reason: str = ""
 
 
 def save(
@@ -78,7 +93,10 @@ def save(
     state is saved). ``extra``: JSON-like user data (rank 0's is saved), e.g.
     the sampler's position. ``keep``: how many checkpoints to keep under ``path``
     (this one and the newest ``keep - 1`` others by step).
-    ``timeout``: seconds every rank may take to finish writing.
+    ``timeout``: seconds a rank may wait for the others to finish writing and
+    hashing their shares, as long as every rank shows signs of life (any other
+    wait ends within the pipeline's own ``timeout``; for a plain module saved by
+    every process, within this one).
     ``collective=False`` saves a plain module from this process alone (a
     Pipeline is always saved by all its ranks). Returns the checkpoint's folder.
     """
@@ -90,16 +108,28 @@ def save(
         wrapped = {"virtual_worker": mine, "extra": extra}
         return save(folder, pipe, optimizer, step=step, extra=wrapped, scheduler=scheduler, keep=keep, timeout=timeout)
     retention.check_keep(keep)
-    root = Path(path)
-    ranks = _ranks(model, collective)
+    ranks = _ranks(model, collective, timeout)
+    try:
+        final = _save(Path(path), model, optimizer, scheduler, extra, step, keep, ranks)
+        note_checkpoint(final, step)  # named by the line a Ctrl-C prints
+        return final
+    finally:
+        ranks.close()
+
+
+def _save(
+    root: Path, model: nn.Module, optimizer: Any, scheduler: Any, extra: Any, step: int, keep: int | None, ranks: Any
+) -> Path:
     tensors, mine = _contribution(model, optimizer, scheduler, extra, ranks)
-    everyone = storage.gather(mine, ranks)
+    everyone = storage.gather(mine, ranks, "what every rank saves", patient=True)  # behind the others' hashing
     staging, final = retention.staging_for(root, step), retention.folder_for(root, step)
     storage.agree(_staged(staging, everyone, ranks), ranks, f"cannot start checkpoint {final}")
-    storage.save_tensors(tensors, staging, ranks)
-    storage.barrier(ranks, timeout, f"finished writing checkpoint {final}")
+    pieces = storage.assigned([m["pieces"] for m in everyone], ranks.rank) if ranks.distributed else None
+    storage.save_tensors(tensors, staging, ranks, pieces)
+    storage.barrier(ranks, f"finished writing checkpoint {final}")
     files = mf.files_of(staging)
-    hashed = storage.gather(mf.digests(staging, mf.share(files, ranks.rank, ranks.size)), ranks)
+    share = mf.digests(staging, mf.share(files, ranks.rank, ranks.size))
+    hashed = storage.gather(share, ranks, f"the digests of checkpoint {final}", patient=True)
     problems = []
     if ranks.first:
         try:
@@ -107,7 +137,7 @@ def save(
             retention.prune(root, keep, final)
         except (OSError, CheckpointError) as err:
             problems.append(f"cannot publish {final}: {err}")
-    storage.agree(problems, ranks, f"checkpoint {final} was not saved")
+    storage.agree(problems, ranks, f"checkpoint {final} was not saved", patient=True)
     return final
 
 
@@ -130,6 +160,7 @@ def _contribution(
         "extra": state.encode(extra, "extra=") if ranks.first else None,
         "scheduler": state.encode(first.state_dict(), "scheduler state") if ranks.first and first else None,
         "digests": agreement.digests(tensors) if ranks.size > 1 else {},
+        "pieces": storage.pieces(tensors) if ranks.distributed else [],
     }
     return tensors, mine
 
@@ -167,8 +198,9 @@ def load(
     strict: bool = True,
     restore_rng: bool = True,
     collective: bool = True,
+    timeout: float = 600.0,
 ) -> CheckpointInfo:
-    """Verify the checkpoint at ``path`` (a ``step-N`` folder, or a root: its :func:`latest`) and load it.
+    """Verify the checkpoint at ``path`` (a ``step-N`` folder, or a root: its newest) and load it.
 
     A collective, like :func:`save`. The layout may differ from the saving
     run's: another pipeline degree, partition, schedule or placement,
@@ -180,22 +212,36 @@ def load(
     Raises :class:`CheckpointError` on every rank, before anything is changed,
     if the checkpoint is partial, corrupted, or for another model.
     ``collective=False`` loads a plain module in this process alone (e.g. on
-    one rank of a running job).
+    one rank of a running job). ``timeout``: as for :func:`save`, for the
+    others' hashing. A root whose newest ``step-N`` lost its manifest is refused
+    (see :func:`.retention.choose`); the folder loaded, and why, is logged.
     """
     if virtual_worker(model, path) is not None:
-        return _load_virtual_worker(path, model, optimizer, scheduler=scheduler, strict=strict, restore_rng=restore_rng)
-    ranks = _ranks(model, collective)
-    folder = _resolve(Path(path), ranks)
-    record = _verified(folder, ranks)
+        options = {"scheduler": scheduler, "strict": strict, "restore_rng": restore_rng, "timeout": timeout}
+        return _load_virtual_worker(path, model, optimizer, **options)
+    ranks = _ranks(model, collective, timeout)
+    try:
+        info = _load(Path(path), model, optimizer, scheduler, strict, restore_rng, ranks)
+        note_checkpoint(info.path, info.step, loaded=True)  # a resumed job counts on from here
+        return info
+    finally:
+        ranks.close()
+
+
+def _load(
+    path: Path, model: nn.Module, optimizer: Any, scheduler: Any, strict: bool, restore_rng: bool, ranks: Any
+) -> CheckpointInfo:
+    folder, reason = _resolve(path, ranks)
+    record = verify.verified(folder, ranks)
     optimizers = state.optimizers_of(model, optimizer)
     if optimizers and record.get("optimizer") is None and optimizer is None:
         optimizers = []  # the pipeline's own optimizers stay fresh: a model-only checkpoint
     targets = {state.MODEL + k: v for k, v in state.load_targets(model).items()}
-    problems = _check_model(record, targets, ranks, strict)
+    problems = verify.check_model(record, targets, ranks, strict)
     if not strict:
         targets = {k: v for k, v in targets.items() if k in record["tensors"]}
     names = state.parameter_names(model)
-    opt_targets, found = _optimizer_targets(record, optimizers, names, ranks, strict)
+    opt_targets, found = verify.optimizer_targets(record, optimizers, names, ranks, strict)
     problems += found
     storage.agree(problems, ranks, f"checkpoint {folder} does not fit this model")
     storage.load_tensors({**targets, **opt_targets}, folder, ranks)
@@ -214,6 +260,7 @@ def load(
         optimizer_restored=bool(optimizers),
         scheduler_restored=scheduler_restored,
         rng_restored=rng_restored,
+        reason=reason,
     )
 
 
@@ -249,14 +296,16 @@ def latest(path: str | os.PathLike[str]) -> Path | None:
 
 
 # ---- helpers --------------------------------------------------------------------------------
-def _ranks(model: Any, collective: bool) -> storage.Ranks:
+def _ranks(model: Any, collective: bool, timeout: float) -> storage.Ranks:
+    if not timeout > 0:
+        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
     if state.is_pipeline(model):
         if not collective:
             raise ValueError("collective=False is for a plain module: every rank of a Pipeline saves and loads it")
-        return storage.pipeline_ranks(model)
+        return storage.pipeline_ranks(model, timeout)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a stagewise.Pipeline or an nn.Module, got {type(model).__name__}")
-    return storage.module_ranks(collective)
+    return storage.module_ranks(collective, timeout)
 
 
 def _first(scheduler: Any) -> Any:
@@ -276,7 +325,7 @@ def _all(scheduler: Any) -> list[Any]:
 
 def _record(everyone: list[dict[str, Any]], model: Any, ranks: storage.Ranks, step: int) -> dict[str, Any]:
     """``stagewise.json``: what every rank contributed, merged (a name saved on two ranks must agree)."""
-    import stagewise
+    from ..._util import VERSION
 
     tensors: dict[str, Any] = {}
     optimizer: dict[str, Any] | None = None
@@ -293,101 +342,31 @@ def _record(everyone: list[dict[str, Any]], model: Any, ranks: storage.Ranks, st
         "extra": everyone[0]["extra"],
         "scheduler": everyone[0]["scheduler"],
         "layout": state.layout_of(model, ranks.size),
-        "versions": {"stagewise": stagewise.__version__, "torch": torch.__version__},
+        "versions": {"stagewise": VERSION, "torch": torch.__version__},
         "tensors": dict(sorted(tensors.items())),
         "optimizer": optimizer,
         "rng": [mine["rng"] for mine in everyone],
     }
 
 
-def _resolve(path: Path, ranks: storage.Ranks) -> Path:
-    """The checkpoint folder: ``path`` itself if it is one, else the newest complete one under it (rank 0 decides)."""
-    found = None
+def _resolve(path: Path, ranks: storage.Ranks) -> tuple[Path, str]:
+    """The checkpoint folder and why: ``path`` itself if it is one, else :func:`.retention.choose` under it (rank 0
+    decides and logs; every rank raises alike)."""
+    found: list[Any] = [None, "", None]
     if ranks.first:
         if (path / mf.MANIFEST).exists() or (path / META).exists():
-            found = str(path)
+            found = [str(path), f"{path} was named", None]
         else:
-            newest = retention.latest(path)
-            found = None if newest is None else str(newest)
-    chosen = storage.gather(found, ranks)[0]
+            try:
+                newest, why = retention.choose(path)
+                found = [None if newest is None else str(newest), why, None]
+            except CheckpointError as err:
+                found = [None, "", str(err)]
+    chosen, why, refused = storage.gather(found, ranks, f"which checkpoint under {path} to load")[0]
+    if refused is not None:
+        raise CheckpointError(refused)
     if chosen is None:
-        if path.is_dir() and any(path.glob("step-*")):
-            raise CheckpointError(f"no complete checkpoint under {path}: every step-* folder lacks its {mf.MANIFEST}")
         raise CheckpointError(f"no checkpoint at {path}: neither a checkpoint folder nor a folder holding step-* ones")
-    return Path(chosen)
-
-
-def _verified(folder: Path, ranks: storage.Ranks) -> dict[str, Any]:
-    """Check the manifest and every file's digest (each rank a share, verdicts gathered); the JSON record."""
-    problems: list[str] = []
-    expected: dict[str, Any] = {}
-    try:
-        expected = mf.read_manifest(folder)
-    except CheckpointError as err:
-        problems.append(str(err))
-    storage.agree(problems, ranks, f"refusing checkpoint {folder}")
-    problems = mf.check_files(folder, expected, mf.share(sorted(expected), ranks.rank, ranks.size))
-    if ranks.first:
-        problems += mf.unlisted(folder, expected)
-        if META not in expected:
-            problems.append(f"the manifest of {folder} does not list {META}")
-    storage.agree(problems, ranks, f"refusing checkpoint {folder}")
-    record: dict[str, Any] = json.loads((folder / META).read_text())
-    return record
-
-
-def _optimizer_targets(
-    record: dict[str, Any],
-    optimizers: list[torch.optim.Optimizer],
-    names: dict[int, str],
-    ranks: storage.Ranks,
-    strict: bool,
-) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """The optimizer state tensors this rank loads, and the problems: no state saved, names missing on either side
-    (saved names no optimizer on any rank holds: gathered)."""
-    saved = record.get("optimizer")
-    targets: dict[str, torch.Tensor] = {}
-    problems: list[str] = []
-    if optimizers and saved is None:
-        problems.append("the checkpoint holds no optimizer state (it was saved without an optimizer)")
-    elif optimizers:
-        targets, found = state.optimizer_targets(optimizers, names, record)
-        problems += found if strict else []
-    held = {names[id(p)] for opt in optimizers for g in opt.param_groups for p in g["params"]}
-    everyone = storage.gather(sorted(held), ranks)
-    if saved is not None and strict and any(everyone) and ranks.first:
-        covered = set().union(*map(set, everyone))
-        problems += [
-            f"the checkpoint has optimizer state for {n!r}, which no optimizer here holds"
-            for n in sorted(set(saved["params"]) - covered)
-        ]
-    return targets, problems
-
-
-def _check_model(
-    record: dict[str, Any], targets: dict[str, torch.Tensor], ranks: storage.Ranks, strict: bool
-) -> list[str]:
-    """Missing names, extra names (over every rank's), and shape or dtype mismatches."""
-    saved = record["tensors"]
-    problems = []
-    for key, t in targets.items():
-        name = key[len(state.MODEL) :]
-        if key not in saved:
-            if strict:
-                problems.append(f"tensor {name!r} of the model is missing from the checkpoint")
-            continue
-        want = state.describe({key: t})[key]
-        if saved[key] != want:
-            problems.append(
-                f"tensor {name!r}: the checkpoint has shape {tuple(saved[key]['shape'])} {saved[key]['dtype']}, "
-                f"the model {tuple(want['shape'])} {want['dtype']}"
-            )
-    everyone = storage.gather(sorted(targets), ranks)
-    if strict and ranks.first:
-        wanted = set().union(*map(set, everyone))
-        problems += [
-            f"tensor {k[len(state.MODEL) :]!r} is in the checkpoint but not in the model"
-            for k in sorted(saved)
-            if k.startswith(state.MODEL) and k not in wanted
-        ]
-    return problems
+    if ranks.first and chosen != str(path):
+        log.info("stagewise.checkpoint: loading %s: %s", chosen, why)
+    return Path(chosen), why

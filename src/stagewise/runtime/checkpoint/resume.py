@@ -9,7 +9,9 @@ even while a stale ``.step-N.tmp`` of the killed attempt is still on disk.
 
 from __future__ import annotations
 
+import logging
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,9 @@ from torch import nn
 
 from . import retention, storage
 from .api import CheckpointInfo, _ranks, load, virtual_worker
+from .manifest import CheckpointError
+
+log = logging.getLogger(__name__)
 
 
 def resume(
@@ -26,12 +31,16 @@ def resume(
     *,
     scheduler: Any = None,
     collective: bool = True,
+    timeout: float = 600.0,
 ) -> CheckpointInfo | None:
-    """Load the newest complete checkpoint under ``path`` into ``model`` (see :func:`load`); None if there is none.
+    """Load the newest checkpoint under ``path`` into ``model`` (see :func:`load`); None if there is none.
 
     A collective, like :func:`load`: every rank gets None, or every rank loads
     the same folder. A checkpoint that is there but damaged raises
-    :class:`CheckpointError` rather than silently starting afresh.
+    :class:`CheckpointError` rather than silently starting afresh - and so does
+    a newest ``step-N`` that lost its manifest, rather than silently resuming
+    from an older one (:func:`.retention.choose`). What it loads, and why, is
+    logged and in ``info.reason``.
 
         info = sw.checkpoint.resume("ckpt", pipe)
         start = 0 if info is None else info.step
@@ -39,14 +48,31 @@ def resume(
     part = virtual_worker(model, path)
     if part is not None:  # a HetPipe: every virtual worker looks under its own folder, alike (they saved alike)
         folder, pipe, _ = part
-        ranks = _ranks(pipe, collective)
-        newest = retention.latest(folder) if ranks.first else None
-        if storage.gather(None if newest is None else str(newest), ranks)[0] is None:
+        if _newest(folder, _ranks(pipe, collective, timeout))[0] is None:
             return None
-        return load(path, model, optimizer, scheduler=scheduler)
-    ranks = _ranks(model, collective)
-    newest = retention.latest(Path(path)) if ranks.first else None
-    chosen = storage.gather(None if newest is None else str(newest), ranks)[0]
+        return load(path, model, optimizer, scheduler=scheduler, timeout=timeout)
+    chosen, why = _newest(Path(path), _ranks(model, collective, timeout))
     if chosen is None:
         return None
-    return load(chosen, model, optimizer, scheduler=scheduler, collective=collective)
+    info = load(chosen, model, optimizer, scheduler=scheduler, collective=collective, timeout=timeout)
+    return replace(info, reason=why)
+
+
+def _newest(root: Path, ranks: storage.Ranks) -> tuple[Path | None, str]:
+    """Rank 0's choice under ``root`` (see :func:`.retention.choose`), the same on every rank; logged."""
+    try:
+        found: list[Any] = [None, "", None]
+        if ranks.first:
+            try:
+                newest, why = retention.choose(root)
+                found = [None if newest is None else str(newest), why, None]
+            except CheckpointError as err:
+                found = [None, "", str(err)]
+        chosen, why, refused = storage.gather(found, ranks, f"which checkpoint under {root} to resume from")[0]
+    finally:
+        ranks.close()
+    if refused is not None:
+        raise CheckpointError(refused)
+    if ranks.first:
+        log.info("stagewise.checkpoint.resume: %s", f"starting afresh: {why}" if chosen is None else f"{chosen}: {why}")
+    return (None if chosen is None else Path(chosen)), why

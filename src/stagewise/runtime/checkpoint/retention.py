@@ -4,6 +4,14 @@ A save writes into ``.step-NNNNNNNN.tmp`` and renames it into place once every
 rank has finished and the manifest is written, so a folder named ``step-*``
 is complete unless someone altered it (:func:`latest` also requires its
 manifest). ``keep`` prunes the oldest complete checkpoints. No torch here.
+
+Which checkpoint a load of a root folder (and ``resume``) takes is decided by
+:func:`choose`, which says why: the newest ``step-N``. If that one has lost its
+manifest, it is refused rather than passed over - falling back silently to an
+older step would redo work nobody asked to redo, or hide a damaged disk - and
+the error says how to fall back on purpose (move the damaged folder away). An
+interrupted save (``.step-N.tmp`` newer than the chosen step) is normal after
+a crash; it is named in the reason, and ignored.
 """
 
 from __future__ import annotations
@@ -13,7 +21,7 @@ import re
 import shutil
 from pathlib import Path
 
-from .manifest import MANIFEST
+from .manifest import MANIFEST, CheckpointError
 
 _NAME = re.compile(r"^step-(\d{8,})$")
 
@@ -45,6 +53,29 @@ def latest(root: str | os.PathLike[str]) -> Path | None:
     """
     found = steps(Path(root))
     return found[-1][1] if found else None
+
+
+def choose(root: Path) -> tuple[Path | None, str]:
+    """The checkpoint a load of ``root`` takes (None if there is none), and why (see the module docstring);
+    raises :class:`CheckpointError` if the newest ``step-N`` folder lacks its manifest."""
+    if not root.is_dir():
+        return None, f"{root} is not a folder"
+    named = sorted((int(m.group(1)), e) for e in root.iterdir() if (m := _NAME.match(e.name)) and e.is_dir())
+    if not named:
+        return None, f"no step-N folder under {root}"
+    step, newest = named[-1]
+    complete = steps(root)
+    if not (newest / MANIFEST).is_file():
+        older = f"; to resume from {complete[-1][1].name}, move {newest.name} away" if complete else ""
+        raise CheckpointError(
+            f"the newest checkpoint under {root}, {newest.name}, is incomplete: it has no {MANIFEST} (removed, or "
+            f"the disk lost it); refusing to fall back to an older one silently{older}"
+        )
+    why = f"the newest of {len(complete)} complete checkpoint{'s' if len(complete) > 1 else ''} under {root}"
+    later = sorted(int(e.name[6:-4]) for e in root.glob(".step-*.tmp") if e.name[6:-4].isdigit())
+    if later and later[-1] > step:
+        why += f" (an interrupted save of step {later[-1]} is ignored: {staging_for(root, later[-1]).name})"
+    return newest, why
 
 
 def publish(staging: Path, final: Path) -> None:

@@ -3,16 +3,19 @@
 Two things make the store safe to lean on when a rank is in trouble:
 
 * **Run scope.** Every key stagewise writes lives under ``stagewise/<run>/``,
-  where ``<run>`` names this job and attempt, so a job on a store that outlived
-  a failed one (torchrun's agent store across ``--max-restarts``, or
-  ``Pipeline(store=...)`` reused) never reads the previous job's failure.
-  Under torchrun it is ``TORCHELASTIC_RUN_ID`` and
-  ``TORCHELASTIC_RESTART_COUNT`` (no communication needed). Without them
-  the ranks agree on a random nonce once, broadcast from global rank 0: in
-  :func:`stagewise.init` right after the process group exists, or - for
-  users who initialise ``torch.distributed`` themselves - lazily when the
-  first error board is made (every rank of the world builds its first
-  Pipeline at the same time, SPMD), bounded by the pipeline's timeout.
+  where ``<run>`` names this job and attempt *and a nonce drawn for this job*,
+  so a job on a store that outlived a failed one (torchrun's agent store
+  across ``--max-restarts``, a rendezvous store that outlives its jobs, or
+  ``Pipeline(store=...)`` reused) never reads the previous job's failure -
+  not even when it reuses the run id (``--rdzv-id``) and the attempt number.
+  Under torchrun ``<run>`` is ``TORCHELASTIC_RUN_ID/attempt<k>/<nonce>``, else
+  ``run-<nonce>``. The nonce is global rank 0's, agreed once: through the
+  store before the process group exists when its rendezvous goes through that
+  store (:mod:`.attempt_store`, whose keys must be fresh too), else by a
+  broadcast right after it exists - in :func:`stagewise.init`, or, for users
+  who initialise ``torch.distributed`` themselves, lazily when the first error
+  board is made (every rank of the world builds its first Pipeline at the
+  same time, SPMD), bounded by the pipeline's timeout.
 * **A client of its own, with a deadline.** The store is hosted by one process
   (rank 0 under torchrun). If that process is stopped, every store call on
   the shared client would block - a TCPStore client's timeout bounds waiting
@@ -30,6 +33,8 @@ import os
 import queue
 import secrets
 import threading
+import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -39,8 +44,10 @@ import torch.distributed as dist
 from ..errors import PipelineError
 
 UNREACHABLE = "the coordinator (store host, rank 0) is unreachable"
+_WATCH_S = 0.25  # how often a bounded call looks for a failure posted for the job
 
 _scope: str | None = None
+_nonce: str | None = None  # agreed through the store before the process group existed (see .attempt_store)
 _clients: dict[tuple[str, int, float], Any] = {}
 
 
@@ -54,21 +61,27 @@ def torchrun_scope() -> str | None:
 
 def agree_run_scope(timeout: float | None = None) -> str:
     """The run's scope, agreed once per process (see the module docstring); a collective over the world
-    the first time when torchrun's variables are absent. ``timeout`` bounds that broadcast (None: the backend's)."""
+    the first time unless the nonce was agreed through the store. ``timeout`` bounds the broadcast (None: the
+    backend's)."""
     global _scope
     if _scope is not None:
         return _scope
-    scope = torchrun_scope()
-    if scope is None:
-        scope = f"run-{_broadcast_nonce(timeout)}"
-    _scope = scope
-    return scope
+    nonce = _nonce if _nonce is not None else _broadcast_nonce(timeout)
+    base = torchrun_scope()
+    _scope = f"{base}/{nonce}" if base is not None else f"run-{nonce}"
+    return _scope
+
+
+def adopt_nonce(nonce: str) -> None:
+    """Global rank 0's nonce, agreed through the store before the process group existed (:mod:`.attempt_store`)."""
+    global _nonce, _scope
+    _nonce, _scope = nonce, None
 
 
 def reset_run_scope() -> None:
     """Forget the scope (after ``destroy_process_group``, a new group may be a new run)."""
-    global _scope
-    _scope = None
+    global _scope, _nonce
+    _scope, _nonce = None, None
 
 
 def _broadcast_nonce(timeout: float | None) -> str:
@@ -102,18 +115,41 @@ def start_call(fn: Any) -> tuple[threading.Event, dict[str, Any]]:
     return done, box
 
 
-def call_with_deadline(fn: Any, timeout: float, what: str, me: str | None = None) -> Any:
-    """``fn()`` on a helper thread; :class:`PipelineError` if it has not returned within ``timeout`` seconds.
+#: (job_failure, blame) once the heartbeat runs: a bounded call stops at a failure posted for the job and, when
+#: its deadline passes, names the ranks that stopped showing signs of life (see .faults.heartbeat)
+_watch: tuple[Callable[[], str | None], Callable[[float], str]] | None = None
 
-    For blocking calls that cannot be made asynchronous (process-group creation, a store rendezvous): the
-    helper is left behind if it never returns (a daemon; its thread ends with the process).
+
+def watch_calls(job_failure: Callable[[], str | None], blame: Callable[[float], str]) -> None:
+    """Have :func:`call_with_deadline` watch ``job_failure()`` (a posted failure, or None) while it waits, and
+    lead its deadline message with ``blame(timeout)`` (the silent ranks, or "")."""
+    global _watch
+    _watch = (job_failure, blame)
+
+
+def call_with_deadline(fn: Any, timeout: float, what: str, me: str | None = None) -> Any:
+    """``fn()`` on a helper thread; :class:`PipelineError` if it has not returned within ``timeout`` seconds, or
+    at once if a process of the job posted a failure meanwhile (once the heartbeat runs: :func:`watch_calls`).
+
+    For blocking calls that cannot be made asynchronous (process-group creation, a store rendezvous, the link
+    probes' collectives): the helper is left behind if it never returns (a daemon; it ends with the process).
     """
     done, box = start_call(fn)
-    if not done.wait(timeout):
-        who = me or f"rank {dist.get_rank() if dist.is_initialized() else '?'}"
-        raise PipelineError(
-            f"{who} waited {timeout:g} s for {what}; is another rank stuck or dead? (timeout={timeout:g} s)"
-        )
+    started = time.monotonic()
+    who = me or f"rank {dist.get_rank() if dist.is_initialized() else '?'}"
+    while not done.wait(min(_WATCH_S, max(timeout - (time.monotonic() - started), 0.0))):
+        if time.monotonic() - started >= timeout:
+            culprit = _watch[1](timeout) if _watch is not None else ""
+            head = f"{culprit}: " if culprit else ""
+            tail = "" if culprit else "; is another rank stuck or dead?"
+            raise PipelineError(f"{head}{who} waited {timeout:g} s for {what}{tail} (timeout={timeout:g} s)")
+        if _watch is not None:
+            try:
+                posted = _watch[0]()
+            except Exception as err:
+                raise PipelineError(f"{UNREACHABLE} (seen by {who}, waiting for {what}): {err}") from err
+            if posted is not None:
+                raise PipelineError(posted)
     if "error" in box:
         raise box["error"]
     return box.get("value")

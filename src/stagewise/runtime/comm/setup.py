@@ -12,9 +12,11 @@ import torch.distributed as dist
 
 from .attempt_store import attempt_store
 from .coordinator import agree_run_scope
-from .faults import exit_hook
+from .faults import exit_hook, heartbeat
 
 log = logging.getLogger(__name__)
+
+_STORE_CALL_S = 60.0  # the heartbeat's store calls give up after this (the pipelines' boards use their timeout)
 
 
 @dataclass(frozen=True)
@@ -44,11 +46,13 @@ def init(
     the existing setup.
 
     Right after the group exists the ranks agree on the run's scope in the
-    store (torchrun's run id and restart count, or a nonce broadcast from rank
-    0: :mod:`.coordinator`), so no key of a previous job on the same store is
+    store (torchrun's run id and restart count, and a nonce of rank 0's for
+    this job: :mod:`.coordinator`), so no key of a previous job on the same store is
     ever read; and an exception that ends the process then leaves it with exit
     code 1 after posting it for the other ranks, never with an abort
-    (:mod:`.exit_hook`).
+    (:mod:`.exit_hook`). The heartbeat starts too, so that a wait anywhere -
+    calibration's probes before any pipeline exists - can name a rank that
+    stopped.
     """
     if isinstance(timeout, (int, float)):
         timeout = timedelta(seconds=timeout)
@@ -75,6 +79,7 @@ def init(
         backend = str(dist.get_backend())
     agree_run_scope(timeout.total_seconds())  # keys of this run in the store: see .coordinator
     exit_hook.install()
+    heartbeat.start(min(timeout.total_seconds(), _STORE_CALL_S), pipeline=False)  # names a silent rank from now on
     env = Env(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
     log.info("stagewise.init: rank %d of %d, %s on %s", env.rank, env.world_size, env.backend, env.device)
     return env

@@ -37,16 +37,23 @@ def world() -> tuple[int, int]:
 
 
 def make_groups(workers: Sequence[Sequence[int]], timeout: float) -> tuple[Any, Any]:
-    """(this rank's VW group, the group of every VW rank): every rank makes every group, in the same order."""
+    """(this rank's VW group, the group of every VW rank): every rank makes every group, in the same order; each
+    within ``timeout``, stopped by a failure posted for the job (:func:`.coordinator.call_with_deadline`)."""
     from datetime import timedelta
+
+    from .coordinator import call_with_deadline
+
+    def group(ranks: list[int]) -> Any:
+        make = lambda: dist.new_group(ranks, timeout=timedelta(seconds=timeout))  # noqa: E731
+        return call_with_deadline(make, timeout, f"the process group of global ranks {ranks} (HetPipe)")
 
     mine = None
     rank = dist.get_rank()
     for ranks in workers:
-        made = dist.new_group(list(ranks), timeout=timedelta(seconds=timeout))
+        made = group(list(ranks))
         if rank in ranks:
             mine = made
-    everyone = dist.new_group(sorted(r for w in workers for r in w), timeout=timedelta(seconds=timeout))
+    everyone = group(sorted(r for w in workers for r in w))
     return mine, everyone
 
 

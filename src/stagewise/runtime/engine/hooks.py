@@ -2,7 +2,9 @@
 
 At SYNC a stage's gradients are final: tied modules sum theirs over their
 owners, the hybrid axes start their reductions, and user hooks run. At STEP
-the stage's optimizer steps, after the reductions it needs have finished.
+the stage's optimizer steps, after the reductions it needs have finished: on
+the device, or through a stepper that moves the update elsewhere
+(``offload="optimizer"``: :mod:`..features.offload`).
 """
 
 from __future__ import annotations
@@ -20,12 +22,28 @@ class StagePart(Protocol):
     def before_step(self, stage: int) -> None: ...
 
 
+class Stepper(Protocol):
+    """Steps a stage's optimizer (its gradients final)."""
+
+    def step(self, stage: int, optimizer: torch.optim.Optimizer) -> None: ...
+
+
+class OnDevice:
+    """The optimizer steps where its parameters are."""
+
+    def step(self, stage: int, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.step()
+
+
 class StageHooks:
     """The SYNC and STEP handlers of one rank: ``parts`` in order, then the user's hooks, then the optimizer."""
 
-    def __init__(self, parts: list[StagePart], optimizers: dict[int, torch.optim.Optimizer]) -> None:
+    def __init__(
+        self, parts: list[StagePart], optimizers: dict[int, torch.optim.Optimizer], stepper: Stepper | None = None
+    ) -> None:
         self.parts = parts
         self.optimizers = optimizers
+        self.stepper: Stepper = stepper if stepper is not None else OnDevice()
         self.user: list[Callable[[int], None]] = []
 
     def sync(self, stage: int) -> None:
@@ -39,7 +57,7 @@ class StageHooks:
             part.before_step(stage)
         opt = self.optimizers.get(stage)
         if opt is not None:
-            opt.step()
+            self.stepper.step(stage, opt)
             opt.zero_grad(set_to_none=True)
 
 

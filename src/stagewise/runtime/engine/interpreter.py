@@ -63,13 +63,15 @@ class Step:
     mode: str  # "train" or "eval"
     inputs: list[Any] | None  # micro-batches, for the rank holding stage 0
     targets: list[Any] | None  # for the rank holding the last stage
-    weights: list[float] | None  # each micro-batch's share of the batch
+    weights: list[Any] | None  # each micro-batch's share of the batch (a float, or a 0-dim tensor on the device)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
     outputs: dict[int, Any] = field(default_factory=dict)
     events: list[tuple[Action, float, float]] = field(default_factory=list)
     #: CPU seconds in compute actions by kind, from their input's arrival (waits excluded): what the planner's
     #: costs predict, compared by :func:`stagewise.runtime.measure_compute_scale`
     compute_cpu: dict[Kind, float] = field(default_factory=dict)
+    #: counts of ``loss_weights`` kept on the device, checked with the losses (``.step.DeferredCounts``), or None
+    counts: Any = None
 
 
 @dataclass

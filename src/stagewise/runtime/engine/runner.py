@@ -26,6 +26,7 @@ from ..errors import PipelineError
 from ..features.batchnorm import BatchNorms
 from ..features.finite import FiniteCheck
 from ..features.memory import ActivationMeter
+from ..interrupt import note_steps
 from .forensics import position
 from .interpreter import Interpreter, Step
 from .microbatch import Dims, merge
@@ -98,6 +99,8 @@ class Runner:
         step = self._prepare("train", batches, self.per_minibatch)
         self.tied.start_step()
         self.checked, self.stepped = False, {}
+        if self.finite is not None:
+            self.finite.begin()  # the buffers as they are: a refused or skipped step puts them back
         for st in self.stages.values():
             st.aux_totals = {}
         with self.meter.hooks() if self.meter is not None else nullcontext():
@@ -111,6 +114,7 @@ class Runner:
             losses = self.hybrid.after_train(losses, self._samples(step), exact=self.loss_weights is not None)
         self.losses = {"loss": losses[-1], "aux_local": self._aux()}
         self.trained += len(batches)
+        note_steps(len(batches))  # where a Ctrl-C finds this rank
         return losses
 
     def eval(self, inputs: Any, merge_outputs: bool) -> Any:
@@ -149,6 +153,7 @@ class Runner:
             has_loss=self.has_loss,
             loss_weights=self.loss_weights,
             denominators=self._over_replicas if weighted and mode == "train" else None,
+            defer_checks=True,  # counts on the device stay there: no read per micro-batch (see .step)
         )
 
     def _microbatches(self, minibatches: int) -> int:
@@ -157,13 +162,13 @@ class Runner:
             return self.schedule.num_microbatches
         return self.windows.get(minibatches)[0].microbatches
 
-    def _over_replicas(self, totals: list[float]) -> list[float]:
+    def _over_replicas(self, totals: torch.Tensor) -> torch.Tensor:
         """Each mini-batch's counted items over every data-parallel replica, divided by the replica count: the
         weights then make the replicas' averaged gradient the global batch's token mean, however unevenly the
-        counted items fall over the replicas."""
-        t = torch.tensor(totals, dtype=torch.float64, device=self.device)
+        counted items fall over the replicas. (On the device, unread.)"""
+        t = totals.to(self.device, torch.float64, non_blocking=True, copy=True)
         self.hybrid.mesh.all_reduce(t, ("dp", "sharding"), wait=self.transport.guard.wait, what="the counted items")
-        return [x / self.hybrid.config.replicas for x in t.tolist()]
+        return t / self.hybrid.config.replicas
 
     # ---- checks and results --------------------------------------------------------------------
     def check_finite(self) -> None:
@@ -207,18 +212,27 @@ class Runner:
         """Each mini-batch's mean loss: computed where the last stage lives, broadcast over the pipeline group.
 
         A collective every rank issues once per train step, after its action list (the one exchange of a
-        step outside the schedule's point-to-point).
+        step outside the schedule's point-to-point), and the step's one read of the device: the losses are
+        weighted and summed where they are, and the check of counts kept on the device (:mod:`.step`) travels
+        with them, so every rank refuses bad counts alike.
         """
         owner = self.schedule.placement[-1]
-        buf = torch.zeros(n, dtype=torch.float64, device=self.device)
+        buf = torch.zeros(n + 1, dtype=torch.float64, device=self.device)  # the losses, then "counts refused"
         if self.rank == owner:
             assert step.weights is not None
             m = len(step.weights) // n
-            values = [float(step.losses[i]) * w for i, w in enumerate(step.weights)]
-            buf += torch.tensor([sum(values[t * m : (t + 1) * m]) for t in range(n)], dtype=torch.float64)
+            losses = torch.stack([step.losses[i] for i in range(n * m)]).reshape(-1).to(torch.float64)
+            buf[:n] = (losses * _on_device(step.weights, self.device)).view(n, m).sum(1)
+            if step.counts is not None:
+                buf[n] = step.counts.bad.to(torch.float64)
         if self.schedule.num_ranks > 1:
             self.transport.broadcast(buf, owner, f"the step's losses from rank {owner}")
-        return [float(x) for x in buf.tolist()]
+        values = buf.tolist()  # the step's one read of the device
+        if values[n]:
+            if step.counts is not None:
+                raise step.counts.error()
+            raise ValueError(f"rank {self.rank}: loss_weights returned a bad count on rank {owner} (the last stage's)")
+        return values[:n]
 
     def _samples(self, step: Step) -> float | None:
         """The rows this rank's mini-batches trained on (where the last stage lives), for the replicas' check."""
@@ -229,8 +243,19 @@ class Runner:
         return float(sum(batch_size(t, self.batch_dims[1], "targets") for t in step.targets))
 
     def _aux(self) -> dict[str, float]:
-        aux_local: dict[str, float] = {}
+        """Each aux term's total over this rank's stages (one host read for all of them)."""
+        totals: dict[str, Any] = {}
         for st in self.stages.values():
             for n, v in st.aux_totals.items():
-                aux_local[n] = aux_local.get(n, 0.0) + v
-        return aux_local
+                totals[n] = totals.get(n, 0.0) + v
+        if not totals:
+            return {}
+        values = torch.stack([torch.as_tensor(v, dtype=torch.float64).reshape(()) for v in totals.values()])
+        return dict(zip(totals, values.tolist()))
+
+
+def _on_device(weights: list[Any], device: torch.device) -> torch.Tensor:
+    """The micro-batches' weights as one float64 tensor on ``device`` (floats copied up without a wait)."""
+    if weights and isinstance(weights[0], torch.Tensor):
+        return torch.stack(weights)
+    return torch.tensor(weights, dtype=torch.float64).to(device, non_blocking=True)

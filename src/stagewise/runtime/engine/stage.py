@@ -34,7 +34,7 @@ class Stage:
         self.modules = modules
         self.recompute = recompute
         self.aux_scale = aux_scale
-        self.aux_totals: dict[str, float] = {}
+        self.aux_totals: dict[str, Any] = {}  # name -> a 0-dim tensor (read once per step by the runner)
 
     def __call__(self, x: Any) -> Any:
         with self.precision():
@@ -47,7 +47,7 @@ class Stage:
             out = run_layers(self.modules, x, self.recompute)
         if not terms:
             return out
-        for name, value in terms:
-            self.aux_totals[name] = self.aux_totals.get(name, 0.0) + float(value.detach()) * self.aux_scale
+        for name, value in terms:  # kept on the device: read once, at the step's end (Runner._aux)
+            self.aux_totals[name] = self.aux_totals.get(name, 0.0) + value.detach() * self.aux_scale
         total = torch.stack([v for _, v in terms]).sum() * self.aux_scale
         return attach(out, total, self.index)

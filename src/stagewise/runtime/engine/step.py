@@ -4,11 +4,18 @@ A synchronous train step is one mini-batch; an asynchronous window is several, o
 ``i`` belongs to mini-batch ``i // m``). Either way each micro-batch's mean loss is weighted by its share of its
 mini-batch: of the rows, or of ``loss_weights(targets)`` summed over the mini-batch's micro-batches (e.g.
 non-ignored tokens; see :mod:`..losses`).
+
+Counts that ``loss_weights`` returns as tensors stay on the device when the runner asks (``defer_checks``): a
+read per micro-batch would stop the host until the device had caught up, every micro-batch. Their check (a
+count >= 0, a total > 0) then travels with the step's losses, in the step's one read of the device
+(:meth:`.runner.Runner.train`); until then a bad count makes every weight of the step NaN, so that a
+``nan_policy`` refuses the step before any optimizer steps on it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,7 +24,29 @@ from .interpreter import Step
 from .microbatch import Dims, split
 
 #: per mini-batch, its local total of counted items -> the total its weights divide by (over the replicas)
-Denominators = Callable[[list[float]], list[float]]
+Denominators = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class DeferredCounts:
+    """Counts kept on the device: ``bad`` (0-dim) is true when one is < 0 or not finite, or a total is <= 0."""
+
+    counts: torch.Tensor  # (mini-batches, micro-batches per mini-batch), float64
+    totals: torch.Tensor  # what each mini-batch's weights divide by
+    bad: torch.Tensor
+
+    def error(self) -> ValueError:
+        """What was wrong, read from the device (the failing path: it reads)."""
+        counts, totals = self.counts.tolist(), self.totals.tolist()
+        for t, row in enumerate(counts):
+            for k, n in enumerate(row):
+                if not n >= 0 or n == float("inf"):
+                    return ValueError(
+                        f"loss_weights returned {n} for micro-batch {t * len(row) + k}: expected a count >= 0"
+                    )
+            if not totals[t] > 0:
+                return ValueError(f"loss_weights counted nothing to average over in mini-batch {t}: {row}")
+        return ValueError(f"loss_weights: counts {counts} over totals {totals} were refused")
 
 
 def prepare_window(
@@ -32,12 +61,15 @@ def prepare_window(
     has_loss: bool,
     loss_weights: Callable[[Any], Any] | None = None,
     denominators: Denominators | None = None,
+    defer_checks: bool = False,
 ) -> Step:
     """The :class:`Step` of ``rank`` for ``batches`` (``(inputs, targets)`` per mini-batch): inputs where stage 0
     is, targets and loss weights where the last stage is.
 
     ``denominators``: what each mini-batch's weights divide by, from its local total (default: the total);
     data-parallel replicas make it the total over every replica, so the mean is the global batch's.
+    ``defer_checks``: counts returned as tensors stay on the device (``step.weights`` 0-dim tensors), checked
+    later through ``step.counts`` (see the module docstring); else each is read and checked here.
     """
     m = num_microbatches
     first, last = rank == placement[0], rank == placement[-1]
@@ -68,9 +100,14 @@ def prepare_window(
             if loss_weights is None:
                 counts.append([float(n) for n in target_sizes])
             else:
-                counts.append([_count(loss_weights, c, t * m + i) for i, c in enumerate(chunks)])
-    if step.weights is not None:
-        step.weights += _weights(counts, denominators)
+                counts.append([loss_weights(c) for c in chunks])
+    if step.weights is None:
+        return step
+    if defer_checks and any(isinstance(n, torch.Tensor) for row in counts for n in row):
+        step.weights, step.counts = _deferred(counts, denominators, device)
+    else:
+        checked = [[_count(n, t * m + i) for i, n in enumerate(row)] for t, row in enumerate(counts)]
+        step.weights += _weights(checked, denominators)
     return step
 
 
@@ -86,7 +123,7 @@ def prepare_step(
 
 def _weights(counts: list[list[float]], denominators: Denominators | None) -> list[float]:
     totals = [sum(c) for c in counts]
-    over = totals if denominators is None else denominators(totals)
+    over = totals if denominators is None else denominators(torch.tensor(totals, dtype=torch.float64)).tolist()
     out: list[float] = []
     for t, (c, total) in enumerate(zip(counts, over)):
         if total <= 0:
@@ -95,9 +132,22 @@ def _weights(counts: list[list[float]], denominators: Denominators | None) -> li
     return out
 
 
-def _count(loss_weights: Callable[[Any], Any], targets: Any, i: int) -> float:
-    """``loss_weights`` of micro-batch ``i``'s targets, checked: a finite number >= 0."""
-    n = loss_weights(targets)
+def _deferred(
+    counts: list[list[Any]], denominators: Denominators | None, device: torch.device
+) -> tuple[list[Any], DeferredCounts]:
+    """The weights as 0-dim float64 tensors on ``device``, computed there (NaN if a count is bad), no read."""
+    flat = [n if isinstance(n, torch.Tensor) else torch.tensor(float(n)) for row in counts for n in row]
+    values = torch.stack([n.detach().reshape(()).to(device, torch.float64, non_blocking=True) for n in flat])
+    per = values.view(len(counts), -1)
+    totals = per.sum(1)
+    over = totals if denominators is None else denominators(totals)
+    bad = (~torch.isfinite(values) | (values < 0)).any() | (over <= 0).any()
+    weights = torch.where(bad, torch.nan, per / over[:, None]).reshape(-1)
+    return list(weights.unbind()), DeferredCounts(per, over, bad)
+
+
+def _count(n: Any, i: int) -> float:
+    """A count of micro-batch ``i`` (what ``loss_weights`` returned), read and checked: a finite number >= 0."""
     n = float(n.item() if isinstance(n, torch.Tensor) else n)
     if not n >= 0 or n == float("inf"):
         raise ValueError(f"loss_weights returned {n} for micro-batch {i}: expected a count >= 0")

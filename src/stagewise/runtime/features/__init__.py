@@ -5,5 +5,5 @@ Each plugs into the step through the runner's protocol or a stage's SYNC / STEP 
 
 * :mod:`.precision` (``autocast=``), :mod:`.recompute` (``recompute=``), :mod:`.batchnorm` (``batchnorm=``),
   :mod:`.finite` (``nan_policy=``), :mod:`.clip` (``clip_grad_norm_``), :mod:`.aux` (auxiliary losses),
-  :mod:`.memory` (``measure_memory=``).
+  :mod:`.memory` (``measure_memory=``), :mod:`.offload` (``offload=``).
 """

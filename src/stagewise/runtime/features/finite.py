@@ -16,6 +16,13 @@ stepped. ``"skip"``: every rank drops the step's gradients (so neither the
 schedule's STEP actions nor an optimizer the user steps after ``train_step``
 changes a weight) and counts the step in ``Pipeline.skipped_steps``.
 
+Either way the step leaves nothing behind: the forwards already changed the
+module buffers (BatchNorm's running statistics, torch's own update or the
+deferred commit at SYNC; any module's in-place statistics), so every buffer of
+this rank is put back as the step found it (:class:`Buffers`); and a refused
+step's gradients go too (``"raise"``), so the next clean step is not refused
+for the NaN gradients this one accumulated.
+
 So that the check comes before any optimizer step while the runtime executes
 exactly its schedule, a checking Pipeline with an optimizer factory has its
 STEP actions placed at the end of each rank's list
@@ -128,6 +135,41 @@ def message(
     return f"non-finite values in {where}: {found}; {what} (nan_policy={policy!r})"
 
 
+class Buffers:
+    """This rank's module buffers as the step found them, to put back when the step is refused or skipped.
+
+    torch's kernels update BatchNorm's running statistics in place without bumping the tensors' version
+    counters, so no buffer can be told unchanged cheaply: each one is copied at every checked step's start,
+    into copies made once (one read and one write of the buffers; no allocation after the first step).
+    """
+
+    def __init__(self, modules: Sequence[nn.Module]) -> None:
+        self.owners: list[nn.Module] = []  # every module once (a tied module may sit in two stages)
+        seen: set[int] = set()
+        for root in modules:
+            for m in root.modules():
+                if id(m) not in seen:
+                    seen.add(id(m))
+                    self.owners.append(m)
+        self.held: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = []  # module, name, buffer, its copy
+
+    @torch.no_grad()
+    def take(self) -> None:
+        """Copy every buffer (a buffer replaced or resized since the last step gets a new copy)."""
+        found = [(m, n, b) for m in self.owners for n, b in m._buffers.items() if isinstance(b, torch.Tensor)]
+        if len(found) != len(self.held) or any(b is not h[2] for (_, _, b), h in zip(found, self.held)):
+            self.held = [(m, n, b, torch.empty_like(b)) for m, n, b in found]
+        for _, _, b, copy in self.held:
+            copy.copy_(b)
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        """Put every buffer back as :meth:`take` found it (the same tensor object, its values copied back)."""
+        for m, n, b, copy in self.held:
+            m._buffers[n] = b
+            b.copy_(copy)
+
+
 def drop_grads(params: Sequence[nn.Parameter]) -> None:
     """Forget the step's gradients, as a STEP's ``zero_grad(set_to_none=True)`` would (optimizers skip None)."""
     for p in params:
@@ -147,9 +189,11 @@ class FiniteCheck:
         gather: Callable[[Any], list[Any]],
         device: torch.device,
         post: Callable[[str], Any] | None = None,
+        buffers: Buffers | None = None,
     ) -> None:
         check_policy(policy)
         self.post = post  # posts a failure found on this rank alone on the error board
+        self.buffers = buffers  # this rank's module buffers, put back when a step is refused or skipped
         self.policy = policy
         self.rank = rank
         self.named = list(named)
@@ -158,6 +202,17 @@ class FiniteCheck:
         self.gather = gather
         self.device = device
         self.skipped = 0
+
+    def begin(self) -> None:
+        """A train step (or an asynchronous window) starts: note the buffers it may have to put back."""
+        if self.buffers is not None:
+            self.buffers.take()
+
+    def undo(self) -> None:
+        """The step is refused or skipped: its buffers back as they were, its gradients gone."""
+        if self.buffers is not None:
+            self.buffers.restore()
+        drop_grads([p for _, p in self.named])
 
     def check_stage(self, stage: int, minibatch: int, losses: dict[int, torch.Tensor]) -> None:
         """An asynchronous window's STEP of ``stage`` for mini-batch ``minibatch`` of the stream: this stage's own
@@ -174,6 +229,7 @@ class FiniteCheck:
         if found["loss"] is None and found["grad"] is None:
             return  # only an overflowing sum: every value is finite
         text = message([found], self.policy, f"mini-batch {minibatch} of the stream", f"stage {stage} did not step")
+        self.undo()
         if self.post is not None:
             self.post(f"rank {self.rank}: {text}")  # the others learn it at their next wait, naming this rank
         raise PipelineError(text)
@@ -189,9 +245,9 @@ class FiniteCheck:
         if all(f["loss"] is None and f["grad"] is None for f in everyone):
             return False  # only an overflowing sum: every value is finite
         text = message(everyone, self.policy)
+        self.undo()
         if self.policy == "raise":
             raise PipelineError(text)
-        drop_grads([p for _, p in self.named])
         self.skipped += 1
         return True
 
@@ -219,4 +275,7 @@ def finite_check(
     def gather(obj: Any) -> list[Any]:
         return gather_json(obj, group, transport.guard.wait, "where the non-finite values are")
 
-    return FiniteCheck(policy, runner.rank, named, stage_of, reduce, gather, runner.device, transport.guard.fail)
+    buffers = Buffers([m for st in runner.stages.values() for m in st.modules])
+    return FiniteCheck(
+        policy, runner.rank, named, stage_of, reduce, gather, runner.device, transport.guard.fail, buffers
+    )

@@ -5,6 +5,12 @@ The plan fixes the layout and the schedule (``schedule``, ``microbatches``, ``vi
 of the plan's own options is an error, so a run cannot silently differ from what was predicted - except
 ``parallel=`` a built :class:`~stagewise.Mesh` of the plan's own layout, so that several pipelines of one
 layout share one set of process groups (each gloo group keeps a polling thread alive for the run).
+
+Every rank must run the same plan: before the plan's options are applied - before its layout's process
+groups exist - the ranks compare the plans' digests (:func:`stagewise.runtime.plan_agreement.check_same_plan`,
+a collective bounded by the pipeline's ``timeout``) and every rank refuses a mismatch with the same error,
+naming which ranks hold which plan. (It cannot wait for the placed context: ranks holding plans of different
+layouts would already be making different process groups there.)
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...planning import Plan
 from ...schedules import is_asynchronous
+from ..plan_agreement import check_same_plan
 from .layer_list import LayerList
 from .layers import Layers
 from .parts import Parts
@@ -48,6 +55,7 @@ class FromPlan:
 
     def defaults(self, options: Options) -> Options:
         plan = self.plan
+        check_same_plan(plan, self.entry, options.timeout, options.store)
         own: dict[str, Any] = plan.pipeline_options()
         mesh = options.parallel if options.is_given("parallel") else None
         if mesh is not None and not _is_plan_mesh(mesh, plan):

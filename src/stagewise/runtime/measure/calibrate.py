@@ -51,14 +51,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..._util import is_count
-from ...planning import Calibration, LayoutCost, Link
+from ...planning import Calibration, Link
 from ...schedules import generate
 from ...simulation import CostModel, simulate
 from ..comm.groups import global_rank, group_size, new_world_subgroup, require_initialized
+from ..interrupt import uncounted
+from .layout_probe import CORNERS, Tick, layout_costs, layout_shapes
 from .links import average, measure_links, slowest
+from .progress import Steps
 
 if TYPE_CHECKING:
-    from ..hybrid.mesh import Mesh
     from ..pipeline import Pipeline
 
 _MS = (2, 8)  # micro-batch counts of the trivial pipelines
@@ -72,6 +74,7 @@ def calibrate(
     workload: Callable[[], object] | None = None,
     passes: int = 3,
     timeout: float = 60.0,
+    progress: bool = True,
 ) -> Calibration:
     """Measure links, the runtime's cost per action, the cores the node's processes share and (``sharding``)
     FSDP2's cost per unit and (``layouts``) each layout's cost per step; every rank gets it.
@@ -82,30 +85,44 @@ def calibrate(
 
     ``passes``: each probe runs this many times (the links back to back, the pipelines' steps in interleaved
     passes) and the median of each measured quantity is taken before anything is fitted. With one pass, three
-    calls in one run on this project's 2-core VM measured the link latency at 56-698 us, the cost per action at
+    calls in one run on a 2-core VM measured the link latency at 56-698 us, the cost per action at
     46-129 us and one layout's fixed CPU per step at -1.9 to 5.3 ms; ``calibrate()`` takes about ``passes``
-    times as long.
+    times as long (at 8 processes on 2 cores, about 90 s with the default 3). ``progress``: rank 0 draws a bar
+    naming the probe under way (rich, on stderr).
+
+    Measuring takes minutes: ``calibrate().save(path)`` keeps it (:meth:`Calibration.save`), for
+    ``Calibration.load(path)`` or ``stagewise plan --calibration path`` later, on the same group.
     """
     require_initialized()
     if not timeout > 0:
         raise ValueError(f"calibrate: timeout must be > 0 seconds, got {timeout!r}")
     if not is_count(passes):
         raise ValueError(f"calibrate: passes must be an int >= 1, got {passes!r}")
-    found = [measure_links(nodes, timeout=timeout) for _ in range(passes)]
-    intra, inter = (_median_link([pair[k] for pair in found]) for k in (0, 1))
     world = group_size(None)
-    link = intra or inter or Link()
-    action, step = action_cost(link, passes=passes, timeout=timeout) if world >= 2 else (0.0, 0.0)
-    cores = effective_cores(world // nodes, work=workload, rounds=9 * passes, timeout=timeout)
-    cal = Calibration(intra=intra, inter=inter, action=action, step=step, cores=cores)
-    if sharding and world >= 2:
-        from .sharding import sharding_costs
+    pairs = world >= 2
+    shapes = layout_shapes(world) if layouts and pairs else []
+    total = passes * (2 if pairs else 1) + 2 + (sharding and pairs) + passes * len(shapes) * len(CORNERS)
+    with Steps("calibrate", total, progress) as bar, uncounted():  # the probes' steps are not the job's training
+        found = []
+        for k in range(passes):
+            bar.next(f"links, pass {k + 1} of {passes}")
+            found.append(measure_links(nodes, timeout=timeout))
+        intra, inter = (_median_link([pair[k] for pair in found]) for k in (0, 1))
+        link = intra or inter or Link()
+        action, step = action_cost(link, passes=passes, timeout=timeout, tick=bar.next) if pairs else (0.0, 0.0)
+        bar.next("the cores the processes share")
+        cores = effective_cores(world // nodes, work=workload, rounds=9 * passes, timeout=timeout)
+        cal = Calibration(intra=intra, inter=inter, action=action, step=step, cores=cores, processes=world, nodes=nodes)
+        if sharding and pairs:
+            from .sharding import sharding_costs
 
-        fixed, per_byte = sharding_costs(timeout=timeout)
-        cal = replace(cal, sharding_fixed=fixed, sharding_per_byte=per_byte, sharding_group=world)
-    if layouts and world >= 2:
-        cal = replace(cal, layouts=layout_costs(cal, world, nodes, passes=passes, timeout=timeout))
-    return replace(cal, background=idle_cpu(timeout=timeout))  # last: with every group the probes left
+            bar.next("FSDP2's cost per unit")
+            fixed, per_byte = sharding_costs(timeout=timeout)
+            cal = replace(cal, sharding_fixed=fixed, sharding_per_byte=per_byte, sharding_group=world)
+        if shapes:
+            cal = replace(cal, layouts=layout_costs(cal, world, nodes, passes=passes, timeout=timeout, tick=bar.next))
+        bar.next("idle CPU")
+        return replace(cal, background=idle_cpu(timeout=timeout))  # last: with every group the probes left
 
 
 def _median_link(links: list[Link | None]) -> Link | None:
@@ -132,12 +149,17 @@ def idle_cpu(seconds: float = 0.5, *, timeout: float = 60.0) -> float:
     return max(0.0, average((time.process_time() - started) / seconds, deadline))
 
 
-def action_cost(link: Link, *, steps: int = 20, passes: int = 1, timeout: float = 60.0) -> tuple[float, float]:
+def action_cost(
+    link: Link, *, steps: int = 20, passes: int = 1, timeout: float = 60.0, tick: Tick | None = None
+) -> tuple[float, float]:
     """``(seconds per stage action, seconds per step)`` beyond compute and transfers, from two-rank pipelines of
-    trivial layers at two micro-batch counts (each the median over ``passes`` interleaved passes of ``steps``)."""
+    trivial layers at two micro-batch counts (each the median over ``passes`` interleaved passes of ``steps``).
+    ``tick(what)``: called as each pass starts (a progress bar)."""
     pipes = {m: _trivial_pipeline(m, timeout) for m in _MS}
     runs: dict[int, list[float]] = {m: [] for m in _MS}
-    for _ in range(passes):
+    for k in range(passes):
+        if tick is not None:
+            tick(f"the runtime's cost per action, pass {k + 1} of {passes}")
         for m in _MS:
             runs[m].append(slowest(_trivial_step(pipes[m], m, steps), time.monotonic() + timeout))
     for pipe in pipes.values():
@@ -199,121 +221,6 @@ def _usable_cpus() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
-
-
-def layout_costs(
-    cal: Calibration, world: int, nodes: int, *, steps: int = 12, passes: int = 1, timeout: float = 60.0
-) -> tuple[LayoutCost, ...]:
-    """One :class:`LayoutCost` per ``pp x dp x sharding`` factorisation of ``world`` (tp = 1): trivial pipelines of the
-    layout at ``u`` layers per stage and ``m`` micro-batches (the corners of :data:`_UNITS` x :data:`_MS_LAYOUT`),
-    measured less predicted, solved for the four terms. Each corner's step and CPU are medians over ``passes``
-    passes through every layout (a slow spell on the machine then lands on one pass of each, not on one layout)."""
-    from ...parallel import ParallelConfig
-    from ..hybrid.mesh import build_mesh
-
-    rows = []
-    base = replace(cal, step=0.0, layouts=())
-    shapes = [(pp, world // pp // sh, sh) for pp in _divisors(world) for sh in _divisors(world // pp)]
-    corners = [(u, m) for u in _UNITS for m in _MS_LAYOUT]
-    meshes = {shape: build_mesh(ParallelConfig(pp=shape[0], dp=shape[1], tp=1, sharding=shape[2])) for shape in shapes}
-    runs: dict[tuple[tuple[int, int, int], tuple[int, int]], list[tuple[float, float]]] = {}
-    for _ in range(passes):
-        for shape in shapes:  # one mesh per layout: see _layout_step
-            for k in corners:
-                runs.setdefault((shape, k), []).append(_layout_step(meshes[shape], *k, steps, timeout))
-    for pp, dp, sharding in shapes:
-        measured = {k: _median_pair(runs[((pp, dp, sharding), k)]) for k in corners}
-        # first the CPU the model does not count (measured less the predicted compute actions), then the wall
-        # time that the model with that CPU still misses
-        hidden = {k: measured[k][1] - _predicted(base, world, nodes, pp, dp, sharding, *k)[1] for k in corners}
-        cpu_only = LayoutCost.fit(pp, dp, 1, sharding, dict.fromkeys(corners, 0.0), hidden)
-        with_cpu = replace(base, layouts=(cpu_only,))
-        wall = {k: measured[k][0] - _predicted(with_cpu, world, nodes, pp, dp, sharding, *k)[0] for k in corners}
-        rows.append(LayoutCost.fit(pp, dp, 1, sharding, wall, hidden))
-    return tuple(rows)
-
-
-def _median_pair(pairs: list[tuple[float, float]]) -> tuple[float, float]:
-    return statistics.median(a for a, _ in pairs), statistics.median(b for _, b in pairs)
-
-
-_UNITS = (1, 2)  # layers per stage in the layout probes
-_MS_LAYOUT = (2, 6)  # micro-batches per replica in the layout probes
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _predicted(
-    cal: Calibration, world: int, nodes: int, pp: int, dp: int, sharding: int, u: int, m: int
-) -> tuple[float, float]:
-    """What the planner predicts for the probe pipeline (its layers cost nothing but their actions and transfers):
-    ``(step time, compute per process)``."""
-    from ...partition import LayerCost, LayerProfile
-    from ...planning import search
-
-    layer = LayerCost("probe", 1e-9, 5e-10, 5e-10, 1e-9, 4.0, 0.0, 8.0, 4.0)  # equal, so the cut is u per stage
-    profile = LayerProfile(
-        layers=tuple(replace(layer, name=f"probe{k}") for k in range(pp * u)), device="cpu", repeats=1, warmup=0
-    )
-    plans = search(
-        profile,
-        world,
-        nodes=nodes,
-        global_batch=m * dp * sharding,
-        profile_batch=1,
-        schedules=["1f1b"],
-        max_virtual_stages=1,
-        calibration=cal,
-        top=100_000,
-    ).plans
-    for p in plans:
-        layout = (p.layout.pp, p.layout.dp, p.layout.tp, p.layout.sharding)
-        if layout == (pp, dp, 1, sharding) and p.microbatches == m and p.recompute is None:
-            return p.step_time, p.breakdown["compute"]
-    return 0.0, 0.0
-
-
-def _layout_step(mesh: Mesh, u: int, m: int, steps: int, timeout: float) -> tuple[float, float]:
-    """Medians over ``steps`` of the slowest rank's train step of the trivial pipeline on ``mesh``'s layout and of
-    the CPU seconds a process spends in it (all its threads, the mean over ranks).
-
-    The probes of one layout share its mesh, so the calibration leaves one set of process groups per layout.
-    A mesh per probe left ~500 gloo threads per process at 8 ranks, whose idle polling took 89 % of a core
-    from every later step (benchmarks/RESULTS.md); destroying them is not an option: torch then hands a
-    later group the name, and so the stale rendezvous keys, of a destroyed one (hashed names count the live
-    groups), and the next ``new_group`` fails with "connection refused".
-    """
-    from ..pipeline import Pipeline
-
-    config = mesh.config
-    pp, dp, sharding = config.pp, config.dp, config.sharding
-    deadline = time.monotonic() + timeout
-    pipe = Pipeline(
-        [nn.Linear(1, 1) for _ in range(pp * u)],
-        loss_fn=F.mse_loss,
-        schedule="1f1b",
-        microbatches=m,
-        partition=[u] * pp,
-        parallel=mesh,
-        seed=0,
-        timeout=timeout,
-    )
-    n = m * dp * sharding
-    x, y = pipe.local_batch(torch.randn(n, 1), torch.randn(n, 1))
-    times, cpus = [], []
-    for step in range(steps + 2):
-        slowest(0.0, deadline)  # everyone starts together, as a timed step in a benchmark does
-        started, cpu = time.perf_counter(), time.process_time()
-        pipe.train_step(x, y)
-        elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
-        elapsed, cpu = slowest(elapsed, deadline), average(cpu, deadline)
-        if step >= 2:
-            times.append(elapsed)
-            cpus.append(cpu)
-    pipe.transport.close()
-    return statistics.median(times), statistics.median(cpus)
 
 
 def _span(m: int, o: float, link: Link) -> float:

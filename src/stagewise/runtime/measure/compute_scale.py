@@ -44,7 +44,9 @@ from ..._util import is_count
 from ...ir import Kind
 from ...partition import LayerProfile
 from ..comm.groups import group_size, require_initialized
+from ..interrupt import uncounted
 from .links import summed
+from .progress import Steps
 
 if TYPE_CHECKING:
     from ...planning import Plan
@@ -66,6 +68,7 @@ def measure_compute_scale(
     passes: int = 3,
     parallel: Mesh | None = None,
     timeout: float = 60.0,
+    progress: bool = True,
     **options: Any,
 ) -> tuple[float, float, float]:
     """``(forward, backward, split backward)``: the runtime's CPU seconds in F, in B and in I + W actions over the
@@ -76,6 +79,7 @@ def measure_compute_scale(
     ``calibration``, ...), as the plans to be scaled will get them; ``inputs`` and ``targets`` one global batch.
     ``parallel``: a built mesh of the probes' layout to reuse (:func:`probe_plan` names it), else one is built.
     The probes train deep copies of ``layers``: the modules given keep their weights, buffers and gradients.
+    ``progress``: rank 0 draws a bar naming the probe under way (rich, on stderr).
     """
     require_initialized()
     for name, value in (("steps", steps), ("passes", passes)):
@@ -89,19 +93,15 @@ def measure_compute_scale(
 
         parallel = build_mesh(plans[0].layout)
     pipes: list[Any] = []
-    measured = [[0.0] * 3 for _ in range(steps * passes)]  # per step: F, B, I + W (both probes' k-th steps)
-    try:
-        pipes += [_pipeline(plan, layers, loss_fn, parallel, timeout) for plan in plans]
-        batches = [pipe.local_batch(inputs, targets) for pipe in pipes]
-        for turn in range(passes):
-            for pipe, batch in zip(pipes, batches):
-                rows = _steps(pipe, batch, steps, WARMUP if turn == 0 else 1)
-                for row, more in zip(measured[turn * steps : (turn + 1) * steps], rows):
-                    for k in range(3):
-                        row[k] += more[k]
-    finally:
-        for pipe in pipes:
-            pipe.transport.close()
+    with Steps("measure_compute_scale", 1 + passes * len(plans), progress) as bar, uncounted():
+        try:
+            bar.next("building the probe pipelines")
+            pipes += [_pipeline(plan, layers, loss_fn, parallel, timeout) for plan in plans]
+            batches = [pipe.local_batch(inputs, targets) for pipe in pipes]
+            measured = _turns(pipes, batches, steps, passes, bar)
+        finally:
+            for pipe in pipes:
+                pipe.transport.close()
     predicted = [sum(col) for col in zip(*(_predicted(plan, pipe) for plan, pipe in zip(plans, pipes)))]
     n = len(measured)
     both = summed([x for row in measured for x in row] + predicted, time.monotonic() + timeout)
@@ -136,6 +136,20 @@ def _pipeline(plan: Plan, layers: Any, loss_fn: Any, mesh: Mesh, timeout: float)
     from ..pipeline import Pipeline
 
     return Pipeline.from_plan(plan, copy.deepcopy(layers), loss_fn=loss_fn, seed=0, timeout=timeout, parallel=mesh)
+
+
+def _turns(pipes: list[Any], batches: list[Any], steps: int, passes: int, bar: Steps) -> list[list[float]]:
+    """Per timed step (``steps`` per pass): the CPU seconds in F, B and I + W, summed over the probes' k-th steps;
+    the probes take turns, ``passes`` times."""
+    measured = [[0.0] * 3 for _ in range(steps * passes)]
+    for turn in range(passes):
+        for pipe, batch, name in zip(pipes, batches, PROBES):
+            bar.next(f"{name}, pass {turn + 1} of {passes}")
+            rows = _steps(pipe, batch, steps, WARMUP if turn == 0 else 1)
+            for row, more in zip(measured[turn * steps : (turn + 1) * steps], rows):
+                for k in range(3):
+                    row[k] += more[k]
+    return measured
 
 
 def _steps(pipe: Any, batch: Any, steps: int, warm: int) -> list[list[float]]:

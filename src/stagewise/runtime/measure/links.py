@@ -40,6 +40,13 @@ def slowest(seconds: float, deadline: float) -> float:
     return float(t)
 
 
+def slowest_each(values: list[float], deadline: float) -> list[float]:
+    """Each of ``values``, the largest over every rank (a collective over the default group)."""
+    t = torch.tensor(values, dtype=torch.float64)
+    _bounded(lambda: dist.all_reduce(t, dist.ReduceOp.MAX), deadline, "the max over ranks")
+    return [float(x) for x in t]
+
+
 def average(seconds: float, deadline: float) -> float:
     """The mean of every rank's ``seconds`` (a collective over the default group)."""
     return summed([seconds], deadline)[0] / dist.get_world_size()

@@ -82,6 +82,7 @@ def profile(
     repeats: int = 5,
     warmup: int = 2,
     rounds: int = 1,
+    batch: int | None = None,
 ) -> LayerProfile:
     """Measure each layer of ``layers_or_model`` on ``sample_inputs`` (one micro-batch).
 
@@ -97,11 +98,16 @@ def profile(
     ``rounds``: the whole measurement taken that many times, each layer's costs from its fastest round
     (:func:`steadiest`): on a shared machine a burst of other work slows every repeat of the layers measured
     while it lasts, which a median over one layer's back-to-back repeats does not reject.
+
+    ``batch``: the samples in ``sample_inputs``, recorded in the profile (:attr:`LayerProfile.batch`) so that
+    the planner scales its costs right; default: the first input tensor's first dimension.
     """
     if not is_count(rounds):
         raise ValueError(f"profile: rounds must be an int >= 1, got {rounds!r}")
+    if batch is not None and not is_count(batch):
+        raise ValueError(f"profile: batch must be an int >= 1 (samples in sample_inputs), got {batch!r}")
     measured = steadiest(lambda: measure_layers(layers_or_model, sample_inputs, repeats=repeats, warmup=warmup), rounds)
-    return with_checkpoint_cost(measured)
+    return with_checkpoint_cost(replace(measured, batch=batch or measured.batch))
 
 
 def steadiest(measure: Callable[[], LayerProfile], rounds: int) -> LayerProfile:
@@ -158,7 +164,16 @@ def profile_blocks(
 
 def _measure_all(calls: list[Call], device: torch.device, repeats: int, warmup: int) -> LayerProfile:
     costs = [measure_layer(name, module, args, kwargs, device, repeats, warmup) for name, module, args, kwargs in calls]
-    return LayerProfile(layers=tuple(costs), device=str(device), repeats=repeats, warmup=warmup)
+    batch = samples_in(calls[0][2:]) if calls else None
+    return LayerProfile(layers=tuple(costs), device=str(device), repeats=repeats, warmup=warmup, batch=batch)
+
+
+def samples_in(inputs: Any) -> int | None:
+    """The batch the inputs hold: the first tensor's first dimension (None: no tensor with one)."""
+    for t in tree_leaves(inputs):
+        if isinstance(t, torch.Tensor) and t.dim() >= 1:
+            return int(t.shape[0])
+    return None
 
 
 @contextmanager

@@ -28,7 +28,8 @@ import torch.distributed as dist
 
 from ...errors import PipelineError
 from ..coordinator import UNREACHABLE, board_client
-from .exit_hook import JOB_KEY, SEEN_KEY, mark_origin
+from .exit_hook import mark_origin, remember_store
+from .keys import JOB_KEY, SEEN_KEY
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,8 @@ class ErrorBoard:
         try:
             self.store = board_client(store, timeout)
         except PipelineError as err:
-            raise PipelineError(f"{me}: {err}" if me else str(err)) from err
+            raise PipelineError(f"{err} (seen by {me})" if me else str(err)) from err
+        remember_store(self.store.store)  # a process leaving with an error posts it where this board looks
         self.name = name
         self.key = f"{name}/{_ERROR_KEY}"
         self.failure: str | None = None
@@ -96,9 +98,9 @@ class ErrorBoard:
                         self._stand(self.store.get(key).decode())
                         self._seen()
                         break
-            except Exception as err:
-                who = f"{self.me}: " if self.me else ""
-                self._stand(f"{who}{UNREACHABLE}: {_brief(err)}")
+            except Exception as err:  # the coordinator first: it is the one at fault, not this rank
+                seen = f" (seen by {self.me})" if self.me else ""
+                self._stand(f"{UNREACHABLE}{seen}: {_brief(err)}")
         if self.failure is not None:
             raise PipelineError(self.failure)
 

@@ -28,13 +28,17 @@ a process of a multi-process group it
    failure only when the group's timeout ends the wait. So past
    :data:`_LINGER_S`, the origin and rank 0 keep waiting - up to the longest
    pipeline timeout - while some rank that has not read is still alive
-   (stamping its heartbeat);
+   (stamping its heartbeat). A rank leaving with a failure of its own has
+   nothing left to read: it says so as it posts (``job/seen/<rank>``), and
+   nobody waits for it - when every rank fails at once (a refused checkpoint
+   raises alike everywhere), each leaves as soon as the others have posted;
 4. flushes stdio and logging, and leaves with ``os._exit(1)``: no C++
    destructors run, so nothing aborts. ``atexit`` handlers are skipped on
    this path - the process group may have dead members, and tearing it down
    is exactly what hangs or aborts.
 
-A clean exit and ``KeyboardInterrupt`` go the ordinary way.
+A clean exit and ``KeyboardInterrupt`` go the ordinary way; a worker of a job interrupted by Ctrl-C
+prints no traceback: it tells the launcher where it stopped (:mod:`stagewise.runtime.interrupt`).
 """
 
 from __future__ import annotations
@@ -44,17 +48,16 @@ import os
 import sys
 import time
 from types import TracebackType
+from typing import Any
 
 import torch.distributed as dist
 
 from ...errors import PipelineError
 from . import heartbeat
-
-#: the run's job-level keys on the board: the first error of any process, and who has read it
-JOB_KEY = "job/error"
-SEEN_KEY = "job/seen"  # job/seen/<global rank>: that rank has read a failure (the failing store host waits for them)
+from .keys import JOB_KEY, SEEN_KEY
 
 _installed = False
+_stores: dict[Any, Any] = {}  # the run's corners of the stores this process's boards use, by host: where to post
 _origin = False  # this process posted the failure that stands on some board
 _LINGER_S = 3.0  # at most this long, for the others to read the origin's failure
 _RELAYED_S = 1.0  # a relayed failure exits after this, so torchrun sees the origin first (monitor: 0.1 s)
@@ -66,6 +69,18 @@ def mark_origin() -> None:
     _origin = True
 
 
+def remember_store(store: Any) -> None:
+    """A board looks for failures in ``store`` (its run-scoped prefix store): post there when leaving too, and
+    look there for who has read (``Pipeline(store=...)`` puts a board on a store other than the default one).
+    One store per host: every board of a run on one host shares its keys."""
+    from ..coordinator import tcp_store_of
+
+    host = tcp_store_of(store)
+    key = (host.host, host.port) if host is not None else id(store)
+    if key not in _stores:
+        _stores[key] = store
+
+
 def install() -> None:
     """Put :func:`_hook` in front of ``sys.excepthook`` (once per process)."""
     global _installed
@@ -74,6 +89,8 @@ def install() -> None:
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], err: BaseException, tb: TracebackType | None) -> None:
+        if issubclass(kind, KeyboardInterrupt) and _interrupted():
+            return  # Ctrl-C: one line from the launcher, no traceback; the ordinary exit empties /dev/shm
         previous(kind, err, tb)
         if issubclass(kind, KeyboardInterrupt) or not dist.is_initialized() or dist.get_world_size() == 1:
             return  # the ordinary way: no peer to tell, nothing stuck to abort on
@@ -81,6 +98,20 @@ def install() -> None:
 
     sys.excepthook = hook
     _installed = True
+
+
+def _interrupted() -> bool:
+    """A worker of a job was interrupted: say where it stopped (:func:`stagewise.runtime.interrupt.stopped`);
+    False where that is not the case or fails (the ordinary traceback then)."""
+    from ...interrupt import FOLDER_ENV, stopped
+
+    if not (dist.is_initialized() or os.environ.get(FOLDER_ENV)):
+        return False
+    try:
+        stopped()
+    except Exception:
+        return False
+    return True
 
 
 def leave(err: BaseException) -> None:
@@ -99,7 +130,7 @@ def leave(err: BaseException) -> None:
 
 
 def _post_and_linger(err: BaseException) -> None:
-    from ..coordinator import board_client
+    from ..coordinator import DeadlineStore, board_client
 
     rank, world = dist.get_rank(), dist.get_world_size()
     relayed = isinstance(err, PipelineError) and not _origin
@@ -110,13 +141,21 @@ def _post_and_linger(err: BaseException) -> None:
         time.sleep(_RELAYED_S)
         if rank != 0:
             return
-    store = board_client(None, _LINGER_S, cached=True)
-    if not relayed:
-        store.compare_set(JOB_KEY, "", message)
+    stores = [DeadlineStore(s, _LINGER_S) for s in _stores.values()] or [board_client(None, _LINGER_S, cached=True)]
+    for store in stores:
+        if not relayed:
+            store.compare_set(JOB_KEY, "", message)
+        store.set(f"{SEEN_KEY}/{rank}", "1")  # leaving: nothing more to read here, so nobody waits for this rank
+    _linger(stores, rank, world)
+
+
+def _linger(stores: list[Any], rank: int, world: int) -> None:
+    """Wait while some other rank has neither read the failure nor left with one of its own (see the module
+    docstring): at most :data:`_LINGER_S`, then while such a rank is alive, up to the longest timeout."""
     started = time.perf_counter()
     while True:
         waited = time.perf_counter() - started
-        unread = [r for r in range(world) if r != rank and not store.check([f"{SEEN_KEY}/{r}"])]
+        unread = [r for r in range(world) if r != rank and not any(s.check([f"{SEEN_KEY}/{r}"]) for s in stores)]
         if not unread or waited > _LINGER_S + heartbeat.longest_timeout():
             return
         if waited > _LINGER_S:  # those that have not read may be stuck in torch: wait while they are alive

@@ -8,7 +8,7 @@ group's timeout passes (:func:`.groups.bound` makes that the pipeline's). Either
 message names no rank, and a survivor posting it would blame itself. So such an
 error is turned into a :class:`PipelineError` carrying the failure that stands:
 one posted on the board (the origin's own message, or the coordinator being
-unreachable), or else this rank's, naming the peers that stopped showing signs
+unreachable), or else this rank's, led by the peers that stopped showing signs
 of life (:mod:`.heartbeat`).
 """
 
@@ -44,5 +44,6 @@ def comm_failure(guard: Guard, err: BaseException, who: str) -> PipelineError:
         return posted
     lines = str(err).strip().splitlines()
     brief = f"{type(err).__name__}: {lines[0] if lines else ''}"
-    clause = heartbeat.describe_stopped() or heartbeat.describe_silent(guard.timeout)
-    return PipelineError(guard.fail(f"{who}: a collective inside torch failed: {brief}{clause}"))
+    culprit = heartbeat.blame_stopped() or heartbeat.blame_silent(guard.timeout)
+    text = f"{who}: a collective inside torch failed: {brief}"
+    return PipelineError(guard.fail(f"{culprit}: {text}" if culprit else text))

@@ -19,7 +19,14 @@ What a guard owns:
   :mod:`.waiters`; NCCL's only order streams), :meth:`Guard.watch` to start such
   a wait early, :meth:`Guard.call` for a blocking call, and
   :meth:`Guard.check_deadline` for waits that poll (the shm doorbells, a CUDA
-  event: :meth:`Guard.wait_gpu`);
+  event: :meth:`Guard.wait_gpu`). A wait behind the others' slow local work
+  (a checkpoint's writing and hashing) may be given ``patience``: it goes on
+  past the timeout while every rank shows signs of life, and ends as soon as
+  one stops;
+* the first words of every failure it posts name the rank at fault when the
+  heartbeat tells it (a rank silent past half the timeout, or one that stopped
+  stamping when gloo reported a closed connection), not the neighbour this
+  rank happened to wait for;
 * forensics: :attr:`Guard.waiting`, what this rank waited for last (the hang
   report, :mod:`stagewise.runtime.engine.forensics`), which each step clears
   (:meth:`Guard.reset_waiting`); :attr:`Guard.me`, how messages name this rank;
@@ -100,11 +107,21 @@ class Guard:
             return None
         return self._waiters.submit(works)
 
-    def wait(self, works: Sequence[Any], what: str, *, watch: Watch | None = None, blocking: bool = False) -> None:
+    def wait(
+        self,
+        works: Sequence[Any],
+        what: str,
+        *,
+        watch: Watch | None = None,
+        blocking: bool = False,
+        patience: float | None = None,
+    ) -> None:
         """Block until ``works`` complete, raising :class:`PipelineError` on any rank's failure or the deadline.
 
         ``blocking``: the works block a thread until done even where the backend only orders streams (gloo
         works next to NCCL: the eager side group), so they are waited for on a helper thread too.
+        ``patience``: a wait behind slow local work of the others (writing or hashing a checkpoint) may last up
+        to this long, past the timeout, while every rank shows signs of life (see :meth:`check_deadline`).
         """
         if not works:
             return
@@ -119,15 +136,24 @@ class Guard:
             started = time.perf_counter()
             while not job.event.wait(poll_s(time.perf_counter() - started)):
                 try:
-                    self.check_deadline(started, what)
+                    self.check_deadline(started, what, patience)
                 except PipelineError:
                     self._waiters.abandon(job.waiter)  # its thread is stuck in gloo; leave it behind
                     raise
         if job.error is not None:
             if self.board.failure is None:  # which peer went away? gloo does not say
-                who = heartbeat.describe_stopped()
-                raise PipelineError(self.board.fail(f"{self.me}: {what} failed: {job.error}{who}")) from job.error
+                self._post_comm_error(what, job.error)
             raise PipelineError(self.board.failure) from job.error
+
+    def _post_comm_error(self, what: str, error: BaseException) -> None:
+        """Post a failed wait, naming first the rank that stopped stamping (a killed peer), if one did."""
+        try:
+            self.board.check()  # the peer's own failure may have been posted meanwhile: that one stands
+        except PipelineError:
+            return
+        culprit = heartbeat.blame_stopped()
+        text = f"{self.me}: {what} failed: {error}"
+        self.board.fail(f"{culprit}: {text}" if culprit else text)
 
     def call(self, fn: Callable[[], T], what: str) -> T:
         """``fn()`` on a helper thread (left behind if it never returns), bounded like :meth:`wait`.
@@ -146,28 +172,38 @@ class Guard:
         value: T = box["value"]
         return value
 
-    def check_deadline(self, started: float, what: str) -> None:
-        """Raise if a failure was posted, or post one if ``what`` has been waited for past the timeout."""
+    def check_deadline(self, started: float, what: str, patience: float | None = None) -> None:
+        """Raise if a failure was posted, or post one if ``what`` has been waited for past the timeout.
+
+        The message names first the ranks that stopped showing signs of life, when some did (a stopped rank
+        two hops away is the one at fault, not the neighbour this rank waits for). With ``patience``, the wait
+        goes on past the timeout while no rank is silent, up to ``patience`` seconds.
+        """
         self.board.check()
         waited = time.perf_counter() - started
-        if waited > self.timeout:
-            raise PipelineError(
-                self.board.fail(
-                    f"{self.me} waited {waited:.1f} s for {what}; is another rank stuck or dead? "
-                    f"(timeout={self.timeout:g} s){heartbeat.describe_silent(self.timeout)}"
-                )
-            )
+        if waited <= self.timeout:
+            return
+        culprit = heartbeat.blame_silent(self.timeout)
+        if not culprit and patience is not None and waited <= patience:
+            return
+        limit = self.timeout if patience is None or culprit else patience
+        if culprit:
+            text = f"{culprit}; {self.me} waited {waited:.1f} s for {what} (timeout={limit:g} s)"
+        else:
+            text = f"{self.me} waited {waited:.1f} s for {what}; is another rank stuck or dead? (timeout={limit:g} s)"
+        raise PipelineError(self.board.fail(text))
 
-    def wait_gpu(self, device: torch.device, what: str) -> None:
+    def wait_gpu(self, device: torch.device, what: str, patience: float | None = None) -> None:
         """On CUDA, wait for the queued kernels and transfers by polling an event (a GPU wait cannot be handed
-        to a helper thread without blocking it), within the deadline; nothing on other devices."""
+        to a helper thread without blocking it), within the deadline (``patience``: as for :meth:`wait`);
+        nothing on other devices."""
         if device.type != "cuda":
             return
         event = torch.cuda.Event()
         event.record()
         started = time.perf_counter()
         while not event.query():
-            self.check_deadline(started, what)
+            self.check_deadline(started, what, patience)
             time.sleep(0.0002)
 
     def close(self) -> None:

@@ -6,7 +6,11 @@ rank. So each process stamps ``alive/<global rank>`` in the run's corner of
 the store (:mod:`.coordinator`) every :data:`INTERVAL_S` seconds from a daemon
 thread, on a connection of its own; a rank whose deadline passes reads every
 stamp and names the ranks silent for more than half the timeout - a stopped
-or dead process stops stamping, a busy one does not.
+or dead process stops stamping, a busy one does not - in the *first* words of
+its message (:func:`blame_silent`; :func:`blame_stopped` after gloo reports a
+closed connection), so the first line a user reads blames the right rank:
+
+    global rank 1 stopped or died (no sign of life for 6.2 s); rank 3 waited 10.1 s for ...
 
 The stamps are wall-clock times (``time.time()``): ranks on one host share the
 clock, and hosts' clocks agree far better than the timeouts involved.
@@ -21,6 +25,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .keys import JOB_KEY
+
 INTERVAL_S = 1.0
 
 _thread: threading.Thread | None = None
@@ -29,19 +35,27 @@ _store: Any = None
 _timeout = 0.0  # the longest timeout of the boards that started the stamping
 
 
-def start(timeout: float) -> None:
-    """Start stamping (once per process; no-op on one rank or without a process group)."""
+def start(timeout: float, *, pipeline: bool = True) -> None:
+    """Start stamping (once per process; no-op on one rank or without a process group); ``timeout`` bounds each
+    store call, and (``pipeline``: a pipeline's own timeout) how long the exit hook may wait for a stuck peer.
+
+    Also lets the coordinator's bounded calls (:func:`..coordinator.call_with_deadline`, which the link probes
+    and calibration use before any pipeline exists) stop at a failure posted for the job, and name the silent
+    ranks when their deadline passes.
+    """
     global _thread, _store, _timeout
-    _timeout = max(_timeout, timeout)
+    if pipeline:
+        _timeout = max(_timeout, timeout)
     if _thread is not None or not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    from ..coordinator import board_client
+    from ..coordinator import board_client, watch_calls
 
     _store = board_client(None, timeout, own=True)
     rank = dist.get_rank()
     stamp(rank)
     _thread = threading.Thread(target=_run, args=(rank,), name="stagewise-heartbeat", daemon=True)
     _thread.start()
+    watch_calls(job_failure, blame_silent)
 
 
 def stamp(rank: int) -> None:
@@ -79,16 +93,38 @@ def longest_timeout() -> float:
     return _timeout
 
 
-def describe_silent(timeout: float) -> str:
-    """A clause naming the silent ranks (empty if none, or if the store cannot be read)."""
+def blame_silent(timeout: float) -> str:
+    """The rank(s) at fault when a deadline passed, for the *first* words of the message: the ranks silent for
+    more than half the timeout (``"global rank 1 stopped or died (no sign of life for 6.2 s)"``), or ""."""
     try:
-        silent = silent_ranks(max(2.0, timeout / 2))
+        silent = silent_ranks(_threshold(timeout))
     except Exception:
         return ""
+    others = [(r, age) for r, age in silent if r != dist.get_rank()]
+    return _blame(sorted(others, key=lambda x: -(x[1] if x[1] is not None else float("inf"))))  # longest first
+
+
+def _threshold(timeout: float) -> float:
+    """Silence longer than this is not a busy rank: half the timeout, and never under 2.5 stamps."""
+    return max(2.5 * INTERVAL_S, timeout / 2)
+
+
+def _blame(silent: list[tuple[int, float | None]]) -> str:
     if not silent:
         return ""
-    parts = [f"global rank {r} ({'never' if age is None else f'{age:.1f} s ago'})" for r, age in silent]
-    return f"; last sign of life: {', '.join(parts)} - stopped or dead?"
+    ranks = ", ".join(str(r) for r, _ in silent)
+    ages = [age for _, age in silent if age is not None]
+    since = f"no sign of life for {max(ages):.1f} s" if ages else "no sign of life yet"
+    many = "s" if len(silent) > 1 else ""
+    return f"global rank{many} {ranks} stopped or died ({since})"
+
+
+def job_failure() -> str | None:
+    """The failure a process of this job posted when it ended (:mod:`.exit_hook`), or None; read on the
+    heartbeat's own connection (raises if the store cannot be reached)."""
+    if _store is None or not _store.check([JOB_KEY]):
+        return None
+    return str(_store.get(JOB_KEY).decode())
 
 
 def _stamps() -> dict[int, str | None]:
@@ -99,24 +135,28 @@ def _stamps() -> dict[int, str | None]:
     return out
 
 
-def describe_stopped(within: float = 2.5 * INTERVAL_S) -> str:
-    """After a communication failure: a clause naming the ranks that stamp nothing new for ``within`` seconds.
+def blame_stopped(within: float = 2.5 * INTERVAL_S) -> str:
+    """After a communication failure, the first words of the message: the other ranks whose stamp does not
+    advance in ``within`` seconds (``"global rank 1 stopped or died (no sign of life for 2.5 s)"``), or "".
 
     A killed peer makes gloo report "connection closed" without saying which peer; its stamp stops advancing,
     while every live rank stamps every :data:`INTERVAL_S`. Costs ``within`` seconds, on the failure path only.
     """
+    return _blame([(r, within) for r in stopped_ranks(within)])
+
+
+def stopped_ranks(within: float) -> list[int]:
+    """The other ranks whose stamp does not advance in ``within`` seconds (empty if the store cannot be read)."""
     if _store is None:
-        return ""
+        return []
     try:
         before = _stamps()
         time.sleep(within)
         after = _stamps()
     except Exception:
-        return ""
+        return []
     still = [r for r in before if r != dist.get_rank() and before[r] == after[r]]
-    if not still:
-        return ""
-    return f"; no sign of life for {within:g} s from global rank {', '.join(map(str, still))} - stopped or dead?"
+    return sorted(still, key=lambda r: float(before[r] or 0.0))  # the longest silent first: the likeliest cause
 
 
 @atexit.register

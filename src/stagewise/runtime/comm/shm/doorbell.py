@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import os
 import select
+import stat
 import time
 from collections.abc import Callable
 
-from .names import track, unlink, untrack
+from .names import open_private, track, unlink, untrack
 
 POLL_S = 0.05  # how long a wait sleeps before it looks at the board, the clock and the peer
 
@@ -46,12 +47,15 @@ class Doorbells:
         fd = self._fds.get(rank)
         if fd is None:
             path = self.path(rank)
+            made = False
             try:
                 os.mkfifo(path, 0o600)
                 track(path)  # created here: removed by the tracker if this process dies before forget_name
+                made = True
             except FileExistsError:
                 pass
-            fd = self._fds[rank] = os.open(path, os.O_RDWR | os.O_NONBLOCK)  # RDWR: never blocks, never ENXIO
+            # RDWR: never blocks, never ENXIO; a name someone else made is refused (see .names.open_private)
+            fd = self._fds[rank] = open_private(path, os.O_RDWR | os.O_NONBLOCK, stat.S_IFIFO, made=made)[0]
         return fd
 
     def forget_name(self) -> None:

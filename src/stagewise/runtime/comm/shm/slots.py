@@ -29,7 +29,7 @@ transport refuses to run elsewhere (``shm_peers.Peer.capable``).
 *Names.* A receiver unlinks a slot once it has taken the slot's first value
 (the sender has it mapped by then), before it acknowledges the value; what is
 left goes when the channels close. The side that creates a name registers it
-with the resource tracker (:mod:`.shm_names`) and unregisters it once it is
+with the resource tracker (:mod:`.names`) and unregisters it once it is
 gone: as the receiver when it unlinks, as the sender when it sees the first ack.
 """
 
@@ -38,13 +38,14 @@ from __future__ import annotations
 import glob
 import mmap
 import os
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from .doorbell import POLL_S, Checker, Doorbells
-from .names import track, unlink, untrack
+from .names import open_private, track, unlink, untrack
 
 _HEADER = 64  # seq and ack (int64 each), padded so the bytes start aligned
 _ACK_POLL_S = 0.001  # a sender waiting for a slot to be taken is not rung: it looks this often
@@ -191,19 +192,18 @@ _EMPTY = torch.empty(0, dtype=torch.uint8)
 
 
 def _open(path: str) -> int:
-    """Open a slot's file, creating it if neither side has yet; the side that creates it tracks the name.
+    """Open a slot's file, creating it if neither side has yet (mode 0600; a name someone else made is refused:
+    :func:`.names.open_private`); the side that creates it tracks the name.
 
     One side only: ranks started by ``multiprocessing`` share one resource tracker, which keeps a name once,
     so a second registration would make the second unregistration an error in the tracker."""
     while True:
         try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        except FileExistsError:
-            try:
-                return os.open(path, os.O_RDWR)
-            except FileNotFoundError:  # unlinked in between (a failure's cleanup): create it again
-                continue
-        track(path)
+            fd, created = open_private(path, os.O_RDWR, stat.S_IFREG)
+        except FileNotFoundError:  # unlinked in between (a failure's cleanup): create it again
+            continue
+        if created:
+            track(path)
         return fd
 
 

@@ -58,7 +58,7 @@ import torch.distributed as dist
 from ...errors import PipelineError
 from ..faults.guard import Guard
 from ..faults.waiters import Watch
-from ..groups import backend_of
+from ..groups import backend_of, global_ranks
 from ..transport.p2p import Addresses, Eager
 from ..transport.protocol import Op, TransportSpec, guard_for
 from .doorbell import Checker
@@ -119,10 +119,10 @@ class ShmTransport:
         """Stop a wait: a failure posted anywhere, the deadline, or the peer's process gone."""
         self.guard.check_deadline(started, what)
         who = self.peers[peer]
-        if not who.alive():
-            raise PipelineError(
-                self.guard.fail(f"{self.guard.me}: {what} failed: peer rank {peer} (pid {who.pid}) died")
-            )
+        if not who.alive():  # the peer first: it is the one at fault (its global rank where that differs)
+            g = global_ranks(self.group)[peer]
+            dead = f"rank {peer}" if g == peer else f"rank {peer} (global rank {g})"
+            raise PipelineError(self.guard.fail(f"{dead} died (pid {who.pid}): {self.guard.me} waited for {what}"))
 
     # ---- posting
     def post(self, ops: Sequence[Op]) -> list[list[Any]]:

@@ -47,7 +47,7 @@ import torch
 
 from ..faults.guard import Guard
 from ..faults.waiters import Watch
-from ..groups import backend_of, group_rank
+from ..groups import backend_of, global_rank, group_rank
 
 TAG_BITS = 20  # tags: pipeline id (10 bits) | message tag (20 bits)
 
@@ -119,13 +119,18 @@ def guard_for(spec: TransportSpec) -> Guard:
                 "make the guard from the final spec (guard_for), or leave it None"
             )
         return spec.guard
-    return Guard(
-        board,
-        spec.timeout,
-        spec.label or f"rank {group_rank(spec.group)}",
-        store=spec.store,
-        orders_streams=backend_of(spec.group) == "nccl",
-    )
+    return Guard(board, spec.timeout, spec.label or _me(spec.group), store=spec.store, orders_streams=_nccl(spec.group))
+
+
+def _me(group: Any) -> str:
+    """How messages name this rank: its rank in the pipeline, and its global rank where they differ (a pipeline
+    on a sub-group, as HetPipe's virtual workers), so that every message names the process at fault."""
+    mine, world = group_rank(group), global_rank()
+    return f"rank {mine}" if mine == world else f"rank {mine} (global rank {world})"
+
+
+def _nccl(group: Any) -> bool:
+    return backend_of(group) == "nccl"
 
 
 #: builds a pipeline's transport; the default is ``"auto"`` (see :mod:`.choose`)

@@ -1,0 +1,10 @@
+"""The job-level keys every process of a run reads and writes in the run's corner of the store.
+
+* :data:`JOB_KEY`: the first error any process ended with (posted by :mod:`.exit_hook`; every error board and
+  every bounded call of the coordinator watches it);
+* :data:`SEEN_KEY` ``/<global rank>``: that rank has read a failure, or failed itself and is leaving - the
+  rank whose failure stands waits only for ranks with neither (:mod:`.exit_hook`).
+"""
+
+JOB_KEY = "job/error"
+SEEN_KEY = "job/seen"

@@ -1,0 +1,69 @@
+"""stagewise.checkpoint's safety in one process (issue 32): the metadata unpickler's fixed list of classes, the
+rank-by-rank shares DCP writes (each piece once) merged back on load, and which checkpoint a root resolves to."""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.planner import WriteItemType
+
+import stagewise as sw
+from helpers import models as mdl
+from stagewise.checkpoint import CheckpointError
+from stagewise.runtime.checkpoint import storage
+
+CPU = torch.device("cpu")
+
+
+def test_the_metadata_unpickler_builds_only_its_fixed_list(tmp_path: Path) -> None:
+    """A class of DCP's own package that is not DCP metadata (the old rule allowed any class under it) is refused."""
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(WriteItemType.TENSOR))
+    with pytest.raises(CheckpointError, match="refusing to build torch.distributed.checkpoint.planner.WriteItemType"):
+        storage.SafeReader(str(tmp_path)).read_metadata()
+
+
+def test_shares_write_each_piece_once_and_load_merged(tmp_path: Path) -> None:
+    """Two ranks' shares (no process group: the collectives are not needed to write them): ``b``, held by both,
+    is written by rank 0 alone; a load reads every name from the share that wrote it."""
+    held = [
+        {"a": torch.arange(4.0), "b": torch.full((2, 3), 7.0, dtype=torch.float64)},
+        {"b": torch.full((2, 3), 7.0, dtype=torch.float64), "c": torch.tensor(5)},
+    ]
+    pieces = [storage.pieces(t) for t in held]
+    for rank, tensors in enumerate(held):
+        ranks = storage.Ranks(None, rank, 2, CPU, True)
+        storage.save_tensors(tensors, tmp_path, ranks, storage.assigned(pieces, rank))
+    meta = storage.SafeReader(str(tmp_path)).read_metadata()
+    files = {index.fqn: info.relative_path for index, info in meta.storage_data.items()}
+    assert sorted(files) == ["a", "b", "c"] and files["b"].startswith("rank-0/") and files["c"].startswith("rank-1/")
+    targets = {"a": torch.zeros(4), "b": torch.zeros(2, 3, dtype=torch.float64), "c": torch.tensor(0)}
+    storage.load_tensors(targets, tmp_path, storage.Ranks(None, 0, 1, CPU, False))
+    assert torch.equal(targets["a"], held[0]["a"]) and torch.equal(targets["b"], held[1]["b"]) and targets["c"] == 5
+
+
+def test_a_root_whose_newest_checkpoint_lost_its_manifest_is_refused_not_passed_over(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = sw.build_model(mdl.lm(2), seed=0)
+    sw.checkpoint.save(tmp_path, model, step=1, collective=False)
+    second = sw.checkpoint.save(tmp_path, model, step=2, collective=False)
+    (second / "MANIFEST.json").unlink()
+    words = "step-00000002, is incomplete: it has no MANIFEST.json .* move step-00000002 away"
+    with pytest.raises(CheckpointError, match=words):
+        sw.checkpoint.load(tmp_path, model, collective=False)
+    with pytest.raises(CheckpointError, match=words):
+        sw.checkpoint.resume(tmp_path, model, collective=False)
+    shutil.move(second, tmp_path / "damaged")
+    shutil.copytree(tmp_path / "step-00000001", tmp_path / ".step-00000005.tmp")  # a save that died
+    with caplog.at_level(logging.INFO, logger="stagewise"):
+        info = sw.checkpoint.resume(tmp_path, model, collective=False)
+    assert info is not None and info.step == 1
+    assert "the newest of 1 complete checkpoint under" in info.reason, info.reason
+    assert "an interrupted save of step 5 is ignored: .step-00000005.tmp" in info.reason, info.reason
+    assert f"step-00000001: {info.reason}" in caplog.text, caplog.text
+    assert sw.checkpoint.resume(tmp_path / "nowhere", model, collective=False) is None

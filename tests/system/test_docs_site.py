@@ -1,0 +1,102 @@
+"""The documentation site builds with ``mkdocs build --strict`` and renders: headless Chromium (Debian's
+``chromium``) opens the home page and a guide, served on localhost, and screenshots them.
+
+A screenshot proves the page rendered when it holds the theme's header colour (the stylesheet loaded) and
+the boxes of the Gantt charts the page shows (the images loaded). ``STAGEWISE_SCREENSHOTS=DIR`` keeps the
+screenshots (``make docs-screenshots``). Without mkdocs or Chromium the tests skip, except under CI, where
+they fail: `.ci/run` installs Chromium and ``make test`` the ``docs`` extra.
+"""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import os
+import shutil
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from helpers.doc_blocks import BIN, ROOT, env
+
+#: the theme's header (Material's indigo) and the charts' forward boxes (stagewise.render.gantt.COLORS)
+HEADER = (0x3F, 0x51, 0xB5)
+FORWARD_BOX = (0x4E, 0x79, 0xA7)
+PAGES = {"index.html": "stagewise", "guides/schedules.html": "Schedules and the IR"}
+
+
+def _missing(what: str) -> None:
+    if os.environ.get("CI"):
+        pytest.fail(f"{what} is missing in CI: .ci/run installs it")
+    pytest.skip(f"{what} is not installed")
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    mkdocs = BIN / "mkdocs"
+    if not mkdocs.exists():
+        _missing("mkdocs (pip install -e '.[docs]')")
+    out = tmp_path_factory.mktemp("site")
+    cmd = [str(mkdocs), "build", "--strict", "--site-dir", str(out)]
+    result = subprocess.run(cmd, cwd=ROOT, env=env() | {"NO_MKDOCS_2_WARNING": "1"}, capture_output=True, text=True)
+    assert result.returncode == 0, f"mkdocs build --strict failed:\n{result.stdout}\n{result.stderr}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def served(site: Path) -> Iterator[str]:
+    handler = functools.partial(_QuietHandler, directory=str(site))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 (the base class's name)
+        pass
+
+
+def test_the_site_has_every_page_and_the_api_reference(site: Path) -> None:
+    for page in ["index.html", "matrix.html", "guides/planner.html", "guides/comparison.html", "api/runtime.html"]:
+        assert (site / page).is_file(), page
+    runtime = (site / "api" / "runtime.html").read_text()
+    assert "train_step" in runtime and "from_hf" in runtime  # generated from the docstrings
+    assert ":func:" not in runtime and ":class:" not in runtime  # the roles hook ran
+
+
+@pytest.mark.parametrize("page", sorted(PAGES))
+def test_a_page_renders_in_chromium(served: str, page: str, tmp_path: Path) -> None:
+    from PIL import Image
+
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        _missing("chromium (apt-get install chromium)")
+    shot = tmp_path / "page.png"
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--hide-scrollbars"]
+    flags += ["--disable-background-networking", "--disable-component-update", "--disable-sync"]
+    flags += [f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1400,3000", f"--screenshot={shot}"]
+    result = subprocess.run([chromium, *flags, f"{served}/{page}"], capture_output=True, text=True, timeout=120)
+    assert shot.is_file(), f"chromium wrote no screenshot:\n{result.stderr[-2000:]}"
+    keep = os.environ.get("STAGEWISE_SCREENSHOTS")
+    if keep:
+        Path(keep).mkdir(parents=True, exist_ok=True)
+        shutil.copy(shot, Path(keep) / page.replace("/", "-").replace(".html", ".png"))
+    with Image.open(shot) as image:
+        assert image.size == (1400, 3000)
+        pixels = image.convert("RGB")
+        top = [pixels.getpixel((x, 20)) for x in range(0, 1400, 16)]
+        colors = pixels.getcolors(maxcolors=1 << 20) or []
+    assert sum(_near(c, HEADER) for c in top) > len(top) // 2, "no theme header: the stylesheet did not load"
+    forward = sum(n for n, c in colors if _near(c, FORWARD_BOX))
+    assert forward > 500, "no chart boxes on the page: its pictures did not load"
+    assert len(colors) > 100, "a page of few colours: nothing rendered"
+
+
+def _near(color: tuple[int, int, int], target: tuple[int, int, int], tolerance: int = 12) -> bool:
+    return all(abs(a - b) <= tolerance for a, b in zip(color, target))
