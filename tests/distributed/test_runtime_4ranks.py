@@ -16,7 +16,7 @@ RANKS = 4
 PARITY = list(parity_checks(RANKS))
 
 
-results = suite_per_transport("runtime_checks", RANKS, "parity+subgroups+transport", timeout=270)
+results = suite_per_transport("runtime_checks", RANKS, "parity+subgroups+agreement+transport", timeout=270)
 
 
 def test_transport_in_use(results) -> None:
@@ -31,6 +31,13 @@ def test_step_exchanges(results) -> None:
 
 @pytest.mark.parametrize("name", PARITY)
 def test_parity(results, name: str) -> None:
+    results.assert_ok(name)
+
+
+@pytest.mark.parametrize("name", ["different-options", "different-layout", "alike-per-group"])
+def test_ranks_built_alike_or_refused(results, name: str) -> None:
+    """Ranks given other options than their pipeline's peers are refused on every rank, naming the option and
+    who holds what, before any group is made; pipelines on different groups may differ."""
     results.assert_ok(name)
 
 

@@ -106,8 +106,12 @@ def test_every_survivor_reports_and_exits(tmp_path: Path, hang: bool, transport:
             text
         )
         assert "planned: " in mine and f">>{r}" in mine, text
-    # rank 2 receives stage 1's output for micro-batch 2 from the victim
-    assert f"waiting for stage 1's output for micro-batch 2 from rank {VICTIM}" in reports[2], reports[2]
+    # rank 2 receives stage 1's output from the victim, which dies in its forward of micro-batch 2; the outputs of
+    # micro-batches 0 and 1 it sent just before may die with it in flight (gloo's send returns once queued), so
+    # rank 2 may be left waiting for any of the three
+    assert re.search(rf"waiting for stage 1's output for micro-batch [0-2] from rank {VICTIM}\b", reports[2]), reports[
+        2
+    ]
 
 
 @pytest.mark.parametrize("transport", list(TRANSPORTS))

@@ -34,6 +34,7 @@ from .frontends.layer_list import LayerList
 from .frontends.layers import Layers
 from .frontends.parts import Frontend
 from .frontends.plan import FromPlan
+from .option_agreement import check_same_build
 from .options import Options, check_applicable
 
 if TYPE_CHECKING:
@@ -97,6 +98,7 @@ class Pipeline(nn.Module):
         opts = synthesized(entry, frontend, frontend.defaults(opts))  # schedule="auto": synthesized for the costs
         schedule = resolve_schedule_for(opts, frontend.stage_count(opts))
         refuse_options(entry, opts, schedule)
+        check_same_build(entry, opts, schedule)  # before any group is made: ranks built alike, or all refuse
         ctx = place(opts, schedule)
         parts = frontend.build(ctx, opts)
         refuse_parts(entry, opts, schedule, parts)

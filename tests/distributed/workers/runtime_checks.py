@@ -357,6 +357,43 @@ def subgroups(ctx: Ctx) -> None:
     parity("lm", "dualpipe-v", 2)(sub)
 
 
+def _mlp_pipeline(**options: Any) -> Any:
+    return sw.Pipeline(mdl.mlp(), loss_fn=F.cross_entropy, timeout=60, **options)
+
+
+def different_options(ctx: Ctx) -> str:
+    """Rank 2 asks for 2 micro-batches, the others for 4: every rank refuses with the same message, naming the
+    option and who holds which value (it used to wait for the deadline and blame a peer)."""
+    words = ["ranks were built with different options", "microbatches: ranks 0, 1, 3 have 4; rank 2 has 2"]
+    message = raises(ValueError, words, lambda: _mlp_pipeline(microbatches=2 if ctx.rank == 2 else 4))
+    assert len(set(gather_objects(message, None))) == 1, "the ranks raised different errors"
+    return message
+
+
+def different_layout(ctx: Ctx) -> str:
+    """Rank 3 asks for pp=4, the others for pp=2 x dp=2: refused before any group of either layout is made."""
+    import torch.distributed.distributed_c10d as c10d
+
+    made = len(c10d._world.pg_map)
+    config = sw.ParallelConfig(pp=4) if ctx.rank == 3 else sw.ParallelConfig(pp=2, dp=2)
+    message = raises(
+        ValueError, ["parallel: ranks 0, 1, 2 have", "dp=2", "rank 3 has"], lambda: _mlp_pipeline(parallel=config)
+    )
+    assert len(c10d._world.pg_map) == made, "process groups were made before the options were compared"
+    return message
+
+
+def alike_per_group(ctx: Ctx) -> None:
+    """Two pipelines on groups {0, 2} and {1, 3} may differ from each other (the check is per pipeline group):
+    each trains like one process."""
+    import torch.distributed as dist
+
+    pairs = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    mine = pairs[ctx.rank % 2]
+    sub = Ctx(rank=dist.get_rank(mine), world=2, group=mine)
+    parity("mlp", "1f1b" if ctx.rank % 2 == 0 else "gpipe", 2 + ctx.rank % 2)(sub)
+
+
 def feature_checks(world: int) -> dict[str, Check]:
     """Two ranks; the structured model's stage boundaries are placed by hand."""
     assert world == 2, "the feature checks are written for 2 ranks"
@@ -380,6 +417,11 @@ SUITES: dict[str, Callable[[int], dict[str, Check]]] = {
     "parity": parity_checks,
     "features": feature_checks,
     "subgroups": lambda world: {"subgroups": subgroups},
+    "agreement": lambda world: {
+        "different-options": different_options,
+        "different-layout": different_layout,
+        "alike-per-group": alike_per_group,
+    },
     "transport": transport_checks,
 }
 

@@ -44,6 +44,7 @@ from ..._util import is_count
 from ...ir import Kind
 from ...partition import LayerProfile
 from ..comm.groups import group_size, require_initialized
+from ..frontends.balance import on_first_rank
 from ..interrupt import uncounted
 from .links import summed
 from .progress import Steps
@@ -87,6 +88,10 @@ def measure_compute_scale(
             raise ValueError(f"measure_compute_scale: {name} must be an int >= 1, got {value!r}")
     if not timeout > 0:
         raise ValueError(f"measure_compute_scale: timeout must be > 0 seconds, got {timeout!r}")
+    # every rank probes the same plans: each rank's own profile times the layers a little differently, and a
+    # time-balanced cut of two profiles can differ (Pipeline.from_plan refuses plans that differ)
+    mine = profile
+    profile = on_first_rank(None, lambda: mine, "handing rank 0's profile to the probes", timeout)
     plans = [probe_plan(profile, group_size(None), schedule, **options) for schedule in PROBES]
     if parallel is None:  # both probes have the layout pp = every rank: one mesh for the two
         from ..hybrid.mesh import build_mesh
