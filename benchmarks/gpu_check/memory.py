@@ -2,7 +2,8 @@
 planner's prediction, on one rank.
 
 The prediction: parameters + gradients + AdamW's two moments (2x the parameters) + the simulator's activation
-peak for the schedule over the profiled costs (``LayerProfile.cost_model`` of the pipeline's partition, plus,
+peak for the schedule over the profiled costs (``LayerProfile.cost_model`` of the pipeline's partition, the
+loss's saved tensors on the last stage (``sw.profile(..., loss_fn=, targets=)``), plus,
 with recompute, the largest stage's full activations while it recomputes - the planner's rule). The planner
 (``stagewise.planning.search`` on 1 process) plans one stage per rank, so it predicts gpipe and 1f1b; zb-v
 needs 2 stages on the rank and has the simulator's prediction only. Measured on CUDA:
@@ -31,8 +32,9 @@ CASES = [("gpipe", 1, None), ("gpipe", 1, "stage"), ("1f1b", 1, None), ("1f1b", 
 def profiled(s: Sizes, device: torch.device) -> sw.LayerProfile:
     layers = lm_layers(s, torch.float32)
     modules = list(sw.build_model(layers, seed=0).to(device).children())
-    x, _ = lm_data(s, 0, device)
-    return sw.profile(modules, x[: s.batch // s.microbatches], repeats=2, warmup=1)
+    x, y = lm_data(s, 0, device)
+    b = s.batch // s.microbatches
+    return sw.profile(modules, x[:b], repeats=2, warmup=1, loss_fn=lm_loss, targets=y[:b])
 
 
 def predicted(profile: sw.LayerProfile, pipe: sw.Pipeline, recompute: str | None) -> tuple[float, float]:
@@ -42,6 +44,7 @@ def predicted(profile: sw.LayerProfile, pipe: sw.Pipeline, recompute: str | None
     costs = profile.cost_model(bounds)
     if recompute == "stage":  # a checkpointed stage keeps its input only, and recomputes the rest in its backward
         kept = [profile.layers[a - 1].output_bytes if a > 0 else 0.0 for a in bounds[:-1]]  # (the ids: not float)
+        kept[-1] += profile.loss_bytes  # the loss runs outside the checkpoint
         sim = simulate(pipe.schedule, _keeping(costs, kept))
         activations = sim.peak_activation_bytes[0] + max(costs.activation_bytes)
     else:

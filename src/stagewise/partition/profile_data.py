@@ -71,6 +71,10 @@ class LayerProfile:
     the sample inputs' first dimension). The planner scales every cost by the candidate's micro-batch over it,
     so a wrong batch makes every predicted time wrong by the same factor; None: not recorded (a profile written
     before it was, or made by hand), and the planner then needs ``profile_batch=``.
+
+    ``loss_bytes``: what the loss keeps for its backward per micro-batch (cross-entropy's log-softmax of the
+    logits: for a language model's head often more than a decoder layer), held by the last stage from its
+    forward to its backward; 0 when :func:`stagewise.profile` was not given the loss.
     """
 
     layers: tuple[LayerCost, ...]
@@ -79,8 +83,13 @@ class LayerProfile:
     warmup: int
     checkpoint: CheckpointCost | None = None  # None: not measured (recompute then costs the forward again only)
     batch: int | None = None
+    loss_bytes: float = 0.0
 
     def __post_init__(self) -> None:
+        if isinstance(self.loss_bytes, bool) or not (
+            isinstance(self.loss_bytes, (int, float)) and 0 <= self.loss_bytes < math.inf
+        ):
+            raise ValueError(f"LayerProfile.loss_bytes must be a finite number >= 0, got {self.loss_bytes!r}")
         if self.batch is not None and (
             isinstance(self.batch, bool) or not isinstance(self.batch, int) or self.batch < 1
         ):
@@ -105,7 +114,7 @@ class LayerProfile:
 
     def to_json(self) -> str:
         """A JSON object: ``device``, ``repeats``, ``warmup``, ``layers`` (one object per layer, LayerCost's fields)
-        and, where known, ``batch`` (samples profiled) and ``checkpoint`` (CheckpointCost's fields).
+        and, where known, ``batch`` (samples profiled), ``loss_bytes`` and ``checkpoint`` (CheckpointCost's fields).
 
         ``LayerProfile.from_json(p.to_json()) == p``.
         """
@@ -117,6 +126,8 @@ class LayerProfile:
         }
         if self.batch is not None:
             data["batch"] = self.batch
+        if self.loss_bytes:
+            data["loss_bytes"] = self.loss_bytes
         if self.checkpoint is not None:
             data["checkpoint"] = asdict(self.checkpoint)
         return json.dumps(data)
@@ -155,6 +166,7 @@ class LayerProfile:
             warmup=int(data.get("warmup", 0)),
             checkpoint=checkpoint,
             batch=batch,
+            loss_bytes=float(data.get("loss_bytes", 0.0)),
         )
 
     def times(self) -> list[float]:
@@ -188,12 +200,14 @@ class LayerProfile:
             raise ValueError(f"cost_model: output_bytes has {len(output_bytes)} entries, expected one per stage ({p})")
         stages = [_sum_layers(self.layers[a:b], match_backward) for a, b in zip(bounds, bounds[1:])]
         sent = [s.output_bytes for s in stages] if output_bytes is None else [float(x) for x in output_bytes]
+        held = [s.activation_bytes for s in stages]
+        held[-1] += self.loss_bytes  # the last stage holds the loss's saved tensors too, until its backward
         return CostModel(
             num_stages=p,
             forward=tuple(s.forward for s in stages),
             backward_input=tuple(s.backward_input for s in stages),
             backward_weight=tuple(s.backward_weight for s in stages),
-            activation_bytes=tuple(s.activation_bytes for s in stages),
+            activation_bytes=tuple(held),
             weight_activation_bytes=tuple(s.weight_activation_bytes for s in stages),
             parameter_bytes=tuple(s.parameter_bytes for s in stages),
             output_bytes=tuple(sent),

@@ -22,7 +22,10 @@ of its output per forward (the ``g`` operators) and two per backward (the
 its backward, and the backward (B, or I where it is split) runs the forward
 again first. While one micro-batch's backward runs, its recomputed
 internals are alive: the planner adds one micro-batch's full stage
-activations to the rank's peak. Under a schedule that splits B, a
+activations to the rank's peak. The loss's saved tensors
+(``LayerProfile.loss_bytes``, when the profile was given the loss) are the
+last stage's, recompute or not: the loss runs outside the checkpointed
+forward. Under a schedule that splits B, a
 recomputed stage does its W within I (I = F + I + W, W = 0): the runtime
 does, because W in parts would re-run the checkpointed forward once per
 part (:mod:`stagewise.runtime.engine.interpreter`). The checkpoint itself
@@ -97,6 +100,7 @@ class LayerArrays:
     tp_layer: tuple[bool, ...]
     saved: tuple[float, ...] = ()  # tensors autograd saves per layer (what a checkpoint's hooks pay for)
     checkpoint: CheckpointCost | None = None
+    loss: float = 0.0  # bytes the loss saves per micro-batch, held by the last stage (LayerProfile.loss_bytes)
 
 
 def layer_arrays(profile: LayerProfile, tp: int, tp_layers: frozenset[int]) -> LayerArrays:
@@ -127,6 +131,7 @@ def layer_arrays(profile: LayerProfile, tp: int, tp_layers: frozenset[int]) -> L
         tp_layer=tuple(split),
         saved=tuple(saved),
         checkpoint=profile.checkpoint,
+        loss=profile.loss_bytes,
     )
 
 
@@ -170,6 +175,7 @@ class StageBase:
     factor: tuple[float, float, float] = (1.0, 1.0, 1.0)  # measured / predicted compute: F, B, I and W
     checkpoint_forward: tuple[float, ...] = ()  # seconds a recompute segment adds to each F (fixed)
     checkpoint_backward: tuple[float, ...] = ()  # ... and to each backward, beyond the forward again
+    loss: tuple[float, ...] = ()  # bytes the loss saves (the last stage's; recompute does not reach it)
 
     def at(self, scale: float, split: bool = False) -> StageCosts:
         """The stage costs for a micro-batch of ``scale`` times the profile batch (``split``: under a schedule that
@@ -181,15 +187,16 @@ class StageBase:
             kf, kb = self.factor[0], self.factor[2 if split else 1]
             fs = kf * (self.forward[s] * scale + fixed) + tp_fwd
             is_ = kb * (self.backward_input[s] * scale + fixed / 2) + tp_fwd  # the f all-reduces mirror the g ones
-            acts = self.activation[s] * scale
+            acts = self.activation[s] * scale  # the last stage's includes the loss's saved tensors
+            lost = (self.loss[s] if self.loss else 0.0) * scale
             kp = self.keep[s] * scale
-            full.append(acts)
+            full.append(acts - lost)  # what a recompute brings back: the stage's own internals
             ws = kb * (self.backward_weight[s] * scale + fixed / 2)
             if self.recompute == "stage":  # the forward again, W within I, the checkpoint's hooks (see above)
                 is_ += fs + ws + kb * self.checkpoint_backward[s]
                 fs += kf * self.checkpoint_forward[s]
                 ws = 0.0
-                acts = self.input[s] * scale
+                acts = self.input[s] * scale + lost
                 kp = min(kp, acts)
             f.append(fs)
             i.append(is_)
@@ -231,6 +238,7 @@ def stage_base(
     last = len(bounds) - 2
     units = []
     ck_f, ck_b = [], []
+    loss = [arrays.loss if s == last else 0.0 for s in range(last + 1)]
     for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
         units.append(sum(1 for k in range(a, b) if arrays.parameters[k] > 0))
         extra = arrays.checkpoint.stage(sum(arrays.saved[a:b])) if arrays.checkpoint and arrays.saved else (0.0, 0.0)
@@ -242,7 +250,7 @@ def stage_base(
             sum(arrays.forward[a:b]),
             sum(arrays.backward_input[a:b]),
             sum(arrays.backward_weight[a:b]),
-            sum(arrays.activation[a:b]),
+            sum(arrays.activation[a:b]) + loss[s],
             sum(arrays.keep[a:b]),
             sum(arrays.parameters[a:b]),
             arrays.output[b - 1],
@@ -260,6 +268,7 @@ def stage_base(
         factor=factor,
         checkpoint_forward=tuple(ck_f),
         checkpoint_backward=tuple(ck_b),
+        loss=tuple(loss),
     )
 
 

@@ -83,6 +83,8 @@ def profile(
     warmup: int = 2,
     rounds: int = 1,
     batch: int | None = None,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    targets: Any = None,
 ) -> LayerProfile:
     """Measure each layer of ``layers_or_model`` on ``sample_inputs`` (one micro-batch).
 
@@ -101,13 +103,48 @@ def profile(
 
     ``batch``: the samples in ``sample_inputs``, recorded in the profile (:attr:`LayerProfile.batch`) so that
     the planner scales its costs right; default: the first input tensor's first dimension.
+
+    ``loss_fn`` and ``targets`` (the micro-batch's): the bytes the loss keeps for its backward are measured
+    too (:attr:`LayerProfile.loss_bytes`), which the simulator and the planner put on the last stage - for a
+    language model's vocabulary the log-softmax of the logits, often larger than a decoder layer's.
     """
     if not is_count(rounds):
         raise ValueError(f"profile: rounds must be an int >= 1, got {rounds!r}")
     if batch is not None and not is_count(batch):
         raise ValueError(f"profile: batch must be an int >= 1 (samples in sample_inputs), got {batch!r}")
+    if (loss_fn is None) != (targets is None):
+        raise ValueError("profile: loss_fn and targets go together (the loss of one micro-batch of sample_inputs)")
     measured = steadiest(lambda: measure_layers(layers_or_model, sample_inputs, repeats=repeats, warmup=warmup), rounds)
-    return with_checkpoint_cost(replace(measured, batch=batch or measured.batch))
+    loss = 0.0 if loss_fn is None else float(loss_saved_bytes(layers_or_model, sample_inputs, loss_fn, targets))
+    return with_checkpoint_cost(replace(measured, batch=batch or measured.batch, loss_bytes=loss))
+
+
+def loss_saved_bytes(
+    layers_or_model: nn.Module | Sequence[nn.Module], sample_inputs: Any, loss_fn: Callable[..., Any], targets: Any
+) -> int:
+    """Bytes autograd saves inside ``loss_fn(output, targets)`` (each storage once; parameters excluded), the
+    output being the model's on ``sample_inputs``: what the activation meter counts for the loss at run time."""
+    inputs = sample_inputs if isinstance(sample_inputs, tuple) else (sample_inputs,)
+    modules = [layers_or_model] if isinstance(layers_or_model, nn.Module) else list(layers_or_model)
+    params = {p.untyped_storage().data_ptr() for m in modules for p in m.parameters()}
+    with preserved_state(modules, inputs), torch.no_grad():
+        out: Any = inputs
+        for m in modules:
+            out = m(*out) if isinstance(out, tuple) else m(out)
+    leaf = out.detach().requires_grad_(out.is_floating_point())
+    counted: set[int] = set()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params and ptr not in counted and t.numel():
+            counted.add(ptr)
+            sizes.append(t.numel() * t.element_size())
+        return t
+
+    sizes: list[int] = []
+    with preserved_state(modules, inputs), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss_fn(leaf, targets)
+    return sum(sizes)
 
 
 def steadiest(measure: Callable[[], LayerProfile], rounds: int) -> LayerProfile:

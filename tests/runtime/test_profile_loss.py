@@ -1,0 +1,33 @@
+"""sw.profile(..., loss_fn=, targets=) measures what the loss keeps for its backward (LayerProfile.loss_bytes):
+what autograd saves inside the loss, counted as the runtime's activation meter counts it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import stagewise as sw
+
+
+@pytest.mark.parametrize("n", [5, 10])
+def test_cross_entropy_keeps_its_log_softmax_and_the_targets(n: int) -> None:
+    x, y = torch.randn(n, 4, dtype=torch.float64), torch.randint(0, 3, (n,))
+    layers = [nn.Linear(4, 6).double(), nn.Tanh(), nn.Linear(6, 3).double()]
+    p = sw.profile(layers, x, loss_fn=F.cross_entropy, targets=y, repeats=1, warmup=0)
+    # log_softmax's n x 3 float64 result, the n int64 targets, and nll_loss's total weight (one float64)
+    assert p.loss_bytes == n * 3 * 8 + n * 8 + 8
+
+
+def test_mse_keeps_its_input_and_target() -> None:
+    x, t = torch.randn(7, 4, dtype=torch.float64), torch.zeros(7, 3, dtype=torch.float64)
+    p = sw.profile([nn.Linear(4, 3).double()], x, loss_fn=F.mse_loss, targets=t, repeats=1, warmup=0)
+    assert p.loss_bytes == 2 * 7 * 3 * 8
+
+
+def test_without_the_loss_nothing_is_counted_and_half_a_loss_is_refused() -> None:
+    x = torch.randn(5, 4)
+    assert sw.profile([nn.Linear(4, 3)], x, repeats=1, warmup=0).loss_bytes == 0.0
+    with pytest.raises(ValueError, match="loss_fn and targets go together"):
+        sw.profile([nn.Linear(4, 3)], x, loss_fn=F.cross_entropy, repeats=1, warmup=0)
