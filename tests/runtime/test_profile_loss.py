@@ -31,3 +31,12 @@ def test_without_the_loss_nothing_is_counted_and_half_a_loss_is_refused() -> Non
     assert sw.profile([nn.Linear(4, 3)], x, repeats=1, warmup=0).loss_bytes == 0.0
     with pytest.raises(ValueError, match="loss_fn and targets go together"):
         sw.profile([nn.Linear(4, 3)], x, loss_fn=F.cross_entropy, repeats=1, warmup=0)
+
+
+def test_a_model_whose_output_is_not_one_tensor_is_refused_by_name() -> None:
+    class Pair(nn.Module):
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return x, x
+
+    with pytest.raises(ValueError, match="loss_fn takes the model's output, which here is a tuple"):
+        sw.profile([nn.Linear(4, 3), Pair()], torch.randn(5, 4), loss_fn=F.mse_loss, targets=torch.zeros(5, 3))

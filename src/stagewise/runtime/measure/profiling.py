@@ -131,6 +131,11 @@ def loss_saved_bytes(
         out: Any = inputs
         for m in modules:
             out = m(*out) if isinstance(out, tuple) else m(out)
+    if not isinstance(out, torch.Tensor):
+        raise ValueError(
+            f"profile: loss_fn takes the model's output, which here is a {type(out).__name__}, not one tensor: "
+            "profile without loss_fn (the loss's saved bytes are then left out of the predictions)"
+        )
     leaf = out.detach().requires_grad_(out.is_floating_point())
     counted: set[int] = set()
 
