@@ -9,21 +9,18 @@ ran. On a CPU nothing synchronises; the same calls are counted by wrapping the r
 
 from __future__ import annotations
 
-import sys
 import traceback
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import torch
 
 import stagewise as sw
+from stagewise.runtime.measure.host_reads import counted_reads
 
 from .common import Row, Sizes, adamw, lm_data, lm_layers, lm_loss
-
-READS = ("item", "tolist", "numpy", "cpu", "__float__", "__int__", "__bool__")
 
 
 def pipeline(s: Sizes, device: torch.device, nan_policy: str | None) -> sw.Pipeline:
@@ -35,30 +32,6 @@ def pipeline(s: Sizes, device: torch.device, nan_policy: str | None) -> sw.Pipel
     for k in range(2):
         pipe.train_step(*lm_data(s, k, device))
     return pipe
-
-
-@contextmanager
-def cpu_reads() -> Iterator[Counter[str]]:
-    """The reads of tensor values stagewise's modules make, by ``file:line``."""
-    sites: Counter[str] = Counter()
-    saved = {name: getattr(torch.Tensor, name) for name in READS}
-
-    def wrap(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
-        def counting(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            frame = sys._getframe(1)
-            if frame.f_globals.get("__name__", "").startswith("stagewise."):
-                sites[f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno}"] += 1
-            return method(self, *args, **kwargs)
-
-        return counting
-
-    for name, method in saved.items():
-        setattr(torch.Tensor, name, wrap(name, method))
-    try:
-        yield sites
-    finally:
-        for name, method in saved.items():
-            setattr(torch.Tensor, name, method)
 
 
 @contextmanager
@@ -79,7 +52,7 @@ def cuda_syncs() -> Iterator[Counter[str]]:
 
 def counted(s: Sizes, device: torch.device, nan_policy: str | None, steps: int = 3) -> Counter[str]:
     pipe = pipeline(s, device, nan_policy)
-    with cuda_syncs() if device.type == "cuda" else cpu_reads() as sites:
+    with cuda_syncs() if device.type == "cuda" else counted_reads() as sites:
         for k in range(steps):
             pipe.train_step(*lm_data(s, 10 + k, device))
     return Counter({site: n // steps for site, n in sites.items()})

@@ -17,12 +17,13 @@ import math
 from collections.abc import Sequence
 from dataclasses import replace
 
-from ..ir import Kind, Schedule
+from ..ir import Schedule
 from ..schedules import schedule_info
-from ..simulation import SimResult, simulate
+from ..simulation import simulate
 from ..synthesis import synthesize
 from .candidate import Candidate, static_memory
 from .inputs import Problem
+from .predict import ends_with_async_sync
 from .ranking import rank_key
 from .result import Plan, RankMemory
 
@@ -62,7 +63,7 @@ def _as_plan(plan: Plan, cand: Candidate, static: list[RankMemory], schedule: Sc
     """``plan`` with the synthesized schedule: its simulated step, idle time and activation peaks."""
     assert plan.costs is not None
     sim = simulate(schedule, plan.costs)
-    simulated = _with_async_sync(sim, cand)
+    simulated = max(ends_with_async_sync(sim, cand))  # as the search predicts a step
     old = plan.breakdown
     fixed = plan.step_time - max(old["simulated"], old["cpu_bound"], old["shared_cores"])
     memory = tuple(
@@ -92,16 +93,3 @@ def _blocking(c: Candidate, schedule: Schedule) -> float:
     for s, r in enumerate(schedule.placement):
         per_rank[r] += c.sync_blocking[s]
     return max(per_rank)
-
-
-def _with_async_sync(sim: SimResult, c: Candidate) -> float:
-    """The step with each stage's asynchronous all-reduce started at its SYNC (as the search predicts it)."""
-    begin = min(times[0] for times in sim.starts if times)
-    ends = []
-    for acts, rank_ends in zip(sim.actions, sim.ends):
-        comm_free = 0.0
-        for a, end in zip(acts, rank_ends):
-            if a.kind is Kind.SYNC and c.sync_async[a.stage] > 0:
-                comm_free = max(comm_free, end) + c.sync_async[a.stage]
-        ends.append(max(rank_ends[-1] if rank_ends else 0.0, comm_free) - begin)
-    return max(ends)

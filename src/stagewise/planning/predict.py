@@ -32,6 +32,12 @@ def simulate_candidate(c: Candidate) -> tuple[SimResult, float, list[float]]:
         sync_time=c.sync_blocking,
     )
     sim = simulate(schedule, model)
+    ends = ends_with_async_sync(sim, c)
+    return sim, max(ends), ends
+
+
+def ends_with_async_sync(sim: SimResult, c: Candidate) -> list[float]:
+    """Each rank's end with each stage's asynchronous all-reduce started at its SYNC, from the first start."""
     begin = min(times[0] for times in sim.starts if times)
     ends = []
     for acts, rank_ends in zip(sim.actions, sim.ends):
@@ -40,7 +46,7 @@ def simulate_candidate(c: Candidate) -> tuple[SimResult, float, list[float]]:
             if a.kind is Kind.SYNC and c.sync_async[a.stage] > 0:
                 comm_free = max(comm_free, end) + c.sync_async[a.stage]
         ends.append(max(rank_ends[-1] if rank_ends else 0.0, comm_free) - begin)
-    return sim, max(ends), ends
+    return ends
 
 
 def sharing(pp: int, processes: int, per_node: int) -> tuple[list[float], list[int]]:

@@ -352,21 +352,29 @@ def _record(everyone: list[dict[str, Any]], model: Any, ranks: storage.Ranks, st
 def _resolve(path: Path, ranks: storage.Ranks) -> tuple[Path, str]:
     """The checkpoint folder and why: ``path`` itself if it is one, else :func:`.retention.choose` under it (rank 0
     decides and logs; every rank raises alike)."""
+    named = (path / mf.MANIFEST).exists() or (path / META).exists()
+    chosen, why = agreed_newest(path, ranks, f"which checkpoint under {path} to load", named=named)
+    if chosen is None:
+        raise CheckpointError(f"no checkpoint at {path}: neither a checkpoint folder nor a folder holding step-* ones")
+    if ranks.first and chosen != path:
+        log.info("stagewise.checkpoint: loading %s: %s", chosen, why)
+    return chosen, why
+
+
+def agreed_newest(root: Path, ranks: storage.Ranks, what: str, *, named: bool = False) -> tuple[Path | None, str]:
+    """Rank 0's choice under ``root`` (:func:`.retention.choose`; ``named``: ``root`` is itself a checkpoint,
+    as rank 0 sees it) and why, the same on every rank; a root rank 0 refuses raises alike on every rank."""
     found: list[Any] = [None, "", None]
     if ranks.first:
-        if (path / mf.MANIFEST).exists() or (path / META).exists():
-            found = [str(path), f"{path} was named", None]
+        if named:
+            found = [str(root), f"{root} was named", None]
         else:
             try:
-                newest, why = retention.choose(path)
+                newest, why = retention.choose(root)
                 found = [None if newest is None else str(newest), why, None]
             except CheckpointError as err:
                 found = [None, "", str(err)]
-    chosen, why, refused = storage.gather(found, ranks, f"which checkpoint under {path} to load")[0]
+    chosen, why, refused = storage.gather(found, ranks, what)[0]
     if refused is not None:
         raise CheckpointError(refused)
-    if chosen is None:
-        raise CheckpointError(f"no checkpoint at {path}: neither a checkpoint folder nor a folder holding step-* ones")
-    if ranks.first and chosen != str(path):
-        log.info("stagewise.checkpoint: loading %s: %s", chosen, why)
-    return Path(chosen), why
+    return (None if chosen is None else Path(chosen)), why

@@ -17,9 +17,8 @@ from typing import Any
 
 from torch import nn
 
-from . import retention, storage
-from .api import CheckpointInfo, _ranks, load, virtual_worker
-from .manifest import CheckpointError
+from . import storage
+from .api import CheckpointInfo, _ranks, agreed_newest, load, virtual_worker
 
 log = logging.getLogger(__name__)
 
@@ -61,18 +60,9 @@ def resume(
 def _newest(root: Path, ranks: storage.Ranks) -> tuple[Path | None, str]:
     """Rank 0's choice under ``root`` (see :func:`.retention.choose`), the same on every rank; logged."""
     try:
-        found: list[Any] = [None, "", None]
-        if ranks.first:
-            try:
-                newest, why = retention.choose(root)
-                found = [None if newest is None else str(newest), why, None]
-            except CheckpointError as err:
-                found = [None, "", str(err)]
-        chosen, why, refused = storage.gather(found, ranks, f"which checkpoint under {root} to resume from")[0]
+        chosen, why = agreed_newest(root, ranks, f"which checkpoint under {root} to resume from")
     finally:
         ranks.close()
-    if refused is not None:
-        raise CheckpointError(refused)
     if ranks.first:
         log.info("stagewise.checkpoint.resume: %s", f"starting afresh: {why}" if chosen is None else f"{chosen}: {why}")
-    return (None if chosen is None else Path(chosen)), why
+    return chosen, why

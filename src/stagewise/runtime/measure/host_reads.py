@@ -1,4 +1,5 @@
-"""Counting the host reads of tensor values that stagewise's own code makes (the sync audit's tests).
+"""Counting the host reads of tensor values that stagewise's own code makes (the sync audit: its tests, and
+``make gpu-check`` on a machine without CUDA).
 
 A read (``.item()``, ``.tolist()``, ``float(t)``, ``int(t)``, ``bool(t)``, ``.numpy()``, ``.cpu()``) stops the
 host until a GPU has caught up; on a CPU nothing waits, but the calls are the same, so counting them on a CPU
