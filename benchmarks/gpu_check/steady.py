@@ -18,7 +18,7 @@ from contextlib import contextmanager
 import torch
 
 import stagewise as sw
-from stagewise.runtime.measure.host_reads import counted_reads
+from stagewise.runtime import counted_reads
 
 from .common import Row, Sizes, adamw, lm_data, lm_layers, lm_loss
 

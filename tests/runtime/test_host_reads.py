@@ -17,7 +17,7 @@ from torch import nn
 
 import stagewise as sw
 from helpers import models as mdl
-from stagewise.runtime.measure.host_reads import counted_reads
+from stagewise.runtime import counted_reads
 
 
 def sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:

@@ -62,6 +62,7 @@ _NAMES = {
     "profile": ".measure.profiling",
     "calibrate": ".measure.calibrate",
     "measure_compute_scale": ".measure.compute_scale",
+    "counted_reads": ".measure.host_reads",
     "async_reference": ".asynchronous.replay",
     "wsp_reference": ".asynchronous.wsp_replay",
     "shm_transport": ".comm.shm.transport",

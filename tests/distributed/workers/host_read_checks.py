@@ -16,7 +16,7 @@ from torch import nn
 import stagewise as sw
 from helpers import models as mdl
 from helpers.compare import assert_params_close
-from stagewise.runtime.measure.host_reads import counted_reads
+from stagewise.runtime import counted_reads
 from worker import Check, Ctx
 
 BATCH = 8
