@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import pickle
 import shutil
+import traceback
 from pathlib import Path
 
 import pytest
@@ -67,3 +68,23 @@ def test_a_root_whose_newest_checkpoint_lost_its_manifest_is_refused_not_passed_
     assert "an interrupted save of step 5 is ignored: .step-00000005.tmp" in info.reason, info.reason
     assert f"step-00000001: {info.reason}" in caplog.text, caplog.text
     assert sw.checkpoint.resume(tmp_path / "nowhere", model, collective=False) is None
+
+
+def _dcp_failure(exc: BaseException) -> BaseException:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return CheckpointException("dcp", {0: (exc, traceback.StackSummary())})
+
+
+def test_what_dcp_wraps_is_handed_on_as_what_it_was() -> None:
+    """A Ctrl-C during a save stays a KeyboardInterrupt (the job's one line, no traceback); a disk error becomes a
+    CheckpointError naming the folder; a CheckpointError from the reader stays itself."""
+    with pytest.raises(KeyboardInterrupt):
+        with storage._unwrapped("writing checkpoint ckpt/step-3"):
+            raise _dcp_failure(KeyboardInterrupt())
+    with pytest.raises(CheckpointError, match=r"^writing checkpoint ckpt/step-3: OSError: \[Errno 28\] disk full$"):
+        with storage._unwrapped("writing checkpoint ckpt/step-3"):
+            raise _dcp_failure(OSError(28, "disk full"))
+    with pytest.raises(CheckpointError, match="^refusing to build x$"):
+        with storage._unwrapped("reading checkpoint ckpt/step-3"):
+            raise _dcp_failure(CheckpointError("refusing to build x"))

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan
 
@@ -189,14 +190,32 @@ def save_tensors(tensors: dict[str, torch.Tensor], folder: Path, ranks: Ranks, m
         target.mkdir(parents=True, exist_ok=True)
         planner = None if mine is None else _Only(mine)
     writer = FileSystemWriter(str(target), single_file_per_rank=True, sync_files=True)
-    with _quiet():
+    with _quiet(), _unwrapped(f"writing checkpoint {folder}"):
         dcp.save(tensors, storage_writer=writer, planner=planner, no_dist=True)
 
 
 def load_tensors(tensors: dict[str, torch.Tensor], folder: Path, ranks: Ranks) -> None:
     """Fill ``tensors`` in place from the checkpoint: DCP reads the pieces this rank needs, on this rank alone."""
-    with _quiet():
+    with _quiet(), _unwrapped(f"reading checkpoint {folder}"):
         dcp.load(tensors, storage_reader=SafeReader(str(folder)), no_dist=True)
+
+
+@contextmanager
+def _unwrapped(what: str) -> Iterator[None]:
+    """DCP wraps whatever its reads and writes raise in a ``CheckpointException`` (a BaseException): a Ctrl-C
+    is handed on as the ``KeyboardInterrupt`` it was (so the job stops with its one line, not a traceback),
+    a CheckpointError as itself, anything else as a :class:`CheckpointError` naming the folder and the cause."""
+    try:
+        yield
+    except CheckpointException as err:
+        causes = [exc for exc, _ in err.failures.values()]
+        if any(isinstance(exc, KeyboardInterrupt) for exc in causes):
+            raise KeyboardInterrupt from None
+        known = [exc for exc in causes if isinstance(exc, CheckpointError)]
+        if known:
+            raise known[0] from None
+        first = causes[0] if causes else err
+        raise CheckpointError(f"{what}: {type(first).__name__}: {first}") from err
 
 
 @contextmanager
