@@ -111,7 +111,8 @@ def _rows_of(order: object) -> tuple[list[Sequence[object]], str, int | None, st
         if order.read == "pipeline_order":
             hint = (
                 f"(this is {order.name}'s pipeline_order table; its step() may run another order: "
-                f"stagewise.runtime.torch_order({order.name}, ..., read='step') reads the actions step() runs)"
+                f"stagewise.runtime.torch_order({order.name}, ..., read='step') reads the actions step() runs; "
+                "on the command line, --torch-read step)"
             )
         return [list(r) for r in order.ranks], order.name, order.num_microbatches, hint
     if isinstance(order, os.PathLike):
