@@ -13,7 +13,7 @@ from typing import NamedTuple
 import pytest
 
 import stagewise as sw
-from stagewise.interop import TorchOrder, from_torch, to_torch_csv, torch_problems
+from stagewise.interop import TorchOrder, from_torch, to_torch_csv, torch_placement, torch_problems
 from stagewise.ir import Action, Kind, Schedule
 from stagewise.passes import forward_only, lower
 
@@ -175,3 +175,13 @@ def test_what_from_torch_does_not_take_is_named() -> None:
         from_torch(int)
     with pytest.raises(ValueError, match="keyed by ranks 0..p-1"):
         from_torch({1: ["1F0"], 2: ["2F0"]})
+
+
+def test_torch_placement_says_how_torchtitan_must_place_the_stages() -> None:
+    assert torch_placement(sw.build_schedule("interleaved-1f1b", 4, 8, 3)) == "loop"
+    assert torch_placement(sw.build_schedule("1f1b", 4, 8)) == "loop"
+    assert torch_placement(sw.build_schedule("zb-v", 4, 8)) == "v"
+    odd = Schedule(
+        "odd", 1, (1, 0), ((Action(1, Kind.F, 0), Action(1, Kind.B, 0)), (Action(0, Kind.F, 0), Action(0, Kind.B, 0)))
+    )
+    assert torch_placement(odd) is None

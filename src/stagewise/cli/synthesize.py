@@ -75,8 +75,8 @@ def run_synthesize(args: argparse.Namespace) -> int:
         _write(args.csv, "--csv", schedule.to_csv())
         written.append(("stagewise CSV", args.csv))
     if args.torch_csv:
-        write_torch_csv(schedule, args.torch_csv, args.torch_format)
-        written.append((f"torch {args.torch_format} CSV", args.torch_csv))
+        placed = write_torch_csv(schedule, args.torch_csv, args.torch_format)
+        written.append((f"torch {args.torch_format} CSV ({placed})", args.torch_csv))
     if args.png:
         from ..render import render_png
 

@@ -46,8 +46,9 @@ def torch_schedule(args: argparse.Namespace) -> Schedule:
     return from_torch(order)
 
 
-def write_torch_csv(schedule: Schedule, path: str, format: str) -> None:
-    from ..interop import to_torch_csv
+def write_torch_csv(schedule: Schedule, path: str, format: str) -> str:
+    """Write the file; returns how its stages are placed, for the summary line (torchtitan needs to know)."""
+    from ..interop import to_torch_csv, torch_placement
 
     text = to_torch_csv(schedule, format="compute_comms" if format == "compute_comms" else "compute_only")
     try:
@@ -55,3 +56,5 @@ def write_torch_csv(schedule: Schedule, path: str, format: str) -> None:
             f.write(text)
     except OSError as err:
         raise UsageError(f"--torch-csv {path}: {err}") from None
+    style = torch_placement(schedule)
+    return {"loop": "stage s on rank s % P", "v": "stages in a V, 2 per rank"}.get(str(style), "stages as its rows say")

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from ..ir import Action, Kind, Schedule
+from ..ir import Action, Kind, Schedule, loop_placement, v_placement
 from ..ir.schedule import infer_placement
 from ..passes import add_grad_sync, lower
 from ..schedules import is_asynchronous
@@ -180,6 +180,23 @@ def torch_problems(schedule: Schedule) -> list[str]:
             "micro-batch's loss; it needs them in micro-batch order"
         ]
     return []
+
+
+def torch_placement(schedule: Schedule) -> str | None:
+    """How torchtitan must place ``schedule``'s stages: ``"loop"`` (stage s on rank s % p: name a looped class,
+    e.g. ``Interleaved1F1B``, as its schedule), ``"v"`` (2 stages per rank in a V: name ``ZBVZeroBubble``),
+    or None (another placement: build the stages yourself, ``schedule.stages_of(rank)``).
+
+    torchtitan decides which stages a rank builds from the schedule class it is given, not from the CSV.
+    """
+    p, v = schedule.num_ranks, schedule.virtual_stages
+    if p * v != schedule.num_stages:
+        return None
+    if tuple(schedule.placement) == loop_placement(p, v):
+        return "loop"
+    if v == 2 and tuple(schedule.placement) == v_placement(p, 2):
+        return "v"
+    return None
 
 
 def _short(values: list[int], limit: int = 12) -> str:
