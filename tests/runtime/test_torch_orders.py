@@ -82,8 +82,12 @@ def test_the_step_reading_of_a_runtime_class_is_torchs_lowered_table() -> None:
 
 
 def _stand_ins(p: int, n: int, rank: int, stages: tuple[int, ...]) -> list[Any]:
+    from torch import nn
+
     return [
-        SimpleNamespace(num_stages=n, group_size=p, group_rank=rank, stage_index=s, stage_index_to_group_rank={})
+        SimpleNamespace(
+            num_stages=n, group_size=p, group_rank=rank, stage_index=s, stage_index_to_group_rank={}, submod=nn.Module()
+        )
         for s in stages
     ]
 
@@ -177,3 +181,18 @@ def test_simulate_from_torch_draws_torchs_schedule(tmp_path: Path, capsys: pytes
     assert '"schedule": "Schedule1F1B"' in capsys.readouterr().out
     assert main(["simulate", "--from-torch", "Nope", "-p", "2", "-m", "4"]) == 2
     assert "unknown torch schedule 'Nope'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["Interleaved1F1B", "ZBVZeroBubble", "DualPipeV"])
+@pytest.mark.parametrize("read", ["pipeline_order", "step"])
+def test_a_torch_order_saves_the_file_torchs_own_dump_writes(name: str, read: str, tmp_path: Path) -> None:
+    """TorchOrder.save_csv writes what torch's _dump_csv writes (compute_only: the table; compute_comms: what
+    step() runs), so golden files of torch's orders can be made by stagewise and read back without torch."""
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    built = get_schedule_class(name)(_stand_ins(2, 4, 0, (0, 2)), 4)
+    built._dump_csv(str(tmp_path / "torch.csv"), format="compute_only" if read == "pipeline_order" else "compute_comms")
+    order = torch_order(name, 2, 4, read=read)
+    order.save_csv(tmp_path / "stagewise.csv")
+    assert (tmp_path / "stagewise.csv").read_text().splitlines() == (tmp_path / "torch.csv").read_text().splitlines()
+    assert _texts(from_torch(tmp_path / "torch.csv", num_microbatches=4)) == _texts(from_torch(order))
