@@ -173,6 +173,8 @@ def test_a_torch_order_as_data_and_as_a_file(tmp_path: Path) -> None:
 def test_what_from_torch_does_not_take_is_named() -> None:
     with pytest.raises(TypeError, match=r"a torch schedule class\? build its order with"):
         from_torch(int)
+    with pytest.raises(TypeError, match=r"pass pathlib.Path\('order.csv'\)"):
+        from_torch("order.csv")
     with pytest.raises(ValueError, match="keyed by ranks 0..p-1"):
         from_torch({1: ["1F0"], 2: ["2F0"]})
 

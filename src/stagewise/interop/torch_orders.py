@@ -119,6 +119,8 @@ def _rows_of(order: object) -> tuple[list[Sequence[object]], str, int | None, st
         path = Path(order)
         return _csv_cells(path.read_text()), path.stem, None, None
     if isinstance(order, str):
+        if "\n" not in order and "," not in order and order.strip().endswith(".csv"):
+            raise TypeError(f"from_torch reads a str as CSV text; for the file {order!r} pass pathlib.Path({order!r})")
         return _csv_cells(order), "torch", None, None
     table = getattr(order, "pipeline_order", None)
     if table is not None:  # a built torch schedule
