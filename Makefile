@@ -80,6 +80,13 @@ hf-grid: $(STAMP)
 	STAGEWISE_HF_GRID=out/hf_grid.md OMP_NUM_THREADS=1 $(PY) -m pytest -q tests/distributed/test_hf_ranks.py
 	cat out/hf_grid.md
 
+# torch.distributed.pipelining both ways, the whole grid (tests/distributed/test_torch_interop.py samples it at 2
+# ranks): every registered synchronous schedule at each v, m in {p, 2p}, both CSV formats, on torch's runtime, and
+# every torch class at both readings on stagewise's, at 2 and 4 ranks, float64 against one process (a few minutes).
+.PHONY: torch-grid
+torch-grid: $(STAMP)
+	STAGEWISE_TORCH_GRID=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q tests/distributed/test_torch_interop.py
+
 # The CUDA paths run and measured in one table (under 8 minutes on an H100; benchmarks/gpu_check): parity, host
 # synchronisations, bf16 throughput against the plain loop, peak memory against the predictions, offload.
 # Without a CUDA device it prints "no CUDA device"; `$(PY) -m benchmarks.gpu_check --device cpu` runs it small on the CPU.

@@ -17,6 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import stagewise as sw
+from stagewise.runtime import torch_order
+
 
 @dataclass(frozen=True)
 class Config:
@@ -48,6 +51,7 @@ CONFIGS = {
     "overhead": Config("overhead", 1024, 8, 64, 8, "8 x Linear(1024,1024)+ReLU, batch 64 in 8 micro-batches"),
     "compute": Config("compute", 2048, 8, 256, 8, "8 x Linear(2048,2048)+ReLU, batch 256 in 8 micro-batches"),
     "small": Config("small", 1024, 8, 64, 16, "8 x Linear(1024,1024)+ReLU, batch 64 in 16 micro-batches of 4 rows"),
+    "tiny": Config("tiny", 32, 8, 16, 8, "8 x Linear(32,32)+ReLU, batch 16 in 8 micro-batches (a smoke run)"),
 }
 
 #: stagewise schedule name -> (torch.distributed.pipelining class, placement, stages per rank)
@@ -59,6 +63,12 @@ SCHEDULES: dict[str, tuple[str, str, int]] = {
     "zb-v": ("ScheduleZBVZeroBubble", "v", 2),
     "dualpipe-v": ("ScheduleDualPipeV", "v", 2),
 }
+
+
+def torch_schedule(name: str, p: int, m: int) -> sw.Schedule:
+    """torch's order of ``name``'s class, as its ``step()`` runs it, as a stagewise Schedule (validated)."""
+    cls, _, v = SCHEDULES[name]
+    return sw.from_torch(torch_order(cls, p, m, v, read="step"))
 
 
 def block(width: int) -> nn.Module:

@@ -3,7 +3,9 @@
 Started by torchrun (one job per rank count and config). For each schedule
 it builds the same model, cut the same way, with ``torch.distributed.pipelining``
 and with ``stagewise.Pipeline`` on each transport (gloo point-to-point,
-shared memory), warms each up, then times training steps with them taking
+shared memory), the latter both on stagewise's schedule of that name and on
+torch's own order of the class (what torch's ``step()`` runs, read with
+``stagewise.runtime.torch_order``), warms each up, then times training steps with them taking
 turns step by step (rotating which goes first), so changes in background
 load hit all alike. A step's
 time is the slowest rank's, from a barrier to its end; its CPU time the
@@ -36,22 +38,34 @@ from torch import nn
 
 import stagewise as sw
 
-from .model import SCHEDULES, Config, RankCompute, block, blocks_of_stage, stages_of_rank
+from .model import SCHEDULES, Config, RankCompute, block, blocks_of_stage, stages_of_rank, torch_schedule
 
 Step = Callable[[], None]
 
 
 def stagewise_step(
-    cfg: Config, name: str, rank: int, p: int, x: torch.Tensor, y: torch.Tensor, transport: str = "auto"
+    cfg: Config,
+    name: str,
+    rank: int,
+    p: int,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    transport: str = "auto",
+    order: str = "stagewise",
 ) -> tuple[Step, Any]:
+    """stagewise's runtime on stagewise's schedule ``name`` (``order="stagewise"``) or on the torch class's
+    own order, as its ``step()`` runs it (``order="torch"``: the same order the ``torch`` column runs)."""
     layers = [sw.Layer(block, cfg.width) for _ in range(cfg.blocks)]
     v = SCHEDULES[name][2]
+    schedule: str | sw.Schedule = name
+    if order == "torch":
+        schedule = torch_schedule(name, p, cfg.microbatches)
     pipe = sw.Pipeline(
         layers,
         loss_fn=F.mse_loss,
-        schedule=name,
-        microbatches=cfg.microbatches,
-        virtual_stages=v,
+        schedule=schedule,
+        microbatches=cfg.microbatches if order == "stagewise" else None,
+        virtual_stages=v if order == "stagewise" else None,
         seed=0,
         transport=transport,
     )
@@ -129,11 +143,14 @@ def across_ranks(values: list[float], op: Any) -> list[float]:
     return t.tolist()
 
 
-#: what is timed: torch.distributed.pipelining, and stagewise on each transport
+#: what is timed: torch.distributed.pipelining, and stagewise on each transport, on its own schedule and on
+#: torch's order of the same class (``@torch``)
 BUILDERS: dict[str, Callable[..., tuple[Step, Any]]] = {
     "torch": torch_step,
     "sw-gloo": functools.partial(stagewise_step, transport="torch"),
     "sw-shm": functools.partial(stagewise_step, transport="shm"),
+    "sw-gloo@torch": functools.partial(stagewise_step, transport="torch", order="torch"),
+    "sw-shm@torch": functools.partial(stagewise_step, transport="shm", order="torch"),
 }
 
 

@@ -5,7 +5,8 @@ torch; the runtime (``Pipeline``, ``init``, ``Layer`` ...) is loaded on first us
 stays cheap for planning and drawing. The names here are the public API; everything else is reachable
 from its package (``stagewise.ir``, ``stagewise.passes``, ``stagewise.schedules``, ``stagewise.simulation``,
 ``stagewise.validate``, ``stagewise.asynchronous``, ``stagewise.partition``, ``stagewise.planning``,
-``stagewise.render``, and ``stagewise.runtime`` for the torch side).
+``stagewise.render``, ``stagewise.interop`` for torch.distributed.pipelining's schedules, and
+``stagewise.runtime`` for the torch side).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 from ._util import VERSION
+from .interop import from_torch, to_torch_csv
 from .ir import Action, Schedule, Timeline
 from .parallel import ParallelConfig
 from .passes import build_schedule
@@ -76,6 +78,9 @@ __all__ = [
     "schedule_info",
     "validate_schedule",
     "ScheduleError",
+    # torch.distributed.pipelining and torchtitan: their schedules read, ours written for their runtime
+    "from_torch",
+    "to_torch_csv",
     # simulating, synthesizing and drawing
     "simulate",
     "synthesize",
@@ -162,6 +167,7 @@ _RENAMED = {"pipeline_from_plan": ("stagewise.runtime", "Pipeline", "Pipeline.fr
 _PACKAGES = (
     "asynchronous",
     "checkpoint",
+    "interop",
     "ir",
     "partition",
     "passes",

@@ -19,6 +19,7 @@ DISTRIBUTED_ROOMS = [
     RUNTIME / "launch.py",
     RUNTIME / "measure" / "links.py",  # the probes time torch.distributed's own operations
     RUNTIME / "measure" / "sharding.py",
+    RUNTIME / "interop",  # torch.distributed.pipelining's schedule classes and runtime, read and loaded
 ]
 _DIST_IMPORT = re.compile(
     r"^\s*(import torch\.distributed|from torch\.distributed|from torch import distributed)", re.M

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .common import Subparsers, UsageError
+from .costs import add_times, check_times, cost_model
+from .torch_files import add_torch_flags, torch_schedule, write_torch_csv
 
 if TYPE_CHECKING:
     from ..ir import Schedule
@@ -32,6 +32,12 @@ backward run a full B costing I + W. --comm-time is the time a value takes to
 reach the next rank (it overlaps compute). Cost units are arbitrary; the
 trace file shows 1 unit as 1 ms. --costs FILE reads a per-stage cost model
 instead (JSON written by CostModel.to_dict, e.g. from a profiler).
+
+--from-torch CLASS simulates and draws torch.distributed.pipelining's own
+schedule instead (ZBVZeroBubble, Interleaved1F1B, ... or ScheduleZBVZeroBubble;
+needs torch): its pipeline_order table, or with --torch-read step the actions
+its step() runs. --torch-csv FILE writes the schedule as the CSV torch's
+_PipelineScheduleRuntime (and torchtitan's schedule CSV option) loads.
 """
 
 
@@ -42,8 +48,10 @@ def add_command(sub: Subparsers) -> None:
         description=_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument(
-        "--schedule", "-s", required=True, metavar="NAME", help="registered name (see `stagewise schedules`)"
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--schedule", "-s", metavar="NAME", help="registered name (see `stagewise schedules`)")
+    which.add_argument(
+        "--from-torch", metavar="CLASS", help="a torch.distributed.pipelining schedule class, e.g. ZBVZeroBubble"
     )
     # not required=True: argparse would then refuse the hidden --stages alias below; checked in check_arguments
     parser.add_argument("--ranks", "-p", type=int, metavar="P", help="number of ranks P (pipeline degree); required")
@@ -58,34 +66,14 @@ def add_command(sub: Subparsers) -> None:
         metavar="V",
         help="stages per rank (default: the schedule's own)",
     )
-    _add_times(parser)
+    add_times(parser)
+    add_torch_flags(parser)
     parser.add_argument("--png", metavar="PATH", help="write a Gantt chart PNG")
     parser.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace JSON")
     parser.add_argument("--ascii", action="store_true", help="print a text chart")
     parser.add_argument("--width", type=int, default=120, metavar="N", help="width of the text chart (default 120)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a summary")
     parser.set_defaults(handler=run_simulate)
-
-
-def _add_times(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--f-time", type=float, default=1.0, metavar="T", help="forward time F per rank (default 1)")
-    parser.add_argument(
-        "--i-time", type=float, default=1.0, metavar="T", help="input-gradient time I per rank; B = I + W (default 1)"
-    )
-    # the old spelling (it always meant I, not the full backward B): accepted for one release, not advertised
-    parser.add_argument("--b-time", type=float, dest="i_time", help=argparse.SUPPRESS)
-    parser.add_argument(
-        "--w-time", type=float, default=1.0, metavar="T", help="weight-gradient time W per rank (default 1)"
-    )
-    parser.add_argument(
-        "--comm-time", type=float, default=0.0, metavar="T", help="transfer time between ranks (default 0)"
-    )
-    parser.add_argument(
-        "--sync-time", type=float, default=0.0, metavar="T", help="gradient-sync time per rank (default 0)"
-    )
-    parser.add_argument(
-        "--costs", metavar="PATH", help="per-stage cost model JSON (CostModel.to_dict); replaces the time flags"
-    )
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -97,10 +85,7 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise UsageError(f"--microbatches must be >= 1, got {args.microbatches}")
     if args.virtual_stages is not None and args.virtual_stages < 1:
         raise UsageError(f"--virtual-stages must be >= 1, got {args.virtual_stages}")
-    for flag in ("f_time", "i_time", "w_time", "comm_time", "sync_time"):
-        value = getattr(args, flag)
-        if not 0 <= value < math.inf:
-            raise UsageError(f"--{flag.replace('_', '-')} must be a finite number >= 0, got {value}")
+    check_times(args)
     if args.width < 10:
         raise UsageError(f"--width must be >= 10, got {args.width}")
 
@@ -114,8 +99,13 @@ def run_simulate(args: argparse.Namespace) -> int:
     # one short-lived process making millions of acyclic objects: no collector passes over them, and they
     # are dropped before the pause ends (re-enabled with them alive, the next allocation would scan them all)
     with gc_paused():
-        schedule = build_schedule(args.schedule, args.ranks, args.microbatches, args.virtual_stages)
+        if args.from_torch:
+            schedule = torch_schedule(args)
+        else:
+            schedule = build_schedule(args.schedule, args.ranks, args.microbatches, args.virtual_stages)
         result = simulate(schedule, _costs(args, schedule))
+        if args.torch_csv:
+            write_torch_csv(schedule, args.torch_csv, args.torch_format)
         # asynchronous schedules: labels "3v1" (for what draws the timeline) and versions kept
         versions = _async_versions(schedule, result, label=bool(args.png or args.trace or not args.json))
         if args.png:
@@ -136,25 +126,13 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 def _costs(args: argparse.Namespace, schedule: Schedule) -> CostModel:
     """The cost model: ``--costs`` (checked against the schedule's stage count) or uniform per-rank times."""
-    from ..simulation import CostModel
-
     v = schedule.virtual_stages
-    if not args.costs:
-        return CostModel.uniform(
-            schedule.num_stages,
-            forward=args.f_time / v,
-            backward_input=args.i_time / v,
-            backward_weight=args.w_time / v,
-            comm_time=args.comm_time,
-            sync_time=args.sync_time / v,
-        )
-    costs = _load_costs(args.costs)
-    if costs.num_stages != schedule.num_stages:
-        raise UsageError(
-            f"--costs describes {costs.num_stages} stages, but {args.schedule} with {args.ranks} ranks and "
-            f"{v} stages per rank has {schedule.num_stages}"
-        )
-    return costs
+    what = f"{_label(args, schedule)} with {args.ranks} ranks and {v} stages per rank"
+    return cost_model(args, schedule.num_stages, v, what)
+
+
+def _label(args: argparse.Namespace, schedule: Schedule) -> str:
+    return str(args.schedule) if args.schedule else schedule.name
 
 
 def _report(
@@ -170,7 +148,7 @@ def _report(
         "sync_time": args.sync_time,
     }
     return {
-        "schedule": args.schedule,
+        "schedule": _label(args, schedule),
         "ranks": schedule.num_ranks,
         "stages": schedule.num_ranks,  # the old key (it meant ranks), kept for one release
         "microbatches": schedule.num_microbatches,
@@ -192,11 +170,12 @@ def _print_summary(args: argparse.Namespace, schedule: Schedule, result: SimResu
         if args.costs
         else f"F={args.f_time:g} I={args.i_time:g} W={args.w_time:g} comm={args.comm_time:g}"
     )
-    print(f"{args.schedule}: {schedule.num_ranks} ranks, {stages}, {schedule.num_microbatches} micro-batches ({times})")
+    label, m = _label(args, schedule), schedule.num_microbatches
+    print(f"{label}: {schedule.num_ranks} ranks, {stages}, {m} micro-batches ({times})")
     print(f"  makespan   {result.makespan:g}")
     print(f"  bubble     {result.bubble_ratio:.1%}")
     print(f"  peak activations (micro-batches) per rank: {_short_list(result.peak_activations)}")
-    for flag, path in (("png", args.png), ("trace", args.trace)):
+    for flag, path in (("png", args.png), ("trace", args.trace), (f"torch {args.torch_format} CSV", args.torch_csv)):
         if path:
             print(f"  wrote {flag}: {path}")
     if args.ascii:
@@ -204,18 +183,6 @@ def _print_summary(args: argparse.Namespace, schedule: Schedule, result: SimResu
 
         print()
         print(render_ascii(result.timeline, width=args.width))
-
-
-def _load_costs(path: str) -> CostModel:
-    from ..simulation import CostModel
-
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise UsageError(f"--costs {path}: {err}") from None
-    if not isinstance(data, dict):
-        raise UsageError(f"--costs {path}: expected a JSON object (CostModel.to_dict), got {type(data).__name__}")
-    return CostModel.from_dict(data)
 
 
 def _short_list(values: Sequence[float], limit: int = 16) -> str:

@@ -23,6 +23,8 @@ The rooms (this door loads none of them until a name is asked for):
 * ``hybrid/``: the other parallel axes: device mesh, data parallelism, FSDP2 sharding, DTensor TP.
 * ``comm/``: talking to torch.distributed: set-up, groups, collectives; ``transport/``, ``shm/``, ``faults/``.
 * ``checkpoint/``: save / load / resume on torch.distributed.checkpoint; ``measure/``: profiling, calibration.
+* ``interop/``: torch.distributed.pipelining's schedule classes read (``torch_order``) and its runtime
+  loaded with a stagewise schedule (``torch_runtime``).
 """
 
 from __future__ import annotations
@@ -67,6 +69,8 @@ _NAMES = {
     "wsp_reference": ".asynchronous.wsp_replay",
     "shm_transport": ".comm.shm.transport",
     "torch_transport": ".comm.transport.choose",
+    "torch_order": ".interop.torch_orders",
+    "torch_runtime": ".interop.torch_runtime",
 }
 
 __all__ = sorted(_NAMES)

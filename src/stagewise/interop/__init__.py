@@ -1,0 +1,23 @@
+"""Other libraries' schedules, read into stagewise and written back: torch.distributed.pipelining (and so
+torchtitan, which loads torch's schedule CSV files).
+
+Pure, like the rest of the core: torch's actions are read as text or by duck typing. Making a torch
+schedule class's order needs torch's stage objects, so that half lives in the runtime
+(``stagewise.runtime.torch_order``), which returns a :class:`TorchOrder` for :func:`from_torch`.
+
+* :mod:`.torch_words`: torch's action words and stagewise's, both ways;
+* :mod:`.torch_orders`: :func:`from_torch`, :func:`to_torch_csv`, :func:`torch_problems`, :func:`torch_placement`,
+  :class:`TorchOrder`.
+"""
+
+from .torch_orders import (
+    FORMATS,
+    TorchFormat,
+    TorchOrder,
+    from_torch,
+    to_torch_csv,
+    torch_placement,
+    torch_problems,
+)
+
+__all__ = ["FORMATS", "TorchFormat", "TorchOrder", "from_torch", "to_torch_csv", "torch_placement", "torch_problems"]
