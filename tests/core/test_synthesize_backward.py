@@ -90,9 +90,10 @@ def test_the_bound_holds_for_every_mix() -> None:
 
 def test_cost_rows_may_give_b() -> None:
     rows = [(1.0, 1.0, 1.0, 1.0)] * 2
-    assert synthesize(rows, 2, 4).to_text() == synthesize(
-        CostModel.uniform(2, backward_full=1.0, weight_activation_bytes=0.5), 2, 4
-    ).to_text()
+    assert (
+        synthesize(rows, 2, 4).to_text()
+        == synthesize(CostModel.uniform(2, backward_full=1.0, weight_activation_bytes=0.5), 2, 4).to_text()
+    )
 
 
 def test_a_stash_larger_than_the_activations_stays_within_the_cap() -> None:
