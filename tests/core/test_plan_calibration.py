@@ -281,10 +281,10 @@ def test_a_recomputed_stage_pays_the_checkpoints_line_at_its_saved_tensors_whate
 
 
 def test_a_measured_compute_scale_multiplies_each_stages_forward_and_backward_only() -> None:
-    """compute_scale=(kf, kb[, ks]): F = kf (sigma f + c), I = kb (sigma i + c/2), W = kb (sigma w + c/2), with c the
-    fixed cost per action (overhead, action), and ks for kb under a schedule that splits the backward (kb when not
-    given); tp all-reduces are not compute and stay; a recomputed I is the scaled F + I + W; one number scales all;
-    bad values name the option."""
+    """compute_scale=(kf, kb[, ks]): F = kf (sigma f + c), B = kb (sigma b + c), I = ks (sigma i + c/2),
+    W = ks (sigma w + c/2), with c the fixed cost per action (overhead, action), ks = kb when not given; tp
+    all-reduces are not compute and stay; a recomputed I is the scaled F + I + W; one number scales all; bad values
+    name the option."""
     profile = _profile(4)
     cal = Calibration(action=0.25)
     kw: dict = {"calibration": cal, "overhead": 0.5}
@@ -295,6 +295,7 @@ def test_a_measured_compute_scale_multiplies_each_stages_forward_and_backward_on
         assert got.costs.forward[s] == pytest.approx(2.0 * bare.costs.forward[s], rel=1e-12)
         assert got.costs.backward_input[s] == pytest.approx(3.0 * bare.costs.backward_input[s], rel=1e-12)
         assert got.costs.backward_weight[s] == pytest.approx(3.0 * bare.costs.backward_weight[s], rel=1e-12)
+        assert got.costs.backward(s) == pytest.approx(3.0 * bare.costs.backward(s), rel=1e-12)
     assert got.step_time > bare.step_time
     # a split backward (I and W apart) has a factor of its own; a fused one under the same options keeps kb
     zb = {"schedules": ["zb-h1"], **kw}
@@ -305,8 +306,9 @@ def test_a_measured_compute_scale_multiplies_each_stages_forward_and_backward_on
         assert split.costs.forward[1] == pytest.approx(2.0 * split_bare.costs.forward[1], rel=1e-12)
         assert split.costs.backward_input[1] == pytest.approx(k * split_bare.costs.backward_input[1], rel=1e-12)
         assert split.costs.backward_weight[1] == pytest.approx(k * split_bare.costs.backward_weight[1], rel=1e-12)
-    fused = _find(_only(profile, 4, compute_scale=(2.0, 3.0, 5.0), **kw), 4, 4)
-    assert fused.costs is not None and fused.costs.backward_input == got.costs.backward_input
+    fused = _find(_only(profile, 4, compute_scale=(2.0, 3.0, 5.0), **kw), 4, 4)  # 1F1B runs B: kb, not ks
+    assert fused.costs is not None and fused.costs.backward_full == got.costs.backward_full
+    assert fused.step_time == got.step_time
     same = _find(_only(profile, 4, compute_scale=1.5, **kw), 4, 4)
     assert same.costs is not None and same.costs.forward[1] == pytest.approx(1.5 * bare.costs.forward[1], rel=1e-12)
     assert same.costs.backward_input[1] == pytest.approx(1.5 * bare.costs.backward_input[1], rel=1e-12)
