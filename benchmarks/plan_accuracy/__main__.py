@@ -149,7 +149,8 @@ def _show_calibration(report: dict, ranks: int, load: tuple[float, float, float]
     )
     print(
         f"  FSDP2 {cal['sharding_fixed'] * 1e3:.2f} ms per unit + {cal['sharding_per_byte'] * 1e9:.2f} ns per byte "
-        f"on {cal['sharding_group']} ranks; idle CPU per process {cal.get('background', 0.0):.1%} of a core"
+        f"on {cal['sharding_group']} ranks, hooks {(cal.get('sharding_hooks') or 0.0) * 1e6:.0f} us per unit and "
+        f"micro-batch; idle CPU per process {cal.get('background', 0.0):.1%} of a core"
     )
 
 

@@ -27,6 +27,7 @@ def ablations(
         "checkpoint cost": (replace(profile, checkpoint=None), cal, scale, common),
         "layout cost": (profile, replace(cal, layouts=()), scale, common),
         "idle CPU": (profile, replace(cal, background=0.0), scale, common),
+        "FSDP2 hooks": (profile, replace(cal, sharding_hooks=None), scale, common),
     }
     out = {}
     for term, (prof, calibration, k, options) in variants.items():

@@ -43,10 +43,12 @@ defined on :class:`~stagewise.planning.Plan`; here one candidate, ``b`` samples 
   F, B, I and W as the profile measured it (a split backward costs what it costs, not B rescaled), the
   simulator charging a schedule's B actions ``B_s`` and its I and W actions ``I_s`` and ``W_s``,
   with ``T_s`` the stage's tp all-reduces and the fixed cost per action
-  ``c_s = sum o_l + action + message * (in_s + out_s)``: ``o_l`` the profile's per-layer
+  ``c_s = sum o_l + action + message * (in_s + out_s) + h u_s``: ``o_l`` the profile's per-layer
   ``overhead``, ``action`` the runtime's measured cost per stage action and ``message`` its
   cost per point-to-point message, ``in_s = [s > 0]``, ``out_s = [s < S - 1]`` (an F receives
-  an activation and sends one; a B the same gradients back). ``action`` and ``message`` come
+  an activation and sends one; a B the same gradients back); on a sharded layout, ``h`` is half
+  of FSDP2's measured hooks per unit and micro-batch (``Calibration.sharding_hooks``) and ``u_s``
+  the stage's layers with parameters (a recomputed forward runs its hooks again). ``action`` and ``message`` come
   from :class:`~stagewise.planning.Calibration`; ``(k_F, k_B, k_IW)`` is ``compute_scale`` (1 unless
   given): what the runtime's F, B and split I + W actions measured on the group over these predictions
   for them (:func:`stagewise.measure_compute_scale`).
@@ -185,14 +187,15 @@ class StageBase:
     checkpoint_backward: tuple[float, ...] = ()  # ... and to each backward, beyond the forward again
     loss: tuple[float, ...] = ()  # bytes the loss saves (the last stage's; recompute does not reach it)
 
-    def at(self, scale: float) -> StageCosts:
+    def at(self, scale: float, per_unit: float = 0.0) -> StageCosts:
         """The stage costs for a micro-batch of ``scale`` times the profile batch: F, B, and the split I and W,
-        each with its own measured factor (see the module docstring)."""
+        each with its own measured factor (see the module docstring); ``per_unit``: seconds each forward and each
+        backward costs per layer with parameters beyond the layers (FSDP2's hooks on a sharded layout)."""
         f, i, w, b, act, keep, full, comm = [], [], [], [], [], [], [], []
         kf, kb, kiw = self.factor
         for s in range(len(self.forward)):
             tp_fwd = self.tp_fixed[s] + self.tp_per_scale[s] * scale
-            fixed = self.fixed[s]
+            fixed = self.fixed[s] + per_unit * (self.units[s] if self.units else 0)
             fs = kf * (self.forward[s] * scale + fixed) + tp_fwd
             is_ = kiw * (self.backward_input[s] * scale + fixed / 2) + tp_fwd  # the f all-reduces mirror the g ones
             bs = kb * (self.backward[s] * scale + fixed) + tp_fwd

@@ -127,7 +127,8 @@ class _Search:
             )
             return
         bounds, base = got
-        at0, at1 = base.at(0.0), base.at(1.0)
+        hooks = prob.calibration.hooks_for(config.sharding)
+        at0, at1 = base.at(0.0, hooks), base.at(1.0, hooks)
         blocking, background = sync_costs(g.layout, at1, prob.calibration)
         link = g.layout.links["pp"]
         t0 = rank_terms(at0, placement, splits, link, blocking, background)
@@ -154,7 +155,7 @@ class _Search:
                 for r, x in enumerate(static)
             ]
             if any(mem.total > mem.cap for mem in floor):
-                costs = base.at(sigma)
+                costs = base.at(sigma, hooks)
                 cand = Candidate(g.layout, g.schedule, g.v, m, g.recompute, bounds, costs, blocking, background, size)
                 if self.memory_cut(g, cand):
                     continue
@@ -210,7 +211,7 @@ class _Search:
             message=prob.message,
             factor=prob.compute_scale,
         )
-        costs = base.at(sigma)
+        costs = base.at(sigma, prob.calibration.hooks_for(config.sharding))
         blocking, background = sync_costs(g.layout, costs, prob.calibration)
         link = g.layout.links["pp"]
         terms = rank_terms(costs, placement, splits_backward(g.schedule), link, blocking, background)
@@ -269,7 +270,7 @@ class _Search:
         prob = self.prob
         g, m, bounds, base, blocking, background, recut = item
         size = g.layout.per_replica // m
-        costs = base.at(size / prob.profile_batch)
+        costs = base.at(size / prob.profile_batch, prob.calibration.hooks_for(g.layout.config.sharding))
         cand = Candidate(g.layout, g.schedule, g.v, m, g.recompute, bounds, costs, blocking, background, size)
         memory = memory_of(cand, prob)
         if any(mem.total > mem.cap for mem in memory):
