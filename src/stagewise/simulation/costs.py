@@ -129,10 +129,6 @@ class CostModel:
             return self.backward_full
         return tuple(i + w for i, w in zip(self.backward_input, self.backward_weight))
 
-    def splitting_costs(self, stage: int) -> float:
-        """What running stage ``stage``'s backward as I and W costs beyond one B (negative: splitting is cheaper)."""
-        return self.backward_input[stage] + self.backward_weight[stage] - self.backward(stage)
-
     def transfer_time(self, stage: int) -> float:
         """Time to move stage ``stage``'s output (or input gradient) to a neighbouring rank."""
         return self.latency + self.output_bytes[stage] / self.bandwidth
