@@ -3,10 +3,12 @@
     .venv/bin/python -m benchmarks.synthesis [--ranks 4 8] [--microbatches 8 16 32] [--curve] [--pictures]
 
 For every cost model of :data:`.suite.SUITE`, p ranks, m micro-batches and a cap of 1F1B's memory
-(min(p, m) micro-batches on every rank, W's part of the activations counted) and twice it, one row:
-the best registered schedule that fits the cap, ZB-H1, the synthesized schedule, the lower bound, and
-the seconds synthesis took. Then the issue's targets, met or not, with their numbers. ``--curve``:
-synthesis time for p in {4, 8, 16} and m in {8, 16, 32, 64}. ``--pictures``: docs/synthesis-*.png.
+(min(p, m) micro-batches on every rank, W's stash counted) and twice it, one row: the best registered
+schedule that fits the cap (as it runs: 1F1B with B, timed at B's measured cost), ZB-H1, the synthesized
+schedule, the lower bound, and the seconds synthesis took. The measured profiles are charged I, W and B
+as measured (``benchmarks.synthesis.backward`` shows what that changes on one GPT). Then the issue's
+targets, met or not, with their numbers. ``--curve``: synthesis time for p in {4, 8, 16} and m in
+{8, 16, 32, 64}. ``--pictures``: docs/synthesis-*.png.
 Simulated makespans, in the cost model's units (block-forwards, or seconds for the measured profiles).
 """
 
@@ -46,8 +48,8 @@ def micro_batch_peaks(schedule_name: str, costs: CostModel, p: int, m: int) -> f
     units = replace(
         costs,
         activation_bytes=(1.0,) * p,
-        weight_activation_bytes=tuple(
-            min(k, a) / a if a > 0 else 0.0 for k, a in zip(costs.weight_activation_bytes, costs.activation_bytes)
+        weight_activation_bytes=tuple(  # W's stash, as a share of the activations (it may be more than them)
+            k / a if a > 0 else 0.0 for k, a in zip(costs.weight_activation_bytes, costs.activation_bytes)
         ),
     )
     return max(simulate(generate(schedule_name, p, m), units).peak_activation_bytes)

@@ -27,15 +27,16 @@ HERE = Path(__file__).parent / "profiles"
 ROUNDS = 5  # each layer from its fastest round (see _fastest)
 
 
-def gpt_profile(rounds: int = ROUNDS) -> sw.LayerProfile:
+def gpt_profile(rounds: int = ROUNDS, config: object = None, batch: int = 4) -> sw.LayerProfile:
+    """The demo GPT's layers (12 blocks unless ``config``, a ``GPTConfig``, says), ``batch`` sequences."""
     # internal: a layer list with a tied module (the head) profiled layer by layer as a pipeline builds it;
     # sw.profile takes modules, and build_model's model holds the tied module once
     from stagewise.runtime.frontends.balance import profile_layers
     from stagewise.runtime.frontends.layers import named_layers
 
     gm = example("gpt_model")
-    cfg = gm.GPTConfig(n_layers=12)
-    x = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len))
+    cfg = gm.GPTConfig(n_layers=12) if config is None else config
+    x = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len))
     runs = [profile_layers(named_layers(gm.gpt_layers(cfg)), x, seed=0) for _ in range(rounds)]
     return _fastest(runs)
 

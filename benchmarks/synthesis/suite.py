@@ -33,11 +33,13 @@ def embed_head(p: int) -> CostModel:
     layers.append(LayerCost("head", 3.0, 3.0, 3.0, 6.0, 3.0, 3.0 * KEEP, 1.0, 1.0))
     prof = LayerProfile(tuple(layers), "synthetic", 1, 0)
     part = partition_costs(prof.times(), p)
-    return prof.cost_model(part, match_backward=False)
+    return prof.cost_model(part)
 
 
 def measured(name: str, p: int, latency_share: float = 0.1) -> CostModel:
-    """A measured profile cut into p stages by time; the link's latency is ``latency_share`` of a mean stage F."""
+    """A measured profile cut into p stages by time, I, W and B charged as measured; the link's latency is
+    ``latency_share`` of a mean stage F. (The saved profiles predate the measured stash: their W bytes are what the
+    nodes beside a parameter saved; ``python -m benchmarks.synthesis.measure`` measures them again.)"""
     prof = LayerProfile.from_json((PROFILES / f"{name}.json").read_text())
     part = partition_costs(prof.times(), p)
     base = prof.cost_model(part)

@@ -151,6 +151,23 @@ def test_zb_h1_bubble_is_a_third_of_1f1b_at_equal_f_i_w(p: int, m: int) -> None:
     assert zb * 3 == one == 3.0 * (p - 1)
 
 
+@pytest.mark.parametrize("b", [1.0, 2.0, 3.0])
+def test_each_schedule_is_charged_its_own_backward(b: float) -> None:
+    """Layers measured at F = I = W = 1 and B = b: a 1F1B plan runs B (step (m + p - 1)(1 + b), compute m(1 + b)
+    per rank), a ZB-H1 plan runs I and W (step 3m + p - 1 whatever B costs), so the ranking follows B: with B below
+    I + W by more than ZB-H1's smaller bubble is worth, 1F1B wins."""
+    p, m = 4, 8
+    layers = tuple(LayerCost(f"l{k}", 1.0, 1.0, 1.0, b, 64.0, 32.0, 1024.0, 16.0) for k in range(p))
+    profile = LayerProfile(layers, "synthetic", 1, 0)
+    plans = search(profile, p, global_batch=m, schedules=["1f1b", "zb-h1"], recompute=(None,), top=100).plans
+    mine = {x.schedule: x for x in plans if x.layout.pp == p and x.microbatches == m}
+    one, zb = mine["1f1b"], mine["zb-h1"]
+    assert one.costs is not None and one.costs.backward_full == (b,) * p
+    assert one.breakdown["simulated"] == (m + p - 1) * (1.0 + b) and one.breakdown["compute"] == m * (1.0 + b)
+    assert zb.breakdown["simulated"] == 3 * m + p - 1 and zb.breakdown["compute"] == 3 * m
+    assert (one.step_time < zb.step_time) == ((m + p - 1) * (1.0 + b) < 3 * m + p - 1)
+
+
 # ---- the cost pieces --------------------------------------------------------------------
 
 

@@ -89,6 +89,31 @@ def test_measured_sharding_cost_replaces_the_ring_and_scales_with_the_group() ->
     assert ring.costs.sync_time[0] == pytest.approx(2 * 3 * (1e-3 + 4 * 4096.0 / (4 * 1e6)), rel=1e-12)
 
 
+def test_fsdp2_hooks_cost_each_sharded_action_per_unit_and_no_layout_term_multiplies_them() -> None:
+    """Measured hooks h per unit and micro-batch: a sharded stage's F and B each gain h/2 per layer with parameters
+    (4 here), every micro-batch; an unsharded layout's do not. With the hooks measured, a layout's fit has no term
+    per unit and micro-batch: four corners lying on a + b u + c m + d u m give d = 0, not the corners' cross term."""
+    profile = _profile(4)
+    hooks = Calibration(sharding_fixed=0.0, sharding_per_byte=0.0, sharding_group=4, sharding_hooks=0.5)
+    plain = Calibration(sharding_fixed=0.0, sharding_per_byte=0.0, sharding_group=4)
+    got, bare = (
+        _find(_only(profile, 4, calibration=hooks), 1, 1, 4),
+        _find(_only(profile, 4, calibration=plain), 1, 1, 4),
+    )
+    assert got.costs is not None and bare.costs is not None
+    assert got.costs.forward[0] == pytest.approx(bare.costs.forward[0] + 4 * 0.25, rel=1e-12)
+    assert got.costs.backward(0) == pytest.approx(bare.costs.backward(0) + 4 * 0.25, rel=1e-12)
+    piped = _find(_only(profile, 4, calibration=hooks), 4, 4)
+    assert piped.costs == _find(_only(profile, 4, calibration=plain), 4, 4).costs
+    assert Calibration.from_json(hooks.to_json()) == hooks and hooks.hooks_for(1) == 0.0 == plain.hooks_for(4)
+    corners = {(u, m): 1.0 + 0.5 * u + 0.25 * m + 0.125 * u * m for u in (1, 2) for m in (2, 6)}
+    assert LayoutCost.fit(1, 1, 1, 4, corners).per_unit_microbatch == pytest.approx(0.125)
+    flat = LayoutCost.fit(1, 1, 1, 4, corners, dict.fromkeys(corners, 0.0), cross=False)
+    assert flat.per_unit_microbatch == 0.0 and flat.cpu[3] == 0.0
+    with pytest.raises(ValueError, match="sharding_hooks"):
+        Calibration(sharding_hooks=-1.0)
+
+
 def test_the_calibrations_links_are_used_unless_the_plan_names_its_own() -> None:
     profile = _profile(4)
     cal = Calibration(intra=Link(1e-3, 1e9), inter=Link(2e-3, 1e8))
@@ -281,10 +306,10 @@ def test_a_recomputed_stage_pays_the_checkpoints_line_at_its_saved_tensors_whate
 
 
 def test_a_measured_compute_scale_multiplies_each_stages_forward_and_backward_only() -> None:
-    """compute_scale=(kf, kb[, ks]): F = kf (sigma f + c), I = kb (sigma i + c/2), W = kb (sigma w + c/2), with c the
-    fixed cost per action (overhead, action), and ks for kb under a schedule that splits the backward (kb when not
-    given); tp all-reduces are not compute and stay; a recomputed I is the scaled F + I + W; one number scales all;
-    bad values name the option."""
+    """compute_scale=(kf, kb[, ks]): F = kf (sigma f + c), B = kb (sigma b + c), I = ks (sigma i + c/2),
+    W = ks (sigma w + c/2), with c the fixed cost per action (overhead, action), ks = kb when not given; tp
+    all-reduces are not compute and stay; a recomputed I is the scaled F + I + W; one number scales all; bad values
+    name the option."""
     profile = _profile(4)
     cal = Calibration(action=0.25)
     kw: dict = {"calibration": cal, "overhead": 0.5}
@@ -295,6 +320,7 @@ def test_a_measured_compute_scale_multiplies_each_stages_forward_and_backward_on
         assert got.costs.forward[s] == pytest.approx(2.0 * bare.costs.forward[s], rel=1e-12)
         assert got.costs.backward_input[s] == pytest.approx(3.0 * bare.costs.backward_input[s], rel=1e-12)
         assert got.costs.backward_weight[s] == pytest.approx(3.0 * bare.costs.backward_weight[s], rel=1e-12)
+        assert got.costs.backward(s) == pytest.approx(3.0 * bare.costs.backward(s), rel=1e-12)
     assert got.step_time > bare.step_time
     # a split backward (I and W apart) has a factor of its own; a fused one under the same options keeps kb
     zb = {"schedules": ["zb-h1"], **kw}
@@ -305,8 +331,9 @@ def test_a_measured_compute_scale_multiplies_each_stages_forward_and_backward_on
         assert split.costs.forward[1] == pytest.approx(2.0 * split_bare.costs.forward[1], rel=1e-12)
         assert split.costs.backward_input[1] == pytest.approx(k * split_bare.costs.backward_input[1], rel=1e-12)
         assert split.costs.backward_weight[1] == pytest.approx(k * split_bare.costs.backward_weight[1], rel=1e-12)
-    fused = _find(_only(profile, 4, compute_scale=(2.0, 3.0, 5.0), **kw), 4, 4)
-    assert fused.costs is not None and fused.costs.backward_input == got.costs.backward_input
+    fused = _find(_only(profile, 4, compute_scale=(2.0, 3.0, 5.0), **kw), 4, 4)  # 1F1B runs B: kb, not ks
+    assert fused.costs is not None and fused.costs.backward_full == got.costs.backward_full
+    assert fused.step_time == got.step_time
     same = _find(_only(profile, 4, compute_scale=1.5, **kw), 4, 4)
     assert same.costs is not None and same.costs.forward[1] == pytest.approx(1.5 * bare.costs.forward[1], rel=1e-12)
     assert same.costs.backward_input[1] == pytest.approx(1.5 * bare.costs.backward_input[1], rel=1e-12)

@@ -173,6 +173,36 @@ def test_step_time_and_sync_count_as_idle_in_the_bubble() -> None:
     assert [str(e.action) for e in result.timeline.events][-2:] == ["0SYNC", "0STEP"]
 
 
+@pytest.mark.parametrize("p,m", [(1, 1), (2, 5), (4, 8), (3, 13)])
+def test_a_b_action_costs_the_measured_b_not_i_plus_w(p: int, m: int) -> None:
+    """1F1B runs B: with B = 1.5 where I + W = 2.5 its step is (m + p - 1)(F + B); the same order with the
+    backward split pays I + W on every rank, (p - 1)(F + I) + m(F + I + W) (exact in binary)."""
+    costs = uniform(p, 1.0, 1.5, 1.0, backward_full=1.5)
+    assert costs.backward(0) == 1.5 and costs.backward_times() == (1.5,) * p
+    whole = simulate(sw.schedules.generate("1f1b", p, m), costs)
+    split = simulate(sw.passes.lower(sw.schedules.generate("1f1b", p, m), split=True), costs)
+    assert whole.makespan == (m + p - 1) * 2.5
+    assert split.makespan == (p - 1) * 2.5 + m * 3.5
+    busy = sum(e - s for starts, ends in zip(whole.starts, whole.ends) for s, e in zip(starts, ends))
+    assert busy == p * m * 2.5  # every B charged 1.5, every F 1
+
+
+def test_without_a_measured_b_it_costs_i_plus_w() -> None:
+    plain = uniform(3, 1.0, 0.5, 0.75)
+    assert plain.backward_full == () and plain.backward_times() == (1.25,) * 3
+    assert plain.to_dict().get("backward_full") is None  # written only where given
+    given = CostModel.from_dict({**plain.to_dict(), "backward_full": [1.0, 2.0, 0.5]})
+    assert given.backward_full == (1.0, 2.0, 0.5) and given.backward(1) == 2.0
+    assert CostModel.from_dict(json.loads(json.dumps(given.to_dict()))) == given
+    schedule = sw.schedules.generate("gpipe", 3, 4)
+    same = uniform(3, 1.0, 0.5, 0.75, backward_full=1.25)
+    assert simulate(schedule, plain).makespan == simulate(schedule, same).makespan
+    with pytest.raises(ValueError, match="backward_full has 2 entries"):
+        CostModel.from_dict({**plain.to_dict(), "backward_full": [1.0, 2.0]})
+    with pytest.raises(ValueError, match="backward_full must be finite"):
+        uniform(2, backward_full=-1.0)
+
+
 # ---- memory -------------------------------------------------------------------------
 
 
@@ -197,6 +227,15 @@ def test_memory_timeline_of_gpipe_rises_to_m_then_drains() -> None:
         assert times == sorted(times)
         assert max(values) == 3.0 * m == result.peak_activation_bytes[rank]
         assert values[-1] == 0.0
+
+
+def test_a_stash_larger_than_the_activations_grows_the_memory_at_i() -> None:
+    """W's stash (a linear stack's inputs and output gradients) can outweigh what the forward saved: I then
+    leaves more than F added, and the peak is taken after I."""
+    costs = uniform(1, activation_bytes=4.0, weight_activation_bytes=6.0)
+    result = simulate(Schedule.from_csv("0F0,0I0,0F1,0I1,0W0,0W1\n"), costs)
+    assert result.memory == [[(0.0, 0.0), (0.0, 4.0), (2.0, 6.0), (2.0, 10.0), (4.0, 12.0), (5.0, 6.0), (6.0, 0.0)]]
+    assert result.peak_activation_bytes == [12.0]
 
 
 def test_split_backward_sends_the_gradient_before_w_and_frees_like_b() -> None:

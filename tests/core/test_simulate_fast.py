@@ -61,6 +61,7 @@ def cost_models(draw: st.DrawFn, n: int) -> CostModel:
         bandwidth=draw(st.sampled_from([float("inf"), 0.5, 3.0])),
         sync_time=draw(per_stage),
         step_time=draw(per_stage),
+        backward_full=draw(st.one_of(st.just(()), per_stage)),  # B as measured, or I + W
     )
 
 

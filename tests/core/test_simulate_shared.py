@@ -32,6 +32,7 @@ def _random_costs(n: int, rng: random.Random, zeros: bool = False) -> CostModel:
         latency=0.1,
         bandwidth=4.0,
         sync_time=draw(),
+        backward_full=draw(),  # B as measured, not I + W: a B action is charged its own time
     )
 
 

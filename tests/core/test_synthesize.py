@@ -18,7 +18,8 @@ from stagewise.validate import validate_schedule
 
 
 def costs_of(kind: str, n: int) -> CostModel:
-    """A few shapes of cost: uniform, latency, I : W = 3 : 1, uneven stages with uneven I / W, W keeping nothing."""
+    """A few shapes of cost: uniform, latency, I : W = 3 : 1, uneven stages with uneven I / W, W keeping nothing, and
+    a measured B below I + W on some stages (and above it on one)."""
     base = CostModel.uniform(n, weight_activation_bytes=1 / 3)
     if kind == "latency":
         return replace(base, latency=0.3)
@@ -29,6 +30,8 @@ def costs_of(kind: str, n: int) -> CostModel:
         return replace(base, forward=f, backward_input=tuple(x * 0.8 for x in f), backward_weight=(1.2,) * n)
     if kind == "no-w-memory":
         return replace(base, weight_activation_bytes=(0.0,) * n, latency=0.3)
+    if kind == "measured-b":
+        return replace(base, latency=0.2, backward_full=tuple((1.4, 2.0, 1.8, 2.1)[s % 4] for s in range(n)))
     return base
 
 
@@ -57,7 +60,7 @@ GRID = [(p, m, 1, "loop") for p in (1, 2, 3, 4) for m in (1, 2, 5, 8) if (p, m) 
 GRID += [(p, m, 2, pl) for p in (2, 3) for m in (1, 4) for pl in ("v", "loop")]
 
 
-@pytest.mark.parametrize("kind", ["uniform", "latency", "iw", "uneven", "no-w-memory"])
+@pytest.mark.parametrize("kind", ["uniform", "latency", "iw", "uneven", "no-w-memory", "measured-b"])
 @pytest.mark.parametrize(("p", "m", "v", "placement"), GRID)
 def test_never_slower_than_a_registered_schedule_that_fits(kind: str, p: int, m: int, v: int, placement: str) -> None:
     """Under 1F1B's memory and twice it: validated, within its caps, and no registered schedule that fits the

@@ -31,10 +31,10 @@ def simulate_reference(schedule: Schedule, costs: CostModel) -> ReferenceResult:
     n, m, p = schedule.num_stages, schedule.num_microbatches, schedule.num_ranks
     placement = schedule.placement
     fwd, b_in, b_wt = costs.forward, costs.backward_input, costs.backward_weight
-    b_full = tuple(x + y for x, y in zip(b_in, b_wt))
+    b_full = tuple(x + y for x, y in zip(b_in, b_wt)) if not costs.backward_full else costs.backward_full
     sync, step = costs.sync_time, costs.step_time
     act = costs.activation_bytes
-    keep = tuple(min(k, a) for k, a in zip(costs.weight_activation_bytes, act))
+    keep = costs.weight_activation_bytes  # W's stash, left by I in place of the activations (may be larger)
     # Arrival delay of stage s's output at stage s+1, and of stage s's input gradient at stage s-1.
     delay_f = [costs.transfer_time(s) if s + 1 < n and placement[s + 1] != placement[s] else 0.0 for s in range(n)]
     delay_b = [costs.transfer_time(s - 1) if s > 0 and placement[s - 1] != placement[s] else 0.0 for s in range(n)]
@@ -100,6 +100,8 @@ def simulate_reference(schedule: Schedule, costs: CostModel) -> ReferenceResult:
                 else:
                     t += b_in[s]
                     byt -= act[s] - keep[s]
+                    if byt > pk_b:  # a stash larger than the activations it replaces
+                        pk_b = byt
                 cnt -= 1.0
                 if s:
                     key = 2 * (s * m + mb) + 1

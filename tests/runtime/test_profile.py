@@ -34,8 +34,11 @@ def test_chain_bytes_are_exact() -> None:
     prof = profile(layers, x, repeats=2, warmup=1)
     assert prof.names == ["0", "1", "2", "3"]
     lin, relu, fork, join = prof.layers
-    # Linear keeps its input for the weight gradient; the weight itself is not an activation
-    assert lin.activation_bytes == lin.weight_activation_bytes == 8 * 32 * 4
+    # Linear keeps its input for the weight gradient; the weight itself is not an activation. After I, W holds that
+    # input and the layer's output gradient (this layer's input needs none: the first stage's W path)
+    assert lin.activation_bytes == 8 * 32 * 4
+    assert lin.weight_activation_bytes == 8 * 32 * 4 + 8 * 16 * 4
+    assert join.weight_activation_bytes == 2 * 8 * 16 * 4  # its linear's input a, and the gradient at its output
     assert relu.activation_bytes == 8 * 16 * 4 and relu.weight_activation_bytes == 0
     assert lin.parameter_bytes == (32 * 16 + 16) * 4 and relu.parameter_bytes == 0
     assert lin.output_bytes == 8 * 16 * 4 and fork.output_bytes == 2 * 8 * 16 * 4
@@ -54,7 +57,8 @@ def test_input_and_weight_grads_are_measured_apart() -> None:
     prof = profile(layers, x, repeats=5, warmup=2)
     for layer in prof.layers:
         assert layer.forward > 0 and layer.backward_input > 0 and layer.backward_weight > 0
-        assert 0 < layer.weight_activation_bytes <= layer.activation_bytes
+        # W holds the linear's input and its output gradient; the forward saved the input and GELU's input
+        assert layer.weight_activation_bytes == layer.activation_bytes == 2 * 64 * 256 * 4
 
 
 class Net(nn.Module):
@@ -103,12 +107,17 @@ def test_cost_model_sums_stages_and_simulates() -> None:
     for k, (a, b) in enumerate(zip(part.bounds, part.bounds[1:])):
         stage = prof.layers[a:b]
         assert costs.forward[k] == pytest.approx(sum(x.forward for x in stage))
-        assert costs.backward(k) == pytest.approx(sum(x.backward for x in stage))  # I + W rescaled to B
+        assert costs.backward(k) == pytest.approx(sum(x.backward for x in stage))  # B as measured
+        assert costs.backward_input[k] == pytest.approx(sum(x.backward_input for x in stage))  # not rescaled to B
+        assert costs.backward_weight[k] == pytest.approx(sum(x.backward_weight for x in stage))
+        assert costs.weight_activation_bytes[k] == sum(x.weight_activation_bytes for x in stage)
         assert costs.parameter_bytes[k] == sum(x.parameter_bytes for x in stage)
         assert costs.activation_bytes[k] == sum(x.activation_bytes for x in stage)
         assert costs.output_bytes[k] == stage[-1].output_bytes
-    raw = prof.cost_model([0, 2, 5], match_backward=False)
-    assert raw.backward_input[1] == pytest.approx(sum(x.backward_input for x in prof.layers[2:]))
+    with pytest.warns(DeprecationWarning, match=r"match_backward=True\) is deprecated"):
+        scaled = prof.cost_model([0, 2, 5], match_backward=True)
+    for k in range(2):  # the old way: I and W scaled to sum to B
+        assert scaled.backward_input[k] + scaled.backward_weight[k] == pytest.approx(scaled.backward(k))
     result = simulate(sw.build_schedule("1f1b", num_ranks=2, num_microbatches=4), costs)
     slowest = max(costs.forward[k] + costs.backward(k) for k in range(2))
     assert result.makespan >= 4 * slowest
@@ -153,9 +162,10 @@ def test_the_backward_is_timed_through_the_runtimes_own_code(monkeypatch: pytest
     lin.weight.grad = torch.full_like(lin.weight, 3.0)
     prof = profile([lin, nn.ReLU()], torch.randn(4, 8, requires_grad=True), repeats=3, warmup=1)
     # 2 layers x 4 runs, I and B each once more on the one-node graph whose time is taken off, B once more on the
-    # checkpointed forward's graph; then the checkpoint's chains (2 lengths, 15 + 2 runs, plain and checkpointed)
+    # checkpointed forward's graph; per layer one untimed I and W more, to see what W holds after I (W runs only
+    # where there are weights); then the checkpoint's chains (2 lengths, 15 + 2 runs, plain and checkpointed)
     chains = len(profiling.CHAINS) * (15 + 2) * 2
-    assert calls == {"backward_input": 16, "backward_weight": 4, "backward_full": 2 * 4 * 3 + chains}
+    assert calls == {"backward_input": 16 + 2, "backward_weight": 4 + 2, "backward_full": 2 * 4 * 3 + chains}
     assert torch.equal(lin.weight.grad, torch.full_like(lin.weight, 3.0)) and lin.bias.grad is None
     assert prof.layers[1].backward_weight == 0 and prof.layers[0].backward_weight > 0
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
@@ -22,7 +23,12 @@ OPTIONAL = frozenset(
 
 @dataclass(frozen=True)
 class LayerCost:
-    """One layer's measured costs: times in seconds, sizes in bytes (per sample batch)."""
+    """One layer's measured costs: times in seconds, sizes in bytes (per sample batch).
+
+    ``backward_input`` (I), ``backward_weight`` (W) and ``backward`` (B) are each measured: a split backward
+    need not cost what B costs. ``activation_bytes`` is what the forward saves for backward;
+    ``weight_activation_bytes`` what W holds from the end of I until it runs (its stash), which may be more.
+    """
 
     name: str
     forward: float
@@ -184,16 +190,28 @@ class LayerProfile:
         latency: float = 0.0,
         bandwidth: float = math.inf,
         output_bytes: Sequence[float] | None = None,
-        match_backward: bool = True,
+        match_backward: bool = False,
     ) -> CostModel:
         """Sum the layers into stages: stage k holds layers ``bounds[k]`` to ``bounds[k+1] - 1``.
 
         ``partition`` is a :class:`~stagewise.partition.cut.Partition` or its bounds
         (``[0, 3, 8]``: layers 0-2 and 3-7). A stage sends its last layer's output
         unless ``output_bytes`` (one per stage) says otherwise, e.g. a split
-        model's boundary sizes. With ``match_backward`` a stage's I and W are
-        scaled so that I + W equals its measured full backward.
+        model's boundary sizes.
+
+        Every cost is charged as measured: a stage's F, I, W and B (``backward_full``) are its layers' sums,
+        and W's stash (``weight_activation_bytes``) the bytes the profile found W holding after I. So the
+        simulator and the synthesizer see what splitting the backward costs beyond B, and choose B where
+        splitting does not pay. ``match_backward=True`` (deprecated; it was the default until the split's own
+        cost was measured) scales I and W to sum to B, which hides that cost.
         """
+        if match_backward:
+            warnings.warn(
+                "cost_model(match_backward=True) is deprecated: it scales I + W to the measured B and hides "
+                "what splitting the backward costs; the cost model now charges I, W and B as measured",
+                DeprecationWarning,
+                stacklevel=2,
+            )
         bounds = _check_bounds(partition, len(self.layers))
         p = len(bounds) - 1
         if output_bytes is not None and len(output_bytes) != p:
@@ -213,6 +231,7 @@ class LayerProfile:
             output_bytes=tuple(sent),
             latency=latency,
             bandwidth=bandwidth,
+            backward_full=tuple(s.backward for s in stages),
         )
 
 

@@ -64,11 +64,13 @@ class LayoutCost:
         sharding: int,
         residuals: dict[tuple[int, int], float],
         cpu: dict[tuple[int, int], float] | None = None,
+        cross: bool = True,
     ) -> LayoutCost:
         """The terms through four measured corners ``{(u, m): seconds}`` (two unit counts x two micro-batch counts),
-        slopes held >= 0; ``cpu`` (same corners, CPU seconds per process) gives :attr:`cpu` the same way."""
-        cpu_terms = corner_fit(cpu, "LayoutCost.fit (cpu)") if cpu is not None else (0.0, 0.0, 0.0, 0.0)
-        return cls(pp, dp, tp, sharding, *corner_fit(residuals, "LayoutCost.fit"), cpu=cpu_terms)
+        slopes held >= 0; ``cpu`` (same corners, CPU seconds per process) gives :attr:`cpu` the same way.
+        ``cross=False``: no term per unit and micro-batch (:func:`corner_fit`)."""
+        cpu_terms = corner_fit(cpu, "LayoutCost.fit (cpu)", cross) if cpu is not None else (0.0, 0.0, 0.0, 0.0)
+        return cls(pp, dp, tp, sharding, *corner_fit(residuals, "LayoutCost.fit", cross), cpu=cpu_terms)
 
     def at(self, units: int, microbatches: int) -> float:
         """The fitted seconds per step (never below 0: a fit's negative terms only cancel positive ones)."""
@@ -88,20 +90,23 @@ def _bilinear(terms: tuple[float, float, float, float], u: int, m: int) -> float
     return max(0.0, a + b * u + (c + d * u) * m)
 
 
-def corner_fit(residuals: dict[tuple[int, int], float], what: str) -> tuple[float, float, float, float]:
+def corner_fit(
+    residuals: dict[tuple[int, int], float], what: str, cross: bool = True
+) -> tuple[float, float, float, float]:
     """``(fixed, per_unit, per_microbatch, per_unit_microbatch)`` through four corners ``{(u, m): seconds}``.
 
     A cost cannot shrink as layers or micro-batches are added: a negative slope is noise in the
     medians, and extrapolated to a real model's layers and micro-batches it would cancel real
     costs. Each slope is the mean of the two it can be read from (less the cross term), held >= 0, and
-    ``fixed`` makes the mean over the corners right.
+    ``fixed`` makes the mean over the corners right. ``cross=False``: no term per unit and micro-batch
+    (where nothing left costs that, the cross term is the corners' noise, multiplied by u x m at a plan).
     """
     us, ms = sorted({u for u, _ in residuals}), sorted({m for _, m in residuals})
     if len(us) != 2 or len(ms) != 2 or len(residuals) != 4:
         raise ValueError(f"{what}: expected 2 x 2 corners (u, m), got {sorted(residuals)}")
     (u1, u2), (m1, m2), r = us, ms, residuals
     du, dm = u2 - u1, m2 - m1
-    d = max(0.0, ((r[u2, m2] - r[u1, m2]) - (r[u2, m1] - r[u1, m1])) / (du * dm))
+    d = max(0.0, ((r[u2, m2] - r[u1, m2]) - (r[u2, m1] - r[u1, m1])) / (du * dm)) if cross else 0.0
     c = max(0.0, ((r[u1, m2] - r[u1, m1]) + (r[u2, m2] - r[u2, m1])) / (2 * dm) - d * (u1 + u2) / 2)
     b = max(0.0, ((r[u2, m1] - r[u1, m1]) + (r[u2, m2] - r[u1, m2])) / (2 * du) - d * (m1 + m2) / 2)
     a = sum(r[u, m] - b * u - (c + d * u) * m for u, m in r) / 4
@@ -125,7 +130,9 @@ class Calibration:
     node's processes effectively share, measured (used when the plan gives no ``cores=``). ``sharding_fixed`` +
     ``sharding_per_byte`` x bytes: seconds one FSDP2 unit (a layer with parameters) costs per step
     for its gather and reduce-scatter, measured on ``sharding_group`` ranks (None: the ring model
-    of :mod:`.comm`). ``processes`` / ``nodes``: the group it was measured on (None: not recorded); the layout
+    of :mod:`.comm`). ``sharding_hooks``: the CPU seconds FSDP2's hooks add to one unit's forward and
+    backward per micro-batch (None: not measured; the layouts' fitted costs then carry it as a term
+    per unit and micro-batch). ``processes`` / ``nodes``: the group it was measured on (None: not recorded); the layout
     costs and the cores hold for that many processes only.
 
     A calibration takes minutes to measure: :meth:`save` it, and :meth:`load` it for later plans
@@ -141,6 +148,7 @@ class Calibration:
     sharding_fixed: float | None = None
     sharding_per_byte: float | None = None
     sharding_group: int = 0
+    sharding_hooks: float | None = None
     layouts: tuple[LayoutCost, ...] = ()
     background: float = 0.0
     processes: int | None = None
@@ -156,6 +164,8 @@ class Calibration:
         for row in self.layouts:
             if not isinstance(row, LayoutCost):
                 raise ValueError(f"Calibration.layouts: expected LayoutCost entries, got {type(row).__name__}")
+        if self.sharding_hooks is not None and not 0 <= self.sharding_hooks < math.inf:
+            raise ValueError(f"Calibration.sharding_hooks must be seconds >= 0 or None, got {self.sharding_hooks!r}")
         measured = (self.sharding_fixed, self.sharding_per_byte)
         if (measured[0] is None) != (measured[1] is None):
             raise ValueError("Calibration: give sharding_fixed and sharding_per_byte together, or neither")
@@ -183,6 +193,12 @@ class Calibration:
         steps = (n - 1) / (g - 1)
         share = ((n - 1) / n) / ((g - 1) / g)
         return units * self.sharding_fixed * steps + nbytes * self.sharding_per_byte * share
+
+    def hooks_for(self, sharding: int) -> float:
+        """Seconds per unit (a layer with parameters) that each forward and each backward of a stage costs beyond
+        its layers, for a layout of ``sharding`` ranks: half of FSDP2's measured hooks each (0 unsharded or
+        unmeasured)."""
+        return self.sharding_hooks / 2 if sharding > 1 and self.sharding_hooks is not None else 0.0
 
     def step_for(self, pp: int, dp: int, tp: int, sharding: int, units: int, microbatches: int) -> float:
         """Seconds per step outside what the rest of the model predicts, for this layout with ``units`` layers with
@@ -218,6 +234,7 @@ class Calibration:
             "sharding_fixed": self.sharding_fixed,
             "sharding_per_byte": self.sharding_per_byte,
             "sharding_group": self.sharding_group,
+            "sharding_hooks": self.sharding_hooks,
             "layouts": [row.to_dict() for row in self.layouts],
             "background": self.background,
             "processes": self.processes,

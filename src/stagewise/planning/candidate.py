@@ -95,10 +95,11 @@ def rank_terms(
     it then runs all its work and the gradient sync of the stage it finishes last; and after the
     last input-gradient it computes, that gradient still has to pass every stage below (``post``).
     Returns (pre, post, work per micro-batch, F + I per micro-batch, sync) per rank:
-    bound = max over ranks of ``pre + max(m * work + sync, m * fi + post)``.
+    bound = max over ranks of ``pre + max(m * work + sync, m * fi + post)``. A schedule that ``splits`` runs I and
+    W, one that does not B, each at its own cost.
     """
     p = max(placement) + 1
-    f, i, w = costs.forward, costs.backward_input, costs.backward_weight
+    f, i, w, b = costs.forward, costs.backward_input, costs.backward_weight, costs.backward_times()
     n = len(placement)
     lowest = [n] * p
     for s, r in enumerate(placement):
@@ -107,14 +108,14 @@ def rank_terms(
     for s in range(n):
         hop = link.time(costs.output[s]) if s + 1 < n and placement[s + 1] != placement[s] else 0.0
         prefix_f.append(prefix_f[-1] + f[s] + hop)
-        back = i[s] if splits else i[s] + w[s]
+        back = i[s] if splits else b[s]
         hop_b = link.time(costs.output[s - 1]) if s > 0 and placement[s - 1] != placement[s] else 0.0
         prefix_i.append(prefix_i[-1] + back + hop_b)
     work, fi, blocking = [0.0] * p, [0.0] * p, [0.0] * p
     sync_min = [math.inf] * p
     for s, r in enumerate(placement):
-        work[r] += f[s] + i[s] + w[s]
-        fi[r] += f[s] + (i[s] if splits else i[s] + w[s])
+        work[r] += f[s] + (i[s] + w[s] if splits else b[s])
+        fi[r] += f[s] + (i[s] if splits else b[s])
         blocking[r] += sync_blocking[s]
         sync_min[r] = min(sync_min[r], sync_async[s])
     return [(prefix_f[lowest[r]], prefix_i[lowest[r]], work[r], fi[r], blocking[r] + sync_min[r]) for r in range(p)]

@@ -38,14 +38,17 @@ tensors (0 for a profile without one). It does not grow with the batch.
 defined on :class:`~stagewise.planning.Plan`; here one candidate, ``b`` samples per micro-batch,
 ``sigma = b / profile_batch``, sums over a stage's layers ``l``):
 
-* ``F_s = k_F (sigma * sum f_l + c_s) + T_s``, ``I_s = k_B (sigma * sum i_l + c_s / 2) + T_s``,
-  ``W_s = k_B (sigma * sum w_l + c_s / 2)`` (B = I + W where the schedule does not split it; where it
-  does, ``k_IW`` in place of ``k_B``),
+* ``F_s = k_F (sigma * sum f_l + c_s) + T_s``, ``B_s = k_B (sigma * sum b_l + c_s) + T_s``,
+  ``I_s = k_IW (sigma * sum i_l + c_s / 2) + T_s``, ``W_s = k_IW (sigma * sum w_l + c_s / 2)``: each of
+  F, B, I and W as the profile measured it (a split backward costs what it costs, not B rescaled), the
+  simulator charging a schedule's B actions ``B_s`` and its I and W actions ``I_s`` and ``W_s``,
   with ``T_s`` the stage's tp all-reduces and the fixed cost per action
-  ``c_s = sum o_l + action + message * (in_s + out_s)``: ``o_l`` the profile's per-layer
+  ``c_s = sum o_l + action + message * (in_s + out_s) + h u_s``: ``o_l`` the profile's per-layer
   ``overhead``, ``action`` the runtime's measured cost per stage action and ``message`` its
   cost per point-to-point message, ``in_s = [s > 0]``, ``out_s = [s < S - 1]`` (an F receives
-  an activation and sends one; a B the same gradients back). ``action`` and ``message`` come
+  an activation and sends one; a B the same gradients back); on a sharded layout, ``h`` is half
+  of FSDP2's measured hooks per unit and micro-batch (``Calibration.sharding_hooks``) and ``u_s``
+  the stage's layers with parameters (a recomputed forward runs its hooks again). ``action`` and ``message`` come
   from :class:`~stagewise.planning.Calibration`; ``(k_F, k_B, k_IW)`` is ``compute_scale`` (1 unless
   given): what the runtime's F, B and split I + W actions measured on the group over these predictions
   for them (:func:`stagewise.measure_compute_scale`).
@@ -98,6 +101,7 @@ class LayerArrays:
     parameters: tuple[float, ...]
     output: tuple[float, ...]
     tp_layer: tuple[bool, ...]
+    backward: tuple[float, ...] = ()  # the full backward B per layer, as measured (() = I + W)
     saved: tuple[float, ...] = ()  # tensors autograd saves per layer (what a checkpoint's hooks pay for)
     checkpoint: CheckpointCost | None = None
     loss: float = 0.0  # bytes the loss saves per micro-batch, held by the last stage (LayerProfile.loss_bytes)
@@ -106,22 +110,21 @@ class LayerArrays:
 def layer_arrays(profile: LayerProfile, tp: int, tp_layers: frozenset[int]) -> LayerArrays:
     """Each layer's times and sizes at the profile batch, divided by ``tp`` where the layer supports it.
 
-    I and W are rescaled to sum to the measured full backward, as
-    :meth:`LayerProfile.cost_model` does.
+    I, W and B as measured, as :meth:`LayerProfile.cost_model` charges them (a layer whose split was not
+    measured, I + W = 0, runs its whole backward as I); W's stash as measured, which may exceed the activations.
     """
-    f, i, w, act, keep, par, out, split, saved = [], [], [], [], [], [], [], [], []
+    f, i, w, b, act, keep, par, out, split, saved = [], [], [], [], [], [], [], [], [], []
     for k, layer in enumerate(profile.layers):
         d = tp if k in tp_layers else 1
         bi, bw = layer.backward_input, layer.backward_weight
-        if bi + bw > 0:
-            bi, bw = bi * layer.backward / (bi + bw), bw * layer.backward / (bi + bw)
-        else:
+        if bi + bw <= 0:
             bi, bw = layer.backward, 0.0
         f.append(layer.forward / d)
         i.append(bi / d)
         w.append(bw / d)
+        b.append(layer.backward / d)
         act.append(layer.activation_bytes / d)
-        keep.append(min(layer.weight_activation_bytes, layer.activation_bytes) / d)
+        keep.append(layer.weight_activation_bytes / d)
         par.append(layer.parameter_bytes / d)
         out.append(layer.output_bytes)
         split.append(d > 1)
@@ -129,6 +132,7 @@ def layer_arrays(profile: LayerProfile, tp: int, tp_layers: frozenset[int]) -> L
     return LayerArrays(  # type: ignore[misc]
         *(tuple(x) for x in (f, i, w, act, keep, par, out)),  # type: ignore[arg-type]
         tp_layer=tuple(split),
+        backward=tuple(b),
         saved=tuple(saved),
         checkpoint=profile.checkpoint,
         loss=profile.loss_bytes,
@@ -149,6 +153,11 @@ class StageCosts:
     full_activation: tuple[float, ...]  # without recompute: what a recomputed backward brings back
     tp_comm: tuple[float, ...]  # seconds of tp all-reduce per micro-batch (forward + backward)
     units: tuple[int, ...] = ()  # layers with parameters per stage
+    backward: tuple[float, ...] = ()  # the full backward B per stage (() = I + W)
+
+    def backward_times(self) -> tuple[float, ...]:
+        """B per stage: ``backward``, or I + W where it is left out."""
+        return self.backward or tuple(i + w for i, w in zip(self.backward_input, self.backward_weight))
 
 
 @dataclass(frozen=True)
@@ -167,6 +176,7 @@ class StageBase:
     parameters: tuple[float, ...]
     output: tuple[float, ...]
     input: tuple[float, ...]
+    backward: tuple[float, ...]
     tp_fixed: tuple[float, ...]
     tp_per_scale: tuple[float, ...]
     fixed: tuple[float, ...]  # seconds of each F and of each B that do not scale with the batch
@@ -177,30 +187,34 @@ class StageBase:
     checkpoint_backward: tuple[float, ...] = ()  # ... and to each backward, beyond the forward again
     loss: tuple[float, ...] = ()  # bytes the loss saves (the last stage's; recompute does not reach it)
 
-    def at(self, scale: float, split: bool = False) -> StageCosts:
-        """The stage costs for a micro-batch of ``scale`` times the profile batch (``split``: under a schedule that
-        runs I and W apart, whose measured factor is its own)."""
-        f, i, w, act, keep, full, comm = [], [], [], [], [], [], []
+    def at(self, scale: float, per_unit: float = 0.0) -> StageCosts:
+        """The stage costs for a micro-batch of ``scale`` times the profile batch: F, B, and the split I and W,
+        each with its own measured factor (see the module docstring); ``per_unit``: seconds each forward and each
+        backward costs per layer with parameters beyond the layers (FSDP2's hooks on a sharded layout)."""
+        f, i, w, b, act, keep, full, comm = [], [], [], [], [], [], [], []
+        kf, kb, kiw = self.factor
         for s in range(len(self.forward)):
             tp_fwd = self.tp_fixed[s] + self.tp_per_scale[s] * scale
-            fixed = self.fixed[s]
-            kf, kb = self.factor[0], self.factor[2 if split else 1]
+            fixed = self.fixed[s] + per_unit * (self.units[s] if self.units else 0)
             fs = kf * (self.forward[s] * scale + fixed) + tp_fwd
-            is_ = kb * (self.backward_input[s] * scale + fixed / 2) + tp_fwd  # the f all-reduces mirror the g ones
+            is_ = kiw * (self.backward_input[s] * scale + fixed / 2) + tp_fwd  # the f all-reduces mirror the g ones
+            bs = kb * (self.backward[s] * scale + fixed) + tp_fwd
             acts = self.activation[s] * scale  # the last stage's includes the loss's saved tensors
             lost = (self.loss[s] if self.loss else 0.0) * scale
             kp = self.keep[s] * scale
             full.append(acts - lost)  # what a recompute brings back: the stage's own internals
-            ws = kb * (self.backward_weight[s] * scale + fixed / 2)
+            ws = kiw * (self.backward_weight[s] * scale + fixed / 2)
             if self.recompute == "stage":  # the forward again, W within I, the checkpoint's hooks (see above)
-                is_ += fs + ws + kb * self.checkpoint_backward[s]
+                is_ += fs + ws + kiw * self.checkpoint_backward[s]
+                bs += fs + kb * self.checkpoint_backward[s]
                 fs += kf * self.checkpoint_forward[s]
                 ws = 0.0
                 acts = self.input[s] * scale + lost
-                kp = min(kp, acts)
+                kp = 0.0  # W within I: nothing is held for it
             f.append(fs)
             i.append(is_)
             w.append(ws)
+            b.append(bs)
             act.append(acts)
             keep.append(kp)
             comm.append(2 * tp_fwd)
@@ -216,6 +230,7 @@ class StageBase:
             tuple(full),
             tuple(comm),
             self.units,
+            tuple(b),
         )
 
 
@@ -234,7 +249,7 @@ def stage_base(
     """Sum the layers of each stage (``bounds`` as in :class:`~stagewise.partition.cut.Partition`)."""
     per_ar_fixed = 2 * (tp - 1) * tp_link.latency if tp > 1 else 0.0
     per_byte = 2 * (tp - 1) / (tp * tp_link.bandwidth) if tp > 1 else 0.0
-    cols: list[list[float]] = [[] for _ in range(11)]
+    cols: list[list[float]] = [[] for _ in range(12)]
     last = len(bounds) - 2
     units = []
     ck_f, ck_b = [], []
@@ -255,6 +270,9 @@ def stage_base(
             sum(arrays.parameters[a:b]),
             arrays.output[b - 1],
             arrays.output[a - 1] if a > 0 else 0.0,
+            sum(arrays.backward[a:b])
+            if arrays.backward
+            else sum(arrays.backward_input[a:b] + arrays.backward_weight[a:b]),
             2 * n_tp * per_ar_fixed,
             2 * tp_bytes * per_byte,
             sum(overhead[a:b]) + action_overhead + message * ((s > 0) + (s < last)),
@@ -282,7 +300,8 @@ def partition_weights(
     for k in range(len(arrays.forward)):
         fwd = arrays.forward[k] + overhead[k]
         tp_time = 4 * ring_all_reduce(arrays.output[k], tp, tp_link) if arrays.tp_layer[k] else 0.0
-        back = arrays.backward_input[k] + arrays.backward_weight[k] + overhead[k]
+        back = arrays.backward[k] if arrays.backward else arrays.backward_input[k] + arrays.backward_weight[k]
+        back += overhead[k]
         hooks = 0.0
         if recompute and arrays.checkpoint is not None and arrays.saved:  # the checkpoint's cost per saved tensor
             hooks = arrays.saved[k] * (arrays.checkpoint.per_saved_forward + arrays.checkpoint.per_saved_backward)

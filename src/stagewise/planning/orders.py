@@ -15,6 +15,20 @@ def splits_backward(name: str) -> bool:
     return any(a.kind is Kind.I for acts in s.ranks for a in acts)
 
 
+@lru_cache(maxsize=1024)
+def backward_counts(name: str, pp: int, m: int, v: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per stage, how many backwards the schedule runs whole (B) and how many split (I, then W)."""
+    schedule = generate(name, pp, m, v)
+    whole, split = [0] * schedule.num_stages, [0] * schedule.num_stages
+    for acts in schedule.ranks:
+        for a in acts:
+            if a.kind is Kind.B:
+                whole[a.stage] += 1
+            elif a.kind is Kind.I:
+                split[a.stage] += 1
+    return tuple(whole), tuple(split)
+
+
 @lru_cache(maxsize=256)
 def compute_schedule(name: str, pp: int, m: int, v: int) -> Schedule:
     return add_grad_sync(generate(name, pp, m, v))
@@ -26,11 +40,12 @@ _States = tuple[tuple[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]], 
 
 @lru_cache(maxsize=1024)
 def activation_states(name: str, pp: int, m: int, v: int) -> _States:
-    """Per rank, each distinct state right after a forward: (stages, full activations held, W-only parts held).
+    """Per rank, each distinct state right after a forward or an I: (stages, full activations held, W's stashes
+    held per stage).
 
-    A rank's activation memory only rises at a forward and depends on its action order alone, not on
-    timing, so the peak bytes for any stage sizes is the largest dot product over these states
-    (the simulator's ``peak_activation_bytes``, without simulating).
+    A rank's activation memory only rises at a forward, or at an I whose stash outweighs what it frees, and
+    depends on its action order alone, not on timing, so the peak bytes for any stage sizes is the largest dot
+    product over these states (the simulator's ``peak_activation_bytes``, without simulating).
     """
     schedule = generate(name, pp, m, v)
     out = []
@@ -49,6 +64,7 @@ def activation_states(name: str, pp: int, m: int, v: int) -> _States:
             elif a.kind is Kind.I:
                 full[k] -= 1
                 keep[k] += 1
+                states.add((tuple(full), tuple(keep)))
             elif a.kind is Kind.W:
                 keep[k] -= 1
         out.append(tuple((stages, f, w) for f, w in _maximal(states)))

@@ -8,7 +8,7 @@ from dataclasses import replace
 from ..ir import Kind
 from ..simulation import CostModel, SimResult, shared_makespan, simulate
 from .candidate import Candidate
-from .orders import compute_schedule, placement_of
+from .orders import backward_counts, compute_schedule, placement_of
 from .result import Plan, RankMemory
 
 
@@ -30,6 +30,7 @@ def simulate_candidate(c: Candidate) -> tuple[SimResult, float, list[float]]:
         latency=link.latency,
         bandwidth=link.bandwidth,
         sync_time=c.sync_blocking,
+        backward_full=c.costs.backward_times(),
     )
     sim = simulate(schedule, model)
     ends = ends_with_async_sync(sim, c)
@@ -97,8 +98,7 @@ def evaluate(
     config = c.layout.config
     sim, simulated, _ = simulate_candidate(c)
     placement = placement_of(c.schedule, config.pp, c.v)
-    compute = zip(c.costs.forward, c.costs.backward_input, c.costs.backward_weight)
-    busy = _per_rank([c.m * (f + i + w) for f, i, w in compute], placement, config.pp)
+    busy = _per_rank(stage_compute(c), placement, config.pp)
     tp_comm = _per_rank([c.m * x for x in c.costs.tp_comm], placement, config.pp)
     busiest = max(range(config.pp), key=lambda r: busy[r])
     extra = list(hidden) if hidden else [0.0] * config.pp
@@ -199,7 +199,16 @@ def _stretched(costs: CostModel, placement: Sequence[int], stretch: Sequence[flo
         forward=scale(costs.forward),
         backward_input=scale(costs.backward_input),
         backward_weight=scale(costs.backward_weight),
+        backward_full=scale(costs.backward_full) if costs.backward_full else (),
     )
+
+
+def stage_compute(c: Candidate) -> list[float]:
+    """Per stage, its compute in one step: m forwards, and each backward as the schedule runs it (B, or I + W)."""
+    config = c.layout.config
+    whole, split = backward_counts(c.schedule, config.pp, c.m, c.v)
+    f, i, w, b = c.costs.forward, c.costs.backward_input, c.costs.backward_weight, c.costs.backward_times()
+    return [c.m * f[s] + whole[s] * b[s] + split[s] * (i[s] + w[s]) for s in range(len(f))]
 
 
 def _per_rank(values: Sequence[float], placement: Sequence[int], p: int) -> list[float]:

@@ -73,9 +73,10 @@ def _group_bound(prob: Problem, parts: Partitions, g: _Group) -> float:
     work on the fastest rank (the parts of the work that do not shrink with the batch are left out).
     """
     arrays = parts.layer_arrays(g.layout.config.tp)
-    work = [
-        f + i + w + (f if g.recompute == "stage" else 0.0)
-        for f, i, w in zip(arrays.forward, arrays.backward_input, arrays.backward_weight)
+    backward = arrays.backward or tuple(i + w for i, w in zip(arrays.backward_input, arrays.backward_weight))
+    work = [  # each backward at the cheaper of B and I + W: the bound holds whichever the schedule runs
+        f + min(i + w, b) + (f if g.recompute == "stage" else 0.0)
+        for f, i, w, b in zip(arrays.forward, arrays.backward_input, arrays.backward_weight, backward)
     ]
     samples = g.layout.per_replica / prob.profile_batch
     return samples * max(sum(work) / sum(g.layout.speeds), max(work) / max(g.layout.speeds))
@@ -126,7 +127,8 @@ class _Search:
             )
             return
         bounds, base = got
-        at0, at1 = base.at(0.0, splits), base.at(1.0, splits)
+        hooks = prob.calibration.hooks_for(config.sharding)
+        at0, at1 = base.at(0.0, hooks), base.at(1.0, hooks)
         blocking, background = sync_costs(g.layout, at1, prob.calibration)
         link = g.layout.links["pp"]
         t0 = rank_terms(at0, placement, splits, link, blocking, background)
@@ -153,7 +155,7 @@ class _Search:
                 for r, x in enumerate(static)
             ]
             if any(mem.total > mem.cap for mem in floor):
-                costs = base.at(sigma, splits)
+                costs = base.at(sigma, hooks)
                 cand = Candidate(g.layout, g.schedule, g.v, m, g.recompute, bounds, costs, blocking, background, size)
                 if self.memory_cut(g, cand):
                     continue
@@ -209,7 +211,7 @@ class _Search:
             message=prob.message,
             factor=prob.compute_scale,
         )
-        costs = base.at(sigma, splits_backward(g.schedule))
+        costs = base.at(sigma, prob.calibration.hooks_for(config.sharding))
         blocking, background = sync_costs(g.layout, costs, prob.calibration)
         link = g.layout.links["pp"]
         terms = rank_terms(costs, placement, splits_backward(g.schedule), link, blocking, background)
@@ -268,7 +270,7 @@ class _Search:
         prob = self.prob
         g, m, bounds, base, blocking, background, recut = item
         size = g.layout.per_replica // m
-        costs = base.at(size / prob.profile_batch, splits_backward(g.schedule))
+        costs = base.at(size / prob.profile_batch, prob.calibration.hooks_for(g.layout.config.sharding))
         cand = Candidate(g.layout, g.schedule, g.v, m, g.recompute, bounds, costs, blocking, background, size)
         memory = memory_of(cand, prob)
         if any(mem.total > mem.cap for mem in memory):

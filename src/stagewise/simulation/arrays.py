@@ -15,8 +15,12 @@ transfers, GPipe and 1F1B take (m + p - 1)(F + B); a transfer time c adds
 2(p - 1)c to GPipe but 2c[(p - 1) + floor((m - 1)(p - 1) / p)] to 1F1B, whose
 steady state waits for every round trip.
 
+Times: F costs ``forward``, I ``backward_input``, W ``backward_weight`` and B
+its own ``backward_full`` (I + W when the cost model leaves it out).
+
 Memory: F allocates its stage's ``activation_bytes`` when it starts; B frees
-them when it ends; I frees all but ``weight_activation_bytes``, which W frees.
+them when it ends; I, when it ends, leaves ``weight_activation_bytes`` in their
+place (W's stash, which can be larger), and W frees that.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ class SimResult:
     rank r held at once (a stage-activation of one micro-batch counts 1/v, so
     the figure compares across virtual-stage counts; an activation counts
     until its I or B ends). ``peak_activation_bytes[r]`` is the same peak in
-    bytes, where the part W needs (``weight_activation_bytes``) stays alive
+    bytes, where what W needs (``weight_activation_bytes``) stays alive
     from I until W ends. ``memory[r]`` is rank r's activation bytes as a step
     function ``[(time, bytes), ...]``: the value holds from that time on.
 
@@ -119,9 +123,9 @@ class SimResult:
                 if kind is _B:
                     total -= act[s]
                 elif kind is _I:
-                    total -= act[s] - min(keep[s], act[s])
+                    total -= act[s] - keep[s]
                 elif kind is _W:
-                    total -= min(keep[s], act[s])
+                    total -= keep[s]
                 else:
                     continue
                 curve.append((end, total))
@@ -234,8 +238,9 @@ class _TimedFacts:
         self.lens = np.bincount(cols.rank[self.timed], minlength=p)
         self.base = np.zeros(p + 1, np.int64)
         np.cumsum(self.lens, out=self.base[1:])
-        fwd, b_in, b_wt = (
-            np.asarray(v, np.float64) for v in (costs.forward, costs.backward_input, costs.backward_weight)
+        fwd, b_in, b_wt, b_full = (
+            np.asarray(v, np.float64)
+            for v in (costs.forward, costs.backward_input, costs.backward_weight, costs.backward_times())
         )
         # arrival delay of stage s's output at stage s+1, and of stage s's input gradient at stage s-1
         transfer = np.asarray([costs.transfer_time(s) for s in range(n)], np.float64)
@@ -253,7 +258,7 @@ class _TimedFacts:
         self.make = np.where(is_f & (stage < n - 1), 2 * key, np.where(is_bi & (stage > 0), 2 * key + 1, -1))
         self.took = np.select(
             [is_f, self.is_b, self.is_i, self.is_w, kind == SYNC],
-            [fwd[stage], b_in[stage] + b_wt[stage], b_in[stage], b_wt[stage], np.asarray(costs.sync_time)[stage]],
+            [fwd[stage], b_full[stage], b_in[stage], b_wt[stage], np.asarray(costs.sync_time)[stage]],
             np.asarray(costs.step_time, np.float64)[stage],
         )
         self.delay = np.where(is_f, delay_f[stage], delay_b[stage])
@@ -264,11 +269,11 @@ def _per_rank_sums(
 ) -> tuple[list[float], list[float], list[float]]:
     """Per rank: its peak activations in micro-batches and in bytes, and its busy time.
 
-    Activations in each rank's order (F adds at its start, a backward frees at its end; the running sums are
-    order-dependent only, so cumulative sums per rank).
+    Activations in each rank's order (F adds at its start, a backward frees at its end, I leaving W's stash in
+    their place; the running sums are order-dependent only, so cumulative sums per rank).
     """
     act = np.asarray(costs.activation_bytes, np.float64)
-    keep = np.minimum(np.asarray(costs.weight_activation_bytes, np.float64), act)
+    keep = np.asarray(costs.weight_activation_bytes, np.float64)
     is_f, is_b, is_i, is_w, stage = x.is_f, x.is_b, x.is_i, x.is_w, x.stage
     d_count = np.where(is_f, 1.0, np.where(is_b | is_i, -1.0, 0.0))
     d_bytes = np.select([is_f, is_b, is_i, is_w], [act[stage], -act[stage], -(act - keep)[stage], -keep[stage]], 0.0)

@@ -21,11 +21,16 @@ class CostModel:
     """Per-stage costs. Times in any unit (seconds when profiled); bytes per micro-batch.
 
     ``forward``, ``backward_input`` (I) and ``backward_weight`` (W) are compute
-    times; a full backward B costs I + W. ``activation_bytes`` is what a
-    stage keeps from F until its backward; ``weight_activation_bytes`` the
-    part of it that W still needs after I has run. ``output_bytes`` is what a
-    stage sends to its neighbour (activations forward, gradients back); a
-    transfer takes ``latency + bytes / bandwidth`` and overlaps compute.
+    times; ``backward_full`` the time of a full backward B, as measured (a
+    split backward does not cost what B costs: I and W each walk the graph,
+    and W runs its weight-gradient kernels apart); left out (``()``), B costs
+    I + W. ``activation_bytes`` is what a stage keeps from F until its
+    backward; ``weight_activation_bytes`` what it holds from the end of its I
+    until its W ends (W's stash: each deferred layer's input and output
+    gradient, or whatever the split keeps alive), which may exceed the
+    forward's saved bytes: then I grows the rank's memory. ``output_bytes`` is
+    what a stage sends to its neighbour (activations forward, gradients back);
+    a transfer takes ``latency + bytes / bandwidth`` and overlaps compute.
     """
 
     num_stages: int
@@ -40,6 +45,7 @@ class CostModel:
     bandwidth: float = math.inf
     sync_time: tuple[float, ...] = ()
     step_time: tuple[float, ...] = ()
+    backward_full: tuple[float, ...] = ()  # B per stage; () = I + W
 
     def __post_init__(self) -> None:
         if self.num_stages < 1:
@@ -54,8 +60,11 @@ class CostModel:
             "output_bytes",
             "sync_time",
             "step_time",
+            "backward_full",
         ):
             value = getattr(self, name)
+            if name == "backward_full" and value == ():
+                continue  # B = I + W (see backward_times)
             if name in ("sync_time", "step_time") and value == ():
                 object.__setattr__(self, name, (0.0,) * self.num_stages)
                 continue
@@ -82,10 +91,11 @@ class CostModel:
         comm_time: float = 0.0,
         sync_time: float = 0.0,
         step_time: float = 0.0,
+        backward_full: float | None = None,
     ) -> CostModel:
         """Every stage alike; ``comm_time`` is a fixed transfer time (latency, infinite bandwidth).
 
-        ``weight_activation_bytes`` defaults to half of ``activation_bytes``.
+        ``weight_activation_bytes`` defaults to half of ``activation_bytes``; ``backward_full`` (B) to I + W.
         """
         if num_stages < 1:
             raise ValueError(f"cost model: need at least 1 stage, got {num_stages}")
@@ -104,10 +114,20 @@ class CostModel:
             latency=comm_time,
             sync_time=(sync_time,) * num_stages,
             step_time=(step_time,) * num_stages,
+            backward_full=() if backward_full is None else (backward_full,) * num_stages,
         )
 
     def backward(self, stage: int) -> float:
+        """The time of stage ``stage``'s full backward B (I + W unless ``backward_full`` says)."""
+        if self.backward_full:
+            return self.backward_full[stage]
         return self.backward_input[stage] + self.backward_weight[stage]
+
+    def backward_times(self) -> tuple[float, ...]:
+        """B per stage: ``backward_full``, or I + W where it is left out."""
+        if self.backward_full:
+            return self.backward_full
+        return tuple(i + w for i, w in zip(self.backward_input, self.backward_weight))
 
     def transfer_time(self, stage: int) -> float:
         """Time to move stage ``stage``'s output (or input gradient) to a neighbouring rank."""
@@ -122,6 +142,8 @@ class CostModel:
         out: dict[str, object] = {}
         for f in fields(self):
             value = getattr(self, f.name)
+            if f.name == "backward_full" and not value:
+                continue
             if isinstance(value, tuple):
                 value = list(value)
             elif f.name == "bandwidth" and math.isinf(value):
@@ -134,7 +156,7 @@ class CostModel:
         """Read :meth:`to_dict`'s form; a per-stage field may also be one number for every stage.
 
         ``num_stages`` and the three compute times are required; the other
-        fields default to 0 (bandwidth to infinite).
+        fields default to 0 (bandwidth to infinite; ``backward_full`` to I + W).
         """
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
@@ -180,4 +202,5 @@ class CostModel:
             bandwidth=scalar("bandwidth", math.inf, math.inf),
             sync_time=stage_values("sync_time", 0.0),
             step_time=stage_values("step_time", 0.0),
+            backward_full=() if data.get("backward_full") is None else stage_values("backward_full", None),
         )

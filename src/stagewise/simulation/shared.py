@@ -83,7 +83,7 @@ class _SharedCores:
         plc, last = schedule.placement, n - 1
         self.costs, self.m, self.last = costs, m, last
         self.weights, self.cores, self.node, self.pools = weights, cores, node, sorted(set(node))
-        self.b_full = [x + y for x, y in zip(costs.backward_input, costs.backward_weight)]
+        self.b_full = list(costs.backward_times())
         self.delay_f = [costs.transfer_time(s) if s < last and plc[s + 1] != plc[s] else 0.0 for s in range(n)]
         self.delay_b = [costs.transfer_time(s - 1) if s > 0 and plc[s - 1] != plc[s] else 0.0 for s in range(n)]
         self.ranks = [[a for a in acts if a[1] not in COMM] for acts in schedule.ranks]

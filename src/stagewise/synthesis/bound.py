@@ -18,6 +18,11 @@ tail and the search over S costs O((3v)^3) per rank.
 
 With uniform costs F = I = W = 1 and free transfers it is max(3m + p - 1, 2m + 2p - 1) for one stage per
 rank: zb-h1's and zb-h2's makespan, which is therefore optimal (tests check this).
+
+A schedule may run a backward whole (B) or split (I, then W); where B costs less than I + W, the bound
+times each backward as an input part of ``min(I, B)`` and a weight part of ``min(I + W, B) - min(I, B)``:
+both ways of running it contain such a pair (a B's interval holds them, its gradient leaving no earlier),
+so any schedule, however it mixes them, is at least as long as one of the relaxed problem.
 """
 
 from __future__ import annotations
@@ -38,8 +43,8 @@ class Bound:
 
 def heads_and_tails(problem: Problem) -> tuple[list[list[float]], list[list[float]]]:
     """h[s][kind] and q[s][kind] for kind 0 = F, 1 = I, 2 = W (the same for every micro-batch)."""
-    c, plc, n = problem.costs, problem.placement, problem.num_stages
-    f, bi, bw = c.forward, c.backward_input, c.backward_weight
+    c, plc, n = problem.search_costs, problem.placement, problem.num_stages
+    f, bi, bw = relaxed(problem)
     hop = [c.transfer_time(s) if s + 1 < n and plc[s + 1] != plc[s] else 0.0 for s in range(n)]  # s <-> s+1
     head = [[0.0, 0.0, 0.0] for _ in range(n)]
     for s in range(1, n):
@@ -59,11 +64,21 @@ def heads_and_tails(problem: Problem) -> tuple[list[list[float]], list[list[floa
     return head, tail
 
 
+def relaxed(problem: Problem) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
+    """(F, I, W) per stage that no way of running a backward beats: I as ``min(I, B)``, W as the rest of
+    ``min(I + W, B)`` (the search's costs: a stage the search runs whole has I = B and W = 0 there)."""
+    c = problem.search_costs
+    full = c.backward_times()
+    i = tuple(min(x, b) for x, b in zip(c.backward_input, full))
+    w = tuple(min(x + y, b) - z for x, y, b, z in zip(c.backward_input, c.backward_weight, full, i))
+    return c.forward, i, w
+
+
 def bound_of(problem: Problem) -> Bound:
     """The largest head + work + tail over every rank and every threshold set of its actions."""
     head, tail = heads_and_tails(problem)
-    c, m = problem.costs, problem.microbatches
-    durations = (c.forward, c.backward_input, c.backward_weight)
+    m = problem.microbatches
+    durations = relaxed(problem)
     best = Bound(0.0, 0, "no work")
     names = "FIW"
     for r in range(problem.num_ranks):

@@ -8,6 +8,7 @@ same per-action facts, so a makespan found here is the simulator's.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 
 from ..ir import Action, Kind, Schedule
@@ -26,7 +27,7 @@ class Instance:
 
     def __init__(self, problem: Problem) -> None:
         self.problem = problem
-        c, n, m = problem.costs, problem.num_stages, problem.microbatches
+        c, n, m = problem.search_costs, problem.num_stages, problem.microbatches
         plc = problem.placement
         self.n, self.m, self.p = n, m, problem.num_ranks
         size = 3 * n * m
@@ -47,6 +48,18 @@ class Instance:
                 if s + 1 < n:
                     self.need[inp] = 2 * (key + m) + 1
                     self.make[f], self.delay[f] = 2 * key, hop_f
+
+    def with_whole(self, keys: frozenset[int]) -> Instance:
+        """This instance with the backward of each (stage, micro-batch) key in ``keys`` run whole: its I costs the
+        stage's B (its gradient leaving at B's end), its W nothing."""
+        if not keys:
+            return self
+        other = copy.copy(self)
+        other.took = list(self.took)
+        full, m = self.problem.search_costs.backward_times(), self.m
+        for key in keys:
+            other.took[3 * key + 1], other.took[3 * key + 2] = full[key // m], 0.0
+        return other
 
     def times(self, orders: Orders) -> tuple[list[float], list[int]] | None:
         """Start times, rank after rank, and each rank's base index; None if the orders cannot finish."""
@@ -88,7 +101,8 @@ class Instance:
 
 
 def peak(order: Sequence[int], limit: MemoryLimit, m: int) -> float:
-    """The most activation memory a rank holds running ``order`` (it depends on the order alone)."""
+    """The most activation memory a rank holds running ``order`` (it depends on the order alone): it rises at
+    an F, and at an I whose stash outweighs the activations it frees."""
     add, keep = limit.add, limit.keep
     held = top = 0.0
     for code in order:
@@ -98,6 +112,7 @@ def peak(order: Sequence[int], limit: MemoryLimit, m: int) -> float:
             top = max(top, held)
         elif kind == I:
             held -= add[s] - keep[s]
+            top = max(top, held)
         else:
             held -= keep[s]
     return top
@@ -128,8 +143,11 @@ def from_schedule(schedule: Schedule, m: int) -> Orders:
     return out
 
 
-def to_actions(orders: Orders, m: int, fuse: frozenset[int] = frozenset()) -> list[list[Action]]:
-    """Codes back to actions; an I directly followed by its own W becomes one B where its key is in ``fuse``."""
+def to_actions(
+    orders: Orders, m: int, fuse: frozenset[int] = frozenset(), whole: frozenset[int] = frozenset()
+) -> list[list[Action]]:
+    """Codes back to actions. The I of a stage in ``whole`` becomes a B and its W (free there) is dropped; an I
+    directly followed by its own W becomes one B where its key is in ``fuse``."""
     ranks = []
     for acts in orders:
         out: list[Action] = []
@@ -138,6 +156,11 @@ def to_actions(orders: Orders, m: int, fuse: frozenset[int] = frozenset()) -> li
             code = acts[k]
             key, kind = divmod(code, 3)
             s, i = divmod(key, m)
+            if s in whole and kind != F:
+                if kind == I:
+                    out.append(Action(s, Kind.B, i))
+                k += 1
+                continue
             if kind == I and key in fuse and k + 1 < len(acts) and acts[k + 1] == code + 1:
                 out.append(Action(s, Kind.B, i))
                 k += 2

@@ -8,22 +8,22 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .._util import is_count
 from ..ir import loop_placement, v_placement
 from ..simulation import CostModel
 
-#: (forward, backward_input, backward_weight) of one stage, the short form of a cost model
-StageTimes = tuple[float, float, float]
+#: (forward, backward_input, backward_weight[, backward]) of one stage, the short form of a cost model
+StageTimes = tuple[float, ...]
 
 
 @dataclass(frozen=True)
 class MemoryLimit:
     """One way of counting activation memory, with a cap per rank.
 
-    An F of stage s adds ``add[s]``; its I frees all but ``keep[s]``, which its W frees.
-    ``unit`` names the count in messages ("micro-batches" or "bytes").
+    An F of stage s adds ``add[s]``; its I leaves ``keep[s]`` in its place (W's stash, which can be more), which
+    its W frees; a B frees ``add[s]``. ``unit`` names the count in messages ("micro-batches" or "bytes").
     """
 
     unit: str
@@ -34,7 +34,12 @@ class MemoryLimit:
 
 @dataclass(frozen=True)
 class Problem:
-    """The checked inputs of one synthesis."""
+    """The checked inputs of one synthesis.
+
+    ``costs`` are the costs as given, which the result is timed with. A search may run some stages' backward
+    whole (``fused``): it then times their I as B and their W as free, and their I frees all
+    (:func:`with_fused`); ``search_costs`` is that cost model.
+    """
 
     costs: CostModel
     num_ranks: int
@@ -43,10 +48,17 @@ class Problem:
     placement_kind: str  # "loop" or "v"
     placement: tuple[int, ...]
     limits: tuple[MemoryLimit, ...]
+    fused: frozenset[int] = frozenset()
+    timed: CostModel | None = None  # the costs with the fused stages' backward whole (None: none fused)
 
     @property
     def num_stages(self) -> int:
         return len(self.placement)
+
+    @property
+    def search_costs(self) -> CostModel:
+        """The costs the search times its orders with: ``costs``, the ``fused`` stages' I costing B, W nothing."""
+        return self.costs if self.timed is None else self.timed
 
     def stages_of(self, rank: int) -> tuple[int, ...]:
         return tuple(s for s, r in enumerate(self.placement) if r == rank)
@@ -55,7 +67,8 @@ class Problem:
 def as_cost_model(costs: CostModel | Sequence[Sequence[float]], num_stages: int) -> CostModel:
     """A :class:`CostModel` for ``num_stages`` stages, or a ValueError naming the stage that does not fit.
 
-    ``costs`` is a cost model, or one ``(forward, backward_input, backward_weight)`` per stage (free
+    ``costs`` is a cost model, or one ``(forward, backward_input, backward_weight)`` per stage, or
+    ``(forward, backward_input, backward_weight, backward)`` with the full backward B measured (free
     transfers; every activation counts one micro-batch, half of it kept for W).
     """
     if isinstance(costs, CostModel):
@@ -80,12 +93,13 @@ def as_cost_model(costs: CostModel | Sequence[Sequence[float]], num_stages: int)
     times: list[StageTimes] = []
     for s, row in enumerate(rows):
         values = list(row) if isinstance(row, Sequence) and not isinstance(row, str) else [row]
-        if len(values) != 3 or not all(_is_time(x) for x in values):
+        if len(values) not in (3, 4) or not all(_is_time(x) for x in values):
             raise ValueError(
                 f"synthesize: stage {s} costs {row!r}; expected (forward, backward_input, backward_weight), "
-                "three finite times >= 0"
+                "three finite times >= 0 (and optionally the full backward's, fourth)"
             )
-        times.append((float(values[0]), float(values[1]), float(values[2])))
+        times.append(tuple(float(x) for x in values))
+    full = tuple(t[3] if len(t) == 4 else t[1] + t[2] for t in times)
     return CostModel(
         num_stages=num_stages,
         forward=tuple(t[0] for t in times),
@@ -95,6 +109,7 @@ def as_cost_model(costs: CostModel | Sequence[Sequence[float]], num_stages: int)
         weight_activation_bytes=(0.5,) * num_stages,
         parameter_bytes=(0.0,) * num_stages,
         output_bytes=(0.0,) * num_stages,
+        backward_full=full if any(len(t) == 4 for t in times) else (),
     )
 
 
@@ -132,7 +147,7 @@ def make_problem(
         limits.append(_micro_batch_limit(model, plc, v, _caps(memory, p, "memory")))
     if memory_bytes is not None:
         add = tuple(model.activation_bytes)
-        keep = tuple(min(k, a) for k, a in zip(model.weight_activation_bytes, add))
+        keep = tuple(model.weight_activation_bytes)
         limits.append(MemoryLimit("bytes", add, keep, _caps(memory_bytes, p, "memory_bytes")))
     problem = Problem(model, p, microbatches, v, kind, plc, tuple(limits))
     for limit in problem.limits:
@@ -141,12 +156,10 @@ def make_problem(
 
 
 def _micro_batch_limit(model: CostModel, plc: tuple[int, ...], v: int, caps: tuple[float, ...]) -> MemoryLimit:
-    """Micro-batch units: a stage's activations count 1/v, the part W keeps its share of the bytes (as the
-    simulator's ``weight_activation_bytes``; nothing when the model has no activation bytes)."""
+    """Micro-batch units: a stage's activations count 1/v, what W keeps its share of the bytes (the simulator's
+    ``weight_activation_bytes`` over ``activation_bytes``; nothing when the model has no activation bytes)."""
     add = tuple(1.0 / v for _ in plc)
-    keep = tuple(
-        (min(k, a) / a if a > 0 else 0.0) / v for k, a in zip(model.weight_activation_bytes, model.activation_bytes)
-    )
+    keep = tuple((k / a if a > 0 else 0.0) / v for k, a in zip(model.weight_activation_bytes, model.activation_bytes))
     return MemoryLimit("micro-batches", add, keep, caps)
 
 
@@ -164,12 +177,17 @@ def smallest_caps(problem: Problem, limit: MemoryLimit) -> list[float]:
     """Per rank, the least cap any schedule fits: one micro-batch through all of the rank's stages at once.
 
     A micro-batch's activations on a rank's stages nest (its F of the later stage runs before the I of the
-    earlier one), so every schedule holds them all at some point; running the micro-batches one at a time,
-    each W right after its I, holds no more than that, so the figure is exact.
+    earlier one), so every schedule holds them all at some point, and, at the end of each I, W's stash
+    beside the activations of the rank's stages below; running the micro-batches one at a time, each W
+    right after its I, holds no more than that, so the figure is exact.
     """
     need = [0.0] * problem.num_ranks
-    for s, r in enumerate(problem.placement):
-        need[r] += limit.add[s]
+    for r in range(problem.num_ranks):
+        below = 0.0
+        for s in problem.stages_of(r):
+            need[r] = max(need[r], below + limit.keep[s])
+            below += limit.add[s]
+        need[r] = max(need[r], below)
     return need
 
 
@@ -185,3 +203,24 @@ def _check_fits(problem: Problem, limit: MemoryLimit) -> None:
             f"the smallest cap that works is {smallest:g} {limit.unit}"
             + ("" if len(set(need)) == 1 else f" (per rank: {', '.join(f'{x:g}' for x in need)})")
         )
+
+
+def with_fused(base: Problem, stages: frozenset[int]) -> Problem:
+    """``base`` (a problem with nothing fused) searched with the backward of ``stages`` whole: their I costs B and
+    frees all, their W costs nothing and frees nothing (an I followed by its free W is a B:
+    :func:`~.orders.to_actions` writes it so)."""
+    assert not base.fused, "with_fused takes the problem as made, nothing fused yet"
+    if not stages:
+        return base
+    c = base.costs
+    full = c.backward_times()
+    timed = replace(
+        c,
+        backward_input=tuple(full[s] if s in stages else x for s, x in enumerate(c.backward_input)),
+        backward_weight=tuple(0.0 if s in stages else x for s, x in enumerate(c.backward_weight)),
+        weight_activation_bytes=tuple(0.0 if s in stages else x for s, x in enumerate(c.weight_activation_bytes)),
+    )
+    limits = tuple(
+        replace(lim, keep=tuple(0.0 if s in stages else k for s, k in enumerate(lim.keep))) for lim in base.limits
+    )
+    return replace(base, fused=frozenset(stages), timed=timed, limits=limits)

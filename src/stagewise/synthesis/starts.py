@@ -5,14 +5,15 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 
+from ..ir import Schedule
 from ..schedules import generate, schedule_info, schedule_names
 from .greedy import Policy
 from .orders import Instance, Orders, fits, from_schedule
 from .problem import Problem
 
 
-def hand_written(problem: Problem) -> Iterator[tuple[str, Orders]]:
-    """(name, orders) of each registered synchronous schedule on this placement and v (fitting or not)."""
+def registered(problem: Problem) -> Iterator[tuple[str, Schedule]]:
+    """(name, compute-only schedule) of each registered synchronous schedule on this placement and v."""
     p, m, v = problem.num_ranks, problem.microbatches, problem.virtual_stages
     for name in schedule_names(synchronous=True):
         info = schedule_info(name)
@@ -23,7 +24,14 @@ def hand_written(problem: Problem) -> Iterator[tuple[str, Orders]]:
         schedule = generate(name, p, m, v)
         if tuple(schedule.placement) != problem.placement:
             continue
-        yield name, from_schedule(schedule, m)
+        yield name, schedule
+
+
+def hand_written(problem: Problem) -> Iterator[tuple[str, Orders]]:
+    """(name, orders) of each registered synchronous schedule on this placement and v (fitting or not), each B
+    as I then W (where the search runs a stage whole, that pair is timed as the B)."""
+    for name, schedule in registered(problem):
+        yield name, from_schedule(schedule, problem.microbatches)
 
 
 def fitting(problem: Problem, orders: Orders) -> bool:

@@ -58,11 +58,14 @@ def calibrated(ctx: Ctx) -> dict[str, Any]:
     assert cal.sharding_fixed is not None and cal.sharding_per_byte is not None and cal.sharding_group == ctx.world
     assert 0 <= cal.sharding_fixed < math.inf and 0 <= cal.sharding_per_byte < math.inf, cal
     assert cal.sharding_fixed + cal.sharding_per_byte > 0, cal
+    # FSDP2's hooks per unit and micro-batch, measured on their own: no layout fit carries them as a cross term
+    assert cal.sharding_hooks is not None and 0 <= cal.sharding_hooks < math.inf, cal
     # one fitted cost per factorisation of the world (tp = 1), slopes never negative, used by step_for
     layouts = {(r.pp, r.dp, r.tp, r.sharding): r for r in cal.layouts}
     assert set(layouts) == {(1, 2, 1, 1), (1, 1, 1, 2), (2, 1, 1, 1)}, layouts
     for r in layouts.values():
-        assert min(r.per_unit, r.per_microbatch, r.per_unit_microbatch) >= 0 and math.isfinite(r.fixed), r
+        assert min(r.per_unit, r.per_microbatch) >= 0 and math.isfinite(r.fixed), r
+        assert r.per_unit_microbatch == 0 == r.cpu[3], r
         assert cal.step_for(r.pp, r.dp, 1, r.sharding, 3, 5) == r.at(3, 5)
         # the CPU beside the compute actions, measured in the same probes (a process always spends some: gloo's
         # threads, the step's bookkeeping), its slopes never negative either

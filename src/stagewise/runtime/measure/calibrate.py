@@ -27,8 +27,9 @@ its other collectives. It measures, each step bounded by ``timeout``:
   or the model's own ``workload``, timed on rank 0 alone, then on every rank at once; ``per_node * alone / together``
   (the CPU bound of :mod:`stagewise.planning.costing` with what the machine
   gives, other jobs included, rather than its nominal core count);
-* FSDP2's cost per unit and per parameter byte over all ranks
-  (:mod:`stagewise.runtime.measure.sharding`), unless ``sharding=False``;
+* FSDP2's cost per unit and per parameter byte over all ranks, and its hooks'
+  CPU per unit and micro-batch (:mod:`stagewise.runtime.measure.sharding`),
+  unless ``sharding=False``;
 * last, the CPU a process spends idle (:func:`idle_cpu`, ``background``): the
   transport threads of the process groups it holds, the probes' included.
 
@@ -114,11 +115,14 @@ def calibrate(
         cores = effective_cores(world // nodes, work=workload, rounds=9 * passes, timeout=timeout)
         cal = Calibration(intra=intra, inter=inter, action=action, step=step, cores=cores, processes=world, nodes=nodes)
         if sharding and pairs:
-            from .sharding import sharding_costs
+            from .sharding import hook_cost, sharding_costs
 
             bar.next("FSDP2's cost per unit")
             fixed, per_byte = sharding_costs(timeout=timeout)
-            cal = replace(cal, sharding_fixed=fixed, sharding_per_byte=per_byte, sharding_group=world)
+            hooks = hook_cost(timeout=timeout)
+            cal = replace(
+                cal, sharding_fixed=fixed, sharding_per_byte=per_byte, sharding_group=world, sharding_hooks=hooks
+            )
         if shapes:
             cal = replace(cal, layouts=layout_costs(cal, world, nodes, passes=passes, timeout=timeout, tick=bar.next))
         bar.next("idle CPU")

@@ -9,7 +9,9 @@ the loss; a schedule that splits the backward runs two passes (I, then W) where
 the profile's split sums to the fused one. Measured on this project's 2-core
 machine (benchmarks/RESULTS.md, round 6): at 4 and 8 ranks the demo GPT's F, B
 and I + W actions spend 0.95-1.36x, 1.07-1.55x and 1.46-2.27x the plans'
-predictions for them in CPU time.
+predictions for them in CPU time (I + W was then predicted at B's cost; the
+profile's own I and W are charged now, so the third factor holds only what the
+runtime adds beyond them).
 
 The probe: the planner's own 1F1B plan over every rank (one stage each, no
 replicas) with about two micro-batches per rank, so that most of its step has
@@ -179,8 +181,9 @@ def _predicted(plan: Plan, pipe: Any) -> list[float]:
     assert costs is not None
     mine = [s for s, r in enumerate(pipe.schedule.placement) if r == pipe.rank]
     forward = plan.microbatches * sum(costs.forward[s] for s in mine)
-    backward = plan.microbatches * sum(costs.backward_input[s] + costs.backward_weight[s] for s in mine)
-    return [forward, 0.0, backward] if pipe.schedule.uses_split_backward else [forward, backward, 0.0]
+    if pipe.schedule.uses_split_backward:  # its I and W, each as the profile measured it
+        return [forward, 0.0, plan.microbatches * sum(costs.backward_input[s] + costs.backward_weight[s] for s in mine)]
+    return [forward, plan.microbatches * sum(costs.backward(s) for s in mine), 0.0]  # its B, as measured
 
 
 def _ratio(measured: float, predicted: float) -> float:

@@ -1,4 +1,4 @@
-"""What one layer costs, measured: its forward, backward (I, W, B) and checkpoint times, and what it saves.
+"""What one layer costs, measured: its forward, backward (I, W, B) and checkpoint times, what it saves, what W holds.
 
 One call of :func:`measure_layer` per layer of a profile (:mod:`.profiling` chooses the layers and what each
 receives). The backward is timed through the runtime's own code (:mod:`stagewise.runtime.engine.backward`),
@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointError, checkpoint
 
 from ...partition import LayerCost
-from ..engine.backward import backward_full, backward_input, backward_weight
+from ..engine.backward import WeightWork, backward_full, backward_input, backward_weight
 from ..engine.interpreter import FUSE_B_MIN_WEIGHTS
 
 #: ``timed(fn)``: ``fn()``'s result and the seconds it took on the device
@@ -59,16 +59,20 @@ def measure_layer(
     warmup: int,
 ) -> LayerCost:
     """``module(*args, **kwargs)``'s costs: the median of ``repeats`` timed steps after ``warmup`` others, and
-    the bytes it saves for backward, sends on and holds."""
+    the bytes it saves for backward, W holds after I, it sends on and holds; every ``.grad`` put back after."""
     params = [p for p in module.parameters() if p.requires_grad]
     inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
     resident = {_storage_key(t) for t in module.parameters()} | {_storage_key(t) for t in module.buffers()}
-    out, saved_bytes, saved_count = _forward_counting_saved(module, args, kwargs, resident)
-    outs = grad_outputs(out)
-    weight_bytes = min(_weight_saved_bytes(outs, {id(p) for p in params}, resident), saved_bytes)
-    out_bytes = _tensor_bytes(out)
-    del out, outs
-    med = _median_times(module, args, kwargs, params, inputs, timer(device), repeats, warmup)
+    kept = [(p, None if p.grad is None else p.grad.detach().clone()) for p in params]
+    try:
+        out, saved_bytes, saved_count = _forward_counting_saved(module, args, kwargs, resident)
+        out_bytes = _tensor_bytes(out)
+        stash = _stash_after_input(grad_outputs(out), inputs, resident)
+        del out
+        med = _median_times(module, args, kwargs, params, inputs, timer(device), repeats, warmup)
+    finally:
+        for p, grad in kept:
+            p.grad = grad
     return LayerCost(
         name=name,
         forward=med["f"],
@@ -76,7 +80,7 @@ def measure_layer(
         backward_weight=med["w"],
         backward=med["b"],
         activation_bytes=float(saved_bytes),
-        weight_activation_bytes=float(weight_bytes),
+        weight_activation_bytes=float(stash),
         parameter_bytes=float(sum(p.numel() * p.element_size() for p in module.parameters())),
         output_bytes=float(out_bytes),
         saved_tensors=float(saved_count),
@@ -95,8 +99,8 @@ def _median_times(
     repeats: int,
     warmup: int,
 ) -> dict[str, float]:
-    """The median of each time :func:`_time_step` takes (f, i, w, b, and the checkpoint's cf, cb), every
-    parameter's ``.grad`` put back after."""
+    """The median of each time :func:`_time_step` takes (f, i, w, b, and the checkpoint's cf, cb); the caller
+    puts every ``.grad`` back."""
     samples: list[tuple[float, ...]] = []
 
     def forward() -> Any:
@@ -106,15 +110,10 @@ def _median_times(
         return checkpoint(lambda *a: module(*a, **kwargs), *args, use_reentrant=False)
 
     fused = sum(p.numel() for p in params if p.dim() == 2) >= FUSE_B_MIN_WEIGHTS  # B's path, as a stage picks it
-    kept = [(p, None if p.grad is None else p.grad.detach().clone()) for p in params]
-    try:
-        for r in range(warmup + repeats):
-            times = _time_step(timed, forward, checkpointed, inputs, bool(params), fused)
-            if r >= warmup:
-                samples.append(times)
-    finally:
-        for p, grad in kept:
-            p.grad = grad
+    for r in range(warmup + repeats):
+        times = _time_step(timed, forward, checkpointed, inputs, bool(params), fused)
+        if r >= warmup:
+            samples.append(times)
     med = dict(zip(("f", "i", "w", "b", "cf", "cb"), (statistics.median(column) for column in zip(*samples))))
     if any(math.isnan(row[4]) for row in samples):  # the checkpoint refused it once: no cost to charge, nor a recompute
         med["cf"] = med["cb"] = 0.0
@@ -193,44 +192,78 @@ def _forward_counting_saved(
     return out, total, calls
 
 
-def _weight_saved_bytes(outs: list[torch.Tensor], params: set[int], resident: set[int]) -> int:
-    """Bytes saved by autograd nodes that compute a parameter's gradient (e.g. a Linear's input)."""
-    memo: dict[Any, bool] = {}
+def _stash_after_input(outs: list[torch.Tensor], inputs: list[torch.Tensor], resident: set[int]) -> int:
+    """The bytes W holds once I has run on ``outs``' graph (the runtime's I, as a stage runs it), then W run to
+    release them (its gradients land in ``.grad``, which the caller puts back)."""
+    if not outs:
+        return 0
+    grads: list[torch.Tensor | None] = [torch.ones_like(t) for t in outs]
+    _, work = backward_input(outs, grads, inputs)
+    held = held_bytes(work, resident)
+    backward_weight(work)
+    return held
 
-    def only_params(node: Any, depth: int = 0) -> bool:
-        # True for a node whose inputs all come from parameters (AccumulateGrad of a parameter, or a view of one).
-        if node in memo:
-            return memo[node]
-        if hasattr(node, "variable"):
-            result = id(node.variable) in params
-        elif depth > 3 or not node.next_functions:
-            result = False
-        else:
-            nexts = [n for n, _ in node.next_functions if n is not None]
-            result = bool(nexts) and all(only_params(n, depth + 1) for n in nexts)
-        memo[node] = result
-        return result
 
+def held_bytes(work: WeightWork, resident: set[int]) -> int:
+    """What a :class:`WeightWork` keeps alive from I to W, in bytes: the engine's own figure where the
+    WeightWork reports one (``held_bytes()``), else :func:`reachable_bytes`."""
+    reported = getattr(work, "held_bytes", None)
+    if callable(reported):
+        return int(reported())
+    return reachable_bytes(work, resident)
+
+
+def reachable_bytes(work: Any, resident: set[int]) -> int:
+    """The bytes of every storage reachable from ``work`` (parameters and buffers in ``resident`` excluded), each
+    once: the tensors it holds, and every tensor saved by an autograd node it keeps alive (through a gradient
+    edge, or a held tensor's ``grad_fn``), with the nodes behind them.
+
+    Independent of how the split stashes: a W that keeps the autograd graph pays for all of it, one that keeps
+    each deferred layer's input and output gradient for just those.
+    """
+    tensors: list[torch.Tensor] = []
+    nodes: list[Any] = []
+    _collect(work, tensors, nodes, depth=0)
     seen: set[Any] = set()
-    stack = [t.grad_fn for t in outs if t.grad_fn is not None]
-    counted: set[int] = set()
-    total = 0
-    while stack:
-        node = stack.pop()
+    while nodes:
+        node = nodes.pop()
         if node in seen:
             continue
         seen.add(node)
-        nexts = [n for n, _ in node.next_functions if n is not None]
-        stack.extend(nexts)
-        if not any(only_params(n) for n in nexts):
-            continue
+        nodes.extend(n for n, _ in node.next_functions if n is not None)
         for attr in dir(node):
-            if not attr.startswith("_saved_"):
-                continue
-            value = getattr(node, attr, None)
-            if isinstance(value, torch.Tensor):
-                key = _storage_key(value)
-                if key and key not in resident and key not in counted:
-                    counted.add(key)
-                    total += value.untyped_storage().nbytes()
+            if attr.startswith("_saved_") or attr == "variable":
+                try:
+                    value = getattr(node, attr)
+                except RuntimeError:  # a saved tensor already freed (the graph was not retained)
+                    continue
+                _collect(value, tensors, [], depth=0)
+    counted: set[int] = set()
+    total = 0
+    for t in tensors:
+        key = _storage_key(t)
+        if key and key not in resident and key not in counted:
+            counted.add(key)
+            total += t.untyped_storage().nbytes()
     return total
+
+
+def _collect(value: Any, tensors: list[torch.Tensor], nodes: list[Any], depth: int) -> None:
+    """Tensors and autograd nodes inside ``value`` (a dataclass, list, tuple, dict, tensor or node)."""
+    if depth > 8 or value is None:
+        return
+    if isinstance(value, torch.Tensor):
+        tensors.append(value)
+        if value.grad_fn is not None:
+            nodes.append(value.grad_fn)
+        return
+    if hasattr(value, "next_functions"):  # an autograd node (a GradientEdge's, say)
+        nodes.append(value)
+        return
+    if hasattr(value, "__dataclass_fields__"):
+        value = [getattr(value, f) for f in value.__dataclass_fields__]
+    elif isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            _collect(item, tensors, nodes, depth + 1)

@@ -67,11 +67,13 @@ def layout_costs(
         measured = {k: _median_pair(runs[((pp, dp, sharding), k)]) for k in corners}
         # first the CPU the model does not count (measured less the predicted compute actions), then the wall
         # time that the model with that CPU still misses
+        # FSDP2's hooks per unit and micro-batch, when measured on their own, are in the prediction: no cross term
+        cross = cal.sharding_hooks is None
         hidden = {k: measured[k][1] - _predicted(base, world, nodes, pp, dp, sharding, *k)[1] for k in corners}
-        cpu_only = LayoutCost.fit(pp, dp, 1, sharding, dict.fromkeys(corners, 0.0), hidden)
+        cpu_only = LayoutCost.fit(pp, dp, 1, sharding, dict.fromkeys(corners, 0.0), hidden, cross)
         with_cpu = replace(base, layouts=(cpu_only,))
         wall = {k: measured[k][0] - _predicted(with_cpu, world, nodes, pp, dp, sharding, *k)[0] for k in corners}
-        rows.append(LayoutCost.fit(pp, dp, 1, sharding, wall, hidden))
+        rows.append(LayoutCost.fit(pp, dp, 1, sharding, wall, hidden, cross))
     return tuple(rows)
 
 

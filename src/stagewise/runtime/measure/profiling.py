@@ -14,8 +14,11 @@ For each layer (a block of the model) we measure, as the median of
   engine's path as a stage of this layer's weights would take it;
 * ``activation_bytes``: what autograd saves for backward, counted with
   ``torch.autograd.graph.saved_tensors_hooks`` (parameters and buffers
-  excluded, each storage once); ``weight_activation_bytes`` the part of it
-  saved by operations that take a parameter (what W still needs after I);
+  excluded, each storage once); ``weight_activation_bytes`` what W holds once
+  the runtime's I has run (its stash: every storage the pending weight work
+  keeps alive, parameters excluded; :func:`.layer_cost.held_bytes`), which can
+  be more than the forward saved (a linear layer's output gradient is not an
+  activation);
 * ``parameter_bytes`` and ``output_bytes`` (what goes to the next stage);
 * ``saved_tensors`` (how many tensors autograd saves, parameters included) and
   ``checkpoint_forward`` / ``checkpoint_backward``: what checkpointing the
@@ -35,8 +38,9 @@ accumulation and the runtime's graph walk the demo GPT's layers' B sums to
 29.1 ms at 16 samples where ``autograd.grad`` gave 25.0, and a planner fed the
 bare gradient under-predicted every step (benchmarks/RESULTS.md). I + W is
 1.04x B for the GPT's layers at 16 samples, 1.2-1.5x for smaller layers or
-batches; :meth:`LayerProfile.cost_model` rescales them to sum to B. Each
-parameter's ``.grad`` is put back as it was.
+batches: :meth:`LayerProfile.cost_model` charges I, W and B each as measured,
+so what splitting costs is seen where schedules are chosen. Each parameter's
+``.grad`` is put back as it was.
 
 The split between measuring and deciding follows torchgpipe
 (``balance/profile.py`` measures, ``balance/blockpartition.py`` decides):
