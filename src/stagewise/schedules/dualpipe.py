@@ -17,7 +17,7 @@ from ..ir import I as _I
 from ..ir import W as _W
 from .rank_order import RankOrder
 from .registry import register
-from .zero_bubble import zb_v
+from .zero_bubble import zb_v_order
 
 
 @register(
@@ -61,7 +61,7 @@ def dualpipe_v(p: int, m: int, v: int) -> ActionRows:
     zb-v: what the pairing costs.
     """
     if m < 2 * p:
-        return zb_v(p, m, v)
+        return zb_v_order(p, m)
     return ActionRows(from_rows([_dualpipe_v_rank(p, m, r) for r in range(p)]))
 
 

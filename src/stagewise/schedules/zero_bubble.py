@@ -169,6 +169,11 @@ def zb_v(p: int, m: int, v: int) -> ActionRows:
     w-heavy). No rank holds more than 2p stage
     activations = p micro-batches, 1F1B's rank-0 figure.
     """
+    return zb_v_order(p, m)
+
+
+def zb_v_order(p: int, m: int) -> ActionRows:
+    """zb-v's orders as columns (dualpipe-v's too, below 2p micro-batches)."""
     return ActionRows(from_rows([_zb_v_rank(p, m, r) for r in range(p)]))
 
 
