@@ -135,13 +135,15 @@ def test_interleaving_divides_the_1f1b_bubble_time_by_v(p: int, v: int) -> None:
 
 def test_interleaved_peak_activations() -> None:
     """Rank r holds min(vm, (v-1)g + p - r) stage activations (g: the first group): p micro-batches
-    on rank 0 when p divides m, fewer than Megatron-LM's warm-up of 2(p-r-1) + (v-1)p chunks plus one."""
+    on rank 0 when p divides m, fewer than Megatron-LM's warm-up of 2(p-r-1) + (v-1)p chunks plus one.
+    With m <= p (and v > 1) every rank holds rank 0's m micro-batches."""
     for p in RANKS:
         for v in (1, 2, 3, 4):
             for m in range(1, 4 * p + 2):
                 g = microbatch_groups(p, m)[0]
                 peaks = simulate(order("interleaved-1f1b", p, m, v)).peak_activations
-                expected = [Fraction(min(v * m, (v - 1) * g + p - r), v) for r in range(p)]
+                deep = v > 1 and m <= p
+                expected = [Fraction(min(v * m, (v - 1) * g + p - (0 if deep else r)), v) for r in range(p)]
                 assert [Fraction(x).limit_denominator(v) for x in peaks] == expected, (p, m, v)
                 if m % p == 0:
                     assert peaks[0] == pytest.approx(p)
@@ -149,6 +151,20 @@ def test_interleaved_peak_activations() -> None:
                     assert peaks[0] * v <= megatron
                 if m >= p:
                     assert peaks[0] <= p + (v - 1) * (p - 1) / v + 1e-9
+
+
+def test_bfs_transfer_closed_form() -> None:
+    """The table's transfer column: a transfer time c <= F adds 2(vp-1)c for m <= p (one micro-batch's
+    round trip through every stage), 2(p-1)c for m >= 2p (GPipe's: the loop's other hops hide behind work)."""
+    for v in (1, 2, 3):
+        for p in range(2, 9):
+            for m in [*range(1, p + 1), *range(2 * p, 3 * p + 2)]:
+                compute = sw.schedules.generate("looped-bfs", p, m, v)
+                free = simulate(compute).makespan
+                hops = 2 * (v * p - 1) if m <= p else 2 * (p - 1)
+                for c in (0.125, 0.5, 1.0):
+                    timed = simulate(compute, CostModel.uniform(p * v, comm_time=c)).makespan
+                    assert timed == pytest.approx(free + hops * c), (p, m, v, c)
 
 
 def test_bfs_holds_every_activation_at_the_turn() -> None:
@@ -188,8 +204,8 @@ def test_interleaved_golden_text() -> None:
     assert sw.build_schedule("interleaved-1f1b", 2, 2, 2).to_text() == (
         "rank 0: 0F0 0SEND_F0 0F1 0SEND_F1 2RECV_F0 2F0 2SEND_F0 2RECV_F1 2F1 2SEND_F1 "
         "2RECV_B0 2B0 2SEND_B0 2RECV_B1 2B1 2SEND_B1 2SYNC 0RECV_B0 0B0 0RECV_B1 0B1 0SYNC\n"
-        "rank 1: 1RECV_F0 1F0 1SEND_F0 1RECV_F1 1F1 1SEND_F1 3RECV_F0 3F0 3RECV_F1 3B0 3SEND_B0 "
-        "3F1 3B1 3SEND_B1 3SYNC 1RECV_B0 1B0 1SEND_B0 1RECV_B1 1B1 1SEND_B1 1SYNC"
+        "rank 1: 1RECV_F0 1F0 1SEND_F0 1RECV_F1 1F1 1SEND_F1 3RECV_F0 3F0 3RECV_F1 3F1 3B0 3SEND_B0 "
+        "3B1 3SEND_B1 3SYNC 1RECV_B0 1B0 1SEND_B0 1RECV_B1 1B1 1SEND_B1 1SYNC"
     )
 
 
@@ -238,7 +254,8 @@ def _plain_orders(name: str, p: int, m: int, v: int) -> tuple[tuple[Action, ...]
                 fwd += [(c, i) for c in range(v) for i in range(first, first + size)]
                 bwd += [(c, i) for c in range(v - 1, -1, -1) for i in range(first, first + size)]
                 first += size
-            warmup = min((v - 1) * groups[0] + p - 1 - r, v * m)
+            deep = v > 1 and m <= p  # every rank as deep as rank 0
+            warmup = min((v - 1) * groups[0] + p - 1 - (0 if deep else r), v * m)
             acts = [Action(c * p + r, Kind.F, i) for c, i in fwd[:warmup]]
             for (cf, i), (cb, j) in zip(fwd[warmup:], bwd, strict=False):
                 acts += [Action(cf * p + r, Kind.F, i), Action(cb * p + r, Kind.B, j)]

@@ -95,6 +95,13 @@ def test_gpipe_pays_each_link_once_each_way(f: float, i: float, w: float, c: flo
         assert result.makespan == pytest.approx((m + p - 1) * (f + i + w) + 2 * (p - 1) * c)
 
 
+@pytest.mark.parametrize("c", [0.25, 1.0, 8.0])
+def test_naive_pays_every_link_both_ways_for_each_microbatch(c: float) -> None:
+    for p, m in GRID:
+        result = simulate(sw.schedules.generate("naive", p, m), uniform(p, comm_time=c))
+        assert result.makespan == pytest.approx(3 * p * m + 2 * (p - 1) * m * c)
+
+
 @pytest.mark.parametrize("f,i,w", TIMES)
 @pytest.mark.parametrize("c", [0.25, 1.0, 8.0])
 def test_1f1b_comm_cost_closed_form(f: float, i: float, w: float, c: float) -> None:

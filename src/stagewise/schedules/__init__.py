@@ -3,7 +3,6 @@
 from .asynchronous import async_schedule, registry_minibatch, window_of
 from .interleaved import microbatch_groups
 from .registry import ScheduleInfo, generate, is_asynchronous, markdown_table, register, schedule_info, schedule_names
-from .zero_bubble import v_wave
 
 __all__ = [
     "ScheduleInfo",
@@ -16,6 +15,5 @@ __all__ = [
     "registry_minibatch",
     "schedule_info",
     "schedule_names",
-    "v_wave",
     "window_of",
 ]

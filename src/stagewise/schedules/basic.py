@@ -17,6 +17,7 @@ F, B = Kind.F, Kind.B
     paper="the model-parallel baseline of GPipe (Huang et al., 2019), Fig. 2b",
     bubble="(p-1)/p",
     memory="1",
+    transfer="2(p-1)mc",
 )
 def naive(p: int, m: int, v: int) -> list[list[Action]]:
     """Micro-batch i+1 enters only after micro-batch i has left; at most one rank is busy.
@@ -36,6 +37,7 @@ def naive(p: int, m: int, v: int) -> list[list[Action]]:
     paper="Huang et al., GPipe: Efficient Training of Giant Neural Networks using Pipeline Parallelism, NeurIPS 2019",
     bubble="(p-1)/(m+p-1)",
     memory="m",
+    transfer="2(p-1)c",
 )
 def gpipe(p: int, m: int, v: int) -> list[list[Action]]:
     """Every rank runs its m forwards, then its m backwards; all m activations are alive at the turn.
@@ -56,6 +58,7 @@ def gpipe(p: int, m: int, v: int) -> list[list[Action]]:
     "Fan et al., DAPPLE, PPoPP 2021",
     bubble="(p-1)/(m+p-1)",
     memory="min(p, m)",
+    transfer="2c(p-1 + floor((m-1)(p-1)/p))",
 )
 def one_f_one_b(p: int, m: int, v: int) -> list[list[Action]]:
     """Rank r runs p-r-1 warm-up forwards, then F/B pairs, then the remaining backwards.

@@ -80,34 +80,43 @@ def interleaved_1f1b(p: int, m: int, v: int) -> ActionRows:
     The micro-batches go in groups of p (:func:`microbatch_groups`); a rank
     runs a group's forwards chunk by chunk, 0 to v-1, and its backwards chunk
     by chunk, v-1 to 0 (:func:`chunk_order`). Rank r runs (v-1)*g + p-1-r
-    forwards first (g: the first group's size), then alternates one forward
+    forwards first (g: the first group's size; for m <= p see below), then alternates one forward
     and one backward, then drains its backwards. p=2, m=4, v=2::
 
         rank 0  f0 f1 F0 F1 .  .  B0 B0 f2 B1 B1 f3 b0 b0 F2 b1 b1 F3 B2 B2 .  B3 B3 b2 b2 b3 b3
         rank 1  .  f0 f1 F0 B0 B0 F1 B1 B1 f2 b0 b0 f3 b1 b1 F2 B2 B2 F3 B3 B3 b2 b2 b3 b3 .  .
 
     Makespan 3(vm+p-1) for m >= p: the bubble is 1/v of 1F1B's, for every
-    m >= p, not only multiples of p. Megatron-LM warms up with 2(p-r-1) +
-    (v-1)p forwards, because its runtime exchanges a forward's output and a
-    backward's gradient in one step after both; with stagewise's per-action
-    batches p-1-r + (v-1)g already keeps every rank busy, so rank r holds at
-    most min(vm, (v-1)g + p - r) stage activations: exactly p micro-batches
-    on rank 0 when p divides m (Megatron: p + (p-1)/v). Megatron also gives
-    the last group the remainder of m/p; a group smaller than p makes rank 0
-    wait for the loop, so here the remainder joins the first groups, which
-    keeps the bubble at 1/v and costs (v-1) * ceil((m mod p) / floor(m/p))
-    extra stage activations. For m < p (one group of m) nothing overlaps
-    across chunks and the makespan is 3(vp+m-1), as for v*p stages on v*p
-    ranks.
+    m >= p, not only multiples of p. With free transfers p-1-r + (v-1)g
+    warm-up forwards keep every rank busy, so rank r holds at most
+    min(vm, (v-1)g + p - r) stage activations: exactly p micro-batches on
+    rank 0 when p divides m. Megatron-LM (and torch's Interleaved1F1B) warm
+    up with 2(p-r-1) + (v-1)p forwards, p + (p-1)/v micro-batches on rank 0.
+    That memory buys slack for transfers: with a transfer of one forward,
+    p=8, m=32, v=2 takes 243 units there against 339 here (python -m
+    benchmarks.orders_vs_torch); this schedule keeps 1F1B's memory instead.
+
+    Megatron also gives the last group the remainder of m/p; a group smaller
+    than p makes rank 0 wait for the loop, so here the remainder joins the
+    first groups, which keeps the bubble at 1/v and costs
+    (v-1) * ceil((m mod p) / floor(m/p)) extra stage activations.
+
+    For m <= p (one group of m) nothing overlaps across chunks and the
+    makespan is 3(vp+m-1), as for v*p stages on v*p ranks. Activations are
+    capped at m micro-batches there anyway, so for v > 1 every rank warms up
+    as deep as rank 0, (v-1)m + p-1 forwards (all but at most one): no rank
+    holds more than rank 0, and the later ranks get slack for transfers (as
+    fast as torch's order at m = p, at every transfer time).
     """
     groups = microbatch_groups(p, m)
     f_chunk, f_mb = np.asarray(chunk_order(groups, v, backward=False), np.int64).reshape(-1, 2).T
     b_chunk, b_mb = np.asarray(chunk_order(groups, v, backward=True), np.int64).reshape(-1, 2).T
     total = v * m
     kind = np.zeros(2 * total, np.int64)
+    deep = v > 1 and m <= p  # every rank warms up as deep as rank 0 (see the docstring)
     rows = []
     for r in range(p):
-        w = min((v - 1) * groups[0] + p - 1 - r, total)
+        w = min((v - 1) * groups[0] + p - 1 - (0 if deep else r), total)
         # positions in the rank's order: w forwards, then F B pairs, then the last w backwards
         steady = w + 2 * np.arange(total - w, dtype=np.int64)
         at_f = np.concatenate([np.arange(w, dtype=np.int64), steady])
@@ -126,6 +135,7 @@ def interleaved_1f1b(p: int, m: int, v: int) -> ActionRows:
     paper="Lamy-Poirier, Breadth-First Pipeline Parallelism, MLSys 2023",
     bubble="(p-1)/(vm+p-1) for m >= p, (vp-1-(v-1)m)/(vp+m-1) for m < p",
     memory="m",
+    transfer="2(vp-1)c for m <= p, 2(p-1)c for m >= 2p (c <= F)",
     virtual_stages=None,
     default_virtual_stages=2,
 )

@@ -25,8 +25,10 @@ class ScheduleInfo:
     placement: str  # "loop" or "v"
     virtual_stages: tuple[int, ...] | None  # allowed v, None = any v >= 1
     default_virtual_stages: int
-    bubble: str  # closed form, for the README table
+    bubble: str  # closed form with uniform costs and free transfers, for the README table
     memory: str  # peak in-flight micro-batches on the busiest rank
+    #: what a transfer time c adds to the makespan with uniform costs (F = I = W), where a closed form is known
+    transfer: str = "no closed form"
     #: False for schedules that apply updates while other micro-batches are in flight (no flush): they
     #: train by a different rule than one process, and planners and train_step leave them out
     synchronous: bool = True
@@ -61,6 +63,7 @@ def register(
     paper: str,
     bubble: str,
     memory: str,
+    transfer: str = "no closed form",
     placement: str = "loop",
     virtual_stages: tuple[int, ...] | None = (1,),
     default_virtual_stages: int = 1,
@@ -82,6 +85,7 @@ def register(
             default_virtual_stages=default_virtual_stages,
             bubble=bubble,
             memory=memory,
+            transfer=transfer,
             synchronous=synchronous,
             build=build,
         )
@@ -140,13 +144,21 @@ def _load_builtin() -> None:
 
 
 def markdown_table() -> str:
-    """The README's schedule table, generated so it cannot drift from the registry."""
+    """The README's schedule table, generated so it cannot drift from the registry.
+
+    The bubble column assumes free transfers; the transfer column says what a transfer time c adds to the
+    makespan where that is known in closed form (each one checked by brute force in tests/core).
+    """
     _load_builtin()
     rows = [
-        "| schedule | virtual stages | bubble (uniform costs) | peak activations (rank 0) | paper |",
-        "|---|---|---|---|---|",
+        "| schedule | virtual stages | bubble (uniform costs, free transfers) | a transfer time c adds "
+        "| peak activations (rank 0) | paper |",
+        "|---|---|---|---|---|---|",
     ]
     for info in _REGISTRY.values():
         v = "any" if info.virtual_stages is None else " or ".join(map(str, info.virtual_stages))
-        rows.append(f"| `{info.name}` | {v} ({info.placement}) | {info.bubble} | {info.memory} | {info.paper} |")
+        rows.append(
+            f"| `{info.name}` | {v} ({info.placement}) | {info.bubble} | {info.transfer} | {info.memory} "
+            f"| {info.paper} |"
+        )
     return "\n".join(rows)

@@ -5,11 +5,12 @@ Qi, Wan, Huang, Lin, "Zero Bubble (Almost) Pipeline Parallelism", ICLR 2024
 ZB-H2 (Sec. 2, Fig. 3) and ZB-V (Sec. 6).
 
 Vocabulary: p ranks, m micro-batches; with uniform costs F = I = W = 1 time unit.
-Every order here is checked against stagewise's communication model: sends are
-posted right after the producing compute, receives right before the consuming
-one, each batch blocks until every partner has posted (rendezvous), and
-point-to-point messages between two ranks match in posting order. That model
-shapes two of the schedules (see zb-h2 and zb-v).
+The orders are compute only. The communication pass
+(:func:`stagewise.passes.lowering.add_communication`) posts each receive in
+the consumer's first batch after its value exists, and the validator's
+rendezvous simulation checks every lowered order, so neighbouring ranks may
+interleave forwards and input gradients differently, as the paper's warm-ups
+do: the orders here are chosen for time and memory, not to suit the lowering.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ..ir import Action, ActionRows, Kind, from_rows
 from ..ir import F as _CF
 from ..ir import I as _CI
 from ..ir import W as _CW
+from .rank_order import RankOrder
 from .registry import register
 
 F, I, W = Kind.F, Kind.I, Kind.W
@@ -75,6 +77,7 @@ def zb_h1(p: int, m: int, v: int) -> list[list[Action]]:
     paper="Qi et al., Zero Bubble (Almost) Pipeline Parallelism, ICLR 2024, Sec. 2.2 (ZB-H2, Fig. 3 bottom)",
     bubble="(p-1)/(3m+p-1) for m >= p, (2p-1-m)/(2m+2p-1) for m < p (F = I = W); each rank's own work is gap-free",
     memory="min(2p-1, m) until I, plus the deferred W passes",
+    transfer="2(p-1)c for m <= p, (p-1)c for m >= 2p-1 (c <= F)",
 )
 def zb_h2(p: int, m: int, v: int) -> list[list[Action]]:
     """Rank r runs min(m, 2p-1-2r) warm-up forwards, then I F I F ..., then I W pairs, then the rest of W.
@@ -89,19 +92,17 @@ def zb_h2(p: int, m: int, v: int) -> list[list[Action]]:
         rank 2  .  .  F0 I0 F1 I1 F2 I2 F3 I3 F4 I4 F5 I5 W0 W1 W2 W3 W4 W5
 
     How it differs from the paper: there, the steady state runs F I W on
-    every rank. Under rendezvous point-to-point that order deadlocks: rank
-    r holds two more micro-batches than rank r+1, so each forward rank r
-    sends crosses two input gradients coming back, and each crossing must
-    be posted in one batch on one side (F directly followed by I on rank r,
-    or I directly followed by F on rank r+1). Every middle rank must
-    therefore alternate I F strictly while it still has forwards, and its W
-    passes wait for the drain. The makespan is still the optimum
-    max(3m+p-1, 2m+2p-1) -- with uniform costs and a synchronous flush no
-    single-stage-per-rank schedule does better, so the bubble equals
-    zb-h1's -- but each deferred W keeps its weight-gradient activations
-    alive, so the W part of memory grows with m. What the deep warm-up buys
-    is slack: with a transfer time of one unit (p=8, m=32) the bubble is
-    0.127 against zb-h1's 0.364.
+    every rank. That order lowers and validates as well, but the W in each
+    steady step holds back the input gradients on their way to rank 0: with
+    free transfers, p=4 and m=8 take 30 units instead of 27. Here every rank
+    alternates I F strictly while it still has forwards, and its W passes
+    wait for the drain. The makespan is the optimum max(3m+p-1, 2m+2p-1)
+    -- with uniform costs and a synchronous flush no single-stage-per-rank
+    schedule does better, so the bubble equals zb-h1's -- but each deferred
+    W keeps its weight-gradient activations alive, so the W part of memory
+    grows with m. What the deep warm-up buys is slack: a transfer time
+    c <= F adds (p-1)c once m >= 2p-1, and with a transfer of one unit
+    (p=8, m=32) the bubble is 0.127 against zb-h1's 0.364.
     """
     ranks = []
     for r in range(p):
@@ -122,155 +123,90 @@ def zb_h2(p: int, m: int, v: int) -> list[list[Action]]:
 
 @register(
     "zb-v",
-    summary="two stages per rank in a V; each micro-batch sweeps down and back as one unbroken wave",
+    summary="two stages per rank in a V; the paper's warm-up, F I W steady state and drain",
     paper="Qi et al., Zero Bubble (Almost) Pipeline Parallelism, ICLR 2024, Sec. 6 (ZB-V)",
     placement="v",
     virtual_stages=(2,),
     default_virtual_stages=2,
-    bubble="(p-1)/(6m+p-1) for m >= p (F = I = W per stage)",
+    bubble="(p-1)/(6m+p-1) for 2m >= 3p-1 (F = I = W per stage)",
     memory="min(p, m) (2p stage activations)",
 )
 def zb_v(p: int, m: int, v: int) -> ActionRows:
-    """ZB-V: rank r holds stage r (going down) and stage 2p-1-r (coming back).
+    """ZB-V in the paper's order: rank r holds stage r (going down) and stage 2p-1-r (coming back).
 
-    ``v_wave(p, m, warmup=p-1)``: p-1 micro-batches enter before the first
-    input gradient, then each new forward is paired with the input gradient
-    of the micro-batch p-1 places earlier; in the steady state every rank
-    runs, every six units, one forward and one input gradient of each stage
-    and two W. p=3, m=5 (lower case: the rank's stage on the way down, upper
-    case: its stage on the way back)::
+    Rank r runs 2(p-r)-1 forwards of its down stage; r pairs (up forward,
+    down forward); p-r triples (up F, I, W); then, while forwards remain,
+    F I W of the down stage and F I W of the up stage; then a drain of r
+    rounds of both input gradients (their W passes wait), p-r rounds of
+    (down I, down W), and the W passes left. The warm-up needs 2p-1
+    micro-batches; with fewer, the missing ones are left out of the same
+    order. p=3, m=5, free transfers (lower case: the down stage, upper
+    case: the up stage)::
 
-        rank 0  f0 f1 f2 .  .  F0 I0 F1 W0 F2 f3 i0 I1 w0 W1 F3 f4 i1 I2 w1 I3 F4 I4 i2 W2 i3 W3 i4 W4 w2 w3 w4
-        rank 1  .  f0 f1 .  F0 f2 F1 I0 F2 W0 i0 f3 w0 I1 F3 W1 i1 f4 w1 I2 F4 I3 i2 I4 i3 W2 i4 W3 w2 W4 w3 w4
-        rank 2  .  .  f0 F0 f1 F1 f2 F2 I0 i0 W0 w0 f3 F3 I1 i1 W1 w1 f4 F4 I2 i2 I3 i3 I4 i4 W2 w2 W3 w3 W4 w4
+        rank 0  f0 f1 f2 f3 f4 F0 I0 W0 F1 I1 W1 F2 I2 W2 i0 w0 F3 I3 W3 i1 w1 F4 I4 W4 i2 w2 i3 w3 i4 w4 .  .
+        rank 1  .  f0 f1 f2 F0 f3 F1 I0 W0 F2 I1 W1 f4 i0 w0 F3 I2 W2 i1 w1 F4 I3 W3 i2 I4 i3 w2 i4 w3 W4 w4 .
+        rank 2  .  .  f0 F0 f1 F1 f2 F2 I0 W0 f3 i0 w0 F3 I1 W1 f4 i1 w1 F4 I2 W2 i2 I3 i3 I4 i4 w2 W3 W4 w3 w4
 
-    Makespan 6m+p-1 for m >= p, the least possible (rank p-1 starts at p-1
-    and has 6m units of work), so the bubble is (p-1)/(6m+p-1). No rank
-    holds more than 2p stage activations = p micro-batches, 1F1B's rank-0
-    figure. For m < p the makespan is at most 4p+4m (the least possible is
-    max(6m+p-1, 4p+m): the last micro-batch enters rank 0 at m-1 or later
-    and then needs 4p units in a row and a W).
+    Every value is used a few units after it is made, with W passes in
+    between, so a transfer time mostly lands in that slack: with a transfer
+    of one forward, p=8 and m=32 take 233 units (199 with free transfers).
+    An order in which each value is used the moment it is made reaches the
+    optimum for every m >= p with free transfers but pays each transfer on
+    its critical path (363 units there).
 
-    How it differs from the paper's ZB-V: the warm-up. There rank r runs
-    2p-1-r forwards of its first stage before its first input gradient,
-    a different count on every rank; since the forwards and the input
-    gradients of the V share one link in each direction and point-to-point
-    messages match in posting order, neighbours must interleave them the
-    same way. Here every rank does: the orders come from a plan in which
-    every value is used the moment it is made (see :func:`v_wave`), which
-    also rules out rendezvous deadlocks.
+    Makespan with free transfers and F = I = W = 1 (checked by brute force,
+    p <= 12): 6m+p-1 once 2m >= 3p-1, the least possible (rank p-1 starts
+    at p-1 and has 6m units of work), so the bubble is (p-1)/(6m+p-1);
+    max(6m+p-1, 4m+4p-2) for p < m; and 4p+3m-2 + max(0, m - floor(p/2))
+    for m <= p. With m <= p no rank reaches the steady state: each runs all
+    its forwards before its first down-stage input gradient, and a W right
+    after each input gradient would hold the others back on their way to
+    rank 0. There rank r's W passes trail its input gradients by r instead
+    (ZB-H1's rule, :meth:`RankOrder.trail_weights`): with F = I = W, or I
+    heavier than W, that is at least as fast as the paper's order at every
+    transfer time from 0 to one forward (tests/core/test_orders_vs_torch.py;
+    not when W dominates, see python -m benchmarks.orders_vs_torch --costs
+    w-heavy). No rank holds more than 2p stage
+    activations = p micro-batches, 1F1B's rank-0 figure.
     """
-    return v_wave(p, m, warmup=p - 1)
+    return zb_v_order(p, m)
 
 
-# ---- the V wave ---------------------------------------------------------
-#
-# Stage r (chunk 0) and stage 2p-1-r (chunk 1) live on rank r. Give each of
-# the four sweeps of micro-batch k a start time ("origin"): its chunk-0
-# forward runs on rank r at origin + r, its chunk-1 input gradient at
-# origin + r (both travel down the ranks), its chunk-1 forward and chunk-0
-# input gradient at origin + p-1-r (both travel up). In this plan every value
-# is used on the next rank exactly when it is made (zero slack), so the order
-# of messages on a link is the order they were made, and a rank posting a
-# batch finds its partners posting theirs at the same instant: no deadlock.
-# Downward sweeps start at even times and upward ones at times of the parity
-# of p, so the two never meet on a rank; W fills the remaining time units.
-# (The plan only fixes the order; the simulator, starting each action as
-# early as it can, may run some warm-up forwards sooner.)
-
-_F0, _I1, _F1, _I0 = range(4)  # chunk-0 forward, chunk-1 input grad (down); chunk-1 forward, chunk-0 input grad (up)
+def zb_v_order(p: int, m: int) -> ActionRows:
+    """zb-v's orders as columns (dualpipe-v's too, below 2p micro-batches)."""
+    return ActionRows(from_rows([_zb_v_rank(p, m, r) for r in range(p)]))
 
 
-def v_wave(p: int, m: int, warmup: int) -> ActionRows:
-    """Per-rank orders of a zero-slack V schedule on ``v_placement(p, 2)``.
-
-    With w = min(warmup, m), the downward sweeps start in the order: the
-    chunk-0 forwards of micro-batches 0 .. w-1, then for k = 0, 1, ... the
-    chunk-0 forward of w+k followed by the chunk-1 input gradient of k.
-    The upward sweeps follow the same pattern with the chunk-1 forwards and
-    the chunk-0 input gradients. Each sweep starts at the first time of its
-    parity at which its input exists (p units after the sweep it continues
-    started); while forwards remain, every backward sweep is followed by one
-    time of its parity left to W, so a rank's steady state is 2 F, 2 I and
-    2 W every six units.
-
-    Made as integer columns (no action objects: :class:`~stagewise.ir.columns.ActionRows`
-    makes a rank's row when asked), so the lowering reads them as they are: at
-    128 ranks x 1024 micro-batches the V has ~1.2 M compute actions.
-    """
-    start = np.asarray(_sweep_starts(p, m, min(warmup, m)), np.int64)
-    return ActionRows(from_rows([_rank_columns(p, r, start) for r in range(p)]))
-
-
-def _sweep_words(m: int, w: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    down = [(_F0, k) for k in range(w)]
-    up = [(_F1, k) for k in range(w)]
-    for k in range(m):
-        if w + k < m:
-            down.append((_F0, w + k))
-            up.append((_F1, w + k))
-        down.append((_I1, k))
-        up.append((_I0, k))
-    return down, up
-
-
-def _sweep_starts(p: int, m: int, w: int) -> list[list[int]]:
-    """start[sweep][k]: the origin of each sweep of micro-batch k (see the comment above)."""
-    down, up = _sweep_words(m, w)
-    needs = {_I1: _F1, _F1: _F0, _I0: _I1}  # a sweep may start p units after the one it needs
-    start = [[-1] * m for _ in range(4)]
-    queues = ((down, 0), (up, p % 2))
-    pos = [0, 0]
-    rest = [False, False]  # leave the next slot of this parity to W
-    t = 0
-    while pos[0] < len(down) or pos[1] < len(up):
-        for q, (word, parity) in enumerate(queues):
-            if t % 2 != parity or pos[q] == len(word):
-                continue
-            if rest[q]:
-                rest[q] = False
-                continue
-            sweep, k = word[pos[q]]
-            if sweep in needs and not 0 <= start[needs[sweep]][k] <= t - p:
-                continue
-            start[sweep][k] = t
-            pos[q] += 1
-            # in the steady state (forwards still to come) a backward sweep is followed by a W slot
-            rest[q] = sweep in (_I1, _I0) and pos[q] < len(word) and word[pos[q]][0] in (_F0, _F1)
-        t += 1
-    return start
-
-
-def _rank_columns(p: int, r: int, start: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Rank r's compute order as (kind, stage, micro-batch) columns: the sweeps at their times, W (oldest first)
-    in every free unit, the W still owed at the end after them."""
-    m = start.shape[1]
+def _zb_v_rank(p: int, m: int, r: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rank r's ZB-V order: the paper's phases for max(m, 2p-1) micro-batches, the missing ones left out."""
+    n = max(m, 2 * p - 1)
     down, up = r, 2 * p - 1 - r
-    k = np.arange(m, dtype=np.int64)
-    # the four sweeps' actions on this rank, at their times
-    times = np.concatenate([start[_F0] + r, start[_I1] + r, start[_F1] + p - 1 - r, start[_I0] + p - 1 - r])
-    kinds = np.repeat(np.array([_CF, _CI, _CF, _CI], np.int64), m)
-    stages = np.repeat(np.array([down, up, up, down], np.int64), m)
-    mbs = np.tile(k, 4)
-    size = int(times.max()) + 1
-    busy = np.zeros(size, bool)
-    busy[times] = True
-    if int(busy.sum()) != times.size:  # the plan puts one sweep action in each time unit of a rank
-        raise AssertionError(f"v_wave: two sweep actions at one time on rank {r} (p={p}, m={m})")
-    # each I makes its W runnable; W queue in the order their I ran, each takes the first free unit after
-    # its I and after the W before it (a queue: q_j = j + max_{i<=j}(first_free(o_i) - i))
-    owed = np.concatenate([start[_I1] + r, start[_I0] + p - 1 - r])
-    w_stage = np.repeat(np.array([up, down], np.int64), m)
-    by_time = np.argsort(owed, kind="stable")
-    owed, w_stage, w_mb = owed[by_time], w_stage[by_time], np.tile(k, 2)[by_time]
-    free = np.flatnonzero(~busy)
-    j = np.arange(owed.size, dtype=np.int64)
-    q = j + np.maximum.accumulate(np.searchsorted(free, owed, side="right") - j)
-    w_time = size + j  # owed past the last unit: after it, oldest first
-    fits = q < free.size
-    w_time[fits] = free[q[fits]]
-    order = np.argsort(np.concatenate([times, w_time]), kind="stable")
-    kind = np.concatenate([kinds, np.full(owed.size, _CW, np.int64)])[order]
-    stage = np.concatenate([stages, w_stage])[order]
-    mb = np.concatenate([mbs, w_mb])[order]
-    return kind, stage, mb
+    o = RankOrder(m)
+    o.forwards(down, 2 * (p - r) - 1)  # warm-up: the down stage fills the V ...
+    for _ in range(r):  # ... then the up stage joins in as its inputs come back
+        o.add(_CF, up)
+        o.add(_CF, down)
+    for _ in range(p - r):  # the first input gradients of the up stage, each with its W
+        o.add(_CF, up)
+        o.add(_CI, up)
+        o.add(_CW, up)
+    while o.count(_CF, up) < n:  # steady state: F I W on each stage in turn
+        if o.count(_CF, down) < n:
+            o.add(_CF, down)
+        for stage in (down, up):
+            if stage == up:
+                o.add(_CF, up)
+            o.add(_CI, stage)
+            o.add(_CW, stage)
+    for _ in range(r):  # drain: rank r lets r rounds of W wait, so the input gradients go back first
+        o.add(_CI, down)
+        o.add(_CI, up)
+    for _ in range(p - r):
+        o.add(_CI, down)
+        o.add(_CW, down)
+    for stage in (up, down):
+        while o.count(_CW, stage) < n:
+            o.add(_CW, stage)
+    if m <= p:  # no steady state (see the docstring)
+        o.trail_weights(r)
+    return o.columns()
