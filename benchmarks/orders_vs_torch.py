@@ -41,7 +41,7 @@ def stored_orders(schedules: list[str] | None) -> list[Row]:
         if schedules and entry["schedule"] not in schedules:
             continue
         placement = loop_placement(p, v) if entry["placement"] == "loop" else v_placement(p, v)
-        order = Schedule.from_csv(path.read_text(), name=f"torch {name}", placement=placement, num_microbatches=m)
+        order = sw.from_torch(path, name=f"torch {name}", placement=placement, num_microbatches=m)
         found.append((entry["schedule"], name, p, m, v, order))
     rank = {name: i for i, name in enumerate(sw.schedule_names())}
     return sorted(found, key=lambda row: (rank[row[0]], row[2], row[3]))
