@@ -134,23 +134,21 @@ def test_interleaving_divides_the_1f1b_bubble_time_by_v(p: int, v: int) -> None:
 
 
 def test_interleaved_peak_activations() -> None:
-    """Rank r holds min(vm, (v-1)g + p - r) stage activations (g: the first group): p micro-batches
-    on rank 0 when p divides m, fewer than Megatron-LM's warm-up of 2(p-r-1) + (v-1)p chunks plus one.
-    With m <= p (and v > 1) every rank holds rank 0's m micro-batches."""
+    """Rank r holds min(vm, (v-1)g + w(r) + 1) stage activations (g: the first group; w(r) the warm-up
+    beyond it: 1F1B's p-1-r for v = 1, Megatron-LM's 2(p-1-r) for v > 1, rank 0's p-1 on every rank when
+    m <= p): p + (p-1)/v micro-batches on rank 0 when p divides m and v > 1, Megatron-LM's count."""
     for p in RANKS:
         for v in (1, 2, 3, 4):
             for m in range(1, 4 * p + 2):
                 g = microbatch_groups(p, m)[0]
                 peaks = simulate(order("interleaved-1f1b", p, m, v)).peak_activations
                 deep = v > 1 and m <= p
-                expected = [Fraction(min(v * m, (v - 1) * g + p - (0 if deep else r)), v) for r in range(p)]
+                warm = [p - 1 - r if v == 1 else p - 1 if deep else 2 * (p - 1 - r) for r in range(p)]
+                expected = [Fraction(min(v * m, (v - 1) * g + w + 1), v) for w in warm]
                 assert [Fraction(x).limit_denominator(v) for x in peaks] == expected, (p, m, v)
                 if m % p == 0:
-                    assert peaks[0] == pytest.approx(p)
-                    megatron = 2 * (p - 1) + (v - 1) * p + 1
-                    assert peaks[0] * v <= megatron
-                if m >= p:
-                    assert peaks[0] <= p + (v - 1) * (p - 1) / v + 1e-9
+                    megatron = 2 * (p - 1) + (v - 1) * p + 1 if v > 1 else p
+                    assert peaks[0] * v == pytest.approx(min(v * m, megatron))
 
 
 def test_bfs_transfer_closed_form() -> None:
@@ -198,7 +196,7 @@ def test_microbatch_groups() -> None:
 
 def test_interleaved_golden_text() -> None:
     assert order("interleaved-1f1b", 2, 4, 2).to_text() == (
-        "rank 0: 0F0 0F1 2F0 2F1 2B0 0F2 2B1 0F3 0B0 2F2 0B1 2F3 2B2 2B3 0B2 0B3\n"
+        "rank 0: 0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3\n"
         "rank 1: 1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3"
     )
     assert sw.build_schedule("interleaved-1f1b", 2, 2, 2).to_text() == (
@@ -255,7 +253,8 @@ def _plain_orders(name: str, p: int, m: int, v: int) -> tuple[tuple[Action, ...]
                 bwd += [(c, i) for c in range(v - 1, -1, -1) for i in range(first, first + size)]
                 first += size
             deep = v > 1 and m <= p  # every rank as deep as rank 0
-            warmup = min((v - 1) * groups[0] + p - 1 - (0 if deep else r), v * m)
+            extra = p - 1 - r if v == 1 else p - 1 if deep else 2 * (p - 1 - r)  # Megatron-LM's for v > 1
+            warmup = min((v - 1) * groups[0] + extra, v * m)
             acts = [Action(c * p + r, Kind.F, i) for c, i in fwd[:warmup]]
             for (cf, i), (cb, j) in zip(fwd[warmup:], bwd, strict=False):
                 acts += [Action(cf * p + r, Kind.F, i), Action(cb * p + r, Kind.B, j)]

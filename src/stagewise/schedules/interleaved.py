@@ -64,13 +64,22 @@ def chunk_order(groups: list[int], v: int, *, backward: bool) -> list[tuple[int,
     return order
 
 
+def warm_up(p: int, r: int, v: int, deep: bool) -> int:
+    """Rank r's warm-up forwards beyond the first group's (v-1)g: 1F1B's p-1-r for v = 1; with v > 1,
+    Megatron-LM's 2(p-1-r), the slack that lets a transfer hide behind work, or rank 0's p-1 on every
+    rank when the whole step is one group (m <= p: nothing to overlap, activations capped at m)."""
+    if v == 1:
+        return p - 1 - r
+    return p - 1 if deep else 2 * (p - 1 - r)
+
+
 @register(
     "interleaved-1f1b",
     summary="each rank holds v loop-placed stages; 1F1B over groups of p micro-batches, chunk by chunk",
     paper="Narayanan et al., Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM, "
     "SC 2021, Sec. 2.2.2 (interleaved schedule, Fig. 4)",
     bubble="(p-1)/(vm+p-1) for m >= p, (vp-1-(v-1)m)/(vp+m-1) for m < p",
-    memory="min(p, m) when m < p or p divides m, else at most p + (v-1)(p-1)/v",
+    memory="min(p, m) for m <= p or v = 1; p + (p-1)/v when p divides m; else ((v-1)g + 2p-1)/v, g the first group",
     virtual_stages=None,
     default_virtual_stages=2,
 )
@@ -79,22 +88,23 @@ def interleaved_1f1b(p: int, m: int, v: int) -> ActionRows:
 
     The micro-batches go in groups of p (:func:`microbatch_groups`); a rank
     runs a group's forwards chunk by chunk, 0 to v-1, and its backwards chunk
-    by chunk, v-1 to 0 (:func:`chunk_order`). Rank r runs (v-1)*g + p-1-r
-    forwards first (g: the first group's size; for m <= p see below), then alternates one forward
-    and one backward, then drains its backwards. p=2, m=4, v=2::
+    by chunk, v-1 to 0 (:func:`chunk_order`). Rank r runs (v-1)*g + w(r)
+    forwards first (g: the first group's size; w(r) in :func:`warm_up`: 1F1B's
+    p-1-r for v = 1, Megatron-LM's 2(p-1-r) for v > 1; for m <= p see below),
+    then alternates one forward and one backward, then drains its backwards.
+    p=2, m=4, v=2 (f/b: chunk 0, F/B: chunk 1; a backward takes two forwards)::
 
-        rank 0  f0 f1 F0 F1 .  .  B0 B0 f2 B1 B1 f3 b0 b0 F2 b1 b1 F3 B2 B2 .  B3 B3 b2 b2 b3 b3
+        rank 0  f0 f1 F0 F1 f2 .  B0 B0 f3 B1 B1 F2 b0 b0 F3 b1 b1 .  B2 B2 .  B3 B3 b2 b2 b3 b3
         rank 1  .  f0 f1 F0 B0 B0 F1 B1 B1 f2 b0 b0 f3 b1 b1 F2 B2 B2 F3 B3 B3 b2 b2 b3 b3 .  .
 
-    Makespan 3(vm+p-1) for m >= p: the bubble is 1/v of 1F1B's, for every
-    m >= p, not only multiples of p. With free transfers p-1-r + (v-1)g
-    warm-up forwards keep every rank busy, so rank r holds at most
-    min(vm, (v-1)g + p - r) stage activations: exactly p micro-batches on
-    rank 0 when p divides m. Megatron-LM (and torch's Interleaved1F1B) warm
-    up with 2(p-r-1) + (v-1)p forwards, p + (p-1)/v micro-batches on rank 0.
-    That memory buys slack for transfers: with a transfer of one forward,
-    p=8, m=32, v=2 takes 243 units there against 339 here (python -m
-    benchmarks.orders_vs_torch); this schedule keeps 1F1B's memory instead.
+    Makespan 3(vm+p-1) for m >= p with free transfers: the bubble is 1/v of 1F1B's, for every
+    m >= p, not only multiples of p. Rank r holds at most min(vm, (v-1)g + 2(p-1-r) + 1) stage
+    activations: p + (p-1)/v micro-batches on rank 0 when p divides m, (p-1)/v more than 1F1B's p.
+    Those extra forwards are slack for transfers: with the shallower warm-up p-1-r (1F1B's memory,
+    which this generator ran until 2026-11-28) every value is consumed the moment it arrives, so
+    every transfer lands on the critical path (p=8, m=32, v=2 with a transfer of one forward: 339
+    units against 243 with Megatron's warm-up, ``python -m benchmarks.orders_vs_torch``). With m > p
+    this is torch's Interleaved1F1B order.
 
     Megatron also gives the last group the remainder of m/p; a group smaller
     than p makes rank 0 wait for the loop, so here the remainder joins the
@@ -116,7 +126,7 @@ def interleaved_1f1b(p: int, m: int, v: int) -> ActionRows:
     deep = v > 1 and m <= p  # every rank warms up as deep as rank 0 (see the docstring)
     rows = []
     for r in range(p):
-        w = min((v - 1) * groups[0] + p - 1 - (0 if deep else r), total)
+        w = min((v - 1) * groups[0] + warm_up(p, r, v, deep), total)
         # positions in the rank's order: w forwards, then F B pairs, then the last w backwards
         steady = w + 2 * np.arange(total - w, dtype=np.int64)
         at_f = np.concatenate([np.arange(w, dtype=np.int64), steady])
