@@ -35,6 +35,7 @@ from .errors import PipelineError
 from .features.batchnorm import attach_batchnorms, check_batchnorm
 from .features.finite import finite_check
 from .features.memory import ActivationMeter
+from .features.merge import GradientMerge
 from .features.offload import offload_optimizers
 from .features.precision import autocast_context, autocast_loss
 from .frontends.parts import Parts
@@ -80,6 +81,7 @@ class Engine:
     runner: Runner
     eval_schedule: Schedule
     held: Held = field(default_factory=Held)
+    merge: GradientMerge = field(default_factory=GradientMerge)
 
 
 def assemble(root: nn.Module, ctx: PipelineContext, parts: Parts, options: Options, held: Held) -> Engine:
@@ -127,6 +129,7 @@ def _engine(
     for tied_group in tied_sync.groups.values():
         groups.bound(tied_group, options.timeout)
     hooks = StageHooks([tied_sync] if ctx.hybrid is None else [ctx.hybrid, tied_sync], optimizers, offload)
+    merge = _merge(hooks, tied_sync, ctx.hybrid)
     precision = autocast_context(options.autocast, ctx.device)
     stages = {s: Stage(s, mods, options.recompute, precision, 1.0 / m) for s, mods in parts.modules.items()}
     interpreter = _interpreter(ctx, options, stages, optimizers, transport, mailbox, hooks)
@@ -158,10 +161,20 @@ def _engine(
     named = list(nn.Module.named_parameters(root)) + [
         (f"{name}.{k}", p) for name, module in parts.tied_copies.items() for k, p in module.named_parameters()
     ]
-    runner.finite = finite_check(options.nan_policy, runner, transport, ctx.hybrid, named)
+    runner.finite = finite_check(options.nan_policy, runner, transport, ctx.hybrid, named, merge)
     if runner.finite is not None:
         hooks.parts.append(runner)  # its before_step runs the check at the first STEP (at every STEP: async)
-    return Engine(transport, optimizers, mailbox, tied_sync, hooks, runner, eval_schedule, held)
+    return Engine(transport, optimizers, mailbox, tied_sync, hooks, runner, eval_schedule, held, merge)
+
+
+def _merge(hooks: StageHooks, tied: TiedSync, hybrid: Hybrid | None) -> GradientMerge:
+    """The pipeline's gradient merge (:mod:`.features.merge`): while it defers, SYNC reduces nothing (the hybrid
+    axes, the tied sums) and STEP steps no optimizer."""
+    merge = GradientMerge()
+    hooks.deferring = tied.deferring = merge.deferring
+    if hybrid is not None:
+        hybrid.deferring = merge.deferring
+    return merge
 
 
 def _interpreter(

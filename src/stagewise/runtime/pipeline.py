@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -22,10 +23,11 @@ from torch import nn
 from ..ir import Timeline
 from .assembly import Held, assemble
 from .auto import synthesized
-from .combinations import refuse_options, refuse_parts
+from .combinations import refuse_no_sync, refuse_options, refuse_parts
 from .comm import lifecycle
 from .context import place, resolve_schedule_for
 from .engine.reports import gathered_losses, step_timeline
+from .errors import PipelineError
 from .features.clip import clip_pipeline_grads
 from .frontends.from_model import FromModel
 from .frontends.given import GivenStages
@@ -158,14 +160,35 @@ class Pipeline(nn.Module):
         ``loss_fn(model(inputs), targets).backward()`` would in one process. ``inputs`` are needed on the
         rank holding stage 0, ``targets`` on the rank holding the last stage; other ranks may pass None.
         """
-        runner = self._engine.runner
+        runner, merge = self._engine.runner, self._engine.merge
         if runner.windows is not None:
             raise ValueError(
                 f"schedule {self.schedule.name!r} is asynchronous: it has no per-step barrier and steps each stage "
                 "at its own STEPs; train with train_stream(batches), not train_step"
             )
-        losses: list[float] = runner.guarded(lambda: runner.train([(inputs, targets)]))
+        try:
+            losses: list[float] = runner.guarded(lambda: runner.train([(inputs, targets)]))
+        except PipelineError:
+            merge.dropped()  # (a step refused for non-finite values dropped every merged step's gradients)
+            raise
+        merge.stepped()
         return losses[0]
+
+    def no_sync(self) -> AbstractContextManager[None]:
+        """Gradient merge: inside ``with pipe.no_sync():`` train steps only accumulate gradients.
+
+        As ``DistributedDataParallel.no_sync``: a stage's SYNC starts no reduction (data-parallel, sharded,
+        tied) and STEP steps no optimizer, until the first ``train_step`` outside the block, which reduces the
+        gradients of every merged step once and steps (see :mod:`stagewise.runtime.features.merge`). Call it
+        on every rank alike. Asynchronous schedules refuse it.
+        """
+        refuse_no_sync("Pipeline", self.schedule)
+        return self._engine.merge.no_sync()
+
+    @property
+    def merged_steps(self) -> int:
+        """Train steps whose gradients are accumulated in a gradient merge, not yet reduced (0 outside one)."""
+        return self._engine.merge.pending
 
     def train_stream(self, batches: Iterable[tuple[Any, Any]], steps: int | None = None) -> Iterator[float]:
         """Asynchronous schedules: train on a stream of ``(inputs, targets)`` mini-batches, yielding each one's loss.
@@ -214,8 +237,11 @@ class Pipeline(nn.Module):
         """Clip the gradients of the whole model - every stage, every mesh axis - to total norm ``max_norm``.
 
         As ``torch.nn.utils.clip_grad_norm_`` on the one-process model; returns the norm before clipping.
-        A collective: call it on every rank, after train_step.
+        A collective: call it on every rank, after train_step (in a gradient merge, after the train_step
+        that ends it: the norm is the merged gradient's).
         """
+        why = "clipping belongs to the optimizer step, on the merged gradient, whose reductions have not run"
+        self._engine.merge.refuse("clip_grad_norm_", why)
         return clip_pipeline_grads(self, max_norm, norm_type)
 
     def register_sync_hook(self, hook: Callable[[int], None]) -> None:
