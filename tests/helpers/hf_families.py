@@ -170,6 +170,20 @@ def build(family: str, layers: int = 2, tied: bool | None = None, seed: int = 0)
         return tf.AutoModelForCausalLM.from_config(config(family, layers, tied), dtype=torch.float64, **extra)
 
 
+def with_dropout(layers: int = 4, seed: int = 0) -> torch.nn.Module:
+    """GPT-BigCode at its default dropouts (``resid_pdrop``, ``embd_pdrop``, ``attn_pdrop``: 0.1), in training mode:
+    the issue's example of a model whose masks must be drawn alike by a pipeline and one process."""
+    import transformers as tf
+
+    config = tf.AutoConfig.for_model(
+        "gpt_bigcode", vocab_size=V, n_positions=32, n_embd=16, n_layer=layers, n_head=2, **IDS
+    )
+    assert config.resid_pdrop == config.embd_pdrop == config.attn_pdrop == 0.1, config
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return tf.AutoModelForCausalLM.from_config(config, dtype=torch.float64).train()
+
+
 def is_tied(model: torch.nn.Module) -> bool:
     return model.get_output_embeddings().weight is model.get_input_embeddings().weight
 

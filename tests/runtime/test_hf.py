@@ -349,3 +349,18 @@ def test_core_imports_without_transformers() -> None:
         "assert 'transformers' not in sys.modules, 'transformers imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_check_runs_with_dropout_off_and_says_so() -> None:
+    """A model in training mode with dropout (GPT-BigCode's 0.1 defaults) passes the check exactly: it runs in eval
+    mode, and says so in what it refuses; the model's own modes come back after."""
+    from helpers.hf_families import with_dropout
+
+    model = with_dropout(layers=3)
+    assert check_model(model, recognise(model)) == 0.0
+    assert all(m.training for m in model.modules())
+    gemma = build("gemma2", layers=3)
+    replay = [Replay(gemma, range(i, i + 1), i == 0, i == 2) for i in range(3)]
+    with pytest.raises(ValueError, match="chained on a 2x8 batch in eval mode \\(no dropout\\)"):
+        check_model(gemma, recognise(gemma), replay)
+

@@ -33,6 +33,7 @@ from .engine.runner import Runner
 from .engine.stage import Stage
 from .errors import PipelineError
 from .features.batchnorm import attach_batchnorms, check_batchnorm
+from .features.dropout import attach_dropout
 from .features.finite import finite_check
 from .features.memory import ActivationMeter
 from .features.merge import GradientMerge
@@ -158,6 +159,7 @@ def _engine(
         loss_weights=options.loss_weights,
         windows=Windows(schedule, ctx.rank) if async_table(schedule) is not None else None,
     )
+    _seed_dropout(root, parts, options, ctx, runner)
     named = list(nn.Module.named_parameters(root)) + [
         (f"{name}.{k}", p) for name, module in parts.tied_copies.items() for k, p in module.named_parameters()
     ]
@@ -165,6 +167,25 @@ def _engine(
     if runner.finite is not None:
         hooks.parts.append(runner)  # its before_step runs the check at the first STEP (at every STEP: async)
     return Engine(transport, optimizers, mailbox, tied_sync, hooks, runner, eval_schedule, held, merge)
+
+
+def _seed_dropout(root: nn.Module, parts: Parts, options: Options, ctx: PipelineContext, runner: Runner) -> None:
+    """Each dropout mask drawn from a generator seeded by (seed, step, micro-batch, module): alike under every
+    layout and schedule (:mod:`.features.dropout`). The step and micro-batch of the forward running: the train
+    steps run so far and the interpreter's current action (an asynchronous window's micro-batch ``i`` is
+    micro-batch ``i % m`` of its mini-batch ``i // m``)."""
+
+    def where() -> tuple[int, int]:
+        current = runner.interpreter.current
+        i = current.microbatch if current is not None and current.microbatch is not None else 0
+        m = runner.per_minibatch or ctx.schedule.num_microbatches
+        return runner.trained + i // m, i % m
+
+    named = [*nn.Module.named_modules(root)]
+    named += [(f"{n}.{k}" if k else n, m) for n, module in parts.tied_copies.items() for k, m in module.named_modules()]
+    seed = options.seed if options.dropout_seed is None else options.dropout_seed
+    replica = 0 if ctx.hybrid is None else ctx.hybrid.mesh.replica
+    attach_dropout(iter(named), runner.stages, seed, replica, ctx.device, where)
 
 
 def _merge(hooks: StageHooks, tied: TiedSync, hybrid: Hybrid | None) -> GradientMerge:

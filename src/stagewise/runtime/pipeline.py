@@ -80,6 +80,8 @@ class Pipeline(nn.Module):
     ``recompute``, ``autocast`` (``torch.bfloat16`` / ``float16``), ``batchnorm`` (``"micro"`` or
     ``"deferred"``: running statistics per micro-batch or once per step over the whole batch),
     ``nan_policy`` (``"raise"``, ``"skip"`` or None: a non-finite loss or gradient anywhere in the mesh),
+    ``dropout_seed`` (each dropout mask is drawn from a generator seeded by this, or ``seed``, with the step,
+    micro-batch and module: alike under every layout and schedule, :mod:`stagewise.runtime.features.dropout`),
     ``measure_memory``, ``variable_shapes``, ``emulate_slowdown`` (an EMULATION of slower devices),
     ``offload="optimizer"`` (the optimizer's state, and float32 master weights, in host memory; the update runs
     on the host: :mod:`stagewise.runtime.features.offload`). ``schedule="auto"`` synthesizes the schedule for
@@ -184,6 +186,16 @@ class Pipeline(nn.Module):
         """
         refuse_no_sync("Pipeline", self.schedule)
         return self._engine.merge.no_sync()
+
+    @property
+    def train_steps(self) -> int:
+        """Mini-batches this pipeline has trained (each train_step, each of a stream's): the step of the dropout
+        masks' seeds. A checkpoint saves it and a load sets it, so a resumed run draws the masks it would have."""
+        return self._engine.runner.trained
+
+    @train_steps.setter
+    def train_steps(self, value: int) -> None:
+        self._engine.runner.trained = int(value)
 
     @property
     def merged_steps(self) -> int:

@@ -1,4 +1,4 @@
-"""Gradient merge (``pipe.no_sync()``, issue 42) on 4 gloo ranks, run by training_checks.py.
+"""Gradient merge (``pipe.no_sync()``, issue 42) on 4 gloo ranks, run by feature_checks.py (its 4-rank job).
 
 Each check merges K train steps into one optimizer step and compares with the one-process model calling
 ``loss.backward()`` once per batch before one step (float64): pp 2 x dp 2 with tied weights, pp 2 x sharding 2

@@ -253,6 +253,9 @@ def _load(
     rng_restored = restore_rng and record["layout"]["world"] == ranks.size
     if rng_restored:
         state.set_rng_state(record["rng"][ranks.rank])
+    saved_steps = (record["layout"].get("pipeline") or {}).get("train_steps")
+    if saved_steps is not None and state.is_pipeline(model):
+        model.train_steps = saved_steps  # (a Pipeline: is_pipeline)
     return CheckpointInfo(
         path=folder,
         step=record["step"],

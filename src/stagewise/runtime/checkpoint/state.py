@@ -272,6 +272,7 @@ def layout_of(target: Any, world: int) -> dict[str, Any]:
             "virtual_stages": s.virtual_stages,
             "placement": list(s.placement),
             "layers": [[r.start, r.stop] for r in target.layer_ranges],
+            "train_steps": target.train_steps,  # (the dropout masks' step: a resumed run draws what it would have)
         },
         "parallel": None,
     }
