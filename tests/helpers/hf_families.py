@@ -138,6 +138,23 @@ FAMILIES: dict[str, tuple[str, Callable[[int], dict[str, Any]]]] = {
         ),
     ),  # fmt: skip
     "cohere": ("cohere", lambda n: dict(GQA, num_hidden_layers=n, logit_scale=0.5)),
+    "gpt_neo": (
+        "gpt_neo",
+        lambda n: dict(
+            vocab_size=V,
+            max_position_embeddings=32,
+            hidden_size=16,
+            intermediate_size=24,
+            num_layers=n,
+            num_heads=2,
+            attention_types=[[["global", "local"], n // 2], *([[["global"], 1]] if n % 2 else [])],
+            window_size=4,
+            resid_dropout=0.0,
+            embed_dropout=0.0,
+            attention_dropout=0.0,
+            **IDS,
+        ),
+    ),  # fmt: skip
 }
 
 #: families whose norms compute in float32 inside a float64 model: their weights' gradients are float32 sums over
