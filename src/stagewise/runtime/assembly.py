@@ -33,7 +33,7 @@ from .engine.runner import Runner
 from .engine.stage import Stage
 from .errors import PipelineError
 from .features.batchnorm import attach_batchnorms, check_batchnorm
-from .features.dropout import attach_dropout
+from .features.dropout import DropoutSeeds, attach_dropout
 from .features.finite import finite_check
 from .features.memory import ActivationMeter
 from .features.merge import GradientMerge
@@ -83,6 +83,7 @@ class Engine:
     eval_schedule: Schedule
     held: Held = field(default_factory=Held)
     merge: GradientMerge = field(default_factory=GradientMerge)
+    dropout: DropoutSeeds | None = None
 
 
 def assemble(root: nn.Module, ctx: PipelineContext, parts: Parts, options: Options, held: Held) -> Engine:
@@ -159,17 +160,19 @@ def _engine(
         loss_weights=options.loss_weights,
         windows=Windows(schedule, ctx.rank) if async_table(schedule) is not None else None,
     )
-    _seed_dropout(root, parts, options, ctx, runner)
+    dropout = _seed_dropout(root, parts, options, ctx, runner)
     named = list(nn.Module.named_parameters(root)) + [
         (f"{name}.{k}", p) for name, module in parts.tied_copies.items() for k, p in module.named_parameters()
     ]
     runner.finite = finite_check(options.nan_policy, runner, transport, ctx.hybrid, named, merge)
     if runner.finite is not None:
         hooks.parts.append(runner)  # its before_step runs the check at the first STEP (at every STEP: async)
-    return Engine(transport, optimizers, mailbox, tied_sync, hooks, runner, eval_schedule, held, merge)
+    return Engine(transport, optimizers, mailbox, tied_sync, hooks, runner, eval_schedule, held, merge, dropout)
 
 
-def _seed_dropout(root: nn.Module, parts: Parts, options: Options, ctx: PipelineContext, runner: Runner) -> None:
+def _seed_dropout(
+    root: nn.Module, parts: Parts, options: Options, ctx: PipelineContext, runner: Runner
+) -> DropoutSeeds:
     """Each dropout mask drawn from a generator seeded by (seed, step, micro-batch, module): alike under every
     layout and schedule (:mod:`.features.dropout`). The step and micro-batch of the forward running: the train
     steps run so far and the interpreter's current action (an asynchronous window's micro-batch ``i`` is
@@ -185,7 +188,7 @@ def _seed_dropout(root: nn.Module, parts: Parts, options: Options, ctx: Pipeline
     named += [(f"{n}.{k}" if k else n, m) for n, module in parts.tied_copies.items() for k, m in module.named_modules()]
     seed = options.seed if options.dropout_seed is None else options.dropout_seed
     replica = 0 if ctx.hybrid is None else ctx.hybrid.mesh.replica
-    attach_dropout(iter(named), runner.stages, seed, replica, ctx.device, where)
+    return attach_dropout(iter(named), runner.stages, seed, replica, ctx.device, where)
 
 
 def _merge(hooks: StageHooks, tied: TiedSync, hybrid: Hybrid | None) -> GradientMerge:

@@ -198,6 +198,19 @@ class Pipeline(nn.Module):
         self._engine.runner.trained = int(value)
 
     @property
+    def dropout_seed(self) -> int:
+        """The seed of the dropout masks: the ``dropout_seed`` option (else ``seed``), or a loaded checkpoint's."""
+        seeds = self._engine.dropout
+        assert seeds is not None
+        return seeds.seed
+
+    @dropout_seed.setter
+    def dropout_seed(self, value: int) -> None:
+        seeds = self._engine.dropout
+        assert seeds is not None
+        seeds.seed = int(value)
+
+    @property
     def merged_steps(self) -> int:
         """Train steps whose gradients are accumulated in a gradient merge, not yet reduced (0 outside one)."""
         return self._engine.merge.pending

@@ -212,6 +212,9 @@ def load(
     state, and left as they are when it has none (a model-only "seed" checkpoint).
     Raises :class:`CheckpointError` on every rank, before anything is changed,
     if the checkpoint is partial, corrupted, or for another model.
+    ``restore_rng``: the saving ranks' RNG states (with as many ranks) and a
+    pipeline's dropout seed and step (``Pipeline.dropout_seed``, ``train_steps``:
+    any layout), so a resumed run draws the masks it would have.
     ``collective=False`` loads a plain module in this process alone (e.g. on
     one rank of a running job). ``timeout``: as for :func:`save`, for the
     others' hashing. A root whose newest ``step-N`` lost its manifest is refused
@@ -253,9 +256,8 @@ def _load(
     rng_restored = restore_rng and record["layout"]["world"] == ranks.size
     if rng_restored:
         state.set_rng_state(record["rng"][ranks.rank])
-    saved_steps = (record["layout"].get("pipeline") or {}).get("train_steps")
-    if saved_steps is not None and state.is_pipeline(model):
-        model.train_steps = saved_steps  # (a Pipeline: is_pipeline)
+    if restore_rng:
+        state.restore_dropout(model, record)
     return CheckpointInfo(
         path=folder,
         step=record["step"],

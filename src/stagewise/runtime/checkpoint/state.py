@@ -272,7 +272,8 @@ def layout_of(target: Any, world: int) -> dict[str, Any]:
             "virtual_stages": s.virtual_stages,
             "placement": list(s.placement),
             "layers": [[r.start, r.stop] for r in target.layer_ranges],
-            "train_steps": target.train_steps,  # (the dropout masks' step: a resumed run draws what it would have)
+            "train_steps": target.train_steps,  # the dropout masks' step and seed: a resumed run draws what it
+            "dropout_seed": target.dropout_seed,  # would have (restored with the RNG, on any layout)
         },
         "parallel": None,
     }
@@ -280,3 +281,14 @@ def layout_of(target: Any, world: int) -> dict[str, Any]:
         c = target.hybrid.config
         out["parallel"] = {"pp": c.pp, "dp": c.dp, "sharding": c.sharding, "tp": c.tp}
     return out
+
+
+def restore_dropout(target: Any, record: dict[str, Any]) -> None:
+    """A pipeline's dropout seed and step as the saving run's (any layout: they are the same on every rank)."""
+    saved = record["layout"].get("pipeline") or {}
+    if not is_pipeline(target):
+        return
+    if "train_steps" in saved:
+        target.train_steps = saved["train_steps"]
+    if "dropout_seed" in saved:
+        target.dropout_seed = saved["dropout_seed"]

@@ -225,12 +225,10 @@ def attach_dropout(
     replica: int,
     device: torch.device | None,
     where: Callable[[], tuple[int, int]],
-) -> DropoutSeeds | None:
+) -> DropoutSeeds:
     """Seed the dropouts of ``stages`` (index -> :class:`..engine.stage.Stage`) whose modules may drop; ``named``:
-    this rank's modules under their one-process names. None (nothing attached) when no module may drop."""
+    this rank's modules under their one-process names. A stage with none is left alone (no cost)."""
     found = random_modules(named)
-    if not found:
-        return None
     seeds = DropoutSeeds(found, seed, replica, device, where)
     for st in stages.values():
         inner = [m for root in st.modules for m in _modules_of(root)]
