@@ -102,7 +102,7 @@ def save(
     """
     if not is_count(step, 0):
         raise ValueError(f"step must be an integer >= 0, got {step!r}")
-    _not_merging(model, "save")
+    state.refuse_merging(model, "save")
     part = virtual_worker(model, path)
     if part is not None:  # a HetPipe: each virtual worker saves its own pipeline, under ROOT/vwK
         folder, pipe, mine = part
@@ -220,7 +220,7 @@ def load(
     others' hashing. A root whose newest ``step-N`` lost its manifest is refused
     (see :func:`.retention.choose`); the folder loaded, and why, is logged.
     """
-    _not_merging(model, "load")
+    state.refuse_merging(model, "load")
     if virtual_worker(model, path) is not None:
         options = {"scheduler": scheduler, "strict": strict, "restore_rng": restore_rng, "timeout": timeout}
         return _load_virtual_worker(path, model, optimizer, **options)
@@ -303,20 +303,6 @@ def latest(path: str | os.PathLike[str]) -> Path | None:
 
 
 # ---- helpers --------------------------------------------------------------------------------
-def _not_merging(model: Any, what: str) -> None:
-    """A pipeline in the middle of a gradient merge (``no_sync()``) is refused, alike on every rank, before any rank
-    communicates: a checkpoint holds no gradients, and the merged steps' partial sums (each replica's its own, not
-    yet reduced) would be lost on save, or added to the loaded weights' next step on load."""
-    pending = getattr(model, "merged_steps", 0) if state.is_pipeline(model) else 0
-    if pending:
-        raise CheckpointError(
-            f"cannot {what} a checkpoint in the middle of a gradient merge: {pending} train_step"
-            f"{'s' if pending != 1 else ''} under no_sync() accumulated gradients that no reduction or optimizer "
-            f"step has used, and a checkpoint holds none; {what} after the train_step outside no_sync() that ends "
-            "the merge"
-        )
-
-
 def _ranks(model: Any, collective: bool, timeout: float) -> storage.Ranks:
     if not timeout > 0:
         raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")

@@ -292,3 +292,17 @@ def restore_dropout(target: Any, record: dict[str, Any]) -> None:
         target.train_steps = saved["train_steps"]
     if "dropout_seed" in saved:
         target.dropout_seed = saved["dropout_seed"]
+
+
+def refuse_merging(model: Any, what: str) -> None:
+    """A pipeline in the middle of a gradient merge (``no_sync()``) is refused, alike on every rank, before any rank
+    communicates: a checkpoint holds no gradients, and the merged steps' partial sums (each replica's its own, not
+    yet reduced) would be lost on save, or added to the loaded weights' next step on load."""
+    pending = getattr(model, "merged_steps", 0) if is_pipeline(model) else 0
+    if pending:
+        raise CheckpointError(
+            f"cannot {what} a checkpoint in the middle of a gradient merge: {pending} train_step"
+            f"{'s' if pending != 1 else ''} under no_sync() accumulated gradients that no reduction or optimizer "
+            f"step has used, and a checkpoint holds none; {what} after the train_step outside no_sync() that ends "
+            "the merge"
+        )

@@ -15,9 +15,10 @@ do not depend on the layout either). ``step`` counts the train steps of the pipe
 asynchronous stream), ``micro-batch`` is the index in its mini-batch, ``replica`` the data-parallel replica
 (0 without ``parallel=``; tensor-parallel ranks of one replica draw alike), the call's number counts the
 module's calls within one micro-batch's forward on its stage (a module called twice draws two masks). The
-seed is the pipeline's ``seed`` option. So pp 2 and pp 4, 1F1B and ZB-V give the same losses, and a
-recomputed forward (``recompute=``) draws the same masks again: the seeding is inside the checkpointed
-segment, each segment re-entered with the call counts its first run started from.
+seed is the pipeline's ``dropout_seed`` option (default: ``seed``); a checkpoint saves it with the step and a
+load restores both (``Pipeline.dropout_seed``, ``train_steps``). So pp 2 and pp 4, 1F1B and ZB-V give the
+same losses, and a recomputed forward (``recompute=``) draws the same masks again: the seeding is inside the
+checkpointed segment, each segment re-entered with the call counts its first run started from.
 
 One process draws the same masks under :func:`seeded_dropout`, micro-batch by micro-batch (the reference
 loop of the tests). A stage with no such module is not touched (no cost); one with them pays, per forward,
