@@ -1,6 +1,6 @@
 """Issue 5 part A on 2 and 4 gloo ranks: tied parameters, recompute, clipping, aux losses, frozen values,
-BatchNorm and measured activation memory vs the simulator; one torchrun job per rank count runs
-tests/distributed/workers/feature_checks.py."""
+BatchNorm and measured activation memory vs the simulator; at 4 ranks issue 42's gradient merge and
+reproducible dropout; one torchrun job per rank count runs tests/distributed/workers/feature_checks.py."""
 
 from __future__ import annotations
 

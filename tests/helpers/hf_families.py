@@ -138,6 +138,23 @@ FAMILIES: dict[str, tuple[str, Callable[[int], dict[str, Any]]]] = {
         ),
     ),  # fmt: skip
     "cohere": ("cohere", lambda n: dict(GQA, num_hidden_layers=n, logit_scale=0.5)),
+    "gpt_neo": (
+        "gpt_neo",
+        lambda n: dict(
+            vocab_size=V,
+            max_position_embeddings=32,
+            hidden_size=16,
+            intermediate_size=24,
+            num_layers=n,
+            num_heads=2,
+            attention_types=[[["global", "local"], n // 2], *([[["global"], 1]] if n % 2 else [])],
+            window_size=4,
+            resid_dropout=0.0,
+            embed_dropout=0.0,
+            attention_dropout=0.0,
+            **IDS,
+        ),
+    ),  # fmt: skip
 }
 
 #: families whose norms compute in float32 inside a float64 model: their weights' gradients are float32 sums over
@@ -168,6 +185,20 @@ def build(family: str, layers: int = 2, tied: bool | None = None, seed: int = 0)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return tf.AutoModelForCausalLM.from_config(config(family, layers, tied), dtype=torch.float64, **extra)
+
+
+def with_dropout(layers: int = 4, seed: int = 0) -> torch.nn.Module:
+    """GPT-BigCode at its default dropouts (``resid_pdrop``, ``embd_pdrop``, ``attn_pdrop``: 0.1), in training mode:
+    the issue's example of a model whose masks must be drawn alike by a pipeline and one process."""
+    import transformers as tf
+
+    config = tf.AutoConfig.for_model(
+        "gpt_bigcode", vocab_size=V, n_positions=32, n_embd=16, n_layer=layers, n_head=2, **IDS
+    )
+    assert config.resid_pdrop == config.embd_pdrop == config.attn_pdrop == 0.1, config
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return tf.AutoModelForCausalLM.from_config(config, dtype=torch.float64).train()
 
 
 def is_tied(model: torch.nn.Module) -> bool:

@@ -349,3 +349,57 @@ def test_core_imports_without_transformers() -> None:
         "assert 'transformers' not in sys.modules, 'transformers imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_check_runs_with_dropout_off_and_says_so() -> None:
+    """A model in training mode with dropout (GPT-BigCode's 0.1 defaults) passes the check exactly: it runs in eval
+    mode, and says so in what it refuses; the model's own modes come back after."""
+    from helpers.hf_families import with_dropout
+
+    model = with_dropout(layers=3)
+    assert check_model(model, recognise(model)) == 0.0
+    assert all(m.training for m in model.modules())
+    gemma = build("gemma2", layers=3)
+    replay = [Replay(gemma, range(i, i + 1), i == 0, i == 2) for i in range(3)]
+    with pytest.raises(ValueError, match="chained on a 2x8 batch in eval mode \\(no dropout\\)"):
+        check_model(gemma, recognise(gemma), replay)
+
+
+class _MatmulDtypes(torch.overrides.TorchFunctionMode):
+    """Records the dtypes ``torch.matmul`` runs in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[torch.dtype] = set()
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.matmul:
+            self.seen.add(args[0].dtype)
+        return func(*args, **(kwargs or {}))
+
+
+def test_gpt_neo_attention_is_float32_but_per_sample() -> None:
+    """GPT-Neo casts query and key to float32 inside a float64 model (q k^T and, without a padding mask, its softmax
+    run in float32), so its q_proj and k_proj gradients carry float32 rounding. But per sample: the model run on the
+    pipeline's micro-batches gives every gradient the whole batch's to float64 rounding, so micro-batching adds no
+    float32 error, and a pipeline running the model's own kernels on those micro-batches is exact (the 2-rank
+    parity check; docs/guides/hugging-face.md, the family table)."""
+    model = build("gpt_neo", layers=2)
+    (ids, mask), labels = padded_batch(7, seed=0)
+    m = 3
+
+    def loss_of(i: torch.Tensor, k: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = model(input_ids=i, attention_mask=k, use_cache=False).logits
+        return F.cross_entropy(logits[:, :-1].reshape(-1, V), y[:, 1:].reshape(-1), ignore_index=-100, reduction="sum")
+
+    with _MatmulDtypes() as dtypes:
+        total = (labels[:, 1:] != -100).sum()
+        (loss_of(ids, mask, labels) / total).backward()
+    assert dtypes.seen == {torch.float32, torch.float64}, dtypes.seen  # q k^T in float32, the rest in float64
+    whole = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    for i, k, y in zip(ids.tensor_split(m), mask.tensor_split(m), labels.tensor_split(m)):
+        (loss_of(i, k, y) / total).backward()
+    for name, p in model.named_parameters():
+        err = float((p.grad - whole[name]).abs().max() / whole[name].abs().max())
+        assert err < 1e-13, (name, err)  # float64 rounding of the sums over rows, not float32's 6e-8

@@ -58,6 +58,7 @@ _NAMES = {
     "vocab_parallel_embedding": ".hybrid.tensor_parallel",
     "BatchNormPolicy": ".features.batchnorm",
     "aux_loss": ".features.aux",
+    "seeded_dropout": ".features.dropout",
     "collect_aux_losses": ".features.aux",
     "causal_lm_loss": ".losses",
     "count_tokens": ".losses",

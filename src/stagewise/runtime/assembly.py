@@ -33,8 +33,10 @@ from .engine.runner import Runner
 from .engine.stage import Stage
 from .errors import PipelineError
 from .features.batchnorm import attach_batchnorms, check_batchnorm
+from .features.dropout import DropoutSeeds, attach_dropout
 from .features.finite import finite_check
 from .features.memory import ActivationMeter
+from .features.merge import GradientMerge
 from .features.offload import offload_optimizers
 from .features.precision import autocast_context, autocast_loss
 from .frontends.parts import Parts
@@ -80,6 +82,8 @@ class Engine:
     runner: Runner
     eval_schedule: Schedule
     held: Held = field(default_factory=Held)
+    merge: GradientMerge = field(default_factory=GradientMerge)
+    dropout: DropoutSeeds | None = None
 
 
 def assemble(root: nn.Module, ctx: PipelineContext, parts: Parts, options: Options, held: Held) -> Engine:
@@ -127,6 +131,7 @@ def _engine(
     for tied_group in tied_sync.groups.values():
         groups.bound(tied_group, options.timeout)
     hooks = StageHooks([tied_sync] if ctx.hybrid is None else [ctx.hybrid, tied_sync], optimizers, offload)
+    merge = _merge(hooks, tied_sync, ctx.hybrid)
     precision = autocast_context(options.autocast, ctx.device)
     stages = {s: Stage(s, mods, options.recompute, precision, 1.0 / m) for s, mods in parts.modules.items()}
     interpreter = _interpreter(ctx, options, stages, optimizers, transport, mailbox, hooks)
@@ -155,13 +160,45 @@ def _engine(
         loss_weights=options.loss_weights,
         windows=Windows(schedule, ctx.rank) if async_table(schedule) is not None else None,
     )
+    dropout = _seed_dropout(root, parts, options, ctx, runner)
     named = list(nn.Module.named_parameters(root)) + [
         (f"{name}.{k}", p) for name, module in parts.tied_copies.items() for k, p in module.named_parameters()
     ]
-    runner.finite = finite_check(options.nan_policy, runner, transport, ctx.hybrid, named)
+    runner.finite = finite_check(options.nan_policy, runner, transport, ctx.hybrid, named, merge)
     if runner.finite is not None:
         hooks.parts.append(runner)  # its before_step runs the check at the first STEP (at every STEP: async)
-    return Engine(transport, optimizers, mailbox, tied_sync, hooks, runner, eval_schedule, held)
+    return Engine(transport, optimizers, mailbox, tied_sync, hooks, runner, eval_schedule, held, merge, dropout)
+
+
+def _seed_dropout(
+    root: nn.Module, parts: Parts, options: Options, ctx: PipelineContext, runner: Runner
+) -> DropoutSeeds:
+    """Each dropout mask drawn from a generator seeded by (seed, step, micro-batch, module): alike under every
+    layout and schedule (:mod:`.features.dropout`). The step and micro-batch of the forward running: the train
+    steps run so far and the interpreter's current action (an asynchronous window's micro-batch ``i`` is
+    micro-batch ``i % m`` of its mini-batch ``i // m``)."""
+
+    def where() -> tuple[int, int]:
+        current = runner.interpreter.current
+        i = current.microbatch if current is not None and current.microbatch is not None else 0
+        m = runner.per_minibatch or ctx.schedule.num_microbatches
+        return runner.trained + i // m, i % m
+
+    named = [*nn.Module.named_modules(root)]
+    named += [(f"{n}.{k}" if k else n, m) for n, module in parts.tied_copies.items() for k, m in module.named_modules()]
+    seed = options.seed if options.dropout_seed is None else options.dropout_seed
+    replica = 0 if ctx.hybrid is None else ctx.hybrid.mesh.replica
+    return attach_dropout(iter(named), runner.stages, seed, replica, ctx.device, where)
+
+
+def _merge(hooks: StageHooks, tied: TiedSync, hybrid: Hybrid | None) -> GradientMerge:
+    """The pipeline's gradient merge (:mod:`.features.merge`): while it defers, SYNC reduces nothing (the hybrid
+    axes, the tied sums) and STEP steps no optimizer."""
+    merge = GradientMerge()
+    hooks.deferring = tied.deferring = merge.deferring
+    if hybrid is not None:
+        hybrid.deferring = merge.deferring
+    return merge
 
 
 def _interpreter(

@@ -15,7 +15,11 @@ Asynchronous schedules (PipeDream, 2BW, XPipe) step each stage at its own STEPs,
 * ``parallel=`` with ``tp`` or ``sharding`` is refused: weight snapshots of split or sharded parameters are
   not implemented (``dp`` is supported);
 * tied modules are refused: their copies on two stages would step at different times;
-* ``xpipe`` needs an optimizer with a prediction rule (SGD with momentum, Adam, AdamW).
+* ``xpipe`` needs an optimizer with a prediction rule (SGD with momentum, Adam, AdamW);
+* ``no_sync()`` (a gradient merge over train steps, :mod:`.features.merge`) is refused: a stage steps at its own
+  STEPs inside a window, each mini-batch on the weight version its forward used, so there is no step whose
+  gradients several mini-batches could add up to. HetPipe refuses it too: each wave's update is pushed to the
+  other virtual workers as the wave ends. Both take more micro-batches per mini-batch instead.
 """
 
 from __future__ import annotations
@@ -75,6 +79,28 @@ def refuse_parts(entry: str, options: Options, schedule: Schedule, parts: Parts)
         raise ValueError(
             f"{entry} with asynchronous schedule {schedule.name!r}: tied modules ({keys}) are not supported: their "
             "copies on different stages would step at different times and hold different versions"
+        )
+
+
+#: the refusal of a gradient merge by HetPipe (the words its error starts with)
+HETPIPE_NO_SYNC = "HetPipe does not take no_sync()"
+
+
+def refuse_no_sync(entry: str, schedule: Schedule | None) -> None:
+    """``no_sync()`` (a gradient merge) on a pipeline running ``schedule`` (None: a HetPipe), refused alike on every
+    rank, before any step runs."""
+    if schedule is None:
+        raise ValueError(
+            f"{HETPIPE_NO_SYNC} (a gradient merge): each wave's update is pushed to the other virtual workers as the "
+            "wave ends (wave-synchronous parallel), so no wave's gradients can wait for the next; give each wave "
+            "more micro-batches (microbatches=) instead"
+        )
+    if is_asynchronous(schedule):
+        raise ValueError(
+            f"{entry} with asynchronous schedule {schedule.name!r}: no_sync() (a gradient merge) is not supported: "
+            "each stage steps at its own STEPs inside a window, every mini-batch on the weight version its forward "
+            "used, so no step could add up the gradients of several; give each mini-batch more micro-batches "
+            "(microbatches=) instead"
         )
 
 

@@ -30,6 +30,7 @@ import torch
 from .._util import is_count
 from ..asynchronous import VWLayout, WaveRule, check_clocks, check_more
 from ..schedules import async_schedule, registry_minibatch, schedule_info
+from .combinations import refuse_no_sync
 from .comm import groups
 from .comm import wsp as comm
 from .comm.transport.choose import TransportChoice, resolve
@@ -259,6 +260,10 @@ class HetPipe:
             if not isinstance(err, GeneratorExit):
                 self.pipe.transport.guard.fail(f"rank {self.rank} (VW {self.vw}): {type(err).__name__}: {err}")
             raise
+
+    def no_sync(self) -> Any:
+        """Refused: a gradient merge cannot hold a wave's update back (see :func:`..combinations.refuse_no_sync`)."""
+        refuse_no_sync("HetPipe", None)
 
     def _rebase(self) -> None:
         """Every VW ends on the global model W0 + G/K, and it becomes the base W0 of the waves to come (with G

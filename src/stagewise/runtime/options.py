@@ -66,6 +66,7 @@ class Options:
     speeds: Sequence[float] | None = None
     memory_caps: Sequence[float] | None = None
     seed: int = 0
+    dropout_seed: int | None = None
     free_unused: bool = True
     concrete_args: dict[str, Any] | None = None
     # how it trains
@@ -174,6 +175,7 @@ class PipelineOptions(TypedDict, total=False):
     speeds: Sequence[float] | None
     memory_caps: Sequence[float] | None
     seed: int
+    dropout_seed: int | None
     free_unused: bool
     concrete_args: dict[str, Any] | None
     loss_fn: LossFn | None
@@ -218,6 +220,8 @@ def _check_what_runs(o: Options) -> None:
 def _check_cut(o: Options) -> None:
     if isinstance(o.seed, bool) or not isinstance(o.seed, int):
         raise TypeError(f"seed must be an int, got {o.seed!r}")
+    if o.dropout_seed is not None and (isinstance(o.dropout_seed, bool) or not isinstance(o.dropout_seed, int)):
+        raise TypeError(f"dropout_seed must be an int or None (the seed), got {o.dropout_seed!r}")
     if not isinstance(o.partition, str) and not (
         isinstance(o.partition, Sequence) and all(is_count(k) for k in o.partition)
     ):

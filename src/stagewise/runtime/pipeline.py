@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -22,10 +23,11 @@ from torch import nn
 from ..ir import Timeline
 from .assembly import Held, assemble
 from .auto import synthesized
-from .combinations import refuse_options, refuse_parts
+from .combinations import refuse_no_sync, refuse_options, refuse_parts
 from .comm import lifecycle
 from .context import place, resolve_schedule_for
 from .engine.reports import gathered_losses, step_timeline
+from .errors import PipelineError
 from .features.clip import clip_pipeline_grads
 from .frontends.from_model import FromModel
 from .frontends.given import GivenStages
@@ -78,6 +80,8 @@ class Pipeline(nn.Module):
     ``recompute``, ``autocast`` (``torch.bfloat16`` / ``float16``), ``batchnorm`` (``"micro"`` or
     ``"deferred"``: running statistics per micro-batch or once per step over the whole batch),
     ``nan_policy`` (``"raise"``, ``"skip"`` or None: a non-finite loss or gradient anywhere in the mesh),
+    ``dropout_seed`` (each dropout mask is drawn from a generator seeded by this, or ``seed``, with the step,
+    micro-batch and module: alike under every layout and schedule, :mod:`stagewise.runtime.features.dropout`),
     ``measure_memory``, ``variable_shapes``, ``emulate_slowdown`` (an EMULATION of slower devices),
     ``offload="optimizer"`` (the optimizer's state, and float32 master weights, in host memory; the update runs
     on the host: :mod:`stagewise.runtime.features.offload`). ``schedule="auto"`` synthesizes the schedule for
@@ -158,14 +162,58 @@ class Pipeline(nn.Module):
         ``loss_fn(model(inputs), targets).backward()`` would in one process. ``inputs`` are needed on the
         rank holding stage 0, ``targets`` on the rank holding the last stage; other ranks may pass None.
         """
-        runner = self._engine.runner
+        runner, merge = self._engine.runner, self._engine.merge
         if runner.windows is not None:
             raise ValueError(
                 f"schedule {self.schedule.name!r} is asynchronous: it has no per-step barrier and steps each stage "
                 "at its own STEPs; train with train_stream(batches), not train_step"
             )
-        losses: list[float] = runner.guarded(lambda: runner.train([(inputs, targets)]))
+        try:
+            losses: list[float] = runner.guarded(lambda: runner.train([(inputs, targets)]))
+        except PipelineError:
+            merge.dropped()  # (a step refused for non-finite values dropped every merged step's gradients)
+            raise
+        merge.stepped()
         return losses[0]
+
+    def no_sync(self) -> AbstractContextManager[None]:
+        """Gradient merge: inside ``with pipe.no_sync():`` train steps only accumulate gradients.
+
+        As ``DistributedDataParallel.no_sync``: a stage's SYNC starts no reduction (data-parallel, sharded,
+        tied) and STEP steps no optimizer, until the first ``train_step`` outside the block, which reduces the
+        gradients of every merged step once and steps (see :mod:`stagewise.runtime.features.merge`). Call it
+        on every rank alike. Asynchronous schedules refuse it.
+        """
+        refuse_no_sync("Pipeline", self.schedule)
+        return self._engine.merge.no_sync()
+
+    @property
+    def train_steps(self) -> int:
+        """Mini-batches this pipeline has trained (each train_step, each of a stream's): the step of the dropout
+        masks' seeds. A checkpoint saves it and a load sets it, so a resumed run draws the masks it would have."""
+        return self._engine.runner.trained
+
+    @train_steps.setter
+    def train_steps(self, value: int) -> None:
+        self._engine.runner.trained = int(value)
+
+    @property
+    def dropout_seed(self) -> int:
+        """The seed of the dropout masks: the ``dropout_seed`` option (else ``seed``), or a loaded checkpoint's."""
+        seeds = self._engine.dropout
+        assert seeds is not None
+        return seeds.seed
+
+    @dropout_seed.setter
+    def dropout_seed(self, value: int) -> None:
+        seeds = self._engine.dropout
+        assert seeds is not None
+        seeds.seed = int(value)
+
+    @property
+    def merged_steps(self) -> int:
+        """Train steps whose gradients are accumulated in a gradient merge, not yet reduced (0 outside one)."""
+        return self._engine.merge.pending
 
     def train_stream(self, batches: Iterable[tuple[Any, Any]], steps: int | None = None) -> Iterator[float]:
         """Asynchronous schedules: train on a stream of ``(inputs, targets)`` mini-batches, yielding each one's loss.
@@ -214,8 +262,11 @@ class Pipeline(nn.Module):
         """Clip the gradients of the whole model - every stage, every mesh axis - to total norm ``max_norm``.
 
         As ``torch.nn.utils.clip_grad_norm_`` on the one-process model; returns the norm before clipping.
-        A collective: call it on every rank, after train_step.
+        A collective: call it on every rank, after train_step (in a gradient merge, after the train_step
+        that ends it: the norm is the merged gradient's).
         """
+        why = "clipping belongs to the optimizer step, on the merged gradient, whose reductions have not run"
+        self._engine.merge.refuse("clip_grad_norm_", why)
         return clip_pipeline_grads(self, max_norm, norm_type)
 
     def register_sync_hook(self, hook: Callable[[int], None]) -> None:

@@ -5,7 +5,8 @@
 
 Tied parameters, recompute, global gradient clipping, auxiliary losses, frozen
 parameters and no-grad values crossing stages, BatchNorm, and the measured
-activation memory against the simulator. Each check compares with the
+activation memory against the simulator; at 4 ranks also gradient merge (merge_checks.py) and
+reproducible dropout (dropout_checks.py). Each check compares with the
 one-process model (``sw.build_model``) in float64, raises to fail and may return
 a dict of figures (written with its result, one JSON line per check and rank).
 ``checks(world)`` is a pure function of the world size. The models are in feature_models.py.
@@ -20,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import dropout_checks
+import merge_checks
 import stagewise as sw
 from feature_models import (
     CLASSES,
@@ -369,4 +372,7 @@ def checks(world: int) -> dict[str, Check]:
             "memory-",
         )
         out = {k: v for k, v in out.items() if k.startswith(keep) and k != "tied-gpipe"}
+    if world == 4:  # issue 42's, in this job rather than a torchrun start of their own
+        out.update(merge_checks.checks(world))
+        out.update(dropout_checks.checks(world))
     return out

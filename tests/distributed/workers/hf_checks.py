@@ -25,7 +25,16 @@ from torch import nn
 
 import stagewise as sw
 from helpers.compare import assert_grads_close
-from helpers.hf_families import FAMILIES, FLOAT32_NORMS, V, build, is_tied, packed_positions, padded_batch
+from helpers.hf_families import (
+    FAMILIES,
+    FLOAT32_NORMS,
+    V,
+    build,
+    is_tied,
+    packed_positions,
+    padded_batch,
+    with_dropout,
+)
 from stagewise.runtime.hybrid.tensor_parallel import full
 from worker import Check, Ctx, gather_objects, raises
 
@@ -200,6 +209,45 @@ def checkpoint_every_replica(ctx: Ctx) -> dict[str, Any]:
             shutil.rmtree(folder, ignore_errors=True)
 
 
+# ---- dropout --------------------------------------------------------------------------------------
+def dropout(schedule: str, m: int) -> Check:
+    """GPT-BigCode at its default dropouts (0.1 each), trained two steps: the loss and every gradient equal the
+    one-process model's drawing the same masks micro-batch by micro-batch (``sw.runtime.seeded_dropout``); the
+    masks matter (without them the loss is another)."""
+
+    def check(ctx: Ctx) -> dict[str, Any]:
+        model = with_dropout(layers=2 * ctx.world)
+        ref = copy.deepcopy(model)
+        pipe = sw.Pipeline.from_hf(
+            model, schedule=schedule, microbatches=m, group=ctx.group, timeout=TIMEOUT, dropout_seed=7
+        )
+        gaps = []
+        for step in range(2):
+            args, kwargs, labels = _batch(2 * m + 1, step, "right")
+            pipe.zero_grad(set_to_none=True)
+            ref.zero_grad(set_to_none=True)
+            loss = pipe.train_step(args, labels)
+            counts = [(y[:, 1:] != -100).sum() for y in labels.tensor_split(m)]
+            want = 0.0
+            for k in range(m):
+                chunk = {key: v.tensor_split(m)[k] for key, v in kwargs.items()}
+                with sw.runtime.seeded_dropout(ref, seed=7, step=step, microbatch=k):
+                    logits = ref(**chunk, use_cache=False).logits
+                part = reference_loss(logits, labels.tensor_split(m)[k]) * counts[k] / sum(counts)
+                part.backward()
+                want += float(part.detach())
+            assert abs(loss - want) <= LOSS_TOL, (step, loss, want)
+            grad_error(pipe, _grads(ref), f"dropout step {step}")
+            with torch.no_grad():
+                plain = reference_loss(ref.eval()(**kwargs, use_cache=False).logits, labels)
+            ref.train()
+            gaps.append(abs(loss - float(plain)))
+        assert min(gaps) > 1e-3, f"dropout changed nothing: the check would not see wrong masks ({gaps})"
+        return {"loss gap to no dropout": gaps}
+
+    return check
+
+
 # ---- options and refusals -----------------------------------------------------------------------
 def uneven_tokens(ctx: Ctx) -> None:
     """Micro-batches with very different token counts (one with none): weighting by rows would be wrong."""
@@ -261,6 +309,7 @@ def checks(world: int, suite: str = "ci") -> dict[str, Check]:
         out["falcon-tied-recompute-zb-h1"] = parity("falcon", "zb-h1", 3, 4, recompute="stage")
         out["llama-parameters-gpipe"] = parity("llama", "gpipe", 3, 5, partition="parameters")
         out["gpt2-counts-1f1b"] = parity("gpt2", "1f1b", 3, 5, partition=[1, 4])
+        out["gpt_bigcode-dropout-zb-v"] = dropout("zb-v", 3)
         out["llama-time-1f1b"] = parity(
             "llama", "1f1b", 3, 4, partition="time", sample_inputs=padded_batch(2, seed=0)[0][0]
         )

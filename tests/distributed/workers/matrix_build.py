@@ -43,6 +43,7 @@ def column_options(row: str, column: str) -> dict[str, Any]:
         "async": {"schedule": "pipedream", "microbatches": 2},
         "measure_memory": {"measure_memory": True},
         "offload": {"offload": "optimizer", "optimizer": momentum},
+        "merge": {"parallel": sw.ParallelConfig(pp=2, dp=2)} if row != "hetpipe" else {},
     }.get(column, {})
     return {**base, **extra}
 

@@ -19,6 +19,7 @@ from helpers.compare import assert_params_close
 from matrix_build import LR, M, build, sgd
 from matrix_models import BATCH, SEED, Built, mlp_data, mlp_layers
 from matrix_reference import _poisoned, ref_named, reference_step, train_compare
+from matrix_spec import EXACT, expected
 from worker import Ctx, raises
 
 
@@ -238,6 +239,32 @@ def _replay_layers(row: str, b: Built) -> tuple[Any, nn.Module | None]:
     return list(b.ref.children()), b.ref
 
 
+def merge(row: str, column: str, ctx: Ctx) -> dict[str, Any]:
+    """Gradient merge at pp 2 x dp 2: two merges of two train steps (the first under ``no_sync()``), the optimizer
+    stepped by the last STEP, against the one-process model calling backward once per batch before each step;
+    HetPipe refuses ``no_sync()`` when it is called."""
+    b = build(row, column, ctx)
+    want = expected(row, column)
+    if want != EXACT:
+        raises(ValueError, want, b.pipe.no_sync)
+        return {"refused": want}
+    opt = sgd(list(b.ref.parameters()))  # type: ignore[union-attr]
+    losses = []
+    for group in range(2):
+        opt.zero_grad(set_to_none=True)
+        for k in range(2):
+            x, y = b.data(2 * group + k)
+            with b.pipe.no_sync() if k == 0 else _nothing():
+                loss = b.pipe.train_step(*b.pipe.local_batch(x, y))
+            ref_loss = b.loss_fn(b.ref(x), y)
+            ref_loss.backward()
+            assert abs(loss - float(ref_loss)) <= 1e-10 * (1 + abs(float(ref_loss))), (group, k, loss, ref_loss)
+            losses.append(loss)
+        opt.step()
+        assert_params_close(b.pipe, ref_named(b, b.pipe), f"{row} x merge after merge {group}", aliases=True)
+    return {"losses": losses}
+
+
 # ---- the one step protocol: options that reach every window of an asynchronous stream -------------------
 COLUMNS: dict[str, Callable[[str, str, Ctx], dict[str, Any]]] = {
     "bn_micro": batchnorm,
@@ -249,4 +276,5 @@ COLUMNS: dict[str, Callable[[str, str, Ctx], dict[str, Any]]] = {
     "offload": offload,
     "checkpoint": checkpoint,
     "async": asynchronous,
+    "merge": merge,
 }

@@ -4,7 +4,8 @@ Pure data, shared by the torchrun checks (``matrix_checks``), the pytest side (`
 (``docs/matrix.md`` is :func:`markdown` of it, checked by a test). A cell is ``EXACT`` (trained against the
 one-process model in float64, or for asynchronous schedules and HetPipe the one-process replay of their
 rule) or a refusal: the words the error must contain, raised on every rank before the mesh's process groups
-exist. This is the specification: the checks compute what happens and compare it with what is written here.
+exist (for a column used after building, :data:`AT_USE`, when it is used). This is the specification: the
+checks compute what happens and compare it with what is written here.
 """
 
 from __future__ import annotations
@@ -33,9 +34,13 @@ COLUMNS: dict[str, str] = {
     "measure_memory": "`measure_memory=`",
     "offload": '`offload="optimizer"`',
     "checkpoint": "checkpoint save / load",
+    "merge": "gradient merge (`no_sync()`)",
 }
 
 EXACT = "exact"
+
+#: columns that are not options but calls on a built pipeline: refused when called (``pipe.no_sync()``)
+AT_USE = ("merge",)
 
 #: refusals: the words every rank's error must contain (and the reason, for the docs)
 HETPIPE_AXES = "HetPipe does not take parallel="
@@ -44,6 +49,7 @@ PLAN_ASYNC = "plans run synchronous schedules"
 HETPIPE_BN = "HetPipe does not take batchnorm="
 HETPIPE_SKIP = "HetPipe does not take nan_policy='skip'"
 HETPIPE_TIED = "HetPipe does not take tied modules"
+HETPIPE_NO_SYNC = "HetPipe does not take no_sync()"
 
 _REFUSED: dict[tuple[str, str], tuple[str, str]] = {
     ("hetpipe", "dp"): (HETPIPE_AXES, "the virtual workers are HetPipe's data parallelism"),
@@ -53,6 +59,7 @@ _REFUSED: dict[tuple[str, str], tuple[str, str]] = {
     ("hetpipe", "bn_deferred"): (HETPIPE_BN, "the wave rule shares parameters only, not running statistics"),
     ("hetpipe", "nan_skip"): (HETPIPE_SKIP, "a virtual worker cannot skip a wave's update the others count"),
     ("hetpipe", "tied"): (HETPIPE_TIED, "each parameter needs one owner per virtual worker"),
+    ("hetpipe", "merge"): (HETPIPE_NO_SYNC, "each wave's update is pushed to the other virtual workers as it ends"),
     ("from_stages", "tied"): (FROM_STAGES_TIED, "a tie across ranks is invisible to stages built apart"),
     ("from_plan", "async"): (PLAN_ASYNC, "the planner searches synchronous schedules only"),
 }

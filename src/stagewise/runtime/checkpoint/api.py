@@ -102,6 +102,7 @@ def save(
     """
     if not is_count(step, 0):
         raise ValueError(f"step must be an integer >= 0, got {step!r}")
+    state.refuse_merging(model, "save")
     part = virtual_worker(model, path)
     if part is not None:  # a HetPipe: each virtual worker saves its own pipeline, under ROOT/vwK
         folder, pipe, mine = part
@@ -211,11 +212,15 @@ def load(
     state, and left as they are when it has none (a model-only "seed" checkpoint).
     Raises :class:`CheckpointError` on every rank, before anything is changed,
     if the checkpoint is partial, corrupted, or for another model.
+    ``restore_rng``: the saving ranks' RNG states (with as many ranks) and a
+    pipeline's dropout seed and step (``Pipeline.dropout_seed``, ``train_steps``:
+    any layout), so a resumed run draws the masks it would have.
     ``collective=False`` loads a plain module in this process alone (e.g. on
     one rank of a running job). ``timeout``: as for :func:`save`, for the
     others' hashing. A root whose newest ``step-N`` lost its manifest is refused
     (see :func:`.retention.choose`); the folder loaded, and why, is logged.
     """
+    state.refuse_merging(model, "load")
     if virtual_worker(model, path) is not None:
         options = {"scheduler": scheduler, "strict": strict, "restore_rng": restore_rng, "timeout": timeout}
         return _load_virtual_worker(path, model, optimizer, **options)
@@ -251,6 +256,8 @@ def _load(
     rng_restored = restore_rng and record["layout"]["world"] == ranks.size
     if rng_restored:
         state.set_rng_state(record["rng"][ranks.rank])
+    if restore_rng:
+        state.restore_dropout(model, record)
     return CheckpointInfo(
         path=folder,
         step=record["step"],

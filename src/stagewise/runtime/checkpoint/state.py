@@ -272,6 +272,8 @@ def layout_of(target: Any, world: int) -> dict[str, Any]:
             "virtual_stages": s.virtual_stages,
             "placement": list(s.placement),
             "layers": [[r.start, r.stop] for r in target.layer_ranges],
+            "train_steps": target.train_steps,  # the dropout masks' step and seed: a resumed run draws what it
+            "dropout_seed": target.dropout_seed,  # would have (restored with the RNG, on any layout)
         },
         "parallel": None,
     }
@@ -279,3 +281,28 @@ def layout_of(target: Any, world: int) -> dict[str, Any]:
         c = target.hybrid.config
         out["parallel"] = {"pp": c.pp, "dp": c.dp, "sharding": c.sharding, "tp": c.tp}
     return out
+
+
+def restore_dropout(target: Any, record: dict[str, Any]) -> None:
+    """A pipeline's dropout seed and step as the saving run's (any layout: they are the same on every rank)."""
+    saved = record["layout"].get("pipeline") or {}
+    if not is_pipeline(target):
+        return
+    if "train_steps" in saved:
+        target.train_steps = saved["train_steps"]
+    if "dropout_seed" in saved:
+        target.dropout_seed = saved["dropout_seed"]
+
+
+def refuse_merging(model: Any, what: str) -> None:
+    """A pipeline in the middle of a gradient merge (``no_sync()``) is refused, alike on every rank, before any rank
+    communicates: a checkpoint holds no gradients, and the merged steps' partial sums (each replica's its own, not
+    yet reduced) would be lost on save, or added to the loaded weights' next step on load."""
+    pending = getattr(model, "merged_steps", 0) if is_pipeline(model) else 0
+    if pending:
+        raise CheckpointError(
+            f"cannot {what} a checkpoint in the middle of a gradient merge: {pending} train_step"
+            f"{'s' if pending != 1 else ''} under no_sync() accumulated gradients that no reduction or optimizer "
+            f"step has used, and a checkpoint holds none; {what} after the train_step outside no_sync() that ends "
+            "the merge"
+        )

@@ -4,7 +4,10 @@ At SYNC a stage's gradients are final: tied modules sum theirs over their
 owners, the hybrid axes start their reductions, and user hooks run. At STEP
 the stage's optimizer steps, after the reductions it needs have finished: on
 the device, or through a stepper that moves the update elsewhere
-(``offload="optimizer"``: :mod:`..features.offload`).
+(``offload="optimizer"``: :mod:`..features.offload`). While ``deferring()``
+(a gradient merge: :mod:`..features.merge`) the gradients are not final: the
+parts skip their reductions themselves, and neither the user's hooks nor the
+optimizer run.
 """
 
 from __future__ import annotations
@@ -45,10 +48,13 @@ class StageHooks:
         self.optimizers = optimizers
         self.stepper: Stepper = stepper if stepper is not None else OnDevice()
         self.user: list[Callable[[int], None]] = []
+        self.deferring: Callable[[], bool] = _never  # a gradient merge's steps that only accumulate
 
     def sync(self, stage: int) -> None:
         for part in self.parts:
             part.on_sync(stage)
+        if self.deferring():
+            return
         for hook in self.user:
             hook(stage)
 
@@ -56,9 +62,13 @@ class StageHooks:
         for part in self.parts:
             part.before_step(stage)
         opt = self.optimizers.get(stage)
-        if opt is not None:
+        if opt is not None and not self.deferring():
             self.stepper.step(stage, opt)
             opt.zero_grad(set_to_none=True)
+
+
+def _never() -> bool:
+    return False
 
 
 def optimizer_per_stage(

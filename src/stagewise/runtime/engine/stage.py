@@ -1,4 +1,5 @@
-"""A stage as the engine runs it: its layers, applied in order, with autocast, recompute and aux losses."""
+"""A stage as the engine runs it: its layers, applied in order, with autocast, recompute, aux losses and seeded
+dropout."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from torch import nn
 
 from ..features.aux import attach, collect_aux_losses
+from ..features.dropout import DropoutSeeds
 from ..features.recompute import Recompute, run_layers
 
 
@@ -18,7 +20,8 @@ class Stage:
 
     While training, the :func:`~stagewise.aux_loss` terms its layers add are
     summed, scaled by ``aux_scale`` and carried on its outputs (:mod:`.aux`);
-    their detached values accumulate into ``aux_totals``.
+    their detached values accumulate into ``aux_totals``. With ``dropout`` (its layers may drop), each
+    training forward draws its masks from generators seeded for its step and micro-batch (:mod:`..features.dropout`).
     """
 
     def __init__(
@@ -35,6 +38,7 @@ class Stage:
         self.recompute = recompute
         self.aux_scale = aux_scale
         self.aux_totals: dict[str, Any] = {}  # name -> a 0-dim tensor (read once per step by the runner)
+        self.dropout: DropoutSeeds | None = None  # set by the assembly when a layer of the stage may drop
 
     def __call__(self, x: Any) -> Any:
         with self.precision():
@@ -43,8 +47,9 @@ class Stage:
     def _run(self, x: Any) -> Any:
         if not torch.is_grad_enabled():
             return run_layers(self.modules, x, None)
+        segments = self.dropout.forward().segment if self.dropout is not None else None
         with collect_aux_losses() as terms:
-            out = run_layers(self.modules, x, self.recompute)
+            out = run_layers(self.modules, x, self.recompute, segments)
         if not terms:
             return out
         for name, value in terms:  # kept on the device: read once, at the step's end (Runner._aux)

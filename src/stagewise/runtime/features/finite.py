@@ -16,6 +16,11 @@ stepped. ``"skip"``: every rank drops the step's gradients (so neither the
 schedule's STEP actions nor an optimizer the user steps after ``train_step``
 changes a weight) and counts the step in ``Pipeline.skipped_steps``.
 
+In a gradient merge (:mod:`.merge`) the check belongs to the step that reduces and steps, the last: the
+merged steps before it are not checked (their gradients are partial sums, and a NaN or an infinity in
+one stays in the sum), their losses are kept and checked with the last step's, and a refused or skipped
+merge drops the gradients of all its steps and puts the buffers back as its first step found them.
+
 Either way the step leaves nothing behind: the forwards already changed the
 module buffers (BatchNorm's running statistics, torch's own update or the
 deferred commit at SYNC; any module's in-place statistics), so every buffer of
@@ -43,6 +48,7 @@ from torch import nn
 
 from ...parallel import AXES
 from ..errors import PipelineError
+from .merge import GradientMerge
 
 POLICIES = ("raise", "skip")
 
@@ -91,12 +97,14 @@ def any_non_finite(losses: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
 
 def findings(
     rank: int,
-    losses: dict[int, torch.Tensor],
+    losses: dict[Any, torch.Tensor],
     named: Sequence[tuple[str, nn.Parameter]],
     stage_of: dict[int, int],
     last_stage: int | None,
 ) -> dict[str, Any]:
-    """Where this rank's first non-finite loss and gradient are (plain data, to gather); host syncs are fine here."""
+    """Where this rank's first non-finite loss and gradient are (plain data, to gather); host syncs are fine here.
+
+    ``losses`` by micro-batch, or by ``(merged step, micro-batch)`` in a gradient merge."""
     out: dict[str, Any] = {"rank": rank, "loss": None, "grad": None}
     for i in sorted(losses):
         value = float(losses[i])
@@ -124,15 +132,22 @@ def message(
     grad = next((f for f in everyone if f["grad"] is not None), None)
     if loss is not None:
         stage, mb, value = loss["loss"]
-        parts.append(f"stage {stage}'s loss for micro-batch {mb} is {value} (rank {loss['rank']})")
+        parts.append(f"stage {stage}'s loss for micro-batch {_microbatch(mb)} is {value} (rank {loss['rank']})")
     if grad is not None:
         stage, name, k, value = grad["grad"]
         place = "a tied module" if stage is None else f"stage {stage}"
-        mb = "" if loss is None else f" (the first non-finite loss is micro-batch {loss['loss'][1]}'s)"
+        mb = "" if loss is None else f" (the first non-finite loss is micro-batch {_microbatch(loss['loss'][1])}'s)"
         parts.append(f"{place}: gradient {name}[{k}] = {value} (rank {grad['rank']}){mb}")
     found = "; ".join(parts) or "a non-finite value on some rank"
     what = outcome or ("no optimizer stepped" if policy == "raise" else "the step is skipped")
     return f"non-finite values in {where}: {found}; {what} (nan_policy={policy!r})"
+
+
+def _microbatch(mb: Any) -> str:
+    """A micro-batch as :func:`findings` gave it: its index, or (merged step, index) in a gradient merge."""
+    if isinstance(mb, (list, tuple)):
+        return f"{mb[1]} of the gradient merge's step {mb[0] + 1}"
+    return str(mb)
 
 
 class Buffers:
@@ -190,8 +205,11 @@ class FiniteCheck:
         device: torch.device,
         post: Callable[[str], Any] | None = None,
         buffers: Buffers | None = None,
+        merge: GradientMerge | None = None,
     ) -> None:
         check_policy(policy)
+        self.merge = merge  # a gradient merge: only its last step checks, with every merged step's losses
+        self.carried: list[dict[int, torch.Tensor]] = []  # the losses of the merged steps so far
         self.post = post  # posts a failure found on this rank alone on the error board
         self.buffers = buffers  # this rank's module buffers, put back when a step is refused or skipped
         self.policy = policy
@@ -204,15 +222,17 @@ class FiniteCheck:
         self.skipped = 0
 
     def begin(self) -> None:
-        """A train step (or an asynchronous window) starts: note the buffers it may have to put back."""
-        if self.buffers is not None:
+        """A train step (or an asynchronous window) starts: note the buffers it may have to put back (in a gradient
+        merge, as its first step finds them)."""
+        if self.buffers is not None and (self.merge is None or self.merge.first()):
             self.buffers.take()
 
     def undo(self) -> None:
-        """The step is refused or skipped: its buffers back as they were, its gradients gone."""
+        """The step is refused or skipped: its buffers back as they were, its gradients gone (a merge's, all)."""
         if self.buffers is not None:
             self.buffers.restore()
         drop_grads([p for _, p in self.named])
+        self.carried = []
 
     def check_stage(self, stage: int, minibatch: int, losses: dict[int, torch.Tensor]) -> None:
         """An asynchronous window's STEP of ``stage`` for mini-batch ``minibatch`` of the stream: this stage's own
@@ -235,7 +255,18 @@ class FiniteCheck:
         raise PipelineError(text)
 
     def __call__(self, losses: dict[int, torch.Tensor], last_stage: int | None) -> bool:
-        """True if the step must be skipped; raises under ``"raise"``; False when every value is finite."""
+        """True if the step must be skipped; raises under ``"raise"``; False when every value is finite (or the step
+        is one of a gradient merge's that only accumulate: its losses wait for the merge's last)."""
+        if self.merge is not None and self.merge.deferring():
+            self.carried.append(dict(losses))
+            return False
+        if self.carried:
+            merged = {(j, i): v for j, step in enumerate([*self.carried, losses]) for i, v in step.items()}
+            self.carried = []
+            return self._check(merged, last_stage)
+        return self._check(losses, last_stage)
+
+    def _check(self, losses: dict[Any, torch.Tensor], last_stage: int | None) -> bool:
         grads = [p.grad for _, p in self.named if p.grad is not None]
         flag = any_non_finite([losses[i] for i in sorted(losses)], grads, self.device)
         self.reduce(flag)
@@ -253,10 +284,16 @@ class FiniteCheck:
 
 
 def finite_check(
-    policy: str | None, runner: Any, transport: Any, hybrid: Any, named: Sequence[tuple[str, nn.Parameter]]
+    policy: str | None,
+    runner: Any,
+    transport: Any,
+    hybrid: Any,
+    named: Sequence[tuple[str, nn.Parameter]],
+    merge: GradientMerge | None = None,
 ) -> FiniteCheck | None:
     """The check for a pipeline (None for ``nan_policy=None``): reduced over the whole mesh (or the pipeline
-    group), within its deadline. ``named``: the pipeline's parameters under their one-process names."""
+    group), within its deadline. ``named``: the pipeline's parameters under their one-process names; ``merge``:
+    the pipeline's gradient merge (:mod:`.merge`)."""
     if policy is None:
         return None
     from ..comm.collectives import gather_json
@@ -277,5 +314,5 @@ def finite_check(
 
     buffers = Buffers([m for st in runner.stages.values() for m in st.modules])
     return FiniteCheck(
-        policy, runner.rank, named, stage_of, reduce, gather, runner.device, transport.guard.fail, buffers
+        policy, runner.rank, named, stage_of, reduce, gather, runner.device, transport.guard.fail, buffers, merge
     )

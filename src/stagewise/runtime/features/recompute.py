@@ -17,7 +17,8 @@ them twice; BatchNorm's running statistics are updated by the F action only
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Union
 
 import torch
@@ -28,6 +29,9 @@ from ..._util import is_count
 from ..frontends.layers import call_layer
 
 Recompute = Union[None, str, int]  # noqa: UP007
+#: a scope per segment (``segment()`` once per segment, in order; the scope it returns entered at each run of the
+#: segment, the recompute too): the dropout seeding (:mod:`.dropout`)
+Scopes = Callable[[], Callable[[], AbstractContextManager[Any]]]
 
 
 def check_recompute(recompute: Recompute) -> None:
@@ -45,14 +49,18 @@ def segments(n: int, recompute: Recompute) -> list[range]:
     return [range(a, min(a + k, n)) for a in range(0, n, k)]
 
 
-def run_layers(modules: Sequence[nn.Module], x: Any, recompute: Recompute) -> Any:
-    """Apply ``modules`` in order under the calling convention, checkpointing segments when training."""
+def run_layers(modules: Sequence[nn.Module], x: Any, recompute: Recompute, segment: Scopes | None = None) -> Any:
+    """Apply ``modules`` in order under the calling convention, checkpointing segments when training; each segment's
+    run (and its recompute) inside its ``segment()`` scope."""
 
     def chain(part: Sequence[nn.Module]) -> Any:
+        scope = segment() if segment is not None else nullcontext
+
         def run(*args: Any) -> Any:
             y: Any = args[0] if len(args) == 1 else args
-            for m in part:
-                y = call_layer(m, y)
+            with scope():
+                for m in part:
+                    y = call_layer(m, y)
             return y
 
         return run

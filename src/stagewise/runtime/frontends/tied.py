@@ -231,12 +231,16 @@ class TiedSync:
                     self.copies_of[id(p)] = len(owners)
         self._left: dict[str, set[int]] = {}
         self._pending: dict[str, tuple[Any, torch.Tensor, list[torch.Tensor]]] = {}
+        self.deferring: Callable[[], bool] = lambda: False  # a gradient merge's steps: their sums wait for the last
 
     def start_step(self) -> None:
         self._left = {key: set(stages) for key, (_, stages) in self.local.items() if key in self.groups}
 
     def on_sync(self, stage: int) -> None:
-        """SYNC of ``stage``: start the reduction of each key whose local stages are all synced."""
+        """SYNC of ``stage``: start the reduction of each key whose local stages are all synced (inside a gradient
+        merge, none: the copies' gradients accumulate, and the merge's last step sums them once)."""
+        if self.deferring():
+            return
         for key, left in self._left.items():
             if stage in left:
                 left.discard(stage)
@@ -260,6 +264,8 @@ class TiedSync:
     @torch.no_grad()
     def finish(self, stage: int | None = None) -> None:
         """Wait for the reductions touching ``stage`` (all if None; unstarted ones start now) and write them back."""
+        if self.deferring():
+            return
         if stage is None:
             for key, left in self._left.items():
                 if left:

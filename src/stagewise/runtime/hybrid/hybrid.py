@@ -17,7 +17,7 @@ split parameter is a DTensor under its own name.
 
 from __future__ import annotations
 
-from collections.abc import Container, Sequence
+from collections.abc import Callable, Container, Sequence
 from typing import Any
 
 import torch
@@ -47,6 +47,7 @@ class Hybrid:
         self._split_params: dict[int, list[nn.Parameter]] = {}
         self._averager: GradAverager | None = None
         self._wait: Wait | None = None  # the pipeline's deadline wait, for the reductions issued here
+        self.deferring: Callable[[], bool] = lambda: False  # a gradient merge's steps: SYNC reduces nothing
 
     @property
     def pp_group(self) -> Any:
@@ -104,7 +105,10 @@ class Hybrid:
 
     # ---- the step --------------------------------------------------------
     def on_sync(self, stage: int) -> None:
-        """SYNC: the stage's gradients are final: start their reduction over the replicas."""
+        """SYNC: the stage's gradients are final: start their reduction over the replicas (inside a gradient
+        merge they only accumulate, unreduced, FSDP2's unsharded: the merge's last step reduces their sum)."""
+        if self.deferring():
+            return
         for p in self._split_params.get(stage, ()):
             align_grad(p)
         if self._averager is not None:

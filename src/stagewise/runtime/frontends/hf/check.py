@@ -2,13 +2,16 @@
 
 Before anything is cut, every decoder layer is made a piece of its own (the first with the embedding, the last
 with the head: every boundary a pipeline could cut at), the pieces are chained in one process on a tiny batch
-(two rows of eight tokens, the second right-padded), in the model's dtype, in eval mode, and each piece's output
-is compared with what the same layer gave inside ``model(..., use_cache=False)``; the last with its logits.
+(two rows of eight tokens, the second right-padded), in the model's dtype, in eval mode (dropout off: the
+pipeline's masks are not the one-process forward's, :mod:`stagewise.runtime.features.dropout`, and are
+tested apart), and each piece's output is compared with what the same layer gave inside
+``model(..., use_cache=False)``; the last with its logits.
 Each piece after the first is run once more with the weights of the modules before the layers changed: it
 runs that part of the forward on its own copy of them, which only the first stage trains, so its output must
 not depend on them. The first that differs refuses the model, naming the family, the piece, and by how much::
 
-    from_hf refuses Gemma2ForCausalLM (model_type 'gemma2'): chained on a 2x8 batch, its stage pieces do not
+    from_hf refuses Gemma2ForCausalLM (model_type 'gemma2'): chained on a 2x8 batch in eval mode (no dropout), its
+    stage pieces do not
     give the model's own outputs: at the logits (piece 3 of 4: decoder layer 3, then model.norm, lm_head) they
     are off by 0.074 (relative to the largest value, 0.22; 3.6e-15 allowed). ...
 
@@ -147,7 +150,8 @@ def _compare(layout: Layout, got: Any, want: torch.Tensor, batch: torch.Size, wh
 
 
 def _prefix(layout: Layout, batch: torch.Size) -> str:
-    return f"from_hf refuses {layout.kind} (model_type {layout.family!r}): chained on a {batch[0]}x{batch[1]} batch"
+    where = f"chained on a {batch[0]}x{batch[1]} batch in eval mode (no dropout)"
+    return f"from_hf refuses {layout.kind} (model_type {layout.family!r}): {where}"
 
 
 @contextmanager

@@ -1,0 +1,276 @@
+"""Dropout that every layout draws alike: each mask from a generator seeded by (seed, step, micro-batch, module).
+
+A pipeline's forwards run micro-batch by micro-batch, stage by stage, in the schedule's order, and on other
+ranks: drawn from the global generator, a dropout mask would depend on the layout, the schedule and what
+ran before it on that rank, and no one-process run could give the same masks. So, while a stage's forward
+runs in training, each module that can drop (an ``nn.Dropout`` of any kind with ``p > 0``, or a module with a
+float attribute named ``*dropout*`` or ``*pdrop*`` above 0: an attention calling ``F.dropout`` or
+``scaled_dot_product_attention(dropout_p=...)`` itself) runs with the CPU generator, and the stage's
+device's, seeded by :func:`key` (a forward pre-hook on the module, put there for the forward's time only)::
+
+    key(seed, replica, step, micro-batch, the module's name in the one-process model, the call's number)
+
+and put back after it, so that the global generators go on as if nothing had run (the user's own draws
+do not depend on the layout either). ``step`` counts the train steps of the pipeline (mini-batches, in an
+asynchronous stream), ``micro-batch`` is the index in its mini-batch, ``replica`` the data-parallel replica
+(0 without ``parallel=``; tensor-parallel ranks of one replica draw alike), the call's number counts the
+module's calls within one micro-batch's forward on its stage (a module called twice draws two masks). The
+seed is the pipeline's ``dropout_seed`` option (default: ``seed``); a checkpoint saves it with the step and a
+load restores both (``Pipeline.dropout_seed``, ``train_steps``). So pp 2 and pp 4, 1F1B and ZB-V give the
+same losses, and a recomputed forward (``recompute=``) draws the same masks again: the seeding is inside the
+checkpointed segment, each segment re-entered with the call counts its first run started from.
+
+One process draws the same masks under :func:`seeded_dropout`, micro-batch by micro-batch (the reference
+loop of the tests). A stage with no such module is not touched (no cost); one with them pays, per forward,
+two hooks put on and taken off each such module and, per seeded call, one save, seed and restore of each
+generator (measured by ``python -m benchmarks.dropout_cost``).
+
+Not covered: randomness outside such modules (``torch.rand`` in a forward), evaluation steps (they draw
+from the global generator, as in one process; call ``pipe.eval()`` for no dropout), a dropout module
+shared by blocks on different stages (its call numbers are counted per stage, so its masks depend on the
+cut), and a dropout inside a tensor-parallel layer's split activations (every piece draws the same
+pattern, unlike the one-process mask).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.dropout import _DropoutNd
+from torch.utils.hooks import RemovableHandle
+
+_MASK = (1 << 64) - 1
+
+
+def _splitmix(x: int) -> int:
+    """One round of splitmix64 (Steele, Lea and Flood 2014): a bijection of 64-bit integers that mixes every bit."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+def name_code(name: str) -> int:
+    """A module name as 64 bits (BLAKE2b: alike in every process, unlike ``hash``)."""
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
+
+
+def key(seed: int, replica: int, step: int, microbatch: int, name: str, call: int) -> int:
+    """The seed of one dropout call's generator (63 bits): the words above folded one by one through splitmix64."""
+    return _folded((seed, replica, step, microbatch, name_code(name), call))
+
+
+def _folded(words: tuple[int, ...]) -> int:
+    h = 0
+    for word in words:
+        h = _splitmix(h ^ (word & _MASK))
+    return h >> 1
+
+
+def drops(module: nn.Module) -> bool:
+    """Whether ``module`` itself may drop: a dropout layer with ``p > 0``, or a float ``*dropout*`` / ``*pdrop*``
+    attribute above 0 (an attention that calls the functional dropout with it)."""
+    if isinstance(module, _DropoutNd):
+        return module.p > 0
+    return any(isinstance(v, float) and v > 0 and ("dropout" in k or "pdrop" in k) for k, v in vars(module).items())
+
+
+def random_modules(named: Iterator[tuple[str, nn.Module]]) -> dict[int, tuple[str, nn.Module]]:
+    """id -> (name, module) of every module that may drop, among ``named`` (a module seen twice: its first name)."""
+    out: dict[int, tuple[str, nn.Module]] = {}
+    for name, module in named:
+        if id(module) not in out and drops(module):
+            out[id(module)] = (name, module)
+    return out
+
+
+def _generators(device: torch.device | None) -> list[torch.Generator]:
+    """The generators a dropout may draw from: the CPU's, and the accelerator's of ``device``."""
+    out = [torch.default_generator]
+    if device is not None and device.type == "cuda":
+        out.append(torch.cuda.default_generators[device.index if device.index is not None else 0])
+    return out
+
+
+class Seeding:
+    """Seeds ``modules`` (``codes``: id -> :func:`name_code` of each one's one-process name) while a scope is open;
+    ``base``: the (seed, replica, step, micro-batch) words; ``calls``: each module's calls so far in this
+    micro-batch's forward."""
+
+    def __init__(
+        self,
+        modules: list[nn.Module],
+        codes: Mapping[int, int],
+        base: tuple[int, int, int, int],
+        generators: list[Any],
+    ) -> None:
+        self.modules, self.codes, self.base, self.generators = modules, codes, base, generators
+        self.calls: dict[int, int] = {}
+        self.saved: list[list[torch.Tensor]] = []
+
+    def before(self, module: nn.Module, args: Any) -> None:
+        code = self.codes.get(id(module))
+        if code is None or not module.training:
+            self.saved.append([])
+            return
+        n = self.calls.get(id(module), 0)
+        self.calls[id(module)] = n + 1
+        self.saved.append([g.get_state() for g in self.generators])
+        seed = _folded((*self.base, code, n))
+        for g in self.generators:
+            g.manual_seed(seed)
+
+    def after(self, module: nn.Module, args: Any, out: Any) -> None:
+        if not self.saved:
+            return
+        for g, state in zip(self.generators, self.saved.pop()):
+            g.set_state(state)
+
+    def open(self, calls: dict[int, int]) -> list[RemovableHandle]:
+        """Seed from now on, counting calls on from ``calls``; the hooks to close it with (:func:`_close`).
+
+        The hooks go on the modules that may drop only, for the scope's time: the others keep torch's fast call
+        path, and no hook stays on a user's module between forwards."""
+        self.calls = dict(calls)
+        hooks = []
+        for module in self.modules:
+            hooks.append(module.register_forward_pre_hook(self.before))
+            hooks.append(module.register_forward_hook(self.after, always_call=True))
+        return hooks
+
+    @contextmanager
+    def scope(self, calls: dict[int, int]) -> Iterator[None]:
+        """Seed inside the block, counting calls on from ``calls``."""
+        hooks = self.open(calls)
+        try:
+            yield
+        finally:
+            _close(hooks)
+
+
+def _close(hooks: list[RemovableHandle]) -> None:
+    for h in hooks:
+        h.remove()
+
+
+class Segments:
+    """The scopes of one micro-batch's forward on a stage: :meth:`segment` is called once per checkpointed segment
+    (or once, without ``recompute=``), in order; each scope re-entered (the recompute) counts calls from where its
+    first run started, so it draws the same masks."""
+
+    def __init__(self, seeding: Seeding) -> None:
+        self.seeding = seeding
+        self.calls: dict[int, int] = {}
+
+    def segment(self) -> Callable[[], Any]:
+        return _Segment(self)
+
+
+class _Segment:
+    """One segment's scope (a context manager, and the factory :func:`..recompute.run_layers` calls for it)."""
+
+    def __init__(self, segments: Segments) -> None:
+        self.segments = segments
+        self.start: dict[int, int] | None = None  # the call counts its first run started from
+        self.hooks: list[list[RemovableHandle]] = []
+
+    def __call__(self) -> _Segment:
+        return self
+
+    def __enter__(self) -> None:
+        if self.start is None:
+            self.start = dict(self.segments.calls)
+        self.hooks.append(self.segments.seeding.open(self.start))
+
+    def __exit__(self, kind: Any, *rest: Any) -> None:
+        _close(self.hooks.pop())
+        if kind is None:
+            self.segments.calls = dict(self.segments.seeding.calls)
+
+
+class DropoutSeeds:
+    """This rank's seeding: the random modules of its stages, and where the running forward stands.
+
+    ``where()``: the (step, micro-batch) of the forward running now (from the interpreter's current action).
+    """
+
+    def __init__(
+        self,
+        found: Mapping[int, tuple[str, nn.Module]],
+        seed: int,
+        replica: int,
+        device: torch.device | None,
+        where: Callable[[], tuple[int, int]],
+    ) -> None:
+        self.modules = [m for _, m in found.values()]
+        self.codes = {i: name_code(n) for i, (n, _) in found.items()}
+        self.seed, self.replica, self.where = seed, replica, where
+        self.generators = _generators(device)
+
+    def forward(self) -> Segments:
+        """A stage's forward in training starts: its segments' scopes for this step and micro-batch."""
+        step, microbatch = self.where()
+        base = (self.seed, self.replica, step, microbatch)
+        return Segments(Seeding(self.modules, self.codes, base, self.generators))
+
+
+def attach_dropout(
+    named: Iterator[tuple[str, nn.Module]],
+    stages: Mapping[int, Any],
+    seed: int,
+    replica: int,
+    device: torch.device | None,
+    where: Callable[[], tuple[int, int]],
+) -> DropoutSeeds:
+    """Seed the dropouts of ``stages`` (index -> :class:`..engine.stage.Stage`) whose modules may drop; ``named``:
+    this rank's modules under their one-process names. A stage with none is left alone (no cost)."""
+    found = random_modules(named)
+    seeds = DropoutSeeds(found, seed, replica, device, where)
+    for st in stages.values():
+        inner = [m for root in st.modules for m in _modules_of(root)]
+        if any(id(m) in found for m in inner):
+            st.dropout = seeds
+    return seeds
+
+
+def _modules_of(root: nn.Module) -> Iterator[nn.Module]:
+    """``root``'s modules, and those of a tied module it uses without holding (a later use)."""
+    yield from root.modules()
+    for m in root.modules():
+        shared = m.__dict__.get("shared")
+        if isinstance(shared, nn.Module):
+            yield from shared.modules()
+
+
+@contextmanager
+def seeded_dropout(
+    model: nn.Module, *, seed: int = 0, step: int = 0, microbatch: int = 0, replica: int = 0
+) -> Iterator[None]:
+    """Inside the block, ``model``'s dropouts draw the masks a pipeline built with ``seed=seed`` draws for
+    micro-batch ``microbatch`` of train step ``step`` (0-based), replica ``replica``: the one-process reference.
+
+    Run one micro-batch's forward (and its backward) per block. ``model``'s module names must be the
+    pipeline's (``sw.build_model(layers)`` for a layer list; the model itself for ``from_model`` /
+    ``from_hf``)::
+
+        for i, (x, y) in enumerate(zip(x.tensor_split(m), y.tensor_split(m))):
+            with sw.runtime.seeded_dropout(model, seed=0, step=step, microbatch=i):
+                (loss_fn(model(x), y) * len(y) / batch).backward()
+    """
+    found = random_modules(model.named_modules())
+    codes = {i: name_code(n) for i, (n, _) in found.items()}
+    modules = [m for _, m in found.values()]
+    seeding = Seeding(modules, codes, (seed, replica, step, microbatch), _generators(_device_of(model)))
+    with seeding.scope({}):
+        yield
+
+
+def _device_of(model: nn.Module) -> torch.device | None:
+    for p in model.parameters():
+        return p.device
+    return None
