@@ -146,8 +146,6 @@ _MOVED = {
             "vocab_parallel_embedding",
             "collect_aux_losses",
             "measure_compute_scale",
-            "async_reference",
-            "wsp_reference",
             "shm_transport",
             "torch_transport",
         ],
@@ -156,6 +154,11 @@ _MOVED = {
 }
 #: names of stagewise 0.1 that were renamed: old name -> (module, new name, how to call it now)
 _RENAMED = {"pipeline_from_plan": ("stagewise.runtime", "Pipeline", "Pipeline.from_plan(plan, layers, ...)")}
+#: names of stagewise 0.1 that are gone: name -> what it was and where it is
+_GONE = {
+    name: f"a test-only replay of a rule; the repository keeps it in tests/oracles/{name}.py"
+    for name in ("async_reference", "wsp_reference")
+}
 
 
 #: subpackages reachable as attributes before anything imported them (``sw.planning.Link``, ``sw.runtime.Mesh``)
@@ -188,6 +191,8 @@ def __getattr__(name: str) -> Any:
             stacklevel=2,
         )
         return getattr(importlib.import_module(where), name)
+    if name in _GONE:
+        raise AttributeError(f"stagewise.{name} is gone: it was {_GONE[name]}")
     if name in _RENAMED:
         where, new, how = _RENAMED[name]
         warnings.warn(

@@ -19,7 +19,7 @@ The rooms (this door loads none of them until a name is asked for):
 * ``engine/``: executes the IR: the interpreter (one handler per action kind, no schedule-specific code),
   the runner (the one step protocol), stages, SYNC/STEP hooks, messages, backward split into I and W.
 * ``features/``: optional per-step behaviour, one file per option.
-* ``asynchronous/``: weight versions at run time, the version-aware interpreter, windows, one-process replays.
+* ``asynchronous/``: weight versions at run time, the version-aware interpreter, windows.
 * ``hybrid/``: the other parallel axes: device mesh, data parallelism, FSDP2 sharding, DTensor TP.
 * ``comm/``: talking to torch.distributed: set-up, groups, collectives; ``transport/``, ``shm/``, ``faults/``.
 * ``checkpoint/``: save / load / resume on torch.distributed.checkpoint; ``measure/``: profiling, calibration.
@@ -63,8 +63,6 @@ _NAMES = {
     "calibrate": ".measure.calibrate",
     "measure_compute_scale": ".measure.compute_scale",
     "counted_reads": ".measure.host_reads",
-    "async_reference": ".asynchronous.replay",
-    "wsp_reference": ".asynchronous.wsp_replay",
     "shm_transport": ".comm.shm.transport",
     "torch_transport": ".comm.transport.choose",
 }
@@ -72,9 +70,18 @@ _NAMES = {
 __all__ = sorted(_NAMES)
 
 
+#: names that left the runtime: name -> where they are now
+_GONE = {
+    "async_reference": "the repository's tests/oracles/async_reference.py (a test-only replay of the rule)",
+    "wsp_reference": "the repository's tests/oracles/wsp_reference.py (a test-only replay of the rule)",
+}
+
+
 def __getattr__(name: str) -> Any:
     if name in _NAMES:
         return getattr(importlib.import_module(_NAMES[name], __name__), name)
+    if name in _GONE:
+        raise AttributeError(f"stagewise.runtime.{name} is gone: it is {_GONE[name]}")
     raise AttributeError(f"module 'stagewise.runtime' has no attribute {name!r}")
 
 

@@ -157,7 +157,7 @@ class HetPipe:
         mine = [(n, q.numel()) for n, q in self.pipe.named_parameters()]
         record = {"params": mine, "counts": [len(r) for r in self.pipe.layer_ranges]}
         everyone = comm.gather_records(record, self.group, self.pipe.transport.guard.wait)
-        #: layers per stage of every VW (each partitioned for its own ranks), e.g. for :func:`wsp_reference`
+        #: layers per stage of every VW (each partitioned for its own ranks), (a one-process replay needs them)
         self.stage_counts = [everyone[ranks[0]]["counts"] for ranks in self.layout.workers]
         per_vw = [[(n, k) for r in ranks for n, k in everyone[r]["params"]] for ranks in self.layout.workers]
         for v, listed in enumerate(per_vw):
