@@ -211,9 +211,7 @@ def test_optimizers_without_a_rule_are_refused() -> None:
 
 def test_reference_refuses_a_synchronous_schedule() -> None:
     with pytest.raises(ValueError, match="not asynchronous"):
-        async_reference(
-            layers(), sw.build_schedule("1f1b", 2, 2), torch.optim.SGD, batches(), loss_fn=F.mse_loss
-        )
+        async_reference(layers(), sw.build_schedule("1f1b", 2, 2), torch.optim.SGD, batches(), loss_fn=F.mse_loss)
 
 
 # ---- a whole asynchronous pipeline on one rank ---------------------------------------

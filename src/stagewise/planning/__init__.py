@@ -140,5 +140,7 @@ def _job_search() -> Callable[..., PlanSearch] | None:
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
         return None
-    together: Callable[..., PlanSearch] = importlib.import_module("stagewise.runtime.plan_agreement").search_together
+    together: Callable[..., PlanSearch] = importlib.import_module(
+        "stagewise.runtime.frontends.plan_agreement"
+    ).search_together
     return together

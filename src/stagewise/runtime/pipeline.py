@@ -20,11 +20,12 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from ..ir import Timeline
-from .assembly import Held, assemble
-from .auto import synthesized
-from .combinations import refuse_options, refuse_parts
+from .assembly.agreement import check_same_build
+from .assembly.assemble import Held, assemble
+from .assembly.auto_schedule import synthesized
+from .assembly.combinations import refuse_options, refuse_parts
+from .assembly.context import place, resolve_schedule_for
 from .comm import lifecycle
-from .context import place, resolve_schedule_for
 from .engine.reports import gathered_losses, step_timeline
 from .features.clip import clip_pipeline_grads
 from .frontends.from_model import FromModel
@@ -34,7 +35,6 @@ from .frontends.layer_list import LayerList
 from .frontends.layers import Layers
 from .frontends.parts import Frontend
 from .frontends.plan import FromPlan
-from .option_agreement import check_same_build
 from .options import Options, check_applicable
 
 if TYPE_CHECKING:

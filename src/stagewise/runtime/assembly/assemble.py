@@ -16,33 +16,32 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..ir import Schedule
-from ..passes import forward_only
-from ..validate import async_table
-from .asynchronous.interpreter import AsyncInterpreter
-from .asynchronous.versions import StageVersions, VersionedStage
-from .asynchronous.windows import Windows
-from .comm import groups
-from .comm.transport.choose import resolve
-from .comm.transport.protocol import Transport, TransportSpec
-from .context import PipelineContext
-from .engine.hooks import StageHooks, optimizer_per_stage
-from .engine.interpreter import Interpreter
-from .engine.messages import Mailbox
-from .engine.runner import Runner
-from .engine.stage import Stage
-from .errors import PipelineError
-from .features.batchnorm import attach_batchnorms, check_batchnorm
-from .features.finite import finite_check
-from .features.memory import ActivationMeter
-from .features.offload import offload_optimizers
-from .features.precision import autocast_context, autocast_loss
-from .frontends.parts import Parts
-from .frontends.tied import TiedBuilder, TiedSync, stage_parameters
-from .options import Options
+from ...ir import Schedule
+from ...passes import forward_only
+from ...validate import async_table
+from ..asynchronous.interpreter import AsyncInterpreter
+from ..asynchronous.versions import StageVersions, VersionedStage
+from ..asynchronous.windows import Windows
+from ..comm import groups
+from ..comm.transport.choose import resolve
+from ..comm.transport.protocol import Transport, TransportSpec
+from ..engine.hooks import StageHooks, optimizer_per_stage
+from ..engine.interpreter import Interpreter
+from ..engine.messages import Mailbox
+from ..engine.runner import Runner
+from ..engine.stage import Stage
+from ..errors import PipelineError
+from ..features.batchnorm import attach_batchnorms, check_batchnorm
+from ..features.finite import finite_check
+from ..features.memory import ActivationMeter
+from ..features.offload import offload_optimizers
+from ..features.precision import autocast_context, autocast_loss
+from ..frontends.parts import Parts, PipelineContext
+from ..frontends.tied import TiedBuilder, TiedSync, stage_parameters
+from ..options import Options
 
 if TYPE_CHECKING:
-    from .hybrid.hybrid import Hybrid
+    from ..hybrid.hybrid import Hybrid
 
 
 @dataclass(eq=False)  # held in a WeakSet (by identity)

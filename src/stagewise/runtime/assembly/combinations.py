@@ -25,13 +25,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..ir import Schedule
-from ..schedules import is_asynchronous
-from ..validate import async_table
+from ...ir import Schedule
+from ...schedules import is_asynchronous
+from ...validate import async_table
 
 if TYPE_CHECKING:
-    from .frontends.parts import Parts
-    from .options import Options
+    from ..frontends.parts import Parts
+    from ..options import Options
 
 
 def refuse_options(entry: str, options: Options, schedule: Schedule) -> None:
@@ -63,7 +63,7 @@ def refuse_options(entry: str, options: Options, schedule: Schedule) -> None:
         )
     table = async_table(schedule)
     if table is not None and table.policy == "predict":
-        from .asynchronous.predict import check_predictable
+        from ..asynchronous.predict import check_predictable
 
         check_predictable(options.optimizer([nn.Parameter(torch.zeros(1))]))
 

@@ -1,4 +1,5 @@
-"""Where a pipeline runs: its process group (or mesh), this rank, the validated schedule, the device.
+"""Where a pipeline runs: its process group (or mesh), this rank, the validated schedule, the device
+(a :class:`~stagewise.runtime.frontends.parts.PipelineContext`, what every frontend builds for).
 
 Resolved once, before anything is built, so that every frontend (layer
 lists, ``from_model``, already-built stages) checks the same things the same
@@ -7,45 +8,23 @@ way and refuses bad input before any rank communicates.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from ..ir import Schedule
-from ..passes import add_optimizer_steps, build_schedule, lower
-from ..schedules import schedule_info
-from ..validate import validate_schedule, validate_versions
-from .comm import groups
-from .comm.faults import exit_hook
+from ...ir import Schedule
+from ...passes import add_optimizer_steps, build_schedule, lower
+from ...schedules import schedule_info
+from ...validate import validate_schedule, validate_versions
+from ..comm import groups
+from ..comm.faults import exit_hook
+from ..frontends.parts import PipelineContext
 
 if TYPE_CHECKING:
-    from ..parallel import ParallelConfig
-    from .hybrid.hybrid import Hybrid
-    from .hybrid.mesh import Mesh
-    from .options import Options
-
-
-@dataclass
-class PipelineContext:
-    """The group the schedule runs on, this rank in it, the schedule, the device, and the hybrid axes (or None)."""
-
-    group: Any
-    rank: int
-    num_ranks: int
-    schedule: Schedule
-    device: torch.device
-    hybrid: Hybrid | None
-
-    @property
-    def local_stages(self) -> tuple[int, ...]:
-        return tuple(self.schedule.stages_of(self.rank))
-
-    @property
-    def cut_group(self) -> Any:
-        """The ranks that must cut the model alike: the pipeline group, or every rank of a mesh (None: the
-        world), so that the replicas of a stage hold the same layers."""
-        return self.group if self.hybrid is None else None
+    from ...parallel import ParallelConfig
+    from ..hybrid.hybrid import Hybrid
+    from ..hybrid.mesh import Mesh
+    from ..options import Options
 
 
 def resolve_schedule_for(options: Options, stages: int | None = None) -> Schedule:
@@ -176,6 +155,6 @@ def _hybrid(parallel: ParallelConfig | Mesh | None) -> Hybrid | None:
     """The hybrid-parallel parts for ``parallel=`` (a ParallelConfig or Mesh), or None."""
     if parallel is None:
         return None
-    from .hybrid.hybrid import Hybrid
+    from ..hybrid.hybrid import Hybrid
 
     return Hybrid(parallel)

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..features.aux import attach, collect_aux_losses
+from ..features.aux_loss import attach, collect_aux_losses
 from ..features.recompute import Recompute, run_layers
 
 

@@ -23,11 +23,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..partition import LayerProfile
-from ..planning import Calibration, Link, Plan, PlanSearch, search
-from .comm import collectives, groups
-from .comm.faults.guard import setup_guard
-from .errors import PipelineError
+from ...partition import LayerProfile
+from ...planning import Calibration, Link, Plan, PlanSearch, search
+from ..comm import collectives, groups
+from ..comm.faults.guard import setup_guard
+from ..errors import PipelineError
 
 #: seconds every rank may take to reach :func:`stagewise.plan` (the first to arrive waits for the last)
 TIMEOUT = 300.0
