@@ -9,20 +9,24 @@ Under ``torchrun --nproc-per-node N train.py``, every rank runs::
     loss = pipe.train_step(inputs, targets)          # the batch's mean loss, on every rank
     opt.step(); opt.zero_grad()
 
-The rooms (this door loads none of them until a name is asked for):
+The rooms (this door loads none of them until a name is asked for), from the ground up; a room imports only
+rooms below it (``tests/core/test_layering.py``):
 
-* ``pipeline.py``, ``hetpipe.py``: the facades (every way in); ``options.py`` their one options value;
-  ``context.py`` where a pipeline runs; ``combinations.py`` what is refused; ``assembly.py`` the engine
-  around the built stages.
-* ``frontends/``: every way in returns parts for the assembly: layer lists, ``from_model`` (torch.fx,
-  ``split/``), ``from_hf``, ``from_stages``, plans; layers, tied modules, balancing.
+* ``errors.py``, ``interrupt.py``, ``losses.py``: the one error, Ctrl-C's line, token-level losses;
+* ``comm/``: talking to torch.distributed: set-up, groups, collectives; ``transport/``, ``shm/``, ``faults/``;
+  ``launch.py``: starting the ranks (``stagewise run``);
 * ``engine/``: executes the IR: the interpreter (one handler per action kind, no schedule-specific code),
-  the runner (the one step protocol), stages, SYNC/STEP hooks, messages, backward split into I and W.
-* ``features/``: optional per-step behaviour, one file per option.
-* ``asynchronous/``: weight versions at run time, the version-aware interpreter, windows.
-* ``hybrid/``: the other parallel axes: device mesh, data parallelism, FSDP2 sharding, DTensor TP.
-* ``comm/``: talking to torch.distributed: set-up, groups, collectives; ``transport/``, ``shm/``, ``faults/``.
-* ``checkpoint/``: save / load / resume on torch.distributed.checkpoint; ``measure/``: profiling, calibration.
+  the runner (the one step protocol), stages, messages, backward split into I and W; its two seams, a
+  stage's SYNC / STEP (``StagePart``) and each step (``StepPart``), which the features plug into;
+* ``hybrid/``: the other parallel axes: device mesh, data parallelism, FSDP2 sharding, DTensor TP;
+  ``checkpoint/``: save / load / resume on torch.distributed.checkpoint;
+* ``features/``: optional per-step behaviour, one file per option; ``asynchronous/``: weight versions at run
+  time, the version-aware interpreter, windows; ``measure/``: profiling a module, probing a link;
+* ``options.py``: the one options value; ``frontends/``: every way in returns parts for the assembly: layer
+  lists, ``from_model`` (torch.fx, ``split/``), ``from_hf``, ``from_stages``, plans;
+* ``assembly/``: the construction path: the schedule and where it runs, what is refused, the ranks'
+  agreement, ``schedule="auto"``, the engine around the built stages;
+* ``pipeline.py``, ``hetpipe.py``: the facades; ``calibration/``: pipelines run to measure the group.
 """
 
 from __future__ import annotations

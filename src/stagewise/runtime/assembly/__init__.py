@@ -7,5 +7,6 @@
   the device);
 * :mod:`.combinations`: every combination of options (and of a HetPipe's) that cannot run exactly, refused;
 * :mod:`.agreement`: every rank built with the same options and schedule, or every rank refuses;
-* :mod:`.assemble`: the engine around the parts a frontend built, and the step parts it registers.
+* :mod:`.assemble`: the engine around the parts a frontend built, and the parts of every step it registers
+  (:mod:`.step_parts`: when in a step the tied sums, the hybrid axes and the activation meter do their work).
 """

@@ -3,9 +3,14 @@
 One function, :func:`assemble`, whatever frontend built the parts, in the order the parts need each other:
 the parts are registered on the Pipeline under their one-process names; replicas a user built are made
 equal; the hybrid axes split, shard or replicate the stages before any optimizer sees their parameters;
-the transport exists before anything communicates; the hooks know every part with work at SYNC and STEP
-(and, with ``offload=``, step the optimizers on the host);
-an asynchronous schedule gets the version-aware interpreter. The Pipeline keeps what this returns.
+the transport exists before anything communicates; each stage's forward is composed from the options that
+change it (autocast, recompute, aux losses); an asynchronous schedule gets the version-aware interpreter.
+
+It registers, in order, every part with work at a stage's SYNC and STEP (:class:`~..engine.hooks.StagePart`:
+the hybrid axes, the tied sums, BatchNorm, the check of non-finite values; with ``offload=``, the optimizers
+step on the host) and around each step (:class:`~..engine.runner.StepPart`: the tied sums, the hybrid axes,
+the activation meter, BatchNorm, the check, the aux totals): the engine knows none of them by name. The
+Pipeline keeps what this returns.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from torch import nn
 
 from ...ir import Schedule
 from ...passes import forward_only
-from ...validate import async_table
+from ...schedules import is_asynchronous
 from ..asynchronous.interpreter import AsyncInterpreter
 from ..asynchronous.versions import StageVersions, VersionedStage
 from ..asynchronous.windows import Windows
@@ -28,17 +33,21 @@ from ..comm.transport.protocol import Transport, TransportSpec
 from ..engine.hooks import StageHooks, optimizer_per_stage
 from ..engine.interpreter import Interpreter
 from ..engine.messages import Mailbox
-from ..engine.runner import Runner
-from ..engine.stage import Stage
+from ..engine.runner import OneStep, Runner, StepPart, TrainLists
+from ..engine.stage import Forward, Stage
+from ..engine.step import Batches
 from ..errors import PipelineError
+from ..features.aux_loss import AuxTotals
 from ..features.batchnorm import attach_batchnorms, check_batchnorm
-from ..features.finite import finite_check
+from ..features.finite import FinitePart, finite_check
 from ..features.memory import ActivationMeter
 from ..features.offload import offload_optimizers
 from ..features.precision import autocast_context, autocast_loss
+from ..features.recompute import run_layers
 from ..frontends.parts import Parts, PipelineContext
 from ..frontends.tied import TiedBuilder, TiedSync, stage_parameters
 from ..options import Options
+from .step_parts import HybridStep, MeterStep, TiedStep
 
 if TYPE_CHECKING:
     from ..hybrid.hybrid import Hybrid
@@ -46,7 +55,7 @@ if TYPE_CHECKING:
 
 @dataclass(eq=False)  # held in a WeakSet (by identity)
 class Held:
-    """What a pipeline holds of torch.distributed, let go at interpreter exit (see :mod:`.comm.lifecycle`)."""
+    """What a pipeline holds of torch.distributed, let go at interpreter exit (see :mod:`..comm.lifecycle`)."""
 
     transport: Transport | None = None
     tied: TiedSync | None = None
@@ -78,6 +87,9 @@ class Engine:
     hooks: StageHooks
     runner: Runner
     eval_schedule: Schedule
+    finite: FinitePart | None  # the check of non-finite values (None: nan_policy=None)
+    aux: AuxTotals
+    meter: ActivationMeter | None  # measure_memory=True
     held: Held = field(default_factory=Held)
 
 
@@ -126,41 +138,114 @@ def _engine(
     for tied_group in tied_sync.groups.values():
         groups.bound(tied_group, options.timeout)
     hooks = StageHooks([tied_sync] if ctx.hybrid is None else [ctx.hybrid, tied_sync], optimizers, offload)
-    precision = autocast_context(options.autocast, ctx.device)
-    stages = {s: Stage(s, mods, options.recompute, precision, 1.0 / m) for s, mods in parts.modules.items()}
-    interpreter = _interpreter(ctx, options, stages, optimizers, transport, mailbox, hooks)
+    aux = AuxTotals(1.0 / m)
+    stages = {
+        s: Stage(s, mods, _forward(s, options, ctx.device, aux), options.recompute) for s, mods in parts.modules.items()
+    }
+    interpreter, lists = _interpreter(ctx, options, stages, optimizers, transport, mailbox, hooks)
     meter = ActivationMeter(root.parameters(), lambda: interpreter.current) if options.measure_memory else None
     norms = attach_batchnorms(
         check_batchnorm(options.batchnorm), parts.modules, lambda: interpreter.current,
         hybrid=ctx.hybrid, group=ctx.group, num_microbatches=m, wait=wait,
     )  # fmt: skip
     hooks.parts.append(norms)
+    finite = _finite(root, ctx, parts, options, stages, transport, tied_sync)
+    if finite is not None:
+        hooks.parts.append(finite)  # the check at the first STEP (at every STEP: asynchronous)
     eval_schedule = forward_only(schedule)  # validated: what eval_step runs
-    runner = Runner(
+    metered = None if meter is None else MeterStep(meter)
+    runner = _runner(
+        ctx, options, transport, interpreter, lists, eval_schedule, [TiedStep(tied_sync), metered, norms, finite, aux]
+    )
+    return Engine(
+        transport=transport, optimizers=optimizers, mailbox=mailbox, tied=tied_sync, hooks=hooks, runner=runner,
+        eval_schedule=eval_schedule, finite=finite, aux=aux, meter=meter, held=held,
+    )  # fmt: skip
+
+
+def _runner(
+    ctx: PipelineContext,
+    options: Options,
+    transport: Transport,
+    interpreter: Interpreter,
+    lists: TrainLists,
+    eval_schedule: Schedule,
+    step_parts: list[StepPart | None],
+) -> Runner:
+    """The runner of this rank's steps, with ``step_parts`` (and the hybrid axes' after the tied sums)."""
+    schedule = ctx.schedule
+    hybrid = None
+    if ctx.hybrid is not None:
+        weighted = options.loss_weights is not None
+        hybrid = HybridStep(ctx.hybrid, options.target_batch_dim, weighted, ctx.device, transport.guard.wait)
+        step_parts.insert(1, hybrid)
+    over_replicas = hybrid is not None and options.loss_weights is not None and hybrid.hybrid.config.replicas > 1
+    batches = Batches(
+        rank=ctx.rank,
+        placement=schedule.placement,
+        batch_dims=(options.batch_dim, options.target_batch_dim),
+        device=ctx.device,
+        has_loss=options.loss_fn is not None,
+        loss_weights=options.loss_weights,
+        denominators=hybrid.over_replicas if over_replicas and hybrid is not None else None,
+    )
+    return Runner(
         rank=ctx.rank,
         schedule=schedule,
-        device=ctx.device,
         transport=transport,
         interpreter=interpreter,
-        stages=stages,
-        train_actions=schedule.ranks[ctx.rank],
+        lists=lists,
         eval_actions=eval_schedule.ranks[ctx.rank],
-        batch_dims=(options.batch_dim, options.target_batch_dim),
-        has_loss=options.loss_fn is not None,
-        tied=tied_sync,
-        hybrid=ctx.hybrid,
-        meter=meter,
-        norms=norms,
-        loss_weights=options.loss_weights,
-        windows=Windows(schedule, ctx.rank) if async_table(schedule) is not None else None,
+        batches=batches,
+        parts=[part for part in step_parts if part is not None],
     )
+
+
+def _forward(stage: int, options: Options, device: torch.device, aux: AuxTotals) -> Forward:
+    """How stage ``stage`` runs its layers: in checkpointed segments (``recompute=``), inside the collector of
+    its aux terms, under autocast (``autocast=``)."""
+    recompute = options.recompute
+    precision = autocast_context(options.autocast, device)
+    collected = aux.forward(stage, lambda modules, x: run_layers(modules, x, recompute))
+
+    def forward(modules: Any, x: Any) -> Any:
+        with precision():
+            return collected(modules, x)
+
+    return forward
+
+
+def _finite(
+    root: nn.Module,
+    ctx: PipelineContext,
+    parts: Parts,
+    options: Options,
+    stages: dict[int, Stage],
+    transport: Transport,
+    tied: TiedSync,
+) -> FinitePart | None:
+    """The check of non-finite values (``nan_policy=``) as a part of STEP and of every train step, or None."""
     named = list(nn.Module.named_parameters(root)) + [
         (f"{name}.{k}", p) for name, module in parts.tied_copies.items() for k, p in module.named_parameters()
     ]
-    runner.finite = finite_check(options.nan_policy, runner, transport, ctx.hybrid, named)
-    if runner.finite is not None:
-        hooks.parts.append(runner)  # its before_step runs the check at the first STEP (at every STEP: async)
-    return Engine(transport, optimizers, mailbox, tied_sync, hooks, runner, eval_schedule, held)
+    check = finite_check(options.nan_policy, stages, ctx.rank, ctx.device, transport, ctx.hybrid, named)
+    if check is None:
+        return None
+    hybrid = ctx.hybrid
+
+    def settle() -> None:  # every gradient final: the tied sums and the hybrid axes' reductions waited for
+        tied.finish()
+        if hybrid is not None:
+            hybrid.before_step()
+
+    def settle_stage(stage: int) -> None:
+        if hybrid is not None:
+            hybrid.before_step(stage)
+
+    asynchronous = is_asynchronous(ctx.schedule)
+    return FinitePart(
+        check, placement=ctx.schedule.placement, asynchronous=asynchronous, settle=settle, settle_stage=settle_stage
+    )
 
 
 def _interpreter(
@@ -171,8 +256,9 @@ def _interpreter(
     transport: Transport,
     mailbox: Mailbox,
     hooks: StageHooks,
-) -> Interpreter:
-    """The interpreter of this rank's actions: version-aware when the schedule is asynchronous."""
+) -> tuple[Interpreter, TrainLists]:
+    """The interpreter of this rank's actions and what a train step runs: the schedule's list, or, when the
+    schedule is asynchronous, the version-aware interpreter and its windows."""
     base = Interpreter(
         rank=ctx.rank,
         placement=ctx.schedule.placement,
@@ -183,15 +269,16 @@ def _interpreter(
         hooks=hooks,
     )
     base.slowdown = options.slowdown_of(ctx.rank, ctx.num_ranks)
-    if async_table(ctx.schedule) is None:
-        return base
+    if not is_asynchronous(ctx.schedule):
+        return base, OneStep(ctx.schedule.ranks[ctx.rank], ctx.schedule.num_microbatches)
     versioned = {s: VersionedStage(st) for s, st in stages.items()}
     versions = {s: StageVersions(versioned[s], optimizers.get(s)) for s in versioned}
-    return AsyncInterpreter(base, versioned, versions)
+    interpreter = AsyncInterpreter(base, versioned, versions)
+    return interpreter, Windows(ctx.schedule, ctx.rank, interpreter.start_window)
 
 
 def make_transport(ctx: PipelineContext, options: Options) -> Transport:
-    """The pipeline's transport: ``options.transport`` as :func:`.comm.transport.choose.resolve` reads it."""
+    """The pipeline's transport: ``options.transport`` as :func:`..comm.transport.choose.resolve` reads it."""
     name, pipeline_id = groups.next_pipeline_id(ctx.group)
     hybrid = ctx.hybrid
     spec = TransportSpec(

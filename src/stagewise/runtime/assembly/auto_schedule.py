@@ -1,7 +1,7 @@
 """``schedule="auto"``: a schedule synthesized for the layers' measured costs (:mod:`stagewise.synthesis`).
 
 Before anything is placed, the first rank profiles the layers on ``sample_inputs`` (one micro-batch) and
-hands the profile to every rank (:func:`.frontends.balance.on_first_rank`); every rank cuts the layers with
+hands the profile to every rank (:func:`..frontends.balance.on_first_rank`); every rank cuts the layers with
 the partition mode (``"time"`` unless layer counts are given) over ``pp * virtual_stages`` stages, and
 synthesizes the schedule for those stages' costs: deterministic, so every rank holds the same one. The
 pipeline then runs that ordinary, validated :class:`~stagewise.Schedule` as if it had been given.

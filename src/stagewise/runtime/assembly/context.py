@@ -32,7 +32,7 @@ def resolve_schedule_for(options: Options, stages: int | None = None) -> Schedul
 
     ``stages``: how many stages the model is cut into, when its source fixes it (a tagged model); else
     ``options.stages``, else the schedule's own count. The schedule gets a STEP per stage when the pipeline
-    steps an optimizer (:attr:`Options.step_placement`).
+    steps an optimizer (:attr:`Options.optimizer_steps`, placed as :attr:`Options.steps_at_end` says).
     """
     groups.require_initialized()
     size = pipeline_size(options)
@@ -78,19 +78,21 @@ def schedule_for_stages(options: Options, num_ranks: int, stages: int | None, so
     stages per rank (4 stages on 2 ranks with ``"zb-v"``).
     """
     schedule, m, v = options.schedule, options.microbatches, options.virtual_stages
-    steps = options.step_placement
+    steps, at_end = options.optimizer_steps, options.steps_at_end
     what = f"{source} name {stages} stages" if source else f"stages={stages}"
     if isinstance(schedule, str) and stages is not None and v is None:
         if stages % num_ranks:
             raise ValueError(f"{what}, which do not divide evenly over {num_ranks} ranks")
         try:
-            return resolve_schedule(schedule, num_ranks, m, stages // num_ranks, optimizer_steps=steps)
+            return resolve_schedule(
+                schedule, num_ranks, m, stages // num_ranks, optimizer_steps=steps, steps_at_end=at_end
+            )
         except ValueError as err:
             raise ValueError(
                 f"{what} on {num_ranks} ranks ({stages // num_ranks} per rank), which schedule {schedule!r} "
                 f"cannot run: {err}"
             ) from err
-    sched = resolve_schedule(schedule, num_ranks, m, v, optimizer_steps=steps)
+    sched = resolve_schedule(schedule, num_ranks, m, v, optimizer_steps=steps, steps_at_end=at_end)
     if stages is not None and sched.num_stages != stages:
         raise ValueError(f"{what}, but schedule {sched.name!r} on {num_ranks} ranks runs {sched.num_stages} stages")
     return sched
@@ -102,20 +104,19 @@ def resolve_schedule(
     microbatches: int | None,
     virtual_stages: int | None,
     *,
-    optimizer_steps: str | None = None,
+    optimizer_steps: bool = False,
+    steps_at_end: bool = False,
 ) -> Schedule:
     """The complete, validated schedule to run, checked against the group before anything is built.
 
-    With ``optimizer_steps`` (``"after_sync"`` or ``"at_end"``) every stage has a STEP (a schedule that places
-    its own keeps them).
+    With ``optimizer_steps`` every stage has a STEP (a schedule that places its own keeps them): right after
+    its SYNC, or with ``steps_at_end`` at the end of each rank's list.
     """
-    if optimizer_steps not in (None, "after_sync", "at_end"):
-        raise ValueError(f"optimizer_steps must be None, 'after_sync' or 'at_end', got {optimizer_steps!r}")
-    at_end = optimizer_steps == "at_end"
+    after_sync, at_end = optimizer_steps and not steps_at_end, optimizer_steps and steps_at_end
     if isinstance(schedule, str):
         schedule_info(schedule)  # a clear error for unknown names
         m = num_ranks if microbatches is None else microbatches
-        built = build_schedule(schedule, num_ranks, m, virtual_stages, optimizer_steps=optimizer_steps == "after_sync")
+        built = build_schedule(schedule, num_ranks, m, virtual_stages, optimizer_steps=after_sync)
         built = _steps_at_end(built) if at_end else built
         validate_versions(built)  # asynchronous schedules: the version rules too (a no-op for the others)
         return built
@@ -134,11 +135,11 @@ def resolve_schedule(
             f"virtual_stages={virtual_stages}, but schedule {schedule.name!r} has {schedule.virtual_stages} per rank"
         )
     if schedule.is_complete:
-        if optimizer_steps is not None:
+        if optimizer_steps:
             schedule = add_optimizer_steps(schedule, at_end=at_end)
         validate_schedule(schedule)
     else:
-        schedule = lower(schedule, optimizer_steps=optimizer_steps == "after_sync")
+        schedule = lower(schedule, optimizer_steps=after_sync)
         if at_end:
             schedule = _steps_at_end(schedule)
     validate_versions(schedule)  # asynchronous schedules: the version rules too (a no-op for the others)
