@@ -15,7 +15,7 @@ differently; a memory cap read from the rank's device), so two guards:
   before any process group is made and, within the pipeline's ``timeout``, every rank refuses a mismatch
   with the same error, naming which ranks hold which plan.
 
-Everything that crosses ranks is plain JSON (:mod:`.comm.collectives`), never a pickle.
+Everything that crosses ranks is plain JSON (:mod:`..comm.collectives`), never a pickle.
 """
 
 from __future__ import annotations
