@@ -119,6 +119,23 @@ def test_a_failing_step_leaves_every_part_it_entered(one_rank) -> None:
     assert [e[0] for e in recorder2.seen] == ["enter", "exit"]  # left; the check (an earlier part) refused
 
 
+def test_the_check_as_a_step_part_puts_a_skipped_step_s_buffers_back(one_rank) -> None:
+    """nan_policy="skip" plugs in as a part of every step: the buffers it found at the step's start (BatchNorm's
+    running statistics, moved by the forwards of a NaN batch) are put back, and no weight moves."""
+    layers = [sw.Layer(nn.Linear, 4, 4, dtype=torch.float64), sw.Layer(nn.BatchNorm1d, 4, dtype=torch.float64),
+              sw.Layer(nn.Linear, 4, 4, dtype=torch.float64)]  # fmt: skip
+    pipe = sw.Pipeline(layers, loss_fn=F.mse_loss, schedule="1f1b", microbatches=2, optimizer=_sgd, seed=5,
+                       batchnorm="micro", nan_policy="skip")  # fmt: skip
+    (x, y), (x2, y2) = _batches(2)
+    pipe.train_step(x, y)
+    before = {k: v.clone() for k, v in pipe.state_dict().items()}
+    x2[1, 2] = float("nan")
+    pipe.train_step(x2, y2)
+    assert pipe.skipped_steps == 1
+    for name, value in pipe.state_dict().items():
+        torch.testing.assert_close(value, before[name], rtol=0, atol=0, msg=name)
+
+
 def test_train_stream_takes_a_synchronous_schedule_step_after_step(one_rank) -> None:
     """The mode is the schedule's: a synchronous stream is train_step after train_step, loss for loss and weight
     for weight (the optimizer steps through the schedule's STEP actions)."""
