@@ -138,9 +138,18 @@ def _train_step_refused(ctx: Ctx) -> Any:
     return pipe.train_step(x, y)
 
 
-def _stream_sync_refused(ctx: Ctx) -> Any:
-    pipe = sw.Pipeline(mdl.mlp(), loss_fn=F.cross_entropy, schedule="1f1b", optimizer=optimizer("sgd"))
-    return pipe.train_stream([])
+def stream_sync(ctx: Ctx) -> None:
+    """train_stream takes a synchronous schedule too: step after step, loss for loss and weight for weight as
+    train_step (the optimizer steps through the schedule's STEP actions)."""
+    first, last = ctx.rank == 0, ctx.rank == ctx.world - 1
+    mine = [(x if first else None, y if last else None) for x, y in stream(3, 4)]
+    streamed, stepped = (
+        sw.Pipeline(mdl.mlp(), loss_fn=F.cross_entropy, schedule="1f1b", optimizer=optimizer("sgd"), seed=3)
+        for _ in range(2)
+    )
+    assert list(streamed.train_stream(iter(mine))) == [stepped.train_step(x, y) for x, y in mine]
+    for (name, a), (_, b) in zip(streamed.named_parameters(), stepped.named_parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
 
 
 def _tied(ctx: Ctx) -> Any:
@@ -229,7 +238,7 @@ def checks(world: int) -> dict[str, Check]:
         "no weight-prediction rule for the optimizer RMSprop",
     )
     out["refuse-train-step"] = refused(_train_step_refused, "train with train_stream(batches), not train_step")
-    out["refuse-stream-sync"] = refused(_stream_sync_refused, "is synchronous: use train_step")
+    out["stream-sync"] = stream_sync
     out["refuse-tied"] = refused(_tied, "tied modules (emb) are not supported")
     out["refuse-split-backward"] = refused(
         _pipe(
