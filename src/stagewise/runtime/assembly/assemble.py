@@ -176,8 +176,10 @@ def _runner(
     schedule = ctx.schedule
     hybrid = None
     if ctx.hybrid is not None:
-        weighted = options.loss_weights is not None
-        hybrid = HybridStep(ctx.hybrid, options.target_batch_dim, weighted, ctx.device, transport.guard.wait)
+        hybrid = HybridStep(
+            ctx.hybrid, options.target_batch_dim, ctx.device,
+            weighted=options.loss_weights is not None, wait=transport.guard.wait,
+        )  # fmt: skip
         step_parts.insert(1, hybrid)
     over_replicas = hybrid is not None and options.loss_weights is not None and hybrid.hybrid.config.replicas > 1
     batches = Batches(

@@ -47,7 +47,7 @@ class HybridStep:
     check that the replicas trained on equal batches comes with it); after an eval, sharded stages let go of
     their gathered parameters."""
 
-    def __init__(self, hybrid: Hybrid, target_dims: Dims, weighted: bool, device: torch.device, wait: Any) -> None:
+    def __init__(self, hybrid: Hybrid, target_dims: Dims, device: torch.device, *, weighted: bool, wait: Any) -> None:
         self.hybrid = hybrid
         self.target_dims = target_dims
         self.weighted = weighted  # the losses were weighted over every replica already (loss_weights=)
