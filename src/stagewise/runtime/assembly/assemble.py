@@ -153,10 +153,13 @@ def _engine(
     if finite is not None:
         hooks.parts.append(finite)  # the check at the first STEP (at every STEP: asynchronous)
     eval_schedule = forward_only(schedule)  # validated: what eval_step runs
+    hybrid = None if ctx.hybrid is None else HybridStep(
+        ctx.hybrid, options.target_batch_dim, ctx.device,
+        weighted=options.loss_weights is not None, wait=wait,
+    )  # fmt: skip
     metered = None if meter is None else MeterStep(meter)
-    runner = _runner(
-        ctx, options, transport, interpreter, lists, eval_schedule, [TiedStep(tied_sync), metered, norms, finite, aux]
-    )
+    step_parts: list[StepPart | None] = [TiedStep(tied_sync), hybrid, metered, norms, finite, aux]  # in this order
+    runner = _runner(ctx, options, transport, interpreter, lists, eval_schedule, step_parts, hybrid)
     return Engine(
         transport=transport, optimizers=optimizers, mailbox=mailbox, tied=tied_sync, hooks=hooks, runner=runner,
         eval_schedule=eval_schedule, finite=finite, aux=aux, meter=meter, held=held,
@@ -171,16 +174,10 @@ def _runner(
     lists: TrainLists,
     eval_schedule: Schedule,
     step_parts: list[StepPart | None],
+    hybrid: HybridStep | None,
 ) -> Runner:
-    """The runner of this rank's steps, with ``step_parts`` (and the hybrid axes' after the tied sums)."""
+    """The runner of this rank's steps, with ``step_parts`` (those not None) around and after each."""
     schedule = ctx.schedule
-    hybrid = None
-    if ctx.hybrid is not None:
-        hybrid = HybridStep(
-            ctx.hybrid, options.target_batch_dim, ctx.device,
-            weighted=options.loss_weights is not None, wait=transport.guard.wait,
-        )  # fmt: skip
-        step_parts.insert(1, hybrid)
     over_replicas = hybrid is not None and options.loss_weights is not None and hybrid.hybrid.config.replicas > 1
     batches = Batches(
         rank=ctx.rank,
