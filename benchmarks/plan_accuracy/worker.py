@@ -39,8 +39,8 @@ from stagewise.runtime import build_mesh, measure_compute_scale
 # under its own: the idle CPU once the chosen plans' meshes exist, the cores on the model's own work (not its
 # fixed probe); and the very plan sw.runtime.measure_compute_scale() will run, to hand it a mesh shared with the timed
 # plans. No public name offers these three.
-from stagewise.runtime.measure.calibrate import effective_cores, idle_cpu
-from stagewise.runtime.measure.compute_scale import probe_plan
+from stagewise.runtime.calibration.calibrate import effective_cores, idle_cpu
+from stagewise.runtime.calibration.compute_scale import probe_plan
 
 from .misses import MISS, ablations
 from .models import MODELS

@@ -12,6 +12,7 @@ from its package (``stagewise.ir``, ``stagewise.passes``, ``stagewise.schedules`
 from __future__ import annotations
 
 import importlib
+import sys
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +20,7 @@ from ._util import VERSION
 from .interop import from_torch, to_torch_csv
 from .ir import Action, Schedule, Timeline
 from .parallel import ParallelConfig
+from .partition import LayerProfile
 from .passes import build_schedule
 from .render import render_ascii, render_png, render_trace
 from .schedules import schedule_info, schedule_names
@@ -26,10 +28,11 @@ from .simulation import CostModel, SimResult, simulate
 from .synthesis import synthesize
 from .validate import ScheduleError, validate_schedule
 
-if TYPE_CHECKING:  # loaded on first use (below): the runtime pulls in torch, the planner is not always needed
+if TYPE_CHECKING:  # loaded on first use (__getattr__): the runtime pulls in torch, the planner is not always needed
+    from typing_extensions import Unpack
+
     from . import checkpoint
-    from .partition import LayerProfile
-    from .planning import Plan, plan
+    from .planning import Plan, PlanOptions
     from .runtime import (
         HetPipe,
         Layer,
@@ -51,6 +54,9 @@ if TYPE_CHECKING:  # loaded on first use (below): the runtime pulls in torch, th
 
 __version__ = VERSION
 
+#: the public API: the one list of its names. A name not imported above is loaded on first use: the runtime's,
+#: a subpackage (``checkpoint``), or a name :data:`_ELSEWHERE` says (tests/core/test_public_names.py checks
+#: that the imports above and the TYPE_CHECKING block agree with it)
 __all__ = [
     # running a pipeline
     "Pipeline",
@@ -97,34 +103,34 @@ __all__ = [
     "plan",
     "Plan",
 ]
+#: public names loaded on first use from elsewhere than the runtime: the planner's result
+_ELSEWHERE = {"Plan": "stagewise.planning"}
 
-#: public names loaded on first use, and where they live
-_LAZY = {
-    **dict.fromkeys(
-        [
-            "Pipeline",
-            "Options",
-            "init",
-            "Layer",
-            "Tied",
-            "build_model",
-            "Mesh",
-            "HetPipe",
-            "MicroBatches",
-            "stage",
-            "PipelineError",
-            "causal_lm_loss",
-            "count_tokens",
-            "aux_loss",
-            "profile",
-            "calibrate",
-        ],
-        "stagewise.runtime",
-    ),
-    "LayerProfile": "stagewise.partition",
-    "plan": "stagewise.planning",
-    "Plan": "stagewise.planning",
-}
+
+def plan(profile: LayerProfile, processes: int, **options: Unpack[PlanOptions]) -> list[Plan]:
+    """The ``top`` fastest plans that fit memory (:func:`stagewise.planning.plan`), the same on every rank.
+
+    Inside a job (torch.distributed initialised, more than one process) this is a collective: every rank
+    calls it, global rank 0's inputs go to every rank and every rank gets the same plans
+    (:func:`stagewise.runtime.frontends.plan_agreement.search_together`), so that ``Pipeline.from_plan``
+    builds one pipeline, not several that wait on each other. Anywhere else it is the pure planner itself,
+    and loads no torch. The options and what they mean: :func:`stagewise.planning.plan`.
+    """
+    if _in_a_job():
+        from .runtime.frontends.plan_agreement import search_together
+
+        return list(search_together(profile, processes, **options).plans)
+    from .planning import plan as pure
+
+    return pure(profile, processes, **options)
+
+
+def _in_a_job() -> bool:
+    """Whether this process is one rank of an initialised torch.distributed job of several (torch is not
+    imported to find out: a process that never loaded torch.distributed is in no job)."""
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
 
 #: names of stagewise 0.1 that moved (deprecated here for one release): name -> the module that has it now
 _MOVED = {
@@ -151,8 +157,6 @@ _MOVED = {
             "vocab_parallel_embedding",
             "collect_aux_losses",
             "measure_compute_scale",
-            "async_reference",
-            "wsp_reference",
             "shm_transport",
             "torch_transport",
         ],
@@ -161,6 +165,11 @@ _MOVED = {
 }
 #: names of stagewise 0.1 that were renamed: old name -> (module, new name, how to call it now)
 _RENAMED = {"pipeline_from_plan": ("stagewise.runtime", "Pipeline", "Pipeline.from_plan(plan, layers, ...)")}
+#: names of stagewise 0.1 that are gone: name -> what it was and where it is
+_GONE = {
+    name: f"a test-only replay of a rule; the repository keeps it in tests/oracles/{name}.py"
+    for name in ("async_reference", "wsp_reference")
+}
 
 
 #: subpackages reachable as attributes before anything imported them (``sw.planning.Link``, ``sw.runtime.Mesh``)
@@ -184,8 +193,8 @@ _PACKAGES = (
 def __getattr__(name: str) -> Any:
     if name in _PACKAGES:  # e.g. sw.checkpoint.save(...) without importing it first
         return importlib.import_module(f".{name}", __name__)
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
+    if name in __all__:  # not imported above: the runtime's, unless _ELSEWHERE says
+        return getattr(importlib.import_module(_ELSEWHERE.get(name, "stagewise.runtime")), name)
     if name in _MOVED:
         where = _MOVED[name]
         warnings.warn(
@@ -194,6 +203,8 @@ def __getattr__(name: str) -> Any:
             stacklevel=2,
         )
         return getattr(importlib.import_module(where), name)
+    if name in _GONE:
+        raise AttributeError(f"stagewise.{name} is gone: it was {_GONE[name]}")
     if name in _RENAMED:
         where, new, how = _RENAMED[name]
         warnings.warn(

@@ -215,6 +215,7 @@ def test_registry_builds_async_schedules_by_name() -> None:
     assert s.meta["versions"].minibatches == 5 and s.meta["versions"].microbatches == 1
     s = sw.build_schedule("pipedream-2bw", 3, 6)
     assert (s.meta["versions"].minibatches, s.meta["versions"].microbatches) == (2, 3)
+    assert [s.meta["versions"].minibatch_of(i) for i in range(6)] == [0, 0, 0, 1, 1, 1]
 
 
 # ---- simulator --------------------------------------------------------------------

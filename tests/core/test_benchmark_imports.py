@@ -23,10 +23,10 @@ INTERNAL = {
     ("pipeline_vs_torch/model.py", "stagewise.runtime.engine.backward"): (
         "the ideal's stage costs are timed with the kernels the runtime runs"
     ),
-    ("plan_accuracy/worker.py", "stagewise.runtime.measure.calibrate"): (
+    ("plan_accuracy/worker.py", "stagewise.runtime.calibration.calibrate"): (
         "the idle CPU and the cores measured again under the run's own conditions, not calibrate()'s"
     ),
-    ("plan_accuracy/worker.py", "stagewise.runtime.measure.compute_scale"): (
+    ("plan_accuracy/worker.py", "stagewise.runtime.calibration.compute_scale"): (
         "the plan measure_compute_scale() runs, so that its mesh is shared with the timed plans"
     ),
     ("transport_pingpong.py", "stagewise.runtime.comm"): "it drives a transport directly: the protocol's values",

@@ -43,6 +43,18 @@ def test_bad_text_is_rejected_with_reason(text: str, fragment: str) -> None:
         parse_action(text)
 
 
+def test_kinds_say_what_they_are() -> None:
+    assert [k.value for k in Kind if k.is_backward] == ["B", "I", "W"]
+    assert [k.value for k in Kind if k.is_compute] == ["F", "B", "I", "W"]
+
+
+def test_a_schedule_says_whether_it_is_asynchronous() -> None:
+    """The one answer (stagewise.schedules.is_asynchronous asks it of a Schedule): a version table carried."""
+    assert sw.build_schedule("pipedream", 2, 2).is_asynchronous
+    assert not sw.build_schedule("1f1b", 2, 2).is_asynchronous
+    assert sw.schedules.is_asynchronous("xpipe") and not sw.schedules.is_asynchronous("zb-v")
+
+
 def test_placements() -> None:
     assert sw.ir.loop_placement(3, 2) == (0, 1, 2, 0, 1, 2)
     assert sw.ir.v_placement(3, 2) == (0, 1, 2, 2, 1, 0)

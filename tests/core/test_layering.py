@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from helpers.imports import imports_of, modules
+
 SRC = Path(__file__).resolve().parents[2] / "src" / "stagewise"
 RUNTIME = SRC / "runtime"
 #: the rooms allowed to import torch.distributed: the transport and collectives; the hybrid axes, which wrap
@@ -58,3 +60,76 @@ def test_planning_and_simulating_load_no_torch() -> None:
         "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+#: the runtime's rooms, floor by floor from the ground: a room imports only rooms on the floors below its own
+#: (besides its own files), at the top of a file, under TYPE_CHECKING or inside a function alike. The door
+#: (runtime/__init__.py, which loads every room lazily) stands above them all.
+RUNTIME_FLOORS: list[list[str]] = [
+    ["errors.py", "interrupt.py", "losses.py"],  # what every room may raise, note or compute
+    ["comm", "launch.py", "interop"],  # torch.distributed: transports, groups, collectives, faults; starting the
+    # ranks; torch.distributed.pipelining's schedules and runtime
+    ["engine"],  # executes the IR: the interpreter, the runner and its two seams (StagePart, StepPart)
+    ["hybrid", "checkpoint"],  # the other parallel axes; save / load (a pipeline by its declared protocol)
+    ["features", "asynchronous", "measure"],  # what plugs into the engine's seams; weight versions; profiling
+    ["options.py"],  # the one options value, checked by each feature's own rules
+    ["frontends"],  # every way in: from what the user gives to this rank's parts
+    ["assembly"],  # the construction path: refusals, agreement, schedule, placement, the engine around parts
+    ["pipeline.py"],  # the facade
+    ["hetpipe.py", "calibration"],  # what runs pipelines: HetPipe's virtual workers, the group's calibration
+]
+RUNTIME_DOOR = "stagewise.runtime"
+
+
+def _room(module: str) -> str | None:
+    """The runtime room of a module: its first folder under runtime/, or its own file at the root."""
+    prefix = RUNTIME_DOOR + "."
+    if not module.startswith(prefix):
+        return None
+    first = module[len(prefix) :].split(".")[0]
+    return first if (RUNTIME / first).is_dir() else f"{first}.py"
+
+
+def test_every_runtime_room_has_a_floor() -> None:
+    rooms = {p.name for p in RUNTIME.iterdir() if (p.is_dir() and (p / "__init__.py").exists()) or p.suffix == ".py"}
+    declared = [room for floor in RUNTIME_FLOORS for room in floor]
+    assert len(declared) == len(set(declared)), "a room stands on two floors"
+    assert sorted(rooms - {"__init__.py"}) == sorted(declared), "RUNTIME_FLOORS must name every room, no more"
+
+
+def test_no_runtime_import_goes_up() -> None:
+    """The runtime's rooms stack: no import, eager or lazy, reaches a room on the same floor or above."""
+    floor = {room: k for k, rooms in enumerate(RUNTIME_FLOORS) for room in rooms}
+    upward: list[str] = []
+    for module in modules():
+        here = _room(module)
+        if here is None or module == RUNTIME_DOOR:
+            continue
+        for imp in imports_of(module):
+            there = _room(imp.target)
+            if there is None or imp.target == RUNTIME_DOOR or there == here:
+                continue
+            if floor[there] >= floor[here]:
+                how = "by name" if imp.by_name else "lazily" if imp.lazy else "at the top"
+                found = f"{modules()[module].relative_to(SRC)}:{imp.line} imports {imp.target} ({how})"
+                if found not in upward:
+                    upward.append(found)
+    assert upward == [], "imports that go up (or sideways) the runtime's floors:\n" + "\n".join(upward)
+
+
+def test_only_the_facade_imports_the_runtime() -> None:
+    """The pure core never reaches into the runtime, not even by name through importlib: only the facade
+    (stagewise/__init__.py and its lazy checkpoint door) loads it, on a name's first use, and the command line
+    (``stagewise run`` starts the ranks with the runtime's launcher)."""
+    facade = {"stagewise", "stagewise.checkpoint"}
+    offenders = [
+        f"{module} -> {imp.target}" + (" (by name)" if imp.by_name else "")
+        for module in modules()
+        if _room(module) is None
+        and module != RUNTIME_DOOR
+        and module not in facade
+        and not module.startswith("stagewise.cli")
+        for imp in imports_of(module)
+        if imp.target == RUNTIME_DOOR or _room(imp.target) is not None
+    ]
+    assert offenders == []

@@ -48,6 +48,14 @@ def test_a_moved_name_still_works_for_one_release_and_says_where_it_went(old: st
     assert value is getattr(getattr(sw, home), old)
 
 
+@pytest.mark.parametrize("name", ["async_reference", "wsp_reference"])
+def test_the_test_only_replays_left_the_runtime_saying_where_they_went(name: str) -> None:
+    for door in (sw, sw.runtime):
+        with pytest.raises(AttributeError, match=f"tests/oracles/{name}.py"):
+            getattr(door, name)
+    assert name not in sw.runtime.__all__
+
+
 def test_pipeline_from_plan_is_now_a_classmethod() -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import stagewise as sw
+from oracles.async_reference import ReferenceRun, async_reference
 from stagewise.runtime.asynchronous.predict import check_predictable, predict
 
 LR, MU = 0.1, 0.5
@@ -35,13 +36,13 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.tensor([[x]], dtype=torch.float64), torch.tensor([[y]], dtype=torch.float64)) for x, y in zip(X, Y)]
 
 
-def replay(name: str, opt: str = "sgd", **options: bool) -> sw.runtime.async_reference:  # type: ignore[valid-type]
+def replay(name: str, opt: str = "sgd", **options: bool) -> ReferenceRun:
     schedule = sw.schedules.async_schedule(name, 2, 3, 1, **options)
 
     def factory(params: list[nn.Parameter]) -> torch.optim.Optimizer:
         return torch.optim.SGD(params, lr=LR, momentum=MU if opt == "momentum" else 0.0)
 
-    return sw.runtime.async_reference(layers(), schedule, factory, batches(), loss_fn=F.mse_loss, counts=[2, 1])
+    return async_reference(layers(), schedule, factory, batches(), loss_fn=F.mse_loss, counts=[2, 1])
 
 
 def weights(run: object) -> tuple[float, float, float]:
@@ -164,7 +165,7 @@ def test_windows_drain_the_pipeline() -> None:
     def factory(params: list[nn.Parameter]) -> torch.optim.Optimizer:
         return torch.optim.SGD(params, lr=LR)
 
-    run = sw.runtime.async_reference(layers(), schedule, factory, batches(), loss_fn=F.mse_loss, counts=[2, 1])
+    run = async_reference(layers(), schedule, factory, batches(), loss_fn=F.mse_loss, counts=[2, 1])
     model = sw.build_model(layers())
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     for (x, y), got in zip(batches(), run.losses):
@@ -210,9 +211,7 @@ def test_optimizers_without_a_rule_are_refused() -> None:
 
 def test_reference_refuses_a_synchronous_schedule() -> None:
     with pytest.raises(ValueError, match="not asynchronous"):
-        sw.runtime.async_reference(
-            layers(), sw.build_schedule("1f1b", 2, 2), torch.optim.SGD, batches(), loss_fn=F.mse_loss
-        )
+        async_reference(layers(), sw.build_schedule("1f1b", 2, 2), torch.optim.SGD, batches(), loss_fn=F.mse_loss)
 
 
 # ---- a whole asynchronous pipeline on one rank ---------------------------------------
@@ -228,7 +227,7 @@ def test_one_rank_async_pipeline_matches_the_reference(one_rank, name: str, opti
     schedule = sw.schedules.async_schedule(name, 1, 2, 1, **options)
     pipe = sw.Pipeline(layers(), loss_fn=F.mse_loss, schedule=schedule, optimizer=factory)
     losses = list(pipe.train_stream(batches(), steps=3))
-    ref = sw.runtime.async_reference(layers(), schedule, factory, batches(), loss_fn=F.mse_loss)
+    ref = async_reference(layers(), schedule, factory, batches(), loss_fn=F.mse_loss)
     assert losses == pytest.approx(ref.losses, abs=1e-15)
     got = dict(pipe.named_parameters())
     for n, q in ref.model.named_parameters():
@@ -269,6 +268,6 @@ def test_2bw_with_two_microbatches_differentiates_the_version_before_the_last() 
     def factory(params: list[nn.Parameter]) -> torch.optim.Optimizer:
         return torch.optim.SGD(params, lr=LR)
 
-    run = sw.runtime.async_reference(layers(), schedule, factory, data, loss_fn=F.mse_loss, counts=[2, 1])
+    run = async_reference(layers(), schedule, factory, data, loss_fn=F.mse_loss, counts=[2, 1])
     assert run.losses == pytest.approx([l0, l1], abs=1e-14)
     assert weights(run) == pytest.approx(expected, abs=1e-14)

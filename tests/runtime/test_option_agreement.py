@@ -1,4 +1,4 @@
-"""What ranks compare before building a pipeline (stagewise.runtime.option_agreement), in one process; the
+"""What ranks compare before building a pipeline (stagewise.runtime.assembly.agreement), in one process; the
 collective itself is tests/distributed/test_runtime_4ranks.py::test_ranks_built_alike_or_refused."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import stagewise as sw
-from stagewise.runtime.option_agreement import described, differences, schedule_digest
+from stagewise.runtime.assembly.agreement import described, differences, schedule_digest
 from stagewise.runtime.options import Options
 
 

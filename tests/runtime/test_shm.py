@@ -1,4 +1,4 @@
-"""The shared-memory slot / doorbell protocol (runtime/comm/shm_slots.py, shm_doorbell.py) in one process
+"""The shared-memory slot / doorbell protocol (runtime/comm/shm/slots.py, doorbell.py) in one process
 (two threads) and across two processes, against the values sent; the transport choice's errors. No process
 group is needed here: the runtime checks run on this transport in tests/distributed/test_runtime_2ranks.py /
 test_runtime_4ranks.py and tests/system/test_runtime_faults.py.

@@ -3,7 +3,7 @@
 One torchrun job trains every method for one window on the GPT and the CNN;
 the tests read its JSON and markdown and check them against references: the
 tables' shape, every method's losses finite, the synchronous rows equal to
-one-process training, the asynchronous rows equal to ``sw.runtime.async_reference``'s
+one-process training, the asynchronous rows equal to ``async_reference``'s
 replay of their version rule, the memory columns against the model's
 parameter bytes, and the verdict rule against its definition. No timing is
 asserted (samples/s is only checked to be a positive number).
@@ -27,7 +27,7 @@ from benchmarks.compare.costs import SIM_RANKS
 from benchmarks.compare.workloads import workload
 
 import stagewise as sw
-from stagewise.runtime import async_reference
+from oracles.async_reference import async_reference
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,6 +1,7 @@
 """Asynchronous pipelines, the pure part: weight versions as data (PipeDream, 2BW, XPipe) and HetPipe's wave rule.
 
-* :mod:`.versions`: which weights every forward and backward uses (:class:`VersionTable`), the rules;
+* :mod:`.table`: a weight-version table as plain data (:class:`VersionTable`, :class:`Version`);
+* :mod:`.versions`: which weights every forward and backward uses, the rules that make a table;
 * :mod:`.arrays` / :mod:`.reference`: the same computations on integer columns (what runs at scale) and
   action by action (what the arrays are property-tested against, and the fallback for unlowered lists);
 * :mod:`.wsp`: HetPipe's wave-synchronous parallel: virtual workers, clocks, the staleness bound.

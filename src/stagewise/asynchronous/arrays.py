@@ -7,7 +7,7 @@ a call and, on a lowered schedule, first makes every rank's action objects.
 Here each rank's intervals come from whole-array operations: the first and last
 use of each (stage, version) by ``np.unique``, each current version's span from
 the positions of its stage's STEPs, the count from a difference array.
-``tests/test_versions_fast.py`` keeps it equal to the list sweep.
+``tests/core/test_versions_fast.py`` keeps it equal to the list sweep.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The straightforward weight-version computations, kept as the reference the fast ones in
-:mod:`stagewise.asynchronous.versions` are property-tested against (``tests/test_versions_fast.py``).
+:mod:`stagewise.asynchronous.versions` are property-tested against (``tests/core/test_versions_fast.py``).
 
 Action by action, with dicts keyed by ``Version`` and text forms: easy to read against the definitions in
 :mod:`stagewise.asynchronous.versions`, and seconds-slow at 128 ranks x 1024 micro-batches.

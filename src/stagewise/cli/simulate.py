@@ -193,10 +193,10 @@ def _short_list(values: Sequence[float], limit: int = 16) -> str:
 def _async_versions(schedule: Schedule, result: SimResult, *, label: bool = True) -> dict[str, object]:
     """For an asynchronous schedule: label the timeline's boxes with their versions (when it will be drawn),
     report the versions kept (only the peaks: the full memory report costs seconds at 128 x 1024)."""
+    from ..schedules import is_asynchronous
     from ..simulation import labelled_timeline, peak_versions
-    from ..validate import async_table
 
-    if async_table(schedule) is None:
+    if not is_asynchronous(schedule):
         return {}
     if label:
         labelled_timeline(schedule, result)

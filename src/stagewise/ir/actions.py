@@ -99,7 +99,3 @@ def parse_action(text: str) -> Action:
     if not mb:
         raise ValueError(f"action {text!r}: {kind.value} needs a micro-batch number, e.g. '{stage}{kind.value}0'")
     return Action(int(stage), kind, int(mb))
-
-
-def format_actions(actions: tuple[Action, ...] | list[Action]) -> str:
-    return " ".join(str(a) for a in actions)

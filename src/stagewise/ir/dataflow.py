@@ -43,16 +43,6 @@ def consumer_stage(msg: Message) -> int:
     return msg.stage + 1 if msg.direction == "F" else msg.stage - 1
 
 
-def send_action(msg: Message) -> Action:
-    kind = Kind.SEND_F if msg.direction == "F" else Kind.SEND_B
-    return Action(msg.stage, kind, msg.microbatch)
-
-
-def recv_action(msg: Message) -> Action:
-    kind = Kind.RECV_F if msg.direction == "F" else Kind.RECV_B
-    return Action(consumer_stage(msg), kind, msg.microbatch)
-
-
 def message_of(a: Action) -> Message:
     """The message a communication action moves (SEND_F s <-> RECV_F s+1, SEND_B s <-> RECV_B s-1)."""
     mb = a.microbatch

@@ -91,6 +91,13 @@ class Schedule:
         return self.placement[stage]
 
     @property
+    def is_asynchronous(self) -> bool:
+        """True when the schedule carries a weight-version table (``meta["versions"]``): its stages step at their
+        own STEPs, a SYNC and a STEP per mini-batch (PipeDream, 2BW, XPipe). The one answer to "is this schedule
+        asynchronous?" (a registered name's: :func:`stagewise.schedules.is_asynchronous`)."""
+        return self.meta.get("versions") is not None
+
+    @property
     def is_complete(self) -> bool:
         """True when the schedule carries its own communication actions."""
         # set operations over the kinds run in C: this is asked of schedules with millions of actions

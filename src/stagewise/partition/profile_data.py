@@ -1,7 +1,7 @@
 """Per-layer costs as plain data: what a profile measured, summed into stages for the simulator.
 
 Pure (no torch): the planner and the partitioner consume these without a
-process or a device; :mod:`stagewise.runtime.profiling` measures them.
+process or a device; :mod:`stagewise.runtime.measure.profiling` measures them.
 """
 
 from __future__ import annotations

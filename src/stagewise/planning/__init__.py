@@ -3,19 +3,18 @@
 Pure (no torch). :func:`plan` searches layouts (pp x dp x sharding x tp),
 schedules, virtual stages, micro-batch counts, partitions and recompute,
 predicts each one's step time and per-rank peak memory with the simulator,
-and returns the best as :class:`Plan` values; ``stagewise.runtime.frontends.plan``
-turns one into a ``Pipeline``. :mod:`.search` says how, :mod:`.costing` how
+and returns the best as :class:`Plan` values; ``Pipeline.from_plan``
+turns one into a pipeline. :mod:`.search` says how, :mod:`.costing` how
 a step is costed (the equations), :mod:`.comm` how collectives are costed,
 :class:`Calibration` what the runtime measured (``stagewise.calibrate()``).
 
-(The package is ``stagewise.planning``; ``stagewise.plan`` is the function.)
+(The package is ``stagewise.planning``; ``stagewise.plan`` is the function: this one on one process, the
+same on every rank of a job.)
 """
 
 from __future__ import annotations
 
-import importlib
-import sys
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, TypedDict
 
 from ..partition import LayerProfile
@@ -91,10 +90,8 @@ def search(profile: LayerProfile, processes: int, **options: Unpack[PlanOptions]
 def plan(profile: LayerProfile, processes: int, **options: Unpack[PlanOptions]) -> list[Plan]:
     """The ``top`` fastest plans that fit memory, fastest first, each saying why it beat the next.
 
-    Inside a job (torch.distributed initialised, more than one process) this is a collective: every rank
-    calls it, global rank 0's inputs go to every rank and every rank gets the same plans
-    (``stagewise.runtime.plan_agreement``), so that ``Pipeline.from_plan`` builds one pipeline, not several
-    that wait on each other. :func:`search` plans on this process alone.
+    Pure: it plans on this process alone, from its arguments (inside a job, :func:`stagewise.plan` gives
+    every rank the plans of rank 0's inputs).
 
     ``profile``: per-layer times and bytes of one micro-batch of ``profile_batch`` samples
     (:func:`stagewise.profile`); costs scale linearly with the micro-batch size.
@@ -124,21 +121,4 @@ def plan(profile: LayerProfile, processes: int, **options: Unpack[PlanOptions]) 
     Raises ``ValueError`` when no factorisation of ``processes`` can run, or
     when no plan fits ``memory`` (naming the smallest peak and its largest term).
     """
-    together = _job_search()
-    if together is not None:
-        return list(together(profile, processes, **options).plans)
     return list(search(profile, processes, **options).plans)
-
-
-def _job_search() -> Callable[..., PlanSearch] | None:
-    """The runtime's collective search when this process is one rank of an initialised job of several, else None.
-
-    The one place the pure planner reaches into the runtime, and only once torch.distributed is loaded and
-    initialised in this process: the planner never imports torch itself (``sys.modules`` is looked at, not
-    imported from).
-    """
-    dist = sys.modules.get("torch.distributed")
-    if dist is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
-        return None
-    together: Callable[..., PlanSearch] = importlib.import_module("stagewise.runtime.plan_agreement").search_together
-    return together

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from .._util import is_count
 from ..partition import LayerProfile
-from ..schedules import schedule_info, schedule_names
+from ..schedules import is_asynchronous, schedule_names
 from .calibration import Calibration
 from .comm import Link
 
@@ -192,11 +192,11 @@ def _tp_indices(tp_layers: Collection[int | str], names: list[str]) -> set[int]:
 def _chosen_schedules(schedules: Sequence[str] | None) -> list[str]:
     """The schedules to search: registered and synchronous (all of those by default)."""
     known = schedule_names()
-    chosen = [n for n in known if schedule_info(n).synchronous] if schedules is None else list(schedules)
+    chosen = [n for n in known if not is_asynchronous(n)] if schedules is None else list(schedules)
     for name in chosen:
         if name not in known:
             raise ValueError(f"plan: unknown schedule {name!r}; registered: {', '.join(known)}")
-        if not schedule_info(name).synchronous:
+        if is_asynchronous(name):
             raise ValueError(f"plan: schedule {name!r} is asynchronous; the planner times synchronous steps only")
     if not chosen:
         raise ValueError("plan: schedules is empty")

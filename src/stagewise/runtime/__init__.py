@@ -9,22 +9,25 @@ Under ``torchrun --nproc-per-node N train.py``, every rank runs::
     loss = pipe.train_step(inputs, targets)          # the batch's mean loss, on every rank
     opt.step(); opt.zero_grad()
 
-The rooms (this door loads none of them until a name is asked for):
+The rooms (this door loads none of them until a name is asked for), from the ground up; a room imports only
+rooms below it (``tests/core/test_layering.py``):
 
-* ``pipeline.py``, ``hetpipe.py``: the facades (every way in); ``options.py`` their one options value;
-  ``context.py`` where a pipeline runs; ``combinations.py`` what is refused; ``assembly.py`` the engine
-  around the built stages.
-* ``frontends/``: every way in returns parts for the assembly: layer lists, ``from_model`` (torch.fx,
-  ``split/``), ``from_hf``, ``from_stages``, plans; layers, tied modules, balancing.
+* ``errors.py``, ``interrupt.py``, ``losses.py``: the one error, Ctrl-C's line, token-level losses;
+* ``comm/``: talking to torch.distributed: set-up, groups, collectives; ``transport/``, ``shm/``, ``faults/``;
+  ``launch.py``: starting the ranks (``stagewise run``);
 * ``engine/``: executes the IR: the interpreter (one handler per action kind, no schedule-specific code),
-  the runner (the one step protocol), stages, SYNC/STEP hooks, messages, backward split into I and W.
-* ``features/``: optional per-step behaviour, one file per option.
-* ``asynchronous/``: weight versions at run time, the version-aware interpreter, windows, one-process replays.
-* ``hybrid/``: the other parallel axes: device mesh, data parallelism, FSDP2 sharding, DTensor TP.
-* ``comm/``: talking to torch.distributed: set-up, groups, collectives; ``transport/``, ``shm/``, ``faults/``.
-* ``checkpoint/``: save / load / resume on torch.distributed.checkpoint; ``measure/``: profiling, calibration.
-* ``interop/``: torch.distributed.pipelining's schedule classes read (``torch_order``) and its runtime
-  loaded with a stagewise schedule (``torch_runtime``).
+  the runner (the one step protocol), stages, messages, backward split into I and W; its two seams, a
+  stage's SYNC / STEP (``StagePart``) and each step (``StepPart``), which the features plug into;
+* ``hybrid/``: the other parallel axes: device mesh, data parallelism, FSDP2 sharding, DTensor TP;
+  ``checkpoint/``: save / load / resume on torch.distributed.checkpoint; ``interop/``:
+  torch.distributed.pipelining's schedule classes read (``torch_order``), its runtime loaded (``torch_runtime``);
+* ``features/``: optional per-step behaviour, one file per option; ``asynchronous/``: weight versions at run
+  time, the version-aware interpreter, windows; ``measure/``: profiling a module, probing a link;
+* ``options.py``: the one options value; ``frontends/``: every way in returns parts for the assembly: layer
+  lists, ``from_model`` (torch.fx, ``split/``), ``from_hf``, ``from_stages``, plans;
+* ``assembly/``: the construction path: the schedule and where it runs, what is refused, the ranks'
+  agreement, ``schedule="auto"``, the engine around the built stages;
+* ``pipeline.py``, ``hetpipe.py``: the facades; ``calibration/``: pipelines run to measure the group.
 """
 
 from __future__ import annotations
@@ -57,17 +60,15 @@ _NAMES = {
     "row_parallel": ".hybrid.tensor_parallel",
     "vocab_parallel_embedding": ".hybrid.tensor_parallel",
     "BatchNormPolicy": ".features.batchnorm",
-    "aux_loss": ".features.aux",
+    "aux_loss": ".features.aux_loss",
     "seeded_dropout": ".features.dropout",
-    "collect_aux_losses": ".features.aux",
+    "collect_aux_losses": ".features.aux_loss",
     "causal_lm_loss": ".losses",
     "count_tokens": ".losses",
     "profile": ".measure.profiling",
-    "calibrate": ".measure.calibrate",
-    "measure_compute_scale": ".measure.compute_scale",
+    "calibrate": ".calibration.calibrate",
+    "measure_compute_scale": ".calibration.compute_scale",
     "counted_reads": ".measure.host_reads",
-    "async_reference": ".asynchronous.replay",
-    "wsp_reference": ".asynchronous.wsp_replay",
     "shm_transport": ".comm.shm.transport",
     "torch_transport": ".comm.transport.choose",
     "torch_order": ".interop.torch_orders",
@@ -77,9 +78,18 @@ _NAMES = {
 __all__ = sorted(_NAMES)
 
 
+#: names that left the runtime: name -> where they are now
+_GONE = {
+    "async_reference": "the repository's tests/oracles/async_reference.py (a test-only replay of the rule)",
+    "wsp_reference": "the repository's tests/oracles/wsp_reference.py (a test-only replay of the rule)",
+}
+
+
 def __getattr__(name: str) -> Any:
     if name in _NAMES:
         return getattr(importlib.import_module(_NAMES[name], __name__), name)
+    if name in _GONE:
+        raise AttributeError(f"stagewise.runtime.{name} is gone: it is {_GONE[name]}")
     raise AttributeError(f"module 'stagewise.runtime' has no attribute {name!r}")
 
 

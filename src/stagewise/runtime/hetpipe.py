@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,34 +30,23 @@ import torch
 
 from .._util import is_count
 from ..asynchronous import VWLayout, WaveRule, check_clocks, check_more
-from ..schedules import async_schedule, registry_minibatch, schedule_info
-from .combinations import refuse_no_sync
+from ..schedules import async_schedule, is_asynchronous, registry_minibatch
+from .assembly.combinations import refuse_hetpipe, refuse_no_sync
+from .checkpoint.parts import SavedInParts
 from .comm import groups
 from .comm import wsp as comm
 from .comm.transport.choose import TransportChoice, resolve
 from .comm.transport.protocol import TransportSpec
 from .errors import PipelineError
 from .frontends.layer_list import LayerList
-from .frontends.layers import Layers, named_layers
-from .frontends.parts import FROM_MODELS, LAYERS_ONLY
-from .frontends.tied import Tied
-from .options import Options, check_applicable
+from .frontends.layers import Layers
+from .options import Options
 from .pipeline import Pipeline
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
     from .options import PipelineOptions
-
-_OWN_RANKS = "each virtual worker's pipeline runs on its own ranks (virtual_workers= says which)"
-#: options HetPipe cannot take: its virtual workers are its data parallelism
-REFUSED = {
-    "group": _OWN_RANKS,
-    "parallel": _OWN_RANKS + "; the virtual workers are HetPipe's data parallelism",
-    "batchnorm": "the wave rule shares parameters only: BatchNorm running statistics stay each virtual worker's own",
-    "free_unused": FROM_MODELS,
-    "concrete_args": LAYERS_ONLY,
-}
 
 _made = [0]  # HetPipes built in this process (alike on every rank, SPMD): names their shared error board
 
@@ -76,7 +66,7 @@ class WSPStats:
         return max(self.leads, default=0)
 
 
-class HetPipe:
+class HetPipe(SavedInParts):
     """K virtual workers, each a Pipeline over its ranks, synchronised wave by wave with staleness bound D.
 
     ``virtual_workers``: global ranks per VW in stage order, e.g. ``[[0, 1], [2]]``
@@ -93,6 +83,8 @@ class HetPipe:
 
     Every rank calls :meth:`train_stream` with its VW's own mini-batches
     (:meth:`local_batch` cuts a global batch); every VW must get as many.
+    :meth:`eval_step` runs this VW's pipeline forward. A checkpoint saves each VW's pipeline under its own
+    folder (the protocol :class:`~stagewise.runtime.checkpoint.parts.SavedInParts`).
     """
 
     def __init__(
@@ -107,14 +99,8 @@ class HetPipe:
         **keywords: Unpack[PipelineOptions],
     ) -> None:
         groups.require_initialized()
-        opts = Options.of("HetPipe", options, keywords)
-        check_applicable("HetPipe", REFUSED, opts)
-        opts = opts.with_defaults(schedule="pipedream")
-        _refuse(layers, opts)
-        if opts.optimizer is None:
-            raise ValueError("HetPipe needs optimizer=, a factory params -> Optimizer (each VW trains its waves)")
-        if opts.loss_fn is None:
-            raise ValueError("HetPipe needs loss_fn=, the micro-batch's mean loss (each VW trains its waves)")
+        opts = Options.of("HetPipe", options, keywords).with_defaults(schedule="pipedream")
+        refuse_hetpipe(layers, opts)  # every refusal is in .assembly.combinations
         rank, world = comm.world()
         self.layout = VWLayout.of(virtual_workers, world)
         self.rule = WaveRule(staleness)
@@ -158,7 +144,7 @@ class HetPipe:
         mine = [(n, q.numel()) for n, q in self.pipe.named_parameters()]
         record = {"params": mine, "counts": [len(r) for r in self.pipe.layer_ranges]}
         everyone = comm.gather_records(record, self.group, self.pipe.transport.guard.wait)
-        #: layers per stage of every VW (each partitioned for its own ranks), e.g. for :func:`wsp_reference`
+        #: layers per stage of every VW (each partitioned for its own ranks), (a one-process replay needs them)
         self.stage_counts = [everyone[ranks[0]]["counts"] for ranks in self.layout.workers]
         per_vw = [[(n, k) for r in ranks for n, k in everyone[r]["params"]] for ranks in self.layout.workers]
         for v, listed in enumerate(per_vw):
@@ -232,12 +218,15 @@ class HetPipe:
         """This VW's equal share (1/K along dim 0) of a global batch: K VWs on one batch are data parallelism."""
         return _share(inputs, self.vw, self.count, "inputs"), _share(targets, self.vw, self.count, "targets")
 
-    def train_stream(self, batches: Iterable[tuple[Any, Any]]) -> Iterator[float]:
+    def train_stream(self, batches: Iterable[tuple[Any, Any]], steps: int | None = None) -> Iterator[float]:
         """Train this VW on ``batches`` wave by wave; yields each mini-batch's loss (this VW's), in order.
 
-        Consume the whole iterator: its end waits for every VW and loads the global model on every rank.
+        ``steps``: mini-batches at most (None: until the stream ends); every VW must train as many. Consume
+        the whole iterator: its end waits for every VW and loads the global model on every rank.
         """
-        stream = iter(batches)
+        if steps is not None and steps < 0:
+            raise ValueError(f"HetPipe.train_stream: steps must be >= 0 or None, got {steps}")
+        stream = iter(batches) if steps is None else islice(batches, steps)
         try:
             current = _take(stream, self.wave_size)
             wave = self.stats.waves
@@ -262,7 +251,8 @@ class HetPipe:
             raise
 
     def no_sync(self) -> Any:
-        """Refused: a gradient merge cannot hold a wave's update back (see :func:`..combinations.refuse_no_sync`)."""
+        """Refused: a gradient merge cannot hold a wave's update back (see
+        :func:`.assembly.combinations.refuse_no_sync`)."""
         refuse_no_sync("HetPipe", None)
 
     def _rebase(self) -> None:
@@ -291,9 +281,14 @@ class HetPipe:
         self.known = self.stats.waves - 1
 
     def _train_wave(self, batches: list[tuple[Any, Any]]) -> list[float]:
-        if self.pipe.schedule.meta.get("asynchronous"):
-            return list(self.pipe.train_stream(batches))
-        return [self.pipe.train_step(x, y) for x, y in batches]
+        """One wave on this VW's pipeline: an asynchronous window, or synchronous steps one after another."""
+        return list(self.pipe.train_stream(batches))
+
+    def eval_step(self, inputs: Any = None, *, merge_outputs: bool = True) -> Any:
+        """Forward only on this VW's pipeline, with the weights it holds (after :meth:`train_stream`: the global
+        model); the rank holding the VW's last stage gets the outputs, the others None. A collective of the VW's
+        ranks; ``inputs`` on the rank holding its first stage (:meth:`local_batch` cuts a global batch)."""
+        return self.pipe.eval_step(inputs, merge_outputs=merge_outputs)
 
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         """This rank's parameters under their one-process names."""
@@ -314,25 +309,10 @@ def _vw_schedule(name: Any, p: int, m: int | None, wave: int | None) -> tuple[An
         raise ValueError("HetPipe: schedule must be a registered name (each VW builds it for its own stage count)")
     if wave is not None and not is_count(wave):
         raise ValueError(f"HetPipe: wave (mini-batches per wave) must be an integer >= 1, got {wave!r}")
-    if schedule_info(name).synchronous:
+    if not is_asynchronous(name):
         return name, m, wave or 1
     n = wave or p
     return async_schedule(name, p, n, m or registry_minibatch(name, p, 1)), None, n
-
-
-def _refuse(layers: Layers, options: Options) -> None:
-    """What the wave rule cannot do, refused on every rank alike before any group is made."""
-    if options.nan_policy == "skip":
-        raise ValueError(
-            "HetPipe does not take nan_policy='skip': a virtual worker cannot skip a wave's update that the others "
-            "count; use 'raise' or None"
-        )
-    tied = sorted({layer.key for _, layer in named_layers(layers) if isinstance(layer, Tied)})
-    if tied:
-        raise ValueError(
-            f"HetPipe does not take tied modules (sw.Tied keys {tied}): each parameter needs one owner per virtual "
-            "worker, whose update it pushes; untie them"
-        )
 
 
 def _listed(value: float | Sequence[float] | None) -> Sequence[float] | None:

@@ -133,13 +133,16 @@ class Options:
         return replace(self, **unset) if unset else self
 
     @property
-    def step_placement(self) -> str | None:
-        """Where the schedule's STEP actions go: none without an optimizer factory; at the end of each rank's
-        list when the step-end check of non-finite values must come first (its collective runs at the first
-        STEP); else right after each stage's SYNC, overlapping the drain."""
-        if self.optimizer is None:
-            return None
-        return "at_end" if self.nan_policy is not None else "after_sync"
+    def optimizer_steps(self) -> bool:
+        """Whether the schedule gets a STEP action per stage: with an optimizer factory (each stage steps its own)."""
+        return self.optimizer is not None
+
+    @property
+    def steps_at_end(self) -> bool:
+        """Where the STEP actions go: at the end of each rank's list when the step-end check of non-finite values
+        must come first (its collective runs at the first STEP); else right after each stage's SYNC, overlapping
+        the drain."""
+        return self.nan_policy is not None
 
     def slowdown_of(self, rank: int, num_ranks: int) -> float:
         """EMULATION of a slower device: the factor group rank ``rank`` stretches each compute action by."""

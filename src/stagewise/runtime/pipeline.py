@@ -5,9 +5,10 @@ Every rank builds the same Pipeline (SPMD). A rank builds only the layers of its
 ``named_parameters()`` and ``state_dict()`` give this rank's share with the keys a one-process model has.
 
 Construction is one path for every way in: the options (:class:`~stagewise.Options`, one validated value)
-→ the frontend's refusals and defaults → the schedule (:mod:`.context`) → the combinations refused
-(:mod:`.combinations`) → where it runs (the mesh's groups) → this rank's parts (the frontend builds them)
-→ :func:`.assembly.assemble`. The frontends are in :mod:`.frontends`; none knows this class.
+→ the frontend's refusals and defaults → the schedule (:mod:`.assembly.context`) → the combinations refused
+(:mod:`.assembly.combinations`) → every rank built alike (:mod:`.assembly.agreement`) → where it runs (the
+mesh's groups) → this rank's parts (the frontend builds them) → :func:`.assembly.assemble.assemble`. The
+construction path is the room :mod:`.assembly`; the frontends are in :mod:`.frontends`; none knows this class.
 """
 
 from __future__ import annotations
@@ -15,17 +16,19 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from ..ir import Timeline
-from .assembly import Held, assemble
-from .auto import synthesized
-from .combinations import refuse_no_sync, refuse_options, refuse_parts
+from ..schedules import is_asynchronous
+from .assembly.agreement import check_same_build
+from .assembly.assemble import Held, assemble
+from .assembly.auto_schedule import synthesized
+from .assembly.combinations import refuse_no_sync, refuse_options, refuse_parts
+from .assembly.context import place, resolve_schedule_for
+from .asynchronous.windows import windows_of
 from .comm import lifecycle
-from .context import place, resolve_schedule_for
 from .engine.reports import gathered_losses, step_timeline
 from .errors import PipelineError
 from .features.clip import clip_pipeline_grads
@@ -36,7 +39,6 @@ from .frontends.layer_list import LayerList
 from .frontends.layers import Layers
 from .frontends.parts import Frontend
 from .frontends.plan import FromPlan
-from .option_agreement import check_same_build
 from .options import Options, check_applicable
 
 if TYPE_CHECKING:
@@ -85,10 +87,12 @@ class Pipeline(nn.Module):
     ``measure_memory``, ``variable_shapes``, ``emulate_slowdown`` (an EMULATION of slower devices),
     ``offload="optimizer"`` (the optimizer's state, and float32 master weights, in host memory; the update runs
     on the host: :mod:`stagewise.runtime.features.offload`). ``schedule="auto"`` synthesizes the schedule for
-    the layers' measured costs (a layer list with ``sample_inputs``: :mod:`stagewise.runtime.auto`).
+    the layers' measured costs (a layer list with ``sample_inputs``: :mod:`stagewise.runtime.assembly.auto_schedule`).
 
-    Asynchronous schedules (``pipedream``, ``pipedream-2bw``, ``xpipe``) train with :meth:`train_stream`;
-    synchronous ones with :meth:`train_step`. Every rank must build its Pipelines in the same order.
+    Every schedule trains a stream of mini-batches with :meth:`train_stream`; synchronous ones also one
+    mini-batch at a time with :meth:`train_step` (asynchronous ones, ``pipedream``, ``pipedream-2bw``,
+    ``xpipe``, step each stage at its own STEPs and have no per-step barrier). Every rank must build its
+    Pipelines in the same order.
     """
 
     def __init__(
@@ -162,19 +166,24 @@ class Pipeline(nn.Module):
         ``loss_fn(model(inputs), targets).backward()`` would in one process. ``inputs`` are needed on the
         rank holding stage 0, ``targets`` on the rank holding the last stage; other ranks may pass None.
         """
-        runner, merge = self._engine.runner, self._engine.merge
-        if runner.windows is not None:
+        if is_asynchronous(self.schedule):
             raise ValueError(
                 f"schedule {self.schedule.name!r} is asynchronous: it has no per-step barrier and steps each stage "
                 "at its own STEPs; train with train_stream(batches), not train_step"
             )
+        return self._train([(inputs, targets)])[0]
+
+    def _train(self, batches: list[tuple[Any, Any]]) -> list[float]:
+        """One train step (a synchronous schedule's mini-batch, or an asynchronous window), counted by the
+        gradient merge: a step refused for non-finite values dropped every merged step's gradients."""
+        runner, merge = self._engine.runner, self._engine.merge
         try:
-            losses: list[float] = runner.guarded(lambda: runner.train([(inputs, targets)]))
+            losses: list[float] = runner.guarded(lambda: runner.train(batches))
         except PipelineError:
-            merge.dropped()  # (a step refused for non-finite values dropped every merged step's gradients)
+            merge.dropped()
             raise
         merge.stepped()
-        return losses[0]
+        return losses
 
     def no_sync(self) -> AbstractContextManager[None]:
         """Gradient merge: inside ``with pipe.no_sync():`` train steps only accumulate gradients.
@@ -216,32 +225,23 @@ class Pipeline(nn.Module):
         return self._engine.merge.pending
 
     def train_stream(self, batches: Iterable[tuple[Any, Any]], steps: int | None = None) -> Iterator[float]:
-        """Asynchronous schedules: train on a stream of ``(inputs, targets)`` mini-batches, yielding each one's loss.
+        """Train on a stream of ``(inputs, targets)`` mini-batches, yielding each one's loss (any schedule).
 
         Every rank iterates its own ``batches`` (same length everywhere; a rank not holding stage 0 / the last
         stage may give None for inputs / targets), ``steps`` mini-batches at most (None: until the stream
-        ends). The stream is run in windows of the schedule's mini-batches; a window boundary drains the
-        pipeline (see :mod:`stagewise.runtime.asynchronous.windows`). Each mini-batch's loss is the mean over
-        its micro-batches, on every rank. (Not ``train``: ``nn.Module.train(mode)`` is taken.)
+        ends). A synchronous schedule trains them step after step, as :meth:`train_step` does (the optimizer
+        steps through ``optimizer=``, or between the mini-batches as the caller consumes them). An asynchronous
+        one runs the stream in windows of the schedule's mini-batches; a window boundary drains the pipeline
+        (see :mod:`stagewise.runtime.asynchronous.windows`). Each mini-batch's loss is the mean over its
+        micro-batches, on every rank. (Not ``train``: ``nn.Module.train(mode)`` is taken.)
         """
-        runner = self._engine.runner
-        if runner.windows is None:
-            raise ValueError(
-                f"train_stream runs asynchronous schedules (pipedream, pipedream-2bw, xpipe); schedule "
-                f"{self.schedule.name!r} is synchronous: use train_step(inputs, targets) and step the optimizer"
-            )
         if steps is not None and steps < 0:
             raise ValueError(f"train_stream: steps must be >= 0 or None, got {steps}")
         return self._stream(iter(batches), steps)
 
     def _stream(self, stream: Iterator[tuple[Any, Any]], steps: int | None) -> Iterator[float]:
-        from .asynchronous.windows import windows_of
-
-        runner = self._engine.runner
-        assert runner.windows is not None
-        for window in windows_of(stream, runner.windows.size, steps):
-            losses: list[float] = runner.guarded(partial(runner.train, window))
-            yield from losses
+        for window in windows_of(stream, self._engine.runner.lists.size, steps):  # one mini-batch a step if sync
+            yield from self._train(window)
 
     def eval_step(self, inputs: Any = None, *, merge_outputs: bool = True) -> Any:
         """Forward only (no autograd graph); the last stage's rank gets the outputs, others None.
@@ -281,7 +281,7 @@ class Pipeline(nn.Module):
     @property
     def skipped_steps(self) -> int:
         """How many train steps ``nan_policy="skip"`` skipped for non-finite values (alike on every rank)."""
-        finite = self._engine.runner.finite
+        finite = self._engine.finite
         return 0 if finite is None else finite.skipped
 
     @property
@@ -322,8 +322,8 @@ class Pipeline(nn.Module):
         call it on every rank.
         """
         losses = self._engine.runner.losses
-        loss, aux = losses.get("loss", float("nan")), losses.get("aux_local", {})
-        return gathered_losses(loss, aux, self.transport.group, self.transport.guard.wait)
+        loss = losses[-1] if losses else float("nan")
+        return gathered_losses(loss, self._engine.aux.last, self.transport.group, self.transport.guard.wait)
 
     def memory_report(self) -> dict[str, Any]:
         """Activation bytes of the last train_step on this rank (needs ``measure_memory=True``).
@@ -332,7 +332,7 @@ class Pipeline(nn.Module):
         microbatch): bytes its F saved}``; ``weight_bytes``: ``{(stage, microbatch): bytes of those still
         alive when its W started}`` (zero-bubble schedules only). See :mod:`stagewise.runtime.features.memory`.
         """
-        meter = self._engine.runner.meter
+        meter = self._engine.meter
         if meter is None:
             raise ValueError("build the Pipeline with measure_memory=True to measure activation memory")
         return {

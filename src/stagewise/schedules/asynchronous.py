@@ -135,7 +135,7 @@ def async_schedule(
         num_microbatches=n_mb * m,
         placement=loop_placement(p),
         ranks=ranks,
-        meta={"placement": "loop", "versions": table, "asynchronous": True},
+        meta={"placement": "loop", "versions": table},
     )
     validate_versions(schedule)
     return schedule

@@ -109,10 +109,11 @@ def schedule_info(name: str) -> ScheduleInfo:
 
 
 def is_asynchronous(schedule: str | Schedule) -> bool:
-    """Whether ``schedule`` (a registered name, or a Schedule: one carrying a version table) is asynchronous."""
+    """Whether ``schedule`` is asynchronous: a registered name by its registration, a Schedule by what it carries
+    (:attr:`Schedule.is_asynchronous <stagewise.ir.Schedule.is_asynchronous>`). Every caller asks this."""
     if isinstance(schedule, str):
         return not schedule_info(schedule).synchronous
-    return isinstance(schedule, Schedule) and schedule.meta.get("versions") is not None
+    return isinstance(schedule, Schedule) and schedule.is_asynchronous
 
 
 def generate(name: str, num_ranks: int, num_microbatches: int, virtual_stages: int | None = None) -> Schedule:

@@ -1,10 +1,10 @@
 """The validator: a schedule computes every gradient once and cannot deadlock; asynchronous ones keep their
 weight-version rules.
 
-One door, :func:`validate_schedule` (and :func:`validate_versions` for asynchronous schedules). Each rule is
-stated once, as a check that names every problem it finds (the rank, the action, its neighbours); the fast
-paths only decide "valid or not", and when they refuse, the door runs the stated checks, so every
-:class:`ScheduleError` carries their words.
+One door, :func:`validate_schedule` (:mod:`.schedules`; and :func:`validate_versions` for asynchronous
+schedules). Each rule is stated once, as a check that names every problem it finds (the rank, the action,
+its neighbours); the fast paths only decide "valid or not", and when they refuse, the door runs the stated
+checks, so every :class:`ScheduleError` carries their words.
 
 The rules of every schedule, stated in :mod:`.reference` (``RULES``, checked in this order):
 

@@ -80,7 +80,7 @@ def proves_valid(schedule: Schedule, certificate: Certificate) -> bool:
     if paired is None:
         return False
     # optimizer steps (few actions: one by one, as the scan does)
-    if not sch.meta.get("asynchronous", False) and not _steps_hold(cols.kind, cols.stage, k.pos, pos_done, n, m):
+    if not sch.is_asynchronous and not _steps_hold(cols.kind, cols.stage, k.pos, pos_done, n, m):
         return False
     return _certificate_holds(cols, certificate, *paired)
 

@@ -110,7 +110,7 @@ class _Scan:
         self.complete = complete
         self.forward_only = bool(schedule.meta.get("forward_only", False))
         # an asynchronous schedule has a SYNC and a STEP per mini-batch: stagewise.validate.versions checks them
-        self.asynchronous = bool(schedule.meta.get("asynchronous", False))
+        self.asynchronous = schedule.is_asynchronous
 
     def run(self) -> str | None:  # noqa: C901 - one flat loop on purpose: it runs once per action
         # A hot loop, kept whole over the 60-line rule on purpose: it runs once per action (~0.35 us each;

@@ -122,7 +122,7 @@ def _check_steps(schedule: Schedule) -> list[str]:
                 if a.kind in (Kind.SYNC, Kind.STEP):
                     problems.append(f"{_where(schedule, rank, idx)}: a forward-only schedule has no {a.kind.value}")
         return problems
-    if schedule.meta.get("asynchronous"):  # a SYNC and a STEP per mini-batch: stagewise.validate.versions checks them
+    if schedule.is_asynchronous:  # a SYNC and a STEP per mini-batch: stagewise.validate.versions checks them
         return problems
     steps: Counter[int] = Counter(a.stage for acts in schedule.ranks for a in acts if a.kind is Kind.STEP)
     if not steps:

@@ -4,7 +4,7 @@
 
 Each parity check trains a float64 MLP on a stream of mini-batches with
 ``Pipeline.train_stream`` (windows of N mini-batches, a shorter last one) and
-compares every loss and every local parameter with ``sw.runtime.async_reference``
+compares every loss and every local parameter with ``async_reference``
 replaying the same schedule's rule, to 1e-12. The mutant checks run the
 pipeline with one rule and the reference with another and require a
 difference far above that tolerance, so the parity checks can fail. The refusal
@@ -23,6 +23,7 @@ from torch import nn
 
 import stagewise as sw
 from helpers import models as mdl
+from oracles.async_reference import async_reference
 from stagewise.asynchronous import live_versions, version_bound
 from worker import Check, Ctx, refused
 
@@ -87,7 +88,7 @@ def parity(name: str, options: dict[str, bool], m_of: Callable[[int], int], opt:
         schedule = sw.schedules.async_schedule(name, p, window, m, **options)
         data = stream(2 * window + 1, 4 * m)  # two full windows and a shorter one
         losses, pipe = run_pipeline(ctx, schedule, opt, data)
-        ref = sw.runtime.async_reference(mdl.mlp(), schedule, optimizer(opt), data, loss_fn=F.cross_entropy, seed=3)
+        ref = async_reference(mdl.mlp(), schedule, optimizer(opt), data, loss_fn=F.cross_entropy, seed=3)
         worst = compare(pipe, losses, ref)
         assert worst <= TOL, f"{name} {options}: differs from the reference by {worst:.3e}"
         moved = max(abs(a - b) for a, b in zip(losses, ref.losses[:1] * len(losses)))
@@ -111,7 +112,7 @@ def mutant(name: str, options: dict[str, bool], claimed: dict[str, bool], m: int
         data = stream(2 * p + 2, 4 * m)
         losses, pipe = run_pipeline(ctx, sw.schedules.async_schedule(name, p, 2 * p + 2, m, **options), opt, data)
         wrong = sw.schedules.async_schedule(name, p, 2 * p + 2, m, **claimed)
-        ref = sw.runtime.async_reference(mdl.mlp(), wrong, optimizer(opt), data, loss_fn=F.cross_entropy, seed=3)
+        ref = async_reference(mdl.mlp(), wrong, optimizer(opt), data, loss_fn=F.cross_entropy, seed=3)
         worst = compare(pipe, losses, ref)
         assert worst > 1e4 * TOL, f"running {options} and replaying {claimed} agree to {worst:.3e}"
         return {"worst": worst}
@@ -137,9 +138,18 @@ def _train_step_refused(ctx: Ctx) -> Any:
     return pipe.train_step(x, y)
 
 
-def _stream_sync_refused(ctx: Ctx) -> Any:
-    pipe = sw.Pipeline(mdl.mlp(), loss_fn=F.cross_entropy, schedule="1f1b", optimizer=optimizer("sgd"))
-    return pipe.train_stream([])
+def stream_sync(ctx: Ctx) -> None:
+    """train_stream takes a synchronous schedule too: step after step, loss for loss and weight for weight as
+    train_step (the optimizer steps through the schedule's STEP actions)."""
+    first, last = ctx.rank == 0, ctx.rank == ctx.world - 1
+    mine = [(x if first else None, y if last else None) for x, y in stream(3, 4)]
+    streamed, stepped = (
+        sw.Pipeline(mdl.mlp(), loss_fn=F.cross_entropy, schedule="1f1b", optimizer=optimizer("sgd"), seed=3)
+        for _ in range(2)
+    )
+    assert list(streamed.train_stream(iter(mine))) == [stepped.train_step(x, y) for x, y in mine]
+    for (name, a), (_, b) in zip(streamed.named_parameters(), stepped.named_parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
 
 
 def _tied(ctx: Ctx) -> Any:
@@ -174,7 +184,7 @@ def data_parallel(name: str, opt: str, m: int) -> Check:
         )  # fmt: skip
         data = stream(2 * window + 1, 4 * m)
         losses = list(pipe.train_stream(pipe.local_batch(x, y) for x, y in data))
-        ref = sw.runtime.async_reference(mdl.mlp(), schedule, optimizer(opt), data, loss_fn=F.cross_entropy, seed=3)
+        ref = async_reference(mdl.mlp(), schedule, optimizer(opt), data, loss_fn=F.cross_entropy, seed=3)
         worst = compare(pipe, losses, ref)
         assert worst <= TOL, f"{name} with dp=2: differs from the reference by {worst:.3e}"
         return {"worst": worst}
@@ -188,7 +198,7 @@ def eval_after_stream(ctx: Ctx) -> None:
     schedule = sw.schedules.async_schedule("pipedream", p, p + 1)
     data = stream(p + 3, 4)
     losses, pipe = run_pipeline(ctx, schedule, "sgd", data)
-    ref = sw.runtime.async_reference(mdl.mlp(), schedule, optimizer("sgd"), data, loss_fn=F.cross_entropy, seed=3)
+    ref = async_reference(mdl.mlp(), schedule, optimizer("sgd"), data, loss_fn=F.cross_entropy, seed=3)
     assert compare(pipe, losses, ref) <= TOL
     x, _ = mdl.mlp_data(2 * (p + 1), seed=7)
     out = pipe.eval_step(x if ctx.rank == 0 else None)
@@ -228,7 +238,7 @@ def checks(world: int) -> dict[str, Check]:
         "no weight-prediction rule for the optimizer RMSprop",
     )
     out["refuse-train-step"] = refused(_train_step_refused, "train with train_stream(batches), not train_step")
-    out["refuse-stream-sync"] = refused(_stream_sync_refused, "is synchronous: use train_step")
+    out["stream-sync"] = stream_sync
     out["refuse-tied"] = refused(_tied, "tied modules (emb) are not supported")
     out["refuse-split-backward"] = refused(
         _pipe(

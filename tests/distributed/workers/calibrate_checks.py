@@ -198,7 +198,7 @@ def compute_scale(ctx: Ctx) -> dict[str, Any]:
     layers = [_spin_layer(12e-3, 18e-3), _spin_layer(12e-3, 18e-3)]
     before = [p.detach().clone() for layer in layers for p in layer.parameters()]
     x, y = torch.randn(8, 4), torch.randn(8, 4)
-    from stagewise.runtime.measure.compute_scale import probe_plan
+    from stagewise.runtime.calibration.compute_scale import probe_plan
 
     plan = probe_plan(profile, ctx.world, global_batch=8, profile_batch=2)
     assert (plan.layout.pp, plan.schedule, plan.microbatches) == (ctx.world, "1f1b", 2 * ctx.world), plan

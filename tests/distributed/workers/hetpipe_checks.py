@@ -3,7 +3,7 @@
     torchrun --standalone --nproc-per-node 4 tests/distributed/workers/worker.py --checks hetpipe_checks --out DIR
 
 Parity checks train a float64 MLP and compare every loss, every wave's global
-loss and every final parameter with ``sw.runtime.wsp_reference`` to 1e-12, for D in
+loss and every final parameter with ``wsp_reference`` to 1e-12, for D in
 {0, 1, 2} on 2 VWs x pp2 and on VWs of different stage counts (pp3 + pp1, pp2 + pp1 + pp1); the
 pp3 + pp1 run emulates a 2.5x slower rank 3 (``emulate_slowdown``), whose sleeps are counted, not timed. D = 0
 with one plain-SGD mini-batch per wave is compared with synchronous data
@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 import stagewise as sw
 from helpers import models as mdl
+from oracles.wsp_reference import wsp_reference
 from stagewise.asynchronous import StalenessError
 from stagewise.runtime.engine import interpreter
 from worker import Check, Ctx, refused
@@ -57,7 +58,7 @@ def reference(workers: Sequence[Sequence[int]], data: list[Any], **kw: Any) -> A
     k = len(workers)
     streams = [[(x.tensor_split(k)[v], y.tensor_split(k)[v]) for x, y in data] for v in range(k)]
     stages = [len(w) for w in workers]
-    return sw.runtime.wsp_reference(mdl.mlp(), streams, stages=stages, loss_fn=F.cross_entropy, seed=3, **kw)
+    return wsp_reference(mdl.mlp(), streams, stages=stages, loss_fn=F.cross_entropy, seed=3, **kw)
 
 
 def compare(het: sw.HetPipe, losses: list[float], ref: Any) -> float:

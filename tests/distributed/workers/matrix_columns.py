@@ -20,6 +20,7 @@ from matrix_build import LR, M, build, sgd
 from matrix_models import BATCH, SEED, Built, mlp_data, mlp_layers
 from matrix_reference import _poisoned, ref_named, reference_step, train_compare
 from matrix_spec import EXACT, expected
+from oracles.async_reference import async_reference
 from worker import Ctx, raises
 
 
@@ -211,7 +212,7 @@ def asynchronous(row: str, column: str, ctx: Ctx) -> dict[str, Any]:
     data = [b.data(k) for k in range(6)]
     losses = list(b.pipe.train_stream(b.pipe.local_batch(x, y) for x, y in data))
     layers, twin = _replay_layers(row, b)
-    ref = sw.runtime.async_reference(layers, b.pipe.schedule, sgd, data, loss_fn=b.loss_fn, seed=SEED)
+    ref = async_reference(layers, b.pipe.schedule, sgd, data, loss_fn=b.loss_fn, seed=SEED)
     worst = max(abs(a - r) for a, r in zip(losses, ref.losses))
     assert worst <= 1e-10, (losses, ref.losses)
     moved = max(abs(a - losses[0]) for a in losses)

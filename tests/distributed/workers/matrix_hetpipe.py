@@ -1,5 +1,5 @@
 """The HetPipe row of the combination matrix: two virtual workers of two ranks each, against the one-process
-replay of the wave-synchronous rule (``sw.runtime.wsp_reference``)."""
+replay of the wave-synchronous rule (``wsp_reference``)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import stagewise as sw
 from helpers.compare import assert_params_close
 from matrix_models import BATCH, SEED, Built, mlp_data, mlp_layers
+from oracles.wsp_reference import wsp_reference
 from worker import Ctx, raises
 
 WORKERS = [[0, 1], [2, 3]]
@@ -37,7 +38,7 @@ def build_hetpipe(column: str, options: dict[str, Any], dtype: torch.dtype = tor
 
 def _reference(het: Any, data: list[Any], options: dict[str, Any], **more: Any) -> Any:
     streams = [[_share(x, y, v) for x, y in data] for v in range(len(WORKERS))]
-    return sw.runtime.wsp_reference(
+    return wsp_reference(
         mlp_layers(dtype=more.pop("dtype", torch.float64)),
         streams,
         stages=[len(w) for w in WORKERS],

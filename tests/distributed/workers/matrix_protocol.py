@@ -13,6 +13,7 @@ from helpers.compare import assert_params_close
 from matrix_build import M, sgd
 from matrix_models import SEED, Built, build_row, mlp_data, mlp_layers
 from matrix_reference import _poisoned, train_compare
+from oracles.async_reference import async_reference
 from worker import Check, Ctx, gather_objects, raises
 
 
@@ -47,9 +48,7 @@ def async_batchnorm(policy: str) -> Check:
                            seed=SEED, timeout=60.0)  # fmt: skip
         data = [mlp_data(k) for k in range(6)]
         losses = list(pipe.train_stream(data))
-        ref = sw.runtime.async_reference(
-            layers, pipe.schedule, sgd, data, loss_fn=F.cross_entropy, seed=SEED, batchnorm=policy
-        )
+        ref = async_reference(layers, pipe.schedule, sgd, data, loss_fn=F.cross_entropy, seed=SEED, batchnorm=policy)
         assert max(abs(a - r) for a, r in zip(losses, ref.losses)) <= 1e-10, (losses, ref.losses)
         assert_params_close(pipe, ref.model, f"pipedream, batchnorm={policy!r}", buffers=True)
         tracked = [int(t) for n, t in pipe.named_buffers() if n.endswith("num_batches_tracked")]

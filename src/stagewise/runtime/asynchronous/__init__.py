@@ -1,1 +1,1 @@
-"""Asynchronous pipelines at run time: weight versions, the version-aware interpreter, streaming, the reference."""
+"""Asynchronous pipelines at run time: weight versions, the version-aware interpreter, windows of a stream."""

@@ -11,7 +11,7 @@ drains the pipeline: the next window starts with empty stages and versions count
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ...asynchronous import VersionTable
@@ -22,15 +22,27 @@ from ...validate import async_table, validate_versions
 
 
 class Windows:
-    """This rank's window action lists, one per window size, made (and validated) on first use."""
+    """This rank's window action lists, one per window size, made (and validated) on first use.
 
-    def __init__(self, schedule: Schedule, rank: int) -> None:
+    The train lists of the runner (:class:`~stagewise.runtime.engine.runner.TrainLists`): a train step of ``n``
+    mini-batches runs the window of ``n``, its version table handed to ``start`` (the version-aware
+    interpreter's) first.
+    """
+
+    def __init__(self, schedule: Schedule, rank: int, start: Callable[[VersionTable], None] | None = None) -> None:
         table = async_table(schedule)
         if table is None:
             raise ValueError(f"schedule {schedule.name!r} is synchronous: it has no windows")
-        self.schedule, self.rank = schedule, rank
+        self.schedule, self.rank, self.start = schedule, rank, start
         self.size = table.minibatches
         self._made: dict[int, tuple[VersionTable, tuple[Action, ...]]] = {}
+
+    def train(self, minibatches: int) -> tuple[tuple[Action, ...], int]:
+        """The actions of the window of ``minibatches`` and its micro-batches per mini-batch."""
+        table, actions = self.get(minibatches)
+        if self.start is not None:
+            self.start(table)
+        return actions, table.microbatches
 
     def get(self, n: int) -> tuple[VersionTable, tuple[Action, ...]]:
         """The version table and this rank's actions of the window of ``n`` mini-batches (1 <= n <= size)."""

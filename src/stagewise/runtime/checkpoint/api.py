@@ -45,6 +45,7 @@ from ..interrupt import note_checkpoint
 from . import agreement, retention, state, storage, verify
 from . import manifest as mf
 from .manifest import CheckpointError
+from .parts import SavedInParts
 from .verify import META
 
 log = logging.getLogger(__name__)
@@ -291,10 +292,10 @@ def _load_virtual_worker(path: str | os.PathLike[str], model: Any, optimizer: An
 
 
 def virtual_worker(model: Any, path: str | os.PathLike[str]) -> tuple[Path, nn.Module, dict[str, Any]] | None:
-    """For a model made of virtual workers (:class:`~stagewise.HetPipe`): where this rank's worker keeps its
-    checkpoints under ``path``, its pipeline, and the state of the rule it saves beside it; else None."""
-    part = getattr(model, "checkpoint_part", None)
-    return None if part is None else part(Path(path))
+    """For a model saved in parts (:class:`.parts.SavedInParts`: a :class:`~stagewise.HetPipe`'s virtual workers):
+    where this rank's part keeps its checkpoints under ``path``, its pipeline, and the state saved beside it;
+    else None."""
+    return model.checkpoint_part(Path(path)) if isinstance(model, SavedInParts) else None
 
 
 def latest(path: str | os.PathLike[str]) -> Path | None:

@@ -7,9 +7,10 @@ Three rooms and a few modules at the root:
 * :mod:`.shm`: the same-host transport, through shared memory;
 * :mod:`.faults`: failure handling - the :class:`Guard` every transport is given (error board, deadlines,
   forensics), the heartbeat, the exit hook;
-* ``setup`` joins the process group; ``groups`` names groups and stores; ``coordinator`` is the run's corner
-  of the store; ``collectives`` holds the collectives stagewise issues; ``wsp`` HetPipe's delayed sums;
-  ``lifecycle`` lets go of process groups at exit.
+* :mod:`.setup` joins the process group (``stagewise.init()``); :mod:`.attempt_store` finds the store a
+  torchrun job meets on; :mod:`.groups` names groups and stores; :mod:`.coordinator` is the run's corner of
+  the store; :mod:`.collectives` holds the collectives stagewise issues; :mod:`.wsp` HetPipe's delayed sums;
+  :mod:`.lifecycle` lets go of process groups at exit.
 """
 
 from .faults.guard import Guard

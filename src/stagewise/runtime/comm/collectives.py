@@ -39,11 +39,6 @@ def all_reduce_async(tensor: torch.Tensor, group: Any, op: str = "sum") -> Any:
     return dist.all_reduce(tensor, _OPS[op], group=group, async_op=True)
 
 
-def broadcast_async(tensor: torch.Tensor, src: int, group: Any) -> Any:
-    """Start sending ``tensor`` from group rank ``src`` to every rank of ``group``; returns the work."""
-    return dist.broadcast(tensor, group_src=src, group=group, async_op=True)
-
-
 def encode(obj: Any) -> bytes:
     """``obj`` as JSON bytes (plain data only: numbers, strings, lists, dicts with string keys)."""
     return json.dumps(obj, separators=(",", ":"), allow_nan=True).encode()

@@ -78,12 +78,6 @@ def adopt_nonce(nonce: str) -> None:
     _nonce, _scope = nonce, None
 
 
-def reset_run_scope() -> None:
-    """Forget the scope (after ``destroy_process_group``, a new group may be a new run)."""
-    global _scope, _nonce
-    _scope, _nonce = None, None
-
-
 def _broadcast_nonce(timeout: float | None) -> str:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return secrets.token_hex(8)

@@ -46,19 +46,6 @@ def backend_of(group: Any) -> str:
     return str(dist.get_backend(group))
 
 
-def default_store() -> Any:
-    """The store the default process group was rendezvoused with (torchrun's, or init's)."""
-    get = getattr(dist.distributed_c10d, "_get_default_store", None)
-    if get is None:
-        raise RuntimeError("this torch version does not expose the default store; pass store= to the Pipeline")
-    return get()
-
-
-def prefix_store(prefix: str, store: Any) -> Any:
-    """Keys under ``prefix`` in ``store``, so that pipelines and jobs sharing a store never read each other's."""
-    return dist.PrefixStore(prefix, store)
-
-
 def next_pipeline_id(group: Any) -> tuple[str, int]:
     """A name and a tag every rank derives alike, as long as all build their pipelines in the same order."""
     base = getattr(group, "group_name", None) or "group"

@@ -50,7 +50,7 @@ def init(
     this job: :mod:`.coordinator`), so no key of a previous job on the same store is
     ever read; and an exception that ends the process then leaves it with exit
     code 1 after posting it for the other ranks, never with an abort
-    (:mod:`.exit_hook`). The heartbeat starts too, so that a wait anywhere -
+    (:mod:`.faults.exit_hook`). The heartbeat starts too, so that a wait anywhere -
     calibration's probes before any pipeline exists - can name a rank that
     stopped.
     """

@@ -1,58 +1,40 @@
-"""A stage as the engine runs it: its layers, applied in order, with autocast, recompute, aux losses and seeded
-dropout."""
+"""A stage as the engine runs it: its layers under the calling convention, through the forward it was given.
+
+Calling convention: a layer's output is the next layer's input. A plain ``tuple`` output is unpacked into
+positional arguments (``next(*out)``); anything else (a tensor, a dict, a list) is passed as one argument.
+
+What an option changes in a stage's forward (autocast, recompute, aux losses) is composed by the assembly
+into the stage's :data:`Forward` (:mod:`stagewise.runtime.assembly.assemble`); the engine knows none of them.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
 from torch import nn
 
-from ..features.aux import attach, collect_aux_losses
-from ..features.dropout import DropoutSeeds
-from ..features.recompute import Recompute, run_layers
+#: how a stage runs its layers on an input: ``forward(modules, x)``
+Forward = Callable[[Sequence[nn.Module], Any], Any]
+
+
+def call_layer(layer: Callable[..., Any], x: Any) -> Any:
+    """Apply ``layer`` to the previous layer's output under the calling convention."""
+    return layer(*x) if type(x) is tuple else layer(x)
 
 
 class Stage:
-    """The layers of one stage, applied in order under the calling convention (checkpointed if ``recompute``).
+    """The layers of one stage and how they run: ``forward(modules, x)``, composed by the assembly.
 
-    While training, the :func:`~stagewise.aux_loss` terms its layers add are
-    summed, scaled by ``aux_scale`` and carried on its outputs (:mod:`.aux`);
-    their detached values accumulate into ``aux_totals``. With ``dropout`` (its layers may drop), each
-    training forward draws its masks from generators seeded for its step and micro-batch (:mod:`..features.dropout`).
+    ``recompute``: whether (and how) the forward checkpoints its segments (``recompute=``); the backward's
+    handlers read it, because a checkpointed stage takes another path (:mod:`.backward`).
     """
 
-    def __init__(
-        self,
-        index: int,
-        modules: list[nn.Module],
-        recompute: Recompute = None,
-        precision: Callable[[], AbstractContextManager[Any]] = nullcontext,
-        aux_scale: float = 1.0,
-    ) -> None:
+    def __init__(self, index: int, modules: list[nn.Module], forward: Forward, recompute: Any = None) -> None:
         self.index = index
-        self.precision = precision  # a context factory: autocast, or nothing (see .precision)
         self.modules = modules
+        self.forward = forward
         self.recompute = recompute
-        self.aux_scale = aux_scale
-        self.aux_totals: dict[str, Any] = {}  # name -> a 0-dim tensor (read once per step by the runner)
-        self.dropout: DropoutSeeds | None = None  # set by the assembly when a layer of the stage may drop
 
     def __call__(self, x: Any) -> Any:
-        with self.precision():
-            return self._run(x)
-
-    def _run(self, x: Any) -> Any:
-        if not torch.is_grad_enabled():
-            return run_layers(self.modules, x, None)
-        segments = self.dropout.forward().segment if self.dropout is not None else None
-        with collect_aux_losses() as terms:
-            out = run_layers(self.modules, x, self.recompute, segments)
-        if not terms:
-            return out
-        for name, value in terms:  # kept on the device: read once, at the step's end (Runner._aux)
-            self.aux_totals[name] = self.aux_totals.get(name, 0.0) + value.detach() * self.aux_scale
-        total = torch.stack([v for _, v in terms]).sum() * self.aux_scale
-        return attach(out, total, self.index)
+        return self.forward(self.modules, x)

@@ -49,6 +49,39 @@ class DeferredCounts:
         return ValueError(f"loss_weights: counts {counts} over totals {totals} were refused")
 
 
+@dataclass(frozen=True)
+class Batches:
+    """How this rank cuts a step's mini-batches into micro-batches: :func:`prepare_window` with what is fixed
+    when the pipeline is built.
+
+    ``denominators``: a train step's weighted losses over every data-parallel replica (``loss_weights=``
+    with replicas: the global batch's token mean), or None.
+    """
+
+    rank: int
+    placement: Sequence[int]
+    batch_dims: tuple[Dims, Dims]
+    device: torch.device
+    has_loss: bool
+    loss_weights: Callable[[Any], Any] | None = None
+    denominators: Denominators | None = None
+
+    def prepare(self, mode: str, batches: Sequence[tuple[Any, Any]], num_microbatches: int) -> Step:
+        return prepare_window(
+            mode,
+            batches,
+            rank=self.rank,
+            placement=self.placement,
+            num_microbatches=num_microbatches,
+            batch_dims=self.batch_dims,
+            device=self.device,
+            has_loss=self.has_loss,
+            loss_weights=self.loss_weights,
+            denominators=self.denominators if mode == "train" else None,
+            defer_checks=True,  # counts on the device stay there: no read per micro-batch (module docstring)
+        )
+
+
 def prepare_window(
     mode: str,
     batches: Sequence[tuple[Any, Any]],

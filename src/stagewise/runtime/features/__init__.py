@@ -1,9 +1,11 @@
 """Optional per-step behaviour, one file per option of :class:`~stagewise.Pipeline`.
 
-Each plugs into the step through the runner's protocol or a stage's SYNC / STEP hooks
-(:class:`~stagewise.runtime.engine.hooks.StagePart`); the interpreter knows none of them:
+Each plugs into the engine through one of its seams, registered by :mod:`stagewise.runtime.assembly.assemble`:
+a stage's forward, a stage's SYNC / STEP (:class:`~stagewise.runtime.engine.hooks.StagePart`) or each step as a
+whole (:class:`~stagewise.runtime.engine.runner.StepPart`); the engine imports none of them:
 
 * :mod:`.precision` (``autocast=``), :mod:`.recompute` (``recompute=``), :mod:`.batchnorm` (``batchnorm=``),
-  :mod:`.finite` (``nan_policy=``), :mod:`.clip` (``clip_grad_norm_``), :mod:`.aux` (auxiliary losses),
-  :mod:`.memory` (``measure_memory=``), :mod:`.offload` (``offload=``).
+  :mod:`.finite` (``nan_policy=``), :mod:`.clip` (``clip_grad_norm_``), :mod:`.aux_loss` (auxiliary losses),
+  :mod:`.memory` (``measure_memory=``), :mod:`.offload` (``offload=``), :mod:`.merge` (``no_sync()``, a gradient
+  merge), :mod:`.dropout` (masks seeded alike under every layout: ``dropout_seed=``).
 """

@@ -47,9 +47,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -57,6 +57,9 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ...ir import Action, Kind
 from ..comm import collectives, groups
+
+if TYPE_CHECKING:
+    from ..engine.runner import StepRun
 
 log = logging.getLogger(__name__)
 
@@ -257,6 +260,13 @@ class BatchNorms:
                 while self.committed.get(s, 0) < self.minibatches:
                     self.on_sync(s)
             self.mode = None
+
+    def around(self, run: StepRun) -> AbstractContextManager[None]:
+        """A part of every step: the forwards of ``run`` counted under the policy (see :meth:`step`)."""
+        return self.step(run.mode, run.minibatches, run.per_minibatch)
+
+    def after(self, run: StepRun) -> None:
+        """Nothing left: a train step commits at its SYNCs, or as :meth:`step` ends."""
 
     def before_step(self, stage: int) -> None:
         """Nothing to wait for: the commit happened at SYNC."""

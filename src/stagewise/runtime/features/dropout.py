@@ -172,7 +172,7 @@ class Segments:
 
 
 class _Segment:
-    """One segment's scope (a context manager, and the factory :func:`..recompute.run_layers` calls for it)."""
+    """One segment's scope (a context manager, and the factory :func:`.recompute.run_layers` calls for it)."""
 
     def __init__(self, segments: Segments) -> None:
         self.segments = segments
@@ -196,46 +196,69 @@ class _Segment:
 class DropoutSeeds:
     """This rank's seeding: the random modules of its stages, and where the running forward stands.
 
-    ``where()``: the (step, micro-batch) of the forward running now (from the interpreter's current action).
+    A part of every step (:class:`~..engine.runner.StepPart`): a train step's start says which mini-batch of
+    the stream it is (``run.first``, the train steps before it) and how many micro-batches a mini-batch has;
+    ``current()`` gives the action running (the interpreter's), whose micro-batch ``i`` is micro-batch
+    ``i % m`` of the step's mini-batch ``i // m`` (several in an asynchronous window). ``stages``: the
+    stages holding a module that may drop; the others' forwards are left alone (no cost).
     """
 
     def __init__(
         self,
         found: Mapping[int, tuple[str, nn.Module]],
+        stages: frozenset[int],
         seed: int,
         replica: int,
         device: torch.device | None,
-        where: Callable[[], tuple[int, int]],
+        current: Callable[[], Any],
     ) -> None:
         self.modules = [m for _, m in found.values()]
         self.codes = {i: name_code(n) for i, (n, _) in found.items()}
-        self.seed, self.replica, self.where = seed, replica, where
+        self.stages = stages
+        self.seed, self.replica, self.current = seed, replica, current
         self.generators = _generators(device)
+        self.first, self.per_minibatch = 0, 1  # the train step running: mini-batches before it, micro-batches each
 
-    def forward(self) -> Segments:
-        """A stage's forward in training starts: its segments' scopes for this step and micro-batch."""
+    @contextmanager
+    def around(self, run: Any) -> Iterator[None]:
+        if run.mode == "train":
+            self.first, self.per_minibatch = run.first, run.per_minibatch
+        yield
+
+    def after(self, run: Any) -> None:
+        """Nothing after a step."""
+
+    def where(self) -> tuple[int, int]:
+        """The (step, micro-batch) of the forward running now."""
+        action = self.current()
+        i = action.microbatch if action is not None and action.microbatch is not None else 0
+        return self.first + i // self.per_minibatch, i % self.per_minibatch
+
+    def segments(self, stage: int) -> Callable[[], Any] | None:
+        """A training forward of ``stage`` starts: the factory of its segments' scopes (None: it cannot drop)."""
+        if stage not in self.stages:
+            return None
         step, microbatch = self.where()
-        base = (self.seed, self.replica, step, microbatch)
-        return Segments(Seeding(self.modules, self.codes, base, self.generators))
+        seeding = Seeding(self.modules, self.codes, (self.seed, self.replica, step, microbatch), self.generators)
+        return Segments(seeding).segment
 
 
-def attach_dropout(
+def dropout_seeds(
     named: Iterator[tuple[str, nn.Module]],
-    stages: Mapping[int, Any],
+    stage_modules: Mapping[int, list[nn.Module]],
     seed: int,
     replica: int,
     device: torch.device | None,
-    where: Callable[[], tuple[int, int]],
+    current: Callable[[], Any],
 ) -> DropoutSeeds:
-    """Seed the dropouts of ``stages`` (index -> :class:`..engine.stage.Stage`) whose modules may drop; ``named``:
-    this rank's modules under their one-process names. A stage with none is left alone (no cost)."""
+    """The seeding of the stages (index -> their layers) holding a module that may drop (none, for a model
+    without dropout: it then only keeps the seed); ``named``: this rank's modules under their one-process
+    names; ``current``: the action running."""
     found = random_modules(named)
-    seeds = DropoutSeeds(found, seed, replica, device, where)
-    for st in stages.values():
-        inner = [m for root in st.modules for m in _modules_of(root)]
-        if any(id(m) in found for m in inner):
-            st.dropout = seeds
-    return seeds
+    stages = frozenset(
+        s for s, layers in stage_modules.items() if any(id(m) in found for root in layers for m in _modules_of(root))
+    )
+    return DropoutSeeds(found, stages, seed, replica, device, current)
 
 
 def _modules_of(root: nn.Module) -> Iterator[nn.Module]:

@@ -32,16 +32,17 @@ So that the check comes before any optimizer step while the runtime executes
 exactly its schedule, a checking Pipeline with an optimizer factory has its
 STEP actions placed at the end of each rank's list
 (:func:`stagewise.passes.lowering.add_optimizer_steps` with ``at_end=True``), and the
-first STEP runs the check (the runner is a part of the SYNC/STEP hooks); the
-steps' overlap with the drain is what this costs. ``nan_policy=None`` checks
-nothing and places each stage's STEP right after its SYNC.
+first STEP runs the check (:class:`FinitePart` is a part of the SYNC/STEP hooks and
+of every step); the steps' overlap with the drain is what this costs.
+``nan_policy=None`` checks nothing and places each stage's STEP right after its SYNC.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -49,6 +50,9 @@ from torch import nn
 from ...parallel import AXES
 from ..errors import PipelineError
 from .merge import GradientMerge
+
+if TYPE_CHECKING:
+    from ..engine.runner import StepRun
 
 POLICIES = ("raise", "skip")
 
@@ -238,7 +242,7 @@ class FiniteCheck:
         """An asynchronous window's STEP of ``stage`` for mini-batch ``minibatch`` of the stream: this stage's own
         gradients (and, on the last stage, that mini-batch's losses), checked here alone, before the stage's
         optimizer steps. Only ``"raise"``: the stages step at different times, so no rank can skip a
-        mini-batch on every rank (:mod:`..combinations` refuses ``"skip"``); the failure is posted and every
+        mini-batch on every rank (:mod:`..assembly.combinations` refuses ``"skip"``); the failure is posted and every
         rank stops, naming this one."""
         mine = [(n, p) for n, p in self.named if self.stage_of.get(id(p)) == stage]
         grads = [p.grad for _, p in mine if p.grad is not None]
@@ -283,22 +287,94 @@ class FiniteCheck:
         return True
 
 
+class FinitePart:
+    """The check as a part of the pipeline: of each stage's STEP (:class:`~..engine.hooks.StagePart`) and of each
+    train step (:class:`~..engine.runner.StepPart`).
+
+    Synchronous schedules: once per train step, collectively, at the step's first STEP (the schedule puts them at
+    the end of each rank's list when checking) or, with no STEP in the list (no optimizer factory), after the
+    step. Every gradient must be final first: ``settle()`` waits for the tied sums and the hybrid axes'
+    reductions. Asynchronous schedules: each stage's own mini-batch at each of its STEPs, after
+    ``settle_stage(stage)`` (no collective: the stages step at different times).
+    """
+
+    def __init__(
+        self,
+        check: FiniteCheck,
+        *,
+        placement: Sequence[int],
+        asynchronous: bool,
+        settle: Callable[[], None],
+        settle_stage: Callable[[int], None],
+    ) -> None:
+        self.check = check
+        self.placement = placement
+        self.asynchronous = asynchronous
+        self.settle = settle
+        self.settle_stage = settle_stage
+        self.run: StepRun | None = None  # the train step running (or the last one)
+        self.checked = False  # whether this synchronous train step's collective check has run
+        self.stepped: dict[int, int] = {}  # STEPs each stage ran in this asynchronous window
+
+    @property
+    def skipped(self) -> int:
+        return self.check.skipped
+
+    @contextmanager
+    def around(self, run: StepRun) -> Iterator[None]:
+        if run.mode == "train":
+            self.run, self.checked, self.stepped = run, False, {}
+            self.check.begin()  # the buffers as they are: a refused or skipped step puts them back
+        yield
+
+    def after(self, run: StepRun) -> None:
+        if run.mode == "train":
+            self._check_step()  # when the list had no STEP (no optimizer factory), the check runs here
+
+    def on_sync(self, stage: int) -> None:
+        """Nothing at SYNC: the gradients are not final yet."""
+
+    def before_step(self, stage: int) -> None:
+        if self.run is None:
+            return
+        if not self.asynchronous:
+            self._check_step()
+            return
+        k = self.stepped.get(stage, 0)
+        self.stepped[stage] = k + 1
+        self.settle_stage(stage)
+        m = self.run.per_minibatch
+        last = stage == len(self.placement) - 1
+        losses = {i: v for i, v in self.run.step.losses.items() if i // m == k} if last else {}
+        self.check.check_stage(stage, self.run.first + k, losses)
+
+    def _check_step(self) -> None:
+        if self.asynchronous or self.checked or self.run is None:
+            return
+        self.checked = True
+        self.settle()
+        last = self.placement[-1] == self.check.rank
+        self.check(self.run.step.losses if last else {}, len(self.placement) - 1 if last else None)
+
+
 def finite_check(
     policy: str | None,
-    runner: Any,
+    stages: Mapping[int, Any],
+    rank: int,
+    device: torch.device,
     transport: Any,
     hybrid: Any,
     named: Sequence[tuple[str, nn.Parameter]],
     merge: GradientMerge | None = None,
 ) -> FiniteCheck | None:
     """The check for a pipeline (None for ``nan_policy=None``): reduced over the whole mesh (or the pipeline
-    group), within its deadline. ``named``: the pipeline's parameters under their one-process names; ``merge``:
-    the pipeline's gradient merge (:mod:`.merge`)."""
+    group), within its deadline. ``stages``: this rank's (each with its ``modules``); ``named``: the pipeline's
+    parameters under their one-process names; ``merge``: the pipeline's gradient merge (:mod:`.merge`)."""
     if policy is None:
         return None
     from ..comm.collectives import gather_json
 
-    stage_of = {id(p): s for s, st in runner.stages.items() for m in st.modules for p in m.parameters()}
+    stage_of = {id(p): s for s, st in stages.items() for m in st.modules for p in m.parameters()}
     group = None if hybrid is not None else transport.group  # the mesh spans the world
 
     def reduce(flag: torch.Tensor) -> None:
@@ -312,7 +388,5 @@ def finite_check(
     def gather(obj: Any) -> list[Any]:
         return gather_json(obj, group, transport.guard.wait, "where the non-finite values are")
 
-    buffers = Buffers([m for st in runner.stages.values() for m in st.modules])
-    return FiniteCheck(
-        policy, runner.rank, named, stage_of, reduce, gather, runner.device, transport.guard.fail, buffers, merge
-    )
+    buffers = Buffers([m for st in stages.values() for m in st.modules])
+    return FiniteCheck(policy, rank, named, stage_of, reduce, gather, device, transport.guard.fail, buffers, merge)

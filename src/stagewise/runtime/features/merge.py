@@ -23,7 +23,7 @@ What belongs to the optimizer step happens once, on the merged gradient: the che
 (``nan_policy``, :mod:`.finite`) runs at the last step, with every merged step's losses, and a refused or
 skipped merge drops all of its gradients and puts the buffers back as its first step found them;
 ``clip_grad_norm_`` is refused until then, as a checkpoint is (it saves no gradients, and each replica's
-partial sums are its own). Asynchronous schedules and HetPipe refuse ``no_sync`` (:mod:`..combinations`).
+partial sums are its own). Asynchronous schedules and HetPipe refuse ``no_sync`` (:mod:`..assembly.combinations`).
 """
 
 from __future__ import annotations

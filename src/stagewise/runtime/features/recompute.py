@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..._util import is_count
-from ..frontends.layers import call_layer
+from ..engine.stage import call_layer
 
 Recompute = Union[None, str, int]  # noqa: UP007
 #: a scope per segment (``segment()`` once per segment, in order; the scope it returns entered at each run of the

@@ -58,8 +58,8 @@ from .tied import TiedCall
 from .ties import found_ties, save_once, unsaved_names
 
 if TYPE_CHECKING:
-    from ..context import PipelineContext
     from ..options import Options
+    from .parts import PipelineContext
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from .parts import BUILT_MODEL, FROM_MODELS, LAYERS_ONLY, Parts
 from .tied import Tied
 
 if TYPE_CHECKING:
-    from ..context import PipelineContext
     from ..options import Options
+    from .parts import PipelineContext
 
 _CUT = "the stages are cut already (each rank passes the modules of its own stages)"
 

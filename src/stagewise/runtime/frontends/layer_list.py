@@ -20,8 +20,8 @@ from .parts import FROM_MODELS, LAYERS_ONLY, Parts
 from .tied import TiedBuilder
 
 if TYPE_CHECKING:
-    from ..context import PipelineContext
     from ..options import Options
+    from .parts import PipelineContext
 
 log = logging.getLogger(__name__)
 

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from ...partition import LayerProfile, PartitionSpec, counts_to_ranges, stage_counts
+from ..engine.stage import call_layer
 
 LayerLike = Union[nn.Module, "Layer"]
 Layers = Union[nn.Sequential, nn.ModuleList, Sequence[LayerLike], Mapping[str, LayerLike]]  # noqa: UP007
@@ -60,11 +61,6 @@ class Layer:
         name = getattr(self.factory, "__qualname__", repr(self.factory))
         args = [repr(a) for a in self.args] + [f"{k}={v!r}" for k, v in self.kwargs.items()]
         return f"Layer({name}{''.join(', ' + a for a in args)})"
-
-
-def call_layer(layer: Callable[..., Any], x: Any) -> Any:
-    """Apply ``layer`` to the previous layer's output under the calling convention."""
-    return layer(*x) if type(x) is tuple else layer(x)
 
 
 def named_layers(layers: Layers) -> list[tuple[str, LayerLike]]:

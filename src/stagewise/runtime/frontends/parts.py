@@ -1,8 +1,9 @@
-"""What every way in hands the assembly: this rank's built stages (:class:`Parts`), and the frontend protocol.
+"""What every way in is given (:class:`PipelineContext`: where it runs) and hands the assembly (:class:`Parts`:
+this rank's built stages), and the frontend protocol.
 
 Construction flows one way: a frontend (a layer list, ``from_model``, ``from_hf``, ``from_stages``, a plan)
 says which options it cannot apply and fills in its own defaults, may fix the stage count (a tagged
-model), then builds this rank's stages for the resolved context. :func:`stagewise.runtime.assembly.assemble`
+model), then builds this rank's stages for the resolved context. :func:`stagewise.runtime.assembly.assemble.assemble`
 wraps the parts in the engine, whoever made them. No frontend knows the Pipeline class.
 """
 
@@ -12,14 +13,38 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+import torch
 from torch import nn
 
+from ...ir import Schedule
 from ...partition import LayerProfile
 from .tied import TiedBuilder
 
 if TYPE_CHECKING:
-    from ..context import PipelineContext
+    from ..hybrid.hybrid import Hybrid
     from ..options import Options
+
+
+@dataclass
+class PipelineContext:
+    """The group the schedule runs on, this rank in it, the schedule, the device, and the hybrid axes (or None)."""
+
+    group: Any
+    rank: int
+    num_ranks: int
+    schedule: Schedule
+    device: torch.device
+    hybrid: Hybrid | None
+
+    @property
+    def local_stages(self) -> tuple[int, ...]:
+        return tuple(self.schedule.stages_of(self.rank))
+
+    @property
+    def cut_group(self) -> Any:
+        """The ranks that must cut the model alike: the pipeline group, or every rank of a mesh (None: the
+        world), so that the replicas of a stage hold the same layers."""
+        return self.group if self.hybrid is None else None
 
 
 @dataclass

@@ -7,7 +7,7 @@ of the plan's own options is an error, so a run cannot silently differ from what
 layout share one set of process groups (each gloo group keeps a polling thread alive for the run).
 
 Every rank must run the same plan: before the plan's options are applied - before its layout's process
-groups exist - the ranks compare the plans' digests (:func:`stagewise.runtime.plan_agreement.check_same_plan`,
+groups exist - the ranks compare the plans' digests (:func:`.plan_agreement.check_same_plan`,
 a collective bounded by the pipeline's ``timeout``) and every rank refuses a mismatch with the same error,
 naming which ranks hold which plan. (It cannot wait for the placed context: ranks holding plans of different
 layouts would already be making different process groups there.)
@@ -20,14 +20,14 @@ from typing import TYPE_CHECKING, Any
 
 from ...planning import Plan
 from ...schedules import is_asynchronous
-from ..plan_agreement import check_same_plan
 from .layer_list import LayerList
 from .layers import Layers
 from .parts import Parts
+from .plan_agreement import check_same_plan
 
 if TYPE_CHECKING:
-    from ..context import PipelineContext
     from ..options import Options
+    from .parts import PipelineContext
 
 
 class FromPlan:

@@ -1,7 +1,7 @@
 """Tied parameters found in a model (not declared with :class:`~stagewise.Tied`), synced as Tied keys are.
 
 ``from_model`` finds a parameter used on several stages (``head.weight = embed.weight``, or a head calling
-``h @ self.embed.weight.T``). Each becomes one key of :class:`..model.tied.TiedSync`: every rank owning a stage
+``h @ self.embed.weight.T``). Each becomes one key of :class:`.tied.TiedSync`: every rank owning a stage
 that uses it holds the parameter, and their gradients are summed at the SYNC of the last stage using it there,
 before any optimizer steps. Each name is saved once: a name (``embed.weight``) that stages on two ranks register
 is left out of ``state_dict()`` everywhere but on the first such stage's rank; a different name of the same

@@ -72,7 +72,7 @@ class Hybrid:
     ) -> None:
         """Split, shard or replicate this rank's stages (before any optimizer is built over their parameters).
 
-        ``whole``: ids of parameters left alone on every axis (tied ones: :mod:`.tied` reduces them itself).
+        ``whole``: ids of parameters left alone on every axis (tied ones: :mod:`..frontends.tied` reduces them itself).
         """
         c = self.config
         self._wait = wait

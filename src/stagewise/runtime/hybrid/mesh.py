@@ -7,7 +7,7 @@ torch ``DeviceMesh`` with axes ``("pp", "dp", "sharding", "tp")`` (see
 and this rank's coordinates. Nothing is global: two meshes over the same
 processes are two sets of groups.
 
-Besides :mod:`.transport` (point-to-point) and :mod:`.init`, this is the only
+Besides :mod:`..comm.transport` (point-to-point) and :mod:`..comm.setup`, this is the only
 module that runs ``torch.distributed`` collectives: the data-parallel gradient
 all-reduce, the loss mean and the gradient norm go through the functions at
 the end.

@@ -1,8 +1,9 @@
-"""Measurement on the actual device and group: what the planner's cost model needs.
+"""Measurement of a module or a link on the actual device and group: what the planner's cost model needs.
+
+Below the facade: nothing here builds a Pipeline (what does is :mod:`stagewise.runtime.calibration`).
 
 * :mod:`.profiling`: per-layer time and memory (:func:`stagewise.profile`), with :mod:`.layer_cost` (one
   layer measured) and :mod:`.checkpoint_cost` (the line a checkpointed segment costs);
-* :mod:`.calibrate`: links, per-action and per-message costs, FSDP2's cost (:func:`stagewise.calibrate`);
-* :mod:`.compute_scale`: the runtime's compute over the profile's prediction;
-* :mod:`.links`: the ping-pong link probe; :mod:`.sharding`: one FSDP2 unit's cost per step.
+* :mod:`.links`: the ping-pong link probe; :mod:`.sharding`: one FSDP2 unit's cost per step;
+* :mod:`.host_reads`: the host reads of tensor values stagewise's own code makes (the sync audit).
 """

@@ -1,9 +1,9 @@
 """Measure what one FSDP2 unit costs on the actual group (the planner's calibrated sharding costs).
 
-The runtime (:mod:`.sharding`) gathers a unit's parameters at its first forward
+The runtime (:mod:`..hybrid.sharding`) gathers a unit's parameters at its first forward
 and reduce-scatters its gradient at SYNC. Here one ``Linear(width, width)``
 unit sharded over every rank does exactly that once per round (a forward, a
-backward, :func:`.sharding.reduce`), and the same layer unsharded does the
+backward, :func:`..hybrid.sharding.reduce`), and the same layer unsharded does the
 forward and backward alone; the difference, the slowest rank's median, is the
 unit's collective cost per step. Two widths give a fixed part per unit and a
 part per parameter byte.

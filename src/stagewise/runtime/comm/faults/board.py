@@ -8,7 +8,7 @@ ends it (:mod:`.exit_hook`), so a rank that dies outside any step (in a
 constructor, say) stops the others too.
 
 Keys live under the run's scope on a connection of the board's own whose
-calls time out (:mod:`.coordinator`): a board never reads a previous job's
+calls time out (:mod:`..coordinator`): a board never reads a previous job's
 failure, and never blocks past the pipeline's timeout on a stopped or dead
 store host; it then says the coordinator is unreachable.
 

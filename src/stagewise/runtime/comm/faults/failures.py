@@ -4,7 +4,7 @@ FSDP2's all-gathers and reduce-scatters and DTensor's tensor-parallel
 reductions are issued and waited for inside torch, on the main thread, with no
 error board in sight: when a peer dies the wait raises gloo's "connection
 closed by peer" at once, and when a peer is stopped it raises only when the
-group's timeout passes (:func:`.groups.bound` makes that the pipeline's). Either
+group's timeout passes (:func:`..groups.bound` makes that the pipeline's). Either
 message names no rank, and a survivor posting it would blame itself. So such an
 error is turned into a :class:`PipelineError` carrying the failure that stands:
 one posted on the board (the origin's own message, or the coordinator being

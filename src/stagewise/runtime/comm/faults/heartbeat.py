@@ -3,7 +3,7 @@
 When rank 1 is stopped, rank 2 waits for rank 1 and rank 3 for rank 2; whoever's
 deadline passes first posts, and "rank 3 waited for rank 2" blames the wrong
 rank. So each process stamps ``alive/<global rank>`` in the run's corner of
-the store (:mod:`.coordinator`) every :data:`INTERVAL_S` seconds from a daemon
+the store (:mod:`..coordinator`) every :data:`INTERVAL_S` seconds from a daemon
 thread, on a connection of its own; a rank whose deadline passes reads every
 stamp and names the ranks silent for more than half the timeout - a stopped
 or dead process stops stamping, a busy one does not - in the *first* words of

@@ -3,7 +3,7 @@
 A process that ends without cleaning up (SIGKILL; torchrun's SIGTERM to the
 whole process group of a worker once another rank died; ``os._exit``) leaves
 the names it still held, and /dev/shm is memory: a file holds its bytes until
-the next reboot. Names live briefly (see :mod:`.shm`), but a job killed in its
+the next reboot. Names live briefly (see :mod:`.transport`), but a job killed in its
 first steps, which is when most jobs are killed, dies holding some.
 
 So every name this process creates is registered with Python's

@@ -53,8 +53,8 @@ from .stage import HFStage
 from .tp_plan import default_tp_plan
 
 if TYPE_CHECKING:
-    from ...context import PipelineContext
     from ...options import Options
+    from ..parts import PipelineContext
 
 __all__ = ["FromHF", "HFStage", "Layout", "check_model", "recognise"]
 

@@ -64,12 +64,6 @@ class SplitModel:
     def num_stages(self) -> int:
         return len(self.stage_modules)
 
-    def stage_outputs(self, k: int) -> tuple[str, ...]:
-        """What stage k returns: stage k+1's inputs (the last stage returns the model's output)."""
-        if not 0 <= k < self.num_stages - 1:
-            raise IndexError(f"stage {k} has no stage after it ({self.num_stages} stages)")
-        return self.stage_inputs[k + 1]
-
     def named_parameters(self, k: int) -> Iterator[tuple[str, nn.Parameter]]:
         """Stage k's parameters under their names in the original model (``blocks.3.attn.weight``)."""
         return self.stage_modules[k].named_parameters()

@@ -1,4 +1,5 @@
-"""Where a pipeline runs: its process group (or mesh), this rank, the validated schedule, the device.
+"""Where a pipeline runs: its process group (or mesh), this rank, the validated schedule, the device
+(a :class:`~stagewise.runtime.frontends.parts.PipelineContext`, what every frontend builds for).
 
 Resolved once, before anything is built, so that every frontend (layer
 lists, ``from_model``, already-built stages) checks the same things the same
@@ -7,45 +8,23 @@ way and refuses bad input before any rank communicates.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from ..ir import Schedule
-from ..passes import add_optimizer_steps, build_schedule, lower
-from ..schedules import schedule_info
-from ..validate import validate_schedule, validate_versions
-from .comm import groups
-from .comm.faults import exit_hook
+from ...ir import Schedule
+from ...passes import add_optimizer_steps, build_schedule, lower
+from ...schedules import schedule_info
+from ...validate import validate_schedule, validate_versions
+from ..comm import groups
+from ..comm.faults import exit_hook
+from ..frontends.parts import PipelineContext
 
 if TYPE_CHECKING:
-    from ..parallel import ParallelConfig
-    from .hybrid.hybrid import Hybrid
-    from .hybrid.mesh import Mesh
-    from .options import Options
-
-
-@dataclass
-class PipelineContext:
-    """The group the schedule runs on, this rank in it, the schedule, the device, and the hybrid axes (or None)."""
-
-    group: Any
-    rank: int
-    num_ranks: int
-    schedule: Schedule
-    device: torch.device
-    hybrid: Hybrid | None
-
-    @property
-    def local_stages(self) -> tuple[int, ...]:
-        return tuple(self.schedule.stages_of(self.rank))
-
-    @property
-    def cut_group(self) -> Any:
-        """The ranks that must cut the model alike: the pipeline group, or every rank of a mesh (None: the
-        world), so that the replicas of a stage hold the same layers."""
-        return self.group if self.hybrid is None else None
+    from ...parallel import ParallelConfig
+    from ..hybrid.hybrid import Hybrid
+    from ..hybrid.mesh import Mesh
+    from ..options import Options
 
 
 def resolve_schedule_for(options: Options, stages: int | None = None) -> Schedule:
@@ -53,7 +32,7 @@ def resolve_schedule_for(options: Options, stages: int | None = None) -> Schedul
 
     ``stages``: how many stages the model is cut into, when its source fixes it (a tagged model); else
     ``options.stages``, else the schedule's own count. The schedule gets a STEP per stage when the pipeline
-    steps an optimizer (:attr:`Options.step_placement`).
+    steps an optimizer (:attr:`Options.optimizer_steps`, placed as :attr:`Options.steps_at_end` says).
     """
     groups.require_initialized()
     size = pipeline_size(options)
@@ -99,19 +78,21 @@ def schedule_for_stages(options: Options, num_ranks: int, stages: int | None, so
     stages per rank (4 stages on 2 ranks with ``"zb-v"``).
     """
     schedule, m, v = options.schedule, options.microbatches, options.virtual_stages
-    steps = options.step_placement
+    steps, at_end = options.optimizer_steps, options.steps_at_end
     what = f"{source} name {stages} stages" if source else f"stages={stages}"
     if isinstance(schedule, str) and stages is not None and v is None:
         if stages % num_ranks:
             raise ValueError(f"{what}, which do not divide evenly over {num_ranks} ranks")
         try:
-            return resolve_schedule(schedule, num_ranks, m, stages // num_ranks, optimizer_steps=steps)
+            return resolve_schedule(
+                schedule, num_ranks, m, stages // num_ranks, optimizer_steps=steps, steps_at_end=at_end
+            )
         except ValueError as err:
             raise ValueError(
                 f"{what} on {num_ranks} ranks ({stages // num_ranks} per rank), which schedule {schedule!r} "
                 f"cannot run: {err}"
             ) from err
-    sched = resolve_schedule(schedule, num_ranks, m, v, optimizer_steps=steps)
+    sched = resolve_schedule(schedule, num_ranks, m, v, optimizer_steps=steps, steps_at_end=at_end)
     if stages is not None and sched.num_stages != stages:
         raise ValueError(f"{what}, but schedule {sched.name!r} on {num_ranks} ranks runs {sched.num_stages} stages")
     return sched
@@ -123,20 +104,19 @@ def resolve_schedule(
     microbatches: int | None,
     virtual_stages: int | None,
     *,
-    optimizer_steps: str | None = None,
+    optimizer_steps: bool = False,
+    steps_at_end: bool = False,
 ) -> Schedule:
     """The complete, validated schedule to run, checked against the group before anything is built.
 
-    With ``optimizer_steps`` (``"after_sync"`` or ``"at_end"``) every stage has a STEP (a schedule that places
-    its own keeps them).
+    With ``optimizer_steps`` every stage has a STEP (a schedule that places its own keeps them): right after
+    its SYNC, or with ``steps_at_end`` at the end of each rank's list.
     """
-    if optimizer_steps not in (None, "after_sync", "at_end"):
-        raise ValueError(f"optimizer_steps must be None, 'after_sync' or 'at_end', got {optimizer_steps!r}")
-    at_end = optimizer_steps == "at_end"
+    after_sync, at_end = optimizer_steps and not steps_at_end, optimizer_steps and steps_at_end
     if isinstance(schedule, str):
         schedule_info(schedule)  # a clear error for unknown names
         m = num_ranks if microbatches is None else microbatches
-        built = build_schedule(schedule, num_ranks, m, virtual_stages, optimizer_steps=optimizer_steps == "after_sync")
+        built = build_schedule(schedule, num_ranks, m, virtual_stages, optimizer_steps=after_sync)
         built = _steps_at_end(built) if at_end else built
         validate_versions(built)  # asynchronous schedules: the version rules too (a no-op for the others)
         return built
@@ -155,11 +135,11 @@ def resolve_schedule(
             f"virtual_stages={virtual_stages}, but schedule {schedule.name!r} has {schedule.virtual_stages} per rank"
         )
     if schedule.is_complete:
-        if optimizer_steps is not None:
+        if optimizer_steps:
             schedule = add_optimizer_steps(schedule, at_end=at_end)
         validate_schedule(schedule)
     else:
-        schedule = lower(schedule, optimizer_steps=optimizer_steps == "after_sync")
+        schedule = lower(schedule, optimizer_steps=after_sync)
         if at_end:
             schedule = _steps_at_end(schedule)
     validate_versions(schedule)  # asynchronous schedules: the version rules too (a no-op for the others)
@@ -176,6 +156,6 @@ def _hybrid(parallel: ParallelConfig | Mesh | None) -> Hybrid | None:
     """The hybrid-parallel parts for ``parallel=`` (a ParallelConfig or Mesh), or None."""
     if parallel is None:
         return None
-    from .hybrid.hybrid import Hybrid
+    from ..hybrid.hybrid import Hybrid
 
     return Hybrid(parallel)

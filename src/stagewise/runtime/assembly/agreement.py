@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
-from ..ir import Schedule
-from .comm import collectives, groups
-from .comm.faults.guard import setup_guard
-from .options import Options
+from ...ir import Schedule
+from ..comm import collectives, groups
+from ..comm.faults.guard import setup_guard
+from ..options import Options
 
 #: options each rank may set for itself (``emulate_slowdown``: a float slows this rank alone)
 _OWN = frozenset({"device", "group", "store", "sample_inputs", "timeout", "emulate_slowdown", "given"})

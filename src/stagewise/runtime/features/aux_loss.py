@@ -12,18 +12,27 @@ computed on the whole batch (:func:`collect_aux_losses` records them there).
 With micro-batches of unequal sizes each micro-batch still weighs ``1/m``.
 
 Outside a collector (evaluation, a plain module call) ``aux_loss`` does nothing.
+
+In a pipeline the collector is :class:`AuxTotals`: it wraps each stage's forward (:meth:`AuxTotals.forward`)
+and, as a part of every train step (:class:`~stagewise.runtime.engine.runner.StepPart`), starts the step's
+totals afresh and reads them once at its end (``Pipeline.last_step_losses``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from ..engine.tree import flatten, unflatten
+
+if TYPE_CHECKING:
+    from ..engine.runner import StepRun
+    from ..engine.stage import Forward
 
 _TERMS: ContextVar[list[tuple[str, torch.Tensor]] | None] = ContextVar("stagewise_aux_terms", default=None)
 
@@ -72,3 +81,54 @@ def attach(out: Any, total: torch.Tensor, stage: int) -> Any:
     for k, t in zip(idx, carried):
         tensors[k] = t
     return unflatten(spec, tensors)
+
+
+class AuxTotals:
+    """The aux terms of this rank's stages: carried on each stage's outputs, and totalled over a train step.
+
+    ``scale``: each micro-batch's weight, ``1/m``. :attr:`last`: the last train step's total of each term over
+    this rank's stages (one host read, at the step's end).
+    """
+
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+        self.totals: dict[int, dict[str, Any]] = {}  # stage -> name -> a 0-dim tensor, on the device
+        self.last: dict[str, float] = {}
+
+    def forward(self, stage: int, inner: Forward) -> Forward:
+        """Stage ``stage``'s forward ``inner`` with the aux terms its layers add collected, totalled and carried."""
+
+        def run(modules: Sequence[nn.Module], x: Any) -> Any:
+            if not torch.is_grad_enabled():
+                return inner(modules, x)
+            with collect_aux_losses() as terms:
+                out = inner(modules, x)
+            if not terms:
+                return out
+            mine = self.totals.setdefault(stage, {})
+            for name, value in terms:  # kept on the device: read once, at the step's end
+                mine[name] = mine.get(name, 0.0) + value.detach() * self.scale
+            total = torch.stack([v for _, v in terms]).sum() * self.scale
+            return attach(out, total, stage)
+
+        return run
+
+    @contextmanager
+    def around(self, run: StepRun) -> Iterator[None]:
+        if run.mode == "train":
+            self.totals = {}
+        yield
+
+    def after(self, run: StepRun) -> None:
+        """Each aux term's total over this rank's stages (one host read for all of them)."""
+        if run.mode != "train":
+            return
+        totals: dict[str, Any] = {}
+        for stage in sorted(self.totals):
+            for n, v in self.totals[stage].items():
+                totals[n] = totals.get(n, 0.0) + v
+        if not totals:
+            self.last = {}
+            return
+        values = torch.stack([torch.as_tensor(v, dtype=torch.float64).reshape(()) for v in totals.values()])
+        self.last = dict(zip(totals, values.tolist()))

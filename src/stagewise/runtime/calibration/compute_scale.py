@@ -48,7 +48,7 @@ from ...partition import LayerProfile
 from ..comm.groups import group_size, require_initialized
 from ..frontends.balance import on_first_rank
 from ..interrupt import uncounted
-from .links import summed
+from ..measure.links import summed
 from .progress import Steps
 
 if TYPE_CHECKING:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...planning import Calibration, LayoutCost
-from .links import slowest, slowest_each, summed
+from ..measure.links import slowest, slowest_each, summed
 
 if TYPE_CHECKING:
     from ..hybrid.mesh import Mesh

@@ -15,7 +15,7 @@ differently; a memory cap read from the rank's device), so two guards:
   before any process group is made and, within the pipeline's ``timeout``, every rank refuses a mismatch
   with the same error, naming which ranks hold which plan.
 
-Everything that crosses ranks is plain JSON (:mod:`.comm.collectives`), never a pickle.
+Everything that crosses ranks is plain JSON (:mod:`..comm.collectives`), never a pickle.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..partition import LayerProfile
-from ..planning import Calibration, Link, Plan, PlanSearch, search
-from .comm import collectives, groups
-from .comm.faults.guard import setup_guard
-from .errors import PipelineError
+from ...partition import LayerProfile
+from ...planning import Calibration, Link, Plan, PlanSearch, search
+from ..comm import collectives, groups
+from ..comm.faults.guard import setup_guard
+from ..errors import PipelineError
 
 #: seconds every rank may take to reach :func:`stagewise.plan` (the first to arrive waits for the last)
 TIMEOUT = 300.0

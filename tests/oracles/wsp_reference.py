@@ -4,7 +4,7 @@ equations, replayed.
 Every VW is a whole model in this process. Clock by clock, each VW pulls
 W0 + (1/K)[G(c - 1 - D) + its own updates of clocks c-D .. c-1], trains its
 wave (an asynchronous window by the schedule's version rule, replayed by
-:mod:`.reference`'s replay, or N plain synchronous steps), and its update
+:mod:`.async_reference`'s replay, or N plain synchronous steps), and its update
 u_v^c = W(end) - W(start) is kept; G(k) sums every VW's updates through clock
 k. Because the pulled weights depend only on which clocks are in - never on
 arrival order - this sequential replay is what the multi-process run computes.
@@ -19,12 +19,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...asynchronous import WaveRule
-from ...partition import counts_to_ranges, uniform_counts
-from ...schedules import async_schedule, registry_minibatch, schedule_info, window_of
-from ..frontends.layers import Chain, Layers
-from ..frontends.one_process import build_model
-from .replay import _Replay
+from stagewise.asynchronous import WaveRule
+from stagewise.partition import counts_to_ranges, uniform_counts
+from stagewise.runtime.frontends.layers import Chain, Layers
+from stagewise.runtime.frontends.one_process import build_model
+from stagewise.schedules import async_schedule, registry_minibatch, schedule_info, window_of
+
+from .async_reference import _Replay
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 

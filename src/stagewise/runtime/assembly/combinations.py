@@ -16,10 +16,16 @@ Asynchronous schedules (PipeDream, 2BW, XPipe) step each stage at its own STEPs,
   not implemented (``dp`` is supported);
 * tied modules are refused: their copies on two stages would step at different times;
 * ``xpipe`` needs an optimizer with a prediction rule (SGD with momentum, Adam, AdamW);
-* ``no_sync()`` (a gradient merge over train steps, :mod:`.features.merge`) is refused: a stage steps at its own
+* ``no_sync()`` (a gradient merge over train steps, :mod:`..features.merge`) is refused: a stage steps at its own
   STEPs inside a window, each mini-batch on the weight version its forward used, so there is no step whose
   gradients several mini-batches could add up to. HetPipe refuses it too: each wave's update is pushed to the
   other virtual workers as the wave ends. Both take more micro-batches per mini-batch instead.
+
+HetPipe (:func:`refuse_hetpipe`) trains each virtual worker's pipeline by the wave rule, so it needs
+``optimizer=`` and ``loss_fn=`` (each worker trains its waves), and refuses ``group=`` and ``parallel=`` (each
+worker runs on its own ranks; the workers are its data parallelism), BatchNorm policies (the rule shares
+parameters only), ``nan_policy="skip"`` (a worker cannot skip an update the others count) and tied modules
+(each parameter needs one owner per worker, whose update it pushes).
 """
 
 from __future__ import annotations
@@ -29,13 +35,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..ir import Schedule
-from ..schedules import is_asynchronous
-from ..validate import async_table
+from ...ir import Schedule
+from ...schedules import is_asynchronous
+from ...validate import async_table
+from ..frontends.layers import Layers, named_layers
+from ..frontends.parts import FROM_MODELS, LAYERS_ONLY
+from ..frontends.tied import Tied
+from ..options import check_applicable
 
 if TYPE_CHECKING:
-    from .frontends.parts import Parts
-    from .options import Options
+    from ..frontends.parts import Parts
+    from ..options import Options
 
 
 def refuse_options(entry: str, options: Options, schedule: Schedule) -> None:
@@ -67,7 +77,7 @@ def refuse_options(entry: str, options: Options, schedule: Schedule) -> None:
         )
     table = async_table(schedule)
     if table is not None and table.policy == "predict":
-        from .asynchronous.predict import check_predictable
+        from ..asynchronous.predict import check_predictable
 
         check_predictable(options.optimizer([nn.Parameter(torch.zeros(1))]))
 
@@ -102,6 +112,37 @@ def refuse_no_sync(entry: str, schedule: Schedule | None) -> None:
             "used, so no step could add up the gradients of several; give each mini-batch more micro-batches "
             "(microbatches=) instead"
         )
+
+
+_OWN_RANKS = "each virtual worker's pipeline runs on its own ranks (virtual_workers= says which)"
+#: options HetPipe cannot take, and why
+HETPIPE_REFUSED = {
+    "group": _OWN_RANKS,
+    "parallel": _OWN_RANKS + "; the virtual workers are HetPipe's data parallelism",
+    "batchnorm": "the wave rule shares parameters only: BatchNorm running statistics stay each virtual worker's own",
+    "free_unused": FROM_MODELS,
+    "concrete_args": LAYERS_ONLY,
+}
+
+
+def refuse_hetpipe(layers: Layers, options: Options) -> None:
+    """What the wave rule cannot do, refused on every rank alike before any group is made."""
+    check_applicable("HetPipe", HETPIPE_REFUSED, options)
+    if options.nan_policy == "skip":
+        raise ValueError(
+            "HetPipe does not take nan_policy='skip': a virtual worker cannot skip a wave's update that the others "
+            "count; use 'raise' or None"
+        )
+    tied = sorted({layer.key for _, layer in named_layers(layers) if isinstance(layer, Tied)})
+    if tied:
+        raise ValueError(
+            f"HetPipe does not take tied modules (sw.Tied keys {tied}): each parameter needs one owner per virtual "
+            "worker, whose update it pushes; untie them"
+        )
+    if options.optimizer is None:
+        raise ValueError("HetPipe needs optimizer=, a factory params -> Optimizer (each VW trains its waves)")
+    if options.loss_fn is None:
+        raise ValueError("HetPipe needs loss_fn=, the micro-batch's mean loss (each VW trains its waves)")
 
 
 def describe(schedule: Any) -> str:

@@ -57,8 +57,8 @@ from ...schedules import generate
 from ...simulation import CostModel, simulate
 from ..comm.groups import global_rank, group_size, new_world_subgroup, require_initialized
 from ..interrupt import uncounted
+from ..measure.links import average, measure_links, slowest
 from .layout_probe import CORNERS, Tick, layout_costs, layout_shapes
-from .links import average, measure_links, slowest
 from .progress import Steps
 
 if TYPE_CHECKING:
@@ -115,7 +115,7 @@ def calibrate(
         cores = effective_cores(world // nodes, work=workload, rounds=9 * passes, timeout=timeout)
         cal = Calibration(intra=intra, inter=inter, action=action, step=step, cores=cores, processes=world, nodes=nodes)
         if sharding and pairs:
-            from .sharding import hook_cost, sharding_costs
+            from ..measure.sharding import hook_cost, sharding_costs
 
             bar.next("FSDP2's cost per unit")
             fixed, per_byte = sharding_costs(timeout=timeout)

@@ -3,53 +3,62 @@
 One function, :func:`assemble`, whatever frontend built the parts, in the order the parts need each other:
 the parts are registered on the Pipeline under their one-process names; replicas a user built are made
 equal; the hybrid axes split, shard or replicate the stages before any optimizer sees their parameters;
-the transport exists before anything communicates; the hooks know every part with work at SYNC and STEP
-(and, with ``offload=``, step the optimizers on the host);
-an asynchronous schedule gets the version-aware interpreter. The Pipeline keeps what this returns.
+the transport exists before anything communicates; each stage's forward is composed from the options that
+change it (autocast, recompute, aux losses); an asynchronous schedule gets the version-aware interpreter.
+
+It registers, in order, every part with work at a stage's SYNC and STEP (:class:`~..engine.hooks.StagePart`:
+the hybrid axes, the tied sums, BatchNorm, the check of non-finite values; with ``offload=``, the optimizers
+step on the host) and around each step (:class:`~..engine.runner.StepPart`: the tied sums, the hybrid axes,
+the activation meter, BatchNorm, the check, the aux totals): the engine knows none of them by name. The
+Pipeline keeps what this returns.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from ..ir import Schedule
-from ..passes import forward_only
-from ..validate import async_table
-from .asynchronous.interpreter import AsyncInterpreter
-from .asynchronous.versions import StageVersions, VersionedStage
-from .asynchronous.windows import Windows
-from .comm import groups
-from .comm.transport.choose import resolve
-from .comm.transport.protocol import Transport, TransportSpec
-from .context import PipelineContext
-from .engine.hooks import StageHooks, optimizer_per_stage
-from .engine.interpreter import Interpreter
-from .engine.messages import Mailbox
-from .engine.runner import Runner
-from .engine.stage import Stage
-from .errors import PipelineError
-from .features.batchnorm import attach_batchnorms, check_batchnorm
-from .features.dropout import DropoutSeeds, attach_dropout
-from .features.finite import finite_check
-from .features.memory import ActivationMeter
-from .features.merge import GradientMerge
-from .features.offload import offload_optimizers
-from .features.precision import autocast_context, autocast_loss
-from .frontends.parts import Parts
-from .frontends.tied import TiedBuilder, TiedSync, stage_parameters
-from .options import Options
+from ...ir import Schedule
+from ...passes import forward_only
+from ...schedules import is_asynchronous
+from ..asynchronous.interpreter import AsyncInterpreter
+from ..asynchronous.versions import StageVersions, VersionedStage
+from ..asynchronous.windows import Windows
+from ..comm import groups
+from ..comm.transport.choose import resolve
+from ..comm.transport.protocol import Transport, TransportSpec
+from ..engine.hooks import StageHooks, optimizer_per_stage
+from ..engine.interpreter import Interpreter
+from ..engine.messages import Mailbox
+from ..engine.runner import OneStep, Runner, StepPart, TrainLists
+from ..engine.stage import Forward, Stage
+from ..engine.step import Batches
+from ..errors import PipelineError
+from ..features.aux_loss import AuxTotals
+from ..features.batchnorm import attach_batchnorms, check_batchnorm
+from ..features.dropout import DropoutSeeds, dropout_seeds
+from ..features.finite import FinitePart, finite_check
+from ..features.memory import ActivationMeter
+from ..features.merge import GradientMerge
+from ..features.offload import offload_optimizers
+from ..features.precision import autocast_context, autocast_loss
+from ..features.recompute import run_layers
+from ..frontends.parts import Parts, PipelineContext
+from ..frontends.tied import TiedBuilder, TiedSync, stage_parameters
+from ..options import Options
+from .step_parts import HybridStep, MeterStep, TiedStep
 
 if TYPE_CHECKING:
-    from .hybrid.hybrid import Hybrid
+    from ..hybrid.hybrid import Hybrid
 
 
 @dataclass(eq=False)  # held in a WeakSet (by identity)
 class Held:
-    """What a pipeline holds of torch.distributed, let go at interpreter exit (see :mod:`.comm.lifecycle`)."""
+    """What a pipeline holds of torch.distributed, let go at interpreter exit (see :mod:`..comm.lifecycle`)."""
 
     transport: Transport | None = None
     tied: TiedSync | None = None
@@ -81,6 +90,9 @@ class Engine:
     hooks: StageHooks
     runner: Runner
     eval_schedule: Schedule
+    finite: FinitePart | None  # the check of non-finite values (None: nan_policy=None)
+    aux: AuxTotals
+    meter: ActivationMeter | None  # measure_memory=True
     held: Held = field(default_factory=Held)
     merge: GradientMerge = field(default_factory=GradientMerge)
     dropout: DropoutSeeds | None = None
@@ -132,73 +144,144 @@ def _engine(
         groups.bound(tied_group, options.timeout)
     hooks = StageHooks([tied_sync] if ctx.hybrid is None else [ctx.hybrid, tied_sync], optimizers, offload)
     merge = _merge(hooks, tied_sync, ctx.hybrid)
-    precision = autocast_context(options.autocast, ctx.device)
-    stages = {s: Stage(s, mods, options.recompute, precision, 1.0 / m) for s, mods in parts.modules.items()}
-    interpreter = _interpreter(ctx, options, stages, optimizers, transport, mailbox, hooks)
+    aux = AuxTotals(1.0 / m)
+    dropout = _seed_dropout(root, parts, options, ctx, lambda: interpreter.current)
+    stages = {
+        s: Stage(s, mods, _forward(s, options, ctx.device, aux, dropout), options.recompute)
+        for s, mods in parts.modules.items()
+    }
+    interpreter, lists = _interpreter(ctx, options, stages, optimizers, transport, mailbox, hooks)
     meter = ActivationMeter(root.parameters(), lambda: interpreter.current) if options.measure_memory else None
     norms = attach_batchnorms(
         check_batchnorm(options.batchnorm), parts.modules, lambda: interpreter.current,
         hybrid=ctx.hybrid, group=ctx.group, num_microbatches=m, wait=wait,
     )  # fmt: skip
     hooks.parts.append(norms)
+    finite = _finite(root, ctx, parts, options, stages, transport, tied_sync, merge)
+    if finite is not None:
+        hooks.parts.append(finite)  # the check at the first STEP (at every STEP: asynchronous)
     eval_schedule = forward_only(schedule)  # validated: what eval_step runs
-    runner = Runner(
+    hybrid = None if ctx.hybrid is None else HybridStep(
+        ctx.hybrid, options.target_batch_dim, ctx.device,
+        weighted=options.loss_weights is not None, wait=wait,
+    )  # fmt: skip
+    metered = None if meter is None else MeterStep(meter)
+    step_parts: list[StepPart | None] = [TiedStep(tied_sync), hybrid, metered, norms, finite, aux, dropout]  # in order
+    runner = _runner(ctx, options, transport, interpreter, lists, eval_schedule, step_parts, hybrid)
+    return Engine(
+        transport=transport, optimizers=optimizers, mailbox=mailbox, tied=tied_sync, hooks=hooks, runner=runner,
+        eval_schedule=eval_schedule, finite=finite, aux=aux, meter=meter, held=held, merge=merge, dropout=dropout,
+    )  # fmt: skip
+
+
+def _runner(
+    ctx: PipelineContext,
+    options: Options,
+    transport: Transport,
+    interpreter: Interpreter,
+    lists: TrainLists,
+    eval_schedule: Schedule,
+    step_parts: list[StepPart | None],
+    hybrid: HybridStep | None,
+) -> Runner:
+    """The runner of this rank's steps, with ``step_parts`` (those not None) around and after each."""
+    schedule = ctx.schedule
+    over_replicas = hybrid is not None and options.loss_weights is not None and hybrid.hybrid.config.replicas > 1
+    batches = Batches(
+        rank=ctx.rank,
+        placement=schedule.placement,
+        batch_dims=(options.batch_dim, options.target_batch_dim),
+        device=ctx.device,
+        has_loss=options.loss_fn is not None,
+        loss_weights=options.loss_weights,
+        denominators=hybrid.over_replicas if over_replicas and hybrid is not None else None,
+    )
+    return Runner(
         rank=ctx.rank,
         schedule=schedule,
-        device=ctx.device,
         transport=transport,
         interpreter=interpreter,
-        stages=stages,
-        train_actions=schedule.ranks[ctx.rank],
+        lists=lists,
         eval_actions=eval_schedule.ranks[ctx.rank],
-        batch_dims=(options.batch_dim, options.target_batch_dim),
-        has_loss=options.loss_fn is not None,
-        tied=tied_sync,
-        hybrid=ctx.hybrid,
-        meter=meter,
-        norms=norms,
-        loss_weights=options.loss_weights,
-        windows=Windows(schedule, ctx.rank) if async_table(schedule) is not None else None,
+        batches=batches,
+        parts=[part for part in step_parts if part is not None],
     )
-    dropout = _seed_dropout(root, parts, options, ctx, runner)
-    named = list(nn.Module.named_parameters(root)) + [
-        (f"{name}.{k}", p) for name, module in parts.tied_copies.items() for k, p in module.named_parameters()
-    ]
-    runner.finite = finite_check(options.nan_policy, runner, transport, ctx.hybrid, named, merge)
-    if runner.finite is not None:
-        hooks.parts.append(runner)  # its before_step runs the check at the first STEP (at every STEP: async)
-    return Engine(transport, optimizers, mailbox, tied_sync, hooks, runner, eval_schedule, held, merge, dropout)
 
 
 def _seed_dropout(
-    root: nn.Module, parts: Parts, options: Options, ctx: PipelineContext, runner: Runner
+    root: nn.Module, parts: Parts, options: Options, ctx: PipelineContext, current: Callable[[], Any]
 ) -> DropoutSeeds:
     """Each dropout mask drawn from a generator seeded by (seed, step, micro-batch, module): alike under every
-    layout and schedule (:mod:`.features.dropout`). The step and micro-batch of the forward running: the train
-    steps run so far and the interpreter's current action (an asynchronous window's micro-batch ``i`` is
-    micro-batch ``i % m`` of its mini-batch ``i // m``)."""
-
-    def where() -> tuple[int, int]:
-        current = runner.interpreter.current
-        i = current.microbatch if current is not None and current.microbatch is not None else 0
-        m = runner.per_minibatch or ctx.schedule.num_microbatches
-        return runner.trained + i // m, i % m
-
+    layout and schedule (:mod:`..features.dropout`); ``current``: the interpreter's action running."""
     named = [*nn.Module.named_modules(root)]
     named += [(f"{n}.{k}" if k else n, m) for n, module in parts.tied_copies.items() for k, m in module.named_modules()]
     seed = options.seed if options.dropout_seed is None else options.dropout_seed
     replica = 0 if ctx.hybrid is None else ctx.hybrid.mesh.replica
-    return attach_dropout(iter(named), runner.stages, seed, replica, ctx.device, where)
+    return dropout_seeds(iter(named), parts.modules, seed, replica, ctx.device, current)
 
 
 def _merge(hooks: StageHooks, tied: TiedSync, hybrid: Hybrid | None) -> GradientMerge:
-    """The pipeline's gradient merge (:mod:`.features.merge`): while it defers, SYNC reduces nothing (the hybrid
+    """The pipeline's gradient merge (:mod:`..features.merge`): while it defers, SYNC reduces nothing (the hybrid
     axes, the tied sums) and STEP steps no optimizer."""
     merge = GradientMerge()
     hooks.deferring = tied.deferring = merge.deferring
     if hybrid is not None:
         hybrid.deferring = merge.deferring
     return merge
+
+
+def _forward(stage: int, options: Options, device: torch.device, aux: AuxTotals, dropout: DropoutSeeds) -> Forward:
+    """How stage ``stage`` runs its layers: in checkpointed segments (``recompute=``), each inside its dropout
+    seeding when training, inside the collector of its aux terms, under autocast (``autocast=``)."""
+    recompute = options.recompute
+    precision = autocast_context(options.autocast, device)
+
+    def layers(modules: Sequence[nn.Module], x: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return run_layers(modules, x, None)
+        return run_layers(modules, x, recompute, dropout.segments(stage))
+
+    collected = aux.forward(stage, layers)
+
+    def forward(modules: Any, x: Any) -> Any:
+        with precision():
+            return collected(modules, x)
+
+    return forward
+
+
+def _finite(
+    root: nn.Module,
+    ctx: PipelineContext,
+    parts: Parts,
+    options: Options,
+    stages: dict[int, Stage],
+    transport: Transport,
+    tied: TiedSync,
+    merge: GradientMerge,
+) -> FinitePart | None:
+    """The check of non-finite values (``nan_policy=``) as a part of STEP and of every train step, or None."""
+    named = list(nn.Module.named_parameters(root)) + [
+        (f"{name}.{k}", p) for name, module in parts.tied_copies.items() for k, p in module.named_parameters()
+    ]
+    check = finite_check(options.nan_policy, stages, ctx.rank, ctx.device, transport, ctx.hybrid, named, merge)
+    if check is None:
+        return None
+    hybrid = ctx.hybrid
+
+    def settle() -> None:  # every gradient final: the tied sums and the hybrid axes' reductions waited for
+        tied.finish()
+        if hybrid is not None:
+            hybrid.before_step()
+
+    def settle_stage(stage: int) -> None:
+        if hybrid is not None:
+            hybrid.before_step(stage)
+
+    asynchronous = is_asynchronous(ctx.schedule)
+    return FinitePart(
+        check, placement=ctx.schedule.placement, asynchronous=asynchronous, settle=settle, settle_stage=settle_stage
+    )
 
 
 def _interpreter(
@@ -209,8 +292,9 @@ def _interpreter(
     transport: Transport,
     mailbox: Mailbox,
     hooks: StageHooks,
-) -> Interpreter:
-    """The interpreter of this rank's actions: version-aware when the schedule is asynchronous."""
+) -> tuple[Interpreter, TrainLists]:
+    """The interpreter of this rank's actions and what a train step runs: the schedule's list, or, when the
+    schedule is asynchronous, the version-aware interpreter and its windows."""
     base = Interpreter(
         rank=ctx.rank,
         placement=ctx.schedule.placement,
@@ -221,15 +305,16 @@ def _interpreter(
         hooks=hooks,
     )
     base.slowdown = options.slowdown_of(ctx.rank, ctx.num_ranks)
-    if async_table(ctx.schedule) is None:
-        return base
+    if not is_asynchronous(ctx.schedule):
+        return base, OneStep(ctx.schedule.ranks[ctx.rank], ctx.schedule.num_microbatches)
     versioned = {s: VersionedStage(st) for s, st in stages.items()}
     versions = {s: StageVersions(versioned[s], optimizers.get(s)) for s in versioned}
-    return AsyncInterpreter(base, versioned, versions)
+    interpreter = AsyncInterpreter(base, versioned, versions)
+    return interpreter, Windows(ctx.schedule, ctx.rank, interpreter.start_window)
 
 
 def make_transport(ctx: PipelineContext, options: Options) -> Transport:
-    """The pipeline's transport: ``options.transport`` as :func:`.comm.transport.choose.resolve` reads it."""
+    """The pipeline's transport: ``options.transport`` as :func:`..comm.transport.choose.resolve` reads it."""
     name, pipeline_id = groups.next_pipeline_id(ctx.group)
     hybrid = ctx.hybrid
     spec = TransportSpec(

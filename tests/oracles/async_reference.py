@@ -26,16 +26,17 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ...asynchronous import Version
-from ...ir import Kind, Schedule
-from ...partition import counts_to_ranges, uniform_counts
-from ...schedules import window_of
-from ...simulation import simulate
-from ...validate import async_table
-from ..frontends.layers import Chain, Layers
-from ..frontends.one_process import build_model
-from .predict import predict
-from .replay_norms import ReplayNorms
+from stagewise.asynchronous import Version
+from stagewise.ir import Kind, Schedule
+from stagewise.partition import counts_to_ranges, uniform_counts
+from stagewise.runtime.asynchronous.predict import predict
+from stagewise.runtime.frontends.layers import Chain, Layers
+from stagewise.runtime.frontends.one_process import build_model
+from stagewise.schedules import window_of
+from stagewise.simulation import simulate
+from stagewise.validate import async_table
+
+from .async_reference_norms import ReplayNorms
 
 
 @dataclass
@@ -64,7 +65,8 @@ def async_reference(
     ``schedule``: an asynchronous schedule (its mini-batch count is the window).
     ``counts``: layers per stage (default: uniform, as the Pipeline's default).
     ``optimizer``: the per-stage factory the Pipeline gets.
-    ``batchnorm``: what BatchNorm's running statistics follow, as ``Pipeline(batchnorm=...)`` (:mod:`.replay_norms`).
+    ``batchnorm``: what BatchNorm's running statistics follow, as ``Pipeline(batchnorm=...)``
+    (:mod:`.async_reference_norms`).
     """
     table = async_table(schedule)
     if table is None:

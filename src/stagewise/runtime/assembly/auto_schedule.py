@@ -1,7 +1,7 @@
 """``schedule="auto"``: a schedule synthesized for the layers' measured costs (:mod:`stagewise.synthesis`).
 
 Before anything is placed, the first rank profiles the layers on ``sample_inputs`` (one micro-batch) and
-hands the profile to every rank (:func:`.frontends.balance.on_first_rank`); every rank cuts the layers with
+hands the profile to every rank (:func:`..frontends.balance.on_first_rank`); every rank cuts the layers with
 the partition mode (``"time"`` unless layer counts are given) over ``pp * virtual_stages`` stages, and
 synthesizes the schedule for those stages' costs: deterministic, so every rank holds the same one. The
 pipeline then runs that ordinary, validated :class:`~stagewise.Schedule` as if it had been given.
@@ -15,13 +15,13 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from ..partition import stage_counts
+from ...partition import stage_counts
+from ..frontends.balance import ROUNDS, on_first_rank, profile_layers
+from ..frontends.layer_list import LayerList
+from ..frontends.layers import parameter_count
+from ..measure.profiling import steadiest
+from ..options import Options
 from .context import pipeline_size
-from .frontends.balance import ROUNDS, on_first_rank, profile_layers
-from .frontends.layer_list import LayerList
-from .frontends.layers import parameter_count
-from .measure.profiling import steadiest
-from .options import Options
 
 AUTO = "auto"
 
@@ -39,7 +39,7 @@ def synthesized(entry: str, frontend: Any, options: Options) -> Options:
         raise ValueError(
             f"{entry}: schedule='auto' synthesizes for measured costs: pass sample_inputs= (one micro-batch)"
         )
-    from ..synthesis import synthesize_for
+    from ...synthesis import synthesize_for
 
     p = pipeline_size(options)
     v = options.virtual_stages or 1

@@ -1,0 +1,11 @@
+"""Calibration on the actual group: pipelines run to measure what a layer profile cannot see.
+
+Above the facade: each probe builds small :class:`~stagewise.Pipeline` runs (what measures a module or a link
+alone is :mod:`stagewise.runtime.measure`); the planner reads the results as plain data
+(:mod:`stagewise.planning.calibration`).
+
+* :mod:`.calibrate`: links, per-action and per-message costs, the cores, FSDP2's cost
+  (:func:`stagewise.calibrate`), with :mod:`.layout_probe` (what each layout costs beyond the model);
+* :mod:`.compute_scale`: the runtime's compute over the profile's prediction;
+* :mod:`.progress`: the bar rank 0 draws while they run.
+"""
