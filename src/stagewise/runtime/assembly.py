@@ -131,6 +131,7 @@ def _engine(
     stages = {s: Stage(s, mods, options.recompute, precision, 1.0 / m) for s, mods in parts.modules.items()}
     interpreter = _interpreter(ctx, options, stages, optimizers, transport, mailbox, hooks)
     meter = ActivationMeter(root.parameters(), lambda: interpreter.current) if options.measure_memory else None
+    interpreter.meter = meter  # it charges what each I leaves for its W
     norms = attach_batchnorms(
         check_batchnorm(options.batchnorm), parts.modules, lambda: interpreter.current,
         hybrid=ctx.hybrid, group=ctx.group, num_microbatches=m, wait=wait,

@@ -1,0 +1,176 @@
+"""The ops whose weight gradient W computes (see :mod:`.backward`): how I recognises them, and W's kernels.
+
+Roughly, an autograd node is a deferred op when its weight slot leads, through
+at most a transpose and one cast, to a leaf that nothing else in the graph
+uses, with no hooks, a plain tensor:
+
+  AddmmBackward0  addmm(b, x, w.t())   nn.Linear, F.linear (x flattened to 2-D)   dw = g.T x
+                  addmm(b, x, w)       transformers' Conv1D                      dw = x.T g
+  MmBackward0     mm(x, w.t()) / mm(x, w)   a linear layer without bias            (as above)
+  ConvolutionBackward0                 nn.Conv1d/2d/3d, transposed too    aten.convolution_backward
+
+The bias (addmm's ``self``, the convolution's bias) is deferred with its
+weight when it is such a leaf too; otherwise its gradient is made in I. Each
+kernel is the one the engine runs (``mm_mat2_backward`` of a transposed
+``mat2`` is ``g.T @ x``), in the op's dtype, then cast to the leaf's like
+``ToCopyBackward0`` and accumulated like ``AccumulateGrad``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+Node = Any  # torch.autograd.graph.Node
+
+ADDMM, MM, CONV = "AddmmBackward0", "MmBackward0", "ConvolutionBackward0"
+OPS = frozenset((ADDMM, MM, CONV))
+_ACCUMULATE = "torch::autograd::AccumulateGrad"
+_T, _CAST = "TBackward0", "ToCopyBackward0"
+
+
+@dataclass(eq=False)
+class Op:
+    """A deferred op: its node (alive during I only), its weight and bias leaves, and how to make their gradient."""
+
+    node: Node
+    weight: torch.Tensor
+    transposed: bool  # the op used ``w.t()`` (a linear layer) rather than ``w`` (Conv1D); unused for a convolution
+    weight_cast: bool  # the weight reached the op through a cast (autocast)
+    bias: torch.Tensor | None
+    bias_cast: bool
+    conv: tuple[Any, ...] | None  # a convolution's (bias sizes, stride, padding, dilation, transposed, output
+    # padding, groups)
+    accumulators: tuple[Node, ...]  # the AccumulateGrad nodes of its leaves (I leaves them out)
+
+    def accumulate(self, x: torch.Tensor, g: torch.Tensor) -> None:
+        """Add this op's weight (and bias) gradient, from its input ``x`` and output gradient ``g``, to ``.grad``."""
+        weight, bias = self.weight, self.bias
+        if self.conv is not None:
+            w = weight.to(g.dtype) if self.weight_cast else weight
+            sizes, *rest = self.conv
+            _, gw, gb = torch.ops.aten.convolution_backward(g, x, w, sizes, *rest, [False, True, bias is not None])
+            _add(weight, gw, self.weight_cast)
+            if bias is not None:
+                _add(bias, gb, self.bias_cast)
+            return
+        a, b = (g.t(), x) if self.transposed else (x.t(), g)
+        if weight.grad is not None and not self.weight_cast:
+            weight.grad.addmm_(a, b)
+        else:
+            _add(weight, torch.mm(a, b), self.weight_cast)
+        if bias is not None:
+            gb = g.sum_to_size(bias.shape)
+            _add(bias, gb.clone() if gb.data_ptr() == g.data_ptr() else gb, self.bias_cast)  # never ``g`` itself
+
+
+def _add(leaf: torch.Tensor, grad: torch.Tensor, cast: bool) -> None:
+    """``AccumulateGrad``: ``grad`` (cast to the leaf's dtype if the op saw a cast) into ``leaf.grad``."""
+    if cast:
+        grad = grad.to(leaf.dtype)
+    if leaf.grad is not None:
+        leaf.grad.add_(grad)
+    elif grad.stride() == leaf.stride():
+        leaf.grad = grad
+    else:  # the gradient takes the parameter's layout, as the engine's
+        leaf.grad = torch.empty_strided(leaf.shape, leaf.stride(), dtype=leaf.dtype, device=leaf.device).copy_(grad)
+
+
+def deferred_op(node: Node, uses: dict[Node, int], input_nodes: set[Node]) -> Op | None:
+    """``node`` as a deferred op if its weight is a leaf only it uses (see the module docstring); else None."""
+    name, nexts = node.name(), node.next_functions
+    if name == ADDMM:
+        if node._saved_alpha != 1 or node._saved_beta != 1:
+            return None
+        w_slot, b_slot = nexts[2][0], nexts[0][0]
+    elif name == MM:
+        w_slot, b_slot = nexts[1][0], None
+    else:
+        w_slot, b_slot = nexts[1][0], nexts[2][0]
+    weight = _chain(w_slot, uses, input_nodes, allow_t=name != CONV)
+    if weight is None:
+        return None
+    leaf, transposed, weight_cast, w_accs = weight
+    bias = _chain(b_slot, uses, input_nodes, allow_t=False) if b_slot is not None else None
+    b_leaf, b_cast, b_accs = (bias[0], bias[2], bias[3]) if bias is not None else (None, False, ())
+    conv = None
+    if name == CONV:
+        conv = (
+            node._saved_bias_sym_sizes_opt if b_leaf is not None else None,
+            node._saved_stride,
+            node._saved_padding,
+            node._saved_dilation,
+            node._saved_transposed,
+            node._saved_output_padding,
+            node._saved_groups,
+        )
+    return Op(node, leaf, transposed, weight_cast, b_leaf, b_cast, conv, (*w_accs, *b_accs))
+
+
+def _chain(
+    slot: Node, uses: dict[Node, int], input_nodes: set[Node], *, allow_t: bool
+) -> tuple[torch.Tensor, bool, bool, tuple[Node, ...]] | None:
+    """(leaf, transposed, cast, its AccumulateGrad) if ``slot`` is ``[TBackward0] [ToCopyBackward0]
+    AccumulateGrad`` of a deferrable leaf, each node used once; else None."""
+    transposed = cast = False
+    node = slot
+    if node is not None and allow_t and node.name() == _T and uses.get(node) == 1:
+        transposed, node = True, node.next_functions[0][0]
+    if node is not None and node.name() == _CAST and uses.get(node) == 1:
+        cast, node = True, node.next_functions[0][0]
+    if node is None or node.name() != _ACCUMULATE or uses.get(node) != 1 or node in input_nodes:
+        return None
+    leaf = _deferrable(node.variable)
+    if leaf is None or (allow_t and leaf.dim() != 2):
+        return None
+    return leaf, transposed, cast, (node,)
+
+
+def _deferrable(leaf: torch.Tensor) -> torch.Tensor | None:
+    """The leaf, if W may accumulate its gradient by hand: a plain dense tensor or Parameter without hooks."""
+    if type(leaf) not in (torch.Tensor, torch.nn.Parameter) or leaf._backward_hooks or leaf.layout != torch.strided:
+        return None
+    if getattr(leaf, "_post_accumulate_grad_hooks", None):
+        return None
+    grad = leaf.grad
+    if grad is not None and (type(grad) is not torch.Tensor or grad.layout != torch.strided):
+        return None
+    return leaf
+
+
+def weight_leaf(node: Node) -> torch.Tensor | None:
+    """The leaf behind an op's weight slot (through a transpose and a cast), without checks: for matching a
+    recomputed op to its original by the weight's identity."""
+    name, nexts = node.name(), node.next_functions
+    slot = nexts[2][0] if name == ADDMM else nexts[1][0]
+    while slot is not None and slot.name() in (_T, _CAST):
+        slot = slot.next_functions[0][0]
+    return slot.variable if slot is not None and slot.name() == _ACCUMULATE else None
+
+
+def saved_input(node: Node) -> torch.Tensor:
+    """The input ``x`` an op saved for its backward (unpacks it: once per graph task under a checkpoint)."""
+    name = node.name()
+    x: torch.Tensor = node._saved_mat1 if name == ADDMM else node._saved_self if name == MM else node._saved_input
+    return x
+
+
+def post_order(roots: Sequence[Node], outside: Collection[Node] = ()) -> list[Node]:
+    """Every node reachable from ``roots`` without entering ``outside``, each after all of its children."""
+    order: list[Node] = []
+    seen: set[Node] = set(outside)
+    stack: list[tuple[Node, bool]] = [(r, False) for r in roots]
+    while stack:
+        node, expanded = stack.pop()
+        if expanded:
+            order.append(node)
+            continue
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.append((node, True))
+        stack.extend((c, False) for c, _ in node.next_functions if c is not None and c not in seen)
+    return order
