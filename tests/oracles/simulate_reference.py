@@ -34,7 +34,7 @@ def simulate_reference(schedule: Schedule, costs: CostModel) -> ReferenceResult:
     b_full = tuple(x + y for x, y in zip(b_in, b_wt))
     sync, step = costs.sync_time, costs.step_time
     act = costs.activation_bytes
-    keep = tuple(min(k, a) for k, a in zip(costs.weight_activation_bytes, act))
+    keep = costs.weight_activation_bytes
     # Arrival delay of stage s's output at stage s+1, and of stage s's input gradient at stage s-1.
     delay_f = [costs.transfer_time(s) if s + 1 < n and placement[s + 1] != placement[s] else 0.0 for s in range(n)]
     delay_b = [costs.transfer_time(s - 1) if s > 0 and placement[s - 1] != placement[s] else 0.0 for s in range(n)]
@@ -99,7 +99,9 @@ def simulate_reference(schedule: Schedule, costs: CostModel) -> ReferenceResult:
                     byt -= act[s]
                 else:
                     t += b_in[s]
-                    byt -= act[s] - keep[s]
+                    byt -= act[s] - keep[s]  # W's stash may be more than the forward saved: then I adds
+                    if byt > pk_b:
+                        pk_b = byt
                 cnt -= 1.0
                 if s:
                     key = 2 * (s * m + mb) + 1

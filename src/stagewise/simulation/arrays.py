@@ -16,7 +16,9 @@ transfers, GPipe and 1F1B take (m + p - 1)(F + B); a transfer time c adds
 steady state waits for every round trip.
 
 Memory: F allocates its stage's ``activation_bytes`` when it starts; B frees
-them when it ends; I frees all but ``weight_activation_bytes``, which W frees.
+them when it ends; I ends holding ``weight_activation_bytes`` instead (W's
+stash: the linear layers' inputs and output gradients, which can be more than
+the forward saved), which W frees.
 """
 
 from __future__ import annotations
@@ -119,9 +121,9 @@ class SimResult:
                 if kind is _B:
                     total -= act[s]
                 elif kind is _I:
-                    total -= act[s] - min(keep[s], act[s])
+                    total -= act[s] - keep[s]
                 elif kind is _W:
-                    total -= min(keep[s], act[s])
+                    total -= keep[s]
                 else:
                     continue
                 curve.append((end, total))
@@ -268,7 +270,7 @@ def _per_rank_sums(
     order-dependent only, so cumulative sums per rank).
     """
     act = np.asarray(costs.activation_bytes, np.float64)
-    keep = np.minimum(np.asarray(costs.weight_activation_bytes, np.float64), act)
+    keep = np.asarray(costs.weight_activation_bytes, np.float64)
     is_f, is_b, is_i, is_w, stage = x.is_f, x.is_b, x.is_i, x.is_w, x.stage
     d_count = np.where(is_f, 1.0, np.where(is_b | is_i, -1.0, 0.0))
     d_bytes = np.select([is_f, is_b, is_i, is_w], [act[stage], -act[stage], -(act - keep)[stage], -keep[stage]], 0.0)

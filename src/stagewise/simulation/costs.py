@@ -22,8 +22,10 @@ class CostModel:
 
     ``forward``, ``backward_input`` (I) and ``backward_weight`` (W) are compute
     times; a full backward B costs I + W. ``activation_bytes`` is what a
-    stage keeps from F until its backward; ``weight_activation_bytes`` the
-    part of it that W still needs after I has run. ``output_bytes`` is what a
+    stage keeps from F until its backward; ``weight_activation_bytes`` what it
+    holds from the end of I to the end of W (W's stash: the linear layers'
+    inputs, saved by F too, and their output gradients; it can exceed
+    ``activation_bytes``). ``output_bytes`` is what a
     stage sends to its neighbour (activations forward, gradients back); a
     transfer takes ``latency + bytes / bandwidth`` and overlaps compute.
     """

@@ -86,17 +86,30 @@ class WeightWork:
         self.done = False
 
     def held_bytes(self) -> int:
-        """Bytes W holds until it runs: the distinct storages of the stashed inputs and gradients, each once."""
-        seen: dict[int, int] = {}
+        """Bytes W holds until it runs: the stashed inputs and gradients, each byte of a storage once (a view into
+        a larger storage - a micro-batch of the step's batch - counts what it spans, not the whole storage)."""
+        spans: dict[int, list[tuple[int, int]]] = {}
         for item in self.stash:
             for t in (item.x, item.g):
-                if t is not None:
-                    storage = t.untyped_storage()
-                    seen[storage.data_ptr()] = storage.nbytes()
-        return sum(seen.values())
+                if t is not None and t.numel() > 0:
+                    size = t.element_size()
+                    start = t.storage_offset() * size
+                    extent = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
+                    spans.setdefault(t.untyped_storage().data_ptr(), []).append((start, start + extent * size))
+        return sum(_union(v) for v in spans.values())
 
     def __len__(self) -> int:
         return len(self.stash)
+
+
+def _union(spans: list[tuple[int, int]]) -> int:
+    """The length of a union of byte ranges."""
+    total, end = 0, -1
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
 
 
 def backward_full(
