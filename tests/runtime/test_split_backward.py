@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from stagewise.ir import Action, Kind
 from stagewise.runtime.engine.backward import WeightWork, backward_full, backward_input, backward_weight
@@ -263,12 +264,29 @@ def test_a_weight_used_twice_hooked_or_scaled_stays_in_i() -> None:
         torch.testing.assert_close(p.grad, r, rtol=1e-13, atol=1e-14)
 
 
-def test_a_listed_weight_its_recompute_never_reached_is_a_clear_error() -> None:
-    lin = nn.Linear(4, 4).double()
-    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
-    y = lin(x)  # not checkpointed, yet listed: the input would have come from a recompute
+def test_other_checkpoints_stay_in_i_and_listed_weights_outside_one_are_read_in_i() -> None:
+    """An op inside torch's own checkpoint (the profiler's, say: its recompute hands nothing over) keeps its
+    weight gradient in I, which recomputes once; a weight listed as a recomputed stage's but used outside its
+    segments (in the loss) is deferred and read as usual; listed inside a foreign checkpoint, a clear error."""
+    torch.manual_seed(4)
+    lin, head = nn.Linear(4, 4).double(), nn.Linear(4, 2).double()
+    counter = Counting()
+    x0, g = torch.randn(3, 4, dtype=torch.float64), torch.randn(3, 2, dtype=torch.float64)
+    x = x0.clone().requires_grad_()
+    head(lin(x)).backward(g)
+    ref = [p.grad.clone() for p in (lin.weight, lin.bias, head.weight, head.bias)]
+    for p in (lin.weight, lin.bias, head.weight, head.bias):
+        p.grad = None
+    x = x0.clone().requires_grad_()
+    y = head(checkpoint(lambda t: lin(counter(t)), x, use_reentrant=False))
+    (gx,), work = backward_input([y], [g], [x], checkpointed=[head.weight, head.bias])
+    assert counter.calls == 2 and lin.weight.grad is not None and head.weight.grad is None and len(work) == 1
+    backward_weight(work)
+    for p, r in zip((lin.weight, lin.bias, head.weight, head.bias), ref):
+        torch.testing.assert_close(p.grad, r, rtol=1e-13, atol=1e-14)
+    y = head(checkpoint(lin, x0.clone().requires_grad_(), use_reentrant=False))
     with pytest.raises(RuntimeError, match=r"no recomputed input for the AddmmBackward0 of a weight of shape \(4, 4\)"):
-        backward_input([y], [torch.ones_like(y)], [x], checkpointed=[lin.weight])
+        backward_input([y], [g], [], checkpointed=[lin.weight])
 
 
 def _nodes(root: torch.Tensor) -> list:

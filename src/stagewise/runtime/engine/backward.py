@@ -39,9 +39,11 @@ does those, nothing twice.
   that walks the recomputed segment's graph and keeps, for each deferred
   weight (found by identity: it has one use), the recomputed op's saved input,
   the very tensor the original op then unpacks (same values, same storage).
-  W re-runs no forward. ``checkpointed`` names the weights whose ops lie in
-  checkpointed segments; the checkpoint runs without early stop, so each
-  segment is recomputed to its end.
+  W re-runs no forward. An op is in a checkpoint when what it saved is a
+  checkpoint's placeholder (``torch.utils.checkpoint._Holder``); ``checkpointed``
+  names the weights whose segments run our closure (a stage's, with
+  ``recompute=``); ops in other checkpoints stay in I. The checkpoint runs
+  without early stop, so each segment is recomputed to its end.
 * B is one engine ``backward``, or - for a stage whose weights are large
   enough that the fused accumulation repays the walk (``fused=True``) - I
   then W at once.
@@ -64,7 +66,7 @@ import torch
 import torch.fx.experimental.symbolic_shapes  # noqa: F401  (imported for its cost, see above)
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from .deferred import OPS, Op, deferred_op, post_order, saved_input, weight_leaf
+from .deferred import Op, deferred_op, in_checkpoint, saved_input, scan, weight_leaf
 
 Node = Any  # torch.autograd.graph.Node
 
@@ -93,8 +95,8 @@ class WeightWork:
             for t in (item.x, item.g):
                 if t is not None and t.numel() > 0:
                     size = t.element_size()
-                    start = t.storage_offset() * size
-                    extent = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
+                    start = int(t.storage_offset()) * size
+                    extent = 1 + sum((int(n) - 1) * abs(int(st)) for n, st in zip(t.shape, t.stride()))
                     spans.setdefault(t.untyped_storage().data_ptr(), []).append((start, start + extent * size))
         return sum(_union(v) for v in spans.values())
 
@@ -146,22 +148,24 @@ def backward_input(
     """I: the gradient of each input (None if unused), every parameter gradient but the deferred ones (into
     ``.grad``), and the work W has left; the graph is freed.
 
-    ``checkpointed``: weights used inside checkpointed segments (a recomputed stage): their ops' inputs are
-    taken from the segment's recompute (see the module docstring). The inputs' own ``.grad`` is left as it was.
+    ``checkpointed``: the weights of a recomputed stage, whose segments run :mod:`..features.recompute`'s
+    closure: an op of theirs inside a checkpoint takes its input from the segment's recompute (see the module
+    docstring); an op inside any other checkpoint is left to I. The inputs' own ``.grad`` is left as it was.
     """
     pairs = [(r, g if g is not None else torch.ones_like(r)) for r, g in zip(roots, grads) if r.requires_grad]
     if not pairs:
         return [None] * len(inputs), WeightWork()
     reached = [x for x in inputs if x.requires_grad]
     input_nodes = {get_gradient_edge(x).node for x in reached}
-    order = post_order([get_gradient_edge(r).node for r, _ in pairs])
-    ops, leaves = _split(order, input_nodes)
-    recomputed = {id(t) for t in checkpointed}
+    root_nodes = [get_gradient_edge(r).node for r, _ in pairs]
+    candidates, accumulators, uses = scan(root_nodes)
+    ops, wanted = _deferred(candidates, uses, input_nodes, {id(t) for t in checkpointed})
+    taken = {acc for op in ops for acc in op.accumulators}
+    leaves = [n.variable for n in accumulators if n not in taken and n not in input_nodes]
     stash: list[_Stashed] = []
-    hooks = [op.node.register_prehook(_stasher(op, stash, id(op.weight) not in recomputed)) for op in ops]
-    wanted = {id(op.weight) for op in ops if id(op.weight) in recomputed}
+    hooks = [op.node.register_prehook(_stasher(op, stash, id(op.weight) not in wanted)) for op in ops]
     kept = [x.grad for x in reached]
-    capture = _Capture(wanted, order)
+    capture = _Capture(wanted, [*uses, *root_nodes])
     try:
         for x in reached:
             x.grad = None
@@ -181,17 +185,24 @@ def backward_input(
     return [got.get(id(x)) for x in inputs], WeightWork(stash)
 
 
-def _split(order: Sequence[Node], input_nodes: set[Node]) -> tuple[list[Op], list[torch.Tensor]]:
-    """The deferred ops of a graph (each node after its children) and every other leaf to differentiate in I."""
-    uses: dict[Node, int] = {}
-    for node in order:
-        for child, _ in node.next_functions:
-            if child is not None:
-                uses[child] = uses.get(child, 0) + 1
-    ops = [op for node in order if node.name() in OPS and (op := deferred_op(node, uses, input_nodes)) is not None]
-    taken = {acc for op in ops for acc in op.accumulators}
-    leaves = [n.variable for n in order if hasattr(n, "variable") and n not in taken and n not in input_nodes]
-    return ops, leaves
+def _deferred(
+    candidates: Sequence[Node], uses: dict[Node, int], input_nodes: set[Node], recomputed: set[int]
+) -> tuple[list[Op], set[int]]:
+    """The deferred ops, and the ids of their weights whose input a recompute hands over (the op lies in a
+    checkpointed segment that runs our closure: its weight is in ``recomputed``). An op in any other checkpoint
+    (torch's own ``checkpoint`` around a layer being profiled, say) stays in I: its input can be read neither
+    in I (once per backward) nor after."""
+    ops, wanted = [], set()
+    for node in candidates:
+        op = deferred_op(node, uses, input_nodes)
+        if op is None:
+            continue
+        if in_checkpoint(node):
+            if id(op.weight) not in recomputed:
+                continue
+            wanted.add(id(op.weight))
+        ops.append(op)
+    return ops, wanted
 
 
 def _stasher(op: Op, stash: list[_Stashed], read_input: bool) -> Any:
@@ -221,8 +232,8 @@ class _Capture:
         if x is None:
             raise RuntimeError(
                 f"I found no recomputed input for the {op.node.name()} of a weight of shape "
-                f"{tuple(op.weight.shape)}: it is listed as used in a checkpointed segment, but its recompute "
-                "did not run it (a weight of a recomputed stage used outside its segments?)"
+                f"{tuple(op.weight.shape)}: it lies in a checkpoint and is listed in checkpointed=, but its "
+                "recompute did not run stagewise's closure (a segment checkpointed by other means?)"
             )
         return x
 
@@ -255,11 +266,10 @@ def note_recomputed(outputs: Iterable[Any]) -> None:
     if capture is None:
         return
     roots = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-    for node in post_order(roots, capture.original):  # the recomputed nodes: not the segment's inputs' makers
-        if node.name() in OPS:
-            leaf = weight_leaf(node)
-            if leaf is not None and id(leaf) in capture.wanted:
-                capture.found[id(leaf)] = saved_input(node).detach()
+    for node in scan(roots, capture.original)[0]:  # the recomputed nodes: not the segment's inputs' makers
+        leaf = weight_leaf(node)
+        if leaf is not None and id(leaf) in capture.wanted:
+            capture.found[id(leaf)] = saved_input(node).detach()
 
 
 def backward_weight(work: WeightWork) -> None:

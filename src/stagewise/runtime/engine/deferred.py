@@ -23,13 +23,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 
 Node = Any  # torch.autograd.graph.Node
 
-ADDMM, MM, CONV = "AddmmBackward0", "MmBackward0", "ConvolutionBackward0"
-OPS = frozenset((ADDMM, MM, CONV))
-_ACCUMULATE = "torch::autograd::AccumulateGrad"
-_T, _CAST = "TBackward0", "ToCopyBackward0"
+# the node types (compared by identity: a walk over every node of a stage's graph should cost little)
+_FN: Any = torch._C._functions
+ADDMM, MM, CONV = _FN.AddmmBackward0, _FN.MmBackward0, _FN.ConvolutionBackward0
+OPS = (ADDMM, MM, CONV)
+_ACCUMULATE, _T, _CAST = _FN.AccumulateGrad, _FN.TBackward0, _FN.ToCopyBackward0
+#: what a non-reentrant checkpoint saves in place of a tensor (the packed value of its saved-tensor hooks)
+_HOLDER: Any = getattr(torch.utils.checkpoint, "_Holder", None)
 
 
 @dataclass(eq=False)
@@ -81,23 +85,23 @@ def _add(leaf: torch.Tensor, grad: torch.Tensor, cast: bool) -> None:
 
 def deferred_op(node: Node, uses: dict[Node, int], input_nodes: set[Node]) -> Op | None:
     """``node`` as a deferred op if its weight is a leaf only it uses (see the module docstring); else None."""
-    name, nexts = node.name(), node.next_functions
-    if name == ADDMM:
+    kind, nexts = type(node), node.next_functions
+    if kind is ADDMM:
         if node._saved_alpha != 1 or node._saved_beta != 1:
             return None
         w_slot, b_slot = nexts[2][0], nexts[0][0]
-    elif name == MM:
+    elif kind is MM:
         w_slot, b_slot = nexts[1][0], None
     else:
         w_slot, b_slot = nexts[1][0], nexts[2][0]
-    weight = _chain(w_slot, uses, input_nodes, allow_t=name != CONV)
+    weight = _chain(w_slot, uses, input_nodes, allow_t=kind is not CONV)
     if weight is None:
         return None
     leaf, transposed, weight_cast, w_accs = weight
     bias = _chain(b_slot, uses, input_nodes, allow_t=False) if b_slot is not None else None
     b_leaf, b_cast, b_accs = (bias[0], bias[2], bias[3]) if bias is not None else (None, False, ())
     conv = None
-    if name == CONV:
+    if kind is CONV:
         conv = (
             node._saved_bias_sym_sizes_opt if b_leaf is not None else None,
             node._saved_stride,
@@ -117,11 +121,11 @@ def _chain(
     AccumulateGrad`` of a deferrable leaf, each node used once; else None."""
     transposed = cast = False
     node = slot
-    if node is not None and allow_t and node.name() == _T and uses.get(node) == 1:
+    if allow_t and type(node) is _T and uses.get(node) == 1:
         transposed, node = True, node.next_functions[0][0]
-    if node is not None and node.name() == _CAST and uses.get(node) == 1:
+    if type(node) is _CAST and uses.get(node) == 1:
         cast, node = True, node.next_functions[0][0]
-    if node is None or node.name() != _ACCUMULATE or uses.get(node) != 1 or node in input_nodes:
+    if type(node) is not _ACCUMULATE or uses.get(node) != 1 or node in input_nodes:
         return None
     leaf = _deferrable(node.variable)
     if leaf is None or (allow_t and leaf.dim() != 2):
@@ -144,33 +148,48 @@ def _deferrable(leaf: torch.Tensor) -> torch.Tensor | None:
 def weight_leaf(node: Node) -> torch.Tensor | None:
     """The leaf behind an op's weight slot (through a transpose and a cast), without checks: for matching a
     recomputed op to its original by the weight's identity."""
-    name, nexts = node.name(), node.next_functions
-    slot = nexts[2][0] if name == ADDMM else nexts[1][0]
-    while slot is not None and slot.name() in (_T, _CAST):
+    slot = node.next_functions[2 if type(node) is ADDMM else 1][0]
+    while type(slot) is _T or type(slot) is _CAST:
         slot = slot.next_functions[0][0]
-    return slot.variable if slot is not None and slot.name() == _ACCUMULATE else None
+    return slot.variable if type(slot) is _ACCUMULATE else None
+
+
+def in_checkpoint(node: Node) -> bool:
+    """Whether the input an op saved is a checkpoint's placeholder (read once per backward, recomputed);
+    if torch no longer names the placeholder's type, every op is taken to be in one (left to I, unless
+    recomputed by stagewise's closure)."""
+    kind = type(node)
+    raw = node._raw_saved_mat1 if kind is ADDMM else node._raw_saved_self if kind is MM else node._raw_saved_input
+    return _HOLDER is None or isinstance(raw.data, _HOLDER)
 
 
 def saved_input(node: Node) -> torch.Tensor:
     """The input ``x`` an op saved for its backward (unpacks it: once per graph task under a checkpoint)."""
-    name = node.name()
-    x: torch.Tensor = node._saved_mat1 if name == ADDMM else node._saved_self if name == MM else node._saved_input
+    kind = type(node)
+    x: torch.Tensor = node._saved_mat1 if kind is ADDMM else node._saved_self if kind is MM else node._saved_input
     return x
 
 
-def post_order(roots: Sequence[Node], outside: Collection[Node] = ()) -> list[Node]:
-    """Every node reachable from ``roots`` without entering ``outside``, each after all of its children."""
-    order: list[Node] = []
-    seen: set[Node] = set(outside)
-    stack: list[tuple[Node, bool]] = [(r, False) for r in roots]
+def scan(roots: Sequence[Node], outside: Collection[Node] = ()) -> tuple[list[Node], list[Node], dict[Node, int]]:
+    """One walk over the nodes reachable from ``roots`` without entering ``outside``: the candidate ops, the
+    AccumulateGrad nodes (leaves), and how many edges of the graph point at each node."""
+    ops: list[Node] = []
+    leaves: list[Node] = []
+    uses: dict[Node, int] = {}
+    seen = {*roots, *outside}
+    stack = [r for r in roots if r not in outside]
     while stack:
-        node, expanded = stack.pop()
-        if expanded:
-            order.append(node)
+        node = stack.pop()
+        kind = type(node)
+        if kind is _ACCUMULATE:
+            leaves.append(node)
             continue
-        if node in seen:
-            continue
-        seen.add(node)
-        stack.append((node, True))
-        stack.extend((c, False) for c, _ in node.next_functions if c is not None and c not in seen)
-    return order
+        if kind is ADDMM or kind is MM or kind is CONV:
+            ops.append(node)
+        for child, _ in node.next_functions:
+            if child is not None:
+                uses[child] = uses.get(child, 0) + 1
+                if child not in seen:
+                    seen.add(child)
+                    stack.append(child)
+    return ops, leaves, uses
