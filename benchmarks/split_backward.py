@@ -15,7 +15,8 @@ Per stage, CPU milliseconds of this thread (``time.thread_time``: robust to othe
 cache sharing), medians over ``--repeat`` rounds, each round running every variant on a fresh forward:
 
 * *B engine*: ``torch.autograd.backward`` (one engine pass);
-* *B fused*: ``backward_full(fused=True)``, I then W at once (what B runs from ``FUSE_B_MIN_WEIGHTS``);
+* *B fused*: ``backward_full(fused=True)``, I then W at once (what B runs where the interpreter's
+  ``fuses_b`` says so: a weight of ``FUSE_B_MIN_WEIGHTS`` elements or more);
 * *I*, *W*: ``backward_input`` and ``backward_weight`` on one forward's graph;
 * *(I+W)/B*: against the B the runtime runs for that stage (engine or fused, by the same threshold);
 * *W holds*: ``WeightWork.held_bytes()`` over the bytes the forward saved for backward (the memory meter's
@@ -44,7 +45,7 @@ from stagewise.ir import Action, Kind
 # internal: this benchmark times the runtime's I / W / B kernels themselves (which have no public name: a user
 # never calls them, the interpreter does), the memory meter's count, and stages run as the runtime runs them
 from stagewise.runtime.engine.backward import WeightWork, backward_full, backward_input, backward_weight
-from stagewise.runtime.engine.interpreter import FUSE_B_MIN_WEIGHTS
+from stagewise.runtime.engine.interpreter import fuses_b
 from stagewise.runtime.features.memory import ActivationMeter
 from stagewise.runtime.features.recompute import run_layers
 
@@ -146,8 +147,7 @@ def _own_sizes(work: WeightWork) -> int:
 def _stage_row(work: Workload, s: int, x0: Any, repeat: int, recompute: Any) -> dict[str, Any]:
     rounds = [_round(work, s, x0, recompute) for _ in range(repeat + 1)][1:]  # the first warms up
     med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
-    weights = sum(p.numel() for m in work.stages[s] for p in m.parameters() if p.dim() == 2)
-    fuse = recompute is None and weights >= FUSE_B_MIN_WEIGHTS
+    fuse = recompute is None and fuses_b([p for m in work.stages[s] for p in m.parameters()])  # as the runtime
     saved, held, sizes = _bytes(work, s, x0, recompute)
     b = med["fused"] if fuse else med["engine"]
     return {**med, "b": b, "fuse": fuse, "ratio": (med["i"] + med["w"]) / b, "saved": saved, "held": held,
