@@ -68,28 +68,27 @@ class Counting(nn.Module):
         return x * 1.0
 
 
-# model -> (layers, input shape, names of the parameters W owns)
+# model -> (layers, input shape, names of the parameters W owns: weights; biases are made in I)
 MODELS: dict[str, tuple[Callable[[], list[nn.Module]], tuple[int, ...], set[str]]] = {
     "mlp": (
         lambda: [nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 6, bias=False), nn.Tanh(), nn.Linear(6, 8)],
         (3, 5, 8),
-        {"0.weight", "0.bias", "2.weight", "4.weight", "4.bias"},
+        {"0.weight", "2.weight", "4.weight"},
     ),
     "block": (
         lambda: [Attention(8), Attention(8)],
         (2, 5, 8),
-        {f"{b}.{n}" for b in "01" for n in ("qkv.weight", "qkv.bias", "proj.weight", "proj.bias")}
-        | {f"{b}.mlp.{k}.{n}" for b in "01" for k in "13" for n in ("weight", "bias")},
+        {f"{b}.{n}.weight" for b in "01" for n in ("qkv", "proj", "mlp.1", "mlp.3")},
     ),
     "conv1d": (
         lambda: [Conv1D(8, 6), nn.GELU(), nn.LayerNorm(6), Conv1D(6, 8)],
         (2, 5, 8),
-        {"0.weight", "0.bias", "3.weight", "3.bias"},
+        {"0.weight", "3.weight"},
     ),
     "tied-head": (
         lambda: [nn.Linear(8, 8), nn.LayerNorm(8), TiedHead(8)],
         (2, 5, 8),
-        {"0.weight", "0.bias", "2.wte.weight"},
+        {"0.weight", "2.wte.weight"},
     ),
     "conv": (
         lambda: (
@@ -97,7 +96,7 @@ MODELS: dict[str, tuple[Callable[[], list[nn.Module]], tuple[int, ...], set[str]
             + [nn.Linear(64, 5)]
         ),
         (2, 3, 6, 6),
-        {"0.weight", "0.bias", "3.weight", "3.bias", "5.weight", "5.bias"},
+        {"0.weight", "3.weight", "5.weight"},
     ),
 }
 

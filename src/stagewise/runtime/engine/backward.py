@@ -7,14 +7,14 @@ weight-gradient store: I does B's work but the deferred weight gradients, W
 does those, nothing twice.
 
 * I walks the stage's autograd graph once and finds the *deferred* weights:
-  leaves (without hooks, plain tensors) whose every use in the graph is the
-  weight (or bias) of one op whose weight gradient needs only the op's input
-  and its output gradient - a linear layer ``addmm(b, x, w.t())`` /
-  ``mm(x, w.t())`` (``nn.Linear``, a 3-D input's flattened view included;
-  fused QKV; the tied head ``F.linear(h, wte.weight)``), transformers'
-  ``Conv1D`` ``addmm(b, x, w)``, a convolution (``ConvolutionBackward0``).
-  Under autocast the weight reaches the op through one cast
-  (``ToCopyBackward0``), which W replays. A weight used twice stays in I.
+  leaves (without hooks, plain tensors) whose one use in the graph is the
+  weight of an op whose weight gradient needs only the op's input and its
+  output gradient - a linear layer ``addmm(b, x, w.t())`` / ``mm(x, w.t())``
+  (``nn.Linear``, a 3-D input's flattened view included; fused QKV; the tied
+  head ``F.linear(h, wte.weight)``), transformers' ``Conv1D``
+  ``addmm(b, x, w)``, a convolution (``ConvolutionBackward0``). Under autocast
+  the weight reaches the op through one cast (``ToCopyBackward0``), which W
+  replays. A weight used twice stays in I; so do biases (see :mod:`.deferred`).
 * I is ONE engine pass that frees the graph as it goes:
   ``torch.autograd.backward(roots, inputs=stage inputs + every other leaf +
   GradientEdge(op) for each deferred op)``. A ``GradientEdge`` marks its op
@@ -26,10 +26,9 @@ does those, nothing twice.
   anything unrecognised get their gradients in I.
 * W runs the stashed kernels into ``.grad``: ``weight.grad.addmm_(g.T, x)``
   (the gradient-accumulation fusion of Megatron-LM: no temporary, no second
-  pass over a weight-sized matrix), ``bias.grad += g.sum(0)``, or
-  ``aten.convolution_backward`` with ``output_mask = [False, True, bias]``;
-  under autocast in the op's dtype, then cast to the leaf's, as the engine
-  does. Between I and W only the stash is alive: the op inputs (tensors the
+  pass over a weight-sized matrix) or ``aten.convolution_backward`` with
+  ``output_mask = [False, True, False]``; under autocast in the op's dtype,
+  then cast to the leaf's, as the engine does. Between I and W only the stash is alive: the op inputs (tensors the
   forward saved anyway) and the output gradients, the paper's M_W.
 * A recomputed stage (:mod:`..features.recompute`): every tensor a
   checkpointed segment saved may be unpacked once per backward, and the op's
@@ -45,10 +44,10 @@ does those, nothing twice.
   ``recompute=``); ops in other checkpoints stay in I. The checkpoint runs
   without early stop, so each segment is recomputed to its end.
 * B is one engine ``backward``, or - for a stage whose weights are large
-  enough that the fused accumulation repays the walk (``fused=True``) - I
-  then W at once.
+  enough that the fused accumulation repays the walk (``fused=True``, the
+  interpreter's ``fuses_b``) - I then W at once.
 
-:meth:`WeightWork.held_bytes` is what W holds (distinct storages once); the
+:meth:`WeightWork.held_bytes` is what W holds (each stashed byte once); the
 memory meter charges it from the end of I to the end of W.
 """
 
@@ -160,7 +159,7 @@ def backward_input(
     root_nodes = [get_gradient_edge(r).node for r, _ in pairs]
     candidates, accumulators, uses = scan(root_nodes)
     ops, wanted = _deferred(candidates, uses, input_nodes, {id(t) for t in checkpointed})
-    taken = {acc for op in ops for acc in op.accumulators}
+    taken = {op.accumulator for op in ops}
     leaves = [n.variable for n in accumulators if n not in taken and n not in input_nodes]
     stash: list[_Stashed] = []
     hooks = [op.node.register_prehook(_stasher(op, stash, id(op.weight) not in wanted)) for op in ops]
