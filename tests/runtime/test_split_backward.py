@@ -238,7 +238,7 @@ def test_w_twice_and_w_before_i_are_refused_by_name() -> None:
 
 def test_a_weight_used_twice_hooked_or_scaled_stays_in_i() -> None:
     """Deferred only where W can make the gradient alone: a weight used by two layers, one with a hook (which
-    must run, once), and ``addmm`` with beta != 1 get their gradients in I, exactly."""
+    must run, once), ``addmm`` with beta != 1, and a stage input used as a weight get their gradients in I."""
     torch.manual_seed(3)
     lin, other = nn.Linear(4, 4).double(), nn.Linear(4, 4).double()
     seen: list[torch.Tensor] = []
@@ -261,6 +261,10 @@ def test_a_weight_used_twice_hooked_or_scaled_stays_in_i() -> None:
     backward_weight(work)
     for p, r in zip((lin.weight, lin.bias, other.weight, other.bias, b), ref):
         torch.testing.assert_close(p.grad, r, rtol=1e-13, atol=1e-14)
+    w_in = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)  # a weight sent by the previous stage
+    (gw, gx), work = backward_input([F.linear(x, w_in)], [g[:, :1].expand(3, 4)], [w_in, x])
+    assert len(work) == 0 and gw is not None and w_in.grad is None
+    torch.testing.assert_close(gw, g[:, :1].expand(3, 4).t() @ x, rtol=1e-13, atol=1e-14)
 
 
 def test_other_checkpoints_stay_in_i_and_listed_weights_outside_one_are_read_in_i() -> None:
@@ -326,3 +330,40 @@ def test_outputs_that_need_no_gradient_and_scalar_losses() -> None:
     ref(x2).square().mean().backward()
     torch.testing.assert_close(gx, x2.grad, rtol=1e-12, atol=1e-14)
     _assert_grads(model, ref)
+
+
+def test_tensor_parallel_linears_split_too_and_match_the_engine() -> None:
+    """Column- and row-parallel linears (DTensor weights) on torch's fake process group (rank 0 of 2): W's
+    ``mm`` goes through DTensor's dispatch as the engine's does; the gradients' local shards and placements
+    equal the engine's (the fake collectives return what they are given: the same on both paths)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+
+        def build() -> nn.Module:
+            model = _build("mlp")[:3]  # Linear(8, 6), ReLU, Linear(6, 6)
+            parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+            return model
+
+        ref, split = build(), build()
+        x0, g = torch.randn(3, 5, 8, dtype=torch.float64), torch.randn(3, 5, 6, dtype=torch.float64)
+        x = x0.clone().requires_grad_()
+        ref(x).backward(g)
+        x2 = x0.clone().requires_grad_()
+        (gx,), work = backward_input([split(x2)], [g], [x2])
+        assert len(work) == 2 and all(isinstance(item.g, DTensor) for item in work.stash) and work.held_bytes() > 0
+        backward_weight(work)
+        torch.testing.assert_close(gx, x.grad, rtol=1e-13, atol=1e-14)
+        for (name, p), r in zip(split.named_parameters(), ref.parameters()):
+            assert p.grad.placements == r.grad.placements, name
+            torch.testing.assert_close(p.grad.to_local(), r.grad.to_local(), rtol=1e-13, atol=1e-14)
+    finally:
+        dist.destroy_process_group()

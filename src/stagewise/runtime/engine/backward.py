@@ -7,7 +7,8 @@ weight-gradient store: I does B's work but the deferred weight gradients, W
 does those, nothing twice.
 
 * I walks the stage's autograd graph once and finds the *deferred* weights:
-  leaves (without hooks, plain tensors) whose one use in the graph is the
+  leaves (without hooks; plain tensors, or tensor parallelism's DTensors for a
+  linear op, whose W then dispatches as B would) whose one use in the graph is the
   weight of an op whose weight gradient needs only the op's input and its
   output gradient - a linear layer ``addmm(b, x, w.t())`` / ``mm(x, w.t())``
   (``nn.Linear``, a 3-D input's flattened view included; fused QKV; the tied
@@ -65,7 +66,7 @@ import torch
 import torch.fx.experimental.symbolic_shapes  # noqa: F401  (imported for its cost, see above)
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from .deferred import Op, deferred_op, in_checkpoint, saved_input, scan, weight_leaf
+from .deferred import Op, deferred_op, in_checkpoint, is_dtensor, saved_input, scan, weight_leaf
 
 Node = Any  # torch.autograd.graph.Node
 
@@ -92,6 +93,7 @@ class WeightWork:
         spans: dict[int, list[tuple[int, int]]] = {}
         for item in self.stash:
             for t in (item.x, item.g):
+                t = t.to_local() if t is not None and is_dtensor(t) else t  # type: ignore[attr-defined]  # its shard
                 if t is not None and t.numel() > 0:
                     size = t.element_size()
                     start = int(t.storage_offset()) * size
@@ -155,12 +157,12 @@ def backward_input(
     if not pairs:
         return [None] * len(inputs), WeightWork()
     reached = [x for x in inputs if x.requires_grad]
-    input_nodes = {get_gradient_edge(x).node for x in reached}
-    root_nodes = [get_gradient_edge(r).node for r, _ in pairs]
+    input_ids = {id(x) for x in reached}
+    root_nodes = [r.grad_fn if r.grad_fn is not None else get_gradient_edge(r).node for r, _ in pairs]
     candidates, accumulators, uses = scan(root_nodes)
-    ops, wanted = _deferred(candidates, uses, input_nodes, {id(t) for t in checkpointed})
+    ops, wanted = _deferred(candidates, uses, input_ids, {id(t) for t in checkpointed})
     taken = {op.accumulator for op in ops}
-    leaves = [n.variable for n in accumulators if n not in taken and n not in input_nodes]
+    leaves = [n.variable for n in accumulators if n not in taken and id(n.variable) not in input_ids]
     stash: list[_Stashed] = []
     hooks = [op.node.register_prehook(_stasher(op, stash, id(op.weight) not in wanted)) for op in ops]
     kept = [x.grad for x in reached]
@@ -185,7 +187,7 @@ def backward_input(
 
 
 def _deferred(
-    candidates: Sequence[Node], uses: dict[Node, int], input_nodes: set[Node], recomputed: set[int]
+    candidates: Sequence[Node], uses: dict[Node, int], input_ids: set[int], recomputed: set[int]
 ) -> tuple[list[Op], set[int]]:
     """The deferred ops, and the ids of their weights whose input a recompute hands over (the op lies in a
     checkpointed segment that runs our closure: its weight is in ``recomputed``). An op in any other checkpoint
@@ -193,7 +195,7 @@ def _deferred(
     in I (once per backward) nor after."""
     ops, wanted = [], set()
     for node in candidates:
-        op = deferred_op(node, uses, input_nodes)
+        op = deferred_op(node, uses, input_ids)
         if op is None:
             continue
         if in_checkpoint(node):

@@ -2,7 +2,7 @@
 
 Roughly, an autograd node is a deferred op when its weight slot leads, through
 at most a transpose and one cast, to a leaf that nothing else in the graph
-uses, with no hooks, a plain tensor:
+uses, with no hooks, a plain tensor (or a DTensor, for a linear op):
 
   AddmmBackward0  addmm(b, x, w.t())   nn.Linear, F.linear (x flattened to 2-D)   dw = g.T x
                   addmm(b, x, w)       transformers' Conv1D                      dw = x.T g
@@ -58,7 +58,7 @@ class Op:
             _add(weight, gw, self.cast)
             return
         a, b = (g.t(), x) if self.transposed else (x.t(), g)
-        if weight.grad is not None and not self.cast:
+        if weight.grad is not None and not self.cast and not is_dtensor(weight):
             weight.grad.addmm_(a, b)
         else:
             _add(weight, torch.mm(a, b), self.cast)
@@ -70,18 +70,19 @@ def _add(leaf: torch.Tensor, grad: torch.Tensor, cast: bool) -> None:
         grad = grad.to(leaf.dtype)
     if leaf.grad is not None:
         leaf.grad.add_(grad)
-    elif grad.stride() == leaf.stride():
+    elif is_dtensor(leaf) or grad.stride() == leaf.stride():  # (a DTensor's placements come from the op, as B's)
         leaf.grad = grad
     else:  # the gradient takes the parameter's layout, as the engine's
         leaf.grad = torch.empty_strided(leaf.shape, leaf.stride(), dtype=leaf.dtype, device=leaf.device).copy_(grad)
 
 
-def deferred_op(node: Node, uses: dict[Node, int], input_nodes: set[Node]) -> Op | None:
-    """``node`` as a deferred op if its weight is a leaf only it uses (see the module docstring); else None."""
+def deferred_op(node: Node, uses: dict[Node, int], input_ids: set[int]) -> Op | None:
+    """``node`` as a deferred op if its weight is a leaf only it uses, not a stage input (``input_ids``: their
+    ``id``); else None."""
     kind = type(node)
     if kind is ADDMM and (node._saved_alpha != 1 or node._saved_beta != 1):
         return None
-    found = _chain(node.next_functions[2 if kind is ADDMM else 1][0], uses, input_nodes, allow_t=kind is not CONV)
+    found = _chain(node.next_functions[2 if kind is ADDMM else 1][0], uses, input_ids, allow_t=kind is not CONV)
     if found is None:
         return None
     leaf, transposed, cast, acc = found
@@ -99,7 +100,7 @@ def deferred_op(node: Node, uses: dict[Node, int], input_nodes: set[Node]) -> Op
 
 
 def _chain(
-    slot: Node, uses: dict[Node, int], input_nodes: set[Node], *, allow_t: bool
+    slot: Node, uses: dict[Node, int], input_ids: set[int], *, allow_t: bool
 ) -> tuple[torch.Tensor, bool, bool, Node] | None:
     """(leaf, transposed, cast, its AccumulateGrad) if ``slot`` is ``[TBackward0] [ToCopyBackward0]
     AccumulateGrad`` of a deferrable leaf, each node used once; else None."""
@@ -109,24 +110,34 @@ def _chain(
         transposed, node = True, node.next_functions[0][0]
     if type(node) is _CAST and uses.get(node) == 1:
         cast, node = True, node.next_functions[0][0]
-    if type(node) is not _ACCUMULATE or uses.get(node) != 1 or node in input_nodes:
+    if type(node) is not _ACCUMULATE or uses.get(node) != 1 or id(node.variable) in input_ids:
         return None
-    leaf = _deferrable(node.variable)
+    leaf = _deferrable(node.variable, conv=not allow_t)
     if leaf is None or (allow_t and leaf.dim() != 2):
         return None
     return leaf, transposed, cast, node
 
 
-def _deferrable(leaf: torch.Tensor) -> torch.Tensor | None:
-    """The leaf, if W may accumulate its gradient by hand: a plain dense tensor or Parameter without hooks."""
-    if type(leaf) not in (torch.Tensor, torch.nn.Parameter) or leaf._backward_hooks or leaf.layout != torch.strided:
+def _deferrable(leaf: torch.Tensor, conv: bool) -> torch.Tensor | None:
+    """The leaf, if W may accumulate its gradient by hand: a plain dense tensor or Parameter without hooks, or
+    a tensor-parallel one (a DTensor: W's ``mm`` goes through DTensor's dispatch as the engine's does; not
+    for a convolution)."""
+    dtensor = is_dtensor(leaf)
+    plain = type(leaf) in (torch.Tensor, torch.nn.Parameter)
+    if not (plain or (dtensor and not conv)) or leaf._backward_hooks or leaf.layout != torch.strided:
         return None
     if getattr(leaf, "_post_accumulate_grad_hooks", None):
         return None
-    grad = leaf.grad
-    if grad is not None and (type(grad) is not torch.Tensor or grad.layout != torch.strided):
+    grad, want = leaf.grad, type(leaf) if dtensor else torch.Tensor
+    if grad is not None and (type(grad) is not want or grad.layout != torch.strided):
         return None
     return leaf
+
+
+def is_dtensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a DTensor (by its type's name: torch.distributed lives in runtime/comm and hybrid)."""
+    kind = type(t)
+    return kind.__name__ == "DTensor" and kind.__module__.startswith("torch.distributed.tensor")
 
 
 def weight_leaf(node: Node) -> torch.Tensor | None:
