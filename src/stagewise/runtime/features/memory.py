@@ -7,7 +7,7 @@ nodes counts once), parameters excluded, and uncounts it when autograd frees the
 last node holding it (after the micro-batch's B, or its I on a zero-bubble
 schedule: I frees the graph as it goes). What I leaves for W - the deferred ops'
 inputs and output gradients, :meth:`~..engine.backward.WeightWork.held_bytes`,
-distinct storages once - the interpreter charges with :meth:`hold` when I ends
+each stashed byte once - the interpreter charges with :meth:`hold` when I ends
 and takes back with :meth:`drop` when W ends. ``peak`` is the most bytes alive
 at once during the step, the quantity the simulator's ``peak_activation_bytes``
 predicts; ``by_forward[(stage, microbatch)]`` the bytes each F added, which is
