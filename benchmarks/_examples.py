@@ -20,7 +20,11 @@ from types import ModuleType
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 #: the siblings an example imports by bare name, loaded before it
-NEEDS: dict[str, tuple[str, ...]] = {"digits_cnn": ("reporting",), "hybrid_tp_pp": ("gpt_model",)}
+NEEDS: dict[str, tuple[str, ...]] = {
+    "digits_cnn": ("reporting",),
+    "hybrid_tp_pp": ("gpt_model",),
+    "resnet_digits": ("reporting", "digits_cnn"),
+}
 
 
 def example(name: str) -> ModuleType:

@@ -8,10 +8,13 @@ leave the cache as they do in a pipeline. Per stage, ms of wall time after
 its forward (subtracted):
 
 * *autograd.grad to the input*: the input gradient alone (what the ideal's I was);
-* *stagewise I*: ``backward_input`` (the same, plus the graph walk and the saved gradients W needs);
+* *stagewise I*: ``backward_input`` (the same pass, plus the graph walk and the stash W needs: each linear
+  layer's input and output gradient; see ``runtime/engine/backward.py``);
 * *stagewise I then W*: with W's fused accumulation (``weight.grad.addmm_(grad.T, x)``);
-* *stagewise B*: ``backward_full`` (I then W at once for such a stage);
+* *stagewise B*: ``backward_full`` (I then W at once, as B runs from ``FUSE_B_MIN_WEIGHTS``);
 * *engine backward*: ``out.backward(g)``: the weight gradient made in a temporary, then added to ``.grad``.
+
+``benchmarks/split_backward.py`` measures the same per stage of whole models.
 
 And per layer, the weight-gradient accumulation alone: ``grad.add_(mm(g.T, x))`` against ``grad.addmm_(g.T, x)``.
 """

@@ -20,6 +20,15 @@ SRC = ROOT / "src" / "stagewise"
 #: (benchmark file, module below a door) -> why no public name serves
 INTERNAL = {
     ("backward_kernels.py", "stagewise.runtime.engine.backward"): "it times the runtime's I / W / B kernels themselves",
+    **dict.fromkeys(
+        [
+            ("split_backward.py", "stagewise.runtime.engine.backward"),
+            ("split_backward.py", "stagewise.runtime.engine.interpreter"),
+            ("split_backward.py", "stagewise.runtime.features.memory"),
+            ("split_backward.py", "stagewise.runtime.features.recompute"),
+        ],
+        "it times the runtime's I / W / B kernels on stages run as the runtime runs them, and the meter's bytes",
+    ),
     ("pipeline_vs_torch/model.py", "stagewise.runtime.engine.backward"): (
         "the ideal's stage costs are timed with the kernels the runtime runs"
     ),

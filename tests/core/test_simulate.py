@@ -225,6 +225,15 @@ def test_w_keeps_its_part_of_the_activation_alive_after_i() -> None:
     assert together.memory[0][-1] == (6.0, 0.0)
 
 
+def test_a_stash_larger_than_the_activation_grows_at_i() -> None:
+    """W's stash holds the linear layers' inputs and output gradients: it can exceed what F saved (an MLP's
+    stage), and then I ends with more bytes than it started with."""
+    costs = uniform(1, activation_bytes=4.0, weight_activation_bytes=6.0)
+    deferred = simulate(Schedule.from_csv("0F0,0I0,0F1,0I1,0W0,0W1\n"), costs)
+    assert deferred.memory == [[(0.0, 0.0), (0.0, 4.0), (2.0, 6.0), (2.0, 10.0), (4.0, 12.0), (5.0, 6.0), (6.0, 0.0)]]
+    assert deferred.peak_activation_bytes == [12.0]
+
+
 def test_memory_timeline_of_gpipe_rises_to_m_then_drains() -> None:
     p, m = 3, 5
     result = simulate(sw.build_schedule("gpipe", p, m), uniform(p, activation_bytes=3.0))

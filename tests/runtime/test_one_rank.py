@@ -112,7 +112,7 @@ def test_a_recomputed_stage_runs_its_forward_twice_and_no_more(one_rank, name: s
 
 def test_b_takes_the_fused_path_only_for_large_weights_without_recompute(one_rank, monkeypatch) -> None:
     """The fused B repays its graph walk only with enough weight to save a pass over: a stage under
-    FUSE_B_MIN_WEIGHTS elements, or a recomputed one, runs the engine's B."""
+    FUSE_B_MIN_WEIGHTS elements in its largest weight, or a recomputed one, runs the engine's B."""
     from stagewise.runtime.engine import interpreter
 
     seen: list[bool] = []

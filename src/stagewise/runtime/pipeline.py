@@ -329,8 +329,9 @@ class Pipeline(nn.Module):
         """Activation bytes of the last train_step on this rank (needs ``measure_memory=True``).
 
         ``peak_bytes``: most bytes saved for backward alive at once; ``forward_bytes``: ``{(stage,
-        microbatch): bytes its F saved}``; ``weight_bytes``: ``{(stage, microbatch): bytes of those still
-        alive when its W started}`` (zero-bubble schedules only). See :mod:`stagewise.runtime.features.memory`.
+        microbatch): bytes its F saved}``; ``weight_bytes``: ``{(stage, microbatch): bytes its I left for its W}``
+        (the deferred layers' inputs and output gradients; split-backward schedules only). See
+        :mod:`stagewise.runtime.features.memory`.
         """
         meter = self._engine.meter
         if meter is None:

@@ -10,9 +10,10 @@
 
 How: :mod:`.problem` (what is asked, checked once), :mod:`.starts` (every registered schedule that fits, a
 one-at-a-time order), :mod:`.greedy` (the ranks play the step out under a policy; after the Zero Bubble
-paper's heuristic), :mod:`.improve` (local moves on the critical path), :mod:`.fusion` (where a whole backward B beats its
-split I + W), :mod:`.exact` (CP-SAT for small problems, when asked), all timed by the simulator's own walk (:mod:`.orders`); :mod:`.synthesis` runs them
-and lowers the result with the ordinary passes.
+paper's heuristic), :mod:`.improve` (local moves on the critical path), :mod:`.fusion` (where a whole
+backward B beats its split I + W), :mod:`.exact` (CP-SAT for small problems, when asked), all timed by the
+simulator's own walk (:mod:`.orders`); :mod:`.synthesis` runs them and lowers the result with the ordinary
+passes.
 """
 
 from __future__ import annotations

@@ -152,6 +152,7 @@ def _engine(
     }
     interpreter, lists = _interpreter(ctx, options, stages, optimizers, transport, mailbox, hooks)
     meter = ActivationMeter(root.parameters(), lambda: interpreter.current) if options.measure_memory else None
+    interpreter.meter = meter  # it charges what each I leaves for its W
     norms = attach_batchnorms(
         check_batchnorm(options.batchnorm), parts.modules, lambda: interpreter.current,
         hybrid=ctx.hybrid, group=ctx.group, num_microbatches=m, wait=wait,

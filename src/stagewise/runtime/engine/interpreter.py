@@ -5,8 +5,9 @@ It knows no schedule. Roughly:
   F       take the stage's input (data, a local stage's output, or a posted receive), run the
           stage; the last stage applies the loss, weighted by its micro-batch's share of the batch
   B       one backward for the stage and micro-batch; hand the input gradient on
-  I       input gradient only, saving what W needs (see :mod:`.backward`)
-  W       weight gradients only, from what I saved
+  I       one backward pass that frees the graph: the input gradient and every parameter gradient but
+          the deferred weights', whose op inputs and output gradients it stashes (see :mod:`.backward`)
+  W       the deferred weight gradients, from I's stash
   SEND_*  send a value a compute action left in the outbox (posted, waited for at the step's end)
   RECV_*  post a receive early; the compute action that consumes it waits for it
   SYNC    the stage's gradients are final: run the sync hooks (data-parallel reduction goes here)
@@ -37,9 +38,9 @@ where the schedule says.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -52,8 +53,22 @@ from .hooks import StageHooks
 from .messages import Mailbox, Pending, describe
 from .tree import flatten, unflatten
 
-#: the 2-D weight elements of a stage from which its B takes the fused weight-gradient path (see ``_fuse_b``)
-FUSE_B_MIN_WEIGHTS = 1 << 19
+#: the elements of a stage's largest 2-D weight from which its B runs as I then W at once (see ``_fuse_b``)
+FUSE_B_MIN_WEIGHTS = 1 << 20
+
+
+def fuses_b(params: Iterable[torch.Tensor]) -> bool:
+    """Whether B of a stage (not recomputed) with these parameters runs as I then W at once (see ``_fuse_b``)."""
+    return max((p.numel() for p in params if p.dim() == 2), default=0) >= FUSE_B_MIN_WEIGHTS
+
+
+class StashMeter(Protocol):
+    """What the interpreter tells a memory meter (``measure_memory=``, :mod:`..features.memory`): the bytes each
+    I leaves for its W, until that W ends."""
+
+    def hold(self, at: tuple[int, int], nbytes: int) -> None: ...
+
+    def drop(self, at: tuple[int, int]) -> None: ...
 
 
 @dataclass
@@ -106,6 +121,8 @@ class Interpreter:
         self.mailbox = mailbox
         self.hooks = hooks
         self._fuse_cache: dict[int, bool] = {}
+        self._checkpoint_cache: dict[int, tuple[torch.Tensor, ...]] = {}
+        self.meter: StashMeter | None = None  # the memory meter, if on: charged what W holds
         self.compute: dict[Kind, Callable[[Action], None]] = {
             Kind.F: self._forward,
             Kind.B: self._backward,
@@ -325,45 +342,77 @@ class Interpreter:
 
     def _backward(self, a: Action) -> None:
         s, i = a.stage, a.microbatch
-        saved = self.saved.pop((s, i))  # type: ignore[arg-type]
+        saved = self._saved_for(a)
+        del self.saved[(s, i)]  # type: ignore[arg-type]
         grads = self._output_grads(s, i, len(saved.roots))  # type: ignore[arg-type]
         self._ready()
-        fused = self._fuse_b(s)
-        self._hand_back(s, i, saved.inputs, backward_full(saved.roots, grads, saved.inputs, fused=fused))  # type: ignore[arg-type]
+        got = backward_full(saved.roots, grads, saved.inputs, fused=self._fuse_b(s))
+        self._hand_back(s, i, saved.inputs, got)  # type: ignore[arg-type]
 
     def _fuse_b(self, s: int) -> bool:
-        """Whether B of stage ``s`` takes the fused weight-gradient path (see :mod:`.backward`).
+        """Whether B of stage ``s`` runs as I then W at once (see :mod:`.backward`) rather than one engine pass.
 
-        Not for a recomputed stage (reading a checkpointed node's saved input re-runs its forward), and
-        only where the weights are large enough to repay the graph walk the fused path needs (~0.1-0.2 ms a
-        stage) with the pass over each weight it saves (~0.25 ms per million elements, measured on this
-        project's 2-core CPU): below :data:`FUSE_B_MIN_WEIGHTS` elements of 2-D weights the engine's B is
-        as fast or faster (the demo GPT: 7 % slower fused, an MLP of 64-512 wide layers 20 %).
+        Not for a recomputed stage (its B is the engine's, recompute included). I then W saves, per linear
+        layer, the engine's temporary weight gradient and its add into ``.grad`` (a pass over a weight-sized
+        matrix, freshly allocated), and pays I's graph walk and hooks and W's second read of each layer's
+        input and output gradient: it pays where a stage has a weight of :data:`FUSE_B_MIN_WEIGHTS` elements
+        or more. Measured (one thread, 2-core CPU; benchmarks/split_backward.py): two 1024 x 1024 linear
+        layers 2.8 ms against the engine's 3.6 (8 rows), 14.9 against 16.4 (128 rows); a GPT stage of four
+        d 256 blocks (largest weight 256 x 1024), 128 rows: 28-32 ms either way, the engine 2-4 % ahead.
         """
         known = self._fuse_cache.get(s)
         if known is None:
             stage = self.stages[s]
-            modules = getattr(stage, "modules", ())
-            weights = sum(p.numel() for m in modules for p in m.parameters() if p.dim() == 2)
-            known = getattr(stage, "recompute", None) is None and weights >= FUSE_B_MIN_WEIGHTS
+            params = [p for m in getattr(stage, "modules", ()) for p in m.parameters()]
+            known = getattr(stage, "recompute", None) is None and fuses_b(params)
             self._fuse_cache[s] = known
         return known
 
+    def _checkpointed(self, s: int) -> tuple[torch.Tensor, ...]:
+        """The parameters a recomputed stage uses inside its checkpointed segments (all of its layers')."""
+        known = self._checkpoint_cache.get(s)
+        if known is None:
+            stage = self.stages[s]
+            recomputed = getattr(stage, "recompute", None) is not None
+            known = tuple(p for m in getattr(stage, "modules", ()) for p in m.parameters()) if recomputed else ()
+            self._checkpoint_cache[s] = known
+        return known
+
+    def _saved_for(self, a: Action) -> _Saved:
+        saved = self.saved.get((a.stage, a.microbatch))  # type: ignore[arg-type]
+        if saved is None:
+            raise RuntimeError(f"{a}: stage {a.stage} has no forward of micro-batch {a.microbatch} to differentiate")
+        if saved.weight_work is not None:
+            raise RuntimeError(
+                f"{a}: the input gradient of stage {a.stage} micro-batch {a.microbatch} was made already"
+            )
+        return saved
+
     def _backward_input(self, a: Action) -> None:
         s, i = a.stage, a.microbatch
-        saved = self.saved[(s, i)]  # type: ignore[index]
+        saved = self._saved_for(a)
         grads = self._output_grads(s, i, len(saved.roots))  # type: ignore[arg-type]
         self._ready()
-        fused = getattr(self.stages[s], "recompute", None) is None  # a checkpointed stage: see backward_input
-        input_grads, saved.weight_work = backward_input(saved.roots, grads, saved.inputs, fused=fused)
-        saved.roots = []
+        input_grads, work = backward_input(saved.roots, grads, saved.inputs, checkpointed=self._checkpointed(s))
+        saved.roots = []  # the graph goes: only W's stash is left
         self._hand_back(s, i, saved.inputs, input_grads)  # type: ignore[arg-type]
         saved.inputs = []
+        saved.weight_work = work
+        if self.meter is not None:
+            self.meter.hold((s, i), work.held_bytes())  # type: ignore[arg-type]
 
     def _backward_weight(self, a: Action) -> None:
-        saved = self.saved.pop((a.stage, a.microbatch))  # type: ignore[arg-type]
-        assert saved.weight_work is not None, f"{a} before its I"
+        s, i = a.stage, a.microbatch
+        saved = self.saved.get((s, i))  # type: ignore[arg-type]
+        if saved is None or saved.weight_work is None:
+            raise RuntimeError(
+                f"{a}: W of stage {s} micro-batch {i} before its I (or after its W): "
+                "there are no stashed weight-gradient inputs for it"
+            )
+        del self.saved[(s, i)]  # type: ignore[arg-type]
         backward_weight(saved.weight_work)
+        if self.meter is not None:
+            self.meter.drop((s, i))  # type: ignore[arg-type]
 
     # ---- per stage -------------------------------------------------------
     def _sync(self, a: Action) -> None:

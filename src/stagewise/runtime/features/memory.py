@@ -4,18 +4,20 @@ Roughly: while a step runs under :class:`ActivationMeter`, every tensor autograd
 saves for a backward passes through ``torch.autograd.graph.saved_tensors_hooks``;
 the meter counts its bytes once per distinct tensor view (a tensor saved by two
 nodes counts once), parameters excluded, and uncounts it when autograd frees the
-last node holding it (after the micro-batch's B, or its W on a zero-bubble
-schedule, whose I retains the graph). ``peak`` is the most bytes alive at once
-during the step, the quantity the simulator's ``peak_activation_bytes``
+last node holding it (after the micro-batch's B, or its I on a zero-bubble
+schedule: I frees the graph as it goes). What I leaves for W - the deferred ops'
+inputs and output gradients, :meth:`~..engine.backward.WeightWork.held_bytes`,
+each stashed byte once - the interpreter charges with :meth:`hold` when I ends
+and takes back with :meth:`drop` when W ends. ``peak`` is the most bytes alive
+at once during the step, the quantity the simulator's ``peak_activation_bytes``
 predicts; ``by_forward[(stage, microbatch)]`` the bytes each F added, which is
 what a :class:`~stagewise.CostModel` takes as a stage's ``activation_bytes``;
-``by_weight[(stage, microbatch)]`` the part of them still alive when its W
-starts (what I left for W: its ``weight_activation_bytes``; 0 if I freed all).
+``by_weight[(stage, microbatch)]`` the bytes its I left for W (its
+``weight_activation_bytes``; 0 if W needs nothing).
 
 The pack hook keeps a *detached* view: a saved output holds its own
 ``grad_fn``, so keeping the tensor itself would make a cycle (node -> saved
-variable -> hook object -> tensor -> node) that no garbage collector sees, and
-a node that only I ran (retained, never released by W) would leak.
+variable -> hook object -> tensor -> node) that no garbage collector sees.
 
 A checkpointed segment (:mod:`.recompute`) saves only its inputs through these
 hooks; what its recompute materialises during the backward is held by
@@ -64,8 +66,7 @@ class ActivationMeter:
         self.peak = 0
         self.by_forward: dict[tuple[int, int], int] = {}
         self.by_weight: dict[tuple[int, int], int] = {}
-        self._owner: dict[Key, tuple[int, int]] = {}  # key -> the (stage, micro-batch) whose F saved it
-        self._owned: dict[tuple[int, int], int] = {}  # bytes alive per (stage, micro-batch)
+        self._held: dict[tuple[int, int], int] = {}  # bytes I left for W, per (stage, micro-batch)
 
     def reset(self) -> None:
         self.peak = self.current
@@ -92,8 +93,6 @@ class ActivationMeter:
             if action is not None and action.kind is Kind.F and action.microbatch is not None:
                 at = (action.stage, action.microbatch)
                 self.by_forward[at] = self.by_forward.get(at, 0) + nbytes
-                self._owner[key] = at
-                self._owned[at] = self._owned.get(at, 0) + nbytes
         else:
             entry[0] += 1
         return _Held(self, key, t.detach())
@@ -104,15 +103,19 @@ class ActivationMeter:
             return
         entry[0] -= 1
         if entry[0] == 0:
-            action = self.where()
-            if action is not None and action.kind is Kind.W and action.microbatch is not None:
-                at = (action.stage, action.microbatch)
-                self.by_weight.setdefault(at, self._owned.get(at, 0))
             del self.live[key]
             self.current -= entry[1]
-            owner = self._owner.pop(key, None)
-            if owner is not None:
-                self._owned[owner] -= entry[1]
+
+    def hold(self, at: tuple[int, int], nbytes: int) -> None:
+        """The I of ``at`` = (stage, micro-batch) left ``nbytes`` for its W (charged until :meth:`drop`)."""
+        self._held[at] = self._held.get(at, 0) + nbytes
+        self.by_weight[at] = nbytes
+        self.current += nbytes
+        self.peak = max(self.peak, self.current)
+
+    def drop(self, at: tuple[int, int]) -> None:
+        """The W of ``at`` ran: what its I left is free."""
+        self.current -= self._held.pop(at, 0)
 
 
 def _unpack(held: Any) -> torch.Tensor:

@@ -8,8 +8,13 @@ boundary activation); the segment's internals are recomputed when the backward
 (B, or I of a zero-bubble schedule) first needs them, so one micro-batch's
 internals are alive at a time, during its backward.
 
-With the I/W split the non-reentrant checkpoint recomputes what I unpacks and
-W, restarted on the retained graph, gets the same values: gradients equal those
+With the I/W split the segment is recomputed once, inside I, and W re-runs
+nothing: while I runs, the segment's closure hands the recomputed outputs (and
+any aux-loss terms made on the way) to :func:`..engine.backward.note_recomputed`,
+which keeps the recomputed input of each deferred weight's op, the tensor the
+original op unpacks (a checkpointed tensor may be unpacked once per backward,
+so I cannot read it from the op itself). The checkpoint runs without early
+stop, so the recompute reaches every op of the segment. Gradients equal those
 without recompute (tested). Layers whose forward has other side effects run
 them twice; BatchNorm's running statistics are updated by the F action only
 (:mod:`.batchnorm`).
@@ -26,7 +31,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..._util import is_count
+from ..engine.backward import capturing, note_recomputed
 from ..engine.stage import call_layer
+from ..engine.tree import flatten
+from .aux_loss import collect_aux_losses
 
 Recompute = Union[None, str, int]  # noqa: UP007
 #: a scope per segment (``segment()`` once per segment, in order; the scope it returns entered at each run of the
@@ -53,21 +61,37 @@ def run_layers(modules: Sequence[nn.Module], x: Any, recompute: Recompute, segme
     """Apply ``modules`` in order under the calling convention, checkpointing segments when training; each segment's
     run (and its recompute) inside its ``segment()`` scope."""
 
-    def chain(part: Sequence[nn.Module]) -> Any:
-        scope = segment() if segment is not None else nullcontext
-
-        def run(*args: Any) -> Any:
-            y: Any = args[0] if len(args) == 1 else args
-            with scope():
-                for m in part:
-                    y = call_layer(m, y)
-            return y
-
-        return run
-
     if recompute is None or not torch.is_grad_enabled():
-        return chain(modules)(*(x if type(x) is tuple else (x,)))
+        return _chain(modules, segment)(*(x if type(x) is tuple else (x,)))
     for seg in segments(len(modules), recompute):
-        args = x if type(x) is tuple else (x,)
-        x = checkpoint(chain([modules[k] for k in seg]), *args, use_reentrant=False)
+        x = checkpointed(_chain([modules[k] for k in seg], segment), *(x if type(x) is tuple else (x,)))
     return x
+
+
+def checkpointed(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` checkpointed as the runtime's recompute does: non-reentrant, no early stop, and its
+    recompute inside an I handing the deferred ops' inputs to W (see the module docstring)."""
+
+    def run(*inner: Any) -> Any:
+        if not capturing():  # the forward, or a recompute inside B
+            return fn(*inner)
+        with collect_aux_losses() as terms:  # (aux terms hang off the segment's graph too)
+            out = fn(*inner)
+        note_recomputed([*flatten(out)[0], *(t for _, t in terms)])
+        return out
+
+    return checkpoint(run, *args, use_reentrant=False, early_stop=False)
+
+
+def _chain(part: Sequence[nn.Module], segment: Scopes | None) -> Callable[..., Any]:
+    """The layers ``part`` applied in order, inside the segment's scope (entered again by its recompute)."""
+    scope = segment() if segment is not None else nullcontext
+
+    def run(*args: Any) -> Any:
+        y: Any = args[0] if len(args) == 1 else args
+        with scope():
+            for m in part:
+                y = call_layer(m, y)
+        return y
+
+    return run
