@@ -21,7 +21,7 @@ from torch.utils.checkpoint import CheckpointError, checkpoint
 
 from ...partition import LayerCost
 from ..engine.backward import WeightWork, backward_full, backward_input, backward_weight
-from ..engine.interpreter import FUSE_B_MIN_WEIGHTS
+from ..engine.interpreter import fuses_b
 
 #: ``timed(fn)``: ``fn()``'s result and the seconds it took on the device
 Timer = Callable[[Callable[[], Any]], tuple[Any, float]]
@@ -109,7 +109,7 @@ def _median_times(
     def checkpointed() -> Any:  # as the runtime's recompute runs a segment (engine.recompute)
         return checkpoint(lambda *a: module(*a, **kwargs), *args, use_reentrant=False)
 
-    fused = sum(p.numel() for p in params if p.dim() == 2) >= FUSE_B_MIN_WEIGHTS  # B's path, as a stage picks it
+    fused = fuses_b(params)  # B's path, as a stage picks it
     for r in range(warmup + repeats):
         times = _time_step(timed, forward, checkpointed, inputs, bool(params), fused)
         if r >= warmup:
@@ -249,7 +249,7 @@ def reachable_bytes(work: Any, resident: set[int]) -> int:
 
 
 def _collect(value: Any, tensors: list[torch.Tensor], nodes: list[Any], depth: int) -> None:
-    """Tensors and autograd nodes inside ``value`` (a dataclass, list, tuple, dict, tensor or node)."""
+    """Tensors and autograd nodes inside ``value`` (an object's fields, a list, tuple, dict, tensor or node)."""
     if depth > 8 or value is None:
         return
     if isinstance(value, torch.Tensor):
@@ -262,6 +262,8 @@ def _collect(value: Any, tensors: list[torch.Tensor], nodes: list[Any], depth: i
         return
     if hasattr(value, "__dataclass_fields__"):
         value = [getattr(value, f) for f in value.__dataclass_fields__]
+    elif hasattr(value, "__dict__") and not isinstance(value, (type, torch.nn.Module)):  # a plain object's fields
+        value = list(vars(value).values())
     elif isinstance(value, dict):
         value = list(value.values())
     if isinstance(value, (list, tuple)):
