@@ -27,6 +27,7 @@ from .features.finite import check_policy
 from .features.offload import check_offload
 from .features.precision import check_autocast
 from .features.recompute import Recompute, check_recompute
+from .losses import check_loss_fn
 
 if TYPE_CHECKING:
     from ..parallel import ParallelConfig
@@ -89,8 +90,7 @@ class Options:
         _check_cut(self)
         check_policy(self.nan_policy)
         check_batchnorm(self.batchnorm)
-        if self.loss_fn is not None and not callable(self.loss_fn):
-            raise TypeError(f"loss_fn must be a function (output, target) -> mean loss, got {self.loss_fn!r}")
+        check_loss_fn(self.loss_fn)
         if self.optimizer is not None and not callable(self.optimizer):
             raise TypeError(f"optimizer must be a factory params -> torch.optim.Optimizer, got {self.optimizer!r}")
         if self.loss_weights is not None and not callable(self.loss_weights):
