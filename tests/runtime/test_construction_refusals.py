@@ -90,3 +90,16 @@ def test_a_loss_that_takes_two_arguments_is_accepted(fn) -> None:
 def test_the_pipeline_refuses_a_loss_class_at_construction() -> None:
     with pytest.raises(TypeError, match=r"nn.CrossEntropyLoss\(\)"):
         sw.Pipeline([sw.Layer(nn.Linear, 4, 2)], loss_fn=nn.CrossEntropyLoss)
+
+
+def test_options_take_a_schedule_name_in_any_case_or_an_alias() -> None:
+    assert sw.Options(schedule="1F1B").schedule == "1f1b"
+    assert sw.Options(schedule="interleaved").schedule == "interleaved-1f1b"
+    assert sw.Options(schedule="Auto").schedule == "auto"
+    with pytest.raises(ValueError, match="did you mean 'zb-v'"):
+        sw.Options(schedule="zbv2")
+
+
+def test_a_pipeline_runs_interleaved_by_the_readme_word(one_rank) -> None:
+    pipe = sw.Pipeline([sw.Layer(nn.Linear, 4, 4) for _ in range(4)], schedule="Interleaved", virtual_stages=2)
+    assert pipe.schedule.name == "interleaved-1f1b"

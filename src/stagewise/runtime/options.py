@@ -20,6 +20,7 @@ from torch import nn
 from .._util import is_count
 from ..ir import Schedule
 from ..partition import PartitionSpec, needs_profile
+from ..schedules import canonical_name
 from .comm.transport.choose import TransportChoice, check_choice
 from .engine.microbatch import Dims
 from .features.batchnorm import BatchNormPolicy, check_batchnorm
@@ -209,6 +210,9 @@ def _unknown(names: list[str]) -> str:
 def _check_what_runs(o: Options) -> None:
     if not isinstance(o.schedule, (str, Schedule)):
         raise TypeError(f"schedule must be a registered name or a stagewise.Schedule, got {type(o.schedule).__name__}")
+    if isinstance(o.schedule, str):  # "1F1B", "interleaved": the registered name (a did-you-mean if none)
+        name = "auto" if o.schedule.strip().lower() == "auto" else canonical_name(o.schedule)
+        object.__setattr__(o, "schedule", name)
     for name in ("microbatches", "virtual_stages", "stages"):
         value = getattr(o, name)
         if value is not None and not is_count(value):

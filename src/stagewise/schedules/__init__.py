@@ -2,12 +2,22 @@
 
 from .asynchronous import async_schedule, registry_minibatch, window_of
 from .interleaved import microbatch_groups
-from .registry import ScheduleInfo, generate, is_asynchronous, markdown_table, register, schedule_info, schedule_names
+from .registry import (
+    ScheduleInfo,
+    canonical_name,
+    generate,
+    is_asynchronous,
+    markdown_table,
+    register,
+    schedule_info,
+    schedule_names,
+)
 from .zero_bubble import v_wave
 
 __all__ = [
     "ScheduleInfo",
     "async_schedule",
+    "canonical_name",
     "generate",
     "is_asynchronous",
     "markdown_table",
