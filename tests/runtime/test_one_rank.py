@@ -132,3 +132,11 @@ def test_b_takes_the_fused_path_only_for_large_weights_without_recompute(one_ran
         )
         pipe.train_step(torch.randn(4, width), torch.randn(4, width))
         assert seen == [expected, expected], (width, recompute, seen)
+
+
+def test_where_this_process_stands_has_names_that_say_which_rank(one_rank) -> None:
+    pipe = sw.Pipeline(mdl.mlp(num_layers=4), schedule="interleaved-1f1b", virtual_stages=2)
+    assert (pipe.pp_rank, pipe.rank, pipe.process_rank, pipe.num_ranks) == (0, 0, 0, 1)
+    assert pipe.local_stages == (0, 1)
+    for name in ("pp_rank", "rank", "process_rank", "num_ranks", "local_stages"):
+        assert getattr(sw.Pipeline, name).__doc__, f"Pipeline.{name} is undocumented (the API reference shows it)"
