@@ -154,6 +154,7 @@ class Runner:
             loss_weights=self.loss_weights,
             denominators=self._over_replicas if weighted and mode == "train" else None,
             defer_checks=True,  # counts on the device stay there: no read per micro-batch (see .step)
+            replicas=replicas,
         )
 
     def _microbatches(self, minibatches: int) -> int:
