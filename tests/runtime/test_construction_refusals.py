@@ -129,3 +129,16 @@ def test_init_without_a_launcher_says_so_once_and_how_to_start_several(monkeypat
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_too_few_layers_for_a_v_schedule_says_it_runs_two_stages_per_rank(one_rank) -> None:
+    """ "3 layers on 4 ranks" under zb-v is 8 stages; on one rank, 1 layer for zb-v's 2 stages."""
+    with pytest.raises(ValueError) as err:
+        sw.Pipeline([sw.Layer(nn.Linear, 4, 2)], schedule="zb-v")
+    assert str(err.value).startswith(
+        "2 stages need at least 2 layers, got 1: schedule 'zb-v' runs 2 stages per rank (1 rank x 2 = 2 stages)"
+    ), str(err.value)
+    from stagewise.partition import stages_per_rank_note
+
+    assert stages_per_rank_note("1f1b", 4, 1) == ""
+    assert "(4 ranks x 2 = 8 stages), so it needs at least 8 layers" in stages_per_rank_note("dualpipe-v", 4, 2)
