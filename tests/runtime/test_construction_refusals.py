@@ -105,32 +105,6 @@ def test_a_pipeline_runs_interleaved_by_the_readme_word(one_rank) -> None:
     assert pipe.schedule.name == "interleaved-1f1b"
 
 
-def test_init_without_a_launcher_says_so_once_and_how_to_start_several(monkeypatch: pytest.MonkeyPatch) -> None:
-    import sys
-    import warnings
-
-    import torch.distributed as dist
-
-    from stagewise.runtime.comm import setup
-
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(setup, "_warned", False)
-    monkeypatch.setattr(sys, "argv", ["quickstart.py"])
-    try:
-        with pytest.warns(UserWarning, match=r"runs as one process.*stagewise run -n 4 quickstart.py"):
-            sw.init("gloo")
-        dist.destroy_process_group()
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            sw.init("gloo")  # once per process
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 def test_too_few_layers_for_a_v_schedule_says_it_runs_two_stages_per_rank(one_rank) -> None:
     """ "3 layers on 4 ranks" under zb-v is 8 stages; on one rank, 1 layer for zb-v's 2 stages."""
     with pytest.raises(ValueError) as err:
