@@ -9,7 +9,8 @@ Three rooms and a few modules at the root:
   forensics), the heartbeat, the exit hook;
 * ``setup`` joins the process group; ``groups`` names groups and stores; ``coordinator`` is the run's corner
   of the store; ``collectives`` holds the collectives stagewise issues; ``wsp`` HetPipe's delayed sums;
-  ``lifecycle`` lets go of process groups at exit.
+  ``lifecycle`` lets go of process groups at exit; ``blocking`` counts the helper threads inside a blocking
+  torch call, none of which may be left when the interpreter finalizes.
 """
 
 from .faults.guard import Guard
