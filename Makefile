@@ -21,7 +21,8 @@ install: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
-# The pure core, no torch (a test there that loads torch fails): well under a minute.
+# The pure core, no torch (a test there that loads torch fails): about a minute of one core's time (58 s of CPU
+# on 2026-11-28); on a machine busy with other work, several minutes of wall time.
 test-core: $(STAMP)
 	$(PY) -m pytest -q tests/core
 
@@ -55,7 +56,8 @@ docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 # The built site opened in headless Chromium (Debian's chromium): the home page and a guide, screenshotted into
-# out/site-screenshots (tests/system/test_docs_site.py, which CI runs with the rest of the tests).
+# out/site-screenshots (tests/system/test_docs_site.py, which CI runs with the rest of the tests). Without
+# chromium on the PATH it fails, saying so, rather than pass having taken no screenshot.
 docs-screenshots: $(STAMP)
 	STAGEWISE_SCREENSHOTS=out/site-screenshots $(PY) -m pytest -q tests/system/test_docs_site.py
 

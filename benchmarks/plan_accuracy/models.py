@@ -41,11 +41,13 @@ def gpt_data(batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 WIDTHS = [64, 512, 64, 64, 1024, 64, 64, 64, 256, 64, 64, 64]
 
 
+def linear_gelu(a: int, b: int) -> nn.Module:
+    return nn.Sequential(nn.Linear(a, b), nn.GELU())
+
+
 def mlp_layers() -> list[sw.Layer]:
     """Linear + GELU pairs whose hidden widths differ 16-fold: stage costs are uneven for any equal cut."""
-    out = []
-    for a, b in zip(WIDTHS, WIDTHS[1:]):
-        out.append(sw.Layer(nn.Sequential, nn.Linear(a, b), nn.GELU()))
+    out = [sw.Layer(linear_gelu, a, b) for a, b in zip(WIDTHS, WIDTHS[1:])]
     return out + [sw.Layer(nn.Linear, WIDTHS[-1], 10)]
 
 

@@ -35,6 +35,8 @@ same data.
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass, fields
 from typing import NamedTuple
 
@@ -98,7 +100,8 @@ class ParallelConfig:
     def check_world(self, world_size: int) -> None:
         """Raise ``ValueError`` naming every factor unless their product is ``world_size``."""
         if self.world_size != world_size:
-            raise ValueError(f"{self.describe()} = {self.world_size} processes, but the world has {world_size}")
+            hint = _launch_hint(self.world_size) if world_size == 1 else ""
+            raise ValueError(f"{self.describe()} = {self.world_size} processes, but the world has {world_size}{hint}")
 
     # ---- coordinates -----------------------------------------------------
     def coords(self, rank: int) -> Coords:
@@ -133,6 +136,12 @@ class ParallelConfig:
         """Which slice of the batch ``rank`` trains on: ``dp_i * sharding + sharding_i``."""
         c = self.coords(rank)
         return c.dp * self.sharding + c.sharding
+
+
+def _launch_hint(n: int) -> str:
+    """A world of one is most often a script started without a launcher: how to start ``n`` processes."""
+    script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0].endswith(".py") else "your_script.py"
+    return f"; start {n} processes: stagewise run -n {n} {script} (or torchrun --nproc-per-node {n} {script})"
 
 
 def _index(axis: str) -> int:

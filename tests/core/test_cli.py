@@ -89,7 +89,6 @@ def test_simulate_summary_ascii_and_files(capsys: pytest.CaptureFixture[str], tm
         (["-s", "1f1b", "-p", "4", "-m", "8", "-v", "2"], "needs virtual_stages = 1"),
         (["-s", "1f1b", "-p", "4", "-m", "0"], "--microbatches must be >= 1, got 0"),
         (["-s", "1f1b", "-p", "0", "-m", "4"], "--ranks must be >= 1, got 0"),
-        (["-s", "1f1b", "-m", "4"], "--ranks P is required"),
         (["-s", "1f1b", "-p", "4", "-m", "4", "--f-time", "-1"], "--f-time must be a finite number >= 0"),
         (["-s", "1f1b", "-p", "4", "-m", "4", "--comm-time", "inf"], "--comm-time must be a finite number >= 0"),
     ],
@@ -106,6 +105,8 @@ def test_bad_simulate_arguments_exit_2_with_one_line(
 def test_argparse_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run_main(capsys, "simulate", "-s", "1f1b", "-p", "4")
     assert code == 2 and "--microbatches" in err
+    code, _, err = run_main(capsys, "simulate", "-s", "1f1b", "-m", "4")
+    assert code == 2 and "--ranks/-p is required" in err
     code, _, err = run_main(capsys, "simulate", "-s", "1f1b", "-p", "four", "-m", "2")
     assert code == 2 and "invalid int value" in err
     assert run_main(capsys)[0] == 2
@@ -236,3 +237,16 @@ def test_compare_without_a_checkout_exits_2_saying_so(
 def test_bad_compare_arguments_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str], reason: str) -> None:
     code, _, err = run_main(capsys, "compare", *argv)
     assert code == 2 and reason in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_usage_lines_show_what_is_required_and_the_top_help_lists_every_command(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out, _ = run_main(capsys, "simulate", "--help")
+    usage = " ".join(out.split("\n\n")[0].split())
+    assert code == 0 and "(--schedule NAME | --from-torch CLASS) --ranks P --microbatches M" in usage, usage
+    code, out, _ = run_main(capsys, "--help")
+    head = " ".join(out.split("positional arguments")[0].split())
+    assert code == 0
+    for command in ("schedules", "simulate", "run", "plan", "compare"):
+        assert command in head, head  # the description names every command, not only the first four

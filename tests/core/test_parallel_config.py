@@ -111,3 +111,14 @@ def test_replicas_number_the_data_slices(c: ParallelConfig) -> None:
 def test_imports_no_torch() -> None:
     code = "import sys, stagewise.parallel\nassert 'torch' not in sys.modules\n"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_a_world_of_one_suggests_the_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``python quickstart.py`` with parallel=: the world has 1, most often because no launcher started the ranks."""
+    monkeypatch.setattr("sys.argv", ["quickstart.py"])
+    with pytest.raises(ValueError) as err:
+        ParallelConfig(pp=2, dp=2).check_world(1)
+    assert str(err.value) == (
+        "pp=2 x dp=2 x sharding=1 x tp=1 = 4 processes, but the world has 1; start 4 processes: "
+        "stagewise run -n 4 quickstart.py (or torchrun --nproc-per-node 4 quickstart.py)"
+    )

@@ -153,3 +153,51 @@ def test_best_per_layout_lists_each_layouts_best_plan(tmp_path: Path, capsys: py
     assert len(set(layouts)) == len(layouts) == len(best)  # every layout once
     assert [p["step_time"] for p in got] == sorted(best.values())
     assert all(p["step_time"] == best[key] for p, key in zip(got, layouts))
+
+
+def _plan_output(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[str, str]:
+    assert main(["plan", *args]) == 0
+    captured = capsys.readouterr()
+    return captured.out, captured.err
+
+
+def test_without_memory_the_help_and_the_output_say_there_is_no_cap(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["plan", "--help"]) == 0
+    assert "default: no cap" in " ".join(capsys.readouterr().out.split())
+    path = tmp_path / "profile.json"
+    path.write_text(_profile().to_json())
+    common = ["--profile", str(path), "-n", "4", "--global-batch", "8", "--intra", "0.01:1e4", "--top", "3"]
+    out, _ = _plan_output(common, capsys)
+    best = sw.plan(_profile(), 4, global_batch=8, intra=Link(0.01, 1e4), top=3)[0]
+    line = " ".join(out.split())
+    assert f"no memory cap was set (--memory): the top plan needs {best.peak_memory / 2**30:.3g} GiB" in line, out
+    out, _ = _plan_output([*common, "--memory", "1"], capsys)
+    assert "no memory cap" not in out
+
+
+def test_the_why_column_speaks_the_tables_unit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Tied plans differ in memory only: the why column compares peaks in the unit the peak column prints them in
+    (it printed bytes - "15300 B vs 15600 B" - beside a peak column of "1.42e-05" GiB)."""
+    path = tmp_path / "profile.json"
+    path.write_text(_profile().to_json())
+    out, _ = _plan_output(["--profile", str(path), "-n", "4", "--global-batch", "8", "--top", "5"], capsys)
+    rows = [[c.strip() for c in line.split("│")] for line in out.splitlines() if "lower peak memory" in line]
+    assert rows, out
+    for row in rows:
+        peak, why = row[10], row[11]
+        assert f"lower peak memory ({peak} vs " in why, row
+        assert peak.split()[-1] in ("B", "MiB", "GiB"), row
+
+
+def test_a_top_plan_with_a_large_bubble_gets_a_notice_saying_why(capsys: pytest.CaptureFixture[str]) -> None:
+    """The planner guide's synthetic model at 8 processes: its top plan idles its pipeline ranks ~64% of the step,
+    because the head outweighs the blocks (uneven stages), not because the pipeline fills and drains."""
+    spec = "blocks=8,hidden=1024,seq=512"
+    out, _ = _plan_output(["--synthetic", spec, "-n", "8", "--global-batch", "64", "--intra", "2e-5:2e10"], capsys)
+    line = " ".join(out.split())
+    assert "notice: the top plan leaves its pipeline ranks idle" in line, out
+    assert "uneven" in line and "fills and drains" in line, out
+    out, _ = _plan_output(["--synthetic", spec, "-n", "1", "--global-batch", "64"], capsys)
+    assert "notice: the top plan" not in out  # one process: no pipeline, no bubble

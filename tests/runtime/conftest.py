@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 
 import pytest
@@ -31,7 +32,9 @@ def one_rank() -> Iterator[object]:
 
     if dist.is_initialized():
         pytest.skip("a process group already exists in this process")
-    env = sw.init(backend="gloo")
+    with warnings.catch_warnings():  # one process on purpose: no "no launcher" notice
+        warnings.filterwarnings("ignore", message="stagewise.init: no launcher")
+        env = sw.init(backend="gloo")
     assert (env.rank, env.world_size, env.device.type) == (0, 1, "cpu")
     yield env
     dist.destroy_process_group()

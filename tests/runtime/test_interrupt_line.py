@@ -46,3 +46,38 @@ def test_a_worker_counts_its_steps_and_hands_its_record_to_the_launcher(
     (record,) = interrupt.records(tmp_path)
     assert record == {"rank": 1, "steps": 12, "checkpoint": str(tmp_path / "step-00000010")}
     assert json.loads((tmp_path / "rank-1.json").read_text()) == record
+
+
+def test_the_first_cause_a_worker_hands_over_stands_per_attempt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every rank that learns of a failure hands it over; the first one written stands (the launcher prints its
+    first line last); a restart attempt has its own, and the launcher reads the last attempt's."""
+    monkeypatch.setenv(interrupt.FOLDER_ENV, str(tmp_path))
+    assert interrupt.first_cause(tmp_path) is None
+    interrupt.note_cause("rank 1 at 1F0: ValueError: boom\nrank 1 at 1F0 (action 3 of 9)")
+    interrupt.note_cause("rank 1 at 1F0: ValueError: boom, as rank 0 read it")
+    assert interrupt.first_cause(tmp_path) == "rank 1 at 1F0: ValueError: boom"
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    interrupt.note_cause("rank 2: RuntimeError: the second attempt's")
+    assert interrupt.first_cause(tmp_path) == "rank 2: RuntimeError: the second attempt's"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cause-0.txt", "cause-1.txt"]  # no partial file left
+
+
+def test_stagewise_run_prints_the_first_cause_as_its_last_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch.distributed.run
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from stagewise.runtime.launch import torchrun
+
+    def failed_job(argv: list[str]) -> None:  # a worker handed its cause over, then torchrun reports the exits
+        interrupt.note_cause("rank 1 at 1F0: ValueError: the layer on rank 1 raised\nrank 1 at 1F0 (action 3)")
+        raise ChildFailedError("train.py", {1: ProcessFailure(1, 1234, 1, "<N/A>")})
+
+    monkeypatch.setattr(torch.distributed.run, "main", failed_job)
+    assert torchrun(["--standalone", "--nproc-per-node=2", "train.py"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "Root Cause" in "\n".join(err)
+    assert err[-1] == "stagewise run: rank 1 at 1F0: ValueError: the layer on rank 1 raised"

@@ -132,3 +132,27 @@ def test_b_takes_the_fused_path_only_for_large_weights_without_recompute(one_ran
         )
         pipe.train_step(torch.randn(4, width), torch.randn(4, width))
         assert seen == [expected, expected], (width, recompute, seen)
+
+
+def test_where_this_process_stands_has_names_that_say_which_rank(one_rank) -> None:
+    pipe = sw.Pipeline(mdl.mlp(num_layers=4), schedule="interleaved-1f1b", virtual_stages=2)
+    assert (pipe.pp_rank, pipe.rank, pipe.process_rank, pipe.num_ranks) == (0, 0, 0, 1)
+    assert pipe.local_stages == (0, 1)
+    for name in ("pp_rank", "rank", "process_rank", "num_ranks", "local_stages"):
+        assert getattr(sw.Pipeline, name).__doc__, f"Pipeline.{name} is undocumented (the API reference shows it)"
+
+
+def test_a_batch_the_micro_batches_do_not_divide_trains_as_the_whole_batch(one_rank) -> None:
+    """The guide's and the README's claim: 10 samples in 4 micro-batches (3, 3, 2, 2), each weighted by its
+    share: the loss and gradients are the whole batch's mean, as one process computes them."""
+    layers = mdl.lm()
+    pipe = sw.Pipeline(layers, loss_fn=mdl.lm_loss, schedule="1f1b", microbatches=4, seed=2)
+    ref = sw.build_model(layers, seed=2)
+    x, y = mdl.lm_data(10, seed=1)
+    loss = pipe.train_step(x, y)
+    ref_loss = mdl.lm_loss(ref(x), y)
+    ref_loss.backward()
+    assert loss == pytest.approx(ref_loss.item(), rel=1e-12)
+    ref_params = dict(ref.named_parameters())
+    for n, p in pipe.named_parameters():
+        torch.testing.assert_close(p.grad, ref_params[n].grad, rtol=1e-10, atol=1e-12)

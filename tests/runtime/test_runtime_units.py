@@ -104,3 +104,21 @@ def test_partitions() -> None:
         partition(named, 2, [10, 0])
     with pytest.raises(ValueError, match="must be 'uniform', 'parameters'"):
         partition(named, 2, "balanced")
+
+
+def test_too_few_samples_per_replica_quotes_the_global_batch_and_the_replicas_share() -> None:
+    """dp=2: the user passes a global batch of 4 through local_batch, each replica trains on 2; 4 micro-batches need
+    4 samples per replica. The message used to quote only "a batch of 2", which the user never passed."""
+    from stagewise.runtime.engine.step import prepare_window
+
+    with pytest.raises(ValueError) as err:
+        prepare_window(
+            "train", [(torch.zeros(2, 3), torch.zeros(2))], rank=0, placement=[0], num_microbatches=4,
+            batch_dims=(0, 0), device=torch.device("cpu"), has_loss=True, replicas=2,
+        )  # fmt: skip
+    assert str(err.value) == (
+        "4 micro-batches need at least 4 samples per data-parallel replica (a global batch of 8 over 2 replicas), "
+        "but this replica's inputs hold 2 (a global batch of 4 over 2 replicas)"
+    )
+    with pytest.raises(ValueError, match="4 micro-batches need at least 4 samples, but the inputs hold a batch of 2$"):
+        split(torch.zeros(2, 3), 4)

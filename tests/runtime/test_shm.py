@@ -261,3 +261,34 @@ def test_an_unknown_transport_option_is_refused_before_anything_is_built() -> No
         Options(transport="nccl")
     with pytest.raises(ValueError, match="got 3"):
         Options(transport=3)  # type: ignore[arg-type]
+
+
+def test_a_sender_forgets_a_name_as_soon_as_it_sees_the_first_value_taken(
+    prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The receiver unlinks a slot's name when it takes the first value; the sender unregistered it only at the
+    slot's next value, a step later, so a sender dying in between left its resource tracker a name already gone
+    (a "leaked shared_memory objects" warning, then "No such file or directory"). Now it looks at its next send
+    to that receiver and at the step's end (forget_taken)."""
+    from stagewise.runtime.comm.shm import slots
+
+    forgotten: list[str] = []
+    monkeypatch.setattr(slots, "untrack", forgotten.append)  # the sender's unregistrations only
+    a, b = Channels(prefix, 0, 2, never), Channels(prefix, 1, 2, never)
+    try:
+        b.send(0, 3, 0, torch.ones(3), "a value")
+        b.send(0, 4, 0, torch.ones(2), "another")
+        b.forget_taken()
+        assert forgotten == []  # not taken: the names are there, the tracker's to remove if this rank dies
+        for tag, n in ((3, 3), (4, 2)):
+            a.complete(a.expect(1, tag, 0, torch.empty(n)), f"tag {tag}")
+        b.forget_taken()  # the step's end
+        assert sorted(forgotten) == sorted(s.path for s in b._slots.values()), forgotten
+        forgotten.clear()
+        b.send(0, 5, 0, torch.ones(1), "a third")
+        a.complete(a.expect(1, 5, 0, torch.empty(1)), "tag 5")
+        b.send(0, 6, 0, torch.ones(1), "a fourth")  # a send to the same receiver looks too
+        assert forgotten == [s.path for key, s in b._slots.items() if key[2] == 5], forgotten
+    finally:
+        a.close(everything=True)
+        b.close(everything=True)

@@ -4,7 +4,9 @@
 A screenshot proves the page rendered when it holds the theme's header colour (the stylesheet loaded) and
 the boxes of the Gantt charts the page shows (the images loaded). ``STAGEWISE_SCREENSHOTS=DIR`` keeps the
 screenshots (``make docs-screenshots``). Without mkdocs or Chromium the tests skip, except under CI, where
-they fail: `.ci/run` installs Chromium and ``make test`` the ``docs`` extra.
+they fail: `.ci/run` installs Chromium and ``make test`` the ``docs`` extra; and except when screenshots were
+asked for: ``make docs-screenshots`` without Chromium fails saying so, before building the site, rather than
+pass having taken none.
 """
 
 from __future__ import annotations
@@ -28,10 +30,24 @@ FORWARD_BOX = (0x4E, 0x79, 0xA7)
 PAGES = {"index.html": "stagewise", "guides/schedules.html": "Schedules and the IR"}
 
 
+SCREENSHOTS = "STAGEWISE_SCREENSHOTS"
+
+
 def _missing(what: str) -> None:
     if os.environ.get("CI"):
         pytest.fail(f"{what} is missing in CI: .ci/run installs it")
+    if os.environ.get(SCREENSHOTS):
+        pytest.fail(f"{what} is not installed: make docs-screenshots took no screenshot ({SCREENSHOTS} is set)")
     pytest.skip(f"{what} is not installed")
+
+
+@pytest.fixture(scope="module")
+def chromium() -> str:
+    """The browser, looked for first: without it a screenshot run fails at once, before the site is built."""
+    found = shutil.which("chromium") or shutil.which("chromium-browser")
+    if found is None:
+        _missing("chromium (apt-get install chromium)")
+    return str(found)
 
 
 @pytest.fixture(scope="module")
@@ -71,19 +87,16 @@ def test_the_site_has_every_page_and_the_api_reference(site: Path) -> None:
 
 
 @pytest.mark.parametrize("page", sorted(PAGES))
-def test_a_page_renders_in_chromium(served: str, page: str, tmp_path: Path) -> None:
+def test_a_page_renders_in_chromium(chromium: str, served: str, page: str, tmp_path: Path) -> None:
     from PIL import Image
 
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    if chromium is None:
-        _missing("chromium (apt-get install chromium)")
     shot = tmp_path / "page.png"
     flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--hide-scrollbars"]
     flags += ["--disable-background-networking", "--disable-component-update", "--disable-sync"]
     flags += [f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1400,3000", f"--screenshot={shot}"]
     result = subprocess.run([chromium, *flags, f"{served}/{page}"], capture_output=True, text=True, timeout=120)
     assert shot.is_file(), f"chromium wrote no screenshot:\n{result.stderr[-2000:]}"
-    keep = os.environ.get("STAGEWISE_SCREENSHOTS")
+    keep = os.environ.get(SCREENSHOTS)
     if keep:
         Path(keep).mkdir(parents=True, exist_ok=True)
         shutil.copy(shot, Path(keep) / page.replace("/", "-").replace(".html", ".png"))
@@ -100,3 +113,16 @@ def test_a_page_renders_in_chromium(served: str, page: str, tmp_path: Path) -> N
 
 def _near(color: tuple[int, int, int], target: tuple[int, int, int], tolerance: int = 12) -> bool:
     return all(abs(a - b) <= tolerance for a, b in zip(color, target))
+
+
+def test_asking_for_screenshots_without_chromium_fails_saying_so(tmp_path: Path) -> None:
+    """``make docs-screenshots`` on a machine without Chromium used to pass (1 passed, 2 skipped) having taken
+    nothing; asked for screenshots, the render test now fails naming what is missing (the site is not built)."""
+    bare = dict(env(), PATH=str(BIN), **{SCREENSHOTS: str(tmp_path / "shots")})
+    bare.pop("CI", None)
+    cmd = [str(BIN / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "renders_in_chromium"]
+    result = subprocess.run(cmd, cwd=ROOT, env=bare, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stdout[-3000:]
+    said = "chromium (apt-get install chromium) is not installed: make docs-screenshots took no screenshot"
+    assert said in result.stdout, result.stdout[-3000:]
+    assert not (tmp_path / "shots").exists()

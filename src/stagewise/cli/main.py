@@ -51,7 +51,10 @@ class _Version(argparse.Action):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="stagewise", description="Pipeline-parallel schedules: list, simulate, draw, run."
+        prog="stagewise",
+        description="Pipeline-parallel schedules: list them (schedules), simulate and draw one (simulate), run a "
+        "training script on N processes (run), plan layout, schedule and partition (plan), compare the pipeline "
+        "methods (compare).",
     )
     parser.add_argument("--version", action=_Version)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

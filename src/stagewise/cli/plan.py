@@ -10,6 +10,7 @@ from typing import Any
 
 from ..partition import LayerProfile
 from ..planning import Calibration, Link, Plan, PlanSearch
+from ..planning.result import gib
 from .common import Subparsers
 
 GIB = 2**30
@@ -26,10 +27,13 @@ Links and the runtime's own costs come from --calibration, a file saved with
 sw.calibrate(...).save(path) on the group that will run the plan; without it
 (or --intra) every transfer and collective is free, which flatters data
 parallelism and sharding.
+Without --memory no plan is dropped for its memory: the output then says how
+much the top plan needs per process.
 Columns: step = predicted seconds per training step, run back to back (see
 stagewise.Plan); bubble = simulated idle share of the pipeline ranks; peak =
-the largest predicted per-rank memory; why = what the plan gains over the
-next one.
+the largest predicted per-rank memory (in the unit the why column uses); why =
+what the plan gains over the next one. A top plan whose pipeline ranks idle
+over 30% of the step gets a notice saying why.
 """
 
 
@@ -53,7 +57,13 @@ def add_command(sub: Subparsers) -> None:
         metavar="B",
         help="samples in the profiled micro-batch (default: what the profile records; required when it does not)",
     )
-    parser.add_argument("--memory", type=float, default=math.inf, metavar="GIB", help="memory per process, GiB")
+    parser.add_argument(
+        "--memory",
+        type=float,
+        default=math.inf,
+        metavar="GIB",
+        help="memory per process, GiB: plans that need more are dropped (default: no cap, every plan fits)",
+    )
     parser.add_argument("--optimizer-state", type=float, default=2.0, metavar="K", help="state bytes per param byte")
     parser.add_argument(
         "--calibration",
@@ -202,6 +212,8 @@ def run_plan(args: argparse.Namespace) -> int:
     )
     warnings = _warnings(args, cal)
     _print_table(result, warnings, args.best_per_layout)
+    for line in _notices(args, result.plans[0]):
+        print(line)
     if args.json:
         Path(args.json).write_text(json.dumps(_report(result, warnings), indent=1))
     if args.png:
@@ -246,7 +258,7 @@ def _print_table(result: PlanSearch, warnings: list[str], per_layout: bool) -> N
         "recompute",
         "step s",
         "bubble",
-        "peak GiB",
+        "peak",
         "why",
     ):
         table.add_column(col)
@@ -263,12 +275,67 @@ def _print_table(result: PlanSearch, warnings: list[str], per_layout: bool) -> N
             p.recompute or "off",
             f"{p.step_time:.4g}",
             f"{p.bubble:.1%}",
-            f"{p.peak_memory / GIB:.3g}",
+            gib(p.peak_memory),  # the why column's unit (planning.result.gib)
             p.why,
         )
     Console(width=200).print(table)
     if warnings:
         loud.print(f"[bold yellow]{len(warnings)} warning(s) above: these predictions may mislead.[/]")
+
+
+_LARGE_BUBBLE = 0.30  # a top plan idling its pipeline ranks more than this gets a notice
+
+
+def _notices(args: argparse.Namespace, best: Plan) -> list[str]:
+    """What the defaults hide about the top plan, one line each: no memory cap, a large bubble and why."""
+    out = []
+    if math.isinf(args.memory):
+        out.append(
+            f"note: no memory cap was set (--memory): the top plan needs {best.peak_memory / GIB:.3g} GiB per "
+            "process; pass --memory GIB to keep to what a device holds"
+        )
+    if best.layout.pp > 1 and best.bubble > _LARGE_BUBBLE:
+        out.append(
+            f"notice: the top plan leaves its pipeline ranks idle {best.bubble:.0%} of the step: {_why_idle(best)}"
+        )
+    return out
+
+
+def _why_idle(plan: Plan) -> str:
+    """Why a plan's pipeline ranks idle: uneven stages (the busiest rank's work over the average), or the fill and
+    drain of a pipeline with few micro-batches ((p - 1) / (v m + p - 1) with equal stages)."""
+    p, v, m = plan.layout.pp, plan.virtual_stages, plan.microbatches
+    fill = (p - 1) / (v * m + p - 1)
+    drain = f"the pipeline fills and drains once a step, about {fill:.0%} of it with {m} micro-batches over {p} ranks"
+    load = _rank_loads(plan)
+    uneven = max(load) / (sum(load) / len(load)) if load and sum(load) > 0 else 1.0
+    if uneven > 1.25:
+        return (
+            f"its stages are uneven - the busiest pipeline rank computes {uneven:.1f}x the average "
+            f"(partition {' '.join(map(str, plan.partition))}), and the others wait for it; {drain}. "
+            "It is still the fastest plan found"
+        )
+    return f"{drain}; more micro-batches (a larger --global-batch) or fewer pipeline ranks would shrink it"
+
+
+def _rank_loads(plan: Plan) -> list[float]:
+    """Each pipeline rank's compute per micro-batch (forward and backward of its stages), from the plan's costs."""
+    costs = plan.costs
+    if costs is None:
+        return []
+    from ..ir import loop_placement, v_placement
+    from ..schedules import schedule_info
+
+    p, v = plan.layout.pp, plan.virtual_stages
+    if plan.synthesized is not None:
+        placement = tuple(plan.synthesized.placement)
+    else:
+        loop = schedule_info(plan.schedule).placement == "loop"
+        placement = tuple(loop_placement(p, v) if loop else v_placement(p, v))
+    load = [0.0] * p
+    for s, rank in enumerate(placement[: costs.num_stages]):
+        load[rank] += costs.forward[s] + costs.backward_input[s] + costs.backward_weight[s]
+    return load
 
 
 def _draw(plan: Plan, path: str) -> None:

@@ -53,10 +53,11 @@ def add_command(sub: Subparsers) -> None:
     which.add_argument(
         "--from-torch", metavar="CLASS", help="a torch.distributed.pipelining schedule class, e.g. ZBVZeroBubble"
     )
-    # not required=True: argparse would then refuse the hidden --stages alias below; checked in check_arguments
-    parser.add_argument("--ranks", "-p", type=int, metavar="P", help="number of ranks P (pipeline degree); required")
-    # the old spelling (it always meant ranks, not stages): accepted for one release, not advertised
-    parser.add_argument("--stages", type=int, dest="ranks", help=argparse.SUPPRESS)
+    # required as a group with the hidden --stages alias (the old spelling: it always meant ranks, not stages;
+    # accepted for one release, not advertised): the usage line shows --ranks P as required, as it is
+    ranks = parser.add_mutually_exclusive_group(required=True)
+    ranks.add_argument("--ranks", "-p", type=int, metavar="P", help="number of ranks P (pipeline degree)")
+    ranks.add_argument("--stages", type=int, dest="ranks", help=argparse.SUPPRESS)
     parser.add_argument("--microbatches", "-m", type=int, required=True, metavar="M", help="micro-batches per step")
     parser.add_argument(
         "--virtual-stages",
@@ -77,8 +78,6 @@ def add_command(sub: Subparsers) -> None:
 
 
 def check_arguments(args: argparse.Namespace) -> None:
-    if args.ranks is None:
-        raise UsageError("--ranks P is required: the number of ranks (pipeline degree)")
     if args.ranks < 1:
         raise UsageError(f"--ranks must be >= 1, got {args.ranks}")
     if args.microbatches < 1:

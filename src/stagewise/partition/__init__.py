@@ -7,7 +7,15 @@
 """
 
 from .cut import Partition, partition_costs, uniform_counts
-from .modes import PartitionSpec, check_options, counts_to_ranges, layer_memory, needs_profile, stage_counts
+from .modes import (
+    PartitionSpec,
+    check_options,
+    counts_to_ranges,
+    layer_memory,
+    needs_profile,
+    stage_counts,
+    stages_per_rank_note,
+)
 from .profile_data import CheckpointCost, LayerCost, LayerProfile
 
 __all__ = [
@@ -22,5 +30,6 @@ __all__ = [
     "needs_profile",
     "partition_costs",
     "stage_counts",
+    "stages_per_rank_note",
     "uniform_counts",
 ]

@@ -98,6 +98,20 @@ def stage_counts(
     return cut.counts
 
 
+def stages_per_rank_note(schedule: str, num_ranks: int, stages_per_rank: int, unit: str = "layer") -> str:
+    """For a too-few-layers error: a schedule of several stages per rank needs that many more layers, which a user
+    counting ranks does not expect ("3 layers on 4 ranks" under zb-v: 8 stages). "" for one stage per rank."""
+    if stages_per_rank <= 1:
+        return ""
+    stages = num_ranks * stages_per_rank
+    return (
+        f": schedule {schedule!r} runs {stages_per_rank} stages per rank ({num_ranks} rank{'s' * (num_ranks != 1)} "
+        f"x {stages_per_rank} = "
+        f"{stages} stages), so it needs at least {stages} {unit}s; or use a schedule of one stage per rank, "
+        "such as '1f1b'"
+    )
+
+
 def check_options(
     n: int,
     num_stages: int,
@@ -105,10 +119,12 @@ def check_options(
     speeds: Sequence[float] | None = None,
     memory_caps: Sequence[float] | None = None,
     unit: str = "layer",
+    why: str = "",
 ) -> None:
-    """Raise for anything :func:`stage_counts` would refuse that needs no profile to see."""
+    """Raise for anything :func:`stage_counts` would refuse that needs no profile to see. ``why``: where the stage
+    count comes from, appended when there are too few pieces (:func:`stages_per_rank_note`)."""
     if num_stages > n:
-        raise ValueError(f"{num_stages} stages need at least {num_stages} {unit}s, got {n}")
+        raise ValueError(f"{num_stages} stages need at least {num_stages} {unit}s, got {n}{why}")
     needs_profile(how)  # an unknown mode
     if not isinstance(how, str) or how == "uniform":
         if speeds is not None or memory_caps is not None:

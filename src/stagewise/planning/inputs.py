@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from .._util import is_count
 from ..partition import LayerProfile
-from ..schedules import is_asynchronous, schedule_names
+from ..schedules import canonical_name, is_asynchronous, schedule_names
 from .calibration import Calibration
 from .comm import Link
 
@@ -192,15 +192,22 @@ def _tp_indices(tp_layers: Collection[int | str], names: list[str]) -> set[int]:
 def _chosen_schedules(schedules: Sequence[str] | None) -> list[str]:
     """The schedules to search: registered and synchronous (all of those by default)."""
     known = schedule_names()
-    chosen = [n for n in known if not is_asynchronous(n)] if schedules is None else list(schedules)
+    try:  # any case, or an alias ("interleaved"): the registered name
+        chosen = [n for n in known if not is_asynchronous(n)] if schedules is None else _names(schedules)
+    except ValueError as err:
+        raise ValueError(f"plan: {err}") from None
     for name in chosen:
-        if name not in known:
-            raise ValueError(f"plan: unknown schedule {name!r}; registered: {', '.join(known)}")
         if is_asynchronous(name):
             raise ValueError(f"plan: schedule {name!r} is asynchronous; the planner times synchronous steps only")
     if not chosen:
         raise ValueError("plan: schedules is empty")
     return chosen
+
+
+def _names(schedules: Sequence[str]) -> list[str]:
+    if isinstance(schedules, str):
+        raise ValueError(f"schedules must be a list of names, got the string {schedules!r}")
+    return [canonical_name(n) for n in schedules]
 
 
 def _calibration_and_cores(calibration: Calibration | None, cores: float | None) -> tuple[Calibration, float | None]:

@@ -1,4 +1,4 @@
-"""Ctrl-C on a job: one line, no tracebacks, exit status 130, nothing left in /dev/shm.
+"""Ctrl-C on a job: one line, no tracebacks, exit status 130, nothing left in /dev/shm; and a failed job's cause.
 
 What the terminal shows::
 
@@ -14,6 +14,12 @@ traceback: the worker writes where it stopped to the folder the launcher named i
 out of /dev/shm. The launcher reads every worker's record and prints :func:`summary`: the rank furthest
 behind (the step every rank has finished) and the newest checkpoint. Without the launcher (plain
 ``torchrun``), each worker prints its own line.
+
+The same folder carries a failed job's first cause: every worker that learns of a failure (it raised, or read
+another rank's on the error board) hands over the failure that stands (:func:`note_cause`), and ``stagewise
+run`` prints its first line as the job's last line, under torch's summary of exit codes::
+
+    stagewise run: rank 1 at 1F0: ValueError: the layer on rank 1 raised
 
 Where a rank stands is counted here, process-wide: :func:`note_steps` after each trained step (mini-batches:
 an asynchronous window counts each of its mini-batches), :func:`note_checkpoint` when a checkpoint is saved
@@ -87,6 +93,40 @@ def stopped() -> None:
         partial.replace(path)  # the launcher never reads half a record
         return
     print(summary([record]), file=sys.stderr, flush=True)
+
+
+def note_cause(text: str) -> None:
+    """The failure that stands in this job, as this worker knows it (its first line names the rank at fault, where
+    it stood and what it raised): handed to the launcher, which prints it last. Every rank that knows the failure
+    calls this; the first to write wins (each restart attempt has its own file)."""
+    folder = os.environ.get(FOLDER_ENV)
+    if not folder or not Path(folder).is_dir():
+        return
+    path = Path(folder) / f"cause-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}.txt"
+    if path.exists():
+        return
+    partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        partial.write_text(text)
+        os.link(partial, path)  # atomic, and refused when another rank's is there already
+    except OSError:
+        pass
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def first_cause(folder: str | os.PathLike[str]) -> str | None:
+    """The first line of the failure the workers of the last attempt handed over (:func:`note_cause`), or None."""
+
+    def attempt(p: Path) -> int:
+        return int(p.stem.partition("-")[2] or 0)
+
+    found = sorted(Path(folder).glob("cause-*.txt"), key=attempt)
+    try:
+        text = found[-1].read_text().strip() if found else ""
+    except OSError:
+        return None
+    return text.splitlines()[0] if text else None
 
 
 def records(folder: str | os.PathLike[str]) -> list[dict[str, Any]]:

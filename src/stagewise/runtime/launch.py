@@ -17,7 +17,7 @@ import tempfile
 from types import FrameType
 from typing import Any
 
-from .interrupt import FOLDER_ENV, records, summary
+from .interrupt import FOLDER_ENV, first_cause, records, summary
 
 #: the signals torch's agent keeps handling: torchrun's --signals-to-handle, through its environment variable
 #: (PET_ + the option: a torch without the option ignores it, and keeps SIGINT: a traceback, as before)
@@ -41,6 +41,9 @@ def torchrun(argv: list[str]) -> int:
             torchrun_main(argv)
         except ChildFailedError as err:
             print(f"stagewise run: {err}", file=sys.stderr)
+            cause = first_cause(folder)  # last, where the eye lands: which rank failed, where, with what
+            if cause is not None:
+                print(f"stagewise run: {cause}", file=sys.stderr, flush=True)
             return 1
         except SignalException as err:
             if err.sigval != signal.SIGINT:

@@ -19,10 +19,46 @@ finite (:func:`causal_lm_loss` returns 0 for it, not ``0 / 0``).
 
 from __future__ import annotations
 
+import inspect
+from typing import Any
+
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 IGNORE_INDEX = -100
+
+
+def check_loss_fn(loss_fn: Any) -> None:
+    """Refuse, at construction, a ``loss_fn`` the first step would fail on: not callable, a loss *class*
+    (``nn.CrossEntropyLoss``, whose call builds a module instead of a loss), or a function that cannot be called
+    as ``loss_fn(output, target)`` (read from its signature, where Python can tell it)."""
+    if loss_fn is None:
+        return
+    if isinstance(loss_fn, type):
+        name = f"nn.{loss_fn.__name__}" if issubclass(loss_fn, nn.Module) else loss_fn.__qualname__
+        raise TypeError(
+            f"loss_fn={name} is the class; pass an instance, loss_fn={name}(), or a function such as "
+            "F.cross_entropy (it is called as loss_fn(output, target) and returns the micro-batch's mean loss)"
+        )
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be a function (output, target) -> mean loss, got {loss_fn!r}")
+    try:
+        signature = inspect.signature(loss_fn)
+    except (TypeError, ValueError):  # no signature to read (some builtins): the first step will tell
+        return
+    try:
+        signature.bind(None, None)
+    except TypeError as err:
+        raise TypeError(
+            f"loss_fn {_name(loss_fn)} cannot take two positional arguments ({err}): it is called as "
+            "loss_fn(output, target), output being the last stage's output for a micro-batch and target that "
+            "micro-batch's targets, and returns the micro-batch's mean loss"
+        ) from None
+
+
+def _name(fn: Any) -> str:
+    return f"{getattr(fn, '__qualname__', type(fn).__qualname__)}{inspect.signature(fn)}"
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:

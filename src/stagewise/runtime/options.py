@@ -20,6 +20,7 @@ from torch import nn
 from .._util import is_count
 from ..ir import Schedule
 from ..partition import PartitionSpec, needs_profile
+from ..schedules import canonical_name
 from .comm.transport.choose import TransportChoice, check_choice
 from .engine.microbatch import Dims
 from .features.batchnorm import BatchNormPolicy, check_batchnorm
@@ -27,6 +28,7 @@ from .features.finite import check_policy
 from .features.offload import check_offload
 from .features.precision import check_autocast
 from .features.recompute import Recompute, check_recompute
+from .losses import check_loss_fn
 
 if TYPE_CHECKING:
     from ..parallel import ParallelConfig
@@ -90,8 +92,7 @@ class Options:
         _check_cut(self)
         check_policy(self.nan_policy)
         check_batchnorm(self.batchnorm)
-        if self.loss_fn is not None and not callable(self.loss_fn):
-            raise TypeError(f"loss_fn must be a function (output, target) -> mean loss, got {self.loss_fn!r}")
+        check_loss_fn(self.loss_fn)
         if self.optimizer is not None and not callable(self.optimizer):
             raise TypeError(f"optimizer must be a factory params -> torch.optim.Optimizer, got {self.optimizer!r}")
         if self.loss_weights is not None and not callable(self.loss_weights):
@@ -214,6 +215,9 @@ def _unknown(names: list[str]) -> str:
 def _check_what_runs(o: Options) -> None:
     if not isinstance(o.schedule, (str, Schedule)):
         raise TypeError(f"schedule must be a registered name or a stagewise.Schedule, got {type(o.schedule).__name__}")
+    if isinstance(o.schedule, str):  # "1F1B", "interleaved": the registered name (a did-you-mean if none)
+        name = "auto" if o.schedule.strip().lower() == "auto" else canonical_name(o.schedule)
+        object.__setattr__(o, "schedule", name)
     for name in ("microbatches", "virtual_stages", "stages"):
         value = getattr(o, name)
         if value is not None and not is_count(value):

@@ -28,7 +28,7 @@ from .assembly.auto_schedule import synthesized
 from .assembly.combinations import refuse_no_sync, refuse_options, refuse_parts
 from .assembly.context import place, resolve_schedule_for
 from .asynchronous.windows import windows_of
-from .comm import lifecycle
+from .comm import groups, lifecycle
 from .engine.reports import gathered_losses, step_timeline
 from .errors import PipelineError
 from .features.clip import clip_pipeline_grads
@@ -110,9 +110,9 @@ class Pipeline(nn.Module):
         ctx = place(opts, schedule)
         parts = frontend.build(ctx, opts)
         refuse_parts(entry, opts, schedule, parts)
-        self.rank, self.num_ranks, self.schedule = ctx.rank, ctx.num_ranks, ctx.schedule
+        self._pp_rank, self._num_ranks, self.schedule = ctx.rank, ctx.num_ranks, ctx.schedule
+        self._process_rank, self._local_stages = groups.global_rank(), ctx.local_stages
         self.hybrid, self.device, self.options = ctx.hybrid, ctx.device, opts
-        self.local_stages = ctx.local_stages
         self.layer_ranges, self.layer_profile, self.model_cut = parts.layer_ranges, parts.profile, parts.model_cut
         self._tied_copies = parts.tied_copies
         self._held = Held()
@@ -276,6 +276,37 @@ class Pipeline(nn.Module):
     def reset_shapes(self) -> None:
         """Forget the cached shapes so the next step may use new ones (call on every rank)."""
         self._engine.mailbox.forget_shapes()
+
+    # ---- where this process stands --------------------------------------------
+    @property
+    def pp_rank(self) -> int:
+        """This process's rank in the pipeline, 0 to :attr:`num_ranks` - 1: which of the schedule's action
+        lists it runs (the "rank" of schedules, timelines and error messages). With ``parallel=`` every
+        data-parallel, sharded or tensor-parallel replica has a process at each pipeline rank, so several
+        processes share it; :attr:`process_rank` tells them apart."""
+        return self._pp_rank
+
+    @property
+    def rank(self) -> int:
+        """The pipeline rank, :attr:`pp_rank` (kept under this name: in a pipeline-only job it is also the process
+        rank, and it is the rank the schedule, the timelines and the messages speak of)."""
+        return self._pp_rank
+
+    @property
+    def process_rank(self) -> int:
+        """This process's rank among all processes (``torch.distributed.get_rank()``): unique per process, with
+        ``parallel=`` too."""
+        return self._process_rank
+
+    @property
+    def num_ranks(self) -> int:
+        """How many ranks the pipeline runs on: the pipeline group's size (the ``pp`` degree with ``parallel=``)."""
+        return self._num_ranks
+
+    @property
+    def local_stages(self) -> tuple[int, ...]:
+        """The stages this process holds, in the schedule's numbering (several with virtual stages)."""
+        return self._local_stages
 
     # ---- what a step left -----------------------------------------------------
     @property

@@ -2,11 +2,21 @@
 
 from .asynchronous import async_schedule, registry_minibatch, window_of
 from .interleaved import microbatch_groups
-from .registry import ScheduleInfo, generate, is_asynchronous, markdown_table, register, schedule_info, schedule_names
+from .registry import (
+    ScheduleInfo,
+    canonical_name,
+    generate,
+    is_asynchronous,
+    markdown_table,
+    register,
+    schedule_info,
+    schedule_names,
+)
 
 __all__ = [
     "ScheduleInfo",
     "async_schedule",
+    "canonical_name",
     "generate",
     "is_asynchronous",
     "markdown_table",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -100,12 +101,39 @@ def schedule_names(*, synchronous: bool | None = None) -> list[str]:
     return [n for n, info in _REGISTRY.items() if synchronous is None or info.synchronous == synchronous]
 
 
-def schedule_info(name: str) -> ScheduleInfo:
+#: other names a user writes for a schedule (besides case, and ``_`` or nothing for ``-``)
+ALIASES = {
+    "interleaved": "interleaved-1f1b",
+    "1f1b-interleaved": "interleaved-1f1b",
+    "pipedream-flush": "1f1b",
+}
+
+
+def _key(name: str) -> str:
+    """What a name is compared by: case, spaces, ``-`` and ``_`` do not count."""
+    return "".join(c for c in name.lower() if c not in " -_")
+
+
+def canonical_name(name: str) -> str:
+    """The registered name ``name`` means: itself, another case of it (``"1F1B"``), with ``_`` or no ``-``
+    (``"zb_v"``), or an alias (``"interleaved"``); a ValueError with a did-you-mean and the list otherwise."""
     _load_builtin()
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"unknown schedule {name!r}; registered: {', '.join(_REGISTRY)}") from None
+    if name in _REGISTRY:
+        return name
+    if not isinstance(name, str):
+        raise TypeError(f"a schedule name is a str, got {type(name).__name__}")
+    known = {_key(n): n for n in _REGISTRY} | {_key(a): n for a, n in ALIASES.items()}
+    found = known.get(_key(name))
+    if found is not None:
+        return found
+    close = difflib.get_close_matches(_key(name), list(known), n=1, cutoff=0.6)
+    hint = f" did you mean {known[close[0]]!r}?" if close else ""
+    raise ValueError(f"unknown schedule {name!r};{hint} registered: {', '.join(_REGISTRY)}")
+
+
+def schedule_info(name: str) -> ScheduleInfo:
+    """What the registry knows about schedule ``name`` (any case, or an alias: :func:`canonical_name`)."""
+    return _REGISTRY[canonical_name(name)]
 
 
 def is_asynchronous(schedule: str | Schedule) -> bool:
@@ -128,7 +156,7 @@ def generate(name: str, num_ranks: int, num_microbatches: int, virtual_stages: i
     with gc_paused():  # a generator makes up to ~1 M actions at 128 ranks x 1024 micro-batches
         ranks = info.generator(num_ranks, num_microbatches, v)
     return Schedule(
-        name=name,
+        name=info.name,
         num_microbatches=num_microbatches,
         placement=placement,
         ranks=ranks if isinstance(ranks, ActionRows) else tuple(tuple(r) for r in ranks),

@@ -239,8 +239,11 @@ def invalid(ctx: Ctx) -> None:
         "tp_plan keys ['7*'] split layer '7', a use of tied key 'embed'",  # the head's use, by a pattern
         lambda: sw.Pipeline(tied_lm(), parallel=mesh, tp_plan={"7*": sw.runtime.column_parallel()}, timeout=TIMEOUT),
     )
-    pipe = sw.Pipeline(mdl.mlp(), loss_fn=F.cross_entropy, parallel=sw.ParallelConfig(pp=2, dp=ctx.world // 2))
+    config = sw.ParallelConfig(pp=2, dp=ctx.world // 2)
+    pipe = sw.Pipeline(mdl.mlp(), loss_fn=F.cross_entropy, parallel=config)
     raises(ValueError, "does not split evenly", lambda: pipe.local_batch(*mdl.mlp_data(ctx.world // 2 + 1, seed=0)))
+    pp = config.coords(ctx.rank).pp  # the pipeline rank, shared by the dp replicas; the process rank is not
+    assert (pipe.pp_rank, pipe.rank, pipe.process_rank, pipe.num_ranks) == (pp, pp, ctx.rank, 2), ctx.rank
 
 
 def clip_pp_only(ctx: Ctx) -> None:

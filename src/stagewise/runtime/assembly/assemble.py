@@ -196,6 +196,7 @@ def _runner(
         has_loss=options.loss_fn is not None,
         loss_weights=options.loss_weights,
         denominators=hybrid.over_replicas if over_replicas and hybrid is not None else None,
+        replicas=1 if hybrid is None else hybrid.hybrid.config.replicas,
     )
     return Runner(
         rank=ctx.rank,

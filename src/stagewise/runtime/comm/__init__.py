@@ -10,7 +10,8 @@ Three rooms and a few modules at the root:
 * :mod:`.setup` joins the process group (``stagewise.init()``); :mod:`.attempt_store` finds the store a
   torchrun job meets on; :mod:`.groups` names groups and stores; :mod:`.coordinator` is the run's corner of
   the store; :mod:`.collectives` holds the collectives stagewise issues; :mod:`.wsp` HetPipe's delayed sums;
-  :mod:`.lifecycle` lets go of process groups at exit.
+  :mod:`.lifecycle` lets go of process groups at exit; :mod:`.blocking` counts the helper threads inside a
+  blocking torch call, none of which may be left when the interpreter finalizes.
 """
 
 from .faults.guard import Guard

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import PipelineError
+from .blocking import inside
 
 UNREACHABLE = "the coordinator (store host, rank 0) is unreachable"
 _WATCH_S = 0.25  # how often a bounded call looks for a failure posted for the job
@@ -100,7 +101,8 @@ def start_call(fn: Any) -> tuple[threading.Event, dict[str, Any]]:
 
     def run() -> None:
         try:
-            box["value"] = fn()
+            with inside():  # (see .blocking: not in torch at interpreter exit)
+                box["value"] = fn()
         except BaseException as err:  # handed to the caller
             box["error"] = err
         done.set()
@@ -173,7 +175,8 @@ class DeadlineStore:
         while True:
             name, args, box, done = self._jobs.get()
             try:
-                box["value"] = getattr(self.store, name)(*args)
+                with inside():  # (see .blocking: not in torch at interpreter exit)
+                    box["value"] = getattr(self.store, name)(*args)
             except BaseException as err:  # handed to the caller
                 box["error"] = err
             done.set()

@@ -7,7 +7,9 @@ group destroyed during finalisation (a Pipeline still holding it after
 ``destroy_process_group()``) has worker threads that may drop the last
 reference to a Python-owned tensor, which needs the interpreter. Exit
 handlers run while Python is whole: unreferenced pipelines are collected
-here, and live ones drop their references to process groups.
+here, and live ones drop their references to process groups. Last, a process that knew a failure leaves in
+order, and none finalizes while a helper thread is still in torch (:func:`.faults.exit_hook.at_exit`,
+:mod:`.blocking`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ import gc
 import logging
 import weakref
 from typing import Any
+
+from . import blocking
+from .faults import exit_hook
 
 log = logging.getLogger(__name__)
 
@@ -37,3 +42,4 @@ def _close_all() -> None:
         except Exception as err:  # an exit handler must not stop the others
             log.warning("stagewise: releasing %r at exit failed: %s", type(owner).__name__, err)
     gc.collect()
+    exit_hook.at_exit(blocking.settle)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -16,6 +18,7 @@ from .faults import exit_hook, heartbeat
 
 log = logging.getLogger(__name__)
 
+_warned = False
 _STORE_CALL_S = 60.0  # the heartbeat's store calls give up after this (the pipelines' boards use their timeout)
 
 
@@ -73,7 +76,7 @@ def init(
                 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
                 dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
         else:
-            log.info("stagewise.init: no torchrun environment (RANK, WORLD_SIZE); starting a one-process group")
+            _no_launcher()
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
         backend = str(dist.get_backend())
@@ -83,3 +86,19 @@ def init(
     env = Env(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
     log.info("stagewise.init: rank %d of %d, %s on %s", env.rank, env.world_size, env.backend, env.device)
     return env
+
+
+def _no_launcher() -> None:
+    """Say, once per process, that no launcher started this one: the script runs as one process (a one-rank
+    pipeline holds every stage), and how to start several. A warning, as forgetting the launcher is the usual
+    reason; a one-process run on purpose can filter it (``warnings.filterwarnings``)."""
+    global _warned
+    if _warned:
+        return
+    _warned = True
+    script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0].endswith(".py") else "your_script.py"
+    warnings.warn(
+        "stagewise.init: no launcher (RANK and WORLD_SIZE are not set), so this runs as one process, every stage "
+        f"on it; to start several: stagewise run -n 4 {script} (or torchrun --nproc-per-node 4 {script})",
+        stacklevel=3,
+    )

@@ -52,13 +52,22 @@ def _sizes(value: Any, dims: Dims, path: str, found: dict[str, int]) -> None:
             found[sub_path] = leaf.shape[dim]
 
 
-def split(value: Any, num_microbatches: int, dims: Dims = 0, what: str = "inputs") -> tuple[list[Any], list[int]]:
-    """``value`` cut into ``num_microbatches`` pieces, and the number of samples in each."""
+def split(
+    value: Any, num_microbatches: int, dims: Dims = 0, what: str = "inputs", replicas: int = 1
+) -> tuple[list[Any], list[int]]:
+    """``value`` cut into ``num_microbatches`` pieces, and the number of samples in each. ``replicas``: the
+    data-parallel replicas that each hold such a share of a global batch (only for the error's words)."""
     if isinstance(value, MicroBatches):
         if len(value) != num_microbatches:
             raise ValueError(f"the {what} hold {len(value)} micro-batches, but the schedule runs {num_microbatches}")
         return list(value), [batch_size(v, dims, f"{what}[{k}]") for k, v in enumerate(value)]
     total = batch_size(value, dims, what)
+    if num_microbatches > total and replicas > 1:  # the user passed the global batch: quote it, and the share
+        raise ValueError(
+            f"{num_microbatches} micro-batches need at least {num_microbatches} samples per data-parallel replica "
+            f"(a global batch of {num_microbatches * replicas} over {replicas} replicas), but this replica's "
+            f"{what} hold {total} (a global batch of {total * replicas} over {replicas} replicas)"
+        )
     if num_microbatches > total:
         raise ValueError(
             f"{num_microbatches} micro-batches need at least {num_microbatches} samples, "

@@ -65,6 +65,7 @@ class Batches:
     has_loss: bool
     loss_weights: Callable[[Any], Any] | None = None
     denominators: Denominators | None = None
+    replicas: int = 1  # data-parallel replicas, each given its share of a global batch (named in errors)
 
     def prepare(self, mode: str, batches: Sequence[tuple[Any, Any]], num_microbatches: int) -> Step:
         return prepare_window(
@@ -79,6 +80,7 @@ class Batches:
             loss_weights=self.loss_weights,
             denominators=self.denominators if mode == "train" else None,
             defer_checks=True,  # counts on the device stay there: no read per micro-batch (module docstring)
+            replicas=self.replicas,
         )
 
 
@@ -95,6 +97,7 @@ def prepare_window(
     loss_weights: Callable[[Any], Any] | None = None,
     denominators: Denominators | None = None,
     defer_checks: bool = False,
+    replicas: int = 1,
 ) -> Step:
     """The :class:`Step` of ``rank`` for ``batches`` (``(inputs, targets)`` per mini-batch): inputs where stage 0
     is, targets and loss weights where the last stage is.
@@ -103,6 +106,7 @@ def prepare_window(
     data-parallel replicas make it the total over every replica, so the mean is the global batch's.
     ``defer_checks``: counts returned as tensors stay on the device (``step.weights`` 0-dim tensors), checked
     later through ``step.counts`` (see the module docstring); else each is read and checked here.
+    ``replicas``: data-parallel replicas, each given its share of a global batch (named in errors).
     """
     m = num_microbatches
     first, last = rank == placement[0], rank == placement[-1]
@@ -119,14 +123,14 @@ def prepare_window(
         if first:
             if inputs is None:
                 raise ValueError(f"rank {rank} holds stage 0, so {where} needs the inputs")
-            chunks, sizes = split(inputs, m, batch_dims[0], "inputs")
+            chunks, sizes = split(inputs, m, batch_dims[0], "inputs", replicas)
             step.inputs += [to_device(c, device) for c in chunks]  # type: ignore[operator]
         if step.targets is not None:
             if targets is None:
                 raise ValueError(f"rank {rank} holds the last stage, so {where} needs the targets")
             if not has_loss:
                 raise ValueError("training needs a loss: build the Pipeline with loss_fn=...")
-            chunks, target_sizes = split(targets, m, batch_dims[1], "targets")
+            chunks, target_sizes = split(targets, m, batch_dims[1], "targets", replicas)
             if sizes is not None and sizes != target_sizes:
                 raise ValueError(f"inputs and targets disagree on the batch size: {sum(sizes)} vs {sum(target_sizes)}")
             step.targets += [to_device(c, device) for c in chunks]

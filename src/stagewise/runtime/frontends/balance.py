@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from ...ir import Kind, Schedule
-from ...partition import PartitionSpec, check_options, needs_profile
+from ...partition import PartitionSpec, check_options, needs_profile, stages_per_rank_note
 from ..comm import collectives, groups
 from ..comm.faults.guard import setup_guard
 from ..errors import PipelineError
@@ -142,7 +142,8 @@ def plan_layers(
     """
     stage_speeds, caps = per_stage(schedule, speeds, memory_caps)
     # every rank checks what it can before the collective, so a bad argument fails everywhere alike
-    check_options(len(named), schedule.num_stages, how, stage_speeds, caps)
+    why = stages_per_rank_note(schedule.name, schedule.num_ranks, schedule.virtual_stages)
+    check_options(len(named), schedule.num_stages, how, stage_speeds, caps, why=why)
     measured = None
     if needs_profile(how, memory_caps):
         if sample_inputs is None:

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 from torch import fx, nn
 
 from ...ir import Schedule
-from ...partition import check_options, needs_profile, stage_counts
+from ...partition import check_options, needs_profile, stage_counts, stages_per_rank_note
 from ..measure.profiling import LayerProfile, model_blocks, profile_blocks, steadiest
 from .balance import ROUNDS, caps_explained, in_flight, on_first_rank, per_stage
 from .parts import BUILT_MODEL, Parts
@@ -174,8 +174,9 @@ def _block_counts(
     blocks = first_calls(trace(model, set(named), concrete_args).graph, list(named))
     n, num_stages = len(blocks), sched.num_stages
     if n < num_stages:
+        why = stages_per_rank_note(sched.name, sched.num_ranks, sched.virtual_stages, "top-level block")
         raise SplitError(
-            f"{num_stages} stages need at least {num_stages} top-level blocks; the model calls {n}: {blocks}"
+            f"{num_stages} stages need at least {num_stages} top-level blocks; the model calls {n}: {blocks}{why}"
         )
     stage_speeds, caps = per_stage(sched, speeds, memory_caps)
     check_options(n, num_stages, how, stage_speeds, caps, unit="block")

@@ -35,14 +35,25 @@ Layers = Union[nn.Sequential, nn.ModuleList, Sequence[LayerLike], Mapping[str, L
 class Layer:
     """A recipe for one layer, ``factory(*args, **kwargs)``, built only where it is needed.
 
+    The arguments are plain values: a module or parameter among them (``Layer(nn.Sequential, nn.Linear(16, 32))``)
+    would be built once, where the spec is written, and shared by every model built from it, so it is refused;
+    build it inside the factory: ``Layer(lambda: nn.Sequential(nn.Linear(16, 32), nn.Tanh()))``.
+
     >>> spec = Layer(nn.Linear, 4, 8, bias=False)
     >>> spec.build(seed=0).weight.shape
     torch.Size([8, 4])
     """
 
     def __init__(self, factory: Callable[..., nn.Module], *args: Any, **kwargs: Any) -> None:
+        if isinstance(factory, nn.Module):
+            raise TypeError(
+                f"Layer needs a callable that builds an nn.Module, got the module {type(factory).__name__} itself: "
+                f"put a built module in the list as it is, or pass its class and arguments "
+                f"(sw.Layer({type(factory).__name__}, ...))"
+            )
         if not callable(factory):
             raise TypeError(f"Layer needs a callable that returns an nn.Module, got {factory!r}")
+        _refuse_built_modules(factory, args, kwargs)
         self.factory = factory
         self.args = args
         self.kwargs = kwargs
@@ -61,6 +72,49 @@ class Layer:
         name = getattr(self.factory, "__qualname__", repr(self.factory))
         args = [repr(a) for a in self.args] + [f"{k}={v!r}" for k, v in self.kwargs.items()]
         return f"Layer({name}{''.join(', ' + a for a in args)})"
+
+
+def _refuse_built_modules(factory: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """A module or parameter among a spec's arguments was built once, when the spec was written: every model
+    built from the spec would share it (two Pipelines, ``build_model`` and its reference alike), and ``seed=``
+    could not reach it. Refused, with the way to build it inside the factory."""
+    where = [*(f"argument {i}" for i in range(1, len(args) + 1)), *(f"argument {k}=" for k in kwargs)]
+    for place, value in zip(where, [*args, *kwargs.values()]):
+        found = _built(value, place)
+        if found is None:
+            continue
+        place, kind = found
+        name = getattr(factory, "__qualname__", type(factory).__qualname__)
+        name = f"nn.{name}" if getattr(factory, "__module__", "").startswith("torch.nn") else name
+        raise TypeError(
+            f"Layer({name}, ...): {place} is an {kind} built once, here, when the Layer was written, and would be "
+            f"shared by every model built from this list (each Pipeline and sw.build_model alike; seed= cannot "
+            f"reach it). Build it inside the factory instead: sw.Layer(lambda: {name}(...)) - for example "
+            f"sw.Layer(lambda: nn.Sequential(nn.Linear(16, 32), nn.Tanh())), "
+            f"not sw.Layer(nn.Sequential, nn.Linear(16, 32), nn.Tanh())"
+        )
+
+
+def _built(value: Any, place: str, depth: int = 0) -> tuple[str, str] | None:
+    """(where, what) of the first module or parameter in ``value``, looking into lists, tuples, sets and dicts."""
+    if isinstance(value, nn.Parameter):
+        return place, "nn.Parameter"
+    if isinstance(value, nn.Module):
+        return place, f"nn.Module ({type(value).__name__})"
+    if depth > 8:
+        return None
+    items: list[tuple[str, Any]] = []
+    if isinstance(value, (list, tuple)):
+        items = [(f"{place}[{i}]", v) for i, v in enumerate(value)]
+    elif isinstance(value, (set, frozenset)):
+        items = [(f"{place} (a member)", v) for v in value]
+    elif isinstance(value, Mapping):
+        items = [(f"{place}[{k!r}]", v) for k, v in value.items()]
+    for where, item in items:
+        found = _built(item, where, depth + 1)
+        if found is not None:
+            return found
+    return None
 
 
 def named_layers(layers: Layers) -> list[tuple[str, LayerLike]]:

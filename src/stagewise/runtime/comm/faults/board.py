@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from ...errors import PipelineError
 from ..coordinator import UNREACHABLE, board_client
-from .exit_hook import mark_origin, remember_store
+from .exit_hook import mark_origin, note_failure, remember_board, remember_store
 from .keys import JOB_KEY, SEEN_KEY
 
 log = logging.getLogger(__name__)
@@ -46,6 +46,7 @@ class ErrorBoard:
         except PipelineError as err:
             raise PipelineError(f"{err} (seen by {me})" if me else str(err)) from err
         remember_store(self.store.store)  # a process leaving with an error posts it where this board looks
+        remember_board(self)  # and acts on it here first (the shm names go), as on any failure
         self.name = name
         self.key = f"{name}/{_ERROR_KEY}"
         self.failure: str | None = None
@@ -61,6 +62,7 @@ class ErrorBoard:
     def _stand(self, failure: str) -> str:
         """``failure`` is the one that stands, for this board: remember it and tell whoever asked to know."""
         self.failure = failure
+        note_failure(failure)  # this process leaves in order, without an abort, however it ends; the launcher is told
         todo, self._on_failure = self._on_failure, []
         for fn in todo:
             try:
@@ -68,6 +70,13 @@ class ErrorBoard:
             except Exception as err:  # cleaning up must not hide the failure itself
                 log.warning("stagewise: acting on a failure failed: %s: %s", type(err).__name__, err)
         return failure
+
+    def leaving(self, failure: str) -> None:
+        """This process leaves with ``failure`` (the exit hook): unless a failure stands here already, it does now,
+        locally - what must happen on a failure happens before the process is gone (no store call: the hook
+        posts to the job's key itself)."""
+        if self.failure is None:
+            self._stand(failure)
 
     def fail(self, message: str) -> str:
         """Post ``message`` unless another rank's failure came first; returns the failure that stands."""
@@ -81,7 +90,7 @@ class ErrorBoard:
             stood = self.store.compare_set(self.key, "", message)
             failure = self._stand(stood.decode() if isinstance(stood, bytes) else str(stood))
             if failure == message:
-                mark_origin()
+                mark_origin(self.store)
             else:
                 self._seen()
         except Exception as err:  # the store itself is gone: keep the local message

@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..blocking import inside
+
 _POLL_S = 0.05  # how often a long wait looks at the error board, for its first second
 _SLOW_POLL_S = 0.25  # and after that: every look is store calls on the host, which every waiting rank makes
 
@@ -100,8 +102,9 @@ class _Waiter:
             if job is None:
                 return
             try:
-                for w in job.works:
-                    w.wait()
+                with inside():  # a wait left stuck here must not be in gloo when the interpreter finalizes
+                    for w in job.works:
+                        w.wait()
             except BaseException as err:  # reported to the caller, who raises it
                 job.error = err
             job.event.set()

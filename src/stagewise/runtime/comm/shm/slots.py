@@ -31,6 +31,9 @@ transport refuses to run elsewhere (``shm_peers.Peer.capable``).
 left goes when the channels close. The side that creates a name registers it
 with the resource tracker (:mod:`.names`) and unregisters it once it is
 gone: as the receiver when it unlinks, as the sender when it sees the first ack.
+The sender looks for first acks at each of its sends to that receiver (the oldest first values first) and at
+each step's end (:meth:`Channels.forget_taken`), not only at the slot's next value a step later: a sender that
+dies in between leaves its tracker a name the receiver removed, which it would "clean up" with a warning.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import glob
 import mmap
 import os
 import stat
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -98,6 +102,8 @@ class Channels:
     size: int
     check: Checker
     _slots: dict[tuple[int, int, int, int, int], _Slot] = field(default_factory=dict)
+    #: per receiver, the slots whose first value this side sent and has not yet seen taken, oldest first
+    _unacked: dict[int, deque[_Slot]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.bells = Doorbells(self.prefix, self.rank, self.size, self.check)
@@ -145,6 +151,22 @@ class Channels:
         if slot.nbytes:
             slot.data.copy_(raw)
         header[0] = n  # after the bytes (see the module docstring on memory order)
+        if slot.linked and n == 1:
+            self._unacked.setdefault(peer, deque()).append(slot)
+        self._forget_taken(peer)
+
+    def forget_taken(self) -> None:
+        """Unregister the names whose first value every receiver has taken (each unlinked the name before its ack)."""
+        for peer in list(self._unacked):
+            self._forget_taken(peer)
+
+    def _forget_taken(self, peer: int) -> None:
+        queue = self._unacked.get(peer)
+        while queue and (not queue[0].linked or queue[0].header[1] >= 1):  # values to one peer are taken in order
+            slot = queue.popleft()
+            if slot.linked:
+                slot.linked = False
+                untrack(slot.path)
 
     def expect(self, peer: int, tag: int, k: int, tensor: torch.Tensor) -> ShmWork:
         """A receive into ``tensor`` of the next value on its slot."""
@@ -185,7 +207,7 @@ class Channels:
                 unlink(slot.path)
             untrack(slot.path)  # a sent value never taken: its receiver unlinks the name
         self.bells.close()
-        self._slots = {}  # the mappings go with their last tensor view
+        self._slots, self._unacked = {}, {}  # the mappings go with their last tensor view
 
 
 _EMPTY = torch.empty(0, dtype=torch.uint8)

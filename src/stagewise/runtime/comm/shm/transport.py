@@ -225,8 +225,10 @@ class ShmTransport:
         """Nothing to do: a send through a slot is complete once posted, and eager sends end with the step."""
 
     def finish_sends(self) -> None:
-        """Wait for the eager sends (those through slots completed when posted)."""
+        """Wait for the eager sends (those through slots completed when posted); unregister the names of slots
+        whose first value was taken (see .slots: a rank killed between steps leaves its tracker nothing gone)."""
         self.eager.finish()
+        self.channels.forget_taken()
 
     def synchronize(self, device: torch.device) -> None:
         """On CUDA (a gloo group with device="cuda"), wait for queued kernels and copies, watching the board."""

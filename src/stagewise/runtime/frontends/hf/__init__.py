@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from ....partition import stages_per_rank_note
 from ...losses import causal_lm_loss, count_tokens
 from ..balance import plan_layers
 from ..from_model import free_unheld
@@ -92,9 +93,10 @@ class FromHF:
         model, layout, n = self.model, self.layout, self.num_layers
         sched = ctx.schedule
         if n < sched.num_stages:
+            why = stages_per_rank_note(sched.name, sched.num_ranks, sched.virtual_stages, "decoder layer")
             raise ValueError(
                 f"{sched.num_stages} stages need at least {sched.num_stages} decoder layers; "
-                f"{layout.kind} has {n} ({layout.layers})"
+                f"{layout.kind} has {n} ({layout.layers}){why}"
             )
         units = [(str(i), HFStage(model, layout, [i], first=i == 0, last=i == n - 1)) for i in range(n)]
         plan = plan_layers(

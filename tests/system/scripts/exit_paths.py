@@ -1,0 +1,68 @@
+"""One rank of a 2-rank job in which rank 1 raises inside ``train_step``, and the script decides how to leave.
+
+    stagewise run -n 2 exit_paths.py --exit sys-exit --out DIR
+    RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python exit_paths.py --exit sys-exit --out DIR
+
+``--exit``: ``sys-exit`` catches the error (rank 1's own, rank 0's PipelineError) and calls ``sys.exit(1)`` - the
+way out that used to abort rank 0 at exit ("terminate called without an active exception": a helper thread
+returned from a gloo wait while the interpreter finalized); ``uncaught`` lets it end the process (the exit hook);
+``outside``: rank 1 raises between two steps, in the script's own code, uncaught (it used to die still holding the
+shared-memory names its peer had removed, and Python's resource tracker warned of "leaked" objects);
+``none`` trains without a fault (exit 0). Every rank writes ``DIR/rankR.txt``: ``ok``, or the error it caught.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import stagewise as sw
+
+
+class Boom(nn.Module):
+    """Identity, until armed: then it raises (rank 1 holds it)."""
+
+    armed = False
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if Boom.armed:
+            raise ValueError("the layer on rank 1 raised")
+        return h
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--exit", choices=["sys-exit", "uncaught", "outside", "none"], required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    env = sw.init("gloo", timeout=60.0)
+    layers = [sw.Layer(nn.Linear, 8, 8), sw.Layer(nn.Tanh), sw.Layer(Boom), sw.Layer(nn.Linear, 8, 3)]
+    pipe = sw.Pipeline(layers, loss_fn=F.cross_entropy, schedule="1f1b", microbatches=4, timeout=20.0)
+    x, y = torch.randn(8, 8, generator=torch.Generator().manual_seed(0)), torch.arange(8) % 3
+    report = args.out / f"rank{env.rank}.txt"
+    if args.exit == "outside" and env.rank == 1:
+        pipe.train_step(x, y)
+        report.write_text("outside")
+        raise ValueError("the script on rank 1 raised between two steps")
+    Boom.armed = args.exit not in ("none", "outside") and env.rank == 1
+    if args.exit == "uncaught":
+        report.write_text("uncaught")
+        pipe.train_step(x, y)
+    try:
+        pipe.train_step(x, y)
+        if args.exit == "outside":  # (rank 0: the first step may stop already, at rank 1's posted failure)
+            pipe.train_step(x, y)
+    except Exception as err:
+        report.write_text(f"{type(err).__name__}: {err}")
+        sys.exit(1)
+    report.write_text("ok")
+
+
+if __name__ == "__main__":
+    main()
