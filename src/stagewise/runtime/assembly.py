@@ -26,6 +26,8 @@ from .comm import groups
 from .comm.transport.choose import resolve
 from .comm.transport.protocol import Transport, TransportSpec
 from .context import PipelineContext
+from .elastic.config import snapshot_config
+from .elastic.snapshots import Snapshotter
 from .engine.hooks import StageHooks, optimizer_per_stage
 from .engine.interpreter import Interpreter
 from .engine.messages import Mailbox
@@ -161,7 +163,18 @@ def _engine(
     runner.finite = finite_check(options.nan_policy, runner, transport, ctx.hybrid, named)
     if runner.finite is not None:
         hooks.parts.append(runner)  # its before_step runs the check at the first STEP (at every STEP: async)
+    runner.snapshots = snapshotter(root, ctx, options)
+    if runner.snapshots is not None:
+        hooks.parts.append(runner.snapshots)  # its before_step: a STEP waits until the last snapshot is copied
     return Engine(transport, optimizers, mailbox, tied_sync, hooks, runner, eval_schedule, held)
+
+
+def snapshotter(root: nn.Module, ctx: PipelineContext, options: Options) -> Snapshotter | None:
+    """``snapshot=``: this rank's snapshots in its machine's and a peer's memory (:mod:`.elastic`), or None."""
+    config = snapshot_config(options.snapshot)
+    if config is None:
+        return None
+    return Snapshotter(config, root, ctx.cut_group, options.timeout)
 
 
 def _interpreter(

@@ -16,6 +16,9 @@ Asynchronous schedules (PipeDream, 2BW, XPipe) step each stage at its own STEPs,
   not implemented (``dp`` is supported);
 * tied modules are refused: their copies on two stages would step at different times;
 * ``xpipe`` needs an optimizer with a prediction rule (SGD with momentum, Adam, AdamW).
+
+``snapshot=`` (:mod:`.elastic`) needs ``optimizer=`` (a snapshot holds the pipeline's own optimizers, and
+their step waits for its copy), a synchronous schedule, and whole tensors (``tp`` and ``sharding`` refused).
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ if TYPE_CHECKING:
 
 def refuse_options(entry: str, options: Options, schedule: Schedule) -> None:
     """What ``options`` cannot do with ``schedule`` (checked before the mesh is built)."""
+    if options.snapshot is not None:
+        refuse_snapshot(entry, options, schedule)
     if not is_asynchronous(schedule):
         return
     name = f"{entry} with asynchronous schedule {schedule.name!r}"
@@ -66,6 +71,27 @@ def refuse_options(entry: str, options: Options, schedule: Schedule) -> None:
         from .asynchronous.predict import check_predictable
 
         check_predictable(options.optimizer([nn.Parameter(torch.zeros(1))]))
+
+
+def refuse_snapshot(entry: str, options: Options, schedule: Schedule) -> None:
+    """``snapshot=`` keeps what a synchronous step leaves: the pipeline's own optimizers' state, whole tensors."""
+    name = f"{entry} with snapshot={options.snapshot!r}"
+    if options.optimizer is None:
+        raise ValueError(
+            f"{name} needs optimizer=, a factory params -> Optimizer: a snapshot holds the pipeline's own "
+            "optimizers' state, and holds the optimizer step until its copy of the parameters is taken"
+        )
+    if is_asynchronous(schedule):
+        raise ValueError(
+            f"{name}: asynchronous schedule {schedule.name!r} is not supported: its stages step at different "
+            "times, so no moment holds one step's state on every rank"
+        )
+    config: Any = getattr(options.parallel, "config", options.parallel)
+    if config is not None and (config.tp > 1 or config.sharding > 1):
+        raise ValueError(
+            f"{name}: parallel= supports pp and dp only, got tp={config.tp}, sharding={config.sharding}: "
+            "snapshots of split or sharded parameters are not implemented (sw.checkpoint.save handles them)"
+        )
 
 
 def refuse_parts(entry: str, options: Options, schedule: Schedule, parts: Parts) -> None:

@@ -55,6 +55,7 @@ REFUSED = {
     "batchnorm": "the wave rule shares parameters only: BatchNorm running statistics stay each virtual worker's own",
     "free_unused": FROM_MODELS,
     "concrete_args": LAYERS_ONLY,
+    "snapshot": "a virtual worker's state is its own pipeline's plus the wave rule's; use sw.checkpoint.save",
 }
 
 _made = [0]  # HetPipes built in this process (alike on every rank, SPMD): names their shared error board

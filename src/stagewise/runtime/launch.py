@@ -24,23 +24,34 @@ from .interrupt import FOLDER_ENV, records, summary
 _TORCH_SIGNALS = {"PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGHUP,SIGQUIT"}
 
 
-def torchrun(argv: list[str]) -> int:
-    """Hand over to ``torch.distributed.run``; returns the exit status (1 when a child failed, 130 on Ctrl-C)."""
+def torchrun(argv: list[str], env: dict[str, str] | None = None, endpoint: str | None = None) -> int:
+    """Hand over to ``torch.distributed.run``; returns the exit status (1 when a child failed, 130 on Ctrl-C).
+
+    ``env``: variables for torch's agent and the workers (``--nnodes MIN:MAX``: :mod:`.elastic.launch`);
+    ``endpoint``: the rendezvous store's address, named when the rendezvous fails (one line, exit status 1).
+    """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import main as torchrun_main
 
+    from .elastic.launch import rendezvous_failure
+
     hush = _Hush()
+    extra = {**_TORCH_SIGNALS, **(env or {})}
     with tempfile.TemporaryDirectory(prefix="stagewise-run-") as folder:
-        saved = {k: os.environ.get(k) for k in (FOLDER_ENV, *_TORCH_SIGNALS)}
+        saved = {k: os.environ.get(k) for k in (FOLDER_ENV, *extra)}
         os.environ[FOLDER_ENV] = folder  # the workers inherit it: where they say where they stopped
-        os.environ.update(_TORCH_SIGNALS)
+        os.environ.update(extra)
         previous = signal.signal(signal.SIGINT, hush.interrupt(SignalException))
         hush.attach()
         try:
             torchrun_main(argv)
         except ChildFailedError as err:
             print(f"stagewise run: {err}", file=sys.stderr)
+            return 1
+        except RendezvousError as err:  # (--nnodes > 1) fewer machines than the minimum, or the store is gone
+            print(f"stagewise run: {rendezvous_failure(err, endpoint)}", file=sys.stderr, flush=True)
             return 1
         except SignalException as err:
             if err.sigval != signal.SIGINT:

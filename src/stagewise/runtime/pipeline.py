@@ -112,6 +112,7 @@ class Pipeline(nn.Module):
         engine = assemble(self, ctx, parts, opts, self._held)
         self.transport, self.optimizers, self.tied = engine.transport, engine.optimizers, engine.tied
         self.hooks, self.eval_schedule = engine.hooks, engine.eval_schedule
+        self.snapshots = engine.runner.snapshots  # snapshot=: resumed by sw.checkpoint.resume (or None)
         self._engine = engine
         self._clock_offset = time.time() - time.perf_counter()
 

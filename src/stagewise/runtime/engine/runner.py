@@ -63,6 +63,7 @@ class Runner:
     stepped: dict[int, int] = field(default_factory=dict)  # STEPs each stage ran in this step (asynchronous)
     per_minibatch: int = 0  # micro-batches per mini-batch of the step running
     trained: int = 0  # mini-batches trained before the step running (names a failing one in the stream)
+    snapshots: Any = None  # snapshot=: told of each train step's end (stagewise.runtime.elastic)
 
     def guarded(self, body: Callable[[], Any]) -> Any:
         """Run ``body``; any failure is posted to the board (or annotated) with where this rank stood."""
@@ -115,6 +116,8 @@ class Runner:
         self.losses = {"loss": losses[-1], "aux_local": self._aux()}
         self.trained += len(batches)
         note_steps(len(batches))  # where a Ctrl-C finds this rank
+        if self.snapshots is not None:
+            self.snapshots.after_step()
         return losses
 
     def eval(self, inputs: Any, merge_outputs: bool) -> Any:

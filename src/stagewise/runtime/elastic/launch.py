@@ -1,0 +1,54 @@
+"""``stagewise run --nnodes MIN:MAX``: what torch's elastic agent is given, and what its rendezvous failures mean.
+
+torch's agent and c10d rendezvous do the work (:mod:`torch.distributed.elastic`): a machine lost for good
+makes its peers' workers fail, their agents meet again without it, and every worker starts again at the
+new world size; a machine that starts later is taken in at the next round. Two things stagewise sets:
+
+* **A fresh store for each round's workers.** By default torch 2.13 lets the workers of every round meet
+  in one long-lived store, hosted by the agent that was rendezvous rank 0 at the *first* round
+  (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE`` unset). After a machine is lost, the restarted workers read the
+  addresses that the dead round's workers published there: gloo's full mesh then fails with
+  "connectFullMesh ... Connection refused" to a worker that no longer exists. Why the keys are stale:
+  ``env://`` adds no prefix per round under the agent's store, and even a prefix per restart count would
+  not do, since each agent counts only the restarts its own workers' failure caused - the agents whose
+  workers were restarted for the change of membership keep the old count. And an agent that was not rank 0
+  at the first round keeps the first round's store address for good, so if rank 0's machine is the one
+  lost, it would point its workers at a store that is gone. With
+  ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` every round's global rank 0 worker hosts a new store (at its
+  machine's ``--local-addr``), announced through the rendezvous: no stale key can exist.
+* **One line when the rendezvous itself fails** (:func:`rendezvous_failure`): fewer machines than MIN
+  within ``join_timeout``, or the rendezvous store gone with the machine that hosted it.
+"""
+
+from __future__ import annotations
+
+#: the agent's environment under ``--nnodes MIN:MAX`` (inherited by every worker it starts)
+ELASTIC_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+_GUIDE = "docs/guides/elastic.md"
+
+
+def rendezvous_failure(err: BaseException, endpoint: str | None) -> str:
+    """What a failed rendezvous means and what to do, on one line (``err``: torch's ``RendezvousError``)."""
+    where = f"the rendezvous store at {endpoint}" if endpoint else "the rendezvous store"
+    kind = type(err).__name__
+    cause = " ".join(str(err).split()) or kind
+    if kind == "RendezvousTimeoutError":
+        return (
+            f"{where} did not gather enough machines in time: fewer than --nnodes MIN machines are left "
+            f"(or reachable), so the job cannot go on. Start the missing machines with the same command, or "
+            f"restart with a smaller MIN: training resumes from the newest checkpoint ({kind}: {cause})"
+        )
+    if kind == "RendezvousConnectionError":
+        return (
+            f"{where} is unreachable: the machine that hosted it is lost (or it never started), and the job "
+            f"cannot meet again without it. Restart every machine's command (training resumes from the newest "
+            f"checkpoint); host the store where no worker runs - `stagewise rendezvous --port PORT` on a machine "
+            f"that stays up - so that losing a worker machine cannot take it along (see {_GUIDE}) ({kind}: {cause})"
+        )
+    if kind == "RendezvousClosedError":
+        return (
+            f"{where} is closed: the job has ended on the other machines (it finished, or failed for good) "
+            f"before this machine could join ({kind})"
+        )
+    return f"{where}: the rendezvous failed ({kind}: {cause})"
