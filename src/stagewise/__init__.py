@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._util import VERSION
 from .ir import Action, Schedule, Timeline
-from .parallel import ParallelConfig
+from .parallel import ElasticLayout, ParallelConfig
 from .passes import build_schedule
 from .render import render_ascii, render_png, render_trace
 from .schedules import schedule_info, schedule_names
@@ -36,6 +36,7 @@ if TYPE_CHECKING:  # loaded on first use (below): the runtime pulls in torch, th
         Options,
         Pipeline,
         PipelineError,
+        Snapshots,
         Tied,
         aux_loss,
         build_model,
@@ -58,6 +59,8 @@ __all__ = [
     "Tied",
     "build_model",
     "ParallelConfig",
+    "ElasticLayout",
+    "Snapshots",
     "Mesh",
     "HetPipe",
     "MicroBatches",
@@ -108,6 +111,7 @@ _LAZY = {
             "MicroBatches",
             "stage",
             "PipelineError",
+            "Snapshots",
             "causal_lm_loss",
             "count_tokens",
             "aux_loss",

@@ -23,6 +23,8 @@ The rooms (this door loads none of them until a name is asked for):
 * ``hybrid/``: the other parallel axes: device mesh, data parallelism, FSDP2 sharding, DTensor TP.
 * ``comm/``: talking to torch.distributed: set-up, groups, collectives; ``transport/``, ``shm/``, ``faults/``.
 * ``checkpoint/``: save / load / resume on torch.distributed.checkpoint; ``measure/``: profiling, calibration.
+* ``elastic/``: lost machines: ``snapshot=`` (each rank's state in its machine's and a peer's memory), resuming
+  from it at any world size, and what ``stagewise run --nnodes MIN:MAX`` gives torch's elastic agent.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ _NAMES = {
     "init": ".comm.setup",
     "Env": ".comm.setup",
     "PipelineError": ".errors",
+    "Snapshots": ".elastic.config",
     "Layer": ".frontends.layers",
     "Chain": ".frontends.layers",
     "build_model": ".frontends.one_process",
