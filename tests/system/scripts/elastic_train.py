@@ -10,7 +10,7 @@ checkpoints on disk (``--save-every``). What a test reads, in DIR:
 
 * ``losses.jsonl``: one line per step trained (rank 0): step, loss, world size, attempt;
 * ``resumed/w<W>-s<S>``: the state right after each resume (a checkpoint, saved by the resumed job), and
-  ``trace/step-S``: the state at each hold step, as the job that trained it saw it;
+  ``trace/step-S``: the state at each ``--trace`` step, as the job that trained it saw it;
 * ``hold-<S>-w<W>-r<R>``: rank R reached step S at world W (``--holds S@W,...``), its snapshot of S (if
   any) copied; it then waits for ``go-<S>-w<W>`` - or for its agent to stop it (the test kills a machine, or
   starts one);
@@ -56,6 +56,7 @@ def main() -> int:
     p.add_argument("--every", type=int, default=2)
     p.add_argument("--save-every", type=int, default=8)
     p.add_argument("--holds", default="")
+    p.add_argument("--trace", default="", help="steps whose state is saved under DIR/trace")
     p.add_argument("--start-world", type=int, default=0)
     p.add_argument("--reference", type=Path, default=None)
     p.add_argument("--no-snapshots", action="store_true")
@@ -82,20 +83,22 @@ def main() -> int:
         source = "snapshots" if "snapshots" in info.reason else "checkpoint"
         record(env, args.out / "resumes.jsonl", {"step": start, "world": env.world_size, "source": source})
     holds = {tuple(map(int, s.split("@"))) for s in args.holds.split(",") if s}  # (step, world)
+    trace = {int(s) for s in args.trace.split(",") if s}
     for step in range(start + 1, args.steps + 1):
         x, y = mdl.lm_data(LAYOUT.batch, seed=100 + step)
         loss = pipe.train_step(*pipe.local_batch(x, y))
         record(env, args.out / "losses.jsonl", {"step": step, "loss": loss, "world": env.world_size, "attempt": attempt})
         if step % args.save_every == 0 or step == args.steps:
             sw.checkpoint.save(args.out / "ckpt", pipe, step=step, keep=2)
+        if step in trace:
+            sw.checkpoint.save(args.out / "trace", pipe, step=step)
         if (step, env.world_size) in holds:
             hold(pipe, env, args.out, step)
     return 0
 
 
 def hold(pipe: sw.Pipeline, env: sw.runtime.Env, out: Path, step: int) -> None:
-    """The state at ``step`` kept for the test, this rank's snapshot copied, then wait for the test's word."""
-    sw.checkpoint.save(out / "trace", pipe, step=step)
+    """This rank's snapshot copied, then wait for the test's word."""
     if pipe.snapshots is not None:
         pipe.snapshots.wait()
     (out / f"hold-{step}-w{env.world_size}-r{env.rank}").touch()
