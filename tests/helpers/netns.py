@@ -47,9 +47,11 @@ class Machines:
     def addr(self, i: int) -> str:
         return f"10.232.{self.subnet}.{i + 1}"
 
-    def start(self, i: int, run_args: list[str], log: Path, env: dict[str, str] | None = None) -> None:
-        """``stagewise run RUN_ARGS`` on machine ``i`` (its address as --local-addr, gloo on its veth), fresh
-        memory; output to ``log`` (appended)."""
+    def start(
+        self, i: int, run_args: list[str], log: Path, env: dict[str, str] | None = None, command: str = "run"
+    ) -> None:
+        """``stagewise COMMAND RUN_ARGS`` on machine ``i`` (gloo on its veth), fresh memory; output to ``log``
+        (appended)."""
         variables = {
             "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO / "tests"), str(REPO / "tests/system/scripts")]),
             "OMP_NUM_THREADS": "1",
@@ -58,16 +60,15 @@ class Machines:
             **(env or {}),
         }
         assigned = " ".join(f"{k}={_quote(v)}" for k, v in variables.items())
-        command = " ".join(_quote(a) for a in [sys.executable, "-m", "stagewise.cli.main", "run", *run_args])
-        shell = f"mount -t tmpfs -o size=512m tmpfs /dev/shm && exec env {assigned} {command}"
+        line = " ".join(_quote(a) for a in [sys.executable, "-m", "stagewise.cli.main", command, *run_args])
+        shell = f"mount -t tmpfs -o size=512m tmpfs /dev/shm && exec env {assigned} {line}"
         out = open(log, "ab")  # noqa: SIM115 (closed with the process)
         job = subprocess.Popen(["ip", "netns", "exec", self.name(i), "sh", "-c", shell], stdout=out, stderr=out)
         self.jobs.setdefault(i, []).append(job)
 
     def kill(self, i: int) -> float:
         """SIGKILL every process of machine ``i`` (agent, workers, anything); the time it was done."""
-        pids = subprocess.run(["ip", "netns", "pids", self.name(i)], capture_output=True, text=True).stdout.split()
-        for pid in pids:
+        for pid in pids(self.name(i)):
             try:
                 os.kill(int(pid), signal.SIGKILL)
             except ProcessLookupError:
@@ -87,6 +88,11 @@ class Machines:
     def stop_all(self) -> None:
         for i in range(self.n):
             self.kill(i)
+
+
+def pids(namespace: str) -> list[str]:
+    """The processes in a network namespace."""
+    return subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True).stdout.split()
 
 
 def _quote(text: str) -> str:

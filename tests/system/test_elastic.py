@@ -1,9 +1,10 @@
 """Three machines of two processes lose one at step 11 and take it back at step 20: ``stagewise run --nnodes 2:3``.
 
 Three network namespaces on one bridge (tests/helpers/netns.py: each with its own memory file system)
-run tests/system/scripts/elastic_train.py under ``stagewise run -n 2 --nnodes 2:3 --max-restarts 3``:
-a float64 LM at ``sw.ElasticLayout(pp=2, batch=24, microbatch_size=2)`` - pp 2 x dp 3 on six processes,
-pp 2 x dp 2 on four - with snapshots every 2 steps (``snapshot=2``) and checkpoints on disk every 8.
+run tests/system/scripts/elastic_train.py under ``stagewise run -n 2 --nnodes 2:3 --max-restarts 3``
+(tests/system/scripts/elastic_harness.py): a float64 LM at ``sw.ElasticLayout(pp=2, batch=24,
+microbatch_size=2)`` - pp 2 x dp 3 on six processes, pp 2 x dp 2 on four - with snapshots every 2 steps
+(``snapshot=2``) and checkpoints on disk every 8.
 
 1. Six processes train to step 11, each rank's snapshot of step 10 copied; every process of machine 2 is
    SIGKILLed. The survivors' workers fail, their agents meet again without it, and four processes resume
@@ -20,123 +21,113 @@ minutes on two cores. The faults during recovery are in test_elastic_faults.py (
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
 import elastic_train as et
 import stagewise as sw
+from elastic_harness import Job, no_abort
 from helpers import models as mdl
 from helpers import netns
 
 pytestmark = pytest.mark.timeout(900)
 
 STEPS, EVERY = 24, 2
-PORT = 29530
-RDZV_CONF = "join_timeout=90,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3"
-
-
-def run_args(machines: netns.Machines, i: int, out: Path, extra: list[str]) -> list[str]:
-    """``stagewise run`` on machine ``i`` of an elastic job of 2 to 3 machines (machine 0 hosts the store)."""
-    args = ["-n", "2", "--nnodes", "2:3", "--max-restarts", "3", "--rdzv-endpoint", f"{machines.addr(0)}:{PORT}"]
-    args += ["--rdzv-id", "elastic-test", "--rdzv-conf", RDZV_CONF, "--local-addr", machines.addr(i)]
-    args += ["--rdzv-host"] if i == 0 else []
-    return [*args, et.__file__, "--out", str(out), *extra]
-
-
-def markers(out: Path, prefix: str) -> int:
-    return len(list(out.glob(f"{prefix}-r*")))
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Job]:
     out = tmp_path_factory.mktemp("elastic")
-    extra = ["--steps", str(STEPS), "--every", str(EVERY), "--save-every", "8", "--holds", "11@6,20@4"]
-    extra += ["--trace", "10,20", "--start-world", "6"]
-    logs = [out / f"machine{i}.log" for i in range(3)]
-
-    def tails() -> str:
-        return "\n".join(f"--- machine {i} ---\n{p.read_text(errors='replace')[-5000:]}" for i, p in enumerate(logs))
-
-    with netns.make(f"se{os.getpid() % 1000}", 3, subnet=os.getpid() % 200 + 20) as machines:
-        for i in range(3):
-            machines.start(i, run_args(machines, i, out, extra), logs[i])
-        netns.wait_for("six processes at step 11", lambda: markers(out, "hold-11-w6") == 6, 400, tails)
-        killed = machines.kill(2)
-        (out / "go-11-w6").touch()
-        netns.wait_for("four processes at step 20", lambda: markers(out, "hold-20-w4") == 4, 400, tails)
-        restarted = time.time()
-        machines.start(2, run_args(machines, 2, out, extra), logs[2])
-        codes = [machines.wait(i, 400) for i in range(3)]
+    script = ["--steps", str(STEPS), "--every", str(EVERY), "--save-every", "8", "--holds", "11@6,20@4"]
+    script += ["--trace", "10,20", "--start-world", "6"]
+    with netns.make(f"se{os.getpid() % 1000}", 3, subnet=os.getpid() % 100 + 20) as machines:
+        job = Job(machines, out, script, port=29530)
+        job.start(0, 1, 2)
+        job.wait_markers("hold-11-w6", 6)
+        job.lose(2)
+        job.release("go-11-w6")
+        job.wait_markers("hold-20-w4", 4)
+        job.start(2)  # with empty memory; the held processes are restarted by their agents
+        codes = job.exits([0, 1, 2])
         if codes != [0, 0, 0]:
-            pytest.fail(f"the machines exited {codes}\n{tails()}")
-        yield {"out": out, "killed": killed, "restarted": restarted, "logs": "\n".join(p.read_text() for p in logs)}
+            pytest.fail(f"the machines exited {codes}\n{job.tails()}")
+        yield job
 
 
-def rows(out: Path, name: str) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (out / name).read_text().splitlines()]
-
-
-def test_survivors_continue_and_the_machine_is_taken_back(job: dict[str, Any]) -> None:
-    trained = rows(job["out"], "losses.jsonl")
-    worlds = [(r["step"], r["world"]) for r in trained]
+def test_survivors_continue_and_the_machine_is_taken_back(job: Job) -> None:
+    worlds = [(r["step"], r["world"]) for r in job.rows("losses.jsonl")]
     assert worlds == [(s, 6) for s in range(1, 12)] + [(s, 4) for s in range(11, 21)] + [(s, 6) for s in range(21, 25)]
-    resumes = rows(job["out"], "resumes.jsonl")
+    resumes = job.rows("resumes.jsonl")
     assert resumes == [{"step": 10, "world": 4, "source": "snapshots"}, {"step": 20, "world": 6, "source": "snapshots"}]
     lost = 11 - resumes[0]["step"]
     assert 0 < lost <= EVERY  # at most k steps recomputed (step 11, trained before the loss)
+    no_abort(job)
 
 
-def test_one_line_says_what_happened(job: dict[str, Any]) -> None:
+def test_one_line_says_what_happened(job: Job) -> None:
+    logs = job.logs()
     for line in [
         "resumed step 10 on 4 processes (was 6): pp 2 x dp 2 (was pp 2 x dp 3), from peer snapshots",
         "resumed step 20 on 6 processes (was 4): pp 2 x dp 3 (was pp 2 x dp 2), from peer snapshots",
     ]:
-        assert line in job["logs"], line
+        assert line in logs, line
 
 
 def state(folder: Path) -> dict[str, torch.Tensor]:
-    """A checkpoint's parameters and AdamW state by name, through the one-process model."""
+    """A checkpoint's model and AdamW state by one-process name (``model/NAME``, ``optim/NAME/KEY``)."""
     model = sw.build_model(et.layers())
     opt = et.adamw(list(model.parameters()))
     sw.checkpoint.load(folder, model, opt, collective=False)
-    out = {n: p.detach().clone() for n, p in model.named_parameters()}
+    out = {f"model/{n}": t.detach().clone() for n, t in model.state_dict().items()}
     names = {id(p): n for n, p in model.named_parameters()}
     for p, entries in opt.state.items():
-        out.update({f"{names[id(p)]}/{k}": torch.as_tensor(v).clone() for k, v in entries.items()})
+        out.update({f"optim/{names[id(p)]}/{k}": torch.as_tensor(v).clone() for k, v in entries.items()})
     return out
 
 
-@pytest.mark.parametrize(("resumed", "trained"), [("w4-s10", "step-00000010"), ("w6-s20", "step-00000020")])
-def test_resumed_state_is_the_trained_one(job: dict[str, Any], resumed: str, trained: str) -> None:
-    """The state resumed from the snapshots (at the new size) equals, to the bit, the state the job had."""
-    got, want = state(job["out"] / "resumed" / resumed), state(job["out"] / "trace" / trained)
+def traced(folder: Path) -> dict[str, torch.Tensor]:
+    """The union of the ranks' dumps at a step (elastic_train.py --trace); replicas must agree."""
+    out: dict[str, torch.Tensor] = {}
+    for path in sorted(folder.glob("rank-*.pt")):
+        for name, t in torch.load(path, weights_only=True).items():
+            assert name not in out or torch.equal(out[name], t), (path, name)
+            out[name] = t
+    return out
+
+
+def same_state(resumed: Path, trace: Path) -> None:
+    """The state a resume saved equals, to the bit, what the ranks had at that step (every tensor named)."""
+    got, want = state(resumed), traced(trace)
     assert sorted(got) == sorted(want) and any("/exp_avg" in k for k in want)
     assert [k for k in want if not torch.equal(got[k], want[k])] == []
 
 
-def test_losses_after_the_shrink_are_a_fresh_jobs(job: dict[str, Any]) -> None:
+@pytest.mark.parametrize(("resumed", "trained"), [("w4-s10", "step-10"), ("w6-s20", "step-20")])
+def test_resumed_state_is_the_trained_one(job: Job, resumed: str, trained: str) -> None:
+    """The state resumed from the snapshots (at the new size) equals, to the bit, the state the job had."""
+    same_state(job.out / "resumed" / resumed, job.out / "trace" / trained)
+
+
+def test_losses_after_the_shrink_are_a_fresh_jobs(job: Job) -> None:
     """A fresh job of four processes from the state resumed at step 10: the same losses, to the bit."""
-    out = job["out"]
+    out = job.out
     cmd = [sys.executable, "-m", "stagewise.cli.main", "run", "-n", "4", et.__file__, "--out", str(out)]
     cmd += ["--reference", str(out / "resumed" / "w4-s10"), "--steps", "20"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    reference = {r["step"]: r["loss"] for r in rows(out, "reference-w4-s10.jsonl")}
-    shrunk = {r["step"]: r["loss"] for r in rows(out, "losses.jsonl") if r["world"] == 4}
+    reference = {r["step"]: r["loss"] for r in job.rows("reference-w4-s10.jsonl")}
+    shrunk = {r["step"]: r["loss"] for r in job.rows("losses.jsonl") if r["world"] == 4}
     assert sorted(reference) == list(range(11, 21)) and shrunk == reference
 
 
-def test_every_loss_is_the_one_process_models(job: dict[str, Any]) -> None:
+def test_every_loss_is_the_one_process_models(job: Job) -> None:
     """Each step's loss, whatever the size that trained it, equals the one-process model's in float64."""
     model = sw.build_model(et.layers(), seed=et.SEED)
     opt = et.adamw(list(model.parameters()))
@@ -148,5 +139,6 @@ def test_every_loss_is_the_one_process_models(job: dict[str, Any]) -> None:
         opt.step()
         opt.zero_grad()
         want.append(loss.item())
-    last = {r["step"]: r["loss"] for r in rows(job["out"], "losses.jsonl")}
-    torch.testing.assert_close(torch.tensor([last[s] for s in range(1, STEPS + 1)]), torch.tensor(want), rtol=1e-10, atol=0)
+    last = {r["step"]: r["loss"] for r in job.rows("losses.jsonl")}
+    got = torch.tensor([last[s] for s in range(1, STEPS + 1)])
+    torch.testing.assert_close(got, torch.tensor(want), rtol=1e-10, atol=0)

@@ -79,9 +79,10 @@ def run_script(args: argparse.Namespace) -> int:
 
     argv = [*rendezvous_args(args), f"--nproc-per-node={args.nproc}", args.script, *script_args]
     if _elastic(args):
-        from ..runtime.elastic.launch import ELASTIC_ENV
+        from ..runtime.elastic.launch import ELASTIC_ENV, rendezvous_failure
 
-        return torchrun(argv, env=ELASTIC_ENV, endpoint=args.rdzv_endpoint)
+        nodes, endpoint, conf = args.nnodes, args.rdzv_endpoint, args.rdzv_conf or ""
+        return torchrun(argv, env=ELASTIC_ENV, explain=lambda err: rendezvous_failure(err, endpoint, nodes, conf))
     return torchrun(argv)
 
 

@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import tempfile
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -24,18 +25,18 @@ from .interrupt import FOLDER_ENV, records, summary
 _TORCH_SIGNALS = {"PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGHUP,SIGQUIT"}
 
 
-def torchrun(argv: list[str], env: dict[str, str] | None = None, endpoint: str | None = None) -> int:
+def torchrun(
+    argv: list[str], env: dict[str, str] | None = None, explain: Callable[[BaseException], str] | None = None
+) -> int:
     """Hand over to ``torch.distributed.run``; returns the exit status (1 when a child failed, 130 on Ctrl-C).
 
     ``env``: variables for torch's agent and the workers (``--nnodes MIN:MAX``: :mod:`.elastic.launch`);
-    ``endpoint``: the rendezvous store's address, named when the rendezvous fails (one line, exit status 1).
+    ``explain``: what a failed rendezvous means, printed as one line (exit status 1) instead of a traceback.
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import main as torchrun_main
-
-    from .elastic.launch import rendezvous_failure
 
     hush = _Hush()
     extra = {**_TORCH_SIGNALS, **(env or {})}
@@ -50,8 +51,10 @@ def torchrun(argv: list[str], env: dict[str, str] | None = None, endpoint: str |
         except ChildFailedError as err:
             print(f"stagewise run: {err}", file=sys.stderr)
             return 1
-        except RendezvousError as err:  # (--nnodes > 1) fewer machines than the minimum, or the store is gone
-            print(f"stagewise run: {rendezvous_failure(err, endpoint)}", file=sys.stderr, flush=True)
+        except RendezvousError as err:  # (--nnodes MIN:MAX) fewer machines than MIN, or the store is gone
+            if explain is None:
+                raise
+            print(f"stagewise run: {explain(err)}", file=sys.stderr, flush=True)
             return 1
         except SignalException as err:
             if err.sigval != signal.SIGINT:

@@ -274,6 +274,10 @@ def checks(world: int) -> dict[str, Check]:
                                     snapshot=2, **opt),  # fmt: skip
             "snapshots of split or sharded parameters are not implemented",
         ),
+        "refused-hetpipe": refused(
+            lambda ctx: sw.HetPipe(layers(), virtual_workers=[[0, 1], [2, 3]], loss_fn=mdl.lm_loss, snapshot=2, **opt),
+            "HetPipe does not take snapshot=",
+        ),
         "refused-resume-optimizer": lambda ctx: _resume_with_optimizer(ctx),
     }
 

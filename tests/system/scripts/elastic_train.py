@@ -10,7 +10,8 @@ checkpoints on disk (``--save-every``). What a test reads, in DIR:
 
 * ``losses.jsonl``: one line per step trained (rank 0): step, loss, world size, attempt;
 * ``resumed/w<W>-s<S>``: the state right after each resume (a checkpoint, saved by the resumed job), and
-  ``trace/step-S``: the state at each ``--trace`` step, as the job that trained it saw it;
+  ``trace/step-S/rank-R.pt``: each rank's state at each ``--trace`` step, as the job that trained it had it
+  (written before anything else of the step's end, so a stalled rank has written it);
 * ``hold-<S>-w<W>-r<R>``: rank R reached step S at world W (``--holds S@W,...``), its snapshot of S (if
   any) copied; it then waits for ``go-<S>-w<W>`` - or for its agent to stop it (the test kills a machine, or
   starts one);
@@ -60,6 +61,8 @@ def main() -> int:
     p.add_argument("--start-world", type=int, default=0)
     p.add_argument("--reference", type=Path, default=None)
     p.add_argument("--no-snapshots", action="store_true")
+    p.add_argument("--stall-save", default="", help="STEP@MACHINE: that machine's ranks stop inside that save")
+    p.add_argument("--stall-snapshot", default="", help="STEP@MACHINE: ... inside the copy of that snapshot")
     p.add_argument("--timeout", type=float, default=30.0)
     args = p.parse_args()
     env = sw.init(timeout=args.timeout)
@@ -78,23 +81,40 @@ def main() -> int:
         return 1
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     if info is not None:
-        tag = f"w{env.world_size}-s{start}"
-        sw.checkpoint.save(args.out / "resumed" / tag, pipe, step=start)
+        tag = args.out / "resumed" / f"w{env.world_size}-s{start}"
+        if not (tag / f"step-{start:08d}").exists():  # (a round that failed to start resumed here already)
+            sw.checkpoint.save(tag, pipe, step=start)
         source = "snapshots" if "snapshots" in info.reason else "checkpoint"
         record(env, args.out / "resumes.jsonl", {"step": start, "world": env.world_size, "source": source})
+    else:
+        stall(args)  # (the first run only)
     holds = {tuple(map(int, s.split("@"))) for s in args.holds.split(",") if s}  # (step, world)
     trace = {int(s) for s in args.trace.split(",") if s}
     for step in range(start + 1, args.steps + 1):
         x, y = mdl.lm_data(LAYOUT.batch, seed=100 + step)
         loss = pipe.train_step(*pipe.local_batch(x, y))
-        record(env, args.out / "losses.jsonl", {"step": step, "loss": loss, "world": env.world_size, "attempt": attempt})
+        row = {"step": step, "loss": loss, "world": env.world_size, "attempt": attempt, "time": time.time()}
+        record(env, args.out / "losses.jsonl", row)
+        if step in trace:
+            dump(pipe, env, args.out / "trace" / f"step-{step}")
         if step % args.save_every == 0 or step == args.steps:
             sw.checkpoint.save(args.out / "ckpt", pipe, step=step, keep=2)
-        if step in trace:
-            sw.checkpoint.save(args.out / "trace", pipe, step=step)
         if (step, env.world_size) in holds:
             hold(pipe, env, args.out, step)
     return 0
+
+
+def dump(pipe: sw.Pipeline, env: sw.runtime.Env, folder: Path) -> None:
+    """This rank's parameters, buffers and optimizer state by one-process name (``torch.save``, no collective:
+    a machine about to be lost need not wait for the others)."""
+    tensors = {f"model/{n}": t.detach().clone() for n, t in pipe.state_dict().items()}
+    names = {id(p): n for n, p in pipe.named_parameters()}
+    for opt in pipe.optimizers.values():
+        for p, entries in opt.state.items():
+            tensors.update({f"optim/{names[id(p)]}/{k}": torch.as_tensor(v).clone() for k, v in entries.items()})
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.save(tensors, folder / f".rank-{env.rank}.tmp")
+    os.replace(folder / f".rank-{env.rank}.tmp", folder / f"rank-{env.rank}.pt")
 
 
 def hold(pipe: sw.Pipeline, env: sw.runtime.Env, out: Path, step: int) -> None:
@@ -108,6 +128,45 @@ def hold(pipe: sw.Pipeline, env: sw.runtime.Env, out: Path, step: int) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"nobody ended the hold at step {step}")
         time.sleep(0.1)
+
+
+def stall(args: argparse.Namespace) -> None:
+    """``--stall-save`` / ``--stall-snapshot STEP@MACHINE``: on that machine (torchrun's GROUP_RANK), this rank stops
+    in the middle of the checkpoint save of STEP (its share written) or of the copy of STEP's snapshot to the
+    next machine (its own file written), leaves ``saving-STEP-r<R>`` / ``copying-STEP-r<R>``, and waits to be
+    killed with its machine."""
+    machine = os.environ.get("GROUP_RANK")
+    rank = os.environ.get("RANK")
+    if args.stall_save and args.stall_save.split("@")[1] == machine:
+        from stagewise.runtime.checkpoint import api
+
+        step = int(args.stall_save.split("@")[0])
+        written = api.storage.save_tensors
+
+        def save_tensors(tensors: object, folder: Path, *rest: object) -> None:
+            written(tensors, folder, *rest)  # type: ignore[arg-type]
+            if folder.name == f".step-{step:08d}.tmp" and folder.parent.name == "ckpt":
+                (args.out / f"saving-{step}-r{rank}").touch()
+                time.sleep(HOLD_S)
+
+        api.storage.save_tensors = save_tensors  # type: ignore[assignment]
+    if args.stall_snapshot and args.stall_snapshot.split("@")[1] == machine:
+        from stagewise.runtime.elastic.snapshot_file import read_header
+        from stagewise.runtime.elastic.snapshots import Snapshotter
+
+        step = int(args.stall_snapshot.split("@")[0])
+        send = Snapshotter._send
+
+        def stalled(self: Snapshotter, head: bytes, payload: torch.Tensor) -> None:
+            if read_header(head)[0]["step"] == step:
+                traced = args.out / "trace" / f"step-{step}" / f"rank-{rank}.pt"
+                while str(step) in args.trace.split(",") and not traced.exists():  # the step's end on the main thread
+                    time.sleep(0.05)
+                (args.out / f"copying-{step}-r{rank}").touch()
+                time.sleep(HOLD_S)
+            send(self, head, payload)
+
+        Snapshotter._send = stalled  # type: ignore[method-assign]
 
 
 def reference(pipe: sw.Pipeline, env: sw.runtime.Env, args: argparse.Namespace) -> int:

@@ -16,6 +16,11 @@ new world size; a machine that starts later is taken in at the next round. Two t
   lost, it would point its workers at a store that is gone. With
   ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` every round's global rank 0 worker hosts a new store (at its
   machine's ``--local-addr``), announced through the rendezvous: no stale key can exist.
+* **Ranks by arithmetic.** Every machine runs the same ``-n``, so a worker's global rank is its machine's
+  rendezvous rank times ``-n`` plus its local rank (``TORCH_ELASTIC_WORKER_IDENTICAL=1``), with no
+  exchange through the store. torch's other way - each agent posts its size, rendezvous rank 0 reads them
+  all - was seen to wait a minute for an agent that had moved on to the next round when machines joined in
+  quick succession, then end the job (``DistStoreError: wait timeout ... role_info``).
 * **One line when the rendezvous itself fails** (:func:`rendezvous_failure`): fewer machines than MIN
   within ``join_timeout``, or the rendezvous store gone with the machine that hosted it.
 """
@@ -23,26 +28,29 @@ new world size; a machine that starts later is taken in at the next round. Two t
 from __future__ import annotations
 
 #: the agent's environment under ``--nnodes MIN:MAX`` (inherited by every worker it starts)
-ELASTIC_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+ELASTIC_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "TORCH_ELASTIC_WORKER_IDENTICAL": "1"}
 
 _GUIDE = "docs/guides/elastic.md"
 
 
-def rendezvous_failure(err: BaseException, endpoint: str | None) -> str:
-    """What a failed rendezvous means and what to do, on one line (``err``: torch's ``RendezvousError``)."""
-    where = f"the rendezvous store at {endpoint}" if endpoint else "the rendezvous store"
+def rendezvous_failure(err: BaseException, endpoint: str, nodes: tuple[int, int, bool], conf: str = "") -> str:
+    """What a failed rendezvous means and what to do, on one line (``err``: torch's ``RendezvousError``;
+    ``nodes``: ``--nnodes`` as (MIN, MAX, ...); ``conf``: ``--rdzv-conf``, for the join timeout it set)."""
+    where = f"the rendezvous store at {endpoint}"
+    low, high = nodes[0], nodes[1]
     kind = type(err).__name__
     cause = " ".join(str(err).split()) or kind
     if kind == "RendezvousTimeoutError":
+        timeout = dict(item.split("=", 1) for item in conf.split(",") if "=" in item).get("join_timeout", "600")
         return (
-            f"{where} did not gather enough machines in time: fewer than --nnodes MIN machines are left "
-            f"(or reachable), so the job cannot go on. Start the missing machines with the same command, or "
-            f"restart with a smaller MIN: training resumes from the newest checkpoint ({kind}: {cause})"
+            f"fewer than {low} machines (--nnodes {low}:{high}) joined {where} within join_timeout={timeout} s: "
+            f"the job needs {low} at least and cannot go on. Start the missing machines with the same command, or "
+            f"restart with a smaller MIN: training resumes from the newest snapshot or checkpoint ({kind})"
         )
     if kind == "RendezvousConnectionError":
         return (
-            f"{where} is unreachable: the machine that hosted it is lost (or it never started), and the job "
-            f"cannot meet again without it. Restart every machine's command (training resumes from the newest "
+            f"{where} is unreachable: the machine that hosted it is lost (or it never started), and the job cannot "
+            f"meet again without it. Restart every machine's command (training resumes from the newest snapshot or "
             f"checkpoint); host the store where no worker runs - `stagewise rendezvous --port PORT` on a machine "
             f"that stays up - so that losing a worker machine cannot take it along (see {_GUIDE}) ({kind}: {cause})"
         )

@@ -66,22 +66,27 @@ def header_bytes(header: dict[str, Any], payload: torch.Tensor) -> bytes:
 
 def head_size(prefix: bytes) -> int:
     """How many bytes the head of a snapshot takes, from its first :data:`HEAD_FIXED` bytes."""
-    if len(prefix) < HEAD_FIXED or prefix[: len(MAGIC)] != MAGIC:
-        raise SnapshotRefused("not a stagewise snapshot (no SWSNAP1 header)")
+    _check_prefix(prefix)
     return HEAD_FIXED + int(struct.unpack("<Q", prefix[len(MAGIC) : len(MAGIC) + 8])[0])
 
 
 def read_header(data: bytes | memoryview) -> tuple[dict[str, Any], int]:
     """The header of a snapshot's bytes (checked against its digest) and where its payload starts."""
     data = memoryview(data)
-    if len(data) < HEAD_FIXED or bytes(data[: len(MAGIC)]) != MAGIC:
-        raise SnapshotRefused("not a stagewise snapshot (no SWSNAP1 header)")
+    _check_prefix(bytes(data[:HEAD_FIXED]))
     (length,) = struct.unpack("<Q", data[len(MAGIC) : len(MAGIC) + 8])
     digest = bytes(data[len(MAGIC) + 8 : HEAD_FIXED])
     text = bytes(data[HEAD_FIXED : HEAD_FIXED + length])
     if len(text) != length or hashlib.sha256(text).digest() != digest:
         raise SnapshotRefused("its header is cut short or corrupted (SHA-256 mismatch)")
     return json.loads(text), HEAD_FIXED + length
+
+
+def _check_prefix(prefix: bytes) -> None:
+    if prefix[: len(MAGIC)] != MAGIC:
+        raise SnapshotRefused("not a stagewise snapshot (no SWSNAP1 header)")
+    if len(prefix) < HEAD_FIXED:
+        raise SnapshotRefused(f"its header is cut short ({len(prefix)} bytes)")
 
 
 def verified(data: bytes | memoryview) -> tuple[dict[str, Any], memoryview]:
