@@ -33,6 +33,7 @@ COLUMNS: dict[str, str] = {
     "measure_memory": "`measure_memory=`",
     "offload": '`offload="optimizer"`',
     "checkpoint": "checkpoint save / load",
+    "snapshot": "`snapshot=`",
 }
 
 EXACT = "exact"
@@ -44,6 +45,7 @@ PLAN_ASYNC = "plans run synchronous schedules"
 HETPIPE_BN = "HetPipe does not take batchnorm="
 HETPIPE_SKIP = "HetPipe does not take nan_policy='skip'"
 HETPIPE_TIED = "HetPipe does not take tied modules"
+HETPIPE_SNAPSHOT = "HetPipe does not take snapshot="
 
 _REFUSED: dict[tuple[str, str], tuple[str, str]] = {
     ("hetpipe", "dp"): (HETPIPE_AXES, "the virtual workers are HetPipe's data parallelism"),
@@ -53,6 +55,7 @@ _REFUSED: dict[tuple[str, str], tuple[str, str]] = {
     ("hetpipe", "bn_deferred"): (HETPIPE_BN, "the wave rule shares parameters only, not running statistics"),
     ("hetpipe", "nan_skip"): (HETPIPE_SKIP, "a virtual worker cannot skip a wave's update the others count"),
     ("hetpipe", "tied"): (HETPIPE_TIED, "each parameter needs one owner per virtual worker"),
+    ("hetpipe", "snapshot"): (HETPIPE_SNAPSHOT, "a virtual worker's state includes the wave rule's: use checkpoints"),
     ("from_stages", "tied"): (FROM_STAGES_TIED, "a tie across ranks is invisible to stages built apart"),
     ("from_plan", "async"): (PLAN_ASYNC, "the planner searches synchronous schedules only"),
 }

@@ -56,7 +56,7 @@ def rendezvous_failure(err: BaseException, endpoint: str, nodes: tuple[int, int,
         )
     if kind == "RendezvousClosedError":
         return (
-            f"{where} is closed: the job has ended on the other machines (it finished, or failed for good) "
-            f"before this machine could join ({kind})"
+            f"{where} is closed: another machine ended the job - it finished, failed for good, or gave up waiting "
+            f"for {low} machines - before this one could join ({kind})"
         )
     return f"{where}: the rendezvous failed ({kind}: {cause})"
