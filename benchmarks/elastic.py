@@ -100,7 +100,9 @@ def gather(row: dict[str, Any], dist: Any) -> dict[str, Any]:
 def cost(args: argparse.Namespace) -> None:
     print(f"{args.ranks} ranks as {args.machines} machines; median of {args.steps} steps after {args.warmup}")
     print(f"load average {os.getloadavg()[0]:.1f}")
-    print("| model | layout | snapshot | step ms | overhead | sync part ms | step waited ms | next waited ms | MiB/rank |")
+    print(
+        "| model | layout | snapshot | step ms | overhead | sync part ms | step waited ms | next waited ms | MiB/rank |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for model in args.models:
         with tempfile.TemporaryDirectory(dir=args.folder_root) as tmp:

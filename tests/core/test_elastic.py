@@ -1,6 +1,6 @@
 """Elastic jobs, the pure parts: the layout that follows the world size, which snapshot generation a resume takes
 and who reads which file, ``stagewise run --nnodes MIN:MAX``'s launch arguments, and what a failed rendezvous
-says. (Snapshots on ranks: tests/distributed/test_snapshots.py; machines lost for real: tests/system/test_elastic.py.)"""
+says. (Snapshots on ranks: tests/distributed/test_snapshots.py; machines lost: tests/system/test_elastic.py.)"""
 
 from __future__ import annotations
 

@@ -97,4 +97,3 @@ def test_snapshot_option() -> None:
         sw.Snapshots(every=0)
     with pytest.raises(TypeError, match="Snapshots.extra must be a function"):
         sw.Snapshots(extra=3)  # type: ignore[arg-type]
-

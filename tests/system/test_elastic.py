@@ -25,14 +25,13 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
 
 import elastic_train as et
 import stagewise as sw
-from elastic_harness import Job, no_abort
+from elastic_harness import Job, no_abort, same_state
 from helpers import models as mdl
 from helpers import netns
 
@@ -77,35 +76,6 @@ def test_one_line_says_what_happened(job: Job) -> None:
         "resumed step 20 on 6 processes (was 4): pp 2 x dp 3 (was pp 2 x dp 2), from peer snapshots",
     ]:
         assert line in logs, line
-
-
-def state(folder: Path) -> dict[str, torch.Tensor]:
-    """A checkpoint's model and AdamW state by one-process name (``model/NAME``, ``optim/NAME/KEY``)."""
-    model = sw.build_model(et.layers())
-    opt = et.adamw(list(model.parameters()))
-    sw.checkpoint.load(folder, model, opt, collective=False)
-    out = {f"model/{n}": t.detach().clone() for n, t in model.state_dict().items()}
-    names = {id(p): n for n, p in model.named_parameters()}
-    for p, entries in opt.state.items():
-        out.update({f"optim/{names[id(p)]}/{k}": torch.as_tensor(v).clone() for k, v in entries.items()})
-    return out
-
-
-def traced(folder: Path) -> dict[str, torch.Tensor]:
-    """The union of the ranks' dumps at a step (elastic_train.py --trace); replicas must agree."""
-    out: dict[str, torch.Tensor] = {}
-    for path in sorted(folder.glob("rank-*.pt")):
-        for name, t in torch.load(path, weights_only=True).items():
-            assert name not in out or torch.equal(out[name], t), (path, name)
-            out[name] = t
-    return out
-
-
-def same_state(resumed: Path, trace: Path) -> None:
-    """The state a resume saved equals, to the bit, what the ranks had at that step (every tensor named)."""
-    got, want = state(resumed), traced(trace)
-    assert sorted(got) == sorted(want) and any("/exp_avg" in k for k in want)
-    assert [k for k in want if not torch.equal(got[k], want[k])] == []
 
 
 @pytest.mark.parametrize(("resumed", "trained"), [("w4-s10", "step-10"), ("w6-s20", "step-20")])

@@ -27,9 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from elastic_harness import FAST_RDZV, Job, no_abort
+from elastic_harness import FAST_RDZV, Job, no_abort, same_state
 from helpers import netns
-from test_elastic import same_state
 
 pytestmark = [
     pytest.mark.timeout(900),

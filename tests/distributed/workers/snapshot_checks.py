@@ -270,8 +270,9 @@ def checks(world: int) -> dict[str, Check]:
             "asynchronous schedule 'pipedream' is not supported",
         ),
         "refused-tp": refused(
-            lambda ctx: sw.Pipeline(layers(), loss_fn=mdl.lm_loss, parallel=sw.ParallelConfig(pp=2, tp=2),
-                                    snapshot=2, **opt),  # fmt: skip
+            lambda ctx: sw.Pipeline(
+                layers(), loss_fn=mdl.lm_loss, parallel=sw.ParallelConfig(pp=2, tp=2), snapshot=2, **opt
+            ),  # fmt: skip
             "snapshots of split or sharded parameters are not implemented",
         ),
         "refused-hetpipe": refused(

@@ -9,13 +9,15 @@ points, loses machines, starts them again, and reads what the job wrote.
 from __future__ import annotations
 
 import json
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 import elastic_train as et
+import stagewise as sw
 from helpers import netns
 
 #: fast enough for tests: a dead machine's keep-alive expires after 3 s, a round closes 2 s after MIN joined
@@ -47,7 +49,9 @@ class Job:
 
     def host_store(self, i: int) -> str:
         """Machine ``i`` runs ``stagewise rendezvous`` only (no workers); its endpoint, for ``store``."""
-        self.machines.start(i, ["--host", self.machines.addr(i), "--port", str(self.port)], self.log(i), command="rendezvous")
+        self.machines.start(
+            i, ["--host", self.machines.addr(i), "--port", str(self.port)], self.log(i), command="rendezvous"
+        )
         return f"{self.machines.addr(i)}:{self.port}"
 
     def workers_gone(self, i: int) -> bool:
@@ -92,7 +96,9 @@ class Job:
         return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
     def logs(self) -> str:
-        return "\n".join(self.log(i).read_text(errors="replace") for i in range(self.machines.n) if self.log(i).exists())
+        return "\n".join(
+            self.log(i).read_text(errors="replace") for i in range(self.machines.n) if self.log(i).exists()
+        )
 
 
 def no_abort(job: Job) -> None:
@@ -102,5 +108,30 @@ def no_abort(job: Job) -> None:
         assert sign not in text, f"{sign!r} in the logs:\n{job.tails()}"
 
 
-def python() -> str:
-    return sys.executable
+def state(folder: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's model and AdamW state by one-process name (``model/NAME``, ``optim/NAME/KEY``)."""
+    model = sw.build_model(et.layers())
+    opt = et.adamw(list(model.parameters()))
+    sw.checkpoint.load(folder, model, opt, collective=False)
+    out = {f"model/{n}": t.detach().clone() for n, t in model.state_dict().items()}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p, entries in opt.state.items():
+        out.update({f"optim/{names[id(p)]}/{k}": torch.as_tensor(v).clone() for k, v in entries.items()})
+    return out
+
+
+def traced(folder: Path) -> dict[str, torch.Tensor]:
+    """The union of the ranks' dumps at a step (elastic_train.py --trace); replicas must agree."""
+    out: dict[str, torch.Tensor] = {}
+    for path in sorted(folder.glob("rank-*.pt")):
+        for name, t in torch.load(path, weights_only=True).items():
+            assert name not in out or torch.equal(out[name], t), (path, name)
+            out[name] = t
+    return out
+
+
+def same_state(resumed: Path, trace: Path) -> None:
+    """The state a resume saved equals, to the bit, what the ranks had at that step (every tensor named)."""
+    got, want = state(resumed), traced(trace)
+    assert sorted(got) == sorted(want) and any("/exp_avg" in k for k in want)
+    assert [k for k in want if not torch.equal(got[k], want[k])] == []

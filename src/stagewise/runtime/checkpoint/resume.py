@@ -47,7 +47,7 @@ def resume(
     snapshots = getattr(model, "snapshots", None)
     if snapshots is not None:  # Pipeline(snapshot=...): the peers' snapshots too (stagewise.runtime.elastic)
         options = {"optimizer": optimizer, "scheduler": scheduler, "collective": collective, "timeout": timeout}
-        return snapshots.resume(path, model, **options)  # type: ignore[no-any-return]
+        return snapshots.resume(path, model, **options)
     part = virtual_worker(model, path)
     if part is not None:  # a HetPipe: every virtual worker looks under its own folder, alike (they saved alike)
         folder, pipe, _ = part

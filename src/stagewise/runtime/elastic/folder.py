@@ -77,7 +77,7 @@ def _header(path: Path) -> dict[str, Any]:
 
 def prune(folder: Path, below: int) -> list[Path]:
     """Remove the snapshot files (and left-over ``.tmp`` files) of steps below ``below``; what was removed."""
-    removed = []
+    removed: list[Path] = []
     if not folder.is_dir():
         return removed
     for path in folder.iterdir():

@@ -38,7 +38,7 @@ from ..comm import snapshot_wire
 from ..interrupt import note_checkpoint
 from .choose import Choice, Copy, Need, choose
 from .folder import inventory
-from .snapshot_file import SnapshotRefused, tensors_of, verified
+from .snapshot_file import SnapshotRefused, host_bytes, tensors_of, verified
 
 log = logging.getLogger(__name__)
 
@@ -198,11 +198,11 @@ def _obtain(snap: Snapshotter, choice: Choice, me: int, machine: str) -> tuple[d
             snapshot_wire.send_bytes(_read(Path(c.path)), receiver, snap.group, snap.timeout)
         if me == receiver:
             data = snapshot_wire.recv_bytes(holder, snap.group, snap.timeout)
-            _check(c, None if data is None else memoryview(data.numpy()), got, problems)
+            _check(c, None if data is None else host_bytes(data), got, problems)
     for c in choice.reads.get(me, []):
         if c.machine == machine:
             raw = _read(Path(c.path))
-            _check(c, None if raw is None else memoryview(raw.numpy()), got, problems)
+            _check(c, None if raw is None else host_bytes(raw), got, problems)
     mine = [got[(c.machine, c.path)] for c in choice.reads.get(me, []) if (c.machine, c.path) in got]
     return {me: mine}, problems
 

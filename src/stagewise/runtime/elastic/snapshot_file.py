@@ -21,7 +21,7 @@ import hashlib
 import json
 import struct
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -58,10 +58,15 @@ def fill_payload(buffer: torch.Tensor, tensors: Mapping[str, torch.Tensor], entr
 
 def header_bytes(header: dict[str, Any], payload: torch.Tensor) -> bytes:
     """The file's head: magic, length, digest and the header, which records the payload's length and digest."""
-    view = memoryview(payload.numpy()) if payload.numel() else memoryview(b"")
+    view = host_bytes(payload)
     header = {**header, "payload_bytes": len(view), "payload_sha256": hashlib.sha256(view).hexdigest()}
     text = json.dumps(header, separators=(",", ":"), allow_nan=True).encode()
     return MAGIC + struct.pack("<Q", len(text)) + hashlib.sha256(text).digest() + text
+
+
+def host_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a uint8 tensor in host memory, without a copy."""
+    return memoryview(cast(Any, t.numpy())) if t.numel() else memoryview(b"")
 
 
 def head_size(prefix: bytes) -> int:

@@ -39,7 +39,7 @@ from ..comm import groups, lifecycle, snapshot_wire
 from ..errors import PipelineError
 from . import folder as folders
 from .config import Snapshots
-from .snapshot_file import fill_payload, header_bytes, layout_payload, read_header
+from .snapshot_file import fill_payload, header_bytes, host_bytes, layout_payload, read_header
 
 log = logging.getLogger(__name__)
 
@@ -136,8 +136,10 @@ class Snapshotter:
         if not capture.copied.is_set():
             started = time.perf_counter()
             if not capture.copied.wait(self.timeout):
-                raise PipelineError(f"rank {self.rank}: the snapshot of step {capture.step} was not copied within "
-                                    f"{self.timeout:g} s (snapshot=)")
+                raise PipelineError(
+                    f"rank {self.rank}: the snapshot of step {capture.step} was not copied within "
+                    f"{self.timeout:g} s (snapshot=)"
+                )
             self.stats["gate_s"] += time.perf_counter() - started
         if capture.cuda_done is not None:
             torch.cuda.current_stream().wait_event(capture.cuda_done)  # on the device: no host wait
@@ -182,7 +184,7 @@ class Snapshotter:
             capture.copied.set()
             payload = buffer[: capture.total]
             head = header_bytes(capture.header, payload)
-            view = memoryview(payload.numpy())
+            view = host_bytes(payload)
             name = folders.file_name(capture.step, self.lineage, self.rank)
             folders.write(self.folder, name, head, view)
             self._send(head, payload)
@@ -222,8 +224,7 @@ class Snapshotter:
             data = got_head.numpy().tobytes()
             header, _ = read_header(data)
             name = folders.file_name(int(header["step"]), str(header["lineage"]), int(header["owner"]))
-            empty = memoryview(b"")
-            folders.write(self.folder, name, data, memoryview(body.numpy()) if body is not None else empty)
+            folders.write(self.folder, name, data, host_bytes(body) if body is not None else memoryview(b""))
 
     def _host_buffer(self, size: int, pinned: bool) -> torch.Tensor:
         """One host buffer, reused from snapshot to snapshot (pinned for copies from a GPU)."""
