@@ -75,8 +75,9 @@ def worker(args: argparse.Namespace) -> None:
         if pipe.snapshots is not None:
             pipe.snapshots.wait()
             s = pipe.snapshots.stats
-            n = max(s["snapshots"], 1)
-            row.update({k: 1e3 * s[k] / n for k in ("capture_s", "gate_s", "stall_s")})
+            if not s["snapshots"]:
+                raise SystemExit(f"no snapshot of every {every} in {args.warmup + args.steps} steps: give more --steps")
+            row.update({k: 1e3 * s[k] / s["snapshots"] for k in ("capture_s", "gate_s", "stall_s")})
             row["bytes"] = sum(p.stat().st_size for p in pipe.snapshots.folder.glob(f"*-r{rank:05d}.snap")) // 2
         rows.append(gather(row, dist))
     if rank == 0:

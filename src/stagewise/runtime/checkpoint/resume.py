@@ -43,6 +43,11 @@ def resume(
 
         info = sw.checkpoint.resume("ckpt", pipe)
         start = 0 if info is None else info.step
+
+    A pipeline built with ``snapshot=`` also weighs the snapshots in its machines' memory and takes the newer
+    (:mod:`stagewise.runtime.elastic.recover`); a resume logs one line on rank 0 saying from where, at which
+    step, and on how many processes (``resumed step 10 on 4 processes (was 6): pp 2 x dp 2 (was pp 2 x dp 3),
+    from peer snapshots``).
     """
     snapshots = getattr(model, "snapshots", None)
     if snapshots is not None:  # Pipeline(snapshot=...): the peers' snapshots too (stagewise.runtime.elastic)

@@ -113,7 +113,7 @@ def _from_snapshots(snap: Snapshotter, model: nn.Module, ranks: storage.Ranks, d
     mine = {"copies": _listed(snap, machine, ranks.rank) if first else [], "need": sorted(_needs(model))}
     everyone = storage.gather(mine, ranks, "every machine's snapshots", patient=True)
     copies = [_copy(c) for e in everyone for c in e["copies"]]
-    extras = {(c["step"], c["lineage"], c["owner"]): c["extra"] for e in everyone for c in e["copies"]}
+    extras = {(c["step"], c["lineage"], c["owner"]): c["extra"] for e in everyone for c in e["copies"]}  # data position
     needs = [Need(r, snap.machines[r], frozenset(e["need"])) for r, e in enumerate(everyone)]
     layout = state.layout_of(model, ranks.size)
     refused: set[tuple[str, str]] = set()
@@ -134,7 +134,8 @@ def _from_snapshots(snap: Snapshotter, model: nn.Module, ranks: storage.Ranks, d
     assigned, problems = _assign(model, choice, parts[ranks.rank] if ranks.rank in parts else [])
     storage.agree(problems, ranks, f"the snapshot of step {choice.step} does not fit this model")
     _apply(model, assigned, choice, parts.get(ranks.rank, []))
-    extra = extras.get((choice.step, choice.lineage, 0))
+    owners = sorted(o for (step, lineage, o) in extras if (step, lineage) == (choice.step, choice.lineage))
+    extra = extras[(choice.step, choice.lineage, owners[0])]  # the lowest rank's whose file is still somewhere
     return CheckpointInfo(
         path=snap.folder,
         step=choice.step,

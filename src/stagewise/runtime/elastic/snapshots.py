@@ -198,9 +198,10 @@ class Snapshotter:
         if capture.cuda_done is None:
             fill_payload(buffer, capture.tensors, capture.entries)
             return
+        device = next(t.device for t in capture.tensors.values() if t.is_cuda)  # (a helper thread's own is 0)
         if self._stream is None:
-            self._stream = torch.cuda.Stream()
-        with torch.cuda.stream(self._stream):
+            self._stream = torch.cuda.Stream(device=device)
+        with torch.cuda.device(device), torch.cuda.stream(self._stream):
             self._stream.wait_event(capture.cuda_done)
             fill_payload(buffer, capture.tensors, capture.entries)
             done = torch.cuda.Event()
