@@ -2,6 +2,11 @@
 
 Ctrl-C ends the job with one line (``interrupted: rank 1 stopped after step 37; last checkpoint
 ckpt/step-00000036``) and exit status 130: see :mod:`stagewise.runtime.interrupt`.
+
+``--nnodes MIN:MAX`` makes the job elastic (torch's elastic agent and c10d rendezvous: a machine lost for
+good costs a restart of the survivors' processes at the smaller size, a machine that starts is taken in):
+the machines are numbered by the rendezvous, ``--rdzv-host`` says which one hosts its store (or none, when
+``stagewise rendezvous`` does, apart), and a failed rendezvous is one line (:mod:`stagewise.runtime.elastic`).
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ def add_command(sub: Subparsers) -> None:
         "run",
         help="run a training script on N local processes (torch.distributed.run), restarted on failure if asked",
         description="Launch N local processes of SCRIPT with torch's own launcher "
-        "(torchrun --standalone: rendezvous on localhost; with --nnodes, c10d rendezvous across machines). "
+        "(torchrun --standalone: rendezvous on localhost; with --nnodes, c10d rendezvous across machines; "
+        "with --nnodes MIN:MAX, elastic: the job goes on after a machine is lost and takes machines back in). "
         "Arguments after the script go to it. Ctrl-C stops every process and prints one line, where the job "
         "stopped and its last checkpoint; the exit status is then 130.",
     )

@@ -82,6 +82,8 @@ class Pipeline(nn.Module):
     ``offload="optimizer"`` (the optimizer's state, and float32 master weights, in host memory; the update runs
     on the host: :mod:`stagewise.runtime.features.offload`). ``schedule="auto"`` synthesizes the schedule for
     the layers' measured costs (a layer list with ``sample_inputs``: :mod:`stagewise.runtime.auto`).
+    ``snapshot=k`` (or a :class:`~stagewise.Snapshots`): each rank's state after every k-th step, in memory on
+    its machine and a peer's, which ``sw.checkpoint.resume`` weighs against the disk (:mod:`stagewise.runtime.elastic`).
 
     Asynchronous schedules (``pipedream``, ``pipedream-2bw``, ``xpipe``) train with :meth:`train_stream`;
     synchronous ones with :meth:`train_step`. Every rank must build its Pipelines in the same order.

@@ -201,6 +201,8 @@ def disk_newer(ctx: Ctx) -> dict[str, Any]:
     info = sw.checkpoint.resume(root / "ckpt", c)
     assert info is not None and info.step == 3 and "complete checkpoint" in info.reason, info
     assert c.snapshots.step == 3
+    d = pipe(seed=9, snapshot=sw.Snapshots(every=2, folder=str(root)))
+    assert sw.checkpoint.load(root / "ckpt", d).step == 3 and d.snapshots.step == 3  # a plain load counts on too
     return {"compared": same(state(a), state(c), "from the newer checkpoint")}
 
 
