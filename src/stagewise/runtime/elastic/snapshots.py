@@ -116,8 +116,8 @@ class Snapshotter:
         self._check()
         if self.step % self.config.every:
             return
+        self._finish_inflight("stall_s")  # one snapshot in flight at a time
         started = time.perf_counter()
-        self._finish_inflight("stall_s")
         capture = self._capture()
         thread = threading.Thread(target=self._copy, args=(capture,), name="stagewise-snapshot", daemon=True)
         self._inflight = (capture, thread)
