@@ -187,6 +187,11 @@ def test_run_refuses_bad_elastic_options(
     assert words in capsys.readouterr().err
 
 
+def test_rendezvous_refuses_a_bad_port(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["rendezvous", "--port", "70000"]) == 2
+    assert "--port must be in 0..65535" in capsys.readouterr().err
+
+
 class RendezvousTimeoutError(Exception):
     pass
 

@@ -97,3 +97,27 @@ def test_snapshot_option() -> None:
         sw.Snapshots(every=0)
     with pytest.raises(TypeError, match="Snapshots.extra must be a function"):
         sw.Snapshots(extra=3)  # type: ignore[arg-type]
+
+
+def test_the_rendezvous_store_serves_clients_until_stopped() -> None:
+    """``stagewise rendezvous``'s store: torch's agents reach it as a TCPStore client (set, get) until it stops."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from stagewise.runtime.comm.rendezvous_host import serve
+
+    stop, ports = threading.Event(), []
+    thread = threading.Thread(target=serve, args=("127.0.0.1", 0, stop, ports.append), daemon=True)
+    thread.start()
+    for _ in range(200):
+        if ports:
+            break
+        threading.Event().wait(0.05)
+    client = dist.TCPStore("127.0.0.1", ports[0], is_master=False, timeout=timedelta(seconds=10))
+    client.set("round", "7")
+    assert client.get("round") == b"7"
+    stop.set()
+    thread.join(10)
+    assert not thread.is_alive()

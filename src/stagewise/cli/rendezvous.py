@@ -36,5 +36,5 @@ def host_store(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    serve(args.host, args.port, stop)
+    serve(args.host, args.port, stop, lambda port: print(f"stagewise rendezvous: the store is at {args.host}:{port}"))
     return 0

@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
 import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
 
-def serve(host: str, port: int, stop: threading.Event) -> int:
-    """Host the store at ``host:port`` until ``stop`` is set; the port it listens on (0 picks a free one)."""
+def serve(host: str, port: int, stop: threading.Event, ready: Callable[[int], None] | None = None) -> None:
+    """Host the store at ``host:port`` until ``stop`` is set (port 0 picks a free one; ``ready`` is told which)."""
     store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, multi_tenant=True)
     log.info("stagewise rendezvous: hosting the store at %s:%d", host, store.port)
-    print(f"stagewise rendezvous: the store is at {host}:{store.port}", flush=True)
+    if ready is not None:
+        ready(int(store.port))
     stop.wait()
-    return int(store.port)
