@@ -24,9 +24,21 @@ _NOTHING = -1
 
 
 def snapshot_group(group: Any, timeout: float) -> Any:
-    """A gloo group of ``group``'s ranks (None: the world), made by its members (a collective over them)."""
-    ranks = groups.global_ranks(group)
-    return dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=timeout), use_local_synchronization=True)
+    """A gloo group of ``group``'s ranks (None: the world). ``dist.new_group`` is called by every process of the
+    world, in one order (a group made by its members alone is named by a count each process keeps, which other
+    groups made that way can put out of step): when the pipeline is not the whole world, every rank's pipeline
+    group is gathered first and each made in turn, as every rank builds its pipeline at the same time."""
+    mine = tuple(groups.global_ranks(group))
+    delta = timedelta(seconds=timeout)
+    if len(mine) == groups.world_size():
+        return dist.new_group(list(mine), backend="gloo", timeout=delta)
+    everyone = gather_json(list(mine), None, _deadline(timeout), "every rank's pipeline group (snapshot=)")
+    found = None
+    for ranks in sorted({tuple(r) for r in everyone}):
+        made = dist.new_group(list(ranks), backend="gloo", timeout=delta)
+        if ranks == mine:
+            found = made
+    return found
 
 
 def gather(obj: Any, group: Any, timeout: float, what: str) -> list[Any]:
