@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from ._util import VERSION
 from .interop import from_torch, to_torch_csv
 from .ir import Action, Schedule, Timeline
-from .parallel import ParallelConfig
+from .parallel import ElasticLayout, ParallelConfig
 from .partition import LayerProfile
 from .passes import build_schedule
 from .render import render_ascii, render_png, render_trace
@@ -41,6 +41,7 @@ if TYPE_CHECKING:  # loaded on first use (__getattr__): the runtime pulls in tor
         Options,
         Pipeline,
         PipelineError,
+        Snapshots,
         Tied,
         aux_loss,
         build_model,
@@ -66,6 +67,8 @@ __all__ = [
     "Tied",
     "build_model",
     "ParallelConfig",
+    "ElasticLayout",
+    "Snapshots",
     "Mesh",
     "HetPipe",
     "MicroBatches",

@@ -148,3 +148,115 @@ def _index(axis: str) -> int:
     if axis not in AXES:
         raise ValueError(f"unknown mesh axis {axis!r}; the axes are {', '.join(AXES)}")
     return AXES.index(axis)
+
+
+@dataclass(frozen=True)
+class Fit:
+    """What an :class:`ElasticLayout` makes of one world size: the mesh and the micro-batches of each replica."""
+
+    world: int
+    parallel: ParallelConfig
+    microbatches: int
+    microbatch_size: int
+
+    def describe(self) -> str:
+        """``pp 2 x dp 3`` (the axes of degree 1 left out, pp always named)."""
+        return short(self.parallel)
+
+
+@dataclass(frozen=True)
+class ElasticLayout:
+    """A layout that follows the world size: ``pp`` (and ``tp``, ``sharding``) fixed, data parallelism over
+    whatever processes are left, and the global batch of ``batch`` rows kept at every size.
+
+    Give the rows per micro-batch (``microbatch_size``: the micro-batches per replica adjust) or the
+    micro-batches per replica (``microbatches``: their rows adjust). A world size the layout cannot use is
+    refused at once, naming the sizes it can use.
+
+    >>> layout = ElasticLayout(pp=2, batch=24, microbatch_size=2)
+    >>> layout.at(6).describe(), layout.at(6).microbatches, layout.at(4).microbatches
+    ('pp 2 x dp 3', 4, 6)
+    >>> layout.sizes()
+    (2, 4, 6, 8, 12, 24)
+    >>> try:
+    ...     layout.at(10)
+    ... except ValueError as err:
+    ...     print(err)  # doctest: +NORMALIZE_WHITESPACE
+    ElasticLayout(pp=2, batch=24, microbatch_size=2) cannot use 10 processes (pp 2 x dp 5: 24 rows do not split
+    into 5 replicas); it can use 2, 4, 6, 8, 12 or 24 processes
+    """
+
+    pp: int
+    batch: int
+    microbatch_size: int | None = None
+    microbatches: int | None = None
+    tp: int = 1
+    sharding: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("pp", "batch", "tp", "sharding"):
+            if not is_count(getattr(self, name)):
+                raise ValueError(f"ElasticLayout.{name} must be a positive int, got {getattr(self, name)!r}")
+        if (self.microbatch_size is None) == (self.microbatches is None):
+            raise ValueError(
+                "ElasticLayout needs one of microbatch_size= (rows per micro-batch: the micro-batches adjust) or "
+                "microbatches= (micro-batches per replica: their rows adjust)"
+            )
+        for name in ("microbatch_size", "microbatches"):
+            value = getattr(self, name)
+            if value is not None and not is_count(value):
+                raise ValueError(f"ElasticLayout.{name} must be a positive int, got {value!r}")
+
+    @property
+    def fixed(self) -> int:
+        """Processes per replica: ``pp * sharding * tp`` (the world is a multiple of it)."""
+        return self.pp * self.sharding * self.tp
+
+    def at(self, world: int) -> Fit:
+        """The layout at ``world`` processes; ``ValueError`` naming the sizes it can use if it cannot."""
+        why = self._unusable(world)
+        if why:
+            sizes = [str(s) for s in self.sizes()]
+            if not sizes:
+                raise ValueError(f"{self._name()} cannot use any number of processes: {self._unusable(self.fixed)}")
+            listed = ", ".join(sizes[:-1]) + f" or {sizes[-1]}" if len(sizes) > 1 else sizes[0]
+            raise ValueError(f"{self._name()} cannot use {world} processes ({why}); it can use {listed} processes")
+        config = ParallelConfig(pp=self.pp, dp=world // self.fixed, tp=self.tp, sharding=self.sharding)
+        rows = self.batch // config.replicas
+        m = self.microbatches if self.microbatches is not None else rows // (self.microbatch_size or 1)
+        return Fit(world, config, m, rows // m)
+
+    def sizes(self) -> tuple[int, ...]:
+        """Every world size the layout can use (a whole number of replicas, each with whole micro-batches)."""
+        return tuple(dp * self.fixed for dp in range(1, self.batch + 1) if not self._unusable(dp * self.fixed))
+
+    def _unusable(self, world: int) -> str:
+        """Why ``world`` processes cannot run this layout ("" if they can)."""
+        if not is_count(world):
+            return "the world size must be a positive int"
+        if world % self.fixed:
+            return f"not a multiple of pp {self.pp} x sharding {self.sharding} x tp {self.tp} = {self.fixed}"
+        dp = world // self.fixed
+        replicas = dp * self.sharding
+        what = f"pp {self.pp} x dp {dp}"
+        if self.batch % replicas:
+            return f"{what}: {self.batch} rows do not split into {replicas} replicas"
+        rows = self.batch // replicas
+        unit = self.microbatch_size if self.microbatch_size is not None else self.microbatches
+        assert unit is not None
+        if rows % unit:
+            whole = f"whole micro-batches of {unit} rows" if self.microbatch_size else f"{unit} whole micro-batches"
+            return f"{what}: {self.batch} rows do not split into {replicas} replicas of {whole}"
+        return ""
+
+    def _name(self) -> str:
+        given = [f"pp={self.pp}", f"batch={self.batch}"]
+        given += [f"{n}={getattr(self, n)}" for n in ("microbatch_size", "microbatches") if getattr(self, n)]
+        given += [f"{n}={getattr(self, n)}" for n in ("tp", "sharding") if getattr(self, n) > 1]
+        return f"ElasticLayout({', '.join(given)})"
+
+
+def short(config: ParallelConfig) -> str:
+    """``pp 2 x dp 3``: the mesh's degrees in words, those of 1 left out (pp always named)."""
+    named = [(a, n) for a, n in zip(AXES, config.shape) if n > 1 or a == "pp"]
+    return " x ".join(f"{a} {n}" for a, n in named)

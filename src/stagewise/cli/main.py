@@ -1,7 +1,7 @@
 """The ``stagewise`` command: the parser, and the dispatch to one module per subcommand.
 
 Each command module (:mod:`.schedules`, :mod:`.simulate`, :mod:`.synthesize`,
-:mod:`.run`, :mod:`.plan`, :mod:`.compare`) has ``add_command(subparsers)``, which defines
+:mod:`.run`, :mod:`.rendezvous`, :mod:`.plan`, :mod:`.compare`) has ``add_command(subparsers)``, which defines
 its arguments and the handler to call; :data:`COMMANDS` lists them, so a new
 subcommand is one module and one entry. Handlers return the exit status.
 Bad arguments, including values the library rejects with ``ValueError``, exit
@@ -16,13 +16,13 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import compare, plan, run, schedules, simulate, synthesize
+from . import compare, plan, rendezvous, run, schedules, simulate, synthesize
 from .common import UsageError
 
 Handler = Callable[[argparse.Namespace], int]
 
 #: one module per subcommand, in the order ``stagewise --help`` lists them
-COMMANDS = (schedules, simulate, synthesize, run, plan, compare)
+COMMANDS = (schedules, simulate, synthesize, run, rendezvous, plan, compare)
 
 
 def version() -> str:

@@ -2,12 +2,18 @@
 
 Ctrl-C ends the job with one line (``interrupted: rank 1 stopped after step 37; last checkpoint
 ckpt/step-00000036``) and exit status 130: see :mod:`stagewise.runtime.interrupt`.
+
+``--nnodes MIN:MAX`` makes the job elastic (torch's elastic agent and c10d rendezvous: a machine lost for
+good costs a restart of the survivors' processes at the smaller size, a machine that starts is taken in):
+the machines are numbered by the rendezvous, ``--rdzv-host`` says which one hosts its store (or none, when
+``stagewise rendezvous`` does, apart), and a failed rendezvous is one line (:mod:`stagewise.runtime.elastic`).
 """
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import NamedTuple
 
 from .common import Subparsers, UsageError
 
@@ -17,7 +23,8 @@ def add_command(sub: Subparsers) -> None:
         "run",
         help="run a training script on N local processes (torch.distributed.run), restarted on failure if asked",
         description="Launch N local processes of SCRIPT with torch's own launcher "
-        "(torchrun --standalone: rendezvous on localhost; with --nnodes, c10d rendezvous across machines). "
+        "(torchrun --standalone: rendezvous on localhost; with --nnodes, c10d rendezvous across machines; "
+        "with --nnodes MIN:MAX, elastic: the job goes on after a machine is lost and takes machines back in). "
         "Arguments after the script go to it. Ctrl-C stops every process and prints one line, where the job "
         "stopped and its last checkpoint; the exit status is then 130.",
     )
@@ -29,12 +36,34 @@ def add_command(sub: Subparsers) -> None:
         metavar="N",
         help="restart every process up to N times when one fails (the script resumes: sw.checkpoint.resume)",
     )
-    parser.add_argument("--nnodes", type=int, default=1, metavar="M", help="machines (default 1: standalone)")
+    parser.add_argument(
+        "--nnodes",
+        type=_nodes,
+        default=Nodes(1, 1, False),
+        metavar="M|MIN:MAX",
+        help="machines (default 1: standalone); MIN:MAX: elastic, the job goes on while MIN machines remain and "
+        "takes machines back in, up to MAX (needs --max-restarts)",
+    )
     parser.add_argument(
         "--node-rank", type=int, default=None, metavar="I", help="this machine's index, 0..M-1 (0 hosts the rendezvous)"
     )
     parser.add_argument(
-        "--rdzv-endpoint", default=None, metavar="HOST:PORT", help="where machine 0 hosts the rendezvous (M > 1)"
+        "--rdzv-endpoint", default=None, metavar="HOST:PORT", help="where the rendezvous store is hosted (M > 1)"
+    )
+    parser.add_argument(
+        "--rdzv-host",
+        action="store_true",
+        help="MIN:MAX: this machine hosts the rendezvous store at --rdzv-endpoint (else `stagewise rendezvous` does, "
+        "or another machine given --rdzv-host)",
+    )
+    parser.add_argument(
+        "--rdzv-id", default=None, metavar="ID", help="the job's name in the rendezvous, alike on every machine"
+    )
+    parser.add_argument(
+        "--rdzv-conf",
+        default=None,
+        metavar="K=V,...",
+        help="torch's rendezvous settings (join_timeout, last_call_timeout, keep_alive_interval, ...)",
     )
     parser.add_argument(
         "--local-addr", default=None, metavar="ADDR", help="this machine's address the others reach (M > 1)"
@@ -54,7 +83,13 @@ def run_script(args: argparse.Namespace) -> int:
         script_args = script_args[1:]
     from ..runtime.launch import torchrun
 
-    return torchrun([*rendezvous_args(args), f"--nproc-per-node={args.nproc}", args.script, *script_args])
+    argv = [*rendezvous_args(args), f"--nproc-per-node={args.nproc}", args.script, *script_args]
+    if _elastic(args):
+        from ..runtime.elastic.launch import ELASTIC_ENV, rendezvous_failure
+
+        nodes, endpoint, conf = args.nnodes, args.rdzv_endpoint, args.rdzv_conf or ""
+        return torchrun(argv, env=ELASTIC_ENV, explain=lambda err: rendezvous_failure(err, endpoint, nodes, conf))
+    return torchrun(argv)
 
 
 def rendezvous_args(args: argparse.Namespace) -> list[str]:
@@ -62,21 +97,89 @@ def rendezvous_args(args: argparse.Namespace) -> list[str]:
     if args.max_restarts < 0:
         raise UsageError(f"--max-restarts must be >= 0, got {args.max_restarts}")
     restarts = [f"--max-restarts={args.max_restarts}"] if args.max_restarts else []
-    if args.nnodes < 1:
-        raise UsageError(f"--nnodes must be >= 1, got {args.nnodes}")
-    if args.nnodes == 1 and args.rdzv_endpoint is None:
+    high = args.nnodes.high
+    if _elastic(args):
+        return _elastic_args(args, restarts)
+    if args.rdzv_host:
+        raise UsageError("--rdzv-host is for --nnodes MIN:MAX (with a fixed --nnodes, --node-rank 0 hosts)")
+    if high == 1 and args.rdzv_endpoint is None:
         return ["--standalone", *restarts]
     if args.rdzv_endpoint is None or args.node_rank is None:
-        raise UsageError(f"--nnodes {args.nnodes} needs --node-rank I and --rdzv-endpoint HOST:PORT (machine 0's)")
-    if not 0 <= args.node_rank < args.nnodes:
-        raise UsageError(f"--node-rank must be in 0..{args.nnodes - 1}, got {args.node_rank}")
+        raise UsageError(f"--nnodes {high} needs --node-rank I and --rdzv-endpoint HOST:PORT (machine 0's)")
+    if not 0 <= args.node_rank < high:
+        raise UsageError(f"--node-rank must be in 0..{high - 1}, got {args.node_rank}")
     return [
-        f"--nnodes={args.nnodes}",
+        f"--nnodes={high}",
         f"--node-rank={args.node_rank}",
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint={args.rdzv_endpoint}",
+        *([f"--rdzv-id={args.rdzv_id}"] if args.rdzv_id else []),
         # machine 0 hosts the rendezvous store: torch guesses it from host names and misses secondary NICs
-        f"--rdzv-conf=is_host={str(args.node_rank == 0).lower()}",
+        f"--rdzv-conf={_conf(args, args.node_rank == 0)}",
         *([f"--local-addr={args.local_addr}"] if args.local_addr else []),
         *restarts,
     ]
+
+
+def _elastic(args: argparse.Namespace) -> bool:
+    return bool(args.nnodes.elastic)
+
+
+def _elastic_args(args: argparse.Namespace, restarts: list[str]) -> list[str]:
+    """``--nnodes MIN:MAX``: torch's elastic agent and c10d rendezvous; the machines are numbered by the
+    rendezvous (no --node-rank), and the store is hosted where --rdzv-host says (see docs/guides/elastic.md)."""
+    low, high = args.nnodes.low, args.nnodes.high
+    if args.rdzv_endpoint is None:
+        raise UsageError(f"--nnodes {low}:{high} needs --rdzv-endpoint HOST:PORT (where the rendezvous store is)")
+    if args.node_rank is not None:
+        raise UsageError(
+            f"--nnodes {low}:{high} numbers the machines at each rendezvous: drop --node-rank (--rdzv-host says "
+            "which machine hosts the rendezvous store)"
+        )
+    if not restarts:
+        raise UsageError(
+            f"--nnodes {low}:{high} goes on after a lost machine by restarting the survivors' processes: give "
+            "--max-restarts N (N >= 1: how many losses and failures the job may survive)"
+        )
+    return [
+        f"--nnodes={low}:{high}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={args.rdzv_endpoint}",
+        f"--rdzv-id={args.rdzv_id or 'stagewise'}",
+        f"--rdzv-conf={_conf(args, args.rdzv_host)}",
+        *([f"--local-addr={args.local_addr}"] if args.local_addr else []),
+        *restarts,
+    ]
+
+
+def _conf(args: argparse.Namespace, is_host: bool) -> str:
+    """``is_host=...`` (torch guesses it from host names, which misses secondary NICs and network namespaces),
+    then the user's ``--rdzv-conf``."""
+    extra = [item for item in (args.rdzv_conf or "").split(",") if item]
+    for item in extra:
+        key = item.split("=", 1)[0]
+        if "=" not in item or not key:
+            raise UsageError(f"--rdzv-conf takes KEY=VALUE pairs separated by commas, got {item!r}")
+        if key == "is_host":
+            raise UsageError("--rdzv-conf is_host=... is set by stagewise run (--rdzv-host, or --node-rank 0)")
+    return ",".join([f"is_host={str(is_host).lower()}", *extra])
+
+
+class Nodes(NamedTuple):
+    """``--nnodes``: how many machines, at least and at most; ``elastic`` when written ``MIN:MAX``."""
+
+    low: int
+    high: int
+    elastic: bool
+
+
+def _nodes(text: str) -> Nodes:
+    """``M`` -> a fixed count; ``MIN:MAX`` -> elastic (even when MIN == MAX: the rendezvous numbers the machines)."""
+    low, sep, high = text.partition(":")
+    try:
+        nodes = Nodes(int(low), int(high if sep else low), bool(sep))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--nnodes takes M or MIN:MAX, got {text!r}") from None
+    if nodes.low < 1 or nodes.high < nodes.low:
+        raise argparse.ArgumentTypeError(f"--nnodes must be >= 1 (M, or MIN:MAX with MIN <= MAX), got {text!r}")
+    return nodes

@@ -27,7 +27,9 @@ rooms below it (``tests/core/test_layering.py``):
   lists, ``from_model`` (torch.fx, ``split/``), ``from_hf``, ``from_stages``, plans;
 * ``assembly/``: the construction path: the schedule and where it runs, what is refused, the ranks'
   agreement, ``schedule="auto"``, the engine around the built stages;
-* ``pipeline.py``, ``hetpipe.py``: the facades; ``calibration/``: pipelines run to measure the group.
+* ``pipeline.py``, ``hetpipe.py``: the facades; ``calibration/``: pipelines run to measure the group;
+  ``elastic/``: lost machines: ``snapshot=`` (each rank's state in its machine's and a peer's memory), resuming
+  from it at any world size, and what ``stagewise run --nnodes MIN:MAX`` gives torch's elastic agent.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ _NAMES = {
     "init": ".comm.setup",
     "Env": ".comm.setup",
     "PipelineError": ".errors",
+    "Snapshots": ".elastic.config",
     "Layer": ".frontends.layers",
     "Chain": ".frontends.layers",
     "build_model": ".frontends.one_process",

@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import tempfile
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -24,17 +25,25 @@ from .interrupt import FOLDER_ENV, first_cause, records, summary
 _TORCH_SIGNALS = {"PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGHUP,SIGQUIT"}
 
 
-def torchrun(argv: list[str]) -> int:
-    """Hand over to ``torch.distributed.run``; returns the exit status (1 when a child failed, 130 on Ctrl-C)."""
+def torchrun(
+    argv: list[str], env: dict[str, str] | None = None, explain: Callable[[BaseException], str] | None = None
+) -> int:
+    """Hand over to ``torch.distributed.run``; returns the exit status (1 when a child failed, 130 on Ctrl-C).
+
+    ``env``: variables for torch's agent and the workers (``--nnodes MIN:MAX``: :mod:`.elastic.launch`);
+    ``explain``: what a failed rendezvous means, printed as one line (exit status 1) instead of a traceback.
+    """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import main as torchrun_main
 
     hush = _Hush()
+    extra = {**_TORCH_SIGNALS, **(env or {})}
     with tempfile.TemporaryDirectory(prefix="stagewise-run-") as folder:
-        saved = {k: os.environ.get(k) for k in (FOLDER_ENV, *_TORCH_SIGNALS)}
+        saved = {k: os.environ.get(k) for k in (FOLDER_ENV, *extra)}
         os.environ[FOLDER_ENV] = folder  # the workers inherit it: where they say where they stopped
-        os.environ.update(_TORCH_SIGNALS)
+        os.environ.update(extra)
         previous = signal.signal(signal.SIGINT, hush.interrupt(SignalException))
         hush.attach()
         try:
@@ -44,6 +53,11 @@ def torchrun(argv: list[str]) -> int:
             cause = first_cause(folder)  # last, where the eye lands: which rank failed, where, with what
             if cause is not None:
                 print(f"stagewise run: {cause}", file=sys.stderr, flush=True)
+            return 1
+        except RendezvousError as err:  # (--nnodes MIN:MAX) fewer machines than MIN, or the store is gone
+            if explain is None:
+                raise
+            print(f"stagewise run: {explain(err)}", file=sys.stderr, flush=True)
             return 1
         except SignalException as err:
             if err.sigval != signal.SIGINT:

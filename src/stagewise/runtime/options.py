@@ -22,6 +22,7 @@ from ..ir import Schedule
 from ..partition import PartitionSpec, needs_profile
 from ..schedules import canonical_name
 from .comm.transport.choose import TransportChoice, check_choice
+from .elastic.config import SnapshotSpec, snapshot_config
 from .engine.microbatch import Dims
 from .features.batchnorm import BatchNormPolicy, check_batchnorm
 from .features.finite import check_policy
@@ -85,6 +86,7 @@ class Options:
     measure_memory: bool = False
     variable_shapes: bool = False
     emulate_slowdown: float | Sequence[float] | None = None
+    snapshot: SnapshotSpec = None
     given: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -107,6 +109,7 @@ class Options:
         check_autocast(self.autocast)
         check_choice(self.transport)
         _check_slowdown(self.emulate_slowdown)
+        snapshot_config(self.snapshot)
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not self.timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {self.timeout!r}")
         if self.group is not None and self.parallel is not None:
@@ -195,6 +198,7 @@ class PipelineOptions(TypedDict, total=False):
     measure_memory: bool
     variable_shapes: bool
     emulate_slowdown: float | Sequence[float] | None
+    snapshot: SnapshotSpec
 
 
 def check_applicable(entry: str, refused: Mapping[str, str], options: Options) -> None:

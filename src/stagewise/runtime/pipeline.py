@@ -88,6 +88,8 @@ class Pipeline(nn.Module):
     ``offload="optimizer"`` (the optimizer's state, and float32 master weights, in host memory; the update runs
     on the host: :mod:`stagewise.runtime.features.offload`). ``schedule="auto"`` synthesizes the schedule for
     the layers' measured costs (a layer list with ``sample_inputs``: :mod:`stagewise.runtime.assembly.auto_schedule`).
+    ``snapshot=k`` (or a :class:`~stagewise.Snapshots`): each rank's state after every k-th step, in memory on
+    its machine and a peer's, which ``sw.checkpoint.resume`` weighs against the disk (:mod:`stagewise.runtime.elastic`).
 
     Every schedule trains a stream of mini-batches with :meth:`train_stream`; synchronous ones also one
     mini-batch at a time with :meth:`train_step` (asynchronous ones, ``pipedream``, ``pipedream-2bw``,
@@ -120,6 +122,7 @@ class Pipeline(nn.Module):
         engine = assemble(self, ctx, parts, opts, self._held)
         self.transport, self.optimizers, self.tied = engine.transport, engine.optimizers, engine.tied
         self.hooks, self.eval_schedule = engine.hooks, engine.eval_schedule
+        self.snapshots = engine.snapshots  # snapshot=: resumed by sw.checkpoint.resume (or None)
         self._engine = engine
         self._clock_offset = time.time() - time.perf_counter()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -44,8 +45,14 @@ def column_options(row: str, column: str) -> dict[str, Any]:
         "measure_memory": {"measure_memory": True},
         "offload": {"offload": "optimizer", "optimizer": momentum},
         "merge": {"parallel": sw.ParallelConfig(pp=2, dp=2)} if row != "hetpipe" else {},
+        "snapshot": {"snapshot": sw.Snapshots(every=1, folder=snapshot_folder(row)), "optimizer": momentum},
     }.get(column, {})
     return {**base, **extra}
+
+
+def snapshot_folder(row: str) -> str:
+    """Where the snapshot column's cell of ``row`` keeps its snapshots (alike on every rank)."""
+    return os.path.join(os.environ.get("MATRIX_DIR", "/tmp/sw-matrix"), "snapshots", row)
 
 
 def build(row: str, column: str, ctx: Ctx, *, shift: float = 0.0, **more: Any) -> Built:

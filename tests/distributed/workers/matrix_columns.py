@@ -16,7 +16,7 @@ from torch import nn
 
 import stagewise as sw
 from helpers.compare import assert_params_close
-from matrix_build import LR, M, build, sgd
+from matrix_build import LR, M, build, momentum, sgd, snapshot_folder
 from matrix_models import BATCH, SEED, Built, mlp_data, mlp_layers
 from matrix_reference import _poisoned, ref_named, reference_step, train_compare
 from matrix_spec import EXACT, expected
@@ -193,6 +193,29 @@ def checkpoint(row: str, column: str, ctx: Ctx) -> dict[str, Any]:
     return {"losses": [la, lb]}
 
 
+def snapshot(row: str, column: str, ctx: Ctx) -> dict[str, Any]:
+    """Two steps with ``snapshot=1`` (SGD with momentum: state to keep), exact against the one-process model; a
+    fresh pipeline resumes from step 2's snapshot (every parameter by name, to the bit), and both train on
+    alike - the momentum came back too - to the bit."""
+    root = Path(snapshot_folder(row))
+    if ctx.rank == 0 and root.exists():
+        shutil.rmtree(root)
+    torch.distributed.barrier()
+    a = build(row, column, ctx)
+    losses = train_compare(a, f"{row} x {column}", steps=2, optimizer=momentum)
+    a.pipe.snapshots.wait()
+    b = build(row, column, ctx, shift=0.5, **({"seed": SEED + 1} if row in ("layers", "from_plan") else {}))
+    info = sw.checkpoint.resume(root / "ckpt", b.pipe)
+    assert info is not None and info.step == 2 and info.rng_restored, info
+    assert_params_close(b.pipe, _as_module(a.pipe), "resumed", rtol=0, atol=0)
+    x, y = a.data(2)
+    la = a.pipe.train_step(*a.pipe.local_batch(x, y))
+    lb = b.pipe.train_step(*b.pipe.local_batch(x, y))
+    assert la == lb, (la, lb)
+    assert_params_close(b.pipe, _as_module(a.pipe), "trained on after the resume", rtol=0, atol=0)
+    return {"losses": [*losses, la, lb]}
+
+
 def _as_module(pipe: Any) -> nn.Module:
     """A module whose named parameters are ``pipe``'s (to compare two pipelines by name)."""
     holder = nn.Module()
@@ -276,6 +299,7 @@ COLUMNS: dict[str, Callable[[str, str, Ctx], dict[str, Any]]] = {
     "measure_memory": measure_memory,
     "offload": offload,
     "checkpoint": checkpoint,
+    "snapshot": snapshot,
     "async": asynchronous,
     "merge": merge,
 }

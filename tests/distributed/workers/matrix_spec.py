@@ -35,6 +35,7 @@ COLUMNS: dict[str, str] = {
     "offload": '`offload="optimizer"`',
     "checkpoint": "checkpoint save / load",
     "merge": "gradient merge (`no_sync()`)",
+    "snapshot": "`snapshot=`",
 }
 
 EXACT = "exact"
@@ -50,6 +51,7 @@ HETPIPE_BN = "HetPipe does not take batchnorm="
 HETPIPE_SKIP = "HetPipe does not take nan_policy='skip'"
 HETPIPE_TIED = "HetPipe does not take tied modules"
 HETPIPE_NO_SYNC = "HetPipe does not take no_sync()"
+HETPIPE_SNAPSHOT = "HetPipe does not take snapshot="
 
 _REFUSED: dict[tuple[str, str], tuple[str, str]] = {
     ("hetpipe", "dp"): (HETPIPE_AXES, "the virtual workers are HetPipe's data parallelism"),
@@ -60,6 +62,7 @@ _REFUSED: dict[tuple[str, str], tuple[str, str]] = {
     ("hetpipe", "nan_skip"): (HETPIPE_SKIP, "a virtual worker cannot skip a wave's update the others count"),
     ("hetpipe", "tied"): (HETPIPE_TIED, "each parameter needs one owner per virtual worker"),
     ("hetpipe", "merge"): (HETPIPE_NO_SYNC, "each wave's update is pushed to the other virtual workers as it ends"),
+    ("hetpipe", "snapshot"): (HETPIPE_SNAPSHOT, "a virtual worker's state includes the wave rule's: use checkpoints"),
     ("from_stages", "tied"): (FROM_STAGES_TIED, "a tie across ranks is invisible to stages built apart"),
     ("from_plan", "async"): (PLAN_ASYNC, "the planner searches synchronous schedules only"),
 }

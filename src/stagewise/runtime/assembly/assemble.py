@@ -31,6 +31,8 @@ from ..asynchronous.windows import Windows
 from ..comm import groups
 from ..comm.transport.choose import resolve
 from ..comm.transport.protocol import Transport, TransportSpec
+from ..elastic.config import snapshot_config
+from ..elastic.snapshots import Snapshotter
 from ..engine.hooks import StageHooks, optimizer_per_stage
 from ..engine.interpreter import Interpreter
 from ..engine.messages import Mailbox
@@ -96,6 +98,7 @@ class Engine:
     held: Held = field(default_factory=Held)
     merge: GradientMerge = field(default_factory=GradientMerge)
     dropout: DropoutSeeds | None = None
+    snapshots: Snapshotter | None = None  # snapshot=: resumed by sw.checkpoint.resume
 
 
 def assemble(root: nn.Module, ctx: PipelineContext, parts: Parts, options: Options, held: Held) -> Engine:
@@ -161,17 +164,21 @@ def _engine(
     finite = _finite(root, ctx, parts, options, stages, transport, tied_sync, merge)
     if finite is not None:
         hooks.parts.append(finite)  # the check at the first STEP (at every STEP: asynchronous)
+    snapshots = snapshotter(root, ctx, options, merge)
+    if snapshots is not None:
+        hooks.parts.append(snapshots)  # its before_step: a STEP waits until the last snapshot is copied
     eval_schedule = forward_only(schedule)  # validated: what eval_step runs
     hybrid = None if ctx.hybrid is None else HybridStep(
         ctx.hybrid, options.target_batch_dim, ctx.device,
         weighted=options.loss_weights is not None, wait=wait,
     )  # fmt: skip
     metered = None if meter is None else MeterStep(meter)
-    step_parts: list[StepPart | None] = [TiedStep(tied_sync), hybrid, metered, norms, finite, aux, dropout]  # in order
+    step_parts: list[StepPart | None] = [TiedStep(tied_sync), hybrid, metered, norms, finite, aux, dropout, snapshots]
     runner = _runner(ctx, options, transport, interpreter, lists, eval_schedule, step_parts, hybrid)
     return Engine(
         transport=transport, optimizers=optimizers, mailbox=mailbox, tied=tied_sync, hooks=hooks, runner=runner,
         eval_schedule=eval_schedule, finite=finite, aux=aux, meter=meter, held=held, merge=merge, dropout=dropout,
+        snapshots=snapshots,
     )  # fmt: skip
 
 
@@ -284,6 +291,14 @@ def _finite(
     return FinitePart(
         check, placement=ctx.schedule.placement, asynchronous=asynchronous, settle=settle, settle_stage=settle_stage
     )
+
+
+def snapshotter(root: nn.Module, ctx: PipelineContext, options: Options, merge: GradientMerge) -> Snapshotter | None:
+    """``snapshot=``: this rank's snapshots in its machine's and a peer's memory (:mod:`..elastic`), or None."""
+    config = snapshot_config(options.snapshot)
+    if config is None:
+        return None
+    return Snapshotter(config, root, ctx.cut_group, options.timeout, merge.deferring)
 
 
 def _interpreter(

@@ -26,6 +26,9 @@ HetPipe (:func:`refuse_hetpipe`) trains each virtual worker's pipeline by the wa
 worker runs on its own ranks; the workers are its data parallelism), BatchNorm policies (the rule shares
 parameters only), ``nan_policy="skip"`` (a worker cannot skip an update the others count) and tied modules
 (each parameter needs one owner per worker, whose update it pushes).
+
+``snapshot=`` (:mod:`..elastic`) needs ``optimizer=`` (a snapshot holds the pipeline's own optimizers, and
+their step waits for its copy), a synchronous schedule, and whole tensors (``tp`` and ``sharding`` refused).
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ if TYPE_CHECKING:
 
 def refuse_options(entry: str, options: Options, schedule: Schedule) -> None:
     """What ``options`` cannot do with ``schedule`` (checked before the mesh is built)."""
+    if options.snapshot is not None:
+        refuse_snapshot(entry, options, schedule)
     if not is_asynchronous(schedule):
         return
     name = f"{entry} with asynchronous schedule {schedule.name!r}"
@@ -80,6 +85,27 @@ def refuse_options(entry: str, options: Options, schedule: Schedule) -> None:
         from ..asynchronous.predict import check_predictable
 
         check_predictable(options.optimizer([nn.Parameter(torch.zeros(1))]))
+
+
+def refuse_snapshot(entry: str, options: Options, schedule: Schedule) -> None:
+    """``snapshot=`` keeps what a synchronous step leaves: the pipeline's own optimizers' state, whole tensors."""
+    name = f"{entry} with snapshot={options.snapshot!r}"
+    if options.optimizer is None:
+        raise ValueError(
+            f"{name} needs optimizer=, a factory params -> Optimizer: a snapshot holds the pipeline's own "
+            "optimizers' state, and holds the optimizer step until its copy of the parameters is taken"
+        )
+    if is_asynchronous(schedule):
+        raise ValueError(
+            f"{name}: asynchronous schedule {schedule.name!r} is not supported: its stages step at different "
+            "times, so no moment holds one step's state on every rank"
+        )
+    config: Any = getattr(options.parallel, "config", options.parallel)
+    if config is not None and (config.tp > 1 or config.sharding > 1):
+        raise ValueError(
+            f"{name}: parallel= supports pp and dp only, got tp={config.tp}, sharding={config.sharding}: "
+            "snapshots of split or sharded parameters are not implemented (sw.checkpoint.save handles them)"
+        )
 
 
 def refuse_parts(entry: str, options: Options, schedule: Schedule, parts: Parts) -> None:
@@ -122,6 +148,7 @@ HETPIPE_REFUSED = {
     "batchnorm": "the wave rule shares parameters only: BatchNorm running statistics stay each virtual worker's own",
     "free_unused": FROM_MODELS,
     "concrete_args": LAYERS_ONLY,
+    "snapshot": "a virtual worker's state is its own pipeline's plus the wave rule's; use sw.checkpoint.save",
 }
 
 

@@ -11,12 +11,15 @@ that attempt k's dead workers published: "connectFullMesh ... Connection
 refused", or a wait that ends only at the timeout. Measured here with torch
 2.13, a plain gloo script recovered 2 times out of 10. A prefix per attempt
 (``<run id>/attempt<k>``) is not enough either: a job that reuses the run id
-on a store that outlived the last one meets the same keys again.
+on a store that outlived the last one meets the same keys again; and under
+``--nnodes MIN:MAX`` the restart count is each agent's own (a restart for a
+change of membership is not counted), so the workers of one round may not
+even agree on ``k``.
 
 So the ranks first agree on a nonce drawn by global rank 0, through the store
 (:func:`elect`), in a way that stale keys cannot fool: each rank asks under a
 token it has just drawn, and rank 0 answers under that token. The group then
-meets under ``stagewise/<run id>/attempt<k>/<nonce>/pg/``, and the nonce
+meets under ``stagewise/<run id>/<nonce>/pg/``, and the nonce
 scopes every key stagewise writes for the run (:mod:`.coordinator`).
 """
 

@@ -7,9 +7,12 @@ Two things make the store safe to lean on when a rank is in trouble:
   so a job on a store that outlived a failed one (torchrun's agent store
   across ``--max-restarts``, a rendezvous store that outlives its jobs, or
   ``Pipeline(store=...)`` reused) never reads the previous job's failure -
-  not even when it reuses the run id (``--rdzv-id``) and the attempt number.
-  Under torchrun ``<run>`` is ``TORCHELASTIC_RUN_ID/attempt<k>/<nonce>``, else
-  ``run-<nonce>``. The nonce is global rank 0's, agreed once: through the
+  not even when it reuses the run id (``--rdzv-id``). Under torchrun ``<run>``
+  is ``TORCHELASTIC_RUN_ID/<nonce>``, else ``run-<nonce>``: not the restart
+  count, which each machine's agent keeps for itself - an agent counts a
+  restart its own workers' failure caused, not one a change of membership
+  caused (``--nnodes MIN:MAX``), so after a machine is lost the workers of one
+  round can hold different counts. The nonce is global rank 0's, agreed once: through the
   store before the process group exists when its rendezvous goes through that
   store (:mod:`.attempt_store`, whose keys must be fresh too), else by a
   broadcast right after it exists - in :func:`stagewise.init`, or, for users
@@ -53,11 +56,9 @@ _clients: dict[tuple[str, int, float], Any] = {}
 
 
 def torchrun_scope() -> str | None:
-    """``<run id>/attempt<k>`` from torchrun's environment, or None outside torchrun."""
+    """The run id from torchrun's environment (alike on every worker of every round), or None outside torchrun."""
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    if not run_id:
-        return None
-    return f"{run_id}/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    return run_id or None
 
 
 def agree_run_scope(timeout: float | None = None) -> str:

@@ -1,0 +1,99 @@
+"""A machine's snapshot folder: ``<root>/stagewise-<run id>/``, its files written whole or not at all.
+
+One file per rank and generation, ``<step>-<lineage>-r<owner>.snap``: this machine's ranks' own and the
+copies its peers sent. A file is written under a dot-name and renamed into place, so a reader sees a
+whole file or none; a writer killed half-way leaves a ``.tmp`` that nothing reads and the next prune
+removes. The folder lives as long as the machine's memory file system: across worker restarts, not
+across the loss of the machine.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .snapshot_file import HEAD_FIXED, SnapshotRefused, head_size, read_header
+
+_NAME = re.compile(r"^\.?(\d{10})-([0-9a-f]+)-r(\d{5})\.snap(\.tmp)?$")
+
+
+@dataclass(frozen=True)
+class Found:
+    """A snapshot file in this machine's folder, and what its header says."""
+
+    path: Path
+    header: dict[str, Any]
+
+
+def machine_folder(root: Path, run: str) -> Path:
+    """``root/stagewise-<run>`` (the run id with anything but letters, digits, ``.``, ``_`` and ``-`` replaced)."""
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", run) or "run"
+    return root / f"stagewise-{safe}"
+
+
+def file_name(step: int, lineage: str, owner: int) -> str:
+    return f"{step:010d}-{lineage}-r{owner:05d}.snap"
+
+
+def write(folder: Path, name: str, head: bytes, payload: memoryview) -> Path:
+    """Write ``head`` then ``payload`` as ``folder/name``, whole or not at all (a dot-name renamed into place)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    final = folder / name
+    staging = folder / f".{name}.tmp"
+    with open(staging, "wb") as f:
+        f.write(head)
+        f.write(payload)
+    os.replace(staging, final)
+    return final
+
+
+def inventory(folder: Path) -> tuple[list[Found], list[tuple[Path, str]]]:
+    """Every whole snapshot file here with its header (checked against its digest), and the refused ones with
+    why (a header that is cut short or corrupted)."""
+    found: list[Found] = []
+    refused: list[tuple[Path, str]] = []
+    if not folder.is_dir():
+        return found, refused
+    for path in sorted(folder.iterdir()):
+        m = _NAME.match(path.name)
+        if m is None or m.group(4) or path.name.startswith("."):
+            continue
+        try:
+            found.append(Found(path, _header(path)))
+        except (OSError, SnapshotRefused, ValueError) as err:
+            refused.append((path, str(err)))
+    return found, refused
+
+
+def _header(path: Path) -> dict[str, Any]:
+    with open(path, "rb") as f:
+        prefix = f.read(HEAD_FIXED)
+        return read_header(prefix + f.read(head_size(prefix) - HEAD_FIXED))[0]
+
+
+def prune(folder: Path, below: int) -> list[Path]:
+    """Remove the snapshot files (and left-over ``.tmp`` files) of steps below ``below``; what was removed."""
+    removed: list[Path] = []
+    if not folder.is_dir():
+        return removed
+    for path in folder.iterdir():
+        m = _NAME.match(path.name)
+        if m is not None and int(m.group(1)) < below:
+            try:
+                path.unlink()
+                removed.append(path)
+            except FileNotFoundError:  # another rank of this machine pruned it first
+                pass
+    return removed
+
+
+def remove(paths: Iterable[Path]) -> None:
+    for path in paths:
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass

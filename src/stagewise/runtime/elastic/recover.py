@@ -1,0 +1,275 @@
+"""Resuming a pipeline with ``snapshot=``: the newest whole state among the machines' snapshots and the disk.
+
+``sw.checkpoint.resume(root, pipe)`` on a pipeline with snapshots (a collective, like every resume):
+
+1. the first rank of each machine lists its machine's snapshot files (headers only, each checked against
+   its digest); every rank says what it must load (its model tensors, its optimizers' parameters); all of
+   it is gathered, and rank 0's choice of checkpoint on disk too;
+2. every rank computes the same choice (:mod:`.choose`): the newest generation whose files, wherever they
+   still are, cover every rank's needs - at any layout, since a tensor is found by its one-process name;
+   it wins over the disk's newest checkpoint unless that one is newer;
+3. each rank reads its files: its own machine's in place, the others' sent by the first rank of the machine
+   holding them, in one global order (so the sends and receives pair up without a deadlock). Every file
+   is checked against its digests where it is used; a damaged or replaced one is refused - every rank
+   hears of it, and the choice is made again without it (an older generation, or the disk);
+4. the shapes are checked against this layout's on every rank, and only when every rank agrees is
+   anything written: parameters and buffers, the optimizers' state and hyper-parameters, and the
+   generators' states when the layout is the one that saved (the states are per rank).
+
+One line on rank 0 says what happened (:func:`..checkpoint.resume.resumed_line`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from ..._util import VERSION
+from ..checkpoint import state, storage
+from ..checkpoint.api import CheckpointInfo, agreed_newest, load
+from ..checkpoint.manifest import CheckpointError
+from ..checkpoint.resume import resumed_line, step_of
+from ..comm import snapshot_wire
+from ..interrupt import note_checkpoint
+from .choose import Choice, Copy, Need, choose
+from .folder import inventory
+from .snapshot_file import SnapshotRefused, host_bytes, tensors_of, verified
+
+log = logging.getLogger(__name__)
+
+_PARAM = "param:"  # a name an inventory uses for "the optimizer state of this parameter"
+_TRIES = 8  # choices made again after a refused file, at most
+
+
+class Snapshotter(Protocol):
+    """What a resume needs of :class:`.snapshots.Snapshotter` (which calls it)."""
+
+    folder: Path
+    group: Any
+    timeout: float
+    step: int
+
+    @property
+    def machines(self) -> list[str]: ...
+
+
+@dataclass
+class Part:
+    """A snapshot file this rank read and verified: its header and tensors."""
+
+    header: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+
+
+def resume(
+    snap: Snapshotter,
+    root: Path,
+    model: nn.Module,
+    *,
+    optimizer: Any = None,
+    scheduler: Any = None,
+    collective: bool = True,
+    timeout: float = 600.0,
+) -> CheckpointInfo | None:
+    """See the module docstring; None when there is neither a snapshot nor a checkpoint (a fresh start)."""
+    if optimizer is not None:
+        raise ValueError(
+            "a pipeline with snapshot= resumes its own optimizers (Pipeline(optimizer=factory)): call "
+            "sw.checkpoint.resume(root, pipe) without optimizer="
+        )
+    ranks = storage.pipeline_ranks(model, timeout)
+    try:
+        disk, why = agreed_newest(root, ranks, f"which checkpoint under {root} to resume from")
+        found = _from_snapshots(snap, model, ranks, -1 if disk is None else step_of(disk))
+    finally:
+        ranks.close()
+    now = state.layout_of(model, ranks.size)
+    if found is not None:
+        snap.step = found.step
+        note_checkpoint(found.path, found.step, loaded=True)
+        if ranks.first:
+            log.warning("stagewise: %s", resumed_line(found.step, now, found.layout, "from peer snapshots"))
+        return found
+    if disk is None:
+        if ranks.first:
+            log.info("stagewise.checkpoint.resume: starting afresh: %s; no snapshot either", why)
+        return None
+    info = load(disk, model, scheduler=scheduler, timeout=timeout)
+    snap.step = info.step
+    if ranks.first:
+        log.warning("stagewise: %s", resumed_line(info.step, now, info.layout, f"from checkpoint {disk}"))
+    return replace(info, reason=why)
+
+
+def _from_snapshots(snap: Snapshotter, model: nn.Module, ranks: storage.Ranks, disk_step: int) -> Any:
+    """The state resumed from the snapshots, as a CheckpointInfo; None when the disk's is newer or none fits."""
+    machine = snap.machines[ranks.rank]
+    first = snap.machines.index(machine) == ranks.rank
+    mine = {"copies": _listed(snap, machine, ranks.rank) if first else [], "need": sorted(_needs(model))}
+    everyone = storage.gather(mine, ranks, "every machine's snapshots", patient=True)
+    copies = [_copy(c) for e in everyone for c in e["copies"]]
+    extras = {(c["step"], c["lineage"], c["owner"]): c["extra"] for e in everyone for c in e["copies"]}  # data position
+    needs = [Need(r, snap.machines[r], frozenset(e["need"])) for r, e in enumerate(everyone)]
+    layout = state.layout_of(model, ranks.size)
+    refused: set[tuple[str, str]] = set()
+    for _ in range(_TRIES):
+        choice = choose(copies, needs, layout, refused)
+        if choice is None or choice.step < disk_step:
+            return None
+        parts, problems = _obtain(snap, choice, ranks.rank, machine)
+        bad = [p for ps in storage.gather(problems, ranks, "every rank's snapshot reads") for p in ps]
+        if not bad:
+            break
+        for m, path, why in bad:
+            if ranks.first:
+                log.warning("stagewise: refused snapshot %s on machine %s: %s", path, m, why)
+            refused.add((m, path))
+    else:
+        raise CheckpointError(f"the peers' snapshots were refused {_TRIES} times in a row: see the log")
+    assigned, problems = _assign(model, choice, parts[ranks.rank] if ranks.rank in parts else [])
+    storage.agree(problems, ranks, f"the snapshot of step {choice.step} does not fit this model")
+    _apply(model, assigned, choice, parts.get(ranks.rank, []))
+    owners = sorted(o for (step, lineage, o) in extras if (step, lineage) == (choice.step, choice.lineage))
+    extra = extras[(choice.step, choice.lineage, owners[0])]  # the lowest rank's whose file is still somewhere
+    return CheckpointInfo(
+        path=snap.folder,
+        step=choice.step,
+        extra=state.decode(extra),
+        layout=choice.layout,
+        versions={"stagewise": VERSION, "torch": torch.__version__},
+        optimizer_restored=True,
+        scheduler_restored=False,
+        rng_restored=choice.rng,
+        reason=f"peer snapshots: step {choice.step} (generation {choice.lineage}), newer than any checkpoint",
+    )
+
+
+def _listed(snap: Snapshotter, machine: str, rank: int) -> list[dict[str, Any]]:
+    """This machine's snapshot files as the inventory carries them (a header that fails its digest is left out)."""
+    found, refused = inventory(snap.folder)
+    for path, why in refused:
+        log.warning("stagewise: refused snapshot %s on machine %s: %s", path, machine, why)
+    out = []
+    for f in found:
+        h = f.header
+        names = [*h["tensors"], *(_PARAM + p for p in h["optimizer"]["params"])]
+        out.append(
+            {
+                "machine": machine,
+                "holder": rank,
+                "path": str(f.path),
+                "lineage": h["lineage"],
+                "step": h["step"],
+                "owner": h["owner"],
+                "world": h["world"],
+                "layout": h["layout"],
+                "names": names,
+                "extra": h["extra"],
+            }
+        )
+    return out
+
+
+def _copy(listed: dict[str, Any]) -> Copy:
+    fields = {k: v for k, v in listed.items() if k != "extra"}
+    return Copy(**{**fields, "names": frozenset(fields["names"])})
+
+
+def _needs(model: nn.Module) -> set[str]:
+    """What this rank loads: its model tensors (tied copies included) and the parameters its optimizers hold."""
+    out = {state.MODEL + k for k in state.load_targets(model)}
+    names = state.parameter_names(model)
+    for opt in state.optimizers_of(model, None):
+        for group in opt.param_groups:
+            out |= {_PARAM + names[id(p)] for p in group["params"]}
+    return out
+
+
+def _obtain(snap: Snapshotter, choice: Choice, me: int, machine: str) -> tuple[dict[int, list[Part]], list[Any]]:
+    """This rank's files of the choice (read here, or received), verified; and the problems found."""
+    problems: list[Any] = []
+    got: dict[tuple[str, str], Part] = {}
+    for holder, receiver, c in choice.transfers:
+        if me == holder:
+            snapshot_wire.send_bytes(_read(Path(c.path)), receiver, snap.group, snap.timeout)
+        if me == receiver:
+            data = snapshot_wire.recv_bytes(holder, snap.group, snap.timeout)
+            _check(c, None if data is None else host_bytes(data), got, problems)
+    for c in choice.reads.get(me, []):
+        if c.machine == machine:
+            raw = _read(Path(c.path))
+            _check(c, None if raw is None else host_bytes(raw), got, problems)
+    mine = [got[(c.machine, c.path)] for c in choice.reads.get(me, []) if (c.machine, c.path) in got]
+    return {me: mine}, problems
+
+
+def _read(path: Path) -> torch.Tensor | None:
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
+
+def _check(c: Copy, data: memoryview | None, got: dict[tuple[str, str], Part], problems: list[Any]) -> None:
+    """Verify one file's bytes against its digests and against what the inventory said it was."""
+    try:
+        if data is None:
+            raise SnapshotRefused("it is gone")
+        header, payload = verified(data)
+        said = (c.lineage, c.step, c.owner)
+        if (header["lineage"], header["step"], header["owner"]) != said:
+            raise SnapshotRefused(f"it was replaced since it was listed (now {header['step']}, was {c.step})")
+        got[(c.machine, c.path)] = Part(header, tensors_of(header, payload))
+    except SnapshotRefused as err:
+        problems.append([c.machine, c.path, str(err)])
+
+
+def _assign(model: nn.Module, choice: Choice, parts: list[Part]) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Each tensor this rank loads, from the first of its files that has it; shape and dtype checked."""
+    problems = []
+    assigned: dict[str, torch.Tensor] = {}
+    targets = {state.MODEL + k: v for k, v in state.load_targets(model).items()}
+    for name, target in targets.items():
+        src = next((p.tensors[name] for p in parts if name in p.tensors), None)
+        if src is None:
+            problems.append(f"{name!r} is in no snapshot this rank received")
+        elif tuple(src.shape) != tuple(target.shape) or src.dtype != target.dtype:
+            problems.append(
+                f"{name!r} is {tuple(src.shape)} {src.dtype} in the snapshot, {tuple(target.shape)} {target.dtype} here"
+            )
+        else:
+            assigned[name] = src
+    return assigned, problems
+
+
+@torch.no_grad()
+def _apply(model: nn.Module, assigned: dict[str, torch.Tensor], choice: Choice, parts: list[Part]) -> None:
+    """Write the model's tensors, the optimizers' state and (same layout) the generators' states."""
+    targets = {state.MODEL + k: v for k, v in state.load_targets(model).items()}
+    for name, src in assigned.items():
+        targets[name].copy_(src)
+    names = state.parameter_names(model)
+    optimizers = state.optimizers_of(model, None)
+    record: dict[str, Any] = {"optimizer": {"params": {}, "state": {}}}
+    tensors: dict[str, torch.Tensor] = {}
+    wanted = {n[len(_PARAM) :] for n in _needs(model) if n.startswith(_PARAM)}
+    for param in wanted:
+        part = next(p for p in parts if param in p.header["optimizer"]["params"])
+        meta = part.header["optimizer"]
+        record["optimizer"]["params"][param] = meta["params"][param]
+        if param in meta["state"]:
+            record["optimizer"]["state"][param] = meta["state"][param]
+            for key in meta["state"][param]:
+                full = f"{state.OPTIM}{param}/{key}"
+                if full in part.tensors:
+                    tensors[full] = part.tensors[full]
+    if optimizers:
+        state.restore_optimizers(optimizers, names, record, tensors)
+    if choice.rng:
+        state.set_rng_state(parts[0].header["rng"])  # its own file comes first (see .choose)

@@ -1,0 +1,116 @@
+"""One rank's snapshot as bytes: a JSON header (what, whose, which step and layout) and the tensors' raw bytes.
+
+::
+
+    b"SWSNAP1\\n"  header length (8 bytes, little-endian)  SHA-256 of the header (32 bytes)
+    header: JSON - run, lineage, step, owner rank, world, layout, each tensor's dtype/shape/offset,
+            the optimizer's hyper-parameters and non-tensor state, the generators' states, the data
+            position, and the payload's length and SHA-256
+    payload: the tensors' bytes, one after the other
+
+The header's digest covers the header, and the header holds the payload's digest, so one flipped bit
+anywhere - or a file cut short - is refused (:class:`SnapshotRefused`), never loaded. A header names its
+generation (``lineage``, ``step``): the lineage is drawn when the pipeline is built, so two runs that both
+reached step 10 (one of them after resuming from step 8 at another layout) never mix their parts. Nothing
+is unpickled: the header is JSON, tensors are rebuilt from dtype, shape and bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from collections.abc import Mapping
+from typing import Any, cast
+
+import torch
+
+MAGIC = b"SWSNAP1\n"
+HEAD_FIXED = len(MAGIC) + 8 + 32  # magic, header length, header digest
+_ALIGN = 64  # each tensor's bytes start at a multiple of this (a view as any dtype is aligned)
+
+
+class SnapshotRefused(Exception):
+    """A snapshot file that cannot be trusted: cut short, corrupted, or not a snapshot."""
+
+
+def layout_payload(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, dict[str, Any]], int]:
+    """Where each tensor's bytes go in the payload (``{name: {dtype, shape, offset, nbytes}}``) and its length."""
+    entries: dict[str, dict[str, Any]] = {}
+    at = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        dtype = str(t.dtype).removeprefix("torch.")
+        entries[name] = {"dtype": dtype, "shape": list(t.shape), "offset": at, "nbytes": nbytes}
+        at += -(-nbytes // _ALIGN) * _ALIGN
+    return entries, at
+
+
+def fill_payload(buffer: torch.Tensor, tensors: Mapping[str, torch.Tensor], entries: Mapping[str, Any]) -> None:
+    """Copy each tensor's bytes into ``buffer`` (uint8, on the host) at its offset (non-blocking from a GPU
+    into pinned memory: the caller waits on the copy stream)."""
+    for name, t in tensors.items():
+        e = entries[name]
+        if e["nbytes"]:
+            flat = t.detach().reshape(-1).view(torch.uint8)
+            buffer[e["offset"] : e["offset"] + e["nbytes"]].copy_(flat, non_blocking=True)
+
+
+def header_bytes(header: dict[str, Any], payload: torch.Tensor) -> bytes:
+    """The file's head: magic, length, digest and the header, which records the payload's length and digest."""
+    view = host_bytes(payload)
+    header = {**header, "payload_bytes": len(view), "payload_sha256": hashlib.sha256(view).hexdigest()}
+    text = json.dumps(header, separators=(",", ":"), allow_nan=True).encode()
+    return MAGIC + struct.pack("<Q", len(text)) + hashlib.sha256(text).digest() + text
+
+
+def host_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a uint8 tensor in host memory, without a copy."""
+    return memoryview(cast(Any, t.numpy())) if t.numel() else memoryview(b"")
+
+
+def head_size(prefix: bytes) -> int:
+    """How many bytes the head of a snapshot takes, from its first :data:`HEAD_FIXED` bytes."""
+    _check_prefix(prefix)
+    return HEAD_FIXED + int(struct.unpack("<Q", prefix[len(MAGIC) : len(MAGIC) + 8])[0])
+
+
+def read_header(data: bytes | memoryview) -> tuple[dict[str, Any], int]:
+    """The header of a snapshot's bytes (checked against its digest) and where its payload starts."""
+    data = memoryview(data)
+    _check_prefix(bytes(data[:HEAD_FIXED]))
+    (length,) = struct.unpack("<Q", data[len(MAGIC) : len(MAGIC) + 8])
+    digest = bytes(data[len(MAGIC) + 8 : HEAD_FIXED])
+    text = bytes(data[HEAD_FIXED : HEAD_FIXED + length])
+    if len(text) != length or hashlib.sha256(text).digest() != digest:
+        raise SnapshotRefused("its header is cut short or corrupted (SHA-256 mismatch)")
+    return json.loads(text), HEAD_FIXED + length
+
+
+def _check_prefix(prefix: bytes) -> None:
+    if prefix[: len(MAGIC)] != MAGIC:
+        raise SnapshotRefused("not a stagewise snapshot (no SWSNAP1 header)")
+    if len(prefix) < HEAD_FIXED:
+        raise SnapshotRefused(f"its header is cut short ({len(prefix)} bytes)")
+
+
+def verified(data: bytes | memoryview) -> tuple[dict[str, Any], memoryview]:
+    """The header and the payload of a whole snapshot, both checked against their digests."""
+    header, start = read_header(data)
+    payload = memoryview(data)[start:]
+    if len(payload) != header["payload_bytes"]:
+        raise SnapshotRefused(f"its payload is {len(payload)} bytes, the header says {header['payload_bytes']}")
+    if hashlib.sha256(payload).hexdigest() != header["payload_sha256"]:
+        raise SnapshotRefused("its payload is corrupted (SHA-256 mismatch)")
+    return header, payload
+
+
+def tensors_of(header: Mapping[str, Any], payload: memoryview) -> dict[str, torch.Tensor]:
+    """The tensors a verified payload holds, each a copy (the buffer may go)."""
+    out: dict[str, torch.Tensor] = {}
+    raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if len(payload) else torch.empty(0, dtype=torch.uint8)
+    for name, e in header["tensors"].items():
+        dtype = getattr(torch, e["dtype"])
+        piece = raw[e["offset"] : e["offset"] + e["nbytes"]]
+        out[name] = piece.view(dtype).reshape(e["shape"]) if e["nbytes"] else torch.empty(e["shape"], dtype=dtype)
+    return out

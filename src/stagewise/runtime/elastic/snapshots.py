@@ -1,0 +1,310 @@
+"""Snapshots in the peers' memory: after every k-th step, each rank's state on its machine and on the next one.
+
+At the end of a train step whose number is a multiple of ``every`` (:meth:`Snapshotter.after_step`, the one
+call from the step path), a rank takes what a restart needs:
+
+* at once, on the step's thread: its generators' states, the data position (``Snapshots.extra``), the
+  optimizers' hyper-parameters, and a copy of its buffers (a forward changes BatchNorm's statistics);
+* on a helper thread, overlapping the next step's forward and backward: its parameters' and optimizer
+  state's bytes, copied into one host buffer (from a GPU: on a side stream, into pinned memory). Nothing
+  changes them before the next optimizer step, and that step waits for the copy (:meth:`before_step`, a
+  stage part at each STEP); then, still on the helper: the digest, the file on this machine's memory file
+  system (:mod:`.folder`), and the same bytes sent to a rank of the next machine (:mod:`..comm.snapshot_wire`,
+  a gloo group of its own), which writes them into its machine's folder.
+
+Machines are told apart by torchrun's ``GROUP_RANK`` (the agent's rank in the round); rank ``j`` of machine
+``i`` sends to rank ``j`` (modulo its size) of machine ``i + 1`` (modulo their number), so every machine's
+state is also on the next one, and a machine lost for good costs at most ``every`` steps. With one machine
+the copies stay local (they still outlive a restart of the workers). Each writer keeps the two newest
+generations (``step`` and ``step - every``): while one is being written the one before is whole. A job that
+ends cleanly removes its snapshots; one that fails leaves them for the restart.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..checkpoint import state
+from ..comm import groups, lifecycle, snapshot_wire
+from ..errors import PipelineError
+from . import folder as folders
+from .config import Snapshots
+from .snapshot_file import fill_payload, header_bytes, host_bytes, layout_payload, read_header
+
+log = logging.getLogger(__name__)
+
+RUN_ENV = "TORCHELASTIC_RUN_ID"
+MACHINE_ENV = "GROUP_RANK"
+
+
+@dataclass
+class Capture:
+    """One snapshot on its way: the tensors (references until copied), where each goes, the header."""
+
+    step: int
+    tensors: dict[str, torch.Tensor]
+    entries: dict[str, Any]
+    total: int
+    header: dict[str, Any]
+    copied: threading.Event = field(default_factory=threading.Event)
+    cuda_done: Any = None  # a CUDA event on the copy stream, when some tensor is on a GPU
+
+
+@dataclass
+class Peers:
+    """Who this rank sends its snapshots to, and who sends theirs here (group ranks; None: no other machine)."""
+
+    machines: list[str]
+    dest: int | None
+    sources: list[int]
+
+
+def peers_of(machines: list[str], rank: int) -> Peers:
+    """Rank ``j`` of machine ``i`` (machines in order of first appearance) -> rank ``j mod n`` of machine ``i+1``."""
+    order = list(dict.fromkeys(machines))
+    members = {m: [r for r, x in enumerate(machines) if x == m] for m in order}
+
+    def dest_of(r: int) -> int | None:
+        if len(order) < 2:
+            return None
+        i = order.index(machines[r])
+        nxt = members[order[(i + 1) % len(order)]]
+        return nxt[members[machines[r]].index(r) % len(nxt)]
+
+    return Peers(machines, dest_of(rank), [r for r in range(len(machines)) if dest_of(r) == rank])
+
+
+class Snapshotter:
+    """``snapshot=``: this rank's snapshots (a stage part: each STEP waits for the copy of the last one)."""
+
+    def __init__(
+        self,
+        config: Snapshots,
+        root: nn.Module,
+        group: Any,
+        timeout: float,
+        merging: Callable[[], bool] = lambda: False,
+    ) -> None:
+        self.config, self.timeout = config, timeout
+        self.merging = merging  # whether the step that ended is one of a gradient merge's that only accumulate
+        self._due = False  # a snapshot is due, and waits for the gradient merge to end
+        self._root = root
+        self.group = snapshot_wire.snapshot_group(group, timeout)
+        self.rank = groups.group_rank(self.group)
+        self.run = os.environ.get(RUN_ENV) or "local"
+        self.folder = folders.machine_folder(config.root(), self.run)
+        mine = {"machine": os.environ.get(MACHINE_ENV, "0"), "lineage": secrets.token_hex(6)}
+        everyone = snapshot_wire.gather(mine, self.group, timeout, "every rank's machine (snapshot=)")
+        self.lineage = str(everyone[0]["lineage"])  # group rank 0's: one generation's files share it
+        self.peers = peers_of([str(e["machine"]) for e in everyone], self.rank)
+        self.world = len(everyone)
+        self.step = 0
+        self.stats: dict[str, float] = {"snapshots": 0, "capture_s": 0.0, "gate_s": 0.0, "stall_s": 0.0}
+        self._inflight: tuple[Capture, threading.Thread] | None = None
+        self._failure: str | None = None
+        self._buffer: torch.Tensor | None = None
+        self._stream: Any = None
+        if self.rank == 0 and self.peers.dest is None:
+            log.info("stagewise snapshots: one machine, so the copies stay on it (they outlive a worker restart)")
+        lifecycle.release_at_exit(self)
+
+    # ---- the step path -----------------------------------------------------------------------------
+    @contextmanager
+    def around(self, run: Any) -> Iterator[None]:
+        """(A step part: nothing while a step runs.)"""
+        yield
+
+    def after(self, run: Any) -> None:
+        """A step part: at the end of a train step, :meth:`after_step`."""
+        if run.mode == "train":
+            self.after_step()
+
+    def after_step(self) -> None:
+        """The end of a train step: count it, and take a snapshot when its number is a multiple of ``every``;
+        inside a gradient merge (``no_sync()``, whose partial gradients a snapshot does not hold) at the step
+        that ends the merge instead."""
+        self.step += 1
+        self._check()
+        self._due = self._due or self.step % self.config.every == 0
+        if not self._due or self.merging():
+            return
+        self._due = False
+        self._finish_inflight("stall_s")  # one snapshot in flight at a time
+        started = time.perf_counter()
+        capture = self._capture()
+        thread = threading.Thread(target=self._copy, args=(capture,), name="stagewise-snapshot", daemon=True)
+        self._inflight = (capture, thread)
+        thread.start()
+        self.stats["capture_s"] += time.perf_counter() - started
+        self.stats["snapshots"] += 1
+
+    def on_sync(self, stage: int) -> None:
+        """(A stage part: nothing at SYNC.)"""
+
+    def before_step(self, stage: int) -> None:
+        """A stage part: the optimizer may change the parameters only once the last snapshot has copied them."""
+        if self._inflight is None:
+            return
+        capture = self._inflight[0]
+        if not capture.copied.is_set():
+            started = time.perf_counter()
+            if not capture.copied.wait(self.timeout):
+                raise PipelineError(
+                    f"rank {self.rank}: the snapshot of step {capture.step} was not copied within "
+                    f"{self.timeout:g} s (snapshot=)"
+                )
+            self.stats["gate_s"] += time.perf_counter() - started
+        if capture.cuda_done is not None:
+            torch.cuda.current_stream().wait_event(capture.cuda_done)  # on the device: no host wait
+
+    # ---- taking one ----------------------------------------------------------------------------------
+    def _capture(self) -> Capture:
+        root = self._root
+        params = {p.data_ptr() for p in root.parameters()}
+        tensors = {}
+        for name, t in state.saved_tensors(root).items():
+            tensors[state.MODEL + name] = t if t.data_ptr() in params else t.detach().clone()
+        optimizers = state.optimizers_of(root, None)
+        optim_tensors, meta = state.optimizer_state(optimizers, state.parameter_names(root))
+        tensors.update(optim_tensors)
+        entries, total = layout_payload(tensors)
+        extra = self.config.extra() if self.config.extra is not None else None
+        header = {
+            "run": self.run,
+            "lineage": self.lineage,
+            "step": self.step,
+            "owner": self.rank,
+            "world": self.world,
+            "layout": state.layout_of(root, self.world),
+            "tensors": entries,
+            "optimizer": meta,
+            "rng": state.rng_state(),
+            "extra": state.encode(extra, "Snapshots.extra"),
+        }
+        capture = Capture(self.step, tensors, entries, total, header)
+        if any(t.is_cuda for t in tensors.values()):
+            ready = torch.cuda.Event()
+            ready.record()  # the step's work queued so far, the optimizer's last update among it
+            capture.cuda_done = ready
+        return capture
+
+    def _copy(self, capture: Capture) -> None:
+        """The helper thread: the bytes into the host buffer (then the next STEP may go), the file here, the
+        copy to the peer and the peers' copies here, the old generations pruned."""
+        try:
+            buffer = self._host_buffer(capture.total, capture.cuda_done is not None)
+            self._fill(buffer, capture)
+            capture.copied.set()
+            payload = buffer[: capture.total]
+            head = header_bytes(capture.header, payload)
+            view = host_bytes(payload)
+            name = folders.file_name(capture.step, self.lineage, self.rank)
+            folders.write(self.folder, name, head, view)
+            self._send(head, payload)
+            folders.prune(self.folder, capture.step - self.config.every)
+        except BaseException as err:  # handed to the step path
+            self._failure = f"the snapshot of step {capture.step}: {type(err).__name__}: {err}"
+        finally:
+            capture.copied.set()
+
+    def _fill(self, buffer: torch.Tensor, capture: Capture) -> None:
+        if capture.cuda_done is None:
+            fill_payload(buffer, capture.tensors, capture.entries)
+            return
+        device = next(t.device for t in capture.tensors.values() if t.is_cuda)  # (a helper thread's own is 0)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=device)
+        with torch.cuda.device(device), torch.cuda.stream(self._stream):
+            self._stream.wait_event(capture.cuda_done)
+            fill_payload(buffer, capture.tensors, capture.entries)
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        capture.cuda_done = done  # what the next STEP waits for on the device
+        capture.copied.set()
+        done.synchronize()  # the bytes are on the host before they are hashed
+
+    def _send(self, head: bytes, payload: torch.Tensor) -> None:
+        """Heads, then payloads, to the next machine's rank; the copies from the previous machine written here."""
+        p = self.peers
+        if p.dest is None and not p.sources:
+            return
+        head_t = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+        heads = snapshot_wire.exchange(head_t, p.dest, p.sources, self.group, self.timeout)
+        bodies = snapshot_wire.exchange(payload, p.dest, p.sources, self.group, self.timeout)
+        for src in p.sources:
+            got_head, body = heads[src], bodies[src]
+            if got_head is None:
+                continue
+            data = got_head.numpy().tobytes()
+            header, _ = read_header(data)
+            name = folders.file_name(int(header["step"]), str(header["lineage"]), int(header["owner"]))
+            folders.write(self.folder, name, data, host_bytes(body) if body is not None else memoryview(b""))
+
+    def _host_buffer(self, size: int, pinned: bool) -> torch.Tensor:
+        """One host buffer, reused from snapshot to snapshot (pinned for copies from a GPU)."""
+        if self._buffer is None or self._buffer.numel() < size:
+            self._buffer = torch.empty(max(size, 1), dtype=torch.uint8, pin_memory=pinned)
+        return self._buffer
+
+    # ---- waiting and failing -------------------------------------------------------------------------
+    def _finish_inflight(self, what: str) -> None:
+        if self._inflight is None:
+            return
+        capture, thread = self._inflight
+        started = time.perf_counter()
+        thread.join(self.timeout)
+        self.stats[what] += time.perf_counter() - started
+        if thread.is_alive():
+            raise PipelineError(
+                f"rank {self.rank}: the snapshot of step {capture.step} is still being copied after "
+                f"{self.timeout:g} s (snapshot=): is the next machine's rank {self.peers.dest} gone?"
+            )
+        self._inflight = None
+        self._check()
+
+    def _check(self) -> None:
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            raise PipelineError(f"rank {self.rank}: {failure} (snapshot=)")
+
+    def wait(self) -> None:
+        """Wait until the last snapshot is written here and at the peer (raises if it failed)."""
+        self._finish_inflight("stall_s")
+
+    def release_at_exit(self) -> None:
+        """A clean exit: the last snapshot finished, then this job's snapshots on this machine removed (a
+        failing rank leaves through the exit hook, which skips this: the restart needs them)."""
+        try:
+            self._finish_inflight("stall_s")
+        except PipelineError as err:
+            log.warning("stagewise snapshots: %s", err)
+        folders.prune(self.folder, self.step + 1)
+        try:
+            self.folder.rmdir()
+        except OSError:  # the machine's other ranks are still writing, or it is gone already
+            pass
+
+    # ---- resuming --------------------------------------------------------------------------------------
+    @property
+    def machines(self) -> list[str]:
+        """Each rank's machine (by group rank), as torchrun's agents numbered them in this round."""
+        return self.peers.machines
+
+    def resume(self, root: str | os.PathLike[str], model: nn.Module, **options: Any) -> Any:
+        """``sw.checkpoint.resume`` of a pipeline with snapshots: see :mod:`.recover`."""
+        from .recover import resume
+
+        self.wait()
+        return resume(self, Path(root), model, **options)

@@ -1,0 +1,123 @@
+"""A snapshot's bytes and a machine's folder of them, in one process: every dtype and shape comes back to the bit;
+a flipped bit anywhere, a file cut short or not a snapshot at all is refused; files appear whole or not at all;
+the old generations go. And ``snapshot=`` as an option: what it accepts and refuses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import stagewise as sw
+from stagewise.runtime.elastic import folder as folders
+from stagewise.runtime.elastic.config import snapshot_config
+from stagewise.runtime.elastic.snapshot_file import (
+    SnapshotRefused,
+    fill_payload,
+    header_bytes,
+    layout_payload,
+    tensors_of,
+    verified,
+)
+
+
+def tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "model/w": torch.randn(3, 5, dtype=torch.float64, generator=g),
+        "model/half": torch.randn(7, generator=g).to(torch.bfloat16),
+        "model/mask": torch.rand(4, generator=g) > 0.5,
+        "model/count": torch.tensor(5, dtype=torch.int64),
+        "model/empty": torch.empty(0, 3),
+        "optim/w/exp_avg": torch.randn(3, 5, dtype=torch.float64, generator=g).t(),  # not contiguous
+    }
+
+
+def encode(ts: dict[str, torch.Tensor], step: int = 4) -> bytes:
+    entries, total = layout_payload(ts)
+    buffer = torch.zeros(total, dtype=torch.uint8)
+    fill_payload(buffer, ts, entries)
+    head = header_bytes({"step": step, "lineage": "ab12", "owner": 3, "tensors": entries}, buffer)
+    return head + buffer.numpy().tobytes()
+
+
+def test_every_tensor_comes_back_to_the_bit() -> None:
+    ts = tensors()
+    header, payload = verified(encode(ts))
+    assert header["step"] == 4 and header["owner"] == 3
+    back = tensors_of(header, payload)
+    assert sorted(back) == sorted(ts)
+    for name, t in ts.items():
+        assert back[name].dtype == t.dtype and back[name].shape == t.shape and torch.equal(back[name], t), name
+    assert all(e["offset"] % 64 == 0 for e in header["tensors"].values())  # any dtype's view is aligned
+
+
+@pytest.mark.parametrize(
+    ("damage", "words"),
+    [
+        (lambda b: b[:-1] + bytes([b[-1] ^ 1]), "payload is corrupted"),
+        (lambda b: b[:-10], "its payload is"),
+        (lambda b: b[:60] + bytes([b[60] ^ 1]) + b[61:], "header is cut short or corrupted"),
+        (lambda b: b[:30], "its header is cut short"),
+        (lambda b: b"PK\x03\x04" + b[4:], "not a stagewise snapshot"),
+    ],
+)
+def test_damage_anywhere_is_refused(damage, words: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(SnapshotRefused, match=words):
+        verified(damage(encode(tensors())))
+
+
+def test_a_folder_lists_whole_files_prunes_old_ones_and_reports_damaged_headers(tmp_path: Path) -> None:
+    where = folders.machine_folder(tmp_path, "job/7 x")
+    assert where.name == "stagewise-job_7_x"
+    for step in (2, 4, 6):
+        data = encode(tensors(), step)
+        head_len = len(data) - layout_payload(tensors())[1]
+        folders.write(where, folders.file_name(step, "ab12", 3), data[:head_len], memoryview(data[head_len:]))
+    (where / ".0000000008-ab12-r00003.snap.tmp").write_bytes(b"half")  # a writer killed half-way
+    (where / "0000000009-ab12-r00001.snap").write_bytes(b"SWSNAP1\n" + b"\x00" * 50)  # a damaged header
+    found, refused = folders.inventory(where)
+    assert [f.header["step"] for f in found] == [2, 4, 6]
+    assert [p.name for p, _ in refused] == ["0000000009-ab12-r00001.snap"]
+    removed = folders.prune(where, 4)
+    assert sorted(p.name for p in removed) == ["0000000002-ab12-r00003.snap"]
+    folders.prune(where, 10)
+    assert sorted(p.name for p in where.iterdir()) == []  # the .tmp goes with the old ones
+
+
+def test_snapshot_option() -> None:
+    assert snapshot_config(3) == sw.Snapshots(every=3)
+    assert snapshot_config(None) is None
+    assert sw.Options(snapshot=2).snapshot == 2
+    for bad, words in [(0, "snapshot must be a number of steps >= 1"), ("2", "snapshot must be"), (True, "snapshot")]:
+        with pytest.raises(ValueError, match=words):
+            sw.Options(snapshot=bad)
+    with pytest.raises(ValueError, match="Snapshots.every must be an integer >= 1"):
+        sw.Snapshots(every=0)
+    with pytest.raises(TypeError, match="Snapshots.extra must be a function"):
+        sw.Snapshots(extra=3)  # type: ignore[arg-type]
+
+
+def test_the_rendezvous_store_serves_clients_until_stopped() -> None:
+    """``stagewise rendezvous``'s store: torch's agents reach it as a TCPStore client (set, get) until it stops."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from stagewise.runtime.comm.rendezvous_host import serve
+
+    stop, ports = threading.Event(), []
+    thread = threading.Thread(target=serve, args=("127.0.0.1", 0, stop, ports.append), daemon=True)
+    thread.start()
+    for _ in range(200):
+        if ports:
+            break
+        threading.Event().wait(0.05)
+    client = dist.TCPStore("127.0.0.1", ports[0], is_master=False, timeout=timedelta(seconds=10))
+    client.set("round", "7")
+    assert client.get("round") == b"7"
+    stop.set()
+    thread.join(10)
+    assert not thread.is_alive()
