@@ -242,6 +242,34 @@ def copy_before_step(ctx: Ctx) -> dict[str, Any]:
     return {"compared": compared, "gate_s": waited}
 
 
+def during_merge(ctx: Ctx) -> dict[str, Any]:
+    """A snapshot due inside a gradient merge (no_sync()) waits for the step that ends it (a snapshot holds no
+    partial gradients): none is taken at step 1, one at step 2; resumed from it, steps 3 (merged) and 4 are the
+    uninterrupted run's to the bit, dropout masks included (their seed and step come back with the snapshot)."""
+    root = folder(ctx, "merge")
+    seeded(ctx)
+    a = pipe(snapshot=sw.Snapshots(every=1, folder=str(root)))
+    with a.no_sync():
+        train(a, range(1, 2))
+    a.snapshots.wait()
+    assert a.snapshots.stats["snapshots"] == 0, a.snapshots.stats
+    train(a, range(2, 3))
+    a.snapshots.wait()
+    assert a.snapshots.stats["snapshots"] == 1, a.snapshots.stats
+    b = pipe(seed=9, dropout_seed=5, snapshot=sw.Snapshots(every=1, folder=str(root)))
+    info = sw.checkpoint.resume(root / "ckpt", b)
+    assert info is not None and info.step == 2, info
+    assert (b.train_steps, b.dropout_seed) == (2, 3), (b.train_steps, b.dropout_seed)
+    same(state(b), state(a), "resumed at the merge's end")
+    runs = []
+    for p in (a, b):
+        with p.no_sync():
+            losses = train(p, range(3, 4))
+        runs.append(losses + train(p, range(4, 5)))
+    assert runs[0] == runs[1], runs
+    return {"compared": same(state(a), state(b), "after step 4"), "losses": runs[0]}
+
+
 def clean_exit(ctx: Ctx) -> None:
     """What a clean exit does (the last snapshot finished, this job's snapshots on the machine removed)."""
     root = folder(ctx, "exit")
@@ -265,6 +293,7 @@ def checks(world: int) -> dict[str, Check]:
         "fresh": fresh,
         "copy-before-step": copy_before_step,
         "clean-exit": clean_exit,
+        "during-merge": during_merge,
         "refused-no-optimizer": refused(
             lambda ctx: sw.Pipeline(layers(), loss_fn=mdl.lm_loss, snapshot=2), "needs optimizer="
         ),

@@ -261,7 +261,7 @@ def _load(
     if rng_restored:
         state.set_rng_state(record["rng"][ranks.rank])
     if restore_rng:
-        state.restore_dropout(model, record)
+        state.restore_dropout(model, record.get("dropout"))
     return CheckpointInfo(
         path=folder,
         step=record["step"],
@@ -353,6 +353,7 @@ def _record(everyone: list[dict[str, Any]], model: Any, ranks: storage.Ranks, st
         "extra": everyone[0]["extra"],
         "scheduler": everyone[0]["scheduler"],
         "layout": state.layout_of(model, ranks.size),
+        "dropout": state.dropout_of(model),
         "versions": {"stagewise": VERSION, "torch": torch.__version__},
         "tensors": dict(sorted(tensors.items())),
         "optimizer": optimizer,

@@ -272,8 +272,6 @@ def layout_of(target: Any, world: int) -> dict[str, Any]:
             "virtual_stages": s.virtual_stages,
             "placement": list(s.placement),
             "layers": [[r.start, r.stop] for r in target.layer_ranges],
-            "train_steps": target.train_steps,  # the dropout masks' step and seed: a resumed run draws what it
-            "dropout_seed": target.dropout_seed,  # would have (restored with the RNG, on any layout)
         },
         "parallel": None,
     }
@@ -283,15 +281,22 @@ def layout_of(target: Any, world: int) -> dict[str, Any]:
     return out
 
 
-def restore_dropout(target: Any, record: dict[str, Any]) -> None:
-    """A pipeline's dropout seed and step as the saving run's (any layout: they are the same on every rank)."""
-    saved = record["layout"].get("pipeline") or {}
+def dropout_of(target: Any, train_steps: int | None = None) -> dict[str, int] | None:
+    """A pipeline's dropout seed and its count of trained mini-batches (``train_steps``, else the pipeline's
+    own), the step of its masks' seeds: a resumed run draws the masks it would have (not a layout: the same on
+    every rank and under any layout, restored whatever the layout). None for another model."""
     if not is_pipeline(target):
+        return None
+    steps = target.train_steps if train_steps is None else train_steps
+    return {"train_steps": int(steps), "seed": int(target.dropout_seed)}
+
+
+def restore_dropout(target: Any, saved: dict[str, int] | None) -> None:
+    """A pipeline's dropout seed and trained mini-batches as :func:`dropout_of` saved them (if it did)."""
+    if saved is None or not is_pipeline(target):
         return
-    if "train_steps" in saved:
-        target.train_steps = saved["train_steps"]
-    if "dropout_seed" in saved:
-        target.dropout_seed = saved["dropout_seed"]
+    target.train_steps = saved["train_steps"]
+    target.dropout_seed = saved["seed"]
 
 
 def refuse_merging(model: Any, what: str) -> None:

@@ -273,3 +273,4 @@ def _apply(model: nn.Module, assigned: dict[str, torch.Tensor], choice: Choice, 
         state.restore_optimizers(optimizers, names, record, tensors)
     if choice.rng:
         state.set_rng_state(parts[0].header["rng"])  # its own file comes first (see .choose)
+    state.restore_dropout(model, parts[0].header.get("dropout"))  # any layout: the masks' step and seed

@@ -129,9 +129,9 @@ class Snapshotter:
     def after(self, run: Any) -> None:
         """A step part: at the end of a train step, :meth:`after_step`."""
         if run.mode == "train":
-            self.after_step()
+            self.after_step(run.first + run.minibatches)
 
-    def after_step(self) -> None:
+    def after_step(self, trained: int | None = None) -> None:
         """The end of a train step: count it, and take a snapshot when its number is a multiple of ``every``;
         inside a gradient merge (``no_sync()``, whose partial gradients a snapshot does not hold) at the step
         that ends the merge instead."""
@@ -143,7 +143,7 @@ class Snapshotter:
         self._due = False
         self._finish_inflight("stall_s")  # one snapshot in flight at a time
         started = time.perf_counter()
-        capture = self._capture()
+        capture = self._capture(trained)
         thread = threading.Thread(target=self._copy, args=(capture,), name="stagewise-snapshot", daemon=True)
         self._inflight = (capture, thread)
         thread.start()
@@ -170,7 +170,8 @@ class Snapshotter:
             torch.cuda.current_stream().wait_event(capture.cuda_done)  # on the device: no host wait
 
     # ---- taking one ----------------------------------------------------------------------------------
-    def _capture(self) -> Capture:
+    def _capture(self, trained: int | None) -> Capture:
+        """What a restart needs, taken now (``trained``: the mini-batches trained, this step's included)."""
         root = self._root
         params = {p.data_ptr() for p in root.parameters()}
         tensors = {}
@@ -188,6 +189,7 @@ class Snapshotter:
             "owner": self.rank,
             "world": self.world,
             "layout": state.layout_of(root, self.world),
+            "dropout": state.dropout_of(root, trained),
             "tensors": entries,
             "optimizer": meta,
             "rng": state.rng_state(),
