@@ -86,6 +86,7 @@ def job(workload: str, ranks: int, names: list[str], args: argparse.Namespace) -
         flags.append("--timelines")
     cmd = torchrun(ranks, "benchmarks.fidelity.worker", flags, options=["--max-restarts=0"])
     log = args.out / f"{workload}-{ranks}.log"
+    print(f"{workload} at {ranks} ranks: running (progress in {log})", file=sys.stderr, flush=True)
     started = time.perf_counter()
     with log.open("w") as sink:
         done = subprocess.run(cmd, stdout=sink, stderr=subprocess.STDOUT, env=environ(OMP_NUM_THREADS="1"),
@@ -125,7 +126,7 @@ def markdown(everything: dict[str, Any]) -> str:
     c = everything["code"]
     smoke = "**SMOKE RUN** (tiny sizes, a loaded machine: no conclusion from these numbers). " * everything["smoke"]
     lines = [
-        f"## {everything['date']}: `{everything['command']}`\n",
+        f"## {everything['date']}: `{everything['command']}`",
         f"{smoke}{everything['machine']}; load average {everything['load'][0]:.2f} before, "
         f"{everything['load'][1]:.2f} after; {everything['seconds']:.0f} s; stagewise {c['version']} at "
         f"{c['commit']}{' (modified)' if c['dirty'] else ''} ({c['stagewise']}).",

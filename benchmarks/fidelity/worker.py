@@ -28,6 +28,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -106,8 +107,14 @@ def timed_step(pipe: sw.Pipeline, x: Any, y: Any, gather: bool) -> tuple[dict[st
 Records = dict[str, list[dict[str, Any]]]  # schedule -> one record per timed step
 
 
+def say(started: float, what: str) -> None:
+    """Rank 0's progress, into the job's log."""
+    if dist.get_rank() == 0:
+        print(f"{time.perf_counter() - started:7.1f} s  {what}", flush=True)
+
+
 def take_turns(
-    pipes: dict[str, sw.Pipeline], x: Any, y: Any, args: argparse.Namespace
+    pipes: dict[str, sw.Pipeline], x: Any, y: Any, args: argparse.Namespace, done: Callable[[int], None]
 ) -> tuple[Records, dict[str, list[Any]]]:
     """Every schedule's timed steps, the schedules taking turns round by round: (records, gathered timelines)."""
     per_round = -(-args.steps // args.rounds)
@@ -121,6 +128,7 @@ def take_turns(
                 record, whole = timed_step(pipe, x, y, args.timelines)
                 records[name].append(record)
                 timelines[name].append(whole)
+        done(round_)
     return records, timelines
 
 
@@ -175,10 +183,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     sample, targets = x[: work.microbatch], y[: work.microbatch]
     started = time.perf_counter()
     profile = alone_profile(work, sample, targets, args)
+    say(started, "profiled")
     cal = calibration(args)
+    say(started, "calibrated")
     pipes = {name: build(work, name, sample, args) for name in args.schedules.split(",")}
-    records, timelines = take_turns(pipes, x, y, args)
+    say(started, f"{len(pipes)} pipelines built")
+    records, timelines = take_turns(pipes, x, y, args, lambda k: say(started, f"round {k + 1} of {args.rounds}"))
     memory = {name: metered(work, pipe, x, y, args) for name, pipe in pipes.items()}
+    say(started, "metered")
     everyone = gathered({"records": records, "memory": memory})
     report: dict[str, Any] = {
         "workload": work.name,

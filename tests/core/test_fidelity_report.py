@@ -101,6 +101,14 @@ def test_a_job_becomes_rows_with_errors_and_the_pays_checks() -> None:
     assert checks["zb-v faster than 1f1b by at least half the simulated gain"][0] is False  # slower when measured
     assert checks["zb-h1's activation peak <= 1.05x 1f1b's"][0] is True
     assert checks["auto within 2 % of the fastest hand-written schedule"][0] is True  # 0.86 / 0.9
+    job["schedules"]["zb-h1"] = _schedule([0.97], 0.9, 1040, split=True, bounds=[0, 2, 4])  # gains 3 % of 10 %
+    rows = {r["label"]: r for r in summarize(job)}
+    checks = {what: (ok, figures) for what, ok, figures in pays_checks(job, list(rows.values()))}
+    assert checks["zb-h1 faster than 1f1b by at least half the simulated gain"] == (
+        False,
+        "measured 0.970x, simulated 0.900x",
+    )
+    job = _job()
     split = stage_rows(job)
     assert [r["profile_share"] for r in split] == [0.9, 0.9] and [r["metered_share"] for r in split] == [0.5, 0.8]
     assert [r["metered_saved"] for r in split] == [100, 100] and [r["metered_held"] for r in split] == [50, 80]
