@@ -1,0 +1,124 @@
+"""What the simulator predicts for a schedule the pipeline ran (pure: stagewise's simulator, no torch).
+
+Three predictions per schedule, each on the cut the pipeline ran (its ``layer_ranges``):
+
+* *simulated*: the profile's costs (``LayerProfile.cost_model``, as the synthesizer, ``schedule="auto"`` and
+  the planner see them) and the calibrated link (``latency + bytes / bandwidth`` per transfer): the figure
+  the goals are judged on;
+* *+ runtime*: the same plus what ``sw.calibrate()`` measured of the runtime itself, as the planner adds it
+  (:mod:`stagewise.planning.costing`): ``action`` seconds per F and B (half to each of I and W),
+  ``message`` per message a stage posts, ``step`` once per step; on more processes than cores, the
+  makespan with the ranks sharing ``cores`` (:func:`stagewise.simulation.shared_makespan`);
+* *at measured compute*: each stage's F, I, W and B as measured inside this very pipeline (mean over its
+  timed steps), with the link: what the schedule and the link alone explain of the measured step. Where this
+  is close and *simulated* is not, the compute costs differ between the profile and the pipeline (caches, core
+  sharing); where both miss, the time is outside compute (messages, waits, the step's head and tail).
+
+Feature detection keeps this working on code older than the measured split backward (``backward_full``
+absent: B is I + W there).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+from stagewise import CostModel, LayerProfile, Schedule, simulate
+from stagewise.simulation import shared_makespan
+
+
+def bounds_of(layer_ranges: Sequence[range]) -> list[int]:
+    """A pipeline's ``layer_ranges`` (one range of layers per stage) as partition bounds ``[0, ..., layers]``."""
+    return [r.start for r in layer_ranges] + [layer_ranges[-1].stop]
+
+
+def full_backward(costs: CostModel) -> tuple[float, ...]:
+    """B per stage: ``backward_full`` where the cost model has one, else I + W."""
+    full = tuple(getattr(costs, "backward_full", ()) or ())
+    return full or tuple(i + w for i, w in zip(costs.backward_input, costs.backward_weight))
+
+
+def stage_costs(costs: CostModel) -> dict[str, list[float]]:
+    """Per stage: seconds per action of each kind (``"F"``, ``"I"``, ``"W"``, ``"B"``), and the bytes a forward
+    saves (``"saved"``, the loss's on the last stage included) and W holds after I (``"held"``)."""
+    return {
+        "F": list(costs.forward),
+        "I": list(costs.backward_input),
+        "W": list(costs.backward_weight),
+        "B": list(full_backward(costs)),
+        "saved": list(costs.activation_bytes),
+        "held": list(costs.weight_activation_bytes),
+    }
+
+
+def with_overheads(costs: CostModel, action: float, message: float) -> CostModel:
+    """``costs`` with the runtime's fixed cost per action, as the planner charges it: ``c_s = action + message x
+    (messages stage s posts per action)`` added to each F and B, half of it to each of I and W."""
+    last = costs.num_stages - 1
+    fixed = [action + message * ((s > 0) + (s < last)) for s in range(costs.num_stages)]
+    out = replace(
+        costs,
+        forward=tuple(f + c for f, c in zip(costs.forward, fixed)),
+        backward_input=tuple(i + c / 2 for i, c in zip(costs.backward_input, fixed)),
+        backward_weight=tuple(w + c / 2 for w, c in zip(costs.backward_weight, fixed)),
+    )
+    if getattr(costs, "backward_full", ()):
+        out = replace(out, backward_full=tuple(b + c for b, c in zip(full_backward(costs), fixed)))
+    return out
+
+
+def with_measured(costs: CostModel, means: Mapping[str, float]) -> CostModel:
+    """``costs`` with each stage's F, I, W, B replaced by the mean measured in the pipeline (``means["I3"]``);
+    a kind the schedule never ran keeps the profile's cost."""
+    n = costs.num_stages
+
+    def pick(kind: str, old: Sequence[float]) -> tuple[float, ...]:
+        return tuple(means.get(f"{kind}{s}", old[s]) for s in range(n))
+
+    out = replace(
+        costs,
+        forward=pick("F", costs.forward),
+        backward_input=pick("I", costs.backward_input),
+        backward_weight=pick("W", costs.backward_weight),
+    )
+    if getattr(costs, "backward_full", ()):
+        out = replace(out, backward_full=pick("B", full_backward(costs)))
+    return out
+
+
+def profile_costs(profile: LayerProfile, bounds: Sequence[int], latency: float, bandwidth: float) -> CostModel:
+    """The profile summed over the cut, with the link (each code's own default for how I and W are charged)."""
+    return profile.cost_model(list(bounds), latency=latency, bandwidth=bandwidth)
+
+
+def predict(
+    schedule: Schedule,
+    costs: CostModel,
+    calibration: Mapping[str, float],
+    cores: float | None,
+    measured: Mapping[str, float] | None = None,
+) -> dict[str, Any]:
+    """The three predictions of one schedule (seconds, bytes), and the simulated timeline (JSON).
+
+    ``calibration``: ``action``, ``message`` and ``step`` seconds (``sw.calibrate()``'s); ``cores``: the cores
+    the ranks share (None: a core each); ``measured``: the pipeline's mean per (kind, stage) action.
+    """
+    plain = simulate(schedule, costs)
+    runtime = with_overheads(costs, calibration.get("action", 0.0), calibration.get("message", 0.0))
+    with_runtime = simulate(schedule, runtime).makespan
+    shared = None
+    if cores is not None and cores < schedule.num_ranks:
+        shared = shared_makespan(schedule, runtime, [1.0] * schedule.num_ranks, cores)
+    timeline = replace(plain.timeline, unit="s")
+    out: dict[str, Any] = {
+        "makespan": plain.makespan,
+        "peak_bytes": list(plain.peak_activation_bytes),
+        "with_runtime": max(with_runtime, shared or 0.0) + calibration.get("step", 0.0),
+        "shared_cores": shared,
+        "costs": stage_costs(costs),
+        "timeline": timeline.to_json(),
+    }
+    if measured is not None:
+        out["at_measured_compute"] = simulate(schedule, with_measured(costs, measured)).makespan
+    return out
