@@ -335,3 +335,21 @@ def test_a_rank_short_of_memory_for_activations_gets_fewer_layers() -> None:
     fits = [b for b in _all_bounds(8, 2) if (b[2] - b[1]) * (100.0 + 4.0) <= 250.0]
     fastest = min(fits, key=lambda b: max(_stage_time(profile, b)))
     assert best.partition == tuple(hi - lo for lo, hi in zip(fastest, fastest[1:]))
+
+
+def test_a_value_two_layers_of_one_stage_both_save_is_charged_once() -> None:
+    """Layer 1 saves its output, layer 2 the same tensor as its input (96 bytes): a stage of both holds it once,
+    in the cost model and in the planner's stage sums alike; cut between them, each stage holds its copy."""
+    from stagewise.planning.costing import layer_arrays, stage_base
+
+    def layer(name: str, act: float, into: float, out: float) -> LayerCost:
+        return LayerCost(name, 1.0, 0.5, 0.5, 1.0, act, 0.0, 8.0, 96.0, input_saved_bytes=into, output_saved_bytes=out)
+
+    profile = LayerProfile([layer("a", 64.0, 0.0, 96.0), layer("b", 96.0, 96.0, 0.0)], "synthetic", 1, 0)
+    assert profile.cost_model([0, 2]).activation_bytes == (64.0,)
+    assert profile.cost_model([0, 1, 2]).activation_bytes == (64.0, 96.0)
+    arrays = layer_arrays(profile, 1, frozenset())
+    link = Link(latency=0.0, bandwidth=math.inf)
+    one = stage_base(arrays, [0, 2], tp=1, tp_link=link, recompute=None, overhead=[0.0, 0.0])
+    two = stage_base(arrays, [0, 1, 2], tp=1, tp_link=link, recompute=None, overhead=[0.0, 0.0])
+    assert one.activation == (64.0,) and two.activation == (64.0, 96.0)

@@ -122,3 +122,26 @@ def test_i_w_and_b_are_each_timed_from_their_own_call(monkeypatch: pytest.Monkey
     assert costs.backward_full == (7.0 * (N * 16 - 1), 7.0 * (N * 24 - 1 + N * 8 - 1))
     stash = [layer.weight_activation_bytes for layer in prof.layers]
     assert costs.weight_activation_bytes == (stash[0], stash[1] + stash[2])
+
+
+def test_a_value_two_layers_of_a_stage_both_save_is_held_once() -> None:
+    """Tanh saves its output and the Linear after it saves the same tensor as its input: profiled layer by layer,
+    each counts it, but a stage holding both holds it once. The cost model's stage bytes equal what the memory
+    meter counts for the same layers run as one stage; a cut between the two layers keeps both copies."""
+    from stagewise.ir import Action, Kind
+    from stagewise.runtime.features.memory import ActivationMeter
+
+    torch.manual_seed(0)
+    layers = [nn.Linear(32, 64).double(), nn.Tanh(), nn.Linear(64, 8).double()]
+    x = torch.randn(N, 32, dtype=torch.float64)
+    prof = profile(layers, x, repeats=1, warmup=0)
+    tanh, last = prof.layers[1], prof.layers[2]
+    assert tanh.output_saved_bytes == last.input_saved_bytes == 8 * N * 64
+    at = [Action(0, Kind.F, 0)]
+    meter = ActivationMeter([p for m in layers for p in m.parameters()], lambda: at[0])
+    with meter.hooks():
+        y = nn.Sequential(*layers)(x.requires_grad_())
+    assert prof.cost_model([0, 3]).activation_bytes[0] == meter.by_forward[(0, 0)] == 8 * N * (32 + 64)
+    del y
+    cut = prof.cost_model([0, 2, 3]).activation_bytes
+    assert cut == (8 * N * (32 + 64), 8 * N * 64)

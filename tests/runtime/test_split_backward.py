@@ -367,3 +367,21 @@ def test_tensor_parallel_linears_split_too_and_match_the_engine() -> None:
             torch.testing.assert_close(p.grad.to_local(), r.grad.to_local(), rtol=1e-13, atol=1e-14)
     finally:
         dist.destroy_process_group()
+
+
+def test_the_meter_counts_each_saved_byte_once_however_many_views_hold_it() -> None:
+    """A tensor saved as it is and again reshaped (tanh saves its output; the matmul after it saves a 2-D view of
+    it, as attention's output is saved by SDPA and by the projection in a GPT block) counts once; a slice of a
+    batch counts the bytes it spans, not the batch's; all of it is free once the graph is."""
+    w = nn.Parameter(torch.randn(8, 4, dtype=torch.float64))
+    meter, at = _metered([w])
+    x = torch.randn(6, 3, 8, dtype=torch.float64, requires_grad=True)
+    with meter.hooks():
+        at[0] = Action(0, Kind.F, 0)
+        h = torch.tanh(x[:2])  # saves h (2 x 3 x 8)
+        y = h.reshape(6, 8) @ w  # saves h's 2-D view (the same bytes) and w (a parameter: not counted)
+        at[0] = None
+    assert meter.by_forward[(0, 0)] == meter.current == meter.peak == 2 * 3 * 8 * 8
+    y.sum().backward()
+    del y, h
+    assert meter.current == 0

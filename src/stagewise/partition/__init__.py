@@ -16,12 +16,13 @@ from .modes import (
     stage_counts,
     stages_per_rank_note,
 )
-from .profile_data import CheckpointCost, LayerCost, LayerProfile
+from .profile_data import CheckpointCost, LayerCost, LayerProfile, shared_bytes
 
 __all__ = [
     "CheckpointCost",
     "LayerCost",
     "LayerProfile",
+    "shared_bytes",
     "Partition",
     "PartitionSpec",
     "check_options",

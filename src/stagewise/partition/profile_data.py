@@ -42,6 +42,10 @@ class LayerCost:
     saved_tensors: float = 0.0  # tensors autograd saves in a forward (parameters too): a recompute hooks each
     checkpoint_forward: float = 0.0  # what checkpointing this layer alone adds to its forward
     checkpoint_backward: float = 0.0  # ... and to its backward, beyond running the forward again
+    #: of ``activation_bytes``, the bytes of its input and of its output the layer saves itself: the value between
+    #: two layers of one stage, saved by both (a ReLU's output, the next convolution's input), is held once
+    input_saved_bytes: float = 0.0
+    output_saved_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -235,8 +239,14 @@ class LayerProfile:
         )
 
 
+def shared_bytes(first: LayerCost, then: LayerCost) -> float:
+    """The bytes two consecutive layers of one stage both save of the value between them (held once)."""
+    return min(first.output_saved_bytes, then.input_saved_bytes)
+
+
 def _sum_layers(layers: Sequence[LayerCost], match_backward: bool) -> LayerCost:
-    """Consecutive layers as one: times and bytes add up; the output is the last layer's."""
+    """Consecutive layers as one: times and bytes add up (the value between two of them, saved by both, once);
+    the output is the last layer's."""
     i = sum(x.backward_input for x in layers)
     w = sum(x.backward_weight for x in layers)
     full = sum(x.backward for x in layers)
@@ -248,13 +258,15 @@ def _sum_layers(layers: Sequence[LayerCost], match_backward: bool) -> LayerCost:
         backward_input=i,
         backward_weight=w,
         backward=full,
-        activation_bytes=sum(x.activation_bytes for x in layers),
+        activation_bytes=sum(x.activation_bytes for x in layers) - sum(map(shared_bytes, layers, layers[1:])),
         weight_activation_bytes=sum(x.weight_activation_bytes for x in layers),
         parameter_bytes=sum(x.parameter_bytes for x in layers),
         output_bytes=layers[-1].output_bytes,
         saved_tensors=sum(x.saved_tensors for x in layers),
         checkpoint_forward=sum(x.checkpoint_forward for x in layers),
         checkpoint_backward=sum(x.checkpoint_backward for x in layers),
+        input_saved_bytes=layers[0].input_saved_bytes,
+        output_saved_bytes=layers[-1].output_saved_bytes,
     )
 
 

@@ -85,7 +85,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..partition import CheckpointCost, LayerProfile
+from ..partition import CheckpointCost, LayerProfile, shared_bytes
 from .comm import Link, ring_all_reduce
 
 
@@ -105,6 +105,8 @@ class LayerArrays:
     saved: tuple[float, ...] = ()  # tensors autograd saves per layer (what a checkpoint's hooks pay for)
     checkpoint: CheckpointCost | None = None
     loss: float = 0.0  # bytes the loss saves per micro-batch, held by the last stage (LayerProfile.loss_bytes)
+    #: per layer, the bytes it and the next layer both save of the value between them (held once on one stage)
+    shared: tuple[float, ...] = ()
 
 
 def layer_arrays(profile: LayerProfile, tp: int, tp_layers: frozenset[int]) -> LayerArrays:
@@ -114,6 +116,7 @@ def layer_arrays(profile: LayerProfile, tp: int, tp_layers: frozenset[int]) -> L
     measured, I + W = 0, runs its whole backward as I); W's stash as measured, which may exceed the activations.
     """
     f, i, w, b, act, keep, par, out, split, saved = [], [], [], [], [], [], [], [], [], []
+    pairs = list(zip(profile.layers, profile.layers[1:]))
     for k, layer in enumerate(profile.layers):
         d = tp if k in tp_layers else 1
         bi, bw = layer.backward_input, layer.backward_weight
@@ -136,6 +139,7 @@ def layer_arrays(profile: LayerProfile, tp: int, tp_layers: frozenset[int]) -> L
         saved=tuple(saved),
         checkpoint=profile.checkpoint,
         loss=profile.loss_bytes,
+        shared=tuple(shared_bytes(a, b) / (tp if k in tp_layers else 1) for k, (a, b) in enumerate(pairs)),
     )
 
 
@@ -265,7 +269,7 @@ def stage_base(
             sum(arrays.forward[a:b]),
             sum(arrays.backward_input[a:b]),
             sum(arrays.backward_weight[a:b]),
-            sum(arrays.activation[a:b]) + loss[s],
+            sum(arrays.activation[a:b]) - sum(arrays.shared[a : b - 1]) + loss[s],
             sum(arrays.keep[a:b]),
             sum(arrays.parameters[a:b]),
             arrays.output[b - 1],

@@ -67,6 +67,7 @@ import torch.fx.experimental.symbolic_shapes  # noqa: F401  (imported for its co
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from .deferred import Op, deferred_op, in_checkpoint, is_dtensor, saved_input, scan, weight_leaf
+from .spans import byte_span, union_bytes
 
 Node = Any  # torch.autograd.graph.Node
 
@@ -95,24 +96,12 @@ class WeightWork:
             for t in (item.x, item.g):
                 t = t.to_local() if t is not None and is_dtensor(t) else t  # type: ignore[attr-defined]  # its shard
                 if t is not None and t.numel() > 0:
-                    size = t.element_size()
-                    start = int(t.storage_offset()) * size
-                    extent = 1 + sum((int(n) - 1) * abs(int(st)) for n, st in zip(t.shape, t.stride()))
-                    spans.setdefault(t.untyped_storage().data_ptr(), []).append((start, start + extent * size))
-        return sum(_union(v) for v in spans.values())
+                    storage, start, end = byte_span(t)
+                    spans.setdefault(storage, []).append((start, end))
+        return sum(union_bytes(v) for v in spans.values())
 
     def __len__(self) -> int:
         return len(self.stash)
-
-
-def _union(spans: list[tuple[int, int]]) -> int:
-    """The length of a union of byte ranges."""
-    total, end = 0, -1
-    for a, b in sorted(spans):
-        if b > end:
-            total += b - max(a, end)
-            end = b
-    return total
 
 
 def backward_full(

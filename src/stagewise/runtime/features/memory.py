@@ -2,9 +2,10 @@
 
 Roughly: while a step runs under :class:`ActivationMeter`, every tensor autograd
 saves for a backward passes through ``torch.autograd.graph.saved_tensors_hooks``;
-the meter counts its bytes once per distinct tensor view (a tensor saved by two
-nodes counts once), parameters excluded, and uncounts it when autograd frees the
-last node holding it (after the micro-batch's B, or its I on a zero-bubble
+the meter counts the bytes of storage it spans, each byte once however many views
+of it are saved (a tensor saved by two nodes, or saved once as it is and once
+reshaped - attention's output in a GPT block - counts once), parameters excluded,
+and uncounts them when autograd frees the last node holding them (after the micro-batch's B, or its I on a zero-bubble
 schedule: I frees the graph as it goes). What I leaves for W - the deferred ops'
 inputs and output gradients, :meth:`~..engine.backward.WeightWork.held_bytes`,
 each stashed byte once - the interpreter charges with :meth:`hold` when I ends
@@ -32,8 +33,9 @@ from typing import Any
 import torch
 
 from ...ir import Kind
+from ..engine.spans import byte_span, union_bytes
 
-Key = tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype]
+Key = tuple[int, int, int]  # (storage, first byte, end byte): engine.spans.byte_span
 
 
 def _storage_ptr(p: torch.Tensor) -> int | None:
@@ -61,7 +63,9 @@ class ActivationMeter:
     def __init__(self, params: Iterable[torch.Tensor], where: Callable[[], Any]) -> None:
         self.param_storages = {ptr for p in params if (ptr := _storage_ptr(p)) is not None}
         self.where = where
-        self.live: dict[Key, list[int]] = {}  # key -> [holders, bytes]
+        self.live: dict[Key, int] = {}  # a saved span -> how many saved tensors hold it
+        self.spans: dict[int, set[tuple[int, int]]] = {}  # storage -> its live spans
+        self.counted: dict[int, int] = {}  # storage -> the bytes counted for it (the union of its spans)
         self.current = 0
         self.peak = 0
         self.by_forward: dict[tuple[int, int], int] = {}
@@ -82,29 +86,42 @@ class ActivationMeter:
         ptr = t.untyped_storage().data_ptr()
         if ptr in self.param_storages or t.numel() == 0:
             return t
-        key = (ptr, int(t.storage_offset()), tuple(t.shape), tuple(t.stride()), t.dtype)
-        entry = self.live.get(key)
-        if entry is None:
-            nbytes = t.numel() * t.element_size()
-            self.live[key] = [1, nbytes]
-            self.current += nbytes
-            self.peak = max(self.peak, self.current)
+        key = byte_span(t)
+        held = self.live.get(key, 0)
+        self.live[key] = held + 1
+        if held == 0:
+            self.spans.setdefault(key[0], set()).add(key[1:])
+            nbytes = self._recount(key[0])
             action = self.where()
             if action is not None and action.kind is Kind.F and action.microbatch is not None:
                 at = (action.stage, action.microbatch)
                 self.by_forward[at] = self.by_forward.get(at, 0) + nbytes
-        else:
-            entry[0] += 1
         return _Held(self, key, t.detach())
 
     def _release(self, key: Key) -> None:
-        entry = self.live.get(key)
-        if entry is None:
+        held = self.live.get(key)
+        if held is None:
             return
-        entry[0] -= 1
-        if entry[0] == 0:
-            del self.live[key]
-            self.current -= entry[1]
+        if held > 1:
+            self.live[key] = held - 1
+            return
+        del self.live[key]
+        self.spans[key[0]].discard(key[1:])
+        self._recount(key[0])
+
+    def _recount(self, storage: int) -> int:
+        """Count ``storage``'s saved bytes again (the union of its live spans); the change, in bytes."""
+        spans = self.spans.get(storage, set())
+        now = union_bytes(spans)
+        change = now - self.counted.get(storage, 0)
+        if spans:
+            self.counted[storage] = now
+        else:
+            self.counted.pop(storage, None)
+            self.spans.pop(storage, None)
+        self.current += change
+        self.peak = max(self.peak, self.current)
+        return change
 
     def hold(self, at: tuple[int, int], nbytes: int) -> None:
         """The I of ``at`` = (stage, micro-batch) left ``nbytes`` for its W (charged until :meth:`drop`)."""

@@ -65,7 +65,9 @@ def measure_layer(
     resident = {_storage_key(t) for t in module.parameters()} | {_storage_key(t) for t in module.buffers()}
     kept = [(p, None if p.grad is None else p.grad.detach().clone()) for p in params]
     try:
-        out, saved_bytes, saved_count = _forward_counting_saved(module, args, kwargs, resident)
+        out, saved, saved_count = _forward_counting_saved(module, args, kwargs, resident)
+        saved_bytes = sum(saved.values())
+        ends = {k: saved.get(k, 0) for k in ("input", "output")}
         out_bytes = _tensor_bytes(out)
         stash = _stash_after_input(grad_outputs(out), inputs, resident)
         del out
@@ -86,6 +88,8 @@ def measure_layer(
         saved_tensors=float(saved_count),
         checkpoint_forward=med["cf"],
         checkpoint_backward=med["cb"],
+        input_saved_bytes=float(ends["input"]),
+        output_saved_bytes=float(ends["output"]),
     )
 
 
@@ -171,25 +175,29 @@ def _tensor_bytes(value: Any) -> int:
 
 def _forward_counting_saved(
     module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], resident: set[int]
-) -> tuple[Any, int, int]:
-    """Run the forward once, adding up the bytes of each storage autograd saves (parameters excluded), and
-    counting the tensors it saves (parameters included: a checkpoint's hooks see every one)."""
-    counted: set[int] = set()
-    total = 0
+) -> tuple[Any, dict[str, int], int]:
+    """Run the forward once, adding up the bytes of each storage autograd saves (parameters excluded) - by
+    where it lies: the input's, the output's, or inside - and counting the tensors it saves (parameters
+    included: a checkpoint's hooks see every one)."""
+    counted: dict[int, int] = {}
     calls = 0
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal total, calls
+        nonlocal calls
         calls += 1
         key = _storage_key(t)
         if key and key not in resident and key not in counted:
-            counted.add(key)
-            total += t.untyped_storage().nbytes()
+            counted[key] = t.untyped_storage().nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = module(*args, **kwargs)
-    return out, total, calls
+    inputs = {_storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+    outputs = {_storage_key(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)}
+    saved = {"input": 0, "output": 0, "inside": 0}
+    for key, nbytes in counted.items():
+        saved["input" if key in inputs else "output" if key in outputs else "inside"] += nbytes
+    return out, saved, calls
 
 
 def _stash_after_input(outs: list[torch.Tensor], inputs: list[torch.Tensor], resident: set[int]) -> int:
