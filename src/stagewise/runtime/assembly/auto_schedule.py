@@ -2,8 +2,10 @@
 
 Before anything is placed, the first rank profiles the layers on ``sample_inputs`` (one micro-batch) and
 hands the profile to every rank (:func:`..frontends.balance.on_first_rank`); every rank cuts the layers with
-the partition mode (``"time"`` unless layer counts are given) over ``pp * virtual_stages`` stages, and
-synthesizes the schedule for those stages' costs: deterministic, so every rank holds the same one. The
+the partition mode (``"time"`` unless layer counts are given) and synthesizes a schedule for those stages'
+measured costs, under 1F1B's activation memory in bytes (its peak on the same layers cut into ``pp`` stages):
+deterministic, so every rank holds the same one. Unless ``virtual_stages`` is given, it does so for one stage
+per rank (loop placement) and for two (V placement, as zb-v), and keeps the faster by the simulator. The
 pipeline then runs that ordinary, validated :class:`~stagewise.Schedule` as if it had been given.
 
 Only layer lists are profiled this way; other ways in take a synthesized Schedule built by hand
@@ -39,10 +41,7 @@ def synthesized(entry: str, frontend: Any, options: Options) -> Options:
         raise ValueError(
             f"{entry}: schedule='auto' synthesizes for measured costs: pass sample_inputs= (one micro-batch)"
         )
-    from ...synthesis import synthesize_for
-
     p = pipeline_size(options)
-    v = options.virtual_stages or 1
     m = options.microbatches or p
     named = frontend.named
     profile = on_first_rank(
@@ -53,8 +52,41 @@ def synthesized(entry: str, frontend: Any, options: Options) -> Options:
         options.store,
     )
     how = "time" if options.partition == "uniform" else options.partition  # "uniform" is the default: time it
-    counts = stage_counts(
-        len(named), p * v, how, profile=profile, parameters=lambda: [parameter_count(x) for _, x in named]
-    )
-    schedule = synthesize_for(profile, p, m, partition=counts, virtual_stages=v)
+    choices = [options.virtual_stages] if options.virtual_stages else [1, 2]
+    schedule, counts = _fastest(profile, p, m, choices, how, named)
     return replace(options, schedule=schedule, partition=counts, microbatches=None, virtual_stages=None)
+
+
+def _fastest(profile: Any, p: int, m: int, choices: list[int], how: Any, named: Any) -> tuple[Any, list[int]]:
+    """The faster (by the simulator) of the schedules synthesized for ``v`` stages per rank, each ``v`` in
+    ``choices`` its layers cut ``how``, under 1F1B's activation peak in bytes on ``p`` stages; its layer counts."""
+    from ...schedules import generate
+    from ...simulation import simulate
+    from ...synthesis import synthesize
+
+    def cut(v: int) -> list[int]:
+        return stage_counts(
+            len(named), p * v, how, profile=profile, parameters=lambda: [parameter_count(x) for _, x in named]
+        )
+
+    def costs(counts: list[int]) -> Any:
+        return profile.cost_model([sum(counts[:k]) for k in range(len(counts) + 1)])
+
+    one = cut(1)
+    cap = max(simulate(generate("1f1b", p, m), costs(one)).peak_activation_bytes)
+    found = []
+    for v in choices:
+        if v > 1 and (p == 1 or len(named) < p * v):
+            continue  # too few layers for v stages per rank
+        counts = one if v == 1 else cut(v)
+        model = costs(counts)
+        placement = "v" if v == 2 else None
+        try:
+            schedule = synthesize(model, p, m, memory_bytes=cap, virtual_stages=v, placement=placement)
+        except ValueError:  # nothing fits 1F1B's bytes with this cut (a stage larger than a micro-batch's share)
+            continue
+        found.append((simulate(schedule, model).makespan, v, schedule, counts))
+    if not found:  # 1F1B's own bytes at v = 1 always fit: only a given virtual_stages can leave none
+        return synthesize(costs(one), p, m), one
+    _, _, schedule, counts = min(found, key=lambda f: (f[0], f[1]))
+    return schedule, counts
