@@ -3,10 +3,11 @@
 Before anything is placed, the first rank profiles the layers on ``sample_inputs`` (one micro-batch) and
 hands the profile to every rank (:func:`..frontends.balance.on_first_rank`); every rank cuts the layers with
 the partition mode (``"time"`` unless layer counts are given) and synthesizes a schedule for those stages'
-measured costs, under 1F1B's activation memory in bytes (its peak on the same layers cut into ``pp`` stages):
-deterministic, so every rank holds the same one. Unless ``virtual_stages`` is given, it does so for one stage
-per rank (loop placement) and for two (V placement, as zb-v), and keeps the faster by the simulator. The
-pipeline then runs that ordinary, validated :class:`~stagewise.Schedule` as if it had been given.
+measured costs, under 1F1B's activation memory (``min(pp, m)`` micro-batches in flight on every rank, the
+synthesizer's default cap): deterministic, so every rank holds the same one. Unless ``virtual_stages`` is
+given, it does so for one stage per rank (loop placement) and for two (V placement, as zb-v), and keeps the
+faster by the simulator. The pipeline then runs that ordinary, validated :class:`~stagewise.Schedule` as if
+it had been given.
 
 Only layer lists are profiled this way; other ways in take a synthesized Schedule built by hand
 (``stagewise.synthesis.synthesize_for``).
@@ -59,8 +60,7 @@ def synthesized(entry: str, frontend: Any, options: Options) -> Options:
 
 def _fastest(profile: Any, p: int, m: int, choices: list[int], how: Any, named: Any) -> tuple[Any, list[int]]:
     """The faster (by the simulator) of the schedules synthesized for ``v`` stages per rank, each ``v`` in
-    ``choices`` its layers cut ``how``, under 1F1B's activation peak in bytes on ``p`` stages; its layer counts."""
-    from ...schedules import generate
+    ``choices`` its layers cut ``how``, under 1F1B's memory; and its layer counts."""
     from ...simulation import simulate
     from ...synthesis import synthesize
 
@@ -73,7 +73,6 @@ def _fastest(profile: Any, p: int, m: int, choices: list[int], how: Any, named: 
         return profile.cost_model([sum(counts[:k]) for k in range(len(counts) + 1)])
 
     one = cut(1)
-    cap = max(simulate(generate("1f1b", p, m), costs(one)).peak_activation_bytes)
     found = []
     for v in choices:
         if v > 1 and (p == 1 or len(named) < p * v):
@@ -81,12 +80,7 @@ def _fastest(profile: Any, p: int, m: int, choices: list[int], how: Any, named: 
         counts = one if v == 1 else cut(v)
         model = costs(counts)
         placement = "v" if v == 2 else None
-        try:
-            schedule = synthesize(model, p, m, memory_bytes=cap, virtual_stages=v, placement=placement)
-        except ValueError:  # nothing fits 1F1B's bytes with this cut (a stage larger than a micro-batch's share)
-            continue
+        schedule = synthesize(model, p, m, virtual_stages=v, placement=placement)
         found.append((simulate(schedule, model).makespan, v, schedule, counts))
-    if not found:  # 1F1B's own bytes at v = 1 always fit: only a given virtual_stages can leave none
-        return synthesize(costs(one), p, m), one
     _, _, schedule, counts = min(found, key=lambda f: (f[0], f[1]))
     return schedule, counts
