@@ -4,6 +4,8 @@
   name or a Schedule) over :attr:`stagewise.ir.Schedule.is_asynchronous` (what a Schedule carries);
 * one name, one type: ``optimizer_steps`` is a bool wherever a function takes it;
 * no file name Windows reserves (``aux``, ``con``, ``nul``, ``com1`` ...: a clone there fails);
+* no two test modules share a base name (pytest's default import mode imports each as a top-level module, so
+  ``make test`` refuses to collect the second: the folders run one at a time do not see it);
 * every path and module a document or a docstring cites exists (a move leaves no stale pointer behind);
 * no dead code: every function, class and method of src/stagewise is used somewhere (src, tests, benchmarks,
   examples), unless it is registered by a decorator or called by a library whose protocol it implements.
@@ -78,6 +80,12 @@ def test_no_file_name_is_one_windows_reserves() -> None:
         if p.name.split(".")[0].lower() in RESERVED
     ]
     assert bad == []
+
+
+def test_no_two_test_modules_share_a_base_name() -> None:
+    tests = [p for p in (ROOT / "tests").rglob("test_*.py")]
+    shared = {name for name, n in Counter(p.name for p in tests).items() if n > 1}
+    assert sorted(str(p.relative_to(ROOT)) for p in tests if p.name in shared) == []
 
 
 # ---- cited paths and modules ------------------------------------------------------------------------------
