@@ -14,7 +14,8 @@ Per schedule: the simulated step (the profile's costs and the calibrated link) a
 median over the timed steps of the slowest rank's ``train_step`` from a barrier) and the simulated activation
 peak against the meter's (``measure_memory=True``), with their errors; the ranking check (the order by measured
 time must equal the order by simulated time for every pair more than 5 % apart by simulation); and what names
-a miss: the prediction with the runtime's calibrated costs per action and step (and shared cores), the
+a miss: the planner's prediction (the runtime's calibrated costs per action and step, the compute scaled by
+``measure_compute_scale``'s factors on the group, and shared cores), the
 prediction at the compute measured inside the pipeline, the busiest rank's compute against the profile's,
 its messages and the time per message, its gaps and the step's head and tail. Per stage: (I + W) / B and the
 share of the forward's saved bytes that W holds, from the profile and measured.
@@ -80,7 +81,7 @@ def job(workload: str, ranks: int, names: list[str], args: argparse.Namespace) -
         f"--workload={workload}", f"--schedules={','.join(names)}", f"--microbatches={args.microbatches}",
         f"--steps={args.steps}", f"--rounds={args.rounds}", f"--warmup={args.warmup}", f"--repeats={args.repeats}",
         f"--profile-rounds={args.profile_rounds}", f"--passes={args.passes}", f"--partition={args.partition}",
-        f"--out={result}",
+        f"--scale-steps={args.scale_steps}", f"--out={result}",
     ]  # fmt: skip
     if args.pays:
         flags.append("--timelines")
@@ -153,6 +154,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=7, help="the profile's repeats per layer")
     p.add_argument("--profile-rounds", type=int, default=3, help="the profile's rounds (each layer's fastest)")
     p.add_argument("--passes", type=int, default=3, help="sw.calibrate()'s passes")
+    p.add_argument("--scale-steps", type=int, default=6, help="measure_compute_scale's steps per pass (0: skip)")
     p.add_argument("--partition", default="uniform", help="the hand-written schedules' cut (auto times its own)")
     p.add_argument("--pays", action="store_true", help="issue 39's 'it pays': GPT d 256, 2 ranks, m 8, pictures")
     p.add_argument("--quick", action="store_true", help="a smoke run: m 4, 2 timed steps, short profile")

@@ -5,10 +5,12 @@ Three predictions per schedule, each on the cut the pipeline ran (its ``layer_ra
 * *simulated*: the profile's costs (``LayerProfile.cost_model``, as the synthesizer, ``schedule="auto"`` and
   the planner see them) and the calibrated link (``latency + bytes / bandwidth`` per transfer): the figure
   the goals are judged on;
-* *+ runtime*: the same plus what ``sw.calibrate()`` measured of the runtime itself, as the planner adds it
-  (:mod:`stagewise.planning.costing`): ``action`` seconds per F and B (half to each of I and W),
-  ``message`` per message a stage posts, ``step`` once per step; on more processes than cores, the
-  makespan with the ranks sharing ``cores`` (:func:`stagewise.simulation.shared_makespan`);
+* *+ runtime*: the planner's prediction (:mod:`stagewise.planning.costing`): the same plus what
+  ``sw.calibrate()`` measured of the runtime itself, ``action`` seconds per F and B (half to each of I and W),
+  ``message`` per message a stage posts, ``step`` once per step, and each kind of compute scaled by what
+  ``measure_compute_scale`` measured on the group over the profile (``k_F``, ``k_B``, ``k_IW``: ranks that
+  share caches and memory bandwidth compute slower than one process alone); on more processes than cores,
+  the makespan with the ranks sharing ``cores`` (:func:`stagewise.simulation.shared_makespan`);
 * *at measured compute*: each stage's F, I, W and B as measured inside this very pipeline (mean over its
   timed steps), with the link: what the schedule and the link alone explain of the measured step. Where this
   is close and *simulated* is not, the compute costs differ between the profile and the pipeline (caches, core
@@ -52,20 +54,32 @@ def stage_costs(costs: CostModel) -> dict[str, list[float]]:
     }
 
 
-def with_overheads(costs: CostModel, action: float, message: float) -> CostModel:
-    """``costs`` with the runtime's fixed cost per action, as the planner charges it: ``c_s = action + message x
-    (messages stage s posts per action)`` added to each F and B, half of it to each of I and W."""
+def with_overheads(
+    costs: CostModel, action: float, message: float, scale: Sequence[float] = (1.0, 1.0, 1.0)
+) -> CostModel:
+    """``costs`` as the planner charges them: the runtime's fixed cost per action ``c_s = action + message x
+    (messages stage s posts per action)`` added to each F and B, half of it to each of I and W, and each kind
+    scaled by ``scale = (k_F, k_B, k_IW)``: ``F_s = k_F (f_s + c_s)``, ``B_s = k_B (b_s + c_s)``,
+    ``I_s = k_IW (i_s + c_s / 2)``, ``W_s = k_IW (w_s + c_s / 2)``."""
+    kf, kb, kiw = scale
     last = costs.num_stages - 1
     fixed = [action + message * ((s > 0) + (s < last)) for s in range(costs.num_stages)]
     out = replace(
         costs,
-        forward=tuple(f + c for f, c in zip(costs.forward, fixed)),
-        backward_input=tuple(i + c / 2 for i, c in zip(costs.backward_input, fixed)),
-        backward_weight=tuple(w + c / 2 for w, c in zip(costs.backward_weight, fixed)),
+        forward=tuple(kf * (f + c) for f, c in zip(costs.forward, fixed)),
+        backward_input=tuple(kiw * (i + c / 2) for i, c in zip(costs.backward_input, fixed)),
+        backward_weight=tuple(kiw * (w + c / 2) for w, c in zip(costs.backward_weight, fixed)),
     )
     if getattr(costs, "backward_full", ()):
-        out = replace(out, backward_full=tuple(b + c for b, c in zip(full_backward(costs), fixed)))
+        out = replace(out, backward_full=tuple(kb * (b + c) for b, c in zip(full_backward(costs), fixed)))
     return out
+
+
+def compute_scale(calibration: Mapping[str, Any]) -> tuple[float, float, float]:
+    """``(k_F, k_B, k_IW)`` from the calibration (1 where not measured; code that measured two factors, F and
+    B, charges I + W at B's)."""
+    scale = [float(k) for k in calibration.get("compute_scale") or ()] or [1.0]
+    return (scale[0], scale[min(1, len(scale) - 1)], scale[min(2, len(scale) - 1)])
 
 
 def with_measured(costs: CostModel, means: Mapping[str, float]) -> CostModel:
@@ -95,17 +109,20 @@ def profile_costs(profile: LayerProfile, bounds: Sequence[int], latency: float, 
 def predict(
     schedule: Schedule,
     costs: CostModel,
-    calibration: Mapping[str, float],
+    calibration: Mapping[str, Any],
     cores: float | None,
     measured: Mapping[str, float] | None = None,
 ) -> dict[str, Any]:
     """The three predictions of one schedule (seconds, bytes), and the simulated timeline (JSON).
 
-    ``calibration``: ``action``, ``message`` and ``step`` seconds (``sw.calibrate()``'s); ``cores``: the cores
+    ``calibration``: ``action``, ``message`` and ``step`` seconds (``sw.calibrate()``'s) and ``compute_scale``
+    (``measure_compute_scale``'s; absent: 1); ``cores``: the cores
     the ranks share (None: a core each); ``measured``: the pipeline's mean per (kind, stage) action.
     """
     plain = simulate(schedule, costs)
-    runtime = with_overheads(costs, calibration.get("action", 0.0), calibration.get("message", 0.0))
+    runtime = with_overheads(
+        costs, calibration.get("action", 0.0), calibration.get("message", 0.0), compute_scale(calibration)
+    )
     with_runtime = simulate(schedule, runtime).makespan
     shared = None
     if cores is not None and cores < schedule.num_ranks:

@@ -46,7 +46,16 @@ def heading(job: Mapping[str, Any], oversubscribed: bool) -> str:
         f"### {job['title']}, {job['ranks']} ranks{mark}\n\n"
         f"{job['microbatches']} micro-batches of {job['microbatch']}; link {cal['latency'] * 1e6:.0f} us + "
         f"bytes / {bandwidth}; the runtime's cost per action {cal['action'] * 1e6:.0f} us, per step "
-        f"{cal['step'] * 1e3:.2f} ms; cores shared {_cores(cal['cores'])}; job {job['seconds']:.0f} s."
+        f"{cal['step'] * 1e3:.2f} ms; cores shared {_cores(cal['cores'])}; {_scale(cal.get('compute_scale'))}; "
+        f"job {job['seconds']:.0f} s."
+    )
+
+
+def _scale(scale: Sequence[float] | None) -> str:
+    if not scale:
+        return "compute scale not measured (k = 1)"
+    return "compute scale on the group over the profile " + ", ".join(
+        f"{k} {v:.2f}" for k, v in zip(("k_F", "k_B", "k_IW"), scale)
     )
 
 
@@ -69,11 +78,13 @@ def goal_table(rows: Sequence[Mapping[str, Any]], judged: bool) -> str:
 
 
 def causes_table(rows: Sequence[Mapping[str, Any]]) -> str:
-    """What names a miss: the predictions with the runtime's costs and at the compute measured in the pipeline,
+    """What names a miss: the planner's prediction (the runtime's costs, the compute scaled by the group's
+    factors), the prediction at the compute measured in the pipeline,
     and the busiest rank's step taken apart."""
     head = (
-        "| schedule | + runtime ms (error) | at measured compute ms (error) | busiest rank: compute measured / "
-        "profile ms (F, I, W, B ratios) | messages x us | gaps ms | head + tail ms | CPU ms |\n"
+        "| schedule | planner's (+ runtime, x k) ms (error) | at measured compute ms (error) "
+        "| busiest rank: compute measured / profile ms (F, I, W, B ratios) "
+        "| messages x us | gaps ms | head + tail ms | CPU ms |\n"
         "|---|---:|---:|---|---:|---:|---:|---:|"
     )
     lines = [head]

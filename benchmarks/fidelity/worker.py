@@ -65,11 +65,30 @@ def alone_profile(work: Workload, x: Any, y: Any, args: argparse.Namespace) -> s
     return sw.LayerProfile.from_json(text[0])
 
 
-def calibration(args: argparse.Namespace) -> dict[str, Any]:
-    """The link and the runtime's costs per action, message and step; the cores the ranks share."""
+def measured_scale(
+    args: argparse.Namespace, profile: sw.LayerProfile, work: Workload, x: Any, y: Any, cal: Any
+) -> tuple[float, ...]:
+    """``measure_compute_scale``'s factors (F, B[, I + W]) for this workload's batch, or () where
+    ``--scale-steps 0`` skips it."""
+    if args.scale_steps == 0:
+        return ()
+    return tuple(
+        sw.runtime.measure_compute_scale(
+            profile, work.layers(), work.loss, x, y, steps=args.scale_steps, passes=args.passes,
+            timeout=args.timeout, progress=False, global_batch=len(x), profile_batch=work.microbatch, calibration=cal,
+        )
+    )  # fmt: skip
+
+
+def calibration(args: argparse.Namespace, profile: sw.LayerProfile, work: Workload, x: Any, y: Any) -> dict[str, Any]:
+    """The link and the runtime's costs per action, message and step; the cores the ranks share; and the
+    runtime's compute on the group over the profile's (``measure_compute_scale``: F, B, I + W), which holds
+    what sharing caches and memory bandwidth with the other ranks costs a stage's compute."""
     cal = sw.calibrate(sharding=False, layouts=False, passes=args.passes, timeout=args.timeout, progress=False)
     link = cal.intra or cal.inter
+    scale = measured_scale(args, profile, work, x, y, cal)
     return {
+        "compute_scale": list(scale),
         "latency": link.latency if link else 0.0,
         "bandwidth": link.bandwidth if link and math.isfinite(link.bandwidth) else None,  # None: unlimited
         "action": float(getattr(cal, "action", 0.0)),
@@ -184,7 +203,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
     profile = alone_profile(work, sample, targets, args)
     say(started, "profiled")
-    cal = calibration(args)
+    cal = calibration(args, profile, work, x, y)
     say(started, "calibrated")
     pipes = {name: build(work, name, sample, args) for name in args.schedules.split(",")}
     say(started, f"{len(pipes)} pipelines built")
@@ -227,6 +246,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7, help="the profile's repeats per layer")
     parser.add_argument("--profile-rounds", type=int, default=3)
     parser.add_argument("--passes", type=int, default=3, help="sw.calibrate()'s passes")
+    parser.add_argument(
+        "--scale-steps",
+        type=int,
+        default=6,
+        help="measure_compute_scale's steps per pass (0: not measured, the planner's prediction at k = 1)",
+    )
     parser.add_argument("--partition", default="uniform")
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--timelines", action="store_true", help="gather every timed step's timeline (pictures)")

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 from benchmarks.fidelity.breakdown import stage_means, step_record, step_times
-from benchmarks.fidelity.predicted import bounds_of, full_backward, with_measured, with_overheads
+from benchmarks.fidelity.predicted import bounds_of, compute_scale, full_backward, with_measured, with_overheads
 from benchmarks.fidelity.report import error, pays_checks, ranking_violations, stage_rows, summarize
 from benchmarks.fidelity.tables import job_section
 
@@ -57,6 +57,19 @@ def test_the_runtime_costs_go_where_the_planner_puts_them() -> None:
     assert measured.forward == (7.0, 1.0, 1.0) and measured.backward_input == (2.0, 2.0, 9.0)
     assert full_backward(measured) == (2.5, 8.0, 2.5)
     assert bounds_of([range(0, 3), range(3, 5)]) == [0, 3, 5]
+
+
+def test_the_group_s_compute_scale_multiplies_each_kind_with_its_overhead() -> None:
+    costs = CostModel.uniform(3, forward=1.0, backward_input=2.0, backward_weight=1.0, backward_full=2.5)
+    out = with_overheads(costs, 0.5, 0.25, scale=(1.1, 1.2, 1.3))
+    fixed = [0.75, 1.0, 0.75]
+    assert out.forward == pytest.approx([1.1 * (1 + c) for c in fixed])
+    assert full_backward(out) == pytest.approx([1.2 * (2.5 + c) for c in fixed])
+    assert out.backward_input == pytest.approx([1.3 * (2 + c / 2) for c in fixed])
+    assert out.backward_weight == pytest.approx([1.3 * (1 + c / 2) for c in fixed])
+    assert compute_scale({}) == (1.0, 1.0, 1.0)
+    assert compute_scale({"compute_scale": [1.1, 1.2]}) == (1.1, 1.2, 1.2)  # older code: I + W at B's
+    assert compute_scale({"compute_scale": [1.1, 1.2, 1.3]}) == (1.1, 1.2, 1.3)
 
 
 def _schedule(steps: list[float], sim: float, peak: float, *, split: bool, bounds: list[int]) -> dict[str, Any]:
