@@ -168,6 +168,10 @@ def test_run_elastic_arguments(launched: tuple[Path, list[tuple[list[str], dict[
 @pytest.mark.parametrize(
     ("argv", "words"),
     [
+        (["--max-restarts", "-1"], "--max-restarts must be >= 0"),
+        (["--nnodes", "2"], "needs --node-rank I and --rdzv-endpoint"),
+        (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "h:1"], "--node-rank must be in 0..1"),
+        (["--nnodes", "0"], "--nnodes must be >= 1"),
         (["--nnodes", "2:3", "--rdzv-endpoint", "h:1"], "give --max-restarts N"),
         (["--nnodes", "2:3", "--max-restarts", "1"], "needs --rdzv-endpoint HOST:PORT"),
         (["--nnodes", "2:3", "--max-restarts", "1", "--rdzv-endpoint", "h:1", "--node-rank", "0"], "drop --node-rank"),
@@ -178,7 +182,7 @@ def test_run_elastic_arguments(launched: tuple[Path, list[tuple[list[str], dict[
         (["--nnodes", "1:2", "--max-restarts", "1", "--rdzv-endpoint", "h:1", "--rdzv-conf", "oops"], "KEY=VALUE"),
     ],
 )
-def test_run_refuses_bad_elastic_options(
+def test_run_refuses_bad_launch_options(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, argv: list[str], words: str
 ) -> None:
     script = tmp_path / "train.py"
