@@ -65,28 +65,34 @@ def alone_profile(work: Workload, x: Any, y: Any, args: argparse.Namespace) -> s
     return sw.LayerProfile.from_json(text[0])
 
 
-def measured_scale(
-    args: argparse.Namespace, profile: sw.LayerProfile, work: Workload, x: Any, y: Any, cal: Any
-) -> tuple[float, ...]:
-    """``measure_compute_scale``'s factors (F, B[, I + W]) for this workload's batch, or () where
-    ``--scale-steps 0`` skips it."""
+def measured_scale(args: argparse.Namespace, profile: sw.LayerProfile, work: Workload, cal: Any) -> tuple[float, ...]:
+    """``measure_compute_scale``'s factors (F, B[, I + W]) at this workload's micro-batch, or () where
+    ``--scale-steps 0`` skips it.
+
+    Its probes run 2 micro-batches per rank; given the whole batch they would run micro-batches of
+    ``microbatches / (2 ranks)`` times the profile's, and the planner's linear scaling from the profile's
+    batch would put into the factor how much better a larger batch uses the core (measured on the d 256 GPT:
+    0.93 there against 1.10-1.14 in the pipelines themselves). The probes get 2 micro-batches per rank of
+    the profile's size instead, the pipelines' micro-batch."""
     if args.scale_steps == 0:
         return ()
+    n = work.microbatch * 2 * dist.get_world_size()
+    xs, ys = work.data(n)
     return tuple(
         sw.runtime.measure_compute_scale(
-            profile, work.layers(), work.loss, x, y, steps=args.scale_steps, passes=args.passes,
-            timeout=args.timeout, progress=False, global_batch=len(x), profile_batch=work.microbatch, calibration=cal,
+            profile, work.layers(), work.loss, xs, ys, steps=args.scale_steps, passes=args.passes,
+            timeout=args.timeout, progress=False, global_batch=n, profile_batch=work.microbatch, calibration=cal,
         )
     )  # fmt: skip
 
 
-def calibration(args: argparse.Namespace, profile: sw.LayerProfile, work: Workload, x: Any, y: Any) -> dict[str, Any]:
+def calibration(args: argparse.Namespace, profile: sw.LayerProfile, work: Workload) -> dict[str, Any]:
     """The link and the runtime's costs per action, message and step; the cores the ranks share; and the
     runtime's compute on the group over the profile's (``measure_compute_scale``: F, B, I + W), which holds
     what sharing caches and memory bandwidth with the other ranks costs a stage's compute."""
     cal = sw.calibrate(sharding=False, layouts=False, passes=args.passes, timeout=args.timeout, progress=False)
     link = cal.intra or cal.inter
-    scale = measured_scale(args, profile, work, x, y, cal)
+    scale = measured_scale(args, profile, work, cal)
     return {
         "compute_scale": list(scale),
         "latency": link.latency if link else 0.0,
@@ -203,7 +209,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
     profile = alone_profile(work, sample, targets, args)
     say(started, "profiled")
-    cal = calibration(args, profile, work, x, y)
+    cal = calibration(args, profile, work)
     say(started, "calibrated")
     pipes = {name: build(work, name, sample, args) for name in args.schedules.split(",")}
     say(started, f"{len(pipes)} pipelines built")
