@@ -65,8 +65,8 @@ def test_pipeline_from_plan_is_now_a_classmethod() -> None:
         sw.no_such_name  # noqa: B018
 
 
-def _loaded_after(statement: str) -> list[str]:
-    code = f"import sys; {statement}; print(' '.join(m for m in sys.modules if m.startswith('stagewise')))"
+def _loaded_after(statement: str, prefix: str = "stagewise") -> list[str]:
+    code = f"import sys; {statement}; print(' '.join(m for m in sys.modules if m.startswith({prefix!r})))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     return out.split()
 
@@ -79,3 +79,13 @@ def test_the_runtime_door_loads_nothing_until_a_name_is_asked_for() -> None:
     shm = [m for m in _loaded_after("import stagewise.runtime.comm.shm.transport") if ".runtime." in m]
     assert len(shm) < 25, shm  # (56 runtime modules through the eager door this replaced)
     assert not [m for m in shm if ".engine." in m or ".frontends." in m or m.endswith(".pipeline")], shm
+
+
+def test_a_pipeline_that_never_checkpoints_never_imports_dcp() -> None:
+    """torch.distributed.checkpoint, and the DTensor and FSDP modules it brings, cost a third of a second of CPU
+    per process: a rank imports them at its first save or load (checkpoint/dcp_files.py), not with Pipeline."""
+    loaded = _loaded_after("import stagewise as sw; sw.Pipeline; sw.checkpoint.save", prefix="")
+    assert "stagewise.runtime.checkpoint.storage" in loaded  # the checkpoint package itself is there
+    heavy = [m for m in loaded if m.startswith(("torch.distributed.checkpoint", "torch.distributed.fsdp"))]
+    assert heavy == [] and "stagewise.runtime.checkpoint.dcp_files" not in loaded, heavy
+    assert "torch.distributed.checkpoint" in _loaded_after("from stagewise.runtime.checkpoint import dcp_files", "")

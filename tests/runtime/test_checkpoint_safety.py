@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.planner import WriteItemType
 import stagewise as sw
 from helpers import models as mdl
 from stagewise.checkpoint import CheckpointError
-from stagewise.runtime.checkpoint import storage
+from stagewise.runtime.checkpoint import dcp_files, storage
 
 CPU = torch.device("cpu")
 
@@ -25,7 +25,7 @@ def test_the_metadata_unpickler_builds_only_its_fixed_list(tmp_path: Path) -> No
     """A class of DCP's own package that is not DCP metadata (the old rule allowed any class under it) is refused."""
     (tmp_path / ".metadata").write_bytes(pickle.dumps(WriteItemType.TENSOR))
     with pytest.raises(CheckpointError, match="refusing to build torch.distributed.checkpoint.planner.WriteItemType"):
-        storage.SafeReader(str(tmp_path)).read_metadata()
+        dcp_files.SafeReader(str(tmp_path)).read_metadata()
 
 
 def test_shares_write_each_piece_once_and_load_merged(tmp_path: Path) -> None:
@@ -39,7 +39,7 @@ def test_shares_write_each_piece_once_and_load_merged(tmp_path: Path) -> None:
     for rank, tensors in enumerate(held):
         ranks = storage.Ranks(None, rank, 2, CPU, True)
         storage.save_tensors(tensors, tmp_path, ranks, storage.assigned(pieces, rank))
-    meta = storage.SafeReader(str(tmp_path)).read_metadata()
+    meta = dcp_files.SafeReader(str(tmp_path)).read_metadata()
     files = {index.fqn: info.relative_path for index, info in meta.storage_data.items()}
     assert sorted(files) == ["a", "b", "c"] and files["b"].startswith("rank-0/") and files["c"].startswith("rank-1/")
     targets = {"a": torch.zeros(4), "b": torch.zeros(2, 3, dtype=torch.float64), "c": torch.tensor(0)}
@@ -80,11 +80,11 @@ def test_what_dcp_wraps_is_handed_on_as_what_it_was() -> None:
     """A Ctrl-C during a save stays a KeyboardInterrupt (the job's one line, no traceback); a disk error becomes a
     CheckpointError naming the folder; a CheckpointError from the reader stays itself."""
     with pytest.raises(KeyboardInterrupt):
-        with storage._unwrapped("writing checkpoint ckpt/step-3"):
+        with dcp_files._unwrapped("writing checkpoint ckpt/step-3"):
             raise _dcp_failure(KeyboardInterrupt())
     with pytest.raises(CheckpointError, match=r"^writing checkpoint ckpt/step-3: OSError: \[Errno 28\] disk full$"):
-        with storage._unwrapped("writing checkpoint ckpt/step-3"):
+        with dcp_files._unwrapped("writing checkpoint ckpt/step-3"):
             raise _dcp_failure(OSError(28, "disk full"))
     with pytest.raises(CheckpointError, match="^refusing to build x$"):
-        with storage._unwrapped("reading checkpoint ckpt/step-3"):
+        with dcp_files._unwrapped("reading checkpoint ckpt/step-3"):
             raise _dcp_failure(CheckpointError("refusing to build x"))

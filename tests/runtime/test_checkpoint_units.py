@@ -14,7 +14,7 @@ import torch
 import stagewise as sw
 from helpers import models as mdl
 from stagewise.checkpoint import CheckpointError
-from stagewise.runtime.checkpoint import storage
+from stagewise.runtime.checkpoint import dcp_files
 
 
 def _trained(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
@@ -133,7 +133,7 @@ def test_an_optimizer_over_foreign_parameters_or_none_saved_is_refused(tmp_path:
 def test_the_metadata_unpickler_builds_nothing_but_dcp_metadata(tmp_path: Path) -> None:
     model, _, _ = _trained()
     where = sw.checkpoint.save(tmp_path, model, step=1)
-    assert storage.SafeReader(str(where)).read_metadata().state_dict_metadata  # DCP's own metadata reads
+    assert dcp_files.SafeReader(str(where)).read_metadata().state_dict_metadata  # DCP's own metadata reads
     (where / ".metadata").write_bytes(pickle.dumps(os.getcwd))
     with pytest.raises(CheckpointError, match="refusing to build"):
-        storage.SafeReader(str(where)).read_metadata()
+        dcp_files.SafeReader(str(where)).read_metadata()

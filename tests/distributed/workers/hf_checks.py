@@ -181,7 +181,7 @@ def checkpoint_every_replica(ctx: Ctx) -> dict[str, Any]:
     """pp=2 x dp=2: every rank calls save; each tensor is written once (by one rank) and loads back into a
     pipeline of a differently initialised model; a second save while the first one's folder exists does not
     hang either."""
-    from stagewise.runtime.checkpoint.storage import SafeReader
+    from stagewise.runtime.checkpoint.dcp_files import SafeReader
 
     folder = Path(gather_objects(tempfile.mkdtemp() if ctx.rank == 0 else None, None)[0])
     try:
