@@ -45,11 +45,17 @@ test-system: $(STAMP)
 fault-matrix: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m benchmarks.fault_soak --all --parallel 2
 
-# Elastic jobs' faults during recovery, which `make test` skips: a second machine lost during the new rendezvous,
+# Elastic jobs, which `make test` skips: three machines that lose one and take it back (test_elastic.py), and the
+# faults during recovery: a second machine lost during the new rendezvous,
 # a machine lost in a checkpoint save and in a snapshot copy, the rendezvous host lost (and survived with the
 # store apart), fewer than MIN machines; each a job of 3 namespace machines x 2 processes (needs root; ~10 min on
 # 2 cores). The measurements: `$(PY) -m benchmarks.elastic cost` and `sudo $(PY) -m benchmarks.elastic recovery`.
-.PHONY: elastic
+.PHONY: elastic faults
+# The fault jobs `make test` skips (a minute and a half): the fault matrix's sample of eight cases and the faults
+# where torch waits (FSDP2, the profile, no stagewise.init), each a 4-rank job judged on exit codes and messages.
+faults: $(STAMP)
+	STAGEWISE_FAULTS=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q tests/system/test_fault_matrix.py tests/system/test_fault_axes.py
+
 elastic: $(STAMP)
 	STAGEWISE_ELASTIC=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q tests/system/test_elastic.py tests/system/test_elastic_faults.py
 

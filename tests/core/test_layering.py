@@ -18,6 +18,7 @@ DISTRIBUTED_ROOMS = [
     RUNTIME / "comm",
     RUNTIME / "hybrid",
     RUNTIME / "checkpoint" / "storage.py",
+    RUNTIME / "checkpoint" / "dcp_files.py",  # storage's DCP half, imported at the first save or load
     RUNTIME / "launch.py",
     RUNTIME / "measure" / "links.py",  # the probes time torch.distributed's own operations
     RUNTIME / "measure" / "sharding.py",

@@ -4,16 +4,20 @@ the transport exists, and a program that never calls ``stagewise.init``. 4 ranks
 Judged on exit codes and messages only (tests/system/scripts/fault_harness.py): every live rank exits 1 with a
 PipelineError naming the faulty rank, no rank aborts. The ranks' default group keeps init's 10-minute timeout, so
 ``sigstop-rank3-shard`` - rank 2 is then stuck in FSDP2's reduce-scatter with the stopped rank 3 - ends only if
-the mesh's groups carry the pipeline's timeout; the harness's guard would catch a hang.
+the mesh's groups carry the pipeline's timeout; the harness's guard would catch a hang. ``make faults`` runs these
+(``STAGEWISE_FAULTS=1``; ``make test`` skips them).
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 import fault_harness as fh
+
+pytestmark = pytest.mark.skipif(not os.environ.get("STAGEWISE_FAULTS"), reason="4-rank fault jobs: `make faults`")
 
 WORKER = Path(fh.__file__).parent / "fault_axes.py"
 

@@ -111,6 +111,8 @@ def assemble(root: nn.Module, ctx: PipelineContext, parts: Parts, options: Optio
     """
     parts.register(root)
     held.hybrid = ctx.hybrid
+    if ctx.hybrid is not None:  # an option every rank shares: refused by each alike, before the transport's gather
+        ctx.hybrid.require_plan(options.tp_plan)
     transport = make_transport(ctx, options)
     held.transport = transport
     guard = transport.guard

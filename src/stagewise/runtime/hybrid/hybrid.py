@@ -62,6 +62,11 @@ class Hybrid:
         return f"mesh{self.mesh.id}/pipeline{self.mesh.pipelines_made - 1}"
 
     # ---- building --------------------------------------------------------
+    def require_plan(self, tp_plan: TPPlan | None) -> None:
+        """Refuse tp > 1 without a plan: every rank alike, before any collective (see :func:`..assembly.assemble`)."""
+        if self.config.tp > 1 and tp_plan is None:
+            raise ValueError(f"tp={self.config.tp} needs a tp_plan= saying which layers to split")
+
     def attach(
         self,
         root: nn.Module,
@@ -77,8 +82,8 @@ class Hybrid:
         c = self.config
         self._wait = wait
         if c.tp > 1:
-            if tp_plan is None:
-                raise ValueError(f"tp={c.tp} needs a tp_plan= saying which layers to split")
+            self.require_plan(tp_plan)
+            assert tp_plan is not None
             self.tp_split = apply_plan(root, self.mesh.sub("tp"), tp_plan)
             if c.sharding == 1:  # (FSDP aligns the gradients of the layers it shards itself)
                 self._split_params = {s: [p for m in ls for p in m.parameters()] for s, ls in stages.items()}
