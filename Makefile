@@ -48,7 +48,7 @@ fault-matrix: $(STAMP)
 # Elastic jobs, which `make test` skips: three machines that lose one and take it back (test_elastic.py), and the
 # faults during recovery: a second machine lost during the new rendezvous,
 # a machine lost in a checkpoint save and in a snapshot copy, the rendezvous host lost (and survived with the
-# store apart), fewer than MIN machines; each a job of 3 namespace machines x 2 processes (needs root; ~10 min on
+# store apart), fewer than MIN machines; each a job of 3 namespace machines x 2 processes (needs root; ~5 min on
 # 2 cores). The measurements: `$(PY) -m benchmarks.elastic cost` and `sudo $(PY) -m benchmarks.elastic recovery`.
 .PHONY: elastic faults
 # The fault jobs `make test` skips (a minute and a half): the fault matrix's sample of eight cases and the faults
