@@ -27,7 +27,10 @@ def test_synthesize_writes_the_schedule_it_reports(tmp_path: Path, capsys: pytes
         CostModel.uniform(2, forward=1.0, backward_input=1.5, backward_weight=0.5, comm_time=0.25), 2, 5
     )
     assert f"makespan   {expected.meta['synthesis']['makespan']:g}" in printed  # type: ignore[index]
-    assert f"wrote torch compute_only CSV (stage s on rank s % P): {torch_csv}" in printed
+    assert f"wrote torch compute_only CSV: {torch_csv}" in printed
+    # one stage per rank, said as such: torchtitan needs a single-stage class there (a looped one fails to load)
+    assert "torchtitan: one stage per rank: pipeline_parallel_schedule 1F1B, num_pp_microbatches 5" in printed
+    assert f"--parallelism.pipeline_parallel_schedule_csv {torch_csv} --parallelism.num_pp_microbatches 5" in printed
     assert _texts(sw.Schedule.load_csv(out)) == _texts(expected)
     assert _texts(sw.from_torch(torch_csv, num_microbatches=5)) == _texts(expected.compute_only())
 

@@ -181,7 +181,7 @@ def test_what_from_torch_does_not_take_is_named() -> None:
 
 def test_torch_placement_says_how_torchtitan_must_place_the_stages() -> None:
     assert torch_placement(sw.build_schedule("interleaved-1f1b", 4, 8, 3)) == "loop"
-    assert torch_placement(sw.build_schedule("1f1b", 4, 8)) == "loop"
+    assert torch_placement(sw.build_schedule("1f1b", 4, 8)) == "one"  # a single-stage class, not a looped one
     assert torch_placement(sw.build_schedule("zb-v", 4, 8)) == "v"
     odd = Schedule(
         "odd", 1, (1, 0), ((Action(1, Kind.F, 0), Action(1, Kind.B, 0)), (Action(0, Kind.F, 0), Action(0, Kind.B, 0)))

@@ -8,12 +8,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from .common import Subparsers, UsageError
 from .costs import add_times, check_times, cost_model
-from .torch_files import add_torch_flags, torch_schedule, write_torch_csv
+from .torch_files import (
+    add_torch_flags,
+    add_torchtitan_check,
+    file_problems,
+    is_file,
+    torch_schedule,
+    torchtitan_lines,
+    write_torch_csv,
+)
 
 if TYPE_CHECKING:
     from ..ir import Schedule
@@ -36,8 +45,13 @@ instead (JSON written by CostModel.to_dict, e.g. from a profiler).
 --from-torch CLASS simulates and draws torch.distributed.pipelining's own
 schedule instead (ZBVZeroBubble, Interleaved1F1B, ... or ScheduleZBVZeroBubble;
 needs torch): its pipeline_order table, or with --torch-read step the actions
-its step() runs. --torch-csv FILE writes the schedule as the CSV torch's
-_PipelineScheduleRuntime (and torchtitan's schedule CSV option) loads.
+its step() runs. --from-torch FILE.csv reads a schedule file (torch's
+_dump_csv, stagewise's --torch-csv), checks it against -p, -m (and -v) and
+prints the torchtitan settings that load it; with --torchtitan CLASS it checks
+the file against a torchtitan job (format, class, stages per rank, micro-batch
+count) and exits 1 naming each problem. --torch-csv FILE writes the schedule as
+the CSV torch's _PipelineScheduleRuntime (and torchtitan's schedule CSV option)
+loads.
 """
 
 
@@ -69,6 +83,7 @@ def add_command(sub: Subparsers) -> None:
     )
     add_times(parser)
     add_torch_flags(parser)
+    add_torchtitan_check(parser)
     parser.add_argument("--png", metavar="PATH", help="write a Gantt chart PNG")
     parser.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace JSON")
     parser.add_argument("--ascii", action="store_true", help="print a text chart")
@@ -100,6 +115,11 @@ def run_simulate(args: argparse.Namespace) -> int:
     with gc_paused():
         if args.from_torch:
             schedule = torch_schedule(args)
+            problems = file_problems(args, schedule) if is_file(args.from_torch) else []
+            if problems:
+                for problem in problems:
+                    print(f"stagewise simulate: {args.from_torch}: {problem}", file=sys.stderr)
+                return 1
         else:
             schedule = build_schedule(args.schedule, args.ranks, args.microbatches, args.virtual_stages)
         result = simulate(schedule, _costs(args, schedule))
@@ -167,13 +187,15 @@ def _print_summary(args: argparse.Namespace, schedule: Schedule, result: SimResu
     times = (
         f"costs from {args.costs}"
         if args.costs
-        else f"F={args.f_time:g} I={args.i_time:g} W={args.w_time:g} comm={args.comm_time:g}"
+        else f"F={args.f_time:g} I={args.i_time:g} W={args.w_time:g} comm={args.comm_time:g} per rank"
     )
     label, m = _label(args, schedule), schedule.num_microbatches
     print(f"{label}: {schedule.num_ranks} ranks, {stages}, {m} micro-batches ({times})")
     print(f"  makespan   {result.makespan:g}")
     print(f"  bubble     {result.bubble_ratio:.1%}")
     print(f"  peak activations (micro-batches) per rank: {_short_list(result.peak_activations)}")
+    for line in _notes(args, schedule):
+        print(f"  {line}")
     for flag, path in (("png", args.png), ("trace", args.trace), (f"torch {args.torch_format} CSV", args.torch_csv)):
         if path:
             print(f"  wrote {flag}: {path}")
@@ -182,6 +204,30 @@ def _print_summary(args: argparse.Namespace, schedule: Schedule, result: SimResu
 
         print()
         print(render_ascii(result.timeline, width=args.width))
+
+
+def _notes(args: argparse.Namespace, schedule: Schedule) -> list[str]:
+    """Why the numbers may differ from elsewhere: per-rank times split over the stages (``sw.simulate``'s default
+    charges each stage 1), torch's FSDP actions set aside; and, for a file, what torchtitan needs to load it."""
+    notes = []
+    v = schedule.virtual_stages
+    if v > 1 and not args.costs:
+        notes.append(
+            f"times are per rank: each of its {v} stages takes 1/{v} of them (sw.simulate(schedule) without "
+            "costs charges every stage F = I = W = 1)"
+        )
+    fsdp = schedule.meta.get("torch_annotations")
+    if isinstance(fsdp, tuple) and fsdp:
+        notes.append(
+            f"torch's FSDP actions (UNSHARD, RESHARD): {len(fsdp)} set aside in schedule.meta['torch_annotations'], "
+            "not simulated"
+        )
+    if args.from_torch and is_file(args.from_torch):
+        if args.torchtitan:
+            notes.append(f"torchtitan: {args.torchtitan} with num_pp_microbatches {args.microbatches} loads it as is")
+        else:
+            notes.extend(torchtitan_lines(schedule, args.from_torch))
+    return notes
 
 
 def _short_list(values: Sequence[float], limit: int = 16) -> str:

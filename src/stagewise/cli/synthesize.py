@@ -12,7 +12,7 @@ import json
 
 from .common import Subparsers, UsageError
 from .costs import add_times, check_times, cost_model
-from .torch_files import add_torch_csv, write_torch_csv
+from .torch_files import add_torch_csv, torchtitan_lines, write_torch_csv
 
 _HELP = """\
 Synthesize a schedule for your costs (stagewise.synthesize): the hand-written
@@ -26,7 +26,10 @@ CostModel.to_dict JSON, e.g. from sw.profile(...).cost_model(...)).
 
 --torch-csv FILE writes the schedule for torch.distributed.pipelining: load it
 with _PipelineScheduleRuntime._load_csv(FILE, format) or torchtitan's schedule
-CSV option, with the stages placed as the file's rows say (row r, rank r).
+CSV option, with the stages placed as the file's rows say (row r, rank r). The
+torchtitan settings that load it are printed (the schedule class that places
+its stages, the micro-batch count); `stagewise simulate --from-torch FILE.csv
+--torchtitan CLASS -p P -m M` checks a file against a job's settings.
 """
 
 
@@ -70,13 +73,16 @@ def run_synthesize(args: argparse.Namespace) -> int:
     schedule = synthesize(
         costs, p, m, memory=args.memory, virtual_stages=v, placement=args.placement, effort=args.effort
     )
-    written = []
+    written, notes = [], []
     if args.csv:
         _write(args.csv, "--csv", schedule.to_csv())
         written.append(("stagewise CSV", args.csv))
     if args.torch_csv:
-        placed = write_torch_csv(schedule, args.torch_csv, args.torch_format)
-        written.append((f"torch {args.torch_format} CSV ({placed})", args.torch_csv))
+        write_torch_csv(schedule, args.torch_csv, args.torch_format)
+        written.append((f"torch {args.torch_format} CSV", args.torch_csv))
+        notes = torchtitan_lines(schedule, args.torch_csv)
+        if args.torch_format == "compute_comms":
+            notes = ["torchtitan: loads compute_only files only (write one with --torch-format compute_only)"]
     if args.png:
         from ..render import render_png
 
@@ -91,6 +97,8 @@ def run_synthesize(args: argparse.Namespace) -> int:
     print(f"  baseline   {report['baseline']} {report['baseline_makespan']:g}")
     for what, path in written:
         print(f"  wrote {what}: {path}")
+    for line in notes:
+        print(f"  {line}")
     return 0
 
 

@@ -7,7 +7,9 @@ schedule class's order needs torch's stage objects, so that half lives in the ru
 
 * :mod:`.torch_words`: torch's action words and stagewise's, both ways;
 * :mod:`.torch_orders`: :func:`from_torch`, :func:`to_torch_csv`, :func:`torch_problems`, :func:`torch_placement`,
-  :class:`TorchOrder`.
+  :class:`TorchOrder`;
+* :mod:`.torchtitan`: :func:`torchtitan_settings` (the settings that load a file in torchtitan) and
+  :func:`torchtitan_problems` (a file checked against a job's settings).
 """
 
 from .torch_orders import (
@@ -19,5 +21,17 @@ from .torch_orders import (
     torch_placement,
     torch_problems,
 )
+from .torchtitan import TorchtitanSettings, torchtitan_problems, torchtitan_settings
 
-__all__ = ["FORMATS", "TorchFormat", "TorchOrder", "from_torch", "to_torch_csv", "torch_placement", "torch_problems"]
+__all__ = [
+    "FORMATS",
+    "TorchFormat",
+    "TorchOrder",
+    "TorchtitanSettings",
+    "from_torch",
+    "to_torch_csv",
+    "torch_placement",
+    "torch_problems",
+    "torchtitan_problems",
+    "torchtitan_settings",
+]

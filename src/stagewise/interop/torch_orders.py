@@ -185,17 +185,19 @@ def torch_problems(schedule: Schedule) -> list[str]:
 
 
 def torch_placement(schedule: Schedule) -> str | None:
-    """How torchtitan must place ``schedule``'s stages: ``"loop"`` (stage s on rank s % p: name a looped class,
-    e.g. ``Interleaved1F1B``, as its schedule), ``"v"`` (2 stages per rank in a V: name ``ZBVZeroBubble``),
-    or None (another placement: build the stages yourself, ``schedule.stages_of(rank)``).
+    """How torchtitan must place ``schedule``'s stages: ``"one"`` (one stage per rank, stage s on rank s: name a
+    single-stage class, ``1F1B`` or ``GPipe``), ``"loop"`` (v > 1 stages per rank, stage s on rank s % p: a
+    looped class such as ``Interleaved1F1B``), ``"v"`` (2 stages per rank in a V: ``ZBVZeroBubble``), or None
+    (another placement: build the stages yourself, ``schedule.stages_of(rank)``).
 
-    torchtitan decides which stages a rank builds from the schedule class it is given, not from the CSV.
+    torchtitan decides which stages a rank builds from the schedule class it is given, not from the CSV
+    (:func:`stagewise.interop.torchtitan_settings` gives every setting).
     """
     p, v = schedule.num_ranks, schedule.virtual_stages
     if p * v != schedule.num_stages:
         return None
     if tuple(schedule.placement) == loop_placement(p, v):
-        return "loop"
+        return "one" if v == 1 else "loop"
     if v == 2 and tuple(schedule.placement) == v_placement(p, 2):
         return "v"
     return None
