@@ -13,6 +13,7 @@ from typing import NamedTuple
 import pytest
 
 import stagewise as sw
+from stagewise.cli.main import main
 from stagewise.interop import TorchOrder, from_torch, to_torch_csv, torch_placement, torch_problems
 from stagewise.ir import Action, Kind, Schedule
 from stagewise.passes import forward_only, lower
@@ -74,6 +75,8 @@ def test_torch_action_objects_read_as_their_text() -> None:
         ("(1F0;1B0)FUSED", ["only OVERLAP_F_B groups"]),
         ("1REDUCE_GRAD3", ["whole stage"]),
         ("1F", ["needs a micro-batch"]),
+        ("1UNSHARD1", ["rank 1, position 2", "UNSHARD applies to a whole stage, not micro-batch 1"]),
+        ("1RESHARD0", ["RESHARD applies to a whole stage"]),
     ],
 )
 def test_a_word_it_cannot_read_is_named_with_its_place(cell: str, words: list[str]) -> None:
@@ -187,3 +190,66 @@ def test_torch_placement_says_how_torchtitan_must_place_the_stages() -> None:
         "odd", 1, (1, 0), ((Action(1, Kind.F, 0), Action(1, Kind.B, 0)), (Action(0, Kind.F, 0), Action(0, Kind.B, 0)))
     )
     assert torch_placement(odd) is None
+
+
+def test_a_built_schedule1f1b_is_refused_with_the_hint_to_read_its_step() -> None:
+    """torchtitan's default class, built by a program: its table is refused, and the hint says how to read it."""
+
+    class Schedule1F1B:  # torch's class as from_torch sees a built one: its table, its counts
+        pipeline_order = TORCH_1F1B_TABLE
+        pp_group_size, _n_microbatches = 2, 4
+
+    with pytest.raises(sw.ScheduleError) as err:
+        from_torch(Schedule1F1B())
+    assert "from_torch(stagewise.runtime.torch_order(Schedule1F1B, p=2, m=4, read='step'))" in str(err.value)
+    assert "micro-batch 4 is outside 0..3" in str(err.value)
+
+
+def test_a_runtime_loaded_from_compute_comms_reads_the_order_it_runs() -> None:
+    """torch's _load_csv(format="compute_comms") leaves pipeline_order empty and fills pipeline_order_with_comms."""
+
+    class _PipelineScheduleRuntime:
+        pipeline_order: dict[int, list[str]] = {}
+        pipeline_order_with_comms = {0: "0F0 0SEND_F0 0RECV_B0 0B0".split(), 1: "1RECV_F0 1F0 1B0 1SEND_B0".split()}
+        _n_microbatches = 1
+
+    read = from_torch(_PipelineScheduleRuntime())
+    assert _texts(read) == [list(r) for r in _PipelineScheduleRuntime.pipeline_order_with_comms.values()]
+    with pytest.raises(ValueError, match="holds no actions"):
+        from_torch({0: [], 1: [None]})
+
+
+@pytest.mark.parametrize(
+    ("rows", "cell"),
+    [
+        (
+            {0: "0F0 0F1 0B0 0B2".split(), 1: "1F0 1F1 1B0 1B1".split()},
+            "rank 0, position 3: 0B2: stage 0 has no forward",
+        ),
+        (
+            {0: "0F0 0F1 0B0 0B1".split(), 1: "1F0 1F2 1B0 1B1".split()},
+            "rank 1, position 1: 1F2: stage 1 has no backward",
+        ),
+    ],
+)
+def test_a_micro_batch_typo_is_named_at_its_cell(rows: dict[int, list[str]], cell: str) -> None:
+    with pytest.raises(sw.ScheduleError) as err:
+        from_torch(rows)
+    assert err.value.problems[0].startswith(cell), err.value.problems
+
+
+def test_simulate_notes_torchs_fsdp_actions(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "fsdp.csv"
+    path.write_text("0UNSHARD,0F0,0B0,0RESHARD\n1UNSHARD,1F0,1B0,1RESHARD\n")
+    assert main(["simulate", "--from-torch", str(path), "-p", "2", "-m", "1"]) == 0
+    assert "torch's FSDP actions (UNSHARD, RESHARD): 4 set aside" in capsys.readouterr().out
+
+
+def test_python_and_the_cli_makespans_differ_by_the_stages_per_rank(capsys: pytest.CaptureFixture[str]) -> None:
+    """The CLI's times are per rank (each of v stages takes 1/v), sw.simulate's default costs per stage: for zb-v
+    at p 4, m 8 the CLI prints 25.5 where Python gives 51, and says why."""
+    assert main(["simulate", "-s", "zb-v", "-p", "4", "-m", "8"]) == 0
+    out = capsys.readouterr().out
+    cli = float(out.split("makespan")[1].split()[0])
+    assert cli * 2 == sw.simulate(sw.build_schedule("zb-v", 4, 8)).makespan == 51
+    assert "times are per rank: each of its 2 stages takes 1/2 of them" in out

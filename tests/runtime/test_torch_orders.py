@@ -150,12 +150,40 @@ def test_torch_order_errors_name_the_problem() -> None:
         torch_order("GPipe", 2, 4, read="table")
     with pytest.raises(TypeError, match="schedule class or its name"):
         torch_order(int, 2, 4)  # type: ignore[arg-type]
+    for base in ("PipelineScheduleMulti", "PipelineScheduleSingle", "_PipelineScheduleRuntime"):
+        with pytest.raises((ValueError), match=f"{base.lstrip('_')} is a base of torch's schedule classes"):
+            torch_order(base if base[0] != "_" else _runtime_class(), 2, 4)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="ZBV requires exactly 2 stages per rank"):
         torch_order("ZBVZeroBubble", 2, 4, 3)
     from torch.distributed.pipelining import ScheduleLoopedBFS
 
     assert torch_order(ScheduleLoopedBFS, 2, 4).name == "ScheduleLoopedBFS"
     assert read_action(None) == read_action("")  # a bubble, either way
+
+
+def _runtime_class() -> type:
+    from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+
+    return _PipelineScheduleRuntime
+
+
+def test_from_torch_reads_a_runtime_loaded_from_compute_comms_and_hints_at_a_built_1f1b() -> None:
+    schedule = sw.build_schedule("zb-v", 2, 4)
+    loaded = torch_runtime(schedule, _stand_ins(2, 4, 0, (0, 3)), loss_fn=None, format="compute_comms")
+    assert not any(loaded.pipeline_order.values())  # torch fills only the list it runs
+    as_run = [[a for a in acts if a.kind is not sw.ir.Kind.STEP] for acts in schedule.ranks]
+    assert _texts(from_torch(loaded), compute=False) == _texts(schedule.with_ranks(as_run), compute=False)
+    from torch.distributed.pipelining import Schedule1F1B
+
+    built = Schedule1F1B(_stand_ins(2, 2, 0, (0,))[0], 4)  # torchtitan's default class, as a program builds it
+    with pytest.raises(sw.ScheduleError, match=r"from_torch\(stagewise.runtime.torch_order\(Schedule1F1B, p=2, m=4"):
+        from_torch(built)
+
+
+def test_simulate_refuses_torchs_base_classes_by_name(capsys: pytest.CaptureFixture[str]) -> None:
+    for base in ("PipelineScheduleMulti", "PipelineScheduleSingle"):
+        assert main(["simulate", "--from-torch", base, "-p", "2", "-m", "4"]) == 2
+        assert f"{base} is a base of torch's schedule classes, with no order of its own" in capsys.readouterr().err
 
 
 def test_torch_runtime_refuses_stages_that_do_not_match_the_schedule() -> None:

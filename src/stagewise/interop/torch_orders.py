@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import csv
 import io
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from ..schedules import is_asynchronous
 from ..validate import ScheduleError, validate_schedule
 from .torch_words import read_action, write_actions
 
+_log = logging.getLogger(__name__)
 TorchFormat = Literal["compute_only", "compute_comms"]
 FORMATS: tuple[str, ...] = ("compute_only", "compute_comms")
 
@@ -78,6 +80,7 @@ def from_torch(
     rows, found_name, found_m, hint = _rows_of(order)
     ranks: list[tuple[Action, ...]] = []
     notes: list[tuple[int, int, str]] = []
+    cells: dict[tuple[int, Action], int] = {}  # (rank, action) -> its position in the rank's row
     for rank, row in enumerate(rows):
         acts: list[Action] = []
         for position, item in enumerate(row):
@@ -85,9 +88,14 @@ def from_torch(
             if read.annotation is not None:
                 notes.append((rank, len(acts), read.annotation))
             acts.extend(read.actions)
+            cells.update(dict.fromkeys(((rank, a) for a in read.actions), position))
         ranks.append(tuple(acts))
     if not any(ranks):
         raise ValueError("the torch order holds no actions")
+    if notes:
+        _log.info(
+            "from_torch: %d FSDP actions (UNSHARD, RESHARD) kept in meta['torch_annotations'], not run", len(notes)
+        )
     mbs = [a.microbatch for acts in ranks for a in acts if a.microbatch is not None]
     m = num_microbatches or found_m or (max(mbs) + 1 if mbs else 1)
     schedule = Schedule(
@@ -100,8 +108,36 @@ def from_torch(
     try:
         validate_schedule(schedule)
     except ScheduleError as err:
-        raise ScheduleError(schedule, err.problems + ([hint] if hint else [])) from None
+        typos = _unmatched_cells(ranks, cells)
+        raise ScheduleError(schedule, typos + err.problems + ([hint] if hint else [])) from None
     return schedule
+
+
+def _unmatched_cells(ranks: Sequence[Sequence[Action]], cells: Mapping[tuple[int, Action], int]) -> list[str]:
+    """The cells of an order whose micro-batch has no forward (a backward's) or no backward (a forward's) on
+    its stage: where a typo such as ``0B2`` for ``0B1`` sits, named before the validator's counts. A cell whose
+    micro-batch lies beyond its kind's count on the stage (2 among two forwards) comes first: the likely typo."""
+    seen: dict[tuple[int, bool], set[int]] = {}  # (stage, is a forward) -> micro-batches
+    for acts in ranks:
+        for a in acts:
+            if a.microbatch is not None and a.kind in (Kind.F, Kind.B, Kind.I):
+                seen.setdefault((a.stage, a.kind is Kind.F), set()).add(a.microbatch)
+    found: list[tuple[bool, str]] = []
+    for rank, acts in enumerate(ranks):
+        for a in acts:
+            forward = a.kind is Kind.F
+            if a.microbatch is None or not a.kind.is_compute or (a.stage, False) not in seen:
+                continue  # (a stage without backwards: a forward-only order)
+            other = seen.get((a.stage, not forward), set())
+            if a.microbatch not in other:
+                beyond = a.microbatch >= len(seen.get((a.stage, forward), ()))
+                lacks = "backward" if forward else "forward"
+                text = (
+                    f"rank {rank}, position {cells[rank, a]}: {a}: stage {a.stage} has no {lacks} of micro-batch "
+                    f"{a.microbatch} (its {lacks}s: {_short(sorted(other))}){' (a typo?)' if beyond else ''}"
+                )
+                found.append((not beyond, text))
+    return [text for _, text in sorted(found, key=lambda f: f[0])]
 
 
 def _rows_of(order: object) -> tuple[list[Sequence[object]], str, int | None, str | None]:
@@ -124,8 +160,7 @@ def _rows_of(order: object) -> tuple[list[Sequence[object]], str, int | None, st
         return _csv_cells(order), "torch", None, None
     table = getattr(order, "pipeline_order", None)
     if table is not None:  # a built torch schedule
-        m = getattr(order, "_n_microbatches", None)
-        return _by_rank(table), type(order).__name__, m if isinstance(m, int) else None, None
+        return _built(order, table)
     if isinstance(order, Mapping):
         return _by_rank(order), "torch", None, None
     raise TypeError(
@@ -133,6 +168,25 @@ def _rows_of(order: object) -> tuple[list[Sequence[object]], str, int | None, st
         f"got {type(order).__name__} (a torch schedule class? build its order with "
         "stagewise.runtime.torch_order(cls, p=..., m=...))"
     )
+
+
+def _built(
+    order: object, table: Mapping[object, Sequence[object]]
+) -> tuple[list[Sequence[object]], str, int | None, str | None]:
+    """A torch schedule object: its ``pipeline_order`` table; for a runtime loaded from a compute_comms file,
+    whose table stays empty, the list it runs (``pipeline_order_with_comms``)."""
+    name, m = type(order).__name__, getattr(order, "_n_microbatches", None)
+    m = m if isinstance(m, int) else None
+    lowered = getattr(order, "pipeline_order_with_comms", None)
+    if not any(table.values()) and isinstance(lowered, Mapping) and any(lowered.values()):
+        return _by_rank(lowered), name, m, None
+    p = getattr(order, "pp_group_size", None) or len(table)
+    hint = (
+        f"(this is {name}'s pipeline_order table; its step() may run another order: "
+        f"from_torch(stagewise.runtime.torch_order({name}, p={p}, m={m}, read='step')) reads the actions "
+        "step() runs)"
+    )
+    return _by_rank(table), name, m, hint
 
 
 def _by_rank(table: Mapping[object, Sequence[object]]) -> list[Sequence[object]]:

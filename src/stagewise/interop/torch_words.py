@@ -89,11 +89,11 @@ def _read_text(text: str, where: str) -> Read:
 
 
 def _action(word: str, stage: int, mb: int | None, where: str) -> Read:
+    if word in _PER_STAGE and mb is not None:
+        raise ValueError(f"{where}: {word} applies to a whole stage, not micro-batch {mb}")
     if word in ANNOTATIONS:
         return Read(annotation=f"{stage}{word}")
     if word in _PER_STAGE:
-        if mb is not None:
-            raise ValueError(f"{where}: {word} applies to a whole stage, not micro-batch {mb}")
         return Read((Action(stage, Kind.STEP if word == "STEP" else Kind.SYNC),))
     if word not in SAME:
         raise ValueError(f"{where}: stagewise does not read torch's {word!r} (it reads {', '.join(KNOWN)})")

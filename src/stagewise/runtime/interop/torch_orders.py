@@ -21,6 +21,7 @@ Uses torch's private schedule internals (tested on torch 2.13; see :func:`torch_
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from ...interop import TorchOrder
@@ -51,12 +52,21 @@ def schedule_class(cls: type | str) -> type:
     if isinstance(cls, str):
         name = cls.removeprefix("Schedule") if cls.lower() != "schedule" else cls
         try:
-            return schedules.get_schedule_class(name)
+            klass = schedules.get_schedule_class(name)
         except ValueError as err:
             raise ValueError(f"unknown torch schedule {cls!r}: {err}") from None
-    if not isinstance(cls, type) or not issubclass(cls, schedules._PipelineSchedule):
+    elif isinstance(cls, type) and issubclass(cls, schedules._PipelineSchedule):
+        klass = cls
+    else:
         raise TypeError(f"expected a torch.distributed.pipelining schedule class or its name, got {cls!r}")
-    return cls
+    bases = (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti, schedules._PipelineScheduleRuntime)
+    if klass in bases or inspect.isabstract(klass):
+        raise ValueError(
+            f"{klass.__name__} is a base of torch's schedule classes, with no order of its own (torchtitan takes it "
+            "with a CSV file, whose order it runs): name a class that makes one, e.g. 1F1B, GPipe, Interleaved1F1B, "
+            "LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV; or read a file with from_torch(Path(...))"
+        )
+    return klass
 
 
 def torch_order(cls: type | str, p: int, m: int, v: int | None = None, *, read: str = "pipeline_order") -> TorchOrder:
