@@ -51,7 +51,9 @@ def test_synthesize_compute_comms_and_json(tmp_path: Path, capsys: pytest.Captur
 def test_simulate_writes_a_registered_schedule_for_torch(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "zbv.csv"
     assert main(["simulate", "-s", "zb-v", "-p", "2", "-m", "4", "--torch-csv", str(path)]) == 0
-    assert f"wrote torch compute_only CSV: {path}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"wrote torch compute_only CSV: {path}" in out
+    assert "torchtitan: 2 stages per rank, in a V: pipeline_parallel_schedule ZBVZeroBubble" in out
     assert path.read_text() == sw.to_torch_csv(sw.build_schedule("zb-v", 2, 4))
 
 

@@ -227,6 +227,8 @@ def _notes(args: argparse.Namespace, schedule: Schedule) -> list[str]:
             notes.append(f"torchtitan: {args.torchtitan} with num_pp_microbatches {args.microbatches} loads it as is")
         else:
             notes.extend(torchtitan_lines(schedule, args.from_torch))
+    elif args.torch_csv and args.torch_format == "compute_only":  # the file written: what loads it in torchtitan
+        notes.extend(torchtitan_lines(schedule, args.torch_csv))
     return notes
 
 
