@@ -57,8 +57,8 @@ def _quiet_view_warning() -> None:
     view. It warns that an in-place op on that view drops the unit's pre-backward hook, and so the all-gather
     before its backward. Harmless here: a unit's parameters are gathered at its first forward and stay whole until
     SYNC (``reshard_after_forward=False``, no resharding after backward), so there is no all-gather in backward to
-    skip, and the reduction runs by hand at SYNC (:func:`reduce`), not from that hook. The sharded parity checks
-    (tests/distributed, gradients equal to one process) cover models whose layers return views."""
+    skip, and the reduction runs by hand at SYNC (:func:`reduce`), not from that hook
+    (tests/runtime/test_sharding_warnings.py does the in-place op and gets the model's gradients)."""
     warnings.filterwarnings("ignore", message=VIEW_WARNING, category=UserWarning)
 
 
