@@ -52,6 +52,8 @@ from ..features.recompute import run_layers
 from ..frontends.parts import Parts, PipelineContext
 from ..frontends.tied import TiedBuilder, TiedSync, stage_parameters
 from ..options import Options
+from ..reporting.config import metrics_config, progress_every
+from ..reporting.reporter import Reporter
 from .step_parts import HybridStep, MeterStep, TiedStep
 
 if TYPE_CHECKING:
@@ -99,6 +101,7 @@ class Engine:
     merge: GradientMerge = field(default_factory=GradientMerge)
     dropout: DropoutSeeds | None = None
     snapshots: Snapshotter | None = None  # snapshot=: resumed by sw.checkpoint.resume
+    reporter: Reporter | None = None  # metrics=, progress=, the events; each mode's last run
 
 
 def assemble(root: nn.Module, ctx: PipelineContext, parts: Parts, options: Options, held: Held) -> Engine:
@@ -175,13 +178,38 @@ def _engine(
         weighted=options.loss_weights is not None, wait=wait,
     )  # fmt: skip
     metered = None if meter is None else MeterStep(meter)
-    step_parts: list[StepPart | None] = [TiedStep(tied_sync), hybrid, metered, norms, finite, aux, dropout, snapshots]
+    reporter = _reporter(root, ctx, options, optimizers, finite, meter)
+    step_parts: list[StepPart | None] = [
+        TiedStep(tied_sync), hybrid, metered, norms, finite, aux, dropout, snapshots, reporter,  # reporter: last
+    ]  # fmt: skip
     runner = _runner(ctx, options, transport, interpreter, lists, eval_schedule, step_parts, hybrid)
     return Engine(
         transport=transport, optimizers=optimizers, mailbox=mailbox, tied=tied_sync, hooks=hooks, runner=runner,
         eval_schedule=eval_schedule, finite=finite, aux=aux, meter=meter, held=held, merge=merge, dropout=dropout,
-        snapshots=snapshots,
+        snapshots=snapshots, reporter=reporter,
     )  # fmt: skip
+
+
+def _reporter(
+    root: nn.Module,
+    ctx: PipelineContext,
+    options: Options,
+    optimizers: dict[int, torch.optim.Optimizer],
+    finite: FinitePart | None,
+    meter: ActivationMeter | None,
+) -> Reporter:
+    """What the pipeline reports (:mod:`..reporting`): metrics=, the progress line, the events, each mode's last run."""
+    return Reporter(
+        metrics_config(options.metrics),
+        progress=progress_every(options.progress),
+        process_rank=groups.global_rank(),
+        pp_rank=ctx.rank,
+        dims=(options.batch_dim, options.target_batch_dim),
+        optimizers=lambda: [optimizers[s] for s in sorted(optimizers)],
+        params=root.parameters,
+        skipped=lambda: 0 if finite is None else finite.skipped,
+        activation_peak=lambda: None if meter is None else meter.peak,
+    )
 
 
 def _runner(
