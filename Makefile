@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,hf,examples,docs,exact]'
+	$(PY) -m pip install -q -e '.[dev,hf,examples,docs,exact,tensorboard]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -86,6 +86,12 @@ class Reporter:
             said = " ".join(f"{k}={v}" for k, v in fields.items())
             events_log.info("step %d: %s%s", at, name, f" {said}" if said else "")
 
+    def log(self, step: int | None = None, **values: float) -> None:
+        """Write the script's own scalars (``val_loss=...``) beside the step's, at ``step`` (default: the train
+        steps finished): a JSON line and a TensorBoard scalar each."""
+        for sink in self.sinks:
+            sink.scalars(self.steps if step is None else int(step), {k: float(v) for k, v in values.items()})
+
     def grad_norm(self, norm: float) -> None:
         """The gradient norm a clip computed: in the running step's record, or, clipped between steps (after
         ``train_step`` returned), recorded at the step just finished."""
