@@ -67,6 +67,7 @@ class Reporter:
         self._norm: float | None = None  # a gradient norm clipped inside the running step
         self._running = False
         self._started = 0.0
+        self._param_bytes: float | None = None
 
     # ---- what other parts call ----------------------------------------------------------------
     def watch(self, optimizer: torch.optim.Optimizer) -> None:
@@ -154,7 +155,9 @@ class Reporter:
         for what, n in counts.items():
             values[f"throughput/{what}_per_s"] = n / wall if wall > 0 else 0.0
         values.update(step_times(step.events, wall))
-        values["memory/parameters"] = float(parameter_bytes(self.params()))
+        if self._param_bytes is None:  # (counted once: a pipeline's parameters keep their sizes)
+            self._param_bytes = float(parameter_bytes(self.params()))
+        values["memory/parameters"] = self._param_bytes
         peak = self.activation_peak()
         if peak is not None:
             values["memory/activations_peak"] = float(peak)
