@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import stagewise as sw
+from stagewise.runtime import MetricsConfig
 
 #: the progress line's logger (stagewise.runtime.reporting.progress), set to INFO below
 PROGRESS = "stagewise.runtime.reporting.progress"
@@ -69,7 +70,7 @@ def measure(setting: str, folder: Path, args: argparse.Namespace) -> tuple[float
     ]
     metrics: Any = None
     if setting == "json":
-        metrics = sw.MetricsConfig(folder / setting, tensorboard=False)
+        metrics = MetricsConfig(folder / setting, tensorboard=False)
     elif setting == "tensorboard":
         metrics = folder / setting
     pipe = sw.Pipeline(

@@ -21,6 +21,7 @@ import torch
 
 import stagewise as sw
 from helpers import models as mdl
+from stagewise.cli.run import metrics_env
 from stagewise.planning.result import RankMemory
 from stagewise.runtime.reporting import files, progress, reporter, sinks
 from stagewise.runtime.reporting.config import METRICS_ENV, MetricsConfig, metrics_config
@@ -238,6 +239,7 @@ def test_the_metrics_option_and_its_environment_variable() -> None:
     assert metrics_config(None, {}) is None
     assert metrics_config(None, {METRICS_ENV: "runs/a"}) == MetricsConfig("runs/a")
     assert metrics_config("runs/b", {METRICS_ENV: "runs/a"}) == MetricsConfig("runs/b")
+    assert set(metrics_env("runs/c")) == {METRICS_ENV}  # what `stagewise run --metrics` sets is what is read
     with pytest.raises(ValueError, match="every must be an integer >= 1"):
         sw.Options(metrics=MetricsConfig("runs", every=0))
     with pytest.raises(TypeError, match="metrics must be a folder"):
@@ -251,3 +253,19 @@ def test_the_json_lines_are_plain_json(one_rank, tmp_path: Path) -> None:
     _train(pipe, steps=3)
     lines = (tmp_path / "rank0.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [2]  # every=2
+
+
+def test_an_asynchronous_window_writes_each_mini_batch_s_loss(one_rank, tmp_path: Path) -> None:
+    pipe = _pipe_async(tmp_path)
+    stream = [mdl.lm_data(BATCH, seed=k) for k in range(5)]
+    losses = list(pipe.train_stream(stream))
+    records = files.read_metrics(tmp_path)
+    assert files.series(records, "loss") == list(enumerate(losses, start=1))
+    assert len(files.series(records, "time/step")) < len(losses)  # a window's times once, at its last step
+
+
+def _pipe_async(folder: Path) -> sw.Pipeline:
+    return sw.Pipeline(
+        mdl.lm(), loss_fn=mdl.lm_loss, schedule="pipedream", microbatches=2, seed=5, progress=False,
+        metrics=MetricsConfig(folder, tensorboard=False), optimizer=lambda p: torch.optim.SGD(p, lr=0.01),
+    )  # fmt: skip

@@ -92,7 +92,7 @@ class Pipeline(nn.Module):
     the layers' measured costs (a layer list with ``sample_inputs``: :mod:`stagewise.runtime.assembly.auto_schedule`).
     ``snapshot=k`` (or a :class:`~stagewise.Snapshots`): each rank's state after every k-th step, in memory on
     its machine and a peer's, which ``sw.checkpoint.resume`` weighs against the disk (:mod:`stagewise.runtime.elastic`).
-    ``metrics="DIR"`` (or a :class:`~stagewise.MetricsConfig`): each step's loss, learning rate, throughput, times,
+    ``metrics="DIR"`` (or a :class:`~stagewise.runtime.MetricsConfig`): each step's loss, learning rate, throughput, times,
     bubble, memory and events to ``DIR/rank{R}.jsonl`` and TensorBoard; ``progress`` (True, every N steps, or
     False): a line per step on rank 0's log at INFO (:mod:`stagewise.runtime.reporting`).
 

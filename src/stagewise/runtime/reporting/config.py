@@ -54,7 +54,7 @@ def metrics_config(spec: MetricsSpec, environ: dict[str, str] | None = None) -> 
         return spec
     if isinstance(spec, (str, os.PathLike)):
         return MetricsConfig(spec)
-    raise TypeError(f"metrics must be a folder (str or path), a stagewise.MetricsConfig or None, got {spec!r}")
+    raise TypeError(f"metrics must be a folder (str or path), a stagewise.runtime.MetricsConfig or None, got {spec!r}")
 
 
 def progress_every(progress: bool | int) -> int:
