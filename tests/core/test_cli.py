@@ -137,7 +137,9 @@ def test_run_metrics_sets_the_workers_folder(monkeypatch: pytest.MonkeyPatch, tm
     monkeypatch.setattr(launch, "torchrun", lambda argv, env: calls.append((argv, env)) or 0)
     monkeypatch.chdir(tmp_path)
     assert main(["run", "-n", "2", "--metrics", "runs/a", str(script)]) == 0
-    assert calls == [(["--standalone", "--nproc-per-node=2", str(script)], {"STAGEWISE_METRICS": str(tmp_path / "runs/a")})]
+    assert calls == [
+        (["--standalone", "--nproc-per-node=2", str(script)], {"STAGEWISE_METRICS": str(tmp_path / "runs/a")})
+    ]
 
 
 def test_run_rejects_bad_arguments(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

@@ -92,9 +92,8 @@ class Pipeline(nn.Module):
     the layers' measured costs (a layer list with ``sample_inputs``: :mod:`stagewise.runtime.assembly.auto_schedule`).
     ``snapshot=k`` (or a :class:`~stagewise.Snapshots`): each rank's state after every k-th step, in memory on
     its machine and a peer's, which ``sw.checkpoint.resume`` weighs against the disk (:mod:`stagewise.runtime.elastic`).
-    ``metrics="DIR"`` (or a :class:`~stagewise.runtime.MetricsConfig`): each step's loss, learning rate, throughput, times,
-    bubble, memory and events to ``DIR/rank{R}.jsonl`` and TensorBoard; ``progress`` (True, every N steps, or
-    False): a line per step on rank 0's log at INFO (:mod:`stagewise.runtime.reporting`).
+    ``metrics="DIR"`` (a :class:`~stagewise.runtime.MetricsConfig`): each step's numbers to JSON lines and
+    TensorBoard; ``progress`` (True, every N steps, False): rank 0's line (:mod:`stagewise.runtime.reporting`).
 
     Every schedule trains a stream of mini-batches with :meth:`train_stream`; synchronous ones also one
     mini-batch at a time with :meth:`train_step` (asynchronous ones, ``pipedream``, ``pipedream-2bw``,
@@ -356,9 +355,7 @@ class Pipeline(nn.Module):
 
     @property
     def metrics(self) -> Reporter:
-        """What this pipeline reports (``metrics=``, ``progress=``): ``.event(name, step=None, **fields)``,
-        ``.watch(optimizer)`` (a user's optimizer's learning rate), ``.last`` (the last step's values), ``.close()``."""
-        assert self._engine.reporter is not None
+        """What this pipeline reports: ``.event(name, **fields)``, ``.watch(optimizer)``, ``.log(**values)``."""
         return self._engine.reporter
 
     def last_step_losses(self) -> dict[str, float]:

@@ -9,7 +9,8 @@ change it (autocast, recompute, aux losses); an asynchronous schedule gets the v
 It registers, in order, every part with work at a stage's SYNC and STEP (:class:`~..engine.hooks.StagePart`:
 the hybrid axes, the tied sums, BatchNorm, the check of non-finite values; with ``offload=``, the optimizers
 step on the host) and around each step (:class:`~..engine.runner.StepPart`: the tied sums, the hybrid axes,
-the activation meter, BatchNorm, the check, the aux totals): the engine knows none of them by name. The
+the activation meter, BatchNorm, the check, the aux totals, what it reports): the engine knows none of them by
+name. The
 Pipeline keeps what this returns.
 """
 
@@ -52,9 +53,8 @@ from ..features.recompute import run_layers
 from ..frontends.parts import Parts, PipelineContext
 from ..frontends.tied import TiedBuilder, TiedSync, stage_parameters
 from ..options import Options
-from ..reporting.config import metrics_config, progress_every
 from ..reporting.reporter import Reporter
-from .step_parts import HybridStep, MeterStep, TiedStep
+from .step_parts import HybridStep, MeterStep, TiedStep, reporting_part
 
 if TYPE_CHECKING:
     from ..hybrid.hybrid import Hybrid
@@ -97,11 +97,11 @@ class Engine:
     finite: FinitePart | None  # the check of non-finite values (None: nan_policy=None)
     aux: AuxTotals
     meter: ActivationMeter | None  # measure_memory=True
+    reporter: Reporter  # metrics=, progress=, the events; each mode's last run
     held: Held = field(default_factory=Held)
     merge: GradientMerge = field(default_factory=GradientMerge)
     dropout: DropoutSeeds | None = None
     snapshots: Snapshotter | None = None  # snapshot=: resumed by sw.checkpoint.resume
-    reporter: Reporter | None = None  # metrics=, progress=, the events; each mode's last run
 
 
 def assemble(root: nn.Module, ctx: PipelineContext, parts: Parts, options: Options, held: Held) -> Engine:
@@ -178,7 +178,7 @@ def _engine(
         weighted=options.loss_weights is not None, wait=wait,
     )  # fmt: skip
     metered = None if meter is None else MeterStep(meter)
-    reporter = _reporter(root, ctx, options, optimizers, finite, meter)
+    reporter = reporting_part(root, ctx, options, optimizers, finite, meter)
     step_parts: list[StepPart | None] = [
         TiedStep(tied_sync), hybrid, metered, norms, finite, aux, dropout, snapshots, reporter,  # reporter: last
     ]  # fmt: skip
@@ -188,28 +188,6 @@ def _engine(
         eval_schedule=eval_schedule, finite=finite, aux=aux, meter=meter, held=held, merge=merge, dropout=dropout,
         snapshots=snapshots, reporter=reporter,
     )  # fmt: skip
-
-
-def _reporter(
-    root: nn.Module,
-    ctx: PipelineContext,
-    options: Options,
-    optimizers: dict[int, torch.optim.Optimizer],
-    finite: FinitePart | None,
-    meter: ActivationMeter | None,
-) -> Reporter:
-    """What the pipeline reports (:mod:`..reporting`): metrics=, the progress line, the events, each mode's last run."""
-    return Reporter(
-        metrics_config(options.metrics),
-        progress=progress_every(options.progress),
-        process_rank=groups.global_rank(),
-        pp_rank=ctx.rank,
-        dims=(options.batch_dim, options.target_batch_dim),
-        optimizers=lambda: [optimizers[s] for s in sorted(optimizers)],
-        params=root.parameters,
-        skipped=lambda: 0 if finite is None else finite.skipped,
-        activation_peak=lambda: None if meter is None else meter.peak,
-    )
 
 
 def _runner(
