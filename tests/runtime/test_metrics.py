@@ -13,6 +13,8 @@ import errno
 import json
 import logging
 import os
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -129,16 +131,36 @@ def test_an_unwritable_folder_is_one_line_and_training_goes_on(
     assert "cannot write" in lines[0] and "training goes on" in lines[0]
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only folder (the case above fails as root)")
-def test_a_read_only_folder_is_one_line(one_rank, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    tmp_path.chmod(0o500)
+@pytest.fixture
+def read_only(tmp_path: Path) -> Iterator[Path]:
+    """A read-only folder: permissions 0500, or, for root (whom permissions do not stop), a read-only tmpfs."""
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    if os.geteuid() != 0:
+        folder.chmod(0o500)
+        yield folder
+        folder.chmod(0o700)
+        return
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)], capture_output=True)
+    if mount.returncode != 0:
+        pytest.skip(f"root, and no read-only tmpfs could be mounted: {mount.stderr!r}")
     try:
-        with caplog.at_level(logging.WARNING, logger=SINKS):
-            pipe = _pipe(metrics=MetricsConfig(tmp_path / "runs", tensorboard=False))
-            _train(pipe, steps=2)
+        yield folder
     finally:
-        tmp_path.chmod(0o700)
-    assert [r.levelname for r in caplog.records] == ["WARNING"]
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+@pytest.mark.parametrize("where", ["the folder itself", "a folder under it"])
+def test_a_read_only_folder_is_one_line(
+    one_rank, read_only: Path, where: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    folder = read_only if where == "the folder itself" else read_only / "runs"
+    with caplog.at_level(logging.WARNING, logger=SINKS):
+        pipe = _pipe(metrics=folder)
+        losses, _ = _train(pipe, steps=2)
+    assert len(losses) == 2
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "cannot write" in lines[0] and "training goes on" in lines[0], lines
 
 
 def test_a_full_disk_is_one_line_and_training_goes_on(
