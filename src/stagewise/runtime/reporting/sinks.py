@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
+_JSON = json.JSONEncoder(default=str)  # (made once: json.dumps with options builds an encoder per call)
 
 
 class Sink(Protocol):
@@ -53,7 +54,7 @@ class JsonLines:
         if self.file is None:
             return
         try:
-            self.file.write(json.dumps({**record, **self.fields}, default=str, allow_nan=True) + "\n")
+            self.file.write(_JSON.encode({**record, **self.fields}) + "\n")
             self.file.flush()
         except OSError as err:
             self.failed(self.path, err)
