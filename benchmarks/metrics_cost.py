@@ -102,7 +102,7 @@ def main() -> None:
     progress_log.addHandler(logging.NullHandler())
     progress_log.propagate = False
     progress_log.setLevel(logging.INFO)
-    settings = ["off", "json", *(["tensorboard"] if tensorboard_installed() else []), "progress"]
+    settings = ["off", "json", *(["tensorboard"] if tensorboard_installed() else []), "progress", "off again"]
     with tempfile.TemporaryDirectory() as tmp:
         rows = {s: measure(s, Path(tmp), args) for s in settings}
     base = rows["off"][0]
