@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 import stagewise as sw
 from feature_models import lm_data, lm_loss, tied_lm
@@ -86,5 +87,48 @@ def metrics(schedule: str) -> Check:
     return check
 
 
+#: what a step may call on torch.distributed: counted with and without metrics=
+COLLECTIVES = ("broadcast", "all_reduce", "all_gather", "all_gather_object", "gather", "reduce", "barrier")
+
+
+def no_collective_added(ctx: Ctx) -> dict[str, Any]:
+    """The same two steps with ``metrics=`` and the progress line, and with neither: the same torch.distributed
+    calls, on every rank (each rank writes what it holds)."""
+    counts = {}
+    for on in (False, True):
+        folder = tempfile.mkdtemp(prefix="sw-metrics-") if on else None
+        pipe = sw.Pipeline(
+            tied_lm(), loss_fn=lm_loss, schedule="1f1b", microbatches=4, group=ctx.group, seed=3, timeout=60.0,
+            metrics=folder, progress=on, optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+        )  # fmt: skip
+        pipe.train_step(*lm_data(8, seed=0))  # (the first step sets up what later steps reuse)
+        seen: list[str] = []
+        saved = {name: getattr(dist, name) for name in COLLECTIVES}
+        for name, fn in saved.items():
+            setattr(dist, name, _counting(fn, name, seen))
+        try:
+            pipe.train_step(*lm_data(8, seed=1))
+        finally:
+            for name, fn in saved.items():
+                setattr(dist, name, fn)
+        counts[on] = seen
+        pipe.metrics.close()
+        if folder is not None:
+            assert len(read_metrics(folder, pipe.process_rank)) == 2
+            shutil.rmtree(folder)
+    assert counts[True] == counts[False], f"rank {ctx.rank}: {counts}"
+    return {"collectives per step": len(counts[True])}
+
+
+def _counting(fn: Any, name: str, seen: list[str]) -> Any:
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        seen.append(name)
+        return fn(*args, **kwargs)
+
+    return counted
+
+
 def checks(world: int) -> dict[str, Check]:
-    return {"metrics-zb-v": metrics("zb-v")} if world == 2 else {"metrics-1f1b": metrics("1f1b")}
+    if world == 2:
+        return {"metrics-zb-v": metrics("zb-v"), "metrics-no-collective": no_collective_added}
+    return {"metrics-1f1b": metrics("1f1b")}
