@@ -340,13 +340,13 @@ class Pipeline(nn.Module):
         With ``gather=True`` (a collective: call it on every rank) the events of all ranks are collected,
         on one clock, so the step renders like a simulated one.
         """
-        step, started = self.metrics.last_run(mode)
+        events, started = self.metrics.last_run(mode)
         return step_timeline(
-            [] if step is None else step.events,
+            events or [],
             rank=self.rank,
             num_ranks=self.num_ranks,
             name=self.schedule.name,
-            meta={"mode": step.mode if step else None, "num_microbatches": self.schedule.num_microbatches},
+            meta={"mode": mode if events is not None else None, "num_microbatches": self.schedule.num_microbatches},
             started=started,
             clock_offset=self._clock_offset,
             group=self.transport.group if gather else None,

@@ -61,7 +61,7 @@ class Reporter:
             [] if config is None else open_sinks(config.path, process_rank, pp_rank, config.tensorboard)
         )
         self._finalizer = weakref.finalize(self, _close_all, self.sinks)  # (also at interpreter exit)
-        self.runs: dict[str, tuple[Any, float]] = {}  # mode -> (its last run's Step, when it started)
+        self.runs: dict[str, tuple[list[Any], float]] = {}  # mode -> its last run's events, when it started
         self.steps = 0  # train steps finished (mini-batches)
         self.last: dict[str, float] = {}  # the last record's values
         self._norm: float | None = None  # a gradient norm clipped inside the running step
@@ -103,8 +103,9 @@ class Reporter:
             for sink in self.sinks:
                 sink.scalars(self.steps, {"grad_norm": norm})
 
-    def last_run(self, mode: str) -> tuple[Any, float]:
-        """The last run of ``mode`` (``"train"`` or ``"eval"``): its step record (None before one) and its start."""
+    def last_run(self, mode: str) -> tuple[list[Any] | None, float]:
+        """The last run of ``mode`` (``"train"`` or ``"eval"``): its events ``(action, start, end)`` (None before
+        one) and when it started (``perf_counter`` seconds)."""
         if mode not in ("train", "eval"):
             raise ValueError(f"mode must be 'train' or 'eval', got {mode!r}")
         return self.runs.get(mode, (None, 0.0))
@@ -123,7 +124,7 @@ class Reporter:
 
     def after(self, run: StepRun) -> None:
         ended = time.perf_counter()
-        self.runs[run.mode] = (run.step, self._started)
+        self.runs[run.mode] = (run.step.events, self._started)  # (the events only: no tensor kept alive)
         if run.mode != "train":
             return
         self._running = False
