@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,hf,examples,docs,exact]'
+	$(PY) -m pip install -q -e '.[dev,hf,examples,docs,exact,tensorboard]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -69,7 +69,8 @@ lint: $(STAMP)
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
-# The built site opened in headless Chromium (Debian's chromium): the home page and a guide, screenshotted into
+# The built site opened in headless Chromium (Debian's chromium): the home page and a guide, and TensorBoard's page
+# over a small run's metrics= folder (docs/tensorboard-demo.png is the demo's), screenshotted into
 # out/site-screenshots (tests/system/test_docs_site.py, which CI runs with the rest of the tests). Without
 # chromium on the PATH it fails, saying so, rather than pass having taken no screenshot.
 docs-screenshots: $(STAMP)

@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import stagewise as sw
-from reporting import TrainingProgress, console, gather_state_dict, plot_losses, summary_table
+from reporting import TrainingProgress, console, summary_table
+from stagewise.runtime import gather_state_dict, plot_losses
 
 
 class ResBlock(nn.Module):

@@ -8,7 +8,10 @@ same batches (same seed) and passes them to ``pipe.train_step``: stage 0 uses
 the inputs, the last stage the targets. The rank holding the last stage shows
 the progress and writes, under ``--out``:
 
-* ``loss_curve.png`` and ``metrics.csv``: training loss per step, validation loss;
+* ``metrics/``: the pipeline's own per-step metrics (``metrics=``): ``rank{R}.jsonl`` and, with tensorboard
+  installed, TensorBoard event files (``tensorboard --logdir OUT/metrics``): loss, learning rate, tokens/s,
+  compute / waiting / transfer time, bubble, memory, validation loss;
+* ``loss_curve.png`` and ``metrics.csv``: training loss per step, validation loss (both modes);
 * ``timeline_measured.png`` / ``.trace.json``: one measured step (open the trace in ui.perfetto.dev);
 * ``timeline_simulated.png`` / ``.trace.json``: the simulator's prediction from the measured per-stage
   compute times, and ``timeline_compare.png`` with both;
@@ -49,17 +52,8 @@ import torch.distributed as dist
 import stagewise as sw
 from gpt_data import STDLIB_FILES, Batch, batches, eval_batches, split, stdlib_corpus
 from gpt_model import GPTConfig, generate, gpt_layers, lm_loss
-from reporting import (
-    MetricsLog,
-    TrainingProgress,
-    console,
-    measured_costs,
-    plot_losses,
-    summary_table,
-    tensorboard_available,
-    typical,
-    write_timelines,
-)
+from reporting import MetricsLog, TrainingProgress, console, measured_costs, summary_table, typical, write_timelines
+from stagewise.runtime import plot_losses
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -91,7 +85,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--keep", type=int, default=2, help="checkpoints to keep (default 2)")
     p.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints under OUT/checkpoints")
     p.add_argument("--stop-at", type=int, default=None, help="stop after this step, as if interrupted")
-    p.add_argument("--tensorboard", action="store_true", help="also log metrics to OUT/tb (needs tensorboard)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar or step lines")
     p.add_argument("--verbose", action="store_true", help="log stagewise's INFO messages")
     args = p.parse_args(argv)
@@ -99,8 +92,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.out = Path("out/gpt-single" if args.single else "out/gpt")
     if args.single and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         p.error("--single trains in one process: run `python examples/gpt_stdlib.py --single`, not under a launcher")
-    if args.tensorboard and not tensorboard_available():
-        p.error("--tensorboard needs the tensorboard package (pip install tensorboard)")
     names = ("steps", "threads", "batch_size", "microbatches", "eval_every", "eval_batches", "timeline_every")
     for name in (*names, "save_every", "keep"):
         if getattr(args, name) < 1:
@@ -143,6 +134,8 @@ class Pipelined:
             partition=partition,
             seed=args.seed,
             optimizer=adamw(args.lr),
+            metrics=args.out / "metrics",  # JSON lines, and TensorBoard when installed
+            progress=False,  # (the script draws its own progress bar)
         )
         self.schedule = self.pipe.schedule
         self.reporter_rank = self.schedule.placement[-1]
@@ -167,7 +160,10 @@ class Pipelined:
             logits = self.pipe.eval_step(x)
             if self.reports:
                 losses.append(float(lm_loss(logits, y)))
-        return statistics.fmean(losses) if self.reports else None
+        if not self.reports:
+            return None
+        self.pipe.metrics.log(val_loss=statistics.fmean(losses))  # beside the step's metrics
+        return statistics.fmean(losses)
 
     def timeline(self) -> sw.Timeline:
         return self.pipe.timeline(gather=True)
@@ -256,7 +252,7 @@ def train(
 ) -> tuple[MetricsLog | None, list[sw.Timeline], float, int]:
     """The loop from step ``start + 1``; returns the metrics log, the kept measured timelines, the training
     seconds and the last step done (``--stop-at`` may end it early)."""
-    metrics = MetricsLog(args.out, tensorboard=args.tensorboard and runner.reports) if runner.reports else None
+    metrics = MetricsLog(args.out) if runner.reports else None
     progress = TrainingProgress(args.steps, unit="tok/s", enabled=runner.reports and not args.no_progress)
     tokens = args.batch_size * args.seq_len
     recent: deque[float] = deque(maxlen=20)

@@ -35,17 +35,8 @@ import torch.distributed as dist
 
 import stagewise as sw
 from gpt_data import STDLIB_FILES, VOCAB_SIZE, batches, eval_batches, split, stdlib_corpus
-from reporting import (
-    MetricsLog,
-    TrainingProgress,
-    console,
-    gather_state_dict,
-    measured_costs,
-    plot_losses,
-    summary_table,
-    typical,
-    write_timelines,
-)
+from reporting import MetricsLog, TrainingProgress, console, measured_costs, summary_table, typical, write_timelines
+from stagewise.runtime import gather_state_dict, plot_losses
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -164,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         pipe.train()
         return statistics.fmean(float(sw.causal_lm_loss(lg, x)) for lg, x in zip(losses, valid)) if reports else None
 
-    metrics = MetricsLog(args.out, tensorboard=False) if reports else None
+    metrics = MetricsLog(args.out) if reports else None
     progress = TrainingProgress(args.steps, unit="tok/s", enabled=reports and not args.no_progress)
     recent: deque[float] = deque(maxlen=20)
     timelines: list[sw.Timeline] = []

@@ -1,9 +1,11 @@
-"""What the example scripts show and write: live progress, metrics, timelines, loss curve, checkpoint, summary.
+"""What the example scripts show and write: a live progress bar, a CSV of both modes, timelines, a summary.
 
 Nothing here trains; the scripts call these helpers around their loops. Only
 the rank that reports (the one holding the last stage, which computes the loss)
-draws the progress bar and writes files; :func:`gather_state_dict` is the one
-collective, and every rank calls it.
+draws the progress bar and writes files. What the library does itself is not
+here: the per-step metrics (``Pipeline(metrics=DIR)``: JSON lines and
+TensorBoard), the loss plot and the gathered state dict
+(``stagewise.runtime.plot_losses``, ``gather_state_dict``).
 """
 
 from __future__ import annotations
@@ -17,8 +19,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
@@ -71,27 +71,17 @@ class TrainingProgress:
 
 
 class MetricsLog:
-    """Per-step metrics to ``metrics.csv``, and to TensorBoard (``tb/``) when asked and importable."""
+    """Per-step metrics to ``metrics.csv`` (both modes; the pipeline writes its own too: ``metrics=``)."""
 
     FIELDS = ("step", "loss", "lr", "rate", "bubble", "val_loss", "time")
 
-    def __init__(self, out: Path, *, tensorboard: bool) -> None:
+    def __init__(self, out: Path) -> None:
         self.rows: list[dict[str, Any]] = []
         self.path = out / "metrics.csv"
-        self._writer = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter  # checked by tensorboard_available()
-
-            self._writer = SummaryWriter(str(out / "tb"))
         self._started = time.perf_counter()
 
     def log(self, step: int, **values: float | None) -> None:
-        row = {"step": step, "time": round(time.perf_counter() - self._started, 3), **values}
-        self.rows.append(row)
-        if self._writer is not None:
-            for key, value in values.items():
-                if value is not None:
-                    self._writer.add_scalar(key, value, step)
+        self.rows.append({"step": step, "time": round(time.perf_counter() - self._started, 3), **values})
 
     def series(self, key: str) -> list[tuple[int, float]]:
         return [(r["step"], r[key]) for r in self.rows if r.get(key) is not None]
@@ -101,16 +91,6 @@ class MetricsLog:
             writer = csv.DictWriter(f, fieldnames=self.FIELDS, extrasaction="ignore")
             writer.writeheader()
             writer.writerows(self.rows)
-        if self._writer is not None:
-            self._writer.close()
-
-
-def tensorboard_available() -> bool:
-    try:
-        import torch.utils.tensorboard  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _pct(x: float | None) -> str:
@@ -214,55 +194,7 @@ def write_timelines(measured: sw.Timeline, schedule: sw.Schedule, costs: sw.Cost
     return simulated
 
 
-# ---- loss curve, checkpoint, summary ----------------------------------------------------------
-
-
-def plot_losses(train: Sequence[tuple[int, float]], valid: Sequence[tuple[int, float]], path: Path, title: str) -> Path:
-    """Training loss per step (and a moving average) with validation points, as a PNG."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(8, 4.5), dpi=110)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    if train:
-        steps, losses = zip(*train)
-        ax.plot(steps, losses, color="#4E79A7", alpha=0.35, linewidth=0.8, label="train (per step)")
-        h = max(1, len(losses) // 50)  # a centred window of 2h + 1 steps
-        smooth = [statistics.fmean(losses[max(0, i - h) : i + h + 1]) for i in range(len(losses))]
-        ax.plot(steps, smooth, color="#4E79A7", linewidth=1.8, label=f"train (mean of {2 * h + 1} steps)")
-    if valid:
-        steps, losses = zip(*valid)
-        ax.plot(steps, losses, "o-", color="#E15759", linewidth=1.5, markersize=4, label="validation")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats per token)")
-    ax.set_title(title, fontsize=11)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    return path
-
-
-def gather_state_dict(module: torch.nn.Module, dst: int) -> dict[str, torch.Tensor] | None:
-    """Every rank's share of the model (original parameter names) merged on rank ``dst``; None elsewhere.
-
-    A collective: call it on every rank. Without a process group (one process) it is ``state_dict()``.
-    """
-    mine = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return mine
-    parts: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == dst else []
-    dist.gather_object(mine, parts if dist.get_rank() == dst else None, dst=dst)
-    if dist.get_rank() != dst:
-        return None
-    merged: dict[str, torch.Tensor] = {}
-    for part in parts:
-        clash = merged.keys() & part.keys()
-        if clash:
-            raise ValueError(f"two ranks hold the same parameters: {sorted(clash)[:3]}")
-        merged.update(part)
-    return merged
+# ---- summary -----------------------------------------------------------------------------------
 
 
 def summary_table(title: str, rows: Sequence[tuple[str, str]]) -> None:

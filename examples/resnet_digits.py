@@ -35,7 +35,8 @@ from torch import nn
 
 import stagewise as sw
 from digits_cnn import load_digits
-from reporting import console, gather_state_dict, summary_table
+from reporting import console, summary_table
+from stagewise.runtime import gather_state_dict
 
 
 class BasicBlock(nn.Module):

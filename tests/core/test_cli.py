@@ -127,6 +127,21 @@ def test_run_hands_over_to_torchrun(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     ]
 
 
+def test_run_metrics_sets_the_workers_folder(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """``--metrics DIR``: every pipeline without ``metrics=`` writes there (the variable the options read)."""
+    script = tmp_path / "train.py"
+    script.write_text("pass\n")
+    calls: list[tuple[list[str], dict[str, str]]] = []
+    import stagewise.runtime.launch as launch
+
+    monkeypatch.setattr(launch, "torchrun", lambda argv, env: calls.append((argv, env)) or 0)
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "-n", "2", "--metrics", "runs/a", str(script)]) == 0
+    assert calls == [
+        (["--standalone", "--nproc-per-node=2", str(script)], {"STAGEWISE_METRICS": str(tmp_path / "runs/a")})
+    ]
+
+
 def test_run_rejects_bad_arguments(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     code, _, err = run_main(capsys, "run", "-n", "2", str(tmp_path / "missing.py"))
     assert code == 2 and "is not a file" in err

@@ -72,8 +72,8 @@ RUNTIME_FLOORS: list[list[str]] = [
     # ranks; torch.distributed.pipelining's schedules and runtime
     ["engine"],  # executes the IR: the interpreter, the runner and its two seams (StagePart, StepPart)
     ["hybrid", "checkpoint"],  # the other parallel axes; save / load (a pipeline by its declared protocol)
-    ["features", "asynchronous", "measure", "elastic"],  # what plugs into the engine's seams; weight versions;
-    # profiling; lost machines (snapshots in the peers' memory)
+    ["features", "asynchronous", "measure", "elastic", "reporting"],  # what plugs into the engine's seams; weight
+    # versions; profiling; lost machines (snapshots in the peers' memory); what a pipeline reports (metrics)
     ["options.py"],  # the one options value, checked by each feature's own rules
     ["frontends"],  # every way in: from what the user gives to this rank's parts
     ["assembly"],  # the construction path: refusals, agreement, schedule, placement, the engine around parts

@@ -1,5 +1,6 @@
 """The documentation site builds with ``mkdocs build --strict`` and renders: headless Chromium (Debian's
-``chromium``) opens the home page and a guide, served on localhost, and screenshots them.
+``chromium``) opens the home page and a guide, served on localhost, and screenshots them; and TensorBoard's own
+page over a small run's ``metrics=`` folder (the tags there, the page rendered).
 
 A screenshot proves the page rendered when it holds the theme's header colour (the stylesheet loaded) and
 the boxes of the Gantt charts the page shows (the images loaded). ``STAGEWISE_SCREENSHOTS=DIR`` keeps the
@@ -13,10 +14,14 @@ from __future__ import annotations
 
 import functools
 import http.server
+import json
 import os
+import re
 import shutil
 import subprocess
 import threading
+import urllib.parse
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -126,3 +131,79 @@ def test_asking_for_screenshots_without_chromium_fails_saying_so(tmp_path: Path)
     said = "chromium (apt-get install chromium) is not installed: make docs-screenshots took no screenshot"
     assert said in result.stdout, result.stdout[-3000:]
     assert not (tmp_path / "shots").exists()
+
+
+# ---- TensorBoard's own page over a small run's metrics (docs/guides/metrics.md shows the demo's) -------------
+#: TensorBoard's header (its orange) and the tags a step writes (stagewise.runtime.reporting.record)
+TB_HEADER = (0xF5, 0x7C, 0x00)
+TB_TAGS = {"loss", "lr", "bubble", "time/compute", "time/waiting", "throughput/tokens_per_s", "memory/parameters"}
+TB_SHOWN = "^(loss|lr|bubble|throughput/tokens_per_s|time/.*)$"  # the scalars page, these tags, unsmoothed
+TB_VIEW = "#scalars&_smoothingWeight=0&tagFilter=" + urllib.parse.quote(TB_SHOWN)
+_SMALL_RUN = """
+import warnings, sys, torch, torch.nn.functional as F
+from torch import nn
+import stagewise as sw
+warnings.simplefilter("ignore")
+sw.init(backend="gloo")
+layers = [sw.Layer(nn.Embedding, 32, 16), sw.Layer(nn.Linear, 16, 16), sw.Layer(nn.Linear, 16, 32)]
+loss_fn = lambda out, y: F.cross_entropy(out.reshape(-1, 32), y.reshape(-1))
+pipe = sw.Pipeline(layers, loss_fn=loss_fn, microbatches=2, metrics=sys.argv[1], progress=False,
+                   optimizer=lambda p: torch.optim.SGD(p, lr=0.5))
+g = torch.Generator().manual_seed(0)
+for step in range(12):
+    tokens = torch.randint(0, 32, (8, 9), generator=g)
+    pipe.train_step(tokens[:, :-1], tokens[:, 1:])
+pipe.metrics.close()
+"""
+
+
+@pytest.fixture(scope="module")
+def tensorboard(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """TensorBoard on loopback over a small run's metrics (a one-process pipeline, 12 steps); its address."""
+    try:
+        import tensorboard as _  # noqa: F401
+    except ImportError:
+        _missing("tensorboard (pip install -e '.[tensorboard]')")
+    logs = tmp_path_factory.mktemp("metrics")
+    run = subprocess.run([str(BIN / "python"), "-c", _SMALL_RUN, str(logs)], env=env(), capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    cmd = [str(BIN / "python"), "-m", "tensorboard.main", "--logdir", str(logs), "--host", "127.0.0.1", "--port", "0"]
+    server = subprocess.Popen(cmd, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        assert server.stderr is not None
+        for line in server.stderr:  # "TensorBoard 2.21.0 at http://127.0.0.1:PORT/ (Press CTRL+C to quit)"
+            found = re.search(r"at (http://127\.0\.0\.1:\d+)/", line)
+            if found:
+                break
+        else:
+            pytest.fail(f"tensorboard gave no address (exit {server.wait()})")
+        yield found.group(1)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def test_tensorboard_shows_the_metrics(chromium: str, tensorboard: str, tmp_path: Path) -> None:
+    from PIL import Image
+
+    with urllib.request.urlopen(f"{tensorboard}/data/plugin/scalars/tags", timeout=60) as reply:
+        tags = json.loads(reply.read())
+    assert set(tags) == {"rank0"} and TB_TAGS <= set(tags["rank0"]), tags
+    shot = tmp_path / "tensorboard.png"
+    flags = ["--headless", "--no-sandbox", "--enable-unsafe-swiftshader", "--no-first-run", "--hide-scrollbars"]
+    flags += ["--disable-background-networking", "--disable-component-update", "--disable-sync"]
+    flags += [f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1400,1000", "--virtual-time-budget=15000"]
+    page = f"{tensorboard}/{TB_VIEW}"
+    cmd = [chromium, *flags, f"--screenshot={shot}", page]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert shot.is_file(), f"chromium wrote no screenshot:\n{result.stderr[-2000:]}"
+    keep = os.environ.get(SCREENSHOTS)
+    if keep:
+        Path(keep).mkdir(parents=True, exist_ok=True)
+        shutil.copy(shot, Path(keep) / "tensorboard.png")
+    with Image.open(shot) as image:
+        pixels = image.convert("RGB")
+        top = [pixels.getpixel((x, 20)) for x in range(0, 1400, 16)]
+        colors = pixels.getcolors(maxcolors=1 << 20) or []
+    assert sum(_near(c, TB_HEADER) for c in top) > len(top) // 2, "no TensorBoard header: the page did not load"
+    assert len(colors) > 100, "a page of few colours: nothing rendered"

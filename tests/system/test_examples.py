@@ -24,6 +24,8 @@ import reporting
 import stagewise as sw
 from gpt_data import eval_batches, split, stdlib_corpus
 from gpt_model import GPTConfig, gpt_layers, lm_loss
+from stagewise.runtime.reporting.files import read_metrics, series
+from stagewise.runtime.reporting.sinks import tensorboard_installed
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -190,13 +192,24 @@ def test_digits_cnn_from_tagged_model_on_2_ranks(tmp_path: Path) -> None:
     digits_cnn.DigitsNet().load_state_dict(state)  # strict: both stages' parameters, under the model's names
 
 
-def test_tensorboard_flag_needs_tensorboard(capsys: pytest.CaptureFixture[str]) -> None:
-    if reporting.tensorboard_available():
-        assert gpt_stdlib.parse_args(["--tensorboard"]).tensorboard
-        return
-    with pytest.raises(SystemExit) as exit_:
-        gpt_stdlib.parse_args(["--tensorboard"])
-    assert exit_.value.code == 2 and "needs the tensorboard package" in capsys.readouterr().err
+def test_gpt_pipeline_writes_its_metrics(gpt_run: tuple[Path, str]) -> None:
+    """``metrics=OUT/metrics``: each rank's series; the loss every rank wrote is what train_step returned (the
+    example's CSV, written by the rank holding the last stage), and TensorBoard reads the event files."""
+    out = gpt_run[0]
+    csv_losses = [(int(r["step"]), float(r["loss"])) for r in csv.DictReader((out / "metrics.csv").open()) if r["loss"]]
+    for rank in range(4):
+        records = read_metrics(out / "metrics", rank)
+        assert series(records, "loss") == csv_losses, rank
+        assert len(series(records, "val_loss")) == (3 if rank == 3 else 0)  # steps 0, 8, 16 (the reporting rank)
+    first = read_metrics(out / "metrics", 0)
+    assert all(r["throughput/tokens_per_s"] > 0 for r in first if "loss" in r)  # rank 0 holds the input tokens
+    if tensorboard_installed():
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        acc = EventAccumulator(str(out / "metrics" / "rank3"))
+        acc.Reload()
+        assert {"loss", "lr", "val_loss", "bubble", "time/compute"} <= set(acc.Tags()["scalars"])
+        assert [e.value for e in acc.Scalars("loss")] == pytest.approx([v for _, v in csv_losses], rel=1e-6)
 
 
 def test_learning_rate_warms_up_then_decays_to_a_tenth() -> None:

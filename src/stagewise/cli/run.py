@@ -68,6 +68,13 @@ def add_command(sub: Subparsers) -> None:
     parser.add_argument(
         "--local-addr", default=None, metavar="ADDR", help="this machine's address the others reach (M > 1)"
     )
+    parser.add_argument(
+        "--metrics",
+        default=None,
+        metavar="DIR",
+        help="every pipeline of the script that sets no metrics= writes its per-step metrics under DIR (JSON lines, "
+        "and TensorBoard event files when tensorboard is installed: tensorboard --logdir DIR)",
+    )
     parser.add_argument("script", help="the training script")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     parser.set_defaults(handler=run_script)
@@ -84,12 +91,24 @@ def run_script(args: argparse.Namespace) -> int:
     from ..runtime.launch import torchrun
 
     argv = [*rendezvous_args(args), f"--nproc-per-node={args.nproc}", args.script, *script_args]
+    metrics = metrics_env(args.metrics)
     if _elastic(args):
         from ..runtime.elastic.launch import ELASTIC_ENV, rendezvous_failure
 
         nodes, endpoint, conf = args.nnodes, args.rdzv_endpoint, args.rdzv_conf or ""
-        return torchrun(argv, env=ELASTIC_ENV, explain=lambda err: rendezvous_failure(err, endpoint, nodes, conf))
-    return torchrun(argv)
+        env = {**ELASTIC_ENV, **metrics}
+        return torchrun(argv, env=env, explain=lambda err: rendezvous_failure(err, endpoint, nodes, conf))
+    return torchrun(argv, env=metrics) if metrics else torchrun(argv)
+
+
+def metrics_env(folder: str | None) -> dict[str, str]:
+    """``--metrics DIR``: the variable the workers' pipelines read (:mod:`stagewise.runtime.reporting.config`),
+    the folder made absolute (the workers may change directory)."""
+    if folder is None:
+        return {}
+    if not folder.strip():
+        raise UsageError("--metrics needs a folder, got an empty string")
+    return {"STAGEWISE_METRICS": str(Path(folder).resolve())}
 
 
 def rendezvous_args(args: argparse.Namespace) -> list[str]:

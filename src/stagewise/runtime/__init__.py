@@ -23,6 +23,8 @@ rooms below it (``tests/core/test_layering.py``):
   torch.distributed.pipelining's schedule classes read (``torch_order``), its runtime loaded (``torch_runtime``);
 * ``features/``: optional per-step behaviour, one file per option; ``asynchronous/``: weight versions at run
   time, the version-aware interpreter, windows; ``measure/``: profiling a module, probing a link;
+* ``reporting/``: what a pipeline reports: per-step metrics (JSON lines, TensorBoard), the progress line, the
+  events, memory, the gathered state dict and the loss plot;
 * ``options.py``: the one options value; ``frontends/``: every way in returns parts for the assembly: layer
   lists, ``from_model`` (torch.fx, ``split/``), ``from_hf``, ``from_stages``, plans;
 * ``assembly/``: the construction path: the schedule and where it runs, what is refused, the ranks'
@@ -76,6 +78,10 @@ _NAMES = {
     "torch_transport": ".comm.transport.choose",
     "torch_order": ".interop.torch_orders",
     "torch_runtime": ".interop.torch_runtime",
+    "MetricsConfig": ".reporting.config",
+    "gather_state_dict": ".reporting.files",
+    "plot_losses": ".reporting.files",
+    "read_metrics": ".reporting.files",
 }
 
 __all__ = sorted(_NAMES)

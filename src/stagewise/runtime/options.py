@@ -30,6 +30,7 @@ from .features.offload import check_offload
 from .features.precision import check_autocast
 from .features.recompute import Recompute, check_recompute
 from .losses import check_loss_fn
+from .reporting.config import MetricsSpec, metrics_config, progress_every
 
 if TYPE_CHECKING:
     from ..parallel import ParallelConfig
@@ -87,6 +88,8 @@ class Options:
     variable_shapes: bool = False
     emulate_slowdown: float | Sequence[float] | None = None
     snapshot: SnapshotSpec = None
+    metrics: MetricsSpec = None
+    progress: bool | int = True
     given: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -110,6 +113,8 @@ class Options:
         check_choice(self.transport)
         _check_slowdown(self.emulate_slowdown)
         snapshot_config(self.snapshot)
+        metrics_config(self.metrics)
+        progress_every(self.progress)
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not self.timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {self.timeout!r}")
         if self.group is not None and self.parallel is not None:
@@ -199,6 +204,8 @@ class PipelineOptions(TypedDict, total=False):
     variable_shapes: bool
     emulate_slowdown: float | Sequence[float] | None
     snapshot: SnapshotSpec
+    metrics: MetricsSpec
+    progress: bool | int
 
 
 def check_applicable(entry: str, refused: Mapping[str, str], options: Options) -> None:

@@ -40,6 +40,8 @@ from .frontends.layers import Layers
 from .frontends.parts import Frontend
 from .frontends.plan import FromPlan
 from .options import Options, check_applicable
+from .reporting.memory import memory_report
+from .reporting.reporter import Reporter
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -90,6 +92,8 @@ class Pipeline(nn.Module):
     the layers' measured costs (a layer list with ``sample_inputs``: :mod:`stagewise.runtime.assembly.auto_schedule`).
     ``snapshot=k`` (or a :class:`~stagewise.Snapshots`): each rank's state after every k-th step, in memory on
     its machine and a peer's, which ``sw.checkpoint.resume`` weighs against the disk (:mod:`stagewise.runtime.elastic`).
+    ``metrics="DIR"`` (a :class:`~stagewise.runtime.MetricsConfig`): each step's numbers to JSON lines and
+    TensorBoard; ``progress`` (True, every N steps, False): rank 0's line (:mod:`stagewise.runtime.reporting`).
 
     Every schedule trains a stream of mini-batches with :meth:`train_stream`; synchronous ones also one
     mini-batch at a time with :meth:`train_step` (asynchronous ones, ``pipedream``, ``pipedream-2bw``,
@@ -329,25 +333,30 @@ class Pipeline(nn.Module):
         """The last step's record (its events, per-kind compute times, mode), or None before the first."""
         return self._engine.runner.last_step
 
-    def timeline(self, gather: bool = False) -> Timeline:
-        """What this rank executed in the last step (seconds from its start) as a measured Timeline.
+    def timeline(self, gather: bool = False, mode: str = "train") -> Timeline:
+        """What this rank executed in the last train step (``mode="eval"``: the last eval_step), seconds from its
+        start, as a measured Timeline.
 
         With ``gather=True`` (a collective: call it on every rank) the events of all ranks are collected,
         on one clock, so the step renders like a simulated one.
         """
-        runner = self._engine.runner
-        step = runner.last_step
+        events, started = self.metrics.last_run(mode)
         return step_timeline(
-            [] if step is None else step.events,
+            events or [],
             rank=self.rank,
             num_ranks=self.num_ranks,
             name=self.schedule.name,
-            meta={"mode": step.mode if step else None, "num_microbatches": self.schedule.num_microbatches},
-            started=runner.step_started,
+            meta={"mode": mode if events is not None else None, "num_microbatches": self.schedule.num_microbatches},
+            started=started,
             clock_offset=self._clock_offset,
             group=self.transport.group if gather else None,
             wait=self.transport.guard.wait,
         )
+
+    @property
+    def metrics(self) -> Reporter:
+        """What this pipeline reports: ``.event(name, **fields)``, ``.watch(optimizer)``, ``.log(**values)``."""
+        return self._engine.reporter
 
     def last_step_losses(self) -> dict[str, float]:
         """The last train_step's losses: ``{"loss": main, "aux": sum of aux terms, "aux/NAME": each}``.
@@ -360,21 +369,12 @@ class Pipeline(nn.Module):
         return gathered_losses(loss, self._engine.aux.last, self.transport.group, self.transport.guard.wait)
 
     def memory_report(self) -> dict[str, Any]:
-        """Activation bytes of the last train_step on this rank (needs ``measure_memory=True``).
-
-        ``peak_bytes``: most bytes saved for backward alive at once; ``forward_bytes``: ``{(stage,
-        microbatch): bytes its F saved}``; ``weight_bytes``: ``{(stage, microbatch): bytes its I left for its W}``
-        (the deferred layers' inputs and output gradients; split-backward schedules only). See
-        :mod:`stagewise.runtime.features.memory`.
-        """
-        meter = self._engine.meter
-        if meter is None:
-            raise ValueError("build the Pipeline with measure_memory=True to measure activation memory")
-        return {
-            "peak_bytes": meter.peak,
-            "forward_bytes": dict(meter.by_forward),
-            "weight_bytes": dict(meter.by_weight),
-        }
+        """This rank's bytes as the planner counts them (``plan.memory[rank]``): ``parameters``, ``gradients``,
+        ``optimizer`` (``optimizer=``'s state and any ``metrics.watch``-ed optimizer's), ``activations`` (the
+        last train step's peak; None without ``measure_memory=True``, which also adds ``peak_bytes``,
+        ``forward_bytes`` and ``weight_bytes``) and ``total``: :mod:`stagewise.runtime.reporting.memory`."""
+        optimizers = [*self.optimizers.values(), *self.metrics.watched]
+        return memory_report(list(self.parameters()), optimizers, self._engine.meter)
 
     def version_report(self) -> dict[int, dict[str, int]]:
         """Asynchronous schedules: per local stage, the most weight snapshots held at once over every window so

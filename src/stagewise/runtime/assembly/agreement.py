@@ -8,7 +8,8 @@ the options that shape the run, as plain values, and a digest of the schedule's 
 rank raises the same ``ValueError`` naming each option that differs and which ranks hold which value.
 
 What may differ between ranks is left out: the device (each rank has its own), the process group and store
-objects, the sample inputs, the timeout, an emulated slowdown, and callables (a loss or optimizer factory is
+objects, the sample inputs, the timeout, an emulated slowdown, where each rank writes its metrics and how often it
+logs (``metrics=``, ``progress=``: no rank waits on them), and callables (a loss or optimizer factory is
 compared by its type only: two ranks cannot tell whether two functions compute the same).
 """
 
@@ -27,7 +28,9 @@ from ..comm.faults.guard import setup_guard
 from ..options import Options
 
 #: options each rank may set for itself (``emulate_slowdown``: a float slows this rank alone)
-_OWN = frozenset({"device", "group", "store", "sample_inputs", "timeout", "emulate_slowdown", "given"})
+_OWN = frozenset(
+    {"device", "group", "store", "sample_inputs", "timeout", "emulate_slowdown", "metrics", "progress", "given"}
+)
 
 
 def check_same_build(entry: str, options: Options, schedule: Schedule) -> None:

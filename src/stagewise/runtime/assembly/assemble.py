@@ -9,7 +9,8 @@ change it (autocast, recompute, aux losses); an asynchronous schedule gets the v
 It registers, in order, every part with work at a stage's SYNC and STEP (:class:`~..engine.hooks.StagePart`:
 the hybrid axes, the tied sums, BatchNorm, the check of non-finite values; with ``offload=``, the optimizers
 step on the host) and around each step (:class:`~..engine.runner.StepPart`: the tied sums, the hybrid axes,
-the activation meter, BatchNorm, the check, the aux totals): the engine knows none of them by name. The
+the activation meter, BatchNorm, the check, the aux totals, what it reports): the engine knows none of them by
+name. The
 Pipeline keeps what this returns.
 """
 
@@ -52,7 +53,8 @@ from ..features.recompute import run_layers
 from ..frontends.parts import Parts, PipelineContext
 from ..frontends.tied import TiedBuilder, TiedSync, stage_parameters
 from ..options import Options
-from .step_parts import HybridStep, MeterStep, TiedStep
+from ..reporting.reporter import Reporter
+from .step_parts import HybridStep, MeterStep, TiedStep, reporting_part
 
 if TYPE_CHECKING:
     from ..hybrid.hybrid import Hybrid
@@ -95,6 +97,7 @@ class Engine:
     finite: FinitePart | None  # the check of non-finite values (None: nan_policy=None)
     aux: AuxTotals
     meter: ActivationMeter | None  # measure_memory=True
+    reporter: Reporter  # metrics=, progress=, the events; each mode's last run
     held: Held = field(default_factory=Held)
     merge: GradientMerge = field(default_factory=GradientMerge)
     dropout: DropoutSeeds | None = None
@@ -175,12 +178,15 @@ def _engine(
         weighted=options.loss_weights is not None, wait=wait,
     )  # fmt: skip
     metered = None if meter is None else MeterStep(meter)
-    step_parts: list[StepPart | None] = [TiedStep(tied_sync), hybrid, metered, norms, finite, aux, dropout, snapshots]
+    reporter = reporting_part(root, ctx, options, optimizers, finite, meter)
+    step_parts: list[StepPart | None] = [
+        TiedStep(tied_sync), hybrid, metered, norms, finite, aux, dropout, snapshots, reporter,  # reporter: last
+    ]  # fmt: skip
     runner = _runner(ctx, options, transport, interpreter, lists, eval_schedule, step_parts, hybrid)
     return Engine(
         transport=transport, optimizers=optimizers, mailbox=mailbox, tied=tied_sync, hooks=hooks, runner=runner,
         eval_schedule=eval_schedule, finite=finite, aux=aux, meter=meter, held=held, merge=merge, dropout=dropout,
-        snapshots=snapshots,
+        snapshots=snapshots, reporter=reporter,
     )  # fmt: skip
 
 

@@ -4,7 +4,8 @@ The tied sums (:class:`~stagewise.runtime.frontends.tied.TiedSync`), the hybrid 
 (:class:`~stagewise.runtime.hybrid.hybrid.Hybrid`) and the activation meter
 (:class:`~stagewise.runtime.features.memory.ActivationMeter`) keep their own jobs; these adapters say, in one
 place, when in a step each is asked to do them. The features written as step parts (the check of non-finite
-values, BatchNorm, the aux totals) are their own adapters. :func:`.assemble.assemble` registers them all.
+values, BatchNorm, the aux totals) are their own adapters; :func:`reporting_part` builds what the pipeline
+reports (:mod:`..reporting`). :func:`.assemble.assemble` registers them all.
 """
 
 from __future__ import annotations
@@ -15,13 +16,21 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..comm import groups
 from ..engine.microbatch import Dims, batch_size
 from ..engine.runner import StepRun
+from ..reporting.config import metrics_config, progress_every
+from ..reporting.reporter import Reporter
 
 if TYPE_CHECKING:
+    from torch import nn
+
+    from ..features.finite import FinitePart
     from ..features.memory import ActivationMeter
+    from ..frontends.parts import PipelineContext
     from ..frontends.tied import TiedSync
     from ..hybrid.hybrid import Hybrid
+    from ..options import Options
 
 
 class TiedStep:
@@ -97,3 +106,25 @@ class MeterStep:
 
     def after(self, run: StepRun) -> None:
         """(What it measured stays on the meter: ``Pipeline.memory_report``.)"""
+
+
+def reporting_part(
+    root: nn.Module,
+    ctx: PipelineContext,
+    options: Options,
+    optimizers: dict[int, torch.optim.Optimizer],
+    finite: FinitePart | None,
+    meter: ActivationMeter | None,
+) -> Reporter:
+    """What the pipeline reports (:mod:`..reporting`): metrics=, the progress line, the events, each mode's last run."""
+    return Reporter(
+        metrics_config(options.metrics),
+        progress=progress_every(options.progress),
+        process_rank=groups.global_rank(),
+        pp_rank=ctx.rank,
+        dims=(options.batch_dim, options.target_batch_dim),
+        optimizers=lambda: [optimizers[s] for s in sorted(optimizers)],
+        params=root.parameters,
+        skipped=lambda: 0 if finite is None else finite.skipped,
+        activation_peak=lambda: None if meter is None else meter.peak,
+    )

@@ -50,18 +50,27 @@ def decode(blob: bytes) -> Any:
 
 def gather_json(obj: Any, group: Any, wait: Wait | None = None, what: str = "a gather of records") -> list[Any]:
     """Every rank's ``obj`` (JSON-able), in group-rank order: two all-gathers (lengths, then padded bytes)."""
-    device = torch.device("cuda", torch.cuda.current_device()) if _nccl(group) else torch.device("cpu")
     blob = encode(obj)
+    data = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else torch.zeros(0, dtype=torch.uint8)
+    return [decode(bytes(t.numpy().tobytes())) for t in gather_bytes(data, group, wait, what)]
+
+
+def gather_bytes(
+    data: torch.Tensor, group: Any, wait: Wait | None = None, what: str = "a gather of bytes"
+) -> list[torch.Tensor]:
+    """Every rank's 1-d uint8 ``data`` (any length), in group-rank order, on the host: two all-gathers (lengths,
+    then padded bytes)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if _nccl(group) else torch.device("cpu")
     size = dist.get_world_size(group)
-    length = torch.tensor([len(blob)], dtype=torch.int64, device=device)
+    length = torch.tensor([data.numel()], dtype=torch.int64, device=device)
     lengths = [torch.empty_like(length) for _ in range(size)]
     (wait or _plain_wait)([dist.all_gather(lengths, length, group=group, async_op=True)], f"the lengths of {what}")
     sizes = [int(t.item()) for t in lengths]
     padded = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
-    padded[: len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else padded[:0]
+    padded[: data.numel()] = data.to(device)
     out = [torch.empty_like(padded) for _ in range(size)]
     (wait or _plain_wait)([dist.all_gather(out, padded, group=group, async_op=True)], what)
-    return [decode(bytes(t[:n].cpu().numpy().tobytes())) for t, n in zip(out, sizes)]
+    return [t[:n].cpu() for t, n in zip(out, sizes)]
 
 
 def _nccl(group: Any) -> bool:

@@ -21,6 +21,11 @@ def require_initialized() -> None:
         )
 
 
+def initialized() -> bool:
+    """Whether torch.distributed has a default process group in this process."""
+    return bool(dist.is_available() and dist.is_initialized())
+
+
 def group_or_world(group: Any) -> Any:
     return dist.group.WORLD if group is None else group
 

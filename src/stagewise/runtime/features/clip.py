@@ -90,4 +90,6 @@ def clip_pipeline_grads(pipe: Any, max_norm: float, norm_type: float) -> float:
     else:
         copies = lambda g: pipe.tied.copies(g, params)  # noqa: E731 (a tied parameter counts once)
         reduce = lambda t, op: all_reduce(t, pipe.transport.group, op, pipe.transport.guard.wait, "the gradient norm")  # noqa: E731
-    return clip_grad_norm_(pipe.parameters(), max_norm, norm_type, copies, reduce, pipe.device)
+    total = clip_grad_norm_(pipe.parameters(), max_norm, norm_type, copies, reduce, pipe.device)
+    pipe.metrics.grad_norm(total)  # in the step's metrics (or the step just finished, clipped between steps)
+    return total
