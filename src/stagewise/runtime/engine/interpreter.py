@@ -51,6 +51,7 @@ from ..errors import PipelineError
 from .backward import WeightWork, backward_full, backward_input, backward_weight
 from .hooks import StageHooks
 from .messages import Mailbox, Pending, describe
+from .timings import ActionEvent, StepTimings
 from .tree import flatten, unflatten
 
 #: the elements of a stage's largest 2-D weight from which its B runs as I then W at once (see ``_fuse_b``)
@@ -72,8 +73,9 @@ class StashMeter(Protocol):
 
 
 @dataclass
-class Step:
-    """One step's data and results: micro-batches in, losses or outputs out."""
+class Step(StepTimings):
+    """One step's data and results: micro-batches in, losses or outputs out, and what the run recorded
+    (``events``, ``compute_cpu``: :mod:`.timings`)."""
 
     mode: str  # "train" or "eval"
     inputs: list[Any] | None  # micro-batches, for the rank holding stage 0
@@ -81,10 +83,6 @@ class Step:
     weights: list[Any] | None  # each micro-batch's share of the batch (a float, or a 0-dim tensor on the device)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
     outputs: dict[int, Any] = field(default_factory=dict)
-    events: list[tuple[Action, float, float]] = field(default_factory=list)
-    #: CPU seconds in compute actions by kind, from their input's arrival (waits excluded): what the planner's
-    #: costs predict, compared by :func:`stagewise.runtime.measure_compute_scale`
-    compute_cpu: dict[Kind, float] = field(default_factory=dict)
     #: counts of ``loss_weights`` kept on the device, checked with the losses (``.step.DeferredCounts``), or None
     counts: Any = None
 
@@ -186,12 +184,11 @@ class Interpreter:
         self._cpu = self._cpu_clock()
         self.compute[a.kind](a)
         end = time.perf_counter()
-        cpu = self.step.compute_cpu
-        cpu[a.kind] = cpu.get(a.kind, 0.0) + self._cpu_clock() - self._cpu
+        cpu = self._cpu_clock() - self._cpu
         if self.slowdown != 1.0:  # emulated heterogeneity: sleep (f - 1) x the measured time (no CPU taken)
             time.sleep((self.slowdown - 1.0) * (end - self._start))
             end = time.perf_counter()
-        self.step.events.append((a, self._start, end))
+        self.step.add_compute(a, self._start, end, cpu)
 
     def _ready(self) -> None:
         self._start = time.perf_counter()
@@ -214,13 +211,13 @@ class Interpreter:
             self._post(self._sends, [m for m in self._recvs if m not in self.pending])
             self._watch_next()
             share = (time.perf_counter() - t0) / len(comm)
-            self.step.events.extend((a, t0 + k * share, t0 + (k + 1) * share) for k, a in enumerate(comm))
+            self.step.events.extend(ActionEvent(a, t0 + k * share, t0 + (k + 1) * share) for k, a in enumerate(comm))
         for a in actions:
             if not a.kind.is_comm:
                 self.current = a
                 t0 = time.perf_counter()
                 self.other[a.kind](a)
-                self.step.events.append((a, t0, time.perf_counter()))
+                self.step.events.append(ActionEvent(a, t0, time.perf_counter()))
 
     def _post(self, sends: list[tuple[Message, Any]], recvs: list[Message]) -> None:
         ops, pendings = self.mailbox.batch(sends, recvs, self.step.mode)

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
-from ...ir import Action, Event, Timeline, parse_action
+from ...ir import Event, Timeline, parse_action
 from ..comm import collectives
+from .timings import ActionEvent
 
 
 def step_timeline(
-    events: list[tuple[Action, float, float]],
+    events: Sequence[ActionEvent],
     *,
     rank: int,
     num_ranks: int,
