@@ -59,15 +59,15 @@ def test_a_compute_action_starts_once_its_input_is_there(one_rank, monkeypatch) 
     from stagewise.runtime.engine.interpreter import Interpreter
 
     taken: dict[Action, float] = {}
-    real = Interpreter._take
+    real = Interpreter.take
 
-    def slow_take(self: Interpreter, msg):  # type: ignore[no-untyped-def]
-        value = real(self, msg)
+    def slow_take(self: Interpreter, run, msg):  # type: ignore[no-untyped-def]
+        value = real(self, run, msg)
         time.sleep(0.002)
-        taken[self.current] = time.perf_counter()  # type: ignore[index]
+        taken[run.current] = time.perf_counter()
         return value
 
-    monkeypatch.setattr(Interpreter, "_take", slow_take)
+    monkeypatch.setattr(Interpreter, "take", slow_take)
     pipe = _pipe("interleaved-1f1b", 2)
     pipe.train_step(torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64))
     events = {e.action: e for e in pipe.last_step.events}

@@ -380,7 +380,7 @@ class Pipeline(nn.Module):
         """Asynchronous schedules: per local stage, the most weight snapshots held at once over every window so
         far (``peak_snapshots``, the current weights' copy included) and their bytes (``peak_bytes``); the
         simulator's count is :func:`stagewise.asynchronous.live_versions`."""
-        versions = getattr(self._engine.runner.interpreter, "versions", None)
+        versions = self._engine.versions
         if versions is None:
             raise ValueError(f"schedule {self.schedule.name!r} is synchronous: it keeps no weight versions")
         out = {}

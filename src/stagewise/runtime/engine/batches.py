@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from .interpreter import Step
 from .microbatch import Dims, split
+from .run import RunRecord
 
 #: per mini-batch, its local total of counted items -> the total its weights divide by (over the replicas)
 Denominators = Callable[[torch.Tensor], torch.Tensor]
@@ -67,7 +67,7 @@ class Batches:
     denominators: Denominators | None = None
     replicas: int = 1  # data-parallel replicas, each given its share of a global batch (named in errors)
 
-    def prepare(self, mode: str, batches: Sequence[tuple[Any, Any]], num_microbatches: int) -> Step:
+    def prepare(self, mode: str, batches: Sequence[tuple[Any, Any]], num_microbatches: int) -> RunRecord:
         return prepare_window(
             mode,
             batches,
@@ -98,9 +98,9 @@ def prepare_window(
     denominators: Denominators | None = None,
     defer_checks: bool = False,
     replicas: int = 1,
-) -> Step:
-    """The :class:`Step` of ``rank`` for ``batches`` (``(inputs, targets)`` per mini-batch): inputs where stage 0
-    is, targets and loss weights where the last stage is.
+) -> RunRecord:
+    """The :class:`~.run.RunRecord` of ``rank`` for ``batches`` (``(inputs, targets)`` per mini-batch): inputs
+    where stage 0 is, targets and loss weights where the last stage is.
 
     ``denominators``: what each mini-batch's weights divide by, from its local total (default: the total);
     data-parallel replicas make it the total over every replica, so the mean is the global batch's.
@@ -110,7 +110,7 @@ def prepare_window(
     """
     m = num_microbatches
     first, last = rank == placement[0], rank == placement[-1]
-    step = Step(mode, [] if first else None, None, None)
+    step = RunRecord(mode, [] if first else None, None, None)
     if mode == "train" and last:
         step.targets, step.weights = [], []
     counts: list[list[float]] = []
@@ -153,8 +153,8 @@ def prepare_step(
     inputs: Any,
     targets: Any,
     **where: Any,
-) -> Step:
-    """One mini-batch's :class:`Step` (see :func:`prepare_window`)."""
+) -> RunRecord:
+    """One mini-batch's :class:`~.run.RunRecord` (see :func:`prepare_window`)."""
     return prepare_window(mode, [(inputs, targets)], **where)
 
 

@@ -1,4 +1,7 @@
-"""The version-aware interpreter: the engine's handlers, each told by the version table which weights to use.
+"""The version-aware handlers: the engine's, each told by the version table which weights to use.
+
+They take the place of F, B, SYNC and STEP in the interpreter's table (:mod:`..engine.interpreter`), registered
+by the assembly for an asynchronous schedule; the interpreter runs them as any other.
 
 Roughly, for a train step of an asynchronous schedule (eval steps run as usual, on the live weights):
 
@@ -20,30 +23,39 @@ from typing import Any
 import torch
 
 from ...asynchronous import VersionTable
-from ...ir import Action
-from ..engine.interpreter import Interpreter, _Saved
+from ...ir import Action, Kind
+from ..engine.compute import Compute, Handler
+from ..engine.hooks import StageHooks
+from ..engine.run import Run, Saved
 from ..engine.tree import flatten
 from .versions import StageVersions, VersionedStage
 
 
-class AsyncInterpreter(Interpreter):
-    """An :class:`Interpreter` whose train steps follow a :class:`~stagewise.asynchronous.versions.VersionTable`."""
+class AsyncHandlers:
+    """F, B, SYNC and STEP of an asynchronous schedule's train steps, following a
+    :class:`~stagewise.asynchronous.versions.VersionTable` (set per window by :meth:`start_window`).
 
-    def __init__(self, base: Interpreter, stages: dict[int, VersionedStage], versions: dict[int, StageVersions]):
-        super().__init__(
-            rank=base.rank,
-            placement=base.placement,
-            stages=dict(stages),
-            loss_fn=base.loss_fn,
-            transport=base.transport,
-            mailbox=base.mailbox,
-            hooks=base.hooks,
-        )
-        self.slowdown = base.slowdown
-        self.versioned = stages
+    ``compute``: the handlers of the stages ``versioned`` (eval steps run through them, on the live weights);
+    ``hooks``: SYNC and STEP as any schedule's.
+    """
+
+    def __init__(
+        self,
+        compute: Compute,
+        hooks: StageHooks,
+        versioned: dict[int, VersionedStage],
+        versions: dict[int, StageVersions],
+    ) -> None:
+        self.compute = compute
+        self.hooks = hooks
+        self.versioned = versioned
         self.versions = versions
         self.table: VersionTable | None = None
         self.recompute_inputs: dict[tuple[int, int], Any] = {}
+
+    def handlers(self) -> dict[Kind, Handler]:
+        """What they take the place of in the interpreter's table."""
+        return {Kind.F: self.forward, Kind.B: self.backward, Kind.SYNC: self.sync, Kind.STEP: self.step}
 
     def start_window(self, table: VersionTable) -> None:
         self.table = table
@@ -51,31 +63,32 @@ class AsyncInterpreter(Interpreter):
         for v in self.versions.values():
             v.reset()
 
-    def _forward(self, a: Action) -> None:
-        if self.step.mode != "train":
-            super()._forward(a)
+    def forward(self, run: Run, a: Action) -> None:
+        if run.mode != "train":
+            self.compute.forward(run, a)
             return
         assert self.table is not None and a.microbatch is not None
         s, i = a.stage, a.microbatch
         stage = self.versioned[s]
         stage.using = self.versions[s].weights(self.table.forward[s][i])
         try:
-            super()._forward(a)
+            self.compute.forward(run, a)
         finally:
             stage.using = None
         if self.table.recompute_backward:
             self.recompute_inputs[(s, i)] = stage.last_input
         self._release(a)
 
-    def _backward(self, a: Action) -> None:
+    def backward(self, run: Run, a: Action) -> None:
         assert self.table is not None and a.microbatch is not None
         s, i = a.stage, a.microbatch
-        saved = self.saved.pop((s, i))
+        compute = self.compute
+        saved = run.saved.pop((s, i))
         weights = self.versions[s].weights(self.table.backward[s][i])
         if self.table.recompute_backward:
-            saved = self._recomputed(s, i, saved, weights)
-        grads = self._output_grads(s, i, len(saved.roots))
-        self._ready()
+            saved = self._recomputed(run, s, i, saved, weights)
+        grads = compute.output_grads(run, s, i, len(saved.roots))
+        run.ready()
         pairs = [(r, g) for r, g in zip(saved.roots, grads) if r.requires_grad]
         trained = [k for k, w in enumerate(weights) if w.requires_grad]
         wanted = list(saved.inputs) + [weights[k] for k in trained]
@@ -83,14 +96,14 @@ class AsyncInterpreter(Interpreter):
         if pairs and wanted:
             got = list(torch.autograd.grad([r for r, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True))
         n_in = len(saved.inputs)
-        self._hand_back(s, i, saved.inputs, got[:n_in])
+        compute.hand_back(run, s, i, saved.inputs, got[:n_in])
         per_param: list[torch.Tensor | None] = [None] * len(weights)
         for k, g in zip(trained, got[n_in:]):
             per_param[k] = g
         self.versions[s].add(i // self.table.microbatches, per_param)
         self._release(a)
 
-    def _recomputed(self, s: int, i: int, saved: _Saved, weights: list[torch.Tensor]) -> _Saved:
+    def _recomputed(self, run: Run, s: int, i: int, saved: Saved, weights: list[torch.Tensor]) -> Saved:
         """The stage's forward again, from the saved input, on ``weights`` (the version current at the backward)."""
         stage = self.versioned[s]
         stage.using = weights
@@ -99,24 +112,25 @@ class AsyncInterpreter(Interpreter):
                 out = stage(self.recompute_inputs.pop((s, i)))
         finally:
             stage.using = None
-        if s == self.last:
-            reported = self.step.losses[i]
-            loss = self._loss(out, i)
-            self.step.losses[i] = reported  # the loss the forward saw is the one reported
-            return _Saved(saved.inputs, [loss * self.step.weights[i]])  # type: ignore[index]
-        return _Saved(saved.inputs, [t for t in flatten(out)[0] if t.requires_grad])
+        if s == self.compute.last:
+            record = run.record
+            reported = record.losses[i]
+            loss = self.compute.loss(run, out, i)
+            record.losses[i] = reported  # the loss the forward saw is the one reported
+            return Saved(saved.inputs, [loss * record.weights[i]])  # type: ignore[index]
+        return Saved(saved.inputs, [t for t in flatten(out)[0] if t.requires_grad])
 
-    def _sync(self, a: Action) -> None:
+    def sync(self, run: Run, a: Action) -> None:
         versions = self.versions[a.stage]
         versions.load_gradient(versions.current)  # SYNC k closes mini-batch k, before STEP k
-        super()._sync(a)
+        self.hooks.sync(run, a)
 
-    def _step(self, a: Action) -> None:
+    def step(self, run: Run, a: Action) -> None:
         assert self.table is not None
         versions = self.versions[a.stage]
         keep = self.table.keep_at_step[a.stage]
         versions.before_step(versions.current < len(keep) and keep[versions.current])
-        super()._step(a)
+        self.hooks.step(run, a)
         versions.after_step()
 
     def _release(self, a: Action) -> None:
