@@ -32,7 +32,7 @@ from ..asynchronous.handlers import AsyncHandlers
 from ..asynchronous.versions import StageVersions, VersionedStage
 from ..asynchronous.windows import Windows
 from ..comm import groups
-from ..comm.transport.choose import resolve
+from ..comm.choose_transport import resolve
 from ..comm.transport.protocol import Transport, TransportSpec
 from ..elastic.config import snapshot_config
 from ..elastic.snapshots import Snapshotter
@@ -334,7 +334,7 @@ def _interpreter(
 
 
 def make_transport(ctx: PipelineContext, options: Options) -> Transport:
-    """The pipeline's transport: ``options.transport`` as :func:`..comm.transport.choose.resolve` reads it."""
+    """The pipeline's transport: ``options.transport`` as :func:`..comm.choose_transport.resolve` reads it."""
     name, pipeline_id = groups.next_pipeline_id(ctx.group)
     hybrid = ctx.hybrid
     spec = TransportSpec(

@@ -130,14 +130,10 @@ def prepare_window(
                 raise ValueError(f"rank {rank} holds the last stage, so {where} needs the targets")
             if not has_loss:
                 raise ValueError("training needs a loss: build the Pipeline with loss_fn=...")
-            chunks, target_sizes = split(targets, m, batch_dims[1], "targets", replicas)
-            if sizes is not None and sizes != target_sizes:
-                raise ValueError(f"inputs and targets disagree on the batch size: {sum(sizes)} vs {sum(target_sizes)}")
+            chunks, target_sizes = _targets(targets, sizes, m, batch_dims[1], replicas)
             step.targets += [to_device(c, device) for c in chunks]
-            if loss_weights is None:
-                counts.append([float(n) for n in target_sizes])
-            else:
-                counts.append([loss_weights(c) for c in chunks])
+            counted = [float(n) for n in target_sizes] if loss_weights is None else [loss_weights(c) for c in chunks]
+            counts.append(counted)
     if step.weights is None:
         return step
     if defer_checks and any(isinstance(n, torch.Tensor) for row in counts for n in row):
@@ -146,6 +142,14 @@ def prepare_window(
         checked = [[_count(n, t * m + i) for i, n in enumerate(row)] for t, row in enumerate(counts)]
         step.weights += _weights(checked, denominators)
     return step
+
+
+def _targets(targets: Any, sizes: list[int] | None, m: int, dims: Dims, replicas: int) -> tuple[list[Any], list[int]]:
+    """``targets`` cut into ``m`` micro-batches and their sizes, which must be the inputs' (``sizes``) if known."""
+    chunks, target_sizes = split(targets, m, dims, "targets", replicas)
+    if sizes is not None and sizes != target_sizes:
+        raise ValueError(f"inputs and targets disagree on the batch size: {sum(sizes)} vs {sum(target_sizes)}")
+    return chunks, target_sizes
 
 
 def prepare_step(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ...ir import Event, Timeline, parse_action
@@ -47,4 +47,22 @@ def gathered_losses(
     per = {n: sum(d.get(n, 0.0) for d in everyone) for n in names}
     out = {"loss": loss, "aux": sum(per.values())}
     out.update({f"aux/{n}": v for n, v in per.items()})
+    return out
+
+
+def memory_report(meter: Any) -> dict[str, Any]:
+    """``Pipeline.memory_report``: what the activation meter (``measure_memory=True``) counted in the last step."""
+    if meter is None:
+        raise ValueError("build the Pipeline with measure_memory=True to measure activation memory")
+    return {"peak_bytes": meter.peak, "forward_bytes": dict(meter.by_forward), "weight_bytes": dict(meter.by_weight)}
+
+
+def version_report(versions: Mapping[int, Any] | None, schedule: str) -> dict[int, dict[str, int]]:
+    """``Pipeline.version_report``: per local stage, the most weight snapshots held at once and their bytes."""
+    if versions is None:
+        raise ValueError(f"schedule {schedule!r} is synchronous: it keeps no weight versions")
+    out = {}
+    for s, v in sorted(versions.items()):
+        size = sum(p.numel() * p.element_size() for p in v.stage.params)
+        out[s] = {"peak_snapshots": v.peak, "peak_bytes": v.peak * size}
     return out
