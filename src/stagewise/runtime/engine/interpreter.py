@@ -92,7 +92,7 @@ class Interpreter:
         run.exchange = self
         # the compute runs on this thread unless torch's intra-op pool helps: then the process's CPU (with the
         # transport's threads, a few percent) is the closer measure
-        self._cpu_clock = time.thread_time if torch.get_num_threads() == 1 else time.process_time
+        run.cpu_clock = time.thread_time if torch.get_num_threads() == 1 else time.process_time
         try:
             run.order, run.consumed = self._receive_order(actions), 0
             self._post_early(run)
@@ -122,10 +122,10 @@ class Interpreter:
     def _timed_compute(self, run: Run, a: Action) -> None:
         run.current = a
         run.started = time.perf_counter()  # moved on by ready() once the input is there
-        run.cpu_started = self._cpu_clock()
+        run.cpu_started = run.cpu_clock()
         self.handlers[a.kind](run, a)
         end = time.perf_counter()
-        cpu = self._cpu_clock() - run.cpu_started
+        cpu = run.cpu_clock() - run.cpu_started
         if self.slowdown != 1.0:  # emulated heterogeneity: sleep (f - 1) x the measured time (no CPU taken)
             time.sleep((self.slowdown - 1.0) * (end - run.started))
             end = time.perf_counter()
@@ -134,7 +134,7 @@ class Interpreter:
     def ready(self, run: Run) -> None:
         """The running compute action's input is there: its time starts now."""
         run.started = time.perf_counter()
-        run.cpu_started = self._cpu_clock()
+        run.cpu_started = run.cpu_clock()
 
     def _batch(self, run: Run, actions: Sequence[Action]) -> None:
         """Post the run's sends and receives as one batch; then run its SYNC / STEP actions.

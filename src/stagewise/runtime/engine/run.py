@@ -12,6 +12,8 @@ leaves behind: the micro-batches in, the losses or outputs out, the timeline (:m
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -80,6 +82,7 @@ class Run:
     recvs: list[Message] = field(default_factory=list)
     started: float = 0.0  # perf_counter when the running compute action's input was there
     cpu_started: float = 0.0  # the CPU clock then
+    cpu_clock: Callable[[], float] = time.thread_time  # the compute's CPU clock (:mod:`.timings`)
     exchange: Exchange | None = None  # set by the interpreter while it runs
 
     def take(self, msg: Message) -> Any:
