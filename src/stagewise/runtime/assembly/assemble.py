@@ -18,14 +18,14 @@ this returns.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from ...ir import Schedule
+from ...ir import Kind, Schedule
 from ...passes import forward_only
 from ...schedules import is_asynchronous
 from ..asynchronous.handlers import AsyncHandlers
@@ -37,7 +37,7 @@ from ..comm.transport.protocol import Transport, TransportSpec
 from ..elastic.config import snapshot_config
 from ..elastic.snapshots import Snapshotter
 from ..engine.batches import Batches
-from ..engine.compute import Compute, StageFacts
+from ..engine.compute import Compute, Handler, StageFacts
 from ..engine.hooks import StageHooks, optimizer_per_stage
 from ..engine.interpreter import Interpreter
 from ..engine.messages import Mailbox
@@ -55,6 +55,7 @@ from ..features.precision import autocast_context, autocast_loss
 from ..features.recompute import run_layers
 from ..frontends.parts import Parts, PipelineContext
 from ..frontends.tied import TiedBuilder, TiedSync, stage_parameters
+from ..hybrid.replicate import replicate_first
 from ..options import Options
 from .step_parts import HybridPart, MeterPart, TiedPart
 
@@ -105,6 +106,16 @@ class Engine:
     snapshots: Snapshotter | None = None  # snapshot=: resumed by sw.checkpoint.resume
     versions: dict[int, StageVersions] | None = None  # an asynchronous schedule's weight versions, per local stage
 
+    def add_part(self, part: StepPart, wrap: Callable[[Kind, Handler], Handler] | None = None) -> None:
+        """Add ``part`` to every run (after the parts the assembly registered); with ``wrap``, each handler of the
+        interpreter's table is replaced by ``wrap(kind, handler)``: a feature that sees each action as it runs,
+        through the run value, without the interpreter knowing it."""
+        self.runner.parts.append(part)
+        if wrap is not None:
+            interpreter = self.runner.interpreter
+            for kind, handler in list(interpreter.handlers.items()):
+                interpreter.register(kind, wrap(kind, handler))
+
 
 def assemble(root: nn.Module, ctx: PipelineContext, parts: Parts, options: Options, held: Held) -> Engine:
     """Register ``parts`` on ``root`` and build the engine around them; ``held`` learns each resource as it is made
@@ -136,7 +147,7 @@ def _engine(
     tied = parts.tied or TiedBuilder([], 0)
     if ctx.hybrid is not None:  # split, shard or replicate the stages before optimizers see them
         if not parts.seeded:
-            _replicate_first(ctx.hybrid, parts.modules, wait)
+            replicate_first(ctx.hybrid, parts.modules, wait)
         whole = tied.parameter_ids()
         ctx.hybrid.attach(root, parts.modules, options.tp_plan, wait, whole)
         ctx.hybrid.bound_groups(options.timeout)  # FSDP2's and DTensor's collectives stop at the pipeline's timeout
@@ -347,41 +358,3 @@ def make_transport(ctx: PipelineContext, options: Options) -> Transport:
         label=None if hybrid is None else f"rank {ctx.rank} ({hybrid.mesh.where()})",
     )
     return resolve(options.transport)(spec)
-
-
-@torch.no_grad()
-def _replicate_first(hybrid: Hybrid, modules: dict[int, list[nn.Module]], wait: Any) -> None:
-    """Make every replica of this rank's stages (over the dp, sharding and tp axes) hold the first one's values.
-
-    A model built by the user on every rank need not be built alike (no seed, or a seed per rank); data
-    parallelism averages gradients and would train different replicas forever after, and tensor
-    parallelism splits each rank's own copy. So, as torch's DistributedDataParallel does at construction,
-    the first replica's parameters and buffers are handed to the others: a sum where every other replica
-    adds zeros, exact in any order.
-    """
-    config = hybrid.config
-    axes = tuple(a for a in ("dp", "sharding", "tp") if config.size(a) > 1)
-    if not axes:
-        return
-    first = all(getattr(hybrid.mesh.coords, a) == 0 for a in axes)
-    tensors: dict[int, torch.Tensor] = {}
-    for mods in modules.values():
-        for module in mods:
-            for t in [*module.parameters(), *module.buffers()]:
-                if not t.is_meta:
-                    tensors.setdefault(id(t), t)
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors.values():
-        by_dtype.setdefault(t.dtype, []).append(t)
-    for dtype, same in by_dtype.items():  # one reduction per dtype, not per tensor
-        wire = torch.uint8 if dtype is torch.bool else dtype  # (gloo sums no bools)
-        if first:
-            flat = torch.cat([t.detach().reshape(-1) for t in same]).to(wire)
-        else:
-            flat = torch.zeros(sum(t.numel() for t in same), dtype=wire, device=same[0].device)
-        hybrid.mesh.all_reduce(flat, axes, wait=wait, what=f"the first replica's {dtype} weights")
-        flat = flat.to(dtype)
-        at = 0
-        for t in same:
-            t.copy_(flat[at : at + t.numel()].view_as(t))
-            at += t.numel()
