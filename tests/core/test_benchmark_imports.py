@@ -23,7 +23,7 @@ INTERNAL = {
     **dict.fromkeys(
         [
             ("split_backward.py", "stagewise.runtime.engine.backward"),
-            ("split_backward.py", "stagewise.runtime.engine.interpreter"),
+            ("split_backward.py", "stagewise.runtime.engine.compute"),
             ("split_backward.py", "stagewise.runtime.features.memory"),
             ("split_backward.py", "stagewise.runtime.features.recompute"),
         ],
