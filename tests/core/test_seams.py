@@ -117,7 +117,7 @@ RETIRED = {
     r"\bAsyncInterpreter\b": "an asynchronous schedule's handlers are asynchronous/handlers.py's AsyncHandlers",
     r"engine[./]step\b": "a run's micro-batches are cut in engine/batches.py",
     r"asynchronous[./]interpreter\b": "asynchronous/handlers.py",
-    r"transport[./]choose\b": "comm/choose_transport.py, above both transports",
+    r"transport[./]choose\b|transport import choose\b": "comm/choose_transport.py, above both transports",
     r"\b_Saved\b": "engine/run.py's Saved",
 }
 
