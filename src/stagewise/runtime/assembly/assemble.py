@@ -172,7 +172,7 @@ def _engine(
         for s, mods in parts.modules.items()
     }
     meter = ActivationMeter(root.parameters()) if options.measure_memory else None  # charged what each I leaves
-    interpreter, lists, versions = _interpreter(ctx, options, stages, optimizers, transport, mailbox, hooks, meter)
+    interpreter, lists, asynchronous = _interpreter(ctx, options, stages, optimizers, transport, mailbox, hooks, meter)
     norms = attach_batchnorms(
         check_batchnorm(options.batchnorm), parts.modules,
         hybrid=ctx.hybrid, group=ctx.group, num_microbatches=m, wait=wait,
@@ -190,13 +190,13 @@ def _engine(
         weighted=options.loss_weights is not None, wait=wait,
     )  # fmt: skip
     metered = None if meter is None else MeterPart(meter)
-    step_parts: list[StepPart | None] = [merge, TiedPart(tied_sync), hybrid, metered, norms, finite, aux, dropout]
-    step_parts.append(snapshots)
+    step_parts: list[StepPart | None] = [asynchronous, merge, TiedPart(tied_sync), hybrid, metered, norms, finite]
+    step_parts += [aux, dropout, snapshots]
     runner = _runner(ctx, options, transport, interpreter, lists, eval_schedule, step_parts, hybrid)
     return Engine(
         transport=transport, optimizers=optimizers, mailbox=mailbox, tied=tied_sync, hooks=hooks, runner=runner,
         eval_schedule=eval_schedule, finite=finite, aux=aux, meter=meter, held=held, merge=merge, dropout=dropout,
-        snapshots=snapshots, versions=versions,
+        snapshots=snapshots, versions=None if asynchronous is None else asynchronous.versions,
     )  # fmt: skip
 
 
@@ -316,10 +316,10 @@ def _interpreter(
     mailbox: Mailbox,
     hooks: StageHooks,
     meter: ActivationMeter | None,
-) -> tuple[Interpreter, TrainLists, dict[int, StageVersions] | None]:
+) -> tuple[Interpreter, TrainLists, AsyncHandlers | None]:
     """The interpreter of this rank's actions, its table filled, and what a train step runs: the schedule's
-    list, or, when the schedule is asynchronous, its windows (the version-aware handlers in the table, and the
-    stages' weight versions)."""
+    list, or, when the schedule is asynchronous, its windows (the version-aware handlers in the table, and
+    returned: they are a part of every run too)."""
     loss_fn = autocast_loss(options.loss_fn, autocast_context(options.autocast, ctx.device))
     last = len(ctx.schedule.placement) - 1
     interpreter = Interpreter(
@@ -341,7 +341,7 @@ def _interpreter(
     handlers = AsyncHandlers(compute, hooks, versioned, versions)
     for kind, handler in {**compute.handlers(), **hooks.handlers(), **handlers.handlers()}.items():
         interpreter.register(kind, handler)
-    return interpreter, Windows(ctx.schedule, ctx.rank, handlers.start_window), versions
+    return interpreter, Windows(ctx.schedule, ctx.rank), handlers
 
 
 def make_transport(ctx: PipelineContext, options: Options) -> Transport:

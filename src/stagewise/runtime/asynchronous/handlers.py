@@ -18,7 +18,8 @@ No branch here knows a schedule's name: only the table.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -32,8 +33,9 @@ from .versions import StageVersions, VersionedStage
 
 
 class AsyncHandlers:
-    """F, B, SYNC and STEP of an asynchronous schedule's train steps, following a
-    :class:`~stagewise.asynchronous.versions.VersionTable` (set per window by :meth:`start_window`).
+    """F, B, SYNC and STEP of an asynchronous schedule's train steps, following the window's
+    :class:`~stagewise.asynchronous.versions.VersionTable` (``run.table``); and a part of every run (a
+    :class:`~..engine.runner.StepPart`): a train window counts its versions afresh.
 
     ``compute``: the handlers of the stages ``versioned`` (eval steps run through them, on the live weights);
     ``hooks``: SYNC and STEP as any schedule's.
@@ -50,42 +52,47 @@ class AsyncHandlers:
         self.hooks = hooks
         self.versioned = versioned
         self.versions = versions
-        self.table: VersionTable | None = None
-        self.recompute_inputs: dict[tuple[int, int], Any] = {}
 
     def handlers(self) -> dict[Kind, Handler]:
         """What they take the place of in the interpreter's table."""
         return {Kind.F: self.forward, Kind.B: self.backward, Kind.SYNC: self.sync, Kind.STEP: self.step}
 
-    def start_window(self, table: VersionTable) -> None:
-        self.table = table
-        self.recompute_inputs = {}
-        for v in self.versions.values():
-            v.reset()
+    @contextmanager
+    def around(self, run: Run) -> Iterator[None]:
+        """A train window starts with its versions counted afresh (from the weights the last one left)."""
+        if run.mode == "train":
+            for v in self.versions.values():
+                v.reset()
+        yield
+
+    def after(self, run: Run) -> None:
+        """(Nothing after a run.)"""
 
     def forward(self, run: Run, a: Action) -> None:
         if run.mode != "train":
             self.compute.forward(run, a)
             return
-        assert self.table is not None and a.microbatch is not None
+        table: VersionTable = run.table
+        assert a.microbatch is not None
         s, i = a.stage, a.microbatch
         stage = self.versioned[s]
-        stage.using = self.versions[s].weights(self.table.forward[s][i])
+        stage.using = self.versions[s].weights(table.forward[s][i])
         try:
             self.compute.forward(run, a)
         finally:
             stage.using = None
-        if self.table.recompute_backward:
-            self.recompute_inputs[(s, i)] = stage.last_input
-        self._release(a)
+        if table.recompute_backward:
+            run.kept_inputs[(s, i)] = stage.last_input
+        self._release(table, a)
 
     def backward(self, run: Run, a: Action) -> None:
-        assert self.table is not None and a.microbatch is not None
+        table: VersionTable = run.table
+        assert a.microbatch is not None
         s, i = a.stage, a.microbatch
         compute = self.compute
         saved = run.saved.pop((s, i))
-        weights = self.versions[s].weights(self.table.backward[s][i])
-        if self.table.recompute_backward:
+        weights = self.versions[s].weights(table.backward[s][i])
+        if table.recompute_backward:
             saved = self._recomputed(run, s, i, saved, weights)
         grads = compute.output_grads(run, s, i, len(saved.roots))
         run.ready()
@@ -100,8 +107,8 @@ class AsyncHandlers:
         per_param: list[torch.Tensor | None] = [None] * len(weights)
         for k, g in zip(trained, got[n_in:]):
             per_param[k] = g
-        self.versions[s].add(i // self.table.microbatches, per_param)
-        self._release(a)
+        self.versions[s].add(i // table.microbatches, per_param)
+        self._release(table, a)
 
     def _recomputed(self, run: Run, s: int, i: int, saved: Saved, weights: list[torch.Tensor]) -> Saved:
         """The stage's forward again, from the saved input, on ``weights`` (the version current at the backward)."""
@@ -109,7 +116,7 @@ class AsyncHandlers:
         stage.using = weights
         try:
             with torch.enable_grad():
-                out = stage(self.recompute_inputs.pop((s, i)))
+                out = stage(run.kept_inputs.pop((s, i)))
         finally:
             stage.using = None
         if s == self.compute.last:
@@ -126,15 +133,14 @@ class AsyncHandlers:
         self.hooks.sync(run, a)
 
     def step(self, run: Run, a: Action) -> None:
-        assert self.table is not None
+        table: VersionTable = run.table
         versions = self.versions[a.stage]
-        keep = self.table.keep_at_step[a.stage]
+        keep = table.keep_at_step[a.stage]
         versions.before_step(versions.current < len(keep) and keep[versions.current])
         self.hooks.step(run, a)
         versions.after_step()
 
-    def _release(self, a: Action) -> None:
-        assert self.table is not None
-        gone = self.table.release[a.stage].get(str(a))
+    def _release(self, table: VersionTable, a: Action) -> None:
+        gone = table.release[a.stage].get(str(a))
         if gone:
             self.versions[a.stage].release(gone)

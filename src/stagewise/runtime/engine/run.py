@@ -69,6 +69,8 @@ class Run:
     first: int = 0  # mini-batches trained before it: where the run starts in the stream
     losses: list[float] = field(default_factory=list)  # train, once shared: each mini-batch's mean loss
     accumulate: bool = False  # its gradients only accumulate (a gradient merge's step): no reduction, no STEP
+    table: Any = None  # an asynchronous window's version table (which weights each action uses), else None
+    kept_inputs: dict[tuple[int, int], Any] = field(default_factory=dict)  # inputs kept for a recomputing B
     # ---- the interpreter's, for this run --------------------------------------------------------------
     current: Action | None = None  # the action running (or the last one run)
     inbox: dict[Message, Any] = field(default_factory=dict)  # values from a stage on this rank

@@ -53,12 +53,14 @@ class StepPart(Protocol):
 
 
 class TrainLists(Protocol):
-    """Which actions a train step of ``minibatches`` mini-batches runs (1 to :attr:`size`), and the micro-batches
-    of each: a synchronous schedule's one list (:class:`OneList`), or an asynchronous one's windows."""
+    """Which actions a train step of ``minibatches`` mini-batches runs (1 to :attr:`size`), the micro-batches of
+    each, and what else its handlers need to know of that list (an asynchronous window's version table, which
+    the run carries as ``run.table``; None): a synchronous schedule's one list (:class:`OneList`), or an
+    asynchronous one's windows."""
 
     @property
     def size(self) -> int: ...
-    def train(self, minibatches: int) -> tuple[tuple[Action, ...], int]: ...
+    def train(self, minibatches: int) -> tuple[tuple[Action, ...], int, Any]: ...
 
 
 @dataclass(frozen=True)
@@ -69,10 +71,10 @@ class OneList:
     microbatches: int
     size: int = 1
 
-    def train(self, minibatches: int) -> tuple[tuple[Action, ...], int]:
+    def train(self, minibatches: int) -> tuple[tuple[Action, ...], int, Any]:
         if minibatches != 1:
             raise ValueError(f"a synchronous step trains one mini-batch, got {minibatches}")
-        return self.actions, self.microbatches
+        return self.actions, self.microbatches, None
 
 
 @dataclass
@@ -119,8 +121,8 @@ class Runner:
         """Train on ``batches`` (one mini-batch for a synchronous schedule, a window's for an asynchronous one);
         each mini-batch's mean loss, alike on every rank."""
         n = len(batches)
-        actions, m = self.lists.train(n)
-        run = Run("train", self.batches.prepare("train", batches, m), n, m, self.trained)
+        actions, m, table = self.lists.train(n)
+        run = Run("train", self.batches.prepare("train", batches, m), n, m, self.trained, table=table)
         self._run(actions, run)
         run.losses = self._share_losses(run.record, n)
         for part in self.parts:
