@@ -45,7 +45,7 @@ from stagewise.ir import Action, Kind
 # internal: this benchmark times the runtime's I / W / B kernels themselves (which have no public name: a user
 # never calls them, the interpreter does), the memory meter's count, and stages run as the runtime runs them
 from stagewise.runtime.engine.backward import WeightWork, backward_full, backward_input, backward_weight
-from stagewise.runtime.engine.interpreter import fuses_b
+from stagewise.runtime.engine.compute import fuses_b
 from stagewise.runtime.features.memory import ActivationMeter
 from stagewise.runtime.features.recompute import run_layers
 

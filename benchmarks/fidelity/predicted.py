@@ -27,6 +27,10 @@ from dataclasses import replace
 from typing import Any
 
 from stagewise import CostModel, LayerProfile, Schedule, simulate
+from stagewise.planning import Link
+
+# internal: the "+ runtime" prediction is the planner's own costing of a stage (no public name gives it)
+from stagewise.planning.costing import LayerArrays, stage_base
 from stagewise.simulation import shared_makespan
 
 
@@ -57,21 +61,38 @@ def stage_costs(costs: CostModel) -> dict[str, list[float]]:
 def with_overheads(
     costs: CostModel, action: float, message: float, scale: Sequence[float] = (1.0, 1.0, 1.0)
 ) -> CostModel:
-    """``costs`` as the planner charges them: the runtime's fixed cost per action ``c_s = action + message x
-    (messages stage s posts per action)`` added to each F and B, half of it to each of I and W, and each kind
-    scaled by ``scale = (k_F, k_B, k_IW)``: ``F_s = k_F (f_s + c_s)``, ``B_s = k_B (b_s + c_s)``,
-    ``I_s = k_IW (i_s + c_s / 2)``, ``W_s = k_IW (w_s + c_s / 2)``."""
+    """``costs`` as the planner charges them, by the planner's own costing (:func:`stagewise.planning.costing.
+    stage_base` at the profile's batch, each stage given as one layer): the runtime's fixed cost per action
+    ``c_s = action + message x (messages stage s posts per action)`` added to each F and B, half of it to each
+    of I and W, and each kind scaled by ``scale = (k_F, k_B, k_IW)``: ``F_s = k_F (f_s + c_s)``,
+    ``B_s = k_B (b_s + c_s)``, ``I_s = k_IW (i_s + c_s / 2)``, ``W_s = k_IW (w_s + c_s / 2)``."""
+    n = costs.num_stages
+    zeros = (0.0,) * n
+    stages_as_layers = LayerArrays(
+        forward=tuple(costs.forward),
+        backward_input=tuple(costs.backward_input),
+        backward_weight=tuple(costs.backward_weight),
+        activation=tuple(costs.activation_bytes),
+        keep=zeros,
+        parameters=zeros,
+        output=zeros,
+        tp_layer=(False,) * n,
+        backward=full_backward(costs),
+    )
     kf, kb, kiw = scale
-    last = costs.num_stages - 1
-    fixed = [action + message * ((s > 0) + (s < last)) for s in range(costs.num_stages)]
+    base = stage_base(
+        stages_as_layers, list(range(n + 1)), tp=1, tp_link=Link(), recompute=None, overhead=zeros,
+        action_overhead=action, message=message, factor=(kf, kb, kiw),
+    )  # fmt: skip
+    charged = base.at(1.0)
     out = replace(
         costs,
-        forward=tuple(kf * (f + c) for f, c in zip(costs.forward, fixed)),
-        backward_input=tuple(kiw * (i + c / 2) for i, c in zip(costs.backward_input, fixed)),
-        backward_weight=tuple(kiw * (w + c / 2) for w, c in zip(costs.backward_weight, fixed)),
+        forward=charged.forward,
+        backward_input=charged.backward_input,
+        backward_weight=charged.backward_weight,
     )
     if getattr(costs, "backward_full", ()):
-        out = replace(out, backward_full=tuple(kb * (b + c) for b, c in zip(full_backward(costs), fixed)))
+        out = replace(out, backward_full=charged.backward)
     return out
 
 

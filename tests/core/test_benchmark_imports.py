@@ -23,7 +23,7 @@ INTERNAL = {
     **dict.fromkeys(
         [
             ("split_backward.py", "stagewise.runtime.engine.backward"),
-            ("split_backward.py", "stagewise.runtime.engine.interpreter"),
+            ("split_backward.py", "stagewise.runtime.engine.compute"),
             ("split_backward.py", "stagewise.runtime.features.memory"),
             ("split_backward.py", "stagewise.runtime.features.recompute"),
         ],
@@ -37,6 +37,9 @@ INTERNAL = {
     ),
     ("plan_accuracy/worker.py", "stagewise.runtime.calibration.compute_scale"): (
         "the plan measure_compute_scale() runs, so that its mesh is shared with the timed plans"
+    ),
+    ("fidelity/predicted.py", "stagewise.planning.costing"): (
+        "the '+ runtime' prediction is the planner's own costing of each stage, which no public name gives"
     ),
     ("transport_pingpong.py", "stagewise.runtime.comm"): "it drives a transport directly: the protocol's values",
     ("transport_pingpong.py", "stagewise.runtime.comm.shm.transport"): (

@@ -135,3 +135,22 @@ def test_only_the_facade_imports_the_runtime() -> None:
         if imp.target == RUNTIME_DOOR or _room(imp.target) is not None
     ]
     assert offenders == []
+
+
+def floors_text(floors: list[list[str]], width: int = 110) -> str:
+    """The floors as CONTRIBUTING draws them: ground first, ``->`` between floors, folders with a slash."""
+    names = [" ".join(r if r.endswith(".py") else f"{r}/" for r in floor) for floor in floors]
+    lines = [names[0]]
+    for name in names[1:]:
+        if len(lines[-1]) + len(name) + 6 > width:
+            lines.append(f"  ->  {name}")
+        else:
+            lines[-1] += f"  ->  {name}"
+    return "\n".join(lines)
+
+
+def test_contributing_draws_the_floors_this_test_reads() -> None:
+    """CONTRIBUTING's drawing of the floors is written from RUNTIME_FLOORS (regenerate it with floors_text)."""
+    text = (SRC.parents[1] / "CONTRIBUTING.md").read_text()
+    drawn = floors_text(RUNTIME_FLOORS)
+    assert f"```\n{drawn}\n```" in text, f"CONTRIBUTING.md must draw the floors as:\n{drawn}"

@@ -136,3 +136,32 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
                 if len(component) > 1:
                     out.append(sorted(component))
     return out
+
+
+def _room_of(module: str, package: str) -> str | None:
+    """The room of ``package`` that ``module`` stands in: its child folder or child module (None: outside)."""
+    if not module.startswith(package + "."):
+        return None
+    return module[len(package) + 1 :].split(".")[0]
+
+
+def folder_circles() -> dict[str, list[list[str]]]:
+    """Circles of rooms at every depth: for each package, its rooms (child folders and child modules) in the
+    graph "a module of room A imports a module of room B"; the package -> its components of two or more."""
+    packages = {m for m, p in modules().items() if p.name == "__init__.py"}
+    out: dict[str, list[list[str]]] = {}
+    for package in sorted(packages):
+        rooms: dict[str, set[str]] = {}
+        for module in modules():
+            here = _room_of(module, package)
+            if here is None:
+                continue
+            edges = rooms.setdefault(here, set())
+            for imp in imports_of(module):
+                there = _room_of(imp.target, package)
+                if there is not None and there != here:
+                    edges.add(there)
+        found = circles(rooms)
+        if found:
+            out[package] = found
+    return out

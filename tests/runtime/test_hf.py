@@ -19,7 +19,7 @@ import transformers as tf
 
 import stagewise as sw
 from helpers.hf_families import EAGER, FAMILIES, S, V, build, packed_positions, padded_batch
-from stagewise.runtime.engine.step import prepare_step
+from stagewise.runtime.engine.batches import prepare_step
 from stagewise.runtime.frontends.hf import FromHF, HFStage, check_model, recognise
 from stagewise.runtime.frontends.hf.check import ULPS
 from stagewise.runtime.frontends.hf.tp_plan import default_tp_plan

@@ -113,18 +113,18 @@ def test_a_recomputed_stage_runs_its_forward_twice_and_no_more(one_rank, name: s
 def test_b_takes_the_fused_path_only_for_large_weights_without_recompute(one_rank, monkeypatch) -> None:
     """The fused B repays its graph walk only with enough weight to save a pass over: a stage under
     FUSE_B_MIN_WEIGHTS elements in its largest weight, or a recomputed one, runs the engine's B."""
-    from stagewise.runtime.engine import interpreter
+    from stagewise.runtime.engine import compute
 
     seen: list[bool] = []
-    real = interpreter.backward_full
+    real = compute.backward_full
 
     def spy(*args, fused: bool = True):  # type: ignore[no-untyped-def]
         seen.append(fused)
         return real(*args, fused=fused)
 
-    monkeypatch.setattr(interpreter, "backward_full", spy)
+    monkeypatch.setattr(compute, "backward_full", spy)
     n = 1 << 10  # one 1024 x 1024 weight: 2^20 elements, over the threshold; 8 x 8 is under
-    assert n * n >= interpreter.FUSE_B_MIN_WEIGHTS > 64
+    assert n * n >= compute.FUSE_B_MIN_WEIGHTS > 64
     for width, recompute, expected in ((n, None, True), (8, None, False), (n, "stage", False)):
         seen.clear()
         pipe = sw.Pipeline(

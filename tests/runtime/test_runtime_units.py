@@ -109,7 +109,7 @@ def test_partitions() -> None:
 def test_too_few_samples_per_replica_quotes_the_global_batch_and_the_replicas_share() -> None:
     """dp=2: the user passes a global batch of 4 through local_batch, each replica trains on 2; 4 micro-batches need
     4 samples per replica. The message used to quote only "a batch of 2", which the user never passed."""
-    from stagewise.runtime.engine.step import prepare_window
+    from stagewise.runtime.engine.batches import prepare_window
 
     with pytest.raises(ValueError) as err:
         prepare_window(

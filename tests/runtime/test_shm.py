@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from stagewise.runtime.comm import choose_transport as choose
 from stagewise.runtime.comm.shm.transport import SHM_DIR, Channels, Peer, check_shm_group, same_host
-from stagewise.runtime.comm.transport import choose
 from stagewise.runtime.errors import PipelineError
 from stagewise.runtime.options import Options
 

@@ -14,7 +14,8 @@ from torch.utils.checkpoint import checkpoint
 
 from stagewise.ir import Action, Kind
 from stagewise.runtime.engine.backward import WeightWork, backward_full, backward_input, backward_weight
-from stagewise.runtime.engine.interpreter import Interpreter, _Saved
+from stagewise.runtime.engine.compute import Compute
+from stagewise.runtime.engine.run import Run, RunRecord, Saved
 from stagewise.runtime.features.memory import ActivationMeter
 from stagewise.runtime.features.recompute import run_layers
 
@@ -228,12 +229,13 @@ def test_w_twice_and_w_before_i_are_refused_by_name() -> None:
     backward_weight(work)
     with pytest.raises(RuntimeError, match="W ran twice"):
         backward_weight(work)
-    interp = Interpreter.__new__(Interpreter)  # the handlers alone: W with no I before it
-    interp.saved, interp.meter = {(1, 3): _Saved([], [y])}, None
+    handlers = Compute({}, None, last=1)  # the handlers alone: W with no I before it
+    run = Run("train", RunRecord("train", None, None, None))
+    run.saved = {(1, 3): Saved([], [y])}
     with pytest.raises(RuntimeError, match="1W3: W of stage 1 micro-batch 3 before its I"):
-        interp._backward_weight(Action(1, Kind.W, 3))
+        handlers.backward_weight(run, Action(1, Kind.W, 3))
     with pytest.raises(RuntimeError, match="before its I"):
-        interp._backward_weight(Action(0, Kind.W, 0))
+        handlers.backward_weight(run, Action(0, Kind.W, 0))
 
 
 def test_a_weight_used_twice_hooked_or_scaled_stays_in_i() -> None:

@@ -22,7 +22,7 @@ from torch import nn
 import stagewise as sw
 from stagewise.runtime.assembly.combinations import HETPIPE_REFUSED, refuse_hetpipe
 from stagewise.runtime.checkpoint.parts import SavedInParts
-from stagewise.runtime.engine.runner import StepRun
+from stagewise.runtime.engine.run import Run
 from stagewise.runtime.options import Options
 
 LR = 0.125
@@ -49,12 +49,12 @@ class _Recorder:
         self.seen: list[tuple[Any, ...]] = []
 
     @contextmanager
-    def around(self, run: StepRun) -> Iterator[None]:
+    def around(self, run: Run) -> Iterator[None]:
         self.seen.append(("enter", run.mode, run.minibatches, run.per_minibatch, run.first))
         yield
-        self.seen.append(("exit", run.mode, len(run.step.events) > 0))
+        self.seen.append(("exit", run.mode, len(run.record.events) > 0))
 
-    def after(self, run: StepRun) -> None:
+    def after(self, run: Run) -> None:
         self.seen.append(("after", run.mode, list(run.losses)))
 
 
@@ -66,10 +66,10 @@ class _Snapshot:
         self.copies: list[dict[str, torch.Tensor]] = []
 
     @contextmanager
-    def around(self, run: StepRun) -> Iterator[None]:
+    def around(self, run: Run) -> Iterator[None]:
         yield
 
-    def after(self, run: StepRun) -> None:
+    def after(self, run: Run) -> None:
         if run.mode == "train":
             self.copies.append({k: v.detach().clone() for k, v in self.module.state_dict().items()})
 

@@ -28,7 +28,7 @@ last stage's, recompute or not: the loss runs outside the checkpointed
 forward. Under a schedule that splits B, a
 recomputed stage does its W within I (I = F + I + W, W = 0): the runtime
 does, because W in parts would re-run the checkpointed forward once per
-part (:mod:`stagewise.runtime.engine.interpreter`). The checkpoint itself
+part (:mod:`stagewise.runtime.engine.compute`). The checkpoint itself
 costs time too (a hook per saved tensor, packed in the forward and again
 when the backward re-runs it): the stage's F gains ``k_F c^F_s`` and its
 backward ``k_B c^B_s``, where ``c_s`` is the profile's

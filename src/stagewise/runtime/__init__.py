@@ -75,7 +75,7 @@ _NAMES = {
     "measure_compute_scale": ".calibration.compute_scale",
     "counted_reads": ".measure.host_reads",
     "shm_transport": ".comm.shm.transport",
-    "torch_transport": ".comm.transport.choose",
+    "torch_transport": ".comm.choose_transport",
     "torch_order": ".interop.torch_orders",
     "torch_runtime": ".interop.torch_runtime",
     "MetricsConfig": ".reporting.config",

@@ -35,7 +35,7 @@ from .assembly.combinations import refuse_hetpipe, refuse_no_sync
 from .checkpoint.parts import SavedInParts
 from .comm import groups
 from .comm import wsp as comm
-from .comm.transport.choose import TransportChoice, resolve
+from .comm.choose_transport import TransportChoice, resolve
 from .comm.transport.protocol import TransportSpec
 from .errors import PipelineError
 from .frontends.layer_list import LayerList

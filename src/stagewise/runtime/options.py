@@ -21,7 +21,7 @@ from .._util import is_count
 from ..ir import Schedule
 from ..partition import PartitionSpec, needs_profile
 from ..schedules import canonical_name
-from .comm.transport.choose import TransportChoice, check_choice
+from .comm.choose_transport import TransportChoice, check_choice
 from .elastic.config import SnapshotSpec, snapshot_config
 from .engine.microbatch import Dims
 from .features.batchnorm import BatchNormPolicy, check_batchnorm

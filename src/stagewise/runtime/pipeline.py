@@ -29,7 +29,7 @@ from .assembly.combinations import refuse_no_sync, refuse_options, refuse_parts
 from .assembly.context import place, resolve_schedule_for
 from .asynchronous.windows import windows_of
 from .comm import groups, lifecycle
-from .engine.reports import gathered_losses, step_timeline
+from .engine.reports import gathered_losses, step_timeline, version_report
 from .errors import PipelineError
 from .features.clip import clip_pipeline_grads
 from .frontends.from_model import FromModel
@@ -380,14 +380,7 @@ class Pipeline(nn.Module):
         """Asynchronous schedules: per local stage, the most weight snapshots held at once over every window so
         far (``peak_snapshots``, the current weights' copy included) and their bytes (``peak_bytes``); the
         simulator's count is :func:`stagewise.asynchronous.live_versions`."""
-        versions = getattr(self._engine.runner.interpreter, "versions", None)
-        if versions is None:
-            raise ValueError(f"schedule {self.schedule.name!r} is synchronous: it keeps no weight versions")
-        out = {}
-        for s, v in sorted(versions.items()):
-            size = sum(p.numel() * p.element_size() for p in v.stage.params)
-            out[s] = {"peak_snapshots": v.peak, "peak_bytes": v.peak * size}
-        return out
+        return version_report(self._engine.versions, self.schedule.name)
 
     # ---- nn.Module ------------------------------------------------------------
     def named_parameters(

@@ -40,7 +40,7 @@ from ..ir import SYNC as _SYNC
 from ..ir import ActionRows, Kind, Schedule, from_rows, loop_placement
 from ..ir import B as _B
 from ..ir import F as _F
-from .registry import _load_builtin, register
+from .registry import register
 
 F, B, SYNC, STEP = Kind.F, Kind.B, Kind.SYNC, Kind.STEP
 
@@ -234,7 +234,8 @@ _MEMORY = {
     "xpipe": "min(p, m) (+ 1 + mini-batches in flight weight versions)",
 }
 
-_load_builtin()  # the synchronous schedules first, whoever imports this module first: tables list them first
+# (the synchronous schedules are registered first, whoever imports this module first: the package's door loads
+# them before it; tables list them first)
 for _name in ASYNC_NAMES:
     register(
         _name,

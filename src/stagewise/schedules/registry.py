@@ -97,7 +97,6 @@ def register(
 
 def schedule_names(*, synchronous: bool | None = None) -> list[str]:
     """The registered schedules in table order; ``synchronous=True`` / ``False``: only those that flush / do not."""
-    _load_builtin()
     return [n for n, info in _REGISTRY.items() if synchronous is None or info.synchronous == synchronous]
 
 
@@ -117,7 +116,6 @@ def _key(name: str) -> str:
 def canonical_name(name: str) -> str:
     """The registered name ``name`` means: itself, another case of it (``"1F1B"``), with ``_`` or no ``-``
     (``"zb_v"``), or an alias (``"interleaved"``); a ValueError with a did-you-mean and the list otherwise."""
-    _load_builtin()
     if name in _REGISTRY:
         return name
     if not isinstance(name, str):
@@ -164,21 +162,12 @@ def generate(name: str, num_ranks: int, num_microbatches: int, virtual_stages: i
     )
 
 
-def _load_builtin() -> None:
-    """Import the built-in schedule modules (their @register calls), in the order tables list them."""
-    import importlib
-
-    for module in ("basic", "interleaved", "zero_bubble", "dualpipe", "asynchronous"):
-        importlib.import_module(f"{__package__}.{module}")
-
-
 def markdown_table() -> str:
     """The README's schedule table, generated so it cannot drift from the registry.
 
     The bubble column assumes free transfers; the transfer column says what a transfer time c adds to the
     makespan where that is known in closed form (each one checked by brute force in tests/core).
     """
-    _load_builtin()
     rows = [
         "| schedule | virtual stages | bubble (uniform costs, free transfers) | a transfer time c adds "
         "| peak activations (rank 0) | paper |",

@@ -4,14 +4,16 @@ One function, :func:`assemble`, whatever frontend built the parts, in the order 
 the parts are registered on the Pipeline under their one-process names; replicas a user built are made
 equal; the hybrid axes split, shard or replicate the stages before any optimizer sees their parameters;
 the transport exists before anything communicates; each stage's forward is composed from the options that
-change it (autocast, recompute, aux losses); an asynchronous schedule gets the version-aware interpreter.
+change it (autocast, recompute, aux losses); the interpreter's table of handlers is filled (an asynchronous
+schedule's version-aware handlers in place of F, B, SYNC and STEP), with each stage's facts (its backward
+path) decided here.
 
 It registers, in order, every part with work at a stage's SYNC and STEP (:class:`~..engine.hooks.StagePart`:
 the hybrid axes, the tied sums, BatchNorm, the check of non-finite values; with ``offload=``, the optimizers
-step on the host) and around each step (:class:`~..engine.runner.StepPart`: the tied sums, the hybrid axes,
-the activation meter, BatchNorm, the check, the aux totals, what it reports): the engine knows none of them by
-name. The
-Pipeline keeps what this returns.
+step on the host) and around each step (:class:`~..engine.runner.StepPart`: the gradient merge, the tied sums,
+the hybrid axes, the activation meter, BatchNorm, the check, the aux totals, dropout's seeds, what it
+reports): the engine knows none of them by name, and each reads the run it takes part in from the run value.
+The Pipeline keeps what this returns.
 """
 
 from __future__ import annotations
@@ -23,23 +25,24 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ...ir import Schedule
+from ...ir import Kind, Schedule
 from ...passes import forward_only
 from ...schedules import is_asynchronous
-from ..asynchronous.interpreter import AsyncInterpreter
+from ..asynchronous.handlers import AsyncHandlers
 from ..asynchronous.versions import StageVersions, VersionedStage
 from ..asynchronous.windows import Windows
 from ..comm import groups
-from ..comm.transport.choose import resolve
+from ..comm.choose_transport import resolve
 from ..comm.transport.protocol import Transport, TransportSpec
 from ..elastic.config import snapshot_config
 from ..elastic.snapshots import Snapshotter
+from ..engine.batches import Batches
+from ..engine.compute import Compute, Handler, StageFacts
 from ..engine.hooks import StageHooks, optimizer_per_stage
 from ..engine.interpreter import Interpreter
 from ..engine.messages import Mailbox
-from ..engine.runner import OneStep, Runner, StepPart, TrainLists
+from ..engine.runner import OneList, Runner, StepPart, TrainLists
 from ..engine.stage import Forward, Stage
-from ..engine.step import Batches
 from ..errors import PipelineError
 from ..features.aux_loss import AuxTotals
 from ..features.batchnorm import attach_batchnorms, check_batchnorm
@@ -52,9 +55,10 @@ from ..features.precision import autocast_context, autocast_loss
 from ..features.recompute import run_layers
 from ..frontends.parts import Parts, PipelineContext
 from ..frontends.tied import TiedBuilder, TiedSync, stage_parameters
+from ..hybrid.replicate import replicate_first
 from ..options import Options
 from ..reporting.reporter import Reporter
-from .step_parts import HybridStep, MeterStep, TiedStep, reporting_part
+from .step_parts import HybridPart, MeterPart, TiedPart, reporting_part
 
 if TYPE_CHECKING:
     from ..hybrid.hybrid import Hybrid
@@ -102,6 +106,17 @@ class Engine:
     merge: GradientMerge = field(default_factory=GradientMerge)
     dropout: DropoutSeeds | None = None
     snapshots: Snapshotter | None = None  # snapshot=: resumed by sw.checkpoint.resume
+    versions: dict[int, StageVersions] | None = None  # an asynchronous schedule's weight versions, per local stage
+
+    def add_part(self, part: StepPart, wrap: Callable[[Kind, Handler], Handler] | None = None) -> None:
+        """Add ``part`` to every run (after the parts the assembly registered); with ``wrap``, each handler of the
+        interpreter's table is replaced by ``wrap(kind, handler)``: a feature that sees each action as it runs,
+        through the run value, without the interpreter knowing it."""
+        self.runner.parts.append(part)
+        if wrap is not None:
+            interpreter = self.runner.interpreter
+            for kind, handler in list(interpreter.handlers.items()):
+                interpreter.register(kind, wrap(kind, handler))
 
 
 def assemble(root: nn.Module, ctx: PipelineContext, parts: Parts, options: Options, held: Held) -> Engine:
@@ -134,7 +149,7 @@ def _engine(
     tied = parts.tied or TiedBuilder([], 0)
     if ctx.hybrid is not None:  # split, shard or replicate the stages before optimizers see them
         if not parts.seeded:
-            _replicate_first(ctx.hybrid, parts.modules, wait)
+            replicate_first(ctx.hybrid, parts.modules, wait)
         whole = tied.parameter_ids()
         ctx.hybrid.attach(root, parts.modules, options.tp_plan, wait, whole)
         ctx.hybrid.bound_groups(options.timeout)  # FSDP2's and DTensor's collectives stop at the pipeline's timeout
@@ -151,42 +166,40 @@ def _engine(
     for tied_group in tied_sync.groups.values():
         groups.bound(tied_group, options.timeout)
     hooks = StageHooks([tied_sync] if ctx.hybrid is None else [ctx.hybrid, tied_sync], optimizers, offload)
-    merge = _merge(hooks, tied_sync, ctx.hybrid)
+    merge = GradientMerge()  # a step part: it sets the run's flag that SYNC, STEP and the parts read
     aux = AuxTotals(1.0 / m)
-    dropout = _seed_dropout(root, parts, options, ctx, lambda: interpreter.current)
+    dropout = _seed_dropout(root, parts, options, ctx)
     stages = {
         s: Stage(s, mods, _forward(s, options, ctx.device, aux, dropout), options.recompute)
         for s, mods in parts.modules.items()
     }
-    interpreter, lists = _interpreter(ctx, options, stages, optimizers, transport, mailbox, hooks)
-    meter = ActivationMeter(root.parameters(), lambda: interpreter.current) if options.measure_memory else None
-    interpreter.meter = meter  # it charges what each I leaves for its W
+    meter = ActivationMeter(root.parameters()) if options.measure_memory else None  # charged what each I leaves
+    interpreter, lists, asynchronous = _interpreter(ctx, options, stages, optimizers, transport, mailbox, hooks, meter)
     norms = attach_batchnorms(
-        check_batchnorm(options.batchnorm), parts.modules, lambda: interpreter.current,
+        check_batchnorm(options.batchnorm), parts.modules,
         hybrid=ctx.hybrid, group=ctx.group, num_microbatches=m, wait=wait,
     )  # fmt: skip
     hooks.parts.append(norms)
     finite = _finite(root, ctx, parts, options, stages, transport, tied_sync, merge)
     if finite is not None:
         hooks.parts.append(finite)  # the check at the first STEP (at every STEP: asynchronous)
-    snapshots = snapshotter(root, ctx, options, merge)
+    snapshots = snapshotter(root, ctx, options)
     if snapshots is not None:
         hooks.parts.append(snapshots)  # its before_step: a STEP waits until the last snapshot is copied
     eval_schedule = forward_only(schedule)  # validated: what eval_step runs
-    hybrid = None if ctx.hybrid is None else HybridStep(
+    hybrid = None if ctx.hybrid is None else HybridPart(
         ctx.hybrid, options.target_batch_dim, ctx.device,
         weighted=options.loss_weights is not None, wait=wait,
     )  # fmt: skip
-    metered = None if meter is None else MeterStep(meter)
+    metered = None if meter is None else MeterPart(meter)
+    step_parts: list[StepPart | None] = [asynchronous, merge, TiedPart(tied_sync), hybrid, metered, norms, finite]
     reporter = reporting_part(root, ctx, options, optimizers, finite, meter)
-    step_parts: list[StepPart | None] = [
-        TiedStep(tied_sync), hybrid, metered, norms, finite, aux, dropout, snapshots, reporter,  # reporter: last
-    ]  # fmt: skip
+    step_parts += [aux, dropout, snapshots, reporter]  # reporter: last
     runner = _runner(ctx, options, transport, interpreter, lists, eval_schedule, step_parts, hybrid)
     return Engine(
         transport=transport, optimizers=optimizers, mailbox=mailbox, tied=tied_sync, hooks=hooks, runner=runner,
         eval_schedule=eval_schedule, finite=finite, aux=aux, meter=meter, held=held, merge=merge, dropout=dropout,
-        snapshots=snapshots, reporter=reporter,
+        snapshots=snapshots, reporter=reporter, versions=None if asynchronous is None else asynchronous.versions,
     )  # fmt: skip
 
 
@@ -198,7 +211,7 @@ def _runner(
     lists: TrainLists,
     eval_schedule: Schedule,
     step_parts: list[StepPart | None],
-    hybrid: HybridStep | None,
+    hybrid: HybridPart | None,
 ) -> Runner:
     """The runner of this rank's steps, with ``step_parts`` (those not None) around and after each."""
     schedule = ctx.schedule
@@ -225,26 +238,14 @@ def _runner(
     )
 
 
-def _seed_dropout(
-    root: nn.Module, parts: Parts, options: Options, ctx: PipelineContext, current: Callable[[], Any]
-) -> DropoutSeeds:
+def _seed_dropout(root: nn.Module, parts: Parts, options: Options, ctx: PipelineContext) -> DropoutSeeds:
     """Each dropout mask drawn from a generator seeded by (seed, step, micro-batch, module): alike under every
-    layout and schedule (:mod:`..features.dropout`); ``current``: the interpreter's action running."""
+    layout and schedule (:mod:`..features.dropout`); the micro-batch is the run value's current action's."""
     named = [*nn.Module.named_modules(root)]
     named += [(f"{n}.{k}" if k else n, m) for n, module in parts.tied_copies.items() for k, m in module.named_modules()]
     seed = options.seed if options.dropout_seed is None else options.dropout_seed
     replica = 0 if ctx.hybrid is None else ctx.hybrid.mesh.replica
-    return dropout_seeds(iter(named), parts.modules, seed, replica, ctx.device, current)
-
-
-def _merge(hooks: StageHooks, tied: TiedSync, hybrid: Hybrid | None) -> GradientMerge:
-    """The pipeline's gradient merge (:mod:`..features.merge`): while it defers, SYNC reduces nothing (the hybrid
-    axes, the tied sums) and STEP steps no optimizer."""
-    merge = GradientMerge()
-    hooks.deferring = tied.deferring = merge.deferring
-    if hybrid is not None:
-        hybrid.deferring = merge.deferring
-    return merge
+    return dropout_seeds(iter(named), parts.modules, seed, replica, ctx.device)
 
 
 def _forward(stage: int, options: Options, device: torch.device, aux: AuxTotals, dropout: DropoutSeeds) -> Forward:
@@ -289,11 +290,11 @@ def _finite(
     def settle() -> None:  # every gradient final: the tied sums and the hybrid axes' reductions waited for
         tied.finish()
         if hybrid is not None:
-            hybrid.before_step()
+            hybrid.wait_reductions()
 
     def settle_stage(stage: int) -> None:
         if hybrid is not None:
-            hybrid.before_step(stage)
+            hybrid.wait_reductions(stage)
 
     asynchronous = is_asynchronous(ctx.schedule)
     return FinitePart(
@@ -301,12 +302,12 @@ def _finite(
     )
 
 
-def snapshotter(root: nn.Module, ctx: PipelineContext, options: Options, merge: GradientMerge) -> Snapshotter | None:
+def snapshotter(root: nn.Module, ctx: PipelineContext, options: Options) -> Snapshotter | None:
     """``snapshot=``: this rank's snapshots in its machine's and a peer's memory (:mod:`..elastic`), or None."""
     config = snapshot_config(options.snapshot)
     if config is None:
         return None
-    return Snapshotter(config, root, ctx.cut_group, options.timeout, merge.deferring)
+    return Snapshotter(config, root, ctx.cut_group, options.timeout)
 
 
 def _interpreter(
@@ -317,29 +318,37 @@ def _interpreter(
     transport: Transport,
     mailbox: Mailbox,
     hooks: StageHooks,
-) -> tuple[Interpreter, TrainLists]:
-    """The interpreter of this rank's actions and what a train step runs: the schedule's list, or, when the
-    schedule is asynchronous, the version-aware interpreter and its windows."""
-    base = Interpreter(
+    meter: ActivationMeter | None,
+) -> tuple[Interpreter, TrainLists, AsyncHandlers | None]:
+    """The interpreter of this rank's actions, its table filled, and what a train step runs: the schedule's
+    list, or, when the schedule is asynchronous, its windows (the version-aware handlers in the table, and
+    returned: they are a part of every run too)."""
+    loss_fn = autocast_loss(options.loss_fn, autocast_context(options.autocast, ctx.device))
+    last = len(ctx.schedule.placement) - 1
+    interpreter = Interpreter(
         rank=ctx.rank,
         placement=ctx.schedule.placement,
-        stages=dict(stages),
-        loss_fn=autocast_loss(options.loss_fn, autocast_context(options.autocast, ctx.device)),
         transport=transport,
         mailbox=mailbox,
-        hooks=hooks,
+        slowdown=options.slowdown_of(ctx.rank, ctx.num_ranks),
     )
-    base.slowdown = options.slowdown_of(ctx.rank, ctx.num_ranks)
     if not is_asynchronous(ctx.schedule):
-        return base, OneStep(ctx.schedule.ranks[ctx.rank], ctx.schedule.num_microbatches)
+        facts = {s: StageFacts.of(st.modules, st.recompute is not None) for s, st in stages.items()}
+        compute = Compute(stages, loss_fn, last, facts, meter)
+        for kind, handler in {**compute.handlers(), **hooks.handlers()}.items():
+            interpreter.register(kind, handler)
+        return interpreter, OneList(ctx.schedule.ranks[ctx.rank], ctx.schedule.num_microbatches), None
     versioned = {s: VersionedStage(st) for s, st in stages.items()}
     versions = {s: StageVersions(versioned[s], optimizers.get(s)) for s in versioned}
-    interpreter = AsyncInterpreter(base, versioned, versions)
-    return interpreter, Windows(ctx.schedule, ctx.rank, interpreter.start_window)
+    compute = Compute(versioned, loss_fn, last, meter=meter)
+    handlers = AsyncHandlers(compute, hooks, versioned, versions)
+    for kind, handler in {**compute.handlers(), **hooks.handlers(), **handlers.handlers()}.items():
+        interpreter.register(kind, handler)
+    return interpreter, Windows(ctx.schedule, ctx.rank), handlers
 
 
 def make_transport(ctx: PipelineContext, options: Options) -> Transport:
-    """The pipeline's transport: ``options.transport`` as :func:`..comm.transport.choose.resolve` reads it."""
+    """The pipeline's transport: ``options.transport`` as :func:`..comm.choose_transport.resolve` reads it."""
     name, pipeline_id = groups.next_pipeline_id(ctx.group)
     hybrid = ctx.hybrid
     spec = TransportSpec(
@@ -352,41 +361,3 @@ def make_transport(ctx: PipelineContext, options: Options) -> Transport:
         label=None if hybrid is None else f"rank {ctx.rank} ({hybrid.mesh.where()})",
     )
     return resolve(options.transport)(spec)
-
-
-@torch.no_grad()
-def _replicate_first(hybrid: Hybrid, modules: dict[int, list[nn.Module]], wait: Any) -> None:
-    """Make every replica of this rank's stages (over the dp, sharding and tp axes) hold the first one's values.
-
-    A model built by the user on every rank need not be built alike (no seed, or a seed per rank); data
-    parallelism averages gradients and would train different replicas forever after, and tensor
-    parallelism splits each rank's own copy. So, as torch's DistributedDataParallel does at construction,
-    the first replica's parameters and buffers are handed to the others: a sum where every other replica
-    adds zeros, exact in any order.
-    """
-    config = hybrid.config
-    axes = tuple(a for a in ("dp", "sharding", "tp") if config.size(a) > 1)
-    if not axes:
-        return
-    first = all(getattr(hybrid.mesh.coords, a) == 0 for a in axes)
-    tensors: dict[int, torch.Tensor] = {}
-    for mods in modules.values():
-        for module in mods:
-            for t in [*module.parameters(), *module.buffers()]:
-                if not t.is_meta:
-                    tensors.setdefault(id(t), t)
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors.values():
-        by_dtype.setdefault(t.dtype, []).append(t)
-    for dtype, same in by_dtype.items():  # one reduction per dtype, not per tensor
-        wire = torch.uint8 if dtype is torch.bool else dtype  # (gloo sums no bools)
-        if first:
-            flat = torch.cat([t.detach().reshape(-1) for t in same]).to(wire)
-        else:
-            flat = torch.zeros(sum(t.numel() for t in same), dtype=wire, device=same[0].device)
-        hybrid.mesh.all_reduce(flat, axes, wait=wait, what=f"the first replica's {dtype} weights")
-        flat = flat.to(dtype)
-        at = 0
-        for t in same:
-            t.copy_(flat[at : at + t.numel()].view_as(t))
-            at += t.numel()

@@ -18,7 +18,7 @@ import torch
 
 from ..comm import groups
 from ..engine.microbatch import Dims, batch_size
-from ..engine.runner import StepRun
+from ..engine.run import Run
 from ..reporting.config import metrics_config, progress_every
 from ..reporting.reporter import Reporter
 
@@ -33,25 +33,25 @@ if TYPE_CHECKING:
     from ..options import Options
 
 
-class TiedStep:
+class TiedPart:
     """A train step starts the tied sums afresh (each starts at the SYNC of its last local stage); after it, every
-    one is waited for and written back."""
+    one is waited for and written back (none in a gradient merge's step that only accumulates)."""
 
     def __init__(self, tied: TiedSync) -> None:
         self.tied = tied
 
     @contextmanager
-    def around(self, run: StepRun) -> Iterator[None]:
+    def around(self, run: Run) -> Iterator[None]:
         if run.mode == "train":
             self.tied.start_step()
         yield
 
-    def after(self, run: StepRun) -> None:
-        if run.mode == "train":
+    def after(self, run: Run) -> None:
+        if run.mode == "train" and not run.accumulate:
             self.tied.finish()
 
 
-class HybridStep:
+class HybridPart:
     """After a train step, the replicas' reductions are waited for and each mini-batch's loss is their mean (a
     check that the replicas trained on equal batches comes with it); after an eval, sharded stages let go of
     their gathered parameters."""
@@ -64,10 +64,10 @@ class HybridStep:
         self.wait = wait  # within the pipeline's deadline, on its board
 
     @contextmanager
-    def around(self, run: StepRun) -> Iterator[None]:
+    def around(self, run: Run) -> Iterator[None]:
         yield
 
-    def after(self, run: StepRun) -> None:
+    def after(self, run: Run) -> None:
         if run.mode == "train":
             run.losses = self.hybrid.after_train(run.losses, self._samples(run), exact=self.weighted)
         else:
@@ -81,30 +81,35 @@ class HybridStep:
         self.hybrid.mesh.all_reduce(t, ("dp", "sharding"), wait=self.wait, what="the counted items")
         return t / self.hybrid.config.replicas
 
-    def _samples(self, run: StepRun) -> float | None:
+    def _samples(self, run: Run) -> float | None:
         """The rows this rank's mini-batches trained on (where the last stage lives), for the replicas' check."""
-        targets = run.step.targets
+        targets = run.record.targets
         if targets is None:
             return None
         return float(sum(batch_size(t, self.target_dims, "targets") for t in targets))
 
 
-class MeterStep:
-    """A train step runs under the meter's saved-tensor hooks, its peak and per-action bytes counted afresh."""
+class MeterPart:
+    """A train step runs under the meter's saved-tensor hooks, its peak and per-action bytes counted afresh; the
+    meter reads the action running from the run value."""
 
     def __init__(self, meter: ActivationMeter) -> None:
         self.meter = meter
 
     @contextmanager
-    def around(self, run: StepRun) -> Iterator[Any]:
+    def around(self, run: Run) -> Iterator[Any]:
         if run.mode != "train":
             yield
             return
-        with self.meter.hooks():
-            self.meter.reset()
-            yield
+        self.meter.run = run
+        try:
+            with self.meter.hooks():
+                self.meter.reset()
+                yield
+        finally:
+            self.meter.run = None
 
-    def after(self, run: StepRun) -> None:
+    def after(self, run: Run) -> None:
         """(What it measured stays on the meter: ``Pipeline.memory_report``.)"""
 
 

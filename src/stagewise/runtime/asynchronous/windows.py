@@ -11,7 +11,7 @@ drains the pipeline: the next window starts with empty stages and versions count
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from ...asynchronous import VersionTable
@@ -25,24 +25,22 @@ class Windows:
     """This rank's window action lists, one per window size, made (and validated) on first use.
 
     The train lists of the runner (:class:`~stagewise.runtime.engine.runner.TrainLists`): a train step of ``n``
-    mini-batches runs the window of ``n``, its version table handed to ``start`` (the version-aware
-    interpreter's) first.
+    mini-batches runs the window of ``n``, its version table carried by the run (``run.table``: the
+    version-aware handlers read it there).
     """
 
-    def __init__(self, schedule: Schedule, rank: int, start: Callable[[VersionTable], None] | None = None) -> None:
+    def __init__(self, schedule: Schedule, rank: int) -> None:
         table = async_table(schedule)
         if table is None:
             raise ValueError(f"schedule {schedule.name!r} is synchronous: it has no windows")
-        self.schedule, self.rank, self.start = schedule, rank, start
+        self.schedule, self.rank = schedule, rank
         self.size = table.minibatches
         self._made: dict[int, tuple[VersionTable, tuple[Action, ...]]] = {}
 
-    def train(self, minibatches: int) -> tuple[tuple[Action, ...], int]:
-        """The actions of the window of ``minibatches`` and its micro-batches per mini-batch."""
+    def train(self, minibatches: int) -> tuple[tuple[Action, ...], int, VersionTable]:
+        """The actions of the window of ``minibatches``, its micro-batches per mini-batch, its version table."""
         table, actions = self.get(minibatches)
-        if self.start is not None:
-            self.start(table)
-        return actions, table.microbatches
+        return actions, table.microbatches, table
 
     def get(self, n: int) -> tuple[VersionTable, tuple[Action, ...]]:
         """The version table and this rank's actions of the window of ``n`` mini-batches (1 <= n <= size)."""

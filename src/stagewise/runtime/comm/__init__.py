@@ -3,8 +3,9 @@
 Three rooms and a few modules at the root:
 
 * :mod:`.transport`: the :class:`Transport` protocol the engine speaks (moving values between the ranks of a
-  pipeline), the torch.distributed point-to-point transport, and how ``transport=`` picks one;
-* :mod:`.shm`: the same-host transport, through shared memory;
+  pipeline), the torch.distributed point-to-point transport;
+* :mod:`.shm`: the same-host transport, through shared memory (on the point-to-point pieces of :mod:`.transport`);
+  :mod:`.choose_transport`, above both, is how ``transport=`` picks one;
 * :mod:`.faults`: failure handling - the :class:`Guard` every transport is given (error board, deadlines,
   forensics), the heartbeat, the exit hook;
 * :mod:`.setup` joins the process group (``stagewise.init()``); :mod:`.attempt_store` finds the store a

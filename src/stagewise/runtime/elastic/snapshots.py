@@ -27,7 +27,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -95,10 +95,8 @@ class Snapshotter:
         root: nn.Module,
         group: Any,
         timeout: float,
-        merging: Callable[[], bool] = lambda: False,
     ) -> None:
         self.config, self.timeout = config, timeout
-        self.merging = merging  # whether the step that ended is one of a gradient merge's that only accumulate
         self._due = False  # a snapshot is due, and waits for the gradient merge to end
         self._root = root
         self.group = snapshot_wire.snapshot_group(group, timeout)
@@ -129,16 +127,16 @@ class Snapshotter:
     def after(self, run: Any) -> None:
         """A step part: at the end of a train step, :meth:`after_step`."""
         if run.mode == "train":
-            self.after_step(run.first + run.minibatches)
+            self.after_step(run.first + run.minibatches, merging=run.accumulate)
 
-    def after_step(self, trained: int | None = None) -> None:
+    def after_step(self, trained: int | None = None, merging: bool = False) -> None:
         """The end of a train step: count it, and take a snapshot when its number is a multiple of ``every``;
-        inside a gradient merge (``no_sync()``, whose partial gradients a snapshot does not hold) at the step
-        that ends the merge instead."""
+        inside a gradient merge (``merging``: the step only accumulated, ``no_sync()``, whose partial gradients a
+        snapshot does not hold) at the step that ends the merge instead."""
         self.step += 1
         self._check()
         self._due = self._due or self.step % self.config.every == 0
-        if not self._due or self.merging():
+        if not self._due or merging:
             return
         self._due = False
         self._finish_inflight("stall_s")  # one snapshot in flight at a time
@@ -150,10 +148,10 @@ class Snapshotter:
         self.stats["capture_s"] += time.perf_counter() - started
         self.stats["snapshots"] += 1
 
-    def on_sync(self, stage: int) -> None:
+    def on_sync(self, run: Any, stage: int) -> None:
         """(A stage part: nothing at SYNC.)"""
 
-    def before_step(self, stage: int) -> None:
+    def before_step(self, run: Any, stage: int) -> None:
         """A stage part: the optimizer may change the parameters only once the last snapshot has copied them."""
         if self._inflight is None:
             return

@@ -46,7 +46,7 @@ does those, nothing twice.
   without early stop, so each segment is recomputed to its end.
 * B is one engine ``backward``, or - for a stage whose weights are large
   enough that the fused accumulation repays the walk (``fused=True``, the
-  interpreter's ``fuses_b``) - I then W at once.
+  ``compute.fuses_b``) - I then W at once.
 
 :meth:`WeightWork.held_bytes` is what W holds (each stashed byte once); the
 memory meter charges it from the end of I to the end of W.
@@ -115,7 +115,7 @@ def backward_full(
 
     ``fused=True`` runs I then W at once (the fused accumulation of the linear layers' weight gradients saves
     the engine's temporary and its add to ``.grad``); ``fused=False`` one engine pass (a recomputed stage, or
-    one whose weights are too small to repay the walk: the interpreter's ``_fuse_b`` decides).
+    one whose weights are too small to repay the walk: the assembly decides: ``compute.StageFacts``).
     """
     pairs = [(r, g) for r, g in zip(roots, grads) if r.requires_grad]
     if not pairs:

@@ -4,25 +4,32 @@ At SYNC a stage's gradients are final: tied modules sum theirs over their
 owners, the hybrid axes start their reductions, and user hooks run. At STEP
 the stage's optimizer steps, after the reductions it needs have finished: on
 the device, or through a stepper that moves the update elsewhere
-(``offload="optimizer"``: :mod:`..features.offload`). While ``deferring()``
-(a gradient merge: :mod:`..features.merge`) the gradients are not final: the
-parts skip their reductions themselves, and neither the user's hooks nor the
-optimizer run.
+(``offload="optimizer"``: :mod:`..features.offload`). While the run only
+accumulates (``run.accumulate``: a gradient merge, :mod:`..features.merge`) the
+gradients are not final: the parts skip their reductions themselves, and
+neither the user's hooks nor the optimizer run. Both are handlers of the
+interpreter's table (``handler(run, action)``), registered by the assembly.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from ...ir import Action, Kind
+
+if TYPE_CHECKING:
+    from .compute import Handler
+    from .run import Run
+
 
 class StagePart(Protocol):
-    """A part of the pipeline with work at a stage's SYNC and before its optimizer STEP."""
+    """A part of the pipeline with work at a stage's SYNC and before its optimizer STEP, in the run ``run``."""
 
-    def on_sync(self, stage: int) -> None: ...
-    def before_step(self, stage: int) -> None: ...
+    def on_sync(self, run: Run, stage: int) -> None: ...
+    def before_step(self, run: Run, stage: int) -> None: ...
 
 
 class Stepper(Protocol):
@@ -48,27 +55,28 @@ class StageHooks:
         self.optimizers = optimizers
         self.stepper: Stepper = stepper if stepper is not None else OnDevice()
         self.user: list[Callable[[int], None]] = []
-        self.deferring: Callable[[], bool] = _never  # a gradient merge's steps that only accumulate
 
-    def sync(self, stage: int) -> None:
+    def handlers(self) -> dict[Kind, Handler]:
+        """This part of the interpreter's table."""
+        return {Kind.SYNC: self.sync, Kind.STEP: self.step}
+
+    def sync(self, run: Run, a: Action) -> None:
+        stage = a.stage
         for part in self.parts:
-            part.on_sync(stage)
-        if self.deferring():
+            part.on_sync(run, stage)
+        if run.accumulate:
             return
         for hook in self.user:
             hook(stage)
 
-    def step(self, stage: int) -> None:
+    def step(self, run: Run, a: Action) -> None:
+        stage = a.stage
         for part in self.parts:
-            part.before_step(stage)
+            part.before_step(run, stage)
         opt = self.optimizers.get(stage)
-        if opt is not None and not self.deferring():
+        if opt is not None and not run.accumulate:
             self.stepper.step(stage, opt)
             opt.zero_grad(set_to_none=True)
-
-
-def _never() -> bool:
-    return False
 
 
 def optimizer_per_stage(

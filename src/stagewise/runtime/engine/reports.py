@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ...ir import Action, Event, Timeline, parse_action
+from ...ir import Event, Timeline, parse_action
 from ..comm import collectives
+from .timings import ActionEvent
 
 
 def step_timeline(
-    events: list[tuple[Action, float, float]],
+    events: Sequence[ActionEvent],
     *,
     rank: int,
     num_ranks: int,
@@ -45,4 +47,15 @@ def gathered_losses(
     per = {n: sum(d.get(n, 0.0) for d in everyone) for n in names}
     out = {"loss": loss, "aux": sum(per.values())}
     out.update({f"aux/{n}": v for n, v in per.items()})
+    return out
+
+
+def version_report(versions: Mapping[int, Any] | None, schedule: str) -> dict[int, dict[str, int]]:
+    """``Pipeline.version_report``: per local stage, the most weight snapshots held at once and their bytes."""
+    if versions is None:
+        raise ValueError(f"schedule {schedule!r} is synchronous: it keeps no weight versions")
+    out = {}
+    for s, v in sorted(versions.items()):
+        size = sum(p.numel() * p.element_size() for p in v.stage.params)
+        out[s] = {"peak_snapshots": v.peak, "peak_bytes": v.peak * size}
     return out

@@ -4,17 +4,18 @@ Every train step goes through :meth:`Runner.train`: a synchronous schedule's ste
 asynchronous schedule's window (several mini-batches, each stage stepping at its own STEPs) and, through
 those, every HetPipe wave. The runner does what every step needs, and nothing an option adds::
 
-    actions = the train lists' actions for these mini-batches      (TrainLists: one step, or a window)
-    step = the micro-batches where this rank needs them            (.step)
-    with every part's around(run):                                 (hooks, modes, resets, for the run)
-        the interpreter runs the actions
+    actions = the train lists' actions for these mini-batches      (TrainLists: one list, or a window)
+    run = the run value: the micro-batches where this rank needs them (.run, .batches)
+    with every part's around(run):                                 (hooks, modes, resets, the merge's flag)
+        the interpreter runs the actions, each handler given run
     the sends finish; the losses are shared (the step's one read of the device)
     every part's after(run), in order                              (sums waited for, checks, totals)
 
 What an option adds to a step plugs in as a :class:`StepPart` (two methods, as a stage's SYNC and STEP take
-a :class:`~.hooks.StagePart`), registered by the assembly: the tied sums, the hybrid axes, BatchNorm, the
-activation meter, the check of non-finite values, the aux totals. A failure on this rank is posted to the
-error board with this rank's place in its action list (:mod:`.forensics`).
+a :class:`~.hooks.StagePart`), registered by the assembly: the gradient merge, the tied sums, the hybrid axes,
+BatchNorm, the activation meter, the check of non-finite values, the aux totals, dropout's seeds. Each is
+given the run value (:class:`.run.Run`), and reads what it needs of the run there. A failure on this rank is
+posted to the error board with this rank's place in its action list (:mod:`.forensics`).
 """
 
 from __future__ import annotations
@@ -31,22 +32,11 @@ from ...ir import Action, Schedule
 from ..comm.transport.protocol import Transport
 from ..errors import PipelineError
 from ..interrupt import note_steps
+from .batches import Batches
 from .forensics import position
-from .interpreter import Interpreter, Step
+from .interpreter import Interpreter
 from .microbatch import merge
-from .step import Batches
-
-
-@dataclass
-class StepRun:
-    """One run of this rank's action list (a train step, an asynchronous window, an eval), as parts see it."""
-
-    mode: str  # "train" or "eval"
-    step: Step  # the interpreter's record: the micro-batches, their losses, the events
-    minibatches: int  # mini-batches in the run (an asynchronous window holds several)
-    per_minibatch: int  # micro-batches per mini-batch
-    first: int  # mini-batches trained before it: where the run starts in the stream
-    losses: list[float] = field(default_factory=list)  # train, once shared: each mini-batch's mean loss
+from .run import Run, RunRecord
 
 
 class StepPart(Protocol):
@@ -58,31 +48,33 @@ class StepPart(Protocol):
     ``run.losses`` (the replicas' mean). Each looks at ``run.mode`` for what concerns it.
     """
 
-    def around(self, run: StepRun) -> AbstractContextManager[Any]: ...
-    def after(self, run: StepRun) -> None: ...
+    def around(self, run: Run) -> AbstractContextManager[Any]: ...
+    def after(self, run: Run) -> None: ...
 
 
 class TrainLists(Protocol):
-    """Which actions a train step of ``minibatches`` mini-batches runs (1 to :attr:`size`), and the micro-batches
-    of each: a synchronous schedule's one step (:class:`OneStep`), or an asynchronous one's windows."""
+    """Which actions a train step of ``minibatches`` mini-batches runs (1 to :attr:`size`), the micro-batches of
+    each, and what else its handlers need to know of that list (an asynchronous window's version table, which
+    the run carries as ``run.table``; None): a synchronous schedule's one list (:class:`OneList`), or an
+    asynchronous one's windows."""
 
     @property
     def size(self) -> int: ...
-    def train(self, minibatches: int) -> tuple[tuple[Action, ...], int]: ...
+    def train(self, minibatches: int) -> tuple[tuple[Action, ...], int, Any]: ...
 
 
 @dataclass(frozen=True)
-class OneStep:
+class OneList:
     """A synchronous schedule's train lists: one mini-batch per step, the schedule's own actions."""
 
     actions: tuple[Action, ...]
     microbatches: int
     size: int = 1
 
-    def train(self, minibatches: int) -> tuple[tuple[Action, ...], int]:
+    def train(self, minibatches: int) -> tuple[tuple[Action, ...], int, Any]:
         if minibatches != 1:
             raise ValueError(f"a synchronous step trains one mini-batch, got {minibatches}")
-        return self.actions, self.microbatches
+        return self.actions, self.microbatches, None
 
 
 @dataclass
@@ -97,7 +89,8 @@ class Runner:
     eval_actions: tuple[Action, ...]
     batches: Batches
     parts: list[StepPart] = field(default_factory=list)
-    last_step: Step | None = None
+    last_step: RunRecord | None = None  # the last run's record (its timeline: pipe.last_step)
+    last_run: Run | None = None
     running: tuple[Action, ...] = ()
     step_started: float = 0.0
     losses: list[float] = field(default_factory=list)  # the last train step's (each mini-batch's mean loss)
@@ -120,7 +113,7 @@ class Runner:
         """Where this rank stood in the action list it was running (see :mod:`.forensics`)."""
         step = self.last_step
         done = step.events[-1][0] if step is not None and step.events else None
-        current = getattr(self.interpreter, "current", None)
+        current = self.last_run.current if self.last_run is not None else None
         return position(self.rank, self.running, current, done, self.transport.guard.waiting)
 
     # ---- the protocol --------------------------------------------------------------------------
@@ -128,10 +121,10 @@ class Runner:
         """Train on ``batches`` (one mini-batch for a synchronous schedule, a window's for an asynchronous one);
         each mini-batch's mean loss, alike on every rank."""
         n = len(batches)
-        actions, m = self.lists.train(n)
-        run = StepRun("train", self.batches.prepare("train", batches, m), n, m, self.trained)
+        actions, m, table = self.lists.train(n)
+        run = Run("train", self.batches.prepare("train", batches, m), n, m, self.trained, table=table)
         self._run(actions, run)
-        run.losses = self._share_losses(run.step, n)
+        run.losses = self._share_losses(run.record, n)
         for part in self.parts:
             part.after(run)
         self.losses = run.losses
@@ -141,33 +134,33 @@ class Runner:
 
     def eval(self, inputs: Any, merge_outputs: bool) -> Any:
         m = self.schedule.num_microbatches
-        run = StepRun("eval", self.batches.prepare("eval", [(inputs, None)], m), 1, m, self.trained)
+        run = Run("eval", self.batches.prepare("eval", [(inputs, None)], m), 1, m, self.trained)
         with torch.no_grad():
             self._run(self.eval_actions, run)
         for part in self.parts:
             part.after(run)
         if self.schedule.placement[-1] != self.rank:
             return None
-        outputs = [run.step.outputs[i] for i in range(m)]
+        outputs = [run.record.outputs[i] for i in range(m)]
         return merge(outputs) if merge_outputs else outputs
 
-    def _run(self, actions: tuple[Action, ...], run: StepRun) -> None:
-        self.last_step, self.running = run.step, actions
+    def _run(self, actions: tuple[Action, ...], run: Run) -> None:
+        self.last_step, self.last_run, self.running = run.record, run, actions
         self.transport.guard.reset_waiting()  # "waiting for" must be this step's
         with ExitStack() as parts:
             for part in self.parts:
                 parts.enter_context(part.around(run))
             self.step_started = time.perf_counter()
-            self.interpreter.run(actions, run.step)
+            self.interpreter.run(actions, run)
         self.transport.finish_sends()
 
     # ---- results -------------------------------------------------------------------------------
-    def _share_losses(self, step: Step, n: int) -> list[float]:
+    def _share_losses(self, step: RunRecord, n: int) -> list[float]:
         """Each mini-batch's mean loss: computed where the last stage lives, broadcast over the pipeline group.
 
         A collective every rank issues once per train step, after its action list (the one exchange of a
         step outside the schedule's point-to-point), and the step's one read of the device: the losses are
-        weighted and summed where they are, and the check of counts kept on the device (:mod:`.step`) travels
+        weighted and summed where they are, and the check of counts kept on the device (:mod:`.batches`) travels
         with them, so every rank refuses bad counts alike.
         """
         owner = self.schedule.placement[-1]

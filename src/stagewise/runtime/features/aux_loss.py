@@ -31,7 +31,7 @@ from torch import nn
 from ..engine.tree import flatten, unflatten
 
 if TYPE_CHECKING:
-    from ..engine.runner import StepRun
+    from ..engine.run import Run
     from ..engine.stage import Forward
 
 _TERMS: ContextVar[list[tuple[str, torch.Tensor]] | None] = ContextVar("stagewise_aux_terms", default=None)
@@ -114,12 +114,12 @@ class AuxTotals:
         return run
 
     @contextmanager
-    def around(self, run: StepRun) -> Iterator[None]:
+    def around(self, run: Run) -> Iterator[None]:
         if run.mode == "train":
             self.totals = {}
         yield
 
-    def after(self, run: StepRun) -> None:
+    def after(self, run: Run) -> None:
         """Each aux term's total over this rank's stages (one host read for all of them)."""
         if run.mode != "train":
             return

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -55,11 +55,11 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ...ir import Action, Kind
+from ...ir import Kind
 from ..comm import collectives, groups
 
 if TYPE_CHECKING:
-    from ..engine.runner import StepRun
+    from ..engine.run import Run
 
 log = logging.getLogger(__name__)
 
@@ -199,22 +199,22 @@ def batchnorm_layers(modules: Sequence[nn.Module]) -> list[_BatchNorm]:
 class BatchNorms:
     """This rank's BatchNorm layers, run under a policy by forward hooks.
 
-    ``current()`` says which action the rank runs: only an F counts as the
-    micro-batch's forward; any other (B, I or W recomputing a checkpointed
-    segment) runs the layer without touching its running statistics. Outside
-    :meth:`step` (the user calling the layers directly) the hooks do nothing.
+    The run value's ``current`` says which action the rank runs: only an F
+    counts as the micro-batch's forward; any other (B, I or W recomputing a
+    checkpointed segment) runs the layer without touching its running
+    statistics. Outside a step (the user calling the layers directly) the
+    hooks do nothing.
     """
 
     def __init__(
         self,
         policy: BatchNormPolicy | None,
         stages: dict[int, list[nn.Module]],
-        current: Callable[[], Action | None],
         reduce: Callable[[torch.Tensor], Any] | None = None,
     ) -> None:
         self.policy = policy
         self.deferred = policy is not None and policy.mode == "deferred"
-        self.current = current
+        self.run: Run | None = None  # the run in progress (its current action)
         self.reduce = reduce if policy is not None and policy.across_replicas else None
         self.layers: dict[int, list[_BatchNorm]] = {}
         for s, modules in sorted(stages.items()):
@@ -258,20 +258,30 @@ class BatchNorms:
             self.mode = mode
             for s in self.layers:
                 while self.committed.get(s, 0) < self.minibatches:
-                    self.on_sync(s)
+                    self.commit(s)
             self.mode = None
 
-    def around(self, run: StepRun) -> AbstractContextManager[None]:
+    @contextmanager
+    def around(self, run: Run) -> Iterator[None]:
         """A part of every step: the forwards of ``run`` counted under the policy (see :meth:`step`)."""
-        return self.step(run.mode, run.minibatches, run.per_minibatch)
+        self.run = run
+        try:
+            with self.step(run.mode, run.minibatches, run.per_minibatch):
+                yield
+        finally:
+            self.run = None
 
-    def after(self, run: StepRun) -> None:
+    def after(self, run: Run) -> None:
         """Nothing left: a train step commits at its SYNCs, or as :meth:`step` ends."""
 
-    def before_step(self, stage: int) -> None:
+    def before_step(self, run: Run, stage: int) -> None:
         """Nothing to wait for: the commit happened at SYNC."""
 
-    def on_sync(self, stage: int) -> None:
+    def on_sync(self, run: Run, stage: int) -> None:
+        """SYNC: commit the stage's next mini-batch (see :meth:`commit`)."""
+        self.commit(stage)
+
+    def commit(self, stage: int) -> None:
         """SYNC: the stage's forwards of its next mini-batch are done; commit that mini-batch's statistics (over
         the replicas if asked). A synchronous step has one SYNC per stage; an asynchronous window one per
         mini-batch, in order."""
@@ -294,7 +304,7 @@ class BatchNorms:
         def hook(bn: nn.Module, args: tuple[Any, ...]) -> None:
             if self.mode is None or not bn.training or not bn.track_running_stats or bn.running_mean is None:
                 return
-            action = self.current()
+            action = self.run.current if self.run is not None else None
             forward = action is not None and action.kind is Kind.F
             if forward and not self.deferred:
                 return  # "micro": torch's own update, once per micro-batch
@@ -334,7 +344,6 @@ class BatchNorms:
 def attach_batchnorms(
     policy: BatchNormPolicy | None,
     stages: dict[int, list[nn.Module]],
-    current: Callable[[], Action | None],
     *,
     hybrid: Any,
     group: Any,
@@ -343,14 +352,14 @@ def attach_batchnorms(
 ) -> BatchNorms:
     """Run this rank's BatchNorm layers under ``policy``; if it was not chosen and there are some, say so once.
 
-    ``current``: the action the interpreter is executing (a forward counts only inside F). Without a policy
-    this gathers, over ``group``, which stages hold BatchNorm, so that global rank 0 can tell.
+    A forward counts only inside F (the run value's current action). Without a policy this gathers, over
+    ``group``, which stages hold BatchNorm, so that global rank 0 can tell.
     """
     reduce = None
     if hybrid is not None and hybrid.config.replicas > 1:
         mesh = hybrid.mesh
         reduce = lambda t: mesh.all_reduce(t, ("dp", "sharding"))  # noqa: E731
-    norms = BatchNorms(policy, stages, current, reduce)
+    norms = BatchNorms(policy, stages, reduce)
     if policy is None:
         summary = {str(s): kinds for s, kinds in norms.summary().items()}  # JSON keys are strings
         everyone = collectives.gather_json(summary, group, wait, "which stages hold BatchNorm")

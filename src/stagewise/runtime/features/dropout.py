@@ -37,12 +37,15 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.nn.modules.dropout import _DropoutNd
 from torch.utils.hooks import RemovableHandle
+
+if TYPE_CHECKING:
+    from ..engine.run import Run
 
 _MASK = (1 << 64) - 1
 
@@ -196,10 +199,10 @@ class _Segment:
 class DropoutSeeds:
     """This rank's seeding: the random modules of its stages, and where the running forward stands.
 
-    A part of every step (:class:`~..engine.runner.StepPart`): a train step's start says which mini-batch of
-    the stream it is (``run.first``, the train steps before it) and how many micro-batches a mini-batch has;
-    ``current()`` gives the action running (the interpreter's), whose micro-batch ``i`` is micro-batch
-    ``i % m`` of the step's mini-batch ``i // m`` (several in an asynchronous window). ``stages``: the
+    A part of every step (:class:`~..engine.runner.StepPart`): it keeps the train run's value, which says
+    which mini-batch of the stream the run starts at (``run.first``, the train steps before it), how many
+    micro-batches a mini-batch has, and the action running (``run.current``), whose micro-batch ``i`` is
+    micro-batch ``i % m`` of the run's mini-batch ``i // m`` (several in an asynchronous window). ``stages``: the
     stages holding a module that may drop; the others' forwards are left alone (no cost).
     """
 
@@ -210,29 +213,31 @@ class DropoutSeeds:
         seed: int,
         replica: int,
         device: torch.device | None,
-        current: Callable[[], Any],
     ) -> None:
         self.modules = [m for _, m in found.values()]
         self.codes = {i: name_code(n) for i, (n, _) in found.items()}
         self.stages = stages
-        self.seed, self.replica, self.current = seed, replica, current
+        self.seed, self.replica = seed, replica
         self.generators = _generators(device)
-        self.first, self.per_minibatch = 0, 1  # the train step running: mini-batches before it, micro-batches each
+        self.run: Run | None = None  # the train run running (or the last one)
 
     @contextmanager
-    def around(self, run: Any) -> Iterator[None]:
+    def around(self, run: Run) -> Iterator[None]:
         if run.mode == "train":
-            self.first, self.per_minibatch = run.first, run.per_minibatch
+            self.run = run
         yield
 
-    def after(self, run: Any) -> None:
+    def after(self, run: Run) -> None:
         """Nothing after a step."""
 
     def where(self) -> tuple[int, int]:
         """The (step, micro-batch) of the forward running now."""
-        action = self.current()
+        run = self.run
+        if run is None:
+            return 0, 0
+        action = run.current
         i = action.microbatch if action is not None and action.microbatch is not None else 0
-        return self.first + i // self.per_minibatch, i % self.per_minibatch
+        return run.first + i // run.per_minibatch, i % run.per_minibatch
 
     def segments(self, stage: int) -> Callable[[], Any] | None:
         """A training forward of ``stage`` starts: the factory of its segments' scopes (None: it cannot drop)."""
@@ -249,16 +254,15 @@ def dropout_seeds(
     seed: int,
     replica: int,
     device: torch.device | None,
-    current: Callable[[], Any],
 ) -> DropoutSeeds:
     """The seeding of the stages (index -> their layers) holding a module that may drop (none, for a model
     without dropout: it then only keeps the seed); ``named``: this rank's modules under their one-process
-    names; ``current``: the action running."""
+    names."""
     found = random_modules(named)
     stages = frozenset(
         s for s, layers in stage_modules.items() if any(id(m) in found for root in layers for m in _modules_of(root))
     )
-    return DropoutSeeds(found, stages, seed, replica, device, current)
+    return DropoutSeeds(found, stages, seed, replica, device)
 
 
 def _modules_of(root: nn.Module) -> Iterator[nn.Module]:

@@ -52,7 +52,7 @@ from ..errors import PipelineError
 from .merge import GradientMerge
 
 if TYPE_CHECKING:
-    from ..engine.runner import StepRun
+    from ..engine.run import Run
 
 POLICIES = ("raise", "skip")
 
@@ -258,10 +258,10 @@ class FiniteCheck:
             self.post(f"rank {self.rank}: {text}")  # the others learn it at their next wait, naming this rank
         raise PipelineError(text)
 
-    def __call__(self, losses: dict[int, torch.Tensor], last_stage: int | None) -> bool:
+    def __call__(self, losses: dict[int, torch.Tensor], last_stage: int | None, accumulate: bool = False) -> bool:
         """True if the step must be skipped; raises under ``"raise"``; False when every value is finite (or the step
-        is one of a gradient merge's that only accumulate: its losses wait for the merge's last)."""
-        if self.merge is not None and self.merge.deferring():
+        only accumulates, ``accumulate``, in a gradient merge: its losses wait for the merge's last)."""
+        if accumulate:
             self.carried.append(dict(losses))
             return False
         if self.carried:
@@ -312,7 +312,7 @@ class FinitePart:
         self.asynchronous = asynchronous
         self.settle = settle
         self.settle_stage = settle_stage
-        self.run: StepRun | None = None  # the train step running (or the last one)
+        self.run: Run | None = None  # the train step running (or the last one)
         self.checked = False  # whether this synchronous train step's collective check has run
         self.stepped: dict[int, int] = {}  # STEPs each stage ran in this asynchronous window
 
@@ -321,20 +321,20 @@ class FinitePart:
         return self.check.skipped
 
     @contextmanager
-    def around(self, run: StepRun) -> Iterator[None]:
+    def around(self, run: Run) -> Iterator[None]:
         if run.mode == "train":
             self.run, self.checked, self.stepped = run, False, {}
             self.check.begin()  # the buffers as they are: a refused or skipped step puts them back
         yield
 
-    def after(self, run: StepRun) -> None:
+    def after(self, run: Run) -> None:
         if run.mode == "train":
             self._check_step()  # when the list had no STEP (no optimizer factory), the check runs here
 
-    def on_sync(self, stage: int) -> None:
+    def on_sync(self, run: Run, stage: int) -> None:
         """Nothing at SYNC: the gradients are not final yet."""
 
-    def before_step(self, stage: int) -> None:
+    def before_step(self, run: Run, stage: int) -> None:
         if self.run is None:
             return
         if not self.asynchronous:
@@ -345,16 +345,18 @@ class FinitePart:
         self.settle_stage(stage)
         m = self.run.per_minibatch
         last = stage == len(self.placement) - 1
-        losses = {i: v for i, v in self.run.step.losses.items() if i // m == k} if last else {}
+        losses = {i: v for i, v in self.run.record.losses.items() if i // m == k} if last else {}
         self.check.check_stage(stage, self.run.first + k, losses)
 
     def _check_step(self) -> None:
         if self.asynchronous or self.checked or self.run is None:
             return
         self.checked = True
-        self.settle()
+        accumulate = self.run.accumulate
+        if not accumulate:  # (a merge's step started no reduction: nothing to wait for)
+            self.settle()
         last = self.placement[-1] == self.check.rank
-        self.check(self.run.step.losses if last else {}, len(self.placement) - 1 if last else None)
+        self.check(self.run.record.losses if last else {}, len(self.placement) - 1 if last else None, accumulate)
 
 
 def finite_check(

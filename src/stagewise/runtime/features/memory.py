@@ -28,12 +28,15 @@ hooks; what its recompute materialises during the backward is held by
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ...ir import Kind
 from ..engine.spans import byte_span, union_bytes
+
+if TYPE_CHECKING:
+    from ..engine.run import Run
 
 Key = tuple[int, int, int]  # (storage, first byte, end byte): engine.spans.byte_span
 
@@ -58,10 +61,12 @@ class _Held:
 
 
 class ActivationMeter:
-    """Counts the bytes saved for backward during a step; ``where()`` names the running action (stage, micro-batch)."""
+    """Counts the bytes saved for backward during a step; the running action is named by ``run`` (the run value,
+    set while a pipeline's train step runs), or else by ``where()`` (a meter used alone: profiling, tests)."""
 
-    def __init__(self, params: Iterable[torch.Tensor], where: Callable[[], Any]) -> None:
+    def __init__(self, params: Iterable[torch.Tensor], where: Callable[[], Any] | None = None) -> None:
         self.param_storages = {ptr for p in params if (ptr := _storage_ptr(p)) is not None}
+        self.run: Run | None = None
         self.where = where
         self.live: dict[Key, int] = {}  # a saved span -> how many saved tensors hold it
         self.spans: dict[int, set[tuple[int, int]]] = {}  # storage -> its live spans
@@ -92,7 +97,7 @@ class ActivationMeter:
         if held == 0:
             self.spans.setdefault(key[0], set()).add(key[1:])
             nbytes = self._recount(key[0])
-            action = self.where()
+            action = self.run.current if self.run is not None else self.where() if self.where is not None else None
             if action is not None and action.kind is Kind.F and action.microbatch is not None:
                 at = (action.stage, action.microbatch)
                 self.by_forward[at] = self.by_forward.get(at, 0) + nbytes

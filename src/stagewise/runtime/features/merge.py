@@ -24,12 +24,21 @@ What belongs to the optimizer step happens once, on the merged gradient: the che
 skipped merge drops all of its gradients and puts the buffers back as its first step found them;
 ``clip_grad_norm_`` is refused until then, as a checkpoint is (it saves no gradients, and each replica's
 partial sums are its own). Asynchronous schedules and HetPipe refuse ``no_sync`` (:mod:`..assembly.combinations`).
+
+The merge is a part of every step (:class:`~..engine.runner.StepPart`, registered first): it says, on the run
+value, whether the run only accumulates (``run.accumulate``, set as the run starts). That flag is the one the
+other parts read - the SYNC and STEP handlers (:mod:`..engine.hooks`), the hybrid axes, the tied sums, the check
+of non-finite values, the snapshots - and the merge is the only one that sets it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..engine.run import Run
 
 
 class GradientMerge:
@@ -46,6 +55,15 @@ class GradientMerge:
     def first(self) -> bool:
         """Whether a step run now starts a merge (no gradient of an earlier step is pending)."""
         return self.pending == 0
+
+    @contextmanager
+    def around(self, run: Run) -> Iterator[None]:
+        """A train run inside ``no_sync`` only accumulates: the flag every other part reads."""
+        run.accumulate = run.mode == "train" and self.deferring()
+        yield
+
+    def after(self, run: Run) -> None:
+        """(Counted by the pipeline once the step and its checks are through: :meth:`stepped`, :meth:`dropped`.)"""
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -27,13 +27,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from fnmatch import fnmatchcase
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from ..comm import collectives, groups
 from .layers import Layer, LayerLike, build_layer
+
+if TYPE_CHECKING:
+    from ..engine.run import Run
 
 ForwardFn = Callable[..., Any]
 
@@ -231,15 +234,14 @@ class TiedSync:
                     self.copies_of[id(p)] = len(owners)
         self._left: dict[str, set[int]] = {}
         self._pending: dict[str, tuple[Any, torch.Tensor, list[torch.Tensor]]] = {}
-        self.deferring: Callable[[], bool] = lambda: False  # a gradient merge's steps: their sums wait for the last
 
     def start_step(self) -> None:
         self._left = {key: set(stages) for key, (_, stages) in self.local.items() if key in self.groups}
 
-    def on_sync(self, stage: int) -> None:
+    def on_sync(self, run: Run, stage: int) -> None:
         """SYNC of ``stage``: start the reduction of each key whose local stages are all synced (inside a gradient
         merge, none: the copies' gradients accumulate, and the merge's last step sums them once)."""
-        if self.deferring():
+        if run.accumulate:
             return
         for key, left in self._left.items():
             if stage in left:
@@ -263,9 +265,8 @@ class TiedSync:
 
     @torch.no_grad()
     def finish(self, stage: int | None = None) -> None:
-        """Wait for the reductions touching ``stage`` (all if None; unstarted ones start now) and write them back."""
-        if self.deferring():
-            return
+        """Wait for the reductions touching ``stage`` (all if None; unstarted ones start now) and write them back.
+        (Not in a run that only accumulates: :meth:`before_step` and the step's part ask only outside one.)"""
         if stage is None:
             for key, left in self._left.items():
                 if left:
@@ -282,9 +283,10 @@ class TiedSync:
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
 
-    def before_step(self, stage: int) -> None:
-        """STEP of ``stage``: its tied gradients must be summed first."""
-        self.finish(stage)
+    def before_step(self, run: Run, stage: int) -> None:
+        """STEP of ``stage``: its tied gradients must be summed first (none were started in a merge's step)."""
+        if not run.accumulate:
+            self.finish(stage)
 
     def params(self) -> set[int]:
         """ids of the tied parameters held here (kept out of sharding and data-parallel buckets)."""

@@ -17,8 +17,8 @@ split parameter is a DTensor under its own name.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Sequence
-from typing import Any
+from collections.abc import Container, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -30,6 +30,9 @@ from . import sharding as zero
 from .data_parallel import GradAverager, Wait
 from .mesh import Mesh, build_mesh
 from .tensor_parallel import TPPlan, align_grad, apply_plan, pieces
+
+if TYPE_CHECKING:
+    from ..engine.run import Run
 
 
 class Hybrid:
@@ -47,7 +50,6 @@ class Hybrid:
         self._split_params: dict[int, list[nn.Parameter]] = {}
         self._averager: GradAverager | None = None
         self._wait: Wait | None = None  # the pipeline's deadline wait, for the reductions issued here
-        self.deferring: Callable[[], bool] = lambda: False  # a gradient merge's steps: SYNC reduces nothing
 
     @property
     def pp_group(self) -> Any:
@@ -109,10 +111,10 @@ class Hybrid:
         self._averager = None
 
     # ---- the step --------------------------------------------------------
-    def on_sync(self, stage: int) -> None:
+    def on_sync(self, run: Run, stage: int) -> None:
         """SYNC: the stage's gradients are final: start their reduction over the replicas (inside a gradient
         merge they only accumulate, unreduced, FSDP2's unsharded: the merge's last step reduces their sum)."""
-        if self.deferring():
+        if run.accumulate:
             return
         for p in self._split_params.get(stage, ()):
             align_grad(p)
@@ -121,7 +123,11 @@ class Hybrid:
         if stage in self._units:
             zero.reduce(self._units[stage])
 
-    def before_step(self, stage: int | None = None) -> None:
+    def before_step(self, run: Run, stage: int) -> None:
+        """STEP: the stage's reductions must be done first."""
+        self.wait_reductions(stage)
+
+    def wait_reductions(self, stage: int | None = None) -> None:
         """Wait for the reductions of ``stage`` (every stage if None)."""
         if self._averager is not None:
             self._averager.finish(stage)
@@ -133,7 +139,7 @@ class Hybrid:
         average their gradients with equal weights, so, unless the losses were weighted over every replica
         already (``exact``: ``loss_weights=``), they must have trained on equally many rows.
         """
-        self.before_step()
+        self.wait_reductions()
         n = 0.0 if samples is None else float(samples)
         total = torch.tensor([*losses, n, n * n], dtype=torch.float64, device=self.mesh.device_type)
         self.mesh.all_reduce(total, ("dp", "sharding"), wait=self._wait, what="the step's loss")

@@ -21,7 +21,7 @@ from torch.utils.checkpoint import CheckpointError, checkpoint
 
 from ...partition import LayerCost
 from ..engine.backward import WeightWork, backward_full, backward_input, backward_weight
-from ..engine.interpreter import fuses_b
+from ..engine.compute import fuses_b
 
 #: ``timed(fn)``: ``fn()``'s result and the seconds it took on the device
 Timer = Callable[[Callable[[], Any]], tuple[Any, float]]

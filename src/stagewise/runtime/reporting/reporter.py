@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ..engine.microbatch import Dims
-from ..engine.runner import StepRun
+from ..engine.run import Run
 from .config import MetricsConfig
 from .progress import progress_line, progress_log
 from .record import batch_counts, learning_rate, parameter_bytes, step_times
@@ -116,15 +116,15 @@ class Reporter:
 
     # ---- the StepPart -----------------------------------------------------------------------------
     @contextmanager
-    def around(self, run: StepRun) -> Iterator[None]:
+    def around(self, run: Run) -> Iterator[None]:
         self._running = run.mode == "train"
         self._norm = None
         self._started = time.perf_counter()
         yield
 
-    def after(self, run: StepRun) -> None:
+    def after(self, run: Run) -> None:
         ended = time.perf_counter()
-        self.runs[run.mode] = (run.step.events, self._started)  # (the events only: no tensor kept alive)
+        self.runs[run.mode] = (run.record.events, self._started)  # (the events only: no tensor kept alive)
         if run.mode != "train":
             return
         self._running = False
@@ -146,8 +146,8 @@ class Reporter:
             for sink in self.sinks:
                 sink.scalars(step, values)
 
-    def _values(self, run: StepRun, wall: float) -> dict[str, float]:
-        step = run.step
+    def _values(self, run: Run, wall: float) -> dict[str, float]:
+        step = run.record
         values: dict[str, float] = {"loss": run.losses[-1] if run.losses else float("nan")}
         lr = learning_rate([*self.own_optimizers(), *self.watched])
         if lr is not None:

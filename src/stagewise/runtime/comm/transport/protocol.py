@@ -133,5 +133,5 @@ def _nccl(group: Any) -> bool:
     return backend_of(group) == "nccl"
 
 
-#: builds a pipeline's transport; the default is ``"auto"`` (see :mod:`.choose`)
+#: builds a pipeline's transport; the default is ``"auto"`` (see :mod:`..choose_transport`)
 TransportFactory = Callable[[TransportSpec], Transport]

@@ -1,7 +1,11 @@
 """Which transport a pipeline gets: ``transport=`` as a name or a factory, ``auto`` by default.
 
+It stands above both transports' rooms (:mod:`.transport`, :mod:`.shm`): the shared-memory transport builds on
+the point-to-point pieces, and the choice knows them both, so no room of ``comm/`` imports another round a
+circle (``tests/core/test_import_circles.py``).
+
 * ``"torch"`` (:func:`torch_transport`): torch.distributed point-to-point, gloo or NCCL; works everywhere.
-* ``"shm"`` (:func:`~.shm.shm_transport`): shared memory between processes of one host (gloo groups on
+* ``"shm"`` (:func:`~.shm.transport.shm_transport`): shared memory between processes of one host (gloo groups on
   x86-64 Linux); an error naming the ranks elsewhere otherwise.
 * ``"auto"`` (:func:`auto_transport`): shm when the group's backend is gloo and every rank is on this host
   (same host name, boot id, pid and mount namespaces, gathered when the pipeline is built), else torch.
@@ -14,10 +18,10 @@ from __future__ import annotations
 
 import os
 
-from ..groups import backend_of
-from ..shm.transport import ShmTransport, gather_peers, same_host, shm_transport
-from .protocol import Transport, TransportFactory, TransportSpec, guard_for
-from .torch_p2p import TorchTransport
+from .groups import backend_of
+from .shm.transport import ShmTransport, gather_peers, same_host, shm_transport
+from .transport.protocol import Transport, TransportFactory, TransportSpec, guard_for
+from .transport.torch_p2p import TorchTransport
 
 ENV = "STAGEWISE_TRANSPORT"
 NAMES = ("auto", "shm", "torch")

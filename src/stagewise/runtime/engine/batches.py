@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from .interpreter import Step
 from .microbatch import Dims, split
+from .run import RunRecord
 
 #: per mini-batch, its local total of counted items -> the total its weights divide by (over the replicas)
 Denominators = Callable[[torch.Tensor], torch.Tensor]
@@ -67,7 +67,7 @@ class Batches:
     denominators: Denominators | None = None
     replicas: int = 1  # data-parallel replicas, each given its share of a global batch (named in errors)
 
-    def prepare(self, mode: str, batches: Sequence[tuple[Any, Any]], num_microbatches: int) -> Step:
+    def prepare(self, mode: str, batches: Sequence[tuple[Any, Any]], num_microbatches: int) -> RunRecord:
         return prepare_window(
             mode,
             batches,
@@ -98,9 +98,9 @@ def prepare_window(
     denominators: Denominators | None = None,
     defer_checks: bool = False,
     replicas: int = 1,
-) -> Step:
-    """The :class:`Step` of ``rank`` for ``batches`` (``(inputs, targets)`` per mini-batch): inputs where stage 0
-    is, targets and loss weights where the last stage is.
+) -> RunRecord:
+    """The :class:`~.run.RunRecord` of ``rank`` for ``batches`` (``(inputs, targets)`` per mini-batch): inputs
+    where stage 0 is, targets and loss weights where the last stage is.
 
     ``denominators``: what each mini-batch's weights divide by, from its local total (default: the total);
     data-parallel replicas make it the total over every replica, so the mean is the global batch's.
@@ -110,7 +110,7 @@ def prepare_window(
     """
     m = num_microbatches
     first, last = rank == placement[0], rank == placement[-1]
-    step = Step(mode, [] if first else None, None, None)
+    step = RunRecord(mode, [] if first else None, None, None)
     if mode == "train" and last:
         step.targets, step.weights = [], []
     counts: list[list[float]] = []
@@ -130,14 +130,10 @@ def prepare_window(
                 raise ValueError(f"rank {rank} holds the last stage, so {where} needs the targets")
             if not has_loss:
                 raise ValueError("training needs a loss: build the Pipeline with loss_fn=...")
-            chunks, target_sizes = split(targets, m, batch_dims[1], "targets", replicas)
-            if sizes is not None and sizes != target_sizes:
-                raise ValueError(f"inputs and targets disagree on the batch size: {sum(sizes)} vs {sum(target_sizes)}")
+            chunks, target_sizes = _targets(targets, sizes, m, batch_dims[1], replicas)
             step.targets += [to_device(c, device) for c in chunks]
-            if loss_weights is None:
-                counts.append([float(n) for n in target_sizes])
-            else:
-                counts.append([loss_weights(c) for c in chunks])
+            counted = [float(n) for n in target_sizes] if loss_weights is None else [loss_weights(c) for c in chunks]
+            counts.append(counted)
     if step.weights is None:
         return step
     if defer_checks and any(isinstance(n, torch.Tensor) for row in counts for n in row):
@@ -148,13 +144,21 @@ def prepare_window(
     return step
 
 
+def _targets(targets: Any, sizes: list[int] | None, m: int, dims: Dims, replicas: int) -> tuple[list[Any], list[int]]:
+    """``targets`` cut into ``m`` micro-batches and their sizes, which must be the inputs' (``sizes``) if known."""
+    chunks, target_sizes = split(targets, m, dims, "targets", replicas)
+    if sizes is not None and sizes != target_sizes:
+        raise ValueError(f"inputs and targets disagree on the batch size: {sum(sizes)} vs {sum(target_sizes)}")
+    return chunks, target_sizes
+
+
 def prepare_step(
     mode: str,
     inputs: Any,
     targets: Any,
     **where: Any,
-) -> Step:
-    """One mini-batch's :class:`Step` (see :func:`prepare_window`)."""
+) -> RunRecord:
+    """One mini-batch's :class:`~.run.RunRecord` (see :func:`prepare_window`)."""
     return prepare_window(mode, [(inputs, targets)], **where)
 
 
