@@ -21,14 +21,30 @@ new world size; a machine that starts later is taken in at the next round. Two t
   exchange through the store. torch's other way - each agent posts its size, rendezvous rank 0 reads them
   all - was seen to wait a minute for an agent that had moved on to the next round when machines joined in
   quick succession, then end the job (``DistStoreError: wait timeout ... role_info``).
+* **The sizes the job may take** (``STAGEWISE_NNODES=MIN:MAX``): :func:`stagewise.init` turns it into
+  ``env.world_sizes`` (``-n`` times MIN..MAX), so that ``ElasticLayout.at(env)`` refuses at the start a size
+  the job could reach only later, after a loss.
+* **A lost machine noticed within seconds** (:data:`FAST_RDZV`, unless ``--rdzv-conf`` says otherwise): torch's
+  defaults (a keep-alive every 5 s, 3 missed; a last call of 30 s) made the survivors wait 40 s in silence.
 * **One line when the rendezvous itself fails** (:func:`rendezvous_failure`): fewer machines than MIN
   within ``join_timeout``, or the rendezvous store gone with the machine that hosted it.
 """
 
 from __future__ import annotations
 
+from ...parallel import NNODES_ENV
+
 #: the agent's environment under ``--nnodes MIN:MAX`` (inherited by every worker it starts)
 ELASTIC_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "TORCH_ELASTIC_WORKER_IDENTICAL": "1"}
+#: the rendezvous settings of ``--nnodes MIN:MAX`` that ``--rdzv-conf`` does not set: a machine whose agent is
+#: silent for 3 keep-alives of 1 s is lost; a round closes 2 s after MIN machines met (torch: 5 s x 3, 30 s)
+FAST_RDZV = {"keep_alive_interval": "1", "keep_alive_max_attempt": "3", "last_call_timeout": "2"}
+
+
+def elastic_env(low: int, high: int) -> dict[str, str]:
+    """What ``stagewise run --nnodes MIN:MAX`` puts in the agent's environment (and so in every worker's)."""
+    return {**ELASTIC_ENV, NNODES_ENV: f"{low}:{high}"}
+
 
 _GUIDE = "docs/guides/elastic.md"
 
