@@ -231,7 +231,10 @@ class ElasticLayout:
         if not isinstance(world, int):
             sizes = tuple(world.world_sizes) or (world.world_size,)
             for size in (world.world_size, *sizes):
-                self._refuse(size, "" if size == world.world_size else f", which this job may reach (its sizes: {_listed(sizes)})")
+                self._refuse(
+                    size,
+                    "" if size == world.world_size else f", which this job may reach (its sizes: {_listed(sizes)})",
+                )
             world = world.world_size
         self._refuse(world, "")
         config = ParallelConfig(pp=self.pp, dp=world // self.fixed, tp=self.tp, sharding=self.sharding)

@@ -140,7 +140,9 @@ def launched(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> tuple[Path, lis
     calls: list[tuple[list[str], dict[str, str]]] = []
     import stagewise.runtime.launch as launch
 
-    def torchrun(argv: list[str], env: dict[str, str] | None = None, explain: object = None) -> int:
+    def torchrun(
+        argv: list[str], env: dict[str, str] | None = None, explain: object = None, watch: object = None
+    ) -> int:
         calls.append((argv, env or {}))
         return 0
 
@@ -181,8 +183,36 @@ def test_run_elastic_arguments(launched: tuple[Path, list[tuple[list[str], dict[
         (["--nnodes", "3:2"], "--nnodes must be >= 1 (M, or MIN:MAX with MIN <= MAX)"),
         (["--nnodes", "a:b"], "--nnodes takes M or MIN:MAX"),
         (["--rdzv-host"], "--rdzv-host is for --nnodes MIN:MAX"),
-        (["--nnodes", "1:2", "--max-restarts", "1", "--rdzv-endpoint", "h:1", "--rdzv-id", "j", "--rdzv-conf", "is_host=1"], "is set by"),
-        (["--nnodes", "1:2", "--max-restarts", "1", "--rdzv-endpoint", "h:1", "--rdzv-id", "j", "--rdzv-conf", "oops"], "KEY=VALUE"),
+        (
+            [
+                "--nnodes",
+                "1:2",
+                "--max-restarts",
+                "1",
+                "--rdzv-endpoint",
+                "h:1",
+                "--rdzv-id",
+                "j",
+                "--rdzv-conf",
+                "is_host=1",
+            ],
+            "is set by",
+        ),
+        (
+            [
+                "--nnodes",
+                "1:2",
+                "--max-restarts",
+                "1",
+                "--rdzv-endpoint",
+                "h:1",
+                "--rdzv-id",
+                "j",
+                "--rdzv-conf",
+                "oops",
+            ],
+            "KEY=VALUE",
+        ),
         (["--nnodes", "1:2", "--max-restarts", "1", "--rdzv-endpoint", "h:1"], "needs --rdzv-id ID: the job's name"),
     ],
 )

@@ -87,12 +87,36 @@ def run_script(args: argparse.Namespace) -> int:
 
     argv = [*rendezvous_args(args), f"--nproc-per-node={args.nproc}", args.script, *script_args]
     if _elastic(args):
-        from ..runtime.elastic.launch import elastic_env, rendezvous_failure
-
-        nodes, endpoint, conf = args.nnodes, args.rdzv_endpoint, args.rdzv_conf or ""
-        env = elastic_env(nodes.low, nodes.high)
-        return torchrun(argv, env=env, explain=lambda err: rendezvous_failure(err, endpoint, nodes, conf))
+        return _elastic_run(args, argv)
     return torchrun(argv)
+
+
+def _elastic_run(args: argparse.Namespace, argv: list[str]) -> int:
+    """``--nnodes MIN:MAX``: the workers' environment, one line per failure (tracebacks in a folder kept after
+    the job), one line for a failed rendezvous."""
+    import os
+    import tempfile
+    import time
+
+    from ..runtime.elastic.launch import FAST_RDZV, elastic_env, rendezvous_failure, watched
+    from ..runtime.interrupt import TRACEBACK_ENV
+    from ..runtime.launch import torchrun
+
+    nodes, endpoint, conf = args.nnodes, args.rdzv_endpoint, args.rdzv_conf or ""
+    settings = {**FAST_RDZV, **dict(item.split("=", 1) for item in conf.split(",") if "=" in item)}
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    traces = os.path.join(tempfile.gettempdir(), f"stagewise-{_safe(args.rdzv_id)}-{stamp}-{os.getpid()}")
+    env = {**elastic_env(nodes.low, nodes.high), TRACEBACK_ENV: traces}
+    return torchrun(
+        argv,
+        env=env,
+        explain=lambda err: rendezvous_failure(err, endpoint, nodes, conf),
+        watch=lambda folder: watched(folder, args.nproc, settings, traces),
+    )
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
 
 
 def rendezvous_args(args: argparse.Namespace) -> list[str]:
@@ -148,7 +172,7 @@ def _elastic_args(args: argparse.Namespace, restarts: list[str]) -> list[str]:
         raise UsageError(
             f"--nnodes {low}:{high} needs --rdzv-id ID: the job's name, the same on every machine and used by no "
             "other job (each machine's snapshots are found by it: two jobs of one name would resume from each "
-            "other's). `stagewise rendezvous` prints a fresh one; under Slurm, --rdzv-id \"$SLURM_JOB_ID\""
+            'other\'s). `stagewise rendezvous` prints a fresh one; under Slurm, --rdzv-id "$SLURM_JOB_ID"'
         )
     from ..runtime.elastic.launch import FAST_RDZV
 
