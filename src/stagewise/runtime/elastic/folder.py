@@ -107,10 +107,10 @@ def remove(paths: Iterable[Path]) -> None:
 
 
 def mark_ended(folder: Path, job: str, step: int) -> None:
-    """Leave ``ended-<job>.json`` here: this job ended cleanly at ``step`` (written whole, by any rank)."""
-    if not re.fullmatch(r"[0-9a-f]+", job):
+    """Leave ``ended-<job>.json`` here: this job ended cleanly at ``step`` (written whole, by any rank; nothing
+    where the job never wrote a snapshot)."""
+    if not re.fullmatch(r"[0-9a-f]+", job) or not folder.is_dir():
         return
-    folder.mkdir(parents=True, exist_ok=True)
     staging = folder / f".ended-{job}.{os.getpid()}.tmp"
     staging.write_text(json.dumps({"job": job, "step": step, "time": time.time()}))
     os.replace(staging, folder / f"ended-{job}.json")
