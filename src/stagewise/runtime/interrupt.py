@@ -48,7 +48,7 @@ _state: dict[str, Any] = {"steps": 0, "checkpoint": None, "here": 0}
 def note_steps(count: int = 1) -> None:
     """This process finished ``count`` more training steps (mini-batches)."""
     _state["steps"] += count
-    _state["here"] += count
+    _state["here"] = _state.get("here", 0) + count  # trained in this process (a resume sets "steps" only)
 
 
 def note_checkpoint(path: str | os.PathLike[str], step: int, *, loaded: bool = False) -> None:
@@ -138,7 +138,8 @@ def note_failed(message: str, refusal: bool) -> None:
     folder = os.environ.get(FOLDER_ENV)
     if not folder or not Path(folder).is_dir():
         return
-    record = {**where(), "here": _state["here"], "refusal": refusal and _state["here"] == 0, "message": message}
+    here = _state.get("here", 0)
+    record = {**where(), "here": here, "refusal": refusal and here == 0, "message": message}
     path = Path(folder) / f"failed-{attempt()}-r{record['rank']}.json"
     partial = path.with_suffix(".tmp")
     partial.write_text(json.dumps(record))
