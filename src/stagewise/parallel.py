@@ -38,7 +38,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass, fields
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from ._util import is_count
 
@@ -164,6 +164,17 @@ class Fit:
         return short(self.parallel)
 
 
+class Job(Protocol):
+    """What :meth:`ElasticLayout.at` reads of ``sw.init()``'s result: this round's size and every size the job
+    may take (``stagewise run -n N --nnodes MIN:MAX``: N times MIN..MAX)."""
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def world_sizes(self) -> tuple[int, ...]: ...
+
+
 @dataclass(frozen=True)
 class ElasticLayout:
     """A layout that follows the world size: ``pp`` (and ``tp``, ``sharding``) fixed, data parallelism over
@@ -171,7 +182,8 @@ class ElasticLayout:
 
     Give the rows per micro-batch (``microbatch_size``: the micro-batches per replica adjust) or the
     micro-batches per replica (``microbatches``: their rows adjust). A world size the layout cannot use is
-    refused at once, naming the sizes it can use.
+    refused at once, naming the sizes it can use; given the job (``layout.at(sw.init())``), every size the
+    job may take is checked at the start, not only the size of this round.
 
     >>> layout = ElasticLayout(pp=2, batch=24, microbatch_size=2)
     >>> layout.at(6).describe(), layout.at(6).microbatches, layout.at(4).microbatches
@@ -212,19 +224,34 @@ class ElasticLayout:
         """Processes per replica: ``pp * sharding * tp`` (the world is a multiple of it)."""
         return self.pp * self.sharding * self.tp
 
-    def at(self, world: int) -> Fit:
-        """The layout at ``world`` processes; ``ValueError`` naming the sizes it can use if it cannot."""
-        why = self._unusable(world)
-        if why:
-            sizes = [str(s) for s in self.sizes()]
-            if not sizes:
-                raise ValueError(f"{self._name()} cannot use any number of processes: {self._unusable(self.fixed)}")
-            listed = ", ".join(sizes[:-1]) + f" or {sizes[-1]}" if len(sizes) > 1 else sizes[0]
-            raise ValueError(f"{self._name()} cannot use {world} processes ({why}); it can use {listed} processes")
+    def at(self, world: int | Job) -> Fit:
+        """The layout at ``world`` processes; ``ValueError`` naming the sizes it can use if it cannot. Given the
+        job (``sw.init()``'s result), every size in its ``world_sizes`` is checked first, this round's among them.
+        """
+        if not isinstance(world, int):
+            sizes = tuple(world.world_sizes) or (world.world_size,)
+            for size in (world.world_size, *sizes):
+                self._refuse(
+                    size,
+                    "" if size == world.world_size else f", which this job may reach (its sizes: {_listed(sizes)})",
+                )
+            world = world.world_size
+        self._refuse(world, "")
         config = ParallelConfig(pp=self.pp, dp=world // self.fixed, tp=self.tp, sharding=self.sharding)
         rows = self.batch // config.replicas
         m = self.microbatches if self.microbatches is not None else rows // (self.microbatch_size or 1)
         return Fit(world, config, m, rows // m)
+
+    def _refuse(self, world: int, which: str) -> None:
+        why = self._unusable(world)
+        if not why:
+            return
+        sizes = self.sizes()
+        if not sizes:
+            raise ValueError(f"{self._name()} cannot use any number of processes: {self._unusable(self.fixed)}")
+        raise ValueError(
+            f"{self._name()} cannot use {world} processes{which} ({why}); it can use {_listed(sizes)} processes"
+        )
 
     def sizes(self) -> tuple[int, ...]:
         """Every world size the layout can use (a whole number of replicas, each with whole micro-batches)."""
@@ -254,6 +281,29 @@ class ElasticLayout:
         given += [f"{n}={getattr(self, n)}" for n in ("microbatch_size", "microbatches") if getattr(self, n)]
         given += [f"{n}={getattr(self, n)}" for n in ("tp", "sharding") if getattr(self, n) > 1]
         return f"ElasticLayout({', '.join(given)})"
+
+
+def _listed(sizes: tuple[int, ...]) -> str:
+    """``2, 4 or 8``."""
+    words = [str(s) for s in sizes]
+    return ", ".join(words[:-1]) + f" or {words[-1]}" if len(words) > 1 else words[0]
+
+
+#: ``MIN:MAX`` of ``stagewise run --nnodes``, in every worker's environment (:func:`world_sizes`)
+NNODES_ENV = "STAGEWISE_NNODES"
+
+
+def world_sizes(nnodes: str, nproc: int, world: int) -> tuple[int, ...]:
+    """The world sizes a job may take: ``nproc`` (per machine) times MIN..MAX for ``nnodes`` = ``"MIN:MAX"``,
+    else ``(world,)`` (not elastic, or not said).
+
+    >>> world_sizes("2:3", 8, 16), world_sizes("", 4, 4)
+    ((16, 24), (4,))
+    """
+    low, sep, high = nnodes.partition(":")
+    if not sep or not low.isdigit() or not high.isdigit() or nproc < 1 or int(low) > int(high):
+        return (world,)
+    return tuple(nproc * k for k in range(int(low), int(high) + 1))
 
 
 def short(config: ParallelConfig) -> str:

@@ -140,7 +140,9 @@ def launched(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> tuple[Path, lis
     calls: list[tuple[list[str], dict[str, str]]] = []
     import stagewise.runtime.launch as launch
 
-    def torchrun(argv: list[str], env: dict[str, str] | None = None, explain: object = None) -> int:
+    def torchrun(
+        argv: list[str], env: dict[str, str] | None = None, explain: object = None, watch: object = None
+    ) -> int:
         calls.append((argv, env or {}))
         return 0
 
@@ -151,18 +153,21 @@ def launched(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> tuple[Path, lis
 def test_run_elastic_arguments(launched: tuple[Path, list[tuple[list[str], dict[str, str]]]]) -> None:
     script, calls = launched
     argv = ["run", "-n", "2", "--nnodes", "2:4", "--max-restarts", "3", "--rdzv-endpoint", "10.0.0.9:29400"]
-    assert main([*argv, "--rdzv-host", "--rdzv-conf", "join_timeout=60", str(script), "--x"]) == 0
+    conf = "--rdzv-conf=join_timeout=60,last_call_timeout=5"
+    assert main([*argv, "--rdzv-id", "j6", "--rdzv-host", "--rdzv-conf", conf[12:], str(script), "--x"]) == 0
     assert main([*argv, "--rdzv-id", "job7", "--local-addr", "10.0.0.2", str(script)]) == 0
     head = ["--nnodes=2:4", "--rdzv-backend=c10d", "--rdzv-endpoint=10.0.0.9:29400"]
+    fast = "keep_alive_interval=1,keep_alive_max_attempt=3"  # the defaults the user's --rdzv-conf leaves unset
     assert calls[0][0] == [
-        *head, "--rdzv-id=stagewise", "--rdzv-conf=is_host=true,join_timeout=60", "--max-restarts=3",
-        "--nproc-per-node=2", str(script), "--x",
+        *head, "--rdzv-id=j6", f"--rdzv-conf=is_host=true,join_timeout=60,last_call_timeout=5,{fast}",
+        "--max-restarts=3", "--nproc-per-node=2", str(script), "--x",
     ]  # fmt: skip
     assert calls[1][0] == [
-        *head, "--rdzv-id=job7", "--rdzv-conf=is_host=false", "--local-addr=10.0.0.2", "--max-restarts=3",
-        "--nproc-per-node=2", str(script),
+        *head, "--rdzv-id=job7", f"--rdzv-conf=is_host=false,{fast},last_call_timeout=2", "--local-addr=10.0.0.2",
+        "--max-restarts=3", "--nproc-per-node=2", str(script),
     ]  # fmt: skip
     assert calls[0][1]["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"  # a fresh store per round's workers
+    assert calls[0][1]["STAGEWISE_NNODES"] == "2:4"  # the workers' env.world_sizes: 4, 6 and 8
 
 
 @pytest.mark.parametrize(
@@ -178,8 +183,37 @@ def test_run_elastic_arguments(launched: tuple[Path, list[tuple[list[str], dict[
         (["--nnodes", "3:2"], "--nnodes must be >= 1 (M, or MIN:MAX with MIN <= MAX)"),
         (["--nnodes", "a:b"], "--nnodes takes M or MIN:MAX"),
         (["--rdzv-host"], "--rdzv-host is for --nnodes MIN:MAX"),
-        (["--nnodes", "1:2", "--max-restarts", "1", "--rdzv-endpoint", "h:1", "--rdzv-conf", "is_host=1"], "is set by"),
-        (["--nnodes", "1:2", "--max-restarts", "1", "--rdzv-endpoint", "h:1", "--rdzv-conf", "oops"], "KEY=VALUE"),
+        (
+            [
+                "--nnodes",
+                "1:2",
+                "--max-restarts",
+                "1",
+                "--rdzv-endpoint",
+                "h:1",
+                "--rdzv-id",
+                "j",
+                "--rdzv-conf",
+                "is_host=1",
+            ],
+            "is set by",
+        ),
+        (
+            [
+                "--nnodes",
+                "1:2",
+                "--max-restarts",
+                "1",
+                "--rdzv-endpoint",
+                "h:1",
+                "--rdzv-id",
+                "j",
+                "--rdzv-conf",
+                "oops",
+            ],
+            "KEY=VALUE",
+        ),
+        (["--nnodes", "1:2", "--max-restarts", "1", "--rdzv-endpoint", "h:1"], "needs --rdzv-id ID: the job's name"),
     ],
 )
 def test_run_refuses_bad_launch_options(
@@ -212,3 +246,28 @@ def test_a_failed_rendezvous_says_why_and_what_to_do() -> None:
     gone = rendezvous_failure(RendezvousConnectionError("refused"), "h:29400", nodes)
     assert "the rendezvous store at h:29400 is unreachable" in gone and "stagewise rendezvous --port" in gone
     assert "\n" not in gone + timeout
+
+
+def test_every_size_the_job_may_reach_is_checked_at_the_start() -> None:
+    """The guide's old ``batch=16`` under ``-n 8 --nnodes 2:3``: 16 processes fit, 24 do not - refused at the
+    first round, before a machine is ever lost or added."""
+    from types import SimpleNamespace
+
+    from stagewise.parallel import world_sizes
+
+    sizes = world_sizes("2:3", 8, 16)
+    assert sizes == (16, 24) and world_sizes("", 8, 16) == (16,) and world_sizes("3:2", 8, 16) == (16,)
+    layout = sw.ElasticLayout(pp=2, batch=16, microbatch_size=2)
+    assert layout.at(16).describe() == "pp 2 x dp 8"  # the size of this round alone fits
+    with pytest.raises(ValueError, match="cannot use 24 processes, which this job may reach") as err:
+        layout.at(SimpleNamespace(world_size=16, world_sizes=sizes))
+    assert "(its sizes: 16 or 24)" in str(err.value) and "12 replicas" in str(err.value)
+    fit = sw.ElasticLayout(pp=2, batch=48, microbatch_size=2).at(SimpleNamespace(world_size=16, world_sizes=sizes))
+    assert (fit.world, fit.microbatches) == (16, 3)
+
+
+def test_rendezvous_mints_a_job_name() -> None:
+    from stagewise.cli.rendezvous import ready_line
+
+    one, two = ready_line("10.0.0.9", 29400), ready_line("10.0.0.9", 29400)
+    assert "--rdzv-endpoint 10.0.0.9:29400 --rdzv-id job-" in one and one != two

@@ -137,3 +137,23 @@ def test_the_metadata_unpickler_builds_nothing_but_dcp_metadata(tmp_path: Path) 
     (where / ".metadata").write_bytes(pickle.dumps(os.getcwd))
     with pytest.raises(CheckpointError, match="refusing to build"):
         dcp_files.SafeReader(str(where)).read_metadata()
+
+
+def test_a_save_removes_the_half_written_saves_of_its_own_job_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save that died half-way (a restart's, a lost machine's) leaves ``.step-N.tmp``: the same job's next save
+    removes it; another job's (which may be writing now) and an unclaimed one stay."""
+    from stagewise.runtime.checkpoint import retention
+
+    model = sw.build_model(mdl.lm(2), seed=0)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-a")
+    for job, step in (("job-a", 40), ("job-b", 41)):
+        staging = retention.staging_for(tmp_path, step)
+        staging.mkdir()
+        (staging / "rank-0").mkdir()
+        retention.claim(staging, job)
+    retention.staging_for(tmp_path, 42).mkdir()  # no claim: left alone
+    sw.checkpoint.save(tmp_path, model, step=48, collective=False)
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == [".step-00000041.tmp", ".step-00000041.tmp.owner", ".step-00000042.tmp", "step-00000048"]

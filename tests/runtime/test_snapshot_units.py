@@ -121,3 +121,62 @@ def test_the_rendezvous_store_serves_clients_until_stopped() -> None:
     stop.set()
     thread.join(10)
     assert not thread.is_alive()
+
+
+def test_a_finished_job_is_marked_and_its_snapshots_go_even_when_its_pipeline_was_collected(
+    one_rank: object, tmp_path: Path
+) -> None:
+    """A clean exit's work is held apart from the pipeline: a script whose ``main()`` returned has had its pipeline
+    collected by then, and its snapshots must still go (they outlived a job after its restart otherwise)."""
+    import gc
+
+    import torch.nn.functional as F
+    from torch import nn
+
+    from stagewise.runtime.elastic import snapshots
+
+    layers = [sw.Layer(nn.Linear, 4, 3)]
+    pipe = sw.Pipeline(
+        layers, loss_fn=F.cross_entropy, microbatches=1, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+        snapshot=sw.Snapshots(every=1, folder=str(tmp_path)),
+    )  # fmt: skip
+    x = torch.randn(2, 4)
+    for _ in range(3):
+        pipe.train_step(x, torch.tensor([0, 1]))
+    assert pipe.snapshots is not None
+    pipe.snapshots.wait()
+    where, job = pipe.snapshots.folder, pipe.snapshots.job
+    assert sorted(p.name[:10] for p in where.glob("*.snap")) == ["0000000002", "0000000003"]
+    del pipe
+    gc.collect()
+    ending = next(e for e in snapshots._ENDINGS if e.folder == where)  # what the interpreter's exit runs
+    ending.release_at_exit()
+    assert sorted(p.name for p in where.iterdir()) == [f"ended-{job}.json"]
+    assert folders.ended(where) == {job: 3}
+
+
+def test_a_resume_passes_over_the_snapshots_of_a_job_that_ended() -> None:
+    from stagewise.runtime.elastic.choose import Copy, of_live_jobs
+
+    def copy(job: str, step: int) -> Copy:
+        return Copy("m0", 0, f"/shm/{job}-{step}", "ab", step, 0, 1, {}, frozenset({"model/w"}), job=job)
+
+    kept, refused = of_live_jobs([copy("aa", 4), copy("bb", 6), copy("", 8)], {"bb": 12})
+    assert [c.step for c in kept] == [4, 8]  # an unnamed (older) file is not refused
+    assert {job: [c.step for c in cs] for job, cs in refused.items()} == {"bb": [6]}
+
+
+def test_a_failure_is_one_line_naming_the_lost_machine() -> None:
+    from stagewise.runtime.elastic.launch import FAST_RDZV, failure_line, refused
+
+    silent = "global ranks 4, 5 stopped or died (no sign of life for 2.5 s): rank 0 ... the all-reduce failed"
+    records = [{"rank": 0, "steps": 11, "message": silent}, {"rank": 1, "steps": 11, "message": "rank 0: relayed"}]
+    line = failure_line(records, 2, 2, FAST_RDZV, "/tmp/tb/attempt-0")
+    assert line.startswith("lost machine 2 (ranks 4-5) after step 11: this machine's 2 processes restart")
+    assert "noticed in 3 s: about 10 s" in line and line.endswith("(2 restarts left); tracebacks: /tmp/tb/attempt-0")
+    own = failure_line([{"rank": 1, "steps": 3, "message": "rank 1: ValueError: bad"}], 2, 0, {}, "/t")
+    assert own.startswith("rank 1: ValueError: bad (after step 3): ") and "about 50 s" in own  # torch's defaults
+    assert "\n" not in line + own
+    assert refused([{"rank": 0, "refusal": True}, {"rank": 1, "refusal": True}], [0, 1])
+    assert not refused([{"rank": 0, "refusal": True}], [0, 1])  # rank 1 did not say it refused
+    assert not refused([{"rank": 0, "refusal": True}, {"rank": 1, "refusal": False}], [0, 1])

@@ -1,7 +1,11 @@
 """``stagewise rendezvous``: host the rendezvous store of ``stagewise run --nnodes MIN:MAX`` jobs apart from them.
 
     stagewise rendezvous --port 29400                    # on a machine that runs no workers
-    stagewise run -n 8 --nnodes 2:4 --max-restarts 3 --rdzv-endpoint store-host:29400 train.py   # every machine
+    stagewise run -n 8 --nnodes 2:4 --max-restarts 3 --rdzv-endpoint store-host:29400 --rdzv-id job-1f0c \
+        train.py                                         # every machine
+
+It prints where the store is and a fresh job name (``--rdzv-id``) for the next job: a job's snapshots are
+found by its name, so two jobs must never share one.
 
 Ctrl-C (or SIGTERM) stops it; the jobs that use it cannot meet again afterwards.
 """
@@ -9,6 +13,7 @@ Ctrl-C (or SIGTERM) stops it; the jobs that use it cannot meet again afterwards.
 from __future__ import annotations
 
 import argparse
+import secrets
 import signal
 import threading
 
@@ -36,5 +41,13 @@ def host_store(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    serve(args.host, args.port, stop, lambda port: print(f"stagewise rendezvous: the store is at {args.host}:{port}"))
+    serve(args.host, args.port, stop, lambda port: print(ready_line(args.host, port), flush=True))
     return 0
+
+
+def ready_line(host: str, port: int) -> str:
+    """What the user copies into every machine's command: the endpoint and a job name no job has used."""
+    return (
+        f"stagewise rendezvous: the store is at {host}:{port}; give each machine of a new job "
+        f"--rdzv-endpoint {host}:{port} --rdzv-id job-{secrets.token_hex(4)} (a fresh name for each job)"
+    )

@@ -63,7 +63,9 @@ def add_command(sub: Subparsers) -> None:
         "--rdzv-conf",
         default=None,
         metavar="K=V,...",
-        help="torch's rendezvous settings (join_timeout, last_call_timeout, keep_alive_interval, ...)",
+        help="torch's rendezvous settings (join_timeout, last_call_timeout, keep_alive_interval, ...); MIN:MAX "
+        "defaults to keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=2 (a lost machine noticed "
+        "in 3 s, a round closed 2 s after MIN machines met)",
     )
     parser.add_argument(
         "--local-addr", default=None, metavar="ADDR", help="this machine's address the others reach (M > 1)"
@@ -93,11 +95,7 @@ def run_script(args: argparse.Namespace) -> int:
     argv = [*rendezvous_args(args), f"--nproc-per-node={args.nproc}", args.script, *script_args]
     metrics = metrics_env(args.metrics)
     if _elastic(args):
-        from ..runtime.elastic.launch import ELASTIC_ENV, rendezvous_failure
-
-        nodes, endpoint, conf = args.nnodes, args.rdzv_endpoint, args.rdzv_conf or ""
-        env = {**ELASTIC_ENV, **metrics}
-        return torchrun(argv, env=env, explain=lambda err: rendezvous_failure(err, endpoint, nodes, conf))
+        return _elastic_run(args, argv, metrics)
     return torchrun(argv, env=metrics) if metrics else torchrun(argv)
 
 
@@ -109,6 +107,34 @@ def metrics_env(folder: str | None) -> dict[str, str]:
     if not folder.strip():
         raise UsageError("--metrics needs a folder, got an empty string")
     return {"STAGEWISE_METRICS": str(Path(folder).resolve())}
+
+
+def _elastic_run(args: argparse.Namespace, argv: list[str], metrics: dict[str, str]) -> int:
+    """``--nnodes MIN:MAX``: the workers' environment, one line per failure (tracebacks in a folder kept after
+    the job), one line for a failed rendezvous."""
+    import os
+    import tempfile
+    import time
+
+    from ..runtime.elastic.launch import FAST_RDZV, elastic_env, rendezvous_failure, watched
+    from ..runtime.interrupt import TRACEBACK_ENV
+    from ..runtime.launch import torchrun
+
+    nodes, endpoint, conf = args.nnodes, args.rdzv_endpoint, args.rdzv_conf or ""
+    settings = {**FAST_RDZV, **dict(item.split("=", 1) for item in conf.split(",") if "=" in item)}
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    traces = os.path.join(tempfile.gettempdir(), f"stagewise-{_safe(args.rdzv_id)}-{stamp}-{os.getpid()}")
+    env = {**elastic_env(nodes.low, nodes.high), TRACEBACK_ENV: traces, **metrics}
+    return torchrun(
+        argv,
+        env=env,
+        explain=lambda err: rendezvous_failure(err, endpoint, nodes, conf),
+        watch=lambda folder: watched(folder, args.nproc, settings, traces),
+    )
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
 
 
 def rendezvous_args(args: argparse.Namespace) -> list[str]:
@@ -160,20 +186,28 @@ def _elastic_args(args: argparse.Namespace, restarts: list[str]) -> list[str]:
             f"--nnodes {low}:{high} goes on after a lost machine by restarting the survivors' processes: give "
             "--max-restarts N (N >= 1: how many losses and failures the job may survive)"
         )
+    if not args.rdzv_id:
+        raise UsageError(
+            f"--nnodes {low}:{high} needs --rdzv-id ID: the job's name, the same on every machine and used by no "
+            "other job (each machine's snapshots are found by it: two jobs of one name would resume from each "
+            'other\'s). `stagewise rendezvous` prints a fresh one; under Slurm, --rdzv-id "$SLURM_JOB_ID"'
+        )
+    from ..runtime.elastic.launch import FAST_RDZV
+
     return [
         f"--nnodes={low}:{high}",
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint={args.rdzv_endpoint}",
-        f"--rdzv-id={args.rdzv_id or 'stagewise'}",
-        f"--rdzv-conf={_conf(args, args.rdzv_host)}",
+        f"--rdzv-id={args.rdzv_id}",
+        f"--rdzv-conf={_conf(args, args.rdzv_host, FAST_RDZV)}",
         *([f"--local-addr={args.local_addr}"] if args.local_addr else []),
         *restarts,
     ]
 
 
-def _conf(args: argparse.Namespace, is_host: bool) -> str:
+def _conf(args: argparse.Namespace, is_host: bool, defaults: dict[str, str] | None = None) -> str:
     """``is_host=...`` (torch guesses it from host names, which misses secondary NICs and network namespaces),
-    then the user's ``--rdzv-conf``."""
+    then the user's ``--rdzv-conf``, then the ``defaults`` it does not set."""
     extra = [item for item in (args.rdzv_conf or "").split(",") if item]
     for item in extra:
         key = item.split("=", 1)[0]
@@ -181,6 +215,8 @@ def _conf(args: argparse.Namespace, is_host: bool) -> str:
             raise UsageError(f"--rdzv-conf takes KEY=VALUE pairs separated by commas, got {item!r}")
         if key == "is_host":
             raise UsageError("--rdzv-conf is_host=... is set by stagewise run (--rdzv-host, or --node-rank 0)")
+    given = {item.split("=", 1)[0] for item in extra}
+    extra += [f"{k}={v}" for k, v in (defaults or {}).items() if k not in given]
     return ",".join([f"is_host={str(is_host).lower()}", *extra])
 
 

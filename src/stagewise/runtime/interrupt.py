@@ -39,13 +39,16 @@ from typing import Any
 
 #: the folder the launcher reads the workers' records from (one JSON file per rank)
 FOLDER_ENV = "STAGEWISE_INTERRUPT_DIR"
+#: where a worker of an elastic job writes its traceback instead of the terminal (``<dir>/attempt-A/rank-R.PID.txt``)
+TRACEBACK_ENV = "STAGEWISE_TRACEBACK_DIR"
 
-_state: dict[str, Any] = {"steps": 0, "checkpoint": None}
+_state: dict[str, Any] = {"steps": 0, "checkpoint": None, "here": 0}
 
 
 def note_steps(count: int = 1) -> None:
     """This process finished ``count`` more training steps (mini-batches)."""
     _state["steps"] += count
+    _state["here"] = _state.get("here", 0) + count  # trained in this process (a resume sets "steps" only)
 
 
 def note_checkpoint(path: str | os.PathLike[str], step: int, *, loaded: bool = False) -> None:
@@ -113,6 +116,45 @@ def note_cause(text: str) -> None:
         pass
     finally:
         partial.unlink(missing_ok=True)
+
+
+def attempt() -> int:
+    """This worker's restart attempt (torchrun's count; 0 outside torchrun)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def traceback_file() -> Path | None:
+    """Where this worker writes its traceback (an elastic job's: ``stagewise run`` names the folder), or None."""
+    folder = os.environ.get(TRACEBACK_ENV)
+    if not folder or not Path(folder).is_dir():
+        return None
+    return Path(folder) / f"attempt-{attempt()}" / f"rank-{_rank()}.{os.getpid()}.txt"  # (a round may repeat A)
+
+
+def note_failed(message: str, refusal: bool) -> None:
+    """This worker leaves with ``message``: where it stood, and whether it is a refusal (raised before this
+    process trained a step, not a failure of a peer): for ``stagewise run``'s line, which ends the job at once
+    when every process of the machine refused."""
+    folder = os.environ.get(FOLDER_ENV)
+    if not folder or not Path(folder).is_dir():
+        return
+    here = _state.get("here", 0)
+    record = {**where(), "here": here, "refusal": refusal and here == 0, "message": message}
+    path = Path(folder) / f"failed-{attempt()}-r{record['rank']}.json"
+    partial = path.with_suffix(".tmp")
+    partial.write_text(json.dumps(record))
+    partial.replace(path)
+
+
+def failed(folder: str | os.PathLike[str], attempt: int) -> list[dict[str, Any]]:
+    """The records of the workers of ``attempt`` that left with an error (:func:`note_failed`), by rank."""
+    out = []
+    for path in sorted(Path(folder).glob(f"failed-{attempt}-r*.json")):
+        try:
+            out.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    return sorted(out, key=lambda r: r["rank"])
 
 
 def first_cause(folder: str | os.PathLike[str]) -> str | None:

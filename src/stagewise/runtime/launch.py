@@ -15,6 +15,7 @@ import signal
 import sys
 import tempfile
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from types import FrameType
 from typing import Any
 
@@ -26,12 +27,16 @@ _TORCH_SIGNALS = {"PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGHUP,SIGQUIT"}
 
 
 def torchrun(
-    argv: list[str], env: dict[str, str] | None = None, explain: Callable[[BaseException], str] | None = None
+    argv: list[str],
+    env: dict[str, str] | None = None,
+    explain: Callable[[BaseException], str] | None = None,
+    watch: Callable[[str], AbstractContextManager[None]] | None = None,
 ) -> int:
     """Hand over to ``torch.distributed.run``; returns the exit status (1 when a child failed, 130 on Ctrl-C).
 
     ``env``: variables for torch's agent and the workers (``--nnodes MIN:MAX``: :mod:`.elastic.launch`);
-    ``explain``: what a failed rendezvous means, printed as one line (exit status 1) instead of a traceback.
+    ``explain``: what a failed rendezvous means, printed as one line (exit status 1) instead of a traceback;
+    ``watch``: around the agent's run, given the folder of the workers' records (:func:`.elastic.launch.watched`).
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -46,8 +51,10 @@ def torchrun(
         os.environ.update(extra)
         previous = signal.signal(signal.SIGINT, hush.interrupt(SignalException))
         hush.attach()
+        watching = watch(folder) if watch is not None else nullcontext()
         try:
-            torchrun_main(argv)
+            with watching:
+                torchrun_main(argv)
         except ChildFailedError as err:
             print(f"stagewise run: {err}", file=sys.stderr)
             cause = first_cause(folder)  # last, where the eye lands: which rank failed, where, with what

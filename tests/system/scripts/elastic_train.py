@@ -66,7 +66,7 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=30.0)
     args = p.parse_args()
     env = sw.init(timeout=args.timeout)
-    fit = LAYOUT.at(env.world_size)
+    fit = LAYOUT.at(env)  # every size the job may take (stagewise run --nnodes MIN:MAX) checked at the start
     snapshot = None if args.no_snapshots or args.reference else sw.Snapshots(every=args.every)
     pipe = sw.Pipeline(
         layers(), loss_fn=mdl.lm_loss, schedule="1f1b", microbatches=fit.microbatches, parallel=fit.parallel,

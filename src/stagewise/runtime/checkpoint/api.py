@@ -136,6 +136,7 @@ def _save(
     if ranks.first:
         try:
             _publish(staging, final, _record(everyone, model, ranks, step), hashed)
+            retention.sweep(root, _job(), staging)  # this job's half-written saves (a restart's, a lost machine's)
             retention.prune(root, keep, final)
         except (OSError, CheckpointError) as err:
             problems.append(f"cannot publish {final}: {err}")
@@ -177,9 +178,16 @@ def _staged(staging: Path, everyone: list[dict[str, Any]], ranks: storage.Ranks)
             if staging.exists():  # a save of this step that died half-way
                 shutil.rmtree(staging)
             staging.mkdir(parents=True)
+            retention.claim(staging, _job())
         except OSError as err:
             problems.append(f"cannot make {staging}: {err}")
     return problems
+
+
+def _job() -> str:
+    """The job a save belongs to, alike across its restarts: torchrun's run id (``--rdzv-id``; a fresh one per
+    ``--standalone`` launch), else this process."""
+    return os.environ.get("TORCHELASTIC_RUN_ID") or f"pid-{os.getpid()}"
 
 
 def _publish(staging: Path, final: Path, record: dict[str, Any], hashed: list[dict[str, dict[str, object]]]) -> None:

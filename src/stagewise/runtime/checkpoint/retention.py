@@ -11,11 +11,15 @@ manifest, it is refused rather than passed over - falling back silently to an
 older step would redo work nobody asked to redo, or hide a damaged disk - and
 the error says how to fall back on purpose (move the damaged folder away). An
 interrupted save (``.step-N.tmp`` newer than the chosen step) is normal after
-a crash; it is named in the reason, and ignored.
+a crash; it is named in the reason, and ignored - and removed by this job's next save (:func:`sweep`): the
+saving rank names its job beside the staging folder (``.step-N.tmp.owner``), and a save removes the staging
+folders its own job left (torch restarts all of a job's processes together, so no other attempt of it is
+alive), never another job's, which may be writing now.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -32,6 +36,32 @@ def folder_for(root: Path, step: int) -> Path:
 
 def staging_for(root: Path, step: int) -> Path:
     return root / f".step-{step:08d}.tmp"
+
+
+def claim(staging: Path, job: str) -> None:
+    """Name the job writing ``staging`` (beside it: the folder's files are the checkpoint's)."""
+    _owner_of(staging).write_text(json.dumps({"job": job, "pid": os.getpid()}))
+
+
+def sweep(root: Path, job: str, current: Path) -> list[Path]:
+    """Remove the staging folders ``job`` left under ``root`` (its saves that died half-way), ``current``'s
+    claim too (it is published); those of other jobs, and unclaimed ones, stay. Returns what was removed."""
+    _owner_of(current).unlink(missing_ok=True)
+    removed = []
+    for staging in root.glob(".step-*.tmp"):
+        try:
+            owner = json.loads(_owner_of(staging).read_text())["job"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if owner == job and staging != current:
+            shutil.rmtree(staging, ignore_errors=True)
+            _owner_of(staging).unlink(missing_ok=True)
+            removed.append(staging)
+    return removed
+
+
+def _owner_of(staging: Path) -> Path:
+    return staging.with_name(staging.name + ".owner")
 
 
 def steps(root: Path) -> list[tuple[int, Path]]:

@@ -12,6 +12,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ...parallel import NNODES_ENV, world_sizes
 from .attempt_store import attempt_store
 from .coordinator import agree_run_scope
 from .faults import exit_hook, heartbeat
@@ -24,13 +25,15 @@ _STORE_CALL_S = 60.0  # the heartbeat's store calls give up after this (the pipe
 
 @dataclass(frozen=True)
 class Env:
-    """Where this process stands: its global rank, the world size, its local rank and device."""
+    """Where this process stands: its global rank, the world size, its local rank and device; and every world
+    size the job may take (``stagewise run -n N --nnodes MIN:MAX``: N times MIN..MAX; else this one)."""
 
     rank: int
     world_size: int
     local_rank: int
     device: torch.device
     backend: str
+    world_sizes: tuple[int, ...] = ()
 
 
 def init(
@@ -83,7 +86,10 @@ def init(
     agree_run_scope(timeout.total_seconds())  # keys of this run in the store: see .coordinator
     exit_hook.install()
     heartbeat.start(min(timeout.total_seconds(), _STORE_CALL_S), pipeline=False)  # names a silent rank from now on
-    env = Env(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
+    world = dist.get_world_size()
+    nproc = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    sizes = world_sizes(os.environ.get(NNODES_ENV, ""), nproc, world)
+    env = Env(dist.get_rank(), world, local_rank, device, backend, sizes)
     log.info("stagewise.init: rank %d of %d, %s on %s", env.rank, env.world_size, env.backend, env.device)
     return env
 

@@ -34,6 +34,7 @@ class Copy:
     world: int
     layout: Any
     names: frozenset[str]
+    job: str = ""  # the job that wrote it (drawn at its first start, kept across its restarts)
 
     @property
     def generation(self) -> tuple[int, str]:
@@ -62,6 +63,20 @@ class Choice:
     reads: dict[int, list[Copy]] = field(default_factory=dict)
     transfers: list[tuple[int, int, Copy]] = field(default_factory=list)
     rng: bool = False
+    job: str = ""
+
+
+def of_live_jobs(copies: Iterable[Copy], ended: dict[str, int]) -> tuple[list[Copy], dict[str, list[Copy]]]:
+    """The copies whose job has not ended, and those of each job that ended cleanly (``ended``: job -> its last
+    step, from every machine's markers): a finished job's snapshots are never resumed from."""
+    kept: list[Copy] = []
+    refused: dict[str, list[Copy]] = {}
+    for c in copies:
+        if c.job and c.job in ended:
+            refused.setdefault(c.job, []).append(c)
+        else:
+            kept.append(c)
+    return kept, refused
 
 
 def choose(copies: Iterable[Copy], needs: Sequence[Need], layout: Any, refused: set[tuple[str, str]]) -> Choice | None:
@@ -82,7 +97,7 @@ def _cover(files: list[Copy], needs: Sequence[Need], layout: Any) -> Choice | No
     first = files[0]
     same = first.world == len(needs) and first.layout == layout
     owners = {c.owner for c in files}
-    choice = Choice(first.step, first.lineage, first.world, first.layout)
+    choice = Choice(first.step, first.lineage, first.world, first.layout, job=first.job)
     choice.rng = same and all(n.rank in owners for n in needs)
     for need in needs:
         ordered = _ordered(files, need.machine)

@@ -5,12 +5,18 @@ copies its peers sent. A file is written under a dot-name and renamed into place
 whole file or none; a writer killed half-way leaves a ``.tmp`` that nothing reads and the next prune
 removes. The folder lives as long as the machine's memory file system: across worker restarts, not
 across the loss of the machine.
+
+A job that ends cleanly removes its files and leaves ``ended-<job>.json`` (a few bytes): a machine that was
+lost before the end and comes back still holds that job's files, and a later job of the same name must not
+resume from them (:func:`ended`; a resume gathers every machine's markers and refuses those files).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +25,7 @@ from typing import Any
 from .snapshot_file import HEAD_FIXED, SnapshotRefused, head_size, read_header
 
 _NAME = re.compile(r"^\.?(\d{10})-([0-9a-f]+)-r(\d{5})\.snap(\.tmp)?$")
+_ENDED = re.compile(r"^ended-([0-9a-f]+)\.json$")
 
 
 @dataclass(frozen=True)
@@ -97,3 +104,29 @@ def remove(paths: Iterable[Path]) -> None:
             path.unlink()
         except FileNotFoundError:
             pass
+
+
+def mark_ended(folder: Path, job: str, step: int) -> None:
+    """Leave ``ended-<job>.json`` here: this job ended cleanly at ``step`` (written whole, by any rank; nothing
+    where the job never wrote a snapshot)."""
+    if not re.fullmatch(r"[0-9a-f]+", job) or not folder.is_dir():
+        return
+    staging = folder / f".ended-{job}.{os.getpid()}.tmp"
+    staging.write_text(json.dumps({"job": job, "step": step, "time": time.time()}))
+    os.replace(staging, folder / f"ended-{job}.json")
+
+
+def ended(folder: Path) -> dict[str, int]:
+    """The jobs that ended cleanly with this machine among them: ``{job: its last step}``."""
+    out: dict[str, int] = {}
+    if not folder.is_dir():
+        return out
+    for path in folder.iterdir():
+        m = _ENDED.match(path.name)
+        if m is None:
+            continue
+        try:
+            out[m.group(1)] = int(json.loads(path.read_text())["step"])
+        except (OSError, ValueError, KeyError, TypeError):
+            out[m.group(1)] = -1  # a marker cut short still says the job ended
+    return out

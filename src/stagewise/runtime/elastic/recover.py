@@ -16,7 +16,7 @@
    anything written: parameters and buffers, the optimizers' state and hyper-parameters, and the
    generators' states when the layout is the one that saved (the states are per rank).
 
-One line on rank 0 says what happened (:func:`..checkpoint.resume.resumed_line`).
+One line on the first rank of every machine says what happened (:func:`..checkpoint.resume.resumed_line`).
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from ..checkpoint.manifest import CheckpointError
 from ..checkpoint.resume import resumed_line, step_of
 from ..comm import snapshot_wire
 from ..interrupt import note_checkpoint
-from .choose import Choice, Copy, Need, choose
-from .folder import inventory
+from .choose import Choice, Copy, Need, choose, of_live_jobs
+from .folder import ended, inventory, remove
 from .snapshot_file import SnapshotRefused, host_bytes, tensors_of, verified
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,7 @@ class Snapshotter(Protocol):
     group: Any
     timeout: float
     step: int
+    job: str
 
     @property
     def machines(self) -> list[str]: ...
@@ -89,10 +90,11 @@ def resume(
     finally:
         ranks.close()
     now = state.layout_of(model, ranks.size)
+    says = snap.machines.index(snap.machines[ranks.rank]) == ranks.rank  # the first rank of each machine
     if found is not None:
         snap.step = found.step
         note_checkpoint(found.path, found.step, loaded=True)
-        if ranks.first:
+        if says:
             log.warning("stagewise: %s", resumed_line(found.step, now, found.layout, "from peer snapshots"))
         return found
     if disk is None:
@@ -101,7 +103,7 @@ def resume(
         return None
     info = load(disk, model, scheduler=scheduler, timeout=timeout)
     snap.step = info.step
-    if ranks.first:
+    if says:
         log.warning("stagewise: %s", resumed_line(info.step, now, info.layout, f"from checkpoint {disk}"))
     return replace(info, reason=why)
 
@@ -111,8 +113,11 @@ def _from_snapshots(snap: Snapshotter, model: nn.Module, ranks: storage.Ranks, d
     machine = snap.machines[ranks.rank]
     first = snap.machines.index(machine) == ranks.rank
     mine = {"copies": _listed(snap, machine, ranks.rank) if first else [], "need": sorted(_needs(model))}
+    mine["ended"] = ended(snap.folder) if first else {}
     everyone = storage.gather(mine, ranks, "every machine's snapshots", patient=True)
-    copies = [_copy(c) for e in everyone for c in e["copies"]]
+    finished = {job: step for e in everyone for job, step in e["ended"].items()}
+    copies, stale = of_live_jobs([_copy(c) for e in everyone for c in e["copies"]], finished)
+    _refuse_ended(stale, finished, machine if first else None, ranks.first)
     extras = {(c["step"], c["lineage"], c["owner"]): c["extra"] for e in everyone for c in e["copies"]}  # data position
     needs = [Need(r, snap.machines[r], frozenset(e["need"])) for r, e in enumerate(everyone)]
     layout = state.layout_of(model, ranks.size)
@@ -136,6 +141,7 @@ def _from_snapshots(snap: Snapshotter, model: nn.Module, ranks: storage.Ranks, d
     _apply(model, assigned, choice, parts.get(ranks.rank, []))
     owners = sorted(o for (step, lineage, o) in extras if (step, lineage) == (choice.step, choice.lineage))
     extra = extras[(choice.step, choice.lineage, owners[0])]  # the lowest rank's whose file is still somewhere
+    snap.job = choice.job  # the job goes on: its end will refuse these files too
     return CheckpointInfo(
         path=snap.folder,
         step=choice.step,
@@ -164,6 +170,7 @@ def _listed(snap: Snapshotter, machine: str, rank: int) -> list[dict[str, Any]]:
                 "holder": rank,
                 "path": str(f.path),
                 "lineage": h["lineage"],
+                "job": h.get("job", ""),
                 "step": h["step"],
                 "owner": h["owner"],
                 "world": h["world"],
@@ -173,6 +180,22 @@ def _listed(snap: Snapshotter, machine: str, rank: int) -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+def _refuse_ended(stale: dict[str, list[Copy]], finished: dict[str, int], machine: str | None, say: bool) -> None:
+    """Snapshots of jobs that ended cleanly: said once (``say``), and removed from this machine's folder by its
+    first rank (``machine``): nothing will ever resume from them."""
+    for job, files in stale.items():
+        steps = sorted({c.step for c in files})
+        where = sorted({c.machine for c in files})
+        if say:
+            log.warning(
+                "stagewise: refused the snapshots of step %s on machine %s: their job (%s) ended cleanly at step %d, "
+                "so they are a finished job's, not this one's; removed",
+                "/".join(map(str, steps)), ", ".join(where), job, finished[job],
+            )  # fmt: skip
+        if machine is not None:
+            remove(Path(c.path) for c in files if c.machine == machine)
 
 
 def _copy(listed: dict[str, Any]) -> Copy:

@@ -17,7 +17,9 @@ Machines are told apart by torchrun's ``GROUP_RANK`` (the agent's rank in the ro
 state is also on the next one, and a machine lost for good costs at most ``every`` steps. With one machine
 the copies stay local (they still outlive a restart of the workers). Each writer keeps the two newest
 generations (``step`` and ``step - every``): while one is being written the one before is whole. A job that
-ends cleanly removes its snapshots; one that fails leaves them for the restart.
+ends cleanly removes its snapshots and leaves a marker saying so (:func:`.folder.mark_ended`); one that fails
+leaves them for the restart. A job is named by a nonce (``job``) drawn at its first start and taken over by
+every resume from its snapshots, so the marker refuses exactly that job's files, wherever they were left.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import os
 import secrets
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -60,6 +63,29 @@ class Capture:
     header: dict[str, Any]
     copied: threading.Event = field(default_factory=threading.Event)
     cuda_done: Any = None  # a CUDA event on the copy stream, when some tensor is on a GPU
+
+
+_ENDINGS: list[Ending] = []
+
+
+@dataclass(eq=False)
+class Ending:
+    """What a clean exit needs of a rank's snapshots, held by this module until then: whether or not the
+    pipeline is still alive at exit (a script's ``main()`` may have returned, and the garbage collector taken
+    it), the job's end is marked and its snapshots on this machine removed. A failing rank leaves through the
+    exit hook, which skips this: the restart needs them."""
+
+    folder: Path
+    job: str
+    snapshotter: Any  # a weak reference: the in-flight snapshot, if the pipeline is still alive
+    step: int = 0
+
+    def release_at_exit(self) -> None:
+        live = self.snapshotter()
+        if live is not None:
+            live.finish_at_exit()
+        folders.mark_ended(self.folder, self.job, self.step)
+        folders.prune(self.folder, self.step + 1)
 
 
 @dataclass
@@ -103,12 +129,17 @@ class Snapshotter:
         self.rank = groups.group_rank(self.group)
         self.run = os.environ.get(RUN_ENV) or "local"
         self.folder = folders.machine_folder(config.root(), self.run)
-        mine = {"machine": os.environ.get(MACHINE_ENV, "0"), "lineage": secrets.token_hex(6)}
+        mine = {
+            "machine": os.environ.get(MACHINE_ENV, "0"),
+            "lineage": secrets.token_hex(6),
+            "job": secrets.token_hex(6),
+        }
         everyone = snapshot_wire.gather(mine, self.group, timeout, "every rank's machine (snapshot=)")
         self.lineage = str(everyone[0]["lineage"])  # group rank 0's: one generation's files share it
+        self.end = Ending(self.folder, str(everyone[0]["job"]), weakref.ref(self))  # the job's name: see Ending
         self.peers = peers_of([str(e["machine"]) for e in everyone], self.rank)
         self.world = len(everyone)
-        self.step = 0
+        self.end.step = 0
         self.stats: dict[str, float] = {"snapshots": 0, "capture_s": 0.0, "gate_s": 0.0, "stall_s": 0.0}
         self._inflight: tuple[Capture, threading.Thread] | None = None
         self._failure: str | None = None
@@ -116,7 +147,26 @@ class Snapshotter:
         self._stream: Any = None
         if self.rank == 0 and self.peers.dest is None:
             log.info("stagewise snapshots: one machine, so the copies stay on it (they outlive a worker restart)")
-        lifecycle.release_at_exit(self)
+        _ENDINGS.append(self.end)  # held to the end: the clean exit's work must not depend on the pipeline's life
+        lifecycle.release_at_exit(self.end)
+
+    @property
+    def step(self) -> int:
+        """Train steps taken (a resume sets it to the resumed step)."""
+        return self.end.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.end.step = value
+
+    @property
+    def job(self) -> str:
+        """The job's nonce (a resume from the snapshots of a job takes its name over)."""
+        return self.end.job
+
+    @job.setter
+    def job(self, value: str) -> None:
+        self.end.job = value
 
     # ---- the step path -----------------------------------------------------------------------------
     @contextmanager
@@ -182,6 +232,7 @@ class Snapshotter:
         extra = self.config.extra() if self.config.extra is not None else None
         header = {
             "run": self.run,
+            "job": self.job,
             "lineage": self.lineage,
             "step": self.step,
             "owner": self.rank,
@@ -284,17 +335,15 @@ class Snapshotter:
         self._finish_inflight("stall_s")
 
     def release_at_exit(self) -> None:
-        """A clean exit: the last snapshot finished, then this job's snapshots on this machine removed (a
-        failing rank leaves through the exit hook, which skips this: the restart needs them)."""
+        """What a clean exit does (:class:`Ending`), now."""
+        self.end.release_at_exit()
+
+    def finish_at_exit(self) -> None:
+        """The last snapshot finished (a warning if it failed)."""
         try:
             self._finish_inflight("stall_s")
         except PipelineError as err:
             log.warning("stagewise snapshots: %s", err)
-        folders.prune(self.folder, self.step + 1)
-        try:
-            self.folder.rmdir()
-        except OSError:  # the machine's other ranks are still writing, or it is gone already
-            pass
 
     # ---- resuming --------------------------------------------------------------------------------------
     @property

@@ -62,6 +62,7 @@ import logging
 import os
 import sys
 import time
+import traceback
 import weakref
 from collections.abc import Callable
 from types import TracebackType
@@ -141,7 +142,8 @@ def install() -> None:
     def hook(kind: type[BaseException], err: BaseException, tb: TracebackType | None) -> None:
         if issubclass(kind, KeyboardInterrupt) and _interrupted():
             return  # Ctrl-C: one line from the launcher, no traceback; the ordinary exit empties /dev/shm
-        previous(kind, err, tb)
+        if issubclass(kind, KeyboardInterrupt) or not _to_file(kind, err, tb):
+            previous(kind, err, tb)
         if issubclass(kind, KeyboardInterrupt):
             return
         if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -151,6 +153,25 @@ def install() -> None:
 
     sys.excepthook = hook
     _installed = True
+
+
+def _to_file(kind: type[BaseException], err: BaseException, tb: TracebackType | None) -> bool:
+    """A worker of an elastic job (``stagewise run --nnodes MIN:MAX``): its traceback goes to the file the
+    launcher's one line names, and its record to the launcher (:func:`stagewise.runtime.interrupt.note_failed`);
+    False where that is not the case or fails (the traceback is printed then)."""
+    from ...interrupt import note_failed, traceback_file
+
+    try:
+        path = traceback_file()
+        refusal = not isinstance(err, (RuntimeError, OSError))  # a PipelineError, a peer's or the network's: no
+        note_failed(_message(err, int(os.environ.get("RANK", "0"))).split("\n")[0], refusal)
+        if path is None:
+            return False
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(traceback.format_exception(kind, err, tb)))
+    except Exception:
+        return False
+    return True
 
 
 def _interrupted() -> bool:
