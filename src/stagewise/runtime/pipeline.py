@@ -32,6 +32,7 @@ from .comm import groups, lifecycle
 from .engine.reports import gathered_losses, step_timeline
 from .errors import PipelineError
 from .features.clip import clip_pipeline_grads
+from .features.owned_step import refuse_clip_after_step
 from .frontends.from_model import FromModel
 from .frontends.given import GivenStages
 from .frontends.hf import FromHF
@@ -78,8 +79,10 @@ class Pipeline(nn.Module):
     loss is weighted by its share of the batch (of the rows, or of ``loss_weights(targets)``, e.g.
     :func:`~stagewise.count_tokens`: a token-level mean over the whole batch, over every data-parallel
     replica too). ``optimizer``: a factory ``params -> Optimizer``, one per stage, stepped by the
-    schedule's STEP actions (asynchronous schedules need one). ``batch_dim`` / ``target_batch_dim``.
-    ``recompute``, ``autocast`` (``torch.bfloat16`` / ``float16``), ``batchnorm`` (``"micro"`` or
+    schedule's STEP actions (asynchronous schedules need one; :attr:`optimizers`); with it, ``lr_scheduler``
+    (``optimizer -> scheduler``, stepped after each, :attr:`schedulers`) and ``clip=max_norm`` (the whole
+    model's gradient, before the step): :mod:`stagewise.runtime.features.owned_step`. ``batch_dim`` /
+    ``target_batch_dim``. ``recompute``, ``autocast`` (``torch.bfloat16`` / ``float16``), ``batchnorm`` (``"micro"`` or
     ``"deferred"``: running statistics per micro-batch or once per step over the whole batch),
     ``nan_policy`` (``"raise"``, ``"skip"`` or None: a non-finite loss or gradient anywhere in the mesh),
     ``dropout_seed`` (each dropout mask is drawn from a generator seeded by this, or ``seed``, with the step,
@@ -121,7 +124,7 @@ class Pipeline(nn.Module):
         lifecycle.release_at_exit(self._held)  # a constructor failing later still lets go of its groups at exit
         engine = assemble(self, ctx, parts, opts, self._held)
         self.transport, self.optimizers, self.tied = engine.transport, engine.optimizers, engine.tied
-        self.hooks, self.eval_schedule = engine.hooks, engine.eval_schedule
+        self.hooks, self.eval_schedule, self.schedulers = engine.hooks, engine.eval_schedule, engine.schedulers
         self.snapshots = engine.snapshots  # snapshot=: resumed by sw.checkpoint.resume (or None)
         self._engine = engine
         self._clock_offset = time.time() - time.perf_counter()
@@ -270,6 +273,7 @@ class Pipeline(nn.Module):
         """
         why = "clipping belongs to the optimizer step, on the merged gradient, whose reductions have not run"
         self._engine.merge.refuse("clip_grad_norm_", why)
+        refuse_clip_after_step(self.options)  # optimizer=: the STEP cleared them (clip= clips before it)
         return clip_pipeline_grads(self, max_norm, norm_type)
 
     def register_sync_hook(self, hook: Callable[[int], None]) -> None:

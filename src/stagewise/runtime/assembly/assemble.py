@@ -47,6 +47,7 @@ from ..features.finite import FinitePart, finite_check
 from ..features.memory import ActivationMeter
 from ..features.merge import GradientMerge
 from ..features.offload import offload_optimizers
+from ..features.owned_step import Scheduled, clip_part, guard_owned, schedulers_per_stage
 from ..features.precision import autocast_context, autocast_loss
 from ..features.recompute import run_layers
 from ..frontends.parts import Parts, PipelineContext
@@ -99,6 +100,7 @@ class Engine:
     merge: GradientMerge = field(default_factory=GradientMerge)
     dropout: DropoutSeeds | None = None
     snapshots: Snapshotter | None = None  # snapshot=: resumed by sw.checkpoint.resume
+    schedulers: dict[int, Any] = field(default_factory=dict)  # lr_scheduler=: one per stage's optimizer
 
 
 def assemble(root: nn.Module, ctx: PipelineContext, parts: Parts, options: Options, held: Held) -> Engine:
@@ -137,6 +139,8 @@ def _engine(
         ctx.hybrid.bound_groups(options.timeout)  # FSDP2's and DTensor's collectives stop at the pipeline's timeout
     optimizers = optimizer_per_stage(parts.modules, options.optimizer, stage_parameters)
     offload = offload_optimizers(options.offload, optimizers, ctx.device, transport.guard.wait_gpu)
+    schedulers = schedulers_per_stage(optimizers, options.lr_scheduler)  # lr_scheduler=: stepped after each
+    guard_owned(optimizers)  # a user's optimizer stepping these parameters is refused on its first step
     transport.warm_up()
     schedule, m = ctx.schedule, ctx.schedule.num_microbatches
     mailbox = Mailbox(transport, schedule.placement, m, ctx.device, variable_shapes=options.variable_shapes)
@@ -147,7 +151,8 @@ def _engine(
     held.tied = tied_sync
     for tied_group in tied_sync.groups.values():
         groups.bound(tied_group, options.timeout)
-    hooks = StageHooks([tied_sync] if ctx.hybrid is None else [ctx.hybrid, tied_sync], optimizers, offload)
+    stepper = Scheduled(offload, schedulers) if schedulers else offload
+    hooks = StageHooks([tied_sync] if ctx.hybrid is None else [ctx.hybrid, tied_sync], optimizers, stepper)
     merge = _merge(hooks, tied_sync, ctx.hybrid)
     aux = AuxTotals(1.0 / m)
     dropout = _seed_dropout(root, parts, options, ctx, lambda: interpreter.current)
@@ -169,18 +174,23 @@ def _engine(
     snapshots = snapshotter(root, ctx, options, merge)
     if snapshots is not None:
         hooks.parts.append(snapshots)  # its before_step: a STEP waits until the last snapshot is copied
+    clip = clip_part(root, options.clip, tied_sync, ctx.hybrid, merge.deferring)
+    if clip is not None:
+        hooks.parts.append(clip)  # clip=: the whole gradient clipped at the first STEP, after the check
     eval_schedule = forward_only(schedule)  # validated: what eval_step runs
     hybrid = None if ctx.hybrid is None else HybridStep(
         ctx.hybrid, options.target_batch_dim, ctx.device,
         weighted=options.loss_weights is not None, wait=wait,
     )  # fmt: skip
     metered = None if meter is None else MeterStep(meter)
-    step_parts: list[StepPart | None] = [TiedStep(tied_sync), hybrid, metered, norms, finite, aux, dropout, snapshots]
+    step_parts: list[StepPart | None] = [
+        TiedStep(tied_sync), hybrid, metered, norms, finite, aux, dropout, snapshots, clip
+    ]  # fmt: skip
     runner = _runner(ctx, options, transport, interpreter, lists, eval_schedule, step_parts, hybrid)
     return Engine(
         transport=transport, optimizers=optimizers, mailbox=mailbox, tied=tied_sync, hooks=hooks, runner=runner,
         eval_schedule=eval_schedule, finite=finite, aux=aux, meter=meter, held=held, merge=merge, dropout=dropout,
-        snapshots=snapshots,
+        snapshots=snapshots, schedulers=schedulers,
     )  # fmt: skip
 
 

@@ -1,0 +1,56 @@
+"""Checks of the pipeline's own optimizers (issue 51 item 2), run in feature_checks.py's torchrun jobs.
+
+``optimizer=`` with ``lr_scheduler=`` (a warm-up) and ``clip=``: each step's loss and the weights after equal the
+one-process model clipped, stepped and scheduled (float64); a user's optimizer over the parameters is refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import stagewise as sw
+from feature_models import gelu_mlp, mlp_data
+from helpers.compare import assert_params_close
+from worker import Check, Ctx, raises
+
+
+def _sgd(params: list) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.3, momentum=0.9)
+
+
+def _warmup(opt: torch.optim.Optimizer) -> Any:
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / 3))
+
+
+def owned(schedule: str) -> Check:
+    def check(ctx: Ctx) -> None:
+        layers, m = gelu_mlp(), 4
+        pipe = sw.Pipeline(
+            layers, loss_fn=F.cross_entropy, schedule=schedule, microbatches=m, group=ctx.group, timeout=60.0,
+            optimizer=_sgd, lr_scheduler=_warmup, clip=0.05,
+        )  # fmt: skip
+        ref = sw.build_model(layers)
+        ref_opt = _sgd(list(ref.parameters()))
+        ref_sched = _warmup(ref_opt)
+        for step in range(4):
+            x, y = mlp_data(2 * m + 1, seed=step)
+            loss = pipe.train_step(x, y)
+            ref_loss = F.cross_entropy(ref(x), y)
+            ref_loss.backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+            ref_opt.step(), ref_sched.step(), ref_opt.zero_grad()
+            assert abs(loss - ref_loss.item()) <= 1e-10 * max(1.0, abs(ref_loss.item())), (step, loss, ref_loss)
+        assert_params_close(pipe, ref, "after four clipped, scheduled steps")
+        if list(pipe.parameters()):
+            mine = torch.optim.SGD(pipe.parameters(), lr=0.1)
+            raises(ValueError, "belong to a Pipeline built with optimizer=", mine.step)
+
+    return check
+
+
+def checks(world: int) -> dict[str, Check]:
+    names = ("1f1b", "zb-v", "interleaved-1f1b") if world == 2 else ("zb-v",)
+    return {f"owned-{s}": owned(s) for s in names}
