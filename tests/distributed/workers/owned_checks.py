@@ -51,6 +51,29 @@ def owned(schedule: str) -> Check:
     return check
 
 
+def same_batch(ctx: Ctx) -> None:
+    """pp 2 x dp 2 (issue 51 item 7): every replica given the whole batch (local_batch forgotten) is refused on the
+    first step, on every rank, before the schedule runs; each given its share trains on."""
+    layers, config = gelu_mlp(), sw.ParallelConfig(pp=2, dp=2)
+    pipe = sw.Pipeline(layers, loss_fn=F.cross_entropy, microbatches=2, parallel=config, timeout=60.0)
+    x, y = mlp_data(8, seed=1)
+    try:
+        pipe.train_step(x, y)
+    except (ValueError, sw.PipelineError) as err:  # (a rank may see another's failure on the board first)
+        assert "were all given the same batch" in str(err) and "local_batch" in str(err), err
+    else:
+        raise AssertionError("the replicas trained the same batch without a word")
+    assert pipe.last_step is not None and not pipe.last_step.events, "the schedule ran before the refusal"
+    again = sw.Pipeline(layers, loss_fn=F.cross_entropy, microbatches=2, parallel=config, timeout=60.0)
+    ref = sw.build_model(layers)
+    loss = again.train_step(*again.local_batch(x, y))
+    want = F.cross_entropy(ref(x), y).item()
+    assert abs(loss - want) <= 1e-10 * max(1.0, abs(want)), (loss, want)
+
+
 def checks(world: int) -> dict[str, Check]:
     names = ("1f1b", "zb-v", "interleaved-1f1b") if world == 2 else ("zb-v",)
-    return {f"owned-{s}": owned(s) for s in names}
+    out = {f"owned-{s}": owned(s) for s in names}
+    if world == 4:
+        out["replicas-same-batch"] = same_batch
+    return out

@@ -17,6 +17,7 @@ import torch
 
 from ..engine.microbatch import Dims, batch_size
 from ..engine.runner import StepRun
+from ..hybrid.replica_inputs import refuse_same_inputs
 
 if TYPE_CHECKING:
     from ..features.memory import ActivationMeter
@@ -53,9 +54,13 @@ class HybridStep:
         self.weighted = weighted  # the losses were weighted over every replica already (loss_weights=)
         self.device = device
         self.wait = wait  # within the pipeline's deadline, on its board
+        self.inputs_checked = False  # the first train step refuses replicas all given the same batch
 
     @contextmanager
     def around(self, run: StepRun) -> Iterator[None]:
+        if run.mode == "train" and not self.inputs_checked:
+            self.inputs_checked = True
+            refuse_same_inputs(self.hybrid, run.step.inputs, run.step.targets, self.wait)
         yield
 
     def after(self, run: StepRun) -> None:
