@@ -71,9 +71,38 @@ def same_batch(ctx: Ctx) -> None:
     assert abs(loss - want) <= 1e-10 * max(1.0, abs(want)), (loss, want)
 
 
+def eval_over_replicas(ctx: Ctx) -> None:
+    """pp 2 x dp 2 (issue 51 item 5): eval_loss on uneven replica shares is the one-process loss of the whole batch
+    on every rank (each replica's mean weighted by its rows)."""
+    layers, config = gelu_mlp(), sw.ParallelConfig(pp=2, dp=2)
+    pipe = sw.Pipeline(layers, loss_fn=F.cross_entropy, microbatches=2, parallel=config, timeout=60.0, seed=2)
+    ref = sw.build_model(layers, seed=2)
+    x, y = mlp_data(10, seed=4)
+    loss = pipe.eval_loss(*pipe.local_batch(x, y))
+    with torch.no_grad():
+        want = F.cross_entropy(ref(x), y).item()
+    assert abs(loss - want) <= 1e-12 * max(1.0, abs(want)), (loss, want)
+
+
+def eval_structure(ctx: Ctx) -> None:
+    """An eval whose inputs differ from training's is refused on the rank holding stage 0 (a ValueError naming
+    both), before the schedule sends anything; the others stop at their first wait, naming it."""
+    layers = gelu_mlp()
+    pipe = sw.Pipeline(layers, loss_fn=F.cross_entropy, microbatches=2, group=ctx.group, timeout=60.0)
+    x, y = mlp_data(6, seed=0)
+    pipe.train_step(x, y)
+    kind = ValueError if pipe.rank == pipe.schedule.placement[0] else sw.PipelineError
+    raises(kind, ["eval_step: the inputs differ from training's", "float32"], lambda: pipe.eval_step(x.float()))
+    if kind is ValueError:
+        assert pipe.last_step is not None and not pipe.last_step.events, "the eval ran before the refusal"
+
+
 def checks(world: int) -> dict[str, Check]:
     names = ("1f1b", "zb-v", "interleaved-1f1b") if world == 2 else ("zb-v",)
     out = {f"owned-{s}": owned(s) for s in names}
+    if world == 2:
+        out["eval-structure"] = eval_structure
     if world == 4:
         out["replicas-same-batch"] = same_batch
+        out["eval-over-replicas"] = eval_over_replicas
     return out

@@ -43,6 +43,7 @@ from ..errors import PipelineError
 from ..features.aux_loss import AuxTotals
 from ..features.batchnorm import attach_batchnorms, check_batchnorm
 from ..features.dropout import DropoutSeeds, dropout_seeds
+from ..features.evaluation import InputStructure
 from ..features.finite import FinitePart, finite_check
 from ..features.memory import ActivationMeter
 from ..features.merge import GradientMerge
@@ -183,8 +184,8 @@ def _engine(
         weighted=options.loss_weights is not None, wait=wait,
     )  # fmt: skip
     metered = None if meter is None else MeterStep(meter)
-    step_parts: list[StepPart | None] = [
-        TiedStep(tied_sync), hybrid, metered, norms, finite, aux, dropout, snapshots, clip
+    step_parts: list[StepPart | None] = [  # InputStructure first: an eval refused before anything runs
+        InputStructure(), TiedStep(tied_sync), hybrid, metered, norms, finite, aux, dropout, snapshots, clip,
     ]  # fmt: skip
     runner = _runner(ctx, options, transport, interpreter, lists, eval_schedule, step_parts, hybrid)
     return Engine(

@@ -117,14 +117,18 @@ def clip_part(
     return ClipPart(pipe, max_norm, settle, deferring)
 
 
-def refuse_clip_after_step(options: Any) -> None:
-    """``Pipeline.clip_grad_norm_`` with ``optimizer=``: the STEP already stepped and cleared the gradients."""
-    if options.optimizer is not None:
+def clip_between_steps(pipe: Any, merge: Any, max_norm: float, norm_type: float) -> float:
+    """:meth:`Pipeline.clip_grad_norm_`: refused inside a gradient merge (the merged gradient is not reduced yet)
+    and with ``optimizer=`` (the STEP already stepped and cleared the gradients: ``clip=`` clips before it)."""
+    why = "clipping belongs to the optimizer step, on the merged gradient, whose reductions have not run"
+    merge.refuse("clip_grad_norm_", why)
+    if pipe.options.optimizer is not None:
         raise ValueError(
             "clip_grad_norm_ after train_step does nothing with optimizer=: each stage's optimizer stepped at the "
             "schedule's STEP and cleared its gradients; pass clip=max_norm to the Pipeline (clipped before the "
             "step, over the whole model)"
         )
+    return clip_pipeline_grads(pipe, max_norm, norm_type)
 
 
 # ---- a user's optimizer stepping what the pipeline's optimizers own ---------------------------------------
