@@ -22,7 +22,11 @@ memory, and print them best first. The profile is per-layer times and sizes of
 one micro-batch (LayerProfile.to_json, e.g. from stagewise.profile, which
 records the micro-batch's samples; --profile-batch for a file that does not),
 or --synthetic, a GPT-like stack:
-"blocks=32,hidden=4096,seq=2048,vocab=50000,heads=32,flops=4e14".
+"blocks=32,hidden=4096,seq=2048,vocab=50000,heads=32,flops=4e14",
+or --hf, a transformers config built here and profiled per decoder layer
+(what Pipeline.from_hf and Pipeline.from_plan(plan, model) cut), e.g.
+"llama:num_hidden_layers=8,hidden_size=256,num_attention_heads=4" or a
+local config.json.
 Links and the runtime's own costs come from --calibration, a file saved with
 sw.calibrate(...).save(path) on the group that will run the plan; without it
 (or --intra) every transfer and collective is free, which flatters data
@@ -47,6 +51,15 @@ def add_command(sub: Subparsers) -> None:
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--profile", metavar="PATH", help="LayerProfile JSON")
     src.add_argument("--synthetic", metavar="SPEC", help="a synthetic transformer, key=value pairs")
+    src.add_argument(
+        "--hf",
+        metavar="CONFIG",
+        help="a transformers causal LM, built locally (no download) and profiled per decoder layer as from_hf cuts "
+        "it: a config.json path (or its folder), or MODEL_TYPE:key=value,... (e.g. llama:num_hidden_layers=8)",
+    )
+    parser.add_argument(
+        "--seq", type=int, default=128, metavar="S", help="--hf: tokens per sample of the profiled micro-batch"
+    )
     parser.add_argument("-n", "--processes", type=int, required=True, metavar="N", help="number of processes")
     parser.add_argument("--nodes", type=int, default=1, metavar="K", help="nodes the processes are packed on")
     parser.add_argument("--global-batch", type=int, required=True, metavar="B", help="samples per step")
@@ -143,6 +156,10 @@ def _synthetic(spec: str) -> LayerProfile:
 def _load(args: argparse.Namespace) -> LayerProfile:
     if args.synthetic is not None:
         return _synthetic(args.synthetic)
+    if args.hf is not None:
+        from ..runtime.frontends.hf.profile import profile_config
+
+        return profile_config(args.hf, seq=args.seq, batch=args.profile_batch or 1)
     try:
         text = Path(args.profile).read_text()
     except OSError as err:

@@ -15,8 +15,8 @@ and ran 2.7 % slower). The pipeline then runs that ordinary,
 validated :class:`~stagewise.Schedule` as if it had been given; ``meta["synthesis"]`` carries the synthesizer's
 report either way, and ``meta["auto"]`` says which was kept and why.
 
-Only layer lists are profiled this way; other ways in take a synthesized Schedule built by hand
-(``stagewise.synthesis.synthesize_for``).
+Layer lists and transformers models (``from_hf``, per decoder layer) are profiled this way; other ways in take
+a synthesized Schedule built by hand (``stagewise.synthesis.synthesize_for``).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from typing import Any
 from ...partition import stage_counts
 from ..comm import groups
 from ..frontends.balance import ROUNDS, on_first_rank, profile_layers
+from ..frontends.hf import FromHF
 from ..frontends.layer_list import LayerList
 from ..frontends.layers import parameter_count
 from ..measure.profiling import steadiest
@@ -45,10 +46,11 @@ def synthesized(entry: str, frontend: Any, options: Options) -> Options:
     """``options`` with ``schedule="auto"`` replaced by the synthesized schedule and the partition it assumed."""
     if options.schedule != AUTO:
         return options
-    if not isinstance(frontend, LayerList):
+    if not isinstance(frontend, (LayerList, FromHF)):
         raise ValueError(
-            f"{entry}: schedule='auto' profiles a layer list; for this way in pass a Schedule synthesized with "
-            "stagewise.synthesis.synthesize_for(costs, ...)"
+            f"{entry}: schedule='auto' profiles a layer list or a transformers model (from_hf); for this way in "
+            "pass a Schedule synthesized with stagewise.synthesis.synthesize_for(costs, ...), the costs from "
+            "sw.profile(model, sample).cost_model(boundaries)"
         )
     if options.sample_inputs is None:
         raise ValueError(
@@ -56,10 +58,13 @@ def synthesized(entry: str, frontend: Any, options: Options) -> Options:
         )
     p = pipeline_size(options)
     m = options.microbatches or p
-    named = frontend.named
+    named: Any = frontend.named if isinstance(frontend, LayerList) else frontend.units()
+    device = "cpu" if isinstance(frontend, LayerList) else next(frontend.model.parameters()).device
     profile = on_first_rank(
         options.group if options.parallel is None else None,
-        lambda: steadiest(lambda: profile_layers(named, options.sample_inputs, seed=options.seed), ROUNDS),
+        lambda: steadiest(
+            lambda: profile_layers(named, options.sample_inputs, seed=options.seed, device=device), ROUNDS
+        ),
         "profiling the layers for schedule='auto'",
         options.timeout,
         options.store,
