@@ -354,7 +354,7 @@ def make_transport(ctx: PipelineContext, options: Options) -> Transport:
         timeout=options.timeout,
         store=options.store,
         board=None if hybrid is None else hybrid.board_name(),  # a failure anywhere stops the whole mesh
-        label=None if hybrid is None else f"rank {ctx.rank} ({hybrid.mesh.where()})",
+        label=None if hybrid is None else f"pipeline rank {ctx.rank} ({hybrid.mesh.where()})",
     )
     return resolve(options.transport)(spec)
 
