@@ -119,6 +119,14 @@ def plan(profile: LayerProfile, processes: int, **options: Unpack[PlanOptions]) 
     builds one pipeline, not several that wait on each other. Anywhere else it is the pure planner itself,
     and loads no torch. The options and what they mean: :func:`stagewise.planning.plan`.
     """
+    cal = options.get("calibration")
+    if options.get("intra") is None and (cal is None or not cal.links_measured):
+        warnings.warn(
+            "stagewise.plan: the links are not calibrated (no intra=, no calibration= with measured links): every "
+            "transfer and collective is free in these plans, which favours data parallelism and sharding; pass "
+            "calibration=sw.calibrate(...) or intra=(latency seconds, bandwidth bytes/s)",
+            stacklevel=2,
+        )
     if _in_a_job():
         from .runtime.frontends.plan_agreement import search_together
 

@@ -11,6 +11,8 @@ import stagewise as sw
 from stagewise.cli.main import main
 from stagewise.partition import LayerCost, LayerProfile
 from stagewise.planning import Calibration, LayoutCost, Link
+from stagewise.planning.ranking import NOISE
+from stagewise.planning.units import in_unit, unit_for
 
 
 def _profile(batch: int | None = 2) -> LayerProfile:
@@ -68,12 +70,20 @@ def test_plan_prints_a_table_and_writes_the_json_sw_plan_returns(
 
 def test_plan_synthetic_and_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
     code = main(
-        ["plan", "--synthetic", "blocks=4,hidden=256,seq=128,vocab=1000,heads=4", "-n", "2", "--global-batch", "4"]
+        [
+            "plan",
+            "--synthetic",
+            "blocks=4,hidden=256,seq=128,vocab=1000,heads=4,flops=4e14",
+            "-n",
+            "2",
+            "--global-batch",
+            "4",
+        ]
     )
     assert code == 0 and "top" in capsys.readouterr().out
     code = main(["plan", "--synthetic", "blocks=4,width=3", "-n", "2", "--global-batch", "4"])
     assert code == 2 and "unknown key 'width'" in capsys.readouterr().err
-    code = main(["plan", "--synthetic", "blocks=2", "-n", "2", "--global-batch", "4", "--memory", "1e-9"])
+    code = main(["plan", "--synthetic", "blocks=2,flops=4e14", "-n", "2", "--global-batch", "4", "--memory", "1B"])
     err = capsys.readouterr().err
     assert code == 2 and "no plan fits the memory cap" in err
 
@@ -151,8 +161,8 @@ def test_best_per_layout_lists_each_layouts_best_plan(tmp_path: Path, capsys: py
         best[key] = min(best.get(key, float("inf")), p.step_time)
     layouts = [tuple(p["layout"][k] for k in ("pp", "dp", "tp", "sharding")) for p in got]
     assert len(set(layouts)) == len(layouts) == len(best)  # every layout once
-    assert [p["step_time"] for p in got] == sorted(best.values())
-    assert all(p["step_time"] == best[key] for p, key in zip(got, layouts))
+    # each layout's best: its fastest, or a plan within the timing noise of it with less memory (ranking.NOISE)
+    assert all(best[key] <= p["step_time"] <= best[key] * (1 + NOISE) for p, key in zip(got, layouts))
 
 
 def _plan_output(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[str, str]:
@@ -172,8 +182,9 @@ def test_without_memory_the_help_and_the_output_say_there_is_no_cap(
     out, _ = _plan_output(common, capsys)
     best = sw.plan(_profile(), 4, global_batch=8, intra=Link(0.01, 1e4), top=3)[0]
     line = " ".join(out.split())
-    assert f"no memory cap was set (--memory): the top plan needs {best.peak_memory / 2**30:.3g} GiB" in line, out
-    out, _ = _plan_output([*common, "--memory", "1"], capsys)
+    need = in_unit(best.peak_memory, unit_for(best.peak_memory))
+    assert f"no memory cap was set (--memory): the top plan needs {need} per process" in line, out
+    out, _ = _plan_output([*common, "--memory", "1GiB"], capsys)
     assert "no memory cap" not in out
 
 
@@ -188,13 +199,13 @@ def test_the_why_column_speaks_the_tables_unit(tmp_path: Path, capsys: pytest.Ca
     for row in rows:
         peak, why = row[10], row[11]
         assert f"lower peak memory ({peak} vs " in why, row
-        assert peak.split()[-1] in ("B", "MiB", "GiB"), row
+        assert peak.split()[-1] in ("B", "KiB", "MiB", "GiB"), row
 
 
 def test_a_top_plan_with_a_large_bubble_gets_a_notice_saying_why(capsys: pytest.CaptureFixture[str]) -> None:
     """The planner guide's synthetic model at 8 processes: its top plan idles its pipeline ranks ~64% of the step,
     because the head outweighs the blocks (uneven stages), not because the pipeline fills and drains."""
-    spec = "blocks=8,hidden=1024,seq=512"
+    spec = "blocks=8,hidden=1024,seq=512,flops=4e14"
     out, _ = _plan_output(["--synthetic", spec, "-n", "8", "--global-batch", "64", "--intra", "2e-5:2e10"], capsys)
     line = " ".join(out.split())
     assert "notice: the top plan leaves its pipeline ranks idle" in line, out

@@ -61,6 +61,7 @@ def test_fault_case(outcomes: dict[fh.Case, fh.Outcome], case: fh.Case) -> None:
         ("global rank 1 stopped or died (no sign of life for 10.5 s); rank 3 waited 10.2 s for ...", 1),
         ("rank 1 (global rank 3): ValueError: the tripwire fired (wave)\nrank 1 at ...", 3),
         ("rank 1 (global rank 3: pp=1 dp=1 sharding=0 tp=0) at 1F2: ValueError", 3),
+        ("pipeline rank 1 (global rank 3: pp=1 dp=1 sharding=0 tp=0) at 1F2: ValueError", 3),
         ("rank 2 waited 10.0 s for stage 1's output from rank 1; is another rank stuck or dead?", 2),
         ("the coordinator (store host, rank 0) is unreachable (seen by rank 2): TimeoutError", 0),
         ("no rank at all", None),

@@ -123,7 +123,8 @@ def test_a_failure_in_one_replica_stops_the_other_pipelines(tmp_path: Path, tran
     for r in (0, 1, 2):
         text = reports.get(r, "")
         assert codes[r] == 1 and text.startswith("PipelineError: "), f"rank {r}: exit {codes[r]}: {text}"
-        assert "rank 1 (global rank 3: pp=1 dp=1 sharding=0 tp=0) at 1F2: ValueError: the tripwire fired" in text, text
+        blamed = "pipeline rank 1 (global rank 3: pp=1 dp=1 sharding=0 tp=0) at 1F2: ValueError: the tripwire fired"
+        assert blamed in text, text
         assert "waited" not in text.splitlines()[0], text  # the board stopped them, not a deadline
 
 

@@ -10,10 +10,8 @@ from typing import Any
 
 from ..partition import LayerProfile
 from ..planning import Calibration, Link, Plan, PlanSearch
-from ..planning.result import gib
+from ..planning.units import in_unit, parse_bytes, unit_for
 from .common import Subparsers
-
-GIB = 2**30
 
 _HELP = """\
 Search layouts (pp x dp x sharding x tp), schedules, virtual stages,
@@ -22,7 +20,12 @@ memory, and print them best first. The profile is per-layer times and sizes of
 one micro-batch (LayerProfile.to_json, e.g. from stagewise.profile, which
 records the micro-batch's samples; --profile-batch for a file that does not),
 or --synthetic, a GPT-like stack:
-"blocks=32,hidden=4096,seq=2048,vocab=50000,heads=32,flops=4e14".
+"blocks=32,hidden=4096,seq=2048,vocab=50000,heads=32,flops=4e14" (flops=,
+the device's FLOP/s, is required: every predicted time scales with it),
+or --hf, a transformers config built here and profiled per decoder layer
+(what Pipeline.from_hf and Pipeline.from_plan(plan, model) cut), e.g.
+"llama:num_hidden_layers=8,hidden_size=256,num_attention_heads=4" or a
+local config.json.
 Links and the runtime's own costs come from --calibration, a file saved with
 sw.calibrate(...).save(path) on the group that will run the plan; without it
 (or --intra) every transfer and collective is free, which flatters data
@@ -47,6 +50,15 @@ def add_command(sub: Subparsers) -> None:
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--profile", metavar="PATH", help="LayerProfile JSON")
     src.add_argument("--synthetic", metavar="SPEC", help="a synthetic transformer, key=value pairs")
+    src.add_argument(
+        "--hf",
+        metavar="CONFIG",
+        help="a transformers causal LM, built locally (no download) and profiled per decoder layer as from_hf cuts "
+        "it: a config.json path (or its folder), or MODEL_TYPE:key=value,... (e.g. llama:num_hidden_layers=8)",
+    )
+    parser.add_argument(
+        "--seq", type=int, default=128, metavar="S", help="--hf: tokens per sample of the profiled micro-batch"
+    )
     parser.add_argument("-n", "--processes", type=int, required=True, metavar="N", help="number of processes")
     parser.add_argument("--nodes", type=int, default=1, metavar="K", help="nodes the processes are packed on")
     parser.add_argument("--global-batch", type=int, required=True, metavar="B", help="samples per step")
@@ -59,10 +71,10 @@ def add_command(sub: Subparsers) -> None:
     )
     parser.add_argument(
         "--memory",
-        type=float,
-        default=math.inf,
-        metavar="GIB",
-        help="memory per process, GiB: plans that need more are dropped (default: no cap, every plan fits)",
+        default=None,
+        metavar="SIZE",
+        help="memory per process with its unit, e.g. 16GiB or 512MiB (as sw.plan(memory=...) takes it): plans that "
+        "need more are dropped (default: no cap, every plan fits)",
     )
     parser.add_argument("--optimizer-state", type=float, default=2.0, metavar="K", help="state bytes per param byte")
     parser.add_argument(
@@ -137,12 +149,22 @@ def _synthetic(spec: str) -> LayerProfile:
             kwargs[key] = float(value) if key == "flops" else int(value)
         except ValueError:
             raise ValueError(f"--synthetic: {key} must be a number, got {value!r}") from None
+    if "flops" not in kwargs:
+        raise ValueError(
+            "--synthetic: give flops=, the FLOP/s one process's device sustains (every predicted time scales with "
+            "it): e.g. flops=4e14 for a recent GPU in bf16, flops=5e10 for a CPU core; or profile the real model "
+            "on the machine (sw.profile, --profile, or --hf for a transformers config)"
+        )
     return transformer_profile(**kwargs)
 
 
 def _load(args: argparse.Namespace) -> LayerProfile:
     if args.synthetic is not None:
         return _synthetic(args.synthetic)
+    if args.hf is not None:
+        from ..runtime.frontends.hf.profile import profile_config
+
+        return profile_config(args.hf, seq=args.seq, batch=args.profile_batch or 1)
     try:
         text = Path(args.profile).read_text()
     except OSError as err:
@@ -160,6 +182,11 @@ def _load(args: argparse.Namespace) -> LayerProfile:
             "samples; leave --profile-batch out"
         )
     return profile
+
+
+def _memory(args: argparse.Namespace) -> float:
+    """``--memory``: a size with its unit (a bare number is refused: the API's is bytes, the old CLI's GiB)."""
+    return math.inf if args.memory is None else parse_bytes(args.memory, "--memory", bare=False)
 
 
 def _calibration(args: argparse.Namespace) -> Calibration | None:
@@ -196,7 +223,7 @@ def run_plan(args: argparse.Namespace) -> int:
         nodes=args.nodes,
         global_batch=args.global_batch,
         profile_batch=args.profile_batch,
-        memory=args.memory * GIB,
+        memory=_memory(args),
         optimizer_state=args.optimizer_state,
         intra=None if args.intra is None else _link(args.intra, "--intra"),
         inter=None if args.inter is None else _link(args.inter, "--inter"),
@@ -262,6 +289,7 @@ def _print_table(result: PlanSearch, warnings: list[str], per_layout: bool) -> N
         "why",
     ):
         table.add_column(col)
+    unit = unit_for(max((p.peak_memory for p in result.plans if not math.isinf(p.peak_memory)), default=0.0))
     for k, p in enumerate(result.plans, 1):
         c = p.layout
         part = " ".join(map(str, p.partition))
@@ -275,7 +303,7 @@ def _print_table(result: PlanSearch, warnings: list[str], per_layout: bool) -> N
             p.recompute or "off",
             f"{p.step_time:.4g}",
             f"{p.bubble:.1%}",
-            gib(p.peak_memory),  # the why column's unit (planning.result.gib)
+            in_unit(p.peak_memory, unit),  # one unit for the column, the why column's too
             p.why,
         )
     Console(width=200).print(table)
@@ -289,10 +317,11 @@ _LARGE_BUBBLE = 0.30  # a top plan idling its pipeline ranks more than this gets
 def _notices(args: argparse.Namespace, best: Plan) -> list[str]:
     """What the defaults hide about the top plan, one line each: no memory cap, a large bubble and why."""
     out = []
-    if math.isinf(args.memory):
+    if math.isinf(_memory(args)):
+        need = in_unit(best.peak_memory, unit_for(best.peak_memory))
         out.append(
-            f"note: no memory cap was set (--memory): the top plan needs {best.peak_memory / GIB:.3g} GiB per "
-            "process; pass --memory GIB to keep to what a device holds"
+            f"note: no memory cap was set (--memory): the top plan needs {need} per process; pass --memory SIZE "
+            "(e.g. 16GiB) to keep to what a device holds"
         )
     if best.layout.pp > 1 and best.bubble > _LARGE_BUBBLE:
         out.append(

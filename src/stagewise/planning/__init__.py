@@ -51,13 +51,13 @@ class PlanOptions(TypedDict, total=False):
     """The keywords of :func:`plan` and :func:`search` (defaults in brackets); see :func:`plan`."""
 
     global_batch: Required[int]
-    memory: float | Sequence[float]  # [inf]
+    memory: float | str | Sequence[float | str]  # [inf]: bytes, or a string with a unit ("8GiB")
     speeds: float | Sequence[float] | None  # [all 1]
     nodes: int  # [1]
     profile_batch: int  # [the profile's batch (LayerProfile.batch), else 1]
     optimizer_state: float  # [2.0]
-    intra: Link | None  # [the calibration's, else free]
-    inter: Link | None  # [the calibration's, else intra]
+    intra: Link | tuple[float, float] | None  # [the calibration's, else free]: a Link or (latency s, bytes/s)
+    inter: Link | tuple[float, float] | None  # [the calibration's, else intra]
     tp_layers: Collection[int | str]  # [()]
     max_tp: int | None  # [processes per node]
     schedules: Sequence[str] | None  # [every synchronous one]; "auto" adds synthesized ones (see .auto)
@@ -96,11 +96,12 @@ def plan(profile: LayerProfile, processes: int, **options: Unpack[PlanOptions]) 
     ``profile``: per-layer times and bytes of one micro-batch of ``profile_batch`` samples
     (:func:`stagewise.profile`); costs scale linearly with the micro-batch size.
     ``processes`` ranks on ``nodes`` nodes (packed in rank order), each with
-    ``memory`` bytes and relative ``speeds`` (one number, or one per rank).
+    ``memory`` (bytes, or a string with a unit: ``"8GiB"``) and relative ``speeds`` (one number, or one per rank).
     ``global_batch``: samples per step, split over the ``dp * sharding`` replicas, then into
     micro-batches. ``optimizer_state``: optimizer bytes per parameter byte (AdamW: 2).
-    ``intra`` / ``inter``: the links inside a node and between nodes (``inter``
-    defaults to ``intra``; both default to the ``calibration``'s measured links, else free).
+    ``intra`` / ``inter``: the links inside a node and between nodes, a :class:`Link` or ``(latency,
+    bandwidth)`` (``inter`` defaults to ``intra``; both default to the ``calibration``'s measured links, else
+    free: :func:`stagewise.plan` warns then).
     ``tp_layers``: indices or names of the layers that
     can be split by tensor parallelism (no tp without them); ``max_tp``
     defaults to the processes per node. ``overhead``: seconds of each layer's

@@ -11,6 +11,7 @@ from ..partition import LayerProfile
 from ..schedules import canonical_name, is_asynchronous, schedule_names
 from .calibration import Calibration
 from .comm import Link
+from .units import parse_bytes
 
 
 @dataclass(frozen=True)
@@ -47,13 +48,13 @@ def make_problem(
     processes: int,
     *,
     global_batch: int,
-    memory: float | Sequence[float] = math.inf,
+    memory: float | str | Sequence[float | str] = math.inf,
     speeds: float | Sequence[float] | None = None,
     nodes: int = 1,
     profile_batch: int | None = None,
     optimizer_state: float = 2.0,
-    intra: Link | None = None,
-    inter: Link | None = None,
+    intra: Link | tuple[float, float] | None = None,
+    inter: Link | tuple[float, float] | None = None,
     tp_layers: Collection[int | str] = (),
     max_tp: int | None = None,
     schedules: Sequence[str] | None = None,
@@ -76,6 +77,7 @@ def make_problem(
     tp_idx, chosen = _tp_indices(tp_layers, profile.names), _chosen_schedules(schedules)
     _check_recompute(recompute)
     cal, cores = _calibration_and_cores(calibration, cores)
+    intra, inter = as_link(intra, "intra"), as_link(inter, "inter")
     (intra, inter), per_node = _links(intra, inter, cal), processes // nodes
     return Problem(
         profile=profile,
@@ -163,7 +165,7 @@ def _check_recompute(recompute: Sequence[str | None]) -> None:
 
 
 def _memory_and_speeds(
-    memory: float | Sequence[float], speeds: float | Sequence[float] | None, processes: int
+    memory: float | str | Sequence[float | str], speeds: float | Sequence[float] | None, processes: int
 ) -> tuple[list[float], list[float]]:
     mem = _per_rank_values(memory, processes, "memory")
     if any(not x > 0 for x in mem):
@@ -223,6 +225,15 @@ def _calibration_and_cores(calibration: Calibration | None, cores: float | None)
     return cal, cores
 
 
+def as_link(value: Link | tuple[float, float] | None, what: str) -> Link | None:
+    """A :class:`Link`, or ``(latency seconds, bandwidth bytes/s)`` as one."""
+    if value is None or isinstance(value, Link):
+        return value
+    if isinstance(value, (tuple, list)) and len(value) == 2:
+        return Link(float(value[0]), float(value[1]))
+    raise TypeError(f"plan: {what} must be a Link or (latency seconds, bandwidth bytes per second), got {value!r}")
+
+
 def _links(intra: Link | None, inter: Link | None, cal: Calibration) -> tuple[Link, Link]:
     """The links within and across nodes: as given, else the calibration's; across defaults to within."""
     intra = intra if intra is not None else cal.intra if cal.intra is not None else Link()
@@ -254,10 +265,10 @@ def _compute_scale(value: float | Sequence[float]) -> tuple[float, float, float]
     return float(values[0]), float(values[1]), float(values[2])
 
 
-def _per_rank_values(value: float | Sequence[float], n: int, what: str) -> list[float]:
-    if isinstance(value, (int, float)):
-        return [float(value)] * n
-    values = [float(x) for x in value]
+def _per_rank_values(value: float | str | Sequence[float | str], n: int, what: str) -> list[float]:
+    if isinstance(value, (int, float, str)):  # memory: bytes, or a string with a unit ("8GiB")
+        return [parse_bytes(value, what)] * n
+    values = [parse_bytes(x, what) for x in value]
     if len(values) != n:
         raise ValueError(f"plan: {what} has {len(values)} entries, expected one per process ({n})")
     return values

@@ -33,9 +33,10 @@ class RankMemory:
 
     @property
     def dominant(self) -> str:
-        """Which term is largest: 'parameters' (with their gradients), 'optimizer state' or 'activations'."""
+        """Which term is largest: 'parameters', 'gradients', 'optimizer state' or 'activations'."""
         terms = {
-            "parameters": self.parameters + self.gradients,
+            "parameters": self.parameters,
+            "gradients": self.gradients,
             "optimizer state": self.optimizer,
             "activations": self.activations,
         }

@@ -43,7 +43,7 @@ from .layouts import Layout, divisors, enumerate_layouts, schedule_options
 from .orders import activation_states, placement_of, splits_backward
 from .partitions import Partitions
 from .predict import evaluate
-from .ranking import rank_key, with_reasons
+from .ranking import NOISE, ranked, with_reasons
 from .result import Dropped, Plan, PlanSearch, RankMemory, describe, gib
 
 
@@ -237,7 +237,7 @@ class _Search:
         kept: list[tuple[Plan, Candidate]] = []  # (plan, its candidate), for the synthesized plans
         while self.queue:
             bound, _, item = self.queue[0]
-            if bound >= bar.level * (1 + 1e-12):
+            if bound >= bar.level * (1 + NOISE):  # plans tied with the top ones (ranking.NOISE) may win on memory
                 break
             heapq.heappop(self.queue)
             group = item if isinstance(item, _Group) else item[0]
@@ -302,7 +302,7 @@ class _Bar:
 
     def may_win(self, layout: ParallelConfig, bound: float) -> bool:
         """Whether a candidate of ``layout`` bounded by ``bound`` can still enter the result."""
-        return not self.per_layout or bound < self.layouts.get(layout, math.inf) * (1 + 1e-12)
+        return not self.per_layout or bound < self.layouts.get(layout, math.inf) * (1 + NOISE)
 
     def add(self, plan: Plan) -> None:
         if self.per_layout:
@@ -316,7 +316,7 @@ class _Bar:
 
     def ranked(self, plans: list[Plan]) -> list[Plan]:
         """The ``top`` plans best first (``per_layout``: each layout's best, then those best first)."""
-        ordered = sorted(plans, key=rank_key)
+        ordered = ranked(plans)  # within the timing noise: tied, by memory
         if self.per_layout:
             firsts: dict[ParallelConfig, Plan] = {}
             for plan in ordered:
@@ -345,6 +345,6 @@ def _no_plan_message(prob: Problem, smallest: tuple[float, str, RankMemory] | No
     _, what, mem = smallest
     return (
         f"plan: no plan fits the memory cap: the smallest predicted peak is {gib(mem.total)} against "
-        f"{gib(mem.cap)} ({what}); {mem.dominant} dominate it (parameters {gib(mem.parameters)}, gradients "
+        f"{gib(mem.cap)} ({what}); its largest term is {mem.dominant} (parameters {gib(mem.parameters)}, gradients "
         f"{gib(mem.gradients)}, optimizer state {gib(mem.optimizer)}, activations {gib(mem.activations)})"
     )

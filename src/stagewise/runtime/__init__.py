@@ -70,7 +70,7 @@ _NAMES = {
     "collect_aux_losses": ".features.aux_loss",
     "causal_lm_loss": ".losses",
     "count_tokens": ".losses",
-    "profile": ".measure.profiling",
+    "profile": ".frontends.profile",
     "calibrate": ".calibration.calibrate",
     "measure_compute_scale": ".calibration.compute_scale",
     "counted_reads": ".measure.host_reads",

@@ -27,6 +27,7 @@ from .engine.microbatch import Dims
 from .features.batchnorm import BatchNormPolicy, check_batchnorm
 from .features.finite import check_policy
 from .features.offload import check_offload
+from .features.owned_step import SchedulerFactory, check_owned_step
 from .features.precision import check_autocast
 from .features.recompute import Recompute, check_recompute
 from .losses import check_loss_fn
@@ -77,6 +78,8 @@ class Options:
     loss_fn: LossFn | None = None
     loss_weights: LossWeights | None = None
     optimizer: OptimizerFactory | None = None
+    lr_scheduler: SchedulerFactory | None = None
+    clip: float | None = None
     offload: str | None = None
     batch_dim: Dims = 0
     target_batch_dim: Dims = 0
@@ -102,6 +105,7 @@ class Options:
             raise TypeError(f"optimizer must be a factory params -> torch.optim.Optimizer, got {self.optimizer!r}")
         if self.loss_weights is not None and not callable(self.loss_weights):
             raise TypeError(f"loss_weights must be a function of a micro-batch's targets, got {self.loss_weights!r}")
+        check_owned_step(self.optimizer, self.lr_scheduler, self.clip)
         check_offload(self.offload)
         if self.offload is not None and self.optimizer is None:
             raise ValueError(
@@ -149,9 +153,9 @@ class Options:
     @property
     def steps_at_end(self) -> bool:
         """Where the STEP actions go: at the end of each rank's list when the step-end check of non-finite values
-        must come first (its collective runs at the first STEP); else right after each stage's SYNC, overlapping
-        the drain."""
-        return self.nan_policy is not None
+        must come first (its collective runs at the first STEP), or the whole model's gradient is clipped there
+        (``clip=``); else right after each stage's SYNC, overlapping the drain."""
+        return self.nan_policy is not None or self.clip is not None
 
     def slowdown_of(self, rank: int, num_ranks: int) -> float:
         """EMULATION of a slower device: the factor group rank ``rank`` stretches each compute action by."""
@@ -193,6 +197,8 @@ class PipelineOptions(TypedDict, total=False):
     loss_fn: LossFn | None
     loss_weights: LossWeights | None
     optimizer: OptimizerFactory | None
+    lr_scheduler: SchedulerFactory | None
+    clip: float | None
     offload: str | None
     batch_dim: Dims
     target_batch_dim: Dims

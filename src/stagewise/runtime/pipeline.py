@@ -31,7 +31,8 @@ from .asynchronous.windows import windows_of
 from .comm import groups, lifecycle
 from .engine.reports import gathered_losses, step_timeline, version_report
 from .errors import PipelineError
-from .features.clip import clip_pipeline_grads
+from .features.evaluation import eval_loss
+from .features.owned_step import clip_between_steps
 from .frontends.from_model import FromModel
 from .frontends.given import GivenStages
 from .frontends.hf import FromHF
@@ -80,9 +81,10 @@ class Pipeline(nn.Module):
     loss is weighted by its share of the batch (of the rows, or of ``loss_weights(targets)``, e.g.
     :func:`~stagewise.count_tokens`: a token-level mean over the whole batch, over every data-parallel
     replica too). ``optimizer``: a factory ``params -> Optimizer``, one per stage, stepped by the
-    schedule's STEP actions (asynchronous schedules need one). ``batch_dim`` / ``target_batch_dim``.
-    ``recompute``, ``autocast`` (``torch.bfloat16`` / ``float16``), ``batchnorm`` (``"micro"`` or
-    ``"deferred"``: running statistics per micro-batch or once per step over the whole batch),
+    schedule's STEP actions (asynchronous schedules need one); with it ``lr_scheduler`` and ``clip=max_norm``
+    (:mod:`stagewise.runtime.features.owned_step`). ``batch_dim`` / ``target_batch_dim``. ``recompute``,
+    ``autocast`` (``torch.bfloat16`` / ``float16``), ``batchnorm`` (``"micro"`` or ``"deferred"``: running
+    statistics per micro-batch or once per step over the whole batch),
     ``nan_policy`` (``"raise"``, ``"skip"`` or None: a non-finite loss or gradient anywhere in the mesh),
     ``dropout_seed`` (each dropout mask is drawn from a generator seeded by this, or ``seed``, with the step,
     micro-batch and module: alike under every layout and schedule, :mod:`stagewise.runtime.features.dropout`),
@@ -125,7 +127,7 @@ class Pipeline(nn.Module):
         lifecycle.release_at_exit(self._held)  # a constructor failing later still lets go of its groups at exit
         engine = assemble(self, ctx, parts, opts, self._held)
         self.transport, self.optimizers, self.tied = engine.transport, engine.optimizers, engine.tied
-        self.hooks, self.eval_schedule = engine.hooks, engine.eval_schedule
+        self.hooks, self.eval_schedule, self.schedulers = engine.hooks, engine.eval_schedule, engine.schedulers
         self.snapshots = engine.snapshots  # snapshot=: resumed by sw.checkpoint.resume (or None)
         self._engine = engine
         self._clock_offset = time.time() - time.perf_counter()
@@ -258,6 +260,10 @@ class Pipeline(nn.Module):
         runner = self._engine.runner
         return runner.guarded(lambda: runner.eval(inputs, merge_outputs))
 
+    def eval_loss(self, inputs: Any = None, targets: Any = None) -> float:
+        """``loss_fn(model(inputs), targets)``, forward only, over every replica, on every rank (a collective)."""
+        return eval_loss(self, inputs, targets)
+
     def local_batch(self, inputs: Any = None, targets: Any = None) -> tuple[Any, Any]:
         """This rank's data-parallel share of a global batch (all of it without ``parallel=``)."""
         if self.hybrid is None:
@@ -272,9 +278,7 @@ class Pipeline(nn.Module):
         A collective: call it on every rank, after train_step (in a gradient merge, after the train_step
         that ends it: the norm is the merged gradient's).
         """
-        why = "clipping belongs to the optimizer step, on the merged gradient, whose reductions have not run"
-        self._engine.merge.refuse("clip_grad_norm_", why)
-        return clip_pipeline_grads(self, max_norm, norm_type)
+        return clip_between_steps(self, self._engine.merge, max_norm, norm_type)
 
     def register_sync_hook(self, hook: Callable[[int], None]) -> None:
         """Call ``hook(stage)`` at each SYNC action, once the stage's gradients are final."""

@@ -24,6 +24,7 @@ from torch import nn
 import dropout_checks
 import merge_checks
 import metrics_checks
+import owned_checks
 import stagewise as sw
 from feature_models import (
     CLASSES,
@@ -374,6 +375,7 @@ def checks(world: int) -> dict[str, Check]:
         )
         out = {k: v for k, v in out.items() if k.startswith(keep) and k != "tied-gpipe"}
     out.update(metrics_checks.checks(world))  # issue 50's metrics=, in this job too
+    out.update(owned_checks.checks(world))
     if world == 4:  # issue 42's, in this job rather than a torchrun start of their own
         out.update(merge_checks.checks(world))
         out.update(dropout_checks.checks(world))

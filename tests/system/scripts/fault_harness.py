@@ -123,7 +123,7 @@ def blamed(text: str) -> int | None:
     """The first rank the first line of an error names: ``rank N``, ``global rank N``, or - for ``rank P (global
     rank G...`` - G; None if it names none."""
     first = text.splitlines()[0] if text else ""
-    m = re.search(r"\b(?:global )?rank (\d+)(?: \(global rank (\d+))?", first)
+    m = re.search(r"\b(?:global |pipeline )?rank (\d+)(?: \(global rank (\d+))?", first)
     if m is None:
         return None
     return int(m.group(2) or m.group(1))

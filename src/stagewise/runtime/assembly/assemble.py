@@ -47,10 +47,12 @@ from ..errors import PipelineError
 from ..features.aux_loss import AuxTotals
 from ..features.batchnorm import attach_batchnorms, check_batchnorm
 from ..features.dropout import DropoutSeeds, dropout_seeds
+from ..features.evaluation import InputStructure
 from ..features.finite import FinitePart, finite_check
 from ..features.memory import ActivationMeter
 from ..features.merge import GradientMerge
 from ..features.offload import offload_optimizers
+from ..features.owned_step import Scheduled, clip_part, guard_owned, schedulers_per_stage
 from ..features.precision import autocast_context, autocast_loss
 from ..features.recompute import run_layers
 from ..frontends.parts import Parts, PipelineContext
@@ -107,6 +109,7 @@ class Engine:
     dropout: DropoutSeeds | None = None
     snapshots: Snapshotter | None = None  # snapshot=: resumed by sw.checkpoint.resume
     versions: dict[int, StageVersions] | None = None  # an asynchronous schedule's weight versions, per local stage
+    schedulers: dict[int, Any] = field(default_factory=dict)  # lr_scheduler=: one per stage's optimizer
 
     def add_part(self, part: StepPart, wrap: Callable[[Kind, Handler], Handler] | None = None) -> None:
         """Add ``part`` to every run (after the parts the assembly registered); with ``wrap``, each handler of the
@@ -155,6 +158,8 @@ def _engine(
         ctx.hybrid.bound_groups(options.timeout)  # FSDP2's and DTensor's collectives stop at the pipeline's timeout
     optimizers = optimizer_per_stage(parts.modules, options.optimizer, stage_parameters)
     offload = offload_optimizers(options.offload, optimizers, ctx.device, transport.guard.wait_gpu)
+    schedulers = schedulers_per_stage(optimizers, options.lr_scheduler)  # lr_scheduler=: stepped after each
+    guard_owned(optimizers)  # a user's optimizer stepping these parameters is refused on its first step
     transport.warm_up()
     schedule, m = ctx.schedule, ctx.schedule.num_microbatches
     mailbox = Mailbox(transport, schedule.placement, m, ctx.device, variable_shapes=options.variable_shapes)
@@ -165,7 +170,8 @@ def _engine(
     held.tied = tied_sync
     for tied_group in tied_sync.groups.values():
         groups.bound(tied_group, options.timeout)
-    hooks = StageHooks([tied_sync] if ctx.hybrid is None else [ctx.hybrid, tied_sync], optimizers, offload)
+    stepper = Scheduled(offload, schedulers) if schedulers else offload
+    hooks = StageHooks([tied_sync] if ctx.hybrid is None else [ctx.hybrid, tied_sync], optimizers, stepper)
     merge = GradientMerge()  # a step part: it sets the run's flag that SYNC, STEP and the parts read
     aux = AuxTotals(1.0 / m)
     dropout = _seed_dropout(root, parts, options, ctx)
@@ -186,20 +192,25 @@ def _engine(
     snapshots = snapshotter(root, ctx, options)
     if snapshots is not None:
         hooks.parts.append(snapshots)  # its before_step: a STEP waits until the last snapshot is copied
+    clip = clip_part(root, options.clip, tied_sync, ctx.hybrid)
+    if clip is not None:
+        hooks.parts.append(clip)  # clip=: the whole gradient clipped at the first STEP, after the check
     eval_schedule = forward_only(schedule)  # validated: what eval_step runs
     hybrid = None if ctx.hybrid is None else HybridPart(
         ctx.hybrid, options.target_batch_dim, ctx.device,
         weighted=options.loss_weights is not None, wait=wait,
     )  # fmt: skip
     metered = None if meter is None else MeterPart(meter)
-    step_parts: list[StepPart | None] = [asynchronous, merge, TiedPart(tied_sync), hybrid, metered, norms, finite]
+    step_parts: list[StepPart | None] = [InputStructure()]  # first: an eval refused before anything runs
+    step_parts += [asynchronous, merge, TiedPart(tied_sync), hybrid, metered, norms, finite]
     reporter = reporting_part(root, ctx, options, optimizers, finite, meter)
-    step_parts += [aux, dropout, snapshots, reporter]  # reporter: last
+    step_parts += [aux, dropout, snapshots, clip, reporter]  # reporter: last
     runner = _runner(ctx, options, transport, interpreter, lists, eval_schedule, step_parts, hybrid)
     return Engine(
         transport=transport, optimizers=optimizers, mailbox=mailbox, tied=tied_sync, hooks=hooks, runner=runner,
         eval_schedule=eval_schedule, finite=finite, aux=aux, meter=meter, held=held, merge=merge, dropout=dropout,
         snapshots=snapshots, reporter=reporter, versions=None if asynchronous is None else asynchronous.versions,
+        schedulers=schedulers,
     )  # fmt: skip
 
 
@@ -358,6 +369,6 @@ def make_transport(ctx: PipelineContext, options: Options) -> Transport:
         timeout=options.timeout,
         store=options.store,
         board=None if hybrid is None else hybrid.board_name(),  # a failure anywhere stops the whole mesh
-        label=None if hybrid is None else f"rank {ctx.rank} ({hybrid.mesh.where()})",
+        label=None if hybrid is None else f"pipeline rank {ctx.rank} ({hybrid.mesh.where()})",
     )
     return resolve(options.transport)(spec)

@@ -8,6 +8,7 @@ to do instead. The combination matrix in the docs lists what is exact and what i
 Asynchronous schedules (PipeDream, 2BW, XPipe) step each stage at its own STEPs, so:
 
 * they need ``optimizer=`` (a factory: each stage applies its own optimizer);
+* ``clip=`` is refused: the whole model's norm needs every stage's gradient of one step at once;
 * ``recompute=`` is refused: a checkpointed segment would recompute on the live weights, not the stashed
   version its forward used;
 * ``nan_policy="skip"`` is refused: the stages step at different times, so no mini-batch can be skipped on
@@ -62,6 +63,11 @@ def refuse_options(entry: str, options: Options, schedule: Schedule) -> None:
         raise ValueError(
             f"{name} needs optimizer=..., a factory params -> Optimizer: each stage applies its own optimizer "
             "at its STEP actions"
+        )
+    if options.clip is not None:
+        raise ValueError(
+            f"{name}: clip= is not supported: the whole model's gradient norm needs every stage's gradient of one "
+            "step at once, and the stages step at different times"
         )
     if options.recompute is not None:
         raise ValueError(

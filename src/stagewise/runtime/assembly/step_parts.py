@@ -19,6 +19,7 @@ import torch
 from ..comm import groups
 from ..engine.microbatch import Dims, batch_size
 from ..engine.run import Run
+from ..hybrid.replica_inputs import refuse_same_inputs
 from ..reporting.config import metrics_config, progress_every
 from ..reporting.reporter import Reporter
 
@@ -62,9 +63,13 @@ class HybridPart:
         self.weighted = weighted  # the losses were weighted over every replica already (loss_weights=)
         self.device = device
         self.wait = wait  # within the pipeline's deadline, on its board
+        self.inputs_checked = False  # the first train step refuses replicas all given the same batch
 
     @contextmanager
     def around(self, run: Run) -> Iterator[None]:
+        if run.mode == "train" and not self.inputs_checked:
+            self.inputs_checked = True
+            refuse_same_inputs(self.hybrid, run.record.inputs, run.record.targets, self.wait)
         yield
 
     def after(self, run: Run) -> None:

@@ -71,6 +71,7 @@ class CheckpointInfo:
     scheduler_restored: bool
     rng_restored: bool
     reason: str = ""
+    scheduler_saved: bool = False  # the checkpoint holds an LR scheduler's state (restored or not)
 
 
 def save(
@@ -110,6 +111,7 @@ def save(
         wrapped = {"virtual_worker": mine, "extra": extra}
         return save(folder, pipe, optimizer, step=step, extra=wrapped, scheduler=scheduler, keep=keep, timeout=timeout)
     retention.check_keep(keep)
+    scheduler = scheduler if scheduler is not None else _own_schedulers(model)
     ranks = _ranks(model, collective, timeout)
     try:
         final = _save(Path(path), model, optimizer, scheduler, extra, step, keep, ranks)
@@ -233,6 +235,7 @@ def load(
     if virtual_worker(model, path) is not None:
         options = {"scheduler": scheduler, "strict": strict, "restore_rng": restore_rng, "timeout": timeout}
         return _load_virtual_worker(path, model, optimizer, **options)
+    scheduler = scheduler if scheduler is not None else _own_schedulers(model)
     ranks = _ranks(model, collective, timeout)
     try:
         info = _load(Path(path), model, optimizer, scheduler, strict, restore_rng, ranks)
@@ -280,6 +283,7 @@ def _load(
         scheduler_restored=scheduler_restored,
         rng_restored=rng_restored,
         reason=reason,
+        scheduler_saved=record.get("scheduler") is not None,
     )
 
 
@@ -325,6 +329,11 @@ def _ranks(model: Any, collective: bool, timeout: float) -> storage.Ranks:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a stagewise.Pipeline or an nn.Module, got {type(model).__name__}")
     return storage.module_ranks(collective, timeout)
+
+
+def _own_schedulers(model: Any) -> Any:
+    """A Pipeline's own schedulers (``lr_scheduler=``: stage -> scheduler, in lockstep), or None."""
+    return getattr(model, "schedulers", None) or None
 
 
 def _first(scheduler: Any) -> Any:

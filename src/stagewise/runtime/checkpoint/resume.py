@@ -66,7 +66,8 @@ def resume(
     info = load(chosen, model, optimizer, scheduler=scheduler, collective=collective, timeout=timeout)
     if ranks.first and state.is_pipeline(model):
         now = state.layout_of(model, ranks.size)
-        log.warning("stagewise: %s", resumed_line(info.step, now, info.layout, f"from checkpoint {chosen}"))
+        line = resumed_line(info.step, now, info.layout, f"from checkpoint {chosen}")
+        log.warning("stagewise: %s%s", line, scheduler_note(info))
     return replace(info, reason=why)
 
 
@@ -86,6 +87,16 @@ def _mesh(layout: dict[str, Any]) -> str:
         named = [(a, parallel[a]) for a in ("pp", "dp", "sharding", "tp") if parallel[a] > 1 or a == "pp"]
         return " x ".join(f"{a} {n}" for a, n in named)
     return f"pp {pipeline['ranks']}" if pipeline else "one process"
+
+
+def scheduler_note(info: CheckpointInfo) -> str:
+    """What the resumed line adds when the checkpoint's LR scheduler state went nowhere (the warm-up restarts)."""
+    if not info.scheduler_saved or info.scheduler_restored:
+        return ""
+    return (
+        "; its LR scheduler state was NOT restored (none given): pass scheduler= to resume, or build the "
+        "Pipeline with lr_scheduler=, else the schedule starts over"
+    )
 
 
 def step_of(folder: Path) -> int:

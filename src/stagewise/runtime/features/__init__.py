@@ -7,5 +7,6 @@ whole (:class:`~stagewise.runtime.engine.runner.StepPart`); the engine imports n
 * :mod:`.precision` (``autocast=``), :mod:`.recompute` (``recompute=``), :mod:`.batchnorm` (``batchnorm=``),
   :mod:`.finite` (``nan_policy=``), :mod:`.clip` (``clip_grad_norm_``), :mod:`.aux_loss` (auxiliary losses),
   :mod:`.memory` (``measure_memory=``), :mod:`.offload` (``offload=``), :mod:`.merge` (``no_sync()``, a gradient
-  merge), :mod:`.dropout` (masks seeded alike under every layout: ``dropout_seed=``).
+  merge), :mod:`.dropout` (masks seeded alike under every layout: ``dropout_seed=``), :mod:`.owned_step`
+  (``lr_scheduler=``, ``clip=``), :mod:`.evaluation` (``eval_loss``, the eval inputs' structure).
 """

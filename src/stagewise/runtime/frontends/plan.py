@@ -1,4 +1,6 @@
-"""``Pipeline.from_plan``: a :class:`~stagewise.Plan` from :func:`stagewise.plan`, run on a layer list.
+"""``Pipeline.from_plan``: a :class:`~stagewise.Plan` from :func:`stagewise.plan`, run on a layer list or on a
+transformers causal LM (profiled per decoder layer by ``sw.profile``: the plan's partition cuts decoder layers,
+and the model is built as :class:`~.hf.FromHF` builds it, its loss by default transformers').
 
 The plan fixes the layout and the schedule (``schedule``, ``microbatches``, ``virtual_stages``,
 ``partition``, ``recompute``, ``parallel``); everything else comes from the caller's options. Giving one
@@ -16,10 +18,14 @@ layouts would already be making different process groups there.)
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
+
+from torch import nn
 
 from ...planning import Plan
 from ...schedules import is_asynchronous
+from .hf import FromHF
+from .hf.profile import is_hf_model
 from .layer_list import LayerList
 from .layers import Layers
 from .parts import Parts
@@ -34,7 +40,6 @@ class FromPlan:
     """The plan's options on top of the caller's, then the layer list cut by the plan's partition."""
 
     entry = "Pipeline.from_plan"
-    refused: dict[str, str] = {}
 
     def __init__(self, plan: Plan, layers: Layers) -> None:
         if not isinstance(plan, Plan):
@@ -45,12 +50,18 @@ class FromPlan:
                 f"got {plan.schedule!r}: build Pipeline(layers, schedule={plan.schedule!r}, ...) instead"
             )
         self.plan = plan
-        self.layers = LayerList(layers, entry=self.entry)
-        n = len(self.layers.named)
+        self.layers: FromHF | LayerList
+        self.refused: dict[str, str] = {}
+        if is_hf_model(layers):  # a transformers model: decoder layers, profiled by sw.profile as from_hf cuts
+            hf = FromHF(cast(nn.Module, layers))
+            self.layers, self.refused, n, what = hf, dict(hf.refused), hf.num_layers, "decoder layers"
+        else:
+            listed = LayerList(layers, entry=self.entry)
+            self.layers, n, what = listed, len(listed.named), "layers"
         if n != sum(plan.partition):
             raise ValueError(
                 f"Pipeline.from_plan: the plan cuts {sum(plan.partition)} layers {list(plan.partition)}, "
-                f"but {n} layers were given"
+                f"but {n} {what} were given (profile the model you run: sw.profile(model, sample))"
             )
 
     def defaults(self, options: Options) -> Options:
@@ -71,9 +82,12 @@ class FromPlan:
             )
         if mesh is not None:
             own["parallel"] = mesh
+        options = replace(options, **own)
+        if isinstance(self.layers, FromHF):  # transformers' loss, the config's tensor-parallel plan
+            options = self.layers.defaults(options)
         if plan.layout.tp > 1 and options.tp_plan is None:
             raise ValueError(f"Pipeline.from_plan: the plan uses tp={plan.layout.tp}; pass tp_plan= for its layers")
-        return replace(options, **own)
+        return options
 
     def stage_count(self, options: Options) -> int | None:
         return None

@@ -121,7 +121,7 @@ class ShmTransport:
         who = self.peers[peer]
         if not who.alive():  # the peer first: it is the one at fault (its global rank where that differs)
             g = global_ranks(self.group)[peer]
-            dead = f"rank {peer}" if g == peer else f"rank {peer} (global rank {g})"
+            dead = f"rank {peer}" if g == peer else f"pipeline rank {peer} (global rank {g})"
             raise PipelineError(self.guard.fail(f"{dead} died (pid {who.pid}): {self.guard.me} waited for {what}"))
 
     # ---- posting

@@ -126,7 +126,7 @@ def _me(group: Any) -> str:
     """How messages name this rank: its rank in the pipeline, and its global rank where they differ (a pipeline
     on a sub-group, as HetPipe's virtual workers), so that every message names the process at fault."""
     mine, world = group_rank(group), global_rank()
-    return f"rank {mine}" if mine == world else f"rank {mine} (global rank {world})"
+    return f"rank {mine}" if mine == world else f"pipeline rank {mine} (global rank {world})"
 
 
 def _nccl(group: Any) -> bool:

@@ -82,12 +82,24 @@ class FromHF:
         tensor-parallel plan to the config's own (``base_model_tp_plan``)."""
         if not options.is_given("loss_fn"):
             options = options.with_defaults(loss_fn=causal_lm_loss, loss_weights=count_tokens)
+        sharding = int(getattr(getattr(options.parallel, "config", options.parallel), "sharding", 1))
+        if sharding > 1 and _is_tied(self.model, self.layout):
+            raise ValueError(
+                f"{self.entry}: {self.layout.kind} ties its head to its embedding (tie_word_embeddings) and "
+                f"parallel= has sharding={sharding}: the sharded gradients are not the model's (measured: every "
+                "parameter but the tied one differs), so it is refused; use dp= for the replicas, or untie"
+            )
         if not options.is_given("tp_plan") and _tp_degree(options.parallel) > 1:
             options = options.with_defaults(tp_plan=default_tp_plan(self.model, self.layout))
         return options
 
     def stage_count(self, options: Options) -> int | None:
         return None
+
+    def units(self) -> list[tuple[str, HFStage]]:
+        """The units of the cut: one decoder layer each, the embedding with the first and the head with the last."""
+        n = self.num_layers
+        return [(str(i), HFStage(self.model, self.layout, [i], first=i == 0, last=i == n - 1)) for i in range(n)]
 
     def build(self, ctx: PipelineContext, options: Options) -> Parts:
         model, layout, n = self.model, self.layout, self.num_layers
@@ -98,7 +110,7 @@ class FromHF:
                 f"{sched.num_stages} stages need at least {sched.num_stages} decoder layers; "
                 f"{layout.kind} has {n} ({layout.layers}){why}"
             )
-        units = [(str(i), HFStage(model, layout, [i], first=i == 0, last=i == n - 1)) for i in range(n)]
+        units = self.units()
         plan = plan_layers(
             units,
             sched,
@@ -140,6 +152,11 @@ def _tp_degree(parallel: Any) -> int:
         return 1
     config = getattr(parallel, "config", parallel)  # a Mesh carries its ParallelConfig
     return int(getattr(config, "tp", 1))
+
+
+def _is_tied(model: nn.Module, layout: Layout) -> bool:
+    embed, head = model.get_submodule(layout.embed), model.get_submodule(layout.head)
+    return getattr(head, "weight", None) is getattr(embed, "weight", None)
 
 
 def _ties(model: nn.Module, layout: Layout, n: int) -> TiedBuilder | None:

@@ -1,0 +1,108 @@
+"""Checks of the pipeline's own optimizers (issue 51 item 2), run in feature_checks.py's torchrun jobs.
+
+``optimizer=`` with ``lr_scheduler=`` (a warm-up) and ``clip=``: each step's loss and the weights after equal the
+one-process model clipped, stepped and scheduled (float64); a user's optimizer over the parameters is refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import stagewise as sw
+from feature_models import gelu_mlp, mlp_data
+from helpers.compare import assert_params_close
+from worker import Check, Ctx, raises
+
+
+def _sgd(params: list) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.3, momentum=0.9)
+
+
+def _warmup(opt: torch.optim.Optimizer) -> Any:
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / 3))
+
+
+def owned(schedule: str) -> Check:
+    def check(ctx: Ctx) -> None:
+        layers, m = gelu_mlp(), 4
+        pipe = sw.Pipeline(
+            layers, loss_fn=F.cross_entropy, schedule=schedule, microbatches=m, group=ctx.group, timeout=60.0,
+            optimizer=_sgd, lr_scheduler=_warmup, clip=0.05,
+        )  # fmt: skip
+        ref = sw.build_model(layers)
+        ref_opt = _sgd(list(ref.parameters()))
+        ref_sched = _warmup(ref_opt)
+        for step in range(4):
+            x, y = mlp_data(2 * m + 1, seed=step)
+            loss = pipe.train_step(x, y)
+            ref_loss = F.cross_entropy(ref(x), y)
+            ref_loss.backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+            ref_opt.step(), ref_sched.step(), ref_opt.zero_grad()
+            assert abs(loss - ref_loss.item()) <= 1e-10 * max(1.0, abs(ref_loss.item())), (step, loss, ref_loss)
+        assert_params_close(pipe, ref, "after four clipped, scheduled steps")
+        if list(pipe.parameters()):
+            mine = torch.optim.SGD(pipe.parameters(), lr=0.1)
+            raises(ValueError, "belong to a Pipeline built with optimizer=", mine.step)
+
+    return check
+
+
+def same_batch(ctx: Ctx) -> None:
+    """pp 2 x dp 2 (issue 51 item 7): every replica given the whole batch (local_batch forgotten) is refused on the
+    first step, on every rank, before the schedule runs; each given its share trains on."""
+    layers, config = gelu_mlp(), sw.ParallelConfig(pp=2, dp=2)
+    pipe = sw.Pipeline(layers, loss_fn=F.cross_entropy, microbatches=2, parallel=config, timeout=60.0)
+    x, y = mlp_data(8, seed=1)
+    try:
+        pipe.train_step(x, y)
+    except (ValueError, sw.PipelineError) as err:  # (a rank may see another's failure on the board first)
+        assert "were all given the same batch" in str(err) and "local_batch" in str(err), err
+    else:
+        raise AssertionError("the replicas trained the same batch without a word")
+    assert pipe.last_step is not None and not pipe.last_step.events, "the schedule ran before the refusal"
+    again = sw.Pipeline(layers, loss_fn=F.cross_entropy, microbatches=2, parallel=config, timeout=60.0)
+    ref = sw.build_model(layers)
+    loss = again.train_step(*again.local_batch(x, y))
+    want = F.cross_entropy(ref(x), y).item()
+    assert abs(loss - want) <= 1e-10 * max(1.0, abs(want)), (loss, want)
+
+
+def eval_over_replicas(ctx: Ctx) -> None:
+    """pp 2 x dp 2 (issue 51 item 5): eval_loss on uneven replica shares is the one-process loss of the whole batch
+    on every rank (each replica's mean weighted by its rows)."""
+    layers, config = gelu_mlp(), sw.ParallelConfig(pp=2, dp=2)
+    pipe = sw.Pipeline(layers, loss_fn=F.cross_entropy, microbatches=2, parallel=config, timeout=60.0, seed=2)
+    ref = sw.build_model(layers, seed=2)
+    x, y = mlp_data(10, seed=4)
+    loss = pipe.eval_loss(*pipe.local_batch(x, y))
+    with torch.no_grad():
+        want = F.cross_entropy(ref(x), y).item()
+    assert abs(loss - want) <= 1e-12 * max(1.0, abs(want)), (loss, want)
+
+
+def eval_structure(ctx: Ctx) -> None:
+    """An eval whose inputs differ from training's is refused on the rank holding stage 0 (a ValueError naming
+    both), before the schedule sends anything; the others stop at their first wait, naming it."""
+    layers = gelu_mlp()
+    pipe = sw.Pipeline(layers, loss_fn=F.cross_entropy, microbatches=2, group=ctx.group, timeout=60.0)
+    x, y = mlp_data(6, seed=0)
+    pipe.train_step(x, y)
+    kind = ValueError if pipe.rank == pipe.schedule.placement[0] else sw.PipelineError
+    raises(kind, ["eval_step: the inputs differ from training's", "float32"], lambda: pipe.eval_step(x.float()))
+    if kind is ValueError:
+        assert pipe.last_step is not None and not pipe.last_step.events, "the eval ran before the refusal"
+
+
+def checks(world: int) -> dict[str, Check]:
+    names = ("1f1b", "zb-v", "interleaved-1f1b") if world == 2 else ("zb-v",)
+    out = {f"owned-{s}": owned(s) for s in names}
+    if world == 2:
+        out["eval-structure"] = eval_structure
+    if world == 4:
+        out["replicas-same-batch"] = same_batch
+        out["eval-over-replicas"] = eval_over_replicas
+    return out

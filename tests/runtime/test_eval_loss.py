@@ -1,0 +1,79 @@
+"""Evaluation (issue 51 item 5): ``eval_loss`` is the one-process model's loss on every rank, and inputs of another
+structure than training's are refused before the schedule runs. On a one-rank group (the replicas' average:
+tests/distributed/workers/owned_checks.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import stagewise as sw
+from helpers import models as mdl
+
+
+class Masked(nn.Module):
+    """Takes ``x`` or ``(x, mask)``: a model that would run either, so only the check can tell them apart."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(mdl.D, mdl.D, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.lin(x if mask is None else x * mask)
+
+
+def _layers() -> list[sw.Layer]:
+    return [sw.Layer(Masked), sw.Layer(nn.Tanh), sw.Layer(nn.Linear, mdl.D, mdl.CLASSES, dtype=torch.float64)]
+
+
+def test_eval_loss_is_the_models_loss(one_rank) -> None:
+    pipe = sw.Pipeline(mdl.mlp(), loss_fn=F.cross_entropy, schedule="zb-v", microbatches=3, seed=4)
+    ref = sw.build_model(mdl.mlp(), seed=4)
+    x, y = mdl.mlp_data(11, seed=3)
+    with torch.no_grad():
+        want = F.cross_entropy(ref(x), y).item()
+    assert pipe.eval_loss(x, y) == pytest.approx(want, rel=1e-12)
+    assert all(p.grad is None for p in pipe.parameters())  # forward only
+
+
+def test_eval_loss_weighs_by_loss_weights(one_rank) -> None:
+    """A token mean (ignore_index rows count nothing) stays the one-process token mean."""
+
+    def loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out, y, ignore_index=-100)
+
+    def count(y: torch.Tensor) -> torch.Tensor:
+        return (y != -100).sum()
+
+    pipe = sw.Pipeline(mdl.mlp(), loss_fn=loss, loss_weights=count, microbatches=2, seed=4)
+    ref = sw.build_model(mdl.mlp(), seed=4)
+    x, y = mdl.mlp_data(9, seed=5)
+    y[:4] = -100
+    with torch.no_grad():
+        want = loss(ref(x), y).item()
+    assert pipe.eval_loss(x, y) == pytest.approx(want, rel=1e-12)
+
+
+def test_eval_inputs_of_another_structure_are_refused(one_rank) -> None:
+    pipe = sw.Pipeline(_layers(), loss_fn=F.cross_entropy, microbatches=2, seed=1)
+    x, y = mdl.mlp_data(6, seed=0)
+    pipe.train_step((x, torch.ones_like(x)), y)
+    pipe.eval_step((x[:4], torch.ones_like(x[:4])))  # other sizes: fine
+    with pytest.raises(ValueError, match=r"eval_step: the inputs differ from training's: trained on \(inputs\[0\]"):
+        pipe.eval_step(x)
+
+
+def test_eval_inputs_of_another_dtype_are_refused(one_rank) -> None:
+    pipe = sw.Pipeline(_layers(), loss_fn=F.cross_entropy, microbatches=2, seed=1)
+    x, y = mdl.mlp_data(6, seed=0)
+    pipe.train_step(x, y)
+    with pytest.raises(ValueError, match="float64 2-d.*float32 2-d"):
+        pipe.eval_loss(x.float(), y)
+
+
+def test_eval_loss_needs_a_loss(one_rank) -> None:
+    pipe = sw.Pipeline(mdl.mlp(), microbatches=2)
+    with pytest.raises(ValueError, match="eval_loss needs loss_fn="):
+        pipe.eval_loss(*mdl.mlp_data(4, seed=0))

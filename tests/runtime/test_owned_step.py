@@ -1,0 +1,124 @@
+"""With ``optimizer=`` (the pipeline's own per-stage optimizers), what the user writes happens or is refused (issue 51
+item 2): ``lr_scheduler=`` and ``clip=`` train as ``clip_grad_norm_; opt.step(); sched.step()`` in one process; a
+user's optimizer or ``clip_grad_norm_`` over the parameters those optimizers own is refused; a resume that leaves a
+saved scheduler state unused says so in its line. On a one-rank group (the multi-rank twin: feature_checks.py)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import stagewise as sw
+from helpers import models as mdl
+
+
+def _sgd(params: list) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.2, momentum=0.9)
+
+
+def _warmup(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / 3))
+
+
+def _owned(schedule: str = "1f1b", **kw: object) -> sw.Pipeline:
+    kw = {"lr_scheduler": _warmup, "clip": 0.05, **kw}
+    return sw.Pipeline(
+        mdl.mlp(), loss_fn=F.cross_entropy, schedule=schedule, microbatches=3, seed=2, optimizer=_sgd, **kw
+    )
+
+
+def _reference_steps(ref: torch.nn.Module, steps: range, max_norm: float | None) -> list[float]:
+    opt = _sgd(list(ref.parameters()))
+    sched = _warmup(opt)
+    losses = []
+    for step in steps:
+        x, y = mdl.mlp_data(7, seed=step)
+        loss = F.cross_entropy(ref(x), y)
+        loss.backward()
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-v"])
+def test_scheduler_and_clip_train_as_one_process(one_rank, schedule: str) -> None:
+    pipe = _owned(schedule)
+    ref = sw.build_model(mdl.mlp(), seed=2)
+    want = _reference_steps(ref, range(5), 0.05)
+    got = [pipe.train_step(*mdl.mlp_data(7, seed=step)) for step in range(5)]
+    assert got == pytest.approx(want, rel=1e-12, abs=0.0)
+    assert sorted(pipe.schedulers) == sorted(pipe.optimizers) and pipe.schedulers
+    assert all(s.last_epoch == 5 for s in pipe.schedulers.values())
+    ref_params = dict(ref.named_parameters())
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p, ref_params[name], rtol=1e-11, atol=1e-13)
+
+
+def test_without_clip_the_trajectory_differs(one_rank) -> None:
+    """The clip matters in the test above: without it the losses part (so a clip that did nothing would fail)."""
+    pipe = _owned(clip=None)
+    ref = sw.build_model(mdl.mlp(), seed=2)
+    clipped = _reference_steps(ref, range(3), 0.05)
+    got = [pipe.train_step(*mdl.mlp_data(7, seed=step)) for step in range(3)]
+    assert got[2] != pytest.approx(clipped[2], rel=1e-6)
+
+
+def test_a_users_optimizer_over_owned_parameters_is_refused(one_rank) -> None:
+    pipe = _owned()
+    mine = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    pipe.train_step(*mdl.mlp_data(7, seed=0))
+    owned = r"SGD.step\(\): \d+ of its parameters belong to a Pipeline built with optimizer="
+    with pytest.raises(ValueError, match=owned):
+        mine.step()
+    with pytest.raises(ValueError, match="clip_grad_norm_ after train_step does nothing with optimizer=.*clip="):
+        pipe.clip_grad_norm_(1.0)
+    for opt in pipe.optimizers.values():  # the pipeline's own still step (and an unrelated optimizer too)
+        opt.step()
+    torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1).step()
+
+
+@pytest.mark.parametrize(
+    ("keywords", "words"),
+    [
+        ({"lr_scheduler": _warmup}, "lr_scheduler= acts on the pipeline's own optimizers: it needs optimizer="),
+        ({"clip": 1.0}, "clip= acts on the pipeline's own optimizers: it needs optimizer="),
+        ({"clip": 0.0, "optimizer": _sgd}, "clip must be a gradient norm > 0"),
+        ({"lr_scheduler": 3, "optimizer": _sgd}, "lr_scheduler must be a factory"),
+    ],
+)
+def test_bad_values_are_refused(keywords: dict, words: str) -> None:
+    with pytest.raises((ValueError, TypeError), match=words):
+        sw.Options(**keywords)
+
+
+def test_clip_is_refused_by_asynchronous_schedules(one_rank) -> None:
+    with pytest.raises(ValueError, match="asynchronous schedule 'pipedream'.*clip= is not supported"):
+        sw.Pipeline(mdl.mlp(), loss_fn=F.cross_entropy, schedule="pipedream", optimizer=_sgd, clip=1.0)
+
+
+def test_a_checkpoint_keeps_the_schedulers_and_resume_says_when_they_are_dropped(one_rank, tmp_path, caplog) -> None:
+    pipe = _owned()
+    for step in range(3):
+        pipe.train_step(*mdl.mlp_data(7, seed=step))
+    sw.checkpoint.save(tmp_path, pipe, step=3)
+    again = _owned()
+    info = sw.checkpoint.load(tmp_path, again)
+    assert info.scheduler_saved and info.scheduler_restored
+    assert [s.last_epoch for s in again.schedulers.values()] == [3] * len(again.schedulers)
+    assert again.train_step(*mdl.mlp_data(7, seed=3)) == pipe.train_step(*mdl.mlp_data(7, seed=3))
+    bare = _owned(lr_scheduler=None)
+    with caplog.at_level(logging.WARNING, logger="stagewise.runtime.checkpoint.resume"):
+        info = sw.checkpoint.resume(tmp_path, bare)
+    assert info is not None and info.scheduler_saved and not info.scheduler_restored
+    assert "LR scheduler state was NOT restored" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="stagewise.runtime.checkpoint.resume"):
+        sw.checkpoint.resume(tmp_path, _owned())
+    assert "resumed step 3" in caplog.text and "NOT restored" not in caplog.text
