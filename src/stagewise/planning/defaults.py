@@ -14,7 +14,7 @@ estimated from counted work) and the schedule as built; 1F1B gets its own defaul
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..ir import Schedule
@@ -92,7 +92,14 @@ def refined_counts(profile: LayerProfile, schedule: Schedule, counts: Sequence[i
     current = [int(c) for c in counts]
     if schedule.virtual_stages == 1 or len(current) < 2:
         return current
-    best = simulate(schedule, profile.cost_model(_bounds(current))).makespan
+    return improved_counts(current, lambda c: simulate(schedule, profile.cost_model(_bounds(c))).makespan)
+
+
+def improved_counts(counts: Sequence[int], score: Callable[[list[int]], float]) -> list[int]:
+    """``counts`` improved by single-layer boundary moves while ``score`` (a predicted step) falls by more
+    than :data:`MOVE_GAIN`, at most :data:`MOVES` scores."""
+    current = [int(c) for c in counts]
+    best = score(current)
     tried = 0
     improved = True
     while improved and tried < MOVES:
@@ -104,9 +111,9 @@ def refined_counts(profile: LayerProfile, schedule: Schedule, counts: Sequence[i
                 if min(moved[k], moved[k + 1]) < 1:
                     continue
                 tried += 1
-                ms = simulate(schedule, profile.cost_model(_bounds(moved))).makespan
-                if ms < best * (1 - MOVE_GAIN):
-                    current, best, improved = moved, ms, True
+                value = score(moved)
+                if value < best * (1 - MOVE_GAIN):
+                    current, best, improved = moved, value, True
     return current
 
 
