@@ -105,3 +105,16 @@ def test_the_bias_carries_what_the_model_misses_of_the_calibrating_run() -> None
     assert cal.bias == pytest.approx(1.1, rel=1e-9)
     with pytest.raises(ValueError, match="must cut the profile's 4 layers into 2 stages"):
         calibrate_run([stretched], plan, prior, [1, 2], cores=8)
+
+
+def test_held_out_costs_scale_with_the_micro_batch_and_sync_over_the_calibrated_link() -> None:
+    from stagewise.planning.recalibrate import RunCalibration, held_out_costs
+
+    prior = fake_profile([3.0, 3.0], params=[100.0, 300.0])
+    cal = RunCalibration(
+        counts=(1, 1), measured={F: {0: 2.0, 1: 2.0}}, latency=0.5, bandwidth=100.0, cores=2, steps=(1.0,)
+    )
+    costs = held_out_costs(cal, prior, [1, 1], batch_ratio=0.5, dp=2)
+    assert costs.forward == (1.0, 1.0)  # measured 2 s (the prior said 1), at half the micro-batch
+    assert costs.sync_time == (2 * (0.5 + 100 / 200), 2 * (0.5 + 300 / 200))  # 2 (n - 1) (latency + b / (n bw))
+    assert held_out_costs(cal, prior, [2]).sync_time == (0.0,)

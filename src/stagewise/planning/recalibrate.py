@@ -156,7 +156,8 @@ class RunCalibration:
 
     def profile(self, prior: LayerProfile) -> LayerProfile:
         """``prior``'s layers with each kind's cost scaled by what its stage measured over what ``prior`` charges
-        it (per stage and kind; a kind the run did not execute keeps the prior's ratio of B)."""
+        it (per stage and kind). A run of whole backwards (B) measured no I or W: they then add up to the measured
+        B as the profile splits it (the profile's own I and W, timed apart, are the noisiest of its figures)."""
         out = list(prior.layers)
         start = 0
         for s, c in enumerate(self.counts):
@@ -165,6 +166,10 @@ class RunCalibration:
             b = _ratio(self.measured, Kind.B, s, sum(x.backward for x in layers))
             i = _ratio(self.measured, Kind.I, s, sum(x.backward_input for x in layers))
             w = _ratio(self.measured, Kind.W, s, sum(x.backward_weight for x in layers))
+            split = sum(x.backward_input + x.backward_weight for x in layers)
+            whole = self.measured.get(Kind.B, {}).get(s)
+            if i is None and w is None and whole is not None and split > 0:
+                i = w = whole / split  # B measured, I and W not: they share it as the profile splits it
             b = b if b is not None else _either(i, w, f)
             i, w = (i if i is not None else b), (w if w is not None else b)
             for k in range(start, start + c):
@@ -188,6 +193,44 @@ class RunCalibration:
         step = shared_makespan(schedule, costs, weights, self.cores) * self.bias
         half = Z85 * math.hypot(self.spread, MODEL_ERROR) * step
         return Prediction(step, step - half, step + half)
+
+
+def held_out_costs(
+    calibration: RunCalibration,
+    prior: LayerProfile,
+    counts: Sequence[int],
+    *,
+    batch_ratio: float = 1.0,
+    dp: int = 1,
+) -> CostModel:
+    """A plan Q's stage costs from the calibrated layers: cut into ``counts``; every time and activation scaled
+    by Q's micro-batch over the calibrating plan's (``batch_ratio``, the planner's linear scaling); with
+    ``dp`` replicas each stage's SYNC a ring all-reduce of its gradients (its parameter bytes) over the
+    calibrated link. Nothing of Q is measured."""
+    from .comm import Link, ring_all_reduce
+
+    layers = calibration.profile(prior).layers
+    scaled = tuple(
+        replace(
+            x,
+            forward=x.forward * batch_ratio,
+            backward=x.backward * batch_ratio,
+            backward_input=x.backward_input * batch_ratio,
+            backward_weight=x.backward_weight * batch_ratio,
+            activation_bytes=x.activation_bytes * batch_ratio,
+            weight_activation_bytes=x.weight_activation_bytes * batch_ratio,
+            output_bytes=x.output_bytes * batch_ratio,
+        )
+        for x in layers
+    )
+    bounds = [0]
+    for c in counts:
+        bounds.append(bounds[-1] + int(c))
+    costs = replace(prior, layers=scaled).cost_model(bounds)
+    if dp > 1:
+        link = Link(calibration.latency, calibration.bandwidth)
+        costs = replace(costs, sync_time=tuple(ring_all_reduce(b, dp, link) for b in costs.parameter_bytes))
+    return costs
 
 
 def _ratio(measured: dict[Kind, dict[int, float]], kind: Kind, stage: int, charged: float) -> float | None:
