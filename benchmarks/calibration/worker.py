@@ -1,7 +1,7 @@
 """One rank of ``python -m benchmarks.calibration``: calibrate on plan P's run, then predict and run every Q.
 
 1. rank 0 profiles the layers alone on P's micro-batch (``sw.profile``, the loss too); every rank gets it;
-2. P (:func:`.space.calibrating`) runs 1 warm-up and 3 steps under a
+2. P (:func:`.space.calibrating`) runs 2 warm-up and 3 steps under a
    :class:`~stagewise.runtime.RunCalibrator` (the default warm-up and window), which calibrates;
 3. for each Q of :func:`.space.held_out`, in the seeded order: the prediction first, from the calibration only
    (:func:`stagewise.planning.recalibrate.held_out_costs`: Q's cut, its micro-batch, its replicas' SYNC; the

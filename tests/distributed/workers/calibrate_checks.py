@@ -249,7 +249,7 @@ def compute_scale(ctx: Ctx) -> dict[str, Any]:
 
 
 def from_the_run(ctx: Ctx) -> dict[str, Any]:
-    """RunCalibrator on a running pipeline: after 1 warm-up and 3 steps it records one "recalibrated" event
+    """RunCalibrator on a running pipeline: after 2 warm-up and 3 steps it records one "recalibrated" event
     (a prediction inside its interval, every rank the same figures); then the same plan with rank 1 emulated
     4x slower (``emulate_slowdown``) is watched: rank 1 alone is named, once, within 5 steps, with a cut that
     moves layers off it; the steps since calibration are reported against the prediction. No time is asserted
@@ -267,7 +267,7 @@ def from_the_run(ctx: Ctx) -> dict[str, Any]:
 
     events: list[dict[str, Any]] = []
     calibrator = RunCalibrator(pipe(), cores=ctx.world, on_event=events.append)
-    for _ in range(4):
+    for _ in range(5):
         calibrator.pipe.train_step(x, y)
         calibrator.observe()
     assert [e["event"] for e in events] == ["recalibrated"], events
