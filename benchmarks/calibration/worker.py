@@ -24,6 +24,8 @@ import torch.distributed as dist
 
 import stagewise as sw
 from stagewise.partition import stage_counts
+
+# internal: the held-out prediction itself (a plan's costs from the calibration, before it runs)
 from stagewise.planning.recalibrate import held_out_costs
 from stagewise.runtime import RunCalibrator
 

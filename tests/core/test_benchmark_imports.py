@@ -38,6 +38,9 @@ INTERNAL = {
     ("plan_accuracy/worker.py", "stagewise.runtime.calibration.compute_scale"): (
         "the plan measure_compute_scale() runs, so that its mesh is shared with the timed plans"
     ),
+    ("calibration/worker.py", "stagewise.planning.recalibrate"): (
+        "the held-out prediction itself (held_out_costs), which no public name runs without a pipeline of Q"
+    ),
     ("transport_pingpong.py", "stagewise.runtime.comm"): "it drives a transport directly: the protocol's values",
     ("transport_pingpong.py", "stagewise.runtime.comm.shm.transport"): (
         "it times the shm protocol's own path, below the Transport protocol"

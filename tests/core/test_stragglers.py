@@ -52,9 +52,9 @@ def test_named_once_within_the_window_then_cleared() -> None:
     assert detector.speeds()[0] == pytest.approx(1.0)
 
 
-def test_one_preempted_step_names_nobody() -> None:
+def test_one_preempted_step_names_nobody_nor_does_a_node_wide_slowdown() -> None:
     detector = Detector(2)
-    for s in [[1.0, 1.0], [1.0, 0.3], [1.0, 1.0], [1.0, 1.0]]:
+    for s in [[1.0, 1.0], [1.0, 0.3], [1.0, 1.0], [1.0, 1.0], [0.5, 0.5], [0.4, 0.4], [0.5, 0.45]]:
         assert detector.observe(s) == ([], [])
     assert SLOW < 1
 

@@ -5,7 +5,8 @@ One cost model, two factors, as HetPipe's ``speeds=``: a layer costs what the ca
 rank runs at a speed, 1 when calibrated. A later step's speed of rank ``r`` is what its compute actions cost
 by the calibration over what they took in that step, each on a core of its own (processor sharing undone,
 :func:`~stagewise.planning.recalibrate.deshared`): a layer's cost moves every rank holding it alike, a slow
-rank moves alone. A rank is named when the median of its last :data:`WINDOW` speeds falls below
+rank moves alone. A rank is named when the median of its last :data:`WINDOW` speeds, each relative to that step's fastest rank
+(:class:`Detector`), falls below
 :data:`SLOW` (so a single preempted step names nobody, and a rank held to half a core is named on the third
 step after), and cleared when it rises above :data:`RECOVERED`.
 
@@ -70,7 +71,10 @@ class Straggler:
 
 
 class Detector:
-    """Feeds on each step's speeds; says who became slow (once) and who recovered."""
+    """Feeds on each step's speeds; says who became slow (once) and who recovered.
+
+    A step's speeds count relative to its fastest rank: a node-wide slowdown (a neighbour's job loading every
+    core alike) slows every rank and names none; a straggler is slower than its peers."""
 
     def __init__(self, num_ranks: int) -> None:
         self.history: list[list[float]] = [[] for _ in range(num_ranks)]
@@ -79,7 +83,8 @@ class Detector:
     def observe(self, speeds: Sequence[float]) -> tuple[list[int], list[int]]:
         """(ranks newly slow, ranks recovered) after this step's ``speeds``."""
         slow, back = [], []
-        for r, s in enumerate(speeds):
+        fastest = max(speeds) if len(speeds) and max(speeds) > 0 else 1.0
+        for r, s in enumerate(s / fastest for s in speeds):
             self.history[r] = (self.history[r] + [float(s)])[-WINDOW:]
             if len(self.history[r]) < WINDOW:
                 continue
