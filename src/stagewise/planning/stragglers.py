@@ -5,10 +5,9 @@ One cost model, two factors, as HetPipe's ``speeds=``: a layer costs what the ca
 rank runs at a speed, 1 when calibrated. A later step's speed of rank ``r`` is what its compute actions cost
 by the calibration over what they took in that step, each on a core of its own (processor sharing undone,
 :func:`~stagewise.planning.recalibrate.deshared`): a layer's cost moves every rank holding it alike, a slow
-rank moves alone. A rank is named when the median of its last :data:`WINDOW` speeds, each relative to that step's fastest rank
-(:class:`Detector`), falls below
-:data:`SLOW` (so a single preempted step names nobody, and a rank held to half a core is named on the third
-step after), and cleared when it rises above :data:`RECOVERED`.
+rank moves alone. A rank is named when the median of its last :data:`WINDOW` speeds, each relative to that
+step's fastest rank (:class:`Detector`), falls below :data:`SLOW` (so two preempted steps name nobody, and a
+rank held to half a core is named on its third slow step), and cleared when it rises above :data:`RECOVERED`.
 
 For the speeds measured, :func:`cut_for_speeds` gives the cut the planner would choose (the min-max cut of
 the calibrated layer costs, each stage's divided by its rank's speed, improved boundary by boundary by the
@@ -27,8 +26,10 @@ from ..partition import LayerProfile, partition_costs
 from .defaults import improved_counts
 from .recalibrate import RunCalibration, deshared
 
-#: steps whose median speed decides (3: one preempted step is outvoted)
-WINDOW = 3
+#: steps whose median speed decides (5: a rank is named on the third of 5 slow steps, within the 5 steps issue
+#: 49 allows, and two preempted steps of 5 are outvoted: the smoke runs on a 2-core machine at load 8 showed
+#: single steps of a full-speed rank at 0.6-0.7 of its peer)
+WINDOW = 5
 #: a rank below this share of its calibrated speed is named (the step-to-step spread on a shared 2-core
 #: machine reaches 10-15 %; a rank held to half a core runs at 0.5)
 SLOW = 0.8
