@@ -79,9 +79,9 @@ def against_1f1b(
     times = profile.times()
     base_counts = balanced_counts(times, p)
     base = build_schedule("1f1b", p, m)
-    link = {"latency": latency, "bandwidth": bandwidth}
-    named_ms = simulate(schedule, profile.cost_model(_bounds(counts), **link)).makespan
-    base_ms = simulate(base, profile.cost_model(_bounds(base_counts), **link)).makespan
+    named = profile.cost_model(_bounds(counts), latency=latency, bandwidth=bandwidth)
+    named_ms = simulate(schedule, named).makespan
+    base_ms = simulate(base, profile.cost_model(_bounds(base_counts), latency=latency, bandwidth=bandwidth)).makespan
     return Verdict(schedule.name, named_ms, base_ms, tuple(counts), tuple(base_counts))
 
 

@@ -91,7 +91,7 @@ def _waited_transfers(
 ) -> list[tuple[float, float]]:
     """(bytes, delay) for each compute action whose input came from another rank while its rank was idle."""
     placement = schedule.placement
-    ends: dict[tuple[Kind, int, int], float] = {}
+    ends: dict[tuple[Kind, int, int | None], float] = {}
     for e in timeline.events:
         if e.action.kind in COMPUTE:
             ends[(e.action.kind, e.action.stage, e.action.microbatch)] = e.end
@@ -109,7 +109,7 @@ def _waited_transfers(
                 source = up if up in ends else (Kind.I, a.stage + 1, a.microbatch)
                 nbytes = output_bytes[a.stage]
             if source in ends and placement[source[1]] != placement[a.stage]:
-                sent = ends[source]  # type: ignore[index]
+                sent = ends[source]
                 if busy_until.get(e.rank, -math.inf) < sent and e.start >= sent:
                     out.append((float(nbytes), e.start - sent))
         busy_until[e.rank] = max(busy_until.get(e.rank, -math.inf), e.end)
