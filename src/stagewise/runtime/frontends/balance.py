@@ -168,6 +168,11 @@ def plan_layers(
             memory_caps=caps,
             in_flight=in_flight(schedule),
         )
+    if measured is not None:  # a measured profile predicts too: the same word as the default cut's
+        from . import default_cut
+
+        cut = default_cut.DefaultCut([len(r) for r in ranges], measured, "profiled")
+        default_cut.warn_if_slower(schedule, cut, groups.group_rank(group))
     return LayerPlan(ranges, measured)
 
 

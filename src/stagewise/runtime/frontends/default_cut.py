@@ -33,7 +33,7 @@ class DefaultCut:
 
     counts: list[int]
     profile: LayerProfile | None
-    source: str  # "counted" or "parameters"
+    source: str  # "counted", "parameters" (or "profiled": a measured profile's cut, for the warning)
 
 
 def decide(
