@@ -21,7 +21,6 @@ charged to the last layer (:func:`estimated_profile`).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -151,12 +150,11 @@ def balanced_counts(
 
 
 def _worst(counts: Sequence[int], costs: Sequence[float], placement: Sequence[int]) -> float:
-    """The larger of the slowest stage and the busiest rank over the total per rank (both relative)."""
+    """The larger of the slowest stage over the mean stage and the busiest rank over the mean rank."""
     total = sum(costs) or 1.0
-    ranks = max(placement) + 1
     bounds = [0]
     for c in counts:
         bounds.append(bounds[-1] + c)
     stage = max(sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])) / (total / len(counts))
-    rank = max(rank_loads(counts, costs, placement)) / (total / ranks)
-    return max(stage, rank) if math.isfinite(stage) else rank
+    rank = max(rank_loads(counts, costs, placement)) / (total / (max(placement) + 1))
+    return max(stage, rank)
