@@ -67,8 +67,8 @@ def build(work: Any, plan: PlanSpec, profile: sw.LayerProfile, sample: Any) -> s
     )  # fmt: skip
 
 
-def timed(pipe: sw.Pipeline, x: Any, y: Any, plan: PlanSpec) -> float:
-    xs, ys = (pipe.local_batch(x), pipe.local_batch(y)) if plan.dp > 1 else (x, y)
+def timed(pipe: sw.Pipeline, x: Any, y: Any) -> float:
+    xs, ys = pipe.local_batch(x, y)  # a replica's share with dp > 1, else the whole batch
     dist.barrier()
     t0 = time.perf_counter()
     pipe.train_step(xs, ys)
@@ -98,8 +98,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         costs = held_out_costs(cal, profile, counts, batch_ratio=b_q / b_p, dp=plan.dp)
         predicted = cal.predict(q.schedule, costs, processes_per_node=world)
         for _ in range(args.warmup):
-            timed(q, x, y, plan)
-        steps = [timed(q, x, y, plan) for _ in range(args.steps)]
+            timed(q, x, y)
+        steps = [timed(q, x, y) for _ in range(args.steps)]
         rows.append({"plan": plan._asdict(), "counts": counts, "predicted": predicted.step,
                      "low": predicted.low, "high": predicted.high, "steps": steps})  # fmt: skip
         del q
