@@ -3,7 +3,9 @@
 :func:`refined_counts`: the min-max cut balances stages, but a schedule of several stages per rank runs at
 its busiest rank's pace, and the V placements (``zb-v``, ``dualpipe-v``) hold stage 0 and the last stage on
 one rank; so the cut is then improved boundary by boundary, each move kept only when the simulator times the
-schedule itself faster by more than :data:`MOVE_GAIN` (a stack of equal layers stays evenly cut).
+schedule itself faster by more than :data:`MOVE_GAIN`, from the min-max cut and from the even cut, the
+better kept (a stack of equal layers stays evenly cut; the default is never worse than the even cut by its own
+estimate).
 
 :func:`against_1f1b`: the default cut makes a schedule pay where a cut can; where none can
 (a model so small that a V's extra stages cost more than the bubble they fill), the user is told once, with
@@ -18,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..ir import Schedule
-from ..partition import LayerProfile
+from ..partition import LayerProfile, uniform_counts
 from ..partition.estimate import balanced_counts
 from ..passes.build import build_schedule
 from ..schedules import is_asynchronous
@@ -92,7 +94,14 @@ def refined_counts(profile: LayerProfile, schedule: Schedule, counts: Sequence[i
     current = [int(c) for c in counts]
     if schedule.virtual_stages == 1 or len(current) < 2:
         return current
-    return improved_counts(current, lambda c: simulate(schedule, profile.cost_model(_bounds(c))).makespan)
+
+    def step(c: list[int]) -> float:
+        return simulate(schedule, profile.cost_model(_bounds(c))).makespan
+
+    # the moves from the even cut too: a local search from the min-max cut can stop where the even one is better
+    found = [improved_counts(uniform_counts(sum(current), len(current)), step), improved_counts(current, step)]
+    even, moved = found
+    return moved if step(moved) < step(even) * (1 - MOVE_GAIN) else even
 
 
 def improved_counts(counts: Sequence[int], score: Callable[[list[int]], float]) -> list[int]:
