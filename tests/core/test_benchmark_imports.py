@@ -41,6 +41,9 @@ INTERNAL = {
     ("fidelity/predicted.py", "stagewise.planning.costing"): (
         "the '+ runtime' prediction is the planner's own costing of each stage, which no public name gives"
     ),
+    ("calibration/worker.py", "stagewise.planning.recalibrate"): (
+        "the held-out prediction itself (held_out_costs), which no public name runs without a pipeline of Q"
+    ),
     ("transport_pingpong.py", "stagewise.runtime.comm"): "it drives a transport directly: the protocol's values",
     ("transport_pingpong.py", "stagewise.runtime.comm.shm.transport"): (
         "it times the shm protocol's own path, below the Transport protocol"

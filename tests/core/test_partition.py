@@ -113,7 +113,7 @@ def test_memory_balances_bytes_and_caps_bind() -> None:
 
 def test_partition_options_are_refused_clearly() -> None:
     prof = fake_profile([1.0] * 4)
-    with pytest.raises(ValueError, match="must be 'uniform', 'parameters', 'time', 'memory'"):
+    with pytest.raises(ValueError, match="must be 'balanced', 'uniform', 'parameters', 'time', 'memory'"):
         stage_counts(4, 2, "fast")
     with pytest.raises(ValueError, match="partition='uniform' does not"):
         stage_counts(4, 2, "uniform", speeds=[1, 2])

@@ -63,7 +63,7 @@ def async_reference(
     """Train ``build_model(layers, seed)`` on ``batches`` by ``schedule``'s weight-version rule, in one process.
 
     ``schedule``: an asynchronous schedule (its mini-batch count is the window).
-    ``counts``: layers per stage (default: uniform, as the Pipeline's default).
+    ``counts``: layers per stage (default: uniform; give the pipeline's own, its ``layer_ranges``' lengths).
     ``optimizer``: the per-stage factory the Pipeline gets.
     ``batchnorm``: what BatchNorm's running statistics follow, as ``Pipeline(batchnorm=...)``
     (:mod:`.async_reference_norms`).

@@ -57,8 +57,9 @@ def wsp_reference(
     """Replay HetPipe on ``streams[v]`` (VW v's mini-batches) with ``stages[v]`` stages per VW, in one process.
 
     The options mean what :class:`~stagewise.HetPipe`'s do; ``counts[v]``: VW v's layers per stage (default
-    uniform, as the Pipeline's default partition); ``autocast``: each synchronous step's forward and loss run
-    under ``torch.autocast`` in that dtype, as the pipelines' stages do.
+    uniform; give the HetPipe's own, ``HetPipe.stage_counts``, which its default partition chose);
+    ``autocast``: each synchronous step's forward and loss run under ``torch.autocast`` in that dtype, as the
+    pipelines' stages do.
     """
     rule, k = WaveRule(staleness), len(stages)
     if len(streams) != k:

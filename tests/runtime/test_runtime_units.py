@@ -102,8 +102,8 @@ def test_partitions() -> None:
         partition(named[:3], 4)
     with pytest.raises(ValueError, match="gives stages \\[1\\] no layers"):
         partition(named, 2, [10, 0])
-    with pytest.raises(ValueError, match="must be 'uniform', 'parameters'"):
-        partition(named, 2, "balanced")
+    with pytest.raises(ValueError, match="must be 'balanced', 'uniform', 'parameters'"):
+        partition(named, 2, "fast")
 
 
 def test_too_few_samples_per_replica_quotes_the_global_batch_and_the_replicas_share() -> None:

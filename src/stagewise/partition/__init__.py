@@ -1,12 +1,14 @@
 """Partitioning: how many layers each stage gets, as arithmetic on cost vectors (no torch, no measurement).
 
 * :mod:`.cut`: the exact min-max cut of a cost vector under memory caps (:func:`partition_costs`);
-* :mod:`.modes`: the partition modes every frontend shares (``"uniform"``, ``"parameters"``, ``"time"``,
+* :mod:`.modes`: the partition modes every frontend shares (``"balanced"``, ``"uniform"``, ``"parameters"``, ``"time"``,
   ``"memory"``, explicit counts) and their one set of messages (:func:`stage_counts`);
+* :mod:`.estimate`: the default ``"balanced"`` cut, from work counted rather than timed (:func:`balanced_counts`);
 * :mod:`.profile_data`: a measured layer profile as plain data (:class:`LayerProfile`).
 """
 
 from .cut import Partition, partition_costs, uniform_counts
+from .estimate import CountedLayer, Rates, balanced_counts, estimated_profile
 from .modes import (
     PartitionSpec,
     check_options,
@@ -19,6 +21,10 @@ from .modes import (
 from .profile_data import CheckpointCost, LayerCost, LayerProfile, shared_bytes
 
 __all__ = [
+    "CountedLayer",
+    "Rates",
+    "balanced_counts",
+    "estimated_profile",
     "CheckpointCost",
     "LayerCost",
     "LayerProfile",

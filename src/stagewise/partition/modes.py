@@ -13,20 +13,25 @@ from collections.abc import Callable, Sequence
 from typing import Union
 
 from .cut import partition_costs, uniform_counts
+from .estimate import balanced_counts
 from .profile_data import LayerProfile
 
 #: a partition mode by name, or layer counts per stage
 PartitionSpec = Union[str, Sequence[int]]  # noqa: UP007
 
 #: the partition modes that choose cut points themselves (besides explicit counts per stage)
-PARTITIONS = ("uniform", "parameters", "time", "memory")
+PARTITIONS = ("balanced", "uniform", "parameters", "time", "memory")
+
+#: the default mode: costs counted, not timed (:mod:`.estimate`)
+DEFAULT = "balanced"
 
 
 def needs_profile(how: PartitionSpec, memory_caps: Sequence[float] | None = None) -> bool:
     """Whether ``how`` (with ``memory_caps``) decides from measured costs; raises for an unknown mode."""
     if isinstance(how, str) and how not in PARTITIONS:
         raise ValueError(
-            f"partition must be 'uniform', 'parameters', 'time', 'memory' or a list of layer counts, got {how!r}"
+            "partition must be 'balanced', 'uniform', 'parameters', 'time', 'memory' or a list of layer counts, "
+            f"got {how!r}"
         )
     return how in ("time", "memory") or (isinstance(how, str) and memory_caps is not None)
 
@@ -49,9 +54,13 @@ def stage_counts(
     in_flight: int = 1,
     unit: str = "layer",
     times: Sequence[float] | None = None,
+    placement: Sequence[int] | None = None,
 ) -> list[int]:
     """How many of ``n`` units (layers, blocks) each stage holds; contiguous, none empty.
 
+    * ``"balanced"`` (the default): the min-max cut of ``times`` (costs counted on the meta device,
+      :mod:`.estimate`), else of ``parameters()``, kept even where the even cut is as good
+      (:func:`.estimate.balanced_counts`, with ``placement``: stage -> rank); even without either;
     * ``"uniform"``: equal counts, the first stages take the remainder;
     * ``"parameters"``: the least possible largest parameter count (``parameters()``, one per unit);
     * ``"time"``: the least possible slowest stage, by the profile's forward + backward times;
@@ -70,6 +79,8 @@ def stage_counts(
         return [int(c) for c in how]
     if how == "uniform":
         return uniform_counts(n, num_stages)
+    if how == DEFAULT and memory_caps is None:
+        return _balanced(n, num_stages, times, parameters, placement, speeds, unit)
     if how == "time" and times is not None and memory_caps is None:
         if len(times) != n:
             raise ValueError(f"costs has {len(times)} entries, expected one per {unit} ({n})")
@@ -84,7 +95,7 @@ def stage_counts(
         if parameters is None:
             raise ValueError("partition='parameters' needs the parameter counts")
         costs = [float(c) for c in parameters()]
-    elif how == "time":
+    elif how in ("time", DEFAULT):  # "balanced" with memory caps: the measured times, capped
         costs = profile.times()  # type: ignore[union-attr]
     else:
         costs = memory  # type: ignore[assignment]
@@ -96,6 +107,29 @@ def stage_counts(
             f"{err}; a {unit} holds 2 x its parameter bytes + {in_flight} micro-batch(es) of its activations"
         ) from err
     return cut.counts
+
+
+def _balanced(
+    n: int,
+    num_stages: int,
+    times: Sequence[float] | None,
+    parameters: Callable[[], Sequence[float]] | None,
+    placement: Sequence[int] | None,
+    speeds: Sequence[float] | None,
+    unit: str,
+) -> list[int]:
+    """``"balanced"``: counted costs, else parameter counts, else the even cut (with ``speeds``: by count)."""
+    costs = times if times is not None else (parameters() if parameters is not None else None)
+    if costs is None:
+        if speeds is not None:
+            costs = [1.0] * n
+        else:
+            return uniform_counts(n, num_stages)
+    if len(costs) != n:
+        raise ValueError(f"costs has {len(costs)} entries, expected one per {unit} ({n})")
+    if not any(costs):
+        costs = [1.0] * n  # nothing counted (no parameters anywhere): every unit alike
+    return balanced_counts([float(c) for c in costs], num_stages, placement=placement, speeds=speeds)
 
 
 def stages_per_rank_note(schedule: str, num_ranks: int, stages_per_rank: int, unit: str = "layer") -> str:
@@ -131,7 +165,7 @@ def check_options(
             kind = f"partition={how!r}" if isinstance(how, str) else "explicit counts"
             raise ValueError(
                 f"speeds= and memory_caps= choose cut points; {kind} does not: "
-                "use partition='parameters', 'time' or 'memory'"
+                "use partition='balanced', 'parameters', 'time' or 'memory'"
             )
         if not isinstance(how, str):
             _checked_counts(how, n, num_stages, unit)

@@ -73,6 +73,7 @@ _NAMES = {
     "profile": ".frontends.profile",
     "calibrate": ".calibration.calibrate",
     "measure_compute_scale": ".calibration.compute_scale",
+    "RunCalibrator": ".calibration.from_run",
     "counted_reads": ".measure.host_reads",
     "shm_transport": ".comm.shm.transport",
     "torch_transport": ".comm.choose_transport",

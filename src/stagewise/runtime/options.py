@@ -66,7 +66,7 @@ class Options:
     timeout: float = 300.0
     store: Any = None
     # how the model is cut and built
-    partition: PartitionSpec = "uniform"
+    partition: PartitionSpec = "balanced"
     sample_inputs: Any = None
     speeds: Sequence[float] | None = None
     memory_caps: Sequence[float] | None = None
@@ -250,7 +250,7 @@ def _check_cut(o: Options) -> None:
         isinstance(o.partition, Sequence) and all(is_count(k) for k in o.partition)
     ):
         raise ValueError(
-            "partition must be 'uniform', 'parameters', 'time', 'memory' or a list of layer counts, "
+            "partition must be 'balanced', 'uniform', 'parameters', 'time', 'memory' or a list of layer counts, "
             f"got {o.partition!r}"
         )
     needs_profile(o.partition)  # an unknown mode name is refused here

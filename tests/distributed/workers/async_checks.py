@@ -43,6 +43,11 @@ VARIANTS: list[tuple[str, str, dict[str, bool], Callable[[int], int], str]] = [
 ]
 
 
+def cut(pipe: sw.Pipeline) -> list[int]:
+    """The pipeline's layers per stage (its default partition chose them), for the replay to cut alike."""
+    return [len(r) for r in pipe.layer_ranges]
+
+
 def optimizer(kind: str) -> Callable[[list[nn.Parameter]], torch.optim.Optimizer]:
     def make(params: list[nn.Parameter]) -> torch.optim.Optimizer:
         if kind == "sgd":
@@ -88,7 +93,9 @@ def parity(name: str, options: dict[str, bool], m_of: Callable[[int], int], opt:
         schedule = sw.schedules.async_schedule(name, p, window, m, **options)
         data = stream(2 * window + 1, 4 * m)  # two full windows and a shorter one
         losses, pipe = run_pipeline(ctx, schedule, opt, data)
-        ref = async_reference(mdl.mlp(), schedule, optimizer(opt), data, loss_fn=F.cross_entropy, seed=3)
+        ref = async_reference(
+            mdl.mlp(), schedule, optimizer(opt), data, loss_fn=F.cross_entropy, seed=3, counts=cut(pipe)
+        )
         worst = compare(pipe, losses, ref)
         assert worst <= TOL, f"{name} {options}: differs from the reference by {worst:.3e}"
         moved = max(abs(a - b) for a, b in zip(losses, ref.losses[:1] * len(losses)))
@@ -112,7 +119,7 @@ def mutant(name: str, options: dict[str, bool], claimed: dict[str, bool], m: int
         data = stream(2 * p + 2, 4 * m)
         losses, pipe = run_pipeline(ctx, sw.schedules.async_schedule(name, p, 2 * p + 2, m, **options), opt, data)
         wrong = sw.schedules.async_schedule(name, p, 2 * p + 2, m, **claimed)
-        ref = async_reference(mdl.mlp(), wrong, optimizer(opt), data, loss_fn=F.cross_entropy, seed=3)
+        ref = async_reference(mdl.mlp(), wrong, optimizer(opt), data, loss_fn=F.cross_entropy, seed=3, counts=cut(pipe))
         worst = compare(pipe, losses, ref)
         assert worst > 1e4 * TOL, f"running {options} and replaying {claimed} agree to {worst:.3e}"
         return {"worst": worst}
@@ -184,7 +191,9 @@ def data_parallel(name: str, opt: str, m: int) -> Check:
         )  # fmt: skip
         data = stream(2 * window + 1, 4 * m)
         losses = list(pipe.train_stream(pipe.local_batch(x, y) for x, y in data))
-        ref = async_reference(mdl.mlp(), schedule, optimizer(opt), data, loss_fn=F.cross_entropy, seed=3)
+        ref = async_reference(
+            mdl.mlp(), schedule, optimizer(opt), data, loss_fn=F.cross_entropy, seed=3, counts=cut(pipe)
+        )
         worst = compare(pipe, losses, ref)
         assert worst <= TOL, f"{name} with dp=2: differs from the reference by {worst:.3e}"
         return {"worst": worst}
@@ -198,7 +207,9 @@ def eval_after_stream(ctx: Ctx) -> None:
     schedule = sw.schedules.async_schedule("pipedream", p, p + 1)
     data = stream(p + 3, 4)
     losses, pipe = run_pipeline(ctx, schedule, "sgd", data)
-    ref = async_reference(mdl.mlp(), schedule, optimizer("sgd"), data, loss_fn=F.cross_entropy, seed=3)
+    ref = async_reference(
+        mdl.mlp(), schedule, optimizer("sgd"), data, loss_fn=F.cross_entropy, seed=3, counts=cut(pipe)
+    )
     assert compare(pipe, losses, ref) <= TOL
     x, _ = mdl.mlp_data(2 * (p + 1), seed=7)
     out = pipe.eval_step(x if ctx.rank == 0 else None)

@@ -248,8 +248,50 @@ def compute_scale(ctx: Ctx) -> dict[str, Any]:
     return {"scale": [round(kf, 1), round(kb, 1), round(ks, 1)]}
 
 
+def from_the_run(ctx: Ctx) -> dict[str, Any]:
+    """RunCalibrator on a running pipeline: after 2 warm-up and 3 steps it records one "recalibrated" event
+    (a prediction inside its interval, every rank the same figures); then the same plan with rank 1 emulated
+    4x slower (``emulate_slowdown``) is watched: rank 1 alone is named, once, within 5 steps, with a cut that
+    moves layers off it; the steps since calibration are reported against the prediction. No time is asserted
+    beyond the emulated factor (a sleep of 3x each action's own time, against a threshold of 0.8)."""
+    import torch
+    import torch.nn.functional as F
+
+    from stagewise.runtime.calibration.from_run import RunCalibrator
+
+    layers = [_spin_layer(2e-3, 3e-3) for _ in range(8)]
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+
+    def pipe(**kw: Any) -> sw.Pipeline:
+        return sw.Pipeline(layers, loss_fn=F.mse_loss, schedule="1f1b", microbatches=4, group=ctx.group, **kw)
+
+    events: list[dict[str, Any]] = []
+    calibrator = RunCalibrator(pipe(), cores=ctx.world, on_event=events.append)
+    for _ in range(5):
+        calibrator.pipe.train_step(x, y)
+        calibrator.observe()
+    assert [e["event"] for e in events] == ["recalibrated"], events
+    low, high = events[0]["interval_s"]
+    assert 0 < low < events[0]["predicted_s"] < high < math.inf, events[0]
+    slow = pipe(emulate_slowdown=[1.0] + [4.0] * (ctx.world - 1))
+    named_at = None
+    for step in range(5):
+        slow.train_step(x, y)
+        calibrator.observe(slow.timeline(gather=True))
+        if named_at is None and any(e["event"] == "straggler named" for e in events):
+            named_at = step
+    named = [e for e in events if e["event"] == "straggler named"]
+    assert [e["rank"] for e in named] == list(range(1, ctx.world)), named
+    assert named_at is not None and named_at < 5
+    assert sum(named[0]["cut"][1:]) < 4 * (ctx.world - 1), named[0]  # layers moved off the slow ranks
+    report = calibrator.report()
+    assert report["steps"] == 5 and report["measured_s"] > 0 and report["error"] is not None, report
+    return {"named": [e["rank"] for e in named], "at step": named_at, "cut": named[0]["cut"]}
+
+
 def checks(world: int) -> dict[str, Callable[[Ctx], Any]]:
     return {
+        "from_the_run": from_the_run,
         "calibrated": calibrated,
         "across_nodes": across_nodes,
         "sharded_meter": sharded_meter,

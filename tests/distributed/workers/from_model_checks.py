@@ -229,7 +229,7 @@ def refusals(ctx: Ctx) -> None:
     raises(
         ValueError,
         "partition='uniform' does not",
-        lambda: sw.Pipeline(equal_layers(4, 8), speeds=[1.0] * p, group=ctx.group),
+        lambda: sw.Pipeline(equal_layers(4, 8), partition="uniform", speeds=[1.0] * p, group=ctx.group),
     )
 
 
@@ -262,6 +262,50 @@ def balance(ctx: Ctx) -> dict[str, Any]:
     return {"blocks per stage": counts, "uniform": uniform}
 
 
+# ---- the default cut, decided on one rank --------------------------------------------------
+def default_cut(ctx: Ctx) -> dict[str, Any]:
+    """``partition`` left at its default ("balanced") under zb-v: rank 0 counts the layers on the meta device
+    and cuts; every other rank takes rank 0's cut without computing one (its own ``decide`` is replaced by
+    one that fails); the cut balances the ranks where the even cut gives one of them twice the blocks; it is
+    what the checkpoint's layout records; and the gradients are the one-process model's."""
+    from stagewise.runtime.checkpoint.state import layout_of
+    from stagewise.runtime.frontends import default_cut as decided_here
+    from stagewise.runtime.frontends.layers import named_layers
+
+    layers = [sw.Layer(Dense, 8, 128)] + [sw.Layer(Dense, 128, 128) for _ in range(6)] + [sw.Layer(nn.Linear, 128, 4)]
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 8, generator=g), torch.randint(0, 4, (32,), generator=g)
+    decide = decided_here.decide
+    if ctx.rank != 0:
+        decided_here.decide = _refuse_to_decide  # type: ignore[assignment]
+    try:
+        pipe = sw.Pipeline(
+            layers, loss_fn=F.cross_entropy, schedule="zb-v", microbatches=4, sample_inputs=x[:8],
+            group=ctx.group, seed=3, timeout=TIMEOUT,
+        )  # fmt: skip
+    finally:
+        decided_here.decide = decide
+    counts = [len(r) for r in pipe.layer_ranges]
+    assert _everyone(counts, ctx) == [counts] * ctx.world, "ranks disagree on the cut"
+    mine = decide(named_layers(layers), pipe.schedule, sample_inputs=x[:8], speeds=None, seed=3, device="cpu")
+    assert counts == mine.counts and mine.source == "counted", (counts, mine)
+    blocks = [
+        sum(1 for s in pipe.schedule.stages_of(r) for k in pipe.layer_ranges[s] if 1 <= k <= 6)
+        for r in range(ctx.world)
+    ]
+    assert max(blocks) - min(blocks) <= 1, (counts, blocks)
+    assert layout_of(pipe, ctx.world)["pipeline"]["layers"] == [[r.start, r.stop] for r in pipe.layer_ranges]
+    ref = sw.build_model(layers, seed=3)
+    pipe.train_step(x, y)
+    F.cross_entropy(ref(x), y).backward()
+    assert_grads_close(pipe, ref, "default cut", rtol=1e-5, atol=1e-6)
+    return {"layers per stage": counts, "blocks per rank": blocks}
+
+
+def _refuse_to_decide(*args: Any, **kwargs: Any) -> Any:
+    raise AssertionError("a rank other than 0 computed the default cut")
+
+
 # ---- the suites ------------------------------------------------------------------------------
 def checks(world: int) -> dict[str, Check]:
     p = world
@@ -284,4 +328,5 @@ def checks(world: int) -> dict[str, Check]:
     }
     if world == 2:
         out["balance"] = balance
+        out["default-cut"] = default_cut
     return out

@@ -104,7 +104,7 @@ def parity(
         computes = 2 * len(data)  # one F and one B per mini-batch and stage, one stage per rank
         assert len(sleeps.calls) == (computes if factor > 1 else 0), (factor, len(sleeps.calls))
         assert all(t > 0 for t in sleeps.calls)
-        ref = reference(workers, data, optimizer=optimizer(opt), **kw)
+        ref = reference(workers, data, optimizer=optimizer(opt), counts=het.stage_counts, **kw)
         worst = compare(het, losses, ref)
         assert worst <= TOL, f"differs from the replay by {worst:.3e}"
         assert max(abs(a - losses[0]) for a in losses) > 1e-3, "the losses did not move"
@@ -156,7 +156,7 @@ def mutant_reference(ctx: Ctx) -> dict[str, Any]:
     data = global_batches(6, 8)
     kw = {"schedule": "pipedream", "wave": 2, "optimizer": optimizer("sgd")}
     het, losses = run(ctx, [[0, 1], [2, 3]], data, staleness=1, **kw)
-    worst = compare(het, losses, reference([[0, 1], [2, 3]], data, staleness=0, **kw))
+    worst = compare(het, losses, reference([[0, 1], [2, 3]], data, staleness=0, counts=het.stage_counts, **kw))
     assert worst > 1e4 * TOL, f"D=1 and a D=0 replay agree to {worst:.3e}"
     return {"worst": worst}
 

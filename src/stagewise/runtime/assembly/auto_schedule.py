@@ -69,7 +69,7 @@ def synthesized(entry: str, frontend: Any, options: Options) -> Options:
         options.timeout,
         options.store,
     )
-    how = "time" if options.partition == "uniform" else options.partition  # "uniform" is the default: time it
+    how = "time" if options.partition in ("uniform", "balanced") else options.partition  # the defaults: time it
     choices = [options.virtual_stages] if options.virtual_stages else [1, 2]
     schedule, counts = _fastest(profile, p, m, choices, how, named)
     if groups.global_rank() == 0:

@@ -6,6 +6,8 @@ alone is :mod:`stagewise.runtime.measure`); the planner reads the results as pla
 
 * :mod:`.calibrate`: links, per-action and per-message costs, the cores, FSDP2's cost
   (:func:`stagewise.calibrate`), with :mod:`.layout_probe` (what each layout costs beyond the model);
+* :mod:`.from_run`: the cost model recalibrated from a running pipeline's own timeline, and a slow rank named
+  (:class:`~stagewise.runtime.calibration.from_run.RunCalibrator`);
 * :mod:`.compute_scale`: the runtime's compute over the profile's prediction;
 * :mod:`.progress`: the bar rank 0 draws while they run.
 """

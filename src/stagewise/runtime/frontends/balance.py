@@ -28,7 +28,8 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from ...ir import Kind, Schedule
-from ...partition import PartitionSpec, check_options, needs_profile, stages_per_rank_note
+from ...partition import PartitionSpec, check_options, counts_to_ranges, needs_profile, stages_per_rank_note
+from ...partition.modes import DEFAULT
 from ..comm import collectives, groups
 from ..comm.faults.guard import setup_guard
 from ..errors import PipelineError
@@ -145,6 +146,8 @@ def plan_layers(
     why = stages_per_rank_note(schedule.name, schedule.num_ranks, schedule.virtual_stages)
     check_options(len(named), schedule.num_stages, how, stage_speeds, caps, why=why)
     measured = None
+    if how == DEFAULT and memory_caps is None:
+        return _default_plan(named, schedule, group, device, seed, sample_inputs, stage_speeds, timeout, store)
     if needs_profile(how, memory_caps):
         if sample_inputs is None:
             raise ValueError(f"partition={how!r} profiles the layers: pass sample_inputs= (one micro-batch of inputs)")
@@ -165,7 +168,39 @@ def plan_layers(
             memory_caps=caps,
             in_flight=in_flight(schedule),
         )
+    if measured is not None:  # a measured profile predicts too: the same word as the default cut's
+        from . import default_cut
+
+        cut = default_cut.DefaultCut([len(r) for r in ranges], measured, "profiled")
+        default_cut.warn_if_slower(schedule, cut, groups.group_rank(group))
     return LayerPlan(ranges, measured)
+
+
+def _default_plan(
+    named: Sequence[tuple[str, LayerLike]],
+    schedule: Schedule,
+    group: Any,
+    device: torch.device,
+    seed: int,
+    sample_inputs: Any,
+    stage_speeds: Sequence[float] | None,
+    timeout: float,
+    store: Any,
+) -> LayerPlan:
+    """``partition="balanced"``: rank 0 decides (:mod:`.default_cut`), every rank builds its cut."""
+    from . import default_cut
+
+    def decided() -> dict[str, Any]:
+        cut = default_cut.decide(
+            named, schedule, sample_inputs=sample_inputs, speeds=stage_speeds, seed=seed, device=device.type
+        )
+        return default_cut.plain(cut)
+
+    cut = default_cut.unplain(
+        on_first_rank(group, decided, "cutting the layers (partition='balanced')", timeout, store)
+    )
+    default_cut.warn_if_slower(schedule, cut, groups.group_rank(group))
+    return LayerPlan(counts_to_ranges(cut.counts), None)
 
 
 @contextmanager

@@ -203,6 +203,7 @@ def _block_counts(
             memory_caps=caps,
             in_flight=in_flight(sched),
             unit="block",
+            placement=sched.placement,
         )
     log.info("stagewise: %s partition of %d blocks over %d stages: %s", how, n, num_stages, counts)
     return counts, measured

@@ -1,0 +1,66 @@
+"""Held-out calibration (issue 49 item 2): calibrate on the run of plan P, predict plans Q != P.
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.calibration --out out/calibration          # 2 and 4 ranks
+    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.calibration --quick --out out/calibration  # smoke run
+
+One torchrun job per world size (:mod:`.worker`); the plan space and the seed are :mod:`.space`'s, committed
+before the first full run. Per job: each Q's predicted step and interval against its measured steps; the mean
+absolute error, Kendall's tau (pairs of the same m and pp whose medians differ by more than twice the pooled
+spread), the share of measured steps inside the interval and the interval's median half-width over the
+step-to-step spread (:mod:`.report`). Writes ``calibration.json`` and ``calibration.md`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from .._launch import environ, torchrun
+from .report import summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("out/calibration"))
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--workload", default="gpt256", help="a workload of benchmarks.fidelity")
+    parser.add_argument("--plans", type=int, default=32, help="plans Q per world size (the space's first N)")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="2 ranks, gpt64, 4 plans, 2 steps")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.ranks, args.workload, args.plans, args.steps = [2], "gpt64", 4, 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    results, rows = [], []
+    for world in args.ranks:
+        path = args.out / f"job-{args.workload}-{world}.json"
+        cmd = torchrun(world, "benchmarks.calibration.worker", [
+            "--workload", args.workload, "--plans", str(args.plans), "--steps", str(args.steps), "--out", str(path),
+        ])  # fmt: skip
+        done = subprocess.run(cmd, env=environ(OMP_NUM_THREADS="1"))
+        if done.returncode != 0:
+            print(f"job at {world} ranks failed ({done.returncode})", file=sys.stderr)
+            continue
+        result = json.loads(path.read_text())
+        results.append(result)
+        rows.append(summary(result))
+    (args.out / "calibration.json").write_text(json.dumps({"jobs": results, "summary": rows, "load": os.getloadavg()}))
+    lines = ["| workload | ranks | plans | MAE | max | Kendall tau (pairs) | inside interval | half-width / spread |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for r in rows:
+        lines.append(
+            f"| {r['workload']} | {r['world']} | {r['plans']} | {r['mean abs error']:.1%} | {r['max abs error']:.1%} "
+            f"| {r['kendall tau']:.2f} ({r['pairs']}) | {r['inside interval']:.0%} "
+            f"| {r['median half-width / spread']:.1f} |"
+        )
+    (args.out / "calibration.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0 if len(rows) == len(args.ranks) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

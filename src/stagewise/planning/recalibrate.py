@@ -1,0 +1,278 @@
+"""The cost model recalibrated from the run's own timeline (issue 49 item 2): pure arithmetic, no torch.
+
+A profile is taken in one process alone; in a pipeline the same layers run slower (other processes share the
+cores, caches are colder) and every action costs what the profile cannot see. So after a few steps the
+runtime hands every rank's events on one clock (``pipe.timeline(gather=True)``, a
+:class:`~stagewise.ir.Timeline` per step) to :func:`calibrate_run`, which measures:
+
+* **per stage and kind** (F, B, I, W) the seconds an action takes *on a core of its own*: a compute event
+  (it starts when its input has arrived) during which ``n`` ranks compute on ``c`` cores advanced at
+  ``min(1, c / n)`` (:func:`deshared`, the same processor sharing :func:`stagewise.simulation.shared_makespan`
+  replays), so its own cost is the integral of that rate over the event, not its length;
+* **the link**: a receiving rank that sat idle until a compute action's input arrived shows the transfer's
+  time, from the producing action's end to the consumer's start; ``latency + bytes / bandwidth`` is fitted
+  through those delays and the bytes each message carries (:func:`fit_link`);
+* **the step**: each timeline's makespan; the model's own miss on the run (the measured median over the
+  model's prediction of the same plan: what it cannot see of the step, SYNC and STEP and the interpreter)
+  becomes a factor every prediction carries, and the step-to-step spread the interval's width.
+
+Held out: a plan Q is predicted from the calibrated *layers* (:meth:`RunCalibration.profile`: each layer's
+profiled costs scaled by what its stage measured in the calibrating run, per kind), cut as Q cuts them, on
+Q's ranks sharing the cores, with the calibrated link; nothing of Q is measured.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from ..ir import Event, Kind, Schedule, Timeline
+from ..partition import LayerProfile
+from ..simulation import CostModel, shared_makespan
+
+COMPUTE = (Kind.F, Kind.B, Kind.I, Kind.W)
+#: z for an interval meant to hold 85 % of steps (a normal's 92.5th percentile)
+Z85 = 1.44
+#: the model's own error on a plan it was not calibrated on, before a held-out benchmark measures it
+MODEL_ERROR = 0.05
+
+
+def deshared(timeline: Timeline, cores: float) -> list[tuple[Event, float]]:
+    """Each compute event with its seconds on a core of its own: the integral over the event of
+    ``min(1, cores / n(t))``, ``n(t)`` the compute events in progress at ``t`` (every rank one process)."""
+    if not cores > 0:
+        raise ValueError(f"deshared: cores must be > 0, got {cores!r}")
+    compute = [e for e in timeline.events if e.action.kind in COMPUTE and e.end > e.start]
+    edges = sorted({t for e in compute for t in (e.start, e.end)})
+    rate = []  # (t0, t1, min(1, cores / n)) per slice between consecutive edges
+    for t0, t1 in zip(edges, edges[1:]):
+        n = sum(1 for e in compute if e.start < t1 and e.end > t0)
+        rate.append((t0, t1, min(1.0, cores / n) if n else 1.0))
+    out = []
+    for e in compute:
+        own = sum((min(t1, e.end) - max(t0, e.start)) * r for t0, t1, r in rate if t0 < e.end and t1 > e.start)
+        out.append((e, own))
+    return out
+
+
+def stage_medians(timelines: Sequence[Timeline], cores: float) -> dict[Kind, dict[int, float]]:
+    """Per kind and stage, the median of the de-shared seconds over every micro-batch of every timeline."""
+    seen: dict[Kind, dict[int, list[float]]] = {}
+    for timeline in timelines:
+        for e, own in deshared(timeline, cores):
+            seen.setdefault(e.action.kind, {}).setdefault(e.action.stage, []).append(own)
+    return {k: {s: statistics.median(v) for s, v in by.items()} for k, by in seen.items()}
+
+
+def fit_link(timelines: Sequence[Timeline], schedule: Schedule, output_bytes: Sequence[float]) -> tuple[float, float]:
+    """``(latency, bandwidth)`` through the delays of the transfers a rank waited for (module docstring);
+    one message size: the median delay as latency, bandwidth infinite; no waited transfer: ``(0, inf)``."""
+    pairs = []
+    for timeline in timelines:
+        pairs += _waited_transfers(timeline, schedule, output_bytes)
+    if not pairs:
+        return 0.0, math.inf
+    sizes = {b for b, _ in pairs}
+    if len(sizes) == 1:
+        return max(0.0, statistics.median(d for _, d in pairs)), math.inf
+    n = len(pairs)
+    mb, md = sum(b for b, _ in pairs) / n, sum(d for _, d in pairs) / n
+    sxx = sum((b - mb) ** 2 for b, _ in pairs)
+    slope = sum((b - mb) * (d - md) for b, d in pairs) / sxx
+    if slope <= 0:
+        return max(0.0, md), math.inf
+    return max(0.0, md - slope * mb), 1.0 / slope
+
+
+def _waited_transfers(
+    timeline: Timeline, schedule: Schedule, output_bytes: Sequence[float]
+) -> list[tuple[float, float]]:
+    """(bytes, delay) for each compute action whose input came from another rank while its rank was idle."""
+    placement = schedule.placement
+    ends: dict[tuple[Kind, int, int | None], float] = {}
+    for e in timeline.events:
+        if e.action.kind in COMPUTE:
+            ends[(e.action.kind, e.action.stage, e.action.microbatch)] = e.end
+    busy_until: dict[int, float] = {}
+    out = []
+    last = schedule.num_stages - 1
+    for e in sorted(timeline.events, key=lambda x: x.start):
+        a = e.action
+        if a.kind in COMPUTE:
+            source = None
+            if a.kind is Kind.F and a.stage > 0:
+                source, nbytes = (Kind.F, a.stage - 1, a.microbatch), output_bytes[a.stage - 1]
+            elif a.kind in (Kind.B, Kind.I) and a.stage < last:
+                up = (Kind.B, a.stage + 1, a.microbatch)
+                source = up if up in ends else (Kind.I, a.stage + 1, a.microbatch)
+                nbytes = output_bytes[a.stage]
+            if source in ends and placement[source[1]] != placement[a.stage]:
+                sent = ends[source]
+                if busy_until.get(e.rank, -math.inf) < sent and e.start >= sent:
+                    out.append((float(nbytes), e.start - sent))
+        busy_until[e.rank] = max(busy_until.get(e.rank, -math.inf), e.end)
+    return out
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A predicted step (seconds) and the interval meant to hold 85 % of measured steps."""
+
+    step: float
+    low: float
+    high: float
+
+
+@dataclass(frozen=True)
+class RunCalibration:
+    """What the run measured, per stage of its own plan (``counts``: layers per stage), and how it predicts.
+
+    ``measured``: per kind, per stage, seconds on a core of its own; ``steps``: the timelines' makespans;
+    ``bias``: measured median step over the model's prediction of the calibrating plan; ``cores``: what the
+    node's processes share.
+    """
+
+    counts: tuple[int, ...]
+    measured: dict[Kind, dict[int, float]]
+    latency: float
+    bandwidth: float
+    cores: float
+    steps: tuple[float, ...]
+    bias: float = 1.0
+
+    @property
+    def measured_step(self) -> float:
+        return statistics.median(self.steps)
+
+    @property
+    def spread(self) -> float:
+        """The steps' relative spread: half the range between the fastest and slowest quarter, over the median."""
+        if len(self.steps) < 2:
+            return 0.0
+        q = statistics.quantiles(self.steps, n=4, method="inclusive")
+        return (q[2] - q[0]) / 2 / self.measured_step
+
+    def profile(self, prior: LayerProfile) -> LayerProfile:
+        """``prior``'s layers with each kind's cost scaled by what its stage measured over what ``prior`` charges
+        it (per stage and kind). A run of whole backwards (B) measured no I or W: they then add up to the measured
+        B as the profile splits it (the profile's own I and W, timed apart, are the noisiest of its figures)."""
+        out = list(prior.layers)
+        start = 0
+        for s, c in enumerate(self.counts):
+            layers = prior.layers[start : start + c]
+            f = _ratio(self.measured, Kind.F, s, sum(x.forward for x in layers))
+            b = _ratio(self.measured, Kind.B, s, sum(x.backward for x in layers))
+            i = _ratio(self.measured, Kind.I, s, sum(x.backward_input for x in layers))
+            w = _ratio(self.measured, Kind.W, s, sum(x.backward_weight for x in layers))
+            split = sum(x.backward_input + x.backward_weight for x in layers)
+            whole = self.measured.get(Kind.B, {}).get(s)
+            if i is None and w is None and whole is not None and split > 0:
+                i = w = whole / split  # B measured, I and W not: they share it as the profile splits it
+            b = b if b is not None else _either(i, w, f)
+            i, w = (i if i is not None else b), (w if w is not None else b)
+            for k in range(start, start + c):
+                x = prior.layers[k]
+                out[k] = replace(
+                    x,
+                    forward=x.forward * (f or 1.0),
+                    backward=x.backward * (b or 1.0),
+                    backward_input=x.backward_input * (i or 1.0),
+                    backward_weight=x.backward_weight * (w or 1.0),
+                )
+            start += c
+        return replace(prior, layers=tuple(out))
+
+    def predict(self, schedule: Schedule, costs: CostModel, processes_per_node: int | None = None) -> Prediction:
+        """``schedule`` under ``costs`` (from :meth:`profile`), its ranks sharing :attr:`cores`; times the bias,
+        with the interval of :data:`Z85` x the steps' spread and :data:`MODEL_ERROR` combined."""
+        costs = replace(costs, latency=self.latency, bandwidth=self.bandwidth)
+        p = schedule.num_ranks
+        weights = [float(processes_per_node or p) / p] * p
+        step = shared_makespan(schedule, costs, weights, self.cores) * self.bias
+        half = Z85 * math.hypot(self.spread, MODEL_ERROR) * step
+        return Prediction(step, step - half, step + half)
+
+
+def held_out_costs(
+    calibration: RunCalibration,
+    prior: LayerProfile,
+    counts: Sequence[int],
+    *,
+    batch_ratio: float = 1.0,
+    dp: int = 1,
+) -> CostModel:
+    """A plan Q's stage costs from the calibrated layers: cut into ``counts``; every time and activation scaled
+    by Q's micro-batch over the calibrating plan's (``batch_ratio``, the planner's linear scaling); with
+    ``dp`` replicas each stage's SYNC a ring all-reduce of its gradients (its parameter bytes) over the
+    calibrated link. Nothing of Q is measured."""
+    from .comm import Link, ring_all_reduce
+
+    layers = calibration.profile(prior).layers
+    scaled = tuple(
+        replace(
+            x,
+            forward=x.forward * batch_ratio,
+            backward=x.backward * batch_ratio,
+            backward_input=x.backward_input * batch_ratio,
+            backward_weight=x.backward_weight * batch_ratio,
+            activation_bytes=x.activation_bytes * batch_ratio,
+            weight_activation_bytes=x.weight_activation_bytes * batch_ratio,
+            output_bytes=x.output_bytes * batch_ratio,
+        )
+        for x in layers
+    )
+    bounds = [0]
+    for c in counts:
+        bounds.append(bounds[-1] + int(c))
+    costs = replace(prior, layers=scaled).cost_model(bounds)
+    if dp > 1:
+        link = Link(calibration.latency, calibration.bandwidth)
+        costs = replace(costs, sync_time=tuple(ring_all_reduce(b, dp, link) for b in costs.parameter_bytes))
+    return costs
+
+
+def _ratio(measured: dict[Kind, dict[int, float]], kind: Kind, stage: int, charged: float) -> float | None:
+    seen = measured.get(kind, {}).get(stage)
+    if seen is None or charged <= 0:
+        return None
+    return seen / charged
+
+
+def _either(*values: float | None) -> float | None:
+    return next((v for v in values if v is not None), None)
+
+
+def calibrate_run(
+    timelines: Sequence[Timeline],
+    schedule: Schedule,
+    prior: LayerProfile,
+    counts: Sequence[int],
+    cores: float,
+) -> RunCalibration:
+    """Calibrate on the run of ``schedule`` cut by ``counts`` (layers per stage of ``prior``): ``timelines``
+    (one per step, every rank on one clock) measured on ``cores`` shared cores; then the bias against the
+    model's own prediction of that plan (module docstring)."""
+    if not timelines:
+        raise ValueError("calibrate_run: no timelines (run a few steps first)")
+    if sum(counts) != len(prior) or len(counts) != schedule.num_stages:
+        raise ValueError(
+            f"calibrate_run: counts {list(counts)} must cut the profile's {len(prior)} layers into "
+            f"{schedule.num_stages} stages"
+        )
+    bounds = [0]
+    for c in counts:
+        bounds.append(bounds[-1] + int(c))
+    sent = prior.cost_model(bounds).output_bytes
+    latency, bandwidth = fit_link(timelines, schedule, sent)
+    run = RunCalibration(
+        counts=tuple(int(c) for c in counts),
+        measured=stage_medians(timelines, cores),
+        latency=latency,
+        bandwidth=bandwidth,
+        cores=cores,
+        steps=tuple(t.makespan for t in timelines),
+    )
+    own = run.predict(schedule, run.profile(prior).cost_model(bounds)).step
+    return replace(run, bias=run.measured_step / own if own > 0 else 1.0)

@@ -1,0 +1,185 @@
+"""The cost model recalibrated from the run, and a slow rank named (issue 49 items 2 and 3): the runtime half.
+
+Every rank calls :meth:`RunCalibrator.observe` after each ``train_step`` (a collective: it gathers the
+step's timeline of every rank on one clock, ``pipe.timeline(gather=True)``). The first :data:`WARMUP` steps
+are left out (the first step learns shapes, fills the allocator's caches and warms the dispatcher; the fidelity
+benchmark leaves out two for the same reason, and the held-out benchmark's smoke run, calibrated after one,
+found its calibrating steps 1.5-1.8x the model where later steps ran near it); the next :data:`AFTER` steps calibrate
+(:func:`stagewise.planning.recalibrate.calibrate_run`: three, so that the median outvotes one step a
+neighbour preempted, and no more, so that a job learns its costs in its first seconds). From then on each
+step is checked against the calibration: its measured time against the predicted step and interval
+(:meth:`RunCalibrator.report`), each rank's speed against the calibrated layer costs
+(:mod:`stagewise.planning.stragglers`): a rank named slow gets one warning line on rank 0 with its measured
+slowdown and the cut the planner would choose for the speeds measured (applying it live waits for the
+re-layout: a re-plan would call ``pipe.relayout(plan=...)`` with that cut).
+
+What happened is kept as plain records (``records``: dicts with ``"event"``: ``"recalibrated"``,
+``"straggler named"``, ``"straggler recovered"``), and given to ``on_event`` as it happens, for a logger.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+from ...ir import Timeline
+from ...partition import LayerCost, LayerProfile
+from ...planning.recalibrate import Prediction, RunCalibration, calibrate_run
+from ...planning.stragglers import Detector, Straggler, cut_for_speeds, rank_speeds
+
+log = logging.getLogger(__name__)
+
+#: steps left out before calibrating (module docstring)
+WARMUP = 2
+#: steps calibrated on (module docstring)
+AFTER = 3
+
+
+class RunCalibrator:
+    """Recalibrates the cost model of ``pipe``'s plan from its own steps and watches for a slow rank.
+
+    ``prior``: the layers' costs the calibration scales (``pipe.layer_profile`` when it was cut by a profile;
+    otherwise every layer of a stage alike, which predicts other schedules and micro-batch counts of this cut
+    but cannot move layers between stages); ``cores``: what the node's processes share (default: the CPUs
+    this process may run on); ``processes``: how many processes compute on them (default: the ranks).
+    """
+
+    def __init__(
+        self,
+        pipe: Any,
+        prior: LayerProfile | None = None,
+        *,
+        cores: float | None = None,
+        processes: int | None = None,
+        warmup: int = WARMUP,
+        after: int = AFTER,
+        on_event: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        if after < 1 or warmup < 0:
+            raise ValueError(f"RunCalibrator: after must be >= 1 and warmup >= 0, got {after}, {warmup}")
+        self.pipe = pipe
+        self.counts = [len(r) for r in pipe.layer_ranges]
+        self.prior = prior or pipe.layer_profile or _flat(self.counts)
+        self.cores = float(cores if cores is not None else len(os.sched_getaffinity(0)))
+        self.processes = processes or pipe.num_ranks
+        self.warmup, self.after = warmup, after
+        self.on_event = on_event
+        self.records: list[dict[str, Any]] = []
+        self.calibration: RunCalibration | None = None
+        self.prediction: Prediction | None = None
+        self.detector = Detector(pipe.num_ranks)
+        self._seen = 0
+        self._calibrating: list[Timeline] = []
+        self._since: list[float] = []
+
+    def observe(self, timeline: Timeline | None = None) -> None:
+        """After a train step, on every rank: ``timeline`` (all ranks on one clock), else the pipeline's last
+        step gathered (a collective)."""
+        if timeline is None:
+            timeline = self.pipe.timeline(gather=True)
+        self._seen += 1
+        if self._seen <= self.warmup:
+            return
+        if self.calibration is None:
+            self._calibrating.append(timeline)
+            if len(self._calibrating) == self.after:
+                self._calibrate()
+            return
+        self._since.append(timeline.makespan)
+        self._watch(timeline)
+
+    def _calibrate(self) -> None:
+        schedule = self.pipe.schedule
+        cal = calibrate_run(self._calibrating, schedule, self.prior, self.counts, self.cores)
+        self.calibration = cal
+        self.prediction = cal.predict(
+            schedule, cal.profile(self.prior).cost_model(_bounds(self.counts)), self.processes
+        )
+        self._emit(
+            {
+                "event": "recalibrated",
+                "steps": len(self._calibrating),
+                "predicted_s": self.prediction.step,
+                "interval_s": [self.prediction.low, self.prediction.high],
+                "latency_s": cal.latency,
+                "bandwidth_Bps": cal.bandwidth,
+                "bias": cal.bias,
+                "cores": cal.cores,
+            }
+        )
+
+    def _watch(self, timeline: Timeline) -> None:
+        cal = self.calibration
+        assert cal is not None
+        slow, back = self.detector.observe(rank_speeds(timeline, cal, self.pipe.num_ranks))
+        for r in slow:
+            found = self.straggler(r)
+            if self.pipe.rank == 0:
+                log.warning("%s", found.line())
+            self._emit(
+                {
+                    "event": "straggler named",
+                    "rank": r,
+                    "speed": found.speed,
+                    "speeds": list(found.speeds),
+                    "cut": list(found.counts),
+                    "predicted_now_s": found.now,
+                    "predicted_after_s": found.after,
+                }
+            )
+        for r in back:
+            self._emit({"event": "straggler recovered", "rank": r, "speeds": self.detector.speeds()})
+
+    def straggler(self, rank: int) -> Straggler:
+        """What is known of ``rank`` now: its median speed, and the cut for every rank's measured speeds."""
+        cal = self.calibration
+        if cal is None:
+            raise ValueError("RunCalibrator.straggler: not calibrated yet (observe more steps)")
+        speeds = self.detector.speeds()
+        counts, now, after = cut_for_speeds(cal.profile(self.prior), self.pipe.schedule, self.counts, speeds, cal)
+        return Straggler(rank, speeds[rank], tuple(speeds), tuple(counts), now, after)
+
+    def report(self) -> dict[str, Any]:
+        """The prediction for this plan, the measured step (median of the steps since calibrating), the error,
+        the interval and the share of those steps inside it; None figures before calibration."""
+        p = self.prediction
+        if p is None or not self._since:
+            return {
+                "predicted_s": None if p is None else p.step,
+                "measured_s": None,
+                "error": None,
+                "interval_s": None if p is None else [p.low, p.high],
+                "inside": None,
+                "steps": 0,
+            }
+        measured = statistics.median(self._since)
+        inside = sum(1 for s in self._since if p.low <= s <= p.high) / len(self._since)
+        return {
+            "predicted_s": p.step,
+            "measured_s": measured,
+            "error": p.step / measured - 1,
+            "interval_s": [p.low, p.high],
+            "inside": inside,
+            "steps": len(self._since),
+        }
+
+    def _emit(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+        if self.on_event is not None:
+            self.on_event(record)
+
+
+def _bounds(counts: list[int]) -> list[int]:
+    out = [0]
+    for c in counts:
+        out.append(out[-1] + c)
+    return out
+
+
+def _flat(counts: list[int]) -> LayerProfile:
+    """Every layer alike (a unit of each kind): the calibration then spreads a stage's cost evenly over it."""
+    layer = LayerCost("layer", 1.0, 0.5, 0.5, 1.0, 0.0, 0.0, 0.0, 0.0)
+    return LayerProfile(layers=(layer,) * sum(counts), device="unknown", repeats=0, warmup=0)

@@ -1,0 +1,65 @@
+"""The default cut's runtime half: the work counted on the meta device, and the one warning when the named
+schedule is predicted slower than 1F1B (issue 49 item 1)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import stagewise as sw
+from stagewise.partition import CountedLayer, Rates, estimated_profile
+from stagewise.passes import build_schedule
+from stagewise.runtime.frontends import default_cut
+from stagewise.runtime.frontends.layers import named_layers
+from stagewise.runtime.measure.counting import count_layers
+
+
+def test_a_linear_layer_counts_its_multiply_adds_and_its_backward_twice() -> None:
+    """Linear(4, 8) on 2 samples: 2 x 2 x 4 x 8 = 128 FLOPs forward; the input and weight gradients 128 each."""
+    named = named_layers([sw.Layer(nn.Linear, 4, 8, bias=False), sw.Layer(nn.ReLU)])
+    (lin, relu) = count_layers(["a", "b"], lambda k: named[k][1].build(k), torch.randn(2, 4))
+    assert (lin.forward_flops, lin.backward_flops) == (128, 256)
+    assert (lin.parameters, lin.parameter_bytes, lin.output_bytes) == (32, 128, 64)
+    assert relu.forward_flops == 0 and relu.forward_bytes > 0 and relu.parameters == 0
+    assert lin.forward_ops >= 1 and lin.backward_ops >= 1
+
+
+def _gpt_like() -> default_cut.LayerProfile:
+    def layer(name: str, flops: float, params: float = 1.0) -> CountedLayer:
+        return CountedLayer(name, flops, 2 * flops, 0.0, 0.0, 0, 0, params, 4 * params, 0.0)
+
+    blocks = [layer(f"block{k}", 1e6) for k in range(8)]
+    return estimated_profile([layer("tokens", 1e3), *blocks, layer("head", 2e5, 0.0)], Rates(1e9, 1e9, 0.0))
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_one_warning_on_rank_0_when_the_cut_makes_the_named_schedule_lose(
+    rank: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    zbv = build_schedule("zb-v", 2, 8, 2)
+    even = default_cut.DefaultCut([3, 2, 3, 2], _gpt_like(), "counted")  # rank 1 holds 5 blocks, rank 0 3
+    balanced = default_cut.DefaultCut([3, 2, 2, 3], _gpt_like(), "counted")
+    with caplog.at_level(logging.WARNING, logger="stagewise.runtime.frontends.default_cut"):
+        default_cut.warn_if_slower(zbv, even, rank)
+        default_cut.warn_if_slower(zbv, balanced, rank)
+        default_cut.warn_if_slower(zbv, default_cut.DefaultCut([3, 2, 3, 2], None, "parameters"), rank)
+    lines = [r.getMessage() for r in caplog.records]
+    if rank != 0:
+        assert lines == []
+        return
+    assert len(lines) == 1 and "schedule 'zb-v' is predicted" in lines[0] and "cuts [3, 2, 3, 2] and" in lines[0]
+
+
+def test_every_layer_list_gets_a_cut_that_adds_up() -> None:
+    """Rank 0's decision as data: what crosses ranks reads back the same."""
+    named = named_layers([sw.Layer(nn.Linear, 8, 8) for _ in range(6)])
+    cut = default_cut.decide(
+        named, build_schedule("zb-v", 2, 4, 2), sample_inputs=torch.randn(2, 8), speeds=None, seed=0, device="cpu"
+    )
+    assert (
+        sum(cut.counts) == 6 and cut.source == "counted" and cut.counts == [2, 2, 1, 1]
+    )  # even, and each rank holds 3
+    assert default_cut.unplain(default_cut.plain(cut)) == cut
