@@ -20,17 +20,16 @@ from stagewise.runtime.options import OPTION_NAMES, Options, PipelineOptions, ch
 
 
 def test_the_keyword_types_list_every_option_once() -> None:
-    """The options are written three times (the fields, the TypedDict editors and type checkers read, their
-    meanings in the Pipeline's docstring): the fields are the source; the TypedDict has each, in order, with
-    the same type, and the docstring gives each a meaning."""
+    """The options are documented once, in the Options docstring; the fields are the source, and the TypedDict
+    editors and type checkers read has each, in order, with the same type."""
     assert tuple(PipelineOptions.__annotations__) == OPTION_NAMES
     assert "given" not in OPTION_NAMES and len(set(OPTION_NAMES)) == len(OPTION_NAMES)
     fields = {f.name: f.type for f in dataclasses.fields(Options) if f.name != "given"}
     typed = {k: getattr(v, "__forward_arg__", v) for k, v in PipelineOptions.__annotations__.items()}
     assert typed == fields
-    doc = sw.Pipeline.__doc__ or ""
+    doc = Options.__doc__ or ""
     unexplained = [name for name in OPTION_NAMES if not re.search(rf"``{name}(``|\(|=)", doc)]
-    assert unexplained == [], f"options the Pipeline docstring does not explain: {unexplained}"
+    assert unexplained == [], f"options the Options docstring does not explain: {unexplained}"
 
 
 def test_a_misspelt_option_is_named_with_the_closest_valid_one() -> None:

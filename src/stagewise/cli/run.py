@@ -36,6 +36,21 @@ def add_command(sub: Subparsers) -> None:
         metavar="N",
         help="restart every process up to N times when one fails (the script resumes: sw.checkpoint.resume)",
     )
+    _add_machines(parser)
+    parser.add_argument(
+        "--metrics",
+        default=None,
+        metavar="DIR",
+        help="every pipeline of the script that sets no metrics= writes its per-step metrics under DIR (JSON lines, "
+        "and TensorBoard event files when tensorboard is installed: tensorboard --logdir DIR)",
+    )
+    parser.add_argument("script", help="the training script")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    parser.set_defaults(handler=run_script)
+
+
+def _add_machines(parser: argparse.ArgumentParser) -> None:
+    """The options of a job over several machines (``--nnodes``, the rendezvous, this machine's address)."""
     parser.add_argument(
         "--nnodes",
         type=_nodes,
@@ -70,16 +85,6 @@ def add_command(sub: Subparsers) -> None:
     parser.add_argument(
         "--local-addr", default=None, metavar="ADDR", help="this machine's address the others reach (M > 1)"
     )
-    parser.add_argument(
-        "--metrics",
-        default=None,
-        metavar="DIR",
-        help="every pipeline of the script that sets no metrics= writes its per-step metrics under DIR (JSON lines, "
-        "and TensorBoard event files when tensorboard is installed: tensorboard --logdir DIR)",
-    )
-    parser.add_argument("script", help="the training script")
-    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
-    parser.set_defaults(handler=run_script)
 
 
 def run_script(args: argparse.Namespace) -> int:

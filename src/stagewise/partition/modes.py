@@ -85,12 +85,7 @@ def stage_counts(
         if len(times) != n:
             raise ValueError(f"costs has {len(times)} entries, expected one per {unit} ({n})")
         return partition_costs([float(t) for t in times], num_stages, speeds=speeds).counts
-    if needs_profile(how, memory_caps) and profile is None:
-        extra = " with memory_caps=" if memory_caps is not None else ""
-        raise ValueError(f"partition={how!r}{extra} needs a profile of the {unit}s (one micro-batch of sample inputs)")
-    if profile is not None and len(profile) != n:
-        raise ValueError(f"the profile has {len(profile)} entries, but there are {n} {unit}s")
-    memory = layer_memory(profile, in_flight) if profile is not None else None
+    memory = _profiled_memory(n, how, profile, memory_caps, in_flight, unit)
     if how == "parameters":
         if parameters is None:
             raise ValueError("partition='parameters' needs the parameter counts")
@@ -107,6 +102,19 @@ def stage_counts(
             f"{err}; a {unit} holds 2 x its parameter bytes + {in_flight} micro-batch(es) of its activations"
         ) from err
     return cut.counts
+
+
+def _profiled_memory(
+    n: int, how: str, profile: LayerProfile | None, memory_caps: Sequence[float] | None, in_flight: int, unit: str
+) -> list[float] | None:
+    """Each unit's :func:`layer_memory` (None without a profile), once the profile is checked to be there when
+    ``how`` or ``memory_caps`` needs it, with one entry per unit."""
+    if needs_profile(how, memory_caps) and profile is None:
+        extra = " with memory_caps=" if memory_caps is not None else ""
+        raise ValueError(f"partition={how!r}{extra} needs a profile of the {unit}s (one micro-batch of sample inputs)")
+    if profile is not None and len(profile) != n:
+        raise ValueError(f"the profile has {len(profile)} entries, but there are {n} {unit}s")
+    return layer_memory(profile, in_flight) if profile is not None else None
 
 
 def _balanced(

@@ -77,8 +77,7 @@ def make_problem(
     tp_idx, chosen = _tp_indices(tp_layers, profile.names), _chosen_schedules(schedules)
     _check_recompute(recompute)
     cal, cores = _calibration_and_cores(calibration, cores)
-    intra, inter = as_link(intra, "intra"), as_link(inter, "inter")
-    (intra, inter), per_node = _links(intra, inter, cal), processes // nodes
+    (intra, inter), per_node = _links(as_link(intra, "intra"), as_link(inter, "inter"), cal), processes // nodes
     return Problem(
         profile=profile,
         processes=processes,

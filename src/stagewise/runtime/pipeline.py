@@ -57,46 +57,8 @@ class Pipeline(nn.Module):
     ``layers``: an ``nn.Sequential``, a list (or dict) of modules, or of :class:`~stagewise.Layer` specs
     built lazily, each seeded with ``seed + layer index`` (so :func:`~stagewise.build_model` with the same
     seed is the one-process twin). Other ways in: :meth:`from_model`, :meth:`from_hf`, :meth:`from_stages`,
-    :meth:`from_plan`; all take the same options, as keywords or an :class:`~stagewise.Options`:
-
-    *What runs.* ``schedule``: a registered name or a :class:`~stagewise.Schedule` (its rank count must be
-    the group size). ``microbatches`` defaults to the schedule's count, or the group size for a name;
-    ``virtual_stages`` to the schedule's default; ``stages``: how many stages the model is cut into (with a
-    name and no ``virtual_stages``, ``stages / ranks`` virtual stages per rank).
-
-    *Where.* ``group``: the process group (default: the world); or ``parallel``: a
-    :class:`~stagewise.ParallelConfig` (or built :class:`~stagewise.Mesh`) for pipeline x data x
-    ZeRO-sharded x tensor parallelism: the schedule runs on the mesh's ``pp`` group, stages are replicated
-    over ``dp`` and sharded over ``sharding`` (gradients reduced at each stage's SYNC), the layers ``tp_plan``
-    names are split over ``tp``; each replica trains on its own slice (:meth:`local_batch`). ``device``,
-    ``transport`` (``"auto"``, ``"shm"``, ``"torch"`` or a factory), ``timeout`` (seconds any wait may take
-    before every rank raises :class:`~stagewise.PipelineError` naming where each stood), ``store``.
-
-    *How it is cut.* ``partition``: ``"balanced"`` (the default: work counted on the meta device from
-    ``sample_inputs``, else parameters), ``"uniform"``, ``"parameters"``, ``"time"``, ``"memory"`` or layer counts
-    per stage (``"time"`` / ``"memory"`` profile ``sample_inputs``, one micro-batch, on the first rank);
-    ``speeds`` and ``memory_caps`` (bytes), one per rank, for heterogeneous ranks; ``seed``;
-    ``free_unused`` and ``concrete_args`` (models built whole, :meth:`from_model`).
-
-    *How it trains.* ``loss_fn(output, target)`` returns the micro-batch's *mean* loss; each micro-batch's
-    loss is weighted by its share of the batch (of the rows, or of ``loss_weights(targets)``, e.g.
-    :func:`~stagewise.count_tokens`: a token-level mean over the whole batch, over every data-parallel
-    replica too). ``optimizer``: a factory ``params -> Optimizer``, one per stage, stepped by the
-    schedule's STEP actions (asynchronous schedules need one); with it ``lr_scheduler`` and ``clip=max_norm``
-    (:mod:`stagewise.runtime.features.owned_step`). ``batch_dim`` / ``target_batch_dim``. ``recompute``,
-    ``autocast`` (``torch.bfloat16`` / ``float16``), ``batchnorm`` (``"micro"`` or ``"deferred"``: running
-    statistics per micro-batch or once per step over the whole batch),
-    ``nan_policy`` (``"raise"``, ``"skip"`` or None: a non-finite loss or gradient anywhere in the mesh),
-    ``dropout_seed`` (each dropout mask is drawn from a generator seeded by this, or ``seed``, with the step,
-    micro-batch and module: alike under every layout and schedule, :mod:`stagewise.runtime.features.dropout`),
-    ``measure_memory``, ``variable_shapes``, ``emulate_slowdown`` (an EMULATION of slower devices),
-    ``offload="optimizer"`` (the optimizer's state, and float32 master weights, in host memory; the update runs
-    on the host: :mod:`stagewise.runtime.features.offload`). ``schedule="auto"`` synthesizes the schedule for
-    the layers' measured costs (a layer list with ``sample_inputs``: :mod:`stagewise.runtime.assembly.auto_schedule`).
-    ``snapshot=k`` (or a :class:`~stagewise.Snapshots`): each rank's state after every k-th step, in memory on
-    its machine and a peer's, which ``sw.checkpoint.resume`` weighs against the disk (:mod:`stagewise.runtime.elastic`).
-    ``metrics="DIR"`` (a :class:`~stagewise.runtime.MetricsConfig`): each step's numbers to JSON lines and
-    TensorBoard; ``progress`` (True, every N steps, False): rank 0's line (:mod:`stagewise.runtime.reporting`).
+    :meth:`from_plan`; all take the same options, as keywords or an :class:`~stagewise.Options`, where each
+    is documented once (what runs, where, how it is cut, how it trains).
 
     Every schedule trains a stream of mini-batches with :meth:`train_stream`; synchronous ones also one
     mini-batch at a time with :meth:`train_step` (asynchronous ones, ``pipedream``, ``pipedream-2bw``,

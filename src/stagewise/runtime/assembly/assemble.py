@@ -150,12 +150,7 @@ def _engine(
 ) -> Engine:
     wait = transport.guard.wait  # the hybrid axes and tied sums wait within the pipeline's deadline, on its board
     tied = parts.tied or TiedBuilder([], 0)
-    if ctx.hybrid is not None:  # split, shard or replicate the stages before optimizers see them
-        if not parts.seeded:
-            replicate_first(ctx.hybrid, parts.modules, wait)
-        whole = tied.parameter_ids()
-        ctx.hybrid.attach(root, parts.modules, options.tp_plan, wait, whole)
-        ctx.hybrid.bound_groups(options.timeout)  # FSDP2's and DTensor's collectives stop at the pipeline's timeout
+    _attach_hybrid(root, ctx, parts, options, tied, wait)  # before optimizers see the parameters
     optimizers = optimizer_per_stage(parts.modules, options.optimizer, stage_parameters)
     offload = offload_optimizers(options.offload, optimizers, ctx.device, transport.guard.wait_gpu)
     schedulers = schedulers_per_stage(optimizers, options.lr_scheduler)  # lr_scheduler=: stepped after each
@@ -163,13 +158,7 @@ def _engine(
     transport.warm_up()
     schedule, m = ctx.schedule, ctx.schedule.num_microbatches
     mailbox = Mailbox(transport, schedule.placement, m, ctx.device, variable_shapes=options.variable_shapes)
-    mesh = None if ctx.hybrid is None else ctx.hybrid.mesh
-    tied_sync = TiedSync(
-        tied, parts.layer_ranges, schedule.placement, ctx.rank, ctx.group, wait, mesh, transport.guard.call
-    )  # (its process groups are made within the deadline: guard.call)
-    held.tied = tied_sync
-    for tied_group in tied_sync.groups.values():
-        groups.bound(tied_group, options.timeout)
+    tied_sync = held.tied = _tied_sync(ctx, parts, options, tied, transport)
     stepper = Scheduled(offload, schedulers) if schedulers else offload
     hooks = StageHooks([tied_sync] if ctx.hybrid is None else [ctx.hybrid, tied_sync], optimizers, stepper)
     merge = GradientMerge()  # a step part: it sets the run's flag that SYNC, STEP and the parts read
@@ -185,16 +174,10 @@ def _engine(
         check_batchnorm(options.batchnorm), parts.modules,
         hybrid=ctx.hybrid, group=ctx.group, num_microbatches=m, wait=wait,
     )  # fmt: skip
-    hooks.parts.append(norms)
-    finite = _finite(root, ctx, parts, options, stages, transport, tied_sync, merge)
-    if finite is not None:
-        hooks.parts.append(finite)  # the check at the first STEP (at every STEP: asynchronous)
-    snapshots = snapshotter(root, ctx, options)
-    if snapshots is not None:
-        hooks.parts.append(snapshots)  # its before_step: a STEP waits until the last snapshot is copied
-    clip = clip_part(root, options.clip, tied_sync, ctx.hybrid)
-    if clip is not None:
-        hooks.parts.append(clip)  # clip=: the whole gradient clipped at the first STEP, after the check
+    finite = _finite(root, ctx, parts, options, stages, transport, tied_sync, merge)  # at the first STEP
+    snapshots = snapshotter(root, ctx, options)  # its before_step: a STEP waits until the last snapshot is copied
+    clip = clip_part(root, options.clip, tied_sync, ctx.hybrid)  # clip=: at the first STEP, after the check
+    hooks.parts += [part for part in (norms, finite, snapshots, clip) if part is not None]
     eval_schedule = forward_only(schedule)  # validated: what eval_step runs
     hybrid = None if ctx.hybrid is None else HybridPart(
         ctx.hybrid, options.target_batch_dim, ctx.device,
@@ -212,6 +195,30 @@ def _engine(
         snapshots=snapshots, reporter=reporter, versions=None if asynchronous is None else asynchronous.versions,
         schedulers=schedulers,
     )  # fmt: skip
+
+
+def _attach_hybrid(
+    root: nn.Module, ctx: PipelineContext, parts: Parts, options: Options, tied: TiedBuilder, wait: Any
+) -> None:
+    """Split, shard or replicate the stages over the hybrid axes (``parallel=``), before any optimizer sees them."""
+    if ctx.hybrid is None:
+        return
+    if not parts.seeded:
+        replicate_first(ctx.hybrid, parts.modules, wait)
+    ctx.hybrid.attach(root, parts.modules, options.tp_plan, wait, tied.parameter_ids())
+    ctx.hybrid.bound_groups(options.timeout)  # FSDP2's and DTensor's collectives stop at the pipeline's timeout
+
+
+def _tied_sync(
+    ctx: PipelineContext, parts: Parts, options: Options, tied: TiedBuilder, transport: Transport
+) -> TiedSync:
+    """The tied modules' sums, their process groups made (and bounded) within the pipeline's deadline."""
+    mesh = None if ctx.hybrid is None else ctx.hybrid.mesh
+    wait, placement = transport.guard.wait, ctx.schedule.placement
+    tied_sync = TiedSync(tied, parts.layer_ranges, placement, ctx.rank, ctx.group, wait, mesh, transport.guard.call)
+    for tied_group in tied_sync.groups.values():
+        groups.bound(tied_group, options.timeout)
+    return tied_sync
 
 
 def _runner(
