@@ -28,6 +28,7 @@ from .assembly.auto_schedule import synthesized
 from .assembly.combinations import refuse_no_sync, refuse_options, refuse_parts
 from .assembly.context import place, resolve_schedule_for
 from .asynchronous.windows import windows_of
+from .checkpoint.declared import PipelineState, StateSource
 from .comm import groups, lifecycle
 from .engine.reports import gathered_losses, step_timeline
 from .errors import PipelineError
@@ -324,6 +325,10 @@ class Pipeline(nn.Module):
         not in ``state_dict()``: that is saved where the first use is; checkpoints load them too)."""
         return dict(self._tied_copies)
 
+    def state_sources(self) -> list[StateSource]:
+        """Where a resume may take this pipeline's state from besides the disk (:mod:`.checkpoint.declared`)."""
+        return [] if self.snapshots is None else [self.snapshots.source(self)]
+
     @property
     def last_step(self) -> Any:
         """The last step's record (its events, per-kind compute times, mode), or None before the first."""
@@ -406,3 +411,7 @@ class Pipeline(nn.Module):
         held = self.__dict__.get("_held")
         if held is not None:
             held.close()
+
+
+if TYPE_CHECKING:
+    _declares: type[PipelineState] = Pipeline  # mypy checks that a Pipeline declares its state
