@@ -41,6 +41,7 @@ from .frontends.layers import Layers
 from .frontends.parts import Frontend
 from .frontends.plan import FromPlan
 from .options import Options, check_applicable
+from .relayout import Layout, relayout
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -115,7 +116,7 @@ class Pipeline(nn.Module):
         refuse_parts(entry, opts, schedule, parts)
         self._pp_rank, self._num_ranks, self.schedule = ctx.rank, ctx.num_ranks, ctx.schedule
         self._process_rank, self._local_stages = groups.global_rank(), ctx.local_stages
-        self.hybrid, self.device, self.options = ctx.hybrid, ctx.device, opts
+        self.hybrid, self.device, self.options, self.frontend = ctx.hybrid, ctx.device, opts, frontend
         self.layer_ranges, self.layer_profile, self.model_cut = parts.layer_ranges, parts.profile, parts.model_cut
         self._tied_copies = parts.tied_copies
         self._held = Held()
@@ -188,6 +189,16 @@ class Pipeline(nn.Module):
             raise
         merge.stepped()
         return losses
+
+    def relayout(self, members: Sequence[int] | None = None, /, *, plan: Plan | None = None, **changes: Any) -> Layout:
+        """Take a new layout in place, in these processes, exactly (a collective over every process of the world).
+
+        ``changes``: layout options (``schedule``, ``microbatches``, ``virtual_stages``, ``stages``,
+        ``partition``, ``parallel``, ...) or ``plan=``; ``members``: the global ranks that hold the pipeline
+        afterwards (default: all; the others hold nothing until a later ``relayout``). Returns the new
+        :class:`~stagewise.runtime.relayout.Layout`. See :mod:`stagewise.runtime.relayout.call`.
+        """
+        return relayout(self, members, changes, plan, lambda frontend, options: Pipeline(frontend, options))
 
     def no_sync(self) -> AbstractContextManager[None]:
         """Gradient merge: inside ``with pipe.no_sync():`` train steps only accumulate gradients.

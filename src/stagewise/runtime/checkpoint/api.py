@@ -208,9 +208,9 @@ def load(
     try:
         info = _load(Path(path), model, optimizer, scheduler, strict, restore_rng, ranks)
         note_checkpoint(info.path, info.step, loaded=True)  # a resumed job counts on from here
-        snapshots = getattr(model, "snapshots", None)
-        if snapshots is not None:  # Pipeline(snapshot=...): its step counter goes on from the loaded step
-            snapshots.step = info.step
+        if isinstance(model, PipelineState):  # snapshot=: its step counter goes on from the loaded step
+            for source in model.state_sources():
+                source.resumed(info.step)
         return info
     finally:
         ranks.close()

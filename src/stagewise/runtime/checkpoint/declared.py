@@ -149,8 +149,3 @@ def progress_of(pipe: PipelineState) -> Progress:
 def restore_progress(pipe: PipelineState, progress: Progress) -> None:
     """Set the steps trained and the dropout seed (a gradient merge is never carried over: it is refused)."""
     pipe.train_steps, pipe.dropout_seed = progress.train_steps, progress.dropout_seed
-
-
-def is_pipeline(target: object) -> bool:
-    """Whether ``target`` declares a pipeline's state (a plain module saves its ``state_dict()`` alone)."""
-    return isinstance(target, PipelineState)
