@@ -161,6 +161,8 @@ def _agree(
     """The one small exchange: every process's request digest, progress and refusals; refused alike."""
     progress = None if old is None else progress_of(old)
     refused = local_refusals(frontend, options, progress, changes)
+    if changes.get("parallel", options.parallel) is not None and len(chosen) != ranks.size:
+        refused.append(f"parallel= spans every process of the world: keep all {ranks.size} as members")
     if plan is not None and not isinstance(frontend, (LayerList, FromPlan)):
         refused.append(f"plan= re-cuts a layer list (Pipeline(layers) or from_plan), not {frontend.entry}")
     mine = {"digest": digest(chosen, changes, plan), "refused": refused, "progress": progress and asdict(progress)}
