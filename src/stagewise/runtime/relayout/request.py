@@ -76,6 +76,9 @@ def local_refusals(
                 f"a pipeline of given stages (from_stages) keeps its placement: {', '.join(moved)} cannot change "
                 "(a new schedule or micro-batch count is fine)"
             )
+    elif isinstance(frontend, FromPlan) and set(changes) & set(frontend.plan.pipeline_options()):
+        clash = ", ".join(f"{k}=" for k in sorted(set(changes) & set(frontend.plan.pipeline_options())))
+        out.append(f"{clash} set by the plan of this pipeline (from_plan): pass relayout(plan=...) instead")
     elif not isinstance(frontend, (LayerList, FromPlan)) and options.free_unused:
         out.append(
             f"{frontend.entry} freed the other ranks' parts of the model when it was built (free_unused=True): "
