@@ -72,6 +72,12 @@ class Mesh(Protocol):
     def config(self) -> ParallelConfig: ...
 
 
+class TiedGroups(Protocol):
+    """The tied modules' gradient sums (a pipeline's ``tied``): their process groups, by tied key."""
+
+    groups: dict[str, Any]
+
+
 @runtime_checkable
 class PipelineState(Protocol):
     """What a pipeline declares of its state (see the module docstring); it is also an ``nn.Module`` whose
@@ -82,6 +88,13 @@ class PipelineState(Protocol):
     device: Any
     transport: Transport  # the pipeline group and the guard every wait goes through
     optimizers: dict[int, torch.optim.Optimizer]  # its own, one per stage (``optimizer=factory``), or empty
+    options: Any  # the options it was built with (a re-layout builds the next layout from the user's own)
+    frontend: Any  # the way in it was built through (a re-layout builds the next layout through it again)
+
+    @property
+    def tied(self) -> TiedGroups:
+        """The tied modules' sums, whose process groups a re-layout lets go."""
+        ...
 
     train_steps: int  # mini-batches trained: the step of the dropout masks' seeds (set by a restore)
     dropout_seed: int  # (set by a restore)

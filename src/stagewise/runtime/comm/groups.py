@@ -68,14 +68,17 @@ def new_subgroup(ranks: list[int], member: bool) -> Any:
 _prepared: dict[tuple[int, ...], list[Any]] = {}
 
 
-def prepare_subgroups(sets: Sequence[Sequence[int]]) -> None:
+def prepare_subgroups(sets: Sequence[Sequence[int]]) -> list[Any]:
     """Make the groups of these sets of global ranks now, by every process of the world in one order, for a
     pipeline on fewer processes than the world to take (:func:`new_subgroup`): gloo cannot make a group by its
     members alone once the whole world has made groups together (as a re-layout to fewer processes finds it).
-    Groups prepared earlier and not taken are forgotten."""
+    Groups prepared earlier and not taken are forgotten. Returns the groups made (for the caller to let go)."""
     _prepared.clear()
+    made = []
     for ranks in sets:
-        _prepared.setdefault(tuple(ranks), []).append(dist.new_group(list(ranks)))
+        made.append(dist.new_group(list(ranks)))
+        _prepared.setdefault(tuple(ranks), []).append(made[-1])
+    return made
 
 
 def new_world_subgroup(ranks: list[int]) -> Any:

@@ -69,6 +69,7 @@ class Layout:
 
 
 _generations = [0]  # re-layouts this process took part in (advanced alike on every process)
+_owned: list[Any] = []  # the groups made for the layout in force (let go by the next re-layout)
 
 
 def relayout(
@@ -91,7 +92,7 @@ def relayout(
     _generations[0] += 1
     group = relayout_wire.fresh_group(chosen, options.timeout)
     exchange = relayout_wire.fresh_group(range(world), options.timeout, backend="gloo")
-    groups.prepare_subgroups(subgroups_ahead(chosen, world))  # the members' tied groups
+    prepared = groups.prepare_subgroups(subgroups_ahead(chosen, world))  # the members' tied groups
     clock.lap("groups")
     guard = setup_guard(options.timeout)
     ranks = storage.Ranks(exchange, me, world, torch.device("cpu"), True, guard, options.timeout, True)
@@ -108,7 +109,10 @@ def relayout(
     finally:
         ranks.close()
         relayout_wire.release(exchange)
+    stale = _stale_groups(old, [group, *prepared])
     _become(pipe, new, frontend, options, build)
+    for made in stale:
+        relayout_wire.release(made)
     clock.lap("release")
     return _layout(None if new is None else pipe, chosen, everyone, moved, clock.seconds)
 
@@ -292,6 +296,16 @@ def _bytes(described: Mapping[str, Any]) -> int:
     for n in described["shape"]:
         count *= int(n)
     return count * torch.empty(0, dtype=getattr(torch, described["dtype"])).element_size()
+
+
+def _stale_groups(old: PipelineState | None, kept: list[Any]) -> list[Any]:
+    """The old layout's groups to let go once it is released: those the last re-layout made and its tied
+    modules' (never the user's group nor the default one); ``kept`` become the new layout's own."""
+    stale = list(_owned)
+    if old is not None:
+        stale += [g for g in old.tied.groups.values() if g is not old.transport.group and g not in stale]
+    _owned[:] = kept
+    return [g for g in stale if g not in kept]
 
 
 def _become(pipe: nn.Module, new: nn.Module | None, frontend: Frontend, options: Options, build: Build) -> None:
