@@ -55,3 +55,26 @@ def test_groups_made_ahead_for_fewer_processes() -> None:
     assert subgroups_ahead((0, 1), 4) == [(0, 1)]
     assert len(subgroups_ahead((0, 1, 2), 4)) == 4  # three pairs and the three
     assert subgroups_ahead(tuple(range(6)), 8) == [tuple(range(6))]
+
+
+def test_each_way_in_refuses_what_it_cannot_change() -> None:
+    from torch import nn
+
+    import stagewise as sw
+    from stagewise.runtime.checkpoint.declared import Progress
+    from stagewise.runtime.frontends.given import GivenStages
+    from stagewise.runtime.frontends.layer_list import LayerList
+    from stagewise.runtime.options import Options
+    from stagewise.runtime.relayout.request import local_refusals
+
+    calm = Progress(train_steps=3, dropout_seed=0, merged_steps=0, asynchronous=False)
+    layers = LayerList([nn.Linear(2, 2), nn.Linear(2, 2)])
+    assert local_refusals(layers, Options(), calm, {"partition": [1, 1]}) == []
+    assert "loss_fn= is not a layout option" in local_refusals(layers, Options(), calm, {"loss_fn": None})[0]
+    merging = Progress(train_steps=3, dropout_seed=0, merged_steps=2, asynchronous=False)
+    assert "gradient merge (2 train steps" in local_refusals(layers, Options(), merging, {})[0]
+    given = GivenStages({0: nn.Linear(2, 2)})
+    assert local_refusals(given, Options(), calm, {"schedule": "gpipe"}) == []  # the same placement
+    assert "keeps its placement: partition" in local_refusals(given, Options(), calm, {"partition": [1]})[0]
+    tp = {"parallel": sw.ParallelConfig(pp=2, tp=2)}
+    assert "tensor parallelism and sharding" in local_refusals(layers, Options(), calm, tp)[0]
