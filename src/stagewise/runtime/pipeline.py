@@ -191,13 +191,8 @@ class Pipeline(nn.Module):
         return losses
 
     def relayout(self, members: Sequence[int] | None = None, /, *, plan: Plan | None = None, **changes: Any) -> Layout:
-        """Take a new layout in place, in these processes, exactly (a collective over every process of the world).
-
-        ``changes``: layout options (``schedule``, ``microbatches``, ``virtual_stages``, ``stages``,
-        ``partition``, ``parallel``, ...) or ``plan=``; ``members``: the global ranks that hold the pipeline
-        afterwards (default: all; the others hold nothing until a later ``relayout``). Returns the new
-        :class:`~stagewise.runtime.relayout.Layout`. See :mod:`stagewise.runtime.relayout.call`.
-        """
+        """Take new layout options (or ``plan=``) in place, exactly, on ``members`` (global ranks; default all, the
+        others hold nothing): a collective over the world (:mod:`stagewise.runtime.relayout.call`)."""
         return relayout(self, members, changes, plan, lambda frontend, options: Pipeline(frontend, options))
 
     def no_sync(self) -> AbstractContextManager[None]:
