@@ -78,6 +78,7 @@ RUNTIME_FLOORS: list[list[str]] = [
     ["options.py"],  # the one options value, checked by each feature's own rules
     ["frontends"],  # every way in: from what the user gives to this rank's parts
     ["assembly"],  # the construction path: refusals, agreement, schedule, placement, the engine around parts
+    ["relayout"],  # a running pipeline takes a new layout: the construction path again, the state moved
     ["pipeline.py"],  # the facade
     ["hetpipe.py", "calibration"],  # what runs pipelines: HetPipe's virtual workers, the group's calibration
 ]

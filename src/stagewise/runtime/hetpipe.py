@@ -255,6 +255,14 @@ class HetPipe(SavedInParts):
         :func:`.assembly.combinations.refuse_no_sync`)."""
         refuse_no_sync("HetPipe", None)
 
+    def relayout(self, *args: Any, **changes: Any) -> Any:
+        """Refused: a HetPipe's layout is its virtual workers' and the wave rule's, which a re-layout does not
+        move; save a checkpoint and build a new HetPipe (or re-layout a Pipeline)."""
+        raise ValueError(
+            "HetPipe.relayout: refused - each virtual worker's pipeline and the wave rule's global sums are laid out "
+            "together; save a checkpoint (sw.checkpoint.save) and build the new HetPipe from it"
+        )
+
     def _rebase(self) -> None:
         """Every VW ends on the global model W0 + G/K, and it becomes the base W0 of the waves to come (with G
         counted afresh): the same rule, so that a checkpoint of the global model resumes it exactly."""

@@ -28,6 +28,7 @@ from .assembly.auto_schedule import synthesized
 from .assembly.combinations import refuse_no_sync, refuse_options, refuse_parts
 from .assembly.context import place, resolve_schedule_for
 from .asynchronous.windows import windows_of
+from .checkpoint.declared import PipelineState, StateSource
 from .comm import groups, lifecycle
 from .engine.reports import gathered_losses, step_timeline, version_report
 from .errors import PipelineError
@@ -41,6 +42,7 @@ from .frontends.layers import Layers
 from .frontends.parts import Frontend
 from .frontends.plan import FromPlan
 from .options import Options, check_applicable
+from .relayout import Layout, relayout
 from .reporting.memory import memory_report
 from .reporting.reporter import Reporter
 
@@ -83,7 +85,7 @@ class Pipeline(nn.Module):
         refuse_parts(entry, opts, schedule, parts)
         self._pp_rank, self._num_ranks, self.schedule = ctx.rank, ctx.num_ranks, ctx.schedule
         self._process_rank, self._local_stages = groups.global_rank(), ctx.local_stages
-        self.hybrid, self.device, self.options = ctx.hybrid, ctx.device, opts
+        self.hybrid, self.device, self.options, self.frontend = ctx.hybrid, ctx.device, opts, frontend
         self.layer_ranges, self.layer_profile, self.model_cut = parts.layer_ranges, parts.profile, parts.model_cut
         self._tied_copies = parts.tied_copies
         self._held = Held()
@@ -156,6 +158,11 @@ class Pipeline(nn.Module):
             raise
         merge.stepped()
         return losses
+
+    def relayout(self, members: Sequence[int] | None = None, /, *, plan: Plan | None = None, **changes: Any) -> Layout:
+        """Take new layout options (or ``plan=``) in place, exactly, on ``members`` (global ranks; default all, the
+        others hold nothing): a collective over the world (:mod:`stagewise.runtime.relayout.call`)."""
+        return relayout(self, members, changes, plan, lambda frontend, options: Pipeline(frontend, options))
 
     def no_sync(self) -> AbstractContextManager[None]:
         """Gradient merge: inside ``with pipe.no_sync():`` train steps only accumulate gradients.
@@ -295,6 +302,10 @@ class Pipeline(nn.Module):
         not in ``state_dict()``: that is saved where the first use is; checkpoints load them too)."""
         return dict(self._tied_copies)
 
+    def state_sources(self) -> list[StateSource]:
+        """Where a resume may take this pipeline's state from besides the disk (:mod:`.checkpoint.declared`)."""
+        return [] if self.snapshots is None else [self.snapshots.source(self)]
+
     @property
     def last_step(self) -> Any:
         """The last step's record (its events, per-kind compute times, mode), or None before the first."""
@@ -366,3 +377,7 @@ class Pipeline(nn.Module):
         held = self.__dict__.get("_held")
         if held is not None:
             held.close()
+
+
+if TYPE_CHECKING:
+    _declares: type[PipelineState] = Pipeline  # mypy checks that a Pipeline declares its state

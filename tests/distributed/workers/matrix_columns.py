@@ -289,6 +289,31 @@ def merge(row: str, column: str, ctx: Ctx) -> dict[str, Any]:
     return {"losses": losses}
 
 
+def relayout(row: str, column: str, ctx: Ctx) -> dict[str, Any]:
+    """After a step and a save, ``pipe.relayout(schedule="gpipe")`` (the same placement, so from_stages takes it
+    too); a fresh GPipe pipeline loads the save: both hold the same tensors and train on alike, to the bit. The
+    rows that cannot re-layout refuse the call alike on every rank."""
+    a = build(row, column, ctx)
+    want = expected(row, column)
+    if want != EXACT:
+        raises(ValueError, want, lambda: a.pipe.relayout(schedule="gpipe"))
+        return {"refused": want}
+    root = Path(os.environ.get("MATRIX_DIR", "/tmp/sw-matrix")) / f"relayout-{row}"
+    x, y = a.data(0)
+    a.pipe.train_step(*a.pipe.local_batch(x, y))
+    sw.checkpoint.save(root, a.pipe, step=1)
+    layout = a.pipe.relayout(schedule="gpipe")
+    b = build(row, column, ctx, shift=0.5, schedule="gpipe", **({"seed": SEED + 1} if row == "layers" else {}))
+    sw.checkpoint.load(root, b.pipe)
+    assert_params_close(b.pipe, _as_module(a.pipe), "re-laid out", rtol=0, atol=0)
+    x, y = a.data(1)
+    la = a.pipe.train_step(*a.pipe.local_batch(x, y))
+    lb = b.pipe.train_step(*b.pipe.local_batch(x, y))
+    assert la == lb and layout.schedule == "gpipe", (la, lb, layout.schedule)
+    assert_params_close(b.pipe, _as_module(a.pipe), "trained on after the re-layout", rtol=0, atol=0)
+    return {"losses": [la, lb]}
+
+
 # ---- the one step protocol: options that reach every window of an asynchronous stream -------------------
 COLUMNS: dict[str, Callable[[str, str, Ctx], dict[str, Any]]] = {
     "bn_micro": batchnorm,
@@ -302,4 +327,5 @@ COLUMNS: dict[str, Callable[[str, str, Ctx], dict[str, Any]]] = {
     "snapshot": snapshot,
     "async": asynchronous,
     "merge": merge,
+    "relayout": relayout,
 }

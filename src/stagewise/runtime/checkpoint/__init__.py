@@ -6,7 +6,8 @@ See :func:`save` and :func:`load`; the tensors are written with
 published by a rename under ``ROOT/step-N`` (:mod:`.retention`).
 """
 
-from .api import CheckpointInfo, latest, load, save
+from .api import latest, load, save
+from .declared import CheckpointInfo
 from .manifest import CheckpointError
 from .resume import resume
 

@@ -33,7 +33,7 @@ import json
 import logging
 import os
 import shutil
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -44,34 +44,12 @@ from ..._util import is_count
 from ..interrupt import note_checkpoint
 from . import agreement, retention, state, storage, verify
 from . import manifest as mf
+from .declared import CheckpointInfo, PipelineState
 from .manifest import CheckpointError
 from .parts import SavedInParts
 from .verify import META
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class CheckpointInfo:
-    """What :func:`load` restored, and what it read about the run that saved it.
-
-    ``extra``: the ``extra=`` dict given to :func:`save` (e.g. the data position).
-    ``layout``: how the model was laid out (world size, pipeline ranks, schedule,
-    placement, layer ranges, parallel degrees). ``rng_restored``: the RNG states
-    are per rank, so they are restored only when the number of ranks is the same.
-    ``reason``: why this folder was loaded (the one named, or the newest under a root).
-    """
-
-    path: Path
-    step: int
-    extra: Any
-    layout: dict[str, Any]
-    versions: dict[str, str]
-    optimizer_restored: bool
-    scheduler_restored: bool
-    rng_restored: bool
-    reason: str = ""
-    scheduler_saved: bool = False  # the checkpoint holds an LR scheduler's state (restored or not)
 
 
 def save(
@@ -240,9 +218,9 @@ def load(
     try:
         info = _load(Path(path), model, optimizer, scheduler, strict, restore_rng, ranks)
         note_checkpoint(info.path, info.step, loaded=True)  # a resumed job counts on from here
-        snapshots = getattr(model, "snapshots", None)
-        if snapshots is not None:  # Pipeline(snapshot=...): its step counter goes on from the loaded step
-            snapshots.step = info.step
+        if isinstance(model, PipelineState):  # snapshot=: its step counter goes on from the loaded step
+            for source in model.state_sources():
+                source.resumed(info.step, "")
         return info
     finally:
         ranks.close()
@@ -322,7 +300,7 @@ def latest(path: str | os.PathLike[str]) -> Path | None:
 def _ranks(model: Any, collective: bool, timeout: float) -> storage.Ranks:
     if not timeout > 0:
         raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
-    if state.is_pipeline(model):
+    if isinstance(model, PipelineState):
         if not collective:
             raise ValueError("collective=False is for a plain module: every rank of a Pipeline saves and loads it")
         return storage.pipeline_ranks(model, timeout)

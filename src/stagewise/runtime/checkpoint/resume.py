@@ -18,7 +18,8 @@ from typing import Any
 from torch import nn
 
 from . import state, storage
-from .api import CheckpointInfo, _ranks, agreed_newest, load, virtual_worker
+from .api import _ranks, agreed_newest, load, virtual_worker
+from .declared import CheckpointInfo, Offer, PipelineState, StateSource
 
 log = logging.getLogger(__name__)
 
@@ -49,26 +50,86 @@ def resume(
     step, and on how many processes (``resumed step 10 on 4 processes (was 6): pp 2 x dp 2 (was pp 2 x dp 3),
     from peer snapshots``).
     """
-    snapshots = getattr(model, "snapshots", None)
-    if snapshots is not None:  # Pipeline(snapshot=...): the peers' snapshots too (stagewise.runtime.elastic)
-        options = {"optimizer": optimizer, "scheduler": scheduler, "collective": collective, "timeout": timeout}
-        return snapshots.resume(path, model, **options)
-    part = virtual_worker(model, path)
-    if part is not None:  # a HetPipe: every virtual worker looks under its own folder, alike (they saved alike)
-        folder, pipe, _ = part
-        if _newest(folder, _ranks(pipe, collective, timeout))[0] is None:
-            return None
-        return load(path, model, optimizer, scheduler=scheduler, timeout=timeout)
-    ranks = _ranks(model, collective, timeout)
-    chosen, why = _newest(Path(path), ranks)
-    if chosen is None:
+    part = virtual_worker(model, path)  # a HetPipe: every virtual worker resumes its own folder, alike
+    root, holder = (part[0], part[1]) if part is not None else (Path(path), model)
+    disk = DiskCheckpoints(root, Path(path), model, optimizer, scheduler, collective, timeout)
+    sources: list[StateSource] = [disk]
+    if isinstance(holder, PipelineState):
+        sources += holder.state_sources()  # snapshot=: the peers' memory
+    if len(sources) > 1 and optimizer is not None:
+        raise ValueError(
+            "a pipeline with snapshot= resumes its own optimizers (Pipeline(optimizer=factory)): call "
+            "sw.checkpoint.resume(root, pipe) without optimizer="
+        )
+    ranks = _ranks(holder, collective, timeout)
+    try:
+        offers = [(source, source.newest(ranks)) for source in sources]
+    finally:
+        ranks.close()
+    restored = _restore_newest(offers)
+    if restored is None:
+        if ranks.first:
+            log.info("stagewise.checkpoint.resume: starting afresh: %s", disk.why)
         return None
-    info = load(chosen, model, optimizer, scheduler=scheduler, collective=collective, timeout=timeout)
-    if ranks.first and state.is_pipeline(model):
-        now = state.layout_of(model, ranks.size)
-        line = resumed_line(info.step, now, info.layout, f"from checkpoint {chosen}")
-        log.warning("stagewise: %s%s", line, scheduler_note(info))
-    return replace(info, reason=why)
+    info, said = restored
+    line = ""
+    if isinstance(holder, PipelineState):
+        now = state.layout_of(holder, ranks.size)
+        line = resumed_line(info.step, now, info.layout, said) + scheduler_note(info)
+        if ranks.first:
+            log.warning("stagewise: %s", line)
+    for source in sources:
+        source.resumed(info.step, line)
+    return info
+
+
+def _restore_newest(offers: list[tuple[StateSource, Offer | None]]) -> tuple[CheckpointInfo, str] | None:
+    """The one choice: the newest step any source offers (a tie goes to the source listed last: memory before
+    disk); a source whose state turns out unusable hands over to the next newest."""
+    ranked = sorted(
+        ((offer.step, k, source, offer) for k, (source, offer) in enumerate(offers) if offer is not None),
+        key=lambda entry: (entry[0], entry[1]),
+        reverse=True,
+    )
+    for k, (_, _, source, offer) in enumerate(ranked):
+        floor = ranked[k + 1][0] if k + 1 < len(ranked) else -1
+        info = source.restore(offer, floor)
+        if info is not None:
+            return info, source.said(offer)
+    return None
+
+
+class DiskCheckpoints:
+    """The checkpoints under a root on disk, as a resume's :class:`.declared.StateSource`."""
+
+    def __init__(
+        self, root: Path, path: Path, model: nn.Module, optimizer: Any, scheduler: Any, collective: bool, timeout: float
+    ) -> None:
+        self.root, self.path, self.model = root, path, model  # path: what load is given (a HetPipe's root)
+        self.optimizer, self.scheduler, self.collective, self.timeout = optimizer, scheduler, collective, timeout
+        self.why = ""
+
+    def newest(self, ranks: storage.Ranks) -> Offer | None:
+        """Rank 0's choice (see :func:`.retention.choose`), the same on every rank; logged."""
+        chosen, self.why = agreed_newest(self.root, ranks, f"which checkpoint under {self.root} to resume from")
+        if ranks.first and chosen is not None:
+            log.info("stagewise.checkpoint.resume: %s: %s", chosen, self.why)
+        return None if chosen is None else Offer(step_of(chosen), chosen)
+
+    def restore(self, offer: Offer, floor: int) -> CheckpointInfo | None:
+        """Load the chosen folder (a damaged one raises: never a silent start from something older)."""
+        target = offer.detail if self.root == self.path else self.path  # a HetPipe loads its parts from the root
+        options = {"scheduler": self.scheduler, "timeout": self.timeout}
+        if self.root == self.path:
+            options["collective"] = self.collective
+        info = load(target, self.model, self.optimizer, **options)
+        return replace(info, reason=self.why)
+
+    def said(self, offer: Offer) -> str:
+        return f"from checkpoint {offer.detail}"
+
+    def resumed(self, step: int, line: str) -> None:
+        pass
 
 
 def resumed_line(step: int, now: dict[str, Any], was: dict[str, Any], source: str) -> str:
@@ -102,15 +163,3 @@ def scheduler_note(info: CheckpointInfo) -> str:
 def step_of(folder: Path) -> int:
     """The step of a ``step-N`` checkpoint folder (its manifest's record says the same)."""
     return int(folder.name.removeprefix("step-"))
-
-
-def _newest(root: Path, ranks: storage.Ranks) -> tuple[Path | None, str]:
-    """Rank 0's choice under ``root`` (see :func:`.retention.choose`), the same on every rank; logged. (Closes
-    ``ranks``' own guard: the load that follows makes its own.)"""
-    try:
-        chosen, why = agreed_newest(root, ranks, f"which checkpoint under {root} to resume from")
-    finally:
-        ranks.close()
-    if ranks.first:
-        log.info("stagewise.checkpoint.resume: %s", f"starting afresh: {why}" if chosen is None else f"{chosen}: {why}")
-    return chosen, why

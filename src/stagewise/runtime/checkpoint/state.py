@@ -22,21 +22,19 @@ import base64
 import random
 import sys
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
 
+from .declared import PipelineState, progress_of, restore_progress
 from .manifest import CheckpointError
 
 MODEL, OPTIM = "model/", "optim/"
 
 
 # ---- the model ------------------------------------------------------------------------------
-def is_pipeline(target: Any) -> bool:
-    return hasattr(target, "_tied_copies") and hasattr(target, "local_stages")
-
-
 def saved_tensors(target: nn.Module) -> dict[str, torch.Tensor]:
     """What this rank writes of the model: its ``state_dict()`` (DTensors stay DTensors, so DCP writes shards)."""
     return {name: t for name, t in target.state_dict().items()}
@@ -45,10 +43,9 @@ def saved_tensors(target: nn.Module) -> dict[str, torch.Tensor]:
 def load_targets(target: nn.Module) -> dict[str, torch.Tensor]:
     """The tensors this rank fills on load, by name: its ``state_dict()`` plus every tied copy it holds."""
     out = dict(target.state_dict())
-    if not is_pipeline(target):
+    if not isinstance(target, PipelineState):
         return out
-    copies: dict[str, nn.Module] = target.tied_copies  # type: ignore[assignment]  # (a Pipeline's property)
-    for first, module in copies.items():
+    for first, module in target.tied_copies.items():
         for inner, t in module.state_dict().items():
             out[tied_name(first, inner)] = t
     return out
@@ -66,11 +63,11 @@ def describe(tensors: Mapping[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
 
 
 # ---- optimizers -----------------------------------------------------------------------------
-def optimizers_of(target: Any, optimizer: Any) -> list[torch.optim.Optimizer]:
+def optimizers_of(target: nn.Module, optimizer: Any) -> list[torch.optim.Optimizer]:
     """The optimizers to save or load: ``optimizer`` (one, a list, or a dict stage -> optimizer), or else the
     pipeline's own per-stage ones (``Pipeline(optimizer=factory)``)."""
     if optimizer is None:
-        own = getattr(target, "optimizers", None) if is_pipeline(target) else None
+        own = target.optimizers if isinstance(target, PipelineState) else None
         return [own[s] for s in sorted(own)] if own else []
     if isinstance(optimizer, torch.optim.Optimizer):
         return [optimizer]
@@ -84,11 +81,10 @@ def optimizers_of(target: Any, optimizer: Any) -> list[torch.optim.Optimizer]:
 def parameter_names(target: nn.Module) -> dict[int, str]:
     """id(parameter) -> its one-process name; a pipeline's tied copies under their first use (see :func:`tied_name`,
     the keys of ``Pipeline.tied_copies``)."""
-    if not is_pipeline(target):
+    if not isinstance(target, PipelineState):
         return {id(p): name for name, p in target.named_parameters()}
     out = {id(p): name for name, p in nn.Module.named_parameters(target)}  # without the copies
-    copies: dict[str, nn.Module] = target.tied_copies  # type: ignore[assignment]  # (a Pipeline's property)
-    for first, module in copies.items():
+    for first, module in target.tied_copies.items():
         for inner, p in module.named_parameters():
             out.setdefault(id(p), tied_name(first, inner))
     return out
@@ -258,9 +254,9 @@ def _unb64(s: str) -> torch.Tensor:
 
 
 # ---- the layout -----------------------------------------------------------------------------
-def layout_of(target: Any, world: int) -> dict[str, Any]:
+def layout_of(target: object, world: int) -> dict[str, Any]:
     """How the model was laid out when saved (for the record, and to tell whether RNG states still apply)."""
-    if not is_pipeline(target):
+    if not isinstance(target, PipelineState):
         return {"world": world, "pipeline": None}
     s = target.schedule
     out: dict[str, Any] = {
@@ -281,29 +277,30 @@ def layout_of(target: Any, world: int) -> dict[str, Any]:
     return out
 
 
-def dropout_of(target: Any, train_steps: int | None = None) -> dict[str, int] | None:
+def dropout_of(target: object, train_steps: int | None = None) -> dict[str, int] | None:
     """A pipeline's dropout seed and its count of trained mini-batches (``train_steps``, else the pipeline's
     own), the step of its masks' seeds: a resumed run draws the masks it would have (not a layout: the same on
     every rank and under any layout, restored whatever the layout). None for another model."""
-    if not is_pipeline(target):
+    if not isinstance(target, PipelineState):
         return None
-    steps = target.train_steps if train_steps is None else train_steps
-    return {"train_steps": int(steps), "seed": int(target.dropout_seed)}
+    progress = progress_of(target)
+    steps = progress.train_steps if train_steps is None else train_steps
+    return {"train_steps": int(steps), "seed": progress.dropout_seed}
 
 
-def restore_dropout(target: Any, saved: dict[str, int] | None) -> None:
+def restore_dropout(target: object, saved: dict[str, int] | None) -> None:
     """A pipeline's dropout seed and trained mini-batches as :func:`dropout_of` saved them (if it did)."""
-    if saved is None or not is_pipeline(target):
+    if saved is None or not isinstance(target, PipelineState):
         return
-    target.train_steps = saved["train_steps"]
-    target.dropout_seed = saved["seed"]
+    now = progress_of(target)
+    restore_progress(target, replace(now, train_steps=saved["train_steps"], dropout_seed=saved["seed"]))
 
 
-def refuse_merging(model: Any, what: str) -> None:
+def refuse_merging(model: object, what: str) -> None:
     """A pipeline in the middle of a gradient merge (``no_sync()``) is refused, alike on every rank, before any rank
     communicates: a checkpoint holds no gradients, and the merged steps' partial sums (each replica's its own, not
     yet reduced) would be lost on save, or added to the loaded weights' next step on load."""
-    pending = getattr(model, "merged_steps", 0) if is_pipeline(model) else 0
+    pending = model.merged_steps if isinstance(model, PipelineState) else 0
     if pending:
         raise CheckpointError(
             f"cannot {what} a checkpoint in the middle of a gradient merge: {pending} train_step"

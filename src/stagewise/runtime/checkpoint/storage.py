@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from ..comm.collectives import all_reduce_async, gather_json
 from ..comm.faults.guard import Guard, setup_guard
+from .declared import PipelineState
 from .manifest import CheckpointError
 
 Piece = tuple[str, tuple[int, ...]]  # a name and the offset of a piece of it (a DTensor's shard; () for a scalar)
@@ -71,7 +72,7 @@ class Ranks:
             self.guard.close()
 
 
-def pipeline_ranks(pipe: Any, patience: float) -> Ranks:
+def pipeline_ranks(pipe: PipelineState, patience: float) -> Ranks:
     """Every rank of the pipeline's mesh (all processes with ``parallel=``), or of its pipeline group; waits go
     through the pipeline's guard."""
     group = dist.group.WORLD if pipe.hybrid is not None else pipe.transport.group

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -60,10 +61,29 @@ def next_pipeline_id(group: Any) -> tuple[str, int]:
 
 
 def new_subgroup(ranks: list[int], member: bool) -> Any:
-    """A process group of the global ``ranks``, made by its members only (``member``: this rank is one)."""
+    """A process group of the global ``ranks``, made by its members only (``member``: this rank is one), or the
+    one :func:`prepare_subgroups` made ahead for them (taken by every rank of the pipeline alike)."""
+    ready = _prepared.get(tuple(ranks))
+    made = ready.pop(0) if ready else None
     if not member:
         return None
-    return dist.new_group(ranks, use_local_synchronization=True)
+    return made if made is not None else dist.new_group(ranks, use_local_synchronization=True)
+
+
+_prepared: dict[tuple[int, ...], list[Any]] = {}
+
+
+def prepare_subgroups(sets: Sequence[Sequence[int]]) -> list[Any]:
+    """Make the groups of these sets of global ranks now, by every process of the world in one order, for a
+    pipeline on fewer processes than the world to take (:func:`new_subgroup`): gloo cannot make a group by its
+    members alone once the whole world has made groups together (as a re-layout to fewer processes finds it).
+    Groups prepared earlier and not taken are forgotten. Returns the groups made (for the caller to let go)."""
+    _prepared.clear()
+    made = []
+    for ranks in sets:
+        made.append(dist.new_group(list(ranks)))
+        _prepared.setdefault(tuple(ranks), []).append(made[-1])
+    return made
 
 
 def new_world_subgroup(ranks: list[int]) -> Any:

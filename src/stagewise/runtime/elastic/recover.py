@@ -1,6 +1,7 @@
 """Resuming a pipeline with ``snapshot=``: the newest whole state among the machines' snapshots and the disk.
 
-``sw.checkpoint.resume(root, pipe)`` on a pipeline with snapshots (a collective, like every resume):
+``sw.checkpoint.resume(root, pipe)`` on a pipeline with snapshots (a collective, like every resume) asks
+:class:`PeerSnapshots`, one of its sources (:mod:`..checkpoint.resume`), beside the disk's checkpoints:
 
 1. the first rank of each machine lists its machine's snapshot files (headers only, each checked against
    its digest); every rank says what it must load (its model tensors, its optimizers' parameters); all of
@@ -22,7 +23,7 @@ One line on the first rank of every machine says what happened (:func:`..checkpo
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -31,9 +32,8 @@ from torch import nn
 
 from ..._util import VERSION
 from ..checkpoint import state, storage
-from ..checkpoint.api import CheckpointInfo, agreed_newest, load
+from ..checkpoint.declared import CheckpointInfo, Offer, PipelineState
 from ..checkpoint.manifest import CheckpointError
-from ..checkpoint.resume import resumed_line, step_of
 from ..comm import snapshot_wire
 from ..interrupt import note_checkpoint
 from .choose import Choice, Copy, Need, choose, of_live_jobs
@@ -67,64 +67,61 @@ class Part:
     tensors: dict[str, torch.Tensor]
 
 
-def resume(
-    snap: Snapshotter,
-    root: Path,
-    model: nn.Module,
-    *,
-    optimizer: Any = None,
-    scheduler: Any = None,
-    collective: bool = True,
-    timeout: float = 600.0,
-) -> CheckpointInfo | None:
-    """See the module docstring; None when there is neither a snapshot nor a checkpoint (a fresh start)."""
-    if optimizer is not None:
-        raise ValueError(
-            "a pipeline with snapshot= resumes its own optimizers (Pipeline(optimizer=factory)): call "
-            "sw.checkpoint.resume(root, pipe) without optimizer="
-        )
-    ranks = storage.pipeline_ranks(model, timeout)
-    try:
-        disk, why = agreed_newest(root, ranks, f"which checkpoint under {root} to resume from")
-        found = _from_snapshots(snap, model, ranks, -1 if disk is None else step_of(disk))
-    finally:
-        ranks.close()
-    now = state.layout_of(model, ranks.size)
-    says = snap.machines.index(snap.machines[ranks.rank]) == ranks.rank  # the first rank of each machine
-    if found is not None:
-        snap.step = found.step
-        note_checkpoint(found.path, found.step, loaded=True)
-        if says:
-            log.warning("stagewise: %s", resumed_line(found.step, now, found.layout, "from peer snapshots"))
-        return found
-    if disk is None:
-        if ranks.first:
-            log.info("stagewise.checkpoint.resume: starting afresh: %s; no snapshot either", why)
-        return None
-    info = load(disk, model, scheduler=scheduler, timeout=timeout)
-    snap.step = info.step
-    if says:
-        log.warning("stagewise: %s", resumed_line(info.step, now, info.layout, f"from checkpoint {disk}"))
-    return replace(info, reason=why)
+class PeerSnapshots:
+    """The snapshots in the machines' memory, as a resume's :class:`..checkpoint.declared.StateSource`
+    (:func:`..checkpoint.resume.resume` chooses between them and the disk)."""
+
+    def __init__(self, snap: Snapshotter, model: nn.Module) -> None:
+        self.snap, self.model = snap, model
+        self.copies: list[Copy] = []
+        self.needs: list[Need] = []
+        self.extras: dict[tuple[int, str, int], Any] = {}
+        self.speaks = False
+
+    def newest(self, ranks: storage.Ranks) -> Offer | None:
+        """Step 1 and 2: every machine's files listed, every rank's needs, gathered; the same choice everywhere."""
+        snap = self.snap
+        machine = snap.machines[ranks.rank]
+        first = snap.machines.index(machine) == ranks.rank
+        self.speaks = first and not ranks.first  # the first rank of each other machine says the resume line too
+        mine = {"copies": _listed(snap, machine, ranks.rank) if first else [], "need": sorted(_needs(self.model))}
+        mine["ended"] = ended(snap.folder) if first else {}
+        everyone = storage.gather(mine, ranks, "every machine's snapshots", patient=True)
+        finished = {job: step for e in everyone for job, step in e["ended"].items()}
+        self.copies, stale = of_live_jobs([_copy(c) for e in everyone for c in e["copies"]], finished)
+        _refuse_ended(stale, finished, machine if first else None, ranks.first)
+        self.extras = {(c["step"], c["lineage"], c["owner"]): c["extra"] for e in everyone for c in e["copies"]}
+        self.needs = [Need(r, snap.machines[r], frozenset(e["need"])) for r, e in enumerate(everyone)]
+        choice = choose(self.copies, self.needs, state.layout_of(self.model, ranks.size), set())
+        return None if choice is None else Offer(choice.step, choice)
+
+    def restore(self, offer: Offer, floor: int) -> CheckpointInfo | None:
+        """Steps 3 and 4; None when the files that survive verification hold nothing newer than ``floor``."""
+        assert isinstance(self.model, PipelineState)
+        ranks = storage.pipeline_ranks(self.model, self.snap.timeout)
+        try:
+            return _from_snapshots(self, offer.detail, ranks, floor)
+        finally:
+            ranks.close()
+
+    def said(self, offer: Offer) -> str:
+        return "from peer snapshots"
+
+    def resumed(self, step: int, line: str) -> None:
+        self.snap.step = step
+        if self.speaks and line:  # rank 0 says it in resume; so every machine's log has it
+            log.warning("stagewise: %s", line)
 
 
-def _from_snapshots(snap: Snapshotter, model: nn.Module, ranks: storage.Ranks, disk_step: int) -> Any:
-    """The state resumed from the snapshots, as a CheckpointInfo; None when the disk's is newer or none fits."""
+def _from_snapshots(source: PeerSnapshots, choice: Choice | None, ranks: storage.Ranks, floor: int) -> Any:
+    """The state resumed from the snapshots, as a CheckpointInfo; None when what is left is not newer than
+    ``floor`` (the disk's newest; a tie goes to the snapshots) or none fits."""
+    snap, model = source.snap, source.model
     machine = snap.machines[ranks.rank]
-    first = snap.machines.index(machine) == ranks.rank
-    mine = {"copies": _listed(snap, machine, ranks.rank) if first else [], "need": sorted(_needs(model))}
-    mine["ended"] = ended(snap.folder) if first else {}
-    everyone = storage.gather(mine, ranks, "every machine's snapshots", patient=True)
-    finished = {job: step for e in everyone for job, step in e["ended"].items()}
-    copies, stale = of_live_jobs([_copy(c) for e in everyone for c in e["copies"]], finished)
-    _refuse_ended(stale, finished, machine if first else None, ranks.first)
-    extras = {(c["step"], c["lineage"], c["owner"]): c["extra"] for e in everyone for c in e["copies"]}  # data position
-    needs = [Need(r, snap.machines[r], frozenset(e["need"])) for r, e in enumerate(everyone)]
     layout = state.layout_of(model, ranks.size)
     refused: set[tuple[str, str]] = set()
     for _ in range(_TRIES):
-        choice = choose(copies, needs, layout, refused)
-        if choice is None or choice.step < disk_step:
+        if choice is None or choice.step < floor:
             return None
         parts, problems = _obtain(snap, choice, ranks.rank, machine)
         bad = [p for ps in storage.gather(problems, ranks, "every rank's snapshot reads") for p in ps]
@@ -134,11 +131,14 @@ def _from_snapshots(snap: Snapshotter, model: nn.Module, ranks: storage.Ranks, d
             if ranks.first:
                 log.warning("stagewise: refused snapshot %s on machine %s: %s", path, m, why)
             refused.add((m, path))
+        choice = choose(source.copies, source.needs, layout, refused)
     else:
         raise CheckpointError(f"the peers' snapshots were refused {_TRIES} times in a row: see the log")
     assigned, problems = _assign(model, choice, parts[ranks.rank] if ranks.rank in parts else [])
     storage.agree(problems, ranks, f"the snapshot of step {choice.step} does not fit this model")
     _apply(model, assigned, choice, parts.get(ranks.rank, []))
+    note_checkpoint(snap.folder, choice.step, loaded=True)
+    extras = source.extras
     owners = sorted(o for (step, lineage, o) in extras if (step, lineage) == (choice.step, choice.lineage))
     extra = extras[(choice.step, choice.lineage, owners[0])]  # the lowest rank's whose file is still somewhere
     snap.job = choice.job  # the job goes on: its end will refuse these files too

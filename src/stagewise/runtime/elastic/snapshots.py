@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -45,6 +45,9 @@ from ..errors import PipelineError
 from . import folder as folders
 from .config import Snapshots
 from .snapshot_file import fill_payload, header_bytes, host_bytes, layout_payload, read_header
+
+if TYPE_CHECKING:
+    from .recover import PeerSnapshots
 
 log = logging.getLogger(__name__)
 
@@ -351,9 +354,10 @@ class Snapshotter:
         """Each rank's machine (by group rank), as torchrun's agents numbered them in this round."""
         return self.peers.machines
 
-    def resume(self, root: str | os.PathLike[str], model: nn.Module, **options: Any) -> Any:
-        """``sw.checkpoint.resume`` of a pipeline with snapshots: see :mod:`.recover`."""
-        from .recover import resume
+    def source(self, model: nn.Module) -> PeerSnapshots:
+        """The snapshots as a place ``sw.checkpoint.resume`` takes the state from (see :mod:`.recover`); the
+        snapshot in flight is finished first."""
+        from .recover import PeerSnapshots
 
         self.wait()
-        return resume(self, Path(root), model, **options)
+        return PeerSnapshots(self, model)

@@ -1,0 +1,125 @@
+"""A live re-layout against a save + rebuild + load of the same change, part by part, on 4 local ranks.
+
+    .venv/bin/python -m benchmarks.relayout                 # 1 and 4 MiB of parameters and Adam state per rank
+    .venv/bin/python -m benchmarks.relayout --mib 10 100 --repeats 3
+
+A float32 MLP of ``Linear(d, d)`` layers (8 per rank) as a 1F1B pipeline on 4 gloo ranks with the pipeline's own
+Adam, one step trained (so Adam's state exists; parameters and state about ``--mib`` MiB per rank). Then the
+partition moves back and forth between an even cut and one shifted by a layer, twice per repeat, each way:
+
+* ``pipe.relayout(partition=...)``: its own parts (agreement, groups, build, move, release: ``Layout.seconds``)
+  and the bytes that crossed processes;
+* ``sw.checkpoint.save`` + a new Pipeline of the new cut + ``sw.checkpoint.load``: what a restart does in its
+  processes (the processes' own start, the interpreter and torch imports, is not counted: a restart adds it).
+
+Reported on rank 0 (the median over the moves): seconds per part, MiB moved and MiB/s, and the ratio of the two
+totals. Timings depend on the machine's load: report ``uptime`` beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from ._launch import launched, on_ranks
+
+RANKS, PER_RANK = 4, 8
+
+
+def _model(d: int) -> list[Any]:
+    import torch
+    from torch import nn
+
+    import stagewise as sw
+
+    return [sw.Layer(nn.Linear, d, d, dtype=torch.float32) for _ in range(RANKS * PER_RANK)]
+
+
+def _width(mib: float) -> int:
+    """d such that PER_RANK layers of d*d+d float32 parameters, with Adam's two moments, hold ``mib`` MiB."""
+    per_layer = mib * 2**20 / (3 * 4 * PER_RANK)
+    return max(8, int(per_layer**0.5))
+
+
+def _one(mib: float, repeats: int, rank: int) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    import stagewise as sw
+
+    d = _width(mib)
+    adam = lambda params: torch.optim.Adam(params, lr=1e-3)  # noqa: E731
+    options: dict[str, Any] = {"loss_fn": torch.nn.functional.mse_loss, "optimizer": adam, "microbatches": 4}
+    cuts = [[PER_RANK] * RANKS, [PER_RANK + 1, PER_RANK - 1, PER_RANK, PER_RANK]]
+    x = torch.randn(8, d)
+    pipe = sw.Pipeline(_model(d), partition=cuts[0], **options)
+    pipe.train_step(x, x)
+    live: list[dict[str, float]] = []
+    restart: list[dict[str, float]] = []
+    root = Path(tempfile.gettempdir()) / "sw-relayout-bench"
+    for k in range(2 * repeats):
+        cut = cuts[(k + 1) % 2]
+        layout = pipe.relayout(partition=cut)
+        live.append({**layout.seconds, "mib": layout.bytes_moved / 2**20})
+        dist.barrier()
+        started = time.perf_counter()
+        sw.checkpoint.save(root, pipe, step=k, keep=1)
+        saved = time.perf_counter()
+        fresh = sw.Pipeline(_model(d), partition=cuts[k % 2], **options)
+        built = time.perf_counter()
+        sw.checkpoint.load(root, fresh)
+        restart.append({"save": saved - started, "build": built - saved, "load": time.perf_counter() - built})
+        del fresh
+    return {"d": d, "live": live, "restart": restart}
+
+
+def _report(mib: float, got: dict[str, Any]) -> str:
+    med = lambda rows, key: statistics.median(r[key] for r in rows)  # noqa: E731
+    live, restart = got["live"], got["restart"]
+    parts = ["agreement", "groups", "build", "move", "release"]
+    live_total = sum(med(live, p) for p in parts)
+    restart_total = sum(med(restart, p) for p in ("save", "build", "load"))
+    moved = med(live, "mib")
+    rate = moved / med(live, "move") if med(live, "move") > 0 else float("nan")
+    cells = " | ".join(f"{med(live, p) * 1e3:.1f}" for p in parts)
+    again = " | ".join(f"{med(restart, p) * 1e3:.1f}" for p in ("save", "build", "load"))
+    return (
+        f"| {mib:g} | {got['d']} | {cells} | {live_total * 1e3:.1f} | {moved:.2f} | {rate:.0f} | {again} "
+        f"| {restart_total * 1e3:.1f} | {restart_total / live_total:.1f}x |"
+    )
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+
+    import stagewise as sw
+
+    torch.set_num_threads(1)
+    env = sw.init()
+    rows = [_report(mib, _one(mib, args.repeats, env.rank)) for mib in args.mib]
+    if env.rank == 0:
+        head = (
+            "| MiB/rank | d | agree ms | groups ms | build ms | move ms | release ms | re-layout ms | MiB moved "
+            "| MiB/s | save ms | build ms | load ms | save+build+load ms | ratio |"
+        )
+        print("\n".join([head, "|---" * 15 + "|", *rows]), flush=True)  # noqa: T201 (a benchmark's table)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mib", type=float, nargs="+", default=[1.0, 4.0], help="parameters + Adam, MiB per rank")
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+    if launched():
+        worker(args)
+    else:
+        sys.exit(on_ranks(RANKS, "benchmarks.relayout", sys.argv[1:], OMP_NUM_THREADS="1"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,5 @@
+"""Re-layout: a running pipeline takes a new layout in its own processes (:func:`.call.relayout`)."""
+
+from .call import Layout, Retired, relayout
+
+__all__ = ["Layout", "Retired", "relayout"]

@@ -1,0 +1,369 @@
+"""``Pipeline.relayout``: the same processes (or fewer, or more) take a new layout, exactly, without a restart.
+
+A collective over every process of the world, in five parts (each timed in :attr:`Layout.seconds`):
+
+1. *agreement*: one small exchange (the request's digest, each process's progress and refusals); a bad
+   request raises the same ``ValueError`` everywhere before any group is made or any tensor moves;
+2. *groups*: the members' pipeline group and a gloo exchange group, both new for this generation;
+3. *build*: each member builds its stages of the new layout through the usual construction path (the
+   pipeline's own way in, with the changed options);
+4. *move*: every tensor the new stages hold (parameters, buffers, tied copies, the own optimizers' state by
+   parameter name, Adam's ``step`` included) comes from the lowest process that held it; one kept on its
+   process is copied there, the others go point-to-point over gloo, never through disk; then the steps
+   trained and the dropout seed are set, so the next step draws the masks it would have;
+5. *release*: the old layout's transport, groups and shared memory are let go.
+
+The user's reference stays valid: the Pipeline object takes the new layout's state in place. A process left
+out of the members becomes a :class:`Retired` pipeline that holds nothing and refuses every step but the next
+``relayout``. Data: the global batch on every process, sliced by :meth:`~stagewise.Pipeline.local_batch`,
+needs nothing; a sampler of one's own reads :attr:`Layout.inputs_at` / :attr:`Layout.targets_at`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..checkpoint import state, storage
+from ..checkpoint.declared import PipelineState, Progress, progress_of, restore_progress
+from ..comm import groups, relayout_wire
+from ..comm.faults.guard import setup_guard
+from ..errors import PipelineError
+from ..frontends.layer_list import LayerList
+from ..frontends.parts import Frontend
+from ..frontends.plan import FromPlan
+from ..options import Options
+from .request import digest, local_refusals, members_of, refuse_alike, subgroups_ahead
+from .transfers import Transfers, bytes_moved, plan_transfers
+
+Build = Callable[[Frontend, Options], nn.Module]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the pipeline stands after a re-layout (the same on every process but ``pp_rank``/``local_stages``).
+
+    ``members``: the global ranks holding it; ``inputs_at`` / ``targets_at``: those holding the first / last
+    stage (who reads inputs / targets); ``seconds``: the time of each part; ``bytes_moved``: across processes.
+    """
+
+    generation: int
+    members: tuple[int, ...]
+    schedule: str
+    num_ranks: int
+    microbatches: int
+    placement: tuple[int, ...]
+    layer_ranges: tuple[tuple[int, int], ...]
+    parallel: dict[str, int] | None
+    inputs_at: tuple[int, ...]
+    targets_at: tuple[int, ...]
+    pp_rank: int | None
+    local_stages: tuple[int, ...]
+    bytes_moved: int
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+_generations = [0]  # re-layouts this process took part in (advanced alike on every process)
+_owned: list[Any] = []  # the groups made for the layout in force (let go by the next re-layout)
+
+
+def relayout(
+    pipe: nn.Module, members: Sequence[int] | None, changes: Mapping[str, Any], plan: Any, build: Build
+) -> Layout:
+    """See the module docstring; ``build(frontend, options)`` is the Pipeline's constructor."""
+    source: Any = pipe
+    frontend, options = source.frontend, source.options
+    world, me = groups.world_size(), groups.global_rank()
+    chosen = members_of(members, world)
+    old = pipe if isinstance(pipe, PipelineState) else None
+    clock = _Clock()
+    guard = setup_guard(options.timeout)
+    agreeing = storage.Ranks(None, me, world, torch.device("cpu"), True, guard, options.timeout, True)
+    try:
+        progress = _agree(agreeing, old, frontend, options, chosen, changes, plan)
+    finally:
+        agreeing.close()
+    clock.lap("agreement")
+    _generations[0] += 1
+    group = relayout_wire.fresh_group(chosen, options.timeout)
+    exchange = relayout_wire.fresh_group(range(world), options.timeout, backend="gloo")
+    prepared = groups.prepare_subgroups(subgroups_ahead(chosen, world))  # the members' tied groups
+    clock.lap("groups")
+    guard = setup_guard(options.timeout)
+    ranks = storage.Ranks(exchange, me, world, torch.device("cpu"), True, guard, options.timeout, True)
+    new: nn.Module | None = None
+    try:
+        if me in chosen:
+            new = build(*_new_source(frontend, options, changes, plan, group))
+        clock.lap("build")
+        moved, everyone = _move(old, new, ranks, progress)
+        clock.lap("move")
+    except BaseException:
+        relayout_wire.release(group if new is None else None)
+        raise
+    finally:
+        ranks.close()
+        relayout_wire.release(exchange)
+    stale = _stale_groups(old, [group, *prepared])
+    _become(pipe, new, frontend, options, build)
+    for made in stale:
+        relayout_wire.release(made)
+    clock.lap("release")
+    return _layout(None if new is None else pipe, chosen, everyone, moved, clock.seconds)
+
+
+class Retired(nn.Module):
+    """A process outside a re-layout's members: it holds nothing and refuses every step; a later ``relayout``
+    (called on every process of the world, as always) may give it a part again."""
+
+    frontend: Frontend
+    options: Options
+    build: Build
+
+    def relayout(self, members: Sequence[int] | None = None, /, *, plan: Any = None, **changes: Any) -> Layout:
+        """See :meth:`stagewise.Pipeline.relayout`."""
+        return relayout(self, members, changes, plan, self.build)
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise PipelineError(
+            f"process {groups.global_rank()} holds no part of the pipeline since a re-layout left it out of the "
+            "members: it takes part in the next relayout only"
+        )
+
+    train_step = train_stream = eval_step = last_step_losses = timeline = _refuse
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._refuse()
+
+
+# ---- the parts ------------------------------------------------------------------------------
+class _Clock:
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.last = time.perf_counter()
+
+    def lap(self, part: str) -> None:
+        now = time.perf_counter()
+        self.seconds[part] = now - self.last
+        self.last = now
+
+
+def _agree(
+    ranks: storage.Ranks,
+    old: PipelineState | None,
+    frontend: Frontend,
+    options: Options,
+    chosen: tuple[int, ...],
+    changes: Mapping[str, Any],
+    plan: Any,
+) -> Progress:
+    """The one small exchange: every process's request digest, progress and refusals; refused alike."""
+    progress = None if old is None else progress_of(old)
+    refused = local_refusals(frontend, options, progress, changes)
+    if changes.get("parallel", options.parallel) is not None and len(chosen) != ranks.size:
+        refused.append(f"parallel= spans every process of the world: keep all {ranks.size} as members")
+    if plan is not None and not isinstance(frontend, (LayerList, FromPlan)):
+        refused.append(f"plan= re-cuts a layer list (Pipeline(layers) or from_plan), not {frontend.entry}")
+    mine = {"digest": digest(chosen, changes, plan), "refused": refused, "progress": progress and asdict(progress)}
+    everyone = storage.gather(mine, ranks, "every process's re-layout request")
+    refuse_alike(everyone)
+    held = [e["progress"] for e in everyone if e["progress"] is not None]
+    if not held:
+        raise ValueError("relayout: no process holds a part of the pipeline: there is no state to lay out")
+    return Progress(**held[0])
+
+
+def _new_source(
+    frontend: Frontend, options: Options, changes: Mapping[str, Any], plan: Any, group: Any
+) -> tuple[Frontend, Options]:
+    """The way in and the options of the new layout: the user's own options, the changes on top."""
+    given = {k: getattr(options, k) for k in options.given if k not in ("group", "parallel")}
+    if options.parallel is not None and "parallel" not in changes:
+        given["parallel"] = options.parallel
+    given.update(changes)
+    if given.get("parallel") is None:
+        given["group"] = group
+    if plan is not None:
+        layers = frontend.layers if isinstance(frontend, FromPlan) else frontend
+        assert isinstance(layers, LayerList)
+        frontend = FromPlan(plan, dict(layers.named))
+        given = {k: v for k, v in given.items() if k not in plan.pipeline_options()}
+    return frontend, Options.of(frontend.entry, None, given)
+
+
+def _move(
+    old: PipelineState | None, new: nn.Module | None, ranks: storage.Ranks, progress: Progress
+) -> tuple[int, list[dict[str, Any]]]:
+    """Part 4: every tensor of the new stages from its owner; optimizer state by name; the progress."""
+    held, optim = _inventory(old)
+    listed = storage.gather(
+        {"held": sorted(held), "described": state.describe(held), "optimizer": optim}, ranks, "the tensors held"
+    )
+    record: dict[str, dict[str, Any]] = {"params": {}, "state": {}}
+    described: dict[str, Any] = {}
+    for entry in listed:
+        record["params"].update(entry["optimizer"]["params"])
+        record["state"].update(entry["optimizer"]["state"])
+        described.update(entry["described"])
+    targets = _targets(new, record)
+    mine = {"need": sorted(targets), "stages": [], "layout": None}
+    if isinstance(new, PipelineState):
+        mine.update(stages=sorted(new.local_stages), layout=_described(new))
+    needs = storage.gather(mine, ranks, "the tensors needed")
+    transfers = plan_transfers([e["held"] for e in listed], [e["need"] for e in needs])
+    missing = [
+        f"process {r} needs {', '.join(names[:5])} that no process holds" for r, names in transfers.missing.items()
+    ]
+    storage.agree(missing, ranks, "relayout: the new layout needs tensors the old one does not have")
+    got = _post(transfers, held, described, ranks)
+    if new is not None:
+        _fill(new, targets, {**{n: held[n] for n in transfers.kept[ranks.rank]}, **got}, record)
+        assert isinstance(new, PipelineState)
+        restore_progress(new, progress)
+    sizes = {n: _bytes(d) for n, d in described.items()}
+    return bytes_moved(transfers, sizes), needs
+
+
+def _inventory(old: PipelineState | None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """What this process holds under the old layout, by name, and its optimizers' metadata."""
+    if old is None:
+        return {}, {"params": {}, "state": {}}
+    assert isinstance(old, nn.Module)
+    tensors = {state.MODEL + k: t.detach() for k, t in state.load_targets(old).items()}
+    optim, meta = state.optimizer_state(state.optimizers_of(old, None), state.parameter_names(old))
+    return {**tensors, **optim}, meta
+
+
+def _targets(new: nn.Module | None, record: Mapping[str, Any]) -> dict[str, torch.Tensor | None]:
+    """The names the new stages fill: model tensors (tied copies too), and their optimizers' saved state
+    (None: received into a new tensor)."""
+    if new is None:
+        return {}
+    out: dict[str, torch.Tensor | None] = {state.MODEL + k: t for k, t in state.load_targets(new).items()}
+    names = state.parameter_names(new)
+    for opt in state.optimizers_of(new, None):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                for key, entry in record["state"].get(names[id(p)], {}).items():
+                    if "tensor" in entry:
+                        out[f"{state.OPTIM}{names[id(p)]}/{key}"] = None
+    return out
+
+
+def _post(
+    transfers: Transfers, held: Mapping[str, torch.Tensor], described: Mapping[str, Any], ranks: storage.Ranks
+) -> dict[str, torch.Tensor]:
+    """The moves this process takes part in, posted in the one global order; what it received, by name."""
+    ops: list[tuple[str, torch.Tensor, int]] = []
+    got: dict[str, torch.Tensor] = {}
+    for m in transfers.moves:
+        if m.src == ranks.rank:
+            ops.append(("send", held[m.name].detach().cpu().contiguous(), m.dst))
+        elif m.dst == ranks.rank:
+            meta = described[m.name]
+            got[m.name] = torch.empty(meta["shape"], dtype=getattr(torch, meta["dtype"]))
+            ops.append(("recv", got[m.name], m.src))
+    guard = ranks.guard
+    assert guard is not None
+    relayout_wire.post(ops, ranks.group, lambda works, what: guard.wait(works, what))
+    return got
+
+
+@torch.no_grad()
+def _fill(
+    new: nn.Module,
+    targets: Mapping[str, torch.Tensor | None],
+    values: Mapping[str, torch.Tensor],
+    record: Mapping[str, Any],
+) -> None:
+    """Write the model tensors, then give the optimizers their state through their own ``load_state_dict``."""
+    for name, target in targets.items():
+        if target is not None:
+            target.copy_(values[name])
+    optimizers = state.optimizers_of(new, None)
+    if optimizers:
+        tensors = {n: v for n, v in values.items() if n.startswith(state.OPTIM)}
+        state.restore_optimizers(optimizers, state.parameter_names(new), {"optimizer": record}, tensors)
+
+
+def _bytes(described: Mapping[str, Any]) -> int:
+    count = 1
+    for n in described["shape"]:
+        count *= int(n)
+    return count * torch.empty(0, dtype=getattr(torch, described["dtype"])).element_size()
+
+
+def _stale_groups(old: PipelineState | None, kept: list[Any]) -> list[Any]:
+    """The old layout's groups to let go once it is released: those the last re-layout made and its tied
+    modules' (never the user's group nor the default one); ``kept`` become the new layout's own."""
+    stale = list(_owned)
+    if old is not None:
+        stale += [g for g in old.tied.groups.values() if g is not old.transport.group and g not in stale]
+    _owned[:] = kept
+    return [g for g in stale if g not in kept]
+
+
+def _become(pipe: nn.Module, new: nn.Module | None, frontend: Frontend, options: Options, build: Build) -> None:
+    """The user's object takes the new state in place; the old state is let go (its transport, groups and
+    shared memory) as the shell holding it goes."""
+    shell = object.__new__(type(pipe))
+    vars(shell).update(vars(pipe))
+    vars(pipe).clear()
+    if new is not None:
+        vars(pipe).update(vars(new))
+        vars(new).clear()
+        pipe.__class__ = type(new)
+    else:
+        nn.Module.__init__(pipe)
+        pipe.__class__ = Retired
+        vars(pipe).update({"frontend": frontend, "options": options, "build": build})
+    del shell
+
+
+def _described(new: PipelineState) -> dict[str, Any]:
+    """The new layout as every process learns it (JSON)."""
+    s, hybrid = new.schedule, new.hybrid
+    return {
+        "schedule": s.name,
+        "num_ranks": s.num_ranks,
+        "microbatches": s.num_microbatches,
+        "placement": list(s.placement),
+        "layer_ranges": [[r.start, r.stop] for r in new.layer_ranges],
+        "parallel": None if hybrid is None else {a: getattr(hybrid.config, a) for a in ("pp", "dp", "sharding", "tp")},
+    }
+
+
+def _layout(
+    new: nn.Module | None,
+    chosen: tuple[int, ...],
+    everyone: list[dict[str, Any]],
+    moved: int,
+    seconds: dict[str, float],
+) -> Layout:
+    """What the call returns: the same on every process, but for this process's own place in it."""
+    stages = [e["stages"] for e in everyone]
+    first = min(s for ss in stages for s in ss)
+    last = max(s for ss in stages for s in ss)
+    d = next(e["layout"] for e in everyone if e["layout"] is not None)
+    source: Any = new
+    return Layout(
+        generation=_generations[0],
+        members=chosen,
+        schedule=d["schedule"],
+        num_ranks=d["num_ranks"],
+        microbatches=d["microbatches"],
+        placement=tuple(d["placement"]),
+        layer_ranges=tuple((a, b) for a, b in d["layer_ranges"]),
+        parallel=d["parallel"],
+        inputs_at=tuple(r for r, ss in enumerate(stages) if first in ss),
+        targets_at=tuple(r for r, ss in enumerate(stages) if last in ss),
+        pp_rank=None if new is None else source.pp_rank,
+        local_stages=() if new is None else tuple(source.local_stages),
+        bytes_moved=moved,
+        seconds=seconds,
+    )

@@ -1,0 +1,35 @@
+"""``pipe.relayout(...)`` on 4 gloo ranks (one torchrun job, tests/distributed/workers/relayout_checks.py): after a
+re-layout the pipeline equals, bit for bit, a fresh job of the new layout loaded from a checkpoint saved just
+before (parameters, buffers, tied copies, Adam's state and step, train_steps, the dropout seed, the next losses):
+a partition moved; 1f1b -> zb-v -> interleaved-1f1b -> 1f1b; pp 2 x dp 2 -> pp 4 -> pp 2 x dp 2; 4 -> 2
+processes and back; bad requests refused alike on every rank."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers.torchrun import SuiteResults, run_suite, selected
+from relayout_checks import checks
+
+NAMES = list(checks(4))
+
+
+@pytest.fixture(scope="module")
+def results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> SuiteResults:
+    out = tmp_path_factory.mktemp("relayout")
+    env = {"STAGEWISE_RELAYOUT_DIR": str(tmp_path_factory.mktemp("ckpt")), "PYTHONWARNINGS": "ignore"}
+    return run_suite("relayout_checks", 4, out, timeout=300, env=env, only=selected(request))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_check(results: SuiteResults, name: str) -> None:
+    results.assert_ok(name)
+
+
+def test_every_rank_compared_something(results: SuiteResults) -> None:
+    """The comparisons ran: across the ranks every check compared tensors (a check that compared nothing fails)."""
+    for name in ("partition", "shrink-grow"):
+        rows = [results.get(name)[r]["info"] for r in range(4)]
+        assert all(row is not None for row in rows), name
+    shrink = [results.get("shrink-grow")[r]["info"]["shrink"]["compared"] for r in range(4)]
+    assert shrink[0] > 0 and shrink[1] > 0 and shrink[2:] == [0, 0], shrink
