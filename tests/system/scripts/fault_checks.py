@@ -104,8 +104,8 @@ def main() -> None:
         parallel=parallel, timeout=timeout, store=store,
     )  # fmt: skip
     g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(4 * M, D, dtype=torch.float64, generator=g), torch.randint(0, CLASSES, (4 * M,), generator=g)
-    x, y = (x, y) if parallel is None else (x.repeat(args.world // 2, 1), y.repeat(args.world // 2))
+    rows = 4 * M * (1 if parallel is None else args.world // 2)  # each replica a share of its own (equal ones: refused)
+    x, y = torch.randn(rows, D, dtype=torch.float64, generator=g), torch.randint(0, CLASSES, (rows,), generator=g)
     x, y = pipe.local_batch(x, y)
     if args.refused:
         pipe.train_step(x, y)
