@@ -76,7 +76,9 @@ def test_a_log_replays_to_the_same_decisions() -> None:
     plans = [A, B, C, Option("zb-h1", (5, 3), 0.060)]
     for step in range(5, 20):
         # predictions that drift with the step, as a recalibrated model's would
-        candidates = [Option(p.schedule, p.counts, p.step_s * (1 + 0.3 * ((step + i) % 3 - 1))) for i, p in enumerate(plans)]
+        candidates = [
+            Option(p.schedule, p.counts, p.step_s * (1 + 0.3 * ((step + i) % 3 - 1))) for i, p in enumerate(plans)
+        ]
         current = next(c for c in candidates if c.same_plan(now))
         record = d.consider(step, current, candidates, steps_left=40 - step, relayout_s=0.5)
         if record["taken"]:
