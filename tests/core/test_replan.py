@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_stragglers import PLAN, PRIOR, run  # the synthetic timelines of the detector's tests
 
+from stagewise import build_schedule
+from stagewise.planning.recalibrate import calibrate_run
 from stagewise.planning.replan import (
     CHANGE,
     COOLDOWN,
@@ -15,9 +18,11 @@ from stagewise.planning.replan import (
     Option,
     decide,
     line,
+    options_for,
     relayout_seconds,
     replay,
 )
+from stagewise.planning.stragglers import cut_for_speeds
 
 A = Option("1f1b", (4, 4), 0.100)
 B = Option("1f1b", (6, 2), 0.080)
@@ -98,3 +103,19 @@ def test_bad_inputs_are_named() -> None:
     with pytest.raises(ValueError, match="bandwidth"):
         relayout_seconds(1e6, 0.0, 0.1)
     assert relayout_seconds(2e6, 1e6, 0.5) == pytest.approx(2.5)
+
+
+def test_candidates_for_a_straggler_and_other_schedules() -> None:
+    cal = calibrate_run([run([1.0, 1.0])] * 5, PLAN, PRIOR, [4, 4], cores=2)
+    zb = build_schedule("zb-h1", 2, 4)
+    current, candidates = options_for(cal, PRIOR, PLAN, [4, 4], [1.0, 0.25], [zb, PLAN])
+    cut, now, after = cut_for_speeds(cal.profile(PRIOR), PLAN, [4, 4], [1.0, 0.25], cal)
+    assert current == Option("1f1b", (4, 4), now)
+    assert candidates[:2] == [current, Option("1f1b", tuple(cut), after)]
+    assert cut[1] < 4 and after < now  # layers off the slow rank, predicted faster
+    assert [c.schedule for c in candidates] == ["1f1b", "1f1b", "zb-h1"]  # the running one not twice
+    assert candidates[2].counts[1] < 4 and candidates[2].step_s < now
+    # at equal speeds the calibrated cut is the running one: nothing to gain
+    _, same = options_for(cal, PRIOR, PLAN, [4, 4], [1.0, 1.0])
+    record = decide(5, same[0], same, steps_left=10**6, relayout_s=0, margin_s=0, cooldown=0, last_change=None)
+    assert record["reason"] == NO_BETTER

@@ -17,7 +17,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..ir import Schedule
+    from ..partition import LayerProfile
+    from .recalibrate import RunCalibration
 
 #: reasons a decision records
 CHANGE, NO_BETTER, COOLDOWN, NOT_WORTH = "re-plan", "no better plan", "in cooldown", "gain below cost"
@@ -40,6 +45,33 @@ class Option:
 
     def same_plan(self, other: Option) -> bool:
         return (self.schedule, self.counts) == (other.schedule, other.counts)
+
+
+def options_for(
+    calibration: RunCalibration,
+    prior: LayerProfile,
+    schedule: Schedule,
+    counts: Sequence[int],
+    speeds: Sequence[float],
+    others: Sequence[Schedule] = (),
+) -> tuple[Option, list[Option]]:
+    """(the plan running, the candidates): for ``schedule`` and each of ``others`` (same ranks), the cut for the
+    ranks' ``speeds`` on the calibrated layers, with its predicted step; the running cut is a candidate too."""
+    from ..partition import partition_costs
+    from .stragglers import cut_for_speeds
+
+    profile = calibration.profile(prior)
+    best, now, after = cut_for_speeds(profile, schedule, counts, speeds, calibration)
+    current = Option(schedule.name, tuple(int(c) for c in counts), now)
+    out = [current, Option(schedule.name, tuple(best), after)]
+    for other in others:
+        if other.name == schedule.name:
+            continue
+        stage_speeds = [float(speeds[r]) for r in other.placement]
+        start = partition_costs(profile.times(), other.num_stages, speeds=stage_speeds).counts
+        cut, _, predicted = cut_for_speeds(profile, other, start, speeds, calibration)
+        out.append(Option(other.name, tuple(cut), predicted))
+    return current, out
 
 
 def relayout_seconds(state_bytes: float, bandwidth: float, fixed_s: float) -> float:

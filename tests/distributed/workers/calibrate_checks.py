@@ -357,6 +357,7 @@ def replan_live(ctx: Ctx) -> dict[str, Any]:
     assert changes, replanner.log
     first = changes[0]["best"]["counts"]
     assert sum(first[1:]) < 4 * (ctx.world - 1), changes[0]  # layers moved off the slow rank
+    assert [len(r) for r in pipe.layer_ranges] == changes[-1]["best"]["counts"]  # applied, not only logged
     assert replay(replanner.log) == replanner.log
     if ctx.rank == 0:
         lines = [json.loads(t) for t in (root / "replan.jsonl").read_text().splitlines()]

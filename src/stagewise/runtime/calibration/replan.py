@@ -22,11 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from ...ir import Schedule
-from ...partition import LayerProfile, partition_costs
+from ...partition import LayerProfile
 from ...passes.build import build_schedule
 from ...planning.recalibrate import RunCalibration
-from ...planning.replan import Decisions, Option, line, relayout_seconds
-from ...planning.stragglers import cut_for_speeds
+from ...planning.replan import Decisions, Option, line, options_for, relayout_seconds
 from ..comm.groups import group_rank
 from ..frontends.balance import on_first_rank
 from .from_run import RunCalibrator
@@ -110,21 +109,10 @@ class Replanner:
         return record
 
     def _options(self, cal: RunCalibration, speeds: list[float]) -> tuple[Option, list[Option]]:
-        profile = cal.profile(self.prior)
-        schedule = self.pipe.schedule
+        running = self.pipe.schedule
+        others = [_like(n, running) for n in self.schedules if n != running.name]
         counts = [len(r) for r in self.pipe.layer_ranges]
-        best, now, after = cut_for_speeds(profile, schedule, counts, speeds, cal)
-        current = Option(schedule.name, tuple(counts), now)
-        out = [current, Option(schedule.name, tuple(best), after)]
-        for name in self.schedules:
-            if name == schedule.name:
-                continue
-            other = _like(name, schedule)
-            stage_speeds = [float(speeds[r]) for r in other.placement]
-            start = partition_costs(profile.times(), other.num_stages, speeds=stage_speeds).counts
-            cut, _, predicted = cut_for_speeds(profile, other, start, speeds, cal)
-            out.append(Option(name, tuple(cut), predicted))
-        return current, out
+        return options_for(cal, self.prior, running, counts, speeds, others)
 
     def _cost(self, cal: RunCalibration) -> float:
         if self.relayout_s is not None:
