@@ -66,6 +66,14 @@ class Replanner:
         self.prior: LayerProfile = self.calibrator.prior
         self.steps = int(steps)
         self.schedules = tuple(schedules)
+        for name in self.schedules:  # a schedule that cannot run here fails now, on every rank, not mid-run
+            try:
+                _like(name, pipe.schedule)
+            except (KeyError, ValueError) as err:
+                raise ValueError(
+                    f"Replanner: schedules= names {name!r}, which cannot run at {len(pipe.schedule.ranks)} ranks "
+                    f"and {pipe.schedule.num_microbatches} micro-batches: {err}"
+                ) from err
         self.relayout_s = relayout_s
         self.log_path = None if log_path is None else Path(log_path)
         self.decisions = Decisions(margin_s=margin_s, cooldown=cooldown)
