@@ -301,9 +301,10 @@ def _linear_spin(forward: float, backward: float) -> Any:
 def replan_live(ctx: Ctx) -> dict[str, Any]:
     """Replanner on a running pipeline: calibrated at full speed, then rank 1 emulated 4x slower (the interpreter's
     ``slowdown``, as ``emulate_slowdown`` sets it, switched on mid-run): the straggler is named, a re-partition
-    that moves layers off rank 1 is applied live with ``pipe.relayout``, every rank logs the same decisions, the
-    log replays to itself, and the float64 losses of the whole run equal a replay of the logged changes, each
-    segment a fresh pipeline of its layout loaded from a checkpoint saved at the change."""
+    that moves layers off rank 1 is applied live with ``pipe.relayout``; when the throttle lifts, layers move
+    back to rank 1; every rank logs the same decisions, the log replays to itself, and the float64 losses of the
+    whole run equal a replay of the logged changes, each segment a fresh pipeline of its layout loaded from a
+    checkpoint saved at the change."""
     import tempfile
     from pathlib import Path
 
@@ -314,7 +315,7 @@ def replan_live(ctx: Ctx) -> dict[str, Any]:
     from stagewise.planning.replan import replay
     from stagewise.runtime import Replanner, RunCalibrator
 
-    steps = 16
+    steps, lift = 28, 18
     slow = [1.0] + [4.0] * (ctx.world - 1)
 
     def build(**layout: Any) -> sw.Pipeline:
@@ -334,8 +335,11 @@ def replan_live(ctx: Ctx) -> dict[str, Any]:
     dist.broadcast_object_list(shared, src=0, group=ctx.group)
     root = Path(str(shared[0]))
     pipe = build(emulate_slowdown=slow)
-    interpreter = pipe._engine.runner.interpreter
-    interpreter.slowdown = 1.0  # the throttle starts after calibration
+
+    def throttle(factor: float) -> None:  # the running interpreter's (a re-layout builds a new one)
+        pipe._engine.runner.interpreter.slowdown = factor
+
+    throttle(1.0)  # the throttle starts after calibration
     events: list[dict[str, Any]] = []
     replanner = Replanner(
         pipe,
@@ -348,7 +352,10 @@ def replan_live(ctx: Ctx) -> dict[str, Any]:
     live = []
     for step in range(steps):
         if step == 5:
-            interpreter.slowdown = slow[ctx.rank]
+            throttle(slow[ctx.rank])
+        if step == lift:
+            throttle(1.0)
+            counts_at_lift = [len(r) for r in pipe.layer_ranges]
         live += train(pipe, step, step + 1)
         replanner.observe()
     named = [e["rank"] for e in events if e["event"] == "straggler named"]
@@ -358,6 +365,10 @@ def replan_live(ctx: Ctx) -> dict[str, Any]:
     first = changes[0]["best"]["counts"]
     assert sum(first[1:]) < 4 * (ctx.world - 1), changes[0]  # layers moved off the slow rank
     assert [len(r) for r in pipe.layer_ranges] == changes[-1]["best"]["counts"]  # applied, not only logged
+    slowed = [r["best"]["counts"][1] for r in changes if r["step"] <= lift]
+    assert max(slowed[1:], default=0) <= slowed[0], replanner.log  # no layers back onto rank 1 while it is slow
+    back = [r for r in changes if r["step"] > lift]
+    assert back and back[0]["best"]["counts"][1] > counts_at_lift[1], (counts_at_lift, replanner.log)  # moved back
     assert replay(replanner.log) == replanner.log
     if ctx.rank == 0:
         lines = [json.loads(t) for t in (root / "replan.jsonl").read_text().splitlines()]

@@ -9,13 +9,16 @@ cost plus ``margin_s``, never within ``cooldown`` steps of the last change). Its
 (one decides, so every rank applies the same change), logged in one line, recorded as the ``replan`` event of
 ``pipe.metrics`` and appended to ``log`` (and to ``log_path``, JSON lines, on the first rank). A change is
 applied with :meth:`Pipeline.relayout`; its measured seconds are the next decision's cost, and a new
-calibration starts on the new layout (the old one described another cut).
+calibration starts on the new layout (the old one described another cut), told the ranks' speeds of the
+decision, so that a straggler stays a slow rank rather than becoming costly layers: when its throttle lifts it
+is "recovered" and the cut for equal speeds moves its layers back.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import statistics
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,6 +29,7 @@ from ...partition import LayerProfile
 from ...passes.build import build_schedule
 from ...planning.recalibrate import RunCalibration
 from ...planning.replan import Decisions, Option, line, options_for, relayout_seconds
+from ...planning.stragglers import WINDOW
 from ..comm.groups import group_rank
 from ..frontends.balance import on_first_rank
 from .from_run import RunCalibrator
@@ -79,6 +83,8 @@ class Replanner:
         self.log_path = None if log_path is None else Path(log_path)
         self.decisions = Decisions(margin_s=margin_s, cooldown=cooldown)
         self._seen = 0
+        #: each rank's speed relative to the calibrated layers (1.0 until a straggler is measured)
+        self.speeds: list[float] = [1.0] * pipe.num_ranks
 
     @property
     def log(self) -> list[dict[str, Any]]:
@@ -94,7 +100,8 @@ class Replanner:
         self._seen = len(cal.records)
         if cal.calibration is None or not news:
             return None
-        record: dict[str, Any] = on_first_rank(None, self._decide, "deciding whether to re-plan")
+        decided: dict[str, Any] = on_first_rank(None, self._decide, "deciding whether to re-plan")
+        record, self.speeds = decided["record"], decided["speeds"]
         self.decisions.log.append(record)
         if record["taken"]:
             self.decisions.last_change = record["step"]
@@ -108,14 +115,17 @@ class Replanner:
         cal = self.calibrator
         assert cal.calibration is not None
         step = int(self.pipe.train_steps)
-        current, candidates = self._options(cal.calibration, cal.detector.speeds())
+        speeds = [
+            statistics.median(h) if len(h) == WINDOW else self.speeds[r] for r, h in enumerate(cal.detector.history)
+        ]  # measured where a window is full, else what was known when this calibration began
+        current, candidates = self._options(cal.calibration, speeds)
         before = len(self.decisions.log), self.decisions.last_change
         record = self.decisions.consider(
             step, current, candidates, steps_left=max(0, self.steps - step), relayout_s=self._cost(cal.calibration)
         )
         del self.decisions.log[before[0] :]  # observe() appends the record handed round, on every rank alike
         self.decisions.last_change = before[1]
-        return record
+        return {"record": record, "speeds": speeds}
 
     def _options(self, cal: RunCalibration, speeds: list[float]) -> tuple[Option, list[Option]]:
         running = self.pipe.schedule
@@ -161,7 +171,13 @@ class Replanner:
         self.relayout_s = time.perf_counter() - start
         old = self.calibrator
         self.calibrator = RunCalibrator(
-            self.pipe, self.prior, cores=old.cores, processes=old.processes, warmup=1, after=old.after
+            self.pipe,
+            self.prior,
+            cores=old.cores,
+            processes=old.processes,
+            warmup=1,
+            after=old.after,
+            speeds=self.speeds,
         )
         self.calibrator.on_event = old.on_event
         self._seen = 0
