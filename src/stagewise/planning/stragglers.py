@@ -67,7 +67,7 @@ class Straggler:
             f"stagewise: rank {self.rank} is slow: it runs at {self.speed:.2f}x its calibrated speed "
             f"({1 / self.speed:.2f}x slower; speeds {[round(s, 2) for s in self.speeds]}); "
             f"the cut for these speeds is {list(self.counts)}, predicted {self.after * 1e3:.1f} ms a step against "
-            f"{self.now * 1e3:.1f} ms now (applying it live waits for the re-layout)"
+            f"{self.now * 1e3:.1f} ms now (stagewise.runtime.Replanner applies it live when it pays)"
         )
 
 

@@ -74,6 +74,7 @@ _NAMES = {
     "calibrate": ".calibration.calibrate",
     "measure_compute_scale": ".calibration.compute_scale",
     "RunCalibrator": ".calibration.from_run",
+    "Replanner": ".calibration.replan",
     "counted_reads": ".measure.host_reads",
     "shm_transport": ".comm.shm.transport",
     "torch_transport": ".comm.choose_transport",

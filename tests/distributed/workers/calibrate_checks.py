@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import io
 import itertools
+import json
 import math
 from collections.abc import Callable
 from typing import Any
@@ -289,9 +290,116 @@ def from_the_run(ctx: Ctx) -> dict[str, Any]:
     return {"named": [e["rank"] for e in named], "at step": named_at, "cut": named[0]["cut"]}
 
 
+def _linear_spin(forward: float, backward: float) -> Any:
+    """A float64 Linear followed by a layer that burns ``forward`` / ``backward`` CPU seconds (numbers and cost)."""
+    import torch
+    from torch import nn
+
+    return nn.Sequential(nn.Linear(4, 4, dtype=torch.float64), _spin_layer(forward, backward).double())
+
+
+def replan_live(ctx: Ctx) -> dict[str, Any]:
+    """Replanner on a running pipeline: calibrated at full speed, then rank 1 emulated 4x slower (the interpreter's
+    ``slowdown``, as ``emulate_slowdown`` sets it, switched on mid-run): the straggler is named, a re-partition
+    that moves layers off rank 1 is applied live with ``pipe.relayout`` and holds while rank 1 is slow; when the
+    throttle lifts and rank 1 is cleared, layers move back to it; every rank logs the same decisions, the log
+    replays to itself, and the float64 losses of the whole run equal a replay of the logged changes, each segment
+    a fresh pipeline of its layout loaded from a checkpoint saved at the change."""
+    import tempfile
+    from pathlib import Path
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from stagewise.planning.replan import replay
+    from stagewise.runtime import Replanner, RunCalibrator
+
+    steps, lift = 34, 18
+    slow = [1.0] + [4.0] * (ctx.world - 1)
+
+    def build(**layout: Any) -> sw.Pipeline:
+        torch.manual_seed(0)
+        layers = [_linear_spin(2e-3, 3e-3) for _ in range(8)]
+        opts: dict[str, Any] = {"schedule": "1f1b", "microbatches": 4, "partition": "uniform", **layout}
+        return sw.Pipeline(layers, loss_fn=F.mse_loss, group=ctx.group, timeout=60, **opts)
+
+    def batch(step: int) -> tuple[Any, Any]:
+        g = torch.Generator().manual_seed(500 + step)
+        return torch.randn(8, 4, dtype=torch.float64, generator=g), torch.randn(8, 4, dtype=torch.float64, generator=g)
+
+    def train(pipe: sw.Pipeline, start: int, stop: int) -> list[Any]:
+        return [pipe.train_step(*pipe.local_batch(*batch(s))) for s in range(start, stop)]
+
+    shared = [tempfile.mkdtemp(prefix="replan") if ctx.rank == 0 else None]
+    dist.broadcast_object_list(shared, src=0, group=ctx.group)
+    root = Path(str(shared[0]))
+    pipe = build(emulate_slowdown=slow)
+
+    def throttle(factor: float) -> None:  # the running interpreter's (a re-layout builds a new one)
+        pipe._engine.runner.interpreter.slowdown = factor
+
+    throttle(1.0)  # the throttle starts after calibration
+    events: list[dict[str, Any]] = []
+    replanner = Replanner(
+        pipe,
+        RunCalibrator(pipe, cores=ctx.world, on_event=events.append),
+        steps=200,
+        margin_s=0.2,
+        cooldown=4,
+        log_path=root / "replan.jsonl",
+    )
+    live = []
+    for step in range(steps):
+        if step == 5:
+            throttle(slow[ctx.rank])
+        if step == lift:
+            throttle(1.0)
+            counts_at_lift = [len(r) for r in pipe.layer_ranges]
+        live += train(pipe, step, step + 1)
+        replanner.observe()
+    named = [e["rank"] for e in events if e["event"] == "straggler named"]
+    assert 1 in named, events
+    changes = [r for r in replanner.log if r["taken"]]
+    assert changes, replanner.log
+    first = changes[0]["best"]["counts"]
+    assert sum(first[1:]) < 4 * (ctx.world - 1), changes[0]  # layers moved off the slow rank
+    assert [len(r) for r in pipe.layer_ranges] == changes[-1]["best"]["counts"]  # applied, not only logged
+    slowed = [r["best"]["counts"][1] for r in changes if r["step"] <= lift]
+    assert max(slowed[1:], default=0) <= slowed[0], replanner.log  # no layers back onto rank 1 while it is slow
+    # when the throttle lifts, rank 1 is cleared once its window's median passes 0.9 (under a neighbour's load
+    # that can take more than the steps left here: then nothing is asserted of it, and the info says so)
+    recovered = [r for r in replanner.log if r["step"] > lift and r["taken"]]
+    if any(e["event"] == "straggler recovered" and e["rank"] == 1 for e in events):
+        assert recovered and recovered[0]["best"]["counts"][1] > counts_at_lift[1], replanner.log  # moved back
+    assert replay(replanner.log) == replanner.log
+    if ctx.rank == 0:
+        lines = [json.loads(t) for t in (root / "replan.jsonl").read_text().splitlines()]
+        assert lines == replanner.log, lines
+    # the replay: each segment a fresh pipeline of its layout, loaded from a checkpoint saved at the change
+    fresh, start, want = build(), 0, []
+    for k, change in enumerate(changes):
+        want += train(fresh, start, change["step"])
+        sw.checkpoint.save(root / f"seg{k}", fresh, step=change["step"])
+        dist.barrier(group=ctx.group)
+        best = change["best"]
+        fresh = build(schedule=best["schedule"], partition=list(best["counts"]))
+        sw.checkpoint.load(root / f"seg{k}", fresh)
+        start = change["step"]
+    want += train(fresh, start, steps)
+    assert live == want, f"live {live} != replayed {want}"
+    return {
+        "named": named,
+        "recovered": [e["rank"] for e in events if e["event"] == "straggler recovered"],
+        "changes": [(r["step"], r["best"]["schedule"], r["best"]["counts"]) for r in changes],
+        "decisions": [(r["step"], r["reason"]) for r in replanner.log],
+    }
+
+
 def checks(world: int) -> dict[str, Callable[[Ctx], Any]]:
     return {
         "from_the_run": from_the_run,
+        "replan_live": replan_live,
         "calibrated": calibrated,
         "across_nodes": across_nodes,
         "sharded_meter": sharded_meter,

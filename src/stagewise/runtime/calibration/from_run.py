@@ -22,7 +22,8 @@ from __future__ import annotations
 import logging
 import os
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from ...ir import Timeline
@@ -44,7 +45,9 @@ class RunCalibrator:
     ``prior``: the layers' costs the calibration scales (``pipe.layer_profile`` when it was cut by a profile;
     otherwise every layer of a stage alike, which predicts other schedules and micro-batch counts of this cut
     but cannot move layers between stages); ``cores``: what the node's processes share (default: the CPUs
-    this process may run on); ``processes``: how many processes compute on them (default: the ranks).
+    this process may run on); ``processes``: how many processes compute on them (default: the ranks);
+    ``speeds``: each rank's known speed while it calibrates (a re-plan's, after a straggler was named), so that
+    a slow rank's slowness stays its speed and is not taken for its layers' cost.
     """
 
     def __init__(
@@ -57,6 +60,7 @@ class RunCalibrator:
         warmup: int = WARMUP,
         after: int = AFTER,
         on_event: Callable[[dict[str, Any]], None] | None = None,
+        speeds: Sequence[float] | None = None,
     ) -> None:
         if after < 1 or warmup < 0:
             raise ValueError(f"RunCalibrator: after must be >= 1 and warmup >= 0, got {after}, {warmup}")
@@ -65,6 +69,7 @@ class RunCalibrator:
         self.prior = prior or pipe.layer_profile or _flat(self.counts)
         self.cores = float(cores if cores is not None else len(os.sched_getaffinity(0)))
         self.processes = processes or pipe.num_ranks
+        self.speeds = None if speeds is None else [float(x) for x in speeds]
         self.warmup, self.after = warmup, after
         self.on_event = on_event
         self.records: list[dict[str, Any]] = []
@@ -94,6 +99,10 @@ class RunCalibrator:
     def _calibrate(self) -> None:
         schedule = self.pipe.schedule
         cal = calibrate_run(self._calibrating, schedule, self.prior, self.counts, self.cores)
+        if self.speeds is not None:  # a rank known slow stays a slow rank: its stages' layers keep their costs
+            at = [self.speeds[r] for r in schedule.placement]
+            measured = {k: {s: v * at[s] for s, v in by.items()} for k, by in cal.measured.items()}
+            cal = replace(cal, measured=measured)
         self.calibration = cal
         self.prediction = cal.predict(
             schedule, cal.profile(self.prior).cost_model(_bounds(self.counts)), self.processes

@@ -1,0 +1,188 @@
+"""Whether to re-plan a running job (issue 49 item 3): pure arithmetic, no torch, every decision a plain record.
+
+A change of plan pays when what it saves over the steps left exceeds what it costs: the re-layout's seconds
+(measured on the last re-layout, else predicted from the bytes to move, :func:`relayout_seconds`) plus a
+margin that absorbs the cost model's error. So :func:`decide` takes the plan running and its candidates
+(schedule x cut at the same members, each with the step the calibrated model predicts for it; for a straggler,
+the cut for the measured speeds), and changes only when ``(now - best) x steps_left > relayout_s + margin_s``.
+A cooldown (steps since the last change) keeps it from flapping: a plan just taken is never left before
+``cooldown`` steps, whatever a noisy step predicts, so A -> B -> A within the cooldown cannot happen.
+
+Every decision, taken or not, is a JSON-able dict that holds all its inputs: :func:`replay` re-decides a log
+and gives the same records, which is how a run's re-plans are audited and re-run (each segment a fresh job of
+its layout).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..ir import Schedule
+    from ..partition import LayerProfile
+    from .recalibrate import RunCalibration
+
+#: reasons a decision records
+CHANGE, NO_BETTER, COOLDOWN, NOT_WORTH = "re-plan", "no better plan", "in cooldown", "gain below cost"
+
+
+@dataclass(frozen=True)
+class Option:
+    """A plan the job could run: its schedule, its cut (layers per stage) and the predicted step (seconds)."""
+
+    schedule: str
+    counts: tuple[int, ...]
+    step_s: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schedule": self.schedule, "counts": list(self.counts), "step_s": self.step_s}
+
+    @staticmethod
+    def from_json(data: dict[str, Any]) -> Option:
+        return Option(str(data["schedule"]), tuple(int(c) for c in data["counts"]), float(data["step_s"]))
+
+    def same_plan(self, other: Option) -> bool:
+        return (self.schedule, self.counts) == (other.schedule, other.counts)
+
+
+def options_for(
+    calibration: RunCalibration,
+    prior: LayerProfile,
+    schedule: Schedule,
+    counts: Sequence[int],
+    speeds: Sequence[float],
+    others: Sequence[Schedule] = (),
+) -> tuple[Option, list[Option]]:
+    """(the plan running, the candidates): for ``schedule`` and each of ``others`` (same ranks), the cut for the
+    ranks' ``speeds`` on the calibrated layers, with its predicted step; the running cut is a candidate too."""
+    from ..partition import partition_costs
+    from .stragglers import cut_for_speeds
+
+    profile = calibration.profile(prior)
+    best, now, after = cut_for_speeds(profile, schedule, counts, speeds, calibration)
+    current = Option(schedule.name, tuple(int(c) for c in counts), now)
+    out = [current, Option(schedule.name, tuple(best), after)]
+    for other in others:
+        if other.name == schedule.name:
+            continue
+        stage_speeds = [float(speeds[r]) for r in other.placement]
+        start = partition_costs(profile.times(), other.num_stages, speeds=stage_speeds).counts
+        cut, _, predicted = cut_for_speeds(profile, other, start, speeds, calibration)
+        out.append(Option(other.name, tuple(cut), predicted))
+    return current, out
+
+
+def relayout_seconds(state_bytes: float, bandwidth: float, fixed_s: float) -> float:
+    """A re-layout's predicted cost before one was measured: the state moved over the link plus the rebuild."""
+    if bandwidth <= 0:
+        raise ValueError(f"relayout_seconds: bandwidth must be > 0 bytes/s, got {bandwidth}")
+    return state_bytes / bandwidth + fixed_s
+
+
+def decide(
+    step: int,
+    current: Option,
+    candidates: Sequence[Option],
+    *,
+    steps_left: int,
+    relayout_s: float,
+    margin_s: float,
+    cooldown: int,
+    last_change: int | None,
+) -> dict[str, Any]:
+    """The decision at ``step`` (a plain record; ``taken`` says whether to change to ``best``)."""
+    if steps_left < 0 or relayout_s < 0 or margin_s < 0 or cooldown < 0:
+        raise ValueError(
+            "decide: steps_left, relayout_s, margin_s and cooldown must be >= 0, got "
+            f"{steps_left}, {relayout_s}, {margin_s}, {cooldown}"
+        )
+    others = [c for c in candidates if not c.same_plan(current)]
+    best = min(others, key=lambda c: (c.step_s, c.schedule, c.counts), default=None)
+    gain = 0.0 if best is None else (current.step_s - best.step_s) * steps_left
+    if best is None or best.step_s >= current.step_s:
+        reason = NO_BETTER
+    elif last_change is not None and step - last_change < cooldown:
+        reason = COOLDOWN
+    elif gain <= relayout_s + margin_s:
+        reason = NOT_WORTH
+    else:
+        reason = CHANGE
+    return {
+        "event": "replan",
+        "step": step,
+        "taken": reason == CHANGE,
+        "reason": reason,
+        "current": current.to_json(),
+        "best": None if best is None else best.to_json(),
+        "candidates": [c.to_json() for c in candidates],
+        "gain_s": gain,
+        "steps_left": steps_left,
+        "relayout_s": relayout_s,
+        "margin_s": margin_s,
+        "cooldown": cooldown,
+        "last_change": last_change,
+    }
+
+
+def line(record: dict[str, Any]) -> str:
+    """One log line for a decision."""
+    cur, best = record["current"], record["best"]
+    head = f"stagewise: re-plan at step {record['step']}: "
+    if best is None:
+        return head + "no other plan to consider"
+    what = (
+        f"{cur['schedule']} {cur['counts']} ({cur['step_s'] * 1e3:.1f} ms) -> "
+        f"{best['schedule']} {best['counts']} ({best['step_s'] * 1e3:.1f} ms): gain {record['gain_s']:.2f} s over "
+        f"{record['steps_left']} steps against {record['relayout_s']:.2f} s of re-layout + {record['margin_s']:.2f} s"
+    )
+    return head + ("applied: " if record["taken"] else f"kept ({record['reason']}): ") + what
+
+
+class Decisions:
+    """The decisions of one run: remembers the last change (for the cooldown) and keeps the log."""
+
+    def __init__(self, *, margin_s: float, cooldown: int) -> None:
+        self.margin_s, self.cooldown = float(margin_s), int(cooldown)
+        self.last_change: int | None = None
+        self.log: list[dict[str, Any]] = []
+
+    def consider(
+        self, step: int, current: Option, candidates: Sequence[Option], *, steps_left: int, relayout_s: float
+    ) -> dict[str, Any]:
+        record = decide(
+            step,
+            current,
+            candidates,
+            steps_left=steps_left,
+            relayout_s=relayout_s,
+            margin_s=self.margin_s,
+            cooldown=self.cooldown,
+            last_change=self.last_change,
+        )
+        if record["taken"]:
+            self.last_change = step
+        self.log.append(record)
+        return record
+
+
+def replay(log: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The decisions a log's inputs give again (each record's margin and cooldown; the last change carried)."""
+    out: list[dict[str, Any]] = []
+    last: int | None = None
+    for r in log:
+        d = decide(
+            int(r["step"]),
+            Option.from_json(r["current"]),
+            [Option.from_json(c) for c in r["candidates"]],
+            steps_left=int(r["steps_left"]),
+            relayout_s=float(r["relayout_s"]),
+            margin_s=float(r["margin_s"]),
+            cooldown=int(r["cooldown"]),
+            last_change=last,
+        )
+        if d["taken"]:
+            last = d["step"]
+        out.append(d)
+    return out

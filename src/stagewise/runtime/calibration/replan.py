@@ -1,0 +1,188 @@
+"""Re-planned live (issue 49 items 3 and 4): the run's calibration asks whether another plan pays, and applies it.
+
+``Replanner(pipe, steps=N)`` is called on every rank after each ``train_step`` (``observe()``, a collective). It
+feeds a :class:`~stagewise.runtime.calibration.from_run.RunCalibrator`; when that calibrates, names a straggler
+or clears one, the group's first rank builds the candidates (for each schedule considered, the cut for the
+ranks' measured speeds, with the step the calibrated model predicts) and asks the pure decision
+(:func:`stagewise.planning.replan.decide`: change only when the gain over the steps left exceeds the re-layout's
+cost plus ``margin_s``, never within ``cooldown`` steps of the last change). Its record is handed to every rank
+(one decides, so every rank applies the same change), logged in one line, recorded as the ``replan`` event of
+``pipe.metrics`` and appended to ``log`` (and to ``log_path``, JSON lines, on the first rank). A change is
+applied with :meth:`Pipeline.relayout`; its measured seconds are the next decision's cost, and a new
+calibration starts on the new layout (the old one described another cut), told the ranks' speeds of the
+decision, so that a straggler stays a slow rank rather than becoming costly layers: when its throttle lifts it
+is "recovered" and the cut for equal speeds moves its layers back.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ...ir import Schedule
+from ...partition import LayerProfile
+from ...passes.build import build_schedule
+from ...planning.recalibrate import RunCalibration
+from ...planning.replan import Decisions, Option, line, options_for, relayout_seconds
+from ...planning.stragglers import WINDOW
+from ..comm.groups import group_rank
+from ..frontends.balance import on_first_rank
+from .from_run import RunCalibrator
+
+log = logging.getLogger(__name__)
+
+#: a re-layout's seconds beyond moving the state, before one was measured: new groups and the stages rebuilt
+#: (the replan_live check's 2-process re-layouts of 8 tiny layers took 0.04-0.06 s at load 8; a real model
+#: rebuilds more: 1 s is a cautious start, replaced by the measured seconds after the first re-layout)
+REBUILD_S = 1.0
+#: the state moved per parameter byte, before a re-layout was measured: the weights and Adam's two moments
+STATE_PER_PARAMETER_BYTE = 3.0
+
+
+class Replanner:
+    """Re-plans ``pipe`` live from its own run (module docstring); ``steps``: the job's total train steps.
+
+    ``schedules``: other schedule names to consider at the same ranks and micro-batches (default: the running
+    one only, so only the cut moves); ``relayout_s``: the re-layout's cost until one is measured (default:
+    the state's bytes over the calibrated link plus :data:`REBUILD_S`).
+    """
+
+    def __init__(
+        self,
+        pipe: Any,
+        calibrator: RunCalibrator | None = None,
+        *,
+        steps: int,
+        margin_s: float = 0.5,
+        cooldown: int = 10,
+        schedules: Sequence[str] = (),
+        relayout_s: float | None = None,
+        log_path: str | Path | None = None,
+    ) -> None:
+        if steps < 0:
+            raise ValueError(f"Replanner: steps (the job's total train steps) must be >= 0, got {steps}")
+        self.pipe = pipe
+        self.calibrator = calibrator or RunCalibrator(pipe)
+        self.prior: LayerProfile = self.calibrator.prior
+        self.steps = int(steps)
+        self.schedules = tuple(schedules)
+        for name in self.schedules:  # a schedule that cannot run here fails now, on every rank, not mid-run
+            try:
+                _like(name, pipe.schedule)
+            except (KeyError, ValueError) as err:
+                raise ValueError(
+                    f"Replanner: schedules= names {name!r}, which cannot run at {len(pipe.schedule.ranks)} ranks "
+                    f"and {pipe.schedule.num_microbatches} micro-batches: {err}"
+                ) from err
+        self.relayout_s = relayout_s
+        self.log_path = None if log_path is None else Path(log_path)
+        self.decisions = Decisions(margin_s=margin_s, cooldown=cooldown)
+        self._seen = 0
+        #: each rank's speed relative to the calibrated layers (1.0 until a straggler is measured)
+        self.speeds: list[float] = [1.0] * pipe.num_ranks
+
+    @property
+    def log(self) -> list[dict[str, Any]]:
+        """Every decision so far, taken or not (plain dicts; :func:`stagewise.planning.replan.replay`)."""
+        return self.decisions.log
+
+    def observe(self) -> dict[str, Any] | None:
+        """After a train step, on every rank alike: calibrate, and re-plan when the calibration has news; the
+        decision's record (None when nothing was decided)."""
+        cal = self.calibrator
+        cal.observe()
+        news = [r for r in cal.records[self._seen :] if r["event"] != "replan"]
+        self._seen = len(cal.records)
+        if cal.calibration is None or not news:
+            return None
+        decided: dict[str, Any] = on_first_rank(None, self._decide, "deciding whether to re-plan")
+        record, self.speeds = decided["record"], decided["speeds"]
+        self.decisions.log.append(record)
+        if record["taken"]:
+            self.decisions.last_change = record["step"]
+        self._tell(record)
+        if record["taken"]:
+            self._apply(record["best"])
+        return record
+
+    def _decide(self) -> dict[str, Any]:
+        """On the first rank: the candidates and the pure decision (not yet logged: every rank logs the same)."""
+        cal = self.calibrator
+        assert cal.calibration is not None
+        step = int(self.pipe.train_steps)
+        speeds = [
+            statistics.median(h) if len(h) == WINDOW else self.speeds[r] for r, h in enumerate(cal.detector.history)
+        ]  # measured where a window is full, else what was known when this calibration began
+        current, candidates = self._options(cal.calibration, speeds)
+        before = len(self.decisions.log), self.decisions.last_change
+        record = self.decisions.consider(
+            step, current, candidates, steps_left=max(0, self.steps - step), relayout_s=self._cost(cal.calibration)
+        )
+        del self.decisions.log[before[0] :]  # observe() appends the record handed round, on every rank alike
+        self.decisions.last_change = before[1]
+        return {"record": record, "speeds": speeds}
+
+    def _options(self, cal: RunCalibration, speeds: list[float]) -> tuple[Option, list[Option]]:
+        running = self.pipe.schedule
+        others = [_like(n, running) for n in self.schedules if n != running.name]
+        counts = [len(r) for r in self.pipe.layer_ranges]
+        return options_for(cal, self.prior, running, counts, speeds, others)
+
+    def _cost(self, cal: RunCalibration) -> float:
+        if self.relayout_s is not None:
+            return self.relayout_s
+        own = sum(p.numel() * p.element_size() for p in self.pipe.parameters())
+        state = own * self.pipe.num_ranks * STATE_PER_PARAMETER_BYTE
+        return relayout_seconds(state, cal.bandwidth, REBUILD_S) if cal.bandwidth > 0 else REBUILD_S
+
+    def _tell(self, record: dict[str, Any]) -> None:
+        first = group_rank(None) == 0
+        if first:
+            (log.warning if record["taken"] else log.info)("%s", line(record))
+            if self.log_path is not None:
+                with self.log_path.open("a") as f:
+                    f.write(json.dumps(record) + "\n")
+        best = record["best"] or {}
+        self.pipe.metrics.event(
+            "replan",
+            step=record["step"],
+            taken=record["taken"],
+            reason=record["reason"],
+            schedule=best.get("schedule"),
+            counts=best.get("counts"),
+            gain_s=record["gain_s"],
+            relayout_s=record["relayout_s"],
+        )
+
+    def _apply(self, best: dict[str, Any]) -> None:
+        changes: dict[str, Any] = {"partition": list(best["counts"])}
+        if best["schedule"] != self.pipe.schedule.name:
+            changes["schedule"] = best["schedule"]
+            per_rank = len(best["counts"]) // self.pipe.num_ranks
+            if per_rank > 1:
+                changes["virtual_stages"] = per_rank
+        start = time.perf_counter()
+        self.pipe.relayout(**changes)
+        self.relayout_s = time.perf_counter() - start
+        old = self.calibrator
+        self.calibrator = RunCalibrator(
+            self.pipe,
+            self.prior,
+            cores=old.cores,
+            processes=old.processes,
+            warmup=1,
+            after=old.after,
+            speeds=self.speeds,
+        )
+        self.calibrator.on_event = old.on_event
+        self._seen = 0
+
+
+def _like(name: str, running: Schedule) -> Schedule:
+    """Schedule ``name`` at the running one's ranks and micro-batches."""
+    return build_schedule(name, len(running.ranks), running.num_microbatches)

@@ -1,0 +1,121 @@
+"""The re-plan decision (issue 49 item 3): pure, every decision a plain record, a log that replays."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_stragglers import PLAN, PRIOR, run  # the synthetic timelines of the detector's tests
+
+from stagewise import build_schedule
+from stagewise.planning.recalibrate import calibrate_run
+from stagewise.planning.replan import (
+    CHANGE,
+    COOLDOWN,
+    NO_BETTER,
+    NOT_WORTH,
+    Decisions,
+    Option,
+    decide,
+    line,
+    options_for,
+    relayout_seconds,
+    replay,
+)
+from stagewise.planning.stragglers import cut_for_speeds
+
+A = Option("1f1b", (4, 4), 0.100)
+B = Option("1f1b", (6, 2), 0.080)
+C = Option("zb-h1", (4, 4), 0.090)
+
+
+def _decide(**kw: object) -> dict:
+    args: dict = {"steps_left": 100, "relayout_s": 1.0, "margin_s": 0.5, "cooldown": 5, "last_change": None}
+    args.update(kw)
+    return decide(10, A, [A, B, C], **args)
+
+
+def test_gain_below_cost_keeps_the_plan() -> None:
+    # (0.100 - 0.080) x 70 = 1.4 s saved <= 1.0 s + 0.5 s
+    record = _decide(steps_left=70)
+    assert (record["taken"], record["reason"]) == (False, NOT_WORTH)
+    assert record["best"] == B.to_json() and record["gain_s"] == pytest.approx(1.4)
+
+
+def test_gain_above_cost_changes_to_the_fastest() -> None:
+    # (0.100 - 0.080) x 80 = 1.6 s > 1.5 s
+    record = _decide(steps_left=80)
+    assert (record["taken"], record["reason"]) == (True, CHANGE)
+    assert record["best"] == B.to_json()
+    assert "applied" in line(record) and "[6, 2]" in line(record)
+
+
+def test_the_margin_and_the_cost_both_count() -> None:
+    assert _decide(steps_left=80, margin_s=0.7)["taken"] is False
+    assert _decide(steps_left=80, relayout_s=1.2)["taken"] is False
+    assert _decide(steps_left=80, relayout_s=0.0, margin_s=0.0)["taken"] is True
+
+
+def test_nothing_faster_is_no_change() -> None:
+    record = decide(3, B, [A, B, C], steps_left=10**6, relayout_s=0, margin_s=0, cooldown=0, last_change=None)
+    assert (record["taken"], record["reason"]) == (False, NO_BETTER)
+    alone = decide(3, A, [A], steps_left=10, relayout_s=0, margin_s=0, cooldown=0, last_change=None)
+    assert alone["best"] is None and alone["reason"] == NO_BETTER
+
+
+def test_cooldown_blocks_a_flap() -> None:
+    d = Decisions(margin_s=0.0, cooldown=4)
+    assert d.consider(5, A, [A, B], steps_left=100, relayout_s=0.1)["taken"]
+    # a noisy step now predicts A faster than B: within the cooldown B is kept
+    back = Option("1f1b", (4, 4), 0.070)
+    for step in (6, 7, 8):
+        record = d.consider(step, B, [back, B], steps_left=100, relayout_s=0.1)
+        assert (record["taken"], record["reason"]) == (False, COOLDOWN)
+    assert d.consider(9, B, [back, B], steps_left=100, relayout_s=0.1)["taken"]  # cooldown over
+    assert [r["step"] for r in d.log if r["taken"]] == [5, 9]
+
+
+def test_a_log_replays_to_the_same_decisions() -> None:
+    d = Decisions(margin_s=0.2, cooldown=3)
+    now = A
+    plans = [A, B, C, Option("zb-h1", (5, 3), 0.060)]
+    for step in range(5, 20):
+        # predictions that drift with the step, as a recalibrated model's would
+        candidates = [
+            Option(p.schedule, p.counts, p.step_s * (1 + 0.3 * ((step + i) % 3 - 1))) for i, p in enumerate(plans)
+        ]
+        current = next(c for c in candidates if c.same_plan(now))
+        record = d.consider(step, current, candidates, steps_left=40 - step, relayout_s=0.5)
+        if record["taken"]:
+            now = Option.from_json(record["best"])
+    taken = [r for r in d.log if r["taken"]]
+    assert 2 <= len(taken) < len(d.log)  # the log holds changes and refusals alike
+    log = [json.loads(json.dumps(r)) for r in d.log]  # through JSON lines
+    assert replay(log) == log
+    # a log whose decision was edited does not replay to itself
+    log[0]["taken"] = not log[0]["taken"]
+    assert replay(log) != log
+
+
+def test_bad_inputs_are_named() -> None:
+    with pytest.raises(ValueError, match="steps_left, relayout_s, margin_s and cooldown"):
+        _decide(steps_left=-1)
+    with pytest.raises(ValueError, match="bandwidth"):
+        relayout_seconds(1e6, 0.0, 0.1)
+    assert relayout_seconds(2e6, 1e6, 0.5) == pytest.approx(2.5)
+
+
+def test_candidates_for_a_straggler_and_other_schedules() -> None:
+    cal = calibrate_run([run([1.0, 1.0])] * 5, PLAN, PRIOR, [4, 4], cores=2)
+    zb = build_schedule("zb-h1", 2, 4)
+    current, candidates = options_for(cal, PRIOR, PLAN, [4, 4], [1.0, 0.25], [zb, PLAN])
+    cut, now, after = cut_for_speeds(cal.profile(PRIOR), PLAN, [4, 4], [1.0, 0.25], cal)
+    assert current == Option("1f1b", (4, 4), now)
+    assert candidates[:2] == [current, Option("1f1b", tuple(cut), after)]
+    assert cut[1] < 4 and after < now  # layers off the slow rank, predicted faster
+    assert [c.schedule for c in candidates] == ["1f1b", "1f1b", "zb-h1"]  # the running one not twice
+    assert candidates[2].counts[1] < 4 and candidates[2].step_s < now
+    # at equal speeds the calibrated cut is the running one: nothing to gain
+    _, same = options_for(cal, PRIOR, PLAN, [4, 4], [1.0, 1.0])
+    record = decide(5, same[0], same, steps_left=10**6, relayout_s=0, margin_s=0, cooldown=0, last_change=None)
+    assert record["reason"] == NO_BETTER

@@ -1,0 +1,69 @@
+"""Replanner's options are checked when it is made (no process group needed): a clear error, before any step."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from helpers.profiles import fake_profile
+from stagewise import build_schedule, simulate
+from stagewise.planning.stragglers import rank_speeds
+from stagewise.runtime import Replanner, RunCalibrator
+
+
+def _pipe() -> SimpleNamespace:
+    return SimpleNamespace(
+        schedule=build_schedule("1f1b", 2, 4), layer_ranges=[range(0, 4), range(4, 8)], layer_profile=None, num_ranks=2
+    )
+
+
+def test_bad_options_are_named() -> None:
+    with pytest.raises(ValueError, match="steps"):
+        Replanner(_pipe(), steps=-1)
+    with pytest.raises(ValueError, match="schedules= names 'no-such'"):
+        Replanner(_pipe(), steps=10, schedules=["no-such"])
+
+
+def test_good_options_are_kept() -> None:
+    replanner = Replanner(_pipe(), steps=10, schedules=["zb-h1", "gpipe"], cooldown=3, margin_s=0.1)
+    assert replanner.schedules == ("zb-h1", "gpipe") and replanner.log == []
+    assert (replanner.decisions.cooldown, replanner.decisions.margin_s) == (3, 0.1)
+
+
+def _run(speeds: list[float]) -> Any:
+    """The simulator's timeline of 1F1B at 2 ranks with rank r's compute divided by ``speeds[r]``."""
+    plan = build_schedule("1f1b", 2, 4)
+    costs = fake_profile([1.0] * 8).cost_model([0, 4, 8])
+
+    def slowed(values: tuple[float, ...]) -> tuple[float, ...]:
+        return tuple(x / speeds[plan.placement[s]] for s, x in enumerate(values))
+
+    kinds = ("forward", "backward_input", "backward_weight", "backward_full")
+    return simulate(plan, replace(costs, **{k: slowed(getattr(costs, k)) for k in kinds})).timeline
+
+
+def test_a_calibration_told_the_speeds_keeps_a_slow_rank_slow() -> None:
+    """Calibrated while rank 1 runs at 0.25, told so: its stages keep their full-speed costs, and the steps that
+    follow measure rank 1 at 0.25 (a calibration not told takes the slowness for costly layers: speeds 1)."""
+    pipe = SimpleNamespace(
+        schedule=build_schedule("1f1b", 2, 4),
+        layer_ranges=[range(0, 4), range(4, 8)],
+        layer_profile=fake_profile([1.0] * 8),
+        num_ranks=2,
+        rank=0,
+    )
+    full = RunCalibrator(pipe, cores=2, warmup=0, after=3)
+    told = RunCalibrator(pipe, cores=2, warmup=0, after=3, speeds=[1.0, 0.25])
+    blind = RunCalibrator(pipe, cores=2, warmup=0, after=3)
+    for _ in range(3):
+        full.observe(_run([1.0, 1.0]))
+        told.observe(_run([1.0, 0.25]))
+        blind.observe(_run([1.0, 0.25]))
+    assert told.calibration is not None and full.calibration is not None and blind.calibration is not None
+    for kind, by_stage in full.calibration.measured.items():
+        assert told.calibration.measured[kind] == pytest.approx(by_stage)
+    assert rank_speeds(_run([1.0, 0.25]), told.calibration, 2) == pytest.approx([1.0, 0.25])
+    assert rank_speeds(_run([1.0, 0.25]), blind.calibration, 2) == pytest.approx([1.0, 1.0])
