@@ -227,6 +227,44 @@ def check_leaks(ctx: Ctx) -> dict[str, Any]:
     return {"before": before, "after": after}
 
 
+def check_failure(ctx: Ctx) -> dict[str, Any]:
+    """A process fails in the middle of the transfers (rank 2 raises once its sends and receives are posted,
+    before they complete): every process raises the same PipelineError naming global rank 2 (none hangs), none
+    takes the new layout (the commit point), and the old layout stays whole: its state unchanged, a checkpoint
+    saved after the failure loads into a fresh job equal to the bit, the next losses equal; a re-layout then
+    succeeds."""
+    pipe = build()
+    train(pipe, 0)
+    before, ranges = state_of(pipe), [(r.start, r.stop) for r in pipe.layer_ranges]
+    wire = sw.runtime.comm.relayout_wire
+    posted = wire.post
+
+    def fails_midway(ops: Any, group: Any, wait: Any) -> None:
+        for kind, tensor, peer in ops:
+            (dist.isend if kind == "send" else dist.irecv)(tensor, peer, group=group)
+        raise RuntimeError("injected: rank 2 fails during the transfers")
+
+    if ctx.rank == 2:
+        wire.post = fails_midway
+    try:
+        words = ["global rank 2", "injected", "keeps the layout from before"]
+        message = raises(sw.PipelineError, words, lambda: pipe.relayout(partition=[3, 1, 2, 2]))
+    finally:
+        wire.post = posted
+    assert_same(state_of(pipe), before, "after the failed re-layout")
+    assert [(r.start, r.stop) for r in pipe.layer_ranges] == ranges, pipe.layer_ranges
+    dist.barrier()
+    sw.checkpoint.save(folder("failed"), pipe, step=STEPS)
+    fresh = build()
+    sw.checkpoint.load(folder("failed"), fresh)
+    compared = assert_same(state_of(pipe), state_of(fresh), "saved after the failure")
+    losses, want = train(pipe, STEPS), train(fresh, STEPS)
+    assert losses == want, f"after the failure: losses {losses}, {want} from the checkpoint"
+    del fresh
+    after = relaid(pipe, ctx, "after-failure", 2 * STEPS, None, partition=[3, 1, 2, 2])
+    return {"message": message[:200], "compared": compared, "after": after}
+
+
 def checks(world: int) -> dict[str, Check]:
     assert world == 4, "relayout_checks runs on 4 ranks"
     return {
@@ -236,4 +274,5 @@ def checks(world: int) -> dict[str, Check]:
         "shrink-grow": check_shrink_grow,
         "refusals": check_refusals,
         "leaks": check_leaks,
+        "failure": check_failure,
     }

@@ -33,6 +33,7 @@ from ..checkpoint import state, storage
 from ..checkpoint.declared import PipelineState, Progress, progress_of, restore_progress
 from ..comm import groups, relayout_wire
 from ..comm.faults.guard import setup_guard
+from ..checkpoint.manifest import CheckpointError
 from ..errors import PipelineError
 from ..frontends.layer_list import LayerList
 from ..frontends.parts import Frontend
@@ -102,10 +103,15 @@ def relayout(
             new = build(*_new_source(frontend, options, changes, plan, group))
         clock.lap("build")
         moved, everyone = _move(old, new, ranks, progress)
+        storage.gather(None, ranks, "every process to have filled its new stages")  # the commit point
         clock.lap("move")
-    except BaseException:
-        relayout_wire.release(group if new is None else None)
-        raise
+    except BaseException as err:
+        new = None  # half-filled: dropped; the user's object still holds the old layout, whole
+        posted = _failed(ranks, err)
+        relayout_wire.release(group)
+        if posted is None:
+            raise
+        raise posted from err
     finally:
         ranks.close()
         relayout_wire.release(exchange)
@@ -115,6 +121,21 @@ def relayout(
         relayout_wire.release(made)
     clock.lap("release")
     return _layout(None if new is None else pipe, chosen, everyone, moved, clock.seconds)
+
+
+def _failed(ranks: storage.Ranks, err: BaseException) -> PipelineError | None:
+    """A process failed during the build or the move: its failure is posted on the re-layout's board, so every
+    other process stops at its next wait with the same :class:`PipelineError` (no one passes the commit point,
+    so no one takes the new layout), and raised here as one. A refusal raised alike everywhere stays as it is."""
+    if isinstance(err, (PipelineError, CheckpointError)) or not isinstance(err, Exception):
+        return None
+    guard = ranks.guard
+    assert guard is not None
+    failure = guard.fail(
+        f"global rank {ranks.rank}: the re-layout failed ({type(err).__name__}: {err}); every process keeps the "
+        "layout from before the call"
+    )
+    return PipelineError(failure)
 
 
 class Retired(nn.Module):
