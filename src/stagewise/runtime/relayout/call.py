@@ -31,9 +31,9 @@ from torch import nn
 
 from ..checkpoint import state, storage
 from ..checkpoint.declared import PipelineState, Progress, progress_of, restore_progress
+from ..checkpoint.manifest import CheckpointError
 from ..comm import groups, relayout_wire
 from ..comm.faults.guard import setup_guard
-from ..checkpoint.manifest import CheckpointError
 from ..errors import PipelineError
 from ..frontends.layer_list import LayerList
 from ..frontends.parts import Frontend
