@@ -31,5 +31,9 @@ def test_every_rank_compared_something(results: SuiteResults) -> None:
     for name in ("partition", "shrink-grow"):
         rows = [results.get(name)[r]["info"] for r in range(4)]
         assert all(row is not None for row in rows), name
+    aliased = [results.get("partition")[r]["info"]["aliased"] for r in range(4)]
+    assert sum(aliased) > 0, f"no parameter stayed on its rank to be aliased: {aliased}"
+    fresh = [results.get("partition")[r]["info"]["fresh_inits"] for r in range(4)]
+    assert sum(fresh) > 0, f"the initialisation counter counted nothing in the fresh jobs: {fresh}"
     shrink = [results.get("shrink-grow")[r]["info"]["shrink"]["compared"] for r in range(4)]
     assert shrink[0] > 0 and shrink[1] > 0 and shrink[2:] == [0, 0], shrink

@@ -38,6 +38,17 @@ class TokenNorm(nn.Module):
         return self.bn(h.transpose(1, 2)).transpose(1, 2)
 
 
+class CountedNorm(nn.LayerNorm):
+    """A LayerNorm that counts its initialisations on a real device (a re-layout's new stages compute none)."""
+
+    real_inits = 0
+
+    def reset_parameters(self) -> None:
+        if self.weight.device.type != "meta":
+            CountedNorm.real_inits += 1
+        super().reset_parameters()
+
+
 def _head(emb: nn.Module, h: torch.Tensor) -> torch.Tensor:
     return h @ emb.weight.T
 
@@ -52,7 +63,7 @@ def layers(batchnorm: bool = True) -> list[sw.Layer]:
         sw.Layer(nn.Dropout, 0.1),
         sw.Layer(mdl.Block),
         sw.Layer(mdl.Block),
-        sw.Layer(nn.LayerNorm, mdl.D, dtype=torch.float64),
+        sw.Layer(CountedNorm, mdl.D, dtype=torch.float64),
         sw.Tied("embed", forward_fn=_head),
     ]
 
@@ -119,10 +130,18 @@ def relaid(
     if not isinstance(pipe, sw.runtime.relayout.Retired):
         sw.checkpoint.save(folder(tag), pipe, step=step)
     dist.barrier()
+    CountedNorm.real_inits = 0
+    before = {n: p.data_ptr() for n, p in pipe.named_parameters()}
     got = pipe.relayout(members, **layout)
+    kept = [n for n, p in pipe.named_parameters() if n in before]  # held here before and after: aliased
+    copied = [n for n in kept if dict(pipe.named_parameters())[n].data_ptr() != before[n]]
+    assert not copied, f"{tag}: parameters kept on this rank were copied, not aliased: {copied[:4]}"
+    inits = CountedNorm.real_inits  # the new stages are built on meta, then filled: no initialisation
+    assert inits == 0, f"{tag}: the re-layout initialised {inits} CountedNorm layers before filling them"
     group = _group(members, ctx.world)
     holds = members is None or ctx.rank in members
     fresh = build(group, bn, **layout) if holds else None
+    fresh_inits = CountedNorm.real_inits  # the counter counts: a fresh job's holder of layer 6 initialised it
     compared = 0
     if fresh is not None:
         sw.checkpoint.load(folder(tag), fresh)
@@ -131,7 +150,14 @@ def relaid(
         assert losses == want, f"{tag}: losses {losses} after the re-layout, {want} from the checkpoint"
     else:
         raises(sw.PipelineError, "no part of the pipeline", lambda: pipe.train_step(None, None))
-    return {"compared": compared, "members": list(got.members), "schedule": got.schedule, "moved": got.bytes_moved}
+    return {
+        "compared": compared,
+        "members": list(got.members),
+        "schedule": got.schedule,
+        "moved": got.bytes_moved,
+        "fresh_inits": fresh_inits,
+        "aliased": len(kept),
+    }
 
 
 def check_partition(ctx: Ctx) -> dict[str, Any]:

@@ -33,9 +33,10 @@ from ..checkpoint import state, storage
 from ..checkpoint.declared import PipelineState, Progress, progress_of, restore_progress
 from ..checkpoint.manifest import CheckpointError
 from ..comm import groups, relayout_wire
-from ..comm.faults.guard import setup_guard
+from ..comm.faults.guard import Guard
 from ..errors import PipelineError
 from ..frontends.layer_list import LayerList
+from ..frontends.layers import built_empty
 from ..frontends.parts import Frontend
 from ..frontends.plan import FromPlan
 from ..options import Options
@@ -70,6 +71,7 @@ class Layout:
 
 
 _generations = [0]  # re-layouts this process took part in (advanced alike on every process)
+_calls = [0]  # relayout calls on this process, refused ones too (advanced alike on every process): boards' names
 _owned: list[Any] = []  # the groups made for the layout in force (let go by the next re-layout)
 
 
@@ -83,7 +85,8 @@ def relayout(
     chosen = members_of(members, world)
     old = pipe if isinstance(pipe, PipelineState) else None
     clock = _Clock()
-    guard = setup_guard(options.timeout)
+    _calls[0] += 1
+    guard = _guard("agreement", options.timeout, me)
     agreeing = storage.Ranks(None, me, world, torch.device("cpu"), True, guard, options.timeout, True)
     try:
         progress = _agree(agreeing, old, frontend, options, chosen, changes, plan)
@@ -95,12 +98,13 @@ def relayout(
     exchange = relayout_wire.fresh_group(range(world), options.timeout, backend="gloo")
     prepared = groups.prepare_subgroups(subgroups_ahead(chosen, world))  # the members' tied groups
     clock.lap("groups")
-    guard = setup_guard(options.timeout)
+    guard = _guard("move", options.timeout, me)
     ranks = storage.Ranks(exchange, me, world, torch.device("cpu"), True, guard, options.timeout, True)
     new: nn.Module | None = None
     try:
         if me in chosen:
-            new = build(*_new_source(frontend, options, changes, plan, group))
+            with built_empty():  # every tensor is filled below: none initialised only to be overwritten
+                new = build(*_new_source(frontend, options, changes, plan, group))
         clock.lap("build")
         moved, everyone = _move(old, new, ranks, progress)
         storage.gather(None, ranks, "every process to have filled its new stages")  # the commit point
@@ -121,6 +125,13 @@ def relayout(
         relayout_wire.release(made)
     clock.lap("release")
     return _layout(None if new is None else pipe, chosen, everyone, moved, clock.seconds)
+
+
+def _guard(part: str, timeout: float, me: int) -> Guard:
+    """The deadline and error board of one part of this re-layout: the board is named by the count of this
+    call, which every process makes alike (a count of pipelines built would not do: a retired process builds
+    none)."""
+    return Guard(f"relayout/{_calls[0]}/{part}", timeout, f"global rank {me}")
 
 
 def _failed(ranks: storage.Ranks, err: BaseException) -> PipelineError | None:
@@ -243,7 +254,8 @@ def _move(
     storage.agree(missing, ranks, "relayout: the new layout needs tensors the old one does not have")
     got = _post(transfers, held, described, ranks)
     if new is not None:
-        _fill(new, targets, {**{n: held[n] for n in transfers.kept[ranks.rank]}, **got}, record)
+        kept = {n: held[n] for n in transfers.kept[ranks.rank]}
+        _fill(new, targets, {**kept, **got}, record, kept)
         assert isinstance(new, PipelineState)
         restore_progress(new, progress)
     sizes = {n: _bytes(d) for n, d in described.items()}
@@ -265,7 +277,7 @@ def _targets(new: nn.Module | None, record: Mapping[str, Any]) -> dict[str, torc
     (None: received into a new tensor)."""
     if new is None:
         return {}
-    out: dict[str, torch.Tensor | None] = {state.MODEL + k: t for k, t in state.load_targets(new).items()}
+    out: dict[str, torch.Tensor | None] = {state.MODEL + k: t for k, t in state.load_targets(new, True).items()}
     names = state.parameter_names(new)
     for opt in state.optimizers_of(new, None):
         for group in opt.param_groups:
@@ -301,15 +313,30 @@ def _fill(
     targets: Mapping[str, torch.Tensor | None],
     values: Mapping[str, torch.Tensor],
     record: Mapping[str, Any],
+    kept: Mapping[str, torch.Tensor],
 ) -> None:
-    """Write the model tensors, then give the optimizers their state through their own ``load_state_dict``."""
+    """Write the model tensors, then give the optimizers their state through their own ``load_state_dict``.
+
+    A model tensor this process kept is aliased (the new tensor takes the old one's storage: no copy, no second
+    buffer past the release) where dtype, device and shape agree and no other new tensor took that storage."""
+    taken: dict[int, int] = {}  # an old storage's address -> the new tensor (id) that took it
     for name, target in targets.items():
-        if target is not None:
-            target.copy_(values[name])
+        if target is None:
+            continue
+        value = values[name]
+        if name in kept and _aliasable(target, value) and taken.setdefault(value.data_ptr(), id(target)) == id(target):
+            target.data = value
+        else:
+            target.copy_(value)
     optimizers = state.optimizers_of(new, None)
     if optimizers:
         tensors = {n: v for n, v in values.items() if n.startswith(state.OPTIM)}
         state.restore_optimizers(optimizers, state.parameter_names(new), {"optimizer": record}, tensors)
+
+
+def _aliasable(target: torch.Tensor, value: torch.Tensor) -> bool:
+    same = (target.dtype, target.device, target.shape) == (value.dtype, value.device, value.shape)
+    return same and type(target.data) is torch.Tensor and type(value) is torch.Tensor
 
 
 def _bytes(described: Mapping[str, Any]) -> int:
