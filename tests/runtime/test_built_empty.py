@@ -54,7 +54,7 @@ def test_state_that_no_state_dict_carries_is_built_as_usual() -> None:
         rope = build_stage_layer(sw.Layer(WithRope), 0, 0, None)
         needs = build_stage_layer(sw.Layer(NeedsValues), 1, 0, None)
     assert isinstance(rope, WithRope) and isinstance(needs, NeedsValues)
-    assert torch.equal(rope.freq, torch.arange(4.0)) and needs.scale == 1.0
+    assert torch.equal(rope.get_buffer("freq"), torch.arange(4.0)) and needs.scale == 1.0
     assert Counted.real == 2  # both built for real
 
 
