@@ -2,7 +2,9 @@
 re-layout the pipeline equals, bit for bit, a fresh job of the new layout loaded from a checkpoint saved just
 before (parameters, buffers, tied copies, Adam's state and step, train_steps, the dropout seed, the next losses):
 a partition moved; 1f1b -> zb-v -> interleaved-1f1b -> 1f1b; pp 2 x dp 2 -> pp 4 -> pp 2 x dp 2; 4 -> 2
-processes and back; bad requests refused alike on every rank."""
+processes and back; bad requests refused alike on every rank; a process failing midway through the transfers
+(the same named PipelineError everywhere, the old layout whole and resumable); no initialisation computed for
+the new stages; parameters kept on their rank aliased."""
 
 from __future__ import annotations
 

@@ -6,11 +6,14 @@ A collective over every process of the world, in five parts (each timed in :attr
    request raises the same ``ValueError`` everywhere before any group is made or any tensor moves;
 2. *groups*: the members' pipeline group and a gloo exchange group, both new for this generation;
 3. *build*: each member builds its stages of the new layout through the usual construction path (the
-   pipeline's own way in, with the changed options);
+   pipeline's own way in, with the changed options), layer specs on ``meta`` then given storage, never
+   initialised (:func:`~stagewise.runtime.frontends.layers.built_empty`);
 4. *move*: every tensor the new stages hold (parameters, buffers, tied copies, the own optimizers' state by
-   parameter name, Adam's ``step`` included) comes from the lowest process that held it; one kept on its
-   process is copied there, the others go point-to-point over gloo, never through disk; then the steps
-   trained and the dropout seed are set, so the next step draws the masks it would have;
+   parameter name, Adam's ``step`` included) comes from the lowest process that held it; a model tensor
+   kept on its process is aliased, the others go point-to-point over gloo, never through disk; then the
+   steps trained and the dropout seed are set, so the next step draws the masks it would have; last, the
+   commit point: every process says it is done. A process failing before it posts its failure on the
+   call's board, so every process raises the same PipelineError and keeps the old layout, whole;
 5. *release*: the old layout's transport, groups and shared memory are let go.
 
 The user's reference stays valid: the Pipeline object takes the new layout's state in place. A process left
@@ -40,6 +43,7 @@ from ..frontends.layers import built_empty
 from ..frontends.parts import Frontend
 from ..frontends.plan import FromPlan
 from ..options import Options
+from .fill import fill
 from .request import digest, local_refusals, members_of, refuse_alike, subgroups_ahead
 from .transfers import Transfers, bytes_moved, plan_transfers
 
@@ -255,7 +259,7 @@ def _move(
     got = _post(transfers, held, described, ranks)
     if new is not None:
         kept = {n: held[n] for n in transfers.kept[ranks.rank]}
-        _fill(new, targets, {**kept, **got}, record, kept)
+        fill(new, targets, {**kept, **got}, record, kept)
         assert isinstance(new, PipelineState)
         restore_progress(new, progress)
     sizes = {n: _bytes(d) for n, d in described.items()}
@@ -305,38 +309,6 @@ def _post(
     assert guard is not None
     relayout_wire.post(ops, ranks.group, lambda works, what: guard.wait(works, what))
     return got
-
-
-@torch.no_grad()
-def _fill(
-    new: nn.Module,
-    targets: Mapping[str, torch.Tensor | None],
-    values: Mapping[str, torch.Tensor],
-    record: Mapping[str, Any],
-    kept: Mapping[str, torch.Tensor],
-) -> None:
-    """Write the model tensors, then give the optimizers their state through their own ``load_state_dict``.
-
-    A model tensor this process kept is aliased (the new tensor takes the old one's storage: no copy, no second
-    buffer past the release) where dtype, device and shape agree and no other new tensor took that storage."""
-    taken: dict[int, int] = {}  # an old storage's address -> the new tensor (id) that took it
-    for name, target in targets.items():
-        if target is None:
-            continue
-        value = values[name]
-        if name in kept and _aliasable(target, value) and taken.setdefault(value.data_ptr(), id(target)) == id(target):
-            target.data = value
-        else:
-            target.copy_(value)
-    optimizers = state.optimizers_of(new, None)
-    if optimizers:
-        tensors = {n: v for n, v in values.items() if n.startswith(state.OPTIM)}
-        state.restore_optimizers(optimizers, state.parameter_names(new), {"optimizer": record}, tensors)
-
-
-def _aliasable(target: torch.Tensor, value: torch.Tensor) -> bool:
-    same = (target.dtype, target.device, target.shape) == (value.dtype, value.device, value.shape)
-    return same and type(target.data) is torch.Tensor and type(value) is torch.Tensor
 
 
 def _bytes(described: Mapping[str, Any]) -> int:
