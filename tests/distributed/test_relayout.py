@@ -2,7 +2,9 @@
 re-layout the pipeline equals, bit for bit, a fresh job of the new layout loaded from a checkpoint saved just
 before (parameters, buffers, tied copies, Adam's state and step, train_steps, the dropout seed, the next losses):
 a partition moved; 1f1b -> zb-v -> interleaved-1f1b -> 1f1b; pp 2 x dp 2 -> pp 4 -> pp 2 x dp 2; 4 -> 2
-processes and back; bad requests refused alike on every rank."""
+processes and back; bad requests refused alike on every rank; a process failing midway through the transfers
+(the same named PipelineError everywhere, the old layout whole and resumable); no initialisation computed for
+the new stages; parameters kept on their rank aliased."""
 
 from __future__ import annotations
 
@@ -31,5 +33,9 @@ def test_every_rank_compared_something(results: SuiteResults) -> None:
     for name in ("partition", "shrink-grow"):
         rows = [results.get(name)[r]["info"] for r in range(4)]
         assert all(row is not None for row in rows), name
+    aliased = [results.get("partition")[r]["info"]["aliased"] for r in range(4)]
+    assert sum(aliased) > 0, f"no parameter stayed on its rank to be aliased: {aliased}"
+    fresh = [results.get("partition")[r]["info"]["fresh_inits"] for r in range(4)]
+    assert sum(fresh) > 0, f"the initialisation counter counted nothing in the fresh jobs: {fresh}"
     shrink = [results.get("shrink-grow")[r]["info"]["shrink"]["compared"] for r in range(4)]
     assert shrink[0] > 0 and shrink[1] > 0 and shrink[2:] == [0, 0], shrink

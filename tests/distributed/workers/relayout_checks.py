@@ -38,6 +38,17 @@ class TokenNorm(nn.Module):
         return self.bn(h.transpose(1, 2)).transpose(1, 2)
 
 
+class CountedNorm(nn.LayerNorm):
+    """A LayerNorm that counts its initialisations on a real device (a re-layout's new stages compute none)."""
+
+    real_inits = 0
+
+    def reset_parameters(self) -> None:
+        if self.weight.device.type != "meta":
+            CountedNorm.real_inits += 1
+        super().reset_parameters()
+
+
 def _head(emb: nn.Module, h: torch.Tensor) -> torch.Tensor:
     return h @ emb.weight.T
 
@@ -52,7 +63,7 @@ def layers(batchnorm: bool = True) -> list[sw.Layer]:
         sw.Layer(nn.Dropout, 0.1),
         sw.Layer(mdl.Block),
         sw.Layer(mdl.Block),
-        sw.Layer(nn.LayerNorm, mdl.D, dtype=torch.float64),
+        sw.Layer(CountedNorm, mdl.D, dtype=torch.float64),
         sw.Tied("embed", forward_fn=_head),
     ]
 
@@ -119,10 +130,18 @@ def relaid(
     if not isinstance(pipe, sw.runtime.relayout.Retired):
         sw.checkpoint.save(folder(tag), pipe, step=step)
     dist.barrier()
+    CountedNorm.real_inits = 0
+    before = {n: p.data_ptr() for n, p in pipe.named_parameters()}
     got = pipe.relayout(members, **layout)
+    kept = [n for n, p in pipe.named_parameters() if n in before]  # held here before and after: aliased
+    copied = [n for n in kept if dict(pipe.named_parameters())[n].data_ptr() != before[n]]
+    assert not copied, f"{tag}: parameters kept on this rank were copied, not aliased: {copied[:4]}"
+    inits = CountedNorm.real_inits  # the new stages are built on meta, then filled: no initialisation
+    assert inits == 0, f"{tag}: the re-layout initialised {inits} CountedNorm layers before filling them"
     group = _group(members, ctx.world)
     holds = members is None or ctx.rank in members
     fresh = build(group, bn, **layout) if holds else None
+    fresh_inits = CountedNorm.real_inits  # the counter counts: a fresh job's holder of layer 6 initialised it
     compared = 0
     if fresh is not None:
         sw.checkpoint.load(folder(tag), fresh)
@@ -131,7 +150,14 @@ def relaid(
         assert losses == want, f"{tag}: losses {losses} after the re-layout, {want} from the checkpoint"
     else:
         raises(sw.PipelineError, "no part of the pipeline", lambda: pipe.train_step(None, None))
-    return {"compared": compared, "members": list(got.members), "schedule": got.schedule, "moved": got.bytes_moved}
+    return {
+        "compared": compared,
+        "members": list(got.members),
+        "schedule": got.schedule,
+        "moved": got.bytes_moved,
+        "fresh_inits": fresh_inits,
+        "aliased": len(kept),
+    }
 
 
 def check_partition(ctx: Ctx) -> dict[str, Any]:
@@ -227,6 +253,44 @@ def check_leaks(ctx: Ctx) -> dict[str, Any]:
     return {"before": before, "after": after}
 
 
+def check_failure(ctx: Ctx) -> dict[str, Any]:
+    """A process fails in the middle of the transfers (rank 2 raises once its sends and receives are posted,
+    before they complete): every process raises the same PipelineError naming global rank 2 (none hangs), none
+    takes the new layout (the commit point), and the old layout stays whole: its state unchanged, a checkpoint
+    saved after the failure loads into a fresh job equal to the bit, the next losses equal; a re-layout then
+    succeeds."""
+    pipe = build()
+    train(pipe, 0)
+    before, ranges = state_of(pipe), [(r.start, r.stop) for r in pipe.layer_ranges]
+    wire = sw.runtime.comm.relayout_wire
+    posted = wire.post
+
+    def fails_midway(ops: Any, group: Any, wait: Any) -> None:
+        for kind, tensor, peer in ops:
+            (dist.isend if kind == "send" else dist.irecv)(tensor, peer, group=group)
+        raise RuntimeError("injected: rank 2 fails during the transfers")
+
+    if ctx.rank == 2:
+        wire.post = fails_midway
+    try:
+        words = ["global rank 2", "injected", "keeps the layout from before"]
+        message = raises(sw.PipelineError, words, lambda: pipe.relayout(partition=[3, 1, 2, 2]))
+    finally:
+        wire.post = posted
+    assert_same(state_of(pipe), before, "after the failed re-layout")
+    assert [(r.start, r.stop) for r in pipe.layer_ranges] == ranges, pipe.layer_ranges
+    dist.barrier()
+    sw.checkpoint.save(folder("failed"), pipe, step=STEPS)
+    fresh = build()
+    sw.checkpoint.load(folder("failed"), fresh)
+    compared = assert_same(state_of(pipe), state_of(fresh), "saved after the failure")
+    losses, want = train(pipe, STEPS), train(fresh, STEPS)
+    assert losses == want, f"after the failure: losses {losses}, {want} from the checkpoint"
+    del fresh
+    after = relaid(pipe, ctx, "after-failure", 2 * STEPS, None, partition=[3, 1, 2, 2])
+    return {"message": message[:200], "compared": compared, "after": after}
+
+
 def checks(world: int) -> dict[str, Check]:
     assert world == 4, "relayout_checks runs on 4 ranks"
     return {
@@ -236,4 +300,5 @@ def checks(world: int) -> dict[str, Check]:
         "shrink-grow": check_shrink_grow,
         "refusals": check_refusals,
         "leaks": check_leaks,
+        "failure": check_failure,
     }

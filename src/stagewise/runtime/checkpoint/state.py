@@ -40,13 +40,14 @@ def saved_tensors(target: nn.Module) -> dict[str, torch.Tensor]:
     return {name: t for name, t in target.state_dict().items()}
 
 
-def load_targets(target: nn.Module) -> dict[str, torch.Tensor]:
-    """The tensors this rank fills on load, by name: its ``state_dict()`` plus every tied copy it holds."""
-    out = dict(target.state_dict())
+def load_targets(target: nn.Module, keep_vars: bool = False) -> dict[str, torch.Tensor]:
+    """The tensors this rank fills on load, by name: its ``state_dict()`` plus every tied copy it holds
+    (``keep_vars``: the parameters and buffers themselves, not detached views, as ``state_dict`` takes it)."""
+    out = dict(target.state_dict(keep_vars=keep_vars))
     if not isinstance(target, PipelineState):
         return out
     for first, module in target.tied_copies.items():
-        for inner, t in module.state_dict().items():
+        for inner, t in module.state_dict(keep_vars=keep_vars).items():
             out[tied_name(first, inner)] = t
     return out
 

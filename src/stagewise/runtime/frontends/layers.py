@@ -19,7 +19,9 @@ spreads over its ranks (eager modules are used as they are).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any, Union
 
 import torch
@@ -144,6 +146,44 @@ def named_layers(layers: Layers) -> list[tuple[str, LayerLike]]:
 def build_layer(layer: LayerLike, index: int, seed: int) -> nn.Module:
     """Layer ``index`` of the model: a spec is built seeded with ``seed + index``; a module is returned as is."""
     return layer.build(seed + index) if isinstance(layer, Layer) else layer
+
+
+_empty = ContextVar("stagewise_build_empty", default=False)
+
+
+@contextmanager
+def built_empty() -> Iterator[None]:
+    """The stages built under it hold uninitialised tensors (specs built on ``meta``, then given storage): for
+    a caller that fills every tensor itself (a re-layout, from the old layout), so no initialisation is computed
+    only to be overwritten."""
+    token = _empty.set(True)
+    try:
+        yield
+    finally:
+        _empty.reset(token)
+
+
+def build_stage_layer(layer: LayerLike, index: int, seed: int, device: Any) -> nn.Module:
+    """:func:`build_layer` for a stage held here, on ``device``. Under :func:`built_empty` a spec is built on
+    ``meta`` and given empty storage, unless it cannot be (its factory fails on meta) or its state would not be
+    whole (a non-persistent buffer or a plain tensor attribute, which no state_dict carries): then as usual."""
+    module = _on_meta(layer) if _empty.get() and isinstance(layer, Layer) else None
+    if module is not None:
+        return module.to_empty(device=device if device is not None else "cpu")
+    module = build_layer(layer, index, seed)
+    return module if device is None else module.to(device)
+
+
+def _on_meta(layer: Layer) -> nn.Module | None:
+    try:
+        with torch.device("meta"):
+            module = layer.build()
+    except Exception:  # a factory that needs real values: built as usual
+        return None
+    for m in module.modules():
+        if m._non_persistent_buffers_set or any(isinstance(v, torch.Tensor) for v in vars(m).values()):
+            return None
+    return module
 
 
 class Chain(nn.Sequential):

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from ..comm import collectives, groups
-from .layers import Layer, LayerLike, build_layer
+from .layers import Layer, LayerLike, build_stage_layer
 
 if TYPE_CHECKING:
     from ..engine.run import Run
@@ -144,14 +144,12 @@ class TiedBuilder:
     def shared(self, key: str) -> nn.Module:
         if key not in self.built:
             k0, _, spec = self.first[key]
-            module = build_layer(spec, k0, self.seed)
-            self.built[key] = module if self.device is None else module.to(self.device)
+            self.built[key] = build_stage_layer(spec, k0, self.seed, self.device)
         return self.built[key]
 
     def build(self, layer: LayerLike, index: int) -> nn.Module:
         if not isinstance(layer, Tied):
-            module = build_layer(layer, index, self.seed)
-            return module if self.device is None else module.to(self.device)
+            return build_stage_layer(layer, index, self.seed, self.device)
         module = self.shared(layer.key)
         owner = index == self.first[layer.key][0]
         if owner and layer.forward_fn is None:

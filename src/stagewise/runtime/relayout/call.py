@@ -6,11 +6,14 @@ A collective over every process of the world, in five parts (each timed in :attr
    request raises the same ``ValueError`` everywhere before any group is made or any tensor moves;
 2. *groups*: the members' pipeline group and a gloo exchange group, both new for this generation;
 3. *build*: each member builds its stages of the new layout through the usual construction path (the
-   pipeline's own way in, with the changed options);
+   pipeline's own way in, with the changed options), layer specs on ``meta`` then given storage, never
+   initialised (:func:`~stagewise.runtime.frontends.layers.built_empty`);
 4. *move*: every tensor the new stages hold (parameters, buffers, tied copies, the own optimizers' state by
-   parameter name, Adam's ``step`` included) comes from the lowest process that held it; one kept on its
-   process is copied there, the others go point-to-point over gloo, never through disk; then the steps
-   trained and the dropout seed are set, so the next step draws the masks it would have;
+   parameter name, Adam's ``step`` included) comes from the lowest process that held it; a model tensor
+   kept on its process is aliased, the others go point-to-point over gloo, never through disk; then the
+   steps trained and the dropout seed are set, so the next step draws the masks it would have; last, the
+   commit point: every process says it is done. A process failing before it posts its failure on the
+   call's board, so every process raises the same PipelineError and keeps the old layout, whole;
 5. *release*: the old layout's transport, groups and shared memory are let go.
 
 The user's reference stays valid: the Pipeline object takes the new layout's state in place. A process left
@@ -31,13 +34,16 @@ from torch import nn
 
 from ..checkpoint import state, storage
 from ..checkpoint.declared import PipelineState, Progress, progress_of, restore_progress
+from ..checkpoint.manifest import CheckpointError
 from ..comm import groups, relayout_wire
-from ..comm.faults.guard import setup_guard
+from ..comm.faults.guard import Guard
 from ..errors import PipelineError
 from ..frontends.layer_list import LayerList
+from ..frontends.layers import built_empty
 from ..frontends.parts import Frontend
 from ..frontends.plan import FromPlan
 from ..options import Options
+from .fill import fill
 from .request import digest, local_refusals, members_of, refuse_alike, subgroups_ahead
 from .transfers import Transfers, bytes_moved, plan_transfers
 
@@ -69,6 +75,7 @@ class Layout:
 
 
 _generations = [0]  # re-layouts this process took part in (advanced alike on every process)
+_calls = [0]  # relayout calls on this process, refused ones too (advanced alike on every process): boards' names
 _owned: list[Any] = []  # the groups made for the layout in force (let go by the next re-layout)
 
 
@@ -82,7 +89,8 @@ def relayout(
     chosen = members_of(members, world)
     old = pipe if isinstance(pipe, PipelineState) else None
     clock = _Clock()
-    guard = setup_guard(options.timeout)
+    _calls[0] += 1
+    guard = _guard("agreement", options.timeout, me)
     agreeing = storage.Ranks(None, me, world, torch.device("cpu"), True, guard, options.timeout, True)
     try:
         progress = _agree(agreeing, old, frontend, options, chosen, changes, plan)
@@ -94,18 +102,24 @@ def relayout(
     exchange = relayout_wire.fresh_group(range(world), options.timeout, backend="gloo")
     prepared = groups.prepare_subgroups(subgroups_ahead(chosen, world))  # the members' tied groups
     clock.lap("groups")
-    guard = setup_guard(options.timeout)
+    guard = _guard("move", options.timeout, me)
     ranks = storage.Ranks(exchange, me, world, torch.device("cpu"), True, guard, options.timeout, True)
     new: nn.Module | None = None
     try:
         if me in chosen:
-            new = build(*_new_source(frontend, options, changes, plan, group))
+            with built_empty():  # every tensor is filled below: none initialised only to be overwritten
+                new = build(*_new_source(frontend, options, changes, plan, group))
         clock.lap("build")
         moved, everyone = _move(old, new, ranks, progress)
+        storage.gather(None, ranks, "every process to have filled its new stages")  # the commit point
         clock.lap("move")
-    except BaseException:
-        relayout_wire.release(group if new is None else None)
-        raise
+    except BaseException as err:
+        new = None  # half-filled: dropped; the user's object still holds the old layout, whole
+        posted = _failed(ranks, err)
+        relayout_wire.release(group)
+        if posted is None:
+            raise
+        raise posted from err
     finally:
         ranks.close()
         relayout_wire.release(exchange)
@@ -115,6 +129,28 @@ def relayout(
         relayout_wire.release(made)
     clock.lap("release")
     return _layout(None if new is None else pipe, chosen, everyone, moved, clock.seconds)
+
+
+def _guard(part: str, timeout: float, me: int) -> Guard:
+    """The deadline and error board of one part of this re-layout: the board is named by the count of this
+    call, which every process makes alike (a count of pipelines built would not do: a retired process builds
+    none)."""
+    return Guard(f"relayout/{_calls[0]}/{part}", timeout, f"global rank {me}")
+
+
+def _failed(ranks: storage.Ranks, err: BaseException) -> PipelineError | None:
+    """A process failed during the build or the move: its failure is posted on the re-layout's board, so every
+    other process stops at its next wait with the same :class:`PipelineError` (no one passes the commit point,
+    so no one takes the new layout), and raised here as one. A refusal raised alike everywhere stays as it is."""
+    if isinstance(err, (PipelineError, CheckpointError)) or not isinstance(err, Exception):
+        return None
+    guard = ranks.guard
+    assert guard is not None
+    failure = guard.fail(
+        f"global rank {ranks.rank}: the re-layout failed ({type(err).__name__}: {err}); every process keeps the "
+        "layout from before the call"
+    )
+    return PipelineError(failure)
 
 
 class Retired(nn.Module):
@@ -222,7 +258,8 @@ def _move(
     storage.agree(missing, ranks, "relayout: the new layout needs tensors the old one does not have")
     got = _post(transfers, held, described, ranks)
     if new is not None:
-        _fill(new, targets, {**{n: held[n] for n in transfers.kept[ranks.rank]}, **got}, record)
+        kept = {n: held[n] for n in transfers.kept[ranks.rank]}
+        fill(new, targets, {**kept, **got}, record, kept)
         assert isinstance(new, PipelineState)
         restore_progress(new, progress)
     sizes = {n: _bytes(d) for n, d in described.items()}
@@ -244,7 +281,7 @@ def _targets(new: nn.Module | None, record: Mapping[str, Any]) -> dict[str, torc
     (None: received into a new tensor)."""
     if new is None:
         return {}
-    out: dict[str, torch.Tensor | None] = {state.MODEL + k: t for k, t in state.load_targets(new).items()}
+    out: dict[str, torch.Tensor | None] = {state.MODEL + k: t for k, t in state.load_targets(new, True).items()}
     names = state.parameter_names(new)
     for opt in state.optimizers_of(new, None):
         for group in opt.param_groups:
@@ -272,23 +309,6 @@ def _post(
     assert guard is not None
     relayout_wire.post(ops, ranks.group, lambda works, what: guard.wait(works, what))
     return got
-
-
-@torch.no_grad()
-def _fill(
-    new: nn.Module,
-    targets: Mapping[str, torch.Tensor | None],
-    values: Mapping[str, torch.Tensor],
-    record: Mapping[str, Any],
-) -> None:
-    """Write the model tensors, then give the optimizers their state through their own ``load_state_dict``."""
-    for name, target in targets.items():
-        if target is not None:
-            target.copy_(values[name])
-    optimizers = state.optimizers_of(new, None)
-    if optimizers:
-        tensors = {n: v for n, v in values.items() if n.startswith(state.OPTIM)}
-        state.restore_optimizers(optimizers, state.parameter_names(new), {"optimizer": record}, tensors)
 
 
 def _bytes(described: Mapping[str, Any]) -> int:

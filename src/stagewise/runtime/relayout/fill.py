@@ -1,0 +1,44 @@
+"""Part 4's last write: the new stages take their tensors, a kept one by aliasing its old storage."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..checkpoint import state
+
+
+@torch.no_grad()
+def fill(
+    new: nn.Module,
+    targets: Mapping[str, torch.Tensor | None],
+    values: Mapping[str, torch.Tensor],
+    record: Mapping[str, Any],
+    kept: Mapping[str, torch.Tensor],
+) -> None:
+    """Write the model tensors, then give the optimizers their state through their own ``load_state_dict``.
+
+    A model tensor this process kept is aliased (the new tensor takes the old one's storage: no copy, no second
+    buffer past the release) where dtype, device and shape agree and no other new tensor took that storage."""
+    taken: dict[int, int] = {}  # an old storage's address -> the new tensor (id) that took it
+    for name, target in targets.items():
+        if target is None:
+            continue
+        value = values[name]
+        if name in kept and aliasable(target, value) and taken.setdefault(value.data_ptr(), id(target)) == id(target):
+            target.data = value
+        else:
+            target.copy_(value)
+    optimizers = state.optimizers_of(new, None)
+    if optimizers:
+        tensors = {n: v for n, v in values.items() if n.startswith(state.OPTIM)}
+        state.restore_optimizers(optimizers, state.parameter_names(new), {"optimizer": record}, tensors)
+
+
+def aliasable(target: torch.Tensor, value: torch.Tensor) -> bool:
+    """Plain tensors of one dtype, device and shape (a DTensor or other subclass is copied)."""
+    same = (target.dtype, target.device, target.shape) == (value.dtype, value.device, value.shape)
+    return same and type(target.data) is torch.Tensor and type(value) is torch.Tensor
