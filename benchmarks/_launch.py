@@ -18,6 +18,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 #: the repository root: where ``benchmarks`` is imported from
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,3 +63,20 @@ def with_the_tests(module: str, probe: str) -> None:
     and exit with its status."""
     if importlib.util.find_spec(probe) is None:
         sys.exit(subprocess.run([sys.executable, "-m", module, *sys.argv[1:]], env=tests_environ()).returncode)
+
+
+def timed_step(pipe: Any, x: Any, y: Any) -> float:
+    """One train step of ``pipe`` on this replica's share of ``(x, y)``, timed from a barrier: the slowest rank's
+    seconds (a collective; call it on every rank)."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    xs, ys = pipe.local_batch(x, y)  # a replica's share with dp > 1, else the whole batch
+    dist.barrier()
+    t0 = time.perf_counter()
+    pipe.train_step(xs, ys)
+    took = torch.tensor([time.perf_counter() - t0])
+    dist.all_reduce(took, op=dist.ReduceOp.MAX)
+    return float(took)

@@ -20,11 +20,10 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from ._launch import launched, on_ranks
+from ._launch import launched, on_ranks, timed_step
 
 CUTS = ("default", "default+sample", "uniform", "parameters", "time")
 
@@ -80,18 +79,6 @@ def build(name: str, schedule: str, cut: str, m: int) -> Any:
     return sw.Pipeline(layers(), loss_fn=loss, schedule=schedule, microbatches=m, virtual_stages=v, **extra)
 
 
-def timed(pipe: Any, x: Any, y: Any) -> float:
-    import torch
-    import torch.distributed as dist
-
-    dist.barrier()
-    t0 = time.perf_counter()
-    pipe.train_step(x, y)
-    took = torch.tensor([time.perf_counter() - t0])
-    dist.all_reduce(took, op=dist.ReduceOp.MAX)
-    return float(took)
-
-
 def rank_main(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
@@ -115,8 +102,8 @@ def rank_main(args: argparse.Namespace) -> None:
             for r in range(args.rounds):
                 for cut, pipe in pipes.items():
                     if r == 0:
-                        timed(pipe, x, y)  # warm-up
-                    steps[cut] += [timed(pipe, x, y) for _ in range(args.steps)]
+                        timed_step(pipe, x, y)  # warm-up
+                    steps[cut] += [timed_step(pipe, x, y) for _ in range(args.steps)]
             out[f"{name} {schedule}"] = {
                 "steps": steps,
                 "counts": {cut: [len(r) for r in p.layer_ranges] for cut, p in pipes.items()},

@@ -20,11 +20,10 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from ._launch import launched, on_ranks
+from ._launch import launched, on_ranks, timed_step
 
 CGROUP = Path("/sys/fs/cgroup/cpu/stagewise_straggler")
 PERIOD_US = 10_000
@@ -36,18 +35,6 @@ def throttle(share: float | None) -> None:
     (CGROUP / "cpu.cfs_period_us").write_text(str(PERIOD_US))
     (CGROUP / "cpu.cfs_quota_us").write_text("-1" if share is None else str(int(PERIOD_US * share)))
     (CGROUP / "cgroup.procs").write_text(str(os.getpid()))
-
-
-def timed(pipe: Any, x: Any, y: Any) -> float:
-    import torch
-    import torch.distributed as dist
-
-    dist.barrier()
-    t0 = time.perf_counter()
-    pipe.train_step(x, y)
-    took = torch.tensor([time.perf_counter() - t0])
-    dist.all_reduce(took, op=dist.ReduceOp.MAX)
-    return float(took)
 
 
 def rank_main(args: argparse.Namespace) -> None:
@@ -80,7 +67,7 @@ def rank_main(args: argparse.Namespace) -> None:
         elif rank == 1:
             throttle(share)
         for _ in range(n):
-            took = timed(current, x, y)
+            took = timed_step(current, x, y)
             calibrator.observe(current.timeline(gather=True))
             steps.append({"phase": phase, "seconds": took})
     oracle = {}
@@ -89,8 +76,8 @@ def rank_main(args: argparse.Namespace) -> None:
             throttle(0.5)
         for c in range(1, 10):
             p = pipe([c, 10 - c], 1.0 if not args.emulate else 2.0)
-            timed(p, x, y)
-            oracle[c] = statistics.median(timed(p, x, y) for _ in range(3))
+            timed_step(p, x, y)
+            oracle[c] = statistics.median(timed_step(p, x, y) for _ in range(3))
         if not args.emulate and rank == 1:
             throttle(None)
     if rank == 0:

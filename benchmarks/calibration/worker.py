@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ from stagewise.partition import stage_counts
 from stagewise.planning.recalibrate import held_out_costs
 from stagewise.runtime import RunCalibrator
 
+from .._launch import timed_step
 from ..fidelity.workloads import workloads
 from .space import GLOBAL_BATCH, PlanSpec, calibrating, held_out
 
@@ -67,16 +67,6 @@ def build(work: Any, plan: PlanSpec, profile: sw.LayerProfile, sample: Any) -> s
     )  # fmt: skip
 
 
-def timed(pipe: sw.Pipeline, x: Any, y: Any) -> float:
-    xs, ys = pipe.local_batch(x, y)  # a replica's share with dp > 1, else the whole batch
-    dist.barrier()
-    t0 = time.perf_counter()
-    pipe.train_step(xs, ys)
-    took = torch.tensor([time.perf_counter() - t0])
-    dist.all_reduce(took, op=dist.ReduceOp.MAX)
-    return float(took)
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     world = dist.get_world_size()
     work = workloads()[args.workload]
@@ -98,8 +88,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         costs = held_out_costs(cal, profile, counts, batch_ratio=b_q / b_p, dp=plan.dp)
         predicted = cal.predict(q.schedule, costs, processes_per_node=world)
         for _ in range(args.warmup):
-            timed(q, x, y)
-        steps = [timed(q, x, y) for _ in range(args.steps)]
+            timed_step(q, x, y)
+        steps = [timed_step(q, x, y) for _ in range(args.steps)]
         rows.append({"plan": plan._asdict(), "counts": counts, "predicted": predicted.step,
                      "low": predicted.low, "high": predicted.high, "steps": steps})  # fmt: skip
         del q
