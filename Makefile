@@ -91,6 +91,12 @@ bench: $(STAMP)
 compare: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/stagewise compare -n 2 --out out/compare
 
+# The live re-layout's leak check at full length: 20 re-layouts in one process, file descriptors and shared memory
+# flat (`make test` runs 6; tests/distributed/test_relayout.py).
+.PHONY: relayout-leaks
+relayout-leaks: $(STAMP)
+	STAGEWISE_RELAYOUT_LEAKS=20 OMP_NUM_THREADS=1 $(PY) -m pytest -q tests/distributed/test_relayout.py
+
 # Pipeline.from_hf on every tested transformers family: 1f1b and zb-v, tied and untied heads, right padding and
 # -100 labels, 2 and 4 ranks, against the one-process model; the table of measured errors goes to out/hf_grid.md
 # (a few minutes).

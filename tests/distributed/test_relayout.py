@@ -8,6 +8,8 @@ the new stages; parameters kept on their rank aliased."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from helpers.torchrun import SuiteResults, run_suite, selected
@@ -20,6 +22,7 @@ NAMES = list(checks(4))
 def results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> SuiteResults:
     out = tmp_path_factory.mktemp("relayout")
     env = {"STAGEWISE_RELAYOUT_DIR": str(tmp_path_factory.mktemp("ckpt")), "PYTHONWARNINGS": "ignore"}
+    env["STAGEWISE_RELAYOUT_LEAKS"] = os.environ.get("STAGEWISE_RELAYOUT_LEAKS", "6")  # 20: make relayout-leaks
     return run_suite("relayout_checks", 4, out, timeout=300, env=env, only=selected(request))
 
 

@@ -8,6 +8,8 @@ alone is :mod:`stagewise.runtime.measure`); the planner reads the results as pla
   (:func:`stagewise.calibrate`), with :mod:`.layout_probe` (what each layout costs beyond the model);
 * :mod:`.from_run`: the cost model recalibrated from a running pipeline's own timeline, and a slow rank named
   (:class:`~stagewise.runtime.calibration.from_run.RunCalibrator`);
+* :mod:`.replan`: the run re-planned live from that calibration, through ``pipe.relayout``
+  (:class:`~stagewise.runtime.calibration.replan.Replanner`);
 * :mod:`.compute_scale`: the runtime's compute over the profile's prediction;
 * :mod:`.progress`: the bar rank 0 draws while they run.
 """
