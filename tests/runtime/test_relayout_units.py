@@ -78,3 +78,7 @@ def test_each_way_in_refuses_what_it_cannot_change() -> None:
     assert "keeps its placement: partition" in local_refusals(given, Options(), calm, {"partition": [1]})[0]
     tp = {"parallel": sw.ParallelConfig(pp=2, tp=2)}
     assert "tensor parallelism and sharding" in local_refusals(layers, Options(), calm, tp)[0]
+    import torch
+
+    scheduled = Options(optimizer=torch.optim.SGD, lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1))
+    assert "lr_scheduler= is not carried over" in local_refusals(layers, scheduled, calm, {"partition": [1, 1]})[0]
