@@ -59,6 +59,10 @@ def test_tied_groups_of_two_pipelines_in_one_job(results: SuiteResults) -> None:
     results.assert_ok("protocol-tied-groups-twice")
 
 
+def test_tied_weights_under_sharding_train_exactly(results: SuiteResults) -> None:
+    results.assert_ok("protocol-tied-sharding")
+
+
 def test_the_docs_show_the_tested_matrix() -> None:
     text = DOCS.read_text()
     assert markdown() in text, f"docs/matrix.md must contain the matrix as tested:\n{markdown()}"
