@@ -41,7 +41,7 @@ class FromPlan:
 
     entry = "Pipeline.from_plan"
 
-    def __init__(self, plan: Plan, layers: Layers, *, check: bool = True) -> None:
+    def __init__(self, plan: Plan, layers: Layers | nn.Module, *, check: bool = True) -> None:
         """``check``: a transformers model's equivalence check (:class:`~.hf.FromHF`'s)."""
         if not isinstance(plan, Plan):
             raise TypeError(f"Pipeline.from_plan: expected a stagewise Plan, got {type(plan).__name__}")
@@ -57,7 +57,7 @@ class FromPlan:
             hf = FromHF(cast(nn.Module, layers), check=check)
             self.layers, self.refused, n, what = hf, dict(hf.refused), hf.num_layers, "decoder layers"
         else:
-            listed = LayerList(layers, entry=self.entry)
+            listed = LayerList(cast(Layers, layers), entry=self.entry)
             self.layers, n, what = listed, len(listed.named), "layers"
         if n != sum(plan.partition):
             raise ValueError(
