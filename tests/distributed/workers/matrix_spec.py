@@ -4,7 +4,8 @@ Pure data, shared by the torchrun checks (``matrix_checks``), the pytest side (`
 (``docs/matrix.md`` is :func:`markdown` of it, checked by a test). A cell is ``EXACT`` (trained against the
 one-process model in float64, or for asynchronous schedules and HetPipe the one-process replay of their
 rule) or a refusal: the words the error must contain, raised on every rank before the mesh's process groups
-exist (for a column used after building, :data:`AT_USE`, when it is used). This is the specification: the
+exist (for a column used after building, :data:`AT_USE`, when it is used); or, in :data:`SAME_AS`, exact by the
+same code as its column's trained cell of another row, not run again (CI time). This is the specification: the
 checks compute what happens and compare it with what is written here.
 """
 
