@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from helpers.torchrun import SuiteResults, run_suite, selected
-from matrix_spec import EXACT, cells, expected, markdown
+from matrix_spec import EXACT, SAME_AS, cells, expected, markdown
 
 RANKS = 4
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "matrix.md"
@@ -57,6 +57,20 @@ def test_schedule_auto_is_synthesized_alike_on_every_rank_and_exact(results: Sui
 
 def test_tied_groups_of_two_pipelines_in_one_job(results: SuiteResults) -> None:
     results.assert_ok("protocol-tied-groups-twice")
+
+
+@pytest.mark.parametrize("name", ["protocol-tied-sharding"])
+def test_tied_weights_under_sharding_train_exactly(results: SuiteResults, name: str) -> None:
+    """Tied weights and sharding together (issue 51): exact against the one-process model."""
+    results.assert_ok(name)
+
+
+def test_a_cell_not_run_again_stands_on_a_trained_exact_cell() -> None:
+    """A ``SAME_AS`` cell names a row whose cell of the same column the job trains (exact, not itself skipped)."""
+    run = set(cells())
+    for (row, column), (trained, why) in SAME_AS.items():
+        assert expected(row, column) == EXACT and why, (row, column)
+        assert (trained, column) in run and expected(trained, column) == EXACT, (row, column, trained)
 
 
 def test_the_docs_show_the_tested_matrix() -> None:

@@ -13,7 +13,7 @@ arrival order - this sequential replay is what the multi-process run computes.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -37,6 +37,7 @@ class WSPReferenceRun:
     losses: list[list[float]]
     global_losses: list[float]
     model: Chain
+    norms: list[list[float]] = field(default_factory=list)  # each VW's clipped norms, step by step (clip=)
 
 
 def wsp_reference(
@@ -53,13 +54,17 @@ def wsp_reference(
     seed: int = 0,
     counts: Sequence[Sequence[int]] | None = None,
     autocast: torch.dtype | None = None,
+    clip: float | None = None,
+    lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
 ) -> WSPReferenceRun:
     """Replay HetPipe on ``streams[v]`` (VW v's mini-batches) with ``stages[v]`` stages per VW, in one process.
 
     The options mean what :class:`~stagewise.HetPipe`'s do; ``counts[v]``: VW v's layers per stage (default
     uniform; give the HetPipe's own, ``HetPipe.stage_counts``, which its default partition chose);
     ``autocast``: each synchronous step's forward and loss run under ``torch.autocast`` in that dtype, as the
-    pipelines' stages do.
+    pipelines' stages do; ``clip``: each synchronous step's gradient clipped to that 2-norm over the VW's whole model
+    (torch's ``clip_grad_norm_``) before its optimizers step; ``lr_scheduler``: a scheduler per stage optimizer,
+    stepped after it.
     """
     rule, k = WaveRule(staleness), len(stages)
     if len(streams) != k:
@@ -69,7 +74,8 @@ def wsp_reference(
         for v, p in enumerate(stages)
     ]
     for worker in workers:
-        worker.autocast = autocast
+        worker.autocast, worker.clip = autocast, clip
+        worker.schedulers = [] if lr_scheduler is None else [lr_scheduler(o) for o in worker.replay.opts]
     chunks = _waves(streams, workers)
     w0 = workers[0].flat()
     sums: list[torch.Tensor] = []  # sum over VWs of each clock's updates
@@ -91,7 +97,7 @@ def wsp_reference(
         global_losses.append(sum(means) / k)
     final = build_model(layers, seed)
     _load(final, w0 + _summed(sums, w0) / k)
-    return WSPReferenceRun(losses, global_losses, final)
+    return WSPReferenceRun(losses, global_losses, final, [w.norms for w in workers])
 
 
 def _waves(streams: Sequence[Sequence[Batch]], workers: list[_Worker]) -> list[list[list[Batch]]]:
@@ -132,6 +138,9 @@ class _Worker:
         self.m = (m or p) if self.sync else (m or registry_minibatch(schedule, p, 1))
         self.schedule = None if self.sync else async_schedule(schedule, p, size, self.m)
         self.autocast: torch.dtype | None = None
+        self.clip: float | None = None
+        self.schedulers: list[Any] = []
+        self.norms: list[float] = []  # the gradient norms clipped, step by step
 
     def flat(self) -> torch.Tensor:
         return torch.cat([q.detach().reshape(-1).to(torch.float64) for q in self.model.parameters()])
@@ -153,9 +162,13 @@ class _Worker:
                 loss = self.loss_fn(self.model(xk), yk) * (len(yk) / len(y))
             loss.backward()
             total += float(loss.detach())
+        if self.clip is not None:
+            self.norms.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)))
         for opt in self.replay.opts:
             opt.step()
             opt.zero_grad(set_to_none=True)
+        for scheduler in self.schedulers:
+            scheduler.step()
         return total
 
 

@@ -53,6 +53,10 @@ def test_a_plan_of_the_profile_builds_with_from_plan_and_from_hf(one_rank) -> No
     _train_like_the_model(pipe, ref)
     again = sw.Pipeline.from_hf(build("llama", 4), **top.pipeline_options())
     assert again.layer_ranges == pipe.layer_ranges
+    spelled = sw.Pipeline.from_hf(build("llama", 4), plan=top)  # the other spelling
+    assert spelled.layer_ranges == pipe.layer_ranges and spelled.schedule.name == pipe.schedule.name
+    with pytest.raises(ValueError, match="set by the plan"):
+        sw.Pipeline.from_hf(build("llama", 4), plan=top, microbatches=top.microbatches)
 
 
 def test_auto_works_for_from_hf(one_rank) -> None:

@@ -105,15 +105,18 @@ class Pipeline(nn.Module):
         return cls(FromModel(model), **options)
 
     @classmethod
-    def from_hf(cls, model: nn.Module, /, *, check: bool = True, **options: Unpack[PipelineOptions]) -> Pipeline:
+    def from_hf(
+        cls, model: nn.Module, /, *, check: bool = True, plan: Plan | None = None, **options: Unpack[PipelineOptions]
+    ) -> Pipeline:
         """Pipeline a Hugging Face decoder-only causal LM, cut among its decoder layers; the loss defaults to
         transformers' (see :mod:`stagewise.runtime.frontends.hf`).
 
         ``check``: before anything is placed, the model's pieces are chained in one process on a tiny batch
         and compared with the model's own forward; a model whose pieces differ is refused, naming where.
-        ``check=False`` skips it, for a model too big to run once in one process.
+        ``check=False`` skips it, for a model too big to run once in one process. ``plan``: a plan of
+        ``sw.profile(model, ...)``, run as :meth:`from_plan` runs it.
         """
-        return cls(FromHF(model, check=check), **options)
+        return cls(FromHF(model, check=check) if plan is None else FromPlan(plan, model, check=check), **options)
 
     @classmethod
     def from_stages(

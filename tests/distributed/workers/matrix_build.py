@@ -46,8 +46,35 @@ def column_options(row: str, column: str) -> dict[str, Any]:
         "offload": {"offload": "optimizer", "optimizer": momentum},
         "merge": {"parallel": sw.ParallelConfig(pp=2, dp=2)} if row != "hetpipe" else {},
         "snapshot": {"snapshot": sw.Snapshots(every=1, folder=snapshot_folder(row)), "optimizer": momentum},
+        "metrics": {"metrics": metrics_config(row), "progress": False},
+        "progress": {"progress": 1},
+        "lr_scheduler": {"lr_scheduler": warmup},
+        "clip": {"clip": CLIP, "metrics": metrics_config(f"clip-{row}"), "progress": False, **CLIP_LAYOUT.get(row, {})},
     }.get(column, {})
     return {**base, **extra}
+
+
+#: clip='s max norm: below every step's gradient norm in the matrix (the cells check it), so the clip acts
+CLIP = 0.05
+#: clip='s layouts: the hybrid axes whose norm is summed apart (dp copies, sharded pieces), with tied weights
+CLIP_LAYOUT: dict[str, dict[str, Any]] = {
+    "layers": {"parallel": sw.ParallelConfig(pp=2, dp=2)},
+    "from_model": {"parallel": sw.ParallelConfig(pp=2, sharding=2)},
+    "from_hf": {"parallel": sw.ParallelConfig(pp=2, sharding=2)},
+}
+
+
+def warmup(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    """lr_scheduler='s factory: a warm-up (lr x 0.5, 1, 1.5 at steps 0, 1, 2)."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 0.5 * (k + 1))
+
+
+def metrics_config(name: str) -> Any:
+    """metrics='s folder for one cell (alike on every rank), JSON lines only (TensorBoard's writer costs time)."""
+    from stagewise.runtime import MetricsConfig
+
+    root = os.environ.get("MATRIX_DIR", "/tmp/sw-matrix")
+    return MetricsConfig(os.path.join(root, "metrics", name), tensorboard=False)
 
 
 def snapshot_folder(row: str) -> str:
@@ -68,9 +95,8 @@ def build(row: str, column: str, ctx: Ctx, *, shift: float = 0.0, **more: Any) -
     if parallel is not None and row in ("from_model", "from_hf", "from_stages"):
         c = parallel.coords(ctx.rank)
         replica = 0.01 * (c.dp + c.sharding + c.tp)
-    return build_row(
-        row, options, bn=bn, tied=column == "tied", ctx=ctx, dtype=dtype, shift=shift, replica_shift=replica
-    )
+    tied = column == "tied" or column == "clip"  # (clip=: a tied weight counts once in the norm)
+    return build_row(row, options, bn=bn, tied=tied, ctx=ctx, dtype=dtype, shift=shift, replica_shift=replica)
 
 
 # ---- the reference step ------------------------------------------------------------------------

@@ -229,6 +229,12 @@ def offload(row: str, column: str, ctx: Ctx) -> dict[str, Any]:
     return offload_cell(row, column, ctx)
 
 
+def owned(row: str, column: str, ctx: Ctx) -> dict[str, Any]:
+    import matrix_owned
+
+    return getattr(matrix_owned, column)(row, column, ctx)  # type: ignore[no-any-return]
+
+
 def asynchronous(row: str, column: str, ctx: Ctx) -> dict[str, Any]:
     """pipedream against the one-process replay of its rule (weight stashing), window by window."""
     b = build(row, column, ctx, **({"loss_weights": None} if row == "from_hf" else {}))
@@ -328,4 +334,5 @@ COLUMNS: dict[str, Callable[[str, str, Ctx], dict[str, Any]]] = {
     "async": asynchronous,
     "merge": merge,
     "relayout": relayout,
+    **dict.fromkeys(("metrics", "progress", "lr_scheduler", "clip"), owned),
 }

@@ -70,6 +70,8 @@ def hetpipe_cell(column: str, ctx: Ctx) -> dict[str, Any]:
     more: dict[str, Any] = {"dtype": dtype}
     if column == "autocast":
         more["autocast"] = torch.bfloat16
+    if column in ("clip", "lr_scheduler"):
+        more[column] = options[column]
     ref = _reference(het, data, options, **more)
     tol = 1e-5 if column == "autocast" else 1e-10
     worst = max(abs(a - r) for a, r in zip(losses, ref.losses[het.vw]))
@@ -79,6 +81,8 @@ def hetpipe_cell(column: str, ctx: Ctx) -> dict[str, Any]:
         plain = _reference(het, data, options, dtype=dtype)
         gap = max(abs(a - r) for a, r in zip(plain.losses[het.vw], ref.losses[het.vw]))
         assert gap > 20 * max(worst, 1e-12), f"autocast made no difference to the replay ({gap}): a useless check"
+    if column in ("clip", "lr_scheduler"):
+        _owned(het, data, options, ref, column, dtype)
     if column == "nan_raise":
         bad = [b.data(9)]
         if het.vw == 1:
@@ -92,6 +96,22 @@ def hetpipe_cell(column: str, ctx: Ctx) -> dict[str, Any]:
     if column == "checkpoint":
         _checkpoint(het, b, options)
     return {"worst": worst, "batch": BATCH}
+
+
+def _owned(het: Any, data: list[Any], options: dict[str, Any], ref: Any, column: str, dtype: torch.dtype) -> None:
+    """clip=: each step's norm (this VW's whole model, in its metrics) equals the replay's, above the max norm;
+    both: the replay without the option ends elsewhere, so the comparison above could tell."""
+    if column == "clip":
+        from stagewise.runtime.reporting.files import read_metrics, series
+
+        het.pipe.metrics.close()
+        got = [v for _, v in series(read_metrics(het.pipe.metrics.config.path, het.pipe.process_rank), "grad_norm")]
+        want = ref.norms[het.vw]
+        assert min(want) > 2 * options["clip"], f"hetpipe x clip=: norms {want} do not exceed {options['clip']}"
+        assert len(got) == len(want) and all(abs(a - b) <= 1e-10 * b for a, b in zip(got, want)), (got, want)
+    plain = _reference(het, data, options, dtype=dtype)
+    gap = max(abs(a - r) for a, r in zip(plain.losses[het.vw], ref.losses[het.vw]))
+    assert gap > 1e-6, f"hetpipe x {column}: the replay without it gives the same losses ({gap}): a useless check"
 
 
 def _checkpoint(het: Any, b: Built, options: dict[str, Any]) -> None:

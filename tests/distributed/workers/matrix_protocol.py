@@ -10,7 +10,7 @@ from torch import nn
 
 import stagewise as sw
 from helpers.compare import assert_params_close
-from matrix_build import M, sgd
+from matrix_build import M, build, sgd
 from matrix_models import SEED, Built, build_row, mlp_data, mlp_layers
 from matrix_reference import _poisoned, train_compare
 from oracles.async_reference import async_reference
@@ -102,8 +102,24 @@ def tied_then_tied_on_a_mesh(ctx: Ctx) -> dict[str, Any]:
     return {"losses": train_compare(second, "tied, pp 2 x dp 2")}
 
 
+def tied_under_sharding(ctx: Ctx) -> dict[str, Any]:
+    """Tied weights x sharding (the matrix's columns, together; issue 51): a built model tied as PyTorch ties it
+    (``head.weight = embed.weight``) at pp 2 x sharding 2, and an sw.Tied layer list at pp 1 x dp 2 x sharding 2
+    (its tie summed over the HSDP replicas): loss and every parameter equal the one-process model's. FSDP2
+    ignores the tied parameter (the tied sync sums it) and shards the rest of its stage: a stage holding it was
+    once left whole and its other gradients unreduced (wrong), and from_model's tie was sharded, then summed
+    as a whole (a crash). (Pipeline.from_hf's: hf_checks ``gpt2-tied-pp-sharding`` and ``gpt2-planned``.)"""
+    model = build("from_model", "tied", ctx, parallel=sw.ParallelConfig(pp=2, sharding=2))
+    layers = build("layers", "tied", ctx, parallel=sw.ParallelConfig(pp=1, dp=2, sharding=2), microbatches=2)
+    return {
+        "from_model": train_compare(model, "head.weight = embed.weight, pp 2 x sharding 2"),
+        "layers": train_compare(layers, "sw.Tied, pp 1 x dp 2 x sharding 2"),
+    }
+
+
 PROTOCOL: dict[str, Check] = {
     "protocol-tied-groups-twice": tied_then_tied_on_a_mesh,
+    "protocol-tied-sharding": tied_under_sharding,
     "protocol-auto-schedule": auto_schedule,
     "protocol-async-nan-later-window": async_nan_in_a_later_window,
     "protocol-async-batchnorm-deferred": async_batchnorm("deferred"),

@@ -4,7 +4,8 @@ Pure data, shared by the torchrun checks (``matrix_checks``), the pytest side (`
 (``docs/matrix.md`` is :func:`markdown` of it, checked by a test). A cell is ``EXACT`` (trained against the
 one-process model in float64, or for asynchronous schedules and HetPipe the one-process replay of their
 rule) or a refusal: the words the error must contain, raised on every rank before the mesh's process groups
-exist (for a column used after building, :data:`AT_USE`, when it is used). This is the specification: the
+exist (for a column used after building, :data:`AT_USE`, when it is used); or, in :data:`SAME_AS`, exact by the
+same code as its column's trained cell of another row, not run again (CI time). This is the specification: the
 checks compute what happens and compare it with what is written here.
 """
 
@@ -37,6 +38,10 @@ COLUMNS: dict[str, str] = {
     "merge": "gradient merge (`no_sync()`)",
     "snapshot": "`snapshot=`",
     "relayout": "`pipe.relayout()`",
+    "metrics": "`metrics=`",
+    "progress": "`progress=`",
+    "lr_scheduler": "`lr_scheduler=`",
+    "clip": "`clip=`",
 }
 
 EXACT = "exact"
@@ -76,13 +81,30 @@ _REFUSED: dict[tuple[str, str], tuple[str, str]] = {
 }
 
 
+_OBSERVER = "metrics= reads what the step holds, the same Reporter whatever the way in"
+_PROGRESS = "the progress line is the same Reporter's, whatever the way in"
+_SCHEDULER = "a scheduler wraps each stage's own optimizer=, whatever the way in"
+_CLIP = "the norm depends on the axes and the ties, trained in the other rows, not on how the stages were built"
+
+#: cells exact by the same code as another cell of their column, which is trained; not run again (CI time):
+#: cell -> (the trained row, why it is the same path). Each ``Pipeline`` way in ends in one assembly
+#: (runtime/assembly/assemble.py), where these four options plug in as step parts.
+SAME_AS: dict[tuple[str, str], tuple[str, str]] = {
+    **{(row, "metrics"): ("layers", _OBSERVER) for row in ("from_model", "from_stages", "from_plan", "hetpipe")},
+    **{(row, "progress"): ("layers", _PROGRESS) for row in ROWS if row != "layers"},
+    **{(row, "lr_scheduler"): ("layers", _SCHEDULER) for row in ("from_model", "from_hf", "from_stages", "from_plan")},
+    **{(row, "clip"): ("layers", _CLIP) for row in ("from_stages", "from_plan")},
+}
+
+
 def expected(row: str, column: str) -> str:
     """``EXACT``, or the words the refusal of this cell must contain."""
     return _REFUSED.get((row, column), (EXACT, ""))[0]
 
 
 def cells() -> list[tuple[str, str]]:
-    return [(r, c) for r in ROWS for c in COLUMNS]
+    """The cells the matrix job runs (every one but :data:`SAME_AS`'s)."""
+    return [(r, c) for r in ROWS for c in COLUMNS if (r, c) not in SAME_AS]
 
 
 def markdown() -> str:
@@ -93,13 +115,18 @@ def markdown() -> str:
         out = []
         for column in COLUMNS:
             refusal = _REFUSED.get((row, column))
-            if refusal is None:
+            same = SAME_AS.get((row, column))
+            if refusal is None and same is None:
                 out.append("✓")
                 continue
-            text = f"refused: {refusal[1]}"
+            if same is not None:
+                text = f"exact, not run again: the same path as the trained {ROWS[same[0]]} cell ({same[1]})"
+            else:
+                text = f"refused: {refusal[1]}"  # type: ignore[index]
+            mark = "✓" if same is not None else "✗"
             if text not in notes:
                 notes.append(text)
-            out.append(f"✗ ({notes.index(text) + 1})")
+            out.append(f"{mark} ({notes.index(text) + 1})")
         lines.append(f"| {label} | " + " | ".join(out) + " |")
     lines.append("")
     lines += [f"{k}. {text}" for k, text in enumerate(notes, start=1)]

@@ -41,7 +41,8 @@ class FromPlan:
 
     entry = "Pipeline.from_plan"
 
-    def __init__(self, plan: Plan, layers: Layers) -> None:
+    def __init__(self, plan: Plan, layers: Layers | nn.Module, *, check: bool = True) -> None:
+        """``check``: a transformers model's equivalence check (:class:`~.hf.FromHF`'s)."""
         if not isinstance(plan, Plan):
             raise TypeError(f"Pipeline.from_plan: expected a stagewise Plan, got {type(plan).__name__}")
         if is_asynchronous(plan.schedule):
@@ -53,10 +54,10 @@ class FromPlan:
         self.layers: FromHF | LayerList
         self.refused: dict[str, str] = {}
         if is_hf_model(layers):  # a transformers model: decoder layers, profiled by sw.profile as from_hf cuts
-            hf = FromHF(cast(nn.Module, layers))
+            hf = FromHF(cast(nn.Module, layers), check=check)
             self.layers, self.refused, n, what = hf, dict(hf.refused), hf.num_layers, "decoder layers"
         else:
-            listed = LayerList(layers, entry=self.entry)
+            listed = LayerList(cast(Layers, layers), entry=self.entry)
             self.layers, n, what = listed, len(listed.named), "layers"
         if n != sum(plan.partition):
             raise ValueError(

@@ -21,10 +21,17 @@ from .tied import TiedBuilder
 class FoundTies(TiedBuilder):
     """Tied parameters of a model as TiedSync keys: ``uses[name]`` are unit indices (one per stage using it)."""
 
-    def __init__(self, uses: Mapping[str, list[int]], holder: Callable[[str], nn.Module]) -> None:
+    def __init__(
+        self, uses: Mapping[str, list[int]], holder: Callable[[str], nn.Module], param: Callable[[str], nn.Parameter]
+    ) -> None:
         super().__init__([], 0)
         self.uses = dict(uses)
         self._holder = holder
+        self._param = param
+
+    def parameter_ids(self) -> set[int]:
+        """ids of the tied parameters (by their names in the model: no holder is made before the sync asks)."""
+        return {id(self._param(name)) for name in self.uses}
 
     def shared(self, key: str) -> nn.Module:
         """A module whose one parameter is the tied one (made only on ranks that own it)."""
@@ -43,7 +50,7 @@ def found_ties(model: nn.Module, ties: Mapping[str, Sequence[int]], anchors: Seq
         box.register_parameter("weight", model.get_parameter(name))
         return box
 
-    return FoundTies({name: [anchors[k] for k in stages] for name, stages in ties.items()}, holder)
+    return FoundTies({name: [anchors[k] for k in stages] for name, stages in ties.items()}, holder, model.get_parameter)
 
 
 def unsaved_names(

@@ -34,15 +34,20 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 def shard_layers(layers: Iterable[nn.Module], mesh: DeviceMesh, whole: Container[int] = ()) -> list[FSDPModule]:
     """Make each layer with trainable parameters an FSDP2 unit on ``mesh``, reduction left to :func:`reduce`.
 
-    Layers holding a parameter whose id is in ``whole`` (tied ones) stay unsharded.
+    Parameters whose id is in ``whole`` (tied ones) stay unsharded, ignored by the unit (FSDP2's
+    ``ignored_params``): their gradients are summed over every copy and replica by the tied sync. The rest of
+    a layer holding one is sharded and reduced as any other: leaving that whole layer out instead (as this
+    once did) left its other gradients unreduced, each replica's own (the wrong gradients of a tied head under
+    ``sharding > 1``, issue 51).
     """
     _quiet_view_warning()
     units = []
     for layer in layers:
         params = list(layer.parameters())
-        if not any(p.requires_grad for p in params) or any(id(p) in whole for p in params):
+        tied = {p for p in params if id(p) in whole}
+        if not any(p.requires_grad and p not in tied for p in params):
             continue
-        unit = fully_shard(layer, mesh=mesh, reshard_after_forward=False)
+        unit = fully_shard(layer, mesh=mesh, reshard_after_forward=False, ignored_params=tied or None)
         _accumulate(unit)
         units.append(unit)
     return units

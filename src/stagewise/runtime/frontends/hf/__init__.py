@@ -82,13 +82,6 @@ class FromHF:
         tensor-parallel plan to the config's own (``base_model_tp_plan``)."""
         if not options.is_given("loss_fn"):
             options = options.with_defaults(loss_fn=causal_lm_loss, loss_weights=count_tokens)
-        sharding = int(getattr(getattr(options.parallel, "config", options.parallel), "sharding", 1))
-        if sharding > 1 and _is_tied(self.model, self.layout):
-            raise ValueError(
-                f"{self.entry}: {self.layout.kind} ties its head to its embedding (tie_word_embeddings) and "
-                f"parallel= has sharding={sharding}: the sharded gradients are not the model's (measured: every "
-                "parameter but the tied one differs), so it is refused; use dp= for the replicas, or untie"
-            )
         if not options.is_given("tp_plan") and _tp_degree(options.parallel) > 1:
             options = options.with_defaults(tp_plan=default_tp_plan(self.model, self.layout))
         return options
@@ -152,11 +145,6 @@ def _tp_degree(parallel: Any) -> int:
         return 1
     config = getattr(parallel, "config", parallel)  # a Mesh carries its ParallelConfig
     return int(getattr(config, "tp", 1))
-
-
-def _is_tied(model: nn.Module, layout: Layout) -> bool:
-    embed, head = model.get_submodule(layout.embed), model.get_submodule(layout.head)
-    return getattr(head, "weight", None) is getattr(embed, "weight", None)
 
 
 def _ties(model: nn.Module, layout: Layout, n: int) -> TiedBuilder | None:
