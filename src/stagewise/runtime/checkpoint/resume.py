@@ -20,6 +20,7 @@ from torch import nn
 from . import state, storage
 from .api import _ranks, agreed_newest, load, virtual_worker
 from .declared import CheckpointInfo, Offer, PipelineState, StateSource
+from .recorded_cut import recorded_counts
 
 log = logging.getLogger(__name__)
 
@@ -72,14 +73,19 @@ def resume(
             log.info("stagewise.checkpoint.resume: starting afresh: %s", disk.why)
         return None
     info, said = restored
-    line = ""
+    line, cut = "", None
     if isinstance(holder, PipelineState):
         now = state.layout_of(holder, ranks.size)
+        cut = recorded_counts(now, info.layout)  # the cut the saving run decided, where this build decided another
         line = resumed_line(info.step, now, info.layout, said) + scheduler_note(info)
+        if cut is not None:
+            line += f"; the recorded cut {cut} kept (this build decided {[len(r) for r in holder.layer_ranges]})"
         if ranks.first:
             log.warning("stagewise: %s", line)
     for source in sources:
         source.resumed(info.step, line)
+    if cut is not None:  # every rank alike (the same record): the state moves exactly
+        holder.relayout(partition=cut)  # type: ignore[attr-defined]
     return info
 
 
