@@ -9,8 +9,8 @@ before the first full run. Per job: each Q's predicted step and interval against
 absolute error, Kendall's tau (pairs of the same m and pp whose medians differ by more than twice the pooled
 spread), the share of measured steps inside the interval and the interval's median half-width over the
 step-to-step spread (:mod:`.report`). ``--netem``: each world size's job runs across two namespace machines,
-once per link latency of :data:`.netem.LATENCIES_MS` (``tc netem``; root). Writes ``calibration.json`` and
-``calibration.md`` to ``--out``.
+once per link of :data:`.netem.LINKS` (``tc netem`` latency, ``tc tbf`` bandwidth; root). Writes
+``calibration.json`` and ``calibration.md`` to ``--out``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from .._launch import environ, torchrun
-from .netem import LATENCIES_MS, job
+from .netem import LINKS, job
 from .report import summary
 
 
@@ -36,35 +36,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="2 ranks, gpt64, 4 plans, 2 steps")
     parser.add_argument("--netem", action="store_true",
-                        help="across 2 namespace machines, once per latency of netem.LATENCIES_MS (root)")  # fmt: skip
+                        help="across 2 namespace machines, once per link of netem.LINKS (root)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.quick:
         args.ranks, args.workload, args.plans, args.steps = [2], "gpt64", 4, 2
     args.out.mkdir(parents=True, exist_ok=True)
     results, rows = [], []
-    jobs = [(world, lat) for world in args.ranks for lat in (LATENCIES_MS if args.netem else (None,))]
-    for k, (world, latency) in enumerate(jobs):
+    jobs = [(world, link) for world in args.ranks for link in (LINKS if args.netem else (None,))]
+    for k, (world, link) in enumerate(jobs):
         worker = ["--workload", args.workload, "--plans", str(args.plans), "--steps", str(args.steps)]
-        if latency is None:
+        if link is None:
             path = args.out / f"job-{args.workload}-{world}.json"
             done = subprocess.run(torchrun(world, "benchmarks.calibration.worker", [*worker, "--out", str(path)]),
                                   env=environ(OMP_NUM_THREADS="1"))  # fmt: skip
             result = json.loads(path.read_text()) if done.returncode == 0 else None
         else:
-            path = args.out / f"job-{args.workload}-{world}-netem{latency:g}ms.json"
-            result = job(latency, world, worker, path, port=29611 + k)
+            path = args.out / f"job-{args.workload}-{world}-link{k}.json"
+            result = job(link, world, worker, path, port=29611 + k)
         if result is None:
-            print(f"job at {world} ranks (latency {latency}) failed", file=sys.stderr)
+            print(f"job at {world} ranks (link {link!r}) failed or skipped", file=sys.stderr)
             continue
         results.append(result)
-        rows.append({**summary(result), "latency_ms": latency})
+        rows.append({**summary(result), "link": "one machine" if link is None else link or "veth"})
     (args.out / "calibration.json").write_text(json.dumps({"jobs": results, "summary": rows, "load": os.getloadavg()}))
-    lines = ["| workload | ranks | netem ms | plans | MAE | max | Kendall tau (pairs) | inside interval "
+    lines = ["| workload | ranks | link | plans | MAE | max | Kendall tau (pairs) | inside interval "
              "| half-width / spread |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for r in rows:
-        lat = "-" if r["latency_ms"] is None else f"{r['latency_ms']:g}"
         lines.append(
-            f"| {r['workload']} | {r['world']} | {lat} | {r['plans']} | {r['mean abs error']:.1%} "
+            f"| {r['workload']} | {r['world']} | {r['link']} | {r['plans']} | {r['mean abs error']:.1%} "
             f"| {r['max abs error']:.1%} "
             f"| {r['kendall tau']:.2f} ({r['pairs']}) | {r['inside interval']:.0%} "
             f"| {r['median half-width / spread']:.1f} |"
