@@ -13,7 +13,7 @@ import logging
 import os
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from torch import nn
 
@@ -85,7 +85,7 @@ def resume(
     for source in sources:
         source.resumed(info.step, line)
     if cut is not None:  # every rank alike (the same record): the state moves exactly
-        holder.relayout(partition=cut)  # type: ignore[attr-defined]
+        cast(Any, holder).relayout(partition=cut)
     return info
 
 
