@@ -77,9 +77,7 @@ def resume(
     if isinstance(holder, PipelineState):
         now = state.layout_of(holder, ranks.size)
         cut = recorded_counts(now, info.layout)  # the cut the saving run decided, where this build decided another
-        line = resumed_line(info.step, now, info.layout, said) + scheduler_note(info)
-        if cut is not None:
-            line += f"; the recorded cut {cut} kept (this build decided {[len(r) for r in holder.layer_ranges]})"
+        line = resumed_line(info.step, now, info.layout, said) + scheduler_note(info) + cut_note(cut, holder)
         if ranks.first:
             log.warning("stagewise: %s", line)
     for source in sources:
@@ -154,6 +152,15 @@ def _mesh(layout: dict[str, Any]) -> str:
         named = [(a, parallel[a]) for a in ("pp", "dp", "sharding", "tp") if parallel[a] > 1 or a == "pp"]
         return " x ".join(f"{a} {n}" for a, n in named)
     return f"pp {pipeline['ranks']}" if pipeline else "one process"
+
+
+def cut_note(cut: list[int] | None, pipe: PipelineState) -> str:
+    """What the resumed line adds when the recorded cut is taken back (:mod:`.recorded_cut`)."""
+    return (
+        ""
+        if cut is None
+        else f"; the recorded cut {cut} kept (this build decided {[len(r) for r in pipe.layer_ranges]})"
+    )
 
 
 def scheduler_note(info: CheckpointInfo) -> str:
