@@ -1,16 +1,19 @@
-"""A rank slowed mid-run, detected and named (issue 49 item 3), with the oracle of static cuts.
+"""A rank slowed mid-run: named, re-partitioned live, and the share of the best static cut recovered (issue 49
+item 4), with the oracle of static cuts swept under the same throttle.
 
     sudo OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.stragglers --out out/stragglers   # cgroup v1, root
     OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.stragglers --emulate --out out/stragglers  # no root
 
-Two ranks of one thread run the demo GPT (d 64, 10 layers) with 1F1B, 8 micro-batches, under a
-:class:`~stagewise.runtime.RunCalibrator`: it calibrates in its first steps; then rank 1 is held to 50 % of
-a core, then 25 %, then released (cgroup v1: ``cpu.cfs_quota_us`` of ``cpu.cfs_period_us = 10000``, a 10 ms
-period, so the slow rank is slower rather than bursty; ``--emulate``: the same pipeline rebuilt with
-``emulate_slowdown`` 2 and 4 for rank 1 instead, as the unit tests do). Per phase: the steps until rank 1
-is named, its measured speed, the cut the line proposes; and the oracle: every static cut ``[c, 10 - c]``
-timed under the 50 % throttle, the best against the proposed one (what a live re-partition would reach).
-Writes ``stragglers.json`` and prints the events.
+Two ranks of one thread train the demo GPT (d 64, 10 layers) with 1F1B, 8 micro-batches, under a
+:class:`~stagewise.runtime.Replanner` (its :class:`~stagewise.runtime.RunCalibrator` calibrates in the first
+steps, names a slow rank, and the Replanner re-cuts live when the predicted gain clears the re-layout's cost
+and the steps' noise). Rank 1 is held to 50 % of a core, then 25 %, then released: cgroup v1, a group made for
+this run (``cpu.cfs_quota_us`` of ``cpu.cfs_period_us = 10000``, a 10 ms period, so the slow rank is slower
+rather than bursty), released by moving the process back to the root group, and the group deleted at the end;
+``--emulate``: the running interpreter's ``slowdown`` (what ``emulate_slowdown`` sets) at 2 and 4 instead.
+The oracle: every static cut ``[c, 10 - c]`` timed under each throttle (a warm-up and ``--oracle-steps``
+steps). Per throttle, the recovered share: the best static cut's median step over the live median of the
+throttle's steps 6 to 10 (goal: at least 90 % within 10 steps). Writes ``stragglers.json``, prints a table.
 """
 
 from __future__ import annotations
@@ -25,16 +28,46 @@ from typing import Any
 
 from ._launch import launched, on_ranks, timed_step
 
-CGROUP = Path("/sys/fs/cgroup/cpu/stagewise_straggler")
+ROOT_GROUP = Path("/sys/fs/cgroup/cpu")
 PERIOD_US = 10_000
+LAYERS = 10
+#: the steps of a throttled phase (1-based) whose live median is compared with the best static cut
+WINDOW = (6, 10)
 
 
-def throttle(share: float | None) -> None:
-    """Hold this process to ``share`` of a core (None: release it)."""
-    CGROUP.mkdir(exist_ok=True)
-    (CGROUP / "cpu.cfs_period_us").write_text(str(PERIOD_US))
-    (CGROUP / "cpu.cfs_quota_us").write_text("-1" if share is None else str(int(PERIOD_US * share)))
-    (CGROUP / "cgroup.procs").write_text(str(os.getpid()))
+class Throttle:
+    """Rank 1's share of a core: a cgroup v1 group of its own (made on first use, deleted by :meth:`close`), or
+    the interpreter's emulated slowdown."""
+
+    def __init__(self, emulate: bool, rank: int) -> None:
+        self.emulate, self.rank = emulate, rank
+        self.group = ROOT_GROUP / f"stagewise_straggler_{os.getppid()}"
+        self.factor = 1.0
+
+    def set(self, share: float | None, pipe: Any = None) -> None:
+        if self.rank != 1:
+            return
+        if self.emulate:
+            self.factor = 1.0 if share is None else 1.0 / share
+            self.apply(pipe)
+            return
+        if share is None:  # lifted: back to the root group
+            (ROOT_GROUP / "cgroup.procs").write_text(str(os.getpid()))
+            return
+        self.group.mkdir(exist_ok=True)
+        (self.group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+        (self.group / "cpu.cfs_quota_us").write_text(str(int(PERIOD_US * share)))
+        (self.group / "cgroup.procs").write_text(str(os.getpid()))
+
+    def apply(self, pipe: Any) -> None:
+        """The emulated slowdown on the running interpreter (a re-layout builds a new one)."""
+        if self.emulate and self.rank == 1 and pipe is not None:
+            pipe._engine.runner.interpreter.slowdown = self.factor
+
+    def close(self) -> None:
+        if self.rank == 1 and not self.emulate and self.group.exists():
+            (ROOT_GROUP / "cgroup.procs").write_text(str(os.getpid()))
+            self.group.rmdir()
 
 
 def rank_main(args: argparse.Namespace) -> None:
@@ -42,7 +75,7 @@ def rank_main(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     import stagewise as sw
-    from stagewise.runtime import RunCalibrator
+    from stagewise.runtime import Replanner, RunCalibrator
 
     from .fidelity.workloads import workloads
 
@@ -52,50 +85,87 @@ def rank_main(args: argparse.Namespace) -> None:
     work = workloads()["gpt64"]
     x, y = work.data(work.microbatch * 8)
 
-    def pipe(partition: Any = "balanced", slowdown: float = 1.0) -> Any:
+    def pipe(partition: Any = "balanced") -> Any:
         return sw.Pipeline(work.layers(), loss_fn=work.loss, schedule="1f1b", microbatches=8, partition=partition,
-                           emulate_slowdown=[1.0, slowdown], seed=0)  # fmt: skip
+                           seed=0, emulate_slowdown=[1.0, 1.0] if args.emulate else None)  # fmt: skip
 
+    throttle = Throttle(args.emulate, rank)
     events: list[dict[str, Any]] = []
-    current = pipe()
-    calibrator = RunCalibrator(current, on_event=lambda e: events.append({**e, "step": len(steps)}))
     steps: list[dict[str, Any]] = []
-    for phase, share, n in (("calibrate", None, 5), ("full speed", None, 4), ("50 %", 0.5, args.steps),
-                            ("25 %", 0.25, args.steps), ("released", None, args.steps)):  # fmt: skip
-        if args.emulate:
-            current = pipe(slowdown=1.0 if share is None else 1.0 / share)
-        elif rank == 1:
-            throttle(share)
-        for _ in range(n):
-            took = timed_step(current, x, y)
-            calibrator.observe(current.timeline(gather=True))
-            steps.append({"phase": phase, "seconds": took})
-    oracle = {}
-    if args.oracle:
-        if not args.emulate and rank == 1:
-            throttle(0.5)
-        for c in range(1, 10):
-            p = pipe([c, 10 - c], 1.0 if not args.emulate else 2.0)
-            timed_step(p, x, y)
-            oracle[c] = statistics.median(timed_step(p, x, y) for _ in range(3))
-        if not args.emulate and rank == 1:
-            throttle(None)
+    phases = (("calibrate", None, 5), ("full speed", None, 5), ("50 %", 0.5, args.steps), ("25 %", 0.25, args.steps),
+              ("released", None, args.steps))  # fmt: skip
+    live = pipe()
+    calibrator = RunCalibrator(live, on_event=lambda e: events.append({**e, "step": len(steps)}))
+    replanner = Replanner(live, calibrator, steps=sum(n for *_, n in phases) + args.horizon, cooldown=args.cooldown)
+    oracle: dict[str, dict[int, float]] = {}
+    try:
+        for phase, share, n in phases:
+            throttle.set(share, live)
+            for _ in range(n):
+                throttle.apply(live)
+                took = timed_step(live, x, y)
+                record = replanner.observe()
+                steps.append({"phase": phase, "seconds": took, "counts": [len(r) for r in live.layer_ranges],
+                              "replan": None if record is None else record["reason"]})  # fmt: skip
+        if args.oracle:
+            for name, share in (("50 %", 0.5), ("25 %", 0.25)):
+                static = {}
+                for c in range(1, LAYERS):
+                    p = pipe([c, LAYERS - c])
+                    throttle.set(share, p)
+                    timed_step(p, x, y)
+                    static[c] = statistics.median(timed_step(p, x, y) for _ in range(args.oracle_steps))
+                    del p
+                oracle[name] = static
+            throttle.set(None)
+    finally:
+        throttle.close()
     if rank == 0:
+        out = {"steps": steps, "events": events, "decisions": replanner.log, "oracle": oracle,
+               "load": os.getloadavg(), "mode": "emulate_slowdown" if args.emulate else "cgroup v1"}  # fmt: skip
+        out["shares"] = shares(steps, oracle)
         args.out.mkdir(parents=True, exist_ok=True)
-        out = {"steps": steps, "events": events, "oracle at 50 %": oracle, "load": os.getloadavg(),
-               "mode": "emulate_slowdown" if args.emulate else "cgroup v1"}  # fmt: skip
-        (args.out / "stragglers.json").write_text(json.dumps(out))
+        (args.out / "stragglers.json").write_text(json.dumps(out, default=str))
         for e in events:
             print(e)
-        if oracle:
-            print("oracle at 50 %:", {c: round(s * 1e3, 1) for c, s in oracle.items()})
+        for r in replanner.log:
+            print(r["step"], r["reason"], r["current"]["counts"], "->", (r["best"] or {}).get("counts"))
+        for line in table(out["shares"]):
+            print(line)
     dist.destroy_process_group()
+
+
+def shares(steps: list[dict[str, Any]], oracle: dict[str, dict[int, float]]) -> list[dict[str, Any]]:
+    """Per throttle: the best static cut, its median step, the live median over :data:`WINDOW` of the phase's
+    steps, and the share (best static over live)."""
+    out = []
+    for name, static in oracle.items():
+        phase = [s for s in steps if s["phase"] == name]
+        window = [s["seconds"] for s in phase[WINDOW[0] - 1 : WINDOW[1]]]
+        c = min(static, key=static.__getitem__)
+        live = statistics.median(window) if window else float("nan")
+        out.append({"throttle": name, "best cut": [c, LAYERS - c], "best s": static[c], "live s": live,
+                    "share": static[c] / live, "cut at step 10": phase[min(len(phase), WINDOW[1]) - 1]["counts"],
+                    "even cut s": static.get(LAYERS // 2)})  # fmt: skip
+    return out
+
+
+def table(rows: list[dict[str, Any]]) -> list[str]:
+    lines = ["| throttle | best static cut | its step ms | live ms (steps 6-10) | share | live cut at step 10 |",
+             "|---|---|---:|---:|---:|---|"]  # fmt: skip
+    for r in rows:
+        lines.append(f"| {r['throttle']} | {r['best cut']} | {r['best s'] * 1e3:.1f} | {r['live s'] * 1e3:.1f} "
+                     f"| {r['share']:.0%} | {r['cut at step 10']} |")  # fmt: skip
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("out/stragglers"))
-    parser.add_argument("--steps", type=int, default=8, help="steps per throttled phase")
+    parser.add_argument("--steps", type=int, default=14, help="steps per throttled phase")
+    parser.add_argument("--cooldown", type=int, default=4, help="the Replanner's cooldown (steps)")
+    parser.add_argument("--horizon", type=int, default=200, help="steps the job is said to run on after these")
+    parser.add_argument("--oracle-steps", type=int, default=3, help="timed steps per static cut")
     parser.add_argument("--emulate", action="store_true", help="emulate_slowdown instead of a cgroup (no root)")
     parser.add_argument("--no-oracle", dest="oracle", action="store_false", help="skip the static cuts' sweep")
     args = parser.parse_args(argv)

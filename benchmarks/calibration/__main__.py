@@ -2,12 +2,15 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.calibration --out out/calibration          # 2 and 4 ranks
     OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.calibration --quick --out out/calibration  # smoke run
+    sudo OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.calibration --netem --quick --out out/calibration  # + latency
 
 One torchrun job per world size (:mod:`.worker`); the plan space and the seed are :mod:`.space`'s, committed
 before the first full run. Per job: each Q's predicted step and interval against its measured steps; the mean
 absolute error, Kendall's tau (pairs of the same m and pp whose medians differ by more than twice the pooled
 spread), the share of measured steps inside the interval and the interval's median half-width over the
-step-to-step spread (:mod:`.report`). Writes ``calibration.json`` and ``calibration.md`` to ``--out``.
+step-to-step spread (:mod:`.report`). ``--netem``: each world size's job runs across two namespace machines,
+once per link of :data:`.netem.LINKS` (``tc netem`` latency, ``tc tbf`` bandwidth; root). Writes
+``calibration.json`` and ``calibration.md`` to ``--out``.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import sys
 from pathlib import Path
 
 from .._launch import environ, torchrun
+from .netem import LINKS, job
 from .report import summary
 
 
@@ -31,29 +35,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plans", type=int, default=32, help="plans Q per world size (the space's first N)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="2 ranks, gpt64, 4 plans, 2 steps")
+    parser.add_argument("--netem", action="store_true",
+                        help="across 2 namespace machines, once per link of netem.LINKS (root)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.quick:
         args.ranks, args.workload, args.plans, args.steps = [2], "gpt64", 4, 2
     args.out.mkdir(parents=True, exist_ok=True)
     results, rows = [], []
-    for world in args.ranks:
-        path = args.out / f"job-{args.workload}-{world}.json"
-        cmd = torchrun(world, "benchmarks.calibration.worker", [
-            "--workload", args.workload, "--plans", str(args.plans), "--steps", str(args.steps), "--out", str(path),
-        ])  # fmt: skip
-        done = subprocess.run(cmd, env=environ(OMP_NUM_THREADS="1"))
-        if done.returncode != 0:
-            print(f"job at {world} ranks failed ({done.returncode})", file=sys.stderr)
+    jobs = [(world, link) for world in args.ranks for link in (LINKS if args.netem else (None,))]
+    for k, (world, link) in enumerate(jobs):
+        worker = ["--workload", args.workload, "--plans", str(args.plans), "--steps", str(args.steps)]
+        if link is None:
+            path = args.out / f"job-{args.workload}-{world}.json"
+            done = subprocess.run(torchrun(world, "benchmarks.calibration.worker", [*worker, "--out", str(path)]),
+                                  env=environ(OMP_NUM_THREADS="1"))  # fmt: skip
+            result = json.loads(path.read_text()) if done.returncode == 0 else None
+        else:
+            path = args.out / f"job-{args.workload}-{world}-link{k}.json"
+            result = job(link, world, worker, path, port=29611 + k)
+        if result is None:
+            print(f"job at {world} ranks (link {link!r}) failed or skipped", file=sys.stderr)
             continue
-        result = json.loads(path.read_text())
         results.append(result)
-        rows.append(summary(result))
+        rows.append({**summary(result), "link": "one machine" if link is None else link or "veth"})
     (args.out / "calibration.json").write_text(json.dumps({"jobs": results, "summary": rows, "load": os.getloadavg()}))
-    lines = ["| workload | ranks | plans | MAE | max | Kendall tau (pairs) | inside interval | half-width / spread |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    lines = ["| workload | ranks | link | plans | MAE | max | Kendall tau (pairs) | inside interval "
+             "| half-width / spread |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for r in rows:
         lines.append(
-            f"| {r['workload']} | {r['world']} | {r['plans']} | {r['mean abs error']:.1%} | {r['max abs error']:.1%} "
+            f"| {r['workload']} | {r['world']} | {r['link']} | {r['plans']} | {r['mean abs error']:.1%} "
+            f"| {r['max abs error']:.1%} "
             f"| {r['kendall tau']:.2f} ({r['pairs']}) | {r['inside interval']:.0%} "
             f"| {r['median half-width / spread']:.1f} |"
         )

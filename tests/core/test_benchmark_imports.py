@@ -44,6 +44,9 @@ INTERNAL = {
     ("calibration/worker.py", "stagewise.planning.recalibrate"): (
         "the held-out prediction itself (held_out_costs), which no public name runs without a pipeline of Q"
     ),
+    ("regret/worker.py", "stagewise.planning.recalibrate"): (
+        "the planner's pick is the least held-out prediction (held_out_costs), as the calibration benchmark's"
+    ),
     ("transport_pingpong.py", "stagewise.runtime.comm"): "it drives a transport directly: the protocol's values",
     ("transport_pingpong.py", "stagewise.runtime.comm.shm.transport"): (
         "it times the shm protocol's own path, below the Transport protocol"

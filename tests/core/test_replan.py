@@ -18,9 +18,11 @@ from stagewise.planning.replan import (
     Option,
     decide,
     line,
+    noise_margin,
     options_for,
     relayout_seconds,
     replay,
+    step_spread,
 )
 from stagewise.planning.stragglers import cut_for_speeds
 
@@ -119,3 +121,28 @@ def test_candidates_for_a_straggler_and_other_schedules() -> None:
     _, same = options_for(cal, PRIOR, PLAN, [4, 4], [1.0, 1.0])
     record = decide(5, same[0], same, steps_left=10**6, relayout_s=0, margin_s=0, cooldown=0, last_change=None)
     assert record["reason"] == NO_BETTER
+
+
+def test_the_step_to_step_spread_ignores_a_level_shift() -> None:
+    """Hand-computed: differences 0.1, 0.1, 0.2, 0.1 (median 0.1) over sqrt 2, over the median step 1.0; a
+    doubling halfway is one difference, which the median outvotes."""
+    assert step_spread([1.0, 1.1, 1.0, 0.8, 0.9]) == pytest.approx(0.1 / 2**0.5 / 1.0)
+    steady = [1.0, 1.1] * 4
+    shifted = steady + [2 * s for s in steady]
+    assert step_spread(steady) == pytest.approx(0.1 / 2**0.5 / 1.05)
+    assert step_spread(shifted) < 2 * step_spread(steady)  # the shift is not taken for noise
+    assert step_spread([1.0]) == 0.0 and step_spread([]) == 0.0
+
+
+def test_the_margin_is_the_noise_over_the_steps_left() -> None:
+    # z x spread x step x steps left: 1.44 x 0.05 x 0.1 s x 100 = 0.72 s
+    assert noise_margin(0.05, 0.1, 100) == pytest.approx(0.72)
+    with pytest.raises(ValueError, match="noise_margin: spread"):
+        noise_margin(-0.1, 0.1, 100)
+    # B saves 0.02 s a step of A's 0.1 s: taken at a spread of 0.1 (margin 0.0144 s a step), kept at 0.2 (0.0288)
+    quiet, noisy = Decisions(cooldown=0), Decisions(cooldown=0)
+    calm = quiet.consider(1, A, [A, B], steps_left=100, relayout_s=0.0, spread=0.1)
+    loud = noisy.consider(1, A, [A, B], steps_left=100, relayout_s=0.0, spread=0.2)
+    assert calm["taken"] and calm["margin_s"] == pytest.approx(1.44 * 0.1 * 0.1 * 100)
+    assert (loud["taken"], loud["reason"], loud["spread"]) == (False, NOT_WORTH, 0.2)
+    assert replay(quiet.log + noisy.log) == [calm, {**loud, "last_change": 1}]

@@ -5,6 +5,9 @@ A change of plan pays when what it saves over the steps left exceeds what it cos
 margin that absorbs the cost model's error. So :func:`decide` takes the plan running and its candidates
 (schedule x cut at the same members, each with the step the calibrated model predicts for it; for a straggler,
 the cut for the measured speeds), and changes only when ``(now - best) x steps_left > relayout_s + margin_s``.
+The margin is not a fixed figure: it is the noise of the steps themselves, :func:`noise_margin` (the
+interval the step-to-step spread draws around the running step, :func:`step_spread`, over the steps left), so
+a gain the steps' own noise could make is never taken, and a real slowdown, larger than that noise, is.
 A cooldown (steps since the last change) keeps it from flapping: a plan just taken is never left before
 ``cooldown`` steps, whatever a noisy step predicts, so A -> B -> A within the cooldown cannot happen.
 
@@ -15,9 +18,13 @@ its layout).
 
 from __future__ import annotations
 
+import math
+import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from .recalibrate import Z85
 
 if TYPE_CHECKING:
     from ..ir import Schedule
@@ -74,6 +81,32 @@ def options_for(
     return current, out
 
 
+def step_spread(steps: Sequence[float]) -> float:
+    """The steps' relative step-to-step spread: the median of ``|s[i] - s[i-1]|`` over sqrt 2, over the median
+    step (0 for fewer than 2 steps). Successive differences, because a level shift (a throttled rank, a change
+    of plan) is one outlying difference the median ignores, where the spread of the steps themselves would count
+    the shift as noise and block the re-plan it calls for; over sqrt 2, because a difference of two independent
+    steps spreads sqrt 2 times one, so that for steady noise this is the half-interquartile figure of
+    :attr:`~stagewise.planning.recalibrate.RunCalibration.spread` (both 0.67 sigma for normal noise)."""
+    if len(steps) < 2:
+        return 0.0
+    med = statistics.median(steps)
+    diff = statistics.median(abs(b - a) for a, b in zip(steps, steps[1:]))
+    return diff / math.sqrt(2) / med if med > 0 else 0.0
+
+
+def noise_margin(spread: float, step_s: float, steps_left: int, z: float = Z85) -> float:
+    """The margin a predicted gain must clear beside the re-layout's cost: ``z`` x the relative ``spread`` of
+    the running step (``step_s``), over the ``steps_left``: a saving per step inside the interval that the
+    steps' own noise draws (``z`` = the calibration's 85 % interval) is not told apart from noise. The model's
+    predictions rest on medians of several steps, so this bounds their noise from above."""
+    if spread < 0 or step_s < 0 or steps_left < 0 or z < 0:
+        raise ValueError(
+            f"noise_margin: spread, step_s, steps_left and z must be >= 0, got {spread}, {step_s}, {steps_left}, {z}"
+        )
+    return steps_left * z * spread * step_s
+
+
 def relayout_seconds(state_bytes: float, bandwidth: float, fixed_s: float) -> float:
     """A re-layout's predicted cost before one was measured: the state moved over the link plus the rebuild."""
     if bandwidth <= 0:
@@ -91,8 +124,10 @@ def decide(
     margin_s: float,
     cooldown: int,
     last_change: int | None,
+    spread: float | None = None,
 ) -> dict[str, Any]:
-    """The decision at ``step`` (a plain record; ``taken`` says whether to change to ``best``)."""
+    """The decision at ``step`` (a plain record; ``taken`` says whether to change to ``best``); ``spread``: the
+    step-to-step spread ``margin_s`` was drawn from, recorded for the audit."""
     if steps_left < 0 or relayout_s < 0 or margin_s < 0 or cooldown < 0:
         raise ValueError(
             "decide: steps_left, relayout_s, margin_s and cooldown must be >= 0, got "
@@ -121,6 +156,7 @@ def decide(
         "steps_left": steps_left,
         "relayout_s": relayout_s,
         "margin_s": margin_s,
+        "spread": spread,
         "cooldown": cooldown,
         "last_change": last_change,
     }
@@ -141,25 +177,37 @@ def line(record: dict[str, Any]) -> str:
 
 
 class Decisions:
-    """The decisions of one run: remembers the last change (for the cooldown) and keeps the log."""
+    """The decisions of one run: remembers the last change (for the cooldown) and keeps the log.
 
-    def __init__(self, *, margin_s: float, cooldown: int) -> None:
-        self.margin_s, self.cooldown = float(margin_s), int(cooldown)
+    A decision's margin is ``margin_s`` (a fixed part, 0 by default) plus :func:`noise_margin` of the
+    ``spread`` given to :meth:`consider` with ``z``."""
+
+    def __init__(self, *, margin_s: float = 0.0, cooldown: int, z: float = Z85) -> None:
+        self.margin_s, self.cooldown, self.z = float(margin_s), int(cooldown), float(z)
         self.last_change: int | None = None
         self.log: list[dict[str, Any]] = []
 
     def consider(
-        self, step: int, current: Option, candidates: Sequence[Option], *, steps_left: int, relayout_s: float
+        self,
+        step: int,
+        current: Option,
+        candidates: Sequence[Option],
+        *,
+        steps_left: int,
+        relayout_s: float,
+        spread: float | None = None,
     ) -> dict[str, Any]:
+        noise = 0.0 if spread is None else noise_margin(spread, current.step_s, max(0, steps_left), self.z)
         record = decide(
             step,
             current,
             candidates,
             steps_left=steps_left,
             relayout_s=relayout_s,
-            margin_s=self.margin_s,
+            margin_s=self.margin_s + noise,
             cooldown=self.cooldown,
             last_change=self.last_change,
+            spread=spread,
         )
         if record["taken"]:
             self.last_change = step
@@ -181,6 +229,7 @@ def replay(log: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
             margin_s=float(r["margin_s"]),
             cooldown=int(r["cooldown"]),
             last_change=last,
+            spread=r.get("spread"),
         )
         if d["taken"]:
             last = d["step"]

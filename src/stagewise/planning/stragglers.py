@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 
 from ..ir import Schedule, Timeline
 from ..partition import LayerProfile, partition_costs
+from ..simulation import CostModel
 from .defaults import improved_counts
 from .recalibrate import RunCalibration, deshared
 
@@ -132,16 +133,19 @@ def _predicted(
     bounds = [0]
     for c in counts:
         bounds.append(bounds[-1] + int(c))
-    costs = calibrated.cost_model(bounds)
+    return calibration.predict(schedule, slowed(calibrated.cost_model(bounds), stage_speeds)).step
 
-    def slowed(values: tuple[float, ...]) -> tuple[float, ...]:
+
+def slowed(costs: CostModel, stage_speeds: Sequence[float]) -> CostModel:
+    """``costs`` with each stage's compute divided by the speed of the rank that holds it."""
+
+    def by_speed(values: tuple[float, ...]) -> tuple[float, ...]:
         return tuple(v / s for v, s in zip(values, stage_speeds))
 
-    costs = replace(
+    return replace(
         costs,
-        forward=slowed(costs.forward),
-        backward_input=slowed(costs.backward_input),
-        backward_weight=slowed(costs.backward_weight),
-        backward_full=slowed(costs.backward_full) if costs.backward_full else (),
+        forward=by_speed(costs.forward),
+        backward_input=by_speed(costs.backward_input),
+        backward_weight=by_speed(costs.backward_weight),
+        backward_full=by_speed(costs.backward_full) if costs.backward_full else (),
     )
-    return calibration.predict(schedule, costs).step

@@ -302,6 +302,47 @@ def default_cut(ctx: Ctx) -> dict[str, Any]:
     return {"layers per stage": counts, "blocks per rank": blocks}
 
 
+def resumed_cut(ctx: Ctx) -> dict[str, Any]:
+    """A resume keeps the recorded cut: saved from the default ("balanced") cut, resumed into a pipeline whose
+    rank 0 decides another (as a changed torch's counting or a profile measured again would): the pipeline is
+    re-laid out to the recorded cut, its state the saved state exactly, and the next step's loss the one the
+    saving pipeline takes; counts given by the user are kept."""
+    import tempfile
+    from pathlib import Path
+
+    from stagewise.runtime.frontends import default_cut as decided_here
+
+    layers = [sw.Layer(Dense, 8, 64)] + [sw.Layer(Dense, 64, 64) for _ in range(4)] + [sw.Layer(nn.Linear, 64, 4)]
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
+    options: dict[str, Any] = {"loss_fn": F.cross_entropy, "schedule": "1f1b", "microbatches": 4, "seed": 3}
+    options.update(sample_inputs=x[:4], group=ctx.group, timeout=TIMEOUT, optimizer=lambda p: torch.optim.Adam(p))
+    pipe = sw.Pipeline(layers, **options)
+    recorded = [len(r) for r in pipe.layer_ranges]
+    for _ in range(2):
+        pipe.train_step(x, y)
+    root = Path(gather_objects(tempfile.mkdtemp(prefix="cut") if ctx.rank == 0 else None, ctx.group)[0])
+    sw.checkpoint.save(root, pipe, step=2)
+    other = [recorded[0] + 1, recorded[1] - 1] if recorded[1] > 1 else [recorded[0] - 1, recorded[1] + 1]
+    decide = decided_here.decide
+    decided_here.decide = lambda *a, **k: decided_here.DefaultCut(list(other), None, "parameters")  # type: ignore
+    try:
+        again = sw.Pipeline(layers, **options)
+    finally:
+        decided_here.decide = decide
+    assert [len(r) for r in again.layer_ranges] == other != recorded, (other, recorded)
+    info = sw.checkpoint.resume(root, again)
+    assert info is not None and info.step == 2 and info.layout["pipeline"]["partition"] == "balanced", info
+    assert [len(r) for r in again.layer_ranges] == recorded, ([len(r) for r in again.layer_ranges], recorded)
+    mine, theirs = again.state_dict(), pipe.state_dict()
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    assert again.train_step(x, y) == pipe.train_step(x, y)  # the optimizer's state came along exactly
+    given = sw.Pipeline(layers, **{**options, "partition": list(other)})
+    sw.checkpoint.resume(root, given)
+    assert [len(r) for r in given.layer_ranges] == other  # counts the user gave are the user's
+    return {"recorded": recorded, "decided again": other}
+
+
 def _refuse_to_decide(*args: Any, **kwargs: Any) -> Any:
     raise AssertionError("a rank other than 0 computed the default cut")
 
@@ -329,4 +370,5 @@ def checks(world: int) -> dict[str, Check]:
     if world == 2:
         out["balance"] = balance
         out["default-cut"] = default_cut
+        out["resumed-cut"] = resumed_cut
     return out

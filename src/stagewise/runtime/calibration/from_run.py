@@ -29,7 +29,7 @@ from typing import Any
 from ...ir import Timeline
 from ...partition import LayerCost, LayerProfile
 from ...planning.recalibrate import Prediction, RunCalibration, calibrate_run
-from ...planning.stragglers import Detector, Straggler, cut_for_speeds, rank_speeds
+from ...planning.stragglers import Detector, Straggler, cut_for_speeds, rank_speeds, slowed
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +79,8 @@ class RunCalibrator:
         self._seen = 0
         self._calibrating: list[Timeline] = []
         self._since: list[float] = []
+        #: every step's makespan after the warm-up (the calibrating steps and those since), seconds
+        self.makespans: list[float] = []
 
     def observe(self, timeline: Timeline | None = None) -> None:
         """After a train step, on every rank: ``timeline`` (all ranks on one clock), else the pipeline's last
@@ -88,6 +90,7 @@ class RunCalibrator:
         self._seen += 1
         if self._seen <= self.warmup:
             return
+        self.makespans.append(timeline.makespan)
         if self.calibration is None:
             self._calibrating.append(timeline)
             if len(self._calibrating) == self.after:
@@ -104,9 +107,10 @@ class RunCalibrator:
             measured = {k: {s: v * at[s] for s, v in by.items()} for k, by in cal.measured.items()}
             cal = replace(cal, measured=measured)
         self.calibration = cal
-        self.prediction = cal.predict(
-            schedule, cal.profile(self.prior).cost_model(_bounds(self.counts)), self.processes
-        )
+        costs = cal.profile(self.prior).cost_model(_bounds(self.counts))
+        if self.speeds is not None:  # the plan as it runs: its slow rank still slow
+            costs = slowed(costs, [self.speeds[r] for r in schedule.placement])
+        self.prediction = cal.predict(schedule, costs, self.processes)
         self._emit(
             {
                 "event": "recalibrated",

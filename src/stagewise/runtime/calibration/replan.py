@@ -1,17 +1,18 @@
 """Re-planned live (issue 49 items 3 and 4): the run's calibration asks whether another plan pays, and applies it.
 
 ``Replanner(pipe, steps=N)`` is called on every rank after each ``train_step`` (``observe()``, a collective). It
-feeds a :class:`~stagewise.runtime.calibration.from_run.RunCalibrator`; when that calibrates, names a straggler
-or clears one, the group's first rank builds the candidates (for each schedule considered, the cut for the
-ranks' measured speeds, with the step the calibrated model predicts) and asks the pure decision
-(:func:`stagewise.planning.replan.decide`: change only when the gain over the steps left exceeds the re-layout's
-cost plus ``margin_s``, never within ``cooldown`` steps of the last change). Its record is handed to every rank
-(one decides, so every rank applies the same change), logged in one line, recorded as the ``replan`` event of
-``pipe.metrics`` and appended to ``log`` (and to ``log_path``, JSON lines, on the first rank). A change is
-applied with :meth:`Pipeline.relayout`; its measured seconds are the next decision's cost, and a new
-calibration starts on the new layout (the old one described another cut), told the ranks' speeds of the
-decision, so that a straggler stays a slow rank rather than becoming costly layers: when its throttle lifts it
-is "recovered" and the cut for equal speeds moves its layers back.
+feeds a :class:`~stagewise.runtime.calibration.from_run.RunCalibrator`; when that calibrates, names a straggler or
+clears one, and every ``every`` steps besides, the group's first rank builds the candidates (for each schedule
+considered, the cut for the ranks' measured speeds, with the step the calibrated model predicts) and asks the pure
+decision (:func:`stagewise.planning.replan.decide`: change only when the gain over the steps left exceeds the
+re-layout's cost plus a margin drawn from the steps' own step-to-step spread,
+:func:`~stagewise.planning.replan.noise_margin` over the last :data:`SPREAD_STEPS` steps, never within ``cooldown``
+steps of the last change). Its record is handed to every rank (one decides, so every rank applies the same change),
+logged in one line, recorded as the ``replan`` event of ``pipe.metrics`` and appended to ``log`` (and to
+``log_path``, JSON lines, on the first rank). A change is applied with :meth:`Pipeline.relayout`; its measured
+seconds are the next decision's cost, and a new calibration starts on the new layout (the old one described another
+cut), told the ranks' speeds of the decision, so that a straggler stays a slow rank rather than becoming costly
+layers: when its throttle lifts it is "recovered" and the cut for equal speeds moves its layers back.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from typing import Any
 from ...ir import Schedule
 from ...partition import LayerProfile
 from ...passes.build import build_schedule
-from ...planning.recalibrate import RunCalibration
-from ...planning.replan import Decisions, Option, line, options_for, relayout_seconds
+from ...planning.recalibrate import Z85, RunCalibration
+from ...planning.replan import Decisions, Option, line, options_for, relayout_seconds, step_spread
 from ...planning.stragglers import WINDOW
 from ..comm.groups import group_rank
 from ..frontends.balance import on_first_rank
@@ -42,6 +43,9 @@ log = logging.getLogger(__name__)
 REBUILD_S = 1.0
 #: the state moved per parameter byte, before a re-layout was measured: the weights and Adam's two moments
 STATE_PER_PARAMETER_BYTE = 3.0
+#: the steps whose step-to-step spread draws the margin (the last ones, across changes of plan: a change is
+#: one outlying difference, which the median ignores)
+SPREAD_STEPS = 20
 
 
 class Replanner:
@@ -49,7 +53,11 @@ class Replanner:
 
     ``schedules``: other schedule names to consider at the same ranks and micro-batches (default: the running
     one only, so only the cut moves); ``relayout_s``: the re-layout's cost until one is measured (default:
-    the state's bytes over the calibrated link plus :data:`REBUILD_S`).
+    the state's bytes over the calibrated link plus :data:`REBUILD_S`); ``every``: steps between decisions
+    besides the calibration's news (0: on news only; a slowdown first measured on a window not yet full of slow
+    steps is looked at again once it is); the margin a gain must clear beside it
+    is ``z`` x the steps' step-to-step spread x the running step x the steps left, plus ``margin_s`` (a fixed
+    part, 0 by default).
     """
 
     def __init__(
@@ -58,14 +66,16 @@ class Replanner:
         calibrator: RunCalibrator | None = None,
         *,
         steps: int,
-        margin_s: float = 0.5,
+        margin_s: float = 0.0,
+        z: float = Z85,
         cooldown: int = 10,
         schedules: Sequence[str] = (),
         relayout_s: float | None = None,
         log_path: str | Path | None = None,
+        every: int = WINDOW,
     ) -> None:
-        if steps < 0:
-            raise ValueError(f"Replanner: steps (the job's total train steps) must be >= 0, got {steps}")
+        if steps < 0 or every < 0:
+            raise ValueError(f"Replanner: steps and every must be >= 0, got {steps}, {every}")
         self.pipe = pipe
         self.calibrator = calibrator or RunCalibrator(pipe)
         self.prior: LayerProfile = self.calibrator.prior
@@ -81,8 +91,13 @@ class Replanner:
                 ) from err
         self.relayout_s = relayout_s
         self.log_path = None if log_path is None else Path(log_path)
-        self.decisions = Decisions(margin_s=margin_s, cooldown=cooldown)
+        self.decisions = Decisions(margin_s=margin_s, cooldown=cooldown, z=z)
         self._seen = 0
+        self._makespans = 0
+        self.every = int(every)
+        self._since_decision = 0
+        #: the last :data:`SPREAD_STEPS` steps' makespans (seconds), across changes of plan
+        self.steps_seen: list[float] = []
         #: each rank's speed relative to the calibrated layers (1.0 until a straggler is measured)
         self.speeds: list[float] = [1.0] * pipe.num_ranks
 
@@ -91,15 +106,21 @@ class Replanner:
         """Every decision so far, taken or not (plain dicts; :func:`stagewise.planning.replan.replay`)."""
         return self.decisions.log
 
-    def observe(self) -> dict[str, Any] | None:
+    def observe(self, timeline: Any = None) -> dict[str, Any] | None:
         """After a train step, on every rank alike: calibrate, and re-plan when the calibration has news; the
-        decision's record (None when nothing was decided)."""
+        decision's record (None when nothing was decided). ``timeline``: the step's, every rank on one clock
+        (default: gathered from the pipeline, a collective)."""
         cal = self.calibrator
-        cal.observe()
+        cal.observe(timeline)
+        self.steps_seen = (self.steps_seen + cal.makespans[self._makespans :])[-SPREAD_STEPS:]
+        self._makespans = len(cal.makespans)
         news = [r for r in cal.records[self._seen :] if r["event"] != "replan"]
         self._seen = len(cal.records)
-        if cal.calibration is None or not news:
+        self._since_decision += 1
+        due = self.every > 0 and self._since_decision >= self.every
+        if cal.calibration is None or not (news or due):
             return None
+        self._since_decision = 0
         decided: dict[str, Any] = on_first_rank(None, self._decide, "deciding whether to re-plan")
         record, self.speeds = decided["record"], decided["speeds"]
         self.decisions.log.append(record)
@@ -121,7 +142,12 @@ class Replanner:
         current, candidates = self._options(cal.calibration, speeds)
         before = len(self.decisions.log), self.decisions.last_change
         record = self.decisions.consider(
-            step, current, candidates, steps_left=max(0, self.steps - step), relayout_s=self._cost(cal.calibration)
+            step,
+            current,
+            candidates,
+            steps_left=max(0, self.steps - step),
+            relayout_s=self._cost(cal.calibration),
+            spread=step_spread(self.steps_seen),
         )
         del self.decisions.log[before[0] :]  # observe() appends the record handed round, on every rank alike
         self.decisions.last_change = before[1]
@@ -180,7 +206,7 @@ class Replanner:
             speeds=self.speeds,
         )
         self.calibrator.on_event = old.on_event
-        self._seen = 0
+        self._seen = self._makespans = 0
 
 
 def _like(name: str, running: Schedule) -> Schedule:

@@ -13,13 +13,14 @@ import logging
 import os
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from torch import nn
 
 from . import state, storage
 from .api import _ranks, agreed_newest, load, virtual_worker
 from .declared import CheckpointInfo, Offer, PipelineState, StateSource
+from .recorded_cut import recorded_counts
 
 log = logging.getLogger(__name__)
 
@@ -72,14 +73,17 @@ def resume(
             log.info("stagewise.checkpoint.resume: starting afresh: %s", disk.why)
         return None
     info, said = restored
-    line = ""
+    line, cut = "", None
     if isinstance(holder, PipelineState):
         now = state.layout_of(holder, ranks.size)
-        line = resumed_line(info.step, now, info.layout, said) + scheduler_note(info)
+        cut = recorded_counts(now, info.layout)  # the cut the saving run decided, where this build decided another
+        line = resumed_line(info.step, now, info.layout, said) + scheduler_note(info) + cut_note(cut, holder)
         if ranks.first:
             log.warning("stagewise: %s", line)
     for source in sources:
         source.resumed(info.step, line)
+    if cut is not None:  # every rank alike (the same record): the state moves exactly
+        cast(Any, holder).relayout(partition=cut)
     return info
 
 
@@ -148,6 +152,15 @@ def _mesh(layout: dict[str, Any]) -> str:
         named = [(a, parallel[a]) for a in ("pp", "dp", "sharding", "tp") if parallel[a] > 1 or a == "pp"]
         return " x ".join(f"{a} {n}" for a, n in named)
     return f"pp {pipeline['ranks']}" if pipeline else "one process"
+
+
+def cut_note(cut: list[int] | None, pipe: PipelineState) -> str:
+    """What the resumed line adds when the recorded cut is taken back (:mod:`.recorded_cut`)."""
+    return (
+        ""
+        if cut is None
+        else f"; the recorded cut {cut} kept (this build decided {[len(r) for r in pipe.layer_ranges]})"
+    )
 
 
 def scheduler_note(info: CheckpointInfo) -> str:

@@ -30,6 +30,7 @@ from torch import nn
 
 from .declared import PipelineState, progress_of, restore_progress
 from .manifest import CheckpointError
+from .recorded_cut import partition_mode
 
 MODEL, OPTIM = "model/", "optim/"
 
@@ -269,6 +270,7 @@ def layout_of(target: object, world: int) -> dict[str, Any]:
             "virtual_stages": s.virtual_stages,
             "placement": list(s.placement),
             "layers": [[r.start, r.stop] for r in target.layer_ranges],
+            "partition": partition_mode(getattr(target.options, "partition", None)),
         },
         "parallel": None,
     }

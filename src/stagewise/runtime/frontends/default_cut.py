@@ -5,8 +5,10 @@ Rank 0 of the pipeline's group counts the layers' work on the ``meta`` device (o
 cuts (:func:`stagewise.partition.modes.stage_counts`); the counts per stage, and the estimated profile they
 came from, reach every rank through :func:`.balance.on_first_rank`, so every rank builds the same cut
 whatever its own arithmetic would say. The cut is recorded where every layout is (a checkpoint's and a
-snapshot's ``layout.pipeline.layers``). When the estimate predicts the schedule slower than 1F1B on the same
-layers by more than :data:`stagewise.planning.defaults.NOISE`, rank 0 says so in one warning.
+snapshot's ``layout.pipeline.layers``, with ``layout.pipeline.partition``), and a resume on the same layout
+takes it back rather than deciding again (:mod:`stagewise.runtime.checkpoint.recorded_cut`). When the
+estimate predicts the schedule slower than 1F1B on the same layers by more than
+:data:`stagewise.planning.defaults.NOISE`, rank 0 says so in one warning.
 """
 
 from __future__ import annotations
