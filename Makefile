@@ -26,6 +26,14 @@ test: $(STAMP)
 test-core: $(STAMP)
 	$(PY) -m pytest -q tests/core
 
+# The pure core with every long property test at its full count of examples (the fast-vs-reference agreement
+# tests of the validator, simulator and version tables, the partitioner's), the synthesizer's whole grid (every shape
+# under every cost kind; `make test` takes each shape under two kinds) and the planner's scale check at 4096 processes;
+# `make test` and `make test-core` draw a quarter of those examples and skip the scale check (tests/helpers/examples.py). Run it after a change to schedules/, passes/, the validator, the simulator, synthesis/ or planning/.
+.PHONY: test-deep
+test-deep: $(STAMP)
+	STAGEWISE_DEEP=1 $(PY) -m pytest -q tests/core
+
 # torch in one process, no launcher.
 test-runtime: $(STAMP)
 	$(PY) -m pytest -q tests/runtime

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers.examples import examples
 from helpers.profiles import fake_profile
 from stagewise.partition import layer_memory, partition_costs, stage_counts, uniform_counts
 
@@ -35,7 +36,7 @@ def _brute_force(costs, p, speeds=None, extra=None, memory=None, caps=None):
 costs_st = st.lists(st.integers(0, 50).map(float), min_size=1, max_size=9)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(costs=costs_st, data=st.data())
 def test_matches_brute_force(costs: list[float], data: st.DataObject) -> None:
     p = data.draw(st.integers(1, len(costs)))
@@ -46,7 +47,7 @@ def test_matches_brute_force(costs: list[float], data: st.DataObject) -> None:
     assert sum(result.counts) == len(costs) and min(result.counts) >= 1
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(costs=costs_st, data=st.data())
 def test_memory_caps_are_respected_or_rejected(costs: list[float], data: st.DataObject) -> None:
     p = data.draw(st.integers(1, len(costs)))

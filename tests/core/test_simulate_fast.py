@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import stagewise as sw
+from helpers.examples import examples
 from oracles.simulate_reference import simulate_reference
 from stagewise.ir import Action, ActionRows, Columns, Kind, Schedule, columns
 from stagewise.simulation import CostModel, simulate
@@ -65,7 +66,7 @@ def cost_models(draw: st.DrawFn, n: int) -> CostModel:
     )
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(400), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(schedules(), st.data())
 def test_the_array_simulator_equals_the_plain_one(schedule: Schedule, data: st.DataObject) -> None:
     """Same start and end of every action, makespan, bubble and peaks, to the bit (same additions, same
@@ -171,7 +172,7 @@ def column_schedules(draw: st.DrawFn) -> Schedule:
 
 
 @given(column_schedules())
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_column_passes_equal_the_object_passes(schedule: Schedule) -> None:
     """Grad sync and the range check on columns give what the object code gives on the same actions."""
     assert isinstance(schedule.ranks, ActionRows)

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 import stagewise as sw
 from helpers.certificates import batches, certified, fitting_certificate, longest_paths, partner_edges
+from helpers.examples import examples
 from stagewise import Action, Schedule, ScheduleError
 from stagewise.ir import Kind
 from stagewise.passes.reference import add_communication_reference
@@ -89,13 +90,13 @@ def _agree(schedule: Schedule) -> bool:
     return fast is None
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(base_schedules())
 def test_fast_and_reference_accept_every_registered_form(schedule: Schedule) -> None:
     assert _agree(schedule)
 
 
-@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(600), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(base_schedules(), st.data(), st.integers(1, 3))
 def test_fast_and_reference_agree_on_broken_schedules(schedule: Schedule, data: st.DataObject, edits: int) -> None:
     for _ in range(edits):
@@ -162,7 +163,7 @@ def test_fast_and_reference_agree_on_naively_placed_receives(name: str) -> None:
 # ---- the array path: lowering on whole arrays, validation by progress certificate ---------------------------
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(200), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     st.sampled_from(sw.schedule_names()),
     st.integers(1, 5),
@@ -218,7 +219,7 @@ def _nudge(schedule: Schedule, data: st.DataObject) -> Schedule:
     return schedule.with_ranks(ranks)
 
 
-@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(500), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(certified_schedules(), st.data(), st.integers(0, 3))
 def test_certified_path_agrees_with_the_reference(
     lowered_and_certificate: tuple[Schedule, list[list[int]]], data: st.DataObject, edits: int
@@ -267,7 +268,7 @@ def test_certificate_checks_catch_deadlocks() -> None:
     assert decreasing_found, "expected a deadlock whose partner constraints alone can be satisfied"
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(200), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(base_schedules(), st.data())
 def test_random_certificates_prove_nothing_false(schedule: Schedule, data: st.DataObject) -> None:
     """Any numbers at all: accepted only on schedules the reference accepts (the check is sound for every c)."""

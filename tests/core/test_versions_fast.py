@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import stagewise as sw
+from helpers.examples import examples
 from stagewise.asynchronous import POLICIES, Version, VersionTable, live_versions, reference, step_counts, version_table
 from stagewise.ir import Action, ActionRows, Schedule, columns
 from stagewise.validate.versions import _bounds, _rules, _shape, _table_matches
@@ -55,7 +56,7 @@ def _tables_equal(a: VersionTable, b: VersionTable) -> bool:
     return dataclasses.astuple(a) == dataclasses.astuple(b)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(schedule=async_schedules(), data=st.data(), edits=st.integers(0, 3), policy=st.sampled_from(POLICIES))
 def test_fast_tables_and_live_counts_equal_the_reference(
     schedule: Schedule, data: st.DataObject, edits: int, policy: str
@@ -76,7 +77,7 @@ def _reference_verdict(schedule: Schedule, table: VersionTable) -> bool:
     return not (problems or _table_matches(schedule, table) or _rules(schedule, table) or _bounds(schedule, table))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(schedule=async_schedules(), data=st.data(), edits=st.integers(0, 2), retable=st.integers(0, 3))
 def test_fast_and_reference_version_verdicts_agree(
     schedule: Schedule, data: st.DataObject, edits: int, retable: int
@@ -145,7 +146,7 @@ def _as_columns(ranks: tuple[tuple[Action, ...], ...], n: int, total: int) -> Ac
     return None if cols is None else ActionRows(cols)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(
     schedule=async_schedules(),
     data=st.data(),
@@ -177,7 +178,7 @@ def test_column_tables_and_live_counts_equal_the_reference(
         assert rows._rows.count(None) == len(rows)  # all of it without making an action
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(schedule=async_schedules(), data=st.data(), edits=st.integers(0, 2), steps=st.integers(0, 1))
 def test_column_verdicts_agree_with_the_reference(
     schedule: Schedule, data: st.DataObject, edits: int, steps: int

@@ -280,6 +280,9 @@ def check_failure(ctx: Ctx) -> dict[str, Any]:
         message = raises(sw.PipelineError, words, lambda: pipe.relayout(partition=[3, 1, 2, 2]))
     finally:
         wire.post = posted
+    # the exchange group, whose commit collective the failed process never joined, is dropped off this thread
+    # (gloo's destructor would wait for that collective until the timeout before the error reached the user)
+    assert "stagewise-relayout-release" in [t.name for t in threading.enumerate()], "the exchange group not let go"
     assert_same(state_of(pipe), before, "after the failed re-layout")
     assert [(r.start, r.stop) for r in pipe.layer_ranges] == ranges, pipe.layer_ranges
     dist.barrier()

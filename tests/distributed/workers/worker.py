@@ -14,6 +14,7 @@ import argparse
 import importlib
 import json
 import os
+import resource
 import sys
 import time
 import traceback
@@ -89,14 +90,16 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     with open(args.out / f"rank{env.rank}.jsonl", "w") as f:
         for name, check in todo.items():
-            started = time.perf_counter()
+            started, used = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
             info = None
             try:
                 info = check(Ctx(env.rank, env.world_size))
                 ok, detail = True, ""
             except BaseException:  # recorded, and the next check runs
                 ok, detail = False, traceback.format_exc()[-4000:]
+            now = resource.getrusage(resource.RUSAGE_SELF)
             row = {"check": name, "ok": ok, "detail": detail, "info": info, "seconds": time.perf_counter() - started}
+            row |= {"user": now.ru_utime - used.ru_utime, "sys": now.ru_stime - used.ru_stime}
             f.write(json.dumps(row) + "\n")
             f.flush()
             dist.barrier()

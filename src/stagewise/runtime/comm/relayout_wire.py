@@ -7,6 +7,8 @@ the processes' host memory, posted by every process in one global order so the s
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -24,6 +26,26 @@ def release(group: Any) -> None:
     """Let go of a group this process made (nothing for one it is not in)."""
     if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER:
         dist.destroy_process_group(group)
+
+
+def release_failed(group: Any, timeout: float) -> None:
+    """Let go of the exchange group of a re-layout that failed, without waiting for it.
+
+    A process that failed never joins the collective the others may have begun (the commit point), and gloo's
+    group destructor waits for that collective until the group's timeout: dropped here, every process would
+    raise its PipelineError ``timeout`` seconds late (measured: 60 s with ``timeout=60``). The last reference
+    is dropped on a daemon thread once the timeout has ended that collective.
+    """
+    if group is None or group is dist.GroupMember.NON_GROUP_MEMBER:
+        return
+    dist.destroy_process_group(group)
+    held = [group]
+
+    def drop() -> None:
+        time.sleep(timeout + 1.0)
+        held.clear()
+
+    threading.Thread(target=drop, name="stagewise-relayout-release", daemon=True).start()
 
 
 def post(ops: Sequence[tuple[str, torch.Tensor, int]], group: Any, wait: Callable[[list[Any], str], None]) -> None:

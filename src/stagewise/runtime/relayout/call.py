@@ -117,6 +117,8 @@ def relayout(
         new = None  # half-filled: dropped; the user's object still holds the old layout, whole
         posted = _failed(ranks, err)
         relayout_wire.release(group)
+        relayout_wire.release_failed(exchange, options.timeout)  # a collective may be left in flight
+        exchange = None
         if posted is None:
             raise
         raise posted from err
