@@ -69,10 +69,17 @@ def main() -> int:
     note("started", step=job.step)
     data = torch.randn(24 * args.steps, 6, generator=torch.Generator().manual_seed(0))
     name = "reference.jsonl" if args.reference else "losses.jsonl"
-    for step, loss in job.run(args.steps, lambda s: (data[24 * (s - 1) : 24 * s], data[24 * (s - 1) : 24 * s, :3].argmax(1))):
+    for step, loss in job.run(
+        args.steps, lambda s: (data[24 * (s - 1) : 24 * s], data[24 * (s - 1) : 24 * s, :3].argmax(1))
+    ):
         if job.pipe.hybrid is None or dist_rank() == 0:
             with open(out / name, "a") as f:
-                f.write(json.dumps({"step": step, "loss": loss, "gen": job.generation, "world": len(job.members)}) + "\n")
+                f.write(
+                    json.dumps(
+                        {"step": step, "loss": loss, "gen": job.generation, "world": len(job.members), "t": time.time()}
+                    )
+                    + "\n"
+                )
         if step == args.hold and job.generation == 0:
             hold(job, out / f"hold-{me}", out / "go")
         if step == args.hold_again and job.generation == 1:

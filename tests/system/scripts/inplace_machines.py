@@ -37,7 +37,18 @@ class Machines:
 
     def host_store(self) -> str:
         """Start ``stagewise rendezvous`` on a free port; returns host:port."""
-        cmd = [sys.executable, "-W", "ignore", "-m", "stagewise.cli.main", "rendezvous", "--host", "127.0.0.1", "--port", "0"]
+        cmd = [
+            sys.executable,
+            "-W",
+            "ignore",
+            "-m",
+            "stagewise.cli.main",
+            "rendezvous",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+        ]
         self.store = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         assert self.store.stdout is not None
         found = None
@@ -58,6 +69,28 @@ class Machines:
         for i in range(self.count):
             self.procs[i] = [self._worker(i, i * self.nproc + j, j, world, args) for j in range(self.nproc)]
 
+    def start_run(self, args: list[str], nnodes: str) -> None:
+        """Every machine as a user starts it: ``stagewise run -n NPROC --nnodes MIN:MAX --in-place`` (torch's
+        rendezvous numbers the machines and ranks)."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        if not self.endpoint:
+            self.host_store()
+        for i in range(self.count):
+            cmd = [sys.executable, "-W", "ignore", "-m", "stagewise.cli.main", "run", "-n", str(self.nproc)]
+            cmd += ["--nnodes", nnodes, "--in-place", "--rdzv-endpoint", self.endpoint, "--rdzv-id", self.job]
+            cmd += ["--local-addr", "127.0.0.1", "--rdzv-conf", "join_timeout=120,last_call_timeout=60"]
+            cmd += [str(self.script), "--out", str(self.out), *args]
+            env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+            env["STAGEWISE_SNAPSHOT_DIR"] = str(self.out / f"shm{i}")
+            log = open(self.log(i), "ab")  # noqa: SIM115 (closed with the process)
+            self.procs[i] = [
+                subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            ]
+
+    def tree(self, i: int) -> list[int]:
+        """Machine i's processes: its launchers and every process under them."""
+        return [p for proc in self.procs[i] for p in _tree(proc.pid)]
+
     def _worker(self, machine: int, rank: int, local: int, world: int, args: list[str]) -> subprocess.Popen[bytes]:
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
         env.update(
@@ -76,9 +109,9 @@ class Machines:
         return self.log(i).read_text(errors="replace") if self.log(i).exists() else ""
 
     def signal(self, i: int, sig: signal.Signals) -> None:
-        for proc in self.procs[i]:
+        for pid in self.tree(i):
             try:
-                os.kill(proc.pid, sig)
+                os.kill(pid, sig)
             except ProcessLookupError:
                 pass
 
@@ -118,3 +151,8 @@ class Machines:
             if time.monotonic() > end:
                 raise TimeoutError(f"{n} x {pattern} not there after {timeout} s:\n{self.text(0)[-3000:]}")
             time.sleep(0.1)
+
+
+def _tree(pid: int) -> list[int]:
+    children = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout.split()
+    return [pid] + [p for c in children for p in _tree(int(c))]

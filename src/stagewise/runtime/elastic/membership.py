@@ -24,13 +24,14 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
-from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
+STORE_ENV = "STAGEWISE_STORE"  # host:port of the store that outlives the machines (stagewise rendezvous)
 STAMP_S = 0.5  # how often a worker stamps alive/<id>
 _POLL_S = 0.05
 

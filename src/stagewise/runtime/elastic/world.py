@@ -40,4 +40,3 @@ def leave_generation() -> None:
     groups.forget()
     if dist.is_initialized():
         dist.destroy_process_group()
-

@@ -35,14 +35,13 @@ from typing import Any
 import torch.distributed as dist
 
 from ...parallel import ElasticLayout, Fit
-from ..checkpoint.resume import resume as checkpoint_resume
 from ..checkpoint.api import save as checkpoint_save
+from ..checkpoint.resume import resume as checkpoint_resume
 from ..elastic import membership as ms
 from ..elastic.world import join_generation, leave_generation
 
 log = logging.getLogger(__name__)
 
-STORE_ENV = "STAGEWISE_STORE"  # host:port of the store that outlives the machines (stagewise rendezvous)
 FENCED_EXIT = 3
 
 
@@ -178,10 +177,10 @@ class InPlace:
 def _job_store(timeout: float) -> Any:
     """This job's prefix of the store that outlives the machines (``STAGEWISE_STORE``, the job's name from
     ``TORCHELASTIC_RUN_ID``)."""
-    where = os.environ.get(STORE_ENV)
+    where = os.environ.get(ms.STORE_ENV)
     if not where or ":" not in where:
         raise ValueError(
-            f"an in-place elastic job needs {STORE_ENV}=host:port, the store `stagewise rendezvous` hosts "
+            f"an in-place elastic job needs {ms.STORE_ENV}=host:port, the store `stagewise rendezvous` hosts "
             f"(stagewise run --in-place sets it from --rdzv-endpoint); got {where!r}"
         )
     host, port = where.rsplit(":", 1)

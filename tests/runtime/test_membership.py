@@ -1,0 +1,91 @@
+"""Membership of an in-place elastic job on a store (runtime/elastic/membership.py): one process, a TCPStore,
+members as threads. Who is agreed on, in what order things happen, and who is fenced - never how long."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from stagewise.runtime.elastic import membership as ms
+
+
+@pytest.fixture
+def host() -> Any:
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
+def _member(host: Any, me: int, members: list[int]) -> ms.Membership:
+    client = dist.TCPStore("127.0.0.1", host.port, is_master=False, timeout=timedelta(seconds=20))
+    return ms.Membership(dist.PrefixStore("job/", client), me, members, silent_s=0.3).start()
+
+
+def _all_next(people: list[ms.Membership], deadline: float = 20.0) -> dict[int, Any]:
+    got: dict[int, Any] = {}
+
+    def one(m: ms.Membership) -> None:
+        try:
+            got[m.me] = m.next(deadline)
+        except ms.Fenced as err:
+            got[m.me] = err
+
+    threads = [threading.Thread(target=one, args=(m,)) for m in people]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return got
+
+
+def test_the_survivors_agree_on_the_next_generation_without_the_silent_member(host: Any) -> None:
+    people = [_member(host, i, [0, 1, 2]) for i in range(3)]
+    people[2].stop()  # machine 2 lost: its stamp stops moving, it never asks for generation 1
+    got = _all_next(people[:2])
+    assert got == {0: [0, 1], 1: [0, 1]}
+    assert [m.generation for m in people] == [1, 1, 0] and people[1].rank == 1
+    with pytest.raises(ms.Fenced, match="generation 0 .* generation 1"):
+        people[2].fenced("a snapshot")  # woken behind the job: it writes nothing
+    people[0].fenced("a snapshot")  # the members are not fenced
+    for m in people[:2]:
+        m.stop()
+
+
+def test_a_member_that_arrives_after_the_decision_is_fenced(host: Any) -> None:
+    people = [_member(host, i, [0, 1, 2]) for i in range(3)]
+    people[2].stop()
+    assert _all_next(people[:2]) == {0: [0, 1], 1: [0, 1]}
+    late = ms.Membership(people[2].store, 2, [0, 1, 2], silent_s=0.3)  # its own view: still generation 0
+    with pytest.raises(ms.Fenced):
+        late.next(5.0)
+    for m in people[:2]:
+        m.stop()
+
+
+def test_a_member_missing_at_the_barrier_starts_one_more_generation_without_it(host: Any) -> None:
+    people = [_member(host, i, [0, 1, 2]) for i in range(3)]
+    people[2].store.set("gen1/arrived/2", "1")  # it asked for generation 1, then died before the barrier
+    people[2].stop()
+    got = _all_next(people[:2], deadline=2.0)
+    assert got == {0: [0, 1], 1: [0, 1]}
+    assert [m.generation for m in people[:2]] == [2, 2] and people[0].current() == 2
+    for m in people[:2]:
+        m.stop()
+
+
+def test_the_fence_is_asked_before_a_write_only_in_an_in_place_job() -> None:
+    ms.set_fence(None)
+    ms.check_fence("a checkpoint")  # outside an in-place job: nothing to ask
+
+    def behind(what: str) -> None:
+        raise ms.Fenced(f"behind: no {what}")
+
+    ms.set_fence(behind)
+    try:
+        with pytest.raises(ms.Fenced, match="no a checkpoint"):
+            ms.check_fence("a checkpoint")
+        assert ms.last_fence() == "behind: no a checkpoint"
+    finally:
+        ms.set_fence(None)
