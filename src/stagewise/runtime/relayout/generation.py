@@ -7,7 +7,7 @@ a machine is lost, every surviving worker stays in its process:
 1. its step fails (a failed op on the dead peer, or a wait its heartbeat ends), and it gives up the
    pipeline of that generation: nothing of it is kept but its snapshots, already in the machines' memory;
 2. the survivors agree on the next generation and its members on the store (:mod:`..elastic.membership`)
-   and meet in a process group of that generation (:mod:`..elastic.world`);
+   and meet in a process group of that generation (:mod:`..comm.generations`);
 3. the runtime holds the layout policy: ``layout.at(members)`` is the new mesh, ``build(fit)`` makes the
    pipeline for it, and its state comes from the newest *committed* step: the newest snapshot that every
    rank wrote and copied (``snapshot=1``: the last step every stage finished), the lost machine's stages
@@ -28,17 +28,14 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
-
-import torch.distributed as dist
 
 from ...parallel import ElasticLayout, Fit
 from ..checkpoint.api import save as checkpoint_save
 from ..checkpoint.resume import resume as checkpoint_resume
+from ..comm.generations import job_store, join_generation, leave_generation
 from ..elastic import membership as ms
-from ..elastic.world import join_generation, leave_generation
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +180,4 @@ def _job_store(timeout: float) -> Any:
             f"an in-place elastic job needs {ms.STORE_ENV}=host:port, the store `stagewise rendezvous` hosts "
             f"(stagewise run --in-place sets it from --rdzv-endpoint); got {where!r}"
         )
-    host, port = where.rsplit(":", 1)
-    client = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False)
-    job = os.environ.get("TORCHELASTIC_RUN_ID") or "stagewise"
-    return dist.PrefixStore(f"stagewise-inplace/{job}/", client)
+    return job_store(where, os.environ.get("TORCHELASTIC_RUN_ID") or "stagewise", timeout)

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..comm import coordinator, groups
-from ..comm.faults import exit_hook, heartbeat
+from . import coordinator, groups
+from .faults import exit_hook, heartbeat
 
 
 def join_generation(store: Any, generation: int, rank: int, size: int, backend: str, timeout: float) -> None:
@@ -40,3 +40,10 @@ def leave_generation() -> None:
     groups.forget()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def job_store(where: str, job: str, timeout: float) -> Any:
+    """A client of the store at ``where`` (host:port, ``stagewise rendezvous``'s), under the job's own prefix."""
+    host, port = where.rsplit(":", 1)
+    client = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False)
+    return dist.PrefixStore(f"stagewise-inplace/{job}/", client)
