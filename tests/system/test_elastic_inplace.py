@@ -3,10 +3,11 @@
 Machines are processes of one host (tests/system/scripts/inplace_machines.py; no root), meeting on the store
 of ``stagewise rendezvous``; the job is tests/system/scripts/elastic_inplace.py (float64, ``snapshot=1``):
 
-* a SIGKILLed machine: the survivors stay in their processes (the same pids before and after), agree on
-  generation 1 of the two survivors, go on from the committed step (no committed step rolled back), and their
-  losses from there equal, bit for bit, those of a fresh job of two processes resumed from the state they went
-  on from; threads and descriptors stay bounded over two faults in one process;
+* two machines lost, one between steps, one in the middle of a step (the others inside it): the survivors
+  stay in their processes (the same pids before and after), agree on each generation, go on from the
+  committed step (none rolled back; the step in flight redone at the new layout), and their losses from
+  there equal, bit for bit, those of a fresh job of the new size resumed from the state they went on from;
+  threads and descriptors after the second fault are no more than after the first;
 * a SIGSTOPped machine: the survivors go on without it; woken, it finds itself behind the job's generation
   and leaves (exit status 3) without writing a snapshot or a loss into the new generation.
 
@@ -47,13 +48,11 @@ def test_two_lost_machines_the_survivors_keep_their_processes_and_their_losses_a
     machines: Machines, tmp_path: Path
 ) -> None:
     m = machines
-    m.start(["--hold", "3", "--steps", "8", "--save-resumed", "--hold-again", "5"])
+    m.start(["--hold", "3", "--steps", "8", "--save-resumed", "--die", "2:6"])
     m.wait_for("hold-*", 4)
-    m.lose(3)
+    m.lose(3)  # between steps 3 and 4
+    m.lost.add(2)  # (it kills itself as step 6 starts: the survivors are inside step 6)
     (m.out / "go").touch()
-    m.wait_for("again-*", 3)
-    m.lose(2)
-    (m.out / "go-again").touch()
     assert m.wait(0) == [0] and m.wait(1) == [0], m.text(0)[-3000:] + m.text(1)[-3000:]
     started = {e["id"]: e["pid"] for e in _events(m, "started")}
     recovered = _events(m, "recovered")

@@ -8,6 +8,7 @@ Each worker is started with RANK, WORLD_SIZE, GROUP_RANK (its machine), STAGEWIS
 * ``--hold STEP``: after STEP (generation 0), every worker leaves ``hold-<id>`` and waits for ``go``: the test
   loses a machine meanwhile (a kill) and then says go;
 * ``--hold-again STEP``: the same in generation 1 (``again-<id>``, ``go-again``);
+* ``--die ID:STEP``: worker ID SIGKILLs itself as STEP starts (the others are inside STEP: a death mid-step);
 * ``--save-resumed``: after each recovery, every member saves the state it went on from into
   ``resumed-g<G>`` (the reference job starts from it);
 * ``--reference DIR``: a fresh job that resumes from the checkpoint in DIR (no snapshots of its own yet).
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -41,6 +43,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--hold", type=int, default=0)
     p.add_argument("--hold-again", type=int, default=0)
+    p.add_argument("--die", default="", help="ID:STEP: worker ID kills itself as step STEP starts")
     p.add_argument("--save-resumed", action="store_true")
     p.add_argument("--reference", type=Path, default=None)
     args = p.parse_args()
@@ -84,6 +87,10 @@ def main() -> int:
             hold(job, out / f"hold-{me}", out / "go")
         if step == args.hold_again and job.generation == 1:
             hold(job, out / f"again-{me}", out / "go-again")
+        if args.die and [me, step + 1] == [int(x) for x in args.die.split(":")]:
+            job.pipe.snapshots.wait()  # its snapshot of this step sent: committed once the peers wrote theirs
+            note("dies", step=step + 1)
+            os.kill(os.getpid(), signal.SIGKILL)  # the others are inside the next step: a death mid-step
     note("finished", step=job.step)
     return 0
 

@@ -136,7 +136,11 @@ class Machines:
             self.lose(i)
         if self.store is not None:
             self.store.terminate()
-            self.store.wait(10)
+            try:
+                self.store.wait(10)
+            except subprocess.TimeoutExpired:  # (a loaded machine)
+                self.store.kill()
+                self.store.wait(10)
 
     def rows(self, name: str) -> list[dict[str, Any]]:
         path = self.out / name

@@ -32,7 +32,7 @@ def agent_class() -> type:
     from torch.distributed.elastic.agent.server.api import WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-    class InPlaceAgent(LocalElasticAgent):  # type: ignore[misc]
+    class InPlaceAgent(LocalElasticAgent):
         """A LocalElasticAgent whose run loop starts the workers once and never restarts them."""
 
         def _invoke_run(self, role: str = "default") -> Any:
@@ -66,11 +66,11 @@ def in_place_agent() -> Iterator[None]:
     import torch.distributed.launcher.api as launcher
 
     before = launcher.LocalElasticAgent
-    launcher.LocalElasticAgent = agent_class()
+    setattr(launcher, "LocalElasticAgent", agent_class())  # noqa: B010 (a module's class, swapped for the run)
     try:
         yield
     finally:
-        launcher.LocalElasticAgent = before
+        setattr(launcher, "LocalElasticAgent", before)  # noqa: B010
 
 
 @contextmanager

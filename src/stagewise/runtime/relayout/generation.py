@@ -158,6 +158,7 @@ class InPlace:
         """The failed generation's pipeline goes; its snapshots stay on the machines (they are the state)."""
         snaps = getattr(self.pipe, "snapshots", None)
         if snaps is not None:
+            snaps.finish_at_exit()  # the copy in flight ends (written, or failed on the dead peer): whole files
             snaps.forget()
         self.pipe = None
         gc.collect()
