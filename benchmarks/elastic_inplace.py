@@ -34,10 +34,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ._launch import ROOT
+from ._launch import ROOT, with_the_tests
 
 SCRIPTS = ROOT / "tests" / "system" / "scripts"
-sys.path.insert(0, str(SCRIPTS))
 
 
 def trial(path: str, folder: Path, machines: int = 3, hold: int = 4, steps: int = 8) -> dict[str, Any]:
@@ -125,6 +124,7 @@ def main() -> None:
     p.add_argument("--machines", type=int, default=3)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
+    with_the_tests("benchmarks.elastic_inplace", "inplace_machines")  # the tests' machines on one host
     print(f"load at the start: {_load()}")
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="elastic-inplace-") as tmp:

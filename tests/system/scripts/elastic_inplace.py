@@ -9,6 +9,7 @@ Each worker is started with RANK, WORLD_SIZE, GROUP_RANK (its machine), STAGEWIS
   loses a machine meanwhile (a kill) and then says go;
 * ``--hold-again STEP``: the same in generation 1 (``again-<id>``, ``go-again``);
 * ``--die ID:STEP``: worker ID SIGKILLs itself as STEP starts (the others are inside STEP: a death mid-step);
+* ``--settle S``: at the end, wait S seconds before the last event (threads and descriptors counted);
 * ``--save-resumed``: after each recovery, every member saves the state it went on from into
   ``resumed-g<G>`` (the reference job starts from it);
 * ``--reference DIR``: a fresh job that resumes from the checkpoint in DIR (no snapshots of its own yet).
@@ -45,6 +46,7 @@ def main() -> int:
     p.add_argument("--hold-again", type=int, default=0)
     p.add_argument("--die", default="", help="ID:STEP: worker ID kills itself as step STEP starts")
     p.add_argument("--save-resumed", action="store_true")
+    p.add_argument("--settle", type=float, default=0.0, help="seconds to wait before counting threads at the end")
     p.add_argument("--reference", type=Path, default=None)
     args = p.parse_args()
     torch.set_default_dtype(torch.float64)
@@ -91,6 +93,9 @@ def main() -> int:
             job.pipe.snapshots.wait()  # its snapshot of this step sent: committed once the peers wrote theirs
             note("dies", step=step + 1)
             os.kill(os.getpid(), signal.SIGKILL)  # the others are inside the next step: a death mid-step
+    if args.settle:  # the last snapshot written, and a wait left in a dead group ended (its timeout): then count
+        job.pipe.snapshots.wait()
+        time.sleep(args.settle)
     note("finished", step=job.step)
     return 0
 
