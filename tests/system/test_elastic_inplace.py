@@ -66,11 +66,12 @@ def test_two_lost_machines_the_survivors_keep_their_processes_and_their_losses_a
     # generation 0 to step 3, 1 to step 5, 2 to the end: nothing committed was done twice or skipped
     assert [(r["step"], r["gen"]) for r in losses] == [(1, 0), (2, 0), (3, 0), (4, 1), (5, 1), (6, 2), (7, 2), (8, 2)]
     # threads and descriptors: after the second fault (and the group timeout, which ends a wait left in the dead
-    # group), no more than right after the first
+    # group), at most one more than right after the first (a helper may still be inside a wait of the dead group;
+    # a leak per fault - the error boards' store threads left 2 per generation - goes past it)
     for who in (0, 1):
         first = next(e for e in recovered if e["id"] == who and e["gen"] == 1)
         end = next(e for e in finished if e["id"] == who)
-        assert end["threads"] <= first["threads"] and end["fds"] <= first["fds"] + 1, (first, end)
+        assert end["threads"] <= first["threads"] + 1 and end["fds"] <= first["fds"] + 1, (first, end)
     for gen, world, start in ((1, 3, 3), (2, 2, 5)):  # a fresh job from the state each generation went on from
         ref = Machines(tmp_path / f"ref{gen}", world, job=f"r{gen}{os.getpid()}")
         try:

@@ -21,6 +21,7 @@ Writes ``events.jsonl`` (every worker: its id, pid, generation, members and what
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import signal
@@ -55,6 +56,7 @@ def main() -> int:
 
     def note(what: str, **more: Any) -> None:
         row = {"id": me, "pid": os.getpid(), "gen": job.generation, "members": job.members, "what": what, **more}
+        gc.collect()  # (what the last generation left in reference cycles goes, with its helper threads)
         row.update(threads=threading.active_count(), fds=len(os.listdir("/proc/self/fd")))
         row["names"] = sorted(t.name for t in threading.enumerate())
         with open(out / "events.jsonl", "a") as f:
