@@ -89,3 +89,48 @@ def test_the_fence_is_asked_before_a_write_only_in_an_in_place_job() -> None:
         assert ms.last_fence() == "behind: no a checkpoint"
     finally:
         ms.set_fence(None)
+
+
+def test_a_member_lost_while_the_generation_is_made_costs_one_more_generation(monkeypatch: pytest.MonkeyPatch) -> None:
+    """sw.InPlace's recovery: the group's handshake (or the resume) of generation 1 fails - a member died after
+    the agreement - so the survivors agree on generation 2 and enter it; a fenced worker leaves (exit 3)."""
+    from stagewise.runtime.relayout import generation
+
+    class Members:
+        generation, agreed = 0, [[0, 1, 2], [0, 1]]
+
+        def next(self, deadline_s: float) -> list[int]:
+            self.generation += 1
+            return self.agreed.pop(0)
+
+        def stop(self) -> None:
+            events.append(("stopped", 0))
+
+    events: list[tuple[str, int]] = []
+
+    def enter(self: generation.InPlace, g: int) -> None:
+        events.append(("enter", g))
+        if g == 1:
+            raise RuntimeError("connectFullMesh: a member of generation 1 is gone")
+
+    monkeypatch.setattr(generation.InPlace, "_enter", enter)
+    job = generation.InPlace(sw_layout(), lambda fit: None, checkpoints="unused")
+    job._members = Members()  # type: ignore[assignment]
+    assert job._next_generation() == [0, 1]
+    assert events == [("enter", 1), ("enter", 2)]
+
+    class Behind(Members):
+        def next(self, deadline_s: float) -> list[int]:
+            raise ms.Fenced("worker 2 is fenced")
+
+    job._members = Behind()  # type: ignore[assignment]
+    monkeypatch.setattr(generation, "leave_generation", lambda: events.append(("left", 0)))
+    with pytest.raises(SystemExit) as left:
+        job._next_generation()
+    assert left.value.code == generation.FENCED_EXIT and events[-2:] == [("stopped", 0), ("left", 0)]
+
+
+def sw_layout() -> Any:
+    from stagewise import ElasticLayout
+
+    return ElasticLayout(pp=1, batch=24, microbatch_size=2)

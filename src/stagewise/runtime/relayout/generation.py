@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from ...parallel import ElasticLayout, Fit
 from ..checkpoint.api import save as checkpoint_save
@@ -40,6 +40,7 @@ from ..elastic import membership as ms
 log = logging.getLogger(__name__)
 
 FENCED_EXIT = 3
+_TRIES = 5  # generations agreed in one recovery at most (each loses a member that died meanwhile)
 
 
 @dataclass
@@ -135,11 +136,7 @@ class InPlace:
             first[:300],
         )
         self._drop_pipeline()
-        try:
-            members = self._members.next(self.deadline_s)
-        except ms.Fenced:
-            self._leave_fenced()
-        self._enter(self._members.generation)
+        members = self._next_generation()
         self.recoveries.append(
             Recovery(self._members.generation, members, step, self.step, time.perf_counter() - started)
         )
@@ -154,6 +151,28 @@ class InPlace:
         if self.after_recovery is not None:
             self.after_recovery(self)
 
+    def _next_generation(self) -> list[int]:
+        """Agree on the next generation and enter it; a member lost meanwhile (the group's handshake or the
+        resume fails) costs one more generation without it, :data:`_TRIES` at most."""
+        assert self._members is not None
+        for attempt in range(_TRIES):
+            try:
+                members = self._members.next(self.deadline_s)
+                self._enter(self._members.generation)
+                return members
+            except ms.Fenced:
+                self._leave_fenced()
+            except Exception as err:  # a member lost during the recovery
+                if attempt == _TRIES - 1:
+                    raise
+                log.warning(
+                    "stagewise elastic: generation %d failed while it was being made (%s); agreeing again",
+                    self._members.generation,
+                    str(err).splitlines()[0][:300] if str(err) else type(err).__name__,
+                )
+                self._drop_pipeline()
+        raise AssertionError("unreachable")
+
     def _drop_pipeline(self) -> None:
         """The failed generation's pipeline goes; its snapshots stay on the machines (they are the state)."""
         snaps = getattr(self.pipe, "snapshots", None)
@@ -163,7 +182,7 @@ class InPlace:
         self.pipe = None
         gc.collect()
 
-    def _leave_fenced(self) -> None:
+    def _leave_fenced(self) -> NoReturn:
         self._drop_pipeline()
         if self._members is not None:
             self._members.stop()
