@@ -76,10 +76,11 @@ def _restart(folder: Path, count: int, hold: int, steps: int) -> tuple[float, li
     folder.mkdir(parents=True, exist_ok=True)
     port = 29800 + os.getpid() % 100
     procs = []
+    job = f"b{port}{time.monotonic_ns() % 10**6}"  # the job's name, alike on every machine
     for i in range(count):
         cmd = [sys.executable, "-W", "ignore", "-m", "stagewise.cli.main", "run", "-n", "1", "--nnodes",
                f"{count - 1}:{count}", "--max-restarts", "3", "--rdzv-endpoint", f"127.0.0.1:{port}",
-               "--rdzv-id", f"b{port}{time.monotonic_ns() % 10**6}", "--local-addr", "127.0.0.1",
+               "--rdzv-id", job, "--local-addr", "127.0.0.1",
                "--rdzv-conf", "join_timeout=60", *(["--rdzv-host"] if i == 0 else []),
                str(SCRIPTS / "elastic_local.py"), "--out", str(folder), "--hold", str(hold),
                "--steps", str(steps)]  # fmt: skip
@@ -90,6 +91,8 @@ def _restart(folder: Path, count: int, hold: int, steps: int) -> tuple[float, li
         procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True))
     try:
         while len(list(folder.glob("hold-r*"))) < count:
+            if any(p.poll() is not None for p in procs):
+                raise RuntimeError(f"a machine ended before the loss: see {folder}/machine*.log")
             time.sleep(0.1)
         killed = time.time()
         _kill_tree(procs[-1].pid)

@@ -27,6 +27,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
@@ -52,6 +53,7 @@ class Recovery:
     failed_at: int  # the step that was running when the generation failed
     committed: int  # the step the survivors went on from
     seconds: float  # from the failure seen here to the new pipeline's state restored
+    parts: dict[str, float] = field(default_factory=dict)  # seconds: drop, agree, group, build, resume
 
 
 @dataclass
@@ -74,6 +76,7 @@ class InPlace:
     pipe: Any = None
     step: int = 0
     _members: ms.Membership | None = None
+    _parts: dict[str, float] = field(default_factory=dict)
     _store: Any = None
 
     def start(self) -> int:
@@ -119,10 +122,19 @@ class InPlace:
     def _enter(self, generation: int) -> None:
         assert self._members is not None
         size = len(self._members.members)
-        join_generation(self._store, generation, self._members.rank, size, self.backend, self.timeout)
-        self.pipe = self.build(self.layout.at(size))
-        info = checkpoint_resume(Path(self.checkpoints), self.pipe, timeout=self.timeout)
+        with self._timed("group"):
+            join_generation(self._store, generation, self._members.rank, size, self.backend, self.timeout)
+        with self._timed("build"):
+            self.pipe = self.build(self.layout.at(size))
+        with self._timed("resume"):
+            info = checkpoint_resume(Path(self.checkpoints), self.pipe, timeout=self.timeout)
         self.step = 0 if info is None else info.step
+
+    @contextmanager
+    def _timed(self, part: str) -> Iterator[None]:
+        started = time.perf_counter()
+        yield
+        self._parts[part] = self._parts.get(part, 0.0) + time.perf_counter() - started
 
     def _recover(self, step: int, err: BaseException) -> None:
         assert self._members is not None
@@ -135,10 +147,12 @@ class InPlace:
             step,
             first[:300],
         )
-        self._drop_pipeline()
+        self._parts = {}
+        with self._timed("drop"):
+            self._drop_pipeline()
         members = self._next_generation()
         self.recoveries.append(
-            Recovery(self._members.generation, members, step, self.step, time.perf_counter() - started)
+            Recovery(self._members.generation, members, step, self.step, time.perf_counter() - started, self._parts)
         )
         log.warning(
             "stagewise elastic: generation %d: workers %s (%d processes) go on from step %d, in %.1f s",
@@ -157,7 +171,8 @@ class InPlace:
         assert self._members is not None
         for attempt in range(_TRIES):
             try:
-                members = self._members.next(self.deadline_s)
+                with self._timed("agree"):
+                    members = self._members.next(self.deadline_s)
                 self._enter(self._members.generation)
                 return members
             except ms.Fenced:
