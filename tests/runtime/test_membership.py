@@ -99,7 +99,7 @@ def test_a_member_lost_while_the_generation_is_made_costs_one_more_generation(mo
     class Members:
         generation, agreed = 0, [[0, 1, 2], [0, 1]]
 
-        def next(self, deadline_s: float) -> list[int]:
+        def next(self, deadline_s: float, gone: object = ()) -> list[int]:
             self.generation += 1
             return self.agreed.pop(0)
 
@@ -116,17 +116,17 @@ def test_a_member_lost_while_the_generation_is_made_costs_one_more_generation(mo
     monkeypatch.setattr(generation.InPlace, "_enter", enter)
     job = generation.InPlace(sw_layout(), lambda fit: None, checkpoints="unused")
     job._members = Members()  # type: ignore[assignment]
-    assert job._next_generation() == [0, 1]
+    assert job._next_generation([]) == [0, 1]
     assert events == [("enter", 1), ("enter", 2)]
 
     class Behind(Members):
-        def next(self, deadline_s: float) -> list[int]:
+        def next(self, deadline_s: float, gone: object = ()) -> list[int]:
             raise ms.Fenced("worker 2 is fenced")
 
     job._members = Behind()  # type: ignore[assignment]
     monkeypatch.setattr(generation, "leave_generation", lambda: events.append(("left", 0)))
     with pytest.raises(SystemExit) as left:
-        job._next_generation()
+        job._next_generation([])
     assert left.value.code == generation.FENCED_EXIT and events[-2:] == [("stopped", 0), ("left", 0)]
 
 
@@ -134,3 +134,22 @@ def sw_layout() -> Any:
     from stagewise import ElasticLayout
 
     return ElasticLayout(pp=1, batch=24, microbatch_size=2)
+
+
+def test_the_members_a_failure_names_dead_are_not_waited_for(host: Any) -> None:
+    assert ms.named_dead("x: global rank 2 stopped or died (no sign of life for 2.5 s): y", [0, 1, 5]) == [5]
+    assert ms.named_dead("global ranks 0, 2 stopped or died (...)", [4, 6, 7]) == [4, 7]
+    assert ms.named_dead("Connection reset by peer", [0, 1]) == []
+    people = [_member(host, i, [0, 1, 2]) for i in range(3)]
+    for m in people:
+        m.silent_s = 60.0  # only the name spares the wait (a deadline of 60 s would fail the join below)
+    people[2].stop()
+    got: dict[int, Any] = {}
+    threads = [threading.Thread(target=lambda m=m: got.update({m.me: m.next(60.0, gone=[2])})) for m in people[:2]]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert got == {0: [0, 1], 1: [0, 1]}
+    for m in people[:2]:
+        m.stop()

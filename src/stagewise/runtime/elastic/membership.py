@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -112,14 +113,15 @@ class Membership:
                 f"without it (stopped or cut off meanwhile): it does not write {what}, and leaves"
             )
 
-    def next(self, deadline_s: float) -> list[int]:
+    def next(self, deadline_s: float, gone: Sequence[int] = ()) -> list[int]:
         """Agree with the other survivors on the next generation and its members (the survivors in id order);
         returns them, this worker among them, or raises :class:`Fenced`. Called by every survivor once it saw
-        the current generation fail; waits at most ``deadline_s`` for the others to arrive."""
+        the current generation fail; waits at most ``deadline_s`` for the others to arrive. ``gone``: members
+        already known dead (the heartbeat named them), not waited for unless they arrive anyway."""
         self.fenced("a request for the next generation")
         g = self.generation + 1
         self.store.set(f"gen{g}/arrived/{self.me}", "1")
-        arrived = self._arrivals(g, deadline_s)
+        arrived = self._arrivals(g, deadline_s, set(gone))
         won = self.store.compare_set(f"gen{g}/members", "", json.dumps(arrived)).decode()
         members = [int(m) for m in json.loads(won)]
         if self.me not in members:
@@ -133,7 +135,7 @@ class Membership:
             return self.next(deadline_s)
         return members
 
-    def _arrivals(self, g: int, deadline_s: float) -> list[int]:
+    def _arrivals(self, g: int, deadline_s: float, known: set[int]) -> list[int]:
         """The members of the last generation that asked for ``g`` - waiting until every one either asked or
         went silent, or until the deadline."""
         end = time.monotonic() + deadline_s
@@ -141,9 +143,9 @@ class Membership:
         while True:
             arrived = [m for m in self.members if self.store.check([f"gen{g}/arrived/{m}"])]
             now = time.monotonic()
-            gone = []
+            gone = [m for m in self.members if m in known and m not in arrived]
             for m in self.members:
-                if m in arrived:
+                if m in arrived or m in known:
                     continue
                 stamp = self.store.get(f"alive/{m}") if self.store.check([f"alive/{m}"]) else None
                 if m not in watch or watch[m][0] != stamp:
@@ -173,3 +175,13 @@ class Membership:
                 self._stamp()
             except Exception:  # the store is gone: the next agreement says so
                 return
+
+
+def named_dead(message: str, members: Sequence[int]) -> list[int]:
+    """The members a failure's message names as dead by their rank in ``members`` (the heartbeat's words: "global
+    ranks 1, 3 stopped or died"), as ids; [] when it names none."""
+    found = re.search(r"global ranks? ([\d, ]+) stopped or died", message)
+    if found is None:
+        return []
+    ranks = [int(r) for r in found.group(1).replace(" ", "").split(",") if r]
+    return [members[r] for r in ranks if 0 <= r < len(members)]

@@ -150,7 +150,7 @@ class InPlace:
         self._parts = {}
         with self._timed("drop"):
             self._drop_pipeline()
-        members = self._next_generation()
+        members = self._next_generation(ms.named_dead(str(err), self._members.members))
         self.recoveries.append(
             Recovery(self._members.generation, members, step, self.step, time.perf_counter() - started, self._parts)
         )
@@ -165,14 +165,15 @@ class InPlace:
         if self.after_recovery is not None:
             self.after_recovery(self)
 
-    def _next_generation(self) -> list[int]:
+    def _next_generation(self, gone: list[int]) -> list[int]:
         """Agree on the next generation and enter it; a member lost meanwhile (the group's handshake or the
-        resume fails) costs one more generation without it, :data:`_TRIES` at most."""
+        resume fails) costs one more generation without it, :data:`_TRIES` at most. ``gone``: the members the
+        failure named dead (not waited for)."""
         assert self._members is not None
         for attempt in range(_TRIES):
             try:
                 with self._timed("agree"):
-                    members = self._members.next(self.deadline_s)
+                    members = self._members.next(self.deadline_s, gone)
                 self._enter(self._members.generation)
                 return members
             except ms.Fenced:
