@@ -58,8 +58,10 @@ fault-matrix: $(STAMP)
 # a machine lost in a checkpoint save and in a snapshot copy, the rendezvous host lost (and survived with the
 # store apart), fewer than MIN machines; each a job of 3 namespace machines x 2 processes (needs root; ~5 min on
 # 2 cores); and what a user meets, on machines that are processes of one host (test_elastic_local.py, no root,
-# ~4 min loaded): a finished job's snapshots gone and refused, a refusal not restarted, one line per lost machine.
-# The measurements: `$(PY) -m benchmarks.elastic cost` and `sudo $(PY) -m benchmarks.elastic recovery`.
+# ~4 min loaded): a finished job's snapshots gone and refused, a refusal not restarted, one line per lost machine;
+# and the in-place path (test_elastic_inplace.py, no root, ~6 min loaded): survivors keep their processes, fencing.
+# The measurements: `$(PY) -m benchmarks.elastic cost`, `sudo $(PY) -m benchmarks.elastic recovery` and
+# `$(PY) -m benchmarks.elastic_inplace` (kill -> first step, restart vs in-place, no root).
 .PHONY: elastic faults
 # The fault jobs `make test` skips (a minute and a half): the fault matrix's sample of eight cases and the faults
 # where torch waits (FSDP2, the profile, no stagewise.init), each a 4-rank job judged on exit codes and messages.
@@ -67,8 +69,8 @@ faults: $(STAMP)
 	STAGEWISE_FAULTS=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q tests/system/test_fault_matrix.py tests/system/test_fault_axes.py
 
 elastic: $(STAMP)
-	STAGEWISE_ELASTIC=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q tests/system/test_elastic_local.py tests/system/test_elastic.py \
-		tests/system/test_elastic_faults.py
+	STAGEWISE_ELASTIC=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q tests/system/test_elastic_local.py \
+		tests/system/test_elastic_inplace.py tests/system/test_elastic.py tests/system/test_elastic_faults.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples

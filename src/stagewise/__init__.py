@@ -35,6 +35,7 @@ if TYPE_CHECKING:  # loaded on first use (__getattr__): the runtime pulls in tor
     from .planning import Plan, PlanOptions
     from .runtime import (
         HetPipe,
+        InPlace,
         Layer,
         Mesh,
         MicroBatches,
@@ -69,6 +70,7 @@ __all__ = [
     "ParallelConfig",
     "ElasticLayout",
     "Snapshots",
+    "InPlace",
     "Mesh",
     "HetPipe",
     "MicroBatches",

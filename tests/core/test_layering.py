@@ -21,6 +21,7 @@ DISTRIBUTED_ROOMS = [
     RUNTIME / "checkpoint" / "dcp_files.py",  # storage's DCP half, imported at the first save or load
     RUNTIME / "launch.py",
     RUNTIME / "elastic" / "launch.py",  # torch's elastic agent, wrapped for the one line per failure (stagewise run)
+    RUNTIME / "elastic" / "agent.py",  # torch's elastic agent with stagewise's run loop (stagewise run --in-place)
     RUNTIME / "measure" / "links.py",  # the probes time torch.distributed's own operations
     RUNTIME / "measure" / "sharding.py",
     RUNTIME / "interop",  # torch.distributed.pipelining's schedule classes and runtime, read and loaded

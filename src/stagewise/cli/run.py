@@ -85,6 +85,12 @@ def _add_machines(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--local-addr", default=None, metavar="ADDR", help="this machine's address the others reach (M > 1)"
     )
+    parser.add_argument(
+        "--in-place",
+        action="store_true",
+        help="MIN:MAX, for scripts that train with sw.InPlace: a lost machine restarts nobody, the survivors keep "
+        "their processes and agree on the next membership on the store of `stagewise rendezvous` at --rdzv-endpoint",
+    )
 
 
 def run_script(args: argparse.Namespace) -> int:
@@ -130,12 +136,14 @@ def _elastic_run(args: argparse.Namespace, argv: list[str], metrics: dict[str, s
     stamp = time.strftime("%Y%m%d-%H%M%S")
     traces = os.path.join(tempfile.gettempdir(), f"stagewise-{_safe(args.rdzv_id)}-{stamp}-{os.getpid()}")
     env = {**elastic_env(nodes.low, nodes.high), TRACEBACK_ENV: traces, **metrics}
-    return torchrun(
-        argv,
-        env=env,
-        explain=lambda err: rendezvous_failure(err, endpoint, nodes, conf),
-        watch=lambda folder: watched(folder, args.nproc, settings, traces),
-    )
+    watch = lambda folder: watched(folder, args.nproc, settings, traces)  # noqa: E731
+    if args.in_place:
+        from ..runtime.elastic.agent import in_place_agent, watched_in_place
+        from ..runtime.elastic.membership import STORE_ENV
+
+        env[STORE_ENV] = endpoint
+        watch = lambda folder: watched_in_place(watched(folder, args.nproc, settings, traces), in_place_agent())  # noqa: E731
+    return torchrun(argv, env=env, explain=lambda err: rendezvous_failure(err, endpoint, nodes, conf), watch=watch)
 
 
 def _safe(name: str) -> str:
@@ -186,7 +194,12 @@ def _elastic_args(args: argparse.Namespace, restarts: list[str]) -> list[str]:
             f"--nnodes {low}:{high} numbers the machines at each rendezvous: drop --node-rank (--rdzv-host says "
             "which machine hosts the rendezvous store)"
         )
-    if not restarts:
+    if args.in_place and args.rdzv_host:
+        raise UsageError(
+            "--in-place: the survivors meet on the rendezvous store after any machine is lost, so no training "
+            "machine may host it: drop --rdzv-host and host it with `stagewise rendezvous`"
+        )
+    if not restarts and not args.in_place:
         raise UsageError(
             f"--nnodes {low}:{high} goes on after a lost machine by restarting the survivors' processes: give "
             "--max-restarts N (N >= 1: how many losses and failures the job may survive)"

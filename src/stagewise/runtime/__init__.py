@@ -50,6 +50,7 @@ _NAMES = {
     "Env": ".comm.setup",
     "PipelineError": ".errors",
     "Snapshots": ".elastic.config",
+    "InPlace": ".relayout.generation",
     "Layer": ".frontends.layers",
     "Chain": ".frontends.layers",
     "build_model": ".frontends.one_process",

@@ -64,7 +64,7 @@ def main() -> int:
         loss = pipe.train_step(*pipe.local_batch(data[rows], data[rows, :3].argmax(1)))
         if env.rank == 0:
             with open(args.out / "losses.jsonl", "a") as f:
-                f.write(json.dumps({"step": step, "loss": loss, "world": env.world_size}) + "\n")
+                f.write(json.dumps({"step": step, "loss": loss, "world": env.world_size, "t": time.time()}) + "\n")
         if step == 4 and args.keep_copy is not None and env.rank == 0:
             keep(pipe, args.keep_copy)
         if step == args.hold and env.world_size == max(env.world_sizes):

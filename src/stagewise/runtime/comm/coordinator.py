@@ -37,6 +37,7 @@ import queue
 import secrets
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -166,29 +167,20 @@ class DeadlineStore:
         self.store = store
         self.timeout = timeout
         self._lock = threading.Lock()
-        self._jobs: queue.SimpleQueue[tuple[str, tuple[Any, ...], dict[str, Any], threading.Event]] = (
-            queue.SimpleQueue()
-        )
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()  # calls; None: the store was collected
         self._stuck = False  # a call did not return in time: the helper may never come back
         self._helper: threading.Thread | None = None
-
-    def _serve(self) -> None:
-        while True:
-            name, args, box, done = self._jobs.get()
-            try:
-                with inside():  # (see .blocking: not in torch at interpreter exit)
-                    box["value"] = getattr(self.store, name)(*args)
-            except BaseException as err:  # handed to the caller
-                box["error"] = err
-            done.set()
 
     def _call(self, name: str, *args: Any) -> Any:
         with self._lock:
             if self._stuck:
                 raise TimeoutError(f"an earlier store call has not returned after {self.timeout:g} s")
-            if self._helper is None:
-                self._helper = threading.Thread(target=self._serve, name="stagewise-store", daemon=True)
+            if self._helper is None:  # holds the queue and the store, not self: collected, self ends it
+                self._helper = threading.Thread(
+                    target=_serve, args=(self._jobs, self.store), name="stagewise-store", daemon=True
+                )
                 self._helper.start()
+                weakref.finalize(self, self._jobs.put, None)
             box: dict[str, Any] = {}
             done = threading.Event()
             self._jobs.put((name, args, box, done))
@@ -213,6 +205,21 @@ class DeadlineStore:
 
     def compare_set(self, key: str, expected: str, desired: str) -> bytes:
         return self._call("compare_set", key, expected, desired)
+
+
+def _serve(jobs: queue.SimpleQueue[Any], store: Any) -> None:
+    """A :class:`DeadlineStore`'s helper: its calls, one at a time, until the store is collected (None)."""
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        name, args, box, done = job
+        try:
+            with inside():  # (see .blocking: not in torch at interpreter exit)
+                box["value"] = getattr(store, name)(*args)
+        except BaseException as err:  # handed to the caller
+            box["error"] = err
+        done.set()
 
 
 def tcp_store_of(store: Any) -> Any:

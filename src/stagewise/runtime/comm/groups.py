@@ -14,6 +14,13 @@ GROUPED_BACKENDS = {"nccl"}
 _pipelines_made: dict[str, int] = {}
 
 
+def forget() -> None:
+    """The process group is given up (an in-place elastic job's next generation): names and groups made for it
+    go, so that every member of the next one counts alike."""
+    _pipelines_made.clear()
+    _prepared.clear()
+
+
 def require_initialized() -> None:
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(

@@ -44,6 +44,7 @@ from ..comm import groups, lifecycle, snapshot_wire
 from ..errors import PipelineError
 from . import folder as folders
 from .config import Snapshots
+from .membership import check_fence
 from .snapshot_file import fill_payload, header_bytes, host_bytes, layout_payload, read_header
 
 if TYPE_CHECKING:
@@ -265,6 +266,7 @@ class Snapshotter:
             head = header_bytes(capture.header, payload)
             view = host_bytes(payload)
             name = folders.file_name(capture.step, self.lineage, self.rank)
+            check_fence(f"the snapshot of step {capture.step}")  # a worker woken behind its job writes nothing
             folders.write(self.folder, name, head, view)
             self._send(head, payload)
             folders.prune(self.folder, capture.step - self.config.every)
@@ -336,6 +338,12 @@ class Snapshotter:
     def wait(self) -> None:
         """Wait until the last snapshot is written here and at the peer (raises if it failed)."""
         self._finish_inflight("stall_s")
+
+    def forget(self) -> None:
+        """This pipeline is given up mid-job (an in-place elastic job's failed generation): its snapshots stay
+        for the next generation, and its end is not marked at exit."""
+        if self.end in _ENDINGS:
+            _ENDINGS.remove(self.end)
 
     def release_at_exit(self) -> None:
         """What a clean exit does (:class:`Ending`), now."""

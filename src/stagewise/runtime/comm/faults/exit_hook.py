@@ -132,6 +132,11 @@ def remember_store(store: Any) -> None:
         _stores[key] = store
 
 
+def forget_stores() -> None:
+    """The process group these stores served is given up (an in-place elastic job's next generation)."""
+    _stores.clear()
+
+
 def install() -> None:
     """Put :func:`_hook` in front of ``sys.excepthook`` (once per process)."""
     global _installed

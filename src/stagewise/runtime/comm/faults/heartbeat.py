@@ -53,7 +53,7 @@ def start(timeout: float, *, pipeline: bool = True) -> None:
     _store = board_client(None, timeout, own=True)
     rank = dist.get_rank()
     stamp(rank)
-    _thread = threading.Thread(target=_run, args=(rank,), name="stagewise-heartbeat", daemon=True)
+    _thread = threading.Thread(target=_run, args=(rank, _stop), name="stagewise-heartbeat", daemon=True)
     _thread.start()
     watch_calls(job_failure, blame_silent)
 
@@ -63,8 +63,8 @@ def stamp(rank: int) -> None:
         _store.set(f"alive/{rank}", repr(time.time()))
 
 
-def _run(rank: int) -> None:
-    while not _stop.wait(INTERVAL_S):
+def _run(rank: int, stop: threading.Event) -> None:
+    while not stop.wait(INTERVAL_S):
         try:
             stamp(rank)
         except Exception:  # the store is gone: the board reports that; stop stamping
@@ -157,6 +157,15 @@ def stopped_ranks(within: float) -> list[int]:
         return []
     still = [r for r in before if r != dist.get_rank() and before[r] == after[r]]
     return sorted(still, key=lambda r: float(before[r] or 0.0))  # the longest silent first: the likeliest cause
+
+
+def stop() -> None:
+    """Stop stamping for this process group (an in-place elastic job's next generation starts it again)."""
+    global _thread, _stop, _store
+    _stop.set()
+    if _thread is not None:
+        _thread.join(2 * INTERVAL_S)
+    _thread, _stop, _store = None, threading.Event(), None
 
 
 @atexit.register

@@ -1,0 +1,187 @@
+"""Who is in the job, generation by generation, kept by the workers on a store that outlives the machines.
+
+``stagewise rendezvous`` hosts a TCPStore on a machine that runs no workers; every worker of an in-place
+elastic job is a client of it (``STAGEWISE_STORE=host:port``). Membership is kept there with the c10d
+store's own primitives only - ``set``, ``compare_set``, ``check``, ``wait`` (no home-made consensus):
+
+* ``generation``: the current generation's number; each worker knows its own and reads this one before it
+  writes anything a later generation could read (:meth:`Membership.fenced`): a worker that was stopped or
+  cut off and wakes behind the store leaves (:class:`Fenced`);
+* ``alive/<id>``: each worker's stamp, every :data:`STAMP_S` (a helper thread): a member whose stamp stops
+  moving is counted gone without waiting out the whole deadline;
+* ``gen<g>/arrived/<id>``: a survivor of generation g-1 asking for generation g; once every member of g-1
+  arrived or went silent (or the deadline passed), the first to propose ``gen<g>/members`` wins
+  (``compare_set`` on an empty key), the others read the winner's list;
+* ``gen<g>/ready/<id>``: the barrier after the members are decided, with a deadline: a member missing at the
+  deadline died during the recovery, and generation g+1 is agreed without it.
+
+A member's id is its global rank at generation 0 (ids never change; ranks are positions in ``members``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+STORE_ENV = "STAGEWISE_STORE"  # host:port of the store that outlives the machines (stagewise rendezvous)
+STAMP_S = 0.5  # how often a worker stamps alive/<id>
+_POLL_S = 0.05
+
+
+_fence: Callable[[str], None] | None = None
+_last: list[str] = []
+
+
+def set_fence(check: Callable[[str], None] | None) -> None:
+    """What :func:`check_fence` asks before a write (an in-place job's :meth:`Membership.fenced`)."""
+    global _fence
+    _fence = check
+
+
+def check_fence(what: str) -> None:
+    """Raise :class:`Fenced` when this worker is behind its job's generation (no-op outside in-place jobs)."""
+    if _fence is not None:
+        try:
+            _fence(what)
+        except Fenced as err:
+            _last.append(str(err))
+            raise
+
+
+def last_fence() -> str:
+    """The reason this worker was last fenced ("" if never)."""
+    return _last[-1] if _last else ""
+
+
+class Fenced(RuntimeError):
+    """This worker is behind the job's generation (it was stopped or cut off while the others went on): it
+    must not write a snapshot, a checkpoint or a message, and leaves."""
+
+
+@dataclass
+class Membership:
+    """This worker's view of the job's membership on ``store`` (a client of the store that outlives the
+    machines, already prefixed for the job). ``me``: this worker's id; ``members``: generation 0's ids."""
+
+    store: Any
+    me: int
+    members: list[int]
+    silent_s: float = 2.0  # a member whose stamp did not move for this long is gone
+    generation: int = 0
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def start(self) -> Membership:
+        """Take part: generation 0 is written if nobody did yet, and the stamping starts."""
+        self.store.compare_set("generation", "", "0")
+        self.generation = int(self.store.get("generation"))
+        self._stamp()
+        self._thread = threading.Thread(target=self._run, name="stagewise-membership", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(2 * STAMP_S)
+
+    @property
+    def rank(self) -> int:
+        """This worker's rank in the current generation."""
+        return self.members.index(self.me)
+
+    def current(self) -> int:
+        """The job's generation on the store."""
+        return int(self.store.get("generation"))
+
+    def fenced(self, what: str) -> None:
+        """Raise :class:`Fenced` unless this worker is in the job's current generation (before ``what``)."""
+        now = self.current()
+        if now != self.generation:
+            _last.append(f"worker {self.me} is fenced: generation {now} went on without it")
+            raise Fenced(
+                f"worker {self.me} is in generation {self.generation} but the job went on to generation {now} "
+                f"without it (stopped or cut off meanwhile): it does not write {what}, and leaves"
+            )
+
+    def next(self, deadline_s: float, gone: Sequence[int] = ()) -> list[int]:
+        """Agree with the other survivors on the next generation and its members (the survivors in id order);
+        returns them, this worker among them, or raises :class:`Fenced`. Called by every survivor once it saw
+        the current generation fail; waits at most ``deadline_s`` for the others to arrive. ``gone``: members
+        already known dead (the heartbeat named them), not waited for unless they arrive anyway."""
+        self.fenced("a request for the next generation")
+        g = self.generation + 1
+        self.store.set(f"gen{g}/arrived/{self.me}", "1")
+        arrived = self._arrivals(g, deadline_s, set(gone))
+        won = self.store.compare_set(f"gen{g}/members", "", json.dumps(arrived)).decode()
+        members = [int(m) for m in json.loads(won)]
+        if self.me not in members:
+            _last.append(f"worker {self.me} arrived too late for generation {g} (its members: {members})")
+            raise Fenced(f"worker {self.me} arrived too late for generation {g} (its members: {members}); it leaves")
+        self.store.compare_set("generation", str(self.generation), str(g))
+        missing = self._barrier(g, members, deadline_s)
+        self.generation, self.members = g, members
+        if missing:  # a member died during the recovery: one more generation, without it
+            log.warning("stagewise elastic: workers %s did not reach generation %d; agreeing again", missing, g)
+            return self.next(deadline_s)
+        return members
+
+    def _arrivals(self, g: int, deadline_s: float, known: set[int]) -> list[int]:
+        """The members of the last generation that asked for ``g`` - waiting until every one either asked or
+        went silent, or until the deadline."""
+        end = time.monotonic() + deadline_s
+        watch: dict[int, tuple[bytes | None, float]] = {}
+        while True:
+            arrived = [m for m in self.members if self.store.check([f"gen{g}/arrived/{m}"])]
+            now = time.monotonic()
+            gone = [m for m in self.members if m in known and m not in arrived]
+            for m in self.members:
+                if m in arrived or m in known:
+                    continue
+                stamp = self.store.get(f"alive/{m}") if self.store.check([f"alive/{m}"]) else None
+                if m not in watch or watch[m][0] != stamp:
+                    watch[m] = (stamp, now)
+                elif now - watch[m][1] >= self.silent_s:
+                    gone.append(m)
+            if len(arrived) + len(gone) == len(self.members) or now >= end:
+                return arrived
+            time.sleep(_POLL_S)
+
+    def _barrier(self, g: int, members: list[int], deadline_s: float) -> list[int]:
+        """Every member of ``g`` says it is ready; the ones missing at the deadline (none when all came)."""
+        self.store.set(f"gen{g}/ready/{self.me}", "1")
+        keys = [f"gen{g}/ready/{m}" for m in members]
+        try:
+            self.store.wait(keys, timedelta(seconds=deadline_s))
+            return []
+        except Exception:  # a deadline: who is missing
+            return [m for m, key in zip(members, keys, strict=True) if not self.store.check([key])]
+
+    def _stamp(self) -> None:
+        self.store.set(f"alive/{self.me}", repr(time.time()))
+
+    def _run(self) -> None:
+        while not self._stop.wait(STAMP_S):
+            try:
+                self._stamp()
+            except Exception:  # the store is gone: the next agreement says so
+                return
+
+
+def named_dead(message: str, members: Sequence[int]) -> list[int]:
+    """The members a failure's message names as dead by their rank in ``members`` (the heartbeat's words: "global
+    ranks 1, 3 stopped or died"), as ids; [] when it names none."""
+    found = re.search(r"global ranks? ([\d, ]+) stopped or died", message)
+    if found is None:
+        return []
+    ranks = [int(r) for r in found.group(1).replace(" ", "").split(",") if r]
+    return [members[r] for r in ranks if 0 <= r < len(members)]

@@ -1,0 +1,219 @@
+"""An elastic job whose survivors keep their processes: the re-layout across generations of members.
+
+``sw.InPlace(layout, build, checkpoints=root)`` runs a training loop on workers that meet on the store
+``stagewise rendezvous`` hosts (``STAGEWISE_STORE=host:port``; ``stagewise run --in-place`` sets it). When
+a machine is lost, every surviving worker stays in its process:
+
+1. its step fails (a failed op on the dead peer, or a wait its heartbeat ends), and it gives up the
+   pipeline of that generation: nothing of it is kept but its snapshots, already in the machines' memory;
+2. the survivors agree on the next generation and its members on the store (:mod:`..elastic.membership`)
+   and meet in a process group of that generation (:mod:`..comm.generations`);
+3. the runtime holds the layout policy: ``layout.at(members)`` is the new mesh, ``build(fit)`` makes the
+   pipeline for it, and its state comes from the newest *committed* step: the newest snapshot that every
+   rank wrote and copied (``snapshot=1``: the last step every stage finished), the lost machine's stages
+   from the copies its next machine holds. A step in flight when the machine died is done again at the new
+   layout, from the same global batch (``batch(step)``), so no survivor is ever at a mixed step and no
+   committed step is rolled back.
+
+A worker that was stopped or cut off and wakes behind the job's generation writes nothing more (no
+snapshot, no checkpoint, no message to the new group: fenced by :meth:`..elastic.membership.Membership.fenced`)
+and leaves with exit status 3.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NoReturn
+
+from ...parallel import ElasticLayout, Fit
+from ..checkpoint.api import save as checkpoint_save
+from ..checkpoint.resume import resume as checkpoint_resume
+from ..comm.generations import job_store, join_generation, leave_generation
+from ..elastic import membership as ms
+
+log = logging.getLogger(__name__)
+
+FENCED_EXIT = 3
+_TRIES = 5  # generations agreed in one recovery at most (each loses a member that died meanwhile)
+
+
+@dataclass
+class Recovery:
+    """One change of membership, as the survivors saw it (what the benchmark and the tests read)."""
+
+    generation: int
+    members: list[int]
+    failed_at: int  # the step that was running when the generation failed
+    committed: int  # the step the survivors went on from
+    seconds: float  # from the failure seen here to the new pipeline's state restored
+    parts: dict[str, float] = field(default_factory=dict)  # seconds: drop, agree, group, build, resume
+
+
+@dataclass
+class InPlace:
+    """A training loop whose survivors keep their processes when a machine is lost (see the module doc).
+
+    ``layout``: the policy (``layout.at(world)`` at every generation); ``build(fit)``: the pipeline for a
+    fit, with ``snapshot=`` (its snapshots are what a lost stage comes back from); ``checkpoints``: the disk
+    checkpoints' folder (resumed from when newer than the snapshots). ``deadline_s``: how long the survivors
+    wait for each other when agreeing on a generation."""
+
+    layout: ElasticLayout
+    build: Callable[[Fit], Any]
+    checkpoints: str | os.PathLike[str]
+    timeout: float = 20.0
+    deadline_s: float = 10.0
+    backend: str = "gloo"
+    after_recovery: Callable[[InPlace], None] | None = None  # called on every member once its state is back
+    recoveries: list[Recovery] = field(default_factory=list)
+    pipe: Any = None
+    step: int = 0
+    _members: ms.Membership | None = None
+    _parts: dict[str, float] = field(default_factory=dict)
+    _store: Any = None
+
+    def start(self) -> int:
+        """Join the job (generation 0, every process of the launch) and resume; returns the step resumed."""
+        self._store = _job_store(self.timeout)
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        self._members = ms.Membership(self._store, rank, list(range(world))).start()
+        ms.set_fence(self._members.fenced)
+        self._enter(0)
+        return self.step
+
+    @property
+    def generation(self) -> int:
+        return self._members.generation if self._members is not None else 0
+
+    @property
+    def members(self) -> list[int]:
+        return list(self._members.members) if self._members is not None else []
+
+    def run(self, steps: int, batch: Callable[[int], tuple[Any, Any]]) -> Iterator[tuple[int, float]]:
+        """Train to ``steps``: yields ``(step, loss)`` after each step this rank finished; ``batch(step)`` is
+        the step's *global* batch (each generation takes its own share). A step is yielded again when a loss
+        of membership made the survivors do it again (the losses of a redone step are the new layout's)."""
+        if self.pipe is None:
+            self.start()
+        while self.step < steps:
+            step = self.step + 1
+            try:
+                loss = self.pipe.train_step(*self.pipe.local_batch(*batch(step)))
+            except ms.Fenced:
+                self._leave_fenced()
+            except Exception as err:  # a lost peer: a failed op or a wait its heartbeat ended
+                self._recover(step, err)
+                continue
+            self.step = step
+            yield step, loss
+
+    def save(self) -> None:
+        """A checkpoint of the step reached, unless this worker is fenced (then it leaves)."""
+        ms.check_fence("a checkpoint")
+        checkpoint_save(self.checkpoints, self.pipe, step=self.step)
+
+    def _enter(self, generation: int) -> None:
+        assert self._members is not None
+        size = len(self._members.members)
+        with self._timed("group"):
+            join_generation(self._store, generation, self._members.rank, size, self.backend, self.timeout)
+        with self._timed("build"):
+            self.pipe = self.build(self.layout.at(size))
+        with self._timed("resume"):
+            info = checkpoint_resume(Path(self.checkpoints), self.pipe, timeout=self.timeout)
+        self.step = 0 if info is None else info.step
+
+    @contextmanager
+    def _timed(self, part: str) -> Iterator[None]:
+        started = time.perf_counter()
+        yield
+        self._parts[part] = self._parts.get(part, 0.0) + time.perf_counter() - started
+
+    def _recover(self, step: int, err: BaseException) -> None:
+        assert self._members is not None
+        started = time.perf_counter()
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        log.warning(
+            "stagewise elastic: generation %d failed at step %d (%s); the survivors agree on the next one and "
+            "go on from the last committed step",
+            self._members.generation,
+            step,
+            first[:300],
+        )
+        self._parts = {}
+        with self._timed("drop"):
+            self._drop_pipeline()
+        members = self._next_generation(ms.named_dead(str(err), self._members.members))
+        self.recoveries.append(
+            Recovery(self._members.generation, members, step, self.step, time.perf_counter() - started, self._parts)
+        )
+        log.warning(
+            "stagewise elastic: generation %d: workers %s (%d processes) go on from step %d, in %.1f s",
+            self._members.generation,
+            members,
+            len(members),
+            self.step,
+            time.perf_counter() - started,
+        )
+        if self.after_recovery is not None:
+            self.after_recovery(self)
+
+    def _next_generation(self, gone: list[int]) -> list[int]:
+        """Agree on the next generation and enter it; a member lost meanwhile (the group's handshake or the
+        resume fails) costs one more generation without it, :data:`_TRIES` at most. ``gone``: the members the
+        failure named dead (not waited for)."""
+        assert self._members is not None
+        for attempt in range(_TRIES):
+            try:
+                with self._timed("agree"):
+                    members = self._members.next(self.deadline_s, gone)
+                self._enter(self._members.generation)
+                return members
+            except ms.Fenced:
+                self._leave_fenced()
+            except Exception as err:  # a member lost during the recovery
+                if attempt == _TRIES - 1:
+                    raise
+                log.warning(
+                    "stagewise elastic: generation %d failed while it was being made (%s); agreeing again",
+                    self._members.generation,
+                    str(err).splitlines()[0][:300] if str(err) else type(err).__name__,
+                )
+                self._drop_pipeline()
+        raise AssertionError("unreachable")
+
+    def _drop_pipeline(self) -> None:
+        """The failed generation's pipeline goes; its snapshots stay on the machines (they are the state)."""
+        snaps = getattr(self.pipe, "snapshots", None)
+        if snaps is not None:
+            snaps.finish_at_exit()  # the copy in flight ends (written, or failed on the dead peer): whole files
+            snaps.forget()
+        self.pipe = None
+        gc.collect()
+
+    def _leave_fenced(self) -> NoReturn:
+        self._drop_pipeline()
+        if self._members is not None:
+            self._members.stop()
+        leave_generation()
+        log.error("stagewise elastic: %s", ms.last_fence())
+        raise SystemExit(FENCED_EXIT)
+
+
+def _job_store(timeout: float) -> Any:
+    """This job's prefix of the store that outlives the machines (``STAGEWISE_STORE``, the job's name from
+    ``TORCHELASTIC_RUN_ID``)."""
+    where = os.environ.get(ms.STORE_ENV)
+    if not where or ":" not in where:
+        raise ValueError(
+            f"an in-place elastic job needs {ms.STORE_ENV}=host:port, the store `stagewise rendezvous` hosts "
+            f"(stagewise run --in-place sets it from --rdzv-endpoint); got {where!r}"
+        )
+    return job_store(where, os.environ.get("TORCHELASTIC_RUN_ID") or "stagewise", timeout)

@@ -1,0 +1,155 @@
+"""Membership of an in-place elastic job on a store (runtime/elastic/membership.py): one process, a TCPStore,
+members as threads. Who is agreed on, in what order things happen, and who is fenced - never how long."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from stagewise.runtime.elastic import membership as ms
+
+
+@pytest.fixture
+def host() -> Any:
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
+def _member(host: Any, me: int, members: list[int]) -> ms.Membership:
+    client = dist.TCPStore("127.0.0.1", host.port, is_master=False, timeout=timedelta(seconds=20))
+    return ms.Membership(dist.PrefixStore("job/", client), me, members, silent_s=0.3).start()
+
+
+def _all_next(people: list[ms.Membership], deadline: float = 20.0) -> dict[int, Any]:
+    got: dict[int, Any] = {}
+
+    def one(m: ms.Membership) -> None:
+        try:
+            got[m.me] = m.next(deadline)
+        except ms.Fenced as err:
+            got[m.me] = err
+
+    threads = [threading.Thread(target=one, args=(m,)) for m in people]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return got
+
+
+def test_the_survivors_agree_on_the_next_generation_without_the_silent_member(host: Any) -> None:
+    people = [_member(host, i, [0, 1, 2]) for i in range(3)]
+    people[2].stop()  # machine 2 lost: its stamp stops moving, it never asks for generation 1
+    got = _all_next(people[:2])
+    assert got == {0: [0, 1], 1: [0, 1]}
+    assert [m.generation for m in people] == [1, 1, 0] and people[1].rank == 1
+    with pytest.raises(ms.Fenced, match="generation 0 .* generation 1"):
+        people[2].fenced("a snapshot")  # woken behind the job: it writes nothing
+    people[0].fenced("a snapshot")  # the members are not fenced
+    for m in people[:2]:
+        m.stop()
+
+
+def test_a_member_that_arrives_after_the_decision_is_fenced(host: Any) -> None:
+    people = [_member(host, i, [0, 1, 2]) for i in range(3)]
+    people[2].stop()
+    assert _all_next(people[:2]) == {0: [0, 1], 1: [0, 1]}
+    late = ms.Membership(people[2].store, 2, [0, 1, 2], silent_s=0.3)  # its own view: still generation 0
+    with pytest.raises(ms.Fenced):
+        late.next(5.0)
+    for m in people[:2]:
+        m.stop()
+
+
+def test_a_member_missing_at_the_barrier_starts_one_more_generation_without_it(host: Any) -> None:
+    people = [_member(host, i, [0, 1, 2]) for i in range(3)]
+    people[2].store.set("gen1/arrived/2", "1")  # it asked for generation 1, then died before the barrier
+    people[2].stop()
+    got = _all_next(people[:2], deadline=2.0)
+    assert got == {0: [0, 1], 1: [0, 1]}
+    assert [m.generation for m in people[:2]] == [2, 2] and people[0].current() == 2
+    for m in people[:2]:
+        m.stop()
+
+
+def test_the_fence_is_asked_before_a_write_only_in_an_in_place_job() -> None:
+    ms.set_fence(None)
+    ms.check_fence("a checkpoint")  # outside an in-place job: nothing to ask
+
+    def behind(what: str) -> None:
+        raise ms.Fenced(f"behind: no {what}")
+
+    ms.set_fence(behind)
+    try:
+        with pytest.raises(ms.Fenced, match="no a checkpoint"):
+            ms.check_fence("a checkpoint")
+        assert ms.last_fence() == "behind: no a checkpoint"
+    finally:
+        ms.set_fence(None)
+
+
+def test_a_member_lost_while_the_generation_is_made_costs_one_more_generation(monkeypatch: pytest.MonkeyPatch) -> None:
+    """sw.InPlace's recovery: the group's handshake (or the resume) of generation 1 fails - a member died after
+    the agreement - so the survivors agree on generation 2 and enter it; a fenced worker leaves (exit 3)."""
+    from stagewise.runtime.relayout import generation
+
+    class Members:
+        generation, agreed = 0, [[0, 1, 2], [0, 1]]
+
+        def next(self, deadline_s: float, gone: object = ()) -> list[int]:
+            self.generation += 1
+            return self.agreed.pop(0)
+
+        def stop(self) -> None:
+            events.append(("stopped", 0))
+
+    events: list[tuple[str, int]] = []
+
+    def enter(self: generation.InPlace, g: int) -> None:
+        events.append(("enter", g))
+        if g == 1:
+            raise RuntimeError("connectFullMesh: a member of generation 1 is gone")
+
+    monkeypatch.setattr(generation.InPlace, "_enter", enter)
+    job = generation.InPlace(sw_layout(), lambda fit: None, checkpoints="unused")
+    job._members = Members()  # type: ignore[assignment]
+    assert job._next_generation([]) == [0, 1]
+    assert events == [("enter", 1), ("enter", 2)]
+
+    class Behind(Members):
+        def next(self, deadline_s: float, gone: object = ()) -> list[int]:
+            raise ms.Fenced("worker 2 is fenced")
+
+    job._members = Behind()  # type: ignore[assignment]
+    monkeypatch.setattr(generation, "leave_generation", lambda: events.append(("left", 0)))
+    with pytest.raises(SystemExit) as left:
+        job._next_generation([])
+    assert left.value.code == generation.FENCED_EXIT and events[-2:] == [("stopped", 0), ("left", 0)]
+
+
+def sw_layout() -> Any:
+    from stagewise import ElasticLayout
+
+    return ElasticLayout(pp=1, batch=24, microbatch_size=2)
+
+
+def test_the_members_a_failure_names_dead_are_not_waited_for(host: Any) -> None:
+    assert ms.named_dead("x: global rank 2 stopped or died (no sign of life for 2.5 s): y", [0, 1, 5]) == [5]
+    assert ms.named_dead("global ranks 0, 2 stopped or died (...)", [4, 6, 7]) == [4, 7]
+    assert ms.named_dead("Connection reset by peer", [0, 1]) == []
+    people = [_member(host, i, [0, 1, 2]) for i in range(3)]
+    for m in people:
+        m.silent_s = 60.0  # only the name spares the wait (a deadline of 60 s would fail the join below)
+    people[2].stop()
+    got: dict[int, Any] = {}
+    threads = [threading.Thread(target=lambda m=m: got.update({m.me: m.next(60.0, gone=[2])})) for m in people[:2]]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert got == {0: [0, 1], 1: [0, 1]}
+    for m in people[:2]:
+        m.stop()

@@ -1,0 +1,128 @@
+"""A small in-place elastic job (tests/system/test_elastic_inplace.py, benchmarks/elastic_inplace.py).
+
+Each worker is started with RANK, WORLD_SIZE, GROUP_RANK (its machine), STAGEWISE_STORE (the store of
+``stagewise rendezvous``), TORCHELASTIC_RUN_ID and STAGEWISE_SNAPSHOT_DIR (its machine's memory folder), as
+``stagewise run --in-place`` starts it, and trains with :class:`stagewise.InPlace`:
+``ElasticLayout(pp=1, batch=24, microbatch_size=2)``, float64, snapshots every step.
+
+* ``--hold STEP``: after STEP (generation 0), every worker leaves ``hold-<id>`` and waits for ``go``: the test
+  loses a machine meanwhile (a kill) and then says go;
+* ``--hold-again STEP``: the same in generation 1 (``again-<id>``, ``go-again``);
+* ``--die ID:STEP``: worker ID SIGKILLs itself as STEP starts (the others are inside STEP: a death mid-step);
+* ``--settle S``: at the end, wait S seconds before the last event (threads and descriptors counted);
+* ``--save-resumed``: after each recovery, every member saves the state it went on from into
+  ``resumed-g<G>`` (the reference job starts from it);
+* ``--reference DIR``: a fresh job that resumes from the checkpoint in DIR (no snapshots of its own yet).
+
+Writes ``events.jsonl`` (every worker: its id, pid, generation, members and what happened, in order) and
+``losses.jsonl`` (rank 0 of each generation: step, loss, generation, world).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import stagewise as sw
+
+LAYOUT = sw.ElasticLayout(pp=1, batch=24, microbatch_size=2)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--hold", type=int, default=0)
+    p.add_argument("--hold-again", type=int, default=0)
+    p.add_argument("--die", default="", help="ID:STEP: worker ID kills itself as step STEP starts")
+    p.add_argument("--save-resumed", action="store_true")
+    p.add_argument("--settle", type=float, default=0.0, help="seconds to wait before counting threads at the end")
+    p.add_argument("--reference", type=Path, default=None)
+    args = p.parse_args()
+    torch.set_default_dtype(torch.float64)
+    me = int(os.environ["RANK"])
+    out: Path = args.out
+
+    def note(what: str, **more: Any) -> None:
+        row = {"id": me, "pid": os.getpid(), "gen": job.generation, "members": job.members, "what": what, **more}
+        gc.collect()  # (what the last generation left in reference cycles goes, with its helper threads)
+        row.update(threads=threading.active_count(), fds=len(os.listdir("/proc/self/fd")))
+        row["names"] = sorted(t.name for t in threading.enumerate())
+        with open(out / "events.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def recovered(j: sw.InPlace) -> None:
+        r = j.recoveries[-1]
+        note("recovered", failed_at=r.failed_at, committed=r.committed, seconds=r.seconds, parts=r.parts)
+        if args.save_resumed:
+            sw.checkpoint.save(out / f"resumed-g{j.generation}", j.pipe, step=j.step)
+        (out / f"recovered-{me}").touch()
+
+    job = sw.InPlace(
+        LAYOUT, build, checkpoints=args.reference or out / "ckpt", timeout=10, deadline_s=8, after_recovery=recovered
+    )
+    job.start()
+    note("started", step=job.step)
+    data = torch.randn(24 * args.steps, 6, generator=torch.Generator().manual_seed(0))
+    name = "reference.jsonl" if args.reference else "losses.jsonl"
+    for step, loss in job.run(
+        args.steps, lambda s: (data[24 * (s - 1) : 24 * s], data[24 * (s - 1) : 24 * s, :3].argmax(1))
+    ):
+        if job.pipe.hybrid is None or dist_rank() == 0:
+            with open(out / name, "a") as f:
+                f.write(
+                    json.dumps(
+                        {"step": step, "loss": loss, "gen": job.generation, "world": len(job.members), "t": time.time()}
+                    )
+                    + "\n"
+                )
+        if step == args.hold and job.generation == 0:
+            hold(job, out / f"hold-{me}", out / "go")
+        if step == args.hold_again and job.generation == 1:
+            hold(job, out / f"again-{me}", out / "go-again")
+        if args.die and [me, step + 1] == [int(x) for x in args.die.split(":")]:
+            job.pipe.snapshots.wait()  # its snapshot of this step sent: committed once the peers wrote theirs
+            note("dies", step=step + 1)
+            os.kill(os.getpid(), signal.SIGKILL)  # the others are inside the next step: a death mid-step
+    if args.settle:  # the last snapshot written, and a wait left in a dead group ended (its timeout): then count
+        job.pipe.snapshots.wait()
+        time.sleep(args.settle)
+    note("finished", step=job.step)
+    return 0
+
+
+def hold(job: sw.InPlace, here: Path, go: Path) -> None:
+    """The snapshot of this step whole on every machine (committed), then wait for ``go``."""
+    job.pipe.snapshots.wait()
+    here.touch()
+    while not go.exists():
+        time.sleep(0.05)
+
+
+def build(fit: Any) -> sw.Pipeline:
+    layers = [sw.Layer(nn.Linear, 6, 16), sw.Layer(nn.ReLU), sw.Layer(nn.Linear, 16, 3)]
+    return sw.Pipeline(
+        layers, loss_fn=F.cross_entropy, parallel=fit.parallel, microbatches=fit.microbatches, seed=3,
+        optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05), snapshot=1, timeout=10,
+    )  # fmt: skip
+
+
+def dist_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
