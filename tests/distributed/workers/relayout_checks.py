@@ -81,6 +81,44 @@ def build(group: Any = None, bn: bool = True, **layout: Any) -> sw.Pipeline:
     )
 
 
+class TiedLM(nn.Module):
+    """The layers' model as a PyTorch user writes it, for ``from_model``: the head's weight is the embedding's
+    (``head.weight = embed.weight``), BatchNorm, dropout, the counted LayerNorm; 8 top-level blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(11)
+        self.embed = nn.Embedding(mdl.VOCAB, mdl.D, dtype=torch.float64)
+        self.blocks = nn.ModuleList(
+            [
+                mdl.Block(),
+                TokenNorm(),
+                nn.Dropout(0.1),
+                mdl.Block(),
+                mdl.Block(),
+                CountedNorm(mdl.D, dtype=torch.float64),
+            ]
+        )
+        self.head = nn.Linear(mdl.D, mdl.VOCAB, bias=False, dtype=torch.float64)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def build_model(group: Any = None, bn: bool = True, **layout: Any) -> sw.Pipeline:
+    """``Pipeline.from_model`` of :class:`TiedLM` (its other ranks' parts freed: ``free_unused``, the default)."""
+    options: dict[str, Any] = {"schedule": "1f1b", "microbatches": 4, **layout}
+    if group is not None:
+        options["group"] = group
+    return sw.Pipeline.from_model(
+        TiedLM(), loss_fn=mdl.lm_loss, optimizer=adam, batchnorm="micro", timeout=60, **options
+    )
+
+
 def train(pipe: Any, start: int, steps: int = STEPS) -> list[float]:
     """Steps ``start ..``: each on its own fixed global batch, sliced by ``local_batch`` (the data contract)."""
     out = []
@@ -124,7 +162,14 @@ def _group(members: list[int] | None, world: int) -> Any:
 
 
 def relaid(
-    pipe: Any, ctx: Ctx, tag: str, step: int, members: list[int] | None, bn: bool = True, **layout: Any
+    pipe: Any,
+    ctx: Ctx,
+    tag: str,
+    step: int,
+    members: list[int] | None,
+    bn: bool = True,
+    make: Any = build,
+    **layout: Any,
 ) -> dict[str, Any]:
     """Save, re-layout, then compare with a fresh job of the new layout loaded from that save: state and losses."""
     if not isinstance(pipe, sw.runtime.relayout.Retired):
@@ -140,7 +185,7 @@ def relaid(
     assert inits == 0, f"{tag}: the re-layout initialised {inits} CountedNorm layers before filling them"
     group = _group(members, ctx.world)
     holds = members is None or ctx.rank in members
-    fresh = build(group, bn, **layout) if holds else None
+    fresh = make(group, bn, **layout) if holds else None
     fresh_inits = CountedNorm.real_inits  # the counter counts: a fresh job's holder of layer 6 initialised it
     compared = 0
     if fresh is not None:
@@ -199,6 +244,21 @@ def check_shrink_grow(ctx: Ctx) -> dict[str, Any]:
     train(pipe, 0)
     out = {"shrink": relaid(pipe, ctx, "shrink", STEPS, [0, 1])}
     out["grow"] = relaid(pipe, ctx, "grow", 2 * STEPS, None)
+    return out
+
+
+def check_from_model(ctx: Ctx) -> dict[str, Any]:
+    """``from_model`` with its other ranks' parts freed (the default): a partition moved, 4 -> 2 -> 4 processes;
+    the new stages built from the model's structure on meta and filled from the live owners."""
+    pipe = build_model()
+    train(pipe, 0)
+    model = pipe.frontend.model  # the user's model: its tensors are let go once the new layout holds its own
+    out = {"partition": relaid(pipe, ctx, "fm-partition", STEPS, None, make=build_model, partition=[3, 1, 2, 2])}
+    held = {p.data_ptr() for p in pipe.parameters()}
+    left = [n for n, t in model.state_dict().items() if not t.is_meta and t.data_ptr() not in held]
+    assert not left, f"the old layout's tensors are still held by the model after the re-layout: {left[:4]}"
+    out["shrink"] = relaid(pipe, ctx, "fm-shrink", 2 * STEPS, [0, 1], make=build_model, partition=[5, 3])
+    out["grow"] = relaid(pipe, ctx, "fm-grow", 3 * STEPS, None, make=build_model, partition=[2, 2, 2, 2])
     return out
 
 
@@ -301,6 +361,7 @@ def checks(world: int) -> dict[str, Check]:
         "schedules": check_schedules,
         "pp2xdp2-pp4": check_pp_dp,
         "shrink-grow": check_shrink_grow,
+        "from-model": check_from_model,
         "refusals": check_refusals,
         "leaks": check_leaks,
         "failure": check_failure,

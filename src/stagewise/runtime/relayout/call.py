@@ -44,6 +44,7 @@ from ..frontends.parts import Frontend
 from ..frontends.plan import FromPlan
 from ..options import Options
 from .fill import fill
+from .models import release_model, twin_of
 from .request import digest, local_refusals, members_of, refuse_alike, subgroups_ahead
 from .transfers import Transfers, bytes_moved, plan_transfers
 
@@ -125,6 +126,7 @@ def relayout(
         relayout_wire.release(exchange)
     stale = _stale_groups(old, [group, *prepared])
     _become(pipe, new, frontend, options, build)
+    release_model(frontend, options)
     for made in stale:
         relayout_wire.release(made)
     clock.lap("release")
@@ -218,6 +220,7 @@ def _new_source(
     frontend: Frontend, options: Options, changes: Mapping[str, Any], plan: Any, group: Any
 ) -> tuple[Frontend, Options]:
     """The way in and the options of the new layout: the user's own options, the changes on top."""
+    frontend = twin_of(frontend, options)  # a model built whole, its other parts freed: its structure on meta
     given = {k: getattr(options, k) for k in options.given if k not in ("group", "parallel")}
     if options.parallel is not None and "parallel" not in changes:
         given["parallel"] = options.parallel
