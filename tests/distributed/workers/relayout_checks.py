@@ -9,6 +9,7 @@ the next steps. The model has a tied embedding, BatchNorm, dropout, and trains w
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import threading
@@ -137,6 +138,11 @@ def state_of(pipe: Any) -> dict[str, torch.Tensor]:
         for p, entries in opt.state.items():
             for key, value in entries.items():
                 out[f"optim/{names[id(p)]}/{key}"] = torch.as_tensor(value).detach().clone()
+    for s, scheduler in sorted((getattr(pipe, "schedulers", None) or {}).items()):
+        out[f"scheduler/{s}/last_epoch"] = torch.tensor(scheduler.last_epoch)
+        out[f"scheduler/{s}/lr"] = torch.tensor(scheduler.get_last_lr())
+    for s, opt in sorted(pipe.optimizers.items()):
+        out[f"lr/{s}"] = torch.tensor([g["lr"] for g in opt.param_groups])
     out["progress/train_steps"] = torch.tensor(pipe.train_steps)
     out["progress/dropout_seed"] = torch.tensor(pipe.dropout_seed)
     return out
@@ -187,7 +193,7 @@ def relaid(
     holds = members is None or ctx.rank in members
     fresh = make(group, bn, **layout) if holds else None
     fresh_inits = CountedNorm.real_inits  # the counter counts: a fresh job's holder of layer 6 initialised it
-    compared = 0
+    compared, losses = 0, []
     if fresh is not None:
         sw.checkpoint.load(folder(tag), fresh)
         compared = assert_same(state_of(pipe), state_of(fresh), tag)
@@ -202,6 +208,7 @@ def relaid(
         "moved": got.bytes_moved,
         "fresh_inits": fresh_inits,
         "aliased": len(kept),
+        "losses": losses if fresh is not None else [],
     }
 
 
@@ -260,6 +267,30 @@ def check_from_model(ctx: Ctx) -> dict[str, Any]:
     out["shrink"] = relaid(pipe, ctx, "fm-shrink", 2 * STEPS, [0, 1], make=build_model, partition=[5, 3])
     out["grow"] = relaid(pipe, ctx, "fm-grow", 3 * STEPS, None, make=build_model, partition=[2, 2, 2, 2])
     return out
+
+
+def warmup(opt: torch.optim.Optimizer) -> Any:
+    """A warm-up over 8 steps: a schedule that restarts after a re-layout shows in the learning rate."""
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 8))
+
+
+def lrs(pipe: Any) -> set[float]:
+    return {g["lr"] for opt in pipe.optimizers.values() for g in opt.param_groups}
+
+
+def check_scheduler(ctx: Ctx) -> dict[str, Any]:
+    """``lr_scheduler=``: the schedulers' state is carried over (exact against the checkpoint's job, which restores
+    it), and the learning rates and losses go on, to the bit, as in a job never re-laid out (the same layers,
+    dropout masks and batches; without BatchNorm, whose ``batchnorm="micro"`` losses depend on the cut here)."""
+    make = functools.partial(build, lr_scheduler=warmup)
+    pipe, still = make(bn=False), make(bn=False)
+    train(pipe, 0), train(still, 0)
+    out = relaid(pipe, ctx, "scheduler", STEPS, None, bn=False, make=make, partition=[3, 1, 2, 2])
+    want = train(still, STEPS)
+    assert out["losses"] == want, f"losses {out['losses']} after the re-layout, {want} without it"
+    if pipe.optimizers:  # (a rank holding only the dropout layer has none)
+        assert lrs(pipe) == lrs(still) == {1e-2 * (5 / 8)}, f"learning rates {lrs(pipe)}, without {lrs(still)}"
+    return {**out, "without": want, "lrs": sorted(lrs(pipe))}
 
 
 def check_refusals(ctx: Ctx) -> dict[str, Any]:
@@ -362,6 +393,7 @@ def checks(world: int) -> dict[str, Check]:
         "pp2xdp2-pp4": check_pp_dp,
         "shrink-grow": check_shrink_grow,
         "from-model": check_from_model,
+        "scheduler": check_scheduler,
         "refusals": check_refusals,
         "leaks": check_leaks,
         "failure": check_failure,

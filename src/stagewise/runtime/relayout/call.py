@@ -43,6 +43,7 @@ from ..frontends.layers import built_empty
 from ..frontends.parts import Frontend
 from ..frontends.plan import FromPlan
 from ..options import Options
+from .carried import restore_schedulers, scheduler_state
 from .fill import fill
 from .models import release_model, twin_of
 from .request import digest, local_refusals, members_of, refuse_alike, subgroups_ahead
@@ -94,7 +95,7 @@ def relayout(
     guard = _guard("agreement", options.timeout, me)
     agreeing = storage.Ranks(None, me, world, torch.device("cpu"), True, guard, options.timeout, True)
     try:
-        progress = _agree(agreeing, old, frontend, options, chosen, changes, plan)
+        progress, schedule = _agree(agreeing, old, frontend, options, chosen, changes, plan)
     finally:
         agreeing.close()
     clock.lap("agreement")
@@ -111,7 +112,7 @@ def relayout(
             with built_empty():  # every tensor is filled below: none initialised only to be overwritten
                 new = build(*_new_source(frontend, options, changes, plan, group))
         clock.lap("build")
-        moved, everyone = _move(old, new, ranks, progress)
+        moved, everyone = _move(old, new, ranks, progress, schedule)
         storage.gather(None, ranks, "every process to have filled its new stages")  # the commit point
         clock.lap("move")
     except BaseException as err:
@@ -199,8 +200,8 @@ def _agree(
     chosen: tuple[int, ...],
     changes: Mapping[str, Any],
     plan: Any,
-) -> Progress:
-    """The one small exchange: every process's request digest, progress and refusals; refused alike."""
+) -> tuple[Progress, Any]:
+    """The one small exchange: every process's request digest, progress, LR schedule and refusals; refused alike."""
     progress = None if old is None else progress_of(old)
     refused = local_refusals(frontend, options, progress, changes)
     if changes.get("parallel", options.parallel) is not None and len(chosen) != ranks.size:
@@ -208,12 +209,13 @@ def _agree(
     if plan is not None and not isinstance(frontend, (LayerList, FromPlan)):
         refused.append(f"plan= re-cuts a layer list (Pipeline(layers) or from_plan), not {frontend.entry}")
     mine = {"digest": digest(chosen, changes, plan), "refused": refused, "progress": progress and asdict(progress)}
+    mine["scheduler"] = scheduler_state(old)
     everyone = storage.gather(mine, ranks, "every process's re-layout request")
     refuse_alike(everyone)
-    held = [e["progress"] for e in everyone if e["progress"] is not None]
+    held = [e for e in everyone if e["progress"] is not None]
     if not held:
         raise ValueError("relayout: no process holds a part of the pipeline: there is no state to lay out")
-    return Progress(**held[0])
+    return Progress(**held[0]["progress"]), held[0]["scheduler"]
 
 
 def _new_source(
@@ -236,9 +238,10 @@ def _new_source(
 
 
 def _move(
-    old: PipelineState | None, new: nn.Module | None, ranks: storage.Ranks, progress: Progress
+    old: PipelineState | None, new: nn.Module | None, ranks: storage.Ranks, progress: Progress, schedule: Any
 ) -> tuple[int, list[dict[str, Any]]]:
-    """Part 4: every tensor of the new stages from its owner; optimizer state by name; the progress."""
+    """Part 4: every tensor of the new stages from its owner; optimizer state by name; the progress; the LR
+    schedule."""
     held, optim = _inventory(old)
     listed = storage.gather(
         {"held": sorted(held), "described": state.describe(held), "optimizer": optim}, ranks, "the tensors held"
@@ -265,6 +268,7 @@ def _move(
         fill(new, targets, {**kept, **got}, record, kept)
         assert isinstance(new, PipelineState)
         restore_progress(new, progress)
+        restore_schedulers(new, schedule)
     sizes = {n: _bytes(d) for n, d in described.items()}
     return bytes_moved(transfers, sizes), needs
 

@@ -70,11 +70,6 @@ def local_refusals(
         )
     if frontend is None or options is None:
         return out
-    if options.lr_scheduler is not None:  # (the new stages' schedulers would start again: a silent warm-up)
-        out.append(
-            "lr_scheduler= is not carried over yet: the new layout's schedulers would start from step 0; "
-            "save a checkpoint and resume it at the new layout instead"
-        )
     if isinstance(frontend, GivenStages):
         moved = sorted(k for k in changes if k not in SAME_PLACEMENT)
         if moved:
