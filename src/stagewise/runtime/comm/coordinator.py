@@ -175,6 +175,8 @@ class DeadlineStore:
     def _serve(self) -> None:
         while True:
             name, args, box, done = self._jobs.get()
+            if not name:  # (close)
+                return
             try:
                 with inside():  # (see .blocking: not in torch at interpreter exit)
                     box["value"] = getattr(self.store, name)(*args)
@@ -198,6 +200,14 @@ class DeadlineStore:
             if "error" in box:
                 raise box["error"]
             return box.get("value")
+
+    def close(self) -> None:
+        """End the helper thread, so that a board let go leaves none behind (a later call starts another); one
+        stuck in a call is left to end with the process (a daemon)."""
+        with self._lock:
+            if self._helper is not None and not self._stuck:
+                self._jobs.put(("", (), {}, threading.Event()))
+            self._helper = None
 
     def check(self, keys: list[str]) -> bool:
         return bool(self._call("check", keys))
