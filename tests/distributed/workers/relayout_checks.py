@@ -217,7 +217,7 @@ def check_partition(ctx: Ctx) -> dict[str, Any]:
     """A partition moved at the same pp (4 ranks, 1f1b)."""
     pipe = build()
     train(pipe, 0)
-    return relaid(pipe, ctx, "partition", STEPS, None, partition=[3, 1, 2, 2])
+    return relaid(pipe, ctx, "partition", STEPS, None, partition=[3, 1, 2, 2], microbatches=2)
 
 
 def check_schedules(ctx: Ctx) -> dict[str, Any]:
@@ -294,6 +294,57 @@ def check_scheduler(ctx: Ctx) -> dict[str, Any]:
     return {**out, "without": want, "lrs": sorted(lrs(pipe))}
 
 
+class Noise(nn.Module):
+    """Draws from torch's global generator in its forward (not a dropout module: the pipeline does not seed it)."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + 0.01 * torch.rand_like(h)
+
+
+def build_noisy(group: Any = None, bn: bool = True, **layout: Any) -> sw.Pipeline:
+    """:func:`build` with the dropout layer replaced by :class:`Noise`, and no optimizer of its own."""
+    noisy = layers(bn)
+    noisy[3] = sw.Layer(Noise)
+    options: dict[str, Any] = {"schedule": "1f1b", "microbatches": 4, **layout}
+    if group is not None:
+        options["group"] = group
+    return sw.Pipeline(noisy, loss_fn=mdl.lm_loss, seed=3, batchnorm="micro", timeout=60, **options)
+
+
+def check_user_held(ctx: Ctx) -> dict[str, Any]:
+    """What a user holds across a re-layout. The global generator: the rule is the resume's (a checkpoint loaded
+    at another layout leaves each process's generator as it is): the re-layout neither draws from nor resets it,
+    so a forward drawing from it (``torch.rand``) goes on as a fresh job of the new layout, loaded from a
+    checkpoint, with the same generator state does, to the bit. An optimizer of the user's over the old
+    parameters is refused at its next step, naming the way out. A listener (``on_relayout``) is told the new
+    layout (who reads inputs and targets now)."""
+    pipe = build_noisy()
+    mine = torch.optim.SGD(pipe.parameters(), lr=0.1)  # a user-held optimizer: not rebound
+    for step in range(STEPS):
+        train(pipe, step, 1)
+        mine.step(), mine.zero_grad()
+    heard: list[Any] = []
+    stop = sw.runtime.relayout.on_relayout(heard.append)
+    sw.checkpoint.save(folder("generator"), pipe, step=STEPS)
+    dist.barrier()
+    torch.manual_seed(1000 + ctx.rank)
+    generator = torch.get_rng_state()
+    got = pipe.relayout(partition=[1, 3, 2, 2])
+    stop()
+    assert torch.equal(torch.get_rng_state(), generator), "the re-layout drew from or reset the global generator"
+    assert heard == [got] and got.inputs_at == (0,) and got.targets_at == (3,), (heard, got)
+    fresh = build_noisy(partition=[1, 3, 2, 2])
+    sw.checkpoint.load(folder("generator"), fresh)
+    torch.set_rng_state(generator)
+    losses = train(pipe, STEPS)
+    torch.set_rng_state(generator)
+    want = train(fresh, STEPS)
+    assert losses == want, f"losses {losses} after the re-layout, {want} from the checkpoint, one generator state"
+    refused = raises(sw.PipelineError, ["parameters of the layout before", "optimizer="], mine.step)
+    torch.optim.SGD(pipe.parameters(), lr=0.1).step()  # one built again after the call steps
+    return {"losses": losses, "refused": refused[:120], "listened": len(heard)}
+
+
 def check_refusals(ctx: Ctx) -> dict[str, Any]:
     """Bad requests: refused alike on every rank before anything changes; the pipeline trains on."""
     pipe = build()
@@ -356,11 +407,11 @@ def check_leaks(ctx: Ctx) -> dict[str, Any]:
 
 
 def check_failure(ctx: Ctx) -> dict[str, Any]:
-    """A process fails in the middle of the transfers (rank 2 raises once its sends and receives are posted,
-    before they complete): every process raises the same PipelineError naming global rank 2 (none hangs), none
-    takes the new layout (the commit point), and the old layout stays whole: its state unchanged, a checkpoint
-    saved after the failure loads into a fresh job equal to the bit, the next losses equal; a re-layout then
-    succeeds."""
+    """A process fails before posting its transfers (the others' receives from it stay pending), then in the
+    middle of them (rank 2 raises once its sends and receives are posted, before they complete): every process
+    raises the same PipelineError naming global rank 2 (none hangs), none takes the new layout (the commit
+    point), and the old layout stays whole: its state unchanged, a checkpoint saved after the failure loads
+    into a fresh job equal to the bit, the next losses equal; a re-layout then succeeds."""
     pipe = build()
     train(pipe, 0)
     before, ranges = state_of(pipe), [(r.start, r.stop) for r in pipe.layer_ranges]
@@ -372,14 +423,18 @@ def check_failure(ctx: Ctx) -> dict[str, Any]:
             (dist.isend if kind == "send" else dist.irecv)(tensor, peer, group=group)
         raise RuntimeError("injected: rank 2 fails during the transfers")
 
-    if ctx.rank == 2:
-        wire.post = fails_midway
-    try:
-        words = ["global rank 2", "injected", "keeps the layout from before"]
-        message = raises(sw.PipelineError, words, lambda: pipe.relayout(partition=[3, 1, 2, 2]))
-    finally:
-        wire.post = posted
-    assert_same(state_of(pipe), before, "after the failed re-layout")
+    def fails_before(ops: Any, group: Any, wait: Any) -> None:
+        raise RuntimeError("injected: rank 2 fails before posting its transfers")
+
+    words = ["global rank 2", "injected", "keeps the layout from before"]
+    for fails in (fails_before, fails_midway):
+        if ctx.rank == 2:
+            wire.post = fails
+        try:
+            message = raises(sw.PipelineError, words, lambda: pipe.relayout(partition=[3, 1, 2, 2]))
+        finally:
+            wire.post = posted
+        assert_same(state_of(pipe), before, f"after the failed re-layout ({fails.__name__})")
     assert [(r.start, r.stop) for r in pipe.layer_ranges] == ranges, pipe.layer_ranges
     dist.barrier()
     sw.checkpoint.save(folder("failed"), pipe, step=STEPS)
@@ -402,6 +457,7 @@ def checks(world: int) -> dict[str, Check]:
         "shrink-grow": check_shrink_grow,
         "from-model": check_from_model,
         "scheduler": check_scheduler,
+        "user-held": check_user_held,
         "refusals": check_refusals,
         "leaks": check_leaks,
         "failure": check_failure,

@@ -43,7 +43,7 @@ from ..frontends.layers import built_empty
 from ..frontends.parts import Frontend
 from ..frontends.plan import FromPlan
 from ..options import Options
-from .carried import restore_schedulers, scheduler_state
+from .carried import restore_schedulers, retire, scheduler_state, tell
 from .fill import fill
 from .models import release_model, twin_of
 from .request import digest, local_refusals, members_of, refuse_alike, subgroups_ahead
@@ -126,12 +126,16 @@ def relayout(
         ranks.close()
         relayout_wire.release(exchange)
     stale = _stale_groups(old, [group, *prepared])
+    before = list(pipe.parameters())
     _become(pipe, new, frontend, options, build)
+    retire(before, pipe.parameters())  # a user's optimizer over them is refused at its next step
     release_model(frontend, options)
     for made in stale:
         relayout_wire.release(made)
     clock.lap("release")
-    return _layout(None if new is None else pipe, chosen, everyone, moved, clock.seconds)
+    layout = _layout(None if new is None else pipe, chosen, everyone, moved, clock.seconds)
+    tell(layout)  # on_relayout listeners (a sampler of one's own)
+    return layout
 
 
 def _guard(part: str, timeout: float, me: int) -> Guard:
