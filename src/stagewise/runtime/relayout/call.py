@@ -1,6 +1,7 @@
 """``Pipeline.relayout``: the same processes (or fewer, or more) take a new layout, exactly, without a restart.
 
-A collective over every process of the world, in five parts (each timed in :attr:`Layout.seconds`):
+A collective over every process of the world, in five parts (timed in :attr:`Layout.seconds`: agreement, groups,
+build, move, fill, commit, release):
 
 1. *agreement*: one small exchange (the request's digest, each process's progress and refusals); a bad
    request raises the same ``ValueError`` everywhere before any group is made or any tensor moves;
@@ -112,9 +113,9 @@ def relayout(
             with built_empty():  # every tensor is filled below: none initialised only to be overwritten
                 new = build(*_new_source(frontend, options, changes, plan, group))
         clock.lap("build")
-        moved, everyone = _move(old, new, ranks, progress, schedule)
+        moved, everyone = _move(old, new, ranks, progress, schedule, clock)
         storage.gather(None, ranks, "every process to have filled its new stages")  # the commit point
-        clock.lap("move")
+        clock.lap("commit")
     except BaseException as err:
         new = None  # half-filled: dropped; the user's object still holds the old layout, whole
         posted = _failed(ranks, err)
@@ -242,7 +243,12 @@ def _new_source(
 
 
 def _move(
-    old: PipelineState | None, new: nn.Module | None, ranks: storage.Ranks, progress: Progress, schedule: Any
+    old: PipelineState | None,
+    new: nn.Module | None,
+    ranks: storage.Ranks,
+    progress: Progress,
+    schedule: Any,
+    clock: _Clock,
 ) -> tuple[int, list[dict[str, Any]]]:
     """Part 4: every tensor of the new stages from its owner; optimizer state by name; the progress; the LR
     schedule."""
@@ -267,12 +273,14 @@ def _move(
     ]
     storage.agree(missing, ranks, "relayout: the new layout needs tensors the old one does not have")
     got = _post(transfers, held, described, ranks)
+    clock.lap("move")
     if new is not None:
         kept = {n: held[n] for n in transfers.kept[ranks.rank]}
         fill(new, targets, {**kept, **got}, record, kept)
         assert isinstance(new, PipelineState)
         restore_progress(new, progress)
         restore_schedulers(new, schedule)
+    clock.lap("fill")
     sizes = {n: _bytes(d) for n, d in described.items()}
     return bytes_moved(transfers, sizes), needs
 
