@@ -3,6 +3,8 @@ storage, with no initialisation computed, unless its state would not be whole (t
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -78,9 +80,9 @@ class Tied(nn.Module):
 def test_meta_twin_keeps_structure_ties_and_transient_buffers() -> None:
     from stagewise.runtime.frontends.meta_twin import meta_twin
 
-    model = Tied()
+    model: Any = Tied()
     model.head.register_forward_hook(lambda m, a, out: out)  # a user's hook: kept
-    twin = meta_twin(model)
+    twin: Any = meta_twin(model)
     assert all(p.is_meta for p in twin.parameters())
     assert twin.head.weight is twin.embed.weight  # the tie holds
     assert not twin.freq.is_meta and torch.equal(twin.freq, model.freq)  # no state moves it: copied
@@ -91,7 +93,7 @@ def test_meta_twin_keeps_structure_ties_and_transient_buffers() -> None:
 def test_given_storage_only_inside_built_empty_and_keeps_ties() -> None:
     from stagewise.runtime.frontends.meta_twin import given_storage, meta_twin
 
-    twin = meta_twin(Tied())
+    twin: Any = meta_twin(Tied())
     given_storage([twin.embed], twin, "cpu")
     assert twin.embed.weight.is_meta  # outside built_empty: nothing
     with built_empty():

@@ -225,7 +225,7 @@ def free_other_stages(model: nn.Module, keep: set[int]) -> int:
                     freed += t.numel() * t.element_size()
                     meta = t.detach().to("meta")
                     made[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
-                store[name] = made[id(t)]  # type: ignore[assignment]  # (the buffers' dict holds plain tensors)
+                store[name] = made[id(t)]
     return freed
 
 

@@ -65,7 +65,10 @@ def _refuse_retired(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) ->
 
 
 def _forget(key: int) -> Callable[[Any], None]:
-    return lambda _: _retired.pop(key, None)
+    def forget(_: Any) -> None:
+        _retired.pop(key, None)
+
+    return forget
 
 
 def _is_retired(p: torch.Tensor) -> bool:
