@@ -25,7 +25,6 @@ needs nothing; a sampler of one's own reads :attr:`Layout.inputs_at` / :attr:`La
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -45,6 +44,7 @@ from ..frontends.parts import Frontend
 from ..frontends.plan import FromPlan
 from ..options import Options
 from .carried import restore_schedulers, retire, scheduler_state, tell
+from .clock import Clock
 from .fill import fill
 from .models import release_model, twin_of
 from .request import digest, local_refusals, members_of, refuse_alike, subgroups_ahead
@@ -91,7 +91,7 @@ def relayout(
     world, me = groups.world_size(), groups.global_rank()
     chosen = members_of(members, world)
     old = pipe if isinstance(pipe, PipelineState) else None
-    clock = _Clock()
+    clock = Clock()
     _calls[0] += 1
     guard = _guard("agreement", options.timeout, me)
     agreeing = storage.Ranks(None, me, world, torch.device("cpu"), True, guard, options.timeout, True)
@@ -186,17 +186,6 @@ class Retired(nn.Module):
 
 
 # ---- the parts ------------------------------------------------------------------------------
-class _Clock:
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-        self.last = time.perf_counter()
-
-    def lap(self, part: str) -> None:
-        now = time.perf_counter()
-        self.seconds[part] = now - self.last
-        self.last = now
-
-
 def _agree(
     ranks: storage.Ranks,
     old: PipelineState | None,
@@ -248,7 +237,7 @@ def _move(
     ranks: storage.Ranks,
     progress: Progress,
     schedule: Any,
-    clock: _Clock,
+    clock: Clock,
 ) -> tuple[int, list[dict[str, Any]]]:
     """Part 4: every tensor of the new stages from its owner; optimizer state by name; the progress; the LR
     schedule."""
