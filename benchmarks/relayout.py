@@ -1,16 +1,17 @@
-"""A live re-layout against a save + rebuild + load of the same change, part by part, on 4 local ranks.
+"""A live re-layout against a restart of the same change (process start, build, load), part by part, on local ranks.
 
     .venv/bin/python -m benchmarks.relayout                 # 1 and 4 MiB of parameters and Adam state per rank
-    .venv/bin/python -m benchmarks.relayout --mib 10 100 --repeats 3
+    .venv/bin/python -m benchmarks.relayout --mib 10 100 1024 --ranks 2 --repeats 3
 
-A float32 MLP of ``Linear(d, d)`` layers (8 per rank) as a 1F1B pipeline on 4 gloo ranks with the pipeline's own
+A float32 MLP of ``Linear(d, d)`` layers (8 per rank) as a 1F1B pipeline on 2 or 4 gloo ranks with the pipeline's own
 Adam, one step trained (so Adam's state exists; parameters and state about ``--mib`` MiB per rank). Then the
 partition moves back and forth between an even cut and one shifted by a layer, twice per repeat, each way:
 
-* ``pipe.relayout(partition=...)``: its own parts (agreement, groups, build, move, release: ``Layout.seconds``)
-  and the bytes that crossed processes;
-* ``sw.checkpoint.save`` + a new Pipeline of the new cut + ``sw.checkpoint.load``: what a restart does in its
-  processes (the processes' own start, the interpreter and torch imports, is not counted: a restart adds it).
+* ``pipe.relayout(partition=...)``: its own parts (agreement, groups, build, move, fill, commit, release:
+  ``Layout.seconds``) and the bytes that crossed processes;
+* a restart: every rank starts a new interpreter importing torch and stagewise at once (``start``: timed on
+  rank 0; the new processes' rendezvous is not counted), then ``sw.checkpoint.save`` + a new Pipeline of the
+  new cut + ``sw.checkpoint.load`` in the running processes.
 
 Reported on rank 0 (the median over the moves): seconds per part, MiB moved and MiB/s, and the ratio of the two
 totals. Timings depend on the machine's load: report ``uptime`` beside them.
@@ -28,16 +29,25 @@ from typing import Any
 
 from ._launch import launched, on_ranks
 
-RANKS, PER_RANK = 4, 8
+PER_RANK = 8
 
 
-def _model(d: int) -> list[Any]:
+def _model(d: int, ranks: int) -> list[Any]:
     import torch
     from torch import nn
 
     import stagewise as sw
 
-    return [sw.Layer(nn.Linear, d, d, dtype=torch.float32) for _ in range(RANKS * PER_RANK)]
+    return [sw.Layer(nn.Linear, d, d, dtype=torch.float32) for _ in range(ranks * PER_RANK)]
+
+
+def _start() -> float:
+    """Seconds for a new interpreter to import torch and stagewise (every rank starts one at once)."""
+    import subprocess
+
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import torch, stagewise"], check=True)
+    return time.perf_counter() - started
 
 
 def _width(mib: float) -> int:
@@ -46,7 +56,7 @@ def _width(mib: float) -> int:
     return max(8, int(per_layer**0.5))
 
 
-def _one(mib: float, repeats: int, rank: int) -> dict[str, Any]:
+def _one(mib: float, repeats: int, ranks: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
@@ -55,9 +65,9 @@ def _one(mib: float, repeats: int, rank: int) -> dict[str, Any]:
     d = _width(mib)
     adam = lambda params: torch.optim.Adam(params, lr=1e-3)  # noqa: E731
     options: dict[str, Any] = {"loss_fn": torch.nn.functional.mse_loss, "optimizer": adam, "microbatches": 4}
-    cuts = [[PER_RANK] * RANKS, [PER_RANK + 1, PER_RANK - 1, PER_RANK, PER_RANK]]
+    cuts = [[PER_RANK] * ranks, [PER_RANK + 1, PER_RANK - 1] + [PER_RANK] * (ranks - 2)]
     x = torch.randn(8, d)
-    pipe = sw.Pipeline(_model(d), partition=cuts[0], **options)
+    pipe = sw.Pipeline(_model(d, ranks), partition=cuts[0], **options)
     pipe.train_step(x, x)
     live: list[dict[str, float]] = []
     restart: list[dict[str, float]] = []
@@ -67,13 +77,17 @@ def _one(mib: float, repeats: int, rank: int) -> dict[str, Any]:
         layout = pipe.relayout(partition=cut)
         live.append({**layout.seconds, "mib": layout.bytes_moved / 2**20})
         dist.barrier()
+        start = _start()
+        dist.barrier()
         started = time.perf_counter()
         sw.checkpoint.save(root, pipe, step=k, keep=1)
         saved = time.perf_counter()
-        fresh = sw.Pipeline(_model(d), partition=cuts[k % 2], **options)
+        fresh = sw.Pipeline(_model(d, ranks), partition=cuts[k % 2], **options)
         built = time.perf_counter()
         sw.checkpoint.load(root, fresh)
-        restart.append({"save": saved - started, "build": built - saved, "load": time.perf_counter() - built})
+        restart.append(
+            {"start": start, "save": saved - started, "build": built - saved, "load": time.perf_counter() - built}
+        )
         del fresh
     return {"d": d, "live": live, "restart": restart}
 
@@ -81,13 +95,14 @@ def _one(mib: float, repeats: int, rank: int) -> dict[str, Any]:
 def _report(mib: float, got: dict[str, Any]) -> str:
     med = lambda rows, key: statistics.median(r[key] for r in rows)  # noqa: E731
     live, restart = got["live"], got["restart"]
-    parts = ["agreement", "groups", "build", "move", "release"]
+    parts = ["agreement", "groups", "build", "move", "fill", "commit", "release"]
+    again_parts = ("start", "save", "build", "load")
     live_total = sum(med(live, p) for p in parts)
-    restart_total = sum(med(restart, p) for p in ("save", "build", "load"))
+    restart_total = sum(med(restart, p) for p in again_parts)
     moved = med(live, "mib")
     rate = moved / med(live, "move") if med(live, "move") > 0 else float("nan")
     cells = " | ".join(f"{med(live, p) * 1e3:.1f}" for p in parts)
-    again = " | ".join(f"{med(restart, p) * 1e3:.1f}" for p in ("save", "build", "load"))
+    again = " | ".join(f"{med(restart, p) * 1e3:.1f}" for p in again_parts)
     return (
         f"| {mib:g} | {got['d']} | {cells} | {live_total * 1e3:.1f} | {moved:.2f} | {rate:.0f} | {again} "
         f"| {restart_total * 1e3:.1f} | {restart_total / live_total:.1f}x |"
@@ -101,24 +116,26 @@ def worker(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     env = sw.init()
-    rows = [_report(mib, _one(mib, args.repeats, env.rank)) for mib in args.mib]
+    rows = [_report(mib, _one(mib, args.repeats, env.world_size)) for mib in args.mib]
     if env.rank == 0:
         head = (
-            "| MiB/rank | d | agree ms | groups ms | build ms | move ms | release ms | re-layout ms | MiB moved "
-            "| MiB/s | save ms | build ms | load ms | save+build+load ms | ratio |"
+            f"{env.world_size} ranks\n| MiB/rank | d | agree ms | groups ms | build ms | move ms | fill ms | commit ms "
+            "| release ms | re-layout ms | MiB moved | MiB/s | start ms | save ms | build ms | load ms | restart ms "
+            "| ratio |"
         )
-        print("\n".join([head, "|---" * 15 + "|", *rows]), flush=True)  # noqa: T201 (a benchmark's table)
+        print("\n".join([head, "|---" * 18 + "|", *rows]), flush=True)  # noqa: T201 (a benchmark's table)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=float, nargs="+", default=[1.0, 4.0], help="parameters + Adam, MiB per rank")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--ranks", type=int, default=4, help="processes (2 or more)")
     args = parser.parse_args()
     if launched():
         worker(args)
     else:
-        sys.exit(on_ranks(RANKS, "benchmarks.relayout", sys.argv[1:], OMP_NUM_THREADS="1"))
+        sys.exit(on_ranks(args.ranks, "benchmarks.relayout", sys.argv[1:], OMP_NUM_THREADS="1"))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 schedule, all in the same processes; the state moves exactly (see docs/guides/relayout.md).
 
     stagewise run -n 4 examples/relayout.py
+    stagewise run -n 4 examples/relayout.py --timeline docs/relayout-timeline.png   # a step before and after
 
 Every process reads the same global batch and passes its share (``pipe.local_batch``), so nothing about the
 data changes when the stage-0 and last ranks do.
@@ -53,11 +54,13 @@ def train(pipe: sw.Pipeline, steps: range, rank: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=3, help="steps between two re-layouts")
+    parser.add_argument("--timeline", default=None, help="draw the last step before and after the re-layouts here")
     args = parser.parse_args()
     env = sw.init()
     opt = lambda params: torch.optim.Adam(params, lr=1e-2)  # noqa: E731 (the pipeline's own: it moves along)
     pipe = sw.Pipeline(layers(), loss_fn=loss_fn, optimizer=opt, microbatches=4, seed=0)
     train(pipe, range(0, args.steps), env.rank)
+    before = pipe.timeline(gather=True) if args.timeline else None  # (a collective: every process)
     half = list(range(max(1, env.world_size // 2)))
     layout = pipe.relayout(half)  # every process calls it; the others now hold nothing
     if env.rank == 0:
@@ -68,6 +71,15 @@ def main() -> None:
     if env.rank == 0:
         log.warning("now on %s (%s): inputs at %s", layout.members, layout.schedule, layout.inputs_at)
     train(pipe, range(2 * args.steps, 3 * args.steps), env.rank)
+    if before is not None:
+        after = pipe.timeline(gather=True)
+        if env.rank == 0:
+            from stagewise.render import render_stack
+
+            took = sum(layout.seconds.values()) * 1e3
+            titles = ["before (1F1B)", "after relayout([0, 1]), then relayout(schedule='gpipe')"]
+            title = f"A step before and after two live re-layouts (the second took {took:.0f} ms)"
+            render_stack([before, after], args.timeline, titles=titles, title=title)
 
 
 if __name__ == "__main__":

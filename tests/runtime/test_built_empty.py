@@ -3,6 +3,8 @@ storage, with no initialisation computed, unless its state would not be whole (t
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -62,3 +64,62 @@ def test_a_module_given_as_is_stays_itself() -> None:
     eager = nn.Linear(2, 2)
     with built_empty():
         assert build_stage_layer(eager, 0, 0, None) is eager
+
+
+class Tied(nn.Module):
+    """A model built whole: a tied embedding and head, a non-persistent buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(5, 3)
+        self.head = nn.Linear(3, 5, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("freq", torch.arange(3.0), persistent=False)
+
+
+def test_meta_twin_keeps_structure_ties_and_transient_buffers() -> None:
+    from stagewise.runtime.frontends.meta_twin import meta_twin
+
+    model: Any = Tied()
+    model.head.register_forward_hook(lambda m, a, out: out)  # a user's hook: kept
+    twin: Any = meta_twin(model)
+    assert all(p.is_meta for p in twin.parameters())
+    assert twin.head.weight is twin.embed.weight  # the tie holds
+    assert not twin.freq.is_meta and torch.equal(twin.freq, model.freq)  # no state moves it: copied
+    assert len(twin.head._forward_hooks) == 1
+    assert not model.embed.weight.is_meta  # the model itself untouched
+
+
+def test_given_storage_only_inside_built_empty_and_keeps_ties() -> None:
+    from stagewise.runtime.frontends.meta_twin import given_storage, meta_twin
+
+    twin: Any = meta_twin(Tied())
+    given_storage([twin.embed], twin, "cpu")
+    assert twin.embed.weight.is_meta  # outside built_empty: nothing
+    with built_empty():
+        given_storage([twin.embed], twin, "cpu")
+    assert not twin.embed.weight.is_meta and twin.head.weight is twin.embed.weight
+    assert torch.equal(twin.embed.weight, torch.zeros(5, 3))  # zeroed, never initialised
+
+
+def test_given_storage_refuses_a_freed_transient_buffer() -> None:
+    from stagewise.runtime.frontends.meta_twin import given_storage
+
+    model = Tied()
+    model.freq = torch.empty(3, device="meta")
+    with built_empty():
+        try:
+            given_storage([model], model, "cpu")
+        except ValueError as err:
+            assert "non-persistent buffer 'freq'" in str(err)
+        else:
+            raise AssertionError("a freed non-persistent buffer was given empty storage")
+
+
+def test_freeing_other_stages_keeps_ties() -> None:
+    """A tie freed on a rank holding neither use stays one meta tensor, so a re-layout still finds it."""
+    from stagewise.runtime.frontends.from_model import free_other_stages
+
+    model = Tied()
+    free_other_stages(model, set())
+    assert model.embed.weight.is_meta and model.head.weight is model.embed.weight

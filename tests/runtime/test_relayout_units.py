@@ -81,4 +81,9 @@ def test_each_way_in_refuses_what_it_cannot_change() -> None:
     import torch
 
     scheduled = Options(optimizer=torch.optim.SGD, lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1))
-    assert "lr_scheduler= is not carried over" in local_refusals(layers, scheduled, calm, {"partition": [1, 1]})[0]
+    assert local_refusals(layers, scheduled, calm, {"partition": [1, 1]}) == []  # its state is carried over
+    from stagewise.runtime.frontends.from_model import FromModel
+
+    built = FromModel(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
+    assert local_refusals(built, Options(), calm, {"partition": [1, 1]}) == []  # its meta twin is cut again
+    assert "profiles the model" in local_refusals(built, Options(), calm, {"partition": "time"})[0]

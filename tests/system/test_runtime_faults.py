@@ -166,3 +166,16 @@ def test_when_every_rank_fails_at_once_none_waits_for_the_others(tmp_path: Path)
     for r in range(WORLD):
         assert "CheckpointError: no checkpoint at" in logs[r], logs[r][-2000:]
         assert "terminate called" not in logs[r] and "Fatal Python error" not in logs[r], logs[r][-2000:]
+
+
+def test_a_process_killed_during_a_relayout(tmp_path: Path) -> None:
+    """Rank 1 posts its re-layout transfers and dies (os._exit: no error posted anywhere). Every survivor raises a
+    PipelineError naming it within the deadline (no hang) and still holds the layout from before the call."""
+    codes, reports, _ = run_ranks(tmp_path, hang=False, extra=("--relayout",))
+    survivors = [r for r in range(WORLD) if r != VICTIM]
+    assert codes[VICTIM] == 17, codes
+    for r in survivors:
+        text = reports.get(r, "")
+        assert codes[r] == 1 and text.startswith("PipelineError: "), f"rank {r}: exit {codes[r]}: {text}"
+        assert re.search(rf"\brank {VICTIM}\b", text.splitlines()[0]), text
+        assert text.endswith("the layout from before kept: True)"), text

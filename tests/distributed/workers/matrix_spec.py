@@ -59,7 +59,6 @@ HETPIPE_TIED = "HetPipe does not take tied modules"
 HETPIPE_NO_SYNC = "HetPipe does not take no_sync()"
 HETPIPE_SNAPSHOT = "HetPipe does not take snapshot="
 HETPIPE_RELAYOUT = "HetPipe.relayout: refused"
-FREED_RELAYOUT = "freed the other ranks' parts of the model"
 PLAN_RELAYOUT = "set by the plan of this pipeline"
 
 _REFUSED: dict[tuple[str, str], tuple[str, str]] = {
@@ -73,8 +72,6 @@ _REFUSED: dict[tuple[str, str], tuple[str, str]] = {
     ("hetpipe", "merge"): (HETPIPE_NO_SYNC, "each wave's update is pushed to the other virtual workers as it ends"),
     ("hetpipe", "snapshot"): (HETPIPE_SNAPSHOT, "a virtual worker's state includes the wave rule's: use checkpoints"),
     ("hetpipe", "relayout"): (HETPIPE_RELAYOUT, "the virtual workers and the wave rule are laid out together"),
-    ("from_model", "relayout"): (FREED_RELAYOUT, "the other ranks' parts were freed: build with free_unused=False"),
-    ("from_hf", "relayout"): (FREED_RELAYOUT, "the other ranks' parts were freed: build with free_unused=False"),
     ("from_plan", "relayout"): (PLAN_RELAYOUT, "the plan sets the layout: re-layout with plan="),
     ("from_stages", "tied"): (FROM_STAGES_TIED, "a tie across ranks is invisible to stages built apart"),
     ("from_plan", "async"): (PLAN_ASYNC, "the planner searches synchronous schedules only"),

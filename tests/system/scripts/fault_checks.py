@@ -40,6 +40,7 @@ import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -92,6 +93,7 @@ def main() -> None:
     parser.add_argument("--job", default="job", help="prefix of this job's process group in the store")
     parser.add_argument("--run-id", default=None, help="join as torchrun's workers do, with this run id")
     parser.add_argument("--refused", action="store_true", help="every rank fails at once (a missing checkpoint)")
+    parser.add_argument("--relayout", action="store_true", help="the victim is killed during a pipe.relayout()")
     args = parser.parse_args()
     torch.set_num_threads(1)
     store = join(args)
@@ -120,6 +122,8 @@ def main() -> None:
         sys.stdout.flush()
         os._exit(code)
     pipe.train_step(x, y)
+    if args.relayout:
+        killed_in_relayout(pipe, args)
     Tripwire.armed, Tripwire.fire_at = args.rank == args.victim, 2  # the third forward: micro-batch 2
     Tripwire.hang, Tripwire.raises = args.hang, args.mesh
     started = time.perf_counter()
@@ -137,6 +141,35 @@ def main() -> None:
     if args.mesh and args.rank == args.victim:
         time.sleep(3600)  # alive, connections open: the others must not rely on a closed socket
     os._exit(code)  # no teardown: the process group has a dead member
+
+
+def killed_in_relayout(pipe: sw.Pipeline, args: argparse.Namespace) -> None:
+    """The victim posts its re-layout transfers and dies (``os._exit``: nothing posted on any board); each other
+    rank reports its error and whether its pipeline still holds the layout from before the call."""
+    wire = sw.runtime.comm.relayout_wire
+
+    def dies(ops: Any, group: Any, wait: Any) -> None:
+        for kind, tensor, peer in ops:
+            (dist.isend if kind == "send" else dist.irecv)(tensor, peer, group=group)
+        os._exit(VICTIM_EXIT)
+
+    if args.rank == args.victim:
+        wire.post = dies
+    ranges = [(r.start, r.stop) for r in pipe.layer_ranges]
+    started = time.perf_counter()
+    try:
+        pipe.relayout(partition=[4] + [3] * (args.world - 2) + [3])
+        text, code = "no error: the re-layout completed", 2
+    except sw.PipelineError as err:
+        text, code = f"PipelineError: {err}", 1
+    except BaseException:
+        text, code = traceback.format_exc(), 3
+    kept = [(r.start, r.stop) for r in pipe.layer_ranges] == ranges
+    text += f"\n(after {time.perf_counter() - started:.2f} s; the layout from before kept: {kept})"
+    (args.out / f"rank{args.rank}.txt").write_text(text)
+    sys.stderr.write(f"rank {args.rank}: {text}\n")
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def join(args: argparse.Namespace) -> dist.TCPStore | None:

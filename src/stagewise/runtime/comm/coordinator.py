@@ -191,6 +191,14 @@ class DeadlineStore:
                 raise box["error"]
             return box.get("value")
 
+    def close(self) -> None:
+        """End the helper thread, so that a board let go leaves none behind (a later call starts another); one
+        stuck in a call is left to end with the process (a daemon)."""
+        with self._lock:
+            if self._helper is not None and not self._stuck:
+                self._jobs.put(("", (), {}, threading.Event()))
+            self._helper = None
+
     def check(self, keys: list[str]) -> bool:
         return bool(self._call("check", keys))
 
@@ -211,7 +219,7 @@ def _serve(jobs: queue.SimpleQueue[Any], store: Any) -> None:
     """A :class:`DeadlineStore`'s helper: its calls, one at a time, until the store is collected (None)."""
     while True:
         job = jobs.get()
-        if job is None:
+        if job is None or not job[0]:  # the store was collected, or closed (DeadlineStore.close)
             return
         name, args, box, done = job
         try:

@@ -51,6 +51,7 @@ from ...ir import Schedule
 from ...partition import check_options, needs_profile, stage_counts, stages_per_rank_note
 from ..measure.profiling import LayerProfile, model_blocks, profile_blocks, steadiest
 from .balance import ROUNDS, caps_explained, in_flight, on_first_rank, per_stage
+from .meta_twin import given_storage
 from .parts import BUILT_MODEL, Parts
 from .split import SplitError, collect_tags, split_model
 from .split.trace import first_calls, trace
@@ -134,6 +135,7 @@ class FromModel:
         unsaved = unsaved_names(split.stage_modules, split.tied, sched.placement, ctx.rank, model)
         if options.free_unused:
             free_unheld(model, mine.values())
+        given_storage(mine.values(), model, ctx.device)  # (a re-layout's build from a meta twin: filled after)
         names = sorted({name for gm in split.stage_modules for name in _attributes(gm)})
         cut = ModelCut(split.stage_inputs, dict(split.module_stages), split.blocks)
         del split  # it holds every stage; this rank keeps its own only
@@ -210,17 +212,20 @@ def _block_counts(
 
 
 def free_other_stages(model: nn.Module, keep: set[int]) -> int:
-    """Move every parameter and buffer of ``model`` not in ``keep`` (ids) to the meta device; bytes freed."""
+    """Move every parameter and buffer of ``model`` not in ``keep`` (ids) to the meta device; bytes freed. A tensor
+    several modules hold stays one (meta) tensor, so the model's ties stay visible (a re-layout cuts it again)."""
     freed = 0
+    made: dict[int, Any] = {}
     for module in model.modules():
         for store in (module._parameters, module._buffers):
             for name, t in list(store.items()):
-                if t is None or id(t) in keep or t.is_meta:
+                if t is None or id(t) in keep or (t.is_meta and id(t) not in made):
                     continue
-                freed += t.numel() * t.element_size()
-                meta = t.detach().to("meta")
-                held = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
-                store[name] = held  # type: ignore[assignment]  # (the buffers' dict holds plain tensors)
+                if id(t) not in made:
+                    freed += t.numel() * t.element_size()
+                    meta = t.detach().to("meta")
+                    made[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
+                store[name] = made[id(t)]
     return freed
 
 

@@ -163,6 +163,11 @@ def built_empty() -> Iterator[None]:
         _empty.reset(token)
 
 
+def building_empty() -> bool:
+    """Whether the stages built now are filled by their caller (inside :func:`built_empty`)."""
+    return _empty.get()
+
+
 def build_stage_layer(layer: LayerLike, index: int, seed: int, device: Any) -> nn.Module:
     """:func:`build_layer` for a stage held here, on ``device``. Under :func:`built_empty` a spec is built on
     ``meta`` and given empty storage, unless it cannot be (its factory fails on meta) or its state would not be

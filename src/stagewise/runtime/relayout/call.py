@@ -1,6 +1,7 @@
 """``Pipeline.relayout``: the same processes (or fewer, or more) take a new layout, exactly, without a restart.
 
-A collective over every process of the world, in five parts (each timed in :attr:`Layout.seconds`):
+A collective over every process of the world, in five parts (timed in :attr:`Layout.seconds`: agreement, groups,
+build, move, fill, commit, release):
 
 1. *agreement*: one small exchange (the request's digest, each process's progress and refusals); a bad
    request raises the same ``ValueError`` everywhere before any group is made or any tensor moves;
@@ -24,7 +25,6 @@ needs nothing; a sampler of one's own reads :attr:`Layout.inputs_at` / :attr:`La
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -43,7 +43,10 @@ from ..frontends.layers import built_empty
 from ..frontends.parts import Frontend
 from ..frontends.plan import FromPlan
 from ..options import Options
+from .carried import restore_schedulers, retire, scheduler_state, tell
+from .clock import Clock
 from .fill import fill
+from .models import release_model, twin_of
 from .request import digest, local_refusals, members_of, refuse_alike, subgroups_ahead
 from .transfers import Transfers, bytes_moved, plan_transfers
 
@@ -88,12 +91,12 @@ def relayout(
     world, me = groups.world_size(), groups.global_rank()
     chosen = members_of(members, world)
     old = pipe if isinstance(pipe, PipelineState) else None
-    clock = _Clock()
+    clock = Clock()
     _calls[0] += 1
     guard = _guard("agreement", options.timeout, me)
     agreeing = storage.Ranks(None, me, world, torch.device("cpu"), True, guard, options.timeout, True)
     try:
-        progress = _agree(agreeing, old, frontend, options, chosen, changes, plan)
+        progress, schedule = _agree(agreeing, old, frontend, options, chosen, changes, plan)
     finally:
         agreeing.close()
     clock.lap("agreement")
@@ -110,9 +113,9 @@ def relayout(
             with built_empty():  # every tensor is filled below: none initialised only to be overwritten
                 new = build(*_new_source(frontend, options, changes, plan, group))
         clock.lap("build")
-        moved, everyone = _move(old, new, ranks, progress)
+        moved, everyone = _move(old, new, ranks, progress, schedule, clock)
         storage.gather(None, ranks, "every process to have filled its new stages")  # the commit point
-        clock.lap("move")
+        clock.lap("commit")
     except BaseException as err:
         new = None  # half-filled: dropped; the user's object still holds the old layout, whole
         posted = _failed(ranks, err)
@@ -126,11 +129,16 @@ def relayout(
         ranks.close()
         relayout_wire.release(exchange)
     stale = _stale_groups(old, [group, *prepared])
+    before = list(pipe.parameters())
     _become(pipe, new, frontend, options, build)
+    retire(before, pipe.parameters())  # a user's optimizer over them is refused at its next step
+    release_model(frontend, options)
     for made in stale:
         relayout_wire.release(made)
     clock.lap("release")
-    return _layout(None if new is None else pipe, chosen, everyone, moved, clock.seconds)
+    layout = _layout(None if new is None else pipe, chosen, everyone, moved, clock.seconds)
+    tell(layout)  # on_relayout listeners (a sampler of one's own)
+    return layout
 
 
 def _guard(part: str, timeout: float, me: int) -> Guard:
@@ -180,17 +188,6 @@ class Retired(nn.Module):
 
 
 # ---- the parts ------------------------------------------------------------------------------
-class _Clock:
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-        self.last = time.perf_counter()
-
-    def lap(self, part: str) -> None:
-        now = time.perf_counter()
-        self.seconds[part] = now - self.last
-        self.last = now
-
-
 def _agree(
     ranks: storage.Ranks,
     old: PipelineState | None,
@@ -199,8 +196,8 @@ def _agree(
     chosen: tuple[int, ...],
     changes: Mapping[str, Any],
     plan: Any,
-) -> Progress:
-    """The one small exchange: every process's request digest, progress and refusals; refused alike."""
+) -> tuple[Progress, Any]:
+    """The one small exchange: every process's request digest, progress, LR schedule and refusals; refused alike."""
     progress = None if old is None else progress_of(old)
     refused = local_refusals(frontend, options, progress, changes)
     if changes.get("parallel", options.parallel) is not None and len(chosen) != ranks.size:
@@ -208,18 +205,20 @@ def _agree(
     if plan is not None and not isinstance(frontend, (LayerList, FromPlan)):
         refused.append(f"plan= re-cuts a layer list (Pipeline(layers) or from_plan), not {frontend.entry}")
     mine = {"digest": digest(chosen, changes, plan), "refused": refused, "progress": progress and asdict(progress)}
+    mine["scheduler"] = scheduler_state(old)
     everyone = storage.gather(mine, ranks, "every process's re-layout request")
     refuse_alike(everyone)
-    held = [e["progress"] for e in everyone if e["progress"] is not None]
+    held = [e for e in everyone if e["progress"] is not None]
     if not held:
         raise ValueError("relayout: no process holds a part of the pipeline: there is no state to lay out")
-    return Progress(**held[0])
+    return Progress(**held[0]["progress"]), held[0]["scheduler"]
 
 
 def _new_source(
     frontend: Frontend, options: Options, changes: Mapping[str, Any], plan: Any, group: Any
 ) -> tuple[Frontend, Options]:
     """The way in and the options of the new layout: the user's own options, the changes on top."""
+    frontend = twin_of(frontend, options)  # a model built whole, its other parts freed: its structure on meta
     given = {k: getattr(options, k) for k in options.given if k not in ("group", "parallel")}
     if options.parallel is not None and "parallel" not in changes:
         given["parallel"] = options.parallel
@@ -235,9 +234,15 @@ def _new_source(
 
 
 def _move(
-    old: PipelineState | None, new: nn.Module | None, ranks: storage.Ranks, progress: Progress
+    old: PipelineState | None,
+    new: nn.Module | None,
+    ranks: storage.Ranks,
+    progress: Progress,
+    schedule: Any,
+    clock: Clock,
 ) -> tuple[int, list[dict[str, Any]]]:
-    """Part 4: every tensor of the new stages from its owner; optimizer state by name; the progress."""
+    """Part 4: every tensor of the new stages from its owner; optimizer state by name; the progress; the LR
+    schedule."""
     held, optim = _inventory(old)
     listed = storage.gather(
         {"held": sorted(held), "described": state.describe(held), "optimizer": optim}, ranks, "the tensors held"
@@ -259,11 +264,14 @@ def _move(
     ]
     storage.agree(missing, ranks, "relayout: the new layout needs tensors the old one does not have")
     got = _post(transfers, held, described, ranks)
+    clock.lap("move")
     if new is not None:
         kept = {n: held[n] for n in transfers.kept[ranks.rank]}
         fill(new, targets, {**kept, **got}, record, kept)
         assert isinstance(new, PipelineState)
         restore_progress(new, progress)
+        restore_schedulers(new, schedule)
+    clock.lap("fill")
     sizes = {n: _bytes(d) for n, d in described.items()}
     return bytes_moved(transfers, sizes), needs
 

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from itertools import combinations
 from typing import Any
 
+from ...partition import needs_profile
 from ..checkpoint.declared import Progress
 from ..frontends.given import GivenStages
 from ..frontends.layer_list import LayerList
@@ -69,11 +70,6 @@ def local_refusals(
         )
     if frontend is None or options is None:
         return out
-    if options.lr_scheduler is not None:  # (the new stages' schedulers would start again: a silent warm-up)
-        out.append(
-            "lr_scheduler= is not carried over yet: the new layout's schedulers would start from step 0; "
-            "save a checkpoint and resume it at the new layout instead"
-        )
     if isinstance(frontend, GivenStages):
         moved = sorted(k for k in changes if k not in SAME_PLACEMENT)
         if moved:
@@ -85,10 +81,12 @@ def local_refusals(
         clash = ", ".join(f"{k}=" for k in sorted(set(changes) & set(frontend.plan.pipeline_options())))
         out.append(f"{clash} set by the plan of this pipeline (from_plan): pass relayout(plan=...) instead")
     elif not isinstance(frontend, (LayerList, FromPlan)) and options.free_unused:
-        out.append(
-            f"{frontend.entry} freed the other ranks' parts of the model when it was built (free_unused=True): "
-            "build it with free_unused=False to re-layout it"
-        )
+        how = changes.get("partition", options.partition)
+        if needs_profile(how, changes.get("memory_caps", options.memory_caps)):
+            out.append(
+                f"partition={how!r} profiles the model, whose other ranks' parts {frontend.entry} freed "
+                "(free_unused=True): give partition= as counts or 'parameters', or build it with free_unused=False"
+            )
     hybrid = changes.get("parallel", options.parallel)
     if hybrid is not None and not hasattr(hybrid, "pp"):
         out.append("parallel= must be a ParallelConfig for a re-layout (a built Mesh holds the old groups)")

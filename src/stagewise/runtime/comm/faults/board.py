@@ -52,6 +52,12 @@ class ErrorBoard:
         self.failure: str | None = None
         self._on_failure: list[Callable[[], None]] = []
 
+    def close(self) -> None:
+        """Let go of the store's helper thread (a later read or post starts another)."""
+        close = getattr(self.store, "close", None)
+        if close is not None:
+            close()
+
     def when_failed(self, fn: Callable[[], None]) -> None:
         """Run ``fn()`` once this board knows a failure (at once if it already does): posted here or read."""
         if self.failure is not None:

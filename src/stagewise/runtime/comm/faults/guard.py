@@ -207,8 +207,9 @@ class Guard:
             time.sleep(0.0002)
 
     def close(self) -> None:
-        """Stop the helper threads (a later wait starts new ones)."""
+        """Stop the helper threads: the waiters and the board's store helper (a later wait starts new ones)."""
         self._waiters.close()
+        self.board.close()
 
 
 _setup_guards = 0

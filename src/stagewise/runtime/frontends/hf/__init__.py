@@ -46,6 +46,7 @@ from ....partition import stages_per_rank_note
 from ...losses import causal_lm_loss, count_tokens
 from ..balance import plan_layers
 from ..from_model import free_unheld
+from ..meta_twin import given_storage
 from ..parts import BUILT_MODEL, LAYERS_ONLY, Parts
 from ..tied import Tied, TiedBuilder
 from .check import check_model
@@ -122,8 +123,10 @@ class FromHF:
         mine = {s: HFStage(model, layout, plan.ranges[s], first=s == 0, last=s == last) for s in ctx.local_stages}
         held = [name for st in mine.values() for _, name in st.names]
         tied = _ties(model, layout, n)  # before freeing: every rank must know the tie (its groups are made by all)
+        kept = [*mine.values(), *(m for st in mine.values() for m in st.kept)]
         if options.free_unused:
-            free_unheld(model, [*mine.values(), *(m for st in mine.values() for m in st.kept)])
+            free_unheld(model, kept)
+        given_storage(kept, model, ctx.device)  # (a re-layout's build from a meta twin: filled after)
         log.info(
             "stagewise: rank %d holds stages %s (decoder layers %s) of %s",
             ctx.rank,
