@@ -2,7 +2,8 @@
 
 1. rank 0 profiles the layers alone on P's micro-batch (``sw.profile``, the loss too); every rank gets it;
 2. P (:func:`.space.calibrating`) runs 2 warm-up and 3 steps under a
-   :class:`~stagewise.runtime.RunCalibrator` (the default warm-up and window), which calibrates;
+   :class:`~stagewise.runtime.RunCalibrator` (the default warm-up and window), which calibrates; the link's
+   bandwidth a ping-pong's (:func:`prior_bandwidth`) where P's transfers cannot identify it;
 3. for each Q of :func:`.space.held_out`, in the seeded order: the prediction first, from the calibration only
    (:func:`stagewise.planning.recalibrate.held_out_costs`: Q's cut, its micro-batch, its replicas' SYNC; the
    ranks sharing the node's cores); then Q runs ``--warmup`` untimed and ``--steps`` timed steps (each from a
@@ -28,6 +29,9 @@ from stagewise.partition import stage_counts
 from stagewise.planning.recalibrate import held_out_costs
 from stagewise.runtime import RunCalibrator
 
+# internal: the ping-pong probe alone (calibrate() probes much else), for the link's prior bandwidth
+from stagewise.runtime.measure.links import ping_pong
+
 from .._launch import timed_step
 from ..fidelity.workloads import workloads
 from .space import GLOBAL_BATCH, PlanSpec, calibrating, held_out
@@ -40,6 +44,12 @@ def alone_profile(work: Any, x: Any, y: Any) -> sw.LayerProfile:
         text = [sw.profile(model, x, repeats=5, warmup=2, rounds=2, loss_fn=work.loss, targets=y).to_json()]
     dist.broadcast_object_list(text, 0)
     return sw.LayerProfile.from_json(text[0])
+
+
+def prior_bandwidth() -> float:
+    """Bytes/s between ranks 0 and 1 (a ping-pong, 3 rounds): the bandwidth the calibration keeps where P's
+    transfers, all one size, cannot identify it (:mod:`stagewise.planning.link_fit`)."""
+    return ping_pong(0, 1, rounds=3, timeout=300).bandwidth if dist.get_world_size() > 1 else float("inf")
 
 
 def counts_for(plan: PlanSpec, layers: Any, profile: sw.LayerProfile, v: int) -> Any:
@@ -75,7 +85,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     b_p = GLOBAL_BATCH // p_plan.microbatches
     profile = alone_profile(work, x[:b_p], y[:b_p])
     pipe = build(work, p_plan, profile, x[:b_p])
-    calibrator = RunCalibrator(pipe, profile, processes=world)
+    calibrator = RunCalibrator(pipe, profile, processes=world, bandwidth=prior_bandwidth())
     while calibrator.calibration is None:
         pipe.train_step(x, y)
         calibrator.observe()

@@ -27,7 +27,7 @@ from stagewise.runtime import RunCalibrator
 
 from .._launch import timed_step
 from ..calibration.space import GLOBAL_BATCH, PlanSpec, calibrating, held_out
-from ..calibration.worker import alone_profile, build
+from ..calibration.worker import alone_profile, build, prior_bandwidth
 from ..fidelity.workloads import Workload, workloads
 from .report import best, pick
 
@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     b_p = GLOBAL_BATCH // p_plan.microbatches
     profile = alone_profile(work, x[:b_p], y[:b_p])
     pipe = build(work, p_plan, profile, x[:b_p])
-    calibrator = RunCalibrator(pipe, profile, processes=world)
+    calibrator = RunCalibrator(pipe, profile, processes=world, bandwidth=prior_bandwidth())
     while calibrator.calibration is None:
         pipe.train_step(x, y)
         calibrator.observe()
@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     steps = again(work, {"pick": plans[i], "best": plans[j]} if i != j else {"pick": plans[i]}, profile, args.again)
     steps.setdefault("best", steps["pick"])
     return {"workload": args.workload, "world": world, "plans": rows, "pick": plans[i].describe(),
-            "best": plans[j].describe(), "again": steps}  # fmt: skip
+            "best": plans[j].describe(), "again": steps, "calibration": calibrator.records[0]}  # fmt: skip
 
 
 def main() -> None:

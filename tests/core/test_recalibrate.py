@@ -53,7 +53,8 @@ def test_sharing_one_core_charges_each_event_the_rate_it_ran_at() -> None:
 def test_the_link_is_the_delay_of_the_transfers_a_rank_waited_for() -> None:
     """Rank 1's F0 waited 0.5 s for rank 0's F0, rank 0's B0 and B1 0.5 s for rank 1's; rank 1's F1 did not
     wait (its input came while B0 ran): one message size, so the median delay is the latency."""
-    assert fit_link([hand_timeline()], build_schedule("1f1b", 2, 2), [64.0, 64.0]) == (0.5, float("inf"))
+    fit = fit_link([hand_timeline()], build_schedule("1f1b", 2, 2), [64.0, 64.0])
+    assert (fit.latency, fit.bandwidth, fit.transfers) == (0.5, float("inf"), 3)
 
 
 def test_two_message_sizes_give_latency_and_bandwidth() -> None:
@@ -64,8 +65,9 @@ def test_two_message_sizes_give_latency_and_bandwidth() -> None:
     layers[0], layers[1] = replace(layers[0], output_bytes=100.0), replace(layers[1], output_bytes=300.0)
     profile = replace(profile, layers=tuple(layers))
     costs = profile.cost_model([0, 1, 2, 3], latency=0.1, bandwidth=1000.0)
-    latency, bandwidth = fit_link([simulate(schedule, costs).timeline], schedule, costs.output_bytes)
-    assert latency == pytest.approx(0.1, rel=1e-9) and bandwidth == pytest.approx(1000.0, rel=1e-9)
+    fit = fit_link([simulate(schedule, costs).timeline], schedule, costs.output_bytes)
+    latency, bandwidth = fit.latency, fit.bandwidth
+    assert fit.identified and latency == pytest.approx(0.1, rel=1e-9) and bandwidth == pytest.approx(1000.0, rel=1e-9)
 
 
 def test_held_out_plans_are_predicted_exactly_when_the_profile_is_off_by_a_factor_per_stage() -> None:

@@ -11,7 +11,8 @@ runtime hands every rank's events on one clock (``pipe.timeline(gather=True)``, 
   replays), so its own cost is the integral of that rate over the event, not its length;
 * **the link**: a receiving rank that sat idle until a compute action's input arrived shows the transfer's
   time, from the producing action's end to the consumer's start; ``latency + bytes / bandwidth`` is fitted
-  through those delays and the bytes each message carries (:func:`fit_link`);
+  through those delays and the bytes each message carries (:func:`stagewise.planning.link_fit.fit_link`),
+  the bandwidth only where the run's message sizes identify it (else the prior's, said in ``link``);
 * **the step**: each timeline's makespan; the model's own miss on the run (the measured median over the
   model's prediction of the same plan: what it cannot see of the step, SYNC and STEP and the interpreter)
   becomes a factor every prediction carries, and the step-to-step spread the interval's width.
@@ -31,8 +32,10 @@ from dataclasses import dataclass, replace
 from ..ir import Event, Kind, Schedule, Timeline
 from ..partition import LayerProfile
 from ..simulation import CostModel, shared_makespan
+from .link_fit import COMPUTE, fit_link
 
-COMPUTE = (Kind.F, Kind.B, Kind.I, Kind.W)
+__all__ = ["COMPUTE", "Prediction", "RunCalibration", "calibrate_run", "deshared", "fit_link", "held_out_costs"]
+
 #: z for an interval meant to hold 85 % of steps (a normal's 92.5th percentile)
 Z85 = 1.44
 #: the model's own error on a plan it was not calibrated on, before a held-out benchmark measures it
@@ -66,56 +69,6 @@ def stage_medians(timelines: Sequence[Timeline], cores: float) -> dict[Kind, dic
     return {k: {s: statistics.median(v) for s, v in by.items()} for k, by in seen.items()}
 
 
-def fit_link(timelines: Sequence[Timeline], schedule: Schedule, output_bytes: Sequence[float]) -> tuple[float, float]:
-    """``(latency, bandwidth)`` through the delays of the transfers a rank waited for (module docstring);
-    one message size: the median delay as latency, bandwidth infinite; no waited transfer: ``(0, inf)``."""
-    pairs = []
-    for timeline in timelines:
-        pairs += _waited_transfers(timeline, schedule, output_bytes)
-    if not pairs:
-        return 0.0, math.inf
-    sizes = {b for b, _ in pairs}
-    if len(sizes) == 1:
-        return max(0.0, statistics.median(d for _, d in pairs)), math.inf
-    n = len(pairs)
-    mb, md = sum(b for b, _ in pairs) / n, sum(d for _, d in pairs) / n
-    sxx = sum((b - mb) ** 2 for b, _ in pairs)
-    slope = sum((b - mb) * (d - md) for b, d in pairs) / sxx
-    if slope <= 0:
-        return max(0.0, md), math.inf
-    return max(0.0, md - slope * mb), 1.0 / slope
-
-
-def _waited_transfers(
-    timeline: Timeline, schedule: Schedule, output_bytes: Sequence[float]
-) -> list[tuple[float, float]]:
-    """(bytes, delay) for each compute action whose input came from another rank while its rank was idle."""
-    placement = schedule.placement
-    ends: dict[tuple[Kind, int, int | None], float] = {}
-    for e in timeline.events:
-        if e.action.kind in COMPUTE:
-            ends[(e.action.kind, e.action.stage, e.action.microbatch)] = e.end
-    busy_until: dict[int, float] = {}
-    out = []
-    last = schedule.num_stages - 1
-    for e in sorted(timeline.events, key=lambda x: x.start):
-        a = e.action
-        if a.kind in COMPUTE:
-            source = None
-            if a.kind is Kind.F and a.stage > 0:
-                source, nbytes = (Kind.F, a.stage - 1, a.microbatch), output_bytes[a.stage - 1]
-            elif a.kind in (Kind.B, Kind.I) and a.stage < last:
-                up = (Kind.B, a.stage + 1, a.microbatch)
-                source = up if up in ends else (Kind.I, a.stage + 1, a.microbatch)
-                nbytes = output_bytes[a.stage]
-            if source in ends and placement[source[1]] != placement[a.stage]:
-                sent = ends[source]
-                if busy_until.get(e.rank, -math.inf) < sent and e.start >= sent:
-                    out.append((float(nbytes), e.start - sent))
-        busy_until[e.rank] = max(busy_until.get(e.rank, -math.inf), e.end)
-    return out
-
-
 @dataclass(frozen=True)
 class Prediction:
     """A predicted step (seconds) and the interval meant to hold 85 % of measured steps."""
@@ -131,7 +84,7 @@ class RunCalibration:
 
     ``measured``: per kind, per stage, seconds on a core of its own; ``steps``: the timelines' makespans;
     ``bias``: measured median step over the model's prediction of the calibrating plan; ``cores``: what the
-    node's processes share.
+    node's processes share; ``link``: how the link was fitted (:attr:`~stagewise.planning.link_fit.LinkFit.note`).
     """
 
     counts: tuple[int, ...]
@@ -141,6 +94,7 @@ class RunCalibration:
     cores: float
     steps: tuple[float, ...]
     bias: float = 1.0
+    link: str = ""
 
     @property
     def measured_step(self) -> float:
@@ -250,10 +204,12 @@ def calibrate_run(
     prior: LayerProfile,
     counts: Sequence[int],
     cores: float,
+    prior_bandwidth: float = math.inf,
 ) -> RunCalibration:
     """Calibrate on the run of ``schedule`` cut by ``counts`` (layers per stage of ``prior``): ``timelines``
     (one per step, every rank on one clock) measured on ``cores`` shared cores; then the bias against the
-    model's own prediction of that plan (module docstring)."""
+    model's own prediction of that plan (module docstring). ``prior_bandwidth`` (bytes/s, e.g. a ping-pong's):
+    the link's bandwidth where the run's transfers cannot identify it."""
     if not timelines:
         raise ValueError("calibrate_run: no timelines (run a few steps first)")
     if sum(counts) != len(prior) or len(counts) != schedule.num_stages:
@@ -265,14 +221,15 @@ def calibrate_run(
     for c in counts:
         bounds.append(bounds[-1] + int(c))
     sent = prior.cost_model(bounds).output_bytes
-    latency, bandwidth = fit_link(timelines, schedule, sent)
+    link = fit_link(timelines, schedule, sent, prior_bandwidth)
     run = RunCalibration(
         counts=tuple(int(c) for c in counts),
         measured=stage_medians(timelines, cores),
-        latency=latency,
-        bandwidth=bandwidth,
+        latency=link.latency,
+        bandwidth=link.bandwidth,
         cores=cores,
         steps=tuple(t.makespan for t in timelines),
+        link=link.note,
     )
     own = run.predict(schedule, run.profile(prior).cost_model(bounds)).step
     return replace(run, bias=run.measured_step / own if own > 0 else 1.0)

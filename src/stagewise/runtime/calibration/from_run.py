@@ -20,6 +20,7 @@ What happened is kept as plain records (``records``: dicts with ``"event"``: ``"
 from __future__ import annotations
 
 import logging
+import math
 import os
 import statistics
 from collections.abc import Callable, Sequence
@@ -47,7 +48,9 @@ class RunCalibrator:
     but cannot move layers between stages); ``cores``: what the node's processes share (default: the CPUs
     this process may run on); ``processes``: how many processes compute on them (default: the ranks);
     ``speeds``: each rank's known speed while it calibrates (a re-plan's, after a straggler was named), so that
-    a slow rank's slowness stays its speed and is not taken for its layers' cost.
+    a slow rank's slowness stays its speed and is not taken for its layers' cost; ``bandwidth``: the link's
+    bytes/s where the run's transfers cannot identify it (one message size; e.g. a ping-pong's,
+    :func:`~stagewise.runtime.measure.links.ping_pong`), else infinite (the record's ``link`` says which).
     """
 
     def __init__(
@@ -61,6 +64,7 @@ class RunCalibrator:
         after: int = AFTER,
         on_event: Callable[[dict[str, Any]], None] | None = None,
         speeds: Sequence[float] | None = None,
+        bandwidth: float = math.inf,
     ) -> None:
         if after < 1 or warmup < 0:
             raise ValueError(f"RunCalibrator: after must be >= 1 and warmup >= 0, got {after}, {warmup}")
@@ -71,6 +75,7 @@ class RunCalibrator:
         self.processes = processes or pipe.num_ranks
         self.speeds = None if speeds is None else [float(x) for x in speeds]
         self.warmup, self.after = warmup, after
+        self.bandwidth = float(bandwidth)
         self.on_event = on_event
         self.records: list[dict[str, Any]] = []
         self.calibration: RunCalibration | None = None
@@ -101,7 +106,7 @@ class RunCalibrator:
 
     def _calibrate(self) -> None:
         schedule = self.pipe.schedule
-        cal = calibrate_run(self._calibrating, schedule, self.prior, self.counts, self.cores)
+        cal = calibrate_run(self._calibrating, schedule, self.prior, self.counts, self.cores, self.bandwidth)
         if self.speeds is not None:  # a rank known slow stays a slow rank: its stages' layers keep their costs
             at = [self.speeds[r] for r in schedule.placement]
             measured = {k: {s: v * at[s] for s, v in by.items()} for k, by in cal.measured.items()}
@@ -119,6 +124,7 @@ class RunCalibrator:
                 "interval_s": [self.prediction.low, self.prediction.high],
                 "latency_s": cal.latency,
                 "bandwidth_Bps": cal.bandwidth,
+                "link": cal.link,
                 "bias": cal.bias,
                 "cores": cal.cores,
             }

@@ -204,6 +204,7 @@ class Replanner:
             warmup=1,
             after=old.after,
             speeds=self.speeds,
+            bandwidth=old.bandwidth,
         )
         self.calibrator.on_event = old.on_event
         self._seen = self._makespans = 0
