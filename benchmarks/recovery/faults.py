@@ -52,7 +52,9 @@ def one_job(args: argparse.Namespace, machines: Any, out: Path, cases: list[str]
     out.mkdir(parents=True, exist_ok=True)
     script = ["--every", str(args.every), "--timeout", str(args.timeout), "--start-world", "6"]
     script += ["--inplace"] if args.inplace else []
-    extra = [*(["--in-place"] if args.inplace else []), *args.extra]
+    # in place, a machine cannot join a running job yet: the first round waits for all three (MAX closes it)
+    extra = ["--in-place", "--rdzv-conf", "last_call_timeout=60"] if args.inplace else []
+    extra += args.extra
     job = GuideJob(machines, out, script, port=29560 + len(loads) % 30, restarts=4 * len(cases) + 5, extra=extra)
     faults = start(job, 3, [0, 1, 2])
     for case in cases:
