@@ -76,7 +76,8 @@ def table(result: dict[str, Any], cases: list[str]) -> str:
     head = "| case | trials | to first step p50 / p95 / max s | others paused p50 / p95 / max s "
     head += "| redone (max) | rolled back (max) | skipped / twice | lines per survivor (max) |"
     lines = [head, "|---|---|---|---|---|---|---|---|"]
-    for case in [*cases, "back"]:
+    returns = any(i["event"]["kind"] == "back" for i in result["incidents"])
+    for case in [*cases, "back"] if returns else cases:
         got = [i for i in result["incidents"] if i["event"]["kind"] == case]
         ok = [i for i in got if i["recovered"]]
         first = rl.percentiles([i["to_first_step_s"] for i in ok])

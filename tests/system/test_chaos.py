@@ -1,6 +1,7 @@
 """Two minutes of chaos (``make elastic``; ``make chaos`` is the ten-minute benchmark): a seeded schedule of losses
 and returns on three namespace machines under the elastic guide's command, and what must hold whatever the
-times: every event absorbed before the next, in order; every run of the job equal, bit for bit in float64, to
+times: every event absorbed before the next, in order (the harness waits for each before the next is due: on
+a loaded machine the two minutes stretch); every run of the job equal, bit for bit in float64, to
 a fresh job of its size replayed from the same step; the final lineage whole (no step missing, no sample
 skipped or seen twice, no row from a superseded run) and equal to the one-process model's to rounding.
 
@@ -25,7 +26,7 @@ from helpers import models as mdl
 from helpers import netns
 
 pytestmark = [
-    pytest.mark.timeout(900),
+    pytest.mark.timeout(1200),
     pytest.mark.skipif(not os.environ.get("STAGEWISE_ELASTIC"), reason="two minutes of chaos: `make elastic`"),
 ]
 
@@ -38,7 +39,7 @@ def test_two_minutes_of_chaos(tmp_path: Path) -> None:
     script = ["--every", "1", "--timeout", "10", "--start-world", "6", "--keep-resumed"]
     with netns.make(f"cz{os.getpid() % 1000}", 4, subnet=os.getpid() % 100 + 140) as machines:
         job = ch.GuideJob(machines, tmp_path, script, port=29580, restarts=len(plan) + 5)
-        faults, began, ended = ch.chaos(job, plan, DURATION)
+        faults, began, ended = ch.chaos(job, plan, DURATION, absorb=600)
     rows = faults.rows()
     nexts = [e.at for e in faults.events[1:]] + [ended]
     costs = [rl.incident(rows, e, until) for e, until in zip(faults.events, nexts, strict=True)]

@@ -106,6 +106,8 @@ class Faults:
     def _event(self, kind: str, i: int, at: float) -> Event:
         event = Event(kind, i, at, self.world())
         self.events.append(event)
+        with open(self.job.out / "events.jsonl", "a") as f:  # (a run cut short can still be read)
+            f.write(json.dumps({**event.__dict__, "lines": self.lines_at[-1]}) + "\n")
         return event
 
     def log_lines(self) -> dict[int, int]:
@@ -207,14 +209,18 @@ def _replay_env() -> dict[str, str]:
 
 
 def chaos(job: GuideJob, plan: list[tuple[float, str, int]], duration: float, store_machine: int = 3,
-          workers: tuple[int, ...] = (0, 1, 2)) -> tuple[Faults, float, float]:  # fmt: skip
+          workers: tuple[int, ...] = (0, 1, 2), absorb: float = 0.0) -> tuple[Faults, float, float]:  # fmt: skip
     """Run ``plan`` (:func:`recovery_log.schedule`) on a job started here, from its first steps at full size for
-    ``duration`` seconds; then stop every machine. The faults (events, log lines), the start and the end."""
+    ``duration`` seconds; then stop every machine. The faults (events, log lines), the start and the end.
+    ``absorb``: after each event, wait (up to that many seconds) for the job to train at its new size before
+    going on - the order of events then holds on a machine of any speed (a test), the times are a floor."""
     faults = start(job, store_machine, list(workers))
     began = time.time()
     for at, kind, machine in plan:
         time.sleep(max(0.0, began + at - time.time()))
-        faults.back(machine) if kind == "back" else faults.lose(kind, machine)
+        event = faults.back(machine) if kind == "back" else faults.lose(kind, machine)
+        if absorb:
+            faults.absorbed(event, absorb)
     time.sleep(max(0.0, began + duration - time.time()))
     ended = time.time()
     faults.lines_at.append(faults.log_lines())
