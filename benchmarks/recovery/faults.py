@@ -20,28 +20,44 @@ from typing import Any
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    import recovery_log as rl
     from helpers import netns
 
     out = Path(args.keep or tempfile.mkdtemp(prefix="recovery-"))
     args.returns = args.returns and not args.inplace  # (the in-place path cannot take a machine back yet)
-    loads, found, samples, stale, steps = [os.getloadavg()[0]], [], {"missing_steps": 0, "skipped": 0, "twice": 0}, 0, 0
+    loads, failed = [os.getloadavg()[0]], ""
     began = time.time()
+    each = [[c] for _ in range(args.trials) for c in args.cases]  # a fresh job per trial
+    jobs = [list(args.cases) * args.trials] if args.returns else each
     with netns.make(f"rb{os.getpid() % 1000}", 4, subnet=args.subnet) as machines:
-        jobs = (
-            [list(args.cases) * args.trials] if args.returns else [[c] for _ in range(args.trials) for c in args.cases]
-        )
         for k, cases in enumerate(jobs):
-            faults = one_job(args, machines, out / f"job-{k}", cases, loads)
-            rows = faults.rows()
-            for e, ev in enumerate(faults.events):
-                found.append({"event": ev.__dict__, **rl.incident(rows, ev), "lines": faults.lines_per_machine(e)})
-            line = rl.lineage(rows)
-            samples = {key: samples[key] + n for key, n in rl.samples_check(line).items()}
-            stale, steps = stale + rl.stale_rows(rows), steps + len(line)
+            try:
+                one_job(args, machines, out / f"job-{k}", cases, loads)
+            except BaseException as err:  # (pytest's Failed too) what was measured before it still counts
+                failed = f"job-{k} failed: {str(err).splitlines()[0] if str(err) else type(err).__name__}"
+                break
+    return {**analyse(out), "loads": loads, "wall_s": time.time() - began, "failed": failed}
+
+
+def analyse(out: Path) -> dict[str, Any]:
+    """Every job's events (events.jsonl) against its rows (steps.jsonl), under ``out/job-*``."""
+    import recovery_log as rl
+
+    found, stale, steps = [], 0, 0
+    samples = {"missing_steps": 0, "skipped": 0, "twice": 0}
+    for folder in sorted(out.glob("job-*"), key=lambda p: int(p.name.split("-")[1])):
+        rows = [json.loads(x) for x in (folder / "steps.jsonl").read_text().splitlines()]
+        events = [json.loads(x) for x in (folder / "events.jsonl").read_text().splitlines()]
+        logs = {int(i): (folder / f"machine{i}.log").read_bytes().count(b"\n") for i in events[0]["lines"]}
+        for k, e in enumerate(events):
+            event = rl.Event(e["kind"], e["machine"], e["at"], e["world"])
+            after = {int(i): n for i, n in events[k + 1]["lines"].items()} if k + 1 < len(events) else logs
+            lines = {int(i): after[int(i)] - n for i, n in e["lines"].items() if int(i) != event.machine}
+            found.append({"event": event.__dict__, **rl.incident(rows, event), "lines": lines})
+        line = rl.lineage(rows)
+        samples = {key: samples[key] + n for key, n in rl.samples_check(line).items()}
+        stale, steps = stale + rl.stale_rows(rows), steps + len(line)
     (out / "incidents.json").write_text(json.dumps(found, indent=1))
-    return {"incidents": found, "samples": samples, "stale_rows": stale, "loads": loads,
-            "wall_s": time.time() - began, "out": str(out), "steps": steps}  # fmt: skip
+    return {"incidents": found, "samples": samples, "stale_rows": stale, "out": str(out), "steps": steps}
 
 
 def one_job(args: argparse.Namespace, machines: Any, out: Path, cases: list[str], loads: list[float]) -> Any:
@@ -94,7 +110,7 @@ def table(result: dict[str, Any], cases: list[str]) -> str:
         f"final lineage: {result['steps']} steps, {s['missing_steps']} missing, {s['skipped']} samples skipped, "
         f"{s['twice']} seen twice; rows from a superseded run: {result['stale_rows']}; "
         f"load (1 min) {min(result['loads']):.1f}-{max(result['loads']):.1f}; {result['wall_s']:.0f} s; "
-        f"logs in {result['out']}"
+        f"logs in {result['out']}" + (f"; cut short: {result['failed']}" if result["failed"] else "")
     )
     return "\n".join(lines)
 
