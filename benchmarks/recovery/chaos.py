@@ -64,7 +64,7 @@ def summarise(args: argparse.Namespace, out: Path, faults: Any, began: float, en
         "rates": rates, "events": costs, "goodput": rl.goodput(rows, spans, rates),
         "samples": rl.samples_check(rl.lineage(rows)), "stale_rows": rl.stale_rows(rows), "loads": loads,
         "replay": ch.replay(out, rows, faults.job.rows("resumes.jsonl"), args.replay_steps),
-        "out": str(out),
+        "out": str(out), "began": began,
     }  # fmt: skip
     (out / "chaos.json").write_text(json.dumps(result, indent=1))
     return result
@@ -73,7 +73,7 @@ def summarise(args: argparse.Namespace, out: Path, faults: Any, began: float, en
 def report(result: dict[str, Any]) -> str:
     lines = ["| s | event | machine | world after | to first step s | paused s | redone | rolled back | lines |"]
     lines.append("|---|---|---|---|---|---|---|---|---|")
-    t0 = result["events"][0]["event"]["at"] if result["events"] else 0.0
+    t0 = result["began"]  # the schedule's clock
     for c in result["events"]:
         e = c["event"]
         said = max(c["lines"].values(), default=0)
