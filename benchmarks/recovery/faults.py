@@ -1,0 +1,147 @@
+"""A machine lost (SIGKILL, SIGSTOP, its link down) and taken back, many times in one job: what each costs.
+
+One job of steady_train.py on 3 namespace machines of 2 processes (the guide's command, the store apart on a
+fourth machine); for each trial and case, a machine is lost, the survivors' first committed step awaited
+(and ``--settle`` more), then the machine is started again and the first step at full size awaited. The
+victim turns over the three machines. Per case, over the trials: seconds from the fault to the survivors'
+first committed step, steps redone, committed steps rolled back, samples skipped or seen twice, lines each
+survivor printed; and for the returns, how long the others paused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from helpers import netns
+
+    out = Path(args.keep or tempfile.mkdtemp(prefix="recovery-"))
+    args.returns = args.returns and not args.inplace  # (the in-place path cannot take a machine back yet)
+    loads, failed = [os.getloadavg()[0]], ""
+    began = time.time()
+    each = [[c] for _ in range(args.trials) for c in args.cases]  # a fresh job per trial
+    jobs = [list(args.cases) * args.trials] if args.returns else each
+    with netns.make(f"rb{os.getpid() % 1000}", 4, subnet=args.subnet) as machines:
+        for k, cases in enumerate(jobs):
+            try:
+                one_job(args, machines, out / f"job-{k}", cases, loads)
+            except BaseException as err:  # (pytest's Failed too) what was measured before it still counts
+                failed = f"job-{k} failed: {str(err).splitlines()[0] if str(err) else type(err).__name__}"
+                break
+    return {**analyse(out), "loads": loads, "wall_s": time.time() - began, "failed": failed}
+
+
+def analyse(out: Path) -> dict[str, Any]:
+    """Every job's events (events.jsonl) against its rows (steps.jsonl), under ``out/job-*``."""
+    import recovery_log as rl
+
+    found, stale, steps = [], 0, 0
+    samples = {"missing_steps": 0, "skipped": 0, "twice": 0}
+    for folder in sorted(out.glob("job-*"), key=lambda p: int(p.name.split("-")[1])):
+        rows = [json.loads(x) for x in (folder / "steps.jsonl").read_text().splitlines()]
+        events = [json.loads(x) for x in (folder / "events.jsonl").read_text().splitlines()]
+        logs = {int(i): (folder / f"machine{i}.log").read_bytes().count(b"\n") for i in events[0]["lines"]}
+        for k, e in enumerate(events):
+            event = rl.Event(e["kind"], e["machine"], e["at"], e["world"])
+            after = {int(i): n for i, n in events[k + 1]["lines"].items()} if k + 1 < len(events) else logs
+            lines = {int(i): after[int(i)] - n for i, n in e["lines"].items() if int(i) != event.machine}
+            found.append({"event": event.__dict__, **rl.incident(rows, event), "lines": lines})
+        line = rl.lineage(rows)
+        samples = {key: samples[key] + n for key, n in rl.samples_check(line).items()}
+        stale, steps = stale + rl.stale_rows(rows), steps + len(line)
+    (out / "incidents.json").write_text(json.dumps(found, indent=1))
+    return {"incidents": found, "samples": samples, "stale_rows": stale, "out": str(out), "steps": steps}
+
+
+def one_job(args: argparse.Namespace, machines: Any, out: Path, cases: list[str], loads: list[float]) -> Any:
+    """A job that meets each fault of ``cases`` in turn (and, with ``--returns``, gets the machine back after
+    each); every machine stopped at the end."""
+    from chaos_harness import GuideJob, start, stop_all
+
+    out.mkdir(parents=True, exist_ok=True)
+    script = ["--every", str(args.every), "--timeout", str(args.timeout), "--start-world", "6"]
+    script += ["--inplace"] if args.inplace else []
+    # in place, a machine cannot join a running job yet: the first round waits for all three (MAX closes it)
+    extra = ["--in-place", "--rdzv-conf", "last_call_timeout=60"] if args.inplace else []
+    extra += args.extra
+    job = GuideJob(machines, out, script, port=29560 + len(loads) % 30, restarts=4 * len(cases) + 5, extra=extra)
+    faults = start(job, 3, [0, 1, 2])
+    for case in cases:
+        victim = len(loads) % 3  # turns over the machines
+        lost = faults.lose(case, victim)
+        faults.absorbed(lost, args.wait, more=args.settle)
+        if args.returns:
+            faults.absorbed(faults.back(victim), args.wait, more=args.settle)
+        loads.append(os.getloadavg()[0])
+        print(f"{case} of machine {victim}: done, load {loads[-1]:.1f}", flush=True)
+    faults.lines_at.append(faults.log_lines())
+    stop_all(machines)
+    return faults
+
+
+def table(result: dict[str, Any], cases: list[str]) -> str:
+    import recovery_log as rl
+
+    head = "| case | trials | to first step p50 / p95 / max s | others paused p50 / p95 / max s "
+    head += "| redone (max) | rolled back (max) | skipped / twice | lines per survivor (max) |"
+    lines = [head, "|---|---|---|---|---|---|---|---|"]
+    returns = any(i["event"]["kind"] == "back" for i in result["incidents"])
+    for case in [*cases, "back"] if returns else cases:
+        got = [i for i in result["incidents"] if i["event"]["kind"] == case]
+        ok = [i for i in got if i["recovered"]]
+        first = rl.percentiles([i["to_first_step_s"] for i in ok])
+        pause = rl.percentiles([i["pause_s"] for i in ok])
+        said = max((n for i in ok for n in i["lines"].values()), default=0)
+        lines.append(
+            f"| {case} | {len(ok)} of {len(got)} | {spread(first)} | {spread(pause)} | {worst(ok, 'redone')} "
+            f"| {worst(ok, 'rolled_back')} | {sum(i['skipped'] for i in ok)} / {sum(i['twice'] for i in ok)} "
+            f"| {said} |"
+        )
+    s = result["samples"]
+    lines.append("")
+    lines.append(
+        f"final lineage: {result['steps']} steps, {s['missing_steps']} missing, {s['skipped']} samples skipped, "
+        f"{s['twice']} seen twice; rows from a superseded run: {result['stale_rows']}; "
+        f"load (1 min) {min(result['loads']):.1f}-{max(result['loads']):.1f}; {result['wall_s']:.0f} s; "
+        f"logs in {result['out']}" + (f"; cut short: {result['failed']}" if result["failed"] else "")
+    )
+    return "\n".join(lines)
+
+
+def spread(p: dict[str, float]) -> str:
+    return f"{p['p50']:.1f} / {p['p95']:.1f} / {p['max']:.1f}"
+
+
+def worst(found: list[dict[str, Any]], key: str) -> int:
+    return max((i[key] for i in found), default=0)
+
+
+def add(sub: Any) -> None:
+    p = sub.add_parser("faults", help="kill, stop, partition and return, --trials times each (root: ip netns)")
+    p.add_argument("--trials", type=int, default=20, help="per case (the issue asks 20)")
+    p.add_argument("--cases", nargs="+", default=["kill", "partition", "stop"], choices=["kill", "partition", "stop"])
+    p.add_argument("--every", type=int, default=1, help="snapshot= of the job (0: none)")
+    p.add_argument("--timeout", type=float, default=10.0, help="the pipeline's hang threshold, seconds")
+    p.add_argument("--settle", type=int, default=5, help="steps committed after each recovery before the next fault")
+    p.add_argument("--wait", type=float, default=300.0, help="give up on a recovery after this many seconds")
+    p.add_argument("--subnet", type=int, default=61)
+    p.add_argument("--keep", default=None, help="a folder for the job's logs and rows (default: a fresh temporary one)")
+    p.add_argument(
+        "--no-returns",
+        dest="returns",
+        action="store_false",
+        help="a fresh job per trial, no machine taken back (a path that cannot take one back)",
+    )
+    p.add_argument(
+        "--inplace",
+        action="store_true",
+        help="the survivors keep their processes: sw.InPlace under `stagewise run --in-place`",
+    )
+    p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more `stagewise run` flags (last)")
