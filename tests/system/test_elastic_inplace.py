@@ -18,6 +18,7 @@ on a loaded machine.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -121,3 +122,36 @@ def test_stagewise_run_in_place_restarts_nobody_and_ends_when_the_survivors_do(m
     assert [(r["step"], r["gen"]) for r in m.rows("losses.jsonl")] == [(s, 0 if s <= 3 else 1) for s in range(1, 7)]
     for i in (0, 1):
         assert "will restart worker group" not in m.text(i)
+
+
+@pytest.mark.parametrize("machines", [3], indirect=True)
+def test_a_lost_stage_comes_back_from_its_neighbours_copy_at_fewer_stages(machines: Machines, tmp_path: Path) -> None:
+    """``--layout stages`` (pp = the world, dp 1): machine 1 held the only live copy of the middle stage; the
+    survivors cut the model into two stages and fill them from the committed step, machine 1's part from the
+    copy on machine 2; their losses equal, bit for bit, a fresh job of two stages resumed from the state the
+    three stages saved at that step (not from the survivors' own state: a lost stage filled wrongly differs)."""
+    m = machines
+    m.start(["--layout", "stages", "--hold", "3", "--steps", "6", "--save-held"])
+    m.wait_for("hold-*", 3)
+    m.lose(1)
+    assert m.wait(1) == [-signal.SIGKILL]
+    shutil.rmtree(m.out / "shm1")  # its memory went with it: its stage is only in machine 2's copy
+    (m.out / "go").touch()
+    assert m.wait(0) == [0] and m.wait(2) == [0], m.text(0)[-3000:] + m.text(2)[-3000:]
+    started = {e["id"]: e["pid"] for e in _events(m, "started")}
+    recovered = _events(m, "recovered")
+    assert sorted((e["id"], e["gen"], e["members"], e["committed"]) for e in recovered) == [
+        (0, 1, [0, 2], 3), (2, 1, [0, 2], 3),
+    ]  # fmt: skip
+    assert all(e["pid"] == started[e["id"]] for e in recovered)
+    losses = m.rows("losses.jsonl")
+    assert [(r["step"], r["gen"], r["world"]) for r in losses] == [(s, int(s > 3), 3 - (s > 3)) for s in range(1, 7)]
+    ref = Machines(tmp_path / "ref", 2, job=f"rs{os.getpid()}")
+    try:
+        ref.start(["--layout", "stages", "--steps", "6", "--reference", str(m.out / "held")])
+        assert ref.wait(0) == [0], ref.text(0)[-3000:]
+    finally:
+        ref.close()
+    expected = {r["step"]: r["loss"] for r in ref.rows("reference.jsonl")}
+    got = {r["step"]: r["loss"] for r in losses if r["gen"] == 1}
+    assert sorted(expected) == [4, 5, 6] and got == expected  # to the bit (JSON keeps a float64 whole)
