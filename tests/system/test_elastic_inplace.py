@@ -11,6 +11,11 @@ of ``stagewise rendezvous``; the job is tests/system/scripts/elastic_inplace.py 
 * a SIGSTOPped machine: the survivors go on without it; woken, it finds itself behind the job's generation
   and leaves (exit status 3) without writing a snapshot or a loss into the new generation.
 
+* pipelines (``--layout stages``: pp = the world, dp 1; ``--layout pp2``: ElasticLayout(pp=2), 2 processes
+  per machine): a lost machine's stages (for ``stages`` the only live copy) come back from the copy on the
+  next machine (its own memory folder removed), the survivors cut the model again, and their losses equal a
+  fresh job of the new size resumed from the state the old layout saved at the committed step.
+
 Events and their order, never times. ``make elastic`` (``STAGEWISE_ELASTIC=1``): each job takes 1-3 minutes
 on a loaded machine.
 """
@@ -18,6 +23,7 @@ on a loaded machine.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -121,3 +127,51 @@ def test_stagewise_run_in_place_restarts_nobody_and_ends_when_the_survivors_do(m
     assert [(r["step"], r["gen"]) for r in m.rows("losses.jsonl")] == [(s, 0 if s <= 3 else 1) for s in range(1, 7)]
     for i in (0, 1):
         assert "will restart worker group" not in m.text(i)
+
+
+@pytest.mark.parametrize(
+    ("layout", "nproc"),
+    [("stages", 1), ("pp2", 2)],
+    ids=["only-copy-of-a-stage", "pp2-machine-of-two"],
+)
+def test_a_lost_stage_comes_back_from_its_neighbours_copy(layout: str, nproc: int, tmp_path: Path) -> None:
+    """Pipelines of 3 machines, machine 1 lost between steps 3 and 4, its memory folder removed with it:
+
+    * ``stages`` (1 process per machine, pp = the world, dp 1): machine 1 held the only live copy of the middle
+      stage; the survivors cut the model into two stages, machine 1's stage from the copy on machine 2;
+    * ``pp2`` (2 processes per machine, ``ElasticLayout(pp=2)``: pp 2 x dp 3 -> pp 2 x dp 2): machine 1 held
+      two of the six stage copies (the other replicas hold those stages too: ``ElasticLayout`` keeps pp, so
+      it never loses a stage's only copy).
+
+    The survivors' losses equal, bit for bit, a fresh job of the new size resumed from the state the old
+    layout saved at the committed step (not from the survivors' own state: a stage filled wrongly differs)."""
+    m = Machines(tmp_path / "job", 3, nproc=nproc, job=f"s{layout}{os.getpid()}")
+    try:
+        m.start(["--layout", layout, "--hold", "3", "--steps", "6", "--save-held"])
+        m.wait_for("hold-*", 3 * nproc)
+        m.lose(1)
+        assert m.wait(1) == [-signal.SIGKILL] * nproc
+        shutil.rmtree(m.out / "shm1")  # its memory went with it: its part is only in machine 2's copy
+        (m.out / "go").touch()
+        assert m.wait(0) == [0] * nproc and m.wait(2) == [0] * nproc, m.text(0)[-3000:] + m.text(2)[-3000:]
+    finally:
+        m.close()
+    started = {e["id"]: e["pid"] for e in _events(m, "started")}
+    recovered = _events(m, "recovered")
+    survivors = [r for i in (0, 2) for r in range(i * nproc, (i + 1) * nproc)]
+    assert sorted((e["id"], e["gen"], e["members"], e["committed"]) for e in recovered) == [
+        (r, 1, survivors, 3) for r in survivors
+    ]
+    assert all(e["pid"] == started[e["id"]] for e in recovered)
+    losses = m.rows("losses.jsonl")
+    worlds = [(s, int(s > 3), nproc * (3 - (s > 3))) for s in range(1, 7)]
+    assert [(r["step"], r["gen"], r["world"]) for r in losses] == worlds
+    ref = Machines(tmp_path / "ref", 2, nproc=nproc, job=f"r{layout}{os.getpid()}")
+    try:
+        ref.start(["--layout", layout, "--steps", "6", "--reference", str(m.out / "held")])
+        assert ref.wait(0) == [0] * nproc, ref.text(0)[-3000:]
+    finally:
+        ref.close()
+    expected = {r["step"]: r["loss"] for r in ref.rows("reference.jsonl")}
+    got = {r["step"]: r["loss"] for r in losses if r["gen"] == 1}
+    assert sorted(expected) == [4, 5, 6] and got == expected  # to the bit (JSON keeps a float64 whole)

@@ -3,13 +3,18 @@
 Each worker is started with RANK, WORLD_SIZE, GROUP_RANK (its machine), STAGEWISE_STORE (the store of
 ``stagewise rendezvous``), TORCHELASTIC_RUN_ID and STAGEWISE_SNAPSHOT_DIR (its machine's memory folder), as
 ``stagewise run --in-place`` starts it, and trains with :class:`stagewise.InPlace`:
-``ElasticLayout(pp=1, batch=24, microbatch_size=2)``, float64, snapshots every step.
+``--layout dp`` (``ElasticLayout(pp=1, batch=24, microbatch_size=2)``: a lost machine held a replica) or
+``--layout pp2`` (``ElasticLayout(pp=2, ...)``: a lost machine of two processes held a stage of some replicas)
+or ``--layout stages`` (pp = the world, dp 1: a lost machine held the only live copy of a stage), float64,
+snapshots every step.
 
 * ``--hold STEP``: after STEP (generation 0), every worker leaves ``hold-<id>`` and waits for ``go``: the test
   loses a machine meanwhile (a kill) and then says go;
 * ``--hold-again STEP``: the same in generation 1 (``again-<id>``, ``go-again``);
 * ``--die ID:STEP``: worker ID SIGKILLs itself as STEP starts (the others are inside STEP: a death mid-step);
 * ``--settle S``: at the end, wait S seconds before the last event (threads and descriptors counted);
+* ``--save-held``: at ``--hold``, every worker saves the step's state into ``held`` (a reference job of
+  another size starts from it);
 * ``--save-resumed``: after each recovery, every member saves the state it went on from into
   ``resumed-g<G>`` (the reference job starts from it);
 * ``--reference DIR``: a fresh job that resumes from the checkpoint in DIR (no snapshots of its own yet).
@@ -21,6 +26,7 @@ Writes ``events.jsonl`` (every worker: its id, pid, generation, members and what
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -35,8 +41,24 @@ import torch.nn.functional as F
 from torch import nn
 
 import stagewise as sw
+from stagewise.parallel import Fit
 
-LAYOUT = sw.ElasticLayout(pp=1, batch=24, microbatch_size=2)
+
+class StagesLayout:
+    """A pipeline one process per stage at every size (pp = world, dp 1): every stage has one live copy, so a
+    lost machine takes the only live copy of its stage (it comes back from the copy on its next machine) and
+    the survivors cut the model into fewer stages. (``ElasticLayout`` keeps pp fixed: with it a lost machine
+    always leaves another replica of each stage.)"""
+
+    def at(self, world: int) -> Fit:
+        return Fit(world, sw.ParallelConfig(pp=world), 12, 2)
+
+
+LAYOUTS: dict[str, Any] = {
+    "dp": sw.ElasticLayout(pp=1, batch=24, microbatch_size=2),
+    "pp2": sw.ElasticLayout(pp=2, batch=24, microbatch_size=2),
+    "stages": StagesLayout(),
+}
 
 
 def main() -> int:
@@ -47,8 +69,11 @@ def main() -> int:
     p.add_argument("--hold-again", type=int, default=0)
     p.add_argument("--die", default="", help="ID:STEP: worker ID kills itself as step STEP starts")
     p.add_argument("--save-resumed", action="store_true")
+    p.add_argument("--save-held", action="store_true", help="at --hold, save the step's state into held/")
     p.add_argument("--settle", type=float, default=0.0, help="seconds to wait before counting threads at the end")
     p.add_argument("--reference", type=Path, default=None)
+    p.add_argument("--layout", choices=sorted(LAYOUTS), default="dp", help="dp: pp 1, dp over the machines; "
+                   "pp2: pp 2, dp over the rest; stages: pp over the machines, dp 1")  # fmt: skip
     args = p.parse_args()
     torch.set_default_dtype(torch.float64)
     me = int(os.environ["RANK"])
@@ -70,7 +95,12 @@ def main() -> int:
         (out / f"recovered-{me}").touch()
 
     job = sw.InPlace(
-        LAYOUT, build, checkpoints=args.reference or out / "ckpt", timeout=10, deadline_s=8, after_recovery=recovered
+        LAYOUTS[args.layout],
+        functools.partial(build, deep=args.layout != "dp"),
+        checkpoints=args.reference or out / "ckpt",
+        timeout=10,
+        deadline_s=8,
+        after_recovery=recovered,
     )
     job.start()
     note("started", step=job.step)
@@ -79,7 +109,7 @@ def main() -> int:
     for step, loss in job.run(
         args.steps, lambda s: (data[24 * (s - 1) : 24 * s], data[24 * (s - 1) : 24 * s, :3].argmax(1))
     ):
-        if job.pipe.hybrid is None or dist_rank() == 0:
+        if dist_rank() == 0:
             with open(out / name, "a") as f:
                 f.write(
                     json.dumps(
@@ -88,6 +118,8 @@ def main() -> int:
                     + "\n"
                 )
         if step == args.hold and job.generation == 0:
+            if args.save_held:
+                sw.checkpoint.save(out / "held", job.pipe, step=step)
             hold(job, out / f"hold-{me}", out / "go")
         if step == args.hold_again and job.generation == 1:
             hold(job, out / f"again-{me}", out / "go-again")
@@ -110,8 +142,10 @@ def hold(job: sw.InPlace, here: Path, go: Path) -> None:
         time.sleep(0.05)
 
 
-def build(fit: Any) -> sw.Pipeline:
+def build(fit: Any, deep: bool = False) -> sw.Pipeline:
     layers = [sw.Layer(nn.Linear, 6, 16), sw.Layer(nn.ReLU), sw.Layer(nn.Linear, 16, 3)]
+    if deep:  # (a layer with parameters on every stage of three)
+        layers[2:] = [sw.Layer(nn.Linear, 16, 16), sw.Layer(nn.ReLU), sw.Layer(nn.Linear, 16, 3)]
     return sw.Pipeline(
         layers, loss_fn=F.cross_entropy, parallel=fit.parallel, microbatches=fit.microbatches, seed=3,
         optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05), snapshot=1, timeout=10,
