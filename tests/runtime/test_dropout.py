@@ -75,3 +75,16 @@ def test_one_rank_pipeline_draws_the_reference_masks(one_rank, schedule: str, v:
     for name, p in pipe.named_parameters():
         torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-10, atol=1e-12)
     assert pipe.train_steps == 2
+
+
+def test_mask_does_not_depend_on_the_input_memory_order() -> None:
+    """A transpose's output and its contiguous copy (what a stage receives across a cut) get the same mask: torch
+    draws in memory order, so the seeding hands the module a contiguous input."""
+    model = nn.Sequential(nn.Dropout(0.5))
+    h = torch.randn(2, 5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).transpose(1, 2)
+    outs = []
+    for x in (h, h.contiguous()):
+        with sw.runtime.seeded_dropout(model, seed=4, step=1, microbatch=2):
+            outs.append(model(x))
+    assert not h.is_contiguous() and torch.equal(outs[0], outs[1])
+    assert 0 < int((outs[0] == 0).sum()) < h.numel()

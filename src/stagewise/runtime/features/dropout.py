@@ -20,6 +20,10 @@ load restores both (``Pipeline.dropout_seed``, ``train_steps``). So pp 2 and pp 
 same losses, and a recomputed forward (``recompute=``) draws the same masks again: the seeding is inside the
 checkpointed segment, each segment re-entered with the call counts its first run started from.
 
+Torch draws a mask in its input's memory order, and a stage's received input is contiguous where the
+one-process tensor may not be (a transpose's output): a seeded module's positional tensor inputs are therefore
+made contiguous first (a copy only for those that are not), so the masks do not depend on where the cut falls.
+
 One process draws the same masks under :func:`seeded_dropout`, micro-batch by micro-batch (the reference
 loop of the tests). A stage with no such module is not touched (no cost); one with them pays, per forward,
 two hooks put on and taken off each such module and, per seeded call, one save, seed and restore of each
@@ -28,8 +32,8 @@ generator (measured by ``python -m benchmarks.dropout_cost``).
 Not covered: randomness outside such modules (``torch.rand`` in a forward), evaluation steps (they draw
 from the global generator, as in one process; call ``pipe.eval()`` for no dropout), a dropout module
 shared by blocks on different stages (its call numbers are counted per stage, so its masks depend on the
-cut), and a dropout inside a tensor-parallel layer's split activations (every piece draws the same
-pattern, unlike the one-process mask).
+cut), a non-contiguous tensor handed to such a module by keyword, and a dropout inside a tensor-parallel
+layer's split activations (every piece draws the same pattern, unlike the one-process mask).
 """
 
 from __future__ import annotations
@@ -116,17 +120,18 @@ class Seeding:
         self.calls: dict[int, int] = {}
         self.saved: list[list[torch.Tensor]] = []
 
-    def before(self, module: nn.Module, args: Any) -> None:
+    def before(self, module: nn.Module, args: Any) -> tuple[Any, ...] | None:
         code = self.codes.get(id(module))
         if code is None or not module.training:
             self.saved.append([])
-            return
+            return None
         n = self.calls.get(id(module), 0)
         self.calls[id(module)] = n + 1
         self.saved.append([g.get_state() for g in self.generators])
         seed = _folded((*self.base, code, n))
         for g in self.generators:
             g.manual_seed(seed)
+        return _contiguous(args)
 
     def after(self, module: nn.Module, args: Any, out: Any) -> None:
         if not self.saved:
@@ -154,6 +159,15 @@ class Seeding:
             yield
         finally:
             _close(hooks)
+
+
+def _contiguous(args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """``args`` with their tensors made contiguous (None: all were): torch draws a mask in the input's memory
+    order, and a stage's received input is contiguous where the one-process tensor (a transpose's output) may
+    not be, so the masks would depend on the cut."""
+    if all(not isinstance(a, torch.Tensor) or a.is_contiguous() for a in args):
+        return None
+    return tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)
 
 
 def _close(hooks: list[RemovableHandle]) -> None:
