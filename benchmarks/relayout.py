@@ -95,6 +95,7 @@ def _one(mib: float, repeats: int, ranks: int) -> dict[str, Any]:
 def _measured(pipe: Any, cut: list[int], layer: int) -> tuple[Any, dict[str, int]]:
     """One re-layout under :class:`LiveBytes`: its extra tensor bytes on this rank, and the bound (the larger of
     this rank's state before and after, plus one layer: ``layer`` bytes, every layer alike here)."""
+    # internal: the re-layout's extra tensor bytes, counted as the test of issue 46's bound counts them
     from stagewise.runtime.measure.tensor_bytes import LiveBytes, state_tensors, storage_bytes
 
     before = storage_bytes(state_tensors(pipe))
