@@ -45,7 +45,7 @@ from ..frontends.plan import FromPlan
 from ..options import Options
 from .carried import restore_schedulers, retire, scheduler_state, tell
 from .clock import Clock
-from .fill import fill
+from .fill import fill, receiver
 from .models import release_model, twin_of
 from .request import digest, local_refusals, members_of, refuse_alike, subgroups_ahead
 from .transfers import Transfers, bytes_moved, plan_transfers
@@ -263,7 +263,7 @@ def _move(
         f"process {r} needs {', '.join(names[:5])} that no process holds" for r, names in transfers.missing.items()
     ]
     storage.agree(missing, ranks, "relayout: the new layout needs tensors the old one does not have")
-    got = _post(transfers, held, described, ranks)
+    got = _post(transfers, held, described, ranks, targets)
     clock.lap("move")
     if new is not None:
         kept = {n: held[n] for n in transfers.kept[ranks.rank]}
@@ -303,17 +303,18 @@ def _targets(new: nn.Module | None, record: Mapping[str, Any]) -> dict[str, torc
 
 
 def _post(
-    transfers: Transfers, held: Mapping[str, torch.Tensor], described: Mapping[str, Any], ranks: storage.Ranks
+    transfers: Transfers, held: Mapping[str, torch.Tensor], described: Mapping[str, Any], ranks: storage.Ranks, to: Any
 ) -> dict[str, torch.Tensor]:
-    """The moves this process takes part in, posted in the one global order; what it received, by name."""
+    """The moves this process takes part in, in the one global order; what it received, by name (into ``to``, the
+    new stages' own tensors, where it can: :func:`receiver`)."""
     ops: list[tuple[str, torch.Tensor, int]] = []
     got: dict[str, torch.Tensor] = {}
+    taken: set[int] = set()
     for m in transfers.moves:
         if m.src == ranks.rank:
             ops.append(("send", held[m.name].detach().cpu().contiguous(), m.dst))
         elif m.dst == ranks.rank:
-            meta = described[m.name]
-            got[m.name] = torch.empty(meta["shape"], dtype=getattr(torch, meta["dtype"]))
+            got[m.name] = receiver(to.get(m.name), described[m.name], taken)
             ops.append(("recv", got[m.name], m.src))
     guard = ranks.guard
     assert guard is not None

@@ -30,7 +30,7 @@ def fill(
         value = values[name]
         if name in kept and aliasable(target, value) and taken.setdefault(value.data_ptr(), id(target)) == id(target):
             target.data = value
-        else:
+        elif value.data_ptr() != target.data_ptr():  # (a value received into the target itself is in place)
             target.copy_(value)
     optimizers = state.optimizers_of(new, None)
     if optimizers:
@@ -42,3 +42,16 @@ def aliasable(target: torch.Tensor, value: torch.Tensor) -> bool:
     """Plain tensors of one dtype, device and shape (a DTensor or other subclass is copied)."""
     same = (target.dtype, target.device, target.shape) == (value.dtype, value.device, value.shape)
     return same and type(target.data) is torch.Tensor and type(value) is torch.Tensor
+
+
+def receiver(target: torch.Tensor | None, described: Mapping[str, Any], taken: set[int]) -> torch.Tensor:
+    """Where a moved tensor is received: into the new stage's own tensor where it is a plain contiguous CPU tensor
+    of the listed shape and dtype that no other receive writes (so no second buffer is held until the fill copies
+    it), else into a new tensor (an optimizer's state, a tensor sharing its storage)."""
+    shape, dtype = list(described["shape"]), getattr(torch, described["dtype"])
+    if target is not None and type(target.data) is torch.Tensor and target.device.type == "cpu":
+        if list(target.shape) == shape and target.dtype == dtype and target.is_contiguous():
+            if target.data_ptr() not in taken:
+                taken.add(target.data_ptr())
+                return target.detach()
+    return torch.empty(shape, dtype=dtype)
