@@ -8,7 +8,7 @@ float64 MLP at ``ElasticLayout(pp=1, batch=24, microbatch_size=2)`` with a snaps
 (tests/system/scripts). Per trial every machine trains to ``--hold``, waits; machine ``count - 1`` is
 SIGKILLed (every worker of it) and the others are told to go on. Measured from the kill:
 
-* ``inplace``: ``sw.InPlace`` workers on ``stagewise rendezvous``'s store (tests/system/scripts/
+* ``inplace``: ``sw.runtime.InPlace`` workers on ``stagewise rendezvous``'s store (tests/system/scripts/
   inplace_machines.py): the survivors keep their processes;
 * ``restart``: today's path, ``stagewise run --nnodes 2:3`` per machine on localhost (the rendezvous settings
   the tests use; tests/system/scripts/elastic_local.py): torch's agents restart every survivor, which resumes

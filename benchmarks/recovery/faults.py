@@ -142,6 +142,6 @@ def add(sub: Any) -> None:
     p.add_argument(
         "--inplace",
         action="store_true",
-        help="the survivors keep their processes: sw.InPlace under `stagewise run --in-place`",
+        help="the survivors keep their processes: sw.runtime.InPlace under `stagewise run --in-place`",
     )
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more `stagewise run` flags (last)")

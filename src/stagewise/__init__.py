@@ -35,7 +35,6 @@ if TYPE_CHECKING:  # loaded on first use (__getattr__): the runtime pulls in tor
     from .planning import Plan, PlanOptions
     from .runtime import (
         HetPipe,
-        InPlace,
         Layer,
         Mesh,
         MicroBatches,
@@ -70,7 +69,6 @@ __all__ = [
     "ParallelConfig",
     "ElasticLayout",
     "Snapshots",
-    "InPlace",
     "Mesh",
     "HetPipe",
     "MicroBatches",

@@ -176,7 +176,7 @@ def test_run_in_place_gives_the_workers_the_store_and_needs_no_restarts(
     script, calls = launched
     argv = ["run", "-n", "2", "--nnodes", "2:3", "--in-place", "--rdzv-endpoint", "10.0.0.9:29400", "--rdzv-id", "j"]
     assert main([*argv, str(script)]) == 0  # no --max-restarts: nobody is restarted
-    assert calls[0][1]["STAGEWISE_STORE"] == "10.0.0.9:29400"  # where sw.InPlace's workers agree on members
+    assert calls[0][1]["STAGEWISE_STORE"] == "10.0.0.9:29400"  # where sw.runtime.InPlace's workers agree on members
     assert "--max-restarts" not in " ".join(calls[0][0])
     assert main([*argv, "--rdzv-host", str(script)]) == 2
     assert "no training machine may host it: drop --rdzv-host" in capsys.readouterr().err

@@ -92,7 +92,7 @@ def test_the_fence_is_asked_before_a_write_only_in_an_in_place_job() -> None:
 
 
 def test_a_member_lost_while_the_generation_is_made_costs_one_more_generation(monkeypatch: pytest.MonkeyPatch) -> None:
-    """sw.InPlace's recovery: the group's handshake (or the resume) of generation 1 fails - a member died after
+    """sw.runtime.InPlace's recovery: the group's handshake (or the resume) of generation 1 fails - a member died after
     the agreement - so the survivors agree on generation 2 and enter it; a fenced worker leaves (exit 3)."""
     from stagewise.runtime.relayout import generation
 

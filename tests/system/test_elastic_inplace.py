@@ -1,4 +1,4 @@
-"""An in-place elastic job (``sw.InPlace``): a machine is lost and the survivors keep their processes.
+"""An in-place elastic job (``sw.runtime.InPlace``): a machine is lost and the survivors keep their processes.
 
 Machines are processes of one host (tests/system/scripts/inplace_machines.py; no root), meeting on the store
 of ``stagewise rendezvous``; the job is tests/system/scripts/elastic_inplace.py (float64, ``snapshot=1``):

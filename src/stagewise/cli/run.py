@@ -88,8 +88,9 @@ def _add_machines(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--in-place",
         action="store_true",
-        help="MIN:MAX, for scripts that train with sw.InPlace: a lost machine restarts nobody, the survivors keep "
-        "their processes and agree on the next membership on the store of `stagewise rendezvous` at --rdzv-endpoint",
+        help="MIN:MAX, for scripts that train with sw.runtime.InPlace: a lost machine restarts nobody, the "
+        "survivors keep their processes and agree on the next membership on the store of `stagewise rendezvous` at "
+        "--rdzv-endpoint",
     )
 
 

@@ -2,7 +2,7 @@
 
 Each worker is started with RANK, WORLD_SIZE, GROUP_RANK (its machine), STAGEWISE_STORE (the store of
 ``stagewise rendezvous``), TORCHELASTIC_RUN_ID and STAGEWISE_SNAPSHOT_DIR (its machine's memory folder), as
-``stagewise run --in-place`` starts it, and trains with :class:`stagewise.InPlace`:
+``stagewise run --in-place`` starts it, and trains with :class:`stagewise.runtime.InPlace`:
 ``--layout dp`` (``ElasticLayout(pp=1, batch=24, microbatch_size=2)``: a lost machine held a replica) or
 ``--layout pp2`` (``ElasticLayout(pp=2, ...)``: a lost machine of two processes held a stage of some replicas)
 or ``--layout stages`` (pp = the world, dp 1: a lost machine held the only live copy of a stage), float64,
@@ -87,14 +87,14 @@ def main() -> int:
         with open(out / "events.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
 
-    def recovered(j: sw.InPlace) -> None:
+    def recovered(j: sw.runtime.InPlace) -> None:
         r = j.recoveries[-1]
         note("recovered", failed_at=r.failed_at, committed=r.committed, seconds=r.seconds, parts=r.parts)
         if args.save_resumed:
             sw.checkpoint.save(out / f"resumed-g{j.generation}", j.pipe, step=j.step)
         (out / f"recovered-{me}").touch()
 
-    job = sw.InPlace(
+    job = sw.runtime.InPlace(
         LAYOUTS[args.layout],
         functools.partial(build, deep=args.layout != "dp"),
         checkpoints=args.reference or out / "ckpt",
@@ -134,7 +134,7 @@ def main() -> int:
     return 0
 
 
-def hold(job: sw.InPlace, here: Path, go: Path) -> None:
+def hold(job: sw.runtime.InPlace, here: Path, go: Path) -> None:
     """The snapshot of this step whole on every machine (committed), then wait for ``go``."""
     job.pipe.snapshots.wait()
     here.touch()

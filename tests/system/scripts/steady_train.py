@@ -44,7 +44,7 @@ def main() -> int:
     p.add_argument("--start-world", type=int, default=0, help="a fresh start at fewer processes waits for more")
     p.add_argument("--timeout", type=float, default=10.0)
     p.add_argument("--keep-resumed", action="store_true")
-    p.add_argument("--inplace", action="store_true", help="sw.InPlace: the survivors keep their processes")
+    p.add_argument("--inplace", action="store_true", help="sw.runtime.InPlace: the survivors keep their processes")
     args = p.parse_args()
     if args.inplace:
         return in_place(args)
@@ -85,10 +85,10 @@ def pipeline(fit: Any, args: argparse.Namespace) -> sw.Pipeline:
 
 
 def in_place(args: argparse.Namespace) -> int:
-    """The same job under ``sw.InPlace`` (``stagewise run --in-place``): a run is a generation; the first
+    """The same job under ``sw.runtime.InPlace`` (``stagewise run --in-place``): a run is a generation; the first
     member of each writes the rows."""
     if not hasattr(sw, "InPlace"):
-        raise SystemExit("--inplace needs sw.InPlace (the in-place recovery path of issue 48, item 3)")
+        raise SystemExit("--inplace needs sw.runtime.InPlace (the in-place recovery path of issue 48, item 3)")
     rank = int(os.environ["RANK"])
     batch = et.LAYOUT.batch
 
@@ -104,7 +104,7 @@ def in_place(args: argparse.Namespace) -> int:
             with open(path, "a") as f:
                 f.write(json.dumps(row) + "\n")
 
-    job = sw.InPlace(et.LAYOUT, lambda fit: pipeline(fit, args), checkpoints=args.out / "ckpt",
+    job = sw.runtime.InPlace(et.LAYOUT, lambda fit: pipeline(fit, args), checkpoints=args.out / "ckpt",
                      timeout=args.timeout, after_recovery=resumed)  # fmt: skip
     for step, loss in job.run(args.max_steps, lambda s: mdl.lm_data(batch, seed=100 + s)):
         row = {

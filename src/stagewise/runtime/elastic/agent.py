@@ -3,7 +3,7 @@
 torch's ``LocalElasticAgent`` (2.13, ``SimpleElasticAgent._invoke_run``) restarts every local worker when
 one of them fails, and when a machine waits to join (``num_nodes_waiting() > 0``); a machine that is *lost*
 restarts nobody by itself while the survivors' workers stay alive - which in an in-place job
-(:class:`stagewise.InPlace`) they do: they agree on the next generation among themselves, on the store of
+(:class:`stagewise.runtime.InPlace`) they do: they agree on the next generation among themselves, on the store of
 ``stagewise rendezvous``. What is left for the agent, as DeepSpeed's ``DSElasticAgent`` does it, is its own
 ``_invoke_run``:
 

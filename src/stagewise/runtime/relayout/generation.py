@@ -1,6 +1,6 @@
 """An elastic job whose survivors keep their processes: the re-layout across generations of members.
 
-``sw.InPlace(layout, build, checkpoints=root)`` runs a training loop on workers that meet on the store
+``sw.runtime.InPlace(layout, build, checkpoints=root)`` runs a training loop on workers that meet on the store
 ``stagewise rendezvous`` hosts (``STAGEWISE_STORE=host:port``; ``stagewise run --in-place`` sets it). When
 a machine is lost, every surviving worker stays in its process:
 
