@@ -33,9 +33,11 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from ...parallel import ElasticLayout, Fit
+from .. import assembly  # noqa: F401 (loaded with InPlace, before a newcomer asks: the members wait for its build)
 from ..checkpoint.api import save as checkpoint_save
 from ..checkpoint.resume import resume as checkpoint_resume
 from ..comm.generations import job_store, join_generation, leave_generation
+from ..elastic import joining
 from ..elastic import membership as ms
 
 log = logging.getLogger(__name__)
@@ -54,6 +56,7 @@ class Recovery:
     committed: int  # the step the survivors went on from
     seconds: float  # from the failure seen here to the new pipeline's state restored
     parts: dict[str, float] = field(default_factory=dict)  # seconds: drop, agree, group, build, resume
+    cause: str = "lost"  # or "joined": newcomers taken in after step ``failed_at`` (:mod:`..elastic.joining`)
 
 
 @dataclass
@@ -78,15 +81,21 @@ class InPlace:
     _members: ms.Membership | None = None
     _parts: dict[str, float] = field(default_factory=dict)
     _store: Any = None
+    _joins: Any = None  # the members' look for newcomers between steps (:class:`..elastic.joining.Joins`)
 
     def start(self) -> int:
-        """Join the job (generation 0, every process of the launch) and resume; returns the step resumed."""
+        """Join the job (generation 0, every process of the launch; or, started with ``STAGEWISE_JOIN=1``, a
+        running job at its next step boundary: :mod:`..elastic.joining`) and resume; returns the step resumed."""
         self._store = _job_store(self.timeout)
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        self._members = ms.Membership(self._store, rank, list(range(world))).start()
+        self._members = joining.membership(self._store, self.deadline_s)
         ms.set_fence(self._members.fenced)
-        self._enter(0)
+        self._enter(self._members.generation)
         return self.step
+
+    @property
+    def me(self) -> int:
+        """This worker's id in the job (its generation-0 rank, or the one it claimed as a newcomer)."""
+        return self._members.me if self._members is not None else int(os.environ.get("RANK", "0"))
 
     @property
     def generation(self) -> int:
@@ -113,6 +122,7 @@ class InPlace:
                 continue
             self.step = step
             yield step, loss
+            joining.between_steps(self, step, step >= steps, Recovery)  # newcomers, taken in between steps
 
     def save(self) -> None:
         """A checkpoint of the step reached, unless this worker is fenced (then it leaves)."""
