@@ -11,6 +11,11 @@ of ``stagewise rendezvous``; the job is tests/system/scripts/elastic_inplace.py 
 * a SIGSTOPped machine: the survivors go on without it; woken, it finds itself behind the job's generation
   and leaves (exit status 3) without writing a snapshot or a loss into the new generation.
 
+* a machine taken back (its memory folder removed: a spare with nothing), started directly or with
+  ``stagewise run --in-place``: it takes a fresh id, asks to join, and the members take it in between steps
+  without restarting (the same pids); every member, the newcomer too, goes on from the committed step, and the
+  losses equal a fresh job of the new size resumed from that state, bit for bit;
+
 * pipelines (``--layout stages``: pp = the world, dp 1; ``--layout pp2``: ElasticLayout(pp=2), 2 processes
   per machine): a lost machine's stages (for ``stages`` the only live copy) come back from the copy on the
   next machine (its own memory folder removed), the survivors cut the model again, and their losses equal a
@@ -110,23 +115,34 @@ def test_a_stopped_machine_woken_after_the_recovery_is_fenced(machines: Machines
 
 
 @pytest.mark.parametrize("machines", [3], indirect=True)
-def test_stagewise_run_in_place_restarts_nobody_and_ends_when_the_survivors_do(machines: Machines) -> None:
+def test_stagewise_run_in_place_restarts_nobody_and_takes_a_machine_back(machines: Machines) -> None:
     """The user's command on every machine: torch's rendezvous numbers them, stagewise's agent starts the
-    workers once; a lost machine restarts nobody, and the survivors' launchers end with their workers (no
-    exit barrier waiting for the lost machine)."""
+    workers once; a lost machine restarts nobody; the same command started again on it while the job runs
+    skips torch's rendezvous, its worker takes a fresh id and joins between steps; the launchers end with
+    their workers (no exit barrier waiting for the lost machine)."""
     m = machines
-    m.start_run(["--hold", "3", "--steps", "6"], "2:3")
+    args = ["--hold", "3", "--hold-again", "5", "--steps", "9"]
+    m.start_run(args, "2:3")
     m.wait_for("hold-*", 3)
     m.lose(2)
     (m.out / "go").touch()
-    assert m.wait(0, 240) == [0] and m.wait(1, 240) == [0], m.text(0)[-3000:] + m.text(1)[-3000:]
+    m.wait_for("again-*", 2)
+    m.start_run(args, "2:3", only=[2])  # the machine back, its memory folder as the kill left it
+    m.wait_text(2, "asks to join")
+    (m.out / "go-again").touch()
+    assert [m.wait(i, 240) for i in range(3)] == [[0]] * 3, m.text(0)[-3000:] + m.text(2)[-3000:]
     started = {e["id"]: e["pid"] for e in _events(m, "started")}
     recovered = _events(m, "recovered")
-    assert len(started) == 3 and len(recovered) == 2, m.rows("events.jsonl")
-    assert all(e["pid"] == started[e["id"]] and e["gen"] == 1 and len(e["members"]) == 2 for e in recovered)
-    assert [(r["step"], r["gen"]) for r in m.rows("losses.jsonl")] == [(s, 0 if s <= 3 else 1) for s in range(1, 7)]
+    assert sorted(started) == [0, 1, 2, 3], m.rows("events.jsonl")  # the newcomer: a fresh id, not 2
+    assert sorted((e["id"], e["gen"], e["members"]) for e in recovered) == [
+        (0, 1, [0, 1]), (0, 2, [0, 1, 3]), (1, 1, [0, 1]), (1, 2, [0, 1, 3]),
+    ]  # fmt: skip
+    assert all(e["pid"] == started[e["id"]] for e in recovered)
+    gens = [(s, 0 if s <= 3 else 1 if s <= 7 else 2) for s in range(1, 10)]
+    assert [(r["step"], r["gen"]) for r in m.rows("losses.jsonl")] == gens
     for i in (0, 1):
         assert "will restart worker group" not in m.text(i)
+    assert "the job runs already" in m.text(2)
 
 
 @pytest.mark.parametrize(

@@ -69,13 +69,15 @@ class Machines:
         for i in range(self.count):
             self.procs[i] = [self._worker(i, i * self.nproc + j, j, world, args) for j in range(self.nproc)]
 
-    def start_run(self, args: list[str], nnodes: str) -> None:
-        """Every machine as a user starts it: ``stagewise run -n NPROC --nnodes MIN:MAX --in-place`` (torch's
-        rendezvous numbers the machines and ranks)."""
+    def start_run(self, args: list[str], nnodes: str, only: list[int] | None = None) -> None:
+        """Every machine (or ``only`` these) as a user starts it: ``stagewise run -n NPROC --nnodes MIN:MAX
+        --in-place`` (torch's rendezvous numbers the machines and ranks; a machine started while the job runs
+        joins it)."""
         self.out.mkdir(parents=True, exist_ok=True)
         if not self.endpoint:
             self.host_store()
-        for i in range(self.count):
+        for i in range(self.count) if only is None else only:
+            self.lost.discard(i)
             cmd = [sys.executable, "-W", "ignore", "-m", "stagewise.cli.main", "run", "-n", str(self.nproc)]
             cmd += ["--nnodes", nnodes, "--in-place", "--rdzv-endpoint", self.endpoint, "--rdzv-id", self.job]
             cmd += ["--local-addr", "127.0.0.1", "--rdzv-conf", "join_timeout=120,last_call_timeout=60"]

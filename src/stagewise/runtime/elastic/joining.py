@@ -96,7 +96,11 @@ def membership(store: Any, deadline_s: float, timeout: float = 600.0) -> ms.Memb
     id is RANK when the agent claimed it, else claimed here; its machine is named by its first id)."""
     if not os.environ.get(JOIN_ENV):
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        return ms.Membership(store, rank, list(range(world))).start()
+        m = ms.Membership(store, rank, list(range(world))).start()
+        missing = m.barrier(0, m.members, timeout)  # (workers start seconds apart: imports on a loaded machine)
+        if missing:
+            raise RuntimeError(f"workers {missing} of generation 0 did not start within {timeout:g} s")
+        return m
     me = int(os.environ["RANK"]) if os.environ.get("RANK") else claim_ids(store, 1)[0]
     os.environ.setdefault(MACHINE_ENV, str(me))
     try:

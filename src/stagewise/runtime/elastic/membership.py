@@ -139,7 +139,7 @@ class Membership:
         """Generation ``g`` of ``members`` (this worker among them), decided: the store's generation moves on, and
         every member passes the barrier (one missing at the deadline: one more generation without it)."""
         self.store.compare_set("generation", str(self.generation), str(g))
-        missing = self._barrier(g, members, deadline_s)
+        missing = self.barrier(g, members, deadline_s)
         self.generation, self.members = g, members
         if missing:  # a member died during the recovery: one more generation, without it
             log.warning("stagewise elastic: workers %s did not reach generation %d; agreeing again", missing, g)
@@ -167,7 +167,7 @@ class Membership:
                 return arrived
             time.sleep(_POLL_S)
 
-    def _barrier(self, g: int, members: list[int], deadline_s: float) -> list[int]:
+    def barrier(self, g: int, members: list[int], deadline_s: float) -> list[int]:
         """Every member of ``g`` says it is ready; the ones missing at the deadline (none when all came)."""
         self.store.set(f"gen{g}/ready/{self.me}", "1")
         keys = [f"gen{g}/ready/{m}" for m in members]
