@@ -87,7 +87,7 @@ def pipeline(fit: Any, args: argparse.Namespace) -> sw.Pipeline:
 def in_place(args: argparse.Namespace) -> int:
     """The same job under ``sw.runtime.InPlace`` (``stagewise run --in-place``): a run is a generation; the first
     member of each writes the rows."""
-    if not hasattr(sw, "InPlace"):
+    if not hasattr(sw.runtime, "InPlace"):
         raise SystemExit("--inplace needs sw.runtime.InPlace (the in-place recovery path of issue 48, item 3)")
     rank = int(os.environ["RANK"])
     batch = et.LAYOUT.batch
