@@ -34,6 +34,15 @@ test-core: $(STAMP)
 test-deep: $(STAMP)
 	STAGEWISE_DEEP=1 $(PY) -m pytest -q tests/core
 
+# The documentation pages' blocks that `make test` leaves out: a guide's `stagewise run` block whose marker names the
+# tests/distributed checks that prove the API it shows (`<!-- docs-test: run -n 2 | make docs-test: IDS -->`; make
+# test runs those checks, and checks that every block runs in one of the two targets); here each runs as the page shows
+# it, after its IDS are found in the collected tests. Run it after a change to docs/ or to an API a guide shows
+# (a few minutes on 2 cores). The README's blocks and the other pages' blocks run in `make test`.
+.PHONY: docs-test
+docs-test: $(STAMP)
+	STAGEWISE_DOCS_TEST=1 $(PY) -m pytest -q tests/system/test_docs.py -k test_block_runs
+
 # torch in one process, no launcher.
 test-runtime: $(STAMP)
 	$(PY) -m pytest -q tests/runtime
