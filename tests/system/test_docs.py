@@ -47,7 +47,7 @@ def test_block_runs(block: Block, tmp_path: Path) -> None:
 
 @functools.cache
 def _collected(*files: str) -> set[str]:
-    """The pytest ids of ``files`` (under tests/distributed/, as the markers name them), as `make test` collects them."""
+    """The pytest ids of ``files`` (under tests/distributed/, as markers name them), as `make test` collects them."""
     cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", *(str(DISTRIBUTED / f) for f in files)]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
