@@ -474,17 +474,16 @@ def measured(pipe: Any, members: list[int] | None, **layout: Any) -> dict[str, i
 
 
 def check_memory(ctx: Ctx) -> dict[str, Any]:
-    """Extra memory in tensor bytes (not RSS), the same on every run: a partition moved (4 ranks), then 4 -> 2
-    processes: at most the larger layout's state on the rank plus one layer, on every rank for the partition and
-    on the two members for the shrink (the retiring ranks' figure is asserted by ``test_relayout.py``, xfail)."""
+    """Extra memory in tensor bytes (not RSS): a partition moved (4 ranks), then 4 -> 2 processes: at most the
+    larger layout's state on the rank plus one layer, on every rank, the two retiring ones too (whose peak is
+    the listing's keys, not every process's listing of names)."""
     pipe = build()
     train(pipe, 0)
     out = {"partition": measured(pipe, None, partition=[3, 1, 2, 2])}
     train(pipe, STEPS)
     out["shrink"] = measured(pipe, [0, 1], partition=[5, 3])
     for tag, got in out.items():
-        if tag == "partition" or ctx.rank in (0, 1):
-            assert got["extra"] <= got["bound"], f"{tag}: {got['extra']} extra tensor bytes on rank {ctx.rank}: {got}"
+        assert got["extra"] <= got["bound"], f"{tag}: {got['extra']} extra tensor bytes on rank {ctx.rank}: {got}"
     return out
 
 
