@@ -46,6 +46,7 @@ from ..options import Options
 from .carried import restore_schedulers, retire, scheduler_state, tell
 from .clock import Clock
 from .fill import fill, receiver
+from .kept import lender
 from .listing import exchange
 from .models import release_model, twin_of
 from .request import digest, local_refusals, members_of, refuse_alike, subgroups_ahead
@@ -111,8 +112,9 @@ def relayout(
     new: nn.Module | None = None
     try:
         if me in chosen:
-            with built_empty():  # every tensor is filled below: none initialised only to be overwritten
-                new = build(*_new_source(frontend, options, changes, plan, group))
+            source = _new_source(frontend, options, changes, plan, group)
+            with built_empty(lender(old, source[0])):  # filled below: none initialised, none kept allocated
+                new = build(*source)
         clock.lap("build")
         moved, everyone = _move(old, new, ranks, progress, schedule, clock)
         storage.gather(None, ranks, "every process to have filled its new stages")  # the commit point
