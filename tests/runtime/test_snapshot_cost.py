@@ -41,6 +41,9 @@ def test_a_helper_thread_is_idle_and_raised_only_while_waited_for() -> None:
         assert os.sched_getscheduler(tid) == os.SCHED_OTHER
     assert os.sched_getscheduler(tid) == os.SCHED_IDLE
     assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the caller's own policy untouched
+    priority.leave()  # the helper is done: its id is never touched again (ids are reused)
+    with priority.raised_while():
+        assert os.sched_getscheduler(tid) == os.SCHED_IDLE
     done.set()
     thread.join(10)
 

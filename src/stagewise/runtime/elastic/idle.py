@@ -86,6 +86,12 @@ class Priority:
                 make_idle()
             return os.sched_getscheduler(0) if hasattr(os, "sched_getscheduler") else None
 
+    def leave(self) -> None:
+        """Called last by each helper thread: its id is not touched again (a thread id is reused, in any process,
+        once the thread is gone)."""
+        with self._lock:
+            self.helper = None
+
     @contextmanager
     def raised_while(self) -> Iterator[None]:
         """The threads at the ordinary policy for the block (a wait for them)."""

@@ -305,6 +305,7 @@ class Snapshotter:
         except BaseException as err:  # handed to the step path
             self._failure = f"the snapshot of step {capture.step}: {type(err).__name__}: {err}"
         finally:
+            self.priority.leave()
             capture.copied.set()
 
     def _fill(self, buffer: torch.Tensor, capture: Capture) -> None:
