@@ -300,7 +300,9 @@ class Snapshotter:
             self._keep(self.rank, folders.write(self.folder, name, head, view, self._spare(self.rank)))
             clock.lap("write_s")
             self._send(head, payload, clock)
-            folders.prune(self.folder, capture.step - self.config.every)
+            # what no writer here retires (an old lineage's, a gone peer's), one generation later than this
+            # writer's own: a rank of this machine at the same step would otherwise take another's spare
+            folders.prune(self.folder, capture.step - 2 * self.config.every)
             clock.lap("prune_s")
         except BaseException as err:  # handed to the step path
             self._failure = f"the snapshot of step {capture.step}: {type(err).__name__}: {err}"
