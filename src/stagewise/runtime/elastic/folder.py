@@ -83,6 +83,24 @@ def retire(path: Path, spare: Path) -> None:
         pass
 
 
+class Written:
+    """The snapshot files one writer (group rank ``writer``) wrote into ``folder``, by source: the two newest of
+    each kept, the one before retired into that source's spare, which the next is written over."""
+
+    def __init__(self, folder: Path, writer: int) -> None:
+        self.folder, self.writer = folder, writer
+        self.files: dict[int, list[Path]] = {}
+
+    def spare(self, source: int) -> Path:
+        return self.folder / spare_name(self.writer, source)
+
+    def keep(self, source: int, path: Path) -> None:
+        kept = [p for p in self.files.setdefault(source, []) if p != path] + [path]
+        while len(kept) > 2:
+            retire(kept.pop(0), self.spare(source))
+        self.files[source] = kept
+
+
 def remove_spares(folder: Path) -> None:
     """Remove the spare files (a clean end)."""
     if folder.is_dir():

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -117,3 +118,17 @@ def _set(tid: int, policy: int) -> None:
         os.sched_setscheduler(tid, policy, os.sched_param(0))
     except OSError as err:
         log.debug("stagewise snapshots: thread %d keeps its policy (%s)", tid, err)
+
+
+class Clock:
+    """The calling thread's seconds, wall and CPU, per part of a snapshot, added to ``stats`` (``part`` and
+    ``part_cpu``): where a snapshot's cost goes (benchmarks/recovery snapshots ``--breakdown``)."""
+
+    def __init__(self, stats: dict[str, float]) -> None:
+        self.stats, self.wall, self.cpu = stats, time.perf_counter(), time.thread_time()
+
+    def lap(self, part: str) -> None:
+        wall, cpu = time.perf_counter(), time.thread_time()
+        self.stats[part] = self.stats.get(part, 0.0) + wall - self.wall
+        self.stats[part + "_cpu"] = self.stats.get(part + "_cpu", 0.0) + cpu - self.cpu
+        self.wall, self.cpu = wall, cpu

@@ -118,20 +118,6 @@ def peers_of(machines: list[str], rank: int) -> Peers:
     return Peers(machines, dest_of(rank), [r for r in range(len(machines)) if dest_of(r) == rank])
 
 
-class _Clock:
-    """The helper thread's seconds, wall and CPU, per part of a snapshot, added to ``stats`` (``part`` and
-    ``part_cpu``): where a snapshot's cost goes (benchmarks/recovery snapshots)."""
-
-    def __init__(self, stats: dict[str, float]) -> None:
-        self.stats, self.wall, self.cpu = stats, time.perf_counter(), time.thread_time()
-
-    def lap(self, part: str) -> None:
-        wall, cpu = time.perf_counter(), time.thread_time()
-        self.stats[part] = self.stats.get(part, 0.0) + wall - self.wall
-        self.stats[part + "_cpu"] = self.stats.get(part + "_cpu", 0.0) + cpu - self.cpu
-        self.wall, self.cpu = wall, cpu
-
-
 class Snapshotter:
     """``snapshot=``: this rank's snapshots (a stage part: each STEP waits for the copy of the last one)."""
 
@@ -169,7 +155,7 @@ class Snapshotter:
         self._buffer: torch.Tensor | None = None
         self._fixed: tuple[dict[int, str], dict[str, Any]] | None = None  # see _capture
         self._received: dict[int, torch.Tensor] = {}  # by source: the buffers the peers' copies arrive in
-        self._written: dict[int, list[Path]] = {}  # by source: the files written here (see _keep)
+        self._written = folders.Written(self.folder, self.rank)  # the files written here, by source
         self._stream: Any = None
         if self.rank == 0 and self.peers.dest is None:
             log.info("stagewise snapshots: one machine, so the copies stay on it (they outlive a worker restart)")
@@ -284,7 +270,7 @@ class Snapshotter:
         copy to the peer and the peers' copies here, the old generations pruned."""
         try:
             self.policy = self.priority.enter()  # only the core's idle time: see .idle
-            clock = _Clock(self.stats)
+            clock = idle.Clock(self.stats)
             capture.entries, capture.total = layout_payload(capture.tensors)
             capture.header["tensors"] = capture.entries
             buffer = self._host_buffer(capture.total, capture.cuda_done is not None)
@@ -297,7 +283,7 @@ class Snapshotter:
             view = host_bytes(payload)
             name = folders.file_name(capture.step, self.lineage, self.rank)
             check_fence(f"the snapshot of step {capture.step}")  # a worker woken behind its job writes nothing
-            self._keep(self.rank, folders.write(self.folder, name, head, view, self._spare(self.rank)))
+            self._written.keep(self.rank, folders.write(self.folder, name, head, view, self._written.spare(self.rank)))
             clock.lap("write_s")
             self._send(head, payload, clock)
             # what no writer here retires (an old lineage's, a gone peer's), one generation later than this
@@ -326,7 +312,7 @@ class Snapshotter:
         capture.copied.set()
         done.synchronize()  # the bytes are on the host before they are hashed
 
-    def _send(self, head: bytes, payload: torch.Tensor, clock: _Clock) -> None:
+    def _send(self, head: bytes, payload: torch.Tensor, clock: idle.Clock) -> None:
         """Heads, then payloads, to the next machine's rank; the copies from the previous machine written here."""
         p = self.peers
         if p.dest is None and not p.sources:
@@ -343,19 +329,8 @@ class Snapshotter:
             header, _ = read_header(data)
             name = folders.file_name(int(header["step"]), str(header["lineage"]), int(header["owner"]))
             view = host_bytes(body) if body is not None else memoryview(b"")
-            self._keep(src, folders.write(self.folder, name, data, view, self._spare(src)))
+            self._written.keep(src, folders.write(self.folder, name, data, view, self._written.spare(src)))
         clock.lap("peer_write_s")
-
-    def _spare(self, source: int) -> Path:
-        return self.folder / folders.spare_name(self.rank, source)
-
-    def _keep(self, source: int, path: Path) -> None:
-        """The files of ``source``'s snapshots written here: the two newest kept, the one before retired into the
-        spare the next one is written over (:func:`.folder.retire`)."""
-        kept = [p for p in self._written.setdefault(source, []) if p != path] + [path]
-        while len(kept) > 2:
-            folders.retire(kept.pop(0), self._spare(source))
-        self._written[source] = kept
 
     def _host_buffer(self, size: int, pinned: bool) -> torch.Tensor:
         """One host buffer, reused from snapshot to snapshot (pinned for copies from a GPU)."""
