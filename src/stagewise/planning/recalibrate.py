@@ -205,11 +205,16 @@ def calibrate_run(
     counts: Sequence[int],
     cores: float,
     prior_bandwidth: float = math.inf,
+    *,
+    dp: int = 1,
+    reductions: Sequence[tuple[float, float]] = (),
 ) -> RunCalibration:
     """Calibrate on the run of ``schedule`` cut by ``counts`` (layers per stage of ``prior``): ``timelines``
     (one per step, every rank on one clock) measured on ``cores`` shared cores; then the bias against the
     model's own prediction of that plan (module docstring). ``prior_bandwidth`` (bytes/s, e.g. a ping-pong's):
-    the link's bandwidth where the run's transfers cannot identify it."""
+    the link's bandwidth where the run's transfers cannot identify it. With ``dp`` replicas, ``reductions``:
+    their all-reduces' per-message pairs (:func:`~stagewise.planning.link_fit.reduce_transfers`), fitted with
+    the transfers; the plan's own prediction then prices each stage's SYNC on the fitted link."""
     if not timelines:
         raise ValueError("calibrate_run: no timelines (run a few steps first)")
     if sum(counts) != len(prior) or len(counts) != schedule.num_stages:
@@ -221,7 +226,7 @@ def calibrate_run(
     for c in counts:
         bounds.append(bounds[-1] + int(c))
     sent = prior.cost_model(bounds).output_bytes
-    link = fit_link(timelines, schedule, sent, prior_bandwidth)
+    link = fit_link(timelines, schedule, sent, prior_bandwidth, reductions)
     run = RunCalibration(
         counts=tuple(int(c) for c in counts),
         measured=stage_medians(timelines, cores),
@@ -231,5 +236,11 @@ def calibrate_run(
         steps=tuple(t.makespan for t in timelines),
         link=link.note,
     )
-    own = run.predict(schedule, run.profile(prior).cost_model(bounds)).step
+    costs = run.profile(prior).cost_model(bounds)
+    if dp > 1:
+        from .comm import Link, ring_all_reduce
+
+        ring = Link(run.latency, run.bandwidth)
+        costs = replace(costs, sync_time=tuple(ring_all_reduce(b, dp, ring) for b in costs.parameter_bytes))
+    own = run.predict(schedule, costs).step
     return replace(run, bias=run.measured_step / own if own > 0 else 1.0)
