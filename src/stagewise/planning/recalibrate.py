@@ -34,7 +34,9 @@ from ..partition import LayerProfile
 from ..simulation import CostModel, shared_makespan
 from .link_fit import COMPUTE, fit_link
 
-__all__ = ["COMPUTE", "Prediction", "RunCalibration", "calibrate_run", "deshared", "fit_link", "held_out_costs"]
+__all__ = [
+    "COMPUTE", "Prediction", "RunCalibration", "calibrate_run", "deshared", "fit_link", "held_out_costs", "ring_synced",
+]  # fmt: skip
 
 #: z for an interval meant to hold 85 % of steps (a normal's 92.5th percentile)
 Z85 = 1.44
@@ -161,8 +163,6 @@ def held_out_costs(
     by Q's micro-batch over the calibrating plan's (``batch_ratio``, the planner's linear scaling); with
     ``dp`` replicas each stage's SYNC a ring all-reduce of its gradients (its parameter bytes) over the
     calibrated link. Nothing of Q is measured."""
-    from .comm import Link, ring_all_reduce
-
     layers = calibration.profile(prior).layers
     scaled = tuple(
         replace(
@@ -180,11 +180,18 @@ def held_out_costs(
     bounds = [0]
     for c in counts:
         bounds.append(bounds[-1] + int(c))
-    costs = replace(prior, layers=scaled).cost_model(bounds)
-    if dp > 1:
-        link = Link(calibration.latency, calibration.bandwidth)
-        costs = replace(costs, sync_time=tuple(ring_all_reduce(b, dp, link) for b in costs.parameter_bytes))
-    return costs
+    return ring_synced(replace(prior, layers=scaled).cost_model(bounds), dp, calibration)
+
+
+def ring_synced(costs: CostModel, dp: int, calibration: RunCalibration) -> CostModel:
+    """``costs`` with each stage's SYNC a ring all-reduce of its parameter bytes over ``dp`` replicas on the
+    calibrated link (unchanged for one replica)."""
+    from .comm import Link, ring_all_reduce
+
+    if dp <= 1:
+        return costs
+    link = Link(calibration.latency, calibration.bandwidth)
+    return replace(costs, sync_time=tuple(ring_all_reduce(b, dp, link) for b in costs.parameter_bytes))
 
 
 def _ratio(measured: dict[Kind, dict[int, float]], kind: Kind, stage: int, charged: float) -> float | None:
@@ -236,11 +243,5 @@ def calibrate_run(
         steps=tuple(t.makespan for t in timelines),
         link=link.note,
     )
-    costs = run.profile(prior).cost_model(bounds)
-    if dp > 1:
-        from .comm import Link, ring_all_reduce
-
-        ring = Link(run.latency, run.bandwidth)
-        costs = replace(costs, sync_time=tuple(ring_all_reduce(b, dp, ring) for b in costs.parameter_bytes))
-    own = run.predict(schedule, costs).step
+    own = run.predict(schedule, ring_synced(run.profile(prior).cost_model(bounds), dp, run)).step
     return replace(run, bias=run.measured_step / own if own > 0 else 1.0)

@@ -29,8 +29,9 @@ from typing import Any
 
 from ...ir import Timeline
 from ...partition import LayerCost, LayerProfile
-from ...planning.recalibrate import Prediction, RunCalibration, calibrate_run
+from ...planning.recalibrate import Prediction, RunCalibration, calibrate_run, ring_synced
 from ...planning.stragglers import Detector, Straggler, cut_for_speeds, rank_speeds, slowed
+from .replicas import ReplicaSyncs
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,7 @@ class RunCalibrator:
         self.detector = Detector(pipe.num_ranks)
         self._seen = 0
         self._calibrating: list[Timeline] = []
+        self._replicas = ReplicaSyncs(pipe)  # dp > 1: the replicas' all-reduces, for the link fit
         self._since: list[float] = []
         #: every step's makespan after the warm-up (the calibrating steps and those since), seconds
         self.makespans: list[float] = []
@@ -98,6 +100,7 @@ class RunCalibrator:
         self.makespans.append(timeline.makespan)
         if self.calibration is None:
             self._calibrating.append(timeline)
+            self._replicas.observe()
             if len(self._calibrating) == self.after:
                 self._calibrate()
             return
@@ -106,13 +109,17 @@ class RunCalibrator:
 
     def _calibrate(self) -> None:
         schedule = self.pipe.schedule
-        cal = calibrate_run(self._calibrating, schedule, self.prior, self.counts, self.cores, self.bandwidth)
+        reductions = self._replicas.pairs()
+        cal = calibrate_run(
+            self._calibrating, schedule, self.prior, self.counts, self.cores, self.bandwidth,
+            dp=self._replicas.dp, reductions=reductions,
+        )  # fmt: skip
         if self.speeds is not None:  # a rank known slow stays a slow rank: its stages' layers keep their costs
             at = [self.speeds[r] for r in schedule.placement]
             measured = {k: {s: v * at[s] for s, v in by.items()} for k, by in cal.measured.items()}
             cal = replace(cal, measured=measured)
         self.calibration = cal
-        costs = cal.profile(self.prior).cost_model(_bounds(self.counts))
+        costs = ring_synced(cal.profile(self.prior).cost_model(_bounds(self.counts)), self._replicas.dp, cal)
         if self.speeds is not None:  # the plan as it runs: its slow rank still slow
             costs = slowed(costs, [self.speeds[r] for r in schedule.placement])
         self.prediction = cal.predict(schedule, costs, self.processes)
