@@ -71,6 +71,21 @@ def stage_medians(timelines: Sequence[Timeline], cores: float) -> dict[Kind, dic
     return {k: {s: statistics.median(v) for s, v in by.items()} for k, by in seen.items()}
 
 
+def stage_spreads(timelines: Sequence[Timeline], cores: float, stages: int) -> tuple[float, ...]:
+    """Per stage, the sample standard deviation over the mean of its de-shared compute seconds per timeline
+    (0 with fewer than 2 timelines or a stage that computed nothing)."""
+    totals = [[0.0] * stages for _ in timelines]
+    for k, timeline in enumerate(timelines):
+        for e, own in deshared(timeline, cores):
+            totals[k][e.action.stage] += own
+    out = []
+    for s in range(stages):
+        xs = [t[s] for t in totals]
+        mean = sum(xs) / len(xs) if xs else 0.0
+        out.append(statistics.stdev(xs) / mean if len(xs) > 1 and mean > 0 else 0.0)
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class Prediction:
     """A predicted step (seconds) and the interval meant to hold 85 % of measured steps."""
@@ -97,6 +112,9 @@ class RunCalibration:
     steps: tuple[float, ...]
     bias: float = 1.0
     link: str = ""
+    #: per stage, the relative spread (sample standard deviation over mean) of its compute seconds per step
+    #: over the calibrating steps: how far the stage costs this calibration rests on could move
+    stage_spread: tuple[float, ...] = ()
 
     @property
     def measured_step(self) -> float:
@@ -109,6 +127,18 @@ class RunCalibration:
             return 0.0
         q = statistics.quantiles(self.steps, n=4, method="inclusive")
         return (q[2] - q[0]) / 2 / self.measured_step
+
+    @property
+    def uncertainty(self) -> float:
+        """The relative error a comparison of two cuts can draw from this calibration alone: each stage's cost
+        is a median of ``k`` steps (standard error about ``1.25 sigma / sqrt k``), and moving layers compares two
+        stages (``sqrt 2``): ``1.25 sqrt(2 / k)`` x the stages' root-mean-square :attr:`stage_spread`. A fresh
+        calibration of 3 steps under a load that moves each rank's speed disagrees with the next by this much,
+        which the step-to-step spread of whole steps does not show (issue 49: a re-cut after a release flapped)."""
+        if len(self.steps) < 2 or not self.stage_spread:
+            return 0.0
+        rms = math.sqrt(sum(x * x for x in self.stage_spread) / len(self.stage_spread))
+        return 1.25 * math.sqrt(2.0 / len(self.steps)) * rms
 
     def profile(self, prior: LayerProfile) -> LayerProfile:
         """``prior``'s layers with each kind's cost scaled by what its stage measured over what ``prior`` charges
@@ -242,6 +272,7 @@ def calibrate_run(
         cores=cores,
         steps=tuple(t.makespan for t in timelines),
         link=link.note,
+        stage_spread=stage_spreads(timelines, cores, schedule.num_stages),
     )
     own = run.predict(schedule, ring_synced(run.profile(prior).cost_model(bounds), dp, run)).step
     return replace(run, bias=run.measured_step / own if own > 0 else 1.0)
