@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 import stagewise as sw
 from relayout_checks import _group, assert_same, build, folder, state_of, train
@@ -25,6 +26,7 @@ from stagewise.runtime.relayout.takeover import hold, take_over
 from worker import Ctx
 
 STEPS = 2
+OLD = [1, 2, 3, 2]  # the old layout's cut: BatchNorm (layer 2) on rank 1, a survivor
 
 
 def machine_root(tag: str, rank: int) -> Path:
@@ -90,19 +92,24 @@ def check_snapshot_sources(ctx: Ctx) -> dict[str, Any]:
     from its copy on machine "0" where rank 0 needs it); the lost ranks' stages from the files machine "0"
     holds, read there by rank 0 and sent to rank 1."""
     tag = "takeover-loss"
-    pipe = snapshotted(ctx, tag)
+    pipe = snapshotted(ctx, tag, partition=OLD)
     train(pipe, 0)
     sw.checkpoint.save(folder(tag) / "ckpt", pipe, step=STEPS)
     if ctx.rank == 1:
         with torch.no_grad():  # its optimizer stepped this one in the failed step: no longer the committed value
             next(pipe.parameters()).add_(1.0)
+    norms = [m for m in pipe.modules() if isinstance(m, nn.BatchNorm1d)] if ctx.rank in (0, 1) else []
+    for norm in norms:  # the failed step's forward ran here: BatchNorm wrote its statistics (no version counted)
+        norm(torch.randn(4, norm.num_features, dtype=torch.float64))
     held = lose(ctx, pipe, (0, 1))
     if ctx.rank == 1:
         shutil.rmtree(machine_root(tag, 1))  # machine "1"'s folder lost: rank 1 gets the lost stages sent
     dist.barrier()
     out = recovered(ctx, tag, held, folder(tag) / "ckpt")
+    out["norms"] = len(norms)
     c = out["counts"]
     assert out["step"] == STEPS and c["kept"] > 0 and c["live"] > 0 and c["snapshot"] > 0, out
+    assert out["norms"] == (1 if ctx.rank == 1 else 0), out
     if ctx.rank in (0, 1):
         assert out["compared"] > 0, out
     return out
@@ -113,7 +120,7 @@ def check_past_commit(ctx: Ctx) -> dict[str, Any]:
     machine, so step 2 is the committed one; the survivors' live tensors are step 3's (parameters, Adam's state,
     BatchNorm's statistics): every tensor comes from step 2's snapshot files, none live."""
     tag = "takeover-past"
-    pipe = snapshotted(ctx, tag)
+    pipe = snapshotted(ctx, tag, partition=OLD)
     train(pipe, 0)
     sw.checkpoint.save(folder(tag) / "ckpt", pipe, step=STEPS)
     train(pipe, STEPS, 1)
