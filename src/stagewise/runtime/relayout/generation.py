@@ -46,6 +46,7 @@ from .takeover import Held, LiveRefused, hold, take_over
 log = logging.getLogger(__name__)
 
 FENCED_EXIT = 3
+RESTORE_ENV = "STAGEWISE_INPLACE_RESTORE"  # "snapshots": a recovery resumes from the files only (the path before)
 _TRIES = 5  # generations agreed in one recovery at most (each loses a member that died meanwhile)
 
 
@@ -141,7 +142,7 @@ class InPlace:
     def _restore(self, generation: int) -> int:
         """The new pipeline's state: from the survivors' live tensors and the snapshots they hold (after a loss),
         else (the first generation, or the live path refused alike everywhere) the resume's newest source."""
-        if generation > 0:
+        if generation > 0 and os.environ.get(RESTORE_ENV) != "snapshots":  # (=snapshots: the resume only, to compare)
             try:
                 done = take_over(self.pipe, self._held, Path(self.checkpoints), self.timeout)
                 self._sources = {"path": "live", **done.counts}
