@@ -59,7 +59,7 @@ class Recovery:
     failed_at: int  # the step that was running when the generation failed
     committed: int  # the step the survivors went on from
     seconds: float  # from the failure seen here to the new pipeline's state restored
-    parts: dict[str, float] = field(default_factory=dict)  # seconds: drop, agree, group, build, resume
+    parts: dict[str, float] = field(default_factory=dict)  # seconds: hold, drop, agree, group, build, resume
     sources: dict[str, Any] = field(default_factory=dict)  # path: live or snapshots; names kept / live / snapshot
 
 
@@ -142,7 +142,9 @@ class InPlace:
     def _restore(self, generation: int) -> int:
         """The new pipeline's state: from the survivors' live tensors and the snapshots they hold (after a loss),
         else (the first generation, or the live path refused alike everywhere) the resume's newest source."""
-        if generation > 0 and os.environ.get(RESTORE_ENV) != "snapshots":  # (=snapshots: the resume only, to compare)
+        if generation > 0 and os.environ.get(RESTORE_ENV) == "snapshots":  # the resume only, to compare
+            self._sources = {"path": "snapshots", "refused": f"{RESTORE_ENV}=snapshots"}
+        elif generation > 0:
             try:
                 done = take_over(self.pipe, self._held, Path(self.checkpoints), self.timeout)
                 self._sources = {"path": "live", **done.counts}
@@ -171,8 +173,9 @@ class InPlace:
             first[:300],
         )
         self._parts, self._sources = {}, {}
-        with self._timed("drop"):
+        with self._timed("hold"):
             self._held = hold(self.pipe)  # its tensors only: the groups and threads go with the pipeline
+        with self._timed("drop"):
             self._drop_pipeline()
         members = self._next_generation(ms.named_dead(str(err), self._members.members))
         self.recoveries.append(
