@@ -509,4 +509,12 @@ def checks(world: int) -> dict[str, Check]:
         "leaks": check_leaks,
         "failure": check_failure,
         "memory": check_memory,
+        **takeover_checks(),
     }
+
+
+def takeover_checks() -> dict[str, Check]:
+    """A recovery's re-layout from live survivors and snapshot files (takeover_checks.py), in this job."""
+    from takeover_checks import CHECKS
+
+    return CHECKS

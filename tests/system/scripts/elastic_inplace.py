@@ -89,7 +89,14 @@ def main() -> int:
 
     def recovered(j: sw.runtime.InPlace) -> None:
         r = j.recoveries[-1]
-        note("recovered", failed_at=r.failed_at, committed=r.committed, seconds=r.seconds, parts=r.parts)
+        note(
+            "recovered",
+            failed_at=r.failed_at,
+            committed=r.committed,
+            seconds=r.seconds,
+            parts=r.parts,
+            sources=r.sources,
+        )
         if args.save_resumed:
             sw.checkpoint.save(out / f"resumed-g{j.generation}", j.pipe, step=j.step)
         (out / f"recovered-{me}").touch()

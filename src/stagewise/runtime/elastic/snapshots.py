@@ -70,6 +70,14 @@ class Capture:
     cuda_done: Any = None  # a CUDA event on the copy stream, when some tensor is on a GPU
 
 
+@dataclass(frozen=True)
+class Mark:
+    """The live state at a snapshot's capture: each tensor's version counter, and the buffers' values."""
+
+    versions: dict[str, int]
+    copies: dict[str, torch.Tensor]
+
+
 _ENDINGS: list[Ending] = []
 
 
@@ -157,6 +165,7 @@ class Snapshotter:
         self._received: dict[int, torch.Tensor] = {}  # by source: the buffers the peers' copies arrive in
         self._written = folders.Written(self.folder, self.rank)  # the files written here, by source
         self._stream: Any = None
+        self.marks: dict[int, Mark] = {}  # snapshot step -> each live tensor's version at its capture
         if self.rank == 0 and self.peers.dest is None:
             log.info("stagewise snapshots: one machine, so the copies stay on it (they outlive a worker restart)")
         _ENDINGS.append(self.end)  # held to the end: the clean exit's work must not depend on the pipeline's life
@@ -237,13 +246,15 @@ class Snapshotter:
         root = self._root
         params = {p.data_ptr() for p in root.parameters()}
         tensors = {}
-        for name, t in state.saved_tensors(root).items():
-            tensors[state.MODEL + name] = t if t.data_ptr() in params else t.detach().clone()
+        live = {state.MODEL + name: t for name, t in state.saved_tensors(root).items()}
+        for name, t in live.items():
+            tensors[name] = t if t.data_ptr() in params else t.detach().clone()
         if self._fixed is None:  # what a pipeline's life does not change: its parameters' names, its layout
             self._fixed = (state.parameter_names(root), state.layout_of(root, self.world))
         names, layout = self._fixed
         optim_tensors, meta = state.optimizer_state(state.optimizers_of(root, None), names)
         tensors.update(optim_tensors)
+        self._mark({**live, **optim_tensors}, {n: t for n, t in tensors.items() if n in live and t is not live[n]})
         extra = self.config.extra() if self.config.extra is not None else None
         header = {
             "run": self.run,
@@ -264,6 +275,14 @@ class Snapshotter:
             ready.record()  # the step's work queued so far, the optimizer's last update among it
             capture.cuda_done = ready
         return capture
+
+    def _mark(self, live: dict[str, torch.Tensor], copies: dict[str, torch.Tensor]) -> None:
+        """Each live tensor's version counter at this capture, and the buffers' copies (the two newest kept): a
+        recovery takes a live tensor for this step's value only while it is unchanged (:mod:`..relayout.sources`;
+        BatchNorm's forward writes its running statistics without counting a version: they are compared)."""
+        self.marks[self.step] = Mark(versions(live), copies)
+        for old in sorted(self.marks)[:-2]:
+            del self.marks[old]
 
     def _copy(self, capture: Capture) -> None:
         """The helper thread: the bytes into the host buffer (then the next STEP may go), the file here, the
@@ -395,3 +414,8 @@ class Snapshotter:
 
         self.wait()
         return PeerSnapshots(self, model)
+
+
+def versions(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
+    """Each tensor's version counter (every in-place write adds one; a view shares its base's)."""
+    return {name: int(t._version) for name, t in tensors.items()}
