@@ -22,7 +22,6 @@ and leaves with exit status 3.
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import time
@@ -35,6 +34,7 @@ from typing import Any, NoReturn
 from ...parallel import ElasticLayout, Fit
 from ..checkpoint.api import save as checkpoint_save
 from ..checkpoint.resume import resume as checkpoint_resume
+from ..comm import release
 from ..comm.generations import job_store, join_generation, leave_generation
 from ..elastic import membership as ms
 
@@ -190,13 +190,23 @@ class InPlace:
         raise AssertionError("unreachable")
 
     def _drop_pipeline(self) -> None:
-        """The failed generation's pipeline goes; its snapshots stay on the machines (they are the state)."""
+        """The failed generation's pipeline goes; its snapshots stay on the machines (they are the state).
+
+        Its helper threads stop now; its gloo groups are dropped, not destroyed here (a destructor may join a
+        thread stuck on a stopped peer until the timeout): :func:`..comm.release.hold` keeps the pipeline, its
+        tensors too, until the group timeout has passed, then collects it on its own thread."""
         snaps = getattr(self.pipe, "snapshots", None)
         if snaps is not None:
-            snaps.finish_at_exit()  # the copy in flight ends (written, or failed on the dead peer): whole files
-            snaps.forget()
+            with self._timed("drop:snapshots"):
+                snaps.finish_at_exit()  # the copy in flight ends (written, or failed on the dead peer): whole files
+                snaps.forget()
+        transport = getattr(self.pipe, "transport", None)
+        if transport is not None:
+            with self._timed("drop:threads"):
+                transport.close()  # the guard's helper threads (a failure stands: its groups are kept)
+        if self.pipe is not None:
+            release.hold(self.pipe, self.timeout + 1.0)
         self.pipe = None
-        gc.collect()
 
     def _leave_fenced(self) -> NoReturn:
         self._drop_pipeline()
