@@ -75,7 +75,8 @@ class Membership:
     store: Any
     me: int
     members: list[int]
-    silent_s: float = 2.0  # a member whose stamp did not move for this long is gone
+    silent_s: float = 20.0  # a member whose stamp did not move for this long is gone (an in-place job: its
+    # hang threshold; a live member that is only slow - stopped, starved - for less must never be left out)
     generation: int = 0
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None

@@ -83,7 +83,7 @@ class InPlace:
         """Join the job (generation 0, every process of the launch) and resume; returns the step resumed."""
         self._store = _job_store(self.timeout)
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        self._members = ms.Membership(self._store, rank, list(range(world))).start()
+        self._members = ms.Membership(self._store, rank, list(range(world)), silent_s=self.timeout).start()
         ms.set_fence(self._members.fenced)
         self._enter(0)
         return self.step
