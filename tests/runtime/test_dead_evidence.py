@@ -70,22 +70,32 @@ def _gone_world(monkeypatch: pytest.MonkeyPatch, gone: list[int]) -> list[float]
     monkeypatch.setattr(probes, "gone", lambda ranks=None: list(gone))
     monkeypatch.setattr(heartbeat, "_probes", probes)
     monkeypatch.setattr(heartbeat.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(heartbeat.dist, "get_world_size", lambda: 3)
     waited: list[float] = []
     monkeypatch.setattr(heartbeat, "stopped_ranks", lambda within: waited.append(within) or [2])
+    monkeypatch.setattr(heartbeat, "silent_ranks", lambda threshold: [])
     return waited
 
 
 def test_the_blame_names_the_gone_peer_without_the_window(monkeypatch: pytest.MonkeyPatch) -> None:
     waited = _gone_world(monkeypatch, [1])
-    text = heartbeat.blame_stopped()
+    text = heartbeat.blame_failed(10.0)
     assert waited == []  # no window: the evidence was enough
     assert text.startswith("global rank 1 stopped or died (process gone")
     assert named_dead(f"{text}: rank 2: the all-reduce failed", [10, 11, 12]) == [11]  # the membership reads it
 
 
+def test_a_peer_silent_past_half_the_timeout_is_named_without_the_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    waited = _gone_world(monkeypatch, [])  # stopped or cut off: its port still answers (or nothing does)
+    monkeypatch.setattr(heartbeat, "silent_ranks", lambda threshold: [(1, 2 * threshold)])
+    text = heartbeat.blame_failed(10.0)  # gloo's own timeout ended the op
+    assert waited == [] and text.startswith("global rank 1 stopped or died (no sign of life")
+    assert named_dead(text, [10, 11, 12]) == [11]
+
+
 def test_without_evidence_the_blame_waits_out_the_window(monkeypatch: pytest.MonkeyPatch) -> None:
     waited = _gone_world(monkeypatch, [])
-    text = heartbeat.blame_stopped()
+    text = heartbeat.blame_failed(10.0)
     assert waited == [2.5 * heartbeat.INTERVAL_S]
     assert named_dead(text, [10, 11, 12]) == [12]
 

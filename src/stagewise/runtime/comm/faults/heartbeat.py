@@ -189,12 +189,29 @@ def blame_stopped(within: float = 2.5 * INTERVAL_S) -> str:
     rank's stamp stops advancing, while every live rank stamps every :data:`INTERVAL_S`; costs ``within``
     seconds, on the failure path only.
     """
-    gone = [r for r in _probes.gone() if r != dist.get_rank()]
-    if gone:
-        many = "s" if len(gone) > 1 else ""
-        ports = "their ports refuse" if many else "its port refuses"
-        return f"global rank{many} {', '.join(map(str, gone))} stopped or died (process gone: {ports} connections)"
-    return _blame([(r, within) for r in stopped_ranks(within)])
+    return blame_gone() or _blame([(r, within) for r in stopped_ranks(within)])
+
+
+def blame_failed(timeout: float) -> str:
+    """After a failed collective (a closed connection, or gloo's own timeout: the groups' is the pipeline's),
+    the first words of the message from the surest evidence first: the peers whose process is gone
+    (:func:`blame_gone`), else the ones silent past half of ``timeout`` (:func:`blame_silent`: a stopped or
+    cut-off peer, when gloo's timeout ended the op), else the window of :func:`blame_stopped`."""
+    return blame_gone() or blame_silent(timeout) or blame_stopped()
+
+
+def blame_gone() -> str:
+    """The other ranks whose liveness port now refuses (:mod:`.probe`: their process is gone, for sure), named
+    (``"global rank 1 stopped or died (process gone: its port refuses connections)"``), or ""."""
+    try:
+        gone = [r for r in _probes.gone() if r != dist.get_rank()]
+    except Exception:  # no evidence
+        return ""
+    if not gone:
+        return ""
+    many = "s" if len(gone) > 1 else ""
+    ports = "their ports refuse" if many else "its port refuses"
+    return f"global rank{many} {', '.join(map(str, gone))} stopped or died (process gone: {ports} connections)"
 
 
 def stopped_ranks(within: float) -> list[int]:
