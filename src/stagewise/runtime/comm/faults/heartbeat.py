@@ -205,6 +205,9 @@ def blame_gone() -> str:
     (``"global rank 1 stopped or died (process gone: its port refuses connections)"``), or ""."""
     try:
         gone = [r for r in _probes.gone() if r != dist.get_rank()]
+        if len(gone) > 1:  # the first to go first: the likeliest cause (others may have left after it)
+            stamps = _stamps()
+            gone.sort(key=lambda r: float(stamps.get(r) or 0.0))
     except Exception:  # no evidence
         return ""
     if not gone:
