@@ -83,6 +83,8 @@ def test_the_blame_names_the_gone_peer_without_the_window(monkeypatch: pytest.Mo
     assert waited == []  # no window: the evidence was enough
     assert text.startswith("global rank 1 stopped or died (process gone")
     assert named_dead(f"{text}: rank 2: the all-reduce failed", [10, 11, 12]) == [11]  # the membership reads it
+    # the failure named one; by the agreement the port of another refuses too (a machine's processes die in turn)
+    assert named_dead(f"{text} global rank 2 stopped or died (process gone: ...)", [10, 11, 12]) == [11, 12]
 
 
 def test_a_peer_silent_past_half_the_timeout_is_named_without_the_window(monkeypatch: pytest.MonkeyPatch) -> None:

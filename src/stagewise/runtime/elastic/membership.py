@@ -181,8 +181,7 @@ class Membership:
 def named_dead(message: str, members: Sequence[int]) -> list[int]:
     """The members a failure's message names as dead by their rank in ``members`` (the heartbeat's words: "global
     ranks 1, 3 stopped or died"), as ids; [] when it names none."""
-    found = re.search(r"global ranks? ([\d, ]+) stopped or died", message)
-    if found is None:
-        return []
-    ranks = [int(r) for r in found.group(1).replace(" ", "").split(",") if r]
+    ranks: list[int] = []
+    for found in re.finditer(r"global ranks? ([\d, ]+) stopped or died", message):  # (every naming, in order)
+        ranks += [int(r) for r in found.group(1).replace(" ", "").split(",") if r and int(r) not in ranks]
     return [members[r] for r in ranks if 0 <= r < len(members)]

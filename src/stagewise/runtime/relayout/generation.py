@@ -35,6 +35,7 @@ from ...parallel import ElasticLayout, Fit
 from ..checkpoint.api import save as checkpoint_save
 from ..checkpoint.resume import resume as checkpoint_resume
 from ..comm import release
+from ..comm.faults import heartbeat
 from ..comm.generations import job_store, join_generation, leave_generation
 from ..elastic import membership as ms
 
@@ -150,7 +151,10 @@ class InPlace:
         self._parts = {}
         with self._timed("drop"):
             self._drop_pipeline()
-        members = self._next_generation(ms.named_dead(str(err), self._members.members))
+        # the dead the failure named, and any other whose port refuses by now (a machine's processes die one
+        # after another: the failure may name only the first)
+        gone = ms.named_dead(f"{err} {heartbeat.blame_gone()}", self._members.members)
+        members = self._next_generation(gone)
         self.recoveries.append(
             Recovery(self._members.generation, members, step, self.step, time.perf_counter() - started, self._parts)
         )
