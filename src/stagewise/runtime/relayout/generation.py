@@ -26,7 +26,6 @@ and leaves with exit status 3.
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import time
@@ -39,6 +38,8 @@ from typing import Any, NoReturn
 from ...parallel import ElasticLayout, Fit
 from ..checkpoint.api import save as checkpoint_save
 from ..checkpoint.resume import resume as checkpoint_resume
+from ..comm import release
+from ..comm.faults import heartbeat
 from ..comm.generations import job_store, join_generation, leave_generation
 from ..elastic import membership as ms
 from .takeover import Held, LiveRefused, hold, take_over
@@ -92,7 +93,7 @@ class InPlace:
         """Join the job (generation 0, every process of the launch) and resume; returns the step resumed."""
         self._store = _job_store(self.timeout)
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        self._members = ms.Membership(self._store, rank, list(range(world))).start()
+        self._members = ms.Membership(self._store, rank, list(range(world)), silent_s=self.timeout).start()
         ms.set_fence(self._members.fenced)
         self._enter(0)
         return self.step
@@ -177,7 +178,10 @@ class InPlace:
             self._held = hold(self.pipe)  # its tensors only: the groups and threads go with the pipeline
         with self._timed("drop"):
             self._drop_pipeline()
-        members = self._next_generation(ms.named_dead(str(err), self._members.members))
+        # the dead the failure named, and any other whose port refuses by now (a machine's processes die one
+        # after another: the failure may name only the first)
+        gone = ms.named_dead(f"{err} {heartbeat.blame_gone()}", self._members.members)
+        members = self._next_generation(gone)
         self.recoveries.append(
             Recovery(self._members.generation, members, step, self.step, time.perf_counter() - started, self._parts)
         )
@@ -219,13 +223,23 @@ class InPlace:
         raise AssertionError("unreachable")
 
     def _drop_pipeline(self) -> None:
-        """The failed generation's pipeline goes; its snapshots stay on the machines (they are the state)."""
+        """The failed generation's pipeline goes; its snapshots stay on the machines (they are the state).
+
+        Its helper threads stop now; its gloo groups are dropped, not destroyed here (a destructor may join a
+        thread stuck on a stopped peer until the timeout): :func:`..comm.release.hold` keeps the pipeline, its
+        tensors too, until the group timeout has passed, then collects it on its own thread."""
         snaps = getattr(self.pipe, "snapshots", None)
         if snaps is not None:
-            snaps.finish_at_exit()  # the copy in flight ends (written, or failed on the dead peer): whole files
-            snaps.forget()
+            with self._timed("drop:snapshots"):
+                snaps.finish_at_exit()  # the copy in flight ends (written, or failed on the dead peer): whole files
+                snaps.forget()
+        transport = getattr(self.pipe, "transport", None)
+        if transport is not None:
+            with self._timed("drop:threads"):
+                transport.close()  # the guard's helper threads (a failure stands: its groups are kept)
+        if self.pipe is not None:
+            release.hold(self.pipe, self.timeout + 1.0)
         self.pipe = None
-        gc.collect()
 
     def _leave_fenced(self) -> NoReturn:
         self._drop_pipeline()
