@@ -34,6 +34,15 @@ test-core: $(STAMP)
 test-deep: $(STAMP)
 	STAGEWISE_DEEP=1 $(PY) -m pytest -q tests/core
 
+# The documentation pages' blocks that `make test` leaves out: a guide's `stagewise run` block whose marker names the
+# tests/distributed checks that prove the API it shows (`<!-- docs-test: run -n 2 | make docs-test: IDS -->`; make
+# test runs those checks, and checks that every block runs in one of the two targets); here each runs as the page shows
+# it, after its IDS are found in the collected tests. Run it after a change to docs/ or to an API a guide shows
+# (a few minutes on 2 cores). The README's blocks and the other pages' blocks run in `make test`.
+.PHONY: docs-test
+docs-test: $(STAMP)
+	STAGEWISE_DOCS_TEST=1 $(PY) -m pytest -q tests/system/test_docs.py -k test_block_runs
+
 # torch in one process, no launcher.
 test-runtime: $(STAMP)
 	$(PY) -m pytest -q tests/runtime
@@ -65,9 +74,12 @@ fault-matrix: $(STAMP)
 # `sudo $(PY) -m benchmarks.recovery faults|snapshots|chaos` (3 namespace machines, issue 48's tables).
 .PHONY: elastic faults chaos
 # The fault jobs `make test` skips (a minute and a half): the fault matrix's sample of eight cases and the faults
-# where torch waits (FSDP2, the profile, no stagewise.init), each a 4-rank job judged on exit codes and messages.
+# where torch waits (FSDP2, the profile, no stagewise.init), each a 4-rank job judged on exit codes and messages;
+# and `--max-restarts` through six SIGKILLs, the last checkpoint left incomplete among them (`make test` kills three).
+# Run it after a change to the launcher, restarts, checkpoint resume or the fault paths.
 faults: $(STAMP)
-	STAGEWISE_FAULTS=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q tests/system/test_fault_matrix.py tests/system/test_fault_axes.py
+	STAGEWISE_FAULTS=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q tests/system/test_fault_matrix.py tests/system/test_fault_axes.py \
+		tests/system/test_restarts.py
 
 elastic: $(STAMP)
 	STAGEWISE_ELASTIC=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q tests/system/test_elastic_local.py \

@@ -1,29 +1,35 @@
-"""A lost machine, before and after the in-place recovery: kill -> the survivors' first step, steps redone.
+"""A lost machine, before and after the in-place recovery: fault -> the survivors' first step, steps redone.
 
-    .venv/bin/python -m benchmarks.elastic_inplace --trials 3                 # both paths, 3 machines x 1
-    .venv/bin/python -m benchmarks.elastic_inplace --paths inplace --trials 20 --json out.json
+    .venv/bin/python -m benchmarks.elastic_inplace --trials 3                       # kill, both paths
+    .venv/bin/python -m benchmarks.elastic_inplace --paths inplace --cases kill stop --trials 20 --json out.json
 
 Machines are processes of one host (no root): each has its own memory folder for snapshots; the job is a
 float64 MLP at ``ElasticLayout(pp=1, batch=24, microbatch_size=2)`` with a snapshot every step
-(tests/system/scripts). Per trial every machine trains to ``--hold``, waits; machine ``count - 1`` is
-SIGKILLed (every worker of it) and the others are told to go on. Measured from the kill:
+(tests/system/scripts). Per trial every machine trains to ``--hold``, waits; machine ``count - 1`` is lost
+(``kill``: SIGKILL to every worker of it; ``stop``: SIGSTOP, the hang threshold - the script's
+``timeout=10`` - decides) and the others are told to go on. Measured from the fault:
 
 * ``inplace``: ``sw.runtime.InPlace`` workers on ``stagewise rendezvous``'s store (tests/system/scripts/
   inplace_machines.py): the survivors keep their processes;
-* ``restart``: today's path, ``stagewise run --nnodes 2:3`` per machine on localhost (the rendezvous settings
-  the tests use; tests/system/scripts/elastic_local.py): torch's agents restart every survivor, which resumes
-  from the peers' snapshots.
+* ``restart`` (``kill`` only): today's path, ``stagewise run --nnodes 2:3`` per machine on localhost (the
+  rendezvous settings the tests use; tests/system/scripts/elastic_local.py): torch's agents restart every
+  survivor, which resumes from the peers' snapshots.
 
-Printed per path: seconds from the kill to the survivors' first step (the first loss of the new membership
-written by its rank 0 - every stage has stepped), p50 / p95 / max; steps redone (losses of steps at or below
-the last step before the kill written again); committed steps rolled back (new membership resuming below the
-held step); and the load (``uptime``) at the start and the end. The chaos benchmark calls :func:`trial`.
+Printed per path and case: seconds from the fault to the survivors' first step (the first loss of the new
+membership written by its rank 0 - every stage has stepped), p50 / p95 / max; in place, where they went
+(p50 of each part: ``detect``, the fault to the failure seen by the last survivor; ``recover``, that
+survivor's drop + agreement + group + build + resume; ``step``, the rest: the first step at the new size);
+steps redone (losses of steps at or below the last step before the fault written again); committed steps
+rolled back (new membership resuming below the held step); and the load (``uptime``) at the start and the
+end. A partition (a machine's link down) needs network namespaces: ``benchmarks.recovery faults``. The
+chaos benchmark calls :func:`trial`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import statistics
@@ -39,35 +45,56 @@ from ._launch import ROOT, with_the_tests
 SCRIPTS = ROOT / "tests" / "system" / "scripts"
 
 
-def trial(path: str, folder: Path, machines: int = 3, hold: int = 4, steps: int = 8) -> dict[str, Any]:
-    """One loss of the last machine on ``path`` (``inplace`` or ``restart``): seconds to the first step of the
-    new membership, steps redone, committed steps rolled back."""
-    run = _inplace if path == "inplace" else _restart
-    killed, rows = run(folder, machines, hold, steps)
+def trial(
+    path: str, folder: Path, machines: int = 3, hold: int = 4, steps: int = 8, case: str = "kill"
+) -> dict[str, Any]:
+    """One loss (``case``: kill or stop) of the last machine on ``path`` (``inplace`` or ``restart``): seconds
+    to the first step of the new membership, where they went (in place), steps redone, committed steps
+    rolled back."""
+    if path == "inplace":
+        killed, rows = _inplace(folder, machines, hold, steps, case)
+    else:
+        killed, rows = _restart(folder, machines, hold, steps)
     after = [r for r in rows if r["world"] < machines]
     before = max(r["step"] for r in rows if r["world"] == machines)
     return {
         "path": path,
+        "case": case,
         "seconds": after[0]["t"] - killed if after else None,
+        **(_parts(folder, killed, after[0]["t"]) if after and path == "inplace" else {}),
         "redone": sum(1 for r in after if r["step"] <= before),
         "rolled_back": max(0, before - (after[0]["step"] - 1)) if after else None,
         "first_step": after[0]["step"] if after else None,
     }
 
 
-def _inplace(folder: Path, count: int, hold: int, steps: int) -> tuple[float, list[dict[str, Any]]]:
+def _parts(folder: Path, fault: float, first: float) -> dict[str, Any]:
+    """Where the seconds went: ``detect`` until the last survivor saw the failure, ``recover`` until the last
+    one's state was back (its ``recovered`` event), ``step`` the rest; ``parts``: that last one's
+    :class:`~stagewise.runtime.relayout.generation.Recovery` parts."""
+    events = [json.loads(x) for x in (folder / "events.jsonl").read_text().splitlines()]
+    done = [e for e in events if e["what"] == "recovered"]
+    seen = max(e["t"] - e["seconds"] for e in done)
+    last = max(done, key=lambda e: e["t"])
+    return {"detect": seen - fault, "recover": last["t"] - seen, "step": first - last["t"], "parts": last["parts"]}
+
+
+def _inplace(folder: Path, count: int, hold: int, steps: int, case: str) -> tuple[float, list[dict[str, Any]]]:
     from inplace_machines import Machines
 
     m = Machines(folder, count, job=f"b{os.getpid()}{time.monotonic_ns() % 10**6}")
     try:
-        m.start(["--hold", str(hold), "--steps", str(steps)])
+        m.start(["--hold", str(hold), "--steps", str(steps), "--no-count"])
         m.wait_for("hold-*", count)
-        killed = time.time()
-        m.lose(count - 1)
+        fault = time.time()
+        if case == "kill":
+            m.lose(count - 1)
+        else:
+            m.signal(count - 1, signal.SIGSTOP)
         (m.out / "go").touch()
         for i in range(count - 1):
             m.wait(i)
-        return killed, m.rows("losses.jsonl")
+        return fault, m.rows("losses.jsonl")
     finally:
         m.close()
 
@@ -123,6 +150,7 @@ def _load() -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--paths", nargs="+", default=["restart", "inplace"], choices=["restart", "inplace"])
+    p.add_argument("--cases", nargs="+", default=["kill"], choices=["kill", "stop"], help="stop: in place only")
     p.add_argument("--trials", type=int, default=3)
     p.add_argument("--machines", type=int, default=3)
     p.add_argument("--json", type=Path, default=None)
@@ -130,26 +158,37 @@ def main() -> None:
     with_the_tests("benchmarks.elastic_inplace", "inplace_machines")  # the tests' machines on one host
     print(f"load at the start: {_load()}")
     results: list[dict[str, Any]] = []
+    runs = [(path, case) for case in args.cases for path in args.paths if path == "inplace" or case == "kill"]
     with tempfile.TemporaryDirectory(prefix="elastic-inplace-") as tmp:
         for k in range(args.trials):
-            for path in args.paths:  # alternating, so that the load drifts alike
-                row = trial(path, Path(tmp) / f"{path}{k}", args.machines)
+            for path, case in runs:  # alternating, so that the load drifts alike
+                row = trial(path, Path(tmp) / f"{path}-{case}{k}", args.machines, case=case)
                 print(json.dumps(row), flush=True)
                 results.append(row)
     print(f"load at the end: {_load()}")
-    for path in args.paths:
-        secs = sorted(r["seconds"] for r in results if r["path"] == path and r["seconds"] is not None)
-        if not secs:
-            continue
-        p95 = secs[min(len(secs) - 1, round(0.95 * (len(secs) - 1)))]
-        redone = [r["redone"] for r in results if r["path"] == path]
-        back = [r["rolled_back"] for r in results if r["path"] == path]
-        print(
-            f"{path:8s} kill -> first step: p50 {statistics.median(secs):.2f} s, p95 {p95:.2f} s, max {secs[-1]:.2f} s "
-            f"({len(secs)} trials); steps redone max {max(redone)}; committed steps rolled back max {max(back)}"
-        )
+    for path, case in runs:
+        print(summary([r for r in results if r["path"] == path and r["case"] == case], f"{path} {case}"))
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=1))
+
+
+def spread(values: list[float]) -> str:
+    """p50 / p95 / max (p95: the nearest rank at or above 95 %)."""
+    v = sorted(values)
+    p95 = v[min(len(v) - 1, math.ceil(0.95 * len(v)) - 1)]
+    return f"{statistics.median(v):.2f} / {p95:.2f} / {v[-1]:.2f}"
+
+
+def summary(rows: list[dict[str, Any]], name: str) -> str:
+    secs = [r["seconds"] for r in rows if r["seconds"] is not None]
+    if not secs:
+        return f"{name}: no trial recovered"
+    line = f"{name:16s} fault -> first step p50 / p95 / max: {spread(secs)} s ({len(secs)} of {len(rows)} trials)"
+    if "detect" in rows[0]:
+        parts = {k: statistics.median(r[k] for r in rows if k in r) for k in ("detect", "recover", "step")}
+        line += "; p50 " + ", ".join(f"{k} {v:.2f} s" for k, v in parts.items())
+    redone, back = max(r["redone"] for r in rows), max(r["rolled_back"] or 0 for r in rows)
+    return line + f"; steps redone max {redone}; committed steps rolled back max {back}"
 
 
 if __name__ == "__main__":

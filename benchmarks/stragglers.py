@@ -9,7 +9,9 @@ Two ranks of one thread train the demo GPT (d 64, 10 layers) with 1F1B, 8 micro-
 steps, names a slow rank, and the Replanner re-cuts live when the predicted gain clears the re-layout's cost
 and the steps' noise). Rank 1 is held to 50 % of a core, then 25 %, then released: cgroup v1, a group made for
 this run (``cpu.cfs_quota_us`` of ``cpu.cfs_period_us = 10000``, a 10 ms period, so the slow rank is slower
-rather than bursty), released by moving the process back to the root group, and the group deleted at the end;
+rather than bursty), released by moving the process back to the group the run was started in (the throttle
+group is its child: a run inside a high ``cpu.shares`` group stays there; ``--cgroup DIR`` names another),
+deleted at the end;
 ``--emulate``: the running interpreter's ``slowdown`` (what ``emulate_slowdown`` sets) at 2 and 4 instead.
 The oracle: every static cut ``[c, 10 - c]`` timed under each throttle (a warm-up and ``--oracle-steps``
 steps). Per throttle, the recovered share: the best static cut's median step over the live median of the
@@ -28,20 +30,40 @@ from typing import Any
 
 from ._launch import launched, on_ranks, timed_step
 
-ROOT_GROUP = Path("/sys/fs/cgroup/cpu")
+#: where cgroup v1's cpu controller is mounted (alone, or with cpuacct)
+CPU_MOUNTS = (Path("/sys/fs/cgroup/cpu"), Path("/sys/fs/cgroup/cpu,cpuacct"))
 PERIOD_US = 10_000
 LAYERS = 10
 #: the steps of a throttled phase (1-based) whose live median is compared with the best static cut
 WINDOW = (6, 10)
 
 
-class Throttle:
-    """Rank 1's share of a core: a cgroup v1 group of its own (made on first use, deleted by :meth:`close`), or
-    the interpreter's emulated slowdown."""
+def cpu_group_of(proc_cgroup: str) -> str:
+    """The cpu controller's group path in ``/proc/<pid>/cgroup``'s text (cgroup v1: ``id:cpu[,cpuacct]:/path``)."""
+    for line in proc_cgroup.splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "cpu" in controllers.split(","):
+            return path
+    raise RuntimeError(f"no cgroup v1 cpu controller in /proc/self/cgroup ({proc_cgroup!r}); run with --emulate")
 
-    def __init__(self, emulate: bool, rank: int) -> None:
+
+def own_cpu_group(parent: Path | None = None) -> Path:
+    """The cgroup this benchmark runs in (``parent`` if given): the straggler's group is made as its child, so a
+    run started inside a group of its own (a high ``cpu.shares`` group on a shared machine) stays inside it."""
+    if parent is not None:
+        return parent
+    mount = next((m for m in CPU_MOUNTS if (m / "cgroup.procs").exists()), CPU_MOUNTS[0])
+    return mount / cpu_group_of(Path("/proc/self/cgroup").read_text()).lstrip("/")
+
+
+class Throttle:
+    """Rank 1's share of a core: a cgroup v1 group of its own, a child of the group the run was started in
+    (made on first use, deleted by :meth:`close`), or the interpreter's emulated slowdown."""
+
+    def __init__(self, emulate: bool, rank: int, parent: Path | None = None) -> None:
         self.emulate, self.rank = emulate, rank
-        self.group = ROOT_GROUP / f"stagewise_straggler_{os.getppid()}"
+        self.home = Path() if emulate else own_cpu_group(parent)
+        self.group = self.home / f"stagewise_straggler_{os.getppid()}"
         self.factor = 1.0
 
     def set(self, share: float | None, pipe: Any = None) -> None:
@@ -51,8 +73,8 @@ class Throttle:
             self.factor = 1.0 if share is None else 1.0 / share
             self.apply(pipe)
             return
-        if share is None:  # lifted: back to the root group
-            (ROOT_GROUP / "cgroup.procs").write_text(str(os.getpid()))
+        if share is None:  # lifted: back to the group the run was started in
+            (self.home / "cgroup.procs").write_text(str(os.getpid()))
             return
         self.group.mkdir(exist_ok=True)
         (self.group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
@@ -66,7 +88,7 @@ class Throttle:
 
     def close(self) -> None:
         if self.rank == 1 and not self.emulate and self.group.exists():
-            (ROOT_GROUP / "cgroup.procs").write_text(str(os.getpid()))
+            (self.home / "cgroup.procs").write_text(str(os.getpid()))
             self.group.rmdir()
 
 
@@ -89,7 +111,7 @@ def rank_main(args: argparse.Namespace) -> None:
         return sw.Pipeline(work.layers(), loss_fn=work.loss, schedule="1f1b", microbatches=8, partition=partition,
                            seed=0, emulate_slowdown=[1.0, 1.0] if args.emulate else None)  # fmt: skip
 
-    throttle = Throttle(args.emulate, rank)
+    throttle = Throttle(args.emulate, rank, args.cgroup)
     events: list[dict[str, Any]] = []
     steps: list[dict[str, Any]] = []
     phases = (("calibrate", None, 5), ("full speed", None, 5), ("50 %", 0.5, args.steps), ("25 %", 0.25, args.steps),
@@ -167,6 +189,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--horizon", type=int, default=200, help="steps the job is said to run on after these")
     parser.add_argument("--oracle-steps", type=int, default=3, help="timed steps per static cut")
     parser.add_argument("--emulate", action="store_true", help="emulate_slowdown instead of a cgroup (no root)")
+    parser.add_argument(
+        "--cgroup",
+        type=Path,
+        default=None,
+        help="the cpu cgroup (v1 directory) to make the straggler's group in; default: this run's own",
+    )
     parser.add_argument("--no-oracle", dest="oracle", action="store_false", help="skip the static cuts' sweep")
     args = parser.parse_args(argv)
     if launched():

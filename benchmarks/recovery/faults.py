@@ -47,16 +47,34 @@ def analyse(out: Path) -> dict[str, Any]:
         rows = [json.loads(x) for x in (folder / "steps.jsonl").read_text().splitlines()]
         events = [json.loads(x) for x in (folder / "events.jsonl").read_text().splitlines()]
         logs = {int(i): (folder / f"machine{i}.log").read_bytes().count(b"\n") for i in events[0]["lines"]}
+        resumes = [json.loads(x) for x in _text(folder / "resumes.jsonl").splitlines()]
         for k, e in enumerate(events):
             event = rl.Event(e["kind"], e["machine"], e["at"], e["world"])
             after = {int(i): n for i, n in events[k + 1]["lines"].items()} if k + 1 < len(events) else logs
             lines = {int(i): after[int(i)] - n for i, n in e["lines"].items() if int(i) != event.machine}
-            found.append({"event": event.__dict__, **rl.incident(rows, event), "lines": lines})
+            cost = rl.incident(rows, event)
+            found.append({"event": event.__dict__, **cost, **breakdown(resumes, event, cost), "lines": lines})
         line = rl.lineage(rows)
         samples = {key: samples[key] + n for key, n in rl.samples_check(line).items()}
         stale, steps = stale + rl.stale_rows(rows), steps + len(line)
     (out / "incidents.json").write_text(json.dumps(found, indent=1))
     return {"incidents": found, "samples": samples, "stale_rows": stale, "out": str(out), "steps": steps}
+
+
+def _text(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
+
+
+def breakdown(resumes: list[dict[str, Any]], event: Any, cost: dict[str, Any]) -> dict[str, Any]:
+    """In place, where an incident's seconds went, as the new generation's first member saw them (its resume
+    row: when its state was back, how long its recovery took, the parts): ``detect`` from the fault to the
+    failure seen there, ``recover`` (drop + agreement + group + build + resume), ``step`` the rest."""
+    row = next((r for r in resumes if "seconds" in r and r["time"] >= event.at), None)
+    if row is None or not cost.get("recovered"):
+        return {}
+    detect = row["time"] - row["seconds"] - event.at
+    step = cost["to_first_step_s"] - detect - row["seconds"]
+    return {"detect_s": detect, "recover_s": row["seconds"], "step_s": step, "parts": row.get("parts", {})}
 
 
 def one_job(args: argparse.Namespace, machines: Any, out: Path, cases: list[str], loads: list[float]) -> Any:
@@ -94,8 +112,9 @@ def table(result: dict[str, Any], cases: list[str]) -> str:
     import recovery_log as rl
 
     head = "| case | trials | to first step p50 / p95 / max s | others paused p50 / p95 / max s "
-    head += "| redone (max) | rolled back (max) | skipped / twice | lines per survivor (max) |"
-    lines = [head, "|---|---|---|---|---|---|---|---|"]
+    head += "| redone (max) | rolled back (max) | skipped / twice | lines per survivor (max) "
+    head += "| detect / recover / step p50 s |"
+    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
     returns = any(i["event"]["kind"] == "back" for i in result["incidents"])
     for case in [*cases, "back"] if returns else cases:
         got = [i for i in result["incidents"] if i["event"]["kind"] == case]
@@ -106,7 +125,7 @@ def table(result: dict[str, Any], cases: list[str]) -> str:
         lines.append(
             f"| {case} | {len(ok)} of {len(got)} | {spread(first)} | {spread(pause)} | {worst(ok, 'redone')} "
             f"| {worst(ok, 'rolled_back')} | {sum(i['skipped'] for i in ok)} / {sum(i['twice'] for i in ok)} "
-            f"| {said} |"
+            f"| {said} | {parts(ok)} |"
         )
     s = result["samples"]
     lines.append("")
@@ -117,6 +136,16 @@ def table(result: dict[str, Any], cases: list[str]) -> str:
         f"logs in {result['out']}" + (f"; cut short: {result['failed']}" if result["failed"] else "")
     )
     return "\n".join(lines)
+
+
+def parts(found: list[dict[str, Any]]) -> str:
+    """p50 of each part of the in-place incidents ("-" on the restart path, which keeps no breakdown)."""
+    import statistics
+
+    got = [i for i in found if "detect_s" in i]
+    if not got:
+        return "-"
+    return " / ".join(f"{statistics.median(i[k] for i in got):.2f}" for k in ("detect_s", "recover_s", "step_s"))
 
 
 def spread(p: dict[str, float]) -> str:

@@ -59,9 +59,12 @@ def worker(args: argparse.Namespace) -> None:
     }
     step = 0
 
+    cpu = {0: 0.0, 1: 0.0}  # this process's CPU seconds in the measured rounds, by pipeline
+
     def round_of(every: int) -> float:
         nonlocal step
         times = []
+        started = time.process_time()
         for _ in range(args.steps):
             step += 1
             g = torch.Generator().manual_seed(step)
@@ -73,10 +76,14 @@ def worker(args: argparse.Namespace) -> None:
         snaps = pipes[every].snapshots
         if snaps is not None:
             snaps.wait()  # (its tail belongs to this round, not to the next one's)
+        cpu[every] += time.process_time() - started
         return statistics.median(times)
 
     for every in (0, 1):  # warm-up
         round_of(every)
+    cpu.update({0: 0.0, 1: 0.0})
+    assert pipes[1].snapshots is not None
+    pipes[1].snapshots.stats.update({k: 0.0 for k in pipes[1].snapshots.stats})
     pairs = []
     for r in range(args.rounds):
         order = (0, 1) if r % 2 == 0 else (1, 0)
@@ -89,7 +96,10 @@ def worker(args: argparse.Namespace) -> None:
     assert snaps is not None
     state = sum(p.stat().st_size for p in snaps.folder.glob(f"*-r{rank:05d}.snap")) // 2
     everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, {"pairs": pairs, "bytes": state})
+    steps = args.rounds * args.steps
+    parts = {k: v / max(snaps.stats["snapshots"], 1) for k, v in snaps.stats.items() if k != "snapshots"}
+    extra_cpu = (cpu[1] - cpu[0]) / steps
+    dist.all_gather_object(everyone, {"pairs": pairs, "bytes": state, "parts": parts, "extra_cpu": extra_cpu})
     if rank == 0:
         Path(args.result).write_text(json.dumps({"layout": fit.describe(), "ranks": everyone}))
     dist.destroy_process_group()
@@ -107,12 +117,24 @@ def row(model: str, ranks: int, found: dict[str, Any]) -> str:
     )
 
 
+def breakdown(found: dict[str, Any]) -> str:
+    """Per snapshot and rank: the helper thread's ms per part, wall (CPU), and the process's extra CPU per step."""
+    out = []
+    for r, got in enumerate(found["ranks"]):
+        parts = got["parts"]
+        cells = [
+            f"{k[:-2]} {1e3 * parts[k]:.1f} ({1e3 * parts.get(k + '_cpu', 0.0):.1f})" for k in parts if k.endswith("_s")
+        ]
+        out.append(f"    rank {r}: {', '.join(cells)}; extra CPU per step {1e3 * got['extra_cpu']:.1f} ms")
+    return "\n".join(out)
+
+
 def main(args: argparse.Namespace) -> int:
     if args.worker:
         worker(args)
         return 0
     print(f"snapshot=1 against none, {args.rounds} round pairs of {args.steps} steps, {args.interval:g} s apart")
-    print(f"load average {os.getloadavg()[0]:.1f} (1 min) at the start")
+    print(f"load average {os.getloadavg()[0]:.1f} (1 min) at the start; snapshot threads at {args.priority} priority")
     print("| workload | processes | layout | state MiB/rank | step ms | state / step MiB/s | overhead (median) "
           "| lowest / highest | pairs |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|")
@@ -124,10 +146,15 @@ def main(args: argparse.Namespace) -> int:
                 flags += [f"--steps={args.steps}", f"--rounds={args.rounds}", f"--interval={args.interval}"]
                 flags += [f"--machines={min(ranks, 2)}"] + (["--pin"] if ranks == 2 else [])
                 cmd = torchrun(ranks, "benchmarks.recovery", flags)
-                done = subprocess.run(cmd, capture_output=True, text=True, env=environ(OMP_NUM_THREADS="1"))
+                idle = "0" if args.priority == "normal" else "1"
+                env = environ(OMP_NUM_THREADS="1", STAGEWISE_SNAPSHOT_IDLE=idle)
+                done = subprocess.run(cmd, capture_output=True, text=True, env=env)
                 if done.returncode != 0:
                     raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
-                print(row(model, ranks, json.loads(result.read_text())), flush=True)
+                found = json.loads(result.read_text())
+                print(row(model, ranks, found), flush=True)
+                if args.breakdown:
+                    print(breakdown(found), flush=True)
     print(f"load average {os.getloadavg()[0]:.1f} (1 min) at the end")
     return 0
 
@@ -140,6 +167,8 @@ def add(sub: Any) -> None:
     p.add_argument("--rounds", type=int, default=6, help="round pairs (A B / B A)")
     p.add_argument("--interval", type=float, default=2.0, help="seconds of rest before each round")
     p.add_argument("--folder-root", default="/dev/shm", help="where the pretend machines' folders go")
+    p.add_argument("--priority", choices=["idle", "normal"], default="idle", help="the snapshot threads' policy")
+    p.add_argument("--breakdown", action="store_true", help="per rank: ms per part of a snapshot, wall (CPU)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--pin", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--machines", type=int, default=2, help=argparse.SUPPRESS)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 from test_stragglers import PLAN, PRIOR, run  # the synthetic timelines of the detector's tests
@@ -146,3 +147,23 @@ def test_the_margin_is_the_noise_over_the_steps_left() -> None:
     assert calm["taken"] and calm["margin_s"] == pytest.approx(1.44 * 0.1 * 0.1 * 100)
     assert (loud["taken"], loud["reason"], loud["spread"]) == (False, NOT_WORTH, 0.2)
     assert replay(quiet.log + noisy.log) == [calm, {**loud, "last_change": 1}]
+
+
+def test_the_calibrations_own_uncertainty_widens_the_margin() -> None:
+    """Two calibrating steps whose stage 0 computed 1 s and 3 s: its spread is sqrt 2 / 2 (sample standard
+    deviation over the mean); with stage spreads 0.3 and 0.4 over 2 steps the uncertainty is 1.25 x sqrt(2 / 2)
+    x their root mean square; a decision's noise margin combines it with the steps' spread (0.3 and 0.4 -> 0.5)."""
+    from stagewise.ir import Action, Event, Kind, Timeline
+    from stagewise.planning.recalibrate import RunCalibration, stage_spreads
+
+    steps = [Timeline("x", 1, [Event(0, Action(0, Kind.F, 0), 0.0, t)], source="measured") for t in (1.0, 3.0)]
+    assert stage_spreads(steps, 8.0, 1) == pytest.approx((math.sqrt(2) / 2,))
+    cal = RunCalibration((1, 1), {}, 0.0, math.inf, 2.0, (1.0, 1.0), stage_spread=(0.3, 0.4))
+    assert cal.uncertainty == pytest.approx(1.25 * math.sqrt(0.125))
+    d = Decisions(cooldown=0, z=2.0)
+    now, best = Option("1f1b", (4, 4), 1.0), Option("1f1b", (5, 3), 0.5)
+    record = d.consider(3, now, [now, best], steps_left=10, relayout_s=0.0, spread=0.3, uncertainty=0.4)
+    assert record["margin_s"] == pytest.approx(10 * 2.0 * 0.5 * 1.0) and record["uncertainty"] == 0.4
+    assert not record["taken"] and record["gain_s"] == 5.0  # 5 s of gain against a 10 s margin
+    with pytest.raises(ValueError, match="uncertainty must be >= 0"):
+        d.consider(4, now, [now, best], steps_left=10, relayout_s=0.0, uncertainty=-1.0)

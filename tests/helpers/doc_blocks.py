@@ -10,7 +10,10 @@ A block is marked by an HTML comment on the line before it (invisible on GitHub 
 * ``schedules-table``, ``matrix-table``: the text up to ``<!-- end -->`` is the registry's table of schedules,
   or the combination matrix (what each way in supports);
 * ``skip REASON``: the block does not run (two machines, minutes of training, a signature); the reason
-  is required and shown.
+  is required and shown;
+* ``MODE | make docs-test: IDS`` (docs/ only): the block runs in ``make docs-test`` rather than ``make test``, because
+  the checks IDS (pytest ids under tests/distributed/, which ``make test`` runs) prove the API it shows against the
+  one-process reference; test_docs.py checks that every block runs in one of the two targets and that IDS exist.
 
 A fenced block without a marker fails :func:`unmarked`.
 """
@@ -32,6 +35,9 @@ _MARKED = re.compile(
 )
 _MARKER_LINE = re.compile(r"^<!-- (?:readme|docs)-test: [^>]+ -->$")
 MODES = ("python", "run", "shell", "schedules-table", "matrix-table", "skip")
+#: after a block's mode: the tests/distributed checks that prove what it shows; the block runs in `make docs-test`
+LATER = " | make docs-test: "
+RUNS = ("python", "run", "shell")  # the modes that execute
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,17 @@ class Block:
     @property
     def kind(self) -> str:
         return self.mode.split()[0]
+
+    @property
+    def spec(self) -> str:
+        """The mode without its ``| make docs-test: ...`` part (``run -n 2``)."""
+        return self.mode.split(" | ", 1)[0].strip()
+
+    @property
+    def proven_by(self) -> list[str]:
+        """The checks (pytest ids under tests/distributed/) a block run by `make docs-test` names; [] for the rest."""
+        _, later, ids = self.mode.partition(LATER.strip())
+        return ids.split() if later else []
 
     @property
     def id(self) -> str:
@@ -80,6 +97,8 @@ def unmarked(path: Path) -> list[str]:
             problems.append(f"{block.id}: unknown mode {block.mode!r}")
         if block.kind == "skip" and len(block.mode.split()) < 3:
             problems.append(f"{block.id}: say why the block cannot run (skip REASON)")
+        if "|" in block.mode and not (LATER in f" {block.mode} " and block.proven_by and block.kind in RUNS):
+            problems.append(f"{block.id}: write a runnable mode, then '{LATER.strip()} ID ...' (the checks)")
     return problems
 
 
@@ -117,7 +136,7 @@ def run_block(block: Block, cwd: Path) -> None:
 
 
 def _run_on_ranks(block: Block, cwd: Path) -> None:
-    n = int(block.mode.split()[-1])
+    n = int(block.spec.split()[-1])
     script = cwd / "quickstart.py"
     script.write_text(block.code)
     cmd = [str(BIN / "stagewise"), "run", "-n", str(n), str(script)]

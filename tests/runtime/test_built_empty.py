@@ -123,3 +123,39 @@ def test_freeing_other_stages_keeps_ties() -> None:
     model = Tied()
     free_other_stages(model, set())
     assert model.embed.weight.is_meta and model.head.weight is model.embed.weight
+
+
+class SharedInside(nn.Module):
+    """Two submodules holding one weight (a tie inside a layer), and BatchNorm's buffers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(3, 3, bias=False)
+        self.b = nn.Linear(3, 3, bias=False)
+        self.b.weight = self.a.weight
+        self.bn = nn.BatchNorm1d(3)
+
+
+def test_a_lent_tensor_becomes_the_layer_s_own_without_a_second_allocation() -> None:
+    """A kept tensor of the right shape, dtype and device goes from meta to the old storage (a tie stays one
+    tensor, taking it once); one of another shape, or one not lent, gets new storage; layers not lent, none."""
+    old = {"a.weight": torch.randn(3, 3), "bn.running_mean": torch.randn(3), "bn.running_var": torch.zeros(2)}
+    asked: list[int] = []
+
+    def lend(index: int) -> dict[str, torch.Tensor]:
+        asked.append(index)
+        return old if index == 4 else {}
+
+    with built_empty(lend):
+        m = build_stage_layer(sw.Layer(SharedInside), 4, 0, torch.device("cpu"))
+        other = build_stage_layer(sw.Layer(SharedInside), 5, 0, torch.device("cpu"))
+    assert asked == [4, 5]
+    assert m.a.weight is m.b.weight and isinstance(m.a.weight, nn.Parameter)
+    assert m.a.weight.data_ptr() == old["a.weight"].data_ptr()
+    assert m.bn.running_mean.data_ptr() == old["bn.running_mean"].data_ptr()
+    assert m.bn.running_var.shape == (3,) and m.bn.running_var.data_ptr() != old["bn.running_var"].data_ptr()
+    assert all(not t.is_meta for t in m.state_dict().values())
+    assert other.a.weight.data_ptr() != old["a.weight"].data_ptr()
+    with built_empty():  # nothing lent: every tensor new, as before
+        fresh = build_stage_layer(sw.Layer(SharedInside), 4, 0, torch.device("cpu"))
+    assert fresh.a.weight.data_ptr() != old["a.weight"].data_ptr() and fresh.a.weight is fresh.b.weight

@@ -4,6 +4,7 @@ members as threads. Who is agreed on, in what order things happen, and who is fe
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -20,7 +21,7 @@ def host() -> Any:
 
 def _member(host: Any, me: int, members: list[int]) -> ms.Membership:
     client = dist.TCPStore("127.0.0.1", host.port, is_master=False, timeout=timedelta(seconds=20))
-    return ms.Membership(dist.PrefixStore("job/", client), me, members, silent_s=0.3).start()
+    return ms.Membership(dist.PrefixStore("job/", client), me, members, silent_s=2.0).start()  # (4 stamps)
 
 
 def _all_next(people: list[ms.Membership], deadline: float = 20.0) -> dict[int, Any]:
@@ -68,7 +69,7 @@ def test_a_member_missing_at_the_barrier_starts_one_more_generation_without_it(h
     people = [_member(host, i, [0, 1, 2]) for i in range(3)]
     people[2].store.set("gen1/arrived/2", "1")  # it asked for generation 1, then died before the barrier
     people[2].stop()
-    got = _all_next(people[:2], deadline=2.0)
+    got = _all_next(people[:2], deadline=5.0)
     assert got == {0: [0, 1], 1: [0, 1]}
     assert [m.generation for m in people[:2]] == [2, 2] and people[0].current() == 2
     for m in people[:2]:
@@ -152,4 +153,25 @@ def test_the_members_a_failure_names_dead_are_not_waited_for(host: Any) -> None:
         t.join(30)
     assert got == {0: [0, 1], 1: [0, 1]}
     for m in people[:2]:
+        m.stop()
+
+
+def test_a_member_slow_for_less_than_the_threshold_is_kept(host: Any) -> None:
+    people = [_member(host, i, [0, 1, 2]) for i in range(3)]
+    for m in people:
+        m.silent_s = 30.0  # the hang threshold (an in-place job's timeout)
+    people[2].stop()  # stopped (SIGSTOP): no stamp, no request, until it is woken
+    got: dict[int, Any] = {}
+    threads = [threading.Thread(target=lambda m=m: got.update({m.me: m.next(60.0)})) for m in people[:2]]
+    for t in threads:
+        t.start()
+    while not all(people[0].store.check([f"gen1/arrived/{i}"]) for i in (0, 1)):
+        time.sleep(0.01)
+    time.sleep(3 * ms.STAMP_S)  # the others watch its stamp stand still
+    late = threading.Thread(target=lambda: got.update({2: people[2].next(60.0)}))
+    late.start()  # woken before the threshold: it asks after the others did
+    for t in [*threads, late]:
+        t.join(30)
+    assert got == {0: [0, 1, 2], 1: [0, 1, 2], 2: [0, 1, 2]}
+    for m in people:
         m.stop()

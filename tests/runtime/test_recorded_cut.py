@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 
-from stagewise.runtime.checkpoint.recorded_cut import GIVEN, partition_mode, recorded_counts
+from stagewise.runtime.checkpoint.recorded_cut import GIVEN, REPLANNED, partition_mode, recorded_counts
 
 
 def layout(layers: list[list[int]], partition: str = "balanced", **pipeline: object) -> dict:
@@ -37,3 +37,14 @@ def test_anything_else_that_differs_keeps_this_build() -> None:
 
 def test_the_mode_as_recorded() -> None:
     assert (partition_mode("balanced"), partition_mode([3, 3]), partition_mode((2, 4))) == ("balanced", GIVEN, GIVEN)
+
+
+def test_a_cut_replanned_live_is_taken_back_by_any_build_that_decides() -> None:
+    """After a live re-plan the option holds counts; the record says the run chose them (REPLANNED), so a
+    restart built with "balanced" (or "time") resumes on them; a restart given counts keeps its own."""
+    assert partition_mode([4, 2], replanned=[4, 2]) == REPLANNED
+    assert partition_mode([4, 2], replanned=[3, 3]) == GIVEN  # counts given after the re-plan: the user's
+    replanned = layout([[0, 4], [4, 6]], REPLANNED)
+    assert recorded_counts(SAVED, replanned) == [4, 2]
+    assert recorded_counts(layout([[0, 3], [3, 6]], "time"), replanned) == [4, 2]
+    assert recorded_counts(layout([[0, 3], [3, 6]], GIVEN), replanned) is None

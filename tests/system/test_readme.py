@@ -26,6 +26,7 @@ def test_the_readme_has_executable_blocks() -> None:
     kinds = [block.kind for block in blocks(README)]
     assert {"run", "shell", "schedules-table", "matrix-table"} <= set(kinds)
     assert unmarked(README) == []
+    assert [b.id for b in blocks(README) if b.proven_by] == [], "every README block runs in `make test`"
 
 
 def test_the_ways_in_table_is_the_combination_matrix() -> None:

@@ -11,6 +11,13 @@ old fit's choice (infinite, every delay charged per message) made the planner pr
 nothing: an all-reduce of any size cost two latencies. Where the run cannot identify it, the bandwidth is the
 prior's (a ping-pong's, :func:`stagewise.runtime.measure.links.ping_pong`, or the caller's), the latency the
 median delay less that prior's per-byte cost, and :attr:`LinkFit.note` says so.
+
+A run with replicas (dp > 1) has a second size: each stage's SYNC reduces its gradients (its parameter bytes)
+over the ``n`` replicas, a ring all-reduce of ``2 (n - 1)`` messages of ``bytes / n`` each
+(:func:`stagewise.planning.comm.ring_all_reduce`). Its span on one replica includes the wait for the slowest
+replica, so it gets the point-to-point transfers' "waited" treatment (:func:`reduce_transfers`): the reduction
+starts when the last replica's SYNC starts and has ended by the time a replica that waited for it at its STEP
+leaves the wait; one message's delay is that interval over ``2 (n - 1)``, and the pair joins the fit.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..ir import Kind, Schedule, Timeline
+from ..ir import Event, Kind, Schedule, Timeline
 
 COMPUTE = (Kind.F, Kind.B, Kind.I, Kind.W)
 #: the slope must stand this many standard errors above zero to be taken as the link's per-byte cost
@@ -45,12 +52,15 @@ def fit_link(
     schedule: Schedule,
     output_bytes: Sequence[float],
     prior_bandwidth: float = math.inf,
+    reductions: Sequence[tuple[float, float]] = (),
 ) -> LinkFit:
     """The link through the delays of the transfers a rank waited for (module docstring); ``prior_bandwidth``
-    (bytes/s) kept where the delays cannot identify one."""
+    (bytes/s) kept where the delays cannot identify one; ``reductions``: the all-reduces' per-message
+    (bytes, delay) pairs (:func:`reduce_transfers`), fitted with the transfers."""
     if not prior_bandwidth > 0:
         raise ValueError(f"fit_link: prior_bandwidth must be > 0 bytes/s, got {prior_bandwidth!r}")
     pairs = [p for timeline in timelines for p in waited_transfers(timeline, schedule, output_bytes)]
+    pairs += [(float(b), float(d)) for b, d in reductions]
     sizes = sorted({b for b, _ in pairs})
     if not pairs:
         return LinkFit(0.0, prior_bandwidth, False, 0, 0, f"no waited transfer: {_kept(prior_bandwidth)}")
@@ -58,7 +68,8 @@ def fit_link(
     if slope is not None:
         return LinkFit(
             max(0.0, intercept), 1.0 / slope, True, len(pairs), len(sizes),
-            f"fitted through {len(pairs)} waited transfers of {len(sizes)} sizes ({sizes[0]:.0f}-{sizes[-1]:.0f} B)",
+            f"fitted through {len(pairs)} waited transfers{_of(reductions)} of {len(sizes)} sizes "
+            f"({sizes[0]:.0f}-{sizes[-1]:.0f} B)",
         )  # fmt: skip
     latency = max(0.0, statistics.median(d - b / prior_bandwidth for b, d in pairs))
     why = (
@@ -66,8 +77,13 @@ def fit_link(
         if len(sizes) == 1
         else f"sizes {sizes[0]:.0f}-{sizes[-1]:.0f} B (slope in the noise)"
     )
-    note = f"{len(pairs)} waited transfers of {why}: bandwidth not identified, {_kept(prior_bandwidth)}"
+    kept = _kept(prior_bandwidth)
+    note = f"{len(pairs)} waited transfers{_of(reductions)} of {why}: bandwidth not identified, {kept}"
     return LinkFit(latency, prior_bandwidth, False, len(pairs), len(sizes), note)
+
+
+def _of(reductions: Sequence[tuple[float, float]]) -> str:
+    return f" ({len(reductions)} of them all-reduce messages)" if reductions else ""
 
 
 def _kept(bandwidth: float) -> str:
@@ -119,4 +135,43 @@ def waited_transfers(
                 if busy_until.get(e.rank, -math.inf) < sent and e.start >= sent:
                     out.append((float(nbytes), e.start - sent))
         busy_until[e.rank] = max(busy_until.get(e.rank, -math.inf), e.end)
+    return out
+
+
+def reduce_transfers(
+    steps: Sequence[Sequence[Timeline]], parameter_bytes: Sequence[float]
+) -> list[tuple[float, float]]:
+    """(bytes, delay) per message of each stage's gradient all-reduce, from ``steps``: per step, the timelines of
+    the ``n`` replicas of one pipeline (same ranks, every replica on one clock). For stage ``s`` in a step the
+    reduction starts at the latest SYNC start over the replicas; a replica whose STEP of ``s`` lasted longer
+    than that STEP's least duration over every step and replica (the optimizer alone) waited for it, and its
+    STEP's end less that least duration bounds when it ended; the tightest bound of the step is taken. A ring
+    of ``2 (n - 1)`` messages of ``bytes / n`` (:func:`stagewise.planning.comm.ring_all_reduce`): the pair is
+    ``(bytes / n, delay / (2 (n - 1)))``. Steps where no replica waited say nothing and are left out."""
+    found: list[dict[int, tuple[list[Event], list[Event]]]] = []
+    for replicas in steps:
+        n = len(replicas)
+        if n < 2:
+            return []
+        by: dict[int, tuple[list[Event], list[Event]]] = {}
+        for timeline in replicas:
+            for e in timeline.events:
+                if e.action.kind in (Kind.SYNC, Kind.STEP):
+                    by.setdefault(e.action.stage, ([], []))[e.action.kind is Kind.STEP].append(e)
+        found.append(by)
+    own: dict[int, float] = {}
+    for by in found:
+        for s, (_, opt) in by.items():
+            for e in opt:
+                own[s] = min(own.get(s, math.inf), e.duration)
+    out = []
+    for replicas, by in zip(steps, found):
+        n = len(replicas)
+        for s, (syncs, opt) in sorted(by.items()):
+            if len(syncs) != n or len(opt) != n or s >= len(parameter_bytes) or parameter_bytes[s] <= 0:
+                continue
+            ready = max(e.start for e in syncs)
+            waited = [e.end - own[s] for e in opt if e.end - own[s] > max(e.start, ready)]
+            if waited:
+                out.append((parameter_bytes[s] / n, (min(waited) - ready) / (2 * (n - 1))))
     return out

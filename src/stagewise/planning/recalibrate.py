@@ -34,7 +34,9 @@ from ..partition import LayerProfile
 from ..simulation import CostModel, shared_makespan
 from .link_fit import COMPUTE, fit_link
 
-__all__ = ["COMPUTE", "Prediction", "RunCalibration", "calibrate_run", "deshared", "fit_link", "held_out_costs"]
+__all__ = [
+    "COMPUTE", "Prediction", "RunCalibration", "calibrate_run", "deshared", "fit_link", "held_out_costs", "ring_synced",
+]  # fmt: skip
 
 #: z for an interval meant to hold 85 % of steps (a normal's 92.5th percentile)
 Z85 = 1.44
@@ -69,6 +71,21 @@ def stage_medians(timelines: Sequence[Timeline], cores: float) -> dict[Kind, dic
     return {k: {s: statistics.median(v) for s, v in by.items()} for k, by in seen.items()}
 
 
+def stage_spreads(timelines: Sequence[Timeline], cores: float, stages: int) -> tuple[float, ...]:
+    """Per stage, the sample standard deviation over the mean of its de-shared compute seconds per timeline
+    (0 with fewer than 2 timelines or a stage that computed nothing)."""
+    totals = [[0.0] * stages for _ in timelines]
+    for k, timeline in enumerate(timelines):
+        for e, own in deshared(timeline, cores):
+            totals[k][e.action.stage] += own
+    out = []
+    for s in range(stages):
+        xs = [t[s] for t in totals]
+        mean = sum(xs) / len(xs) if xs else 0.0
+        out.append(statistics.stdev(xs) / mean if len(xs) > 1 and mean > 0 else 0.0)
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class Prediction:
     """A predicted step (seconds) and the interval meant to hold 85 % of measured steps."""
@@ -95,6 +112,9 @@ class RunCalibration:
     steps: tuple[float, ...]
     bias: float = 1.0
     link: str = ""
+    #: per stage, the relative spread (sample standard deviation over mean) of its compute seconds per step
+    #: over the calibrating steps: how far the stage costs this calibration rests on could move
+    stage_spread: tuple[float, ...] = ()
 
     @property
     def measured_step(self) -> float:
@@ -107,6 +127,18 @@ class RunCalibration:
             return 0.0
         q = statistics.quantiles(self.steps, n=4, method="inclusive")
         return (q[2] - q[0]) / 2 / self.measured_step
+
+    @property
+    def uncertainty(self) -> float:
+        """The relative error a comparison of two cuts can draw from this calibration alone: each stage's cost
+        is a median of ``k`` steps (standard error about ``1.25 sigma / sqrt k``), and moving layers compares two
+        stages (``sqrt 2``): ``1.25 sqrt(2 / k)`` x the stages' root-mean-square :attr:`stage_spread`. A fresh
+        calibration of 3 steps under a load that moves each rank's speed disagrees with the next by this much,
+        which the step-to-step spread of whole steps does not show (issue 49: a re-cut after a release flapped)."""
+        if len(self.steps) < 2 or not self.stage_spread:
+            return 0.0
+        rms = math.sqrt(sum(x * x for x in self.stage_spread) / len(self.stage_spread))
+        return 1.25 * math.sqrt(2.0 / len(self.steps)) * rms
 
     def profile(self, prior: LayerProfile) -> LayerProfile:
         """``prior``'s layers with each kind's cost scaled by what its stage measured over what ``prior`` charges
@@ -161,8 +193,6 @@ def held_out_costs(
     by Q's micro-batch over the calibrating plan's (``batch_ratio``, the planner's linear scaling); with
     ``dp`` replicas each stage's SYNC a ring all-reduce of its gradients (its parameter bytes) over the
     calibrated link. Nothing of Q is measured."""
-    from .comm import Link, ring_all_reduce
-
     layers = calibration.profile(prior).layers
     scaled = tuple(
         replace(
@@ -180,11 +210,18 @@ def held_out_costs(
     bounds = [0]
     for c in counts:
         bounds.append(bounds[-1] + int(c))
-    costs = replace(prior, layers=scaled).cost_model(bounds)
-    if dp > 1:
-        link = Link(calibration.latency, calibration.bandwidth)
-        costs = replace(costs, sync_time=tuple(ring_all_reduce(b, dp, link) for b in costs.parameter_bytes))
-    return costs
+    return ring_synced(replace(prior, layers=scaled).cost_model(bounds), dp, calibration)
+
+
+def ring_synced(costs: CostModel, dp: int, calibration: RunCalibration) -> CostModel:
+    """``costs`` with each stage's SYNC a ring all-reduce of its parameter bytes over ``dp`` replicas on the
+    calibrated link (unchanged for one replica)."""
+    from .comm import Link, ring_all_reduce
+
+    if dp <= 1:
+        return costs
+    link = Link(calibration.latency, calibration.bandwidth)
+    return replace(costs, sync_time=tuple(ring_all_reduce(b, dp, link) for b in costs.parameter_bytes))
 
 
 def _ratio(measured: dict[Kind, dict[int, float]], kind: Kind, stage: int, charged: float) -> float | None:
@@ -205,11 +242,16 @@ def calibrate_run(
     counts: Sequence[int],
     cores: float,
     prior_bandwidth: float = math.inf,
+    *,
+    dp: int = 1,
+    reductions: Sequence[tuple[float, float]] = (),
 ) -> RunCalibration:
     """Calibrate on the run of ``schedule`` cut by ``counts`` (layers per stage of ``prior``): ``timelines``
     (one per step, every rank on one clock) measured on ``cores`` shared cores; then the bias against the
     model's own prediction of that plan (module docstring). ``prior_bandwidth`` (bytes/s, e.g. a ping-pong's):
-    the link's bandwidth where the run's transfers cannot identify it."""
+    the link's bandwidth where the run's transfers cannot identify it. With ``dp`` replicas, ``reductions``:
+    their all-reduces' per-message pairs (:func:`~stagewise.planning.link_fit.reduce_transfers`), fitted with
+    the transfers; the plan's own prediction then prices each stage's SYNC on the fitted link."""
     if not timelines:
         raise ValueError("calibrate_run: no timelines (run a few steps first)")
     if sum(counts) != len(prior) or len(counts) != schedule.num_stages:
@@ -221,7 +263,7 @@ def calibrate_run(
     for c in counts:
         bounds.append(bounds[-1] + int(c))
     sent = prior.cost_model(bounds).output_bytes
-    link = fit_link(timelines, schedule, sent, prior_bandwidth)
+    link = fit_link(timelines, schedule, sent, prior_bandwidth, reductions)
     run = RunCalibration(
         counts=tuple(int(c) for c in counts),
         measured=stage_medians(timelines, cores),
@@ -230,6 +272,7 @@ def calibrate_run(
         cores=cores,
         steps=tuple(t.makespan for t in timelines),
         link=link.note,
+        stage_spread=stage_spreads(timelines, cores, schedule.num_stages),
     )
-    own = run.predict(schedule, run.profile(prior).cost_model(bounds)).step
+    own = run.predict(schedule, ring_synced(run.profile(prior).cost_model(bounds), dp, run)).step
     return replace(run, bias=run.measured_step / own if own > 0 else 1.0)

@@ -125,9 +125,11 @@ def decide(
     cooldown: int,
     last_change: int | None,
     spread: float | None = None,
+    uncertainty: float | None = None,
 ) -> dict[str, Any]:
-    """The decision at ``step`` (a plain record; ``taken`` says whether to change to ``best``); ``spread``: the
-    step-to-step spread ``margin_s`` was drawn from, recorded for the audit."""
+    """The decision at ``step`` (a plain record; ``taken`` says whether to change to ``best``); ``spread`` and
+    ``uncertainty``: the step-to-step spread and the calibration's own error ``margin_s`` was drawn from,
+    recorded for the audit (``uncertainty`` only when given)."""
     if steps_left < 0 or relayout_s < 0 or margin_s < 0 or cooldown < 0:
         raise ValueError(
             "decide: steps_left, relayout_s, margin_s and cooldown must be >= 0, got "
@@ -144,7 +146,7 @@ def decide(
         reason = NOT_WORTH
     else:
         reason = CHANGE
-    return {
+    record = {
         "event": "replan",
         "step": step,
         "taken": reason == CHANGE,
@@ -160,6 +162,9 @@ def decide(
         "cooldown": cooldown,
         "last_change": last_change,
     }
+    if uncertainty is not None:
+        record["uncertainty"] = uncertainty
+    return record
 
 
 def line(record: dict[str, Any]) -> str:
@@ -180,7 +185,7 @@ class Decisions:
     """The decisions of one run: remembers the last change (for the cooldown) and keeps the log.
 
     A decision's margin is ``margin_s`` (a fixed part, 0 by default) plus :func:`noise_margin` of the
-    ``spread`` given to :meth:`consider` with ``z``."""
+    ``spread`` given to :meth:`consider` and the calibration's ``uncertainty`` (root sum of squares) with ``z``."""
 
     def __init__(self, *, margin_s: float = 0.0, cooldown: int, z: float = Z85) -> None:
         self.margin_s, self.cooldown, self.z = float(margin_s), int(cooldown), float(z)
@@ -196,8 +201,15 @@ class Decisions:
         steps_left: int,
         relayout_s: float,
         spread: float | None = None,
+        uncertainty: float = 0.0,
     ) -> dict[str, Any]:
-        noise = 0.0 if spread is None else noise_margin(spread, current.step_s, max(0, steps_left), self.z)
+        """Decide and log; ``uncertainty``: the calibration's own relative error
+        (:attr:`~stagewise.planning.recalibrate.RunCalibration.uncertainty`), combined with ``spread`` as
+        independent noise in the margin."""
+        if uncertainty < 0:
+            raise ValueError(f"Decisions.consider: uncertainty must be >= 0, got {uncertainty}")
+        both = None if spread is None and not uncertainty else math.hypot(spread or 0.0, uncertainty)
+        noise = 0.0 if both is None else noise_margin(both, current.step_s, max(0, steps_left), self.z)
         record = decide(
             step,
             current,
@@ -208,6 +220,7 @@ class Decisions:
             cooldown=self.cooldown,
             last_change=self.last_change,
             spread=spread,
+            uncertainty=uncertainty,
         )
         if record["taken"]:
             self.last_change = step
@@ -230,6 +243,7 @@ def replay(log: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
             cooldown=int(r["cooldown"]),
             last_change=last,
             spread=r.get("spread"),
+            uncertainty=r.get("uncertainty"),
         )
         if d["taken"]:
             last = d["step"]

@@ -290,6 +290,34 @@ def from_the_run(ctx: Ctx) -> dict[str, Any]:
     return {"named": [e["rank"] for e in named], "at step": named_at, "cut": named[0]["cut"]}
 
 
+def replicas_link(ctx: Ctx) -> dict[str, Any]:
+    """pp 1 x dp ``world``: the replicas' SYNC and STEP gathered on one clock give the link fit the all-reduce's
+    messages (a stage of 4 float64 Linear(4, 4) and spin layers: its gradients' bytes over dp per message), every rank
+    the same; the waits are left to the pure test (tests/core/test_link_fit.py). An optimizer is given: its
+    STEP is where a replica waits for the reduction (without one the wait is at the step's end, not timed)."""
+    import torch
+    import torch.nn.functional as F
+
+    from stagewise.runtime.calibration.from_run import RunCalibrator
+
+    pipe = sw.Pipeline(
+        [_linear_spin(1e-3, 1e-3) for _ in range(4)], loss_fn=F.mse_loss, schedule="1f1b", microbatches=2,
+        parallel=sw.ParallelConfig(pp=1, dp=ctx.world), seed=0, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01),
+    )  # fmt: skip
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
+    calibrator = RunCalibrator(pipe, cores=ctx.world, processes=ctx.world)
+    assert calibrator._replicas.dp == ctx.world
+    while calibrator.calibration is None:
+        pipe.train_step(*pipe.local_batch(x, y))
+        calibrator.observe()
+    pairs = calibrator._replicas.pairs()
+    reduced = sum(p.numel() * p.element_size() for p in pipe.parameters())  # the one stage's gradients
+    assert pairs and all(b == reduced / ctx.world and d > 0 for b, d in pairs), (pairs, reduced)
+    link = calibrator.records[0]["link"]
+    assert f"({len(pairs)} of them all-reduce messages)" in link, link
+    return {"link": link.split(":")[0]}  # (the bias is each replica's own: its timeline is its pipeline's)
+
+
 def _linear_spin(forward: float, backward: float) -> Any:
     """A float64 Linear followed by a layer that burns ``forward`` / ``backward`` CPU seconds (numbers and cost)."""
     import torch
@@ -416,6 +444,7 @@ def replan_live(ctx: Ctx) -> dict[str, Any]:
 def checks(world: int) -> dict[str, Callable[[Ctx], Any]]:
     return {
         "from_the_run": from_the_run,
+        "replicas_link": replicas_link,
         "replan_live": replan_live,
         "calibrated": calibrated,
         "across_nodes": across_nodes,

@@ -340,7 +340,49 @@ def resumed_cut(ctx: Ctx) -> dict[str, Any]:
     given = sw.Pipeline(layers, **{**options, "partition": list(other)})
     sw.checkpoint.resume(root, given)
     assert [len(r) for r in given.layer_ranges] == other  # counts the user gave are the user's
-    return {"recorded": recorded, "decided again": other}
+    more = Path(gather_objects(tempfile.mkdtemp(prefix="cut") if ctx.rank == 0 else None, ctx.group)[0])
+    replanned = _resumed_after_a_replan(pipe, layers, options, other, x, y, more)
+    snapshot = _resumed_from_a_snapshot(layers, options, other, x, y, more, decided_here)
+    return {"recorded": recorded, "decided again": other, "re-planned": replanned, "snapshot": snapshot}
+
+
+def _resumed_after_a_replan(pipe: Any, layers: Any, options: Any, cut: list[int], x: Any, y: Any, root: Any) -> Any:
+    """A live re-plan (the Replanner's own apply) moves the cut; saved; a restart built with "balanced" resumes
+    on the re-planned cut (recorded as "re-planned"), not on its own decision."""
+    from stagewise.runtime import Replanner
+
+    Replanner(pipe, steps=10)._apply({"schedule": "1f1b", "counts": list(cut)})
+    pipe.train_step(x, y)
+    folder = root / "replanned"
+    sw.checkpoint.save(folder, pipe, step=3)
+    again = sw.Pipeline(layers, **options)
+    assert [len(r) for r in again.layer_ranges] != cut
+    info = sw.checkpoint.resume(folder, again)
+    assert info is not None and info.layout["pipeline"]["partition"] == "re-planned", info
+    assert [len(r) for r in again.layer_ranges] == cut, ([len(r) for r in again.layer_ranges], cut)
+    assert again.train_step(x, y) == pipe.train_step(x, y)
+    return cut
+
+
+def _resumed_from_a_snapshot(layers: Any, options: Any, other: list[int], x: Any, y: Any, root: Any, here: Any) -> Any:
+    """The same from the peers' snapshots (the code path resume shares): the recorded cut taken back."""
+    snap = {**options, "snapshot": sw.Snapshots(every=2, folder=str(root / "snap"))}
+    a = sw.Pipeline(layers, **snap)
+    recorded = [len(r) for r in a.layer_ranges]
+    for _ in range(2):
+        a.train_step(x, y)
+    a.snapshots.wait()
+    decide = here.decide
+    here.decide = lambda *args, **k: here.DefaultCut(list(other), None, "parameters")
+    try:
+        b = sw.Pipeline(layers, **{**options, "snapshot": sw.Snapshots(every=2, folder=str(root / "snap"))})
+    finally:
+        here.decide = decide
+    info = sw.checkpoint.resume(root / "snap" / "ckpt", b)
+    assert info is not None and info.step == 2 and "peer snapshots" in info.reason, info
+    assert [len(r) for r in b.layer_ranges] == recorded != other, ([len(r) for r in b.layer_ranges], recorded)
+    assert b.train_step(x, y) == a.train_step(x, y)
+    return recorded
 
 
 def _refuse_to_decide(*args: Any, **kwargs: Any) -> Any:

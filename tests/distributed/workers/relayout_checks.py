@@ -463,28 +463,35 @@ def largest_layer() -> int:
 
 def measured(pipe: Any, members: list[int] | None, **layout: Any) -> dict[str, int]:
     """One re-layout under :class:`LiveBytes`: the peak of live tensor bytes above what this rank held before, and
-    the bound (issue 46): the larger of this rank's state (parameters, buffers, Adam) before and after, plus one
-    layer."""
-    before = storage_bytes(state_tensors(pipe))
+    two bounds: issue 46's (the larger of this rank's state before and after, plus one layer) and the tight one,
+    exact once no kept tensor is allocated twice: the state after less what stayed in place (storages held before
+    and after), plus one layer (the listing's keys and a few scalars live beside it)."""
+    state = state_tensors(pipe)
+    before, held = storage_bytes(state), {t.untyped_storage().data_ptr() for t in state if t.device.type != "meta"}
+    del state
     with LiveBytes().hold(state_tensors(pipe)) as live:
         pipe.relayout(members, **layout)
-    after = storage_bytes(state_tensors(pipe)) if not isinstance(pipe, sw.runtime.relayout.Retired) else 0
-    bound = max(before, after) + largest_layer()
-    return {"extra": live.extra, "bound": bound, "before": before, "after": after, "at_peak": live.at_peak[:12]}
+    state = [] if isinstance(pipe, sw.runtime.relayout.Retired) else state_tensors(pipe)
+    after = storage_bytes(state)  # (every new storage was made while the old ones lived: no address reused)
+    kept = storage_bytes(t for t in state if t.untyped_storage().data_ptr() in held)
+    bound, tight = max(before, after) + largest_layer(), after - kept + largest_layer()
+    got = {"extra": live.extra, "bound": bound, "tight": tight, "before": before, "after": after, "kept": kept}
+    return {**got, "at_peak": live.at_peak[:12]}
 
 
 def check_memory(ctx: Ctx) -> dict[str, Any]:
-    """Extra memory in tensor bytes (not RSS), the same on every run: a partition moved (4 ranks), then 4 -> 2
-    processes: at most the larger layout's state on the rank plus one layer, on every rank for the partition and
-    on the two members for the shrink (the retiring ranks' figure is asserted by ``test_relayout.py``, xfail)."""
+    """Extra memory in tensor bytes (not RSS): a partition moved (4 ranks), then 4 -> 2 processes: at most the
+    larger layout's state on the rank plus one layer, on every rank, the two retiring ones too (whose peak is
+    the listing's keys, not every process's listing of names); and at most the state it did not hold before plus
+    one layer (a kept tensor allocated again on its way to aliasing fails it: 109624 > 105008 on rank 0 shrinking)."""
     pipe = build()
     train(pipe, 0)
     out = {"partition": measured(pipe, None, partition=[3, 1, 2, 2])}
     train(pipe, STEPS)
     out["shrink"] = measured(pipe, [0, 1], partition=[5, 3])
     for tag, got in out.items():
-        if tag == "partition" or ctx.rank in (0, 1):
-            assert got["extra"] <= got["bound"], f"{tag}: {got['extra']} extra tensor bytes on rank {ctx.rank}: {got}"
+        assert got["extra"] <= got["bound"], f"{tag}: {got['extra']} extra tensor bytes on rank {ctx.rank}: {got}"
+        assert got["extra"] <= got["tight"], f"{tag}: {got['extra']} extra tensor bytes on rank {ctx.rank}: {got}"
     return out
 
 
@@ -502,4 +509,12 @@ def checks(world: int) -> dict[str, Check]:
         "leaks": check_leaks,
         "failure": check_failure,
         "memory": check_memory,
+        **takeover_checks(),
     }
+
+
+def takeover_checks() -> dict[str, Check]:
+    """A recovery's re-layout from live survivors and snapshot files (takeover_checks.py), in this job."""
+    from takeover_checks import CHECKS
+
+    return CHECKS

@@ -74,6 +74,7 @@ def main() -> int:
     p.add_argument("--save-held", action="store_true", help="at --hold, save the step's state into held/")
     p.add_argument("--settle", type=float, default=0.0, help="seconds to wait before counting threads at the end")
     p.add_argument("--reference", type=Path, default=None)
+    p.add_argument("--no-count", action="store_true", help="events count no threads or descriptors (benchmarks)")
     p.add_argument("--layout", choices=sorted(LAYOUTS), default="dp", help="dp: pp 1, dp over the machines; "
                    "pp2: pp 2, dp over the rest; stages: pp over the machines, dp 1")  # fmt: skip
     args = p.parse_args()
@@ -83,6 +84,11 @@ def main() -> int:
 
     def note(what: str, **more: Any) -> None:
         row = {"id": me, "pid": os.getpid(), "gen": job.generation, "members": job.members, "what": what, **more}
+        row["t"] = time.time()
+        if args.no_count:  # (a benchmark: a full collection here would be timed as part of the recovery)
+            with open(out / "events.jsonl", "a") as f:
+                f.write(json.dumps(row) + "\n")
+            return
         gc.collect()  # (what the last generation left in reference cycles goes, with its helper threads)
         row.update(threads=threading.active_count(), fds=len(os.listdir("/proc/self/fd")))
         row["names"] = sorted(t.name for t in threading.enumerate())
@@ -91,7 +97,14 @@ def main() -> int:
 
     def recovered(j: sw.runtime.InPlace) -> None:
         r = j.recoveries[-1]
-        note("recovered", failed_at=r.failed_at, committed=r.committed, seconds=r.seconds, parts=r.parts)
+        note(
+            "recovered",
+            failed_at=r.failed_at,
+            committed=r.committed,
+            seconds=r.seconds,
+            parts=r.parts,
+            sources=r.sources,
+        )
         if args.save_resumed:
             sw.checkpoint.save(out / f"resumed-g{j.generation}", j.pipe, step=j.step)
         (out / f"recovered-{me}").touch()

@@ -7,7 +7,8 @@ alone is :mod:`stagewise.runtime.measure`); the planner reads the results as pla
 * :mod:`.calibrate`: links, per-action and per-message costs, the cores, FSDP2's cost
   (:func:`stagewise.calibrate`), with :mod:`.layout_probe` (what each layout costs beyond the model);
 * :mod:`.from_run`: the cost model recalibrated from a running pipeline's own timeline, and a slow rank named
-  (:class:`~stagewise.runtime.calibration.from_run.RunCalibrator`);
+  (:class:`~stagewise.runtime.calibration.from_run.RunCalibrator`), with :mod:`.replicas` (the data-parallel
+  replicas' all-reduces gathered on one clock, for the link fit);
 * :mod:`.replan`: the run re-planned live from that calibration, through ``pipe.relayout``
   (:class:`~stagewise.runtime.calibration.replan.Replanner`);
 * :mod:`.compute_scale`: the runtime's compute over the profile's prediction;

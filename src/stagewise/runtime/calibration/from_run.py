@@ -29,8 +29,10 @@ from typing import Any
 
 from ...ir import Timeline
 from ...partition import LayerCost, LayerProfile
-from ...planning.recalibrate import Prediction, RunCalibration, calibrate_run
+from ...planning import Calibration
+from ...planning.recalibrate import Prediction, RunCalibration, calibrate_run, ring_synced
 from ...planning.stragglers import Detector, Straggler, cut_for_speeds, rank_speeds, slowed
+from .replicas import ReplicaSyncs
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +51,11 @@ class RunCalibrator:
     this process may run on); ``processes``: how many processes compute on them (default: the ranks);
     ``speeds``: each rank's known speed while it calibrates (a re-plan's, after a straggler was named), so that
     a slow rank's slowness stays its speed and is not taken for its layers' cost; ``bandwidth``: the link's
-    bytes/s where the run's transfers cannot identify it (one message size; e.g. a ping-pong's,
-    :func:`~stagewise.runtime.measure.links.ping_pong`), else infinite (the record's ``link`` says which).
+    bytes/s where the run's transfers cannot identify it (one message size), by default the link the
+    pipeline's plan was searched with (``Pipeline.from_plan`` of a plan searched with ``sw.calibrate()``'s
+    links: its ``costs.bandwidth``), or a probe's: a number (e.g. a ping-pong's,
+    :func:`~stagewise.runtime.measure.links.ping_pong`) or a :class:`~stagewise.planning.Calibration` (its intra link);
+    infinite when none is known (:func:`link_prior`; the record's ``link`` and ``bandwidth_from`` say which).
     """
 
     def __init__(
@@ -64,7 +69,7 @@ class RunCalibrator:
         after: int = AFTER,
         on_event: Callable[[dict[str, Any]], None] | None = None,
         speeds: Sequence[float] | None = None,
-        bandwidth: float = math.inf,
+        bandwidth: float | Calibration | None = None,
     ) -> None:
         if after < 1 or warmup < 0:
             raise ValueError(f"RunCalibrator: after must be >= 1 and warmup >= 0, got {after}, {warmup}")
@@ -75,7 +80,7 @@ class RunCalibrator:
         self.processes = processes or pipe.num_ranks
         self.speeds = None if speeds is None else [float(x) for x in speeds]
         self.warmup, self.after = warmup, after
-        self.bandwidth = float(bandwidth)
+        self.bandwidth, self.bandwidth_from = link_prior(pipe, bandwidth)
         self.on_event = on_event
         self.records: list[dict[str, Any]] = []
         self.calibration: RunCalibration | None = None
@@ -83,6 +88,7 @@ class RunCalibrator:
         self.detector = Detector(pipe.num_ranks)
         self._seen = 0
         self._calibrating: list[Timeline] = []
+        self._replicas = ReplicaSyncs(pipe)  # dp > 1: the replicas' all-reduces, for the link fit
         self._since: list[float] = []
         #: every step's makespan after the warm-up (the calibrating steps and those since), seconds
         self.makespans: list[float] = []
@@ -98,6 +104,7 @@ class RunCalibrator:
         self.makespans.append(timeline.makespan)
         if self.calibration is None:
             self._calibrating.append(timeline)
+            self._replicas.observe()
             if len(self._calibrating) == self.after:
                 self._calibrate()
             return
@@ -106,13 +113,17 @@ class RunCalibrator:
 
     def _calibrate(self) -> None:
         schedule = self.pipe.schedule
-        cal = calibrate_run(self._calibrating, schedule, self.prior, self.counts, self.cores, self.bandwidth)
+        reductions = self._replicas.pairs()
+        cal = calibrate_run(
+            self._calibrating, schedule, self.prior, self.counts, self.cores, self.bandwidth,
+            dp=self._replicas.dp, reductions=reductions,
+        )  # fmt: skip
         if self.speeds is not None:  # a rank known slow stays a slow rank: its stages' layers keep their costs
             at = [self.speeds[r] for r in schedule.placement]
             measured = {k: {s: v * at[s] for s, v in by.items()} for k, by in cal.measured.items()}
             cal = replace(cal, measured=measured)
         self.calibration = cal
-        costs = cal.profile(self.prior).cost_model(_bounds(self.counts))
+        costs = ring_synced(cal.profile(self.prior).cost_model(_bounds(self.counts)), self._replicas.dp, cal)
         if self.speeds is not None:  # the plan as it runs: its slow rank still slow
             costs = slowed(costs, [self.speeds[r] for r in schedule.placement])
         self.prediction = cal.predict(schedule, costs, self.processes)
@@ -125,6 +136,7 @@ class RunCalibrator:
                 "latency_s": cal.latency,
                 "bandwidth_Bps": cal.bandwidth,
                 "link": cal.link,
+                "bandwidth_from": self.bandwidth_from,
                 "bias": cal.bias,
                 "cores": cal.cores,
             }
@@ -189,6 +201,26 @@ class RunCalibrator:
         self.records.append(record)
         if self.on_event is not None:
             self.on_event(record)
+
+
+def link_prior(pipe: Any, given: float | Calibration | None = None) -> tuple[float, str]:
+    """The bandwidth (bytes/s) the link fit keeps where the run cannot identify one, and where it came from:
+    ``given`` (a number, or a :class:`~stagewise.planning.Calibration`'s intra link), else the link the pipeline's plan
+    was searched with (``Pipeline.from_plan``: the plan's ``costs.bandwidth``, finite when the plan had measured
+    links), else infinite."""
+    if isinstance(given, Calibration):
+        if given.intra is None:
+            return math.inf, "none (the calibration measured no intra link)"
+        return float(given.intra.bandwidth), "the calibration's intra link"
+    if given is not None:
+        if not float(given) > 0:
+            raise ValueError(f"RunCalibrator: bandwidth must be > 0 bytes/s, got {given!r}")
+        return float(given), "given"
+    plan = getattr(getattr(pipe, "frontend", None), "plan", None)
+    costs = getattr(plan, "costs", None)
+    if costs is not None and math.isfinite(costs.bandwidth) and costs.bandwidth > 0:
+        return float(costs.bandwidth), "the plan's link"
+    return math.inf, "none"
 
 
 def _bounds(counts: list[int]) -> list[int]:

@@ -57,7 +57,9 @@ class Replanner:
     besides the calibration's news (0: on news only; a slowdown first measured on a window not yet full of slow
     steps is looked at again once it is); the margin a gain must clear beside it
     is ``z`` x the steps' step-to-step spread x the running step x the steps left, plus ``margin_s`` (a fixed
-    part, 0 by default).
+    part, 0 by default); ``guard_calibration``: the margin also holds the calibration's own uncertainty (its
+    stages' spread over its few steps, :attr:`~stagewise.planning.recalibrate.RunCalibration.uncertainty`), so
+    that a fresh calibration after a change, noisier than the steps' spread says, does not re-cut on its noise.
     """
 
     def __init__(
@@ -73,6 +75,7 @@ class Replanner:
         relayout_s: float | None = None,
         log_path: str | Path | None = None,
         every: int = WINDOW,
+        guard_calibration: bool = True,
     ) -> None:
         if steps < 0 or every < 0:
             raise ValueError(f"Replanner: steps and every must be >= 0, got {steps}, {every}")
@@ -95,6 +98,7 @@ class Replanner:
         self._seen = 0
         self._makespans = 0
         self.every = int(every)
+        self.guard_calibration = bool(guard_calibration)
         self._since_decision = 0
         #: the last :data:`SPREAD_STEPS` steps' makespans (seconds), across changes of plan
         self.steps_seen: list[float] = []
@@ -148,6 +152,7 @@ class Replanner:
             steps_left=max(0, self.steps - step),
             relayout_s=self._cost(cal.calibration),
             spread=step_spread(self.steps_seen),
+            uncertainty=cal.calibration.uncertainty if self.guard_calibration else 0.0,
         )
         del self.decisions.log[before[0] :]  # observe() appends the record handed round, on every rank alike
         self.decisions.last_change = before[1]
@@ -195,6 +200,7 @@ class Replanner:
         start = time.perf_counter()
         self.pipe.relayout(**changes)
         self.relayout_s = time.perf_counter() - start
+        self.pipe.replanned_cut = list(best["counts"])  # recorded as re-planned: a resume takes it back
         old = self.calibrator
         self.calibrator = RunCalibrator(
             self.pipe,

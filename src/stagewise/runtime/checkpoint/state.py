@@ -270,7 +270,9 @@ def layout_of(target: object, world: int) -> dict[str, Any]:
             "virtual_stages": s.virtual_stages,
             "placement": list(s.placement),
             "layers": [[r.start, r.stop] for r in target.layer_ranges],
-            "partition": partition_mode(getattr(target.options, "partition", None)),
+            "partition": partition_mode(
+                getattr(target.options, "partition", None), getattr(target, "replanned_cut", None)
+            ),
         },
         "parallel": None,
     }

@@ -113,14 +113,19 @@ def agree(problems: list[str], ranks: Ranks, what: str, *, patient: bool = False
     Every rank takes part even when it found nothing, so no rank goes on into
     a collective that another has abandoned.
     """
-    everyone = gather(problems, ranks, f"every rank's verdict ({what})", patient=patient)
+    refuse_alike(gather(problems, ranks, f"every rank's verdict ({what})", patient=patient), what)
+
+
+def refuse_alike(everyone: list[list[str]], what: str) -> None:
+    """Raise one :class:`CheckpointError` naming every rank's problems (``everyone[r]``: rank r's), if any: the
+    same on every rank that gathered the same lists."""
     found = [(r, p) for r, ps in enumerate(everyone) for p in ps]
     if not found:
         return
     seen: dict[str, list[int]] = {}
     for r, p in found:
         seen.setdefault(p, []).append(r)
-    lines = [f"  {p}" + ("" if ranks.size == 1 else f" (rank {', '.join(map(str, rs))})") for p, rs in seen.items()]
+    lines = [f"  {p}" + ("" if len(everyone) == 1 else f" (rank {', '.join(map(str, rs))})") for p, rs in seen.items()]
     shown = lines[:20] + ([f"  ... and {len(lines) - 20} more"] if len(lines) > 20 else [])
     raise CheckpointError(f"{what}:\n" + "\n".join(shown))
 

@@ -47,10 +47,16 @@ def gather(obj: Any, group: Any, timeout: float, what: str) -> list[Any]:
 
 
 def exchange(
-    payload: torch.Tensor | None, dest: int | None, sources: Sequence[int], group: Any, timeout: float
+    payload: torch.Tensor | None,
+    dest: int | None,
+    sources: Sequence[int],
+    group: Any,
+    timeout: float,
+    into: dict[int, torch.Tensor] | None = None,
 ) -> dict[int, torch.Tensor | None]:
     """Send ``payload`` (uint8, host) to group rank ``dest`` while receiving one from each of ``sources``;
-    what each source sent (None when it had nothing). Lengths first, then the bytes."""
+    what each source sent (None when it had nothing). Lengths first, then the bytes. ``into``: by source, a
+    buffer to receive into, kept from call to call (a new one's pages cost as much as the bytes' copy)."""
     wait = _deadline(timeout)
     mine = torch.tensor([_NOTHING if payload is None else payload.numel()], dtype=torch.int64)
     lengths = {s: torch.empty(1, dtype=torch.int64) for s in sources}
@@ -58,12 +64,19 @@ def exchange(
     if dest is not None:
         works.append(dist.isend(mine, group_dst=dest, group=group))
     wait(works, "the lengths of the snapshots' copies")
-    buffers = {s: torch.empty(int(n.item()), dtype=torch.uint8) for s, n in lengths.items() if int(n.item()) > 0}
+    keep: dict[int, torch.Tensor] = {} if into is None else into
+    buffers = {s: _buffer(keep, s, int(n.item())) for s, n in lengths.items() if int(n.item()) > 0}
     works = [dist.irecv(buffers[s], group_src=s, group=group) for s in buffers]
     if dest is not None and payload is not None and payload.numel():
         works.append(dist.isend(payload, group_dst=dest, group=group))
     wait(works, "the snapshots' copies")
     return {s: buffers.get(s) for s in sources}
+
+
+def _buffer(keep: dict[int, torch.Tensor], source: int, size: int) -> torch.Tensor:
+    if source not in keep or keep[source].numel() < size:
+        keep[source] = torch.empty(size, dtype=torch.uint8)
+    return keep[source][:size]
 
 
 def send_bytes(data: torch.Tensor | None, dest: int, group: Any, timeout: float) -> None:

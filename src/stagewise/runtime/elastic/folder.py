@@ -26,6 +26,7 @@ from .snapshot_file import HEAD_FIXED, SnapshotRefused, head_size, read_header
 
 _NAME = re.compile(r"^\.?(\d{10})-([0-9a-f]+)-r(\d{5})\.snap(\.tmp)?$")
 _ENDED = re.compile(r"^ended-([0-9a-f]+)\.json$")
+_SPARE_PREFIX = ".spare-"  # a retired generation's file, to be written over (no step: prune leaves it)
 
 
 @dataclass(frozen=True)
@@ -46,16 +47,64 @@ def file_name(step: int, lineage: str, owner: int) -> str:
     return f"{step:010d}-{lineage}-r{owner:05d}.snap"
 
 
-def write(folder: Path, name: str, head: bytes, payload: memoryview) -> Path:
-    """Write ``head`` then ``payload`` as ``folder/name``, whole or not at all (a dot-name renamed into place)."""
+def write(folder: Path, name: str, head: bytes, payload: memoryview, spare: Path | None = None) -> Path:
+    """Write ``head`` then ``payload`` as ``folder/name``, whole or not at all (a dot-name renamed into place).
+    ``spare``: a file to write over instead of a new one, when it is there (:func:`retire`)."""
     folder.mkdir(parents=True, exist_ok=True)
     final = folder / name
     staging = folder / f".{name}.tmp"
-    with open(staging, "wb") as f:
+    mode = "wb"
+    if spare is not None:
+        try:
+            os.replace(spare, staging)
+            mode = "r+b"
+        except FileNotFoundError:  # none yet, or pruned by another rank of this machine
+            pass
+    with open(staging, mode) as f:
         f.write(head)
         f.write(payload)
+        f.truncate()
     os.replace(staging, final)
     return final
+
+
+def spare_name(writer: int, source: int) -> str:
+    """The spare file of group rank ``writer`` for the copies of ``source``'s snapshots (its own: itself)."""
+    return f"{_SPARE_PREFIX}w{writer:05d}-r{source:05d}"
+
+
+def retire(path: Path, spare: Path) -> None:
+    """``path``, a generation no longer kept, becomes ``spare``: the next generation is written over it. A
+    memory file system's new pages cost more than the bytes copied into them (about 4 times on the 2-core
+    VM), and freeing them again costs half as much: written over, the same pages serve every generation."""
+    try:
+        os.replace(path, spare)
+    except FileNotFoundError:  # another rank of this machine pruned it first
+        pass
+
+
+class Written:
+    """The snapshot files one writer (group rank ``writer``) wrote into ``folder``, by source: the two newest of
+    each kept, the one before retired into that source's spare, which the next is written over."""
+
+    def __init__(self, folder: Path, writer: int) -> None:
+        self.folder, self.writer = folder, writer
+        self.files: dict[int, list[Path]] = {}
+
+    def spare(self, source: int) -> Path:
+        return self.folder / spare_name(self.writer, source)
+
+    def keep(self, source: int, path: Path) -> None:
+        kept = [p for p in self.files.setdefault(source, []) if p != path] + [path]
+        while len(kept) > 2:
+            retire(kept.pop(0), self.spare(source))
+        self.files[source] = kept
+
+
+def remove_spares(folder: Path) -> None:
+    """Remove the spare files (a clean end)."""
+    if folder.is_dir():
+        remove(p for p in folder.iterdir() if p.name.startswith(_SPARE_PREFIX))
 
 
 def inventory(folder: Path) -> tuple[list[Found], list[tuple[Path, str]]]:

@@ -82,21 +82,21 @@ def ask(store: Any, me: int, timeout: float) -> tuple[int, list[int]]:
             return g + 1, members
 
 
-def newcomer(store: Any, me: int, deadline_s: float, timeout: float) -> ms.Membership:
+def newcomer(store: Any, me: int, deadline_s: float, timeout: float, silent_s: float = 2.0) -> ms.Membership:
     """This worker's membership once a generation took it in (its barrier passed; see :func:`ask`)."""
     g, members = ask(store, me, timeout)
-    m = ms.Membership(store, me, [], generation=g - 1)
+    m = ms.Membership(store, me, [], silent_s=silent_s, generation=g - 1)
     m.start()
     m.enter(g, members, deadline_s)
     return m
 
 
-def membership(store: Any, deadline_s: float, timeout: float = 600.0) -> ms.Membership:
+def membership(store: Any, deadline_s: float, timeout: float = 600.0, silent_s: float = 2.0) -> ms.Membership:
     """This worker's membership: generation 0's (RANK of WORLD_SIZE), or a newcomer's (``STAGEWISE_JOIN=1``: its
     id is RANK when the agent claimed it, else claimed here; its machine is named by its first id)."""
     if not os.environ.get(JOIN_ENV):
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        m = ms.Membership(store, rank, list(range(world))).start()
+        m = ms.Membership(store, rank, list(range(world)), silent_s=silent_s).start()
         missing = m.barrier(0, m.members, timeout)  # (workers start seconds apart: imports on a loaded machine)
         if missing:
             raise RuntimeError(f"workers {missing} of generation 0 did not start within {timeout:g} s")
@@ -104,7 +104,7 @@ def membership(store: Any, deadline_s: float, timeout: float = 600.0) -> ms.Memb
     me = int(os.environ["RANK"]) if os.environ.get("RANK") else claim_ids(store, 1)[0]
     os.environ.setdefault(MACHINE_ENV, str(me))
     try:
-        return newcomer(store, me, deadline_s, timeout)
+        return newcomer(store, me, deadline_s, timeout, silent_s)
     except Ended as err:
         log.warning("stagewise elastic: %s; it leaves", err)
         raise SystemExit(0) from None

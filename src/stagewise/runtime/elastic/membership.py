@@ -77,7 +77,8 @@ class Membership:
     store: Any
     me: int
     members: list[int]
-    silent_s: float = 2.0  # a member whose stamp did not move for this long is gone
+    silent_s: float = 20.0  # a member whose stamp did not move for this long is gone (an in-place job: its
+    # hang threshold; a live member that is only slow - stopped, starved - for less must never be left out)
     generation: int = 0
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
@@ -197,8 +198,7 @@ def joiners(store: Any, g: int) -> list[int]:
 def named_dead(message: str, members: Sequence[int]) -> list[int]:
     """The members a failure's message names as dead by their rank in ``members`` (the heartbeat's words: "global
     ranks 1, 3 stopped or died"), as ids; [] when it names none."""
-    found = re.search(r"global ranks? ([\d, ]+) stopped or died", message)
-    if found is None:
-        return []
-    ranks = [int(r) for r in found.group(1).replace(" ", "").split(",") if r]
+    ranks: list[int] = []
+    for found in re.finditer(r"global ranks? ([\d, ]+) stopped or died", message):  # (every naming, in order)
+        ranks += [int(r) for r in found.group(1).replace(" ", "").split(",") if r and int(r) not in ranks]
     return [members[r] for r in ranks if 0 <= r < len(members)]

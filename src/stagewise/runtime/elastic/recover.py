@@ -84,7 +84,7 @@ class PeerSnapshots:
         machine = snap.machines[ranks.rank]
         first = snap.machines.index(machine) == ranks.rank
         self.speaks = first and not ranks.first  # the first rank of each other machine says the resume line too
-        mine = {"copies": _listed(snap, machine, ranks.rank) if first else [], "need": sorted(_needs(self.model))}
+        mine = {"copies": _listed(snap, machine, ranks.rank) if first else [], "need": sorted(needs_of(self.model))}
         mine["ended"] = ended(snap.folder) if first else {}
         everyone = storage.gather(mine, ranks, "every machine's snapshots", patient=True)
         finished = {job: step for e in everyone for job, step in e["ended"].items()}
@@ -203,7 +203,7 @@ def _copy(listed: dict[str, Any]) -> Copy:
     return Copy(**{**fields, "names": frozenset(fields["names"])})
 
 
-def _needs(model: nn.Module) -> set[str]:
+def needs_of(model: nn.Module) -> set[str]:
     """What this rank loads: its model tensors (tied copies included) and the parameters its optimizers hold."""
     out = {state.MODEL + k for k in state.load_targets(model)}
     names = state.parameter_names(model)
@@ -281,7 +281,7 @@ def _apply(model: nn.Module, assigned: dict[str, torch.Tensor], choice: Choice, 
     optimizers = state.optimizers_of(model, None)
     record: dict[str, Any] = {"optimizer": {"params": {}, "state": {}}}
     tensors: dict[str, torch.Tensor] = {}
-    wanted = {n[len(_PARAM) :] for n in _needs(model) if n.startswith(_PARAM)}
+    wanted = {n[len(_PARAM) :] for n in needs_of(model) if n.startswith(_PARAM)}
     for param in wanted:
         part = next(p for p in parts if param in p.header["optimizer"]["params"])
         meta = part.header["optimizer"]

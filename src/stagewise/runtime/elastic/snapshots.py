@@ -43,6 +43,7 @@ from ..checkpoint import state
 from ..comm import groups, lifecycle, snapshot_wire
 from ..errors import PipelineError
 from . import folder as folders
+from . import idle
 from .config import Snapshots
 from .membership import check_fence
 from .snapshot_file import fill_payload, header_bytes, host_bytes, layout_payload, read_header
@@ -62,11 +63,19 @@ class Capture:
 
     step: int
     tensors: dict[str, torch.Tensor]
-    entries: dict[str, Any]
-    total: int
     header: dict[str, Any]
+    entries: dict[str, Any] = field(default_factory=dict)
+    total: int = 0
     copied: threading.Event = field(default_factory=threading.Event)
     cuda_done: Any = None  # a CUDA event on the copy stream, when some tensor is on a GPU
+
+
+@dataclass(frozen=True)
+class Mark:
+    """The live state at a snapshot's capture: each tensor's version counter, and the buffers' values."""
+
+    versions: dict[str, int]
+    copies: dict[str, torch.Tensor]
 
 
 _ENDINGS: list[Ending] = []
@@ -90,6 +99,7 @@ class Ending:
             live.finish_at_exit()
         folders.mark_ended(self.folder, self.job, self.step)
         folders.prune(self.folder, self.step + 1)
+        folders.remove_spares(self.folder)
 
 
 @dataclass
@@ -129,7 +139,10 @@ class Snapshotter:
         self.config, self.timeout = config, timeout
         self._due = False  # a snapshot is due, and waits for the gradient merge to end
         self._root = root
-        self.group = snapshot_wire.snapshot_group(group, timeout)
+        self.priority = idle.Priority()  # the snapshot's threads run in the core's idle time (see .idle)
+        with idle.new_threads_idle(self.priority.group):
+            self.group = snapshot_wire.snapshot_group(group, timeout)
+        self.policy: int | None = None  # the helper thread's scheduling policy, as it found it
         self.rank = groups.group_rank(self.group)
         self.run = os.environ.get(RUN_ENV) or "local"
         self.folder = folders.machine_folder(config.root(), self.run)
@@ -148,7 +161,11 @@ class Snapshotter:
         self._inflight: tuple[Capture, threading.Thread] | None = None
         self._failure: str | None = None
         self._buffer: torch.Tensor | None = None
+        self._fixed: tuple[dict[int, str], dict[str, Any]] | None = None  # see _capture
+        self._received: dict[int, torch.Tensor] = {}  # by source: the buffers the peers' copies arrive in
+        self._written = folders.Written(self.folder, self.rank)  # the files written here, by source
         self._stream: Any = None
+        self.marks: dict[int, Mark] = {}  # snapshot step -> each live tensor's version at its capture
         if self.rank == 0 and self.peers.dest is None:
             log.info("stagewise snapshots: one machine, so the copies stay on it (they outlive a worker restart)")
         _ENDINGS.append(self.end)  # held to the end: the clean exit's work must not depend on the pipeline's life
@@ -212,7 +229,9 @@ class Snapshotter:
         capture = self._inflight[0]
         if not capture.copied.is_set():
             started = time.perf_counter()
-            if not capture.copied.wait(self.timeout):
+            with self.priority.raised_while():
+                copied = capture.copied.wait(self.timeout)
+            if not copied:
                 raise PipelineError(
                     f"rank {self.rank}: the snapshot of step {capture.step} was not copied within "
                     f"{self.timeout:g} s (snapshot=)"
@@ -227,12 +246,15 @@ class Snapshotter:
         root = self._root
         params = {p.data_ptr() for p in root.parameters()}
         tensors = {}
-        for name, t in state.saved_tensors(root).items():
-            tensors[state.MODEL + name] = t if t.data_ptr() in params else t.detach().clone()
-        optimizers = state.optimizers_of(root, None)
-        optim_tensors, meta = state.optimizer_state(optimizers, state.parameter_names(root))
+        live = {state.MODEL + name: t for name, t in state.saved_tensors(root).items()}
+        for name, t in live.items():
+            tensors[name] = t if t.data_ptr() in params else t.detach().clone()
+        if self._fixed is None:  # what a pipeline's life does not change: its parameters' names, its layout
+            self._fixed = (state.parameter_names(root), state.layout_of(root, self.world))
+        names, layout = self._fixed
+        optim_tensors, meta = state.optimizer_state(state.optimizers_of(root, None), names)
         tensors.update(optim_tensors)
-        entries, total = layout_payload(tensors)
+        self._mark({**live, **optim_tensors}, {n: t for n, t in tensors.items() if n in live and t is not live[n]})
         extra = self.config.extra() if self.config.extra is not None else None
         header = {
             "run": self.run,
@@ -241,38 +263,56 @@ class Snapshotter:
             "step": self.step,
             "owner": self.rank,
             "world": self.world,
-            "layout": state.layout_of(root, self.world),
+            "layout": layout,
             "dropout": state.dropout_of(root, trained),
-            "tensors": entries,
             "optimizer": meta,
             "rng": state.rng_state(),
             "extra": state.encode(extra, "Snapshots.extra"),
         }
-        capture = Capture(self.step, tensors, entries, total, header)
+        capture = Capture(self.step, tensors, header)  # (where each tensor's bytes go: on the helper thread)
         if any(t.is_cuda for t in tensors.values()):
             ready = torch.cuda.Event()
             ready.record()  # the step's work queued so far, the optimizer's last update among it
             capture.cuda_done = ready
         return capture
 
+    def _mark(self, live: dict[str, torch.Tensor], copies: dict[str, torch.Tensor]) -> None:
+        """Each live tensor's version counter at this capture, and the buffers' copies (the two newest kept): a
+        recovery takes a live tensor for this step's value only while it is unchanged (:mod:`..relayout.sources`;
+        BatchNorm's forward writes its running statistics without counting a version: they are compared)."""
+        self.marks[self.step] = Mark(versions(live), copies)
+        for old in sorted(self.marks)[:-2]:
+            del self.marks[old]
+
     def _copy(self, capture: Capture) -> None:
         """The helper thread: the bytes into the host buffer (then the next STEP may go), the file here, the
         copy to the peer and the peers' copies here, the old generations pruned."""
         try:
+            self.policy = self.priority.enter()  # only the core's idle time: see .idle
+            clock = idle.Clock(self.stats)
+            capture.entries, capture.total = layout_payload(capture.tensors)
+            capture.header["tensors"] = capture.entries
             buffer = self._host_buffer(capture.total, capture.cuda_done is not None)
             self._fill(buffer, capture)
             capture.copied.set()
+            clock.lap("fill_s")
             payload = buffer[: capture.total]
             head = header_bytes(capture.header, payload)
+            clock.lap("digest_s")
             view = host_bytes(payload)
             name = folders.file_name(capture.step, self.lineage, self.rank)
             check_fence(f"the snapshot of step {capture.step}")  # a worker woken behind its job writes nothing
-            folders.write(self.folder, name, head, view)
-            self._send(head, payload)
-            folders.prune(self.folder, capture.step - self.config.every)
+            self._written.keep(self.rank, folders.write(self.folder, name, head, view, self._written.spare(self.rank)))
+            clock.lap("write_s")
+            self._send(head, payload, clock)
+            # what no writer here retires (an old lineage's, a gone peer's), one generation later than this
+            # writer's own: a rank of this machine at the same step would otherwise take another's spare
+            folders.prune(self.folder, capture.step - 2 * self.config.every)
+            clock.lap("prune_s")
         except BaseException as err:  # handed to the step path
             self._failure = f"the snapshot of step {capture.step}: {type(err).__name__}: {err}"
         finally:
+            self.priority.leave()
             capture.copied.set()
 
     def _fill(self, buffer: torch.Tensor, capture: Capture) -> None:
@@ -291,14 +331,15 @@ class Snapshotter:
         capture.copied.set()
         done.synchronize()  # the bytes are on the host before they are hashed
 
-    def _send(self, head: bytes, payload: torch.Tensor) -> None:
+    def _send(self, head: bytes, payload: torch.Tensor, clock: idle.Clock) -> None:
         """Heads, then payloads, to the next machine's rank; the copies from the previous machine written here."""
         p = self.peers
         if p.dest is None and not p.sources:
             return
         head_t = torch.frombuffer(bytearray(head), dtype=torch.uint8)
         heads = snapshot_wire.exchange(head_t, p.dest, p.sources, self.group, self.timeout)
-        bodies = snapshot_wire.exchange(payload, p.dest, p.sources, self.group, self.timeout)
+        bodies = snapshot_wire.exchange(payload, p.dest, p.sources, self.group, self.timeout, into=self._received)
+        clock.lap("send_s")
         for src in p.sources:
             got_head, body = heads[src], bodies[src]
             if got_head is None:
@@ -306,7 +347,9 @@ class Snapshotter:
             data = got_head.numpy().tobytes()
             header, _ = read_header(data)
             name = folders.file_name(int(header["step"]), str(header["lineage"]), int(header["owner"]))
-            folders.write(self.folder, name, data, host_bytes(body) if body is not None else memoryview(b""))
+            view = host_bytes(body) if body is not None else memoryview(b"")
+            self._written.keep(src, folders.write(self.folder, name, data, view, self._written.spare(src)))
+        clock.lap("peer_write_s")
 
     def _host_buffer(self, size: int, pinned: bool) -> torch.Tensor:
         """One host buffer, reused from snapshot to snapshot (pinned for copies from a GPU)."""
@@ -320,7 +363,9 @@ class Snapshotter:
             return
         capture, thread = self._inflight
         started = time.perf_counter()
-        thread.join(self.timeout)
+        if thread.is_alive():
+            with self.priority.raised_while():
+                thread.join(self.timeout)
         self.stats[what] += time.perf_counter() - started
         if thread.is_alive():
             raise PipelineError(
@@ -369,3 +414,8 @@ class Snapshotter:
 
         self.wait()
         return PeerSnapshots(self, model)
+
+
+def versions(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
+    """Each tensor's version counter (every in-place write adds one; a view shares its base's)."""
+    return {name: int(t._version) for name, t in tensors.items()}

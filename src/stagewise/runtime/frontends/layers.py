@@ -149,18 +149,24 @@ def build_layer(layer: LayerLike, index: int, seed: int) -> nn.Module:
 
 
 _empty = ContextVar("stagewise_build_empty", default=False)
+#: ``lend(index)``: the tensors this process holds already for layer ``index``, by name within the layer
+Lend = Callable[[int], Mapping[str, torch.Tensor]]
+_lent: ContextVar[Lend | None] = ContextVar("stagewise_build_lent", default=None)
 
 
 @contextmanager
-def built_empty() -> Iterator[None]:
+def built_empty(lend: Lend | None = None) -> Iterator[None]:
     """The stages built under it hold uninitialised tensors (specs built on ``meta``, then given storage): for
     a caller that fills every tensor itself (a re-layout, from the old layout), so no initialisation is computed
-    only to be overwritten."""
-    token = _empty.set(True)
+    only to be overwritten. ``lend``: a layer's tensor that this process holds already (same name, shape, dtype
+    and device) takes that storage from ``meta`` directly: a tensor staying on its process is never allocated
+    twice."""
+    token, lent = _empty.set(True), _lent.set(lend)
     try:
         yield
     finally:
         _empty.reset(token)
+        _lent.reset(lent)
 
 
 def building_empty() -> bool:
@@ -170,13 +176,39 @@ def building_empty() -> bool:
 
 def build_stage_layer(layer: LayerLike, index: int, seed: int, device: Any) -> nn.Module:
     """:func:`build_layer` for a stage held here, on ``device``. Under :func:`built_empty` a spec is built on
-    ``meta`` and given empty storage, unless it cannot be (its factory fails on meta) or its state would not be
-    whole (a non-persistent buffer or a plain tensor attribute, which no state_dict carries): then as usual."""
+    ``meta`` and given storage (lent, or empty), unless it cannot be (its factory fails on meta) or its state
+    would not be whole (a non-persistent buffer or a plain tensor attribute, which no state_dict carries): then
+    as usual."""
     module = _on_meta(layer) if _empty.get() and isinstance(layer, Layer) else None
     if module is not None:
-        return module.to_empty(device=device if device is not None else "cpu")
+        lend = _lent.get()
+        return _given_storage(module, {} if lend is None else lend(index), device if device is not None else "cpu")
     module = build_layer(layer, index, seed)
     return module if device is None else module.to(device)
+
+
+def _given_storage(module: nn.Module, lent: Mapping[str, torch.Tensor], device: Any) -> nn.Module:
+    """Every ``meta`` tensor of ``module`` gets storage on ``device``: the lent tensor of its name where it is a
+    plain tensor of its shape and dtype there, else empty (a tensor held twice in the module stays one)."""
+    device = torch.device(device)
+    made: dict[int, torch.Tensor] = {}
+    for prefix, m in module.named_modules():
+        for store in (m._parameters, m._buffers):
+            for name, t in list(store.items()):
+                if t is None or not t.is_meta:
+                    continue
+                if id(t) not in made:
+                    data = _lent_or_empty(lent.get(f"{prefix}.{name}" if prefix else name), t, device)
+                    made[id(t)] = nn.Parameter(data, t.requires_grad) if isinstance(t, nn.Parameter) else data
+                store[name] = made[id(t)]
+    return module
+
+
+def _lent_or_empty(old: torch.Tensor | None, like: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if old is not None and type(old) is torch.Tensor and old.device == device:
+        if (old.shape, old.dtype) == (like.shape, like.dtype):
+            return old
+    return torch.empty_like(like, device=device)
 
 
 def _on_meta(layer: Layer) -> nn.Module | None:

@@ -106,6 +106,13 @@ class Hybrid:
             if self.config.size(axis) > 1:
                 groups.bound(self.mesh.group(axis), timeout)
 
+    def reduced_bytes(self) -> dict[int, int]:
+        """Per local stage, the bytes of gradients its SYNC all-reduces over the data-parallel replicas (none
+        without them, or when sharded): what the link fit prices the reduction's messages by."""
+        if self._averager is None:
+            return {}
+        return {s: sum(p.numel() * p.element_size() for p in ps) for s, ps in self._averager.stage_params.items()}
+
     def drop_groups(self) -> None:
         """At exit: forget the data-parallel group (the mesh itself names its groups, it does not hold them)."""
         self._averager = None

@@ -46,9 +46,11 @@ from ..options import Options
 from .carried import restore_schedulers, retire, scheduler_state, tell
 from .clock import Clock
 from .fill import fill, receiver
+from .kept import lender
+from .listing import exchange
 from .models import release_model, twin_of
 from .request import digest, local_refusals, members_of, refuse_alike, subgroups_ahead
-from .transfers import Transfers, bytes_moved, plan_transfers
+from .transfers import Transfers
 
 Build = Callable[[Frontend, Options], nn.Module]
 
@@ -110,8 +112,9 @@ def relayout(
     new: nn.Module | None = None
     try:
         if me in chosen:
-            with built_empty():  # every tensor is filled below: none initialised only to be overwritten
-                new = build(*_new_source(frontend, options, changes, plan, group))
+            source = _new_source(frontend, options, changes, plan, group)
+            with built_empty(lender(old, source[0])):  # filled below: none initialised, none kept allocated
+                new = build(*source)
         clock.lap("build")
         moved, everyone = _move(old, new, ranks, progress, schedule, clock)
         storage.gather(None, ranks, "every process to have filled its new stages")  # the commit point
@@ -244,36 +247,21 @@ def _move(
     """Part 4: every tensor of the new stages from its owner; optimizer state by name; the progress; the LR
     schedule."""
     held, optim = _inventory(old)
-    listed = storage.gather(
-        {"held": sorted(held), "described": state.describe(held), "optimizer": optim}, ranks, "the tensors held"
-    )
-    record: dict[str, dict[str, Any]] = {"params": {}, "state": {}}
-    described: dict[str, Any] = {}
-    for entry in listed:
-        record["params"].update(entry["optimizer"]["params"])
-        record["state"].update(entry["optimizer"]["state"])
-        described.update(entry["described"])
-    targets = _targets(new, record)
-    mine = {"need": sorted(targets), "stages": [], "layout": None}
+    row: dict[str, Any] = {"stages": [], "layout": None}
     if isinstance(new, PipelineState):
-        mine.update(stages=sorted(new.local_stages), layout=_described(new))
-    needs = storage.gather(mine, ranks, "the tensors needed")
-    transfers = plan_transfers([e["held"] for e in listed], [e["need"] for e in needs])
-    missing = [
-        f"process {r} needs {', '.join(names[:5])} that no process holds" for r, names in transfers.missing.items()
-    ]
-    storage.agree(missing, ranks, "relayout: the new layout needs tensors the old one does not have")
-    got = _post(transfers, held, described, ranks, targets)
+        row.update(stages=sorted(new.local_stages), layout=_described(new))
+    listing = exchange(held, optim, new, ranks, row)  # .listing: keys to all, then names where a tensor moves
+    transfers, targets = listing.transfers, listing.targets
+    got = _post(transfers, held, listing.described, ranks, targets)
     clock.lap("move")
     if new is not None:
         kept = {n: held[n] for n in transfers.kept[ranks.rank]}
-        fill(new, targets, {**kept, **got}, record, kept)
+        fill(new, targets, {**kept, **got}, listing.record, kept)
         assert isinstance(new, PipelineState)
         restore_progress(new, progress)
         restore_schedulers(new, schedule)
     clock.lap("fill")
-    sizes = {n: _bytes(d) for n, d in described.items()}
-    return bytes_moved(transfers, sizes), needs
+    return listing.bytes_moved, listing.everyone
 
 
 def _inventory(old: PipelineState | None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -284,22 +272,6 @@ def _inventory(old: PipelineState | None) -> tuple[dict[str, torch.Tensor], dict
     tensors = {state.MODEL + k: t.detach() for k, t in state.load_targets(old).items()}
     optim, meta = state.optimizer_state(state.optimizers_of(old, None), state.parameter_names(old))
     return {**tensors, **optim}, meta
-
-
-def _targets(new: nn.Module | None, record: Mapping[str, Any]) -> dict[str, torch.Tensor | None]:
-    """The names the new stages fill: model tensors (tied copies too), and their optimizers' saved state
-    (None: received into a new tensor)."""
-    if new is None:
-        return {}
-    out: dict[str, torch.Tensor | None] = {state.MODEL + k: t for k, t in state.load_targets(new, True).items()}
-    names = state.parameter_names(new)
-    for opt in state.optimizers_of(new, None):
-        for group in opt.param_groups:
-            for p in group["params"]:
-                for key, entry in record["state"].get(names[id(p)], {}).items():
-                    if "tensor" in entry:
-                        out[f"{state.OPTIM}{names[id(p)]}/{key}"] = None
-    return out
 
 
 def _post(
@@ -320,13 +292,6 @@ def _post(
     assert guard is not None
     relayout_wire.post(ops, ranks.group, lambda works, what: guard.wait(works, what))
     return got
-
-
-def _bytes(described: Mapping[str, Any]) -> int:
-    count = 1
-    for n in described["shape"]:
-        count *= int(n)
-    return count * torch.empty(0, dtype=getattr(torch, described["dtype"])).element_size()
 
 
 def _stale_groups(old: PipelineState | None, kept: list[Any]) -> list[Any]:

@@ -10,10 +10,14 @@ a machine is lost, every surviving worker stays in its process:
    and meet in a process group of that generation (:mod:`..comm.generations`);
 3. the runtime holds the layout policy: ``layout.at(members)`` is the new mesh, ``build(fit)`` makes the
    pipeline for it, and its state comes from the newest *committed* step: the newest snapshot that every
-   rank wrote and copied (``snapshot=1``: the last step every stage finished), the lost machine's stages
-   from the copies its next machine holds. A step in flight when the machine died is done again at the new
-   layout, from the same global batch (``batch(step)``), so no survivor is ever at a mixed step and no
-   committed step is rolled back.
+   rank wrote and copied (``snapshot=1``: the last step every stage finished). The survivors re-lay out in
+   place (:mod:`.takeover`): a tensor a survivor still holds at that step is kept (aliased) or moved from
+   it, the rest - the lost machine's stages, a survivor's tensors past the committed step - come from the
+   snapshot files the survivors' machines hold. When that path refuses (a checkpoint on disk is newer, no
+   snapshot covers the state, a damaged file) every member resumes from the snapshots and the disk instead
+   (``sw.checkpoint.resume``). ``Recovery.sources`` says which path was taken. A step in flight when the
+   machine died is done again at the new layout, from the same global batch (``batch(step)``), so no
+   survivor is ever at a mixed step and no committed step is rolled back.
 
 A worker that was stopped or cut off and wakes behind the job's generation writes nothing more (no
 snapshot, no checkpoint, no message to the new group: fenced by :meth:`..elastic.membership.Membership.fenced`)
@@ -22,7 +26,6 @@ and leaves with exit status 3.
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import time
@@ -36,13 +39,17 @@ from ...parallel import ElasticLayout, Fit
 from .. import assembly  # noqa: F401 (loaded with InPlace, before a newcomer asks: the members wait for its build)
 from ..checkpoint.api import save as checkpoint_save
 from ..checkpoint.resume import resume as checkpoint_resume
+from ..comm import release
+from ..comm.faults import heartbeat
 from ..comm.generations import job_store, join_generation, leave_generation
 from ..elastic import joining
 from ..elastic import membership as ms
+from .takeover import Held, LiveRefused, hold, take_over
 
 log = logging.getLogger(__name__)
 
 FENCED_EXIT = 3
+RESTORE_ENV = "STAGEWISE_INPLACE_RESTORE"  # "snapshots": a recovery resumes from the files only (the path before)
 _TRIES = 5  # generations agreed in one recovery at most (each loses a member that died meanwhile)
 
 
@@ -55,7 +62,8 @@ class Recovery:
     failed_at: int  # the step that was running when the generation failed
     committed: int  # the step the survivors went on from
     seconds: float  # from the failure seen here to the new pipeline's state restored
-    parts: dict[str, float] = field(default_factory=dict)  # seconds: drop, agree, group, build, resume
+    parts: dict[str, float] = field(default_factory=dict)  # seconds: hold, drop, agree, group, build, resume
+    sources: dict[str, Any] = field(default_factory=dict)  # path: live or snapshots; names kept / live / snapshot
     cause: str = "lost"  # or "joined": newcomers taken in after step ``failed_at`` (:mod:`..elastic.joining`)
 
 
@@ -81,13 +89,15 @@ class InPlace:
     _members: ms.Membership | None = None
     _parts: dict[str, float] = field(default_factory=dict)
     _store: Any = None
+    _held: Held | None = None  # the failed generation's tensors, kept for the next one's take-over
+    _sources: dict[str, Any] = field(default_factory=dict)
     _joins: Any = None  # the members' look for newcomers between steps (:class:`..elastic.joining.Joins`)
 
     def start(self) -> int:
         """Join the job (generation 0, every process of the launch; or, started with ``STAGEWISE_JOIN=1``, a
         running job at its next step boundary: :mod:`..elastic.joining`) and resume; returns the step resumed."""
         self._store = _job_store(self.timeout)
-        self._members = joining.membership(self._store, self.deadline_s)
+        self._members = joining.membership(self._store, self.deadline_s, silent_s=self.timeout)
         ms.set_fence(self._members.fenced)
         self._enter(self._members.generation)
         return self.step
@@ -137,8 +147,24 @@ class InPlace:
         with self._timed("build"):
             self.pipe = self.build(self.layout.at(size))
         with self._timed("resume"):
-            info = checkpoint_resume(Path(self.checkpoints), self.pipe, timeout=self.timeout)
-        self.step = 0 if info is None else info.step
+            self.step = self._restore(generation)
+        self._held = None  # aliased into the new pipeline, or not needed: let go
+
+    def _restore(self, generation: int) -> int:
+        """The new pipeline's state: from the survivors' live tensors and the snapshots they hold (after a loss),
+        else (the first generation, or the live path refused alike everywhere) the resume's newest source."""
+        if generation > 0 and os.environ.get(RESTORE_ENV) == "snapshots":  # the resume only, to compare
+            self._sources = {"path": "snapshots", "refused": f"{RESTORE_ENV}=snapshots"}
+        elif generation > 0:
+            try:
+                done = take_over(self.pipe, self._held, Path(self.checkpoints), self.timeout)
+                self._sources = {"path": "live", **done.counts}
+                return done.step
+            except LiveRefused as why:
+                log.warning("stagewise elastic: resuming from the snapshots: the live path refused (%s)", why)
+                self._sources = {"path": "snapshots", "refused": str(why)}
+        info = checkpoint_resume(Path(self.checkpoints), self.pipe, timeout=self.timeout)
+        return 0 if info is None else info.step
 
     @contextmanager
     def _timed(self, part: str) -> Iterator[None]:
@@ -157,20 +183,27 @@ class InPlace:
             step,
             first[:300],
         )
-        self._parts = {}
+        self._parts, self._sources = {}, {}
+        with self._timed("hold"):
+            self._held = hold(self.pipe)  # its tensors only: the groups and threads go with the pipeline
         with self._timed("drop"):
             self._drop_pipeline()
-        members = self._next_generation(ms.named_dead(str(err), self._members.members))
+        # the dead the failure named, and any other whose port refuses by now (a machine's processes die one
+        # after another: the failure may name only the first)
+        gone = ms.named_dead(f"{err} {heartbeat.blame_gone()}", self._members.members)
+        members = self._next_generation(gone)
         self.recoveries.append(
             Recovery(self._members.generation, members, step, self.step, time.perf_counter() - started, self._parts)
         )
+        self.recoveries[-1].sources = self._sources
         log.warning(
-            "stagewise elastic: generation %d: workers %s (%d processes) go on from step %d, in %.1f s",
+            "stagewise elastic: generation %d: workers %s (%d processes) go on from step %d, in %.1f s (%s)",
             self._members.generation,
             members,
             len(members),
             self.step,
             time.perf_counter() - started,
+            ", ".join(f"{k} {v}" for k, v in self._sources.items() if k != "refused"),
         )
         if self.after_recovery is not None:
             self.after_recovery(self)
@@ -200,13 +233,23 @@ class InPlace:
         raise AssertionError("unreachable")
 
     def _drop_pipeline(self) -> None:
-        """The failed generation's pipeline goes; its snapshots stay on the machines (they are the state)."""
+        """The failed generation's pipeline goes; its snapshots stay on the machines (they are the state).
+
+        Its helper threads stop now; its gloo groups are dropped, not destroyed here (a destructor may join a
+        thread stuck on a stopped peer until the timeout): :func:`..comm.release.hold` keeps the pipeline, its
+        tensors too, until the group timeout has passed, then collects it on its own thread."""
         snaps = getattr(self.pipe, "snapshots", None)
         if snaps is not None:
-            snaps.finish_at_exit()  # the copy in flight ends (written, or failed on the dead peer): whole files
-            snaps.forget()
+            with self._timed("drop:snapshots"):
+                snaps.finish_at_exit()  # the copy in flight ends (written, or failed on the dead peer): whole files
+                snaps.forget()
+        transport = getattr(self.pipe, "transport", None)
+        if transport is not None:
+            with self._timed("drop:threads"):
+                transport.close()  # the guard's helper threads (a failure stands: its groups are kept)
+        if self.pipe is not None:
+            release.hold(self.pipe, self.timeout + 1.0)
         self.pipe = None
-        gc.collect()
 
     def _leave_fenced(self) -> NoReturn:
         self._drop_pipeline()

@@ -5,6 +5,7 @@
 * :mod:`.board`: the error board, one key in the c10d store where the first failure is posted;
 * :mod:`.waiters`: the helper threads that run blocking gloo waits while the guard watches board and clock;
 * :mod:`.heartbeat`: signs of life, to name the rank that is stuck down a chain of waits;
+* :mod:`.probe`: each process's liveness port: a peer whose port refuses is gone (never a live one);
 * :mod:`.exit_hook`: how a failing rank leaves (posted, flushed, exit code 1, never an abort);
 * :mod:`.failures`: a collective that failed inside torch, told as the pipeline's failure;
 * :mod:`.keys`: the job-level keys every process of a run reads and writes in the store.

@@ -44,6 +44,6 @@ def comm_failure(guard: Guard, err: BaseException, who: str) -> PipelineError:
         return posted
     lines = str(err).strip().splitlines()
     brief = f"{type(err).__name__}: {lines[0] if lines else ''}"
-    culprit = heartbeat.blame_stopped() or heartbeat.blame_silent(guard.timeout)
+    culprit = heartbeat.blame_failed(guard.timeout)
     text = f"{who}: a collective inside torch failed: {brief}"
     return PipelineError(guard.fail(f"{culprit}: {text}" if culprit else text))

@@ -151,7 +151,7 @@ class Guard:
             self.board.check()  # the peer's own failure may have been posted meanwhile: that one stands
         except PipelineError:
             return
-        culprit = heartbeat.blame_stopped()
+        culprit = heartbeat.blame_failed(self.timeout)
         text = f"{self.me}: {what} failed: {error}"
         self.board.fail(f"{culprit}: {text}" if culprit else text)
 

@@ -19,13 +19,17 @@ clock, and hosts' clocks agree far better than the timeouts involved.
 from __future__ import annotations
 
 import atexit
+import logging
 import threading
 import time
 from typing import Any
 
 import torch.distributed as dist
 
+from . import probe
 from .keys import JOB_KEY
+
+log = logging.getLogger(__name__)
 
 INTERVAL_S = 1.0
 
@@ -33,6 +37,10 @@ _thread: threading.Thread | None = None
 _stop = threading.Event()
 _store: Any = None
 _timeout = 0.0  # the longest timeout of the boards that started the stamping
+_probes = probe.Probes()  # the peers' liveness ports, once reached (:mod:`.probe`)
+REACH_S = 0.1  # how often the peers' ports not reached yet are tried, for HURRY_S after the start
+HURRY_S = 30.0
+CONFIRM_S = 0.25  # the most a beat spends reaching peers' ports (a stamp must not wait behind them)
 
 
 def start(timeout: float, *, pipeline: bool = True) -> None:
@@ -53,6 +61,7 @@ def start(timeout: float, *, pipeline: bool = True) -> None:
     _store = board_client(None, timeout, own=True)
     rank = dist.get_rank()
     stamp(rank)
+    _publish_port(rank)
     _thread = threading.Thread(target=_run, args=(rank, _stop), name="stagewise-heartbeat", daemon=True)
     _thread.start()
     watch_calls(job_failure, blame_silent)
@@ -63,12 +72,47 @@ def stamp(rank: int) -> None:
         _store.set(f"alive/{rank}", repr(time.time()))
 
 
+def _publish_port(rank: int) -> None:
+    """Publish ``probe/<rank>``: where this process's liveness port is reached (:mod:`.probe`)."""
+    from ..coordinator import tcp_store_of
+
+    try:
+        tcp = tcp_store_of(dist.distributed_c10d._get_default_store())
+        host = probe.address_towards(tcp.host, tcp.port) if tcp is not None else "127.0.0.1"
+        _store.set(f"probe/{rank}", f"{host}:{probe.listen()}")
+    except Exception as err:  # no evidence then: a failure's culprit is named after the window
+        log.debug("stagewise heartbeat: no liveness port published: %s", err)
+
+
 def _run(rank: int, stop: threading.Event) -> None:
-    while not stop.wait(INTERVAL_S):
+    """Stamp every :data:`INTERVAL_S`; between stamps, take in probes and reach the peers' ports (every
+    :data:`REACH_S` while some are not reached yet: a peer killed early must not find them unknown)."""
+    probes, stamped = _probes, time.monotonic()
+    hurry_until = stamped + HURRY_S
+    while True:
         try:
-            stamp(rank)
+            probe.drain()
+            everyone = _reach_ports(rank, probes)
+            if time.monotonic() - stamped >= INTERVAL_S:
+                stamp(rank)
+                stamped = time.monotonic()
         except Exception:  # the store is gone: the board reports that; stop stamping
             return
+        soon = not everyone and time.monotonic() < hurry_until
+        if stop.wait(REACH_S if soon else INTERVAL_S - (time.monotonic() - stamped)):
+            return
+
+
+def _reach_ports(rank: int, probes: probe.Probes) -> bool:
+    """Connect once to each peer's published port not reached yet (a refusal from it is evidence later);
+    whether every peer's is reached now."""
+    until = time.perf_counter() + CONFIRM_S
+    todo = [r for r in range(dist.get_world_size()) if r != rank and r not in probes.reached]
+    for r in todo:
+        key = f"probe/{r}"
+        if time.perf_counter() < until and _store is not None and _store.check([key]):
+            probes.confirm(r, _store.get(key).decode())
+    return all(r in probes.reached for r in todo)
 
 
 def silent_ranks(threshold: float) -> list[tuple[int, float | None]]:
@@ -139,10 +183,38 @@ def blame_stopped(within: float = 2.5 * INTERVAL_S) -> str:
     """After a communication failure, the first words of the message: the other ranks whose stamp does not
     advance in ``within`` seconds (``"global rank 1 stopped or died (no sign of life for 2.5 s)"``), or "".
 
-    A killed peer makes gloo report "connection closed" without saying which peer; its stamp stops advancing,
-    while every live rank stamps every :data:`INTERVAL_S`. Costs ``within`` seconds, on the failure path only.
+    A killed peer makes gloo report "connection closed" without saying which peer. First the evidence that
+    cannot name a live rank: the peers whose liveness port now refuses (:mod:`.probe`: their process is gone),
+    named at once (``"global rank 1 stopped or died (its process is gone: ...)"``). Else the window: a dead
+    rank's stamp stops advancing, while every live rank stamps every :data:`INTERVAL_S`; costs ``within``
+    seconds, on the failure path only.
     """
-    return _blame([(r, within) for r in stopped_ranks(within)])
+    return blame_gone() or _blame([(r, within) for r in stopped_ranks(within)])
+
+
+def blame_failed(timeout: float) -> str:
+    """After a failed collective (a closed connection, or gloo's own timeout: the groups' is the pipeline's),
+    the first words of the message from the surest evidence first: the peers whose process is gone
+    (:func:`blame_gone`), else the ones silent past half of ``timeout`` (:func:`blame_silent`: a stopped or
+    cut-off peer, when gloo's timeout ended the op), else the window of :func:`blame_stopped`."""
+    return blame_gone() or blame_silent(timeout) or blame_stopped()
+
+
+def blame_gone() -> str:
+    """The other ranks whose liveness port now refuses (:mod:`.probe`: their process is gone, for sure), named
+    (``"global rank 1 stopped or died (process gone: its port refuses connections)"``), or ""."""
+    try:
+        gone = [r for r in _probes.gone() if r != dist.get_rank()]
+        if len(gone) > 1:  # the first to go first: the likeliest cause (others may have left after it)
+            stamps = _stamps()
+            gone.sort(key=lambda r: float(stamps.get(r) or 0.0))
+    except Exception:  # no evidence
+        return ""
+    if not gone:
+        return ""
+    many = "s" if len(gone) > 1 else ""
+    ports = "their ports refuse" if many else "its port refuses"
+    return f"global rank{many} {', '.join(map(str, gone))} stopped or died (process gone: {ports} connections)"
 
 
 def stopped_ranks(within: float) -> list[int]:
@@ -161,11 +233,11 @@ def stopped_ranks(within: float) -> list[int]:
 
 def stop() -> None:
     """Stop stamping for this process group (an in-place elastic job's next generation starts it again)."""
-    global _thread, _stop, _store
+    global _thread, _stop, _store, _probes
     _stop.set()
     if _thread is not None:
         _thread.join(2 * INTERVAL_S)
-    _thread, _stop, _store = None, threading.Event(), None
+    _thread, _stop, _store, _probes = None, threading.Event(), None, probe.Probes()
 
 
 @atexit.register

@@ -103,8 +103,14 @@ class _Waiter:
                 return
             try:
                 with inside():  # a wait left stuck here must not be in gloo when the interpreter finalizes
-                    for w in job.works:
-                        w.wait()
+                    _wait_all(job.works)
             except BaseException as err:  # reported to the caller, who raises it
                 job.error = err
+            job.works = ()  # done: the buffers they wrote are the caller's, not this thread's to keep alive
             job.event.set()
+            job = None  # (held while this thread waits for the next job, it would keep them alive until then)
+
+
+def _wait_all(works: Sequence[Any]) -> None:
+    for w in works:
+        w.wait()

@@ -1,0 +1,100 @@
+"""A re-layout's listing in 64-bit keys (pure: no torch): who holds which tensor, who needs it, who sends it.
+
+Every process must learn who owns each tensor it needs, and whom to send each tensor it owns; that takes every
+process's listing. Sent as names (JSON), the listings grow with processes x tensors x name length and every
+process holds all of them at once (measured: 5 x 15.9 KB on a 13 KB-per-process model, more than a retiring
+process's whole state). Here a name travels as the first 8 bytes of its BLAKE2b digest, and an optimizer's
+state as one key per parameter (a *unit*: its hyper-parameters and every state entry, moved together). Names,
+shapes and optimizer metadata then go point to point, only between the pairs of processes a tensor moves between
+(:mod:`.listing`), where the receiver checks each name it was sent against the one it asked for (a key shared by
+two names is found there, not trusted).
+
+A process's listing is four key lists: model tensors held, optimizer units held, model tensors needed, units
+needed. :func:`plan` reads every process's and gives one process its part; the owner of a key is the lowest
+process holding it (so a replicated tensor is read once per receiver, as :func:`.transfers.plan_transfers`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+MODEL, UNIT = 0, 1  # the kinds of key: a model tensor, an optimizer unit (one parameter's state)
+LISTS = 4  # held model tensors, held units, needed model tensors, needed units
+
+Item = tuple[int, int]  # (kind, key)
+
+
+def key(name: str) -> int:
+    """The name's 64-bit key (signed, to travel in an int64 tensor)."""
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little", signed=True)
+
+
+def keyed(names: Iterable[str], what: str) -> dict[int, str]:
+    """key -> name for ``names``; two names of one process that share a key are refused (never seen: 2^-64)."""
+    out: dict[int, str] = {}
+    for name in names:
+        other = out.setdefault(key(name), name)
+        if other != name:
+            raise ValueError(f"relayout: {what} {other!r} and {name!r} share a 64-bit key; rename one")
+    return out
+
+
+def pack(lists: Sequence[Iterable[int]]) -> list[int]:
+    """``LISTS`` key lists as one flat list: their lengths, then each list sorted."""
+    if len(lists) != LISTS:
+        raise ValueError(f"pack takes {LISTS} key lists, got {len(lists)}")
+    ordered = [sorted(keys) for keys in lists]
+    return [len(keys) for keys in ordered] + [k for keys in ordered for k in keys]
+
+
+def unpack(flat: Sequence[int]) -> list[list[int]]:
+    """The inverse of :func:`pack`."""
+    lengths, out, at = list(flat[:LISTS]), [], LISTS
+    for n in lengths:
+        out.append(list(flat[at : at + n]))
+        at += n
+    if at != len(flat):
+        raise ValueError(f"a packed listing of {len(flat)} values whose lengths {lengths} say {at}")
+    return out
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One process's part: what it sends to each process, receives from each, keeps from itself, and the model
+    tensors it needs that no process holds (refused; a unit no one holds is left fresh, as a load with
+    ``strict=False``)."""
+
+    sends: dict[int, tuple[Item, ...]]
+    receives: dict[int, tuple[Item, ...]]
+    kept: tuple[Item, ...]
+    lost: tuple[Item, ...]
+
+
+def plan(everyone: Sequence[Sequence[Sequence[int]]], rank: int) -> Plan:
+    """``everyone[r]``: process ``r``'s four key lists (see :func:`unpack`); the part of process ``rank``."""
+    held = [{(MODEL, k) for k in lists[0]} | {(UNIT, k) for k in lists[1]} for lists in everyone]
+    needed = [{(MODEL, k) for k in lists[2]} | {(UNIT, k) for k in lists[3]} for lists in everyone]
+    owner: dict[Item, int] = {}
+    for r, items in enumerate(held):
+        for item in items:
+            owner[item] = min(owner.get(item, r), r)
+    sends: dict[int, list[Item]] = {}
+    receives: dict[int, list[Item]] = {}
+    lost: list[Item] = []
+    for r, items in enumerate(needed):
+        for item in items - held[r]:
+            src = owner.get(item)
+            if src is None:
+                lost += [item] if r == rank and item[0] == MODEL else []
+            elif src == rank:
+                sends.setdefault(r, []).append(item)
+            elif r == rank:
+                receives.setdefault(src, []).append(item)
+    kept = tuple(sorted(needed[rank] & held[rank]))
+    return Plan(_sorted(sends), _sorted(receives), kept, tuple(sorted(lost)))
+
+
+def _sorted(by_peer: Mapping[int, list[Item]]) -> dict[int, tuple[Item, ...]]:
+    return {peer: tuple(sorted(items)) for peer, items in sorted(by_peer.items())}

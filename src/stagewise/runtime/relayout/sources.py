@@ -1,0 +1,148 @@
+"""Where each tensor of a recovery's new layout comes from: pure, the same answer on every process (no torch).
+
+Every process of the new generation sends one record in the agreement's exchange (:mod:`.takeover`): its
+machine, the snapshot files its machine holds (listed by the first process of each machine), what its new
+stages need (``model/NAME``, and ``param:NAME`` for one parameter's optimizer state), and, per snapshot step
+its old pipeline captured, which of its live tensors still hold that snapshot's value (their version counter
+unchanged since the capture). From those records every process computes the same :class:`Decision`:
+
+1. the committed step: the newest snapshot generation whose files cover every need
+   (:func:`..elastic.choose.choose`, the step a resume from the snapshots takes: every rank's snapshot of it
+   written and copied). The live path is refused, alike everywhere, when no generation covers the needs, a
+   checkpoint on disk is newer, or the new layout is the one that saved (the generators' states come back from
+   the files then: the resume does that);
+2. a survivor's live tensors count only at the committed step: those clean since the capture of that step's
+   snapshot. A survivor past it (it stepped again, or a forward changed a buffer) gives those tensors nothing
+   live: they come from the snapshot;
+3. per name and receiver: its own live tensor (kept: aliased), else the lowest survivor's live one (moved), else
+   a file of the committed step: on the receiver's machine (read there), else read by the process that listed it
+   on its machine and sent. A newcomer (no old state) contributes nothing and receives everything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..elastic.choose import Copy, Need, choose, of_live_jobs
+
+PARAM = "param:"  # a need for the optimizer state of one parameter (as the snapshots' inventory names it)
+
+
+@dataclass(frozen=True)
+class Take:
+    """``name`` for process ``dst`` from process ``src``: a live tensor (``path`` None), or the snapshot file
+    ``path`` on ``machine``, read by ``src`` (``src == dst``: read where it is needed, nothing sent)."""
+
+    name: str
+    dst: int
+    src: int
+    path: str | None = None
+    machine: str = ""
+
+    @property
+    def moves(self) -> bool:
+        return self.src != self.dst
+
+
+@dataclass
+class Decision:
+    """The committed step, its generation, and every name's source (``kept[r]``: process ``r``'s own live)."""
+
+    step: int
+    lineage: str
+    job: str
+    kept: dict[int, tuple[str, ...]] = field(default_factory=dict)
+    takes: tuple[Take, ...] = ()
+    files: dict[tuple[str, str], Copy] = field(default_factory=dict)
+
+    def reads(self, rank: int) -> list[tuple[str, str]]:
+        """The files (machine, path) process ``rank`` reads: to send, or for itself."""
+        return sorted({(t.machine, t.path) for t in self.takes if t.src == rank and t.path is not None})
+
+    def counts(self) -> dict[str, int]:
+        """How many names came from each kind of source: own live (kept), another's live, a snapshot file."""
+        live = sum(1 for t in self.takes if t.path is None)
+        return {"kept": sum(len(k) for k in self.kept.values()), "live": live, "snapshot": len(self.takes) - live}
+
+
+def decide(records: Sequence[Mapping[str, Any]], layout: Any, disk_step: int | None) -> Decision | str:
+    """The decision from every process's record (see the module docstring), or why the live path is refused.
+
+    A record: ``machine``; ``copies`` (the listed snapshot files, :class:`..elastic.choose.Copy`'s fields);
+    ``ended`` (the jobs that ended cleanly, by this machine's markers); ``need`` (names, None: no new stages);
+    ``live`` (``{str(step): names clean since that step's capture}``). ``layout``: the new layout's
+    (``state.layout_of``); ``disk_step``: the newest checkpoint's step on disk (None: none)."""
+    finished = {job: step for r in records for job, step in r["ended"].items()}
+    copies, _ = of_live_jobs([as_copy(c) for r in records for c in r["copies"]], finished)
+    needs = [Need(k, r["machine"], frozenset(r["need"])) for k, r in enumerate(records) if r["need"] is not None]
+    if not needs:
+        return "no process builds new stages"
+    choice = choose(copies, needs, layout, set())
+    if choice is None:
+        return "no snapshot generation covers every new stage (snapshot= off, or files lost)"
+    if disk_step is not None and disk_step > choice.step:
+        return f"a checkpoint on disk (step {disk_step}) is newer than the snapshots (step {choice.step})"
+    if choice.rng:
+        return "the new layout is the one that saved the snapshots: their generators' states come back with them"
+    files = [c for c in copies if c.generation == (choice.step, choice.lineage)]
+    live = {k: frozenset(r["live"].get(str(choice.step), ())) for k, r in enumerate(records)}
+    decision = Decision(choice.step, choice.lineage, choice.job, files={(c.machine, c.path): c for c in files})
+    missing = plan_sources(decision, needs, live, files)
+    if missing:
+        return "; ".join(f"process {r} needs {', '.join(sorted(ns)[:5])} that no source holds" for r, ns in missing)
+    return decision
+
+
+def plan_sources(
+    decision: Decision, needs: Sequence[Need], live: Mapping[int, frozenset[str]], files: Sequence[Copy]
+) -> list[tuple[int, set[str]]]:
+    """Fill ``decision.kept`` and ``decision.takes`` (in the one order every process posts them: by name, then
+    receiver); return what no source holds, per process."""
+    owner: dict[str, int] = {}
+    for r in sorted(live):
+        for name in live[r]:
+            owner.setdefault(name, r)
+    takes: list[Take] = []
+    missing: list[tuple[int, set[str]]] = []
+    for need in needs:
+        mine = live.get(need.rank, frozenset())
+        decision.kept[need.rank] = tuple(sorted(need.names & mine))
+        ordered = sorted(files, key=lambda c: (c.machine != need.machine, c.owner, c.machine, c.path))
+        lost: set[str] = set()
+        for name in sorted(need.names - mine):
+            if name in owner:
+                takes.append(Take(name, need.rank, owner[name]))
+                continue
+            found = next((c for c in ordered if name in c.names), None)
+            if found is None:
+                lost.add(name)
+            else:
+                src = need.rank if found.machine == need.machine else found.holder
+                takes.append(Take(name, need.rank, src, found.path, found.machine))
+        if lost:
+            missing.append((need.rank, lost))
+    decision.takes = tuple(sorted(takes, key=lambda t: (t.name, t.dst)))
+    return missing
+
+
+def as_copy(listed: Mapping[str, Any]) -> Copy:
+    """A listed file as :mod:`..elastic.choose` takes it (the listing's other fields left out)."""
+    keys = ("machine", "holder", "path", "lineage", "step", "owner", "world", "layout", "job")
+    return Copy(**{k: listed[k] for k in keys}, names=frozenset(listed["names"]))
+
+
+def clean_names(captured: Mapping[str, int], now: Mapping[str, int], params: Sequence[str]) -> frozenset[str]:
+    """The names whose value is still a capture's. ``captured`` / ``now``: tensor name -> version counter at the
+    capture and now; ``params``: the parameters the optimizers hold. ``param:NAME`` counts only when the
+    parameter itself is clean and so is every tensor of its optimizer state, none come or gone since (a
+    parameter never stepped has none: its hyper-parameters are the capture's while it is clean)."""
+    clean = {n for n, v in now.items() if captured.get(n) == v}
+    optim: dict[str, list[str]] = {}
+    for name in set(captured) | set(now):
+        if name.startswith("optim/"):
+            optim.setdefault(name[len("optim/") : name.rindex("/")], []).append(name)
+    out = {n for n in clean if n.startswith("model/")}
+    out |= {PARAM + p for p in params if "model/" + p in clean and all(n in clean for n in optim.get(p, []))}
+    return frozenset(out)

@@ -1,0 +1,75 @@
+"""The re-layout's listing in keys (relayout/keys.py, pure) and its name checks (relayout/listing.py), without
+processes: the plan made from keys is the plan made from names, a key shared by two names is refused."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from stagewise.runtime.relayout import keys as K
+from stagewise.runtime.relayout import listing
+from stagewise.runtime.relayout.transfers import plan_transfers
+
+
+def test_a_key_is_a_signed_64_bit_digest_of_the_name() -> None:
+    k = K.key("model/blocks.0.weight")
+    assert k == K.key("model/blocks.0.weight") != K.key("model/blocks.1.weight")
+    assert -(2**63) <= k < 2**63
+
+
+def test_two_names_sharing_a_key_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert K.keyed(["a", "b", "a"], "tensors") == {K.key("a"): "a", K.key("b"): "b"}
+    monkeypatch.setattr(K, "key", lambda name: 7)
+    with pytest.raises(ValueError, match="tensors 'a' and 'b' share a 64-bit key"):
+        K.keyed(["a", "b"], "tensors")
+
+
+def test_pack_and_unpack_round_trip() -> None:
+    lists = [[3, -1], [], [2**62], [5, 4, 6]]
+    flat = K.pack(lists)
+    assert flat[:4] == [2, 0, 1, 3]
+    assert K.unpack(flat) == [sorted(x) for x in lists]
+    with pytest.raises(ValueError, match="lengths"):
+        K.unpack(flat[:-1])
+
+
+def _model_plan(held: list[list[str]], needed: list[list[str]], rank: int) -> K.Plan:
+    lists = [[[K.key(n) for n in h], [], [K.key(n) for n in w], []] for h, w in zip(held, needed)]
+    return K.plan([K.unpack(K.pack(x)) for x in lists], rank)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_plan_from_keys_is_the_plan_from_names(seed: int) -> None:
+    """Every process's part, from keys, is its part of the plan from names (owner: the lowest holder), and what
+    one process sends to another is exactly what that one receives from it."""
+    rng = random.Random(seed)
+    names = [f"model/layer{i}.weight" for i in range(12)]
+    world = rng.randint(1, 5)
+    held = [rng.sample(names, rng.randint(0, 8)) for _ in range(world)]
+    needed = [rng.sample(names, rng.randint(0, 8)) for _ in range(world)]
+    want = plan_transfers(held, needed)
+    name_of = {K.key(n): n for n in names}
+    parts = [_model_plan(held, needed, r) for r in range(world)]
+    for r, part in enumerate(parts):
+        got = {(name_of[k], src, r) for src, items in part.receives.items() for _, k in items}
+        got |= {(name_of[k], r, dst) for dst, items in part.sends.items() for _, k in items}
+        assert got == {(m.name, m.src, m.dst) for m in want.moves if r in (m.src, m.dst)}
+        assert sorted(name_of[k] for _, k in part.kept) == list(want.kept[r])
+        assert tuple(sorted(name_of[k] for _, k in part.lost)) == tuple(sorted(want.missing.get(r, ())))
+        for dst, items in part.sends.items():
+            assert parts[dst].receives[r] == items
+
+
+def test_an_optimizer_unit_no_process_holds_is_left_fresh_not_refused() -> None:
+    everyone = [[[1], [10], [], []], [[], [], [1, 2], [10, 11]]]
+    part = K.plan(everyone, 1)
+    assert part.receives == {0: ((K.MODEL, 1), (K.UNIT, 10))}
+    assert part.lost == ((K.MODEL, 2),)  # unit 11: no owner, left fresh
+
+
+def test_a_name_the_sender_does_not_list_is_a_key_collision_across_processes() -> None:
+    told = {"model": {"model/a": {"shape": [2], "dtype": "float64"}}, "units": {}}
+    assert listing._checked(told, K.MODEL, "model/a", 3) == {"shape": [2], "dtype": "float64"}
+    with pytest.raises(ValueError, match="process 3 sent \\['model/a'\\] where 'model/b' was needed"):
+        listing._checked(told, K.MODEL, "model/b", 3)

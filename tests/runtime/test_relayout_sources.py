@@ -1,0 +1,106 @@
+"""A recovery's sources (runtime/relayout/sources.py), pure: the committed step, live tensors taken only at it,
+and for every name its own live tensor, another survivor's, or a snapshot file a survivor holds."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from stagewise.runtime.relayout.sources import Take, clean_names, decide
+
+LAYOUT = {"world": 2}
+A, B, BN = "model/a.weight", "model/b.weight", "model/bn.running_mean"
+
+
+def copy(machine: str, holder: int, owner: int, step: int, names: list[str], job: str = "j") -> dict[str, Any]:
+    """A listed snapshot file (the fields the take-over's listing sends)."""
+    return {
+        "machine": machine,
+        "holder": holder,
+        "path": f"/{machine}/{step}-r{owner}",
+        "lineage": "L",
+        "step": step,
+        "owner": owner,
+        "world": 4,
+        "layout": {"world": 4},
+        "names": names,
+        "job": job,
+    }
+
+
+def record(machine: str, need: list[str] | None, live: dict[str, list[str]], copies: list[Any]) -> dict[str, Any]:
+    return {"machine": machine, "copies": copies, "ended": {}, "need": need, "live": live}
+
+
+def files(step: int) -> tuple[list[Any], list[Any]]:
+    """Four owners' files of ``step``: owners 0, 2 on machine m0 (listed by process 0) and 1, 3 on m1 (by 1)."""
+    m0 = [copy("m0", 0, o, step, [n]) for o, n in ((0, A), (2, BN))]
+    m1 = [copy("m1", 1, o, step, [n]) for o, n in ((1, B), (3, "param:b.weight"))]
+    return m0, m1
+
+
+def test_own_live_is_kept_anothers_is_moved_the_lost_stage_comes_from_a_file() -> None:
+    m0, m1 = files(4)
+    everyone = [
+        record("m0", [A, B], {"4": [A]}, m0),
+        record("m1", [BN, "param:b.weight"], {"4": [B]}, m1),
+    ]
+    d = decide(everyone, LAYOUT, None)
+    assert not isinstance(d, str), d
+    assert d.step == 4 and d.kept == {0: (A,), 1: ()}
+    assert d.takes == (
+        Take(B, 0, 1),  # another survivor's live tensor, moved
+        Take(BN, 1, 0, "/m0/4-r2", "m0"),  # only on machine m0: read there by its lister, sent
+        Take("param:b.weight", 1, 1, "/m1/4-r3", "m1"),  # on the receiver's machine: read where it is needed
+    )
+    assert d.counts() == {"kept": 1, "live": 1, "snapshot": 2}
+    assert d.reads(0) == [("m0", "/m0/4-r2")] and d.reads(1) == [("m1", "/m1/4-r3")]
+
+
+def test_a_survivor_past_the_committed_step_gives_nothing_live() -> None:
+    """Step 5's files are not whole (owner 3's is missing: it died first), so step 4 is committed; the
+    survivors' live tensors are step 5's (marked clean at 5 only): everything comes from step 4's files."""
+    m0, m1 = files(4)
+    n0, n1 = files(5)
+    everyone = [
+        record("m0", [A, B], {"4": [], "5": [A, B]}, m0 + n0),
+        record("m1", [BN, "param:b.weight"], {"4": [], "5": [B]}, m1 + n1[:1]),
+    ]
+    d = decide(everyone, LAYOUT, None)
+    assert not isinstance(d, str), d
+    assert d.step == 4 and d.counts() == {"kept": 0, "live": 0, "snapshot": 4}
+    assert {t.path for t in d.takes} == {"/m0/4-r0", "/m1/4-r1", "/m0/4-r2", "/m1/4-r3"}
+
+
+def test_a_newcomer_contributes_nothing_and_receives_everything() -> None:
+    m0, m1 = files(4)
+    everyone = [
+        record("m0", [A], {"4": [A, B]}, m0),
+        record("m1", [BN, "param:b.weight"], {"4": [B]}, m1),
+        record("m2", [A, B], {}, []),  # the newcomer: no old state, no files
+    ]
+    d = decide(everyone, LAYOUT, None)
+    assert not isinstance(d, str), d
+    got = [t for t in d.takes if t.dst == 2]
+    assert got == [Take(A, 2, 0), Take(B, 2, 0)]  # the lowest survivor holding each live
+
+
+def test_refusals_are_the_same_reasons_on_every_process() -> None:
+    m0, m1 = files(4)
+    everyone = [record("m0", [A, B], {"4": [A]}, m0), record("m1", [BN], {}, m1)]
+    assert "newer" in str(decide(everyone, LAYOUT, 8))  # a checkpoint on disk after the snapshots
+    assert "covers" in str(decide([record("m0", ["model/z"], {}, m0)], LAYOUT, None))
+    alone = copy("m0", 0, 0, 4, [A]) | {"world": 1, "layout": {"world": 1}}
+    same = decide([record("m0", [A], {"4": [A]}, [alone])], {"world": 1}, None)
+    assert "generators" in str(same)  # the layout that saved: the resume restores the generators' states
+    ended = [dict(e, ended={"j": 4}) for e in everyone]
+    assert "covers" in str(decide(ended, LAYOUT, None))  # a finished job's files are never taken
+
+
+def test_clean_names_need_the_parameter_and_all_of_its_optimizer_state_unchanged() -> None:
+    captured = {A: 3, B: 3, "optim/a.weight/exp_avg": 1, "optim/a.weight/step": 1, "optim/b.weight/exp_avg": 1}
+    now = dict(captured, **{"optim/b.weight/exp_avg": 2})  # b's optimizer state stepped since
+    assert clean_names(captured, now, ["a.weight", "b.weight"]) == {A, B, "param:a.weight"}
+    stepped = dict(now, **{A: 4})  # a's parameter written since: neither it nor its state counts
+    assert clean_names(captured, stepped, ["a.weight", "b.weight"]) == {B}
+    assert clean_names({A: 1}, {A: 1, "optim/a.weight/step": 0}, ["a.weight"]) == {A}  # state came since
+    assert clean_names({A: 1}, {A: 1}, ["a.weight"]) == {A, "param:a.weight"}  # never stepped: no state

@@ -1,0 +1,98 @@
+"""What keeps a snapshot after every step cheap (issue 48 item 4), as facts, not timings: the snapshot's threads
+run at ``SCHED_IDLE`` (only in the core's idle time) and at the ordinary policy while the step waits for them;
+a retired generation's file is written over (its memory pages reused) and never listed or pruned as a
+snapshot; the peers' copies arrive in buffers kept from snapshot to snapshot."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import stagewise as sw
+from stagewise.runtime.comm import snapshot_wire
+from stagewise.runtime.elastic import folder as folders
+from stagewise.runtime.elastic import idle
+
+linux = pytest.mark.skipif(idle.POLICY is None, reason="SCHED_IDLE is Linux's")
+
+
+@linux
+def test_a_helper_thread_is_idle_and_raised_only_while_waited_for() -> None:
+    priority = idle.Priority()
+    seen: list[int | None] = []
+    go, done = threading.Event(), threading.Event()
+
+    def helper() -> None:
+        seen.append(priority.enter())
+        go.set()
+        done.wait(10)
+
+    thread = threading.Thread(target=helper)
+    thread.start()
+    go.wait(10)
+    tid = thread.native_id
+    assert tid is not None
+    assert seen == [os.SCHED_IDLE] and os.sched_getscheduler(tid) == os.SCHED_IDLE
+    with priority.raised_while():
+        assert os.sched_getscheduler(tid) == os.SCHED_OTHER
+    assert os.sched_getscheduler(tid) == os.SCHED_IDLE
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the caller's own policy untouched
+    priority.leave()  # the helper is done: its id is never touched again (ids are reused)
+    with priority.raised_while():
+        assert os.sched_getscheduler(tid) == os.SCHED_IDLE
+    done.set()
+    thread.join(10)
+
+
+@linux
+def test_a_pipelines_snapshot_threads_run_idle_and_its_files_are_written_over(one_rank: object, tmp_path: Path) -> None:
+    import torch.nn.functional as F
+    from torch import nn
+
+    pipe = sw.Pipeline(
+        [sw.Layer(nn.Linear, 4, 3)], loss_fn=F.cross_entropy, microbatches=1,
+        optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), snapshot=sw.Snapshots(every=1, folder=str(tmp_path)),
+    )  # fmt: skip
+    snaps = pipe.snapshots
+    assert snaps is not None
+    x, y = torch.randn(2, 4), torch.tensor([0, 1])
+    inodes = {}
+    for step in range(1, 5):
+        pipe.train_step(x, y)
+        snaps.wait()
+        (mine,) = snaps.folder.glob(f"{step:010d}-*.snap")
+        inodes[step] = mine.stat().st_ino
+    assert snaps.policy == os.SCHED_IDLE  # the helper thread, as it ran
+    assert snaps.priority.group, "the snapshot group's gloo threads were not found"
+    assert all(os.sched_getscheduler(t) == os.SCHED_IDLE for t in snaps.priority.group)
+    assert inodes[4] == inodes[1] and len(set(inodes.values())) == 3  # step 1's file became step 4's
+    assert sorted(p.name[:10] for p in snaps.folder.glob("*.snap")) == ["0000000003", "0000000004"]
+    assert [p.name for p in snaps.folder.glob(".spare-*")] == [".spare-w00000-r00000"]  # step 2's, retired
+
+
+def test_a_spare_is_written_over_whole_and_is_never_a_snapshot(tmp_path: Path) -> None:
+    spare = tmp_path / folders.spare_name(0, 1)
+    old = folders.write(tmp_path, folders.file_name(1, "ab", 1), b"head", memoryview(b"x" * 100))
+    folders.retire(old, spare)
+    assert not old.exists() and spare.stat().st_size == 104
+    assert folders.inventory(tmp_path) == ([], []) and folders.prune(tmp_path, 10) == []  # not a snapshot
+    new = folders.write(tmp_path, folders.file_name(3, "ab", 1), b"HEAD", memoryview(b"y" * 10), spare)
+    assert new.read_bytes() == b"HEAD" + b"y" * 10 and not spare.exists()  # shorter: the rest cut off
+    folders.retire(tmp_path / "gone.snap", spare)  # pruned by another rank first: nothing to retire
+    again = folders.write(tmp_path, folders.file_name(4, "ab", 1), b"h", memoryview(b"z"), spare)
+    assert again.read_bytes() == b"hz"  # no spare: a new file
+    folders.retire(new, spare)
+    folders.remove_spares(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [again.name]
+
+
+def test_the_peers_copies_arrive_in_kept_buffers() -> None:
+    keep: dict[int, torch.Tensor] = {}
+    first = snapshot_wire._buffer(keep, 3, 100)
+    second = snapshot_wire._buffer(keep, 3, 60)
+    assert second.data_ptr() == first.data_ptr() and second.numel() == 60
+    assert snapshot_wire._buffer(keep, 3, 200).numel() == 200 and keep[3].numel() == 200
