@@ -25,24 +25,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import recovery_log as rl
     from helpers import netns
 
+    from .faults import in_place
+
     out = Path(args.keep or tempfile.mkdtemp(prefix="chaos-"))
     plan = rl.schedule(args.seed, args.duration, args.interval)
     print(f"schedule (seed {args.seed}): " + ", ".join(f"{t:g} s {k} machine {m}" for t, k, m in plan), flush=True)
-    script = ["--every", str(args.every), "--timeout", str(args.timeout)]
+    script = ["--every", str(args.every), "--timeout", str(args.timeout)] + (["--inplace"] if args.inplace else [])
+    extra = [*in_place(args.inplace), *args.extra]
     loads = [os.getloadavg()[0]]
     with netns.make(f"ch{os.getpid() % 1000}", 4, subnet=args.subnet) as machines:
         rates = {}
         for k, workers in enumerate(([0, 1, 2], [0, 1])):
             world = 2 * len(workers)
             alone = ch.GuideJob(machines, out / f"alone-{world}", [*script, "--start-world", str(world)],
-                                port=29570 + k, extra=args.extra)  # fmt: skip
+                                port=29570 + k, extra=extra)  # fmt: skip
             (out / f"alone-{world}").mkdir(parents=True, exist_ok=True)
             rates[world] = ch.throughput(alone, 3, workers, args.measure)
             loads.append(os.getloadavg()[0])
             print(f"fault-free at {world} processes: {rates[world]:.2f} steps/s (load {loads[-1]:.1f})", flush=True)
         (out / "chaos").mkdir(parents=True, exist_ok=True)
         job = ch.GuideJob(machines, out / "chaos", [*script, "--start-world", "6", "--keep-resumed"], port=29575,
-                          restarts=len(plan) + 5, extra=args.extra)  # fmt: skip
+                          restarts=len(plan) + 5, extra=extra)  # fmt: skip
         faults, began, ended = ch.chaos(job, plan, args.duration)
         loads.append(os.getloadavg()[0])
     return summarise(args, out / "chaos", faults, began, ended, rates, loads)
@@ -119,4 +122,9 @@ def add(sub: Any) -> None:
     p.add_argument("--replay-steps", type=int, default=0, help="replay at most this many steps of each run (0: all)")
     p.add_argument("--subnet", type=int, default=62)
     p.add_argument("--keep", default=None, help="a folder for the jobs' logs and rows (default: a fresh temporary one)")
+    p.add_argument(
+        "--inplace",
+        action="store_true",
+        help="survivors keep their processes, a machine back joins: sw.runtime.InPlace, stagewise run --in-place",
+    )
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more `stagewise run` flags (last)")

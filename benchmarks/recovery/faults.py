@@ -23,7 +23,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from helpers import netns
 
     out = Path(args.keep or tempfile.mkdtemp(prefix="recovery-"))
-    args.returns = args.returns and not args.inplace  # (the in-place path cannot take a machine back yet)
     loads, failed = [os.getloadavg()[0]], ""
     began = time.time()
     each = [[c] for _ in range(args.trials) for c in args.cases]  # a fresh job per trial
@@ -86,8 +85,7 @@ def one_job(args: argparse.Namespace, machines: Any, out: Path, cases: list[str]
     out.mkdir(parents=True, exist_ok=True)
     script = ["--every", str(args.every), "--timeout", str(args.timeout), "--start-world", "6"]
     script += ["--inplace"] if args.inplace else []
-    # in place, a machine cannot join a running job yet: the first round waits for all three (MAX closes it)
-    extra = ["--in-place", "--rdzv-conf", "last_call_timeout=60"] if args.inplace else []
+    extra = in_place(args.inplace)
     extra += args.extra
     job = GuideJob(machines, out, script, port=29560 + len(loads) % 30, restarts=4 * len(cases) + 5, extra=extra)
     faults = start(job, 3, [0, 1, 2])
@@ -102,6 +100,12 @@ def one_job(args: argparse.Namespace, machines: Any, out: Path, cases: list[str]
     faults.lines_at.append(faults.log_lines())
     stop_all(machines)
     return faults
+
+
+def in_place(inplace: bool) -> list[str]:
+    """``stagewise run`` flags of the in-place path: the first round waits for all three machines (MAX closes it
+    at once), so that the job starts at full size; a machine taken back later joins the running job."""
+    return ["--in-place", "--rdzv-conf", "last_call_timeout=60"] if inplace else []
 
 
 def table(result: dict[str, Any], cases: list[str]) -> str:

@@ -3,6 +3,7 @@ it starts the workers once and never restarts them, whatever happens, and has no
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 from typing import Any
 
@@ -63,3 +64,35 @@ def test_the_launcher_makes_the_in_place_agent_for_the_run_only() -> None:
     with in_place_agent():
         assert issubclass(launcher.LocalElasticAgent, before) and launcher.LocalElasticAgent is not before
     assert launcher.LocalElasticAgent is before
+
+
+def _agent_of(job_id: str, nproc: int, started: list[Any]) -> _Agent:
+    agent = _Agent([WorkerState.SUCCEEDED])
+    spec = agent._worker_group.spec
+    spec.rdzv_handler.get_run_id, spec.local_world_size = (lambda: job_id), nproc
+    agent._start_workers = lambda group: started.append([w.global_rank for w in group.workers]) or {0: 7, 1: 8}  # type: ignore[attr-defined]
+    return agent
+
+
+def test_a_machine_started_while_its_job_runs_starts_its_workers_into_it_with_fresh_ids(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch.distributed as dist
+
+    from stagewise.runtime.elastic import joining
+
+    host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("STAGEWISE_STORE", f"127.0.0.1:{host.port}")
+    monkeypatch.setenv(joining.JOIN_ENV, "")
+    job = dist.PrefixStore("stagewise-inplace/j/", host)
+    job.set("gen0/members", "[0, 1, 2]")  # generation 0 had ids 0-2; a newcomer took 3 already
+    job.set("id/3", "taken")
+    started: list[Any] = []
+    agent = _agent_of("j", 2, started)
+    assert _run(agent).state == WorkerState.SUCCEEDED
+    assert agent.calls == ["start"] and started == []  # the job is not running: torch's rendezvous (generation 0)
+    job.set("generation", "2")
+    agent = _agent_of("j", 2, started)
+    assert _run(agent).state == WorkerState.SUCCEEDED
+    assert agent.calls == [] and started == [[4, 5]]  # no rendezvous (nobody starts a round); fresh ids
+    assert agent._worker_group.group_rank == 4 and os.environ[joining.JOIN_ENV] == "1"

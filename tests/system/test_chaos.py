@@ -33,12 +33,17 @@ pytestmark = [
 SEED, DURATION, INTERVAL = 43, 120.0, 40.0
 
 
-def test_two_minutes_of_chaos(tmp_path: Path) -> None:
+@pytest.mark.parametrize("path", ["restart", "inplace"])
+def test_two_minutes_of_chaos(path: str, tmp_path: Path) -> None:
+    """``restart``: the guide's command (torch's agent restarts the survivors); ``inplace``: ``sw.runtime.InPlace``
+    under ``stagewise run --in-place`` - the survivors keep their processes and the machine back joins them."""
     plan = rl.schedule(SEED, DURATION, INTERVAL)
     assert [k for _, k, _ in plan] == ["kill", "back"]
     script = ["--every", "1", "--timeout", "10", "--start-world", "6", "--keep-resumed"]
+    script += ["--inplace"] if path == "inplace" else []
+    extra = ["--in-place", "--rdzv-conf", "last_call_timeout=60"] if path == "inplace" else []
     with netns.make(f"cz{os.getpid() % 1000}", 4, subnet=os.getpid() % 100 + 140) as machines:
-        job = ch.GuideJob(machines, tmp_path, script, port=29580, restarts=len(plan) + 5)
+        job = ch.GuideJob(machines, tmp_path, script, port=29580, restarts=len(plan) + 5, extra=extra)
         faults, began, ended = ch.chaos(job, plan, DURATION, absorb=600)
     rows = faults.rows()
     nexts = [e.at for e in faults.events[1:]] + [ended]

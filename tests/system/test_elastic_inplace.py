@@ -11,6 +11,11 @@ of ``stagewise rendezvous``; the job is tests/system/scripts/elastic_inplace.py 
 * a SIGSTOPped machine: the survivors go on without it; woken, it finds itself behind the job's generation
   and leaves (exit status 3) without writing a snapshot or a loss into the new generation.
 
+* a machine taken back (its memory folder removed: a spare with nothing), started directly or with
+  ``stagewise run --in-place``: it takes a fresh id, asks to join, and the members take it in between steps
+  without restarting (the same pids); every member, the newcomer too, goes on from the committed step, and the
+  losses equal a fresh job of the new size resumed from that state, bit for bit;
+
 * pipelines (``--layout stages``: pp = the world, dp 1; ``--layout pp2``: ElasticLayout(pp=2), 2 processes
   per machine): a lost machine's stages (for ``stages`` the only live copy) come back from the copy on the
   next machine (its own memory folder removed), the survivors cut the model again, and their losses equal a
@@ -112,23 +117,34 @@ def test_a_stopped_machine_woken_after_the_recovery_is_fenced(machines: Machines
 
 
 @pytest.mark.parametrize("machines", [3], indirect=True)
-def test_stagewise_run_in_place_restarts_nobody_and_ends_when_the_survivors_do(machines: Machines) -> None:
+def test_stagewise_run_in_place_restarts_nobody_and_takes_a_machine_back(machines: Machines) -> None:
     """The user's command on every machine: torch's rendezvous numbers them, stagewise's agent starts the
-    workers once; a lost machine restarts nobody, and the survivors' launchers end with their workers (no
-    exit barrier waiting for the lost machine)."""
+    workers once; a lost machine restarts nobody; the same command started again on it while the job runs
+    skips torch's rendezvous, its worker takes a fresh id and joins between steps; the launchers end with
+    their workers (no exit barrier waiting for the lost machine)."""
     m = machines
-    m.start_run(["--hold", "3", "--steps", "6"], "2:3")
+    args = ["--hold", "3", "--hold-again", "5", "--steps", "9"]
+    m.start_run(args, "2:3")
     m.wait_for("hold-*", 3)
     m.lose(2)
     (m.out / "go").touch()
-    assert m.wait(0, 240) == [0] and m.wait(1, 240) == [0], m.text(0)[-3000:] + m.text(1)[-3000:]
+    m.wait_for("again-*", 2)
+    m.start_run(args, "2:3", only=[2])  # the machine back, its memory folder as the kill left it
+    m.wait_text(2, "asks to join")
+    (m.out / "go-again").touch()
+    assert [m.wait(i, 240) for i in range(3)] == [[0]] * 3, m.text(0)[-3000:] + m.text(2)[-3000:]
     started = {e["id"]: e["pid"] for e in _events(m, "started")}
     recovered = _events(m, "recovered")
-    assert len(started) == 3 and len(recovered) == 2, m.rows("events.jsonl")
-    assert all(e["pid"] == started[e["id"]] and e["gen"] == 1 and len(e["members"]) == 2 for e in recovered)
-    assert [(r["step"], r["gen"]) for r in m.rows("losses.jsonl")] == [(s, 0 if s <= 3 else 1) for s in range(1, 7)]
+    assert sorted(started) == [0, 1, 2, 3], m.rows("events.jsonl")  # the newcomer: a fresh id, not 2
+    assert sorted((e["id"], e["gen"], e["members"]) for e in recovered) == [
+        (0, 1, [0, 1]), (0, 2, [0, 1, 3]), (1, 1, [0, 1]), (1, 2, [0, 1, 3]),
+    ]  # fmt: skip
+    assert all(e["pid"] == started[e["id"]] for e in recovered)
+    gens = [(s, 0 if s <= 3 else 1 if s <= 7 else 2) for s in range(1, 10)]
+    assert [(r["step"], r["gen"]) for r in m.rows("losses.jsonl")] == gens
     for i in (0, 1):
         assert "will restart worker group" not in m.text(i)
+    assert "the job runs already" in m.text(2)
 
 
 @pytest.mark.parametrize(
@@ -180,3 +196,56 @@ def test_a_lost_stage_comes_back_from_its_neighbours_copy(layout: str, nproc: in
     expected = {r["step"]: r["loss"] for r in ref.rows("reference.jsonl")}
     got = {r["step"]: r["loss"] for r in losses if r["gen"] == 1}
     assert sorted(expected) == [4, 5, 6] and got == expected  # to the bit (JSON keeps a float64 whole)
+
+
+@pytest.mark.parametrize("machines", [3], indirect=True)
+def test_a_lost_machine_started_again_with_nothing_joins_and_nobody_restarts(
+    machines: Machines, tmp_path: Path
+) -> None:
+    """Machine 2 lost between steps 3 and 4 (generation 1: machines 0 and 1), its memory folder removed; started
+    again while the others hold after step 5, it asks to join: the members take it in between steps, after the
+    step they agree on (5 + MARGIN = 7, committed: no step lost or redone), and all three go on from that step's
+    state - the newcomer's from the live members' snapshots, its own folder empty."""
+    m = machines
+    args = ["--hold", "3", "--hold-again", "5", "--steps", "10", "--save-resumed", "--settle", "12"]
+    m.start(args)
+    m.wait_for("hold-*", 3)
+    m.lose(2)
+    assert m.wait(2) == [-signal.SIGKILL]
+    shutil.rmtree(m.out / "shm2")  # a spare with nothing: no snapshot of its own, nor of its neighbour's
+    (m.out / "go").touch()
+    m.wait_for("again-*", 2)  # generation 1 (machines 0 and 1) holds after step 5
+    m.join(2, args)
+    m.wait_text(2, "asks to join")
+    (m.out / "go-again").touch()
+    assert m.wait(0) == [0] and m.wait(1) == [0] and m.wait(2) == [0], m.text(0)[-3000:] + m.text(2)[-3000:]
+    events = m.rows("events.jsonl")
+    started = {e["id"]: e for e in events if e["what"] == "started"}
+    recovered = _events(m, "recovered")
+    finished = _events(m, "finished")
+    assert sorted((e["id"], e["gen"], e["members"], e["committed"]) for e in recovered) == [
+        (0, 1, [0, 1], 3), (0, 2, [0, 1, 3], 7), (1, 1, [0, 1], 3), (1, 2, [0, 1, 3], 7),
+    ]  # fmt: skip
+    # the newcomer: a fresh id (not 2, the lost machine's), generation 2, at the committed step
+    assert (started[3]["gen"], started[3]["members"], started[3]["step"]) == (2, [0, 1, 3], 7)
+    assert all(e["pid"] == started[e["id"]]["pid"] for e in recovered + finished)  # nobody was restarted
+    assert sorted(e["id"] for e in finished) == [0, 1, 3]
+    losses = m.rows("losses.jsonl")
+    gens = [(s, 0 if s <= 3 else 1 if s <= 7 else 2, 3 if s <= 3 or s > 7 else 2) for s in range(1, 11)]
+    assert [(r["step"], r["gen"], r["world"]) for r in losses] == gens
+    mine = m.rows("mine-3.jsonl")  # the newcomer's own rows: the same losses as rank 0's
+    assert [(r["step"], r["loss"]) for r in mine] == [(r["step"], r["loss"]) for r in losses if r["gen"] == 2]
+    for who in (0, 1):  # threads and descriptors: two changes of membership leak nothing
+        first = next(e for e in recovered if e["id"] == who and e["gen"] == 1)
+        end = next(e for e in finished if e["id"] == who)
+        assert end["threads"] <= first["threads"] + 1 and end["fds"] <= first["fds"] + 1, (first, end)
+    for gen, world, last in ((1, 2, 7), (2, 3, 10)):  # a fresh job from the state each generation went on from
+        ref = Machines(tmp_path / f"ref{gen}", world, job=f"j{gen}{os.getpid()}")
+        try:
+            ref.start(["--steps", str(last), "--reference", str(m.out / f"resumed-g{gen}")])
+            assert ref.wait(0) == [0], ref.text(0)[-3000:]
+        finally:
+            ref.close()
+        expected = {r["step"]: r["loss"] for r in ref.rows("reference.jsonl")}
+        got = {r["step"]: r["loss"] for r in losses if r["gen"] == gen}
+        assert sorted(expected) == sorted(got) and got == expected  # to the bit (JSON keeps a float64 whole)

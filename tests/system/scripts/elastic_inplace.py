@@ -11,6 +11,7 @@ snapshots every step.
 * ``--hold STEP``: after STEP (generation 0), every worker leaves ``hold-<id>`` and waits for ``go``: the test
   loses a machine meanwhile (a kill) and then says go;
 * ``--hold-again STEP``: the same in generation 1 (``again-<id>``, ``go-again``);
+* started with ``STAGEWISE_JOIN=1`` (and no RANK): a newcomer, it joins the running job at a step boundary;
 * ``--die ID:STEP``: worker ID SIGKILLs itself as STEP starts (the others are inside STEP: a death mid-step);
 * ``--settle S``: at the end, wait S seconds before the last event (threads and descriptors counted);
 * ``--save-held``: at ``--hold``, every worker saves the step's state into ``held`` (a reference job of
@@ -20,7 +21,8 @@ snapshots every step.
 * ``--reference DIR``: a fresh job that resumes from the checkpoint in DIR (no snapshots of its own yet).
 
 Writes ``events.jsonl`` (every worker: its id, pid, generation, members and what happened, in order) and
-``losses.jsonl`` (rank 0 of each generation: step, loss, generation, world).
+``losses.jsonl`` (rank 0 of each generation: step, loss, generation, world), and each worker's own rows in
+``mine-<id>.jsonl``.
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ def main() -> int:
                    "pp2: pp 2, dp over the rest; stages: pp over the machines, dp 1")  # fmt: skip
     args = p.parse_args()
     torch.set_default_dtype(torch.float64)
-    me = int(os.environ["RANK"])
+    me = int(os.environ.get("RANK", "-1"))  # a newcomer's id is claimed in job.start()
     out: Path = args.out
 
     def note(what: str, **more: Any) -> None:
@@ -116,20 +118,21 @@ def main() -> int:
         after_recovery=recovered,
     )
     job.start()
+    me = job.me
     note("started", step=job.step)
+    if args.save_resumed and job.generation > 0:  # a newcomer: where the members save theirs (after_recovery)
+        sw.checkpoint.save(out / f"resumed-g{job.generation}", job.pipe, step=job.step)
     data = torch.randn(24 * args.steps, 6, generator=torch.Generator().manual_seed(0))
     name = "reference.jsonl" if args.reference else "losses.jsonl"
     for step, loss in job.run(
         args.steps, lambda s: (data[24 * (s - 1) : 24 * s], data[24 * (s - 1) : 24 * s, :3].argmax(1))
     ):
+        row = {"step": step, "loss": loss, "gen": job.generation, "world": len(job.members), "t": time.time()}
         if dist_rank() == 0:
             with open(out / name, "a") as f:
-                f.write(
-                    json.dumps(
-                        {"step": step, "loss": loss, "gen": job.generation, "world": len(job.members), "t": time.time()}
-                    )
-                    + "\n"
-                )
+                f.write(json.dumps(row) + "\n")
+        with open(out / f"mine-{me}.jsonl", "a") as f:  # every worker's own (a newcomer's among them)
+            f.write(json.dumps(row) + "\n")
         if step == args.hold and job.generation == 0:
             if args.save_held:
                 sw.checkpoint.save(out / "held", job.pipe, step=step)

@@ -3,8 +3,8 @@
 ``stagewise rendezvous --port 0`` hosts the store that outlives the machines; each machine is a set of
 worker processes of :mod:`elastic_inplace` (or another script) started the way ``stagewise run --in-place``
 starts them: RANK, WORLD_SIZE, GROUP_RANK, STAGEWISE_STORE, TORCHELASTIC_RUN_ID, a memory folder of its
-own (STAGEWISE_SNAPSHOT_DIR). ``lose(i)`` SIGKILLs machine i's workers, ``stop(i)`` / ``wake(i)`` SIGSTOP
-and SIGCONT them.
+own (STAGEWISE_SNAPSHOT_DIR). ``lose(i)`` SIGKILLs machine i's workers, ``signal(i, SIGSTOP/SIGCONT)`` stops
+and wakes them, ``join(i)`` starts machine i again as a newcomer to the running job.
 """
 
 from __future__ import annotations
@@ -69,13 +69,15 @@ class Machines:
         for i in range(self.count):
             self.procs[i] = [self._worker(i, i * self.nproc + j, j, world, args) for j in range(self.nproc)]
 
-    def start_run(self, args: list[str], nnodes: str) -> None:
-        """Every machine as a user starts it: ``stagewise run -n NPROC --nnodes MIN:MAX --in-place`` (torch's
-        rendezvous numbers the machines and ranks)."""
+    def start_run(self, args: list[str], nnodes: str, only: list[int] | None = None) -> None:
+        """Every machine (or ``only`` these) as a user starts it: ``stagewise run -n NPROC --nnodes MIN:MAX
+        --in-place`` (torch's rendezvous numbers the machines and ranks; a machine started while the job runs
+        joins it)."""
         self.out.mkdir(parents=True, exist_ok=True)
         if not self.endpoint:
             self.host_store()
-        for i in range(self.count):
+        for i in range(self.count) if only is None else only:
+            self.lost.discard(i)
             cmd = [sys.executable, "-W", "ignore", "-m", "stagewise.cli.main", "run", "-n", str(self.nproc)]
             cmd += ["--nnodes", nnodes, "--in-place", "--rdzv-endpoint", self.endpoint, "--rdzv-id", self.job]
             cmd += ["--local-addr", "127.0.0.1", "--rdzv-conf", "join_timeout=120,last_call_timeout=60"]
@@ -86,6 +88,31 @@ class Machines:
             self.procs[i] = [
                 subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
             ]
+
+    def join(self, i: int, args: list[str]) -> None:
+        """Machine i started again (or a spare) while the job runs: its worker asks to join (``STAGEWISE_JOIN=1``,
+        no RANK: it claims a fresh id; its machine is named by it), as ``stagewise run --in-place`` starts it on
+        a machine that finds its job running. One process per machine here."""
+        assert self.nproc == 1, "a newcomer started directly claims its own id: one process per machine"
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        env.update(
+            STAGEWISE_JOIN="1", STAGEWISE_STORE=self.endpoint, TORCHELASTIC_RUN_ID=self.job,
+            STAGEWISE_SNAPSHOT_DIR=str(self.out / f"shm{i}"),
+        )  # fmt: skip
+        for name in ("RANK", "WORLD_SIZE", "GROUP_RANK", "LOCAL_RANK"):
+            env.pop(name, None)
+        log = open(self.log(i), "ab")  # noqa: SIM115 (closed with the process)
+        cmd = [sys.executable, str(self.script), "--out", str(self.out), *args]
+        self.procs[i] = [subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)]
+        self.lost.discard(i)
+
+    def wait_text(self, i: int, text: str, timeout: float = 300) -> None:
+        """Until machine i's log says ``text``."""
+        end = time.monotonic() + timeout
+        while text not in self.text(i):
+            if time.monotonic() > end:
+                raise TimeoutError(f"machine {i} did not say {text!r} within {timeout} s:\n{self.text(i)[-3000:]}")
+            time.sleep(0.1)
 
     def tree(self, i: int) -> list[int]:
         """Machine i's processes: its launchers and every process under them."""

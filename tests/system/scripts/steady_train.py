@@ -108,6 +108,9 @@ def in_place(args: argparse.Namespace) -> int:
 
     job = sw.runtime.InPlace(et.LAYOUT, lambda fit: pipeline(fit, args), checkpoints=args.out / "ckpt",
                      timeout=args.timeout, after_recovery=resumed)  # fmt: skip
+    job.start()
+    if job.generation > 0:  # a machine taken back joins a running job: where the members are (after_recovery)
+        resumed(job)
     for step, loss in job.run(args.max_steps, lambda s: mdl.lm_data(batch, seed=100 + s)):
         row = {
             "step": step,

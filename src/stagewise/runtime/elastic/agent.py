@@ -10,8 +10,14 @@ restarts nobody by itself while the survivors' workers stay alive - which in an 
 * start this machine's workers once (torch's rendezvous numbers the machines of the first round);
 * a worker that ends with a failure (or fenced, exit status 3) ends this machine's part: its other workers
   are stopped and the agent returns the failure - never a restart (the other machines go on without it);
-* a machine waiting to join restarts nobody: it is told once in the log (joining a running in-place job is
-  not built yet; it waits in the rendezvous until the job ends);
+* a machine started while its job runs (the job's ``generation`` is on the store of ``stagewise rendezvous``,
+  or torch's round is already complete) skips torch's rendezvous, which would wait for a round nobody starts:
+  it claims fresh ids for its workers on that store (:func:`.joining.claim_ids`: never a live member's, nor a
+  lost or fenced one's) and starts them with ``STAGEWISE_JOIN=1``; they ask to join and the members take them
+  in at a step boundary (:mod:`.joining`). Its machine is named by its first id (``GROUP_RANK``), unlike any
+  other machine's. Nobody restarts: the members' agents never hear of it;
+* a machine waiting in torch's rendezvous (one that missed the first round before its job's first worker
+  wrote the generation) restarts nobody: it is told once in the log;
 * at the end, no exit barrier: torch's waits for every machine of the first round, the lost ones too
   (``exit_barrier_timeout``, 300 s by default) - the survivors' job is over when their workers are.
 """
@@ -19,10 +25,15 @@ restarts nobody by itself while the survivors' workers stay alive - which in an 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
+from datetime import timedelta
 from typing import Any
+
+from . import joining
+from . import membership as ms
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +49,11 @@ def agent_class() -> type:
         def _invoke_run(self, role: str = "default") -> Any:
             group = self._worker_group
             spec = group.spec
-            self._initialize_workers(group)
+            store = running_job(spec)
+            if store is None:
+                self._initialize_workers(group)
+            else:
+                start_newcomers(self, group, store)
             told = False
             while True:
                 time.sleep(spec.monitor_interval)
@@ -53,11 +68,56 @@ def agent_class() -> type:
                 if not told and spec.rdzv_handler.num_nodes_waiting() > 0:
                     told = True
                     log.warning(
-                        "stagewise run --in-place: a machine waits to join; this job goes on with its members "
-                        "(joining a running in-place job is not supported yet), nobody is restarted"
+                        "stagewise run --in-place: a machine waits to join in torch's rendezvous (it missed the "
+                        "first round); this job goes on with its members, nobody is restarted. Start it again: it then "
+                        "joins at a step boundary"
                     )
 
     return InPlaceAgent
+
+
+def running_job(spec: Any) -> Any:
+    """The job's store when this machine's job already runs (its workers then join it), else None (generation 0:
+    torch's rendezvous numbers the machines). No ``STAGEWISE_STORE``: None."""
+    where = os.environ.get(ms.STORE_ENV)
+    if not where:
+        return None
+    from ..comm.generations import job_store
+
+    store = job_store(where, spec.rdzv_handler.get_run_id(), 60.0)
+    if joining.job_running(store):
+        return store
+    if _round_complete(spec.rdzv_handler) and not store.check(["ended"]):  # its first workers are starting
+        store.wait(["generation"], timedelta(seconds=120))
+        return store
+    return None
+
+
+def start_newcomers(agent: Any, group: Any, store: Any) -> None:
+    """This machine's workers, started into the running job with fresh ids (see the module doc)."""
+    from torch.distributed.elastic.agent.server.api import Worker, WorkerState
+
+    spec = group.spec
+    ids = joining.claim_ids(store, spec.local_world_size)
+    top = max(ids) + 1  # (a newcomer's WORLD_SIZE means nothing: the job's size is its generation's)
+    group.workers = [Worker(local, ids[local], ids[local], top, top) for local in range(spec.local_world_size)]
+    group.store, group.group_rank, group.group_world_size = store, ids[0], top
+    group.master_addr, group.master_port = "127.0.0.1", 0
+    os.environ[joining.JOIN_ENV] = "1"  # the workers inherit the agent's environment
+    log.warning("stagewise run --in-place: the job runs already: this machine's workers %s ask to join it", ids)
+    for worker, pid in agent._start_workers(group).items():
+        group.workers[worker].id = pid
+    group.state = WorkerState.HEALTHY
+
+
+def _round_complete(handler: Any) -> bool:
+    """Whether torch's rendezvous round is complete (a machine joining it now would wait for the next round,
+    which an in-place job never starts). torch has no public call for it: False when its internals differ."""
+    try:
+        handler._state_holder.sync()
+        return bool(handler._state_holder.state.complete)
+    except Exception:
+        return False
 
 
 @contextmanager

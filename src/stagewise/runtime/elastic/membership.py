@@ -11,11 +11,13 @@ store's own primitives only - ``set``, ``compare_set``, ``check``, ``wait`` (no 
   moving is counted gone without waiting out the whole deadline;
 * ``gen<g>/arrived/<id>``: a survivor of generation g-1 asking for generation g; once every member of g-1
   arrived or went silent (or the deadline passed), the first to propose ``gen<g>/members`` wins
-  (``compare_set`` on an empty key), the others read the winner's list;
+  (``compare_set`` on an empty key), the others read the winner's list; a proposal takes in the newcomers that
+  asked for g (``gen<g>/joiners``, :mod:`.joining`);
 * ``gen<g>/ready/<id>``: the barrier after the members are decided, with a deadline: a member missing at the
   deadline died during the recovery, and generation g+1 is agreed without it.
 
-A member's id is its global rank at generation 0 (ids never change; ranks are positions in ``members``).
+A member's id is its global rank at generation 0, or claimed above them by a newcomer (ids never change and
+are never given twice; ranks are positions in ``members``, kept in id order).
 """
 
 from __future__ import annotations
@@ -82,9 +84,12 @@ class Membership:
     _thread: threading.Thread | None = None
 
     def start(self) -> Membership:
-        """Take part: generation 0 is written if nobody did yet, and the stamping starts."""
-        self.store.compare_set("generation", "", "0")
-        self.generation = int(self.store.get("generation"))
+        """Take part: generation 0 (its members, then its number) is written if nobody did yet, and the stamping
+        starts. A newcomer (no members yet: :mod:`.joining`) only stamps."""
+        if self.members:
+            self.store.compare_set("gen0/members", "", json.dumps(self.members))
+            self.store.compare_set("generation", "", "0")
+            self.generation = int(self.store.get("generation"))
         self._stamp()
         self._thread = threading.Thread(target=self._run, name="stagewise-membership", daemon=True)
         self._thread.start()
@@ -123,13 +128,19 @@ class Membership:
         g = self.generation + 1
         self.store.set(f"gen{g}/arrived/{self.me}", "1")
         arrived = self._arrivals(g, deadline_s, set(gone))
-        won = self.store.compare_set(f"gen{g}/members", "", json.dumps(arrived)).decode()
+        proposal = sorted(set(arrived) | set(joiners(self.store, g)))
+        won = self.store.compare_set(f"gen{g}/members", "", json.dumps(proposal)).decode()
         members = [int(m) for m in json.loads(won)]
         if self.me not in members:
             _last.append(f"worker {self.me} arrived too late for generation {g} (its members: {members})")
             raise Fenced(f"worker {self.me} arrived too late for generation {g} (its members: {members}); it leaves")
+        return self.enter(g, members, deadline_s)
+
+    def enter(self, g: int, members: list[int], deadline_s: float) -> list[int]:
+        """Generation ``g`` of ``members`` (this worker among them), decided: the store's generation moves on, and
+        every member passes the barrier (one missing at the deadline: one more generation without it)."""
         self.store.compare_set("generation", str(self.generation), str(g))
-        missing = self._barrier(g, members, deadline_s)
+        missing = self.barrier(g, members, deadline_s)
         self.generation, self.members = g, members
         if missing:  # a member died during the recovery: one more generation, without it
             log.warning("stagewise elastic: workers %s did not reach generation %d; agreeing again", missing, g)
@@ -157,7 +168,7 @@ class Membership:
                 return arrived
             time.sleep(_POLL_S)
 
-    def _barrier(self, g: int, members: list[int], deadline_s: float) -> list[int]:
+    def barrier(self, g: int, members: list[int], deadline_s: float) -> list[int]:
         """Every member of ``g`` says it is ready; the ones missing at the deadline (none when all came)."""
         self.store.set(f"gen{g}/ready/{self.me}", "1")
         keys = [f"gen{g}/ready/{m}" for m in members]
@@ -176,6 +187,12 @@ class Membership:
                 self._stamp()
             except Exception:  # the store is gone: the next agreement says so
                 return
+
+
+def joiners(store: Any, g: int) -> list[int]:
+    """The newcomers that asked for generation ``g`` (:mod:`.joining`): a proposal takes them in."""
+    key = f"gen{g}/joiners"
+    return [int(m) for m in json.loads(store.get(key))] if store.check([key]) else []
 
 
 def named_dead(message: str, members: Sequence[int]) -> list[int]:

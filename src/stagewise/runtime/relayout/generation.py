@@ -36,11 +36,13 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from ...parallel import ElasticLayout, Fit
+from .. import assembly  # noqa: F401 (loaded with InPlace, before a newcomer asks: the members wait for its build)
 from ..checkpoint.api import save as checkpoint_save
 from ..checkpoint.resume import resume as checkpoint_resume
 from ..comm import release
 from ..comm.faults import heartbeat
 from ..comm.generations import job_store, join_generation, leave_generation
+from ..elastic import joining
 from ..elastic import membership as ms
 from .takeover import Held, LiveRefused, hold, take_over
 
@@ -62,6 +64,7 @@ class Recovery:
     seconds: float  # from the failure seen here to the new pipeline's state restored
     parts: dict[str, float] = field(default_factory=dict)  # seconds: hold, drop, agree, group, build, resume
     sources: dict[str, Any] = field(default_factory=dict)  # path: live or snapshots; names kept / live / snapshot
+    cause: str = "lost"  # or "joined": newcomers taken in after step ``failed_at`` (:mod:`..elastic.joining`)
 
 
 @dataclass
@@ -88,15 +91,21 @@ class InPlace:
     _store: Any = None
     _held: Held | None = None  # the failed generation's tensors, kept for the next one's take-over
     _sources: dict[str, Any] = field(default_factory=dict)
+    _joins: Any = None  # the members' look for newcomers between steps (:class:`..elastic.joining.Joins`)
 
     def start(self) -> int:
-        """Join the job (generation 0, every process of the launch) and resume; returns the step resumed."""
+        """Join the job (generation 0, every process of the launch; or, started with ``STAGEWISE_JOIN=1``, a
+        running job at its next step boundary: :mod:`..elastic.joining`) and resume; returns the step resumed."""
         self._store = _job_store(self.timeout)
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        self._members = ms.Membership(self._store, rank, list(range(world)), silent_s=self.timeout).start()
+        self._members = joining.membership(self._store, self.deadline_s, silent_s=self.timeout)
         ms.set_fence(self._members.fenced)
-        self._enter(0)
+        self._enter(self._members.generation)
         return self.step
+
+    @property
+    def me(self) -> int:
+        """This worker's id in the job (its generation-0 rank, or the one it claimed as a newcomer)."""
+        return self._members.me if self._members is not None else int(os.environ.get("RANK", "0"))
 
     @property
     def generation(self) -> int:
@@ -123,6 +132,7 @@ class InPlace:
                 continue
             self.step = step
             yield step, loss
+            joining.between_steps(self, step, step >= steps, Recovery)  # newcomers, taken in between steps
 
     def save(self) -> None:
         """A checkpoint of the step reached, unless this worker is fenced (then it leaves)."""
