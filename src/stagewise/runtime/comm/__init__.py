@@ -15,7 +15,9 @@ Three rooms and a few modules at the root:
   blocking torch call, none of which may be left when the interpreter finalizes; :mod:`.snapshot_wire` moves
   snapshots to a peer machine (``snapshot=``); :mod:`.relayout_wire` makes a re-layout's fresh groups and
   moves its tensors (``Pipeline.relayout``); :mod:`.rendezvous_host` runs a rendezvous store on its own;
-  :mod:`.generations` makes the process group of an in-place elastic job's generation (``sw.runtime.InPlace``).
+  :mod:`.generations` makes the process group of an in-place elastic job's generation (``sw.runtime.InPlace``);
+  :mod:`.release` keeps a failed generation's pipeline (its gloo groups) until their timeout has passed, then
+  lets it go off the recovery's thread.
 """
 
 from .faults.guard import Guard

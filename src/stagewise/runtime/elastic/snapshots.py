@@ -46,6 +46,7 @@ from . import folder as folders
 from . import idle
 from .config import Snapshots
 from .membership import check_fence
+from .peers import peers_of
 from .snapshot_file import fill_payload, header_bytes, host_bytes, layout_payload, read_header
 
 if TYPE_CHECKING:
@@ -100,30 +101,6 @@ class Ending:
         folders.mark_ended(self.folder, self.job, self.step)
         folders.prune(self.folder, self.step + 1)
         folders.remove_spares(self.folder)
-
-
-@dataclass
-class Peers:
-    """Who this rank sends its snapshots to, and who sends theirs here (group ranks; None: no other machine)."""
-
-    machines: list[str]
-    dest: int | None
-    sources: list[int]
-
-
-def peers_of(machines: list[str], rank: int) -> Peers:
-    """Rank ``j`` of machine ``i`` (machines in order of first appearance) -> rank ``j mod n`` of machine ``i+1``."""
-    order = list(dict.fromkeys(machines))
-    members = {m: [r for r, x in enumerate(machines) if x == m] for m in order}
-
-    def dest_of(r: int) -> int | None:
-        if len(order) < 2:
-            return None
-        i = order.index(machines[r])
-        nxt = members[order[(i + 1) % len(order)]]
-        return nxt[members[machines[r]].index(r) % len(nxt)]
-
-    return Peers(machines, dest_of(rank), [r for r in range(len(machines)) if dest_of(r) == rank])
 
 
 class Snapshotter:

@@ -10,7 +10,7 @@ Not evidence: a timeout or an unreachable network (a partitioned or powered-off 
 silence and the hang threshold decide those), and a port never reached from here (a firewall that refuses
 every connection must not look like a dead peer: :class:`Probes` trusts a refusal only from a port it once
 connected to). A port taken over by another process after the death makes the peer look alive, which only
-costs the blame window (:func:`..heartbeat.blame_stopped`).
+costs the blame window (:func:`.heartbeat.blame_stopped`).
 """
 
 from __future__ import annotations
