@@ -97,8 +97,8 @@ def in_place(args: argparse.Namespace) -> int:
         if args.keep_resumed and not (args.out / "resumed" / f"w{world}-s{job.step}").exists():
             sw.checkpoint.save(args.out / "resumed" / f"w{world}-s{job.step}", job.pipe, step=job.step)
         row = {"step": job.step, "world": world, "source": "snapshots", "run": f"g{job.generation}"}
-        last = job.recoveries[-1]  # (where this survivor's recovery went: the benchmark's breakdown)
-        row.update(seconds=last.seconds, parts=last.parts)
+        if job.recoveries:  # where this survivor's recovery went (the benchmark's breakdown; a newcomer has none)
+            row.update(seconds=job.recoveries[-1].seconds, parts=job.recoveries[-1].parts)
         write(job, args.out / "resumes.jsonl", {**row, "time": time.time()})
 
     def write(job: Any, path: Path, row: dict[str, object]) -> None:
