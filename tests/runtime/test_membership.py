@@ -100,7 +100,7 @@ def test_a_member_lost_while_the_generation_is_made_costs_one_more_generation(mo
     class Members:
         generation, agreed = 0, [[0, 1, 2], [0, 1]]
 
-        def next(self, deadline_s: float, gone: object = ()) -> list[int]:
+        def next(self, deadline_s: float, gone: object = (), still_gone: object = None) -> list[int]:
             self.generation += 1
             return self.agreed.pop(0)
 
@@ -121,7 +121,7 @@ def test_a_member_lost_while_the_generation_is_made_costs_one_more_generation(mo
     assert events == [("enter", 1), ("enter", 2)]
 
     class Behind(Members):
-        def next(self, deadline_s: float, gone: object = ()) -> list[int]:
+        def next(self, deadline_s: float, gone: object = (), still_gone: object = None) -> list[int]:
             raise ms.Fenced("worker 2 is fenced")
 
     job._members = Behind()  # type: ignore[assignment]
@@ -174,4 +174,28 @@ def test_a_member_slow_for_less_than_the_threshold_is_kept(host: Any) -> None:
         t.join(30)
     assert got == {0: [0, 1, 2], 1: [0, 1, 2], 2: [0, 1, 2]}
     for m in people:
+        m.stop()
+
+
+def test_a_member_gone_by_evidence_found_while_waiting_is_not_waited_for(host: Any) -> None:
+    people = [_member(host, i, [0, 1, 2]) for i in range(3)]
+    for m in people:
+        m.silent_s = 60.0  # only the evidence spares the wait (its absence would fail the join below)
+    people[2].stop()
+    seen = threading.Event()  # the evidence comes only once the others wait (a process that died after them)
+
+    def evidence() -> list[int]:
+        return [2] if seen.is_set() else []
+
+    got: dict[int, Any] = {}
+    threads = [threading.Thread(target=lambda m=m: got.update({m.me: m.next(60.0, (), evidence)})) for m in people[:2]]
+    for t in threads:
+        t.start()
+    while not all(people[0].store.check([f"gen1/arrived/{i}"]) for i in (0, 1)):
+        time.sleep(0.01)
+    seen.set()
+    for t in threads:
+        t.join(30)
+    assert got == {0: [0, 1], 1: [0, 1]}
+    for m in people[:2]:
         m.stop()

@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 STORE_ENV = "STAGEWISE_STORE"  # host:port of the store that outlives the machines (stagewise rendezvous)
 STAMP_S = 0.5  # how often a worker stamps alive/<id>
 _POLL_S = 0.05
+_EVIDENCE_S = 0.25  # how often a wait for the others asks ``still_gone`` again
 
 
 _fence: Callable[[str], None] | None = None
@@ -119,15 +120,19 @@ class Membership:
                 f"without it (stopped or cut off meanwhile): it does not write {what}, and leaves"
             )
 
-    def next(self, deadline_s: float, gone: Sequence[int] = ()) -> list[int]:
+    def next(
+        self, deadline_s: float, gone: Sequence[int] = (), still_gone: Callable[[], Sequence[int]] | None = None
+    ) -> list[int]:
         """Agree with the other survivors on the next generation and its members (the survivors in id order);
         returns them, this worker among them, or raises :class:`Fenced`. Called by every survivor once it saw
         the current generation fail; waits at most ``deadline_s`` for the others to arrive. ``gone``: members
-        already known dead (the heartbeat named them), not waited for unless they arrive anyway."""
+        already known dead (the heartbeat named them), not waited for unless they arrive anyway; ``still_gone``:
+        asked again while waiting (evidence that cannot name a live member: a process's port that refuses; a
+        machine's processes die one after another, so the failure may have named only the first)."""
         self.fenced("a request for the next generation")
         g = self.generation + 1
         self.store.set(f"gen{g}/arrived/{self.me}", "1")
-        arrived = self._arrivals(g, deadline_s, set(gone))
+        arrived = self._arrivals(g, deadline_s, set(gone), still_gone)
         proposal = sorted(set(arrived) | set(joiners(self.store, g)))
         won = self.store.compare_set(f"gen{g}/members", "", json.dumps(proposal)).decode()
         members = [int(m) for m in json.loads(won)]
@@ -147,14 +152,20 @@ class Membership:
             return self.next(deadline_s)
         return members
 
-    def _arrivals(self, g: int, deadline_s: float, known: set[int]) -> list[int]:
-        """The members of the last generation that asked for ``g`` - waiting until every one either asked or
-        went silent, or until the deadline."""
+    def _arrivals(
+        self, g: int, deadline_s: float, known: set[int], still_gone: Callable[[], Sequence[int]] | None
+    ) -> list[int]:
+        """The members of the last generation that asked for ``g`` - waiting until every one either asked, went
+        silent, or is gone by ``still_gone``'s evidence, or until the deadline."""
         end = time.monotonic() + deadline_s
         watch: dict[int, tuple[bytes | None, float]] = {}
+        asked = 0.0
         while True:
             arrived = [m for m in self.members if self.store.check([f"gen{g}/arrived/{m}"])]
             now = time.monotonic()
+            if still_gone is not None and now - asked >= _EVIDENCE_S and len(arrived) + len(known) < len(self.members):
+                known |= set(still_gone())
+                asked = time.monotonic()
             gone = [m for m in self.members if m in known and m not in arrived]
             for m in self.members:
                 if m in arrived or m in known:

@@ -216,7 +216,7 @@ class InPlace:
         for attempt in range(_TRIES):
             try:
                 with self._timed("agree"):
-                    members = self._members.next(self.deadline_s, gone)
+                    members = self._members.next(self.deadline_s, gone, self._gone_now)
                 self._enter(self._members.generation)
                 return members
             except ms.Fenced:
@@ -231,6 +231,11 @@ class InPlace:
                 )
                 self._drop_pipeline()
         raise AssertionError("unreachable")
+
+    def _gone_now(self) -> list[int]:
+        """The members whose process is gone by now (their liveness port refuses: never a live one)."""
+        assert self._members is not None
+        return ms.named_dead(heartbeat.blame_gone(), self._members.members)
 
     def _drop_pipeline(self) -> None:
         """The failed generation's pipeline goes; its snapshots stay on the machines (they are the state).
