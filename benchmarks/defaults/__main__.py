@@ -126,7 +126,10 @@ def measure(name: str, builds: list[tuple[str, str, str]], steps: int, m: int, w
     """``builds``: (key, schedule, cut); those of one schedule that cut alike are timed once."""
     _, _, data, b = workload(name)
     x, y = data(b * m)
-    pipes, counts, said, same_as = {}, {}, {}, {}
+    pipes: dict[str, Any] = {}
+    counts: dict[str, list[int]] = {}
+    said: dict[str, list[str]] = {}
+    same_as: dict[str, str] = {}
     for key, schedule, cut in builds:
         pipe, lines = build(name, schedule, cut, m, words)
         counts[key], said[key] = [len(r) for r in pipe.layer_ranges], lines
@@ -200,7 +203,7 @@ def table(out: dict[str, Any]) -> str:
     (unpaired interval: the rows were not timed in turn), the word the builds said, the cuts."""
     rows = [
         "| workload, schedule | default / best [90 %] | verdict | default+sample / best [90 %] | verdict | best of "
-        "| vs 1F1B (default) [90 %] | spread | word | cuts: default / +sample / best |",
+        "| vs 1F1B (default) [90 %] | spread | word (predicted / 1F1B) | cuts: default / +sample / best |",
         "|---|---:|---|---:|---|---|---:|---:|---|---|",
     ]
     for key, row in out.items():
@@ -211,11 +214,14 @@ def table(out: dict[str, Any]) -> str:
         best, plain, plain_says = compare(row, schedule, "default")
         _, sampled, sampled_says = compare(row, schedule, "default+sample")
         base = out.get(f"{workload_name} 1f1b", {})
-        vs = ""
-        if "steps" in base:
+        vs = "1.000" if schedule == "1f1b" else ""
+        if "steps" in base and schedule != "1f1b":
             vs = paired_ratio(_steps(row, "default", schedule), _steps(base, "default", "1f1b"), unpaired=True).text()
-        said = [line for cut in ("default", "default+sample", "time") for line in _words(row, cut, schedule)]
-        word = f"{len(said)}: {_predicted(said[0])}" if said else ""
+        word = "; ".join(
+            f"{cut}: {', '.join(_predicted(line) for line in said)}"
+            for cut in CUTS
+            if (said := _words(row, cut, schedule))
+        )
         cuts = " / ".join(str(_counts(row, c, schedule)) for c in ("default", "default+sample", best))
         rows.append(
             f"| {key} | {plain.text()} | {plain_says} | {sampled.text()} | {sampled_says} | {best} | {vs} "
@@ -238,7 +244,10 @@ def headline_table(row: dict[str, Any]) -> str:
     """The issue's GPT: ZB-V with defaults against 1F1B with defaults, and against ZB-V's best named cut."""
     med = {k: statistics.median(s) for k, s in row["steps"].items()}
     best = min((f"zb-v {c}" for c in NAMED), key=lambda k: med[k])
-    lines = ["| comparison (the issue's GPT, 2 ranks, m 8) | ratio of medians [90 %] | verdict | cuts |", "|---|---:|---|---|"]
+    lines = [
+        "| comparison (the issue's GPT, 2 ranks, m 8) | ratio of medians [90 %] | verdict | cuts |",
+        "|---|---:|---|---|",
+    ]
     pairs = [
         ("zb-v default", "1f1b default"),
         ("zb-v default+sample", "1f1b default+sample"),
@@ -249,13 +258,17 @@ def headline_table(row: dict[str, Any]) -> str:
     for a, b in pairs:
         r = paired_ratio(row["steps"][a], row["steps"][b])
         same = row["counts"][a] == row["counts"][b] and a.split()[0] == b.split()[0]
-        lines.append(f"| {a} / {b} | {r.text()} | {r.verdict(same_cut=same)} | {row['counts'][a]} / {row['counts'][b]} |")
+        lines.append(
+            f"| {a} / {b} | {r.text()} | {r.verdict(same_cut=same)} | {row['counts'][a]} / {row['counts'][b]} |"
+        )
     lines.append("")
     lines.append("| pipeline | median step (ms) | spread | steps | warnings at build |")
     lines.append("|---|---:|---:|---:|---|")
     for k, s in row["steps"].items():
         said = row["words"].get(k, [])
-        lines.append(f"| {k} | {med[k] * 1e3:.1f} | {spread(s):.1%} | {len(s)} | {len(said)}: {said[0] if said else ''} |")
+        lines.append(
+            f"| {k} | {med[k] * 1e3:.1f} | {spread(s):.1%} | {len(s)} | {len(said)}: {said[0] if said else ''} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -265,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workloads", nargs="+", default=["gpt64", "gpt256", "resnet", "mlp"])
     parser.add_argument("--schedules", nargs="*", default=None, help="default: every synchronous schedule")
     parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=16, help="timed steps per pipeline, taken in turn")
+    parser.add_argument("--steps", type=int, default=24, help="timed steps per pipeline, taken in turn")
     parser.add_argument("--headline", action="store_true", help="the issue's GPT: zb-v and 1f1b, defaults and named")
     parser.add_argument("--quick", action="store_true", help="gpt64, 1f1b and zb-v, 3 steps")
     parser.add_argument("--report", type=Path, default=None, help="print the table of a saved defaults.json")

@@ -27,7 +27,7 @@ class Embedding(nn.Module):
         self.positions = nn.Parameter(torch.randn(SEQ, D) * 0.02)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.tokens(ids) + self.positions[: ids.shape[1]]
+        return self.tokens(ids) + self.positions[: ids.shape[1]]  # type: ignore[no-any-return]
 
 
 class Block(nn.Module):
@@ -44,7 +44,7 @@ class Block(nn.Module):
         q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, HEADS, D // HEADS).permute(2, 0, 3, 1, 4)
         att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(att.transpose(1, 2).reshape(b, t, D))
-        return x + self.mlp(self.norm2(x))
+        return x + self.mlp(self.norm2(x))  # type: ignore[no-any-return]
 
 
 class Head(nn.Module):

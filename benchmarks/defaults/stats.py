@@ -30,8 +30,8 @@ class Ratio:
     hi: float
 
     def verdict(self, same_cut: bool = False, goal: float = GOAL) -> str:
-        """"same cut" (nothing to compare), "within 2 %" (the median ratio at most ``1 + goal``), "within noise"
-        (above it, but the interval reaches below it), or "slower" (the whole interval above it)."""
+        """The verdict: "same cut" (nothing to compare), "within 2 %" (the median ratio at most ``1 + goal``),
+        "within noise" (above it, but the interval reaches below it), or "slower" (the whole interval above it)."""
         if same_cut:
             return "same cut"
         if self.value <= 1 + goal:
