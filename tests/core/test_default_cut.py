@@ -7,7 +7,15 @@ from __future__ import annotations
 import pytest
 
 from stagewise import build_schedule, simulate
-from stagewise.partition import CountedLayer, Rates, balanced_counts, estimated_profile, stage_counts, uniform_counts
+from stagewise.partition import (
+    CountedLayer,
+    Rates,
+    balanced_counts,
+    estimated_profile,
+    parameters_as_work,
+    stage_counts,
+    uniform_counts,
+)
 from stagewise.partition.estimate import rank_loads
 from stagewise.planning.defaults import NOISE, against_1f1b, refined_counts
 
@@ -116,3 +124,30 @@ def test_the_word_says_when_the_named_schedule_is_predicted_slower_than_1f1b() -
     assert "'zb-v' is predicted" in line and f"{slow.ratio:.2f}x" in line
     assert f"{slow.predicted * 1e3:.2f} ms against {slow.one_f_one_b * 1e3:.2f} ms" in line
     assert against_1f1b(slow_profile, build_schedule("1f1b", 2, 8), [4, 4]) is None  # 1F1B against itself
+
+
+#: a ResNet of 9 layers on 8 x 8 images (the fidelity benchmark's): stem, six basic blocks (16, 16, 32, 32, 64, 64
+#: channels; strides halve each side twice), pooling, classifier: parameters and output positions per layer
+RESNET_PARAMETERS = [144, 4608, 4608, 14336, 18432, 57344, 73728, 0, 650]
+RESNET_POSITIONS = [64, 64, 64, 16, 16, 4, 4, 1, 1]
+
+
+def test_without_inputs_convolutions_are_cut_evenly_where_parameters_would_lose() -> None:
+    """A convolution's work is its parameters times its output positions: the ResNet's blocks do about equal
+    work while their parameters grow 16-fold, so the cut by parameters (the old default without sample inputs)
+    puts six of nine layers, nearly all the work, on rank 0. Without an input the positions are unknown: the
+    default is the even cut, and on the true work 1F1B runs it faster than the parameters' cut."""
+    work = [p * n for p, n in zip(RESNET_PARAMETERS, RESNET_POSITIONS)]
+    true = estimated_profile([layer(f"l{k}", w) for k, w in enumerate(work)], RATES)
+    one_f_one_b = build_schedule("1f1b", 2, 8)
+    old = stage_counts(9, 2, "balanced", times=[float(p) for p in RESNET_PARAMETERS])
+    new = stage_counts(9, 2, "balanced", times=parameters_as_work(RESNET_PARAMETERS, [True] * 7 + [False] * 2))
+    assert old == [6, 3] and new == uniform_counts(9, 2) == [5, 4]
+    assert makespan(true, one_f_one_b, new) < 0.85 * makespan(true, one_f_one_b, old)
+
+
+def test_without_convolutions_parameters_stand_for_work() -> None:
+    assert parameters_as_work([1, 3, 0], [False] * 3) == [1.0, 3.0, 0.0]
+    assert parameters_as_work([1, 3, 0], [False, True, False]) == [0.0] * 3
+    with pytest.raises(ValueError, match="3 parameter counts and 2 flags"):
+        parameters_as_work([1, 3, 0], [False, False])

@@ -4,6 +4,7 @@ schedule is predicted slower than 1F1B (issue 49 item 1)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -25,6 +26,14 @@ def test_a_linear_layer_counts_its_multiply_adds_and_its_backward_twice() -> Non
     assert (lin.parameters, lin.parameter_bytes, lin.output_bytes) == (32, 128, 64)
     assert relu.forward_flops == 0 and relu.forward_bytes > 0 and relu.parameters == 0
     assert lin.forward_ops >= 1 and lin.backward_ops >= 1
+
+
+@pytest.fixture(autouse=True)
+def nothing_said() -> Iterator[None]:
+    """The warning is given once per process: each test starts with none given."""
+    default_cut._SAID.clear()
+    yield
+    default_cut._SAID.clear()
 
 
 def _gpt_like() -> default_cut.LayerProfile:
@@ -63,3 +72,37 @@ def test_every_layer_list_gets_a_cut_that_adds_up() -> None:
         sum(cut.counts) == 6 and cut.source == "counted" and cut.counts == [2, 2, 1, 1]
     )  # even, and each rank holds 3
     assert default_cut.unplain(default_cut.plain(cut)) == cut
+
+
+def test_the_same_warning_is_given_once_per_process(caplog: pytest.LogCaptureFixture) -> None:
+    """A benchmark or an elastic job building the same pipeline again is not told again; another cut is."""
+    zbv = build_schedule("zb-v", 2, 8, 2)
+    with caplog.at_level(logging.WARNING, logger="stagewise.runtime.frontends.default_cut"):
+        for counts in ([3, 2, 3, 2], [3, 2, 3, 2], [3, 3, 2, 2], [3, 2, 3, 2]):
+            default_cut.warn_if_slower(zbv, default_cut.DefaultCut(counts, _gpt_like(), "counted"), 0)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and "cuts [3, 2, 3, 2] and" in lines[0] and "cuts [3, 3, 2, 2] and" in lines[1], lines
+
+
+class _Conv(nn.Module):
+    def __init__(self, a: int, b: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(a, b, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.conv(x))
+
+
+def test_without_inputs_a_convolution_keeps_the_even_cut(caplog: pytest.LogCaptureFixture) -> None:
+    """Parameters growing 4-fold per layer would cut [3, 1] (the old default); with a convolution among the
+    layers they stand for nothing without an input: the even cut, and an info line saying how to do better.
+    Dense layers of the same parameter counts are still cut by parameters."""
+    convs = named_layers([sw.Layer(_Conv, 1 << k, 2 << k) for k in range(4)])
+    dense = named_layers([sw.Layer(nn.Linear, 3 << k, 6 << k) for k in range(4)])
+    one_f_one_b = build_schedule("1f1b", 2, 4)
+    kw = {"sample_inputs": None, "speeds": None, "seed": 0, "device": "cpu"}
+    with caplog.at_level(logging.INFO, logger="stagewise.runtime.frontends.default_cut"):
+        cut = default_cut.decide(convs, one_f_one_b, **kw)  # type: ignore[arg-type]
+    assert (cut.counts, cut.source, cut.profile) == ([2, 2], "parameters", None)
+    assert any("holds a convolution" in r.getMessage() and "sample_inputs=" in r.getMessage() for r in caplog.records)
+    assert default_cut.decide(dense, one_f_one_b, **kw).counts == [3, 1]  # type: ignore[arg-type]

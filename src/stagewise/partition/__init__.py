@@ -8,7 +8,7 @@
 """
 
 from .cut import Partition, partition_costs, uniform_counts
-from .estimate import CountedLayer, Rates, balanced_counts, estimated_profile
+from .estimate import CountedLayer, Rates, balanced_counts, estimated_profile, parameters_as_work
 from .modes import (
     PartitionSpec,
     check_options,
@@ -25,6 +25,7 @@ __all__ = [
     "Rates",
     "balanced_counts",
     "estimated_profile",
+    "parameters_as_work",
     "CheckpointCost",
     "LayerCost",
     "LayerProfile",

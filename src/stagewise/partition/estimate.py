@@ -10,7 +10,8 @@ themselves; a :class:`CountedLayer` holds the counts. A layer's time is then a r
 
 Only the ratios between layers decide a cut, so the rates need only be of the right order for the device
 (:data:`RATES`); the per-operator term is what makes a small layer (an embedding, a norm) cost more than its
-arithmetic. Without sample inputs the counts are the layers' parameters (what ``"parameters"`` balances).
+arithmetic. Without sample inputs the counts are the layers' parameters (what ``"parameters"`` balances),
+where parameters can stand for work at all (:func:`parameters_as_work`: not over convolutions).
 
 The cut is the exact min-max cut of those costs (:func:`stagewise.partition.cut.partition_costs`), except that
 the even cut is kept when it is as good within :data:`KEEP_UNIFORM` by both the slowest stage and the busiest
@@ -114,6 +115,25 @@ def estimated_profile(
             )
         )
     return LayerProfile(layers=tuple(out), device=device, repeats=0, warmup=0)
+
+
+def parameters_as_work(parameters: Sequence[float], positional: Sequence[bool]) -> list[float]:
+    """Per-layer work without sample inputs: the parameter counts, or all zeros (the even cut) where any layer
+    reuses its parameters over the positions of its input (``positional``: a convolution).
+
+    A dense layer's parameter does one multiply-add per sample and token, the same in every layer that sees
+    the same tokens, so parameters rank such layers by work. A convolution's parameter does one per output
+    *position*, and the positions change from layer to layer (a stride halves each side): a ResNet's stages
+    do about equal work per block while their parameters grow fourfold, so a cut by parameters piles the
+    early, high-resolution blocks onto the first rank. The positions come only from an input; without one the
+    count says nothing about the ratio of those layers' work, and the even cut is the unbiased guess."""
+    if len(parameters) != len(positional):
+        raise ValueError(
+            f"parameters_as_work: {len(parameters)} parameter counts and {len(positional)} flags, expected one each"
+        )
+    if any(positional):
+        return [0.0] * len(parameters)
+    return [float(p) for p in parameters]
 
 
 def rank_loads(counts: Sequence[int], costs: Sequence[float], placement: Sequence[int]) -> list[float]:

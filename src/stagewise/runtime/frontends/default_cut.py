@@ -18,15 +18,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+from torch import nn
+
 from ...ir import Schedule
 from ...partition import LayerProfile, stage_counts
-from ...partition.estimate import CountedLayer, estimated_profile, rates_for
+from ...partition.estimate import CountedLayer, estimated_profile, parameters_as_work, rates_for
 from ...planning.defaults import against_1f1b, refined_counts
 from ..measure.counting import count_layers
-from .layers import LayerLike, parameter_count
+from .layers import Layer, LayerLike
 from .tied import TiedBuilder
 
 log = logging.getLogger(__name__)
+
+#: the layers whose parameters are reused over their input's positions (work per parameter unknown unsized)
+CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 
 
 @dataclass(frozen=True)
@@ -58,7 +64,7 @@ def decide(
         except Exception as err:  # a layer that cannot run on meta: its parameters say what they can
             log.info("stagewise: counting the layers on the meta device failed (%s); cutting by parameters", err)
     if profile is None:
-        profile = estimated_profile([_by_parameters(n, x) for n, x in named], rates_for(device), loss_passes=0.0)
+        profile = estimated_profile(_by_parameters(named), rates_for(device), loss_passes=0.0)
     counts = stage_counts(
         len(named),
         schedule.num_stages,
@@ -74,11 +80,29 @@ def decide(
     return DefaultCut(counts, profile, source)
 
 
-def _by_parameters(name: str, layer: LayerLike) -> CountedLayer:
-    """Without sample inputs: a layer's work as if proportional to its parameters (a multiply-add per
-    parameter and sample forward, two backward), which is what ``"parameters"`` balances."""
-    n = float(parameter_count(layer))
-    return CountedLayer(name, 2 * n, 4 * n, 0.0, 0.0, 0, 0, n, 4 * n, 0.0)
+def _by_parameters(named: Sequence[tuple[str, LayerLike]]) -> list[CountedLayer]:
+    """Without sample inputs: each layer's work as if proportional to its parameters (a multiply-add per
+    parameter and sample forward, two backward), what ``"parameters"`` balances; no work at all (the even
+    cut) where a layer holds a convolution (:func:`~stagewise.partition.estimate.parameters_as_work`)."""
+    built = [_on_meta(x) for _, x in named]
+    positional = [any(isinstance(m, CONVOLUTIONS) for m in module.modules()) for module in built]
+    work = parameters_as_work([sum(p.numel() for p in module.parameters()) for module in built], positional)
+    if any(positional):
+        first = named[positional.index(True)][0]
+        log.info(
+            "stagewise: cutting the layers evenly: %r holds a convolution, whose work per parameter depends on "
+            "its input's size; pass sample_inputs= (one micro-batch) for a cut by counted work",
+            first,
+        )
+    return [CountedLayer(n, 2 * w, 4 * w, 0.0, 0.0, 0, 0, w, 4 * w, 0.0) for (n, _), w in zip(named, work)]
+
+
+def _on_meta(layer: LayerLike) -> nn.Module:
+    """A spec built on the meta device (no memory); a built module as it is."""
+    if isinstance(layer, Layer):
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):
+            return layer.build()
+    return layer
 
 
 def plain(cut: DefaultCut) -> dict[str, Any]:
@@ -97,8 +121,14 @@ def unplain(data: dict[str, Any]) -> DefaultCut:
     )
 
 
+#: the warnings this process has given: a process that builds the same pipeline again (a benchmark's turns, an
+#: elastic job's regenerations) is told once
+_SAID: set[str] = set()
+
+
 def warn_if_slower(schedule: Schedule, cut: DefaultCut, rank: int) -> None:
-    """Rank 0: one warning when the estimate predicts ``schedule`` slower than 1F1B beyond the noise."""
+    """Rank 0: one warning when the estimate predicts ``schedule`` slower than 1F1B beyond the noise (once
+    per process for the same schedule, cut and figures)."""
     if rank != 0 or cut.profile is None:
         return
     try:
@@ -106,5 +136,6 @@ def warn_if_slower(schedule: Schedule, cut: DefaultCut, rank: int) -> None:
     except ValueError as err:  # a schedule the plain simulator cannot time: nothing to say
         log.debug("stagewise: no prediction against 1F1B (%s)", err)
         return
-    if verdict is not None and verdict.slower:
+    if verdict is not None and verdict.slower and verdict.line() not in _SAID:
+        _SAID.add(verdict.line())
         log.warning("%s", verdict.line())
