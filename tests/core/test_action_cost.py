@@ -10,7 +10,7 @@ import pytest
 from helpers.profiles import fake_profile
 from stagewise import build_schedule
 from stagewise.ir import Action, Event, Kind, Timeline
-from stagewise.planning.action_cost import at_batch, fit_overhead, with_overhead
+from stagewise.planning.action_cost import action_overhead, at_batch, with_overhead
 from stagewise.planning.recalibrate import calibrate_run, held_out_costs
 from stagewise.simulation import CostModel, shared_makespan
 
@@ -34,16 +34,32 @@ def test_an_overhead_per_action_is_work_on_the_shared_cores() -> None:
         with_overhead(costs, -1.0)
 
 
-def test_the_overhead_that_makes_the_replay_take_the_measured_step() -> None:
-    """The replay above is 12 + 8 o: a measured 16 s gives o = 0.5; a model already at 12 s for a 10 s step
-    gives 0 (the bias carries the rest)."""
-    schedule, costs = build_schedule("gpipe", 1, 2), one_rank_costs()
+def two_rank_run() -> Timeline:
+    """1F1B on 2 ranks, 2 micro-batches, with time outside the compute events (1 s of F, 2 s of B):
 
-    def replay(o: float) -> float:
-        return shared_makespan(schedule, with_overhead(costs, o), [2.0], 1.0)
+    rank 0: F0 [0, 1] SEND_F0 [1, 1.25]  F1 [2, 3]          B0 [4, 6]           B1 [7.5, 9.5]
+    rank 1:           F0 [1, 2]  B0 [2, 4]        F1 [4.5, 5.5]  B1 [5.5, 7.5]
 
-    assert fit_overhead(replay, 16.0) == pytest.approx(0.5, rel=1e-6)
-    assert fit_overhead(replay, 10.0) == 0.0
+    Counted: rank 0's posting [1, 1.25] and gap [1.25, 2] before F1 (no input to wait for), while rank 1
+    computes F0; rank 1's gap [4, 4.5] before F1 (its input was sent at 3), while rank 0 computes B0; rank 1's
+    B0 and B1 (gaps of 0). Left out: each rank's first action, and rank 0's B0 and B1 (their inputs came after
+    its previous event ended: the gap holds a wait)."""
+    rows = [
+        (0, 0, F, 0, 0.0, 1.0), (0, 0, Kind.SEND_F, 0, 1.0, 1.25), (0, 0, F, 1, 2.0, 3.0), (0, 0, B, 0, 4.0, 6.0),
+        (0, 0, B, 1, 7.5, 9.5), (1, 1, F, 0, 1.0, 2.0), (1, 1, B, 0, 2.0, 4.0), (1, 1, F, 1, 4.5, 5.5),
+        (1, 1, B, 1, 5.5, 7.5),
+    ]  # fmt: skip
+    events = [Event(r, Action(s, k, m), t0, t1) for r, s, k, m, t0, t1 in rows]
+    return Timeline("1f1b", 2, events, source="measured")
+
+
+def test_the_overhead_is_the_time_outside_compute_not_waiting_on_a_core_of_its_own() -> None:
+    """On 2 cores each rank has a core: (0.25 + 0.75 + 0.5 + 0 + 0) / 4 actions = 0.375 s. On 1 core the
+    counted time ran while the other rank computed, at half speed: 0.1875 s."""
+    schedule = build_schedule("1f1b", 2, 2)
+    assert action_overhead([two_rank_run()], schedule, cores=2.0) == 0.375
+    assert action_overhead([two_rank_run()], schedule, cores=1.0) == 0.1875
+    assert action_overhead([], schedule, cores=1.0) == 0.0
 
 
 def gapped_run() -> Timeline:
@@ -57,19 +73,20 @@ def gapped_run() -> Timeline:
 
 
 def test_calibrated_per_action_a_plan_with_twice_the_actions_pays_twice() -> None:
-    """The run above, calibrated per action: 6 + 4 o = 7.5, o = 0.375 s, bias 1. A plan Q of the same work in
-    twice the actions (1F1B on 2 ranks, a layer each, on the 1 core: the core never idles, so the step is the
-    work: 2 x 2 x (0.5 + 1) + 8 x 0.375 = 9 s) is predicted 9 s; the bias alone (1.25 x 6 s) said 7.5 s."""
+    """The run above, calibrated per action: 3 gaps of 0.5 s over 3 actions, o = 0.5 s; the model of the run,
+    6 + 4 o = 8 s, against 7.5 measured: bias 15/16. A plan Q of the same work in twice the actions (1F1B on 2
+    ranks, a layer each, on the 1 core: the core never idles, so the step is the work: 2 x 2 x (0.5 + 1) +
+    8 x 0.5 = 10 s) is predicted 10 x 15/16 = 9.375 s; the bias alone (1.25 x 6 s) said 7.5 s."""
     prior = fake_profile([1.0, 1.0])  # two layers, each F 0.5, B 1 at this micro-batch
     prior = replace(prior, layers=tuple(replace(x, forward=0.5, backward=1.0) for x in prior.layers))
     one = build_schedule("gpipe", 1, 2)
     per_action = calibrate_run([gapped_run()], one, prior, [2], cores=1.0, per_action=True)
-    assert per_action.overhead == pytest.approx(0.375, rel=1e-6) and per_action.bias == pytest.approx(1.0)
+    assert per_action.overhead == 0.5 and per_action.bias == 0.9375
     biased = calibrate_run([gapped_run()], one, prior, [2], cores=1.0)
     assert biased.overhead == 0.0 and biased.bias == 1.25
     q = build_schedule("1f1b", 2, 2)
     costs = held_out_costs(per_action, prior, [1, 1])
-    assert per_action.predict(q, costs, processes_per_node=2).step == pytest.approx(9.0, rel=1e-6)
+    assert per_action.predict(q, costs, processes_per_node=2).step == 9.375
     assert biased.predict(q, held_out_costs(biased, prior, [1, 1]), processes_per_node=2).step == 7.5
 
 

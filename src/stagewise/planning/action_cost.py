@@ -12,26 +12,29 @@ wrong, and this module replaces them:
   linearly either. :func:`at_batch` takes the layers profiled at the plan's own micro-batch (a probe: one
   profile per micro-batch size a plan space holds) and keeps what the calibrating run taught per stage and
   kind: each layer's calibrated-over-profiled ratio at the calibrating micro-batch;
-* **what the run costs beyond its compute** was a factor on the whole step (the bias); it is CPU work each
-  action brings (the interpreter's dispatch, posting its messages, handing a wait to a helper thread and
-  waking up after it), which takes a core as compute does: :func:`with_overhead` adds ``seconds`` to every
-  compute action, so the processes' sharing of the cores (:func:`stagewise.simulation.shared_makespan`) prices
-  it, and :func:`fit_overhead` finds the seconds that make the model's replay of the calibrating plan take
-  its measured step. A plan with twice the actions pays it twice; a bubble that another rank fills does not.
+* **what the run costs beyond its compute** was a factor on the whole step (the bias); part of it is CPU work
+  each action brings outside its compute event (the interpreter's dispatch, posting its messages, handing a
+  wait to a helper thread and waking up after it), which takes a core as compute does. :func:`action_overhead`
+  measures it on the calibrating run's timeline (each rank's time between its events while it was not
+  waiting for an input, and its sends' and receives' posting, per compute action, on a core of its own);
+  :func:`with_overhead` adds it to every compute action, so that the processes' sharing of the cores
+  (:func:`stagewise.simulation.shared_makespan`) prices it: a plan with twice the actions pays it twice, a
+  bubble another rank fills does not. The bias keeps what neither term explains.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Sequence
 from dataclasses import replace
 
+from ..ir import Event, Kind, Schedule, Timeline
 from ..partition import LayerProfile
 from ..simulation import CostModel
 
-__all__ = ["at_batch", "fit_overhead", "with_overhead"]
+__all__ = ["action_overhead", "at_batch", "with_overhead"]
 
-#: the relative tolerance of :func:`fit_overhead`'s bisection on the step
-TOLERANCE = 1e-9
+COMPUTE = (Kind.F, Kind.B, Kind.I, Kind.W)
 
 
 def at_batch(calibrated: LayerProfile, prior: LayerProfile, at: LayerProfile) -> LayerProfile:
@@ -79,22 +82,58 @@ def with_overhead(costs: CostModel, seconds: float) -> CostModel:
     )
 
 
-def fit_overhead(replay: Callable[[float], float], measured: float, upper: float | None = None) -> float:
-    """The per-action seconds ``o >= 0`` with ``replay(o) == measured`` (``replay``: the model's step of the
-    calibrating plan with ``o`` added to each compute action, increasing in ``o``); 0 when the model without
-    it already takes ``measured`` or more. ``upper``: a bound known to overshoot (default: ``measured``, as no
-    action's overhead can exceed the step)."""
-    if not measured > 0:
-        raise ValueError(f"fit_overhead: measured step must be > 0, got {measured!r}")
-    if replay(0.0) >= measured:
+def action_overhead(timelines: Sequence[Timeline], schedule: Schedule, cores: float) -> float:
+    """The seconds (on a core of its own) each compute action costs its rank outside its compute event, over
+    ``timelines`` (every rank on one clock, one process per rank): per rank, the gaps before compute actions
+    whose input was there when the rank's previous event ended (a gap before a waited input holds the wait:
+    left out, and so is that action) and the posting of sends and receives (communication events); their
+    total over the compute actions counted. A gap or posting while ``n`` other ranks compute ran at
+    ``min(1, cores / (n + 1))``."""
+    total, counted = 0.0, 0
+    for timeline in timelines:
+        compute = [e for e in timeline.events if e.action.kind in COMPUTE]
+        sent = _inputs_sent(compute, schedule)
+        for row in timeline.by_rank():
+            last: float | None = None
+            for e in row:
+                if e.action.kind in COMPUTE:
+                    ready = sent.get(e, -math.inf)
+                    if last is not None and ready <= last:
+                        total += _own(last, e.start, e.rank, compute, cores)
+                        counted += 1
+                elif e.action.kind.is_comm:
+                    total += _own(e.start, e.end, e.rank, compute, cores)
+                last = e.end if last is None else max(last, e.end)
+    return total / counted if counted else 0.0
+
+
+def _inputs_sent(compute: list[Event], schedule: Schedule) -> dict[Event, float]:
+    """Per compute event whose input comes from another rank, when that input was sent (its producer's end)."""
+    placement, last = schedule.placement, schedule.num_stages - 1
+    ends = {(e.action.kind, e.action.stage, e.action.microbatch): e.end for e in compute}
+    out = {}
+    for e in compute:
+        a = e.action
+        source = None
+        if a.kind is Kind.F and a.stage > 0:
+            source = (Kind.F, a.stage - 1, a.microbatch)
+        elif a.kind in (Kind.B, Kind.I) and a.stage < last:
+            up = (Kind.B, a.stage + 1, a.microbatch)
+            source = up if up in ends else (Kind.I, a.stage + 1, a.microbatch)
+        if source is not None and source in ends and placement[source[1]] != placement[a.stage]:
+            out[e] = ends[source]
+    return out
+
+
+def _own(t0: float, t1: float, rank: int, compute: list[Event], cores: float) -> float:
+    """Seconds on a core of its own in ``[t0, t1]`` for ``rank``, while the other ranks' compute events share
+    the cores with it."""
+    if t1 <= t0:
         return 0.0
-    lo, hi = 0.0, measured if upper is None else upper
-    if replay(hi) < measured:
-        return hi
-    while hi - lo > TOLERANCE * measured:
-        mid = (lo + hi) / 2
-        if replay(mid) < measured:
-            lo = mid
-        else:
-            hi = mid
-    return (lo + hi) / 2
+    others = [e for e in compute if e.rank != rank and e.start < t1 and e.end > t0]
+    edges = sorted({t0, t1, *(t for e in others for t in (e.start, e.end) if t0 < t < t1)})
+    own = 0.0
+    for a, b in zip(edges, edges[1:]):
+        n = sum(1 for e in others if e.start < b and e.end > a)
+        own += (b - a) * min(1.0, cores / (n + 1))
+    return own

@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 from ..ir import Event, Kind, Schedule, Timeline
 from ..partition import LayerProfile
 from ..simulation import CostModel, shared_makespan
-from .action_cost import at_batch, fit_overhead, with_overhead
+from .action_cost import action_overhead, at_batch, with_overhead
 from .link_fit import COMPUTE, fit_link
 
 __all__ = [
@@ -116,8 +116,8 @@ class RunCalibration:
     #: per stage, the relative spread (sample standard deviation over mean) of its compute seconds per step
     #: over the calibrating steps: how far the stage costs this calibration rests on could move
     stage_spread: tuple[float, ...] = ()
-    #: seconds (on a core of its own) every compute action brings beyond its layers, fitted on the calibrating
-    #: plan (:func:`~stagewise.planning.action_cost.fit_overhead`; 0: the bias alone carries the model's miss)
+    #: seconds (on a core of its own) every compute action brings beyond its layers, measured on the calibrating
+    #: run (:func:`~stagewise.planning.action_cost.action_overhead`; 0: the bias alone carries the model's miss)
     overhead: float = 0.0
 
     @property
@@ -265,9 +265,8 @@ def calibrate_run(
     the link's bandwidth where the run's transfers cannot identify it. With ``dp`` replicas, ``reductions``:
     their all-reduces' per-message pairs (:func:`~stagewise.planning.link_fit.reduce_transfers`), fitted with
     the transfers; the plan's own prediction then prices each stage's SYNC on the fitted link. ``per_action``:
-    what the model misses of the plan's step is first a CPU cost per compute action (the calibration's
-    ``overhead``, :mod:`stagewise.planning.action_cost`), the bias only what that cannot carry (a model
-    already slower than the run)."""
+    each compute action also costs the CPU time its rank spent outside compute events without waiting (the
+    calibration's ``overhead``, :mod:`stagewise.planning.action_cost`); the bias keeps the rest of the miss."""
     if not timelines:
         raise ValueError("calibrate_run: no timelines (run a few steps first)")
     if sum(counts) != len(prior) or len(counts) != schedule.num_stages:
@@ -292,11 +291,6 @@ def calibrate_run(
     )
     costs = ring_synced(run.profile(prior).cost_model(bounds), dp, run)
     if per_action:
-        base = run
-
-        def replay(o: float) -> float:
-            return replace(base, overhead=o).predict(schedule, costs).step
-
-        run = replace(run, overhead=fit_overhead(replay, run.measured_step))
+        run = replace(run, overhead=action_overhead(timelines, schedule, cores))
     own = run.predict(schedule, costs).step
     return replace(run, bias=run.measured_step / own if own > 0 else 1.0)
