@@ -25,6 +25,7 @@ wrong, and this module replaces them:
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -87,23 +88,27 @@ def action_overhead(timelines: Sequence[Timeline], schedule: Schedule, cores: fl
     ``timelines`` (every rank on one clock, one process per rank): per rank, the gaps before compute actions
     whose input was there when the rank's previous event ended (a gap before a waited input holds the wait:
     left out, and so is that action) and the posting of sends and receives (communication events); their
-    total over the compute actions counted. A gap or posting while ``n`` other ranks compute ran at
-    ``min(1, cores / (n + 1))``."""
+    total over the compute actions counted, the median over the timelines (steps). A gap or posting while
+    ``n`` other ranks compute ran at ``min(1, cores / (n + 1))``."""
+    per_step = [_step_overhead(t, schedule, cores) for t in timelines]
+    return statistics.median(per_step) if per_step else 0.0
+
+
+def _step_overhead(timeline: Timeline, schedule: Schedule, cores: float) -> float:
+    """One step's overhead per counted compute action (:func:`action_overhead`)."""
     total, counted = 0.0, 0
-    for timeline in timelines:
-        compute = [e for e in timeline.events if e.action.kind in COMPUTE]
-        sent = _inputs_sent(compute, schedule)
-        for row in timeline.by_rank():
-            last: float | None = None
-            for e in row:
-                if e.action.kind in COMPUTE:
-                    ready = sent.get(e, -math.inf)
-                    if last is not None and ready <= last:
-                        total += _own(last, e.start, e.rank, compute, cores)
-                        counted += 1
-                elif e.action.kind.is_comm:
-                    total += _own(e.start, e.end, e.rank, compute, cores)
-                last = e.end if last is None else max(last, e.end)
+    compute = [e for e in timeline.events if e.action.kind in COMPUTE]
+    sent = _inputs_sent(compute, schedule)
+    for row in timeline.by_rank():
+        last: float | None = None
+        for e in row:
+            if e.action.kind in COMPUTE:
+                if last is not None and sent.get(e, -math.inf) <= last:
+                    total += _own(last, e.start, e.rank, compute, cores)
+                    counted += 1
+            elif e.action.kind.is_comm:
+                total += _own(e.start, e.end, e.rank, compute, cores)
+            last = e.end if last is None else max(last, e.end)
     return total / counted if counted else 0.0
 
 
