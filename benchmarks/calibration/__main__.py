@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"job at {world} ranks (link {link!r}) failed or skipped", file=sys.stderr)
             continue
         results.append(result)
-        for model in ("after", "before"):
+        for model in ("after", "at batch", "before"):
             rows.append({**summary(result, model), "link": "one machine" if link is None else link or "veth"})
     (args.out / "calibration.json").write_text(json.dumps({"jobs": results, "summary": rows, "load": os.getloadavg()}))
     lines = ["| workload | ranks | link | model | plans | MAE | max | Kendall tau (pairs) | inside interval "

@@ -3,8 +3,10 @@ change can be evaluated offline against a stored quiet run, ``python -m benchmar
 
 * ``before``: the calibration as :class:`~stagewise.runtime.RunCalibrator` makes it: the layers' costs scaled
   linearly to a plan's micro-batch, the model's miss on the calibrating plan a factor on every step (the bias);
-* ``after``: the same calibrating run, with the miss first a CPU cost per compute action on the shared cores,
-  and each plan's layers profiled at its own micro-batch (:mod:`stagewise.planning.action_cost`).
+* ``at batch``: ``before`` with each plan's layers profiled at its own micro-batch (the first term of
+  :mod:`stagewise.planning.action_cost` alone);
+* ``after``: both terms: the layers at each plan's micro-batch, and every compute action's CPU time outside its
+  compute event, measured on P's timeline, priced on the shared cores (the bias keeps the rest).
 
 Both are calibrated on the calibrating plan P's timelines only; nothing of a plan Q enters them.
 """
@@ -20,18 +22,17 @@ from stagewise.ir import Schedule, Timeline
 # internal: the held-out prediction itself (a plan's costs from the calibration, before it runs)
 from stagewise.planning.recalibrate import Prediction, RunCalibration, calibrate_run, held_out_costs
 
-MODELS = ("before", "after")
+MODELS = ("before", "at batch", "after")
 
 
 def calibrations(
     timelines: Sequence[Timeline], schedule: Schedule, profile: LayerProfile, counts: Sequence[int], cores: float,
     bandwidth: float,
 ) -> dict[str, RunCalibration]:  # fmt: skip
-    """P's run calibrated both ways (module docstring)."""
-    return {
-        "before": calibrate_run(timelines, schedule, profile, counts, cores, bandwidth),
-        "after": calibrate_run(timelines, schedule, profile, counts, cores, bandwidth, per_action=True),
-    }
+    """P's run calibrated for each model (module docstring)."""
+    plain = calibrate_run(timelines, schedule, profile, counts, cores, bandwidth)
+    per_action = calibrate_run(timelines, schedule, profile, counts, cores, bandwidth, per_action=True)
+    return {"before": plain, "at batch": plain, "after": per_action}
 
 
 def predictions(
@@ -39,10 +40,10 @@ def predictions(
     counts: Sequence[int], b_q: int, dp: int, processes: int,
 ) -> dict[str, Prediction]:  # fmt: skip
     """Plan Q (its ``schedule``, ``counts`` layers per stage, ``b_q`` samples per micro-batch, ``dp`` replicas)
-    predicted by both models; ``profiles``: the layers profiled alone per micro-batch size (P's is ``b_p``)."""
+    predicted by each model; ``profiles``: the layers profiled alone per micro-batch size (P's is ``b_p``)."""
     prior, out = profiles[b_p], {}
     for model in MODELS:
-        at = profiles.get(b_q) if model == "after" else None
+        at = profiles.get(b_q) if model != "before" else None
         costs = held_out_costs(cals[model], prior, counts, batch_ratio=b_q / b_p, dp=dp, at=at)
         out[model] = cals[model].predict(schedule, costs, processes_per_node=processes)
     return out
@@ -71,7 +72,7 @@ def schedule_of(plan: Mapping[str, Any], virtual: int | None) -> Schedule:
 
 
 def refit(job: Mapping[str, Any], global_batch: int) -> list[dict[str, Any]]:
-    """Every plan of a stored job predicted again by the current code of both models, from the job's ``kept``
+    """Every plan of a stored job predicted again by the current code of each model, from the job's ``kept``
     record alone: per plan its name, measured steps and ``{model: (step, low, high)}``."""
     keep = job["kept"]
     profiles = {int(b): LayerProfile.from_json(p) for b, p in keep["profiles"].items()}

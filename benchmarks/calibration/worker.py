@@ -74,15 +74,15 @@ def calibrated(work: Any, p_plan: PlanSpec, profiles: dict[int, sw.LayerProfile]
 
 
 def predicted_row(cals: dict, profiles: dict[int, sw.LayerProfile], p_plan: PlanSpec, plan: PlanSpec, q: Any) -> dict:
-    """Q's predictions by both models, before it runs: the ``after`` model's as ``predicted`` / ``low`` / ``high``
-    (what the figures judge), the ``before`` model's under ``"before"``."""
+    """Q's predictions by each model of :mod:`.model`, before it runs: the ``after`` model's as ``predicted`` /
+    ``low`` / ``high`` (what the figures judge), the others' under their names (``"before"``, ``"at batch"``)."""
     counts = [len(r) for r in q.layer_ranges]
     got = predictions(cals, profiles, micro_batch(p_plan), q.schedule, counts, micro_batch(plan), plan.dp,
                       dist.get_world_size())  # fmt: skip
-    after, before = got["after"], got["before"]
+    others = {m: {"predicted": p.step, "low": p.low, "high": p.high} for m, p in got.items() if m != "after"}
+    after = got["after"]
     return {"plan": plan._asdict(), "name": plan.describe(), "counts": counts, "virtual": virtual(plan.schedule),
-            "predicted": after.step, "low": after.low, "high": after.high,
-            "before": {"predicted": before.step, "low": before.low, "high": before.high}}  # fmt: skip
+            "predicted": after.step, "low": after.low, "high": after.high, **others}  # fmt: skip
 
 
 def prior_bandwidth() -> float:
