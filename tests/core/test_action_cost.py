@@ -106,5 +106,9 @@ def test_the_layers_at_the_plans_own_micro_batch_keep_the_calibrated_ratio() -> 
     assert at_batch(cal.profile(prior), prior, doubled).layers[0].forward == 4.5
     assert held_out_costs(cal, prior, [1], at=doubled).forward == (4.5,)
     assert held_out_costs(cal, prior, [1], batch_ratio=2.0).forward == (6.0,)
+    # the split backward at twice the micro-batch: the fused 6 s split as the prior splits it (I 1/3, W 1/3 of
+    # a prior whose B is 4 s: half each, 3 s), then scaled as the run scaled I (the run's B of 6 s over the
+    # prior's I + W of 2/3 s: 9x)
+    assert at_batch(cal.profile(prior), prior, doubled).layers[0].backward_input == pytest.approx(27.0)
     with pytest.raises(ValueError, match="same layers"):
         at_batch(prior, prior, fake_profile([1.0, 1.0]))

@@ -41,7 +41,9 @@ COMPUTE = (Kind.F, Kind.B, Kind.I, Kind.W)
 def at_batch(calibrated: LayerProfile, prior: LayerProfile, at: LayerProfile) -> LayerProfile:
     """``at`` (the layers profiled at a plan's micro-batch) with each layer's cost of each kind scaled by
     ``calibrated / prior`` at the calibrating micro-batch (``calibrated``: :meth:`RunCalibration.profile` of
-    ``prior``; a kind ``prior`` charges nothing keeps ``at``'s cost). Sizes are ``at``'s."""
+    ``prior``; a kind ``prior`` charges nothing keeps ``at``'s cost). ``at``'s split backward is its fused one
+    split as ``prior`` splits it: I and W timed apart are a profile's noisiest figures (one of them 7x its
+    neighbours' under load), and a second profile would add its own spikes. Sizes are ``at``'s."""
     if not (len(calibrated) == len(prior) == len(at)):
         raise ValueError(
             f"at_batch: the profiles must hold the same layers, got {len(calibrated)}, {len(prior)} and {len(at)}"
@@ -50,17 +52,21 @@ def at_batch(calibrated: LayerProfile, prior: LayerProfile, at: LayerProfile) ->
     def scaled(x: float, was: float, now: float) -> float:
         return x * (now / was) if was > 0 else x
 
-    layers = tuple(
-        replace(
-            a,
-            forward=scaled(a.forward, p.forward, c.forward),
-            backward=scaled(a.backward, p.backward, c.backward),
-            backward_input=scaled(a.backward_input, p.backward_input, c.backward_input),
-            backward_weight=scaled(a.backward_weight, p.backward_weight, c.backward_weight),
+    out = []
+    for c, p, a in zip(calibrated.layers, prior.layers, at.layers):
+        split = p.backward_input + p.backward_weight
+        i, w = (a.backward * p.backward_input / split, a.backward * p.backward_weight / split) if split > 0 else (
+            a.backward_input, a.backward_weight)  # fmt: skip
+        out.append(
+            replace(
+                a,
+                forward=scaled(a.forward, p.forward, c.forward),
+                backward=scaled(a.backward, p.backward, c.backward),
+                backward_input=scaled(i, p.backward_input, c.backward_input),
+                backward_weight=scaled(w, p.backward_weight, c.backward_weight),
+            )
         )
-        for c, p, a in zip(calibrated.layers, prior.layers, at.layers)
-    )
-    return replace(at, layers=layers)
+    return replace(at, layers=tuple(out))
 
 
 def with_overhead(costs: CostModel, seconds: float) -> CostModel:
