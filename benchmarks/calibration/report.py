@@ -35,8 +35,17 @@ def kendall(rows: list[dict[str, Any]]) -> tuple[float, int]:
     return ((agree - disagree) / pairs if pairs else float("nan")), pairs
 
 
-def summary(result: dict[str, Any]) -> dict[str, Any]:
-    rows = result["plans"]
+def as_model(rows: list[dict[str, Any]], model: str) -> list[dict[str, Any]]:
+    """The rows with ``model``'s prediction and interval as their own (``"after"``: the rows as they are;
+    ``"before"``: each row's ``"before"`` figures; rows without them are left out)."""
+    if model == "after":
+        return rows
+    return [{**r, **r[model]} for r in rows if model in r]
+
+
+def summary(result: dict[str, Any], model: str = "after") -> dict[str, Any]:
+    """A job's figures for ``model``'s predictions (:func:`as_model`)."""
+    rows = as_model(result["plans"], model)
     errors = [r["predicted"] / statistics.median(r["steps"]) - 1 for r in rows]
     steps = [(s, r) for r in rows for s in r["steps"]]
     inside = sum(1 for s, r in steps if r["low"] <= s <= r["high"]) / len(steps) if steps else float("nan")
@@ -45,6 +54,7 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
     return {
         "workload": result["workload"],
         "world": result["world"],
+        "model": model,
         "plans": len(rows),
         "mean abs error": statistics.mean(abs(e) for e in errors) if errors else float("nan"),
         "max abs error": max((abs(e) for e in errors), default=float("nan")),

@@ -1,15 +1,18 @@
 """One rank of ``python -m benchmarks.calibration``: calibrate on plan P's run, then predict and run every Q.
 
-1. rank 0 profiles the layers alone on P's micro-batch (``sw.profile``, the loss too); every rank gets it;
+1. rank 0 profiles the layers alone (``sw.profile``, the loss too) at each micro-batch size the plans run,
+   P's among them; every rank gets them;
 2. P (:func:`.space.calibrating`) runs 2 warm-up and 3 steps under a
    :class:`~stagewise.runtime.RunCalibrator` (the default warm-up and window), which calibrates; the link's
-   bandwidth a ping-pong's (:func:`prior_bandwidth`) where P's transfers cannot identify it;
-3. for each Q of :func:`.space.held_out`, in the seeded order: the prediction first, from the calibration only
-   (:func:`stagewise.planning.recalibrate.held_out_costs`: Q's cut, its micro-batch, its replicas' SYNC; the
-   ranks sharing the node's cores); then Q runs ``--warmup`` untimed and ``--steps`` timed steps (each from a
-   barrier, the slowest rank's ``train_step``).
+   bandwidth a ping-pong's (:func:`prior_bandwidth`) where P's transfers cannot identify it; P's calibrating
+   timelines are kept, and calibrated both ways of :mod:`.model` (``before``, ``after``);
+3. for each Q of :func:`.space.held_out`, in the seeded order: the predictions first, from the calibration only
+   (:func:`.model.predictions`: Q's cut, its micro-batch, its replicas' SYNC; the ranks sharing the node's
+   cores); then Q runs ``--warmup`` untimed and ``--steps`` timed steps (each from a barrier, the slowest
+   rank's ``train_step``).
 
-Rank 0 writes every plan's prediction, interval and measured steps as JSON (``--out``).
+Rank 0 writes every plan's predictions, intervals and measured steps as JSON (``--out``), and what an offline
+refit needs (``kept``: the profiles, P's timelines, cut, cores and prior bandwidth; :mod:`.refit`).
 """
 
 from __future__ import annotations
@@ -24,9 +27,6 @@ import torch.distributed as dist
 
 import stagewise as sw
 from stagewise.partition import stage_counts
-
-# internal: the held-out prediction itself (a plan's costs from the calibration, before it runs)
-from stagewise.planning.recalibrate import held_out_costs
 from stagewise.runtime import RunCalibrator
 
 # internal: the ping-pong probe alone (calibrate() probes much else), for the link's prior bandwidth
@@ -34,16 +34,55 @@ from stagewise.runtime.measure.links import ping_pong
 
 from .._launch import timed_step
 from ..fidelity.workloads import workloads
+from .model import calibrations, kept, predictions
 from .space import GLOBAL_BATCH, PlanSpec, calibrating, held_out
 
 
-def alone_profile(work: Any, x: Any, y: Any) -> sw.LayerProfile:
+def alone_profiles(work: Any, x: Any, y: Any, sizes: Any) -> dict[int, sw.LayerProfile]:
+    """The layers profiled alone on rank 0 at each micro-batch size of ``sizes`` (samples), handed round."""
     text: list[Any] = [None]
     if dist.get_rank() == 0:
         model = sw.build_model(work.layers(), seed=0)
-        text = [sw.profile(model, x, repeats=5, warmup=2, rounds=2, loss_fn=work.loss, targets=y).to_json()]
+        text = [{b: sw.profile(model, x[:b], repeats=5, warmup=2, rounds=2, loss_fn=work.loss, targets=y[:b]).to_json()
+                 for b in sorted(set(sizes))}]  # fmt: skip
     dist.broadcast_object_list(text, 0)
-    return sw.LayerProfile.from_json(text[0])
+    return {int(b): sw.LayerProfile.from_json(t) for b, t in text[0].items()}
+
+
+def micro_batch(plan: PlanSpec) -> int:
+    return GLOBAL_BATCH // (plan.dp * plan.microbatches)
+
+
+def calibrated(work: Any, p_plan: PlanSpec, profiles: dict[int, sw.LayerProfile]) -> tuple[Any, dict[str, Any], dict]:
+    """P run until its :class:`RunCalibrator` calibrates: that calibrator's first record, both models' calibrations
+    (:func:`.model.calibrations`) of the same timelines, and what an offline refit needs (:func:`.model.kept`)."""
+    world = dist.get_world_size()
+    x, y = work.data(GLOBAL_BATCH)
+    b_p = micro_batch(p_plan)
+    pipe = build(work, p_plan, profiles[b_p], x[:b_p])
+    calibrator = RunCalibrator(pipe, profiles[b_p], processes=world, bandwidth=prior_bandwidth())
+    seen = []
+    while calibrator.calibration is None:
+        pipe.train_step(x, y)
+        seen.append(pipe.timeline(gather=True))
+        calibrator.observe(seen[-1])
+    timelines, counts = seen[calibrator.warmup :], [len(r) for r in pipe.layer_ranges]
+    cals = calibrations(timelines, pipe.schedule, profiles[b_p], counts, calibrator.cores, calibrator.bandwidth)
+    keep = kept(profiles, timelines, p_plan._asdict(), counts, calibrator.cores, calibrator.bandwidth, world)
+    del pipe
+    return calibrator.records[0], cals, keep
+
+
+def predicted_row(cals: dict, profiles: dict[int, sw.LayerProfile], p_plan: PlanSpec, plan: PlanSpec, q: Any) -> dict:
+    """Q's predictions by each model of :mod:`.model`, before it runs: the ``after`` model's as ``predicted`` /
+    ``low`` / ``high`` (what the figures judge), the others' under their names (``"before"``, ``"at batch"``)."""
+    counts = [len(r) for r in q.layer_ranges]
+    got = predictions(cals, profiles, micro_batch(p_plan), q.schedule, counts, micro_batch(plan), plan.dp,
+                      dist.get_world_size())  # fmt: skip
+    others = {m: {"predicted": p.step, "low": p.low, "high": p.high} for m, p in got.items() if m != "after"}
+    after = got["after"]
+    return {"plan": plan._asdict(), "name": plan.describe(), "counts": counts, "virtual": virtual(plan.schedule),
+            "predicted": after.step, "low": after.low, "high": after.high, **others}  # fmt: skip
 
 
 def prior_bandwidth() -> float:
@@ -81,35 +120,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     world = dist.get_world_size()
     work = workloads()[args.workload]
     x, y = work.data(GLOBAL_BATCH)
-    p_plan = calibrating(world)
-    b_p = GLOBAL_BATCH // p_plan.microbatches
-    profile = alone_profile(work, x[:b_p], y[:b_p])
-    pipe = build(work, p_plan, profile, x[:b_p])
-    calibrator = RunCalibrator(pipe, profile, processes=world, bandwidth=prior_bandwidth())
-    while calibrator.calibration is None:
-        pipe.train_step(x, y)
-        calibrator.observe()
-    cal = calibrator.calibration
+    p_plan, plans = calibrating(world), held_out(world, args.plans)
+    profiles = alone_profiles(work, x, y, [micro_batch(p) for p in (p_plan, *plans)])
+    record, cals, keep = calibrated(work, p_plan, profiles)
     rows = []
-    for plan in held_out(world, args.plans):
-        b_q = GLOBAL_BATCH // (plan.dp * plan.microbatches)
-        q = build(work, plan, profile, x[:b_q])
-        counts = [len(r) for r in q.layer_ranges]
-        costs = held_out_costs(cal, profile, counts, batch_ratio=b_q / b_p, dp=plan.dp)
-        predicted = cal.predict(q.schedule, costs, processes_per_node=world)
+    for plan in plans:
+        b_q = micro_batch(plan)
+        q = build(work, plan, profiles[micro_batch(p_plan)], x[:b_q])
+        row = predicted_row(cals, profiles, p_plan, plan, q)
         for _ in range(args.warmup):
             timed_step(q, x, y)
-        steps = [timed_step(q, x, y) for _ in range(args.steps)]
-        rows.append({"plan": plan._asdict(), "counts": counts, "predicted": predicted.step,
-                     "low": predicted.low, "high": predicted.high, "steps": steps})  # fmt: skip
+        rows.append({**row, "steps": [timed_step(q, x, y) for _ in range(args.steps)]})
         del q
     return {
         "workload": args.workload,
         "world": world,
         "calibrating": p_plan._asdict(),
-        "calibration": calibrator.records[0],
-        "profile": profile.to_json(),
+        "calibration": record,
+        "overhead_s": cals["after"].overhead,
+        "bias_after": cals["after"].bias,
         "plans": rows,
+        "kept": keep,
     }
 
 

@@ -53,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         result = json.loads(path.read_text())
         result["regret"] = regret(result["again"])
+        if "pick before" in result["again"]:
+            result["regret before"] = regret({"pick": result["again"]["pick before"], "best": result["again"]["best"]})
         results.append(result)
     lines = table(results)
     (args.out / "regret.json").write_text(json.dumps({"jobs": results, "load": load}))

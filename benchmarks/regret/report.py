@@ -8,9 +8,14 @@ from typing import Any
 from ..calibration.report import spread
 
 
-def pick(rows: list[dict[str, Any]]) -> int:
-    """The index of the plan the planner picks: the least predicted step."""
-    return min(range(len(rows)), key=lambda i: rows[i]["predicted"])
+def predicted(row: dict[str, Any], model: str = "after") -> float:
+    """A row's predicted step by ``model``: ``"after"`` (the row's own ``predicted``) or ``"before"``."""
+    return float(row["predicted"] if model == "after" else row[model]["predicted"])
+
+
+def pick(rows: list[dict[str, Any]], model: str = "after") -> int:
+    """The index of the plan the planner picks: the least predicted step by ``model``."""
+    return min(range(len(rows)), key=lambda i: predicted(rows[i], model))
 
 
 def best(rows: list[dict[str, Any]]) -> int:
@@ -55,19 +60,24 @@ def tie(rows: list[dict[str, Any]], pp: int = 2, dp: int = 2) -> dict[str, float
 
 
 def table(results: list[dict[str, Any]]) -> list[str]:
-    """One markdown row per workload, then the pp 2 x dp 2 tie per workload (:func:`tie`)."""
+    """One markdown row per workload and model (``after``, then ``before`` where the job has it), then the
+    pp 2 x dp 2 tie per workload (:func:`tie`)."""
     lines = [
-        "| workload | plans | planner's pick | sweep's best | pick ms (spread) | best ms (spread) | regret (spread) |",
-        "|---|---:|---|---|---:|---:|---:|",
+        "| workload | model | plans | planner's pick | sweep's best | pick ms (spread) | best ms (spread) "
+        "| regret (spread) |",
+        "|---|---|---:|---|---|---:|---:|---:|",
     ]
     for r in results:
-        g = r["regret"]
-        lines.append(
-            f"| {r['workload']} | {len(r['plans'])} | {r['pick']} | {r['best']} "
-            f"| {g['pick median'] * 1e3:.1f} ({g['pick spread'] * 1e3:.1f}) "
-            f"| {g['best median'] * 1e3:.1f} ({g['best spread'] * 1e3:.1f}) "
-            f"| {g['regret']:+.1%} ({g['regret spread']:.1%}) |"
-        )
+        for model, key in (("after", "pick"), ("before", "pick before")):
+            if key not in r["again"]:
+                continue
+            g = regret({"pick": r["again"][key], "best": r["again"]["best"]})
+            lines.append(
+                f"| {r['workload']} | {model} | {len(r['plans'])} | {r[key]} | {r['best']} "
+                f"| {g['pick median'] * 1e3:.1f} ({g['pick spread'] * 1e3:.1f}) "
+                f"| {g['best median'] * 1e3:.1f} ({g['best spread'] * 1e3:.1f}) "
+                f"| {g['regret']:+.1%} ({g['regret spread']:.1%}) |"
+            )
     for r in results:
         t = tie(r["plans"])
         if t is not None:

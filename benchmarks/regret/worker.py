@@ -1,14 +1,16 @@
 """One rank of ``python -m benchmarks.regret``: calibrate on plan P, sweep P and every Q, then time the pick and
 the best again, alternating.
 
-1. as :mod:`benchmarks.calibration.worker`: the layers profiled alone, P run under a
-   :class:`~stagewise.runtime.RunCalibrator` until it calibrates;
+1. as :mod:`benchmarks.calibration.worker`: the layers profiled alone at each micro-batch size, P run under a
+   :class:`~stagewise.runtime.RunCalibrator` until it calibrates, its timelines calibrated both ways of
+   :mod:`benchmarks.calibration.model` (``before``: linear in the micro-batch, the bias; ``after``: a CPU
+   cost per action on the shared cores, the layers at each plan's micro-batch);
 2. the sweep: P and the plans Q of :func:`benchmarks.calibration.space.held_out` (4 processes: 32 of them),
-   each predicted from the calibration before it runs, then ``--warmup`` untimed and ``--steps`` timed steps;
-3. the planner's pick (the least predicted step) and the sweep's best (the least measured median) built again
-   and timed ``--again`` rounds, one step of each per round, so that both see the same load.
+   each predicted by both models before it runs, then ``--warmup`` untimed and ``--steps`` timed steps;
+3. each model's pick (its least predicted step) and the sweep's best (the least measured median) built again
+   and timed ``--again`` rounds, one step of each per round, so that all see the same load.
 
-Rank 0 writes the sweep and the steps measured again as JSON (``--out``).
+Rank 0 writes the sweep, the steps measured again and what an offline refit needs as JSON (``--out``).
 """
 
 from __future__ import annotations
@@ -21,37 +23,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-# internal: the held-out prediction itself (a plan's costs from the calibration, before it runs)
-from stagewise.planning.recalibrate import RunCalibration, held_out_costs
-from stagewise.runtime import RunCalibrator
-
 from .._launch import timed_step
 from ..calibration.space import GLOBAL_BATCH, PlanSpec, calibrating, held_out
-from ..calibration.worker import alone_profile, build, prior_bandwidth
+from ..calibration.worker import alone_profiles, build, calibrated, micro_batch, predicted_row
 from ..fidelity.workloads import Workload, workloads
 from .report import best, pick
 
 
-def predicted(cal: RunCalibration, profile: Any, q: Any, plan: PlanSpec, b_p: int) -> Any:
-    b_q = GLOBAL_BATCH // (plan.dp * plan.microbatches)
-    counts = [len(r) for r in q.layer_ranges]
-    costs = held_out_costs(cal, profile, counts, batch_ratio=b_q / b_p, dp=plan.dp)
-    return cal.predict(q.schedule, costs, processes_per_node=dist.get_world_size())
-
-
-def sweep(work: Workload, plans: list[PlanSpec], cal: RunCalibration, profile: Any, args: Any) -> list[dict]:
+def sweep(work: Workload, plans: list[PlanSpec], cals: dict, profiles: dict, args: Any) -> list[dict]:
     x, y = work.data(GLOBAL_BATCH)
-    b_p = GLOBAL_BATCH // calibrating(dist.get_world_size()).microbatches
+    p_plan = calibrating(dist.get_world_size())
     rows = []
     for plan in plans:
-        b_q = GLOBAL_BATCH // (plan.dp * plan.microbatches)
-        q = build(work, plan, profile, x[:b_q])
-        guess = predicted(cal, profile, q, plan, b_p)
+        q = build(work, plan, profiles[micro_batch(p_plan)], x[: micro_batch(plan)])
+        row = predicted_row(cals, profiles, p_plan, plan, q)
         for _ in range(args.warmup):
             timed_step(q, x, y)
-        steps = [timed_step(q, x, y) for _ in range(args.steps)]
-        rows.append({"plan": plan._asdict(), "name": plan.describe(), "counts": [len(r) for r in q.layer_ranges],
-                     "predicted": guess.step, "low": guess.low, "high": guess.high, "steps": steps})  # fmt: skip
+        rows.append({**row, "steps": [timed_step(q, x, y) for _ in range(args.steps)]})
         del q
     return rows
 
@@ -60,8 +48,7 @@ def again(work: Workload, chosen: dict[str, PlanSpec], profile: Any, rounds: int
     x, y = work.data(GLOBAL_BATCH)
     pipes = {}
     for key, plan in chosen.items():
-        b_q = GLOBAL_BATCH // (plan.dp * plan.microbatches)
-        pipes[key] = build(work, plan, profile, x[:b_q])
+        pipes[key] = build(work, plan, profile, x[: micro_batch(plan)])
         timed_step(pipes[key], x, y)
     steps: dict[str, list[float]] = {key: [] for key in pipes}
     for _ in range(rounds):
@@ -75,22 +62,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     work = workloads()[args.workload]
     x, y = work.data(GLOBAL_BATCH)
     p_plan = calibrating(world)
-    b_p = GLOBAL_BATCH // p_plan.microbatches
-    profile = alone_profile(work, x[:b_p], y[:b_p])
-    pipe = build(work, p_plan, profile, x[:b_p])
-    calibrator = RunCalibrator(pipe, profile, processes=world, bandwidth=prior_bandwidth())
-    while calibrator.calibration is None:
-        pipe.train_step(x, y)
-        calibrator.observe()
-    del pipe
-    cal = calibrator.calibration
     plans = [p_plan, *held_out(world, args.plans)]
-    rows = sweep(work, plans, cal, profile, args)
-    i, j = pick(rows), best(rows)
-    steps = again(work, {"pick": plans[i], "best": plans[j]} if i != j else {"pick": plans[i]}, profile, args.again)
-    steps.setdefault("best", steps["pick"])
+    profiles = alone_profiles(work, x, y, [micro_batch(p) for p in plans])
+    record, cals, keep = calibrated(work, p_plan, profiles)
+    rows = sweep(work, plans, cals, profiles, args)
+    i, k, j = pick(rows), pick(rows, "before"), best(rows)
+    chosen = {"pick": i, "pick before": k, "best": j}
+    timed = {}  # one pipeline per distinct plan, timed alternately
+    for key, at in chosen.items():
+        timed.setdefault(at, key)
+    steps = again(work, {key: plans[at] for at, key in timed.items()}, profiles[micro_batch(p_plan)], args.again)
+    again_steps = {key: steps[timed[at]] for key, at in chosen.items()}
     return {"workload": args.workload, "world": world, "plans": rows, "pick": plans[i].describe(),
-            "best": plans[j].describe(), "again": steps, "calibration": calibrator.records[0]}  # fmt: skip
+            "pick before": plans[k].describe(), "best": plans[j].describe(), "again": again_steps,
+            "calibration": record, "overhead_s": cals["after"].overhead, "bias_after": cals["after"].bias,
+            "kept": keep}  # fmt: skip
 
 
 def main() -> None:

@@ -44,14 +44,11 @@ INTERNAL = {
     ("fidelity/predicted.py", "stagewise.planning.costing"): (
         "the '+ runtime' prediction is the planner's own costing of each stage, which no public name gives"
     ),
-    ("calibration/worker.py", "stagewise.planning.recalibrate"): (
+    ("calibration/model.py", "stagewise.planning.recalibrate"): (
         "the held-out prediction itself (held_out_costs), which no public name runs without a pipeline of Q"
     ),
     ("calibration/worker.py", "stagewise.runtime.measure.links"): (
         "the run's one message size cannot identify the link's bandwidth: a ping-pong between two ranks gives the prior"
-    ),
-    ("regret/worker.py", "stagewise.planning.recalibrate"): (
-        "the planner's pick is the least held-out prediction (held_out_costs), as the calibration benchmark's"
     ),
     ("transport_pingpong.py", "stagewise.runtime.comm"): "it drives a transport directly: the protocol's values",
     ("transport_pingpong.py", "stagewise.runtime.comm.shm.transport"): (

@@ -32,6 +32,7 @@ from dataclasses import dataclass, replace
 from ..ir import Event, Kind, Schedule, Timeline
 from ..partition import LayerProfile
 from ..simulation import CostModel, shared_makespan
+from .action_cost import action_overhead, at_batch, with_overhead
 from .link_fit import COMPUTE, fit_link
 
 __all__ = [
@@ -115,6 +116,9 @@ class RunCalibration:
     #: per stage, the relative spread (sample standard deviation over mean) of its compute seconds per step
     #: over the calibrating steps: how far the stage costs this calibration rests on could move
     stage_spread: tuple[float, ...] = ()
+    #: seconds (on a core of its own) every compute action brings beyond its layers, measured on the calibrating
+    #: run (:func:`~stagewise.planning.action_cost.action_overhead`; 0: the bias alone carries the model's miss)
+    overhead: float = 0.0
 
     @property
     def measured_step(self) -> float:
@@ -173,7 +177,7 @@ class RunCalibration:
     def predict(self, schedule: Schedule, costs: CostModel, processes_per_node: int | None = None) -> Prediction:
         """``schedule`` under ``costs`` (from :meth:`profile`), its ranks sharing :attr:`cores`; times the bias,
         with the interval of :data:`Z85` x the steps' spread and :data:`MODEL_ERROR` combined."""
-        costs = replace(costs, latency=self.latency, bandwidth=self.bandwidth)
+        costs = with_overhead(replace(costs, latency=self.latency, bandwidth=self.bandwidth), self.overhead)
         p = schedule.num_ranks
         weights = [float(processes_per_node or p) / p] * p
         step = shared_makespan(schedule, costs, weights, self.cores) * self.bias
@@ -188,11 +192,19 @@ def held_out_costs(
     *,
     batch_ratio: float = 1.0,
     dp: int = 1,
+    at: LayerProfile | None = None,
 ) -> CostModel:
     """A plan Q's stage costs from the calibrated layers: cut into ``counts``; every time and activation scaled
-    by Q's micro-batch over the calibrating plan's (``batch_ratio``, the planner's linear scaling); with
-    ``dp`` replicas each stage's SYNC a ring all-reduce of its gradients (its parameter bytes) over the
-    calibrated link. Nothing of Q is measured."""
+    by Q's micro-batch over the calibrating plan's (``batch_ratio``, the planner's linear scaling), or, with
+    ``at`` (the layers profiled at Q's micro-batch), ``at``'s costs scaled as the run scaled ``prior``'s
+    (:func:`~stagewise.planning.action_cost.at_batch`; ``batch_ratio`` is then not applied); with ``dp``
+    replicas each stage's SYNC a ring all-reduce of its gradients (its parameter bytes) over the calibrated
+    link. Nothing of Q is measured."""
+    if at is not None:
+        bounds = [0]
+        for c in counts:
+            bounds.append(bounds[-1] + int(c))
+        return ring_synced(at_batch(calibration.profile(prior), prior, at).cost_model(bounds), dp, calibration)
     layers = calibration.profile(prior).layers
     scaled = tuple(
         replace(
@@ -245,13 +257,16 @@ def calibrate_run(
     *,
     dp: int = 1,
     reductions: Sequence[tuple[float, float]] = (),
+    per_action: bool = False,
 ) -> RunCalibration:
     """Calibrate on the run of ``schedule`` cut by ``counts`` (layers per stage of ``prior``): ``timelines``
     (one per step, every rank on one clock) measured on ``cores`` shared cores; then the bias against the
     model's own prediction of that plan (module docstring). ``prior_bandwidth`` (bytes/s, e.g. a ping-pong's):
     the link's bandwidth where the run's transfers cannot identify it. With ``dp`` replicas, ``reductions``:
     their all-reduces' per-message pairs (:func:`~stagewise.planning.link_fit.reduce_transfers`), fitted with
-    the transfers; the plan's own prediction then prices each stage's SYNC on the fitted link."""
+    the transfers; the plan's own prediction then prices each stage's SYNC on the fitted link. ``per_action``:
+    each compute action also costs the CPU time its rank spent outside compute events without waiting (the
+    calibration's ``overhead``, :mod:`stagewise.planning.action_cost`); the bias keeps the rest of the miss."""
     if not timelines:
         raise ValueError("calibrate_run: no timelines (run a few steps first)")
     if sum(counts) != len(prior) or len(counts) != schedule.num_stages:
@@ -274,5 +289,8 @@ def calibrate_run(
         link=link.note,
         stage_spread=stage_spreads(timelines, cores, schedule.num_stages),
     )
-    own = run.predict(schedule, ring_synced(run.profile(prior).cost_model(bounds), dp, run)).step
+    costs = ring_synced(run.profile(prior).cost_model(bounds), dp, run)
+    if per_action:
+        run = replace(run, overhead=action_overhead(timelines, schedule, cores))
+    own = run.predict(schedule, costs).step
     return replace(run, bias=run.measured_step / own if own > 0 else 1.0)

@@ -55,7 +55,9 @@ class RunCalibrator:
     pipeline's plan was searched with (``Pipeline.from_plan`` of a plan searched with ``sw.calibrate()``'s
     links: its ``costs.bandwidth``), or a probe's: a number (e.g. a ping-pong's,
     :func:`~stagewise.runtime.measure.links.ping_pong`) or a :class:`~stagewise.planning.Calibration` (its intra link);
-    infinite when none is known (:func:`link_prior`; the record's ``link`` and ``bandwidth_from`` say which).
+    infinite when none is known (:func:`link_prior`; the record's ``link`` and ``bandwidth_from`` say which);
+    ``per_action``: what the model misses of this plan's step is a CPU cost per compute action on the shared
+    cores (:mod:`stagewise.planning.action_cost`; the record's ``overhead_s``), not a factor on every step.
     """
 
     def __init__(
@@ -70,6 +72,7 @@ class RunCalibrator:
         on_event: Callable[[dict[str, Any]], None] | None = None,
         speeds: Sequence[float] | None = None,
         bandwidth: float | Calibration | None = None,
+        per_action: bool = False,
     ) -> None:
         if after < 1 or warmup < 0:
             raise ValueError(f"RunCalibrator: after must be >= 1 and warmup >= 0, got {after}, {warmup}")
@@ -79,7 +82,7 @@ class RunCalibrator:
         self.cores = float(cores if cores is not None else len(os.sched_getaffinity(0)))
         self.processes = processes or pipe.num_ranks
         self.speeds = None if speeds is None else [float(x) for x in speeds]
-        self.warmup, self.after = warmup, after
+        self.warmup, self.after, self.per_action = warmup, after, per_action
         self.bandwidth, self.bandwidth_from = link_prior(pipe, bandwidth)
         self.on_event = on_event
         self.records: list[dict[str, Any]] = []
@@ -116,7 +119,7 @@ class RunCalibrator:
         reductions = self._replicas.pairs()
         cal = calibrate_run(
             self._calibrating, schedule, self.prior, self.counts, self.cores, self.bandwidth,
-            dp=self._replicas.dp, reductions=reductions,
+            dp=self._replicas.dp, reductions=reductions, per_action=self.per_action,
         )  # fmt: skip
         if self.speeds is not None:  # a rank known slow stays a slow rank: its stages' layers keep their costs
             at = [self.speeds[r] for r in schedule.placement]
@@ -138,6 +141,7 @@ class RunCalibrator:
                 "link": cal.link,
                 "bandwidth_from": self.bandwidth_from,
                 "bias": cal.bias,
+                "overhead_s": cal.overhead,
                 "cores": cal.cores,
             }
         )

@@ -1,0 +1,91 @@
+"""The two cost models the held-out benchmarks compare, from what a job keeps (pure: no torch, so that a model
+change can be evaluated offline against a stored quiet run, ``python -m benchmarks.calibration.refit JSON``).
+
+* ``before``: the calibration as :class:`~stagewise.runtime.RunCalibrator` makes it: the layers' costs scaled
+  linearly to a plan's micro-batch, the model's miss on the calibrating plan a factor on every step (the bias);
+* ``at batch``: ``before`` with each plan's layers profiled at its own micro-batch (the first term of
+  :mod:`stagewise.planning.action_cost` alone);
+* ``after``: both terms: the layers at each plan's micro-batch, and every compute action's CPU time outside its
+  compute event, measured on P's timeline, priced on the shared cores (the bias keeps the rest).
+
+Both are calibrated on the calibrating plan P's timelines only; nothing of a plan Q enters them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from stagewise import LayerProfile, build_schedule
+from stagewise.ir import Schedule, Timeline
+
+# internal: the held-out prediction itself (a plan's costs from the calibration, before it runs)
+from stagewise.planning.recalibrate import Prediction, RunCalibration, calibrate_run, held_out_costs
+
+MODELS = ("before", "at batch", "after")
+
+
+def calibrations(
+    timelines: Sequence[Timeline], schedule: Schedule, profile: LayerProfile, counts: Sequence[int], cores: float,
+    bandwidth: float,
+) -> dict[str, RunCalibration]:  # fmt: skip
+    """P's run calibrated for each model (module docstring)."""
+    plain = calibrate_run(timelines, schedule, profile, counts, cores, bandwidth)
+    per_action = calibrate_run(timelines, schedule, profile, counts, cores, bandwidth, per_action=True)
+    return {"before": plain, "at batch": plain, "after": per_action}
+
+
+def predictions(
+    cals: Mapping[str, RunCalibration], profiles: Mapping[int, LayerProfile], b_p: int, schedule: Schedule,
+    counts: Sequence[int], b_q: int, dp: int, processes: int,
+) -> dict[str, Prediction]:  # fmt: skip
+    """Plan Q (its ``schedule``, ``counts`` layers per stage, ``b_q`` samples per micro-batch, ``dp`` replicas)
+    predicted by each model; ``profiles``: the layers profiled alone per micro-batch size (P's is ``b_p``)."""
+    prior, out = profiles[b_p], {}
+    for model in MODELS:
+        at = profiles.get(b_q) if model != "before" else None
+        costs = held_out_costs(cals[model], prior, counts, batch_ratio=b_q / b_p, dp=dp, at=at)
+        out[model] = cals[model].predict(schedule, costs, processes_per_node=processes)
+    return out
+
+
+def kept(
+    profiles: Mapping[int, LayerProfile], timelines: Sequence[Timeline], calibrating: Mapping[str, Any],
+    counts: Sequence[int], cores: float, bandwidth: float, processes: int,
+) -> dict[str, Any]:  # fmt: skip
+    """What an offline refit needs, as JSON: the profiles, P's calibrating timelines and plan, its cut, the cores,
+    the link's prior bandwidth and the processes on the node."""
+    return {
+        "profiles": {str(b): p.to_json() for b, p in profiles.items()},
+        "timelines": [t.to_json() for t in timelines],
+        "calibrating": dict(calibrating),
+        "counts": list(counts),
+        "cores": cores,
+        "bandwidth": bandwidth,
+        "processes": processes,
+    }
+
+
+def schedule_of(plan: Mapping[str, Any], virtual: int | None) -> Schedule:
+    """The schedule a benchmark plan runs (as the pipeline builds it: no optimizer steps)."""
+    return build_schedule(plan["schedule"], plan["pp"], plan["microbatches"], virtual)
+
+
+def refit(job: Mapping[str, Any], global_batch: int) -> list[dict[str, Any]]:
+    """Every plan of a stored job predicted again by the current code of each model, from the job's ``kept``
+    record alone: per plan its name, measured steps and ``{model: (step, low, high)}``."""
+    keep = job["kept"]
+    profiles = {int(b): LayerProfile.from_json(p) for b, p in keep["profiles"].items()}
+    p_plan = keep["calibrating"]
+    b_p = global_batch // (p_plan["dp"] * p_plan["microbatches"])
+    timelines = [Timeline.from_json(t) for t in keep["timelines"]]
+    p_schedule = schedule_of(p_plan, None)
+    cals = calibrations(timelines, p_schedule, profiles[b_p], keep["counts"], keep["cores"], keep["bandwidth"])
+    rows = []
+    for r in job["plans"]:
+        plan = r["plan"]
+        b_q = global_batch // (plan["dp"] * plan["microbatches"])
+        got = predictions(cals, profiles, b_p, schedule_of(plan, r.get("virtual")), r["counts"], b_q, plan["dp"],
+                          keep["processes"])  # fmt: skip
+        rows.append({"plan": plan, "steps": r["steps"], **{m: (p.step, p.low, p.high) for m, p in got.items()}})
+    return rows

@@ -1,0 +1,67 @@
+"""Predict a stored run's plans again with the current cost models, offline (no processes, no torch).
+
+    .venv/bin/python -m benchmarks.calibration.refit out/regret/regret.json
+    .venv/bin/python -m benchmarks.calibration.refit out/calibration/calibration.json
+
+A job of ``benchmarks.calibration`` or ``benchmarks.regret`` keeps what its calibrating plan P gave (``kept``:
+the profiles per micro-batch, P's calibrating timelines, its cut, the cores, the link's prior bandwidth);
+:func:`.model.refit` calibrates both models on it again and predicts every plan, so a change to the model
+can be judged against a quiet run without running it again. Per job and model: the mean and largest absolute
+error against the measured medians, the plan each model picks and its regret over the sweep's best by the
+sweep's own medians (the benchmark's regret times the two again; this is the sweep's figure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from .model import MODELS, refit
+from .space import GLOBAL_BATCH
+
+
+def figures(rows: list[dict[str, Any]], model: str) -> dict[str, Any]:
+    """``model``'s mean and largest absolute error, its pick and the pick's regret by the sweep's medians."""
+    medians = [statistics.median(r["steps"]) for r in rows]
+    errors = [abs(r[model][0] / m - 1) for r, m in zip(rows, medians)]
+    i = min(range(len(rows)), key=lambda k: rows[k][model][0])
+    return {"mae": statistics.mean(errors), "max": max(errors), "pick": i, "regret": medians[i] / min(medians) - 1}
+
+
+def describe(plan: dict[str, Any]) -> str:
+    return f"{plan['schedule']} m{plan['microbatches']} {plan['partition']} pp{plan['pp']} dp{plan['dp']}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("results", type=Path, nargs="+", help="a regret.json, calibration.json or job-*.json")
+    args = parser.parse_args(argv)
+    lines = [
+        "| workload | ranks | model | plans | MAE | max | pick | sweep regret |",
+        "|---|---:|---|---:|---:|---:|---|---:|",
+    ]
+    for path in args.results:
+        data = json.loads(path.read_text())
+        for job in data.get("jobs", [data]):
+            if "kept" not in job:
+                print(
+                    f"{path}: a {job.get('workload')} job without a 'kept' record (older run): skipped", file=sys.stderr
+                )
+                continue
+            rows = refit(job, GLOBAL_BATCH)
+            for model in MODELS:
+                f = figures(rows, model)
+                lines.append(
+                    f"| {job['workload']} | {job['world']} | {model} | {len(rows)} | {f['mae']:.1%} | {f['max']:.1%} "
+                    f"| {describe(rows[f['pick']]['plan'])} | {f['regret']:+.1%} |"
+                )
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

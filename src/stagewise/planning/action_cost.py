@@ -1,0 +1,150 @@
+"""What a compute action costs beyond its layers' linear share (issue 49: 4 processes on 2 cores), pure.
+
+The quiet regret run (docs/benchmarks/regret.md, 2026-12-02) measured 99 plans at 4 processes on 2 cores
+against the calibrated model. Its error, ``log(measured / predicted)``, follows two plan features and not the
+data-parallel degree: the micro-batch (``-0.22`` per doubling; plans at 1 sample 33 % slow, at 4 samples 10 %
+fast) and the number of actions a step runs (``+0.17`` for the two-virtual-stage schedules, twice the actions
+and messages of one stage per rank); with those two, ``dp 2`` adds ``+0.003``. Two terms of the model were
+wrong, and this module replaces them:
+
+* **a layer's cost at the plan's micro-batch** was the calibrated cost times the micro-batch ratio (linear);
+  a layer call has a fixed part (the operators' dispatch, the autograd graph) and small matrices do not scale
+  linearly either. :func:`at_batch` takes the layers profiled at the plan's own micro-batch (a probe: one
+  profile per micro-batch size a plan space holds) and keeps what the calibrating run taught per stage and
+  kind: each layer's calibrated-over-profiled ratio at the calibrating micro-batch;
+* **what the run costs beyond its compute** was a factor on the whole step (the bias); part of it is CPU work
+  each action brings outside its compute event (the interpreter's dispatch, posting its messages, handing a
+  wait to a helper thread and waking up after it), which takes a core as compute does. :func:`action_overhead`
+  measures it on the calibrating run's timeline (each rank's time between its events while it was not
+  waiting for an input, and its sends' and receives' posting, per compute action, on a core of its own);
+  :func:`with_overhead` adds it to every compute action, so that the processes' sharing of the cores
+  (:func:`stagewise.simulation.shared_makespan`) prices it: a plan with twice the actions pays it twice, a
+  bubble another rank fills does not. The bias keeps what neither term explains.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import replace
+
+from ..ir import Event, Kind, Schedule, Timeline
+from ..partition import LayerProfile
+from ..simulation import CostModel
+
+__all__ = ["action_overhead", "at_batch", "with_overhead"]
+
+COMPUTE = (Kind.F, Kind.B, Kind.I, Kind.W)
+
+
+def at_batch(calibrated: LayerProfile, prior: LayerProfile, at: LayerProfile) -> LayerProfile:
+    """``at`` (the layers profiled at a plan's micro-batch) with each layer's cost of each kind scaled by
+    ``calibrated / prior`` at the calibrating micro-batch (``calibrated``: :meth:`RunCalibration.profile` of
+    ``prior``; a kind ``prior`` charges nothing keeps ``at``'s cost). ``at``'s split backward is its fused one
+    split as ``prior`` splits it: I and W timed apart are a profile's noisiest figures (one of them 7x its
+    neighbours' under load), and a second profile would add its own spikes. Sizes are ``at``'s."""
+    if not (len(calibrated) == len(prior) == len(at)):
+        raise ValueError(
+            f"at_batch: the profiles must hold the same layers, got {len(calibrated)}, {len(prior)} and {len(at)}"
+        )
+
+    def scaled(x: float, was: float, now: float) -> float:
+        return x * (now / was) if was > 0 else x
+
+    out = []
+    for c, p, a in zip(calibrated.layers, prior.layers, at.layers):
+        split = p.backward_input + p.backward_weight
+        i, w = (a.backward * p.backward_input / split, a.backward * p.backward_weight / split) if split > 0 else (
+            a.backward_input, a.backward_weight)  # fmt: skip
+        out.append(
+            replace(
+                a,
+                forward=scaled(a.forward, p.forward, c.forward),
+                backward=scaled(a.backward, p.backward, c.backward),
+                backward_input=scaled(i, p.backward_input, c.backward_input),
+                backward_weight=scaled(w, p.backward_weight, c.backward_weight),
+            )
+        )
+    return replace(at, layers=tuple(out))
+
+
+def with_overhead(costs: CostModel, seconds: float) -> CostModel:
+    """``costs`` with ``seconds`` (on a core of its own) added to every compute action: F, B (fused), I, W."""
+    if not seconds >= 0:
+        raise ValueError(f"with_overhead: seconds must be >= 0, got {seconds!r}")
+    if seconds == 0:
+        return costs
+    fused = costs.backward_times()
+
+    def plus(xs: tuple[float, ...]) -> tuple[float, ...]:
+        return tuple(x + seconds for x in xs)
+
+    return replace(
+        costs,
+        forward=plus(costs.forward),
+        backward_input=plus(costs.backward_input),
+        backward_weight=plus(costs.backward_weight),
+        backward_full=plus(fused),
+    )
+
+
+def action_overhead(timelines: Sequence[Timeline], schedule: Schedule, cores: float) -> float:
+    """The seconds (on a core of its own) each compute action costs its rank outside its compute event, over
+    ``timelines`` (every rank on one clock, one process per rank): per rank, the gaps before compute actions
+    whose input was there when the rank's previous event ended (a gap before a waited input holds the wait:
+    left out, and so is that action) and the posting of sends and receives (communication events); their
+    total over the compute actions counted, the median over the timelines (steps). A gap or posting while
+    ``n`` other ranks compute ran at ``min(1, cores / (n + 1))``."""
+    per_step = [_step_overhead(t, schedule, cores) for t in timelines]
+    return statistics.median(per_step) if per_step else 0.0
+
+
+def _step_overhead(timeline: Timeline, schedule: Schedule, cores: float) -> float:
+    """One step's overhead per counted compute action (:func:`action_overhead`)."""
+    total, counted = 0.0, 0
+    compute = [e for e in timeline.events if e.action.kind in COMPUTE]
+    sent = _inputs_sent(compute, schedule)
+    for row in timeline.by_rank():
+        last: float | None = None
+        for e in row:
+            if e.action.kind in COMPUTE:
+                if last is not None and sent.get(e, -math.inf) <= last:
+                    total += _own(last, e.start, e.rank, compute, cores)
+                    counted += 1
+            elif e.action.kind.is_comm:
+                total += _own(e.start, e.end, e.rank, compute, cores)
+            last = e.end if last is None else max(last, e.end)
+    return total / counted if counted else 0.0
+
+
+def _inputs_sent(compute: list[Event], schedule: Schedule) -> dict[Event, float]:
+    """Per compute event whose input comes from another rank, when that input was sent (its producer's end)."""
+    placement, last = schedule.placement, schedule.num_stages - 1
+    ends = {(e.action.kind, e.action.stage, e.action.microbatch): e.end for e in compute}
+    out = {}
+    for e in compute:
+        a = e.action
+        source = None
+        if a.kind is Kind.F and a.stage > 0:
+            source = (Kind.F, a.stage - 1, a.microbatch)
+        elif a.kind in (Kind.B, Kind.I) and a.stage < last:
+            up = (Kind.B, a.stage + 1, a.microbatch)
+            source = up if up in ends else (Kind.I, a.stage + 1, a.microbatch)
+        if source is not None and source in ends and placement[source[1]] != placement[a.stage]:
+            out[e] = ends[source]
+    return out
+
+
+def _own(t0: float, t1: float, rank: int, compute: list[Event], cores: float) -> float:
+    """Seconds on a core of its own in ``[t0, t1]`` for ``rank``, while the other ranks' compute events share
+    the cores with it."""
+    if t1 <= t0:
+        return 0.0
+    others = [e for e in compute if e.rank != rank and e.start < t1 and e.end > t0]
+    edges = sorted({t0, t1, *(t for e in others for t in (e.start, e.end) if t0 < t < t1)})
+    own = 0.0
+    for a, b in zip(edges, edges[1:]):
+        n = sum(1 for e in others if e.start < b and e.end > a)
+        own += (b - a) * min(1.0, cores / (n + 1))
+    return own
