@@ -169,7 +169,8 @@ def shares(steps: list[dict[str, Any]], oracle: dict[str, dict[int, float]]) -> 
     last change and one warm-up step); and the live cut's own static step, so that a re-laid-out pipeline slower
     than a fresh one of its cut shows (``left behind``: live steady over that cut's static step)."""
     out = []
-    for name, static in oracle.items():
+    for name, by_cut in oracle.items():
+        static = {int(c): t for c, t in by_cut.items()}  # int keys again after a round trip through JSON
         phase = [s for s in steps if s["phase"] == name]
         if not phase:
             continue
