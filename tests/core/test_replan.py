@@ -19,6 +19,7 @@ from stagewise.planning.replan import (
     Option,
     decide,
     line,
+    moved_share,
     noise_margin,
     options_for,
     relayout_seconds,
@@ -136,23 +137,42 @@ def test_the_step_to_step_spread_ignores_a_level_shift() -> None:
 
 
 def test_the_margin_is_the_noise_over_the_steps_left() -> None:
-    # z x spread x step x steps left: 1.44 x 0.05 x 0.1 s x 100 = 0.72 s
-    assert noise_margin(0.05, 0.1, 100) == pytest.approx(0.72)
-    with pytest.raises(ValueError, match="noise_margin: spread"):
-        noise_margin(-0.1, 0.1, 100)
-    # B saves 0.02 s a step of A's 0.1 s: taken at a spread of 0.1 (margin 0.0144 s a step), kept at 0.2 (0.0288)
+    """Hand-computed: each step's own noise averages out over the steps left (their square root), an error of the
+    estimates (the calibration's, the speeds') is an error of every step's saving (their number)."""
+    # the steps' noise alone: 1.44 x 0.1 s x sqrt(100 x 0.05^2) = 0.072 s
+    assert noise_margin(0.1, 100, spread=0.05) == pytest.approx(0.072)
+    # the estimates' error alone: 1.44 x 0.1 s x 100 x hypot(0.03, 0.04) = 0.72 s
+    assert noise_margin(0.1, 100, uncertainty=0.03, speed_error=0.04) == pytest.approx(0.72)
+    # both: 1.44 x 0.1 x sqrt(5^2 + 100 x 0.05^2) = 1.44 x 0.1 x sqrt(25.25)
+    both = noise_margin(0.1, 100, spread=0.05, uncertainty=0.03, speed_error=0.04)
+    assert both == pytest.approx(0.144 * math.sqrt(25.25))
+    with pytest.raises(ValueError, match="noise_margin: step_s, steps_left, spread"):
+        noise_margin(0.1, 100, spread=-0.1)
+    # B saves 0.02 s a step of A's 0.1 s (20 %): taken at a speed error of 0.1 (margin 14.4 % a step), kept at 0.2
     quiet, noisy = Decisions(cooldown=0), Decisions(cooldown=0)
-    calm = quiet.consider(1, A, [A, B], steps_left=100, relayout_s=0.0, spread=0.1)
-    loud = noisy.consider(1, A, [A, B], steps_left=100, relayout_s=0.0, spread=0.2)
+    calm = quiet.consider(1, A, [A, B], steps_left=100, relayout_s=0.0, speed_error=0.1)
+    loud = noisy.consider(1, A, [A, B], steps_left=100, relayout_s=0.0, speed_error=0.2)
     assert calm["taken"] and calm["margin_s"] == pytest.approx(1.44 * 0.1 * 0.1 * 100)
-    assert (loud["taken"], loud["reason"], loud["spread"]) == (False, NOT_WORTH, 0.2)
+    assert (loud["taken"], loud["reason"], loud["speed_error"]) == (False, NOT_WORTH, 0.2)
     assert replay(quiet.log + noisy.log) == [calm, {**loud, "last_change": 1}]
+
+
+def test_the_steps_noise_shrinks_against_the_gain_as_the_steps_left_grow() -> None:
+    """A saving of 2 % a step at a step-to-step spread of 10 %: z 0.1 sqrt(n) < 0.02 n from n = (7.2)^2 = 51.84
+    on; an error of the estimates of the same 10 % never lets it through, however many steps are left."""
+    a, b = Option("1f1b", (4, 4), 1.0), Option("1f1b", (5, 3), 0.98)
+    kept = Decisions(cooldown=0).consider(1, a, [a, b], steps_left=51, relayout_s=0.0, spread=0.1)
+    taken = Decisions(cooldown=0).consider(1, a, [a, b], steps_left=52, relayout_s=0.0, spread=0.1)
+    assert (kept["taken"], taken["taken"]) == (False, True)
+    for n in (52, 10**3, 10**6):
+        assert not Decisions(cooldown=0).consider(1, a, [a, b], steps_left=n, relayout_s=0.0, speed_error=0.1)["taken"]
 
 
 def test_the_calibrations_own_uncertainty_widens_the_margin() -> None:
     """Two calibrating steps whose stage 0 computed 1 s and 3 s: its spread is sqrt 2 / 2 (sample standard
     deviation over the mean); with stage spreads 0.3 and 0.4 over 2 steps the uncertainty is 1.25 x sqrt(2 / 2)
-    x their root mean square; a decision's noise margin combines it with the steps' spread (0.3 and 0.4 -> 0.5)."""
+    x their root mean square; a decision's margin counts it on every step left, with the speeds' error
+    (0.3 and 0.4 -> 0.5), and the steps' spread over their square root."""
     from stagewise.ir import Action, Event, Kind, Timeline
     from stagewise.planning.recalibrate import RunCalibration, stage_spreads
 
@@ -162,8 +182,28 @@ def test_the_calibrations_own_uncertainty_widens_the_margin() -> None:
     assert cal.uncertainty == pytest.approx(1.25 * math.sqrt(0.125))
     d = Decisions(cooldown=0, z=2.0)
     now, best = Option("1f1b", (4, 4), 1.0), Option("1f1b", (5, 3), 0.5)
-    record = d.consider(3, now, [now, best], steps_left=10, relayout_s=0.0, spread=0.3, uncertainty=0.4)
-    assert record["margin_s"] == pytest.approx(10 * 2.0 * 0.5 * 1.0) and record["uncertainty"] == 0.4
-    assert not record["taken"] and record["gain_s"] == 5.0  # 5 s of gain against a 10 s margin
-    with pytest.raises(ValueError, match="uncertainty must be >= 0"):
+    record = d.consider(
+        3, now, [now, best], steps_left=10, relayout_s=0.0, spread=0.1, uncertainty=0.3, speed_error=0.4
+    )
+    assert record["margin_s"] == pytest.approx(2.0 * 1.0 * math.sqrt((10 * 0.5) ** 2 + 10 * 0.1**2))
+    # speeds measured against this calibration: its error is theirs too, but for the layers moved (1 of 5: 0.2)
+    absorbed = Decisions(cooldown=0, z=2.0).consider(
+        3, now, [now, best], steps_left=10, relayout_s=0.0, spread=0.1, uncertainty=0.3, speed_error=0.4,
+        speeds_measured=True,
+    )  # fmt: skip
+    assert absorbed["margin_s"] == pytest.approx(2.0 * math.sqrt((10 * math.hypot(0.3 * 0.2, 0.4)) ** 2 + 0.1))
+    assert record["uncertainty"] == 0.3 and record["speed_error"] == 0.4
+    assert not record["taken"] and record["gain_s"] == 5.0  # 5 s of gain against a 10.04 s margin
+    with pytest.raises(ValueError, match="uncertainty and speed_error must be >= 0"):
         d.consider(4, now, [now, best], steps_left=10, relayout_s=0.0, uncertainty=-1.0)
+
+
+def test_the_moved_share_is_the_largest_part_of_a_stage_new_to_it() -> None:
+    """[4, 4] -> [6, 2]: stage 0 takes layers 4 and 5 (2 of its 6), stage 1 keeps 2 of its own; [2, 6]: stage 1
+    takes 2 of 6; [4, 2, 2] -> [2, 2, 4]: stage 1 now holds layers 2-3, none of which it held (4-5); another
+    schedule moves everything."""
+    assert moved_share(A, Option("1f1b", (6, 2), 0.0)) == pytest.approx(2 / 6)
+    assert moved_share(A, Option("1f1b", (2, 6), 0.0)) == pytest.approx(2 / 6)
+    assert moved_share(A, A) == 0.0
+    assert moved_share(Option("1f1b", (4, 2, 2), 0.0), Option("1f1b", (2, 2, 4), 0.0)) == 1.0
+    assert moved_share(A, Option("zb-h1", (4, 4), 0.0)) == 1.0

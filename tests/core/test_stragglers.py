@@ -3,14 +3,25 @@ calibrated layers) and a speed per rank; named within a window of steps; the cut
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
 
 from helpers.profiles import fake_profile
+from helpers.quota import quota
 from stagewise import build_schedule, simulate
 from stagewise.planning.recalibrate import calibrate_run
-from stagewise.planning.stragglers import SLOW, WINDOW, Detector, cut_for_speeds, rank_speeds
+from stagewise.planning.stragglers import (
+    LEAST_ERROR,
+    SLOW,
+    WINDOW,
+    Detector,
+    compute_speeds,
+    cut_for_speeds,
+    rank_speeds,
+    speed_error,
+)
 
 PLAN = build_schedule("1f1b", 2, 4)
 PRIOR = fake_profile([1.0] * 8)
@@ -70,3 +81,27 @@ def test_the_cut_for_the_measured_speeds_is_the_best_static_cut_for_them() -> No
     assert oracle[counts[0]] == min(oracle.values()) < oracle[4], (counts, oracle)
     assert (now, after) == (pytest.approx(oracle[4]), pytest.approx(min(oracle.values())))
     assert cut_for_speeds(layers, PLAN, [4, 4], [1.0, 1.0], cal)[0] == [4, 4]  # even speeds: the even cut
+
+
+def test_a_quota_stops_a_rank_outside_its_actions_and_its_speed_still_shows() -> None:
+    """Rank 1 at a quarter of its speed whose compute actions run at half speed (the quota stops it between them
+    as often as inside): its speed is 0.25 from when each action could start; its actions alone say 0.5."""
+    cal = calibrated()
+    held = quota(run([1.0, 0.25]), [1.0, 0.5], [1.0, 0.25])
+    assert held.makespan == pytest.approx(run([1.0, 0.25]).makespan)
+    assert rank_speeds(held, cal, 2) == pytest.approx([1.0, 0.25])
+    assert compute_speeds(held, cal, 2) == pytest.approx([1.0, 0.5])
+    # a wait for a peer's output is not slowness: rank 0 idle while rank 1 is slow keeps speed 1
+    assert rank_speeds(run([1.0, 0.25]), cal, 2)[0] == pytest.approx(1.0)
+
+
+def test_the_speeds_standard_error_is_small_when_they_agree_and_ignores_a_throttle_starting() -> None:
+    """Hand-computed: speeds alternating 0.5 and 0.6 differ by log 1.2 each step: sigma log 1.2 / 0.954, times
+    1.25 / sqrt 3 (a median of the last 3), the same at any level; a level shift from 1.0 to 0.5 is one
+    difference the median outvotes."""
+    alternating = [0.5, 0.6] * 5
+    assert speed_error(alternating) == pytest.approx(1.25 * math.log(1.2) / 0.954 / math.sqrt(3))
+    assert speed_error([2 * x for x in alternating]) == pytest.approx(speed_error(alternating))
+    shifted = [1.0] * 8 + [0.5] * 8
+    assert speed_error(shifted) == LEAST_ERROR  # consistent speeds: the floor, the shift not taken for noise
+    assert speed_error([0.5, 0.5]) == math.inf

@@ -13,6 +13,7 @@ import pytest
 import torch.distributed as dist
 
 from helpers.profiles import fake_profile
+from helpers.quota import quota
 from stagewise import build_schedule, simulate
 from stagewise.runtime import Replanner, RunCalibrator
 
@@ -39,8 +40,9 @@ class FakePipe(SimpleNamespace):
             edges.append(edges[-1] + c)
         self.layer_ranges = [range(a, b) for a, b in zip(edges, edges[1:])]
 
-    def step(self, speeds: list[float]) -> Any:
-        """The simulator's timeline of this step: each rank's compute divided by its speed."""
+    def step(self, speeds: list[float], inside: list[float] | None = None) -> Any:
+        """The simulator's timeline of this step: each rank's compute divided by its speed; with ``inside``, each
+        rank's actions run at that speed and the rest of its time is lost before each starts (a CPU quota)."""
         self.train_steps += 1
         edges = [0] + [r.stop for r in self.layer_ranges]
         costs = PRIOR.cost_model(edges)
@@ -49,7 +51,8 @@ class FakePipe(SimpleNamespace):
             return tuple(x / speeds[self.schedule.placement[s]] for s, x in enumerate(values))
 
         kinds = ("forward", "backward_input", "backward_weight", "backward_full")
-        return simulate(self.schedule, replace(costs, **{k: slowed(getattr(costs, k)) for k in kinds})).timeline
+        timeline = simulate(self.schedule, replace(costs, **{k: slowed(getattr(costs, k)) for k in kinds})).timeline
+        return timeline if inside is None else quota(timeline, inside, speeds)
 
 
 @pytest.fixture
@@ -135,12 +138,77 @@ def wrong_moves(log: list[dict[str, Any]]) -> list[tuple[int, list[int], list[in
 def test_after_a_release_fresh_calibrations_do_not_flap() -> None:
     """Each change starts a fresh calibration of 1 warm-up and 3 steps; at 20 % noise per rank and step those
     disagree by more than the steps' spread says. The margin holds the calibration's own uncertainty (its
-    stages' spread over its steps): no wrong move in any seed, while without it (the guard off) a fresh
-    calibration's noise re-cuts the wrong way (seed 3: layers onto rank 1 before any slowdown; seed 9: after
-    the release [6, 2] -> [3, 5]). The 2x slowdown is still re-cut within 10 steps at 10 % noise in every seed
-    with the guard on: test_noise_alone_never_recuts_and_a_real_slowdown_does."""
-    for seed in range(8):
+    stages' spread over its steps) and the measured speeds' standard error: no wrong move in any seed, while
+    without the calibration's part (the guard off) its noise re-cuts the wrong way (seed 0: layers onto rank 1
+    at the first decision, before any slowdown; seed 7: after the release [6, 2] -> [3, 5]). The 2x slowdown
+    is still re-cut within 10 steps at 10 % noise in every seed with the guard on:
+    test_noise_alone_never_recuts_and_a_real_slowdown_does."""
+    for seed in range(12):
         _, replanner = run(seed, SLOW, 0.2, steps=50, until=RELEASED)
         assert not wrong_moves(replanner.log), (seed, wrong_moves(replanner.log))
-    unguarded = [run(seed, SLOW, 0.2, steps=50, until=RELEASED, guard_calibration=False)[1] for seed in (3, 9)]
+    unguarded = [run(seed, SLOW, 0.2, steps=50, until=RELEASED, guard_calibration=False)[1] for seed in (0, 7)]
     assert all(wrong_moves(r.log) for r in unguarded), [wrong_moves(r.log) for r in unguarded]
+
+
+#: the phases of the quota run: (first step, rank 1's share of a core); released at the last
+PHASES = ((10, 0.5), (25, 0.25), (40, 1.0))
+
+
+def share_of(step: int) -> float:
+    """Rank 1's share of a core at ``step``: 1 before the first phase, then each phase's."""
+    return next((s for start, s in reversed(PHASES) if step >= start), 1.0)
+
+
+def quota_run(seed: int, noise: float, steps: int = 60, **options: Any) -> tuple[FakePipe, Replanner, list]:
+    """Rank 1 held by a quota (:data:`PHASES`): its step slowed to the share, its actions only half as much
+    (the rest of its time lost between them, as a cgroup quota does); each rank's speed drawn around 1
+    (``noise``: log-normal sigma). Returns the cut in force after each step too."""
+    rng = random.Random(seed)
+    pipe = FakePipe()
+    options.setdefault("cooldown", 5)
+    replanner = Replanner(pipe, RunCalibrator(pipe, cores=2), steps=1000, relayout_s=0.0, **options)
+    cuts = []
+    for k in range(steps):
+        noisy = [rng.lognormvariate(0.0, noise) for _ in range(2)]
+        share = share_of(k)
+        speeds = [noisy[0], noisy[1] * share]
+        inside = [noisy[0], noisy[1] * min(1.0, 2 * share)]
+        replanner.observe(pipe.step(speeds, inside))
+        cuts.append([len(r) for r in pipe.layer_ranges])
+    return pipe, replanner, cuts
+
+
+def step_of(cut: list[int], share: float) -> float:
+    """The step of ``cut`` with rank 1 at ``share`` (no noise): the oracle's figure."""
+    probe = FakePipe()
+    probe.relayout(cut)
+    return probe.step([1.0, share]).makespan
+
+
+@pytest.mark.usefixtures("one_process_group")
+def test_a_quota_of_a_half_then_a_quarter_is_recut_within_10_steps_and_moved_back_after() -> None:
+    """Issue 49 item 4 on synthetic steps at 5 % noise: 10 steps into each throttle the cut in force runs at
+    least 90 % of the best static cut's speed for it (the oracle: every static cut under the same share), and
+    after the release the cut goes back to the even one; no change but those."""
+    for seed in range(6):
+        pipe, replanner, cuts = quota_run(seed, 0.05)
+        for start, share in PHASES:
+            best = min(step_of([c, 8 - c], share) for c in range(1, 8))
+            reached = cuts[start + 10 - 1]
+            assert best / step_of(reached, share) >= 0.9, (seed, share, reached, replanner.log)
+        assert cuts[-1] == [4, 4], (seed, replanner.log)
+        taken = [r["step"] for r in replanner.log if r["taken"]]
+        assert len(taken) <= 4, (seed, taken)  # one per phase, at most one more to settle
+
+
+@pytest.mark.usefixtures("one_process_group")
+def test_under_a_quota_the_actions_speed_alone_misses_the_quarter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same run judged by its actions' own speed (a quota leaves them 0.5 at a quarter of a core): the
+    quarter's cut is not reached, as in the measured run (named 0.52x at a quarter, the move refused)."""
+    from stagewise.planning.stragglers import compute_speeds
+    from stagewise.runtime.calibration import from_run
+
+    monkeypatch.setattr(from_run, "rank_speeds", compute_speeds)
+    _, _, cuts = quota_run(0, 0.05)
+    best = min(step_of([c, 8 - c], 0.25) for c in range(1, 8))
+    assert best / step_of(cuts[25 + 10 - 1], 0.25) < 0.9

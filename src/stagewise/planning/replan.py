@@ -5,9 +5,12 @@ A change of plan pays when what it saves over the steps left exceeds what it cos
 margin that absorbs the cost model's error. So :func:`decide` takes the plan running and its candidates
 (schedule x cut at the same members, each with the step the calibrated model predicts for it; for a straggler,
 the cut for the measured speeds), and changes only when ``(now - best) x steps_left > relayout_s + margin_s``.
-The margin is not a fixed figure: it is the noise of the steps themselves, :func:`noise_margin` (the
-interval the step-to-step spread draws around the running step, :func:`step_spread`, over the steps left), so
-a gain the steps' own noise could make is never taken, and a real slowdown, larger than that noise, is.
+The margin is not a fixed figure: it is what the gain's own evidence leaves uncertain, :func:`noise_margin`.
+The predicted saving per step rests on estimates (the calibration's stage costs, the ranks' measured speeds): an
+error in those is an error of every step's saving, so it counts once per step left; the steps' own noise
+(:func:`step_spread`) averages out over the steps left (it counts as their square root), so it shrinks against
+the gain as the steps left grow, and a speed measured alike over several steps (a small standard error) is
+strong evidence. A gain inside that interval is never taken; a real slowdown, larger, is.
 A cooldown (steps since the last change) keeps it from flapping: a plan just taken is never left before
 ``cooldown`` steps, whatever a noisy step predicts, so A -> B -> A within the cooldown cannot happen.
 
@@ -95,16 +98,27 @@ def step_spread(steps: Sequence[float]) -> float:
     return diff / math.sqrt(2) / med if med > 0 else 0.0
 
 
-def noise_margin(spread: float, step_s: float, steps_left: int, z: float = Z85) -> float:
-    """The margin a predicted gain must clear beside the re-layout's cost: ``z`` x the relative ``spread`` of
-    the running step (``step_s``), over the ``steps_left``: a saving per step inside the interval that the
-    steps' own noise draws (``z`` = the calibration's 85 % interval) is not told apart from noise. The model's
-    predictions rest on medians of several steps, so this bounds their noise from above."""
-    if spread < 0 or step_s < 0 or steps_left < 0 or z < 0:
+def noise_margin(
+    step_s: float,
+    steps_left: int,
+    *,
+    spread: float = 0.0,
+    uncertainty: float = 0.0,
+    speed_error: float = 0.0,
+    z: float = Z85,
+) -> float:
+    """The margin a predicted gain over ``steps_left`` steps must clear beside the re-layout's cost, for a running
+    step of ``step_s`` seconds: ``z`` standard errors of the total saving, ``z step_s sqrt((n e)^2 + n spread^2)``
+    with ``n`` the steps left. ``e``: the per-step saving's relative error from its estimates (the calibration's
+    ``uncertainty`` and the ranks' ``speed_error``, independent: root sum of squares), the same on every step;
+    ``spread``: each step's own relative noise (:func:`step_spread`), independent from step to step."""
+    if min(step_s, steps_left, spread, uncertainty, speed_error, z) < 0:
         raise ValueError(
-            f"noise_margin: spread, step_s, steps_left and z must be >= 0, got {spread}, {step_s}, {steps_left}, {z}"
+            "noise_margin: step_s, steps_left, spread, uncertainty, speed_error and z must be >= 0, got "
+            f"{step_s}, {steps_left}, {spread}, {uncertainty}, {speed_error}, {z}"
         )
-    return steps_left * z * spread * step_s
+    n = float(steps_left)
+    return z * step_s * math.sqrt((n * math.hypot(uncertainty, speed_error)) ** 2 + n * spread**2)
 
 
 def relayout_seconds(state_bytes: float, bandwidth: float, fixed_s: float) -> float:
@@ -126,17 +140,17 @@ def decide(
     last_change: int | None,
     spread: float | None = None,
     uncertainty: float | None = None,
+    speed_error: float | None = None,
 ) -> dict[str, Any]:
-    """The decision at ``step`` (a plain record; ``taken`` says whether to change to ``best``); ``spread`` and
-    ``uncertainty``: the step-to-step spread and the calibration's own error ``margin_s`` was drawn from,
-    recorded for the audit (``uncertainty`` only when given)."""
+    """The decision at ``step`` (a plain record; ``taken`` says whether to change to ``best``); ``spread``,
+    ``uncertainty`` and ``speed_error``: what ``margin_s`` was drawn from (:func:`noise_margin`), recorded for the
+    audit (the last two only when given)."""
     if steps_left < 0 or relayout_s < 0 or margin_s < 0 or cooldown < 0:
         raise ValueError(
             "decide: steps_left, relayout_s, margin_s and cooldown must be >= 0, got "
             f"{steps_left}, {relayout_s}, {margin_s}, {cooldown}"
         )
-    others = [c for c in candidates if not c.same_plan(current)]
-    best = min(others, key=lambda c: (c.step_s, c.schedule, c.counts), default=None)
+    best = fastest_other(current, candidates)
     gain = 0.0 if best is None else (current.step_s - best.step_s) * steps_left
     if best is None or best.step_s >= current.step_s:
         reason = NO_BETTER
@@ -164,7 +178,30 @@ def decide(
     }
     if uncertainty is not None:
         record["uncertainty"] = uncertainty
+    if speed_error is not None:
+        record["speed_error"] = speed_error
     return record
+
+
+def fastest_other(current: Option, candidates: Sequence[Option]) -> Option | None:
+    """The fastest candidate that is not the plan running (ties broken by name and cut), None if none."""
+    others = [c for c in candidates if not c.same_plan(current)]
+    return min(others, key=lambda c: (c.step_s, c.schedule, c.counts), default=None)
+
+
+def moved_share(current: Option, other: Option) -> float:
+    """The largest share of a stage of ``other`` made of layers that stage does not hold in ``current`` (1 for
+    another schedule). A calibration's error in a stage's cost is measured back in its rank's speed (a speed is
+    the calibrated cost over the time taken), so the running cut is predicted exactly whatever the error, and only
+    the layers a change moves to another stage carry it into the prediction of the new cut."""
+    if current.schedule != other.schedule or len(current.counts) != len(other.counts):
+        return 1.0
+    share, a, c = 0.0, 0, 0
+    for was, now in zip(current.counts, other.counts):
+        kept = max(0, min(a + was, c + now) - max(a, c))
+        share = max(share, (now - kept) / now if now else 0.0)
+        a, c = a + was, c + now
+    return share
 
 
 def line(record: dict[str, Any]) -> str:
@@ -184,8 +221,8 @@ def line(record: dict[str, Any]) -> str:
 class Decisions:
     """The decisions of one run: remembers the last change (for the cooldown) and keeps the log.
 
-    A decision's margin is ``margin_s`` (a fixed part, 0 by default) plus :func:`noise_margin` of the
-    ``spread`` given to :meth:`consider` and the calibration's ``uncertainty`` (root sum of squares) with ``z``."""
+    A decision's margin is ``margin_s`` (a fixed part, 0 by default) plus :func:`noise_margin` of what
+    :meth:`consider` is given, with ``z``."""
 
     def __init__(self, *, margin_s: float = 0.0, cooldown: int, z: float = Z85) -> None:
         self.margin_s, self.cooldown, self.z = float(margin_s), int(cooldown), float(z)
@@ -202,14 +239,24 @@ class Decisions:
         relayout_s: float,
         spread: float | None = None,
         uncertainty: float = 0.0,
+        speed_error: float = 0.0,
+        speeds_measured: bool = False,
     ) -> dict[str, Any]:
-        """Decide and log; ``uncertainty``: the calibration's own relative error
-        (:attr:`~stagewise.planning.recalibrate.RunCalibration.uncertainty`), combined with ``spread`` as
-        independent noise in the margin."""
-        if uncertainty < 0:
-            raise ValueError(f"Decisions.consider: uncertainty must be >= 0, got {uncertainty}")
-        both = None if spread is None and not uncertainty else math.hypot(spread or 0.0, uncertainty)
-        noise = 0.0 if both is None else noise_margin(both, current.step_s, max(0, steps_left), self.z)
+        """Decide and log; ``spread``: the steps' step-to-step spread; ``uncertainty``: the calibration's own
+        relative error (:attr:`~stagewise.planning.recalibrate.RunCalibration.uncertainty`), counted whole, or
+        on the :func:`moved_share` of the fastest candidate when the ranks' speeds were measured against that
+        calibration (``speeds_measured``); ``speed_error``: the measured speeds'
+        (:func:`~stagewise.planning.stragglers.speed_error`)."""
+        if uncertainty < 0 or speed_error < 0:
+            raise ValueError(
+                f"Decisions.consider: uncertainty and speed_error must be >= 0, got {uncertainty}, {speed_error}"
+            )
+        best = fastest_other(current, candidates)
+        moved = 1.0 if best is None or not speeds_measured else moved_share(current, best)
+        noise = noise_margin(
+            current.step_s, max(0, steps_left), spread=spread or 0.0, uncertainty=uncertainty * moved,
+            speed_error=speed_error, z=self.z,
+        )  # fmt: skip
         record = decide(
             step,
             current,
@@ -221,6 +268,7 @@ class Decisions:
             last_change=self.last_change,
             spread=spread,
             uncertainty=uncertainty,
+            speed_error=speed_error,
         )
         if record["taken"]:
             self.last_change = step
@@ -244,6 +292,7 @@ def replay(log: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
             last_change=last,
             spread=r.get("spread"),
             uncertainty=r.get("uncertainty"),
+            speed_error=r.get("speed_error"),
         )
         if d["taken"]:
             last = d["step"]

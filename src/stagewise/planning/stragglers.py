@@ -3,9 +3,10 @@
 One cost model, two factors, as HetPipe's ``speeds=``: a layer costs what the calibration measured
 (:class:`~stagewise.planning.recalibrate.RunCalibration`, taken while every rank ran at its usual pace), and a
 rank runs at a speed, 1 when calibrated. A later step's speed of rank ``r`` is what its compute actions cost
-by the calibration over what they took in that step, each on a core of its own (processor sharing undone,
-:func:`~stagewise.planning.recalibrate.deshared`): a layer's cost moves every rank holding it alike, a slow
-rank moves alone. A rank is named when the median of its last :data:`WINDOW` speeds, each relative to that
+by the calibration over what they took in that step from the moment each could start (:func:`own_spans`: a CPU
+quota stops a process between its actions as often as inside them), each on a core of its own (processor sharing
+undone, as :func:`~stagewise.planning.recalibrate.deshared` does): a layer's cost moves every rank holding it
+alike, a slow rank moves alone. A rank is named when the median of its last :data:`WINDOW` speeds, each relative to that
 step's fastest rank (:class:`Detector`), falls below :data:`SLOW` (so two preempted steps name nobody, and a
 rank held to half a core is named on its third slow step), and cleared when it rises above :data:`RECOVERED`.
 
@@ -17,30 +18,60 @@ it: what a live re-partition would apply.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from ..ir import Schedule, Timeline
+from ..ir import Event, Kind, Schedule, Timeline
 from ..partition import LayerProfile, partition_costs
 from ..simulation import CostModel
 from .defaults import improved_counts
+from .link_fit import COMPUTE
 from .recalibrate import RunCalibration, deshared
 
 #: steps whose median speed decides (5: a rank is named on the third of 5 slow steps, within the 5 steps issue
 #: 49 allows, and two preempted steps of 5 are outvoted: the smoke runs on a 2-core machine at load 8 showed
 #: single steps of a full-speed rank at 0.6-0.7 of its peer)
 WINDOW = 5
+#: the last steps of the window whose median is a rank's speed (:meth:`Detector.speeds`)
+RECENT = 3
 #: a rank below this share of its calibrated speed is named (the step-to-step spread on a shared 2-core
 #: machine reaches 10-15 %; a rank held to half a core runs at 0.5)
 SLOW = 0.8
 #: a named rank back above this share is cleared
 RECOVERED = 0.9
+#: the steps whose speeds' successive differences measure a rank's step-to-step noise (:func:`speed_error`)
+NOISE_STEPS = 20
+#: the least relative error a window of speeds is granted (:func:`speed_error`): a quiet machine's steps agree
+#: to a percent or two, and a cut moves whole layers, so a gain of a few percent is not worth a re-layout's risk
+LEAST_ERROR = 0.02
 
 
 def rank_speeds(timeline: Timeline, calibration: RunCalibration, num_ranks: int) -> list[float]:
-    """Each rank's speed in one step: the calibrated seconds of its compute actions over their de-shared
-    seconds in ``timeline`` (1.0 for a rank that computed nothing)."""
+    """Each rank's speed in one step: the calibrated seconds of its compute actions over the seconds it spent on
+    them from the moment each could start (:func:`own_spans`, de-shared), 1.0 for a rank that computed nothing.
+
+    From when it could start, not from when it started: a rank held by a CPU quota (cgroup ``cpu.cfs_quota_us``)
+    is stopped wherever its quota runs out, in a send, a receive already satisfied or between actions as often
+    as inside one, and every thread of the process spends that quota (gloo's among them): a rank at 25 % of a
+    core, judged by its actions alone, was predicted at 141 ms a step that ran 240 ms. The time from an action's
+    inputs being there to its end holds all of it; a wait for a peer's output is not counted."""
+    expected = [0.0] * num_ranks
+    took = [0.0] * num_ranks
+    for e, own in own_spans(timeline, calibration.cores, calibration.latency):
+        cost = calibration.measured.get(e.action.kind, {}).get(e.action.stage)
+        if cost is None:
+            continue
+        expected[e.rank] += cost
+        took[e.rank] += own
+    return [x / t if t > 0 else 1.0 for x, t in zip(expected, took)]
+
+
+def compute_speeds(timeline: Timeline, calibration: RunCalibration, num_ranks: int) -> list[float]:
+    """Each rank's speed inside its compute actions alone (their calibrated seconds over their de-shared
+    seconds): what a calibration taken on a slowed rank must undo to find its layers' own costs (the quota's
+    stops outside the actions are not the layers' cost)."""
     expected = [0.0] * num_ranks
     took = [0.0] * num_ranks
     for e, own in deshared(timeline, calibration.cores):
@@ -50,6 +81,50 @@ def rank_speeds(timeline: Timeline, calibration: RunCalibration, num_ranks: int)
         expected[e.rank] += cost
         took[e.rank] += own
     return [x / t if t > 0 else 1.0 for x, t in zip(expected, took)]
+
+
+def own_spans(timeline: Timeline, cores: float, latency: float = 0.0) -> list[tuple[Event, float]]:
+    """Each compute event with the seconds its rank spent on it from the moment it could start: the latest of
+    the step's start, the rank's previous compute action's end and its input's producer's end (plus
+    ``latency`` when the producer ran on another rank), to its end; de-shared as
+    :func:`~stagewise.planning.recalibrate.deshared` does (``n(t)`` the spans open at ``t`` on ``cores``)."""
+    compute = sorted((e for e in timeline.events if e.action.kind in COMPUTE), key=lambda e: (e.start, e.rank))
+    if not compute:
+        return []
+    ends = {(e.action.kind, e.action.stage, e.action.microbatch): e for e in compute}
+    last = max(e.action.stage for e in compute)
+    begin = min(e.start for e in timeline.events)
+    previous: dict[int, float] = {}
+    spans = []
+    for e in compute:
+        ready = max(begin, previous.get(e.rank, begin))
+        source = _producer(e, last, ends)
+        if source is not None:
+            ready = max(ready, source.end + (latency if source.rank != e.rank else 0.0))
+        spans.append((e, min(ready, e.start)))
+        previous[e.rank] = max(previous.get(e.rank, begin), e.end)
+    edges = sorted({t for e, ready in spans for t in (ready, e.end)})
+    rate = []
+    for t0, t1 in zip(edges, edges[1:]):
+        n = sum(1 for e, ready in spans if ready < t1 and e.end > t0)
+        rate.append((t0, t1, min(1.0, cores / n) if n else 1.0))
+    return [
+        (e, sum((min(t1, e.end) - max(t0, ready)) * r for t0, t1, r in rate if t0 < e.end and t1 > ready))
+        for e, ready in spans
+    ]
+
+
+def _producer(e: Event, last: int, ends: dict[tuple[Kind, int, int | None], Event]) -> Event | None:
+    """The compute event whose output ``e`` takes in: the previous stage's forward, the next stage's backward
+    (or input-gradient), this stage's forward for the last stage's backward, its input-gradient for a W."""
+    a = e.action
+    if a.kind is Kind.F:
+        return ends.get((Kind.F, a.stage - 1, a.microbatch)) if a.stage > 0 else None
+    if a.kind is Kind.W:
+        return ends.get((Kind.I, a.stage, a.microbatch))
+    if a.stage < last:
+        return ends.get((Kind.B, a.stage + 1, a.microbatch)) or ends.get((Kind.I, a.stage + 1, a.microbatch))
+    return ends.get((Kind.F, a.stage, a.microbatch))
 
 
 @dataclass(frozen=True)
@@ -100,8 +175,25 @@ class Detector:
         return slow, back
 
     def speeds(self) -> list[float]:
-        """Each rank's current median speed (1.0 before it has a window)."""
-        return [statistics.median(h) if len(h) == WINDOW else 1.0 for h in self.history]
+        """Each rank's current speed: the median of its last :data:`RECENT` (1.0 before it has a full window).
+        Naming waits for a window's median, so that two preempted steps name nobody; once named, the speed that
+        sets the cut is the recent one, so that the third slow step of a window is not outvoted by the two
+        before the slowdown (a cut for half the slowdown, the first move a wrong one)."""
+        return [statistics.median(h[-RECENT:]) if len(h) == WINDOW else 1.0 for h in self.history]
+
+
+def speed_error(series: Sequence[float], window: int = RECENT) -> float:
+    """The relative standard error of the median of a ``window`` of a rank's speeds, from ``series`` (its last
+    :data:`NOISE_STEPS` speeds as measured, across changes of plan): the step-to-step sigma
+    of their logarithm (the median size of its successive differences over 0.954, a normal's ``0.6745 sqrt 2``:
+    relative, so that noise measured at full speed counts alike at half speed; a level shift, as a throttle
+    starting, is one outlying difference the median ignores) times ``1.25 / sqrt(window)`` (a median's standard
+    error), and at least :data:`LEAST_ERROR`: a few steps that happen to agree are not proof; ``inf`` for fewer
+    than 3 speeds or one not above 0."""
+    if len(series) < 3 or min(series) <= 0:
+        return math.inf
+    sigma = statistics.median(abs(math.log(b / a)) for a, b in zip(series, series[1:])) / 0.954
+    return max(LEAST_ERROR, 1.25 * sigma / math.sqrt(window))
 
 
 def cut_for_speeds(

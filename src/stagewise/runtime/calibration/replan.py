@@ -5,20 +5,23 @@ feeds a :class:`~stagewise.runtime.calibration.from_run.RunCalibrator`; when tha
 clears one, and every ``every`` steps besides, the group's first rank builds the candidates (for each schedule
 considered, the cut for the ranks' measured speeds, with the step the calibrated model predicts) and asks the pure
 decision (:func:`stagewise.planning.replan.decide`: change only when the gain over the steps left exceeds the
-re-layout's cost plus a margin drawn from the steps' own step-to-step spread,
-:func:`~stagewise.planning.replan.noise_margin` over the last :data:`SPREAD_STEPS` steps, never within ``cooldown``
-steps of the last change). Its record is handed to every rank (one decides, so every rank applies the same change),
-logged in one line, recorded as the ``replan`` event of ``pipe.metrics`` and appended to ``log`` (and to
-``log_path``, JSON lines, on the first rank). A change is applied with :meth:`Pipeline.relayout`; its measured
-seconds are the next decision's cost, and a new calibration starts on the new layout (the old one described another
-cut), told the ranks' speeds of the decision, so that a straggler stays a slow rank rather than becoming costly
-layers: when its throttle lifts it is "recovered" and the cut for equal speeds moves its layers back.
+re-layout's cost plus a margin, :func:`~stagewise.planning.replan.noise_margin`, drawn from the calibration's own
+uncertainty, the measured speeds' standard error and the step-to-step spread of the last :data:`SPREAD_STEPS`
+steps; never within ``cooldown`` steps of the last change). Its record is handed to every rank (one decides, so
+every rank applies the same change), logged in one line, recorded as the ``replan`` event of ``pipe.metrics`` and
+appended to ``log`` (and to ``log_path``, JSON lines, on the first rank). A change is applied with
+:meth:`Pipeline.relayout`; its measured seconds are the next decision's cost, and a new calibration starts on the
+new layout (the old one described another cut), told the ranks' speeds inside their compute actions at the decision
+(:func:`~stagewise.planning.stragglers.compute_speeds`: what its measured actions must be divided by to give the
+layers' own costs), so that a straggler stays a slow rank rather than becoming costly layers: when its throttle
+lifts it is "recovered" and the cut for equal speeds moves its layers back.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import statistics
 import time
 from collections.abc import Sequence
@@ -30,7 +33,7 @@ from ...partition import LayerProfile
 from ...passes.build import build_schedule
 from ...planning.recalibrate import Z85, RunCalibration
 from ...planning.replan import Decisions, Option, line, options_for, relayout_seconds, step_spread
-from ...planning.stragglers import WINDOW
+from ...planning.stragglers import NOISE_STEPS, RECENT, WINDOW, compute_speeds, rank_speeds, speed_error
 from ..comm.groups import group_rank
 from ..frontends.balance import on_first_rank
 from .from_run import RunCalibrator
@@ -102,8 +105,15 @@ class Replanner:
         self._since_decision = 0
         #: the last :data:`SPREAD_STEPS` steps' makespans (seconds), across changes of plan
         self.steps_seen: list[float] = []
-        #: each rank's speed relative to the calibrated layers (1.0 until a straggler is measured)
+        #: each rank's speed relative to the calibrated layers (1.0 until a straggler is measured), its relative
+        #: standard error, and its speed inside its compute actions (what a calibration after a change is told)
         self.speeds: list[float] = [1.0] * pipe.num_ranks
+        self.speed_errors: list[float] = [0.0] * pipe.num_ranks
+        self.told: list[float] = [1.0] * pipe.num_ranks
+        self._compute: list[list[float]] = []
+        #: each rank's last :data:`NOISE_STEPS` speeds, across changes of plan (the machine's step-to-step noise is
+        #: not the layout's)
+        self.series: list[list[float]] = [[] for _ in range(pipe.num_ranks)]
 
     @property
     def log(self) -> list[dict[str, Any]]:
@@ -115,7 +125,12 @@ class Replanner:
         decision's record (None when nothing was decided). ``timeline``: the step's, every rank on one clock
         (default: gathered from the pipeline, a collective)."""
         cal = self.calibrator
+        watched = cal.calibration is not None
+        if timeline is None:
+            timeline = self.pipe.timeline(gather=True)
         cal.observe(timeline)
+        if watched and cal.calibration is not None:
+            self._watch(timeline, cal.calibration)
         self.steps_seen = (self.steps_seen + cal.makespans[self._makespans :])[-SPREAD_STEPS:]
         self._makespans = len(cal.makespans)
         news = [r for r in cal.records[self._seen :] if r["event"] != "replan"]
@@ -127,6 +142,7 @@ class Replanner:
         self._since_decision = 0
         decided: dict[str, Any] = on_first_rank(None, self._decide, "deciding whether to re-plan")
         record, self.speeds = decided["record"], decided["speeds"]
+        self.speed_errors, self.told = decided["errors"], decided["told"]
         self.decisions.log.append(record)
         if record["taken"]:
             self.decisions.last_change = record["step"]
@@ -135,14 +151,27 @@ class Replanner:
             self._apply(record["best"])
         return record
 
+    def _watch(self, timeline: Any, cal: RunCalibration) -> None:
+        """This step's speeds inside the compute actions (what a calibration after a change is told) and from
+        when each action could start (their noise: the decision's speed error), relative to the fastest rank."""
+        n = self.pipe.num_ranks
+        inside, spans = compute_speeds(timeline, cal, n), rank_speeds(timeline, cal, n)
+        self._compute = (self._compute + [[x / max(max(inside), 1e-12) for x in inside]])[-RECENT:]
+        for r, x in enumerate(spans):  # as measured: relative to the fastest, the fastest's would all be 1
+            self.series[r] = (self.series[r] + [x])[-NOISE_STEPS:]
+
     def _decide(self) -> dict[str, Any]:
         """On the first rank: the candidates and the pure decision (not yet logged: every rank logs the same)."""
         cal = self.calibrator
         assert cal.calibration is not None
         step = int(self.pipe.train_steps)
-        speeds = [
-            statistics.median(h) if len(h) == WINDOW else self.speeds[r] for r, h in enumerate(cal.detector.history)
-        ]  # measured where a window is full, else what was known when this calibration began
+        full = [len(h) == WINDOW for h in cal.detector.history]  # measured where a window is full, else what
+        measured = cal.detector.speeds()  # was known when this calibration began
+        speeds = [measured[r] if f else self.speeds[r] for r, f in enumerate(full)]
+        errs = [speed_error(self.series[r]) if f else self.speed_errors[r] for r, f in enumerate(full)]
+        told = self.told
+        if len(self._compute) == RECENT:  # the same recent steps as the speeds the decision takes
+            told = [statistics.median(c[r] for c in self._compute) for r in range(len(told))]
         current, candidates = self._options(cal.calibration, speeds)
         before = len(self.decisions.log), self.decisions.last_change
         record = self.decisions.consider(
@@ -153,10 +182,12 @@ class Replanner:
             relayout_s=self._cost(cal.calibration),
             spread=step_spread(self.steps_seen),
             uncertainty=cal.calibration.uncertainty if self.guard_calibration else 0.0,
+            speed_error=_ratio_error(errs),
+            speeds_measured=all(full),
         )
         del self.decisions.log[before[0] :]  # observe() appends the record handed round, on every rank alike
         self.decisions.last_change = before[1]
-        return {"record": record, "speeds": speeds}
+        return {"record": record, "speeds": speeds, "errors": errs, "told": told}
 
     def _options(self, cal: RunCalibration, speeds: list[float]) -> tuple[Option, list[Option]]:
         running = self.pipe.schedule
@@ -209,11 +240,19 @@ class Replanner:
             processes=old.processes,
             warmup=1,
             after=old.after,
-            speeds=self.speeds,
+            speeds=self.told,
             bandwidth=old.bandwidth,
         )
         self.calibrator.on_event = old.on_event
         self._seen = self._makespans = 0
+        self._compute = []
+
+
+def _ratio_error(errors: list[float]) -> float:
+    """The relative error of the speed ratio that sets a cut: a slow rank's against the fastest, each measured
+    with its own noise (the two largest errors, root sum of squares)."""
+    top = sorted(errors, reverse=True)[:2]
+    return math.hypot(*top) if len(top) == 2 else (top[0] if top else 0.0)
 
 
 def _like(name: str, running: Schedule) -> Schedule:
