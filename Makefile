@@ -17,14 +17,21 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# The whole suite; the targets below run one folder each (its tests carry the folder's marker: -m core, ...).
+# The whole suite, in two runs: the folders of tests in this one process (tests/core, tests/runtime: one core's
+# work each) on two pytest-xdist workers, a module's tests on one worker (--dist loadfile: its fixtures made once);
+# then the folders that start processes (tests/distributed, tests/system: jobs of 2-8 processes that fill both
+# cores themselves) one test at a time. Both run whatever the first gives; a failure in either fails the target.
+# The targets below run one folder each (its tests carry the folder's marker: -m core, ...).
+XDIST := -n 2 --dist loadfile
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(XDIST) tests/core tests/runtime; one=$$?; \
+	$(PY) -m pytest -q tests/distributed tests/system; two=$$?; \
+	test $$one -eq 0 && test $$two -eq 0
 
-# The pure core, no torch (a test there that loads torch fails): about a minute of one core's time (58 s of CPU
-# on 2026-11-28); on a machine busy with other work, several minutes of wall time.
+# The pure core, no torch (a test there that loads torch fails), on two workers: about a minute and a half on a quiet
+# machine of two cores (about 170 s of one core's time on 2026-12-02); on a machine busy with other work, minutes more.
 test-core: $(STAMP)
-	$(PY) -m pytest -q tests/core
+	$(PY) -m pytest -q $(XDIST) tests/core
 
 # The pure core with every long property test at its full count of examples (the fast-vs-reference agreement
 # tests of the validator, simulator and version tables, the partitioner's), the synthesizer's whole grid (every shape
@@ -32,7 +39,7 @@ test-core: $(STAMP)
 # `make test` and `make test-core` draw a quarter of those examples and skip the scale check (tests/helpers/examples.py). Run it after a change to schedules/, passes/, the validator, the simulator, synthesis/ or planning/.
 .PHONY: test-deep
 test-deep: $(STAMP)
-	STAGEWISE_DEEP=1 $(PY) -m pytest -q tests/core
+	STAGEWISE_DEEP=1 $(PY) -m pytest -q $(XDIST) tests/core
 
 # The documentation pages' blocks that `make test` leaves out: a guide's `stagewise run` block whose marker names the
 # tests/distributed checks that prove the API it shows (`<!-- docs-test: run -n 2 | make docs-test: IDS -->`; make
@@ -45,7 +52,7 @@ docs-test: $(STAMP)
 
 # torch in one process, no launcher.
 test-runtime: $(STAMP)
-	$(PY) -m pytest -q tests/runtime
+	$(PY) -m pytest -q $(XDIST) tests/runtime
 
 # torchrun jobs of 2 to 8 gloo ranks, one per module.
 test-distributed: $(STAMP)

@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from helpers.torchrun import SuiteResults, run_suite, selected
+from helpers.torchrun import Share, SuiteResults, shared_job
 from host_read_checks import checks
 
-
-@pytest.fixture(scope="module")
-def results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> SuiteResults:
-    return run_suite("host_read_checks", 4, tmp_path_factory.mktemp("reads"), timeout=240, only=selected(request))
+SHARE = Share("host_read_checks", tuple(checks(4)), timeout=240)  # in the shared 4-rank job
+results = shared_job(SHARE)
 
 
 @pytest.mark.parametrize("name", list(checks(4)))

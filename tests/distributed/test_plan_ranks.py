@@ -9,15 +9,12 @@ from __future__ import annotations
 import pytest
 
 import plan_checks
-from helpers.torchrun import SuiteResults, run_suite
+from helpers.torchrun import Share, SuiteResults, shared_job
 
 RANKS = 4
 CHECKS = [*plan_checks.chosen(RANKS), "on_mesh", "agreed", "different_plans"]
-
-
-@pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> SuiteResults:
-    return run_suite("plan_checks", RANKS, tmp_path_factory.mktemp("plan4"), timeout=240)
+SHARE = Share("plan_checks", tuple(CHECKS), timeout=240)  # in the shared 4-rank job
+results = shared_job(SHARE)
 
 
 def test_the_plans_cover_pipelines_sharding_and_virtual_stages() -> None:

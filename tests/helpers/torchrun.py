@@ -2,6 +2,8 @@
 
 The pytest side of tests/distributed/: the ranks run ``tests/distributed/workers/worker.py``, which imports the
 module of checks beside it (the ranks find ``helpers`` through PYTHONPATH, set from pytest's ``pythonpath``).
+Test modules that declare a :class:`Share` (``SHARE``) run their checks in one job between them (:func:`shared_job`):
+a job's start (processes, torch, gloo) costs seconds of both cores, more than many a check.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,9 +23,11 @@ WORKER = Path(__file__).resolve().parents[1] / "distributed" / "workers" / "work
 
 __all__ = [
     "TRANSPORTS",
+    "Share",
     "SuiteResults",
     "run_suite",
     "selected",
+    "shared_job",
     "suite_per_transport",
     "suites_by_ranks",
 ]
@@ -46,7 +51,8 @@ class SuiteResults:
             pytest.fail(f"check {name!r} has no result from ranks {missing}; worker log tail:\n{self.log[-6000:]}")
         failed = {r: res["detail"] for r, res in sorted(ranks.items()) if not res["ok"]}
         if failed:
-            pytest.fail("\n".join(f"--- rank {r} ---\n{detail}" for r, detail in failed.items()))
+            lines = [f"check {name!r} failed on ranks {sorted(failed)}"]
+            pytest.fail("\n".join(lines + [f"--- rank {r} ---\n{detail}" for r, detail in failed.items()]))
         return ranks
 
     def assert_ok(self, name: str) -> None:
@@ -101,9 +107,13 @@ def selected(request: pytest.FixtureRequest, ranks: int | None = None) -> list[s
     Tests name their check in a ``name`` parameter (and a ``ranks`` one where a module runs several rank
     counts); None when a selected test of the module names none (then every check runs).
     """
+    return _selected(request.session, request.module, ranks)
+
+
+def _selected(session: pytest.Session, module: Any, ranks: int | None = None) -> list[str] | None:
     names: list[str] = []
-    for item in request.session.items:
-        if item.module is not request.module:
+    for item in session.items:
+        if getattr(item, "module", None) is not module:
             continue
         params = getattr(getattr(item, "callspec", None), "params", {})
         if "name" not in params:
@@ -152,3 +162,66 @@ def suite_per_transport(module: str, ranks: int, suite: str, timeout: float) -> 
         )
 
     return results
+
+
+@dataclass(frozen=True)
+class Share:
+    """A test module's part of the shared job (the module-level ``SHARE``; :func:`shared_job`): its module of checks
+    under tests/distributed/workers, every check's name, the seconds its checks may take, the environment they
+    need (given pytest's folder factory), and ``last``: its last check leaves state behind (a failed board,
+    receives never completed), so the job runs the module after every other."""
+
+    checks: str
+    names: tuple[str, ...]
+    timeout: float
+    env: Callable[[pytest.TempPathFactory], dict[str, str]] = lambda _: {}
+    last: bool = False
+
+
+#: the ranks of the shared job (every module that declares a Share runs on them)
+SHARED_RANKS = 4
+#: pytest's timeout for a test of a module in the shared job (its first test waits for the whole job, which is
+#: bounded by the sum of the modules' own timeouts)
+SHARED_TEST_TIMEOUT = 1500
+_SHARED = pytest.StashKey[dict[str, SuiteResults]]()
+
+
+def shared_job(share: Share) -> Any:
+    """A module-scoped fixture ``results``: this module's checks, from the one torchrun job that runs the checks of
+    every module of the session that declares a ``SHARE`` (on SHARED_RANKS ranks, in file order, a ``last`` one
+    last; only the selected checks of each), run when the first of them asks. Each module sees its own checks by
+    their own names; a failure names the check (the test's id) and the job's log says which modules it ran."""
+
+    @pytest.fixture(scope="module")
+    def results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> SuiteResults:
+        jobs = request.session.stash.setdefault(_SHARED, {})
+        if share.checks not in jobs:
+            jobs.update(_run_shared(request.session, tmp_path_factory))
+        return jobs[share.checks]
+
+    return results
+
+
+def _run_shared(session: pytest.Session, tmp_path_factory: pytest.TempPathFactory) -> dict[str, SuiteResults]:
+    every = dict.fromkeys(getattr(item, "module", None) for item in session.items)
+    modules = sorted((m for m in every if isinstance(getattr(m, "SHARE", None), Share)), key=lambda m: m.SHARE.last)
+    assert sum(m.SHARE.last for m in modules) <= 1, "one module of the shared job may leave state behind"
+    shares: list[Share] = [m.SHARE for m in modules]
+    prefix = {s.checks: f"{s.checks}:" if len(shares) > 1 else "" for s in shares}
+    only: list[str] = []
+    env: dict[str, str] = {}
+    for module, share in zip(modules, shares, strict=True):
+        only += [prefix[share.checks] + n for n in _selected(session, module) or share.names]
+        for key, value in share.env(tmp_path_factory).items():
+            assert env.setdefault(key, value) == value, f"the shared job's modules set {key} differently"
+    out = tmp_path_factory.mktemp("shared")
+    job = run_suite(
+        ",".join(s.checks for s in shares), SHARED_RANKS, out, sum(s.timeout for s in shares), env=env, only=only
+    )
+    job.log = f"(one job for {', '.join(s.checks for s in shares)})\n{job.log}"
+    done = {}
+    for share in shares:
+        mine = prefix[share.checks]
+        rows = {name.removeprefix(mine): row for name, row in job.by_check.items() if name.startswith(mine)}
+        done[share.checks] = SuiteResults(SHARED_RANKS, by_check=rows, log=job.log)
+    return done

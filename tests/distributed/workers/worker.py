@@ -5,7 +5,9 @@
 (with ``PYTHONPATH=tests``, as pytest hands on its ``pythonpath``: the checks import ``helpers``).
 ``--checks`` names a module beside this file whose ``checks(world[, suite])`` returns ``{name: check}``;
 each check is called with a :class:`Ctx` and returns None or a JSON-able dict (``info``) that the pytest
-side (``helpers.torchrun``) may inspect. One JSON line per check and rank.
+side (``helpers.torchrun``) may inspect. One JSON line per check and rank. ``--checks a,b`` runs several modules'
+checks in one job, in that order (one process start, torch import and gloo setup for all), each named
+``module:check``.
 """
 
 from __future__ import annotations
@@ -73,18 +75,29 @@ def refused(build: Callable[[Ctx], Any], match: str) -> Check:
     return check
 
 
+def _checks(modules: list[str], world: int, suite: str | None) -> dict[str, Check]:
+    """Every named module's checks in order; prefixed ``module:`` when there are several."""
+    if len(modules) > 1 and suite is not None:
+        raise SystemExit("--suite takes one module of checks")
+    todo: dict[str, Check] = {}
+    for name in modules:
+        module = importlib.import_module(name)
+        got = module.checks(world) if suite is None else module.checks(world, suite)
+        todo |= got if len(modules) == 1 else {f"{name}:{check}": fn for check, fn in got.items()}
+    return todo
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--checks", required=True, help="module beside this file that defines checks()")
+    parser.add_argument("--checks", required=True, help="module(s) beside this file that define checks(), by commas")
     parser.add_argument("--suite", default=None)
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--only", default="", help="comma-separated check names (default: all)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds any collective may take")
     args = parser.parse_args()
-    module = importlib.import_module(args.checks)
     torch.set_num_threads(1)
     env = sw.init(backend="gloo", timeout=timedelta(seconds=args.timeout))
-    todo = module.checks(env.world_size) if args.suite is None else module.checks(env.world_size, args.suite)
+    todo = _checks(args.checks.split(","), env.world_size, args.suite)
     if args.only:
         todo = {k: v for k, v in todo.items() if k in args.only.split(",")}
     args.out.mkdir(parents=True, exist_ok=True)
