@@ -13,6 +13,7 @@ replayed by a fresh job of its size from the same step, float64 losses compared 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import tempfile
@@ -28,80 +29,137 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from .faults import in_place
 
     out = Path(args.keep or tempfile.mkdtemp(prefix="chaos-"))
+    out.mkdir(parents=True, exist_ok=True)
     plan = rl.schedule(args.seed, args.duration, args.interval)
     print(f"schedule (seed {args.seed}): " + ", ".join(f"{t:g} s {k} machine {m}" for t, k, m in plan), flush=True)
-    script = ["--every", str(args.every), "--timeout", str(args.timeout)] + (["--inplace"] if args.inplace else [])
+    (out / "schedule.json").write_text(json.dumps({"seed": args.seed, "plan": plan}))  # published before the run
+    script = ["--timeout", str(args.timeout)] + (["--inplace"] if args.inplace else [])
     extra = [*in_place(args.inplace), *args.extra]
     loads = [os.getloadavg()[0]]
+    measured: dict[str, dict[int, Any]] = {"rates": {}, "bare": {}}
     with netns.make(f"ch{os.getpid() % 1000}", 4, subnet=args.subnet) as machines:
-        rates = {}
-        for k, workers in enumerate(([0, 1, 2], [0, 1])):
-            world = 2 * len(workers)
-            alone = ch.GuideJob(machines, out / f"alone-{world}", [*script, "--start-world", str(world)],
+        kinds = [("rates", args.every)] + ([("bare", 0)] if args.bare and args.every else [])
+        for k, ((name, every), workers) in enumerate(itertools.product(kinds, ([0, 1, 2], [0, 1]))):
+            world, folder = 2 * len(workers), out / f"{name}-{2 * len(workers)}"
+            folder.mkdir(parents=True, exist_ok=True)
+            alone = ch.GuideJob(machines, folder, [*script, "--every", str(every), "--start-world", str(world)],
                                 port=29570 + k, extra=extra)  # fmt: skip
-            (out / f"alone-{world}").mkdir(parents=True, exist_ok=True)
-            rates[world] = ch.throughput(alone, 3, workers, args.measure)
+            measured[name][world] = ch.throughput(alone, 3, workers, args.measure)
             loads.append(os.getloadavg()[0])
-            print(f"fault-free at {world} processes: {rates[world]:.2f} steps/s (load {loads[-1]:.1f})", flush=True)
+            rate, quarters = measured[name][world]
+            print(f"fault-free at {world} processes, snapshot={every}: {rate:.2f} steps/s (quarters "
+                  f"{min(quarters):.2f}-{max(quarters):.2f}; load {loads[-1]:.1f})", flush=True)  # fmt: skip
         (out / "chaos").mkdir(parents=True, exist_ok=True)
-        job = ch.GuideJob(machines, out / "chaos", [*script, "--start-world", "6", "--keep-resumed"], port=29575,
-                          restarts=len(plan) + 5, extra=extra)  # fmt: skip
-        faults, began, ended = ch.chaos(job, plan, args.duration)
+        job = ch.GuideJob(machines, out / "chaos", [*script, "--every", str(args.every), "--start-world", "6",
+                          "--keep-resumed"], port=29575, restarts=len(plan) + 5, extra=extra)  # fmt: skip
+        faults, began, ended = ch.chaos(job, plan, args.duration, wake=args.inplace)
         loads.append(os.getloadavg()[0])
-    return summarise(args, out / "chaos", faults, began, ended, rates, loads)
+    return summarise(args, out / "chaos", faults, began, ended, measured, loads)
 
 
 def summarise(args: argparse.Namespace, out: Path, faults: Any, began: float, ended: float,
-              rates: dict[int, float], loads: list[float]) -> dict[str, Any]:  # fmt: skip
+              measured: dict[str, dict[int, Any]], loads: list[float]) -> dict[str, Any]:  # fmt: skip
     import chaos_harness as ch
+    import chaos_ledger as cl
     import recovery_log as rl
 
-    rows, events = faults.rows(), faults.events
+    rows, events, resumes = faults.rows(), faults.events, faults.job.rows("resumes.jsonl")
     nexts = [e.at for e in events[1:]] + [ended]
     costs = [
-        {"event": e.__dict__, **rl.incident(rows, e, until), "lines": faults.lines_per_machine(k)}
+        {"event": e.__dict__, **rl.incident(rows, e, until, kept=args.inplace), "lines": faults.lines_per_machine(k)}
         for k, (e, until) in enumerate(zip(events, nexts, strict=True))
     ]
     spans = rl.timeline(events, began, ended, 6)
+    rates = {w: r for w, (r, _) in measured["rates"].items()}
+    bare = {w: r for w, (r, _) in measured["bare"].items()}
     result = {
-        "rates": rates, "events": costs, "goodput": rl.goodput(rows, spans, rates),
+        "rates": rates, "quarters": {w: q for w, (_, q) in measured["rates"].items()}, "events": costs,
+        "goodput": rl.goodput(rows, spans, rates), "bare": bare,
+        "bare_goodput": rl.goodput(rows, spans, bare) if bare else None,
+        "ledger": cl.ledger(rows, resumes, events, spans, rates), "woken": faults.woke,
         "samples": rl.samples_check(rl.lineage(rows)), "stale_rows": rl.stale_rows(rows), "loads": loads,
-        "replay": ch.replay(out, rows, faults.job.rows("resumes.jsonl"), args.replay_steps),
-        "out": str(out), "began": began,
+        "replay": ch.replay(out, rows, resumes, args.replay_steps), "out": str(out), "began": began,
     }  # fmt: skip
     (out / "chaos.json").write_text(json.dumps(result, indent=1))
     return result
 
 
 def report(result: dict[str, Any]) -> str:
-    lines = ["| s | event | machine | world after | to first step s | paused s | redone | rolled back | lines |"]
-    lines.append("|---|---|---|---|---|---|---|---|---|")
+    lines = ["| s | event | machine | world after | to first step s | paused s | redone | rolled back | lines "
+             "| lost steps | most of it |", "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     t0 = result["began"]  # the schedule's clock
-    for c in result["events"]:
+    for c, parts in zip(result["events"], result["ledger"]["by_event"], strict=True):
         e = c["event"]
         said = max(c["lines"].values(), default=0)
+        lost = sum(v["lost"] for v in parts.values())
+        top = sorted(parts.items(), key=lambda kv: -kv[1]["lost"])[:3]
+        most = ", ".join(f"{k} {v['lost']:.1f}" for k, v in top if v["lost"] >= 0.5)
+        head = f"| {e['at'] - t0:.0f} | {e['kind']} | {e['machine']} | {e['world']}"
         if not c["recovered"]:
-            head = f"| {e['at'] - t0:.0f} | {e['kind']} | {e['machine']} | {e['world']}"
-            lines.append(f"{head} | not before the next event | | | | {said} |")
+            lines.append(f"{head} | not before the next event | | | | {said} | {lost:.1f} | {most} |")
             continue
-        lines.append(
-            f"| {e['at'] - t0:.0f} | {e['kind']} | {e['machine']} | {e['world']} | {c['to_first_step_s']:.1f} "
-            f"| {c['pause_s']:.1f} | {c['redone']} | {c['rolled_back']} | {said} |"
-        )
+        lines.append(f"{head} | {c['to_first_step_s']:.1f} | {c['pause_s']:.1f} | {c['redone']} "
+                     f"| {c['rolled_back']} | {said} | {lost:.1f} | {most} |")  # fmt: skip
     g, s = result["goodput"], result["samples"]
     equal = sum(1 for r in result["replay"] if r["replayed"] and not r["differ"])
     steps = sum(r["steps"] for r in result["replay"])
+    lines += ["", *breakdown(result), ""]
     lines += [
-        "",
         f"goodput {100 * g['goodput']:.1f} % ({g['useful_steps']} steps of the final lineage against "
         f"{g['ideal_steps']:.0f} fault-free; " + ", ".join(f"{w} processes {r:.2f} steps/s" for w, r in
                                                            sorted(result["rates"].items())) + ")",
+        *normalisation(result),
         f"replay: {equal} of {len(result['replay'])} runs equal bit for bit ({steps} steps compared); "
         f"lineage: {s['missing_steps']} steps missing, {s['skipped']} samples skipped, {s['twice']} seen twice; "
         f"rows from a superseded run: {result['stale_rows']}",
+        woken(result["woken"]),
         f"load (1 min) {min(result['loads']):.1f}-{max(result['loads']):.1f}; logs in {result['out']}",
     ]  # fmt: skip
-    return "\n".join(lines)
+    return "\n".join(x for x in lines if x is not None)
+
+
+LABELS = ("redone", "detect", "newcomer start", "commit", "drop", "agree", "relayout", "recovery other",
+          "replay save", "first step", "after a change", "recovery (restart)", "not absorbed", "steady")  # fmt: skip
+
+
+def breakdown(result: dict[str, Any]) -> list[str]:
+    """Where the goodput went (:mod:`chaos_ledger`): seconds, steps lost and points of goodput by label."""
+    book = result["ledger"]
+    ideal = book["ideal"]
+    out = ["| where the time went | seconds | steps lost | goodput points |", "|---|---|---|---|"]
+    for label in LABELS:
+        if label in book["by_label"]:
+            v = book["by_label"][label]
+            out.append(f"| {label} | {v['seconds']:.1f} | {v['lost']:.1f} | {100 * v['lost'] / ideal:.1f} |")
+    lost = ideal - book["useful"]
+    out.append(f"| all | | {lost:.1f} | {100 * lost / ideal:.1f} |")
+    return out
+
+
+def normalisation(result: dict[str, Any]) -> list[str]:
+    """How much the fault-free rates themselves move, and what the snapshots cost them."""
+    out = ["fault-free rate by quarter of its measurement: " + ", ".join(
+        f"{w} processes {min(q):.2f}-{max(q):.2f} steps/s ({100 * (max(q) - min(q)) / (2 * result['rates'][w]):.0f} %)"
+        for w, q in sorted(result["quarters"].items()))]  # fmt: skip
+    steady = result["ledger"]["by_label"].get("steady")
+    if steady and steady["ideal"]:
+        out.append(f"between events the job ran {100 * (1 - steady['lost'] / steady['ideal']):.1f} % of the "
+                   "fault-free rate (the normalisation's error, with the after-change steps left out)")  # fmt: skip
+    if result["bare"]:
+        cost = ", ".join(f"{w} processes {100 * (result['bare'][w] / r - 1):+.1f} %" for w, r in
+                         sorted(result["rates"].items()))  # fmt: skip
+        out.append(f"snapshot=1 against no snapshots, fault-free: {cost}; goodput against jobs without snapshots "
+                   f"{100 * result['bare_goodput']['goodput']:.1f} %")  # fmt: skip
+    return out
+
+
+def woken(found: list[dict[str, Any]]) -> str | None:
+    """What each stopped or cut-off machine's old processes did once woken (in place: fenced, exit status 3)."""
+    if not found:
+        return None
+    return "woken machines (old launcher's exit status, lines saying fenced): " + ", ".join(
+        f"{w['kind']} {w['machine']}: {w['exit']}, {w['fenced_lines']}" for w in found
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -119,6 +177,7 @@ def add(sub: Any) -> None:
     p.add_argument("--every", type=int, default=1, help="snapshot= of the job")
     p.add_argument("--timeout", type=float, default=10.0, help="the pipeline's hang threshold, seconds")
     p.add_argument("--measure", type=float, default=40.0, help="seconds of each fault-free throughput measurement")
+    p.add_argument("--bare", action="store_true", help="also measure fault-free jobs without snapshots (their cost)")
     p.add_argument("--replay-steps", type=int, default=0, help="replay at most this many steps of each run (0: all)")
     p.add_argument("--subnet", type=int, default=62)
     p.add_argument("--keep", default=None, help="a folder for the jobs' logs and rows (default: a fresh temporary one)")

@@ -39,6 +39,9 @@ def test_a_return_that_keeps_the_processes_redoes_nothing() -> None:
     rows = [row(s, float(s), world=4) for s in range(1, 6)] + [row(s, 1.0 + s) for s in range(6, 9)]
     got = rl.incident(rows, rl.Event("back", 2, 3.5, 6))
     assert (got["rolled_back"], got["redone"]) == (0, 0)
+    joined = [{**r, "run": "b"} if r["world"] == 6 else r for r in rows]  # a new generation, same processes
+    assert rl.incident(joined, rl.Event("back", 2, 3.5, 6))["redone"] == 1  # restarted: the step in flight
+    assert rl.incident(joined, rl.Event("back", 2, 3.5, 6), kept=True)["redone"] == 0
     assert got["pause_s"] == pytest.approx(2.0) and got["to_first_step_s"] == pytest.approx(7.0 - 3.5)
 
 

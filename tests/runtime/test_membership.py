@@ -199,3 +199,25 @@ def test_a_member_gone_by_evidence_found_while_waiting_is_not_waited_for(host: A
     assert got == {0: [0, 1], 1: [0, 1]}
     for m in people[:2]:
         m.stop()
+
+
+def test_a_survivor_without_evidence_takes_the_generation_another_decided_at_once(host: Any) -> None:
+    """A partition seen first by a survivor whose failure names nobody (a snapshot copy that timed out) and then
+    by one whose failure names the lost member: the first must not wait out its deadline while the second's
+    barrier waits for it (seen in chaos: both sides fenced each other and the job ended)."""
+    people = [_member(host, i, [0, 1, 2]) for i in range(3)]
+    for m in people:
+        m.silent_s = 60.0  # neither silence nor the deadline may decide within the join below
+    people[2].stop()
+    got: dict[int, Any] = {}
+    first = threading.Thread(target=lambda: got.update({1: people[1].next(60.0)}))
+    first.start()
+    while not people[0].store.check(["gen1/arrived/1"]):
+        time.sleep(0.01)
+    second = threading.Thread(target=lambda: got.update({0: people[0].next(60.0, gone=[2])}))
+    second.start()
+    for t in (first, second):
+        t.join(30)
+    assert got == {0: [0, 1], 1: [0, 1]}
+    for m in people[:2]:
+        m.stop()

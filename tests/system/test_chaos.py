@@ -44,7 +44,7 @@ def test_two_minutes_of_chaos(path: str, tmp_path: Path) -> None:
     extra = ["--in-place", "--rdzv-conf", "last_call_timeout=60"] if path == "inplace" else []
     with netns.make(f"cz{os.getpid() % 1000}", 4, subnet=os.getpid() % 100 + 140) as machines:
         job = ch.GuideJob(machines, tmp_path, script, port=29580, restarts=len(plan) + 5, extra=extra)
-        faults, began, ended = ch.chaos(job, plan, DURATION, absorb=600)
+        faults, began, ended = ch.chaos(job, plan, DURATION, absorb=600, wake=path == "inplace")
     rows = faults.rows()
     nexts = [e.at for e in faults.events[1:]] + [ended]
     costs = [rl.incident(rows, e, until) for e, until in zip(faults.events, nexts, strict=True)]

@@ -10,7 +10,10 @@ may be lost. ``extra`` adds ``stagewise run`` flags (another recovery path) and 
 A loss is one of :data:`recovery_log.LOSSES`: ``kill`` (SIGKILL to every process of the machine), ``stop``
 (SIGSTOP to each: a hung machine) or ``partition`` (its link set down: its processes run on, unreachable).
 :meth:`Faults.back` takes the machine back as after a reboot: whatever is left of it is killed, its link set
-up, and ``stagewise run`` started there again with empty memory.
+up, and ``stagewise run`` started there again with empty memory. With ``wake`` (the in-place path) a stopped
+machine is first woken (SIGCONT) and a cut-off one's link set up with its processes alive, and ``stagewise
+run`` started beside them: the woken processes are behind the job's generation and must leave on their own
+(fenced, exit status 3) - :meth:`Faults.woken` says what each did.
 """
 
 from __future__ import annotations
@@ -72,6 +75,9 @@ class Faults:
     events: list[Event] = field(default_factory=list)
     lines_at: list[dict[int, int]] = field(default_factory=list)  # per event: machine -> lines in its log
     down: dict[int, str] = field(default_factory=dict)
+    wake: bool = False  # a stopped / cut-off machine woken, not killed, before it is started again
+    woke: list[dict[str, object]] = field(default_factory=list)  # :meth:`woken` at the end of :func:`chaos`
+    _woken: list[tuple[int, str, subprocess.Popen[bytes] | None, int]] = field(default_factory=list)
 
     def world(self) -> int:
         return self.job.nproc * (len(self.workers) - len(self.down))
@@ -95,7 +101,12 @@ class Faults:
         machines = self.job.machines
         kind = self.down.pop(i)
         self.lines_at.append(self.log_lines())
-        if kind != "kill":
+        if kind != "kill" and self.wake:  # its old launcher, and the log's "fenced" lines so far
+            launched = machines.jobs.get(i, [])
+            self._woken.append((i, kind, launched[-1] if launched else None, self._fenced_lines(i)))
+            if kind == "stop":
+                signal_all(machines, i, signal.SIGCONT)
+        elif kind != "kill":
             machines.kill(i)  # (SIGKILL ends a stopped process too)
         if kind == "partition":
             link(machines, i, "up")
@@ -113,6 +124,24 @@ class Faults:
     def log_lines(self) -> dict[int, int]:
         logs = {i: self.job.log(i) for i in self.workers}
         return {i: p.read_bytes().count(b"\n") if p.exists() else 0 for i, p in logs.items()}
+
+    def woken(self, timeout: float = 60.0) -> list[dict[str, object]]:
+        """Each machine woken (``wake``): its old launcher's exit status (None: still running after ``timeout``)
+        and how many lines saying "fenced" its log gained."""
+        out = []
+        for i, kind, launcher, before in self._woken:
+            status = None
+            if launcher is not None:
+                try:
+                    status = launcher.wait(timeout=timeout)
+                except subprocess.TimeoutExpired:
+                    pass
+            out.append({"machine": i, "kind": kind, "exit": status, "fenced_lines": self._fenced_lines(i) - before})
+        return out
+
+    def _fenced_lines(self, i: int) -> int:
+        path = self.job.log(i)
+        return path.read_bytes().count(b"fenced") if path.exists() else 0
 
     def rows(self) -> list[Row]:
         return self.job.rows("steps.jsonl")
@@ -156,14 +185,17 @@ def stop_all(machines: netns.Machines) -> None:
         link(machines, i, "up")
 
 
-def throughput(job: GuideJob, store_machine: int, workers: list[int], seconds: float) -> float:
-    """Steps per second of a fault-free job on ``workers`` (after its first steps), then the job is stopped."""
+def throughput(job: GuideJob, store_machine: int, workers: list[int], seconds: float) -> tuple[float, list[float]]:
+    """Steps per second of a fault-free job on ``workers`` (after its first steps), and of each quarter of the
+    measurement (how much the rate itself moves); then the job is stopped."""
     faults = start(job, store_machine, workers)
     began = time.time()
     time.sleep(seconds)
-    done = [r for r in faults.rows() if began <= r["time"] <= began + seconds]
+    times = [r["time"] for r in faults.rows() if began < r["time"] <= began + seconds]
     stop_all(job.machines)
-    return len(done) / seconds
+    q = seconds / 4
+    quarters = [sum(1 for t in times if began + k * q < t <= began + (k + 1) * q) / q for k in range(4)]
+    return len(times) / seconds, quarters
 
 
 def replay(out: Path, rows: list[Row], resumes: list[Row], limit: int = 0, timeout: float = 1800) -> list[Row]:
@@ -209,12 +241,16 @@ def _replay_env() -> dict[str, str]:
 
 
 def chaos(job: GuideJob, plan: list[tuple[float, str, int]], duration: float, store_machine: int = 3,
-          workers: tuple[int, ...] = (0, 1, 2), absorb: float = 0.0) -> tuple[Faults, float, float]:  # fmt: skip
+          workers: tuple[int, ...] = (0, 1, 2), absorb: float = 0.0, wake: bool = False) -> tuple[
+    Faults, float, float
+]:  # fmt: skip
     """Run ``plan`` (:func:`recovery_log.schedule`) on a job started here, from its first steps at full size for
     ``duration`` seconds; then stop every machine. The faults (events, log lines), the start and the end.
     ``absorb``: after each event, wait (up to that many seconds) for the job to train at its new size before
-    going on - the order of events then holds on a machine of any speed (a test), the times are a floor."""
+    going on - the order of events then holds on a machine of any speed (a test), the times are a floor.
+    ``wake``: see :class:`Faults` (call :meth:`Faults.woken` before the machines are stopped)."""
     faults = start(job, store_machine, list(workers))
+    faults.wake = wake
     began = time.time()
     for at, kind, machine in plan:
         time.sleep(max(0.0, began + at - time.time()))
@@ -224,5 +260,6 @@ def chaos(job: GuideJob, plan: list[tuple[float, str, int]], duration: float, st
     time.sleep(max(0.0, began + duration - time.time()))
     ended = time.time()
     faults.lines_at.append(faults.log_lines())
+    faults.woke = faults.woken(timeout=1.0)  # (launchers still running now: None)
     stop_all(job.machines)
     return faults, began, ended

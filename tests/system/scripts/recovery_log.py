@@ -14,7 +14,7 @@ For one event (a machine lost, or taken back) at wall time ``at``, expecting ``w
 * ``rolled_back``: committed steps trained again: the last step committed before ``first`` minus the step
   it resumed from (``first.step - 1``);
 * ``redone``: ``rolled_back`` plus the step in flight, when one was thrown away (always on a loss; on a
-  return when the processes changed, ``first.run`` not the previous row's);
+  return when the processes changed, ``first.run`` not the previous row's, unless they were kept in place);
 * ``skipped`` / ``twice``: samples between the resumed step's end and ``first``'s start, or before it.
 """
 
@@ -69,9 +69,10 @@ def samples_check(line: dict[int, Row]) -> dict[str, int]:
     return {"missing_steps": missing, "skipped": skipped, "twice": twice}
 
 
-def incident(rows: list[Row], event: Event, until: float = math.inf) -> dict[str, Any]:
+def incident(rows: list[Row], event: Event, until: float = math.inf, kept: bool = False) -> dict[str, Any]:
     """What ``event`` cost (module docstring); ``{"recovered": False}`` when no row of its world follows it
-    before ``until`` (the next event)."""
+    before ``until`` (the next event). ``kept``: the survivors keep their processes (in place), so a return,
+    taken in between steps, throws no step away."""
     ordered = sorted(rows, key=lambda r: r["time"])
     found = (r for r in ordered if event.at <= r["time"] < until and r["world"] == event.world)
     first = next(found, None)
@@ -84,7 +85,7 @@ def incident(rows: list[Row], event: Event, until: float = math.inf) -> dict[str
     line = lineage(before)
     start = line[resumed]["samples"][1] if resumed in line else 0
     rolled = max(0, committed - resumed)
-    thrown = event.loss or last is None or last["run"] != first["run"]
+    thrown = event.loss or last is None or (last["run"] != first["run"] and not kept)
     return {
         "recovered": True,
         "to_first_step_s": first["time"] - event.at,

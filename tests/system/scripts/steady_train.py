@@ -11,7 +11,8 @@ its ``--reference`` mode replays any stretch of this job. Rank 0 writes, in DIR:
   step, world, wall time, the samples ``[first, end)``, the loss (float64), and ``run`` - a name rank 0 draws
   at the start of each process group (a restart of the survivors is a new run);
 * ``resumes.jsonl``: each resume: step, world, source, run, time; ``--keep-resumed``: the state right after
-  it, saved as ``resumed/w<W>-s<S>`` (where a replay starts).
+  it, saved as ``resumed/w<W>-s<S>`` (where a replay starts); in place also the recovery's ``seconds`` and
+  ``parts`` and when the state was ``restored`` (before that save).
 
 Nothing is printed per step, so a machine's log holds only what the runtime says. ``--timeout`` is the
 pipeline's hang threshold (``Pipeline(timeout=)``): a stopped or cut-off peer is given up after it.
@@ -93,13 +94,13 @@ def in_place(args: argparse.Namespace) -> int:
     batch = et.LAYOUT.batch
 
     def resumed(job: Any) -> None:
-        world = len(job.members)
+        world, restored = len(job.members), time.time()  # (the save below is the benchmark's, for its replay)
         if args.keep_resumed and not (args.out / "resumed" / f"w{world}-s{job.step}").exists():
             sw.checkpoint.save(args.out / "resumed" / f"w{world}-s{job.step}", job.pipe, step=job.step)
         row = {"step": job.step, "world": world, "source": "snapshots", "run": f"g{job.generation}"}
         if job.recoveries:  # where this survivor's recovery went (the benchmark's breakdown; a newcomer has none)
             row.update(seconds=job.recoveries[-1].seconds, parts=job.recoveries[-1].parts)
-        write(job, args.out / "resumes.jsonl", {**row, "time": time.time()})
+        write(job, args.out / "resumes.jsonl", {**row, "restored": restored, "time": time.time()})
 
     def write(job: Any, path: Path, row: dict[str, object]) -> None:
         if job.members and job.members[0] == rank:

@@ -156,12 +156,15 @@ class Membership:
         self, g: int, deadline_s: float, known: set[int], still_gone: Callable[[], Sequence[int]] | None
     ) -> list[int]:
         """The members of the last generation that asked for ``g`` - waiting until every one either asked, went
-        silent, or is gone by ``still_gone``'s evidence, or until the deadline."""
+        silent, or is gone by ``still_gone``'s evidence, or until the deadline; at once when another survivor
+        already decided ``g`` (it saw evidence this one has not)."""
         end = time.monotonic() + deadline_s
         watch: dict[int, tuple[bytes | None, float]] = {}
         asked = 0.0
         while True:
             arrived = [m for m in self.members if self.store.check([f"gen{g}/arrived/{m}"])]
+            if self.store.check([f"gen{g}/members"]):  # another survivor decided already: its list stands, and
+                return arrived  # its barrier is waiting (this one must not wait out its own deadline first)
             now = time.monotonic()
             if still_gone is not None and now - asked >= _EVIDENCE_S and len(arrived) + len(known) < len(self.members):
                 known |= set(still_gone())
