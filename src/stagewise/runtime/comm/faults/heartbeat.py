@@ -231,6 +231,17 @@ def stopped_ranks(within: float) -> list[int]:
     return sorted(still, key=lambda r: float(before[r] or 0.0))  # the longest silent first: the likeliest cause
 
 
+def probe_report() -> dict[int, str]:
+    """By peer rank: where its liveness port was probed from here and what the last probe got (a recovery's
+    record: which evidence a survivor had, and why it had none)."""
+    got = _probes.report()
+    try:
+        world, me = dist.get_world_size(), dist.get_rank()
+    except Exception:  # no group any more
+        return got
+    return {r: got.get(r, "never probed (port not published or not read yet)") for r in range(world) if r != me}
+
+
 def stop() -> None:
     """Stop stamping for this process group (an in-place elastic job's next generation starts it again)."""
     global _thread, _stop, _store, _probes
