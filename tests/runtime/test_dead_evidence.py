@@ -106,6 +106,21 @@ def test_without_evidence_the_blame_waits_out_the_window(monkeypatch: pytest.Mon
     assert named_dead(text, [10, 11, 12]) == [12]
 
 
+def test_a_port_that_refuses_during_the_window_ends_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A killed process's sockets close one by one: gloo's connection may fail before the port refuses. The
+    window then asks the ports again, and names the gone peer by them (not "no sign of life" for the window)."""
+    probes, asked = probe.Probes(), list[int]()
+    probes.reached = {1: "127.0.0.1:1", 2: "127.0.0.1:2"}
+    monkeypatch.setattr(probes, "gone", lambda ranks=None: asked.append(1) or ([1] if len(asked) >= 3 else []))
+    monkeypatch.setattr(heartbeat, "_probes", probes)
+    monkeypatch.setattr(heartbeat, "_store", object())
+    monkeypatch.setattr(heartbeat, "_stamps", lambda: {0: "1.0", 1: "1.0", 2: "1.0"})  # (no stamp moves)
+    monkeypatch.setattr(heartbeat.dist, "get_rank", lambda: 0)
+    text = heartbeat.blame_stopped(5.0)
+    assert text.startswith("global rank 1 stopped or died (process gone"), text
+    assert named_dead(text, [10, 11, 12]) == [11]
+
+
 class _Pipe:
     pass
 

@@ -187,9 +187,10 @@ def blame_stopped(within: float = 2.5 * INTERVAL_S) -> str:
     cannot name a live rank: the peers whose liveness port now refuses (:mod:`.probe`: their process is gone),
     named at once (``"global rank 1 stopped or died (its process is gone: ...)"``). Else the window: a dead
     rank's stamp stops advancing, while every live rank stamps every :data:`INTERVAL_S`; costs ``within``
-    seconds, on the failure path only.
+    seconds, on the failure path only - unless a port refuses meanwhile (a killed process's sockets close one
+    by one: gloo's may fail before its port refuses), which ends the window and is named instead.
     """
-    return blame_gone() or _blame([(r, within) for r in stopped_ranks(within)])
+    return blame_gone() or _blame([(r, within) for r in stopped_ranks(within)]) or blame_gone()
 
 
 def blame_failed(timeout: float) -> str:
@@ -223,7 +224,8 @@ def stopped_ranks(within: float) -> list[int]:
         return []
     try:
         before = _stamps()
-        time.sleep(within)
+        if _refused_within(within):  # (:func:`blame_stopped` names it from the ports)
+            return []
         after = _stamps()
     except Exception:
         return []
@@ -240,6 +242,16 @@ def probe_report() -> dict[int, str]:
     except Exception:  # no group any more
         return got
     return {r: got.get(r, "never probed (port not published or not read yet)") for r in range(world) if r != me}
+
+
+def _refused_within(within: float) -> bool:
+    """Wait ``within`` seconds, asking the ports reached every :data:`REACH_S`; True as soon as one refuses."""
+    end = time.monotonic() + within
+    while (left := end - time.monotonic()) > 0:
+        time.sleep(min(REACH_S, left))
+        if _probes.gone():
+            return True
+    return False
 
 
 def stop() -> None:
