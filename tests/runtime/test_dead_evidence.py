@@ -205,3 +205,10 @@ def test_a_dropped_pipeline_tells_the_next_machine_no_more_copies_come(monkeypat
     snaps._inflight = None
     snaps.forget()
     assert posted == [("send", 1, 1)] and snaps._last_word is not None  # not waited for: kept with the group
+
+    def refused(t: torch.Tensor, group_dst: int, group: Any) -> Any:
+        raise RuntimeError("Connection reset by peer")  # (gloo, on a pair whose peer is gone)
+
+    monkeypatch.setattr(snapshot_wire.dist, "isend", refused)
+    snaps.forget()  # a next machine that is gone waits for nothing: the drop goes on
+    assert snaps._last_word is None

@@ -107,8 +107,11 @@ def nothing_more(dest: int, group: Any) -> Any:
     rank - which finished that step, when the lost ranks were all in the other stage's replicas - waiting for
     that snapshot's copy until the timeout, and its recovery with it; its wait now ends with nothing. Sent
     when no copy is in flight here, so it follows every copy this rank sent; unmatched when the peer waits for
-    none (its pipeline is dropped with its group)."""
-    return dist.isend(torch.tensor([_NOTHING], dtype=torch.int64), group_dst=dest, group=group)
+    none (its pipeline is dropped with its group). None when ``dest`` is gone already (gloo raises at once)."""
+    try:
+        return dist.isend(torch.tensor([_NOTHING], dtype=torch.int64), group_dst=dest, group=group)
+    except Exception:  # a dead peer waits for nothing
+        return None
 
 
 def send_bytes(data: torch.Tensor | None, dest: int, group: Any, timeout: float) -> None:
