@@ -121,6 +121,17 @@ def test_a_port_that_refuses_during_the_window_ends_it(monkeypatch: pytest.Monke
     assert named_dead(text, [10, 11, 12]) == [11]
 
 
+def test_a_failed_generation_is_posted_for_every_board_of_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranks of another pipeline share no board with the one that failed: the run's job key reaches them all."""
+    import torch.distributed as dist
+
+    monkeypatch.setattr(heartbeat, "_store", dist.HashStore())
+    assert heartbeat.job_failure() is None
+    heartbeat.post_failure("global rank 0 stopped or died (process gone: ...): rank 3: ...")
+    heartbeat.post_failure("rank 4: the all-reduce timed out")  # the first one stands
+    assert heartbeat.job_failure() == "global rank 0 stopped or died (process gone: ...): rank 3: ..."
+
+
 class _Pipe:
     pass
 

@@ -187,6 +187,7 @@ class InPlace:
             first[:300],
         )
         self._parts, self._sources = {}, {}
+        heartbeat.post_failure(str(err))  # every pipeline of the generation stops now, not at its timeout
         with self._timed("hold"):
             self._held = hold(self.pipe)  # its tensors only: the groups and threads go with the pipeline
         with self._timed("drop"):

@@ -171,6 +171,18 @@ def job_failure() -> str | None:
     return str(_store.get(JOB_KEY).decode())
 
 
+def post_failure(text: str) -> None:
+    """Post ``text`` as this run's failure, unless one stands (every board reads it at its next look; the
+    first words name the dead). For an in-place job's survivor whose generation failed: ranks of another
+    pipeline share no board with it, and one waiting on a live peer that left their collective would wait
+    out its timeout (seen: a stage's replicas' all-reduce, when the lost machine held the other stage's)."""
+    try:
+        if _store is not None:
+            _store.compare_set(JOB_KEY, "", text)
+    except Exception:  # the store is gone: the boards say so themselves
+        log.debug("stagewise heartbeat: the failure was not posted for the run")
+
+
 def _stamps() -> dict[int, str | None]:
     out: dict[int, str | None] = {}
     for r in range(dist.get_world_size()):
