@@ -101,19 +101,6 @@ def _buffer(keep: dict[int, torch.Tensor], source: int, size: int) -> torch.Tens
     return keep[source][:size]
 
 
-def nothing_more(dest: int, group: Any) -> Any:
-    """Tell group rank ``dest`` that no more copies come from here (a length of nothing), without waiting: its
-    work, to keep until the group goes. A rank whose step failed before its snapshot leaves the next machine's
-    rank - which finished that step, when the lost ranks were all in the other stage's replicas - waiting for
-    that snapshot's copy until the timeout, and its recovery with it; its wait now ends with nothing. Sent
-    when no copy is in flight here, so it follows every copy this rank sent; unmatched when the peer waits for
-    none (its pipeline is dropped with its group). None when ``dest`` is gone already (gloo raises at once)."""
-    try:
-        return dist.isend(torch.tensor([_NOTHING], dtype=torch.int64), group_dst=dest, group=group)
-    except Exception:  # a dead peer waits for nothing
-        return None
-
-
 def send_bytes(data: torch.Tensor | None, dest: int, group: Any, timeout: float) -> None:
     """Send ``data`` (uint8, host; None: nothing) to group rank ``dest``: its length, then its bytes."""
     wait = _deadline(timeout)

@@ -141,7 +141,7 @@ class Snapshotter:
         self._fixed: tuple[dict[int, str], dict[str, Any]] | None = None  # see _capture
         self._received: dict[int, torch.Tensor] = {}  # by source: the buffers the peers' copies arrive in
         self._written = folders.Written(self.folder, self.rank)  # the files written here, by source
-        self._stream, self._last_word = None, None  # (the last: see forget)
+        self._stream: Any = None
         self.marks: dict[int, Mark] = {}  # snapshot step -> each live tensor's version at its capture
         if self.rank == 0 and self.peers.dest is None:
             log.info("stagewise snapshots: one machine, so the copies stay on it (they outlive a worker restart)")
@@ -362,12 +362,10 @@ class Snapshotter:
         self._finish_inflight("stall_s")
 
     def forget(self) -> None:
-        """Given up mid-job (an in-place job's failed generation): the snapshots stay, the end is not marked, and
-        the next machine hears no more copies come (:func:`..comm.snapshot_wire.nothing_more`; none in flight)."""
+        """This pipeline is given up mid-job (an in-place elastic job's failed generation): its snapshots stay
+        for the next generation, and its end is not marked at exit."""
         if self.end in _ENDINGS:
             _ENDINGS.remove(self.end)
-        if self._inflight is None and self.peers.dest is not None:
-            self._last_word = snapshot_wire.nothing_more(self.peers.dest, self.group)
 
     def release_at_exit(self) -> None:
         """What a clean exit does (:class:`Ending`), now."""
