@@ -13,10 +13,12 @@ import weakref
 from typing import Any
 
 import pytest
+import torch
 
-from stagewise.runtime.comm import release
+from stagewise.runtime.comm import release, snapshot_wire
 from stagewise.runtime.comm.faults import heartbeat, probe
 from stagewise.runtime.elastic.membership import named_dead
+from stagewise.runtime.errors import PipelineError
 
 _PEER = "import socket, sys, time; s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(8); " \
     "print(s.getsockname()[1], flush=True); time.sleep(600)"  # fmt: skip
@@ -43,6 +45,7 @@ def test_a_stopped_peer_is_not_gone_and_a_killed_one_is(peer: Any) -> None:
     proc.kill()
     proc.wait()
     assert probe.refused(address) is True and probes.gone() == [1]
+    assert probes.report() == {1: f"{address} refused"}  # what a recovery's record says it probed, and got
 
 
 def test_a_refusal_from_a_port_never_reached_is_no_evidence(peer: Any) -> None:
@@ -52,6 +55,7 @@ def test_a_refusal_from_a_port_never_reached_is_no_evidence(peer: Any) -> None:
     probes = probe.Probes()
     assert not probes.confirm(1, address)  # (a firewall refusing every probe looks the same: not trusted)
     assert probes.gone() == [] and probes.gone([1]) == []
+    assert probes.report() == {1: f"{address} refused (never reached: no evidence)"}
 
 
 def test_own_port_takes_probes_in_and_closes_them() -> None:
@@ -102,6 +106,32 @@ def test_without_evidence_the_blame_waits_out_the_window(monkeypatch: pytest.Mon
     assert named_dead(text, [10, 11, 12]) == [12]
 
 
+def test_a_port_that_refuses_during_the_window_ends_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A killed process's sockets close one by one: gloo's connection may fail before the port refuses. The
+    window then asks the ports again, and names the gone peer by them (not "no sign of life" for the window)."""
+    probes, asked = probe.Probes(), list[int]()
+    probes.reached = {1: "127.0.0.1:1", 2: "127.0.0.1:2"}
+    monkeypatch.setattr(probes, "gone", lambda ranks=None: asked.append(1) or ([1] if len(asked) >= 3 else []))
+    monkeypatch.setattr(heartbeat, "_probes", probes)
+    monkeypatch.setattr(heartbeat, "_store", object())
+    monkeypatch.setattr(heartbeat, "_stamps", lambda: {0: "1.0", 1: "1.0", 2: "1.0"})  # (no stamp moves)
+    monkeypatch.setattr(heartbeat.dist, "get_rank", lambda: 0)
+    text = heartbeat.blame_stopped(5.0)
+    assert text.startswith("global rank 1 stopped or died (process gone"), text
+    assert named_dead(text, [10, 11, 12]) == [11]
+
+
+def test_a_failed_generation_is_posted_for_every_board_of_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranks of another pipeline share no board with the one that failed: the run's job key reaches them all."""
+    import torch.distributed as dist
+
+    monkeypatch.setattr(heartbeat, "_store", dist.HashStore())
+    assert heartbeat.job_failure() is None
+    heartbeat.post_failure("global rank 0 stopped or died (process gone: ...): rank 3: ...")
+    heartbeat.post_failure("rank 4: the all-reduce timed out")  # the first one stands
+    assert heartbeat.job_failure() == "global rank 0 stopped or died (process gone: ...): rank 3: ..."
+
+
 class _Pipe:
     pass
 
@@ -126,3 +156,46 @@ def test_a_dropped_pipeline_is_held_then_collected_on_the_release_thread() -> No
     gc.collect()  # the caller's collections do not free what is held
     assert due_ref() is None and names == ["stagewise-release"]
     assert kept_ref() is not None and release.held() >= 1
+
+
+class _Work:
+    def __init__(self, failure: str | None) -> None:
+        self.failure = failure
+
+    def wait(self, timeout: Any = None) -> bool:
+        if self.failure:
+            raise RuntimeError(self.failure)
+        return True
+
+
+def _wire(monkeypatch: pytest.MonkeyPatch, dead: int) -> list[tuple[str, int, int]]:
+    """snapshot_wire's point-to-point ops, faked: ``dead``'s connection is closed, every other peer sends 3 bytes."""
+    posted: list[tuple[str, int, int]] = []
+
+    def irecv(t: torch.Tensor, group_src: int, group: Any) -> _Work:
+        posted.append(("recv", group_src, t.numel()))
+        t.fill_(3 if t.dtype == torch.int64 else 7)
+        return _Work("Connection closed by peer" if group_src == dead else None)
+
+    def isend(t: torch.Tensor, group_dst: int, group: Any) -> _Work:
+        posted.append(("send", group_dst, t.numel()))
+        return _Work("Connection reset by peer" if group_dst == dead else None)
+
+    monkeypatch.setattr(snapshot_wire.dist, "irecv", irecv)
+    monkeypatch.setattr(snapshot_wire.dist, "isend", isend)
+    return posted
+
+
+def test_a_dead_source_does_not_stop_the_copy_to_the_next_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three machines in a ring, the middle one killed: its next survivor still sends its copy on (else the one
+    after that waits the whole timeout for it, and the recovery with it), and that one takes it in."""
+    payload = torch.arange(3, dtype=torch.uint8)
+    posted = _wire(monkeypatch, dead=2)  # as rank 4: its source (rank 2) is gone, its dest (rank 0) is not
+    with pytest.raises(PipelineError, match="Connection closed by peer"):
+        snapshot_wire.exchange(payload, 0, [2], None, 10.0)
+    assert posted == [("recv", 2, 1), ("send", 0, 1), ("send", 0, 3)]  # the length, then the bytes, to rank 0
+    posted = _wire(monkeypatch, dead=2)  # as rank 0: its dest (rank 2) is gone; rank 4's copy comes in whole
+    keep: dict[int, torch.Tensor] = {}
+    with pytest.raises(PipelineError, match="Connection reset by peer"):
+        snapshot_wire.exchange(payload, 2, [4], None, 10.0, into=keep)
+    assert posted == [("recv", 4, 1), ("send", 2, 1), ("recv", 4, 3)] and keep[4].tolist() == [7, 7, 7]

@@ -84,6 +84,7 @@ def test_a_machine_started_while_its_job_runs_starts_its_workers_into_it_with_fr
     host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     monkeypatch.setenv("STAGEWISE_STORE", f"127.0.0.1:{host.port}")
     monkeypatch.setenv(joining.JOIN_ENV, "")
+    monkeypatch.setenv(joining.IDS_ENV, "")
     job = dist.PrefixStore("stagewise-inplace/j/", host)
     job.set("gen0/members", "[0, 1, 2]")  # generation 0 had ids 0-2; a newcomer took 3 already
     job.set("id/3", "taken")
@@ -96,3 +97,4 @@ def test_a_machine_started_while_its_job_runs_starts_its_workers_into_it_with_fr
     assert _run(agent).state == WorkerState.SUCCEEDED
     assert agent.calls == [] and started == [[4, 5]]  # no rendezvous (nobody starts a round); fresh ids
     assert agent._worker_group.group_rank == 4 and os.environ[joining.JOIN_ENV] == "1"
+    assert os.environ[joining.IDS_ENV] == "4,5"  # the machine's newcomers ask the members together

@@ -139,3 +139,14 @@ def test_a_newcomer_that_died_before_the_barrier_costs_one_more_generation_witho
     assert json.loads(store.get("gen1/members")) == [0, 1, 2]
     for m in people:
         m.stop()
+
+
+def test_a_machines_newcomers_ask_the_members_to_make_room_only_once_all_of_them_asked(host: Any) -> None:
+    people = [_member(host, i, [0, 1]) for i in range(2)]
+    first = _in_threads({"3": lambda: joining.ask(_store(host), 3, 0.5, together=[3, 4])})
+    assert isinstance(first["3"], TimeoutError)  # it asked alone: a proposal now would take it in alone
+    assert not _store(host).check(["gen0/grow"]) and not joining.Joins(_store(host)).due(0, 5)
+    got = _in_threads({str(i): (lambda i=i: joining.ask(_store(host), i, 0.5, together=[3, 4])) for i in (3, 4)})
+    assert _store(host).check(["gen0/grow"]) and sorted(json.loads(_store(host).get("gen1/joiners"))) == [3, 4], got
+    for m in people:
+        m.stop()

@@ -151,7 +151,7 @@ def test_the_members_a_failure_names_dead_are_not_waited_for(host: Any) -> None:
         t.start()
     for t in threads:
         t.join(30)
-    assert got == {0: [0, 1], 1: [0, 1]}
+    assert got == {0: [0, 1], 1: [0, 1]} and people[0].decided[2] == "named dead"
     for m in people[:2]:
         m.stop()
 
@@ -173,6 +173,7 @@ def test_a_member_slow_for_less_than_the_threshold_is_kept(host: Any) -> None:
     for t in [*threads, late]:
         t.join(30)
     assert got == {0: [0, 1, 2], 1: [0, 1, 2], 2: [0, 1, 2]}
+    assert people[0].decided[2].startswith("asked at")  # never counted gone, by silence or otherwise
     for m in people:
         m.stop()
 
@@ -197,6 +198,7 @@ def test_a_member_gone_by_evidence_found_while_waiting_is_not_waited_for(host: A
     for t in threads:
         t.join(30)
     assert got == {0: [0, 1], 1: [0, 1]}
+    assert people[0].decided[2].startswith("port refuses at") and people[0].decided[0].startswith("asked at")
     for m in people[:2]:
         m.stop()
 
@@ -220,4 +222,18 @@ def test_a_survivor_without_evidence_takes_the_generation_another_decided_at_onc
         t.join(30)
     assert got == {0: [0, 1], 1: [0, 1]}
     for m in people[:2]:
+        m.stop()
+
+
+def test_a_proposal_takes_in_only_the_newcomers_that_leave_a_size_the_layout_can_use(host: Any) -> None:
+    people = [_member(host, i, [0, 1]) for i in range(2)]
+    for m in people:
+        m.usable = lambda n: n % 2 == 0  # (pp 2: an even number of processes)
+    people[0].store.set("gen1/joiners", "[3]")  # one newcomer of a machine of two asked: 3 processes cannot run
+    assert _all_next(people) == {0: [0, 1], 1: [0, 1]}
+    assert people[0].store.get("gen1/members") == b"[0, 1]"  # left out: it asks for the next generation
+    people[0].store.set("gen2/joiners", "[3, 2]")
+    got = _all_next(people, 2.0)  # (the newcomers are not here to pass the barrier: generation 3 follows)
+    assert people[0].store.get("gen2/members") == b"[0, 1, 2, 3]" and got == {0: [0, 1], 1: [0, 1]}
+    for m in people:
         m.stop()

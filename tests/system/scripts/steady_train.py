@@ -12,7 +12,9 @@ its ``--reference`` mode replays any stretch of this job. Rank 0 writes, in DIR:
   at the start of each process group (a restart of the survivors is a new run);
 * ``resumes.jsonl``: each resume: step, world, source, run, time; ``--keep-resumed``: the state right after
   it, saved as ``resumed/w<W>-s<S>`` (where a replay starts); in place also the recovery's ``seconds`` and
-  ``parts`` and when the state was ``restored`` (before that save).
+  ``parts`` and when the state was ``restored`` (before that save);
+* ``recoveries.jsonl`` (in place, every member): its own recovery's parts, and how the agreement counted each
+  member (asked, named dead, its port refusing, silent) with what its probes of the peers' ports got.
 
 Nothing is printed per step, so a machine's log holds only what the runtime says. ``--timeout`` is the
 pipeline's hang threshold (``Pipeline(timeout=)``): a stopped or cut-off peer is given up after it.
@@ -101,6 +103,11 @@ def in_place(args: argparse.Namespace) -> int:
         if job.recoveries:  # where this survivor's recovery went (the benchmark's breakdown; a newcomer has none)
             row.update(seconds=job.recoveries[-1].seconds, parts=job.recoveries[-1].parts)
         write(job, args.out / "resumes.jsonl", {**row, "restored": restored, "time": time.time()})
+        if job.recoveries:  # every member's own view: how each member was counted, what its probes got
+            last = job.recoveries[-1]
+            mine = {"id": job.me, "gen": job.generation, "cause": last.cause, "time": time.time()}
+            with open(args.out / "recoveries.jsonl", "a") as f:
+                f.write(json.dumps({**mine, "parts": last.parts, "evidence": getattr(last, "evidence", {})}) + "\n")
 
     def write(job: Any, path: Path, row: dict[str, object]) -> None:
         if job.members and job.members[0] == rank:

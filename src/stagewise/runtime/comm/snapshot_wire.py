@@ -8,6 +8,7 @@ that is gone costs the timeout at most, and raises.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
@@ -56,21 +57,42 @@ def exchange(
 ) -> dict[int, torch.Tensor | None]:
     """Send ``payload`` (uint8, host) to group rank ``dest`` while receiving one from each of ``sources``;
     what each source sent (None when it had nothing). Lengths first, then the bytes. ``into``: by source, a
-    buffer to receive into, kept from call to call (a new one's pages cost as much as the bytes' copy)."""
-    wait = _deadline(timeout)
+    buffer to receive into, kept from call to call (a new one's pages cost as much as the bytes' copy).
+
+    Every transfer is waited for, and the first failure raised after them all: a source that is gone does not
+    stop the copy to ``dest``. Otherwise the survivor after a lost machine in the ring gives up at once, and
+    the one after it waits the whole timeout for bytes that never come - and its recovery with it. The
+    ``timeout`` bounds the whole exchange (a stopped peer costs it once, not once per transfer)."""
+    end, failed = time.monotonic() + timeout, list[PipelineError]()
     mine = torch.tensor([_NOTHING if payload is None else payload.numel()], dtype=torch.int64)
     lengths = {s: torch.empty(1, dtype=torch.int64) for s in sources}
-    works = [dist.irecv(t, group_src=s, group=group) for s, t in lengths.items()]
-    if dest is not None:
-        works.append(dist.isend(mine, group_dst=dest, group=group))
-    wait(works, "the lengths of the snapshots' copies")
+    works = {s: dist.irecv(t, group_src=s, group=group) for s, t in lengths.items()}
+    send = dist.isend(mine, group_dst=dest, group=group) if dest is not None else None
+    what = "the lengths of the snapshots' copies"
+    arrived = [s for s, w in works.items() if _settled(w, end, what, failed)]
+    sent = send is not None and _settled(send, end, what, failed)
     keep: dict[int, torch.Tensor] = {} if into is None else into
-    buffers = {s: _buffer(keep, s, int(n.item())) for s, n in lengths.items() if int(n.item()) > 0}
-    works = [dist.irecv(buffers[s], group_src=s, group=group) for s in buffers]
-    if dest is not None and payload is not None and payload.numel():
-        works.append(dist.isend(payload, group_dst=dest, group=group))
-    wait(works, "the snapshots' copies")
-    return {s: buffers.get(s) for s in sources}
+    buffers = {s: _buffer(keep, s, int(lengths[s].item())) for s in arrived if int(lengths[s].item()) > 0}
+    works = {s: dist.irecv(buffers[s], group_src=s, group=group) for s in buffers}
+    if sent and payload is not None and payload.numel():
+        works[-1] = dist.isend(payload, group_dst=dest, group=group)
+    what = "the snapshots' copies"
+    got = {s: buffers[s] for s, w in works.items() if _settled(w, end, what, failed) and s in buffers}
+    if failed:
+        raise failed[0]
+    return {s: got.get(s) for s in sources}
+
+
+def _settled(work: Any, end: float, what: str, failed: list[PipelineError]) -> bool:
+    """Whether ``work`` completed by ``end`` (``time.monotonic()``); its failure kept in ``failed``, raised after
+    the others (once the time is up, the others get a millisecond each: they completed, or they fail)."""
+    try:
+        work.wait(timedelta(seconds=max(end - time.monotonic(), 0.001)))
+        return True
+    except Exception as err:
+        failed.append(PipelineError(f"waiting for {what}: {type(err).__name__}: {err}"))
+        failed[-1].__cause__ = err
+        return False
 
 
 def _buffer(keep: dict[int, torch.Tensor], source: int, size: int) -> torch.Tensor:

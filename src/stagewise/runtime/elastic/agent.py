@@ -104,6 +104,7 @@ def start_newcomers(agent: Any, group: Any, store: Any) -> None:
     group.store, group.group_rank, group.group_world_size = store, ids[0], top
     group.master_addr, group.master_port = "127.0.0.1", 0
     os.environ[joining.JOIN_ENV] = "1"  # the workers inherit the agent's environment
+    os.environ[joining.IDS_ENV] = ",".join(map(str, ids))  # they ask together (a size the layout can use)
     log.warning("stagewise run --in-place: the job runs already: this machine's workers %s ask to join it", ids)
     for worker, pid in agent._start_workers(group).items():
         group.workers[worker].id = pid

@@ -8,7 +8,8 @@ The same store as :mod:`.membership` (``stagewise rendezvous``'s, the job's pref
 * ``id/<n>``: an id claimed by a newcomer (``compare_set`` on an empty key: first claim wins); ids are never
   given twice, so a newcomer never takes the id of a live member or of a fenced or lost one;
 * ``gen<g+1>/joiners``: the newcomers asking for generation g+1 (a list, appended by ``compare_set``);
-  ``gen<g>/grow``: set by a newcomer, it asks the members of generation g to make room;
+  ``gen<g>/grow``: set by a newcomer once every newcomer of its machine asked, it asks the members of
+  generation g to make room (a proposal takes in as many newcomers as leave a size the layout can use);
 * ``gen<g>/grow_at``: the step generation g ends after. Each member looks at ``gen<g>/grow`` once per step
   (one ``check``, between steps); the first to see it proposes its step + :data:`MARGIN` (``compare_set``), and
   every member ends the generation after that step. Why a margin of 2 is enough: every rank ends a step in
@@ -29,7 +30,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +40,8 @@ log = logging.getLogger(__name__)
 
 JOIN_ENV = "STAGEWISE_JOIN"  # set (by ``stagewise run --in-place`` on a machine that finds its job running)
 MACHINE_ENV = "GROUP_RANK"  # what the snapshots tell machines apart by (a newcomer's: its first id)
+IDS_ENV = "STAGEWISE_JOIN_IDS"  # this machine's newcomers' ids ("6,7"; set by the agent): they ask together
+TOGETHER_S = 60.0  # the most a newcomer waits for its machine's others to ask before the members make room
 MARGIN = 2  # steps between the first member seeing a request and the generation's end
 _POLL_S = 0.05
 
@@ -60,18 +63,21 @@ def claim_ids(store: Any, count: int, timeout: float = 60.0) -> list[int]:
     return taken
 
 
-def ask(store: Any, me: int, timeout: float) -> tuple[int, list[int]]:
+def ask(store: Any, me: int, timeout: float, together: Sequence[int] = ()) -> tuple[int, list[int]]:
     """Ask to join and wait until a generation takes ``me`` in; returns (its number, its members). A generation
     decided without ``me`` (a loss agreed first, or the members closed before ``me`` asked): ask the next one.
-    Raises :class:`Ended` when the job ended first, TimeoutError after ``timeout`` seconds."""
+    ``together``: this machine's newcomers (``me`` among them): the members are asked to make room once every
+    one of them asked (or :data:`TOGETHER_S` passed) - else the first to ask would be taken in alone, at a size
+    the layout may refuse. Raises :class:`Ended` when the job ended first, TimeoutError after ``timeout`` s."""
     end = time.monotonic() + timeout
     while True:
         g = int(store.get("generation"))
         _append(store, f"gen{g + 1}/joiners", me)
-        store.set(f"gen{g}/grow", "1")
         log.warning("stagewise elastic: worker %d asks to join generation %d (at its next step boundary)", me, g + 1)
-        key = f"gen{g + 1}/members"
+        key, asked, room = f"gen{g + 1}/members", time.monotonic(), f"gen{g}/grow"
         while not store.check([key]):
+            if not store.check([room]) and (_all_asked(store, g, together) or time.monotonic() - asked > TOGETHER_S):
+                store.set(room, "1")
             if store.check(["ended"]):
                 raise Ended(f"the job ended (step {store.get('ended').decode()}) before worker {me} could join")
             if time.monotonic() > end:
@@ -82,9 +88,19 @@ def ask(store: Any, me: int, timeout: float) -> tuple[int, list[int]]:
             return g + 1, members
 
 
-def newcomer(store: Any, me: int, deadline_s: float, timeout: float, silent_s: float = 2.0) -> ms.Membership:
+def _all_asked(store: Any, g: int, together: Sequence[int]) -> bool:
+    """Whether every one of ``together`` not yet a member of generation ``g`` asked for ``g + 1``."""
+    inside = json.loads(store.get(f"gen{g}/members")) if store.check([f"gen{g}/members"]) else []
+    key = f"gen{g + 1}/joiners"
+    asked = json.loads(store.get(key)) if store.check([key]) else []
+    return all(i in asked for i in together if i not in inside)
+
+
+def newcomer(
+    store: Any, me: int, deadline_s: float, timeout: float, silent_s: float = 2.0, together: Sequence[int] = ()
+) -> ms.Membership:
     """This worker's membership once a generation took it in (its barrier passed; see :func:`ask`)."""
-    g, members = ask(store, me, timeout)
+    g, members = ask(store, me, timeout, together)
     m = ms.Membership(store, me, [], silent_s=silent_s, generation=g - 1)
     m.start()
     m.enter(g, members, deadline_s)
@@ -104,8 +120,9 @@ def membership(store: Any, deadline_s: float, timeout: float = 600.0, silent_s: 
     me = int(os.environ["RANK"]) if os.environ.get("RANK") else claim_ids(store, 1)[0]
     warm()
     os.environ.setdefault(MACHINE_ENV, str(me))
+    together = [int(i) for i in os.environ.get(IDS_ENV, "").split(",") if i]
     try:
-        return newcomer(store, me, deadline_s, timeout, silent_s)
+        return newcomer(store, me, deadline_s, timeout, silent_s, together)
     except Ended as err:
         log.warning("stagewise elastic: %s; it leaves", err)
         raise SystemExit(0) from None

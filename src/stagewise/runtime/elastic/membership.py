@@ -81,6 +81,8 @@ class Membership:
     silent_s: float = 20.0  # a member whose stamp did not move for this long is gone (an in-place job: its
     # hang threshold; a live member that is only slow - stopped, starved - for less must never be left out)
     generation: int = 0
+    usable: Callable[[int], bool] | None = None  # sizes the job can run at (its layout's); None: any
+    decided: dict[int, str] = field(default_factory=dict)  # the last agreement: how each member was counted
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
@@ -133,13 +135,22 @@ class Membership:
         g = self.generation + 1
         self.store.set(f"gen{g}/arrived/{self.me}", "1")
         arrived = self._arrivals(g, deadline_s, set(gone), still_gone)
-        proposal = sorted(set(arrived) | set(joiners(self.store, g)))
+        proposal = self._proposal(arrived, joiners(self.store, g))
         won = self.store.compare_set(f"gen{g}/members", "", json.dumps(proposal)).decode()
         members = [int(m) for m in json.loads(won)]
         if self.me not in members:
             _last.append(f"worker {self.me} arrived too late for generation {g} (its members: {members})")
             raise Fenced(f"worker {self.me} arrived too late for generation {g} (its members: {members}); it leaves")
         return self.enter(g, members, deadline_s)
+
+    def _proposal(self, arrived: list[int], newcomers: list[int]) -> list[int]:
+        """The survivors and as many newcomers (lowest ids first) as leave a size the job can run at: a newcomer
+        left out asks for the next generation (:func:`.joining.ask`); a size the layout cannot use would fail
+        the build on every member, and the newcomers would leave."""
+        joining = sorted(set(newcomers) - set(arrived))
+        while joining and self.usable is not None and not self.usable(len(arrived) + len(joining)):
+            joining.pop()
+        return sorted([*arrived, *joining])
 
     def enter(self, g: int, members: list[int], deadline_s: float) -> list[int]:
         """Generation ``g`` of ``members`` (this worker among them), decided: the store's generation moves on, and
@@ -157,15 +168,19 @@ class Membership:
     ) -> list[int]:
         """The members of the last generation that asked for ``g`` - waiting until every one either asked, went
         silent, or is gone by ``still_gone``'s evidence, or until the deadline; at once when another survivor
-        already decided ``g`` (it saw evidence this one has not)."""
-        end = time.monotonic() + deadline_s
+        already decided ``g`` (it saw evidence this one has not). How each was counted is kept in
+        :attr:`decided` (what a recovery's record says)."""
+        began = time.monotonic()
+        end, named = began + deadline_s, set(known)
         watch: dict[int, tuple[bytes | None, float]] = {}
-        asked = 0.0
+        self.decided, asked = {}, 0.0
         while True:
             arrived = [m for m in self.members if self.store.check([f"gen{g}/arrived/{m}"])]
-            if self.store.check([f"gen{g}/members"]):  # another survivor decided already: its list stands, and
-                return arrived  # its barrier is waiting (this one must not wait out its own deadline first)
             now = time.monotonic()
+            if self.store.check([f"gen{g}/members"]):  # another survivor decided already: its list stands, and
+                for m in arrived:  # its barrier is waiting (this one must not wait out its own deadline first)
+                    self.decided.setdefault(m, f"asked at {now - began:.2f} s")
+                return arrived
             if still_gone is not None and now - asked >= _EVIDENCE_S and len(arrived) + len(known) < len(self.members):
                 known |= set(still_gone())
                 asked = time.monotonic()
@@ -178,7 +193,14 @@ class Membership:
                     watch[m] = (stamp, now)
                 elif now - watch[m][1] >= self.silent_s:
                     gone.append(m)
+                    self.decided.setdefault(m, f"silent {now - watch[m][1]:.2f} s")
+            for m in arrived:
+                self.decided.setdefault(m, f"asked at {now - began:.2f} s")
+            for m in gone:
+                self.decided.setdefault(m, "named dead" if m in named else f"port refuses at {now - began:.2f} s")
             if len(arrived) + len(gone) == len(self.members) or now >= end:
+                for m in set(self.members) - set(self.decided):
+                    self.decided[m] = f"missing at the deadline ({deadline_s:g} s)"
                 return arrived
             time.sleep(_POLL_S)
 

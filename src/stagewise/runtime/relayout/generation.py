@@ -65,6 +65,7 @@ class Recovery:
     parts: dict[str, float] = field(default_factory=dict)  # seconds: hold, drop, agree, group, build, resume
     sources: dict[str, Any] = field(default_factory=dict)  # path: live or snapshots; names kept / live / snapshot
     cause: str = "lost"  # or "joined": newcomers taken in after step ``failed_at`` (:mod:`..elastic.joining`)
+    evidence: dict[str, Any] = field(default_factory=dict)  # how each member was counted; the ports probed
 
 
 @dataclass
@@ -91,6 +92,7 @@ class InPlace:
     _store: Any = None
     _held: Held | None = None  # the failed generation's tensors, kept for the next one's take-over
     _sources: dict[str, Any] = field(default_factory=dict)
+    _ports: dict[int, str] = field(default_factory=dict)  # the probes' last results seen in a recovery
     _joins: Any = None  # the members' look for newcomers between steps (:class:`..elastic.joining.Joins`)
 
     def start(self) -> int:
@@ -98,6 +100,7 @@ class InPlace:
         running job at its next step boundary: :mod:`..elastic.joining`) and resume; returns the step resumed."""
         self._store = _job_store(self.timeout)
         self._members = joining.membership(self._store, self.deadline_s, silent_s=self.timeout)
+        self._members.usable = self._fits
         ms.set_fence(self._members.fenced)
         self._enter(self._members.generation)
         return self.step
@@ -184,6 +187,7 @@ class InPlace:
             first[:300],
         )
         self._parts, self._sources = {}, {}
+        heartbeat.post_failure(str(err))  # every pipeline of the generation stops now, not at its timeout
         with self._timed("hold"):
             self._held = hold(self.pipe)  # its tensors only: the groups and threads go with the pipeline
         with self._timed("drop"):
@@ -191,11 +195,13 @@ class InPlace:
         # the dead the failure named, and any other whose port refuses by now (a machine's processes die one
         # after another: the failure may name only the first)
         gone = ms.named_dead(f"{err} {heartbeat.blame_gone()}", self._members.members)
+        self._ports = heartbeat.probe_report()  # (the next generation's heartbeat starts afresh)
         members = self._next_generation(gone)
         self.recoveries.append(
             Recovery(self._members.generation, members, step, self.step, time.perf_counter() - started, self._parts)
         )
         self.recoveries[-1].sources = self._sources
+        self.recoveries[-1].evidence = {"named": gone, **self._evidence()}
         log.warning(
             "stagewise elastic: generation %d: workers %s (%d processes) go on from step %d, in %.1f s (%s)",
             self._members.generation,
@@ -232,10 +238,25 @@ class InPlace:
                 self._drop_pipeline()
         raise AssertionError("unreachable")
 
+    def _fits(self, size: int) -> bool:
+        """Whether the layout can run at ``size`` processes (a proposal takes in only newcomers that fit)."""
+        try:
+            self.layout.at(size)
+        except ValueError:
+            return False
+        return True
+
+    def _evidence(self) -> dict[str, Any]:
+        """How the last agreement counted each member, and what this worker's probes of the ports got."""
+        decided = self._members.decided if self._members is not None else {}
+        return {"decided": {str(k): v for k, v in decided.items()}, "ports": self._ports}
+
     def _gone_now(self) -> list[int]:
         """The members whose process is gone by now (their liveness port refuses: never a live one)."""
         assert self._members is not None
-        return ms.named_dead(heartbeat.blame_gone(), self._members.members)
+        gone = ms.named_dead(heartbeat.blame_gone(), self._members.members)
+        self._ports = heartbeat.probe_report()
+        return gone
 
     def _drop_pipeline(self) -> None:
         """The failed generation's pipeline goes; its snapshots stay on the machines (they are the state).

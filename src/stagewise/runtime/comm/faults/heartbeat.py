@@ -171,6 +171,18 @@ def job_failure() -> str | None:
     return str(_store.get(JOB_KEY).decode())
 
 
+def post_failure(text: str) -> None:
+    """Post ``text`` as this run's failure, unless one stands (every board reads it at its next look; the
+    first words name the dead). For an in-place job's survivor whose generation failed: ranks of another
+    pipeline share no board with it, and one waiting on a live peer that left their collective would wait
+    out its timeout (seen: a stage's replicas' all-reduce, when the lost machine held the other stage's)."""
+    try:
+        if _store is not None:
+            _store.compare_set(JOB_KEY, "", text)
+    except Exception:  # the store is gone: the boards say so themselves
+        log.debug("stagewise heartbeat: the failure was not posted for the run")
+
+
 def _stamps() -> dict[int, str | None]:
     out: dict[int, str | None] = {}
     for r in range(dist.get_world_size()):
@@ -187,9 +199,10 @@ def blame_stopped(within: float = 2.5 * INTERVAL_S) -> str:
     cannot name a live rank: the peers whose liveness port now refuses (:mod:`.probe`: their process is gone),
     named at once (``"global rank 1 stopped or died (its process is gone: ...)"``). Else the window: a dead
     rank's stamp stops advancing, while every live rank stamps every :data:`INTERVAL_S`; costs ``within``
-    seconds, on the failure path only.
+    seconds, on the failure path only - unless a port refuses meanwhile (a killed process's sockets close one
+    by one: gloo's may fail before its port refuses), which ends the window and is named instead.
     """
-    return blame_gone() or _blame([(r, within) for r in stopped_ranks(within)])
+    return blame_gone() or _blame([(r, within) for r in stopped_ranks(within)]) or blame_gone()
 
 
 def blame_failed(timeout: float) -> str:
@@ -223,12 +236,34 @@ def stopped_ranks(within: float) -> list[int]:
         return []
     try:
         before = _stamps()
-        time.sleep(within)
+        if _refused_within(within):  # (:func:`blame_stopped` names it from the ports)
+            return []
         after = _stamps()
     except Exception:
         return []
     still = [r for r in before if r != dist.get_rank() and before[r] == after[r]]
     return sorted(still, key=lambda r: float(before[r] or 0.0))  # the longest silent first: the likeliest cause
+
+
+def probe_report() -> dict[int, str]:
+    """By peer rank: where its liveness port was probed from here and what the last probe got (a recovery's
+    record: which evidence a survivor had, and why it had none)."""
+    got = _probes.report()
+    try:
+        world, me = dist.get_world_size(), dist.get_rank()
+    except Exception:  # no group any more
+        return got
+    return {r: got.get(r, "never probed (port not published or not read yet)") for r in range(world) if r != me}
+
+
+def _refused_within(within: float) -> bool:
+    """Wait ``within`` seconds, asking the ports reached every :data:`REACH_S`; True as soon as one refuses."""
+    end = time.monotonic() + within
+    while (left := end - time.monotonic()) > 0:
+        time.sleep(min(REACH_S, left))
+        if _probes.gone():
+            return True
+    return False
 
 
 def stop() -> None:

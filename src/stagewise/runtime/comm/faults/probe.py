@@ -89,14 +89,16 @@ def refused(address: str, timeout: float = CONNECT_S) -> bool | None:
 
 
 class Probes:
-    """The peers' ports, each trusted once it accepted a connection from here (:meth:`confirm`)."""
+    """The peers' ports, each trusted once it accepted a connection from here (:meth:`confirm`); what each probe
+    got, last, is kept for the report a recovery carries (:meth:`report`)."""
 
     def __init__(self) -> None:
         self.reached: dict[int, str] = {}
+        self.last: dict[int, tuple[str, str]] = {}  # rank -> (address, "accepted" | "refused" | "no answer")
 
     def confirm(self, rank: int, address: str) -> bool:
         """Connect once to ``rank``'s published ``address``; remember it if accepted (True)."""
-        if refused(address) is False:
+        if self._probe(rank, address) is False:
             self.reached[rank] = address
             return True
         return False
@@ -104,4 +106,17 @@ class Probes:
     def gone(self, ranks: list[int] | None = None) -> list[int]:
         """The ranks (of ``ranks``, default every one reached) whose trusted port now refuses: exited for sure."""
         todo = sorted(self.reached) if ranks is None else [r for r in ranks if r in self.reached]
-        return [r for r in todo if refused(self.reached[r]) is True]
+        return [r for r in todo if self._probe(r, self.reached[r]) is True]
+
+    def report(self) -> dict[int, str]:
+        """By rank: where its port was probed and what the last probe got (``"10.0.0.2:4100 refused"``), and
+        whether that port was ever reached from here (a refusal counts only then)."""
+        return {
+            r: f"{address} {got}" + ("" if r in self.reached else " (never reached: no evidence)")
+            for r, (address, got) in sorted(self.last.items())
+        }
+
+    def _probe(self, rank: int, address: str) -> bool | None:
+        got = refused(address)
+        self.last[rank] = (address, {True: "refused", False: "accepted", None: "no answer"}[got])
+        return got
