@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from ..comm.blocking import inside
+
 log = logging.getLogger(__name__)
 
 STORE_ENV = "STAGEWISE_STORE"  # host:port of the store that outlives the machines (stagewise rendezvous)
@@ -195,7 +197,8 @@ class Membership:
     def _run(self) -> None:
         while not self._stop.wait(STAMP_S):
             try:
-                self._stamp()
+                with inside():  # (see ..comm.blocking: not in torch as the interpreter finalizes)
+                    self._stamp()
             except Exception:  # the store is gone: the next agreement says so
                 return
 

@@ -21,18 +21,12 @@ from ..errors import PipelineError
 
 def scheduler_state(pipe: Any) -> Any:
     """The state of ``pipe``'s own schedulers (JSON, as a checkpoint records it), or None (none, or no pipe)."""
-    schedulers = getattr(pipe, "schedulers", None) or {}
-    if not schedulers:
-        return None
-    return state.encode(schedulers[min(schedulers)].state_dict(), "the LR scheduler's state")
+    return state.scheduler_state(pipe)
 
 
 def restore_schedulers(pipe: Any, saved: Any) -> None:
     """Load ``saved`` (:func:`scheduler_state`) into every scheduler of ``pipe``."""
-    if saved is None:
-        return
-    for scheduler in (getattr(pipe, "schedulers", None) or {}).values():
-        scheduler.load_state_dict(state.decode(saved))
+    state.restore_scheduler(pipe, saved)
 
 
 # ---- what the user holds: optimizers of their own, samplers of their own ---------------------------------
