@@ -157,3 +157,28 @@ def test_a_worker_whose_membership_stamps_leaves_in_order() -> None:
         run = [sys.executable, "-c", _STAMPING, str(host.port), f"job{k}/"]
         done = subprocess.run(run, capture_output=True, text=True, timeout=120)
         assert (done.returncode, "terminate" in done.stderr) == (0, False), done.stderr[-2000:]
+
+
+def test_a_relayout_snapshots_with_a_snapshotter_of_its_own_layout(one_rank: object, tmp_path: Path) -> None:
+    """The snapshotter keeps its pipeline's parameter names and layout from its first capture (they never change in
+    a pipeline's life); a re-layout builds a new pipeline, and with it a new snapshotter, whose files say the new
+    layout and name the new pipeline's tensors (one kept by mistake would describe the old layout's cut), going on
+    from the old one's step under the job's name. (Before: the new snapshotter read the pipeline it was built for,
+    emptied by the re-layout - the next step failed - and counted its steps from 0 again.)"""
+    from stagewise.runtime.elastic.folder import inventory
+
+    pipe, x = _failing_pipeline(tmp_path, fail_at=-1)
+    y = torch.tensor([0, 1, 2, 0])
+    pipe.train_step(x, y)
+    first = pipe.snapshots
+    assert first is not None
+    job = first.job
+    pipe.relayout(microbatches=1)
+    assert pipe.snapshots is not None and pipe.snapshots is not first
+    pipe.train_step(x, y)
+    pipe.snapshots.wait()
+    newest = max(inventory(pipe.snapshots.folder)[0], key=lambda f: f.header["step"])
+    assert (newest.header["step"], newest.header["job"]) == (2, job)  # counted on, under the job's name
+    assert newest.header["layout"] == state.layout_of(pipe, 1)
+    assert newest.header["layout"]["pipeline"]["microbatches"] == 1
+    assert set(newest.header["optimizer"]["params"]) == {n for n, _ in pipe.named_parameters()}

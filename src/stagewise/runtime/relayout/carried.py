@@ -29,6 +29,19 @@ def restore_schedulers(pipe: Any, saved: Any) -> None:
     state.restore_scheduler(pipe, saved)
 
 
+def carry_snapshots(old: Any, new: Any) -> None:
+    """``snapshot=``: the new layout's snapshotter goes on from the old one's step, under the job's name (a resume
+    chooses the newest step: one counted from 0 again would lose the steps before), and the old one is given up
+    (its files stay: the resume reads them until the new layout's replace them)."""
+    before, after = getattr(old, "snapshots", None), getattr(new, "snapshots", None)
+    if before is None:
+        return
+    before.finish_at_exit()  # (the copy in flight ends; a failure of it is a warning: the commit point is past)
+    if after is not None:
+        after.step, after.job = before.step, before.job
+    before.forget()
+
+
 # ---- what the user holds: optimizers of their own, samplers of their own ---------------------------------
 _retired: dict[int, weakref.ref[torch.Tensor]] = {}  # id -> a parameter of a layout a re-layout replaced
 _hooked: list[Any] = []  # the global optimizer-step hook, once installed
