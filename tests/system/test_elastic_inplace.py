@@ -75,8 +75,6 @@ def test_two_lost_machines_the_survivors_keep_their_processes_and_their_losses_a
     assert sorted((e["gen"], e["committed"]) for e in recovered if e["id"] == 0) == [(1, 3), (2, 5)]
     # the survivors re-laid out in place: each kept its live replica (the state of the committed step), no file read
     assert all(e["sources"]["path"] == "live" and e["sources"]["kept"] > 0 for e in recovered), recovered
-    # the failed generation's tensors went at once (no collection yet), but those the new layout took over
-    assert all(e["old_alive"] == 0 for e in recovered if e["gen"] == 1), recovered
     losses = m.rows("losses.jsonl")
     # generation 0 to step 3, 1 to step 5, 2 to the end: nothing committed was done twice or skipped
     assert [(r["step"], r["gen"]) for r in losses] == [(1, 0), (2, 0), (3, 0), (4, 1), (5, 1), (6, 2), (7, 2), (8, 2)]
@@ -186,7 +184,6 @@ def test_a_lost_stage_comes_back_from_its_neighbours_copy(layout: str, nproc: in
     # in place: live tensors where a survivor held them; machine 1's only copy of a stage from machine 2's file
     assert all(e["sources"]["path"] == "live" and e["sources"]["kept"] > 0 for e in recovered), recovered
     assert layout != "stages" or all(e["sources"]["snapshot"] > 0 for e in recovered), recovered
-    assert all(e["old_alive"] == 0 for e in recovered), recovered  # the failed pipeline's tensors went at once
     losses = m.rows("losses.jsonl")
     worlds = [(s, int(s > 3), nproc * (3 - (s > 3))) for s in range(1, 7)]
     assert [(r["step"], r["gen"], r["world"]) for r in losses] == worlds

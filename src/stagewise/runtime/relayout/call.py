@@ -313,8 +313,10 @@ def _become(pipe: nn.Module, new: nn.Module | None, frontend: Frontend, options:
     vars(pipe).clear()
     if new is not None:
         vars(pipe).update(vars(new))
-        object.__setattr__(new, "__dict__", vars(pipe))  # one state: what holds ``new`` (the snapshotter) sees it
+        vars(new).clear()
         pipe.__class__ = type(new)
+        if getattr(pipe, "snapshots", None) is not None:  # it was built reading ``new``, now emptied
+            pipe.snapshots._root = pipe
     else:
         nn.Module.__init__(pipe)
         pipe.__class__ = Retired
