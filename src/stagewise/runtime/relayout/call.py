@@ -315,8 +315,9 @@ def _become(pipe: nn.Module, new: nn.Module | None, frontend: Frontend, options:
         vars(pipe).update(vars(new))
         vars(new).clear()
         pipe.__class__ = type(new)
-        if getattr(pipe, "snapshots", None) is not None:  # it was built reading ``new``, now emptied
-            pipe.snapshots._root = pipe
+        snaps: Any = getattr(pipe, "snapshots", None)
+        if snaps is not None:  # it was built reading ``new``, now emptied
+            snaps._root = pipe
     else:
         nn.Module.__init__(pipe)
         pipe.__class__ = Retired

@@ -55,8 +55,18 @@ def empty(pipe: Any) -> None:
                 del hooks[key]
     engine = getattr(pipe, "_engine", None)
     vars(pipe).clear()
-    if engine is not None:
-        vars(engine).clear()
+    parts = [v for v in vars(engine).values() if _internal(v)] if engine is not None else []
+    inner = [w for part in parts for w in vars(part).values() if _internal(w)]  # (the runner's interpreter...)
+    for obj in [*inner, *parts, engine]:
+        if obj is not None:
+            vars(obj).clear()  # the engine's parts: their cycles held the run's values, whose graph holds the params
+
+
+def _internal(obj: Any) -> bool:
+    """One of the engine's own objects (not a module, a tensor or a user's object; not one the exit still asks to
+    let go of its resources, :mod:`..comm.lifecycle`)."""
+    ours = type(obj).__module__.startswith("stagewise.runtime.") and hasattr(obj, "__dict__")
+    return ours and not isinstance(obj, nn.Module) and not hasattr(obj, "release_at_exit")
 
 
 def _hook_dicts(module: nn.Module) -> list[dict[Any, Any]]:
