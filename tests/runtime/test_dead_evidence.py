@@ -132,29 +132,28 @@ def test_a_failed_generation_is_posted_for_every_board_of_the_run(monkeypatch: p
     assert heartbeat.job_failure() == "global rank 0 stopped or died (process gone: ...): rank 3: ..."
 
 
-class _Pipe:
+class _Group:
     pass
 
 
-def _pipeline_like(names: list[str]) -> tuple[Any, weakref.ref[Any]]:
-    pipe = _Pipe()
-    pipe.me = pipe  # type: ignore[attr-defined]  (a reference cycle, as a pipeline has: only a collection frees it)
-    weakref.finalize(pipe, lambda: names.append(threading.current_thread().name))
-    return pipe, weakref.ref(pipe)
+def _group_like(names: list[str]) -> tuple[Any, weakref.ref[Any]]:
+    group = _Group()  # (what is held is a failed generation's process groups and stores: no reference cycle)
+    weakref.finalize(group, lambda: names.append(threading.current_thread().name))
+    return group, weakref.ref(group)
 
 
-def test_a_dropped_pipeline_is_held_then_collected_on_the_release_thread() -> None:
+def test_dropped_groups_are_held_then_let_go_on_the_release_thread() -> None:
     names: list[str] = []
-    kept, kept_ref = _pipeline_like(names)
-    due, due_ref = _pipeline_like(names)
-    release.hold(kept, 3600.0)  # (a group timeout that has not passed)
-    release.hold(due, 0.0)
+    kept, kept_ref = _group_like(names)
+    due, due_ref = _group_like(names)
+    release.hold([(kept, None)], 3600.0)  # (a group timeout that has not passed)
+    release.hold([(due, None)], 0.0)
     del kept, due
     end = time.monotonic() + 60
     while not names and time.monotonic() < end:
         time.sleep(0.05)
     gc.collect()  # the caller's collections do not free what is held
-    assert due_ref() is None and names == ["stagewise-release"]
+    assert due_ref() is None and names == ["stagewise-release"]  # its destructor ran there, not here
     assert kept_ref() is not None and release.held() >= 1
 
 

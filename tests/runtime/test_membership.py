@@ -198,7 +198,10 @@ def test_a_member_gone_by_evidence_found_while_waiting_is_not_waited_for(host: A
     for t in threads:
         t.join(30)
     assert got == {0: [0, 1], 1: [0, 1]}
-    assert people[0].decided[2].startswith("port refuses at") and people[0].decided[0].startswith("asked at")
+    counted = [p.decided[2] for p in people[:2]]  # one decided by the port; the other may take its decision
+    assert any(c.startswith("port refuses at") for c in counted), counted
+    assert all(c.startswith("port refuses at") or c == "another decided" for c in counted), counted
+    assert people[0].decided[0].startswith("asked at")
     for m in people[:2]:
         m.stop()
 

@@ -184,6 +184,8 @@ def test_a_lost_stage_comes_back_from_its_neighbours_copy(layout: str, nproc: in
     # in place: live tensors where a survivor held them; machine 1's only copy of a stage from machine 2's file
     assert all(e["sources"]["path"] == "live" and e["sources"]["kept"] > 0 for e in recovered), recovered
     assert layout != "stages" or all(e["sources"]["snapshot"] > 0 for e in recovered), recovered
+    alive = [(e["id"], e["old_alive"]) for e in recovered]
+    assert all(n == 0 for _, n in alive), alive  # the failed pipeline's tensors went at once
     losses = m.rows("losses.jsonl")
     worlds = [(s, int(s > 3), nproc * (3 - (s > 3))) for s in range(1, 7)]
     assert [(r["step"], r["gen"], r["world"]) for r in losses] == worlds

@@ -20,13 +20,14 @@ import torch.distributed as dist
 from torch import nn
 
 import stagewise as sw
-from relayout_checks import _group, assert_same, build, folder, state_of, train
+from relayout_checks import _group, assert_same, build, folder, state_of, train, warmup
 from stagewise.runtime.comm import snapshot_wire
 from stagewise.runtime.relayout.takeover import hold, take_over
 from worker import Ctx
 
 STEPS = 2
 OLD = [1, 2, 3, 2]  # the old layout's cut: BatchNorm (layer 2) on rank 1, a survivor
+SCHEDULED = {"lr_scheduler": warmup}  # a learning rate that changes every step: carried by the take-over
 
 
 def machine_root(tag: str, rank: int) -> Path:
@@ -38,7 +39,7 @@ def snapshotted(ctx: Ctx, tag: str, group: Any = None, **layout: Any) -> Any:
     the environment as it is built, as on a real machine: the options stay the same on every rank)."""
     os.environ["GROUP_RANK"] = str(ctx.rank % 2)
     os.environ["STAGEWISE_SNAPSHOT_DIR"] = str(machine_root(tag, ctx.rank))
-    return build(group, snapshot=1, **layout)
+    return build(group, snapshot=1, **SCHEDULED, **layout)
 
 
 def lose(ctx: Ctx, pipe: Any, survivors: tuple[int, ...]) -> Any:
@@ -75,7 +76,7 @@ def recovered(ctx: Ctx, tag: str, held: Any, ckpt: Path) -> dict[str, Any]:
         aliased = [n for n in own if n in params and params[n].data_ptr() == held.tensors[n].data_ptr()]
         assert sorted(aliased) == sorted(n for n in own if n in params), f"{tag}: kept tensors copied, not aliased"
         out["aliased"] = len(aliased)
-        fresh = build(fresh_group)
+        fresh = build(fresh_group, **SCHEDULED)
         sw.checkpoint.load(ckpt, fresh)
         out["compared"] = assert_same(state_of(new), state_of(fresh), tag)
         losses, want = train(new, STEPS), train(fresh, STEPS)

@@ -35,6 +35,7 @@ import os
 import signal
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -95,8 +96,11 @@ def main() -> int:
         with open(out / "events.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
 
+    old: list[weakref.ref[torch.Tensor]] = []  # the tensors of the pipeline at --hold (generation 0)
+
     def recovered(j: sw.runtime.InPlace) -> None:
         r = j.recoveries[-1]
+        alive = _alive(old, j.pipe)  # before any collection: what the recovery left alive at once
         note(
             "recovered",
             failed_at=r.failed_at,
@@ -104,6 +108,7 @@ def main() -> int:
             seconds=r.seconds,
             parts=r.parts,
             sources=r.sources,
+            old_alive=alive,
         )
         if args.save_resumed:
             sw.checkpoint.save(out / f"resumed-g{j.generation}", j.pipe, step=j.step)
@@ -134,6 +139,7 @@ def main() -> int:
         with open(out / f"mine-{me}.jsonl", "a") as f:  # every worker's own (a newcomer's among them)
             f.write(json.dumps(row) + "\n")
         if step == args.hold and job.generation == 0:
+            old[:] = [weakref.ref(t) for t in _tensors(job.pipe)]
             if args.save_held:
                 sw.checkpoint.save(out / "held", job.pipe, step=step)
             hold(job, out / f"hold-{me}", out / "go")
@@ -156,6 +162,22 @@ def hold(job: sw.runtime.InPlace, here: Path, go: Path) -> None:
     here.touch()
     while not go.exists():
         time.sleep(0.05)
+
+
+def _tensors(pipe: Any) -> list[torch.Tensor]:
+    """A pipeline's parameters, gradients, buffers and optimizer state (the tensor objects themselves)."""
+    out = [*pipe.parameters(), *pipe.buffers()]
+    out += [p.grad for p in pipe.parameters() if p.grad is not None]
+    for opt in pipe.optimizers.values():
+        out += [v for entries in opt.state.values() for v in entries.values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+def _alive(refs: list[weakref.ref[torch.Tensor]], new: Any) -> int:
+    """How many of the old pipeline's tensors are alive and not the new pipeline's own (a kept optimizer state is
+    taken over as it is; a kept parameter's storage is aliased by a new tensor, so its old object goes)."""
+    used = {id(t) for t in _tensors(new)} if new is not None else set()
+    return sum(1 for r in refs if r() is not None and id(r()) not in used)
 
 
 def build(fit: Any, deep: bool = False) -> sw.Pipeline:

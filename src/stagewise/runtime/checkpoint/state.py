@@ -301,6 +301,19 @@ def restore_dropout(target: object, saved: dict[str, int] | None) -> None:
     restore_progress(target, replace(now, train_steps=saved["train_steps"], dropout_seed=saved["seed"]))
 
 
+def scheduler_state(target: object) -> Any:
+    """A pipeline's own LR schedule (``lr_scheduler=``: its schedulers step in lockstep, so the first one's state,
+    JSON as a checkpoint records it), or None."""
+    schedulers = getattr(target, "schedulers", None) or {}
+    return encode(schedulers[min(schedulers)].state_dict(), "the LR scheduler's state") if schedulers else None
+
+
+def restore_scheduler(target: object, saved: Any) -> None:
+    """Load :func:`scheduler_state`'s ``saved`` into every scheduler of ``target`` (nothing when None)."""
+    for scheduler in (getattr(target, "schedulers", None) or {}).values() if saved is not None else ():
+        scheduler.load_state_dict(decode(saved))
+
+
 def refuse_merging(model: object, what: str) -> None:
     """A pipeline in the middle of a gradient merge (``no_sync()``) is refused, alike on every rank, before any rank
     communicates: a checkpoint holds no gradients, and the merged steps' partial sums (each replica's its own, not

@@ -16,8 +16,8 @@ Three rooms and a few modules at the root:
   snapshots to a peer machine (``snapshot=``); :mod:`.relayout_wire` makes a re-layout's fresh groups and
   moves its tensors (``Pipeline.relayout``); :mod:`.rendezvous_host` runs a rendezvous store on its own;
   :mod:`.generations` makes the process group of an in-place elastic job's generation (``sw.runtime.InPlace``);
-  :mod:`.release` keeps a failed generation's pipeline (its gloo groups) until their timeout has passed, then
-  lets it go off the recovery's thread.
+  :mod:`.release` keeps a failed generation's process groups (never its tensors) until their timeout has
+  passed, then lets them go off the recovery's thread.
 """
 
 from .faults.guard import Guard

@@ -191,13 +191,17 @@ class DeadlineStore:
                 raise box["error"]
             return box.get("value")
 
-    def close(self) -> None:
-        """End the helper thread, so that a board let go leaves none behind (a later call starts another); one
-        stuck in a call is left to end with the process (a daemon)."""
+    def close(self, join_s: float = 2.0) -> None:
+        """End the helper thread, so that a board let go leaves none behind (a later call starts another): it is
+        joined, for ``join_s`` seconds at most, so that a count of threads after ``close`` does not find it still
+        ending; one stuck in a call is left to end with the process (a daemon)."""
         with self._lock:
-            if self._helper is not None and not self._stuck:
-                self._jobs.put(("", (), {}, threading.Event()))
-            self._helper = None
+            helper, self._helper = self._helper, None
+            if helper is None or self._stuck:
+                return
+            self._jobs.put(("", (), {}, threading.Event()))
+        if helper is not threading.current_thread():
+            helper.join(join_s)
 
     def check(self, keys: list[str]) -> bool:
         return bool(self._call("check", keys))

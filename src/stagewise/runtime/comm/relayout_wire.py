@@ -7,14 +7,14 @@ the processes' host memory, posted by every process in one global order so the s
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from .release import hold as hold_until
 
 
 def fresh_group(ranks: Sequence[int], timeout: float, backend: str | None = None) -> Any:
@@ -34,18 +34,13 @@ def release_failed(group: Any, timeout: float) -> None:
     A process that failed never joins the collective the others may have begun (the commit point), and gloo's
     group destructor waits for that collective until the group's timeout: dropped here, every process would
     raise its PipelineError ``timeout`` seconds late (measured: 60 s with ``timeout=60``). The last reference
-    is dropped on a daemon thread once the timeout has ended that collective.
+    is dropped on the release thread once the timeout has ended that collective (:mod:`.release`: at exit, in
+    order, while Python is whole).
     """
     if group is None or group is dist.GroupMember.NON_GROUP_MEMBER:
         return
     dist.destroy_process_group(group)
-    held = [group]
-
-    def drop() -> None:
-        time.sleep(timeout + 1.0)
-        held.clear()
-
-    threading.Thread(target=drop, name="stagewise-relayout-release", daemon=True).start()
+    hold_until(group, timeout + 1.0)
 
 
 def post(ops: Sequence[tuple[str, torch.Tensor, int]], group: Any, wait: Callable[[list[Any], str], None]) -> None:

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from ..comm.blocking import inside
+
 log = logging.getLogger(__name__)
 
 STORE_ENV = "STAGEWISE_STORE"  # host:port of the store that outlives the machines (stagewise rendezvous)
@@ -178,8 +180,8 @@ class Membership:
             arrived = [m for m in self.members if self.store.check([f"gen{g}/arrived/{m}"])]
             now = time.monotonic()
             if self.store.check([f"gen{g}/members"]):  # another survivor decided already: its list stands, and
-                for m in arrived:  # its barrier is waiting (this one must not wait out its own deadline first)
-                    self.decided.setdefault(m, f"asked at {now - began:.2f} s")
+                for m in self.members:  # its barrier is waiting (this one must not wait out its own deadline first)
+                    self.decided.setdefault(m, f"asked at {now - began:.2f} s" if m in arrived else "another decided")
                 return arrived
             if still_gone is not None and now - asked >= _EVIDENCE_S and len(arrived) + len(known) < len(self.members):
                 known |= set(still_gone())
@@ -220,7 +222,8 @@ class Membership:
     def _run(self) -> None:
         while not self._stop.wait(STAMP_S):
             try:
-                self._stamp()
+                with inside():  # (see ..comm.blocking: not in torch as the interpreter finalizes)
+                    self._stamp()
             except Exception:  # the store is gone: the next agreement says so
                 return
 

@@ -297,3 +297,4 @@ def _apply(model: nn.Module, assigned: dict[str, torch.Tensor], choice: Choice, 
     if choice.rng:
         state.set_rng_state(parts[0].header["rng"])  # its own file comes first (see .choose)
     state.restore_dropout(model, parts[0].header.get("dropout"))  # any layout: the masks' step and seed
+    state.restore_scheduler(model, parts[0].header.get("scheduler"))  # lr_scheduler=: where the schedule was

@@ -242,6 +242,7 @@ class Snapshotter:
             "world": self.world,
             "layout": layout,
             "dropout": state.dropout_of(root, trained),
+            "scheduler": state.scheduler_state(root),  # lr_scheduler=: a recovery goes on where the schedule was
             "optimizer": meta,
             "rng": state.rng_state(),
             "extra": state.encode(extra, "Snapshots.extra"),
@@ -366,6 +367,7 @@ class Snapshotter:
         for the next generation, and its end is not marked at exit."""
         if self.end in _ENDINGS:
             _ENDINGS.remove(self.end)
+        self._inflight, self._buffer, self.marks, self._received = None, None, {}, {}  # its tensors go too
 
     def release_at_exit(self) -> None:
         """What a clean exit does (:class:`Ending`), now."""

@@ -43,7 +43,7 @@ from ..frontends.layers import built_empty
 from ..frontends.parts import Frontend
 from ..frontends.plan import FromPlan
 from ..options import Options
-from .carried import restore_schedulers, retire, scheduler_state, tell
+from .carried import carry_snapshots, restore_schedulers, retire, scheduler_state, tell
 from .clock import Clock
 from .fill import fill, receiver
 from .kept import lender
@@ -133,6 +133,7 @@ def relayout(
         relayout_wire.release(exchange)
     stale = _stale_groups(old, [group, *prepared])
     before = list(pipe.parameters())
+    carry_snapshots(old, new)
     _become(pipe, new, frontend, options, build)
     retire(before, pipe.parameters())  # a user's optimizer over them is refused at its next step
     release_model(frontend, options)
@@ -314,6 +315,9 @@ def _become(pipe: nn.Module, new: nn.Module | None, frontend: Frontend, options:
         vars(pipe).update(vars(new))
         vars(new).clear()
         pipe.__class__ = type(new)
+        snaps: Any = getattr(pipe, "snapshots", None)
+        if snaps is not None:  # it was built reading ``new``, now emptied
+            snaps._root = pipe
     else:
         nn.Module.__init__(pipe)
         pipe.__class__ = Retired

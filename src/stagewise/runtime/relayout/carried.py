@@ -21,18 +21,25 @@ from ..errors import PipelineError
 
 def scheduler_state(pipe: Any) -> Any:
     """The state of ``pipe``'s own schedulers (JSON, as a checkpoint records it), or None (none, or no pipe)."""
-    schedulers = getattr(pipe, "schedulers", None) or {}
-    if not schedulers:
-        return None
-    return state.encode(schedulers[min(schedulers)].state_dict(), "the LR scheduler's state")
+    return state.scheduler_state(pipe)
 
 
 def restore_schedulers(pipe: Any, saved: Any) -> None:
     """Load ``saved`` (:func:`scheduler_state`) into every scheduler of ``pipe``."""
-    if saved is None:
+    state.restore_scheduler(pipe, saved)
+
+
+def carry_snapshots(old: Any, new: Any) -> None:
+    """``snapshot=``: the new layout's snapshotter goes on from the old one's step, under the job's name (a resume
+    chooses the newest step: one counted from 0 again would lose the steps before), and the old one is given up
+    (its files stay: the resume reads them until the new layout's replace them)."""
+    before, after = getattr(old, "snapshots", None), getattr(new, "snapshots", None)
+    if before is None:
         return
-    for scheduler in (getattr(pipe, "schedulers", None) or {}).values():
-        scheduler.load_state_dict(state.decode(saved))
+    before.finish_at_exit()  # (the copy in flight ends; a failure of it is a warning: the commit point is past)
+    if after is not None:
+        after.step, after.job = before.step, before.job
+    before.forget()
 
 
 # ---- what the user holds: optimizers of their own, samplers of their own ---------------------------------

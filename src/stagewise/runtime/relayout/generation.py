@@ -26,6 +26,7 @@ and leaves with exit status 3.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import time
@@ -37,13 +38,18 @@ from typing import Any, NoReturn
 
 from ...parallel import ElasticLayout, Fit
 from .. import assembly  # noqa: F401 (loaded with InPlace, before a newcomer asks: the members wait for its build)
+from ..checkpoint import state
 from ..checkpoint.api import save as checkpoint_save
+from ..checkpoint.declared import PipelineState
 from ..checkpoint.resume import resume as checkpoint_resume
 from ..comm import release
 from ..comm.faults import heartbeat
 from ..comm.generations import job_store, join_generation, leave_generation
 from ..elastic import joining
 from ..elastic import membership as ms
+from ..frontends.given import GivenStages
+from .let_go import let_go
+from .sources import in_place_refusal
 from .takeover import Held, LiveRefused, hold, take_over
 
 log = logging.getLogger(__name__)
@@ -51,6 +57,10 @@ log = logging.getLogger(__name__)
 FENCED_EXIT = 3
 RESTORE_ENV = "STAGEWISE_INPLACE_RESTORE"  # "snapshots": a recovery resumes from the files only (the path before)
 _TRIES = 5  # generations agreed in one recovery at most (each loses a member that died meanwhile)
+
+
+class InPlaceRefused(ValueError):
+    """The pipeline ``build(fit)`` returned cannot be taken over in place (the same reason on every member)."""
 
 
 @dataclass
@@ -94,12 +104,13 @@ class InPlace:
     _sources: dict[str, Any] = field(default_factory=dict)
     _ports: dict[int, str] = field(default_factory=dict)  # the probes' last results seen in a recovery
     _joins: Any = None  # the members' look for newcomers between steps (:class:`..elastic.joining.Joins`)
+    _placement: dict[str, Any] | None = None  # the last generation's stages' placement (see :func:`_refused`)
 
     def start(self) -> int:
         """Join the job (generation 0, every process of the launch; or, started with ``STAGEWISE_JOIN=1``, a
         running job at its next step boundary: :mod:`..elastic.joining`) and resume; returns the step resumed."""
         self._store = _job_store(self.timeout)
-        self._members = joining.membership(self._store, self.deadline_s, silent_s=self.timeout)
+        self._members = stamping_until_exit(joining.membership(self._store, self.deadline_s, silent_s=self.timeout))
         self._members.usable = self._fits
         ms.set_fence(self._members.fenced)
         self._enter(self._members.generation)
@@ -149,6 +160,7 @@ class InPlace:
             join_generation(self._store, generation, self._members.rank, size, self.backend, self.timeout)
         with self._timed("build"):
             self.pipe = self.build(self.layout.at(size))
+        self._placement = _refused(self.pipe, self._placement)
         with self._timed("resume"):
             self.step = self._restore(generation)
         self._held = None  # aliased into the new pipeline, or not needed: let go
@@ -191,7 +203,7 @@ class InPlace:
         with self._timed("hold"):
             self._held = hold(self.pipe)  # its tensors only: the groups and threads go with the pipeline
         with self._timed("drop"):
-            self._drop_pipeline()
+            self._drop_pipeline(err)
         # the dead the failure named, and any other whose port refuses by now (a machine's processes die one
         # after another: the failure may name only the first)
         gone = ms.named_dead(f"{err} {heartbeat.blame_gone()}", self._members.members)
@@ -227,6 +239,8 @@ class InPlace:
                 return members
             except ms.Fenced:
                 self._leave_fenced()
+            except InPlaceRefused:  # (alike on every member: no other generation would do better)
+                raise
             except Exception as err:  # a member lost during the recovery
                 if attempt == _TRIES - 1:
                     raise
@@ -258,12 +272,14 @@ class InPlace:
         self._ports = heartbeat.probe_report()
         return gone
 
-    def _drop_pipeline(self) -> None:
+    def _drop_pipeline(self, err: BaseException | None = None) -> None:
         """The failed generation's pipeline goes; its snapshots stay on the machines (they are the state).
 
         Its helper threads stop now; its gloo groups are dropped, not destroyed here (a destructor may join a
-        thread stuck on a stopped peer until the timeout): :func:`..comm.release.hold` keeps the pipeline, its
-        tensors too, until the group timeout has passed, then collects it on its own thread."""
+        thread stuck on a stopped peer until the timeout): :func:`..comm.release.hold` keeps the groups and their
+        stores - nothing else - until the group timeout has passed. Its tensors go at once (:func:`.let_go.let_go`;
+        ``err``: the failure, whose traceback holds the failed step's locals), but those :func:`.takeover.hold`
+        kept for the take-over, which the new layout aliases."""
         snaps = getattr(self.pipe, "snapshots", None)
         if snaps is not None:
             with self._timed("drop:snapshots"):
@@ -273,8 +289,8 @@ class InPlace:
         if transport is not None:
             with self._timed("drop:threads"):
                 transport.close()  # the guard's helper threads (a failure stands: its groups are kept)
-        if self.pipe is not None:
-            release.hold(self.pipe, self.timeout + 1.0)
+        release.hold(release.groups_now(), self.timeout + 1.0)
+        let_go(self.pipe, err)
         self.pipe = None
 
     def _leave_fenced(self) -> NoReturn:
@@ -284,6 +300,41 @@ class InPlace:
         leave_generation()
         log.error("stagewise elastic: %s", ms.last_fence())
         raise SystemExit(FENCED_EXIT)
+
+
+_stamping: list[ms.Membership] = []  # this process's memberships, stamping on a daemon thread
+
+
+def stamping_until_exit(members: ms.Membership) -> ms.Membership:
+    """``members``, whose stamping thread is stopped at interpreter exit (:func:`_stop_stamping`)."""
+    _stamping.append(members)
+    return members
+
+
+@atexit.register
+def _stop_stamping() -> None:
+    """At exit, while Python is whole: the membership's thread stops. A daemon thread that returns from a store call
+    (the store releases the interpreter's lock while it waits for the host) as the interpreter finalizes is ended
+    inside torch's C++ frames, and the process aborts ("terminate called without an active exception") after
+    training to the end; the heartbeat's thread is stopped the same way, and a stamp stuck longer is waited for by
+    the exit's settle (:mod:`..comm.blocking`)."""
+    for members in _stamping:
+        members.stop()
+    _stamping.clear()
+
+
+def _refused(pipe: Any, before: dict[str, Any] | None) -> dict[str, Any]:
+    """The new pipeline's placement, or :class:`InPlaceRefused` (:func:`.sources.in_place_refusal`)."""
+    given = isinstance(getattr(pipe, "frontend", None), GivenStages)
+    kind = "given" if given else "pipeline" if isinstance(pipe, PipelineState) else type(pipe).__name__
+    now = None
+    if kind in ("pipeline", "given"):
+        laid = state.layout_of(pipe, 0)["pipeline"]
+        now = {k: laid[k] for k in ("ranks", "placement", "virtual_stages")}
+    why = in_place_refusal(kind, before, now)
+    if why is not None:
+        raise InPlaceRefused(why)
+    return now or {}
 
 
 def _job_store(timeout: float) -> Any:

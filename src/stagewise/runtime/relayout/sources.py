@@ -146,3 +146,24 @@ def clean_names(captured: Mapping[str, int], now: Mapping[str, int], params: Seq
     out = {n for n in clean if n.startswith("model/")}
     out |= {PARAM + p for p in params if "model/" + p in clean and all(n in clean for n in optim.get(p, []))}
     return frozenset(out)
+
+
+def in_place_refusal(kind: str, before: Mapping[str, Any] | None, now: Mapping[str, Any] | None) -> str | None:
+    """Why ``sw.runtime.InPlace`` cannot go on with the pipeline ``build(fit)`` returned (None: it can), decided
+    alike on every member before anything moves, as its recovery would otherwise move tensors by names that no
+    longer mean the same. ``kind``: "pipeline", "given" (``from_stages``), or the type's name of anything else;
+    ``before`` / ``now``: the placement (ranks, stages' places, virtual stages) of the generation before (None: the
+    first) and of the new one."""
+    if kind not in ("pipeline", "given"):
+        return (
+            f"sw.runtime.InPlace takes the state of a Pipeline over in place, and build(fit) returned a {kind} "
+            "(a HetPipe's virtual workers each keep their own state): build a Pipeline, or run the HetPipe under "
+            "torchrun's restarts with sw.checkpoint.resume"
+        )
+    if kind == "given" and before is not None and dict(before) != dict(now or {}):
+        return (
+            "a pipeline of given stages (from_stages) keeps its placement across an in-place recovery: its tensors "
+            f"are named by stage, and the stages were placed {dict(before)}, the new members' layout places them "
+            f"{dict(now or {})}: keep pp fixed (ElasticLayout keeps it), or build from layers or from_model"
+        )
+    return None

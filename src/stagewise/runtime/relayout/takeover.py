@@ -155,7 +155,7 @@ def _listing(folder: Path, machine: str, rank: int) -> list[dict[str, Any]]:
         names = [*h["tensors"], *(PARAM + p for p in h["optimizer"]["params"])]
         fields = {k: h[k] for k in ("lineage", "step", "owner", "world", "layout", "tensors", "optimizer")}
         out.append({**fields, "machine": machine, "holder": rank, "path": str(f.path), "job": h.get("job", "")})
-        out[-1].update(names=names, dropout=h.get("dropout"))
+        out[-1].update(names=names, dropout=h.get("dropout"), scheduler=h.get("scheduler"))
     return out
 
 
@@ -248,6 +248,7 @@ def _fill(
     fill(new, targets, values, record, kept)
     file = next(c for c in listed.values() if (c["step"], c["lineage"]) == (decided.step, decided.lineage))
     state.restore_dropout(new, file["dropout"])
+    state.restore_scheduler(new, file["scheduler"])  # lr_scheduler=: where the schedule was at the committed step
     snap = getattr(new, "snapshots", None)
     if snap is not None:
         snap.step, snap.job = decided.step, decided.job
