@@ -115,7 +115,7 @@ class Snapshotter:
     ) -> None:
         self.config, self.timeout = config, timeout
         self._due = False  # a snapshot is due, and waits for the gradient merge to end
-        self._root = root
+        self.root = root  # the pipeline read at each snapshot (a re-layout in place rebinds it)
         self.priority = idle.Priority()  # the snapshot's threads run in the core's idle time (see .idle)
         with idle.new_threads_idle(self.priority.group):
             self.group = snapshot_wire.snapshot_group(group, timeout)
@@ -220,7 +220,7 @@ class Snapshotter:
     # ---- taking one ----------------------------------------------------------------------------------
     def _capture(self, trained: int | None) -> Capture:
         """What a restart needs, taken now (``trained``: the mini-batches trained, this step's included)."""
-        root = self._root
+        root = self.root
         params = {p.data_ptr() for p in root.parameters()}
         tensors = {}
         live = {state.MODEL + name: t for name, t in state.saved_tensors(root).items()}

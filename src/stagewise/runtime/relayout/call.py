@@ -317,7 +317,7 @@ def _become(pipe: nn.Module, new: nn.Module | None, frontend: Frontend, options:
         pipe.__class__ = type(new)
         snaps: Any = getattr(pipe, "snapshots", None)
         if snaps is not None:  # it was built reading ``new``, now emptied
-            snaps._root = pipe
+            snaps.root = pipe
     else:
         nn.Module.__init__(pipe)
         pipe.__class__ = Retired
