@@ -54,7 +54,8 @@ docs-test: $(STAMP)
 test-runtime: $(STAMP)
 	$(PY) -m pytest -q $(XDIST) tests/runtime
 
-# torchrun jobs of 2 to 8 gloo ranks, one per module.
+# torchrun jobs of 2 to 8 gloo ranks, one per module, but for the modules that declare a SHARE: one job per rank
+# count (2 and 4) runs all their checks (helpers/torchrun.py; a job's start costs seconds of both cores).
 test-distributed: $(STAMP)
 	$(PY) -m pytest -q tests/distributed
 

@@ -1,5 +1,5 @@
-"""``Pipeline.from_hf`` on 2 and 4 gloo ranks (issues 15 and 31): one torchrun job per rank count runs
-tests/distributed/workers/hf_checks.py; each test asserts one check on every rank.
+"""``Pipeline.from_hf`` on 2 and 4 gloo ranks (issues 15 and 31): tests/distributed/workers/hf_checks.py in the
+shared 2-rank job and a 4-rank job of its own; each test asserts one check on every rank.
 
 CI runs ``checks(ranks)``: every family once, the tied sum under every schedule, padding, packing and inputs at
 2 ranks; the parallel axes and the checkpoint at 4. ``make hf-grid`` sets STAGEWISE_HF_GRID to a file: the
@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from helpers.torchrun import SuiteResults, run_suite, selected
+from helpers.torchrun import Share, suites_by_ranks
 from hf_checks import checks
 
 GRID = os.environ.get("STAGEWISE_HF_GRID")
@@ -24,20 +24,12 @@ SUITE = "grid" if GRID else "ci"
 CASES = [(ranks, name) for ranks in (2, 4) for name in checks(ranks, SUITE)]
 
 
-@pytest.fixture(scope="module")
-def suites(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> object:
-    """``suites(ranks)``: the module's checks on that many ranks, one torchrun job, run once."""
-    done: dict[int, SuiteResults] = {}
-
-    def get(ranks: int) -> SuiteResults:
-        if ranks not in done:
-            out = tmp_path_factory.mktemp(f"hf{ranks}")
-            suite = None if SUITE == "ci" else SUITE
-            only = selected(request, ranks)
-            done[ranks] = run_suite("hf_checks", ranks, out, timeout=2400 if GRID else 480, suite=suite, only=only)
-        return done[ranks]
-
-    return get
+#: 2 ranks in the shared 2-rank job; 4 ranks alone: its meshes come first (a tied group made by some ranks only
+#: leaves gloo's later groups over all ranks hanging), and the grid runs jobs of its own
+SHARE = () if GRID else (Share("hf_checks", tuple(checks(2, SUITE)), 480, ranks=2),)
+suites = suites_by_ranks(
+    "hf_checks", "hf", timeout=2400 if GRID else 480, suite=None if SUITE == "ci" else SUITE, shared=SHARE
+)
 
 
 @pytest.mark.parametrize(("ranks", "name"), CASES, ids=[f"{r}ranks-{n}" for r, n in CASES])

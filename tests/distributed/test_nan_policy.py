@@ -1,21 +1,16 @@
-"""nan_policy on 2 gloo ranks (float64): tests/distributed/workers/nan_checks.py in one torchrun job."""
+"""nan_policy on 2 gloo ranks (float64): tests/distributed/workers/nan_checks.py, in the shared 2-rank job."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from helpers.torchrun import SuiteResults, run_suite
+from helpers.torchrun import Share, SuiteResults, shared_job
 from nan_checks import checks
 
 NAMES = list(checks(2))
 
-
-@pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> SuiteResults:
-    out: Path = tmp_path_factory.mktemp("nan")
-    return run_suite("nan_checks", 2, out, timeout=240)
+SHARE = Share("nan_checks", tuple(NAMES), timeout=240, ranks=2)  # in the shared 2-rank job
+results = shared_job(SHARE)
 
 
 @pytest.mark.parametrize("name", NAMES)

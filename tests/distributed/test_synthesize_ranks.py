@@ -1,17 +1,18 @@
 """Synthesized schedules (issue 35) on 2 and 4 gloo ranks: float64 parity with the one-process model, as
-every registered schedule has it; one torchrun job per rank count runs
+every registered schedule has it; the shared 2- and 4-rank jobs run
 tests/distributed/workers/synthesize_checks.py."""
 
 from __future__ import annotations
 
 import pytest
 
-from helpers.torchrun import SuiteResults, suites_by_ranks
+from helpers.torchrun import Share, SuiteResults, suites_by_ranks
 from synthesize_checks import auto, checks, registered_twin
 
 CASES = [(ranks, name) for ranks in (2, 4) for name in checks(ranks)]
 
-suites = suites_by_ranks("synthesize_checks", "synthesize", timeout=300)
+SHARE = tuple(Share("synthesize_checks", tuple(checks(r)), 300, ranks=r) for r in (2, 4))  # in the shared jobs
+suites = suites_by_ranks("synthesize_checks", "synthesize", timeout=300, shared=SHARE)
 
 
 def test_the_checks_run_orders_of_their_own() -> None:

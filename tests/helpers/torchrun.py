@@ -28,6 +28,8 @@ __all__ = [
     "run_suite",
     "selected",
     "shared_job",
+    "shared_timeout",
+    "shares_of",
     "suite_per_transport",
     "suites_by_ranks",
 ]
@@ -123,10 +125,13 @@ def _selected(session: pytest.Session, module: Any, ranks: int | None = None) ->
     return sorted(set(names))
 
 
-def suites_by_ranks(module: str, label: str, timeout: float) -> Any:
+def suites_by_ranks(
+    module: str, label: str, timeout: float, *, suite: str | None = None, shared: tuple[Share, ...] = ()
+) -> Any:
     """A module-scoped fixture: ``suites(ranks)`` runs ``module``'s checks on that many ranks once, then reuses it.
 
-    For test modules that run the same checks at several rank counts (one torchrun job per count).
+    For test modules that run the same checks at several rank counts (one torchrun job per count); a count that
+    one of ``shared`` (the module's ``SHARE``) names reads its checks from that count's shared job instead.
     """
 
     @pytest.fixture(scope="module")
@@ -135,8 +140,13 @@ def suites_by_ranks(module: str, label: str, timeout: float) -> Any:
 
         def get(ranks: int) -> SuiteResults:
             if ranks not in done:
-                out = tmp_path_factory.mktemp(f"{label}{ranks}")
-                done[ranks] = run_suite(module, ranks, out, timeout=timeout, only=selected(request, ranks))
+                share = next((s for s in shared if s.ranks == ranks), None)
+                if share is not None:
+                    done[ranks] = _shared_results(request.session, tmp_path_factory, share)
+                else:
+                    out = tmp_path_factory.mktemp(f"{label}{ranks}")
+                    only = selected(request, ranks)
+                    done[ranks] = run_suite(module, ranks, out, timeout=timeout, suite=suite, only=only)
             return done[ranks]
 
         return get
@@ -166,62 +176,88 @@ def suite_per_transport(module: str, ranks: int, suite: str, timeout: float) -> 
 
 @dataclass(frozen=True)
 class Share:
-    """A test module's part of the shared job (the module-level ``SHARE``; :func:`shared_job`): its module of checks
-    under tests/distributed/workers, every check's name, the seconds its checks may take, the environment they
-    need (given pytest's folder factory), and ``last``: its last check leaves state behind (a failed board,
-    receives never completed), so the job runs the module after every other."""
+    """A test module's part of a shared job (the module-level ``SHARE``, one Share or a tuple of them, one per rank
+    count; :func:`shared_job`, :func:`suites_by_ranks`): its module of checks under tests/distributed/workers, every
+    check's name, the seconds its checks may take, the environment they need (given pytest's folder factory), the
+    ranks, and ``last``: checks that leave state behind (a failed board or pipeline, receives never completed),
+    which the job runs after every other module's checks (True: all of this module's)."""
 
     checks: str
     names: tuple[str, ...]
     timeout: float
     env: Callable[[pytest.TempPathFactory], dict[str, str]] = lambda _: {}
-    last: bool = False
+    last: bool | tuple[str, ...] = False
+    ranks: int = 4
 
 
-#: the ranks of the shared job (every module that declares a Share runs on them)
-SHARED_RANKS = 4
-#: pytest's timeout for a test of a module in the shared job (its first test waits for the whole job, which is
-#: bounded by the sum of the modules' own timeouts)
-SHARED_TEST_TIMEOUT = 1500
-_SHARED = pytest.StashKey[dict[str, SuiteResults]]()
+#: pytest's timeout for a test of a module in a shared job, beyond the job's own (the sum of its modules' timeouts):
+#: its first test waits for the whole job
+SHARED_TEST_MARGIN = 300
+_SHARED = pytest.StashKey[dict[tuple[str, int], SuiteResults]]()
+
+
+def shares_of(module: Any) -> tuple[Share, ...]:
+    """The Shares a test module declares (its ``SHARE``: one, a tuple, or none)."""
+    share = getattr(module, "SHARE", None)
+    return (share,) if isinstance(share, Share) else tuple(s for s in share or () if isinstance(s, Share))
+
+
+def shared_timeout(modules: Any) -> float:
+    """pytest's timeout for the tests of ``modules`` that share jobs: the longest shared job's bound plus a margin."""
+    jobs: dict[int, float] = {}
+    for module in dict.fromkeys(modules):
+        for share in shares_of(module):
+            jobs[share.ranks] = jobs.get(share.ranks, 0.0) + share.timeout
+    return max(jobs.values(), default=0.0) + SHARED_TEST_MARGIN
 
 
 def shared_job(share: Share) -> Any:
     """A module-scoped fixture ``results``: this module's checks, from the one torchrun job that runs the checks of
-    every module of the session that declares a ``SHARE`` (on SHARED_RANKS ranks, in file order, a ``last`` one
+    every module of the session that declares a Share on ``share.ranks`` ranks (in file order, the ``last`` checks
     last; only the selected checks of each), run when the first of them asks. Each module sees its own checks by
     their own names; a failure names the check (the test's id) and the job's log says which modules it ran."""
 
     @pytest.fixture(scope="module")
     def results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> SuiteResults:
-        jobs = request.session.stash.setdefault(_SHARED, {})
-        if share.checks not in jobs:
-            jobs.update(_run_shared(request.session, tmp_path_factory))
-        return jobs[share.checks]
+        return _shared_results(request.session, tmp_path_factory, share)
 
     return results
 
 
-def _run_shared(session: pytest.Session, tmp_path_factory: pytest.TempPathFactory) -> dict[str, SuiteResults]:
-    every = dict.fromkeys(getattr(item, "module", None) for item in session.items)
-    modules = sorted((m for m in every if isinstance(getattr(m, "SHARE", None), Share)), key=lambda m: m.SHARE.last)
-    assert sum(m.SHARE.last for m in modules) <= 1, "one module of the shared job may leave state behind"
-    shares: list[Share] = [m.SHARE for m in modules]
-    prefix = {s.checks: f"{s.checks}:" if len(shares) > 1 else "" for s in shares}
-    only: list[str] = []
+def _shared_results(session: pytest.Session, tmp_path_factory: pytest.TempPathFactory, share: Share) -> SuiteResults:
+    jobs = session.stash.setdefault(_SHARED, {})
+    if (share.checks, share.ranks) not in jobs:
+        jobs.update(_run_shared(session, tmp_path_factory, share.ranks))
+    return jobs[share.checks, share.ranks]
+
+
+def _run_shared(
+    session: pytest.Session, tmp_path_factory: pytest.TempPathFactory, ranks: int
+) -> dict[tuple[str, int], SuiteResults]:
+    mine: list[tuple[Share, list[str]]] = []  # every module's Share on these ranks, with its selected checks
+    for module in dict.fromkeys(getattr(item, "module", None) for item in session.items):
+        for share in shares_of(module):
+            chosen = _selected(session, module, ranks)
+            if share.ranks == ranks and chosen != []:
+                mine.append((share, [n for n in share.names if chosen is None or n in chosen]))
+    assert sum(bool(s.last) for s, _ in mine) <= 1, f"one module of the {ranks}-rank shared job may leave state behind"
+    several = len(mine) > 1
+    first: list[str] = []
+    then: list[str] = []
     env: dict[str, str] = {}
-    for module, share in zip(modules, shares, strict=True):
-        only += [prefix[share.checks] + n for n in _selected(session, module) or share.names]
+    for share, names in mine:
+        for name in names:
+            late = share.last is True or (isinstance(share.last, tuple) and name in share.last)
+            (then if late else first).append(f"{share.checks}:{name}" if several else name)
         for key, value in share.env(tmp_path_factory).items():
             assert env.setdefault(key, value) == value, f"the shared job's modules set {key} differently"
-    out = tmp_path_factory.mktemp("shared")
-    job = run_suite(
-        ",".join(s.checks for s in shares), SHARED_RANKS, out, sum(s.timeout for s in shares), env=env, only=only
-    )
-    job.log = f"(one job for {', '.join(s.checks for s in shares)})\n{job.log}"
+    out = tmp_path_factory.mktemp(f"shared{ranks}")
+    modules = ",".join(s.checks for s, _ in mine)
+    job = run_suite(modules, ranks, out, sum(s.timeout for s, _ in mine), env=env, only=first + then)
+    job.log = f"(one job of {ranks} ranks for {modules})\n{job.log}"
     done = {}
-    for share in shares:
-        mine = prefix[share.checks]
-        rows = {name.removeprefix(mine): row for name, row in job.by_check.items() if name.startswith(mine)}
-        done[share.checks] = SuiteResults(SHARED_RANKS, by_check=rows, log=job.log)
+    for share, _ in mine:
+        prefix = f"{share.checks}:" if several else ""
+        rows = {name.removeprefix(prefix): row for name, row in job.by_check.items() if name.startswith(prefix)}
+        done[share.checks, ranks] = SuiteResults(ranks, by_check=rows, log=job.log)
     return done

@@ -1,4 +1,4 @@
-"""Reproducible dropout (issue 42) on 4 gloo ranks, run by feature_checks.py (its 4-rank job).
+"""Reproducible dropout (issue 42) on 4 gloo ranks (and a gradient merge of it on 2), run by feature_checks.py.
 
 A layer list whose blocks drop (``nn.Dropout(0.3)``, and a block calling ``F.dropout`` with its own
 ``dropout`` attribute) is trained two steps under several layouts and schedules - pp 4 and pp 2, 1F1B,
@@ -200,6 +200,25 @@ def resumed(ctx: Ctx) -> dict[str, Any]:
             shutil.rmtree(folder, ignore_errors=True)
 
 
+def merged(ctx: Ctx) -> dict[str, Any]:
+    """pp 2 (the training guide's block): ZB-V with recompute of whole stages, a gradient merge of two steps (the
+    first under ``no_sync()``), then ``clip_grad_norm_``: the losses, the norm and every clipped gradient are the
+    one-process reference's (its two steps' gradients accumulated, then clipped)."""
+    ref, want = reference(2)
+    pipe = pipeline(ctx.group, schedule="zb-v", recompute="stage")
+    with pipe.no_sync():
+        got = [pipe.train_step(*data(0))]
+    got.append(pipe.train_step(*data(1)))
+    assert all(abs(a - b) <= 1e-12 for a, b in zip(got, want, strict=True)), (got, want)
+    norm = float(pipe.clip_grad_norm_(1.0))
+    ref_norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0))
+    assert abs(norm - ref_norm) <= 1e-10 * ref_norm and ref_norm > 1.0, (norm, ref_norm)  # (> 1: the clip acts)
+    assert_grads_close(pipe, ref, "merged, clipped")
+    return {"losses": got, "norm": norm}
+
+
 def checks(world: int) -> dict[str, Check]:
-    assert world == 4, "the dropout checks run on 4 ranks"
+    if world == 2:
+        return {"dropout-merge-zb-v": merged}
+    assert world == 4, "the dropout checks run on 2 or 4 ranks"
     return {"dropout-layouts": layouts, "dropout-dp": data_parallel, "dropout-resumed": resumed}

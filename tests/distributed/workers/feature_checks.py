@@ -378,5 +378,5 @@ def checks(world: int) -> dict[str, Check]:
     out.update(owned_checks.checks(world))
     if world == 4:  # issue 42's, in this job rather than a torchrun start of their own
         out.update(merge_checks.checks(world))
-        out.update(dropout_checks.checks(world))
+    out.update(dropout_checks.checks(world))
     return out

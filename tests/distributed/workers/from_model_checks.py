@@ -198,6 +198,24 @@ def _time_pipe(ctx: Ctx, sample: torch.Tensor) -> sw.Pipeline:
     return sw.Pipeline(equal_layers(4, 8), partition="time", sample_inputs=sample, group=ctx.group, timeout=TIMEOUT)
 
 
+def from_stages(ctx: Ctx) -> None:
+    """``Pipeline.from_stages`` at 2 ranks (the splitting guide's block): each rank passes the stage it built; the
+    loss and its stage's gradients are the one-process model's (float64)."""
+    torch.manual_seed(0)
+    stages = {0: nn.Sequential(nn.Linear(8, 32), nn.ReLU()).double(), 1: nn.Linear(32, 3).double()}
+    ref = nn.ModuleDict({f"stage{s}": copy.deepcopy(m) for s, m in stages.items()})
+    pipe = sw.Pipeline.from_stages(
+        {ctx.rank: stages[ctx.rank]}, loss_fn=F.cross_entropy, microbatches=2, group=ctx.group, timeout=TIMEOUT
+    )
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    y = torch.arange(16) % 3
+    loss = pipe.train_step(x, y)
+    want = F.cross_entropy(ref["stage1"](ref["stage0"](x)), y)
+    want.backward()
+    assert abs(loss - want.item()) <= RTOL * max(1.0, abs(want.item())), (loss, want.item())
+    assert assert_grads_close(pipe, ref, "from_stages") == len(list(stages[ctx.rank].parameters()))
+
+
 def refusals(ctx: Ctx) -> None:
     """Clear errors on every rank, before anything could hang."""
     p = ctx.world
@@ -413,4 +431,5 @@ def checks(world: int) -> dict[str, Check]:
         out["balance"] = balance
         out["default-cut"] = default_cut
         out["resumed-cut"] = resumed_cut
+        out["from-stages"] = from_stages
     return out

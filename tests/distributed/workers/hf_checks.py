@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import day_two_checks
 import stagewise as sw
 from helpers.compare import assert_grads_close
 from helpers.hf_families import (
@@ -341,6 +342,7 @@ def checks(world: int, suite: str = "ci") -> dict[str, Check]:
         out["llama-time-1f1b"] = parity(
             "llama", "1f1b", 3, 4, partition="time", sample_inputs=padded_batch(2, seed=0)[0][0]
         )
+        out["day-two"] = day_two_checks.day_two
     else:
         # the meshes first: a tied group made by some ranks only (pp=4 1f1b ties ranks 0 and 3) leaves gloo's later
         # groups over all ranks hanging at creation (torch 2.13), so the mesh's tied group is made before any

@@ -1,7 +1,8 @@
 """Checks of the pipeline's own optimizers (issue 51 item 2), run in feature_checks.py's torchrun jobs.
 
 ``optimizer=`` with ``lr_scheduler=`` (a warm-up) and ``clip=``: each step's loss and the weights after equal the
-one-process model clipped, stepped and scheduled (float64); a user's optimizer over the parameters is refused.
+one-process model clipped, stepped and scheduled (float64); a user's optimizer over the parameters is refused. And
+evaluation: ``eval_loss`` in eval mode, over replicas, and refused inputs.
 """
 
 from __future__ import annotations
@@ -10,9 +11,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import stagewise as sw
-from feature_models import gelu_mlp, mlp_data
+from feature_models import CLASSES, D, gelu_mlp, mlp_data
 from helpers.compare import assert_params_close
 from worker import Check, Ctx, raises
 
@@ -84,6 +86,28 @@ def eval_over_replicas(ctx: Ctx) -> None:
     assert abs(loss - want) <= 1e-12 * max(1.0, abs(want)), (loss, want)
 
 
+def eval_loss(ctx: Ctx) -> None:
+    """eval_loss after a train step (the training guide's block, at 2 ranks): under ``pipe.eval()`` every rank gets
+    the one-process model's loss in eval mode (its dropout off); ``pipe.train()`` turns it back on."""
+    layers = [
+        sw.Layer(nn.Linear, D, D, dtype=torch.float64),
+        sw.Layer(nn.Tanh),
+        sw.Layer(nn.Dropout, 0.5),
+        sw.Layer(nn.Linear, D, CLASSES, dtype=torch.float64),
+    ]
+    pipe = sw.Pipeline(layers, loss_fn=F.cross_entropy, microbatches=2, group=ctx.group, timeout=60.0, seed=3)
+    ref = sw.build_model(layers, seed=3).eval()
+    x, y = mlp_data(8, seed=5)
+    pipe.train_step(x, y)  # no optimizer: the weights stay the reference's
+    pipe.eval()
+    loss = pipe.eval_loss(x, y)
+    with torch.no_grad():
+        want = F.cross_entropy(ref(x), y).item()
+    assert abs(loss - want) <= 1e-12 * max(1.0, abs(want)), (loss, want)
+    pipe.train()
+    assert all(m.training for m in pipe.modules()), "pipe.train() left a module in eval mode"
+
+
 def eval_structure(ctx: Ctx) -> None:
     """An eval whose inputs differ from training's is refused on the rank holding stage 0 (a ValueError naming
     both), before the schedule sends anything; the others stop at their first wait, naming it."""
@@ -101,6 +125,7 @@ def checks(world: int) -> dict[str, Check]:
     names = ("1f1b", "zb-v", "interleaved-1f1b") if world == 2 else ("zb-v",)
     out = {f"owned-{s}": owned(s) for s in names}
     if world == 2:
+        out["eval-loss"] = eval_loss
         out["eval-structure"] = eval_structure
     if world == 4:
         out["replicas-same-batch"] = same_batch

@@ -6,8 +6,8 @@
 ``--checks`` names a module beside this file whose ``checks(world[, suite])`` returns ``{name: check}``;
 each check is called with a :class:`Ctx` and returns None or a JSON-able dict (``info``) that the pytest
 side (``helpers.torchrun``) may inspect. One JSON line per check and rank. ``--checks a,b`` runs several modules'
-checks in one job, in that order (one process start, torch import and gloo setup for all), each named
-``module:check``.
+checks in one job (one process start, torch import and gloo setup for all), each named ``module:check``, in
+``--only``'s order.
 """
 
 from __future__ import annotations
@@ -98,8 +98,10 @@ def main() -> None:
     torch.set_num_threads(1)
     env = sw.init(backend="gloo", timeout=timedelta(seconds=args.timeout))
     todo = _checks(args.checks.split(","), env.world_size, args.suite)
-    if args.only:
-        todo = {k: v for k, v in todo.items() if k in args.only.split(",")}
+    if args.only:  # several modules (a shared job): in --only's order, which runs what leaves state behind last
+        only = args.only.split(",")
+        order = only if "," in args.checks else list(todo)
+        todo = {k: todo[k] for k in order if k in todo and k in only}
     args.out.mkdir(parents=True, exist_ok=True)
     with open(args.out / f"rank{env.rank}.jsonl", "w") as f:
         for name, check in todo.items():
