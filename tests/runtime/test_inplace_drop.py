@@ -94,6 +94,21 @@ def test_a_failed_pipeline_lets_go_of_its_tensors_at_once_and_only_its_groups_ar
         gc.enable()
 
 
+def test_the_drop_never_empties_an_object_the_user_gave(one_rank: object, tmp_path: Path) -> None:
+    """A user may hand the same config to every generation's build: the failed pipeline's drop empties the
+    engine's own parts, never an instance of a public class (it may be the user's)."""
+    config = sw.runtime.MetricsConfig(str(tmp_path / "metrics"), tensorboard=False)
+    layers = [sw.Layer(nn.Linear, 4, 3)]
+    pipe = sw.Pipeline(layers, loss_fn=F.cross_entropy, microbatches=2, metrics=config)
+    pipe.train_step(torch.randn(4, 4), torch.tensor([0, 1, 2, 0]))
+    before = dict(vars(config))
+    job = generation.InPlace(sw.ElasticLayout(pp=1, batch=4, microbatch_size=2), lambda fit: None, tmp_path, timeout=5)
+    job.pipe = pipe
+    job._drop_pipeline(None)
+    assert vars(config) == before and config.dir == str(tmp_path / "metrics")
+    sw.Pipeline(layers, loss_fn=F.cross_entropy, microbatches=2, metrics=config)  # the next generation's build
+
+
 def _has_tensors(obj: Any) -> bool:
     return any(isinstance(o, torch.Tensor) for o in (obj if isinstance(obj, tuple) else (obj,)))
 

@@ -64,9 +64,19 @@ def empty(pipe: Any) -> None:
 
 def _internal(obj: Any) -> bool:
     """One of the engine's own objects (not a module, a tensor or a user's object; not one the exit still asks to
-    let go of its resources, :mod:`..comm.lifecycle`)."""
+    let go of its resources, :mod:`..comm.lifecycle`). An instance of a public class may be the user's own (a
+    ``MetricsConfig`` given to every generation's build): it is never emptied."""
     ours = type(obj).__module__.startswith("stagewise.runtime.") and hasattr(obj, "__dict__")
-    return ours and not isinstance(obj, nn.Module) and not hasattr(obj, "release_at_exit")
+    return ours and not isinstance(obj, nn.Module) and not hasattr(obj, "release_at_exit") and not _public(obj)
+
+
+def _public(obj: Any) -> bool:
+    """A class the user can name (``stagewise`` or ``stagewise.runtime`` exports it)."""
+    import stagewise
+    from stagewise import runtime
+
+    name = type(obj).__name__
+    return any(name in mod.__all__ and getattr(mod, name, None) is type(obj) for mod in (stagewise, runtime))
 
 
 def _hook_dicts(module: nn.Module) -> list[dict[Any, Any]]:
