@@ -25,6 +25,7 @@ needs nothing; a sampler of one's own reads :attr:`Layout.inputs_at` / :attr:`La
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -81,7 +82,9 @@ class Layout:
 
 _generations = [0]  # re-layouts this process took part in (advanced alike on every process)
 _calls = [0]  # relayout calls on this process, refused ones too (advanced alike on every process): boards' names
-_owned: list[Any] = []  # the groups made for the layout in force (let go by the next re-layout)
+#: per pipeline (the user's object, which keeps its identity across re-layouts), the groups made for its layout in
+#: force: let go by its next re-layout (another pipeline's re-layout in the same process never touches them)
+_owned: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDictionary()
 
 
 def relayout(
@@ -131,7 +134,7 @@ def relayout(
     finally:
         ranks.close()
         relayout_wire.release(exchange)
-    stale = _stale_groups(old, [group, *prepared])
+    stale = _stale_groups(pipe, old, [group, *prepared])
     before = list(pipe.parameters())
     carry_snapshots(old, new)
     _become(pipe, new, frontend, options, build)
@@ -295,13 +298,13 @@ def _post(
     return got
 
 
-def _stale_groups(old: PipelineState | None, kept: list[Any]) -> list[Any]:
-    """The old layout's groups to let go once it is released: those the last re-layout made and its tied
+def _stale_groups(pipe: nn.Module, old: PipelineState | None, kept: list[Any]) -> list[Any]:
+    """The old layout's groups to let go once it is released: those ``pipe``'s last re-layout made and its tied
     modules' (never the user's group nor the default one); ``kept`` become the new layout's own."""
-    stale = list(_owned)
+    stale = list(_owned.get(pipe, []))
     if old is not None:
         stale += [g for g in old.tied.groups.values() if g is not old.transport.group and g not in stale]
-    _owned[:] = kept
+    _owned[pipe] = kept
     return [g for g in stale if g not in kept]
 
 
