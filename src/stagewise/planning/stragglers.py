@@ -57,24 +57,21 @@ def rank_speeds(timeline: Timeline, calibration: RunCalibration, num_ranks: int)
     as inside one, and every thread of the process spends that quota (gloo's among them): a rank at 25 % of a
     core, judged by its actions alone, was predicted at 141 ms a step that ran 240 ms. The time from an action's
     inputs being there to its end holds all of it; a wait for a peer's output is not counted."""
-    expected = [0.0] * num_ranks
-    took = [0.0] * num_ranks
-    for e, own in own_spans(timeline, calibration.cores, calibration.latency):
-        cost = calibration.measured.get(e.action.kind, {}).get(e.action.stage)
-        if cost is None:
-            continue
-        expected[e.rank] += cost
-        took[e.rank] += own
-    return [x / t if t > 0 else 1.0 for x, t in zip(expected, took)]
+    return _speeds(own_spans(timeline, calibration.cores, calibration.latency), calibration, num_ranks)
 
 
 def compute_speeds(timeline: Timeline, calibration: RunCalibration, num_ranks: int) -> list[float]:
     """Each rank's speed inside its compute actions alone (their calibrated seconds over their de-shared
     seconds): what a calibration taken on a slowed rank must undo to find its layers' own costs (the quota's
     stops outside the actions are not the layers' cost)."""
+    return _speeds(deshared(timeline, calibration.cores), calibration, num_ranks)
+
+
+def _speeds(spans: Sequence[tuple[Event, float]], calibration: RunCalibration, num_ranks: int) -> list[float]:
+    """Per rank, the calibrated seconds of its measured actions over the seconds ``spans`` gives them (1 without)."""
     expected = [0.0] * num_ranks
     took = [0.0] * num_ranks
-    for e, own in deshared(timeline, calibration.cores):
+    for e, own in spans:
         cost = calibration.measured.get(e.action.kind, {}).get(e.action.stage)
         if cost is None:
             continue
