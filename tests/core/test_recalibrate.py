@@ -120,6 +120,23 @@ def test_held_out_costs_scale_with_the_micro_batch_and_sync_over_the_calibrated_
     assert costs.forward == (1.0, 1.0)  # measured 2 s (the prior said 1), at half the micro-batch
     assert costs.sync_time == (2 * (0.5 + 100 / 200), 2 * (0.5 + 300 / 200))  # 2 (n - 1) (latency + b / (n bw))
     assert held_out_costs(cal, prior, [2]).sync_time == (0.0,)
+    probed = replace(cal, reduce=(0.25, 50.0))  # the replicas' all-reduce probed on its own link
+    assert held_out_costs(probed, prior, [1, 1], dp=2).sync_time == (2 * (0.25 + 100 / 100), 2 * (0.25 + 300 / 100))
+
+
+def test_the_bias_is_taken_against_the_steps_timed_as_the_held_out_plans_are() -> None:
+    """The run is the model's to the second (makespan 15 s: 1F1B, 2 ranks, 4 micro-batches of F 1 s and B 2 s,
+    12 s a rank plus the 1 + 2 s fill), but its steps timed from a barrier took 16.5, 18 and 19.5 s (what the
+    ranks do outside their actions): the bias is 18 / 15 and the spread (18.75 - 17.25) / 2 / 18."""
+    prior = fake_profile([3.0, 3.0])
+    plan = build_schedule("1f1b", 2, 4)
+    run = simulate(plan, prior.cost_model([0, 1, 2])).timeline
+    assert run.makespan == 15.0
+    cal = calibrate_run([run] * 3, plan, prior, [1, 1], cores=8, steps=[16.5, 18.0, 19.5])
+    assert cal.bias == pytest.approx(18.0 / 15.0, rel=1e-9) and cal.spread == pytest.approx(0.75 / 18.0, rel=1e-9)
+    assert calibrate_run([run] * 3, plan, prior, [1, 1], cores=8).bias == pytest.approx(1.0, rel=1e-9)
+    with pytest.raises(ValueError, match="steps must be measured step seconds > 0"):
+        calibrate_run([run], plan, prior, [1, 1], cores=8, steps=[])
 
 
 def test_the_held_out_error_is_each_stage_predicted_from_the_others() -> None:

@@ -126,6 +126,9 @@ class RunCalibration:
     #: (:func:`stage_holdout_error`: each stage predicted from the other stages' scale); :data:`MODEL_ERROR`
     #: where the run has one stage
     held_out_error: float = MODEL_ERROR
+    #: the replicas' all-reduce link ``(latency, bandwidth)`` where it was probed apart from the point-to-point
+    #: one (gloo's collectives are not the pipeline's transport); ``None``: the calibrated link
+    reduce: tuple[float, float] | None = None
 
     @property
     def measured_step(self) -> float:
@@ -244,12 +247,12 @@ def held_out_costs(
 
 def ring_synced(costs: CostModel, dp: int, calibration: RunCalibration) -> CostModel:
     """``costs`` with each stage's SYNC a ring all-reduce of its parameter bytes over ``dp`` replicas on the
-    calibrated link (unchanged for one replica)."""
+    calibration's :attr:`~RunCalibration.reduce` link, else the calibrated one (unchanged for one replica)."""
     from .comm import Link, ring_all_reduce
 
     if dp <= 1:
         return costs
-    link = Link(calibration.latency, calibration.bandwidth)
+    link = Link(*calibration.reduce) if calibration.reduce else Link(calibration.latency, calibration.bandwidth)
     return replace(costs, sync_time=tuple(ring_all_reduce(b, dp, link) for b in costs.parameter_bytes))
 
 
@@ -292,6 +295,7 @@ def calibrate_run(
     dp: int = 1,
     reductions: Sequence[tuple[float, float]] = (),
     per_action: bool = False,
+    steps: Sequence[float] | None = None,
 ) -> RunCalibration:
     """Calibrate on the run of ``schedule`` cut by ``counts`` (layers per stage of ``prior``): ``timelines``
     (one per step, every rank on one clock) measured on ``cores`` shared cores; then the bias against the
@@ -300,9 +304,14 @@ def calibrate_run(
     their all-reduces' per-message pairs (:func:`~stagewise.planning.link_fit.reduce_transfers`), fitted with
     the transfers; the plan's own prediction then prices each stage's SYNC on the fitted link. ``per_action``:
     each compute action also costs the CPU time its rank spent outside compute events without waiting (the
-    calibration's ``overhead``, :mod:`stagewise.planning.action_cost`); the bias keeps the rest of the miss."""
+    calibration's ``overhead``, :mod:`stagewise.planning.action_cost`); the bias keeps the rest of the miss.
+    ``steps``: the calibrating plan's steps measured as the plans to predict will be (a benchmark times a whole
+    ``train_step`` from a barrier, which holds what each rank does before its first action and after its last,
+    outside the timeline); the bias and the spread are taken against them. Default: the timelines' makespans."""
     if not timelines:
         raise ValueError("calibrate_run: no timelines (run a few steps first)")
+    if steps is not None and not (len(steps) > 0 and all(x > 0 for x in steps)):
+        raise ValueError(f"calibrate_run: steps must be measured step seconds > 0, got {list(steps)!r}")
     if sum(counts) != len(prior) or len(counts) != schedule.num_stages:
         raise ValueError(
             f"calibrate_run: counts {list(counts)} must cut the profile's {len(prior)} layers into "
@@ -319,7 +328,7 @@ def calibrate_run(
         latency=link.latency,
         bandwidth=link.bandwidth,
         cores=cores,
-        steps=tuple(t.makespan for t in timelines),
+        steps=tuple(t.makespan for t in timelines) if steps is None else tuple(float(x) for x in steps),
         link=link.note,
         stage_spread=stage_spreads(timelines, cores, schedule.num_stages),
     )
