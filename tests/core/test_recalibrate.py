@@ -157,7 +157,8 @@ def test_the_held_out_error_is_each_stage_predicted_from_the_others() -> None:
     assert cal.held_out_error == pytest.approx(want, rel=1e-9)
     assert (cal.spread, cal.uncertainty, cal.bias) == (0.0, 0.0, pytest.approx(1.0, rel=1e-9))
     got = cal.predict(plan, cal.profile(prior).cost_model([0, 1, 2, 3, 4]), processes_per_node=4)
-    assert got.high - got.step == pytest.approx(Z85 * want * got.step, rel=1e-9)
+    assert got.high == pytest.approx(got.step * math.exp(Z85 * want), rel=1e-9)
+    assert got.low == pytest.approx(got.step / math.exp(Z85 * want), rel=1e-9)
     one = build_schedule("1f1b", 1, 2)
     alone = calibrate_run([simulate(one, truth.cost_model([0, 4])).timeline], one, prior, [4], cores=8)
     assert alone.held_out_error == MODEL_ERROR

@@ -186,13 +186,13 @@ class RunCalibration:
 
     def predict(self, schedule: Schedule, costs: CostModel, processes_per_node: int | None = None) -> Prediction:
         """``schedule`` under ``costs`` (from :meth:`profile`), its ranks sharing :attr:`cores`; times the bias,
-        with the interval of :data:`Z85` x :attr:`error`."""
+        with the interval of :data:`Z85` x :attr:`error` either way in log (never below 0)."""
         costs = with_overhead(replace(costs, latency=self.latency, bandwidth=self.bandwidth), self.overhead)
         p = schedule.num_ranks
         weights = [float(processes_per_node or p) / p] * p
         step = shared_makespan(schedule, costs, weights, self.cores) * self.bias
-        half = Z85 * self.error * step
-        return Prediction(step, step - half, step + half)
+        width = math.exp(Z85 * self.error)  # the error is of logs: the interval is a factor either way
+        return Prediction(step, step / width, step * width)
 
     @property
     def error(self) -> float:
