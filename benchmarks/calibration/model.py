@@ -6,7 +6,9 @@ change can be evaluated offline against a stored quiet run, ``python -m benchmar
 * ``at batch``: ``before`` with each plan's layers profiled at its own micro-batch (the first term of
   :mod:`stagewise.planning.action_cost` alone);
 * ``after``: both terms: the layers at each plan's micro-batch, and every compute action's CPU time outside its
-  compute event, measured on P's timeline, priced on the shared cores (the bias keeps the rest).
+  compute event, measured on P's timeline, priced on the shared cores (the bias keeps the rest); and, where the
+  job probed it (:mod:`.reduce_probe`), the replicas' all-reduce on its own link rather than the point-to-point
+  one.
 
 Both are calibrated on the calibrating plan P's timelines only; nothing of a plan Q enters them.
 """
@@ -14,6 +16,7 @@ Both are calibrated on the calibrating plan P's timelines only; nothing of a pla
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from stagewise import LayerProfile, build_schedule
@@ -27,11 +30,15 @@ MODELS = ("before", "at batch", "after")
 
 def calibrations(
     timelines: Sequence[Timeline], schedule: Schedule, profile: LayerProfile, counts: Sequence[int], cores: float,
-    bandwidth: float,
+    bandwidth: float, reduce: Sequence[float] | None = None, steps: Sequence[float] | None = None,
 ) -> dict[str, RunCalibration]:  # fmt: skip
-    """P's run calibrated for each model (module docstring)."""
+    """P's run calibrated for each model (module docstring); ``reduce``: the probed all-reduce link
+    ``(latency, bandwidth)``, ``steps``: P's steps timed as the plans Q are (``timed_step``), both the ``after``
+    model's (``before`` and ``at batch`` take the bias against the timelines' makespans, as the runtime does)."""
     plain = calibrate_run(timelines, schedule, profile, counts, cores, bandwidth)
-    per_action = calibrate_run(timelines, schedule, profile, counts, cores, bandwidth, per_action=True)
+    per_action = calibrate_run(timelines, schedule, profile, counts, cores, bandwidth, per_action=True, steps=steps)
+    if reduce is not None:
+        per_action = replace(per_action, reduce=(float(reduce[0]), float(reduce[1])))
     return {"before": plain, "at batch": plain, "after": per_action}
 
 
@@ -51,11 +58,14 @@ def predictions(
 
 def kept(
     profiles: Mapping[int, LayerProfile], timelines: Sequence[Timeline], calibrating: Mapping[str, Any],
-    counts: Sequence[int], cores: float, bandwidth: float, processes: int,
+    counts: Sequence[int], cores: float, bandwidth: float, processes: int, reduce: Sequence[float] | None = None,
+    steps: Sequence[float] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """What an offline refit needs, as JSON: the profiles, P's calibrating timelines and plan, its cut, the cores,
-    the link's prior bandwidth and the processes on the node."""
+    the link's prior bandwidth, the processes on the node, the probed all-reduce link and P's timed steps."""
     return {
+        "reduce_link": None if reduce is None else list(reduce),
+        "timed_steps": None if steps is None else list(steps),
         "profiles": {str(b): p.to_json() for b, p in profiles.items()},
         "timelines": [t.to_json() for t in timelines],
         "calibrating": dict(calibrating),
@@ -71,18 +81,30 @@ def schedule_of(plan: Mapping[str, Any], virtual: int | None) -> Schedule:
     return build_schedule(plan["schedule"], plan["pp"], plan["microbatches"], virtual)
 
 
-def refit(job: Mapping[str, Any], global_batch: int) -> list[dict[str, Any]]:
+def refit(
+    job: Mapping[str, Any], global_batch: int, reduce: Sequence[float] | None = None, p_swept: bool = False
+) -> list[dict[str, Any]]:
     """Every plan of a stored job predicted again by the current code of each model, from the job's ``kept``
-    record alone: per plan its name, measured steps and ``{model: (step, low, high)}``."""
+    record alone: per plan its name, measured steps and ``{model: (step, low, high)}``. For a job that kept no
+    probe or timed P: ``reduce``, an all-reduce link probed elsewhere; ``p_swept``, P's steps timed as a swept
+    plan (a regret job sweeps P first), that row then left out of the rows returned (what-ifs the caller says)."""
     keep = job["kept"]
+    reduce = keep.get("reduce_link") or reduce
+    steps, plans = keep.get("timed_steps"), list(job["plans"])
+    if steps is None and p_swept:
+        at = next((k for k, r in enumerate(plans) if r["plan"] == keep["calibrating"]), None)
+        if at is not None:
+            steps = plans.pop(at)["steps"]
     profiles = {int(b): LayerProfile.from_json(p) for b, p in keep["profiles"].items()}
     p_plan = keep["calibrating"]
     b_p = global_batch // (p_plan["dp"] * p_plan["microbatches"])
     timelines = [Timeline.from_json(t) for t in keep["timelines"]]
     p_schedule = schedule_of(p_plan, None)
-    cals = calibrations(timelines, p_schedule, profiles[b_p], keep["counts"], keep["cores"], keep["bandwidth"])
+    cals = calibrations(
+        timelines, p_schedule, profiles[b_p], keep["counts"], keep["cores"], keep["bandwidth"], reduce, steps
+    )
     rows = []
-    for r in job["plans"]:
+    for r in plans:
         plan = r["plan"]
         b_q = global_batch // (plan["dp"] * plan["microbatches"])
         got = predictions(cals, profiles, b_p, schedule_of(plan, r.get("virtual")), r["counts"], b_q, plan["dp"],

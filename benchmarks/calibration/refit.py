@@ -21,15 +21,22 @@ from pathlib import Path
 from typing import Any
 
 from .model import MODELS, refit
+from .report import summary
 from .space import GLOBAL_BATCH
 
 
 def figures(rows: list[dict[str, Any]], model: str) -> dict[str, Any]:
-    """``model``'s mean and largest absolute error, its pick and the pick's regret by the sweep's medians."""
+    """``model``'s mean and largest absolute error, its pick and the pick's regret by the sweep's medians, and
+    the benchmark's ranking and interval figures (:func:`.report.summary`)."""
     medians = [statistics.median(r["steps"]) for r in rows]
     errors = [abs(r[model][0] / m - 1) for r, m in zip(rows, medians)]
     i = min(range(len(rows)), key=lambda k: rows[k][model][0])
-    return {"mae": statistics.mean(errors), "max": max(errors), "pick": i, "regret": medians[i] / min(medians) - 1}
+    plans = [{"plan": r["plan"], "steps": r["steps"], "predicted": r[model][0], "low": r[model][1],
+              "high": r[model][2]} for r in rows]  # fmt: skip
+    s = summary({"workload": "", "world": 0, "plans": plans})
+    return {"mae": statistics.mean(errors), "max": max(errors), "pick": i, "regret": medians[i] / min(medians) - 1,
+            "tau": s["kendall tau"], "pairs": s["pairs"], "inside": s["inside interval"],
+            "width": s["median half-width / spread"]}  # fmt: skip
 
 
 def describe(plan: dict[str, Any]) -> str:
@@ -39,10 +46,21 @@ def describe(plan: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results", type=Path, nargs="+", help="a regret.json, calibration.json or job-*.json")
+    parser.add_argument(
+        "--reduce-link", type=float, nargs=2, metavar=("LATENCY_S", "BYTES_PER_S"),
+        help="for jobs that kept no all-reduce probe: price the replicas' all-reduce on this link (a what-if: "
+        "a probe taken at another time; the table says so)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--p-swept", action="store_true",
+        help="for jobs that kept no timed P: take P's steps (for the bias) from the sweep's row of P (a regret job's "
+        "first) and leave that row out of the figures (a what-if; the table says so)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     lines = [
-        "| workload | ranks | model | plans | MAE | max | pick | sweep regret |",
-        "|---|---:|---|---:|---:|---:|---|---:|",
+        "| workload | ranks | model | plans | MAE | max | tau (pairs) | inside | half-width / spread | pick "
+        "| sweep regret |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for path in args.results:
         data = json.loads(path.read_text())
@@ -52,11 +70,16 @@ def main(argv: list[str] | None = None) -> int:
                     f"{path}: a {job.get('workload')} job without a 'kept' record (older run): skipped", file=sys.stderr
                 )
                 continue
-            rows = refit(job, GLOBAL_BATCH)
+            rows = refit(job, GLOBAL_BATCH, args.reduce_link, args.p_swept)
+            keep = job["kept"]
+            note = " (all-reduce link given)" if args.reduce_link and not keep.get("reduce_link") else ""
+            note += " (P timed in the sweep)" if args.p_swept and not keep.get("timed_steps") else ""
             for model in MODELS:
                 f = figures(rows, model)
+                name = model + (note if model == "after" else "")
                 lines.append(
-                    f"| {job['workload']} | {job['world']} | {model} | {len(rows)} | {f['mae']:.1%} | {f['max']:.1%} "
+                    f"| {job['workload']} | {job['world']} | {name} | {len(rows)} | {f['mae']:.1%} | {f['max']:.1%} "
+                    f"| {f['tau']:+.2f} ({f['pairs']}) | {f['inside']:.0%} | {f['width']:.1f} "
                     f"| {describe(rows[f['pick']]['plan'])} | {f['regret']:+.1%} |"
                 )
     print("\n".join(lines))

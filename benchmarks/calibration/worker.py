@@ -2,10 +2,12 @@
 
 1. rank 0 profiles the layers alone (``sw.profile``, the loss too) at each micro-batch size the plans run,
    P's among them; every rank gets them;
-2. P (:func:`.space.calibrating`) runs 2 warm-up and 3 steps under a
+2. every rank probes the replicas' all-reduce link (:mod:`.reduce_probe`; P is dp 1 and holds none); P
+   (:func:`.space.calibrating`) runs 2 warm-up and 3 steps under a
    :class:`~stagewise.runtime.RunCalibrator` (the default warm-up and window), which calibrates; the link's
-   bandwidth a ping-pong's (:func:`prior_bandwidth`) where P's transfers cannot identify it; P's calibrating
-   timelines are kept, and calibrated both ways of :mod:`.model` (``before``, ``after``);
+   bandwidth a ping-pong's (:func:`prior_bandwidth`) where P's transfers cannot identify it; then ``--steps``
+   more timed as every Q is (the ``after`` model's bias is taken against them); P's calibrating timelines are
+   kept, and calibrated each way of :mod:`.model`;
 3. for each Q of :func:`.space.held_out`, in the seeded order: the predictions first, from the calibration only
    (:func:`.model.predictions`: Q's cut, its micro-batch, its replicas' SYNC; the ranks sharing the node's
    cores); then Q runs ``--warmup`` untimed and ``--steps`` timed steps (each from a barrier, the slowest
@@ -35,6 +37,7 @@ from stagewise.runtime.measure.links import ping_pong
 from .._launch import timed_step
 from ..fidelity.workloads import workloads
 from .model import calibrations, kept, predictions
+from .reduce_probe import reduce_link
 from .space import GLOBAL_BATCH, PlanSpec, calibrating, held_out
 
 
@@ -53,12 +56,16 @@ def micro_batch(plan: PlanSpec) -> int:
     return GLOBAL_BATCH // (plan.dp * plan.microbatches)
 
 
-def calibrated(work: Any, p_plan: PlanSpec, profiles: dict[int, sw.LayerProfile]) -> tuple[Any, dict[str, Any], dict]:
-    """P run until its :class:`RunCalibrator` calibrates: that calibrator's first record, both models' calibrations
-    (:func:`.model.calibrations`) of the same timelines, and what an offline refit needs (:func:`.model.kept`)."""
+def calibrated(
+    work: Any, p_plan: PlanSpec, profiles: dict[int, sw.LayerProfile], steps: int = 5
+) -> tuple[Any, dict[str, Any], dict]:
+    """P run until its :class:`RunCalibrator` calibrates, then ``steps`` more timed as every Q is (``timed_step``):
+    that calibrator's first record, the models' calibrations (:func:`.model.calibrations`) of the same timelines,
+    and what an offline refit needs (:func:`.model.kept`)."""
     world = dist.get_world_size()
     x, y = work.data(GLOBAL_BATCH)
     b_p = micro_batch(p_plan)
+    reduce = reduce_link()
     pipe = build(work, p_plan, profiles[b_p], x[:b_p])
     calibrator = RunCalibrator(pipe, profiles[b_p], processes=world, bandwidth=prior_bandwidth())
     seen = []
@@ -67,8 +74,10 @@ def calibrated(work: Any, p_plan: PlanSpec, profiles: dict[int, sw.LayerProfile]
         seen.append(pipe.timeline(gather=True))
         calibrator.observe(seen[-1])
     timelines, counts = seen[calibrator.warmup :], [len(r) for r in pipe.layer_ranges]
-    cals = calibrations(timelines, pipe.schedule, profiles[b_p], counts, calibrator.cores, calibrator.bandwidth)
-    keep = kept(profiles, timelines, p_plan._asdict(), counts, calibrator.cores, calibrator.bandwidth, world)
+    timed = [timed_step(pipe, x, y) for _ in range(steps)]
+    cores, bandwidth = calibrator.cores, calibrator.bandwidth
+    cals = calibrations(timelines, pipe.schedule, profiles[b_p], counts, cores, bandwidth, reduce, timed)
+    keep = kept(profiles, timelines, p_plan._asdict(), counts, cores, bandwidth, world, reduce, timed)
     del pipe
     return calibrator.records[0], cals, keep
 
@@ -122,7 +131,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     x, y = work.data(GLOBAL_BATCH)
     p_plan, plans = calibrating(world), held_out(world, args.plans)
     profiles = alone_profiles(work, x, y, [micro_batch(p) for p in (p_plan, *plans)])
-    record, cals, keep = calibrated(work, p_plan, profiles)
+    record, cals, keep = calibrated(work, p_plan, profiles, args.steps)
     rows = []
     for plan in plans:
         b_q = micro_batch(plan)

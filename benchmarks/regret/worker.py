@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     p_plan = calibrating(world)
     plans = [p_plan, *held_out(world, args.plans)]
     profiles = alone_profiles(work, x, y, [micro_batch(p) for p in plans])
-    record, cals, keep = calibrated(work, p_plan, profiles)
+    record, cals, keep = calibrated(work, p_plan, profiles, args.steps)
     rows = sweep(work, plans, cals, profiles, args)
     i, k, j = pick(rows), pick(rows, "before"), best(rows)
     chosen = {"pick": i, "pick before": k, "best": j}

@@ -106,9 +106,22 @@ def test_the_layers_at_the_plans_own_micro_batch_keep_the_calibrated_ratio() -> 
     assert at_batch(cal.profile(prior), prior, doubled).layers[0].forward == 4.5
     assert held_out_costs(cal, prior, [1], at=doubled).forward == (4.5,)
     assert held_out_costs(cal, prior, [1], batch_ratio=2.0).forward == (6.0,)
-    # the split backward at twice the micro-batch: the fused 6 s split as the prior splits it (I 1/3, W 1/3 of
-    # a prior whose B is 4 s: half each, 3 s), then scaled as the run scaled I (the run's B of 6 s over the
-    # prior's I + W of 2/3 s: 9x)
-    assert at_batch(cal.profile(prior), prior, doubled).layers[0].backward_input == pytest.approx(27.0)
+    # the split backward at twice the micro-batch: the run's B of 6 s split as the prior splits it (I and W
+    # half each: 3 s), times the whole model's backward ratio at twice the micro-batch (6 / 4)
+    assert at_batch(cal.profile(prior), prior, doubled).layers[0].backward_input == pytest.approx(4.5)
     with pytest.raises(ValueError, match="same layers"):
         at_batch(prior, prior, fake_profile([1.0, 1.0]))
+
+
+def test_the_micro_batch_moves_the_run_s_layers_by_the_whole_model_s_ratio() -> None:
+    """Two layers the run measured at F 1 and 3 s (the prior said 1 and 1); profiled at the plan's micro-batch
+    they take 1.5 and 2.5 s (F 4 s against the prior's 2: 2x over the model): the run's layers doubled, 2 and
+    6 s, not each layer by its own ratio (1.5 and 7.5 s). B alike: prior 2 + 2, at 5 + 3 (2x): 2 x the run's."""
+    prior = fake_profile([3.0, 3.0])  # F 1, B 2 a layer
+    at = replace(prior, layers=(replace(prior.layers[0], forward=1.5, backward=5.0),
+                                replace(prior.layers[1], forward=2.5, backward=3.0)))  # fmt: skip
+    run = replace(prior, layers=(replace(prior.layers[0], forward=1.0, backward=2.0),
+                                 replace(prior.layers[1], forward=3.0, backward=4.0)))  # fmt: skip
+    got = at_batch(run, prior, at).layers
+    assert [x.forward for x in got] == [2.0, 6.0] and [x.backward for x in got] == [4.0, 8.0]
+    assert [x.backward_input for x in got] == [2.0, 2.0]  # the run kept the prior's I of 1 s: 2x

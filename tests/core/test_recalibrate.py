@@ -120,3 +120,60 @@ def test_held_out_costs_scale_with_the_micro_batch_and_sync_over_the_calibrated_
     assert costs.forward == (1.0, 1.0)  # measured 2 s (the prior said 1), at half the micro-batch
     assert costs.sync_time == (2 * (0.5 + 100 / 200), 2 * (0.5 + 300 / 200))  # 2 (n - 1) (latency + b / (n bw))
     assert held_out_costs(cal, prior, [2]).sync_time == (0.0,)
+    probed = replace(cal, reduce=(0.25, 50.0))  # the replicas' all-reduce probed on its own link
+    assert held_out_costs(probed, prior, [1, 1], dp=2).sync_time == (2 * (0.25 + 100 / 100), 2 * (0.25 + 300 / 100))
+
+
+def test_the_bias_is_taken_against_the_steps_timed_as_the_held_out_plans_are() -> None:
+    """The run is the model's to the second (makespan 15 s: 1F1B, 2 ranks, 4 micro-batches of F 1 s and B 2 s,
+    12 s a rank plus the 1 + 2 s fill), but its steps timed from a barrier took 16.5, 18 and 19.5 s (what the
+    ranks do outside their actions): the bias is 18 / 15 and the spread (18.75 - 17.25) / 2 / 18."""
+    prior = fake_profile([3.0, 3.0])
+    plan = build_schedule("1f1b", 2, 4)
+    run = simulate(plan, prior.cost_model([0, 1, 2])).timeline
+    assert run.makespan == 15.0
+    cal = calibrate_run([run] * 3, plan, prior, [1, 1], cores=8, steps=[16.5, 18.0, 19.5])
+    assert cal.bias == pytest.approx(18.0 / 15.0, rel=1e-9) and cal.spread == pytest.approx(0.75 / 18.0, rel=1e-9)
+    assert calibrate_run([run] * 3, plan, prior, [1, 1], cores=8).bias == pytest.approx(1.0, rel=1e-9)
+    with pytest.raises(ValueError, match="steps must be measured step seconds > 0"):
+        calibrate_run([run], plan, prior, [1, 1], cores=8, steps=[])
+
+
+def test_the_held_out_error_is_each_stage_predicted_from_the_others() -> None:
+    """The layers run 1, 1, 2 and 4x the prior on the calibrating plan's four stages (F and B alike). Leaving a
+    stage out, the others' median ratio predicts it: stage 0 from (1, 2, 4) at 2, stage 1 the same, stage 2 from
+    (1, 1, 4) at 1, stage 3 from (1, 1, 2) at 1; the error is the root mean square of the logs (F and B count
+    alike). One stage: no other to predict it from, the prior's MODEL_ERROR is kept."""
+    import math
+
+    from stagewise.planning.recalibrate import MODEL_ERROR, Z85
+
+    prior, truth = fake_profile([3.0] * 4), fake_profile([3.0, 3.0, 6.0, 12.0])
+    plan = build_schedule("1f1b", 4, 4)
+    run = simulate(plan, truth.cost_model([0, 1, 2, 3, 4])).timeline
+    cal = calibrate_run([run] * 3, plan, prior, [1, 1, 1, 1], cores=8)
+    logs = [math.log(1 / 2), math.log(1 / 2), math.log(2 / 1), math.log(4 / 1)]
+    want = math.sqrt(sum(x * x for x in logs) / 4)
+    assert cal.held_out_error == pytest.approx(want, rel=1e-9)
+    assert (cal.spread, cal.uncertainty, cal.bias) == (0.0, 0.0, pytest.approx(1.0, rel=1e-9))
+    got = cal.predict(plan, cal.profile(prior).cost_model([0, 1, 2, 3, 4]), processes_per_node=4)
+    assert got.high == pytest.approx(got.step * math.exp(Z85 * want), rel=1e-9)
+    assert got.low == pytest.approx(got.step / math.exp(Z85 * want), rel=1e-9)
+    one = build_schedule("1f1b", 1, 2)
+    alone = calibrate_run([simulate(one, truth.cost_model([0, 4])).timeline], one, prior, [4], cores=8)
+    assert alone.held_out_error == MODEL_ERROR
+
+
+def test_the_interval_combines_what_the_run_shows_of_the_error() -> None:
+    """Steps 0.9, 1.0, 1.1 s (spread 0.05), no stage spread (uncertainty 0), a held-out error of 0.09 and a bias
+    of e^0.12 (the model missed the run by 0.12 in log): sqrt(0.05^2 + 0.09^2 + 0.12^2) = sqrt(0.025)."""
+    import math
+
+    from stagewise.planning.recalibrate import RunCalibration
+
+    cal = RunCalibration(
+        counts=(1,), measured={}, latency=0.0, bandwidth=math.inf, cores=1, steps=(0.9, 1.0, 1.1),
+        bias=math.exp(0.12), held_out_error=0.09,
+    )  # fmt: skip
+    assert cal.spread == pytest.approx(0.05, rel=1e-9) and cal.uncertainty == 0.0
+    assert cal.error == pytest.approx(math.sqrt(0.025), rel=1e-9)

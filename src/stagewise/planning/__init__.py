@@ -70,6 +70,7 @@ class PlanOptions(TypedDict, total=False):
     cores: float | None  # [the calibration's, else None: a core per process]
     top: int  # [5]
     best_per_layout: bool  # [False]: the top plans; True: the top layouts, each with its best plan
+    profiles: Sequence[LayerProfile]  # [()]: the same layers profiled at other micro-batch sizes
 
 
 def search(profile: LayerProfile, processes: int, **options: Unpack[PlanOptions]) -> PlanSearch:
@@ -94,7 +95,10 @@ def plan(profile: LayerProfile, processes: int, **options: Unpack[PlanOptions]) 
     every rank the plans of rank 0's inputs).
 
     ``profile``: per-layer times and bytes of one micro-batch of ``profile_batch`` samples
-    (:func:`stagewise.profile`); costs scale linearly with the micro-batch size.
+    (:func:`stagewise.profile`); costs scale linearly with the micro-batch size, unless ``profiles`` holds the
+    same layers profiled at other sizes: then each layer's forward and backward are a line through every size
+    (a fixed part, as ``overhead``, and a part that scales), so that small micro-batches are not priced at a
+    linear share of a larger one's cost.
     ``processes`` ranks on ``nodes`` nodes (packed in rank order), each with
     ``memory`` (bytes, or a string with a unit: ``"8GiB"``) and relative ``speeds`` (one number, or one per rank).
     ``global_batch``: samples per step, split over the ``dp * sharding`` replicas, then into

@@ -9,6 +9,10 @@ action that does not shrink with the batch (kernel launches, Python dispatch)
 is the ``overhead``: seconds per layer added to each forward and to each
 backward (half to I, half to W) whatever the micro-batch size; the runtime's
 own cost per stage action (dispatch, posting transfers) is ``action_overhead``.
+Given the layers profiled at several sizes (``plan(..., profiles=)``), each
+layer's forward and backward become a line through every size
+(:func:`batch_lines`): its fixed parts join ``overhead`` (the backward's apart),
+so a small micro-batch is priced as profiled at its size, not at a linear share.
 
 **Tensor parallelism** (Megatron-LM, Shoeybi et al. 2019, Sec. 3): a layer
 that supports tp runs ``1/tp`` of its compute, holds ``1/tp`` of its
@@ -83,7 +87,7 @@ defined on :class:`~stagewise.planning.Plan`; here one candidate, ``b`` samples 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..partition import CheckpointCost, LayerProfile, shared_bytes
 from .comm import Link, ring_all_reduce
@@ -190,6 +194,7 @@ class StageBase:
     checkpoint_forward: tuple[float, ...] = ()  # seconds a recompute segment adds to each F (fixed)
     checkpoint_backward: tuple[float, ...] = ()  # ... and to each backward, beyond the forward again
     loss: tuple[float, ...] = ()  # bytes the loss saves (the last stage's; recompute does not reach it)
+    fixed_backward: tuple[float, ...] = ()  # seconds of each B (I and W half each) that do not scale; () = fixed
 
     def at(self, scale: float, per_unit: float = 0.0) -> StageCosts:
         """The stage costs for a micro-batch of ``scale`` times the profile batch: F, B, and the split I and W,
@@ -199,15 +204,17 @@ class StageBase:
         kf, kb, kiw = self.factor
         for s in range(len(self.forward)):
             tp_fwd = self.tp_fixed[s] + self.tp_per_scale[s] * scale
-            fixed = self.fixed[s] + per_unit * (self.units[s] if self.units else 0)
+            hooks = per_unit * (self.units[s] if self.units else 0)
+            fixed = self.fixed[s] + hooks
+            back = (self.fixed_backward[s] + hooks) if self.fixed_backward else fixed
             fs = kf * (self.forward[s] * scale + fixed) + tp_fwd
-            is_ = kiw * (self.backward_input[s] * scale + fixed / 2) + tp_fwd  # the f all-reduces mirror the g ones
-            bs = kb * (self.backward[s] * scale + fixed) + tp_fwd
+            is_ = kiw * (self.backward_input[s] * scale + back / 2) + tp_fwd  # the f all-reduces mirror the g ones
+            bs = kb * (self.backward[s] * scale + back) + tp_fwd
             acts = self.activation[s] * scale  # the last stage's includes the loss's saved tensors
             lost = (self.loss[s] if self.loss else 0.0) * scale
             kp = self.keep[s] * scale
             full.append(acts - lost)  # what a recompute brings back: the stage's own internals
-            ws = kiw * (self.backward_weight[s] * scale + fixed / 2)
+            ws = kiw * (self.backward_weight[s] * scale + back / 2)
             if self.recompute == "stage":  # the forward again, W within I, the checkpoint's hooks (see above)
                 is_ += fs + ws + kiw * self.checkpoint_backward[s]
                 bs += fs + kb * self.checkpoint_backward[s]
@@ -249,8 +256,11 @@ def stage_base(
     action_overhead: float = 0.0,
     message: float = 0.0,
     factor: tuple[float, float, float] = (1.0, 1.0, 1.0),
+    backward_overhead: Sequence[float] = (),
 ) -> StageBase:
-    """Sum the layers of each stage (``bounds`` as in :class:`~stagewise.partition.cut.Partition`)."""
+    """Sum the layers of each stage (``bounds`` as in :class:`~stagewise.partition.cut.Partition`);
+    ``backward_overhead``: per layer, the backward's fixed seconds where they differ from ``overhead``'s
+    (:func:`batch_lines`); ``()``: the same."""
     per_ar_fixed = 2 * (tp - 1) * tp_link.latency if tp > 1 else 0.0
     per_byte = 2 * (tp - 1) / (tp * tp_link.bandwidth) if tp > 1 else 0.0
     cols: list[list[float]] = [[] for _ in range(12)]
@@ -283,8 +293,11 @@ def stage_base(
         )
         for col, value in zip(cols, values):
             col.append(value)
+    actions = [action_overhead + message * ((s > 0) + (s < last)) for s in range(last + 1)]
+    fixed_b = tuple(sum(backward_overhead[a:b]) + x for (a, b), x in zip(zip(bounds, bounds[1:]), actions))
     return StageBase(  # type: ignore[misc]
         *(tuple(c) for c in cols),  # type: ignore[arg-type]
+        fixed_backward=fixed_b if backward_overhead else (),
         units=tuple(units),
         recompute=recompute,
         factor=factor,
@@ -295,8 +308,9 @@ def stage_base(
 
 
 def partition_weights(
-    arrays: LayerArrays, *, tp: int, tp_link: Link, recompute: str | None, overhead: Sequence[float]
-) -> list[float]:
+    arrays: LayerArrays, *, tp: int, tp_link: Link, recompute: str | None, overhead: Sequence[float],
+    backward_overhead: Sequence[float] = (),
+) -> list[float]:  # fmt: skip
     """What the partitioner balances per layer at the profile batch: F + B (+ F again and the checkpoint's hooks
     under recompute) + its tp all-reduces + its fixed costs (so one cut serves every micro-batch count: exact when
     nothing is fixed)."""
@@ -305,9 +319,62 @@ def partition_weights(
         fwd = arrays.forward[k] + overhead[k]
         tp_time = 4 * ring_all_reduce(arrays.output[k], tp, tp_link) if arrays.tp_layer[k] else 0.0
         back = arrays.backward[k] if arrays.backward else arrays.backward_input[k] + arrays.backward_weight[k]
-        back += overhead[k]
+        back += backward_overhead[k] if backward_overhead else overhead[k]
         hooks = 0.0
         if recompute and arrays.checkpoint is not None and arrays.saved:  # the checkpoint's cost per saved tensor
             hooks = arrays.saved[k] * (arrays.checkpoint.per_saved_forward + arrays.checkpoint.per_saved_backward)
         weights.append(fwd + back + tp_time + (fwd + hooks if recompute else 0))
     return weights
+
+
+@dataclass(frozen=True)
+class BatchLines:
+    """Each layer's time as a line in the micro-batch, from profiles at several sizes (:func:`batch_lines`):
+    ``profile`` holds the lines' slopes at its own batch (the scaled part; sizes as profiled), ``forward`` and
+    ``backward`` each layer's fixed seconds per F and per B, the planner's ``overhead`` for each."""
+
+    profile: LayerProfile
+    forward: tuple[float, ...]
+    backward: tuple[float, ...]
+
+
+def batch_lines(profiles: Sequence[LayerProfile]) -> BatchLines:
+    """Fit ``t(b) = fixed + slope * b`` per layer, for F and for the fused B, by least squares through the
+    profiles' sizes (``LayerProfile.batch``, at least two; exact through two), the fixed part at least 0 (else
+    the slope through the origin). A layer call has a fixed part (the operators' dispatch, the autograd graph)
+    that the planner's linear scaling would shrink with the batch (issue 49: a layer at 1 sample ran ~1.4x its
+    linear share). The split I and W share B's slope as the first profile splits its B. The result is at the
+    first profile's batch, whose bytes it keeps (bytes are linear in the batch)."""
+    sizes = [p.batch for p in profiles]
+    if len(profiles) < 2 or None in sizes or len(set(sizes)) != len(sizes):
+        raise ValueError(f"plan: profiles must be two or more LayerProfiles of distinct recorded batches, got {sizes}")
+    names = profiles[0].names
+    for p in profiles[1:]:
+        if p.names != names:
+            raise ValueError(f"plan: profiles must hold the same layers, got {list(names)} and {list(p.names)}")
+    b0 = float(profiles[0].batch)  # type: ignore[arg-type]
+    bs = [float(b) for b in sizes]  # type: ignore[arg-type]
+    layers, fixed_f, fixed_b = [], [], []
+    for k, x in enumerate(profiles[0].layers):
+        of, sf = _line(bs, [p.layers[k].forward for p in profiles])
+        ob, sb = _line(bs, [p.layers[k].backward for p in profiles])
+        split = x.backward_input + x.backward_weight
+        i_share = x.backward_input / split if split > 0 else 0.5
+        layers.append(replace(x, forward=sf * b0, backward=sb * b0, backward_input=sb * b0 * i_share,
+                              backward_weight=sb * b0 * (1 - i_share)))  # fmt: skip
+        fixed_f.append(of)
+        fixed_b.append(ob)
+    return BatchLines(replace(profiles[0], layers=tuple(layers)), tuple(fixed_f), tuple(fixed_b))
+
+
+def _line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """Least-squares ``(intercept, slope)`` through ``(xs, ys)``, the intercept at least 0."""
+    n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    if slope < 0:  # a layer no slower at more samples: its mean, fixed
+        return my, 0.0
+    intercept = my - slope * mx
+    if intercept >= 0 or n == 0:
+        return intercept, slope
+    return 0.0, sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)

@@ -11,6 +11,7 @@ from ..partition import LayerProfile
 from ..schedules import canonical_name, is_asynchronous, schedule_names
 from .calibration import Calibration
 from .comm import Link
+from .costing import batch_lines
 from .units import parse_bytes
 
 
@@ -41,6 +42,7 @@ class Problem:
     cores: float | None  # per node; None: a core (or device) per process
     top: int
     best_per_layout: bool = False  # the top layouts, each with its best plan, rather than the top plans
+    backward_overhead: tuple[float, ...] = ()  # per layer, where a backward's fixed part is not overhead's
 
 
 def make_problem(
@@ -67,15 +69,14 @@ def make_problem(
     cores: float | None = None,
     top: int = 5,
     best_per_layout: bool = False,
+    profiles: Sequence[LayerProfile] = (),
 ) -> Problem:
-    """Check every input, naming the option and the value expected."""
-    profile_batch = _profile_batch(profile, profile_batch)
-    _check_counts(profile, processes, nodes, global_batch, profile_batch, optimizer_state)
-    _check_search_limits(top, max_virtual_stages)
-    fixed, scale = _overheads(overhead, action_overhead, len(profile)), _compute_scale(compute_scale)
+    """Check every input, naming the option and the value expected (``profiles``: :func:`_lined`)."""
+    profile, batch, fixed, fixed_b = _lined(profile, profiles, profile_batch, overhead, action_overhead)
+    _check_counts(profile, processes, nodes, global_batch, batch, optimizer_state)
+    _check_search_limits(top, max_virtual_stages, recompute)
     mem, spd = _memory_and_speeds(memory, speeds, processes)
     tp_idx, chosen = _tp_indices(tp_layers, profile.names), _chosen_schedules(schedules)
-    _check_recompute(recompute)
     cal, cores = _calibration_and_cores(calibration, cores)
     (intra, inter), per_node = _links(as_link(intra, "intra"), as_link(inter, "inter"), cal), processes // nodes
     return Problem(
@@ -85,7 +86,7 @@ def make_problem(
         memory=tuple(mem),
         speeds=tuple(spd),
         global_batch=global_batch,
-        profile_batch=profile_batch,
+        profile_batch=batch,
         optimizer_state=float(optimizer_state),
         intra=intra,
         inter=inter,
@@ -97,11 +98,12 @@ def make_problem(
         overhead=tuple(fixed),
         action_overhead=float(action_overhead) + cal.action,
         message=cal.message,
-        compute_scale=scale,
+        compute_scale=_compute_scale(compute_scale),
         calibration=cal,
         cores=cores,
         top=top,
         best_per_layout=bool(best_per_layout),
+        backward_overhead=fixed_b,
     )
 
 
@@ -140,6 +142,24 @@ def _check_counts(
         )
 
 
+def _lined(
+    profile: LayerProfile, profiles: Sequence[LayerProfile], profile_batch: int | None,
+    overhead: float | Sequence[float], action_overhead: float,
+) -> tuple[LayerProfile, int, list[float], tuple[float, ...]]:  # fmt: skip
+    """The profile the planner scales, its batch, the fixed seconds per layer of each forward and (where they
+    differ) of each backward: ``profile`` and ``overhead`` as given, or with ``profiles`` (the same layers at
+    other micro-batch sizes) each layer's line through every size (:func:`~stagewise.planning.costing.batch_lines`),
+    its fixed parts added to ``overhead``."""
+    if not isinstance(profile, LayerProfile) or len(profile) == 0:
+        raise ValueError(f"plan: profile must be a non-empty LayerProfile, got {type(profile).__name__}")
+    fixed = _overheads(overhead, action_overhead, len(profile))
+    if not profiles:
+        return profile, _profile_batch(profile, profile_batch), fixed, ()
+    lines = batch_lines([profile, *profiles])
+    return (lines.profile, _profile_batch(lines.profile, profile_batch), [x + y for x, y in zip(fixed, lines.forward)],
+            tuple(x + y for x, y in zip(fixed, lines.backward)))  # fmt: skip
+
+
 def _overheads(overhead: float | Sequence[float], action_overhead: float, layers: int) -> list[float]:
     """``overhead`` per layer (seconds), ``action_overhead`` checked too."""
     fixed = [float(overhead)] * layers if isinstance(overhead, (int, float)) else [float(x) for x in overhead]
@@ -150,11 +170,12 @@ def _overheads(overhead: float | Sequence[float], action_overhead: float, layers
     return fixed
 
 
-def _check_search_limits(top: int, max_virtual_stages: int) -> None:
+def _check_search_limits(top: int, max_virtual_stages: int, recompute: Sequence[str | None]) -> None:
     if top < 1:
         raise ValueError(f"plan: top must be >= 1, got {top}")
     if max_virtual_stages < 1:
         raise ValueError(f"plan: max_virtual_stages must be >= 1, got {max_virtual_stages}")
+    _check_recompute(recompute)
 
 
 def _check_recompute(recompute: Sequence[str | None]) -> None:

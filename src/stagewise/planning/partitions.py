@@ -62,6 +62,7 @@ class Partitions:
                 tp_link=link,
                 recompute=recompute,  # type: ignore[arg-type]
                 overhead=self.prob.overhead,
+                backward_overhead=self.prob.backward_overhead,
             )
             try:
                 part = partition_costs(
@@ -84,6 +85,7 @@ class Partitions:
                     action_overhead=self.prob.action_overhead,
                     message=self.prob.message,
                     factor=self.prob.compute_scale,
+                    backward_overhead=self.prob.backward_overhead,
                 )
                 self.cache[key] = (part.bounds, base)
         return self.cache[key]

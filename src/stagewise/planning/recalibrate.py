@@ -15,7 +15,9 @@ runtime hands every rank's events on one clock (``pipe.timeline(gather=True)``, 
   the bandwidth only where the run's message sizes identify it (else the prior's, said in ``link``);
 * **the step**: each timeline's makespan; the model's own miss on the run (the measured median over the
   model's prediction of the same plan: what it cannot see of the step, SYNC and STEP and the interpreter)
-  becomes a factor every prediction carries, and the step-to-step spread the interval's width.
+  becomes a factor every prediction carries; the interval holds what the run shows of the error
+  (:attr:`RunCalibration.error`: the steps' spread, the stage costs' standard error, one stage's scale against
+  the others', the model's miss on the run).
 
 Held out: a plan Q is predicted from the calibrated *layers* (:meth:`RunCalibration.profile`: each layer's
 profiled costs scaled by what its stage measured in the calibrating run, per kind), cut as Q cuts them, on
@@ -37,11 +39,12 @@ from .link_fit import COMPUTE, fit_link
 
 __all__ = [
     "COMPUTE", "Prediction", "RunCalibration", "calibrate_run", "deshared", "fit_link", "held_out_costs", "ring_synced",
+    "stage_holdout_error",
 ]  # fmt: skip
 
 #: z for an interval meant to hold 85 % of steps (a normal's 92.5th percentile)
 Z85 = 1.44
-#: the model's own error on a plan it was not calibrated on, before a held-out benchmark measures it
+#: the model's own error on a plan it was not calibrated on, where the calibrating run cannot estimate it (one stage)
 MODEL_ERROR = 0.05
 
 
@@ -119,6 +122,13 @@ class RunCalibration:
     #: seconds (on a core of its own) every compute action brings beyond its layers, measured on the calibrating
     #: run (:func:`~stagewise.planning.action_cost.action_overhead`; 0: the bias alone carries the model's miss)
     overhead: float = 0.0
+    #: the relative error a held-out plan's stage costs carry, estimated on the calibrating run alone
+    #: (:func:`stage_holdout_error`: each stage predicted from the other stages' scale); :data:`MODEL_ERROR`
+    #: where the run has one stage
+    held_out_error: float = MODEL_ERROR
+    #: the replicas' all-reduce link ``(latency, bandwidth)`` where it was probed apart from the point-to-point
+    #: one (gloo's collectives are not the pipeline's transport); ``None``: the calibrated link
+    reduce: tuple[float, float] | None = None
 
     @property
     def measured_step(self) -> float:
@@ -176,13 +186,23 @@ class RunCalibration:
 
     def predict(self, schedule: Schedule, costs: CostModel, processes_per_node: int | None = None) -> Prediction:
         """``schedule`` under ``costs`` (from :meth:`profile`), its ranks sharing :attr:`cores`; times the bias,
-        with the interval of :data:`Z85` x the steps' spread and :data:`MODEL_ERROR` combined."""
+        with the interval of :data:`Z85` x :attr:`error` either way in log (never below 0)."""
         costs = with_overhead(replace(costs, latency=self.latency, bandwidth=self.bandwidth), self.overhead)
         p = schedule.num_ranks
         weights = [float(processes_per_node or p) / p] * p
         step = shared_makespan(schedule, costs, weights, self.cores) * self.bias
-        half = Z85 * math.hypot(self.spread, MODEL_ERROR) * step
-        return Prediction(step, step - half, step + half)
+        width = math.exp(Z85 * self.error)  # the error is of logs: the interval is a factor either way
+        return Prediction(step, step / width, step * width)
+
+    @property
+    def error(self) -> float:
+        """The relative error of a held-out prediction, from the calibrating run alone, its independent sources
+        combined (root sum of squares): the steps' :attr:`spread`; the stage costs' standard error over the few
+        steps (:attr:`uncertainty`); how far one stage's scale misses another's (:attr:`held_out_error`: a plan
+        that cuts elsewhere puts layers under another stage's scale); and the model's whole-step miss on the
+        calibrating plan (``|log bias|``), which the bias carries to every plan as if it were the same for all."""
+        miss = abs(math.log(self.bias)) if self.bias > 0 else 0.0
+        return math.sqrt(self.spread**2 + self.uncertainty**2 + self.held_out_error**2 + miss**2)
 
 
 def held_out_costs(
@@ -227,13 +247,30 @@ def held_out_costs(
 
 def ring_synced(costs: CostModel, dp: int, calibration: RunCalibration) -> CostModel:
     """``costs`` with each stage's SYNC a ring all-reduce of its parameter bytes over ``dp`` replicas on the
-    calibrated link (unchanged for one replica)."""
+    calibration's :attr:`~RunCalibration.reduce` link, else the calibrated one (unchanged for one replica)."""
     from .comm import Link, ring_all_reduce
 
     if dp <= 1:
         return costs
-    link = Link(calibration.latency, calibration.bandwidth)
+    link = Link(*calibration.reduce) if calibration.reduce else Link(calibration.latency, calibration.bandwidth)
     return replace(costs, sync_time=tuple(ring_all_reduce(b, dp, link) for b in costs.parameter_bytes))
+
+
+def stage_holdout_error(measured: dict[Kind, dict[int, float]], charged: CostModel) -> float | None:
+    """Leave one stage out: per kind and stage, the log of the stage's measured-over-charged ratio against the
+    median ratio of the other stages of that kind (what the stage would have been predicted at from them); the
+    root mean square over every kind and stage, or ``None`` with fewer than two stages of any kind measured.
+    ``charged``: the prior's costs cut as the calibrating plan cut them."""
+    columns = {Kind.F: charged.forward, Kind.B: charged.backward_times(), Kind.I: charged.backward_input,
+               Kind.W: charged.backward_weight}  # fmt: skip
+    errors = []
+    for kind, by_stage in measured.items():
+        ratios = {s: v / columns[kind][s] for s, v in by_stage.items() if columns[kind][s] > 0 and v > 0}
+        for s, r in ratios.items():
+            others = [x for t, x in ratios.items() if t != s]
+            if others:
+                errors.append(math.log(r / statistics.median(others)))
+    return math.sqrt(sum(e * e for e in errors) / len(errors)) if errors else None
 
 
 def _ratio(measured: dict[Kind, dict[int, float]], kind: Kind, stage: int, charged: float) -> float | None:
@@ -258,6 +295,7 @@ def calibrate_run(
     dp: int = 1,
     reductions: Sequence[tuple[float, float]] = (),
     per_action: bool = False,
+    steps: Sequence[float] | None = None,
 ) -> RunCalibration:
     """Calibrate on the run of ``schedule`` cut by ``counts`` (layers per stage of ``prior``): ``timelines``
     (one per step, every rank on one clock) measured on ``cores`` shared cores; then the bias against the
@@ -266,9 +304,14 @@ def calibrate_run(
     their all-reduces' per-message pairs (:func:`~stagewise.planning.link_fit.reduce_transfers`), fitted with
     the transfers; the plan's own prediction then prices each stage's SYNC on the fitted link. ``per_action``:
     each compute action also costs the CPU time its rank spent outside compute events without waiting (the
-    calibration's ``overhead``, :mod:`stagewise.planning.action_cost`); the bias keeps the rest of the miss."""
+    calibration's ``overhead``, :mod:`stagewise.planning.action_cost`); the bias keeps the rest of the miss.
+    ``steps``: the calibrating plan's steps measured as the plans to predict will be (a benchmark times a whole
+    ``train_step`` from a barrier, which holds what each rank does before its first action and after its last,
+    outside the timeline); the bias and the spread are taken against them. Default: the timelines' makespans."""
     if not timelines:
         raise ValueError("calibrate_run: no timelines (run a few steps first)")
+    if steps is not None and not (len(steps) > 0 and all(x > 0 for x in steps)):
+        raise ValueError(f"calibrate_run: steps must be measured step seconds > 0, got {list(steps)!r}")
     if sum(counts) != len(prior) or len(counts) != schedule.num_stages:
         raise ValueError(
             f"calibrate_run: counts {list(counts)} must cut the profile's {len(prior)} layers into "
@@ -285,11 +328,14 @@ def calibrate_run(
         latency=link.latency,
         bandwidth=link.bandwidth,
         cores=cores,
-        steps=tuple(t.makespan for t in timelines),
+        steps=tuple(t.makespan for t in timelines) if steps is None else tuple(float(x) for x in steps),
         link=link.note,
         stage_spread=stage_spreads(timelines, cores, schedule.num_stages),
     )
     costs = ring_synced(run.profile(prior).cost_model(bounds), dp, run)
+    held_out = stage_holdout_error(run.measured, prior.cost_model(bounds))
+    if held_out is not None:
+        run = replace(run, held_out_error=held_out)
     if per_action:
         run = replace(run, overhead=action_overhead(timelines, schedule, cores))
     own = run.predict(schedule, costs).step

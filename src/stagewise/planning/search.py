@@ -190,7 +190,10 @@ class _Search:
         placement = placement_of(g.schedule, config.pp, g.v)
         caps = [g.layout.caps[r] / g.v for r in placement]
         tp_link = g.layout.links["tp"]
-        weights = partition_weights(arrays, tp=config.tp, tp_link=tp_link, recompute=None, overhead=prob.overhead)
+        weights = partition_weights(
+            arrays, tp=config.tp, tp_link=tp_link, recompute=None, overhead=prob.overhead,
+            backward_overhead=prob.backward_overhead,
+        )  # fmt: skip
         speeds = [g.layout.speeds[r] for r in placement]
         if sum(memory) > sum(caps) or max(memory) > max(caps):
             return False  # no cut can fit
@@ -210,6 +213,7 @@ class _Search:
             action_overhead=prob.action_overhead,
             message=prob.message,
             factor=prob.compute_scale,
+            backward_overhead=prob.backward_overhead,
         )
         costs = base.at(sigma, prob.calibration.hooks_for(config.sharding))
         blocking, background = sync_costs(g.layout, costs, prob.calibration)
