@@ -131,9 +131,11 @@ def rank_main(args: argparse.Namespace) -> None:
             for _ in range(n):
                 throttle.apply(live)
                 took = timed_step(live, x, y)
-                record = replanner.observe()
+                timeline = live.timeline(gather=True)
+                record = replanner.observe(timeline)
                 steps.append({"phase": phase, "seconds": took, "counts": [len(r) for r in live.layer_ranges],
-                              "replan": None if record is None else record["reason"]})  # fmt: skip
+                              "replan": None if record is None else record["reason"],
+                              "timeline": timeline.to_json() if args.timelines else None})  # fmt: skip
         if args.oracle:
             for name, share in (("50 %", 0.5), ("25 %", 0.25), ("released", None)):
                 static = {}
@@ -149,7 +151,8 @@ def rank_main(args: argparse.Namespace) -> None:
         throttle.close()
     if rank == 0:
         out = {"steps": steps, "events": events, "decisions": replanner.log, "oracle": oracle,
-               "load": os.getloadavg(), "mode": "emulate_slowdown" if args.emulate else "cgroup v1"}  # fmt: skip
+               "load": os.getloadavg(), "mode": "emulate_slowdown" if args.emulate else "cgroup v1",
+               "prior": calibrator.prior.to_json(), "cores": calibrator.cores}  # fmt: skip
         out["shares"] = shares(steps, oracle)
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "stragglers.json").write_text(json.dumps(out, default=str))
@@ -219,6 +222,12 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         default=None,
         help="the cpu cgroup (v1 directory) to make the straggler's group in; default: this run's own",
+    )
+    parser.add_argument(
+        "--no-timelines",
+        dest="timelines",
+        action="store_false",
+        help="keep no step's timeline in stragglers.json (kept: the model can be re-fitted offline)",
     )
     parser.add_argument("--no-oracle", dest="oracle", action="store_false", help="skip the static cuts' sweep")
     args = parser.parse_args(argv)
