@@ -18,6 +18,7 @@ from stagewise.planning.stragglers import (
     SLOW,
     WINDOW,
     Detector,
+    Straggler,
     compute_speeds,
     cut_for_speeds,
     rank_speeds,
@@ -116,6 +117,20 @@ def test_a_slow_ranks_late_sends_are_its_own_time_not_its_peers() -> None:
     old = rank_speeds(blind, cal, 2)
     assert old[0] < 0.5 and old[1] / old[0] > 0.8
     assert cut_for_speeds(layers, PLAN, [4, 4], [1.0, old[1] / old[0]], cal)[1] < held.makespan / 2
+
+
+def test_a_rank_stopped_before_its_sends_is_named_within_5_steps_in_one_line() -> None:
+    """The late sends' quota (above) from step 2: rank 1 named on the third slow step, never rank 0 (which only
+    waits for it), in one line with its measured slowdown."""
+    cal, detector = calibrated(), Detector(2)
+    held = late_sends(run([1.0, 0.25]), [1.0, 1.0], [1.0, 0.25], last=1)
+    said = [detector.observe(rank_speeds(t, cal, 2)) for t in [run([1.0, 1.0])] * 2 + [held] * 5]
+    named = [(k, slow) for k, (slow, _) in enumerate(said) if slow]
+    assert named == [(4, [1])] and 4 - 2 < 5
+    speeds = detector.speeds()
+    line = Straggler(1, speeds[1], tuple(speeds), (7, 1), 0.068, 0.03).line()
+    assert "\n" not in line and "rank 1 is slow" in line and f"({1 / speeds[1]:.2f}x slower" in line
+    assert 3.4 < 1 / speeds[1] < 4.0  # the slowdown measured: about 4x (the stall after its last action unread)
 
 
 def test_the_speeds_standard_error_is_small_when_they_agree_and_ignores_a_throttle_starting() -> None:
