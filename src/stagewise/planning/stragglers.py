@@ -97,7 +97,7 @@ def own_spans(timeline: Timeline, cores: float, latency: float = 0.0) -> list[tu
     if not compute:
         return []
     ends = {(e.action.kind, e.action.stage, e.action.microbatch): e for e in compute}
-    sends = {
+    sends: dict[tuple[Kind, int, int | None], float] = {
         (e.action.kind, e.action.stage, e.action.microbatch): e.start
         for e in timeline.events
         if e.action.kind in (Kind.SEND_F, Kind.SEND_B)
