@@ -131,9 +131,11 @@ def rank_main(args: argparse.Namespace) -> None:
             for _ in range(n):
                 throttle.apply(live)
                 took = timed_step(live, x, y)
-                record = replanner.observe()
+                timeline = live.timeline(gather=True)
+                record = replanner.observe(timeline)
                 steps.append({"phase": phase, "seconds": took, "counts": [len(r) for r in live.layer_ranges],
-                              "replan": None if record is None else record["reason"]})  # fmt: skip
+                              "replan": None if record is None else record["reason"],
+                              "timeline": timeline.to_json() if args.timelines else None})  # fmt: skip
         if args.oracle:
             for name, share in (("50 %", 0.5), ("25 %", 0.25), ("released", None)):
                 static = {}
@@ -149,7 +151,8 @@ def rank_main(args: argparse.Namespace) -> None:
         throttle.close()
     if rank == 0:
         out = {"steps": steps, "events": events, "decisions": replanner.log, "oracle": oracle,
-               "load": os.getloadavg(), "mode": "emulate_slowdown" if args.emulate else "cgroup v1"}  # fmt: skip
+               "load": os.getloadavg(), "mode": "emulate_slowdown" if args.emulate else "cgroup v1",
+               "prior": calibrator.prior.to_json(), "cores": calibrator.cores}  # fmt: skip
         out["shares"] = shares(steps, oracle)
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "stragglers.json").write_text(json.dumps(out, default=str))
@@ -180,13 +183,31 @@ def shares(steps: list[dict[str, Any]], oracle: dict[str, dict[int, float]]) -> 
         steady = [s["seconds"] for s in phase[(changed[-1] + 2 if changed else 1) :]]
         by10 = _median([s["seconds"] for s in phase[BY_STEP_10[0] - 1 : BY_STEP_10[1]]])
         own = static.get(phase[-1]["counts"][0])  # the cut the steady state ran
+        before = [s for s in steps if s["phase"] != name and steps.index(s) < steps.index(phase[0])]
         out.append({"throttle": name, "best cut": [c, LAYERS - c], "best s": static[c],
                     "cut at step 10": at10, "by step 10 s": by10, "share by step 10": static[c] / by10,
                     "live s": _median([s["seconds"] for s in phase[WINDOW[0] - 1 : WINDOW[1]]]),
                     "steady s": _median(steady), "share steady": static[c] / _median(steady),
                     "that cut static s": own, "left behind": None if own is None else _median(steady) / own,
-                    "even cut s": static.get(LAYERS // 2)})  # fmt: skip
+                    "even cut s": static.get(LAYERS // 2),
+                    "moved back": moved_back(before[-1]["counts"] if before else None, phase)})  # fmt: skip
     return out
+
+
+def moved_back(entered: list[int] | None, phase: list[dict[str, Any]]) -> str:
+    """What a phase did with the cut it ``entered`` with: "moved back to [5, 5] at step k" (k: the phase's step
+    that moved) when it ends on a cut nearer the even one (the throttle lifted, layers back on the rank), else
+    "kept" or "re-cut"."""
+    if entered is None or not phase:
+        return "-"
+    last = phase[-1]["counts"]
+    if last == entered:
+        return f"kept {entered}"
+    k = next(k for k, s in enumerate(phase) if s["counts"] == last) + 1  # the phase's step (1-based) that moved
+    even = LAYERS // 2
+    if abs(last[0] - even) < abs(entered[0] - even):
+        return f"moved back to {last} at step {k}"
+    return f"re-cut to {last} at step {k}"
 
 
 def _median(values: list[float]) -> float:
@@ -195,14 +216,15 @@ def _median(values: list[float]) -> float:
 
 def table(rows: list[dict[str, Any]]) -> list[str]:
     lines = ["| phase | best static cut | its step ms | live cut at step 10 | live ms (steps 8-10) | share by step 10 "
-             "| live steady ms | share steady | its cut static ms | live / static, same cut |",
-             "|---|---|---:|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+             "| live steady ms | share steady | its cut static ms | live / static, same cut "
+             "| the cut it entered with |",
+             "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
     for r in rows:
         own = "-" if r["that cut static s"] is None else f"{r['that cut static s'] * 1e3:.1f}"
         left = "-" if r["left behind"] is None else f"{r['left behind']:.2f}"
         lines.append(f"| {r['throttle']} | {r['best cut']} | {r['best s'] * 1e3:.1f} | {r['cut at step 10']} "
                      f"| {r['by step 10 s'] * 1e3:.1f} | {r['share by step 10']:.0%} | {r['steady s'] * 1e3:.1f} "
-                     f"| {r['share steady']:.0%} | {own} | {left} |")  # fmt: skip
+                     f"| {r['share steady']:.0%} | {own} | {left} | {r.get('moved back', '-')} |")  # fmt: skip
     return lines
 
 
@@ -219,6 +241,12 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         default=None,
         help="the cpu cgroup (v1 directory) to make the straggler's group in; default: this run's own",
+    )
+    parser.add_argument(
+        "--no-timelines",
+        dest="timelines",
+        action="store_false",
+        help="keep no step's timeline in stragglers.json (kept: the model can be re-fitted offline)",
     )
     parser.add_argument("--no-oracle", dest="oracle", action="store_false", help="skip the static cuts' sweep")
     args = parser.parse_args(argv)

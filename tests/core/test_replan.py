@@ -9,7 +9,7 @@ import pytest
 from test_stragglers import PLAN, PRIOR, run  # the synthetic timelines of the detector's tests
 
 from stagewise import build_schedule
-from stagewise.planning.recalibrate import calibrate_run
+from stagewise.planning.recalibrate import Z85, calibrate_run
 from stagewise.planning.replan import (
     CHANGE,
     COOLDOWN,
@@ -22,6 +22,7 @@ from stagewise.planning.replan import (
     moved_share,
     noise_margin,
     options_for,
+    relayout_cost,
     relayout_seconds,
     replay,
     step_spread,
@@ -207,3 +208,40 @@ def test_the_moved_share_is_the_largest_part_of_a_stage_new_to_it() -> None:
     assert moved_share(A, A) == 0.0
     assert moved_share(Option("1f1b", (4, 2, 2), 0.0), Option("1f1b", (2, 2, 4), 0.0)) == 1.0
     assert moved_share(A, Option("zb-h1", (4, 4), 0.0)) == 1.0
+
+
+def test_a_first_relayouts_one_off_costs_are_not_charged_to_the_next_move() -> None:
+    """The last re-layout measured, unless it was the process's first (one-off costs in it): then at most the
+    predicted figure; the predicted one before any."""
+    assert relayout_cost([], 1.0) == 1.0
+    assert relayout_cost([2.28], 1.0) == 1.0  # the first (a build's warm-up in it): no evidence of the next
+    assert relayout_cost([0.5], 1.0) == 0.5  # ... but never more than it cost
+    assert relayout_cost([2.28, 0.15], 1.0) == 0.15  # measured again: the last
+    assert relayout_cost([2.28, 0.15, 0.09], 1.0) == 0.09
+    with pytest.raises(ValueError, match="relayout_cost: seconds must be >= 0"):
+        relayout_cost([-1.0], 1.0)
+
+
+#: the quiet run's decision after the throttle lifted (docs/benchmarks/stragglers.md, 2026-12-02 09:21, step 41):
+#: [7, 3] predicted 119.04 ms, [5, 5] 94.70 ms, 211 steps left; the steps' spread, the calibration's uncertainty
+#: and the speeds' error as recorded; its first and only re-layout so far had taken 2.277 s
+NOW, BACK = Option("1f1b", (7, 3), 0.1190420961319946), Option("1f1b", (5, 5), 0.09470135587021053)
+LIFTED = {"steps_left": 211, "spread": 0.0341068, "uncertainty": 0.1863003, "speed_error": 0.0718442}
+
+
+def test_moved_back_when_the_throttle_lifts_charged_what_a_move_costs_now() -> None:
+    """Hand-computed: the gain (119.04 - 94.70 ms) x 211 = 5.136 s; the margin 1.44 x 119.04 ms x
+    sqrt((211 e)^2 + 211 x 0.0341^2), e = hypot(0.1863 x 2/5, 0.0718) (2 of [5, 5]'s second stage's 5 layers
+    are moved in) = 3.745 s. Charged the process's first re-layout (2.277 s: 6.02 s) it was refused, as the quiet
+    run refused it; charged what the next one costs (:func:`relayout_cost`: at most the 1.0 s predicted) the
+    4.74 s are cleared and the layers move back."""
+    e = math.hypot(0.1863003 * 2 / 5, 0.0718442)
+    margin = Z85 * NOW.step_s * math.sqrt((211 * e) ** 2 + 211 * 0.0341068**2)
+    assert margin == pytest.approx(3.745, abs=0.001)
+    first = Decisions(cooldown=4).consider(41, NOW, [NOW, BACK], relayout_s=2.2768975, speeds_measured=True, **LIFTED)
+    assert first["gain_s"] == pytest.approx(5.136, abs=0.001) and first["margin_s"] == pytest.approx(margin)
+    assert (first["taken"], first["reason"]) == (False, NOT_WORTH)
+    cost = relayout_cost([2.2768975], 1.0)
+    back = Decisions(cooldown=4).consider(41, NOW, [NOW, BACK], relayout_s=cost, speeds_measured=True, **LIFTED)
+    assert (back["taken"], back["reason"], back["best"]["counts"]) == (True, CHANGE, [5, 5])
+    assert back["gain_s"] - back["margin_s"] - back["relayout_s"] == pytest.approx(5.136 - 3.745 - 1.0, abs=0.002)

@@ -9,14 +9,16 @@ from dataclasses import replace
 import pytest
 
 from helpers.profiles import fake_profile
-from helpers.quota import quota
+from helpers.quota import late_sends, quota
 from stagewise import build_schedule, simulate
+from stagewise.ir import Kind
 from stagewise.planning.recalibrate import calibrate_run
 from stagewise.planning.stragglers import (
     LEAST_ERROR,
     SLOW,
     WINDOW,
     Detector,
+    Straggler,
     compute_speeds,
     cut_for_speeds,
     rank_speeds,
@@ -93,6 +95,42 @@ def test_a_quota_stops_a_rank_outside_its_actions_and_its_speed_still_shows() ->
     assert compute_speeds(held, cal, 2) == pytest.approx([1.0, 0.5])
     # a wait for a peer's output is not slowness: rank 0 idle while rank 1 is slow keeps speed 1
     assert rank_speeds(run([1.0, 0.25]), cal, 2)[0] == pytest.approx(1.0)
+
+
+def test_a_slow_ranks_late_sends_are_its_own_time_not_its_peers() -> None:
+    """Rank 1 at a quarter of its speed, stopped after each action before the send of its output (as a 10 ms
+    quota period stops a process: 7-9 ms gaps between an action and its send at 25 %): its peer waits for
+    those sends. Read from the sends, rank 0 keeps speed 1, rank 1 reads about 0.25 (the stall after its last
+    action is in no span: 0.29), the running step is predicted within 12 % and the cut is the one for the
+    true speeds; read from the producers' ends (no sends), rank 0 reads 0.33, rank 1 relative to it 0.86, and
+    the step is predicted at a third of what it ran (the 25 % straggler's miss: 150 ms predicted, 220 run)."""
+    cal = calibrated()
+    layers = cal.profile(PRIOR)
+    held = late_sends(run([1.0, 0.25]), [1.0, 1.0], [1.0, 0.25], last=1)
+    assert held.makespan == pytest.approx(run([1.0, 0.25]).makespan)
+    speeds = rank_speeds(held, cal, 2)
+    assert speeds[0] == pytest.approx(1.0) and 0.25 <= speeds[1] < 0.3
+    counts, now, _ = cut_for_speeds(layers, PLAN, [4, 4], speeds, cal)
+    assert now == pytest.approx(held.makespan, rel=0.12)
+    assert counts == cut_for_speeds(layers, PLAN, [4, 4], [1.0, 0.25], cal)[0] == [7, 1]
+    blind = replace(held, events=[e for e in held.events if e.action.kind not in (Kind.SEND_F, Kind.SEND_B)])
+    old = rank_speeds(blind, cal, 2)
+    assert old[0] < 0.5 and old[1] / old[0] > 0.8
+    assert cut_for_speeds(layers, PLAN, [4, 4], [1.0, old[1] / old[0]], cal)[1] < held.makespan / 2
+
+
+def test_a_rank_stopped_before_its_sends_is_named_within_5_steps_in_one_line() -> None:
+    """The late sends' quota (above) from step 2: rank 1 named on the third slow step, never rank 0 (which only
+    waits for it), in one line with its measured slowdown."""
+    cal, detector = calibrated(), Detector(2)
+    held = late_sends(run([1.0, 0.25]), [1.0, 1.0], [1.0, 0.25], last=1)
+    said = [detector.observe(rank_speeds(t, cal, 2)) for t in [run([1.0, 1.0])] * 2 + [held] * 5]
+    named = [(k, slow) for k, (slow, _) in enumerate(said) if slow]
+    assert named == [(4, [1])] and 4 - 2 < 5
+    speeds = detector.speeds()
+    line = Straggler(1, speeds[1], tuple(speeds), (7, 1), 0.068, 0.03).line()
+    assert "\n" not in line and "rank 1 is slow" in line and f"({1 / speeds[1]:.2f}x slower" in line
+    assert 3.4 < 1 / speeds[1] < 4.0  # the slowdown measured: about 4x (the stall after its last action unread)
 
 
 def test_the_speeds_standard_error_is_small_when_they_agree_and_ignores_a_throttle_starting() -> None:

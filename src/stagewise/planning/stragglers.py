@@ -56,7 +56,10 @@ def rank_speeds(timeline: Timeline, calibration: RunCalibration, num_ranks: int)
     is stopped wherever its quota runs out, in a send, a receive already satisfied or between actions as often
     as inside one, and every thread of the process spends that quota (gloo's among them): a rank at 25 % of a
     core, judged by its actions alone, was predicted at 141 ms a step that ran 240 ms. The time from an action's
-    inputs being there to its end holds all of it; a wait for a peer's output is not counted."""
+    inputs being there to its end holds all of it; a wait for a peer's output is not counted. That time holds the
+    rank's own work between its actions too (posting its messages, the interpreter), and an input counts as
+    there only once its producer posted it (:func:`own_spans`): a slowed rank's late sends are its own time,
+    not its peer's."""
     return _speeds(own_spans(timeline, calibration.cores, calibration.latency), calibration, num_ranks)
 
 
@@ -82,13 +85,23 @@ def _speeds(spans: Sequence[tuple[Event, float]], calibration: RunCalibration, n
 
 def own_spans(timeline: Timeline, cores: float, latency: float = 0.0) -> list[tuple[Event, float]]:
     """Each compute event with the seconds its rank spent on it from the moment it could start: the latest of
-    the step's start, the rank's previous compute action's end and its input's producer's end (plus
-    ``latency`` when the producer ran on another rank), to its end; de-shared as
-    :func:`~stagewise.planning.recalibrate.deshared` does (``n(t)`` the spans open at ``t`` on ``cores``)."""
+    the step's start, the rank's previous compute action's end and its input's arrival, to its end; de-shared as
+    :func:`~stagewise.planning.recalibrate.deshared` does (``n(t)`` the spans open at ``t`` on ``cores``).
+
+    An input from another rank arrives ``latency`` after its producer's end or, when the timeline holds the
+    producer's send, after that send was posted if later: a slowed rank posts its sends late (a CPU quota stops
+    it between an action and the send after it: 7-9 ms gaps at 25 % of a core with a 10 ms period), and the
+    peer waiting for them is not the slow one (read from the producer's end, the peer read slow too and, each
+    speed relative to the fastest, the slowed rank looked 0.65x where it ran at 0.25x)."""
     compute = sorted((e for e in timeline.events if e.action.kind in COMPUTE), key=lambda e: (e.start, e.rank))
     if not compute:
         return []
     ends = {(e.action.kind, e.action.stage, e.action.microbatch): e for e in compute}
+    sends: dict[tuple[Kind, int, int | None], float] = {
+        (e.action.kind, e.action.stage, e.action.microbatch): e.start
+        for e in timeline.events
+        if e.action.kind in (Kind.SEND_F, Kind.SEND_B)
+    }
     last = max(e.action.stage for e in compute)
     begin = min(e.start for e in timeline.events)
     previous: dict[int, float] = {}
@@ -96,8 +109,11 @@ def own_spans(timeline: Timeline, cores: float, latency: float = 0.0) -> list[tu
     for e in compute:
         ready = max(begin, previous.get(e.rank, begin))
         source = _producer(e, last, ends)
-        if source is not None:
-            ready = max(ready, source.end + (latency if source.rank != e.rank else 0.0))
+        if source is not None and source.rank != e.rank:
+            sent = sends.get((_SEND[source.action.kind], source.action.stage, source.action.microbatch), source.end)
+            ready = max(ready, max(source.end, sent) + latency)
+        elif source is not None:
+            ready = max(ready, source.end)
         spans.append((e, min(ready, e.start)))
         previous[e.rank] = max(previous.get(e.rank, begin), e.end)
     edges = sorted({t for e, ready in spans for t in (ready, e.end)})
@@ -109,6 +125,10 @@ def own_spans(timeline: Timeline, cores: float, latency: float = 0.0) -> list[tu
         (e, sum((min(t1, e.end) - max(t0, ready)) * r for t0, t1, r in rate if t0 < e.end and t1 > ready))
         for e, ready in spans
     ]
+
+
+#: the send that carries a compute action's output to another rank
+_SEND = {Kind.F: Kind.SEND_F, Kind.B: Kind.SEND_B, Kind.I: Kind.SEND_B}
 
 
 def _producer(e: Event, last: int, ends: dict[tuple[Kind, int, int | None], Event]) -> Event | None:

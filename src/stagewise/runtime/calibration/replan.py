@@ -10,7 +10,8 @@ uncertainty, the measured speeds' standard error and the step-to-step spread of 
 steps; never within ``cooldown`` steps of the last change). Its record is handed to every rank (one decides, so
 every rank applies the same change), logged in one line, recorded as the ``replan`` event of ``pipe.metrics`` and
 appended to ``log`` (and to ``log_path``, JSON lines, on the first rank). A change is applied with
-:meth:`Pipeline.relayout`; its measured seconds are the next decision's cost, and a new calibration starts on the
+:meth:`Pipeline.relayout`; its measured seconds are the next decision's cost (not a first re-layout's one-off
+costs: :func:`~stagewise.planning.replan.relayout_cost`), and a new calibration starts on the
 new layout (the old one described another cut), told the ranks' speeds inside their compute actions at the decision
 (:func:`~stagewise.planning.stragglers.compute_speeds`: what its measured actions must be divided by to give the
 layers' own costs), so that a straggler stays a slow rank rather than becoming costly layers: when its throttle
@@ -32,7 +33,7 @@ from ...ir import Schedule
 from ...partition import LayerProfile
 from ...passes.build import build_schedule
 from ...planning.recalibrate import Z85, RunCalibration
-from ...planning.replan import Decisions, Option, line, options_for, relayout_seconds, step_spread
+from ...planning.replan import Decisions, Option, line, options_for, relayout_cost, relayout_seconds, step_spread
 from ...planning.stragglers import NOISE_STEPS, RECENT, WINDOW, compute_speeds, rank_speeds, speed_error
 from ..comm.groups import group_rank
 from ..frontends.balance import on_first_rank
@@ -54,15 +55,16 @@ SPREAD_STEPS = 20
 class Replanner:
     """Re-plans ``pipe`` live from its own run (module docstring); ``steps``: the job's total train steps.
 
-    ``schedules``: other schedule names to consider at the same ranks and micro-batches (default: the running
-    one only, so only the cut moves); ``relayout_s``: the re-layout's cost until one is measured (default:
-    the state's bytes over the calibrated link plus :data:`REBUILD_S`); ``every``: steps between decisions
-    besides the calibration's news (0: on news only; a slowdown first measured on a window not yet full of slow
-    steps is looked at again once it is); the margin a gain must clear beside it
-    is ``z`` x the steps' step-to-step spread x the running step x the steps left, plus ``margin_s`` (a fixed
-    part, 0 by default); ``guard_calibration``: the margin also holds the calibration's own uncertainty (its
-    stages' spread over its few steps, :attr:`~stagewise.planning.recalibrate.RunCalibration.uncertainty`), so
-    that a fresh calibration after a change, noisier than the steps' spread says, does not re-cut on its noise.
+    ``schedules``: other schedule names to consider at the same ranks and micro-batches (default: the running one
+    only, so only the cut moves); ``relayout_s``: the re-layout's cost until one is measured (default: the state's
+    bytes over the calibrated link plus :data:`REBUILD_S`; then :func:`~stagewise.planning.replan.relayout_cost`:
+    the last measured, a first one's one-off costs left out); ``every``: steps between decisions besides the
+    calibration's news (0: on news only; a slowdown first measured on a window not yet full of slow steps is looked
+    at again once it is); the margin a gain must clear beside it is ``z`` x the steps' step-to-step spread x the
+    running step x the steps left, plus ``margin_s`` (a fixed part, 0 by default); ``guard_calibration``: the margin
+    also holds the calibration's own uncertainty (its stages' spread over its few steps,
+    :attr:`~stagewise.planning.recalibrate.RunCalibration.uncertainty`), so that a fresh calibration after a change,
+    noisier than the steps' spread says, does not re-cut on its noise.
     """
 
     def __init__(
@@ -96,6 +98,8 @@ class Replanner:
                     f"and {pipe.schedule.num_microbatches} micro-batches: {err}"
                 ) from err
         self.relayout_s = relayout_s
+        #: the seconds of each re-layout this Replanner applied, in order
+        self.relayouts: list[float] = []
         self.log_path = None if log_path is None else Path(log_path)
         self.decisions = Decisions(margin_s=margin_s, cooldown=cooldown, z=z)
         self._seen = 0
@@ -196,11 +200,12 @@ class Replanner:
         return options_for(cal, self.prior, running, counts, speeds, others)
 
     def _cost(self, cal: RunCalibration) -> float:
-        if self.relayout_s is not None:
-            return self.relayout_s
-        own = sum(p.numel() * p.element_size() for p in self.pipe.parameters())
-        state = own * self.pipe.num_ranks * STATE_PER_PARAMETER_BYTE
-        return relayout_seconds(state, cal.bandwidth, REBUILD_S) if cal.bandwidth > 0 else REBUILD_S
+        predicted = self.relayout_s
+        if predicted is None:
+            own = sum(p.numel() * p.element_size() for p in self.pipe.parameters())
+            state = own * self.pipe.num_ranks * STATE_PER_PARAMETER_BYTE
+            predicted = relayout_seconds(state, cal.bandwidth, REBUILD_S) if cal.bandwidth > 0 else REBUILD_S
+        return relayout_cost(self.relayouts, predicted)
 
     def _tell(self, record: dict[str, Any]) -> None:
         first = group_rank(None) == 0
@@ -230,7 +235,7 @@ class Replanner:
                 changes["virtual_stages"] = per_rank
         start = time.perf_counter()
         self.pipe.relayout(**changes)
-        self.relayout_s = time.perf_counter() - start
+        self.relayouts.append(time.perf_counter() - start)
         self.pipe.replanned_cut = list(best["counts"])  # recorded as re-planned: a resume takes it back
         old = self.calibrator
         self.calibrator = RunCalibrator(
