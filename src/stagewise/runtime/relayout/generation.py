@@ -103,7 +103,8 @@ class InPlace:
     _held: Held | None = None  # the failed generation's tensors, kept for the next one's take-over
     _sources: dict[str, Any] = field(default_factory=dict)
     _ports: dict[int, str] = field(default_factory=dict)  # the probes' last results seen in a recovery
-    _joins: Any = None  # the members' look for newcomers between steps (:class:`..elastic.joining.Joins`)
+    # the members' look for newcomers between steps (:class:`..elastic.joining.Joins`: made and read there)
+    joins: Any = field(default=None, init=False, repr=False)
     _placement: dict[str, Any] | None = None  # the last generation's stages' placement (see :func:`_refused`)
 
     def start(self) -> int:
@@ -128,6 +129,23 @@ class InPlace:
     @property
     def members(self) -> list[int]:
         return list(self._members.members) if self._members is not None else []
+
+    @property
+    def store(self) -> Any:
+        """The job's store, which outlives the generations: the members' agreements, each generation's
+        rendezvous (under its own prefix) and the newcomers' marks (:mod:`..elastic.joining`)."""
+        return self._store
+
+    def take_in(self, step: int) -> tuple[list[int], dict[str, float]]:
+        """End this generation after ``step`` (its snapshot committed here and at the next machine) and enter the
+        next, whose members the agreement gives (newcomers included); returns them and the seconds of each part
+        (what :func:`..elastic.joining.grow` records). Every member of the next generation calls it."""
+        self._parts = {}
+        with self._timed("commit"):
+            self.pipe.snapshots.wait()
+        with self._timed("drop"):
+            self._drop_pipeline()
+        return self._next_generation([]), dict(self._parts)
 
     def run(self, steps: int, batch: Callable[[int], tuple[Any, Any]]) -> Iterator[tuple[int, float]]:
         """Train to ``steps``: yields ``(step, loss)`` after each step this rank finished; ``batch(step)`` is
@@ -280,7 +298,7 @@ class InPlace:
         stores - nothing else - until the group timeout has passed. Its tensors go at once (:func:`.let_go.let_go`;
         ``err``: the failure, whose traceback holds the failed step's locals), but those :func:`.takeover.hold`
         kept for the take-over, which the new layout aliases."""
-        snaps = getattr(self.pipe, "snapshots", None)
+        snaps = self.pipe.snapshots if isinstance(self.pipe, PipelineState) else None
         if snaps is not None:
             with self._timed("drop:snapshots"):
                 snaps.finish_at_exit()  # the copy in flight ends (written, or failed on the dead peer): whole files
