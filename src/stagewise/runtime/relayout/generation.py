@@ -41,6 +41,7 @@ from .. import assembly  # noqa: F401 (loaded with InPlace, before a newcomer as
 from ..checkpoint import state
 from ..checkpoint.api import save as checkpoint_save
 from ..checkpoint.declared import PipelineState
+from ..checkpoint.parts import SavedInParts
 from ..checkpoint.resume import resume as checkpoint_resume
 from ..comm import release
 from ..comm.faults import heartbeat
@@ -344,7 +345,8 @@ def _stop_stamping() -> None:
 def _refused(pipe: Any, before: dict[str, Any] | None) -> dict[str, Any]:
     """The new pipeline's placement, or :class:`InPlaceRefused` (:func:`.sources.in_place_refusal`)."""
     given = isinstance(getattr(pipe, "frontend", None), GivenStages)
-    kind = "given" if given else "pipeline" if isinstance(pipe, PipelineState) else type(pipe).__name__
+    parts = isinstance(pipe, SavedInParts)  # a HetPipe declares its VW's state, but saves in parts: refused
+    kind = "given" if given else "pipeline" if isinstance(pipe, PipelineState) and not parts else type(pipe).__name__
     now = None
     if kind in ("pipeline", "given"):
         laid = state.layout_of(pipe, 0)["pipeline"]
