@@ -7,6 +7,7 @@ import pickle
 import random
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -157,3 +158,32 @@ def test_a_save_removes_the_half_written_saves_of_its_own_job_only(
     sw.checkpoint.save(tmp_path, model, step=48, collective=False)
     left = sorted(p.name for p in tmp_path.iterdir())
     assert left == [".step-00000041.tmp", ".step-00000041.tmp.owner", ".step-00000042.tmp", "step-00000048"]
+
+
+def _two_stages(seed: int) -> tuple[torch.nn.Module, dict[int, torch.optim.Optimizer], dict[int, Any]]:
+    """A model whose two halves have their own optimizers with different learning rates, and one warm-up rule
+    stepping both in lockstep (as a pipeline's ``lr_scheduler=`` does per stage)."""
+    model = sw.build_model(mdl.lm(2), seed=seed)
+    params = list(model.parameters())
+    half = len(params) // 2
+    opts = {0: torch.optim.SGD(params[:half], lr=0.5), 1: torch.optim.SGD(params[half:], lr=0.03)}
+    scheds = {s: torch.optim.lr_scheduler.LambdaLR(o, lambda step: (step + 1) / 4) for s, o in opts.items()}
+    return model, opts, scheds
+
+
+def test_schedulers_in_lockstep_each_keep_their_own_stage_s_rates(tmp_path: Path) -> None:
+    """The saved position goes to every stage's scheduler, its base LR does not: each stage goes on at its own."""
+    model, opts, scheds = _two_stages(0)
+    for _ in range(2):
+        for s in (0, 1):
+            opts[s].step()
+            scheds[s].step()
+    sw.checkpoint.save(tmp_path, model, opts, step=2, scheduler=scheds)
+    other, opts2, scheds2 = _two_stages(9)
+    sw.checkpoint.load(tmp_path, other, opts2, scheduler=scheds2)
+    for s in (0, 1):
+        assert scheds2[s].get_last_lr() == scheds[s].get_last_lr(), s
+        opts[s].step(), opts2[s].step()
+        scheds[s].step(), scheds2[s].step()
+        assert scheds2[s].state_dict() == scheds[s].state_dict(), s
+        assert opts2[s].param_groups[0]["lr"] == opts[s].param_groups[0]["lr"] == [0.5, 0.03][s] * 4 / 4, s

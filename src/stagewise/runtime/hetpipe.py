@@ -32,7 +32,9 @@ from .._util import is_count
 from ..asynchronous import VWLayout, WaveRule, check_clocks, check_more
 from ..schedules import async_schedule, is_asynchronous, registry_minibatch
 from .assembly.combinations import refuse_hetpipe, refuse_no_sync
+from .checkpoint.declared import PipelineState
 from .checkpoint.parts import SavedInParts
+from .checkpoint.through import StateThrough
 from .comm import groups
 from .comm import wsp as comm
 from .comm.choose_transport import TransportChoice, resolve
@@ -66,7 +68,7 @@ class WSPStats:
         return max(self.leads, default=0)
 
 
-class HetPipe(SavedInParts):
+class HetPipe(StateThrough, SavedInParts):
     """K virtual workers, each a Pipeline over its ranks, synchronised wave by wave with staleness bound D.
 
     ``virtual_workers``: global ranks per VW in stage order, e.g. ``[[0, 1], [2]]``
@@ -84,7 +86,9 @@ class HetPipe(SavedInParts):
     Every rank calls :meth:`train_stream` with its VW's own mini-batches
     (:meth:`local_batch` cuts a global batch); every VW must get as many.
     :meth:`eval_step` runs this VW's pipeline forward. A checkpoint saves each VW's pipeline under its own
-    folder (the protocol :class:`~stagewise.runtime.checkpoint.parts.SavedInParts`).
+    folder (the protocol :class:`~stagewise.runtime.checkpoint.parts.SavedInParts`). The declared state
+    (:class:`~stagewise.runtime.checkpoint.declared.PipelineState`) is, on each rank, its VW's pipeline's
+    (:mod:`~stagewise.runtime.checkpoint.through`); the wave rule's is saved beside it, in parts.
     """
 
     def __init__(
@@ -250,6 +254,11 @@ class HetPipe(SavedInParts):
                 self.pipe.transport.guard.fail(f"rank {self.rank} (VW {self.vw}): {type(err).__name__}: {err}")
             raise
 
+    @property
+    def declared(self) -> PipelineState:
+        """This rank's VW's pipeline: every member of the declared state is its."""
+        return self.pipe
+
     def no_sync(self) -> Any:
         """Refused: a gradient merge cannot hold a wave's update back (see
         :func:`.assembly.combinations.refuse_no_sync`)."""
@@ -356,3 +365,7 @@ def _share(value: Any, v: int, k: int, what: str) -> Any:
 
 
 __all__ = ["HetPipe", "WSPStats"]
+
+
+if TYPE_CHECKING:
+    _declares: type[PipelineState] = HetPipe  # mypy checks that a HetPipe declares its state

@@ -94,6 +94,7 @@ class Pipeline(nn.Module):
         self.transport, self.optimizers, self.tied = engine.transport, engine.optimizers, engine.tied
         self.hooks, self.eval_schedule, self.schedulers = engine.hooks, engine.eval_schedule, engine.schedulers
         self.snapshots = engine.snapshots  # snapshot=: resumed by sw.checkpoint.resume (or None)
+        self.replanned_cut: list[int] | None = None  # a Replanner's cut, once it moved one (checkpoints record it)
         self._engine = engine
         self._clock_offset = time.time() - time.perf_counter()
 

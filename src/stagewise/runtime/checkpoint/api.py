@@ -266,11 +266,11 @@ def _load(
 
 
 def _restore_schedulers(scheduler: Any, record: dict[str, Any]) -> bool:
-    """Load the saved scheduler state into every scheduler given; whether there was one to load."""
+    """Load the saved scheduler state into every scheduler given (each keeping its own stage's learning rates:
+    :func:`.state.restore_position`); whether there was one to load."""
     if scheduler is None or record.get("scheduler") is None:
         return False
-    for s in _all(scheduler):
-        s.load_state_dict(state.decode(record["scheduler"]))
+    state.restore_position(_all(scheduler), state.decode(record["scheduler"]))
     return True
 
 
@@ -311,7 +311,7 @@ def _ranks(model: Any, collective: bool, timeout: float) -> storage.Ranks:
 
 def _own_schedulers(model: Any) -> Any:
     """A Pipeline's own schedulers (``lr_scheduler=``: stage -> scheduler, in lockstep), or None."""
-    return getattr(model, "schedulers", None) or None
+    return (model.schedulers or None) if isinstance(model, PipelineState) else None
 
 
 def _first(scheduler: Any) -> Any:

@@ -99,6 +99,15 @@ class PipelineState(Protocol):
 
     train_steps: int  # mini-batches trained: the step of the dropout masks' seeds (set by a restore)
     dropout_seed: int  # (set by a restore)
+    schedulers: dict[int, Any]  # lr_scheduler=: one per local stage's optimizer, stepped in lockstep (or empty)
+    # snapshot=: its Snapshotter (elastic's, a floor above: typed there), which a re-layout re-points, or None
+    snapshots: Any
+    replanned_cut: list[int] | None  # the layers per stage a Replanner set (recorded so that a resume takes it)
+
+    @property
+    def local_stages(self) -> tuple[int, ...]:
+        """The stages this process holds, in the schedule's numbering (which ranks hold what)."""
+        ...
 
     @property
     def hybrid(self) -> Mesh | None:

@@ -270,9 +270,7 @@ def layout_of(target: object, world: int) -> dict[str, Any]:
             "virtual_stages": s.virtual_stages,
             "placement": list(s.placement),
             "layers": [[r.start, r.stop] for r in target.layer_ranges],
-            "partition": partition_mode(
-                getattr(target.options, "partition", None), getattr(target, "replanned_cut", None)
-            ),
+            "partition": partition_mode(getattr(target.options, "partition", None), target.replanned_cut),
         },
         "parallel": None,
     }
@@ -303,15 +301,44 @@ def restore_dropout(target: object, saved: dict[str, int] | None) -> None:
 
 def scheduler_state(target: object) -> Any:
     """A pipeline's own LR schedule (``lr_scheduler=``: its schedulers step in lockstep, so the first one's state,
-    JSON as a checkpoint records it), or None."""
-    schedulers = getattr(target, "schedulers", None) or {}
+    JSON as a checkpoint records it, holds their common position), or None."""
+    schedulers = target.schedulers if isinstance(target, PipelineState) else {}
     return encode(schedulers[min(schedulers)].state_dict(), "the LR scheduler's state") if schedulers else None
 
 
 def restore_scheduler(target: object, saved: Any) -> None:
-    """Load :func:`scheduler_state`'s ``saved`` into every scheduler of ``target`` (nothing when None)."""
-    for scheduler in (getattr(target, "schedulers", None) or {}).values() if saved is not None else ():
-        scheduler.load_state_dict(decode(saved))
+    """Load :func:`scheduler_state`'s ``saved`` into every scheduler of ``target`` (nothing when None), each keeping
+    its own stage's learning rates (:func:`restore_position`)."""
+    if saved is not None and isinstance(target, PipelineState):
+        restore_position(list(target.schedulers.values()), decode(saved))
+
+
+# A scheduler's entries that belong to its own optimizer's param groups, not to the lockstep position: the base
+# LRs its stage's optimizer was built with (``initial_lr``), a cycle's bounds, a plateau's floors, its lambdas.
+OWN_ENTRIES = ("base_lrs", "max_lrs", "min_lrs", "lr_lambdas")
+
+
+def restore_position(schedulers: list[Any], saved: dict[str, Any]) -> None:
+    """Give schedulers in lockstep the position one of them saved (``last_epoch``, step counts, a plateau's count)
+    while each keeps what is its own stage's: the entries of :data:`OWN_ENTRIES` and, as its last LRs, its
+    optimizer's LRs (restored by parameter name before it). Loading one stage's whole state into another would
+    give every stage the first stage's base LRs, wrong where stages were built with different ones."""
+    for scheduler in schedulers:
+        groups = getattr(getattr(scheduler, "optimizer", None), "param_groups", None) or []
+        scheduler.load_state_dict(_positioned(scheduler.state_dict(), saved, groups))
+
+
+def _positioned(own: dict[str, Any], saved: dict[str, Any], groups: list[dict[str, Any]]) -> dict[str, Any]:
+    out = dict(saved)
+    out.update({key: own[key] for key in OWN_ENTRIES if key in own})
+    if groups and "base_lrs" in own and all("initial_lr" in g for g in groups):
+        out["base_lrs"] = [g["initial_lr"] for g in groups]  # as the optimizer's restore gave them back
+    if groups and "_last_lr" in own:
+        out["_last_lr"] = [g["lr"] for g in groups]
+    inner, theirs = own.get("_schedulers"), saved.get("_schedulers")  # SequentialLR, ChainedScheduler
+    if isinstance(inner, list) and isinstance(theirs, list) and len(inner) == len(theirs):
+        out["_schedulers"] = [_positioned(o, t, groups) for o, t in zip(inner, theirs)]
+    return out
 
 
 def refuse_merging(model: object, what: str) -> None:

@@ -169,11 +169,11 @@ def between_steps(job: Any, step: int, last: bool, record: Callable[..., Any]) -
     its record of a change of members): at the last step the job says it ended; otherwise newcomers are taken
     in when their generation's agreed step came."""
     if last:
-        job._store.set("ended", str(step))
+        job.store.set("ended", str(step))
         return
-    if job._joins is None:
-        job._joins = Joins(job._store)
-    if job._joins.due(job.generation, step):
+    if job.joins is None:
+        job.joins = Joins(job.store)
+    if job.joins.due(job.generation, step):
         grow(job, step, record)
 
 
@@ -181,15 +181,10 @@ def grow(job: Any, step: int, record: Callable[..., Any]) -> None:
     """End the generation after ``step`` (committed: its snapshot finished everywhere) and go on in the next one,
     its members with the newcomers, every one from the committed step's state."""
     started = time.perf_counter()
-    job._parts = {}
-    with job._timed("commit"):  # the snapshot of ``step`` whole here and at the next machine
-        job.pipe.snapshots.wait()
-    with job._timed("drop"):
-        job._drop_pipeline()
     before = job.members
-    members = job._next_generation([])
+    members, parts = job.take_in(step)  # the snapshot of ``step`` committed, the pipeline dropped, the next entered
     seconds = time.perf_counter() - started
-    job.recoveries.append(record(job.generation, members, step, job.step, seconds, job._parts, cause="joined"))
+    job.recoveries.append(record(job.generation, members, step, job.step, seconds, parts, cause="joined"))
     log.warning(
         "stagewise elastic: generation %d: workers %s joined (members %s, %d processes); going on from step %d "
         "after %.1f s",

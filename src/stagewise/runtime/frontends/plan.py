@@ -67,7 +67,7 @@ class FromPlan:
 
     def defaults(self, options: Options) -> Options:
         plan = self.plan
-        check_same_plan(plan, self.entry, options.timeout, options.store)
+        check_same_plan(plan, self.entry, options.timeout, options.store, options.group)
         own: dict[str, Any] = plan.pipeline_options()
         mesh = options.parallel if options.is_given("parallel") else None
         if mesh is not None and not _is_plan_mesh(mesh, plan):

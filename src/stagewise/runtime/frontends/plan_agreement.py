@@ -66,16 +66,18 @@ def search_together(
     return found
 
 
-def check_same_plan(plan: Plan, entry: str, timeout: float, store: Any = None) -> None:
-    """Every rank of the world holds a plan with the same :meth:`~stagewise.Plan.digest`, or every rank raises
-    the same ``ValueError`` naming the ranks and the plans they hold (a collective, bounded by ``timeout``)."""
+def check_same_plan(plan: Plan, entry: str, timeout: float, store: Any = None, group: Any = None) -> None:
+    """Every rank of the pipeline's ``group`` (None: the world) holds a plan with the same
+    :meth:`~stagewise.Plan.digest`, or every rank raises the same ``ValueError`` naming the ranks and the plans
+    they hold (a collective, bounded by ``timeout``). The group, not the world: a re-layout onto fewer processes
+    (``pipe.relayout(members, plan=...)``) builds on its members only, and the retiring ranks never come."""
     groups.require_initialized()
-    if groups.world_size() == 1:
+    if groups.group_size(groups.group_or_world(group)) == 1:
         return
     waits = setup_guard(timeout, store)
     try:
         held = collectives.gather_json(
-            [plan.digest(), plan.describe()], None, waits.wait, f"every rank's plan digest ({entry})"
+            [plan.digest(), plan.describe()], group, waits.wait, f"every rank's plan digest ({entry})"
         )
     finally:
         waits.close()

@@ -94,11 +94,11 @@ def build_mesh(config: ParallelConfig, device_type: str | None = None) -> Mesh:
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised: call stagewise.init() before building a mesh")
-    config.check_world(dist.get_world_size())
+    backend, world = str(dist.get_backend()), dist.get_world_size()  # (after an in-place membership change: the
+    config.check_world(world)  # generation's default group, remade from its members: comm/generations.py)
     if device_type is None:
-        device_type = "cuda" if str(dist.get_backend()) == "nccl" else "cpu"
+        device_type = "cuda" if backend == "nccl" else "cpu"
     # an axis spanning the world gets a group of its own rather than the default one (the user's), so that
     # the pipeline can give it its timeout (comm.groups.bound)
-    backend, world = str(dist.get_backend()), dist.get_world_size()
     whole: dict[int | str, Any] = {a: backend for a, n in zip(AXES, config.shape) if n > 1 and n == world}
     return Mesh(config, init_device_mesh(device_type, config.shape, mesh_dim_names=AXES, backend_override=whole))

@@ -41,6 +41,7 @@ from .. import assembly  # noqa: F401 (loaded with InPlace, before a newcomer as
 from ..checkpoint import state
 from ..checkpoint.api import save as checkpoint_save
 from ..checkpoint.declared import PipelineState
+from ..checkpoint.parts import SavedInParts
 from ..checkpoint.resume import resume as checkpoint_resume
 from ..comm import release
 from ..comm.faults import heartbeat
@@ -103,7 +104,8 @@ class InPlace:
     _held: Held | None = None  # the failed generation's tensors, kept for the next one's take-over
     _sources: dict[str, Any] = field(default_factory=dict)
     _ports: dict[int, str] = field(default_factory=dict)  # the probes' last results seen in a recovery
-    _joins: Any = None  # the members' look for newcomers between steps (:class:`..elastic.joining.Joins`)
+    # the members' look for newcomers between steps (:class:`..elastic.joining.Joins`: made and read there)
+    joins: Any = field(default=None, init=False, repr=False)
     _placement: dict[str, Any] | None = None  # the last generation's stages' placement (see :func:`_refused`)
 
     def start(self) -> int:
@@ -128,6 +130,23 @@ class InPlace:
     @property
     def members(self) -> list[int]:
         return list(self._members.members) if self._members is not None else []
+
+    @property
+    def store(self) -> Any:
+        """The job's store, which outlives the generations: the members' agreements, each generation's
+        rendezvous (under its own prefix) and the newcomers' marks (:mod:`..elastic.joining`)."""
+        return self._store
+
+    def take_in(self, step: int) -> tuple[list[int], dict[str, float]]:
+        """End this generation after ``step`` (its snapshot committed here and at the next machine) and enter the
+        next, whose members the agreement gives (newcomers included); returns them and the seconds of each part
+        (what :func:`..elastic.joining.grow` records). Every member of the next generation calls it."""
+        self._parts = {}
+        with self._timed("commit"):
+            self.pipe.snapshots.wait()
+        with self._timed("drop"):
+            self._drop_pipeline()
+        return self._next_generation([]), dict(self._parts)
 
     def run(self, steps: int, batch: Callable[[int], tuple[Any, Any]]) -> Iterator[tuple[int, float]]:
         """Train to ``steps``: yields ``(step, loss)`` after each step this rank finished; ``batch(step)`` is
@@ -280,7 +299,7 @@ class InPlace:
         stores - nothing else - until the group timeout has passed. Its tensors go at once (:func:`.let_go.let_go`;
         ``err``: the failure, whose traceback holds the failed step's locals), but those :func:`.takeover.hold`
         kept for the take-over, which the new layout aliases."""
-        snaps = getattr(self.pipe, "snapshots", None)
+        snaps = self.pipe.snapshots if isinstance(self.pipe, PipelineState) else None
         if snaps is not None:
             with self._timed("drop:snapshots"):
                 snaps.finish_at_exit()  # the copy in flight ends (written, or failed on the dead peer): whole files
@@ -326,7 +345,8 @@ def _stop_stamping() -> None:
 def _refused(pipe: Any, before: dict[str, Any] | None) -> dict[str, Any]:
     """The new pipeline's placement, or :class:`InPlaceRefused` (:func:`.sources.in_place_refusal`)."""
     given = isinstance(getattr(pipe, "frontend", None), GivenStages)
-    kind = "given" if given else "pipeline" if isinstance(pipe, PipelineState) else type(pipe).__name__
+    parts = isinstance(pipe, SavedInParts)  # a HetPipe declares its VW's state, but saves in parts: refused
+    kind = "given" if given else "pipeline" if isinstance(pipe, PipelineState) and not parts else type(pipe).__name__
     now = None
     if kind in ("pipeline", "given"):
         laid = state.layout_of(pipe, 0)["pipeline"]

@@ -28,7 +28,7 @@ def lender(old: nn.Module | None, frontend: Frontend) -> Lend | None:
     if old is None or not isinstance(layers, LayerList):
         return None
     names = [name for name, _ in layers.named]
-    held = old._modules
+    held = dict(old.named_children())  # the old layout's layers here, by their one-process names
 
     def lend(index: int) -> Mapping[str, torch.Tensor]:
         module = held.get(names[index]) if 0 <= index < len(names) else None

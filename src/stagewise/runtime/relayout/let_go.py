@@ -1,6 +1,6 @@
 """A failed generation's pipeline let go at once: its tensors freed where nothing else holds them.
 
-An in-place recovery drops the failed pipeline (:meth:`.generation.InPlace._drop_pipeline`), but dropping the
+An in-place recovery drops the failed pipeline (:class:`.generation.InPlace`), but dropping the
 last name of it frees nothing: the pipeline and its engine refer to each other (the snapshotter and the hooks
 hold the pipeline; the failure's traceback holds the failed step's frames, their activations and the pipeline),
 so only a full garbage collection would free its parameters, gradients, optimizer state and buffers - a walk of
@@ -17,6 +17,9 @@ import traceback
 from typing import Any
 
 from torch import nn
+
+from ..assembly.assemble import Engine
+from ..checkpoint.declared import PipelineState
 
 
 def let_go(pipe: Any, err: BaseException | None) -> None:
@@ -40,26 +43,27 @@ def empty(pipe: Any) -> None:
     """Drop what the pipeline holds of tensors: its optimizers' state and parameters, its snapshots' buffers, its
     modules' gradients and stagewise's own hooks on them (a hook of a feature holds the feature, which holds the
     modules: a cycle), then its own attributes and its engine's. A module's own tensors stay in it: a module the
-    user still holds (``from_model``) keeps them; one nothing holds goes with them."""
-    for opt in list((getattr(pipe, "optimizers", None) or {}).values()):
+    user still holds (``from_model``) keeps them; one nothing holds goes with them. The engine is found among the
+    pipeline's attributes by its type (:class:`..assembly.assemble.Engine`): every attribute is emptied alike, so
+    no private name of the Pipeline is read here."""
+    declared = isinstance(pipe, PipelineState)
+    for opt in list(pipe.optimizers.values()) if declared else []:
         opt.state.clear()
         opt.param_groups.clear()
-    snaps = getattr(pipe, "snapshots", None)
-    if snaps is not None:
-        snaps.forget()  # (its capture, marks and buffers)
+    if declared and pipe.snapshots is not None:
+        pipe.snapshots.forget()  # (its capture, marks and buffers)
     for module in list(pipe.modules()):
         for p in module.parameters(recurse=False):
             p.grad = None
         for hooks in _hook_dicts(module):
             for key in [k for k, fn in hooks.items() if _ours(fn)]:
                 del hooks[key]
-    engine = getattr(pipe, "_engine", None)
+    engines = [v for v in vars(pipe).values() if isinstance(v, Engine)]  # (found by its type, not its name)
     vars(pipe).clear()
-    parts = [v for v in vars(engine).values() if _internal(v)] if engine is not None else []
+    parts = [v for engine in engines for v in vars(engine).values() if _internal(v)]
     inner = [w for part in parts for w in vars(part).values() if _internal(w)]  # (the runner's interpreter...)
-    for obj in [*inner, *parts, engine]:
-        if obj is not None:
-            vars(obj).clear()  # the engine's parts: their cycles held the run's values, whose graph holds the params
+    for obj in [*inner, *parts, *engines]:
+        vars(obj).clear()  # the engine's parts: their cycles held the run's values, whose graph holds the params
 
 
 def _internal(obj: Any) -> bool:
