@@ -8,9 +8,11 @@ unchanged since the capture). From those records every process computes the same
 
 1. the committed step: the newest snapshot generation whose files cover every need
    (:func:`..elastic.choose.choose`, the step a resume from the snapshots takes: every rank's snapshot of it
-   written and copied). The live path is refused, alike everywhere, when no generation covers the needs, a
-   checkpoint on disk is newer, or the new layout is the one that saved (the generators' states come back from
-   the files then: the resume does that);
+   written and copied). Between it, the disk's newest checkpoint and the survivors' live tensors, the choice
+   is the resume's (:func:`..checkpoint.newest.newest`: the newest step, a tie to the cheaper source; live
+   tensors are partial: they complete the snapshots of their own step only). The live path is refused, alike
+   everywhere, when no generation covers the needs, the disk's checkpoint is chosen, or the new layout is the
+   one that saved (the generators' states come back from the files then: the resume does that);
 2. a survivor's live tensors count only at the committed step: those clean since the capture of that step's
    snapshot. A survivor past it (it stepped again, or a forward changed a buffer) gives those tensors nothing
    live: they come from the snapshot;
@@ -25,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..checkpoint.newest import DISK, LIVE, SNAPSHOTS, Report, newest
 from ..elastic.choose import Copy, Need, choose, of_live_jobs
 
 PARAM = "param:"  # a need for the optimizer state of one parameter (as the snapshots' inventory names it)
@@ -82,17 +85,31 @@ def decide(records: Sequence[Mapping[str, Any]], layout: Any, disk_step: int | N
     choice = choose(copies, needs, layout, set())
     if choice is None:
         return "no snapshot generation covers every new stage (snapshot= off, or files lost)"
-    if disk_step is not None and disk_step > choice.step:
+    chosen = newest(_reports(records, choice.step, disk_step))  # (the snapshots' is whole: never None)
+    assert chosen is not None
+    if chosen.report.kind == DISK:
         return f"a checkpoint on disk (step {disk_step}) is newer than the snapshots (step {choice.step})"
     if choice.rng:
         return "the new layout is the one that saved the snapshots: their generators' states come back with them"
     files = [c for c in copies if c.generation == (choice.step, choice.lineage)]
-    live = {k: frozenset(r["live"].get(str(choice.step), ())) for k, r in enumerate(records)}
+    live: dict[int, frozenset[str]] = {k: frozenset() for k in range(len(records))}
+    for part in chosen.partial:  # the survivors' live tensors of the chosen step
+        live[part.holder] = frozenset(records[part.holder]["live"][str(part.step)])
     decision = Decision(choice.step, choice.lineage, choice.job, files={(c.machine, c.path): c for c in files})
     missing = plan_sources(decision, needs, live, files)
     if missing:
         return "; ".join(f"process {r} needs {', '.join(sorted(ns)[:5])} that no source holds" for r, ns in missing)
     return decision
+
+
+def _reports(records: Sequence[Mapping[str, Any]], committed: int, disk_step: int | None) -> list[Report]:
+    """What each source holds, for the one choice (:mod:`..checkpoint.newest`): the snapshots' newest whole
+    generation, the disk's newest checkpoint, and each survivor's live tensors per captured step (partial: they
+    only complete the snapshots of their step)."""
+    reports = [Report(SNAPSHOTS, committed)] + ([] if disk_step is None else [Report(DISK, disk_step)])
+    return reports + [
+        Report(LIVE, int(step), whole=False, holder=k) for k, r in enumerate(records) for step in r["live"]
+    ]
 
 
 def plan_sources(
