@@ -50,6 +50,7 @@ from .fill import fill, receiver
 from .kept import lender
 from .listing import exchange
 from .models import release_model, twin_of
+from .old_layout import hooks_of, let_go_old
 from .request import digest, local_refusals, members_of, refuse_alike, subgroups_ahead
 from .transfers import Transfers
 
@@ -113,6 +114,7 @@ def relayout(
     guard = _guard("move", options.timeout, me)
     ranks = storage.Ranks(exchange, me, world, torch.device("cpu"), True, guard, options.timeout, True)
     new: nn.Module | None = None
+    old_hooks = hooks_of(pipe)  # (before the build: a module the new layout shares gets its hooks too)
     try:
         if me in chosen:
             source = _new_source(frontend, options, changes, plan, group)
@@ -137,7 +139,7 @@ def relayout(
     stale = _stale_groups(pipe, old, [group, *prepared])
     before = list(pipe.parameters())
     carry_snapshots(old, new)
-    _become(pipe, new, frontend, options, build)
+    _become(pipe, new, frontend, options, build, old_hooks)
     retire(before, pipe.parameters())  # a user's optimizer over them is refused at its next step
     release_model(frontend, options)
     for made in stale:
@@ -308,9 +310,11 @@ def _stale_groups(pipe: nn.Module, old: PipelineState | None, kept: list[Any]) -
     return [g for g in stale if g not in kept]
 
 
-def _become(pipe: nn.Module, new: nn.Module | None, frontend: Frontend, options: Options, build: Build) -> None:
-    """The user's object takes the new state in place; the old state is let go (its transport, groups and
-    shared memory) as the shell holding it goes."""
+def _become(
+    pipe: nn.Module, new: nn.Module | None, frontend: Frontend, options: Options, build: Build, old_hooks: Any
+) -> None:
+    """The user's object takes the new state in place; the old state is let go at once (its transport, groups
+    and shared memory as the shell holding it goes; its tensors: :mod:`.old_layout`)."""
     shell = object.__new__(type(pipe))
     vars(shell).update(vars(pipe))
     vars(pipe).clear()
@@ -325,7 +329,7 @@ def _become(pipe: nn.Module, new: nn.Module | None, frontend: Frontend, options:
         nn.Module.__init__(pipe)
         pipe.__class__ = Retired
         vars(pipe).update({"frontend": frontend, "options": options, "build": build})
-    del shell
+    let_go_old(shell, pipe, old_hooks)
 
 
 def _described(new: PipelineState) -> dict[str, Any]:
