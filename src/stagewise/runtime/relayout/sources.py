@@ -23,7 +23,7 @@ unchanged since the capture). From those records every process computes the same
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,31 +117,46 @@ def plan_sources(
 ) -> list[tuple[int, set[str]]]:
     """Fill ``decision.kept`` and ``decision.takes`` (in the one order every process posts them: by name, then
     receiver); return what no source holds, per process."""
-    owner: dict[str, int] = {}
+    holders: dict[str, list[int]] = {}
     for r in sorted(live):
         for name in live[r]:
-            owner.setdefault(name, r)
+            holders.setdefault(name, []).append(r)
     takes: list[Take] = []
     missing: list[tuple[int, set[str]]] = []
     for need in needs:
-        mine = live.get(need.rank, frozenset())
-        decision.kept[need.rank] = tuple(sorted(need.names & mine))
-        ordered = sorted(files, key=lambda c: (c.machine != need.machine, c.owner, c.machine, c.path))
-        lost: set[str] = set()
-        for name in sorted(need.names - mine):
-            if name in owner:
-                takes.append(Take(name, need.rank, owner[name]))
-                continue
-            found = next((c for c in ordered if name in c.names), None)
-            if found is None:
+        kept, lost, near = [], set(), nearest_first(files, need.machine)
+        for name in sorted(need.names):
+            src = live_source(need.rank, holders.get(name, ()))
+            found = None if src is not None else next((c for c in near if name in c.names), None)
+            if src == need.rank:
+                kept.append(name)
+            elif src is not None:
+                takes.append(Take(name, need.rank, src))
+            elif found is None:
                 lost.add(name)
             else:
                 src = need.rank if found.machine == need.machine else found.holder
                 takes.append(Take(name, need.rank, src, found.path, found.machine))
+        decision.kept[need.rank] = tuple(kept)
         if lost:
             missing.append((need.rank, lost))
     decision.takes = tuple(sorted(takes, key=lambda t: (t.name, t.dst)))
     return missing
+
+
+def live_source(receiver: int, holders: Collection[int]) -> int | None:
+    """The one rule for a tensor some process holds live (a re-layout's, a take-over's): the receiver's own
+    (kept: aliased, no copy), else the lowest process holding it (a replicated tensor is read once per receiver,
+    never from two senders); None when no process holds it live (then a snapshot file: :func:`nearest_first`)."""
+    if receiver in holders:
+        return receiver
+    return min(holders) if holders else None
+
+
+def nearest_first(files: Sequence[Copy], machine: str) -> list[Copy]:
+    """The snapshot files in the order a receiver on ``machine`` takes a name from them, when no process holds
+    it live: its own machine's first (read there), then the others' (read by their lister and sent), by owner."""
+    return sorted(files, key=lambda c: (c.machine != machine, c.owner, c.machine, c.path))
 
 
 def as_copy(listed: Mapping[str, Any]) -> Copy:
