@@ -46,7 +46,7 @@ from ..frontends.plan import FromPlan
 from ..options import Options
 from .carried import carry_snapshots, restore_schedulers, retire, scheduler_state, tell
 from .clock import Clock
-from .fill import fill, receiver
+from .fill import fill, post_moves
 from .kept import lender
 from .listing import exchange
 from .models import release_model, twin_of
@@ -283,21 +283,11 @@ def _inventory(old: PipelineState | None) -> tuple[dict[str, torch.Tensor], dict
 def _post(
     transfers: Transfers, held: Mapping[str, torch.Tensor], described: Mapping[str, Any], ranks: storage.Ranks, to: Any
 ) -> dict[str, torch.Tensor]:
-    """The moves this process takes part in, in the one global order; what it received, by name (into ``to``, the
-    new stages' own tensors, where it can: :func:`receiver`)."""
-    ops: list[tuple[str, torch.Tensor, int]] = []
-    got: dict[str, torch.Tensor] = {}
-    taken: set[int] = set()
-    for m in transfers.moves:
-        if m.src == ranks.rank:
-            ops.append(("send", held[m.name].detach().cpu().contiguous(), m.dst))
-        elif m.dst == ranks.rank:
-            got[m.name] = receiver(to.get(m.name), described[m.name], taken)
-            ops.append(("recv", got[m.name], m.src))
+    """The moves this process takes part in (every one from a live owner), posted in the one global order."""
     guard = ranks.guard
     assert guard is not None
-    relayout_wire.post(ops, ranks.group, lambda works, what: guard.wait(works, what))
-    return got
+    moves = ((m.name, m.src, m.dst, held) for m in transfers.moves)
+    return post_moves(moves, ranks.rank, to, described.__getitem__, ranks.group, guard.wait)
 
 
 def _stale_groups(pipe: nn.Module, old: PipelineState | None, kept: list[Any]) -> list[Any]:
