@@ -88,6 +88,8 @@ def test_refusals_are_the_same_reasons_on_every_process() -> None:
     m0, m1 = files(4)
     everyone = [record("m0", [A, B], {"4": [A]}, m0), record("m1", [BN], {}, m1)]
     assert "newer" in str(decide(everyone, LAYOUT, 8))  # a checkpoint on disk after the snapshots
+    tie = decide(everyone, LAYOUT, 4)  # one of the committed step: a tie goes to memory (the resume's rule)
+    assert not isinstance(tie, str) and tie.step == 4 and tie.kept[0] == (A,), tie
     assert "covers" in str(decide([record("m0", ["model/z"], {}, m0)], LAYOUT, None))
     alone = copy("m0", 0, 0, 4, [A]) | {"world": 1, "layout": {"world": 1}}
     same = decide([record("m0", [A], {"4": [A]}, [alone])], {"world": 1}, None)

@@ -20,6 +20,7 @@ from torch import nn
 from . import state, storage
 from .api import _ranks, agreed_newest, load, virtual_worker
 from .declared import CheckpointInfo, Offer, PipelineState, StateSource
+from .newest import DISK, SNAPSHOTS, Report, ranked
 from .recorded_cut import recorded_counts
 
 log = logging.getLogger(__name__)
@@ -88,15 +89,17 @@ def resume(
 
 
 def _restore_newest(offers: list[tuple[StateSource, Offer | None]]) -> tuple[CheckpointInfo, str] | None:
-    """The one choice: the newest step any source offers (a tie goes to the source listed last: memory before
-    disk); a source whose state turns out unusable hands over to the next newest."""
-    ranked = sorted(
-        ((offer.step, k, source, offer) for k, (source, offer) in enumerate(offers) if offer is not None),
-        key=lambda entry: (entry[0], entry[1]),
-        reverse=True,
-    )
-    for k, (_, _, source, offer) in enumerate(ranked):
-        floor = ranked[k + 1][0] if k + 1 < len(ranked) else -1
+    """The one choice (:func:`.newest.ranked`: the newest step, a tie going to memory before disk); a source whose
+    state turns out unusable hands over to the next newest."""
+    reports = {
+        Report(DISK if isinstance(source, DiskCheckpoints) else SNAPSHOTS, offer.step, holder=k): (source, offer)
+        for k, (source, offer) in enumerate(offers)
+        if offer is not None
+    }
+    order = ranked(reports)
+    for k, report in enumerate(order):
+        source, offer = reports[report]
+        floor = order[k + 1].step if k + 1 < len(order) else -1
         info = source.restore(offer, floor)
         if info is not None:
             return info, source.said(offer)

@@ -46,10 +46,11 @@ from ..frontends.plan import FromPlan
 from ..options import Options
 from .carried import carry_snapshots, restore_schedulers, retire, scheduler_state, tell
 from .clock import Clock
-from .fill import fill, receiver
+from .fill import fill, post_moves
 from .kept import lender
 from .listing import exchange
 from .models import release_model, twin_of
+from .old_layout import hooks_of, let_go_old
 from .request import digest, local_refusals, members_of, refuse_alike, subgroups_ahead
 from .transfers import Transfers
 
@@ -113,6 +114,7 @@ def relayout(
     guard = _guard("move", options.timeout, me)
     ranks = storage.Ranks(exchange, me, world, torch.device("cpu"), True, guard, options.timeout, True)
     new: nn.Module | None = None
+    old_hooks = hooks_of(pipe)  # (before the build: a module the new layout shares gets its hooks too)
     try:
         if me in chosen:
             source = _new_source(frontend, options, changes, plan, group)
@@ -137,7 +139,7 @@ def relayout(
     stale = _stale_groups(pipe, old, [group, *prepared])
     before = list(pipe.parameters())
     carry_snapshots(old, new)
-    _become(pipe, new, frontend, options, build)
+    _become(pipe, new, frontend, options, build, old_hooks)
     retire(before, pipe.parameters())  # a user's optimizer over them is refused at its next step
     release_model(frontend, options)
     for made in stale:
@@ -281,21 +283,11 @@ def _inventory(old: PipelineState | None) -> tuple[dict[str, torch.Tensor], dict
 def _post(
     transfers: Transfers, held: Mapping[str, torch.Tensor], described: Mapping[str, Any], ranks: storage.Ranks, to: Any
 ) -> dict[str, torch.Tensor]:
-    """The moves this process takes part in, in the one global order; what it received, by name (into ``to``, the
-    new stages' own tensors, where it can: :func:`receiver`)."""
-    ops: list[tuple[str, torch.Tensor, int]] = []
-    got: dict[str, torch.Tensor] = {}
-    taken: set[int] = set()
-    for m in transfers.moves:
-        if m.src == ranks.rank:
-            ops.append(("send", held[m.name].detach().cpu().contiguous(), m.dst))
-        elif m.dst == ranks.rank:
-            got[m.name] = receiver(to.get(m.name), described[m.name], taken)
-            ops.append(("recv", got[m.name], m.src))
+    """The moves this process takes part in (every one from a live owner), posted in the one global order."""
     guard = ranks.guard
     assert guard is not None
-    relayout_wire.post(ops, ranks.group, lambda works, what: guard.wait(works, what))
-    return got
+    moves = ((m.name, m.src, m.dst, held) for m in transfers.moves)
+    return post_moves(moves, ranks.rank, to, described.__getitem__, ranks.group, guard.wait)
 
 
 def _stale_groups(pipe: nn.Module, old: PipelineState | None, kept: list[Any]) -> list[Any]:
@@ -308,9 +300,11 @@ def _stale_groups(pipe: nn.Module, old: PipelineState | None, kept: list[Any]) -
     return [g for g in stale if g not in kept]
 
 
-def _become(pipe: nn.Module, new: nn.Module | None, frontend: Frontend, options: Options, build: Build) -> None:
-    """The user's object takes the new state in place; the old state is let go (its transport, groups and
-    shared memory) as the shell holding it goes."""
+def _become(
+    pipe: nn.Module, new: nn.Module | None, frontend: Frontend, options: Options, build: Build, old_hooks: Any
+) -> None:
+    """The user's object takes the new state in place; the old state is let go at once (its transport, groups
+    and shared memory as the shell holding it goes; its tensors: :mod:`.old_layout`)."""
     shell = object.__new__(type(pipe))
     vars(shell).update(vars(pipe))
     vars(pipe).clear()
@@ -325,7 +319,7 @@ def _become(pipe: nn.Module, new: nn.Module | None, frontend: Frontend, options:
         nn.Module.__init__(pipe)
         pipe.__class__ = Retired
         vars(pipe).update({"frontend": frontend, "options": options, "build": build})
-    del shell
+    let_go_old(shell, pipe, old_hooks)
 
 
 def _described(new: PipelineState) -> dict[str, Any]:

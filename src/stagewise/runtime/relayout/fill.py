@@ -1,14 +1,44 @@
-"""Part 4's last write: the new stages take their tensors, a kept one by aliasing its old storage."""
+"""Part 4, the move and the last write, one path for a re-layout and a recovery's take-over: every tensor sent
+or received in the one global order, then the new stages take their tensors, a kept one by aliasing its old
+storage."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..checkpoint import state
+from ..comm import relayout_wire
+
+#: one tensor's move: its name, the sending and the receiving process, and where the sender reads it (by name)
+Move = tuple[str, int, int, Mapping[str, torch.Tensor]]
+
+
+def post_moves(
+    moves: Iterable[Move],
+    me: int,
+    targets: Mapping[str, torch.Tensor | None],
+    described: Callable[[str], Mapping[str, Any]],
+    group: Any,
+    wait: Callable[[list[Any], str], None],
+) -> dict[str, torch.Tensor]:
+    """The moves process ``me`` takes part in, in the one order every process walks (so the sends and receives
+    pair up), posted together; what it received, by name: into ``targets`` (the new stages' own tensors) where it
+    can (:func:`receiver`), else into a new tensor of the shape and dtype ``described(name)`` says."""
+    ops: list[tuple[str, torch.Tensor, int]] = []
+    got: dict[str, torch.Tensor] = {}
+    taken: set[int] = set()
+    for name, src, dst, source in moves:
+        if src == me:
+            ops.append(("send", source[name].detach().cpu().contiguous(), dst))
+        elif dst == me:
+            got[name] = receiver(targets.get(name), described(name), taken)
+            ops.append(("recv", got[name], src))
+    relayout_wire.post(ops, group, wait)
+    return got
 
 
 @torch.no_grad()

@@ -11,7 +11,8 @@ two names is found there, not trusted).
 
 A process's listing is four key lists: model tensors held, optimizer units held, model tensors needed, units
 needed. :func:`plan` reads every process's and gives one process its part; the owner of a key is the lowest
-process holding it (so a replicated tensor is read once per receiver, as :func:`.transfers.plan_transfers`).
+process holding it (:func:`.sources.live_source`, the take-over's rule too: a replicated tensor is read once per
+receiver).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+
+from .sources import live_source
 
 MODEL, UNIT = 0, 1  # the kinds of key: a model tensor, an optimizer unit (one parameter's state)
 LISTS = 4  # held model tensors, held units, needed model tensors, needed units
@@ -76,16 +79,16 @@ def plan(everyone: Sequence[Sequence[Sequence[int]]], rank: int) -> Plan:
     """``everyone[r]``: process ``r``'s four key lists (see :func:`unpack`); the part of process ``rank``."""
     held = [{(MODEL, k) for k in lists[0]} | {(UNIT, k) for k in lists[1]} for lists in everyone]
     needed = [{(MODEL, k) for k in lists[2]} | {(UNIT, k) for k in lists[3]} for lists in everyone]
-    owner: dict[Item, int] = {}
+    holders: dict[Item, list[int]] = {}
     for r, items in enumerate(held):
         for item in items:
-            owner[item] = min(owner.get(item, r), r)
+            holders.setdefault(item, []).append(r)
     sends: dict[int, list[Item]] = {}
     receives: dict[int, list[Item]] = {}
     lost: list[Item] = []
     for r, items in enumerate(needed):
         for item in items - held[r]:
-            src = owner.get(item)
+            src = live_source(r, holders.get(item, ()))
             if src is None:
                 lost += [item] if r == rank and item[0] == MODEL else []
             elif src == rank:

@@ -8,9 +8,11 @@ unchanged since the capture). From those records every process computes the same
 
 1. the committed step: the newest snapshot generation whose files cover every need
    (:func:`..elastic.choose.choose`, the step a resume from the snapshots takes: every rank's snapshot of it
-   written and copied). The live path is refused, alike everywhere, when no generation covers the needs, a
-   checkpoint on disk is newer, or the new layout is the one that saved (the generators' states come back from
-   the files then: the resume does that);
+   written and copied). Between it, the disk's newest checkpoint and the survivors' live tensors, the choice
+   is the resume's (:func:`..checkpoint.newest.newest`: the newest step, a tie to the cheaper source; live
+   tensors are partial: they complete the snapshots of their own step only). The live path is refused, alike
+   everywhere, when no generation covers the needs, the disk's checkpoint is chosen, or the new layout is the
+   one that saved (the generators' states come back from the files then: the resume does that);
 2. a survivor's live tensors count only at the committed step: those clean since the capture of that step's
    snapshot. A survivor past it (it stepped again, or a forward changed a buffer) gives those tensors nothing
    live: they come from the snapshot;
@@ -21,10 +23,11 @@ unchanged since the capture). From those records every process computes the same
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..checkpoint.newest import DISK, LIVE, SNAPSHOTS, Report, newest
 from ..elastic.choose import Copy, Need, choose, of_live_jobs
 
 PARAM = "param:"  # a need for the optimizer state of one parameter (as the snapshots' inventory names it)
@@ -82,12 +85,16 @@ def decide(records: Sequence[Mapping[str, Any]], layout: Any, disk_step: int | N
     choice = choose(copies, needs, layout, set())
     if choice is None:
         return "no snapshot generation covers every new stage (snapshot= off, or files lost)"
-    if disk_step is not None and disk_step > choice.step:
+    chosen = newest(_reports(records, choice.step, disk_step))  # (the snapshots' is whole: never None)
+    assert chosen is not None
+    if chosen.report.kind == DISK:
         return f"a checkpoint on disk (step {disk_step}) is newer than the snapshots (step {choice.step})"
     if choice.rng:
         return "the new layout is the one that saved the snapshots: their generators' states come back with them"
     files = [c for c in copies if c.generation == (choice.step, choice.lineage)]
-    live = {k: frozenset(r["live"].get(str(choice.step), ())) for k, r in enumerate(records)}
+    live: dict[int, frozenset[str]] = {k: frozenset() for k in range(len(records))}
+    for part in chosen.partial:  # the survivors' live tensors of the chosen step
+        live[part.holder] = frozenset(records[part.holder]["live"][str(part.step)])
     decision = Decision(choice.step, choice.lineage, choice.job, files={(c.machine, c.path): c for c in files})
     missing = plan_sources(decision, needs, live, files)
     if missing:
@@ -95,36 +102,61 @@ def decide(records: Sequence[Mapping[str, Any]], layout: Any, disk_step: int | N
     return decision
 
 
+def _reports(records: Sequence[Mapping[str, Any]], committed: int, disk_step: int | None) -> list[Report]:
+    """What each source holds, for the one choice (:mod:`..checkpoint.newest`): the snapshots' newest whole
+    generation, the disk's newest checkpoint, and each survivor's live tensors per captured step (partial: they
+    only complete the snapshots of their step)."""
+    reports = [Report(SNAPSHOTS, committed)] + ([] if disk_step is None else [Report(DISK, disk_step)])
+    return reports + [
+        Report(LIVE, int(step), whole=False, holder=k) for k, r in enumerate(records) for step in r["live"]
+    ]
+
+
 def plan_sources(
     decision: Decision, needs: Sequence[Need], live: Mapping[int, frozenset[str]], files: Sequence[Copy]
 ) -> list[tuple[int, set[str]]]:
     """Fill ``decision.kept`` and ``decision.takes`` (in the one order every process posts them: by name, then
     receiver); return what no source holds, per process."""
-    owner: dict[str, int] = {}
+    holders: dict[str, list[int]] = {}
     for r in sorted(live):
         for name in live[r]:
-            owner.setdefault(name, r)
+            holders.setdefault(name, []).append(r)
     takes: list[Take] = []
     missing: list[tuple[int, set[str]]] = []
     for need in needs:
-        mine = live.get(need.rank, frozenset())
-        decision.kept[need.rank] = tuple(sorted(need.names & mine))
-        ordered = sorted(files, key=lambda c: (c.machine != need.machine, c.owner, c.machine, c.path))
-        lost: set[str] = set()
-        for name in sorted(need.names - mine):
-            if name in owner:
-                takes.append(Take(name, need.rank, owner[name]))
-                continue
-            found = next((c for c in ordered if name in c.names), None)
-            if found is None:
+        kept, lost, near = [], set(), nearest_first(files, need.machine)
+        for name in sorted(need.names):
+            src = live_source(need.rank, holders.get(name, ()))
+            found = None if src is not None else next((c for c in near if name in c.names), None)
+            if src == need.rank:
+                kept.append(name)
+            elif src is not None:
+                takes.append(Take(name, need.rank, src))
+            elif found is None:
                 lost.add(name)
             else:
                 src = need.rank if found.machine == need.machine else found.holder
                 takes.append(Take(name, need.rank, src, found.path, found.machine))
+        decision.kept[need.rank] = tuple(kept)
         if lost:
             missing.append((need.rank, lost))
     decision.takes = tuple(sorted(takes, key=lambda t: (t.name, t.dst)))
     return missing
+
+
+def live_source(receiver: int, holders: Collection[int]) -> int | None:
+    """The one rule for a tensor some process holds live (a re-layout's, a take-over's): the receiver's own
+    (kept: aliased, no copy), else the lowest process holding it (a replicated tensor is read once per receiver,
+    never from two senders); None when no process holds it live (then a snapshot file: :func:`nearest_first`)."""
+    if receiver in holders:
+        return receiver
+    return min(holders) if holders else None
+
+
+def nearest_first(files: Sequence[Copy], machine: str) -> list[Copy]:
+    """The snapshot files in the order a receiver on ``machine`` takes a name from them, when no process holds
+    it live: its own machine's first (read there), then the others' (read by their lister and sent), by owner."""
+    return sorted(files, key=lambda c: (c.machine != machine, c.owner, c.machine, c.path))
 
 
 def as_copy(listed: Mapping[str, Any]) -> Copy:

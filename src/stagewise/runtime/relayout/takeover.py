@@ -30,14 +30,14 @@ from ..checkpoint import retention, state, storage
 from ..checkpoint.declared import PipelineState
 from ..checkpoint.manifest import CheckpointError
 from ..checkpoint.resume import resumed_line, step_of
-from ..comm import groups, relayout_wire
+from ..comm import groups
 from ..comm.faults.guard import Guard
 from ..elastic.folder import ended, inventory
 from ..elastic.recover import needs_of
 from ..elastic.snapshot_file import SnapshotRefused, host_bytes, tensors_of, verified
 from ..elastic.snapshots import MACHINE_ENV, versions
 from ..interrupt import note_checkpoint
-from .fill import fill, receiver
+from .fill import Move, fill, post_moves
 from .sources import PARAM, Decision, Take, clean_names, decide
 
 log = logging.getLogger(__name__)
@@ -208,8 +208,8 @@ def _move(
     me = ranks.rank
     values: dict[str, torch.Tensor] = {}
     record: dict[str, Any] = {"params": {}, "state": {}}
-    ops: list[tuple[str, torch.Tensor, int]] = []
-    taken: set[int] = set()
+    moves: list[Move] = []
+    shapes: dict[str, Any] = {}
     for take in decided.takes:
         if me not in (take.src, take.dst):
             continue
@@ -222,14 +222,12 @@ def _move(
         for name in names:
             if not take.moves:
                 values[name] = source[name]
-            elif take.src == me:
-                ops.append(("send", source[name].detach().cpu().contiguous(), take.dst))
             else:
-                values[name] = receiver(targets.get(name), described[name], taken)
-                ops.append(("recv", values[name], take.src))
+                moves.append((name, take.src, take.dst, source))
+                shapes[name] = described.get(name)
     guard = ranks.guard
     assert guard is not None
-    relayout_wire.post(ops, None, lambda works, what: guard.wait(works, what))
+    values.update(post_moves(moves, me, targets, shapes.__getitem__, None, guard.wait))
     return values, record
 
 
