@@ -131,6 +131,13 @@ def train(pipe: Any, start: int, steps: int = STEPS) -> list[float]:
     return out
 
 
+def stream(pipe: Any, start: int, steps: int = STEPS) -> list[float]:
+    """:func:`train`'s steps through ``train_stream``: a stream of the global batches, each sliced by ``local_batch``
+    as it is drawn (so by the layout that trains it)."""
+    batches = (pipe.local_batch(*mdl.lm_data(BATCH, seed=500 + step)) for step in range(start, start + steps))
+    return list(pipe.train_stream(batches))
+
+
 def state_of(pipe: Any) -> dict[str, torch.Tensor]:
     """Everything a re-layout must carry, by name: parameters (tied copies too), buffers, optimizer state."""
     out = {f"param/{n}": p.detach().clone() for n, p in pipe.named_parameters()}
@@ -169,6 +176,16 @@ def _group(members: list[int] | None, world: int) -> Any:
     return dist.new_group(members)
 
 
+def groups_of(pipe: Any) -> list[Any]:
+    """Every process group a pipeline holds: its transport's, its tied modules', its mesh's (none once retired)."""
+    if isinstance(pipe, sw.runtime.relayout.Retired):
+        return []
+    found = [pipe.transport.group, *pipe.tied.groups.values()]
+    if pipe.hybrid is not None:
+        found += [pipe.hybrid.mesh.group(a) for a in ("pp", "dp") if getattr(pipe.hybrid.config, a) > 1]
+    return [g for g in found if g is not None and g is not dist.GroupMember.NON_GROUP_MEMBER]
+
+
 def relaid(
     pipe: Any,
     ctx: Ctx,
@@ -177,15 +194,22 @@ def relaid(
     members: list[int] | None,
     bn: bool = True,
     make: Any = build,
+    trainer: Any = None,
     **layout: Any,
 ) -> dict[str, Any]:
-    """Save, re-layout, then compare with a fresh job of the new layout loaded from that save: state and losses."""
+    """Save, re-layout, then compare with a fresh job of the new layout loaded from that save: state and losses
+    (``trainer(pipe, step)``: the next steps, :func:`train` by default); the new layout holds none of the old
+    layout's process groups (a group reused after the layout changed fails here)."""
+    trainer = trainer or train
     if not isinstance(pipe, sw.runtime.relayout.Retired):
         sw.checkpoint.save(folder(tag), pipe, step=step)
     dist.barrier()
     CountedNorm.real_inits = 0
     before = {n: p.data_ptr() for n, p in pipe.named_parameters()}
+    old_groups = groups_of(pipe)
     got = pipe.relayout(members, **layout)
+    reused = [g for g in groups_of(pipe) if any(g is o for o in old_groups)]
+    assert not reused, f"{tag}: the new layout reuses {len(reused)} process group(s) of the layout before the call"
     kept = [n for n, p in pipe.named_parameters() if n in before]  # held here before and after: aliased
     copied = [n for n in kept if dict(pipe.named_parameters())[n].data_ptr() != before[n]]
     assert not copied, f"{tag}: parameters kept on this rank were copied, not aliased: {copied[:4]}"
@@ -199,7 +223,7 @@ def relaid(
     if fresh is not None:
         sw.checkpoint.load(folder(tag), fresh)
         compared = assert_same(state_of(pipe), state_of(fresh), tag)
-        losses, want = train(pipe, step), train(fresh, step)
+        losses, want = trainer(pipe, step), trainer(fresh, step)
         assert losses == want, f"{tag}: losses {losses} after the re-layout, {want} from the checkpoint"
     else:
         raises(sw.PipelineError, "no part of the pipeline", lambda: pipe.train_step(None, None))
@@ -519,6 +543,7 @@ def checks(world: int) -> dict[str, Check]:
         "leaks": check_leaks,
         "memory": check_memory,
         **takeover_checks(),
+        **cases_checks(),
         # last: the failed rank's gloo thread spins until its released group's timeout (measured: 4-5 s of system
         # time per check after it, and the checks ran 2-3 times slower)
         "failure": check_failure,
@@ -528,5 +553,12 @@ def checks(world: int) -> dict[str, Check]:
 def takeover_checks() -> dict[str, Check]:
     """A recovery's re-layout from live survivors and snapshot files (takeover_checks.py), in this job."""
     from takeover_checks import CHECKS
+
+    return CHECKS
+
+
+def cases_checks() -> dict[str, Check]:
+    """dp 4, a tagged model, from_hf, plan=, the asynchronous schedules (relayout_cases_checks.py), in this job."""
+    from relayout_cases_checks import CHECKS
 
     return CHECKS

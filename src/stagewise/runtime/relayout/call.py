@@ -209,7 +209,7 @@ def _agree(
     """The one small exchange: every process's request digest, progress, LR schedule and refusals; refused alike."""
     progress = None if old is None else progress_of(old)
     refused = local_refusals(frontend, options, progress, changes)
-    if changes.get("parallel", options.parallel) is not None and len(chosen) != ranks.size:
+    if (plan is not None or changes.get("parallel", options.parallel) is not None) and len(chosen) != ranks.size:
         refused.append(f"parallel= spans every process of the world: keep all {ranks.size} as members")
     if plan is not None and not isinstance(frontend, (LayerList, FromPlan)):
         refused.append(f"plan= re-cuts a layer list (Pipeline(layers) or from_plan), not {frontend.entry}")
@@ -232,7 +232,7 @@ def _new_source(
     if options.parallel is not None and "parallel" not in changes:
         given["parallel"] = options.parallel
     given.update(changes)
-    if given.get("parallel") is None:
+    if given.get("parallel") is None and plan is None:  # a plan's layout makes its own mesh's groups
         given["group"] = group
     if plan is not None:
         layers = frontend.layers if isinstance(frontend, FromPlan) else frontend
