@@ -192,9 +192,11 @@ def test_a_dead_source_does_not_stop_the_copy_to_the_next_machine(monkeypatch: p
     posted = _wire(monkeypatch, dead=2)  # as rank 4: its source (rank 2) is gone, its dest (rank 0) is not
     with pytest.raises(PipelineError, match="Connection closed by peer"):
         snapshot_wire.exchange(payload, 0, [2], None, 10.0)
-    assert posted == [("recv", 2, 1), ("send", 0, 1), ("send", 0, 3)]  # the length, then the bytes, to rank 0
+    assert sorted(posted) == [("recv", 2, 1), ("send", 0, 1), ("send", 0, 3)]  # the length, then the bytes, to 0
+    assert [p for p in posted if p[0] == "send"] == [("send", 0, 1), ("send", 0, 3)]  # (each peer's in order)
     posted = _wire(monkeypatch, dead=2)  # as rank 0: its dest (rank 2) is gone; rank 4's copy comes in whole
     keep: dict[int, torch.Tensor] = {}
     with pytest.raises(PipelineError, match="Connection reset by peer"):
         snapshot_wire.exchange(payload, 2, [4], None, 10.0, into=keep)
-    assert posted == [("recv", 4, 1), ("send", 2, 1), ("recv", 4, 3)] and keep[4].tolist() == [7, 7, 7]
+    assert [p for p in posted if p[1] == 4] == [("recv", 4, 1), ("recv", 4, 3)] and keep[4].tolist() == [7, 7, 7]
+    assert [p for p in posted if p[1] == 2] == [("send", 2, 1)]

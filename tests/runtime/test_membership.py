@@ -156,6 +156,28 @@ def test_the_members_a_failure_names_dead_are_not_waited_for(host: Any) -> None:
         m.stop()
 
 
+def test_a_member_silent_since_before_the_agreement_is_counted_by_its_stamps_age(host: Any) -> None:
+    """A stopped machine's second worker: the failure named only the first, and the second's stamp stopped with
+    it, a threshold before the agreement began. Its stamp's own time counts it gone at once, not a threshold
+    after the agreement first saw it (the stop's and partition's second threshold)."""
+    people = [_member(host, i, [0, 1, 2]) for i in range(3)]
+    for m in people:
+        m.silent_s = 600.0  # the threshold: waiting it out from the agreement's start would fail the join below
+    people[2].stop()
+    people[0].store.set("alive/2", repr(time.time() - 700.0))  # its last stamp, before the threshold
+    got: dict[int, Any] = {}
+    threads = [threading.Thread(target=lambda m=m: got.update({m.me: m.next(600.0)})) for m in people[:2]]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert got == {0: [0, 1], 1: [0, 1]}
+    counted = [p.decided[2] for p in people[:2]]
+    assert any(c.startswith("silent 7") for c in counted), counted  # (its age: 700 s and a little)
+    for m in people[:2]:
+        m.stop()
+
+
 def test_a_member_slow_for_less_than_the_threshold_is_kept(host: Any) -> None:
     people = [_member(host, i, [0, 1, 2]) for i in range(3)]
     for m in people:

@@ -3,13 +3,17 @@
 The copies to the peers run on a helper thread while the pipeline trains, so they get their own process
 group (gloo, host memory: on GPUs too the copy is taken to the host first), never the pipeline's. Every
 exchange sends a length first (-1: nothing to send), then the bytes; every wait has a deadline, so a peer
-that is gone costs the timeout at most, and raises.
+that is gone costs the timeout at most, and raises - or less, when the run's failure is posted first and
+the peer never began its part (:func:`exchange_settled`).
 """
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -22,6 +26,7 @@ from .collectives import gather_json
 
 #: a side exchange's deadline may not outlast the pipeline's own (seconds)
 _NOTHING = -1
+_POLL_S = 0.1  # how often a waiting exchange asks whether to give up
 
 
 def snapshot_group(group: Any, timeout: float) -> Any:
@@ -54,45 +59,167 @@ def exchange(
     group: Any,
     timeout: float,
     into: dict[int, torch.Tensor] | None = None,
+    give_up: Callable[[], bool] | None = None,
+    around: Callable[[], AbstractContextManager[Any]] | None = None,
 ) -> dict[int, torch.Tensor | None]:
-    """Send ``payload`` (uint8, host) to group rank ``dest`` while receiving one from each of ``sources``;
-    what each source sent (None when it had nothing). Lengths first, then the bytes. ``into``: by source, a
-    buffer to receive into, kept from call to call (a new one's pages cost as much as the bytes' copy).
+    """:func:`exchange_settled`, its first failure raised."""
+    done = exchange_settled(payload, dest, sources, group, timeout, into, give_up, around)
+    if done.failed:
+        raise done.failed[0]
+    return {s: done.got.get(s) for s in sources}
 
-    Every transfer is waited for, and the first failure raised after them all: a source that is gone does not
-    stop the copy to ``dest``. Otherwise the survivor after a lost machine in the ring gives up at once, and
-    the one after it waits the whole timeout for bytes that never come - and its recovery with it. The
-    ``timeout`` bounds the whole exchange (a stopped peer costs it once, not once per transfer)."""
-    end, failed = time.monotonic() + timeout, list[PipelineError]()
-    mine = torch.tensor([_NOTHING if payload is None else payload.numel()], dtype=torch.int64)
-    lengths = {s: torch.empty(1, dtype=torch.int64) for s in sources}
-    works = {s: dist.irecv(t, group_src=s, group=group) for s, t in lengths.items()}
-    send = dist.isend(mine, group_dst=dest, group=group) if dest is not None else None
-    what = "the lengths of the snapshots' copies"
-    arrived = [s for s, w in works.items() if _settled(w, end, what, failed)]
-    sent = send is not None and _settled(send, end, what, failed)
+
+@dataclass
+class Settled:
+    """An exchange's end: what each source whose transfer ended sent (None: it had nothing), the failures, and
+    the peers (sources and dest) whose transfer ended without one."""
+
+    got: dict[int, torch.Tensor | None]
+    failed: list[PipelineError]
+    ended: set[int]
+
+
+def exchange_settled(
+    payload: torch.Tensor | None,
+    dest: int | None,
+    sources: Sequence[int],
+    group: Any,
+    timeout: float,
+    into: dict[int, torch.Tensor] | None = None,
+    give_up: Callable[[], bool] | None = None,
+    around: Callable[[], AbstractContextManager[Any]] | None = None,
+    begun: Collection[int] = (),
+) -> Settled:
+    """Send ``payload`` (uint8, host) to group rank ``dest`` while receiving one from each of ``sources``; per
+    peer its length first, then its bytes. ``into``: by source, a buffer to receive into, kept
+    from call to call (a new one's pages cost as much as the bytes' copy).
+
+    Each peer's transfer runs on a thread of its own (``around()``: the context each runs in), so that no peer
+    waits behind another: a source that is gone does not stop the copy to ``dest`` (otherwise the survivor
+    after a lost machine in the ring gives up at once, and the one after it waits the whole timeout for bytes
+    that never come - and its recovery with it). The ``timeout`` bounds the whole exchange.
+
+    ``give_up()`` (asked while waiting): once true, a transfer whose length has not gone through is abandoned
+    - its peer never entered this exchange (its step failed before its snapshot) and never will, and waiting
+    for it would hold a recovery for the whole timeout. A transfer whose length went through is waited for:
+    its bytes come (a live peer) or fail at once (a dead one), and they may be the only copy of a committed
+    snapshot. An abandoned transfer's thread still honours a length that comes late (a fresh buffer, the
+    bytes thrown away), so the peer's send is matched and nothing is left for it to wait for. ``begun``: the
+    peers counted as begun from the start (their part of an exchange before this one went through)."""
+    x = _Exchange(time.monotonic() + timeout, group, around)
     keep: dict[int, torch.Tensor] = {} if into is None else into
-    buffers = {s: _buffer(keep, s, int(lengths[s].item())) for s in arrived if int(lengths[s].item()) > 0}
-    works = {s: dist.irecv(buffers[s], group_src=s, group=group) for s in buffers}
-    if sent and payload is not None and payload.numel():
-        works[-1] = dist.isend(payload, group_dst=dest, group=group)
-    what = "the snapshots' copies"
-    got = {s: buffers[s] for s, w in works.items() if _settled(w, end, what, failed) and s in buffers}
-    if failed:
-        raise failed[0]
-    return {s: got.get(s) for s in sources}
+    peers = [_Transfer(s, False) for s in sources] + ([_Transfer(dest, True)] if dest is not None else [])
+    for t in peers:
+        t.started = t.peer in begun
+    for t in peers:
+        run = x.send if t.send else x.recv
+        arg: Any = payload if t.send else keep
+        threading.Thread(target=run, args=(t, arg), name="stagewise-snapshot-peer", daemon=True).start()
+    x.settle(peers, give_up)
+    done = Settled({}, [], set())
+    got, failed = done.got, done.failed
+    with x.cv:
+        for t in peers:
+            if t.failure is not None:
+                failed.append(t.failure)
+            elif t.abandoned:
+                failed.append(
+                    PipelineError(
+                        f"group rank {t.peer} never began its part of the snapshots' copy: given up, the run failed"
+                    )
+                )
+            elif not t.done:
+                failed.append(
+                    PipelineError(f"the snapshots' copy with group rank {t.peer} did not end within {timeout:g} s")
+                )
+            else:
+                done.ended.add(t.peer)
+                if not t.send:
+                    got[t.peer] = t.got
+    return done
 
 
-def _settled(work: Any, end: float, what: str, failed: list[PipelineError]) -> bool:
-    """Whether ``work`` completed by ``end`` (``time.monotonic()``); its failure kept in ``failed``, raised after
-    the others (once the time is up, the others get a millisecond each: they completed, or they fail)."""
-    try:
-        work.wait(timedelta(seconds=max(end - time.monotonic(), 0.001)))
-        return True
-    except Exception as err:
-        failed.append(PipelineError(f"waiting for {what}: {type(err).__name__}: {err}"))
-        failed[-1].__cause__ = err
-        return False
+@dataclass(eq=False)
+class _Transfer:
+    """One peer's part of an exchange: ``started`` once its length went through (the peer is in the exchange)."""
+
+    peer: int
+    send: bool
+    started: bool = False
+    abandoned: bool = False
+    done: bool = False
+    got: torch.Tensor | None = None
+    failure: PipelineError | None = None
+
+
+class _Exchange:
+    """The transfers of one exchange and the condition their threads report on."""
+
+    def __init__(self, end: float, group: Any, around: Callable[[], AbstractContextManager[Any]] | None) -> None:
+        self.end, self.group, self.around = end, group, around or nullcontext
+        self.cv = threading.Condition()
+
+    def settle(self, peers: list[_Transfer], give_up: Callable[[], bool] | None) -> None:
+        """Wait until every transfer ended, or was abandoned (``give_up``), or the time is up."""
+        quitting = give_up is not None and give_up()
+        while True:
+            with self.cv:
+                if quitting:
+                    for t in peers:
+                        t.abandoned = t.abandoned or not (t.started or t.done)
+                waiting = [t for t in peers if not (t.done or t.abandoned)]
+                left = self.end - time.monotonic()
+                if not waiting or left <= 0:
+                    return
+                self.cv.wait(min(left, _POLL_S))
+            quitting = quitting or (give_up is not None and give_up())
+
+    def recv(self, t: _Transfer, keep: dict[int, torch.Tensor]) -> None:
+        with self.around():
+            try:
+                length = torch.empty(1, dtype=torch.int64)
+                work = dist.irecv(length, group_src=t.peer, group=self.group)
+                self._wait(work, "the lengths of the snapshots' copies")
+                n = int(length.item())
+                with self.cv:
+                    late = t.abandoned  # (honoured: the peer's bytes follow; not kept)
+                    t.started = not late
+                    self.cv.notify_all()
+                if n > 0:
+                    buf = torch.empty(n, dtype=torch.uint8) if late else _buffer(keep, t.peer, n)
+                    self._wait(dist.irecv(buf, group_src=t.peer, group=self.group), "the snapshots' copies")
+                    t.got = buf
+            except PipelineError as err:
+                t.failure = err
+            finally:
+                self._done(t)
+
+    def send(self, t: _Transfer, payload: torch.Tensor | None) -> None:
+        with self.around():
+            try:
+                mine = torch.tensor([_NOTHING if payload is None else payload.numel()], dtype=torch.int64)
+                work = dist.isend(mine, group_dst=t.peer, group=self.group)
+                self._wait(work, "the lengths of the snapshots' copies")
+                with self.cv:
+                    t.started = not t.abandoned
+                    self.cv.notify_all()
+                if payload is not None and payload.numel():
+                    self._wait(dist.isend(payload, group_dst=t.peer, group=self.group), "the snapshots' copies")
+            except PipelineError as err:
+                t.failure = err
+            finally:
+                self._done(t)
+
+    def _wait(self, work: Any, what: str) -> None:
+        try:
+            work.wait(timedelta(seconds=max(self.end - time.monotonic(), 0.001)))
+        except Exception as err:
+            raise PipelineError(f"waiting for {what}: {type(err).__name__}: {err}") from err
+
+    def _done(self, t: _Transfer) -> None:
+        with self.cv:
+            t.done = True
+            self.cv.notify_all()
 
 
 def _buffer(keep: dict[int, torch.Tensor], source: int, size: int) -> torch.Tensor:

@@ -76,6 +76,7 @@ class Priority:
         self.group: list[int] = []  # the snapshot group's gloo threads
         self.helper: int | None = None  # the running helper thread's id
         self.raised = False
+        self.peers: set[int] = set()  # the running threads of the helper's copy to and from the peers
         self._lock = threading.Lock()
 
     def enter(self) -> int | None:
@@ -94,6 +95,21 @@ class Priority:
             self.helper = None
 
     @contextmanager
+    def peer_thread(self) -> Iterator[None]:
+        """A thread the helper started for one peer's transfer (it inherited the helper's policy): raised with
+        the helper while the training thread waits, forgotten when it ends."""
+        tid = threading.get_native_id()
+        with self._lock:
+            self.peers.add(tid)
+            if self.raised and wanted():
+                _set(tid, os.SCHED_OTHER)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.peers.discard(tid)
+
+    @contextmanager
     def raised_while(self) -> Iterator[None]:
         """The threads at the ordinary policy for the block (a wait for them)."""
         with self._lock:
@@ -110,7 +126,7 @@ class Priority:
                     make_idle(tid)
 
     def _tids(self) -> list[int]:
-        return [*self.group, *([self.helper] if self.helper is not None else [])]
+        return [*self.group, *([self.helper] if self.helper is not None else []), *self.peers]
 
 
 def _set(tid: int, policy: int) -> None:

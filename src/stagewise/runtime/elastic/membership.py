@@ -7,8 +7,9 @@ store's own primitives only - ``set``, ``compare_set``, ``check``, ``wait`` (no 
 * ``generation``: the current generation's number; each worker knows its own and reads this one before it
   writes anything a later generation could read (:meth:`Membership.fenced`): a worker that was stopped or
   cut off and wakes behind the store leaves (:class:`Fenced`);
-* ``alive/<id>``: each worker's stamp, every :data:`STAMP_S` (a helper thread): a member whose stamp stops
-  moving is counted gone without waiting out the whole deadline;
+* ``alive/<id>``: each worker's stamp (its wall-clock time), every :data:`STAMP_S` (a helper thread): a member
+  whose stamp is older than the hang threshold is counted gone without waiting out the whole deadline - after
+  :data:`_CONFIRM_S` when it went silent before the agreement began (the second worker of a stopped machine);
 * ``gen<g>/arrived/<id>``: a survivor of generation g-1 asking for generation g; once every member of g-1
   arrived or went silent (or the deadline passed), the first to propose ``gen<g>/members`` wins
   (``compare_set`` on an empty key), the others read the winner's list; a proposal takes in the newcomers that
@@ -40,6 +41,7 @@ STORE_ENV = "STAGEWISE_STORE"  # host:port of the store that outlives the machin
 STAMP_S = 0.5  # how often a worker stamps alive/<id>
 _POLL_S = 0.05
 _EVIDENCE_S = 0.25  # how often a wait for the others asks ``still_gone`` again
+_CONFIRM_S = 2.5 * STAMP_S  # a stamp standing still this long here lets its own age count (see Membership._silent)
 
 
 _fence: Callable[[str], None] | None = None
@@ -190,12 +192,10 @@ class Membership:
             for m in self.members:
                 if m in arrived or m in known:
                     continue
-                stamp = self.store.get(f"alive/{m}") if self.store.check([f"alive/{m}"]) else None
-                if m not in watch or watch[m][0] != stamp:
-                    watch[m] = (stamp, now)
-                elif now - watch[m][1] >= self.silent_s:
+                silent = self._silent(m, watch, now)
+                if silent >= self.silent_s:
                     gone.append(m)
-                    self.decided.setdefault(m, f"silent {now - watch[m][1]:.2f} s")
+                    self.decided.setdefault(m, f"silent {silent:.2f} s")
             for m in arrived:
                 self.decided.setdefault(m, f"asked at {now - began:.2f} s")
             for m in gone:
@@ -205,6 +205,23 @@ class Membership:
                     self.decided[m] = f"missing at the deadline ({deadline_s:g} s)"
                 return arrived
             time.sleep(_POLL_S)
+
+    def _silent(self, m: int, watch: dict[int, tuple[bytes | None, float]], now: float) -> float:
+        """How long member ``m`` has not stamped: since this agreement first saw its stamp stand still, or - once
+        it stood still here for :data:`_CONFIRM_S` too - by the stamp's own time (a stopped or cut-off machine's
+        workers went silent together, a threshold ago, whichever the failure named). The confirmation spares a
+        live member whose stamps waited behind its own store call (a barrier's wait holds the client) or whose
+        clock is off; the stamps are wall-clock times, as the heartbeat's."""
+        stamp = self.store.get(f"alive/{m}") if self.store.check([f"alive/{m}"]) else None
+        if m not in watch or watch[m][0] != stamp:
+            watch[m] = (stamp, now)
+        still = now - watch[m][1]
+        if stamp is None or still < _CONFIRM_S:
+            return still
+        try:
+            return max(still, time.time() - float(stamp))
+        except ValueError:
+            return still
 
     def barrier(self, g: int, members: list[int], deadline_s: float) -> list[int]:
         """Every member of ``g`` says it is ready; the ones missing at the deadline (none when all came)."""

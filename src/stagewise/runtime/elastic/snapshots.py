@@ -9,8 +9,8 @@ call from the step path), a rank takes what a restart needs:
   state's bytes, copied into one host buffer (from a GPU: on a side stream, into pinned memory). Nothing
   changes them before the next optimizer step, and that step waits for the copy (:meth:`before_step`, a
   stage part at each STEP); then, still on the helper: the digest, the file on this machine's memory file
-  system (:mod:`.folder`), and the same bytes sent to a rank of the next machine (:mod:`..comm.snapshot_wire`,
-  a gloo group of its own), which writes them into its machine's folder.
+  system (:mod:`.folder`), and the same bytes sent to a rank of the next machine (:mod:`.snapshot_copies`
+  over :mod:`..comm.snapshot_wire`, a gloo group of its own), which writes them into its machine's folder.
 
 Machines are told apart by torchrun's ``GROUP_RANK`` (the agent's rank in the round); rank ``j`` of machine
 ``i`` sends to rank ``j`` (modulo its size) of machine ``i + 1`` (modulo their number), so every machine's
@@ -44,10 +44,11 @@ from ..comm import groups, lifecycle, snapshot_wire
 from ..errors import PipelineError
 from . import folder as folders
 from . import idle
+from . import snapshot_copies as copies
 from .config import Snapshots
 from .membership import check_fence
 from .peers import peers_of
-from .snapshot_file import fill_payload, header_bytes, host_bytes, layout_payload, read_header
+from .snapshot_file import fill_payload, header_bytes, host_bytes, layout_payload
 
 if TYPE_CHECKING:
     from .recover import PeerSnapshots
@@ -136,6 +137,7 @@ class Snapshotter:
         self.end.step = 0
         self.stats: dict[str, float] = {"snapshots": 0, "capture_s": 0.0, "gate_s": 0.0, "stall_s": 0.0}
         self._inflight: tuple[Capture, threading.Thread] | None = None
+        self.dropped = False  # forgotten (a failed generation's): its helper writes no more files
         self._failure: str | None = None
         self._buffer: torch.Tensor | None = None
         self._fixed: tuple[dict[int, str], dict[str, Any]] | None = None  # see _capture
@@ -282,10 +284,12 @@ class Snapshotter:
             check_fence(f"the snapshot of step {capture.step}")  # a worker woken behind its job writes nothing
             self._written.keep(self.rank, folders.write(self.folder, name, head, view, self._written.spare(self.rank)))
             clock.lap("write_s")
-            self._send(head, payload, clock)
+            copies.send(self, head, payload, clock)
             # what no writer here retires (an old lineage's, a gone peer's), one generation later than this
-            # writer's own: a rank of this machine at the same step would otherwise take another's spare
-            folders.prune(self.folder, capture.step - 2 * self.config.every)
+            # writer's own: a rank of this machine at the same step would otherwise take another's spare;
+            # nothing once dropped (the next generation may be listing the folder)
+            if not self.dropped:
+                folders.prune(self.folder, capture.step - 2 * self.config.every)
             clock.lap("prune_s")
         except BaseException as err:  # handed to the step path
             self._failure = f"the snapshot of step {capture.step}: {type(err).__name__}: {err}"
@@ -308,26 +312,6 @@ class Snapshotter:
         capture.cuda_done = done  # what the next STEP waits for on the device
         capture.copied.set()
         done.synchronize()  # the bytes are on the host before they are hashed
-
-    def _send(self, head: bytes, payload: torch.Tensor, clock: idle.Clock) -> None:
-        """Heads, then payloads, to the next machine's rank; the copies from the previous machine written here."""
-        p = self.peers
-        if p.dest is None and not p.sources:
-            return
-        head_t = torch.frombuffer(bytearray(head), dtype=torch.uint8)
-        heads = snapshot_wire.exchange(head_t, p.dest, p.sources, self.group, self.timeout)
-        bodies = snapshot_wire.exchange(payload, p.dest, p.sources, self.group, self.timeout, into=self._received)
-        clock.lap("send_s")
-        for src in p.sources:
-            got_head, body = heads[src], bodies[src]
-            if got_head is None:
-                continue
-            data = got_head.numpy().tobytes()
-            header, _ = read_header(data)
-            name = folders.file_name(int(header["step"]), str(header["lineage"]), int(header["owner"]))
-            view = host_bytes(body) if body is not None else memoryview(b"")
-            self._written.keep(src, folders.write(self.folder, name, data, view, self._written.spare(src)))
-        clock.lap("peer_write_s")
 
     def _host_buffer(self, size: int, pinned: bool) -> torch.Tensor:
         """One host buffer, reused from snapshot to snapshot (pinned for copies from a GPU)."""
@@ -365,6 +349,7 @@ class Snapshotter:
     def forget(self) -> None:
         """This pipeline is given up mid-job (an in-place elastic job's failed generation): its snapshots stay
         for the next generation, and its end is not marked at exit."""
+        self.dropped = True
         if self.end in _ENDINGS:
             _ENDINGS.remove(self.end)
         self._inflight, self._buffer, self.marks, self._received = None, None, {}, {}  # its tensors go too

@@ -41,6 +41,8 @@ _probes = probe.Probes()  # the peers' liveness ports, once reached (:mod:`.prob
 REACH_S = 0.1  # how often the peers' ports not reached yet are tried, for HURRY_S after the start
 HURRY_S = 30.0
 CONFIRM_S = 0.25  # the most a beat spends reaching peers' ports (a stamp must not wait behind them)
+_posted = threading.Event()  # this process posted the run's failure, or read it on the store
+_read_at = 0.0  # when :func:`failure_posted` last read the store
 
 
 def start(timeout: float, *, pipeline: bool = True) -> None:
@@ -176,11 +178,32 @@ def post_failure(text: str) -> None:
     first words name the dead). For an in-place job's survivor whose generation failed: ranks of another
     pipeline share no board with it, and one waiting on a live peer that left their collective would wait
     out its timeout (seen: a stage's replicas' all-reduce, when the lost machine held the other stage's)."""
+    _posted.set()
     try:
         if _store is not None:
             _store.compare_set(JOB_KEY, "", text)
     except Exception:  # the store is gone: the boards say so themselves
         log.debug("stagewise heartbeat: the failure was not posted for the run")
+
+
+def failure_posted(every: float = 0.5) -> bool:
+    """Whether this run's failure is posted: by this process (:func:`post_failure`: known at once), or by another
+    (read on the store at most every ``every`` seconds). What a helper's wait on peers gives up at: a peer that
+    has not begun its part by then never will (:func:`..snapshot_wire.exchange_settled`)."""
+    global _read_at
+    if _posted.is_set():
+        return True
+    now = time.monotonic()
+    if _store is None or now - _read_at < every:
+        return False
+    _read_at = now
+    try:
+        found = job_failure() is not None
+    except Exception:  # the store is gone: the boards say so
+        return False
+    if found:
+        _posted.set()
+    return found
 
 
 def _stamps() -> dict[int, str | None]:
@@ -268,11 +291,11 @@ def _refused_within(within: float) -> bool:
 
 def stop() -> None:
     """Stop stamping for this process group (an in-place elastic job's next generation starts it again)."""
-    global _thread, _stop, _store, _probes
+    global _thread, _stop, _store, _probes, _posted
     _stop.set()
     if _thread is not None:
         _thread.join(2 * INTERVAL_S)
-    _thread, _stop, _store, _probes = None, threading.Event(), None, probe.Probes()
+    _thread, _stop, _store, _probes, _posted = None, threading.Event(), None, probe.Probes(), threading.Event()
 
 
 @atexit.register

@@ -20,8 +20,12 @@ import errno
 import os
 import socket
 import threading
+import time
 
 CONNECT_S = 0.5  # a probe's connect; a refusal comes back in a round trip
+QUIET_S = 10.0  # a port that did not answer is not asked again for this long (each ask of a cut-off machine's
+# port costs CONNECT_S and can bring no evidence: seen, a partition's failure, recovery and agreement each
+# spent a second asking its two ports in turn)
 
 _listener: socket.socket | None = None
 _lock = threading.Lock()
@@ -95,6 +99,7 @@ class Probes:
     def __init__(self) -> None:
         self.reached: dict[int, str] = {}
         self.last: dict[int, tuple[str, str]] = {}  # rank -> (address, "accepted" | "refused" | "no answer")
+        self.unanswered: dict[int, float] = {}  # rank -> when (time.monotonic()) its port last gave no answer
 
     def confirm(self, rank: int, address: str) -> bool:
         """Connect once to ``rank``'s published ``address``; remember it if accepted (True)."""
@@ -104,9 +109,25 @@ class Probes:
         return False
 
     def gone(self, ranks: list[int] | None = None) -> list[int]:
-        """The ranks (of ``ranks``, default every one reached) whose trusted port now refuses: exited for sure."""
+        """The ranks (of ``ranks``, default every one reached) whose trusted port now refuses: exited for sure.
+        The ports are asked at once (a call costs one connect's time, not one per peer), but those that gave no
+        answer in the last :data:`QUIET_S` seconds (unreachable: no evidence either way)."""
         todo = sorted(self.reached) if ranks is None else [r for r in ranks if r in self.reached]
-        return [r for r in todo if self._probe(r, self.reached[r]) is True]
+        now = time.monotonic()
+        todo = [r for r in todo if now - self.unanswered.get(r, -QUIET_S) >= QUIET_S]
+        got: dict[int, bool | None] = {}
+        if len(todo) == 1:
+            got[todo[0]] = self._probe(todo[0], self.reached[todo[0]])
+        else:
+            asks = [threading.Thread(target=self._probe_into, args=(r, got), daemon=True) for r in todo]
+            for t in asks:
+                t.start()
+            for t in asks:
+                t.join()
+        return [r for r in todo if got.get(r) is True]
+
+    def _probe_into(self, rank: int, got: dict[int, bool | None]) -> None:
+        got[rank] = self._probe(rank, self.reached[rank])
 
     def report(self) -> dict[int, str]:
         """By rank: where its port was probed and what the last probe got (``"10.0.0.2:4100 refused"``), and
@@ -119,4 +140,8 @@ class Probes:
     def _probe(self, rank: int, address: str) -> bool | None:
         got = refused(address)
         self.last[rank] = (address, {True: "refused", False: "accepted", None: "no answer"}[got])
+        if got is None:
+            self.unanswered[rank] = time.monotonic()
+        else:
+            self.unanswered.pop(rank, None)
         return got

@@ -1,0 +1,56 @@
+"""A snapshot's copies between machines: this rank's sent to the next machine, the previous machine's written here.
+
+The helper thread of :mod:`.snapshots` calls :func:`send` once its own file is written. What arrived whole is
+written before any failure is raised, so that a copy the sender counts as delivered (a committed step's
+only copy when the sender's machine is lost next) is never thrown away with the exchange that failed on
+another peer. Once the run's failure is posted (:func:`..comm.faults.heartbeat.failure_posted`) or the
+pipeline dropped, the exchange gives up on peers that have not begun their part: a survivor whose step
+failed before its snapshot never will, and a recovery must not wait the timeout for it. A dropped
+pipeline's helper writes nothing more (a listing for the next generation may be under way).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..comm import snapshot_wire
+from ..comm.faults import heartbeat
+from . import folder as folders
+from . import idle
+from .snapshot_file import host_bytes, read_header
+
+
+def send(snap: Any, head: bytes, payload: torch.Tensor, clock: idle.Clock) -> None:
+    """Heads, then payloads, to ``snap``'s next machine's rank (a :class:`.snapshots.Snapshotter`); the copies
+    from the previous machine written here; then the first failure, if any, raised."""
+    p = snap.peers
+    if p.dest is None and not p.sources:
+        return
+    head_t = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+    wire: dict[str, Any] = {"give_up": _give_up(snap), "around": snap.priority.peer_thread}
+    heads = snapshot_wire.exchange_settled(head_t, p.dest, p.sources, snap.group, snap.timeout, **wire)
+    # a peer whose head went through is in this snapshot's copy: its bytes are waited for, given up or not
+    bodies = snapshot_wire.exchange_settled(
+        payload, p.dest, p.sources, snap.group, snap.timeout, into=snap._received, begun=heads.ended, **wire
+    )
+    failed = heads.failed + bodies.failed
+    clock.lap("send_s")
+    for src in p.sources:
+        got_head = heads.got.get(src)
+        if got_head is None or src not in bodies.got or snap.dropped:
+            continue  # nothing sent, or its head or bytes failed: no file (never a head without its bytes)
+        body = bodies.got[src]
+        data = got_head.numpy().tobytes()
+        header, _ = read_header(data)
+        name = folders.file_name(int(header["step"]), str(header["lineage"]), int(header["owner"]))
+        view = host_bytes(body) if body is not None else memoryview(b"")
+        snap._written.keep(src, folders.write(snap.folder, name, data, view, snap._written.spare(src)))
+    clock.lap("peer_write_s")
+    if failed:
+        raise failed[0]
+
+
+def _give_up(snap: Any) -> Any:
+    return lambda: bool(snap.dropped) or heartbeat.failure_posted()

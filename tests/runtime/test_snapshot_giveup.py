@@ -1,0 +1,210 @@
+"""A failed generation's snapshot copy gives up on a peer that never began (issue 48 item 4, the kill's p95).
+
+A survivor whose step failed before its snapshot never enters that snapshot's exchange; the rank it sends
+to waited for its length until the exchange's timeout, and the recovery's drop (which finishes the copy in
+flight) waited with it. The fake wire below has such a peer: its length never comes until the test lets
+its wait end, so a drop that waited for it could not return before that; no clock is read."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from stagewise.runtime.comm import snapshot_wire
+from stagewise.runtime.comm.faults import heartbeat
+from stagewise.runtime.elastic import folder as folders
+from stagewise.runtime.elastic import idle, snapshot_copies
+from stagewise.runtime.elastic.peers import Peers
+from stagewise.runtime.elastic.snapshot_file import fill_payload, header_bytes, layout_payload
+from stagewise.runtime.errors import PipelineError
+
+
+class _Wire:
+    """snapshot_wire's point-to-point ops, faked: ``silent`` never begins (its waits block until ``release``);
+    every other source sends ``heads[src]`` then ``bodies[src]``; sends complete."""
+
+    def __init__(self, silent: int, heads: dict[int, bytes], bodies: dict[int, bytes], sends: int) -> None:
+        self.sends = sends  # the sends after which ``sent`` is set
+        self.silent, self.release, self.lock = silent, threading.Event(), threading.Lock()
+        self.heads, self.bodies = heads, bodies
+        self.phase: dict[int, int] = {}  # by source: 0 the head's length, 1 the head, 2 the body's length, 3 ...
+        self.posted: list[tuple[str, int]] = []
+        self.blocked_ended = threading.Event()  # the silent peer's wait ended (only when the test releases it)
+        self.sent = threading.Event()
+        self.head_in = threading.Event()  # a source's head (length and bytes) was received
+
+    def irecv(self, t: torch.Tensor, group_src: int, group: Any) -> Any:
+        with self.lock:
+            self.posted.append(("recv", group_src))
+            if group_src == self.silent:
+                return _Blocked(self)
+            n = self.phase.get(group_src, 0)
+            self.phase[group_src] = n + 1
+            if n == 1:
+                self.head_in.set()
+            data = (self.heads if n < 2 else self.bodies)[group_src]
+            if n % 2 == 0:
+                t.fill_(len(data))
+            else:
+                t.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        return _Done()
+
+    def isend(self, t: torch.Tensor, group_dst: int, group: Any) -> Any:
+        with self.lock:
+            self.posted.append(("send", group_dst))
+            if sum(1 for kind, _ in self.posted if kind == "send") == self.sends:
+                self.sent.set()
+        return _Done()
+
+
+class _Done:
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+
+class _Blocked:
+    def __init__(self, wire: _Wire) -> None:
+        self.wire = wire
+
+    def wait(self, timeout: Any = None) -> bool:
+        self.wire.release.wait()  # (no timeout: only the test ends it)
+        self.wire.blocked_ended.set()
+        raise RuntimeError("Connection closed by peer")
+
+
+def _payload(step: int, owner: int) -> tuple[bytes, bytes]:
+    ts = {"model.w": torch.arange(4.0) + owner}
+    entries, total = layout_payload(ts)
+    buffer = torch.zeros(total, dtype=torch.uint8)
+    fill_payload(buffer, ts, entries)
+    head = header_bytes({"step": step, "lineage": "ab12", "owner": owner, "tensors": entries}, buffer)
+    return head, buffer.numpy().tobytes()
+
+
+@pytest.fixture
+def wire(monkeypatch: pytest.MonkeyPatch) -> Any:
+    made: list[_Wire] = []
+
+    def make(silent: int, heads: dict[int, bytes], bodies: dict[int, bytes], sends: int = 2) -> _Wire:
+        w = _Wire(silent, heads, bodies, sends)
+        monkeypatch.setattr(snapshot_wire.dist, "irecv", w.irecv)
+        monkeypatch.setattr(snapshot_wire.dist, "isend", w.isend)
+        made.append(w)
+        return w
+
+    yield make
+    for w in made:
+        w.release.set()  # the silent peer's thread ends
+    heartbeat.stop()  # (the posted failure is this test's)
+
+
+def test_an_exchange_gives_up_on_a_peer_that_never_began_once_the_failure_is_posted(wire: Any) -> None:
+    """Rank 4 sends to rank 0 and receives from rank 2, whose step failed before its snapshot: once the run's
+    failure is posted, the exchange returns - its copy to rank 0 done, rank 2 named - while rank 2's wait is
+    still blocked (the timeout path was not waited for)."""
+    w = wire(silent=2, heads={}, bodies={})
+    posted = threading.Event()
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        payload = torch.arange(3, dtype=torch.uint8)
+        out["done"] = snapshot_wire.exchange_settled(payload, 0, [2], None, 3600.0, give_up=posted.is_set)
+        out["blocked_ended"] = w.blocked_ended.is_set()
+
+    t = threading.Thread(target=run)
+    t.start()
+    assert w.sent.wait(60)  # the live dest got the length and the bytes
+    posted.set()
+    t.join(60)
+    assert not t.is_alive()
+    assert out["blocked_ended"] is False  # returned while rank 2's wait was still blocked
+    assert out["done"].got == {} and out["done"].ended == {0}
+    assert [str(e) for e in out["done"].failed] == [
+        "group rank 2 never began its part of the snapshots' copy: given up, the run failed"
+    ]
+
+
+def test_without_the_failure_posted_the_exchange_waits_for_the_peer(wire: Any) -> None:
+    """The mutant's check: nothing posted, the exchange is still waiting for rank 2 (until its wait ends)."""
+    w = wire(silent=2, heads={}, bodies={})
+    done = threading.Event()
+
+    def run() -> None:
+        snapshot_wire.exchange_settled(torch.arange(3, dtype=torch.uint8), 0, [2], None, 3600.0, give_up=lambda: False)
+        done.set()
+
+    t = threading.Thread(target=run)
+    t.start()
+    assert w.sent.wait(60)
+    assert not done.wait(0.5)  # (an event, not a bound: it must not have returned at all)
+    w.release.set()
+    t.join(60)
+    assert done.is_set() and w.blocked_ended.is_set()
+
+
+class _Snap:
+    """What :func:`.snapshot_copies.send` reads of a snapshotter: a rank with two sources and a dest."""
+
+    def __init__(self, root: Path) -> None:
+        self.peers = Peers(["a", "b", "c"], 0, [2, 4])
+        self.group, self.timeout = None, 3600.0
+        self.priority = idle.Priority()
+        self.folder = folders.machine_folder(root, "run")
+        self._written = folders.Written(self.folder, 1)
+        self._received: dict[int, torch.Tensor] = {}
+        self.dropped = False
+        self.stats: dict[str, float] = {}
+
+
+def _send_in_thread(snap: _Snap, w: _Wire, out: dict[str, Any]) -> threading.Thread:
+    own_head, own_body = _payload(7, 1)
+
+    def run() -> None:
+        clock = idle.Clock(snap.stats)
+        try:
+            snapshot_copies.send(snap, own_head, torch.frombuffer(bytearray(own_body), dtype=torch.uint8), clock)
+        except PipelineError as err:
+            out["err"] = str(err)
+        out["blocked_ended"] = w.blocked_ended.is_set()
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def test_a_failed_generations_copy_keeps_what_arrived_whole_and_stops_at_the_posted_failure(
+    wire: Any, tmp_path: Path
+) -> None:
+    """The recovery's path: ``heartbeat.post_failure`` (the survivor's first move) ends the wait for rank 2,
+    which never began; rank 4, whose head was in, is waited for, and its copy is written before the failure is
+    raised, so the folder the next generation lists holds every whole file and no half one."""
+    head, body = _payload(7, 4)
+    w = wire(silent=2, heads={4: head}, bodies={4: body})
+    snap, out = _Snap(tmp_path), dict[str, Any]()
+    t = _send_in_thread(snap, w, out)
+    assert w.sent.wait(60) and w.head_in.wait(60)  # the head to rank 0, rank 4's head here
+    heartbeat.post_failure("global rank 2 stopped or died")
+    t.join(60)
+    assert not t.is_alive() and out["blocked_ended"] is False
+    assert out["err"] == "group rank 2 never began its part of the snapshots' copy: given up, the run failed"
+    found, refused = folders.inventory(snap.folder)
+    assert [(f.header["step"], f.header["owner"]) for f in found] == [(7, 4)] and refused == []
+    assert [p.name for p in snap.folder.iterdir()] == [folders.file_name(7, "ab12", 4)]  # no .tmp left
+
+
+def test_a_dropped_snapshotters_helper_writes_no_copy(wire: Any, tmp_path: Path) -> None:
+    """Once dropped, the helper writes nothing more (the next generation may be listing the folder)."""
+    head, body = _payload(7, 4)
+    w = wire(silent=2, heads={4: head}, bodies={4: body})
+    snap, out = _Snap(tmp_path), dict[str, Any]()
+    t = _send_in_thread(snap, w, out)
+    assert w.sent.wait(60) and w.head_in.wait(60)
+    snap.dropped = True  # (what ``forget`` sets)
+    t.join(60)
+    assert not t.is_alive() and "never began" in out["err"]
+    assert ("recv", 4) in w.posted and w.phase[4] == 4  # rank 4's bytes came in, and were not written
+    assert not snap.folder.exists() or list(snap.folder.iterdir()) == []
