@@ -89,8 +89,9 @@ class Words(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def build(name: str, schedule: str, cut: str, m: int, words: Words) -> tuple[Any, list[str]]:
-    """The pipeline, and the warnings its build logged."""
+def build(name: str, schedule: str, cut: str, m: int, words: Words, batch: Any) -> tuple[Any, list[str]]:
+    """The pipeline after its first step on ``batch`` (the default cut without sample inputs is finished at the
+    first batch: the cut is read after it), and the warnings its build and that step logged."""
     import stagewise as sw
 
     layers, loss, data, b = workload(name)
@@ -105,6 +106,7 @@ def build(name: str, schedule: str, cut: str, m: int, words: Words) -> tuple[Any
         extra["sample_inputs"] = x
     before = len(words.lines)
     pipe = sw.Pipeline(layers(), loss_fn=loss, schedule=schedule, microbatches=m, virtual_stages=v, **extra)
+    timed_step(pipe, *batch)
     return pipe, words.lines[before:]
 
 
@@ -131,7 +133,7 @@ def measure(name: str, builds: list[tuple[str, str, str]], steps: int, m: int, w
     said: dict[str, list[str]] = {}
     same_as: dict[str, str] = {}
     for key, schedule, cut in builds:
-        pipe, lines = build(name, schedule, cut, m, words)
+        pipe, lines = build(name, schedule, cut, m, words, (x, y))
         counts[key], said[key] = [len(r) for r in pipe.layer_ranges], lines
         twin = next((k for k in pipes if k.split()[0] == schedule and counts[k] == counts[key]), None)
         if twin is None:
