@@ -5,17 +5,18 @@
     OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.defaults --quick --out out/defaults     # smoke run
     .venv/bin/python -m benchmarks.defaults --report out/defaults/defaults.json              # the table again
 
-On 2 ranks of one thread, per workload (the fidelity benchmark's three, and a tapered MLP no test tunes to) and
-per registered synchronous schedule (v = 2 where it takes virtual stages, 8 micro-batches), five pipelines
-of the same layers: the default options (``partition`` not given, no sample inputs: the cut by parameters
-refined for the schedule), the default with ``sample_inputs`` (the work counted on the meta device), and
-``"uniform"``, ``"parameters"``, ``"time"``. Pipelines that cut alike are timed once (their ratio is 1 by
-construction). The others take turns step by step (the order rotated each step), after one warm-up step
-each; a timed step starts from a barrier and is the slowest rank's ``train_step``. Per row: each default's
-median over the best named cut's with a 90 % paired-bootstrap interval and its verdict (:mod:`.stats`), the
-schedule against 1F1B with defaults (not timed in turn: an unpaired interval), and whether the build said the
-schedule is predicted slower than 1F1B (the warning, captured: once per build at most). ``--headline``: the
-issue's GPT (:mod:`.headline`), ZB-V and 1F1B with defaults and ZB-V with each named cut, all in turn.
+On 2 ranks of one thread, per workload (the fidelity benchmark's three, and a tapered MLP no test tunes to) and per
+registered synchronous schedule (v = 2 where it takes virtual stages, 8 micro-batches), five pipelines of the same
+layers: the default options (``partition`` not given, no sample inputs: the cut by parameters refined for the
+schedule, or for convolutions the first batch's counted work), the default with ``sample_inputs`` (the work counted
+on the meta device), and ``"uniform"``, ``"parameters"``, ``"time"``, each taking one step when built (the cut and
+the warnings are read after it). Pipelines that cut alike are timed once (their ratio is 1 by construction). The
+others take turns step by step (the order rotated each step), after one warm-up step each; a timed step starts from
+a barrier and is the slowest rank's ``train_step``. Per row: each default's median over the best named cut's with a
+90 % paired-bootstrap interval and its verdict (:mod:`.stats`), the schedule against 1F1B with defaults (not timed
+in turn: an unpaired interval), and whether the build said the schedule is predicted slower than 1F1B (the warning,
+captured: once per build at most). ``--headline``: the issue's GPT (:mod:`.headline`), ZB-V and 1F1B with defaults
+and ZB-V with each named cut, all in turn.
 Writes ``defaults.json`` and ``defaults.md`` to ``--out``.
 """
 
@@ -89,8 +90,9 @@ class Words(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def build(name: str, schedule: str, cut: str, m: int, words: Words) -> tuple[Any, list[str]]:
-    """The pipeline, and the warnings its build logged."""
+def build(name: str, schedule: str, cut: str, m: int, words: Words, batch: Any) -> tuple[Any, list[str]]:
+    """The pipeline after its first step on ``batch`` (the default cut without sample inputs is finished at the
+    first batch: the cut is read after it), and the warnings its build and that step logged."""
     import stagewise as sw
 
     layers, loss, data, b = workload(name)
@@ -105,6 +107,7 @@ def build(name: str, schedule: str, cut: str, m: int, words: Words) -> tuple[Any
         extra["sample_inputs"] = x
     before = len(words.lines)
     pipe = sw.Pipeline(layers(), loss_fn=loss, schedule=schedule, microbatches=m, virtual_stages=v, **extra)
+    timed_step(pipe, *batch)
     return pipe, words.lines[before:]
 
 
@@ -131,7 +134,7 @@ def measure(name: str, builds: list[tuple[str, str, str]], steps: int, m: int, w
     said: dict[str, list[str]] = {}
     same_as: dict[str, str] = {}
     for key, schedule, cut in builds:
-        pipe, lines = build(name, schedule, cut, m, words)
+        pipe, lines = build(name, schedule, cut, m, words, (x, y))
         counts[key], said[key] = [len(r) for r in pipe.layer_ranges], lines
         twin = next((k for k in pipes if k.split()[0] == schedule and counts[k] == counts[key]), None)
         if twin is None:

@@ -106,3 +106,110 @@ def test_without_inputs_a_convolution_keeps_the_even_cut(caplog: pytest.LogCaptu
     assert (cut.counts, cut.source, cut.profile) == ([2, 2], "parameters", None)
     assert any("holds a convolution" in r.getMessage() and "sample_inputs=" in r.getMessage() for r in caplog.records)
     assert default_cut.decide(dense, one_f_one_b, **kw).counts == [3, 1]  # type: ignore[arg-type]
+
+
+class _Strided(nn.Module):
+    def __init__(self, a: int, b: int, stride: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(a, b, 3, stride=stride, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.conv(x))
+
+
+#: five convolutions on 32 x 32 images: the second does 2.4 MFLOP-pairs per sample, the last two 0.15 each, so
+#: the even cut [3, 2] gives rank 0 nearly all the work; the counted cut moves the boundary to [2, 3]
+CONVS = [(1, 16, 1), (16, 16, 1), (16, 16, 2), (16, 16, 2), (16, 16, 1)]
+
+
+class _Recorder:
+    """What the first batch does to a pipeline, without processes: its re-layouts."""
+
+    def __init__(self, layers: list[sw.Layer], schedule: str, rank: int) -> None:
+        from stagewise.runtime.frontends.layer_list import LayerList
+        from stagewise.runtime.options import Options
+
+        self.frontend = LayerList(layers)
+        self.options = Options(loss_fn=nn.functional.cross_entropy)
+        self.schedule = build_schedule(schedule, 2, 4)
+        self.layer_ranges = [range(0, 3), range(3, 5)]
+        self.train_steps, self.pp_rank, self.device, self.replanned_cut = 0, rank, torch.device("cpu"), None
+        self.transport = type("T", (), {"group": None})()
+        self.moves: list[list[int]] = []
+
+    def relayout(self, *, partition: list[int]) -> None:
+        self.moves.append(partition)
+        self.layer_ranges = [range(sum(partition[:k]), sum(partition[: k + 1])) for k in range(len(partition))]
+
+
+@pytest.fixture
+def one_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first rank's decision handed round as if by two ranks (the collective itself: the 2-rank check
+    ``default-cut`` in tests/distributed/workers/from_model_checks.py)."""
+    from stagewise.runtime.frontends import first_batch
+
+    monkeypatch.setattr(first_batch, "on_first_rank", lambda group, fn, *a, **k: fn())
+    monkeypatch.setattr(first_batch.groups, "group_size", lambda group: 2)
+    monkeypatch.setattr(first_batch.groups, "world_size", lambda: 2)
+
+
+def test_a_convolution_list_is_cut_by_the_first_batch_counted_work(
+    one_process: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No sample inputs: built evenly ([3, 2]: a convolution's work is unknown without an image); the first
+    train step's first micro-batch (4 images of 32 x 32 of the batch's 16, 4 micro-batches) is counted on the meta
+    device, and the pipeline moves to the counted cut before the step, recorded as the run's own. The FLOPs
+    counted are the convolutions' multiply-adds (2 x 9 x in x out x output positions per image, forward)."""
+    from stagewise.runtime.frontends import first_batch
+
+    layers = [sw.Layer(_Strided, a, b, s) for a, b, s in CONVS]
+    pipe = _Recorder(layers, "1f1b", rank=0)
+    x = torch.randn(16, 1, 32, 32)
+    counted = count_layers([f"c{k}" for k in range(5)], lambda k: layers[k].build(), x[:4])
+    positions = [32 * 32, 32 * 32, 16 * 16, 8 * 8, 8 * 8]
+    assert [c.forward_flops for c in counted] == [4 * 2 * 9 * a * b * n for (a, b, _), n in zip(CONVS, positions)]
+    assert first_batch.pending(pipe)
+    with caplog.at_level(logging.INFO, logger="stagewise.runtime.frontends.first_batch"):
+        first_batch.at_first_batch(pipe, [(x, None)])
+    assert pipe.moves == [[2, 3]] and pipe.replanned_cut == [2, 3]
+    assert any("cuts the layers [2, 3] (was [3, 2])" in r.getMessage() for r in caplog.records)
+    assert not first_batch.pending(pipe)  # decided once: a resume takes the recorded cut back
+    first_batch.at_first_batch(pipe, [(x, None)])
+    assert pipe.moves == [[2, 3]]
+
+
+def test_nothing_waits_for_the_first_batch_where_the_cut_was_asked_for(one_process: None) -> None:
+    from stagewise.runtime.frontends import first_batch
+    from stagewise.runtime.options import Options
+
+    layers = [sw.Layer(_Strided, a, b, s) for a, b, s in CONVS]
+    for options in (Options(partition="uniform"), Options(sample_inputs=torch.randn(4, 1, 32, 32))):
+        pipe = _Recorder(layers, "1f1b", rank=0)
+        pipe.options = options
+        first_batch.at_first_batch(pipe, [(torch.randn(16, 1, 32, 32), None)])
+        assert pipe.moves == [] and not first_batch.pending(pipe)
+    trained = _Recorder(layers, "1f1b", rank=0)
+    trained.train_steps = 3  # a resumed run: its cut is the record's
+    assert not first_batch.pending(trained)
+
+
+def test_without_sample_inputs_the_first_batch_gives_the_word(
+    one_process: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Dense layers (cut by parameters at build, nothing to re-cut): rank 0 counts the first micro-batch and,
+    the runtime's work per action priced, says that ZB-V on twelve small layers is predicted slower than 1F1B;
+    rank 1 (no inputs) says nothing and moves nothing."""
+    from stagewise.runtime.frontends import first_batch
+
+    layers = [sw.Layer(nn.Linear, 32, 32) for _ in range(12)]
+    said = []
+    for rank, inputs in ((0, torch.randn(16, 32)), (1, None)):
+        pipe = _Recorder(layers, "1f1b", rank=rank)
+        pipe.schedule = build_schedule("zb-v", 2, 8, 2)
+        pipe.layer_ranges = [range(0, 3), range(3, 6), range(6, 9), range(9, 12)]
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="stagewise.runtime.frontends.default_cut"):
+            first_batch.at_first_batch(pipe, [(inputs, None)])
+        said.append([r.getMessage() for r in caplog.records])
+        assert pipe.moves == []
+    assert len(said[0]) == 1 and "schedule 'zb-v' is predicted" in said[0][0] and said[1] == []

@@ -78,6 +78,31 @@ RATES = {
 }
 
 
+@dataclass(frozen=True)
+class LinkPrior:
+    """A rough link between two ranks of one machine (seconds per message, bytes per second) and the runtime's
+    seconds per compute action."""
+
+    latency: float
+    bandwidth: float
+    per_action: float
+
+
+#: the link a word prices a schedule's transfers with when nothing was measured, and the runtime's own work per
+#: compute action (its dispatch, posting the action's messages): on CPU, what this project's runs measured
+#: between two processes of one machine (ping-pong 0.1 ms, 2-3.5 GB/s; 0.1-0.13 ms per action, the calibration
+#: and regret pages); on GPUs, NVLink's order and the same interpreter on the host
+LINKS = {
+    "cpu": LinkPrior(latency=100e-6, bandwidth=3e9, per_action=100e-6),
+    "cuda": LinkPrior(latency=20e-6, bandwidth=50e9, per_action=100e-6),
+}
+
+
+def link_for(device: str) -> LinkPrior:
+    """:data:`LINKS` for a device's type; an unknown type counts as a CPU."""
+    return LINKS.get(device.split(":")[0], LINKS["cpu"])
+
+
 def rates_for(device: str) -> Rates:
     """:data:`RATES` for a device's type (``"cuda:1"`` -> ``"cuda"``); an unknown type counts as a CPU."""
     return RATES.get(device.split(":")[0], RATES["cpu"])

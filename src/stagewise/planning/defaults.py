@@ -25,6 +25,7 @@ from ..partition.estimate import balanced_counts
 from ..passes.build import build_schedule
 from ..schedules import is_asynchronous
 from ..simulation import simulate
+from .action_cost import with_overhead
 
 #: a boundary move is kept only when it makes the simulated step this much shorter (ties keep the cut)
 MOVE_GAIN = 0.005
@@ -70,20 +71,24 @@ def against_1f1b(
     *,
     latency: float = 0.0,
     bandwidth: float = math.inf,
+    per_action: float = 0.0,
 ) -> Verdict | None:
     """``schedule`` cut by ``counts`` against 1F1B on as many ranks with as many micro-batches, cut by
     :func:`~stagewise.partition.estimate.balanced_counts` of the same profile, over a link of ``latency``
-    seconds and ``bandwidth`` bytes per second; None where the comparison means nothing (1F1B itself, an
-    asynchronous schedule, one rank, fewer layers than ranks)."""
+    seconds and ``bandwidth`` bytes per second, each compute action costing ``per_action`` seconds more (the
+    runtime's own work per action: a schedule of more, smaller actions pays it more often;
+    :func:`stagewise.planning.action_cost.with_overhead`); None where the comparison means nothing (1F1B
+    itself, an asynchronous schedule, one rank, fewer layers than ranks)."""
     p, m = schedule.num_ranks, schedule.num_microbatches
     if schedule.name == "1f1b" or is_asynchronous(schedule) or p < 2 or len(profile) < p:
         return None
     times = profile.times()
     base_counts = balanced_counts(times, p)
     base = build_schedule("1f1b", p, m)
-    named = profile.cost_model(_bounds(counts), latency=latency, bandwidth=bandwidth)
+    named = with_overhead(profile.cost_model(_bounds(counts), latency=latency, bandwidth=bandwidth), per_action)
     named_ms = simulate(schedule, named).makespan
-    base_ms = simulate(base, profile.cost_model(_bounds(base_counts), latency=latency, bandwidth=bandwidth)).makespan
+    baseline = profile.cost_model(_bounds(base_counts), latency=latency, bandwidth=bandwidth)
+    base_ms = simulate(base, with_overhead(baseline, per_action)).makespan
     return Verdict(schedule.name, named_ms, base_ms, tuple(counts), tuple(base_counts))
 
 

@@ -66,8 +66,9 @@ class Options:
     before every rank raises :class:`~stagewise.PipelineError` naming where each stood), ``store``.
 
     *How it is cut.* ``partition``: ``"balanced"`` (the default: work counted on the meta device from
-    ``sample_inputs``, else parameters), ``"uniform"``, ``"parameters"``, ``"time"``, ``"memory"`` or layer counts
-    per stage (``"time"`` / ``"memory"`` profile ``sample_inputs``, one micro-batch, on the first rank);
+    ``sample_inputs``, else parameters, or for convolutions the first batch), ``"uniform"``, ``"parameters"``,
+    ``"time"``, ``"memory"`` or layer counts per stage (``"time"`` / ``"memory"`` profile ``sample_inputs``,
+    one micro-batch, on the first rank);
     ``speeds`` and ``memory_caps`` (bytes), one per rank, for heterogeneous ranks; ``seed``;
     ``free_unused`` and ``concrete_args`` (models built whole, :meth:`from_model`).
 

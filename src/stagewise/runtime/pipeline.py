@@ -34,6 +34,7 @@ from .engine.reports import gathered_losses, step_timeline, version_report
 from .errors import PipelineError
 from .features.evaluation import eval_loss
 from .features.owned_step import clip_between_steps
+from .frontends.first_batch import at_first_batch
 from .frontends.from_model import FromModel
 from .frontends.given import GivenStages
 from .frontends.hf import FromHF
@@ -154,6 +155,7 @@ class Pipeline(nn.Module):
     def _train(self, batches: list[tuple[Any, Any]]) -> list[float]:
         """One train step (a synchronous schedule's mini-batch, or an asynchronous window), counted by the
         gradient merge: a step refused for non-finite values dropped every merged step's gradients."""
+        at_first_batch(self, batches)  # the default cut without sample inputs: counted on the first batch
         runner, merge = self._engine.runner, self._engine.merge
         try:
             losses: list[float] = runner.guarded(lambda: runner.train(batches))

@@ -317,7 +317,89 @@ def default_cut(ctx: Ctx) -> dict[str, Any]:
     pipe.train_step(x, y)
     F.cross_entropy(ref(x), y).backward()
     assert_grads_close(pipe, ref, "default cut", rtol=1e-5, atol=1e-6)
-    return {"layers per stage": counts, "blocks per rank": blocks}
+    first = _cut_at_first_batch(ctx)
+    return {"layers per stage": counts, "blocks per rank": blocks, "at the first batch": first, **_from_model(ctx)}
+
+
+def _from_model(ctx: Ctx) -> dict[str, Any]:
+    """``from_model`` with the default partition goes through the same decision: rank 0 counts the top-level
+    blocks on ``sample_inputs`` (the others never decide), every rank takes its cut, which is the counted
+    cut (not the uniform one: the wide blocks cost ~8 narrow ones), and the layout records it."""
+    from stagewise.runtime.checkpoint.state import layout_of
+    from stagewise.runtime.frontends import default_cut as decided_here
+    from stagewise.runtime.measure.profiling import model_blocks
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(16, NARROW, generator=g)
+    decide = decided_here.decide
+    if ctx.rank != 0:
+        decided_here.decide = _refuse_to_decide  # type: ignore[assignment]
+    try:
+        pipe = sw.Pipeline.from_model(
+            Unbalanced(), loss_fn=F.cross_entropy, schedule="1f1b", microbatches=4, sample_inputs=x[:4],
+            group=ctx.group, timeout=TIMEOUT,
+        )  # fmt: skip
+    finally:
+        decided_here.decide = decide
+    counts = [len(r) for r in pipe.layer_ranges]
+    blocks = list(model_blocks(Unbalanced()))
+    mine = decide(blocks, pipe.schedule, sample_inputs=x[:4], speeds=None, seed=0, device="cpu")
+    uniform = [len(blocks) // ctx.world + (k < len(blocks) % ctx.world) for k in range(ctx.world)]
+    assert counts == mine.counts != uniform and mine.source == "counted", (counts, mine.counts, uniform)
+    assert _everyone(counts, ctx) == [counts] * ctx.world, "ranks disagree on the cut"
+    recorded = layout_of(pipe, ctx.world)["pipeline"]
+    assert recorded["partition"] == "balanced" and [b - a for a, b in recorded["layers"]] == counts, recorded
+    return {"from_model blocks per stage": counts}
+
+
+class _Conv(nn.Module):
+    def __init__(self, a: int, b: int, stride: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(a, b, 3, stride=stride, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.conv(x))
+
+
+class _PoolHead(nn.Module):
+    def __init__(self, channels: int, classes: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(channels, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x.mean(dim=(2, 3)))
+
+
+def _cut_at_first_batch(ctx: Ctx) -> list[int]:
+    """Convolutions without sample inputs: built evenly, then at the first train step rank 0 counts the first
+    micro-batch on the meta device and every rank moves to that cut (the others never decide) before the step;
+    the cut is recorded as the run's own, and the step's gradients are the one-process model's."""
+    from stagewise.runtime.checkpoint.state import layout_of
+    from stagewise.runtime.frontends import default_cut as decided_here
+    from stagewise.runtime.frontends.layers import named_layers
+
+    convs = [(1, 16, 1), (16, 16, 1), (16, 16, 2), (16, 16, 2), (16, 16, 1)]
+    layers = [sw.Layer(_Conv, a, b, s) for a, b, s in convs] + [sw.Layer(_PoolHead, 16, 4)]
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 1, 32, 32, generator=g), torch.randint(0, 4, (8,), generator=g)
+    pipe = sw.Pipeline(layers, loss_fn=F.cross_entropy, schedule="1f1b", microbatches=4, group=ctx.group, seed=3)
+    assert [len(r) for r in pipe.layer_ranges] == [3, 3], pipe.layer_ranges  # a convolution: even until an input
+    decide = decided_here.decide
+    if ctx.rank != 0:
+        decided_here.decide = _refuse_to_decide  # type: ignore[assignment]
+    try:
+        pipe.train_step(x, y)
+    finally:
+        decided_here.decide = decide
+    counts = [len(r) for r in pipe.layer_ranges]
+    mine = decide(named_layers(layers), pipe.schedule, sample_inputs=x[:2], speeds=None, seed=3, device="cpu")
+    assert counts == mine.counts != [3, 3] and mine.source == "counted", (counts, mine)
+    assert _everyone(counts, ctx) == [counts] * ctx.world, "ranks disagree on the cut"
+    assert layout_of(pipe, ctx.world)["pipeline"]["partition"] == "re-planned"
+    ref = sw.build_model(layers, seed=3)
+    F.cross_entropy(ref(x), y).backward()
+    assert_grads_close(pipe, ref, "cut at the first batch", rtol=1e-5, atol=1e-6)
+    return counts
 
 
 def resumed_cut(ctx: Ctx) -> dict[str, Any]:

@@ -172,7 +172,7 @@ def plan_layers(
         from . import default_cut
 
         cut = default_cut.DefaultCut([len(r) for r in ranges], measured, "profiled")
-        default_cut.warn_if_slower(schedule, cut, groups.group_rank(group))
+        default_cut.warn_if_slower(schedule, cut, groups.group_rank(group), device.type)
     return LayerPlan(ranges, measured)
 
 
@@ -199,7 +199,7 @@ def _default_plan(
     cut = default_cut.unplain(
         on_first_rank(group, decided, "cutting the layers (partition='balanced')", timeout, store)
     )
-    default_cut.warn_if_slower(schedule, cut, groups.group_rank(group))
+    default_cut.warn_if_slower(schedule, cut, groups.group_rank(group), device.type)
     return LayerPlan(counts_to_ranges(cut.counts), None)
 
 

@@ -4,11 +4,15 @@ Rank 0 of the pipeline's group counts the layers' work on the ``meta`` device (o
 ``sample_inputs``; :mod:`..measure.counting`), or reads their parameter counts without sample inputs, and
 cuts (:func:`stagewise.partition.modes.stage_counts`); the counts per stage, and the estimated profile they
 came from, reach every rank through :func:`.balance.on_first_rank`, so every rank builds the same cut
-whatever its own arithmetic would say. The cut is recorded where every layout is (a checkpoint's and a
-snapshot's ``layout.pipeline.layers``, with ``layout.pipeline.partition``), and a resume on the same layout
-takes it back rather than deciding again (:mod:`stagewise.runtime.checkpoint.recorded_cut`). When the
-estimate predicts the schedule slower than 1F1B on the same layers by more than
-:data:`stagewise.planning.defaults.NOISE`, rank 0 says so in one warning.
+whatever its own arithmetic would say. Without sample inputs a list holding a convolution is cut evenly, and
+the first batch's first micro-batch is counted instead (:mod:`.first_batch`). The cut is recorded where every
+layout is (a checkpoint's and a snapshot's ``layout.pipeline.layers``, with ``layout.pipeline.partition``),
+and a resume on the same layout takes it back rather than deciding again
+(:mod:`stagewise.runtime.checkpoint.recorded_cut`). When the estimate predicts the schedule slower than 1F1B
+on the same layers by more than
+:data:`stagewise.planning.defaults.NOISE` (the link and the runtime's work per action priced by a rough
+prior, :data:`stagewise.partition.estimate.LINKS`), rank 0 says so in one warning; without sample inputs, at
+the first batch.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from torch import nn
 
 from ...ir import Schedule
 from ...partition import LayerProfile, stage_counts
-from ...partition.estimate import CountedLayer, estimated_profile, parameters_as_work, rates_for
+from ...partition.estimate import CountedLayer, estimated_profile, link_for, parameters_as_work, rates_for
 from ...planning.defaults import against_1f1b, refined_counts
 from ..measure.counting import count_layers
 from .layers import Layer, LayerLike
@@ -85,16 +89,26 @@ def _by_parameters(named: Sequence[tuple[str, LayerLike]]) -> list[CountedLayer]
     parameter and sample forward, two backward), what ``"parameters"`` balances; no work at all (the even
     cut) where a layer holds a convolution (:func:`~stagewise.partition.estimate.parameters_as_work`)."""
     built = [_on_meta(x) for _, x in named]
-    positional = [any(isinstance(m, CONVOLUTIONS) for m in module.modules()) for module in built]
+    positional = [_convolves(module) for module in built]
     work = parameters_as_work([sum(p.numel() for p in module.parameters()) for module in built], positional)
     if any(positional):
         first = named[positional.index(True)][0]
         log.info(
             "stagewise: cutting the layers evenly: %r holds a convolution, whose work per parameter depends on "
-            "its input's size; pass sample_inputs= (one micro-batch) for a cut by counted work",
+            "its input's size; the first batch's work is counted and cut by (or pass sample_inputs=, one micro-batch)",
             first,
         )
     return [CountedLayer(n, 2 * w, 4 * w, 0.0, 0.0, 0, 0, w, 4 * w, 0.0) for (n, _), w in zip(named, work)]
+
+
+def holds_convolution(named: Sequence[tuple[str, LayerLike]]) -> bool:
+    """Whether a layer holds a convolution: then, without sample inputs, the cut waits for the first batch
+    (:mod:`.first_batch`)."""
+    return any(_convolves(_on_meta(x)) for _, x in named)
+
+
+def _convolves(module: nn.Module) -> bool:
+    return any(isinstance(m, CONVOLUTIONS) for m in module.modules())
 
 
 def _on_meta(layer: LayerLike) -> nn.Module:
@@ -126,13 +140,22 @@ def unplain(data: dict[str, Any]) -> DefaultCut:
 _SAID: set[str] = set()
 
 
-def warn_if_slower(schedule: Schedule, cut: DefaultCut, rank: int) -> None:
+def warn_if_slower(schedule: Schedule, cut: DefaultCut, rank: int, device: str = "cpu") -> None:
     """Rank 0: one warning when the estimate predicts ``schedule`` slower than 1F1B beyond the noise (once
-    per process for the same schedule, cut and figures)."""
+    per process for the same schedule, cut and figures), the transfers priced by the ``device``'s rough link
+    (:data:`~stagewise.partition.estimate.LINKS`: a V's extra messages count)."""
     if rank != 0 or cut.profile is None:
         return
+    link = link_for(device)
     try:
-        verdict = against_1f1b(cut.profile, schedule, cut.counts)
+        verdict = against_1f1b(
+            cut.profile,
+            schedule,
+            cut.counts,
+            latency=link.latency,
+            bandwidth=link.bandwidth,
+            per_action=link.per_action,
+        )
     except ValueError as err:  # a schedule the plain simulator cannot time: nothing to say
         log.debug("stagewise: no prediction against 1F1B (%s)", err)
         return

@@ -49,7 +49,10 @@ from torch import fx, nn
 
 from ...ir import Schedule
 from ...partition import check_options, needs_profile, stage_counts, stages_per_rank_note
+from ...partition.modes import DEFAULT
+from ..comm import groups
 from ..measure.profiling import LayerProfile, model_blocks, profile_blocks, steadiest
+from . import default_cut
 from .balance import ROUNDS, caps_explained, in_flight, on_first_rank, per_stage
 from .meta_twin import given_storage
 from .parts import BUILT_MODEL, Parts
@@ -127,7 +130,7 @@ class FromModel:
             split = split_model(model, concrete_args=options.concrete_args)
             counts = [1] * n
         else:
-            counts, measured = _block_counts(model, sched, options, ctx.cut_group)
+            counts, measured = _block_counts(model, sched, options, ctx.cut_group, ctx.device.type)
             split = split_model(model, stages=n, partition=counts, concrete_args=options.concrete_args)
         mine = {k: split.stage_modules[k] for k in ctx.local_stages}
         starts = [sum(counts[:k]) for k in range(n + 1)]
@@ -167,9 +170,12 @@ def free_unheld(model: nn.Module, held: Iterable[nn.Module]) -> None:
 
 
 def _block_counts(
-    model: nn.Module, sched: Schedule, options: Options, group: Any
+    model: nn.Module, sched: Schedule, options: Options, group: Any, device: str = "cpu"
 ) -> tuple[list[int], LayerProfile | None]:
-    """How many top-level blocks each stage gets, the same on every rank; and the profile it came from."""
+    """How many top-level blocks each stage gets, the same on every rank; and the profile it came from. The
+    default (``"balanced"``) is the layer list's default cut over the blocks (:func:`.default_cut.decide`:
+    counted on ``sample_inputs`` chained block to block, else parameters, evenly over convolutions; refined for
+    the schedule; rank 0 decides; the word)."""
     how, speeds, memory_caps = options.partition, options.speeds, options.memory_caps
     sample_inputs, concrete_args = options.sample_inputs, options.concrete_args
     named = dict(model_blocks(model))
@@ -183,6 +189,10 @@ def _block_counts(
     stage_speeds, caps = per_stage(sched, speeds, memory_caps)
     check_options(n, num_stages, how, stage_speeds, caps, unit="block")
     measured = None
+    if how == DEFAULT and memory_caps is None:
+        counts = _default_counts([(b, named[b]) for b in blocks], sched, options, group, stage_speeds, device)
+        log.info("stagewise: %s partition of %d blocks over %d stages: %s", how, n, num_stages, counts)
+        return counts, None
     if needs_profile(how, memory_caps):
         if sample_inputs is None:
             raise ValueError(f"partition={how!r} profiles the model's blocks: pass sample_inputs= (one micro-batch)")
@@ -209,6 +219,28 @@ def _block_counts(
         )
     log.info("stagewise: %s partition of %d blocks over %d stages: %s", how, n, num_stages, counts)
     return counts, measured
+
+
+def _default_counts(
+    blocks: list[tuple[str, nn.Module]],
+    sched: Schedule,
+    options: Options,
+    group: Any,
+    stage_speeds: list[float] | None,
+    device: str,
+) -> list[int]:
+    """``partition="balanced"`` over the blocks: the group's first rank decides, every rank takes its cut."""
+
+    def decided() -> dict[str, Any]:
+        cut = default_cut.decide(
+            blocks, sched, sample_inputs=options.sample_inputs, speeds=stage_speeds, seed=0, device=device
+        )
+        return default_cut.plain(cut)
+
+    what = "cutting the model's blocks (partition='balanced')"
+    cut = default_cut.unplain(on_first_rank(group, decided, what, options.timeout, options.store))
+    default_cut.warn_if_slower(sched, cut, groups.group_rank(group), device)
+    return cut.counts
 
 
 def free_other_stages(model: nn.Module, keep: set[int]) -> int:

@@ -1,0 +1,109 @@
+"""The default cut without sample inputs, finished at the first batch: the inputs' shape is known only then.
+
+A layer list built with ``partition="balanced"`` (the default) and no ``sample_inputs`` is cut before any
+input is seen: by parameters, or evenly where a layer holds a convolution (whose work per parameter depends on
+the image's size, :func:`stagewise.partition.estimate.parameters_as_work`). At the first ``train_step`` the
+rank holding stage 0 has the mini-batch, so its first micro-batch is counted on the ``meta`` device as
+``sample_inputs`` would have been (:func:`.default_cut.decide`: FLOPs by ``torch.utils.flop_counter``, bytes,
+operators; nothing computed). Then:
+
+* a provisional cut (a convolution's even cut) is decided again from those counts by the group's first
+  rank and handed to every rank (:func:`.balance.on_first_rank`); where it differs, the pipeline moves to it
+  with the live re-layout before the step runs (exact: the state moves, nothing has trained yet), and the cut
+  is recorded as the run's own (``replanned_cut``: a checkpoint or snapshot records it, a resume built with
+  ``"balanced"`` takes it back instead of deciding again);
+* the named schedule is judged against 1F1B on the counted costs, with the link priced by a rough prior
+  (:data:`stagewise.partition.estimate.LINKS`), and rank 0 gives the one-line word where it is predicted slower.
+
+Only a pipeline on every rank of the world (no ``parallel=`` mesh, no smaller ``group=``): the re-layout is a
+collective of the world. Any failure of the count is logged and the cut kept: the first step never fails for its sake.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ...partition.modes import DEFAULT
+from ..comm import groups
+from ..engine.microbatch import split
+from . import default_cut
+from .balance import on_first_rank
+from .layer_list import LayerList
+
+log = logging.getLogger(__name__)
+
+
+def pending(pipe: Any) -> bool:
+    """Whether this pipeline's default cut waits for an input: the default partition, no sample inputs, no
+    speeds or caps (a heterogeneous cut is not the default's), a layer list on every rank of the world, untrained."""
+    o = pipe.options
+    return (
+        isinstance(pipe.frontend, LayerList)
+        and isinstance(o.partition, str)
+        and o.partition == DEFAULT
+        and o.sample_inputs is None
+        and o.speeds is None
+        and o.memory_caps is None
+        and o.parallel is None
+        and groups.group_size(pipe.transport.group) == groups.world_size()
+        and pipe.train_steps == 0
+        and getattr(pipe, "replanned_cut", None) is None
+    )
+
+
+def at_first_batch(pipe: Any, batches: list[tuple[Any, Any]]) -> None:
+    """Before the first train step: the cut decided from the first micro-batch where it was provisional,
+    and the word (module docstring). Every rank calls it alike (the decision is a collective when provisional)."""
+    if not batches or not pending(pipe):
+        return
+    named = pipe.frontend.named
+    provisional = default_cut.holds_convolution(named)
+    first = _first_microbatch(pipe, batches[0][0])
+    if provisional:
+        decided = default_cut.unplain(
+            on_first_rank(
+                pipe.transport.group,
+                lambda: default_cut.plain(_decide(pipe, named, first)),
+                "cutting the layers at the first batch (partition='balanced')",
+                pipe.options.timeout,
+                pipe.options.store,
+            )
+        )
+        counts = [len(r) for r in pipe.layer_ranges]
+        if decided.profile is not None and decided.counts != counts:
+            log.info("stagewise: the first batch's counted work cuts the layers %s (was %s)", decided.counts, counts)
+            pipe.relayout(partition=list(decided.counts))
+            pipe.replanned_cut = list(decided.counts)  # recorded as the run's own: a resume takes it back
+        default_cut.warn_if_slower(pipe.schedule, decided, pipe.pp_rank, pipe.device.type)
+    elif pipe.pp_rank == 0 and first is not None:  # only the word: no collective
+        counts = [len(r) for r in pipe.layer_ranges]
+        cut = _decide(pipe, named, first)
+        here = default_cut.DefaultCut(counts, cut.profile, cut.source)
+        default_cut.warn_if_slower(pipe.schedule, here, 0, pipe.device.type)
+
+
+def _decide(pipe: Any, named: Any, first: Any) -> default_cut.DefaultCut:
+    """The counted cut on this rank (the first rank's is the one used); the present cut when it cannot count."""
+    counts = [len(r) for r in pipe.layer_ranges]
+    if first is None:
+        return default_cut.DefaultCut(counts, None, "parameters")
+    try:
+        return default_cut.decide(
+            named, pipe.schedule, sample_inputs=first, speeds=None, seed=pipe.options.seed, device=pipe.device.type
+        )
+    except Exception as err:  # never fail the first step for an estimate
+        log.info("stagewise: no counted cut at the first batch (%s); the cut stays %s", err, counts)
+        return default_cut.DefaultCut(counts, None, "parameters")
+
+
+def _first_microbatch(pipe: Any, inputs: Any) -> Any:
+    """The first micro-batch of this rank's inputs (None where this rank has none: not stage 0's)."""
+    if inputs is None:
+        return None
+    try:
+        pieces, _ = split(inputs, pipe.schedule.num_microbatches, pipe.options.batch_dim)
+    except (ValueError, TypeError) as err:  # the step itself will say what is wrong with the inputs
+        log.debug("stagewise: no micro-batch to count (%s)", err)
+        return None
+    return pieces[0]
