@@ -7,7 +7,8 @@ guess): where its ranks stand (the layout), the tied modules held only for a lat
 its progress (:class:`Progress`) and the other places its state may be resumed from (:class:`StateSource`).
 
 The rooms that read a pipeline's state (:mod:`.state`, :mod:`..elastic`, the re-layout) ask this protocol
-and nothing else; mypy checks that the Pipeline implements it (``pipeline.py``'s last lines).
+and nothing else; mypy checks that the Pipeline and the HetPipe implement it (the last lines of ``pipeline.py``
+and ``hetpipe.py``: a HetPipe's members are its virtual worker's pipeline's, :mod:`.through`).
 """
 
 from __future__ import annotations
