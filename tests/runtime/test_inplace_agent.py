@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
 
-from stagewise.runtime.elastic.agent import agent_class, in_place_agent
+from stagewise.runtime.elastic.agent import agent_class, in_place_agent, let_fenced_go
 
 
 class _Agent:
@@ -55,6 +55,25 @@ def test_a_failed_worker_ends_its_machines_part_without_a_restart(state: WorkerS
     agent = _Agent([WorkerState.HEALTHY, state])
     assert _run(agent).state == state
     assert agent.calls == ["start", "stop"] and agent._worker_group.state == WorkerState.FAILED
+
+
+def _handlers(*codes: int | None) -> Any:
+    procs = {r: SimpleNamespace(proc=SimpleNamespace(poll=lambda c=c: c)) for r, c in enumerate(codes)}
+    return SimpleNamespace(subprocess_handlers=procs, _running_local_ranks=set(procs))
+
+
+def test_a_fenced_worker_is_let_go_alone_while_another_of_its_machine_runs() -> None:
+    """Only one of a machine's workers woke behind the job (fenced, exit 3): torch's poll would stop the other,
+    a live member; it is taken out of the watch instead. All fenced, or a real failure: as before."""
+    agent = _Agent([WorkerState.HEALTHY, WorkerState.SUCCEEDED])
+    agent._pcontext = _handlers(3, None)  # type: ignore[attr-defined]
+    assert _run(agent).state == WorkerState.SUCCEEDED and agent.calls == ["start"]
+    assert agent._pcontext._running_local_ranks == {1}  # type: ignore[attr-defined]
+    for codes in [(3, 3), (1, None), (None, None)]:
+        pcontext = _handlers(*codes)
+        assert let_fenced_go(SimpleNamespace(_pcontext=pcontext)) == []
+        assert pcontext._running_local_ranks == {0, 1}
+    assert let_fenced_go(SimpleNamespace()) == []  # (torch's internals differ: nothing)
 
 
 def test_the_launcher_makes_the_in_place_agent_for_the_run_only() -> None:

@@ -8,8 +8,9 @@ restarts nobody by itself while the survivors' workers stay alive - which in an 
 ``_invoke_run``:
 
 * start this machine's workers once (torch's rendezvous numbers the machines of the first round);
-* a worker that ends with a failure (or fenced, exit status 3) ends this machine's part: its other workers
-  are stopped and the agent returns the failure - never a restart (the other machines go on without it);
+* a worker that ends with a failure ends this machine's part: its other workers are stopped and the agent
+  returns the failure - never a restart (the other machines go on without it); but a worker that leaves
+  fenced (exit status 3) while another of the machine runs is let go alone (:func:`let_fenced_go`);
 * a machine started while its job runs (the job's ``generation`` is on the store of ``stagewise rendezvous``,
   or torch's round is already complete) skips torch's rendezvous, which would wait for a round nobody starts:
   it claims fresh ids for its workers on that store (:func:`.joining.claim_ids`: never a live member's, nor a
@@ -37,6 +38,8 @@ from . import membership as ms
 
 log = logging.getLogger(__name__)
 
+FENCED_EXIT = 3  # a fenced worker's exit status (sw.runtime.InPlace's)
+
 
 def agent_class() -> type:
     """The agent class (made on first use: torch's elastic modules load only for ``stagewise run``)."""
@@ -57,6 +60,7 @@ def agent_class() -> type:
             told = False
             while True:
                 time.sleep(spec.monitor_interval)
+                let_fenced_go(self)
                 result = self._monitor_workers(group)
                 group.state = result.state
                 if result.state == WorkerState.SUCCEEDED:
@@ -74,6 +78,29 @@ def agent_class() -> type:
                     )
 
     return InPlaceAgent
+
+
+def let_fenced_go(agent: Any) -> list[int]:
+    """The local ranks whose worker left fenced (exit status :data:`FENCED_EXIT`: stopped or cut off, it woke
+    behind its job) while another worker of this machine still runs, taken out of torch's watch: torch's poll
+    stops every worker of the machine at the first failure, and the live one is a member of the job. When no
+    other worker runs, nothing is taken out (the machine's part ends as a failure, as before). Reads torch's
+    ``SubprocessContext`` (private: nothing happens when it differs)."""
+    pcontext = getattr(agent, "_pcontext", None)
+    handlers = getattr(pcontext, "subprocess_handlers", None)
+    running = getattr(pcontext, "_running_local_ranks", None)
+    if not isinstance(handlers, dict) or not isinstance(running, set):
+        return []
+    fenced = [r for r in sorted(running) if r in handlers and handlers[r].proc.poll() == FENCED_EXIT]
+    if not fenced or len(fenced) == len(running):
+        return []
+    running.difference_update(fenced)
+    log.warning(
+        "stagewise run --in-place: worker(s) %s of this machine left fenced (behind the job's generation); "
+        "its other workers go on",
+        fenced,
+    )
+    return fenced
 
 
 def running_job(spec: Any) -> Any:
