@@ -25,6 +25,7 @@ import logging
 from typing import Any
 
 from ...partition.modes import DEFAULT
+from ...schedules import is_asynchronous
 from ..comm import groups
 from ..engine.microbatch import split
 from . import default_cut
@@ -36,10 +37,13 @@ log = logging.getLogger(__name__)
 
 def pending(pipe: Any) -> bool:
     """Whether this pipeline's default cut waits for an input: the default partition, no sample inputs, no
-    speeds or caps (a heterogeneous cut is not the default's), a layer list on every rank of the world, untrained."""
+    speeds or caps (a heterogeneous cut is not the default's), a synchronous schedule, ``Pipeline(layers)`` on
+    every rank of the world, untrained."""
     o = pipe.options
     return (
         isinstance(pipe.frontend, LayerList)
+        and pipe.frontend.entry == LayerList.entry  # not HetPipe's workers, not a plan's layers
+        and not is_asynchronous(pipe.schedule)
         and isinstance(o.partition, str)
         and o.partition == DEFAULT
         and o.sample_inputs is None
