@@ -25,6 +25,7 @@ import logging
 from typing import Any
 
 from ...partition.modes import DEFAULT
+from ...schedules import is_asynchronous
 from ..comm import groups
 from ..engine.microbatch import split
 from . import default_cut
@@ -36,10 +37,14 @@ log = logging.getLogger(__name__)
 
 def pending(pipe: Any) -> bool:
     """Whether this pipeline's default cut waits for an input: the default partition, no sample inputs, no
-    speeds or caps (a heterogeneous cut is not the default's), a layer list on every rank of the world, untrained."""
+    speeds or caps (a heterogeneous cut is not the default's), a synchronous schedule, ``Pipeline(layers)`` on
+    every rank of the world, untrained."""
     o = pipe.options
     return (
         isinstance(pipe.frontend, LayerList)
+        and pipe.frontend.entry == LayerList.entry  # not HetPipe's workers, not a plan's layers
+        and pipe.schedule.num_ranks > 1
+        and not is_asynchronous(pipe.schedule)
         and isinstance(o.partition, str)
         and o.partition == DEFAULT
         and o.sample_inputs is None
@@ -76,7 +81,7 @@ def at_first_batch(pipe: Any, batches: list[tuple[Any, Any]]) -> None:
             pipe.relayout(partition=list(decided.counts))
             pipe.replanned_cut = list(decided.counts)  # recorded as the run's own: a resume takes it back
         default_cut.warn_if_slower(pipe.schedule, decided, pipe.pp_rank, pipe.device.type)
-    elif pipe.pp_rank == 0 and first is not None:  # only the word: no collective
+    elif pipe.pp_rank == 0 and first is not None and pipe.schedule.name != "1f1b":  # the word only: no collective
         counts = [len(r) for r in pipe.layer_ranges]
         cut = _decide(pipe, named, first)
         here = default_cut.DefaultCut(counts, cut.profile, cut.source)
