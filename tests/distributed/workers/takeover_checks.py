@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 import stagewise as sw
-from relayout_checks import _group, assert_same, build, folder, state_of, train, warmup
+from relayout_checks import _group, assert_same, build, folder, relaid, state_of, train, warmup
 from stagewise.runtime.comm import snapshot_wire
 from stagewise.runtime.relayout.takeover import hold, take_over
 from worker import Ctx
@@ -135,4 +135,28 @@ def check_past_commit(ctx: Ctx) -> dict[str, Any]:
     return out
 
 
-CHECKS = {"snapshot-sources": check_snapshot_sources, "past-commit": check_past_commit}
+def check_shrink_snapshots(ctx: Ctx) -> dict[str, Any]:
+    """``pipe.relayout`` onto fewer processes with ``snapshot=``: the members' snapshot group is made ahead by the
+    whole world (the retiring ranks build nothing, so a group gathered over the world would wait for them until
+    the timeout); the snapshots go on from the step, and the losses equal a fresh job's from a checkpoint."""
+    tag = "shrink-snapshots"
+    pipe = snapshotted(ctx, tag)
+    train(pipe, 0)
+    pipe.snapshots.wait()
+    out = relaid(pipe, ctx, tag, STEPS, [0, 1], make=lambda g, bn, **lay: build(g, bn, **SCHEDULED, **lay))
+    if ctx.rank in (0, 1):
+        snaps = pipe.snapshots
+        assert snaps is not None, f"{tag}: rank {ctx.rank} lost its snapshotter in the re-layout"
+        snaps.wait()  # the steps after the re-layout were snapshotted over the members' group
+        out["snapshot_step"] = snaps.step
+        assert snaps.step == 2 * STEPS, f"{tag}: snapshots at step {snaps.step}, expected {2 * STEPS}"
+        snaps.forget()
+    dist.barrier()
+    return out
+
+
+CHECKS = {
+    "snapshot-sources": check_snapshot_sources,
+    "past-commit": check_past_commit,
+    "shrink-snapshots": check_shrink_snapshots,
+}

@@ -93,6 +93,22 @@ def prepare_subgroups(sets: Sequence[Sequence[int]]) -> list[Any]:
     return made
 
 
+def prepare_gloo(ranks: Sequence[int], timeout: float) -> Any:
+    """A gloo group of ``ranks`` made now by every process of the world, for a pipeline on ``ranks`` alone to take
+    (:func:`take_gloo`): its snapshot exchange, whose retiring processes build nothing to make it with."""
+    made = dist.new_group(list(ranks), backend="gloo", timeout=timedelta(seconds=timeout))
+    _prepared_gloo[tuple(ranks)] = made
+    return made
+
+
+def take_gloo(ranks: Sequence[int]) -> Any:
+    """The gloo group :func:`prepare_gloo` made for ``ranks`` (once), or None."""
+    return _prepared_gloo.pop(tuple(ranks), None)
+
+
+_prepared_gloo: dict[tuple[int, ...], Any] = {}
+
+
 def new_world_subgroup(ranks: list[int]) -> Any:
     """A process group of the global ``ranks``, made by every rank of the world (in the same order everywhere)."""
     return dist.new_group(ranks)

@@ -35,6 +35,9 @@ def snapshot_group(group: Any, timeout: float) -> Any:
     groups made that way can put out of step): when the pipeline is not the whole world, every rank's pipeline
     group is gathered first and each made in turn, as every rank builds its pipeline at the same time."""
     mine = tuple(groups.global_ranks(group))
+    ready = groups.take_gloo(mine)  # made ahead by a re-layout onto fewer processes (relayout/call.py)
+    if ready is not None:
+        return ready
     delta = timedelta(seconds=timeout)
     if len(mine) == groups.world_size():
         return dist.new_group(list(mine), backend="gloo", timeout=delta)

@@ -110,6 +110,8 @@ def relayout(
     group = relayout_wire.fresh_group(chosen, options.timeout)
     exchange = relayout_wire.fresh_group(range(world), options.timeout, backend="gloo")
     prepared = groups.prepare_subgroups(subgroups_ahead(chosen, world))  # the members' tied groups
+    if options.snapshot and len(chosen) < world:  # and their snapshot exchange's (the retiring build nothing)
+        prepared.append(groups.prepare_gloo(chosen, options.timeout))
     clock.lap("groups")
     guard = _guard("move", options.timeout, me)
     ranks = storage.Ranks(exchange, me, world, torch.device("cpu"), True, guard, options.timeout, True)
