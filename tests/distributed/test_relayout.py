@@ -2,11 +2,11 @@
 re-layout the pipeline equals, bit for bit, a fresh job of the new layout loaded from a checkpoint saved just
 before (parameters, buffers, tied copies, Adam's state and step, train_steps, the dropout seed, the next losses):
 a partition moved; 1f1b -> zb-v -> interleaved-1f1b -> 1f1b; pp 2 x dp 2 -> pp 4 -> pp 2 x dp 2; pp 2 x dp 2 -> dp 4
--> pp 4 -> dp 4; 4 -> 2 processes and back; a tagged model and ``from_hf`` (tied) onto 2 processes and back;
-``relayout(plan=...)``; PipeDream, 2BW and XPipe between two windows; bad requests refused alike on every rank; a
-process failing midway through the transfers (the same named PipelineError everywhere, the old layout whole and
-resumable); no initialisation computed for the new stages; parameters kept on their rank aliased; no process group
-of the layout before held by the new one. The 2-process cases: test_relayout_2ranks.py."""
+-> pp 4 -> dp 4 -> pp 2 x dp 2; 4 -> 2 processes and back; a tagged model and ``from_hf`` (tied) onto 2 processes
+and back; ``relayout(plan=...)``; PipeDream, 2BW and XPipe between two windows; bad requests refused alike on every
+rank; a process failing midway through the transfers (the same named PipelineError everywhere, the old layout
+whole and resumable); no initialisation computed for the new stages; parameters kept on their rank aliased; no
+process group of the layout before held by the new one. The 2-process cases: test_relayout_2ranks.py."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def test_every_rank_compared_something(results: SuiteResults) -> None:
     assert sum(fresh) > 0, f"the initialisation counter counted nothing in the fresh jobs: {fresh}"
     shrink = [results.get("shrink-grow")[r]["info"]["shrink"]["compared"] for r in range(4)]
     assert shrink[0] > 0 and shrink[1] > 0 and shrink[2:] == [0, 0], shrink
-    for name, parts in [("tagged", ("shrink", "grow")), ("from-hf", ("shrink", "grow")), ("dp4", ("dp4", "pp4"))]:
+    for name, parts in [("tagged", ("shrink", "grow")), ("from-hf", ("shrink", "grow")), ("dp4", ("dp4", "pp2xdp2"))]:
         for part in parts:
             compared = [results.get(name)[r]["info"][part]["compared"] for r in range(4)]
             assert compared[0] > 0 and compared[1] > 0, (name, part, compared)
