@@ -1,10 +1,12 @@
 """``pipe.relayout(...)`` on 4 gloo ranks (one torchrun job, tests/distributed/workers/relayout_checks.py): after a
 re-layout the pipeline equals, bit for bit, a fresh job of the new layout loaded from a checkpoint saved just
 before (parameters, buffers, tied copies, Adam's state and step, train_steps, the dropout seed, the next losses):
-a partition moved; 1f1b -> zb-v -> interleaved-1f1b -> 1f1b; pp 2 x dp 2 -> pp 4 -> pp 2 x dp 2; 4 -> 2
-processes and back; bad requests refused alike on every rank; a process failing midway through the transfers
-(the same named PipelineError everywhere, the old layout whole and resumable); no initialisation computed for
-the new stages; parameters kept on their rank aliased."""
+a partition moved; 1f1b -> zb-v -> interleaved-1f1b -> 1f1b; pp 2 x dp 2 -> pp 4 -> pp 2 x dp 2; pp 2 x dp 2 -> dp 4
+-> pp 4 -> dp 4 -> pp 2 x dp 2; 4 -> 2 processes and back; a tagged model and ``from_hf`` (tied) onto 2 processes
+and back; ``relayout(plan=...)``; PipeDream, 2BW and XPipe between two windows; bad requests refused alike on every
+rank; a process failing midway through the transfers (the same named PipelineError everywhere, the old layout
+whole and resumable); no initialisation computed for the new stages; parameters kept on their rank aliased; no
+process group of the layout before held by the new one. The 2-process cases: test_relayout_2ranks.py."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ def results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     env["STAGEWISE_RELAYOUT_LEAKS"] = os.environ.get("STAGEWISE_RELAYOUT_LEAKS", "6")  # 20: make relayout-leaks
     # its own job, not the shared one (helpers.torchrun.shared_job): its last check, failure, leaves the failed rank's
     # gloo thread spinning until the released group's timeout (the shared job's checks after it ran 2-3 times slower)
-    return run_suite("relayout_checks", 4, out, timeout=300, env=env, only=selected(request))
+    return run_suite("relayout_checks", 4, out, timeout=480, env=env, only=selected(request))
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -44,3 +46,10 @@ def test_every_rank_compared_something(results: SuiteResults) -> None:
     assert sum(fresh) > 0, f"the initialisation counter counted nothing in the fresh jobs: {fresh}"
     shrink = [results.get("shrink-grow")[r]["info"]["shrink"]["compared"] for r in range(4)]
     assert shrink[0] > 0 and shrink[1] > 0 and shrink[2:] == [0, 0], shrink
+    for name, parts in [("tagged", ("shrink", "grow")), ("from-hf", ("shrink", "grow")), ("dp4", ("dp4", "pp2xdp2"))]:
+        for part in parts:
+            compared = [results.get(name)[r]["info"][part]["compared"] for r in range(4)]
+            assert compared[0] > 0 and compared[1] > 0, (name, part, compared)
+    for name in ("pipedream", "pipedream-2bw", "xpipe"):
+        compared = [results.get("asynchronous")[r]["info"][name]["compared"] for r in range(4)]
+        assert all(c > 0 for c in compared), (name, compared)

@@ -42,6 +42,7 @@ def run_ranks(
     job: str = "job",
     transport: str = "torch",
     extra: tuple[str, ...] = (),
+    startup: float = STARTUP,
 ) -> tuple[dict[int, int | None], dict[int, str], dict[int, str]]:
     """Start every rank; return their exit codes (None: killed by us, or still running when the guard passed),
     reports and stderr. The guard (start-up and three timeouts) catches hangs; it is not a measured bound."""
@@ -61,7 +62,7 @@ def run_ranks(
             if (hang or mesh) and r == victim and victim >= 0:
                 continue
             try:
-                p.wait(timeout=max(1.0, STARTUP + 3 * TIMEOUT - (time.perf_counter() - started)))
+                p.wait(timeout=max(1.0, startup + 3 * TIMEOUT - (time.perf_counter() - started)))
                 codes[r] = p.returncode
             except subprocess.TimeoutExpired:
                 codes[r] = None
@@ -170,12 +171,26 @@ def test_when_every_rank_fails_at_once_none_waits_for_the_others(tmp_path: Path)
 
 def test_a_process_killed_during_a_relayout(tmp_path: Path) -> None:
     """Rank 1 posts its re-layout transfers and dies (os._exit: no error posted anywhere). Every survivor raises a
-    PipelineError naming it within the deadline (no hang) and still holds the layout from before the call."""
-    codes, reports, _ = run_ranks(tmp_path, hang=False, extra=("--relayout",))
+    PipelineError naming it within the deadline (no hang) and still holds the layout and the state from before the
+    call (parameters, Adam's state and step, steps trained: to the bit). That state stays resumable: a new job
+    loading the checkpoint saved just before the call trains on with the losses the job had from it (each rank
+    trained two steps from that checkpoint before the call, then loaded it back)."""
+    failed, resumed = tmp_path / "failed", tmp_path / "resumed"
+    failed.mkdir()
+    resumed.mkdir()
+    slow = STARTUP + 30.0  # (a guard, not a bound: each job also saves, trains and loads a checkpoint)
+    codes, reports, _ = run_ranks(failed, hang=False, extra=("--relayout",), startup=slow)
     survivors = [r for r in range(WORLD) if r != VICTIM]
     assert codes[VICTIM] == 17, codes
     for r in survivors:
         text = reports.get(r, "")
         assert codes[r] == 1 and text.startswith("PipelineError: "), f"rank {r}: exit {codes[r]}: {text}"
         assert re.search(rf"\brank {VICTIM}\b", text.splitlines()[0]), text
+        assert "(state unchanged: True)" in text, text
         assert text.endswith("the layout from before kept: True)"), text
+    extra = ("--relayout", "--resume", str(failed / "before"))
+    codes, reports, logs = run_ranks(resumed, hang=False, victim=-1, extra=extra, startup=slow)
+    assert all(codes[r] == 0 for r in range(WORLD)), (codes, reports, logs)
+    for r in range(WORLD):
+        want = (failed / f"rank{r}-reference.txt").read_text().split()
+        assert reports[r].split() == ["ok", *want], (r, reports[r], want)

@@ -22,14 +22,16 @@ from worker import Check, Ctx, raises
 
 
 def check_dp4(ctx: Ctx) -> dict[str, Any]:
-    """pp 2 x dp 2 -> dp 4 (pp 1: every process the whole model) -> pp 4 -> dp 4; 2 micro-batches under dp 4
-    (a replica's share of the global batch is 2 rows)."""
+    """pp 2 x dp 2 -> dp 4 (pp 1: every process the whole model) -> pp 4 -> dp 4 -> pp 2 x dp 2; 2 micro-batches
+    under dp (a replica's share of the global batch is 2 or 4 rows)."""
     pipe = build(bn=False, parallel=sw.ParallelConfig(pp=2, dp=2), microbatches=2)
     train(pipe, 0)
     dp4 = sw.ParallelConfig(pp=1, dp=4)
     out = {"dp4": relaid(pipe, ctx, "dp4", STEPS, None, bn=False, parallel=dp4, microbatches=2)}
     out["pp4"] = relaid(pipe, ctx, "dp4-pp4", 2 * STEPS, None, bn=False, parallel=None, microbatches=4)
     out["dp4-again"] = relaid(pipe, ctx, "pp4-dp4", 3 * STEPS, None, bn=False, parallel=dp4, microbatches=2)
+    ppdp = sw.ParallelConfig(pp=2, dp=2)
+    out["pp2xdp2"] = relaid(pipe, ctx, "dp4-ppdp", 4 * STEPS, None, bn=False, parallel=ppdp, microbatches=2)
     return out
 
 

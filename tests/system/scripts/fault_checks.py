@@ -94,6 +94,7 @@ def main() -> None:
     parser.add_argument("--run-id", default=None, help="join as torchrun's workers do, with this run id")
     parser.add_argument("--refused", action="store_true", help="every rank fails at once (a missing checkpoint)")
     parser.add_argument("--relayout", action="store_true", help="the victim is killed during a pipe.relayout()")
+    parser.add_argument("--resume", type=Path, default=None, help="a clean job loads this checkpoint first")
     args = parser.parse_args()
     torch.set_num_threads(1)
     store = join(args)
@@ -101,9 +102,10 @@ def main() -> None:
     partition = [3] * (stages - 1) + [4]
     parallel = sw.ParallelConfig(pp=2, dp=args.world // 2) if args.mesh else None
     timeout = 600.0 if args.refused else TIMEOUT if args.victim >= 0 else 60.0
+    adam = (lambda params: torch.optim.Adam(params, lr=0.05)) if args.relayout else None  # state to resume
     pipe = sw.Pipeline(
         layers(stages), loss_fn=F.cross_entropy, schedule="1f1b", microbatches=M, partition=partition,
-        parallel=parallel, timeout=timeout, store=store,
+        parallel=parallel, timeout=timeout, store=store, optimizer=adam,
     )  # fmt: skip
     g = torch.Generator().manual_seed(0)
     rows = 4 * M * (1 if parallel is None else args.world // 2)  # each replica a share of its own (equal ones: refused)
@@ -114,6 +116,8 @@ def main() -> None:
         sw.checkpoint.load(args.out / "nowhere", pipe)  # every rank raises alike; the exit hook takes it
     if args.victim < 0:  # a clean job: two steps, losses reported
         try:
+            if args.resume is not None:
+                sw.checkpoint.load(args.resume, pipe)
             losses = [pipe.train_step(x, y) for _ in range(2)]
             text, code = "ok " + " ".join(repr(v) for v in losses), 0
         except BaseException:
@@ -123,7 +127,7 @@ def main() -> None:
         os._exit(code)
     pipe.train_step(x, y)
     if args.relayout:
-        killed_in_relayout(pipe, args)
+        killed_in_relayout(pipe, args, x, y)
     Tripwire.armed, Tripwire.fire_at = args.rank == args.victim, 2  # the third forward: micro-batch 2
     Tripwire.hang, Tripwire.raises = args.hang, args.mesh
     started = time.perf_counter()
@@ -143,9 +147,29 @@ def main() -> None:
     os._exit(code)  # no teardown: the process group has a dead member
 
 
-def killed_in_relayout(pipe: sw.Pipeline, args: argparse.Namespace) -> None:
+def state_of(pipe: sw.Pipeline) -> dict[str, torch.Tensor]:
+    """The rank's parameters, buffers, Adam state (its step too) and steps trained, by name."""
+    out = {f"model/{k}": v.detach().clone() for k, v in pipe.state_dict().items()}
+    names = {id(p): n for n, p in pipe.named_parameters()}
+    for opt in pipe.optimizers.values():
+        for param, entries in opt.state.items():
+            out |= {f"optim/{names[id(param)]}/{k}": torch.as_tensor(v).clone() for k, v in entries.items()}
+    return out | {"train_steps": torch.tensor(pipe.train_steps)}
+
+
+def reference(pipe: sw.Pipeline, x: Any, y: Any, out: Path, rank: int) -> None:
+    """Save the state from before the re-layout (``out/before``), train two steps from it (their losses, what a
+    resume of that checkpoint must give: ``out/rankR-reference.txt``), and load it back."""
+    sw.checkpoint.save(out / "before", pipe, step=pipe.train_steps)
+    losses = [pipe.train_step(x, y) for _ in range(2)]
+    sw.checkpoint.load(out / "before", pipe)
+    (out / f"rank{rank}-reference.txt").write_text(" ".join(repr(v) for v in losses))
+
+
+def killed_in_relayout(pipe: sw.Pipeline, args: argparse.Namespace, x: Any, y: Any) -> None:
     """The victim posts its re-layout transfers and dies (``os._exit``: nothing posted on any board); each other
-    rank reports its error and whether its pipeline still holds the layout from before the call."""
+    rank reports its error, whether its pipeline still holds the layout from before the call and its state
+    from before, to the bit (parameters, Adam's state, steps trained: nothing half-moved)."""
     wire = sw.runtime.comm.relayout_wire
 
     def dies(ops: Any, group: Any, wait: Any) -> None:
@@ -153,9 +177,11 @@ def killed_in_relayout(pipe: sw.Pipeline, args: argparse.Namespace) -> None:
             (dist.isend if kind == "send" else dist.irecv)(tensor, peer, group=group)
         os._exit(VICTIM_EXIT)
 
+    reference(pipe, x, y, args.out, args.rank)
     if args.rank == args.victim:
         wire.post = dies
     ranges = [(r.start, r.stop) for r in pipe.layer_ranges]
+    before = state_of(pipe)
     started = time.perf_counter()
     try:
         pipe.relayout(partition=[4] + [3] * (args.world - 2) + [3])
@@ -165,6 +191,9 @@ def killed_in_relayout(pipe: sw.Pipeline, args: argparse.Namespace) -> None:
     except BaseException:
         text, code = traceback.format_exc(), 3
     kept = [(r.start, r.stop) for r in pipe.layer_ranges] == ranges
+    after = state_of(pipe)
+    whole = sorted(after) == sorted(before) and all(torch.equal(after[k], v) for k, v in before.items())
+    text += f"\n(state unchanged: {whole and len(before) > 0})"
     text += f"\n(after {time.perf_counter() - started:.2f} s; the layout from before kept: {kept})"
     (args.out / f"rank{args.rank}.txt").write_text(text)
     sys.stderr.write(f"rank {args.rank}: {text}\n")
