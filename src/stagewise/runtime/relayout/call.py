@@ -46,7 +46,7 @@ from ..frontends.plan import FromPlan
 from ..options import Options
 from .carried import carry_snapshots, restore_schedulers, retire, scheduler_state, tell
 from .clock import Clock
-from .fill import fill, post_moves
+from .fill import commit, fill, post_moves
 from .kept import lender
 from .listing import exchange
 from .models import release_model, twin_of
@@ -123,7 +123,7 @@ def relayout(
                 new = build(*source)
         clock.lap("build")
         moved, everyone = _move(old, new, ranks, progress, schedule, clock)
-        storage.gather(None, ranks, "every process to have filled its new stages")  # the commit point
+        commit(ranks)
         clock.lap("commit")
     except BaseException as err:
         new = None  # half-filled: dropped; the user's object still holds the old layout, whole

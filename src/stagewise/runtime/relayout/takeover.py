@@ -37,7 +37,7 @@ from ..elastic.recover import needs_of
 from ..elastic.snapshot_file import SnapshotRefused, host_bytes, tensors_of, verified
 from ..elastic.snapshots import MACHINE_ENV, versions
 from ..interrupt import note_checkpoint
-from .fill import Move, fill, post_moves
+from .fill import Move, commit, fill, post_moves
 from .sources import PARAM, Decision, Take, clean_names, decide
 
 log = logging.getLogger(__name__)
@@ -120,7 +120,7 @@ def take_over(new: nn.Module | None, held: Held | None, checkpoints: Path | None
         values, record = _move(decided, everyone, listed, held, parts[0], new, ranks)
         if new is not None:
             _fill(new, values, record, decided, held, listed)
-        storage.gather(None, ranks, "every process to have filled its new stages")  # the commit point
+        commit(ranks)
     finally:
         ranks.close()
     if new is not None:
