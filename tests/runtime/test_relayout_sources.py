@@ -3,9 +3,12 @@ and for every name its own live tensor, another survivor's, or a snapshot file a
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
-from stagewise.runtime.relayout.sources import Take, clean_names, decide
+from stagewise.runtime.elastic.choose import Need
+from stagewise.runtime.relayout import keys as K
+from stagewise.runtime.relayout.sources import Decision, Take, clean_names, decide, plan_sources
 
 LAYOUT = {"world": 2}
 A, B, BN = "model/a.weight", "model/b.weight", "model/bn.running_mean"
@@ -106,3 +109,27 @@ def test_clean_names_need_the_parameter_and_all_of_its_optimizer_state_unchanged
     assert clean_names(captured, stepped, ["a.weight", "b.weight"]) == {B}
     assert clean_names({A: 1}, {A: 1, "optim/a.weight/step": 0}, ["a.weight"]) == {A}  # state came since
     assert clean_names({A: 1}, {A: 1}, ["a.weight"]) == {A, "param:a.weight"}  # never stepped: no state
+
+
+def test_a_relayout_and_a_take_over_pick_the_same_live_sources() -> None:
+    """One rule (``live_source``) for both: over random holdings, the re-layout's key plan and the take-over's
+    plan keep, send and receive the same names between the same processes."""
+    names = [f"model/t{i}" for i in range(12)]
+    for seed in range(20):
+        rng = random.Random(seed)
+        world = rng.randint(1, 5)
+        held = [sorted(n for n in names if rng.random() < 0.4) for _ in range(world)]
+        owned = set().union(*map(set, held))
+        needed = [sorted(n for n in owned if rng.random() < 0.5) for _ in range(world)]
+        decision = Decision(0, "L", "j")
+        needs = [Need(r, "m", frozenset(needed[r])) for r in range(world)]
+        assert plan_sources(decision, needs, {r: frozenset(held[r]) for r in range(world)}, []) == []
+        lists = [[[K.key(n) for n in held[r]], [], [K.key(n) for n in needed[r]], []] for r in range(world)]
+        by_key = {K.key(n): n for n in names}
+        for r in range(world):
+            part = K.plan(lists, r)
+            assert [by_key[k] for _, k in part.kept] == sorted(decision.kept[r], key=K.key)
+            got = {(by_key[k], src) for src, items in part.receives.items() for _, k in items}
+            assert got == {(t.name, t.src) for t in decision.takes if t.dst == r}, seed
+            sent = {(by_key[k], dst) for dst, items in part.sends.items() for _, k in items}
+            assert sent == {(t.name, t.dst) for t in decision.takes if t.src == r}, seed

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..checkpoint import state, storage
+from ..checkpoint import storage
 from ..checkpoint.declared import PipelineState, Progress, progress_of, restore_progress
 from ..checkpoint.manifest import CheckpointError
 from ..comm import groups, relayout_wire
@@ -46,12 +46,13 @@ from ..frontends.plan import FromPlan
 from ..options import Options
 from .carried import carry_snapshots, restore_schedulers, retire, scheduler_state, tell
 from .clock import Clock
-from .fill import fill, post_moves
+from .fill import commit, fill, post_moves
 from .kept import lender
 from .listing import exchange
 from .models import release_model, twin_of
 from .old_layout import hooks_of, let_go_old
 from .request import digest, local_refusals, members_of, refuse_alike, subgroups_ahead
+from .takeover import held_state
 from .transfers import Transfers
 
 Build = Callable[[Frontend, Options], nn.Module]
@@ -124,7 +125,7 @@ def relayout(
                 new = build(*source)
         clock.lap("build")
         moved, everyone = _move(old, new, ranks, progress, schedule, clock)
-        storage.gather(None, ranks, "every process to have filled its new stages")  # the commit point
+        commit(ranks)
         clock.lap("commit")
     except BaseException as err:
         new = None  # half-filled: dropped; the user's object still holds the old layout, whole
@@ -254,7 +255,7 @@ def _move(
 ) -> tuple[int, list[dict[str, Any]]]:
     """Part 4: every tensor of the new stages from its owner; optimizer state by name; the progress; the LR
     schedule."""
-    held, optim = _inventory(old)
+    held, optim = held_state(old)
     row: dict[str, Any] = {"stages": [], "layout": None}
     if isinstance(new, PipelineState):
         row.update(stages=sorted(new.local_stages), layout=_described(new))
@@ -270,16 +271,6 @@ def _move(
         restore_schedulers(new, schedule)
     clock.lap("fill")
     return listing.bytes_moved, listing.everyone
-
-
-def _inventory(old: PipelineState | None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """What this process holds under the old layout, by name, and its optimizers' metadata."""
-    if old is None:
-        return {}, {"params": {}, "state": {}}
-    assert isinstance(old, nn.Module)
-    tensors = {state.MODEL + k: t.detach() for k, t in state.load_targets(old).items()}
-    optim, meta = state.optimizer_state(state.optimizers_of(old, None), state.parameter_names(old))
-    return {**tensors, **optim}, meta
 
 
 def _post(

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..checkpoint import state
+from ..checkpoint import state, storage
 from ..comm import relayout_wire
 
 #: one tensor's move: its name, the sending and the receiving process, and where the sender reads it (by name)
@@ -39,6 +39,12 @@ def post_moves(
             ops.append(("recv", got[name], src))
     relayout_wire.post(ops, group, wait)
     return got
+
+
+def commit(ranks: storage.Ranks) -> None:
+    """The commit point: every process says it filled its new stages; none takes the new layout before all have
+    (a failure before it leaves every process with the state from before)."""
+    storage.gather(None, ranks, "every process to have filled its new stages")
 
 
 @torch.no_grad()

@@ -37,7 +37,7 @@ from ..elastic.recover import needs_of
 from ..elastic.snapshot_file import SnapshotRefused, host_bytes, tensors_of, verified
 from ..elastic.snapshots import MACHINE_ENV, versions
 from ..interrupt import note_checkpoint
-from .fill import Move, fill, post_moves
+from .fill import Move, commit, fill, post_moves
 from .sources import PARAM, Decision, Take, clean_names, decide
 
 log = logging.getLogger(__name__)
@@ -72,10 +72,8 @@ def hold(old: nn.Module | None) -> Held | None:
     """The old pipeline's tensors and which of them are still a snapshot's (read before the pipeline goes)."""
     if not isinstance(old, PipelineState):
         return None
-    assert isinstance(old, nn.Module)
-    model = {state.MODEL + k: t.detach() for k, t in state.load_targets(old).items()}
-    optim, meta = state.optimizer_state(state.optimizers_of(old, None), state.parameter_names(old))
-    tensors = {**model, **optim}
+    tensors, meta = held_state(old)
+    optim = {n: t for n, t in tensors.items() if n.startswith(state.OPTIM)}
     snap = getattr(old, "snapshots", None)
     live: dict[str, list[str]] = {}
     plain = all(type(t) is torch.Tensor for t in tensors.values())  # a DTensor shard is not moved live
@@ -89,6 +87,17 @@ def hold(old: nn.Module | None) -> Held | None:
                     here[name] = -1
             live[str(step)] = sorted(clean_names(mark.versions, here, list(meta["params"])))
     return Held(tensors, state.describe(tensors), meta, live)
+
+
+def held_state(old: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """What a process holds of its old layout, by one-process name (model tensors, its optimizers' state
+    tensors), and its optimizers' metadata: what a re-layout and a take-over both move from."""
+    if not isinstance(old, PipelineState):
+        return {}, {"params": {}, "state": {}}
+    assert isinstance(old, nn.Module)
+    model = {state.MODEL + k: t.detach() for k, t in state.load_targets(old).items()}
+    optim, meta = state.optimizer_state(state.optimizers_of(old, None), state.parameter_names(old))
+    return {**model, **optim}, meta
 
 
 def take_over(new: nn.Module | None, held: Held | None, checkpoints: Path | None, timeout: float) -> Restored:
@@ -111,7 +120,7 @@ def take_over(new: nn.Module | None, held: Held | None, checkpoints: Path | None
         values, record = _move(decided, everyone, listed, held, parts[0], new, ranks)
         if new is not None:
             _fill(new, values, record, decided, held, listed)
-        storage.gather(None, ranks, "every process to have filled its new stages")  # the commit point
+        commit(ranks)
     finally:
         ranks.close()
     if new is not None:
