@@ -107,12 +107,16 @@ def _held_outside(pipe: Any) -> bool:
     ``step()`` is refused), so the cut is then kept. Found among the live objects, once, at the first batch."""
     mine = {id(p) for p in pipe.parameters()}
     own = {id(o) for o in pipe.optimizers.values()}
-    return any(
-        isinstance(o, torch.optim.Optimizer)
-        and id(o) not in own
-        and any(id(p) in mine for g in o.param_groups for p in g["params"])
-        for o in gc.get_objects()
-    )
+    try:
+        return any(
+            isinstance(o, torch.optim.Optimizer)
+            and id(o) not in own
+            and any(id(p) in mine for g in o.param_groups for p in g["params"])
+            for o in gc.get_objects()
+        )
+    except Exception as err:  # an object that cannot be asked: as if one were held (the cut is kept)
+        log.debug("stagewise: could not look for optimizers of the user's (%s)", err)
+        return True
 
 
 def _anyone(pipe: Any, flag: bool) -> bool:
