@@ -109,7 +109,7 @@ def _held_outside(pipe: Any) -> bool:
     own = {id(o) for o in pipe.optimizers.values()}
     try:
         return any(
-            isinstance(o, torch.optim.Optimizer)
+            issubclass(type(o), torch.optim.Optimizer)  # the real type: no object's __class__ is asked
             and id(o) not in own
             and any(id(p) in mine for g in o.param_groups for p in g["params"])
             for o in gc.get_objects()
