@@ -136,6 +136,11 @@ class _Recorder:
         self.train_steps, self.pp_rank, self.device, self.replanned_cut = 0, rank, torch.device("cpu"), None
         self.transport = type("T", (), {"group": None})()
         self.moves: list[list[int]] = []
+        self.held = [nn.Parameter(torch.zeros(2))]  # a parameter of this rank's layers
+        self.optimizers: dict[int, torch.optim.Optimizer] = {0: torch.optim.SGD(self.held, lr=0.1)}  # its own
+
+    def parameters(self) -> list[nn.Parameter]:
+        return self.held
 
     def relayout(self, *, partition: list[int]) -> None:
         self.moves.append(partition)
@@ -149,6 +154,7 @@ def one_process(monkeypatch: pytest.MonkeyPatch) -> None:
     from stagewise.runtime.frontends import first_batch
 
     monkeypatch.setattr(first_batch, "on_first_rank", lambda group, fn, *a, **k: fn())
+    monkeypatch.setattr(first_batch, "_anyone", lambda pipe, flag: flag)
     monkeypatch.setattr(first_batch.groups, "group_size", lambda group: 2)
     monkeypatch.setattr(first_batch.groups, "world_size", lambda: 2)
 
@@ -176,6 +182,23 @@ def test_a_convolution_list_is_cut_by_the_first_batch_counted_work(
     assert not first_batch.pending(pipe)  # decided once: a resume takes the recorded cut back
     first_batch.at_first_batch(pipe, [(x, None)])
     assert pipe.moves == [[2, 3]]
+
+
+def test_an_optimizer_of_the_user_s_keeps_the_cut(one_process: None, caplog: pytest.LogCaptureFixture) -> None:
+    """The README's pattern, ``AdamW(pipe.parameters())`` before the first step: a re-layout would leave it
+    holding tensors nobody trains, so the even cut is kept and rank 0 says how to get the counted one. The
+    pipeline's own optimizers (``optimizer=``) move with the cut: they do not hold it back."""
+    from stagewise.runtime.frontends import first_batch
+
+    layers = [sw.Layer(_Strided, a, b, s) for a, b, s in CONVS]
+    pipe = _Recorder(layers, "1f1b", rank=0)
+    assert not first_batch._held_outside(pipe)
+    mine = torch.optim.AdamW(pipe.parameters())
+    assert first_batch._held_outside(pipe)
+    with caplog.at_level(logging.INFO, logger="stagewise.runtime.frontends.first_batch"):
+        first_batch.at_first_batch(pipe, [(torch.randn(16, 1, 32, 32), None)])
+    assert pipe.moves == [] and pipe.replanned_cut is None and mine.param_groups
+    assert any("would cut the layers [2, 3]; [3, 2] is kept" in r.getMessage() for r in caplog.records)
 
 
 def test_nothing_waits_for_the_first_batch_where_the_cut_was_asked_for(one_process: None) -> None:

@@ -399,6 +399,12 @@ def _cut_at_first_batch(ctx: Ctx) -> list[int]:
     ref = sw.build_model(layers, seed=3)
     F.cross_entropy(ref(x), y).backward()
     assert_grads_close(pipe, ref, "cut at the first batch", rtol=1e-5, atol=1e-6)
+    held = sw.Pipeline(layers, loss_fn=F.cross_entropy, schedule="1f1b", microbatches=4, group=ctx.group, seed=3)
+    mine_only = torch.optim.SGD(held.parameters(), lr=0.1) if ctx.rank == 1 else None  # the README's pattern, one rank
+    held.train_step(x, y)
+    assert _everyone([len(r) for r in held.layer_ranges], ctx) == [[3, 3]] * ctx.world, "an optimizer's cut moved"
+    if mine_only is not None:
+        mine_only.step()  # its parameters are still the pipeline's: no re-layout refused it
     return counts
 
 

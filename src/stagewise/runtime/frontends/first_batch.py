@@ -11,7 +11,9 @@ operators; nothing computed). Then:
   rank and handed to every rank (:func:`.balance.on_first_rank`); where it differs, the pipeline moves to it
   with the live re-layout before the step runs (exact: the state moves, nothing has trained yet), and the cut
   is recorded as the run's own (``replanned_cut``: a checkpoint or snapshot records it, a resume built with
-  ``"balanced"`` takes it back instead of deciding again);
+  ``"balanced"`` takes it back instead of deciding again); unless an optimizer of the user's, built over
+  ``pipe.parameters()`` before the step, holds the parameters on some rank: the cut is then kept and rank 0
+  says how to get the counted one (``sample_inputs=``, or ``optimizer=``, whose optimizers move with the cut);
 * the named schedule is judged against 1F1B on the counted costs, with the link priced by a rough prior
   (:data:`stagewise.partition.estimate.LINKS`), and rank 0 gives the one-line word where it is predicted slower.
 
@@ -21,12 +23,15 @@ collective of the world. Any failure of the count is logged and the cut kept: th
 
 from __future__ import annotations
 
+import gc
 import logging
 from typing import Any
 
+import torch
+
 from ...partition.modes import DEFAULT
 from ...schedules import is_asynchronous
-from ..comm import groups
+from ..comm import collectives, groups
 from ..engine.microbatch import split
 from . import default_cut
 from .balance import on_first_rank
@@ -63,29 +68,72 @@ def at_first_batch(pipe: Any, batches: list[tuple[Any, Any]]) -> None:
     if not batches or not pending(pipe):
         return
     named = pipe.frontend.named
-    provisional = default_cut.holds_convolution(named)
     first = _first_microbatch(pipe, batches[0][0])
-    if provisional:
-        decided = default_cut.unplain(
-            on_first_rank(
-                pipe.transport.group,
-                lambda: default_cut.plain(_decide(pipe, named, first)),
-                "cutting the layers at the first batch (partition='balanced')",
-                pipe.options.timeout,
-                pipe.options.store,
-            )
-        )
-        counts = [len(r) for r in pipe.layer_ranges]
-        if decided.profile is not None and decided.counts != counts:
-            log.info("stagewise: the first batch's counted work cuts the layers %s (was %s)", decided.counts, counts)
-            pipe.relayout(partition=list(decided.counts))
-            pipe.replanned_cut = list(decided.counts)  # recorded as the run's own: a resume takes it back
-        default_cut.warn_if_slower(pipe.schedule, decided, pipe.pp_rank, pipe.device.type)
+    if default_cut.holds_convolution(named):
+        default_cut.warn_if_slower(pipe.schedule, _recut(pipe, named, first), pipe.pp_rank, pipe.device.type)
     elif pipe.pp_rank == 0 and first is not None and pipe.schedule.name != "1f1b":  # the word only: no collective
-        counts = [len(r) for r in pipe.layer_ranges]
         cut = _decide(pipe, named, first)
-        here = default_cut.DefaultCut(counts, cut.profile, cut.source)
+        here = default_cut.DefaultCut([len(r) for r in pipe.layer_ranges], cut.profile, cut.source)
         default_cut.warn_if_slower(pipe.schedule, here, 0, pipe.device.type)
+
+
+def _recut(pipe: Any, named: Any, first: Any) -> default_cut.DefaultCut:
+    """Rank 0's counted cut, taken by every rank (a re-layout) unless an optimizer of the user's holds the
+    parameters; the cut that runs, with the counted profile (for the word)."""
+    decided = default_cut.unplain(
+        on_first_rank(
+            pipe.transport.group,
+            lambda: default_cut.plain(_decide(pipe, named, first)),
+            "cutting the layers at the first batch (partition='balanced')",
+            pipe.options.timeout,
+            pipe.options.store,
+        )
+    )
+    counts = [len(r) for r in pipe.layer_ranges]
+    if decided.profile is None or decided.counts == counts:
+        return decided
+    if _anyone(pipe, _held_outside(pipe)):
+        _keep(pipe, decided.counts, counts)
+        return default_cut.DefaultCut(counts, decided.profile, decided.source)
+    log.info("stagewise: the first batch's counted work cuts the layers %s (was %s)", decided.counts, counts)
+    pipe.relayout(partition=list(decided.counts))
+    pipe.replanned_cut = list(decided.counts)  # recorded as the run's own: a resume takes it back
+    return decided
+
+
+def _held_outside(pipe: Any) -> bool:
+    """Whether an optimizer other than the pipeline's own holds one of its parameters (the README's
+    ``torch.optim.AdamW(pipe.parameters())``): a re-layout would leave it holding tensors nobody trains (its next
+    ``step()`` is refused), so the cut is then kept. Found among the live objects, once, at the first batch."""
+    mine = {id(p) for p in pipe.parameters()}
+    own = {id(o) for o in pipe.optimizers.values()}
+    try:
+        return any(
+            issubclass(type(o), torch.optim.Optimizer)  # the real type: no object's __class__ is asked
+            and id(o) not in own
+            and any(id(p) in mine for g in o.param_groups for p in g["params"])
+            for o in gc.get_objects()
+        )
+    except Exception as err:  # an object that cannot be asked: as if one were held (the cut is kept)
+        log.debug("stagewise: could not look for optimizers of the user's (%s)", err)
+        return True
+
+
+def _anyone(pipe: Any, flag: bool) -> bool:
+    """Whether ``flag`` holds on any rank of the pipeline (an all-gather, through the pipeline's guard)."""
+    what = "whether an optimizer of the user's holds the pipeline's parameters"
+    return any(collectives.gather_json(flag, pipe.transport.group, pipe.transport.guard.wait, what))
+
+
+def _keep(pipe: Any, counted: list[int], counts: list[int]) -> None:
+    if pipe.pp_rank == 0:
+        log.info(
+            "stagewise: the first batch's counted work would cut the layers %s; %s is kept, since an optimizer "
+            "built over pipe.parameters() holds this cut's parameters: pass sample_inputs= (one micro-batch) to "
+            "cut by counted work from the start, or optimizer= (a factory: its optimizers move with the cut)",
+            counted,
+            counts,
+        )
 
 
 def _decide(pipe: Any, named: Any, first: Any) -> default_cut.DefaultCut:
