@@ -11,6 +11,7 @@ pipeline's helper writes nothing more (a listing for the next generation may be 
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -30,10 +31,13 @@ def send(snap: Any, head: bytes, payload: torch.Tensor, clock: idle.Clock) -> No
         return
     head_t = torch.frombuffer(bytearray(head), dtype=torch.uint8)
     wire: dict[str, Any] = {"give_up": _give_up(snap), "around": snap.priority.peer_thread}
+    end = time.monotonic() + snap.timeout  # one deadline for both (seen: the heads given up on a source at the
+    # failure, 10 s after a partition, then the bytes to the cut-off dest, whose head was in, waited 10 s more)
     heads = snapshot_wire.exchange_settled(head_t, p.dest, p.sources, snap.group, snap.timeout, **wire)
     # a peer whose head went through is in this snapshot's copy: its bytes are waited for, given up or not
+    left = max(end - time.monotonic(), 0.001)
     bodies = snapshot_wire.exchange_settled(
-        payload, p.dest, p.sources, snap.group, snap.timeout, into=snap._received, begun=heads.ended, **wire
+        payload, p.dest, p.sources, snap.group, left, into=snap._received, begun=heads.ended, **wire
     )
     failed = heads.failed + bodies.failed
     clock.lap("send_s")
