@@ -110,9 +110,7 @@ def relayout(
     _generations[0] += 1
     group = relayout_wire.fresh_group(chosen, options.timeout)
     exchange = relayout_wire.fresh_group(range(world), options.timeout, backend="gloo")
-    prepared = groups.prepare_subgroups(subgroups_ahead(chosen, world))  # the members' tied groups
-    if options.snapshot and len(chosen) < world:  # and their snapshot exchange's (the retiring build nothing)
-        prepared.append(groups.prepare_gloo(chosen, options.timeout))
+    prepared = _groups_ahead(chosen, world, options)
     clock.lap("groups")
     guard = _guard("move", options.timeout, me)
     ranks = storage.Ranks(exchange, me, world, torch.device("cpu"), True, guard, options.timeout, True)
@@ -200,6 +198,15 @@ class Retired(nn.Module):
 
 
 # ---- the parts ------------------------------------------------------------------------------
+def _groups_ahead(chosen: tuple[int, ...], world: int, options: Any) -> list[Any]:
+    """The groups the members' new pipeline makes among themselves, made now by every process of the world (the
+    retiring build nothing, so they could not join later): its tied groups, and its snapshot exchange's."""
+    prepared = groups.prepare_subgroups(subgroups_ahead(chosen, world))
+    if options.snapshot and len(chosen) < world:
+        prepared.append(groups.prepare_gloo(chosen, options.timeout))
+    return prepared
+
+
 def _agree(
     ranks: storage.Ranks,
     old: PipelineState | None,
