@@ -208,3 +208,19 @@ def test_a_dropped_snapshotters_helper_writes_no_copy(wire: Any, tmp_path: Path)
     assert not t.is_alive() and "never began" in out["err"]
     assert ("recv", 4) in w.posted and w.phase[4] == 4  # rank 4's bytes came in, and were not written
     assert not snap.folder.exists() or list(snap.folder.iterdir()) == []
+
+
+def test_a_transfer_whose_posting_fails_is_a_failure_not_an_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    """gloo raises at the posting itself on a pair a timeout closed: that transfer failed (it never counts as
+    ended, and no copy is written from it)."""
+
+    def closed(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("Application timeout caused pair closure")
+
+    monkeypatch.setattr(snapshot_wire.dist, "irecv", closed)
+    monkeypatch.setattr(snapshot_wire.dist, "isend", lambda *a, **k: _Done())
+    done = snapshot_wire.exchange_settled(torch.arange(3, dtype=torch.uint8), 0, [2], None, 3600.0)
+    assert done.ended == {0} and done.got == {}
+    assert [str(e) for e in done.failed] == [
+        "waiting for the snapshots' copies: RuntimeError: Application timeout caused pair closure"
+    ]

@@ -192,8 +192,8 @@ class _Exchange:
                     buf = torch.empty(n, dtype=torch.uint8) if late else _buffer(keep, t.peer, n)
                     self._wait(dist.irecv(buf, group_src=t.peer, group=self.group), "the snapshots' copies")
                     t.got = buf
-            except PipelineError as err:
-                t.failure = err
+            except Exception as err:  # (posting on a closed pair raises too: never an ended transfer)
+                t.failure = _failure(err, "the snapshots' copies")
             finally:
                 self._done(t)
 
@@ -208,8 +208,8 @@ class _Exchange:
                     self.cv.notify_all()
                 if payload is not None and payload.numel():
                     self._wait(dist.isend(payload, group_dst=t.peer, group=self.group), "the snapshots' copies")
-            except PipelineError as err:
-                t.failure = err
+            except Exception as err:  # (posting on a closed pair raises too: never an ended transfer)
+                t.failure = _failure(err, "the snapshots' copies")
             finally:
                 self._done(t)
 
@@ -223,6 +223,14 @@ class _Exchange:
         with self.cv:
             t.done = True
             self.cv.notify_all()
+
+
+def _failure(err: Exception, what: str) -> PipelineError:
+    if isinstance(err, PipelineError):
+        return err
+    out = PipelineError(f"waiting for {what}: {type(err).__name__}: {err}")
+    out.__cause__ = err
+    return out
 
 
 def _buffer(keep: dict[int, torch.Tensor], source: int, size: int) -> torch.Tensor:
