@@ -76,6 +76,12 @@ def test_each_way_in_refuses_what_it_cannot_change() -> None:
     given = GivenStages({0: nn.Linear(2, 2)})
     assert local_refusals(given, Options(), calm, {"schedule": "gpipe"}) == []  # the same placement
     assert "keeps its placement: partition" in local_refusals(given, Options(), calm, {"partition": [1]})[0]
+    from stagewise.runtime.relayout.request import placement_refusals
+
+    assert placement_refusals(given, (0, 1, 2, 3), (0, 1, 2, 3)) == []  # the same processes
+    assert "[0, 1, 2, 3] cannot become [0, 1]" in placement_refusals(given, (0, 1, 2, 3), (0, 1))[0]
+    assert placement_refusals(layers, (0, 1, 2, 3), (0, 1)) == []  # a layer list is cut again for them
+    assert placement_refusals(given, None, (0, 1)) == []  # a retired process holds no placement to keep
     tp = {"parallel": sw.ParallelConfig(pp=2, tp=2)}
     assert "tensor parallelism and sharding" in local_refusals(layers, Options(), calm, tp)[0]
     import torch

@@ -51,7 +51,7 @@ from .kept import lender
 from .listing import exchange
 from .models import release_model, twin_of
 from .old_layout import hooks_of, let_go_old
-from .request import digest, local_refusals, members_of, refuse_alike, subgroups_ahead
+from .request import digest, local_refusals, members_of, placement_refusals, refuse_alike, subgroups_ahead
 from .takeover import held_state
 from .transfers import Transfers
 
@@ -223,6 +223,8 @@ def _agree(
         refused.append(f"parallel= spans every process of the world: keep all {ranks.size} as members")
     if plan is not None and not isinstance(frontend, (LayerList, FromPlan)):
         refused.append(f"plan= re-cuts a layer list (Pipeline(layers) or from_plan), not {frontend.entry}")
+    before = None if old is None else tuple(groups.global_ranks(old.transport.group))
+    refused += placement_refusals(frontend, before, chosen)
     mine = {"digest": digest(chosen, changes, plan), "refused": refused, "progress": progress and asdict(progress)}
     mine["scheduler"] = scheduler_state(old)
     everyone = storage.gather(mine, ranks, "every process's re-layout request")

@@ -95,6 +95,19 @@ def local_refusals(
     return out
 
 
+def placement_refusals(
+    frontend: Frontend | None, before: tuple[int, ...] | None, members: tuple[int, ...]
+) -> list[str]:
+    """A pipeline of given stages keeps its placement: the user placed each stage on a process, so fewer or more
+    processes (or others) would put stages the user built on processes that do not hold them."""
+    if not isinstance(frontend, GivenStages) or before is None or tuple(before) == tuple(members):
+        return []
+    return [
+        f"a pipeline of given stages (from_stages) keeps its placement: its processes {list(before)} cannot become "
+        f"{list(members)} (a new schedule or micro-batch count on the same processes is fine)"
+    ]
+
+
 def refuse_alike(everyone: list[dict[str, Any]]) -> None:
     """Raise one ``ValueError`` naming every process's reason (the same on every process), or return."""
     digests = {e["digest"] for e in everyone}
