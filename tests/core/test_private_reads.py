@@ -21,9 +21,6 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "stagewise"
 ALLOWED = {
     # torch.Tensor._base (a view's base tensor), not simulation.arrays' field of the same name
     ("runtime/features/memory.py", "_base"),
-    # the Pipeline's wall-clock offset, read by the replicas' calibration (runtime/calibration/replicas.py, owned
-    # by another change this session): to become a public Pipeline property
-    ("runtime/calibration/replicas.py", "_clock_offset"),
 }
 
 

@@ -290,6 +290,9 @@ def test_hf_llama_on_4_ranks_trains_saves_and_reloads(tmp_path: Path) -> None:
 
 
 def test_relayout_shrinks_to_2_processes_and_grows_back_to_4(tmp_path: Path) -> None:
-    log = stagewise_run(4, "relayout.py", "--steps=2", cwd=tmp_path)
+    log = stagewise_run(4, "relayout.py", "--steps=2", "--timeline=around.png", cwd=tmp_path)
     assert "now on (0, 1):" in log and "now on (0, 1, 2, 3) (gpipe)" in log, log[-3000:]
     assert "step 5: loss" in log, log[-3000:]  # the steps after both re-layouts ran
+    assert (tmp_path / "around.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the steps and the calls drawn
+    parts = json.loads((tmp_path / "around.json").read_text())  # every process's parts of both calls
+    assert [len(parts[call]) for call in ("shrink", "grow")] == [4, 4] and "commit" in parts["grow"][3], parts

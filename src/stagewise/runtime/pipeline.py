@@ -317,6 +317,11 @@ class Pipeline(nn.Module):
         """The last step's record (its events, per-kind compute times, mode), or None before the first."""
         return self._engine.runner.last_step
 
+    @property
+    def clock_offset(self) -> float:
+        """``time.time() - time.perf_counter()`` on this process: what puts its step's events on the wall clock."""
+        return self._clock_offset
+
     def timeline(self, gather: bool = False, mode: str = "train") -> Timeline:
         """What this rank executed in the last train step (``mode="eval"``: the last eval_step), seconds from its
         start, as a measured Timeline.

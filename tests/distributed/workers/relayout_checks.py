@@ -338,14 +338,16 @@ def build_noisy(group: Any = None, bn: bool = True, **layout: Any) -> sw.Pipelin
 
 
 def check_user_held(ctx: Ctx) -> dict[str, Any]:
-    """What a user holds across a re-layout. The global generator: the rule is the resume's (a checkpoint loaded
-    at another layout leaves each process's generator as it is): the re-layout neither draws from nor resets it,
-    so a forward drawing from it (``torch.rand``) goes on as a fresh job of the new layout, loaded from a
-    checkpoint, with the same generator state does, to the bit. An optimizer of the user's over the old
-    parameters is refused at its next step, naming the way out. A listener (``on_relayout``) is told the new
-    layout (who reads inputs and targets now)."""
+    """What a user holds across a re-layout. The global generator: a re-layout keeps the processes, so each
+    process's generator goes on from where it was (nothing drawn, nothing reset). The reference is the resume's
+    rule, not a state set by hand: a fresh job of the new layout loaded from a checkpoint saved just before the
+    call, at the same world size, restores each process's saved generator; both then train with a forward that
+    draws from it (``torch.rand_like``) to the bit. An optimizer of the user's over the old parameters is refused
+    at its next step, naming the way out. A listener (``on_relayout``) is told the new layout (who reads inputs
+    and targets now)."""
     pipe = build_noisy()
     mine = torch.optim.SGD(pipe.parameters(), lr=0.1)  # a user-held optimizer: not rebound
+    torch.manual_seed(1000 + ctx.rank)  # each process draws its own numbers
     for step in range(STEPS):
         train(pipe, step, 1)
         mine.step(), mine.zero_grad()
@@ -353,19 +355,18 @@ def check_user_held(ctx: Ctx) -> dict[str, Any]:
     stop = sw.runtime.relayout.on_relayout(heard.append)
     sw.checkpoint.save(folder("generator"), pipe, step=STEPS)
     dist.barrier()
-    torch.manual_seed(1000 + ctx.rank)
-    generator = torch.get_rng_state()
+    generator = torch.get_rng_state()  # just before the call (and as saved: nothing drew since)
     got = pipe.relayout(partition=[1, 3, 2, 2])
     stop()
     assert torch.equal(torch.get_rng_state(), generator), "the re-layout drew from or reset the global generator"
     assert heard == [got] and got.inputs_at == (0,) and got.targets_at == (3,), (heard, got)
+    losses = train(pipe, STEPS)  # draws on: the generator is no longer the saved one
     fresh = build_noisy(partition=[1, 3, 2, 2])
-    sw.checkpoint.load(folder("generator"), fresh)
-    torch.set_rng_state(generator)
-    losses = train(pipe, STEPS)
-    torch.set_rng_state(generator)
+    info = sw.checkpoint.load(folder("generator"), fresh)  # the reference's own rule for the generator
+    assert info.rng_restored, "a load at the same world size restores each process's generator"
+    assert torch.equal(torch.get_rng_state(), generator), "the load restored another generator state"
     want = train(fresh, STEPS)
-    assert losses == want, f"losses {losses} after the re-layout, {want} from the checkpoint, one generator state"
+    assert losses == want, f"losses {losses} after the re-layout, {want} from the checkpoint"
     refused = raises(sw.PipelineError, ["parameters of the layout before", "optimizer="], mine.step)
     torch.optim.SGD(pipe.parameters(), lr=0.1).step()  # one built again after the call steps
     return {"losses": losses, "refused": refused[:120], "listened": len(heard)}

@@ -46,7 +46,7 @@ class ReplicaSyncs:
             return
         pipe = self.pipe
         events, _ = pipe.metrics.last_run("train")
-        offset = pipe._clock_offset
+        offset = pipe.clock_offset
         mine = [[str(a), t0 + offset, t1 + offset] for a, t0, t1 in events or [] if a.kind in KINDS]
         group = pipe.hybrid.mesh.group("dp")
         everyone = collectives.gather_json(mine, group, pipe.transport.guard.wait, "the replicas' SYNC and STEP")

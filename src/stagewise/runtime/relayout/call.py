@@ -314,9 +314,8 @@ def _become(
         vars(pipe).update(vars(new))
         vars(new).clear()
         pipe.__class__ = type(new)
-        snaps: Any = getattr(pipe, "snapshots", None)
-        if snaps is not None:  # it was built reading ``new``, now emptied
-            snaps.root = pipe
+        if isinstance(pipe, PipelineState) and pipe.snapshots is not None:  # built reading ``new``, now emptied
+            pipe.snapshots.root = pipe
     else:
         nn.Module.__init__(pipe)
         pipe.__class__ = Retired

@@ -16,6 +16,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..checkpoint import state
+from ..checkpoint.declared import PipelineState
 from ..errors import PipelineError
 
 
@@ -33,7 +34,8 @@ def carry_snapshots(old: Any, new: Any) -> None:
     """``snapshot=``: the new layout's snapshotter goes on from the old one's step, under the job's name (a resume
     chooses the newest step: one counted from 0 again would lose the steps before), and the old one is given up
     (its files stay: the resume reads them until the new layout's replace them)."""
-    before, after = getattr(old, "snapshots", None), getattr(new, "snapshots", None)
+    before = old.snapshots if isinstance(old, PipelineState) else None
+    after = new.snapshots if isinstance(new, PipelineState) else None
     if before is None:
         return
     before.finish_at_exit()  # (the copy in flight ends; a failure of it is a warning: the commit point is past)

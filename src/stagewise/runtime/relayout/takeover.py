@@ -74,7 +74,7 @@ def hold(old: nn.Module | None) -> Held | None:
         return None
     tensors, meta = held_state(old)
     optim = {n: t for n, t in tensors.items() if n.startswith(state.OPTIM)}
-    snap = getattr(old, "snapshots", None)
+    snap = old.snapshots
     live: dict[str, list[str]] = {}
     plain = all(type(t) is torch.Tensor for t in tensors.values())  # a DTensor shard is not moved live
     if snap is not None and plain and not old.merged_steps:
@@ -130,7 +130,7 @@ def take_over(new: nn.Module | None, held: Held | None, checkpoints: Path | None
 
 def _record(new: nn.Module | None, held: Held | None, checkpoints: Path | None, me: int, world: int) -> dict[str, Any]:
     """This process's part of the agreement (plain JSON)."""
-    snap = getattr(new, "snapshots", None)
+    snap = new.snapshots if isinstance(new, PipelineState) else None
     machine = snap.machines[snap.rank] if snap is not None else os.environ.get(MACHINE_ENV, "0")
     first = snap is not None and snap.machines.index(machine) == snap.rank  # (its group ranks are the world's)
     folder = snap.folder if snap is not None else None
@@ -256,7 +256,7 @@ def _fill(
     file = next(c for c in listed.values() if (c["step"], c["lineage"]) == (decided.step, decided.lineage))
     state.restore_dropout(new, file["dropout"])
     state.restore_scheduler(new, file["scheduler"])  # lr_scheduler=: where the schedule was at the committed step
-    snap = getattr(new, "snapshots", None)
+    snap = new.snapshots if isinstance(new, PipelineState) else None
     if snap is not None:
         snap.step, snap.job = decided.step, decided.job
         note_checkpoint(snap.folder, decided.step, loaded=True)
@@ -283,7 +283,7 @@ def _kept(names: Any, held: Held | None, values: dict[str, torch.Tensor], record
 
 def _said(new: nn.Module, decided: Decision, listed: Any, world: int) -> None:
     """The resume's one line, on the first process of every machine, with the sources counted."""
-    snap = getattr(new, "snapshots", None)
+    snap = new.snapshots if isinstance(new, PipelineState) else None
     if snap is not None and snap.machines.index(snap.machines[snap.rank]) != snap.rank:
         return
     file = next(c for c in listed.values() if (c["step"], c["lineage"]) == (decided.step, decided.lineage))
