@@ -63,7 +63,10 @@ def summarise(args: argparse.Namespace, out: Path, faults: Any, began: float, en
     import chaos_ledger as cl
     import recovery_log as rl
 
-    rows, events, resumes = faults.rows(), faults.events, faults.job.rows("resumes.jsonl")
+    from .lineage import job_rows
+
+    written, events, resumes = faults.rows(), faults.events, faults.job.rows("resumes.jsonl")
+    rows, lost = job_rows(out)  # made whole: a row the first writer lost with its machine (lineage.py)
     nexts = [e.at for e in events[1:]] + [ended]
     costs = [
         {"event": e.__dict__, **rl.incident(rows, e, until, kept=args.inplace), "lines": faults.lines_per_machine(k)}
@@ -78,13 +81,16 @@ def summarise(args: argparse.Namespace, out: Path, faults: Any, began: float, en
         "bare_goodput": rl.goodput(rows, spans, bare) if bare else None,
         "ledger": cl.ledger(rows, resumes, events, spans, rates), "woken": faults.woke,
         "samples": rl.samples_check(rl.lineage(rows)), "stale_rows": rl.stale_rows(rows), "loads": loads,
-        "replay": ch.replay(out, rows, resumes, args.replay_steps), "out": str(out), "began": began,
+        "replay": ch.replay(out, written, resumes, args.replay_steps), "out": str(out), "began": began,
+        "lost": lost,
     }  # fmt: skip
     (out / "chaos.json").write_text(json.dumps(result, indent=1))
     return result
 
 
 def report(result: dict[str, Any]) -> str:
+    from .faults import lost_rows
+
     lines = ["| s | event | machine | world after | to first step s | paused s | redone | rolled back | lines "
              "| lost steps | most of it |", "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     t0 = result["began"]  # the schedule's clock
@@ -111,7 +117,7 @@ def report(result: dict[str, Any]) -> str:
         *normalisation(result),
         f"replay: {equal} of {len(result['replay'])} runs equal bit for bit ({steps} steps compared); "
         f"lineage: {s['missing_steps']} steps missing, {s['skipped']} samples skipped, {s['twice']} seen twice; "
-        f"rows from a superseded run: {result['stale_rows']}",
+        f"{lost_rows(result.get('lost'))}rows from a superseded run: {result['stale_rows']}",
         woken(result["woken"]),
         f"load (1 min) {min(result['loads']):.1f}-{max(result['loads']):.1f}; logs in {result['out']}",
     ]  # fmt: skip

@@ -34,17 +34,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             except BaseException as err:  # (pytest's Failed too) what was measured before it still counts
                 failed = f"job-{k} failed: {str(err).splitlines()[0] if str(err) else type(err).__name__}"
                 break
-    return {**analyse(out), "loads": loads, "wall_s": time.time() - began, "failed": failed}
+    return {**analyse(out, kept=args.inplace), "loads": loads, "wall_s": time.time() - began, "failed": failed}
 
 
-def analyse(out: Path) -> dict[str, Any]:
-    """Every job's events (events.jsonl) against its rows (steps.jsonl), under ``out/job-*``."""
+def analyse(out: Path, kept: bool = False) -> dict[str, Any]:
+    """Every job's events (events.jsonl) against its rows (steps.jsonl), under ``out/job-*``; ``kept``: in place
+    (a return, taken in between steps, throws no step away: :func:`recovery_log.incident`)."""
     import recovery_log as rl
+
+    from .lineage import job_rows
 
     found, stale, steps = [], 0, 0
     samples = {"missing_steps": 0, "skipped": 0, "twice": 0}
+    lost: dict[str, list[int]] = {"second": [], "resume": []}  # rows the first writer lost, and who holds them
     for folder in sorted(out.glob("job-*"), key=lambda p: int(p.name.split("-")[1])):
-        rows = [json.loads(x) for x in (folder / "steps.jsonl").read_text().splitlines()]
+        rows, filled = job_rows(folder)  # made whole: a row the first writer lost (lineage.py)
+        lost = {k: lost[k] + filled[k] for k in lost}
         events = [json.loads(x) for x in (folder / "events.jsonl").read_text().splitlines()]
         logs = {int(i): (folder / f"machine{i}.log").read_bytes().count(b"\n") for i in events[0]["lines"]}
         resumes = [json.loads(x) for x in _text(folder / "resumes.jsonl").splitlines()]
@@ -52,13 +57,13 @@ def analyse(out: Path) -> dict[str, Any]:
             event = rl.Event(e["kind"], e["machine"], e["at"], e["world"])
             after = {int(i): n for i, n in events[k + 1]["lines"].items()} if k + 1 < len(events) else logs
             lines = {int(i): after[int(i)] - n for i, n in e["lines"].items() if int(i) != event.machine}
-            cost = rl.incident(rows, event)
+            cost = rl.incident(rows, event, kept=kept)
             found.append({"event": event.__dict__, **cost, **breakdown(resumes, event, cost), "lines": lines})
         line = rl.lineage(rows)
         samples = {key: samples[key] + n for key, n in rl.samples_check(line).items()}
         stale, steps = stale + rl.stale_rows(rows), steps + len(line)
     (out / "incidents.json").write_text(json.dumps(found, indent=1))
-    return {"incidents": found, "samples": samples, "stale_rows": stale, "out": str(out), "steps": steps}
+    return {"incidents": found, "samples": samples, "stale_rows": stale, "out": str(out), "steps": steps, "lost": lost}
 
 
 def _text(path: Path) -> str:
@@ -131,11 +136,19 @@ def table(result: dict[str, Any], cases: list[str]) -> str:
     lines.append("")
     lines.append(
         f"final lineage: {result['steps']} steps, {s['missing_steps']} missing, {s['skipped']} samples skipped, "
-        f"{s['twice']} seen twice; rows from a superseded run: {result['stale_rows']}; "
+        f"{s['twice']} seen twice; {lost_rows(result.get('lost'))}rows from a superseded run: {result['stale_rows']}; "
         f"load (1 min) {min(result['loads']):.1f}-{max(result['loads']):.1f}; {result['wall_s']:.0f} s; "
         f"logs in {result['out']}" + (f"; cut short: {result['failed']}" if result["failed"] else "")
     )
     return "\n".join(lines)
+
+
+def lost_rows(lost: dict[str, list[int]] | None) -> str:
+    """The steps whose row the first writer lost (its machine killed after the step), and who recorded them."""
+    if not lost:
+        return ""
+    said = [f"{len(v)} by {k} {v}" for k, v in lost.items() if v]
+    return f"rows the first writer lost: {', '.join(said) if said else 0}; "
 
 
 def parts(found: list[dict[str, Any]]) -> str:

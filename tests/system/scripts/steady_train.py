@@ -9,7 +9,9 @@ its ``--reference`` mode replays any stretch of this job. Rank 0 writes, in DIR:
 
 * ``steps.jsonl``: one row per step trained to its end (``train_step`` returned: every stage stepped):
   step, world, wall time, the samples ``[first, end)``, the loss (float64), and ``run`` - a name rank 0 draws
-  at the start of each process group (a restart of the survivors is a new run);
+  at the start of each process group (a restart of the survivors is a new run); in place, written by the
+  generation's first member, and the same rows by its last in ``steps.last.jsonl`` (a row the first lost with
+  its machine: benchmarks/recovery/lineage.py);
 * ``resumes.jsonl``: each resume: step, world, source, run, time; ``--keep-resumed``: the state right after
   it, saved as ``resumed/w<W>-s<S>`` (where a replay starts); in place also the recovery's ``seconds`` and
   ``parts`` and when the state was ``restored`` (before that save);
@@ -109,9 +111,15 @@ def in_place(args: argparse.Namespace) -> int:
             with open(args.out / "recoveries.jsonl", "a") as f:
                 f.write(json.dumps({**mine, "parts": last.parts, "evidence": getattr(last, "evidence", {})}) + "\n")
 
-    def write(job: Any, path: Path, row: dict[str, object]) -> None:
-        if job.members and job.members[0] == rank:
-            with open(path, "a") as f:
+    def write(job: Any, path: Path, row: dict[str, object], second: str = "") -> None:
+        """The first member writes ``path``; with ``second``, the last member writes that file too (in the
+        benchmarks another machine's: ids are claimed machine by machine), so that a row survives the loss of the
+        first's machine (benchmarks/recovery/lineage.py)."""
+        mine = path if job.members and job.members[0] == rank else None
+        if second and len(job.members) > 1 and job.members[-1] == rank:
+            mine = path.with_name(second)
+        if mine is not None:
+            with open(mine, "a") as f:
                 f.write(json.dumps(row) + "\n")
 
     job = sw.runtime.InPlace(et.LAYOUT, lambda fit: pipeline(fit, args), checkpoints=args.out / "ckpt",
@@ -126,7 +134,7 @@ def in_place(args: argparse.Namespace) -> int:
             "time": time.time(),
             "samples": [batch * (step - 1), batch * step],
         }
-        write(job, args.out / "steps.jsonl", {**row, "loss": loss, "run": f"g{job.generation}"})
+        write(job, args.out / "steps.jsonl", {**row, "loss": loss, "run": f"g{job.generation}"}, "steps.last.jsonl")
     return 0
 
 

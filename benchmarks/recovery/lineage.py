@@ -1,0 +1,71 @@
+"""The rows of a recovery job, made whole before they are counted: pure, no torch, no processes.
+
+steady_train.py's rows (``steps.jsonl``) are written by ONE member of each generation, its first. When the
+machine of that member is the one lost, the step it committed last may have no row: the survivors trained it
+(every one of them "goes on from step S", and its resume record in ``resumes.jsonl``, written by the new
+generation's first member, names S), but the writer was killed between the step and its append. Counted as it
+is, such a lineage looks like a step and a batch skipped (issue 48 asks none), and an incident's samples were
+counted from 0 (24 x S). Two sources fill the row, both recorded by a survivor, never guessed:
+
+* the second writer (``steps.last.jsonl``, the generation's last member, on another machine): its row of the
+  step, where the first writer's is missing (one row per run and step, the first writer's kept);
+* the survivors' resume record: it names the step they went on from; when that step is exactly one past the
+  last row before it, that step was committed (every stage stepped) and its row is added, its samples the
+  next ``[first, end)`` of the script's data contract (step ``s`` trains ``B (s-1) .. B s``, a function of the
+  step number: ``lm_data(seed=100 + s)``; the runtime asks the batch of the step after the one resumed).
+
+A step that neither attests (a gap of two, or a resume above a step nobody recorded) stays missing: a real gap.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+Row = dict[str, Any]
+
+#: the second writer's rows, beside steps.jsonl (steady_train.py, in place)
+SECOND = "steps.last.jsonl"
+
+
+def read_rows(path: Path) -> list[Row]:
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def merged(first: list[Row], second: list[Row]) -> list[Row]:
+    """One row per (run, step): the first writer's, else the second writer's (marked ``"writer": "last"``)."""
+    have = {(r["run"], r["step"]) for r in first}
+    extra = [{**r, "writer": "last"} for r in second if (r["run"], r["step"]) not in have]
+    return sorted([*first, *extra], key=lambda r: r["time"])
+
+
+def attested(rows: list[Row], resumes: list[Row]) -> tuple[list[Row], list[int]]:
+    """``rows`` plus the row of each step a resume record names that no row has, when it is the step right after
+    the last row written before the resume (module docstring); returns the rows and the steps filled."""
+    out, filled = sorted(rows, key=lambda r: r["time"]), []
+    for res in sorted(resumes, key=lambda r: r["time"]):
+        before = [r for r in out if r["time"] < res["time"]]
+        if res["step"] <= 0 or not before:
+            continue
+        last = before[-1]
+        if last["step"] != res["step"] - 1:  # the step has its row, or the gap is more than one row: not filled
+            continue
+        first, end = last["samples"]
+        row = {
+            "step": res["step"], "world": last["world"], "time": last["time"] + 1e-6, "run": last["run"],
+            "samples": [end, 2 * end - first], "loss": None, "writer": "resume",
+        }  # fmt: skip
+        out = sorted([*out, row], key=lambda r: r["time"])
+        filled.append(res["step"])
+    return out, filled
+
+
+def job_rows(folder: Path) -> tuple[list[Row], dict[str, Any]]:
+    """A job folder's rows made whole, and what was filled: ``{"second": steps, "resume": steps}`` (the steps
+    whose first writer's row is missing, by the source that holds them)."""
+    first = read_rows(folder / "steps.jsonl")
+    rows = merged(first, read_rows(folder / SECOND))
+    rows, filled = attested(rows, read_rows(folder / "resumes.jsonl"))
+    second = sorted(r["step"] for r in rows if r.get("writer") == "last")
+    return rows, {"second": second, "resume": filled}
