@@ -54,6 +54,12 @@ def test_a_wrong_data_position_is_counted_as_skipped_or_twice() -> None:
     assert rl.samples_check(rl.lineage(ahead))["skipped"] == B
 
 
+def test_a_resumed_step_without_its_row_counts_the_gap_from_the_last_row() -> None:
+    rows = [row(s, float(s)) for s in range(1, 5)] + [row(s, 9.0 + s, world=4, run="b") for s in (6, 7)]
+    got = rl.incident(rows, rl.Event("kill", 0, 4.5, 4))  # resumed at 5, whose row was never written
+    assert got["resumed"] == 5 and (got["skipped"], got["twice"]) == (B, 0)  # step 5's samples, not all from 0
+
+
 def test_no_row_of_the_new_size_before_the_next_event_is_not_recovered() -> None:
     rows = [row(s, float(s)) for s in range(1, 5)] + [row(5, 30.0, world=4, run="b")]
     assert rl.incident(rows, rl.Event("stop", 1, 4.5, 4), until=20.0) == {"recovered": False}

@@ -83,7 +83,8 @@ def incident(rows: list[Row], event: Event, until: float = math.inf, kept: bool 
     committed = max((r["step"] for r in before), default=0)
     resumed = first["step"] - 1
     line = lineage(before)
-    start = line[resumed]["samples"][1] if resumed in line else 0
+    held = [s for s in line if s <= resumed]  # (the resumed step's row, else the last before it: a gap its own size)
+    start = line[max(held)]["samples"][1] if held else 0
     rolled = max(0, committed - resumed)
     thrown = event.loss or last is None or (last["run"] != first["run"] and not kept)
     return {
