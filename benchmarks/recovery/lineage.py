@@ -8,7 +8,8 @@ is, such a lineage looks like a step and a batch skipped (issue 48 asks none), a
 counted from 0 (24 x S). Two sources fill the row, both recorded by a survivor, never guessed:
 
 * the second writer (``steps.last.jsonl``, the generation's last member, on another machine): its row of the
-  step, where the first writer's is missing (one row per run and step, the first writer's kept);
+  step, where the first writer's is missing and the step is known committed (one row per run and step, the
+  first writer's kept);
 * the survivors' resume record: it names the step they went on from; when that step is exactly one past the
   last row before it, that step was committed (every stage stepped) and its row is added, its samples the
   next ``[first, end)`` of the script's data contract (step ``s`` trains ``B (s-1) .. B s``, a function of the
@@ -20,6 +21,7 @@ A step that neither attests (a gap of two, or a resume above a step nobody recor
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,11 +35,22 @@ def read_rows(path: Path) -> list[Row]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
-def merged(first: list[Row], second: list[Row]) -> list[Row]:
-    """One row per (run, step): the first writer's, else the second writer's (marked ``"writer": "last"``)."""
+def merged(first: list[Row], second: list[Row], resumes: Sequence[Row] = ()) -> list[Row]:
+    """One row per (run, step): the first writer's, else the second writer's (marked ``"writer": "last"``) when
+    the step is known committed: a later row of its run is the first writer's, or the next resume goes on from
+    it or after. A row means ``train_step`` returned on its writer, not that every stage stepped: a machine
+    stopped mid-step leaves the other writer's row of a step the survivors then train again (not rolled back)."""
     have = {(r["run"], r["step"]) for r in first}
-    extra = [{**r, "writer": "last"} for r in second if (r["run"], r["step"]) not in have]
+    extra = [
+        {**r, "writer": "last"} for r in second if (r["run"], r["step"]) not in have and _committed(r, first, resumes)
+    ]
     return sorted([*first, *extra], key=lambda r: r["time"])
+
+
+def _committed(row: Row, first: list[Row], resumes: Sequence[Row]) -> bool:
+    later = any(r["run"] == row["run"] and r["step"] > row["step"] for r in first)
+    after = [r for r in resumes if r["time"] > row["time"]]
+    return later or (bool(after) and min(after, key=lambda r: r["time"])["step"] >= row["step"])
 
 
 def attested(rows: list[Row], resumes: list[Row]) -> tuple[list[Row], list[int]]:
@@ -64,8 +77,8 @@ def attested(rows: list[Row], resumes: list[Row]) -> tuple[list[Row], list[int]]
 def job_rows(folder: Path) -> tuple[list[Row], dict[str, Any]]:
     """A job folder's rows made whole, and what was filled: ``{"second": steps, "resume": steps}`` (the steps
     whose first writer's row is missing, by the source that holds them)."""
-    first = read_rows(folder / "steps.jsonl")
-    rows = merged(first, read_rows(folder / SECOND))
-    rows, filled = attested(rows, read_rows(folder / "resumes.jsonl"))
+    first, resumes = read_rows(folder / "steps.jsonl"), read_rows(folder / "resumes.jsonl")
+    rows = merged(first, read_rows(folder / SECOND), resumes)
+    rows, filled = attested(rows, resumes)
     second = sorted(r["step"] for r in rows if r.get("writer") == "last")
     return rows, {"second": second, "resume": filled}

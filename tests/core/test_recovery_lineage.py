@@ -67,10 +67,23 @@ def test_a_resume_whose_step_has_its_row_fills_nothing() -> None:
 
 def test_the_second_writer_fills_only_what_the_first_lost() -> None:
     second = [{**row(s, s + 0.01), "loss": 1.0} for s in range(1, 7)] + [row(7, 9.01, world=4, run="g2")]
-    got = merged(BEFORE + AFTER, second)
+    got = merged(BEFORE + AFTER, second, [resume(6, 7.0)])
     assert [r["step"] for r in got] == list(range(1, 11))
     assert [r["step"] for r in got if r.get("writer") == "last"] == [6]
     assert all(r["loss"] == 0.0 for r in got if r["step"] != 6)  # the first writer's row kept where both wrote
+
+
+def test_a_second_writers_row_of_a_step_not_committed_is_not_taken() -> None:
+    # the first writer's machine stopped in step 6: the last member's train_step(6) returned, but not every
+    # stage stepped; the survivors go on from 5 and train 6 again (redone, not rolled back)
+    second = [row(6, 6.01)]
+    again = [row(s, 2.0 + s, world=4, run="g2") for s in range(6, 11)]
+    got = merged(BEFORE + again, second, [resume(5, 7.0), resume(9, 20.0, run="g3")])  # (a later one: not it)
+    assert [r.get("writer") for r in got if r["step"] == 6] == [None]  # only the survivors' own step 6
+    inc = rl.incident(got, rl.Event("stop", 2, 6.005, 4))
+    assert (inc["resumed"], inc["rolled_back"], inc["redone"]) == (5, 0, 1)
+    taken = merged(BEFORE + again, second, [resume(6, 7.0)])  # a resume from 6 says step 6 was committed
+    assert [r.get("writer") for r in taken if r["step"] == 6] == ["last", None]
 
 
 def write_job(folder: Path, second: list[rl.Row]) -> None:
