@@ -84,10 +84,10 @@ fault-matrix: $(STAMP)
 # The fault jobs `make test` skips (a minute and a half): the fault matrix's sample of eight cases and the faults
 # where torch waits (FSDP2, the profile, no stagewise.init), each a 4-rank job judged on exit codes and messages;
 # and `--max-restarts` through six SIGKILLs, the last checkpoint left incomplete among them (`make test` kills three).
-# Run it after a change to the launcher, restarts, checkpoint resume or the fault paths.
+# Run it after a change to the launcher, restarts, checkpoint resume, the re-layout or the fault paths.
 faults: $(STAMP)
 	STAGEWISE_FAULTS=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q tests/system/test_fault_matrix.py tests/system/test_fault_axes.py \
-		tests/system/test_restarts.py
+		tests/system/test_restarts.py tests/system/test_runtime_faults.py::test_a_process_killed_during_a_relayout
 
 elastic: $(STAMP)
 	STAGEWISE_ELASTIC=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q tests/system/test_elastic_local.py \

@@ -169,6 +169,7 @@ def test_when_every_rank_fails_at_once_none_waits_for_the_others(tmp_path: Path)
         assert "terminate called" not in logs[r] and "Fatal Python error" not in logs[r], logs[r][-2000:]
 
 
+@pytest.mark.skipif(not os.environ.get("STAGEWISE_FAULTS"), reason="a 4-rank job of its own: `make faults`")
 def test_a_process_killed_during_a_relayout(tmp_path: Path) -> None:
     """Rank 1 posts its re-layout transfers and dies (os._exit: no error posted anywhere). Every survivor raises a
     PipelineError naming it within the deadline (no hang) and still holds the layout and the state from before the
