@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -36,3 +37,22 @@ def _restore(name: str, before: str | None) -> None:
         os.environ.pop(name, None)
     else:
         os.environ[name] = before
+
+
+# ``stagewise run`` with torchrun replaced by a recorder of its arguments and environment (tests/core and
+# tests/runtime launch checks)
+@pytest.fixture
+def launched(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> tuple[Path, list[tuple[list[str], dict[str, str]]]]:
+    script = tmp_path / "train.py"
+    script.write_text("pass\n")
+    calls: list[tuple[list[str], dict[str, str]]] = []
+    import stagewise.runtime.launch as launch
+
+    def torchrun(
+        argv: list[str], env: dict[str, str] | None = None, explain: object = None, watch: object = None
+    ) -> int:
+        calls.append((argv, env or {}))
+        return 0
+
+    monkeypatch.setattr(launch, "torchrun", torchrun)
+    return script, calls

@@ -133,23 +133,6 @@ def test_lineages_never_mix_and_nothing_covers_gives_none() -> None:
 
 
 # ---- stagewise run --nnodes MIN:MAX ----------------------------------------------------------------------
-@pytest.fixture
-def launched(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> tuple[Path, list[tuple[list[str], dict[str, str]]]]:
-    script = tmp_path / "train.py"
-    script.write_text("pass\n")
-    calls: list[tuple[list[str], dict[str, str]]] = []
-    import stagewise.runtime.launch as launch
-
-    def torchrun(
-        argv: list[str], env: dict[str, str] | None = None, explain: object = None, watch: object = None
-    ) -> int:
-        calls.append((argv, env or {}))
-        return 0
-
-    monkeypatch.setattr(launch, "torchrun", torchrun)
-    return script, calls
-
-
 def test_run_elastic_arguments(launched: tuple[Path, list[tuple[list[str], dict[str, str]]]]) -> None:
     script, calls = launched
     argv = ["run", "-n", "2", "--nnodes", "2:4", "--max-restarts", "3", "--rdzv-endpoint", "10.0.0.9:29400"]

@@ -10,23 +10,6 @@ import pytest
 from stagewise.cli.main import main
 
 
-@pytest.fixture
-def launched(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> tuple[Path, list[tuple[list[str], dict[str, str]]]]:
-    script = tmp_path / "train.py"
-    script.write_text("pass\n")
-    calls: list[tuple[list[str], dict[str, str]]] = []
-    import stagewise.runtime.launch as launch
-
-    def torchrun(
-        argv: list[str], env: dict[str, str] | None = None, explain: object = None, watch: object = None
-    ) -> int:
-        calls.append((argv, env or {}))
-        return 0
-
-    monkeypatch.setattr(launch, "torchrun", torchrun)
-    return script, calls
-
-
 def test_run_in_place_gives_the_workers_the_store_and_needs_no_restarts(
     launched: tuple[Path, list[tuple[list[str], dict[str, str]]]], capsys: pytest.CaptureFixture[str]
 ) -> None:
