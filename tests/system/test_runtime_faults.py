@@ -27,6 +27,10 @@ WORKER = Path(fc.__file__)
 WORLD, VICTIM = 4, 1
 TIMEOUT = 5.0  # the pipeline's, in fault_checks.py
 STARTUP = 40.0  # four interpreters importing torch on a busy 2-core machine
+#: CI's time: these cases run in `make faults` only (each a 4-process job of 6-12 s; their shared-memory or
+#: store twin runs in `make test`)
+FAULTS = bool(os.environ.get("STAGEWISE_FAULTS"))
+IN_FAULTS = "`make faults` (STAGEWISE_FAULTS=1); its twin runs in `make test`"
 
 
 def host_store() -> dist.TCPStore:
@@ -81,6 +85,8 @@ def run_ranks(
 @pytest.mark.parametrize("transport", list(TRANSPORTS))
 @pytest.mark.parametrize("hang", [False, True], ids=["dead-peer", "stuck-peer"])
 def test_every_survivor_reports_and_exits(tmp_path: Path, hang: bool, transport: str) -> None:
+    if hang and transport == "torch" and not FAULTS:
+        pytest.skip(IN_FAULTS)
     codes, reports, _ = run_ranks(tmp_path, hang, transport=transport)
     survivors = [r for r in range(WORLD) if r != VICTIM]
     assert all(codes[r] == 1 for r in survivors), f"exit codes {codes}; reports {reports}"
@@ -119,6 +125,8 @@ def test_every_survivor_reports_and_exits(tmp_path: Path, hang: bool, transport:
 def test_a_failure_in_one_replica_stops_the_other_pipelines(tmp_path: Path, transport: str) -> None:
     """pp 2 x dp 2: rank 3 raises in its forward and stays alive. Ranks 0 and 2, the other pipeline, meet it only
     in the data-parallel all-reduce: they read its error on the mesh's board, well before their deadline."""
+    if transport == "torch" and not FAULTS:
+        pytest.skip(IN_FAULTS)
     codes, reports, _ = run_ranks(tmp_path, hang=False, mesh=True, victim=3, transport=transport)
     assert "ValueError: the tripwire fired" in reports.get(3, ""), reports
     for r in (0, 1, 2):
@@ -136,6 +144,8 @@ def test_a_clean_job_on_a_store_that_outlived_a_failed_one_trains(tmp_path: Path
     ``reused-run-id``: both jobs join as torchrun's workers with an agent store do, with the same run id and
     attempt (``--rdzv-id`` reused on a store that outlives its jobs): the scope's nonce keeps them apart - the
     second job neither hangs in init nor reads the first one's error. Its losses match the one-process model's."""
+    if joined == "reused-run-id" and not FAULTS:
+        pytest.skip(IN_FAULTS)
     store = host_store()
     failed, clean = tmp_path / "failed", tmp_path / "clean"
     failed.mkdir()

@@ -404,7 +404,7 @@ def check_leaks(ctx: Ctx) -> dict[str, Any]:
     """Re-layouts in one process (a partition moved back and forth, tied weights and Adam): file descriptors
     (the process groups' sockets) and shared-memory segments stay flat, counted after two to warm up and after
     ``STAGEWISE_RELAYOUT_LEAKS`` more (6 in `make test`, which a leak of one descriptor a call fails; 20 in
-    `make relayout-leaks`; one descriptor of slack: rank 0 hosts the store, whose clients may connect once more).
+    `make relayout`; one descriptor of slack: rank 0 hosts the store, whose clients may connect once more).
     Threads too: each guard's error board ends its store helper ("stagewise-store") when the guard closes
     (a helper ending is waited for, up to 10 s; before that fix they grew by 2-7 over 20 re-layouts). The live
     pipeline's own helpers are stopped before each count (:func:`_counted`): they start lazily - a board's
