@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from ..._util import is_count
+from ..comm.generations import recorded
 from ..interrupt import note_checkpoint
 from . import agreement, retention, state, storage, verify
 from . import manifest as mf
@@ -345,6 +346,7 @@ def _record(everyone: list[dict[str, Any]], model: Any, ranks: storage.Ranks, st
             optimizer["state"].update(mine["optimizer"]["state"])
     return {
         "step": step,
+        "generation": recorded(),  # the membership generation that trained it (a resume prefers the newest)
         "extra": everyone[0]["extra"],
         "scheduler": everyone[0]["scheduler"],
         "layout": state.layout_of(model, ranks.size),
@@ -371,17 +373,37 @@ def _resolve(path: Path, ranks: storage.Ranks) -> tuple[Path, str]:
 def agreed_newest(root: Path, ranks: storage.Ranks, what: str, *, named: bool = False) -> tuple[Path | None, str]:
     """Rank 0's choice under ``root`` (:func:`.retention.choose`; ``named``: ``root`` is itself a checkpoint,
     as rank 0 sees it) and why, the same on every rank; a root rank 0 refuses raises alike on every rank."""
-    found: list[Any] = [None, "", None]
+    chosen, why, _ = agreed_newest_of(root, ranks, what, named=named)
+    return chosen, why
+
+
+def agreed_newest_of(
+    root: Path, ranks: storage.Ranks, what: str, *, named: bool = False
+) -> tuple[Path | None, str, int]:
+    """:func:`agreed_newest`, and the membership generation its record names (rank 0 reads it: the same on every
+    rank)."""
+    found: list[Any] = [None, "", None, 0]
     if ranks.first:
         if named:
-            found = [str(root), f"{root} was named", None]
+            found = [str(root), f"{root} was named", None, generation_of(root)]
         else:
             try:
                 newest, why = retention.choose(root)
-                found = [None if newest is None else str(newest), why, None]
+                found = [None if newest is None else str(newest), why, None, generation_of(newest)]
             except CheckpointError as err:
-                found = [None, "", str(err)]
-    chosen, why, refused = storage.gather(found, ranks, what)[0]
+                found = [None, "", str(err), 0]
+    chosen, why, refused, generation = storage.gather(found, ranks, what)[0]
     if refused is not None:
         raise CheckpointError(refused)
-    return (None if chosen is None else Path(chosen)), why
+    return (None if chosen is None else Path(chosen)), why, int(generation)
+
+
+def generation_of(folder: Path | None) -> int:
+    """The membership generation a checkpoint's record names: 0 when it names none (saved before it was
+    recorded) or cannot be read here (its load says why)."""
+    if folder is None:
+        return 0
+    try:
+        return int(json.loads((folder / META).read_text()).get("generation", 0))
+    except (OSError, ValueError, AttributeError):
+        return 0

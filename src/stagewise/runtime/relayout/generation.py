@@ -192,7 +192,7 @@ class InPlace:
         elif generation > 0:
             try:
                 done = take_over(self.pipe, self._held, Path(self.checkpoints), self.timeout)
-                self._sources = {"path": "live", **done.counts}
+                self._sources = {"path": "live", **done.counts, "generation": done.generation}
                 return done.step
             except LiveRefused as why:
                 log.warning("stagewise elastic: resuming from the snapshots: the live path refused (%s)", why)
