@@ -31,7 +31,7 @@ from ..checkpoint.api import generation_of
 from ..checkpoint.declared import PipelineState
 from ..checkpoint.manifest import CheckpointError
 from ..checkpoint.resume import resumed_line, step_of
-from ..comm import groups
+from ..comm import groups, relayout_wire
 from ..comm.faults.guard import Guard
 from ..comm.generations import count_from, recorded
 from ..elastic.folder import ended, inventory
@@ -110,7 +110,9 @@ def take_over(new: nn.Module | None, held: Held | None, checkpoints: Path | None
     me, world = groups.global_rank(), groups.world_size()
     _calls[0] += 1
     guard = Guard(f"takeover/{_calls[0]}", timeout, f"global rank {me}")
-    ranks = storage.Ranks(None, me, world, torch.device("cpu"), True, guard, timeout, True)
+    exchange = relayout_wire.fresh_group(range(world), timeout, backend="gloo")  # meta46: the members' own group
+    ranks = storage.Ranks(exchange, me, world, torch.device("cpu"), True, guard, timeout, True)
+    done = False
     try:
         everyone = storage.gather(_record(new, held, checkpoints, me, world), ranks, "every process's sources")
         layout = next((e["layout"] for e in everyone if e["layout"] is not None), None)
@@ -126,8 +128,10 @@ def take_over(new: nn.Module | None, held: Held | None, checkpoints: Path | None
         if new is not None:
             _fill(new, values, record, decided, held, listed)
         commit(ranks)
+        done = True
     finally:
         ranks.close()
+        relayout_wire.release(exchange) if done else relayout_wire.release_failed(exchange, timeout)  # meta46
     if new is not None:
         _said(new, decided, listed, world)
     count_from(decided.generation)  # meta46: the states trained next count on from the one restored
@@ -245,7 +249,7 @@ def _move(
                 shapes[name] = described.get(name)
     guard = ranks.guard
     assert guard is not None
-    values.update(post_moves(moves, me, targets, shapes.__getitem__, None, guard.wait))
+    values.update(post_moves(moves, me, targets, shapes.__getitem__, ranks.group, guard.wait))  # meta46: its group
     return values, record
 
 
