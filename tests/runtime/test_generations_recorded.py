@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 import stagewise as sw
-from stagewise.runtime.checkpoint.api import generation_of as checkpoint_generation
+from stagewise.runtime.checkpoint.manifest import generation_of as recorded_in
+from stagewise.runtime.checkpoint.verify import META
 from stagewise.runtime.comm import generations as G
 from stagewise.runtime.elastic.choose import Need, choose
 from stagewise.runtime.elastic.snapshot_file import MAGIC, generation_of, header_bytes, read_header
@@ -70,10 +71,10 @@ def test_a_checkpoint_records_its_generation_and_a_resume_counts_on_from_it(tmp_
     model = nn.Linear(2, 2)
     (tmp_path / "old").mkdir()
     (tmp_path / "old" / "stagewise.json").write_text(json.dumps({"step": 1, "tensors": {}}))
-    assert checkpoint_generation(tmp_path / "old") == 0  # a record saved before the field
+    assert recorded_in(tmp_path / "old", META) == 0  # a record saved before the field
     at(2)
     folder = sw.checkpoint.save(tmp_path / "ckpt", model, step=3, collective=False)
-    assert checkpoint_generation(folder) == 2
+    assert recorded_in(folder, META) == 2
     at(0)  # a job started again (its store too): generation 0 resumes the generation-2 state
     info = sw.checkpoint.resume(tmp_path / "ckpt", model, collective=False)
     assert info is not None and info.step == 3

@@ -362,7 +362,7 @@ def _resolve(path: Path, ranks: storage.Ranks) -> tuple[Path, str]:
     """The checkpoint folder and why: ``path`` itself if it is one, else :func:`.retention.choose` under it (rank 0
     decides and logs; every rank raises alike)."""
     named = (path / mf.MANIFEST).exists() or (path / META).exists()
-    chosen, why = agreed_newest(path, ranks, f"which checkpoint under {path} to load", named=named)
+    chosen, why, _ = agreed_newest(path, ranks, f"which checkpoint under {path} to load", named=named)
     if chosen is None:
         raise CheckpointError(f"no checkpoint at {path}: neither a checkpoint folder nor a folder holding step-* ones")
     if ranks.first and chosen != path:
@@ -370,40 +370,18 @@ def _resolve(path: Path, ranks: storage.Ranks) -> tuple[Path, str]:
     return chosen, why
 
 
-def agreed_newest(root: Path, ranks: storage.Ranks, what: str, *, named: bool = False) -> tuple[Path | None, str]:
+def agreed_newest(root: Path, ranks: storage.Ranks, what: str, *, named: bool = False) -> tuple[Path | None, str, int]:
     """Rank 0's choice under ``root`` (:func:`.retention.choose`; ``named``: ``root`` is itself a checkpoint,
-    as rank 0 sees it) and why, the same on every rank; a root rank 0 refuses raises alike on every rank."""
-    chosen, why, _ = agreed_newest_of(root, ranks, what, named=named)
-    return chosen, why
-
-
-def agreed_newest_of(
-    root: Path, ranks: storage.Ranks, what: str, *, named: bool = False
-) -> tuple[Path | None, str, int]:
-    """:func:`agreed_newest`, and the membership generation its record names (rank 0 reads it: the same on every
-    rank)."""
+    as rank 0 sees it), why, and the membership generation its record names, the same on every rank; a root
+    rank 0 refuses raises alike on every rank."""
     found: list[Any] = [None, "", None, 0]
     if ranks.first:
-        if named:
-            found = [str(root), f"{root} was named", None, generation_of(root)]
-        else:
-            try:
-                newest, why = retention.choose(root)
-                found = [None if newest is None else str(newest), why, None, generation_of(newest)]
-            except CheckpointError as err:
-                found = [None, "", str(err), 0]
+        try:
+            newest, why = (root, f"{root} was named") if named else retention.choose(root)
+            found = [None if newest is None else str(newest), why, None, mf.generation_of(newest, META)]
+        except CheckpointError as err:
+            found = [None, "", str(err), 0]
     chosen, why, refused, generation = storage.gather(found, ranks, what)[0]
     if refused is not None:
         raise CheckpointError(refused)
     return (None if chosen is None else Path(chosen)), why, int(generation)
-
-
-def generation_of(folder: Path | None) -> int:
-    """The membership generation a checkpoint's record names: 0 when it names none (saved before it was
-    recorded) or cannot be read here (its load says why)."""
-    if folder is None:
-        return 0
-    try:
-        return int(json.loads((folder / META).read_text()).get("generation", 0))
-    except (OSError, ValueError, AttributeError):
-        return 0

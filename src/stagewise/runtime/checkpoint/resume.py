@@ -19,7 +19,7 @@ from torch import nn
 
 from ..comm.generations import count_from
 from . import state, storage
-from .api import _ranks, agreed_newest_of, load, virtual_worker
+from .api import _ranks, agreed_newest, load, virtual_worker
 from .declared import CheckpointInfo, Offer, PipelineState, StateSource
 from .newest import DISK, SNAPSHOTS, Report, ranked
 from .recorded_cut import recorded_counts
@@ -122,7 +122,7 @@ class DiskCheckpoints:
     def newest(self, ranks: storage.Ranks) -> Offer | None:
         """Rank 0's choice (see :func:`.retention.choose`), the same on every rank; logged."""
         what = f"which checkpoint under {self.root} to resume from"
-        chosen, self.why, generation = agreed_newest_of(self.root, ranks, what)  # meta46: its generation too
+        chosen, self.why, generation = agreed_newest(self.root, ranks, what)  # meta46: its generation too
         if ranks.first and chosen is not None:
             log.info("stagewise.checkpoint.resume: %s: %s", chosen, self.why)
         return None if chosen is None else Offer(step_of(chosen), chosen, generation)

@@ -27,10 +27,10 @@ import torch
 from torch import nn
 
 from ..checkpoint import retention, state, storage
-from ..checkpoint.api import generation_of
 from ..checkpoint.declared import PipelineState
-from ..checkpoint.manifest import CheckpointError
+from ..checkpoint.manifest import CheckpointError, generation_of
 from ..checkpoint.resume import resumed_line, step_of
+from ..checkpoint.verify import META
 from ..comm import groups, relayout_wire
 from ..comm.faults.guard import Guard
 from ..comm.generations import count_from, recorded
@@ -160,7 +160,7 @@ def _record(new: nn.Module | None, held: Held | None, checkpoints: Path | None, 
         try:
             newest, _ = retention.choose(checkpoints)
             out["disk"] = None if newest is None else step_of(newest)
-            out["disk_generation"] = generation_of(newest)  # meta46
+            out["disk_generation"] = generation_of(newest, META)  # meta46
         except CheckpointError as err:
             out["disk"] = 1 << 62  # refused here: the resume says why
             log.warning("stagewise: the checkpoints under %s: %s", checkpoints, err)
