@@ -75,6 +75,8 @@ def test_two_lost_machines_the_survivors_keep_their_processes_and_their_losses_a
     assert sorted((e["gen"], e["committed"]) for e in recovered if e["id"] == 0) == [(1, 3), (2, 5)]
     # the survivors re-laid out in place: each kept its live replica (the state of the committed step), no file read
     assert all(e["sources"]["path"] == "live" and e["sources"]["kept"] > 0 for e in recovered), recovered
+    # the state chosen was the one the generation before trained (its snapshots' headers name it)
+    assert all(e["sources"]["generation"] == e["gen"] - 1 for e in recovered), recovered
     losses = m.rows("losses.jsonl")
     # generation 0 to step 3, 1 to step 5, 2 to the end: nothing committed was done twice or skipped
     assert [(r["step"], r["gen"]) for r in losses] == [(1, 0), (2, 0), (3, 0), (4, 1), (5, 1), (6, 2), (7, 2), (8, 2)]

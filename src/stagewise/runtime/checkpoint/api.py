@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from ..._util import is_count
+from ..comm.generations import recorded
 from ..interrupt import note_checkpoint
 from . import agreement, retention, state, storage, verify
 from . import manifest as mf
@@ -345,6 +346,7 @@ def _record(everyone: list[dict[str, Any]], model: Any, ranks: storage.Ranks, st
             optimizer["state"].update(mine["optimizer"]["state"])
     return {
         "step": step,
+        "generation": recorded(),  # the membership generation that trained it (a resume prefers the newest)
         "extra": everyone[0]["extra"],
         "scheduler": everyone[0]["scheduler"],
         "layout": state.layout_of(model, ranks.size),
@@ -360,7 +362,7 @@ def _resolve(path: Path, ranks: storage.Ranks) -> tuple[Path, str]:
     """The checkpoint folder and why: ``path`` itself if it is one, else :func:`.retention.choose` under it (rank 0
     decides and logs; every rank raises alike)."""
     named = (path / mf.MANIFEST).exists() or (path / META).exists()
-    chosen, why = agreed_newest(path, ranks, f"which checkpoint under {path} to load", named=named)
+    chosen, why, _ = agreed_newest(path, ranks, f"which checkpoint under {path} to load", named=named)
     if chosen is None:
         raise CheckpointError(f"no checkpoint at {path}: neither a checkpoint folder nor a folder holding step-* ones")
     if ranks.first and chosen != path:
@@ -368,20 +370,18 @@ def _resolve(path: Path, ranks: storage.Ranks) -> tuple[Path, str]:
     return chosen, why
 
 
-def agreed_newest(root: Path, ranks: storage.Ranks, what: str, *, named: bool = False) -> tuple[Path | None, str]:
+def agreed_newest(root: Path, ranks: storage.Ranks, what: str, *, named: bool = False) -> tuple[Path | None, str, int]:
     """Rank 0's choice under ``root`` (:func:`.retention.choose`; ``named``: ``root`` is itself a checkpoint,
-    as rank 0 sees it) and why, the same on every rank; a root rank 0 refuses raises alike on every rank."""
-    found: list[Any] = [None, "", None]
+    as rank 0 sees it), why, and the membership generation its record names, the same on every rank; a root
+    rank 0 refuses raises alike on every rank."""
+    found: list[Any] = [None, "", None, 0]
     if ranks.first:
-        if named:
-            found = [str(root), f"{root} was named", None]
-        else:
-            try:
-                newest, why = retention.choose(root)
-                found = [None if newest is None else str(newest), why, None]
-            except CheckpointError as err:
-                found = [None, "", str(err)]
-    chosen, why, refused = storage.gather(found, ranks, what)[0]
+        try:
+            newest, why = (root, f"{root} was named") if named else retention.choose(root)
+            found = [None if newest is None else str(newest), why, None, mf.generation_of(newest, META)]
+        except CheckpointError as err:
+            found = [None, "", str(err), 0]
+    chosen, why, refused, generation = storage.gather(found, ranks, what)[0]
     if refused is not None:
         raise CheckpointError(refused)
-    return (None if chosen is None else Path(chosen)), why
+    return (None if chosen is None else Path(chosen)), why, int(generation)

@@ -133,10 +133,12 @@ class PipelineState(Protocol):
 
 @dataclass(frozen=True)
 class Offer:
-    """The newest whole state a source holds: its step, and what the source needs to restore it."""
+    """The newest whole state a source holds: its step, what the source needs to restore it, and the membership
+    generation that trained it (what its snapshot header or checkpoint record names)."""
 
     step: int
     detail: Any = None
+    generation: int = 0
 
 
 class StateSource(Protocol):

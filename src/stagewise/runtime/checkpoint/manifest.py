@@ -70,6 +70,17 @@ def write_durably(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def generation_of(folder: Path | None, record: str) -> int:
+    """The membership generation a checkpoint's record (the file ``record`` in ``folder``) names: 0 when it
+    names none (saved before it was recorded) or cannot be read here (its load says why)."""
+    if folder is None:
+        return 0
+    try:
+        return int(json.loads((folder / record).read_text()).get("generation", 0))
+    except (OSError, ValueError, AttributeError):
+        return 0
+
+
 def read_manifest(folder: Path) -> dict[str, dict[str, object]]:
     """The files the manifest lists; raises :class:`CheckpointError` if it is missing or unreadable."""
     path = folder / MANIFEST

@@ -17,6 +17,7 @@ from typing import Any, cast
 
 from torch import nn
 
+from ..comm.generations import count_from
 from . import state, storage
 from .api import _ranks, agreed_newest, load, virtual_worker
 from .declared import CheckpointInfo, Offer, PipelineState, StateSource
@@ -92,9 +93,10 @@ def _restore_newest(offers: list[tuple[StateSource, Offer | None]]) -> tuple[Che
     """The one choice (:func:`.newest.ranked`: the newest step, a tie going to memory before disk); a source whose
     state turns out unusable hands over to the next newest."""
     reports = {
-        Report(DISK if isinstance(source, DiskCheckpoints) else SNAPSHOTS, offer.step, holder=k): (source, offer)
+        Report(kind, offer.step, generation=offer.generation, holder=k): (source, offer)  # meta46: the generation
         for k, (source, offer) in enumerate(offers)
         if offer is not None
+        for kind in [DISK if isinstance(source, DiskCheckpoints) else SNAPSHOTS]
     }
     order = ranked(reports)
     for k, report in enumerate(order):
@@ -102,6 +104,7 @@ def _restore_newest(offers: list[tuple[StateSource, Offer | None]]) -> tuple[Che
         floor = order[k + 1].step if k + 1 < len(order) else -1
         info = source.restore(offer, floor)
         if info is not None:
+            count_from(report.generation)  # meta46: the states trained from here on are of its generation or later
             return info, source.said(offer)
     return None
 
@@ -118,10 +121,11 @@ class DiskCheckpoints:
 
     def newest(self, ranks: storage.Ranks) -> Offer | None:
         """Rank 0's choice (see :func:`.retention.choose`), the same on every rank; logged."""
-        chosen, self.why = agreed_newest(self.root, ranks, f"which checkpoint under {self.root} to resume from")
+        what = f"which checkpoint under {self.root} to resume from"
+        chosen, self.why, generation = agreed_newest(self.root, ranks, what)  # meta46: its generation too
         if ranks.first and chosen is not None:
             log.info("stagewise.checkpoint.resume: %s: %s", chosen, self.why)
-        return None if chosen is None else Offer(step_of(chosen), chosen)
+        return None if chosen is None else Offer(step_of(chosen), chosen, generation)
 
     def restore(self, offer: Offer, floor: int) -> CheckpointInfo | None:
         """Load the chosen folder (a damaged one raises: never a silent start from something older)."""

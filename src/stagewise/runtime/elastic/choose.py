@@ -35,6 +35,7 @@ class Copy:
     layout: Any
     names: frozenset[str]
     job: str = ""  # the job that wrote it (drawn at its first start, kept across its restarts)
+    membership: int = 0  # the membership generation that trained it (its header's ``generation``)
 
     @property
     def generation(self) -> tuple[int, str]:
@@ -64,6 +65,7 @@ class Choice:
     transfers: list[tuple[int, int, Copy]] = field(default_factory=list)
     rng: bool = False
     job: str = ""
+    membership: int = 0  # the membership generation that trained it
 
 
 def of_live_jobs(copies: Iterable[Copy], ended: dict[str, int]) -> tuple[list[Copy], dict[str, list[Copy]]]:
@@ -86,7 +88,9 @@ def choose(copies: Iterable[Copy], needs: Sequence[Need], layout: Any, refused: 
     for c in copies:
         if (c.machine, c.path) not in refused:
             by_generation.setdefault(c.generation, []).append(c)
-    for generation in sorted(by_generation, reverse=True):
+    # the newest membership generation first (an older one's newer step is a branch the job gave up), then step
+    newest = sorted(by_generation, key=lambda g: (max(c.membership for c in by_generation[g]), g), reverse=True)
+    for generation in newest:
         found = _cover(by_generation[generation], needs, layout)
         if found is not None:
             return found
@@ -97,7 +101,7 @@ def _cover(files: list[Copy], needs: Sequence[Need], layout: Any) -> Choice | No
     first = files[0]
     same = first.world == len(needs) and first.layout == layout
     owners = {c.owner for c in files}
-    choice = Choice(first.step, first.lineage, first.world, first.layout, job=first.job)
+    choice = Choice(first.step, first.lineage, first.world, first.layout, job=first.job, membership=first.membership)
     choice.rng = same and all(n.rank in owners for n in needs)
     for need in needs:
         ordered = _ordered(files, need.machine)

@@ -38,7 +38,7 @@ from ..comm import snapshot_wire
 from ..interrupt import note_checkpoint
 from .choose import Choice, Copy, Need, choose, of_live_jobs
 from .folder import ended, inventory, remove
-from .snapshot_file import SnapshotRefused, host_bytes, tensors_of, verified
+from .snapshot_file import SnapshotRefused, generation_of, host_bytes, tensors_of, verified
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class PeerSnapshots:
         self.extras = {(c["step"], c["lineage"], c["owner"]): c["extra"] for e in everyone for c in e["copies"]}
         self.needs = [Need(r, snap.machines[r], frozenset(e["need"])) for r, e in enumerate(everyone)]
         choice = choose(self.copies, self.needs, state.layout_of(self.model, ranks.size), set())
-        return None if choice is None else Offer(choice.step, choice)
+        return None if choice is None else Offer(choice.step, choice, choice.membership)
 
     def restore(self, offer: Offer, floor: int) -> CheckpointInfo | None:
         """Steps 3 and 4; None when the files that survive verification hold nothing newer than ``floor``."""
@@ -177,6 +177,7 @@ def _listed(snap: Snapshotter, machine: str, rank: int) -> list[dict[str, Any]]:
                 "layout": h["layout"],
                 "names": names,
                 "extra": h["extra"],
+                "membership": generation_of(h),
             }
         )
     return out

@@ -11,8 +11,10 @@
 The header's digest covers the header, and the header holds the payload's digest, so one flipped bit
 anywhere - or a file cut short - is refused (:class:`SnapshotRefused`), never loaded. A header names its
 generation (``lineage``, ``step``): the lineage is drawn when the pipeline is built, so two runs that both
-reached step 10 (one of them after resuming from step 8 at another layout) never mix their parts. Nothing
-is unpickled: the header is JSON, tensors are rebuilt from dtype, shape and bytes.
+reached step 10 (one of them after resuming from step 8 at another layout) never mix their parts. It also
+names the membership ``generation`` that trained the state (:func:`..comm.generations.recorded`; a file written
+before it was recorded reads as 0: :func:`generation_of`). Nothing is unpickled: the header is JSON, tensors
+are rebuilt from dtype, shape and bytes.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from collections.abc import Mapping
 from typing import Any, cast
 
 import torch
+
+from ..comm.generations import recorded
 
 MAGIC = b"SWSNAP1\n"
 HEAD_FIXED = len(MAGIC) + 8 + 32  # magic, header length, header digest
@@ -57,11 +61,22 @@ def fill_payload(buffer: torch.Tensor, tensors: Mapping[str, torch.Tensor], entr
 
 
 def header_bytes(header: dict[str, Any], payload: torch.Tensor) -> bytes:
-    """The file's head: magic, length, digest and the header, which records the payload's length and digest."""
+    """The file's head: magic, length, digest and the header, which records the payload's length and digest (and
+    the membership generation, unless the caller's header names it)."""
     view = host_bytes(payload)
-    header = {**header, "payload_bytes": len(view), "payload_sha256": hashlib.sha256(view).hexdigest()}
+    header = {
+        "generation": recorded(),
+        **header,
+        "payload_bytes": len(view),
+        "payload_sha256": hashlib.sha256(view).hexdigest(),
+    }
     text = json.dumps(header, separators=(",", ":"), allow_nan=True).encode()
     return MAGIC + struct.pack("<Q", len(text)) + hashlib.sha256(text).digest() + text
+
+
+def generation_of(header: Mapping[str, Any]) -> int:
+    """The membership generation a snapshot's header names (0 for a file written before it was recorded)."""
+    return int(header.get("generation", 0))
 
 
 def host_bytes(t: torch.Tensor) -> memoryview:

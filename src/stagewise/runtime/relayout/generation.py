@@ -49,13 +49,16 @@ from ..comm.generations import job_store, join_generation, leave_generation
 from ..elastic import joining
 from ..elastic import membership as ms
 from ..frontends.given import GivenStages
+from ..frontends.layers import built_empty
 from .let_go import let_go
+from .models import BUILT_WHOLE
 from .sources import in_place_refusal
 from .takeover import Held, LiveRefused, hold, take_over
 
 log = logging.getLogger(__name__)
 
 FENCED_EXIT = 3
+MADE_BY_USER = (*BUILT_WHOLE, GivenStages)  # ways in whose model build(fit) makes (and initialises) itself
 RESTORE_ENV = "STAGEWISE_INPLACE_RESTORE"  # "snapshots": a recovery resumes from the files only (the path before)
 _TRIES = 5  # generations agreed in one recovery at most (each loses a member that died meanwhile)
 
@@ -178,27 +181,49 @@ class InPlace:
         with self._timed("group"):
             join_generation(self._store, generation, self._members.rank, size, self.backend, self.timeout)
         with self._timed("build"):
-            self.pipe = self.build(self.layout.at(size))
+            self.pipe = self._build(size, empty=generation > 0)
         self._placement = _refused(self.pipe, self._placement)
         with self._timed("resume"):
-            self.step = self._restore(generation)
+            restored = self._restore(generation)
+        if restored is None and generation > 0:  # nothing to fill an empty build from: the build that initialises
+            with self._timed("build"):
+                self._drop_pipeline()
+                self.pipe = self._build(size, empty=False)
+        self.step = restored or 0
         self._held = None  # aliased into the new pipeline, or not needed: let go
 
-    def _restore(self, generation: int) -> int:
+    def _build(self, size: int, empty: bool) -> Any:
+        """``build(fit)``; ``empty`` (a generation after a change of members, whose state the take-over or the
+        resume fills): inside :func:`..frontends.layers.built_empty`, as ``pipe.relayout`` builds, so that a layer
+        spec is built on ``meta`` and given storage, never initialised only to be overwritten. A model the build
+        makes itself (``from_model``, ``from_hf``, ``from_stages``) is the user's code: initialised there."""
+        if not empty:
+            return self.build(self.layout.at(size))
+        with built_empty():
+            pipe = self.build(self.layout.at(size))
+        way_in = getattr(pipe, "frontend", None)
+        if isinstance(way_in, MADE_BY_USER):
+            log.info(
+                "stagewise elastic: build(fit) made its %s model itself (initialised there)", type(way_in).__name__
+            )
+        return pipe
+
+    def _restore(self, generation: int) -> int | None:
         """The new pipeline's state: from the survivors' live tensors and the snapshots they hold (after a loss),
-        else (the first generation, or the live path refused alike everywhere) the resume's newest source."""
+        else (the first generation, or the live path refused alike everywhere) the resume's newest source; None
+        when no source holds one (a fresh start)."""
         if generation > 0 and os.environ.get(RESTORE_ENV) == "snapshots":  # the resume only, to compare
             self._sources = {"path": "snapshots", "refused": f"{RESTORE_ENV}=snapshots"}
         elif generation > 0:
             try:
                 done = take_over(self.pipe, self._held, Path(self.checkpoints), self.timeout)
-                self._sources = {"path": "live", **done.counts}
+                self._sources = {"path": "live", **done.counts, "generation": done.generation}
                 return done.step
             except LiveRefused as why:
                 log.warning("stagewise elastic: resuming from the snapshots: the live path refused (%s)", why)
                 self._sources = {"path": "snapshots", "refused": str(why)}
         info = checkpoint_resume(Path(self.checkpoints), self.pipe, timeout=self.timeout)
-        return 0 if info is None else info.step
+        return None if info is None else info.step
 
     @contextmanager
     def _timed(self, part: str) -> Iterator[None]:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..checkpoint.newest import DISK, LIVE, SNAPSHOTS, Report, newest
-from ..elastic.choose import Copy, Need, choose, of_live_jobs
+from ..elastic.choose import Choice, Copy, Need, choose, of_live_jobs
 
 PARAM = "param:"  # a need for the optimizer state of one parameter (as the snapshots' inventory names it)
 
@@ -59,6 +59,7 @@ class Decision:
     kept: dict[int, tuple[str, ...]] = field(default_factory=dict)
     takes: tuple[Take, ...] = ()
     files: dict[tuple[str, str], Copy] = field(default_factory=dict)
+    generation: int = 0  # the membership generation of the state chosen (meta46)
 
     def reads(self, rank: int) -> list[tuple[str, str]]:
         """The files (machine, path) process ``rank`` reads: to send, or for itself."""
@@ -85,7 +86,7 @@ def decide(records: Sequence[Mapping[str, Any]], layout: Any, disk_step: int | N
     choice = choose(copies, needs, layout, set())
     if choice is None:
         return "no snapshot generation covers every new stage (snapshot= off, or files lost)"
-    chosen = newest(_reports(records, choice.step, disk_step))  # (the snapshots' is whole: never None)
+    chosen = newest(_reports(records, choice, disk_step))  # (the snapshots' is whole: never None)
     assert chosen is not None
     if chosen.report.kind == DISK:
         return f"a checkpoint on disk (step {disk_step}) is newer than the snapshots (step {choice.step})"
@@ -96,19 +97,25 @@ def decide(records: Sequence[Mapping[str, Any]], layout: Any, disk_step: int | N
     for part in chosen.partial:  # the survivors' live tensors of the chosen step
         live[part.holder] = frozenset(records[part.holder]["live"][str(part.step)])
     decision = Decision(choice.step, choice.lineage, choice.job, files={(c.machine, c.path): c for c in files})
+    decision.generation = chosen.report.generation  # meta46: what the states trained next count on from
     missing = plan_sources(decision, needs, live, files)
     if missing:
         return "; ".join(f"process {r} needs {', '.join(sorted(ns)[:5])} that no source holds" for r, ns in missing)
     return decision
 
 
-def _reports(records: Sequence[Mapping[str, Any]], committed: int, disk_step: int | None) -> list[Report]:
+def _reports(records: Sequence[Mapping[str, Any]], choice: Choice, disk_step: int | None) -> list[Report]:
     """What each source holds, for the one choice (:mod:`..checkpoint.newest`): the snapshots' newest whole
     generation, the disk's newest checkpoint, and each survivor's live tensors per captured step (partial: they
-    only complete the snapshots of their step)."""
-    reports = [Report(SNAPSHOTS, committed)] + ([] if disk_step is None else [Report(DISK, disk_step)])
+    only complete the snapshots of their step), each with the membership generation that trained it (meta46:
+    the headers', the checkpoint record's (process 0's ``disk_generation``), the old pipeline's (``held_in``))."""
+    reports = [Report(SNAPSHOTS, choice.step, generation=choice.membership)]
+    if disk_step is not None:
+        reports.append(Report(DISK, disk_step, generation=int(records[0].get("disk_generation", 0))))
     return reports + [
-        Report(LIVE, int(step), whole=False, holder=k) for k, r in enumerate(records) for step in r["live"]
+        Report(LIVE, int(step), whole=False, generation=int(r.get("held_in", 0)), holder=k)
+        for k, r in enumerate(records)
+        for step in r["live"]
     ]
 
 
@@ -162,7 +169,8 @@ def nearest_first(files: Sequence[Copy], machine: str) -> list[Copy]:
 def as_copy(listed: Mapping[str, Any]) -> Copy:
     """A listed file as :mod:`..elastic.choose` takes it (the listing's other fields left out)."""
     keys = ("machine", "holder", "path", "lineage", "step", "owner", "world", "layout", "job")
-    return Copy(**{k: listed[k] for k in keys}, names=frozenset(listed["names"]))
+    generation = int(listed.get("membership", 0))  # meta46
+    return Copy(**{k: listed[k] for k in keys}, names=frozenset(listed["names"]), membership=generation)
 
 
 def clean_names(captured: Mapping[str, int], now: Mapping[str, int], params: Sequence[str]) -> frozenset[str]:

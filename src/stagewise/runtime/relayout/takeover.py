@@ -28,13 +28,16 @@ from torch import nn
 
 from ..checkpoint import retention, state, storage
 from ..checkpoint.declared import PipelineState
-from ..checkpoint.manifest import CheckpointError
+from ..checkpoint.manifest import CheckpointError, generation_of
 from ..checkpoint.resume import resumed_line, step_of
-from ..comm import groups
+from ..checkpoint.verify import META
+from ..comm import groups, relayout_wire
 from ..comm.faults.guard import Guard
+from ..comm.generations import count_from, recorded
 from ..elastic.folder import ended, inventory
 from ..elastic.recover import needs_of
 from ..elastic.snapshot_file import SnapshotRefused, host_bytes, tensors_of, verified
+from ..elastic.snapshot_file import generation_of as snapshot_generation
 from ..elastic.snapshots import MACHINE_ENV, versions
 from ..interrupt import note_checkpoint
 from .fill import Move, commit, fill, post_moves
@@ -58,6 +61,7 @@ class Held:
     described: dict[str, Any]
     optimizer: dict[str, Any]
     live: dict[str, list[str]]
+    generation: int = 0  # the membership generation that trained them (meta46)
 
 
 @dataclass
@@ -66,6 +70,7 @@ class Restored:
 
     step: int
     counts: dict[str, int] = field(default_factory=dict)
+    generation: int = 0  # the membership generation of the state restored (meta46)
 
 
 def hold(old: nn.Module | None) -> Held | None:
@@ -86,7 +91,7 @@ def hold(old: nn.Module | None) -> Held | None:
                 if name not in saved or copy.shape != saved[name].shape or not torch.equal(copy, saved[name]):
                     here[name] = -1
             live[str(step)] = sorted(clean_names(mark.versions, here, list(meta["params"])))
-    return Held(tensors, state.describe(tensors), meta, live)
+    return Held(tensors, state.describe(tensors), meta, live, recorded())  # meta46: its generation
 
 
 def held_state(old: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -105,7 +110,9 @@ def take_over(new: nn.Module | None, held: Held | None, checkpoints: Path | None
     me, world = groups.global_rank(), groups.world_size()
     _calls[0] += 1
     guard = Guard(f"takeover/{_calls[0]}", timeout, f"global rank {me}")
-    ranks = storage.Ranks(None, me, world, torch.device("cpu"), True, guard, timeout, True)
+    exchange = relayout_wire.fresh_group(range(world), timeout, backend="gloo")  # meta46: the members' own group
+    ranks = storage.Ranks(exchange, me, world, torch.device("cpu"), True, guard, timeout, True)
+    done = False
     try:
         everyone = storage.gather(_record(new, held, checkpoints, me, world), ranks, "every process's sources")
         layout = next((e["layout"] for e in everyone if e["layout"] is not None), None)
@@ -121,11 +128,14 @@ def take_over(new: nn.Module | None, held: Held | None, checkpoints: Path | None
         if new is not None:
             _fill(new, values, record, decided, held, listed)
         commit(ranks)
+        done = True
     finally:
         ranks.close()
+        relayout_wire.release(exchange) if done else relayout_wire.release_failed(exchange, timeout)  # meta46
     if new is not None:
         _said(new, decided, listed, world)
-    return Restored(decided.step, decided.counts())
+    count_from(decided.generation)  # meta46: the states trained next count on from the one restored
+    return Restored(decided.step, decided.counts(), decided.generation)
 
 
 def _record(new: nn.Module | None, held: Held | None, checkpoints: Path | None, me: int, world: int) -> dict[str, Any]:
@@ -144,11 +154,13 @@ def _record(new: nn.Module | None, held: Held | None, checkpoints: Path | None, 
         "described": {} if held is None else held.described,
         "optimizer": {"params": {}, "state": {}} if held is None else held.optimizer,
         "disk": None,
+        "held_in": 0 if held is None else held.generation,  # meta46
     }
     if me == 0 and checkpoints is not None:
         try:
             newest, _ = retention.choose(checkpoints)
             out["disk"] = None if newest is None else step_of(newest)
+            out["disk_generation"] = generation_of(newest, META)  # meta46
         except CheckpointError as err:
             out["disk"] = 1 << 62  # refused here: the resume says why
             log.warning("stagewise: the checkpoints under %s: %s", checkpoints, err)
@@ -165,6 +177,7 @@ def _listing(folder: Path, machine: str, rank: int) -> list[dict[str, Any]]:
         fields = {k: h[k] for k in ("lineage", "step", "owner", "world", "layout", "tensors", "optimizer")}
         out.append({**fields, "machine": machine, "holder": rank, "path": str(f.path), "job": h.get("job", "")})
         out[-1].update(names=names, dropout=h.get("dropout"), scheduler=h.get("scheduler"))
+        out[-1]["membership"] = snapshot_generation(h)  # meta46
     return out
 
 
@@ -236,7 +249,7 @@ def _move(
                 shapes[name] = described.get(name)
     guard = ranks.guard
     assert guard is not None
-    values.update(post_moves(moves, me, targets, shapes.__getitem__, None, guard.wait))
+    values.update(post_moves(moves, me, targets, shapes.__getitem__, ranks.group, guard.wait))  # meta46: its group
     return values, record
 
 
