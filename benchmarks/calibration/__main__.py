@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--workload", default="gpt256", help="a workload of benchmarks.fidelity")
     parser.add_argument("--plans", type=int, default=32, help="plans Q per world size (the space's first N)")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per build")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per build")
     parser.add_argument("--rounds", type=int, default=3, help="builds of P and of every Q, interleaved")
     parser.add_argument("--pin", action="store_true", help="each rank on one core (os.sched_setaffinity)")
     parser.add_argument("--quick", action="store_true", help="2 ranks, gpt64, 4 plans, 2 steps, 2 rounds")
@@ -80,15 +80,16 @@ def main(argv: list[str] | None = None) -> int:
 def table(rows: list[dict]) -> list[str]:
     """The markdown table: per job and model the figures against the goals, the noise beside them."""
     lines = ["| workload | ranks | link | model | plans x builds | MAE | floor | max | tau (pairs) | tau, builds apart "
-             "| inside | oracle inside | half-width / spread | between / within sd |",
-             "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+             "| inside | oracle inside | half-width / spread | between / within sd | drift by round |",
+             "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
     for r in rows:
         lines.append(
             f"| {r['workload']} | {r['world']} | {r['link']} | {r['model']} | {r['plans']} x {r['builds']:g} "
             f"| {r['mean abs error']:.1%} | {r['floor mae']:.1%} | {r['max abs error']:.1%} "
             f"| {r['kendall tau']:.2f} ({r['pairs']}) | {r['kendall tau (builds)']:.2f} ({r['pairs (builds)']}) "
             f"| {r['inside interval']:.0%} | {r['oracle inside']:.0%} | {r['median half-width / spread']:.1f} "
-            f"| {r['between sd']:.1%} / {r['within sd']:.1%} |"
+            f"| {r['between sd']:.1%} / {r['within sd']:.1%} "
+            f"| {' '.join(f'{x:+.1%}' for x in r.get('round drift') or []) or '-'} |"
         )
     return lines
 

@@ -80,17 +80,22 @@ def as_model(rows: list[dict[str, Any]], model: str) -> list[dict[str, Any]]:
 def noise(result: dict[str, Any]) -> dict[str, Any]:
     """A job's measurement noise (:mod:`.noise`): the between- and within-build sd (log) with their degrees of
     freedom (P's builds pooled in), the builds per plan and of P, the noise floor of the mean absolute error,
-    and the oracle's coverage at twice the step spread."""
+    the oracle's coverage at twice the step spread, and the drift: per round, the mean log of the plans' build
+    medians over their levels (a machine that slows down during the job shows a rising row)."""
     plans = [builds_of(r) for r in result["plans"]]
     p_builds = [list(b) for b in result.get("p_builds") or []]
     between, df_b = between_builds([*plans, p_builds] if p_builds else plans)
     within, df_w = within_builds(plans)
     r_q = statistics.median([len(b) for b in plans]) if plans else 1
+    rounds = max((len(b) for b in plans), default=0)
+    drift = [statistics.mean(math.log(statistics.median(b[r]) / level(b)) for b in plans if len(b) > r and b[r])
+             for r in range(rounds)] if rounds > 1 else []  # fmt: skip
     r_p = max(len(p_builds), 1)
     return {
         "between sd": between, "between df": df_b, "within sd": within, "within df": df_w,
         "builds": r_q, "p builds": r_p, "floor mae": noise_floor(between, r_q, r_p) if df_b else float("nan"),
         "oracle inside": oracle_coverage(plans, [spread([s for b in p for s in b]) for p in plans]),
+        "round drift": drift,
     }  # fmt: skip
 
 

@@ -235,7 +235,7 @@ def main() -> None:
     parser.add_argument("--workload", default="gpt256")
     parser.add_argument("--plans", type=int, default=32)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3, help="builds of P and of every Q, interleaved")
     parser.add_argument("--pin", action="store_true", help="each rank on one core (os.sched_setaffinity)")
     parser.add_argument("--out", type=Path, required=True)

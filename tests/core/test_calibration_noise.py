@@ -80,6 +80,8 @@ def test_the_figures_judge_each_plans_level_against_its_builds() -> None:
     sd = math.sqrt((math.log(1.21) ** 2 / 2) / 4)  # a's squares over 4 df (b, c and P's two builds add 0 and 1 each)
     assert got["between df"] == 4 and got["between sd"] == pytest.approx(sd, rel=1e-9)
     assert got["floor mae"] == pytest.approx(noise_floor(sd, 2, 2), rel=1e-12)
+    half = math.log(1.21) / 2  # a's rounds sit at -half and +half about its level; b's and c's at 0
+    assert got["round drift"] == pytest.approx([-half / 3, half / 3], rel=1e-9)
     s = summary(result)
     errors = [1.1 / 1.1 - 1, 1.9 / 2.0 - 1, 1.8 / 2.2 - 1]
     assert s["mean abs error"] == pytest.approx(statistics.mean(abs(e) for e in errors), rel=1e-9)
