@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 from .._launch import environ, torchrun
+from . import builds
 from .netem import LINKS, job
 from .report import one_build_summary, summary
 
@@ -41,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=2, help="timed steps per build")
     parser.add_argument("--rounds", type=int, default=3, help="builds of P and of every Q, interleaved")
     parser.add_argument("--pin", action="store_true", help="each rank on one core (os.sched_setaffinity)")
+    parser.add_argument("--builds", action="store_true",
+                        help="instead: P built --rounds times per condition of builds.CONDITIONS (why builds "
+                        "differ)")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="2 ranks, gpt64, 4 plans, 2 steps, 2 rounds")
     parser.add_argument("--netem", action="store_true",
                         help="across 2 namespace machines, once per link of netem.LINKS (root)")  # fmt: skip
@@ -48,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.ranks, args.workload, args.plans, args.steps, args.rounds = [2], "gpt64", 4, 2, 2
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.builds:
+        return builds_only(args)
     results, rows = [], []
     jobs = [(world, link) for world in args.ranks for link in (LINKS if args.netem else (None,))]
     for k, (world, link) in enumerate(jobs):
@@ -75,6 +81,21 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "calibration.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0 if len(results) == len(jobs) or (args.netem and results) else 1
+
+
+def builds_only(args: argparse.Namespace) -> int:
+    """``--builds``: per world size, :mod:`.builds`'s job; its table."""
+    for world in args.ranks:
+        path = args.out / f"builds-{args.workload}-{world}.json"
+        worker = ["--builds", "--workload", args.workload, "--steps", str(args.steps), "--rounds", str(args.rounds)]
+        done = subprocess.run(torchrun(world, "benchmarks.calibration.worker", [*worker, "--out", str(path)]),
+                              env=environ(OMP_NUM_THREADS="1"))  # fmt: skip
+        if done.returncode:
+            return done.returncode
+        lines = [f"{args.workload}, {world} processes:", *builds.table(json.loads(path.read_text()))]
+        (args.out / f"builds-{args.workload}-{world}.md").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines))
+    return 0
 
 
 def table(rows: list[dict]) -> list[str]:

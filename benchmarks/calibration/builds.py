@@ -1,7 +1,7 @@
 """Why the same plan runs at another level when built again (issue 49 item 2): one plan built many times,
 under conditions taken in turn, the between-build spread per condition.
 
-    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.calibration.builds --out out/builds     # ~1-2 min, 2 ranks
+    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.calibration --builds --ranks 2 --out out/builds   # ~1 min
 
 Each round builds the plan (the calibrating plan P of :mod:`.space`, or ``--plan``) once per condition, in
 turn, each build 1 untimed and ``--steps`` timed steps (the slowest rank's ``train_step`` from a barrier):
@@ -12,28 +12,25 @@ turn, each build 1 untimed and ``--steps`` timed steps (the slowest rank's ``tra
   so that no full collection walks the model's objects in a timed step.
 
 Per build it keeps the cores each rank ran on (``/proc/self/stat``, sampled after each step), whether two ranks
-shared one, and the low bits of the first parameter's address (the memory layout). Rank 0 writes the builds
-as JSON and prints, per condition, the between-build sd (log medians) and the within-build sd.
+shared one, and the low bits of the first parameter's address (the memory layout). The worker (``--builds``) runs
+:func:`run` on every rank; rank 0 writes the builds as JSON, and :func:`table` gives per condition the
+between-build sd (log medians) and the within-build sd.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
-import sys
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from .._launch import environ, launched, timed_step, torchrun
+from .._launch import timed_step
 from ..fidelity.workloads import workloads
 from .noise import between_builds, within_builds
 from .space import GLOBAL_BATCH, PlanSpec, calibrating
-from .worker import alone_profiles, build, micro_batch
 
 CONDITIONS = ("free", "pinned", "pinned, gc frozen")
 
@@ -52,11 +49,17 @@ def place(condition: str, everywhere: set[int]) -> None:
         os.sched_setaffinity(0, {cores[int(os.environ.get("LOCAL_RANK", "0")) % len(cores)]})
 
 
-def one_build(work: Any, plan: PlanSpec, profile: Any, condition: str, steps: int) -> dict[str, Any]:
+def samples(plan: PlanSpec) -> int:
+    return GLOBAL_BATCH // (plan.dp * plan.microbatches)
+
+
+def one_build(work: Any, plan: PlanSpec, profile: Any, condition: str, steps: int, build: Callable) -> dict[str, Any]:
+    """``build(work, plan, profile, sample)`` (the worker's) under ``condition``, 1 untimed and ``steps`` timed
+    steps: the steps, each rank's cores and parameter address, and the steps two ranks ended on one core."""
     x, y = work.data(GLOBAL_BATCH)
     gc.unfreeze()
     gc.collect()
-    pipe = build(work, plan, profile, x[: micro_batch(plan)])
+    pipe = build(work, plan, profile, x[: samples(plan)])
     if condition.endswith("gc frozen"):
         gc.collect()
         gc.freeze()
@@ -74,24 +77,26 @@ def one_build(work: Any, plan: PlanSpec, profile: Any, condition: str, steps: in
     return {"condition": condition, "steps": times, "ranks": everyone, "steps sharing a core": shared}
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace, build: Callable, profiles: Callable) -> dict[str, Any]:
+    """Every rank: ``args.rounds`` rounds of one build per condition of the calibrating plan (module docstring);
+    ``build`` and ``profiles``: the worker's pipeline builder and profiler (``alone_profiles``)."""
     work = workloads()[args.workload]
     world = dist.get_world_size()
-    plan = calibrating(world) if not args.plan else PlanSpec(*args.plan[:1], *map(int, args.plan[1:2]), args.plan[2],
-                                                              *map(int, args.plan[3:5]))  # fmt: skip
+    plan = calibrating(world)
     x, y = work.data(GLOBAL_BATCH)
-    profile = alone_profiles(work, x, y, [micro_batch(plan)])[micro_batch(plan)]
+    profile = profiles(work, x, y, [samples(plan)])[samples(plan)]
     everywhere = os.sched_getaffinity(0)
     builds = []
     for r in range(args.rounds):
         for condition in CONDITIONS[:: -1 if r % 2 else 1]:
             place(condition, everywhere)
-            builds.append(one_build(work, plan, profile, condition, args.steps))
+            builds.append(one_build(work, plan, profile, condition, args.steps, build))
     return {"workload": args.workload, "plan": plan._asdict(), "world": world, "builds": builds,
             "load": os.getloadavg()}  # fmt: skip
 
 
 def table(result: dict[str, Any]) -> list[str]:
+    """Per condition: builds, between- and within-build sd, the median step, the steps two ranks shared a core."""
     lines = ["| condition | builds | between-build sd | within-build sd | median step | steps sharing a core |",
              "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
     for condition in CONDITIONS:
@@ -102,42 +107,3 @@ def table(result: dict[str, Any]) -> list[str]:
         shared = sum(b["steps sharing a core"] for b in mine)
         lines.append(f"| {condition} | {len(mine)} | {between:.1%} | {within:.1%} | {median * 1e3:.1f} ms | {shared} |")
     return lines
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("out/builds"))
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--workload", default="gpt256")
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--plan", nargs=5, metavar=("SCHEDULE", "M", "PARTITION", "PP", "DP"))
-    args = parser.parse_args(argv)
-    if not launched():
-        args.out.mkdir(parents=True, exist_ok=True)
-        done = subprocess_run(args.ranks, sys.argv[1:] if argv is None else argv)
-        if done:
-            return done
-        result = json.loads((args.out / "builds.json").read_text())
-        print("\n".join(table(result)))
-        return 0
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    try:
-        result = run(args)
-        if dist.get_rank() == 0:
-            (args.out / "builds.json").write_text(json.dumps(result))
-    finally:
-        dist.destroy_process_group()
-    return 0
-
-
-def subprocess_run(ranks: int, argv: list[str]) -> int:
-    import subprocess
-
-    command = torchrun(ranks, "benchmarks.calibration.builds", argv)
-    return subprocess.run(command, env=environ(OMP_NUM_THREADS="1")).returncode
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -42,6 +42,7 @@ from stagewise.runtime.measure.links import all_reduce_link, ping_pong
 
 from .._launch import timed_step
 from ..fidelity.workloads import workloads
+from . import builds
 from .model import calibrations, kept, predictions
 from .space import GLOBAL_BATCH, PlanSpec, calibrating, held_out
 
@@ -238,6 +239,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3, help="builds of P and of every Q, interleaved")
     parser.add_argument("--pin", action="store_true", help="each rank on one core (os.sched_setaffinity)")
+    parser.add_argument("--builds", action="store_true", help="P built again and again instead (:mod:`.builds`)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     if args.pin:
@@ -245,7 +247,7 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     try:
-        result = run(args)
+        result = builds.run(args, build, alone_profiles) if args.builds else run(args)
         if dist.get_rank() == 0:
             args.out.write_text(json.dumps(result, default=str))
     finally:
