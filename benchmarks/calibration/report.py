@@ -108,9 +108,13 @@ def summary(result: dict[str, Any], model: str = "after") -> dict[str, Any]:
     inside = sum(1 for s, r in steps if r["low"] <= s <= r["high"]) / len(steps) if steps else float("nan")
     widths = [(r["high"] - r["low"]) / 2 / max(spread(r["steps"]), 1e-12) for r in rows]
     tau, pairs = kendall(rows)
-    spread_of = noise(result) if rows else {}
-    tau_b, pairs_b = kendall(rows, apart_by_builds(spread_of["between sd"])) if spread_of.get("between df") else (
-        float("nan"), 0)  # fmt: skip
+    nan = float("nan")
+    spread_of = noise(result) if rows else {"between sd": nan, "between df": 0, "within sd": nan, "within df": 0,
+                                             "builds": 0, "p builds": 0, "floor mae": nan,
+                                             "oracle inside": nan}  # fmt: skip
+    tau_b, pairs_b = (nan, 0)
+    if spread_of["between df"]:
+        tau_b, pairs_b = kendall(rows, apart_by_builds(spread_of["between sd"]))
     return {
         "workload": result["workload"],
         "world": result["world"],
