@@ -16,7 +16,6 @@ Both are calibrated on the calibrating plan P's timelines only; nothing of a pla
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from typing import Any
 
 from stagewise import LayerProfile, build_schedule
@@ -36,9 +35,10 @@ def calibrations(
     ``(latency, bandwidth)``, ``steps``: P's steps timed as the plans Q are (``timed_step``), both the ``after``
     model's (``before`` and ``at batch`` take the bias against the timelines' makespans, as the runtime does)."""
     plain = calibrate_run(timelines, schedule, profile, counts, cores, bandwidth)
-    per_action = calibrate_run(timelines, schedule, profile, counts, cores, bandwidth, per_action=True, steps=steps)
-    if reduce is not None:
-        per_action = replace(per_action, reduce=(float(reduce[0]), float(reduce[1])))
+    link = None if reduce is None else (float(reduce[0]), float(reduce[1]))
+    per_action = calibrate_run(
+        timelines, schedule, profile, counts, cores, bandwidth, per_action=True, steps=steps, reduce=link
+    )
     return {"before": plain, "at batch": plain, "after": per_action}
 
 
@@ -109,5 +109,6 @@ def refit(
         b_q = global_batch // (plan["dp"] * plan["microbatches"])
         got = predictions(cals, profiles, b_p, schedule_of(plan, r.get("virtual")), r["counts"], b_q, plan["dp"],
                           keep["processes"])  # fmt: skip
-        rows.append({"plan": plan, "steps": r["steps"], **{m: (p.step, p.low, p.high) for m, p in got.items()}})
+        rows.append({"plan": plan, "steps": r["steps"], "builds": r.get("builds"),
+                     **{m: (p.step, p.low, p.high) for m, p in got.items()}})  # fmt: skip
     return rows

@@ -21,18 +21,18 @@ from pathlib import Path
 from typing import Any
 
 from .model import MODELS, refit
-from .report import summary
+from .report import measured, summary
 from .space import GLOBAL_BATCH
 
 
 def figures(rows: list[dict[str, Any]], model: str) -> dict[str, Any]:
     """``model``'s mean and largest absolute error, its pick and the pick's regret by the sweep's medians, and
     the benchmark's ranking and interval figures (:func:`.report.summary`)."""
-    medians = [statistics.median(r["steps"]) for r in rows]
+    medians = [measured(r) for r in rows]
     errors = [abs(r[model][0] / m - 1) for r, m in zip(rows, medians)]
     i = min(range(len(rows)), key=lambda k: rows[k][model][0])
-    plans = [{"plan": r["plan"], "steps": r["steps"], "predicted": r[model][0], "low": r[model][1],
-              "high": r[model][2]} for r in rows]  # fmt: skip
+    plans = [{"plan": r["plan"], "steps": r["steps"], "builds": r.get("builds"), "predicted": r[model][0],
+              "low": r[model][1], "high": r[model][2]} for r in rows]  # fmt: skip
     s = summary({"workload": "", "world": 0, "plans": plans})
     return {"mae": statistics.mean(errors), "max": max(errors), "pick": i, "regret": medians[i] / min(medians) - 1,
             "tau": s["kendall tau"], "pairs": s["pairs"], "inside": s["inside interval"],

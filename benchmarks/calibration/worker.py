@@ -1,26 +1,31 @@
-"""One rank of ``python -m benchmarks.calibration``: calibrate on plan P's run, then predict and run every Q.
+"""One rank of ``python -m benchmarks.calibration``: calibrate on plan P's runs, then predict and run every Q,
+each plan built ``--rounds`` times, interleaved.
 
 1. rank 0 profiles the layers alone (``sw.profile``, the loss too) at each micro-batch size the plans run,
-   P's among them; every rank gets them;
-2. every rank probes the replicas' all-reduce link (:mod:`.reduce_probe`; P is dp 1 and holds none); P
-   (:func:`.space.calibrating`) runs 2 warm-up and 3 steps under a
-   :class:`~stagewise.runtime.RunCalibrator` (the default warm-up and window), which calibrates; the link's
-   bandwidth a ping-pong's (:func:`prior_bandwidth`) where P's transfers cannot identify it; then ``--steps``
-   more timed as every Q is (the ``after`` model's bias is taken against them); P's calibrating timelines are
-   kept, and calibrated each way of :mod:`.model`;
-3. for each Q of :func:`.space.held_out`, in the seeded order: the predictions first, from the calibration only
-   (:func:`.model.predictions`: Q's cut, its micro-batch, its replicas' SYNC; the ranks sharing the node's
-   cores); then Q runs ``--warmup`` untimed and ``--steps`` timed steps (each from a barrier, the slowest
-   rank's ``train_step``).
+   P's among them; every rank gets them; every rank probes the replicas' all-reduce link
+   (:func:`~stagewise.runtime.measure.links.all_reduce_link`; P is dp 1 and holds none) and the point-to-point
+   bandwidth (:func:`prior_bandwidth`, kept where P's transfers, all one size, cannot identify it);
+2. each round: P built afresh and run under a :class:`~stagewise.runtime.RunCalibrator` (2 warm-up and 3
+   calibrating steps, each timed as every Q is, ``per_action`` and the probed all-reduce link: the runtime's
+   calibration is the ``after`` model's, :func:`calibrate_round`); then every Q of :func:`.space.held_out`
+   built afresh, ``--warmup`` untimed and ``--steps`` timed steps (each from a barrier, the slowest rank's
+   ``train_step``); the order of the Qs reversed every other round, so that a drift of the machine falls on
+   every plan alike;
+3. the predictions: each model of :mod:`.model` calibrated on P's runs of every round pooled (its timelines and
+   timed steps; nothing of any Q enters), and, for comparison with a one-build benchmark, on round 0's P alone
+   (``"first"``, made before any Q ran).
 
-Rank 0 writes every plan's predictions, intervals and measured steps as JSON (``--out``), and what an offline
-refit needs (``kept``: the profiles, P's timelines, cut, cores and prior bandwidth; :mod:`.refit`).
+``--pin``: each rank on one core (``os.sched_setaffinity``, rank r on core r mod the cores), against the
+between-build spread (which core a rank lands on, and whether two land on one, changes from build to build).
+Rank 0 writes every plan's predictions, intervals and steps per build as JSON (``--out``), and what an offline
+refit needs (``kept``: the profiles, P's timelines and timed steps of every round, cut, cores and links).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -31,13 +36,14 @@ import stagewise as sw
 from stagewise.partition import stage_counts
 from stagewise.runtime import RunCalibrator
 
-# internal: the ping-pong probe alone (calibrate() probes much else), for the link's prior bandwidth
-from stagewise.runtime.measure.links import ping_pong
+# internal: the link probes alone (calibrate() probes much else): the ping-pong for the point-to-point
+# bandwidth's prior, the replicas' all-reduce for their SYNC
+from stagewise.runtime.measure.links import all_reduce_link, ping_pong
 
 from .._launch import timed_step
 from ..fidelity.workloads import workloads
+from . import builds
 from .model import calibrations, kept, predictions
-from .reduce_probe import reduce_link
 from .space import GLOBAL_BATCH, PlanSpec, calibrating, held_out
 
 
@@ -56,35 +62,62 @@ def micro_batch(plan: PlanSpec) -> int:
     return GLOBAL_BATCH // (plan.dp * plan.microbatches)
 
 
+def reduce_probe() -> tuple[float, float] | None:
+    link = all_reduce_link(2)
+    return None if link is None else (link.latency, link.bandwidth)
+
+
+def calibrate_round(
+    work: Any, p_plan: PlanSpec, profile: sw.LayerProfile, bandwidth: float, reduce: Any, steps: int = 0
+) -> dict[str, Any]:
+    """P built and run until its :class:`RunCalibrator` (the ``after`` model: ``per_action``, the probed
+    all-reduce link, each step timed) calibrates, then ``steps`` more timed: the record, the calibrating
+    timelines, every timed step after the warm-up, and P's cut and schedule."""
+    x, y = work.data(GLOBAL_BATCH)
+    pipe = build(work, p_plan, profile, x[: micro_batch(p_plan)])
+    calibrator = RunCalibrator(pipe, profile, processes=dist.get_world_size(), bandwidth=bandwidth,
+                               per_action=True, reduce=reduce)  # fmt: skip
+    seen, timed = [], []
+    while calibrator.calibration is None:
+        timed.append(timed_step(pipe, x, y))
+        seen.append(pipe.timeline(gather=True))
+        calibrator.observe(seen[-1], step_s=timed[-1])
+    timed += [timed_step(pipe, x, y) for _ in range(steps)]
+    w = calibrator.warmup
+    out = {"record": calibrator.records[0], "timelines": seen[w:], "steps": timed[w:], "schedule": pipe.schedule,
+           "counts": [len(r) for r in pipe.layer_ranges], "cores": calibrator.cores}  # fmt: skip
+    del pipe
+    return out
+
+
 def calibrated(
     work: Any, p_plan: PlanSpec, profiles: dict[int, sw.LayerProfile], steps: int = 5
 ) -> tuple[Any, dict[str, Any], dict]:
-    """P run until its :class:`RunCalibrator` calibrates, then ``steps`` more timed as every Q is (``timed_step``):
-    that calibrator's first record, the models' calibrations (:func:`.model.calibrations`) of the same timelines,
-    and what an offline refit needs (:func:`.model.kept`)."""
-    world = dist.get_world_size()
-    x, y = work.data(GLOBAL_BATCH)
-    b_p = micro_batch(p_plan)
-    reduce = reduce_link()
-    pipe = build(work, p_plan, profiles[b_p], x[:b_p])
-    calibrator = RunCalibrator(pipe, profiles[b_p], processes=world, bandwidth=prior_bandwidth())
-    seen = []
-    while calibrator.calibration is None:
-        pipe.train_step(x, y)
-        seen.append(pipe.timeline(gather=True))
-        calibrator.observe(seen[-1])
-    timelines, counts = seen[calibrator.warmup :], [len(r) for r in pipe.layer_ranges]
-    timed = [timed_step(pipe, x, y) for _ in range(steps)]
-    cores, bandwidth = calibrator.cores, calibrator.bandwidth
-    cals = calibrations(timelines, pipe.schedule, profiles[b_p], counts, cores, bandwidth, reduce, timed)
-    keep = kept(profiles, timelines, p_plan._asdict(), counts, cores, bandwidth, world, reduce, timed)
-    del pipe
-    return calibrator.records[0], cals, keep
+    """One build of P (:func:`calibrate_round`, ``steps`` more timed): its calibrator's record, the models'
+    calibrations (:func:`.model.calibrations`) of its timelines and timed steps, and what a refit needs."""
+    b_p, bandwidth, reduce = micro_batch(p_plan), prior_bandwidth(), reduce_probe()
+    got = calibrate_round(work, p_plan, profiles[b_p], bandwidth, reduce, steps)
+    return got["record"], *pooled(profiles, p_plan, [got], bandwidth, reduce)
+
+
+def pooled(
+    profiles: dict[int, sw.LayerProfile], p_plan: PlanSpec, rounds: list[dict], bandwidth: float, reduce: Any
+) -> tuple[dict[str, Any], dict]:
+    """The models calibrated on the P runs of ``rounds`` pooled (their calibrating timelines and timed steps),
+    and the ``kept`` record (``rounds``: how many timelines and steps each round gave)."""
+    timelines = [t for r in rounds for t in r["timelines"]]
+    steps = [s for r in rounds for s in r["steps"]]
+    first, world = rounds[0], dist.get_world_size()
+    cals = calibrations(timelines, first["schedule"], profiles[micro_batch(p_plan)], first["counts"], first["cores"],
+                        bandwidth, reduce, steps)  # fmt: skip
+    keep = kept(profiles, timelines, p_plan._asdict(), first["counts"], first["cores"], bandwidth, world, reduce, steps)
+    keep["rounds"] = [[len(r["timelines"]), len(r["steps"])] for r in rounds]
+    return cals, keep
 
 
 def predicted_row(cals: dict, profiles: dict[int, sw.LayerProfile], p_plan: PlanSpec, plan: PlanSpec, q: Any) -> dict:
-    """Q's predictions by each model of :mod:`.model`, before it runs: the ``after`` model's as ``predicted`` /
-    ``low`` / ``high`` (what the figures judge), the others' under their names (``"before"``, ``"at batch"``)."""
+    """Q's predictions by each model of :mod:`.model`: the ``after`` model's as ``predicted`` / ``low`` /
+    ``high`` (what the figures judge), the others' under their names (``"before"``, ``"at batch"``)."""
     counts = [len(r) for r in q.layer_ranges]
     got = predictions(cals, profiles, micro_batch(p_plan), q.schedule, counts, micro_batch(plan), plan.dp,
                       dist.get_world_size())  # fmt: skip
@@ -125,32 +158,77 @@ def build(work: Any, plan: PlanSpec, profile: sw.LayerProfile, sample: Any) -> s
     )  # fmt: skip
 
 
+def measured_builds(work: Any, plans: list[PlanSpec], profile: sw.LayerProfile, args: Any, r: int) -> dict[int, Any]:
+    """Round ``r``: every plan built afresh (reversed order in odd rounds), ``--warmup`` untimed and ``--steps``
+    timed steps: per plan index, ``(what the predictions read of its pipeline, its steps)``."""
+    x, y = work.data(GLOBAL_BATCH)
+    out = {}
+    for k in list(range(len(plans)))[:: -1 if r % 2 else 1]:
+        q = build(work, plans[k], profile, x[: micro_batch(plans[k])])
+        for _ in range(args.warmup):
+            timed_step(q, x, y)
+        out[k] = (_Cut(q), [timed_step(q, x, y) for _ in range(args.steps)])
+        del q
+    return out
+
+
+class _Cut:
+    """What :func:`predicted_row` reads of a built pipeline (its cut and schedule), kept after it is gone."""
+
+    def __init__(self, pipe: Any) -> None:
+        self.layer_ranges, self.schedule = list(pipe.layer_ranges), pipe.schedule
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     world = dist.get_world_size()
     work = workloads()[args.workload]
     x, y = work.data(GLOBAL_BATCH)
     p_plan, plans = calibrating(world), held_out(world, args.plans)
     profiles = alone_profiles(work, x, y, [micro_batch(p) for p in (p_plan, *plans)])
-    record, cals, keep = calibrated(work, p_plan, profiles, args.steps)
+    b_p, bandwidth, reduce = micro_batch(p_plan), prior_bandwidth(), reduce_probe()
+    p_rounds: list[dict[str, Any]] = []
+    builds: list[list[list[float]]] = [[] for _ in plans]
+    cuts: list[_Cut | None] = [None] * len(plans)
+    first_cals: dict[str, Any] = {}
+    for r in range(args.rounds):
+        p_rounds.append(calibrate_round(work, p_plan, profiles[b_p], bandwidth, reduce))
+        if r == 0:  # the one-build benchmark's calibration, before any Q runs
+            first_cals = pooled(profiles, p_plan, p_rounds, bandwidth, reduce)[0]
+        for k, (seen, steps) in measured_builds(work, plans, profiles[b_p], args, r).items():
+            cuts[k] = cuts[k] or seen
+            builds[k].append(steps)
+    cals, keep = pooled(profiles, p_plan, p_rounds, bandwidth, reduce)
     rows = []
-    for plan in plans:
-        b_q = micro_batch(plan)
-        q = build(work, plan, profiles[micro_batch(p_plan)], x[:b_q])
+    for k, plan in enumerate(plans):
+        q = cuts[k]
+        first = predicted_row(first_cals, profiles, p_plan, plan, q)
         row = predicted_row(cals, profiles, p_plan, plan, q)
-        for _ in range(args.warmup):
-            timed_step(q, x, y)
-        rows.append({**row, "steps": [timed_step(q, x, y) for _ in range(args.steps)]})
-        del q
+        steps = [s for b in builds[k] for s in b]
+        once = {"predicted": first["predicted"], "low": first["low"], "high": first["high"]}
+        rows.append({**row, "builds": builds[k], "steps": steps, "first": once})
+    record, own = p_rounds[0]["record"], first_cals["after"]
+    again = own.predict(p_rounds[0]["schedule"], own.profile(profiles[b_p]).cost_model(_bounds(p_rounds[0]["counts"])),
+                        world).step  # fmt: skip
     return {
-        "workload": args.workload,
-        "world": world,
-        "calibrating": p_plan._asdict(),
-        "calibration": record,
-        "overhead_s": cals["after"].overhead,
-        "bias_after": cals["after"].bias,
-        "plans": rows,
-        "kept": keep,
-    }
+        "workload": args.workload, "world": world, "rounds": args.rounds, "pin": args.pin,
+        "calibrating": p_plan._asdict(), "calibration": record, "records": [p["record"] for p in p_rounds],
+        "runtime against the after model": record["predicted_s"] / again - 1,
+        "p_builds": [p["steps"] for p in p_rounds], "overhead_s": cals["after"].overhead,
+        "bias_after": cals["after"].bias, "plans": rows, "kept": keep,
+    }  # fmt: skip
+
+
+def _bounds(counts: list[int]) -> list[int]:
+    out = [0]
+    for c in counts:
+        out.append(out[-1] + c)
+    return out
+
+
+def pin() -> None:
+    """This rank on one core: local rank r on core r mod the cores it may use (module docstring)."""
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cores[int(os.environ.get("LOCAL_RANK", "0")) % len(cores)]})
 
 
 def main() -> None:
@@ -158,13 +236,18 @@ def main() -> None:
     parser.add_argument("--workload", default="gpt256")
     parser.add_argument("--plans", type=int, default=32)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3, help="builds of P and of every Q, interleaved")
+    parser.add_argument("--pin", action="store_true", help="each rank on one core (os.sched_setaffinity)")
+    parser.add_argument("--builds", action="store_true", help="P built again and again instead (:mod:`.builds`)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    if args.pin:
+        pin()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     try:
-        result = run(args)
+        result = builds.run(args, build, alone_profiles) if args.builds else run(args)
         if dist.get_rank() == 0:
             args.out.write_text(json.dumps(result, default=str))
     finally:

@@ -48,7 +48,8 @@ INTERNAL = {
         "the held-out prediction itself (held_out_costs), which no public name runs without a pipeline of Q"
     ),
     ("calibration/worker.py", "stagewise.runtime.measure.links"): (
-        "the run's one message size cannot identify the link's bandwidth: a ping-pong between two ranks gives the prior"
+        "the run's one message size cannot identify the link's bandwidth: a ping-pong between two ranks gives the "
+        "prior; the replicas' all-reduce probed alone (all_reduce_link) prices a dp 2 plan's SYNC"
     ),
     ("transport_pingpong.py", "stagewise.runtime.comm"): "it drives a transport directly: the protocol's values",
     ("transport_pingpong.py", "stagewise.runtime.comm.shm.transport"): (

@@ -296,6 +296,7 @@ def calibrate_run(
     reductions: Sequence[tuple[float, float]] = (),
     per_action: bool = False,
     steps: Sequence[float] | None = None,
+    reduce: tuple[float, float] | None = None,
 ) -> RunCalibration:
     """Calibrate on the run of ``schedule`` cut by ``counts`` (layers per stage of ``prior``): ``timelines``
     (one per step, every rank on one clock) measured on ``cores`` shared cores; then the bias against the
@@ -307,7 +308,9 @@ def calibrate_run(
     calibration's ``overhead``, :mod:`stagewise.planning.action_cost`); the bias keeps the rest of the miss.
     ``steps``: the calibrating plan's steps measured as the plans to predict will be (a benchmark times a whole
     ``train_step`` from a barrier, which holds what each rank does before its first action and after its last,
-    outside the timeline); the bias and the spread are taken against them. Default: the timelines' makespans."""
+    outside the timeline); the bias and the spread are taken against them. Default: the timelines' makespans.
+    ``reduce``: the replicas' all-reduce link ``(latency, bandwidth)`` probed apart (gloo's collectives are not the
+    pipeline's transport), kept as :attr:`RunCalibration.reduce` and used for the plan's own SYNC too."""
     if not timelines:
         raise ValueError("calibrate_run: no timelines (run a few steps first)")
     if steps is not None and not (len(steps) > 0 and all(x > 0 for x in steps)):
@@ -331,6 +334,7 @@ def calibrate_run(
         steps=tuple(t.makespan for t in timelines) if steps is None else tuple(float(x) for x in steps),
         link=link.note,
         stage_spread=stage_spreads(timelines, cores, schedule.num_stages),
+        reduce=None if reduce is None else (float(reduce[0]), float(reduce[1])),
     )
     costs = ring_synced(run.profile(prior).cost_model(bounds), dp, run)
     held_out = stage_holdout_error(run.measured, prior.cost_model(bounds))

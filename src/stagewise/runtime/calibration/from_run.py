@@ -57,7 +57,11 @@ class RunCalibrator:
     :func:`~stagewise.runtime.measure.links.ping_pong`) or a :class:`~stagewise.planning.Calibration` (its intra link);
     infinite when none is known (:func:`link_prior`; the record's ``link`` and ``bandwidth_from`` say which);
     ``per_action``: what the model misses of this plan's step is a CPU cost per compute action on the shared
-    cores (:mod:`stagewise.planning.action_cost`; the record's ``overhead_s``), not a factor on every step.
+    cores (:mod:`stagewise.planning.action_cost`; the record's ``overhead_s``), not a factor on every step;
+    ``reduce``: the replicas' all-reduce link ``(latency, bandwidth)``, probed apart
+    (:func:`~stagewise.runtime.measure.links.all_reduce_link`): with dp > 1 each stage's SYNC is priced on it.
+    The held-out benchmark (``benchmarks/calibration``) calibrates with ``per_action=True``, ``reduce`` and each
+    step timed (:meth:`observe`'s ``step_s``): its figures are this calibrator's model.
     """
 
     def __init__(
@@ -73,6 +77,7 @@ class RunCalibrator:
         speeds: Sequence[float] | None = None,
         bandwidth: float | Calibration | None = None,
         per_action: bool = False,
+        reduce: tuple[float, float] | None = None,
     ) -> None:
         if after < 1 or warmup < 0:
             raise ValueError(f"RunCalibrator: after must be >= 1 and warmup >= 0, got {after}, {warmup}")
@@ -83,6 +88,7 @@ class RunCalibrator:
         self.processes = processes or pipe.num_ranks
         self.speeds = None if speeds is None else [float(x) for x in speeds]
         self.warmup, self.after, self.per_action = warmup, after, per_action
+        self.reduce = None if reduce is None else (float(reduce[0]), float(reduce[1]))
         self.bandwidth, self.bandwidth_from = link_prior(pipe, bandwidth)
         self.on_event = on_event
         self.records: list[dict[str, Any]] = []
@@ -91,35 +97,46 @@ class RunCalibrator:
         self.detector = Detector(pipe.num_ranks)
         self._seen = 0
         self._calibrating: list[Timeline] = []
+        self._timed: list[float | None] = []  # the calibrating steps' measured seconds, where the caller timed them
+        self._steps_timed = False  # whether the calibration took its steps from them
         self._replicas = ReplicaSyncs(pipe)  # dp > 1: the replicas' all-reduces, for the link fit
         self._since: list[float] = []
         #: every step's makespan after the warm-up (the calibrating steps and those since), seconds
         self.makespans: list[float] = []
 
-    def observe(self, timeline: Timeline | None = None) -> None:
+    def observe(self, timeline: Timeline | None = None, *, step_s: float | None = None) -> None:
         """After a train step, on every rank: ``timeline`` (all ranks on one clock), else the pipeline's last
-        step gathered (a collective)."""
+        step gathered (a collective). ``step_s``: the step as the caller measured it (e.g. the slowest rank's
+        ``train_step`` from a barrier, which holds what each rank does outside its actions); when every
+        calibrating step has one, the bias, the spread and :meth:`report`'s measured steps are taken against
+        those, else against the timelines' makespans."""
         if timeline is None:
             timeline = self.pipe.timeline(gather=True)
+        if step_s is not None and not step_s > 0:
+            raise ValueError(f"RunCalibrator.observe: step_s must be > 0 seconds, got {step_s!r}")
         self._seen += 1
         if self._seen <= self.warmup:
             return
         self.makespans.append(timeline.makespan)
         if self.calibration is None:
             self._calibrating.append(timeline)
+            self._timed.append(step_s)
             self._replicas.observe()
             if len(self._calibrating) == self.after:
                 self._calibrate()
             return
-        self._since.append(timeline.makespan)
+        self._since.append(step_s if self._steps_timed and step_s is not None else timeline.makespan)
         self._watch(timeline)
 
     def _calibrate(self) -> None:
         schedule = self.pipe.schedule
         reductions = self._replicas.pairs()
+        timed = [s for s in self._timed if s is not None]
+        self._steps_timed = len(timed) == len(self._calibrating)
         cal = calibrate_run(
             self._calibrating, schedule, self.prior, self.counts, self.cores, self.bandwidth,
             dp=self._replicas.dp, reductions=reductions, per_action=self.per_action,
+            steps=timed if self._steps_timed else None, reduce=self.reduce,
         )  # fmt: skip
         if self.speeds is not None:  # a rank known slow stays a slow rank: its stages' layers keep their costs
             at = [self.speeds[r] for r in schedule.placement]
@@ -143,6 +160,9 @@ class RunCalibrator:
                 "bias": cal.bias,
                 "overhead_s": cal.overhead,
                 "cores": cal.cores,
+                "steps_s": list(cal.steps),
+                "steps_from": "timed" if self._steps_timed else "makespans",
+                "reduce_link": None if cal.reduce is None else list(cal.reduce),
             }
         )
 

@@ -99,3 +99,45 @@ def measure_links(nodes: int = 1, *, rounds: int = 10, timeout: float = 30.0) ->
     intra = ping_pong(0, 1, rounds=rounds, timeout=timeout) if per_node >= 2 else None
     inter = ping_pong(0, per_node, rounds=rounds, timeout=timeout) if nodes >= 2 else None
     return intra, inter
+
+
+#: bytes of the two all-reduces :func:`all_reduce_link` times (stages hold 0.4-13 MB of parameters in the benchmarks)
+REDUCE_SIZES = (1 << 20, 1 << 24)
+
+
+def all_reduce_link(dp: int = 2, *, rounds: int = 5, timeout: float = 60.0) -> Link | None:
+    """The replicas' all-reduce as a link, ``2 (dp - 1) / dp`` ring shares priced on it: gloo's ``all_reduce``
+    timed in every replica group of a ``(world / dp) x dp`` layout at once (as a plan's SYNCs run, on the node's
+    shared cores), at two sizes (:data:`REDUCE_SIZES`), the slowest rank's median of ``rounds``; the ring's
+    latency and bandwidth solved through the two. A collective over the default group; None where the world
+    cannot hold ``dp`` replicas. Gloo's collectives do not use the pipeline's point-to-point transport, whose
+    link the calibration fits (a dp 1 plan's run holds no all-reduce at all)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if dp < 2 or world % dp:
+        return None
+    deadline = time.monotonic() + timeout
+    pp = world // dp
+    groups = [[s * dp + r for r in range(dp)] for s in range(pp)]  # stage s's replicas (dp the innermost axis)
+    handles = [dist.new_group(g) for g in groups]  # every rank makes every group, in the same order
+    mine = next(h for h, g in zip(handles, groups) if rank in g)
+    medians = []
+    for nbytes in REDUCE_SIZES:
+        t = torch.ones(nbytes // 4)
+
+        def timed(t: torch.Tensor = t) -> list[float]:
+            dist.all_reduce(t, group=mine)  # the group's connections, not counted
+            seen = []
+            for _ in range(rounds):
+                dist.barrier()
+                t0 = time.perf_counter()
+                dist.all_reduce(t, group=mine)
+                seen.append(time.perf_counter() - t0)
+            return seen
+
+        medians.append(slowest(statistics.median(_bounded(timed, deadline, "the replicas' all-reduce")), deadline))
+    share = 2 * (dp - 1) / dp  # of the bytes each rank sends and receives in a ring
+    per_byte = (medians[1] - medians[0]) / (share * (REDUCE_SIZES[1] - REDUCE_SIZES[0]))
+    steps = 2 * (dp - 1)  # latencies in a ring
+    if per_byte <= 0:
+        return Link(latency=max(medians[0], 0.0) / steps, bandwidth=float("inf"))
+    return Link(latency=max(medians[0] - share * REDUCE_SIZES[0] * per_byte, 0.0) / steps, bandwidth=1 / per_byte)

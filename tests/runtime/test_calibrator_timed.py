@@ -1,0 +1,55 @@
+"""The runtime's RunCalibrator on the held-out benchmark's model (issue 49 item 2): each calibrating step timed
+by the caller (the bias, the spread and the report then taken against those), and the replicas' all-reduce
+link probed apart. Simulated timelines, no processes."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from helpers.profiles import fake_profile
+from stagewise import build_schedule, simulate
+from stagewise.runtime import RunCalibrator
+
+PRIOR = fake_profile([3.0, 3.0])
+
+
+def fake_pipe() -> SimpleNamespace:
+    """What the calibrator reads of a pipeline: 1F1B at 2 ranks, 4 micro-batches, a layer a stage."""
+    return SimpleNamespace(
+        schedule=build_schedule("1f1b", 2, 4), layer_ranges=[range(0, 1), range(1, 2)], layer_profile=PRIOR,
+        num_ranks=2, rank=0, frontend=object(),
+    )  # fmt: skip
+
+
+def test_timed_steps_set_the_bias_and_the_report() -> None:
+    """The simulated run is 15 s a step (F 1 s, B 2 s); the caller timed the calibrating steps at 16.5, 18 and
+    19.5 s (a warm-up at 30 s left out): bias 18 / 15, the plan predicted at 18 s; the steps after, timed 18 and
+    20 s, are what the report measures (median 19), not the timelines' 15 s."""
+    run = simulate(build_schedule("1f1b", 2, 4), PRIOR.cost_model([0, 1, 2])).timeline
+    assert run.makespan == 15.0
+    calibrator = RunCalibrator(fake_pipe(), cores=8, warmup=1, reduce=(0.25, 50.0))
+    for seconds in (30.0, 16.5, 18.0, 19.5):
+        calibrator.observe(run, step_s=seconds)
+    record = calibrator.records[0]
+    assert record["steps_from"] == "timed" and record["steps_s"] == [16.5, 18.0, 19.5]
+    assert record["bias"] == pytest.approx(18.0 / 15.0, rel=1e-9) and record["reduce_link"] == [0.25, 50.0]
+    assert record["predicted_s"] == pytest.approx(18.0, rel=1e-9)
+    for seconds in (18.0, 20.0):
+        calibrator.observe(run, step_s=seconds)
+    report = calibrator.report()
+    assert report["measured_s"] == 19.0 and report["error"] == pytest.approx(18.0 / 19.0 - 1, rel=1e-9)
+
+
+def test_untimed_steps_fall_back_to_the_makespans() -> None:
+    """One calibrating step without a time: the calibration takes every step's makespan (bias 1), and says so."""
+    run = simulate(build_schedule("1f1b", 2, 4), PRIOR.cost_model([0, 1, 2])).timeline
+    calibrator = RunCalibrator(fake_pipe(), cores=8, warmup=0)
+    for seconds in (16.5, None, 19.5):
+        calibrator.observe(run, step_s=seconds)
+    record = calibrator.records[0]
+    assert record["steps_from"] == "makespans" and record["bias"] == pytest.approx(1.0, rel=1e-9)
+    assert record["reduce_link"] is None
+    with pytest.raises(ValueError, match="step_s must be > 0 seconds"):
+        calibrator.observe(run, step_s=0.0)
