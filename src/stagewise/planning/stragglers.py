@@ -14,6 +14,12 @@ For the speeds measured, :func:`cut_for_speeds` gives the cut the planner would 
 the calibrated layer costs, each stage's divided by its rank's speed, improved boundary by boundary by the
 predicted step, :func:`~stagewise.planning.defaults.improved_counts`) and the step the model predicts for
 it: what a live re-partition would apply.
+
+A CPU quota (cgroup ``cpu.cfs_quota_us``) is a cap on a rank's share of a core, not a speed: once a re-cut
+leaves the held rank little work, it no longer uses its quota up, its steps show nothing of the cap, and when
+the quota lifts the timeline cannot say so. So a rank held slow is also probed, now and then, with a short
+busy loop of its own (its CPU seconds over the wall seconds: the share of a core it gets when it wants a whole
+one, :func:`lifted`); when that share is back above :data:`RECOVERED` the rank is taken at full speed again.
 """
 
 from __future__ import annotations
@@ -197,6 +203,16 @@ class Detector:
         sets the cut is the recent one, so that the third slow step of a window is not outvoted by the two
         before the slowdown (a cut for half the slowdown, the first move a wrong one)."""
         return [statistics.median(h[-RECENT:]) if len(h) == WINDOW else 1.0 for h in self.history]
+
+
+def lifted(speeds: Sequence[float], shares: Sequence[float | None]) -> list[int]:
+    """The ranks held slow (their known ``speeds`` below :data:`SLOW`) whose probed ``shares`` of a core (a busy
+    loop's CPU seconds over its wall seconds, None where not probed) are back above :data:`RECOVERED`: the
+    quota that held them lifted. Probed, because a held rank given little work no longer meets its cap, so its
+    steps read alike whether the cap is there or not; a share, because the cap is what a quota sets."""
+    if len(speeds) != len(shares):
+        raise ValueError(f"lifted: {len(speeds)} speeds but {len(shares)} probed shares (one per rank)")
+    return [r for r, (s, p) in enumerate(zip(speeds, shares)) if s < SLOW and p is not None and float(p) > RECOVERED]
 
 
 def speed_error(series: Sequence[float], window: int = RECENT) -> float:
