@@ -70,6 +70,7 @@ def run(
     rank 1 at half speed from step ``slow_from`` (until step ``until``: released)."""
     rng = random.Random(seed)
     pipe = FakePipe()
+    options.setdefault("probe_every", 0)  # a slowdown of speed, which the steps show (a cap: capped_run's probe)
     replanner = Replanner(pipe, RunCalibrator(pipe, cores=2), steps=1000, relayout_s=0.0, cooldown=5, **options)
     for k in range(steps):
         speeds = [rng.lognormvariate(0.0, noise) for _ in range(2)]
@@ -166,6 +167,7 @@ def quota_run(seed: int, noise: float, steps: int = 60, **options: Any) -> tuple
     rng = random.Random(seed)
     pipe = FakePipe()
     options.setdefault("cooldown", 5)
+    options.setdefault("probe_every", 0)  # the quota as a speed here, which the steps show
     replanner = Replanner(pipe, RunCalibrator(pipe, cores=2), steps=1000, relayout_s=0.0, **options)
     cuts = []
     for k in range(steps):
@@ -232,12 +234,12 @@ def capped_step(pipe: FakePipe, cap: float, noisy: list[float]) -> Any:
 
 
 def capped_run(seed: int, steps: int = 50, **options: Any) -> tuple[Replanner, list[list[int]], list[float]]:
-    """Rank 1 capped at :data:`CAP` over steps [CAPPED, LIFTED), 5 % noise; the probe reads the cap (1 when
-    lifted) of the ranks held. Returns the cut in force after each step and each step's rank-1 cap."""
+    """Rank 1 capped at :data:`CAP` over steps [CAPPED, LIFTED), 5 % noise; the probe reads each rank's cap (1
+    when lifted). Returns the cut in force after each step and each step's rank-1 cap."""
     rng = random.Random(seed)
     pipe = FakePipe()
     caps = [CAP if CAPPED <= k < LIFTED else 1.0 for k in range(steps)]
-    probe = lambda held: [caps[pipe.train_steps - 1] if r in held else None for r in range(2)]  # noqa: E731
+    probe = lambda: [1.0, caps[pipe.train_steps - 1]]  # noqa: E731
     replanner = Replanner(pipe, RunCalibrator(pipe, cores=2), steps=1000, relayout_s=0.0, cooldown=5, probe=probe,
                           **options)  # fmt: skip
     cuts = []

@@ -205,14 +205,18 @@ class Detector:
         return [statistics.median(h[-RECENT:]) if len(h) == WINDOW else 1.0 for h in self.history]
 
 
-def lifted(speeds: Sequence[float], shares: Sequence[float | None]) -> list[int]:
+def lifted(speeds: Sequence[float], shares: Sequence[float]) -> list[int]:
     """The ranks held slow (their known ``speeds`` below :data:`SLOW`) whose probed ``shares`` of a core (a busy
-    loop's CPU seconds over its wall seconds, None where not probed) are back above :data:`RECOVERED`: the
-    quota that held them lifted. Probed, because a held rank given little work no longer meets its cap, so its
-    steps read alike whether the cap is there or not; a share, because the cap is what a quota sets."""
+    loop's CPU seconds over its wall seconds, every rank probed at once) are back above :data:`RECOVERED` of the
+    largest: the quota that held them lifted. Probed, because a held rank given little work no longer meets its
+    cap, so its steps read alike whether the cap is there or not; a share, because the cap is what a quota sets;
+    against the largest, because a machine loaded by others lowers every rank's share alike."""
     if len(speeds) != len(shares):
         raise ValueError(f"lifted: {len(speeds)} speeds but {len(shares)} probed shares (one per rank)")
-    return [r for r, (s, p) in enumerate(zip(speeds, shares)) if s < SLOW and p is not None and float(p) > RECOVERED]
+    top = max(shares, default=0.0)
+    if top <= 0:
+        return []
+    return [r for r, (s, p) in enumerate(zip(speeds, shares)) if s < SLOW and p / top > RECOVERED]
 
 
 def speed_error(series: Sequence[float], window: int = RECENT) -> float:

@@ -4,18 +4,17 @@ A CPU quota (cgroup v1 ``cpu.cfs_quota_us``) caps the CPU seconds a process gets
 with little work stays under its cap, so its steps show nothing of it, and the lift of the quota shows nothing
 either. A loop that wants a whole core does meet the cap: its thread's CPU seconds over its wall seconds are the
 share of a core the rank gets (0.25 under a quota of a quarter, whatever the period; below 1 too where other
-processes take the core). :class:`~stagewise.runtime.Replanner` probes the ranks it holds slow every few steps
-(:func:`probe_shares`, a collective), and :func:`stagewise.planning.stragglers.lifted` says which are free again.
+processes take the core). While it holds a rank slow, :class:`~stagewise.runtime.Replanner` probes every rank
+every few steps (:func:`probe_shares`, a collective: each loops at once, so that a machine loaded by others lowers
+every share alike), and :func:`stagewise.planning.stragglers.lifted` says which held ranks are free again.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Collection
 from typing import Any
 
 from ..comm import collectives
-from ..comm.groups import group_rank
 
 #: the probe's wall seconds: at least three periods of a 10 ms quota, so that the CPU a period had left when the
 #: loop began (one period's share at most) moves the figure by under a third at a quarter of a core (the
@@ -40,8 +39,7 @@ def cpu_share(seconds: float = PROBE_S, slowdown: float = 1.0) -> float:
     return min(1.0, cpu / wall) if wall > 0 else 1.0
 
 
-def probe_shares(group: Any, held: Collection[int], slowdown: float = 1.0) -> list[float | None]:
-    """Every rank's share of a core (:func:`cpu_share`) where it is ``held`` (group ranks), None elsewhere (they
-    do not loop); a collective of the group, every rank with the same ``held``."""
-    mine = cpu_share(slowdown=slowdown) if group_rank(group) in held else None
-    return list(collectives.gather_json(mine, group, what="the ranks' probed shares of a core"))
+def probe_shares(group: Any, slowdown: float = 1.0) -> list[float]:
+    """Every rank's share of a core (:func:`cpu_share`, this rank's ``slowdown`` honoured), all probed at once, in
+    group-rank order; a collective of the group."""
+    return [float(x) for x in collectives.gather_json(cpu_share(slowdown=slowdown), group, what="the ranks' shares")]

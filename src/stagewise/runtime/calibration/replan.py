@@ -17,8 +17,9 @@ new layout (the old one described another cut), told the ranks' speeds inside th
 layers' own costs), so that a straggler stays a slow rank rather than becoming costly layers: when its throttle
 lifts it is "recovered" and the cut for equal speeds moves its layers back. A CPU quota is a cap, not a speed:
 a held rank the re-cut left little work stays under its cap and its steps cannot show the lift, so every
-``probe_every`` steps the ranks held slow are probed with a short busy loop (:mod:`.probe`); one whose share of
-a core is back above :data:`~stagewise.planning.stragglers.RECOVERED` is taken at full speed and a fresh
+``probe_every`` steps while a rank is held slow every rank is probed with a short busy loop (:mod:`.probe`); a
+held one whose share of a core is back above :data:`~stagewise.planning.stragglers.RECOVERED` of the largest is
+taken at full speed and a fresh
 calibration starts, whose news re-decides (the cut for equal speeds: moved back when it pays).
 """
 
@@ -29,7 +30,7 @@ import logging
 import math
 import statistics
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -79,8 +80,8 @@ class Replanner:
     also holds the calibration's own uncertainty (its stages' spread over its few steps,
     :attr:`~stagewise.planning.recalibrate.RunCalibration.uncertainty`), so that a fresh calibration after a change,
     noisier than the steps' spread says, does not re-cut on its noise; ``probe_every``: steps between probes of
-    the ranks held slow (0: never; a cap a rank no longer meets shows only there), ``probe``: what gives each
-    rank's probed share of a core for the held ranks (a collective; default :func:`.probe.probe_shares`).
+    the ranks held slow (0: never; a cap a rank no longer meets shows only there), ``probe``: what gives every
+    rank's probed share of a core (a collective; default :func:`.probe.probe_shares`).
     """
 
     def __init__(
@@ -98,7 +99,7 @@ class Replanner:
         every: int = WINDOW,
         guard_calibration: bool = True,
         probe_every: int = WINDOW,
-        probe: Callable[[Collection[int]], list[float | None]] | None = None,
+        probe: Callable[[], list[float]] | None = None,
     ) -> None:
         if steps < 0 or every < 0 or probe_every < 0:
             raise ValueError(
@@ -139,9 +140,9 @@ class Replanner:
         #: not the layout's)
         self.series: list[list[float]] = [[] for _ in range(pipe.num_ranks)]
         self.probe_every = int(probe_every)
-        self.probe = probe or (lambda held: probe_shares(None, held, _slowdown(pipe)))
+        self.probe = probe or (lambda: probe_shares(None, _slowdown(pipe)))
         self._since_probe = 0
-        #: every probe of the held ranks: the step, the ranks held, their shares, the ranks found free
+        #: every probe: the step, the ranks held, their shares, the ranks found free
         self.probes: list[dict[str, Any]] = []
 
     @property
@@ -191,7 +192,7 @@ class Replanner:
             self.series[r] = (self.series[r] + [x])[-NOISE_STEPS:]
 
     def _probe(self) -> None:
-        """Every :attr:`probe_every` steps while a rank is held slow: probe the held ranks' share of a core; those
+        """Every :attr:`probe_every` steps while a rank is held slow: probe every rank's share of a core; held ones
         free again (:func:`~stagewise.planning.stragglers.lifted`) are taken at full speed, and a fresh calibration
         on the running cut starts (its stage costs measured at that speed), whose news re-decides."""
         held = [r for r, s in enumerate(self.speeds) if s < SLOW]
@@ -199,19 +200,19 @@ class Replanner:
         if not held or self.probe_every == 0 or self._since_probe < self.probe_every:
             return
         self._since_probe = 0
-        shares = self.probe(held)
+        shares = self.probe()
         free = lifted(self.speeds, shares)
         self.probes.append({"step": int(self.pipe.train_steps), "held": held, "shares": shares, "lifted": free})
         if not free:
             return
         for r in free:
-            self.speeds[r] = self.told[r] = min(1.0, float(shares[r] or 1.0))
+            self.speeds[r] = self.told[r] = 1.0
         if group_rank(None) == 0:
             log.warning(
-                "stagewise: rank(s) %s, held slow, probe %s of a core: their throttle lifted; recalibrating at "
-                "full speed (the cut for equal speeds follows when it pays)",
+                "stagewise: rank(s) %s, held slow, probe %s of the largest share of a core: their throttle lifted; "
+                "recalibrating at full speed (the cut for equal speeds follows when it pays)",
                 free,
-                [round(float(shares[r] or 0.0), 2) for r in free],
+                [round(shares[r] / max(shares), 2) for r in free],
             )
         self.pipe.metrics.event("straggler lifted", step=int(self.pipe.train_steps), ranks=free)
         self._recalibrate()
