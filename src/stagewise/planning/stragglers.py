@@ -18,8 +18,8 @@ it: what a live re-partition would apply.
 A CPU quota (cgroup ``cpu.cfs_quota_us``) is a cap on a rank's share of a core, not a speed: once a re-cut
 leaves the held rank little work, it no longer uses its quota up, its steps show nothing of the cap, and when
 the quota lifts the timeline cannot say so. So a rank held slow is also probed, now and then, with a short
-busy loop of its own (its CPU seconds over the wall seconds: the share of a core it gets when it wants a whole
-one, :func:`lifted`); when that share is back above :data:`RECOVERED` the rank is taken at full speed again.
+busy loop, every rank at once (the iterations per wall second: the share of a core each gets when it wants a
+whole one, :func:`lifted`); when that share is back above :data:`RECOVERED` the rank is taken at full speed again.
 """
 
 from __future__ import annotations
@@ -207,7 +207,7 @@ class Detector:
 
 def lifted(speeds: Sequence[float], shares: Sequence[float]) -> list[int]:
     """The ranks held slow (their known ``speeds`` below :data:`SLOW`) whose probed ``shares`` of a core (a busy
-    loop's CPU seconds over its wall seconds, every rank probed at once) are back above :data:`RECOVERED` of the
+    loop's iterations per wall second, every rank probed at once) are back above :data:`RECOVERED` of the
     largest: the quota that held them lifted. Probed, because a held rank given little work no longer meets its
     cap, so its steps read alike whether the cap is there or not; a share, because the cap is what a quota sets;
     against the largest, because a machine loaded by others lowers every rank's share alike."""

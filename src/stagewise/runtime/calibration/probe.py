@@ -2,11 +2,12 @@
 
 A CPU quota (cgroup v1 ``cpu.cfs_quota_us``) caps the CPU seconds a process gets per period. A rank a re-cut left
 with little work stays under its cap, so its steps show nothing of it, and the lift of the quota shows nothing
-either. A loop that wants a whole core does meet the cap: its thread's CPU seconds over its wall seconds are the
-share of a core the rank gets (0.25 under a quota of a quarter, whatever the period; below 1 too where other
-processes take the core). While it holds a rank slow, :class:`~stagewise.runtime.Replanner` probes every rank
-every few steps (:func:`probe_shares`, a collective: each loops at once, so that a machine loaded by others lowers
-every share alike), and :func:`stagewise.planning.stragglers.lifted` says which held ranks are free again.
+either. A loop that wants a whole core does meet the cap: the iterations it does per wall second, against the
+other ranks' at the same moment, are the share of a core the rank gets (a quarter of theirs under a quota of a
+quarter; a slower core shows too, and other processes loading every core lower every rank's alike). While it
+holds a rank slow, :class:`~stagewise.runtime.Replanner` probes every rank every few steps (:func:`probe_shares`,
+a collective: each loops at once), and :func:`stagewise.planning.stragglers.lifted` says which held ranks are
+free again.
 """
 
 from __future__ import annotations
@@ -24,22 +25,23 @@ PROBE_S = 0.03
 CHUNK = 2000
 
 
-def cpu_share(seconds: float = PROBE_S, slowdown: float = 1.0) -> float:
-    """This thread's CPU seconds over the wall seconds of a busy loop of ``seconds``; ``slowdown``: an emulated
-    slowdown (``emulate_slowdown``), honoured as the interpreter does (sleeping ``slowdown - 1`` times the
-    loop's time), so that an emulated straggler probes slow too."""
-    wall0, cpu0 = time.perf_counter(), time.thread_time()
-    x = 0
-    while time.perf_counter() - wall0 < seconds:
+def loop_rate(seconds: float = PROBE_S, slowdown: float = 1.0) -> float:
+    """Iterations per wall second of a busy loop of ``seconds``: what a quota (or a slower core, or other
+    processes on it) leaves this rank; ``slowdown``: an emulated slowdown (``emulate_slowdown``), honoured as the
+    interpreter does (sleeping ``slowdown - 1`` times the loop's time), so that an emulated straggler probes
+    slow too."""
+    start = time.perf_counter()
+    done, x = 0, 0
+    while time.perf_counter() - start < seconds:
         for i in range(CHUNK):
             x ^= i
+        done += CHUNK
     if slowdown != 1.0:
-        time.sleep((slowdown - 1.0) * (time.perf_counter() - wall0))
-    wall, cpu = time.perf_counter() - wall0, time.thread_time() - cpu0
-    return min(1.0, cpu / wall) if wall > 0 else 1.0
+        time.sleep((slowdown - 1.0) * (time.perf_counter() - start))
+    return done / (time.perf_counter() - start)
 
 
 def probe_shares(group: Any, slowdown: float = 1.0) -> list[float]:
-    """Every rank's share of a core (:func:`cpu_share`, this rank's ``slowdown`` honoured), all probed at once, in
-    group-rank order; a collective of the group."""
-    return [float(x) for x in collectives.gather_json(cpu_share(slowdown=slowdown), group, what="the ranks' shares")]
+    """Every rank's :func:`loop_rate` (this rank's ``slowdown`` honoured), all probed at once, in group-rank
+    order; a collective of the group. Only the ratios mean anything: a loaded machine lowers every rank's."""
+    return [float(x) for x in collectives.gather_json(loop_rate(slowdown=slowdown), group, what="the ranks' rates")]
