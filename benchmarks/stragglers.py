@@ -7,7 +7,9 @@ item 4), with the oracle of static cuts swept under the same throttle.
 Two ranks of one thread train the demo GPT (d 64, 10 layers) with 1F1B, 8 micro-batches, under a
 :class:`~stagewise.runtime.Replanner` (its :class:`~stagewise.runtime.RunCalibrator` calibrates in the first
 steps, names a slow rank, and the Replanner re-cuts live when the predicted gain clears the re-layout's cost
-and the steps' noise). Rank 1 is held to 50 % of a core, then 25 %, then released: cgroup v1, a group made for
+and the steps' noise; a rank it holds slow is probed every 5 steps, :mod:`stagewise.runtime.calibration.probe`,
+so that the lift of a quota it no longer meets shows). Rank 1 is held to 50 % of a core, then 25 %, then released
+(``--released-steps``, 24: the move back waits for a probe and a fresh calibration): cgroup v1, a group made for
 this run (``cpu.cfs_quota_us`` of ``cpu.cfs_period_us = 10000``, a 10 ms period, so the slow rank is slower
 rather than bursty), released by moving the process back to the group the run was started in (the throttle
 group is its child: a run inside a high ``cpu.shares`` group stays there; ``--cgroup DIR`` names another),
@@ -120,7 +122,7 @@ def rank_main(args: argparse.Namespace) -> None:
     events: list[dict[str, Any]] = []
     steps: list[dict[str, Any]] = []
     phases = (("calibrate", None, 5), ("full speed", None, 5), ("50 %", 0.5, args.steps), ("25 %", 0.25, args.steps),
-              ("released", None, args.steps))  # fmt: skip
+              ("released", None, args.released_steps))  # fmt: skip
     live = pipe()
     calibrator = RunCalibrator(live, on_event=lambda e: events.append({**e, "step": len(steps)}))
     replanner = Replanner(live, calibrator, steps=sum(n for *_, n in phases) + args.horizon, cooldown=args.cooldown)
@@ -150,8 +152,8 @@ def rank_main(args: argparse.Namespace) -> None:
     finally:
         throttle.close()
     if rank == 0:
-        out = {"steps": steps, "events": events, "decisions": replanner.log, "oracle": oracle,
-               "load": os.getloadavg(), "mode": "emulate_slowdown" if args.emulate else "cgroup v1",
+        out = {"steps": steps, "events": events, "decisions": replanner.log, "probes": replanner.probes,
+               "oracle": oracle, "load": os.getloadavg(), "mode": "emulate_slowdown" if args.emulate else "cgroup v1",
                "prior": calibrator.prior.to_json(), "cores": calibrator.cores}  # fmt: skip
         out["shares"] = shares(steps, oracle)
         args.out.mkdir(parents=True, exist_ok=True)
@@ -160,6 +162,8 @@ def rank_main(args: argparse.Namespace) -> None:
             print(e)
         for r in replanner.log:
             print(r["step"], r["reason"], r["current"]["counts"], "->", (r["best"] or {}).get("counts"))
+        for p in replanner.probes:
+            print("probe", p)
         for line in table(out["shares"]):
             print(line)
     dist.destroy_process_group()
@@ -232,6 +236,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("out/stragglers"))
     parser.add_argument("--steps", type=int, default=14, help="steps per throttled phase")
+    parser.add_argument(
+        "--released-steps",
+        type=int,
+        default=24,
+        help="steps after the throttle lifts (the held rank is probed every 5, then a calibration of 4 steps)",
+    )
     parser.add_argument("--cooldown", type=int, default=4, help="the Replanner's cooldown (steps)")
     parser.add_argument("--horizon", type=int, default=200, help="steps the job is said to run on after these")
     parser.add_argument("--oracle-steps", type=int, default=3, help="timed steps per static cut")

@@ -143,3 +143,17 @@ def test_the_speeds_standard_error_is_small_when_they_agree_and_ignores_a_thrott
     shifted = [1.0] * 8 + [0.5] * 8
     assert speed_error(shifted) == LEAST_ERROR  # consistent speeds: the floor, the shift not taken for noise
     assert speed_error([0.5, 0.5]) == math.inf
+
+
+def test_lifted_names_the_held_ranks_whose_probed_share_is_back() -> None:
+    """A rank held slow whose probe reads as much of a core as the largest (within RECOVERED) is free; one held
+    at a quarter is not, nor a rank not held; a machine loaded alike lowers every share and frees it still."""
+    from stagewise.planning.stragglers import lifted
+
+    assert lifted([1.0, 0.25, 0.3], [1.0, 0.97, 0.26]) == [1]
+    assert lifted([1.0, 0.25], [0.3, 0.29]) == [1]  # every share low alike: a loaded machine, not a quota
+    assert lifted([1.0, 0.25], [1.0, 0.9]) == []  # 0.9 is not above RECOVERED: still held
+    assert lifted([0.85, 0.5], [1.0, 1.0]) == [1]  # 0.85 is not held (SLOW 0.8)
+    assert lifted([0.5, 0.5], [0.0, 0.0]) == []
+    with pytest.raises(ValueError, match="one per rank"):
+        lifted([1.0, 0.25], [1.0])

@@ -70,6 +70,7 @@ def run(
     rank 1 at half speed from step ``slow_from`` (until step ``until``: released)."""
     rng = random.Random(seed)
     pipe = FakePipe()
+    options.setdefault("probe_every", 0)  # a slowdown of speed, which the steps show (a cap: capped_run's probe)
     replanner = Replanner(pipe, RunCalibrator(pipe, cores=2), steps=1000, relayout_s=0.0, cooldown=5, **options)
     for k in range(steps):
         speeds = [rng.lognormvariate(0.0, noise) for _ in range(2)]
@@ -166,6 +167,7 @@ def quota_run(seed: int, noise: float, steps: int = 60, **options: Any) -> tuple
     rng = random.Random(seed)
     pipe = FakePipe()
     options.setdefault("cooldown", 5)
+    options.setdefault("probe_every", 0)  # the quota as a speed here, which the steps show
     replanner = Replanner(pipe, RunCalibrator(pipe, cores=2), steps=1000, relayout_s=0.0, **options)
     cuts = []
     for k in range(steps):
@@ -189,8 +191,9 @@ def step_of(cut: list[int], share: float) -> float:
 def test_a_quota_of_a_half_then_a_quarter_is_recut_within_10_steps_and_moved_back_after() -> None:
     """Issue 49 item 4 on synthetic steps at 5 % noise: 10 steps into each throttle the cut in force runs at
     least 90 % of the best static cut's speed for it (the oracle: every static cut under the same share), and
-    after the release the cut goes back to the even one; no change but those."""
-    for seed in range(6):
+    after the release the cut goes back to the even one; no change but those (4 seeds: 6 until the capped run
+    below came, for the suite's time)."""
+    for seed in range(4):
         pipe, replanner, cuts = quota_run(seed, 0.05)
         for start, share in PHASES:
             best = min(step_of([c, 8 - c], share) for c in range(1, 8))
@@ -212,3 +215,53 @@ def test_under_a_quota_the_actions_speed_alone_misses_the_quarter(monkeypatch: p
     _, _, cuts = quota_run(0, 0.05)
     best = min(step_of([c, 8 - c], 0.25) for c in range(1, 8))
     assert best / step_of(cuts[25 + 10 - 1], 0.25) < 0.9
+
+
+#: the capped run: rank 1's quota (a share of a core) from step CAPPED, lifted at step LIFTED
+CAP, CAPPED, LIFTED = 0.25, 10, 30
+
+
+def capped_step(pipe: FakePipe, cap: float, noisy: list[float]) -> Any:
+    """A step as a quota makes it: a cap on rank 1's share of a core, not a speed. Rank 1 is held to ``cap``
+    only when the cut gives it more work than that share of the step at full speed (a rank left little work
+    stays under its cap and runs at full speed: what made the measured run's released phase show nothing)."""
+    free = FakePipe()
+    free.relayout([len(r) for r in pipe.layer_ranges])
+    timeline = free.step([1.0, 1.0])
+    busy = sum(e.end - e.start for e in timeline.events if e.rank == 1)
+    share = cap if busy / timeline.makespan > cap else 1.0
+    return pipe.step([noisy[0], noisy[1] * share])
+
+
+def capped_run(seed: int, steps: int = 50, **options: Any) -> tuple[Replanner, list[list[int]], list[float]]:
+    """Rank 1 capped at :data:`CAP` over steps [CAPPED, LIFTED), 5 % noise; the probe reads each rank's cap (1
+    when lifted). Returns the cut in force after each step and each step's rank-1 cap."""
+    rng = random.Random(seed)
+    pipe = FakePipe()
+    caps = [CAP if CAPPED <= k < LIFTED else 1.0 for k in range(steps)]
+    probe = lambda: [1.0, caps[pipe.train_steps - 1]]  # noqa: E731
+    replanner = Replanner(pipe, RunCalibrator(pipe, cores=2), steps=1000, relayout_s=0.0, cooldown=5, probe=probe,
+                          **options)  # fmt: skip
+    cuts = []
+    for k in range(steps):
+        replanner.observe(capped_step(pipe, caps[k], [rng.lognormvariate(0.0, 0.05) for _ in range(2)]))
+        cuts.append([len(r) for r in pipe.layer_ranges])
+    return replanner, cuts, caps
+
+
+@pytest.mark.usefixtures("one_process_group")
+def test_a_capped_rank_is_moved_back_when_its_quota_lifts_and_not_before() -> None:
+    """Issue 49 item 4, the quota as a cap: after the re-cut rank 1 holds one layer and stays under its cap, so
+    its steps read alike capped or not; the probe of the held rank sees the lift and the cut goes back to the
+    even one within 15 steps; while capped it never moves back (no flap). Without the probe (the speed never
+    re-estimated) the cut stays off rank 1 after the lift."""
+    for seed in range(2):
+        replanner, cuts, _ = capped_run(seed)
+        held = cuts[CAPPED + 10 - 1]
+        assert held[1] < 4, (seed, cuts)  # re-cut off the capped rank within 10 steps
+        assert all(c == held for c in cuts[CAPPED + 10 - 1 : LIFTED]), (seed, cuts)  # no flap while capped
+        assert [p for p in replanner.probes if p["lifted"]], replanner.probes
+        assert all(not p["lifted"] for p in replanner.probes if p["step"] <= LIFTED), replanner.probes
+        assert cuts[LIFTED + 15 - 1] == [4, 4], (seed, cuts, replanner.log)
+    _, cuts, _ = capped_run(0, probe_every=0)
+    assert cuts[CAPPED + 10 - 1][1] < 4 and cuts[-1] == cuts[CAPPED + 10 - 1], cuts

@@ -14,6 +14,12 @@ For the speeds measured, :func:`cut_for_speeds` gives the cut the planner would 
 the calibrated layer costs, each stage's divided by its rank's speed, improved boundary by boundary by the
 predicted step, :func:`~stagewise.planning.defaults.improved_counts`) and the step the model predicts for
 it: what a live re-partition would apply.
+
+A CPU quota (cgroup ``cpu.cfs_quota_us``) is a cap on a rank's share of a core, not a speed: once a re-cut
+leaves the held rank little work, it no longer uses its quota up, its steps show nothing of the cap, and when
+the quota lifts the timeline cannot say so. So a rank held slow is also probed, now and then, with a short
+busy loop, every rank at once (the iterations per wall second: the share of a core each gets when it wants a
+whole one, :func:`lifted`); when that share is back above :data:`RECOVERED` the rank is taken at full speed again.
 """
 
 from __future__ import annotations
@@ -197,6 +203,20 @@ class Detector:
         sets the cut is the recent one, so that the third slow step of a window is not outvoted by the two
         before the slowdown (a cut for half the slowdown, the first move a wrong one)."""
         return [statistics.median(h[-RECENT:]) if len(h) == WINDOW else 1.0 for h in self.history]
+
+
+def lifted(speeds: Sequence[float], shares: Sequence[float]) -> list[int]:
+    """The ranks held slow (their known ``speeds`` below :data:`SLOW`) whose probed ``shares`` of a core (a busy
+    loop's iterations per wall second, every rank probed at once) are back above :data:`RECOVERED` of the
+    largest: the quota that held them lifted. Probed, because a held rank given little work no longer meets its
+    cap, so its steps read alike whether the cap is there or not; a share, because the cap is what a quota sets;
+    against the largest, because a machine loaded by others lowers every rank's share alike."""
+    if len(speeds) != len(shares):
+        raise ValueError(f"lifted: {len(speeds)} speeds but {len(shares)} probed shares (one per rank)")
+    top = max(shares, default=0.0)
+    if top <= 0:
+        return []
+    return [r for r, (s, p) in enumerate(zip(speeds, shares)) if s < SLOW and p / top > RECOVERED]
 
 
 def speed_error(series: Sequence[float], window: int = RECENT) -> float:

@@ -397,6 +397,7 @@ def replan_live(ctx: Ctx) -> dict[str, Any]:
         margin_s=0.2,
         cooldown=4,
         log_path=root / "replan.jsonl",
+        probe_every=0,  # the slowdown is simulated as a speed, which the steps show; a probe reads the real CPU
     )
     live = []
     for step in range(steps):

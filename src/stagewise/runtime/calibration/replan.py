@@ -15,7 +15,12 @@ costs: :func:`~stagewise.planning.replan.relayout_cost`), and a new calibration 
 new layout (the old one described another cut), told the ranks' speeds inside their compute actions at the decision
 (:func:`~stagewise.planning.stragglers.compute_speeds`: what its measured actions must be divided by to give the
 layers' own costs), so that a straggler stays a slow rank rather than becoming costly layers: when its throttle
-lifts it is "recovered" and the cut for equal speeds moves its layers back.
+lifts it is "recovered" and the cut for equal speeds moves its layers back. A CPU quota is a cap, not a speed:
+a held rank the re-cut left little work stays under its cap and its steps cannot show the lift, so every
+``probe_every`` steps while a rank is held slow every rank is probed with a short busy loop (:mod:`.probe`); a
+held one whose share of a core is back above :data:`~stagewise.planning.stragglers.RECOVERED` of the largest is
+taken at full speed and a fresh
+calibration starts, whose news re-decides (the cut for equal speeds: moved back when it pays).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import logging
 import math
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +39,20 @@ from ...partition import LayerProfile
 from ...passes.build import build_schedule
 from ...planning.recalibrate import Z85, RunCalibration
 from ...planning.replan import Decisions, Option, line, options_for, relayout_cost, relayout_seconds, step_spread
-from ...planning.stragglers import NOISE_STEPS, RECENT, WINDOW, compute_speeds, rank_speeds, speed_error
+from ...planning.stragglers import (
+    NOISE_STEPS,
+    RECENT,
+    SLOW,
+    WINDOW,
+    compute_speeds,
+    lifted,
+    rank_speeds,
+    speed_error,
+)
 from ..comm.groups import group_rank
 from ..frontends.balance import on_first_rank
 from .from_run import RunCalibrator
+from .probe import probe_shares
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +79,9 @@ class Replanner:
     running step x the steps left, plus ``margin_s`` (a fixed part, 0 by default); ``guard_calibration``: the margin
     also holds the calibration's own uncertainty (its stages' spread over its few steps,
     :attr:`~stagewise.planning.recalibrate.RunCalibration.uncertainty`), so that a fresh calibration after a change,
-    noisier than the steps' spread says, does not re-cut on its noise.
+    noisier than the steps' spread says, does not re-cut on its noise; ``probe_every``: steps between probes of
+    the ranks held slow (0: never; a cap a rank no longer meets shows only there), ``probe``: what gives every
+    rank's probed share of a core (a collective; default :func:`.probe.probe_shares`).
     """
 
     def __init__(
@@ -81,9 +98,13 @@ class Replanner:
         log_path: str | Path | None = None,
         every: int = WINDOW,
         guard_calibration: bool = True,
+        probe_every: int = WINDOW,
+        probe: Callable[[], list[float]] | None = None,
     ) -> None:
-        if steps < 0 or every < 0:
-            raise ValueError(f"Replanner: steps and every must be >= 0, got {steps}, {every}")
+        if steps < 0 or every < 0 or probe_every < 0:
+            raise ValueError(
+                f"Replanner: steps, every and probe_every must be >= 0, got {steps}, {every}, {probe_every}"
+            )
         self.pipe = pipe
         self.calibrator = calibrator or RunCalibrator(pipe)
         self.prior: LayerProfile = self.calibrator.prior
@@ -118,6 +139,11 @@ class Replanner:
         #: each rank's last :data:`NOISE_STEPS` speeds, across changes of plan (the machine's step-to-step noise is
         #: not the layout's)
         self.series: list[list[float]] = [[] for _ in range(pipe.num_ranks)]
+        self.probe_every = int(probe_every)
+        self.probe = probe or (lambda: probe_shares(None, _slowdown(pipe)))
+        self._since_probe = 0
+        #: every probe: the step, the ranks held, their shares, the ranks found free
+        self.probes: list[dict[str, Any]] = []
 
     @property
     def log(self) -> list[dict[str, Any]]:
@@ -128,10 +154,11 @@ class Replanner:
         """After a train step, on every rank alike: calibrate, and re-plan when the calibration has news; the
         decision's record (None when nothing was decided). ``timeline``: the step's, every rank on one clock
         (default: gathered from the pipeline, a collective)."""
-        cal = self.calibrator
-        watched = cal.calibration is not None
         if timeline is None:
             timeline = self.pipe.timeline(gather=True)
+        self._probe()
+        cal = self.calibrator
+        watched = cal.calibration is not None
         cal.observe(timeline)
         if watched and cal.calibration is not None:
             self._watch(timeline, cal.calibration)
@@ -163,6 +190,32 @@ class Replanner:
         self._compute = (self._compute + [[x / max(max(inside), 1e-12) for x in inside]])[-RECENT:]
         for r, x in enumerate(spans):  # as measured: relative to the fastest, the fastest's would all be 1
             self.series[r] = (self.series[r] + [x])[-NOISE_STEPS:]
+
+    def _probe(self) -> None:
+        """Every :attr:`probe_every` steps while a rank is held slow: probe every rank's share of a core; held ones
+        free again (:func:`~stagewise.planning.stragglers.lifted`) are taken at full speed, and a fresh calibration
+        on the running cut starts (its stage costs measured at that speed), whose news re-decides."""
+        held = [r for r, s in enumerate(self.speeds) if s < SLOW]
+        self._since_probe += 1
+        if not held or self.probe_every == 0 or self._since_probe < self.probe_every:
+            return
+        self._since_probe = 0
+        shares = self.probe()
+        free = lifted(self.speeds, shares)
+        self.probes.append({"step": int(self.pipe.train_steps), "held": held, "shares": shares, "lifted": free})
+        if not free:
+            return
+        for r in free:
+            self.speeds[r] = self.told[r] = 1.0
+        if group_rank(None) == 0:
+            log.warning(
+                "stagewise: rank(s) %s, held slow, probe %s of the largest share of a core: their throttle lifted; "
+                "recalibrating at full speed (the cut for equal speeds follows when it pays)",
+                free,
+                [round(shares[r] / max(shares), 2) for r in free],
+            )
+        self.pipe.metrics.event("straggler lifted", step=int(self.pipe.train_steps), ranks=free)
+        self._recalibrate()
 
     def _decide(self) -> dict[str, Any]:
         """On the first rank: the candidates and the pure decision (not yet logged: every rank logs the same)."""
@@ -237,6 +290,10 @@ class Replanner:
         self.pipe.relayout(**changes)
         self.relayouts.append(time.perf_counter() - start)
         self.pipe.replanned_cut = list(best["counts"])  # recorded as re-planned: a resume takes it back
+        self._recalibrate()
+
+    def _recalibrate(self) -> None:
+        """A fresh calibration of the running layout, told the ranks' speeds (:attr:`told`)."""
         old = self.calibrator
         self.calibrator = RunCalibrator(
             self.pipe,
@@ -251,6 +308,12 @@ class Replanner:
         self.calibrator.on_event = old.on_event
         self._seen = self._makespans = 0
         self._compute = []
+
+
+def _slowdown(pipe: Any) -> float:
+    """The running interpreter's emulated slowdown (``emulate_slowdown``; 1 without), which the probe honours."""
+    runner = getattr(getattr(pipe, "_engine", None), "runner", None)
+    return float(getattr(getattr(runner, "interpreter", None), "slowdown", 1.0))
 
 
 def _ratio_error(errors: list[float]) -> float:
