@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from ..checkpoint.newest import DISK, LIVE, SNAPSHOTS, Report, newest
 from ..elastic.choose import Copy, Need, choose, of_live_jobs
@@ -153,7 +153,22 @@ def live_source(receiver: int, holders: Collection[int]) -> int | None:
     return min(holders) if holders else None
 
 
-def nearest_first(files: Sequence[Copy], machine: str) -> list[Copy]:
+class Located(Protocol):
+    """A snapshot file as :func:`nearest_first` orders it (a :class:`..elastic.choose.Copy`, a
+    :class:`.keys.Filed`)."""
+
+    @property
+    def machine(self) -> str: ...
+    @property
+    def owner(self) -> int: ...
+    @property
+    def path(self) -> str: ...
+
+
+FileT = TypeVar("FileT", bound=Located)
+
+
+def nearest_first(files: Sequence[FileT], machine: str) -> list[FileT]:
     """The snapshot files in the order a receiver on ``machine`` takes a name from them, when no process holds
     it live: its own machine's first (read there), then the others' (read by their lister and sent), by owner."""
     return sorted(files, key=lambda c: (c.machine != machine, c.owner, c.machine, c.path))
