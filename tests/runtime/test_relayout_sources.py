@@ -155,8 +155,10 @@ def test_a_relayout_and_a_take_over_pick_the_same_snapshot_files() -> None:
         needs = [Need(r, machines[r], frozenset(needed[r])) for r in range(world)]
         assert plan_sources(decision, needs, {r: frozenset(held[r]) for r in range(world)}, files) == []
         lists = [[[K.key(n) for n in held[r]], [], [K.key(n) for n in needed[r]], []] for r in range(world)]
-        filed = [K.Filed(c.machine, c.holder, c.owner, c.path, frozenset((K.MODEL, K.key(n)) for n in c.names))
-                 for c in files]
+        filed = [
+            K.Filed(c.machine, c.holder, c.owner, c.path, frozenset((K.MODEL, K.key(n)) for n in c.names))
+            for c in files
+        ]
         by_key = {K.key(n): n for n in names}
         for r in range(world):
             part = K.plan(lists, r, filed, machines)
@@ -164,8 +166,11 @@ def test_a_relayout_and_a_take_over_pick_the_same_snapshot_files() -> None:
             got = {(by_key[k], src) for src, items in part.receives.items() for _, k in items}
             got |= {(by_key[k], r) for _, k in part.read}
             assert got == {(t.name, t.src) for t in decision.takes if t.dst == r}, seed
-            sent = {(by_key[k], dst, part.filed.get((dst, (kind, k)))) for dst, items in part.sends.items()
-                    for kind, k in items}
+            sent = {
+                (by_key[k], dst, part.filed.get((dst, (kind, k))))
+                for dst, items in part.sends.items()
+                for kind, k in items
+            }
             sent |= {(by_key[k], r, part.filed[(r, (kind, k))]) for kind, k in part.read}
             assert sent == {(t.name, t.dst, t.path) for t in decision.takes if t.src == r}, seed
 
