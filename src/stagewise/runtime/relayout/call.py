@@ -47,13 +47,13 @@ from ..options import Options
 from .carried import carry_snapshots, restore_schedulers, retire, scheduler_state, tell
 from .clock import Clock
 from .fill import commit
-from .from_snapshots import current_files, snapshot_refusals
+from .from_snapshots import chosen_progress, current_files, snapshot_refusals
 from .kept import lender
 from .models import release_model, twin_of
 from .old_layout import hooks_of, let_go_old
 from .primitive import relay
 from .request import digest, local_refusals, members_of, placement_refusals, refuse_alike, subgroups_ahead
-from .takeover import held_state
+from .takeover import hold_whole
 
 Build = Callable[[Frontend, Options], nn.Module]
 
@@ -240,10 +240,7 @@ def _agree(
     mine["scheduler"] = scheduler_state(old)
     everyone = storage.gather(mine, ranks, "every process's re-layout request")
     refuse_alike(everyone)
-    held = [e for e in everyone if e["progress"] is not None]
-    if not held:
-        raise ValueError("relayout: no process holds a part of the pipeline: there is no state to lay out")
-    return Progress(**held[0]["progress"]), held[0]["scheduler"]
+    return chosen_progress(everyone)
 
 
 def _new_source(
@@ -277,14 +274,12 @@ def _move(
     """Part 4: every tensor of the new stages from its owner (:func:`.primitive.relay`, from this process's old
     pipeline held whole: every tensor is the current step's; with ``live``, a process outside it gives nothing
     live, and the current step's snapshot files are sources); the progress; the LR schedule."""
-    held, optim = held_state(old)
+    held = hold_whole(old, progress.train_steps) if live is None or ranks.rank in live else None
     row: dict[str, Any] = {"stages": [], "layout": None}
     if isinstance(new, PipelineState):
         row.update(stages=sorted(new.local_stages), layout=_described(new))
-    files, clean = None if live is None else current_files(old, ranks.rank), None
-    if live is not None and ranks.rank not in live:
-        clean = ()
-    relaid = relay(held, optim, new, ranks, row, files, clean, clock.lap)
+    files = None if live is None else current_files(old, ranks.rank)
+    relaid = relay(held, progress.train_steps, new, ranks, row, files, clock.lap)
     if new is not None:
         assert isinstance(new, PipelineState)
         restore_progress(new, progress)

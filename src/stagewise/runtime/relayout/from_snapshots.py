@@ -15,7 +15,8 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from ..checkpoint.declared import PipelineState
+from ..checkpoint.declared import PipelineState, Progress
+from ..checkpoint.newest import LIVE, Report, newest
 from ..elastic.snapshots import MACHINE_ENV
 from .snapfiles import Files, listed
 
@@ -52,3 +53,22 @@ def current_files(old: PipelineState | None, rank: int) -> Any:
     first = snap.machines.index(machine) == snap.rank
     files = listed(snap.folder, machine, rank, (snap.step, snap.lineage)) if first else []
     return Files(machine, files)
+
+
+def chosen_progress(everyone: Sequence[dict[str, Any]]) -> tuple[Progress, Any]:
+    """The progress and LR schedule a re-layout restores: the chosen source's report (:mod:`..checkpoint.newest`:
+    the live processes together hold the whole state of the current step; the lowest one reports it), after
+    checking that every process holding a part reports the same (else refused alike, naming them)."""
+    reports = [
+        Report(LIVE, e["progress"]["train_steps"], holder=r, progress=(e["progress"], e["scheduler"]))
+        for r, e in enumerate(everyone)
+        if e["progress"] is not None
+    ]
+    chosen = newest(reports)
+    if chosen is None:
+        raise ValueError("relayout: no process holds a part of the pipeline: there is no state to lay out")
+    told = {r.holder: r.progress[0] for r in reports}
+    if any(p != chosen.report.progress[0] for p in told.values()):
+        raise ValueError(f"relayout: the processes holding the pipeline report different progress: {told}")
+    progress, schedule = chosen.report.progress
+    return Progress(**progress), schedule

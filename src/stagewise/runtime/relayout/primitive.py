@@ -12,7 +12,7 @@ progress they restore, and the commit point's place.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +24,19 @@ from .fill import fill, post_moves
 from .listing import Listing, exchange
 from .snapfiles import Files
 from .sources import PARAM
+
+
+@dataclass
+class Held:
+    """What a process holds of the old state: its tensors by name (no groups, no threads), their descriptions,
+    its optimizers' metadata, and per step (``str(step)``) the names still holding that step's value
+    (``model/NAME``, ``param:NAME``): a take-over's survivor (:func:`.takeover.hold`: per snapshot captured), a
+    re-layout's own pipeline (:func:`.takeover.hold_whole`: every name, at the current step)."""
+
+    tensors: dict[str, torch.Tensor]
+    described: dict[str, Any]
+    optimizer: dict[str, Any]
+    live: dict[str, list[str]]
 
 
 @dataclass(frozen=True)
@@ -38,22 +51,22 @@ class Relaid:
 
 
 def relay(
-    tensors: Mapping[str, torch.Tensor],
-    optimizer: Mapping[str, Any],
+    held: Held | None,
+    step: int,
     new: nn.Module | None,
     ranks: storage.Ranks,
     row: dict[str, Any],
     files: Files | None = None,
-    clean: Collection[str] | None = None,
     lap: Callable[[str], Any] = lambda part: None,
 ) -> Relaid:
-    """Fill ``new`` (None: this process builds nothing, it only gives) from every source. ``tensors`` /
-    ``optimizer``: what this process holds of the old state (:attr:`.takeover.Held.tensors` / ``.optimizer``);
-    ``clean``: the names among them that still hold the state being laid out (``model/NAME``, ``param:NAME``;
-    None: all of them); ``files``: this process's snapshot files (None alike everywhere: live owners only);
-    ``lap(part)``: told when the move is done (before the fill)."""
-    if clean is not None:
-        tensors, optimizer = _clean(tensors, optimizer, set(clean))
+    """Fill ``new`` (None: this process builds nothing, it only gives) from every source. ``held``: what this
+    process holds of the old state (None: nothing), of which only the names clean at ``step`` are given live;
+    ``files``: this process's snapshot files (None alike everywhere: live owners only); ``row``: what every
+    process learns of this one's new stages; ``lap(part)``: told when the move is done (before the fill)."""
+    tensors: Mapping[str, torch.Tensor] = {}
+    optimizer: Mapping[str, Any] = {"params": {}, "state": {}}
+    if held is not None:
+        tensors, optimizer = _clean(held.tensors, held.optimizer, set(held.live.get(str(step), ())))
     listing = exchange(tensors, optimizer, new, ranks, row, files)
     me = ranks.rank
     guard = ranks.guard

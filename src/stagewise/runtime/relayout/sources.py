@@ -57,6 +57,7 @@ class Decision:
     lineage: str
     job: str
     kept: dict[int, tuple[str, ...]] = field(default_factory=dict)
+    progress: Any = None  # the chosen source's report of it (the dropout step, the LR schedule's place)
     takes: tuple[Take, ...] = ()
     files: dict[tuple[str, str], Copy] = field(default_factory=dict)
 
@@ -85,7 +86,7 @@ def decide(records: Sequence[Mapping[str, Any]], layout: Any, disk_step: int | N
     choice = choose(copies, needs, layout, set())
     if choice is None:
         return "no snapshot generation covers every new stage (snapshot= off, or files lost)"
-    chosen = newest(_reports(records, choice.step, disk_step))  # (the snapshots' is whole: never None)
+    chosen = newest(_reports(records, choice.step, disk_step, choice.lineage))  # (the snapshots' is whole: never None)
     assert chosen is not None
     if chosen.report.kind == DISK:
         return f"a checkpoint on disk (step {disk_step}) is newer than the snapshots (step {choice.step})"
@@ -96,17 +97,23 @@ def decide(records: Sequence[Mapping[str, Any]], layout: Any, disk_step: int | N
     for part in chosen.partial:  # the survivors' live tensors of the chosen step
         live[part.holder] = frozenset(records[part.holder]["live"][str(part.step)])
     decision = Decision(choice.step, choice.lineage, choice.job, files={(c.machine, c.path): c for c in files})
+    decision.progress = chosen.report.progress
     missing = plan_sources(decision, needs, live, files)
     if missing:
         return "; ".join(f"process {r} needs {', '.join(sorted(ns)[:5])} that no source holds" for r, ns in missing)
     return decision
 
 
-def _reports(records: Sequence[Mapping[str, Any]], committed: int, disk_step: int | None) -> list[Report]:
+def _reports(
+    records: Sequence[Mapping[str, Any]], committed: int, disk_step: int | None, lineage: str = ""
+) -> list[Report]:
     """What each source holds, for the one choice (:mod:`..checkpoint.newest`): the snapshots' newest whole
-    generation, the disk's newest checkpoint, and each survivor's live tensors per captured step (partial: they
-    only complete the snapshots of their step)."""
-    reports = [Report(SNAPSHOTS, committed)] + ([] if disk_step is None else [Report(DISK, disk_step)])
+    generation (with its progress, as its files' headers say: ``progress`` in a record, by ``step/lineage``), the
+    disk's newest checkpoint, and each survivor's live tensors per captured step (partial: they only complete
+    the snapshots of their step)."""
+    told = (r["progress"] for r in records if "progress" in r)  # (the take-over's: the files' headers, by generation)
+    said = next((ps[f"{committed}/{lineage}"] for ps in told if f"{committed}/{lineage}" in ps), None)
+    reports = [Report(SNAPSHOTS, committed, progress=said)] + ([] if disk_step is None else [Report(DISK, disk_step)])
     return reports + [
         Report(LIVE, int(step), whole=False, holder=k) for k, r in enumerate(records) for step in r["live"]
     ]

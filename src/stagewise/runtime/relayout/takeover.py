@@ -40,9 +40,9 @@ from ..elastic.recover import needs_of
 from ..elastic.snapshots import MACHINE_ENV, versions
 from ..interrupt import note_checkpoint
 from .fill import commit
-from .primitive import relay
+from .primitive import Held, relay
 from .snapfiles import Files, listed
-from .sources import Decision, clean_names, decide
+from .sources import PARAM, Decision, clean_names, decide
 
 log = logging.getLogger(__name__)
 
@@ -51,17 +51,6 @@ _calls = [0]  # take-overs on this process (advanced alike on every process): th
 
 class LiveRefused(Exception):
     """The live path cannot restore this state (the same reason on every process, before anything moved)."""
-
-
-@dataclass
-class Held:
-    """What a survivor keeps of its old pipeline: its tensors by name (no groups, no threads), their
-    descriptions, its optimizers' metadata, and per snapshot step the names still holding that step's value."""
-
-    tensors: dict[str, torch.Tensor]
-    described: dict[str, Any]
-    optimizer: dict[str, Any]
-    live: dict[str, list[str]]
 
 
 @dataclass
@@ -93,6 +82,16 @@ def hold(old: nn.Module | None) -> Held | None:
     return Held(tensors, state.describe(tensors), meta, live)
 
 
+def hold_whole(old: Any, step: int) -> Held | None:
+    """A live pipeline held as a survivor holds its own (``pipe.relayout``'s old state): every tensor clean at
+    ``step``, the step it stands at (None: it holds no part)."""
+    if not isinstance(old, PipelineState):
+        return None
+    tensors, meta = held_state(old)
+    names = [n for n in tensors if n.startswith(state.MODEL)] + [PARAM + p for p in meta["params"]]
+    return Held(tensors, state.describe(tensors), meta, {str(step): names})
+
+
 def held_state(old: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """What a process holds of its old layout, by one-process name (model tensors, its optimizers' state
     tensors), and its optimizers' metadata: what a re-layout and a take-over both move from."""
@@ -119,14 +118,12 @@ def take_over(new: nn.Module | None, held: Held | None, checkpoints: Path | None
             raise LiveRefused(decided)
         committed = [c for c in copies if (c["step"], c["lineage"]) == (decided.step, decided.lineage)]
         files = Files(mine["machine"], committed)
-        clean = () if held is None else held.live.get(str(decided.step), ())
-        tensors, optim = (held.tensors, held.optimizer) if held is not None else ({}, {"params": {}, "state": {}})
         try:
-            relay(tensors, optim, new, ranks, {}, files, clean)
+            relay(held, decided.step, new, ranks, {}, files)
         except CheckpointError as err:  # (refused alike: a file damaged since it was listed)
             raise LiveRefused(str(err)) from err
         if new is not None:
-            _progress(new, decided, everyone)
+            _progress(new, decided)
         commit(ranks)
     finally:
         ranks.close()
@@ -165,11 +162,10 @@ def _record(
     return out, copies
 
 
-def _progress(new: nn.Module, decided: Decision, everyone: list[dict[str, Any]]) -> None:
+def _progress(new: nn.Module, decided: Decision) -> None:
     """The committed step's progress, from the chosen source's report (the dropout step and seed, the LR
     schedule's place, as its files' headers say); the snapshots go on from that step, under the job's name."""
-    at = f"{decided.step}/{decided.lineage}"
-    dropout, scheduler = next(e["progress"][at] for e in everyone if at in e["progress"])
+    dropout, scheduler = decided.progress
     state.restore_dropout(new, dropout)
     state.restore_scheduler(new, scheduler)  # lr_scheduler=: where the schedule was at the committed step
     snap = new.snapshots if isinstance(new, PipelineState) else None
