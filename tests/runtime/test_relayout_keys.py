@@ -105,3 +105,21 @@ def test_an_optimizer_unit_found_only_in_a_file_is_taken_from_it() -> None:
     files = [K.Filed("a", 0, 1, "/a/r1", frozenset({(K.UNIT, unit)}))]
     assert K.plan(lists, 0, files, ["a"]).read == ((K.UNIT, unit),)
     assert K.plan(lists, 0).lost == ()  # (no file: left fresh, as before)
+
+
+def test_a_relayouts_progress_is_the_chosen_reports_and_every_holder_must_agree() -> None:
+    from stagewise.runtime.relayout.from_snapshots import chosen_progress
+
+    p = {"train_steps": 4, "dropout_seed": 7, "merged_steps": 0, "asynchronous": False}
+    rows = [
+        {"progress": None, "scheduler": None},
+        {"progress": p, "scheduler": "s1"},
+        {"progress": p, "scheduler": "s2"},
+    ]
+    progress, schedule = chosen_progress(rows)
+    assert (progress.train_steps, progress.dropout_seed, schedule) == (4, 7, "s1")  # the lowest holder's report
+    stale = {**p, "train_steps": 3}
+    with pytest.raises(ValueError, match="report different progress"):
+        chosen_progress([rows[1], {"progress": stale, "scheduler": "s1"}])
+    with pytest.raises(ValueError, match="no process holds a part"):
+        chosen_progress(rows[:1])
