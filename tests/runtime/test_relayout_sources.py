@@ -179,3 +179,17 @@ def _file(machine: str, holder: int, owner: int, names: list[str]) -> Any:
     from stagewise.runtime.relayout.sources import as_copy
 
     return as_copy({**copy(machine, holder, owner, 1, names), "path": f"/{machine}/{holder}-r{owner}"})
+
+
+def test_the_take_overs_progress_is_the_committed_generations_report() -> None:
+    """Step 5 is not whole, step 4 is committed: the progress restored is step 4's (its files' headers), not the
+    newer step 5's a survivor also listed."""
+    m0, m1 = files(4)
+    n0, _ = files(5)
+    everyone = [
+        {**record("m0", [A, B], {}, m0 + n0), "progress": {"4/L": ["drop4", "lr4"], "5/L": ["drop5", "lr5"]}},
+        {**record("m1", [BN, "param:b.weight"], {}, m1), "progress": {"4/L": ["drop4", "lr4"]}},
+    ]
+    d = decide(everyone, LAYOUT, None)
+    assert not isinstance(d, str), d
+    assert d.step == 4 and d.progress == ["drop4", "lr4"]
