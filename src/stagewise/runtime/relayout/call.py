@@ -10,8 +10,10 @@ build, move, fill, commit, release):
    pipeline's own way in, with the changed options), layer specs on ``meta`` then given storage, never
    initialised (:func:`~stagewise.runtime.frontends.layers.built_empty`);
 4. *move*: every tensor the new stages hold (parameters, buffers, tied copies, the own optimizers' state by
-   parameter name, Adam's ``step`` included) comes from the lowest process that held it; a model tensor
-   kept on its process is aliased, the others go point-to-point over gloo, never through disk; then the
+   parameter name, Adam's ``step`` included) comes from the lowest process that held it (the one primitive,
+   :func:`.primitive.relay`, as a recovery's take-over; with ``live=``, what no listed process holds comes
+   from the current step's snapshot files: :mod:`.from_snapshots`); a model tensor kept on its process is
+   aliased, the others go point-to-point over gloo, never through disk; then the
    steps trained and the dropout seed are set, so the next step draws the masks it would have; last, the
    commit point: every process says it is done. A process failing before it posts its failure on the
    call's board, so every process raises the same PipelineError and keeps the old layout, whole;
