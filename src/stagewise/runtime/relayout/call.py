@@ -58,6 +58,7 @@ from .request import digest, local_refusals, members_of, placement_refusals, ref
 from .takeover import hold_whole
 
 Build = Callable[[Frontend, Options], nn.Module]
+Live = Sequence[int] | None  # members (None: every process), or the ranks whose live tensors are sources (None: all)
 
 
 @dataclass(frozen=True)
@@ -92,16 +93,9 @@ _owned: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDiction
 
 
 def relayout(
-    pipe: nn.Module,
-    members: Sequence[int] | None,
-    changes: Mapping[str, Any],
-    plan: Any,
-    build: Build,
-    live: Sequence[int] | None = None,
+    pipe: nn.Module, members: Live, changes: Mapping[str, Any], plan: Any, build: Build, live: Live = None
 ) -> Layout:
-    """See the module docstring; ``build(frontend, options)`` is the Pipeline's constructor. ``live``: the global
-    ranks whose live tensors are sources (None: every process); a tensor none of them holds comes from the
-    pipeline's snapshot files of the current step (:mod:`.from_snapshots`: refused alike when there are none)."""
+    """See the module docstring (``live``: :mod:`.from_snapshots`); ``build(frontend, options)``: the constructor."""
     source: Any = pipe
     frontend, options = source.frontend, source.options
     world, me = groups.world_size(), groups.global_rank()

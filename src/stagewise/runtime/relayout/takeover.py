@@ -40,7 +40,8 @@ from ..elastic.recover import needs_of
 from ..elastic.snapshots import MACHINE_ENV, versions
 from ..interrupt import note_checkpoint
 from .fill import commit
-from .primitive import Held, relay
+from .primitive import Held as Held  # (re-exported: InPlace holds its survivors by it)
+from .primitive import relay
 from .snapfiles import Files, listed
 from .sources import PARAM, Decision, clean_names, decide
 
@@ -141,7 +142,7 @@ def _record(
     machine = snap.machines[snap.rank] if snap is not None else os.environ.get(MACHINE_ENV, "0")
     first = snap is not None and snap.machines.index(machine) == snap.rank  # (its group ranks are the world's)
     folder = snap.folder if snap is not None else None
-    copies = listed(folder, machine, me) if first and folder else []
+    copies: list[dict[str, Any]] = listed(folder, machine, me) if first and folder else []
     out: dict[str, Any] = {
         "machine": machine,
         "copies": [{k: v for k, v in c.items() if k not in ("dropout", "scheduler")} for c in copies],
