@@ -73,3 +73,53 @@ def test_a_name_the_sender_does_not_list_is_a_key_collision_across_processes() -
     assert listing._checked(told, K.MODEL, "model/a", 3) == {"shape": [2], "dtype": "float64"}
     with pytest.raises(ValueError, match="process 3 sent \\['model/a'\\] where 'model/b' was needed"):
         listing._checked(told, K.MODEL, "model/b", 3)
+
+
+def _filed(machine: str, holder: int, owner: int, names: list[str]) -> K.Filed:
+    return K.Filed(machine, holder, owner, f"/{machine}/r{owner}", frozenset((K.MODEL, K.key(n)) for n in names))
+
+
+def test_a_key_no_process_holds_live_falls_back_to_the_nearest_snapshot_file() -> None:
+    """Process 1 (machine "b") needs x (held live by 0 and in a file: live wins), y (in files on both machines:
+    its own machine's read there), z (only in a file machine "a" holds: its lister 2 reads and sends) and u (in
+    no file nor live: lost). Machines: 0 and 2 on "a", 1 on "b"."""
+    x, y, z, u = (K.key(n) for n in ("x", "y", "z", "u"))
+    lists = [[[x], [], [], []], [[], [], [x, y, z, u], []], [[], [], [], []]]
+    files = [_filed("a", 2, 0, ["x", "y", "z"]), _filed("b", 1, 3, ["x", "y"])]
+    machines = ["a", "b", "a"]
+    receiver = K.plan(lists, 1, files, machines)
+    assert receiver.receives == {0: ((K.MODEL, x),), 2: ((K.MODEL, z),)}  # x live (never the file), z sent
+    assert receiver.read == ((K.MODEL, y),) and receiver.filed == {(1, (K.MODEL, y)): "/b/r3"}
+    assert receiver.lost == ((K.MODEL, u),) and receiver.kept == ()
+    lister = K.plan(lists, 2, files, machines)
+    assert lister.sends == {1: ((K.MODEL, z),)} and lister.filed == {(1, (K.MODEL, z)): "/a/r0"}
+    assert K.plan(lists, 0, files, machines).sends == {1: ((K.MODEL, x),)}
+    assert K.plan(lists, 1).lost == tuple(sorted((K.MODEL, k) for k in (y, z, u)))  # no files: refused as before
+    with pytest.raises(ValueError, match="3 processes' key lists but 1 machines"):
+        K.plan(lists, 1, files, ["a"])
+
+
+def test_an_optimizer_unit_found_only_in_a_file_is_taken_from_it() -> None:
+    unit = K.key("w")
+    lists = [[[], [], [], [unit]]]
+    files = [K.Filed("a", 0, 1, "/a/r1", frozenset({(K.UNIT, unit)}))]
+    assert K.plan(lists, 0, files, ["a"]).read == ((K.UNIT, unit),)
+    assert K.plan(lists, 0).lost == ()  # (no file: left fresh, as before)
+
+
+def test_a_relayouts_progress_is_the_chosen_reports_and_every_holder_must_agree() -> None:
+    from stagewise.runtime.relayout.from_snapshots import chosen_progress
+
+    p = {"train_steps": 4, "dropout_seed": 7, "merged_steps": 0, "asynchronous": False}
+    rows = [
+        {"progress": None, "scheduler": None},
+        {"progress": p, "scheduler": "s1"},
+        {"progress": p, "scheduler": "s2"},
+    ]
+    progress, schedule = chosen_progress(rows)
+    assert (progress.train_steps, progress.dropout_seed, schedule) == (4, 7, "s1")  # the lowest holder's report
+    stale = {**p, "train_steps": 3}
+    with pytest.raises(ValueError, match="report different progress"):
+        chosen_progress([rows[1], {"progress": stale, "scheduler": "s1"}])
+    with pytest.raises(ValueError, match="no process holds a part"):
+        chosen_progress(rows[:1])

@@ -133,3 +133,63 @@ def test_a_relayout_and_a_take_over_pick_the_same_live_sources() -> None:
             assert got == {(t.name, t.src) for t in decision.takes if t.dst == r}, seed
             sent = {(by_key[k], dst) for dst, items in part.sends.items() for _, k in items}
             assert sent == {(t.name, t.dst) for t in decision.takes if t.src == r}, seed
+
+
+def test_a_relayout_and_a_take_over_pick_the_same_snapshot_files() -> None:
+    """The fallback too: over random holdings, machines and files, the key plan with the files listed takes each
+    name no process holds live from the same file, read by the same process, as the take-over's plan."""
+    names = [f"model/t{i}" for i in range(12)]
+    for seed in range(30):
+        rng = random.Random(seed)
+        world = rng.randint(1, 5)
+        machines = [rng.choice("ab") for _ in range(world)]
+        held = [sorted(n for n in names if rng.random() < 0.2) for _ in range(world)]
+        files = []
+        for owner in range(rng.randint(0, 4)):
+            holder = rng.randrange(world)
+            in_file = sorted(n for n in names if rng.random() < 0.5)
+            files.append(_file(machines[holder], holder, owner, in_file))
+        findable = set().union(*map(set, held), *(c.names for c in files))
+        needed = [sorted(n for n in findable if rng.random() < 0.5) for _ in range(world)]
+        decision = Decision(0, "L", "j")
+        needs = [Need(r, machines[r], frozenset(needed[r])) for r in range(world)]
+        assert plan_sources(decision, needs, {r: frozenset(held[r]) for r in range(world)}, files) == []
+        lists = [[[K.key(n) for n in held[r]], [], [K.key(n) for n in needed[r]], []] for r in range(world)]
+        filed = [
+            K.Filed(c.machine, c.holder, c.owner, c.path, frozenset((K.MODEL, K.key(n)) for n in c.names))
+            for c in files
+        ]
+        by_key = {K.key(n): n for n in names}
+        for r in range(world):
+            part = K.plan(lists, r, filed, machines)
+            assert part.lost == ()
+            got = {(by_key[k], src) for src, items in part.receives.items() for _, k in items}
+            got |= {(by_key[k], r) for _, k in part.read}
+            assert got == {(t.name, t.src) for t in decision.takes if t.dst == r}, seed
+            sent = {
+                (by_key[k], dst, part.filed.get((dst, (kind, k))))
+                for dst, items in part.sends.items()
+                for kind, k in items
+            }
+            sent |= {(by_key[k], r, part.filed[(r, (kind, k))]) for kind, k in part.read}
+            assert sent == {(t.name, t.dst, t.path) for t in decision.takes if t.src == r}, seed
+
+
+def _file(machine: str, holder: int, owner: int, names: list[str]) -> Any:
+    from stagewise.runtime.relayout.sources import as_copy
+
+    return as_copy({**copy(machine, holder, owner, 1, names), "path": f"/{machine}/{holder}-r{owner}"})
+
+
+def test_the_take_overs_progress_is_the_committed_generations_report() -> None:
+    """Step 5 is not whole, step 4 is committed: the progress restored is step 4's (its files' headers), not the
+    newer step 5's a survivor also listed."""
+    m0, m1 = files(4)
+    n0, _ = files(5)
+    everyone = [
+        {**record("m0", [A, B], {}, m0 + n0), "progress": {"4/L": ["drop4", "lr4"], "5/L": ["drop5", "lr5"]}},
+        {**record("m1", [BN, "param:b.weight"], {}, m1), "progress": {"4/L": ["drop4", "lr4"]}},
+    ]
+    d = decide(everyone, LAYOUT, None)
+    assert not isinstance(d, str), d
+    assert d.step == 4 and d.progress == ["drop4", "lr4"]

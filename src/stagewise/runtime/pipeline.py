@@ -165,10 +165,13 @@ class Pipeline(nn.Module):
         merge.stepped()
         return losses
 
-    def relayout(self, members: Sequence[int] | None = None, /, *, plan: Plan | None = None, **changes: Any) -> Layout:
+    def relayout(
+        self, members: Sequence[int] | None = None, /, *, plan: Plan | None = None, live: Any = None, **changes: Any
+    ) -> Layout:
         """Take new layout options (or ``plan=``) in place, exactly, on ``members`` (global ranks; default all, the
-        others hold nothing): a collective over the world (:mod:`stagewise.runtime.relayout.call`)."""
-        return relayout(self, members, changes, plan, lambda frontend, options: Pipeline(frontend, options))
+        others hold nothing): a collective over the world (:mod:`stagewise.runtime.relayout.call`); ``live``: the
+        ranks whose live tensors are sources, the rest from this step's snapshots (:mod:`~.relayout.from_snapshots`)."""
+        return relayout(self, members, changes, plan, lambda frontend, options: Pipeline(frontend, options), live)
 
     def no_sync(self) -> AbstractContextManager[None]:
         """Gradient merge: inside ``with pipe.no_sync():`` train steps only accumulate gradients.

@@ -195,6 +195,7 @@ def relaid(
     bn: bool = True,
     make: Any = build,
     trainer: Any = None,
+    live: Any = None,
     **layout: Any,
 ) -> dict[str, Any]:
     """Save, re-layout, then compare with a fresh job of the new layout loaded from that save: state and losses
@@ -207,7 +208,7 @@ def relaid(
     CountedNorm.real_inits = 0
     before = {n: p.data_ptr() for n, p in pipe.named_parameters()}
     old_groups = groups_of(pipe)
-    got = pipe.relayout(members, **layout)
+    got = pipe.relayout(members, **layout) if live is None else pipe.relayout(members, live=live, **layout)
     reused = [g for g in groups_of(pipe) if any(g is o for o in old_groups)]
     assert not reused, f"{tag}: the new layout reuses {len(reused)} process group(s) of the layout before the call"
     kept = [n for n, p in pipe.named_parameters() if n in before]  # held here before and after: aliased

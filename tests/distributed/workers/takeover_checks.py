@@ -23,7 +23,7 @@ import stagewise as sw
 from relayout_checks import _group, assert_same, build, folder, relaid, state_of, train, warmup
 from stagewise.runtime.comm import snapshot_wire
 from stagewise.runtime.relayout.takeover import hold, take_over
-from worker import Ctx
+from worker import Ctx, raises
 
 STEPS = 2
 OLD = [1, 2, 3, 2]  # the old layout's cut: BatchNorm (layer 2) on rank 1, a survivor
@@ -155,7 +155,32 @@ def check_shrink_snapshots(ctx: Ctx) -> dict[str, Any]:
     return out
 
 
+def check_relayout_from_snapshots(ctx: Ctx) -> dict[str, Any]:
+    """``pipe.relayout([0, 1], live=[0, 1])``: ranks 2 and 3 give nothing live, so their stages come from the
+    current step's snapshot files (machine "0"'s read by rank 0 on it, machine "1"'s by rank 1), exact against a
+    fresh job loaded from a checkpoint; without a snapshot of the current step the same call is refused alike,
+    by name, before anything moves."""
+    tag = "relayout-snapshots"
+    pipe = snapshotted(ctx, tag)
+    train(pipe, 0)
+    pipe.snapshots.wait()
+    plain = build()  # no snapshot=: live= has nowhere to take the other ranks' tensors from
+    refused = raises(
+        ValueError,
+        ["live= leaves tensors to the snapshot files", "snapshot= off"],
+        lambda: plain.relayout([0, 1], live=[0, 1]),
+    )
+    out = relaid(pipe, ctx, tag, STEPS, [0, 1], live=[0, 1], make=lambda g, bn, **lay: build(g, bn, **SCHEDULED, **lay))
+    if ctx.rank in (0, 1):
+        assert out["compared"] > 0, out
+        pipe.snapshots.wait()
+        pipe.snapshots.forget()
+    dist.barrier()
+    return {**out, "refused": refused}
+
+
 CHECKS = {
+    "relayout-from-snapshots": check_relayout_from_snapshots,
     "snapshot-sources": check_snapshot_sources,
     "past-commit": check_past_commit,
     "shrink-snapshots": check_shrink_snapshots,

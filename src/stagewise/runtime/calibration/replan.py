@@ -311,9 +311,12 @@ class Replanner:
 
 
 def _slowdown(pipe: Any) -> float:
-    """The running interpreter's emulated slowdown (``emulate_slowdown``; 1 without), which the probe honours."""
-    runner = getattr(getattr(pipe, "_engine", None), "runner", None)
-    return float(getattr(getattr(runner, "interpreter", None), "slowdown", 1.0))
+    """This rank's emulated slowdown (``emulate_slowdown``; 1 without), which the probe honours: the options'
+    factor for the pipeline rank, as the interpreter was given it."""
+    options = getattr(pipe, "options", None)
+    if options is None or not hasattr(options, "slowdown_of"):
+        return 1.0
+    return float(options.slowdown_of(pipe.rank, pipe.num_ranks))
 
 
 def _ratio_error(errors: list[float]) -> float:

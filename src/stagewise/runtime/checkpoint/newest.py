@@ -22,7 +22,8 @@ recovery's take-over re-lays out from the live tensors and the snapshots unless 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 LIVE, SNAPSHOTS, DISK = "live", "snapshots", "disk"
 KINDS = (LIVE, SNAPSHOTS, DISK)  # a tie's order: nothing read, then memory, then disk
@@ -32,13 +33,16 @@ KINDS = (LIVE, SNAPSHOTS, DISK)  # a tie's order: nothing read, then memory, the
 class Report:
     """What one source holds: its kind (:data:`KINDS`), the ``step`` of a state it holds, whether that state is
     ``whole``, the membership ``generation`` that trained it, and ``holder`` (the process, for live tensors;
-    the source's place in the caller's list otherwise)."""
+    the source's place in the caller's list otherwise). ``progress``: what the state's progress is at that step
+    (the steps trained, the dropout step and seed, the LR schedule's place), as the source tells it: the caller
+    restores the chosen report's (never part of the choice)."""
 
     kind: str
     step: int
     whole: bool = True
     generation: int = 0
     holder: int = 0
+    progress: Any = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

@@ -10,8 +10,10 @@ build, move, fill, commit, release):
    pipeline's own way in, with the changed options), layer specs on ``meta`` then given storage, never
    initialised (:func:`~stagewise.runtime.frontends.layers.built_empty`);
 4. *move*: every tensor the new stages hold (parameters, buffers, tied copies, the own optimizers' state by
-   parameter name, Adam's ``step`` included) comes from the lowest process that held it; a model tensor
-   kept on its process is aliased, the others go point-to-point over gloo, never through disk; then the
+   parameter name, Adam's ``step`` included) comes from the lowest process that held it (the one primitive,
+   :func:`.primitive.relay`, as a recovery's take-over; with ``live=``, what no listed process holds comes
+   from the current step's snapshot files: :mod:`.from_snapshots`); a model tensor kept on its process is
+   aliased, the others go point-to-point over gloo, never through disk; then the
    steps trained and the dropout seed are set, so the next step draws the masks it would have; last, the
    commit point: every process says it is done. A process failing before it posts its failure on the
    call's board, so every process raises the same PipelineError and keeps the old layout, whole;
@@ -46,16 +48,17 @@ from ..frontends.plan import FromPlan
 from ..options import Options
 from .carried import carry_snapshots, restore_schedulers, retire, scheduler_state, tell
 from .clock import Clock
-from .fill import commit, fill, post_moves
+from .fill import commit
+from .from_snapshots import chosen_progress, current_files, snapshot_refusals
 from .kept import lender
-from .listing import exchange
 from .models import release_model, twin_of
 from .old_layout import hooks_of, let_go_old
+from .primitive import relay
 from .request import digest, local_refusals, members_of, placement_refusals, refuse_alike, subgroups_ahead
-from .takeover import held_state
-from .transfers import Transfers
+from .takeover import hold_whole
 
 Build = Callable[[Frontend, Options], nn.Module]
+Live = Sequence[int] | None  # members (None: every process), or the ranks whose live tensors are sources (None: all)
 
 
 @dataclass(frozen=True)
@@ -90,9 +93,9 @@ _owned: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDiction
 
 
 def relayout(
-    pipe: nn.Module, members: Sequence[int] | None, changes: Mapping[str, Any], plan: Any, build: Build
+    pipe: nn.Module, members: Live, changes: Mapping[str, Any], plan: Any, build: Build, live: Live = None
 ) -> Layout:
-    """See the module docstring; ``build(frontend, options)`` is the Pipeline's constructor."""
+    """See the module docstring (``live``: :mod:`.from_snapshots`); ``build(frontend, options)``: the constructor."""
     source: Any = pipe
     frontend, options = source.frontend, source.options
     world, me = groups.world_size(), groups.global_rank()
@@ -103,7 +106,7 @@ def relayout(
     guard = _guard("agreement", options.timeout, me)
     agreeing = storage.Ranks(None, me, world, torch.device("cpu"), True, guard, options.timeout, True)
     try:
-        progress, schedule = _agree(agreeing, old, frontend, options, chosen, changes, plan)
+        progress, schedule = _agree(agreeing, old, frontend, options, chosen, changes, plan, live)
     finally:
         agreeing.close()
     clock.lap("agreement")
@@ -122,7 +125,7 @@ def relayout(
             with built_empty(lender(old, source[0])):  # filled below: none initialised, none kept allocated
                 new = build(*source)
         clock.lap("build")
-        moved, everyone = _move(old, new, ranks, progress, schedule, clock)
+        moved, everyone = _move(old, new, ranks, progress, schedule, clock, live)
         commit(ranks)
         clock.lap("commit")
     except BaseException as err:
@@ -181,9 +184,11 @@ class Retired(nn.Module):
     options: Options
     build: Build
 
-    def relayout(self, members: Sequence[int] | None = None, /, *, plan: Any = None, **changes: Any) -> Layout:
+    def relayout(
+        self, members: Sequence[int] | None = None, /, *, plan: Any = None, live: Any = None, **changes: Any
+    ) -> Layout:
         """See :meth:`stagewise.Pipeline.relayout`."""
-        return relayout(self, members, changes, plan, self.build)
+        return relayout(self, members, changes, plan, self.build, live)
 
     def _refuse(self, *args: Any, **kwargs: Any) -> Any:
         raise PipelineError(
@@ -215,24 +220,23 @@ def _agree(
     chosen: tuple[int, ...],
     changes: Mapping[str, Any],
     plan: Any,
+    live: Sequence[int] | None,
 ) -> tuple[Progress, Any]:
     """The one small exchange: every process's request digest, progress, LR schedule and refusals; refused alike."""
     progress = None if old is None else progress_of(old)
-    refused = local_refusals(frontend, options, progress, changes)
+    refused = local_refusals(frontend, options, progress, changes) + snapshot_refusals(old, live, ranks.size)
     if (plan is not None or changes.get("parallel", options.parallel) is not None) and len(chosen) != ranks.size:
         refused.append(f"parallel= spans every process of the world: keep all {ranks.size} as members")
     if plan is not None and not isinstance(frontend, (LayerList, FromPlan)):
         refused.append(f"plan= re-cuts a layer list (Pipeline(layers) or from_plan), not {frontend.entry}")
     before = None if old is None else tuple(groups.global_ranks(old.transport.group))
     refused += placement_refusals(frontend, before, chosen)
-    mine = {"digest": digest(chosen, changes, plan), "refused": refused, "progress": progress and asdict(progress)}
+    asked = {**changes, "live=": None if live is None else sorted(live)}
+    mine = {"digest": digest(chosen, asked, plan), "refused": refused, "progress": progress and asdict(progress)}
     mine["scheduler"] = scheduler_state(old)
     everyone = storage.gather(mine, ranks, "every process's re-layout request")
     refuse_alike(everyone)
-    held = [e for e in everyone if e["progress"] is not None]
-    if not held:
-        raise ValueError("relayout: no process holds a part of the pipeline: there is no state to lay out")
-    return Progress(**held[0]["progress"]), held[0]["scheduler"]
+    return chosen_progress(everyone)
 
 
 def _new_source(
@@ -261,35 +265,23 @@ def _move(
     progress: Progress,
     schedule: Any,
     clock: Clock,
+    live: Sequence[int] | None,
 ) -> tuple[int, list[dict[str, Any]]]:
-    """Part 4: every tensor of the new stages from its owner; optimizer state by name; the progress; the LR
-    schedule."""
-    held, optim = held_state(old)
+    """Part 4: every tensor of the new stages from its owner (:func:`.primitive.relay`, from this process's old
+    pipeline held whole: every tensor is the current step's; with ``live``, a process outside it gives nothing
+    live, and the current step's snapshot files are sources); the progress; the LR schedule."""
+    held = hold_whole(old, progress.train_steps) if live is None or ranks.rank in live else None
     row: dict[str, Any] = {"stages": [], "layout": None}
     if isinstance(new, PipelineState):
         row.update(stages=sorted(new.local_stages), layout=_described(new))
-    listing = exchange(held, optim, new, ranks, row)  # .listing: keys to all, then names where a tensor moves
-    transfers, targets = listing.transfers, listing.targets
-    got = _post(transfers, held, listing.described, ranks, targets)
-    clock.lap("move")
+    files = None if live is None else current_files(old, ranks.rank)
+    relaid = relay(held, progress.train_steps, new, ranks, row, files, clock.lap)
     if new is not None:
-        kept = {n: held[n] for n in transfers.kept[ranks.rank]}
-        fill(new, targets, {**kept, **got}, listing.record, kept)
         assert isinstance(new, PipelineState)
         restore_progress(new, progress)
         restore_schedulers(new, schedule)
     clock.lap("fill")
-    return listing.bytes_moved, listing.everyone
-
-
-def _post(
-    transfers: Transfers, held: Mapping[str, torch.Tensor], described: Mapping[str, Any], ranks: storage.Ranks, to: Any
-) -> dict[str, torch.Tensor]:
-    """The moves this process takes part in (every one from a live owner), posted in the one global order."""
-    guard = ranks.guard
-    assert guard is not None
-    moves = ((m.name, m.src, m.dst, held) for m in transfers.moves)
-    return post_moves(moves, ranks.rank, to, described.__getitem__, ranks.group, guard.wait)
+    return relaid.listing.bytes_moved, relaid.listing.everyone
 
 
 def _stale_groups(pipe: nn.Module, old: PipelineState | None, kept: list[Any]) -> list[Any]:

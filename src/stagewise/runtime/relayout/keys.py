@@ -12,16 +12,18 @@ two names is found there, not trusted).
 A process's listing is four key lists: model tensors held, optimizer units held, model tensors needed, units
 needed. :func:`plan` reads every process's and gives one process its part; the owner of a key is the lowest
 process holding it (:func:`.sources.live_source`, the take-over's rule too: a replicated tensor is read once per
-receiver).
+receiver). A key no process holds live falls back to a snapshot file a process listed (:class:`Filed`, in
+:func:`.sources.nearest_first`'s order: one on the receiver's machine is read there, else its lister reads it and
+sends); only a model tensor found nowhere is lost (refused).
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from .sources import live_source
+from .sources import live_source, nearest_first
 
 MODEL, UNIT = 0, 1  # the kinds of key: a model tensor, an optimizer unit (one parameter's state)
 LISTS = 4  # held model tensors, held units, needed model tensors, needed units
@@ -64,19 +66,40 @@ def unpack(flat: Sequence[int]) -> list[list[int]]:
 
 
 @dataclass(frozen=True)
+class Filed:
+    """A snapshot file process ``holder`` listed (one of its machine's): where it is, whose it was, its items."""
+
+    machine: str
+    holder: int
+    owner: int
+    path: str
+    items: frozenset[Item]
+
+
+@dataclass(frozen=True)
 class Plan:
     """One process's part: what it sends to each process, receives from each, keeps from itself, and the model
-    tensors it needs that no process holds (refused; a unit no one holds is left fresh, as a load with
-    ``strict=False``)."""
+    tensors it needs that no source holds (refused; a unit no one holds is left fresh, as a load with
+    ``strict=False``). ``read``: the items it takes from a file on its own machine for itself; ``filed``: the
+    file (path) each item it reads comes from, by (receiver, item): to send (receiver another process) or its own
+    (``read``)."""
 
     sends: dict[int, tuple[Item, ...]]
     receives: dict[int, tuple[Item, ...]]
     kept: tuple[Item, ...]
     lost: tuple[Item, ...]
+    read: tuple[Item, ...] = ()
+    filed: dict[tuple[int, Item], str] = field(default_factory=dict)
 
 
-def plan(everyone: Sequence[Sequence[Sequence[int]]], rank: int) -> Plan:
-    """``everyone[r]``: process ``r``'s four key lists (see :func:`unpack`); the part of process ``rank``."""
+def plan(
+    everyone: Sequence[Sequence[Sequence[int]]], rank: int, files: Sequence[Filed] = (), machines: Sequence[str] = ()
+) -> Plan:
+    """``everyone[r]``: process ``r``'s four key lists (see :func:`unpack`); the part of process ``rank``.
+    ``files``: the snapshot files every process listed, the fallback of a key no process holds live;
+    ``machines[r]``: process ``r``'s machine (needed with ``files``)."""
+    if files and len(machines) != len(everyone):
+        raise ValueError(f"plan: {len(everyone)} processes' key lists but {len(machines)} machines")
     held = [{(MODEL, k) for k in lists[0]} | {(UNIT, k) for k in lists[1]} for lists in everyone]
     needed = [{(MODEL, k) for k in lists[2]} | {(UNIT, k) for k in lists[3]} for lists in everyone]
     holders: dict[Item, list[int]] = {}
@@ -86,17 +109,36 @@ def plan(everyone: Sequence[Sequence[Sequence[int]]], rank: int) -> Plan:
     sends: dict[int, list[Item]] = {}
     receives: dict[int, list[Item]] = {}
     lost: list[Item] = []
+    read: list[Item] = []
+    filed: dict[tuple[int, Item], str] = {}
     for r, items in enumerate(needed):
-        for item in items - held[r]:
-            src = live_source(r, holders.get(item, ()))
+        near = nearest_first(files, machines[r]) if files else []
+        for item in sorted(items - held[r]):
+            src, path = live_source(r, holders.get(item, ())), None
+            if src is None:
+                src, path = _from_file(near, item, r, machines)
             if src is None:
                 lost += [item] if r == rank and item[0] == MODEL else []
+                continue
+            if path is not None and src == rank:
+                filed[(r, item)] = path
+            if src == rank == r:
+                read.append(item)
             elif src == rank:
                 sends.setdefault(r, []).append(item)
             elif r == rank:
                 receives.setdefault(src, []).append(item)
     kept = tuple(sorted(needed[rank] & held[rank]))
-    return Plan(_sorted(sends), _sorted(receives), kept, tuple(sorted(lost)))
+    return Plan(_sorted(sends), _sorted(receives), kept, tuple(sorted(lost)), tuple(sorted(read)), filed)
+
+
+def _from_file(near: Sequence[Filed], item: Item, r: int, machines: Sequence[str]) -> tuple[int | None, str | None]:
+    """Who reads ``item`` for receiver ``r`` from a file, and which: the first of ``near`` holding it, read by
+    ``r`` itself on its own machine, else by the process that listed it (None, None: no file holds it)."""
+    found = next((f for f in near if item in f.items), None)
+    if found is None:
+        return None, None
+    return (r if found.machine == machines[r] else found.holder), found.path
 
 
 def _sorted(by_peer: Mapping[int, list[Item]]) -> dict[int, tuple[Item, ...]]:

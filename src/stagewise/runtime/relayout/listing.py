@@ -10,6 +10,11 @@ Three exchanges, every process taking part in each, before any tensor moves:
    it sends, and the optimizer metadata (hyper-parameters, non-tensor state) of each unit it sends; the receiver
    checks every name against the one it needs.
 
+A tensor no process holds live comes from a snapshot file a process listed (``files``, :mod:`.snapfiles`: the
+first process of each machine lists its files' keys in one more small gather before the plan): read by the
+receiver on its own machine, else by the lister and sent as a live tensor is; a damaged file is refused alike in
+step 2.
+
 What this replaces: every process's JSON listing (names, shapes, optimizer metadata) all-gathered, padded to the
 longest: processes x (processes + 1) x the longest listing held at once on every process, a retiring one too.
 """
@@ -18,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -27,6 +32,7 @@ from torch import nn
 from ..checkpoint import state, storage
 from ..comm import collectives, relayout_wire
 from . import keys as K
+from .snapfiles import Files, filed
 from .transfers import Move, Transfers
 
 
@@ -42,6 +48,12 @@ class Listing:
     targets: dict[str, torch.Tensor | None]
     everyone: list[dict[str, Any]]
     bytes_moved: int
+    read: dict[str, torch.Tensor] = field(default_factory=dict)  # what it read from a file for itself
+    sending: dict[tuple[str, int], Mapping[str, torch.Tensor]] = field(default_factory=dict)  # a file's, to send
+
+    def source(self, name: str, dst: int, held: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        """Where this process reads ``name`` it sends to ``dst``: a file it read, else its live tensors."""
+        return self.sending.get((name, dst), held)
 
 
 @dataclass(frozen=True)
@@ -53,6 +65,7 @@ class _Mine:
     optim: Mapping[str, Any]
     targets: dict[str, torch.Tensor | None]
     names: tuple[dict[int, str], ...]
+    files: Files | None = None
 
     def name(self, item: K.Item, needed: bool) -> str:
         kind, key = item
@@ -61,6 +74,16 @@ class _Mine:
     def entries(self, unit: str) -> dict[str, Any]:
         return self.optim["state"].get(unit, {})
 
+    def source(self, plan: K.Plan, item: K.Item, dst: int) -> tuple[Mapping[str, torch.Tensor], Mapping[str, Any], str]:
+        """Where this process reads ``item`` for ``dst``: its live tensors, or the file the plan gave it (the
+        tensors, the optimizers' metadata and the item's name there)."""
+        path = plan.filed.get((dst, item))
+        if path is None:
+            return self.held, self.optim, self.name(item, False)
+        assert self.files is not None
+        read = self.files.read[path]
+        return read.tensors, read.optim, read.names[item[0]][item[1]]
+
 
 def exchange(
     held: Mapping[str, torch.Tensor],
@@ -68,23 +91,33 @@ def exchange(
     new: nn.Module | None,
     ranks: storage.Ranks,
     row: dict[str, Any],
+    files: Files | None = None,
 ) -> Listing:
     """See the module docstring. ``held``/``optim``: this process's tensors and optimizer metadata under the old
-    layout; ``new``: its new stages (None: it holds none); ``row``: its new stages and layout, for everyone."""
-    mine = _mine(held, optim, new)
-    plan = K.plan([K.unpack(flat) for flat in _gather_keys(mine, ranks)], ranks.rank)
+    layout (those it may give live); ``new``: its new stages (None: it holds none); ``row``: its new stages and
+    layout, for everyone; ``files``: its snapshot files (None alike on every process: no file is a source)."""
+    mine = _mine(held, optim, new, files)
+    keys = [K.unpack(flat) for flat in _gather_keys(mine, ranks)]
+    if files is None:
+        plan = K.plan(keys, ranks.rank)
+    else:
+        plan = K.plan(keys, ranks.rank, *filed(storage.gather(files.row(), ranks, "every process's snapshot files")))
     lost = sorted(mine.name(item, True) for item in plan.lost)
-    missing = [f"process {ranks.rank} needs {', '.join(lost[:5])} that no process holds"] if lost else []
-    sent = sum(_nbytes(mine, item) for items in plan.sends.values() for item in items)
+    where = "no process holds" if files is None else "no process holds live and no snapshot file holds"
+    missing = [f"process {ranks.rank} needs {', '.join(lost[:5])} that {where}"] if lost else []
+    missing += [] if files is None else files.take(plan.filed.values())
+    sent = 0 if missing else sum(_nbytes(mine, plan, item, dst) for dst, items in plan.sends.items() for item in items)
     everyone = storage.gather({**row, "missing": missing, "sent": sent}, ranks, "the tensors needed")
     storage.refuse_alike(
         [e["missing"] for e in everyone], "relayout: the new layout needs tensors the old one does not have"
     )
     told = _tell(mine, plan, ranks)
     transfers, described, record = _assemble(mine, plan, told, ranks.rank)
+    read, sending = _from_files(mine, plan, record, ranks.rank)
     targets = dict(mine.targets)
     targets.update({n: None for unit, entries in record["state"].items() for n in unit_tensors(unit, entries)})
-    return Listing(transfers, described, record, targets, everyone, sum(e["sent"] for e in everyone))
+    moved = sum(e["sent"] for e in everyone)
+    return Listing(transfers, described, record, targets, everyone, moved, read, sending)
 
 
 def unit_tensors(unit: str, entries: Mapping[str, Any]) -> list[str]:
@@ -92,7 +125,9 @@ def unit_tensors(unit: str, entries: Mapping[str, Any]) -> list[str]:
     return [f"{state.OPTIM}{unit}/{k}" for k, e in sorted(entries.items()) if "tensor" in e]
 
 
-def _mine(held: Mapping[str, torch.Tensor], optim: Mapping[str, Any], new: nn.Module | None) -> _Mine:
+def _mine(
+    held: Mapping[str, torch.Tensor], optim: Mapping[str, Any], new: nn.Module | None, files: Files | None
+) -> _Mine:
     """This process's four lists, keyed; a key standing for two names on this process is refused."""
     targets: dict[str, torch.Tensor | None] = {}
     units: list[str] = []
@@ -107,7 +142,7 @@ def _mine(held: Mapping[str, torch.Tensor], optim: Mapping[str, Any], new: nn.Mo
         for k in lists[a].keys() & lists[b].keys():
             if lists[a][k] != lists[b][k]:
                 raise ValueError(f"relayout: {lists[a][k]!r} and {lists[b][k]!r} share a 64-bit key; rename one")
-    return _Mine(held, optim, targets, lists)
+    return _Mine(held, optim, targets, lists, files)
 
 
 def _gather_keys(mine: _Mine, ranks: storage.Ranks) -> list[list[int]]:
@@ -122,17 +157,17 @@ def _gather_keys(mine: _Mine, ranks: storage.Ranks) -> list[list[int]]:
     return [t.view(torch.int64).tolist() for t in got]
 
 
-def _nbytes(mine: _Mine, item: K.Item) -> int:
+def _nbytes(mine: _Mine, plan: K.Plan, item: K.Item, dst: int) -> int:
     """The bytes a sent item carries: a model tensor, or a unit's state tensors."""
-    name = mine.name(item, False)
-    names = [name] if item[0] == K.MODEL else unit_tensors(name, mine.entries(name))
-    return sum(math.prod(mine.held[n].shape) * mine.held[n].element_size() for n in names)
+    held, optim, name = mine.source(plan, item, dst)
+    names = [name] if item[0] == K.MODEL else unit_tensors(name, optim["state"].get(name, {}))
+    return sum(math.prod(held[n].shape) * held[n].element_size() for n in names)
 
 
 def _tell(mine: _Mine, plan: K.Plan, ranks: storage.Ranks) -> dict[int, Any]:
     """Step 3: to each process this one sends to, the names, shapes and optimizer metadata of what it sends; from
     each it receives from, theirs (lengths first, then the JSON bytes)."""
-    out = {dst: collectives.encode(_metadata(mine, items)) for dst, items in plan.sends.items()}
+    out = {dst: collectives.encode(_metadata(mine, plan, items, dst)) for dst, items in plan.sends.items()}
     lengths = {src: torch.zeros(1, dtype=torch.int64) for src in plan.receives}
     ops = [("send", torch.tensor([len(blob)], dtype=torch.int64), dst) for dst, blob in out.items()]
     _post(ops + [("recv", t, src) for src, t in lengths.items()], ranks)
@@ -148,19 +183,43 @@ def _post(ops: list[tuple[str, torch.Tensor, int]], ranks: storage.Ranks) -> Non
     relayout_wire.post(ops, ranks.group, guard.wait)
 
 
-def _metadata(mine: _Mine, items: tuple[K.Item, ...]) -> dict[str, Any]:
+def _metadata(mine: _Mine, plan: K.Plan, items: tuple[K.Item, ...], dst: int) -> dict[str, Any]:
     """What one receiver learns of the items sent to it, by name."""
     model: dict[str, Any] = {}
     units: dict[str, Any] = {}
     for item in items:
-        name = mine.name(item, False)
+        held, optim, name = mine.source(plan, item, dst)
         if item[0] == K.MODEL:
-            model.update(state.describe({name: mine.held[name]}))
+            model.update(state.describe({name: held[name]}))
             continue
-        entries = mine.entries(name)
-        tensors = {n: mine.held[n] for n in unit_tensors(name, entries)}
-        units[name] = {"params": mine.optim["params"][name], "state": entries, "described": state.describe(tensors)}
+        entries = optim["state"].get(name, {})
+        tensors = {n: held[n] for n in unit_tensors(name, entries)}
+        units[name] = {"params": optim["params"][name], "state": entries, "described": state.describe(tensors)}
     return {"model": model, "units": units}
+
+
+def _from_files(
+    mine: _Mine, plan: K.Plan, record: dict[str, Any], rank: int
+) -> tuple[dict[str, torch.Tensor], dict[tuple[str, int], Mapping[str, torch.Tensor]]]:
+    """What this process read from files for itself (tensors by name; the units' metadata into ``record``), and
+    the file each tensor it sends from a file is read from, by (name, receiver)."""
+    read: dict[str, torch.Tensor] = {}
+    for item in plan.read:
+        held, optim, name = mine.source(plan, item, rank)
+        names = (
+            [name]
+            if item[0] == K.MODEL
+            else _recorded(record, name, optim["params"][name], optim["state"].get(name, {}))
+        )
+        read.update({n: held[n] for n in names})
+    sending: dict[tuple[str, int], Mapping[str, torch.Tensor]] = {}
+    for (dst, item), _ in plan.filed.items():
+        if dst == rank:
+            continue
+        held, optim, name = mine.source(plan, item, dst)
+        names = [name] if item[0] == K.MODEL else unit_tensors(name, optim["state"].get(name, {}))
+        sending.update({(n, dst): held for n in names})
+    return read, sending
 
 
 def _assemble(
@@ -189,9 +248,9 @@ def _assemble(
                 names = _recorded(record, name, got["params"], got["state"])
             moves += [Move(n, src, rank) for n in names]
     for dst, items in plan.sends.items():
-        for kind, key in items:
-            name = mine.name((kind, key), False)
-            names = [name] if kind == K.MODEL else unit_tensors(name, mine.entries(name))
+        for item in items:
+            _, optim, name = mine.source(plan, item, dst)
+            names = [name] if item[0] == K.MODEL else unit_tensors(name, optim["state"].get(name, {}))
             moves += [Move(n, rank, dst) for n in names]
     moves.sort(key=lambda m: (m.name, m.dst))
     return Transfers(tuple(moves), {rank: tuple(sorted(kept))}, {}), described, record

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from ..checkpoint.newest import DISK, LIVE, SNAPSHOTS, Report, newest
 from ..elastic.choose import Choice, Copy, Need, choose, of_live_jobs
@@ -57,6 +57,7 @@ class Decision:
     lineage: str
     job: str
     kept: dict[int, tuple[str, ...]] = field(default_factory=dict)
+    progress: Any = None  # the chosen source's report of it (the dropout step, the LR schedule's place)
     takes: tuple[Take, ...] = ()
     files: dict[tuple[str, str], Copy] = field(default_factory=dict)
     generation: int = 0  # the membership generation of the state chosen (meta46)
@@ -98,6 +99,7 @@ def decide(records: Sequence[Mapping[str, Any]], layout: Any, disk_step: int | N
         live[part.holder] = frozenset(records[part.holder]["live"][str(part.step)])
     decision = Decision(choice.step, choice.lineage, choice.job, files={(c.machine, c.path): c for c in files})
     decision.generation = chosen.report.generation  # meta46: what the states trained next count on from
+    decision.progress = chosen.report.progress
     missing = plan_sources(decision, needs, live, files)
     if missing:
         return "; ".join(f"process {r} needs {', '.join(sorted(ns)[:5])} that no source holds" for r, ns in missing)
@@ -106,10 +108,14 @@ def decide(records: Sequence[Mapping[str, Any]], layout: Any, disk_step: int | N
 
 def _reports(records: Sequence[Mapping[str, Any]], choice: Choice, disk_step: int | None) -> list[Report]:
     """What each source holds, for the one choice (:mod:`..checkpoint.newest`): the snapshots' newest whole
-    generation, the disk's newest checkpoint, and each survivor's live tensors per captured step (partial: they
-    only complete the snapshots of their step), each with the membership generation that trained it (meta46:
-    the headers', the checkpoint record's (process 0's ``disk_generation``), the old pipeline's (``held_in``))."""
-    reports = [Report(SNAPSHOTS, choice.step, generation=choice.membership)]
+    generation (with its progress, as its files' headers say: ``progress`` in a record, by ``step/lineage``), the
+    disk's newest checkpoint, and each survivor's live tensors per captured step (partial: they only complete the
+    snapshots of their step), each with the membership generation that trained it (the headers', the checkpoint
+    record's (process 0's ``disk_generation``), the old pipeline's (``held_in``))."""
+    key = f"{choice.step}/{choice.lineage}"
+    told = (r["progress"] for r in records if "progress" in r)  # (the take-over's: the files' headers, by generation)
+    said = next((ps[key] for ps in told if key in ps), None)
+    reports = [Report(SNAPSHOTS, choice.step, generation=choice.membership, progress=said)]
     if disk_step is not None:
         reports.append(Report(DISK, disk_step, generation=int(records[0].get("disk_generation", 0))))
     return reports + [
@@ -160,7 +166,22 @@ def live_source(receiver: int, holders: Collection[int]) -> int | None:
     return min(holders) if holders else None
 
 
-def nearest_first(files: Sequence[Copy], machine: str) -> list[Copy]:
+class Located(Protocol):
+    """A snapshot file as :func:`nearest_first` orders it (a :class:`..elastic.choose.Copy`, a
+    :class:`.keys.Filed`)."""
+
+    @property
+    def machine(self) -> str: ...
+    @property
+    def owner(self) -> int: ...
+    @property
+    def path(self) -> str: ...
+
+
+FileT = TypeVar("FileT", bound=Located)
+
+
+def nearest_first(files: Sequence[FileT], machine: str) -> list[FileT]:
     """The snapshot files in the order a receiver on ``machine`` takes a name from them, when no process holds
     it live: its own machine's first (read there), then the others' (read by their lister and sent), by owner."""
     return sorted(files, key=lambda c: (c.machine != machine, c.owner, c.machine, c.path))
