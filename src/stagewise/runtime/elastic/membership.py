@@ -269,9 +269,13 @@ class Membership:
             try:
                 with inside():  # (see ..comm.blocking: not in torch as the interpreter finalizes)
                     self._stamp()
-                    self.look()
             except Exception:  # the store is gone: the next agreement says so
                 return
+            try:
+                with inside():
+                    self.look()
+            except Exception as err:  # (a look that failed only leaves the next agreement to watch afresh)
+                log.debug("stagewise elastic: the others' stamps were not read (%s)", err)
 
 
 def joiners(store: Any, g: int) -> list[int]:
