@@ -67,8 +67,10 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
         def sample(until: float) -> None:
             while time.time() < until:
-                cpu = {m: cpu_seconds(netns.pids(machines.name(m))) for m in range(4)}
-                samples.append({"t": time.time(), "cpu": cpu, "steps": len(faults.rows())})
+                pids = {m: netns.pids(machines.name(m)) for m in range(4)}
+                cpu = {m: cpu_seconds(p) for m, p in pids.items()}
+                each = {pid: cpu_seconds([pid]) for p in pids.values() for pid in p}  # (which process of it)
+                samples.append({"t": time.time(), "cpu": cpu, "steps": len(faults.rows()), "pids": each})
                 time.sleep(1.0)
 
         sample(marks["before"] + args.before)
