@@ -16,7 +16,7 @@ import argparse
 import sys
 
 from .._launch import with_the_tests
-from . import chaos, faults, snapshots
+from . import chaos, cutoff, faults, snapshots
 
 
 def main() -> int:
@@ -25,6 +25,7 @@ def main() -> int:
     faults.add(sub)
     snapshots.add(sub)
     chaos.add(sub)
+    cutoff.add(sub)
     args = p.parse_args()
     if args.what == "snapshots":
         return snapshots.main(args)
@@ -32,6 +33,8 @@ def main() -> int:
     if args.what == "faults":
         print(faults.table(faults.run(args), args.cases))
         return 0
+    if args.what == "cutoff":
+        return cutoff.main(args)
     return chaos.main(args)
 
 

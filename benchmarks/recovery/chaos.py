@@ -54,6 +54,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                           "--keep-resumed"], port=29575, restarts=len(plan) + 5, extra=extra)  # fmt: skip
         faults, began, ended = ch.chaos(job, plan, args.duration, wake=args.inplace)
         loads.append(os.getloadavg()[0])
+        for k, workers in enumerate(([0, 1, 2], [0, 1]) if args.again else ()):  # the normaliser, bracketed
+            world, folder = 2 * len(workers), out / f"again-{2 * len(workers)}"
+            folder.mkdir(parents=True, exist_ok=True)
+            alone = ch.GuideJob(machines, folder, [*script, "--every", str(args.every), "--start-world", str(world)],
+                                port=29580 + k, extra=extra)  # fmt: skip
+            measured.setdefault("again", {})[world] = ch.throughput(alone, 3, workers, args.measure)
+            print(f"fault-free again at {world} processes, snapshot={args.every}: "
+                  f"{measured['again'][world][0]:.2f} steps/s", flush=True)  # fmt: skip
     return summarise(args, out / "chaos", faults, began, ended, measured, loads)
 
 
@@ -82,10 +90,59 @@ def summarise(args: argparse.Namespace, out: Path, faults: Any, began: float, en
         "ledger": cl.ledger(rows, resumes, events, spans, rates), "woken": faults.woke,
         "samples": rl.samples_check(rl.lineage(rows)), "stale_rows": rl.stale_rows(rows), "loads": loads,
         "replay": ch.replay(out, written, resumes, args.replay_steps), "out": str(out), "began": began,
-        "lost": lost,
+        "lost": lost, "generations": by_generation(rows, [e.at for e in events], began, ended),
+        "again": {w: r for w, (r, _) in measured.get("again", {}).items()},
     }  # fmt: skip
+    first = result["generations"][0] if result["generations"] else None
+    if first is not None and first["world"] in rates:  # the job's own fault-free stretch, before any event
+        own = {**rates, first["world"]: first["rate"]}
+        result["own"] = {"world": first["world"], "rate": first["rate"], "goodput": rl.goodput(rows, spans, own)}
     (out / "chaos.json").write_text(json.dumps(result, indent=1))
     return result
+
+
+def by_generation(rows: list[dict[str, Any]], events: list[float], began: float, ended: float,
+                  settle: int = 20) -> list[dict[str, Any]]:  # fmt: skip
+    """Each run's (a generation's) steady rate: its rows from the ``settle``-th on, up to the next event (the
+    detection of a loss, a newcomer's boot and the first steps after a change left out), in steps per second.
+    The first run, before any event, is the job's own fault-free stretch."""
+    runs: dict[str, list[float]] = {}
+    for r in sorted(rows, key=lambda r: r["time"]):
+        runs.setdefault(r["run"], []).append(r["time"])
+    out = []
+    for run, times in runs.items():
+        world = next(r["world"] for r in rows if r["run"] == run)
+        if len(times) <= settle + 1:
+            continue
+        end = min([t for t in [*events, ended] if t > times[settle]], default=ended)
+        kept = [t for t in times[settle:] if began <= t <= end]
+        if len(kept) > 1 and kept[-1] > kept[0]:
+            out.append({"run": run, "world": world, "from": kept[0] - began, "seconds": kept[-1] - kept[0],
+                        "rate": (len(kept) - 1) / (kept[-1] - kept[0])})  # fmt: skip
+    return out
+
+
+def generations(result: dict[str, Any]) -> list[str]:
+    """The steady rate of each generation against the fault-free rate at its size, and the job's own."""
+    rates = {int(w): r for w, r in result["rates"].items()}
+    gens = result.get("generations") or []
+    parts = [f"{g['run']} {g['world']}p {g['rate']:.2f} ({100 * g['rate'] / rates[g['world']]:.0f} %)" for g in gens
+             if g["world"] in rates]  # fmt: skip
+    out = ["steady rate by generation (steps/s, % of fault-free at its size): " + ", ".join(parts)] if parts else []
+    own = result.get("own")
+    if own:
+        out.append(f"the chaos job's own first minute (no event yet): {own['rate']:.2f} steps/s at {own['world']} "
+                   f"processes, {100 * own['rate'] / rates[own['world']]:.0f} % of the separate fault-free job's; "
+                   f"goodput against it {100 * own['goodput']['goodput']:.1f} %")  # fmt: skip
+    if result.get("again"):
+        out.append(
+            "fault-free measured again after the chaos: "
+            + ", ".join(
+                f"{w} processes {r:.2f} steps/s (before {rates[int(w)]:.2f})"
+                for w, r in sorted(result["again"].items())
+            )
+        )
+    return out
 
 
 def report(result: dict[str, Any]) -> str:
@@ -115,6 +172,7 @@ def report(result: dict[str, Any]) -> str:
         f"{g['ideal_steps']:.0f} fault-free; " + ", ".join(f"{w} processes {r:.2f} steps/s" for w, r in
                                                            sorted(result["rates"].items())) + ")",
         *normalisation(result),
+        *generations(result),
         f"replay: {equal} of {len(result['replay'])} runs equal bit for bit ({steps} steps compared); "
         f"lineage: {s['missing_steps']} steps missing, {s['skipped']} samples skipped, {s['twice']} seen twice; "
         f"{lost_rows(result.get('lost'))}rows from a superseded run: {result['stale_rows']}",
@@ -184,6 +242,7 @@ def add(sub: Any) -> None:
     p.add_argument("--timeout", type=float, default=10.0, help="the pipeline's hang threshold, seconds")
     p.add_argument("--measure", type=float, default=40.0, help="seconds of each fault-free throughput measurement")
     p.add_argument("--bare", action="store_true", help="also measure fault-free jobs without snapshots (their cost)")
+    p.add_argument("--again", action="store_true", help="measure the fault-free rates again after the chaos")
     p.add_argument("--replay-steps", type=int, default=0, help="replay at most this many steps of each run (0: all)")
     p.add_argument("--subnet", type=int, default=62)
     p.add_argument("--keep", default=None, help="a folder for the jobs' logs and rows (default: a fresh temporary one)")

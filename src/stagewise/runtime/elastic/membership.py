@@ -8,8 +8,9 @@ store's own primitives only - ``set``, ``compare_set``, ``check``, ``wait`` (no 
   writes anything a later generation could read (:meth:`Membership.fenced`): a worker that was stopped or
   cut off and wakes behind the store leaves (:class:`Fenced`);
 * ``alive/<id>``: each worker's stamp (its wall-clock time), every :data:`STAMP_S` (a helper thread): a member
-  whose stamp is older than the hang threshold is counted gone without waiting out the whole deadline - after
-  :data:`_CONFIRM_S` when it went silent before the agreement began (the second worker of a stopped machine);
+  whose stamp is older than the hang threshold is counted gone without waiting out the whole deadline, once
+  it has been seen here standing still for :data:`_CONFIRM_S` (the stamping thread reads the others' stamps
+  too: a machine cut off a threshold before the agreement is counted at once);
 * ``gen<g>/arrived/<id>``: a survivor of generation g-1 asking for generation g; once every member of g-1
   arrived or went silent (or the deadline passed), the first to propose ``gen<g>/members`` wins
   (``compare_set`` on an empty key), the others read the winner's list; a proposal takes in the newcomers that
@@ -87,8 +88,14 @@ class Membership:
     generation: int = 0
     usable: Callable[[int], bool] | None = None  # sizes the job can run at (its layout's); None: any
     decided: dict[int, str] = field(default_factory=dict)  # the last agreement: how each member was counted
+    clock: Callable[[], float] = time.monotonic  # this worker's own clock (a test's fake one)
+    wall: Callable[[], float] = time.time  # the stamps' clock
+    sleep: Callable[[float], None] = time.sleep
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
+    _seen: dict[int, tuple[bytes | None, float]] = field(default_factory=dict)  # stamp, here since (own clock)
+    _looked: float = -1.0  # when the stamping thread last read the others' stamps (own clock)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def start(self) -> Membership:
         """Take part: generation 0 (its members, then its number) is written if nobody did yet, and the stamping
@@ -174,20 +181,21 @@ class Membership:
         silent, or is gone by ``still_gone``'s evidence, or until the deadline; at once when another survivor
         already decided ``g`` (it saw evidence this one has not). How each was counted is kept in
         :attr:`decided` (what a recovery's record says)."""
-        began = time.monotonic()
+        began = self.clock()
         end, named = began + deadline_s, set(known)
-        watch: dict[int, tuple[bytes | None, float]] = {}
-        self.decided, asked = {}, 0.0
+        with self._lock:  # what the stamping thread saw stand still before this agreement (see _silent)
+            watch = dict(self._seen)
+        self.decided, asked = {}, -_EVIDENCE_S
         while True:
             arrived = [m for m in self.members if self.store.check([f"gen{g}/arrived/{m}"])]
-            now = time.monotonic()
+            now = self.clock()
             if self.store.check([f"gen{g}/members"]):  # another survivor decided already: its list stands, and
                 for m in self.members:  # its barrier is waiting (this one must not wait out its own deadline first)
                     self.decided.setdefault(m, f"asked at {now - began:.2f} s" if m in arrived else "another decided")
                 return arrived
             if still_gone is not None and now - asked >= _EVIDENCE_S and len(arrived) + len(known) < len(self.members):
                 known |= set(still_gone())
-                asked = time.monotonic()
+                asked = self.clock()
             gone = [m for m in self.members if m in known and m not in arrived]
             for m in self.members:
                 if m in arrived or m in known:
@@ -204,14 +212,16 @@ class Membership:
                 for m in set(self.members) - set(self.decided):
                     self.decided[m] = f"missing at the deadline ({deadline_s:g} s)"
                 return arrived
-            time.sleep(_POLL_S)
+            self.sleep(_POLL_S)
 
     def _silent(self, m: int, watch: dict[int, tuple[bytes | None, float]], now: float) -> float:
-        """How long member ``m`` has not stamped: since this agreement first saw its stamp stand still, or - once
-        it stood still here for :data:`_CONFIRM_S` too - by the stamp's own time (a stopped or cut-off machine's
-        workers went silent together, a threshold ago, whichever the failure named). The confirmation spares a
-        live member whose stamps waited behind its own store call (a barrier's wait holds the client) or whose
-        clock is off; the stamps are wall-clock times, as the heartbeat's."""
+        """How long member ``m`` has not stamped: since its stamp was first seen standing still here - by this
+        agreement, or before it by the stamping thread (:meth:`look`) - or, once it stood still here for
+        :data:`_CONFIRM_S`, by the stamp's own time (a stopped or cut-off machine's workers went silent
+        together, a threshold ago, whichever the failure named). The confirmation spares a live member whose
+        stamps waited behind its own store call (a barrier's wait holds the client) or whose clock is off; the
+        stamps are wall-clock times, as the heartbeat's. Its clock starts when the silence was first seen, not
+        when the agreement began: by then a member cut off a threshold ago has stood still that long here."""
         stamp = self.store.get(f"alive/{m}") if self.store.check([f"alive/{m}"]) else None
         if m not in watch or watch[m][0] != stamp:
             watch[m] = (stamp, now)
@@ -219,9 +229,27 @@ class Membership:
         if stamp is None or still < _CONFIRM_S:
             return still
         try:
-            return max(still, time.time() - float(stamp))
+            return max(still, self.wall() - float(stamp))
         except ValueError:
             return still
+
+    def look(self) -> None:
+        """Read the other members' stamps (the stamping thread, every :data:`STAMP_S`): each one's value and
+        since when (this worker's clock) it has stood still. Only unbroken watching counts: after a gap longer
+        than :data:`_CONFIRM_S` in this worker's own looks (its store client was held by a barrier's wait, or
+        the process was stopped) - a member seen standing still across it may have been held alike - every
+        member is watched afresh."""
+        now = self.clock()
+        stamps = {m: self.store.get(f"alive/{m}") if self.store.check([f"alive/{m}"]) else None
+                  for m in self.members if m != self.me}  # fmt: skip
+        done = self.clock()
+        with self._lock:
+            if self._looked < 0 or now - self._looked > _CONFIRM_S or done - now > STAMP_S:
+                self._seen = {}
+            for m, stamp in stamps.items():
+                if m not in self._seen or self._seen[m][0] != stamp:
+                    self._seen[m] = (stamp, done)
+            self._looked = done
 
     def barrier(self, g: int, members: list[int], deadline_s: float) -> list[int]:
         """Every member of ``g`` says it is ready; the ones missing at the deadline (none when all came)."""
@@ -234,7 +262,7 @@ class Membership:
             return [m for m, key in zip(members, keys, strict=True) if not self.store.check([key])]
 
     def _stamp(self) -> None:
-        self.store.set(f"alive/{self.me}", repr(time.time()))
+        self.store.set(f"alive/{self.me}", repr(self.wall()))
 
     def _run(self) -> None:
         while not self._stop.wait(STAMP_S):
@@ -243,6 +271,11 @@ class Membership:
                     self._stamp()
             except Exception:  # the store is gone: the next agreement says so
                 return
+            try:
+                with inside():
+                    self.look()
+            except Exception as err:  # (a look that failed only leaves the next agreement to watch afresh)
+                log.debug("stagewise elastic: the others' stamps were not read (%s)", err)
 
 
 def joiners(store: Any, g: int) -> list[int]:
