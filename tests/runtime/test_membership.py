@@ -151,7 +151,11 @@ def test_the_members_a_failure_names_dead_are_not_waited_for(host: Any) -> None:
         t.start()
     for t in threads:
         t.join(30)
-    assert got == {0: [0, 1], 1: [0, 1]} and people[0].decided[2] == "named dead"
+    assert got == {0: [0, 1], 1: [0, 1]}, got
+    # whichever of the two proposed first counted worker 2 out by the name; the other took that decision (which one
+    # it is depends on the threads' order, not on the rule)
+    reasons = sorted(m.decided[2] for m in people[:2])
+    assert "named dead" in reasons and set(reasons) <= {"named dead", "another decided"}, reasons
     for m in people[:2]:
         m.stop()
 
