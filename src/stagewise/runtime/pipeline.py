@@ -209,6 +209,11 @@ class Pipeline(nn.Module):
         """Train steps whose gradients are accumulated in a gradient merge, not yet reduced (0 outside one)."""
         return self._engine.merge.pending
 
+    @property
+    def committed_step(self) -> int | None:
+        """``snapshot=``: the newest step held on two machines, never lost while one copy survives (guides/elastic)."""
+        return None if self.snapshots is None else self.snapshots.committed
+
     def train_stream(self, batches: Iterable[tuple[Any, Any]], steps: int | None = None) -> Iterator[float]:
         """Train on a stream of ``(inputs, targets)`` mini-batches, yielding each one's loss (any schedule).
 
