@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 from benchmarks.recovery import faults
+from benchmarks.recovery.snapshots import median_interval
 from benchmarks.recovery.lineage import attested, committed_at_failure, job_rows, merged
 
 import recovery_log as rl
@@ -130,3 +131,11 @@ def test_the_benchmark_reads_a_job_folder_whole(tmp_path: Path) -> None:
 def test_the_benchmark_prefers_the_second_writers_row(tmp_path: Path) -> None:
     write_job(tmp_path / "job-0", [row(6, 6.0)])
     assert job_rows(tmp_path / "job-0")[1] == {"second": [6], "resume": []}
+
+
+def test_the_snapshot_costs_interval_is_the_medians_order_statistics() -> None:
+    """12 pairs: the 3rd and 10th values (coverage 1 - 2 P(Bin(12, 1/2) <= 2) = 96.1 %); 3 pairs are too few for
+    95 %: the whole range, with its own coverage (75 %)."""
+    lo, hi, cover = median_interval([float(x) for x in (11, 0, 5, 3, 9, 1, 7, 2, 10, 4, 8, 6)])
+    assert (lo, hi) == (2.0, 9.0) and abs(cover - (1 - 2 * 79 / 4096)) < 1e-12
+    assert median_interval([3.0, 1.0, 2.0]) == (1.0, 3.0, 0.75)
