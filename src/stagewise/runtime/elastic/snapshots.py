@@ -16,13 +16,13 @@ Machines are told apart by torchrun's ``GROUP_RANK`` (the agent's rank in the ro
 ``i`` sends to rank ``j`` (modulo its size) of machine ``i + 1`` (modulo their number), so every machine's
 state is also on the next one, and a machine lost for good costs at most ``every`` steps. A snapshot's step is
 *committed* (``committed``, ``Pipeline.committed_step``) once every rank's copies of it landed
-(:func:`.snapshot_copies.commit`): from then on a resume goes on from it or later while one copy survives.
-``train_step`` does not wait for its own snapshot's commit, only for the one before (at the next snapshot).
-With one machine the copies stay local (they still outlive a restart of the workers). Each writer keeps the two newest
-generations (``step`` and ``step - every``): while one is being written the one before is whole. A job that
-ends cleanly removes its snapshots and leaves a marker saying so (:func:`.folder.mark_ended`); one that fails
-leaves them for the restart. A job is named by a nonce (``job``) drawn at its first start and taken over by
-every resume from its snapshots, so the marker refuses exactly that job's files, wherever they were left.
+(:func:`.snapshot_copies.commit`): then a resume goes on from it or later while one copy survives; ``train_step``
+waits only for the commit before its own. With one machine the copies stay local (they still outlive a restart
+of the workers). Each writer keeps the two newest generations (``step`` and ``step - every``): while one is being
+written the one before is whole. A job that ends cleanly removes its snapshots and leaves a marker saying so
+(:func:`.folder.mark_ended`); one that fails leaves them for the restart. A job is named by a nonce (``job``)
+drawn at its first start and taken over by every resume from its snapshots, so the marker refuses exactly that
+job's files, wherever they were left.
 """
 
 from __future__ import annotations
@@ -161,8 +161,8 @@ class Snapshotter:
 
     @step.setter
     def step(self, value: int) -> None:
-        """A resume (or a re-layout going on): the state the job goes on from is its committed step."""
-        self.end.step = self.committed = value
+        """A resume (or a re-layout going on): the step the job goes on from is committed (a snapshot's step)."""
+        self.end.step, self.committed = value, (value if value % self.config.every == 0 else self.committed)
 
     @property
     def committed(self) -> int:
