@@ -9,8 +9,8 @@ import json
 from pathlib import Path
 
 from benchmarks.recovery import faults
-from benchmarks.recovery.snapshots import median_interval
 from benchmarks.recovery.lineage import attested, committed_at_failure, job_rows, merged
+from benchmarks.recovery.snapshots import median_interval
 
 import recovery_log as rl
 

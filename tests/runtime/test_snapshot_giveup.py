@@ -147,7 +147,7 @@ def test_without_the_failure_posted_the_exchange_waits_for_the_peer(wire: Any) -
 
 
 class _Snap:
-    """What :func:`.snapshot_copies.send` reads of a snapshotter: a rank with two sources and a dest."""
+    """What :func:`.snapshot_copies.deliver` reads of a snapshotter: a rank with two sources and a dest."""
 
     def __init__(self, root: Path) -> None:
         self.peers = Peers(["a", "b", "c"], 0, [2, 4])

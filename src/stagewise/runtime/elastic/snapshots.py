@@ -357,7 +357,7 @@ class Snapshotter:
             raise PipelineError(f"rank {self.rank}: {failure} (snapshot=)")
 
     def wait(self) -> None:
-        """Wait until the last snapshot is written here and at the peer (raises if it failed)."""
+        """Wait until the last snapshot is written here and at the peer, and committed (raises if it failed)."""
         self._finish_inflight("stall_s")
 
     def forget(self) -> None:
