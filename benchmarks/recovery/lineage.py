@@ -16,6 +16,11 @@ counted from 0 (24 x S). Two sources fill the row, both recorded by a survivor, 
   step number: ``lm_data(seed=100 + s)``; the runtime asks the batch of the step after the one resumed).
 
 A step that neither attests (a gap of two, or a resume above a step nobody recorded) stays missing: a real gap.
+
+Rows carry ``committed`` (``Pipeline.committed_step`` when the row was written: every rank's snapshot held on two
+machines, usually the step before the row's). A commit that ended after the last row, before the failure, is
+in the survivors' resume record (``committed_before``: what the failed generation's pipeline knew last) and is
+put on that last row (:func:`committed_at_failure`), so a rollback is counted against everything committed.
 """
 
 from __future__ import annotations
@@ -74,11 +79,25 @@ def attested(rows: list[Row], resumes: list[Row]) -> tuple[list[Row], list[int]]
     return out, filled
 
 
+def committed_at_failure(rows: list[Row], resumes: Sequence[Row]) -> list[Row]:
+    """``rows`` with each resume record's ``committed_before`` on the last row written before it, where higher
+    than the row's own ``committed`` (rows without one are left alone)."""
+    out = sorted(rows, key=lambda r: r["time"])
+    for res in resumes:
+        known = res.get("committed_before")
+        before = [i for i, r in enumerate(out) if r["time"] < res["time"]]
+        if known is None or not before or out[before[-1]].get("committed") is None:
+            continue
+        last = out[before[-1]]
+        out[before[-1]] = {**last, "committed": max(int(last["committed"]), int(known))}
+    return out
+
+
 def job_rows(folder: Path) -> tuple[list[Row], dict[str, Any]]:
     """A job folder's rows made whole, and what was filled: ``{"second": steps, "resume": steps}`` (the steps
     whose first writer's row is missing, by the source that holds them)."""
     first, resumes = read_rows(folder / "steps.jsonl"), read_rows(folder / "resumes.jsonl")
     rows = merged(first, read_rows(folder / SECOND), resumes)
-    rows, filled = attested(rows, resumes)
+    rows, filled = attested(committed_at_failure(rows, resumes), resumes)
     second = sorted(r["step"] for r in rows if r.get("writer") == "last")
     return rows, {"second": second, "resume": filled}

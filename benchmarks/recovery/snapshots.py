@@ -7,13 +7,21 @@ Two pipelines of the same model are built, one with ``snapshot=1`` and one witho
 steps alternate between them (A B, then B A, ...) with ``--interval`` seconds of rest between rounds, so a
 change of the machine's load hits both alike. Per workload: the state bytes per rank (what a snapshot
 holds), the median step, state bytes / step time (the copy rate a snapshot after every step asks for), and
-the overhead: the median over the round pairs of (B / A - 1), with its lowest and highest.
+the overhead: per round pair, B's mean step over A's (the mean: a stall every few steps counts) minus 1;
+its median over the pairs with a distribution-free 95 % interval for that median (order statistics of the
+pairs: no assumption on their spread), and the lowest and highest pair.
+
+``--commit`` chooses what B is: ``pipelined`` (the library's: ``train_step`` waits only for the previous
+step's snapshot to be committed), ``sync`` (``train_step`` followed by waiting for its own snapshot to be
+committed - what a commit point at ``train_step``'s return would cost every step), or both, each against
+the same A in rounds that rotate the order.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -59,11 +67,12 @@ def worker(args: argparse.Namespace) -> None:
     }
     step = 0
 
-    cpu = {0: 0.0, 1: 0.0}  # this process's CPU seconds in the measured rounds, by pipeline
+    modes = ["none", *args.commit]
+    cpu = dict.fromkeys(modes, 0.0)  # this process's CPU seconds in the measured rounds, by mode
 
-    def round_of(every: int) -> float:
+    def round_of(mode: str) -> tuple[float, float]:
         nonlocal step
-        times = []
+        pipe, times = pipes[int(mode != "none")], []
         started = time.process_time()
         for _ in range(args.steps):
             step += 1
@@ -71,49 +80,66 @@ def worker(args: argparse.Namespace) -> None:
             x = torch.randint(0, cfg.vocab_size, (spec["batch"], cfg.seq_len + 1), generator=g)
             dist.barrier()
             t0 = time.perf_counter()
-            pipes[every].train_step(*pipes[every].local_batch(x[:, :-1], x[:, 1:]))
+            pipe.train_step(*pipe.local_batch(x[:, :-1], x[:, 1:]))
+            if mode == "sync":
+                pipe.snapshots.wait()  # train_step's own snapshot committed before the next step
             times.append(time.perf_counter() - t0)
-        snaps = pipes[every].snapshots
-        if snaps is not None:
-            snaps.wait()  # (its tail belongs to this round, not to the next one's)
-        cpu[every] += time.process_time() - started
-        return statistics.median(times)
+        if pipe.snapshots is not None:
+            pipe.snapshots.wait()  # (its tail belongs to this round, not to the next one's)
+        cpu[mode] += time.process_time() - started
+        return statistics.median(times), statistics.fmean(times)
 
-    for every in (0, 1):  # warm-up
-        round_of(every)
-    cpu.update({0: 0.0, 1: 0.0})
-    assert pipes[1].snapshots is not None
-    pipes[1].snapshots.stats.update({k: 0.0 for k in pipes[1].snapshots.stats})
-    pairs = []
-    for r in range(args.rounds):
-        order = (0, 1) if r % 2 == 0 else (1, 0)
-        got = {}
-        for every in order:
-            time.sleep(args.interval)
-            got[every] = round_of(every)
-        pairs.append((got[0], got[1]))
+    for mode in modes:  # warm-up
+        round_of(mode)
+    cpu.update(dict.fromkeys(modes, 0.0))
     snaps = pipes[1].snapshots
     assert snaps is not None
+    snaps.stats.update({k: 0.0 for k in snaps.stats})
+    rounds: list[dict[str, tuple[float, float]]] = []
+    for r in range(args.rounds):
+        order = modes[r % len(modes) :] + modes[: r % len(modes)]  # each mode first, second, ... in turn
+        got = {}
+        for mode in order if r % 2 == 0 else order[::-1]:
+            time.sleep(args.interval)
+            got[mode] = round_of(mode)
+        rounds.append(got)
     state = sum(p.stat().st_size for p in snaps.folder.glob(f"*-r{rank:05d}.snap")) // 2
     everyone: list[Any] = [None] * world
     steps = args.rounds * args.steps
     parts = {k: v / max(snaps.stats["snapshots"], 1) for k, v in snaps.stats.items() if k != "snapshots"}
-    extra_cpu = (cpu[1] - cpu[0]) / steps
-    dist.all_gather_object(everyone, {"pairs": pairs, "bytes": state, "parts": parts, "extra_cpu": extra_cpu})
+    extra_cpu = {m: (cpu[m] - cpu["none"]) / steps for m in args.commit}
+    found = {"rounds": rounds, "bytes": state, "parts": parts, "extra_cpu": extra_cpu}
+    dist.all_gather_object(everyone, found)
     if rank == 0:
         Path(args.result).write_text(json.dumps({"layout": fit.describe(), "ranks": everyone}))
     dist.destroy_process_group()
 
 
-def row(model: str, ranks: int, found: dict[str, Any]) -> str:
-    pairs = found["ranks"][0]["pairs"]  # every rank waited at the barrier: rank 0's clock times the job's step
-    base = statistics.median(a for a, _ in pairs)
-    over = [100 * (b / a - 1) for a, b in pairs]
+def median_interval(values: list[float], level: float = 0.95) -> tuple[float, float, float]:
+    """A distribution-free interval for the median of ``values`` (their order statistics ``k`` from each end,
+    ``k`` the most whose binomial coverage is still at least ``level``) and its coverage; with too few values
+    for ``level``, the whole range and its own coverage."""
+    xs, n = sorted(values), len(values)
+    below = [math.comb(n, i) / 2**n for i in range(n + 1)]  # P(exactly i of n pairs below the median)
+    k, tail = 0, 0.0
+    while k < n // 2 and 1 - 2 * (tail + below[k]) >= level:
+        tail += below[k]
+        k += 1
+    k = max(k, 1)
+    return xs[k - 1], xs[n - k], 1 - 2 * sum(below[:k])
+
+
+def row(model: str, ranks: int, found: dict[str, Any], mode: str) -> str:
+    rounds = found["ranks"][0]["rounds"]  # every rank waited at the barrier: rank 0's clock times the job's step
+    base = statistics.median(r["none"][0] for r in rounds)
+    over = [100 * (r[mode][1] / r["none"][1] - 1) for r in rounds]  # the mean steps, pair by pair
+    lo, hi, cover = median_interval(over)
     state = max(r["bytes"] for r in found["ranks"])
     rate = state / 2**20 / base
     return (
-        f"| {model} | {ranks} | {found['layout']} | {state / 2**20:.1f} | {1e3 * base:.1f} | {rate:.0f} "
-        f"| {statistics.median(over):+.1f} % | {min(over):+.1f} / {max(over):+.1f} % | {len(pairs)} |"
+        f"| {model} | {ranks} | {found['layout']} | {mode} | {state / 2**20:.1f} | {1e3 * base:.1f} | {rate:.0f} "
+        f"| {statistics.median(over):+.1f} % | {lo:+.1f} / {hi:+.1f} % ({100 * cover:.0f} %) "
+        f"| {min(over):+.1f} / {max(over):+.1f} % | {len(over)} |"
     )
 
 
@@ -125,7 +151,8 @@ def breakdown(found: dict[str, Any]) -> str:
         cells = [
             f"{k[:-2]} {1e3 * parts[k]:.1f} ({1e3 * parts.get(k + '_cpu', 0.0):.1f})" for k in parts if k.endswith("_s")
         ]
-        out.append(f"    rank {r}: {', '.join(cells)}; extra CPU per step {1e3 * got['extra_cpu']:.1f} ms")
+        extra = ", ".join(f"{m} {1e3 * v:.1f} ms" for m, v in got["extra_cpu"].items())
+        out.append(f"    rank {r}: {', '.join(cells)}; extra CPU per step: {extra}")
     return "\n".join(out)
 
 
@@ -133,17 +160,19 @@ def main(args: argparse.Namespace) -> int:
     if args.worker:
         worker(args)
         return 0
-    print(f"snapshot=1 against none, {args.rounds} round pairs of {args.steps} steps, {args.interval:g} s apart")
+    print(f"snapshot=1 ({', '.join(args.commit)}) against none, {args.rounds} rounds of {args.steps} steps each, "
+          f"{args.interval:g} s apart")  # fmt: skip
     print(f"load average {os.getloadavg()[0]:.1f} (1 min) at the start; snapshot threads at {args.priority} priority")
-    print("| workload | processes | layout | state MiB/rank | step ms | state / step MiB/s | overhead (median) "
-          "| lowest / highest | pairs |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| workload | processes | layout | commit | state MiB/rank | step ms | state / step MiB/s | overhead "
+          "(median of pairs) | 95 % interval of the median (coverage) | lowest / highest | pairs |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for ranks in args.ranks:
         for model in args.models:
             with tempfile.TemporaryDirectory(dir=args.folder_root) as tmp:
                 result = Path(tmp) / "result.json"
                 flags = ["snapshots", "--worker", f"--model={model}", f"--result={result}", f"--folder={tmp}"]
                 flags += [f"--steps={args.steps}", f"--rounds={args.rounds}", f"--interval={args.interval}"]
+                flags += ["--commit", *args.commit]
                 flags += [f"--machines={min(ranks, 2)}"] + (["--pin"] if ranks == 2 else [])
                 cmd = torchrun(ranks, "benchmarks.recovery", flags)
                 idle = "0" if args.priority == "normal" else "1"
@@ -152,7 +181,8 @@ def main(args: argparse.Namespace) -> int:
                 if done.returncode != 0:
                     raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
                 found = json.loads(result.read_text())
-                print(row(model, ranks, found), flush=True)
+                for mode in args.commit:
+                    print(row(model, ranks, found, mode), flush=True)
                 if args.breakdown:
                     print(breakdown(found), flush=True)
     print(f"load average {os.getloadavg()[0]:.1f} (1 min) at the end")
@@ -164,7 +194,9 @@ def add(sub: Any) -> None:
     p.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["demo", "d256"])
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     p.add_argument("--steps", type=int, default=10, help="steps per round")
-    p.add_argument("--rounds", type=int, default=6, help="round pairs (A B / B A)")
+    p.add_argument("--rounds", type=int, default=12, help="rounds (each: A and every B, the order rotating)")
+    p.add_argument("--commit", nargs="+", choices=["pipelined", "sync"], default=["pipelined"],
+                   help="B: the library's pipelined commit, or train_step waiting for its own")  # fmt: skip
     p.add_argument("--interval", type=float, default=2.0, help="seconds of rest before each round")
     p.add_argument("--folder-root", default="/dev/shm", help="where the pretend machines' folders go")
     p.add_argument("--priority", choices=["idle", "normal"], default="idle", help="the snapshot threads' policy")

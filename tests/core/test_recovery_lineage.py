@@ -9,7 +9,8 @@ import json
 from pathlib import Path
 
 from benchmarks.recovery import faults
-from benchmarks.recovery.lineage import attested, job_rows, merged
+from benchmarks.recovery.lineage import attested, committed_at_failure, job_rows, merged
+from benchmarks.recovery.snapshots import median_interval
 
 import recovery_log as rl
 
@@ -58,6 +59,19 @@ def test_a_rollback_is_not_hidden() -> None:
     assert filled == []
     got = rl.incident(whole, KILL)
     assert (got["resumed"], got["rolled_back"], got["redone"]) == (4, 1, 2)
+
+
+def test_a_commit_that_ended_after_the_last_row_counts_when_it_is_rolled_back() -> None:
+    """Rows carry the runtime's committed step (the one before theirs); step 5's commit ended after its row, and
+    the survivors' record says so: going back to 4 is then a committed step rolled back; going back to 4 when
+    step 5 was not committed (the record says 4) is step 5 redone, not rolled back."""
+    rows = [{**r, "committed": r["step"] - 1} for r in BEFORE]
+    rows += [{**row(s, 2.0 + s, world=4, run="g2"), "committed": s - 1} for s in range(5, 11)]
+    for known, rolled in ((5, 1), (4, 0), (None, 0)):
+        made = committed_at_failure(rows, [{**resume(4, 7.0), "committed_before": known}])
+        got = rl.incident(made, KILL)
+        assert (got["resumed"], got["rolled_back"], got["redone"]) == (4, rolled, 2), known
+    assert committed_at_failure(BEFORE, [{**resume(4, 7.0), "committed_before": 5}]) == BEFORE  # no field: as is
 
 
 def test_a_resume_whose_step_has_its_row_fills_nothing() -> None:
@@ -117,3 +131,11 @@ def test_the_benchmark_reads_a_job_folder_whole(tmp_path: Path) -> None:
 def test_the_benchmark_prefers_the_second_writers_row(tmp_path: Path) -> None:
     write_job(tmp_path / "job-0", [row(6, 6.0)])
     assert job_rows(tmp_path / "job-0")[1] == {"second": [6], "resume": []}
+
+
+def test_the_snapshot_costs_interval_is_the_medians_order_statistics() -> None:
+    """12 pairs: the 3rd and 10th values (coverage 1 - 2 P(Bin(12, 1/2) <= 2) = 96.1 %); 3 pairs are too few for
+    95 %: the whole range, with its own coverage (75 %)."""
+    lo, hi, cover = median_interval([float(x) for x in (11, 0, 5, 3, 9, 1, 7, 2, 10, 4, 8, 6)])
+    assert (lo, hi) == (2.0, 9.0) and abs(cover - (1 - 2 * 79 / 4096)) < 1e-12
+    assert median_interval([3.0, 1.0, 2.0]) == (1.0, 3.0, 0.75)

@@ -35,6 +35,19 @@ def test_survivors_kept_in_place_redo_only_the_step_in_flight() -> None:
     assert (got["resumed"], got["rolled_back"], got["redone"]) == (7, 0, 1)
 
 
+def test_a_step_that_returned_but_was_not_committed_is_redone_not_rolled_back() -> None:
+    """The rows say what the runtime committed (``committed_step``): step 7 returned (its row) with step 6
+    committed; the survivors went on from 6. Step 7 is redone (with step 8, in flight), nothing committed rolled
+    back; had step 7 been committed when the loss came (its resume record says so: lineage.py puts it on the
+    last row), going back to 6 rolls back one."""
+    rows = [{**row(s, float(s)), "committed": s - 1} for s in range(1, 8)]
+    rows += [{**row(s, 10.0 + s, world=4, run="b"), "committed": s - 1} for s in range(7, 10)]
+    got = rl.incident(rows, rl.Event("partition", 0, 7.5, 4))
+    assert (got["resumed"], got["rolled_back"], got["redone"]) == (6, 0, 2)
+    rows[6]["committed"] = 7
+    assert rl.incident(rows, rl.Event("partition", 0, 7.5, 4))["rolled_back"] == 1
+
+
 def test_a_return_that_keeps_the_processes_redoes_nothing() -> None:
     rows = [row(s, float(s), world=4) for s in range(1, 6)] + [row(s, 1.0 + s) for s in range(6, 9)]
     got = rl.incident(rows, rl.Event("back", 2, 3.5, 6))

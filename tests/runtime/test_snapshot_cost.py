@@ -61,9 +61,12 @@ def test_a_pipelines_snapshot_threads_run_idle_and_its_files_are_written_over(on
     assert snaps is not None
     x, y = torch.randn(2, 4), torch.tensor([0, 1])
     inodes = {}
+    assert pipe.committed_step == 0
     for step in range(1, 5):
         pipe.train_step(x, y)
+        assert pipe.committed_step in (step - 1, step)  # the step before is committed; its own is on its way
         snaps.wait()
+        assert pipe.committed_step == step
         (mine,) = snaps.folder.glob(f"{step:010d}-*.snap")
         inodes[step] = mine.stat().st_ino
     assert snaps.policy == os.SCHED_IDLE  # the helper thread, as it ran

@@ -147,7 +147,7 @@ def test_without_the_failure_posted_the_exchange_waits_for_the_peer(wire: Any) -
 
 
 class _Snap:
-    """What :func:`.snapshot_copies.send` reads of a snapshotter: a rank with two sources and a dest."""
+    """What :func:`.snapshot_copies.deliver` reads of a snapshotter: a rank with two sources and a dest."""
 
     def __init__(self, root: Path) -> None:
         self.peers = Peers(["a", "b", "c"], 0, [2, 4])
@@ -158,6 +158,7 @@ class _Snap:
         self._received: dict[int, torch.Tensor] = {}
         self.dropped = False
         self.stats: dict[str, float] = {}
+        self.world, self.committed = 6, 0
 
 
 def _send_in_thread(snap: _Snap, w: _Wire, out: dict[str, Any]) -> threading.Thread:
@@ -165,8 +166,8 @@ def _send_in_thread(snap: _Snap, w: _Wire, out: dict[str, Any]) -> threading.Thr
 
     def run() -> None:
         clock = idle.Clock(snap.stats)
-        try:
-            snapshot_copies.send(snap, own_head, torch.frombuffer(bytearray(own_body), dtype=torch.uint8), clock)
+        try:  # (what the helper thread does once its own file is written)
+            snapshot_copies.deliver(snap, 7, own_head, torch.frombuffer(bytearray(own_body), dtype=torch.uint8), clock)
         except PipelineError as err:
             out["err"] = str(err)
         out["blocked_ended"] = w.blocked_ended.is_set()
@@ -224,3 +225,97 @@ def test_a_transfer_whose_posting_fails_is_a_failure_not_an_end(monkeypatch: pyt
     assert [str(e) for e in done.failed] == [
         "waiting for the snapshots' copies: RuntimeError: Application timeout caused pair closure"
     ]
+
+
+# ---- the commit point (issue 48: no committed step rolled back) ---------------------------------------------------
+class _AllReduce:
+    """The commit's all-reduce, faked: records what this rank said and which copies were in its folder then;
+    ends (with ``lowest``) only when the test lets it - a rank whose copy never landed never joins."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder, self.said, self.listed = folder, list[int](), list[list[str]]()
+        self.release, self.lowest, self.entered = threading.Event(), 0, threading.Event()
+
+    def __call__(self, t: torch.Tensor, op: Any, group: Any, async_op: bool) -> Any:
+        self.said.append(int(t.item()))
+        self.listed.append(sorted(p.name for p in self.folder.glob("*.snap")) if self.folder.exists() else [])
+        self.entered.set()
+        outer = self
+
+        class _Work:
+            def wait(self, timeout: Any = None) -> bool:
+                outer.release.wait()
+                t.fill_(outer.lowest)
+                return True
+
+        return _Work()
+
+
+@pytest.fixture
+def all_reduce(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Any:
+    made: list[_AllReduce] = []
+
+    def make(folder: Path) -> _AllReduce:
+        a = _AllReduce(folder)
+        monkeypatch.setattr(snapshot_wire.dist, "all_reduce", a)
+        made.append(a)
+        return a
+
+    yield make
+    for a in made:
+        a.release.set()
+
+
+def test_a_step_whose_copy_never_arrives_is_not_committed(wire: Any, all_reduce: Any, tmp_path: Path) -> None:
+    """Rank 2's copy never arrives here: this rank never says its copies landed (no all-reduce), and the step is
+    not committed - not when the failure is posted, not after."""
+    head, body = _payload(7, 4)
+    w = wire(silent=2, heads={4: head}, bodies={4: body})
+    snap, out = _Snap(tmp_path), dict[str, Any]()
+    a = all_reduce(snap.folder)
+    t = _send_in_thread(snap, w, out)
+    assert w.sent.wait(60) and w.head_in.wait(60)
+    assert snap.committed == 0
+    heartbeat.post_failure("global rank 2 stopped or died")
+    t.join(60)
+    assert not t.is_alive() and "never began" in out["err"]
+    assert a.said == [] and snap.committed == 0
+
+
+def test_a_step_is_committed_once_every_rank_said_its_copies_landed(wire: Any, all_reduce: Any, tmp_path: Path) -> None:
+    """Every copy here arrives: they are written, then this rank says so; the step is committed only once the
+    all-reduce ends (every rank said so), never while another rank's copy may still be on its way."""
+    heads, bodies = {}, {}
+    for src in (2, 4):
+        heads[src], bodies[src] = _payload(7, src)
+    w = wire(silent=99, heads=heads, bodies=bodies)
+    snap, out = _Snap(tmp_path), dict[str, Any]()
+    a = all_reduce(snap.folder)
+    a.lowest = 7
+    t = _send_in_thread(snap, w, out)
+    assert a.entered.wait(60)
+    assert a.said == [7] and a.listed == [[folders.file_name(7, "ab12", s) for s in (2, 4)]]  # written first
+    assert snap.committed == 0  # said, but not every rank has
+    a.release.set()
+    t.join(60)
+    assert not t.is_alive() and "err" not in out
+    assert snap.committed == 7
+
+
+def test_a_commit_another_rank_never_joins_is_given_up_at_the_failure(
+    wire: Any, all_reduce: Any, tmp_path: Path
+) -> None:
+    """Another rank's copy never landed (it never joins the all-reduce): once the run's failure is posted the
+    helper gives up, raising, and the step stays uncommitted."""
+    heads, bodies = {}, {}
+    for src in (2, 4):
+        heads[src], bodies[src] = _payload(7, src)
+    w = wire(silent=99, heads=heads, bodies=bodies)
+    snap, out = _Snap(tmp_path), dict[str, Any]()
+    a = all_reduce(snap.folder)
+    t = _send_in_thread(snap, w, out)
+    assert a.entered.wait(60)
+    heartbeat.post_failure("global rank 5 stopped or died")
+    t.join(60)
+    assert not t.is_alive() and out["err"] == "the snapshots' commit: given up, the run failed"
+    assert snap.committed == 0 and not a.release.is_set()  # returned while the all-reduce was still blocked

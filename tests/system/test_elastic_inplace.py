@@ -8,6 +8,8 @@ of ``stagewise rendezvous``; the job is tests/system/scripts/elastic_inplace.py 
   committed step (none rolled back; the step in flight redone at the new layout), and their losses from
   there equal, bit for bit, those of a fresh job of the new size resumed from the state they went on from;
   threads and descriptors after the second fault are no more than after the first;
+* a machine cut off right after a step, before its snapshot's copy left: that step was never reported committed,
+  and the survivors go back to the committed step before it (nothing committed rolled back);
 * a SIGSTOPped machine: the survivors go on without it; woken, it finds itself behind the job's generation
   and leaves (exit status 3) without writing a snapshot or a loss into the new generation.
 
@@ -116,6 +118,32 @@ def test_a_stopped_machine_woken_after_the_recovery_is_fenced(machines: Machines
     assert "fenced" in text and "generation 1" in text, text[-3000:]
     assert all(r["gen"] == 1 for r in m.rows("losses.jsonl") if r["step"] > 3)
     assert [e["id"] for e in m.rows("events.jsonl") if e["what"] == "finished"] in ([0, 1], [1, 0])
+
+
+def test_a_machine_cut_off_before_its_copy_left_rolls_back_no_committed_step(tmp_path: Path) -> None:
+    """Pipeline stages over 3 machines (machine 1 holds the only live copy of the middle stage): ``train_step(4)``
+    returns on every worker, then machine 1 stops before its snapshot of step 4 leaves (the chaos run's partition
+    at 180 s). Step 4 was never reported committed (``committed_step`` at most 3 on every row before the loss),
+    the survivors go on from step 3 - the committed one - and train step 4 again: the step redone is one that
+    ``train_step`` returned, no committed step is rolled back."""
+    m = Machines(tmp_path / "job", 3, job=f"c{os.getpid()}")
+    try:
+        m.start(["--layout", "stages", "--steps", "6", "--cut", "1:4"])
+        m.wait_for("recovered-*", 2)
+        m.lose(1)  # (stopped: its copy of step 4 never left)
+        assert m.wait(0) == [0] and m.wait(2) == [0], m.text(0)[-3000:] + m.text(2)[-3000:]
+    finally:
+        m.close()
+    recovered = _events(m, "recovered")
+    assert sorted((e["id"], e["gen"], e["failed_at"], e["committed"]) for e in recovered) == [
+        (0, 1, 5, 3),
+        (2, 1, 5, 3),
+    ]
+    for who in (0, 2):
+        rows = m.rows(f"mine-{who}.jsonl")
+        assert [(r["step"], r["gen"]) for r in rows] == [(1, 0), (2, 0), (3, 0), (4, 0), (4, 1), (5, 1), (6, 1)]
+        assert all(r["committed"] in (r["step"] - 1, r["step"]) for r in rows[4:]), rows  # the survivors' own
+        assert all(r["committed"] <= 3 for r in rows if r["gen"] == 0), rows  # step 4 returned, never committed
 
 
 @pytest.mark.parametrize("machines", [3], indirect=True)

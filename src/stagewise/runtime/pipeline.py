@@ -165,12 +165,10 @@ class Pipeline(nn.Module):
         merge.stepped()
         return losses
 
-    def relayout(
-        self, members: Sequence[int] | None = None, /, *, plan: Plan | None = None, live: Any = None, **changes: Any
-    ) -> Layout:
-        """Take new layout options (or ``plan=``) in place, exactly, on ``members`` (global ranks; default all, the
-        others hold nothing): a collective over the world (:mod:`stagewise.runtime.relayout.call`); ``live``: the
-        ranks whose live tensors are sources, the rest from this step's snapshots (:mod:`~.relayout.from_snapshots`)."""
+    def relayout(self, members: Sequence[int] | None = None, /, *, plan: Plan | None = None, **changes: Any) -> Layout:
+        """New layout options (or ``plan=``) in place, exactly, on ``members`` (global ranks; default all): a collective
+        (:mod:`..relayout.call`); ``live=``: ranks whose live tensors are sources (the rest: this step's snapshots)."""
+        live = changes.pop("live", None)
         return relayout(self, members, changes, plan, lambda frontend, options: Pipeline(frontend, options), live)
 
     def no_sync(self) -> AbstractContextManager[None]:
@@ -211,6 +209,11 @@ class Pipeline(nn.Module):
     def merged_steps(self) -> int:
         """Train steps whose gradients are accumulated in a gradient merge, not yet reduced (0 outside one)."""
         return self._engine.merge.pending
+
+    @property
+    def committed_step(self) -> int | None:
+        """``snapshot=``: the newest step held on two machines, never lost while one copy survives (guides/elastic)."""
+        return None if self.snapshots is None else self.snapshots.committed
 
     def train_stream(self, batches: Iterable[tuple[Any, Any]], steps: int | None = None) -> Iterator[float]:
         """Train on a stream of ``(inputs, targets)`` mini-batches, yielding each one's loss (any schedule).

@@ -13,6 +13,8 @@ snapshots every step.
 * ``--hold-again STEP``: the same in generation 1 (``again-<id>``, ``go-again``);
 * started with ``STAGEWISE_JOIN=1`` (and no RANK): a newcomer, it joins the running job at a step boundary;
 * ``--die ID:STEP``: worker ID SIGKILLs itself as STEP starts (the others are inside STEP: a death mid-step);
+* ``--cut ID:STEP``: worker ID stops itself (SIGSTOP) from its snapshot helper once ``train_step(STEP)`` returned,
+  before its copy of STEP leaves: a machine cut off between a step and its snapshot's copy;
 * ``--settle S``: at the end, wait S seconds before the last event (threads and descriptors counted);
 * ``--save-held``: at ``--hold``, every worker saves the step's state into ``held`` (a reference job of
   another size starts from it);
@@ -71,6 +73,7 @@ def main() -> int:
     p.add_argument("--hold", type=int, default=0)
     p.add_argument("--hold-again", type=int, default=0)
     p.add_argument("--die", default="", help="ID:STEP: worker ID kills itself as step STEP starts")
+    p.add_argument("--cut", default="", help="ID:STEP: worker ID stops before its copy of STEP leaves")
     p.add_argument("--save-resumed", action="store_true")
     p.add_argument("--save-held", action="store_true", help="at --hold, save the step's state into held/")
     p.add_argument("--settle", type=float, default=0.0, help="seconds to wait before counting threads at the end")
@@ -125,6 +128,8 @@ def main() -> int:
     job.start()
     me = job.me
     note("started", step=job.step)
+    if args.cut and me == int(args.cut.split(":")[0]):
+        cut_before_copy(int(args.cut.split(":")[1]))
     if args.save_resumed and job.generation > 0:  # a newcomer: where the members save theirs (after_recovery)
         sw.checkpoint.save(out / f"resumed-g{job.generation}", job.pipe, step=job.step)
     data = torch.randn(24 * args.steps, 6, generator=torch.Generator().manual_seed(0))
@@ -133,6 +138,7 @@ def main() -> int:
         args.steps, lambda s: (data[24 * (s - 1) : 24 * s], data[24 * (s - 1) : 24 * s, :3].argmax(1))
     ):
         row = {"step": step, "loss": loss, "gen": job.generation, "world": len(job.members), "t": time.time()}
+        row["committed"] = job.pipe.committed_step  # (read after the step: the step before, or this one)
         if dist_rank() == 0:
             with open(out / name, "a") as f:
                 f.write(json.dumps(row) + "\n")
@@ -154,6 +160,20 @@ def main() -> int:
         time.sleep(args.settle)
     note("finished", step=job.step)
     return 0
+
+
+def cut_before_copy(step: int) -> None:
+    """This worker's snapshot helper stops the process just before its copy of ``step`` would leave."""
+    from stagewise.runtime.elastic import snapshot_copies
+
+    deliver = snapshot_copies.deliver
+
+    def stopping(snap: Any, at: int, *rest: Any) -> None:
+        if at == step:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        deliver(snap, at, *rest)
+
+    snapshot_copies.deliver = stopping
 
 
 def hold(job: sw.runtime.InPlace, here: Path, go: Path) -> None:

@@ -12,9 +12,12 @@ For one event (a machine lost, or taken back) at wall time ``at``, expecting ``w
   ``to_first_step_s`` is ``first.time - at``; ``pause_s`` the gap before it (the last step committed
   before ``first``, by anyone, to ``first``);
 * ``rolled_back``: committed steps trained again: the last step committed before ``first`` minus the step
-  it resumed from (``first.step - 1``);
-* ``redone``: ``rolled_back`` plus the step in flight, when one was thrown away (always on a loss; on a
-  return when the processes changed, ``first.run`` not the previous row's, unless they were kept in place);
+  it resumed from (``first.step - 1``). Committed is the runtime's definition when the rows carry it
+  (``committed``: ``Pipeline.committed_step`` - every rank's snapshot held on two machines - as known when the
+  row was written, or at the failure: benchmarks/recovery/lineage.py), else a row's own step;
+* ``redone``: the steps a row was written for (``train_step`` returned) and trained again, plus the step in
+  flight, when one was thrown away (always on a loss; on a return when the processes changed, ``first.run``
+  not the previous row's, unless they were kept in place);
 * ``skipped`` / ``twice``: samples between the resumed step's end and ``first``'s start, or before it.
 """
 
@@ -80,7 +83,8 @@ def incident(rows: list[Row], event: Event, until: float = math.inf, kept: bool 
         return {"recovered": False}
     before = [r for r in ordered if r["time"] < first["time"]]
     last = before[-1] if before else None
-    committed = max((r["step"] for r in before), default=0)
+    committed = max((_committed(r) for r in before), default=0)
+    returned = max((r["step"] for r in before), default=0)
     resumed = first["step"] - 1
     line = lineage(before)
     held = [s for s in line if s <= resumed]  # (the resumed step's row, else the last before it: a gap its own size)
@@ -93,10 +97,16 @@ def incident(rows: list[Row], event: Event, until: float = math.inf, kept: bool 
         "pause_s": first["time"] - (last["time"] if last else event.at),
         "resumed": resumed,
         "rolled_back": rolled,
-        "redone": rolled + int(thrown),
+        "redone": max(0, returned - resumed) + int(thrown),
         "skipped": max(0, first["samples"][0] - start),
         "twice": max(0, start - first["samples"][0]),
     }
+
+
+def _committed(row: Row) -> int:
+    """The newest step committed when ``row`` was written: its ``committed`` (the runtime's), else its step."""
+    said = row.get("committed")
+    return int(row["step"] if said is None else said)
 
 
 def stale_rows(rows: list[Row]) -> int:

@@ -75,6 +75,7 @@ def main() -> int:
         loss = pipe.train_step(*pipe.local_batch(x, y))
         samples = [batch * (step - 1), batch * step]
         row = {"step": step, "world": env.world_size, "time": time.time(), "samples": samples, "loss": loss}
+        row["committed"] = pipe.committed_step
         et.record(env, args.out / "steps.jsonl", {**row, "run": run[0]})
         if args.save_every and step % args.save_every == 0:
             sw.checkpoint.save(args.out / "ckpt", pipe, step=step, keep=2)
@@ -97,19 +98,24 @@ def in_place(args: argparse.Namespace) -> int:
     rank = int(os.environ["RANK"])
     batch = et.LAYOUT.batch
 
+    last: dict[str, Any] = {}  # the snapshots' record as of the last step (its committed step at a failure)
+
     def resumed(job: Any) -> None:
         world, restored = len(job.members), time.time()  # (the save below is the benchmark's, for its replay)
+        before = getattr(last.get("end"), "committed", None)  # what the failed generation knew committed last
         if args.keep_resumed and not (args.out / "resumed" / f"w{world}-s{job.step}").exists():
             sw.checkpoint.save(args.out / "resumed" / f"w{world}-s{job.step}", job.pipe, step=job.step)
         row = {"step": job.step, "world": world, "source": "snapshots", "run": f"g{job.generation}"}
+        row["committed_before"] = before
         if job.recoveries:  # where this survivor's recovery went (the benchmark's breakdown; a newcomer has none)
             row.update(seconds=job.recoveries[-1].seconds, parts=job.recoveries[-1].parts)
         write(job, args.out / "resumes.jsonl", {**row, "restored": restored, "time": time.time()})
         if job.recoveries:  # every member's own view: how each member was counted, what its probes got
-            last = job.recoveries[-1]
-            mine = {"id": job.me, "gen": job.generation, "cause": last.cause, "time": time.time()}
+            done = job.recoveries[-1]
+            mine = {"id": job.me, "gen": job.generation, "cause": done.cause, "time": time.time()}
+            mine["committed_before"] = before
             with open(args.out / "recoveries.jsonl", "a") as f:
-                f.write(json.dumps({**mine, "parts": last.parts, "evidence": getattr(last, "evidence", {})}) + "\n")
+                f.write(json.dumps({**mine, "parts": done.parts, "evidence": getattr(done, "evidence", {})}) + "\n")
 
     def write(job: Any, path: Path, row: dict[str, object], second: str = "") -> None:
         """The first member writes ``path``; with ``second``, the last member writes that file too (in the
@@ -133,7 +139,9 @@ def in_place(args: argparse.Namespace) -> int:
             "world": len(job.members),
             "time": time.time(),
             "samples": [batch * (step - 1), batch * step],
+            "committed": job.pipe.committed_step,  # every rank's snapshot held on two machines (the step before)
         }
+        last["end"] = job.pipe.snapshots.end  # (its record, not the pipeline: that one goes at a failure)
         write(job, args.out / "steps.jsonl", {**row, "loss": loss, "run": f"g{job.generation}"}, "steps.last.jsonl")
     return 0
 

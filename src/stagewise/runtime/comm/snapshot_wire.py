@@ -225,6 +225,43 @@ class _Exchange:
             self.cv.notify_all()
 
 
+def lowest(
+    value: int,
+    group: Any,
+    timeout: float,
+    give_up: Callable[[], bool] | None = None,
+    around: Callable[[], AbstractContextManager[Any]] | None = None,
+) -> int:
+    """The lowest of every group rank's ``value`` (an all-reduce), or a :class:`PipelineError` when it failed,
+    did not end within ``timeout`` seconds, or ``give_up()`` turned true first. The all-reduce runs on a thread
+    of its own (``around()``: its context), so a peer that never joins holds the caller only until the run's
+    failure is posted (gloo cannot cancel it: the abandoned thread ends at the timeout)."""
+    out = torch.tensor([value], dtype=torch.int64)
+    box: dict[str, PipelineError] = {}
+    ended = threading.Event()
+
+    def run() -> None:
+        with (around or nullcontext)():
+            try:
+                work = dist.all_reduce(out, op=dist.ReduceOp.MIN, group=group, async_op=True)
+                work.wait(timedelta(seconds=timeout))
+            except Exception as err:
+                box["failed"] = _failure(err, "the snapshots' commit")
+            finally:
+                ended.set()
+
+    threading.Thread(target=run, name="stagewise-snapshot-commit", daemon=True).start()
+    end = time.monotonic() + timeout
+    while not ended.wait(min(_POLL_S, max(end - time.monotonic(), 0.0))):
+        if give_up is not None and give_up():
+            raise PipelineError("the snapshots' commit: given up, the run failed")
+        if time.monotonic() >= end:
+            raise PipelineError(f"the snapshots' commit did not end within {timeout:g} s")
+    if "failed" in box:
+        raise box["failed"]
+    return int(out.item())
+
+
 def _failure(err: Exception, what: str) -> PipelineError:
     if isinstance(err, PipelineError):
         return err

@@ -7,6 +7,12 @@ another peer. Once the run's failure is posted (:func:`..comm.faults.heartbeat.f
 pipeline dropped, the exchange gives up on peers that have not begun their part: a survivor whose step
 failed before its snapshot never will, and a recovery must not wait the timeout for it. A dropped
 pipeline's helper writes nothing more (a listing for the next generation may be under way).
+
+Then :func:`commit`: a step is **committed** once every rank's snapshot of it is written on its own machine and
+on the next one (with one machine, on it): every rank that received its sources' copies whole and wrote them
+says so in one all-reduce (each rank's copy has exactly one receiver, so when every receiver said so, every
+copy landed). Only then does ``committed`` move; a rank whose exchange failed, or that was dropped, says
+nothing, and the others' all-reduce ends without it (given up at the run's failure, or at the timeout).
 """
 
 from __future__ import annotations
@@ -21,6 +27,12 @@ from ..comm.faults import heartbeat
 from . import folder as folders
 from . import idle
 from .snapshot_file import host_bytes, read_header
+
+
+def deliver(snap: Any, step: int, head: bytes, payload: torch.Tensor, clock: idle.Clock) -> None:
+    """The helper's part after its own file: :func:`send`, then :func:`commit` (only if nothing failed)."""
+    send(snap, head, payload, clock)
+    commit(snap, step, clock)
 
 
 def send(snap: Any, head: bytes, payload: torch.Tensor, clock: idle.Clock) -> None:
@@ -54,6 +66,20 @@ def send(snap: Any, head: bytes, payload: torch.Tensor, clock: idle.Clock) -> No
     clock.lap("peer_write_s")
     if failed:
         raise failed[0]
+
+
+def commit(snap: Any, step: int, clock: idle.Clock) -> None:
+    """Step ``step`` committed (module doc): ``snap.committed`` moves to it once every rank's copies landed.
+    Called after :func:`send` returned (this rank's sources' copies are written here); raises if the
+    all-reduce fails or is given up (nothing committed)."""
+    if snap.dropped:
+        return  # (its copies were not written: it must not say they were)
+    if snap.world > 1:
+        wire: dict[str, Any] = {"give_up": _give_up(snap), "around": snap.priority.peer_thread}
+        if snapshot_wire.lowest(step, snap.group, snap.timeout, **wire) < step:
+            return  # (a rank at an older snapshot: not this step)
+    snap.committed = max(snap.committed, step)
+    clock.lap("commit_s")
 
 
 def _give_up(snap: Any) -> Any:

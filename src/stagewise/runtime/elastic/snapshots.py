@@ -14,12 +14,15 @@ call from the step path), a rank takes what a restart needs:
 
 Machines are told apart by torchrun's ``GROUP_RANK`` (the agent's rank in the round); rank ``j`` of machine
 ``i`` sends to rank ``j`` (modulo its size) of machine ``i + 1`` (modulo their number), so every machine's
-state is also on the next one, and a machine lost for good costs at most ``every`` steps. With one machine
-the copies stay local (they still outlive a restart of the workers). Each writer keeps the two newest
-generations (``step`` and ``step - every``): while one is being written the one before is whole. A job that
-ends cleanly removes its snapshots and leaves a marker saying so (:func:`.folder.mark_ended`); one that fails
-leaves them for the restart. A job is named by a nonce (``job``) drawn at its first start and taken over by
-every resume from its snapshots, so the marker refuses exactly that job's files, wherever they were left.
+state is also on the next one, and a machine lost for good costs at most ``every`` steps. A snapshot's step is
+*committed* (``committed``, ``Pipeline.committed_step``) once every rank's copies of it landed
+(:func:`.snapshot_copies.commit`): then a resume goes on from it or later while one copy survives; ``train_step``
+waits only for the commit before its own. With one machine the copies stay local (they still outlive a restart
+of the workers). Each writer keeps the two newest generations (``step`` and ``step - every``): while one is being
+written the one before is whole. A job that ends cleanly removes its snapshots and leaves a marker saying so
+(:func:`.folder.mark_ended`); one that fails leaves them for the restart. A job is named by a nonce (``job``)
+drawn at its first start and taken over by every resume from its snapshots, so the marker refuses exactly that
+job's files, wherever they were left.
 """
 
 from __future__ import annotations
@@ -94,6 +97,7 @@ class Ending:
     job: str
     snapshotter: Any  # a weak reference: the in-flight snapshot, if the pipeline is still alive
     step: int = 0
+    committed: int = 0  # the newest step held on two machines (outlives the pipeline: a benchmark reads it after)
 
     def release_at_exit(self) -> None:
         live = self.snapshotter()
@@ -157,7 +161,17 @@ class Snapshotter:
 
     @step.setter
     def step(self, value: int) -> None:
-        self.end.step = value
+        """A resume (or a re-layout going on): the step the job goes on from is committed (a snapshot's step)."""
+        self.end.step, self.committed = value, (value if value % self.config.every == 0 else self.committed)
+
+    @property
+    def committed(self) -> int:
+        """The newest step held on two machines (:func:`.snapshot_copies.commit`), or the one a resume went on from."""
+        return self.end.committed
+
+    @committed.setter
+    def committed(self, value: int) -> None:
+        self.end.committed = value
 
     @property
     def job(self) -> str:
@@ -183,7 +197,7 @@ class Snapshotter:
         """The end of a train step: count it, and take a snapshot when its number is a multiple of ``every``;
         inside a gradient merge (``merging``: the step only accumulated, ``no_sync()``, whose partial gradients a
         snapshot does not hold) at the step that ends the merge instead."""
-        self.step += 1
+        self.end.step += 1  # (not the setter: a step taken is not committed yet)
         self._check()
         self._due = self._due or self.step % self.config.every == 0
         if not self._due or merging:
@@ -284,7 +298,7 @@ class Snapshotter:
             check_fence(f"the snapshot of step {capture.step}")  # a worker woken behind its job writes nothing
             self._written.keep(self.rank, folders.write(self.folder, name, head, view, self._written.spare(self.rank)))
             clock.lap("write_s")
-            copies.send(self, head, payload, clock)
+            copies.deliver(self, capture.step, head, payload, clock)  # sent, received, then committed
             # what no writer here retires (an old lineage's, a gone peer's), one generation later than this
             # writer's own: a rank of this machine at the same step would otherwise take another's spare;
             # nothing once dropped (the next generation may be listing the folder)
@@ -343,7 +357,7 @@ class Snapshotter:
             raise PipelineError(f"rank {self.rank}: {failure} (snapshot=)")
 
     def wait(self) -> None:
-        """Wait until the last snapshot is written here and at the peer (raises if it failed)."""
+        """Wait until the last snapshot is written here and at the peer, and committed (raises if it failed)."""
         self._finish_inflight("stall_s")
 
     def forget(self) -> None:

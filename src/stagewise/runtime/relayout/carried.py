@@ -41,6 +41,7 @@ def carry_snapshots(old: Any, new: Any) -> None:
     before.finish_at_exit()  # (the copy in flight ends; a failure of it is a warning: the commit point is past)
     if after is not None:
         after.step, after.job = before.step, before.job
+        after.committed = max(after.committed, before.committed)  # (a step between snapshots: still the old one's)
     before.forget()
 
 
