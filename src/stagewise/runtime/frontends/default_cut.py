@@ -34,7 +34,7 @@ from ...partition.estimate import CountedLayer, estimated_profile, link_for, par
 from ...planning.defaults import against_1f1b, pricing, refined_counts
 from ..measure.counting import count_layers
 from ..measure.profiling import steadiest
-from .balance import ROUNDS, profile_layers
+from .layer_timing import ROUNDS, profile_layers
 from .layers import Layer, LayerLike
 from .tied import TiedBuilder
 
@@ -107,7 +107,7 @@ def timed_profile(
     named: Sequence[tuple[str, LayerLike]], sample_inputs: Any, *, seed: int, device: str
 ) -> LayerProfile:
     """Each layer's forward + backward timed on one micro-batch, as ``partition="time"`` times it (the median
-    of a layer's repeats, the fastest of :data:`.balance.ROUNDS` rounds: one preempted timing does not decide).
+    of a layer's repeats, the fastest of :data:`.layer_timing.ROUNDS` rounds: one preempted timing does not decide).
     Called on the first rank only (its profile is what every rank cuts by)."""
     return steadiest(lambda: profile_layers(named, sample_inputs, seed=seed, device=device), ROUNDS)
 
