@@ -123,7 +123,7 @@ def _by_parameters(named: Sequence[tuple[str, LayerLike]]) -> list[CountedLayer]
         first = named[positional.index(True)][0]
         log.info(
             "stagewise: cutting the layers evenly: %r holds a convolution, whose work per parameter depends on "
-            "its input's size; the first batch's work is counted and cut by (or pass sample_inputs=, one micro-batch)",
+            "its input's size; the first batch's layers are timed and cut by (or pass sample_inputs=, one micro-batch)",
             first,
         )
     return [CountedLayer(n, 2 * w, 4 * w, 0.0, 0.0, 0, 0, w, 4 * w, 0.0) for (n, _), w in zip(named, work)]
