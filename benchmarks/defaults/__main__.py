@@ -8,11 +8,12 @@
 On 2 ranks of one thread, per workload (the fidelity benchmark's three, and a tapered MLP no test tunes to) and per
 registered synchronous schedule (v = 2 where it takes virtual stages, 8 micro-batches), five pipelines of the same
 layers: the default options (``partition`` not given, no sample inputs: the cut by parameters refined for the
-schedule, or for convolutions the first batch's counted work), the default with ``sample_inputs`` (the work counted
-on the meta device), and ``"uniform"``, ``"parameters"``, ``"time"``, each taking one step when built (the cut and
-the warnings are read after it). Pipelines that cut alike are timed once (their ratio is 1 by construction). The
-others take turns step by step (the order rotated each step), after one warm-up step each; a timed step starts from
-a barrier and is the slowest rank's ``train_step``. Per row: each default's median over the best named cut's with a
+schedule, or for convolutions the first batch's timed work), the default with ``sample_inputs`` (the work counted
+on the meta device; timed on rank 0 where a layer holds a convolution), and ``"uniform"``, ``"parameters"``,
+``"time"``, each taking one step when built (the cut and the warnings are read after it). Pipelines that cut
+alike are timed once (their ratio is 1 by construction). The others take turns step by step (the order rotated
+each step), after one warm-up step each; a timed step starts from a barrier and is the slowest rank's
+``train_step``. Per row: each default's median over the best named cut's with a
 90 % paired-bootstrap interval and its verdict (:mod:`.stats`), the schedule against 1F1B with defaults (not timed
 in turn: an unpaired interval), and whether the build said the schedule is predicted slower than 1F1B (the warning,
 captured: once per build at most). ``--headline``: the issue's GPT (:mod:`.headline`), ZB-V and 1F1B with defaults

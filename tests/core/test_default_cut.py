@@ -17,7 +17,7 @@ from stagewise.partition import (
     uniform_counts,
 )
 from stagewise.partition.estimate import rank_loads
-from stagewise.planning.defaults import NOISE, against_1f1b, refined_counts
+from stagewise.planning.defaults import NOISE, against_1f1b, pricing, refined_counts
 
 RATES = Rates(flops=1e9, bytes=1e9, per_op=0.0)  # binary-friendly: a FLOP or a byte is a nanosecond
 
@@ -185,3 +185,11 @@ def test_the_word_prices_the_runtime_s_work_per_action() -> None:
     # 1F1B's step on 2 ranks and 8 micro-batches runs 16 actions per rank in a chain of m + p - 1 = 9 F/B pairs
     # along the critical path: each 0.1 ms per action adds at least 2 x 9 of them
     assert priced.one_f_one_b >= bare.one_f_one_b + 18 * 1e-4 - 1e-12
+
+
+def test_the_default_times_convolutions_and_counts_the_rest() -> None:
+    """A convolution's time depends on its shape as no count says (docs/benchmarks/defaults.md): timed where
+    there is an input to time on; dense layers counted (deterministic); nothing to price without an input."""
+    assert pricing(convolutions=True, inputs=True) == "timed"
+    assert pricing(convolutions=False, inputs=True) == "counted"
+    assert pricing(convolutions=True, inputs=False) == pricing(convolutions=False, inputs=False) == "parameters"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -147,25 +148,45 @@ class _Recorder:
         self.layer_ranges = [range(sum(partition[:k]), sum(partition[: k + 1])) for k in range(len(partition))]
 
 
+def _timed(times: list[float]) -> default_cut.LayerProfile:
+    """A profile as the profiler would give it, with chosen times (forward a third, backward two thirds)."""
+    layers = [CountedLayer(f"c{k}", t / 3, 2 * t / 3, 0.0, 0.0, 0, 0, 1.0, 4.0, 0.0) for k, t in enumerate(times)]
+    return estimated_profile(layers, Rates(1.0, 1e12, 0.0), loss_passes=0.0)
+
+
+#: the times the fake profiler reports for CONVS: the last layer the slowest by far, as no count says (the
+#: counted cut is [2, 3], the time cut [4, 1])
+TIMES = [1e-3, 1e-3, 1e-3, 1e-3, 5e-3]
+
+
 @pytest.fixture
-def one_process(monkeypatch: pytest.MonkeyPatch) -> None:
+def one_process(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     """The first rank's decision handed round as if by two ranks (the collective itself: the 2-rank check
-    ``default-cut`` in tests/distributed/workers/from_model_checks.py)."""
+    ``default-cut`` in tests/distributed/workers/from_model_checks.py); its timing replaced by fixed times
+    (the real profiler: that check), each call's inputs recorded."""
     from stagewise.runtime.frontends import first_batch
 
+    timed: list[Any] = []
+
+    def fake(named: Any, inputs: Any, **kw: Any) -> default_cut.LayerProfile:
+        timed.append(inputs)
+        return _timed(TIMES[: len(named)])
+
+    monkeypatch.setattr(default_cut, "timed_profile", fake)
     monkeypatch.setattr(first_batch, "on_first_rank", lambda group, fn, *a, **k: fn())
     monkeypatch.setattr(first_batch, "_anyone", lambda pipe, flag: flag)
     monkeypatch.setattr(first_batch.groups, "group_size", lambda group: 2)
     monkeypatch.setattr(first_batch.groups, "world_size", lambda: 2)
+    return timed
 
 
-def test_a_convolution_list_is_cut_by_the_first_batch_counted_work(
-    one_process: None, caplog: pytest.LogCaptureFixture
+def test_a_convolution_list_is_cut_by_the_first_batch_timed_work(
+    one_process: list[Any], caplog: pytest.LogCaptureFixture
 ) -> None:
     """No sample inputs: built evenly ([3, 2]: a convolution's work is unknown without an image); the first
-    train step's first micro-batch (4 images of 32 x 32 of the batch's 16, 4 micro-batches) is counted on the meta
-    device, and the pipeline moves to the counted cut before the step, recorded as the run's own. The FLOPs
-    counted are the convolutions' multiply-adds (2 x 9 x in x out x output positions per image, forward)."""
+    train step's first micro-batch (4 images of 32 x 32 of the batch's 16, 4 micro-batches) is timed layer by
+    layer, and the pipeline moves to the time cut before the step, recorded as the run's own: not to the
+    counted cut, [2, 3], by the convolutions' multiply-adds (2 x 9 x in x out x output positions per image)."""
     from stagewise.runtime.frontends import first_batch
 
     layers = [sw.Layer(_Strided, a, b, s) for a, b, s in CONVS]
@@ -174,17 +195,35 @@ def test_a_convolution_list_is_cut_by_the_first_batch_counted_work(
     counted = count_layers([f"c{k}" for k in range(5)], lambda k: layers[k].build(), x[:4])
     positions = [32 * 32, 32 * 32, 16 * 16, 8 * 8, 8 * 8]
     assert [c.forward_flops for c in counted] == [4 * 2 * 9 * a * b * n for (a, b, _), n in zip(CONVS, positions)]
+    assert default_cut.cut_by(estimated_profile(counted, Rates(1e9, 1e12, 0.0)), pipe.schedule) == [2, 3]
     assert first_batch.pending(pipe)
     with caplog.at_level(logging.INFO, logger="stagewise.runtime.frontends.first_batch"):
         first_batch.at_first_batch(pipe, [(x, None)])
-    assert pipe.moves == [[2, 3]] and pipe.replanned_cut == [2, 3]
-    assert any("cuts the layers [2, 3] (was [3, 2])" in r.getMessage() for r in caplog.records)
+    assert [tuple(t.shape) for t in one_process] == [(4, 1, 32, 32)]  # the first micro-batch, timed once
+    assert default_cut.cut_by(_timed(TIMES), pipe.schedule) == [4, 1]
+    assert pipe.moves == [[4, 1]] and pipe.replanned_cut == [4, 1]
+    assert any("timed work cuts the layers [4, 1] (was [3, 2])" in r.getMessage() for r in caplog.records)
     assert not first_batch.pending(pipe)  # decided once: a resume takes the recorded cut back
     first_batch.at_first_batch(pipe, [(x, None)])
-    assert pipe.moves == [[2, 3]]
+    assert pipe.moves == [[4, 1]] and len(one_process) == 1
 
 
-def test_an_optimizer_of_the_user_s_keeps_the_cut(one_process: None, caplog: pytest.LogCaptureFixture) -> None:
+def test_with_sample_inputs_convolutions_are_timed_and_dense_layers_counted(one_process: list[Any]) -> None:
+    """The rule (:func:`stagewise.planning.defaults.pricing`) where the cut is built: a list holding a
+    convolution is cut by its timed profile, handed round with it; dense layers by their count, untimed."""
+    convs = named_layers([sw.Layer(_Strided, a, b, s) for a, b, s in CONVS])
+    kw: dict[str, Any] = {"speeds": None, "seed": 0, "device": "cpu"}
+    cut = default_cut.decide(convs, build_schedule("1f1b", 2, 4), sample_inputs=torch.randn(4, 1, 32, 32), **kw)
+    assert (cut.counts, cut.source, cut.profile) == ([4, 1], "timed", _timed(TIMES))
+    assert default_cut.unplain(default_cut.plain(cut)) == cut
+    dense = named_layers([sw.Layer(nn.Linear, 8, 8) for _ in range(4)])
+    assert default_cut.decide(dense, build_schedule("1f1b", 2, 4), sample_inputs=torch.randn(2, 8), **kw).source == (
+        "counted"
+    )
+    assert len(one_process) == 1  # the dense list was never timed
+
+
+def test_an_optimizer_of_the_user_s_keeps_the_cut(one_process: list[Any], caplog: pytest.LogCaptureFixture) -> None:
     """The README's pattern, ``AdamW(pipe.parameters())`` before the first step: a re-layout would leave it
     holding tensors nobody trains, so the even cut is kept and rank 0 says how to get the counted one. The
     pipeline's own optimizers (``optimizer=``) move with the cut: they do not hold it back."""
@@ -198,10 +237,10 @@ def test_an_optimizer_of_the_user_s_keeps_the_cut(one_process: None, caplog: pyt
     with caplog.at_level(logging.INFO, logger="stagewise.runtime.frontends.first_batch"):
         first_batch.at_first_batch(pipe, [(torch.randn(16, 1, 32, 32), None)])
     assert pipe.moves == [] and pipe.replanned_cut is None and mine.param_groups
-    assert any("would cut the layers [2, 3]; [3, 2] is kept" in r.getMessage() for r in caplog.records)
+    assert any("timed work would cut the layers [4, 1]; [3, 2] is kept" in r.getMessage() for r in caplog.records)
 
 
-def test_nothing_waits_for_the_first_batch_where_the_cut_was_asked_for(one_process: None) -> None:
+def test_nothing_waits_for_the_first_batch_where_the_cut_was_asked_for(one_process: list[Any]) -> None:
     from stagewise.runtime.frontends import first_batch
     from stagewise.runtime.options import Options
 
@@ -217,7 +256,7 @@ def test_nothing_waits_for_the_first_batch_where_the_cut_was_asked_for(one_proce
 
 
 def test_without_sample_inputs_the_first_batch_gives_the_word(
-    one_process: None, caplog: pytest.LogCaptureFixture
+    one_process: list[Any], caplog: pytest.LogCaptureFixture
 ) -> None:
     """Dense layers (cut by parameters at build, nothing to re-cut): rank 0 counts the first micro-batch and,
     the runtime's work per action priced, says that ZB-V on twelve small layers is predicted slower than 1F1B;

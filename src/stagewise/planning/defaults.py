@@ -38,6 +38,21 @@ MOVES = 400
 NOISE = 0.02
 
 
+def pricing(convolutions: bool, inputs: bool) -> str:
+    """How the default cut prices the layers: ``"timed"`` where a layer holds a convolution and there is an
+    input to time it on (``sample_inputs``, or the first batch's first micro-batch); ``"counted"`` (FLOPs,
+    bytes and operators on the meta device) for other layers with an input; ``"parameters"`` without one.
+
+    Why not count convolutions: measured per layer (docs/benchmarks/defaults.md), two convolution blocks of
+    equal FLOPs and operators differ by 20-35 % in time by their shape (a small image with many channels is
+    the slower, though it moves fewer bytes), so no rate of FLOPs, bytes or operators prices them, and the
+    counted cut of a small ResNet stays 1.12-1.20x the time cut under ZB-V. Dense layers' count meets the
+    2 % goal, and it is deterministic, so it is kept for them."""
+    if not inputs:
+        return "parameters"
+    return "timed" if convolutions else "counted"
+
+
 @dataclass(frozen=True)
 class Verdict:
     """The named schedule's predicted step against 1F1B's, both in the profile's units (seconds)."""

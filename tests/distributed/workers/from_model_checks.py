@@ -381,12 +381,13 @@ class _PoolHead(nn.Module):
 
 
 def _cut_at_first_batch(ctx: Ctx) -> list[int]:
-    """Convolutions without sample inputs: built evenly, then at the first train step rank 0 counts the first
-    micro-batch on the meta device and every rank moves to that cut (the others never decide) before the step;
-    the cut is recorded as the run's own, and the step's gradients are the one-process model's."""
+    """Convolutions without sample inputs: built evenly, then at the first train step rank 0 times each layer
+    on the first micro-batch and every rank moves to the time cut of the profile it was handed (the others
+    never decide nor time; every rank holds the same profile) before the step; the cut is recorded as the
+    run's own, and the step's gradients are the one-process model's (the timings themselves vary: no cut is
+    asserted but the profile's)."""
     from stagewise.runtime.checkpoint.state import layout_of
     from stagewise.runtime.frontends import default_cut as decided_here
-    from stagewise.runtime.frontends.layers import named_layers
 
     convs = [(1, 16, 1), (16, 16, 1), (16, 16, 2), (16, 16, 2), (16, 16, 1)]
     layers = [sw.Layer(_Conv, a, b, s) for a, b, s in convs] + [sw.Layer(_PoolHead, 16, 4)]
@@ -394,17 +395,26 @@ def _cut_at_first_batch(ctx: Ctx) -> list[int]:
     x, y = torch.randn(8, 1, 32, 32, generator=g), torch.randint(0, 4, (8,), generator=g)
     pipe = sw.Pipeline(layers, loss_fn=F.cross_entropy, schedule="1f1b", microbatches=4, group=ctx.group, seed=3)
     assert [len(r) for r in pipe.layer_ranges] == [3, 3], pipe.layer_ranges  # a convolution: even until an input
-    decide = decided_here.decide
+    decide, timed, unplain = decided_here.decide, decided_here.timed_profile, decided_here.unplain
+    handed: list[Any] = []
+
+    def taken(data: dict[str, Any]) -> Any:  # what this rank was handed, kept
+        handed.append(unplain(data))
+        return handed[-1]
+
+    decided_here.unplain = taken  # type: ignore[assignment]
     if ctx.rank != 0:
         decided_here.decide = _refuse_to_decide  # type: ignore[assignment]
+        decided_here.timed_profile = _refuse_to_decide  # type: ignore[assignment]
     try:
         pipe.train_step(x, y)
     finally:
-        decided_here.decide = decide
+        decided_here.decide, decided_here.timed_profile, decided_here.unplain = decide, timed, unplain
     counts = [len(r) for r in pipe.layer_ranges]
-    mine = decide(named_layers(layers), pipe.schedule, sample_inputs=x[:2], speeds=None, seed=3, device="cpu")
-    assert counts == mine.counts != [3, 3] and mine.source == "counted", (counts, mine)
-    assert _everyone(counts, ctx) == [counts] * ctx.world, "ranks disagree on the cut"
+    (got,) = handed
+    assert got.source == "timed" and got.profile is not None and len(got.profile.layers) == len(layers), got
+    assert counts == got.counts == decided_here.cut_by(got.profile, pipe.schedule), (counts, got)
+    assert _everyone([counts, got.profile.to_json()], ctx) == [[counts, got.profile.to_json()]] * ctx.world
     assert layout_of(pipe, ctx.world)["pipeline"]["partition"] == "re-planned"
     ref = sw.build_model(layers, seed=3)
     F.cross_entropy(ref(x), y).backward()

@@ -20,12 +20,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
-from torch import nn
-from torch.utils._pytree import tree_map
 
 from ...ir import Kind, Schedule
 from ...partition import PartitionSpec, check_options, counts_to_ranges, needs_profile, stages_per_rank_note
@@ -33,14 +31,13 @@ from ...partition.modes import DEFAULT
 from ..comm import collectives, groups
 from ..comm.faults.guard import setup_guard
 from ..errors import PipelineError
-from ..measure.profiling import LayerProfile, measure_layers, preserved_state, steadiest, with_checkpoint_cost
-from .layers import LayerLike, build_layer
+from ..measure.profiling import LayerProfile, steadiest
+from .layer_timing import ROUNDS as ROUNDS  # re-exported: partition="time"'s callers import them here
+from .layer_timing import profile_layers as profile_layers
+from .layers import LayerLike
 from .layers import partition as partition_layers
 
 T = TypeVar("T")
-
-#: how many times a partition profiles the layers; each keeps its fastest round
-ROUNDS = 3
 
 
 @dataclass(frozen=True)
@@ -215,53 +212,3 @@ def caps_explained(schedule: Schedule, memory_caps: Sequence[float] | None) -> I
             f"{err} (memory_caps={list(memory_caps)} per rank, each shared evenly by the rank's "
             f"{schedule.virtual_stages} stages)"
         ) from err
-
-
-def profile_layers(
-    named: Sequence[tuple[str, LayerLike]],
-    sample_inputs: Any,
-    *,
-    seed: int = 0,
-    device: torch.device | str = "cpu",
-    repeats: int = 5,
-    warmup: int = 2,
-) -> LayerProfile:
-    """Profile a layer list on one micro-batch, one layer at a time under the calling convention.
-
-    A :class:`~stagewise.Layer` spec is built (seeded as the pipeline would),
-    measured on ``device`` and dropped before the next is built; an eager
-    module is measured on ``device`` and moved back where it was. What a
-    layer returns becomes the next layer's input, needing a gradient where it
-    would in training.
-    """
-    device = torch.device(device)
-    x: Any = _to(sample_inputs, device)
-    layers = []
-    for k, (name, layer) in enumerate(named):
-        module = build_layer(layer, k, seed)
-        home = next((t.device for t in module.parameters()), device)
-        module = module.to(device)  # a spec is built on the CPU; an eager module goes back home after
-        args = x if type(x) is tuple else (x,)
-        (cost,) = measure_layers([module], args, repeats=repeats, warmup=warmup).layers
-        layers.append(replace(cost, name=name))
-        x = _next_input(module, args)
-        if module is layer:
-            module.to(home)
-        del module
-    return with_checkpoint_cost(LayerProfile(layers=tuple(layers), device=str(device), repeats=repeats, warmup=warmup))
-
-
-def _next_input(module: nn.Module, args: tuple[Any, ...]) -> Any:
-    with preserved_state([module], args):
-        out = module(*args)
-
-    def leaf(t: Any) -> Any:
-        if not isinstance(t, torch.Tensor):
-            return t
-        return t.detach().requires_grad_(t.requires_grad and t.is_floating_point())
-
-    return tree_map(leaf, out)
-
-
-def _to(value: Any, device: torch.device) -> Any:
-    return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, value)

@@ -1,11 +1,14 @@
 """The default cut of a layer list (``partition="balanced"``), decided on one rank and handed to the others.
 
-Rank 0 of the pipeline's group counts the layers' work on the ``meta`` device (one micro-batch of
-``sample_inputs``; :mod:`..measure.counting`), or reads their parameter counts without sample inputs, and
-cuts (:func:`stagewise.partition.modes.stage_counts`); the counts per stage, and the estimated profile they
-came from, reach every rank through :func:`.balance.on_first_rank`, so every rank builds the same cut
-whatever its own arithmetic would say. Without sample inputs a list holding a convolution is cut evenly, and
-the first batch's first micro-batch is counted instead (:mod:`.first_batch`). The cut is recorded where every
+Rank 0 of the pipeline's group prices the layers on one micro-batch (``sample_inputs``) and cuts
+(:func:`stagewise.partition.modes.stage_counts`, refined for the schedule): where a layer holds a convolution
+it **times** each layer's forward + backward, as ``partition="time"`` does (no count prices a convolution's
+shape: :func:`stagewise.planning.defaults.pricing`); other layers' work it **counts** on the ``meta`` device
+(:mod:`..measure.counting`: deterministic); without sample inputs it reads their parameter counts. The counts
+per stage, and the profile they came from, reach every rank through :func:`.balance.on_first_rank`, so every
+rank builds the same cut whatever its own timing or arithmetic would say. Without sample inputs a list holding
+a convolution is cut evenly, and the first batch's first micro-batch is timed instead (:mod:`.first_batch`).
+The cut is recorded where every
 layout is (a checkpoint's and a snapshot's ``layout.pipeline.layers``, with ``layout.pipeline.partition``),
 and a resume on the same layout takes it back rather than deciding again
 (:mod:`stagewise.runtime.checkpoint.recorded_cut`). When the estimate predicts the schedule slower than 1F1B
@@ -28,8 +31,10 @@ from torch import nn
 from ...ir import Schedule
 from ...partition import LayerProfile, stage_counts
 from ...partition.estimate import CountedLayer, estimated_profile, link_for, parameters_as_work, rates_for
-from ...planning.defaults import against_1f1b, refined_counts
+from ...planning.defaults import against_1f1b, pricing, refined_counts
 from ..measure.counting import count_layers
+from ..measure.profiling import steadiest
+from .layer_timing import ROUNDS, profile_layers
 from .layers import Layer, LayerLike
 from .tied import TiedBuilder
 
@@ -45,7 +50,7 @@ class DefaultCut:
 
     counts: list[int]
     profile: LayerProfile | None
-    source: str  # "counted", "parameters" (or "profiled": a measured profile's cut, for the warning)
+    source: str  # "timed", "counted", "parameters" (or "profiled": a measured profile's cut, for the warning)
 
 
 def decide(
@@ -59,8 +64,13 @@ def decide(
 ) -> DefaultCut:
     """The default cut as this rank computes it (rank 0's is the one every rank uses, handed round by
     :func:`.balance.on_first_rank`)."""
-    profile, source = None, "parameters"
-    if sample_inputs is not None:
+    profile, source, inputs = None, "parameters", sample_inputs is not None
+    if pricing(inputs and holds_convolution(named), inputs) == "timed":
+        try:
+            profile, source = timed_profile(named, sample_inputs, seed=seed, device=device), "timed"
+        except Exception as err:  # a layer that cannot be timed alone: counted as dense layers are
+            log.info("stagewise: timing the layers failed (%s); cutting by counted work", err)
+    if profile is None and sample_inputs is not None:
         try:
             builder = TiedBuilder(named, seed, None)
             counted = count_layers([n for n, _ in named], lambda k: builder.build(named[k][1], k), sample_inputs)
@@ -69,19 +79,37 @@ def decide(
             log.info("stagewise: counting the layers on the meta device failed (%s); cutting by parameters", err)
     if profile is None:
         profile = estimated_profile(_by_parameters(named), rates_for(device), loss_passes=0.0)
+    counts = cut_by(profile, schedule, speeds)
+    if source == "parameters":
+        profile = None  # parameter counts are no times: nothing to predict from
+    return DefaultCut(counts, profile, source)
+
+
+def cut_by(profile: LayerProfile, schedule: Schedule, speeds: Sequence[float] | None = None) -> list[int]:
+    """The default's cut for ``profile``'s layers: the least slowest stage by their times on ``schedule``'s
+    placement, then refined for the schedule itself (:func:`~stagewise.planning.defaults.refined_counts`);
+    the even cut where no layer has a time."""
+    times = profile.times()
     counts = stage_counts(
-        len(named),
+        len(times),
         schedule.num_stages,
         "balanced",
-        times=profile.times() if any(profile.times()) else None,
+        times=times if any(times) else None,
         speeds=speeds,
         placement=schedule.placement,
     )
-    if speeds is None and any(profile.times()):
+    if speeds is None and any(times):
         counts = refined_counts(profile, schedule, counts)
-    if source != "counted":
-        profile = None  # parameter counts are no times: nothing to predict from
-    return DefaultCut(counts, profile, source)
+    return counts
+
+
+def timed_profile(
+    named: Sequence[tuple[str, LayerLike]], sample_inputs: Any, *, seed: int, device: str
+) -> LayerProfile:
+    """Each layer's forward + backward timed on one micro-batch, as ``partition="time"`` times it (the median
+    of a layer's repeats, the fastest of :data:`.layer_timing.ROUNDS` rounds: one preempted timing does not decide).
+    Called on the first rank only (its profile is what every rank cuts by)."""
+    return steadiest(lambda: profile_layers(named, sample_inputs, seed=seed, device=device), ROUNDS)
 
 
 def _by_parameters(named: Sequence[tuple[str, LayerLike]]) -> list[CountedLayer]:
@@ -95,7 +123,7 @@ def _by_parameters(named: Sequence[tuple[str, LayerLike]]) -> list[CountedLayer]
         first = named[positional.index(True)][0]
         log.info(
             "stagewise: cutting the layers evenly: %r holds a convolution, whose work per parameter depends on "
-            "its input's size; the first batch's work is counted and cut by (or pass sample_inputs=, one micro-batch)",
+            "its input's size; the first batch's layers are timed and cut by (or pass sample_inputs=, one micro-batch)",
             first,
         )
     return [CountedLayer(n, 2 * w, 4 * w, 0.0, 0.0, 0, 0, w, 4 * w, 0.0) for (n, _), w in zip(named, work)]

@@ -3,19 +3,23 @@
 A layer list built with ``partition="balanced"`` (the default) and no ``sample_inputs`` is cut before any
 input is seen: by parameters, or evenly where a layer holds a convolution (whose work per parameter depends on
 the image's size, :func:`stagewise.partition.estimate.parameters_as_work`). At the first ``train_step`` the
-rank holding stage 0 has the mini-batch, so its first micro-batch is counted on the ``meta`` device as
-``sample_inputs`` would have been (:func:`.default_cut.decide`: FLOPs by ``torch.utils.flop_counter``, bytes,
-operators; nothing computed). Then:
+rank holding stage 0 has the mini-batch, so its first micro-batch is priced as ``sample_inputs`` would have
+been (:func:`.default_cut.decide`). Then:
 
-* a provisional cut (a convolution's even cut) is decided again from those counts by the group's first
-  rank and handed to every rank (:func:`.balance.on_first_rank`); where it differs, the pipeline moves to it
+* a provisional cut (a convolution's even cut) is decided again by the group's first rank, which **times**
+  each layer's forward + backward on that micro-batch (``partition="time"``'s profiler: the median of a
+  layer's repeats, the fastest of three rounds; no count of FLOPs, bytes or operators prices a convolution's
+  shape, :func:`stagewise.planning.defaults.pricing`), cuts by those times for the schedule, and hands the
+  cut and its profile to every rank (:func:`.balance.on_first_rank`); where it differs, the pipeline moves to it
   with the live re-layout before the step runs (exact: the state moves, nothing has trained yet), and the cut
   is recorded as the run's own (``replanned_cut``: a checkpoint or snapshot records it, a resume built with
   ``"balanced"`` takes it back instead of deciding again); unless an optimizer of the user's, built over
   ``pipe.parameters()`` before the step, holds the parameters on some rank: the cut is then kept and rank 0
-  says how to get the counted one (``sample_inputs=``, or ``optimizer=``, whose optimizers move with the cut);
-* the named schedule is judged against 1F1B on the counted costs, with the link priced by a rough prior
-  (:data:`stagewise.partition.estimate.LINKS`), and rank 0 gives the one-line word where it is predicted slower.
+  says how to get the timed one (``sample_inputs=``, or ``optimizer=``, whose optimizers move with the cut);
+* dense layers keep their build-time cut (by parameters); their first micro-batch is counted on the ``meta``
+  device (deterministic, nothing computed), and the named schedule is judged against 1F1B on those costs,
+  with the link priced by a rough prior (:data:`stagewise.partition.estimate.LINKS`), and rank 0 gives the
+  one-line word where it is predicted slower.
 
 Only a pipeline on every rank of the world (no ``parallel=`` mesh, no smaller ``group=``): the re-layout is a
 collective of the world. Any failure of the count is logged and the cut kept: the first step never fails for its sake.
@@ -78,8 +82,8 @@ def at_first_batch(pipe: Any, batches: list[tuple[Any, Any]]) -> None:
 
 
 def _recut(pipe: Any, named: Any, first: Any) -> default_cut.DefaultCut:
-    """Rank 0's counted cut, taken by every rank (a re-layout) unless an optimizer of the user's holds the
-    parameters; the cut that runs, with the counted profile (for the word)."""
+    """Rank 0's cut (timed: the list holds a convolution), taken by every rank (a re-layout) unless an
+    optimizer of the user's holds the parameters; the cut that runs, with its profile (for the word)."""
     decided = default_cut.unplain(
         on_first_rank(
             pipe.transport.group,
@@ -93,9 +97,9 @@ def _recut(pipe: Any, named: Any, first: Any) -> default_cut.DefaultCut:
     if decided.profile is None or decided.counts == counts:
         return decided
     if _anyone(pipe, _held_outside(pipe)):
-        _keep(pipe, decided.counts, counts)
+        _keep(pipe, decided, counts)
         return default_cut.DefaultCut(counts, decided.profile, decided.source)
-    log.info("stagewise: the first batch's counted work cuts the layers %s (was %s)", decided.counts, counts)
+    log.info("stagewise: the first batch's %s work cuts the layers %s (was %s)", decided.source, decided.counts, counts)
     pipe.relayout(partition=list(decided.counts))
     pipe.replanned_cut = list(decided.counts)  # recorded as the run's own: a resume takes it back
     return decided
@@ -125,19 +129,20 @@ def _anyone(pipe: Any, flag: bool) -> bool:
     return any(collectives.gather_json(flag, pipe.transport.group, pipe.transport.guard.wait, what))
 
 
-def _keep(pipe: Any, counted: list[int], counts: list[int]) -> None:
+def _keep(pipe: Any, decided: default_cut.DefaultCut, counts: list[int]) -> None:
     if pipe.pp_rank == 0:
         log.info(
-            "stagewise: the first batch's counted work would cut the layers %s; %s is kept, since an optimizer "
+            "stagewise: the first batch's %s work would cut the layers %s; %s is kept, since an optimizer "
             "built over pipe.parameters() holds this cut's parameters: pass sample_inputs= (one micro-batch) to "
-            "cut by counted work from the start, or optimizer= (a factory: its optimizers move with the cut)",
-            counted,
+            "cut by it from the start, or optimizer= (a factory: its optimizers move with the cut)",
+            decided.source,
+            decided.counts,
             counts,
         )
 
 
 def _decide(pipe: Any, named: Any, first: Any) -> default_cut.DefaultCut:
-    """The counted cut on this rank (the first rank's is the one used); the present cut when it cannot count."""
+    """The default cut on this rank (the first rank's is the one used); the present cut when it cannot price."""
     counts = [len(r) for r in pipe.layer_ranges]
     if first is None:
         return default_cut.DefaultCut(counts, None, "parameters")
