@@ -167,7 +167,7 @@ class Pipeline(nn.Module):
 
     def relayout(self, members: Sequence[int] | None = None, /, *, plan: Plan | None = None, **changes: Any) -> Layout:
         """New layout options (or ``plan=``) in place, exactly, on ``members`` (global ranks; default all): a collective
-        (:mod:`..relayout.call`); ``live=``: ranks whose live tensors are sources (the rest: this step's snapshots)."""
+        (:mod:`.relayout.call`); ``live=``: ranks whose live tensors are sources (the rest: this step's snapshots)."""
         live = changes.pop("live", None)
         return relayout(self, members, changes, plan, lambda frontend, options: Pipeline(frontend, options), live)
 
