@@ -29,6 +29,7 @@ __all__ = [
     "run_suite",
     "selected",
     "shared_job",
+    "shared_results",
     "shared_timeout",
     "shares_of",
     "suite_per_transport",
@@ -147,7 +148,7 @@ def suites_by_ranks(
             if ranks not in done:
                 share = next((s for s in shared if s.ranks == ranks), None)
                 if share is not None:
-                    done[ranks] = _shared_results(request.session, tmp_path_factory, share)
+                    done[ranks] = shared_results(request.session, tmp_path_factory, share)
                 else:
                     out = tmp_path_factory.mktemp(f"{label}{ranks}")
                     only = selected(request, ranks)
@@ -249,12 +250,13 @@ def shared_job(share: Share) -> Any:
 
     @pytest.fixture(scope="module")
     def results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> SuiteResults:
-        return _shared_results(request.session, tmp_path_factory, share)
+        return shared_results(request.session, tmp_path_factory, share)
 
     return results
 
 
-def _shared_results(session: pytest.Session, tmp_path_factory: pytest.TempPathFactory, share: Share) -> SuiteResults:
+def shared_results(session: pytest.Session, tmp_path_factory: pytest.TempPathFactory, share: Share) -> SuiteResults:
+    """``share``'s checks from the shared job of its rank count (run now if it has not run yet in this session)."""
     jobs = session.stash.setdefault(_SHARED, {})
     if (share.checks, share.ranks) not in jobs:
         jobs.update(_run_shared(session, tmp_path_factory, share.ranks))
