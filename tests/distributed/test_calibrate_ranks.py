@@ -1,18 +1,17 @@
-"""sw.calibrate() on 2 gloo ranks: links, the cost per action and FSDP2's cost, and a plan that uses them."""
+"""sw.calibrate() on 2 gloo ranks: links, the cost per action and FSDP2's cost, and a plan that uses them; the checks of
+tests/distributed/workers/calibrate_checks.py in the shared 2-rank job (helpers.torchrun.shared_job)."""
 
 from __future__ import annotations
 
 import pytest
 
 import calibrate_checks
-from helpers.torchrun import SuiteResults, run_suite
+from helpers.torchrun import Share, SuiteResults, shared_job
 
 RANKS = 2
 
-
-@pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> SuiteResults:
-    return run_suite("calibrate_checks", RANKS, tmp_path_factory.mktemp("calibrate2"), timeout=240)
+SHARE = Share("calibrate_checks", tuple(calibrate_checks.checks(RANKS)), timeout=240, ranks=RANKS)
+results = shared_job(SHARE)
 
 
 @pytest.mark.parametrize("name", list(calibrate_checks.checks(RANKS)))

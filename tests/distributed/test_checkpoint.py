@@ -3,14 +3,17 @@
 Four torchrun jobs share one folder, in order (tests/distributed/workers/checkpoint_checks.py):
 ``save2`` (2 ranks) saves at pp=2; ``save4`` (4 ranks, fresh processes) loads
 those at pp=4 and saves at pp=4 and pp2 x dp2; ``resume2`` and ``resume4``
-(fresh processes again) load and continue. This process writes the
-one-process "seed checkpoint" first and loads the pp=2 checkpoint into the
-one-process model at the end.
+(fresh processes again) load and continue. The saves run in the shared 2- and
+4-rank jobs (helpers.torchrun.shared_job; the 2-rank one runs first, in file
+order), the resumes in jobs of their own after both. This process writes the
+one-process "seed checkpoint" first (before the first of those jobs) and loads
+the pp=2 checkpoint into the one-process model at the end.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,26 +22,43 @@ import checkpoint_checks as cc
 import hybrid_checks as hc
 import stagewise as sw
 from checkpoint_models import adamw, plain, tied_wrapped
-from helpers.torchrun import SuiteResults, run_suite
+from helpers.torchrun import Share, SuiteResults, run_suite, shared_results
 
 ORDER = [("save2", 2), ("save4", 4), ("resume2", 2), ("resume4", 4)]
 CHECKS = [(suite, name) for suite, _ in ORDER for name in cc.suites(4)[suite]]
+_FOLDER: list[Path] = []
+
+
+def _folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The folder the four jobs share, the one-process seed checkpoint in it: made once, by the first that needs it."""
+    if not _FOLDER:
+        folder = tmp_path_factory.mktemp("ckpt")
+        sw.checkpoint.save(folder / "seed", sw.build_model(plain(), seed=42), step=0)
+        os.environ["STAGEWISE_CKPT_DIR"] = str(folder)  # where checkpoint_checks' references are read here too
+        _FOLDER.append(folder)
+    return _FOLDER[0]
+
+
+def _env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    return {"STAGEWISE_CKPT_DIR": str(_folder(tmp_path_factory))}
+
+
+#: the saves in the shared jobs (the checks' default suite at 2 and 4 ranks), the resumes in fresh processes after
+SHARE = tuple(Share("checkpoint_checks", tuple(cc.suites(r)[f"save{r}"]), 300, env=_env, ranks=r) for r in (2, 4))
 
 
 @pytest.fixture(scope="module")
-def shared(tmp_path_factory: pytest.TempPathFactory):
-    folder = tmp_path_factory.mktemp("ckpt")
-    os.environ["STAGEWISE_CKPT_DIR"] = str(folder)  # where checkpoint_checks' references are read here too
-    return folder
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _folder(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
-def results(shared, tmp_path_factory: pytest.TempPathFactory) -> dict[str, SuiteResults]:
-    seed = sw.build_model(plain(), seed=42)
-    sw.checkpoint.save(shared / "seed", seed, step=0)
+def results(
+    request: pytest.FixtureRequest, shared: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, SuiteResults]:
+    done = {f"save{s.ranks}": shared_results(request.session, tmp_path_factory, s) for s in SHARE}
     env = {"STAGEWISE_CKPT_DIR": str(shared), "PYTHONWARNINGS": "ignore"}
-    done = {}
-    for suite, ranks in ORDER:
+    for suite, ranks in ORDER[2:]:
         out = tmp_path_factory.mktemp(suite)
         done[suite] = run_suite("checkpoint_checks", ranks, out, timeout=300, suite=suite, env=env)
     return done

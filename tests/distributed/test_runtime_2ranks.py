@@ -1,8 +1,8 @@
 """The runtime on 2 gloo ranks: every schedule against the one-process model, and the features, once per
 transport (torch.distributed point-to-point and same-host shared memory).
 
-One torchrun job per transport runs every check (tests/distributed/workers/runtime_checks.py) in one process group; each
-test below asserts one check's result on every rank.
+One torchrun job runs every check (tests/distributed/workers/runtime_checks.py) once per transport in one process group
+(the checks that leave receives behind last); each test below asserts one check's result on every rank.
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ PARITY = list(parity_checks(RANKS))
 FEATURES = list(feature_checks(RANKS))
 
 
-results = suite_per_transport("runtime_checks", RANKS, "parity+features+transport", timeout=240)
+results = suite_per_transport(
+    "runtime_checks", RANKS, "parity+features+transport", timeout=240, last=("failure-propagates", "shape-mismatch")
+)
 
 
 def test_transport_in_use(results) -> None:

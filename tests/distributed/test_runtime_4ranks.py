@@ -1,8 +1,8 @@
 """The runtime on 4 gloo ranks: every schedule against the one-process model, and pipelines on subgroups, once
 per transport (torch.distributed point-to-point and same-host shared memory).
 
-One torchrun job per transport runs every check (tests/distributed/workers/runtime_checks.py) in one process group; each
-test below asserts one check's result on every rank.
+One torchrun job runs every check (tests/distributed/workers/runtime_checks.py) once per transport in one process group;
+each test below asserts one check's result on every rank.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ a job's start (processes, torch, gloo) costs seconds of both cores, more than ma
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -28,6 +29,7 @@ __all__ = [
     "run_suite",
     "selected",
     "shared_job",
+    "shared_results",
     "shared_timeout",
     "shares_of",
     "suite_per_transport",
@@ -76,10 +78,12 @@ def run_suite(
     suite: str | None = None,
     env: dict[str, str] | None = None,
     only: list[str] | None = None,
+    transports: list[str] | None = None,
 ) -> SuiteResults:
     """Run the checks of tests/distributed/workers/``module``.py on ``nprocs`` gloo ranks in one bounded torchrun job.
 
-    ``only``: the checks to run (all when None), e.g. :func:`selected` for ``pytest -k``.
+    ``only``: the checks to run (all when None), e.g. :func:`selected` for ``pytest -k``; ``transports``: each
+    check once under each (named ``transport:check``; :func:`suite_per_transport`).
     """
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}"]
     cmd += ["--max-restarts=0", str(WORKER), "--checks", module, "--out", str(out)]
@@ -87,6 +91,8 @@ def run_suite(
         cmd += ["--suite", suite]
     if only is not None:
         cmd += ["--only", ",".join(only)]
+    if transports is not None:
+        cmd += ["--transports", ",".join(transports)]
     full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1", **(env or {}))
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
@@ -142,7 +148,7 @@ def suites_by_ranks(
             if ranks not in done:
                 share = next((s for s in shared if s.ranks == ranks), None)
                 if share is not None:
-                    done[ranks] = _shared_results(request.session, tmp_path_factory, share)
+                    done[ranks] = shared_results(request.session, tmp_path_factory, share)
                 else:
                     out = tmp_path_factory.mktemp(f"{label}{ranks}")
                     only = selected(request, ranks)
@@ -154,24 +160,49 @@ def suites_by_ranks(
     return suites
 
 
-def suite_per_transport(module: str, ranks: int, suite: str, timeout: float) -> Any:
-    """A module-scoped fixture ``results``: ``module``'s ``suite`` on ``ranks`` ranks, one torchrun job per
-    transport (TRANSPORTS, by STAGEWISE_TRANSPORT), its check ``transport-in-use`` always run."""
+def suite_per_transport(module: str, ranks: int, suite: str, timeout: float, *, last: tuple[str, ...] = ()) -> Any:
+    """A module-scoped fixture ``results``: ``module``'s ``suite`` on ``ranks`` ranks under each transport (TRANSPORTS,
+    by STAGEWISE_TRANSPORT), its check ``transport-in-use`` always run. One torchrun job runs every check once per
+    transport (the worker's ``--transports``: one process start for both), ``last`` (checks that leave receives
+    behind) after all the others."""
+    jobs: dict[str, SuiteResults] = {}
 
     @pytest.fixture(scope="module", params=list(TRANSPORTS))
     def results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> SuiteResults:
-        only = selected(request)
-        return run_suite(
-            module,
-            ranks,
-            tmp_path_factory.mktemp(f"{module}{ranks}-{request.param}"),
-            timeout=timeout,
-            suite=suite,
-            env={"STAGEWISE_TRANSPORT": request.param},
-            only=None if only is None else [*only, "transport-in-use"],
-        )
+        if request.param not in jobs:
+            jobs.update(_per_transport(request, tmp_path_factory, module, ranks, suite, timeout, last))
+        return jobs[request.param]
 
     return results
+
+
+def _per_transport(
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    module: str,
+    ranks: int,
+    suite: str,
+    timeout: float,
+    last: tuple[str, ...],
+) -> dict[str, SuiteResults]:
+    asked = {
+        getattr(item, "callspec", None) and item.callspec.params.get("results")
+        for item in request.session.items
+        if getattr(item, "module", None) is request.module
+    }
+    transports = [t for t in TRANSPORTS if t in asked] or list(TRANSPORTS)
+    only = selected(request)
+    names = list(importlib.import_module(module).checks(ranks, suite)) if only is None else [*only, "transport-in-use"]
+    names = list(dict.fromkeys(names))
+    order = [f"{t}:{n}" for t in transports for n in names if n not in last]
+    order += [f"{t}:{n}" for t in transports for n in names if n in last]
+    out = tmp_path_factory.mktemp(f"{module}{ranks}-{'-'.join(transports)}")
+    job = run_suite(module, ranks, out, timeout * len(transports), suite=suite, only=order, transports=transports)
+    done = {}
+    for t in transports:
+        rows = {k.removeprefix(f"{t}:"): row for k, row in job.by_check.items() if k.startswith(f"{t}:")}
+        done[t] = SuiteResults(ranks, by_check=rows, log=job.log, transport=t)
+    return done
 
 
 @dataclass(frozen=True)
@@ -219,12 +250,13 @@ def shared_job(share: Share) -> Any:
 
     @pytest.fixture(scope="module")
     def results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> SuiteResults:
-        return _shared_results(request.session, tmp_path_factory, share)
+        return shared_results(request.session, tmp_path_factory, share)
 
     return results
 
 
-def _shared_results(session: pytest.Session, tmp_path_factory: pytest.TempPathFactory, share: Share) -> SuiteResults:
+def shared_results(session: pytest.Session, tmp_path_factory: pytest.TempPathFactory, share: Share) -> SuiteResults:
+    """``share``'s checks from the shared job of its rank count (run now if it has not run yet in this session)."""
     jobs = session.stash.setdefault(_SHARED, {})
     if (share.checks, share.ranks) not in jobs:
         jobs.update(_run_shared(session, tmp_path_factory, share.ranks))

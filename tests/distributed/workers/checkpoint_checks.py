@@ -389,5 +389,6 @@ def suites(world: int) -> dict[str, dict[str, Check]]:
     }
 
 
-def checks(world: int, suite: str) -> dict[str, Check]:
-    return suites(world)[suite]
+def checks(world: int, suite: str | None = None) -> dict[str, Check]:
+    """``suite``'s checks; None (a shared job of ``world`` ranks: tests/distributed/test_checkpoint.py) the saves."""
+    return suites(world)[suite or f"save{world}"]

@@ -87,18 +87,36 @@ def _checks(modules: list[str], world: int, suite: str | None) -> dict[str, Chec
     return todo
 
 
+def _per_transport(todo: dict[str, Check], transports: list[str], only: list[str] | None) -> dict[str, Check]:
+    """Each check once per transport, named ``transport:check``, STAGEWISE_TRANSPORT set to it while it runs (one job
+    for every transport: helpers.torchrun.suite_per_transport); in ``only``'s order (of those names) when given."""
+    every = {f"{t}:{name}": _under(t, fn) for t in transports for name, fn in todo.items()}
+    return every if only is None else {k: every[k] for k in only if k in every}
+
+
+def _under(transport: str, check: Check) -> Check:
+    def run(ctx: Ctx) -> dict[str, Any] | None:
+        os.environ["STAGEWISE_TRANSPORT"] = transport  # read by every pipeline built after (comm/choose_transport.py)
+        return check(ctx)
+
+    return run
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--checks", required=True, help="module(s) beside this file that define checks(), by commas")
     parser.add_argument("--suite", default=None)
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--only", default="", help="comma-separated check names (default: all)")
+    parser.add_argument("--transports", default="", help="run every check once per transport named, by commas")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds any collective may take")
     args = parser.parse_args()
     torch.set_num_threads(1)
     env = sw.init(backend="gloo", timeout=timedelta(seconds=args.timeout))
     todo = _checks(args.checks.split(","), env.world_size, args.suite)
-    if args.only:  # several modules (a shared job): in --only's order, which runs what leaves state behind last
+    if args.transports:
+        todo = _per_transport(todo, args.transports.split(","), args.only.split(",") if args.only else None)
+    elif args.only:  # several modules (a shared job): in --only's order, which runs what leaves state behind last
         only = args.only.split(",")
         order = only if "," in args.checks else list(todo)
         todo = {k: todo[k] for k in order if k in todo and k in only}
