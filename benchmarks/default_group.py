@@ -13,6 +13,7 @@ generation"). Seconds on a loaded machine are noisy: the facts are the errors an
 
 from __future__ import annotations
 
+import argparse
 import os
 import socket
 import time
@@ -69,7 +70,10 @@ def _member(rank: int, port: int, results: Any) -> None:
     dist.destroy_process_group()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    ).parse_args(argv)  # (no options: --help says what it does, and starts nothing)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
