@@ -134,11 +134,12 @@ def plan(
 
 def _from_file(near: Sequence[Filed], item: Item, r: int, machines: Sequence[str]) -> tuple[int | None, str | None]:
     """Who reads ``item`` for receiver ``r`` from a file, and which: the first of ``near`` holding it, read by
-    ``r`` itself on its own machine, else by the process that listed it (None, None: no file holds it)."""
+    the process that listed it (``r`` itself when it did), which sends it on: a process reads only the files it
+    listed, since only their listing says what it may verify them against (None, None: no file holds it)."""
     found = next((f for f in near if item in f.items), None)
     if found is None:
         return None, None
-    return (r if found.machine == machines[r] else found.holder), found.path
+    return found.holder, found.path
 
 
 def _sorted(by_peer: Mapping[int, list[Item]]) -> dict[int, tuple[Item, ...]]:

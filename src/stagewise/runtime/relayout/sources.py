@@ -148,7 +148,7 @@ def plan_sources(
             elif found is None:
                 lost.add(name)
             else:
-                src = need.rank if found.machine == need.machine else found.holder
+                src = found.holder  # (its lister reads it: the only process holding its listing)
                 takes.append(Take(name, need.rank, src, found.path, found.machine))
         decision.kept[need.rank] = tuple(kept)
         if lost:
