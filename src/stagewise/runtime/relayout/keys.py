@@ -13,8 +13,8 @@ A process's listing is four key lists: model tensors held, optimizer units held,
 needed. :func:`plan` reads every process's and gives one process its part; the owner of a key is the lowest
 process holding it (:func:`.sources.live_source`, the take-over's rule too: a replicated tensor is read once per
 receiver). A key no process holds live falls back to a snapshot file a process listed (:class:`Filed`, in
-:func:`.sources.nearest_first`'s order: one on the receiver's machine is read there, else its lister reads it and
-sends); only a model tensor found nowhere is lost (refused).
+:func:`.sources.nearest_first`'s order), which its lister reads and sends (itself when the receiver listed it);
+only a model tensor found nowhere is lost (refused).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ class Filed:
 class Plan:
     """One process's part: what it sends to each process, receives from each, keeps from itself, and the model
     tensors it needs that no source holds (refused; a unit no one holds is left fresh, as a load with
-    ``strict=False``). ``read``: the items it takes from a file on its own machine for itself; ``filed``: the
+    ``strict=False``). ``read``: the items it takes for itself from a file it listed; ``filed``: the
     file (path) each item it reads comes from, by (receiver, item): to send (receiver another process) or its own
     (``read``)."""
 

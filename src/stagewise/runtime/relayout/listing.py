@@ -11,8 +11,8 @@ Three exchanges, every process taking part in each, before any tensor moves:
    checks every name against the one it needs.
 
 A tensor no process holds live comes from a snapshot file a process listed (``files``, :mod:`.snapfiles`: the
-first process of each machine lists its files' keys in one more small gather before the plan): read by the
-receiver on its own machine, else by the lister and sent as a live tensor is; a damaged file is refused alike in
+first process of each machine lists its files' keys in one more small gather before the plan): read by its
+lister and sent as a live tensor is (kept when the lister is the receiver); a damaged file is refused alike in
 step 2.
 
 What this replaces: every process's JSON listing (names, shapes, optimizer metadata) all-gathered, padded to the

@@ -17,8 +17,8 @@ unchanged since the capture). From those records every process computes the same
    snapshot. A survivor past it (it stepped again, or a forward changed a buffer) gives those tensors nothing
    live: they come from the snapshot;
 3. per name and receiver: its own live tensor (kept: aliased), else the lowest survivor's live one (moved), else
-   a file of the committed step: on the receiver's machine (read there), else read by the process that listed it
-   on its machine and sent. A newcomer (no old state) contributes nothing and receives everything.
+   a file of the committed step, nearest first, read by the process that listed it on its machine and sent (its
+   listing is what verifies it). A newcomer (no old state) contributes nothing and receives everything.
 """
 
 from __future__ import annotations
