@@ -13,21 +13,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import stagewise as sw
+from helpers.models import CountedNorm
 from stagewise.runtime.checkpoint import state
 from stagewise.runtime.checkpoint.resume import resume
 from stagewise.runtime.relayout import generation
 from stagewise.runtime.relayout.takeover import hold
-
-
-class CountedNorm(nn.LayerNorm):
-    """A LayerNorm that counts its initialisations on a real device."""
-
-    real_inits = 0
-
-    def reset_parameters(self) -> None:
-        if self.weight.device.type != "meta":
-            CountedNorm.real_inits += 1
-        super().reset_parameters()
 
 
 def _job(tmp_path: Path, microbatch_size: int = 2) -> generation.InPlace:

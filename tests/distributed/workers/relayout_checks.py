@@ -23,6 +23,7 @@ from torch import nn
 
 import stagewise as sw
 from helpers import models as mdl
+from helpers.models import CountedNorm
 from stagewise.runtime.measure.tensor_bytes import LiveBytes, state_tensors, storage_bytes
 from worker import Check, Ctx, raises
 
@@ -39,17 +40,6 @@ class TokenNorm(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.bn(h.transpose(1, 2)).transpose(1, 2)
-
-
-class CountedNorm(nn.LayerNorm):
-    """A LayerNorm that counts its initialisations on a real device (a re-layout's new stages compute none)."""
-
-    real_inits = 0
-
-    def reset_parameters(self) -> None:
-        if self.weight.device.type != "meta":
-            CountedNorm.real_inits += 1
-        super().reset_parameters()
 
 
 def _head(emb: nn.Module, h: torch.Tensor) -> torch.Tensor:
