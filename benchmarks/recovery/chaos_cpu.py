@@ -49,12 +49,10 @@ def one(machines: Any, out: Path, name: str, port: int, seconds: float, timeout:
     from helpers import netns
 
     from .cutoff import cpu_seconds
-    from .faults import in_place
+    from .faults import guide_job
 
     flags, extra, restarts = VARIANTS[name]
-    script = ["--timeout", str(timeout), "--inplace", "--every", "1", "--start-world", "6", *flags]
-    out.mkdir(parents=True, exist_ok=True)
-    job = ch.GuideJob(machines, out, script, port=port, restarts=restarts, extra=[*in_place(True), *extra])
+    job = guide_job(machines, out, 1, timeout, True, port=port, restarts=restarts, script=flags, extra=extra)
     faults = ch.start(job, 3, [0, 1, 2])
     pids = {m: netns.pids(machines.name(m)) for m in range(4)}
     roles = {pid: (m, role(pid)) for m, p in pids.items() for pid in p}

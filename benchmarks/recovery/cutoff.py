@@ -59,14 +59,13 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     from helpers import netns
 
     from .chaos_cpu import role
-    from .faults import in_place
+    from .faults import guide_job
 
     out = Path(args.keep or tempfile.mkdtemp(prefix="cutoff-"))
     out.mkdir(parents=True, exist_ok=True)
-    script = ["--timeout", str(args.timeout), "--inplace", "--every", "1", "--start-world", "6"]
     samples: list[dict[str, Any]] = []
     with netns.make(f"co{os.getpid() % 1000}", 4, subnet=args.subnet) as machines:
-        job = ch.GuideJob(machines, out, script, port=29577, restarts=5, extra=in_place(True))
+        job = guide_job(machines, out, 1, args.timeout, True, port=29577, restarts=5)
         faults = ch.start(job, 3, [0, 1, 2])
         faults.wake = True
         marks = {"before": time.time()}
