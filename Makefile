@@ -102,7 +102,7 @@ elastic: $(STAMP)
 # goodput against fault-free jobs of each size (with and without snapshots), where it went, every run replayed
 # bit for bit (root: ip netns; ~30 min in all on 2 cores). The two-minute version is tests/system/test_chaos.py.
 chaos: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m benchmarks.recovery chaos --inplace --bare --duration 600 --interval 60
+	OMP_NUM_THREADS=1 $(PY) -m benchmarks.recovery chaos --inplace --bare --duration 600 --interval 60 --again
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples

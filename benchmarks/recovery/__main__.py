@@ -16,7 +16,7 @@ import argparse
 import sys
 
 from .._launch import with_the_tests
-from . import chaos, cutoff, faults, snapshots
+from . import chaos, chaos_cpu, cutoff, faults, snapshots
 
 
 def main() -> int:
@@ -26,6 +26,7 @@ def main() -> int:
     snapshots.add(sub)
     chaos.add(sub)
     cutoff.add(sub)
+    chaos_cpu.add(sub)
     args = p.parse_args()
     if args.what == "snapshots":
         return snapshots.main(args)
@@ -35,6 +36,8 @@ def main() -> int:
         return 0
     if args.what == "cutoff":
         return cutoff.main(args)
+    if args.what == "chaos-cpu":
+        return chaos_cpu.main(args)
     return chaos.main(args)
 
 

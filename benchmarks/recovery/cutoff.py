@@ -44,8 +44,13 @@ def phases(samples: list[dict[str, Any]], marks: dict[str, float]) -> list[dict[
             continue
         span = inside[-1]["t"] - inside[0]["t"]
         cores = {m: (inside[-1]["cpu"][m] - inside[0]["cpu"][m]) / span for m in inside[0]["cpu"]}
-        out.append({"phase": name, "seconds": span, "cores": cores,
-                    "steps_per_s": (inside[-1]["steps"] - inside[0]["steps"]) / span})  # fmt: skip
+        steps = inside[-1]["steps"] - inside[0]["steps"]
+        per_step = {  # each process alive at both ends: its CPU milliseconds per step of the job
+            f"{inside[0].get('where', {}).get(pid, '?')} {pid}": 1000 * (inside[-1]["pids"][pid] - cpu) / max(steps, 1)
+            for pid, cpu in inside[0]["pids"].items() if pid in inside[-1]["pids"]
+        }  # fmt: skip
+        out.append({"phase": name, "seconds": span, "cores": cores, "steps_per_s": steps / span,
+                    "ms_per_step": per_step})  # fmt: skip
     return out
 
 
@@ -53,14 +58,14 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     import chaos_harness as ch
     from helpers import netns
 
-    from .faults import in_place
+    from .chaos_cpu import role
+    from .faults import guide_job
 
     out = Path(args.keep or tempfile.mkdtemp(prefix="cutoff-"))
     out.mkdir(parents=True, exist_ok=True)
-    script = ["--timeout", str(args.timeout), "--inplace", "--every", "1", "--start-world", "6"]
     samples: list[dict[str, Any]] = []
     with netns.make(f"co{os.getpid() % 1000}", 4, subnet=args.subnet) as machines:
-        job = ch.GuideJob(machines, out, script, port=29577, restarts=5, extra=in_place(True))
+        job = guide_job(machines, out, 1, args.timeout, True, port=29577, restarts=5)
         faults = ch.start(job, 3, [0, 1, 2])
         faults.wake = True
         marks = {"before": time.time()}
@@ -70,13 +75,18 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 pids = {m: netns.pids(machines.name(m)) for m in range(4)}
                 cpu = {m: cpu_seconds(p) for m, p in pids.items()}
                 each = {pid: cpu_seconds([pid]) for p in pids.values() for pid in p}  # (which process of it)
-                samples.append({"t": time.time(), "cpu": cpu, "steps": len(faults.rows()), "pids": each})
+                where = {pid: f"m{m} {role(pid)}" for m, p in pids.items() for pid in p}
+                samples.append({"t": time.time(), "cpu": cpu, "steps": len(faults.rows()), "pids": each,
+                                "where": where})  # fmt: skip
                 time.sleep(1.0)
 
         sample(marks["before"] + args.before)
         marks["lost"] = faults.lose(args.kind, args.machine).at
         sample(marks["lost"] + args.down)
         marks["back"] = faults.back(args.machine).at
+        if args.after > args.settle:  # the newcomers' boot and join apart from the generation they then run in
+            sample(marks["back"] + args.settle)
+            marks["joined"] = time.time()
         sample(marks["back"] + args.after)
         ch.stop_all(machines)
     (out / "cutoff.json").write_text(json.dumps({"samples": samples, "marks": marks}))
@@ -89,6 +99,10 @@ def report(found: list[dict[str, Any]], kind: str, machine: int) -> str:
     for p in found:
         cores = " / ".join(f"{p['cores'][m]:.2f}" for m in sorted(p["cores"]))
         lines.append(f"| {p['phase']} | {p['seconds']:.0f} | {cores} | {p['steps_per_s']:.2f} |")
+    lines.append("CPU ms per step of the job, by process (machine, role, pid), per phase:")
+    for p in found:
+        each = sorted((k, v) for k, v in p.get("ms_per_step", {}).items() if "worker" in k or "launcher" in k)
+        lines.append(f"  {p['phase']}: " + ", ".join(f"{k} {v:.1f}" for k, v in each))
     return "\n".join(lines)
 
 
@@ -107,6 +121,7 @@ def add(sub: Any) -> None:
     p.add_argument("--before", type=float, default=20.0, help="seconds measured before the loss")
     p.add_argument("--down", type=float, default=50.0, help="seconds the machine stays lost")
     p.add_argument("--after", type=float, default=20.0, help="seconds measured after it is back")
+    p.add_argument("--settle", type=float, default=30.0, help="of --after: its boot and join (a phase apart)")
     p.add_argument("--timeout", type=float, default=10.0, help="the pipeline's hang threshold, seconds")
     p.add_argument("--subnet", type=int, default=63)
     p.add_argument("--keep", default=None, help="a folder for the job's logs and samples")

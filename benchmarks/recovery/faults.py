@@ -15,6 +15,7 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -85,14 +86,10 @@ def breakdown(resumes: list[dict[str, Any]], event: Any, cost: dict[str, Any]) -
 def one_job(args: argparse.Namespace, machines: Any, out: Path, cases: list[str], loads: list[float]) -> Any:
     """A job that meets each fault of ``cases`` in turn (and, with ``--returns``, gets the machine back after
     each); every machine stopped at the end."""
-    from chaos_harness import GuideJob, start, stop_all
+    from chaos_harness import start, stop_all
 
-    out.mkdir(parents=True, exist_ok=True)
-    script = ["--every", str(args.every), "--timeout", str(args.timeout), "--start-world", "6"]
-    script += ["--inplace"] if args.inplace else []
-    extra = in_place(args.inplace)
-    extra += args.extra
-    job = GuideJob(machines, out, script, port=29560 + len(loads) % 30, restarts=4 * len(cases) + 5, extra=extra)
+    job = guide_job(machines, out, args.every, args.timeout, args.inplace, port=29560 + len(loads) % 30,
+                    restarts=4 * len(cases) + 5, extra=args.extra)  # fmt: skip
     faults = start(job, 3, [0, 1, 2])
     for case in cases:
         victim = len(loads) % 3  # turns over the machines
@@ -105,6 +102,18 @@ def one_job(args: argparse.Namespace, machines: Any, out: Path, cases: list[str]
     faults.lines_at.append(faults.log_lines())
     stop_all(machines)
     return faults
+
+
+def guide_job(machines: Any, out: Path, every: int, timeout: float, inplace: bool, port: int, restarts: int,
+              script: Sequence[str] = (), extra: Sequence[str] = ()) -> Any:  # fmt: skip
+    """steady_train.py at 6 processes on 3 namespace machines (the store on the fourth) under the guide's command,
+    ``snapshot=every``, hang threshold ``timeout``; ``inplace``: :func:`in_place`. Not started yet."""
+    from chaos_harness import GuideJob
+
+    out.mkdir(parents=True, exist_ok=True)
+    flags = ["--every", str(every), "--timeout", str(timeout), "--start-world", "6", *script]
+    flags += ["--inplace"] if inplace else []
+    return GuideJob(machines, out, flags, port=port, restarts=restarts, extra=[*in_place(inplace), *extra])
 
 
 def in_place(inplace: bool) -> list[str]:

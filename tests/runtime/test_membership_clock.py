@@ -145,3 +145,41 @@ def test_a_member_held_for_less_than_the_confirmation_with_its_clock_behind_is_k
     clock.each[0] = member_2
     assert m.next(10.0) == [0, 1, 2]
     assert m.decided[2].startswith("asked at"), m.decided
+
+
+class Counted(Store):
+    """The fake store with ``multi_get``, counting the round trips."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def get(self, key: str) -> bytes:
+        self.calls += 1
+        return super().get(key)
+
+    def check(self, keys: list[str]) -> bool:
+        self.calls += 1
+        return super().check(keys)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        self.calls += 1
+        return [self.kv[k] for k in keys]
+
+
+def test_a_look_reads_every_stamp_in_two_round_trips_whatever_the_size() -> None:
+    store = Counted()
+    for who in range(12):
+        store.set(f"alive/{who}", repr(100.0 + who))
+    m = ms.Membership(store, 0, list(range(12)))
+    store.calls = 0
+    m.look()
+    assert store.calls == 2
+    assert {w: s for w, (s, _) in m._seen.items()} == {w: repr(100.0 + w).encode() for w in range(1, 12)}
+
+
+def test_a_member_not_stamped_yet_is_read_as_none_one_by_one() -> None:
+    store = Counted()
+    store.set("alive/1", "5.0")
+    assert ms.stamps_of(store, [1, 2]) == {1: b"5.0", 2: None}
+    assert ms.stamps_of(Store(), []) == {}

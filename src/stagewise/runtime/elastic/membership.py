@@ -240,8 +240,7 @@ class Membership:
         the process was stopped) - a member seen standing still across it may have been held alike - every
         member is watched afresh."""
         now = self.clock()
-        stamps = {m: self.store.get(f"alive/{m}") if self.store.check([f"alive/{m}"]) else None
-                  for m in self.members if m != self.me}  # fmt: skip
+        stamps = stamps_of(self.store, [m for m in self.members if m != self.me])
         done = self.clock()
         with self._lock:
             if self._looked < 0 or now - self._looked > _CONFIRM_S or done - now > STAMP_S:
@@ -276,6 +275,16 @@ class Membership:
                     self.look()
             except Exception as err:  # (a look that failed only leaves the next agreement to watch afresh)
                 log.debug("stagewise elastic: the others' stamps were not read (%s)", err)
+
+
+def stamps_of(store: Any, ids: Sequence[int]) -> dict[int, bytes | None]:
+    """The stamps of ``ids`` (None: not stamped yet) in two round trips to the store when all are there
+    (``check`` of every key, one ``multi_get``), whatever the job's size: every worker reads the others'
+    stamps every :data:`STAMP_S`, so one round trip per member would load the store as members squared."""
+    keys = [f"alive/{m}" for m in ids]
+    if keys and hasattr(store, "multi_get") and store.check(keys):
+        return dict(zip(ids, store.multi_get(keys), strict=True))
+    return {m: store.get(k) if store.check([k]) else None for m, k in zip(ids, keys, strict=True)}
 
 
 def joiners(store: Any, g: int) -> list[int]:

@@ -246,9 +246,13 @@ def _check(c: Copy, data: memoryview | None, got: dict[tuple[str, str], Part], p
         if data is None:
             raise SnapshotRefused("it is gone")
         header, payload = verified(data)
-        said = (c.lineage, c.step, c.owner)
-        if (header["lineage"], header["step"], header["owner"]) != said:
-            raise SnapshotRefused(f"it was replaced since it was listed (now {header['step']}, was {c.step})")
+        said = (c.lineage, c.step, c.owner, c.membership)  # a step redone by a later generation is another file
+        now = (header["lineage"], header["step"], header["owner"], generation_of(header))
+        if now != said:
+            raise SnapshotRefused(
+                f"it was replaced since it was listed (now step {now[1]} of generation {now[3]}, "
+                f"was step {c.step} of generation {c.membership})"
+            )
         got[(c.machine, c.path)] = Part(header, tensors_of(header, payload))
     except SnapshotRefused as err:
         problems.append([c.machine, c.path, str(err)])
