@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from .._launch import timed_step
 from ..fidelity.workloads import workloads
+from .groups import released
 from .noise import between_builds, within_builds
 from .space import GLOBAL_BATCH, PlanSpec, calibrating
 
@@ -59,20 +60,22 @@ def one_build(work: Any, plan: PlanSpec, profile: Any, condition: str, steps: in
     x, y = work.data(GLOBAL_BATCH)
     gc.unfreeze()
     gc.collect()
-    pipe = build(work, plan, profile, x[: samples(plan)])
-    if condition.endswith("gc frozen"):
-        gc.collect()
-        gc.freeze()
-    timed_step(pipe, x, y)
-    times, cpus = [], []
-    for _ in range(steps):
-        times.append(timed_step(pipe, x, y))
-        cpus.append(cpu_now())
-    params = list(pipe.parameters())
-    address = params[0].data_ptr() if params else 0
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, {"cpus": cpus, "address": address % (1 << 21)})
-    del pipe
+    with released():
+        pipe = build(work, plan, profile, x[: samples(plan)])
+        if condition.endswith("gc frozen"):
+            gc.collect()
+            gc.freeze()
+        timed_step(pipe, x, y)
+        times, cpus = [], []
+        for _ in range(steps):
+            times.append(timed_step(pipe, x, y))
+            cpus.append(cpu_now())
+        params = list(pipe.parameters())
+        address = params[0].data_ptr() if params else 0
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, {"cpus": cpus, "address": address % (1 << 21)})
+        gc.unfreeze()  # else a frozen cycle keeps the pipeline, and its groups' threads, alive
+        del pipe, params
     shared = sum(1 for k in range(steps) if len({e["cpus"][k] for e in everyone}) < len(everyone))
     return {"condition": condition, "steps": times, "ranks": everyone, "steps sharing a core": shared}
 
