@@ -41,7 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plans", type=int, default=32, help="plans Q per world size (the space's first N)")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per build")
     parser.add_argument("--rounds", type=int, default=3, help="builds of P and of every Q, interleaved")
-    parser.add_argument("--pin", action="store_true", help="each rank on one core (os.sched_setaffinity)")
+    parser.add_argument("--pin", action="store_true",
+                        help="each rank on its own core (stagewise run --pin-cores), in the jobs whose ranks do not "
+                        "outnumber the cores")  # fmt: skip
     parser.add_argument("--builds", action="store_true",
                         help="instead: P built --rounds times per condition of builds.CONDITIONS (why builds "
                         "differ)")  # fmt: skip
@@ -58,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     jobs = [(world, link) for world in args.ranks for link in (LINKS if args.netem else (None,))]
     for k, (world, link) in enumerate(jobs):
         worker = ["--workload", args.workload, "--plans", str(args.plans), "--steps", str(args.steps),
-                  "--rounds", str(args.rounds), *(["--pin"] if args.pin else [])]  # fmt: skip
+                  "--rounds", str(args.rounds), *(["--pin"] if pinned(args, world) else [])]  # fmt: skip
         if link is None:
             path = args.out / f"job-{args.workload}-{world}.json"
             done = subprocess.run(torchrun(world, "benchmarks.calibration.worker", [*worker, "--out", str(path)]),
@@ -81,6 +83,13 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "calibration.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0 if len(results) == len(jobs) or (args.netem and results) else 1
+
+
+def pinned(args: argparse.Namespace, world: int) -> bool:
+    """``--pin`` for a job of ``world`` ranks: only where each rank can have a core of its own (else said)."""
+    if args.pin and world > len(os.sched_getaffinity(0)):
+        print(f"--pin: {world} ranks on {len(os.sched_getaffinity(0))} cores run unpinned (sharing)", file=sys.stderr)
+    return bool(args.pin) and world <= len(os.sched_getaffinity(0))
 
 
 def builds_only(args: argparse.Namespace) -> int:

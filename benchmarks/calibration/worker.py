@@ -15,8 +15,10 @@ each plan built ``--rounds`` times, interleaved.
    timed steps; nothing of any Q enters), and, for comparison with a one-build benchmark, on round 0's P alone
    (``"first"``, made before any Q ran).
 
-``--pin``: each rank on one core (``os.sched_setaffinity``, rank r on core r mod the cores), against the
-between-build spread (which core a rank lands on, and whether two land on one, changes from build to build).
+``--pin``: each rank on its own core (:func:`stagewise.runtime.measure.cores.pin_local_rank`, what ``stagewise
+run --pin-cores`` does), against the between-build spread (which core a rank lands on, and whether two land on
+one, changes from build to build); refused where the ranks outnumber the cores (``__main__`` passes it only to
+the jobs that fit).
 Rank 0 writes every plan's predictions, intervals and steps per build as JSON (``--out``), and what an offline
 refit needs (``kept``: the profiles, P's timelines and timed steps of every round, cut, cores and links).
 """
@@ -38,6 +40,7 @@ from stagewise.runtime import RunCalibrator
 
 # internal: the link probes alone (calibrate() probes much else): the ping-pong for the point-to-point
 # bandwidth's prior, the replicas' all-reduce for their SYNC
+from stagewise.runtime.measure.cores import pin_local_rank
 from stagewise.runtime.measure.links import all_reduce_link, ping_pong
 
 from .._launch import timed_step
@@ -230,12 +233,6 @@ def _bounds(counts: list[int]) -> list[int]:
     return out
 
 
-def pin() -> None:
-    """This rank on one core: local rank r on core r mod the cores it may use (module docstring)."""
-    cores = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, {cores[int(os.environ.get("LOCAL_RANK", "0")) % len(cores)]})
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--workload", default="gpt256")
@@ -243,12 +240,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3, help="builds of P and of every Q, interleaved")
-    parser.add_argument("--pin", action="store_true", help="each rank on one core (os.sched_setaffinity)")
+    parser.add_argument("--pin", action="store_true", help="each rank on its own core (stagewise run --pin-cores)")
     parser.add_argument("--builds", action="store_true", help="P built again and again instead (:mod:`.builds`)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    if args.pin:
-        pin()
+    if args.pin:  # before torch starts a thread: they inherit it
+        pin_local_rank()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     try:
