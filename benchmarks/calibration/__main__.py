@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 
 from .._launch import environ, torchrun
-from . import builds
+from . import builds, peaks
 from .netem import LINKS, job
 from .report import one_build_summary, summary
 
@@ -47,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--builds", action="store_true",
                         help="instead: P built --rounds times per condition of builds.CONDITIONS (why builds "
                         "differ)")  # fmt: skip
+    parser.add_argument("--peaks", action="store_true",
+                        help="instead: every Q built once with the activation meter, its peak against the "
+                        "prediction (peaks.py; bytes: no quiet machine needed)")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="2 ranks, gpt64, 4 plans, 2 steps, 2 rounds")
     parser.add_argument("--netem", action="store_true",
                         help="across 2 namespace machines, once per link of netem.LINKS (root)")  # fmt: skip
@@ -56,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.builds:
         return builds_only(args)
+    if args.peaks:
+        return peaks_only(args)
     results, rows = [], []
     jobs = [(world, link) for world in args.ranks for link in (LINKS if args.netem else (None,))]
     for k, (world, link) in enumerate(jobs):
@@ -83,6 +88,24 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "calibration.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0 if len(results) == len(jobs) or (args.netem and results) else 1
+
+
+def peaks_only(args: argparse.Namespace) -> int:
+    """``--peaks``: per world size, :mod:`.peaks`'s job (every Q built once with the meter); one table."""
+    results = []
+    for world in args.ranks:
+        path = args.out / f"peaks-{args.workload}-{world}.json"
+        worker = ["--peaks", "--workload", args.workload, "--plans", str(args.plans), "--out", str(path)]
+        done = subprocess.run(
+            torchrun(world, "benchmarks.calibration.worker", worker), env=environ(OMP_NUM_THREADS="1")
+        )
+        if done.returncode:
+            return done.returncode
+        results.append(json.loads(path.read_text()))
+    lines = peaks.table(results)
+    (args.out / "peaks.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
 
 
 def pinned(args: argparse.Namespace, world: int) -> bool:

@@ -45,7 +45,7 @@ from stagewise.runtime.measure.links import all_reduce_link, ping_pong
 
 from .._launch import timed_step
 from ..fidelity.workloads import workloads
-from . import builds
+from . import builds, peaks
 from .groups import released
 from .model import calibrations, kept, predictions
 from .space import GLOBAL_BATCH, PlanSpec, calibrating, held_out
@@ -154,13 +154,13 @@ def virtual(name: str) -> int | None:
     return 2 if allowed is None or 2 in allowed else None
 
 
-def build(work: Any, plan: PlanSpec, profile: sw.LayerProfile, sample: Any) -> sw.Pipeline:
+def build(work: Any, plan: PlanSpec, profile: sw.LayerProfile, sample: Any, **options: Any) -> sw.Pipeline:
     v = virtual(plan.schedule)
     parallel = sw.ParallelConfig(pp=plan.pp, dp=plan.dp) if plan.dp > 1 else None
     return sw.Pipeline(
         work.layers(), loss_fn=work.loss, schedule=plan.schedule, microbatches=plan.microbatches,
         virtual_stages=v, partition=counts_for(plan, work.layers(), profile, v or 1), sample_inputs=sample,
-        parallel=parallel, seed=0, timeout=600,
+        parallel=parallel, seed=0, timeout=600, **options,
     )  # fmt: skip
 
 
@@ -242,6 +242,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="builds of P and of every Q, interleaved")
     parser.add_argument("--pin", action="store_true", help="each rank on its own core (stagewise run --pin-cores)")
     parser.add_argument("--builds", action="store_true", help="P built again and again instead (:mod:`.builds`)")
+    parser.add_argument("--peaks", action="store_true", help="the activation peaks instead (:mod:`.peaks`)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     if args.pin:  # before torch starts a thread: they inherit it
@@ -249,7 +250,10 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     try:
-        result = builds.run(args, build, alone_profiles) if args.builds else run(args)
+        if args.builds or args.peaks:
+            result = (builds if args.builds else peaks).run(args, build, alone_profiles)
+        else:
+            result = run(args)
         if dist.get_rank() == 0:
             args.out.write_text(json.dumps(result, default=str))
     finally:
