@@ -28,6 +28,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+# internal: the pinning stagewise run --pin-cores does, in workers launched by torchrun directly
 from stagewise.runtime.measure.cores import pin_local_rank
 
 from .._launch import timed_step

@@ -38,8 +38,9 @@ import stagewise as sw
 from stagewise.partition import stage_counts
 from stagewise.runtime import RunCalibrator
 
-# internal: the link probes alone (calibrate() probes much else): the ping-pong for the point-to-point
-# bandwidth's prior, the replicas' all-reduce for their SYNC
+# internal: --pin, the pinning stagewise run --pin-cores does (the benchmark launches torchrun itself); the link
+# probes alone (calibrate() probes much else): the ping-pong for the point-to-point bandwidth's prior, the
+# replicas' all-reduce for their SYNC
 from stagewise.runtime.measure.cores import pin_local_rank
 from stagewise.runtime.measure.links import all_reduce_link, ping_pong
 
