@@ -44,7 +44,7 @@ def run(args: argparse.Namespace, build: Callable[..., Any], profiles: Callable[
         with released():
             pipe = build(work, plan, profile[size[p_plan]], x[: size[plan]], measure_memory=True)
             for _ in range(2):
-                pipe.train_step(x, y)
+                pipe.train_step(*pipe.local_batch(x, y))
             mine = [int(pipe.memory_report()["peak_bytes"]), [len(r) for r in pipe.layer_ranges], pipe.schedule]
             del pipe
         everyone: list[Any] = [None] * world
