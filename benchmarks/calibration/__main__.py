@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 
 from .._launch import environ, torchrun
-from . import builds
+from . import builds, peaks
 from .netem import LINKS, job
 from .report import one_build_summary, summary
 
@@ -41,10 +41,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plans", type=int, default=32, help="plans Q per world size (the space's first N)")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per build")
     parser.add_argument("--rounds", type=int, default=3, help="builds of P and of every Q, interleaved")
-    parser.add_argument("--pin", action="store_true", help="each rank on one core (os.sched_setaffinity)")
+    parser.add_argument("--pin", action="store_true",
+                        help="each rank on its own core (stagewise run --pin-cores), in the jobs whose ranks do not "
+                        "outnumber the cores")  # fmt: skip
     parser.add_argument("--builds", action="store_true",
                         help="instead: P built --rounds times per condition of builds.CONDITIONS (why builds "
                         "differ)")  # fmt: skip
+    parser.add_argument("--peaks", action="store_true",
+                        help="instead: every Q built once with the activation meter, its peak against the "
+                        "prediction (peaks.py; bytes: no quiet machine needed)")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="2 ranks, gpt64, 4 plans, 2 steps, 2 rounds")
     parser.add_argument("--netem", action="store_true",
                         help="across 2 namespace machines, once per link of netem.LINKS (root)")  # fmt: skip
@@ -54,11 +59,13 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.builds:
         return builds_only(args)
+    if args.peaks:
+        return peaks_only(args)
     results, rows = [], []
     jobs = [(world, link) for world in args.ranks for link in (LINKS if args.netem else (None,))]
     for k, (world, link) in enumerate(jobs):
         worker = ["--workload", args.workload, "--plans", str(args.plans), "--steps", str(args.steps),
-                  "--rounds", str(args.rounds), *(["--pin"] if args.pin else [])]  # fmt: skip
+                  "--rounds", str(args.rounds), *(["--pin"] if pinned(args, world) else [])]  # fmt: skip
         if link is None:
             path = args.out / f"job-{args.workload}-{world}.json"
             done = subprocess.run(torchrun(world, "benchmarks.calibration.worker", [*worker, "--out", str(path)]),
@@ -81,6 +88,31 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "calibration.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0 if len(results) == len(jobs) or (args.netem and results) else 1
+
+
+def peaks_only(args: argparse.Namespace) -> int:
+    """``--peaks``: per world size, :mod:`.peaks`'s job (every Q built once with the meter); one table."""
+    results = []
+    for world in args.ranks:
+        path = args.out / f"peaks-{args.workload}-{world}.json"
+        worker = ["--peaks", "--workload", args.workload, "--plans", str(args.plans), "--out", str(path)]
+        done = subprocess.run(
+            torchrun(world, "benchmarks.calibration.worker", worker), env=environ(OMP_NUM_THREADS="1")
+        )
+        if done.returncode:
+            return done.returncode
+        results.append(json.loads(path.read_text()))
+    lines = peaks.table(results)
+    (args.out / "peaks.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+def pinned(args: argparse.Namespace, world: int) -> bool:
+    """``--pin`` for a job of ``world`` ranks: only where each rank can have a core of its own (else said)."""
+    if args.pin and world > len(os.sched_getaffinity(0)):
+        print(f"--pin: {world} ranks on {len(os.sched_getaffinity(0))} cores run unpinned (sharing)", file=sys.stderr)
+    return bool(args.pin) and world <= len(os.sched_getaffinity(0))
 
 
 def builds_only(args: argparse.Namespace) -> int:

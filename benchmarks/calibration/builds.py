@@ -7,7 +7,8 @@ Each round builds the plan (the calibrating plan P of :mod:`.space`, or ``--plan
 turn, each build 1 untimed and ``--steps`` timed steps (the slowest rank's ``train_step`` from a barrier):
 
 * ``free``: as the benchmark runs it, the kernel placing the ranks;
-* ``pinned``: each rank on one core (``os.sched_setaffinity``: local rank r on core r mod the cores);
+* ``pinned``: each rank on its own core (``stagewise run --pin-cores``'s pinning; only where the ranks do not
+  outnumber the cores);
 * ``pinned, gc frozen``: pinned, and the garbage collector's objects frozen after the build (``gc.freeze``),
   so that no full collection walks the model's objects in a timed step.
 
@@ -27,8 +28,12 @@ from typing import Any
 
 import torch.distributed as dist
 
+# internal: the pinning stagewise run --pin-cores does, in workers launched by torchrun directly
+from stagewise.runtime.measure.cores import pin_local_rank
+
 from .._launch import timed_step
 from ..fidelity.workloads import workloads
+from .groups import released
 from .noise import between_builds, within_builds
 from .space import GLOBAL_BATCH, PlanSpec, calibrating
 
@@ -42,11 +47,11 @@ def cpu_now() -> int:
 
 
 def place(condition: str, everywhere: set[int]) -> None:
-    if condition == "free":
-        os.sched_setaffinity(0, everywhere)
-    else:
-        cores = sorted(everywhere)
-        os.sched_setaffinity(0, {cores[int(os.environ.get("LOCAL_RANK", "0")) % len(cores)]})
+    """Free: every core; pinned: the local rank's own (:func:`~stagewise.runtime.measure.cores.pin_local_rank`,
+    ``stagewise run --pin-cores``'s)."""
+    os.sched_setaffinity(0, everywhere)
+    if condition != "free":
+        pin_local_rank()
 
 
 def samples(plan: PlanSpec) -> int:
@@ -59,20 +64,22 @@ def one_build(work: Any, plan: PlanSpec, profile: Any, condition: str, steps: in
     x, y = work.data(GLOBAL_BATCH)
     gc.unfreeze()
     gc.collect()
-    pipe = build(work, plan, profile, x[: samples(plan)])
-    if condition.endswith("gc frozen"):
-        gc.collect()
-        gc.freeze()
-    timed_step(pipe, x, y)
-    times, cpus = [], []
-    for _ in range(steps):
-        times.append(timed_step(pipe, x, y))
-        cpus.append(cpu_now())
-    params = list(pipe.parameters())
-    address = params[0].data_ptr() if params else 0
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, {"cpus": cpus, "address": address % (1 << 21)})
-    del pipe
+    with released():
+        pipe = build(work, plan, profile, x[: samples(plan)])
+        if condition.endswith("gc frozen"):
+            gc.collect()
+            gc.freeze()
+        timed_step(pipe, x, y)
+        times, cpus = [], []
+        for _ in range(steps):
+            times.append(timed_step(pipe, x, y))
+            cpus.append(cpu_now())
+        params = list(pipe.parameters())
+        address = params[0].data_ptr() if params else 0
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, {"cpus": cpus, "address": address % (1 << 21)})
+        gc.unfreeze()  # else a frozen cycle keeps the pipeline, and its groups' threads, alive
+        del pipe, params
     shared = sum(1 for k in range(steps) if len({e["cpus"][k] for e in everyone}) < len(everyone))
     return {"condition": condition, "steps": times, "ranks": everyone, "steps sharing a core": shared}
 
@@ -86,9 +93,11 @@ def run(args: argparse.Namespace, build: Callable, profiles: Callable) -> dict[s
     x, y = work.data(GLOBAL_BATCH)
     profile = profiles(work, x, y, [samples(plan)])[samples(plan)]
     everywhere = os.sched_getaffinity(0)
+    # more ranks than cores cannot be pinned one a core (refused, as stagewise run --pin-cores refuses it)
+    conditions = CONDITIONS if world <= len(everywhere) else CONDITIONS[:1]
     builds = []
     for r in range(args.rounds):
-        for condition in CONDITIONS[:: -1 if r % 2 else 1]:
+        for condition in conditions[:: -1 if r % 2 else 1]:
             place(condition, everywhere)
             builds.append(one_build(work, plan, profile, condition, args.steps, build))
     return {"workload": args.workload, "plan": plan._asdict(), "world": world, "builds": builds,
@@ -101,6 +110,8 @@ def table(result: dict[str, Any]) -> list[str]:
              "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
     for condition in CONDITIONS:
         mine = [b for b in result["builds"] if b["condition"] == condition]
+        if not mine:
+            continue
         between, _ = between_builds([[b["steps"] for b in mine]])
         within, _ = within_builds([[b["steps"] for b in mine]])
         median = sorted(s for b in mine for s in b["steps"])[len(mine) * len(mine[0]["steps"]) // 2]

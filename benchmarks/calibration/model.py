@@ -16,6 +16,7 @@ Both are calibrated on the calibrating plan P's timelines only; nothing of a pla
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from stagewise import LayerProfile, build_schedule
@@ -23,6 +24,7 @@ from stagewise.ir import Schedule, Timeline
 
 # internal: the held-out prediction itself (a plan's costs from the calibration, before it runs)
 from stagewise.planning.recalibrate import Prediction, RunCalibration, calibrate_run, held_out_costs
+from stagewise.simulation import simulate
 
 MODELS = ("before", "at batch", "after")
 
@@ -54,6 +56,29 @@ def predictions(
         costs = held_out_costs(cals[model], prior, counts, batch_ratio=b_q / b_p, dp=dp, at=at)
         out[model] = cals[model].predict(schedule, costs, processes_per_node=processes)
     return out
+
+
+def peaks(
+    profiles: Mapping[int, LayerProfile], b_p: int, schedule: Schedule, counts: Sequence[int], b_q: int
+) -> dict[str, list[float]]:
+    """Plan Q's activation peak per rank (bytes alive at once, the simulator's), from the layers profiled alone
+    only: ``before``, P's micro-batch's bytes scaled linearly to Q's; ``after``, the profile at Q's micro-batch
+    (:mod:`.peaks`). The bytes are the profile's: a run's calibration scales times, not bytes."""
+    out = {}
+    for model, at in (("before", None), ("after", profiles.get(b_q))):
+        profile, ratio = (profiles[b_p], b_q / b_p) if at is None else (at, 1.0)
+        layers = tuple(_bytes_scaled(x, ratio) for x in profile.layers)
+        bounds = [0]
+        for c in counts:
+            bounds.append(bounds[-1] + int(c))
+        costs = replace(profile, layers=layers).cost_model(bounds)
+        out[model] = [float(b) for b in simulate(schedule, costs).peak_activation_bytes]
+    return out
+
+
+def _bytes_scaled(layer: Any, ratio: float) -> Any:
+    a, w = layer.activation_bytes * ratio, layer.weight_activation_bytes * ratio
+    return replace(layer, activation_bytes=a, weight_activation_bytes=w)
 
 
 def kept(

@@ -15,8 +15,10 @@ each plan built ``--rounds`` times, interleaved.
    timed steps; nothing of any Q enters), and, for comparison with a one-build benchmark, on round 0's P alone
    (``"first"``, made before any Q ran).
 
-``--pin``: each rank on one core (``os.sched_setaffinity``, rank r on core r mod the cores), against the
-between-build spread (which core a rank lands on, and whether two land on one, changes from build to build).
+``--pin``: each rank on its own core (:func:`stagewise.runtime.measure.cores.pin_local_rank`, what ``stagewise
+run --pin-cores`` does), against the between-build spread (which core a rank lands on, and whether two land on
+one, changes from build to build); refused where the ranks outnumber the cores (``__main__`` passes it only to
+the jobs that fit).
 Rank 0 writes every plan's predictions, intervals and steps per build as JSON (``--out``), and what an offline
 refit needs (``kept``: the profiles, P's timelines and timed steps of every round, cut, cores and links).
 """
@@ -36,13 +38,16 @@ import stagewise as sw
 from stagewise.partition import stage_counts
 from stagewise.runtime import RunCalibrator
 
-# internal: the link probes alone (calibrate() probes much else): the ping-pong for the point-to-point
-# bandwidth's prior, the replicas' all-reduce for their SYNC
+# internal: --pin, the pinning stagewise run --pin-cores does (the benchmark launches torchrun itself); the link
+# probes alone (calibrate() probes much else): the ping-pong for the point-to-point bandwidth's prior, the
+# replicas' all-reduce for their SYNC
+from stagewise.runtime.measure.cores import pin_local_rank
 from stagewise.runtime.measure.links import all_reduce_link, ping_pong
 
 from .._launch import timed_step
 from ..fidelity.workloads import workloads
-from . import builds
+from . import builds, peaks
+from .groups import released
 from .model import calibrations, kept, predictions
 from .space import GLOBAL_BATCH, PlanSpec, calibrating, held_out
 
@@ -74,19 +79,21 @@ def calibrate_round(
     all-reduce link, each step timed) calibrates, then ``steps`` more timed: the record, the calibrating
     timelines, every timed step after the warm-up, and P's cut and schedule."""
     x, y = work.data(GLOBAL_BATCH)
-    pipe = build(work, p_plan, profile, x[: micro_batch(p_plan)])
-    calibrator = RunCalibrator(pipe, profile, processes=dist.get_world_size(), bandwidth=bandwidth,
-                               per_action=True, reduce=reduce)  # fmt: skip
-    seen, timed = [], []
-    while calibrator.calibration is None:
-        timed.append(timed_step(pipe, x, y))
-        seen.append(pipe.timeline(gather=True))
-        calibrator.observe(seen[-1], step_s=timed[-1])
-    timed += [timed_step(pipe, x, y) for _ in range(steps)]
-    w = calibrator.warmup
-    out = {"record": calibrator.records[0], "timelines": seen[w:], "steps": timed[w:], "schedule": pipe.schedule,
-           "counts": [len(r) for r in pipe.layer_ranges], "cores": calibrator.cores}  # fmt: skip
-    del pipe
+    with released():
+        pipe = build(work, p_plan, profile, x[: micro_batch(p_plan)])
+        calibrator = RunCalibrator(pipe, profile, processes=dist.get_world_size(), bandwidth=bandwidth,
+                                   per_action=True, reduce=reduce)  # fmt: skip
+        seen, timed = [], []
+        while calibrator.calibration is None:
+            timed.append(timed_step(pipe, x, y))
+            seen.append(pipe.timeline(gather=True))
+            calibrator.observe(seen[-1], step_s=timed[-1])
+        timed += [timed_step(pipe, x, y) for _ in range(steps)]
+        w = calibrator.warmup
+        out = {"record": calibrator.records[0], "timelines": seen[w:], "steps": timed[w:],
+               "schedule": pipe.schedule, "counts": [len(r) for r in pipe.layer_ranges],
+               "cores": calibrator.cores}  # fmt: skip
+        del pipe, calibrator
     return out
 
 
@@ -148,13 +155,13 @@ def virtual(name: str) -> int | None:
     return 2 if allowed is None or 2 in allowed else None
 
 
-def build(work: Any, plan: PlanSpec, profile: sw.LayerProfile, sample: Any) -> sw.Pipeline:
+def build(work: Any, plan: PlanSpec, profile: sw.LayerProfile, sample: Any, **options: Any) -> sw.Pipeline:
     v = virtual(plan.schedule)
     parallel = sw.ParallelConfig(pp=plan.pp, dp=plan.dp) if plan.dp > 1 else None
     return sw.Pipeline(
         work.layers(), loss_fn=work.loss, schedule=plan.schedule, microbatches=plan.microbatches,
         virtual_stages=v, partition=counts_for(plan, work.layers(), profile, v or 1), sample_inputs=sample,
-        parallel=parallel, seed=0, timeout=600,
+        parallel=parallel, seed=0, timeout=600, **options,
     )  # fmt: skip
 
 
@@ -164,11 +171,12 @@ def measured_builds(work: Any, plans: list[PlanSpec], profile: sw.LayerProfile, 
     x, y = work.data(GLOBAL_BATCH)
     out = {}
     for k in list(range(len(plans)))[:: -1 if r % 2 else 1]:
-        q = build(work, plans[k], profile, x[: micro_batch(plans[k])])
-        for _ in range(args.warmup):
-            timed_step(q, x, y)
-        out[k] = (_Cut(q), [timed_step(q, x, y) for _ in range(args.steps)])
-        del q
+        with released():
+            q = build(work, plans[k], profile, x[: micro_batch(plans[k])])
+            for _ in range(args.warmup):
+                timed_step(q, x, y)
+            out[k] = (_Cut(q), [timed_step(q, x, y) for _ in range(args.steps)])
+            del q
     return out
 
 
@@ -215,6 +223,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "runtime against the after model": record["predicted_s"] / again - 1,
         "p_builds": [p["steps"] for p in p_rounds], "overhead_s": cals["after"].overhead,
         "bias_after": cals["after"].bias, "plans": rows, "kept": keep,
+        "threads at end": len(os.listdir("/proc/self/task")),  # the groups let go (.groups): ~10, not ~1500
     }  # fmt: skip
 
 
@@ -225,12 +234,6 @@ def _bounds(counts: list[int]) -> list[int]:
     return out
 
 
-def pin() -> None:
-    """This rank on one core: local rank r on core r mod the cores it may use (module docstring)."""
-    cores = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, {cores[int(os.environ.get("LOCAL_RANK", "0")) % len(cores)]})
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--workload", default="gpt256")
@@ -238,16 +241,20 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3, help="builds of P and of every Q, interleaved")
-    parser.add_argument("--pin", action="store_true", help="each rank on one core (os.sched_setaffinity)")
+    parser.add_argument("--pin", action="store_true", help="each rank on its own core (stagewise run --pin-cores)")
     parser.add_argument("--builds", action="store_true", help="P built again and again instead (:mod:`.builds`)")
+    parser.add_argument("--peaks", action="store_true", help="the activation peaks instead (:mod:`.peaks`)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    if args.pin:
-        pin()
+    if args.pin:  # before torch starts a thread: they inherit it
+        pin_local_rank()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     try:
-        result = builds.run(args, build, alone_profiles) if args.builds else run(args)
+        if args.builds or args.peaks:
+            result = (builds if args.builds else peaks).run(args, build, alone_profiles)
+        else:
+            result = run(args)
         if dist.get_rank() == 0:
             args.out.write_text(json.dumps(result, default=str))
     finally:

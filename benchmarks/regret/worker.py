@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from .._launch import timed_step
+from ..calibration.groups import released
 from ..calibration.space import GLOBAL_BATCH, PlanSpec, calibrating, held_out
 from ..calibration.worker import alone_profiles, build, calibrated, micro_batch, predicted_row
 from ..fidelity.workloads import Workload, workloads
@@ -35,25 +36,28 @@ def sweep(work: Workload, plans: list[PlanSpec], cals: dict, profiles: dict, arg
     p_plan = calibrating(dist.get_world_size())
     rows = []
     for plan in plans:
-        q = build(work, plan, profiles[micro_batch(p_plan)], x[: micro_batch(plan)])
-        row = predicted_row(cals, profiles, p_plan, plan, q)
-        for _ in range(args.warmup):
-            timed_step(q, x, y)
-        rows.append({**row, "steps": [timed_step(q, x, y) for _ in range(args.steps)]})
-        del q
+        with released():
+            q = build(work, plan, profiles[micro_batch(p_plan)], x[: micro_batch(plan)])
+            row = predicted_row(cals, profiles, p_plan, plan, q)
+            for _ in range(args.warmup):
+                timed_step(q, x, y)
+            rows.append({**row, "steps": [timed_step(q, x, y) for _ in range(args.steps)]})
+            del q
     return rows
 
 
 def again(work: Workload, chosen: dict[str, PlanSpec], profile: Any, rounds: int) -> dict[str, list[float]]:
     x, y = work.data(GLOBAL_BATCH)
-    pipes = {}
-    for key, plan in chosen.items():
-        pipes[key] = build(work, plan, profile, x[: micro_batch(plan)])
-        timed_step(pipes[key], x, y)
-    steps: dict[str, list[float]] = {key: [] for key in pipes}
-    for _ in range(rounds):
-        for key, pipe in pipes.items():
-            steps[key].append(timed_step(pipe, x, y))
+    with released():
+        pipes = {}
+        for key, plan in chosen.items():
+            pipes[key] = build(work, plan, profile, x[: micro_batch(plan)])
+            timed_step(pipes[key], x, y)
+        steps: dict[str, list[float]] = {key: [] for key in pipes}
+        for _ in range(rounds):
+            for key in pipes:
+                steps[key].append(timed_step(pipes[key], x, y))
+        del pipes
     return steps
 
 

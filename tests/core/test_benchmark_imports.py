@@ -51,6 +51,12 @@ INTERNAL = {
         "the run's one message size cannot identify the link's bandwidth: a ping-pong between two ranks gives the "
         "prior; the replicas' all-reduce probed alone (all_reduce_link) prices a dp 2 plan's SYNC"
     ),
+    ("calibration/worker.py", "stagewise.runtime.measure.cores"): (
+        "--pin: the pinning stagewise run --pin-cores does, in workers the benchmark launches with torchrun itself"
+    ),
+    ("calibration/builds.py", "stagewise.runtime.measure.cores"): (
+        "its pinned conditions: stagewise run --pin-cores's pinning, in workers launched with torchrun itself"
+    ),
     ("transport_pingpong.py", "stagewise.runtime.comm"): "it drives a transport directly: the protocol's values",
     ("transport_pingpong.py", "stagewise.runtime.comm.shm.transport"): (
         "it times the shm protocol's own path, below the Transport protocol"

@@ -277,3 +277,18 @@ def test_rounds_keep_each_layers_fastest_round_and_fit_the_checkpoint_line_once(
     for bad in (0, 1.5, True):
         with pytest.raises(ValueError, match=f"rounds must be an int >= 1, got {bad!r}"):
             profile(nn.Linear(2, 2), torch.zeros(1, 2), rounds=bad)  # type: ignore[arg-type]
+
+
+def test_a_tied_later_use_saves_no_activation_for_the_shared_matrix() -> None:
+    """A GPT-style head on the embedding's matrix (``sw.Tied``'s later use registers no parameter): matmul saves
+    its input (4 x 5 x 8 float32) and the matrix, a parameter the runtime's meter leaves out, so must the profile
+    (it counted the 16 x 8 matrix once per micro-batch: the calibration benchmark's last rank over by 512 KiB a
+    micro-batch on gpt256)."""
+    layers = [sw.Tied("tok", nn.Embedding(16, 8)), nn.Linear(8, 8), sw.Tied("tok", forward_fn=_logits)]
+    prof = profile(sw.build_model(layers, seed=0), torch.randint(0, 16, (4, 5)), repeats=1, warmup=0)
+    assert prof.layers[2].parameter_bytes == 0  # the matrix is the first use's
+    assert prof.layers[2].activation_bytes == 4 * 5 * 8 * 4
+
+
+def _logits(tokens: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    return h @ tokens.weight.t()

@@ -44,6 +44,12 @@ def add_command(sub: Subparsers) -> None:
         help="every pipeline of the script that sets no metrics= writes its per-step metrics under DIR (JSON lines, "
         "and TensorBoard event files when tensorboard is installed: tensorboard --logdir DIR)",
     )
+    parser.add_argument(
+        "--pin-cores",
+        action="store_true",
+        help="each local rank on its own core(s), an equal share of the cores this machine gives the job (refused "
+        "when N exceeds them; torchrun's --numa-binding places by GPU): steadier steps on a small machine",
+    )
     parser.add_argument("script", help="the training script")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     parser.set_defaults(handler=run_script)
@@ -104,11 +110,27 @@ def run_script(args: argparse.Namespace) -> int:
         script_args = script_args[1:]
     from ..runtime.launch import torchrun
 
-    argv = [*rendezvous_args(args), f"--nproc-per-node={args.nproc}", args.script, *script_args]
+    argv = [*rendezvous_args(args), f"--nproc-per-node={args.nproc}", *_pinned(args), args.script, *script_args]
     metrics = metrics_env(args.metrics)
     if _elastic(args):
         return _elastic_run(args, argv, metrics)
     return torchrun(argv, env=metrics) if metrics else torchrun(argv)
+
+
+def _pinned(args: argparse.Namespace) -> list[str]:
+    """``--pin-cores``: each worker runs the script through :mod:`stagewise.runtime.measure.cores`, which pins it
+    first; too many processes for the cores is refused here, before any starts."""
+    if not args.pin_cores:
+        return []
+    import os
+
+    from ..runtime.measure.cores import core_sets
+
+    try:
+        core_sets(args.nproc, sorted(os.sched_getaffinity(0)))
+    except ValueError as err:
+        raise UsageError(f"--pin-cores: {str(err).removeprefix('pin cores: ')}") from None
+    return ["-m", "stagewise.runtime.measure.cores"]
 
 
 def metrics_env(folder: str | None) -> dict[str, str]:

@@ -7,5 +7,6 @@ Below the facade: nothing here builds a Pipeline (what does is :mod:`stagewise.r
 * :mod:`.counting`: per-layer FLOPs, bytes and operators counted on the meta device (the default cut);
 * :mod:`.links`: the ping-pong link probe; :mod:`.sharding`: one FSDP2 unit's cost per step;
 * :mod:`.host_reads`: the host reads of tensor values stagewise's own code makes (the sync audit);
-* :mod:`.tensor_bytes`: the peak of live tensor bytes over a block (a re-layout's extra memory, not RSS).
+* :mod:`.tensor_bytes`: the peak of live tensor bytes over a block (a re-layout's extra memory, not RSS);
+* :mod:`.cores`: each local rank pinned to its own share of the cores (``stagewise run --pin-cores``).
 """

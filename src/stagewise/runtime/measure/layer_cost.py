@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -49,6 +49,11 @@ def timer(device: torch.device) -> Timer:
     return wall_time
 
 
+def resident_storages(modules: Sequence[nn.Module]) -> set[int]:
+    """The storages of ``modules``' parameters and buffers: what a layer saving them holds no activation for."""
+    return {_storage_key(t) for m in modules for t in (*m.parameters(), *m.buffers())}
+
+
 def measure_layer(
     name: str,
     module: nn.Module,
@@ -57,12 +62,16 @@ def measure_layer(
     device: torch.device,
     repeats: int,
     warmup: int,
+    shared: frozenset[int] = frozenset(),
 ) -> LayerCost:
     """``module(*args, **kwargs)``'s costs: the median of ``repeats`` timed steps after ``warmup`` others, and
-    the bytes it saves for backward, W holds after I, it sends on and holds; every ``.grad`` put back after."""
+    the bytes it saves for backward, W holds after I, it sends on and holds; every ``.grad`` put back after.
+    ``shared``: the storages of the rest of the model's parameters and buffers (:func:`resident_storages`), not
+    counted either: a later use of a tied module (``sw.Tied``: a GPT's head on the embedding's matrix) saves a
+    parameter it does not register, which the runtime's meter leaves out as a parameter."""
     params = [p for p in module.parameters() if p.requires_grad]
     inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
-    resident = {_storage_key(t) for t in module.parameters()} | {_storage_key(t) for t in module.buffers()}
+    resident = set(shared) | resident_storages([module])
     kept = [(p, None if p.grad is None else p.grad.detach().clone()) for p in params]
     try:
         out, saved, saved_count = _forward_counting_saved(module, args, kwargs, resident)

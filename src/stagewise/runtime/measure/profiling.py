@@ -61,7 +61,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from ..._util import is_count
 from ...partition import LayerCost, LayerProfile
 from .checkpoint_cost import CHAINS, checkpoint_chains, with_checkpoint_cost
-from .layer_cost import measure_layer
+from .layer_cost import measure_layer, resident_storages
 
 
 def model_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -209,7 +209,8 @@ def profile_blocks(
 
 
 def _measure_all(calls: list[Call], device: torch.device, repeats: int, warmup: int) -> LayerProfile:
-    costs = [measure_layer(name, module, args, kwargs, device, repeats, warmup) for name, module, args, kwargs in calls]
+    shared = frozenset(resident_storages([c[1] for c in calls]))  # a tied later use saves another's parameter
+    costs = [measure_layer(name, m, args, kwargs, device, repeats, warmup, shared) for name, m, args, kwargs in calls]
     batch = samples_in(calls[0][2:]) if calls else None
     return LayerProfile(layers=tuple(costs), device=str(device), repeats=repeats, warmup=warmup, batch=batch)
 
