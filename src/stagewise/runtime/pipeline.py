@@ -43,7 +43,7 @@ from .frontends.layers import Layers
 from .frontends.parts import Frontend
 from .frontends.plan import FromPlan
 from .options import Options, check_applicable
-from .relayout import Layout, relayout
+from .relayout import Layout, owned_groups, relayout
 from .reporting.memory import memory_report
 from .reporting.reporter import Reporter
 
@@ -73,6 +73,7 @@ class Pipeline(nn.Module):
         self, layers: Layers | Frontend, options: Options | None = None, /, **keywords: Unpack[PipelineOptions]
     ) -> None:
         super().__init__()
+        before = groups.registered()  # the groups the build makes are this pipeline's (close() destroys them)
         frontend: Frontend = layers if isinstance(layers, Frontend) else LayerList(layers)
         entry = frontend.entry
         opts = Options.of(entry, options, keywords)
@@ -92,6 +93,7 @@ class Pipeline(nn.Module):
         self._held = Held()
         lifecycle.release_at_exit(self._held)  # a constructor failing later still lets go of its groups at exit
         engine = assemble(self, ctx, parts, opts, self._held)
+        self._held.made = groups.made_since(before)
         self.transport, self.optimizers, self.tied = engine.transport, engine.optimizers, engine.tied
         self.hooks, self.eval_schedule, self.schedulers = engine.hooks, engine.eval_schedule, engine.schedulers
         self.snapshots = engine.snapshots  # snapshot=: resumed by sw.checkpoint.resume (or None)
@@ -281,14 +283,12 @@ class Pipeline(nn.Module):
 
     @property
     def rank(self) -> int:
-        """The pipeline rank, :attr:`pp_rank` (kept under this name: in a pipeline-only job it is also the process
-        rank, and it is the rank the schedule, the timelines and the messages speak of)."""
+        """:attr:`pp_rank`, the rank the schedule, the timelines and the messages speak of."""
         return self._pp_rank
 
     @property
     def process_rank(self) -> int:
-        """This process's rank among all processes (``torch.distributed.get_rank()``): unique per process, with
-        ``parallel=`` too."""
+        """This process's rank among all processes (``torch.distributed.get_rank()``), unique with ``parallel=`` too."""
         return self._process_rank
 
     @property
@@ -337,16 +337,11 @@ class Pipeline(nn.Module):
         """
         events, started = self.metrics.last_run(mode)
         return step_timeline(
-            events or [],
-            rank=self.rank,
-            num_ranks=self.num_ranks,
-            name=self.schedule.name,
+            events or [], rank=self.rank, num_ranks=self.num_ranks, name=self.schedule.name,
             meta={"mode": mode if events is not None else None, "num_microbatches": self.schedule.num_microbatches},
-            started=started,
-            clock_offset=self._clock_offset,
-            group=self.transport.group if gather else None,
+            started=started, clock_offset=self._clock_offset, group=self.transport.group if gather else None,
             wait=self.transport.guard.wait,
-        )
+        )  # fmt: skip
 
     @property
     def metrics(self) -> Reporter:
@@ -386,6 +381,11 @@ class Pipeline(nn.Module):
         yield from super().named_parameters(prefix, recurse, remove_duplicate)
         for name, module in self._tied_copies.items():
             yield from module.named_parameters(f"{prefix}.{name}" if prefix else name, recurse, remove_duplicate)
+
+    def close(self) -> None:
+        """Let go of this pipeline's threads and process groups now, not at exit (a process building one after
+        another); it trains no more, its parameters stay. Call it on every rank (``contextlib.closing`` works)."""
+        lifecycle.close_now(self._held, self._engine.runner, self.snapshots, owned_groups(self))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise TypeError("a Pipeline is not called directly: use train_step(inputs, targets) or eval_step(inputs)")

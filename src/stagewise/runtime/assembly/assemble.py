@@ -73,6 +73,7 @@ class Held:
     transport: Transport | None = None
     tied: TiedSync | None = None
     hybrid: Hybrid | None = None
+    made: list[Any] = field(default_factory=list)  # the process groups its build made (pipe.close() destroys them)
 
     def release_at_exit(self) -> None:
         transport = self.transport

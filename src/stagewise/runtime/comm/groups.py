@@ -34,6 +34,25 @@ def initialized() -> bool:
     return bool(dist.is_available() and dist.is_initialized())
 
 
+def registered() -> dict[int, Any]:
+    """Every process group this process is in and has not destroyed, by id (torch's registry: it has no public
+    listing; a group stays in it, with its gloo threads, until ``destroy_process_group``)."""
+    return {id(g): g for g in dist.distributed_c10d._world.pg_map}
+
+
+def made_since(before: dict[int, Any]) -> list[Any]:
+    """The groups registered now that were not in ``before`` (:func:`registered`)."""
+    return [g for i, g in registered().items() if i not in before]
+
+
+def destroy(made: Sequence[Any]) -> None:
+    """Destroy the groups of ``made`` still registered (each process its own: no collective), never the default."""
+    live = registered()
+    for group in made:
+        if id(group) in live and group is not dist.GroupMember.WORLD:
+            dist.destroy_process_group(group)
+
+
 def group_or_world(group: Any) -> Any:
     return dist.group.WORLD if group is None else group
 

@@ -20,7 +20,7 @@ import logging
 import weakref
 from typing import Any
 
-from . import blocking
+from . import blocking, groups
 from .faults import exit_hook
 
 log = logging.getLogger(__name__)
@@ -43,3 +43,23 @@ def _close_all() -> None:
             log.warning("stagewise: releasing %r at exit failed: %s", type(owner).__name__, err)
     gc.collect()
     exit_hook.at_exit(blocking.settle)
+
+
+def close_now(held: Any, runner: Any, snapshots: Any, owned: list[Any]) -> None:
+    """``pipe.close()``: what the exit lets go of, now, and the process groups the pipeline made destroyed.
+
+    Dropping a pipeline is not enough: torch keeps every group (with the threads of a gloo group, which use CPU
+    while idle) until it is destroyed, so a process building pipelines one after another kept them all. After a
+    failure the groups are kept: a collective may be stuck in one, and destroying a gloo group waits for it.
+    """
+    if runner.closed:
+        return
+    runner.closed = True
+    if snapshots is not None:
+        snapshots.finish_at_exit()  # the copy in flight lands; the job's end is marked at exit, as before
+    failed = held.transport is not None and held.transport.guard.failure is not None
+    held.release_at_exit()
+    _at_exit.discard(held)
+    if not failed:
+        groups.destroy([*held.made, *owned])
+    held.made = []

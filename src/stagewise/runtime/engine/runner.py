@@ -95,10 +95,13 @@ class Runner:
     step_started: float = 0.0
     losses: list[float] = field(default_factory=list)  # the last train step's (each mini-batch's mean loss)
     trained: int = 0  # mini-batches trained before the step running (names a failing one in the stream)
+    closed: bool = False  # pipe.close() let go of the groups: nothing runs again
 
     def guarded(self, body: Callable[[], Any]) -> Any:
         """Run ``body``; any failure is posted to the board (or annotated) with where this rank stood."""
         guard = self.transport.guard
+        if self.closed:
+            raise PipelineError(f"rank {self.rank}: this Pipeline was closed (pipe.close()): build a new one to train")
         if guard.failure is not None:
             raise PipelineError(f"the pipeline failed earlier and cannot run again: {guard.failure}")
         try:

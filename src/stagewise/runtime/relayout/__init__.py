@@ -1,6 +1,6 @@
 """Re-layout: a running pipeline takes a new layout in its own processes (:func:`.call.relayout`)."""
 
-from .call import Layout, Retired, relayout
+from .call import Layout, Retired, owned_groups, relayout
 from .carried import on_relayout
 
-__all__ = ["Layout", "Retired", "on_relayout", "relayout"]
+__all__ = ["Layout", "Retired", "on_relayout", "owned_groups", "relayout"]

@@ -284,6 +284,11 @@ def _move(
     return relaid.listing.bytes_moved, relaid.listing.everyone
 
 
+def owned_groups(pipe: nn.Module) -> list[Any]:
+    """The groups ``pipe``'s last re-layout made for its layout, handed to the caller (``pipe.close()``)."""
+    return _owned.pop(pipe, [])
+
+
 def _stale_groups(pipe: nn.Module, old: PipelineState | None, kept: list[Any]) -> list[Any]:
     """The old layout's groups to let go once it is released: those ``pipe``'s last re-layout made and its tied
     modules' (never the user's group nor the default one); ``kept`` become the new layout's own."""
