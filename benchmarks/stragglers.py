@@ -126,9 +126,10 @@ def rank_main(args: argparse.Namespace) -> None:
     throttle = Throttle(args.emulate, rank, args.cgroup)
     events: list[dict[str, Any]] = []
     steps: list[dict[str, Any]] = []
-    phases = (("calibrate", None, 5), ("full speed", None, 5), ("50 %", 0.5, args.steps), ("25 %", 0.25, args.steps),
-              (PARTIAL, 0.5, args.partial_steps), ("released", None, args.released_steps))  # fmt: skip
-    phases = tuple(p for p in phases if p[2] > 0)
+    all_phases: list[tuple[str, float | None, int]] = [
+        ("calibrate", None, 5), ("full speed", None, 5), ("50 %", 0.5, args.steps), ("25 %", 0.25, args.steps),
+        (PARTIAL, 0.5, args.partial_steps), ("released", None, args.released_steps)]  # fmt: skip
+    phases = [p for p in all_phases if p[2] > 0]
     live = pipe()
     calibrator = RunCalibrator(live, on_event=lambda e: events.append({**e, "step": len(steps)}))
     replanner = Replanner(live, calibrator, steps=sum(n for *_, n in phases) + args.horizon, cooldown=args.cooldown)

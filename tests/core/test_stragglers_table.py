@@ -3,15 +3,17 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from benchmarks.stragglers import PARTIAL, shares
 
 
-def steps_of(phase: str, counts: list[list[int]], seconds: float) -> list[dict]:
+def steps_of(phase: str, counts: list[list[int]], seconds: float) -> list[dict[str, Any]]:
     return [{"phase": phase, "seconds": seconds, "counts": c} for c in counts]
 
 
 def test_the_partial_lift_is_judged_against_the_half_core_sweep_in_the_order_run() -> None:
-    oracle = {"50 %": {"5": 0.2, "7": 0.1, "9": 0.15}, "25 %": {"7": 0.3, "9": 0.12}, "released": {"5": 0.1}}
+    oracle = {"50 %": {5: 0.2, 7: 0.1, 9: 0.15}, "25 %": {7: 0.3, 9: 0.12}, "released": {5: 0.1}}
     steps = (
         steps_of("50 %", [[5, 5]] * 2 + [[7, 3]] * 10, 0.1)
         + steps_of("25 %", [[7, 3]] * 2 + [[9, 1]] * 10, 0.12)
