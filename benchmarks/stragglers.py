@@ -8,7 +8,8 @@ Two ranks of one thread train the demo GPT (d 64, 10 layers) with 1F1B, 8 micro-
 :class:`~stagewise.runtime.Replanner` (its :class:`~stagewise.runtime.RunCalibrator` calibrates in the first
 steps, names a slow rank, and the Replanner re-cuts live when the predicted gain clears the re-layout's cost
 and the steps' noise; a rank it holds slow is probed every 5 steps, :mod:`stagewise.runtime.calibration.probe`,
-so that the lift of a quota it no longer meets shows). Rank 1 is held to 50 % of a core, then 25 %, then released
+so that the lift of a quota it no longer meets shows). Rank 1 is held to 50 % of a core, then 25 %, then (with
+``--partial-steps``) 50 % again, a partial lift judged against the 50 % sweep, then released
 (``--released-steps``, 24: the move back waits for a probe and a fresh calibration): cgroup v1, a group made for
 this run (``cpu.cfs_quota_us`` of ``cpu.cfs_period_us = 10000``, a 10 ms period, so the slow rank is slower
 rather than bursty), released by moving the process back to the group the run was started in (the throttle
@@ -38,6 +39,10 @@ from ._launch import launched, on_ranks, timed_step
 CPU_MOUNTS = (Path("/sys/fs/cgroup/cpu"), Path("/sys/fs/cgroup/cpu,cpuacct"))
 PERIOD_US = 10_000
 LAYERS = 10
+#: the partial lift (``--partial-steps``): back to 50 % after the 25 % phase, judged against the 50 % sweep
+PARTIAL = "25 % -> 50 %"
+SWEPT_AS = {PARTIAL: "50 %"}
+
 #: the steps of a throttled phase (1-based) whose live median was compared with the best static cut until
 #: 2026-12-02 (an average over the move and its warm-up, not the step reached)
 WINDOW = (6, 10)
@@ -121,8 +126,10 @@ def rank_main(args: argparse.Namespace) -> None:
     throttle = Throttle(args.emulate, rank, args.cgroup)
     events: list[dict[str, Any]] = []
     steps: list[dict[str, Any]] = []
-    phases = (("calibrate", None, 5), ("full speed", None, 5), ("50 %", 0.5, args.steps), ("25 %", 0.25, args.steps),
-              ("released", None, args.released_steps))  # fmt: skip
+    all_phases: list[tuple[str, float | None, int]] = [
+        ("calibrate", None, 5), ("full speed", None, 5), ("50 %", 0.5, args.steps), ("25 %", 0.25, args.steps),
+        (PARTIAL, 0.5, args.partial_steps), ("released", None, args.released_steps)]  # fmt: skip
+    phases = [p for p in all_phases if p[2] > 0]
     live = pipe()
     calibrator = RunCalibrator(live, on_event=lambda e: events.append({**e, "step": len(steps)}))
     replanner = Replanner(live, calibrator, steps=sum(n for *_, n in phases) + args.horizon, cooldown=args.cooldown)
@@ -176,7 +183,10 @@ def shares(steps: list[dict[str, Any]], oracle: dict[str, dict[int, float]]) -> 
     last change and one warm-up step); and the live cut's own static step, so that a re-laid-out pipeline slower
     than a fresh one of its cut shows (``left behind``: live steady over that cut's static step)."""
     out = []
-    for name, by_cut in oracle.items():
+    for name in dict.fromkeys(s["phase"] for s in steps):
+        by_cut = oracle.get(SWEPT_AS.get(name, name))
+        if by_cut is None:
+            continue
         static = {int(c): t for c, t in by_cut.items()}  # int keys again after a round trip through JSON
         phase = [s for s in steps if s["phase"] == name]
         if not phase:
@@ -241,6 +251,12 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=24,
         help="steps after the throttle lifts (the held rank is probed every 5, then a calibration of 4 steps)",
+    )
+    parser.add_argument(
+        "--partial-steps",
+        type=int,
+        default=0,
+        help="steps of a partial lift (25 %% back to 50 %%) between the 25 %% phase and the release (0: none)",
     )
     parser.add_argument("--cooldown", type=int, default=4, help="the Replanner's cooldown (steps)")
     parser.add_argument("--horizon", type=int, default=200, help="steps the job is said to run on after these")
