@@ -275,3 +275,21 @@ def test_without_sample_inputs_the_first_batch_gives_the_word(
         said.append([r.getMessage() for r in caplog.records])
         assert pipe.moves == []
     assert len(said[0]) == 1 and "schedule 'zb-v' is predicted" in said[0][0] and said[1] == []
+
+
+def test_from_model_balanced_with_sample_inputs_times_a_convolution_model(
+    one_process: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``Pipeline.from_model``'s default (``"balanced"``) with ``sample_inputs`` over a model whose blocks are
+    convolutions: the blocks themselves (already built) are timed on the sample (one micro-batch), and the
+    blocks are cut by that time ([4, 1]), not by their count ([2, 3]) nor evenly ([3, 2])."""
+    from stagewise.runtime.frontends import from_model
+    from stagewise.runtime.options import Options
+
+    monkeypatch.setattr(from_model, "on_first_rank", lambda group, fn, *a, **k: fn())
+    monkeypatch.setattr(from_model.groups, "group_rank", lambda group: 0)
+    model = nn.Sequential(*[_Strided(a, b, s) for a, b, s in CONVS])
+    x = torch.randn(4, 1, 32, 32)
+    counts, measured = from_model._block_counts(model, build_schedule("1f1b", 2, 4), Options(sample_inputs=x), None)
+    assert counts == [4, 1] and measured is None
+    assert len(one_process) == 1 and one_process[0] is x  # timed once, on the sample itself
