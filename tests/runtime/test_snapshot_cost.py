@@ -99,3 +99,32 @@ def test_the_peers_copies_arrive_in_kept_buffers() -> None:
     second = snapshot_wire._buffer(keep, 3, 60)
     assert second.data_ptr() == first.data_ptr() and second.numel() == 60
     assert snapshot_wire._buffer(keep, 3, 200).numel() == 200 and keep[3].numel() == 200
+
+
+def test_a_rebound_root_is_read_anew(one_rank: object, tmp_path: Path) -> None:
+    """A re-layout in place rebinds ``root``: the next capture names the new pipeline's parameters and layout,
+    never what was kept of the old one (a parameter unknown to the old names would be misnamed)."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    from stagewise.runtime.checkpoint import state
+
+    def build(layers: list[sw.Layer], snapshot: object, microbatches: int) -> sw.Pipeline:
+        return sw.Pipeline(
+            layers, loss_fn=F.cross_entropy, microbatches=microbatches,
+            optimizer=lambda ps: torch.optim.Adam(ps, lr=0.1), snapshot=snapshot,
+        )  # fmt: skip
+
+    old = build([sw.Layer(nn.Linear, 4, 3)], sw.Snapshots(every=1, folder=str(tmp_path)), 1)
+    new = build([sw.Layer(nn.Linear, 4, 5), sw.Layer(nn.ReLU), sw.Layer(nn.Linear, 5, 3)], None, 2)
+    x, y = torch.randn(4, 4), torch.tensor([0, 1, 2, 0])
+    old.train_step(x, y)
+    new.train_step(x, y)
+    snaps = old.snapshots
+    assert snaps is not None
+    snaps.wait()
+    snaps.root = new
+    capture = snaps._capture(None)
+    assert capture.header["layout"] == state.layout_of(new, 1) != state.layout_of(old, 1)
+    names = set(state.parameter_names(new).values())
+    assert {k.split("/")[1] for k in capture.tensors if k.startswith("optim/")} == names

@@ -60,6 +60,13 @@ def fill_payload(buffer: torch.Tensor, tensors: Mapping[str, torch.Tensor], entr
             buffer[e["offset"] : e["offset"] + e["nbytes"]].copy_(flat, non_blocking=True)
 
 
+def host_buffer(kept: torch.Tensor | None, size: int, pinned: bool) -> torch.Tensor:
+    """One host buffer of at least ``size`` bytes, ``kept`` from snapshot to snapshot (pinned for copies from a GPU)."""
+    if kept is None or kept.numel() < size:
+        return torch.empty(max(size, 1), dtype=torch.uint8, pin_memory=pinned)
+    return kept
+
+
 def header_bytes(header: dict[str, Any], payload: torch.Tensor) -> bytes:
     """The file's head: magic, length, digest and the header, which records the payload's length and digest (and
     the membership generation, unless the caller's header names it)."""

@@ -51,7 +51,7 @@ from . import snapshot_copies as copies
 from .config import Snapshots
 from .membership import check_fence
 from .peers import peers_of
-from .snapshot_file import fill_payload, header_bytes, host_bytes, layout_payload
+from .snapshot_file import fill_payload, header_bytes, host_buffer, host_bytes, layout_payload
 
 if TYPE_CHECKING:
     from .recover import PeerSnapshots
@@ -120,6 +120,7 @@ class Snapshotter:
     ) -> None:
         self.config, self.timeout = config, timeout
         self._due = False  # a snapshot is due, and waits for the gradient merge to end
+        self._fixed: tuple[dict[int, str], dict[str, Any]] | None = None  # see _capture
         self.root = root  # the pipeline read at each snapshot (a re-layout in place rebinds it)
         self.priority = idle.Priority()  # the snapshot's threads run in the core's idle time (see .idle)
         with idle.new_threads_idle(self.priority.group):
@@ -144,7 +145,6 @@ class Snapshotter:
         self.dropped = False  # forgotten (a failed generation's): its helper writes no more files
         self._failure: str | None = None
         self._buffer: torch.Tensor | None = None
-        self._fixed: tuple[dict[int, str], dict[str, Any]] | None = None  # see _capture
         self._received: dict[int, torch.Tensor] = {}  # by source: the buffers the peers' copies arrive in
         self._written = folders.Written(self.folder, self.rank)  # the files written here, by source
         self._stream: Any = None
@@ -153,6 +153,14 @@ class Snapshotter:
             log.info("stagewise snapshots: one machine, so the copies stay on it (they outlive a worker restart)")
         _ENDINGS.append(self.end)  # held to the end: the clean exit's work must not depend on the pipeline's life
         lifecycle.release_at_exit(self.end)
+
+    @property
+    def root(self) -> nn.Module:
+        return self._root  # the pipeline whose state a snapshot takes
+
+    @root.setter
+    def root(self, value: nn.Module) -> None:
+        self._root, self._fixed = value, None  # (a re-layout in place rebinds it: the old names and layout go)
 
     @property
     def step(self) -> int:
@@ -175,8 +183,7 @@ class Snapshotter:
 
     @property
     def job(self) -> str:
-        """The job's nonce (a resume from the snapshots of a job takes its name over)."""
-        return self.end.job
+        return self.end.job  # the job's nonce (a resume from the snapshots of a job takes its name over)
 
     @job.setter
     def job(self, value: str) -> None:
@@ -213,7 +220,7 @@ class Snapshotter:
         self.stats["snapshots"] += 1
 
     def on_sync(self, run: Any, stage: int) -> None:
-        """(A stage part: nothing at SYNC.)"""
+        pass  # (a stage part: nothing at SYNC)
 
     def before_step(self, run: Any, stage: int) -> None:
         """A stage part: the optimizer may change the parameters only once the last snapshot has copied them."""
@@ -286,7 +293,7 @@ class Snapshotter:
             clock = idle.Clock(self.stats)
             capture.entries, capture.total = layout_payload(capture.tensors)
             capture.header["tensors"] = capture.entries
-            buffer = self._host_buffer(capture.total, capture.cuda_done is not None)
+            self._buffer = buffer = host_buffer(self._buffer, capture.total, capture.cuda_done is not None)
             self._fill(buffer, capture)
             capture.copied.set()
             clock.lap("fill_s")
@@ -326,12 +333,6 @@ class Snapshotter:
         capture.cuda_done = done  # what the next STEP waits for on the device
         capture.copied.set()
         done.synchronize()  # the bytes are on the host before they are hashed
-
-    def _host_buffer(self, size: int, pinned: bool) -> torch.Tensor:
-        """One host buffer, reused from snapshot to snapshot (pinned for copies from a GPU)."""
-        if self._buffer is None or self._buffer.numel() < size:
-            self._buffer = torch.empty(max(size, 1), dtype=torch.uint8, pin_memory=pinned)
-        return self._buffer
 
     # ---- waiting and failing -------------------------------------------------------------------------
     def _finish_inflight(self, what: str) -> None:
