@@ -51,7 +51,7 @@ from . import snapshot_copies as copies
 from .config import Snapshots
 from .membership import check_fence
 from .peers import peers_of
-from .snapshot_file import fill_payload, header_bytes, host_buffer, host_bytes, layout_payload
+from .snapshot_file import Places, fill_payload, header_bytes, host_buffer, host_bytes, layout_payload, versions
 
 if TYPE_CHECKING:
     from .recover import PeerSnapshots
@@ -145,6 +145,7 @@ class Snapshotter:
         self.dropped = False  # forgotten (a failed generation's): its helper writes no more files
         self._failure: str | None = None
         self._buffer: torch.Tensor | None = None
+        self._places: Places | None = None  # where each tensor goes in the buffer (see fill_payload)
         self._received: dict[int, torch.Tensor] = {}  # by source: the buffers the peers' copies arrive in
         self._written = folders.Written(self.folder, self.rank)  # the files written here, by source
         self._stream: Any = None
@@ -320,14 +321,14 @@ class Snapshotter:
 
     def _fill(self, buffer: torch.Tensor, capture: Capture) -> None:
         if capture.cuda_done is None:
-            fill_payload(buffer, capture.tensors, capture.entries)
+            self._places = fill_payload(buffer, capture.tensors, capture.entries, self._places)
             return
         device = next(t.device for t in capture.tensors.values() if t.is_cuda)  # (a helper thread's own is 0)
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=device)
         with torch.cuda.device(device), torch.cuda.stream(self._stream):
             self._stream.wait_event(capture.cuda_done)
-            fill_payload(buffer, capture.tensors, capture.entries)
+            self._places = fill_payload(buffer, capture.tensors, capture.entries, self._places)
             done = torch.cuda.Event()
             done.record(self._stream)
         capture.cuda_done = done  # what the next STEP waits for on the device
@@ -368,6 +369,7 @@ class Snapshotter:
         if self.end in _ENDINGS:
             _ENDINGS.remove(self.end)
         self._inflight, self._buffer, self.marks, self._received = None, None, {}, {}  # its tensors go too
+        self._places = None
 
     def release_at_exit(self) -> None:
         """What a clean exit does (:class:`Ending`), now."""
@@ -393,8 +395,3 @@ class Snapshotter:
 
         self.wait()
         return PeerSnapshots(self, model)
-
-
-def versions(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
-    """Each tensor's version counter (every in-place write adds one; a view shares its base's)."""
-    return {name: int(t._version) for name, t in tensors.items()}
