@@ -20,6 +20,7 @@ from stagewise.runtime.elastic.snapshot_file import (
     SnapshotRefused,
     fill_payload,
     header_bytes,
+    host_bytes,
     layout_payload,
     tensors_of,
     verified,
@@ -100,14 +101,14 @@ def test_a_fill_reuses_its_places_only_for_the_same_layout_and_buffer() -> None:
     places = fill_payload(buffer, ts, entries)
     again = {n: t + 1 if t.dtype.is_floating_point else t for n, t in ts.items()}
     assert fill_payload(buffer, again, entries, places) is places
-    back = tensors_of({"tensors": entries}, memoryview(buffer.numpy())[:total])
+    back = tensors_of({"tensors": entries}, host_bytes(buffer[:total]))
     assert all(torch.equal(back[n], t) for n, t in again.items())
     other = {"model/w": torch.arange(6.0).reshape(2, 3), "model/v": torch.arange(4, dtype=torch.int32)}
     other_entries, other_total = layout_payload(other)
     for into in (buffer, torch.zeros(other_total, dtype=torch.uint8)):  # another layout, then another buffer
         places, kept = fill_payload(into, other, other_entries, places), places
         assert places is not kept
-        back = tensors_of({"tensors": other_entries}, memoryview(into.numpy())[:other_total])
+        back = tensors_of({"tensors": other_entries}, host_bytes(into[:other_total]))
         assert all(torch.equal(back[n], t) for n, t in other.items())
 
 
@@ -140,6 +141,9 @@ def test_snapshot_option() -> None:
         sw.Snapshots(every=0)
     with pytest.raises(TypeError, match="Snapshots.extra must be a function"):
         sw.Snapshots(extra=3)  # type: ignore[arg-type]
+    assert sw.Snapshots().commit == "pipelined" and sw.Snapshots(commit="sync").commit == "sync"
+    with pytest.raises(ValueError, match="Snapshots.commit must be one of 'pipelined', 'sync', got 'now'"):
+        sw.Snapshots(commit="now")
 
 
 def test_the_rendezvous_store_serves_clients_until_stopped() -> None:

@@ -140,7 +140,7 @@ class Snapshotter:
         self.peers = peers_of([str(e["machine"]) for e in everyone], self.rank)
         self.world = len(everyone)
         self.end.step = 0
-        self.stats: dict[str, float] = {"snapshots": 0, "capture_s": 0.0, "gate_s": 0.0, "stall_s": 0.0}
+        self.stats: dict[str, float] = dict.fromkeys(("snapshots", "capture_s", "gate_s", "stall_s", "sync_s"), 0.0)
         self._inflight: tuple[Capture, threading.Thread] | None = None
         self.dropped = False  # forgotten (a failed generation's): its helper writes no more files
         self._failure: str | None = None
@@ -219,6 +219,8 @@ class Snapshotter:
         thread.start()
         self.stats["capture_s"] += time.perf_counter() - started
         self.stats["snapshots"] += 1
+        if self.config.commit == "sync":  # (Snapshots.commit) this step committed before train_step returns
+            self._finish_inflight("sync_s")
 
     def on_sync(self, run: Any, stage: int) -> None:
         pass  # (a stage part: nothing at SYNC)
