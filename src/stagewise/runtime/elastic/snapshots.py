@@ -51,7 +51,8 @@ from . import snapshot_copies as copies
 from .config import Snapshots
 from .membership import check_fence
 from .peers import peers_of
-from .snapshot_file import Places, fill_payload, header_bytes, host_buffer, host_bytes, layout_payload, versions
+from .snapshot_file import Places, fill_payload, header_bytes, host_buffer, host_bytes, layout_payload
+from .snapshot_file import versions as versions  # (relayout.takeover reads it here)
 
 if TYPE_CHECKING:
     from .recover import PeerSnapshots
