@@ -11,10 +11,9 @@ the overhead: per round pair, B's mean step over A's (the mean: a stall every fe
 its median over the pairs with a distribution-free 95 % interval for that median (order statistics of the
 pairs: no assumption on their spread), and the lowest and highest pair.
 
-``--commit`` chooses what B is: ``pipelined`` (the library's: ``train_step`` waits only for the previous
-step's snapshot to be committed), ``sync`` (``train_step`` followed by waiting for its own snapshot to be
-committed - what a commit point at ``train_step``'s return would cost every step), or both, each against
-the same A in rounds that rotate the order.
+``--commit`` chooses what B is (``Snapshots.commit``): ``pipelined`` (the default: ``train_step`` waits only
+for the previous step's snapshot to be committed), ``sync`` (``train_step`` returns once its own snapshot is
+committed), or both, each a pipeline of its own against the same A in rounds that rotate the order.
 """
 
 from __future__ import annotations
@@ -53,18 +52,21 @@ def worker(args: argparse.Namespace) -> None:
     spec = MODELS[args.model]
     cfg = gpt.GPTConfig(d_model=spec["d_model"], n_layers=spec["n_layers"], n_heads=4, seq_len=64)
     fit = sw.ElasticLayout(pp=2, batch=spec["batch"], microbatches=4).at(env.world_size)
-    pipes = {
-        every: sw.Pipeline(
+
+    def build(mode: str) -> Any:
+        # each B its own folder (the other's prune would take its spares), by the environment: the same options
+        os.environ["STAGEWISE_SNAPSHOT_DIR"] = str(Path(args.folder) / f"m{machine}-{mode}")
+        return sw.Pipeline(
             gpt.gpt_layers(cfg),
             loss_fn=gpt.lm_loss,
             schedule="1f1b",
             microbatches=fit.microbatches,
             parallel=fit.parallel,
             optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
-            snapshot=every or None,
+            snapshot=None if mode == "none" else sw.Snapshots(every=1, commit=mode),
         )  # fmt: skip
-        for every in (0, 1)
-    }
+
+    pipes = {mode: build(mode) for mode in ("none", *args.commit)}
     step = 0
 
     modes = ["none", *args.commit]
@@ -72,7 +74,7 @@ def worker(args: argparse.Namespace) -> None:
 
     def round_of(mode: str) -> tuple[float, float]:
         nonlocal step
-        pipe, times = pipes[int(mode != "none")], []
+        pipe, times = pipes[mode], []
         started = time.process_time()
         for _ in range(args.steps):
             step += 1
@@ -80,9 +82,7 @@ def worker(args: argparse.Namespace) -> None:
             x = torch.randint(0, cfg.vocab_size, (spec["batch"], cfg.seq_len + 1), generator=g)
             dist.barrier()
             t0 = time.perf_counter()
-            pipe.train_step(*pipe.local_batch(x[:, :-1], x[:, 1:]))
-            if mode == "sync":
-                pipe.snapshots.wait()  # train_step's own snapshot committed before the next step
+            pipe.train_step(*pipe.local_batch(x[:, :-1], x[:, 1:]))  # (sync: returns with its step committed)
             times.append(time.perf_counter() - t0)
         if pipe.snapshots is not None:
             pipe.snapshots.wait()  # (its tail belongs to this round, not to the next one's)
@@ -92,9 +92,10 @@ def worker(args: argparse.Namespace) -> None:
     for mode in modes:  # warm-up
         round_of(mode)
     cpu.update(dict.fromkeys(modes, 0.0))
-    snaps = pipes[1].snapshots
-    assert snaps is not None
-    snaps.stats.update({k: 0.0 for k in snaps.stats})
+    snaps = {mode: pipes[mode].snapshots for mode in args.commit}
+    for one in snaps.values():
+        assert one is not None
+        one.stats.update({k: 0.0 for k in one.stats})
     rounds: list[dict[str, tuple[float, float]]] = []
     for r in range(args.rounds):
         order = modes[r % len(modes) :] + modes[: r % len(modes)]  # each mode first, second, ... in turn
@@ -103,10 +104,14 @@ def worker(args: argparse.Namespace) -> None:
             time.sleep(args.interval)
             got[mode] = round_of(mode)
         rounds.append(got)
-    state = sum(p.stat().st_size for p in snaps.folder.glob(f"*-r{rank:05d}.snap")) // 2
+    mine = f"*-r{rank:05d}.snap"
+    state = sum(p.stat().st_size for p in snaps[args.commit[0]].folder.glob(mine)) // 2
     everyone: list[Any] = [None] * world
     steps = args.rounds * args.steps
-    parts = {k: v / max(snaps.stats["snapshots"], 1) for k, v in snaps.stats.items() if k != "snapshots"}
+    parts = {
+        mode: {k: v / max(one.stats["snapshots"], 1) for k, v in one.stats.items() if k != "snapshots"}
+        for mode, one in snaps.items()
+    }
     extra_cpu = {m: (cpu[m] - cpu["none"]) / steps for m in args.commit}
     found = {"rounds": rounds, "bytes": state, "parts": parts, "extra_cpu": extra_cpu}
     dist.all_gather_object(everyone, found)
@@ -147,12 +152,14 @@ def breakdown(found: dict[str, Any]) -> str:
     """Per snapshot and rank: the helper thread's ms per part, wall (CPU), and the process's extra CPU per step."""
     out = []
     for r, got in enumerate(found["ranks"]):
-        parts = got["parts"]
-        cells = [
-            f"{k[:-2]} {1e3 * parts[k]:.1f} ({1e3 * parts.get(k + '_cpu', 0.0):.1f})" for k in parts if k.endswith("_s")
-        ]
-        extra = ", ".join(f"{m} {1e3 * v:.1f} ms" for m, v in got["extra_cpu"].items())
-        out.append(f"    rank {r}: {', '.join(cells)}; extra CPU per step: {extra}")
+        for mode, parts in got["parts"].items():
+            cells = [
+                f"{k[:-2]} {1e3 * parts[k]:.1f} ({1e3 * parts.get(k + '_cpu', 0.0):.1f})"
+                for k in parts
+                if k.endswith("_s") and parts[k]
+            ]
+            extra = 1e3 * got["extra_cpu"][mode]
+            out.append(f"    rank {r}, {mode}: {', '.join(cells)}; extra CPU per step {extra:.1f} ms")
     return "\n".join(out)
 
 

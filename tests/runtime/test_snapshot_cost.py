@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -99,3 +100,62 @@ def test_the_peers_copies_arrive_in_kept_buffers() -> None:
     second = snapshot_wire._buffer(keep, 3, 60)
     assert second.data_ptr() == first.data_ptr() and second.numel() == 60
     assert snapshot_wire._buffer(keep, 3, 200).numel() == 200 and keep[3].numel() == 200
+
+
+def test_a_rebound_root_is_read_anew(one_rank: object, tmp_path: Path) -> None:
+    """A re-layout in place rebinds ``root``: the next capture names the new pipeline's parameters and layout,
+    never what was kept of the old one (a parameter unknown to the old names would be misnamed)."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    from stagewise.runtime.checkpoint import state
+
+    def build(layers: list[sw.Layer], snapshot: object, microbatches: int) -> sw.Pipeline:
+        return sw.Pipeline(
+            layers, loss_fn=F.cross_entropy, microbatches=microbatches,
+            optimizer=lambda ps: torch.optim.Adam(ps, lr=0.1), snapshot=snapshot,
+        )  # fmt: skip
+
+    old = build([sw.Layer(nn.Linear, 4, 3)], sw.Snapshots(every=1, folder=str(tmp_path)), 1)
+    new = build([sw.Layer(nn.Linear, 4, 5), sw.Layer(nn.ReLU), sw.Layer(nn.Linear, 5, 3)], None, 2)
+    x, y = torch.randn(4, 4), torch.tensor([0, 1, 2, 0])
+    old.train_step(x, y)
+    new.train_step(x, y)
+    snaps = old.snapshots
+    assert snaps is not None
+    snaps.wait()
+    snaps.root = new
+    capture = snaps._capture(None)
+    assert capture.header["layout"] == state.layout_of(new, 1) != state.layout_of(old, 1)
+    names = set(state.parameter_names(new).values())
+    assert {k.split("/")[1] for k in capture.tensors if k.startswith("optim/")} == names
+
+
+@pytest.mark.parametrize("commit", ["pipelined", "sync"])
+def test_a_sync_commit_holds_each_step_before_train_step_returns(
+    commit: str, one_rank: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``Snapshots(commit="sync")``: ``train_step`` returns with its own step committed, however slow the copy
+    (slowed here); pipelined, it returns with the step before committed and its own on its way."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    from stagewise.runtime.elastic import snapshot_file
+    from stagewise.runtime.elastic import snapshots as snapshots_module
+
+    fill = snapshot_file.fill_payload
+
+    def slow(*args: object) -> object:
+        time.sleep(0.2)
+        return fill(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(snapshots_module, "fill_payload", slow)
+    pipe = sw.Pipeline(
+        [sw.Layer(nn.Linear, 4, 3)], loss_fn=F.cross_entropy, microbatches=1,
+        optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+        snapshot=sw.Snapshots(every=1, folder=str(tmp_path), commit=commit),
+    )  # fmt: skip
+    x, y = torch.randn(2, 4), torch.tensor([0, 1])
+    for step in range(1, 4):
+        pipe.train_step(x, y)
+        assert pipe.committed_step == (step if commit == "sync" else step - 1)

@@ -4,6 +4,9 @@ the old generations go. And ``snapshot=`` as an option: what it accepts and refu
 
 from __future__ import annotations
 
+import hashlib
+import json
+import struct
 from pathlib import Path
 
 import pytest
@@ -13,9 +16,11 @@ import stagewise as sw
 from stagewise.runtime.elastic import folder as folders
 from stagewise.runtime.elastic.config import snapshot_config
 from stagewise.runtime.elastic.snapshot_file import (
+    MAGIC,
     SnapshotRefused,
     fill_payload,
     header_bytes,
+    host_bytes,
     layout_payload,
     tensors_of,
     verified,
@@ -68,6 +73,45 @@ def test_damage_anywhere_is_refused(damage, words: str) -> None:  # type: ignore
         verified(damage(encode(tensors())))
 
 
+def test_every_flipped_byte_of_a_payload_is_refused_and_an_older_sha256_file_still_reads() -> None:
+    """The payload's CRC-32 catches any error burst up to 32 bits: each byte of the payload flipped alone is
+    refused; a file written before it (its payload's SHA-256 in the header) reads, and is refused when damaged."""
+    data = encode(tensors())
+    header, payload = verified(data)
+    start = len(data) - len(payload)
+    for at in range(start, len(data)):
+        with pytest.raises(SnapshotRefused, match="payload is corrupted"):
+            verified(data[:at] + bytes([data[at] ^ 0xFF]) + data[at + 1 :])
+    old = {k: v for k, v in header.items() if k != "payload_crc32"}
+    old["payload_sha256"] = hashlib.sha256(payload).hexdigest()
+    text = json.dumps(old).encode()
+    before = MAGIC + struct.pack("<Q", len(text)) + hashlib.sha256(text).digest() + text + bytes(payload)
+    back = tensors_of(*verified(before))
+    assert all(torch.equal(back[n], t) for n, t in tensors().items())
+    with pytest.raises(SnapshotRefused, match="payload is corrupted"):
+        verified(before[:-1] + bytes([before[-1] ^ 1]))
+
+
+def test_a_fill_reuses_its_places_only_for_the_same_layout_and_buffer() -> None:
+    """The places kept from one fill serve the next of the same layout; another layout (a re-layout's) or another
+    buffer gets its own, and every payload holds its tensors to the bit."""
+    ts = tensors()
+    entries, total = layout_payload(ts)
+    buffer = torch.zeros(2 * total, dtype=torch.uint8)
+    places = fill_payload(buffer, ts, entries)
+    again = {n: t + 1 if t.dtype.is_floating_point else t for n, t in ts.items()}
+    assert fill_payload(buffer, again, entries, places) is places
+    back = tensors_of({"tensors": entries}, host_bytes(buffer[:total]))
+    assert all(torch.equal(back[n], t) for n, t in again.items())
+    other = {"model/w": torch.arange(6.0).reshape(2, 3), "model/v": torch.arange(4, dtype=torch.int32)}
+    other_entries, other_total = layout_payload(other)
+    for into in (buffer, torch.zeros(other_total, dtype=torch.uint8)):  # another layout, then another buffer
+        places, kept = fill_payload(into, other, other_entries, places), places
+        assert places is not kept
+        back = tensors_of({"tensors": other_entries}, host_bytes(into[:other_total]))
+        assert all(torch.equal(back[n], t) for n, t in other.items())
+
+
 def test_a_folder_lists_whole_files_prunes_old_ones_and_reports_damaged_headers(tmp_path: Path) -> None:
     where = folders.machine_folder(tmp_path, "job/7 x")
     assert where.name == "stagewise-job_7_x"
@@ -97,6 +141,9 @@ def test_snapshot_option() -> None:
         sw.Snapshots(every=0)
     with pytest.raises(TypeError, match="Snapshots.extra must be a function"):
         sw.Snapshots(extra=3)  # type: ignore[arg-type]
+    assert sw.Snapshots().commit == "pipelined" and sw.Snapshots(commit="sync").commit == "sync"
+    with pytest.raises(ValueError, match="Snapshots.commit must be one of 'pipelined', 'sync', got 'now'"):
+        sw.Snapshots(commit="now")
 
 
 def test_the_rendezvous_store_serves_clients_until_stopped() -> None:

@@ -219,9 +219,9 @@ def copy_before_step(ctx: Ctx) -> dict[str, Any]:
     root = folder(ctx, "gate")
     fill = snapshots_module.fill_payload
 
-    def slow(*args: Any) -> None:
+    def slow(*args: Any) -> Any:
         time.sleep(0.5)
-        fill(*args)
+        return fill(*args)
 
     seeded(ctx)
     a = pipe(snapshot=sw.Snapshots(every=2, folder=str(root)))

@@ -22,6 +22,9 @@ from ..._util import is_count
 FOLDER_ENV = "STAGEWISE_SNAPSHOT_DIR"
 DEFAULT_FOLDER = "/dev/shm"
 
+#: ``Snapshots.commit``: a step committed one step behind ``train_step``, or before it returns
+COMMITS = ("pipelined", "sync")
+
 
 @dataclass(frozen=True)
 class Snapshots:
@@ -32,17 +35,27 @@ class Snapshots:
     JSON-like result (the data position: a sampler's state, an epoch) comes back as ``info.extra`` on
     resume. A step counter is kept by the pipeline: the ``n``-th ``train_step`` after a resume from step
     ``s`` is step ``s + n``.
+
+    ``commit``: when a step counts as *committed* (``Pipeline.committed_step``: held on two machines).
+    ``"pipelined"`` (the default): ``train_step`` waits at its end for the previous step's commit, so a step
+    that returned may be trained again after a loss (at most one such step). ``"sync"``: a ``train_step`` that
+    takes a snapshot returns only once its step is committed (with ``every=1`` no step that returned is trained
+    again after a loss); the whole snapshot is then on that step's path (what each costs:
+    docs/benchmarks/recovery.md).
     """
 
     every: int = 1
     folder: str | None = None
     extra: Callable[[], Any] | None = None
+    commit: str = "pipelined"
 
     def __post_init__(self) -> None:
         if not is_count(self.every):
             raise ValueError(f"Snapshots.every must be an integer >= 1 (steps between snapshots), got {self.every!r}")
         if self.folder is not None and not isinstance(self.folder, (str, os.PathLike)):
             raise TypeError(f"Snapshots.folder must be a path, got {self.folder!r}")
+        if self.commit not in COMMITS:
+            raise ValueError(f"Snapshots.commit must be one of {', '.join(map(repr, COMMITS))}, got {self.commit!r}")
         if self.extra is not None and not callable(self.extra):
             raise TypeError(f"Snapshots.extra must be a function () -> JSON-like data position, got {self.extra!r}")
 

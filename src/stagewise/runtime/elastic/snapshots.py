@@ -51,7 +51,8 @@ from . import snapshot_copies as copies
 from .config import Snapshots
 from .membership import check_fence
 from .peers import peers_of
-from .snapshot_file import fill_payload, header_bytes, host_bytes, layout_payload
+from .snapshot_file import Places, fill_payload, header_bytes, host_buffer, host_bytes, layout_payload
+from .snapshot_file import versions as versions  # (relayout.takeover reads it here)
 
 if TYPE_CHECKING:
     from .recover import PeerSnapshots
@@ -120,6 +121,7 @@ class Snapshotter:
     ) -> None:
         self.config, self.timeout = config, timeout
         self._due = False  # a snapshot is due, and waits for the gradient merge to end
+        self._fixed: tuple[dict[int, str], dict[str, Any]] | None = None  # see _capture
         self.root = root  # the pipeline read at each snapshot (a re-layout in place rebinds it)
         self.priority = idle.Priority()  # the snapshot's threads run in the core's idle time (see .idle)
         with idle.new_threads_idle(self.priority.group):
@@ -139,12 +141,12 @@ class Snapshotter:
         self.peers = peers_of([str(e["machine"]) for e in everyone], self.rank)
         self.world = len(everyone)
         self.end.step = 0
-        self.stats: dict[str, float] = {"snapshots": 0, "capture_s": 0.0, "gate_s": 0.0, "stall_s": 0.0}
+        self.stats: dict[str, float] = dict.fromkeys(("snapshots", "capture_s", "gate_s", "stall_s", "sync_s"), 0.0)
         self._inflight: tuple[Capture, threading.Thread] | None = None
         self.dropped = False  # forgotten (a failed generation's): its helper writes no more files
         self._failure: str | None = None
         self._buffer: torch.Tensor | None = None
-        self._fixed: tuple[dict[int, str], dict[str, Any]] | None = None  # see _capture
+        self._places: Places | None = None  # where each tensor goes in the buffer (see fill_payload)
         self._received: dict[int, torch.Tensor] = {}  # by source: the buffers the peers' copies arrive in
         self._written = folders.Written(self.folder, self.rank)  # the files written here, by source
         self._stream: Any = None
@@ -153,6 +155,14 @@ class Snapshotter:
             log.info("stagewise snapshots: one machine, so the copies stay on it (they outlive a worker restart)")
         _ENDINGS.append(self.end)  # held to the end: the clean exit's work must not depend on the pipeline's life
         lifecycle.release_at_exit(self.end)
+
+    @property
+    def root(self) -> nn.Module:
+        return self._root  # the pipeline whose state a snapshot takes
+
+    @root.setter
+    def root(self, value: nn.Module) -> None:
+        self._root, self._fixed = value, None  # (a re-layout in place rebinds it: the old names and layout go)
 
     @property
     def step(self) -> int:
@@ -175,8 +185,7 @@ class Snapshotter:
 
     @property
     def job(self) -> str:
-        """The job's nonce (a resume from the snapshots of a job takes its name over)."""
-        return self.end.job
+        return self.end.job  # the job's nonce (a resume from the snapshots of a job takes its name over)
 
     @job.setter
     def job(self, value: str) -> None:
@@ -211,9 +220,11 @@ class Snapshotter:
         thread.start()
         self.stats["capture_s"] += time.perf_counter() - started
         self.stats["snapshots"] += 1
+        if self.config.commit == "sync":  # (Snapshots.commit) this step committed before train_step returns
+            self._finish_inflight("sync_s")
 
     def on_sync(self, run: Any, stage: int) -> None:
-        """(A stage part: nothing at SYNC.)"""
+        pass  # (a stage part: nothing at SYNC)
 
     def before_step(self, run: Any, stage: int) -> None:
         """A stage part: the optimizer may change the parameters only once the last snapshot has copied them."""
@@ -286,7 +297,7 @@ class Snapshotter:
             clock = idle.Clock(self.stats)
             capture.entries, capture.total = layout_payload(capture.tensors)
             capture.header["tensors"] = capture.entries
-            buffer = self._host_buffer(capture.total, capture.cuda_done is not None)
+            self._buffer = buffer = host_buffer(self._buffer, capture.total, capture.cuda_done is not None)
             self._fill(buffer, capture)
             capture.copied.set()
             clock.lap("fill_s")
@@ -313,25 +324,19 @@ class Snapshotter:
 
     def _fill(self, buffer: torch.Tensor, capture: Capture) -> None:
         if capture.cuda_done is None:
-            fill_payload(buffer, capture.tensors, capture.entries)
+            self._places = fill_payload(buffer, capture.tensors, capture.entries, self._places)
             return
         device = next(t.device for t in capture.tensors.values() if t.is_cuda)  # (a helper thread's own is 0)
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=device)
         with torch.cuda.device(device), torch.cuda.stream(self._stream):
             self._stream.wait_event(capture.cuda_done)
-            fill_payload(buffer, capture.tensors, capture.entries)
+            self._places = fill_payload(buffer, capture.tensors, capture.entries, self._places)
             done = torch.cuda.Event()
             done.record(self._stream)
         capture.cuda_done = done  # what the next STEP waits for on the device
         capture.copied.set()
         done.synchronize()  # the bytes are on the host before they are hashed
-
-    def _host_buffer(self, size: int, pinned: bool) -> torch.Tensor:
-        """One host buffer, reused from snapshot to snapshot (pinned for copies from a GPU)."""
-        if self._buffer is None or self._buffer.numel() < size:
-            self._buffer = torch.empty(max(size, 1), dtype=torch.uint8, pin_memory=pinned)
-        return self._buffer
 
     # ---- waiting and failing -------------------------------------------------------------------------
     def _finish_inflight(self, what: str) -> None:
@@ -367,6 +372,7 @@ class Snapshotter:
         if self.end in _ENDINGS:
             _ENDINGS.remove(self.end)
         self._inflight, self._buffer, self.marks, self._received = None, None, {}, {}  # its tensors go too
+        self._places = None
 
     def release_at_exit(self) -> None:
         """What a clean exit does (:class:`Ending`), now."""
@@ -392,8 +398,3 @@ class Snapshotter:
 
         self.wait()
         return PeerSnapshots(self, model)
-
-
-def versions(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
-    """Each tensor's version counter (every in-place write adds one; a view shares its base's)."""
-    return {name: int(t._version) for name, t in tensors.items()}
