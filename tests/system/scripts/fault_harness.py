@@ -170,7 +170,10 @@ def latency(out: Path, codes: dict[int, int | None], victim: int) -> float | Non
 
 def run_case(case: Case, out: Path, worker: Path = WORKER, timeout: float | None = TIMEOUT) -> Outcome:
     codes, reports, logs = run_job(out, *case, worker=worker, timeout=timeout)
-    return Outcome(case, codes, reports, logs, judge(case, codes, reports, logs), latency(out, codes, case[1]))
+    problems = judge(case, codes, reports, logs)
+    if case[0] != "none" and not (out / "fault.time").exists():  # nothing else is worth reading then
+        problems.insert(0, f"the fault never landed: victim rank {case[1]} never reached {case[2]!r}")
+    return Outcome(case, codes, reports, logs, problems, latency(out, codes, case[1]))
 
 
 def run_cases(

@@ -52,8 +52,9 @@ from ..frontends.given import GivenStages
 from ..frontends.layers import built_empty
 from .let_go import let_go
 from .models import BUILT_WHOLE
+from .primitive import Held
 from .sources import in_place_refusal
-from .takeover import Held, LiveRefused, hold, take_over
+from .takeover import LiveRefused, hold, take_over
 
 log = logging.getLogger(__name__)
 
