@@ -20,6 +20,8 @@ leaves the held rank little work, it no longer uses its quota up, its steps show
 the quota lifts the timeline cannot say so. So a rank held slow is also probed, now and then, with a short
 busy loop, every rank at once (the iterations per wall second: the share of a core each gets when it wants a
 whole one, :func:`lifted`); when that share is back above :data:`RECOVERED` the rank is taken at full speed again.
+Below that, the share is the rank's cap (:class:`Caps`), which the cuts are priced by
+(:func:`~stagewise.planning.capped.priced`).
 """
 
 from __future__ import annotations

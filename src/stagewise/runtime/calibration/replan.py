@@ -20,7 +20,11 @@ a held rank the re-cut left little work stays under its cap and its steps cannot
 ``probe_every`` steps while a rank is held slow every rank is probed with a short busy loop (:mod:`.probe`); a
 held one whose share of a core is back above :data:`~stagewise.planning.stragglers.RECOVERED` of the largest is
 taken at full speed and a fresh
-calibration starts, whose news re-decides (the cut for equal speeds: moved back when it pays).
+calibration starts, whose news re-decides (the cut for equal speeds: moved back when it pays). The probe also
+gives a held rank's cap (:class:`~stagewise.planning.stragglers.Caps`; probed at once when a rank is named), and
+the candidates, the running cut among them, are priced with its compute capped
+(:func:`~stagewise.planning.capped.priced`) rather than at its measured speed: a rank left under its cap reads
+fast, and a constant speed mis-prices every other cut. A cap that moves past its noise re-decides at once.
 """
 
 from __future__ import annotations
@@ -212,9 +216,10 @@ class Replanner:
 
     def _probe(self, now: Sequence[int] = ()) -> None:
         """Every :attr:`probe_every` steps while a rank is held slow (and at once for the ranks ``now`` named):
-        probe every rank's share of a core; the held ranks' caps take it (:class:`~stagewise.planning.stragglers.Caps`); held ones
-        free again (:func:`~stagewise.planning.stragglers.lifted`) are taken at full speed, and a fresh calibration
-        on the running cut starts (its stage costs measured at that speed), whose news re-decides."""
+        probe every rank's share of a core; the held ranks' caps take it
+        (:class:`~stagewise.planning.stragglers.Caps`); held ones free again
+        (:func:`~stagewise.planning.stragglers.lifted`) are taken at full speed, and a fresh calibration on the
+        running cut starts (its stage costs measured at that speed), whose news re-decides."""
         was = self._held()
         held = sorted(set(was) | set(now))
         self._since_probe += 1
