@@ -64,24 +64,60 @@ def options_for(
     counts: Sequence[int],
     speeds: Sequence[float],
     others: Sequence[Schedule] = (),
+    caps: Sequence[float] | None = None,
 ) -> tuple[Option, list[Option]]:
     """(the plan running, the candidates): for ``schedule`` and each of ``others`` (same ranks), the cut for the
-    ranks' ``speeds`` on the calibrated layers, with its predicted step; the running cut is a candidate too."""
+    ranks' ``speeds`` on the calibrated layers, with its predicted step; the running cut is a candidate too. A
+    rank with ``caps`` below 1 (held by a quota) is priced by its cap in every plan, the running one too, so that
+    the gain compares two predictions of one model (:func:`~stagewise.planning.stragglers.priced`)."""
     from ..partition import partition_costs
     from .stragglers import cut_for_speeds
 
     profile = calibration.profile(prior)
-    best, now, after = cut_for_speeds(profile, schedule, counts, speeds, calibration)
+    best, now, after = cut_for_speeds(profile, schedule, counts, speeds, calibration, caps)
     current = Option(schedule.name, tuple(int(c) for c in counts), now)
     out = [current, Option(schedule.name, tuple(best), after)]
     for other in others:
         if other.name == schedule.name:
             continue
-        stage_speeds = [float(speeds[r]) for r in other.placement]
+        first = [c if c < 1 else float(s) for s, c in zip(speeds, caps or [1.0] * len(speeds))]
+        stage_speeds = [first[r] for r in other.placement]
         start = partition_costs(profile.times(), other.num_stages, speeds=stage_speeds).counts
-        cut, _, predicted = cut_for_speeds(profile, other, start, speeds, calibration)
+        cut, _, predicted = cut_for_speeds(profile, other, start, speeds, calibration, caps)
         out.append(Option(other.name, tuple(cut), predicted))
     return current, out
+
+
+def cap_error(
+    calibration: RunCalibration,
+    prior: LayerProfile,
+    plans: Sequence[Schedule],
+    current: Option,
+    candidates: Sequence[Option],
+    speeds: Sequence[float],
+    caps: Sequence[float],
+    error: float,
+) -> float:
+    """The relative error of the per-step saving of the fastest candidate over the plan running that the held
+    ranks' caps carry (each cap known to ``error`` in log, :meth:`~stagewise.planning.stragglers.Caps.error`):
+    both re-priced with every cap ``exp(+-error)`` times, the larger change of their difference over the running
+    step. A cut that sets the step by the held rank's cap moves with it, one set by its peers does not: so two
+    cuts alike but for which of them the cap binds are told apart by their error, not by a probe's noise."""
+    from .capped import priced
+
+    best = fastest_other(current, candidates)
+    if best is None or error <= 0 or all(c >= 1 for c in caps) or current.step_s <= 0:
+        return 0.0
+    profile = calibration.profile(prior)
+    by_name = {p.name: p for p in plans}
+
+    def saving(factor: float) -> float:
+        scaled = [min(c * factor, 1 - 1e-9) if c < 1 else 1.0 for c in caps]
+        now = priced(profile, by_name[current.schedule], current.counts, speeds, calibration, scaled)[0]
+        return now - priced(profile, by_name[best.schedule], best.counts, speeds, calibration, scaled)[0]
+
+    base = saving(1.0)
+    return max(abs(saving(math.exp(e)) - base) for e in (error, -error)) / current.step_s
 
 
 def step_spread(steps: Sequence[float]) -> float:
@@ -312,5 +348,7 @@ def replay(log: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
         )
         if d["taken"]:
             last = d["step"]
+        if "caps" in r:  # what the candidates were priced with (a held rank's cap): the audit's, not an input
+            d["caps"] = r["caps"]
         out.append(d)
     return out

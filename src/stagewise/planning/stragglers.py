@@ -20,6 +20,8 @@ leaves the held rank little work, it no longer uses its quota up, its steps show
 the quota lifts the timeline cannot say so. So a rank held slow is also probed, now and then, with a short
 busy loop, every rank at once (the iterations per wall second: the share of a core each gets when it wants a
 whole one, :func:`lifted`); when that share is back above :data:`RECOVERED` the rank is taken at full speed again.
+Below that, the share is the rank's cap (:class:`Caps`), which the cuts are priced by
+(:func:`~stagewise.planning.capped.priced`).
 """
 
 from __future__ import annotations
@@ -27,11 +29,12 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from ..ir import Event, Kind, Schedule, Timeline
 from ..partition import LayerProfile, partition_costs
-from ..simulation import CostModel
+from .capped import priced
+from .capped import slowed as slowed  # re-exported: from_run imports it from here
 from .defaults import improved_counts
 from .link_fit import COMPUTE
 from .recalibrate import RunCalibration, deshared
@@ -219,6 +222,89 @@ def lifted(speeds: Sequence[float], shares: Sequence[float]) -> list[int]:
     return [r for r, (s, p) in enumerate(zip(speeds, shares)) if s < SLOW and p / top > RECOVERED]
 
 
+#: the probes whose median is a held rank's cap (:class:`Caps`): one probe of 30 ms under a quota with a 10 ms
+#: period read 0.22-0.31 at 25 % and 0.45-0.68 at 50 % (the 16:15 quiet run); two halve the outliers' weight
+CAP_PROBES = 2
+#: a held rank's cap that moves by more than this factor either way since the one the last decision priced is
+#: news (a deeper throttle, a partial lift): past the spread of a median of two probes (0.45-0.68 at 50 %: a
+#: factor 1.5 between single probes), well inside the factor 2 between a quarter and a half of a core
+CAP_NOISE = 1.4
+#: a cap's relative error (of its log) before its own probes measure it: single probes read 0.22-0.31 at 25 %
+#: (a sigma of about 0.14 in log), their median of two about 0.12
+CAP_ERROR = 0.12
+#: the probes whose successive differences measure a cap's noise (:meth:`Caps.error`)
+CAP_SERIES = 8
+
+
+class Caps:
+    """Each held rank's cap (its share of a core, probed: :func:`priced` prices it as a cap): the median of its
+    last :data:`CAP_PROBES` probed shares, each relative to that probe's largest (a machine loaded by others
+    lowers every rank alike), the latest alone when it differs from the one before by more than
+    :data:`CAP_NOISE` (a new level: a deeper throttle, a partial lift, seen at its first probe); 1 for a rank not
+    held. :meth:`moved` says whether a cap moved past its noise since
+    the caps last priced (:meth:`priced_now`), which calls for a decision now."""
+
+    def __init__(self, num_ranks: int) -> None:
+        self.history: list[list[float]] = [[] for _ in range(num_ranks)]
+        self.series: list[list[float]] = [[] for _ in range(num_ranks)]
+        self.priced: list[float] = [1.0] * num_ranks
+
+    def observe(self, shares: Sequence[float], held: Sequence[int]) -> None:
+        """A probe's ``shares`` (one per rank); ``held``: the ranks held slow (the others' caps are dropped)."""
+        if len(shares) != len(self.history):
+            raise ValueError(f"Caps.observe: {len(shares)} probed shares for {len(self.history)} ranks")
+        top = max(shares, default=0.0)
+        for r, share in enumerate(shares):
+            kept = self.history[r] + [share / top] if r in held and top > 0 else []
+            if len(kept) >= 2 and _shifted(kept[-2], kept[-1]):  # a new level: the probes before it are not its
+                kept = kept[-1:]
+            series = self.series[r] if len(kept) > 1 else []
+            self.history[r] = kept[-CAP_PROBES:]
+            self.series[r] = (series + kept[-1:])[-CAP_SERIES:]
+
+    def free(self, ranks: Sequence[int]) -> None:
+        """``ranks`` are free again (their throttle lifted): no cap."""
+        for r in ranks:
+            self.history[r] = self.series[r] = []
+
+    def error(self) -> float:
+        """The caps' relative error (of their log): the largest held rank's, from its probes' successive
+        differences as :func:`speed_error` (a level shift, a cap moving, is one difference the median ignores),
+        :data:`CAP_ERROR` before 3 probes; at least :data:`LEAST_ERROR`."""
+        out = 0.0
+        for c, series in zip(self.caps(), self.series):
+            if c < 1:
+                out = max(out, speed_error(series, CAP_PROBES) if len(series) >= 3 else CAP_ERROR)
+        return out
+
+    def lower(self) -> list[float]:
+        """The caps one error below their median: what a decision prices, so that of two cuts alike for the
+        median it takes the one that leaves the held rank room under its cap (a probe reading high, or a quota
+        that a burst outruns, costs it nothing), and a cap read a little high never moves work onto it."""
+        e = self.error()
+        return [c * math.exp(-e) if c < 1 else 1.0 for c in self.caps()]
+
+    def caps(self) -> list[float]:
+        """Each rank's cap; 1 where none was probed or its median is above :data:`RECOVERED` (not a quota: a rank
+        slow with a whole core is slow at any work, a speed)."""
+        medians = [statistics.median(h) if h else 1.0 for h in self.history]
+        return [m if m <= RECOVERED else 1.0 for m in medians]
+
+    def moved(self) -> bool:
+        """Whether a cap moved by more than :data:`CAP_NOISE` since the caps last priced."""
+        return any(_shifted(c, p) for c, p in zip(self.caps(), self.priced))
+
+    def priced_now(self) -> list[float]:
+        """The caps a decision prices now, :meth:`lower` (their medians remembered for :meth:`moved`)."""
+        self.priced = self.caps()
+        return self.lower()
+
+
+def _shifted(a: float, b: float) -> bool:
+    """Whether two caps differ by more than :data:`CAP_NOISE` either way."""
+    return abs(math.log(max(a, 1e-9) / max(b, 1e-9))) > math.log(CAP_NOISE)
+
+
 def speed_error(series: Sequence[float], window: int = RECENT) -> float:
     """The relative standard error of the median of a ``window`` of a rank's speeds, from ``series`` (its last
     :data:`NOISE_STEPS` speeds as measured, across changes of plan): the step-to-step sigma
@@ -239,42 +325,17 @@ def cut_for_speeds(
     counts: Sequence[int],
     speeds: Sequence[float],
     calibration: RunCalibration,
+    caps: Sequence[float] | None = None,
 ) -> tuple[list[int], float, float]:
     """(the cut for rank ``speeds``, the predicted step now, the predicted step with it): ``calibrated`` is the
-    calibration's layer profile, ``counts`` the cut running; each stage's cost divided by its rank's speed."""
-    stage_speeds = [float(speeds[r]) for r in schedule.placement]
-    start = partition_costs(calibrated.times(), schedule.num_stages, speeds=stage_speeds).counts
-    best = improved_counts(start, lambda c: _predicted(calibrated, schedule, c, stage_speeds, calibration))
-    now = _predicted(calibrated, schedule, counts, stage_speeds, calibration)
-    after = _predicted(calibrated, schedule, best, stage_speeds, calibration)
+    calibration's layer profile, ``counts`` the cut running; each stage's cost divided by its rank's speed, a
+    rank with a ``caps`` below 1 priced by its cap on every cut alike (:func:`priced`), the running one too."""
+    caps = list(caps) if caps is not None else [1.0] * len(speeds)
+    first = [c if c < 1 else float(s) for s, c in zip(speeds, caps)]  # the min-max start: a cap as a speed
+    start = partition_costs(calibrated.times(), schedule.num_stages, speeds=[first[r] for r in schedule.placement])
+    best = improved_counts(start.counts, lambda c: priced(calibrated, schedule, c, speeds, calibration, caps)[0])
+    now = priced(calibrated, schedule, counts, speeds, calibration, caps)[0]
+    after = priced(calibrated, schedule, best, speeds, calibration, caps)[0]
     if after >= now:
         return list(counts), now, now
     return best, now, after
-
-
-def _predicted(
-    calibrated: LayerProfile,
-    schedule: Schedule,
-    counts: Sequence[int],
-    stage_speeds: Sequence[float],
-    calibration: RunCalibration,
-) -> float:
-    bounds = [0]
-    for c in counts:
-        bounds.append(bounds[-1] + int(c))
-    return calibration.predict(schedule, slowed(calibrated.cost_model(bounds), stage_speeds)).step
-
-
-def slowed(costs: CostModel, stage_speeds: Sequence[float]) -> CostModel:
-    """``costs`` with each stage's compute divided by the speed of the rank that holds it."""
-
-    def by_speed(values: tuple[float, ...]) -> tuple[float, ...]:
-        return tuple(v / s for v, s in zip(values, stage_speeds))
-
-    return replace(
-        costs,
-        forward=by_speed(costs.forward),
-        backward_input=by_speed(costs.backward_input),
-        backward_weight=by_speed(costs.backward_weight),
-        backward_full=by_speed(costs.backward_full) if costs.backward_full else (),
-    )

@@ -20,7 +20,11 @@ a held rank the re-cut left little work stays under its cap and its steps cannot
 ``probe_every`` steps while a rank is held slow every rank is probed with a short busy loop (:mod:`.probe`); a
 held one whose share of a core is back above :data:`~stagewise.planning.stragglers.RECOVERED` of the largest is
 taken at full speed and a fresh
-calibration starts, whose news re-decides (the cut for equal speeds: moved back when it pays).
+calibration starts, whose news re-decides (the cut for equal speeds: moved back when it pays). The probe also
+gives a held rank's cap (:class:`~stagewise.planning.stragglers.Caps`; probed at once when a rank is named), and
+the candidates, the running cut among them, are priced with its compute capped
+(:func:`~stagewise.planning.capped.priced`) rather than at its measured speed: a rank left under its cap reads
+fast, and a constant speed mis-prices every other cut. A cap that moves past its noise re-decides at once.
 """
 
 from __future__ import annotations
@@ -37,13 +41,24 @@ from typing import Any
 from ...ir import Schedule
 from ...partition import LayerProfile
 from ...passes.build import build_schedule
+from ...planning.capped import priced
 from ...planning.recalibrate import Z85, RunCalibration
-from ...planning.replan import Decisions, Option, line, options_for, relayout_cost, relayout_seconds, step_spread
+from ...planning.replan import (
+    Decisions,
+    Option,
+    cap_error,
+    line,
+    options_for,
+    relayout_cost,
+    relayout_seconds,
+    step_spread,
+)
 from ...planning.stragglers import (
     NOISE_STEPS,
     RECENT,
     SLOW,
     WINDOW,
+    Caps,
     compute_speeds,
     lifted,
     rank_speeds,
@@ -139,11 +154,11 @@ class Replanner:
         #: each rank's last :data:`NOISE_STEPS` speeds, across changes of plan (the machine's step-to-step noise is
         #: not the layout's)
         self.series: list[list[float]] = [[] for _ in range(pipe.num_ranks)]
-        self.probe_every = int(probe_every)
+        self.probe_every, self._since_probe = int(probe_every), 0
         self.probe = probe or (lambda: probe_shares(None, _slowdown(pipe)))
-        self._since_probe = 0
         #: every probe: the step, the ranks held, their shares, the ranks found free
         self.probes: list[dict[str, Any]] = []
+        self.caps, self._priced = Caps(pipe.num_ranks), [1.0] * pipe.num_ranks  # the held ranks' caps; as priced
 
     @property
     def log(self) -> list[dict[str, Any]]:
@@ -166,11 +181,15 @@ class Replanner:
         self._makespans = len(cal.makespans)
         news = [r for r in cal.records[self._seen :] if r["event"] != "replan"]
         self._seen = len(cal.records)
+        named = [int(r["rank"]) for r in news if r["event"] == "straggler named"]
+        if self.probe_every and [r for r in named if r not in self._held()]:  # its cap before the first decision
+            self._probe(now=named)
         self._since_decision += 1
         due = self.every > 0 and self._since_decision >= self.every
-        if cal.calibration is None or not (news or due):
+        if cal.calibration is None or not (news or due or self.caps.moved()):
             return None
         self._since_decision = 0
+        self._priced = self.caps.priced_now()  # on every rank alike: moved() is asked on every rank
         decided: dict[str, Any] = on_first_rank(None, self._decide, "deciding whether to re-plan")
         record, self.speeds = decided["record"], decided["speeds"]
         self.speed_errors, self.told = decided["errors"], decided["told"]
@@ -191,20 +210,29 @@ class Replanner:
         for r, x in enumerate(spans):  # as measured: relative to the fastest, the fastest's would all be 1
             self.series[r] = (self.series[r] + [x])[-NOISE_STEPS:]
 
-    def _probe(self) -> None:
-        """Every :attr:`probe_every` steps while a rank is held slow: probe every rank's share of a core; held ones
-        free again (:func:`~stagewise.planning.stragglers.lifted`) are taken at full speed, and a fresh calibration
-        on the running cut starts (its stage costs measured at that speed), whose news re-decides."""
-        held = [r for r, s in enumerate(self.speeds) if s < SLOW]
+    def _held(self) -> list[int]:
+        """The ranks held slow: measured slow, or priced by a cap (a capped rank given little work reads fast)."""
+        return [r for r, (s, c) in enumerate(zip(self.speeds, self.caps.caps())) if s < SLOW or c < 1]
+
+    def _probe(self, now: Sequence[int] = ()) -> None:
+        """Every :attr:`probe_every` steps while a rank is held slow (and at once for the ranks ``now`` named):
+        probe every rank's share of a core; the held ranks' caps take it
+        (:class:`~stagewise.planning.stragglers.Caps`); held ones free again
+        (:func:`~stagewise.planning.stragglers.lifted`) are taken at full speed, and a fresh calibration on the
+        running cut starts (its stage costs measured at that speed), whose news re-decides."""
+        was = self._held()
+        held = sorted(set(was) | set(now))
         self._since_probe += 1
-        if not held or self.probe_every == 0 or self._since_probe < self.probe_every:
+        if not held or self.probe_every == 0 or (self._since_probe < self.probe_every and not now):
             return
         self._since_probe = 0
         shares = self.probe()
-        free = lifted(self.speeds, shares)
+        free = lifted([0.0 if r in was else 1.0 for r in range(len(shares))], shares)
         self.probes.append({"step": int(self.pipe.train_steps), "held": held, "shares": shares, "lifted": free})
+        self.caps.observe(shares, [r for r in held if r not in free])
         if not free:
             return
+        self.caps.free(free)
         for r in free:
             self.speeds[r] = self.told[r] = 1.0
         if group_rank(None) == 0:
@@ -229,7 +257,15 @@ class Replanner:
         told = self.told
         if len(self._compute) == RECENT:  # the same recent steps as the speeds the decision takes
             told = [statistics.median(c[r] for c in self._compute) for r in range(len(told))]
-        current, candidates = self._options(cal.calibration, speeds)
+        current, candidates = self._options(cal.calibration, speeds, self._priced)
+        capped = [c < 1 for c in self._priced]  # priced by their caps: their measured speeds' noise is not used
+        error = _ratio_error([0.0 if c else e for e, c in zip(errs, capped)])
+        if any(capped):
+            plans = [self.pipe.schedule] + [_like(n, self.pipe.schedule) for n in self.schedules]
+            held = cap_error(
+                cal.calibration, self.prior, plans, current, candidates, speeds, self._priced, self.caps.error()
+            )
+            error = math.hypot(error, held)
         before = len(self.decisions.log), self.decisions.last_change
         record = self.decisions.consider(
             step,
@@ -239,18 +275,33 @@ class Replanner:
             relayout_s=self._cost(cal.calibration),
             spread=step_spread(self.steps_seen),
             uncertainty=cal.calibration.uncertainty if self.guard_calibration else 0.0,
-            speed_error=_ratio_error(errs),
+            speed_error=error,
             speeds_measured=all(full),
         )
         del self.decisions.log[before[0] :]  # observe() appends the record handed round, on every rank alike
         self.decisions.last_change = before[1]
+        if any(c < 1 for c in self._priced):
+            record["caps"] = list(self._priced)
+            if record["taken"]:  # a capped rank runs the new cut at the speed its cap gives it there
+                told = self._capped_told(cal.calibration, record["best"], speeds, told)
         return {"record": record, "speeds": speeds, "errors": errs, "told": told}
 
-    def _options(self, cal: RunCalibration, speeds: list[float]) -> tuple[Option, list[Option]]:
+    def _capped_told(
+        self, cal: RunCalibration, best: dict[str, Any], speeds: list[float], told: list[float]
+    ) -> list[float]:
+        """What the calibration of the new cut is told of a capped rank: its speed there as its cap gives it (a
+        rank given little work runs at full speed, and its layers must not read cheap; one given much, at its
+        cap), from the same model that chose the cut (:func:`~stagewise.planning.stragglers.priced`)."""
+        running = self.pipe.schedule
+        schedule = running if best["schedule"] == running.name else _like(best["schedule"], running)
+        _, at = priced(cal.profile(self.prior), schedule, best["counts"], speeds, cal, self._priced)
+        return [a if c < 1 else t for a, c, t in zip(at, self._priced, told)]
+
+    def _options(self, cal: RunCalibration, speeds: list[float], caps: list[float]) -> tuple[Option, list[Option]]:
         running = self.pipe.schedule
         others = [_like(n, running) for n in self.schedules if n != running.name]
         counts = [len(r) for r in self.pipe.layer_ranges]
-        return options_for(cal, self.prior, running, counts, speeds, others)
+        return options_for(cal, self.prior, running, counts, speeds, others, caps)
 
     def _cost(self, cal: RunCalibration) -> float:
         predicted = self.relayout_s

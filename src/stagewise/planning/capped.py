@@ -1,0 +1,131 @@
+"""A rank held by a CPU quota, priced by its cap (issue 49 item 4): pure arithmetic on the calibrated layers.
+
+A quota (cgroup ``cpu.cfs_quota_us``) is a cap on a rank's share of a core, not a speed: a rank given little work
+stays under it and runs at full speed, one given much is slowed to it. Priced as a constant speed (the speed
+measured on the running cut), the model under-prices the cut running and over-prices the cuts that relieve the
+rank (the 16:15 quiet run: [7, 3] predicted 164 ms, measured 200 ms, so the move to [9, 1] was refused twice).
+:func:`priced` gives a cut's step and each rank's speed on it with a held rank's compute capped, every cut (the
+running one too) by the same model, so that a gain compares like with like. :func:`slowed` is the one cost model
+with a speed per rank (HetPipe's ``speeds=``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+from ..ir import Kind, Schedule
+from ..partition import LayerProfile
+from ..simulation import CostModel, simulate
+from .link_fit import COMPUTE
+from .recalibrate import RunCalibration
+
+#: bisections of a capped rank's speed (:func:`priced`): 2^-16 of the bracket, far inside any step's noise
+CAP_ITERATIONS = 16
+
+
+def priced(
+    calibrated: LayerProfile,
+    schedule: Schedule,
+    counts: Sequence[int],
+    speeds: Sequence[float],
+    calibration: RunCalibration,
+    caps: Sequence[float] | None = None,
+) -> tuple[float, list[float]]:
+    """(the predicted step of the cut ``counts``, each rank's speed in it). A rank whose ``caps`` (its probed share
+    of a core) is below 1 is held by a quota, a cap and not a speed: over the part of the step in which it has work
+    (from its first action to its last: a quota refills every period and lapses unused, so the step's lead-in and
+    tail, spent waiting for its peers, give it nothing) it gets at most ``cap`` of a core, so that span must be at
+    least ``B / cap``, ``B`` its compute at full speed on this cut. Given little work, it meets that at full speed
+    (the step is set by its peers); given much, it is slowed until its span reaches ``B / cap`` (its speed found by
+    bisection: a lower speed, a longer step). The other ranks run at ``speeds``. One cost model (the calibrated
+    layers), each rank's speed apart: HetPipe's ``speeds=``."""
+    bounds = [0]
+    for c in counts:
+        bounds.append(bounds[-1] + int(c))
+    costs = calibrated.cost_model(bounds)
+
+    def step(rank_speeds: Sequence[float]) -> float:
+        return calibration.predict(schedule, slowed(costs, [rank_speeds[r] for r in schedule.placement])).step
+
+    held = [r for r, c in enumerate(caps or ()) if c < 1]
+    out = [1.0 if r in held else float(s) for r, s in enumerate(speeds)]
+    if held:
+        assert caps is not None
+        busy = _busy(costs, schedule, len(out), calibration.bias)
+        idle = _idle(costs, schedule, len(out), calibration)
+        for _ in range(1 if len(held) == 1 else 3):  # several capped ranks: each in turn, the others held
+            for r in held:
+                out[r] = _capped_speed(step, out, r, busy[r] / caps[r] + idle[r], caps[r])
+    return step(out), out
+
+
+def _capped_speed(
+    step: Callable[[Sequence[float]], float], speeds: list[float], r: int, least: float, cap: float
+) -> float:
+    """Rank ``r``'s speed under its cap: 1 if the step at full speed is at least ``least`` (``B / cap``), else
+    the speed at which it is (the step falls as the speed rises; at the cap itself the rank alone takes ``B /
+    cap``, so the root lies in ``[cap, 1]``)."""
+
+    def at(s: float) -> float:
+        return step([s if k == r else x for k, x in enumerate(speeds)])
+
+    if at(1.0) >= least:
+        return 1.0
+    lo, hi = max(cap, 1e-6), 1.0
+    for _ in range(CAP_ITERATIONS):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if at(mid) >= least else (lo, mid)
+    return lo
+
+
+def _idle(costs: CostModel, schedule: Schedule, num_ranks: int, calibration: RunCalibration) -> list[float]:
+    """Each rank's seconds of the step before its first compute action and after its last, every rank at full
+    speed (times the calibration's bias): the lead-in and tail in which a quota gives it nothing to spend."""
+    timeline = simulate(schedule, replace(costs, latency=calibration.latency, bandwidth=calibration.bandwidth)).timeline
+    compute = [e for e in timeline.events if e.action.kind in COMPUTE]
+    if not compute:
+        return [0.0] * num_ranks
+    begin, end = min(e.start for e in compute), max(e.end for e in compute)
+    out = []
+    for r in range(num_ranks):
+        own = [e for e in compute if e.rank == r]
+        out.append(
+            ((min(e.start for e in own) - begin) + (end - max(e.end for e in own))) * calibration.bias if own else 0.0
+        )
+    return out
+
+
+def _busy(costs: CostModel, schedule: Schedule, num_ranks: int, bias: float) -> list[float]:
+    """Each rank's compute seconds in a step at full speed (its actions' costs, times the calibration's bias)."""
+    out = [0.0] * num_ranks
+    for r, actions in enumerate(schedule.ranks):
+        for a in actions:
+            s = a.stage
+            if a.kind is Kind.F:
+                x = costs.forward[s]
+            elif a.kind is Kind.B:
+                x = (
+                    costs.backward_full[s]
+                    if costs.backward_full
+                    else costs.backward_input[s] + costs.backward_weight[s]
+                )
+            else:
+                x = {Kind.I: costs.backward_input, Kind.W: costs.backward_weight}.get(a.kind, (0.0,) * (s + 1))[s]
+            out[r] += x * bias
+    return out
+
+
+def slowed(costs: CostModel, stage_speeds: Sequence[float]) -> CostModel:
+    """``costs`` with each stage's compute divided by the speed of the rank that holds it."""
+
+    def by_speed(values: tuple[float, ...]) -> tuple[float, ...]:
+        return tuple(v / s for v, s in zip(values, stage_speeds))
+
+    return replace(
+        costs,
+        forward=by_speed(costs.forward),
+        backward_input=by_speed(costs.backward_input),
+        backward_weight=by_speed(costs.backward_weight),
+        backward_full=by_speed(costs.backward_full) if costs.backward_full else (),
+    )
