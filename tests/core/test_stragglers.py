@@ -157,3 +157,27 @@ def test_lifted_names_the_held_ranks_whose_probed_share_is_back() -> None:
     assert lifted([0.5, 0.5], [0.0, 0.0]) == []
     with pytest.raises(ValueError, match="one per rank"):
         lifted([1.0, 0.25], [1.0])
+
+
+def test_a_peer_disturbed_during_one_probe_does_not_free_a_held_rank() -> None:
+    """The 2026-12-03 03:02 run: rank 0, free, read 0.7 of its usual share in one probe (it shared its core for a
+    moment) while rank 1 sat at half a core; read against that probe's largest, rank 1 looked free and the layers
+    moved back onto it. Against the reference (the largest of the last probes) it stays held, its cap a half; a
+    machine loaded for longer lowers the reference within REFERENCE_PROBES probes and frees it."""
+    from stagewise.planning.stragglers import REFERENCE_PROBES, Caps, lifted, reference
+
+    probes = [[1.0, 0.5], [0.98, 0.5], [0.7, 0.66]]  # the last: rank 0 disturbed, rank 1's window read high-ish
+    tops: list[float] = []
+    caps = Caps(2)
+    for shares in probes:
+        tops.append(max(shares))
+        assert lifted([1.0, 0.5], shares, reference(tops)) == []
+        caps.observe(shares, [1], reference(tops))
+    assert lifted([1.0, 0.5], probes[-1]) == [1]  # the mutant: against the probe's own largest
+    assert caps.caps()[1] == pytest.approx((0.5 + 0.66) / 2)  # the median of its last two, read against 1.0
+    loaded = [0.6, 0.58]  # every rank at 0.6 from now on: the reference follows
+    for k in range(REFERENCE_PROBES):
+        tops.append(max(loaded))
+        freed = lifted([1.0, 0.5], loaded, reference(tops))
+        assert freed == ([1] if k == REFERENCE_PROBES - 1 else [])
+    assert reference([]) == 0.0

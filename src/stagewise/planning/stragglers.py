@@ -18,8 +18,9 @@ it: what a live re-partition would apply.
 A CPU quota (cgroup ``cpu.cfs_quota_us``) is a cap on a rank's share of a core, not a speed: once a re-cut
 leaves the held rank little work, it no longer uses its quota up, its steps show nothing of the cap, and when
 the quota lifts the timeline cannot say so. So a rank held slow is also probed, now and then, with a short
-busy loop, every rank at once (the iterations per wall second: the share of a core each gets when it wants a
-whole one, :func:`lifted`); when that share is back above :data:`RECOVERED` the rank is taken at full speed again.
+busy loop, every rank at once (its CPU time over its wall time: the share of a core each gets when it wants a
+whole one, :func:`lifted`); when that share is back above :data:`RECOVERED` of a free rank's (:func:`reference`)
+the rank is taken at full speed again.
 Below that, the share is the rank's cap (:class:`Caps`), which the cuts are priced by
 (:func:`~stagewise.planning.capped.priced`).
 """
@@ -208,22 +209,37 @@ class Detector:
         return [statistics.median(h[-RECENT:]) if len(h) == WINDOW else 1.0 for h in self.history]
 
 
-def lifted(speeds: Sequence[float], shares: Sequence[float]) -> list[int]:
-    """The ranks held slow (their known ``speeds`` below :data:`SLOW`) whose probed ``shares`` of a core (a busy
-    loop's iterations per wall second, every rank probed at once) are back above :data:`RECOVERED` of the
-    largest: the quota that held them lifted. Probed, because a held rank given little work no longer meets its
-    cap, so its steps read alike whether the cap is there or not; a share, because the cap is what a quota sets;
-    against the largest, because a machine loaded by others lowers every rank's share alike."""
+def lifted(speeds: Sequence[float], shares: Sequence[float], top: float | None = None) -> list[int]:
+    """The ranks held slow (their known ``speeds`` below :data:`SLOW`) whose probed ``shares`` of a core (every
+    rank probed at once) are back above :data:`RECOVERED` of ``top`` (:func:`reference`; the probe's largest share
+    by default): the quota that held them lifted. Probed, because a held rank given little work no longer meets
+    its cap, so its steps read alike whether the cap is there or not; a share, because the cap is what a quota
+    sets; against a reference, because a machine loaded by others lowers every rank's share alike."""
     if len(speeds) != len(shares):
         raise ValueError(f"lifted: {len(speeds)} speeds but {len(shares)} probed shares (one per rank)")
-    top = max(shares, default=0.0)
+    top = max(shares, default=0.0) if top is None else top
     if top <= 0:
         return []
     return [r for r, (s, p) in enumerate(zip(speeds, shares)) if s < SLOW and p / top > RECOVERED]
 
 
+#: the probes whose largest share is the reference a held rank's share is read against (:func:`reference`)
+REFERENCE_PROBES = 3
+
+
+def reference(tops: Sequence[float]) -> float:
+    """The share of a core a free rank gets now, from the largest share of each probe so far (``tops``, oldest
+    first): the largest of the last :data:`REFERENCE_PROBES`. A peer disturbed during one probe (sharing its core
+    for a moment: read at 0.7 of its usual share on 2026-12-03) lowers that probe's largest, not the reference,
+    so a held rank is not read against it as free; a machine loaded by others for longer lowers it within
+    :data:`REFERENCE_PROBES` probes."""
+    return max(tops[-REFERENCE_PROBES:], default=0.0)
+
+
 #: the probes whose median is a held rank's cap (:class:`Caps`): one probe of 30 ms under a quota with a 10 ms
-#: period read 0.22-0.31 at 25 % and 0.45-0.68 at 50 % (the 16:15 quiet run); two halve the outliers' weight
+#: period read 0.22-0.31 at 25 % and 0.45-0.68 at 50 % when it was a loop's rate against its peers' (the 16:15
+#: quiet run; the probe now reads its CPU time between hold-offs, :mod:`stagewise.runtime.calibration.probe`);
+#: two halve the outliers' weight
 CAP_PROBES = 2
 #: a held rank's cap that moves by more than this factor either way since the one the last decision priced is
 #: news (a deeper throttle, a partial lift): past the spread of a median of two probes (0.45-0.68 at 50 %: a
@@ -238,8 +254,8 @@ CAP_SERIES = 8
 
 class Caps:
     """Each held rank's cap (its share of a core, probed: :func:`priced` prices it as a cap): the median of its
-    last :data:`CAP_PROBES` probed shares, each relative to that probe's largest (a machine loaded by others
-    lowers every rank alike), the latest alone when it differs from the one before by more than
+    last :data:`CAP_PROBES` probed shares, each relative to a free rank's (:func:`reference`: a machine loaded by
+    others lowers every rank alike), the latest alone when it differs from the one before by more than
     :data:`CAP_NOISE` (a new level: a deeper throttle, a partial lift, seen at its first probe); 1 for a rank not
     held. :meth:`moved` says whether a cap moved past its noise since
     the caps last priced (:meth:`priced_now`), which calls for a decision now."""
@@ -249,13 +265,14 @@ class Caps:
         self.series: list[list[float]] = [[] for _ in range(num_ranks)]
         self.priced: list[float] = [1.0] * num_ranks
 
-    def observe(self, shares: Sequence[float], held: Sequence[int]) -> None:
-        """A probe's ``shares`` (one per rank); ``held``: the ranks held slow (the others' caps are dropped)."""
+    def observe(self, shares: Sequence[float], held: Sequence[int], top: float | None = None) -> None:
+        """A probe's ``shares`` (one per rank), read against ``top`` (:func:`reference`; the probe's largest by
+        default); ``held``: the ranks held slow (the others' caps are dropped)."""
         if len(shares) != len(self.history):
             raise ValueError(f"Caps.observe: {len(shares)} probed shares for {len(self.history)} ranks")
-        top = max(shares, default=0.0)
+        top = max(shares, default=0.0) if top is None else top
         for r, share in enumerate(shares):
-            kept = self.history[r] + [share / top] if r in held and top > 0 else []
+            kept = self.history[r] + [min(share / top, 1.0)] if r in held and top > 0 else []
             if len(kept) >= 2 and _shifted(kept[-2], kept[-1]):  # a new level: the probes before it are not its
                 kept = kept[-1:]
             series = self.series[r] if len(kept) > 1 else []

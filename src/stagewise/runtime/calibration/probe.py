@@ -2,12 +2,16 @@
 
 A CPU quota (cgroup v1 ``cpu.cfs_quota_us``) caps the CPU seconds a process gets per period. A rank a re-cut left
 with little work stays under its cap, so its steps show nothing of it, and the lift of the quota shows nothing
-either. A loop that wants a whole core does meet the cap: the iterations it does per wall second, against the
-other ranks' at the same moment, are the share of a core the rank gets (a quarter of theirs under a quota of a
-quarter; a slower core shows too, and other processes loading every core lower every rank's alike). While it
+either. A loop that wants a whole core does meet the cap: the CPU time it gets over the wall time it runs is the
+share of a core the rank gets. Read between the first and the last time the loop was held off its core, the
+window holds whole periods of the quota, so the share is the quota's (a quarter reads 0.25): over the whole loop
+it would also count what the period the loop began in had left (0.45-0.68 at a half over 30 ms, the 16:15 run).
+Being absolute, it does not move when a peer is disturbed during the probe (the 2026-12-03 03:02 run: a peer
+sharing its core for a moment read 0.7 of its usual rate, and a held rank read against it looked free). While it
 holds a rank slow, :class:`~stagewise.runtime.Replanner` probes every rank every few steps (:func:`probe_shares`,
 a collective: each loops at once), and :func:`stagewise.planning.stragglers.lifted` says which held ranks are
-free again.
+free again, against :func:`stagewise.planning.stragglers.reference` (a machine loaded by others lowers every
+rank's share alike).
 """
 
 from __future__ import annotations
@@ -17,31 +21,48 @@ from typing import Any
 
 from ..comm import collectives
 
-#: the probe's wall seconds: at least three periods of a 10 ms quota, so that the CPU a period had left when the
-#: loop began (one period's share at most) moves the figure by under a third at a quarter of a core (the
-#: probe only tells a held rank, 0.5 or below, from a free one, above 0.9)
+#: the probe's wall seconds: three periods of a 10 ms quota, so that the loop is held off its core at least
+#: twice and the window between holds whole periods
 PROBE_S = 0.03
-#: loop iterations between two looks at the clock
+#: loop iterations between two looks at the clocks (about 0.1 ms of CPU)
 CHUNK = 2000
+#: a look at the clocks whose wall time exceeds its CPU time by more than this: the loop was held off its core
+HELD_S = 0.0005
 
 
-def loop_rate(seconds: float = PROBE_S, slowdown: float = 1.0) -> float:
-    """Iterations per wall second of a busy loop of ``seconds``: what a quota (or a slower core, or other
-    processes on it) leaves this rank; ``slowdown``: an emulated slowdown (``emulate_slowdown``), honoured as the
-    interpreter does (sleeping ``slowdown - 1`` times the loop's time), so that an emulated straggler probes
-    slow too."""
-    start = time.perf_counter()
-    done, x = 0, 0
-    while time.perf_counter() - start < seconds:
+def core_share(seconds: float = PROBE_S, slowdown: float = 1.0) -> float:
+    """The share of a core a busy loop of ``seconds`` gets (its thread's CPU time over wall time, between its
+    first and last hold-off when it was held off twice or more, else over the whole loop): what a quota, or other
+    processes on the core, leave this rank. ``slowdown``: an emulated slowdown (``emulate_slowdown``), honoured as
+    the interpreter does (sleeping ``slowdown - 1`` times the loop's time), so that an emulated straggler reads
+    ``1 / slowdown``."""
+    wall0, cpu0 = time.perf_counter(), time.thread_time()
+    looks = [(wall0, cpu0)]
+    held: list[int] = []  # the looks that ended a hold-off
+    x = 0
+    while looks[-1][0] - wall0 < seconds:
         for i in range(CHUNK):
             x ^= i
-        done += CHUNK
+        look = (time.perf_counter(), time.thread_time())
+        if (look[0] - looks[-1][0]) - (look[1] - looks[-1][1]) > HELD_S:
+            held.append(len(looks))
+        looks.append(look)
     if slowdown != 1.0:
-        time.sleep((slowdown - 1.0) * (time.perf_counter() - start))
-    return done / (time.perf_counter() - start)
+        time.sleep((slowdown - 1.0) * (looks[-1][0] - wall0))
+        looks.append((time.perf_counter(), time.thread_time()))
+    return window_share(looks, held)
+
+
+def window_share(looks: list[tuple[float, float]], held: list[int]) -> float:
+    """CPU over wall between the first and last of the ``held`` looks (each ends a hold-off) when there are two
+    or more, else over all ``looks`` (``(wall, cpu)`` seconds, in order); in ``[0, 1]``."""
+    (w0, c0), (w1, c1) = (looks[held[0]], looks[held[-1]]) if len(held) >= 2 else (looks[0], looks[-1])
+    if w1 <= w0:
+        return 1.0
+    return min(max((c1 - c0) / (w1 - w0), 0.0), 1.0)
 
 
 def probe_shares(group: Any, slowdown: float = 1.0) -> list[float]:
-    """Every rank's :func:`loop_rate` (this rank's ``slowdown`` honoured), all probed at once, in group-rank
-    order; a collective of the group. Only the ratios mean anything: a loaded machine lowers every rank's."""
-    return [float(x) for x in collectives.gather_json(loop_rate(slowdown=slowdown), group, what="the ranks' rates")]
+    """Every rank's :func:`core_share` (this rank's ``slowdown`` honoured), all probed at once, in group-rank
+    order; a collective of the group."""
+    return [float(x) for x in collectives.gather_json(core_share(slowdown=slowdown), group, what="the ranks' shares")]

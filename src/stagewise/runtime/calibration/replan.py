@@ -62,6 +62,7 @@ from ...planning.stragglers import (
     compute_speeds,
     lifted,
     rank_speeds,
+    reference,
     speed_error,
 )
 from ..comm.groups import group_rank
@@ -159,6 +160,7 @@ class Replanner:
         #: every probe: the step, the ranks held, their shares, the ranks found free
         self.probes: list[dict[str, Any]] = []
         self.caps, self._priced = Caps(pipe.num_ranks), [1.0] * pipe.num_ranks  # the held ranks' caps; as priced
+        self._tops: list[float] = []  # each probe's largest share (the reference: stragglers.reference)
 
     @property
     def log(self) -> list[dict[str, Any]]:
@@ -227,9 +229,13 @@ class Replanner:
             return
         self._since_probe = 0
         shares = self.probe()
-        free = lifted([0.0 if r in was else 1.0 for r in range(len(shares))], shares)
-        self.probes.append({"step": int(self.pipe.train_steps), "held": held, "shares": shares, "lifted": free})
-        self.caps.observe(shares, [r for r in held if r not in free])
+        self._tops.append(max(shares, default=0.0))
+        top = reference(self._tops)
+        free = lifted([0.0 if r in was else 1.0 for r in range(len(shares))], shares, top)
+        self.probes.append(
+            {"step": int(self.pipe.train_steps), "held": held, "shares": shares, "top": top, "lifted": free}
+        )
+        self.caps.observe(shares, [r for r in held if r not in free], top)
         if not free:
             return
         self.caps.free(free)
@@ -237,10 +243,10 @@ class Replanner:
             self.speeds[r] = self.told[r] = 1.0
         if group_rank(None) == 0:
             log.warning(
-                "stagewise: rank(s) %s, held slow, probe %s of the largest share of a core: their throttle lifted; "
-                "recalibrating at full speed (the cut for equal speeds follows when it pays)",
+                "stagewise: rank(s) %s, held slow, probed at %s of a free rank's share of a core: their throttle "
+                "lifted; recalibrating at full speed (the cut for equal speeds follows when it pays)",
                 free,
-                [round(shares[r] / max(shares), 2) for r in free],
+                [round(shares[r] / top, 2) for r in free],
             )
         self.pipe.metrics.event("straggler lifted", step=int(self.pipe.train_steps), ranks=free)
         self._recalibrate()
