@@ -113,6 +113,10 @@ def rank_main(args: argparse.Namespace) -> None:
 
     from .fidelity.workloads import workloads
 
+    if args.pin:
+        from stagewise.runtime.measure.cores import pin_local_rank
+
+        pin_local_rank()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -275,6 +279,12 @@ def main(argv: list[str] | None = None) -> int:
         help="keep no step's timeline in stragglers.json (kept: the model can be re-fitted offline)",
     )
     parser.add_argument("--no-oracle", dest="oracle", action="store_false", help="skip the static cuts' sweep")
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="each rank on a core of its own (what stagewise run --pin-cores does): left to the kernel, a rank held "
+        "by its quota and its free peer were seen sharing one core at half a core each (2026-12-03 03:31)",
+    )
     args = parser.parse_args(argv)
     if launched():
         rank_main(args)
