@@ -19,7 +19,7 @@ def fake_pipe() -> SimpleNamespace:
     """What the calibrator reads of a pipeline: 1F1B at 2 ranks, 4 micro-batches, a layer a stage."""
     return SimpleNamespace(
         schedule=build_schedule("1f1b", 2, 4), layer_ranges=[range(0, 1), range(1, 2)], layer_profile=PRIOR,
-        num_ranks=2, rank=0, frontend=object(),
+        num_ranks=2, rank=0, frontend=object(), transport=SimpleNamespace(guard=SimpleNamespace(wait=None)),
     )  # fmt: skip
 
 
@@ -61,7 +61,7 @@ def test_the_cores_are_the_node_s_from_every_rank_s_affinity(monkeypatch: pytest
     model of one core would halve them, and the record says the ranks were pinned."""
     from stagewise.runtime.calibration import from_run
 
-    monkeypatch.setattr(from_run, "node_affinity", lambda pipe: [[0], [1]])
+    monkeypatch.setattr(from_run, "node_affinity", lambda wait: [[0], [1]])
     monkeypatch.setattr(from_run.os, "sched_getaffinity", lambda pid: {0})  # what a pinned rank sees of itself
     run = simulate(build_schedule("1f1b", 2, 4), PRIOR.cost_model([0, 1, 2])).timeline
     calibrator = RunCalibrator(fake_pipe(), warmup=0, after=1)
@@ -81,6 +81,6 @@ def test_the_cores_are_the_node_s_from_every_rank_s_affinity(monkeypatch: pytest
 def test_without_a_process_group_the_affinity_is_this_process_s() -> None:
     import os
 
-    from stagewise.runtime.calibration.from_run import node_affinity
+    from stagewise.runtime.measure.cores import node_affinity
 
-    assert node_affinity(fake_pipe()) == [sorted(os.sched_getaffinity(0))]
+    assert node_affinity() == [sorted(os.sched_getaffinity(0))]

@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import socket
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -33,7 +32,7 @@ from ...partition import LayerCost, LayerProfile
 from ...planning import Calibration
 from ...planning.recalibrate import Prediction, RunCalibration, calibrate_run, ring_synced
 from ...planning.stragglers import Detector, Straggler, cut_for_speeds, rank_speeds, slowed
-from ..comm import collectives, groups
+from ..measure.cores import node_affinity
 from .replicas import ReplicaSyncs
 
 log = logging.getLogger(__name__)
@@ -138,7 +137,7 @@ class RunCalibrator:
         reductions = self._replicas.pairs()
         timed = [s for s in self._timed if s is not None]
         self._steps_timed = len(timed) == len(self._calibrating)
-        affinity = None if self._cores_given else node_affinity(self.pipe)
+        affinity = None if self._cores_given else node_affinity(self.pipe.transport.guard.wait)
         cal = calibrate_run(
             self._calibrating, schedule, self.prior, self.counts, None if affinity else self.cores, self.bandwidth,
             dp=self._replicas.dp, reductions=reductions, per_action=self.per_action,
@@ -254,16 +253,6 @@ def link_prior(pipe: Any, given: float | Calibration | None = None) -> tuple[flo
     if costs is not None and math.isfinite(costs.bandwidth) and costs.bandwidth > 0:
         return float(costs.bandwidth), "the plan's link"
     return math.inf, "none"
-
-
-def node_affinity(pipe: Any) -> list[list[int]]:
-    """The CPUs each rank on this node may run on (``os.sched_getaffinity``), gathered over every rank of the job
-    (a collective; this process's alone without a process group) and kept for this host's ranks."""
-    host, cpus = socket.gethostname(), sorted(os.sched_getaffinity(0))
-    if not groups.initialized():
-        return [cpus]
-    everyone = collectives.gather_json([host, cpus], None, pipe.transport.guard.wait, "the ranks' CPU affinity")
-    return [[int(c) for c in theirs] for at, theirs in everyone if at == host]
 
 
 def _bounds(counts: list[int]) -> list[int]:
