@@ -32,15 +32,20 @@ MODELS = ("before", "at batch", "after")
 def calibrations(
     timelines: Sequence[Timeline], schedule: Schedule, profile: LayerProfile, counts: Sequence[int], cores: float,
     bandwidth: float, reduce: Sequence[float] | None = None, steps: Sequence[float] | None = None,
+    affinity: Sequence[Sequence[int]] | None = None,
 ) -> dict[str, RunCalibration]:  # fmt: skip
     """P's run calibrated for each model (module docstring); ``reduce``: the probed all-reduce link
     ``(latency, bandwidth)``, ``steps``: P's steps timed as the plans Q are (``timed_step``), both the ``after``
-    model's (``before`` and ``at batch`` take the bias against the timelines' makespans, as the runtime does)."""
-    plain = calibrate_run(timelines, schedule, profile, counts, cores, bandwidth)
+    model's (``before`` and ``at batch`` take the bias against the timelines' makespans, as the runtime does);
+    ``affinity``: each rank's CPUs, which then give the cores every model shares (``cores`` left out:
+    :mod:`stagewise.planning.core_share`)."""
+    c = None if affinity else cores
+    plain = calibrate_run(timelines, schedule, profile, counts, c, bandwidth, affinity=affinity or None)
     link = None if reduce is None else (float(reduce[0]), float(reduce[1]))
     per_action = calibrate_run(
-        timelines, schedule, profile, counts, cores, bandwidth, per_action=True, steps=steps, reduce=link
-    )
+        timelines, schedule, profile, counts, c, bandwidth, per_action=True, steps=steps, reduce=link,
+        affinity=affinity or None,
+    )  # fmt: skip
     return {"before": plain, "at batch": plain, "after": per_action}
 
 
@@ -84,11 +89,13 @@ def _bytes_scaled(layer: Any, ratio: float) -> Any:
 def kept(
     profiles: Mapping[int, LayerProfile], timelines: Sequence[Timeline], calibrating: Mapping[str, Any],
     counts: Sequence[int], cores: float, bandwidth: float, processes: int, reduce: Sequence[float] | None = None,
-    steps: Sequence[float] | None = None,
+    steps: Sequence[float] | None = None, affinity: Sequence[Sequence[int]] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """What an offline refit needs, as JSON: the profiles, P's calibrating timelines and plan, its cut, the cores,
-    the link's prior bandwidth, the processes on the node, the probed all-reduce link and P's timed steps."""
+    the link's prior bandwidth, the processes on the node, the probed all-reduce link, P's timed steps and each
+    rank's CPUs (its affinity, as the runtime's calibrator gathered it)."""
     return {
+        "affinity": None if affinity is None else [list(a) for a in affinity],
         "reduce_link": None if reduce is None else list(reduce),
         "timed_steps": None if steps is None else list(steps),
         "profiles": {str(b): p.to_json() for b, p in profiles.items()},
@@ -99,6 +106,17 @@ def kept(
         "bandwidth": bandwidth,
         "processes": processes,
     }
+
+
+def affinity_of(job: Mapping[str, Any]) -> list[list[int]]:
+    """Each rank's CPUs in a stored job: as kept, or, for a job that kept none (before ``calib5``), as its
+    launch made them: ``pin`` (one rank a core: :func:`stagewise.runtime.measure.cores.core_sets`, whose each rank
+    saw and kept ``cores`` CPUs of its own) or free (every rank on the ``cores`` CPUs it kept)."""
+    keep = job["kept"]
+    if keep.get("affinity"):
+        return [list(a) for a in keep["affinity"]]
+    k, n = int(keep["cores"]), int(keep["processes"])
+    return [list(range(r * k, (r + 1) * k)) for r in range(n)] if job.get("pin") else [list(range(k))] * n
 
 
 def schedule_of(plan: Mapping[str, Any], virtual: int | None) -> Schedule:
@@ -125,9 +143,8 @@ def refit(
     b_p = global_batch // (p_plan["dp"] * p_plan["microbatches"])
     timelines = [Timeline.from_json(t) for t in keep["timelines"]]
     p_schedule = schedule_of(p_plan, None)
-    cals = calibrations(
-        timelines, p_schedule, profiles[b_p], keep["counts"], keep["cores"], keep["bandwidth"], reduce, steps
-    )
+    cals = calibrations(timelines, p_schedule, profiles[b_p], keep["counts"], keep["cores"], keep["bandwidth"],
+                        reduce, steps, affinity_of(job))  # fmt: skip
     rows = []
     for r in plans:
         plan = r["plan"]

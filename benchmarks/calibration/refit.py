@@ -25,18 +25,20 @@ from .report import measured, summary
 from .space import GLOBAL_BATCH
 
 
-def figures(rows: list[dict[str, Any]], model: str) -> dict[str, Any]:
+def figures(rows: list[dict[str, Any]], model: str, p_builds: list[list[float]] | None = None) -> dict[str, Any]:
     """``model``'s mean and largest absolute error, its pick and the pick's regret by the sweep's medians, and
-    the benchmark's ranking and interval figures (:func:`.report.summary`)."""
+    the benchmark's ranking, interval and noise figures (:func:`.report.summary`; ``p_builds``: P's timed steps per
+    build, which the noise floor takes)."""
     medians = [measured(r) for r in rows]
     errors = [abs(r[model][0] / m - 1) for r, m in zip(rows, medians)]
     i = min(range(len(rows)), key=lambda k: rows[k][model][0])
     plans = [{"plan": r["plan"], "steps": r["steps"], "builds": r.get("builds"), "predicted": r[model][0],
               "low": r[model][1], "high": r[model][2]} for r in rows]  # fmt: skip
-    s = summary({"workload": "", "world": 0, "plans": plans})
+    s = summary({"workload": "", "world": 0, "plans": plans, "p_builds": p_builds or []})
     return {"mae": statistics.mean(errors), "max": max(errors), "pick": i, "regret": medians[i] / min(medians) - 1,
             "tau": s["kendall tau"], "pairs": s["pairs"], "inside": s["inside interval"],
-            "width": s["median half-width / spread"]}  # fmt: skip
+            "width": s["median half-width / spread"], "floor": s["floor mae"], "tau builds": s["kendall tau (builds)"],
+            "pairs builds": s["pairs (builds)"]}  # fmt: skip
 
 
 def describe(plan: dict[str, Any]) -> str:
@@ -58,9 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     args = parser.parse_args(argv)
     lines = [
-        "| workload | ranks | model | plans | MAE | max | tau (pairs) | inside | half-width / spread | pick "
-        "| sweep regret |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---|---:|",
+        "| workload | ranks | model | plans | MAE | floor | max | tau (pairs) | tau, builds apart | inside "
+        "| half-width / spread | pick | sweep regret |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for path in args.results:
         data = json.loads(path.read_text())
@@ -74,12 +76,14 @@ def main(argv: list[str] | None = None) -> int:
             keep = job["kept"]
             note = " (all-reduce link given)" if args.reduce_link and not keep.get("reduce_link") else ""
             note += " (P timed in the sweep)" if args.p_swept and not keep.get("timed_steps") else ""
+            note += " (affinity from the job's pin flag)" if job.get("pin") and not keep.get("affinity") else ""
             for model in MODELS:
-                f = figures(rows, model)
-                name = model + (note if model == "after" else "")
+                f = figures(rows, model, job.get("p_builds"))
+                name = model + note
                 lines.append(
-                    f"| {job['workload']} | {job['world']} | {name} | {len(rows)} | {f['mae']:.1%} | {f['max']:.1%} "
-                    f"| {f['tau']:+.2f} ({f['pairs']}) | {f['inside']:.0%} | {f['width']:.1f} "
+                    f"| {job['workload']} | {job['world']} | {name} | {len(rows)} | {f['mae']:.1%} | {f['floor']:.1%} "
+                    f"| {f['max']:.1%} | {f['tau']:+.2f} ({f['pairs']}) | {f['tau builds']:+.2f} ({f['pairs builds']}) "
+                    f"| {f['inside']:.0%} | {f['width']:.1f} "
                     f"| {describe(rows[f['pick']]['plan'])} | {f['regret']:+.1%} |"
                 )
     print("\n".join(lines))

@@ -92,7 +92,7 @@ def calibrate_round(
         w = calibrator.warmup
         out = {"record": calibrator.records[0], "timelines": seen[w:], "steps": timed[w:],
                "schedule": pipe.schedule, "counts": [len(r) for r in pipe.layer_ranges],
-               "cores": calibrator.cores}  # fmt: skip
+               "cores": calibrator.cores, "affinity": calibrator.records[0]["affinity"]}  # fmt: skip
         del pipe, calibrator
     return out
 
@@ -116,8 +116,9 @@ def pooled(
     steps = [s for r in rounds for s in r["steps"]]
     first, world = rounds[0], dist.get_world_size()
     cals = calibrations(timelines, first["schedule"], profiles[micro_batch(p_plan)], first["counts"], first["cores"],
-                        bandwidth, reduce, steps)  # fmt: skip
-    keep = kept(profiles, timelines, p_plan._asdict(), first["counts"], first["cores"], bandwidth, world, reduce, steps)
+                        bandwidth, reduce, steps, first["affinity"])  # fmt: skip
+    keep = kept(profiles, timelines, p_plan._asdict(), first["counts"], first["cores"], bandwidth, world, reduce, steps,
+                first["affinity"])  # fmt: skip
     keep["rounds"] = [[len(r["timelines"]), len(r["steps"])] for r in rounds]
     return cals, keep
 

@@ -19,7 +19,7 @@ def fake_pipe() -> SimpleNamespace:
     """What the calibrator reads of a pipeline: 1F1B at 2 ranks, 4 micro-batches, a layer a stage."""
     return SimpleNamespace(
         schedule=build_schedule("1f1b", 2, 4), layer_ranges=[range(0, 1), range(1, 2)], layer_profile=PRIOR,
-        num_ranks=2, rank=0, frontend=object(),
+        num_ranks=2, rank=0, frontend=object(), transport=SimpleNamespace(guard=SimpleNamespace(wait=None)),
     )  # fmt: skip
 
 
@@ -53,3 +53,34 @@ def test_untimed_steps_fall_back_to_the_makespans() -> None:
     assert record["reduce_link"] is None
     with pytest.raises(ValueError, match="step_s must be > 0 seconds"):
         calibrator.observe(run, step_s=0.0)
+
+
+def test_the_cores_are_the_node_s_from_every_rank_s_affinity(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No cores given: the calibrator takes every rank's CPUs when it calibrates. Two ranks pinned a core each
+    (each sees 1 CPU) share the node's 2: the run's overlapping F and B keep their lengths (F 1 s, B 2 s), where a
+    model of one core would halve them, and the record says the ranks were pinned."""
+    from stagewise.runtime.calibration import from_run
+
+    monkeypatch.setattr(from_run, "node_affinity", lambda wait: [[0], [1]])
+    monkeypatch.setattr(from_run.os, "sched_getaffinity", lambda pid: {0})  # what a pinned rank sees of itself
+    run = simulate(build_schedule("1f1b", 2, 4), PRIOR.cost_model([0, 1, 2])).timeline
+    calibrator = RunCalibrator(fake_pipe(), warmup=0, after=1)
+    calibrator.observe(run)
+    record = calibrator.records[0]
+    assert record["cores"] == 2.0 and record["pinned"] is True and record["affinity"] == [[0], [1]]
+    assert calibrator.cores == 2.0 and calibrator.calibration is not None
+    assert {k.name: v for k, v in calibrator.calibration.measured.items()} == {
+        "F": {0: 1.0, 1: 1.0}, "B": {0: 2.0, 1: 2.0}
+    }  # fmt: skip
+    given = RunCalibrator(fake_pipe(), cores=8, warmup=0, after=1)  # cores given: no gather, nothing recorded
+    given.observe(run)
+    assert given.records[0]["cores"] == 8.0 and given.records[0]["affinity"] is None
+    assert given.records[0]["pinned"] is None
+
+
+def test_without_a_process_group_the_affinity_is_this_process_s() -> None:
+    import os
+
+    from stagewise.runtime.measure.cores import node_affinity
+
+    assert node_affinity() == [sorted(os.sched_getaffinity(0))]

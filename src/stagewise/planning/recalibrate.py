@@ -35,6 +35,7 @@ from ..ir import Event, Kind, Schedule, Timeline
 from ..partition import LayerProfile
 from ..simulation import CostModel, shared_makespan
 from .action_cost import action_overhead, at_batch, with_overhead
+from .core_share import node_cores, pinned
 from .link_fit import COMPUTE, fit_link
 
 __all__ = [
@@ -129,6 +130,15 @@ class RunCalibration:
     #: the replicas' all-reduce link ``(latency, bandwidth)`` where it was probed apart from the point-to-point
     #: one (gloo's collectives are not the pipeline's transport); ``None``: the calibrated link
     reduce: tuple[float, float] | None = None
+    #: each of the node's ranks' CPUs as the run saw them (``os.sched_getaffinity``), which :attr:`cores` was taken
+    #: from (:func:`~stagewise.planning.core_share.node_cores`); empty: not recorded, the cores were given
+    affinity: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def pinned(self) -> bool | None:
+        """Whether the run's ranks had cores of their own (:func:`~stagewise.planning.core_share.pinned`); None: the
+        affinity was not recorded."""
+        return pinned(self.affinity) if self.affinity else None
 
     @property
     def measured_step(self) -> float:
@@ -284,12 +294,44 @@ def _either(*values: float | None) -> float | None:
     return next((v for v in values if v is not None), None)
 
 
+def _check(
+    timelines: Sequence[Timeline], schedule: Schedule, prior: LayerProfile, counts: Sequence[int],
+    steps: Sequence[float] | None,
+) -> None:  # fmt: skip
+    """:func:`calibrate_run`'s arguments, each error naming the value."""
+    if not timelines:
+        raise ValueError("calibrate_run: no timelines (run a few steps first)")
+    if steps is not None and not (len(steps) > 0 and all(x > 0 for x in steps)):
+        raise ValueError(f"calibrate_run: steps must be measured step seconds > 0, got {list(steps)!r}")
+    if sum(counts) != len(prior) or len(counts) != schedule.num_stages:
+        raise ValueError(
+            f"calibrate_run: counts {list(counts)} must cut the profile's {len(prior)} layers into "
+            f"{schedule.num_stages} stages"
+        )
+
+
+def _cores(cores: float | None, affinity: Sequence[Sequence[int]] | None) -> float:
+    """The node's cores: the ranks' ``affinity`` says (:func:`~.core_share.node_cores`), ``cores`` agreeing or
+    ``None``; without an affinity, ``cores``."""
+    if affinity is not None:
+        seen = node_cores(affinity)
+        if cores is not None and cores != seen:
+            raise ValueError(
+                f"calibrate_run: cores {cores} disagree with the ranks' affinity {[sorted(a) for a in affinity]} "
+                f"({seen:g} CPUs among them): pass cores=None and let the affinity say"
+            )
+        return seen
+    if cores is None:
+        raise ValueError("calibrate_run: give cores (the node's, shared by its ranks) or every rank's affinity")
+    return cores
+
+
 def calibrate_run(
     timelines: Sequence[Timeline],
     schedule: Schedule,
     prior: LayerProfile,
     counts: Sequence[int],
-    cores: float,
+    cores: float | None,
     prior_bandwidth: float = math.inf,
     *,
     dp: int = 1,
@@ -297,6 +339,7 @@ def calibrate_run(
     per_action: bool = False,
     steps: Sequence[float] | None = None,
     reduce: tuple[float, float] | None = None,
+    affinity: Sequence[Sequence[int]] | None = None,
 ) -> RunCalibration:
     """Calibrate on the run of ``schedule`` cut by ``counts`` (layers per stage of ``prior``): ``timelines``
     (one per step, every rank on one clock) measured on ``cores`` shared cores; then the bias against the
@@ -310,16 +353,11 @@ def calibrate_run(
     ``train_step`` from a barrier, which holds what each rank does before its first action and after its last,
     outside the timeline); the bias and the spread are taken against them. Default: the timelines' makespans.
     ``reduce``: the replicas' all-reduce link ``(latency, bandwidth)`` probed apart (gloo's collectives are not the
-    pipeline's transport), kept as :attr:`RunCalibration.reduce` and used for the plan's own SYNC too."""
-    if not timelines:
-        raise ValueError("calibrate_run: no timelines (run a few steps first)")
-    if steps is not None and not (len(steps) > 0 and all(x > 0 for x in steps)):
-        raise ValueError(f"calibrate_run: steps must be measured step seconds > 0, got {list(steps)!r}")
-    if sum(counts) != len(prior) or len(counts) != schedule.num_stages:
-        raise ValueError(
-            f"calibrate_run: counts {list(counts)} must cut the profile's {len(prior)} layers into "
-            f"{schedule.num_stages} stages"
-        )
+    pipeline's transport), kept as :attr:`RunCalibration.reduce` and used for the plan's own SYNC too.
+    ``affinity``: each of the node's ranks' CPUs; ``cores`` is then theirs (:func:`~.core_share.node_cores`, ``None``
+    or the same number): pinned ranks a core each share the union, not one core each."""
+    cores = _cores(cores, affinity)
+    _check(timelines, schedule, prior, counts, steps)
     bounds = [0]
     for c in counts:
         bounds.append(bounds[-1] + int(c))
@@ -335,6 +373,7 @@ def calibrate_run(
         link=link.note,
         stage_spread=stage_spreads(timelines, cores, schedule.num_stages),
         reduce=None if reduce is None else (float(reduce[0]), float(reduce[1])),
+        affinity=() if affinity is None else tuple(tuple(sorted(int(c) for c in a)) for a in affinity),
     )
     costs = ring_synced(run.profile(prior).cost_model(bounds), dp, run)
     held_out = stage_holdout_error(run.measured, prior.cost_model(bounds))

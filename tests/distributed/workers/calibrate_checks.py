@@ -294,7 +294,8 @@ def replicas_link(ctx: Ctx) -> dict[str, Any]:
     """pp 1 x dp ``world``: the replicas' SYNC and STEP gathered on one clock give the link fit the all-reduce's
     messages (a stage of 4 float64 Linear(4, 4) and spin layers: its gradients' bytes over dp per message), every rank
     the same; the waits are left to the pure test (tests/core/test_link_fit.py). An optimizer is given: its
-    STEP is where a replica waits for the reduction (without one the wait is at the step's end, not timed)."""
+    STEP is where a replica waits for the reduction (without one the wait is at the step's end, not timed). No cores
+    given: the calibrator gathers every rank's CPU affinity (all of the world's, the replicas' too)."""
     import torch
     import torch.nn.functional as F
 
@@ -305,7 +306,7 @@ def replicas_link(ctx: Ctx) -> dict[str, Any]:
         parallel=sw.ParallelConfig(pp=1, dp=ctx.world), seed=0, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01),
     )  # fmt: skip
     x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
-    calibrator = RunCalibrator(pipe, cores=ctx.world, processes=ctx.world)
+    calibrator = RunCalibrator(pipe, processes=ctx.world)  # the cores from every rank's affinity, gathered
     assert calibrator._replicas.dp == ctx.world
     while calibrator.calibration is None:
         pipe.train_step(*pipe.local_batch(x, y))
@@ -313,8 +314,11 @@ def replicas_link(ctx: Ctx) -> dict[str, Any]:
     pairs = calibrator._replicas.pairs()
     reduced = sum(p.numel() * p.element_size() for p in pipe.parameters())  # the one stage's gradients
     assert pairs and all(b == reduced / ctx.world and d > 0 for b, d in pairs), (pairs, reduced)
-    link = calibrator.records[0]["link"]
+    record = calibrator.records[0]
+    link = record["link"]
     assert f"({len(pairs)} of them all-reduce messages)" in link, link
+    cpus = set().union(*map(set, record["affinity"]))  # every rank of the world: one per pp 1 x dp replica
+    assert len(record["affinity"]) == ctx.world and record["cores"] == len(cpus), record
     return {"link": link.split(":")[0]}  # (the bias is each replica's own: its timeline is its pipeline's)
 
 

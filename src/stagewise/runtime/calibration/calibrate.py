@@ -53,10 +53,12 @@ from torch import nn
 
 from ..._util import is_count
 from ...planning import Calibration, Link
+from ...planning.core_share import node_cores
 from ...schedules import generate
 from ...simulation import CostModel, simulate
 from ..comm.groups import global_rank, group_size, new_world_subgroup, require_initialized
 from ..interrupt import uncounted
+from ..measure.cores import node_affinity
 from ..measure.links import average, measure_links, slowest
 from .layout_probe import CORNERS, Tick, layout_costs, layout_shapes
 from .progress import Steps
@@ -215,15 +217,16 @@ def effective_cores(
         if k and together > 0:
             ratios.append(alone / together)
     cores = per_node * statistics.median(ratios) if ratios else float(per_node)
-    # never more than the processes or the CPUs this process may run on: a noisy 'alone' (a first-call warm-up, a
-    # clock boost) must not promise cores the node does not have
+    # never more than the processes or the CPUs the node's ranks may run on: a noisy 'alone' (a first-call warm-up,
+    # a clock boost) must not promise cores the node does not have; pinned a core each, a rank sees only its own
     return min(max(cores, 1e-3), per_node, _usable_cpus())
 
 
-def _usable_cpus() -> int:
+def _usable_cpus() -> float:
+    """The CPUs any rank on this node may run on (a collective: :func:`~..measure.cores.node_affinity`)."""
     try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
+        return node_cores(node_affinity())
+    except AttributeError:  # not on Linux: no affinity
         return os.cpu_count() or 1
 
 

@@ -32,6 +32,7 @@ from ...partition import LayerCost, LayerProfile
 from ...planning import Calibration
 from ...planning.recalibrate import Prediction, RunCalibration, calibrate_run, ring_synced
 from ...planning.stragglers import Detector, Straggler, cut_for_speeds, rank_speeds, slowed
+from ..measure.cores import node_affinity
 from .replicas import ReplicaSyncs
 
 log = logging.getLogger(__name__)
@@ -47,8 +48,10 @@ class RunCalibrator:
 
     ``prior``: the layers' costs the calibration scales (``pipe.layer_profile`` when it was cut by a profile;
     otherwise every layer of a stage alike, which predicts other schedules and micro-batch counts of this cut
-    but cannot move layers between stages); ``cores``: what the node's processes share (default: the CPUs
-    this process may run on); ``processes``: how many processes compute on them (default: the ranks);
+    but cannot move layers between stages); ``cores``: what the node's processes share (default: the CPUs any
+    rank on this node may run on, gathered from every rank's affinity when it calibrates and recorded
+    (``affinity``, ``pinned``): ranks pinned a core each share those cores, not one;
+    :mod:`stagewise.planning.core_share`); ``processes``: how many processes compute on them (default: the ranks);
     ``speeds``: each rank's known speed while it calibrates (a re-plan's, after a straggler was named), so that
     a slow rank's slowness stays its speed and is not taken for its layers' cost; ``bandwidth``: the link's
     bytes/s where the run's transfers cannot identify it (one message size), by default the link the
@@ -84,6 +87,7 @@ class RunCalibrator:
         self.pipe = pipe
         self.counts = [len(r) for r in pipe.layer_ranges]
         self.prior = prior or pipe.layer_profile or _flat(self.counts)
+        self._cores_given = cores is not None  # else the node's, from every rank's affinity (a collective)
         self.cores = float(cores if cores is not None else len(os.sched_getaffinity(0)))
         self.processes = processes or pipe.num_ranks
         self.speeds = None if speeds is None else [float(x) for x in speeds]
@@ -133,11 +137,13 @@ class RunCalibrator:
         reductions = self._replicas.pairs()
         timed = [s for s in self._timed if s is not None]
         self._steps_timed = len(timed) == len(self._calibrating)
+        affinity = None if self._cores_given else node_affinity(self.pipe.transport.guard.wait)
         cal = calibrate_run(
-            self._calibrating, schedule, self.prior, self.counts, self.cores, self.bandwidth,
+            self._calibrating, schedule, self.prior, self.counts, None if affinity else self.cores, self.bandwidth,
             dp=self._replicas.dp, reductions=reductions, per_action=self.per_action,
-            steps=timed if self._steps_timed else None, reduce=self.reduce,
+            steps=timed if self._steps_timed else None, reduce=self.reduce, affinity=affinity,
         )  # fmt: skip
+        self.cores = cal.cores
         if self.speeds is not None:  # a rank known slow stays a slow rank: its stages' layers keep their costs
             at = [self.speeds[r] for r in schedule.placement]
             measured = {k: {s: v * at[s] for s, v in by.items()} for k, by in cal.measured.items()}
@@ -160,6 +166,8 @@ class RunCalibrator:
                 "bias": cal.bias,
                 "overhead_s": cal.overhead,
                 "cores": cal.cores,
+                "affinity": [list(a) for a in cal.affinity] or None,
+                "pinned": cal.pinned,
                 "steps_s": list(cal.steps),
                 "steps_from": "timed" if self._steps_timed else "makespans",
                 "reduce_link": None if cal.reduce is None else list(cal.reduce),

@@ -21,8 +21,12 @@ from __future__ import annotations
 
 import os
 import runpy
+import socket
 import sys
 from collections.abc import Sequence
+from typing import Any
+
+from ..comm import collectives, groups
 
 
 def core_sets(nproc: int, cores: Sequence[int]) -> list[list[int]]:
@@ -50,6 +54,18 @@ def pin_local_rank(local_rank: int | None = None, nproc: int | None = None) -> l
     share = core_sets(count, sorted(os.sched_getaffinity(0)))[rank]
     os.sched_setaffinity(0, share)
     return share
+
+
+def node_affinity(wait: Any = None) -> list[list[int]]:
+    """The CPUs each rank on this node may run on (``os.sched_getaffinity``), gathered over every rank of the job
+    (a collective; ``wait``: the pipeline guard's, else plain) and kept for this host's ranks; this process's alone
+    without a process group. Pinned, each rank sees only its own share: the node's cores are their union
+    (:func:`stagewise.planning.core_share.node_cores`)."""
+    host, cpus = socket.gethostname(), sorted(os.sched_getaffinity(0))
+    if not groups.initialized():
+        return [cpus]
+    everyone = collectives.gather_json([host, cpus], None, wait, "the ranks' CPU affinity")
+    return [[int(c) for c in theirs] for at, theirs in everyone if at == host]
 
 
 def _listed(cores: list[int]) -> str:
