@@ -114,6 +114,7 @@ def rank_main(args: argparse.Namespace) -> None:
     from .fidelity.workloads import workloads
 
     if args.pin:
+        # internal: the pinning stagewise run --pin-cores does (the benchmark launches torchrun itself)
         from stagewise.runtime.measure.cores import pin_local_rank
 
         pin_local_rank()

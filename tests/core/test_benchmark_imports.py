@@ -54,6 +54,9 @@ INTERNAL = {
     ("calibration/worker.py", "stagewise.runtime.measure.cores"): (
         "--pin: the pinning stagewise run --pin-cores does, in workers the benchmark launches with torchrun itself"
     ),
+    ("stragglers.py", "stagewise.runtime.measure.cores"): (
+        "--pin: stagewise run --pin-cores's pinning, in workers the benchmark launches with torchrun itself"
+    ),
     ("calibration/builds.py", "stagewise.runtime.measure.cores"): (
         "its pinned conditions: stagewise run --pin-cores's pinning, in workers launched with torchrun itself"
     ),

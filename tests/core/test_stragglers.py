@@ -167,17 +167,15 @@ def test_a_peer_disturbed_during_one_probe_does_not_free_a_held_rank() -> None:
     from stagewise.planning.stragglers import REFERENCE_PROBES, Caps, lifted, reference
 
     probes = [[1.0, 0.5], [0.98, 0.5], [0.7, 0.66]]  # the last: rank 0 disturbed, rank 1's window read high-ish
-    tops: list[float] = []
     caps = Caps(2)
     for shares in probes:
-        tops.append(max(shares))
-        assert lifted([1.0, 0.5], shares, reference(tops)) == []
-        caps.observe(shares, [1], reference(tops))
+        top = caps.reference(shares)
+        assert lifted([1.0, 0.5], shares, top) == []
+        caps.observe(shares, [1], top)
     assert lifted([1.0, 0.5], probes[-1]) == [1]  # the mutant: against the probe's own largest
     assert caps.caps()[1] == pytest.approx((0.5 + 0.66) / 2)  # the median of its last two, read against 1.0
     loaded = [0.6, 0.58]  # every rank at 0.6 from now on: the reference follows
     for k in range(REFERENCE_PROBES):
-        tops.append(max(loaded))
-        freed = lifted([1.0, 0.5], loaded, reference(tops))
+        freed = lifted([1.0, 0.5], loaded, caps.reference(loaded))
         assert freed == ([1] if k == REFERENCE_PROBES - 1 else [])
     assert reference([]) == 0.0

@@ -264,6 +264,7 @@ class Caps:
         self.history: list[list[float]] = [[] for _ in range(num_ranks)]
         self.series: list[list[float]] = [[] for _ in range(num_ranks)]
         self.priced: list[float] = [1.0] * num_ranks
+        self.tops: list[float] = []  # each probe's largest share (:meth:`reference`)
 
     def observe(self, shares: Sequence[float], held: Sequence[int], top: float | None = None) -> None:
         """A probe's ``shares`` (one per rank), read against ``top`` (:func:`reference`; the probe's largest by
@@ -278,6 +279,12 @@ class Caps:
             series = self.series[r] if len(kept) > 1 else []
             self.history[r] = kept[-CAP_PROBES:]
             self.series[r] = (series + kept[-1:])[-CAP_SERIES:]
+
+    def reference(self, shares: Sequence[float]) -> float:
+        """A probe's ``shares`` read: the share of a core a free rank gets now (:func:`reference` over every
+        probe's largest so far, this one's included)."""
+        self.tops.append(max(shares, default=0.0))
+        return reference(self.tops)
 
     def free(self, ranks: Sequence[int]) -> None:
         """``ranks`` are free again (their throttle lifted): no cap."""

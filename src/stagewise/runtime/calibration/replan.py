@@ -62,7 +62,6 @@ from ...planning.stragglers import (
     compute_speeds,
     lifted,
     rank_speeds,
-    reference,
     speed_error,
 )
 from ..comm.groups import group_rank
@@ -157,10 +156,9 @@ class Replanner:
         self.series: list[list[float]] = [[] for _ in range(pipe.num_ranks)]
         self.probe_every, self._since_probe = int(probe_every), 0
         self.probe = probe or (lambda: probe_shares(None, _slowdown(pipe)))
-        #: every probe: the step, the ranks held, their shares, the ranks found free
+        #: every probe: the step, the ranks held, their shares, the reference they were read against, the ranks free
         self.probes: list[dict[str, Any]] = []
         self.caps, self._priced = Caps(pipe.num_ranks), [1.0] * pipe.num_ranks  # the held ranks' caps; as priced
-        self._tops: list[float] = []  # each probe's largest share (the reference: stragglers.reference)
 
     @property
     def log(self) -> list[dict[str, Any]]:
@@ -229,8 +227,7 @@ class Replanner:
             return
         self._since_probe = 0
         shares = self.probe()
-        self._tops.append(max(shares, default=0.0))
-        top = reference(self._tops)
+        top = self.caps.reference(shares)
         free = lifted([0.0 if r in was else 1.0 for r in range(len(shares))], shares, top)
         self.probes.append(
             {"step": int(self.pipe.train_steps), "held": held, "shares": shares, "top": top, "lifted": free}
