@@ -17,16 +17,14 @@ WORKER = Path(__file__).parent / "workers" / "pinned_calibration.py"
 
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning 2 ranks a core each needs 2 CPUs")
-def test_pinned_ranks_calibrate_on_the_node_s_cores() -> None:
+def test_pinned_ranks_calibrate_on_the_node_s_cores(tmp_path: Path) -> None:
     cpus = sorted(os.sched_getaffinity(0))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=0",
            "-m", "stagewise.runtime.measure.cores", str(WORKER)]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PINNED_OUT=str(tmp_path))
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    rows = sorted(
-        (json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")), key=lambda r: r["rank"]
-    )
+    rows = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     shares = [cpus[r * (len(cpus) // 2) : (r + 1) * (len(cpus) // 2)] for r in range(2)]
     assert [r["own"] for r in rows] == shares, rows
     for row in rows:

@@ -1,11 +1,13 @@
 """Run under ``torchrun -m stagewise.runtime.measure.cores`` (each rank pinned a core, as ``stagewise run
 --pin-cores``): a 2-rank pipeline calibrated with no cores given; each rank prints one JSON line of what its
-calibrator recorded (tests/distributed/test_pinned_ranks.py reads them)."""
+calibrator recorded into its own file in ``$PINNED_OUT`` (tests/distributed/test_pinned_ranks.py reads them; two
+ranks printing to one stdout interleave their lines)."""
 
 from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -27,6 +29,7 @@ if __name__ == "__main__":
         record = calibrator.records[0]
         mine = sorted(os.sched_getaffinity(0))
         keys = ("cores", "affinity", "pinned")
-        print(json.dumps({"rank": dist.get_rank(), "own": mine, **{k: record[k] for k in keys}}), flush=True)
+        row = {"rank": dist.get_rank(), "own": mine, **{k: record[k] for k in keys}}
+        (Path(os.environ["PINNED_OUT"]) / f"rank{dist.get_rank()}.json").write_text(json.dumps(row))
     finally:
         dist.destroy_process_group()
