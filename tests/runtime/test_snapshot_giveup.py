@@ -341,6 +341,8 @@ def test_a_sources_copy_is_received_into_its_files_pages_and_reads_back_whole(wi
             assert (
                 torch.equal(back["model.w"], torch.arange(4.0) + src) and path.read_bytes() == heads[src] + bodies[src]
             )
+            st = path.stat()
+            assert (st.st_dev, st.st_ino) in snap._maps.maps[src]  # received in place: its mapping kept
         inodes.append((snap.folder / folders.file_name(step, "ab12", 4)).stat().st_ino)
     assert snap._received == {}  # nothing received into a buffer of its own
     assert inodes[3] == inodes[0] and len(set(inodes)) == 3
