@@ -280,7 +280,7 @@ class Snapshotter:
             payload = self._fill(staged, capture)
             capture.copied.set()
             clock.lap("fill_s")
-            head = header_bytes(capture.header, payload, staged.room if staged is not None else 0)
+            head = header_bytes(capture.header, payload, self._room)  # (padded from a GPU too: the peer's size)
             clock.lap("digest_s")
             check_fence(f"the snapshot of step {capture.step}")  # a worker woken behind its job writes nothing
             spare, final = self._written.spare(self.rank), self.folder / name
@@ -305,10 +305,10 @@ class Snapshotter:
 
     def _stage(self, capture: Capture, name: str) -> mapped.Staged | None:
         """This rank's next file under its dot-name, mapped (None from a GPU: the bytes go to pinned memory)."""
+        self._room = mapped.room_for(head_need(capture.header, capture.total), self._room)
         if capture.cuda_done is not None:
             return None
         check_fence(f"the snapshot of step {capture.step}")  # (a worker behind its job takes no spare)
-        self._room = mapped.room_for(head_need(capture.header, capture.total), self._room)
         spare = self._written.spare(self.rank)
         return self._maps.stage(self.rank, self.folder, name, spare, self._room, capture.total)
 
