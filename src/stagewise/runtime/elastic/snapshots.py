@@ -124,7 +124,7 @@ class Snapshotter:
         self._buffer: torch.Tensor | None = None
         self._places: Places | None = None  # where each tensor goes in the buffer (see fill_payload)
         self._received: dict[int, torch.Tensor] = {}  # by source: buffers for copies not received in place
-        self._maps, self._room = mapped.Files(), 0  # the files written in place (see .mapped), the head's room
+        self._maps, self._room, self._used = mapped.Files(), 0, 0  # written in place (.mapped); the head's room
         self._written = folders.Written(self.folder, self.rank)  # the files written here, by source
         self._stream: Any = None
         self.marks: dict[int, Mark] = {}  # snapshot step -> each live tensor's version at its capture
@@ -281,6 +281,7 @@ class Snapshotter:
             capture.copied.set()
             clock.lap("fill_s")
             head = header_bytes(capture.header, payload, self._room)  # (padded from a GPU too: the peer's size)
+            self._used = len(head.rstrip(b" "))  # (the JSON ends in "}": what follows is the padding)
             clock.lap("digest_s")
             check_fence(f"the snapshot of step {capture.step}")  # a worker woken behind its job writes nothing
             spare, final = self._written.spare(self.rank), self.folder / name
@@ -305,7 +306,8 @@ class Snapshotter:
 
     def _stage(self, capture: Capture, name: str) -> mapped.Staged | None:
         """This rank's next file under its dot-name, mapped (None from a GPU: the bytes go to pinned memory)."""
-        self._room = mapped.room_for(head_need(capture.header, capture.total), self._room)
+        need = self._used + 64 if self._used else head_need(capture.header, capture.total)  # (JSON only once)
+        self._room = mapped.room_for(need, self._room)  # the last head's length, and its numbers' growth
         if capture.cuda_done is not None:
             return None
         check_fence(f"the snapshot of step {capture.step}")  # (a worker behind its job takes no spare)
