@@ -163,3 +163,48 @@ def test_a_head_that_outgrew_its_room_is_written_the_old_way(tmp_path: Path) -> 
     mapped.publish(w.files, 0, staged, head, staged.payload, final)
     assert same(read(final), state(3)) and read_header(final.read_bytes())[0]["extra"] == big["extra"]
     assert staged.key not in w.files.maps[0]  # its mapping is not reused at the old size
+
+
+def test_a_pipelines_files_are_written_in_place_and_read_back_its_parameters(one_rank: object, tmp_path: Path) -> None:
+    """A pipeline's own files, step after step: each head fills a page-rounded room kept from step to step (sized
+    from the last head), each file is one of three mapped once, and each holds the parameters of its step. A
+    header that outgrows its room (a bigger ``extra``) is written the old way once, then the room grows."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    import stagewise as sw
+
+    torch.manual_seed(0)
+    pipe = sw.Pipeline(
+        [sw.Layer(nn.Linear, 4, 3, dtype=torch.float64)], loss_fn=F.cross_entropy, microbatches=1,
+        optimizer=lambda ps: torch.optim.Adam(ps, lr=0.1),
+        snapshot=sw.Snapshots(every=1, folder=str(tmp_path), extra=lambda: {"blob": "x" * size[0]}),
+    )  # fmt: skip
+    snaps = pipe.snapshots
+    assert snaps is not None
+    x, y = torch.randn(2, 4, dtype=torch.float64), torch.tensor([0, 1])
+    rooms, size, grown = set(), [10], {}
+    for step in range(1, 6):
+        pipe.train_step(x, y)
+        snaps.wait()
+        (path,) = snaps.folder.glob(f"{step:010d}-*.snap")
+        header, start = read_header(path.read_bytes())
+        rooms.add(start)
+        st = path.stat()
+        assert (st.st_dev, st.st_ino) in snaps._maps.maps[snaps.rank]  # written in place, its mapping kept
+        back = read(path)
+        params = [t for n, t in back.items() if n.startswith("model/")]
+        assert params and all(t.dtype == torch.float64 for t in params)
+        assert len(params) == len(list(pipe.parameters()))
+        assert all(any(torch.equal(p.detach(), t) for t in params) for p in pipe.parameters())  # to the bit
+    assert len(rooms) == 1 and rooms.pop() % mapped.PAGE == 0
+    assert len(snaps._maps.maps[snaps.rank]) == 3
+    size[0] = 3 * mapped.PAGE
+    for step in (6, 7):
+        pipe.train_step(x, y)
+        snaps.wait()
+        (path,) = snaps.folder.glob(f"{step:010d}-*.snap")
+        st = path.stat()
+        grown[step] = (read_header(path.read_bytes())[1], (st.st_dev, st.st_ino) in snaps._maps.maps[snaps.rank])
+        assert all(any(torch.equal(p.detach(), t) for t in read(path).values()) for p in pipe.parameters())
+    assert not grown[6][1] and grown[7][1] and grown[7][0] > 3 * mapped.PAGE  # once the old way, then in place
