@@ -17,7 +17,7 @@ import torch
 from stagewise.runtime.comm import snapshot_wire
 from stagewise.runtime.comm.faults import heartbeat
 from stagewise.runtime.elastic import folder as folders
-from stagewise.runtime.elastic import idle, snapshot_copies
+from stagewise.runtime.elastic import idle, mapped, snapshot_copies
 from stagewise.runtime.elastic.peers import Peers
 from stagewise.runtime.elastic.snapshot_file import fill_payload, header_bytes, layout_payload
 from stagewise.runtime.errors import PipelineError
@@ -156,6 +156,7 @@ class _Snap:
         self.folder = folders.machine_folder(root, "run")
         self._written = folders.Written(self.folder, 1)
         self._received: dict[int, torch.Tensor] = {}
+        self._maps = mapped.Files()
         self.dropped = False
         self.stats: dict[str, float] = {}
         self.world, self.committed = 6, 0
@@ -319,3 +320,30 @@ def test_a_commit_another_rank_never_joins_is_given_up_at_the_failure(
     t.join(60)
     assert not t.is_alive() and out["err"] == "the snapshots' commit: given up, the run failed"
     assert snap.committed == 0 and not a.release.is_set()  # returned while the all-reduce was still blocked
+
+
+def test_a_sources_copy_is_received_into_its_files_pages_and_reads_back_whole(wire: Any, tmp_path: Path) -> None:
+    """Each source's bytes land in its file's mapped pages (no kept buffer), the head written at its start: every
+    generation's copies read back to the bit, and the three files per source are the same pages over and over."""
+    from stagewise.runtime.elastic.snapshot_file import tensors_of, verified
+
+    snap, inodes = _Snap(tmp_path), list[int]()
+    for step in (7, 8, 9, 10):
+        heads, bodies = {}, {}
+        for src in (2, 4):
+            heads[src], bodies[src] = _payload(step, src)
+        wire(silent=99, heads=heads, bodies=bodies)
+        own_head, own_body = _payload(step, 1)
+        snapshot_copies.send(snap, own_head, torch.frombuffer(bytearray(own_body), dtype=torch.uint8), idle.Clock({}))
+        for src in (2, 4):
+            path = snap.folder / folders.file_name(step, "ab12", src)
+            back = tensors_of(*verified(path.read_bytes()))
+            assert (
+                torch.equal(back["model.w"], torch.arange(4.0) + src) and path.read_bytes() == heads[src] + bodies[src]
+            )
+            st = path.stat()
+            assert (st.st_dev, st.st_ino) in snap._maps.maps[src]  # received in place: its mapping kept
+        inodes.append((snap.folder / folders.file_name(step, "ab12", 4)).stat().st_ino)
+    assert snap._received == {}  # nothing received into a buffer of its own
+    assert inodes[3] == inodes[0] and len(set(inodes)) == 3
+    assert not [p for p in snap.folder.iterdir() if p.name.endswith(".tmp")]

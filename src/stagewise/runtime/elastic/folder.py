@@ -2,9 +2,9 @@
 
 One file per rank and generation, ``<step>-<lineage>-r<owner>.snap``: this machine's ranks' own and the
 copies its peers sent. A file is written under a dot-name and renamed into place, so a reader sees a
-whole file or none; a writer killed half-way leaves a ``.tmp`` that nothing reads and the next prune
-removes. The folder lives as long as the machine's memory file system: across worker restarts, not
-across the loss of the machine.
+whole file or none (:func:`write`, or in place through the file's mapped pages: :mod:`.mapped`); a writer
+killed half-way leaves a ``.tmp`` that nothing reads and the next prune removes. The folder lives as long as
+the machine's memory file system: across worker restarts, not across the loss of the machine.
 
 A job that ends cleanly removes its files and leaves ``ended-<job>.json`` (a few bytes): a machine that was
 lost before the end and comes back still holds that job's files, and a later job of the same name must not

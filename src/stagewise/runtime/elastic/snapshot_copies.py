@@ -1,8 +1,9 @@
 """A snapshot's copies between machines: this rank's sent to the next machine, the previous machine's written here.
 
-The helper thread of :mod:`.snapshots` calls :func:`send` once its own file is written. What arrived whole is
-written before any failure is raised, so that a copy the sender counts as delivered (a committed step's
-only copy when the sender's machine is lost next) is never thrown away with the exchange that failed on
+The helper thread of :mod:`.snapshots` calls :func:`send` once its own file is written. A source's bytes are
+received straight into the pages of their file under its dot-name (:mod:`.mapped`), once its head is in.
+What arrived whole is written before any failure is raised, so that a copy the sender counts as delivered (a
+committed step's only copy when the sender's machine is lost next) is never thrown away with the exchange that failed on
 another peer. Once the run's failure is posted (:func:`..comm.faults.heartbeat.failure_posted`) or the
 pipeline dropped, the exchange gives up on peers that have not begun their part: a survivor whose step
 failed before its snapshot never will, and a recovery must not wait the timeout for it. A dropped
@@ -25,8 +26,8 @@ import torch
 from ..comm import snapshot_wire
 from ..comm.faults import heartbeat
 from . import folder as folders
-from . import idle
-from .snapshot_file import host_bytes, read_header
+from . import idle, mapped
+from .snapshot_file import SnapshotRefused, host_bytes, read_header
 
 
 def deliver(snap: Any, step: int, head: bytes, payload: torch.Tensor, clock: idle.Clock) -> None:
@@ -47,18 +48,26 @@ def send(snap: Any, head: bytes, payload: torch.Tensor, clock: idle.Clock) -> No
     # failure, 10 s after a partition, then the bytes to the cut-off dest, whose head was in, waited 10 s more)
     heads = snapshot_wire.exchange_settled(head_t, p.dest, p.sources, snap.group, snap.timeout, **wire)
     # a peer whose head went through is in this snapshot's copy: its bytes are waited for, given up or not
+    staged = {src: _stage(snap, src, heads.got.get(src)) for src in p.sources}  # received in place (see .mapped)
+    into = {**snap._received, **{s: st[1].payload for s, st in staged.items() if st is not None}}
     left = max(end - time.monotonic(), 0.001)
     bodies = snapshot_wire.exchange_settled(
-        payload, p.dest, p.sources, snap.group, left, into=snap._received, begun=heads.ended, **wire
+        payload, p.dest, p.sources, snap.group, left, into=into, begun=heads.ended, **wire
     )
+    snap._received.update((s, b) for s, b in into.items() if staged.get(s) is None)  # (kept: the others')
     failed = heads.failed + bodies.failed
     clock.lap("send_s")
     for src in p.sources:
-        got_head = heads.got.get(src)
+        got_head, st = heads.got.get(src), staged.get(src)
         if got_head is None or src not in bodies.got or snap.dropped:
+            if st is not None:
+                mapped.discard(snap._maps, src, st[1])
             continue  # nothing sent, or its head or bytes failed: no file (never a head without its bytes)
         body = bodies.got[src]
         data = got_head.numpy().tobytes()
+        if st is not None:
+            snap._written.keep(src, mapped.publish(snap._maps, src, st[1], data, body, snap.folder / st[0]))
+            continue
         header, _ = read_header(data)
         name = folders.file_name(int(header["step"]), str(header["lineage"]), int(header["owner"]))
         view = host_bytes(body) if body is not None else memoryview(b"")
@@ -66,6 +75,21 @@ def send(snap: Any, head: bytes, payload: torch.Tensor, clock: idle.Clock) -> No
     clock.lap("peer_write_s")
     if failed:
         raise failed[0]
+
+
+def _stage(snap: Any, src: int, head: torch.Tensor | None) -> tuple[str, mapped.Staged] | None:
+    """The file a source's copy is received into (its name, and the file under its dot-name mapped), or None:
+    no head, a dropped pipeline, or a head that does not read (then :func:`send` refuses it as before)."""
+    if head is None or snap.dropped:
+        return None
+    data = head.numpy().tobytes()
+    try:
+        header, _ = read_header(data)
+        name = folders.file_name(int(header["step"]), str(header["lineage"]), int(header["owner"]))
+        total = int(header["payload_bytes"])
+    except (SnapshotRefused, ValueError, KeyError, TypeError):
+        return None
+    return name, snap._maps.stage(src, snap.folder, name, snap._written.spare(src), len(data), total)
 
 
 def commit(snap: Any, step: int, clock: idle.Clock) -> None:

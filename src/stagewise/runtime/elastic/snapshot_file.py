@@ -92,17 +92,23 @@ def host_buffer(kept: torch.Tensor | None, size: int, pinned: bool) -> torch.Ten
     return kept
 
 
-def header_bytes(header: dict[str, Any], payload: torch.Tensor) -> bytes:
+def header_bytes(header: dict[str, Any], payload: torch.Tensor, room: int = 0) -> bytes:
     """The file's head: magic, length, digest and the header, which records the payload's length and digest (and
-    the membership generation, unless the caller's header names it)."""
+    the membership generation, unless the caller's header names it). ``room``: the head padded to that many
+    bytes when it fits (spaces after the JSON: every reader reads past them; see :mod:`.mapped`)."""
     view = host_bytes(payload)
-    header = {
-        "generation": recorded(),
-        **header,
-        "payload_bytes": len(view),
-        "payload_crc32": zlib.crc32(view),
-    }
+    return _head(header, len(view), zlib.crc32(view), room)
+
+
+def head_need(header: dict[str, Any], nbytes: int) -> int:
+    """The most bytes :func:`header_bytes` takes for ``header`` over ``nbytes`` of payload, whatever its CRC."""
+    return len(_head(header, nbytes, 0xFFFFFFFF, 0))
+
+
+def _head(header: dict[str, Any], nbytes: int, crc: int, room: int) -> bytes:
+    header = {"generation": recorded(), **header, "payload_bytes": nbytes, "payload_crc32": crc}
     text = json.dumps(header, separators=(",", ":"), allow_nan=True).encode()
+    text += b" " * max(room - HEAD_FIXED - len(text), 0)
     return MAGIC + struct.pack("<Q", len(text)) + hashlib.sha256(text).digest() + text
 
 

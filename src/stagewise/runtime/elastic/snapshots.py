@@ -6,11 +6,12 @@ call from the step path), a rank takes what a restart needs:
 * at once, on the step's thread: its generators' states, the data position (``Snapshots.extra``), the
   optimizers' hyper-parameters, and a copy of its buffers (a forward changes BatchNorm's statistics);
 * on a helper thread, overlapping the next step's forward and backward: its parameters' and optimizer
-  state's bytes, copied into one host buffer (from a GPU: on a side stream, into pinned memory). Nothing
+  state's bytes, copied straight into the pages of its next file on this machine's memory file system
+  (:mod:`.mapped`, :mod:`.folder`; from a GPU: on a side stream, into pinned memory, written after). Nothing
   changes them before the next optimizer step, and that step waits for the copy (:meth:`before_step`, a
-  stage part at each STEP); then, still on the helper: the digest, the file on this machine's memory file
-  system (:mod:`.folder`), and the same bytes sent to a rank of the next machine (:mod:`.snapshot_copies`
-  over :mod:`..comm.snapshot_wire`, a gloo group of its own), which writes them into its machine's folder.
+  stage part at each STEP); then, still on the helper: the digest, the head, the file renamed into place, and
+  the same bytes sent to a rank of the next machine (:mod:`.snapshot_copies` over :mod:`..comm.snapshot_wire`,
+  a gloo group of its own), which receives them straight into their file's pages in its machine's folder.
 
 Machines are told apart by torchrun's ``GROUP_RANK`` (the agent's rank in the round); rank ``j`` of machine
 ``i`` sends to rank ``j`` (modulo its size) of machine ``i + 1`` (modulo their number), so every machine's
@@ -36,7 +37,6 @@ import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -46,12 +46,13 @@ from ..checkpoint import state
 from ..comm import groups, lifecycle, snapshot_wire
 from ..errors import PipelineError
 from . import folder as folders
-from . import idle
+from . import idle, mapped
 from . import snapshot_copies as copies
 from .config import Snapshots
+from .ending import _ENDINGS, Ending
 from .membership import check_fence
 from .peers import peers_of
-from .snapshot_file import Places, fill_payload, header_bytes, host_buffer, host_bytes, layout_payload
+from .snapshot_file import Places, fill_payload, head_need, header_bytes, host_buffer, host_bytes, layout_payload
 from .snapshot_file import versions as versions  # (relayout.takeover reads it here)
 
 if TYPE_CHECKING:
@@ -82,31 +83,6 @@ class Mark:
 
     versions: dict[str, int]
     copies: dict[str, torch.Tensor]
-
-
-_ENDINGS: list[Ending] = []
-
-
-@dataclass(eq=False)
-class Ending:
-    """What a clean exit needs of a rank's snapshots, held by this module until then: whether or not the
-    pipeline is still alive at exit (a script's ``main()`` may have returned, and the garbage collector taken
-    it), the job's end is marked and its snapshots on this machine removed. A failing rank leaves through the
-    exit hook, which skips this: the restart needs them."""
-
-    folder: Path
-    job: str
-    snapshotter: Any  # a weak reference: the in-flight snapshot, if the pipeline is still alive
-    step: int = 0
-    committed: int = 0  # the newest step held on two machines (outlives the pipeline: a benchmark reads it after)
-
-    def release_at_exit(self) -> None:
-        live = self.snapshotter()
-        if live is not None:
-            live.finish_at_exit()
-        folders.mark_ended(self.folder, self.job, self.step)
-        folders.prune(self.folder, self.step + 1)
-        folders.remove_spares(self.folder)
 
 
 class Snapshotter:
@@ -147,7 +123,8 @@ class Snapshotter:
         self._failure: str | None = None
         self._buffer: torch.Tensor | None = None
         self._places: Places | None = None  # where each tensor goes in the buffer (see fill_payload)
-        self._received: dict[int, torch.Tensor] = {}  # by source: the buffers the peers' copies arrive in
+        self._received: dict[int, torch.Tensor] = {}  # by source: buffers for copies not received in place
+        self._maps, self._room, self._used = mapped.Files(), 0, 0  # written in place (.mapped); the head's room
         self._written = folders.Written(self.folder, self.rank)  # the files written here, by source
         self._stream: Any = None
         self.marks: dict[int, Mark] = {}  # snapshot step -> each live tensor's version at its capture
@@ -290,24 +267,29 @@ class Snapshotter:
             del self.marks[old]
 
     def _copy(self, capture: Capture) -> None:
-        """The helper thread: the bytes into the host buffer (then the next STEP may go), the file here, the
-        copy to the peer and the peers' copies here, the old generations pruned."""
+        """The helper thread: the bytes into this rank's file's pages (:mod:`.mapped`; from a GPU, a pinned
+        buffer) - then the next STEP may go -, the file made whole, the copy to the peer and the peers' copies
+        here, the old generations pruned."""
         try:
             self.policy = self.priority.enter()  # only the core's idle time: see .idle
             clock = idle.Clock(self.stats)
             capture.entries, capture.total = layout_payload(capture.tensors)
             capture.header["tensors"] = capture.entries
-            self._buffer = buffer = host_buffer(self._buffer, capture.total, capture.cuda_done is not None)
-            self._fill(buffer, capture)
+            name = folders.file_name(capture.step, self.lineage, self.rank)
+            staged = self._stage(capture, name)
+            payload = self._fill(staged, capture)
             capture.copied.set()
             clock.lap("fill_s")
-            payload = buffer[: capture.total]
-            head = header_bytes(capture.header, payload)
+            head = header_bytes(capture.header, payload, self._room)  # (padded from a GPU too: the peer's size)
+            self._used = len(head.rstrip(b" "))  # (the JSON ends in "}": what follows is the padding)
             clock.lap("digest_s")
-            view = host_bytes(payload)
-            name = folders.file_name(capture.step, self.lineage, self.rank)
             check_fence(f"the snapshot of step {capture.step}")  # a worker woken behind its job writes nothing
-            self._written.keep(self.rank, folders.write(self.folder, name, head, view, self._written.spare(self.rank)))
+            spare, final = self._written.spare(self.rank), self.folder / name
+            if staged is None:
+                final = folders.write(self.folder, name, head, host_bytes(payload), spare)
+            else:
+                mapped.publish(self._maps, self.rank, staged, head, payload, final)
+            self._written.keep(self.rank, final)
             clock.lap("write_s")
             copies.deliver(self, capture.step, head, payload, clock)  # sent, received, then committed
             # what no writer here retires (an old lineage's, a gone peer's), one generation later than this
@@ -322,10 +304,22 @@ class Snapshotter:
             self.priority.leave()
             capture.copied.set()
 
-    def _fill(self, buffer: torch.Tensor, capture: Capture) -> None:
-        if capture.cuda_done is None:
-            self._places = fill_payload(buffer, capture.tensors, capture.entries, self._places)
-            return
+    def _stage(self, capture: Capture, name: str) -> mapped.Staged | None:
+        """This rank's next file under its dot-name, mapped (None from a GPU: the bytes go to pinned memory)."""
+        need = self._used + 64 if self._used else head_need(capture.header, capture.total)  # (JSON only once)
+        self._room = mapped.room_for(need, self._room)  # the last head's length, and its numbers' growth
+        if capture.cuda_done is not None:
+            return None
+        check_fence(f"the snapshot of step {capture.step}")  # (a worker behind its job takes no spare)
+        spare = self._written.spare(self.rank)
+        return self._maps.stage(self.rank, self.folder, name, spare, self._room, capture.total)
+
+    def _fill(self, staged: mapped.Staged | None, capture: Capture) -> torch.Tensor:
+        if staged is not None:
+            places = staged.mapping.places
+            staged.mapping.places = fill_payload(staged.payload, capture.tensors, capture.entries, places)
+            return staged.payload
+        self._buffer = buffer = host_buffer(self._buffer, capture.total, True)
         device = next(t.device for t in capture.tensors.values() if t.is_cuda)  # (a helper thread's own is 0)
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=device)
@@ -337,6 +331,7 @@ class Snapshotter:
         capture.cuda_done = done  # what the next STEP waits for on the device
         capture.copied.set()
         done.synchronize()  # the bytes are on the host before they are hashed
+        return buffer[: capture.total]
 
     # ---- waiting and failing -------------------------------------------------------------------------
     def _finish_inflight(self, what: str) -> None:
@@ -372,7 +367,7 @@ class Snapshotter:
         if self.end in _ENDINGS:
             _ENDINGS.remove(self.end)
         self._inflight, self._buffer, self.marks, self._received = None, None, {}, {}  # its tensors go too
-        self._places = None
+        self._places, self._maps = None, mapped.Files()
 
     def release_at_exit(self) -> None:
         """What a clean exit does (:class:`Ending`), now."""
