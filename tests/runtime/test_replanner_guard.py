@@ -265,3 +265,24 @@ def test_a_capped_rank_is_moved_back_when_its_quota_lifts_and_not_before() -> No
         assert cuts[LIFTED + 15 - 1] == [4, 4], (seed, cuts, replanner.log)
     _, cuts, _ = capped_run(0, probe_every=0)
     assert cuts[CAPPED + 10 - 1][1] < 4 and cuts[-1] == cuts[CAPPED + 10 - 1], cuts
+
+
+@pytest.mark.usefixtures("one_process_group")
+def test_a_decision_on_a_held_rank_is_priced_by_a_probe_of_its_own_step() -> None:
+    """2026-12-03 04:17 (quiet, pinned): the quota deepened from a half to a quarter between two probes, and a
+    decision due in between priced the held rank at its old cap; it moved a layer onto it, and the cooldown kept
+    the quarter's cut 4 steps away. A decision taken while a rank is held probes first (the mutant without it
+    prices steps 5 apart on probes up to 4 steps old)."""
+    rng = random.Random(0)
+    pipe = FakePipe()
+    caps = [1.0] * 10 + [0.5] * 13 + [0.25] * 17
+    probe = lambda: [1.0, caps[pipe.train_steps - 1]]  # noqa: E731
+    replanner = Replanner(pipe, RunCalibrator(pipe, cores=2), steps=1000, relayout_s=0.0, cooldown=5, probe=probe)
+    for k in range(len(caps)):
+        replanner.observe(capped_step(pipe, caps[k], [rng.lognormvariate(0.0, 0.05) for _ in range(2)]))
+    probed = {p["step"] for p in replanner.probes}
+    priced = [r["step"] for r in replanner.log if "caps" in r]
+    assert len(priced) >= 3, replanner.log
+    assert all(step in probed for step in priced), (priced, sorted(probed))
+    deeper = [r for r in replanner.log if "caps" in r and r["step"] > 23]
+    assert deeper and all(r["caps"][1] < 0.3 for r in deeper), deeper  # every decision after the change: a quarter

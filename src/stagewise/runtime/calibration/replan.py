@@ -188,6 +188,10 @@ class Replanner:
         due = self.every > 0 and self._since_decision >= self.every
         if cal.calibration is None or not (news or due or self.caps.moved()):
             return None
+        if self._since_probe and self._held():  # the caps as of this step: a quota deepened since the last probe
+            self._probe(now=self._held())  # priced at its old cap moved work onto the held rank (2026-12-03 04:17)
+            if cal.calibration is None:  # the probe freed a rank: a fresh calibration decides
+                return None
         self._since_decision = 0
         self._priced = self.caps.priced_now()  # on every rank alike: moved() is asked on every rank
         decided: dict[str, Any] = on_first_rank(None, self._decide, "deciding whether to re-plan")
