@@ -286,3 +286,30 @@ def test_a_decision_on_a_held_rank_is_priced_by_a_probe_of_its_own_step() -> Non
     assert all(step in probed for step in priced), (priced, sorted(probed))
     deeper = [r for r in replanner.log if "caps" in r and r["step"] > 23]
     assert deeper and all(r["caps"][1] < 0.3 for r in deeper), deeper  # every decision after the change: a quarter
+
+
+@pytest.mark.usefixtures("one_process_group")
+def test_a_lift_seen_by_the_probe_before_a_decision_recalibrates_and_decides_nothing() -> None:
+    """The probe a decision takes first may find the quota lifted: a fresh calibration starts (a new calibrator)
+    and this step decides nothing; the next decisions move the layers back (04:42: the decision went on, on the
+    new calibrator, which had no calibration yet). Held at a quarter for 20 steps, then a decision due between
+    two regular probes, at the step the quota lifts."""
+    rng = random.Random(1)
+    pipe = FakePipe()
+    caps = [1.0] * 10 + [0.25] * 20 + [1.0] * 30
+    probe = lambda: [1.0, caps[pipe.train_steps - 1]]  # noqa: E731
+    replanner = Replanner(pipe, RunCalibrator(pipe, cores=2), steps=1000, relayout_s=0.0, cooldown=5, probe=probe)
+
+    def step(k: int) -> Any:
+        return replanner.observe(capped_step(pipe, caps[k], [rng.lognormvariate(0.0, 0.05) for _ in range(2)]))
+
+    for k in range(30):
+        step(k)
+    assert replanner.caps.caps()[1] < 1 and [len(r) for r in pipe.layer_ranges][1] < 4, replanner.log
+    replanner._since_probe, replanner._since_decision = 1, replanner.every  # a decision due, no probe due
+    before = replanner.calibrator
+    assert step(30) is None  # the quota lifted at this step: the decision's own probe sees it, nothing decided
+    assert replanner.probes[-1]["lifted"] == [1] and replanner.calibrator is not before
+    for k in range(31, len(caps)):
+        step(k)
+    assert [len(r) for r in pipe.layer_ranges] == [4, 4], replanner.log

@@ -190,7 +190,7 @@ class Replanner:
             return None
         if self._since_probe and self._held():  # the caps as of this step: a quota deepened since the last probe
             self._probe(now=self._held())  # priced at its old cap moved work onto the held rank (2026-12-03 04:17)
-            if cal.calibration is None:  # the probe freed a rank: a fresh calibration decides
+            if self.calibrator is not cal:  # the probe freed a rank: a fresh calibration (a new calibrator) decides
                 return None
         self._since_decision = 0
         self._priced = self.caps.priced_now()  # on every rank alike: moved() is asked on every rank
