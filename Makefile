@@ -130,25 +130,31 @@ bench: $(STAMP)
 
 # Every pipeline method on the same GPT and CNN, data, seeds and samples: tables, JSON, plots in out/compare (~2-3 min).
 # (benchmarks/compare from this checkout: the same as `$(PY) -m benchmarks.compare --ranks 2 --out out/compare`.)
+# Then its tests on both models (tests/system/test_compare.py; `make test` checks the CNN's rows). Run it after a
+# change to benchmarks/compare or the asynchronous schedules.
 compare: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/stagewise compare -n 2 --out out/compare
+	STAGEWISE_COMPARE_ALL=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q tests/system/test_compare.py
 
 # The live re-layout's 4-rank job whole (about 1 min): the leak check at full length (20 re-layouts in one process,
 # file descriptors and shared memory flat; `make test` runs 6), and the cases `make test` leaves out for CI's time:
-# dp 4, a tagged model, from_hf, plan= and the asynchronous windows (tests/distributed/test_relayout.py). Run it
+# dp 4, a tagged model, from_hf, plan= and the asynchronous windows (tests/distributed/test_relayout.py), and the
+# examples/relayout.py run (shrink to 2 processes, grow back to 4). Run it
 # after a change to the re-layout, the checkpoint state or the frontends.
 .PHONY: relayout relayout-leaks
 relayout: $(STAMP)
-	STAGEWISE_RELAYOUT_ALL=1 STAGEWISE_RELAYOUT_LEAKS=20 OMP_NUM_THREADS=1 $(PY) -m pytest -q tests/distributed/test_relayout.py
+	STAGEWISE_RELAYOUT_ALL=1 STAGEWISE_RELAYOUT_LEAKS=20 OMP_NUM_THREADS=1 $(PY) -m pytest -q tests/distributed/test_relayout.py \
+		tests/system/test_examples.py::test_relayout_shrinks_to_2_processes_and_grows_back_to_4
 relayout-leaks: relayout
 
 # Pipeline.from_hf on every tested transformers family: 1f1b and zb-v, tied and untied heads, right padding and
-# -100 labels, 2 and 4 ranks, against the one-process model; the table of measured errors goes to out/hf_grid.md
-# (a few minutes).
+# -100 labels, 2 and 4 ranks, against the one-process model; the table of measured errors goes to out/hf_grid.md;
+# then examples/hf_causal_lm.py's Llama on 4 ranks, saved and reloaded with from_pretrained (a few minutes).
 .PHONY: hf-grid
 hf-grid: $(STAMP)
 	mkdir -p out
-	STAGEWISE_HF_GRID=out/hf_grid.md OMP_NUM_THREADS=1 $(PY) -m pytest -q tests/distributed/test_hf_ranks.py
+	STAGEWISE_HF_GRID=out/hf_grid.md OMP_NUM_THREADS=1 $(PY) -m pytest -q tests/distributed/test_hf_ranks.py \
+		tests/system/test_examples.py::test_hf_llama_on_4_ranks_trains_saves_and_reloads
 	cat out/hf_grid.md
 
 # torch.distributed.pipelining both ways, the whole grid (tests/distributed/test_torch_interop.py samples it at 2
