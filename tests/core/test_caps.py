@@ -14,7 +14,7 @@ import pytest
 from helpers.profiles import fake_profile
 from stagewise import build_schedule, simulate
 from stagewise.ir import Timeline
-from stagewise.planning.capped import priced
+from stagewise.planning.capped import held_speed, priced
 from stagewise.planning.recalibrate import calibrate_run
 from stagewise.planning.replan import Decisions, cap_error, options_for, step_spread
 from stagewise.planning.stragglers import CAP_ERROR, LEAST_ERROR, Caps, Detector, lifted, speed_error
@@ -214,3 +214,19 @@ def test_priced_by_a_constant_speed_the_run_goes_wrong() -> None:
     """The mutant: the candidates priced by the held rank's measured speed as a constant factor (the old
     behaviour, caps not given): some phase misses its cut."""
     assert any(problems(truth, seed, priced_by_cap=False) for truth in (fluid, held_whole) for seed in range(3))
+
+
+def test_a_held_rank_s_speed_is_measured_on_the_cut_it_ran() -> None:
+    """What a calibration of a new cut takes for a rank held by a cap (2026-12-03 04:43: told 0.2 by a prediction
+    on [8, 2], where the rank ran its two cheap layers at full speed): read on the cut's own steps. One layer under
+    a quarter of a core fits under the cap: 1, its layers as measured; four layers held whole at a quarter: the
+    cap; a quota that stops the rank between its actions (they run at 0.5 while the rank runs at 0.25): about the
+    actions' own speed (the stops before its first action fall outside its span: read a little low)."""
+    from helpers.quota import quota
+
+    assert held_speed([timeline([7, 1], [1.0, 1.0])], 1, 0.25, 2.0) == 1.0
+    assert held_speed([timeline([4, 4], [1.0, 0.25])], 1, 0.25, 2.0) == pytest.approx(0.25)
+    stopped = quota(timeline([4, 4], [1.0, 0.25]), [1.0, 0.5], [1.0, 0.25])
+    assert held_speed([stopped], 1, 0.25, 2.0) == pytest.approx(0.5, rel=0.1)
+    with pytest.raises(ValueError, match="cap must be in"):
+        held_speed([stopped], 1, 0.0, 2.0)

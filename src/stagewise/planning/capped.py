@@ -6,19 +6,21 @@ measured on the running cut), the model under-prices the cut running and over-pr
 rank (the 16:15 quiet run: [7, 3] predicted 164 ms, measured 200 ms, so the move to [9, 1] was refused twice).
 :func:`priced` gives a cut's step and each rank's speed on it with a held rank's compute capped, every cut (the
 running one too) by the same model, so that a gain compares like with like. :func:`slowed` is the one cost model
-with a speed per rank (HetPipe's ``speeds=``).
+with a speed per rank (HetPipe's ``speeds=``). :func:`held_speed` is the same cap read the other way, on a
+measured step: what a calibration of a new cut must divide a held rank's actions by (measured, never predicted).
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from ..ir import Kind, Schedule
+from ..ir import Kind, Schedule, Timeline
 from ..partition import LayerProfile
 from ..simulation import CostModel, simulate
 from .link_fit import COMPUTE
-from .recalibrate import RunCalibration
+from .recalibrate import RunCalibration, deshared
 
 #: bisections of a capped rank's speed (:func:`priced`): 2^-16 of the bracket, far inside any step's noise
 CAP_ITERATIONS = 16
@@ -58,6 +60,29 @@ def priced(
             for r in held:
                 out[r] = _capped_speed(step, out, r, busy[r] / caps[r] + idle[r], caps[r])
     return step(out), out
+
+
+def held_speed(timelines: Sequence[Timeline], rank: int, cap: float, cores: float) -> float:
+    """A rank held to ``cap`` of a core, its speed inside its compute actions in ``timelines`` (the median over the
+    steps): between its first compute action and its last (``span``) it got at most ``cap`` of a core, so its
+    actions' work at full speed is at most ``cap x span`` and at most their measured seconds ``A`` (de-shared):
+    ``min(1, cap x span / A)``. Given little work it stays under its cap (speed 1, its layers as measured); given
+    much, it spends its quota and its actions hold the stops (the quota's stops outside them, and its other work,
+    read as work: a speed a little high, its layers a little costly, never cheap). Measured on the cut it
+    describes, because a speed predicted from another cut's layer costs (each a stage's average) was wrong by as
+    much as those averages: 2026-12-03 04:43, told 0.2 on [8, 2] where the held rank ran at full speed, its layers
+    read 5x cheap and a layer moved back onto it."""
+    if not 0 < cap <= 1:
+        raise ValueError(f"held_speed: cap must be in (0, 1], got {cap!r}")
+    out = []
+    for timeline in timelines:
+        own = [(e, s) for e, s in deshared(timeline, cores) if e.rank == rank]
+        took = sum(s for _, s in own)
+        if not own or took <= 0:
+            continue
+        span = max(e.end for e, _ in own) - min(e.start for e, _ in own)
+        out.append(min(1.0, cap * span / took))
+    return statistics.median(out) if out else 1.0
 
 
 def _capped_speed(

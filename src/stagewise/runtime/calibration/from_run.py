@@ -30,6 +30,7 @@ from typing import Any
 from ...ir import Timeline
 from ...partition import LayerCost, LayerProfile
 from ...planning import Calibration
+from ...planning.capped import held_speed
 from ...planning.recalibrate import Prediction, RunCalibration, calibrate_run, ring_synced
 from ...planning.stragglers import Detector, Straggler, cut_for_speeds, rank_speeds, slowed
 from ..measure.cores import node_affinity
@@ -53,7 +54,9 @@ class RunCalibrator:
     (``affinity``, ``pinned``): ranks pinned a core each share those cores, not one;
     :mod:`stagewise.planning.core_share`); ``processes``: how many processes compute on them (default: the ranks);
     ``speeds``: each rank's known speed while it calibrates (a re-plan's, after a straggler was named), so that
-    a slow rank's slowness stays its speed and is not taken for its layers' cost; ``bandwidth``: the link's
+    a slow rank's slowness stays its speed and is not taken for its layers' cost; ``caps``: each rank's cap (its
+    probed share of a core; 1: none): a rank below 1 is held by a quota, and its speed is not told but measured
+    from the calibrating steps (:func:`~stagewise.planning.capped.held_speed`); ``bandwidth``: the link's
     bytes/s where the run's transfers cannot identify it (one message size), by default the link the
     pipeline's plan was searched with (``Pipeline.from_plan`` of a plan searched with ``sw.calibrate()``'s
     links: its ``costs.bandwidth``), or a probe's: a number (e.g. a ping-pong's,
@@ -78,6 +81,7 @@ class RunCalibrator:
         after: int = AFTER,
         on_event: Callable[[dict[str, Any]], None] | None = None,
         speeds: Sequence[float] | None = None,
+        caps: Sequence[float] | None = None,
         bandwidth: float | Calibration | None = None,
         per_action: bool = False,
         reduce: tuple[float, float] | None = None,
@@ -91,6 +95,7 @@ class RunCalibrator:
         self.cores = float(cores if cores is not None else len(os.sched_getaffinity(0)))
         self.processes = processes or pipe.num_ranks
         self.speeds = None if speeds is None else [float(x) for x in speeds]
+        self.caps = [1.0] * pipe.num_ranks if caps is None else [float(c) for c in caps]
         self.warmup, self.after, self.per_action = warmup, after, per_action
         self.reduce = None if reduce is None else (float(reduce[0]), float(reduce[1]))
         self.bandwidth, self.bandwidth_from = link_prior(pipe, bandwidth)
@@ -144,6 +149,12 @@ class RunCalibrator:
             steps=timed if self._steps_timed else None, reduce=self.reduce, affinity=affinity,
         )  # fmt: skip
         self.cores = cal.cores
+        if any(c < 1 for c in self.caps):  # a held rank's speed on this cut, measured here (not another cut's)
+            told = self.speeds or [1.0] * self.pipe.num_ranks
+            self.speeds = [
+                held_speed(self._calibrating, r, c, cal.cores) if c < 1 else t
+                for r, (t, c) in enumerate(zip(told, self.caps))
+            ]
         if self.speeds is not None:  # a rank known slow stays a slow rank: its stages' layers keep their costs
             at = [self.speeds[r] for r in schedule.placement]
             measured = {k: {s: v * at[s] for s, v in by.items()} for k, by in cal.measured.items()}
@@ -171,6 +182,7 @@ class RunCalibrator:
                 "steps_s": list(cal.steps),
                 "steps_from": "timed" if self._steps_timed else "makespans",
                 "reduce_link": None if cal.reduce is None else list(cal.reduce),
+                "speeds": self.speeds,
             }
         )
 

@@ -14,10 +14,11 @@ appended to ``log`` (and to ``log_path``, JSON lines, on the first rank). A chan
 costs: :func:`~stagewise.planning.replan.relayout_cost`), and a new calibration starts on the
 new layout (the old one described another cut), told the ranks' speeds inside their compute actions at the decision
 (:func:`~stagewise.planning.stragglers.compute_speeds`: what its measured actions must be divided by to give the
-layers' own costs), so that a straggler stays a slow rank rather than becoming costly layers: when its throttle
-lifts it is "recovered" and the cut for equal speeds moves its layers back. A CPU quota is a cap, not a speed:
-a held rank the re-cut left little work stays under its cap and its steps cannot show the lift, so every
-``probe_every`` steps while a rank is held slow every rank is probed with a short busy loop (:mod:`.probe`); a
+layers' own costs; a rank held by a cap is not told but measured on the new cut,
+:func:`~stagewise.planning.capped.held_speed`), so that a straggler stays a slow rank rather than becoming costly
+layers: when its throttle lifts it is "recovered" and the cut for equal speeds moves its layers back. A CPU quota is a
+cap, not a speed: a held rank the re-cut left little work stays under its cap and its steps cannot show the lift, so
+every ``probe_every`` steps while a rank is held slow every rank is probed with a short busy loop (:mod:`.probe`); a
 held one whose share of a core is back above :data:`~stagewise.planning.stragglers.RECOVERED` of the largest is
 taken at full speed and a fresh
 calibration starts, whose news re-decides (the cut for equal speeds: moved back when it pays). The probe also
@@ -41,7 +42,6 @@ from typing import Any
 from ...ir import Schedule
 from ...partition import LayerProfile
 from ...passes.build import build_schedule
-from ...planning.capped import priced
 from ...planning.recalibrate import Z85, RunCalibration
 from ...planning.replan import (
     Decisions,
@@ -289,20 +289,7 @@ class Replanner:
         self.decisions.last_change = before[1]
         if any(c < 1 for c in self._priced):
             record["caps"] = list(self._priced)
-            if record["taken"]:  # a capped rank runs the new cut at the speed its cap gives it there
-                told = self._capped_told(cal.calibration, record["best"], speeds, told)
         return {"record": record, "speeds": speeds, "errors": errs, "told": told}
-
-    def _capped_told(
-        self, cal: RunCalibration, best: dict[str, Any], speeds: list[float], told: list[float]
-    ) -> list[float]:
-        """What the calibration of the new cut is told of a capped rank: its speed there as its cap gives it (a
-        rank given little work runs at full speed, and its layers must not read cheap; one given much, at its
-        cap), from the same model that chose the cut (:func:`~stagewise.planning.stragglers.priced`)."""
-        running = self.pipe.schedule
-        schedule = running if best["schedule"] == running.name else _like(best["schedule"], running)
-        _, at = priced(cal.profile(self.prior), schedule, best["counts"], speeds, cal, self._priced)
-        return [a if c < 1 else t for a, c, t in zip(at, self._priced, told)]
 
     def _options(self, cal: RunCalibration, speeds: list[float], caps: list[float]) -> tuple[Option, list[Option]]:
         running = self.pipe.schedule
@@ -361,6 +348,7 @@ class Replanner:
             warmup=1,
             after=old.after,
             speeds=self.told,
+            caps=self.caps.caps(),  # a held rank's speed measured on this cut (from_run), never predicted
             bandwidth=old.bandwidth,
         )
         self.calibrator.on_event = old.on_event
