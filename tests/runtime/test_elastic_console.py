@@ -124,3 +124,18 @@ def test_torchs_line_of_a_rendezvous_store_gone_at_the_end_is_dropped_and_no_oth
     assert "torch.distributed.elastic.rendezvous.dynamic_rendezvous" in _Quiet.LOGGERS
     assert not _Quiet().filter(record("RendezvousConnectionError"))  # the store went with the machine that ended
     assert _Quiet().filter(record("RendezvousStateError"))
+
+
+def test_a_failing_sort_copies_the_rest_as_it_is(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(self: Divert, data: bytes) -> tuple[bytes, bytes]:
+        raise RuntimeError("a bug in the sorting")
+
+    monkeypatch.setattr(Divert, "feed", broken)
+    console = Console()
+    with console.routed(tmp_path / "warnings.txt"):  # (a pipe nobody read would block the child for good)
+        child = subprocess.Popen([sys.executable, "-c", f"import os\nos.write(2, {USER!r})\nos.write(2, {USER!r})"])
+    assert child.wait() == 0
+    console.close(wait=60)
+    assert capfd.readouterr().err == (USER * 2).decode()  # the bytes of the read that failed too

@@ -133,18 +133,29 @@ class Console:
 
 
 def _copy(read: int, console: int, into: Path) -> None:
-    """Copy the pipe ``read`` to ``console`` until its end, the store warnings to the file ``into``."""
+    """Copy the pipe ``read`` to ``console`` until its end, the store warnings to the file ``into``. Should the
+    sorting fail, the rest is copied as it is: a pipe nobody reads would stop the workers at their next write."""
     divert = Divert()
+    poll = select.poll()
+    poll.register(read, select.POLLIN)
+    data: bytes | None = None
     try:
         while True:
-            ready, _, _ = select.select([read], [], [], PAUSE_S if divert.holding else None)
+            ready = poll.poll(PAUSE_S * 1000 if divert.holding else None)
             data = _read(read) if ready else None
             shown, filed = divert.flush() if not data else divert.feed(data)
+            data = None if data else data  # sorted: shown or filed below
             _write(console, shown)
             if filed and not _append(into, filed):
                 _write(console, filed)  # no file to take it: shown rather than lost
             if data == b"":
                 return
+    except Exception:
+        rest = data or b""
+        while True:
+            _write(console, rest)
+            if not (rest := _read(read)):
+                break
     finally:
         os.close(read)
 
