@@ -28,8 +28,9 @@ new world size; a machine that starts later is taken in at the next round. Two t
   defaults (a keep-alive every 5 s, 3 missed; a last call of 30 s) made the survivors wait 40 s in silence.
 * **One line when the rendezvous itself fails** (:func:`rendezvous_failure`): fewer machines than MIN
   within ``join_timeout``, or the rendezvous store gone with the machine that hosted it.
-* **No C++ warnings of a lost store on the console** (:mod:`.console`): the workers' stderr reaches it through
-  the launcher, which files torch's TCP store client warnings (raised again in Python anyway) with the tracebacks.
+* **No C++ warnings of a lost store on the console** (:func:`store_warnings_filed`): the workers' stderr reaches
+  it through the launcher, which files torch's TCP store client warnings (raised again in Python anyway) with the
+  tracebacks.
 """
 
 from __future__ import annotations
@@ -137,31 +138,16 @@ def watched(folder: str, nproc: int, conf: dict[str, str], traces: str) -> Itera
     """While torch's agent runs, each restart of this machine's workers is one line instead of torch's log:
     their failure (:func:`failure_line`) or a machine that joins; and when every one of them refused before its
     first step, no restart (a refusal would only repeat); and the workers' stderr without torch's store warnings
-    (:mod:`.console`: into the attempt's folder). The agent's monitor, restart and start, and the rendezvous'
-    shutdown, are wrapped for the duration (torch has no hook for any)."""
+    (:func:`store_warnings_filed`). The agent's monitor and restart are wrapped for the duration (torch has no
+    hook for either)."""
     from torch.distributed.elastic.agent.server.api import WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler as Rendezvous
 
     from ..interrupt import failed
-    from .console import STORE_WARNINGS, Console
 
     monitor, restart = LocalElasticAgent._monitor_workers, LocalElasticAgent._restart_workers
-    start, shutdown = LocalElasticAgent._start_workers, Rendezvous.shutdown
     quiet = _Quiet()
     os.makedirs(traces, exist_ok=True)
-    console = Console()
-
-    def starting(agent: Any, group: Any) -> Any:
-        """torch's start, the workers' stderr a pipe of the console's (the attempt: their restart count)."""
-        attempt = group.spec.max_restarts - agent._remaining_restarts
-        with console.routed(Path(traces) / f"attempt-{attempt}" / STORE_WARNINGS):
-            return start(agent, group)
-
-    def shutting(handler: Any) -> bool:
-        """torch's last call to the rendezvous store: gone when the machine that hosted it finished first."""
-        with console.routed(Path(traces) / STORE_WARNINGS):
-            return bool(shutdown(handler))
 
     def records(agent: Any, group: Any, counted: bool = False) -> tuple[int, list[dict[str, Any]]]:
         """The attempt of the workers that ran (``counted``: the agent has counted this failure already)."""
@@ -192,17 +178,46 @@ def watched(folder: str, nproc: int, conf: dict[str, str], traces: str) -> Itera
 
     LocalElasticAgent._monitor_workers = watch  # type: ignore[method-assign]
     LocalElasticAgent._restart_workers = restarting  # type: ignore[method-assign]
-    LocalElasticAgent._start_workers = starting  # type: ignore[method-assign]
-    Rendezvous.shutdown = shutting  # type: ignore[method-assign,assignment]
     quiet.attach()
     try:
-        yield
+        with store_warnings_filed(traces):
+            yield
     finally:
         LocalElasticAgent._monitor_workers = monitor  # type: ignore[method-assign]
         LocalElasticAgent._restart_workers = restart  # type: ignore[method-assign]
+        quiet.detach()
+
+
+@contextmanager
+def store_warnings_filed(traces: str) -> Iterator[None]:
+    """Each start of this machine's workers gives them a pipe of :class:`.console.Console` as stderr, whose store
+    warnings go to their attempt's folder (its number: their restart count); the rendezvous' last call, whose store
+    is gone when the machine that hosted it finished first, too (into ``traces``). torch's start and the
+    rendezvous' shutdown are wrapped for the duration (torch has no hook for either)."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler as Rendezvous
+
+    from .console import STORE_WARNINGS, Console
+
+    start, shutdown = LocalElasticAgent._start_workers, Rendezvous.shutdown
+    console = Console()
+
+    def starting(agent: Any, group: Any) -> Any:
+        attempt = group.spec.max_restarts - agent._remaining_restarts
+        with console.routed(Path(traces) / f"attempt-{attempt}" / STORE_WARNINGS):
+            return start(agent, group)
+
+    def shutting(handler: Any) -> bool:
+        with console.routed(Path(traces) / STORE_WARNINGS):
+            return bool(shutdown(handler))
+
+    LocalElasticAgent._start_workers = starting  # type: ignore[method-assign]
+    Rendezvous.shutdown = shutting  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
         LocalElasticAgent._start_workers = start  # type: ignore[method-assign]
         Rendezvous.shutdown = shutdown  # type: ignore[method-assign]
-        quiet.detach()
         console.close()
 
 
