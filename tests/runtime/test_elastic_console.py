@@ -7,6 +7,7 @@ runs. And torch's Python line that the rendezvous could not be closed, dropped o
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -139,3 +140,13 @@ def test_a_failing_sort_copies_the_rest_as_it_is(
     assert child.wait() == 0
     console.close(wait=60)
     assert capfd.readouterr().err == (USER * 2).decode()  # the bytes of the read that failed too
+
+
+def test_no_stderr_at_all_is_left_alone(tmp_path: Path) -> None:
+    closed = os.open(os.devnull, os.O_WRONLY)
+    os.close(closed)
+    console = Console(closed)  # (stagewise run started with 2>&-)
+    with console.routed(tmp_path / "warnings.txt"):
+        with pytest.raises(OSError):
+            os.fstat(closed)  # nothing was put in its place
+    console.close()

@@ -102,13 +102,19 @@ class Console:
 
     def __init__(self, fd: int = 2) -> None:
         self._fd = fd
-        self._console = os.dup(fd)  # where the shown bytes go, whatever ``fd`` is meanwhile
+        try:
+            self._console: int | None = os.dup(fd)  # where the shown bytes go, whatever ``fd`` is meanwhile
+        except OSError:  # no stderr at all (closed): nothing to keep off it
+            self._console = None
         self._readers: list[threading.Thread] = []
 
     @contextmanager
     def routed(self, into: Path) -> Iterator[None]:
         """While inside, ``fd`` is a new pipe, which the processes started meanwhile inherit as their stderr (and
         which takes the launcher's own C++ warnings meanwhile); the store warnings read from it go to ``into``."""
+        if self._console is None:
+            yield
+            return
         read, write = os.pipe()
         reader = threading.Thread(target=_copy, args=(read, self._console, into), name="stagewise-stderr", daemon=True)
         reader.start()
@@ -128,7 +134,7 @@ class Console:
         deadline = time.monotonic() + wait
         for reader in self._readers:
             reader.join(max(0.0, deadline - time.monotonic()))
-        if not any(reader.is_alive() for reader in self._readers):
+        if self._console is not None and not any(reader.is_alive() for reader in self._readers):
             os.close(self._console)
 
 
