@@ -19,9 +19,8 @@ and a thread of the launcher copies it to the console unchanged except for warni
 ``recvValueWithTimeout`` ``failed on`` - each of which torch raises again at once (``TCPClient`` in
 ``TCPStore.cpp``: a ``C10D_WARNING`` then ``throw;``), so the caller gets the same error and nothing is lost by
 keeping the C++ copy off the console. They go, whole, to :data:`STORE_WARNINGS` in the attempt's folder, the one
-the failure line names. (The launcher's own stderr is routed the same way while torch's agent runs, into the
-folder itself: its rendezvous store client warns alike when the machine that hosted the store is lost, or finished
-first.) The user's prints, torch's other
+the failure line names. (The launcher's own last call to the rendezvous store, which is gone when the machine
+that hosted it finished first, is routed the same way, into the folder itself.) The user's prints, torch's other
 warnings and any message of another shape pass as they are; a line cut between two reads is held until its end
 comes or the pipe is quiet for :data:`PAUSE_S`.
 
@@ -121,15 +120,13 @@ class Console:
         reader.start()
         self._readers.append(reader)
         sys.stderr.flush()  # the launcher's own lines written before stay before
-        previous = os.dup(self._fd)  # (routed again inside: the outer pipe)
         os.dup2(write, self._fd)
         os.close(write)
         try:
             yield
         finally:
             sys.stderr.flush()
-            os.dup2(previous, self._fd)  # the pipe's writing end is the workers' alone now
-            os.close(previous)
+            os.dup2(self._console, self._fd)  # the pipe's writing end is the workers' alone now
 
     def close(self, wait: float = 5.0) -> None:
         """Wait up to ``wait`` seconds for the readers to reach their pipes' ends (the workers have stopped); the

@@ -191,14 +191,15 @@ def watched(folder: str, nproc: int, conf: dict[str, str], traces: str) -> Itera
 @contextmanager
 def store_warnings_filed(traces: str) -> Iterator[None]:
     """Each start of this machine's workers gives them a pipe of :class:`.console.Console` as stderr, whose store
-    warnings go to their attempt's folder (its number: their restart count); the launcher's own stderr goes through
-    one too while torch's agent runs (its rendezvous client warns alike when the store's machine is lost or finished
-    first; into ``traces``). torch's start is wrapped for the duration (torch has no hook for it)."""
+    warnings go to their attempt's folder (its number: their restart count); the rendezvous' last call, whose store
+    is gone when the machine that hosted it finished first, too (into ``traces``). torch's start and the
+    rendezvous' shutdown are wrapped for the duration (torch has no hook for either)."""
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler as Rendezvous
 
     from .console import STORE_WARNINGS, Console
 
-    start = LocalElasticAgent._start_workers
+    start, shutdown = LocalElasticAgent._start_workers, Rendezvous.shutdown
     console = Console()
 
     def starting(agent: Any, group: Any) -> Any:
@@ -206,12 +207,17 @@ def store_warnings_filed(traces: str) -> Iterator[None]:
         with console.routed(Path(traces) / f"attempt-{attempt}" / STORE_WARNINGS):
             return start(agent, group)
 
-    LocalElasticAgent._start_workers = starting  # type: ignore[method-assign]
-    try:
+    def shutting(handler: Any) -> bool:
         with console.routed(Path(traces) / STORE_WARNINGS):
-            yield
+            return bool(shutdown(handler))
+
+    LocalElasticAgent._start_workers = starting  # type: ignore[method-assign]
+    Rendezvous.shutdown = shutting  # type: ignore[method-assign,assignment]
+    try:
+        yield
     finally:
         LocalElasticAgent._start_workers = start  # type: ignore[method-assign]
+        Rendezvous.shutdown = shutdown  # type: ignore[method-assign]
         console.close()
 
 
@@ -237,9 +243,9 @@ def _say(line: str) -> None:
 
 class _Quiet(logging.Filter):
     """Drops torch's agent's own lines about a failure it restarts from (the one line says it all): each
-    worker's exit code, the signals sent to the others, "Worker group FAILED ... will restart"; and that a
-    keep-alive or the rendezvous' shutdown failed because its store is gone (:data:`GONE`): lost with the machine
-    that hosted it, which :func:`rendezvous_failure` says in one line, or finished first (nobody left to tell)."""
+    worker's exit code, the signals sent to the others, "Worker group FAILED ... will restart"; and, at the end,
+    that the rendezvous could not be closed because its store is gone (:data:`GONE`: the machine that hosted it
+    finished first and took it along; nobody is left to tell)."""
 
     LOGGERS = (
         "torch.distributed.elastic.agent.server.api",
@@ -247,7 +253,7 @@ class _Quiet(logging.Filter):
         "torch.distributed.elastic.rendezvous.dynamic_rendezvous",
     )
     NOISE = ("failed (exitcode", "closing signal", "Worker group FAILED", "Worker group UNHEALTHY")
-    GONE = ("has failed to ", " the rendezvous '", "due to an error of type RendezvousConnectionError")
+    GONE = ("has failed to shutdown the rendezvous", "due to an error of type RendezvousConnectionError")
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = record.getMessage()
