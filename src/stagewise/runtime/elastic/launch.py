@@ -28,6 +28,9 @@ new world size; a machine that starts later is taken in at the next round. Two t
   defaults (a keep-alive every 5 s, 3 missed; a last call of 30 s) made the survivors wait 40 s in silence.
 * **One line when the rendezvous itself fails** (:func:`rendezvous_failure`): fewer machines than MIN
   within ``join_timeout``, or the rendezvous store gone with the machine that hosted it.
+* **No C++ warnings of a lost store on the console** (:func:`store_warnings_filed`): the workers' stderr reaches
+  it through the launcher, which files torch's TCP store client warnings (raised again in Python anyway) with the
+  tracebacks.
 """
 
 from __future__ import annotations
@@ -134,8 +137,9 @@ def refused(records: list[dict[str, Any]], ranks: list[int]) -> bool:
 def watched(folder: str, nproc: int, conf: dict[str, str], traces: str) -> Iterator[None]:
     """While torch's agent runs, each restart of this machine's workers is one line instead of torch's log:
     their failure (:func:`failure_line`) or a machine that joins; and when every one of them refused before its
-    first step, no restart (a refusal would only repeat). The agent's monitor and restart are wrapped for the
-    duration (torch has no hook for either)."""
+    first step, no restart (a refusal would only repeat); and the workers' stderr without torch's store warnings
+    (:func:`store_warnings_filed`). The agent's monitor and restart are wrapped for the duration (torch has no
+    hook for either)."""
     from torch.distributed.elastic.agent.server.api import WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
@@ -176,11 +180,45 @@ def watched(folder: str, nproc: int, conf: dict[str, str], traces: str) -> Itera
     LocalElasticAgent._restart_workers = restarting  # type: ignore[method-assign]
     quiet.attach()
     try:
-        yield
+        with store_warnings_filed(traces):
+            yield
     finally:
         LocalElasticAgent._monitor_workers = monitor  # type: ignore[method-assign]
         LocalElasticAgent._restart_workers = restart  # type: ignore[method-assign]
         quiet.detach()
+
+
+@contextmanager
+def store_warnings_filed(traces: str) -> Iterator[None]:
+    """Each start of this machine's workers gives them a pipe of :class:`.console.Console` as stderr, whose store
+    warnings go to their attempt's folder (its number: their restart count); the rendezvous' last call, whose store
+    is gone when the machine that hosted it finished first, too (into ``traces``). torch's start and the
+    rendezvous' shutdown are wrapped for the duration (torch has no hook for either)."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler as Rendezvous
+
+    from .console import STORE_WARNINGS, Console
+
+    start, shutdown = LocalElasticAgent._start_workers, Rendezvous.shutdown
+    console = Console()
+
+    def starting(agent: Any, group: Any) -> Any:
+        attempt = group.spec.max_restarts - agent._remaining_restarts
+        with console.routed(Path(traces) / f"attempt-{attempt}" / STORE_WARNINGS):
+            return start(agent, group)
+
+    def shutting(handler: Any) -> bool:
+        with console.routed(Path(traces) / STORE_WARNINGS):
+            return bool(shutdown(handler))
+
+    LocalElasticAgent._start_workers = starting  # type: ignore[method-assign]
+    Rendezvous.shutdown = shutting  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        LocalElasticAgent._start_workers = start  # type: ignore[method-assign]
+        Rendezvous.shutdown = shutdown  # type: ignore[method-assign]
+        console.close()
 
 
 def _consume(folder: str, attempt: int) -> None:
@@ -205,14 +243,21 @@ def _say(line: str) -> None:
 
 class _Quiet(logging.Filter):
     """Drops torch's agent's own lines about a failure it restarts from (the one line says it all): each
-    worker's exit code, the signals sent to the others, "Worker group FAILED ... will restart"."""
+    worker's exit code, the signals sent to the others, "Worker group FAILED ... will restart"; and, at the end,
+    that the rendezvous could not be closed because its store is gone (:data:`GONE`: the machine that hosted it
+    finished first and took it along; nobody is left to tell)."""
 
-    LOGGERS = ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api")
+    LOGGERS = (
+        "torch.distributed.elastic.agent.server.api",
+        "torch.distributed.elastic.multiprocessing.api",
+        "torch.distributed.elastic.rendezvous.dynamic_rendezvous",
+    )
     NOISE = ("failed (exitcode", "closing signal", "Worker group FAILED", "Worker group UNHEALTHY")
+    GONE = ("has failed to shutdown the rendezvous", "due to an error of type RendezvousConnectionError")
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = record.getMessage()
-        return not any(n in text for n in self.NOISE)
+        return not (any(n in text for n in self.NOISE) or all(g in text for g in self.GONE))
 
     def attach(self) -> None:
         for name in self.LOGGERS:
