@@ -116,8 +116,8 @@ def optimizer_state(
                 params[name] = hyper
                 entries: dict[str, Any] = {}
                 for key, value in opt.state.get(p, {}).items():
-                    if isinstance(value, torch.Tensor):
-                        tensors[f"{OPTIM}{name}/{key}"] = value.detach()
+                    if isinstance(value, torch.Tensor):  # (detached only if it needs it: ~465 per snapshot)
+                        tensors[f"{OPTIM}{name}/{key}"] = value.detach() if value.requires_grad else value
                         entries[key] = {"tensor": True}
                     else:
                         entries[key] = {"value": encode(value, f"optimizer state {key!r} of {name}")}
