@@ -9,7 +9,6 @@ the peer never began its part (:func:`exchange_settled`).
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
 from collections.abc import Callable, Collection, Sequence
@@ -24,12 +23,10 @@ import torch.distributed as dist
 from ..errors import PipelineError
 from . import groups
 from .collectives import gather_json
-from .kept_threads import Kept
 
 #: a side exchange's deadline may not outlast the pipeline's own (seconds)
 _NOTHING = -1
 _POLL_S = 0.1  # how often a waiting exchange asks whether to give up
-_PEERS, _COMMITS = Kept("stagewise-snapshot-peer"), Kept("stagewise-snapshot-commit")  # (each transfer's thread)
 
 
 def snapshot_group(group: Any, timeout: float) -> Any:
@@ -100,11 +97,10 @@ def exchange_settled(
     peer its length first, then its bytes. ``into``: by source, a buffer to receive into, kept
     from call to call (a new one's pages cost as much as the bytes' copy).
 
-    Each peer's transfer runs on a thread of its own (``around()``: the context each runs in; a kept thread,
-    :mod:`.kept_threads`), so that no peer waits behind another: a source that is gone does not stop the copy
-    to ``dest`` (otherwise the survivor after a lost machine in the ring gives up at once, and the one after it
-    waits the whole timeout for bytes that never come - and its recovery with it). The ``timeout`` bounds the
-    whole exchange.
+    Each peer's transfer runs on a thread of its own (``around()``: the context each runs in), so that no peer
+    waits behind another: a source that is gone does not stop the copy to ``dest`` (otherwise the survivor
+    after a lost machine in the ring gives up at once, and the one after it waits the whole timeout for bytes
+    that never come - and its recovery with it). The ``timeout`` bounds the whole exchange.
 
     ``give_up()`` (asked while waiting): once true, a transfer whose length has not gone through is abandoned
     - its peer never entered this exchange (its step failed before its snapshot) and never will, and waiting
@@ -121,7 +117,7 @@ def exchange_settled(
     for t in peers:
         run = x.send if t.send else x.recv
         arg: Any = payload if t.send else keep
-        _PEERS.run(functools.partial(run, t, arg))
+        threading.Thread(target=run, args=(t, arg), name="stagewise-snapshot-peer", daemon=True).start()
     x.settle(peers, give_up)
     done = Settled({}, [], set())
     got, failed = done.got, done.failed
@@ -254,7 +250,7 @@ def lowest(
             finally:
                 ended.set()
 
-    _COMMITS.run(run)
+    threading.Thread(target=run, name="stagewise-snapshot-commit", daemon=True).start()
     end = time.monotonic() + timeout
     while not ended.wait(min(_POLL_S, max(end - time.monotonic(), 0.0))):
         if give_up is not None and give_up():
