@@ -25,6 +25,7 @@ import os
 import statistics
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -71,11 +72,13 @@ def worker(args: argparse.Namespace) -> None:
 
     modes = ["none", *args.commit]
     cpu = dict.fromkeys(modes, 0.0)  # this process's CPU seconds in the measured rounds, by mode
+    threads: dict[str, dict[str, float]] = {m: {} for m in modes}  # and by thread (see thread_cpu)
+    snap_gloo = {t for p in pipes.values() if p.snapshots is not None for t in p.snapshots.priority.group}
 
     def round_of(mode: str) -> tuple[float, float]:
         nonlocal step
         pipe, times = pipes[mode], []
-        started = time.process_time()
+        started, by_thread = time.process_time(), thread_cpu(snap_gloo)
         for _ in range(args.steps):
             step += 1
             g = torch.Generator().manual_seed(step)
@@ -87,11 +90,17 @@ def worker(args: argparse.Namespace) -> None:
         if pipe.snapshots is not None:
             pipe.snapshots.wait()  # (its tail belongs to this round, not to the next one's)
         cpu[mode] += time.process_time() - started
+        ended, found = time.process_time() - started, thread_cpu(snap_gloo)
+        for kind, secs in found.items():
+            threads[mode][kind] = threads[mode].get(kind, 0.0) + secs - by_thread.get(kind, 0.0)
+        gone = ended - sum(found.values()) + sum(by_thread.values())  # (threads that ended in the round)
+        threads[mode]["ended"] = threads[mode].get("ended", 0.0) + gone
         return statistics.median(times), statistics.fmean(times)
 
     for mode in modes:  # warm-up
         round_of(mode)
     cpu.update(dict.fromkeys(modes, 0.0))
+    threads.update({m: {} for m in modes})
     snaps = {mode: pipes[mode].snapshots for mode in args.commit}
     for one in snaps.values():
         assert one is not None
@@ -113,11 +122,37 @@ def worker(args: argparse.Namespace) -> None:
         for mode, one in snaps.items()
     }
     extra_cpu = {m: (cpu[m] - cpu["none"]) / steps for m in args.commit}
-    found = {"rounds": rounds, "bytes": state, "parts": parts, "extra_cpu": extra_cpu}
+    kinds = {k for got in threads.values() for k in got}
+    extra_threads = {
+        m: {k: (threads[m].get(k, 0.0) - threads["none"].get(k, 0.0)) / steps for k in sorted(kinds)}
+        for m in args.commit
+    }
+    found = {"rounds": rounds, "bytes": state, "parts": parts, "extra_cpu": extra_cpu, "threads": extra_threads}
     dist.all_gather_object(everyone, found)
     if rank == 0:
         Path(args.result).write_text(json.dumps({"layout": fit.describe(), "ranks": everyone}))
     dist.destroy_process_group()
+
+
+def thread_cpu(snap_gloo: set[int]) -> dict[str, float]:
+    """This process's CPU seconds so far by kind of thread (Linux: each live thread's ``schedstat``, in ns): the
+    training thread, the snapshots' gloo threads, the snapshots' own Python threads still running (the helper,
+    the transfer and commit threads), the rest (the pipeline's gloo threads, ...). Threads that ended are not
+    here: the caller counts them from the process's CPU ("ended": mostly a snapshot's threads, one set each)."""
+    named = {t.native_id: t.name for t in threading.enumerate()}
+    main = threading.main_thread().native_id
+    out: dict[str, float] = {}
+    for tid in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else []:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                secs = int(f.read().split()[0]) / 1e9
+        except (OSError, ValueError, IndexError):  # (ended meanwhile)
+            continue
+        kind = "training" if int(tid) == main else "snapshot gloo" if int(tid) in snap_gloo else "other"
+        if named.get(int(tid), "").startswith("stagewise-snapshot"):
+            kind = "snapshot threads"
+        out[kind] = out.get(kind, 0.0) + secs
+    return out
 
 
 def median_interval(values: list[float], level: float = 0.95) -> tuple[float, float, float]:
@@ -160,6 +195,8 @@ def breakdown(found: dict[str, Any]) -> str:
             ]
             extra = 1e3 * got["extra_cpu"][mode]
             out.append(f"    rank {r}, {mode}: {', '.join(cells)}; extra CPU per step {extra:.1f} ms")
+            by = ", ".join(f"{k} {1e3 * v:.1f}" for k, v in got.get("threads", {}).get(mode, {}).items())
+            out.append(f"      extra CPU per step by thread (ms, against none): {by}")
     return "\n".join(out)
 
 
@@ -207,7 +244,8 @@ def add(sub: Any) -> None:
     p.add_argument("--interval", type=float, default=2.0, help="seconds of rest before each round")
     p.add_argument("--folder-root", default="/dev/shm", help="where the pretend machines' folders go")
     p.add_argument("--priority", choices=["idle", "normal"], default="idle", help="the snapshot threads' policy")
-    p.add_argument("--breakdown", action="store_true", help="per rank: ms per part of a snapshot, wall (CPU)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="per rank: ms per part of a snapshot, wall (CPU); extra CPU per step by thread")  # fmt: skip
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--pin", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--machines", type=int, default=2, help=argparse.SUPPRESS)

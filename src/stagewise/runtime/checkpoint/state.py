@@ -116,8 +116,8 @@ def optimizer_state(
                 params[name] = hyper
                 entries: dict[str, Any] = {}
                 for key, value in opt.state.get(p, {}).items():
-                    if isinstance(value, torch.Tensor):
-                        tensors[f"{OPTIM}{name}/{key}"] = value.detach()
+                    if isinstance(value, torch.Tensor):  # (detached only if it needs it: ~465 per snapshot)
+                        tensors[f"{OPTIM}{name}/{key}"] = value.detach() if value.requires_grad else value
                         entries[key] = {"tensor": True}
                     else:
                         entries[key] = {"value": encode(value, f"optimizer state {key!r} of {name}")}
@@ -231,7 +231,7 @@ def rng_state() -> dict[str, Any]:
     np = sys.modules.get("numpy")
     if np is not None:
         kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
-        out["numpy"] = [kind, [int(k) for k in keys], int(pos), int(has_gauss), float(cached)]
+        out["numpy"] = [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]  # (Python ints)
     return out
 
 
@@ -248,7 +248,7 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
 
 
 def _b64(t: torch.Tensor) -> str:
-    return base64.b64encode(bytes(t.tolist())).decode("ascii")
+    return base64.b64encode(t.numpy().tobytes()).decode("ascii")  # (a uint8 tensor's bytes; not per element)
 
 
 def _unb64(s: str) -> torch.Tensor:

@@ -47,6 +47,12 @@ def file_name(step: int, lineage: str, owner: int) -> str:
     return f"{step:010d}-{lineage}-r{owner:05d}.snap"
 
 
+def is_file_name(name: str) -> bool:
+    """Whether ``name`` is a whole snapshot file's name, as :func:`file_name` makes them (no dot-name, no path)."""
+    m = _NAME.fullmatch(name)
+    return m is not None and not name.startswith(".") and m.group(4) is None
+
+
 def write(folder: Path, name: str, head: bytes, payload: memoryview, spare: Path | None = None) -> Path:
     """Write ``head`` then ``payload`` as ``folder/name``, whole or not at all (a dot-name renamed into place).
     ``spare``: a file to write over instead of a new one, when it is there (:func:`retire`)."""

@@ -56,6 +56,28 @@ def layout_payload(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, dict[
     return entries, at
 
 
+class Layout:
+    """One payload layout, kept from snapshot to snapshot while its tensors' names, dtypes and shapes hold: the
+    entries, the payload's length and the entries' JSON (per tensor, these cost more than the copy at 2 MiB)."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        self.key = layout_key(tensors)
+        self.entries, self.total = layout_payload(tensors)
+        self.text = json.dumps(self.entries, separators=(",", ":"))
+
+
+def layout_key(tensors: Mapping[str, torch.Tensor]) -> tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]:
+    """What a payload's layout depends on: each tensor's name, dtype and shape, in order."""
+    return tuple((name, t.dtype, tuple(t.shape)) for name, t in tensors.items())
+
+
+def layout_for(kept: Layout | None, tensors: Mapping[str, torch.Tensor]) -> Layout:
+    """``kept`` while it is ``tensors``' layout, else a new one."""
+    if kept is not None and kept.key == layout_key(tensors):
+        return kept
+    return Layout(tensors)
+
+
 def fill_payload(
     buffer: torch.Tensor, tensors: Mapping[str, torch.Tensor], entries: Mapping[str, Any], places: Places | None = None
 ) -> Places:
@@ -65,7 +87,8 @@ def fill_payload(
     the same buffer: built per tensor, they cost more than the copy itself at a few MiB."""
     if places is None or not places.fits(buffer, entries):
         places = Places(buffer, entries)
-    torch._foreach_copy_(places.views, [tensors[n].detach() for n in places.names], non_blocking=True)
+    with torch.no_grad():  # (no per-tensor detach: the views record no history)
+        torch._foreach_copy_(places.views, [tensors[n] for n in places.names], non_blocking=True)
     return places
 
 
@@ -92,12 +115,13 @@ def host_buffer(kept: torch.Tensor | None, size: int, pinned: bool) -> torch.Ten
     return kept
 
 
-def header_bytes(header: dict[str, Any], payload: torch.Tensor, room: int = 0) -> bytes:
+def header_bytes(header: dict[str, Any], payload: torch.Tensor, room: int = 0, layout: Layout | None = None) -> bytes:
     """The file's head: magic, length, digest and the header, which records the payload's length and digest (and
     the membership generation, unless the caller's header names it). ``room``: the head padded to that many
-    bytes when it fits (spaces after the JSON: every reader reads past them; see :mod:`.mapped`)."""
+    bytes when it fits (spaces after the JSON: every reader reads past them; see :mod:`.mapped`). ``layout``:
+    the header's ``tensors`` (its last key), whose kept JSON is used as it is."""
     view = host_bytes(payload)
-    return _head(header, len(view), zlib.crc32(view), room)
+    return _head(header, len(view), zlib.crc32(view), room, layout)
 
 
 def head_need(header: dict[str, Any], nbytes: int) -> int:
@@ -105,9 +129,15 @@ def head_need(header: dict[str, Any], nbytes: int) -> int:
     return len(_head(header, nbytes, 0xFFFFFFFF, 0))
 
 
-def _head(header: dict[str, Any], nbytes: int, crc: int, room: int) -> bytes:
-    header = {"generation": recorded(), **header, "payload_bytes": nbytes, "payload_crc32": crc}
-    text = json.dumps(header, separators=(",", ":"), allow_nan=True).encode()
+def _head(header: dict[str, Any], nbytes: int, crc: int, room: int, layout: Layout | None = None) -> bytes:
+    ends = {"payload_bytes": nbytes, "payload_crc32": crc}
+    if layout is None or header.get("tensors") is not layout.entries:
+        header = {"generation": recorded(), **header, **ends}
+        text = json.dumps(header, separators=(",", ":"), allow_nan=True).encode()
+    else:  # the same bytes as above when ``tensors`` is the header's last key (it is: see .snapshots)
+        rest = {"generation": recorded(), **{k: v for k, v in header.items() if k != "tensors"}}
+        known = json.dumps(rest, separators=(",", ":"), allow_nan=True)[:-1]
+        text = f'{known},"tensors":{layout.text},{json.dumps(ends, separators=(",", ":"))[1:]}'.encode()
     text += b" " * max(room - HEAD_FIXED - len(text), 0)
     return MAGIC + struct.pack("<Q", len(text)) + hashlib.sha256(text).digest() + text
 
@@ -135,6 +165,12 @@ def head_size(prefix: bytes) -> int:
 
 def read_header(data: bytes | memoryview) -> tuple[dict[str, Any], int]:
     """The header of a snapshot's bytes (checked against its digest) and where its payload starts."""
+    text = checked_header(data)
+    return json.loads(text), HEAD_FIXED + len(text)
+
+
+def checked_header(data: bytes | memoryview) -> bytes:
+    """The header's JSON text of a snapshot's bytes, checked against its digest, not parsed."""
     data = memoryview(data)
     _check_prefix(bytes(data[:HEAD_FIXED]))
     (length,) = struct.unpack("<Q", data[len(MAGIC) : len(MAGIC) + 8])
@@ -142,7 +178,7 @@ def read_header(data: bytes | memoryview) -> tuple[dict[str, Any], int]:
     text = bytes(data[HEAD_FIXED : HEAD_FIXED + length])
     if len(text) != length or hashlib.sha256(text).digest() != digest:
         raise SnapshotRefused("its header is cut short or corrupted (SHA-256 mismatch)")
-    return json.loads(text), HEAD_FIXED + length
+    return text
 
 
 def _check_prefix(prefix: bytes) -> None:

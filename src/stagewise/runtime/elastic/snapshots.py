@@ -52,7 +52,7 @@ from .config import Snapshots
 from .ending import _ENDINGS, Ending
 from .membership import check_fence
 from .peers import peers_of
-from .snapshot_file import Places, fill_payload, head_need, header_bytes, host_buffer, host_bytes, layout_payload
+from .snapshot_file import Layout, Places, fill_payload, head_need, header_bytes, host_buffer, host_bytes, layout_for
 from .snapshot_file import versions as versions  # (relayout.takeover reads it here)
 
 if TYPE_CHECKING:
@@ -123,6 +123,7 @@ class Snapshotter:
         self._failure: str | None = None
         self._buffer: torch.Tensor | None = None
         self._places: Places | None = None  # where each tensor goes in the buffer (see fill_payload)
+        self._layout: Layout | None = None  # the last payload's layout (its entries' JSON kept)
         self._received: dict[int, torch.Tensor] = {}  # by source: buffers for copies not received in place
         self._maps, self._room, self._used = mapped.Files(), 0, 0  # written in place (.mapped); the head's room
         self._written = folders.Written(self.folder, self.rank)  # the files written here, by source
@@ -273,14 +274,15 @@ class Snapshotter:
         try:
             self.policy = self.priority.enter()  # only the core's idle time: see .idle
             clock = idle.Clock(self.stats)
-            capture.entries, capture.total = layout_payload(capture.tensors)
-            capture.header["tensors"] = capture.entries
+            self._layout = layout = layout_for(self._layout, capture.tensors)  # (kept while it holds)
+            capture.entries, capture.total = layout.entries, layout.total
+            capture.header["tensors"] = capture.entries  # (last: header_bytes keeps its JSON)
             name = folders.file_name(capture.step, self.lineage, self.rank)
             staged = self._stage(capture, name)
             payload = self._fill(staged, capture)
             capture.copied.set()
             clock.lap("fill_s")
-            head = header_bytes(capture.header, payload, self._room)  # (padded from a GPU too: the peer's size)
+            head = header_bytes(capture.header, payload, self._room, layout)  # (padded from a GPU too: peer's size)
             self._used = len(head.rstrip(b" "))  # (the JSON ends in "}": what follows is the padding)
             clock.lap("digest_s")
             check_fence(f"the snapshot of step {capture.step}")  # a worker woken behind its job writes nothing
@@ -291,7 +293,8 @@ class Snapshotter:
                 mapped.publish(self._maps, self.rank, staged, head, payload, final)
             self._written.keep(self.rank, final)
             clock.lap("write_s")
-            copies.deliver(self, capture.step, head, payload, clock)  # sent, received, then committed
+            label = copies.label(name, capture.total)  # (the receiver stages the file from it)
+            copies.deliver(self, capture.step, head, payload, clock, label)  # sent, received, then committed
             # what no writer here retires (an old lineage's, a gone peer's), one generation later than this
             # writer's own: a rank of this machine at the same step would otherwise take another's spare;
             # nothing once dropped (the next generation may be listing the folder)
@@ -367,7 +370,7 @@ class Snapshotter:
         if self.end in _ENDINGS:
             _ENDINGS.remove(self.end)
         self._inflight, self._buffer, self.marks, self._received = None, None, {}, {}  # its tensors go too
-        self._places, self._maps = None, mapped.Files()
+        self._places, self._maps, self._layout = None, mapped.Files(), None
 
     def release_at_exit(self) -> None:
         """What a clean exit does (:class:`Ending`), now."""
