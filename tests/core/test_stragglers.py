@@ -179,3 +179,18 @@ def test_a_peer_disturbed_during_one_probe_does_not_free_a_held_rank() -> None:
         freed = lifted([1.0, 0.5], loaded, caps.reference(loaded))
         assert freed == ([1] if k == REFERENCE_PROBES - 1 else [])
     assert reference([]) == 0.0
+
+
+def test_a_probe_caps_the_ranks_it_finds_held_that_nobody_named() -> None:
+    """A probe's share below SLOW of the reference is a quota (the 07:57 run's rank 1 at 0.48); a rank already
+    held is the Caps' business; a machine loaded alike (every share low, the reference with them) caps none."""
+    from stagewise.planning.stragglers import capped_by_probe
+
+    assert capped_by_probe([0.99, 0.48], [], 0.99) == [1]
+    assert capped_by_probe([0.99, 0.48], [1], 0.99) == []
+    assert capped_by_probe([0.99, 0.81 * 0.99], [], 0.99) == []  # just above SLOW of the reference
+    assert capped_by_probe([0.99, 0.79 * 0.99], [], 0.99) == [1]
+    assert capped_by_probe([0.5, 0.49], [], 0.5) == []  # two ranks sharing one core: each a half, both free
+    assert capped_by_probe([0.9, 0.3, 0.2], [0], 1.0) == [1, 2]
+    assert capped_by_probe([0.0, 0.0], [], 0.0) == []
+    assert SLOW == 0.8  # the thresholds above are read against it

@@ -313,3 +313,50 @@ def test_a_lift_seen_by_the_probe_before_a_decision_recalibrates_and_decides_not
     for k in range(31, len(caps)):
         step(k)
     assert [len(r) for r in pipe.layer_ranges] == [4, 4], replanner.log
+
+
+#: the falsely named run: rank 0 slowed as a speed over steps 4-9 (named, then freed by a probe); rank 1 held at
+#: half a core over steps [QUOTA_FROM, LIFTED), its quota begun before the probe that frees rank 0
+QUOTA_FROM, LIFTED = 11, 30
+
+
+def falsely_named_run(seed: int, quota_from: int = QUOTA_FROM) -> tuple[Replanner, list[list[int]]]:
+    """The cut in force after each step of the falsely named run, 5 % noise."""
+    rng = random.Random(seed)
+    pipe = FakePipe()
+    caps = [1.0] * quota_from + [0.5] * (LIFTED - quota_from) + [1.0] * 25
+    probe = lambda: [1.0, caps[pipe.train_steps - 1]]  # noqa: E731
+    replanner = Replanner(pipe, RunCalibrator(pipe, cores=2), steps=1000, relayout_s=0.0, cooldown=5, probe=probe)
+    cuts = []
+    for k in range(len(caps)):
+        noisy = [rng.lognormvariate(0.0, 0.05) * (0.6 if 4 <= k <= 9 else 1.0), rng.lognormvariate(0.0, 0.05)]
+        replanner.observe(capped_step(pipe, caps[k], noisy))
+        cuts.append([len(r) for r in pipe.layer_ranges])
+    return replanner, cuts
+
+
+@pytest.mark.usefixtures("one_process_group")
+def test_a_probe_taken_for_one_rank_caps_another_it_finds_held() -> None:
+    """2026-12-03 07:57 (quiet, pinned): rank 0 was named slow at full speed, and the probe that freed it read
+    rank 1 at 0.48 of a core (its quota had begun), but only named ranks took caps; the fresh calibration took
+    rank 1's held speed as its baseline. A probe's reading of a rank not yet named caps it: it is held, probed,
+    and priced by its cap, so the cut is off it within 10 steps and back to the even cut within 10 steps of the
+    lift (the mutant that ignores the reading never probes rank 1 again: [5, 3] or [3, 5] after the lift)."""
+    for seed in range(3):
+        replanner, cuts = falsely_named_run(seed)
+        freed = [p for p in replanner.probes if p["lifted"] == [0]]
+        assert freed and 1 not in freed[0]["held"] and freed[0]["shares"][1] == 0.5, replanner.probes  # the case
+        assert cuts[QUOTA_FROM + 10 - 1][1] < 4, (seed, cuts, replanner.log)
+        assert all(c == [4, 4] for c in cuts[LIFTED + 10 - 1 :]), (seed, cuts, replanner.log)
+
+
+@pytest.mark.usefixtures("one_process_group")
+def test_a_probe_at_a_naming_that_frees_another_rank_decides_nothing_that_step() -> None:
+    """The quota begun a step earlier: rank 1 is named by its steps, and the probe its naming takes frees rank 0;
+    a fresh calibration starts, and that step decides nothing (it went on to decide on the new calibrator, which
+    had no calibration yet: an AssertionError, as at 04:42 on the decision's own probe)."""
+    for seed in range(3):
+        replanner, cuts = falsely_named_run(seed, quota_from=QUOTA_FROM - 1)
+        freed = [p for p in replanner.probes if p["lifted"] == [0]]
+        assert freed and 1 in freed[0]["held"], replanner.probes  # the case: the naming's probe frees rank 0
+        assert cuts[QUOTA_FROM - 1 + 10 - 1][1] < 4 and cuts[-1] == [4, 4], (seed, cuts, replanner.log)

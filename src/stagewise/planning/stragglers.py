@@ -223,6 +223,17 @@ def lifted(speeds: Sequence[float], shares: Sequence[float], top: float | None =
     return [r for r, (s, p) in enumerate(zip(speeds, shares)) if s < SLOW and p / top > RECOVERED]
 
 
+def capped_by_probe(shares: Sequence[float], held: Sequence[int], top: float) -> list[int]:
+    """The ranks not ``held`` whose probed ``shares`` of a core are below :data:`SLOW` of ``top``
+    (:func:`reference`): held by a quota that a probe taken for another rank saw first. A share is a direct
+    reading of the cap (a free rank reads 0.97-1.00 pinned), and the steps may not show it: a calibration begun
+    after the quota took hold takes the held rank's speed as its baseline (2026-12-03 07:57: rank 1 read 0.48 in
+    the probe that freed rank 0, was ignored, and was named only 11 steps into its throttle)."""
+    if top <= 0:
+        return []
+    return [r for r, p in enumerate(shares) if r not in held and p / top < SLOW]
+
+
 #: the probes whose largest share is the reference a held rank's share is read against (:func:`reference`)
 REFERENCE_PROBES = 3
 

@@ -59,6 +59,7 @@ from ...planning.stragglers import (
     SLOW,
     WINDOW,
     Caps,
+    capped_by_probe,
     compute_speeds,
     lifted,
     rank_speeds,
@@ -184,6 +185,8 @@ class Replanner:
         named = [int(r["rank"]) for r in news if r["event"] == "straggler named"]
         if self.probe_every and [r for r in named if r not in self._held()]:  # its cap before the first decision
             self._probe(now=named)
+            if self.calibrator is not cal:  # that probe freed another rank: a fresh calibration decides
+                return None
         self._since_decision += 1
         due = self.every > 0 and self._since_decision >= self.every
         if cal.calibration is None or not (news or due or self.caps.moved()):
@@ -236,7 +239,10 @@ class Replanner:
         self.probes.append(
             {"step": int(self.pipe.train_steps), "held": held, "shares": shares, "top": top, "lifted": free}
         )
-        self.caps.observe(shares, [r for r in held if r not in free], top)
+        found = capped_by_probe(shares, held, top)
+        self.caps.observe(shares, [r for r in held if r not in free] + found, top)
+        if found:
+            self._named_by_probe(found, [shares[r] / top for r in found])
         if not free:
             return
         self.caps.free(free)
@@ -251,6 +257,17 @@ class Replanner:
             )
         self.pipe.metrics.event("straggler lifted", step=int(self.pipe.train_steps), ranks=free)
         self._recalibrate()
+
+    def _named_by_probe(self, ranks: list[int], shares: list[float]) -> None:
+        """One line and an event for ranks a probe found capped before their steps named them."""
+        if group_rank(None) == 0:
+            log.warning(
+                "stagewise: rank(s) %s probed at %s of a free rank's share of a core: held by a quota; the next "
+                "decision prices them by that cap",
+                ranks,
+                [round(s, 2) for s in shares],
+            )
+        self.pipe.metrics.event("straggler named", step=int(self.pipe.train_steps), ranks=ranks, by="probe")
 
     def _decide(self) -> dict[str, Any]:
         """On the first rank: the candidates and the pure decision (not yet logged: every rank logs the same)."""
