@@ -360,3 +360,33 @@ def test_a_probe_at_a_naming_that_frees_another_rank_decides_nothing_that_step()
         freed = [p for p in replanner.probes if p["lifted"] == [0]]
         assert freed and 1 in freed[0]["held"], replanner.probes  # the case: the naming's probe frees rank 0
         assert cuts[QUOTA_FROM - 1 + 10 - 1][1] < 4 and cuts[-1] == [4, 4], (seed, cuts, replanner.log)
+
+
+@pytest.mark.usefixtures("one_process_group")
+def test_one_low_reading_of_a_free_rank_caps_nothing() -> None:
+    """2026-12-03 08:13 (quiet, pinned): the free rank 0 read 0.35 of a core in one probe while rank 1 was held at
+    a quarter; capped on that one reading, the cut moved its layers onto the held rank ([8, 2] -> [5, 5]). A rank
+    nobody named takes a cap only when the next probe reads it capped again: here it never does, and no layer
+    goes back onto rank 1 while it is held (the mutant that caps on one reading: it does)."""
+    for seed in range(2):
+        rng = random.Random(seed)
+        pipe = FakePipe()
+        caps = [1.0] * 10 + [0.25] * 30
+        low = [True]  # the first probe after step 20 reads rank 0 low, once
+
+        def probe() -> list[float]:
+            k = pipe.train_steps - 1
+            once = bool(low) and k >= 20
+            if once:
+                low.clear()
+            return [0.35 if once else 1.0, caps[k]]
+
+        replanner = Replanner(pipe, RunCalibrator(pipe, cores=2), steps=1000, relayout_s=0.0, cooldown=5, probe=probe)
+        cuts = []
+        for k in range(len(caps)):
+            replanner.observe(capped_step(pipe, caps[k], [rng.lognormvariate(0.0, 0.05) for _ in range(2)]))
+            cuts.append([len(r) for r in pipe.layer_ranges])
+        assert any(p["shares"][0] == 0.35 for p in replanner.probes), replanner.probes  # the low reading happened
+        after = cuts[10 + 10 - 1 :]
+        assert after[0][1] < 4 and all(c[1] <= after[0][1] for c in after), (seed, cuts, replanner.log)
+        assert replanner.caps.caps()[0] == 1.0

@@ -160,6 +160,9 @@ class Replanner:
         #: every probe: the step, the ranks held, their shares, the reference they were read against, the ranks free
         self.probes: list[dict[str, Any]] = []
         self.caps, self._priced = Caps(pipe.num_ranks), [1.0] * pipe.num_ranks  # the held ranks' caps; as priced
+        #: ranks a probe read capped though nobody named them, probed again at the next step before they take a cap
+        #: (a free rank read 0.35 of a core once, 08:13: capped on one reading, the cut moved work onto the held one)
+        self._suspects: list[int] = []
 
     @property
     def log(self) -> list[dict[str, Any]]:
@@ -228,9 +231,10 @@ class Replanner:
         (:func:`~stagewise.planning.stragglers.lifted`) are taken at full speed, and a fresh calibration on the
         running cut starts (its stage costs measured at that speed), whose news re-decides."""
         was = self._held()
-        held = sorted(set(was) | set(now))
+        held = sorted(set(was) | set(now) | set(self._suspects))
         self._since_probe += 1
-        if not held or self.probe_every == 0 or (self._since_probe < self.probe_every and not now):
+        due = self._since_probe >= self.probe_every or now or self._suspects  # a suspect: probed again at once
+        if not held or self.probe_every == 0 or not due:
             return
         self._since_probe = 0
         shares = self.probe()
@@ -239,8 +243,11 @@ class Replanner:
         self.probes.append(
             {"step": int(self.pipe.train_steps), "held": held, "shares": shares, "top": top, "lifted": free}
         )
-        found = capped_by_probe(shares, held, top)
-        self.caps.observe(shares, [r for r in held if r not in free] + found, top)
+        suspects, kept = self._suspects, [r for r in held if r not in free and r not in self._suspects]
+        low = capped_by_probe(shares, kept, top)
+        found = [r for r in low if r in suspects]  # read capped twice running: a quota, not a moment's noise
+        self._suspects = [r for r in low if r not in suspects]
+        self.caps.observe(shares, kept + found, top)
         if found:
             self._named_by_probe(found, [shares[r] / top for r in found])
         if not free:
@@ -261,11 +268,9 @@ class Replanner:
     def _named_by_probe(self, ranks: list[int], shares: list[float]) -> None:
         """One line and an event for ranks a probe found capped before their steps named them."""
         if group_rank(None) == 0:
+            said = f"probed at {[round(s, 2) for s in shares]} of a free rank's share of a core twice running"
             log.warning(
-                "stagewise: rank(s) %s probed at %s of a free rank's share of a core: held by a quota; the next "
-                "decision prices them by that cap",
-                ranks,
-                [round(s, 2) for s in shares],
+                "stagewise: rank(s) %s %s: held by a quota; the next decision prices them by that cap", ranks, said
             )
         self.pipe.metrics.event("straggler named", step=int(self.pipe.train_steps), ranks=ranks, by="probe")
 
