@@ -362,6 +362,21 @@ def test_a_probe_at_a_naming_that_frees_another_rank_decides_nothing_that_step()
         assert cuts[QUOTA_FROM - 1 + 10 - 1][1] < 4 and cuts[-1] == [4, 4], (seed, cuts, replanner.log)
 
 
+def once_low(pipe: FakePipe, caps: list[float], after: int) -> Any:
+    """A probe reading rank 1 at ``caps`` and rank 0 at a whole core, but for one reading of 0.35 after step
+    ``after``."""
+    low = [True]
+
+    def probe() -> list[float]:
+        k = pipe.train_steps - 1
+        once = bool(low) and k >= after
+        if once:
+            low.clear()
+        return [0.35 if once else 1.0, caps[k]]
+
+    return probe
+
+
 @pytest.mark.usefixtures("one_process_group")
 def test_one_low_reading_of_a_free_rank_caps_nothing() -> None:
     """2026-12-03 08:13 (quiet, pinned): the free rank 0 read 0.35 of a core in one probe while rank 1 was held at
@@ -372,15 +387,7 @@ def test_one_low_reading_of_a_free_rank_caps_nothing() -> None:
         rng = random.Random(seed)
         pipe = FakePipe()
         caps = [1.0] * 10 + [0.25] * 30
-        low = [True]  # the first probe after step 20 reads rank 0 low, once
-
-        def probe() -> list[float]:
-            k = pipe.train_steps - 1
-            once = bool(low) and k >= 20
-            if once:
-                low.clear()
-            return [0.35 if once else 1.0, caps[k]]
-
+        probe = once_low(pipe, caps, after=20)  # the first probe after step 20 reads rank 0 at 0.35, once
         replanner = Replanner(pipe, RunCalibrator(pipe, cores=2), steps=1000, relayout_s=0.0, cooldown=5, probe=probe)
         cuts = []
         for k in range(len(caps)):
