@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import random
 from dataclasses import replace
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch.distributed as dist
 
+from helpers import fake_pipe
 from helpers.profiles import fake_profile
 from helpers.quota import quota
 from stagewise import build_schedule, simulate
@@ -20,25 +20,11 @@ from stagewise.runtime import Replanner, RunCalibrator
 PRIOR = fake_profile([1.0] * 8)
 
 
-class FakePipe(SimpleNamespace):
-    """What the Replanner reads of a pipeline: 1F1B at 2 ranks over 8 equal layers; ``relayout`` re-cuts."""
+class FakePipe(fake_pipe.FakePipe):
+    """1F1B at 2 ranks over 8 equal layers (:data:`PRIOR`, the run's layer profile)."""
 
     def __init__(self) -> None:
-        super().__init__(
-            schedule=build_schedule("1f1b", 2, 4),
-            layer_ranges=[range(0, 4), range(4, 8)],
-            layer_profile=PRIOR,
-            num_ranks=2,
-            rank=0,
-            train_steps=0,
-            metrics=SimpleNamespace(event=lambda *a, **k: None),
-        )
-
-    def relayout(self, partition: list[int], **_: Any) -> None:
-        edges = [0]
-        for c in partition:
-            edges.append(edges[-1] + c)
-        self.layer_ranges = [range(a, b) for a, b in zip(edges, edges[1:])]
+        super().__init__(build_schedule("1f1b", 2, 4), [4, 4], PRIOR)
 
     def step(self, speeds: list[float], inside: list[float] | None = None) -> Any:
         """The simulator's timeline of this step: each rank's compute divided by its speed; with ``inside``, each

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import random
 from dataclasses import replace
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch.distributed as dist
 
+from helpers import fake_pipe
 from helpers.profiles import fake_profile
 from stagewise import build_schedule, simulate
 from stagewise.runtime import Replanner, RunCalibrator
@@ -29,26 +29,11 @@ TRUE = fake_profile([0.05, 0.05, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.1, 0.3])
 CAPS = [1.0] * 10 + [0.5] * 15 + [0.25] * 25
 
 
-class GPTPipe(SimpleNamespace):
-    """What the Replanner reads of a pipeline: 1F1B at 2 ranks over :data:`TRUE`'s layers, no layer profile."""
+class GPTPipe(fake_pipe.FakePipe):
+    """1F1B at 2 ranks over :data:`TRUE`'s layers, no layer profile."""
 
     def __init__(self) -> None:
-        super().__init__(
-            schedule=build_schedule("1f1b", 2, 8),
-            layer_ranges=[range(0, 5), range(5, 10)],
-            layer_profile=None,
-            num_ranks=2,
-            rank=0,
-            train_steps=0,
-            metrics=SimpleNamespace(event=lambda *a, **k: None),
-            held=1.0,
-        )
-
-    def relayout(self, partition: list[int], **_: Any) -> None:
-        edges = [0]
-        for c in partition:
-            edges.append(edges[-1] + c)
-        self.layer_ranges = [range(a, b) for a, b in zip(edges, edges[1:])]
+        super().__init__(build_schedule("1f1b", 2, 8), [5, 5], None, held=1.0)
 
     def step(self, cap: float, noisy: list[float]) -> Any:
         """A step as a quota makes it: rank 1 at full speed when its work fits under ``cap`` of a core between its
