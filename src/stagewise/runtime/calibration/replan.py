@@ -149,8 +149,7 @@ class Replanner:
         #: each rank's speed relative to the calibrated layers (1.0 until a straggler is measured), its relative
         #: standard error, and its speed inside its compute actions (what a calibration after a change is told)
         self.speeds: list[float] = [1.0] * pipe.num_ranks
-        self.speed_errors: list[float] = [0.0] * pipe.num_ranks
-        self.told: list[float] = [1.0] * pipe.num_ranks
+        self.speed_errors, self.told = [0.0] * pipe.num_ranks, [1.0] * pipe.num_ranks
         self._compute: list[list[float]] = []
         #: each rank's last :data:`NOISE_STEPS` speeds, across changes of plan (the machine's step-to-step noise is
         #: not the layout's)
@@ -160,9 +159,7 @@ class Replanner:
         #: every probe: the step, the ranks held, their shares, the reference they were read against, the ranks free
         self.probes: list[dict[str, Any]] = []
         self.caps, self._priced = Caps(pipe.num_ranks), [1.0] * pipe.num_ranks  # the held ranks' caps; as priced
-        #: ranks a probe read capped though nobody named them, probed again at the next step before they take a cap
-        #: (a free rank read 0.35 of a core once, 08:13: capped on one reading, the cut moved work onto the held one)
-        self._suspects: list[int] = []
+        self._suspects: list[int] = []  # read capped by a probe, unnamed: probed again before a cap (:meth:`_probe`)
 
     @property
     def log(self) -> list[dict[str, Any]]:
@@ -245,7 +242,7 @@ class Replanner:
         )
         suspects, kept = self._suspects, [r for r in held if r not in free and r not in self._suspects]
         low = capped_by_probe(shares, kept, top)
-        found = [r for r in low if r in suspects]  # read capped twice running: a quota, not a moment's noise
+        found = [r for r in low if r in suspects]  # twice running: a quota (a free rank read 0.35 once, 08:13)
         self._suspects = [r for r in low if r not in suspects]
         self.caps.observe(shares, kept + found, top)
         if found:
