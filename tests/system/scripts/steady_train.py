@@ -141,7 +141,8 @@ def in_place(args: argparse.Namespace) -> int:
             "samples": [batch * (step - 1), batch * step],
             "committed": job.pipe.committed_step,  # every rank's snapshot held on two machines (the step before)
         }
-        last["end"] = job.pipe.snapshots.end  # (its record, not the pipeline: that one goes at a failure)
+        if job.pipe.snapshots is not None:  # (--every 0, the chaos benchmark's fault-free jobs without snapshots)
+            last["end"] = job.pipe.snapshots.end  # (its record, not the pipeline: that one goes at a failure)
         write(job, args.out / "steps.jsonl", {**row, "loss": loss, "run": f"g{job.generation}"}, "steps.last.jsonl")
     return 0
 
