@@ -152,7 +152,7 @@ from stagewise.runtime.relayout import generation
 ms.STAMP_S = 0.0  # a stamp always in flight, as a slow store host makes likely
 port, wait = int(sys.argv[1]), timedelta(seconds=30)
 store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=wait, wait_for_workers=False)
-generation.stamping_until_exit(ms.Membership(dist.PrefixStore(sys.argv[2], store), 0, [0]).start())
+ms.stamping_until_exit(ms.Membership(dist.PrefixStore(sys.argv[2], store), 0, [0]).start())
 time.sleep(0.2)
 """
 

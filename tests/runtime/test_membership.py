@@ -266,3 +266,76 @@ def test_a_proposal_takes_in_only_the_newcomers_that_leave_a_size_the_layout_can
     assert people[0].store.get("gen2/members") == b"[0, 1, 2, 3]" and got == {0: [0, 1], 1: [0, 1]}
     for m in people:
         m.stop()
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_a_member_whose_stamp_stands_still_past_the_threshold_is_silent_and_a_live_one_is_not(host: Any) -> None:
+    store = dist.PrefixStore("job/", dist.TCPStore("127.0.0.1", host.port, is_master=False))
+    clock = _Clock()
+    m = ms.Membership(store, 0, [0, 1, 2], silent_s=3.0, clock=clock)  # (not started: the looks are this test's)
+    for k in range(8):  # a look every half second; member 1 stamps every time, member 2 stopped before the first
+        clock.t = 0.5 * k
+        store.set("alive/1", repr(100.0 + k))
+        store.set("alive/2", "50.0")
+        m.look()
+    assert clock.t == 3.5 and m.silent() == [(2, 3.5)]  # seen standing still since the first look, 3.5 s ago
+    m.silent_s = 4.0
+    assert m.silent() == []  # not yet at this threshold
+
+
+def test_after_a_gap_in_its_own_looks_a_worker_names_nobody_silent(host: Any) -> None:
+    store = dist.PrefixStore("job/", dist.TCPStore("127.0.0.1", host.port, is_master=False))
+    clock = _Clock()
+    m = ms.Membership(store, 0, [0, 1, 2], silent_s=3.0, clock=clock)
+    store.set("alive/1", "1.0")
+    store.set("alive/2", "1.0")
+    m.look()
+    clock.t = 5.0  # this worker was itself stopped (or its store client held) for 5 s: nobody's silence is its own
+    assert m.silent() == []
+    m.look()  # watched afresh from here
+    assert m.silent() == []
+    for k in range(1, 8):
+        clock.t = 5.0 + 0.5 * k
+        m.look()
+    assert [who for who, _ in m.silent()] == [1, 2]  # (3.5 s of unbroken watching since)
+
+
+def test_while_watching_a_stopped_member_is_reported_by_its_rank_and_only_then(host: Any) -> None:
+    people = [_member(host, i, [0, 3, 7]) for i in (0, 3, 7)]
+    for m in people:
+        m.silent_s = 1.0
+    reports: list[list[tuple[int, float]]] = []
+    told = threading.Event()
+
+    def report(silent: list[tuple[int, float]]) -> None:
+        reports.append(silent)
+        told.set()
+
+    time.sleep(4 * ms.STAMP_S)  # every member stamped under its id, and was looked at moving
+    with people[0].watching(report):
+        time.sleep(4 * ms.STAMP_S)
+        assert reports == []  # every member stamps: nobody silent
+        people[2].stop()  # id 7, rank 2 in this generation
+        assert told.wait(30)
+    assert {rank for r in reports for rank, _ in r} == {2} and all(s >= 1.0 for r in reports for _, s in r)
+    assert people[0].on_silent is None  # not watching once the step is over
+    reports.clear()
+    time.sleep(4 * ms.STAMP_S)
+    assert reports == []
+    for m in people[:2]:
+        m.stop()
+
+
+def test_the_silence_posted_is_in_the_words_the_recovery_reads_as_named_dead() -> None:
+    from stagewise.runtime.comm.faults import heartbeat
+
+    words = heartbeat.blame([(2, 3.1)])
+    assert words.startswith("global rank 2 stopped or died") and ms.named_dead(words, [0, 3, 7]) == [7]
+    assert ms.named_dead(heartbeat.blame([(1, 3.0), (2, 3.0)]), [0, 3, 7]) == [3, 7]

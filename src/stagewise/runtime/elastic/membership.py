@@ -24,12 +24,14 @@ are never given twice; ranks are positions in ``members``, kept in id order).
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import re
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -96,6 +98,7 @@ class Membership:
     _seen: dict[int, tuple[bytes | None, float]] = field(default_factory=dict)  # stamp, here since (own clock)
     _looked: float = -1.0  # when the stamping thread last read the others' stamps (own clock)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    on_silent: Callable[[list[tuple[int, float]]], None] | None = None  # see :meth:`watching`
 
     def start(self) -> Membership:
         """Take part: generation 0 (its members, then its number) is written if nobody did yet, and the stamping
@@ -250,6 +253,32 @@ class Membership:
                     self._seen[m] = (stamp, done)
             self._looked = done
 
+    @contextmanager
+    def watching(self, report: Callable[[list[tuple[int, float]]], None]) -> Iterator[None]:
+        """While inside (an in-place job's step): after each look, the stamping thread calls ``report`` with the
+        ``(rank, seconds)`` of the members :meth:`silent` finds, ranks in the current generation - a stopped or
+        cut-off machine ends the step at once, not at the hang threshold."""
+
+        def told(silent: list[tuple[int, float]]) -> None:
+            report([(self.members.index(m), s) for m, s in silent if m in self.members])
+
+        self.on_silent = told
+        try:
+            yield
+        finally:
+            self.on_silent = None
+
+    def silent(self) -> list[tuple[int, float]]:
+        """``(id, seconds)`` of the other members whose stamp this worker's looks have seen standing still, unbroken,
+        for ``silent_s`` or more (longest first): a stopped or cut-off machine's workers. [] right after a gap in
+        this worker's own looks (:meth:`look` watches afresh then: this worker may have been the one held)."""
+        now = self.clock()
+        with self._lock:
+            if self._looked < 0 or now - self._looked > _CONFIRM_S:
+                return []
+            still = [(m, now - since) for m, (_, since) in self._seen.items() if m != self.me and m in self.members]
+        return sorted([(m, s) for m, s in still if s >= self.silent_s], key=lambda ms_: -ms_[1])
+
     def barrier(self, g: int, members: list[int], deadline_s: float) -> list[int]:
         """Every member of ``g`` says it is ready; the ones missing at the deadline (none when all came)."""
         self.store.set(f"gen{g}/ready/{self.me}", "1")
@@ -275,6 +304,14 @@ class Membership:
                     self.look()
             except Exception as err:  # (a look that failed only leaves the next agreement to watch afresh)
                 log.debug("stagewise elastic: the others' stamps were not read (%s)", err)
+                continue
+            told = self.on_silent
+            silent = self.silent() if told is not None else []
+            if silent and told is not None:
+                try:
+                    told(silent)
+                except Exception as err:  # (the step's own wait still ends at the hang threshold)
+                    log.debug("stagewise elastic: a silent member was not reported (%s)", err)
 
 
 def stamps_of(store: Any, ids: Sequence[int]) -> dict[int, bytes | None]:
@@ -300,3 +337,27 @@ def named_dead(message: str, members: Sequence[int]) -> list[int]:
     for found in re.finditer(r"global ranks? ([\d, ]+) stopped or died", message):  # (every naming, in order)
         ranks += [int(r) for r in found.group(1).replace(" ", "").split(",") if r and int(r) not in ranks]
     return [members[r] for r in ranks if 0 <= r < len(members)]
+
+
+_stamping: list[Membership] = []  # this process's memberships, stamping on a daemon thread
+
+
+def stamping_until_exit(members: Membership) -> Membership:
+    """``members``, whose stamping thread is stopped at interpreter exit (:func:`_stop_stamping`: registered at the
+    first call, so that it runs before the exit hooks of the modules loaded until then, :mod:`..comm.blocking`'s)."""
+    if not _stamping:
+        atexit.unregister(_stop_stamping)
+        atexit.register(_stop_stamping)
+    _stamping.append(members)
+    return members
+
+
+def _stop_stamping() -> None:
+    """At exit, while Python is whole: the membership's thread stops. A daemon thread that returns from a store call
+    (the store releases the interpreter's lock while it waits for the host) as the interpreter finalizes is ended
+    inside torch's C++ frames, and the process aborts ("terminate called without an active exception") after
+    training to the end; the heartbeat's thread is stopped the same way, and a stamp stuck longer is waited for by
+    the exit's settle (:mod:`..comm.blocking`)."""
+    for members in _stamping:
+        members.stop()
+    _stamping.clear()

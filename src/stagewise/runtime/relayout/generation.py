@@ -26,12 +26,11 @@ and leaves with exit status 3.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
@@ -90,13 +89,15 @@ class InPlace:
     ``layout``: the policy (``layout.at(world)`` at every generation); ``build(fit)``: the pipeline for a
     fit, with ``snapshot=`` (its snapshots are what a lost stage comes back from); ``checkpoints``: the disk
     checkpoints' folder (resumed from when newer than the snapshots). ``deadline_s``: how long the survivors
-    wait for each other when agreeing on a generation."""
+    wait for each other when agreeing on a generation. ``silence_s``: a member whose stamps on the store stand
+    still this long is lost (its machine stopped or cut off), found while a step runs, not at ``timeout``."""
 
     layout: ElasticLayout
     build: Callable[[Fit], Any]
     checkpoints: str | os.PathLike[str]
     timeout: float = 20.0
     deadline_s: float = 10.0
+    silence_s: float = 3.0  # 6 stamps; a live process stamps from a thread of its own, however slow its steps
     backend: str = "gloo"
     after_recovery: Callable[[InPlace], None] | None = None  # called on every member once its state is back
     recoveries: list[Recovery] = field(default_factory=list)
@@ -116,7 +117,8 @@ class InPlace:
         """Join the job (generation 0, every process of the launch; or, started with ``STAGEWISE_JOIN=1``, a
         running job at its next step boundary: :mod:`..elastic.joining`) and resume; returns the step resumed."""
         self._store = _job_store(self.timeout)
-        self._members = stamping_until_exit(joining.membership(self._store, self.deadline_s, silent_s=self.timeout))
+        silent_s = min(self.timeout, self.silence_s)
+        self._members = ms.stamping_until_exit(joining.membership(self._store, self.deadline_s, silent_s=silent_s))
         self._members.usable = self._fits
         ms.set_fence(self._members.fenced)
         self._enter(self._members.generation)
@@ -161,10 +163,11 @@ class InPlace:
         while self.step < steps:
             step = self.step + 1
             try:
-                loss = self.pipe.train_step(*self.pipe.local_batch(*batch(step)))
+                with self._members.watching(_post_silent) if self._members is not None else nullcontext():
+                    loss = self.pipe.train_step(*self.pipe.local_batch(*batch(step)))
             except ms.Fenced:
                 self._leave_fenced()
-            except Exception as err:  # a lost peer: a failed op or a wait its heartbeat ended
+            except Exception as err:  # a lost peer: a failed op, or a wait ended by a failure posted (a silent one)
                 self._recover(step, err)
                 continue
             self.step = step
@@ -347,25 +350,11 @@ class InPlace:
         raise SystemExit(FENCED_EXIT)
 
 
-_stamping: list[ms.Membership] = []  # this process's memberships, stamping on a daemon thread
-
-
-def stamping_until_exit(members: ms.Membership) -> ms.Membership:
-    """``members``, whose stamping thread is stopped at interpreter exit (:func:`_stop_stamping`)."""
-    _stamping.append(members)
-    return members
-
-
-@atexit.register
-def _stop_stamping() -> None:
-    """At exit, while Python is whole: the membership's thread stops. A daemon thread that returns from a store call
-    (the store releases the interpreter's lock while it waits for the host) as the interpreter finalizes is ended
-    inside torch's C++ frames, and the process aborts ("terminate called without an active exception") after
-    training to the end; the heartbeat's thread is stopped the same way, and a stamp stuck longer is waited for by
-    the exit's settle (:mod:`..comm.blocking`)."""
-    for members in _stamping:
-        members.stop()
-    _stamping.clear()
+def _post_silent(ranks: list[tuple[int, float]]) -> None:
+    """A member silent while a step runs (:meth:`..elastic.membership.Membership.watching`): the generation's failure,
+    in the heartbeat's words (``global rank 2 stopped or died``), so every wait of the step ends now rather than at
+    the hang threshold, and the agreement does not wait for it."""
+    heartbeat.post_failure(heartbeat.blame(ranks) + " on the job's store: its machine stopped or was cut off")
 
 
 def _refused(pipe: Any, before: dict[str, Any] | None) -> dict[str, Any]:

@@ -22,6 +22,7 @@ import atexit
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -147,7 +148,7 @@ def blame_silent(timeout: float) -> str:
     except Exception:
         return ""
     others = [(r, age) for r, age in silent if r != dist.get_rank()]
-    return _blame(sorted(others, key=lambda x: -(x[1] if x[1] is not None else float("inf"))))  # longest first
+    return blame(sorted(others, key=lambda x: -(x[1] if x[1] is not None else float("inf"))))  # longest first
 
 
 def _threshold(timeout: float) -> float:
@@ -155,7 +156,8 @@ def _threshold(timeout: float) -> float:
     return max(2.5 * INTERVAL_S, timeout / 2)
 
 
-def _blame(silent: list[tuple[int, float | None]]) -> str:
+def blame(silent: Sequence[tuple[int, float | None]]) -> str:
+    """``(global rank, seconds silent or None)`` in the words every failure's first line uses, or ""."""
     if not silent:
         return ""
     ranks = ", ".join(str(r) for r, _ in silent)
@@ -225,7 +227,7 @@ def blame_stopped(within: float = 2.5 * INTERVAL_S) -> str:
     seconds, on the failure path only - unless a port refuses meanwhile (a killed process's sockets close one
     by one: gloo's may fail before its port refuses), which ends the window and is named instead.
     """
-    return blame_gone() or _blame([(r, within) for r in stopped_ranks(within)]) or blame_gone()
+    return blame_gone() or blame([(r, within) for r in stopped_ranks(within)]) or blame_gone()
 
 
 def blame_failed(timeout: float) -> str:
