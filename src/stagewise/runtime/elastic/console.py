@@ -19,10 +19,12 @@ and a thread of the launcher copies it to the console unchanged except for warni
 ``recvValueWithTimeout`` ``failed on`` - each of which torch raises again at once (``TCPClient`` in
 ``TCPStore.cpp``: a ``C10D_WARNING`` then ``throw;``), so the caller gets the same error and nothing is lost by
 keeping the C++ copy off the console. They go, whole, to :data:`STORE_WARNINGS` in the attempt's folder, the one
-the failure line names. (The launcher's own last call to the rendezvous store, which is gone when the machine
-that hosted it finished first, is routed the same way, into the folder itself.) The user's prints, torch's other
-warnings and any message of another shape pass as they are; a line cut between two reads is held until its end
-comes or the pipe is quiet for :data:`PAUSE_S`.
+the failure line names. (The launcher's own calls to the rendezvous store - its keep-alive thread's every second,
+its main thread's - write to a pipe of their own while they run (:meth:`Console.own`), filed the same way into the
+folder itself: the store's host lost, or finished first, each call warns before it raises. Only while they run: the
+launcher's stderr stays the console otherwise.) The user's prints, torch's other warnings and any message of
+another shape pass as they are; a line cut between two reads is held until its end comes or the pipe is quiet for
+:data:`PAUSE_S`.
 
 What changes for the workers: their stderr is a pipe, not the terminal (a library that colours only a terminal
 does not colour there), and its lines may reach the console a moment after their stdout's.
@@ -97,8 +99,11 @@ class Divert:
 
 
 class Console:
-    """The launcher's end of its workers' stderr: a pipe for each start of them, each read by a thread of its own
-    until every process that holds it (the workers and what they started) has closed it."""
+    """The launcher's end of stderr: a pipe for each start of its workers (:meth:`routed`), each read by a thread
+    of its own until every process that holds it (the workers and what they started) has closed it; and one pipe
+    for the launcher's own calls to the rendezvous store (:meth:`own`), from any of its threads, read until
+    :meth:`close`. The descriptor ``fd`` points at the workers' pipe while they start, else at the launcher's own
+    while one of its store calls runs, else at the console."""
 
     def __init__(self, fd: int = 2) -> None:
         self._fd = fd
@@ -107,6 +112,11 @@ class Console:
         except OSError:  # no stderr at all (closed): nothing to keep off it
             self._console = None
         self._readers: list[threading.Thread] = []
+        self._lock = threading.Lock()  # held only to move ``fd``, never around a call
+        self._starting: int | None = None  # the writing end of the workers' pipe while they start
+        self._own: int | None = None  # the writing end of the launcher's own pipe, once made
+        self._calls = 0  # the launcher's store calls running now (threads: the keep-alive's and the main one)
+        self._closed = False
 
     @contextmanager
     def routed(self, into: Path) -> Iterator[None]:
@@ -115,22 +125,70 @@ class Console:
         if self._console is None:
             yield
             return
+        write = self._reader(into)
+        with self._lock:
+            self._starting = write
+            self._point()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._starting = None
+                self._point()
+            os.close(write)  # the pipe's writing end is the workers' alone now
+
+    @contextmanager
+    def own(self, into: Path) -> Iterator[None]:
+        """While inside (any thread, several at once), ``fd`` is the launcher's own pipe - unless its workers are
+        starting: their pipe files alike - whose store warnings go to ``into``: torch's rendezvous client warns
+        in C++ when the store's machine is lost, or finished first, then raises the same error in Python."""
+        if self._console is None:
+            yield
+            return
+        with self._lock:
+            if self._own is None and not self._closed:
+                self._own = self._reader(into)
+            self._calls += 1
+            self._point()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._calls -= 1
+                self._point()
+
+    def _point(self) -> None:
+        """``fd`` at the pipe that should take what is written now (holding the lock)."""
+        assert self._console is not None
+        if self._closed:
+            target = self._console
+        elif self._starting is not None:
+            target = self._starting
+        else:
+            target = self._own if self._calls and self._own is not None else self._console
+        sys.stderr.flush()  # what Python holds goes where it was written
+        os.dup2(target, self._fd)
+
+    def _reader(self, into: Path) -> int:
+        """A new pipe, its reading end copied by a thread of its own; its writing end."""
+        assert self._console is not None
         read, write = os.pipe()
         reader = threading.Thread(target=_copy, args=(read, self._console, into), name="stagewise-stderr", daemon=True)
         reader.start()
         self._readers.append(reader)
-        sys.stderr.flush()  # the launcher's own lines written before stay before
-        os.dup2(write, self._fd)
-        os.close(write)
-        try:
-            yield
-        finally:
-            sys.stderr.flush()
-            os.dup2(self._console, self._fd)  # the pipe's writing end is the workers' alone now
+        return write
 
     def close(self, wait: float = 5.0) -> None:
-        """Wait up to ``wait`` seconds for the readers to reach their pipes' ends (the workers have stopped); the
-        console's descriptor is kept while one still reads (a process the workers started holds its pipe)."""
+        """``fd`` back at the console for good; wait up to ``wait`` seconds for the readers to reach their pipes'
+        ends (the workers have stopped); the console's descriptor is kept while one still reads (a process the
+        workers started holds its pipe)."""
+        if self._console is not None:
+            with self._lock:
+                self._closed = True
+                self._point()
+                if self._own is not None:
+                    os.close(self._own)
+                    self._own = None
         deadline = time.monotonic() + wait
         for reader in self._readers:
             reader.join(max(0.0, deadline - time.monotonic()))
