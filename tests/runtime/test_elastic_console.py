@@ -2,7 +2,9 @@
 warning of a lost peer (tests/golden/torch_store_warning.txt, as a survivor printed it) goes to the file, whole, fed
 at once or a byte at a time; the user's lines, torch's other warnings and a half line pass unchanged. And through a
 real pipe: a child process's stderr, split between the console and the file, a half line shown while the child
-runs. And torch's Python line that the rendezvous could not be closed, dropped only when its store is gone."""
+runs. The launcher's own store calls, from two threads at once, their warnings filed, the workers' start inside one
+of them filed apart, the console back once the last call ends; the rendezvous handler's calls wrapped so while the
+job runs. And torch's Python lines that the rendezvous could not be reached, dropped only when its store is gone."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -115,16 +118,77 @@ def test_a_half_line_shows_while_the_child_still_runs(tmp_path: Path, capfd: pyt
     assert seen + capfd.readouterr().err == "50%|#####"
 
 
-def test_torchs_line_of_a_rendezvous_store_gone_at_the_end_is_dropped_and_no_other() -> None:
+def test_torchs_lines_of_a_rendezvous_store_gone_are_dropped_and_no_other() -> None:
     from stagewise.runtime.elastic.launch import _Quiet
 
-    def record(error: str) -> logging.LogRecord:
-        msg = f"The node 'h_1_0' has failed to shutdown the rendezvous 't1' due to an error of type {error}."
+    def record(what: str, error: str) -> logging.LogRecord:
+        msg = f"The node 'h_1_0' has failed to {what} the rendezvous 't1' due to an error of type {error}."
         return logging.LogRecord("torch.distributed.elastic.rendezvous.dynamic_rendezvous", 30, "", 0, msg, (), None)
 
     assert "torch.distributed.elastic.rendezvous.dynamic_rendezvous" in _Quiet.LOGGERS
-    assert not _Quiet().filter(record("RendezvousConnectionError"))  # the store went with the machine that ended
-    assert _Quiet().filter(record("RendezvousStateError"))
+    for what in ("shutdown", "send a keep-alive heartbeat to"):  # the store went with its machine
+        assert not _Quiet().filter(record(what, "RendezvousConnectionError"))
+        assert _Quiet().filter(record(what, "RendezvousStateError"))
+
+
+def test_the_launchers_own_store_calls_file_their_warnings_from_any_thread(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    own, started = tmp_path / "warnings.txt", tmp_path / "attempt-0" / "warnings.txt"
+    calls = (b"sendBytes", b"recvVector", b"recvValueWithTimeout")
+    warned = {call: WARNING.replace(b"recvValue", call, 1) for call in calls}
+    console = Console()
+    inside, leave = threading.Barrier(2), threading.Event()
+
+    def keep_alive() -> None:  # torch's keep-alive thread: its call outlasts the main thread's
+        with console.own(own):
+            os.write(2, WARNING)
+            inside.wait()
+            leave.wait()
+
+    thread = threading.Thread(target=keep_alive)
+    thread.start()
+    with console.own(own):
+        inside.wait()
+        print("the launcher's own line", file=sys.stderr, flush=True)
+        with console.routed(started):  # the workers' start inside a call: their pipe while it lasts
+            child = subprocess.Popen([sys.executable, "-c", f"import os\nos.write(2, {warned[b'sendBytes']!r})"])
+        os.write(2, warned[b"recvVector"])  # the call's pipe again
+    os.write(2, warned[b"recvValueWithTimeout"])  # the other thread's call still runs
+    leave.set()
+    thread.join()
+    os.write(2, USER + WARNING)  # no call runs: the console itself
+    assert child.wait() == 0
+    console.close(wait=60)
+    assert own.read_bytes() == WARNING + warned[b"recvVector"] + warned[b"recvValueWithTimeout"]
+    assert started.read_bytes() == warned[b"sendBytes"]
+    err = capfd.readouterr().err.encode()
+    assert err.endswith(USER + WARNING) and err.replace(USER + WARNING, b"") == b"the launcher's own line\n"
+
+
+def test_the_rendezvous_calls_are_wrapped_while_the_job_runs_and_no_longer(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    from stagewise.runtime.elastic.launch import _STORE_CALLS, store_warnings_filed
+
+    def warns(*args: object) -> None:
+        os.write(2, WARNING)
+
+    assert {"_keep_alive", "num_nodes_waiting", "next_rendezvous", "shutdown"} <= set(_STORE_CALLS)
+    for name in _STORE_CALLS:
+        monkeypatch.setattr(DynamicRendezvousHandler, name, warns)
+    before = {name: DynamicRendezvousHandler.__dict__[name] for name in _STORE_CALLS}
+    with store_warnings_filed(str(tmp_path)):
+        for name in _STORE_CALLS:
+            getattr(DynamicRendezvousHandler, name)(None)
+    assert (tmp_path / "torch-store-warnings.txt").read_bytes() == WARNING * len(_STORE_CALLS)
+    assert capfd.readouterr().err == ""
+    assert {name: DynamicRendezvousHandler.__dict__[name] for name in _STORE_CALLS} == before
+    assert "_exit_barrier" not in LocalElasticAgent.__dict__  # (inherited: wrapped, then removed again)
+    assert "_start_workers" in LocalElasticAgent.__dict__
 
 
 def test_a_failing_sort_copies_the_rest_as_it_is(

@@ -30,7 +30,7 @@ new world size; a machine that starts later is taken in at the next round. Two t
   within ``join_timeout``, or the rendezvous store gone with the machine that hosted it.
 * **No C++ warnings of a lost store on the console** (:func:`store_warnings_filed`): the workers' stderr reaches
   it through the launcher, which files torch's TCP store client warnings (raised again in Python anyway) with the
-  tracebacks.
+  tracebacks; the launcher's own, while its rendezvous calls run, too (the rendezvous host's machine lost).
 """
 
 from __future__ import annotations
@@ -188,36 +188,54 @@ def watched(folder: str, nproc: int, conf: dict[str, str], traces: str) -> Itera
         quiet.detach()
 
 
+#: the rendezvous handler's calls that reach its store (``_keep_alive``: from its keep-alive thread, every second)
+_STORE_CALLS = ("next_rendezvous", "num_nodes_waiting", "is_closed", "set_closed", "shutdown", "_keep_alive")
+
+
 @contextmanager
 def store_warnings_filed(traces: str) -> Iterator[None]:
     """Each start of this machine's workers gives them a pipe of :class:`.console.Console` as stderr, whose store
-    warnings go to their attempt's folder (its number: their restart count); the rendezvous' last call, whose store
-    is gone when the machine that hosted it finished first, too (into ``traces``). torch's start and the
-    rendezvous' shutdown are wrapped for the duration (torch has no hook for either)."""
+    warnings go to their attempt's folder (its number: their restart count); the launcher's own calls to the
+    rendezvous store (:data:`_STORE_CALLS`, and the exit barrier) write to one pipe of their own while they run,
+    whose store warnings go to ``traces``: its client warns in C++ at every call once the machine that hosted the
+    store is lost, or finished first. torch's start and those calls are wrapped for the duration (torch has no hook
+    for any of them)."""
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler as Rendezvous
 
     from .console import STORE_WARNINGS, Console
 
-    start, shutdown = LocalElasticAgent._start_workers, Rendezvous.shutdown
     console = Console()
 
-    def starting(agent: Any, group: Any) -> Any:
-        attempt = group.spec.max_restarts - agent._remaining_restarts
-        with console.routed(Path(traces) / f"attempt-{attempt}" / STORE_WARNINGS):
-            return start(agent, group)
+    def starting(start: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(agent: Any, group: Any) -> Any:
+            attempt = group.spec.max_restarts - agent._remaining_restarts
+            with console.routed(Path(traces) / f"attempt-{attempt}" / STORE_WARNINGS):
+                return start(agent, group)
 
-    def shutting(handler: Any) -> bool:
-        with console.routed(Path(traces) / STORE_WARNINGS):
-            return bool(shutdown(handler))
+        return wrapped
 
-    LocalElasticAgent._start_workers = starting  # type: ignore[method-assign]
-    Rendezvous.shutdown = shutting  # type: ignore[method-assign,assignment]
+    def calling(call: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            with console.own(Path(traces) / STORE_WARNINGS):
+                return call(*args, **kwargs)
+
+        return wrapped
+
+    wraps: list[tuple[type, str, Callable[[Callable[..., Any]], Callable[..., Any]]]]
+    wraps = [(LocalElasticAgent, "_start_workers", starting), (LocalElasticAgent, "_exit_barrier", calling)]
+    wraps += [(Rendezvous, name, calling) for name in _STORE_CALLS]
+    saved = [(owner, name, owner.__dict__.get(name)) for owner, name, _ in wraps]  # (None: inherited)
+    for owner, name, wrap in wraps:
+        setattr(owner, name, wrap(getattr(owner, name)))
     try:
         yield
     finally:
-        LocalElasticAgent._start_workers = start  # type: ignore[method-assign]
-        Rendezvous.shutdown = shutdown  # type: ignore[method-assign]
+        for owner, name, original in saved:
+            if original is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
         console.close()
 
 
@@ -243,9 +261,9 @@ def _say(line: str) -> None:
 
 class _Quiet(logging.Filter):
     """Drops torch's agent's own lines about a failure it restarts from (the one line says it all): each
-    worker's exit code, the signals sent to the others, "Worker group FAILED ... will restart"; and, at the end,
-    that the rendezvous could not be closed because its store is gone (:data:`GONE`: the machine that hosted it
-    finished first and took it along; nobody is left to tell)."""
+    worker's exit code, the signals sent to the others, "Worker group FAILED ... will restart"; and that a
+    keep-alive or the rendezvous' shutdown failed because its store is gone (:data:`GONE`): lost with the machine
+    that hosted it, which :func:`rendezvous_failure` says in one line, or finished first (nobody left to tell)."""
 
     LOGGERS = (
         "torch.distributed.elastic.agent.server.api",
@@ -253,7 +271,7 @@ class _Quiet(logging.Filter):
         "torch.distributed.elastic.rendezvous.dynamic_rendezvous",
     )
     NOISE = ("failed (exitcode", "closing signal", "Worker group FAILED", "Worker group UNHEALTHY")
-    GONE = ("has failed to shutdown the rendezvous", "due to an error of type RendezvousConnectionError")
+    GONE = ("has failed to ", " the rendezvous '", "due to an error of type RendezvousConnectionError")
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = record.getMessage()
