@@ -160,6 +160,7 @@ def test_the_launchers_own_store_calls_file_their_warnings_from_any_thread(
     os.write(2, USER + WARNING)  # no call runs: the console itself
     assert child.wait() == 0
     console.close(wait=60)
+    assert not [t for t in threading.enumerate() if t.name == "stagewise-stderr"]  # every pipe reached its end
     assert own.read_bytes() == WARNING + warned[b"recvVector"] + warned[b"recvValueWithTimeout"]
     assert started.read_bytes() == warned[b"sendBytes"]
     err = capfd.readouterr().err.encode()
