@@ -174,6 +174,12 @@ def test_stagewise_run_in_place_restarts_nobody_and_takes_a_machine_back(machine
     assert [(r["step"], r["gen"]) for r in m.rows("losses.jsonl")] == gens
     for i in (0, 1):
         assert "will restart worker group" not in m.text(i)
+        # the loss in stagewise's words; gloo's text (a C++ file, an address) only in the file the line names
+        failed = [line for line in m.text(i).splitlines() if "failed at step" in line]
+        assert len(failed) == 1 and "failed at step 4: lost machine 2 (worker 2); " in failed[0], failed
+        assert "gloo" not in failed[0] and "/__w/" not in failed[0], failed
+        error = Path(failed[0].rsplit("(the error in full: ", 1)[1].removesuffix(")")).read_text()
+        assert error.startswith("Traceback (most recent call last)") and "stopped or died" in error, error
     assert "the job runs already" in m.text(2)
 
 

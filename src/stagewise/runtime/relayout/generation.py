@@ -47,6 +47,7 @@ from ..comm.faults import heartbeat
 from ..comm.generations import job_store, join_generation, leave_generation
 from ..elastic import joining
 from ..elastic import membership as ms
+from ..elastic.generation_failed import file_error, in_words
 from ..frontends.given import GivenStages
 from ..frontends.layers import built_empty
 from .let_go import let_go
@@ -238,14 +239,10 @@ class InPlace:
     def _recover(self, step: int, err: BaseException) -> None:
         assert self._members is not None
         started = time.perf_counter()
-        first = str(err).splitlines()[0] if str(err) else type(err).__name__
-        log.warning(
-            "stagewise elastic: generation %d failed at step %d (%s); the survivors agree on the next one and "
-            "go on from the last committed step",
-            self._members.generation,
-            step,
-            first[:300],
-        )
+        at, where = (self._members.generation, step), file_error(err, self._members.generation)  # gloo's text
+        nproc = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+        line = in_words(str(err), type(err).__name__, at, self._members.members, nproc, where)
+        log.warning("stagewise elastic: %s", line)
         self._parts, self._sources = {}, {}
         heartbeat.post_failure(str(err))  # every pipeline of the generation stops now, not at its timeout
         with self._timed("hold"):
