@@ -167,3 +167,22 @@ def test_a_lost_machine_is_one_line_on_each_survivor(job: Local) -> None:
         assert "Traceback" not in text and "TCPStore" not in text, text
         assert "resumed step 4 on 2 processes (was 3): pp 1 x dp 2 (was pp 1 x dp 3), from peer snapshots" in text
         assert f"user print: rank {i} finished at step 8 on 2 processes" in text
+
+
+@pytest.mark.parametrize("job", [("2:3", 1, ["--hold", "5"])], indirect=True)
+def test_the_rendezvous_hosts_machine_lost_is_one_line_on_each_survivor(job: Local) -> None:
+    """Machine 0 hosts the rendezvous store (``--rdzv-host``): losing it ends the job, which each survivor says
+    in one line, not with torch's C++ warning and keep-alive line of every call that finds the store gone."""
+    job.start(0, 1, 2)
+    deadline = time.monotonic() + 300
+    while len(list(job.out.glob("hold-r*"))) < 3:
+        assert time.monotonic() < deadline, job.text(0)[-3000:]
+        time.sleep(0.2)
+    job.lose(0)
+    (job.out / "go").touch()
+    assert [job.wait(1), job.wait(2)] == [1, 1], job.text(1)[-4000:] + job.text(2)[-4000:]
+    for i in (1, 2):
+        text = job.text(i)
+        gone = [line for line in text.splitlines() if "is unreachable" in line]
+        assert len(gone) == 1 and f"the rendezvous store at 127.0.0.1:{job.port} is unreachable" in gone[0], text
+        assert "TCPStore" not in text and "Traceback" not in text and "keep-alive" not in text, text
