@@ -61,3 +61,13 @@ def test_the_error_goes_beside_the_workers_traceback_file(tmp_path: Path, monkey
     assert text.startswith("Traceback (most recent call last)") and GLOO in text
     monkeypatch.delenv(TRACEBACK_ENV)
     assert file_error(RuntimeError("x"), 3) == ""  # outside stagewise run
+
+
+def test_a_silent_member_posted_by_the_stamps_is_named_without_the_rest():
+    """The in-place step's silence post (relayout.generation._post_silent) reads as a lost machine, not as text."""
+    from stagewise.runtime.comm.faults import heartbeat
+
+    posted = heartbeat.blame([(2, 3.2)]).removesuffix(")") + " on the job's store: its machine stopped or was cut off)"
+    line = in_words(f"stage 0: the step's wait failed: {posted}", "RuntimeError", (1, 7), [0, 1, 2, 3], 2, "")
+    assert line.startswith("generation 1 failed at step 7: lost machine 1 (worker 2); stage 0: the step's wait failed")
+    assert "cut off" not in line.split("(the error")[0], line

@@ -351,7 +351,8 @@ def _post_silent(ranks: list[tuple[int, float]]) -> None:
     """A member silent while a step runs (:meth:`..elastic.membership.Membership.watching`): the generation's failure,
     in the heartbeat's words (``global rank 2 stopped or died``), so every wait of the step ends now rather than at
     the hang threshold, and the agreement does not wait for it."""
-    heartbeat.post_failure(heartbeat.blame(ranks) + " on the job's store: its machine stopped or was cut off")
+    named = heartbeat.blame(ranks).removesuffix(")")  # the details inside the parentheses: the line reads them
+    heartbeat.post_failure(f"{named} on the job's store: its machine stopped or was cut off)")
 
 
 def _refused(pipe: Any, before: dict[str, Any] | None) -> dict[str, Any]:
