@@ -17,7 +17,9 @@ group is its child: a run inside a high ``cpu.shares`` group stays there; ``--cg
 deleted at the end;
 ``--emulate``: the running interpreter's ``slowdown`` (what ``emulate_slowdown`` sets) at 2 and 4 instead.
 The oracle: every static cut ``[c, 10 - c]`` timed under each throttle and released (a warm-up and
-``--oracle-steps`` steps). Per phase, the recovered share: the best static cut's median step over the live step
+``--oracle-steps`` steps), right after that phase's live steps (``--oracle phase``, the default: seconds, not
+minutes, between a phase and its oracle; ``--oracle end``: all after the live phases, as before 2026-12-04).
+Per phase, the recovered share: the best static cut's median step over the live step
 reached by step 10 (the median of steps 8 to 10; goal: at least 90 %), and over the steady state after the last
 change; beside it the live cut's own static step (a re-laid-out pipeline slower than a fresh one of its cut
 shows there). Writes ``stragglers.json``, prints a table.
@@ -30,6 +32,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +45,8 @@ LAYERS = 10
 #: the partial lift (``--partial-steps``): back to 50 % after the 25 % phase, judged against the 50 % sweep
 PARTIAL = "25 % -> 50 %"
 SWEPT_AS = {PARTIAL: "50 %"}
+#: the phases whose live steps are judged against a sweep of their own (``--oracle phase``: right after them)
+SWEPT = ("50 %", "25 %", PARTIAL, "released")
 
 #: the steps of a throttled phase (1-based) whose live median was compared with the best static cut until
 #: 2026-12-02 (an average over the move and its warm-up, not the step reached)
@@ -139,6 +144,22 @@ def rank_main(args: argparse.Namespace) -> None:
     calibrator = RunCalibrator(live, on_event=lambda e: events.append({**e, "step": len(steps)}))
     replanner = Replanner(live, calibrator, steps=sum(n for *_, n in phases) + args.horizon, cooldown=args.cooldown)
     oracle: dict[str, dict[int, float]] = {}
+    swept: dict[str, list[float]] = {}  # per phase: the sweep's start and end (seconds since the first step)
+
+    def sweep(name: str, share: float | None) -> None:
+        """Every static cut under ``share``: a warm-up and ``--oracle-steps`` timed steps each."""
+        begun = time.monotonic()
+        static = {}
+        for c in range(1, LAYERS):
+            p = pipe([c, LAYERS - c])
+            throttle.set(share, p)
+            timed_step(p, x, y)
+            static[c] = statistics.median(timed_step(p, x, y) for _ in range(args.oracle_steps))
+            del p
+        oracle[name] = static
+        swept[name] = [begun - start, time.monotonic() - start]
+
+    start = time.monotonic()
     try:
         for phase, share, n in phases:
             throttle.set(share, live)
@@ -148,24 +169,20 @@ def rank_main(args: argparse.Namespace) -> None:
                 timeline = live.timeline(gather=True)
                 record = replanner.observe(timeline)
                 steps.append({"phase": phase, "seconds": took, "counts": [len(r) for r in live.layer_ranges],
-                              "replan": None if record is None else record["reason"],
+                              "at": time.monotonic() - start, "replan": None if record is None else record["reason"],
                               "timeline": timeline.to_json() if args.timelines else None})  # fmt: skip
-        if args.oracle:
+            if args.oracle == "phase" and phase in SWEPT:
+                sweep(phase, share)  # the machine as the phase's live steps just met it
+        if args.oracle == "end":
             for name, share in (("50 %", 0.5), ("25 %", 0.25), ("released", None)):
-                static = {}
-                for c in range(1, LAYERS):
-                    p = pipe([c, LAYERS - c])
-                    throttle.set(share, p)
-                    timed_step(p, x, y)
-                    static[c] = statistics.median(timed_step(p, x, y) for _ in range(args.oracle_steps))
-                    del p
-                oracle[name] = static
+                sweep(name, share)
             throttle.set(None)
     finally:
         throttle.close()
     if rank == 0:
         out = {"steps": steps, "events": events, "decisions": replanner.log, "probes": replanner.probes,
-               "oracle": oracle, "load": os.getloadavg(), "mode": "emulate_slowdown" if args.emulate else "cgroup v1",
+               "oracle": oracle, "oracle at": args.oracle, "swept": swept, "load": os.getloadavg(),
+               "mode": "emulate_slowdown" if args.emulate else "cgroup v1",
                "prior": calibrator.prior.to_json(), "cores": calibrator.cores}  # fmt: skip
         out["shares"] = shares(steps, oracle)
         args.out.mkdir(parents=True, exist_ok=True)
@@ -189,7 +206,7 @@ def shares(steps: list[dict[str, Any]], oracle: dict[str, dict[int, float]]) -> 
     than a fresh one of its cut shows (``left behind``: live steady over that cut's static step)."""
     out = []
     for name in dict.fromkeys(s["phase"] for s in steps):
-        by_cut = oracle.get(SWEPT_AS.get(name, name))
+        by_cut = oracle.get(name, oracle.get(SWEPT_AS.get(name, name)))  # its own sweep, else the one it is judged by
         if by_cut is None:
             continue
         static = {int(c): t for c, t in by_cut.items()}  # int keys again after a round trip through JSON
@@ -279,7 +296,14 @@ def main(argv: list[str] | None = None) -> int:
         action="store_false",
         help="keep no step's timeline in stragglers.json (kept: the model can be re-fitted offline)",
     )
-    parser.add_argument("--no-oracle", dest="oracle", action="store_false", help="skip the static cuts' sweep")
+    parser.add_argument(
+        "--oracle",
+        choices=("phase", "end", "none"),
+        default="phase",
+        help="when the static cuts are swept: right after each throttled phase's live steps, under its throttle "
+        "(phase), or all after the live phases (end: the page's runs before 2026-12-04, which the machine's drift "
+        "between the two moved by as much as the misses)",
+    )
     parser.add_argument(
         "--pin",
         action="store_true",

@@ -27,3 +27,14 @@ def test_the_partial_lift_is_judged_against_the_half_core_sweep_in_the_order_run
     assert partial["share by step 10"] == 0.1 / 0.125
     assert partial["moved back"] == "moved back to [7, 3] at step 4"  # layers back onto the freed rank
     assert rows[3]["moved back"] == "moved back to [5, 5] at step 5"
+
+
+def test_a_phase_swept_right_after_it_is_judged_against_its_own_sweep() -> None:
+    """``--oracle phase``: the partial lift has a sweep of its own (taken seconds after its live steps), which
+    wins over the half core's sweep it was judged against when the oracle ran after every phase."""
+    oracle = {"50 %": {7: 0.1, 9: 0.15}, PARTIAL: {7: 0.11, 8: 0.105}, "released": {5: 0.1}}
+    steps = steps_of("50 %", [[7, 3]] * 12, 0.1) + steps_of(PARTIAL, [[7, 3]] * 12, 0.125)
+    partial = shares(steps, oracle)[1]
+    assert partial["best cut"] == [8, 2] and partial["best s"] == 0.105
+    assert partial["share by step 10"] == 0.105 / 0.125
+    assert partial["that cut static s"] == 0.11  # the live cut, from the same sweep

@@ -64,9 +64,10 @@ def exchange(
     into: dict[int, torch.Tensor] | None = None,
     give_up: Callable[[], bool] | None = None,
     around: Callable[[], AbstractContextManager[Any]] | None = None,
+    lost: Callable[[int], bool] | None = None,
 ) -> dict[int, torch.Tensor | None]:
     """:func:`exchange_settled`, its first failure raised."""
-    done = exchange_settled(payload, dest, sources, group, timeout, into, give_up, around)
+    done = exchange_settled(payload, dest, sources, group, timeout, into, give_up, around, lost=lost)
     if done.failed:
         raise done.failed[0]
     return {s: done.got.get(s) for s in sources}
@@ -92,6 +93,7 @@ def exchange_settled(
     give_up: Callable[[], bool] | None = None,
     around: Callable[[], AbstractContextManager[Any]] | None = None,
     begun: Collection[int] = (),
+    lost: Callable[[int], bool] | None = None,
 ) -> Settled:
     """Send ``payload`` (uint8, host) to group rank ``dest`` while receiving one from each of ``sources``; per
     peer its length first, then its bytes. ``into``: by source, a buffer to receive into, kept
@@ -106,9 +108,13 @@ def exchange_settled(
     - its peer never entered this exchange (its step failed before its snapshot) and never will, and waiting
     for it would hold a recovery for the whole timeout. A transfer whose length went through is waited for:
     its bytes come (a live peer) or fail at once (a dead one), and they may be the only copy of a committed
-    snapshot. An abandoned transfer's thread still honours a length that comes late (a fresh buffer, the
-    bytes thrown away), so the peer's send is matched and nothing is left for it to wait for. ``begun``: the
-    peers counted as begun from the start (their part of an exchange before this one went through)."""
+    snapshot - unless ``lost(peer)`` (asked only once ``give_up()`` is true) says that peer is known lost: a
+    stopped machine's kernel takes in the length and then nothing more, and its bytes could only come after it
+    was fenced out of the run (the wait would hold the recovery to the timeout: 7 of a SIGSTOP's 10.5 s in
+    the chaos of 2026-12-04). An abandoned transfer's thread still honours a length that comes late (a fresh
+    buffer, the bytes thrown away), so the peer's send is matched and nothing is left for it to wait for.
+    ``begun``: the peers counted as begun from the start (their part of an exchange before this one went
+    through)."""
     x = _Exchange(time.monotonic() + timeout, group, around)
     keep: dict[int, torch.Tensor] = {} if into is None else into
     peers = [_Transfer(s, False) for s in sources] + ([_Transfer(dest, True)] if dest is not None else [])
@@ -118,28 +124,8 @@ def exchange_settled(
         run = x.send if t.send else x.recv
         arg: Any = payload if t.send else keep
         threading.Thread(target=run, args=(t, arg), name="stagewise-snapshot-peer", daemon=True).start()
-    x.settle(peers, give_up)
-    done = Settled({}, [], set())
-    got, failed = done.got, done.failed
-    with x.cv:
-        for t in peers:
-            if t.failure is not None:
-                failed.append(t.failure)
-            elif t.abandoned:
-                failed.append(
-                    PipelineError(
-                        f"group rank {t.peer} never began its part of the snapshots' copy: given up, the run failed"
-                    )
-                )
-            elif not t.done:
-                failed.append(
-                    PipelineError(f"the snapshots' copy with group rank {t.peer} did not end within {timeout:g} s")
-                )
-            else:
-                done.ended.add(t.peer)
-                if not t.send:
-                    got[t.peer] = t.got
-    return done
+    x.settle(peers, give_up, lost)
+    return x.result(peers, timeout)
 
 
 @dataclass(eq=False)
@@ -162,20 +148,49 @@ class _Exchange:
         self.end, self.group, self.around = end, group, around or nullcontext
         self.cv = threading.Condition()
 
-    def settle(self, peers: list[_Transfer], give_up: Callable[[], bool] | None) -> None:
-        """Wait until every transfer ended, or was abandoned (``give_up``), or the time is up."""
+    def settle(
+        self, peers: list[_Transfer], give_up: Callable[[], bool] | None, lost: Callable[[int], bool] | None
+    ) -> None:
+        """Wait until every transfer ended, or was abandoned (``give_up``; begun, and its peer ``lost``), or the
+        time is up."""
         quitting = give_up is not None and give_up()
         while True:
             with self.cv:
+                begun = [t for t in peers if t.started and not (t.done or t.abandoned)]
+            gone = {t.peer for t in begun if lost(t.peer)} if quitting and lost is not None else set()
+            with self.cv:
                 if quitting:
                     for t in peers:
-                        t.abandoned = t.abandoned or not (t.started or t.done)
+                        t.abandoned = t.abandoned or not (t.started or t.done) or (t.peer in gone and not t.done)
                 waiting = [t for t in peers if not (t.done or t.abandoned)]
                 left = self.end - time.monotonic()
                 if not waiting or left <= 0:
                     return
                 self.cv.wait(min(left, _POLL_S))
             quitting = quitting or (give_up is not None and give_up())
+
+    def result(self, peers: list[_Transfer], timeout: float) -> Settled:
+        """What the settled ``peers`` got, and their failures (an abandoned or unfinished transfer is one)."""
+        done = Settled({}, [], set())
+        got, failed = done.got, done.failed
+        with self.cv:
+            for t in peers:
+                if t.failure is not None:
+                    failed.append(t.failure)
+                elif t.abandoned:
+                    why = "stopped or was cut off in" if t.started else "never began its part of"
+                    failed.append(
+                        PipelineError(f"group rank {t.peer} {why} the snapshots' copy: given up, the run failed")
+                    )
+                elif not t.done:
+                    failed.append(
+                        PipelineError(f"the snapshots' copy with group rank {t.peer} did not end within {timeout:g} s")
+                    )
+                else:
+                    done.ended.add(t.peer)
+                    if not t.send:
+                        got[t.peer] = t.got
+        return done
 
     def recv(self, t: _Transfer, keep: dict[int, torch.Tensor]) -> None:
         with self.around():

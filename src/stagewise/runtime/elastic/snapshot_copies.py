@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..comm import snapshot_wire
+from ..comm import groups, snapshot_wire
 from ..comm.faults import heartbeat
 from . import folder as folders
 from . import idle, mapped
@@ -44,7 +44,7 @@ def send(snap: Any, head: bytes, payload: torch.Tensor, clock: idle.Clock, label
     if p.dest is None and not p.sources:
         return
     head_t = torch.frombuffer(bytearray(label + head), dtype=torch.uint8)
-    wire: dict[str, Any] = {"give_up": _give_up(snap), "around": snap.priority.peer_thread}
+    wire: dict[str, Any] = {"give_up": _give_up(snap), "around": snap.priority.peer_thread, "lost": _lost(snap)}
     end = time.monotonic() + snap.timeout  # one deadline for both (seen: the heads given up on a source at the
     # failure, 10 s after a partition, then the bytes to the cut-off dest, whose head was in, waited 10 s more)
     heads = snapshot_wire.exchange_settled(head_t, p.dest, p.sources, snap.group, snap.timeout, **wire)
@@ -131,3 +131,27 @@ def commit(snap: Any, step: int, clock: idle.Clock) -> None:
 
 def _give_up(snap: Any) -> Any:
     return lambda: bool(snap.dropped) or heartbeat.failure_posted()
+
+
+#: a peer whose stamps stood still this long, once the run's failure is posted, is lost: its copy in flight is
+#: given up (InPlace's ``silence_s``, the same evidence that posted the failure of a stopped machine)
+LOST_SILENCE_S = 3.0
+_LOST_EVERY_S = 0.5  # how often the store's stamps are read while a copy waits on a begun peer
+
+
+def _lost(snap: Any) -> Any:
+    """``lost(group rank)`` for :func:`..comm.snapshot_wire.exchange_settled`: the peer is known lost
+    (:func:`..comm.faults.heartbeat.lost_ranks`), read at most every :data:`_LOST_EVERY_S`."""
+    seen: dict[str, Any] = {"at": -float("inf"), "ranks": set()}
+
+    def lost(peer: int) -> bool:
+        now = time.monotonic()
+        if now - seen["at"] >= _LOST_EVERY_S:
+            seen["at"], seen["ranks"] = now, heartbeat.lost_ranks(LOST_SILENCE_S)
+        if not seen["ranks"]:
+            return False
+        if "global" not in seen:
+            seen["global"] = groups.global_ranks(snap.group)  # (group rank -> global rank)
+        return seen["global"][peer] in seen["ranks"]
+
+    return lost

@@ -135,6 +135,18 @@ def silent_ranks(threshold: float) -> list[tuple[int, float | None]]:
     return out
 
 
+def lost_ranks(silence: float) -> set[int]:
+    """The other global ranks known lost now: their port refuses (the process is gone), or their stamps stood
+    still for more than ``silence`` seconds (a live rank stamps from a thread of its own, however slow its
+    steps: a stopped or cut-off machine). Empty when nothing can be read."""
+    try:
+        out = {r for r, _ in silent_ranks(silence)} | set(_probes.gone())
+        out.discard(dist.get_rank())
+    except Exception:  # no store, no group: no evidence
+        return set()
+    return out
+
+
 def longest_timeout() -> float:
     """The longest pipeline timeout this process has seen (0 before any board): how long a peer may be stuck."""
     return _timeout
