@@ -339,3 +339,41 @@ def test_the_silence_posted_is_in_the_words_the_recovery_reads_as_named_dead() -
     words = heartbeat.blame([(2, 3.1)])
     assert words.startswith("global rank 2 stopped or died") and ms.named_dead(words, [0, 3, 7]) == [7]
     assert ms.named_dead(heartbeat.blame([(1, 3.0), (2, 3.0)]), [0, 3, 7]) == [3, 7]
+
+
+def test_survivors_the_layout_cannot_run_on_leave_the_broken_machines_members_first(host: Any) -> None:
+    """Three machines of two (ids 0-5); worker 3 named silent while its machine's worker 2 lives: 5 survivors,
+    and pp 2 cannot run on an odd number. The job goes on with 4 - machine 1's last worker, 2, leaves (fenced,
+    saying why), not a worker of a whole machine - rather than fail every generation it tries (seen: 3 of 4
+    left after a false silence under load, 4 generations refused, the job ended; faults 2026-12-04 02:06)."""
+    people = [_member(host, i, list(range(6))) for i in range(6)]
+    for m in people:
+        m.usable, m.per_machine = (lambda n: n % 2 == 0), 2
+    people[3].stop()
+    alive = [m for m in people if m.me != 3]
+    got = _all_next(alive, 2.0)
+    assert people[0].store.get("gen1/members") == b"[0, 1, 4, 5]"
+    assert {k: v for k, v in got.items() if k != 2} == {
+        0: [0, 1, 4, 5],
+        1: [0, 1, 4, 5],
+        4: [0, 1, 4, 5],
+        5: [0, 1, 4, 5],
+    }
+    assert isinstance(got[2], ms.Fenced)
+    assert str(got[2]) == (
+        "worker 2 is left out of generation 1: the layout cannot use its 5 survivors, only [0, 1, 4, 5]; it leaves "
+        "(its machine may join again as a newcomer)"
+    )
+    for m in alive:
+        m.stop()
+
+
+def test_without_machines_known_the_newest_survivors_leave_and_a_usable_size_is_kept_whole() -> None:
+    """The rule alone: no machine size known, the newest ids leave first; a size the layout runs at, or one
+    made usable by the newcomers taken in, keeps every survivor; no size at all: unchanged (the build refuses)."""
+    m = ms.Membership(store=None, me=0, members=[0, 1, 2, 3, 4], usable=lambda n: n % 3 == 0)
+    assert m._runnable([0, 1, 2, 3, 4], 0) == [0, 1, 2]
+    assert m._runnable([0, 1, 2, 3], 2) == [0, 1, 2, 3]  # 4 + 2 newcomers: 6
+    assert m._runnable([0, 1, 2], 0) == [0, 1, 2]
+    m.usable = lambda n: n == 7
+    assert m._runnable([0, 1, 2], 0) == [0, 1, 2]

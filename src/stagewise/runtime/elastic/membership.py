@@ -89,6 +89,7 @@ class Membership:
     # hang threshold; a live member that is only slow - stopped, starved - for less must never be left out)
     generation: int = 0
     usable: Callable[[int], bool] | None = None  # sizes the job can run at (its layout's); None: any
+    per_machine: int = 0  # workers per machine (ids come in blocks of it: id // per_machine); 0: unknown
     decided: dict[int, str] = field(default_factory=dict)  # the last agreement: how each member was counted
     clock: Callable[[], float] = time.monotonic  # this worker's own clock (a test's fake one)
     wall: Callable[[], float] = time.time  # the stamps' clock
@@ -152,6 +153,10 @@ class Membership:
         proposal = self._proposal(arrived, joiners(self.store, g))
         won = self.store.compare_set(f"gen{g}/members", "", json.dumps(proposal)).decode()
         members = [int(m) for m in json.loads(won)]
+        if self.me not in members and self.me in arrived and len(members) < len(arrived):
+            why = f"left out of generation {g}: the layout cannot use its {len(arrived)} survivors, only {members}"
+            _last.append(f"worker {self.me} is {why}")
+            raise Fenced(f"worker {self.me} is {why}; it leaves (its machine may join again as a newcomer)")
         if self.me not in members:
             _last.append(f"worker {self.me} arrived too late for generation {g} (its members: {members})")
             raise Fenced(f"worker {self.me} arrived too late for generation {g} (its members: {members}); it leaves")
@@ -164,7 +169,23 @@ class Membership:
         joining = sorted(set(newcomers) - set(arrived))
         while joining and self.usable is not None and not self.usable(len(arrived) + len(joining)):
             joining.pop()
-        return sorted([*arrived, *joining])
+        return sorted([*self._runnable(arrived, len(joining)), *joining])
+
+    def _runnable(self, arrived: list[int], joining: int) -> list[int]:
+        """The survivors, or - when the layout cannot run on them (a member of a machine lost alone, or
+        named silent while the rest of its machine lives) - the most of them it can run on: the members of
+        machines no longer whole leave first, then the newest ids. The rest leave (fenced): a job that cannot
+        run at its size would fail every generation it tries."""
+        if self.usable is None or not arrived or self.usable(len(arrived) + joining):
+            return arrived
+        n = self.per_machine
+        count = {m // n: sum(1 for a in arrived if a // n == m // n) for m in arrived} if n else {}
+        order = sorted(arrived, key=lambda m: (bool(n) and count[m // n] == n, -m))  # the first to leave first
+        for k in range(1, len(arrived)):
+            if self.usable(len(arrived) - k + joining):
+                gone = set(order[:k])
+                return [m for m in arrived if m not in gone]
+        return arrived  # (no size fits: the build refuses, with the layout's words)
 
     def enter(self, g: int, members: list[int], deadline_s: float) -> list[int]:
         """Generation ``g`` of ``members`` (this worker among them), decided: the store's generation moves on, and

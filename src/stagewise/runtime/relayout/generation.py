@@ -121,6 +121,7 @@ class InPlace:
         silent_s = min(self.timeout, self.silence_s)
         self._members = ms.stamping_until_exit(joining.membership(self._store, self.deadline_s, silent_s=silent_s))
         self._members.usable = self._fits
+        self._members.per_machine = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))  # (ids in blocks of it)
         ms.set_fence(self._members.fenced)
         self._enter(self._members.generation)
         return self.step
