@@ -16,9 +16,10 @@ rather than bursty), released by moving the process back to the group the run wa
 group is its child: a run inside a high ``cpu.shares`` group stays there; ``--cgroup DIR`` names another),
 deleted at the end;
 ``--emulate``: the running interpreter's ``slowdown`` (what ``emulate_slowdown`` sets) at 2 and 4 instead.
-The oracle: every static cut ``[c, 10 - c]`` timed under each throttle and released (a warm-up and
-``--oracle-steps`` steps), right after that phase's live steps (``--oracle phase``, the default: seconds, not
-minutes, between a phase and its oracle; ``--oracle end``: all after the live phases, as before 2026-12-04).
+The oracle: every static cut ``[c, 10 - c]`` (built once at the start, idle until swept) timed under each
+throttle and released - a warm-up round, then ``--oracle-steps`` rounds of one step per cut, the cuts in turn -
+right after that phase's live steps (``--oracle phase``, the default: seconds, not minutes, between a phase and
+its oracle; ``--oracle end``: all after the live phases, as before 2026-12-04).
 Per phase, the recovered share: the best static cut's median step over the live step
 reached by step 10 (the median of steps 8 to 10; goal: at least 90 %), and over the steady state after the last
 change; beside it the live cut's own static step (a re-laid-out pipeline slower than a fresh one of its cut
@@ -146,17 +147,25 @@ def rank_main(args: argparse.Namespace) -> None:
     oracle: dict[str, dict[int, float]] = {}
     swept: dict[str, list[float]] = {}  # per phase: the sweep's start and end (seconds since the first step)
 
+    static = {c: pipe([c, LAYERS - c]) for c in range(1, LAYERS)} if args.oracle != "none" else {}
+    # (built once, before the live steps: idle, they cost the live pipeline nothing - 2026-12-04, 67.7 ms a step
+    # alone, 66.8 beside the nine - and a sweep builds nothing)
+
     def sweep(name: str, share: float | None) -> None:
-        """Every static cut under ``share``: a warm-up and ``--oracle-steps`` timed steps each."""
+        """Every static cut under ``share``: a warm-up round, then ``--oracle-steps`` rounds of one step per cut,
+        the cuts in turn (each round starting one cut later), so that the machine's drift over the sweep falls
+        on every cut alike; each cut's median."""
         begun = time.monotonic()
-        static = {}
-        for c in range(1, LAYERS):
-            p = pipe([c, LAYERS - c])
-            throttle.set(share, p)
-            timed_step(p, x, y)
-            static[c] = statistics.median(timed_step(p, x, y) for _ in range(args.oracle_steps))
-            del p
-        oracle[name] = static
+        throttle.set(share)
+        cuts = list(static)
+        times: dict[int, list[float]] = {c: [] for c in cuts}
+        for r in range(args.oracle_steps + 1):
+            for c in cuts[r % len(cuts) :] + cuts[: r % len(cuts)]:
+                throttle.apply(static[c])
+                took = timed_step(static[c], x, y)
+                if r:
+                    times[c].append(took)
+        oracle[name] = {c: statistics.median(t) for c, t in times.items()}
         swept[name] = [begun - start, time.monotonic() - start]
 
     start = time.monotonic()
