@@ -313,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         "(phase), or all after the live phases (end: the page's runs before 2026-12-04, which the machine's drift "
         "between the two moved by as much as the misses)",
     )
+    parser.add_argument("--no-oracle", dest="oracle", action="store_const", const="none", help="--oracle none")
     parser.add_argument(
         "--pin",
         action="store_true",
