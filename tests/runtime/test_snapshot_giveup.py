@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from helpers.fake_wire import Blocked, Done, install
 from stagewise.runtime.comm import snapshot_wire
 from stagewise.runtime.comm.faults import heartbeat
 from stagewise.runtime.elastic import folder as folders
@@ -41,7 +42,7 @@ class _Wire:
         with self.lock:
             self.posted.append(("recv", group_src))
             if group_src == self.silent:
-                return _Blocked(self)
+                return Blocked(self.release, self.blocked_ended)
             n = self.phase.get(group_src, 0)
             self.phase[group_src] = n + 1
             if n == 1:
@@ -51,29 +52,14 @@ class _Wire:
                 t.fill_(len(data))
             else:
                 t.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-        return _Done()
+        return Done()
 
     def isend(self, t: torch.Tensor, group_dst: int, group: Any) -> Any:
         with self.lock:
             self.posted.append(("send", group_dst))
             if sum(1 for kind, _ in self.posted if kind == "send") == self.sends:
                 self.sent.set()
-        return _Done()
-
-
-class _Done:
-    def wait(self, timeout: Any = None) -> bool:
-        return True
-
-
-class _Blocked:
-    def __init__(self, wire: _Wire) -> None:
-        self.wire = wire
-
-    def wait(self, timeout: Any = None) -> bool:
-        self.wire.release.wait()  # (no timeout: only the test ends it)
-        self.wire.blocked_ended.set()
-        raise RuntimeError("Connection closed by peer")
+        return Done()
 
 
 def _payload(step: int, owner: int) -> tuple[bytes, bytes]:
@@ -90,11 +76,7 @@ def wire(monkeypatch: pytest.MonkeyPatch) -> Any:
     made: list[_Wire] = []
 
     def make(silent: int, heads: dict[int, bytes], bodies: dict[int, bytes], sends: int = 2) -> _Wire:
-        w = _Wire(silent, heads, bodies, sends)
-        monkeypatch.setattr(snapshot_wire.dist, "irecv", w.irecv)
-        monkeypatch.setattr(snapshot_wire.dist, "isend", w.isend)
-        made.append(w)
-        return w
+        return install(monkeypatch, _Wire(silent, heads, bodies, sends), made)
 
     yield make
     for w in made:
@@ -220,7 +202,7 @@ def test_a_transfer_whose_posting_fails_is_a_failure_not_an_end(monkeypatch: pyt
         raise RuntimeError("Application timeout caused pair closure")
 
     monkeypatch.setattr(snapshot_wire.dist, "irecv", closed)
-    monkeypatch.setattr(snapshot_wire.dist, "isend", lambda *a, **k: _Done())
+    monkeypatch.setattr(snapshot_wire.dist, "isend", lambda *a, **k: Done())
     done = snapshot_wire.exchange_settled(torch.arange(3, dtype=torch.uint8), 0, [2], None, 3600.0)
     assert done.ended == {0} and done.got == {}
     assert [str(e) for e in done.failed] == [

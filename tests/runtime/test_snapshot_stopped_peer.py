@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from helpers.fake_wire import Blocked, Done, install
 from stagewise.runtime.comm import groups, snapshot_wire
 from stagewise.runtime.comm.faults import heartbeat
 from stagewise.runtime.elastic import snapshot_copies
@@ -35,12 +36,12 @@ class _Stopped:
             if n == 0:
                 if t.dtype == torch.int64:
                     t.fill_(3)  # (a receiver reads a length of 3 bytes)
-                return _Done()
+                return Done()
             if sum(1 for k in self.lengths.values() if k > 1) == 2:
                 self.length_in.set()  # (a transfer posts its bytes after it counted itself begun)
         if peer == self.stopped:
-            return _Blocked(self)
-        return _Done()
+            return Blocked(self.release, self.blocked_ended)
+        return Done()
 
     def irecv(self, t: torch.Tensor, group_src: int, group: Any) -> Any:
         return self._op(t, group_src)
@@ -49,31 +50,12 @@ class _Stopped:
         return self._op(t, group_dst)
 
 
-class _Done:
-    def wait(self, timeout: Any = None) -> bool:
-        return True
-
-
-class _Blocked:
-    def __init__(self, wire: _Stopped) -> None:
-        self.wire = wire
-
-    def wait(self, timeout: Any = None) -> bool:
-        self.wire.release.wait()  # (no timeout: only the test ends it)
-        self.wire.blocked_ended.set()
-        raise RuntimeError("Connection closed by peer")
-
-
 @pytest.fixture
 def stopped(monkeypatch: pytest.MonkeyPatch) -> Any:
     made: list[_Stopped] = []
 
     def make(peer: int) -> _Stopped:
-        w = _Stopped(peer)
-        monkeypatch.setattr(snapshot_wire.dist, "irecv", w.irecv)
-        monkeypatch.setattr(snapshot_wire.dist, "isend", w.isend)
-        made.append(w)
-        return w
+        return install(monkeypatch, _Stopped(peer), made)
 
     yield make
     for w in made:
