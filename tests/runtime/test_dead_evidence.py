@@ -200,3 +200,27 @@ def test_a_dead_source_does_not_stop_the_copy_to_the_next_machine(monkeypatch: p
         snapshot_wire.exchange(payload, 2, [4], None, 10.0, into=keep)
     assert [p for p in posted if p[1] == 4] == [("recv", 4, 1), ("recv", 4, 3)] and keep[4].tolist() == [7, 7, 7]
     assert [p for p in posted if p[1] == 2] == [("send", 2, 1)]
+
+
+def test_lost_ranks_wait_the_silence_inplace_set_and_never_name_a_rank_that_never_stamped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``lost_ranks()``: the bound is ``InPlace(silence_s=)`` (a job that raised it on oversubscribed cores gives up
+    no live peer's copy sooner), and a rank with no stamp yet (a corner just made) is no evidence of loss."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    now = time.time()
+    store.set("alive/1", str(now - 5.0))  # silent 5 s
+    store.set("alive/2", str(now - 0.2))  # alive; rank 3 never stamped
+    probes = probe.Probes()
+    monkeypatch.setattr(probes, "gone", lambda ranks=None: [])
+    monkeypatch.setattr(heartbeat, "_probes", probes)
+    monkeypatch.setattr(heartbeat, "_store", store)
+    monkeypatch.setattr(heartbeat.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(heartbeat.dist, "get_world_size", lambda: 4)
+    monkeypatch.setattr(heartbeat, "_lost_silence_s", 3.0)
+    assert heartbeat.lost_ranks() == {1}
+    heartbeat.set_lost_silence(8.0)
+    assert heartbeat.lost_ranks() == set()
+    assert heartbeat.lost_ranks(4.0) == {1}

@@ -124,17 +124,17 @@ def test_lost_maps_the_group_rank_to_the_global_one_and_reads_the_store_at_most_
     """``snapshot_copies._lost``: group rank 1 of a group of global ranks [4, 6] is global rank 6; the stamps are
     read once for several questions in a row (each read is a store round trip per rank)."""
     reads: list[float] = []
-    monkeypatch.setattr(heartbeat, "lost_ranks", lambda silence: reads.append(silence) or {6})
+    monkeypatch.setattr(heartbeat, "lost_ranks", lambda silence=None: reads.append(silence) or {6})
     monkeypatch.setattr(groups, "global_ranks", lambda group: [4, 6])
     lost = snapshot_copies._lost(_Snap())
     assert [lost(1), lost(0), lost(1)] == [True, False, True]
-    assert reads == [snapshot_copies.LOST_SILENCE_S]
+    assert reads == [None]  # (the bound InPlace set: see test_dead_evidence)
 
 
 def test_lost_says_nothing_without_evidence(monkeypatch: pytest.MonkeyPatch) -> None:
     """No rank known lost: no peer is, and the group is not even asked for its ranks (a fake snapshotter's
     group, or one already destroyed)."""
-    monkeypatch.setattr(heartbeat, "lost_ranks", lambda silence: set())
+    monkeypatch.setattr(heartbeat, "lost_ranks", lambda silence=None: set())
 
     def no_group(group: Any) -> list[int]:
         raise AssertionError("the group's ranks asked for without evidence")

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 import elastic_train as et
@@ -79,9 +80,15 @@ class Job:
 
     def wait_markers(self, prefix: str, count: int, timeout: float = 400) -> None:
         """Until ``count`` ranks have left the marker ``prefix-r<rank>`` (elastic_train.py's holds and stalls)."""
-        netns.wait_for(
-            f"{count} ranks at {prefix}", lambda: len(list(self.out.glob(f"{prefix}-r*"))) >= count, timeout, self.tails
-        )
+
+        def reached() -> bool:
+            if len(list(self.out.glob(f"{prefix}-r*"))) >= count:
+                return True
+            if self.machines.jobs and all(j[-1].poll() is not None for j in self.machines.jobs.values()):
+                pytest.fail(f"every machine ended before {count} ranks reached {prefix}\n{self.tails()}")
+            return False
+
+        netns.wait_for(f"{count} ranks at {prefix}", reached, timeout, self.tails)
 
     def release(self, name: str) -> None:
         (self.out / name).touch()

@@ -151,22 +151,22 @@ def stall(args: argparse.Namespace) -> None:
 
         api.storage.save_tensors = save_tensors  # type: ignore[assignment]
     if args.stall_snapshot and args.stall_snapshot.split("@")[1] == machine:
+        from stagewise.runtime.elastic import snapshot_copies
         from stagewise.runtime.elastic.snapshot_file import read_header
-        from stagewise.runtime.elastic.snapshots import Snapshotter
 
         step = int(args.stall_snapshot.split("@")[0])
-        send = Snapshotter._send
+        send = snapshot_copies.send  # (the helper's copy to the next machine, after its own file)
 
-        def stalled(self: Snapshotter, head: bytes, payload: torch.Tensor) -> None:
+        def stalled(snap: object, head: bytes, payload: torch.Tensor, *rest: object) -> None:
             if read_header(head)[0]["step"] == step:
                 traced = args.out / "trace" / f"step-{step}" / f"rank-{rank}.pt"
                 while str(step) in args.trace.split(",") and not traced.exists():  # the step's end on the main thread
                     time.sleep(0.05)
                 (args.out / f"copying-{step}-r{rank}").touch()
                 time.sleep(HOLD_S)
-            send(self, head, payload)
+            send(snap, head, payload, *rest)  # type: ignore[arg-type]
 
-        Snapshotter._send = stalled  # type: ignore[method-assign]
+        snapshot_copies.send = stalled  # type: ignore[assignment]
 
 
 def reference(pipe: sw.Pipeline, env: sw.runtime.Env, args: argparse.Namespace) -> int:

@@ -133,21 +133,19 @@ def _give_up(snap: Any) -> Any:
     return lambda: bool(snap.dropped) or heartbeat.failure_posted()
 
 
-#: a peer whose stamps stood still this long, once the run's failure is posted, is lost: its copy in flight is
-#: given up (InPlace's ``silence_s``, the same evidence that posted the failure of a stopped machine)
-LOST_SILENCE_S = 3.0
 _LOST_EVERY_S = 0.5  # how often the store's stamps are read while a copy waits on a begun peer
 
 
 def _lost(snap: Any) -> Any:
     """``lost(group rank)`` for :func:`..comm.snapshot_wire.exchange_settled`: the peer is known lost
-    (:func:`..comm.faults.heartbeat.lost_ranks`), read at most every :data:`_LOST_EVERY_S`."""
+    (:func:`..comm.faults.heartbeat.lost_ranks`: its stamps stood still ``InPlace(silence_s=)``, the evidence
+    that posted a stopped machine's failure, or its port refuses), read at most every :data:`_LOST_EVERY_S`."""
     seen: dict[str, Any] = {"at": -float("inf"), "ranks": set()}
 
     def lost(peer: int) -> bool:
         now = time.monotonic()
         if now - seen["at"] >= _LOST_EVERY_S:
-            seen["at"], seen["ranks"] = now, heartbeat.lost_ranks(LOST_SILENCE_S)
+            seen["at"], seen["ranks"] = now, heartbeat.lost_ranks()
         if not seen["ranks"]:
             return False
         if "global" not in seen:

@@ -119,6 +119,7 @@ class InPlace:
         running job at its next step boundary: :mod:`..elastic.joining`) and resume; returns the step resumed."""
         self._store = _job_store(self.timeout)
         silent_s = min(self.timeout, self.silence_s)
+        heartbeat.set_lost_silence(silent_s)  # (a copy in flight gives up a peer silent this long, no sooner)
         self._members = ms.stamping_until_exit(joining.membership(self._store, self.deadline_s, silent_s=silent_s))
         self._members.usable = self._fits
         self._members.per_machine = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))  # (ids in blocks of it)

@@ -44,6 +44,7 @@ HURRY_S = 30.0
 CONFIRM_S = 0.25  # the most a beat spends reaching peers' ports (a stamp must not wait behind them)
 _posted = threading.Event()  # this process posted the run's failure, or read it on the store
 _read_at = 0.0  # when :func:`failure_posted` last read the store
+_lost_silence_s = 3.0  # :func:`set_lost_silence`
 
 
 def start(timeout: float, *, pipeline: bool = True) -> None:
@@ -135,12 +136,22 @@ def silent_ranks(threshold: float) -> list[tuple[int, float | None]]:
     return out
 
 
-def lost_ranks(silence: float) -> set[int]:
+def set_lost_silence(seconds: float) -> None:
+    """How long a rank's stamps stand still, once the run's failure is posted, before :func:`lost_ranks` names it
+    lost: an in-place job's ``InPlace(silence_s=)``, the same bound that posted a stopped machine's failure (a job
+    that raised it for oversubscribed cores must not give up a live peer's copy sooner)."""
+    global _lost_silence_s
+    _lost_silence_s = float(seconds)
+
+
+def lost_ranks(silence: float | None = None) -> set[int]:
     """The other global ranks known lost now: their port refuses (the process is gone), or their stamps stood
-    still for more than ``silence`` seconds (a live rank stamps from a thread of its own, however slow its
-    steps: a stopped or cut-off machine). Empty when nothing can be read."""
+    still for more than ``silence`` seconds (default: :func:`set_lost_silence`'s; a live rank stamps from a
+    thread of its own, however slow its steps: a stopped or cut-off machine). A rank that never stamped is not
+    evidence (a corner just made, a rank just started). Empty when nothing can be read."""
+    bound = _lost_silence_s if silence is None else silence
     try:
-        out = {r for r, _ in silent_ranks(silence)} | set(_probes.gone())
+        out = {r for r, age in silent_ranks(bound) if age is not None} | set(_probes.gone())
         out.discard(dist.get_rank())
     except Exception:  # no store, no group: no evidence
         return set()
