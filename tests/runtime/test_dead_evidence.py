@@ -130,6 +130,7 @@ def test_a_failed_generation_is_posted_for_every_board_of_the_run(monkeypatch: p
     heartbeat.post_failure("global rank 0 stopped or died (process gone: ...): rank 3: ...")
     heartbeat.post_failure("rank 4: the all-reduce timed out")  # the first one stands
     assert heartbeat.job_failure() == "global rank 0 stopped or died (process gone: ...): rank 3: ..."
+    heartbeat.stop()  # (posted in this process: a later test's exchange would give up at once)
 
 
 class _Group:
