@@ -2,18 +2,18 @@
 
 The copies to the peers run on a helper thread while the pipeline trains, so they get their own process
 group (gloo, host memory: on GPUs too the copy is taken to the host first), never the pipeline's. Every
-exchange sends a length first (-1: nothing to send), then the bytes; every wait has a deadline, so a peer
-that is gone costs the timeout at most, and raises - or less, when the run's failure is posted first and
-the peer never began its part (:func:`exchange_settled`).
+exchange sends, per part, a length first (-1: nothing to send), then the bytes; every wait has a deadline, so
+a peer that is gone costs the timeout at most, and raises - or less, when the run's failure is posted first
+and the peer never began its part (:func:`exchange_parts`).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -75,12 +75,22 @@ def exchange(
 
 @dataclass
 class Settled:
-    """An exchange's end: what each source whose transfer ended sent (None: it had nothing), the failures, and
-    the peers (sources and dest) whose transfer ended without one."""
+    """An exchange's end: what each source whose transfer ended sent, part by part (None: it had nothing), the
+    failures, and the peers (sources and dest) whose transfer ended without one."""
 
-    got: dict[int, torch.Tensor | None]
+    parts: dict[int, list[torch.Tensor | None]]
     failed: list[PipelineError]
     ended: set[int]
+
+    @property
+    def got(self) -> dict[int, torch.Tensor | None]:
+        """Each source's first part (:func:`exchange_settled`'s one)."""
+        return {s: p[0] if p else None for s, p in self.parts.items()}
+
+
+#: ``place(source, its parts received so far, the next part's length)``: the buffer that part is received into
+#: (None, or one too short: a fresh one), asked on that source's transfer thread as soon as the length is in
+Place = Callable[[int, list[torch.Tensor | None], int], torch.Tensor | None]
 
 
 def exchange_settled(
@@ -92,40 +102,59 @@ def exchange_settled(
     into: dict[int, torch.Tensor] | None = None,
     give_up: Callable[[], bool] | None = None,
     around: Callable[[], AbstractContextManager[Any]] | None = None,
-    begun: Collection[int] = (),
     lost: Callable[[int], bool] | None = None,
 ) -> Settled:
-    """Send ``payload`` (uint8, host) to group rank ``dest`` while receiving one from each of ``sources``; per
-    peer its length first, then its bytes. ``into``: by source, a buffer to receive into, kept
-    from call to call (a new one's pages cost as much as the bytes' copy).
+    """:func:`exchange_parts` of one part, ``payload``; ``into``: by source, a buffer to receive into, kept
+    from call to call (a new one's pages cost as much as the bytes' copy)."""
+    keep: dict[int, torch.Tensor] = {} if into is None else into
+    return exchange_parts([payload], dest, sources, group, timeout, _keeping(keep), give_up, around, lost)
+
+
+def exchange_parts(
+    parts: Sequence[torch.Tensor | None],
+    dest: int | None,
+    sources: Sequence[int],
+    group: Any,
+    timeout: float,
+    place: Place | None = None,
+    give_up: Callable[[], bool] | None = None,
+    around: Callable[[], AbstractContextManager[Any]] | None = None,
+    lost: Callable[[int], bool] | None = None,
+) -> Settled:
+    """Send ``parts`` (each uint8, host, or None) to group rank ``dest`` while receiving as many from each of
+    ``sources``; per peer and part its length first, then its bytes, received where ``place`` says (a snapshot's
+    file staged from its head, then its bytes received into the file's pages: one exchange, not one per part,
+    so no peer's bytes wait for every peer's head - on a rank with no spare core each exchange waits for the
+    peers' idle time, and a second one made the copy outlast the step).
 
     Each peer's transfer runs on a thread of its own (``around()``: the context each runs in), so that no peer
     waits behind another: a source that is gone does not stop the copy to ``dest`` (otherwise the survivor
     after a lost machine in the ring gives up at once, and the one after it waits the whole timeout for bytes
     that never come - and its recovery with it). The ``timeout`` bounds the whole exchange.
 
-    ``give_up()`` (asked while waiting): once true, a transfer whose length has not gone through is abandoned
-    - its peer never entered this exchange (its step failed before its snapshot) and never will, and waiting
-    for it would hold a recovery for the whole timeout. A transfer whose length went through is waited for:
-    its bytes come (a live peer) or fail at once (a dead one), and they may be the only copy of a committed
-    snapshot - unless ``lost(peer)`` (asked only once ``give_up()`` is true) says that peer is known lost: a
-    stopped machine's kernel takes in the length and then nothing more, and its bytes could only come after it
-    was fenced out of the run (the wait would hold the recovery to the timeout: 7 of a SIGSTOP's 10.5 s in
-    the chaos of 2026-12-04). An abandoned transfer's thread still honours a length that comes late (a fresh
-    buffer, the bytes thrown away), so the peer's send is matched and nothing is left for it to wait for.
-    ``begun``: the peers counted as begun from the start (their part of an exchange before this one went
-    through)."""
+    ``give_up()`` (asked while waiting): once true, a transfer whose first length has not gone through is
+    abandoned - its peer never entered this exchange (its step failed before its snapshot) and never will, and
+    waiting for it would hold a recovery for the whole timeout. A transfer whose first length went through is
+    waited for: its bytes come (a live peer) or fail at once (a dead one), and they may be the only copy of a
+    committed snapshot - unless ``lost(peer)`` (asked only once ``give_up()`` is true) says that peer is known
+    lost: a stopped machine's kernel takes in the length and then nothing more, and its bytes could only come
+    after it was fenced out of the run (the wait would hold the recovery to the timeout: 7 of a SIGSTOP's
+    10.5 s in the chaos of 2026-12-04). An abandoned transfer's thread still honours lengths that come late
+    (fresh buffers, the bytes thrown away, ``place`` not asked), so the peer's sends are matched and nothing is
+    left for it to wait for."""
     x = _Exchange(time.monotonic() + timeout, group, around)
-    keep: dict[int, torch.Tensor] = {} if into is None else into
     peers = [_Transfer(s, False) for s in sources] + ([_Transfer(dest, True)] if dest is not None else [])
     for t in peers:
-        t.started = t.peer in begun
-    for t in peers:
         run = x.send if t.send else x.recv
-        arg: Any = payload if t.send else keep
+        arg: Any = list(parts) if t.send else (len(parts), place)
         threading.Thread(target=run, args=(t, arg), name="stagewise-snapshot-peer", daemon=True).start()
     x.settle(peers, give_up, lost)
     return x.result(peers, timeout)
+
+
+def _keeping(keep: dict[int, torch.Tensor]) -> Place:
+    """A :data:`Place` receiving each source's parts into its buffer in ``keep`` (made, or grown, as needed)."""
+    return lambda source, got, n: _buffer(keep, source, n)
 
 
 @dataclass(eq=False)
@@ -137,7 +166,7 @@ class _Transfer:
     started: bool = False
     abandoned: bool = False
     done: bool = False
-    got: torch.Tensor | None = None
+    got: list[torch.Tensor | None] = field(default_factory=list)
     failure: PipelineError | None = None
 
 
@@ -172,7 +201,7 @@ class _Exchange:
     def result(self, peers: list[_Transfer], timeout: float) -> Settled:
         """What the settled ``peers`` got, and their failures (an abandoned or unfinished transfer is one)."""
         done = Settled({}, [], set())
-        got, failed = done.got, done.failed
+        got, failed = done.parts, done.failed
         with self.cv:
             for t in peers:
                 if t.failure is not None:
@@ -192,37 +221,46 @@ class _Exchange:
                         got[t.peer] = t.got
         return done
 
-    def recv(self, t: _Transfer, keep: dict[int, torch.Tensor]) -> None:
+    def recv(self, t: _Transfer, arg: tuple[int, Place | None]) -> None:
+        count, place = arg
         with self.around():
             try:
-                length = torch.empty(1, dtype=torch.int64)
-                work = dist.irecv(length, group_src=t.peer, group=self.group)
-                self._wait(work, "the lengths of the snapshots' copies")
-                n = int(length.item())
-                with self.cv:
-                    late = t.abandoned  # (honoured: the peer's bytes follow; not kept)
-                    t.started = not late
-                    self.cv.notify_all()
-                if n > 0:
-                    buf = torch.empty(n, dtype=torch.uint8) if late else _buffer(keep, t.peer, n)
+                late = False
+                for i in range(count):
+                    length = torch.empty(1, dtype=torch.int64)
+                    work = dist.irecv(length, group_src=t.peer, group=self.group)
+                    self._wait(work, "the lengths of the snapshots' copies")
+                    n = int(length.item())
+                    if i == 0:
+                        with self.cv:
+                            late = t.abandoned  # (honoured: the peer's bytes follow; not kept)
+                            t.started = not late
+                            self.cv.notify_all()
+                    if n <= 0:
+                        t.got.append(None)
+                        continue
+                    buf = None if late or place is None else place(t.peer, t.got, n)
+                    buf = torch.empty(n, dtype=torch.uint8) if buf is None or buf.numel() < n else buf[:n]
                     self._wait(dist.irecv(buf, group_src=t.peer, group=self.group), "the snapshots' copies")
-                    t.got = buf
+                    t.got.append(buf)
             except Exception as err:  # (posting on a closed pair raises too: never an ended transfer)
                 t.failure = _failure(err, "the snapshots' copies")
             finally:
                 self._done(t)
 
-    def send(self, t: _Transfer, payload: torch.Tensor | None) -> None:
+    def send(self, t: _Transfer, parts: list[torch.Tensor | None]) -> None:
         with self.around():
             try:
-                mine = torch.tensor([_NOTHING if payload is None else payload.numel()], dtype=torch.int64)
-                work = dist.isend(mine, group_dst=t.peer, group=self.group)
-                self._wait(work, "the lengths of the snapshots' copies")
-                with self.cv:
-                    t.started = not t.abandoned
-                    self.cv.notify_all()
-                if payload is not None and payload.numel():
-                    self._wait(dist.isend(payload, group_dst=t.peer, group=self.group), "the snapshots' copies")
+                for i, payload in enumerate(parts):
+                    mine = torch.tensor([_NOTHING if payload is None else payload.numel()], dtype=torch.int64)
+                    work = dist.isend(mine, group_dst=t.peer, group=self.group)
+                    self._wait(work, "the lengths of the snapshots' copies")
+                    if i == 0:
+                        with self.cv:
+                            t.started = not t.abandoned
+                            self.cv.notify_all()
+                    if payload is not None and payload.numel():
+                        self._wait(dist.isend(payload, group_dst=t.peer, group=self.group), "the snapshots' copies")
             except Exception as err:  # (posting on a closed pair raises too: never an ended transfer)
                 t.failure = _failure(err, "the snapshots' copies")
             finally:

@@ -18,6 +18,7 @@ nothing, and the others' all-reduce ends without it (given up at the run's failu
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -37,34 +38,27 @@ def deliver(snap: Any, step: int, head: bytes, payload: torch.Tensor, clock: idl
 
 
 def send(snap: Any, head: bytes, payload: torch.Tensor, clock: idle.Clock, label: bytes = b"") -> None:
-    """Heads, then payloads, to ``snap``'s next machine's rank (a :class:`.snapshots.Snapshotter`); the copies
-    from the previous machine written here; then the first failure, if any, raised. ``label``: :func:`label`
-    of this head's file (b"": none, the receiver parses the header)."""
+    """Head and payload, one exchange, to ``snap``'s next machine's rank (a :class:`.snapshots.Snapshotter`); the
+    copies from the previous machine written here; then the first failure, if any, raised. ``label``:
+    :func:`label` of this head's file (b"": none, the receiver parses the header)."""
     p = snap.peers
     if p.dest is None and not p.sources:
         return
     head_t = torch.frombuffer(bytearray(label + head), dtype=torch.uint8)
     wire: dict[str, Any] = {"give_up": _give_up(snap), "around": snap.priority.peer_thread, "lost": _lost(snap)}
-    end = time.monotonic() + snap.timeout  # one deadline for both (seen: the heads given up on a source at the
-    # failure, 10 s after a partition, then the bytes to the cut-off dest, whose head was in, waited 10 s more)
-    heads = snapshot_wire.exchange_settled(head_t, p.dest, p.sources, snap.group, snap.timeout, **wire)
-    # a peer whose head went through is in this snapshot's copy: its bytes are waited for, given up or not
-    staged = {src: _stage(snap, src, heads.got.get(src)) for src in p.sources}  # received in place (see .mapped)
-    into = {**snap._received, **{s: st[1].payload for s, st in staged.items() if st is not None}}
-    left = max(end - time.monotonic(), 0.001)
-    bodies = snapshot_wire.exchange_settled(
-        payload, p.dest, p.sources, snap.group, left, into=into, begun=heads.ended, **wire
+    into = _Into(snap)
+    done = snapshot_wire.exchange_parts(
+        [head_t, payload], p.dest, p.sources, snap.group, snap.timeout, into.place, **wire
     )
-    snap._received.update((s, b) for s, b in into.items() if staged.get(s) is None)  # (kept: the others')
-    failed = heads.failed + bodies.failed
+    staged = into.close()  # (a transfer still running past the deadline stages nothing more)
     clock.lap("send_s")
     for src in p.sources:
-        got_head, st = heads.got.get(src), staged.get(src)
-        if got_head is None or src not in bodies.got or snap.dropped:
+        got, st = done.parts.get(src), staged.get(src)
+        if got is None or len(got) < 2 or got[0] is None or snap.dropped:
             if st is not None:
                 mapped.discard(snap._maps, src, st[1])
             continue  # nothing sent, or its head or bytes failed: no file (never a head without its bytes)
-        body = bodies.got[src]
+        got_head, body = got[0], got[1]
         data = _unlabelled(got_head.numpy().tobytes())[1]
         if st is not None:
             snap._written.keep(src, mapped.publish(snap._maps, src, st[1], data, body, snap.folder / st[0]))
@@ -74,8 +68,44 @@ def send(snap: Any, head: bytes, payload: torch.Tensor, clock: idle.Clock, label
         view = host_bytes(body) if body is not None else memoryview(b"")
         snap._written.keep(src, folders.write(snap.folder, name, data, view, snap._written.spare(src)))
     clock.lap("peer_write_s")
-    if failed:
-        raise failed[0]
+    if done.failed:
+        raise done.failed[0]
+    if into.failed:
+        raise into.failed[0]
+
+
+class _Into:
+    """Where a source's parts are received (:data:`..comm.snapshot_wire.Place`, asked on its transfer thread):
+    its head into a fresh buffer; its bytes into its file, staged from the head (:func:`_stage`) as soon as the
+    head is in, or, unstaged, a buffer kept for that source."""
+
+    def __init__(self, snap: Any) -> None:
+        self.snap, self.staged = snap, dict[int, tuple[str, mapped.Staged] | None]()
+        self.failed: list[Exception] = []
+        self._lock, self._closed = threading.Lock(), False
+
+    def place(self, src: int, got: list[torch.Tensor | None], n: int) -> torch.Tensor | None:
+        if not got:
+            return None  # the head
+        with self._lock:
+            if self._closed:
+                return None
+            try:
+                st = self.staged[src] = _stage(self.snap, src, got[0])
+            except Exception as err:  # (a mapping that fails: the bytes still come, into a buffer; raised after)
+                self.failed.append(err)
+                st = self.staged[src] = None
+            if st is not None:
+                return st[1].payload
+            kept = self.snap._received.get(src)
+            if kept is None or kept.numel() < n:
+                kept = self.snap._received[src] = torch.empty(n, dtype=torch.uint8)
+            return kept
+
+    def close(self) -> dict[int, tuple[str, mapped.Staged] | None]:
+        with self._lock:
+            self._closed = True
+            return dict(self.staged)
 
 
 def _stage(snap: Any, src: int, head: torch.Tensor | None) -> tuple[str, mapped.Staged] | None:
