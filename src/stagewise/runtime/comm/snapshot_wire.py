@@ -159,7 +159,7 @@ def _keeping(keep: dict[int, torch.Tensor]) -> Place:
 
 @dataclass(eq=False)
 class _Transfer:
-    """One peer's part of an exchange: ``started`` once its length went through (the peer is in the exchange)."""
+    """One peer's part of an exchange: ``started`` once its first length went through (the peer is in the exchange)."""
 
     peer: int
     send: bool

@@ -167,7 +167,7 @@ _LOST_EVERY_S = 0.5  # how often the store's stamps are read while a copy waits 
 
 
 def _lost(snap: Any) -> Any:
-    """``lost(group rank)`` for :func:`..comm.snapshot_wire.exchange_settled`: the peer is known lost
+    """``lost(group rank)`` for :func:`..comm.snapshot_wire.exchange_parts`: the peer is known lost
     (:func:`..comm.faults.heartbeat.lost_ranks`: its stamps stood still ``InPlace(silence_s=)``, the evidence
     that posted a stopped machine's failure, or its port refuses), read at most every :data:`_LOST_EVERY_S`."""
     seen: dict[str, Any] = {"at": -float("inf"), "ranks": set()}
