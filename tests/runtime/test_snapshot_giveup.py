@@ -37,6 +37,7 @@ class _Wire:
         self.blocked_ended = threading.Event()  # the silent peer's wait ended (only when the test releases it)
         self.sent = threading.Event()
         self.head_in = threading.Event()  # a source's head (length and bytes) was received
+        self.body_in = threading.Event()  # a source's bytes were received
 
     def irecv(self, t: torch.Tensor, group_src: int, group: Any) -> Any:
         with self.lock:
@@ -47,6 +48,8 @@ class _Wire:
             self.phase[group_src] = n + 1
             if n == 1:
                 self.head_in.set()
+            if n == 3:
+                self.body_in.set()
             data = (self.heads if n < 2 else self.bodies)[group_src]
             if n % 2 == 0:
                 t.fill_(len(data))
@@ -341,10 +344,7 @@ def test_a_sources_bytes_do_not_wait_for_another_sources_head(wire: Any, tmp_pat
     w = wire(silent=2, heads={4: head}, bodies={4: body})
     snap, out = _Snap(tmp_path), dict[str, Any]()
     t = _send_in_thread(snap, w, out)
-    for _ in range(300):  # (a liveness bound, not a timing: the fake's receives complete at once)
-        if w.phase.get(4) == 4:
-            break
-        threading.Event().wait(0.1)
+    assert w.body_in.wait(60)  # (a liveness bound: the fake's receives complete at once)
     assert w.phase.get(4) == 4 and not w.release.is_set()  # rank 4's bytes in, rank 2 still silent
     st = snap._maps.maps.get(4)
     assert st, "rank 4's bytes were not received into a staged file"
