@@ -23,7 +23,10 @@ its oracle; ``--oracle end``: all after the live phases, as before 2026-12-04).
 Per phase, the recovered share: the best static cut's median step over the live step
 reached by step 10 (the median of steps 8 to 10; goal: at least 90 %), and over the steady state after the last
 change; beside it the live cut's own static step (a re-laid-out pipeline slower than a fresh one of its cut
-shows there). Writes ``stragglers.json``, prints a table.
+shows there). Since 2026-12-04 07:30 the live pipeline also steps in its phase's sweep, in the same rounds, so
+that the share can be read without the drift between a phase and its sweep, and each live step's cost of watching
+the run (timeline, calibration, probes) is timed beside it (:func:`shares`). Writes ``stragglers.json``, prints a
+table.
 """
 
 from __future__ import annotations
@@ -146,26 +149,31 @@ def rank_main(args: argparse.Namespace) -> None:
     replanner = Replanner(live, calibrator, steps=sum(n for *_, n in phases) + args.horizon, cooldown=args.cooldown)
     oracle: dict[str, dict[int, float]] = {}
     swept: dict[str, list[float]] = {}  # per phase: the sweep's start and end (seconds since the first step)
+    in_sweep: dict[str, dict[str, Any]] = {}  # per phase: the live pipeline's median step in its sweep, its cut
 
     static = {c: pipe([c, LAYERS - c]) for c in range(1, LAYERS)} if args.oracle != "none" else {}
     # (built once, before the live steps: idle, they cost the live pipeline nothing - 2026-12-04, 67.7 ms a step
     # alone, 66.8 beside the nine - and a sweep builds nothing)
 
     def sweep(name: str, share: float | None) -> None:
-        """Every static cut under ``share``: a warm-up round, then ``--oracle-steps`` rounds of one step per cut,
-        the cuts in turn (each round starting one cut later), so that the machine's drift over the sweep falls
-        on every cut alike; each cut's median."""
+        """Every static cut under ``share``, and the live pipeline at the cut it ended the phase on (held: no
+        observation, so no re-plan): a warm-up round, then ``--oracle-steps`` rounds of one step per pipeline,
+        in turn (each round starting one later), so that the machine's drift over the sweep falls on every cut
+        and on the live pipeline alike; each one's median."""
         begun = time.monotonic()
-        throttle.set(share)
-        cuts = list(static)
-        times: dict[int, list[float]] = {c: [] for c in cuts}
+        throttle.set(share, live)
+        runs: dict[int | str, Any] = {**static, "live": live}
+        order = list(runs)
+        times: dict[int | str, list[float]] = {c: [] for c in order}
         for r in range(args.oracle_steps + 1):
-            for c in cuts[r % len(cuts) :] + cuts[: r % len(cuts)]:
-                throttle.apply(static[c])
-                took = timed_step(static[c], x, y)
+            for c in order[r % len(order) :] + order[: r % len(order)]:
+                throttle.apply(runs[c])
+                took = timed_step(runs[c], x, y)
                 if r:
                     times[c].append(took)
-        oracle[name] = {c: statistics.median(t) for c, t in times.items()}
+        oracle[name] = {int(c): statistics.median(times[c]) for c in static}
+        in_sweep[name] = {"s": statistics.median(times["live"]), "counts": [len(r) for r in live.layer_ranges],
+                          "steps": {str(c): t for c, t in times.items()}}  # fmt: skip
         swept[name] = [begun - start, time.monotonic() - start]
 
     start = time.monotonic()
@@ -175,9 +183,12 @@ def rank_main(args: argparse.Namespace) -> None:
             for _ in range(n):
                 throttle.apply(live)
                 took = timed_step(live, x, y)
+                watched = time.perf_counter()
                 timeline = live.timeline(gather=True)
                 record = replanner.observe(timeline)
+                watched = time.perf_counter() - watched  # the run's own cost of watching: gather, calibrate, probe
                 steps.append({"phase": phase, "seconds": took, "counts": [len(r) for r in live.layer_ranges],
+                              "observe": watched,
                               "at": time.monotonic() - start, "replan": None if record is None else record["reason"],
                               "timeline": timeline.to_json() if args.timelines else None})  # fmt: skip
             if args.oracle == "phase" and phase in SWEPT:
@@ -190,10 +201,11 @@ def rank_main(args: argparse.Namespace) -> None:
         throttle.close()
     if rank == 0:
         out = {"steps": steps, "events": events, "decisions": replanner.log, "probes": replanner.probes,
-               "oracle": oracle, "oracle at": args.oracle, "swept": swept, "load": os.getloadavg(),
+               "oracle": oracle, "oracle at": args.oracle, "swept": swept, "live in sweep": in_sweep,
+               "load": os.getloadavg(),
                "mode": "emulate_slowdown" if args.emulate else "cgroup v1",
                "prior": calibrator.prior.to_json(), "cores": calibrator.cores}  # fmt: skip
-        out["shares"] = shares(steps, oracle)
+        out["shares"] = shares(steps, oracle, in_sweep)
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "stragglers.json").write_text(json.dumps(out, default=str))
         for e in events:
@@ -207,12 +219,22 @@ def rank_main(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def shares(steps: list[dict[str, Any]], oracle: dict[str, dict[int, float]]) -> list[dict[str, Any]]:
+def shares(
+    steps: list[dict[str, Any]], oracle: dict[str, dict[int, float]], in_sweep: dict[str, dict[str, Any]] | None = None
+) -> list[dict[str, Any]]:
     """Per phase with an oracle: the best static cut and its median step; the live step reached by step 10 (the
     median of the phase's steps :data:`BY_STEP_10`, the issue's "within 10 steps") and its share; the steps 6 to
     10 (:data:`WINDOW`, the page's figure before 2026-12-02 07:50); the steady state (the phase's steps after its
     last change and one warm-up step); and the live cut's own static step, so that a re-laid-out pipeline slower
-    than a fresh one of its cut shows (``left behind``: live steady over that cut's static step)."""
+    than a fresh one of its cut shows (``left behind``: live steady over that cut's static step).
+
+    The same shares without the drift between a phase and its sweep (seconds to minutes apart, ±10-30 % on this
+    VM): ``share by step 10, same sweep`` is the best cut over the cut reached by step 10, both timed in the one
+    sweep (a re-laid-out pipeline steps as a fresh one of its cut: ``benchmarks.relaid_vs_fresh``), and with
+    ``in_sweep`` (the live pipeline timed in that sweep too, at the cut it ended the phase on) ``share live in
+    sweep`` (its step there plus the phase's mean cost of watching the run, ``observe s``: the timeline gathered,
+    the calibration, the probes) and ``live / static in sweep`` (the live pipeline's step over its cut's static
+    one, interleaved)."""
     out = []
     for name in dict.fromkeys(s["phase"] for s in steps):
         by_cut = oracle.get(name, oracle.get(SWEPT_AS.get(name, name)))  # its own sweep, else the one it is judged by
@@ -236,6 +258,19 @@ def shares(steps: list[dict[str, Any]], oracle: dict[str, dict[int, float]]) -> 
                     "that cut static s": own, "left behind": None if own is None else _median(steady) / own,
                     "even cut s": static.get(LAYERS // 2),
                     "moved back": moved_back(before[-1]["counts"] if before else None, phase)})  # fmt: skip
+        reached = static.get(at10[0])
+        row = out[-1]
+        row["share by step 10, same sweep"] = None if reached is None else static[c] / reached
+        # a mean (the probes come every few steps) over the steps that did not re-lay out (a move's cost is paid
+        # once, over the steps the job has left, not over a phase of 14)
+        watching = [s["observe"] for s in phase if "observe" in s and s.get("replan") != "re-plan"]
+        row["observe s"] = statistics.fmean(watching) if watching else 0.0
+        live = (in_sweep or {}).get(name)
+        if live is not None:
+            row["live in sweep s"], row["live in sweep cut"] = live["s"], live["counts"]
+            row["share live in sweep"] = static[c] / (live["s"] + row["observe s"])
+            own_cut = static.get(live["counts"][0])
+            row["live / static in sweep"] = None if own_cut is None else live["s"] / own_cut
     return out
 
 
@@ -261,15 +296,27 @@ def _median(values: list[float]) -> float:
 
 def table(rows: list[dict[str, Any]]) -> list[str]:
     lines = ["| phase | best static cut | its step ms | live cut at step 10 | live ms (steps 8-10) | share by step 10 "
+             "| same sweep: share by step 10 | live in the sweep: cut, share with watching | watching ms a step "
+             "| live / static, same cut, in the sweep "
              "| live steady ms | share steady | its cut static ms | live / static, same cut "
              "| the cut it entered with |",
-             "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
+             "|---|---|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
+
+    def pct(v: float | None) -> str:
+        return "-" if v is None else f"{v:.0%}"
+
     for r in rows:
         own = "-" if r["that cut static s"] is None else f"{r['that cut static s'] * 1e3:.1f}"
         left = "-" if r["left behind"] is None else f"{r['left behind']:.2f}"
+        live = "-" if "live in sweep cut" not in r else f"{r['live in sweep cut']}, {pct(r['share live in sweep'])}"
+        same = r.get("live / static in sweep")
+        same_text = "-" if same is None else f"{same:.2f}"
         lines.append(f"| {r['throttle']} | {r['best cut']} | {r['best s'] * 1e3:.1f} | {r['cut at step 10']} "
-                     f"| {r['by step 10 s'] * 1e3:.1f} | {r['share by step 10']:.0%} | {r['steady s'] * 1e3:.1f} "
-                     f"| {r['share steady']:.0%} | {own} | {left} | {r.get('moved back', '-')} |")  # fmt: skip
+                     f"| {r['by step 10 s'] * 1e3:.1f} | {r['share by step 10']:.0%} "
+                     f"| {pct(r.get('share by step 10, same sweep'))} | {live} | {r.get('observe s', 0) * 1e3:.1f} "
+                     f"| {same_text} "
+                     f"| {r['steady s'] * 1e3:.1f} | {r['share steady']:.0%} | {own} | {left} "
+                     f"| {r.get('moved back', '-')} |")  # fmt: skip
     return lines
 
 

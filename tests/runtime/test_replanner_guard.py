@@ -219,9 +219,12 @@ def capped_step(pipe: FakePipe, cap: float, noisy: list[float]) -> Any:
     return pipe.step([noisy[0], noisy[1] * share])
 
 
-def capped_run(seed: int, steps: int = 50, **options: Any) -> tuple[Replanner, list[list[int]], list[float]]:
-    """Rank 1 capped at :data:`CAP` over steps [CAPPED, LIFTED), 5 % noise; the probe reads each rank's cap (1
-    when lifted). Returns the cut in force after each step and each step's rank-1 cap."""
+def capped_run(
+    seed: int, steps: int = 50, capped_noise: float = 0.05, **options: Any
+) -> tuple[Replanner, list[list[int]], list[float]]:
+    """Rank 1 capped at :data:`CAP` over steps [CAPPED, LIFTED), 5 % noise (``capped_noise`` while capped); the
+    probe reads each rank's cap (1 when lifted). Returns the cut in force after each step and each step's rank-1
+    cap."""
     rng = random.Random(seed)
     pipe = FakePipe()
     caps = [CAP if CAPPED <= k < LIFTED else 1.0 for k in range(steps)]
@@ -230,7 +233,8 @@ def capped_run(seed: int, steps: int = 50, **options: Any) -> tuple[Replanner, l
                           **options)  # fmt: skip
     cuts = []
     for k in range(steps):
-        replanner.observe(capped_step(pipe, caps[k], [rng.lognormvariate(0.0, 0.05) for _ in range(2)]))
+        noise = capped_noise if CAPPED <= k < LIFTED else 0.05
+        replanner.observe(capped_step(pipe, caps[k], [rng.lognormvariate(0.0, noise) for _ in range(2)]))
         cuts.append([len(r) for r in pipe.layer_ranges])
     return replanner, cuts, caps
 
@@ -251,6 +255,18 @@ def test_a_capped_rank_is_moved_back_when_its_quota_lifts_and_not_before() -> No
         assert cuts[LIFTED + 15 - 1] == [4, 4], (seed, cuts, replanner.log)
     _, cuts, _ = capped_run(0, probe_every=0)
     assert cuts[CAPPED + 10 - 1][1] < 4 and cuts[-1] == cuts[CAPPED + 10 - 1], cuts
+
+
+@pytest.mark.usefixtures("one_process_group")
+def test_the_noise_of_the_capped_steps_does_not_hold_the_move_back() -> None:
+    """2026-12-04 07:30 (quiet, pinned): steps under a quota read +-30 % (its periods beat against the steps), and
+    the speeds' error drawn from them held the first decisions after the lift at "gain below cost" (error 0.29,
+    0.21, 0.15): moved back 19 steps after the release. After a lift the capped steps' noise is dropped: at 30 %
+    noise while capped, back on the even cut within 10 steps of the lift (seeds 0 and 2 took 16 and 13 before)."""
+    for seed in (0, 2):
+        replanner, cuts, _ = capped_run(seed, capped_noise=0.3)
+        assert cuts[CAPPED + 10 - 1][1] < 4, (seed, cuts)
+        assert cuts[LIFTED + 10 - 1] == [4, 4], (seed, cuts, replanner.log)
 
 
 @pytest.mark.usefixtures("one_process_group")

@@ -54,6 +54,7 @@ from ...planning.replan import (
     step_spread,
 )
 from ...planning.stragglers import (
+    LEAST_ERROR,
     NOISE_STEPS,
     RECENT,
     SLOW,
@@ -252,6 +253,13 @@ class Replanner:
         self.caps.free(free)
         for r in free:
             self.speeds[r] = self.told[r] = 1.0
+        # The machine changed regime: the held steps' noise (a quota's periods beating against the steps read
+        # +-30 % on the 2026-12-04 runs) is not the free machine's. Kept, it held the first decisions' margin
+        # above the move back's gain for 10-20 steps. Until the free steps give 3 speeds the freed ranks' speeds
+        # are the probe's, and the error is the floor (:meth:`_errors`): the fresh calibration's spread over the
+        # free steps is in the margin already.
+        self.series = [[] for _ in self.series]
+        self.speed_errors = [math.nan] * len(self.speed_errors)
         if group_rank(None) == 0:
             log.warning(
                 "stagewise: rank(s) %s, held slow, probed at %s of a free rank's share of a core: their throttle "
@@ -279,7 +287,7 @@ class Replanner:
         full = [len(h) == WINDOW for h in cal.detector.history]  # measured where a window is full, else what
         measured = cal.detector.speeds()  # was known when this calibration began
         speeds = [measured[r] if f else self.speeds[r] for r, f in enumerate(full)]
-        errs = [speed_error(self.series[r]) if f else self.speed_errors[r] for r, f in enumerate(full)]
+        errs = self._errors(full)
         told = self.told
         if len(self._compute) == RECENT:  # the same recent steps as the speeds the decision takes
             told = [statistics.median(c[r] for c in self._compute) for r in range(len(told))]
@@ -309,6 +317,18 @@ class Replanner:
         if any(c < 1 for c in self._priced):
             record["caps"] = list(self._priced)
         return {"record": record, "speeds": speeds, "errors": errs, "told": told}
+
+    def _errors(self, full: list[bool]) -> list[float]:
+        """Each rank's speed error: from its measured speeds where its window is full, else the last decision's;
+        since a lift (NaN, :meth:`_probe`) and until 3 free speeds, :data:`LEAST_ERROR`."""
+        out = []
+        for r, f in enumerate(full):
+            since_lift = math.isnan(self.speed_errors[r])
+            if f and not (since_lift and len(self.series[r]) < 3):
+                out.append(speed_error(self.series[r]))
+            else:
+                out.append(LEAST_ERROR if since_lift else self.speed_errors[r])
+        return out
 
     def _options(self, cal: RunCalibration, speeds: list[float], caps: list[float]) -> tuple[Option, list[Option]]:
         running = self.pipe.schedule
