@@ -146,7 +146,9 @@ def rank_main(args: argparse.Namespace) -> None:
     phases = [p for p in all_phases if p[2] > 0]
     live = pipe()
     calibrator = RunCalibrator(live, on_event=lambda e: events.append({**e, "step": len(steps)}))
-    replanner = Replanner(live, calibrator, steps=sum(n for *_, n in phases) + args.horizon, cooldown=args.cooldown)
+    quota = None if args.quota else (lambda: [None] * live.num_ranks)  # --no-quota: the loop alone, as before 08:00
+    replanner = Replanner(live, calibrator, steps=sum(n for *_, n in phases) + args.horizon, cooldown=args.cooldown,
+                          quota_probe=quota)  # fmt: skip
     oracle: dict[str, dict[int, float]] = {}
     swept: dict[str, list[float]] = {}  # per phase: the sweep's start and end (seconds since the first step)
     in_sweep: dict[str, dict[str, Any]] = {}  # per phase: the live pipeline's median step in its sweep, its cut
@@ -359,6 +361,12 @@ def main(argv: list[str] | None = None) -> int:
         help="when the static cuts are swept: right after each throttled phase's live steps, under its throttle "
         "(phase), or all after the live phases (end: the page's runs before 2026-12-04, which the machine's drift "
         "between the two moved by as much as the misses)",
+    )
+    parser.add_argument(
+        "--no-quota",
+        dest="quota",
+        action="store_false",
+        help="watch a held rank by the busy loop alone, never by reading its cgroup quota (before 2026-12-04 08:00)",
     )
     parser.add_argument("--no-oracle", dest="oracle", action="store_const", const="none", help="--oracle none")
     parser.add_argument(

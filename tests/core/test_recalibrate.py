@@ -6,11 +6,13 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from helpers.profiles import fake_profile
 from stagewise import build_schedule, simulate
 from stagewise.ir import Action, Event, Kind, Timeline
-from stagewise.planning.recalibrate import calibrate_run, deshared, fit_link, stage_medians
+from stagewise.planning.recalibrate import calibrate_run, deshared, fit_link, shared_seconds, stage_medians
 
 F, B = Kind.F, Kind.B
 
@@ -48,6 +50,28 @@ def test_sharing_one_core_charges_each_event_the_rate_it_ran_at() -> None:
     assert own[(1, B, 0)] == 2.0 and own[(1, F, 1)] == 0.75 and own[(0, B, 0)] == 1.0
     assert own[(1, B, 1)] == 1.25 and own[(0, B, 1)] == 2.0
     assert stage_medians([hand_timeline()], cores=1) == {F: {0: 0.875, 1: 0.75}, B: {0: 1.5, 1: 1.625}}
+
+
+def _shared_by_slices(spans: list[tuple[float, float]], cores: float) -> list[float]:
+    """The definition, slice by slice: n(t) counted afresh between every two consecutive ends."""
+    edges = sorted({t for span in spans for t in span})
+    rate = []
+    for t0, t1 in zip(edges, edges[1:]):
+        n = sum(1 for a, b in spans if b > a and a < t1 and b > t0)
+        rate.append((t0, t1, min(1.0, cores / n) if n else 1.0))
+    return [sum((min(t1, b) - max(t0, a)) * r for t0, t1, r in rate if t0 < b and t1 > a) for a, b in spans]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 40), st.integers(0, 12)), min_size=1, max_size=30),
+    st.sampled_from([0.5, 1.0, 2.0, 3.0]),
+)
+def test_the_sweep_gives_what_the_slices_give(starts: list[tuple[int, int]], cores: float) -> None:
+    """:func:`shared_seconds` (a sweep, O(n log n)) against its definition on random spans, shared ends, empty
+    spans and all: the same seconds to rounding."""
+    spans = [(a / 8, (a + d) / 8) for a, d in starts]
+    assert shared_seconds(spans, cores) == pytest.approx(_shared_by_slices(spans, cores), abs=1e-12)
 
 
 def test_the_link_is_the_delay_of_the_transfers_a_rank_waited_for() -> None:

@@ -4,6 +4,7 @@ gathered from every rank."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -91,3 +92,38 @@ def test_a_replanner_refuses_a_negative_probe_interval() -> None:
 
     with pytest.raises(ValueError, match="probe_every"):
         Replanner(SimpleNamespace(num_ranks=2), SimpleNamespace(prior=None), steps=10, probe_every=-1)
+
+
+def _group(root: Path, path: str, quota: str, period: str) -> None:
+    """A cgroup v1 cpu group under ``root`` with its quota and period."""
+    d = root / path
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "cpu.cfs_quota_us").write_text(quota)
+    (d / "cpu.cfs_period_us").write_text(period)
+
+
+def test_the_quota_is_read_from_the_group_and_its_ancestors_v1(tmp_path: Path) -> None:
+    """cgroup v1: the least quota / period over the group and its ancestors; -1 sets none; a share of one core at
+    most; the same tree as /proc/self/cgroup names it."""
+    mount = "cpu,cpuacct"
+    _group(tmp_path, mount, "-1", "100000")
+    _group(tmp_path, f"{mount}/job", "300000", "100000")
+    _group(tmp_path, f"{mount}/job/rank1", "2500", "10000")
+    text = "9:name=systemd:/\n4:cpu,cpuacct:/job/rank1\n2:pids:/\n"
+    assert probe.quota_share(text, tmp_path) == 0.25
+    assert probe.quota_share(text.replace("/job/rank1", "/job"), tmp_path) == 1.0  # 3 cores: a whole one
+    _group(tmp_path, f"{mount}/job", "5000", "10000")
+    assert probe.quota_share(text.replace("/job/rank1", "/job"), tmp_path) == 0.5
+    assert probe.quota_share(text, tmp_path) == 0.25  # the child's is less
+    assert probe.quota_share("9:name=systemd:/\n", tmp_path) is None  # no cpu controller: unknown, not free
+
+
+def test_the_quota_is_read_from_cpu_max_v2(tmp_path: Path) -> None:
+    """cgroup v2: ``cpu.max`` of the group and its ancestors, ``max`` setting none."""
+    (tmp_path / "cgroup.controllers").write_text("cpu io memory\n")
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "a" / "cpu.max").write_text("max 100000\n")
+    (tmp_path / "a" / "b" / "cpu.max").write_text("50000 100000\n")
+    assert probe.quota_share("0::/a/b\n", tmp_path) == 0.5
+    assert probe.quota_share("0::/a\n", tmp_path) == 1.0

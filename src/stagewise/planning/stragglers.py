@@ -38,7 +38,7 @@ from .capped import priced
 from .capped import slowed as slowed  # re-exported: from_run imports it from here
 from .defaults import improved_counts
 from .link_fit import COMPUTE
-from .recalibrate import RunCalibration, deshared
+from .recalibrate import RunCalibration, deshared, shared_seconds
 
 #: steps whose median speed decides (5: a rank is named on the third of 5 slow steps, within the 5 steps issue
 #: 49 allows, and two preempted steps of 5 are outvoted: the smoke runs on a 2-core machine at load 8 showed
@@ -126,15 +126,7 @@ def own_spans(timeline: Timeline, cores: float, latency: float = 0.0) -> list[tu
             ready = max(ready, source.end)
         spans.append((e, min(ready, e.start)))
         previous[e.rank] = max(previous.get(e.rank, begin), e.end)
-    edges = sorted({t for e, ready in spans for t in (ready, e.end)})
-    rate = []
-    for t0, t1 in zip(edges, edges[1:]):
-        n = sum(1 for e, ready in spans if ready < t1 and e.end > t0)
-        rate.append((t0, t1, min(1.0, cores / n) if n else 1.0))
-    return [
-        (e, sum((min(t1, e.end) - max(t0, ready)) * r for t0, t1, r in rate if t0 < e.end and t1 > ready))
-        for e, ready in spans
-    ]
+    return list(zip((e for e, _ in spans), shared_seconds([(ready, e.end) for e, ready in spans], cores)))
 
 
 #: the send that carries a compute action's output to another rank

@@ -69,9 +69,13 @@ from ...planning.stragglers import (
 from ..comm.groups import group_rank
 from ..frontends.balance import on_first_rank
 from .from_run import RunCalibrator
-from .probe import probe_shares
+from .probe import probe_shares, quota_shares
 
 log = logging.getLogger(__name__)
+
+#: a loop's reading within this of a rank's cgroup quota (shares of a core, the free ranks' reading as 1): the
+#: quota is the cap (the loop read 0.48-0.49 at a half and 0.22-0.24 at a quarter, 2026-12-04)
+QUOTA_MATCH = 0.1
 
 #: a re-layout's seconds beyond moving the state, before one was measured: new groups and the stages rebuilt
 #: (the replan_live check's 2-process re-layouts of 8 tiny layers took 0.04-0.06 s at load 8; a real model
@@ -98,7 +102,10 @@ class Replanner:
     :attr:`~stagewise.planning.recalibrate.RunCalibration.uncertainty`), so that a fresh calibration after a change,
     noisier than the steps' spread says, does not re-cut on its noise; ``probe_every``: steps between probes of
     the ranks held slow (0: never; a cap a rank no longer meets shows only there), ``probe``: what gives every
-    rank's probed share of a core (a collective; default :func:`.probe.probe_shares`).
+    rank's probed share of a core (a collective; default :func:`.probe.probe_shares`); ``quota_probe``: every
+    rank's CPU quota as a share of a core, None where unknown (a collective; default :func:`.probe.quota_shares`,
+    none where ``probe`` is given). While every held rank's cap is its quota (the loop read it within
+    :data:`QUOTA_MATCH`), the quotas alone are read, every step, in place of the loop.
     """
 
     def __init__(
@@ -117,6 +124,7 @@ class Replanner:
         guard_calibration: bool = True,
         probe_every: int = WINDOW,
         probe: Callable[[], list[float]] | None = None,
+        quota_probe: Callable[[], list[float | None]] | None = None,
     ) -> None:
         if steps < 0 or every < 0 or probe_every < 0:
             raise ValueError(
@@ -157,6 +165,10 @@ class Replanner:
         self.series: list[list[float]] = [[] for _ in range(pipe.num_ranks)]
         self.probe_every, self._since_probe = int(probe_every), 0
         self.probe = probe or (lambda: probe_shares(None, _slowdown(pipe)))
+        if quota_probe is None:
+            quota_probe = (lambda: quota_shares(None)) if probe is None else (lambda: [None] * pipe.num_ranks)
+        self.quota_probe = quota_probe
+        self._by_quota: set[int] = set()  # held ranks whose cap the loop read as their quota: watched by it alone
         #: every probe: the step, the ranks held, their shares, the reference they were read against, the ranks free
         self.probes: list[dict[str, Any]] = []
         self.caps, self._priced = Caps(pipe.num_ranks), [1.0] * pipe.num_ranks  # the held ranks' caps; as priced
@@ -231,15 +243,30 @@ class Replanner:
         was = self._held()
         held = sorted(set(was) | set(now) | set(self._suspects))
         self._since_probe += 1
-        due = self._since_probe >= self.probe_every or now or self._suspects  # a suspect: probed again at once
+        # a held rank's cap that is its cgroup quota: the quotas read every step (a few bytes), not the loop
+        by_quota = bool(held) and set(held) <= self._by_quota and not now and not self._suspects
+        due = by_quota or self._since_probe >= self.probe_every or now or self._suspects  # a suspect: at once
         if not held or self.probe_every == 0 or not due:
             return
         self._since_probe = 0
-        shares = self.probe()
+        shares = [1.0 if q is None else q for q in self.quota_probe()] if by_quota else self.probe()
+        quotas = [] if by_quota else self.quota_probe()
         top = self.caps.reference(shares)
+        if not by_quota:
+            self._by_quota = {
+                r for r, q in enumerate(quotas) if q is not None and q < 1 and abs(shares[r] / top - q) <= QUOTA_MATCH
+            }
         free = lifted([0.0 if r in was else 1.0 for r in range(len(shares))], shares, top)
+        self._by_quota -= set(free)
         self.probes.append(
-            {"step": int(self.pipe.train_steps), "held": held, "shares": shares, "top": top, "lifted": free}
+            {
+                "step": int(self.pipe.train_steps),
+                "held": held,
+                "shares": shares,
+                "top": top,
+                "lifted": free,
+                "by": "quota" if by_quota else "loop",
+            }
         )
         suspects, kept = self._suspects, [r for r in held if r not in free and r not in self._suspects]
         low = capped_by_probe(shares, kept, top)
