@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Iterator
 
@@ -21,6 +22,17 @@ def _one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def _no_posted_failure_left() -> Iterator[None]:
+    """A failure a test posted (``heartbeat.post_failure``, or read on a store) is process-wide: left set, the next
+    test's exchanges would give up at once, racing their own threads (a flaky test, 2026-12-04). A test that
+    posted one has ended its run: the heartbeat is stopped after it, which clears the flag."""
+    yield
+    heartbeat = sys.modules.get("stagewise.runtime.comm.faults.heartbeat")
+    if heartbeat is not None and heartbeat._posted.is_set():
+        heartbeat.stop()
 
 
 @pytest.fixture(scope="module")
