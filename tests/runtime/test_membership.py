@@ -377,3 +377,18 @@ def test_without_machines_known_the_newest_survivors_leave_and_a_usable_size_is_
     assert m._runnable([0, 1, 2], 0) == [0, 1, 2]
     m.usable = lambda n: n == 7
     assert m._runnable([0, 1, 2], 0) == [0, 1, 2]
+
+
+def test_one_worker_speaks_for_each_machine() -> None:
+    """A generation's lines (failed, go on, joined) are said once per machine: by the lowest id of this worker's
+    machine among the members, the lost left out (ids in blocks of the machine's size); by every worker when
+    that size is unknown. Machine 1 holds workers 2 and 3; worker 2 lost, 3 speaks."""
+
+    def speaks(me: int, members: list[int], without: tuple[int, ...] = (), per_machine: int = 2) -> bool:
+        return ms.Membership(None, me, [0, 1, 2, 3, 4, 5], per_machine=per_machine).speaks_for_machine(members, without)
+
+    assert [speaks(me, [0, 1, 2, 3, 4, 5]) for me in range(6)] == [True, False, True, False, True, False]
+    assert [speaks(me, [0, 1, 3, 4, 5], (2,)) for me in (0, 1, 3, 4, 5)] == [True, False, True, True, False]
+    assert speaks(3, [0, 1, 2, 3], (2,)) and not speaks(3, [0, 1, 2, 3])  # the lost one does not speak for it
+    assert speaks(6, [0, 1, 6, 7]) and not speaks(7, [0, 1, 6, 7])  # a newcomer's machine: its lowest id
+    assert all(speaks(me, [0, 1, 2, 3], per_machine=0) for me in range(4))

@@ -185,7 +185,7 @@ def grow(job: Any, step: int, record: Callable[..., Any]) -> None:
     members, parts = job.take_in(step)  # the snapshot of ``step`` committed, the pipeline dropped, the next entered
     seconds = time.perf_counter() - started
     job.recoveries.append(record(job.generation, members, step, job.step, seconds, parts, cause="joined"))
-    log.warning(
+    (log.warning if job.speaks_for_machine(members) else log.info)(  # one line per machine, not per worker
         "stagewise elastic: generation %d: workers %s joined (members %s, %d processes); going on from step %d "
         "after %.1f s",
         job.generation,

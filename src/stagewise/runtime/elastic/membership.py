@@ -187,6 +187,18 @@ class Membership:
                 return [m for m in arrived if m not in gone]
         return arrived  # (no size fits: the build refuses, with the layout's words)
 
+    def speaks_for_machine(self, members: Sequence[int] | None = None, without: Sequence[int] = ()) -> bool:
+        """Whether this worker says a generation's lines for its machine: the lowest id of its machine among
+        ``members`` (default the generation's) less ``without`` (the lost), so that a machine's console reads one
+        line where each of its workers would say the same (2026-12-04: 7 lines per survivor for a loss, 3 of them
+        the same as another). Every worker speaks when the machine's size is unknown."""
+        n = self.per_machine
+        if not n:
+            return True
+        gone = set(without)
+        mine = [m for m in (self.members if members is None else members) if m // n == self.me // n and m not in gone]
+        return not mine or min(mine) == self.me
+
     def enter(self, g: int, members: list[int], deadline_s: float) -> list[int]:
         """Generation ``g`` of ``members`` (this worker among them), decided: the store's generation moves on, and
         every member passes the barrier (one missing at the deadline: one more generation without it)."""

@@ -376,12 +376,13 @@ class Snapshotter:
         """What a clean exit does (:class:`Ending`), now."""
         self.end.release_at_exit()
 
-    def finish_at_exit(self) -> None:
-        """The last snapshot finished (a warning if it failed)."""
+    def finish_at_exit(self, quiet: bool = False) -> None:
+        """The last snapshot finished (a warning if it failed; ``quiet``: info, where a failed generation's own
+        line says why - a copy to the lost peer fails on every rank of the generation)."""
         try:
             self._finish_inflight("stall_s")
         except PipelineError as err:
-            log.warning("stagewise snapshots: %s", err)
+            (log.info if quiet else log.warning)("stagewise snapshots: %s", err)
 
     # ---- resuming --------------------------------------------------------------------------------------
     @property

@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -131,6 +131,11 @@ class InPlace:
     def me(self) -> int:
         """This worker's id in the job (its generation-0 rank, or the one it claimed as a newcomer)."""
         return self._members.me if self._members is not None else int(os.environ.get("RANK", "0"))
+
+    def speaks_for_machine(self, members: Sequence[int] | None = None) -> bool:
+        """Whether this worker says the generation's lines on its machine's console
+        (:meth:`~stagewise.runtime.elastic.membership.Membership.speaks_for_machine`)."""
+        return self._members is None or self._members.speaks_for_machine(members)
 
     @property
     def generation(self) -> int:
@@ -244,7 +249,8 @@ class InPlace:
         at, where = (self._members.generation, step), file_error(err, self._members.generation)  # gloo's text
         nproc = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
         line = in_words(str(err), type(err).__name__, at, self._members.members, nproc, where)
-        log.warning("stagewise elastic: %s", line)
+        lost = ms.named_dead(str(err), self._members.members)
+        self._say(self._members.speaks_for_machine(without=lost), "stagewise elastic: %s", line)
         self._parts, self._sources = {}, {}
         heartbeat.post_failure(str(err))  # every pipeline of the generation stops now, not at its timeout
         with self._timed("hold"):
@@ -261,7 +267,8 @@ class InPlace:
         )
         self.recoveries[-1].sources = self._sources
         self.recoveries[-1].evidence = {"named": gone, **self._evidence()}
-        log.warning(
+        self._say(
+            self._members.speaks_for_machine(members),
             "stagewise elastic: generation %d: workers %s (%d processes) go on from step %d, in %.1f s (%s)",
             self._members.generation,
             members,
@@ -272,6 +279,12 @@ class InPlace:
         )
         if self.after_recovery is not None:
             self.after_recovery(self)
+
+    @staticmethod
+    def _say(speaks: bool, text: str, *args: Any) -> None:
+        """A line of the machine's console (a warning) from the worker that speaks for it; the log's alone (info)
+        from the others."""
+        (log.warning if speaks else log.info)(text, *args)
 
     def _next_generation(self, gone: list[int]) -> list[int]:
         """Agree on the next generation and enter it; a member lost meanwhile (the group's handshake or the
@@ -330,7 +343,8 @@ class InPlace:
         snaps = self.pipe.snapshots if isinstance(self.pipe, PipelineState) else None
         if snaps is not None:
             with self._timed("drop:snapshots"):
-                snaps.finish_at_exit()  # the copy in flight ends (written, or failed on the dead peer): whole files
+                snaps.finish_at_exit(quiet=err is not None)  # the copy in flight ends (written, or failed on
+                # the dead peer: said in the log alone, the failure's line says what happened): whole files
                 snaps.forget()
         transport = getattr(self.pipe, "transport", None)
         if transport is not None:
