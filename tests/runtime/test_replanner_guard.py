@@ -338,7 +338,7 @@ def test_a_lift_seen_by_the_probe_before_a_decision_recalibrates_and_decides_not
     for k in range(30):
         step(k)
     assert replanner.caps.caps()[1] < 1 and [len(r) for r in pipe.layer_ranges][1] < 4, replanner.log
-    replanner._since_probe, replanner._since_decision = 1, replanner.every  # a decision due, no probe due
+    replanner.held.since, replanner._since_decision = 1, replanner.every  # a decision due, no probe due
     before = replanner.calibrator
     assert step(30) is None  # the quota lifted at this step: the decision's own probe sees it, nothing decided
     assert replanner.probes[-1]["lifted"] == [1] and replanner.calibrator is not before

@@ -332,6 +332,13 @@ def _shifted(a: float, b: float) -> bool:
     return abs(math.log(max(a, 1e-9) / max(b, 1e-9))) > math.log(CAP_NOISE)
 
 
+def ratio_error(errors: list[float]) -> float:
+    """The relative error of the speed ratio that sets a cut: a slow rank's against the fastest, each measured
+    with its own noise (the two largest errors, root sum of squares)."""
+    top = sorted(errors, reverse=True)[:2]
+    return math.hypot(*top) if len(top) == 2 else (top[0] if top else 0.0)
+
+
 def speed_error(series: Sequence[float], window: int = RECENT) -> float:
     """The relative standard error of the median of a ``window`` of a rank's speeds, from ``series`` (its last
     :data:`NOISE_STEPS` speeds as measured, across changes of plan): the step-to-step sigma

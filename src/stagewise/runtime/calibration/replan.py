@@ -59,23 +59,19 @@ from ...planning.stragglers import (
     RECENT,
     SLOW,
     WINDOW,
-    Caps,
-    capped_by_probe,
     compute_speeds,
-    lifted,
     rank_speeds,
+    ratio_error,
     speed_error,
 )
 from ..comm.groups import group_rank
 from ..frontends.balance import on_first_rank
 from .from_run import RunCalibrator
+from .held import HeldProbes
 from .probe import probe_shares, quota_shares
 
 log = logging.getLogger(__name__)
 
-#: a loop's reading within this of a rank's cgroup quota (shares of a core, the free ranks' reading as 1): the
-#: quota is the cap (the loop read 0.48-0.49 at a half and 0.22-0.24 at a quarter, 2026-12-04)
-QUOTA_MATCH = 0.1
 
 #: a re-layout's seconds beyond moving the state, before one was measured: new groups and the stages rebuilt
 #: (the replan_live check's 2-process re-layouts of 8 tiny layers took 0.04-0.06 s at load 8; a real model
@@ -136,13 +132,7 @@ class Replanner:
         self.steps = int(steps)
         self.schedules = tuple(schedules)
         for name in self.schedules:  # a schedule that cannot run here fails now, on every rank, not mid-run
-            try:
-                _like(name, pipe.schedule)
-            except (KeyError, ValueError) as err:
-                raise ValueError(
-                    f"Replanner: schedules= names {name!r}, which cannot run at {len(pipe.schedule.ranks)} ranks "
-                    f"and {pipe.schedule.num_microbatches} micro-batches: {err}"
-                ) from err
+            _like(name, pipe.schedule, "Replanner: schedules= names ")
         self.relayout_s = relayout_s
         #: the seconds of each re-layout this Replanner applied, in order
         self.relayouts: list[float] = []
@@ -163,16 +153,12 @@ class Replanner:
         #: each rank's last :data:`NOISE_STEPS` speeds, across changes of plan (the machine's step-to-step noise is
         #: not the layout's)
         self.series: list[list[float]] = [[] for _ in range(pipe.num_ranks)]
-        self.probe_every, self._since_probe = int(probe_every), 0
-        self.probe = probe or (lambda: probe_shares(None, _slowdown(pipe)))
         if quota_probe is None:
             quota_probe = (lambda: quota_shares(None)) if probe is None else (lambda: [None] * pipe.num_ranks)
-        self.quota_probe = quota_probe
-        self._by_quota: set[int] = set()  # held ranks whose cap the loop read as their quota: watched by it alone
-        #: every probe: the step, the ranks held, their shares, the reference they were read against, the ranks free
-        self.probes: list[dict[str, Any]] = []
-        self.caps, self._priced = Caps(pipe.num_ranks), [1.0] * pipe.num_ranks  # the held ranks' caps; as priced
-        self._suspects: list[int] = []  # read capped by a probe, unnamed: probed again before a cap (:meth:`_probe`)
+        self.held = HeldProbes(pipe.num_ranks, int(probe_every), probe or (lambda: probe_shares(None, _slowdown(pipe))),
+                               quota_probe)  # fmt: skip
+        self.caps, self.probes = self.held.caps, self.held.log  # (the same objects: the held ranks' caps, probes)
+        self._priced = [1.0] * pipe.num_ranks  # the caps as the last decision priced them
 
     @property
     def log(self) -> list[dict[str, Any]]:
@@ -196,7 +182,7 @@ class Replanner:
         news = [r for r in cal.records[self._seen :] if r["event"] != "replan"]
         self._seen = len(cal.records)
         named = [int(r["rank"]) for r in news if r["event"] == "straggler named"]
-        if self.probe_every and [r for r in named if r not in self._held()]:  # its cap before the first decision
+        if self.held.every and [r for r in named if r not in self._held()]:  # its cap before the first decision
             self._probe(now=named)
             if self.calibrator is not cal:  # that probe freed another rank: a fresh calibration decides
                 return None
@@ -204,7 +190,7 @@ class Replanner:
         due = self.every > 0 and self._since_decision >= self.every
         if cal.calibration is None or not (news or due or self.caps.moved()):
             return None
-        if self._since_probe and self._held():  # the caps as of this step: a quota deepened since the last probe
+        if self.held.since and self._held():  # the caps as of this step: a quota deepened since the last probe
             self._probe(now=self._held())  # priced at its old cap moved work onto the held rank (2026-12-03 04:17)
             if self.calibrator is not cal:  # the probe freed a rank: a fresh calibration (a new calibrator) decides
                 return None
@@ -236,48 +222,17 @@ class Replanner:
 
     def _probe(self, now: Sequence[int] = ()) -> None:
         """Every :attr:`probe_every` steps while a rank is held slow (and at once for the ranks ``now`` named):
-        probe every rank's share of a core; the held ranks' caps take it
-        (:class:`~stagewise.planning.stragglers.Caps`); held ones free again
+        the probe of :class:`.held.HeldProbes`; the held ranks' caps take it; held ones free again
         (:func:`~stagewise.planning.stragglers.lifted`) are taken at full speed, and a fresh calibration on the
         running cut starts (its stage costs measured at that speed), whose news re-decides."""
-        was = self._held()
-        held = sorted(set(was) | set(now) | set(self._suspects))
-        self._since_probe += 1
-        # a held rank's cap that is its cgroup quota: the quotas read every step (a few bytes), not the loop
-        by_quota = bool(held) and set(held) <= self._by_quota and not now and not self._suspects
-        due = by_quota or self._since_probe >= self.probe_every or now or self._suspects  # a suspect: at once
-        if not held or self.probe_every == 0 or not due:
+        found = self.held.take(int(self.pipe.train_steps), self._held(), now)
+        if found is None:
             return
-        self._since_probe = 0
-        shares = [1.0 if q is None else q for q in self.quota_probe()] if by_quota else self.probe()
-        quotas = [] if by_quota else self.quota_probe()
-        top = self.caps.reference(shares)
-        if not by_quota:
-            self._by_quota = {
-                r for r, q in enumerate(quotas) if q is not None and q < 1 and abs(shares[r] / top - q) <= QUOTA_MATCH
-            }
-        free = lifted([0.0 if r in was else 1.0 for r in range(len(shares))], shares, top)
-        self._by_quota -= set(free)
-        self.probes.append(
-            {
-                "step": int(self.pipe.train_steps),
-                "held": held,
-                "shares": shares,
-                "top": top,
-                "lifted": free,
-                "by": "quota" if by_quota else "loop",
-            }
-        )
-        suspects, kept = self._suspects, [r for r in held if r not in free and r not in self._suspects]
-        low = capped_by_probe(shares, kept, top)
-        found = [r for r in low if r in suspects]  # twice running: a quota (a free rank read 0.35 once, 08:13)
-        self._suspects = [r for r in low if r not in suspects]
-        self.caps.observe(shares, kept + found, top)
-        if found:
-            self._named_by_probe(found, [shares[r] / top for r in found])
+        free, shares, top = found.free, found.shares, found.top
+        if found.capped:
+            self._named_by_probe(found.capped, [shares[r] / top for r in found.capped])
         if not free:
             return
-        self.caps.free(free)
         for r in free:
             self.speeds[r] = self.told[r] = 1.0
         # The machine changed regime: the held steps' noise (a quota's periods beating against the steps read
@@ -320,7 +275,7 @@ class Replanner:
             told = [statistics.median(c[r] for c in self._compute) for r in range(len(told))]
         current, candidates = self._options(cal.calibration, speeds, self._priced)
         capped = [c < 1 for c in self._priced]  # priced by their caps: their measured speeds' noise is not used
-        error = _ratio_error([0.0 if c else e for e, c in zip(errs, capped)])
+        error = ratio_error([0.0 if c else e for e, c in zip(errs, capped)])
         if any(capped):
             plans = [self.pipe.schedule] + [_like(n, self.pipe.schedule) for n in self.schedules]
             held = cap_error(
@@ -431,13 +386,15 @@ def _slowdown(pipe: Any) -> float:
     return float(options.slowdown_of(pipe.rank, pipe.num_ranks))
 
 
-def _ratio_error(errors: list[float]) -> float:
-    """The relative error of the speed ratio that sets a cut: a slow rank's against the fastest, each measured
-    with its own noise (the two largest errors, root sum of squares)."""
-    top = sorted(errors, reverse=True)[:2]
-    return math.hypot(*top) if len(top) == 2 else (top[0] if top else 0.0)
-
-
-def _like(name: str, running: Schedule) -> Schedule:
-    """Schedule ``name`` at the running one's ranks and micro-batches."""
-    return build_schedule(name, len(running.ranks), running.num_microbatches)
+def _like(name: str, running: Schedule, refused: str = "") -> Schedule:
+    """Schedule ``name`` at the running one's ranks and micro-batches; ``refused``: what a schedule that cannot run
+    there is refused with (its name, the ranks and micro-batches and why follow)."""
+    try:
+        return build_schedule(name, len(running.ranks), running.num_microbatches)
+    except (KeyError, ValueError) as err:
+        if not refused:
+            raise
+        raise ValueError(
+            f"{refused}{name!r}, which cannot run at {len(running.ranks)} ranks and {running.num_microbatches} "
+            f"micro-batches: {err}"
+        ) from err
