@@ -272,9 +272,10 @@ def test_the_noise_of_the_capped_steps_does_not_hold_the_move_back() -> None:
 @pytest.mark.usefixtures("one_process_group")
 def test_a_cap_that_is_the_ranks_quota_is_watched_by_the_quota_and_its_lift_seen_the_next_step() -> None:
     """The loop costs 30 ms of every rank a probe (9 ms of a held rank's step at a quarter, 2026-12-04). A held
-    rank whose loop reading is its cgroup quota is watched by reading the quotas alone, every step: one loop probe
-    to find the cap, quota reads after it, and the lift seen at the first step after it (the loop's every 5 steps
-    saw it at step 2-5 of the release). A rank whose quota does not explain its cap (unknown here) keeps the loop."""
+    rank whose loop reading is its cgroup quota is watched by reading the quotas, every step: no loop while the
+    quota stays as the loop read it; when it moves (here, lifted) the loop probes at once, the step after (the
+    loop's every 5 steps saw it at step 2-5 of the release). The caps stay the loop's readings. A rank whose quota
+    does not explain its cap (unknown here) keeps the loop every few steps."""
     rng = random.Random(0)
     pipe = FakePipe()
     caps = [CAP if CAPPED <= k < LIFTED else 1.0 for k in range(50)]
@@ -282,7 +283,7 @@ def test_a_cap_that_is_the_ranks_quota_is_watched_by_the_quota_and_its_lift_seen
 
     def probe() -> list[float]:
         loops.append(pipe.train_steps)
-        return [1.0, caps[pipe.train_steps - 1]]
+        return [1.0, caps[pipe.train_steps - 1] * 0.96]  # the loop reads a little under the quota
 
     replanner = Replanner(pipe, RunCalibrator(pipe, cores=2), steps=1000, relayout_s=0.0, cooldown=5, probe=probe,
                           quota_probe=lambda: [1.0, caps[pipe.train_steps - 1]])  # fmt: skip
@@ -290,13 +291,12 @@ def test_a_cap_that_is_the_ranks_quota_is_watched_by_the_quota_and_its_lift_seen
     for k in range(50):
         replanner.observe(capped_step(pipe, caps[k], [rng.lognormvariate(0.0, 0.05) for _ in range(2)]))
         cuts.append([len(r) for r in pipe.layer_ranges])
-    held = [p for p in replanner.probes if CAPPED < p["step"] <= LIFTED]
-    assert held and held[0]["by"] == "loop" and all(p["by"] == "quota" for p in held[1:]), replanner.probes
-    assert len(loops) == 1, loops
-    assert [p["step"] for p in replanner.probes if p["lifted"]] == [LIFTED + 1], replanner.probes
+    assert len(loops) == 2 and loops[1] == LIFTED + 1, (loops, replanner.probes)  # one to find the cap, one at the lift
+    assert [p["by"] for p in replanner.probes] == ["due", "a quota moved"], replanner.probes
+    assert replanner.probes[-1]["lifted"] == [1] and replanner.probes[0]["shares"][1] == CAP * 0.96
     assert cuts[CAPPED + 10 - 1][1] < 4 and cuts[LIFTED + 10 - 1] == [4, 4], (cuts, replanner.log)
     replanner, _, _ = capped_run(0)  # no quota known: the loop, every few steps
-    assert all(p["by"] == "loop" for p in replanner.probes) and len(replanner.probes) >= 4, replanner.probes
+    assert all(p["by"] == "due" for p in replanner.probes) and len(replanner.probes) >= 4, replanner.probes
 
 
 @pytest.mark.usefixtures("one_process_group")

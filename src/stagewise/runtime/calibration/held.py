@@ -4,10 +4,13 @@ A CPU quota is a cap, not a speed: a held rank the re-cut left little work stays
 show the quota's lift. So, while a rank is held, every ``every`` steps every rank runs a short busy loop
 (:func:`.probe.probe_shares`), and each loop probe also reads every rank's cgroup quota
 (:func:`.probe.quota_shares`). A held rank whose loop reading is its quota (within :data:`QUOTA_MATCH`) is watched
-through the quota alone, read every step (a few bytes, where the loop costs 30 ms of every rank): a deeper quota or
-a lift shows at the next step. A rank read capped once is a suspect, probed again at once; twice running, it is
-capped (:class:`~stagewise.planning.stragglers.Caps`) though its steps never named it. What the probes found is
-the :class:`~stagewise.runtime.Replanner`'s to act on.
+through the quota alone, read every step (a few bytes, where the loop costs 30 ms of every rank): while it stays as
+the loop read it nothing is probed, and when it moves (deeper, or lifted) the loop probes at once. The quota only
+says when: the caps are the loop's readings, whose spread prices a cap's uncertainty (a quota read exactly would
+price none, and the model's error on a capped rank is not zero: the 2026-12-04 08:00 runs, caps taken from the
+quota, moved the half core's cut one layer past the best more often). A rank read capped once is a suspect,
+probed again at once; twice running, it is capped (:class:`~stagewise.planning.stragglers.Caps`) though its steps
+never named it. What the probes found is the :class:`~stagewise.runtime.Replanner`'s to act on.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ class HeldProbes:
     #: every probe: the step, the ranks held, their shares, the reference they were read against, the ranks free,
     #: and by what (the loop or the quotas)
     log: list[dict[str, Any]] = field(default_factory=list)
-    by_quota: set[int] = field(default_factory=set)  # held ranks whose cap the loop read as their quota
+    by_quota: dict[int, float] = field(default_factory=dict)  # held ranks whose cap the loop read as their quota
     suspects: list[int] = field(default_factory=list)  # read capped once, unnamed: probed again at once
 
     def __post_init__(self) -> None:
@@ -59,15 +62,20 @@ class HeldProbes:
         this step): a probe when one is due (None when not), its readings taken by the caps."""
         held = sorted(set(was) | set(now) | set(self.suspects))
         self.since += 1
-        quota_only = bool(held) and set(held) <= self.by_quota and not now and not self.suspects
-        due = quota_only or self.since >= self.every or now or self.suspects
+        watched = bool(held) and set(held) <= set(self.by_quota) and not now and not self.suspects
+        due = watched or self.since >= self.every or now or self.suspects
         if not held or self.every == 0 or not due:
             return None
         self.since = 0
-        shares, top = self._read(quota_only)
+        if watched:  # the quotas as the loop read them: nothing to probe
+            quotas = self.quota()
+            if all(quotas[r] == self.by_quota[r] for r in held):
+                return None
+        shares, top = self._read()
         free = lifted([0.0 if r in was else 1.0 for r in range(len(shares))], shares, top)
-        self.by_quota -= set(free)
-        by = "quota" if quota_only else "loop"
+        for r in free:
+            self.by_quota.pop(r, None)
+        by = "a quota moved" if watched else "due"
         self.log.append({"step": step, "held": held, "shares": shares, "top": top, "lifted": free, "by": by})
         suspects, kept = self.suspects, [r for r in held if r not in free and r not in self.suspects]
         low = capped_by_probe(shares, kept, top)
@@ -78,15 +86,12 @@ class HeldProbes:
             self.caps.free(free)
         return Found(free, capped, shares, top)
 
-    def _read(self, quota_only: bool) -> tuple[list[float], float]:
-        """Every rank's share of a core and the free ranks' reference: from the quotas alone, or from the loop,
-        whose reading also says which held ranks' caps are their quotas."""
-        if quota_only:
-            shares = [1.0 if q is None else q for q in self.quota()]
-            return shares, self.caps.reference(shares)
+    def _read(self) -> tuple[list[float], float]:
+        """Every rank's share of a core by the loop, and the free ranks' reference; the quotas read beside it say
+        which held ranks' caps are their quotas."""
         shares, quotas = self.loop(), self.quota()
         top = self.caps.reference(shares)
         self.by_quota = {
-            r for r, q in enumerate(quotas) if q is not None and q < 1 and abs(shares[r] / top - q) <= QUOTA_MATCH
+            r: q for r, q in enumerate(quotas) if q is not None and q < 1 and abs(shares[r] / top - q) <= QUOTA_MATCH
         }
         return shares, top

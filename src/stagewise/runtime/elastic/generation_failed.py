@@ -36,7 +36,7 @@ def in_words(message: str, kind: str, at: tuple[int, int], members: Sequence[int
     if lost:
         machines = sorted({m // nproc for m in lost}) if nproc else []
         s = "s" if len(lost) > 1 else ""
-        who = f"worker{s} {', '.join(map(str, lost))}"
+        who = f"worker{s} {', '.join(map(str, sorted(lost)))}"
         if machines:
             who = f"machine{'s' if len(machines) > 1 else ''} {', '.join(map(str, machines))} ({who})"
         head += f"lost {who}; "
