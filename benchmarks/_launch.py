@@ -47,6 +47,15 @@ def on_ranks(nproc: int, module: str, argv: Sequence[str], **extra: str) -> int:
     return subprocess.run(torchrun(nproc, module, argv), env=environ(**extra)).returncode
 
 
+def run_as_rank(nproc: int, module: str, rank_main: Any, args: Any, argv: Sequence[str] | None, **extra: str) -> int:
+    """A benchmark's ``main``: under a launcher, ``rank_main(args)`` here (0); else ``module`` started on ``nproc``
+    local ranks with ``argv`` (this command line's when None) and ``extra`` in their environment."""
+    if launched():
+        rank_main(args)
+        return 0
+    return on_ranks(nproc, module, sys.argv[1:] if argv is None else argv, **extra)
+
+
 def tests_environ(**extra: str) -> dict[str, str]:
     """:func:`environ` with the folders pytest puts on the module path first (pyproject.toml's ``pythonpath``,
     which tests/conftest.py gives the processes the tests start)."""

@@ -17,7 +17,7 @@ import statistics
 import sys
 from typing import Any
 
-from ._launch import launched, on_ranks, timed_step
+from ._launch import run_as_rank, timed_step
 
 
 def rank_main(args: argparse.Namespace) -> None:
@@ -98,11 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--share", type=float, default=0.0)
     parser.add_argument("--block", type=int, default=0, help="steps in a row per pipeline (0: one each, in rounds)")
-    args = parser.parse_args(argv)
-    if launched():
-        rank_main(args)
-        return 0
-    return on_ranks(2, "benchmarks.relaid_vs_fresh", sys.argv[1:] if argv is None else argv, OMP_NUM_THREADS="1")
+    return run_as_rank(2, "benchmarks.relaid_vs_fresh", rank_main, parser.parse_args(argv), argv, OMP_NUM_THREADS="1")
 
 
 if __name__ == "__main__":

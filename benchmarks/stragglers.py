@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ._launch import launched, on_ranks, timed_step
+from ._launch import run_as_rank, timed_step
 
 #: where cgroup v1's cpu controller is mounted (alone, or with cpuacct)
 CPU_MOUNTS = (Path("/sys/fs/cgroup/cpu"), Path("/sys/fs/cgroup/cpu,cpuacct"))
@@ -375,11 +375,7 @@ def main(argv: list[str] | None = None) -> int:
         help="each rank on a core of its own (what stagewise run --pin-cores does): left to the kernel, a rank held "
         "by its quota and its free peer were seen sharing one core at half a core each (2026-12-03 03:31)",
     )
-    args = parser.parse_args(argv)
-    if launched():
-        rank_main(args)
-        return 0
-    return on_ranks(2, "benchmarks.stragglers", sys.argv[1:] if argv is None else argv, OMP_NUM_THREADS="1")
+    return run_as_rank(2, "benchmarks.stragglers", rank_main, parser.parse_args(argv), argv, OMP_NUM_THREADS="1")
 
 
 if __name__ == "__main__":
