@@ -17,8 +17,8 @@ A cap a rank's own cgroup explains is watched more cheaply: :func:`quota_share` 
 ``cpu.cfs_quota_us`` over ``cpu.cfs_period_us``, v2 ``cpu.max``, the least over the group and its ancestors), a
 file read where the loop costs 30 ms of every rank (2026-12-04: the probes were 9 ms of a held rank's step at a
 quarter of a core). Container runtimes read the same files to size their thread pools. It sees a quota and
-nothing else (another process on the core, an emulated slowdown), so the Replanner takes it only for a cap the loop
-found equal to the quota (:class:`~stagewise.runtime.Replanner`).
+nothing else (another process on the core, an emulated slowdown), so the Replanner reads it only to know when to
+probe again a cap the loop found equal to the quota: when the quota moves (:mod:`.held`).
 """
 
 from __future__ import annotations

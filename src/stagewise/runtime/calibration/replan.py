@@ -100,8 +100,8 @@ class Replanner:
     the ranks held slow (0: never; a cap a rank no longer meets shows only there), ``probe``: what gives every
     rank's probed share of a core (a collective; default :func:`.probe.probe_shares`); ``quota_probe``: every
     rank's CPU quota as a share of a core, None where unknown (a collective; default :func:`.probe.quota_shares`,
-    none where ``probe`` is given). While every held rank's cap is its quota (the loop read it within
-    :data:`QUOTA_MATCH`), the quotas alone are read, every step, in place of the loop.
+    none where ``probe`` is given). While every held rank's cap is its quota, the quotas are read every step and
+    the loop probes only when one moves (:class:`.held.HeldProbes`).
     """
 
     def __init__(
