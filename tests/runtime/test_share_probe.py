@@ -127,3 +127,14 @@ def test_the_quota_is_read_from_cpu_max_v2(tmp_path: Path) -> None:
     (tmp_path / "a" / "b" / "cpu.max").write_text("50000 100000\n")
     assert probe.quota_share("0::/a/b\n", tmp_path) == 0.5
     assert probe.quota_share("0::/a\n", tmp_path) == 1.0
+
+
+def test_the_probes_wait_through_the_guard_the_pipeline_has_now() -> None:
+    """A re-layout gives the pipeline a new transport and closes the old one's guard: the probes look the guard up
+    at each call (one kept from the start failed on its torn-down board after the first re-layout, 2026-12-04)."""
+    first, second = SimpleNamespace(wait=lambda works, what: None), SimpleNamespace(wait=lambda works, what: None)
+    pipe = SimpleNamespace(transport=SimpleNamespace(guard=first))
+    assert probe.pipeline_wait(pipe) is first.wait
+    pipe.transport = SimpleNamespace(guard=second)  # re-laid out
+    assert probe.pipeline_wait(pipe) is second.wait
+    assert probe.pipeline_wait(SimpleNamespace()) is None  # no transport: a plain wait

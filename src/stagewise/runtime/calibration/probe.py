@@ -24,6 +24,7 @@ probe again a cap the loop found equal to the quota: when the quota moves (:mod:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -70,10 +71,11 @@ def window_share(looks: list[tuple[float, float]], held: list[int]) -> float:
     return min(max((c1 - c0) / (w1 - w0), 0.0), 1.0)
 
 
-def probe_shares(group: Any, slowdown: float = 1.0) -> list[float]:
+def probe_shares(group: Any, slowdown: float = 1.0, wait: collectives.Wait | None = None) -> list[float]:
     """Every rank's :func:`core_share` (this rank's ``slowdown`` honoured), all probed at once, in group-rank
-    order; a collective of the group."""
-    return [float(x) for x in collectives.gather_json(core_share(slowdown=slowdown), group, what="the ranks' shares")]
+    order; a collective of the group, waited through ``wait`` (the pipeline guard's: its deadline and board)."""
+    shares = collectives.gather_json(core_share(slowdown=slowdown), group, wait, "the ranks' shares")
+    return [float(x) for x in shares]
 
 
 #: where the cgroup file systems are mounted
@@ -133,8 +135,32 @@ def _limit(group: Path) -> float | None:
     return None
 
 
-def quota_shares(group: Any) -> list[float | None]:
-    """Every rank's :func:`quota_share`, in group-rank order; a collective of the group (a few bytes)."""
-    return [
-        None if x is None else float(x) for x in collectives.gather_json(quota_share(), group, what="the ranks' quotas")
-    ]
+def quota_shares(group: Any, wait: collectives.Wait | None = None) -> list[float | None]:
+    """Every rank's :func:`quota_share`, in group-rank order; a collective of the group (a few bytes), waited
+    through ``wait`` (the pipeline guard's: its deadline and board)."""
+    return [None if x is None else float(x) for x in collectives.gather_json(quota_share(), group, wait, "the quotas")]
+
+
+def pipeline_wait(pipe: Any) -> collectives.Wait | None:
+    """The wait of ``pipe``'s guard as it is now (its deadline and error board; None without one): looked up at each
+    probe, since a re-layout gives the pipeline a new transport and closes the old one's guard."""
+    guard = getattr(getattr(pipe, "transport", None), "guard", None)
+    return None if guard is None else guard.wait
+
+
+def slowdown_of(pipe: Any) -> float:
+    """This rank's emulated slowdown (``emulate_slowdown``; 1 without), which the probe honours: the options'
+    factor for the pipeline rank, as the interpreter was given it."""
+    options = getattr(pipe, "options", None)
+    if options is None or not hasattr(options, "slowdown_of"):
+        return 1.0
+    return float(options.slowdown_of(pipe.rank, pipe.num_ranks))
+
+
+def pipeline_probes(pipe: Any) -> tuple[Callable[[], list[float]], Callable[[], list[float | None]]]:
+    """``pipe``'s probes of every rank: the loop's shares (this rank's emulated slowdown honoured) and the quotas,
+    each a collective of the default group waited as ``pipe``'s steps are (:func:`pipeline_wait`)."""
+    return (
+        lambda: probe_shares(None, slowdown_of(pipe), pipeline_wait(pipe)),
+        lambda: quota_shares(None, pipeline_wait(pipe)),
+    )

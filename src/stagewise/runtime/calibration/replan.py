@@ -68,10 +68,9 @@ from ..comm.groups import group_rank
 from ..frontends.balance import on_first_rank
 from .from_run import RunCalibrator
 from .held import HeldProbes
-from .probe import probe_shares, quota_shares
+from .probe import pipeline_probes
 
 log = logging.getLogger(__name__)
-
 
 #: a re-layout's seconds beyond moving the state, before one was measured: new groups and the stages rebuilt
 #: (the replan_live check's 2-process re-layouts of 8 tiny layers took 0.04-0.06 s at load 8; a real model
@@ -153,10 +152,10 @@ class Replanner:
         #: each rank's last :data:`NOISE_STEPS` speeds, across changes of plan (the machine's step-to-step noise is
         #: not the layout's)
         self.series: list[list[float]] = [[] for _ in range(pipe.num_ranks)]
-        if quota_probe is None:
-            quota_probe = (lambda: quota_shares(None)) if probe is None else (lambda: [None] * pipe.num_ranks)
-        self.held = HeldProbes(pipe.num_ranks, int(probe_every), probe or (lambda: probe_shares(None, _slowdown(pipe))),
-                               quota_probe)  # fmt: skip
+        loop, quota = pipeline_probes(pipe)
+        if probe is not None:  # a probe of the caller's own: no quota unless given too
+            loop, quota = probe, quota_probe or (lambda: [None] * pipe.num_ranks)
+        self.held = HeldProbes(pipe.num_ranks, int(probe_every), loop, quota_probe or quota)
         self.caps, self.probes = self.held.caps, self.held.log  # (the same objects: the held ranks' caps, probes)
         self._priced = [1.0] * pipe.num_ranks  # the caps as the last decision priced them
 
@@ -375,15 +374,6 @@ class Replanner:
         self.calibrator.on_event = old.on_event
         self._seen = self._makespans = 0
         self._compute = []
-
-
-def _slowdown(pipe: Any) -> float:
-    """This rank's emulated slowdown (``emulate_slowdown``; 1 without), which the probe honours: the options'
-    factor for the pipeline rank, as the interpreter was given it."""
-    options = getattr(pipe, "options", None)
-    if options is None or not hasattr(options, "slowdown_of"):
-        return 1.0
-    return float(options.slowdown_of(pipe.rank, pipe.num_ranks))
 
 
 def _like(name: str, running: Schedule, refused: str = "") -> Schedule:
