@@ -110,6 +110,12 @@ class Throttle:
     def close(self) -> None:
         if self.rank == 1 and not self.emulate and self.group.exists():
             (self.home / "cgroup.procs").write_text(str(os.getpid()))
+            for _ in range(100):  # the threads' move can trail the write (EBUSY: 2026-12-04 11:11)
+                try:
+                    self.group.rmdir()
+                    return
+                except OSError:
+                    time.sleep(0.01)
             self.group.rmdir()
 
 

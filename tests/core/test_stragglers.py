@@ -23,6 +23,7 @@ from stagewise.planning.stragglers import (
     cut_for_speeds,
     rank_speeds,
     speed_error,
+    speeds_moved,
 )
 
 PLAN = build_schedule("1f1b", 2, 4)
@@ -194,3 +195,14 @@ def test_a_probe_caps_the_ranks_it_finds_held_that_nobody_named() -> None:
     assert capped_by_probe([0.9, 0.3, 0.2], [0], 1.0) == [1, 2]
     assert capped_by_probe([0.0, 0.0], [], 0.0) == []
     assert SLOW == 0.8  # the thresholds above are read against it
+
+
+def test_a_speed_moved_past_its_noise_is_told_from_one_inside_it() -> None:
+    assert not speeds_moved([1.0, 0.5], [1.0, 0.5], [0.0, 0.0])
+    bound = 1.44 * 2**0.5 * 0.05  # z x sqrt 2 x the error: two readings
+    assert not speeds_moved([1.0, 0.5], [1.0, 0.5 * (1 + 0.99 * bound)], [0.0, 0.05])
+    assert speeds_moved([1.0, 0.5], [1.0, 0.5 * (1 + 1.01 * bound)], [0.0, 0.05])
+    assert speeds_moved([1.0, 0.5], [1.0, 0.5 * (1 - 1.01 * bound)], [0.0, 0.05])  # either way
+    floor = 1.44 * 2**0.5 * LEAST_ERROR  # an error under the least granted is granted the least
+    assert not speeds_moved([1.0], [1 + 0.99 * floor], [0.0]) and speeds_moved([1.0], [1 + 1.01 * floor], [0.0])
+    assert speeds_moved([0.0, 1.0], [0.0, 1.0], [0.1, 0.1])  # no reading to compare with: moved

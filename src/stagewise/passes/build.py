@@ -27,3 +27,17 @@ def build_schedule(
     with gc_paused():  # one collection after the build instead of one after each of its three steps
         schedule = generate(name, num_ranks, num_microbatches, virtual_stages)
         return lower(schedule, grad_sync=grad_sync, optimizer_steps=optimizer_steps)
+
+
+def build_like(name: str, running: Schedule, refused: str = "") -> Schedule:
+    """Schedule ``name`` at ``running``'s ranks and micro-batches (a re-plan's other schedules); ``refused``: what a
+    schedule that cannot run there is refused with (its name, the ranks and micro-batches and why follow)."""
+    try:
+        return build_schedule(name, len(running.ranks), running.num_microbatches)
+    except (KeyError, ValueError) as err:
+        if not refused:
+            raise
+        raise ValueError(
+            f"{refused}{name!r}, which cannot run at {len(running.ranks)} ranks and {running.num_microbatches} "
+            f"micro-batches: {err}"
+        ) from err

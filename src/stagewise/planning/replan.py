@@ -157,6 +157,33 @@ def noise_margin(
     return z * step_s * math.sqrt((n * math.hypot(uncertainty, speed_error)) ** 2 + n * spread**2)
 
 
+#: a re-layout's seconds beyond moving the state, before one was measured: new groups and the stages rebuilt
+#: (the replan_live check's 2-process re-layouts of 8 tiny layers took 0.04-0.06 s at load 8; a real model
+#: rebuilds more: 1 s is a cautious start, replaced by the measured seconds after the first re-layout)
+REBUILD_S = 1.0
+#: the state moved per parameter byte, before a re-layout was measured: the weights and Adam's two moments
+STATE_PER_PARAMETER_BYTE = 3.0
+
+
+def first_relayout_s(parameter_bytes: float, num_ranks: int, bandwidth: float) -> float:
+    """A re-layout's cost before any was measured: every rank's state (:data:`STATE_PER_PARAMETER_BYTE` x its
+    ``parameter_bytes``) over the link plus :data:`REBUILD_S`; the rebuild alone where no link is known (0)."""
+    state = parameter_bytes * num_ranks * STATE_PER_PARAMETER_BYTE
+    return relayout_seconds(state, bandwidth, REBUILD_S) if bandwidth > 0 else REBUILD_S
+
+
+def relayout_changes(best: dict[str, Any], running: str, num_ranks: int) -> dict[str, Any]:
+    """What ``Pipeline.relayout`` is given for a decision's ``best`` option (its schedule and layer counts) from
+    the ``running`` schedule at ``num_ranks``: the cut, and the schedule with its stages per rank when it changes."""
+    changes: dict[str, Any] = {"partition": list(best["counts"])}
+    if best["schedule"] != running:
+        changes["schedule"] = best["schedule"]
+        per_rank = len(best["counts"]) // num_ranks
+        if per_rank > 1:
+            changes["virtual_stages"] = per_rank
+    return changes
+
+
 def relayout_seconds(state_bytes: float, bandwidth: float, fixed_s: float) -> float:
     """A re-layout's predicted cost before one was measured: the state moved over the link plus the rebuild."""
     if bandwidth <= 0:

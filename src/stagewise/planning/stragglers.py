@@ -353,6 +353,30 @@ def speed_error(series: Sequence[float], window: int = RECENT) -> float:
     return max(LEAST_ERROR, 1.25 * sigma / math.sqrt(window))
 
 
+def speeds_moved(before: Sequence[float], now: Sequence[float], errors: Sequence[float], z: float = 1.44) -> bool:
+    """Whether a rank's speed moved past its noise since a decision that changed nothing: ``now`` over ``before``
+    off 1 by more than ``z`` x sqrt 2 x its relative error (two readings; each error at least
+    :data:`LEAST_ERROR`). Until one moves, the same decision would be taken again at a higher price: a decision
+    prices every candidate cut, 20-45 ms of the deciding rank at 2 ranks (2026-12-04 10:50)."""
+    return any(
+        b <= 0 or abs(n / b - 1) > z * math.sqrt(2) * max(e, LEAST_ERROR) for b, n, e in zip(before, now, errors)
+    )
+
+
+def decision_errors(full: Sequence[bool], errors: Sequence[float], series: Sequence[Sequence[float]]) -> list[float]:
+    """Each rank's speed error for a decision: from its recent speeds ``series`` where its window is ``full``, else
+    its last error; since a lift (its error NaN) and until 3 free speeds, :data:`LEAST_ERROR` (the held steps'
+    noise is not the free machine's)."""
+    out = []
+    for r, f in enumerate(full):
+        since_lift = math.isnan(errors[r])
+        if f and not (since_lift and len(series[r]) < 3):
+            out.append(speed_error(series[r]))
+        else:
+            out.append(LEAST_ERROR if since_lift else errors[r])
+    return out
+
+
 def cut_for_speeds(
     calibrated: LayerProfile,
     schedule: Schedule,

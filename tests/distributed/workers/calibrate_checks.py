@@ -446,6 +446,89 @@ def replan_live(ctx: Ctx) -> dict[str, Any]:
     }
 
 
+def watched_by_a_lead(ctx: Ctx) -> dict[str, Any]:
+    """The Replanner with a lead (rank 0 watches; the others send their steps and do what it says) decides what
+    every rank watching alike decides, step for step: the same decisions, probes and events on every rank, every
+    re-layout applied everywhere. Rank 1 runs 4x slower from step 5 to step 18 under a quarter core's quota: its
+    loop probe and its cgroup quota are scripted, so every word of the lead's protocol is said (a loop probe, the
+    quota read with the steps, a re-layout, the step's last word) and the decisions do not hang on the load."""
+    import torch
+    import torch.nn.functional as F
+
+    import stagewise.runtime.calibration.lead as lead_module
+    import stagewise.runtime.calibration.probe as probe_module
+    from stagewise.runtime import Replanner, RunCalibrator
+
+    steps, slow_from, lift = 30, 5, 18
+    prior = LayerProfile(
+        tuple(LayerCost(str(k), 4e-3, 4e-3, 4e-3, 8e-3, 0.0, 0.0, 0.0, 1.0) for k in range(8)), "cpu", 1, 0
+    )
+    at = [0]
+    held = lambda: ctx.rank > 0 and slow_from <= at[0] < lift  # noqa: E731
+    share = lambda *_, **__: 0.25 if held() else 1.0  # noqa: E731
+    saved = probe_module.core_share, probe_module.quota_share, lead_module.quota_share
+    probe_module.core_share, probe_module.quota_share, lead_module.quota_share = share, share, share
+
+    def run(leader: bool) -> tuple[Any, list[dict[str, Any]], Any]:
+        pipe = sw.Pipeline([_linear_spin(0.0, 0.0) for _ in range(8)], loss_fn=F.mse_loss, group=ctx.group,
+                           timeout=60, schedule="1f1b", microbatches=4, partition="uniform")  # fmt: skip
+        events: list[dict[str, Any]] = []
+        calibrator = RunCalibrator(pipe, prior, cores=ctx.world, on_event=events.append)
+        replanner = Replanner(pipe, calibrator, steps=200, margin_s=0.2, cooldown=4, leader=leader)
+        x = torch.zeros(8, 4, dtype=torch.float64)
+        for step in range(steps):
+            at[0] = step
+            pipe.train_step(*pipe.local_batch(x, x))
+            speeds = [1.0] + [0.25 if slow_from <= step < lift else 1.0] * (ctx.world - 1)
+            replanner.observe(_simulated_step(pipe, prior, speeds))
+        return replanner, events, pipe
+
+    try:
+        led, led_events, led_pipe = run(True)
+        alike, alike_events, _ = run(False)
+    finally:
+        probe_module.core_share, probe_module.quota_share, lead_module.quota_share = saved
+    assert led.lead is not None and alike.lead is None
+    same = lambda a, b: json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)  # noqa: E731
+    timed = lambda log: [{k: v for k, v in r.items() if k != "relayout_s"} for r in log]  # noqa: E731  (measured)
+    assert same(timed(led.log), timed(alike.log)), (led.log, alike.log)
+    assert same(led.probes, alike.probes), (led.probes, alike.probes)
+    assert same(led_events, alike_events), (led_events, alike_events)
+    changes = [r for r in led.log if r["taken"]]
+    assert changes and [len(r) for r in led_pipe.layer_ranges] == changes[-1]["best"]["counts"], led.log
+    by = sorted({p["by"] for p in led.probes})
+    assert by == ["a quota moved", "due"], led.probes  # the loop probed, and the quota read with the steps
+    return {
+        "decisions": [(r["step"], r["reason"]) for r in led.log],
+        "probes": [(p["step"], p["by"], p["lifted"]) for p in led.probes],
+        "events": [(e["event"], e.get("rank")) for e in led_events],
+    }
+
+
+def one_way_messages(ctx: Ctx) -> dict[str, Any]:
+    """The lead's one-way messages carry every byte: a gather to the first rank and a broadcast from it, of
+    messages shorter than the first part, exactly its size, and longer (the rest sent apart), on every rank."""
+    import random
+
+    from stagewise.runtime.comm import collectives
+
+    first = collectives.FIRST_PART - 8
+    sizes = [0, 1, 100, first, first + 1, 3 * collectives.FIRST_PART + 5]
+    for k, size in enumerate(sizes):
+        mine = random.Random(1000 * k + ctx.rank).randbytes(size if ctx.rank % 2 else sizes[-1 - k])
+        got = collectives.gather_to_first(mine, ctx.group)
+        if ctx.rank == 0:
+            assert got is not None and len(got) == ctx.world
+            want = [random.Random(1000 * k + r).randbytes(size if r % 2 else sizes[-1 - k]) for r in range(ctx.world)]
+            assert got == want, [len(g) for g in got]
+        else:
+            assert got is None
+        said = random.Random(k).randbytes(size)
+        heard = collectives.from_first(said if ctx.rank == 0 else None, ctx.group)
+        assert heard == said, (len(heard), size)
+    return {"sizes": sizes}
+
+
 def checks(world: int) -> dict[str, Callable[[Ctx], Any]]:
     return {
         "from_the_run": from_the_run,
@@ -455,4 +538,6 @@ def checks(world: int) -> dict[str, Callable[[Ctx], Any]]:
         "across_nodes": across_nodes,
         "sharded_meter": sharded_meter,
         "compute_scale": compute_scale,
+        "watched_by_a_lead": watched_by_a_lead,
+        "one_way_messages": one_way_messages,
     }

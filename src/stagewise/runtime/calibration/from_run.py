@@ -112,6 +112,9 @@ class RunCalibrator:
         self._since: list[float] = []
         #: every step's makespan after the warm-up (the calibrating steps and those since), seconds
         self.makespans: list[float] = []
+        #: the CPUs of each rank on this node, read when calibrating without ``cores`` (a collective of every rank;
+        #: a Replanner's lead tells the others to join it)
+        self.affinity: Callable[[], list[list[int]]] = lambda: node_affinity(self.pipe.transport.guard.wait)
 
     def observe(self, timeline: Timeline | None = None, *, step_s: float | None = None) -> None:
         """After a train step, on every rank: ``timeline`` (all ranks on one clock), else the pipeline's last
@@ -142,7 +145,7 @@ class RunCalibrator:
         reductions = self._replicas.pairs()
         timed = [s for s in self._timed if s is not None]
         self._steps_timed = len(timed) == len(self._calibrating)
-        affinity = None if self._cores_given else node_affinity(self.pipe.transport.guard.wait)
+        affinity = None if self._cores_given else self.affinity()
         cal = calibrate_run(
             self._calibrating, schedule, self.prior, self.counts, None if affinity else self.cores, self.bandwidth,
             dp=self._replicas.dp, reductions=reductions, per_action=self.per_action,
@@ -164,7 +167,7 @@ class RunCalibrator:
         if self.speeds is not None:  # the plan as it runs: its slow rank still slow
             costs = slowed(costs, [self.speeds[r] for r in schedule.placement])
         self.prediction = cal.predict(schedule, costs, self.processes)
-        self._emit(
+        self.emit(
             {
                 "event": "recalibrated",
                 "steps": len(self._calibrating),
@@ -194,7 +197,7 @@ class RunCalibrator:
             found = self.straggler(r)
             if self.pipe.rank == 0:
                 log.warning("%s", found.line())
-            self._emit(
+            self.emit(
                 {
                     "event": "straggler named",
                     "rank": r,
@@ -206,7 +209,7 @@ class RunCalibrator:
                 }
             )
         for r in back:
-            self._emit({"event": "straggler recovered", "rank": r, "speeds": self.detector.speeds()})
+            self.emit({"event": "straggler recovered", "rank": r, "speeds": self.detector.speeds()})
 
     def straggler(self, rank: int) -> Straggler:
         """What is known of ``rank`` now: its median speed, and the cut for every rank's measured speeds."""
@@ -241,7 +244,8 @@ class RunCalibrator:
             "steps": len(self._since),
         }
 
-    def _emit(self, record: dict[str, Any]) -> None:
+    def emit(self, record: dict[str, Any]) -> None:
+        """``record`` kept and given to ``on_event`` (a Replanner's lead hands its records to the other ranks)."""
         self.records.append(record)
         if self.on_event is not None:
             self.on_event(record)

@@ -1,31 +1,20 @@
 """Re-planned live (issue 49 items 3 and 4): the run's calibration asks whether another plan pays, and applies it.
 
-``Replanner(pipe, steps=N)`` is called on every rank after each ``train_step`` (``observe()``, a collective). It
-feeds a :class:`~stagewise.runtime.calibration.from_run.RunCalibrator`; when that calibrates, names a straggler or
-clears one, and every ``every`` steps besides, the group's first rank builds the candidates (for each schedule
-considered, the cut for the ranks' measured speeds, with the step the calibrated model predicts) and asks the pure
-decision (:func:`stagewise.planning.replan.decide`: change only when the gain over the steps left exceeds the
-re-layout's cost plus a margin, :func:`~stagewise.planning.replan.noise_margin`, drawn from the calibration's own
-uncertainty, the measured speeds' standard error and the step-to-step spread of the last :data:`SPREAD_STEPS`
-steps; never within ``cooldown`` steps of the last change). Its record is handed to every rank (one decides, so
-every rank applies the same change), logged in one line, recorded as the ``replan`` event of ``pipe.metrics`` and
-appended to ``log`` (and to ``log_path``, JSON lines, on the first rank). A change is applied with
-:meth:`Pipeline.relayout`; its measured seconds are the next decision's cost (not a first re-layout's one-off
-costs: :func:`~stagewise.planning.replan.relayout_cost`), and a new calibration starts on the
-new layout (the old one described another cut), told the ranks' speeds inside their compute actions at the decision
-(:func:`~stagewise.planning.stragglers.compute_speeds`: what its measured actions must be divided by to give the
-layers' own costs; a rank held by a cap is not told but measured on the new cut,
-:func:`~stagewise.planning.capped.held_speed`), so that a straggler stays a slow rank rather than becoming costly
-layers: when its throttle lifts it is "recovered" and the cut for equal speeds moves its layers back. A CPU quota is a
-cap, not a speed: a held rank the re-cut left little work stays under its cap and its steps cannot show the lift, so
-every ``probe_every`` steps while a rank is held slow every rank is probed with a short busy loop (:mod:`.probe`); a
-held one whose share of a core is back above :data:`~stagewise.planning.stragglers.RECOVERED` of the largest is
-taken at full speed and a fresh
-calibration starts, whose news re-decides (the cut for equal speeds: moved back when it pays). The probe also
-gives a held rank's cap (:class:`~stagewise.planning.stragglers.Caps`; probed at once when a rank is named), and
-the candidates, the running cut among them, are priced with its compute capped
-(:func:`~stagewise.planning.capped.priced`) rather than at its measured speed: a rank left under its cap reads
-fast, and a constant speed mis-prices every other cut. A cap that moves past its noise re-decides at once.
+``Replanner(pipe, steps=N)`` is called on every rank after each ``train_step`` (``observe()``, a collective); one
+rank watches for all (:mod:`.lead`). A :class:`~stagewise.runtime.calibration.from_run.RunCalibrator` calibrates;
+when it calibrates, names a straggler or clears one, and every ``every`` steps besides, the candidates are built
+(for each schedule considered, the cut for the ranks' measured speeds and its predicted step) and the pure
+decision asked (:func:`stagewise.planning.replan.decide`: change only when the gain over the steps left exceeds the
+re-layout's cost plus a margin drawn from the calibration's uncertainty, the speeds' standard error and the
+spread of the last :data:`SPREAD_STEPS` steps; never within ``cooldown`` steps of a change). Its record goes to
+every rank, to one log line, to the ``replan`` event of ``pipe.metrics``, to ``log`` and ``log_path``. A change is
+applied with :meth:`Pipeline.relayout`; its seconds are the next decision's cost
+(:func:`~stagewise.planning.replan.relayout_cost`), and a new calibration starts on the new cut, told the ranks'
+speeds inside their compute actions (:func:`~stagewise.planning.stragglers.compute_speeds`), so that a straggler
+stays a slow rank rather than becoming costly layers, and its layers move back when it recovers. A CPU quota is
+a cap, not a speed: a held rank the re-cut left little work shows neither its cap nor its lift in its steps, so
+the held ranks are probed (:mod:`.held`), and the candidates are priced with their compute capped
+(:func:`~stagewise.planning.capped.priced`); a lifted rank is taken at full speed and recalibrated.
 """
 
 from __future__ import annotations
@@ -39,45 +28,44 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ...ir import Schedule
 from ...partition import LayerProfile
-from ...passes.build import build_schedule
+from ...passes.build import build_like
 from ...planning.recalibrate import Z85, RunCalibration
 from ...planning.replan import (
+    NO_BETTER,
     Decisions,
     Option,
     cap_error,
+    first_relayout_s,
     line,
     options_for,
+    relayout_changes,
     relayout_cost,
-    relayout_seconds,
     step_spread,
 )
 from ...planning.stragglers import (
-    LEAST_ERROR,
     NOISE_STEPS,
     RECENT,
     SLOW,
     WINDOW,
     compute_speeds,
+    decision_errors,
     rank_speeds,
     ratio_error,
-    speed_error,
+    speeds_moved,
 )
 from ..comm.groups import group_rank
 from ..frontends.balance import on_first_rank
 from .from_run import RunCalibrator
 from .held import HeldProbes
+from .lead import LOOP, RELAYOUT, lead_for
 from .probe import pipeline_probes
 
 log = logging.getLogger(__name__)
 
-#: a re-layout's seconds beyond moving the state, before one was measured: new groups and the stages rebuilt
-#: (the replan_live check's 2-process re-layouts of 8 tiny layers took 0.04-0.06 s at load 8; a real model
-#: rebuilds more: 1 s is a cautious start, replaced by the measured seconds after the first re-layout)
-REBUILD_S = 1.0
-#: the state moved per parameter byte, before a re-layout was measured: the weights and Adam's two moments
-STATE_PER_PARAMETER_BYTE = 3.0
+#: periodic decisions skipped in a row at most while nothing moved (:meth:`Replanner._same`): one in
+#: ``SKIPS + 1`` is taken anyway
+SKIPS = 3
 #: the steps whose step-to-step spread draws the margin (the last ones, across changes of plan: a change is
 #: one outlying difference, which the median ignores)
 SPREAD_STEPS = 20
@@ -87,20 +75,20 @@ class Replanner:
     """Re-plans ``pipe`` live from its own run (module docstring); ``steps``: the job's total train steps.
 
     ``schedules``: other schedule names to consider at the same ranks and micro-batches (default: the running one
-    only, so only the cut moves); ``relayout_s``: the re-layout's cost until one is measured (default: the state's
-    bytes over the calibrated link plus :data:`REBUILD_S`; then :func:`~stagewise.planning.replan.relayout_cost`:
-    the last measured, a first one's one-off costs left out); ``every``: steps between decisions besides the
-    calibration's news (0: on news only; a slowdown first measured on a window not yet full of slow steps is looked
-    at again once it is); the margin a gain must clear beside it is ``z`` x the steps' step-to-step spread x the
-    running step x the steps left, plus ``margin_s`` (a fixed part, 0 by default); ``guard_calibration``: the margin
-    also holds the calibration's own uncertainty (its stages' spread over its few steps,
-    :attr:`~stagewise.planning.recalibrate.RunCalibration.uncertainty`), so that a fresh calibration after a change,
-    noisier than the steps' spread says, does not re-cut on its noise; ``probe_every``: steps between probes of
-    the ranks held slow (0: never; a cap a rank no longer meets shows only there), ``probe``: what gives every
-    rank's probed share of a core (a collective; default :func:`.probe.probe_shares`); ``quota_probe``: every
-    rank's CPU quota as a share of a core, None where unknown (a collective; default :func:`.probe.quota_shares`,
-    none where ``probe`` is given). While every held rank's cap is its quota, the quotas are read every step and
-    the loop probes only when one moves (:class:`.held.HeldProbes`).
+    only, so only the cut moves); ``relayout_s``: the re-layout's cost until one is measured (default: the state
+    over the calibrated link and a rebuild, :func:`~stagewise.planning.replan.first_relayout_s`; then the last
+    measured, a first one's one-off costs left out, :func:`~stagewise.planning.replan.relayout_cost`); ``every``:
+    steps between decisions besides the calibration's news (0: on news only; a slowdown first measured on a window
+    not yet full of slow steps is looked at again once it is); the margin a gain must clear beside it is ``z`` x the
+    steps' step-to-step spread x the running step x the steps left, plus ``margin_s`` (a fixed part, 0 by default);
+    ``guard_calibration``: the margin also holds the calibration's own uncertainty (its stages' spread over its few
+    steps, :attr:`~stagewise.planning.recalibrate.RunCalibration.uncertainty`), so that a fresh calibration after a
+    change, noisier than the steps' spread says, does not re-cut on its noise; ``probe_every``: steps between loop
+    probes of the held ranks (0: never), ``probe`` and ``quota_probe``: every rank's share of a core and CPU quota
+    (collectives; default :func:`.probe.probe_shares`, :func:`.probe.quota_shares`; :class:`.held.HeldProbes`).
+    ``leader``: one rank (the default group's first) watches for all (:mod:`.lead`): its calibrator calibrates,
+    the others keep the decisions, events and speeds it hands them. None (default): a lead where the pipeline's
+    ranks are the whole job; False: every rank watches alike.
     """
 
     def __init__(
@@ -120,6 +108,7 @@ class Replanner:
         probe_every: int = WINDOW,
         probe: Callable[[], list[float]] | None = None,
         quota_probe: Callable[[], list[float | None]] | None = None,
+        leader: bool | None = None,
     ) -> None:
         if steps < 0 or every < 0 or probe_every < 0:
             raise ValueError(
@@ -131,17 +120,17 @@ class Replanner:
         self.steps = int(steps)
         self.schedules = tuple(schedules)
         for name in self.schedules:  # a schedule that cannot run here fails now, on every rank, not mid-run
-            _like(name, pipe.schedule, "Replanner: schedules= names ")
+            build_like(name, pipe.schedule, "Replanner: schedules= names ")
         self.relayout_s = relayout_s
         #: the seconds of each re-layout this Replanner applied, in order
         self.relayouts: list[float] = []
         self.log_path = None if log_path is None else Path(log_path)
         self.decisions = Decisions(margin_s=margin_s, cooldown=cooldown, z=z)
-        self._seen = 0
-        self._makespans = 0
+        self._seen = self._makespans = 0
         self.every = int(every)
         self.guard_calibration = bool(guard_calibration)
-        self._since_decision = 0
+        self._since_decision = self._skipped = 0
+        self._last: tuple[RunCalibrator, list[float]] | None = None  # the last decision that changed nothing
         #: the last :data:`SPREAD_STEPS` steps' makespans (seconds), across changes of plan
         self.steps_seen: list[float] = []
         #: each rank's speed relative to the calibrated layers (1.0 until a straggler is measured), its relative
@@ -155,7 +144,11 @@ class Replanner:
         loop, quota = pipeline_probes(pipe)
         if probe is not None:  # a probe of the caller's own: no quota unless given too
             loop, quota = probe, quota_probe or (lambda: [None] * pipe.num_ranks)
-        self.held = HeldProbes(pipe.num_ranks, int(probe_every), loop, quota_probe or quota)
+        self._loop, self._quota = loop, quota_probe or quota  # this rank's side of the probes
+        self.lead = lead_for(pipe, self.calibrator, leader, each_step=probe is None and quota_probe is None)
+        if self.lead is not None and self.lead.leads:  # the others join what the lead's watch gathers
+            loop, quota = self.lead.driven(LOOP, self._loop), self.lead.quota(self._quota)
+        self.held = HeldProbes(pipe.num_ranks, int(probe_every), loop, quota if self.lead else self._quota)
         self.caps, self.probes = self.held.caps, self.held.log  # (the same objects: the held ranks' caps, probes)
         self._priced = [1.0] * pipe.num_ranks  # the caps as the last decision priced them
 
@@ -165,11 +158,47 @@ class Replanner:
         return self.decisions.log
 
     def observe(self, timeline: Any = None) -> dict[str, Any] | None:
-        """After a train step, on every rank alike: calibrate, and re-plan when the calibration has news; the
-        decision's record (None when nothing was decided). ``timeline``: the step's, every rank on one clock
-        (default: gathered from the pipeline, a collective)."""
-        if timeline is None:
-            timeline = self.pipe.timeline(gather=True)
+        """After a train step, on every rank alike (a collective): calibrate, and re-plan when the calibration has
+        news; the decision's record (None when nothing was decided). ``timeline``: the step's, every rank on one
+        clock (default: gathered from the pipeline; with a lead, the others' events sent to it)."""
+        lead = self.lead
+        if lead is None:
+            return self._observe(self.pipe.timeline(gather=True) if timeline is None else timeline)
+        merged = lead.step_in(timeline)
+        if not lead.leads:
+            return self._follow(lead.serve(self._loop, self._quota, self._relayout))
+        n = len(self.held.log)
+        try:
+            record = self._observe(merged)
+        except BaseException as err:
+            lead.failed(err)
+            raise
+        errors = [None if math.isnan(e) else e for e in self.speed_errors]  # NaN: since a lift
+        lead.done({"record": record, "speeds": self.speeds, "errors": errors, "told": self.told,
+                   "probes": self.held.log[n:], "quota": bool(self.held.by_quota)})  # fmt: skip
+        return record
+
+    def _follow(self, done: dict[str, Any]) -> dict[str, Any] | None:
+        """On a rank the lead watches for: what its last word for the step says every rank keeps."""
+        assert self.lead is not None  # a rank the lead watches for
+        self.lead.replay(done, self.calibrator.emit)
+        self.speeds, self.told = done["speeds"], done["told"]
+        self.speed_errors = [math.nan if e is None else e for e in done["errors"]]
+        self.held.log.extend(done["probes"])
+        record = done["record"]
+        if record is not None:
+            self.decisions.log.append(record)
+            if record["taken"]:
+                self.decisions.last_change = record["step"]
+        return record
+
+    def _event(self, name: str, **fields: Any) -> None:
+        """An event of ``pipe.metrics``, on every rank (with a lead: handed to the others with its last word)."""
+        self.pipe.metrics.event(name, **fields)
+        if self.lead is not None:
+            self.lead.events.append([name, fields])
+
+    def _observe(self, timeline: Any) -> dict[str, Any] | None:
         self._probe()
         cal = self.calibrator
         watched = cal.calibration is not None
@@ -187,6 +216,8 @@ class Replanner:
                 return None
         self._since_decision += 1
         due = self.every > 0 and self._since_decision >= self.every
+        if due and not news and self._same(cal):  # the last decision again: nothing moved past its noise
+            self._since_decision, self._skipped, due = 0, self._skipped + 1, False
         if cal.calibration is None or not (news or due or self.caps.moved()):
             return None
         if self.held.since and self._held():  # the caps as of this step: a quota deepened since the last probe
@@ -195,16 +226,30 @@ class Replanner:
                 return None
         self._since_decision = 0
         self._priced = self.caps.priced_now()  # on every rank alike: moved() is asked on every rank
-        decided: dict[str, Any] = on_first_rank(None, self._decide, "deciding whether to re-plan")
+        decided = self._decide() if self.lead else on_first_rank(None, self._decide, "deciding whether to re-plan")
         record, self.speeds = decided["record"], decided["speeds"]
         self.speed_errors, self.told = decided["errors"], decided["told"]
         self.decisions.log.append(record)
         if record["taken"]:
             self.decisions.last_change = record["step"]
+        full = all(len(h) == WINDOW for h in cal.detector.history)
+        self._last = (cal, list(self.speeds)) if full and record["reason"] == NO_BETTER else None
+        self._skipped = 0
         self._tell(record)
         if record["taken"]:
             self._apply(record["best"])
         return record
+
+    def _same(self, cal: RunCalibrator) -> bool:
+        """Whether a periodic decision would be the last one again: it found no better plan (a verdict of the
+        candidates' prices alone; a gain refused as below its margin is asked again, the margin moving with the
+        noise), on this calibration with every window full, fewer than :data:`SKIPS` were skipped since, and no
+        rank's speed moved past its noise (:func:`~stagewise.planning.stragglers.speeds_moved`)."""
+        if self._last is None or self._last[0] is not cal or self._skipped >= SKIPS:
+            return False
+        full = [len(h) == WINDOW for h in cal.detector.history]
+        errors = decision_errors(full, self.speed_errors, self.series)
+        return all(full) and not speeds_moved(self._last[1], cal.detector.speeds(), errors, self.decisions.z)
 
     def _watch(self, timeline: Any, cal: RunCalibration) -> None:
         """This step's speeds inside the compute actions (what a calibration after a change is told) and from
@@ -237,7 +282,7 @@ class Replanner:
         # The machine changed regime: the held steps' noise (a quota's periods beating against the steps read
         # +-30 % on the 2026-12-04 runs) is not the free machine's. Kept, it held the first decisions' margin
         # above the move back's gain for 10-20 steps. Until the free steps give 3 speeds the freed ranks' speeds
-        # are the probe's, and the error is the floor (:meth:`_errors`): the fresh calibration's spread over the
+        # are the probe's, and the error is the floor (``decision_errors``): the fresh calibration's spread over the
         # free steps is in the margin already.
         self.series = [[] for _ in self.series]
         self.speed_errors = [math.nan] * len(self.speed_errors)
@@ -248,7 +293,7 @@ class Replanner:
                 free,
                 [round(shares[r] / top, 2) for r in free],
             )
-        self.pipe.metrics.event("straggler lifted", step=int(self.pipe.train_steps), ranks=free)
+        self._event("straggler lifted", step=int(self.pipe.train_steps), ranks=free)
         self._recalibrate()
 
     def _named_by_probe(self, ranks: list[int], shares: list[float]) -> None:
@@ -258,7 +303,7 @@ class Replanner:
             log.warning(
                 "stagewise: rank(s) %s %s: held by a quota; the next decision prices them by that cap", ranks, said
             )
-        self.pipe.metrics.event("straggler named", step=int(self.pipe.train_steps), ranks=ranks, by="probe")
+        self._event("straggler named", step=int(self.pipe.train_steps), ranks=ranks, by="probe")
 
     def _decide(self) -> dict[str, Any]:
         """On the first rank: the candidates and the pure decision (not yet logged: every rank logs the same)."""
@@ -268,7 +313,7 @@ class Replanner:
         full = [len(h) == WINDOW for h in cal.detector.history]  # measured where a window is full, else what
         measured = cal.detector.speeds()  # was known when this calibration began
         speeds = [measured[r] if f else self.speeds[r] for r, f in enumerate(full)]
-        errs = self._errors(full)
+        errs = decision_errors(full, self.speed_errors, self.series)
         told = self.told
         if len(self._compute) == RECENT:  # the same recent steps as the speeds the decision takes
             told = [statistics.median(c[r] for c in self._compute) for r in range(len(told))]
@@ -276,7 +321,7 @@ class Replanner:
         capped = [c < 1 for c in self._priced]  # priced by their caps: their measured speeds' noise is not used
         error = ratio_error([0.0 if c else e for e, c in zip(errs, capped)])
         if any(capped):
-            plans = [self.pipe.schedule] + [_like(n, self.pipe.schedule) for n in self.schedules]
+            plans = [self.pipe.schedule] + [build_like(n, self.pipe.schedule) for n in self.schedules]
             held = cap_error(
                 cal.calibration, self.prior, plans, current, candidates, speeds, self._priced, self.caps.error()
             )
@@ -299,21 +344,9 @@ class Replanner:
             record["caps"] = list(self._priced)
         return {"record": record, "speeds": speeds, "errors": errs, "told": told}
 
-    def _errors(self, full: list[bool]) -> list[float]:
-        """Each rank's speed error: from its measured speeds where its window is full, else the last decision's;
-        since a lift (NaN, :meth:`_probe`) and until 3 free speeds, :data:`LEAST_ERROR`."""
-        out = []
-        for r, f in enumerate(full):
-            since_lift = math.isnan(self.speed_errors[r])
-            if f and not (since_lift and len(self.series[r]) < 3):
-                out.append(speed_error(self.series[r]))
-            else:
-                out.append(LEAST_ERROR if since_lift else self.speed_errors[r])
-        return out
-
     def _options(self, cal: RunCalibration, speeds: list[float], caps: list[float]) -> tuple[Option, list[Option]]:
         running = self.pipe.schedule
-        others = [_like(n, running) for n in self.schedules if n != running.name]
+        others = [build_like(n, running) for n in self.schedules if n != running.name]
         counts = [len(r) for r in self.pipe.layer_ranges]
         return options_for(cal, self.prior, running, counts, speeds, others, caps)
 
@@ -321,8 +354,7 @@ class Replanner:
         predicted = self.relayout_s
         if predicted is None:
             own = sum(p.numel() * p.element_size() for p in self.pipe.parameters())
-            state = own * self.pipe.num_ranks * STATE_PER_PARAMETER_BYTE
-            predicted = relayout_seconds(state, cal.bandwidth, REBUILD_S) if cal.bandwidth > 0 else REBUILD_S
+            predicted = first_relayout_s(own, self.pipe.num_ranks, cal.bandwidth)
         return relayout_cost(self.relayouts, predicted)
 
     def _tell(self, record: dict[str, Any]) -> None:
@@ -333,58 +365,30 @@ class Replanner:
                 with self.log_path.open("a") as f:
                     f.write(json.dumps(record) + "\n")
         best = record["best"] or {}
-        self.pipe.metrics.event(
-            "replan",
-            step=record["step"],
-            taken=record["taken"],
-            reason=record["reason"],
-            schedule=best.get("schedule"),
-            counts=best.get("counts"),
-            gain_s=record["gain_s"],
-            relayout_s=record["relayout_s"],
-        )
+        self._event("replan", step=record["step"], taken=record["taken"], reason=record["reason"],
+                    schedule=best.get("schedule"), counts=best.get("counts"), gain_s=record["gain_s"],
+                    relayout_s=record["relayout_s"])  # fmt: skip
 
     def _apply(self, best: dict[str, Any]) -> None:
-        changes: dict[str, Any] = {"partition": list(best["counts"])}
-        if best["schedule"] != self.pipe.schedule.name:
-            changes["schedule"] = best["schedule"]
-            per_rank = len(best["counts"]) // self.pipe.num_ranks
-            if per_rank > 1:
-                changes["virtual_stages"] = per_rank
+        changes = relayout_changes(best, self.pipe.schedule.name, self.pipe.num_ranks)
+        if self.lead is not None:
+            self.lead.tell(RELAYOUT, changes)
+        self._relayout(changes)
+        self._recalibrate()
+
+    def _relayout(self, changes: dict[str, Any]) -> None:
         start = time.perf_counter()
         self.pipe.relayout(**changes)
         self.relayouts.append(time.perf_counter() - start)
-        self.pipe.replanned_cut = list(best["counts"])  # recorded as re-planned: a resume takes it back
-        self._recalibrate()
+        self.pipe.replanned_cut = list(changes["partition"])  # recorded as re-planned: a resume takes it back
 
     def _recalibrate(self) -> None:
-        """A fresh calibration of the running layout, told the ranks' speeds (:attr:`told`)."""
+        """A fresh calibration of the running layout, told the ranks' speeds (:attr:`told`); a held rank's, never
+        predicted, is measured on this cut (``caps``)."""
         old = self.calibrator
-        self.calibrator = RunCalibrator(
-            self.pipe,
-            self.prior,
-            cores=old.cores,
-            processes=old.processes,
-            warmup=1,
-            after=old.after,
-            speeds=self.told,
-            caps=self.caps.caps(),  # a held rank's speed measured on this cut (from_run), never predicted
-            bandwidth=old.bandwidth,
-        )
-        self.calibrator.on_event = old.on_event
+        self.calibrator = RunCalibrator(self.pipe, self.prior, cores=old.cores, processes=old.processes, warmup=1,
+                                        after=old.after, speeds=self.told, bandwidth=old.bandwidth,
+                                        caps=self.caps.caps())  # fmt: skip
+        self.calibrator.on_event, self.calibrator.affinity = old.on_event, old.affinity
         self._seen = self._makespans = 0
         self._compute = []
-
-
-def _like(name: str, running: Schedule, refused: str = "") -> Schedule:
-    """Schedule ``name`` at the running one's ranks and micro-batches; ``refused``: what a schedule that cannot run
-    there is refused with (its name, the ranks and micro-batches and why follow)."""
-    try:
-        return build_schedule(name, len(running.ranks), running.num_microbatches)
-    except (KeyError, ValueError) as err:
-        if not refused:
-            raise
-        raise ValueError(
-            f"{refused}{name!r}, which cannot run at {len(running.ranks)} ranks and {running.num_microbatches} "
-            f"micro-batches: {err}"
-        ) from err

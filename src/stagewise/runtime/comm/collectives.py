@@ -60,7 +60,7 @@ def gather_bytes(
 ) -> list[torch.Tensor]:
     """Every rank's 1-d uint8 ``data`` (any length), in group-rank order, on the host: two all-gathers (lengths,
     then padded bytes)."""
-    device = torch.device("cuda", torch.cuda.current_device()) if _nccl(group) else torch.device("cpu")
+    device = _device(group)
     size = dist.get_world_size(group)
     length = torch.tensor([data.numel()], dtype=torch.int64, device=device)
     lengths = [torch.empty_like(length) for _ in range(size)]
@@ -75,3 +75,81 @@ def gather_bytes(
 
 def _nccl(group: Any) -> bool:
     return str(dist.get_backend(group)) == "nccl"
+
+
+#: a one-way message's first part, in bytes (:func:`gather_to_first`, :func:`from_first`): what one rank's step
+#: of a 10-layer pipeline at 8 micro-batches says takes about 6 KB; a longer message sends the rest apart
+FIRST_PART = 1 << 16
+_HEAD = 8  # the length, in the first part's first bytes
+_REST_TAG = 4917  # the tag of a longer message's rest, sent point to point
+
+
+def gather_to_first(blob: bytes, group: Any, wait: Wait | None = None, what: str = "a gather") -> list[bytes] | None:
+    """Every rank's ``blob`` on the group's first rank, in group-rank order (None on the others), one way: a
+    rank sends and goes on, where an all-gather waits for every rank to answer (a rank held by a CPU quota
+    answers a period late). A gather of :data:`FIRST_PART` bytes, then, from a rank whose blob is longer, the rest
+    point to point."""
+    device, wait = _device(group), wait or _plain_wait
+    me, size = dist.get_rank(group), dist.get_world_size(group)
+    first = _first_part(blob, device)
+    parts = [torch.empty_like(first) for _ in range(size)] if me == 0 else None
+    works = [dist.gather(first, parts, dst=_global(group, 0), group=group, async_op=True)]
+    if len(blob) > FIRST_PART - _HEAD and me != 0:
+        rest = _tensor(blob[FIRST_PART - _HEAD :], device)
+        works.append(dist.isend(rest, dst=_global(group, 0), group=group, tag=_REST_TAG))
+    wait(works, what)
+    if parts is None:
+        return None
+    out = [blob]
+    for r, part in enumerate(parts[1:], start=1):
+        n = int.from_bytes(_bytes(part[:_HEAD]), "little")
+        got = _bytes(part[_HEAD : _HEAD + min(n, FIRST_PART - _HEAD)])
+        if n > FIRST_PART - _HEAD:
+            tail = torch.empty(n - (FIRST_PART - _HEAD), dtype=torch.uint8, device=device)
+            wait([dist.irecv(tail, src=_global(group, r), group=group, tag=_REST_TAG)], f"the rest of {what}")
+            got += _bytes(tail)
+        out.append(got)
+    return out
+
+
+def from_first(blob: bytes | None, group: Any, wait: Wait | None = None, what: str = "a word") -> bytes:
+    """The group's first rank's ``blob`` (given there, None elsewhere) on every rank, one way: a broadcast of
+    :data:`FIRST_PART` bytes, and of the rest when the first part's length says it is longer."""
+    device, wait = _device(group), wait or _plain_wait
+    first = _first_part(blob or b"", device)
+    wait([dist.broadcast(first, src=_global(group, 0), group=group, async_op=True)], what)
+    n = int.from_bytes(_bytes(first[:_HEAD]), "little")
+    got = blob if blob is not None else _bytes(first[_HEAD : _HEAD + min(n, FIRST_PART - _HEAD)])
+    if n > FIRST_PART - _HEAD:
+        rest = torch.empty(n - (FIRST_PART - _HEAD), dtype=torch.uint8, device=device)
+        if blob is not None:
+            rest = _tensor(blob[FIRST_PART - _HEAD :], device)
+        wait([dist.broadcast(rest, src=_global(group, 0), group=group, async_op=True)], f"the rest of {what}")
+        if blob is None:
+            got += _bytes(rest)
+    return got
+
+
+def _first_part(blob: bytes, device: torch.device) -> torch.Tensor:
+    part = torch.zeros(FIRST_PART, dtype=torch.uint8)
+    part[:_HEAD] = torch.frombuffer(bytearray(len(blob).to_bytes(_HEAD, "little")), dtype=torch.uint8)
+    body = blob[: FIRST_PART - _HEAD]
+    if body:
+        part[_HEAD : _HEAD + len(body)] = torch.frombuffer(bytearray(body), dtype=torch.uint8)
+    return part.to(device)
+
+
+def _tensor(blob: bytes, device: torch.device) -> torch.Tensor:
+    return torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device)
+
+
+def _global(group: Any, rank: int) -> int:
+    return dist.get_global_rank(group, rank) if group is not None else rank
+
+
+def _device(group: Any) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if _nccl(group) else torch.device("cpu")
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return bytes(t.cpu().numpy().tobytes())

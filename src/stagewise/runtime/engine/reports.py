@@ -28,8 +28,20 @@ def step_timeline(
     if group is None:
         local = [Event(rank, a, t0 - started, t1 - started) for a, t0, t1 in events]
         return Timeline(name, num_ranks, local, source="measured", unit="s", meta=meta)
-    wall = [[str(a), t0 + clock_offset, t1 + clock_offset] for a, t0, t1 in events]
-    everyone = collectives.gather_json([rank, wall], group, wait, "every rank's timeline")
+    everyone = collectives.gather_json([rank, wall_rows(events, clock_offset)], group, wait, "every rank's timeline")
+    return merged_timeline(everyone, num_ranks=num_ranks, name=name, meta=meta)
+
+
+def wall_rows(events: Sequence[ActionEvent], clock_offset: float) -> list[list[Any]]:
+    """This rank's ``events`` as JSON rows ``[action, start, end]`` on the wall clock (``clock_offset`` =
+    time.time() - time.perf_counter() here), what crosses ranks to be merged (:func:`merged_timeline`)."""
+    return [[str(a), t0 + clock_offset, t1 + clock_offset] for a, t0, t1 in events]
+
+
+def merged_timeline(
+    everyone: Sequence[Sequence[Any]], *, num_ranks: int, name: str, meta: dict[str, object]
+) -> Timeline:
+    """Every rank's ``[rank, wall_rows]`` as one Timeline, seconds from the earliest start."""
     starts = [t0 for _, rows in everyone for _, t0, _ in rows]
     base = min(starts) if starts else 0.0
     merged = [Event(r, parse_action(a), t0 - base, t1 - base) for r, rows in everyone for a, t0, t1 in rows]

@@ -1,0 +1,176 @@
+"""One rank watches the run for all (issue 49 item 4: what watching a run costs).
+
+The :class:`~stagewise.runtime.Replanner`'s watch (every rank's events decoded into one timeline, the calibration,
+the ranks' speeds, the probes' bookkeeping, the decisions) was run by every rank alike, so that each knew which
+collective came next. Every rank paid for it, and a rank held by a quota paid four times over at a quarter of a
+core: ``benchmarks.watch_cost`` measured the watch at +7.5 ms a step free and +21 ms (18 % of the step) with
+rank 1 at a quarter of a core (2026-12-04 10:34).
+
+With a lead, the group's first rank (rank 0 of the default group, the rank that logs) watches. Every other rank,
+each step: sends its step's events to it (:meth:`Lead.step_in`; with its cgroup quota while the lead reads a held
+rank's quota every step), one way (:func:`~stagewise.runtime.comm.collectives.gather_to_first`: a rank held by a
+quota answers an all-gather a period late, and the lead's words go down as broadcasts), then serves what the lead's
+watch asks of every rank (:meth:`Lead.serve`): a loop probe of every rank's share of a core, the quotas, the CPU
+affinity a calibration reads, a re-layout; until the lead's last word for the step, which carries what every rank
+keeps (the decision's record, the calibration's events, the events for ``pipe.metrics``, the speeds). A failure of
+the watch on the lead is said to the others, who raise it rather than wait. Every word crosses as JSON (nothing a
+peer sends is unpickled), within the pipeline guard's deadline and error board.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+from ...ir import Timeline
+from ..comm import collectives
+from ..comm.groups import group_rank, group_size, initialized
+from ..engine.reports import merged_timeline, wall_rows
+from ..errors import PipelineError
+from ..measure.cores import node_affinity
+from .probe import pipeline_wait, quota_share
+from .replicas import replica_degree
+
+#: the words the lead says to the others: join a loop probe, the quotas' gather, the affinity's gather; re-lay
+#: out; the step is done (with what to keep); the watch failed (with why)
+LOOP, QUOTA, AFFINITY, RELAYOUT, DONE, FAILED = "loop", "quota", "affinity", "relayout", "done", "failed"
+
+
+def can_lead(pipe: Any) -> str:
+    """Why ``pipe``'s watch cannot have a lead ("" when it can): the default group must be the pipeline's ranks
+    and nothing else (with replicas, each replica's ranks watch their own pipeline's steps)."""
+    if not initialized() or group_size(None) == 1:
+        return "no process group of more than one rank"
+    if group_size(None) != pipe.num_ranks or replica_degree(pipe) > 1:
+        return f"the job's {group_size(None)} ranks are not the pipeline's {pipe.num_ranks} (replicas watch alike)"
+    return ""
+
+
+def lead_for(pipe: Any, calibrator: Any, leader: bool | None, each_step: bool) -> Lead | None:
+    """The lead of a :class:`~stagewise.runtime.Replanner`'s watch of ``pipe`` (None: every rank watches alike):
+    ``leader`` True demands one, False refuses one, None takes one where :func:`can_lead`. On the lead rank,
+    ``calibrator``'s affinity gather is said to the others first, and its records are kept for them (``each_step``:
+    the quota may travel with the events, :class:`Lead`)."""
+    why = "" if leader is False else can_lead(pipe)
+    if leader and why:
+        raise ValueError(f"Replanner: leader=True needs the pipeline's ranks to be the whole job: {why}")
+    if leader is False or why:
+        return None
+    lead = Lead(pipe, quota_each_step=each_step)
+    if lead.leads:
+        told = calibrator.on_event
+
+        def on_event(record: dict[str, Any]) -> None:
+            lead.records.append(record)
+            if told is not None:
+                told(record)
+
+        calibrator.affinity, calibrator.on_event = lead.driven(AFFINITY, calibrator.affinity), on_event
+    return lead
+
+
+class Lead:
+    """Both sides of a lead's watch of ``pipe`` (module docstring); ``quota_each_step``: whether the others may
+    send their quota with their events (the default quota probe: :func:`.probe.quota_share`)."""
+
+    def __init__(self, pipe: Any, quota_each_step: bool = True) -> None:
+        self.pipe = pipe
+        self.leads = group_rank(None) == 0
+        self.quota_each_step = quota_each_step
+        #: whether every rank sends its quota with the next step's events (the lead's word, while it reads one)
+        self.ask_quota = False
+        #: this step's quotas, sent with the events (None when not asked)
+        self.quotas: list[float | None] | None = None
+        #: on the lead: this step's events for ``pipe.metrics`` and the calibration's records, for the others
+        self.events: list[list[Any]] = []
+        self.records: list[dict[str, Any]] = []
+
+    def step_in(self, timeline: Timeline | None) -> Timeline | None:
+        """On every rank after a train step: its events to the lead (none when ``timeline``, every rank's, is given)
+        and its quota when asked; the lead gets ``timeline`` or every rank's events on one clock, the others None.
+        The others do not decode what the gather brings them."""
+        pipe = self.pipe
+        mine = None
+        if timeline is None:
+            events, _ = pipe.metrics.last_run("train")
+            mine = [pipe.rank, wall_rows(events or [], pipe.clock_offset), events is not None]
+        quota = quota_share() if self.ask_quota else None
+        blob = collectives.encode([mine, quota])
+        got = collectives.gather_to_first(blob, None, self._wait(), "every rank's step for the watch")
+        if got is None:
+            return None
+        everyone = [collectives.decode(b) for b in got]
+        self.quotas = [q for _, q in everyone] if self.ask_quota else None
+        if timeline is not None:
+            return timeline
+        rows = [m[:2] for m, _ in everyone]
+        meta = {"mode": "train" if everyone[0][0][2] else None, "num_microbatches": pipe.schedule.num_microbatches}
+        return merged_timeline(rows, num_ranks=pipe.num_ranks, name=pipe.schedule.name, meta=meta)
+
+    def tell(self, word: str, body: Any = None) -> None:
+        """On the lead: what every other rank does next (:meth:`serve`)."""
+        blob = collectives.encode([word, body])
+        collectives.from_first(blob, None, self._wait(), f"the watch's word to the others ({word})")
+
+    def driven(self, word: str, fn: Callable[[], Any]) -> Callable[[], Any]:
+        """On the lead: ``fn`` (a collective of every rank) with the others told to join it first."""
+
+        def run() -> Any:
+            self.tell(word)
+            return fn()
+
+        return run
+
+    def quota(self, fn: Callable[[], list[float | None]]) -> Callable[[], list[float | None]]:
+        """On the lead: every rank's quota, as sent with this step's events when they were, else ``fn`` driven."""
+        driven = self.driven(QUOTA, fn)
+        return lambda: self.quotas if self.quotas is not None else driven()
+
+    def done(self, body: dict[str, Any]) -> None:
+        """On the lead: the step's last word, ``body`` with this step's events and records; they are cleared."""
+        body = {**body, "events": self.events, "records": self.records}
+        self.events, self.records = [], []
+        self.ask_quota = bool(body.get("quota")) and self.quota_each_step
+        self.tell(DONE, body)
+
+    def failed(self, err: BaseException) -> None:
+        """On the lead: the watch failed; the others are told why (a tell that cannot reach them is let go: the
+        error raised is the lead's own)."""
+        with contextlib.suppress(Exception):
+            self.tell(FAILED, f"{type(err).__name__}: {err}")
+
+    def serve(
+        self, loop: Callable[[], Any], quota: Callable[[], Any], relayout: Callable[[Any], None]
+    ) -> dict[str, Any]:
+        """On the others: do what the lead says until its last word for the step, which is returned (``loop``,
+        ``quota``: this rank's side of the probes; ``relayout``: this rank's re-layout to the changes said)."""
+        while True:
+            said = collectives.from_first(None, None, self._wait(), "the watch's word from rank 0")
+            word, body = collectives.decode(said)
+            if word == DONE:
+                self.ask_quota = bool(body.get("quota")) and self.quota_each_step
+                return body
+            if word == FAILED:
+                raise PipelineError(f"rank 0 failed while watching the run for every rank: {body}")
+            if word == LOOP:
+                loop()
+            elif word == QUOTA:
+                quota()
+            elif word == AFFINITY:
+                node_affinity(self._wait())
+            elif word == RELAYOUT:
+                relayout(body)
+            else:
+                raise PipelineError(f"rank 0's watch said {word!r}, which this rank does not know")
+
+    def replay(self, done: dict[str, Any], emit: Callable[[dict[str, Any]], None]) -> None:
+        """On the others: the step's events for ``pipe.metrics`` and the calibration's records (to ``emit``), as
+        the lead's last word ``done`` carries them."""
+        for name, fields in done["events"]:
+            self.pipe.metrics.event(name, **fields)
+        for record in done["records"]:
+            emit(record)
+
+    def _wait(self) -> collectives.Wait | None:
+        return pipeline_wait(self.pipe)
