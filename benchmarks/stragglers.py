@@ -25,8 +25,9 @@ reached by step 10 (the median of steps 8 to 10; goal: at least 90 %), and over 
 change; beside it the live cut's own static step (a re-laid-out pipeline slower than a fresh one of its cut
 shows there). Since 2026-12-04 07:30 the live pipeline also steps in its phase's sweep, in the same rounds, so
 that the share can be read without the drift between a phase and its sweep, and each live step's cost of watching
-the run (timeline, calibration, probes) is timed beside it (:func:`shares`). Writes ``stragglers.json``, prints a
-table.
+the run (calibration, probes, decisions, until every rank is done) is timed beside it (:func:`shares`). Writes
+``stragglers.json`` (each step's timeline too, gathered apart, unless ``--no-timelines``: the watch's lead then
+gathers the steps itself, as a run does), prints a table.
 """
 
 from __future__ import annotations
@@ -154,7 +155,7 @@ def rank_main(args: argparse.Namespace) -> None:
     calibrator = RunCalibrator(live, on_event=lambda e: events.append({**e, "step": len(steps)}))
     quota = None if args.quota else (lambda: [None] * live.num_ranks)  # --no-quota: the loop alone, as before 08:00
     replanner = Replanner(live, calibrator, steps=sum(n for *_, n in phases) + args.horizon, cooldown=args.cooldown,
-                          quota_probe=quota)  # fmt: skip
+                          quota_probe=quota, leader=False if args.every_rank else None)  # fmt: skip
     oracle: dict[str, dict[int, float]] = {}
     swept: dict[str, list[float]] = {}  # per phase: the sweep's start and end (seconds since the first step)
     in_sweep: dict[str, dict[str, Any]] = {}  # per phase: the live pipeline's median step in its sweep, its cut
@@ -191,14 +192,15 @@ def rank_main(args: argparse.Namespace) -> None:
             for _ in range(n):
                 throttle.apply(live)
                 took = timed_step(live, x, y)
+                timeline = live.timeline(gather=True) if args.timelines else None  # the benchmark's record
                 watched = time.perf_counter()
-                timeline = live.timeline(gather=True)
-                record = replanner.observe(timeline)
-                watched = time.perf_counter() - watched  # the run's own cost of watching: gather, calibrate, probe
+                record = replanner.observe(timeline)  # (given the timeline, the lead gathers no events again)
+                dist.barrier()  # until every rank is done watching: a held rank's share of it counts
+                watched = time.perf_counter() - watched  # the run's own cost of watching: calibrate, probe, decide
                 steps.append({"phase": phase, "seconds": took, "counts": [len(r) for r in live.layer_ranges],
                               "observe": watched,
                               "at": time.monotonic() - start, "replan": None if record is None else record["reason"],
-                              "timeline": timeline.to_json() if args.timelines else None})  # fmt: skip
+                              "timeline": timeline.to_json() if timeline is not None else None})  # fmt: skip
             if args.oracle == "phase" and phase in SWEPT:
                 sweep(phase, share)  # the machine as the phase's live steps just met it
         if args.oracle == "end":
@@ -236,13 +238,13 @@ def shares(
     last change and one warm-up step); and the live cut's own static step, so that a re-laid-out pipeline slower
     than a fresh one of its cut shows (``left behind``: live steady over that cut's static step).
 
-    The same shares without the drift between a phase and its sweep (seconds to minutes apart, ±10-30 % on this
-    VM): ``share by step 10, same sweep`` is the best cut over the cut reached by step 10, both timed in the one
-    sweep (a re-laid-out pipeline steps as a fresh one of its cut: ``benchmarks.relaid_vs_fresh``), and with
-    ``in_sweep`` (the live pipeline timed in that sweep too, at the cut it ended the phase on) ``share live in
-    sweep`` (its step there plus the phase's mean cost of watching the run, ``observe s``: the timeline gathered,
-    the calibration, the probes) and ``live / static in sweep`` (the live pipeline's step over its cut's static
-    one, interleaved)."""
+    The same shares without the drift between a phase and its sweep (seconds to minutes apart, ±10-30 % on this VM):
+    ``share by step 10, same sweep`` is the best cut over the cut reached by step 10, both timed in the one sweep (a
+    re-laid-out pipeline steps as a fresh one of its cut: ``benchmarks.relaid_vs_fresh``), and with ``in_sweep``
+    (the live pipeline timed in that sweep too, at the cut it ended the phase on) ``share live in sweep`` (its step
+    there plus the phase's mean cost of watching the run, ``observe s``: the Replanner's ``observe`` until every
+    rank is done with it, a barrier after it, since 2026-12-04 11:20) and ``live / static in sweep`` (the live
+    pipeline's step over its cut's static one, interleaved)."""
     out = []
     for name in dict.fromkeys(s["phase"] for s in steps):
         by_cut = oracle.get(name, oracle.get(SWEPT_AS.get(name, name)))  # its own sweep, else the one it is judged by
@@ -373,6 +375,11 @@ def main(argv: list[str] | None = None) -> int:
         dest="quota",
         action="store_false",
         help="watch a held rank by the busy loop alone, never by reading its cgroup quota (before 2026-12-04 08:00)",
+    )
+    parser.add_argument(
+        "--every-rank",
+        action="store_true",
+        help="every rank watches the run alike (leader=False), as before 2026-12-04 11:00; default: rank 0 watches",
     )
     parser.add_argument("--no-oracle", dest="oracle", action="store_const", const="none", help="--oracle none")
     parser.add_argument(

@@ -15,6 +15,7 @@ from helpers import fake_pipe
 from helpers.profiles import fake_profile
 from helpers.quota import quota
 from stagewise import build_schedule, simulate
+from stagewise.planning.stragglers import SLOW as NAMED_BELOW
 from stagewise.runtime import Replanner, RunCalibrator
 
 PRIOR = fake_profile([1.0] * 8)
@@ -452,3 +453,16 @@ def test_a_decision_that_found_no_better_plan_is_not_priced_again_until_a_speed_
     deeper = [r for r in replanner.log if r["step"] > 30]
     assert deeper and deeper[0]["step"] <= 30 + 5 + 5, replanner.log  # decided once the window holds the new speed
     assert deeper[0]["taken"] and deeper[0]["best"]["counts"][1] < replanner.log[0]["current"]["counts"][1]
+
+
+def test_a_rank_is_named_with_the_speed_that_named_it() -> None:
+    """The line and the record of a rank named slow give the median of the window that named it, not of its
+    last 3 steps (2026-12-04 11:12: "rank 1 is slow: it runs at 0.93x" of a rank named below 0.8, its window's
+    first steps slow, its last two not)."""
+    pipe, events = FakePipe(), []
+    calibrator = RunCalibrator(pipe, cores=2, on_event=events.append)
+    for speeds in [[1.0, 1.0]] * 5 + [[1.0, 0.5]] * 3 + [[1.0, 0.95]] * 2:
+        calibrator.observe(pipe.step(speeds))
+    named = [e for e in events if e["event"] == "straggler named"]
+    assert [e["rank"] for e in named] == [1], events
+    assert named[0]["speed"] < NAMED_BELOW and named[0]["speeds"][1] > 0.9, named  # the window's 0.5; the recent 0.95

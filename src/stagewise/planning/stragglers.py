@@ -148,7 +148,8 @@ def _producer(e: Event, last: int, ends: dict[tuple[Kind, int, int | None], Even
 
 @dataclass(frozen=True)
 class Straggler:
-    """A rank named slow: its speed (median of the window), and the cut for the speeds measured."""
+    """A rank named slow: its speed (the median of the window that named it), and the cut for the ranks' recent
+    speeds (:meth:`Detector.speeds`)."""
 
     rank: int
     speed: float
@@ -160,8 +161,9 @@ class Straggler:
     def line(self) -> str:
         return (
             f"stagewise: rank {self.rank} is slow: it runs at {self.speed:.2f}x its calibrated speed "
-            f"({1 / self.speed:.2f}x slower; speeds {[round(s, 2) for s in self.speeds]}); "
-            f"the cut for these speeds is {list(self.counts)}, predicted {self.after * 1e3:.1f} ms a step against "
+            f"({1 / self.speed:.2f}x slower, the median of its last {WINDOW} steps; the last {RECENT}: speeds "
+            f"{[round(s, 2) for s in self.speeds]}); the cut for these speeds is {list(self.counts)}, "
+            f"predicted {self.after * 1e3:.1f} ms a step against "
             f"{self.now * 1e3:.1f} ms now (stagewise.runtime.Replanner applies it live when it pays)"
         )
 

@@ -212,13 +212,17 @@ class RunCalibrator:
             self.emit({"event": "straggler recovered", "rank": r, "speeds": self.detector.speeds()})
 
     def straggler(self, rank: int) -> Straggler:
-        """What is known of ``rank`` now: its median speed, and the cut for every rank's measured speeds."""
+        """What is known of ``rank`` now: its speed over the window that names it (the median of its last
+        :data:`~stagewise.planning.stragglers.WINDOW`: a line saying 0.93x of a rank named below 0.8 read its last
+        3 steps, 2026-12-04 11:12), and the cut for every rank's recent speeds."""
         cal = self.calibration
         if cal is None:
             raise ValueError("RunCalibrator.straggler: not calibrated yet (observe more steps)")
         speeds = self.detector.speeds()
         counts, now, after = cut_for_speeds(cal.profile(self.prior), self.pipe.schedule, self.counts, speeds, cal)
-        return Straggler(rank, speeds[rank], tuple(speeds), tuple(counts), now, after)
+        history = self.detector.history[rank]
+        speed = statistics.median(history) if history else speeds[rank]
+        return Straggler(rank, speed, tuple(speeds), tuple(counts), now, after)
 
     def report(self) -> dict[str, Any]:
         """The prediction for this plan, the measured step (median of the steps since calibrating), the error,
