@@ -120,25 +120,32 @@ class Throttle:
             self.group.rmdir()
 
 
-def rank_main(args: argparse.Namespace) -> None:
+def start_rank(pin: bool) -> tuple[int, Any, Any, Any]:
+    """This rank started as the stragglers and watch_cost benchmarks run it (pinned to a core of its own with
+    ``pin``, one thread, gloo): its rank, the demo GPT's workload and a batch of 8 micro-batches."""
     import torch
     import torch.distributed as dist
 
-    import stagewise as sw
-    from stagewise.runtime import Replanner, RunCalibrator
-
     from .fidelity.workloads import workloads
 
-    if args.pin:
+    if pin:
         # internal: the pinning stagewise run --pin-cores does (the benchmark launches torchrun itself)
         from stagewise.runtime.measure.cores import pin_local_rank
 
         pin_local_rank()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
     work = workloads()["gpt64"]
-    x, y = work.data(work.microbatch * 8)
+    return dist.get_rank(), work, *work.data(work.microbatch * 8)
+
+
+def rank_main(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+
+    import stagewise as sw
+    from stagewise.runtime import Replanner, RunCalibrator
+
+    rank, work, x, y = start_rank(args.pin)
 
     def pipe(partition: Any = "balanced") -> Any:
         return sw.Pipeline(work.layers(), loss_fn=work.loss, schedule="1f1b", microbatches=8, partition=partition,

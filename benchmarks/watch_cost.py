@@ -46,18 +46,9 @@ def rank_main(args: argparse.Namespace) -> None:
     from stagewise.runtime import Replanner, RunCalibrator
     from stagewise.runtime.comm import collectives
 
-    from .fidelity.workloads import workloads
-    from .stragglers import Throttle
+    from .stragglers import Throttle, start_rank
 
-    if args.pin:
-        from stagewise.runtime.measure.cores import pin_local_rank
-
-        pin_local_rank()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    work = workloads()["gpt64"]
-    x, y = work.data(work.microbatch * 8)
+    rank, work, x, y = start_rank(args.pin)
     throttle = Throttle(False, rank, args.cgroup)
     rows: list[dict[str, Any]] = []
     try:
