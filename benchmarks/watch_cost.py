@@ -34,7 +34,7 @@ from ._launch import run_as_rank
 #: the share of rank 1's core, and the cut measured under it (the stragglers benchmark's best static cuts)
 SHARES = ((None, [5, 5]), (0.5, [7, 3]), (0.25, [9, 1]))
 MODES = ("leader", "every")
-#: arms that do part of the watch alone: a sync of every rank (one all-gather of nothing), the timeline gathered
+#: arms that do part of the watch alone: a sync of every rank (a barrier), the timeline gathered
 PARTS = ("sync", "gather")
 
 
@@ -44,7 +44,6 @@ def rank_main(args: argparse.Namespace) -> None:
 
     import stagewise as sw
     from stagewise.runtime import Replanner, RunCalibrator
-    from stagewise.runtime.comm import collectives
 
     from .stragglers import Throttle, start_rank
 
@@ -68,7 +67,7 @@ def rank_main(args: argparse.Namespace) -> None:
                     pipe.train_step(xs, ys)
                     replanner.observe()
             after: dict[str, Any] = {
-                "sync": lambda: collectives.gather_json(None, None),
+                "sync": dist.barrier,
                 "gather": functools.partial(pipe.timeline, gather=True),
                 **{mode: w.observe for mode, w in watchers.items()},
             }

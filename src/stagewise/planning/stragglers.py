@@ -357,9 +357,8 @@ def speed_error(series: Sequence[float], window: int = RECENT) -> float:
 
 def speeds_moved(before: Sequence[float], now: Sequence[float], errors: Sequence[float], z: float = 1.44) -> bool:
     """Whether a rank's speed moved past its noise since a decision that changed nothing: ``now`` over ``before``
-    off 1 by more than ``z`` x sqrt 2 x its relative error (two readings; each error at least
-    :data:`LEAST_ERROR`). Until one moves, the same decision would be taken again at a higher price: a decision
-    prices every candidate cut, 20-45 ms of the deciding rank at 2 ranks (2026-12-04 10:50)."""
+    off 1 by more than ``z`` x sqrt 2 x its relative error (two readings; at least :data:`LEAST_ERROR`). Until
+    one moves, the same decision would be taken again: pricing every cut, 20-45 ms of rank 0 (2026-12-04 10:50)."""
     return any(
         b <= 0 or abs(n / b - 1) > z * math.sqrt(2) * max(e, LEAST_ERROR) for b, n, e in zip(before, now, errors)
     )

@@ -11,8 +11,8 @@ alone is :mod:`stagewise.runtime.measure`); the planner reads the results as pla
   replicas' all-reduces gathered on one clock, for the link fit);
 * :mod:`.replan`: the run re-planned live from that calibration, through ``pipe.relayout``
   (:class:`~stagewise.runtime.calibration.replan.Replanner`), with :mod:`.held` (when a held rank is probed, and
-  what the probe found) and :mod:`.probe` (a rank's share of a core, by a busy loop or its cgroup quota: a quota
-  lifted shows there);
+  what the probe found), :mod:`.probe` (a rank's share of a core, by a busy loop or its cgroup quota: a quota
+  lifted shows there) and :mod:`.lead` (one rank watches for all; the others send their steps one way);
 * :mod:`.compute_scale`: the runtime's compute over the profile's prediction;
 * :mod:`.progress`: the bar rank 0 draws while they run.
 """
