@@ -375,7 +375,8 @@ def replay(log: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
         )
         if d["taken"]:
             last = d["step"]
-        if "caps" in r:  # what the candidates were priced with (a held rank's cap): the audit's, not an input
-            d["caps"] = r["caps"]
+        for audit in ("caps", "priced_at"):  # what the candidates were priced with, and when: not inputs
+            if audit in r:
+                d[audit] = r[audit]
         out.append(d)
     return out

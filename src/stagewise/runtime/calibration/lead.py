@@ -87,9 +87,9 @@ class Lead:
         self.records: list[dict[str, Any]] = []
 
     def step_in(self, timeline: Timeline | None) -> Timeline | None:
-        """On every rank after a train step: its events to the lead (none when ``timeline``, every rank's, is given)
-        and its quota when asked; the lead gets ``timeline`` or every rank's events on one clock, the others None.
-        The others do not decode what the gather brings them."""
+        """On every rank after a train step: its events to the lead (none when ``timeline``, every rank's, is given:
+        then on every rank) and its quota when asked, one way; the lead gets ``timeline`` or every rank's events
+        on one clock, the others None."""
         pipe = self.pipe
         mine = None
         if timeline is None:

@@ -63,9 +63,6 @@ from .probe import pipeline_probes
 
 log = logging.getLogger(__name__)
 
-#: periodic decisions skipped in a row at most while nothing moved (:meth:`Replanner._same`): one in
-#: ``SKIPS + 1`` is taken anyway
-SKIPS = 3
 #: the steps whose step-to-step spread draws the margin (the last ones, across changes of plan: a change is
 #: one outlying difference, which the median ignores)
 SPREAD_STEPS = 20
@@ -129,8 +126,8 @@ class Replanner:
         self._seen = self._makespans = 0
         self.every = int(every)
         self.guard_calibration = bool(guard_calibration)
-        self._since_decision = self._skipped = 0
-        self._last: tuple[RunCalibrator, list[float]] | None = None  # the last decision that changed nothing
+        self._since_decision = 0
+        self._last: tuple[Any, ...] | None = None  # the last prices and what they were priced with (_prices)
         #: the last :data:`SPREAD_STEPS` steps' makespans (seconds), across changes of plan
         self.steps_seen: list[float] = []
         #: each rank's speed relative to the calibrated layers (1.0 until a straggler is measured), its relative
@@ -216,8 +213,6 @@ class Replanner:
                 return None
         self._since_decision += 1
         due = self.every > 0 and self._since_decision >= self.every
-        if due and not news and self._same(cal):  # the last decision again: nothing moved past its noise
-            self._since_decision, self._skipped, due = 0, self._skipped + 1, False
         if cal.calibration is None or not (news or due or self.caps.moved()):
             return None
         if self.held.since and self._held():  # the caps as of this step: a quota deepened since the last probe
@@ -232,24 +227,10 @@ class Replanner:
         self.decisions.log.append(record)
         if record["taken"]:
             self.decisions.last_change = record["step"]
-        full = all(len(h) == WINDOW for h in cal.detector.history)
-        self._last = (cal, list(self.speeds)) if full and record["reason"] == NO_BETTER else None
-        self._skipped = 0
         self._tell(record)
         if record["taken"]:
             self._apply(record["best"])
         return record
-
-    def _same(self, cal: RunCalibrator) -> bool:
-        """Whether a periodic decision would be the last one again: it found no better plan (a verdict of the
-        candidates' prices alone; a gain refused as below its margin is asked again, the margin moving with the
-        noise), on this calibration with every window full, fewer than :data:`SKIPS` were skipped since, and no
-        rank's speed moved past its noise (:func:`~stagewise.planning.stragglers.speeds_moved`)."""
-        if self._last is None or self._last[0] is not cal or self._skipped >= SKIPS:
-            return False
-        full = [len(h) == WINDOW for h in cal.detector.history]
-        errors = decision_errors(full, self.speed_errors, self.series)
-        return all(full) and not speeds_moved(self._last[1], cal.detector.speeds(), errors, self.decisions.z)
 
     def _watch(self, timeline: Any, cal: RunCalibration) -> None:
         """This step's speeds inside the compute actions (what a calibration after a change is told) and from
@@ -317,15 +298,9 @@ class Replanner:
         told = self.told
         if len(self._compute) == RECENT:  # the same recent steps as the speeds the decision takes
             told = [statistics.median(c[r] for c in self._compute) for r in range(len(told))]
-        current, candidates = self._options(cal.calibration, speeds, self._priced)
+        current, candidates, held, priced_at = self._prices(cal.calibration, speeds, errs, all(full), step)
         capped = [c < 1 for c in self._priced]  # priced by their caps: their measured speeds' noise is not used
-        error = ratio_error([0.0 if c else e for e, c in zip(errs, capped)])
-        if any(capped):
-            plans = [self.pipe.schedule] + [build_like(n, self.pipe.schedule) for n in self.schedules]
-            held = cap_error(
-                cal.calibration, self.prior, plans, current, candidates, speeds, self._priced, self.caps.error()
-            )
-            error = math.hypot(error, held)
+        error = math.hypot(ratio_error([0.0 if c else e for e, c in zip(errs, capped)]), held)
         before = len(self.decisions.log), self.decisions.last_change
         record = self.decisions.consider(
             step,
@@ -342,7 +317,31 @@ class Replanner:
         self.decisions.last_change = before[1]
         if any(c < 1 for c in self._priced):
             record["caps"] = list(self._priced)
+        if priced_at != step:
+            record["priced_at"] = priced_at
+        if record["reason"] != NO_BETTER:  # a gain refused or taken: priced anew next time (the margin's noise)
+            self._last = None
         return {"record": record, "speeds": speeds, "errors": errs, "told": told}
+
+    def _prices(self, cal: RunCalibration, speeds: list[float], errs: list[float], full: bool, step: int) -> Any:
+        """The plan running and the candidates priced, the held ranks' caps' error on the saving, and the step they
+        were priced at: the last decision's again where it found no better plan and what it priced stands (this
+        calibration, the same caps, every window full, no rank's speed moved past its noise, ``speeds_moved``),
+        since pricing every cut costs rank 0 20-45 ms (2026-12-04 10:50). A gain refused as below its margin is
+        priced anew: a fresh reading of noisy speeds is what a marginal change waits for (a run re-cut at step 33
+        instead of 20 with the last prices kept)."""
+        key = (list(self._priced), self.caps.error())
+        last = self._last
+        same = last is not None and last[0] is cal and last[1] == key and full and all(map(math.isfinite, errs))
+        if same and not speeds_moved(last[2], speeds, errs, self.decisions.z):  # type: ignore[index]
+            return last[3]  # type: ignore[index]
+        current, candidates = self._options(cal, speeds, self._priced)
+        held = 0.0
+        if any(c < 1 for c in self._priced):
+            plans = [self.pipe.schedule] + [build_like(n, self.pipe.schedule) for n in self.schedules]
+            held = cap_error(cal, self.prior, plans, current, candidates, speeds, self._priced, self.caps.error())
+        self._last = (cal, key, list(speeds), (current, candidates, held, step)) if full else None
+        return current, candidates, held, step
 
     def _options(self, cal: RunCalibration, speeds: list[float], caps: list[float]) -> tuple[Option, list[Option]]:
         running = self.pipe.schedule
