@@ -67,3 +67,20 @@ def test_a_calibration_told_the_speeds_keeps_a_slow_rank_slow() -> None:
         assert told.calibration.measured[kind] == pytest.approx(by_stage)
     assert rank_speeds(_run([1.0, 0.25]), told.calibration, 2) == pytest.approx([1.0, 0.25])
     assert rank_speeds(_run([1.0, 0.25]), blind.calibration, 2) == pytest.approx([1.0, 1.0])
+
+
+def test_a_hetpipe_is_refused_by_name_before_any_step() -> None:
+    """A HetPipe's virtual workers are re-laid out by no re-layout: watching one is refused with the reason, not
+    an AttributeError from deep inside the calibration."""
+    from stagewise.runtime.hetpipe import HetPipe
+
+    hetpipe = object.__new__(HetPipe)  # its layout as the watch sees it: no single pipeline's cut
+    for make in (lambda: RunCalibrator(hetpipe), lambda: Replanner(hetpipe, steps=10)):
+        with pytest.raises(ValueError, match="a HetPipe has none"):
+            make()
+
+
+def test_a_lead_demanded_where_none_can_be_is_refused_with_why() -> None:
+    with pytest.raises(ValueError, match="leader=True needs the pipeline's ranks to be the whole job: no process"):
+        Replanner(_pipe(), steps=10, leader=True)
+    assert Replanner(_pipe(), steps=10).lead is None  # the default: every rank alike where no lead can be

@@ -38,7 +38,7 @@ from .capped import priced
 from .capped import slowed as slowed  # re-exported: from_run imports it from here
 from .defaults import improved_counts
 from .link_fit import COMPUTE
-from .recalibrate import RunCalibration, deshared, shared_seconds
+from .recalibrate import Z85, RunCalibration, deshared, shared_seconds
 
 #: steps whose median speed decides (5: a rank is named on the third of 5 slow steps, within the 5 steps issue
 #: 49 allows, and two preempted steps of 5 are outvoted: the smoke runs on a 2-core machine at load 8 showed
@@ -355,7 +355,7 @@ def speed_error(series: Sequence[float], window: int = RECENT) -> float:
     return max(LEAST_ERROR, 1.25 * sigma / math.sqrt(window))
 
 
-def speeds_moved(before: Sequence[float], now: Sequence[float], errors: Sequence[float], z: float = 1.44) -> bool:
+def speeds_moved(before: Sequence[float], now: Sequence[float], errors: Sequence[float], z: float = Z85) -> bool:
     """Whether a rank's speed moved past its noise since a decision that changed nothing: ``now`` over ``before``
     off 1 by more than ``z`` x sqrt 2 x its relative error (two readings; at least :data:`LEAST_ERROR`). Until
     one moves, the same decision would be taken again: pricing every cut, 20-45 ms of rank 0 (2026-12-04 10:50)."""

@@ -30,7 +30,7 @@ from .assembly.context import place, resolve_schedule_for
 from .asynchronous.windows import windows_of
 from .checkpoint.declared import PipelineState, StateSource
 from .comm import groups, lifecycle
-from .engine.reports import gathered_losses, step_timeline, version_report
+from .engine.reports import gathered_losses, step_meta, step_timeline, version_report
 from .errors import PipelineError
 from .features.evaluation import eval_loss
 from .features.owned_step import clip_between_steps
@@ -338,7 +338,7 @@ class Pipeline(nn.Module):
         events, started = self.metrics.last_run(mode)
         return step_timeline(
             events or [], rank=self.rank, num_ranks=self.num_ranks, name=self.schedule.name,
-            meta={"mode": mode if events is not None else None, "num_microbatches": self.schedule.num_microbatches},
+            meta=step_meta(mode, events is not None, self.schedule.num_microbatches),
             started=started, clock_offset=self._clock_offset, group=self.transport.group if gather else None,
             wait=self.transport.guard.wait,
         )  # fmt: skip

@@ -181,3 +181,15 @@ def refuse_hetpipe(layers: Layers, options: Options) -> None:
 def describe(schedule: Any) -> str:
     """A schedule's name for messages (a name, or a Schedule's own)."""
     return schedule if isinstance(schedule, str) else getattr(schedule, "name", repr(schedule))
+
+
+def refuse_unwatchable(entry: str, pipe: Any) -> None:
+    """A run calibrated or re-planned from its own steps (``RunCalibrator``, ``Replanner``) reads one pipeline's
+    cut and re-lays it out; what has none (a HetPipe: virtual workers synchronised wave by wave, which no re-layout
+    moves) is refused on every rank alike, before any step is watched."""
+    if not hasattr(pipe, "layer_ranges") or not hasattr(pipe, "schedule"):
+        raise ValueError(
+            f"{entry} watches one Pipeline's cut and re-lays it out; a {type(pipe).__name__} has none (a HetPipe's "
+            "virtual workers and wave rule are laid out together and re-laid out by none): watch a Pipeline, or "
+            "save a checkpoint and build a new HetPipe"
+        )

@@ -33,6 +33,7 @@ from ...planning import Calibration
 from ...planning.capped import held_speed
 from ...planning.recalibrate import Prediction, RunCalibration, calibrate_run, ring_synced
 from ...planning.stragglers import Detector, Straggler, cut_for_speeds, rank_speeds, slowed
+from ..assembly.combinations import refuse_unwatchable
 from ..measure.cores import node_affinity
 from .replicas import ReplicaSyncs
 
@@ -86,6 +87,7 @@ class RunCalibrator:
         per_action: bool = False,
         reduce: tuple[float, float] | None = None,
     ) -> None:
+        refuse_unwatchable("RunCalibrator", pipe)
         if after < 1 or warmup < 0:
             raise ValueError(f"RunCalibrator: after must be >= 1 and warmup >= 0, got {after}, {warmup}")
         self.pipe = pipe
@@ -115,6 +117,8 @@ class RunCalibrator:
         #: the CPUs of each rank on this node, read when calibrating without ``cores`` (a collective of every rank;
         #: a Replanner's lead tells the others to join it)
         self.affinity: Callable[[], list[list[int]]] = lambda: node_affinity(self.pipe.transport.guard.wait)
+        #: the last watched step's speeds of every rank, from when each action could start (``rank_speeds``)
+        self.spans: list[float] = []
 
     def observe(self, timeline: Timeline | None = None, *, step_s: float | None = None) -> None:
         """After a train step, on every rank: ``timeline`` (all ranks on one clock), else the pipeline's last
@@ -192,7 +196,8 @@ class RunCalibrator:
     def _watch(self, timeline: Timeline) -> None:
         cal = self.calibration
         assert cal is not None
-        slow, back = self.detector.observe(rank_speeds(timeline, cal, self.pipe.num_ranks))
+        self.spans = rank_speeds(timeline, cal, self.pipe.num_ranks)
+        slow, back = self.detector.observe(self.spans)
         for r in slow:
             found = self.straggler(r)
             if self.pipe.rank == 0:

@@ -26,7 +26,7 @@ from typing import Any
 from ...ir import Timeline
 from ..comm import collectives
 from ..comm.groups import group_rank, group_size, initialized
-from ..engine.reports import merged_timeline, wall_rows
+from ..engine.reports import merged_timeline, step_meta, wall_rows
 from ..errors import PipelineError
 from ..measure.cores import node_affinity
 from .probe import pipeline_wait, quota_share
@@ -105,7 +105,7 @@ class Lead:
         if timeline is not None:
             return timeline
         rows = [m[:2] for m, _ in everyone]
-        meta = {"mode": "train" if everyone[0][0][2] else None, "num_microbatches": pipe.schedule.num_microbatches}
+        meta = step_meta("train", everyone[0][0][2], pipe.schedule.num_microbatches)
         return merged_timeline(rows, num_ranks=pipe.num_ranks, name=pipe.schedule.name, meta=meta)
 
     def tell(self, word: str, body: Any = None) -> None:

@@ -50,10 +50,10 @@ from ...planning.stragglers import (
     WINDOW,
     compute_speeds,
     decision_errors,
-    rank_speeds,
     ratio_error,
     speeds_moved,
 )
+from ..assembly.combinations import refuse_unwatchable
 from ..comm.groups import group_rank
 from ..frontends.balance import on_first_rank
 from .from_run import RunCalibrator
@@ -111,6 +111,7 @@ class Replanner:
             raise ValueError(
                 f"Replanner: steps, every and probe_every must be >= 0, got {steps}, {every}, {probe_every}"
             )
+        refuse_unwatchable("Replanner", pipe)
         self.pipe = pipe
         self.calibrator = calibrator or RunCalibrator(pipe)
         self.prior: LayerProfile = self.calibrator.prior
@@ -124,8 +125,7 @@ class Replanner:
         self.log_path = None if log_path is None else Path(log_path)
         self.decisions = Decisions(margin_s=margin_s, cooldown=cooldown, z=z)
         self._seen = self._makespans = 0
-        self.every = int(every)
-        self.guard_calibration = bool(guard_calibration)
+        self.every, self.guard_calibration = int(every), bool(guard_calibration)
         self._since_decision = 0
         self._last: tuple[Any, ...] | None = None  # the last prices and what they were priced with (_prices)
         #: the last :data:`SPREAD_STEPS` steps' makespans (seconds), across changes of plan
@@ -234,9 +234,9 @@ class Replanner:
 
     def _watch(self, timeline: Any, cal: RunCalibration) -> None:
         """This step's speeds inside the compute actions (what a calibration after a change is told) and from
-        when each action could start (their noise: the decision's speed error), relative to the fastest rank."""
-        n = self.pipe.num_ranks
-        inside, spans = compute_speeds(timeline, cal, n), rank_speeds(timeline, cal, n)
+        when each action could start (their noise: the decision's speed error; the calibrator's reading of this
+        step), relative to the fastest rank."""
+        inside, spans = compute_speeds(timeline, cal, self.pipe.num_ranks), self.calibrator.spans
         self._compute = (self._compute + [[x / max(max(inside), 1e-12) for x in inside]])[-RECENT:]
         for r, x in enumerate(spans):  # as measured: relative to the fastest, the fastest's would all be 1
             self.series[r] = (self.series[r] + [x])[-NOISE_STEPS:]

@@ -32,6 +32,11 @@ def step_timeline(
     return merged_timeline(everyone, num_ranks=num_ranks, name=name, meta=meta)
 
 
+def step_meta(mode: str, ran: bool, num_microbatches: int) -> dict[str, object]:
+    """A measured step's Timeline meta: its mode (None when no such step ran) and its micro-batches."""
+    return {"mode": mode if ran else None, "num_microbatches": num_microbatches}
+
+
 def wall_rows(events: Sequence[ActionEvent], clock_offset: float) -> list[list[Any]]:
     """This rank's ``events`` as JSON rows ``[action, start, end]`` on the wall clock (``clock_offset`` =
     time.time() - time.perf_counter() here), what crosses ranks to be merged (:func:`merged_timeline`)."""
