@@ -162,7 +162,8 @@ def rank_main(args: argparse.Namespace) -> None:
     calibrator = RunCalibrator(live, on_event=lambda e: events.append({**e, "step": len(steps)}))
     quota = None if args.quota else (lambda: [None] * live.num_ranks)  # --no-quota: the loop alone, as before 08:00
     replanner = Replanner(live, calibrator, steps=sum(n for *_, n in phases) + args.horizon, cooldown=args.cooldown,
-                          quota_probe=quota, leader=False if args.every_rank else None)  # fmt: skip
+                          quota_probe=quota, leader=False if args.every_rank else None,
+                          **({} if args.settled_every is None else {"settled_every": args.settled_every}))  # fmt: skip
     oracle: dict[str, dict[int, float]] = {}
     swept: dict[str, list[float]] = {}  # per phase: the sweep's start and end (seconds since the first step)
     in_sweep: dict[str, dict[str, Any]] = {}  # per phase: the live pipeline's median step in its sweep, its cut
@@ -387,6 +388,13 @@ def main(argv: list[str] | None = None) -> int:
         "--every-rank",
         action="store_true",
         help="every rank watches the run alike (leader=False), as before 2026-12-04 11:00; default: rank 0 watches",
+    )
+    parser.add_argument(
+        "--settled-every",
+        type=int,
+        default=None,
+        help="once settled, one step in this many is watched (default: the Replanner's, 3; 1: every step, as before "
+        "2026-12-04 14:00)",
     )
     parser.add_argument("--no-oracle", dest="oracle", action="store_const", const="none", help="--oracle none")
     parser.add_argument(

@@ -9,12 +9,13 @@ Two ranks of one thread train the demo GPT (d 64, 10 layers, 1F1B, 8 micro-batch
 (cgroup v1, a 10 ms period: :class:`benchmarks.stragglers.Throttle`). Under each share, the arms alternate in
 blocks of ``--block`` steps, ``--rounds`` rounds, the first arm of a round rotating: ``off`` (steps alone) and one
 arm per watching mode (``--modes``: ``leader``, the Replanner's default, where one rank computes and the others
-send their events; ``every``, where every rank computes alike, as before 2026-12-04 11:00). Each watched arm has a
-Replanner of its own, warmed up (calibrated, the held rank named and probed) before the rounds; its margin is
-too large for any gain (``margin_s``), so it decides, probes and logs as a run does but never re-lays out, and
-the cut stays the one measured. A block is timed on rank 0 from a barrier to a barrier, so a rank's watching
-that spills into the next step is counted. The cost: a watched arm's median period less the unwatched one's, in
-ms and in % of the unwatched step. Writes ``watch_cost.json``, prints a table.
+send their events, and a settled run is watched one step in three; ``leader-each``, the same on every step, as
+before 2026-12-04 14:00; ``every``, where every rank computes alike on every step, as before 11:00). Each
+watched arm has a Replanner of its own, warmed up (calibrated, the held rank named and probed) before the rounds;
+its margin is too large for any gain (``margin_s``), so it decides, probes and logs as a run does but never
+re-lays out, and the cut stays the one measured. A block is timed on rank 0 from a barrier to a barrier, so a
+rank's watching that spills into the next step is counted. The cost: a watched arm's median period less the
+unwatched one's, in ms and in % of the unwatched step. Writes ``watch_cost.json``, prints a table.
 """
 
 from __future__ import annotations
@@ -33,7 +34,13 @@ from ._launch import run_as_rank
 
 #: the share of rank 1's core, and the cut measured under it (the stragglers benchmark's best static cuts)
 SHARES = ((None, [5, 5]), (0.5, [7, 3]), (0.25, [9, 1]))
-MODES = ("leader", "every")
+MODES = ("leader", "leader-each", "every")
+#: each mode's Replanner options
+OPTIONS: dict[str, dict[str, Any]] = {
+    "leader": {"leader": True},
+    "leader-each": {"leader": True, "settled_every": 1},
+    "every": {"leader": False, "settled_every": 1},
+}
 #: arms that do part of the watch alone: a sync of every rank (a barrier), the timeline gathered
 PARTS = ("sync", "gather")
 
@@ -59,17 +66,18 @@ def rank_main(args: argparse.Namespace) -> None:
                                seed=0, optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3))  # fmt: skip
             xs, ys = pipe.local_batch(x, y)
             watchers = {
-                mode: Replanner(pipe, RunCalibrator(pipe), steps=10_000, margin_s=1e9, leader=mode == "leader")
+                mode: Replanner(pipe, RunCalibrator(pipe), steps=10_000, margin_s=1e9, **OPTIONS[mode])
                 for mode in args.modes
             }
             for _ in range(args.warmup):  # calibrated, the held rank named and probed, in every arm
                 for replanner in watchers.values():
                     pipe.train_step(xs, ys)
                     replanner.observe()
+            seen = {mode: [0, 0] for mode in watchers}  # steps watched, steps run, in the timed blocks
             after: dict[str, Any] = {
                 "sync": dist.barrier,
                 "gather": functools.partial(pipe.timeline, gather=True),
-                **{mode: w.observe for mode, w in watchers.items()},
+                **{mode: counted(w, seen[mode]) for mode, w in watchers.items()},
             }
             arms = ["off", *args.parts, *args.modes]
             periods: dict[str, list[float]] = {a: [] for a in arms}
@@ -91,6 +99,7 @@ def rank_main(args: argparse.Namespace) -> None:
             for mode in args.modes:
                 row[f"{mode} probes"] = len(watchers[mode].probes)
                 row[f"{mode} decisions"] = len(watchers[mode].log)
+                row[f"{mode} watched"] = seen[mode][0] / max(seen[mode][1], 1)
             rows.append(row)
             del watchers, pipe
     finally:
@@ -104,13 +113,28 @@ def rank_main(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+def counted(replanner: Any, seen: list[int]) -> Any:
+    """``replanner.observe``, counting into ``seen`` the steps it watched and the steps it was called on."""
+
+    def observe() -> None:
+        seen[0] += replanner.cadence.due(int(replanner.pipe.train_steps))
+        seen[1] += 1
+        replanner.observe()
+
+    return observe
+
+
 def table(rows: list[dict[str, Any]], modes: list[str]) -> list[str]:
-    """The rows as a markdown table: per share, the unwatched step and each arm's cost."""
+    """The rows as a markdown table: per share, the unwatched step and each arm's cost (and the share of the
+    timed steps a watching mode watched)."""
     head = "| rank 1's share | cut | unwatched step ms | " + " | ".join(f"{m}: cost ms, % of a step" for m in modes)
     lines = [head + " |", "|---|---|---:|" + "---:|" * len(modes)]
     for r in rows:
         share = "free" if r["share"] is None else f"{r['share']:.0%}"
-        costs = " | ".join(f"{r[f'{m} ms']:+.1f}, {r[f'{m} %']:+.1f} %" for m in modes)
+        costs = " | ".join(
+            f"{r[f'{m} ms']:+.1f}, {r[f'{m} %']:+.1f} %" + (f" ({r[f'{m} watched']:.0%} watched)" if m in MODES else "")
+            for m in modes
+        )
         lines.append(f"| {share} | {r['cut']} | {r['off ms']:.1f} | {costs} |")
     return lines
 

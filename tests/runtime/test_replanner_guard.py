@@ -277,7 +277,8 @@ def test_a_cap_that_is_the_ranks_quota_is_watched_by_the_quota_and_its_lift_seen
     rank whose loop reading is its cgroup quota is watched by reading the quotas, every step: no loop while the
     quota stays as the loop read it; when it moves (here, lifted) the loop probes at once, the step after (the
     loop's every 5 steps saw it at step 2-5 of the release). The caps stay the loop's readings. A rank whose quota
-    does not explain its cap (unknown here) keeps the loop every few steps."""
+    does not explain its cap (unknown here) keeps the loop every few steps. Every step watched (``settled_every=1``;
+    a settled run sees the lift at its next watched step: test_watch_cadence)."""
     rng = random.Random(0)
     pipe = FakePipe()
     caps = [CAP if CAPPED <= k < LIFTED else 1.0 for k in range(50)]
@@ -288,7 +289,7 @@ def test_a_cap_that_is_the_ranks_quota_is_watched_by_the_quota_and_its_lift_seen
         return [1.0, caps[pipe.train_steps - 1] * 0.96]  # the loop reads a little under the quota
 
     replanner = Replanner(pipe, RunCalibrator(pipe, cores=2), steps=1000, relayout_s=0.0, cooldown=5, probe=probe,
-                          quota_probe=lambda: [1.0, caps[pipe.train_steps - 1]])  # fmt: skip
+                          quota_probe=lambda: [1.0, caps[pipe.train_steps - 1]], settled_every=1)  # fmt: skip
     cuts = []
     for k in range(50):
         replanner.observe(capped_step(pipe, caps[k], [rng.lognormvariate(0.0, 0.05) for _ in range(2)]))
@@ -327,12 +328,13 @@ def test_a_lift_seen_by_the_probe_before_a_decision_recalibrates_and_decides_not
     """The probe a decision takes first may find the quota lifted: a fresh calibration starts (a new calibrator)
     and this step decides nothing; the next decisions move the layers back (04:42: the decision went on, on the
     new calibrator, which had no calibration yet). Held at a quarter for 20 steps, then a decision due between
-    two regular probes, at the step the quota lifts."""
+    two regular probes, at the step the quota lifts (every step watched: the step is set up by hand)."""
     rng = random.Random(1)
     pipe = FakePipe()
     caps = [1.0] * 10 + [0.25] * 20 + [1.0] * 30
     probe = lambda: [1.0, caps[pipe.train_steps - 1]]  # noqa: E731
-    replanner = Replanner(pipe, RunCalibrator(pipe, cores=2), steps=1000, relayout_s=0.0, cooldown=5, probe=probe)
+    replanner = Replanner(pipe, RunCalibrator(pipe, cores=2), steps=1000, relayout_s=0.0, cooldown=5, probe=probe,
+                          settled_every=1)  # fmt: skip
 
     def step(k: int) -> Any:
         return replanner.observe(capped_step(pipe, caps[k], [rng.lognormvariate(0.0, 0.05) for _ in range(2)]))
@@ -439,10 +441,12 @@ def test_a_decision_whose_speeds_did_not_move_reuses_the_last_prices() -> None:
     its noise) takes the last prices again (``priced_at``: 20-45 ms of rank 0 saved) and draws its margin afresh;
     a rank whose speed moves is priced anew at the next decision due. Held at a half from step 10 (named, re-cut),
     deeper at step 30 without news (already named): priced anew and re-cut within 5 steps of its window filling.
-    The mutant that reuses nothing fails the first count, the one that reuses whatever moved the second."""
+    The mutant that reuses nothing fails the first count, the one that reuses whatever moved the second. Every step
+    watched (a settled run reads the deeper slowdown on its next watched step: test_watch_cadence)."""
     rng = random.Random(3)
     pipe = FakePipe()
-    replanner = Replanner(pipe, RunCalibrator(pipe, cores=2), steps=1000, relayout_s=0.0, cooldown=5, probe_every=0)
+    replanner = Replanner(pipe, RunCalibrator(pipe, cores=2), steps=1000, relayout_s=0.0, cooldown=5, probe_every=0,
+                          settled_every=1)  # fmt: skip
     for k in range(60):
         speeds = [rng.lognormvariate(0.0, 0.01) for _ in range(2)]
         speeds[1] *= 1.0 if k < 10 else 0.5 if k < 30 else 0.3
@@ -467,3 +471,54 @@ def test_a_rank_is_named_with_the_speed_that_named_it() -> None:
     named = [e for e in events if e["event"] == "straggler named"]
     assert [e["rank"] for e in named] == [1], events
     assert named[0]["speed"] < NAMED_BELOW and named[0]["speeds"][1] > 0.9, named  # the window's 0.5; the recent 0.95
+
+
+def cadence_run(onset: int, deeper: int | None = None, steps: int = 45) -> tuple[Replanner, list[int], list[int]]:
+    """A run at 5 % noise whose rank 1 runs at half speed from train step ``onset`` (and at 0.3 from ``deeper``),
+    the Replanner at its default cadence: the steps watched, and the steps a straggler was named at."""
+    rng = random.Random(onset)
+    pipe = FakePipe()
+    named: list[int] = []
+    calibrator = RunCalibrator(pipe, cores=2)
+    calibrator.on_event = lambda r: named.append(pipe.train_steps) if r["event"] == "straggler named" else None
+    replanner = Replanner(pipe, calibrator, steps=1000, relayout_s=0.0, cooldown=5, probe_every=0)
+    watched = []
+    for k in range(1, steps + 1):
+        speeds = [rng.lognormvariate(0.0, 0.05) for _ in range(2)]
+        speeds[1] *= 1.0 if k < onset else 0.5 if deeper is None or k < deeper else 0.3
+        if replanner.cadence.due(k):
+            watched.append(k)
+        replanner.observe(pipe.step(speeds))
+    return replanner, watched, named
+
+
+@pytest.mark.usefixtures("one_process_group")
+@pytest.mark.parametrize("onset", [28, 29, 30])
+def test_a_settled_run_is_watched_one_step_in_three_and_a_slowdown_still_named_within_5_steps(onset: int) -> None:
+    """Issue 49 item 4, what watching costs: once five watched steps running said nothing new, one step in three
+    is watched; a slowdown begun on any step of the three is read at the next watched step, every step is watched
+    from then on, and the rank is named within 5 steps of its first slow one (the mutant that never watches every
+    step again names it at the 7th-9th) and re-cut within 10."""
+    replanner, watched, named = cadence_run(onset)
+    quiet = [k for k in watched if 15 <= k < onset]
+    assert len(quiet) <= (onset - 15) // 3 + 1, watched  # 13-15 steps before the slowdown, 5 or fewer watched
+    assert named and onset <= named[0] <= onset + 4, (named, watched)
+    first = min(k for k in watched if k >= onset)
+    assert first - onset < 3 and [k for k in watched if first <= k <= named[0]] == list(range(first, named[0] + 1))
+    taken = [r["step"] for r in replanner.log if r["taken"]]
+    assert taken and taken[0] <= onset + 9, (taken, replanner.log)
+    assert replay(replanner.log) == replanner.log
+
+
+@pytest.mark.usefixtures("one_process_group")
+def test_a_named_rank_slowed_further_is_watched_every_step_from_its_first_reading() -> None:
+    """A rank named slow, re-cut and settled, slows again (0.5 -> 0.3, already named: no news): its first reading
+    past the line of its window's median watches every step again (the mutant that looks only at the named line
+    keeps one in three), and the deeper cut comes within 10 steps."""
+    replanner, watched, _ = cadence_run(10, deeper=40, steps=52)
+    before = [k for k in watched if 27 <= k < 40]
+    assert len(before) <= 5, watched  # settled on the first re-cut
+    first = min(k for k in watched if k >= 40)
+    assert [k for k in watched if first <= k < first + 4] == list(range(first, first + 4)), watched
+    deeper = [r for r in replanner.log if r["taken"] and r["step"] >= 40]
+    assert deeper and deeper[0]["step"] <= 40 + 9, replanner.log

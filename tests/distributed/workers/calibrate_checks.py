@@ -451,7 +451,8 @@ def watched_by_a_lead(ctx: Ctx) -> dict[str, Any]:
     every rank watching alike decides, step for step: the same decisions, probes and events on every rank, every
     re-layout applied everywhere. Rank 1 runs 4x slower from step 5 to step 18 under a quarter core's quota: its
     loop probe and its cgroup quota are scripted, so every word of the lead's protocol is said (a loop probe, the
-    quota read with the steps, a re-layout, the step's last word) and the decisions do not hang on the load."""
+    quota read with the steps, a re-layout, the step's last word) and the decisions do not hang on the load. Once
+    settled, both watch the same steps, one in three (the lead's last word says the next one to the others)."""
     import torch
     import torch.nn.functional as F
 
@@ -459,7 +460,7 @@ def watched_by_a_lead(ctx: Ctx) -> dict[str, Any]:
     import stagewise.runtime.calibration.probe as probe_module
     from stagewise.runtime import Replanner, RunCalibrator
 
-    steps, slow_from, lift = 30, 5, 18
+    steps, slow_from, lift = 45, 5, 18
     prior = LayerProfile(
         tuple(LayerCost(str(k), 4e-3, 4e-3, 4e-3, 8e-3, 0.0, 0.0, 0.0, 1.0) for k in range(8)), "cpu", 1, 0
     )
@@ -469,23 +470,26 @@ def watched_by_a_lead(ctx: Ctx) -> dict[str, Any]:
     saved = probe_module.core_share, probe_module.quota_share, lead_module.quota_share
     probe_module.core_share, probe_module.quota_share, lead_module.quota_share = share, share, share
 
-    def run(leader: bool) -> tuple[Any, list[dict[str, Any]], Any]:
+    def run(leader: bool) -> tuple[Any, list[dict[str, Any]], Any, list[int]]:
         pipe = sw.Pipeline([_linear_spin(0.0, 0.0) for _ in range(8)], loss_fn=F.mse_loss, group=ctx.group,
                            timeout=60, schedule="1f1b", microbatches=4, partition="uniform")  # fmt: skip
         events: list[dict[str, Any]] = []
         calibrator = RunCalibrator(pipe, prior, cores=ctx.world, on_event=events.append)
         replanner = Replanner(pipe, calibrator, steps=200, margin_s=0.2, cooldown=4, leader=leader)
         x = torch.zeros(8, 4, dtype=torch.float64)
+        watched = []
         for step in range(steps):
             at[0] = step
             pipe.train_step(*pipe.local_batch(x, x))
             speeds = [1.0] + [0.25 if slow_from <= step < lift else 1.0] * (ctx.world - 1)
+            if replanner.cadence.due(pipe.train_steps):
+                watched.append(pipe.train_steps)
             replanner.observe(_simulated_step(pipe, prior, speeds))
-        return replanner, events, pipe
+        return replanner, events, pipe, watched
 
     try:
-        led, led_events, led_pipe = run(True)
-        alike, alike_events, _ = run(False)
+        led, led_events, led_pipe, led_watched = run(True)
+        alike, alike_events, _, alike_watched = run(False)
     finally:
         probe_module.core_share, probe_module.quota_share, lead_module.quota_share = saved
     assert led.lead is not None and alike.lead is None
@@ -494,6 +498,7 @@ def watched_by_a_lead(ctx: Ctx) -> dict[str, Any]:
     assert same(timed(led.log), timed(alike.log)), (led.log, alike.log)
     assert same(led.probes, alike.probes), (led.probes, alike.probes)
     assert same(led_events, alike_events), (led_events, alike_events)
+    assert led_watched == alike_watched and len(led_watched) < steps, (led_watched, alike_watched)
     changes = [r for r in led.log if r["taken"]]
     assert changes and [len(r) for r in led_pipe.layer_ranges] == changes[-1]["best"]["counts"], led.log
     by = sorted({p["by"] for p in led.probes})
@@ -502,6 +507,7 @@ def watched_by_a_lead(ctx: Ctx) -> dict[str, Any]:
         "decisions": [(r["step"], r["reason"]) for r in led.log],
         "probes": [(p["step"], p["by"], p["lifted"]) for p in led.probes],
         "events": [(e["event"], e.get("rank")) for e in led_events],
+        "watched": led_watched,
     }
 
 

@@ -47,6 +47,7 @@ class HeldProbes:
     loop: Callable[[], list[float]]
     quota: Callable[[], list[float | None]]
     since: int = 0  # steps since the last probe
+    at: int = -1  # the step of the last call (a settled run is not watched every step)
     caps: Caps = field(init=False)
     #: every probe: the step, the ranks held, their shares, the reference they were read against, the ranks free,
     #: and by what (the loop or the quotas)
@@ -61,7 +62,7 @@ class HeldProbes:
         """After a step, on every rank alike (``was``: the ranks held slow; ``now``: ranks to probe at once, named
         this step): a probe when one is due (None when not), its readings taken by the caps."""
         held = sorted(set(was) | set(now) | set(self.suspects))
-        self.since += 1
+        self.since, self.at = self.since + (max(1, step - self.at) if self.at >= 0 else 1), step
         watched = bool(held) and set(held) <= set(self.by_quota) and not now and not self.suspects
         due = watched or self.since >= self.every or now or self.suspects
         if not held or self.every == 0 or not due:

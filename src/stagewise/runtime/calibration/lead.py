@@ -20,6 +20,7 @@ peer sends is unpickled), within the pipeline guard's deadline and error board.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -164,13 +165,42 @@ class Lead:
             else:
                 raise PipelineError(f"rank 0's watch said {word!r}, which this rank does not know")
 
-    def replay(self, done: dict[str, Any], emit: Callable[[dict[str, Any]], None]) -> None:
-        """On the others: the step's events for ``pipe.metrics`` and the calibration's records (to ``emit``), as
-        the lead's last word ``done`` carries them."""
+    def watch(self, replanner: Any, timeline: Timeline | None, step: int) -> dict[str, Any] | None:
+        """A watched ``step`` of ``replanner`` (a :class:`~stagewise.runtime.Replanner` this lead serves), on
+        every rank: the lead observes and says what the others keep, with the next step watched; the others send,
+        serve and keep it. The decision's record (None when nothing was decided)."""
+        merged = self.step_in(timeline)
+        if not self.leads:
+            return self._follow(replanner, self.serve(replanner._loop, replanner._quota, replanner._relayout))
+        n = len(replanner.held.log)
+        try:
+            record = replanner._observe(merged, step)
+        except BaseException as err:
+            self.failed(err)
+            raise
+        errors = [None if math.isnan(e) else e for e in replanner.speed_errors]  # NaN: since a lift
+        self.done({"record": record, "speeds": replanner.speeds, "errors": errors, "told": replanner.told,
+                   "probes": replanner.held.log[n:], "quota": bool(replanner.held.by_quota),
+                   "next": replanner._pace(step, record)})  # fmt: skip
+        return record
+
+    def _follow(self, replanner: Any, done: dict[str, Any]) -> dict[str, Any] | None:
+        """On the others: what the lead's last word for the step says every rank keeps (the step's events for
+        ``pipe.metrics``, the calibration's records, the speeds, the probes, the decision, the next step watched)."""
         for name, fields in done["events"]:
             self.pipe.metrics.event(name, **fields)
-        for record in done["records"]:
-            emit(record)
+        for emitted in done["records"]:
+            replanner.calibrator.emit(emitted)
+        replanner.speeds, replanner.told = done["speeds"], done["told"]
+        replanner.speed_errors = [math.nan if e is None else e for e in done["errors"]]
+        replanner.held.log.extend(done["probes"])
+        replanner.cadence.next = done["next"]
+        record = done["record"]
+        if record is not None:
+            replanner.decisions.log.append(record)
+            if record["taken"]:
+                replanner.decisions.last_change = record["step"]
+        return record
 
     def _wait(self) -> collectives.Wait | None:
         return pipeline_wait(self.pipe)

@@ -30,6 +30,7 @@ from typing import Any
 
 from ...partition import LayerProfile
 from ...passes.build import build_like
+from ...planning.cadence import SETTLED_EVERY, Cadence, readings_settled
 from ...planning.recalibrate import Z85, RunCalibration
 from ...planning.replan import (
     NO_BETTER,
@@ -85,7 +86,8 @@ class Replanner:
     (collectives; default :func:`.probe.probe_shares`, :func:`.probe.quota_shares`; :class:`.held.HeldProbes`).
     ``leader``: one rank (the default group's first) watches for all (:mod:`.lead`): its calibrator calibrates,
     the others keep the decisions, events and speeds it hands them. None (default): a lead where the pipeline's
-    ranks are the whole job; False: every rank watches alike.
+    ranks are the whole job; False: every rank watches alike. ``settled_every``: once the run is settled, one step
+    in this many is watched (:class:`~stagewise.planning.cadence.Cadence`; 1: every step).
     """
 
     def __init__(
@@ -106,11 +108,11 @@ class Replanner:
         probe: Callable[[], list[float]] | None = None,
         quota_probe: Callable[[], list[float | None]] | None = None,
         leader: bool | None = None,
+        settled_every: int = SETTLED_EVERY,
     ) -> None:
-        if steps < 0 or every < 0 or probe_every < 0:
-            raise ValueError(
-                f"Replanner: steps, every and probe_every must be >= 0, got {steps}, {every}, {probe_every}"
-            )
+        if min(steps, every, probe_every, settled_every - 1) < 0:
+            raise ValueError(f"Replanner: steps, every and probe_every must be >= 0 and settled_every >= 1, got "
+                             f"{steps}, {every}, {probe_every}, {settled_every}")  # fmt: skip
         refuse_unwatchable("Replanner", pipe)
         self.pipe = pipe
         self.calibrator = calibrator or RunCalibrator(pipe)
@@ -126,7 +128,8 @@ class Replanner:
         self.decisions = Decisions(margin_s=margin_s, cooldown=cooldown, z=z)
         self._seen = self._makespans = 0
         self.every, self.guard_calibration = int(every), bool(guard_calibration)
-        self._since_decision = 0
+        self._since_decision, self._stirred, self._at = 0, False, -1
+        self.cadence = Cadence(int(settled_every))
         self._last: tuple[Any, ...] | None = None  # the last prices and what they were priced with (_prices)
         #: the last :data:`SPREAD_STEPS` steps' makespans (seconds), across changes of plan
         self.steps_seen: list[float] = []
@@ -158,36 +161,23 @@ class Replanner:
         """After a train step, on every rank alike (a collective): calibrate, and re-plan when the calibration has
         news; the decision's record (None when nothing was decided). ``timeline``: the step's, every rank on one
         clock (default: gathered from the pipeline; with a lead, the others' events sent to it)."""
-        lead = self.lead
+        step, lead = int(self.pipe.train_steps), self.lead
+        if not self.cadence.due(step):  # a settled run: this step is not watched, on any rank
+            return None
         if lead is None:
-            return self._observe(self.pipe.timeline(gather=True) if timeline is None else timeline)
-        merged = lead.step_in(timeline)
-        if not lead.leads:
-            return self._follow(lead.serve(self._loop, self._quota, self._relayout))
-        n = len(self.held.log)
-        try:
-            record = self._observe(merged)
-        except BaseException as err:
-            lead.failed(err)
-            raise
-        errors = [None if math.isnan(e) else e for e in self.speed_errors]  # NaN: since a lift
-        lead.done({"record": record, "speeds": self.speeds, "errors": errors, "told": self.told,
-                   "probes": self.held.log[n:], "quota": bool(self.held.by_quota)})  # fmt: skip
-        return record
+            record = self._observe(self.pipe.timeline(gather=True) if timeline is None else timeline, step)
+            self._pace(step, record)
+            return record
+        return lead.watch(self, timeline, step)
 
-    def _follow(self, done: dict[str, Any]) -> dict[str, Any] | None:
-        """On a rank the lead watches for: what its last word for the step says every rank keeps."""
-        assert self.lead is not None  # a rank the lead watches for
-        self.lead.replay(done, self.calibrator.emit)
-        self.speeds, self.told = done["speeds"], done["told"]
-        self.speed_errors = [math.nan if e is None else e for e in done["errors"]]
-        self.held.log.extend(done["probes"])
-        record = done["record"]
-        if record is not None:
-            self.decisions.log.append(record)
-            if record["taken"]:
-                self.decisions.last_change = record["step"]
-        return record
+    def _pace(self, step: int, record: dict[str, Any] | None) -> int:
+        """The next step to watch (:class:`~stagewise.planning.cadence.Cadence`): this one was quiet when the
+        calibration stands, nothing stirred (news, a probe's finding) and every rank's reading agrees with what the
+        detector holds of it."""
+        cal, taken = self.calibrator, record is not None and record["taken"]
+        settled = readings_settled(cal.detector, [c < 1 for c in self.caps.caps()])
+        quiet = cal.calibration is not None and not (self._stirred or taken) and settled
+        return self.cadence.after(step, quiet)
 
     def _event(self, name: str, **fields: Any) -> None:
         """An event of ``pipe.metrics``, on every rank (with a lead: handed to the others with its last word)."""
@@ -195,7 +185,8 @@ class Replanner:
         if self.lead is not None:
             self.lead.events.append([name, fields])
 
-    def _observe(self, timeline: Any) -> dict[str, Any] | None:
+    def _observe(self, timeline: Any, step: int) -> dict[str, Any] | None:
+        gap, self._at, self._stirred = step - self._at if self._at >= 0 else 1, step, False
         self._probe()
         cal = self.calibrator
         watched = cal.calibration is not None
@@ -206,12 +197,13 @@ class Replanner:
         self._makespans = len(cal.makespans)
         news = [r for r in cal.records[self._seen :] if r["event"] != "replan"]
         self._seen = len(cal.records)
+        self._stirred = self._stirred or bool(news)
         named = [int(r["rank"]) for r in news if r["event"] == "straggler named"]
         if self.held.every and [r for r in named if r not in self._held()]:  # its cap before the first decision
             self._probe(now=named)
             if self.calibrator is not cal:  # that probe freed another rank: a fresh calibration decides
                 return None
-        self._since_decision += 1
+        self._since_decision += max(1, gap)  # steps, watched or not
         due = self.every > 0 and self._since_decision >= self.every
         if cal.calibration is None or not (news or due or self.caps.moved()):
             return None
@@ -253,6 +245,7 @@ class Replanner:
         found = self.held.take(int(self.pipe.train_steps), self._held(), now)
         if found is None:
             return
+        self._stirred = self._stirred or bool(found.free or found.capped or self.held.suspects) or self.caps.moved()
         free, shares, top = found.free, found.shares, found.top
         if found.capped:
             self._named_by_probe(found.capped, [shares[r] / top for r in found.capped])
