@@ -128,8 +128,7 @@ class Replanner:
         self.decisions = Decisions(margin_s=margin_s, cooldown=cooldown, z=z)
         self._seen = self._makespans = 0
         self.every, self.guard_calibration = int(every), bool(guard_calibration)
-        self._since_decision, self._stirred, self._at = 0, False, -1
-        self.cadence = Cadence(int(settled_every))
+        self._since_decision, self._stirred, self._at, self.cadence = 0, False, -1, Cadence(int(settled_every))
         self._last: tuple[Any, ...] | None = None  # the last prices and what they were priced with (_prices)
         #: the last :data:`SPREAD_STEPS` steps' makespans (seconds), across changes of plan
         self.steps_seen: list[float] = []
