@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import re
 from typing import NamedTuple
 
@@ -81,8 +82,11 @@ _KINDS_BY_LENGTH = sorted((k.value for k in Kind), key=len, reverse=True)
 _ACTION_RE = re.compile(r"^\s*(\d+)(" + "|".join(_KINDS_BY_LENGTH) + r")(\d*)\s*$")
 
 
+@functools.lru_cache(maxsize=1 << 14)
 def parse_action(text: str) -> Action:
-    """Parse the text form; ``parse_action(str(a)) == a`` for every action."""
+    """Parse the text form; ``parse_action(str(a)) == a`` for every action. Cached (an action is immutable): a
+    step's timeline from every rank is parsed back each step the run is watched (0.2 ms of the watching rank's
+    1.7 ms a step at 2 ranks, 2026-12-04)."""
     match = _ACTION_RE.match(text)
     if match is None:
         kinds = ", ".join(k.value for k in Kind)
