@@ -1,8 +1,9 @@
 """Re-planned live (issue 49 items 3 and 4): the run's calibration asks whether another plan pays, and applies it.
 
 ``Replanner(pipe, steps=N)`` is called on every rank after each ``train_step`` (``observe()``, a collective); one
-rank watches for all (:mod:`.lead`). A :class:`~stagewise.runtime.calibration.from_run.RunCalibrator` calibrates;
-when it calibrates, names a straggler or clears one, and every ``every`` steps besides, the candidates are built
+rank watches for all (:mod:`.lead`), one step in three once the run is settled (:mod:`stagewise.planning.cadence`).
+A :class:`~stagewise.runtime.calibration.from_run.RunCalibrator` calibrates; when it calibrates, names a
+straggler or clears one, and every ``every`` steps besides, the candidates are built
 (for each schedule considered, the cut for the ranks' measured speeds and its predicted step) and the pure
 decision asked (:func:`stagewise.planning.replan.decide`: change only when the gain over the steps left exceeds the
 re-layout's cost plus a margin drawn from the calibration's uncertainty, the speeds' standard error and the
@@ -157,8 +158,9 @@ class Replanner:
         return self.decisions.log
 
     def observe(self, timeline: Any = None) -> dict[str, Any] | None:
-        """After a train step, on every rank alike (a collective): calibrate, and re-plan when the calibration has
-        news; the decision's record (None when nothing was decided). ``timeline``: the step's, every rank on one
+        """After a train step, on every rank alike (a collective on a watched step; nothing on the others, where
+        a settled run returns at once): calibrate, and re-plan when the calibration has news; the decision's record
+        (None when nothing was decided). ``timeline``: the step's, every rank on one
         clock (default: gathered from the pipeline; with a lead, the others' events sent to it)."""
         step, lead = int(self.pipe.train_steps), self.lead
         if not self.cadence.due(step):  # a settled run: this step is not watched, on any rank
