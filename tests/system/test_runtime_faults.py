@@ -205,3 +205,25 @@ def test_a_process_killed_during_a_relayout(tmp_path: Path) -> None:
     for r in range(WORLD):
         want = (failed / f"rank{r}-reference.txt").read_text().split()
         assert reports[r].split() == ["ok", *want], (r, reports[r], want)
+
+
+@pytest.mark.parametrize("how", ["raises", "dies"])
+def test_rank_0_failing_in_the_watch_it_leads_stops_every_rank(tmp_path: Path, how: str) -> None:
+    """Rank 0 leads a Replanner's watch (the others sent their step's events and wait for its word) and fails in it:
+    raising, it tells the others why and every one raises a PipelineError that names rank 0 and the error; killed
+    (os._exit: nothing told), every other rank raises a PipelineError naming rank 0 within the deadline."""
+    if how == "dies" and not FAULTS:
+        pytest.skip(IN_FAULTS)
+    codes, reports, logs = run_ranks(tmp_path, hang=False, victim=0, extra=("--watch", how))
+    if how == "dies":
+        assert codes[0] == 17, codes
+    else:
+        assert codes[0] == 3 and "RuntimeError: the watch broke" in reports.get(0, ""), (codes, reports, logs)
+    for r in range(1, WORLD):
+        text = reports.get(r, "")
+        assert codes[r] == 1 and text.startswith("PipelineError: "), f"rank {r}: exit {codes[r]}: {text}"
+        first = text.splitlines()[0]
+        if how == "raises":
+            assert "rank 0 failed while watching the run" in first and "the watch broke" in first, text
+        else:
+            assert re.search(r"\branks? 0\b", first), text

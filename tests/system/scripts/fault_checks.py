@@ -95,6 +95,9 @@ def main() -> None:
     parser.add_argument("--refused", action="store_true", help="every rank fails at once (a missing checkpoint)")
     parser.add_argument("--relayout", action="store_true", help="the victim is killed during a pipe.relayout()")
     parser.add_argument("--resume", type=Path, default=None, help="a clean job loads this checkpoint first")
+    parser.add_argument(
+        "--watch", choices=("dies", "raises"), default=None, help="the victim leads a Replanner's watch and fails in it"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     store = join(args)
@@ -128,6 +131,8 @@ def main() -> None:
     pipe.train_step(x, y)
     if args.relayout:
         killed_in_relayout(pipe, args, x, y)
+    if args.watch:
+        failed_in_the_watch(pipe, args, x, y)
     Tripwire.armed, Tripwire.fire_at = args.rank == args.victim, 2  # the third forward: micro-batch 2
     Tripwire.hang, Tripwire.raises = args.hang, args.mesh
     started = time.perf_counter()
@@ -195,6 +200,39 @@ def killed_in_relayout(pipe: sw.Pipeline, args: argparse.Namespace, x: Any, y: A
     whole = sorted(after) == sorted(before) and all(torch.equal(after[k], v) for k, v in before.items())
     text += f"\n(state unchanged: {whole and len(before) > 0})"
     text += f"\n(after {time.perf_counter() - started:.2f} s; the layout from before kept: {kept})"
+    (args.out / f"rank{args.rank}.txt").write_text(text)
+    sys.stderr.write(f"rank {args.rank}: {text}\n")
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def failed_in_the_watch(pipe: sw.Pipeline, args: argparse.Namespace, x: Any, y: Any) -> None:
+    """Rank 0 (the victim) leads a Replanner's watch of the run and fails in it at the first step watched: it
+    dies (``os._exit``: nothing posted) or raises. Each other rank, which sent its events and waits for the lead's
+    word, reports its error: a PipelineError naming rank 0, within the deadline (at once when the lead could say
+    why)."""
+    from stagewise.runtime import Replanner
+
+    replanner = Replanner(pipe, steps=100)
+    assert replanner.lead is not None, "the pipeline's ranks are the job: rank 0 leads the watch"
+    if args.rank == args.victim:
+
+        def fails(*_: Any) -> None:
+            if args.watch == "raises":
+                raise RuntimeError("the watch broke")
+            os._exit(VICTIM_EXIT)
+
+        replanner._observe = fails  # type: ignore[method-assign]
+    started = time.perf_counter()
+    try:
+        pipe.train_step(x, y)
+        replanner.observe()
+        text, code = "no error: the watch completed", 2
+    except sw.PipelineError as err:
+        text, code = f"PipelineError: {err}", 1
+    except BaseException:
+        text, code = traceback.format_exc(), 3
+    text += f"\n(after {time.perf_counter() - started:.2f} s)"
     (args.out / f"rank{args.rank}.txt").write_text(text)
     sys.stderr.write(f"rank {args.rank}: {text}\n")
     sys.stderr.flush()
