@@ -38,6 +38,7 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -136,17 +137,9 @@ def main() -> None:
     Tripwire.armed, Tripwire.fire_at = args.rank == args.victim, 2  # the third forward: micro-batch 2
     Tripwire.hang, Tripwire.raises = args.hang, args.mesh
     started = time.perf_counter()
-    try:
-        pipe.train_step(x, y)
-        text, code = "no error: the step completed", 2
-    except sw.PipelineError as err:
-        text, code = f"PipelineError: {err}", 1
-    except BaseException:
-        text, code = traceback.format_exc(), 3
+    text, code = outcome(lambda: pipe.train_step(x, y), "no error: the step completed")
     text += f"\n(after {time.perf_counter() - started:.2f} s on {type(pipe.transport).__name__})"
-    (args.out / f"rank{args.rank}.txt").write_text(text)
-    sys.stderr.write(f"rank {args.rank}: {text}\n")
-    sys.stderr.flush()
+    report(args, text)
     if args.mesh and args.rank == args.victim:
         time.sleep(3600)  # alive, connections open: the others must not rely on a closed socket
     os._exit(code)  # no teardown: the process group has a dead member
@@ -188,21 +181,14 @@ def killed_in_relayout(pipe: sw.Pipeline, args: argparse.Namespace, x: Any, y: A
     ranges = [(r.start, r.stop) for r in pipe.layer_ranges]
     before = state_of(pipe)
     started = time.perf_counter()
-    try:
-        pipe.relayout(partition=[4] + [3] * (args.world - 2) + [3])
-        text, code = "no error: the re-layout completed", 2
-    except sw.PipelineError as err:
-        text, code = f"PipelineError: {err}", 1
-    except BaseException:
-        text, code = traceback.format_exc(), 3
+    relaid = lambda: pipe.relayout(partition=[4] + [3] * (args.world - 2) + [3])  # noqa: E731
+    text, code = outcome(relaid, "no error: the re-layout completed")
     kept = [(r.start, r.stop) for r in pipe.layer_ranges] == ranges
     after = state_of(pipe)
     whole = sorted(after) == sorted(before) and all(torch.equal(after[k], v) for k, v in before.items())
     text += f"\n(state unchanged: {whole and len(before) > 0})"
     text += f"\n(after {time.perf_counter() - started:.2f} s; the layout from before kept: {kept})"
-    (args.out / f"rank{args.rank}.txt").write_text(text)
-    sys.stderr.write(f"rank {args.rank}: {text}\n")
-    sys.stderr.flush()
+    report(args, text)
     os._exit(code)
 
 
@@ -224,19 +210,28 @@ def failed_in_the_watch(pipe: sw.Pipeline, args: argparse.Namespace, x: Any, y: 
 
         replanner._observe = fails  # type: ignore[method-assign]
     started = time.perf_counter()
+    text, code = outcome(lambda: (pipe.train_step(x, y), replanner.observe()), "no error: the watch completed")
+    report(args, text + f"\n(after {time.perf_counter() - started:.2f} s)")
+    os._exit(code)
+
+
+def outcome(run: Callable[[], object], done: str) -> tuple[str, int]:
+    """How ``run()`` ended, as a rank reports it: ``done`` and 2 (it completed), the PipelineError and 1, or the
+    traceback of anything else and 3."""
     try:
-        pipe.train_step(x, y)
-        replanner.observe()
-        text, code = "no error: the watch completed", 2
+        run()
+        return done, 2
     except sw.PipelineError as err:
-        text, code = f"PipelineError: {err}", 1
+        return f"PipelineError: {err}", 1
     except BaseException:
-        text, code = traceback.format_exc(), 3
-    text += f"\n(after {time.perf_counter() - started:.2f} s)"
+        return traceback.format_exc(), 3
+
+
+def report(args: argparse.Namespace, text: str) -> None:
+    """This rank's report: its file for the test, and its stderr."""
     (args.out / f"rank{args.rank}.txt").write_text(text)
     sys.stderr.write(f"rank {args.rank}: {text}\n")
     sys.stderr.flush()
-    os._exit(code)
 
 
 def join(args: argparse.Namespace) -> dist.TCPStore | None:
