@@ -143,6 +143,19 @@ def start_rank(pin: bool) -> tuple[int, Any, Any, Any]:
     return dist.get_rank(), work, *work.data(work.microbatch * 8)
 
 
+def measured_prior(work: Any, x: Any) -> Any:
+    """The workload's layers timed on rank 0 on one micro-batch, as ``partition="time"`` times them, handed to every
+    rank: the prior the run's calibration scales (without one, the flat prior: each stage's measured cost spread
+    evenly over its layers)."""
+    # internal: the timing and hand-over partition="time" does (the benchmark cuts by hand)
+    from stagewise.runtime.frontends.balance import on_first_rank
+    from stagewise.runtime.frontends.default_cut import timed_profile
+    from stagewise.runtime.frontends.layers import named_layers
+
+    named = named_layers(work.layers())
+    return on_first_rank(None, lambda: timed_profile(named, x[: work.microbatch], seed=0, device="cpu"), "the prior")
+
+
 def rank_main(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
@@ -163,7 +176,8 @@ def rank_main(args: argparse.Namespace) -> None:
         (PARTIAL, 0.5, args.partial_steps), ("released", None, args.released_steps)]  # fmt: skip
     phases = [p for p in all_phases if p[2] > 0]
     live = pipe()
-    calibrator = RunCalibrator(live, on_event=lambda e: events.append({**e, "step": len(steps)}))
+    prior = measured_prior(work, x) if args.profile else None
+    calibrator = RunCalibrator(live, prior, on_event=lambda e: events.append({**e, "step": len(steps)}))
     quota = None if args.quota else (lambda: [None] * live.num_ranks)  # --no-quota: the loop alone, as before 08:00
     replanner = Replanner(live, calibrator, steps=sum(n for *_, n in phases) + args.horizon, cooldown=args.cooldown,
                           quota_probe=quota, leader=False if args.every_rank else None,
@@ -399,6 +413,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="once settled, one step in this many is watched (default: the Replanner's, 3; 1: every step, as before "
         "2026-12-04 14:00)",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="the calibration scales the layers timed on one micro-batch (as partition='time' times them), not the "
+        "flat prior",
     )
     parser.add_argument("--no-oracle", dest="oracle", action="store_const", const="none", help="--oracle none")
     parser.add_argument(
