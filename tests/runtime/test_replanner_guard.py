@@ -522,3 +522,16 @@ def test_a_named_rank_slowed_further_is_watched_every_step_from_its_first_readin
     assert [k for k in watched if first <= k < first + 4] == list(range(first, first + 4)), watched
     deeper = [r for r in replanner.log if r["taken"] and r["step"] >= 40]
     assert deeper and deeper[0]["step"] <= 40 + 9, replanner.log
+
+
+@pytest.mark.usefixtures("one_process_group")
+def test_with_replicas_every_step_is_watched(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Replicas each read their own pipeline's steps, and a decision is a collective of the whole job: a cadence
+    relaxed on one replica's readings could skip a step another watches. A job larger than the pipeline watches
+    every step; the pipeline's ranks alone relax it."""
+    from stagewise.runtime.calibration import replan as replan_module
+
+    pipe = FakePipe()
+    assert Replanner(pipe, RunCalibrator(pipe, cores=2), steps=10).cadence.every == 3
+    monkeypatch.setattr(replan_module, "group_size", lambda group: 2 * pipe.num_ranks)
+    assert Replanner(pipe, RunCalibrator(pipe, cores=2), steps=10).cadence.every == 1

@@ -56,7 +56,7 @@ from ...planning.stragglers import (
     speeds_moved,
 )
 from ..assembly.combinations import refuse_unwatchable
-from ..comm.groups import group_rank
+from ..comm.groups import group_rank, group_size, initialized
 from ..frontends.balance import on_first_rank
 from .from_run import RunCalibrator
 from .held import HeldProbes
@@ -64,6 +64,14 @@ from .lead import LOOP, RELAYOUT, lead_for
 from .probe import pipeline_probes
 
 log = logging.getLogger(__name__)
+
+
+def _cadence(pipe: Any, settled_every: int) -> Cadence:
+    """The watch's cadence: one step in ``settled_every`` once settled where every rank reads the same steps (the
+    pipeline's ranks are the job), every step where replicas each read their own and could tell apart."""
+    replicas = initialized() and group_size(None) > pipe.num_ranks
+    return Cadence(1 if replicas else int(settled_every))
+
 
 #: the steps whose step-to-step spread draws the margin (the last ones, across changes of plan: a change is
 #: one outlying difference, which the median ignores)
@@ -88,7 +96,8 @@ class Replanner:
     ``leader``: one rank (the default group's first) watches for all (:mod:`.lead`): its calibrator calibrates,
     the others keep the decisions, events and speeds it hands them. None (default): a lead where the pipeline's
     ranks are the whole job; False: every rank watches alike. ``settled_every``: once the run is settled, one step
-    in this many is watched (:class:`~stagewise.planning.cadence.Cadence`; 1: every step).
+    in this many is watched (:class:`~stagewise.planning.cadence.Cadence`; 1: every step; with replicas, every
+    step: each replica reads its own steps, and the decisions are the whole job's collectives).
     """
 
     def __init__(
@@ -129,7 +138,7 @@ class Replanner:
         self.decisions = Decisions(margin_s=margin_s, cooldown=cooldown, z=z)
         self._seen = self._makespans = 0
         self.every, self.guard_calibration = int(every), bool(guard_calibration)
-        self._since_decision, self._stirred, self._at, self.cadence = 0, False, -1, Cadence(int(settled_every))
+        self._since_decision, self._stirred, self._at, self.cadence = 0, False, -1, _cadence(pipe, settled_every)
         self._last: tuple[Any, ...] | None = None  # the last prices and what they were priced with (_prices)
         #: the last :data:`SPREAD_STEPS` steps' makespans (seconds), across changes of plan
         self.steps_seen: list[float] = []
