@@ -29,6 +29,15 @@ INTERNAL = {
         ],
         "it times the runtime's I / W / B kernels on stages run as the runtime runs them, and the meter's bytes",
     ),
+    **dict.fromkeys(
+        [
+            ("stragglers.py", "stagewise.runtime.frontends.balance"),
+            ("stragglers.py", "stagewise.runtime.frontends.default_cut"),
+            ("stragglers.py", "stagewise.runtime.frontends.layers"),
+        ],
+        "--profile: the layers timed and handed to every rank as partition='time' does it, for a pipeline cut by "
+        "hand (no public name times a Layer list that way)",
+    ),
     ("relayout.py", "stagewise.runtime.measure.tensor_bytes"): (
         "the re-layout's extra tensor bytes (issue 46's bound), counted as the test of that bound counts them"
     ),
