@@ -349,10 +349,15 @@ class Decisions:
             uncertainty=uncertainty,
             speed_error=speed_error,
         )
-        if record["taken"]:
-            self.last_change = step
-        self.log.append(record)
+        self.keep(record)
         return record
+
+    def keep(self, record: dict[str, Any]) -> None:
+        """Log ``record`` and remember its change: one decided here, or one handed round from the rank that
+        decided (every rank keeps the same log)."""
+        if record["taken"]:
+            self.last_change = int(record["step"])
+        self.log.append(record)
 
 
 def replay(log: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -197,9 +197,7 @@ class Lead:
         replanner.cadence.next = done["next"]
         record = done["record"]
         if record is not None:
-            replanner.decisions.log.append(record)
-            if record["taken"]:
-                replanner.decisions.last_change = record["step"]
+            replanner.decisions.keep(record)
         return record
 
     def _wait(self) -> collectives.Wait | None:

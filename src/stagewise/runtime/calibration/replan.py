@@ -226,9 +226,7 @@ class Replanner:
         decided = self._decide() if self.lead else on_first_rank(None, self._decide, "deciding whether to re-plan")
         record, self.speeds = decided["record"], decided["speeds"]
         self.speed_errors, self.told = decided["errors"], decided["told"]
-        self.decisions.log.append(record)
-        if record["taken"]:
-            self.decisions.last_change = record["step"]
+        self.decisions.keep(record)
         self._tell(record)
         if record["taken"]:
             self._apply(record["best"])
