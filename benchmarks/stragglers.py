@@ -156,6 +156,15 @@ def measured_prior(work: Any, x: Any) -> Any:
     return on_first_rank(None, lambda: timed_profile(named, x[: work.microbatch], seed=0, device="cpu"), "the prior")
 
 
+def flat_prior() -> Any:
+    """Every layer alike: each stage's measured cost spread evenly over its layers (a pipeline cut by hand's
+    prior before the first batch priced one, 2026-12-04 16:30)."""
+    # internal: the calibration's even prior (no public name: a run gets it only where nothing prices its layers)
+    from stagewise.runtime.calibration.from_run import flat_profile
+
+    return flat_profile([LAYERS])
+
+
 def rank_main(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
@@ -176,7 +185,7 @@ def rank_main(args: argparse.Namespace) -> None:
         (PARTIAL, 0.5, args.partial_steps), ("released", None, args.released_steps)]  # fmt: skip
     phases = [p for p in all_phases if p[2] > 0]
     live = pipe()
-    prior = measured_prior(work, x) if args.profile else None
+    prior = {"run": lambda: None, "flat": lambda: flat_prior(), "timed": lambda: measured_prior(work, x)}[args.prior]()
     calibrator = RunCalibrator(live, prior, on_event=lambda e: events.append({**e, "step": len(steps)}))
     quota = None if args.quota else (lambda: [None] * live.num_ranks)  # --no-quota: the loop alone, as before 08:00
     replanner = Replanner(live, calibrator, steps=sum(n for *_, n in phases) + args.horizon, cooldown=args.cooldown,
@@ -415,11 +424,14 @@ def main(argv: list[str] | None = None) -> int:
         "2026-12-04 14:00)",
     )
     parser.add_argument(
-        "--profile",
-        action="store_true",
-        help="the calibration scales the layers timed on one micro-batch (as partition='time' times them), not the "
-        "flat prior",
+        "--prior",
+        choices=("run", "flat", "timed"),
+        default="run",
+        help="the layers' costs the calibration scales: the run's own (default: counted at the first batch, since "
+        "2026-12-04 16:30), flat (each stage's cost spread evenly over its layers, before), timed (on one "
+        "micro-batch, as partition='time' times them)",
     )
+    parser.add_argument("--profile", dest="prior", action="store_const", const="timed", help="--prior timed")
     parser.add_argument("--no-oracle", dest="oracle", action="store_const", const="none", help="--oracle none")
     parser.add_argument(
         "--pin",

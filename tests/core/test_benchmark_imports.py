@@ -35,8 +35,12 @@ INTERNAL = {
             ("stragglers.py", "stagewise.runtime.frontends.default_cut"),
             ("stragglers.py", "stagewise.runtime.frontends.layers"),
         ],
-        "--profile: the layers timed and handed to every rank as partition='time' does it, for a pipeline cut by "
-        "hand (no public name times a Layer list that way)",
+        "--prior timed: the layers timed and handed to every rank as partition='time' does it, for a pipeline cut "
+        "by hand (no public name times a Layer list that way)",
+    ),
+    ("stragglers.py", "stagewise.runtime.calibration.from_run"): (
+        "--prior flat: the calibration's even prior (what a pipeline cut by hand had before the first batch priced "
+        "its layers), for the A/B against the run's own"
     ),
     ("relayout.py", "stagewise.runtime.measure.tensor_bytes"): (
         "the re-layout's extra tensor bytes (issue 46's bound), counted as the test of that bound counts them"

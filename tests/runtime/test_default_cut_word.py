@@ -202,6 +202,7 @@ def test_a_convolution_list_is_cut_by_the_first_batch_timed_work(
     assert [tuple(t.shape) for t in one_process] == [(4, 1, 32, 32)]  # the first micro-batch, timed once
     assert default_cut.cut_by(_timed(TIMES), pipe.schedule) == [4, 1]
     assert pipe.moves == [[4, 1]] and pipe.replanned_cut == [4, 1]
+    assert pipe.layer_profile == _timed(TIMES)  # the profile the cut came from: what a calibration scales
     assert any("timed work cuts the layers [4, 1] (was [3, 2])" in r.getMessage() for r in caplog.records)
     assert not first_batch.pending(pipe)  # decided once: a resume takes the recorded cut back
     first_batch.at_first_batch(pipe, [(x, None)])
@@ -237,6 +238,7 @@ def test_an_optimizer_of_the_user_s_keeps_the_cut(one_process: list[Any], caplog
     with caplog.at_level(logging.INFO, logger="stagewise.runtime.frontends.first_batch"):
         first_batch.at_first_batch(pipe, [(torch.randn(16, 1, 32, 32), None)])
     assert pipe.moves == [] and pipe.replanned_cut is None and mine.param_groups
+    assert pipe.layer_profile == _timed(TIMES)  # the cut kept, the layers' times known all the same
     assert any("timed work would cut the layers [4, 1]; [3, 2] is kept" in r.getMessage() for r in caplog.records)
 
 
@@ -293,3 +295,33 @@ def test_from_model_balanced_with_sample_inputs_times_a_convolution_model(
     counts, measured = from_model._block_counts(model, build_schedule("1f1b", 2, 4), Options(sample_inputs=x), None)
     assert counts == [4, 1] and measured is None
     assert len(one_process) == 1 and one_process[0] is x  # timed once, on the sample itself
+
+
+def test_a_calibrator_s_prior_is_priced_at_the_first_batch_of_a_hand_cut(one_process: list[Any]) -> None:
+    """A pipeline cut by hand has no profile; a RunCalibrator built before the first step asks for one
+    (``prior_wanted``), and the first batch's first micro-batch is counted on the meta device, as the default
+    cut counts it, handed to every rank (here: one process) and kept as the pipeline's ``layer_profile``: the
+    wide layer priced far above the narrow ones, where the flat prior would price them alike. Asked once; a
+    pipeline no calibrator asked for is not priced."""
+    from stagewise.runtime.frontends import first_batch
+    from stagewise.runtime.options import Options
+
+    layers = [sw.Layer(nn.Linear, 64, 64), sw.Layer(nn.Linear, 64, 4096), sw.Layer(nn.Linear, 4096, 64)] + [
+        sw.Layer(nn.Linear, 64, 64) for _ in range(2)
+    ]
+    x = torch.randn(64, 64)
+    for wanted in (False, True):
+        pipe = _Recorder(layers, "1f1b", rank=0)
+        pipe.options, pipe.layer_profile, pipe.prior_wanted = Options(partition=[3, 2]), None, wanted
+        assert not first_batch.pending(pipe)  # a hand cut: nothing to decide
+        first_batch.at_first_batch(pipe, [(x, None)])
+        if not wanted:
+            assert pipe.layer_profile is None
+            continue
+        named = named_layers(layers)
+        assert pipe.layer_profile == default_cut.priced(named, x[:16], seed=0, device="cpu")[0]
+        times = pipe.layer_profile.times()
+        assert times[1] > 5 * times[0] and times[2] > 5 * times[3], times
+        assert not pipe.prior_wanted and pipe.moves == [] and one_process == []  # counted, not timed
+        first_batch.at_first_batch(pipe, [(torch.randn(256, 64), None)])  # another shape  # asked once: kept as priced
+        assert pipe.layer_profile == default_cut.priced(named, x[:16], seed=0, device="cpu")[0]

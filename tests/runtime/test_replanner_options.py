@@ -84,3 +84,25 @@ def test_a_lead_demanded_where_none_can_be_is_refused_with_why() -> None:
     with pytest.raises(ValueError, match="leader=True needs the pipeline's ranks to be the whole job: no process"):
         Replanner(_pipe(), steps=10, leader=True)
     assert Replanner(_pipe(), steps=10).lead is None  # the default: every rank alike where no lead can be
+
+
+def test_the_prior_is_the_profile_priced_at_the_first_batch_and_kept() -> None:
+    """A pipeline cut without a profile: a calibrator built before its first step asks the first batch to price
+    the layers (``prior_wanted``); until then its prior is the flat one, from then on the priced profile, kept
+    through a re-layout (whose pipeline has no profile of its own), and the Replanner decides by the same. A
+    calibrator given a prior, or built after the first step, asks nothing."""
+    from stagewise.runtime.calibration.from_run import flat_profile
+
+    pipe = SimpleNamespace(**vars(_pipe()), train_steps=0)
+    replanner = Replanner(pipe, steps=10)
+    calibrator = replanner.calibrator
+    assert pipe.prior_wanted and calibrator.prior == flat_profile([4, 4])
+    priced = fake_profile([1.0, 1.0, 4.0, 4.0, 4.0, 4.0, 1.0, 0.5])
+    pipe.layer_profile, pipe.train_steps = priced, 1  # the first batch priced it, and the step ran
+    assert calibrator.prior is priced and replanner.prior is priced
+    pipe.layer_profile = None  # re-laid out: the new pipeline's fields
+    assert calibrator.prior is priced and replanner.prior is priced
+    given = SimpleNamespace(**vars(_pipe()), train_steps=0)
+    assert RunCalibrator(given, priced).prior is priced and not hasattr(given, "prior_wanted")
+    late = SimpleNamespace(**vars(_pipe()), train_steps=3)
+    assert RunCalibrator(late).prior == flat_profile([4, 4]) and not hasattr(late, "prior_wanted")

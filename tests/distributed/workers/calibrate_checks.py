@@ -535,8 +535,49 @@ def one_way_messages(ctx: Ctx) -> dict[str, Any]:
     return {"sizes": sizes}
 
 
+def priced_at_first_batch(ctx: Ctx) -> dict[str, Any]:
+    """A layer list cut by hand and watched by a RunCalibrator built before its first step: the first batch's
+    first micro-batch is counted on rank 0 and handed to every rank, which keeps it as the pipeline's profile and
+    the calibration's prior (the wide layers priced above the narrow ones); the calibration then spreads each
+    stage's measured cost over its layers as that profile does. A pipeline nobody calibrates is not priced."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    from stagewise.runtime.calibration.from_run import RunCalibrator
+
+    widths = [(64, 64), (64, 4096), (4096, 64), (64, 64)] * ctx.world
+    layers = [sw.Layer(nn.Linear, a, b, dtype=torch.float64) for a, b in widths]
+    x, y = torch.randn(32, 64, dtype=torch.float64), torch.randn(32, 64, dtype=torch.float64)
+
+    def pipe() -> sw.Pipeline:
+        return sw.Pipeline(layers, loss_fn=F.mse_loss, schedule="1f1b", microbatches=4, group=ctx.group,
+                           partition=[4] * ctx.world)  # fmt: skip
+
+    plain = pipe()
+    plain.train_step(x, y)
+    assert plain.layer_profile is None and not getattr(plain, "prior_wanted", False)
+    watched = pipe()
+    calibrator = RunCalibrator(watched, cores=ctx.world, warmup=1, after=2)
+    for _ in range(3):
+        watched.train_step(x, y)
+        calibrator.observe()
+    profile = watched.layer_profile
+    assert profile is not None and calibrator.prior is profile
+    times = profile.times()
+    assert all(min(times[k + 1], times[k + 2]) > 3 * max(times[k], times[k + 3]) for k in range(0, len(times), 4))
+    assert calibrator.calibration is not None
+    scaled = calibrator.calibration.profile(profile).layers
+    ratios = [a.forward / b.forward for a, b in zip(scaled, profile.layers)]
+    for stage in range(ctx.world):  # one factor per stage and kind: its layers keep the priced proportions
+        mine = ratios[4 * stage : 4 * stage + 4]
+        assert max(mine) <= min(mine) * (1 + 1e-9), ratios
+    return {"times": [round(t, 12) for t in times]}
+
+
 def checks(world: int) -> dict[str, Callable[[Ctx], Any]]:
     return {
+        "priced_at_first_batch": priced_at_first_batch,
         "from_the_run": from_the_run,
         "replicas_link": replicas_link,
         "replan_live": replan_live,

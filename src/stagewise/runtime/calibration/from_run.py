@@ -49,8 +49,10 @@ class RunCalibrator:
     """Recalibrates the cost model of ``pipe``'s plan from its own steps and watches for a slow rank.
 
     ``prior``: the layers' costs the calibration scales (``pipe.layer_profile`` when it was cut by a profile;
+    otherwise, built before the first step, the layers priced on the first batch as the default cut prices them;
     otherwise every layer of a stage alike, which predicts other schedules and micro-batch counts of this cut
-    but cannot move layers between stages); ``cores``: what the node's processes share (default: the CPUs any
+    but prices a layer moved between stages at its stage's average: :attr:`prior`); ``cores``: what the node's
+    processes share (default: the CPUs any
     rank on this node may run on, gathered from every rank's affinity when it calibrates and recorded
     (``affinity``, ``pinned``): ranks pinned a core each share those cores, not one;
     :mod:`stagewise.planning.core_share`); ``processes``: how many processes compute on them (default: the ranks);
@@ -92,7 +94,9 @@ class RunCalibrator:
             raise ValueError(f"RunCalibrator: after must be >= 1 and warmup >= 0, got {after}, {warmup}")
         self.pipe = pipe
         self.counts = [len(r) for r in pipe.layer_ranges]
-        self.prior = prior or pipe.layer_profile or _flat(self.counts)
+        self._prior = prior or pipe.layer_profile
+        if self._prior is None and getattr(pipe, "train_steps", 1) == 0:  # priced at the first batch, every rank
+            pipe.prior_wanted = True  # alike (:func:`stagewise.runtime.frontends.first_batch.at_first_batch`)
         self._cores_given = cores is not None  # else the node's, from every rank's affinity (a collective)
         self.cores = float(cores if cores is not None else len(os.sched_getaffinity(0)))
         self.processes = processes or pipe.num_ranks
@@ -119,6 +123,18 @@ class RunCalibrator:
         self.affinity: Callable[[], list[list[int]]] = lambda: node_affinity(self.pipe.transport.guard.wait)
         #: the last watched step's speeds of every rank, from when each action could start (``rank_speeds``)
         self.spans: list[float] = []
+
+    @property
+    def prior(self) -> LayerProfile:
+        """The layers' costs the calibration scales: as given, else the profile the pipeline was cut by, else the
+        layers priced at its first batch (built before it), else every layer of a stage alike. Fixed once the
+        pipeline has stepped: a re-layout's pipeline has no profile of its own."""
+        if self._prior is None:
+            profile = self.pipe.layer_profile
+            if profile is None and getattr(self.pipe, "train_steps", 1) == 0:
+                return flat_profile(self.counts)  # not yet priced: the first batch may still price it
+            self._prior = profile or flat_profile(self.counts)
+        return self._prior
 
     def observe(self, timeline: Timeline | None = None, *, step_s: float | None = None) -> None:
         """After a train step, on every rank: ``timeline`` (all ranks on one clock), else the pipeline's last
@@ -287,7 +303,7 @@ def _bounds(counts: list[int]) -> list[int]:
     return out
 
 
-def _flat(counts: list[int]) -> LayerProfile:
+def flat_profile(counts: list[int]) -> LayerProfile:
     """Every layer alike (a unit of each kind): the calibration then spreads a stage's cost evenly over it."""
     layer = LayerCost("layer", 1.0, 0.5, 0.5, 1.0, 0.0, 0.0, 0.0, 0.0)
     return LayerProfile(layers=(layer,) * sum(counts), device="unknown", repeats=0, warmup=0)

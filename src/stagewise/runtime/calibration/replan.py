@@ -126,7 +126,6 @@ class Replanner:
         refuse_unwatchable("Replanner", pipe)
         self.pipe = pipe
         self.calibrator = calibrator or RunCalibrator(pipe)
-        self.prior: LayerProfile = self.calibrator.prior
         self.steps = int(steps)
         self.schedules = tuple(schedules)
         for name in self.schedules:  # a schedule that cannot run here fails now, on every rank, not mid-run
@@ -160,6 +159,11 @@ class Replanner:
         self.held = HeldProbes(pipe.num_ranks, int(probe_every), loop, quota if self.lead else self._quota)
         self.caps, self.probes = self.held.caps, self.held.log  # (the same objects: the held ranks' caps, probes)
         self._priced = [1.0] * pipe.num_ranks  # the caps as the last decision priced them
+
+    @property
+    def prior(self) -> LayerProfile:
+        """The layers' costs the decisions price cuts by (the calibrator's: fixed once the pipeline stepped)."""
+        return self.calibrator.prior
 
     @property
     def log(self) -> list[dict[str, Any]]:

@@ -64,25 +64,34 @@ def decide(
 ) -> DefaultCut:
     """The default cut as this rank computes it (rank 0's is the one every rank uses, handed round by
     :func:`.balance.on_first_rank`)."""
-    profile, source, inputs = None, "parameters", sample_inputs is not None
-    if pricing(inputs and holds_convolution(named), inputs) == "timed":
-        try:
-            profile, source = timed_profile(named, sample_inputs, seed=seed, device=device), "timed"
-        except Exception as err:  # a layer that cannot be timed alone: counted as dense layers are
-            log.info("stagewise: timing the layers failed (%s); cutting by counted work", err)
-    if profile is None and sample_inputs is not None:
-        try:
-            builder = TiedBuilder(named, seed, None)
-            counted = count_layers([n for n, _ in named], lambda k: builder.build(named[k][1], k), sample_inputs)
-            profile, source = estimated_profile(counted, rates_for(device)), "counted"
-        except Exception as err:  # a layer that cannot run on meta: its parameters say what they can
-            log.info("stagewise: counting the layers on the meta device failed (%s); cutting by parameters", err)
+    profile, source = priced(named, sample_inputs, seed=seed, device=device)
     if profile is None:
         profile = estimated_profile(_by_parameters(named), rates_for(device), loss_passes=0.0)
     counts = cut_by(profile, schedule, speeds)
     if source == "parameters":
         profile = None  # parameter counts are no times: nothing to predict from
     return DefaultCut(counts, profile, source)
+
+
+def priced(
+    named: Sequence[tuple[str, LayerLike]], sample_inputs: Any, *, seed: int, device: str
+) -> tuple[LayerProfile | None, str]:
+    """Each layer's cost on one micro-batch as the default prices it: timed where a layer holds a convolution,
+    else counted on the ``meta`` device; (None, "parameters") without sample inputs or where neither works."""
+    if sample_inputs is None:
+        return None, "parameters"
+    if pricing(holds_convolution(named), True) == "timed":
+        try:
+            return timed_profile(named, sample_inputs, seed=seed, device=device), "timed"
+        except Exception as err:  # a layer that cannot be timed alone: counted as dense layers are
+            log.info("stagewise: timing the layers failed (%s); cutting by counted work", err)
+    try:
+        builder = TiedBuilder(named, seed, None)
+        counted = count_layers([n for n, _ in named], lambda k: builder.build(named[k][1], k), sample_inputs)
+        return estimated_profile(counted, rates_for(device)), "counted"
+    except Exception as err:  # a layer that cannot run on meta: its parameters say what they can
+        log.info("stagewise: counting the layers on the meta device failed (%s); cutting by parameters", err)
+    return None, "parameters"
 
 
 def cut_by(profile: LayerProfile, schedule: Schedule, speeds: Sequence[float] | None = None) -> list[int]:

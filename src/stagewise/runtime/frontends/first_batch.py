@@ -68,9 +68,18 @@ def pending(pipe: Any) -> bool:
 
 def at_first_batch(pipe: Any, batches: list[tuple[Any, Any]]) -> None:
     """Before the first train step: the cut decided from the first micro-batch where it was provisional,
-    and the word (module docstring). Every rank calls it alike (the decision is a collective when provisional)."""
-    if not batches or not pending(pipe):
+    and the word (module docstring); the layers priced for a calibrator that asked (:func:`_prior`). Every
+    rank calls it alike (the decision is a collective when provisional, the pricing when asked for)."""
+    if not batches:
         return
+    wanted = bool(getattr(pipe, "prior_wanted", False))  # (a re-layout below replaces the pipeline's fields)
+    if pending(pipe):
+        _default_cut(pipe, batches)
+    if wanted:
+        _prior(pipe, batches)
+
+
+def _default_cut(pipe: Any, batches: list[tuple[Any, Any]]) -> None:
     named = pipe.frontend.named
     first = _first_microbatch(pipe, batches[0][0])
     if default_cut.holds_convolution(named):
@@ -94,15 +103,40 @@ def _recut(pipe: Any, named: Any, first: Any) -> default_cut.DefaultCut:
         )
     )
     counts = [len(r) for r in pipe.layer_ranges]
-    if decided.profile is None or decided.counts == counts:
-        return decided
-    if _anyone(pipe, _held_outside(pipe)):
-        _keep(pipe, decided, counts)
-        return default_cut.DefaultCut(counts, decided.profile, decided.source)
-    log.info("stagewise: the first batch's %s work cuts the layers %s (was %s)", decided.source, decided.counts, counts)
-    pipe.relayout(partition=list(decided.counts))
-    pipe.replanned_cut = list(decided.counts)  # recorded as the run's own: a resume takes it back
+    if decided.profile is not None and decided.counts != counts:
+        if _anyone(pipe, _held_outside(pipe)):
+            _keep(pipe, decided, counts)
+            decided = default_cut.DefaultCut(counts, decided.profile, decided.source)
+        else:
+            log.info("stagewise: the first batch's %s work cuts the layers %s (was %s)", decided.source, decided.counts,
+                     counts)  # fmt: skip
+            pipe.relayout(partition=list(decided.counts))
+            pipe.replanned_cut = list(decided.counts)  # recorded as the run's own: a resume takes it back
+    if decided.profile is not None:  # the layers' costs as timed (what a calibration of the run scales)
+        pipe.layer_profile = decided.profile
     return decided
+
+
+def _prior(pipe: Any, batches: list[tuple[Any, Any]]) -> None:
+    """The layers priced on the first micro-batch as the default cut prices them (counted on the ``meta``
+    device; timed where a layer holds a convolution) by the group's first rank and handed to every rank, for a
+    calibrator that asked (``prior_wanted``, set by :class:`~stagewise.runtime.calibration.from_run.RunCalibrator`
+    built before the first step on a pipeline cut without a profile: by hand, evenly or by parameters). The
+    calibration spreads each stage's measured cost over its layers as this profile does; without it, evenly,
+    which prices the blocks a stage gives up at the average of a stage that also holds a head (a live re-cut at
+    a half-speed rank went one layer too far, 2026-12-04: docs/benchmarks/stragglers.md). Nothing
+    fails the step for its sake: a layer that can be neither counted nor timed leaves the even spread."""
+    pipe.prior_wanted = False
+    if pipe.layer_profile is not None or getattr(pipe.frontend, "named", None) is None:
+        return
+    named = pipe.frontend.named
+
+    def price() -> Any:
+        first = _first_microbatch(pipe, batches[0][0])
+        return default_cut.priced(named, first, seed=pipe.options.seed, device=pipe.device.type)[0]
+
+    what = "pricing the layers on the first batch for the run's calibration"
+    pipe.layer_profile = on_first_rank(pipe.transport.group, price, what, pipe.options.timeout, pipe.options.store)
 
 
 def _held_outside(pipe: Any) -> bool:
