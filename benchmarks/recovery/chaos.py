@@ -95,6 +95,7 @@ def summarise(args: argparse.Namespace, out: Path, faults: Any, began: float, en
         "replay": ch.replay(out, written, resumes, args.replay_steps), "out": str(out), "began": began,
         "lost": lost, "generations": by_generation(rows, [e.at for e in events], began, ended),
         "again": {w: r for w, (r, _) in measured.get("again", {}).items()},
+        "silences": silences(out),
     }  # fmt: skip
     if result["again"]:  # the goodput against the mean of the rates measured before and after the chaos
         mean = {w: (r + result["again"].get(w, r)) / 2 for w, r in rates.items()}
@@ -105,6 +106,31 @@ def summarise(args: argparse.Namespace, out: Path, faults: Any, began: float, en
         result["own"] = {"world": first["world"], "rate": first["rate"], "goodput": rl.goodput(rows, spans, own)}
     (out / "chaos.json").write_text(json.dumps(result, indent=1))
     return result
+
+
+def silences(out: Path) -> dict[str, Any] | None:
+    """The longest stand-still of a live member's stamps any worker read (``silences.jsonl``, steady_train.py),
+    with the silence bound and each worker's longest: how near a live member came to being counted lost."""
+    path = out / "silences.jsonl"
+    if not path.exists():
+        return None
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not rows:
+        return None
+    longest: dict[int, float] = {}
+    for r in rows:
+        longest[r["id"]] = max(longest.get(r["id"], 0.0), float(r["s"]))
+    top = max(rows, key=lambda r: float(r["s"]))
+    return {"longest_s": float(top["s"]), "silence_s": float(top["silence_s"]), "at": top, "by_worker": longest}
+
+
+def margin(found: dict[str, Any] | None) -> str | None:
+    if not found:
+        return None
+    each, top, bound = sorted(found["by_worker"].values()), found["longest_s"], found["silence_s"]
+    return (f"a live member's stamps read standing still at most {top:.2f} s (silence bound {bound:g} s: margin "
+            f"{bound - top:.2f} s; read by worker {found['at']['id']} at step {found['at']['step']}); each "
+            f"worker's longest: median {each[len(each) // 2]:.2f} s over {len(each)}")  # fmt: skip
 
 
 def by_generation(rows: list[dict[str, Any]], events: list[float], began: float, ended: float,
@@ -186,6 +212,7 @@ def report(result: dict[str, Any]) -> str:
         f"lineage: {s['missing_steps']} steps missing, {s['skipped']} samples skipped, {s['twice']} seen twice; "
         f"{lost_rows(result.get('lost'))}rows from a superseded run: {result['stale_rows']}",
         woken(result["woken"]),
+        margin(result.get("silences")),
         f"load (1 min) {min(result['loads']):.1f}-{max(result['loads']):.1f}; logs in {result['out']}",
     ]  # fmt: skip
     return "\n".join(x for x in lines if x is not None)

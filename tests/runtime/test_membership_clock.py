@@ -183,3 +183,20 @@ def test_a_member_not_stamped_yet_is_read_as_none_one_by_one() -> None:
     store.set("alive/1", "5.0")
     assert ms.stamps_of(store, [1, 2]) == {1: b"5.0", 2: None}
     assert ms.stamps_of(Store(), []) == {}
+
+
+def test_a_live_member_s_longest_stand_still_is_the_margin_read() -> None:
+    """Member 1 stamps every STAMP_S, then its stamping thread is held 2 s (a loaded machine) and it stamps
+    again: the longest stand-still read before its stamp moved, below the 3 s silence, is kept (what the
+    silence check read of it, 2 s less a look's half-period at most, never the moved stamp's full gap). Member 2
+    stands still 4 s, past the silence, then stamps again: counted as one that came back, not as margin."""
+    store, clock = Store(), Clock()
+    m = _member(store, clock, silent_s=3.0)
+    _train(store, clock, m, 3.0, {1: 0.0, 2: 0.0})
+    assert m.live_still_s <= ms.STAMP_S and m.came_back == 0  # every look read a fresh stamp
+    _train(store, clock, m, 2.0, {2: 0.0})  # 1 held for 2 s
+    _train(store, clock, m, 1.0, {1: 0.0, 2: 0.0})
+    assert 2.0 - ms.STAMP_S <= m.live_still_s <= 2.0, m.live_still_s
+    _train(store, clock, m, 4.5, {1: 0.0})  # 2 silent for 4.5 s
+    _train(store, clock, m, 1.0, {1: 0.0, 2: 0.0})
+    assert m.came_back == 1 and m.live_still_s <= 2.0, (m.came_back, m.live_still_s)

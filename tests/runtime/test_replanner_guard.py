@@ -525,13 +525,15 @@ def test_a_named_rank_slowed_further_is_watched_every_step_from_its_first_readin
 
 
 @pytest.mark.usefixtures("one_process_group")
-def test_with_replicas_every_step_is_watched(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Replicas each read their own pipeline's steps, and a decision is a collective of the whole job: a cadence
-    relaxed on one replica's readings could skip a step another watches. A job larger than the pipeline watches
-    every step; the pipeline's ranks alone relax it."""
+def test_a_job_larger_than_the_pipeline_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Replicas each read their own pipeline's steps, and a decision, a probe or a re-layout is a collective of the
+    whole job: one replica's news would wait on replicas that saw none. Refused when made, naming the sizes and
+    what works with replicas; the pipeline's ranks alone are watched (one step in three once settled)."""
     from stagewise.runtime.calibration import replan as replan_module
 
     pipe = FakePipe()
     assert Replanner(pipe, RunCalibrator(pipe, cores=2), steps=10).cadence.every == 3
     monkeypatch.setattr(replan_module, "group_size", lambda group: 2 * pipe.num_ranks)
-    assert Replanner(pipe, RunCalibrator(pipe, cores=2), steps=10).cadence.every == 1
+    with pytest.raises(ValueError, match=r"the job has 4 processes and the pipeline 2 ranks: with replicas.*"
+                                         r"RunCalibrator\(pipe\) calibrates"):  # fmt: skip
+        Replanner(pipe, RunCalibrator(pipe, cores=2), steps=10)

@@ -16,7 +16,9 @@ its ``--reference`` mode replays any stretch of this job. Rank 0 writes, in DIR:
   it, saved as ``resumed/w<W>-s<S>`` (where a replay starts); in place also the recovery's ``seconds`` and
   ``parts`` and when the state was ``restored`` (before that save);
 * ``recoveries.jsonl`` (in place, every member): its own recovery's parts, and how the agreement counted each
-  member (asked, named dead, its port refusing, silent) with what its probes of the peers' ports got.
+  member (asked, named dead, its port refusing, silent) with what its probes of the peers' ports got;
+* ``silences.jsonl`` (in place, every member): each time the longest stand-still this worker read of a live
+  member's stamps grew by a tenth of a second (``InPlace.live_silence_s``): the margin against ``silence_s``.
 
 Nothing is printed per step, so a machine's log holds only what the runtime says. ``--timeout`` is the
 pipeline's hang threshold (``Pipeline(timeout=)``): a stopped or cut-off peer is given up after it.
@@ -133,7 +135,13 @@ def in_place(args: argparse.Namespace) -> int:
     job.start()
     if job.generation > 0:  # a machine taken back joins a running job: where the members are (after_recovery)
         resumed(job)
+    read = [0.0]  # the longest live stand-still written so far (silences.jsonl)
     for step, loss in job.run(args.max_steps, lambda s: mdl.lm_data(batch, seed=100 + s)):
+        if job.live_silence_s >= read[0] + 0.1:
+            read[0] = job.live_silence_s
+            with open(args.out / "silences.jsonl", "a") as f:
+                f.write(json.dumps({"id": job.me, "gen": job.generation, "step": step, "time": time.time(),
+                                    "s": read[0], "silence_s": job.silence_s}) + "\n")  # fmt: skip
         row = {
             "step": step,
             "world": len(job.members),

@@ -40,11 +40,11 @@ LOOP, QUOTA, AFFINITY, RELAYOUT, DONE, FAILED = "loop", "quota", "affinity", "re
 
 def can_lead(pipe: Any) -> str:
     """Why ``pipe``'s watch cannot have a lead ("" when it can): the default group must be the pipeline's ranks
-    and nothing else (with replicas, each replica's ranks watch their own pipeline's steps)."""
+    and nothing else (a Replanner refuses replicas before asking: :func:`.replan.refuse_replicas`)."""
     if not initialized() or group_size(None) == 1:
         return "no process group of more than one rank"
     if group_size(None) != pipe.num_ranks or replica_degree(pipe) > 1:
-        return f"the job's {group_size(None)} ranks are not the pipeline's {pipe.num_ranks} (replicas watch alike)"
+        return f"the job's {group_size(None)} ranks are not the pipeline's {pipe.num_ranks}"
     return ""
 
 

@@ -66,11 +66,19 @@ from .probe import pipeline_probes
 log = logging.getLogger(__name__)
 
 
-def _cadence(pipe: Any, settled_every: int) -> Cadence:
-    """The watch's cadence: one step in ``settled_every`` once settled where every rank reads the same steps (the
-    pipeline's ranks are the job), every step where replicas each read their own and could tell apart."""
-    replicas = initialized() and group_size(None) > pipe.num_ranks
-    return Cadence(1 if replicas else int(settled_every))
+def refuse_replicas(pipe: Any) -> None:
+    """A Replanner watches a pipeline that is the whole job. Where the job is larger (replicas, ``parallel=`` with
+    dp > 1, or pipelines on groups of their own) each pipeline reads its own steps, so one replica's news, probes and
+    decisions (collectives of the whole job) would wait on replicas that saw none: a hang until the guard's
+    timeout. Refused on every rank alike, before any step, with what works there instead."""
+    if initialized() and group_size(None) > pipe.num_ranks:
+        raise ValueError(
+            f"Replanner: the job has {group_size(None)} processes and the pipeline {pipe.num_ranks} ranks: with "
+            "replicas (or pipelines on groups of their own) each pipeline reads its own steps, and a decision on one "
+            "replica's news would wait for replicas that saw none. A Replanner needs the pipeline to be the whole "
+            "job; with replicas, RunCalibrator(pipe) calibrates and names a slow rank, and a new plan is applied "
+            "from a checkpoint"
+        )
 
 
 #: the steps whose step-to-step spread draws the margin (the last ones, across changes of plan: a change is
@@ -96,8 +104,8 @@ class Replanner:
     ``leader``: one rank (the default group's first) watches for all (:mod:`.lead`): its calibrator calibrates,
     the others keep the decisions, events and speeds it hands them. None (default): a lead where the pipeline's
     ranks are the whole job; False: every rank watches alike. ``settled_every``: once the run is settled, one step
-    in this many is watched (:class:`~stagewise.planning.cadence.Cadence`; 1: every step; with replicas, every
-    step: each replica reads its own steps, and the decisions are the whole job's collectives).
+    in this many is watched (:class:`~stagewise.planning.cadence.Cadence`; 1: every step). The pipeline must be
+    the whole job (:func:`refuse_replicas`).
     """
 
     def __init__(
@@ -124,6 +132,7 @@ class Replanner:
             raise ValueError(f"Replanner: steps, every and probe_every must be >= 0 and settled_every >= 1, got "
                              f"{steps}, {every}, {probe_every}, {settled_every}")  # fmt: skip
         refuse_unwatchable("Replanner", pipe)
+        refuse_replicas(pipe)
         self.pipe = pipe
         self.calibrator = calibrator or RunCalibrator(pipe)
         self.steps = int(steps)
@@ -137,7 +146,7 @@ class Replanner:
         self.decisions = Decisions(margin_s=margin_s, cooldown=cooldown, z=z)
         self._seen = self._makespans = 0
         self.every, self.guard_calibration = int(every), bool(guard_calibration)
-        self._since_decision, self._stirred, self._at, self.cadence = 0, False, -1, _cadence(pipe, settled_every)
+        self._since_decision, self._stirred, self._at, self.cadence = 0, False, -1, Cadence(int(settled_every))
         self._last: tuple[Any, ...] | None = None  # the last prices and what they were priced with (_prices)
         #: the last :data:`SPREAD_STEPS` steps' makespans (seconds), across changes of plan
         self.steps_seen: list[float] = []

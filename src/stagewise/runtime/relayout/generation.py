@@ -128,6 +128,13 @@ class InPlace:
         return self.step
 
     @property
+    def live_silence_s(self) -> float:
+        """The longest another member's stamps were read standing still by this worker before they moved again
+        (seconds): how near a live member came to ``silence_s``, past which it would be counted lost (the margin
+        a loaded machine leaves; benchmarks/recovery's chaos reports it)."""
+        return self._members.live_still_s if self._members is not None else 0.0
+
+    @property
     def me(self) -> int:
         """This worker's id in the job (its generation-0 rank, or the one it claimed as a newcomer)."""
         return self._members.me if self._members is not None else int(os.environ.get("RANK", "0"))
