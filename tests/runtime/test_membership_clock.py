@@ -193,10 +193,10 @@ def test_a_live_member_s_longest_stand_still_is_the_margin_read() -> None:
     store, clock = Store(), Clock()
     m = _member(store, clock, silent_s=3.0)
     _train(store, clock, m, 3.0, {1: 0.0, 2: 0.0})
-    assert m.live_still_s <= ms.STAMP_S and m.came_back == 0  # every look read a fresh stamp
+    assert m.margin.live_s <= ms.STAMP_S and m.margin.came_back == 0  # every look read a fresh stamp
     _train(store, clock, m, 2.0, {2: 0.0})  # 1 held for 2 s
     _train(store, clock, m, 1.0, {1: 0.0, 2: 0.0})
-    assert 2.0 - ms.STAMP_S <= m.live_still_s <= 2.0, m.live_still_s
+    assert 2.0 - ms.STAMP_S <= m.margin.live_s <= 2.0, m.margin.live_s
     _train(store, clock, m, 4.5, {1: 0.0})  # 2 silent for 4.5 s
     _train(store, clock, m, 1.0, {1: 0.0, 2: 0.0})
-    assert m.came_back == 1 and m.live_still_s <= 2.0, (m.came_back, m.live_still_s)
+    assert m.margin.came_back == 1 and m.margin.live_s <= 2.0, m.margin

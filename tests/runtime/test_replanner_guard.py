@@ -529,11 +529,11 @@ def test_a_job_larger_than_the_pipeline_is_refused(monkeypatch: pytest.MonkeyPat
     """Replicas each read their own pipeline's steps, and a decision, a probe or a re-layout is a collective of the
     whole job: one replica's news would wait on replicas that saw none. Refused when made, naming the sizes and
     what works with replicas; the pipeline's ranks alone are watched (one step in three once settled)."""
-    from stagewise.runtime.calibration import replan as replan_module
+    from stagewise.runtime.calibration import lead
 
     pipe = FakePipe()
     assert Replanner(pipe, RunCalibrator(pipe, cores=2), steps=10).cadence.every == 3
-    monkeypatch.setattr(replan_module, "group_size", lambda group: 2 * pipe.num_ranks)
+    monkeypatch.setattr(lead, "group_size", lambda group: 2 * pipe.num_ranks)
     with pytest.raises(ValueError, match=r"the job has 4 processes and the pipeline 2 ranks: with replicas.*"
                                          r"RunCalibrator\(pipe\) calibrates"):  # fmt: skip
         Replanner(pipe, RunCalibrator(pipe, cores=2), steps=10)

@@ -40,12 +40,27 @@ LOOP, QUOTA, AFFINITY, RELAYOUT, DONE, FAILED = "loop", "quota", "affinity", "re
 
 def can_lead(pipe: Any) -> str:
     """Why ``pipe``'s watch cannot have a lead ("" when it can): the default group must be the pipeline's ranks
-    and nothing else (a Replanner refuses replicas before asking: :func:`.replan.refuse_replicas`)."""
+    and nothing else (a Replanner refuses replicas before asking: :func:`refuse_replicas`)."""
     if not initialized() or group_size(None) == 1:
         return "no process group of more than one rank"
     if group_size(None) != pipe.num_ranks or replica_degree(pipe) > 1:
         return f"the job's {group_size(None)} ranks are not the pipeline's {pipe.num_ranks}"
     return ""
+
+
+def refuse_replicas(pipe: Any) -> None:
+    """A Replanner watches a pipeline that is the whole job. Where the job is larger (replicas, ``parallel=`` with
+    dp > 1, or pipelines on groups of their own) each pipeline reads its own steps, so one replica's news, probes and
+    decisions (collectives of the whole job) would wait on replicas that saw none: a hang until the guard's
+    timeout. Refused on every rank alike, before any step, with what works there instead."""
+    if initialized() and group_size(None) > pipe.num_ranks:
+        raise ValueError(
+            f"Replanner: the job has {group_size(None)} processes and the pipeline {pipe.num_ranks} ranks: with "
+            "replicas (or pipelines on groups of their own) each pipeline reads its own steps, and a decision on one "
+            "replica's news would wait for replicas that saw none. A Replanner needs the pipeline to be the whole "
+            "job; with replicas, RunCalibrator(pipe) calibrates and names a slow rank, and a new plan is applied "
+            "from a checkpoint"
+        )
 
 
 def lead_for(pipe: Any, calibrator: Any, leader: bool | None, each_step: bool) -> Lead | None:

@@ -56,29 +56,14 @@ from ...planning.stragglers import (
     speeds_moved,
 )
 from ..assembly.combinations import refuse_unwatchable
-from ..comm.groups import group_rank, group_size, initialized
+from ..comm.groups import group_rank
 from ..frontends.balance import on_first_rank
 from .from_run import RunCalibrator
 from .held import HeldProbes
-from .lead import LOOP, RELAYOUT, lead_for
+from .lead import LOOP, RELAYOUT, lead_for, refuse_replicas
 from .probe import pipeline_probes
 
 log = logging.getLogger(__name__)
-
-
-def refuse_replicas(pipe: Any) -> None:
-    """A Replanner watches a pipeline that is the whole job. Where the job is larger (replicas, ``parallel=`` with
-    dp > 1, or pipelines on groups of their own) each pipeline reads its own steps, so one replica's news, probes and
-    decisions (collectives of the whole job) would wait on replicas that saw none: a hang until the guard's
-    timeout. Refused on every rank alike, before any step, with what works there instead."""
-    if initialized() and group_size(None) > pipe.num_ranks:
-        raise ValueError(
-            f"Replanner: the job has {group_size(None)} processes and the pipeline {pipe.num_ranks} ranks: with "
-            "replicas (or pipelines on groups of their own) each pipeline reads its own steps, and a decision on one "
-            "replica's news would wait for replicas that saw none. A Replanner needs the pipeline to be the whole "
-            "job; with replicas, RunCalibrator(pipe) calibrates and names a slow rank, and a new plan is applied "
-            "from a checkpoint"
-        )
 
 
 #: the steps whose step-to-step spread draws the margin (the last ones, across changes of plan: a change is
@@ -105,7 +90,7 @@ class Replanner:
     the others keep the decisions, events and speeds it hands them. None (default): a lead where the pipeline's
     ranks are the whole job; False: every rank watches alike. ``settled_every``: once the run is settled, one step
     in this many is watched (:class:`~stagewise.planning.cadence.Cadence`; 1: every step). The pipeline must be
-    the whole job (:func:`refuse_replicas`).
+    the whole job (:func:`.lead.refuse_replicas`).
     """
 
     def __init__(

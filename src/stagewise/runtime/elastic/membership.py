@@ -37,6 +37,7 @@ from datetime import timedelta
 from typing import Any
 
 from ..comm.blocking import inside
+from .silence_margin import SilenceMargin
 
 log = logging.getLogger(__name__)
 
@@ -100,13 +101,7 @@ class Membership:
     _looked: float = -1.0  # when the stamping thread last read the others' stamps (own clock)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     on_silent: Callable[[list[tuple[int, float]]], None] | None = None  # see :meth:`watching`
-    #: the longest another member's stamp was read standing still here (unbroken watching, as :meth:`silent`
-    #: reads it) before it moved again, below ``silent_s``: a live member's silence, whose distance to
-    #: ``silent_s`` is the job's margin against counting a live member gone (seconds)
-    live_still_s: float = 0.0
-    #: stamps that moved again after being read standing still ``silent_s`` or more: a member read as gone that
-    #: was alive (a false silence, or a stopped process woken before the agreement left it out)
-    came_back: int = 0
+    margin: SilenceMargin = field(default_factory=SilenceMargin)  # how near live members came to ``silent_s``
 
     def start(self) -> Membership:
         """Take part: generation 0 (its members, then its number) is written if nobody did yet, and the stamping
@@ -289,19 +284,10 @@ class Membership:
             if self._looked < 0 or now - self._looked > _CONFIRM_S or done - now > STAMP_S:
                 self._seen = {}
             for m, stamp in stamps.items():
-                seen = self._seen.get(m)
-                if seen is None or seen[0] != stamp:
-                    if seen is not None and seen[0] is not None:  # it moved: alive, read still this long before
-                        self._stood(max(0.0, self._looked - seen[1]))
+                if m not in self._seen or self._seen[m][0] != stamp:  # (a move: alive, read still until the last look)
+                    self.margin.moved(self._seen.get(m), self._looked, self.silent_s)
                     self._seen[m] = (stamp, done)
             self._looked = done
-
-    def _stood(self, seconds: float) -> None:
-        """A stamp moved after being read standing still ``seconds`` (the longest :meth:`silent` read of it)."""
-        if seconds >= self.silent_s:
-            self.came_back += 1
-        else:
-            self.live_still_s = max(self.live_still_s, seconds)
 
     @contextmanager
     def watching(self, report: Callable[[list[tuple[int, float]]], None]) -> Iterator[None]:

@@ -4,24 +4,23 @@
 ``stagewise rendezvous`` hosts (``STAGEWISE_STORE=host:port``; ``stagewise run --in-place`` sets it). When
 a machine is lost, every surviving worker stays in its process:
 
-1. its step fails (a failed op on the dead peer, or a wait its heartbeat ends), and it gives up the
-   pipeline of that generation: nothing of it is kept but its snapshots, already in the machines' memory;
-2. the survivors agree on the next generation and its members on the store (:mod:`..elastic.membership`)
-   and meet in a process group of that generation (:mod:`..comm.generations`);
-3. the runtime holds the layout policy: ``layout.at(members)`` is the new mesh, ``build(fit)`` makes the
-   pipeline for it, and its state comes from the newest *committed* step: the newest snapshot that every
-   rank wrote and copied (``snapshot=1``: the last step every stage finished). The survivors re-lay out in
-   place (:mod:`.takeover`): a tensor a survivor still holds at that step is kept (aliased) or moved from
-   it, the rest - the lost machine's stages, a survivor's tensors past the committed step - come from the
-   snapshot files the survivors' machines hold. When that path refuses (a checkpoint on disk is newer, no
-   snapshot covers the state, a damaged file) every member resumes from the snapshots and the disk instead
-   (``sw.checkpoint.resume``). ``Recovery.sources`` says which path was taken. A step in flight when the
-   machine died is done again at the new layout, from the same global batch (``batch(step)``), so no
-   survivor is ever at a mixed step and no committed step is rolled back.
+1. its step fails (a failed op on the dead peer, or a wait its heartbeat ends), and it gives up the pipeline of
+   that generation: nothing of it is kept but its snapshots, already in the machines' memory;
+2. the survivors agree on the next generation and its members on the store (:mod:`..elastic.membership`) and
+   meet in a process group of that generation (:mod:`..comm.generations`);
+3. the runtime holds the layout policy: ``layout.at(members)`` is the new mesh, ``build(fit)`` makes the pipeline
+   for it, and its state comes from the newest *committed* step: the newest snapshot that every rank wrote and
+   copied (``snapshot=1``: the last step every stage finished). The survivors re-lay out in place
+   (:mod:`.takeover`): a tensor a survivor still holds at that step is kept (aliased) or moved from it, the rest -
+   the lost machine's stages, a survivor's tensors past the committed step - come from the snapshot files the
+   survivors' machines hold. When that path refuses (a checkpoint on disk is newer, no snapshot covers the state, a
+   damaged file) every member resumes from the snapshots and the disk instead (``sw.checkpoint.resume``).
+   ``Recovery.sources`` says which path was taken. A step in flight when the machine died is done again at the new
+   layout, from the same global batch (``batch(step)``), so no survivor is ever at a mixed step and no committed
+   step is rolled back.
 
-A worker that was stopped or cut off and wakes behind the job's generation writes nothing more (no
-snapshot, no checkpoint, no message to the new group: fenced by :meth:`..elastic.membership.Membership.fenced`)
-and leaves with exit status 3.
+A worker that was stopped or cut off and wakes behind the job's generation writes nothing more (no snapshot, no
+checkpoint, no message to the new group: fenced by :meth:`..elastic.membership.Membership.fenced`); it exits 3.
 """
 
 from __future__ import annotations
@@ -129,10 +128,8 @@ class InPlace:
 
     @property
     def live_silence_s(self) -> float:
-        """The longest another member's stamps were read standing still by this worker before they moved again
-        (seconds): how near a live member came to ``silence_s``, past which it would be counted lost (the margin
-        a loaded machine leaves; benchmarks/recovery's chaos reports it)."""
-        return self._members.live_still_s if self._members is not None else 0.0
+        """How near a live member came to ``silence_s`` as this worker read it (:mod:`..elastic.silence_margin`)."""
+        return self._members.margin.live_s if self._members is not None else 0.0
 
     @property
     def me(self) -> int:
@@ -140,8 +137,7 @@ class InPlace:
         return self._members.me if self._members is not None else int(os.environ.get("RANK", "0"))
 
     def speaks_for_machine(self, members: Sequence[int] | None = None) -> bool:
-        """Whether this worker says the generation's lines on its machine's console
-        (:meth:`~stagewise.runtime.elastic.membership.Membership.speaks_for_machine`)."""
+        """Whether this worker says the generation's lines on its machine's console (``Membership``'s say)."""
         return self._members is None or self._members.speaks_for_machine(members)
 
     @property
@@ -154,8 +150,7 @@ class InPlace:
 
     @property
     def store(self) -> Any:
-        """The job's store, which outlives the generations: the members' agreements, each generation's
-        rendezvous (under its own prefix) and the newcomers' marks (:mod:`..elastic.joining`)."""
+        """The job's store, outliving the generations: agreements, rendezvous, newcomers (:mod:`..elastic.joining`)."""
         return self._store
 
     def take_in(self, step: int) -> tuple[list[int], dict[str, float]]:
