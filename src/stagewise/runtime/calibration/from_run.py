@@ -49,7 +49,8 @@ class RunCalibrator:
     """Recalibrates the cost model of ``pipe``'s plan from its own steps and watches for a slow rank.
 
     ``prior``: the layers' costs the calibration scales (``pipe.layer_profile`` when it was cut by a profile;
-    otherwise, built before the first step, the layers priced on the first batch as the default cut prices them;
+    otherwise, built before the first step (on every rank alike: the pricing is then a collective of the first
+    step), the layers priced on the first batch as the default cut prices them;
     otherwise every layer of a stage alike, which predicts other schedules and micro-batch counts of this cut
     but prices a layer moved between stages at its stage's average: :attr:`prior`); ``cores``: what the node's
     processes share (default: the CPUs any
