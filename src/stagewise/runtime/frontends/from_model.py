@@ -190,9 +190,9 @@ def _block_counts(
     check_options(n, num_stages, how, stage_speeds, caps, unit="block")
     measured = None
     if how == DEFAULT and memory_caps is None:
-        counts = _default_counts([(b, named[b]) for b in blocks], sched, options, group, stage_speeds, device)
-        log.info("stagewise: %s partition of %d blocks over %d stages: %s", how, n, num_stages, counts)
-        return counts, None
+        cut = _default_cut([(b, named[b]) for b in blocks], sched, options, group, stage_speeds, device)
+        log.info("stagewise: %s partition of %d blocks over %d stages: %s", how, n, num_stages, cut.counts)
+        return cut.counts, cut.profile  # (the counted or timed blocks: what a calibration of the run scales)
     if needs_profile(how, memory_caps):
         if sample_inputs is None:
             raise ValueError(f"partition={how!r} profiles the model's blocks: pass sample_inputs= (one micro-batch)")
@@ -221,14 +221,14 @@ def _block_counts(
     return counts, measured
 
 
-def _default_counts(
+def _default_cut(
     blocks: list[tuple[str, nn.Module]],
     sched: Schedule,
     options: Options,
     group: Any,
     stage_speeds: list[float] | None,
     device: str,
-) -> list[int]:
+) -> default_cut.DefaultCut:
     """``partition="balanced"`` over the blocks: the group's first rank decides, every rank takes its cut."""
 
     def decided() -> dict[str, Any]:
@@ -240,7 +240,7 @@ def _default_counts(
     what = "cutting the model's blocks (partition='balanced')"
     cut = default_cut.unplain(on_first_rank(group, decided, what, options.timeout, options.store))
     default_cut.warn_if_slower(sched, cut, groups.group_rank(group), device)
-    return cut.counts
+    return cut
 
 
 def free_other_stages(model: nn.Module, keep: set[int]) -> int:
