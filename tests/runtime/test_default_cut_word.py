@@ -325,3 +325,27 @@ def test_a_calibrator_s_prior_is_priced_at_the_first_batch_of_a_hand_cut(one_pro
         assert not pipe.prior_wanted and pipe.moves == [] and one_process == []  # counted, not timed
         first_batch.at_first_batch(pipe, [(torch.randn(256, 64), None)])  # another shape  # asked once: kept as priced
         assert pipe.layer_profile == default_cut.priced(named, x[:16], seed=0, device="cpu")[0]
+
+
+def test_a_model_s_blocks_are_priced_at_the_first_batch_for_a_calibrator(one_process: list[Any]) -> None:
+    """``Pipeline.from_model`` without ``sample_inputs`` (cut by parameters, no profile): the first batch counts its
+    top-level blocks block to block, as its default cut counts them on ``sample_inputs``; a tagged model (its
+    stages' modules, no blocks) is left to the flat prior."""
+    from types import SimpleNamespace
+
+    from stagewise.runtime.frontends import first_batch
+
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 4096), nn.Linear(4096, 64), nn.Linear(64, 64))
+    x = torch.randn(64, 64)
+    for blocks in (("0", "1", "2", "3"), ()):
+        pipe = _Recorder([sw.Layer(nn.Linear, 4, 4)], "1f1b", rank=0)  # (its layer list replaced by the model)
+        pipe.frontend, pipe.model_cut = SimpleNamespace(model=model), SimpleNamespace(blocks=blocks)
+        pipe.layer_ranges, pipe.layer_profile, pipe.prior_wanted = [range(0, 2), range(2, 4)], None, True
+        first_batch.at_first_batch(pipe, [(x, None)])
+        if not blocks:
+            assert pipe.layer_profile is None
+            continue
+        named = [(str(k), m) for k, m in enumerate(model)]
+        assert pipe.layer_profile == default_cut.priced(named, x[:16], seed=0, device="cpu")[0]
+        times = pipe.layer_profile.times()
+        assert pipe.layer_profile.names == list(blocks) and times[1] > 5 * times[0] and times[2] > 5 * times[3]

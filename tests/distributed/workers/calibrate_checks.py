@@ -572,6 +572,14 @@ def priced_at_first_batch(ctx: Ctx) -> dict[str, Any]:
     for stage in range(ctx.world):  # one factor per stage and kind: its layers keep the priced proportions
         mine = ratios[4 * stage : 4 * stage + 4]
         assert max(mine) <= min(mine) * (1 + 1e-9), ratios
+    model = torch.nn.Sequential(*[nn.Linear(a, b, dtype=torch.float64) for a, b in widths])
+    whole = sw.Pipeline.from_model(model, loss_fn=F.mse_loss, schedule="1f1b", microbatches=4, group=ctx.group)
+    assert whole.layer_profile is None  # cut by parameters: no sample inputs
+    RunCalibrator(whole, cores=ctx.world)
+    whole.train_step(x, y)
+    blocks = whole.layer_profile
+    assert blocks is not None and blocks.names == list(whole.model_cut.blocks), blocks
+    assert blocks.times() == times  # the same layers counted the same, block to block
     return {"times": [round(t, 12) for t in times]}
 
 

@@ -37,6 +37,7 @@ from ...partition.modes import DEFAULT
 from ...schedules import is_asynchronous
 from ..comm import collectives, groups
 from ..engine.microbatch import split
+from ..measure.profiling import model_blocks
 from . import default_cut
 from .balance import on_first_rank
 from .layer_list import LayerList
@@ -121,15 +122,16 @@ def _prior(pipe: Any, batches: list[tuple[Any, Any]]) -> None:
     """The layers priced on the first micro-batch as the default cut prices them (counted on the ``meta``
     device; timed where a layer holds a convolution) by the group's first rank and handed to every rank, for a
     calibrator that asked (``prior_wanted``, set by :class:`~stagewise.runtime.calibration.from_run.RunCalibrator`
-    built before the first step on a pipeline cut without a profile: by hand, evenly or by parameters). The
+    built before the first step on a pipeline cut without a profile: a layer list or a model's blocks cut by hand,
+    evenly or by parameters). The
     calibration spreads each stage's measured cost over its layers as this profile does; without it, evenly,
     which prices the blocks a stage gives up at the average of a stage that also holds a head (a live re-cut at
     a half-speed rank went one layer too far, 2026-12-04: docs/benchmarks/stragglers.md). Nothing
     fails the step for its sake: a layer that can be neither counted nor timed leaves the even spread."""
     pipe.prior_wanted = False
-    if pipe.layer_profile is not None or getattr(pipe.frontend, "named", None) is None:
+    named = _units(pipe)
+    if pipe.layer_profile is not None or named is None:
         return
-    named = pipe.frontend.named
 
     def price() -> Any:
         first = _first_microbatch(pipe, batches[0][0])
@@ -137,6 +139,19 @@ def _prior(pipe: Any, batches: list[tuple[Any, Any]]) -> None:
 
     what = "pricing the layers on the first batch for the run's calibration"
     pipe.layer_profile = on_first_rank(pipe.transport.group, price, what, pipe.options.timeout, pipe.options.store)
+
+
+def _units(pipe: Any) -> list[tuple[str, Any]] | None:
+    """What ``layer_ranges`` index, named: a layer list's layers, or the top-level blocks ``from_model`` cut among
+    (counted block to block, as its default cut counts them on ``sample_inputs``); None for anything else."""
+    named = getattr(pipe.frontend, "named", None)
+    if named is not None:
+        return list(named)
+    cut, model = getattr(pipe, "model_cut", None), getattr(pipe.frontend, "model", None)
+    if cut is None or model is None or not cut.blocks:  # (a tagged model: its stages' modules, not blocks)
+        return None
+    blocks = dict(model_blocks(model))
+    return [(b, blocks[b]) for b in cut.blocks] if all(b in blocks for b in cut.blocks) else None
 
 
 def _held_outside(pipe: Any) -> bool:
