@@ -21,8 +21,13 @@ been (:func:`.default_cut.decide`). Then:
   with the link priced by a rough prior (:data:`stagewise.partition.estimate.LINKS`), and rank 0 gives the
   one-line word where it is predicted slower.
 
-Only a pipeline on every rank of the world (no ``parallel=`` mesh, no smaller ``group=``): the re-layout is a
-collective of the world. Any failure of the count is logged and the cut kept: the first step never fails for its sake.
+And, apart from the cut, wherever a RunCalibrator built before the first step asked (a pipeline cut without a
+profile, by any partition): the layers, or ``from_model``'s blocks, priced as the default cut prices them and
+handed to every rank as ``layer_profile``, the prior the run's calibration scales (:func:`_prior`).
+
+The cut's decision: only a pipeline on every rank of the world (no ``parallel=`` mesh, no smaller ``group=``): the
+re-layout is a collective of the world. Any failure of the count is logged and the cut kept: the first step never
+fails for its sake.
 """
 
 from __future__ import annotations
