@@ -349,3 +349,20 @@ def test_a_model_s_blocks_are_priced_at_the_first_batch_for_a_calibrator(one_pro
         assert pipe.layer_profile == default_cut.priced(named, x[:16], seed=0, device="cpu")[0]
         times = pipe.layer_profile.times()
         assert pipe.layer_profile.names == list(blocks) and times[1] > 5 * times[0] and times[2] > 5 * times[3]
+
+
+def test_a_pricing_that_fails_leaves_the_even_spread_and_the_step(
+    one_process: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever the pricing raises on rank 0 is logged, and every rank goes on with no profile (the flat prior):
+    the first step never fails for its sake."""
+    from stagewise.runtime.frontends import first_batch
+
+    def broken(*a: Any, **k: Any) -> Any:
+        raise RuntimeError("a layer nobody can run on meta")
+
+    monkeypatch.setattr(default_cut, "priced", broken)
+    pipe = _Recorder([sw.Layer(nn.Linear, 8, 8) for _ in range(5)], "1f1b", rank=0)
+    pipe.layer_profile, pipe.prior_wanted = None, True
+    first_batch.at_first_batch(pipe, [(torch.randn(16, 8), None)])
+    assert pipe.layer_profile is None and not pipe.prior_wanted

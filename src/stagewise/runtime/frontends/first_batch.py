@@ -139,8 +139,14 @@ def _prior(pipe: Any, batches: list[tuple[Any, Any]]) -> None:
         return
 
     def price() -> Any:
-        first = _first_microbatch(pipe, batches[0][0])
-        return default_cut.priced(named, first, seed=pipe.options.seed, device=pipe.device.type)[0]
+        try:
+            first = _first_microbatch(pipe, batches[0][0])
+            return default_cut.priced(named, first, seed=pipe.options.seed, device=pipe.device.type)[0]
+        except Exception as err:  # (never the step's failure: the prior stays the even spread)
+            log.info(
+                "stagewise: the layers were not priced at the first batch (%s); calibrating on an even spread", err
+            )
+            return None
 
     what = "pricing the layers on the first batch for the run's calibration"
     pipe.layer_profile = on_first_rank(pipe.transport.group, price, what, pipe.options.timeout, pipe.options.store)
