@@ -7,6 +7,10 @@ sample inputs, moved to ``meta``, goes forward and back, and two dispatch modes 
 would do: ``torch.utils.flop_counter.FlopCounterMode`` the floating-point operations, :class:`_Traffic` the
 bytes of each operator's tensor arguments and results and the operators (views, which move nothing, are
 left out). The count is the same on every machine and every run.
+
+It runs under ``FakeTensorMode``: the ``meta`` tensors are fake ones, which libraries recognise as traced and
+keep off data-dependent paths (transformers' attention masks read a mask's values with ``.item()`` unless a
+tensor is fake): a Hugging Face decoder layer is counted as a plain layer is.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
@@ -44,8 +49,9 @@ class _Traffic(TorchDispatchMode):
 def count_layers(names: Sequence[str], build: Callable[[int], nn.Module], sample_inputs: Any) -> list[CountedLayer]:
     """One :class:`CountedLayer` per layer for one micro-batch ``sample_inputs`` (any device); ``build(k)``
     makes layer ``k`` (called under ``torch.device("meta")``, the global RNG state kept)."""
-    x: Any = tree_map(_meta_leaf, sample_inputs)
-    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+    fake = FakeTensorMode(allow_non_fake_inputs=True)  # (a module given already built: its real tensors)
+    with torch.random.fork_rng(devices=[]), torch.device("meta"), fake:
+        x: Any = tree_map(_meta_leaf, sample_inputs)
         counted = []
         for k, name in enumerate(names):
             module = build(k)
