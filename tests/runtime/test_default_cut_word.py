@@ -135,6 +135,7 @@ class _Recorder:
         self.schedule = build_schedule(schedule, 2, 4)
         self.layer_ranges = [range(0, 3), range(3, 5)]
         self.train_steps, self.pp_rank, self.device, self.replanned_cut = 0, rank, torch.device("cpu"), None
+        self.prior_wanted = False  # (a Pipeline's: no calibrator asked)
         self.transport = type("T", (), {"group": None})()
         self.moves: list[list[int]] = []
         self.held = [nn.Parameter(torch.zeros(2))]  # a parameter of this rank's layers

@@ -403,3 +403,28 @@ def test_gpt_neo_attention_is_float32_but_per_sample() -> None:
     for name, p in model.named_parameters():
         err = float((p.grad - whole[name]).abs().max() / whole[name].abs().max())
         assert err < 1e-13, (name, err)  # float64 rounding of the sums over rows, not float32's 6e-8
+
+
+def test_a_calibrator_s_prior_prices_the_decoder_layers_at_the_first_batch(one_rank: Any) -> None:
+    """``from_hf`` cut without ``sample_inputs`` has no profile; a RunCalibrator built before the first step asks the
+    first batch to price its units (a decoder layer each, the embedding with the first, the head with the last),
+    counted on the meta device as the default cut counts them: what the run's calibration scales instead of an even
+    spread. The ask is answered once; the step itself is the model's."""
+    from stagewise.runtime import RunCalibrator
+    from stagewise.runtime.frontends import default_cut, first_batch
+
+    model, ref = build("llama", layers=4), build("llama", layers=4)
+    pipe = sw.Pipeline(FromHF(model, check=False), schedule="zb-v", microbatches=3)  # two stages on one rank
+    assert pipe.layer_profile is None and not pipe.prior_wanted
+    RunCalibrator(pipe, cores=1)
+    assert pipe.prior_wanted
+    (ids, mask), labels = padded_batch(6, seed=0)
+    first = first_batch._first_microbatch(pipe, (ids, mask))
+    loss = pipe.train_step((ids, mask), labels)
+    assert loss == pytest.approx(
+        sw.causal_lm_loss(ref(input_ids=ids, attention_mask=mask).logits, labels).item(), rel=1e-12
+    )
+    want = default_cut.priced(FromHF(ref, check=False).units(), first, seed=0, device="cpu")
+    assert want[1] == "counted" and pipe.layer_profile == want[0] and not pipe.prior_wanted
+    times = pipe.layer_profile.times()
+    assert len(times) == 4 and times[3] > 1.1 * max(times[:3]), times  # the head's unit priced above the others

@@ -102,7 +102,7 @@ def test_the_prior_is_the_profile_priced_at_the_first_batch_and_kept() -> None:
     assert calibrator.prior is priced and replanner.prior is priced
     pipe.layer_profile = None  # re-laid out: the new pipeline's fields
     assert calibrator.prior is priced and replanner.prior is priced
-    given = SimpleNamespace(**vars(_pipe()), train_steps=0)
-    assert RunCalibrator(given, priced).prior is priced and not hasattr(given, "prior_wanted")
-    late = SimpleNamespace(**vars(_pipe()), train_steps=3)
-    assert RunCalibrator(late).prior == flat_profile([4, 4]) and not hasattr(late, "prior_wanted")
+    given = SimpleNamespace(**vars(_pipe()), train_steps=0, prior_wanted=False)
+    assert RunCalibrator(given, priced).prior is priced and not given.prior_wanted
+    late = SimpleNamespace(**vars(_pipe()), train_steps=3, prior_wanted=False)
+    assert RunCalibrator(late).prior == flat_profile([4, 4]) and not late.prior_wanted

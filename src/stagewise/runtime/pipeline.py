@@ -98,8 +98,8 @@ class Pipeline(nn.Module):
         self.hooks, self.eval_schedule, self.schedulers = engine.hooks, engine.eval_schedule, engine.schedulers
         self.snapshots = engine.snapshots  # snapshot=: resumed by sw.checkpoint.resume (or None)
         self.replanned_cut: list[int] | None = None  # a Replanner's cut, once it moved one (checkpoints record it)
-        self._engine = engine
-        self._clock_offset = time.time() - time.perf_counter()
+        self.prior_wanted = False  # a RunCalibrator's ask: the layers priced at the first batch (first_batch._prior)
+        self._engine, self._clock_offset = engine, time.time() - time.perf_counter()
 
     # ---- other ways in ------------------------------------------------------
     @classmethod

@@ -556,7 +556,7 @@ def priced_at_first_batch(ctx: Ctx) -> dict[str, Any]:
 
     plain = pipe()
     plain.train_step(x, y)
-    assert plain.layer_profile is None and not getattr(plain, "prior_wanted", False)
+    assert plain.layer_profile is None and not plain.prior_wanted
     watched = pipe()
     calibrator = RunCalibrator(watched, cores=ctx.world, warmup=1, after=2)
     for _ in range(3):

@@ -22,8 +22,9 @@ been (:func:`.default_cut.decide`). Then:
   one-line word where it is predicted slower.
 
 And, apart from the cut, wherever a RunCalibrator built before the first step asked (a pipeline cut without a
-profile, by any partition): the layers, or ``from_model``'s blocks, priced as the default cut prices them and
-handed to every rank as ``layer_profile``, the prior the run's calibration scales (:func:`_prior`).
+profile, by any partition): the layers, ``from_hf``'s decoder layers or ``from_model``'s blocks, priced as the
+default cut prices them and handed to every rank as ``layer_profile``, the prior the run's calibration scales
+(:func:`_prior`).
 
 The cut's decision: only a pipeline on every rank of the world (no ``parallel=`` mesh, no smaller ``group=``): the
 re-layout is a collective of the world. Any failure of the count is logged and the cut kept: the first step never
@@ -45,6 +46,7 @@ from ..engine.microbatch import split
 from ..measure.profiling import model_blocks
 from . import default_cut
 from .balance import on_first_rank
+from .hf import FromHF
 from .layer_list import LayerList
 
 log = logging.getLogger(__name__)
@@ -78,7 +80,7 @@ def at_first_batch(pipe: Any, batches: list[tuple[Any, Any]]) -> None:
     rank calls it alike (the decision is a collective when provisional, the pricing when asked for)."""
     if not batches:
         return
-    wanted = bool(getattr(pipe, "prior_wanted", False))  # (a re-layout below replaces the pipeline's fields)
+    wanted = pipe.prior_wanted  # (a re-layout below replaces the pipeline's fields)
     if pending(pipe):
         _default_cut(pipe, batches)
     if wanted:
@@ -127,8 +129,8 @@ def _prior(pipe: Any, batches: list[tuple[Any, Any]]) -> None:
     """The layers priced on the first micro-batch as the default cut prices them (counted on the ``meta``
     device; timed where a layer holds a convolution) by the group's first rank and handed to every rank, for a
     calibrator that asked (``prior_wanted``, set by :class:`~stagewise.runtime.calibration.from_run.RunCalibrator`
-    built before the first step on a pipeline cut without a profile: a layer list or a model's blocks cut by hand,
-    evenly or by parameters). The
+    built before the first step on a pipeline cut without a profile: a layer list, a transformers model's decoder
+    layers or a model's blocks cut by hand, evenly or by parameters). The
     calibration spreads each stage's measured cost over its layers as this profile does; without it, evenly,
     which prices the blocks a stage gives up at the average of a stage that also holds a head (a live re-cut at
     a half-speed rank went one layer too far, 2026-12-04: docs/benchmarks/stragglers.md). Nothing
@@ -153,11 +155,14 @@ def _prior(pipe: Any, batches: list[tuple[Any, Any]]) -> None:
 
 
 def _units(pipe: Any) -> list[tuple[str, Any]] | None:
-    """What ``layer_ranges`` index, named: a layer list's layers, or the top-level blocks ``from_model`` cut among
-    (counted block to block, as its default cut counts them on ``sample_inputs``); None for anything else."""
+    """What ``layer_ranges`` index, named: a layer list's layers, ``from_hf``'s decoder layers (the embedding with
+    the first, the head with the last), or the top-level blocks ``from_model`` cut among (counted block to block,
+    as its default cut counts them on ``sample_inputs``); None for anything else."""
     named = getattr(pipe.frontend, "named", None)
     if named is not None:
         return list(named)
+    if isinstance(pipe.frontend, FromHF):
+        return pipe.frontend.units()
     cut, model = getattr(pipe, "model_cut", None), getattr(pipe.frontend, "model", None)
     if cut is None or model is None or not cut.blocks:  # (a tagged model: its stages' modules, not blocks)
         return None
