@@ -29,6 +29,35 @@ def test_a_linear_layer_counts_its_multiply_adds_and_its_backward_twice() -> Non
     assert lin.forward_ops >= 1 and lin.backward_ops >= 1
 
 
+class _Scaled(nn.Module):
+    """A linear layer times a table kept as a plain attribute (not a buffer: the count cannot swap it for a ``meta``
+    one), and one that refuses to read its input's values unless the input is fake (as transformers' masks do)."""
+
+    def __init__(self, as_buffer: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 8)
+        table = torch.arange(8.0, device="cpu")  # (real even when built under the count's meta device)
+        if as_buffer:
+            self.register_buffer("table", table)
+        else:
+            self.table = table
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch._subclasses.fake_tensor import is_fake
+
+        if not is_fake(x) and x.sum().item() > 1e9:  # a data-dependent branch, skipped for a traced input
+            return x
+        return self.lin(x) * self.table
+
+
+def test_a_real_table_and_a_value_read_are_counted_as_the_layer_would_be() -> None:
+    """The count runs on fake ``meta`` tensors: a layer that reads a value where its input is not traced takes its
+    traced path, and a real tensor the layer keeps outside its state meets the ``meta`` ones as one of them; the
+    count equals the same layer's with the table as a buffer."""
+    plain, kept = (count_layers(["s"], lambda k, b=b: _Scaled(b), torch.randn(2, 4))[0] for b in (False, True))
+    assert plain == kept and plain.forward_flops == 128 and plain.forward_ops >= 2
+
+
 @pytest.fixture(autouse=True)
 def nothing_said() -> Iterator[None]:
     """The warning is given once per process: each test starts with none given."""

@@ -37,7 +37,8 @@ class _Traffic(TorchDispatchMode):
         self.ops = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
+        args, kwargs = _all_on_meta((args, kwargs or {}))
+        out = func(*args, **kwargs)
         if not getattr(func, "is_view", False):
             self.ops += 1
             for t in tree_flatten((args, kwargs, out))[0]:
@@ -90,6 +91,17 @@ def _count(name: str, module: nn.Module, args: tuple[Any, ...]) -> tuple[Counted
         output_bytes=float(sent),
     )
     return counted, out
+
+
+def _all_on_meta(tree: Any) -> Any:
+    """An operator's tensors all on ``meta`` where a real one meets ``meta`` ones (a table the model keeps outside
+    the counted module's state, as GPT-J's rotary sines): nothing is computed, so only its shape counts."""
+    leaves = [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+    if all(t.is_meta for t in leaves) or not any(t.is_meta for t in leaves):
+        return tree
+    return tree_map(
+        lambda t: t if not isinstance(t, torch.Tensor) or t.is_meta else torch.empty_like(t, device="meta"), tree
+    )
 
 
 def _floating(t: Any) -> bool:
