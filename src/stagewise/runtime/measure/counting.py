@@ -29,7 +29,8 @@ from ...partition.estimate import CountedLayer
 
 
 class _Traffic(TorchDispatchMode):
-    """Bytes of every non-view operator's tensor arguments and results, and how many such operators ran."""
+    """Bytes of every non-view operator's tensor arguments and results, and how many such operators ran (``prim``'s,
+    a fake tensor's questions about itself, are none)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -39,7 +40,7 @@ class _Traffic(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         args, kwargs = _all_on_meta((args, kwargs or {}))
         out = func(*args, **kwargs)
-        if not getattr(func, "is_view", False):
+        if not getattr(func, "is_view", False) and getattr(func, "namespace", "") != "prim":  # (a fake's device)
             self.ops += 1
             for t in tree_flatten((args, kwargs, out))[0]:
                 if isinstance(t, torch.Tensor):
