@@ -5,7 +5,8 @@
     OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.defaults --quick --out out/defaults     # smoke run
     .venv/bin/python -m benchmarks.defaults --report out/defaults/defaults.json              # the table again
 
-On 2 ranks of one thread, per workload (the fidelity benchmark's three, and a tapered MLP no test tunes to) and per
+On 2 ranks of one thread, per workload (the fidelity benchmark's three, a tapered MLP no test tunes to, and with
+``--workloads hf`` a transformers llama through ``Pipeline.from_hf``) and per
 registered synchronous schedule (v = 2 where it takes virtual stages, 8 micro-batches), five pipelines of the same
 layers: the default options (``partition`` not given, no sample inputs: the cut by parameters refined for the
 schedule, or for convolutions the first batch's timed work), the default with ``sample_inputs`` (the work counted
@@ -58,11 +59,36 @@ def mlp_layers() -> Any:
     return [*layers, sw.Layer(nn.Linear, 32, 10)]
 
 
+#: ``hf``: a transformers llama no test tunes to (8 decoder layers, d 256, a vocabulary of 8192: the head about a
+#: block's work and the embedding none, where each holds as many parameters as two and a half blocks)
+HF_CONFIG = {"vocab_size": 8192, "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 8,
+             "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 128}  # fmt: skip
+HF_SEQ = 64
+
+
+def hf_model() -> Any:
+    """The ``hf`` workload's model, the same on every rank (seeded), float32, sdpa attention."""
+    import torch
+    import transformers as tf
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return tf.LlamaForCausalLM(tf.LlamaConfig(**HF_CONFIG, attn_implementation="sdpa"))
+
+
 def workload(name: str) -> tuple[Any, Any, Any, int]:
-    """(layers factory, loss, data(samples), micro-batch samples)."""
+    """(layers factory, loss, data(samples), micro-batch samples); ``hf``: (model factory, None: transformers'
+    loss, token ids and their labels, micro-batch)."""
     import torch
     import torch.nn.functional as F
 
+    if name == "hf":
+
+        def tokens(n: int) -> Any:
+            ids = torch.randint(0, HF_CONFIG["vocab_size"], (n, HF_SEQ), generator=torch.Generator().manual_seed(0))
+            return ids, ids.clone()
+
+        return hf_model, None, tokens, 4
     if name == "mlp":
 
         def data(n: int) -> Any:
@@ -107,7 +133,10 @@ def build(name: str, schedule: str, cut: str, m: int, words: Words, batch: Any) 
         extra["partition"] = cut
         extra["sample_inputs"] = x
     before = len(words.lines)
-    pipe = sw.Pipeline(layers(), loss_fn=loss, schedule=schedule, microbatches=m, virtual_stages=v, **extra)
+    if name == "hf":  # from_hf: its decoder layers cut, its own loss
+        pipe = sw.Pipeline.from_hf(layers(), check=False, schedule=schedule, microbatches=m, virtual_stages=v, **extra)
+    else:
+        pipe = sw.Pipeline(layers(), loss_fn=loss, schedule=schedule, microbatches=m, virtual_stages=v, **extra)
     timed_step(pipe, *batch)
     return pipe, words.lines[before:]
 

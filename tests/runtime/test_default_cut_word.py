@@ -27,6 +27,9 @@ def test_a_linear_layer_counts_its_multiply_adds_and_its_backward_twice() -> Non
     assert (lin.parameters, lin.parameter_bytes, lin.output_bytes) == (32, 128, 64)
     assert relu.forward_flops == 0 and relu.forward_bytes > 0 and relu.parameters == 0
     assert lin.forward_ops >= 1 and lin.backward_ops >= 1
+    # one operator each forward, moving its arguments and result (the transpose a view: nothing), and nothing for
+    # a fake tensor's questions about itself (its device: ``prim``)
+    assert (lin.forward_ops, lin.forward_bytes, relu.forward_ops, relu.forward_bytes) == (1, 32 + 128 + 64, 1, 128)
 
 
 class _Scaled(nn.Module):
@@ -237,6 +240,33 @@ def test_a_convolution_list_is_cut_by_the_first_batch_timed_work(
     assert not first_batch.pending(pipe)  # decided once: a resume takes the recorded cut back
     first_batch.at_first_batch(pipe, [(x, None)])
     assert pipe.moves == [[4, 1]] and len(one_process) == 1
+
+
+def test_a_transformers_model_is_cut_by_the_first_batch_counted_work(one_process: list[Any]) -> None:
+    """``from_hf`` without ``sample_inputs`` is cut by parameters, which weigh a large vocabulary's embedding (a
+    look-up) as much as its head (a product over the vocabulary): ``[3, 3]`` here. At the first batch its decoder
+    layers are counted on ``meta`` (not timed) and the pipeline moves to the counted cut, recorded as the run's own."""
+    pytest.importorskip("transformers")
+    import transformers as tf
+
+    from stagewise.runtime.frontends import first_batch
+    from stagewise.runtime.frontends.hf import FromHF
+
+    config = tf.LlamaConfig(vocab_size=8192, hidden_size=128, intermediate_size=256, num_hidden_layers=6,
+                            num_attention_heads=2, num_key_value_heads=2)  # fmt: skip
+    model = tf.LlamaForCausalLM(config)
+    pipe = _Recorder([sw.Layer(nn.Linear, 4, 4)], "1f1b", rank=0)  # (its layer list replaced by the model)
+    pipe.frontend, pipe.layer_ranges, pipe.layer_profile = FromHF(model, check=False), [range(0, 3), range(3, 6)], None
+    ids = torch.randint(0, 8192, (8, 32))
+    assert first_batch.pending(pipe)
+    first_batch.at_first_batch(pipe, [(ids, None)])
+    want = default_cut.decide(pipe.frontend.units(), pipe.schedule, sample_inputs=ids[:2], speeds=None, seed=0,
+                              device="cpu")  # fmt: skip
+    by_parameters = default_cut.decide(pipe.frontend.units(), pipe.schedule, sample_inputs=None, speeds=None, seed=0,
+                                       device="cpu")  # fmt: skip
+    assert by_parameters.counts == [3, 3] and want.source == "counted" and want.counts[0] > 3, want.counts
+    assert pipe.moves == [want.counts] and pipe.replanned_cut == want.counts and pipe.layer_profile == want.profile
+    assert one_process == [] and not first_batch.pending(pipe)  # counted, not timed; decided once
 
 
 def test_with_sample_inputs_convolutions_are_timed_and_dense_layers_counted(one_process: list[Any]) -> None:

@@ -16,6 +16,9 @@ been (:func:`.default_cut.decide`). Then:
   ``"balanced"`` takes it back instead of deciding again); unless an optimizer of the user's, built over
   ``pipe.parameters()`` before the step, holds the parameters on some rank: the cut is then kept and rank 0
   says how to get the timed one (``sample_inputs=``, or ``optimizer=``, whose optimizers move with the cut);
+* so is a transformers model's (``from_hf``): by parameters, its embedding (a table look-up) weighs as much as its
+  head (a matrix product over the vocabulary); its decoder layers are counted on that micro-batch on the ``meta``
+  device (the embedding with the first, the head with the last) and the cut moved to as a convolution's is;
 * dense layers keep their build-time cut (by parameters); their first micro-batch is counted on the ``meta``
   device (deterministic, nothing computed), and the named schedule is judged against 1F1B on those costs,
   with the link priced by a rough prior (:data:`stagewise.partition.estimate.LINKS`), and rank 0 gives the
@@ -54,12 +57,13 @@ log = logging.getLogger(__name__)
 
 def pending(pipe: Any) -> bool:
     """Whether this pipeline's default cut waits for an input: the default partition, no sample inputs, no
-    speeds or caps (a heterogeneous cut is not the default's), a synchronous schedule, ``Pipeline(layers)`` on
-    every rank of the world, untrained."""
+    speeds or caps (a heterogeneous cut is not the default's), a synchronous schedule, ``Pipeline(layers)`` or
+    ``Pipeline.from_hf`` on every rank of the world, untrained."""
     o = pipe.options
+    # ``Pipeline(layers)`` (not HetPipe's workers, not a plan's layers) or ``from_hf``
+    plain = isinstance(pipe.frontend, LayerList) and pipe.frontend.entry == LayerList.entry
     return (
-        isinstance(pipe.frontend, LayerList)
-        and pipe.frontend.entry == LayerList.entry  # not HetPipe's workers, not a plan's layers
+        (plain or isinstance(pipe.frontend, FromHF))
         and pipe.schedule.num_ranks > 1
         and not is_asynchronous(pipe.schedule)
         and isinstance(o.partition, str)
@@ -88,9 +92,9 @@ def at_first_batch(pipe: Any, batches: list[tuple[Any, Any]]) -> None:
 
 
 def _default_cut(pipe: Any, batches: list[tuple[Any, Any]]) -> None:
-    named = pipe.frontend.named
+    named = _units(pipe) or []  # (pending: a layer list's layers or from_hf's decoder layers, never None)
     first = _first_microbatch(pipe, batches[0][0])
-    if default_cut.holds_convolution(named):
+    if isinstance(pipe.frontend, FromHF) or default_cut.holds_convolution(named):
         default_cut.warn_if_slower(pipe.schedule, _recut(pipe, named, first), pipe.pp_rank, pipe.device.type)
     elif pipe.pp_rank == 0 and first is not None and pipe.schedule.name != "1f1b":  # the word only: no collective
         cut = _decide(pipe, named, first)
