@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from ...ir import Timeline
 from ..comm import collectives
@@ -32,6 +32,18 @@ from ..errors import PipelineError
 from ..measure.cores import node_affinity
 from .probe import pipeline_wait, quota_share
 from .replicas import replica_degree
+
+
+class Sides(NamedTuple):
+    """The Replanner's own parts its lead calls (handed in, never reached for): this rank's side of the loop probe,
+    of the quotas' gather and of a re-layout; the watch of a step on the lead; the next step watched."""
+
+    loop: Callable[[], Any]
+    quota: Callable[[], Any]
+    relayout: Callable[[Any], None]
+    observe: Callable[[Any, int], dict[str, Any] | None]
+    pace: Callable[[int, dict[str, Any] | None], int]
+
 
 #: the words the lead says to the others: join a loop probe, the quotas' gather, the affinity's gather; re-lay
 #: out; the step is done (with what to keep); the watch failed (with why)
@@ -180,23 +192,24 @@ class Lead:
             else:
                 raise PipelineError(f"rank 0's watch said {word!r}, which this rank does not know")
 
-    def watch(self, replanner: Any, timeline: Timeline | None, step: int) -> dict[str, Any] | None:
+    def watch(self, replanner: Any, timeline: Timeline | None, step: int, sides: Sides) -> dict[str, Any] | None:
         """A watched ``step`` of ``replanner`` (a :class:`~stagewise.runtime.Replanner` this lead serves), on
         every rank: the lead observes and says what the others keep, with the next step watched; the others send,
-        serve and keep it. The decision's record (None when nothing was decided)."""
+        serve and keep it. ``sides``: the replanner's own parts the lead calls. The decision's record (None when
+        nothing was decided)."""
         merged = self.step_in(timeline)
         if not self.leads:
-            return self._follow(replanner, self.serve(replanner._loop, replanner._quota, replanner._relayout))
+            return self._follow(replanner, self.serve(sides.loop, sides.quota, sides.relayout))
         n = len(replanner.held.log)
         try:
-            record = replanner._observe(merged, step)
+            record = sides.observe(merged, step)
         except BaseException as err:
             self.failed(err)
             raise
         errors = [None if math.isnan(e) else e for e in replanner.speed_errors]  # NaN: since a lift
         self.done({"record": record, "speeds": replanner.speeds, "errors": errors, "told": replanner.told,
                    "probes": replanner.held.log[n:], "quota": bool(replanner.held.by_quota),
-                   "next": replanner._pace(step, record)})  # fmt: skip
+                   "next": sides.pace(step, record)})  # fmt: skip
         return record
 
     def _follow(self, replanner: Any, done: dict[str, Any]) -> dict[str, Any] | None:

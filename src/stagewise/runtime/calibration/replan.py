@@ -60,7 +60,7 @@ from ..comm.groups import group_rank
 from ..frontends.balance import on_first_rank
 from .from_run import RunCalibrator
 from .held import HeldProbes
-from .lead import LOOP, RELAYOUT, lead_for, refuse_replicas
+from .lead import LOOP, RELAYOUT, Sides, lead_for, refuse_replicas
 from .probe import pipeline_probes
 
 log = logging.getLogger(__name__)
@@ -176,7 +176,8 @@ class Replanner:
             record = self._observe(self.pipe.timeline(gather=True) if timeline is None else timeline, step)
             self._pace(step, record)
             return record
-        return lead.watch(self, timeline, step)
+        sides = Sides(self._loop, self._quota, self._relayout, self._observe, self._pace)
+        return lead.watch(self, timeline, step, sides)
 
     def _pace(self, step: int, record: dict[str, Any] | None) -> int:
         """The next step to watch (:class:`~stagewise.planning.cadence.Cadence`): this one was quiet when the
