@@ -36,7 +36,7 @@ from ..measure.counting import count_layers
 from ..measure.profiling import steadiest
 from .layer_timing import ROUNDS, profile_layers
 from .layers import Layer, LayerLike
-from .tied import TiedBuilder
+from .tied import Tied, TiedBuilder
 
 log = logging.getLogger(__name__)
 
@@ -122,12 +122,13 @@ def timed_profile(
 
 
 def _by_parameters(named: Sequence[tuple[str, LayerLike]]) -> list[CountedLayer]:
-    """Without sample inputs: each layer's work as if proportional to its parameters (a multiply-add per
-    parameter and sample forward, two backward), what ``"parameters"`` balances; no work at all (the even
-    cut) where a layer holds a convolution (:func:`~stagewise.partition.estimate.parameters_as_work`)."""
+    """Without sample inputs: each layer's work as if proportional to the parameters it multiplies with (a
+    multiply-add per parameter and sample forward, two backward; :func:`multiplied_parameters`), what the default
+    balances then; no work at all (the even cut) where a layer holds a convolution
+    (:func:`~stagewise.partition.estimate.parameters_as_work`)."""
     built = [_on_meta(x) for _, x in named]
     positional = [_convolves(module) for module in built]
-    work = parameters_as_work([sum(p.numel() for p in module.parameters()) for module in built], positional)
+    work = parameters_as_work(multiplied_parameters(named, built), positional)
     if any(positional):
         first = named[positional.index(True)][0]
         log.info(
@@ -136,6 +137,41 @@ def _by_parameters(named: Sequence[tuple[str, LayerLike]]) -> list[CountedLayer]
             first,
         )
     return [CountedLayer(n, 2 * w, 4 * w, 0.0, 0.0, 0, 0, w, 4 * w, 0.0) for (n, _), w in zip(named, work)]
+
+
+#: the modules whose parameters are read by index, not multiplied: a look-up does no work per parameter
+LOOKUPS = (nn.Embedding, nn.EmbeddingBag)
+
+
+def multiplied_parameters(named: Sequence[tuple[str, LayerLike]], built: Sequence[nn.Module]) -> list[int]:
+    """Per layer, the parameters its forward multiplies with: a table looked up (:data:`LOOKUPS`) counts none,
+    a tied table used again through ``forward_fn`` (a language model's head, ``h @ table.T``) counts whole at
+    that use, a tied module called again counts at every call as at its first. A parameter held by a look-up
+    and a product both (a transformers model's tied head, when one unit holds both) counts once.
+
+    Why: a large vocabulary's embedding holds as many parameters as the head but does a read per token, where
+    the head does a multiply-add per parameter and token; counting the table as work gave the first rank of a
+    transformers llama a layer too few (docs/benchmarks/defaults.md, 2026-12-04)."""
+    first: dict[str, nn.Module] = {}
+    out: list[int] = []
+    for (_, layer), module in zip(named, built):
+        if isinstance(layer, Tied):
+            if layer.key not in first:
+                first[layer.key] = module
+            elif layer.forward_fn is not None:
+                out.append(sum(p.numel() for p in first[layer.key].parameters()))
+                continue
+            else:
+                module = first[layer.key]
+        out.append(_multiplied(module))
+    return out
+
+
+def _multiplied(module: nn.Module) -> int:
+    """The parameters of ``module`` held by a module other than a look-up (each once)."""
+    multiplied = {id(p): p.numel() for sub in module.modules() if not isinstance(sub, LOOKUPS)
+                  for p in sub.parameters(recurse=False)}  # fmt: skip
+    return sum(multiplied.values())
 
 
 def holds_convolution(named: Sequence[tuple[str, LayerLike]]) -> bool:

@@ -16,8 +16,9 @@ been (:func:`.default_cut.decide`). Then:
   ``"balanced"`` takes it back instead of deciding again); unless an optimizer of the user's, built over
   ``pipe.parameters()`` before the step, holds the parameters on some rank: the cut is then kept and rank 0
   says how to get the timed one (``sample_inputs=``, or ``optimizer=``, whose optimizers move with the cut);
-* so is a transformers model's (``from_hf``): by parameters, its embedding (a table look-up) weighs as much as its
-  head (a matrix product over the vocabulary); its decoder layers are counted on that micro-batch on the ``meta``
+* so is a transformers model's (``from_hf``): the parameters a decoder layer multiplies with
+  (:func:`.default_cut.multiplied_parameters`) say nothing of its attention's work over the sequence's square,
+  which a long sequence makes the larger part; its decoder layers are counted on that micro-batch on the ``meta``
   device (the embedding with the first, the head with the last) and the cut moved to as a convolution's is;
 * dense layers keep their build-time cut (by parameters); their first micro-batch is counted on the ``meta``
   device (deterministic, nothing computed), and the named schedule is judged against 1F1B on those costs,
