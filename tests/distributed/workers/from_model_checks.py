@@ -463,13 +463,38 @@ def resumed_cut(ctx: Ctx) -> dict[str, Any]:
     mine, theirs = again.state_dict(), pipe.state_dict()
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
     assert again.train_step(x, y) == pipe.train_step(x, y)  # the optimizer's state came along exactly
+    second = _resumed_twice(again, layers, options, other, ctx, decided_here)
     given = sw.Pipeline(layers, **{**options, "partition": list(other)})
     sw.checkpoint.resume(root, given)
     assert [len(r) for r in given.layer_ranges] == other  # counts the user gave are the user's
     more = Path(gather_objects(tempfile.mkdtemp(prefix="cut") if ctx.rank == 0 else None, ctx.group)[0])
     replanned = _resumed_after_a_replan(pipe, layers, options, other, x, y, more)
     snapshot = _resumed_from_a_snapshot(layers, options, other, x, y, more, decided_here)
-    return {"recorded": recorded, "decided again": other, "re-planned": replanned, "snapshot": snapshot}
+    return {"recorded": recorded, "decided again": other, "re-planned": replanned, "snapshot": snapshot,
+            "a second restart": second}  # fmt: skip
+
+
+def _resumed_twice(resumed: Any, layers: Any, options: Any, other: list[int], ctx: Ctx, here: Any) -> Any:
+    """A pipeline that took the recorded cut back records it as the run's own (re-planned), so a second restart
+    whose build decides another takes it back too (recorded as counts given, it would keep its own)."""
+    import tempfile
+    from pathlib import Path
+
+    cut = [len(r) for r in resumed.layer_ranges]
+    root = Path(gather_objects(tempfile.mkdtemp(prefix="cut") if ctx.rank == 0 else None, ctx.group)[0])
+    sw.checkpoint.save(root, resumed, step=3)
+    decide = here.decide
+    here.decide = lambda *a, **k: here.DefaultCut(list(other), None, "parameters")
+    try:
+        third = sw.Pipeline(layers, **options)
+    finally:
+        here.decide = decide
+    info = sw.checkpoint.resume(root, third)
+    assert info is not None and info.layout["pipeline"]["partition"] == "re-planned", info
+    assert [len(r) for r in third.layer_ranges] == cut != other, ([len(r) for r in third.layer_ranges], cut)
+    mine, theirs = third.state_dict(), resumed.state_dict()
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    return cut
 
 
 def _resumed_after_a_replan(pipe: Any, layers: Any, options: Any, cut: list[int], x: Any, y: Any, root: Any) -> Any:

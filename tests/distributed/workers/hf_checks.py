@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -309,9 +310,13 @@ def first_batch_cut(ctx: Ctx) -> dict[str, Any]:
     vocab = 1024
     config = tf.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
                             num_attention_heads=2, num_key_value_heads=2)  # fmt: skip
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = tf.LlamaForCausalLM(config).to(torch.float64)
+
+    def fresh_model() -> Any:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            return tf.LlamaForCausalLM(config).to(torch.float64)
+
+    model = fresh_model()
     ref = copy.deepcopy(model)
     pipe = sw.Pipeline.from_hf(model, schedule="1f1b", microbatches=3, group=ctx.group, timeout=TIMEOUT)
     built = [len(r) for r in pipe.layer_ranges]
@@ -325,7 +330,28 @@ def first_batch_cut(ctx: Ctx) -> dict[str, Any]:
     assert gather_objects(counts, ctx.group) == [counts] * ctx.world, "ranks disagree on the cut"
     assert abs(loss - want.item()) <= LOSS_TOL, (loss, want.item())
     assert_grads_close(pipe, ref, "from_hf re-cut at the first batch", aliases=True)
-    return {"built": built, "after the first batch": counts}
+    return {"built": built, "after the first batch": counts, "resumed": _resumed_cut(pipe, fresh_model, ids, ctx)}
+
+
+def _resumed_cut(pipe: Any, model: Callable[[], Any], ids: torch.Tensor, ctx: Ctx) -> list[int]:
+    """The cut the first batch decided, recorded as the run's own: a restart, built by parameters again, takes it
+    back from the checkpoint (its state the saved one exactly, and no re-cut at its first batch), and so does the
+    restart after it."""
+    cut = [len(r) for r in pipe.layer_ranges]
+    for k in range(2):
+        root = Path(gather_objects(tempfile.mkdtemp(prefix="hfcut") if ctx.rank == 0 else None, ctx.group)[0])
+        sw.checkpoint.save(root, pipe, step=1 + k)
+        again = sw.Pipeline.from_hf(model(), schedule="1f1b", microbatches=3, group=ctx.group, timeout=TIMEOUT)
+        assert [len(r) for r in again.layer_ranges] == [5, 1], again.layer_ranges
+        info = sw.checkpoint.resume(root, again)
+        assert info is not None and info.layout["pipeline"]["partition"] == "re-planned", info
+        assert [len(r) for r in again.layer_ranges] == cut, ([len(r) for r in again.layer_ranges], cut)
+        mine, theirs = again.state_dict(), pipe.state_dict()
+        assert mine.keys() == theirs.keys() and all(torch.equal(mine[key], theirs[key]) for key in mine)
+        again.train_step(ids, ids.clone())
+        assert [len(r) for r in again.layer_ranges] == cut  # no re-cut at a resumed pipeline's first batch
+        pipe = again
+    return cut
 
 
 def refusals(ctx: Ctx) -> None:

@@ -86,6 +86,9 @@ def resume(
         source.resumed(info.step, line)
     if cut is not None:  # every rank alike (the same record): the state moves exactly
         cast(Any, holder).relayout(partition=cut)
+        # the run's cut, not the user's: recorded as re-planned, a later restart takes it back too (as counts
+        # given it would not, and the third run of a job would decide a cut of its own)
+        cast(Any, holder).replanned_cut = list(cut)
     return info
 
 
