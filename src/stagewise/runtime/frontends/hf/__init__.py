@@ -51,7 +51,7 @@ from ..parts import BUILT_MODEL, LAYERS_ONLY, Parts
 from ..tied import Tied, TiedBuilder
 from .check import check_model
 from .discover import Layout, decoder_layers, recognise
-from .stage import HFStage
+from .stage import HFStage, decoder_units
 from .tp_plan import default_tp_plan
 
 if TYPE_CHECKING:
@@ -91,9 +91,8 @@ class FromHF:
         return None
 
     def units(self) -> list[tuple[str, HFStage]]:
-        """The units of the cut: one decoder layer each, the embedding with the first and the head with the last."""
-        n = self.num_layers
-        return [(str(i), HFStage(self.model, self.layout, [i], first=i == 0, last=i == n - 1)) for i in range(n)]
+        """The units of the cut (:func:`.stage.decoder_units`), named by index."""
+        return decoder_units(self.model, self.layout)
 
     def build(self, ctx: PipelineContext, options: Options) -> Parts:
         model, layout, n = self.model, self.layout, self.num_layers

@@ -21,8 +21,8 @@ from ....partition import LayerProfile
 from ...measure.checkpoint_cost import with_checkpoint_cost
 from ...measure.profiling import loss_saved_bytes, samples_in, steadiest
 from ..balance import profile_layers
-from .discover import decoder_layers, recognise
-from .stage import HFStage
+from .discover import recognise
+from .stage import HFStage, decoder_units
 
 
 def is_hf_model(model: Any) -> bool:
@@ -34,13 +34,7 @@ def is_hf_model(model: Any) -> bool:
 
 def hf_units(model: nn.Module) -> list[tuple[str, HFStage]]:
     """The units ``from_hf`` cuts among, named after their decoder layers."""
-    layout = recognise(model)
-    n = len(decoder_layers(model, layout))
-    names = [f"{layout.layers}.{i}" for i in range(n)]
-    if n:
-        names[0] += f" (+{layout.embed})"
-        names[-1] += f" (+{layout.head})"
-    return [(names[i], HFStage(model, layout, [i], first=i == 0, last=i == n - 1)) for i in range(n)]
+    return decoder_units(model, recognise(model), named=True)
 
 
 def profile_hf(

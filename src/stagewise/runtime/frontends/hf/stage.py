@@ -151,3 +151,15 @@ def read_inputs(args: tuple[Any, ...]) -> tuple[torch.Tensor, torch.Tensor | Non
             f"those; got {len(args)} values"
         )
     return args[0], args[1] if len(args) > 1 else None, args[2] if len(args) > 2 else None
+
+
+def decoder_units(model: nn.Module, layout: Layout, *, named: bool = False) -> list[tuple[str, HFStage]]:
+    """The units ``from_hf`` cuts among: one decoder layer each, the embedding with the first and the final norm
+    and head with the last. Named by index (what a cut's counts index), or ``named``: after the decoder layer
+    (``model.layers.3``), the first and the last saying what they also hold (a profile's rows)."""
+    n = len(decoder_layers(model, layout))
+    names = [f"{layout.layers}.{i}" if named else str(i) for i in range(n)]
+    if named and n:
+        names[0] += f" (+{layout.embed})"
+        names[-1] += f" (+{layout.head})"
+    return [(names[i], HFStage(model, layout, [i], first=i == 0, last=i == n - 1)) for i in range(n)]
