@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from runtime.test_snapshot_giveup import _payload, _Snap, wire  # noqa: F401 (the fake wire and its fixture)
 from stagewise.runtime.checkpoint import state
+from stagewise.runtime.comm import snapshot_wire
 from stagewise.runtime.elastic import folder as folders
 from stagewise.runtime.elastic import idle, snapshot_copies
 from stagewise.runtime.elastic.snapshot_file import (
@@ -88,16 +89,11 @@ def test_a_layout_not_the_headers_own_is_not_spliced() -> None:
 
 def test_a_label_names_a_file_and_anything_else_is_not_a_label() -> None:
     name = folders.file_name(7, "ab12", 4)
-    head = _payload(7, 4)[0]
-    assert snapshot_copies._unlabelled(snapshot_copies.label(name, 64) + head) == ((name, 64), head)
-    assert snapshot_copies._unlabelled(head) == (None, head)  # (a head sent without one)
+    assert snapshot_copies._labelled(snapshot_copies.label(name, 64)) == (name, 64)
+    assert snapshot_copies._labelled(b"") is None  # (a copy sent without one)
     for bad in ("../0000000007-ab12-r00004.snap", ".0000000007-ab12-r00004.snap.tmp", "x.snap"):
-        assert snapshot_copies._unlabelled(f"{bad} 64\n".encode() + head)[0] is None
-
-
-def _labelled(step: int, src: int) -> tuple[bytes, bytes]:
-    head, body = _payload(step, src)
-    return snapshot_copies.label(folders.file_name(step, "ab12", src), len(body)) + head, body
+        assert snapshot_copies._labelled(f"{bad} 64\n".encode()) is None
+    assert snapshot_copies._labelled(f"{name} 6x4\n".encode()) is None
 
 
 def test_labelled_copies_are_staged_from_their_labels_and_read_back_whole(
@@ -105,12 +101,12 @@ def test_labelled_copies_are_staged_from_their_labels_and_read_back_whole(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The sources' heads come labelled: each copy lands under its label's name, the head (not the label) at its
-    start, and reads back; the label is sent with this rank's own head."""
+    """The sources' copies come labelled (in their preambles): each lands under its label's name, its head at its
+    start, and reads back; this rank's own label goes in its preamble, its head unlabelled."""
     snap = _Snap(tmp_path)
     heads, bodies = {}, {}
     for src in (2, 4):
-        heads[src], bodies[src] = _labelled(7, src)
+        heads[src], bodies[src] = _payload(7, src)
     w = wire(silent=99, heads=heads, bodies=bodies)
     sent: list[bytes] = []
 
@@ -124,32 +120,36 @@ def test_labelled_copies_are_staged_from_their_labels_and_read_back_whole(
     snapshot_copies.send(
         snap, own_head, torch.frombuffer(bytearray(own_body), dtype=torch.uint8), idle.Clock({}), own_label
     )
-    assert own_label + own_head in sent
+    pre = snapshot_wire.preamble([torch.empty(len(own_head)), torch.empty(len(own_body))], own_label)
+    assert sent[:2] == [pre.numpy().tobytes(), own_head]  # the label in the preamble, the head as it is
     for src in (2, 4):
         path = snap.folder / folders.file_name(7, "ab12", src)
-        assert path.read_bytes() == _payload(7, src)[0] + bodies[src]
+        assert path.read_bytes() == heads[src] + bodies[src]
         assert torch.equal(tensors_of(*verified(path.read_bytes()))["model.w"], torch.arange(4.0) + src)
         st = path.stat()
         assert (st.st_dev, st.st_ino) in snap._maps.maps[src]  # received into its file's pages, as labelled
 
 
 def test_a_labelled_head_whose_digest_fails_is_refused_and_no_file_is_left(wire: Any, tmp_path: Path) -> None:  # noqa: F811
-    """The label reads, the head's JSON is flipped: the copy is refused (as an unreadable head was before), and
-    the folder holds no file of it, whole or staged."""
+    """The label reads (the file is staged from it before the head is in), the head's JSON is flipped on the way:
+    the copy is refused once the head is in, raised after the other source's copy is written, and the folder
+    holds no file of it, whole or staged."""
     snap = _Snap(tmp_path)
     heads, bodies = {}, {}
     for src in (2, 4):
-        heads[src], bodies[src] = _labelled(7, src)
-    label_len = heads[4].index(b"\n") + 1
+        heads[src], bodies[src] = _payload(7, src)
+    label = snapshot_copies.label(folders.file_name(7, "ab12", 4), len(bodies[4]))
     flipped = bytearray(heads[4])
-    flipped[label_len + HEAD_FIXED + 3] ^= 0x01
+    flipped[HEAD_FIXED + 3] ^= 0x01
     heads[4] = bytes(flipped)
-    wire(silent=99, heads=heads, bodies=bodies)
+    w = wire(silent=99, heads=heads, bodies=bodies)
+    w.labels[4] = label  # (the sender labelled its file before the head was spoiled)
     own_head, own_body = _payload(7, 1)
     with pytest.raises(SnapshotRefused):
         snapshot_copies.send(snap, own_head, torch.frombuffer(bytearray(own_body), dtype=torch.uint8), idle.Clock({}))
     names = sorted(p.name for p in snap.folder.iterdir())
     assert names == [folders.file_name(7, "ab12", 2)]  # rank 2's copy whole; rank 4's nowhere
+    assert not snap._maps.maps.get(4)  # its staged file let go
 
 
 def test_the_generators_states_encode_as_before_and_restore() -> None:

@@ -20,7 +20,7 @@ from stagewise.runtime.comm.faults import heartbeat
 from stagewise.runtime.elastic import folder as folders
 from stagewise.runtime.elastic import idle, mapped, snapshot_copies
 from stagewise.runtime.elastic.peers import Peers
-from stagewise.runtime.elastic.snapshot_file import fill_payload, header_bytes, layout_payload
+from stagewise.runtime.elastic.snapshot_file import fill_payload, header_bytes, layout_payload, read_header
 from stagewise.runtime.errors import PipelineError
 
 
@@ -32,7 +32,8 @@ class _Wire:
         self.sends = sends  # the sends after which ``sent`` is set
         self.silent, self.release, self.lock = silent, threading.Event(), threading.Lock()
         self.heads, self.bodies = heads, bodies
-        self.phase: dict[int, int] = {}  # by source: 0 the head's length, 1 the head, 2 the body's length, 3 ...
+        self.labels: dict[int, bytes] = {}  # by source: a label of the test's (else one read from its head)
+        self.phase: dict[int, int] = {}  # by source: 0 the preamble (both lengths), 1 the head, 2 the body
         self.posted: list[tuple[str, int]] = []
         self.blocked_ended = threading.Event()  # the silent peer's wait ended (only when the test releases it)
         self.sent = threading.Event()
@@ -46,15 +47,14 @@ class _Wire:
                 return Blocked(self.release, self.blocked_ended)
             n = self.phase.get(group_src, 0)
             self.phase[group_src] = n + 1
-            if n == 1:
-                self.head_in.set()
-            if n == 3:
-                self.body_in.set()
-            data = (self.heads if n < 2 else self.bodies)[group_src]
-            if n % 2 == 0:
-                t.fill_(len(data))
-            else:
-                t.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+            head, body = self.heads[group_src], self.bodies[group_src]
+            if n == 0:
+                sizes = [torch.empty(len(head), dtype=torch.uint8), torch.empty(len(body), dtype=torch.uint8)]
+                note = self.labels.get(group_src) or _label(head, body)  # (named as a helper names its file)
+                t.copy_(snapshot_wire.preamble(sizes, note))
+                return Done()
+            (self.head_in if n == 1 else self.body_in).set()
+            t.copy_(torch.frombuffer(bytearray(head if n == 1 else body), dtype=torch.uint8))
         return Done()
 
     def isend(self, t: torch.Tensor, group_dst: int, group: Any) -> Any:
@@ -63,6 +63,11 @@ class _Wire:
             if sum(1 for kind, _ in self.posted if kind == "send") == self.sends:
                 self.sent.set()
         return Done()
+
+
+def _label(head: bytes, body: bytes) -> bytes:
+    header, _ = read_header(head)
+    return snapshot_copies.label(folders.file_name(header["step"], header["lineage"], header["owner"]), len(body))
 
 
 def _payload(step: int, owner: int) -> tuple[bytes, bytes]:
@@ -194,7 +199,7 @@ def test_a_dropped_snapshotters_helper_writes_no_copy(wire: Any, tmp_path: Path)
     snap.dropped = True  # (what ``forget`` sets)
     t.join(60)
     assert not t.is_alive() and "never began" in out["err"]
-    assert ("recv", 4) in w.posted and w.phase[4] == 4  # rank 4's bytes came in, and were not written
+    assert ("recv", 4) in w.posted and w.phase[4] == 3  # rank 4's bytes came in, and were not written
     assert not snap.folder.exists() or list(snap.folder.iterdir()) == []
 
 
@@ -345,7 +350,7 @@ def test_a_sources_bytes_do_not_wait_for_another_sources_head(wire: Any, tmp_pat
     snap, out = _Snap(tmp_path), dict[str, Any]()
     t = _send_in_thread(snap, w, out)
     assert w.body_in.wait(60)  # (a liveness bound: the fake's receives complete at once)
-    assert w.phase.get(4) == 4 and not w.release.is_set()  # rank 4's bytes in, rank 2 still silent
+    assert w.phase.get(4) == 3 and not w.release.is_set()  # rank 4's bytes in, rank 2 still silent
     st = snap._maps.maps.get(4)
     assert st, "rank 4's bytes were not received into a staged file"
     heartbeat.post_failure("global rank 2 stopped or died")

@@ -21,12 +21,12 @@ from stagewise.runtime.elastic import snapshot_copies
 
 
 class _Stopped:
-    """Point-to-point ops faked: every length goes through; ``stopped``'s bytes never do (until ``release``)."""
+    """Point-to-point ops faked: every preamble goes through; ``stopped``'s bytes never do (until ``release``)."""
 
     def __init__(self, stopped: int) -> None:
         self.stopped, self.release, self.lock = stopped, threading.Event(), threading.Lock()
-        self.lengths: dict[int, int] = {}  # by peer: the lengths that went through
-        self.length_in = threading.Event()  # both peers' bytes posted: their lengths went through (begun)
+        self.lengths: dict[int, int] = {}  # by peer: the ops posted
+        self.length_in = threading.Event()  # both peers' bytes posted: their preambles went through (begun)
         self.blocked_ended = threading.Event()
 
     def _op(self, t: torch.Tensor, peer: int) -> Any:
@@ -34,8 +34,8 @@ class _Stopped:
             n = self.lengths.get(peer, 0)
             self.lengths[peer] = n + 1
             if n == 0:
-                if t.dtype == torch.int64:
-                    t.fill_(3)  # (a receiver reads a length of 3 bytes)
+                if t.numel() > 3:  # (a receiver reads a preamble: one part of 3 bytes)
+                    t.copy_(snapshot_wire.preamble([torch.empty(3, dtype=torch.uint8)], b""))
                 return Done()
             if sum(1 for k in self.lengths.values() if k > 1) == 2:
                 self.length_in.set()  # (a transfer posts its bytes after it counted itself begun)

@@ -1,7 +1,9 @@
 """A snapshot's copies between machines: this rank's sent to the next machine, the previous machine's written here.
 
 The helper thread of :mod:`.snapshots` calls :func:`send` once its own file is written. A source's bytes are
-received straight into the pages of their file under its dot-name (:mod:`.mapped`), once its head is in.
+received straight into the pages of their file under its dot-name (:mod:`.mapped`), staged from the label
+its exchange's preamble carries (the file's name and payload length), so its head and its bytes are posted at
+once; the head's digest is checked when it is in, before the file is made whole.
 What arrived whole is written before any failure is raised, so that a copy the sender counts as delivered (a
 committed step's only copy when the sender's machine is lost next) is never thrown away with the exchange that failed on
 another peer. Once the run's failure is posted (:func:`..comm.faults.heartbeat.failure_posted`) or the
@@ -28,7 +30,7 @@ from ..comm import groups, snapshot_wire
 from ..comm.faults import heartbeat
 from . import folder as folders
 from . import idle, mapped
-from .snapshot_file import MAGIC, SnapshotRefused, checked_header, host_bytes, read_header
+from .snapshot_file import SnapshotRefused, checked_header, host_bytes, read_header
 
 
 def deliver(snap: Any, step: int, head: bytes, payload: torch.Tensor, clock: idle.Clock, label: bytes = b"") -> None:
@@ -44,14 +46,15 @@ def send(snap: Any, head: bytes, payload: torch.Tensor, clock: idle.Clock, label
     p = snap.peers
     if p.dest is None and not p.sources:
         return
-    head_t = torch.frombuffer(bytearray(label + head), dtype=torch.uint8)
+    head_t = torch.frombuffer(bytearray(head), dtype=torch.uint8)
     wire: dict[str, Any] = {"give_up": _give_up(snap), "around": snap.priority.peer_thread, "lost": _lost(snap)}
     into = _Into(snap)
     done = snapshot_wire.exchange_parts(
-        [head_t, payload], p.dest, p.sources, snap.group, snap.timeout, into.place, **wire
+        [head_t, payload], p.dest, p.sources, snap.group, snap.timeout, into.place, note=label, **wire
     )
     staged = into.close()  # (a transfer still running past the deadline stages nothing more)
     clock.lap("send_s")
+    refused: list[Exception] = []
     for src in p.sources:
         got, st = done.parts.get(src), staged.get(src)
         if got is None or len(got) < 2 or got[0] is None or snap.dropped:
@@ -59,8 +62,14 @@ def send(snap: Any, head: bytes, payload: torch.Tensor, clock: idle.Clock, label
                 mapped.discard(snap._maps, src, st[1])
             continue  # nothing sent, or its head or bytes failed: no file (never a head without its bytes)
         got_head, body = got[0], got[1]
-        data = _unlabelled(got_head.numpy().tobytes())[1]
+        data = got_head.numpy().tobytes()
         if st is not None:
+            try:
+                checked_header(data)  # (the digest only: the sender named its file in the label)
+            except (SnapshotRefused, ValueError) as err:  # no file of it, whole or staged; raised once the rest is in
+                mapped.discard(snap._maps, src, st[1])
+                refused.append(err)
+                continue
             snap._written.keep(src, mapped.publish(snap._maps, src, st[1], data, body, snap.folder / st[0]))
             continue
         header, _ = read_header(data)
@@ -68,33 +77,33 @@ def send(snap: Any, head: bytes, payload: torch.Tensor, clock: idle.Clock, label
         view = host_bytes(body) if body is not None else memoryview(b"")
         snap._written.keep(src, folders.write(snap.folder, name, data, view, snap._written.spare(src)))
     clock.lap("peer_write_s")
-    if done.failed:
-        raise done.failed[0]
-    if into.failed:
-        raise into.failed[0]
+    for failed in (done.failed, into.failed, refused):  # (never committed: this rank does not say its copies landed)
+        if failed:
+            raise failed[0]
 
 
 class _Into:
-    """Where a source's parts are received (:data:`..comm.snapshot_wire.Place`, asked on its transfer thread):
-    its head into a fresh buffer; its bytes into its file, staged from the head (:func:`_stage`) as soon as the
-    head is in, or, unstaged, a buffer kept for that source."""
+    """Where a source's parts are received (:data:`..comm.snapshot_wire.Place`, asked on its transfer thread as
+    soon as the preamble is in): its head into a fresh buffer, its file staged from the label (:func:`_stage`);
+    its bytes into that file, or, unstaged (no label), a buffer kept for that source."""
 
     def __init__(self, snap: Any) -> None:
         self.snap, self.staged = snap, dict[int, tuple[str, mapped.Staged] | None]()
         self.failed: list[Exception] = []
         self._lock, self._closed = threading.Lock(), False
 
-    def place(self, src: int, got: list[torch.Tensor | None], n: int) -> torch.Tensor | None:
-        if not got:
-            return None  # the head
+    def place(self, src: int, note: bytes, index: int, n: int) -> torch.Tensor | None:
         with self._lock:
             if self._closed:
                 return None
-            try:
-                st = self.staged[src] = _stage(self.snap, src, got[0])
-            except Exception as err:  # (a mapping that fails: the bytes still come, into a buffer; raised after)
-                self.failed.append(err)
-                st = self.staged[src] = None
+            if index == 0:  # the head (n bytes): a fresh buffer; the file staged for the bytes that follow
+                try:
+                    self.staged[src] = _stage(self.snap, src, note, n)
+                except Exception as err:  # (a mapping that fails: the bytes still come, into a buffer; raised after)
+                    self.failed.append(err)
+                    self.staged[src] = None
+                return None
+            st = self.staged.get(src)
             if st is not None:
                 return st[1].payload
             kept = self.snap._received.get(src)
@@ -108,41 +117,31 @@ class _Into:
             return dict(self.staged)
 
 
-def _stage(snap: Any, src: int, head: torch.Tensor | None) -> tuple[str, mapped.Staged] | None:
-    """The file a source's copy is received into (its name, and the file under its dot-name mapped), or None:
-    no head, a dropped pipeline, or a head that does not read (then :func:`send` refuses it as before)."""
-    if head is None or snap.dropped:
+def _stage(snap: Any, src: int, note: bytes, room: int) -> tuple[str, mapped.Staged] | None:
+    """The file a source's copy is received into (its name, and the file under its dot-name mapped, ``room``
+    bytes for its head), or None: no label (the header is then read when it is in), or a dropped pipeline."""
+    labelled = _labelled(note)
+    if labelled is None or snap.dropped:
         return None
-    labelled, data = _unlabelled(head.numpy().tobytes())
-    try:
-        if labelled is not None:
-            checked_header(data)  # (the digest only: the sender named its file in the label)
-            name, total = labelled
-        else:
-            header, _ = read_header(data)
-            name = folders.file_name(int(header["step"]), str(header["lineage"]), int(header["owner"]))
-            total = int(header["payload_bytes"])
-    except (SnapshotRefused, ValueError, KeyError, TypeError):
-        return None
-    return name, snap._maps.stage(src, snap.folder, name, snap._written.spare(src), len(data), total)
+    name, total = labelled
+    return name, snap._maps.stage(src, snap.folder, name, snap._written.spare(src), room, total)
 
 
 def label(name: str, total: int) -> bytes:
-    """What a head travels with (:func:`send`'s ``label``): its file's name and payload length, one ASCII line,
-    from which the receiver stages the file without parsing the header's JSON (~50 KB for a small GPT; its
-    digest is still checked there, and every reader checks it and parses it again)."""
+    """What a copy's preamble carries (:func:`send`'s ``label``): its file's name and payload length, one ASCII
+    line, from which the receiver stages the file before its head is in and without parsing the header's JSON
+    (~50 KB for a small GPT; its digest is checked when it is in, and every reader checks it and parses it
+    again)."""
     return f"{name} {total}\n".encode()
 
 
-def _unlabelled(data: bytes) -> tuple[tuple[str, int] | None, bytes]:
-    """A received head's label (None: none sent, the head begins at once) and the head itself."""
-    if data.startswith(MAGIC):
-        return None, data
-    line, _, head = data.partition(b"\n")
-    name, _, total = line.decode("ascii", "replace").partition(" ")
+def _labelled(note: bytes) -> tuple[str, int] | None:
+    """A preamble's label read back (None: none sent, or one that does not read as :func:`label` writes)."""
+    line = note.rstrip(b"\n").decode("ascii", "replace")
+    name, _, total = line.partition(" ")
     if not folders.is_file_name(name) or not total.isdigit():
-        return None, head  # (then the header is read as before, or refused)
-    return (name, int(total)), head
+        return None
+    return name, int(total)
 
 
 def commit(snap: Any, step: int, clock: idle.Clock) -> None:
