@@ -13,7 +13,7 @@ import logging
 import os
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from torch import nn
 
@@ -85,11 +85,15 @@ def resume(
     for source in sources:
         source.resumed(info.step, line)
     if cut is not None:  # every rank alike (the same record): the state moves exactly
-        cast(Any, holder).relayout(partition=cut)
-        # the run's cut, not the user's: recorded as re-planned, a later restart takes it back too (as counts
-        # given it would not, and the third run of a job would decide a cut of its own)
-        cast(Any, holder).replanned_cut = list(cut)
+        _take_back(holder, cut)
     return info
+
+
+def _take_back(pipe: Any, cut: list[int]) -> None:
+    """The recorded cut, re-laid out to, and recorded as the run's own (``"re-planned"``): a later restart takes it
+    back too (recorded as counts given it would not, and the third run of a job would decide a cut of its own)."""
+    pipe.relayout(partition=cut)
+    pipe.replanned_cut = list(cut)
 
 
 def _restore_newest(offers: list[tuple[StateSource, Offer | None]]) -> tuple[CheckpointInfo, str] | None:
