@@ -50,7 +50,6 @@ from ..engine.microbatch import split
 from ..measure.profiling import model_blocks
 from . import default_cut
 from .balance import on_first_rank
-from .hf import FromHF
 from .layer_list import LayerList
 
 log = logging.getLogger(__name__)
@@ -64,7 +63,7 @@ def pending(pipe: Any) -> bool:
     # ``Pipeline(layers)`` (not HetPipe's workers, not a plan's layers) or ``from_hf``
     plain = isinstance(pipe.frontend, LayerList) and pipe.frontend.entry == LayerList.entry
     return (
-        (plain or isinstance(pipe.frontend, FromHF))
+        (plain or _stand_in(pipe.frontend))
         and pipe.schedule.num_ranks > 1
         and not is_asynchronous(pipe.schedule)
         and isinstance(o.partition, str)
@@ -95,7 +94,7 @@ def at_first_batch(pipe: Any, batches: list[tuple[Any, Any]]) -> None:
 def _default_cut(pipe: Any, batches: list[tuple[Any, Any]]) -> None:
     named = _units(pipe) or []  # (pending: a layer list's layers or from_hf's decoder layers, never None)
     first = _first_microbatch(pipe, batches[0][0])
-    if isinstance(pipe.frontend, FromHF) or default_cut.holds_convolution(named):
+    if _stand_in(pipe.frontend) or default_cut.holds_convolution(named):
         default_cut.warn_if_slower(pipe.schedule, _recut(pipe, named, first), pipe.pp_rank, pipe.device.type)
     elif pipe.pp_rank == 0 and first is not None and pipe.schedule.name != "1f1b":  # the word only: no collective
         cut = _decide(pipe, named, first)
@@ -159,6 +158,12 @@ def _prior(pipe: Any, batches: list[tuple[Any, Any]]) -> None:
     pipe.layer_profile = on_first_rank(pipe.transport.group, price, what, pipe.options.timeout, pipe.options.store)
 
 
+def _stand_in(frontend: Any) -> bool:
+    """Whether the way in says its build's default cut is always a stand-in the first batch replaces (``from_hf``'s
+    ``cut_at_first_batch``; a layer list's is only where it holds a convolution, :func:`_default_cut`)."""
+    return bool(getattr(frontend, "cut_at_first_batch", False))
+
+
 def _units(pipe: Any) -> list[tuple[str, Any]] | None:
     """What ``layer_ranges`` index, named: a layer list's layers, ``from_hf``'s decoder layers (the embedding with
     the first, the head with the last), or the top-level blocks ``from_model`` cut among (counted block to block,
@@ -166,8 +171,9 @@ def _units(pipe: Any) -> list[tuple[str, Any]] | None:
     named = getattr(pipe.frontend, "named", None)
     if named is not None:
         return list(named)
-    if isinstance(pipe.frontend, FromHF):
-        return pipe.frontend.units()
+    units = getattr(pipe.frontend, "units", None)  # (from_hf's)
+    if callable(units):
+        return list(units())
     cut, model = getattr(pipe, "model_cut", None), getattr(pipe.frontend, "model", None)
     if cut is None or model is None or not cut.blocks:  # (a tagged model: its stages' modules, not blocks)
         return None

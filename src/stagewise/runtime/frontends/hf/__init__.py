@@ -71,6 +71,9 @@ class FromHF:
 
     entry = "Pipeline.from_hf"
     refused = {"seed": BUILT_MODEL, "concrete_args": LAYERS_ONLY}
+    #: the build's default cut (by parameters) is a stand-in the first batch replaces with the counted one
+    #: (:mod:`..first_batch`): attention's work over the sequence's square is in no parameter count
+    cut_at_first_batch = True
 
     def __init__(self, model: nn.Module, *, check: bool = True) -> None:
         self.layout = recognise(model)
