@@ -159,3 +159,43 @@ def test_a_sync_commit_holds_each_step_before_train_step_returns(
     for step in range(1, 4):
         pipe.train_step(x, y)
         assert pipe.committed_step == (step if commit == "sync" else step - 1)
+
+
+def test_a_capture_holds_the_parameters_live_the_buffers_copied_and_the_generators_as_taken(
+    one_rank: object, tmp_path: Path
+) -> None:
+    """On the step's thread a capture takes the parameters by reference (the next step waits for their copy),
+    copies the buffers (a forward changes BatchNorm's statistics), and takes the generators' states, which the
+    helper encodes later: what it encodes is the state at the capture, not after draws made since."""
+    import random
+
+    import torch.nn.functional as F
+    from torch import nn
+
+    from stagewise.runtime.checkpoint import state
+
+    pipe = sw.Pipeline(
+        [sw.Layer(nn.Linear, 4, 6), sw.Layer(nn.BatchNorm1d, 6), sw.Layer(nn.Linear, 6, 3)],
+        loss_fn=F.cross_entropy, microbatches=1, optimizer=lambda ps: torch.optim.Adam(ps, lr=0.1),
+        snapshot=sw.Snapshots(every=1, folder=str(tmp_path)),
+    )  # fmt: skip
+    x, y = torch.randn(4, 4), torch.tensor([0, 1, 2, 0])
+    pipe.train_step(x, y)
+    snaps = pipe.snapshots
+    assert snaps is not None
+    snaps.wait()
+    capture = snaps._capture(None)
+    live = pipe.state_dict(keep_vars=True)
+    params = {name for name, t in live.items() if isinstance(t, nn.Parameter)}
+    assert params and len(params) < len(live)  # (weights and biases; BatchNorm's statistics and count)
+    for name, t in live.items():
+        got = capture.tensors[state.MODEL + name]
+        assert torch.equal(got, t.detach()) and not got.requires_grad, name
+        assert (got.data_ptr() == t.data_ptr()) == (name in params), name  # parameters live, buffers copied
+    mean = next(n for n in live if n.endswith("running_mean"))
+    kept = capture.tensors[state.MODEL + mean].clone()
+    want = state.rng_state()
+    pipe.train_step(x, y)  # a forward: the live statistics move; draws move the generators
+    torch.rand(5), random.random()
+    assert not torch.equal(live[mean], kept) and torch.equal(capture.tensors[state.MODEL + mean], kept)
+    assert state.rng_encoded(capture.header["rng"]) == want != state.rng_state()

@@ -223,14 +223,30 @@ def decode(value: Any) -> Any:
 # ---- random number generators ---------------------------------------------------------------
 def rng_state() -> dict[str, Any]:
     """This process's generators: torch CPU, every CUDA device (if CUDA is up), Python's, NumPy's (if loaded)."""
-    out: dict[str, Any] = {"torch": _b64(torch.get_rng_state())}
+    return rng_encoded(rng_taken())
+
+
+def rng_taken() -> dict[str, Any]:
+    """The generators' states as they come (copies: nothing later changes them), for :func:`rng_encoded`
+    elsewhere - a snapshot takes them on the step's thread and encodes them on its helper."""
+    out: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        out["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
-    version, internal, gauss = random.getstate()
-    out["python"] = [version, list(internal), gauss]
+        out["cuda"] = torch.cuda.get_rng_state_all()
     np = sys.modules.get("numpy")
     if np is not None:
-        kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+        out["numpy"] = np.random.get_state(legacy=True)
+    return out
+
+
+def rng_encoded(taken: Mapping[str, Any]) -> dict[str, Any]:
+    """:func:`rng_taken`'s states as JSON (what :func:`set_rng_state` reads)."""
+    out: dict[str, Any] = {"torch": _b64(taken["torch"])}
+    if "cuda" in taken:
+        out["cuda"] = [_b64(s) for s in taken["cuda"]]
+    version, internal, gauss = taken["python"]
+    out["python"] = [version, list(internal), gauss]
+    if "numpy" in taken:
+        kind, keys, pos, has_gauss, cached = taken["numpy"]
         out["numpy"] = [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]  # (Python ints)
     return out
 

@@ -226,11 +226,10 @@ class Snapshotter:
     def _capture(self, trained: int | None) -> Capture:
         """What a restart needs, taken now (``trained``: the mini-batches trained, this step's included)."""
         root = self.root
-        params = {p.data_ptr() for p in root.parameters()}
-        tensors = {}
-        live = {state.MODEL + name: t for name, t in state.saved_tensors(root).items()}
-        for name, t in live.items():
-            tensors[name] = t if t.data_ptr() in params else t.detach().clone()
+        tensors, live = {}, {}
+        for name, t in root.state_dict(keep_vars=True).items():  # (the parameters told apart without a walk)
+            live[state.MODEL + name] = view = t.detach()
+            tensors[state.MODEL + name] = view if isinstance(t, nn.Parameter) else view.clone()  # (buffers change)
         if self._fixed is None:  # what a pipeline's life does not change: its parameters' names, its layout
             self._fixed = (state.parameter_names(root), state.layout_of(root, self.world))
         names, layout = self._fixed
@@ -249,7 +248,7 @@ class Snapshotter:
             "dropout": state.dropout_of(root, trained),
             "scheduler": state.scheduler_state(root),  # lr_scheduler=: a recovery goes on where the schedule was
             "optimizer": meta,
-            "rng": state.rng_state(),
+            "rng": state.rng_taken(),  # (encoded on the helper: _copy)
             "extra": state.encode(extra, "Snapshots.extra"),
         }
         capture = Capture(self.step, tensors, header)  # (where each tensor's bytes go: on the helper thread)
@@ -273,9 +272,11 @@ class Snapshotter:
         here, the old generations pruned."""
         try:
             self.policy = self.priority.enter()  # only the core's idle time: see .idle
+            time.sleep(0)  # the interpreter's lock let go at once: the step's thread, waiting in start(), goes on
             clock = idle.Clock(self.stats)
             self._layout = layout = layout_for(self._layout, capture.tensors)  # (kept while it holds)
             capture.entries, capture.total = layout.entries, layout.total
+            capture.header["rng"] = state.rng_encoded(capture.header["rng"])
             capture.header["tensors"] = capture.entries  # (last: header_bytes keeps its JSON)
             name = folders.file_name(capture.step, self.lineage, self.rank)
             staged = self._stage(capture, name)
