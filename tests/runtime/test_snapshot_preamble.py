@@ -30,6 +30,8 @@ def test_a_preamble_reads_back_every_length_and_the_note() -> None:
     assert data.dtype == torch.uint8 and data.numel() == 8 * 5 + snapshot_wire.NOTE_BYTES  # (fixed: 4 parts)
     assert snapshot_wire.read_preamble(data, 4) == ([5, -1, 0, 2], b"step-7 42\n")
     assert snapshot_wire.read_preamble(snapshot_wire.preamble([None], b""), 1) == ([-1], b"")
+    # the lengths little-endian on any machine (a big-endian peer reads what a little-endian one sent)
+    assert bytes(data[:16].tolist()) == (5).to_bytes(8, "little") + (-1).to_bytes(8, "little", signed=True)
 
 
 def test_a_note_too_long_is_refused_before_anything_is_sent(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -44,7 +46,7 @@ def test_a_note_too_long_is_refused_before_anything_is_sent(monkeypatch: pytest.
 
 def test_a_preamble_whose_note_length_is_out_of_range_is_a_failure() -> None:
     data = snapshot_wire.preamble([None], b"ok")
-    data[8:16] = torch.tensor([snapshot_wire.NOTE_BYTES + 1], dtype=torch.int64).view(torch.uint8)
+    data[8:16] = torch.tensor(list((snapshot_wire.NOTE_BYTES + 1).to_bytes(8, "little")), dtype=torch.uint8)
     with pytest.raises(PipelineError, match="a preamble whose note is"):
         snapshot_wire.read_preamble(data, 1)
 

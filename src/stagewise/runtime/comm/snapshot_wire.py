@@ -15,6 +15,7 @@ such rounds per copy (45-52 ms of a 61 ms step for 0.5 ms of CPU, 2026-12-04); t
 
 from __future__ import annotations
 
+import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -170,16 +171,17 @@ def _keeping(keep: dict[int, torch.Tensor]) -> Place:
 
 
 def preamble(parts: Sequence[torch.Tensor | None], note: bytes) -> torch.Tensor:
-    """Every part's length (int64; :data:`_NOTHING` for None), the note's length (int64), then the note, padded
-    to :data:`NOTE_BYTES`: one fixed size for a count of parts, so the receiver posts it before knowing more."""
+    """Every part's length (int64, little-endian like a snapshot file's numbers, whatever the machines' order;
+    :data:`_NOTHING` for None), the note's length, then the note, padded to :data:`NOTE_BYTES`: one fixed size
+    for a count of parts, so the receiver posts it before knowing more."""
     lengths = [_NOTHING if p is None else p.numel() for p in parts] + [len(note)]
-    head = torch.tensor(lengths, dtype=torch.int64).view(torch.uint8)
-    return torch.cat([head, torch.frombuffer(bytearray(note.ljust(NOTE_BYTES, b"\0")), dtype=torch.uint8)])
+    data = struct.pack(f"<{len(lengths)}q", *lengths) + note.ljust(NOTE_BYTES, b"\0")
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
 def read_preamble(data: torch.Tensor, count: int) -> tuple[list[int], bytes]:
     """:func:`preamble` read back: the parts' lengths and the note."""
-    words = data[: 8 * (count + 1)].view(torch.int64).tolist()
+    words = struct.unpack(f"<{count + 1}q", data[: 8 * (count + 1)].numpy().tobytes())
     size = int(words[count])
     if not 0 <= size <= NOTE_BYTES:
         raise PipelineError(f"the snapshots' copy: a preamble whose note is {size} bytes (at most {NOTE_BYTES})")
