@@ -50,38 +50,6 @@ def test_a_helper_thread_is_idle_and_raised_only_while_waited_for() -> None:
 
 
 @linux
-def test_a_transfer_thread_runs_at_the_ordinary_policy_though_its_helper_is_idle() -> None:
-    """A peer's transfer (or the commit) only posts and waits: started by the idle helper, it runs at the
-    ordinary policy, and a wait for the helper ending (``raised_while``) puts back only the helper's."""
-    priority = idle.Priority()
-    seen: dict[str, int] = {}
-
-    def transfer() -> None:
-        with priority.peer_thread():
-            seen["transfer"] = os.sched_getscheduler(0)
-            with priority.raised_while():
-                pass
-            seen["after a wait"] = os.sched_getscheduler(0)
-
-    def helper() -> None:
-        priority.enter()
-        seen["helper"] = os.sched_getscheduler(0)
-        thread = threading.Thread(target=transfer)
-        thread.start()
-        thread.join(10)
-        seen["helper after"] = os.sched_getscheduler(0)
-        priority.leave()
-
-    thread = threading.Thread(target=helper)
-    thread.start()
-    thread.join(10)
-    assert seen == {
-        "helper": os.SCHED_IDLE, "transfer": os.SCHED_OTHER, "after a wait": os.SCHED_OTHER,
-        "helper after": os.SCHED_IDLE,
-    }  # fmt: skip
-
-
-@linux
 def test_a_pipelines_snapshot_threads_run_idle_and_its_files_are_written_over(one_rank: object, tmp_path: Path) -> None:
     import torch.nn.functional as F
     from torch import nn

@@ -7,12 +7,6 @@ runs a thread only when nothing else of its CPU wants to run, so the snapshot fi
 costs the caches. A snapshot still unfinished when the next is due is waited for (the back-pressure is
 :meth:`.snapshots.Snapshotter.after_step`'s): the training thread then sleeps, and the core is the
 snapshot's. Elsewhere (no ``SCHED_IDLE``) threads keep their priority.
-
-Not the threads that only post a message and wait (a transfer to or from one peer, the commit): at the idle
-policy each hand-off of a copy - the preamble in, the parts posted - waited for its rank's next idle moment
-(10-30 ms each on a 60 ms step, 2026-12-05), for microseconds of work, and the copy outlasted the step; they
-run at the ordinary policy (:meth:`Priority.peer_thread`), the bytes' CPU staying idle (gloo's threads, the
-helper's fill, digest and files).
 """
 
 from __future__ import annotations
@@ -82,6 +76,7 @@ class Priority:
         self.group: list[int] = []  # the snapshot group's gloo threads
         self.helper: int | None = None  # the running helper thread's id
         self.raised = False
+        self.peers: set[int] = set()  # the running threads of the helper's copy to and from the peers
         self._lock = threading.Lock()
 
     def enter(self) -> int | None:
@@ -101,11 +96,18 @@ class Priority:
 
     @contextmanager
     def peer_thread(self) -> Iterator[None]:
-        """A thread the helper started for one peer's transfer or for the commit (it inherited the helper's
-        policy): at the ordinary policy while it runs (module doc: it only posts and waits)."""
-        if wanted():
-            _set(threading.get_native_id(), os.SCHED_OTHER)
-        yield
+        """A thread the helper started for one peer's transfer (it inherited the helper's policy): raised with
+        the helper while the training thread waits, forgotten when it ends."""
+        tid = threading.get_native_id()
+        with self._lock:
+            self.peers.add(tid)
+            if self.raised and wanted():
+                _set(tid, os.SCHED_OTHER)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.peers.discard(tid)
 
     @contextmanager
     def raised_while(self) -> Iterator[None]:
@@ -124,7 +126,7 @@ class Priority:
                     make_idle(tid)
 
     def _tids(self) -> list[int]:
-        return [*self.group, *([self.helper] if self.helper is not None else [])]
+        return [*self.group, *([self.helper] if self.helper is not None else []), *self.peers]
 
 
 def _set(tid: int, policy: int) -> None:
