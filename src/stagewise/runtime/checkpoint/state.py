@@ -36,9 +36,10 @@ MODEL, OPTIM = "model/", "optim/"
 
 
 # ---- the model ------------------------------------------------------------------------------
-def saved_tensors(target: nn.Module) -> dict[str, torch.Tensor]:
-    """What this rank writes of the model: its ``state_dict()`` (DTensors stay DTensors, so DCP writes shards)."""
-    return {name: t for name, t in target.state_dict().items()}
+def saved_tensors(target: nn.Module, keep_vars: bool = False) -> dict[str, torch.Tensor]:
+    """What this rank writes of the model: its ``state_dict()`` (DTensors stay DTensors, so DCP writes shards;
+    ``keep_vars``: the parameters themselves, which a snapshot's capture tells from the buffers it copies)."""
+    return dict(target.state_dict(keep_vars=keep_vars))
 
 
 def load_targets(target: nn.Module, keep_vars: bool = False) -> dict[str, torch.Tensor]:

@@ -227,7 +227,7 @@ class Snapshotter:
         """What a restart needs, taken now (``trained``: the mini-batches trained, this step's included)."""
         root = self.root
         tensors, live = {}, {}
-        for name, t in root.state_dict(keep_vars=True).items():  # (the parameters told apart without a walk)
+        for name, t in state.saved_tensors(root, keep_vars=True).items():  # (parameters told apart, no 2nd walk)
             live[state.MODEL + name] = view = t.detach()
             tensors[state.MODEL + name] = view if isinstance(t, nn.Parameter) else view.clone()  # (buffers change)
         if self._fixed is None:  # what a pipeline's life does not change: its parameters' names, its layout
