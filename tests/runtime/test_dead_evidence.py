@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from stagewise.runtime.comm import release, snapshot_wire
+from stagewise.runtime.comm import release, snapshot_exchange
 from stagewise.runtime.comm.faults import heartbeat, probe
 from stagewise.runtime.elastic.membership import named_dead
 from stagewise.runtime.errors import PipelineError
@@ -168,15 +168,15 @@ class _Work:
         return True
 
 
-#: one part's preamble: its length, the note's, the note's room (snapshot_wire.preamble)
-PREAMBLE = 16 + snapshot_wire.NOTE_BYTES
+#: one part's preamble: its length, the form, the note's length, the note's room (snapshot_exchange.preamble)
+PREAMBLE = snapshot_exchange.preamble_size(1)
 
 
 def _wire(monkeypatch: pytest.MonkeyPatch, dead: int) -> list[tuple[str, int, int]]:
     """snapshot_wire's point-to-point ops, faked: ``dead``'s connection is closed, every other peer sends 3 bytes
     (its preamble says so, then the bytes are 7s)."""
     posted: list[tuple[str, int, int]] = []
-    said = snapshot_wire.preamble([torch.zeros(3, dtype=torch.uint8)], b"")
+    said = snapshot_exchange.preamble([torch.zeros(3, dtype=torch.uint8)], b"")
 
     def irecv(t: torch.Tensor, group_src: int, group: Any) -> _Work:
         posted.append(("recv", group_src, t.numel()))
@@ -187,8 +187,8 @@ def _wire(monkeypatch: pytest.MonkeyPatch, dead: int) -> list[tuple[str, int, in
         posted.append(("send", group_dst, t.numel()))
         return _Work("Connection reset by peer" if group_dst == dead else None)
 
-    monkeypatch.setattr(snapshot_wire.dist, "irecv", irecv)
-    monkeypatch.setattr(snapshot_wire.dist, "isend", isend)
+    monkeypatch.setattr(snapshot_exchange.dist, "irecv", irecv)
+    monkeypatch.setattr(snapshot_exchange.dist, "isend", isend)
     return posted
 
 
@@ -198,15 +198,15 @@ def test_a_dead_source_does_not_stop_the_copy_to_the_next_machine(monkeypatch: p
     payload = torch.arange(3, dtype=torch.uint8)
     posted = _wire(monkeypatch, dead=2)  # as rank 4: its source (rank 2) is gone, its dest (rank 0) is not
     with pytest.raises(PipelineError, match="Connection closed by peer"):
-        snapshot_wire.exchange(payload, 0, [2], None, 10.0)
+        snapshot_exchange.exchange(payload, 0, [2], None, 10.0)
     assert sorted(posted) == [("recv", 2, PREAMBLE), ("send", 0, 3), ("send", 0, PREAMBLE)]  # the preamble, the bytes
     assert [p for p in posted if p[0] == "send"] == [("send", 0, PREAMBLE), ("send", 0, 3)]  # (each peer's in order)
     posted = _wire(monkeypatch, dead=2)  # as rank 0: its dest (rank 2) is gone; rank 4's copy comes in whole
     keep: dict[int, torch.Tensor] = {}
     with pytest.raises(PipelineError, match="Connection reset by peer"):
-        snapshot_wire.exchange(payload, 2, [4], None, 10.0, into=keep)
+        snapshot_exchange.exchange(payload, 2, [4], None, 10.0, into=keep)
     assert [p for p in posted if p[1] == 4] == [("recv", 4, PREAMBLE), ("recv", 4, 3)] and keep[4].tolist() == [7] * 3
-    assert [p for p in posted if p[1] == 2] == [("send", 2, PREAMBLE)]  # (its bytes only once it began)
+    assert [p for p in posted if p[1] == 2] == [("send", 2, PREAMBLE), ("send", 2, 3)]  # (all at once, in order)
 
 
 def test_lost_ranks_wait_the_silence_inplace_set_and_never_name_a_rank_that_never_stamped(

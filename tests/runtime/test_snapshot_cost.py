@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import stagewise as sw
-from stagewise.runtime.comm import snapshot_wire
+from stagewise.runtime.comm import snapshot_exchange
 from stagewise.runtime.elastic import folder as folders
 from stagewise.runtime.elastic import idle
 
@@ -96,10 +96,10 @@ def test_a_spare_is_written_over_whole_and_is_never_a_snapshot(tmp_path: Path) -
 
 def test_the_peers_copies_arrive_in_kept_buffers() -> None:
     keep: dict[int, torch.Tensor] = {}
-    first = snapshot_wire._buffer(keep, 3, 100)
-    second = snapshot_wire._buffer(keep, 3, 60)
+    first = snapshot_exchange._buffer(keep, 3, 100)
+    second = snapshot_exchange._buffer(keep, 3, 60)
     assert second.data_ptr() == first.data_ptr() and second.numel() == 60
-    assert snapshot_wire._buffer(keep, 3, 200).numel() == 200 and keep[3].numel() == 200
+    assert snapshot_exchange._buffer(keep, 3, 200).numel() == 200 and keep[3].numel() == 200
 
 
 def test_a_rebound_root_is_read_anew(one_rank: object, tmp_path: Path) -> None:

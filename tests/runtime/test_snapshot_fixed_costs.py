@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from runtime.test_snapshot_giveup import _payload, _Snap, wire  # noqa: F401 (the fake wire and its fixture)
 from stagewise.runtime.checkpoint import state
-from stagewise.runtime.comm import snapshot_wire
+from stagewise.runtime.comm import snapshot_exchange
 from stagewise.runtime.elastic import folder as folders
 from stagewise.runtime.elastic import idle, snapshot_copies
 from stagewise.runtime.elastic.snapshot_file import (
@@ -120,7 +120,7 @@ def test_labelled_copies_are_staged_from_their_labels_and_read_back_whole(
     snapshot_copies.send(
         snap, own_head, torch.frombuffer(bytearray(own_body), dtype=torch.uint8), idle.Clock({}), own_label
     )
-    pre = snapshot_wire.preamble([torch.empty(len(own_head)), torch.empty(len(own_body))], own_label)
+    pre = snapshot_exchange.preamble([torch.empty(len(own_head)), torch.empty(len(own_body))], own_label)
     assert sent[:2] == [pre.numpy().tobytes(), own_head]  # the label in the preamble, the head as it is
     for src in (2, 4):
         path = snap.folder / folders.file_name(7, "ab12", src)

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from helpers.fake_wire import Blocked, Done, install
-from stagewise.runtime.comm import snapshot_wire
+from stagewise.runtime.comm import snapshot_exchange, snapshot_wire
 from stagewise.runtime.comm.faults import heartbeat
+from stagewise.runtime.comm.snapshot_exchange import AFTER, AS_POSTED
 from stagewise.runtime.elastic import folder as folders
 from stagewise.runtime.elastic import idle, mapped, snapshot_copies
 from stagewise.runtime.elastic.peers import Peers
@@ -28,8 +29,8 @@ class _Wire:
     """snapshot_wire's point-to-point ops, faked: ``silent`` never begins (its waits block until ``release``);
     every other source sends ``heads[src]`` then ``bodies[src]``; sends complete."""
 
-    def __init__(self, silent: int, heads: dict[int, bytes], bodies: dict[int, bytes], sends: int) -> None:
-        self.sends = sends  # the sends after which ``sent`` is set
+    def __init__(self, silent: int, heads: dict[int, bytes], bodies: dict[int, bytes], sends: int, form: int) -> None:
+        self.sends, self.form = sends, form  # the sends after which ``sent`` is set; the sources' preambles' form
         self.silent, self.release, self.lock = silent, threading.Event(), threading.Lock()
         self.heads, self.bodies = heads, bodies
         self.labels: dict[int, bytes] = {}  # by source: a label of the test's (else one read from its head)
@@ -51,7 +52,7 @@ class _Wire:
             if n == 0:
                 sizes = [torch.empty(len(head), dtype=torch.uint8), torch.empty(len(body), dtype=torch.uint8)]
                 note = self.labels.get(group_src) or _label(head, body)  # (named as a helper names its file)
-                t.copy_(snapshot_wire.preamble(sizes, note))
+                t.copy_(snapshot_exchange.preamble(sizes, note, self.form))
                 return Done()
             (self.head_in if n == 1 else self.body_in).set()
             t.copy_(torch.frombuffer(bytearray(head if n == 1 else body), dtype=torch.uint8))
@@ -70,12 +71,12 @@ def _label(head: bytes, body: bytes) -> bytes:
     return snapshot_copies.label(folders.file_name(header["step"], header["lineage"], header["owner"]), len(body))
 
 
-def _payload(step: int, owner: int) -> tuple[bytes, bytes]:
+def _payload(step: int, owner: int, room: int = 0) -> tuple[bytes, bytes]:
     ts = {"model.w": torch.arange(4.0) + owner}
     entries, total = layout_payload(ts)
     buffer = torch.zeros(total, dtype=torch.uint8)
     fill_payload(buffer, ts, entries)
-    head = header_bytes({"step": step, "lineage": "ab12", "owner": owner, "tensors": entries}, buffer)
+    head = header_bytes({"step": step, "lineage": "ab12", "owner": owner, "tensors": entries}, buffer, room)
     return head, buffer.numpy().tobytes()
 
 
@@ -84,8 +85,10 @@ def wire(monkeypatch: pytest.MonkeyPatch) -> Any:
     made: list[_Wire] = []
     heartbeat.stop()  # (a failure another test posted in this process would read as this run's: give-ups race)
 
-    def make(silent: int, heads: dict[int, bytes], bodies: dict[int, bytes], sends: int = 2) -> _Wire:
-        return install(monkeypatch, _Wire(silent, heads, bodies, sends), made)
+    def make(
+        silent: int, heads: dict[int, bytes], bodies: dict[int, bytes], sends: int = 2, form: int = AFTER
+    ) -> _Wire:
+        return install(monkeypatch, _Wire(silent, heads, bodies, sends, form), made)
 
     yield make
     for w in made:
@@ -103,7 +106,7 @@ def test_an_exchange_gives_up_on_a_peer_that_never_began_once_the_failure_is_pos
 
     def run() -> None:
         payload = torch.arange(3, dtype=torch.uint8)
-        out["done"] = snapshot_wire.exchange_settled(payload, 0, [2], None, 3600.0, give_up=posted.is_set)
+        out["done"] = snapshot_exchange.exchange_settled(payload, 0, [2], None, 3600.0, give_up=posted.is_set)
         out["blocked_ended"] = w.blocked_ended.is_set()
 
     t = threading.Thread(target=run)
@@ -125,7 +128,9 @@ def test_without_the_failure_posted_the_exchange_waits_for_the_peer(wire: Any) -
     done = threading.Event()
 
     def run() -> None:
-        snapshot_wire.exchange_settled(torch.arange(3, dtype=torch.uint8), 0, [2], None, 3600.0, give_up=lambda: False)
+        snapshot_exchange.exchange_settled(
+            torch.arange(3, dtype=torch.uint8), 0, [2], None, 3600.0, give_up=lambda: False
+        )
         done.set()
 
     t = threading.Thread(target=run)
@@ -148,6 +153,7 @@ class _Snap:
         self._written = folders.Written(self.folder, 1)
         self._received: dict[int, torch.Tensor] = {}
         self._maps = mapped.Files()
+        self._agreed, self.lineage = snapshot_exchange.Agreed(), "ab12"
         self.dropped = False
         self.stats: dict[str, float] = {}
         self.world, self.committed = 6, 0
@@ -212,7 +218,7 @@ def test_a_transfer_whose_posting_fails_is_a_failure_not_an_end(monkeypatch: pyt
 
     monkeypatch.setattr(snapshot_wire.dist, "irecv", closed)
     monkeypatch.setattr(snapshot_wire.dist, "isend", lambda *a, **k: Done())
-    done = snapshot_wire.exchange_settled(torch.arange(3, dtype=torch.uint8), 0, [2], None, 3600.0)
+    done = snapshot_exchange.exchange_settled(torch.arange(3, dtype=torch.uint8), 0, [2], None, 3600.0)
     assert done.ended == {0} and done.got == {}
     assert [str(e) for e in done.failed] == [
         "waiting for the snapshots' copies: RuntimeError: Application timeout caused pair closure"
@@ -322,10 +328,11 @@ def test_a_sources_copy_is_received_into_its_files_pages_and_reads_back_whole(wi
     for step in (7, 8, 9, 10):
         heads, bodies = {}, {}
         for src in (2, 4):
-            heads[src], bodies[src] = _payload(step, src)
-        wire(silent=99, heads=heads, bodies=bodies)
-        own_head, own_body = _payload(step, 1)
-        snapshot_copies.send(snap, own_head, torch.frombuffer(bytearray(own_body), dtype=torch.uint8), idle.Clock({}))
+            heads[src], bodies[src] = _payload(step, src, room=4096)  # (padded: one length from step to step)
+        wire(silent=99, heads=heads, bodies=bodies, form=AFTER if step == 7 else AS_POSTED)  # (as a live peer)
+        own_head, own_body = _payload(step, 1, room=4096)
+        own = torch.frombuffer(bytearray(own_body), dtype=torch.uint8)
+        snapshot_copies.send(snap, own_head, own, idle.Clock({}), step=step)  # (from step 8: staged from the hint)
         for src in (2, 4):
             path = snap.folder / folders.file_name(step, "ab12", src)
             back = tensors_of(*verified(path.read_bytes()))

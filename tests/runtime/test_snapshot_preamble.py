@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from helpers.fake_wire import Done
-from stagewise.runtime.comm import snapshot_wire
+from stagewise.runtime.comm import snapshot_exchange, snapshot_wire
 from stagewise.runtime.errors import PipelineError
 
 
@@ -26,10 +26,12 @@ def test_a_preamble_reads_back_every_length_and_the_note() -> None:
         torch.zeros(0, dtype=torch.uint8),
         torch.zeros(2, dtype=torch.uint8),
     ]
-    data = snapshot_wire.preamble(parts, b"step-7 42\n")
-    assert data.dtype == torch.uint8 and data.numel() == 8 * 5 + snapshot_wire.NOTE_BYTES  # (fixed: 4 parts)
-    assert snapshot_wire.read_preamble(data, 4) == ([5, -1, 0, 2], b"step-7 42\n")
-    assert snapshot_wire.read_preamble(snapshot_wire.preamble([None], b""), 1) == ([-1], b"")
+    data = snapshot_exchange.preamble(parts, b"step-7 42\n")
+    assert data.dtype == torch.uint8 and data.numel() == 8 * 6 + snapshot_exchange.NOTE_BYTES  # (fixed: 4 parts)
+    assert data.numel() == snapshot_exchange.preamble_size(4)
+    assert snapshot_exchange.read_preamble(data, 4) == ([5, -1, 0, 2], b"step-7 42\n", snapshot_exchange.AFTER)
+    one = snapshot_exchange.preamble([None], b"", snapshot_exchange.FILLED)
+    assert snapshot_exchange.read_preamble(one, 1) == ([-1], b"", snapshot_exchange.FILLED)
     # the lengths little-endian on any machine (a big-endian peer reads what a little-endian one sent)
     assert bytes(data[:16].tolist()) == (5).to_bytes(8, "little") + (-1).to_bytes(8, "little", signed=True)
 
@@ -38,17 +40,21 @@ def test_a_note_too_long_is_refused_before_anything_is_sent(monkeypatch: pytest.
     sent: list[Any] = []
     monkeypatch.setattr(snapshot_wire.dist, "isend", lambda *a, **k: sent.append(a) or Done())
     with pytest.raises(
-        ValueError, match=f"at most {snapshot_wire.NOTE_BYTES} bytes, got {snapshot_wire.NOTE_BYTES + 1}"
+        ValueError, match=f"at most {snapshot_exchange.NOTE_BYTES} bytes, got {snapshot_exchange.NOTE_BYTES + 1}"
     ):
-        snapshot_wire.exchange_parts([None], 0, [], None, 1.0, note=b"x" * (snapshot_wire.NOTE_BYTES + 1))
+        snapshot_exchange.exchange_parts([None], 0, [], None, 1.0, note=b"x" * (snapshot_exchange.NOTE_BYTES + 1))
     assert sent == []
 
 
 def test_a_preamble_whose_note_length_is_out_of_range_is_a_failure() -> None:
-    data = snapshot_wire.preamble([None], b"ok")
-    data[8:16] = torch.tensor(list((snapshot_wire.NOTE_BYTES + 1).to_bytes(8, "little")), dtype=torch.uint8)
+    data = snapshot_exchange.preamble([None], b"ok")
+    data[16:24] = torch.tensor(list((snapshot_exchange.NOTE_BYTES + 1).to_bytes(8, "little")), dtype=torch.uint8)
     with pytest.raises(PipelineError, match="a preamble whose note is"):
-        snapshot_wire.read_preamble(data, 1)
+        snapshot_exchange.read_preamble(data, 1)
+    data = snapshot_exchange.preamble([None], b"ok")
+    data[8:16] = torch.tensor(list((7).to_bytes(8, "little")), dtype=torch.uint8)
+    with pytest.raises(PipelineError, match=r"a preamble of an unknown form \(7\)"):
+        snapshot_exchange.read_preamble(data, 1)
 
 
 class _Wire:
@@ -64,7 +70,7 @@ class _Wire:
         self.posted.append(("recv", t.numel()))
         if len(self.posted) == 1:  # the preamble
             sizes = [torch.empty(3, dtype=torch.uint8), torch.empty(4, dtype=torch.uint8)]
-            t.copy_(snapshot_wire.preamble(sizes, b"the note"))
+            t.copy_(snapshot_exchange.preamble(sizes, b"the note"))
             return Done()
         if t.numel() == 4:
             t.copy_(torch.frombuffer(bytearray(self.body), dtype=torch.uint8))
@@ -98,10 +104,10 @@ def test_the_receiver_posts_every_part_before_it_waits_for_one(monkeypatch: pyte
         w.places.append((source, note, index, n))
         return into if index == 1 else None
 
-    done = snapshot_wire.exchange_parts([None, None], None, [2], None, 60.0, place)
+    done = snapshot_exchange.exchange_parts([None, None], None, [2], None, 60.0, place)
     assert done.failed == [] and done.ended == {2}
     head, body = done.parts[2]
     assert head.numpy().tobytes() == b"abc" and body.numpy().tobytes() == b"wxyz"
     assert body.data_ptr() == into.data_ptr()  # received where place said
     assert w.places == [(2, b"the note", 0, 3), (2, b"the note", 1, 4)]
-    assert w.posted == [("recv", 16 + 8 + snapshot_wire.NOTE_BYTES), ("recv", 3), ("recv", 4)]
+    assert w.posted == [("recv", snapshot_exchange.preamble_size(2)), ("recv", 3), ("recv", 4)]

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from helpers.fake_wire import Blocked, Done, install
-from stagewise.runtime.comm import groups, snapshot_wire
+from stagewise.runtime.comm import groups, snapshot_exchange
 from stagewise.runtime.comm.faults import heartbeat
 from stagewise.runtime.elastic import snapshot_copies
 
@@ -35,7 +35,7 @@ class _Stopped:
             self.lengths[peer] = n + 1
             if n == 0:
                 if t.numel() > 3:  # (a receiver reads a preamble: one part of 3 bytes)
-                    t.copy_(snapshot_wire.preamble([torch.empty(3, dtype=torch.uint8)], b""))
+                    t.copy_(snapshot_exchange.preamble([torch.empty(3, dtype=torch.uint8)], b""))
                 return Done()
             if sum(1 for k in self.lengths.values() if k > 1) == 2:
                 self.length_in.set()  # (a transfer posts its bytes after it counted itself begun)
@@ -64,7 +64,7 @@ def stopped(monkeypatch: pytest.MonkeyPatch) -> Any:
 
 def _exchange(dest: int, lost: Any, posted: threading.Event, out: dict[str, Any]) -> threading.Thread:
     def run() -> None:
-        out["done"] = snapshot_wire.exchange_settled(
+        out["done"] = snapshot_exchange.exchange_settled(
             torch.arange(3, dtype=torch.uint8), dest, [2], None, 3600.0, give_up=posted.is_set, lost=lost
         )
 

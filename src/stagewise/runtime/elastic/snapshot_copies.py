@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ..comm import groups, snapshot_wire
+from ..comm import groups, snapshot_exchange, snapshot_wire
 from ..comm.faults import heartbeat
 from . import folder as folders
 from . import idle, mapped
@@ -35,22 +35,34 @@ from .snapshot_file import SnapshotRefused, checked_header, host_bytes, read_hea
 
 def deliver(snap: Any, step: int, head: bytes, payload: torch.Tensor, clock: idle.Clock, label: bytes = b"") -> None:
     """The helper's part after its own file: :func:`send`, then :func:`commit` (only if nothing failed)."""
-    send(snap, head, payload, clock, label)
+    send(snap, head, payload, clock, label, step)
     commit(snap, step, clock)
 
 
-def send(snap: Any, head: bytes, payload: torch.Tensor, clock: idle.Clock, label: bytes = b"") -> None:
+def send(
+    snap: Any, head: bytes, payload: torch.Tensor, clock: idle.Clock, label: bytes = b"", step: int | None = None
+) -> None:
     """Head and payload, one exchange, to ``snap``'s next machine's rank (a :class:`.snapshots.Snapshotter`); the
     copies from the previous machine written here; then the first failure, if any, raised. ``label``:
-    :func:`label` of this head's file (b"": none, the receiver parses the header)."""
+    :func:`label` of this head's file (b"": none, the receiver parses the header); ``step``: the snapshot's,
+    every source's too (their files' names are known before their preambles are in: :func:`_hints`)."""
     p = snap.peers
     if p.dest is None and not p.sources:
         return
     head_t = torch.frombuffer(bytearray(head), dtype=torch.uint8)
     wire: dict[str, Any] = {"give_up": _give_up(snap), "around": snap.priority.peer_thread, "lost": _lost(snap)}
     into = _Into(snap)
-    done = snapshot_wire.exchange_parts(
-        [head_t, payload], p.dest, p.sources, snap.group, snap.timeout, into.place, note=label, **wire
+    done = snapshot_exchange.exchange_parts(
+        [head_t, payload],
+        p.dest,
+        p.sources,
+        snap.group,
+        snap.timeout,
+        into.place,
+        note=label,
+        **wire,
+        agreed=snap._agreed,
+        hints=_hints(snap, step),
     )
     staged = into.close()  # (a transfer still running past the deadline stages nothing more)
     clock.lap("send_s")
@@ -63,6 +75,9 @@ def send(snap: Any, head: bytes, payload: torch.Tensor, clock: idle.Clock, label
             continue  # nothing sent, or its head or bytes failed: no file (never a head without its bytes)
         got_head, body = got[0], got[1]
         data = got_head.numpy().tobytes()
+        named = _labelled(done.notes.get(src, b""))  # (its preamble's: the staged name was the one expected)
+        if st is not None and named is not None:
+            st = (named[0], st[1])
         if st is not None:
             try:
                 checked_header(data)  # (the digest only: the sender named its file in the label)
@@ -82,8 +97,20 @@ def send(snap: Any, head: bytes, payload: torch.Tensor, clock: idle.Clock, label
             raise failed[0]
 
 
+def _hints(snap: Any, step: int | None) -> dict[int, bytes]:
+    """By source, the label its preamble should carry (the file of ``step`` it owns, as long as its last copy):
+    with the lengths of the last exchange agreed, its parts are posted - its file staged - before it is in."""
+    if step is None:
+        return {}
+    out = {}
+    for src, lengths in snap._agreed.expected.items():
+        if len(lengths) == 2 and lengths[1] >= 0:
+            out[src] = label(folders.file_name(step, snap.lineage, src), lengths[1])
+    return out
+
+
 class _Into:
-    """Where a source's parts are received (:data:`..comm.snapshot_wire.Place`, asked on its transfer thread as
+    """Where a source's parts are received (:data:`..comm.snapshot_exchange.Place`, asked on its transfer thread as
     soon as the preamble is in): its head into a fresh buffer, its file staged from the label (:func:`_stage`);
     its bytes into that file, or, unstaged (no label), a buffer kept for that source."""
 
@@ -97,6 +124,9 @@ class _Into:
             if self._closed:
                 return None
             if index == 0:  # the head (n bytes): a fresh buffer; the file staged for the bytes that follow
+                old = self.staged.get(src)
+                if old is not None:  # (staged as expected, then its lengths changed: anew)
+                    mapped.discard(self.snap._maps, src, old[1])
                 try:
                     self.staged[src] = _stage(self.snap, src, note, n)
                 except Exception as err:  # (a mapping that fails: the bytes still come, into a buffer; raised after)
@@ -166,7 +196,7 @@ _LOST_EVERY_S = 0.5  # how often the store's stamps are read while a copy waits 
 
 
 def _lost(snap: Any) -> Any:
-    """``lost(group rank)`` for :func:`..comm.snapshot_wire.exchange_parts`: the peer is known lost
+    """``lost(group rank)`` for :func:`..comm.snapshot_exchange.exchange_parts`: the peer is known lost
     (:func:`..comm.faults.heartbeat.lost_ranks`: its stamps stood still ``InPlace(silence_s=)``, the evidence
     that posted a stopped machine's failure, or its port refuses), read at most every :data:`_LOST_EVERY_S`."""
     seen: dict[str, Any] = {"at": -float("inf"), "ranks": set()}

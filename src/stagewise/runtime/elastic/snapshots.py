@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from ..checkpoint import state
-from ..comm import groups, lifecycle, snapshot_wire
+from ..comm import groups, lifecycle, snapshot_exchange, snapshot_wire
 from ..errors import PipelineError
 from . import folder as folders
 from . import idle, mapped
@@ -115,8 +115,7 @@ class Snapshotter:
         self.lineage = str(everyone[0]["lineage"])  # group rank 0's: one generation's files share it
         self.end = Ending(self.folder, str(everyone[0]["job"]), weakref.ref(self))  # the job's name: see Ending
         self.peers = peers_of([str(e["machine"]) for e in everyone], self.rank)
-        self.world = len(everyone)
-        self.end.step = 0
+        self.world, self.end.step = len(everyone), 0
         self.stats: dict[str, float] = dict.fromkeys(("snapshots", "capture_s", "gate_s", "stall_s", "sync_s"), 0.0)
         self._inflight: tuple[Capture, threading.Thread] | None = None
         self.dropped = False  # forgotten (a failed generation's): its helper writes no more files
@@ -125,6 +124,7 @@ class Snapshotter:
         self._places: Places | None = None  # where each tensor goes in the buffer (see fill_payload)
         self._layout: Layout | None = None  # the last payload's layout (its entries' JSON kept)
         self._received: dict[int, torch.Tensor] = {}  # by source: buffers for copies not received in place
+        self._agreed = snapshot_exchange.Agreed()  # the copies' lengths by peer (one round: see there)
         self._maps, self._room, self._used = mapped.Files(), 0, 0  # written in place (.mapped); the head's room
         self._written = folders.Written(self.folder, self.rank)  # the files written here, by source
         self._stream: Any = None

@@ -214,7 +214,7 @@ def post_failure(text: str) -> None:
 def failure_posted(every: float = 0.5) -> bool:
     """Whether this run's failure is posted: by this process (:func:`post_failure`: known at once), or by another
     (read on the store at most every ``every`` seconds). What a helper's wait on peers gives up at: a peer that
-    has not begun its part by then never will (:func:`..snapshot_wire.exchange_settled`)."""
+    has not begun its part by then never will (:func:`..snapshot_exchange.exchange_settled`)."""
     global _read_at
     if _posted.is_set():
         return True
