@@ -281,6 +281,25 @@ def clean_exit(ctx: Ctx) -> None:
     assert left == [], left
 
 
+def one_round_lengths(ctx: Ctx) -> dict[str, Any]:
+    """A copy's exchange on gloo itself (snapshot_exchange, in pairs 0-1 and 2-3), its lengths agreed: the second
+    exchange posted in one round, the third's grown payload sent after a byte into each part posted for the old
+    length, the fourth in one round again; every part whole each time."""
+    from stagewise.runtime.comm import snapshot_exchange, snapshot_wire
+
+    group = snapshot_wire.snapshot_group(None, 60.0)
+    other, agreed = ctx.rank ^ 1, snapshot_exchange.Agreed()
+    for k, n in enumerate((16, 16, 24, 24)):  # (16 posted, 24 sent: gloo fails it, unless filled and followed)
+        mine = [torch.full((8,), 10 * k + ctx.rank, dtype=torch.uint8), torch.arange(n, dtype=torch.uint8) + ctx.rank]
+        done = snapshot_exchange.exchange_parts(mine, other, [other], group, 60.0, agreed=agreed)
+        assert done.failed == [], done.failed
+        want = [torch.full((8,), 10 * k + other, dtype=torch.uint8), torch.arange(n, dtype=torch.uint8) + other]
+        got = done.parts[other]
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), (k, got)
+        assert agreed.sent == {other: [8, n]} and agreed.expected == {other: [8, n]}, agreed
+    return {"exchanges": 4}
+
+
 def checks(world: int) -> dict[str, Check]:
     assert world == 4
     opt: Any = {"optimizer": adamw}
@@ -294,6 +313,7 @@ def checks(world: int) -> dict[str, Check]:
         "copy-before-step": copy_before_step,
         "clean-exit": clean_exit,
         "during-merge": during_merge,
+        "one-round-lengths": one_round_lengths,
         "refused-no-optimizer": refused(
             lambda ctx: sw.Pipeline(layers(), loss_fn=mdl.lm_loss, snapshot=2), "needs optimizer="
         ),

@@ -10,7 +10,7 @@ call from the step path), a rank takes what a restart needs:
   (:mod:`.mapped`, :mod:`.folder`; from a GPU: on a side stream, into pinned memory, written after). Nothing
   changes them before the next optimizer step, and that step waits for the copy (:meth:`before_step`, a
   stage part at each STEP); then, still on the helper: the digest, the head, the file renamed into place, and
-  the same bytes sent to a rank of the next machine (:mod:`.snapshot_copies` over :mod:`..comm.snapshot_wire`,
+  the same bytes sent to a rank of the next machine (:mod:`.snapshot_copies` over :mod:`..comm.snapshot_exchange`,
   a gloo group of its own), which receives them straight into their file's pages in its machine's folder.
 
 Machines are told apart by torchrun's ``GROUP_RANK`` (the agent's rank in the round); rank ``j`` of machine
