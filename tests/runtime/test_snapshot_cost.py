@@ -109,6 +109,7 @@ def test_a_rebound_root_is_read_anew(one_rank: object, tmp_path: Path) -> None:
     from torch import nn
 
     from stagewise.runtime.checkpoint import state
+    from stagewise.runtime.elastic import capture as capturing
 
     def build(layers: list[sw.Layer], snapshot: object, microbatches: int) -> sw.Pipeline:
         return sw.Pipeline(
@@ -126,9 +127,46 @@ def test_a_rebound_root_is_read_anew(one_rank: object, tmp_path: Path) -> None:
     snaps.wait()
     snaps.root = new
     capture = snaps._capture(None)
+    capturing.complete(capture, {})  # (the helper's half: the optimizers' state)
     assert capture.header["layout"] == state.layout_of(new, 1) != state.layout_of(old, 1)
     names = set(state.parameter_names(new).values())
     assert {k.split("/")[1] for k in capture.tensors if k.startswith("optim/")} == names
+
+
+def test_the_helper_reads_the_optimizer_state_with_the_hyper_parameters_of_the_capture(
+    one_rank: object, tmp_path: Path
+) -> None:
+    """The step's thread takes the optimizers' hyper-parameters (the user or a scheduler sets them between
+    steps); the helper adds the state tensors and the capture's mark: a learning rate changed after the capture
+    is not the snapshot's, and the state is the optimizer's own tensors (nothing changes them before the STEP)."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    from stagewise.runtime.checkpoint import state
+    from stagewise.runtime.elastic import capture as capturing
+
+    pipe = sw.Pipeline(
+        [sw.Layer(nn.Linear, 4, 3)], loss_fn=F.cross_entropy, microbatches=1,
+        optimizer=lambda ps: torch.optim.Adam(ps, lr=0.1), snapshot=sw.Snapshots(every=1, folder=str(tmp_path)),
+    )  # fmt: skip
+    pipe.train_step(torch.randn(4, 4), torch.tensor([0, 1, 2, 0]))
+    snaps = pipe.snapshots
+    assert snaps is not None
+    snaps.wait()
+    capture = snaps._capture(None)
+    assert not any(k.startswith(state.OPTIM) for k in capture.tensors)  # (the helper's)
+    (opt,) = state.optimizers_of(pipe, None)
+    for group in opt.param_groups:
+        group["lr"] = 0.5  # the user's change for the next step
+    marks: dict[int, capturing.Mark] = {}
+    capturing.complete(capture, marks)
+    hyper = capture.header["optimizer"]["params"]
+    assert hyper and {h["lr"] for h in hyper.values()} == {0.1}
+    names = state.parameter_names(pipe)
+    for p in opt.param_groups[0]["params"]:
+        got = capture.tensors[f"{state.OPTIM}{names[id(p)]}/exp_avg"]
+        assert got.data_ptr() == opt.state[p]["exp_avg"].data_ptr()
+    assert list(marks) == [capture.step] and set(marks[capture.step].versions) == set(capture.tensors)
 
 
 @pytest.mark.parametrize("commit", ["pipelined", "sync"])

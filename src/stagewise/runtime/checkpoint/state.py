@@ -103,18 +103,19 @@ def _name(names: Mapping[int, str], p: torch.Tensor) -> str:
 
 
 def optimizer_state(
-    optimizers: list[torch.optim.Optimizer], names: Mapping[int, str]
+    optimizers: list[torch.optim.Optimizer], names: Mapping[int, str], hyper: list[list[Any]] | None = None
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Tensors (``optim/NAME/KEY``) and JSON metadata (hyper-parameters and other state, per NAME)."""
+    """Tensors (``optim/NAME/KEY``) and JSON metadata (hyper-parameters and other state, per NAME); ``hyper``:
+    :func:`optimizer_hyper` taken earlier (a snapshot reads the state later, on its helper thread)."""
     tensors: dict[str, torch.Tensor] = {}
     params: dict[str, Any] = {}
     state: dict[str, dict[str, Any]] = {}
-    for opt in optimizers:
-        for group in opt.param_groups:
-            hyper = encode({k: v for k, v in group.items() if k != "params"}, "optimizer param group")
+    hyper = optimizer_hyper(optimizers) if hyper is None else hyper
+    for opt, groups_hyper in zip(optimizers, hyper, strict=True):
+        for group, group_hyper in zip(opt.param_groups, groups_hyper, strict=True):
             for p in group["params"]:
                 name = _name(names, p)
-                params[name] = hyper
+                params[name] = group_hyper
                 entries: dict[str, Any] = {}
                 for key, value in opt.state.get(p, {}).items():
                     if isinstance(value, torch.Tensor):  # (detached only if it needs it: ~465 per snapshot)
@@ -125,6 +126,18 @@ def optimizer_state(
                 if entries:
                     state[name] = entries
     return tensors, {"params": params, "state": state}
+
+
+def optimizer_hyper(optimizers: list[torch.optim.Optimizer]) -> list[list[Any]]:
+    """Each optimizer's param groups' hyper-parameters as JSON, in order (what a scheduler or the user changes
+    between steps: a snapshot takes them on the step's thread)."""
+    return [
+        [
+            encode({k: v for k, v in group.items() if k != "params"}, "optimizer param group")
+            for group in opt.param_groups
+        ]
+        for opt in optimizers
+    ]
 
 
 def optimizer_targets(
