@@ -169,6 +169,42 @@ def test_the_helper_reads_the_optimizer_state_with_the_hyper_parameters_of_the_c
     assert list(marks) == [capture.step] and set(marks[capture.step].versions) == set(capture.tensors)
 
 
+def test_a_group_added_or_a_state_loaded_between_steps_is_not_the_snapshot_s(one_rank: object, tmp_path: Path) -> None:
+    """The user's code between two steps may unfreeze a layer (``add_param_group``) or set an optimizer state's
+    entries anew before the helper reads the optimizers: the snapshot holds the groups
+    and the state tensors of the step it is taken at."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    from stagewise.runtime.checkpoint import state
+    from stagewise.runtime.elastic import capture as capturing
+
+    def weights_only(ps: object) -> torch.optim.Optimizer:
+        return torch.optim.Adam([p for p in ps if p.dim() == 2], lr=0.1)  # type: ignore[attr-defined]
+
+    pipe = sw.Pipeline(
+        [sw.Layer(nn.Linear, 4, 3)], loss_fn=F.cross_entropy, microbatches=1, optimizer=weights_only,
+        snapshot=sw.Snapshots(every=1, folder=str(tmp_path)),
+    )  # fmt: skip
+    pipe.train_step(torch.randn(4, 4), torch.tensor([0, 1, 2, 0]))
+    snaps = pipe.snapshots
+    assert snaps is not None
+    snaps.wait()
+    capture = snaps._capture(None)
+    (opt,) = state.optimizers_of(pipe, None)
+    (weight,) = opt.param_groups[0]["params"]
+    taken = opt.state[weight]["exp_avg"]
+    bias = next(p for p in pipe.parameters() if p.dim() == 1)
+    opt.add_param_group({"params": [bias], "lr": 0.3})  # the user unfreezes the bias
+    opt.state[weight].update({k: v.clone() + 1 for k, v in opt.state[weight].items()})  # ... and resets a state
+    capturing.complete(capture, {})
+    names = state.parameter_names(pipe)
+    assert capture.header["optimizer"]["params"] == {
+        names[id(weight)]: capture.header["optimizer"]["params"][names[id(weight)]]
+    }
+    assert capture.tensors[f"{state.OPTIM}{names[id(weight)]}/exp_avg"] is taken
+
+
 @pytest.mark.parametrize("commit", ["pipelined", "sync"])
 def test_a_sync_commit_holds_each_step_before_train_step_returns(
     commit: str, one_rank: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch

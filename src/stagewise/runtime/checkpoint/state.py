@@ -102,22 +102,22 @@ def _name(names: Mapping[int, str], p: torch.Tensor) -> str:
     return names[id(p)]
 
 
-def optimizer_state(
-    optimizers: list[torch.optim.Optimizer], names: Mapping[int, str], hyper: list[list[Any]] | None = None
-) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Tensors (``optim/NAME/KEY``) and JSON metadata (hyper-parameters and other state, per NAME); ``hyper``:
-    :func:`optimizer_hyper` taken earlier (a snapshot reads the state later, on its helper thread)."""
+# Each optimizer's param groups as taken: the hyper-parameters (JSON) and every parameter's name and state entries.
+OptimizerTaken = list[list[tuple[Any, list[tuple[str, dict[str, Any]]]]]]
+
+
+def optimizer_state(taken: OptimizerTaken) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Tensors (``optim/NAME/KEY``) and JSON metadata (hyper-parameters and other state, per NAME) of the groups
+    :func:`optimizer_taken` took (a snapshot takes them on the step's thread, and reads them on its helper's)."""
     tensors: dict[str, torch.Tensor] = {}
     params: dict[str, Any] = {}
     state: dict[str, dict[str, Any]] = {}
-    hyper = optimizer_hyper(optimizers) if hyper is None else hyper
-    for opt, groups_hyper in zip(optimizers, hyper, strict=True):
-        for group, group_hyper in zip(opt.param_groups, groups_hyper, strict=True):
-            for p in group["params"]:
-                name = _name(names, p)
+    for groups in taken:
+        for group_hyper, members in groups:
+            for name, live in members:
                 params[name] = group_hyper
                 entries: dict[str, Any] = {}
-                for key, value in opt.state.get(p, {}).items():
+                for key, value in live.items():
                     if isinstance(value, torch.Tensor):  # (detached only if it needs it: ~465 per snapshot)
                         tensors[f"{OPTIM}{name}/{key}"] = value.detach() if value.requires_grad else value
                         entries[key] = {"tensor": True}
@@ -128,12 +128,17 @@ def optimizer_state(
     return tensors, {"params": params, "state": state}
 
 
-def optimizer_hyper(optimizers: list[torch.optim.Optimizer]) -> list[list[Any]]:
-    """Each optimizer's param groups' hyper-parameters as JSON, in order (what a scheduler or the user changes
-    between steps: a snapshot takes them on the step's thread)."""
+def optimizer_taken(optimizers: list[torch.optim.Optimizer], names: Mapping[int, str]) -> OptimizerTaken:
+    """Each optimizer's param groups as they are now: the hyper-parameters as JSON (a scheduler or the user sets
+    them between steps), every parameter's name (one the model lacks refused here), and its state's entries: the
+    dict copied, the tensors not (the next optimizer step updates them in place; what the user's code does
+    between steps, a group added or a state loaded, replaces the dict's entries and leaves these)."""
     return [
         [
-            encode({k: v for k, v in group.items() if k != "params"}, "optimizer param group")
+            (
+                encode({k: v for k, v in group.items() if k != "params"}, "optimizer param group"),
+                [(_name(names, p), dict(opt.state.get(p, ()))) for p in group["params"]],
+            )
             for group in opt.param_groups
         ]
         for opt in optimizers

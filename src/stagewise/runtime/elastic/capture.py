@@ -2,11 +2,12 @@
 
 :func:`take`, on the step's thread at the end of a train step: what the next step changes before its optimizer
 step - the generators' states, the buffers (copied: a forward changes BatchNorm's statistics), the data
-position, the optimizers' hyper-parameters (a scheduler or the user sets them between steps) - and references
-to the parameters. :func:`complete`, first thing on the helper thread: the optimizers' state tensors and every
-live tensor's version counter, which nothing changes until the next optimizer step, and that step waits for
-the helper's copy (``Capture.copied``). Walking the optimizers' state off the step's thread keeps the step's
-own share of a snapshot to what cannot wait.
+position, the optimizers' groups (their hyper-parameters: a scheduler or the user sets them between steps; their
+parameters and each one's state entries: the user may add a group or load a state) - and references to the
+tensors. :func:`complete`, first thing on the helper thread: the names and JSON of the optimizers' state, and
+every live tensor's version counter, which nothing changes until the next optimizer step, and that step waits
+for the helper's copy (``Capture.copied``). Naming and encoding the optimizers' state off the step's thread
+keeps the step's own share of a snapshot to what cannot wait.
 """
 
 from __future__ import annotations
@@ -25,14 +26,13 @@ from .snapshot_file import versions
 @dataclass
 class Capture:
     """One snapshot on its way: the tensors (references until copied), where each goes, the header; the
-    optimizers whose state :func:`complete` adds, the live model tensors, and the parameters' names."""
+    optimizers' groups as taken, whose state :func:`complete` adds, and the live model tensors."""
 
     step: int
     tensors: dict[str, torch.Tensor]
     header: dict[str, Any]
-    optimizers: list[Any] = field(default_factory=list)
+    optimizers: state.OptimizerTaken = field(default_factory=list)
     live: dict[str, torch.Tensor] = field(default_factory=dict)
-    names: dict[int, str] = field(default_factory=dict)  # id(parameter) -> its name
     entries: dict[str, Any] = field(default_factory=dict)
     total: int = 0
     copied: threading.Event = field(default_factory=threading.Event)
@@ -56,7 +56,7 @@ def take(snap: Any, trained: int | None) -> Capture:
         live[state.MODEL + name] = view = t.detach()
         tensors[state.MODEL + name] = view if isinstance(t, nn.Parameter) else view.clone()  # (buffers change)
     names, layout = snap.fixed()
-    optimizers = state.optimizers_of(root, None)
+    optimizers = state.optimizer_taken(state.optimizers_of(root, None), names)
     extra = snap.config.extra() if snap.config.extra is not None else None
     header = {
         "run": snap.run,
@@ -68,11 +68,11 @@ def take(snap: Any, trained: int | None) -> Capture:
         "layout": layout,
         "dropout": state.dropout_of(root, trained),
         "scheduler": state.scheduler_state(root),  # lr_scheduler=: a recovery goes on where the schedule was
-        "optimizer": state.optimizer_hyper(optimizers),  # (the state with them: complete)
+        "optimizer": None,  # (complete)
         "rng": state.rng_taken(),  # (encoded on the helper: .snapshots)
         "extra": state.encode(extra, "Snapshots.extra"),
     }
-    capture = Capture(snap.step, tensors, header, optimizers, live, names)
+    capture = Capture(snap.step, tensors, header, optimizers, live)
     if any(t.is_cuda for t in tensors.values()):
         ready = torch.cuda.Event()
         ready.record()  # the step's work queued so far, the optimizer's last update among it
@@ -86,9 +86,7 @@ def complete(capture: Capture, marks: dict[int, Mark]) -> None:
     while it is unchanged, :mod:`..relayout.sources`; BatchNorm's forward writes its running statistics without
     counting a version: they are compared)."""
     live, tensors = capture.live, capture.tensors
-    optim, capture.header["optimizer"] = state.optimizer_state(
-        capture.optimizers, capture.names, capture.header["optimizer"]
-    )
+    optim, capture.header["optimizer"] = state.optimizer_state(capture.optimizers)
     copies = {n: t for n, t in tensors.items() if n in live and t is not live[n]}
     tensors.update(optim)
     marks[capture.step] = Mark(versions({**live, **optim}), copies)
