@@ -15,7 +15,9 @@ error apart), the share of measured steps inside the interval and its median hal
 the MAE a perfect model would show (the floor), and the coverage of a perfect interval at twice the spread.
 The row ``after, 1 build`` is what a benchmark of one build per plan would have said (round 0 alone).
 ``--netem``: each world size's job runs across two namespace machines, once per link of :data:`.netem.LINKS`
-(``tc netem`` latency, ``tc tbf`` bandwidth; root). Writes ``calibration.json`` and ``calibration.md`` to ``--out``.
+(``tc netem`` latency, or :mod:`.delay_line` where the kernel lacks netem; ``tc tbf`` bandwidth; root), ``--links``
+a subset of them; with ``--pin`` each machine on a core of its own. Writes ``calibration.json`` and
+``calibration.md`` to ``--out``.
 """
 
 from __future__ import annotations
@@ -53,7 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="2 ranks, gpt64, 4 plans, 2 steps, 2 rounds")
     parser.add_argument("--netem", action="store_true",
                         help="across 2 namespace machines, once per link of netem.LINKS (root)")  # fmt: skip
+    parser.add_argument("--links", nargs="+", metavar="LINK",
+                        help="with --netem, only these links of netem.LINKS ('' the unshaped veth)")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.links is not None and not set(args.links) <= set(LINKS):
+        parser.error(f"--links: {sorted(set(args.links) - set(LINKS))} not in netem.LINKS {list(LINKS)}")
     if args.quick:
         args.ranks, args.workload, args.plans, args.steps, args.rounds = [2], "gpt64", 4, 2, 2
     args.out.mkdir(parents=True, exist_ok=True)
@@ -62,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.peaks:
         return peaks_only(args)
     results, rows = [], []
-    jobs = [(world, link) for world in args.ranks for link in (LINKS if args.netem else (None,))]
+    links = [link for link in LINKS if args.links is None or link in args.links] if args.netem else [None]
+    jobs = [(world, link) for world in args.ranks for link in links]
     for k, (world, link) in enumerate(jobs):
         worker = ["--workload", args.workload, "--plans", str(args.plans), "--steps", str(args.steps),
                   "--rounds", str(args.rounds), *(["--pin"] if pinned(args, world) else [])]  # fmt: skip
@@ -78,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"job at {world} ranks (link {link!r}) failed or skipped", file=sys.stderr)
             continue
         results.append(result)
-        where = "one machine" if link is None else link or "veth"
+        where = "one machine" if link is None else result["link"]
         for model in ("after", "at batch", "before"):
             rows.append({**summary(result, model), "link": where})
         if result.get("rounds", 1) > 1:
