@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="across 2 namespace machines, once per link of netem.LINKS (root)")  # fmt: skip
     parser.add_argument("--links", nargs="+", metavar="LINK",
                         help="with --netem, only these links of netem.LINKS ('' the unshaped veth)")  # fmt: skip
+    parser.add_argument("--mtu", type=int, help="with --netem, every veth's MTU (a delay line's is netem.DELAY_MTU)")
     args = parser.parse_args(argv)
     if args.links is not None and not set(args.links) <= set(LINKS):
         parser.error(f"--links: {sorted(set(args.links) - set(LINKS))} not in netem.LINKS {list(LINKS)}")
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             result = json.loads(path.read_text()) if done.returncode == 0 else None
         else:
             path = args.out / f"job-{args.workload}-{world}-link{k}.json"
-            result = job(link, world, worker, path, port=29611 + k)
+            result = job(link, world, worker, path, port=29611 + k, mtu=args.mtu)
         if result is None:
             print(f"job at {world} ranks (link {link!r}) failed or skipped", file=sys.stderr)
             continue

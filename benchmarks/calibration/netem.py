@@ -7,7 +7,7 @@ run): ``netem delay D`` (a message between machines waits ``D`` once, a round tr
 (the link's bandwidth). A kernel without ``sch_netem`` (``CONFIG_NET_SCH_NETEM`` unset: "Specified qdisc kind
 is unknown", as on this VM) gets the same delay from :mod:`.delay_line` instead: every packet a machine receives
 from its veth is held ``D`` in userspace (an iptables NFQUEUE rule; Debian's ``iptables``), on veths of MTU
-:data:`DELAY_MTU` (a packet per message rather than per 1.5 KB, so the line's CPU stays near 1 % of a step);
+:data:`DELAY_MTU` (a packet per message rather than per 1.5 KB, so the line's CPU stays near 2 % of a core);
 the job's result says which shaped its link (``"shaped_by"``) and what the line cost. Per link the worker
 calibrates on plan P over it and predicts the plans Q. Needs root.
 """
@@ -54,15 +54,17 @@ def delay_of(link: str) -> float | None:
 
 
 @contextmanager
-def shaped(machines: Any, link: str, logs: Path) -> Iterator[dict[str, Any] | None]:
+def shaped(machines: Any, link: str, logs: Path, mtu: int | None = None) -> Iterator[dict[str, Any] | None]:
     """Every machine's veth shaped by ``link``: by ``tc``, or a ``netem delay`` the kernel lacks by
     :mod:`.delay_line`; yields what shaped it (filled with the lines' packets and CPU when they stop), None
-    where it cannot be."""
-    how: dict[str, Any] = {"by": "tc" if link else "nothing"}
+    where it cannot be. ``mtu``: every veth's, whatever shapes it (a delay line's is :data:`DELAY_MTU`)."""
+    how: dict[str, Any] = {"by": "tc" if link else "nothing", **({"mtu": mtu} if mtu else {})}
     lines: list[subprocess.Popen[bytes]] = []
     started = time.monotonic()
     try:
         for i in range(machines.n):
+            if mtu:
+                _set_mtu(machines, i, mtu)
             why = shape(machines.name(i), f"{machines.tag}v{i}", link)
             if why is None:
                 continue
@@ -89,9 +91,8 @@ def shaped(machines: Any, link: str, logs: Path) -> Iterator[dict[str, Any] | No
 def _delay_line(machines: Any, i: int, delay: float, iptables: str, log: Path) -> subprocess.Popen[bytes]:
     """Machine ``i``'s line: its veth (and the switch's end, and the bridge) at :data:`DELAY_MTU`, the line
     bound to its queue, then the rule that sends it what arrives on the veth."""
-    name, veth, port, switch = machines.name(i), f"{machines.tag}v{i}", f"{machines.tag}p{i}", f"{machines.tag}sw"
-    for ns, dev in ((name, veth), (switch, port), (switch, "br0")):
-        subprocess.run(["ip", "-n", ns, "link", "set", "dev", dev, "mtu", str(DELAY_MTU)], check=True, timeout=30)
+    name, veth = machines.name(i), f"{machines.tag}v{i}"
+    _set_mtu(machines, i, DELAY_MTU)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = open(log, "wb")  # noqa: SIM115 (the line's own file: read after it stops)
     line = subprocess.Popen(["ip", "netns", "exec", name, sys.executable, "-m", "benchmarks.calibration.delay_line",
@@ -110,13 +111,22 @@ def _delay_line(machines: Any, i: int, delay: float, iptables: str, log: Path) -
     return line
 
 
+def _set_mtu(machines: Any, i: int, mtu: int) -> None:
+    """Machine ``i``'s veth, the switch's end of it and the bridge at ``mtu``."""
+    name, veth, port, switch = machines.name(i), f"{machines.tag}v{i}", f"{machines.tag}p{i}", f"{machines.tag}sw"
+    for ns, dev in ((name, veth), (switch, port), (switch, "br0")):
+        subprocess.run(["ip", "-n", ns, "link", "set", "dev", dev, "mtu", str(mtu)], check=True, timeout=30)
+
+
 def _held(log: Path) -> tuple[int, float]:
     """The packets a line held and its CPU seconds, from its last line."""
     m = re.search(r"(\d+) packets held .* CPU ([0-9.]+) s", log.read_text())
     return (int(m.group(1)), float(m.group(2))) if m else (0, 0.0)
 
 
-def job(link: str, world: int, worker_args: list[str], out: Path, port: int) -> dict[str, Any] | None:
+def job(
+    link: str, world: int, worker_args: list[str], out: Path, port: int, mtu: int | None = None
+) -> dict[str, Any] | None:
     """One job of ``world`` processes over 2 machines joined by ``link``; the worker's result (None on failure
     or where the kernel lacks the qdisc)."""
     with_the_tests("benchmarks.calibration", "elastic_harness")
@@ -126,7 +136,7 @@ def job(link: str, world: int, worker_args: list[str], out: Path, port: int) -> 
     with (
         netns.make(f"cn{os.getpid() % 1000}", 2, subnet=211) as machines,
         tempfile.TemporaryDirectory() as tmp,
-        shaped(machines, link, Path(tmp)) as how,
+        shaped(machines, link, Path(tmp), mtu) as how,
     ):
         if how is None:
             return None
@@ -150,7 +160,8 @@ def job(link: str, world: int, worker_args: list[str], out: Path, port: int) -> 
             print(f"link {link!r}: the machines exited {codes}\n{tails}", file=sys.stderr)
             return None
     result: dict[str, Any] = json.loads(out.read_text())
-    result["link"] = (link or "veth") + (" (delay line)" if "cpu_s" in how else "")
+    line = " (delay line)" if "cpu_s" in how else ""
+    result["link"] = (link or "veth") + line + (f", MTU {how['mtu']}" if mtu and "mtu" in how else "")
     result["shaped_by"] = how
     if "cpu_s" in how:
         print(f"link {link!r}: the delay lines held {how['packets']} packets on {how['cpu_s']:.2f} s of CPU in "
