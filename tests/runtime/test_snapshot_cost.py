@@ -9,6 +9,7 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -133,27 +134,33 @@ def test_a_rebound_root_is_read_anew(one_rank: object, tmp_path: Path) -> None:
     assert {k.split("/")[1] for k in capture.tensors if k.startswith("optim/")} == names
 
 
+def _captured_after_a_step(tmp_path: Path, optimizer: Any) -> tuple[Any, Any]:
+    """A one-layer pipeline with a snapshot every step, after one step, and a capture taken on this thread (the
+    helper's half not yet run)."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    pipe = sw.Pipeline(
+        [sw.Layer(nn.Linear, 4, 3)], loss_fn=F.cross_entropy, microbatches=1, optimizer=optimizer,
+        snapshot=sw.Snapshots(every=1, folder=str(tmp_path)),
+    )  # fmt: skip
+    pipe.train_step(torch.randn(4, 4), torch.tensor([0, 1, 2, 0]))
+    snaps = pipe.snapshots
+    assert snaps is not None
+    snaps.wait()
+    return pipe, snaps._capture(None)
+
+
 def test_the_helper_reads_the_optimizer_state_with_the_hyper_parameters_of_the_capture(
     one_rank: object, tmp_path: Path
 ) -> None:
     """The step's thread takes the optimizers' hyper-parameters (the user or a scheduler sets them between
     steps); the helper adds the state tensors and the capture's mark: a learning rate changed after the capture
     is not the snapshot's, and the state is the optimizer's own tensors (nothing changes them before the STEP)."""
-    import torch.nn.functional as F
-    from torch import nn
-
     from stagewise.runtime.checkpoint import state
     from stagewise.runtime.elastic import capture as capturing
 
-    pipe = sw.Pipeline(
-        [sw.Layer(nn.Linear, 4, 3)], loss_fn=F.cross_entropy, microbatches=1,
-        optimizer=lambda ps: torch.optim.Adam(ps, lr=0.1), snapshot=sw.Snapshots(every=1, folder=str(tmp_path)),
-    )  # fmt: skip
-    pipe.train_step(torch.randn(4, 4), torch.tensor([0, 1, 2, 0]))
-    snaps = pipe.snapshots
-    assert snaps is not None
-    snaps.wait()
-    capture = snaps._capture(None)
+    pipe, capture = _captured_after_a_step(tmp_path, lambda ps: torch.optim.Adam(ps, lr=0.1))
     assert not any(k.startswith(state.OPTIM) for k in capture.tensors)  # (the helper's)
     (opt,) = state.optimizers_of(pipe, None)
     for group in opt.param_groups:
@@ -169,28 +176,17 @@ def test_the_helper_reads_the_optimizer_state_with_the_hyper_parameters_of_the_c
     assert list(marks) == [capture.step] and set(marks[capture.step].versions) == set(capture.tensors)
 
 
-def test_a_group_added_or_a_state_loaded_between_steps_is_not_the_snapshot_s(one_rank: object, tmp_path: Path) -> None:
+def test_a_group_added_or_a_state_set_between_steps_is_not_the_snapshot_s(one_rank: object, tmp_path: Path) -> None:
     """The user's code between two steps may unfreeze a layer (``add_param_group``) or set an optimizer state's
     entries anew before the helper reads the optimizers: the snapshot holds the groups
     and the state tensors of the step it is taken at."""
-    import torch.nn.functional as F
-    from torch import nn
-
     from stagewise.runtime.checkpoint import state
     from stagewise.runtime.elastic import capture as capturing
 
     def weights_only(ps: object) -> torch.optim.Optimizer:
         return torch.optim.Adam([p for p in ps if p.dim() == 2], lr=0.1)  # type: ignore[attr-defined]
 
-    pipe = sw.Pipeline(
-        [sw.Layer(nn.Linear, 4, 3)], loss_fn=F.cross_entropy, microbatches=1, optimizer=weights_only,
-        snapshot=sw.Snapshots(every=1, folder=str(tmp_path)),
-    )  # fmt: skip
-    pipe.train_step(torch.randn(4, 4), torch.tensor([0, 1, 2, 0]))
-    snaps = pipe.snapshots
-    assert snaps is not None
-    snaps.wait()
-    capture = snaps._capture(None)
+    pipe, capture = _captured_after_a_step(tmp_path, weights_only)
     (opt,) = state.optimizers_of(pipe, None)
     (weight,) = opt.param_groups[0]["params"]
     taken = opt.state[weight]["exp_avg"]
