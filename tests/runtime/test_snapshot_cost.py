@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import stagewise as sw
+from stagewise.checkpoint import CheckpointError
 from stagewise.runtime.comm import snapshot_exchange
 from stagewise.runtime.elastic import folder as folders
 from stagewise.runtime.elastic import idle
@@ -179,7 +180,7 @@ def test_the_helper_reads_the_optimizer_state_with_the_hyper_parameters_of_the_c
 def test_a_group_added_or_a_state_set_between_steps_is_not_the_snapshot_s(one_rank: object, tmp_path: Path) -> None:
     """The user's code between two steps may unfreeze a layer (``add_param_group``) or set an optimizer state's
     entries anew before the helper reads the optimizers: the snapshot holds the groups
-    and the state tensors of the step it is taken at."""
+    and the state tensors of the step it is taken at. A parameter the model lacks is refused at the capture."""
     from stagewise.runtime.checkpoint import state
     from stagewise.runtime.elastic import capture as capturing
 
@@ -195,10 +196,13 @@ def test_a_group_added_or_a_state_set_between_steps_is_not_the_snapshot_s(one_ra
     opt.state[weight].update({k: v.clone() + 1 for k, v in opt.state[weight].items()})  # ... and resets a state
     capturing.complete(capture, {})
     names = state.parameter_names(pipe)
-    assert capture.header["optimizer"]["params"] == {
-        names[id(weight)]: capture.header["optimizer"]["params"][names[id(weight)]]
-    }
+    params = capture.header["optimizer"]["params"]
+    assert set(params) == {names[id(weight)]} and params[names[id(weight)]]["lr"] == 0.1
     assert capture.tensors[f"{state.OPTIM}{names[id(weight)]}/exp_avg"] is taken
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})  # not the model's: refused at the capture
+    assert pipe.snapshots is not None
+    with pytest.raises(CheckpointError, match="that the model does not have"):
+        pipe.snapshots._capture(None)
 
 
 @pytest.mark.parametrize("commit", ["pipelined", "sync"])
