@@ -11,7 +11,7 @@ through per delay (measured: 1.1 MB/s at 5 ms); one held on arrival has left its
 
 What it costs the machine it shapes: a few system calls per packet (the queue message in, one verdict per
 batch) on the process's own thread at real-time priority (so a busy core does not add its slice to the
-delay), about 50 us of CPU per packet here; ``--stats`` prints the packets held and the CPU seconds spent, so a
+delay), 50-70 us of CPU per packet here; ``--stats`` prints the packets held and the CPU seconds spent, so a
 run can say what it took. The netlink messages are written here with :mod:`struct` (the kernel's
 ``nfnetlink_queue`` ABI, ``linux/netfilter/nfnetlink_queue.h``): no library to install beyond iptables itself.
 
