@@ -40,9 +40,7 @@ def _job(tmp_path: Path, microbatch_size: int = 2) -> generation.InPlace:
 
 def _state(pipe: sw.Pipeline) -> dict[str, torch.Tensor]:
     tensors = {state.MODEL + k: t.detach() for k, t in state.load_targets(pipe).items()}
-    optim, _ = state.optimizer_state(
-        state.optimizer_taken(state.optimizers_of(pipe, None), state.parameter_names(pipe))
-    )
+    optim, _ = state.optimizer_state(state.optimizers_of(pipe, None), state.parameter_names(pipe))
     return {**tensors, **optim}
 
 

@@ -9,13 +9,11 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
 import stagewise as sw
-from stagewise.checkpoint import CheckpointError
 from stagewise.runtime.comm import snapshot_exchange
 from stagewise.runtime.elastic import folder as folders
 from stagewise.runtime.elastic import idle
@@ -111,7 +109,6 @@ def test_a_rebound_root_is_read_anew(one_rank: object, tmp_path: Path) -> None:
     from torch import nn
 
     from stagewise.runtime.checkpoint import state
-    from stagewise.runtime.elastic import capture as capturing
 
     def build(layers: list[sw.Layer], snapshot: object, microbatches: int) -> sw.Pipeline:
         return sw.Pipeline(
@@ -129,80 +126,9 @@ def test_a_rebound_root_is_read_anew(one_rank: object, tmp_path: Path) -> None:
     snaps.wait()
     snaps.root = new
     capture = snaps._capture(None)
-    capturing.complete(capture, {})  # (the helper's half: the optimizers' state)
     assert capture.header["layout"] == state.layout_of(new, 1) != state.layout_of(old, 1)
     names = set(state.parameter_names(new).values())
     assert {k.split("/")[1] for k in capture.tensors if k.startswith("optim/")} == names
-
-
-def _captured_after_a_step(tmp_path: Path, optimizer: Any) -> tuple[Any, Any]:
-    """A one-layer pipeline with a snapshot every step, after one step, and a capture taken on this thread (the
-    helper's half not yet run)."""
-    import torch.nn.functional as F
-    from torch import nn
-
-    pipe = sw.Pipeline(
-        [sw.Layer(nn.Linear, 4, 3)], loss_fn=F.cross_entropy, microbatches=1, optimizer=optimizer,
-        snapshot=sw.Snapshots(every=1, folder=str(tmp_path)),
-    )  # fmt: skip
-    pipe.train_step(torch.randn(4, 4), torch.tensor([0, 1, 2, 0]))
-    snaps = pipe.snapshots
-    assert snaps is not None
-    snaps.wait()
-    return pipe, snaps._capture(None)
-
-
-def test_the_helper_reads_the_optimizer_state_with_the_hyper_parameters_of_the_capture(
-    one_rank: object, tmp_path: Path
-) -> None:
-    """The step's thread takes the optimizers' hyper-parameters (the user or a scheduler sets them between
-    steps); the helper adds the state tensors and the capture's mark: a learning rate changed after the capture
-    is not the snapshot's, and the state is the optimizer's own tensors (nothing changes them before the STEP)."""
-    from stagewise.runtime.checkpoint import state
-    from stagewise.runtime.elastic import capture as capturing
-
-    pipe, capture = _captured_after_a_step(tmp_path, lambda ps: torch.optim.Adam(ps, lr=0.1))
-    assert not any(k.startswith(state.OPTIM) for k in capture.tensors)  # (the helper's)
-    (opt,) = state.optimizers_of(pipe, None)
-    for group in opt.param_groups:
-        group["lr"] = 0.5  # the user's change for the next step
-    marks: dict[int, capturing.Mark] = {}
-    capturing.complete(capture, marks)
-    hyper = capture.header["optimizer"]["params"]
-    assert hyper and {h["lr"] for h in hyper.values()} == {0.1}
-    names = state.parameter_names(pipe)
-    for p in opt.param_groups[0]["params"]:
-        got = capture.tensors[f"{state.OPTIM}{names[id(p)]}/exp_avg"]
-        assert got.data_ptr() == opt.state[p]["exp_avg"].data_ptr()
-    assert list(marks) == [capture.step] and set(marks[capture.step].versions) == set(capture.tensors)
-
-
-def test_a_group_added_or_a_state_set_between_steps_is_not_the_snapshot_s(one_rank: object, tmp_path: Path) -> None:
-    """The user's code between two steps may unfreeze a layer (``add_param_group``) or set an optimizer state's
-    entries anew before the helper reads the optimizers: the snapshot holds the groups
-    and the state tensors of the step it is taken at. A parameter the model lacks is refused at the capture."""
-    from stagewise.runtime.checkpoint import state
-    from stagewise.runtime.elastic import capture as capturing
-
-    def weights_only(ps: object) -> torch.optim.Optimizer:
-        return torch.optim.Adam([p for p in ps if p.dim() == 2], lr=0.1)  # type: ignore[attr-defined]
-
-    pipe, capture = _captured_after_a_step(tmp_path, weights_only)
-    (opt,) = state.optimizers_of(pipe, None)
-    (weight,) = opt.param_groups[0]["params"]
-    taken = opt.state[weight]["exp_avg"]
-    bias = next(p for p in pipe.parameters() if p.dim() == 1)
-    opt.add_param_group({"params": [bias], "lr": 0.3})  # the user unfreezes the bias
-    opt.state[weight].update({k: v.clone() + 1 for k, v in opt.state[weight].items()})  # ... and resets a state
-    capturing.complete(capture, {})
-    names = state.parameter_names(pipe)
-    params = capture.header["optimizer"]["params"]
-    assert set(params) == {names[id(weight)]} and params[names[id(weight)]]["lr"] == 0.1
-    assert capture.tensors[f"{state.OPTIM}{names[id(weight)]}/exp_avg"] is taken
-    opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})  # not the model's: refused at the capture
-    assert pipe.snapshots is not None
-    with pytest.raises(CheckpointError, match="that the model does not have"):
-        pipe.snapshots._capture(None)
 
 
 @pytest.mark.parametrize("commit", ["pipelined", "sync"])
@@ -273,3 +199,40 @@ def test_a_capture_holds_the_parameters_live_the_buffers_copied_and_the_generato
     torch.rand(5), random.random()
     assert not torch.equal(live[mean], kept) and torch.equal(capture.tensors[state.MODEL + mean], kept)
     assert state.rng_encoded(capture.header["rng"]) == want != state.rng_state()
+
+
+def test_a_group_added_or_a_state_set_after_the_capture_is_not_the_snapshot_s(one_rank: object, tmp_path: Path) -> None:
+    """The user's code between two steps may unfreeze a layer (``add_param_group``) or set an optimizer state's
+    entries anew while the helper still copies: the snapshot holds the groups and the state tensors of the step
+    it is taken at (taken on the step's thread). A parameter the model lacks is refused at the capture."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    from stagewise.checkpoint import CheckpointError
+    from stagewise.runtime.checkpoint import state
+
+    def weights_only(ps: object) -> torch.optim.Optimizer:
+        return torch.optim.Adam([p for p in ps if p.dim() == 2], lr=0.1)  # type: ignore[attr-defined]
+
+    pipe = sw.Pipeline(
+        [sw.Layer(nn.Linear, 4, 3)], loss_fn=F.cross_entropy, microbatches=1, optimizer=weights_only,
+        snapshot=sw.Snapshots(every=1, folder=str(tmp_path)),
+    )  # fmt: skip
+    pipe.train_step(torch.randn(4, 4), torch.tensor([0, 1, 2, 0]))
+    snaps = pipe.snapshots
+    assert snaps is not None
+    snaps.wait()
+    capture = snaps._capture(None)
+    (opt,) = state.optimizers_of(pipe, None)
+    (weight,) = opt.param_groups[0]["params"]
+    taken = opt.state[weight]["exp_avg"]
+    bias = next(p for p in pipe.parameters() if p.dim() == 1)
+    opt.add_param_group({"params": [bias], "lr": 0.3})  # the user unfreezes the bias
+    opt.state[weight].update({k: v.clone() + 1 for k, v in opt.state[weight].items()})  # ... and resets a state
+    name = state.parameter_names(pipe)[id(weight)]
+    params = capture.header["optimizer"]["params"]
+    assert set(params) == {name} and params[name]["lr"] == 0.1
+    assert capture.tensors[f"{state.OPTIM}{name}/exp_avg"] is taken
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})  # not the model's: refused at the capture
+    with pytest.raises(CheckpointError, match="that the model does not have"):
+        snaps._capture(None)

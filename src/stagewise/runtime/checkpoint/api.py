@@ -134,7 +134,7 @@ def _contribution(
     names = state.parameter_names(model)
     optimizers = state.optimizers_of(model, optimizer)
     model_tensors = {state.MODEL + k: v for k, v in saved.items()}
-    optim_tensors, optim_meta = state.optimizer_state(state.optimizer_taken(optimizers, names))
+    optim_tensors, optim_meta = state.optimizer_state(optimizers, names)
     tensors = {**model_tensors, **optim_tensors}
     first = _first(scheduler)
     mine = {

@@ -102,22 +102,21 @@ def _name(names: Mapping[int, str], p: torch.Tensor) -> str:
     return names[id(p)]
 
 
-# Each optimizer's param groups as taken: the hyper-parameters (JSON) and every parameter's name and state entries.
-OptimizerTaken = list[list[tuple[Any, list[tuple[str, dict[str, Any]]]]]]
-
-
-def optimizer_state(taken: OptimizerTaken) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Tensors (``optim/NAME/KEY``) and JSON metadata (hyper-parameters and other state, per NAME) of the groups
-    :func:`optimizer_taken` took (a snapshot takes them on the step's thread, and reads them on its helper's)."""
+def optimizer_state(
+    optimizers: list[torch.optim.Optimizer], names: Mapping[int, str]
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Tensors (``optim/NAME/KEY``) and JSON metadata (hyper-parameters and other state, per NAME)."""
     tensors: dict[str, torch.Tensor] = {}
     params: dict[str, Any] = {}
     state: dict[str, dict[str, Any]] = {}
-    for groups in taken:
-        for group_hyper, members in groups:
-            for name, live in members:
-                params[name] = group_hyper
+    for opt in optimizers:
+        for group in opt.param_groups:
+            hyper = encode({k: v for k, v in group.items() if k != "params"}, "optimizer param group")
+            for p in group["params"]:
+                name = _name(names, p)
+                params[name] = hyper
                 entries: dict[str, Any] = {}
-                for key, value in live.items():
+                for key, value in opt.state.get(p, {}).items():
                     if isinstance(value, torch.Tensor):  # (detached only if it needs it: ~465 per snapshot)
                         tensors[f"{OPTIM}{name}/{key}"] = value.detach() if value.requires_grad else value
                         entries[key] = {"tensor": True}
@@ -126,23 +125,6 @@ def optimizer_state(taken: OptimizerTaken) -> tuple[dict[str, torch.Tensor], dic
                 if entries:
                     state[name] = entries
     return tensors, {"params": params, "state": state}
-
-
-def optimizer_taken(optimizers: list[torch.optim.Optimizer], names: Mapping[int, str]) -> OptimizerTaken:
-    """Each optimizer's param groups as they are now: the hyper-parameters as JSON (a scheduler or the user sets
-    them between steps), every parameter's name (one the model lacks refused here), and its state's entries: the
-    dict copied, the tensors not (the next optimizer step updates them in place; what the user's code does
-    between steps, a group added or a state loaded, replaces the dict's entries and leaves these)."""
-    return [
-        [
-            (
-                encode({k: v for k, v in group.items() if k != "params"}, "optimizer param group"),
-                [(_name(names, p), dict(opt.state.get(p, ()))) for p in group["params"]],
-            )
-            for group in opt.param_groups
-        ]
-        for opt in optimizers
-    ]
 
 
 def optimizer_targets(

@@ -5,10 +5,9 @@ call from the step path), a rank takes what a restart needs:
 
 * at once, on the step's thread: its generators' states, the data position (``Snapshots.extra``), the
   optimizers' hyper-parameters, and a copy of its buffers (a forward changes BatchNorm's statistics);
-* on a helper thread, overlapping the next step's forward and backward: the optimizers' state read
-  (:mod:`.capture` says which half runs where), then its parameters' and optimizer state's bytes, copied
-  straight into the pages of its next file on this machine's memory file system (:mod:`.mapped`,
-  :mod:`.folder`; from a GPU: on a side stream, into pinned memory, written after). Nothing
+* on a helper thread, overlapping the next step's forward and backward: its parameters' and optimizer
+  state's bytes, copied straight into the pages of its next file on this machine's memory file system
+  (:mod:`.mapped`, :mod:`.folder`; from a GPU: on a side stream, into pinned memory, written after). Nothing
   changes them before the next optimizer step, and that step waits for the copy (:meth:`before_step`, a
   stage part at each STEP); then, still on the helper: the digest, the head, the file renamed into place, and
   the same bytes sent to a rank of the next machine (:mod:`.snapshot_copies` over :mod:`..comm.snapshot_exchange`,
@@ -37,6 +36,7 @@ import time
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -45,11 +45,9 @@ from torch import nn
 from ..checkpoint import state
 from ..comm import groups, lifecycle, snapshot_exchange, snapshot_wire
 from ..errors import PipelineError
-from . import capture as capturing
 from . import folder as folders
 from . import idle, mapped
 from . import snapshot_copies as copies
-from .capture import Capture, Mark
 from .config import Snapshots
 from .ending import _ENDINGS, Ending
 from .membership import check_fence
@@ -66,6 +64,27 @@ RUN_ENV = "TORCHELASTIC_RUN_ID"
 MACHINE_ENV = "GROUP_RANK"
 
 
+@dataclass
+class Capture:
+    """One snapshot on its way: the tensors (references until copied), where each goes, the header."""
+
+    step: int
+    tensors: dict[str, torch.Tensor]
+    header: dict[str, Any]
+    entries: dict[str, Any] = field(default_factory=dict)
+    total: int = 0
+    copied: threading.Event = field(default_factory=threading.Event)
+    cuda_done: Any = None  # a CUDA event on the copy stream, when some tensor is on a GPU
+
+
+@dataclass(frozen=True)
+class Mark:
+    """The live state at a snapshot's capture: each tensor's version counter, and the buffers' values."""
+
+    versions: dict[str, int]
+    copies: dict[str, torch.Tensor]
+
+
 class Snapshotter:
     """``snapshot=``: this rank's snapshots (a stage part: each STEP waits for the copy of the last one)."""
 
@@ -78,7 +97,7 @@ class Snapshotter:
     ) -> None:
         self.config, self.timeout = config, timeout
         self._due = False  # a snapshot is due, and waits for the gradient merge to end
-        self._fixed: tuple[dict[int, str], dict[str, Any]] | None = None  # see fixed
+        self._fixed: tuple[dict[int, str], dict[str, Any]] | None = None  # see _capture
         self.root = root  # the pipeline read at each snapshot (a re-layout in place rebinds it)
         self.priority = idle.Priority()  # the snapshot's threads run in the core's idle time (see .idle)
         with idle.new_threads_idle(self.priority.group):
@@ -109,7 +128,7 @@ class Snapshotter:
         self._maps, self._room, self._used = mapped.Files(), 0, 0  # written in place (.mapped); the head's room
         self._written = folders.Written(self.folder, self.rank)  # the files written here, by source
         self._stream: Any = None
-        self._marks: dict[int, Mark] = {}  # snapshot step -> each live tensor's version at its capture
+        self.marks: dict[int, Mark] = {}  # snapshot step -> each live tensor's version at its capture
         if self.rank == 0 and self.peers.dest is None:
             log.info("stagewise snapshots: one machine, so the copies stay on it (they outlive a worker restart)")
         _ENDINGS.append(self.end)  # held to the end: the clean exit's work must not depend on the pipeline's life
@@ -122,15 +141,6 @@ class Snapshotter:
     @root.setter
     def root(self, value: nn.Module) -> None:
         self._root, self._fixed = value, None  # (a re-layout in place rebinds it: the old names and layout go)
-
-    @property
-    def marks(self) -> dict[int, Mark]:
-        """Snapshot step -> each live tensor's version at its capture (the two newest; the one in flight once
-        its helper has read the optimizers' state - waited for here)."""
-        if self._inflight is not None and not self._inflight[0].copied.is_set():
-            with self.priority.raised_while():
-                self._inflight[0].copied.wait(self.timeout)
-        return self._marks
 
     @property
     def step(self) -> int:
@@ -214,13 +224,47 @@ class Snapshotter:
 
     # ---- taking one ----------------------------------------------------------------------------------
     def _capture(self, trained: int | None) -> Capture:
-        return capturing.take(self, trained)  # (the step thread's half; the helper's: capturing.complete)
+        """What a restart needs, taken now (``trained``: the mini-batches trained, this step's included)."""
+        root = self.root
+        tensors, live = {}, {}
+        for name, t in state.saved_tensors(root, keep_vars=True).items():  # (parameters told apart, no 2nd walk)
+            live[state.MODEL + name] = view = t.detach()
+            tensors[state.MODEL + name] = view if isinstance(t, nn.Parameter) else view.clone()  # (buffers change)
+        if self._fixed is None:  # what a pipeline's life does not change: its parameters' names, its layout
+            self._fixed = (state.parameter_names(root), state.layout_of(root, self.world))
+        names, layout = self._fixed
+        optim_tensors, meta = state.optimizer_state(state.optimizers_of(root, None), names)
+        tensors.update(optim_tensors)
+        self._mark({**live, **optim_tensors}, {n: t for n, t in tensors.items() if n in live and t is not live[n]})
+        extra = self.config.extra() if self.config.extra is not None else None
+        header = {
+            "run": self.run,
+            "job": self.job,
+            "lineage": self.lineage,
+            "step": self.step,
+            "owner": self.rank,
+            "world": self.world,
+            "layout": layout,
+            "dropout": state.dropout_of(root, trained),
+            "scheduler": state.scheduler_state(root),  # lr_scheduler=: a recovery goes on where the schedule was
+            "optimizer": meta,
+            "rng": state.rng_taken(),  # (encoded on the helper: _copy)
+            "extra": state.encode(extra, "Snapshots.extra"),
+        }
+        capture = Capture(self.step, tensors, header)  # (where each tensor's bytes go: on the helper thread)
+        if any(t.is_cuda for t in tensors.values()):
+            ready = torch.cuda.Event()
+            ready.record()  # the step's work queued so far, the optimizer's last update among it
+            capture.cuda_done = ready
+        return capture
 
-    def fixed(self) -> tuple[dict[int, str], dict[str, Any]]:
-        """What a pipeline's life does not change, read once per root: its parameters' names, its layout."""
-        if self._fixed is None:
-            self._fixed = (state.parameter_names(self.root), state.layout_of(self.root, self.world))
-        return self._fixed
+    def _mark(self, live: dict[str, torch.Tensor], copies: dict[str, torch.Tensor]) -> None:
+        """Each live tensor's version counter at this capture, and the buffers' copies (the two newest kept): a
+        recovery takes a live tensor for this step's value only while it is unchanged (:mod:`..relayout.sources`;
+        BatchNorm's forward writes its running statistics without counting a version: they are compared)."""
+        self.marks[self.step] = Mark(versions(live), copies)
+        for old in sorted(self.marks)[:-2]:
+            del self.marks[old]
 
     def _copy(self, capture: Capture) -> None:
         """The helper thread: the bytes into this rank's file's pages (:mod:`.mapped`; from a GPU, a pinned
@@ -230,7 +274,6 @@ class Snapshotter:
             self.policy = self.priority.enter()  # only the core's idle time: see .idle
             time.sleep(0)  # the interpreter's lock let go at once: the step's thread, waiting in start(), goes on
             clock = idle.Clock(self.stats)
-            capturing.complete(capture, self._marks)  # (first: the next STEP waits for it)
             self._layout = layout = layout_for(self._layout, capture.tensors)  # (kept while it holds)
             capture.entries, capture.total = layout.entries, layout.total
             capture.header["rng"] = state.rng_encoded(capture.header["rng"])
@@ -327,7 +370,7 @@ class Snapshotter:
         self.dropped = True
         if self.end in _ENDINGS:
             _ENDINGS.remove(self.end)
-        self._inflight, self._buffer, self._marks, self._received = None, None, {}, {}  # its tensors go too
+        self._inflight, self._buffer, self.marks, self._received = None, None, {}, {}  # its tensors go too
         self._places, self._maps, self._layout = None, mapped.Files(), None
 
     def release_at_exit(self) -> None:

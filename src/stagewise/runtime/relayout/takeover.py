@@ -103,9 +103,7 @@ def held_state(old: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         return {}, {"params": {}, "state": {}}
     assert isinstance(old, nn.Module)
     model = {state.MODEL + k: t.detach() for k, t in state.load_targets(old).items()}
-    optim, meta = state.optimizer_state(
-        state.optimizer_taken(state.optimizers_of(old, None), state.parameter_names(old))
-    )
+    optim, meta = state.optimizer_state(state.optimizers_of(old, None), state.parameter_names(old))
     return {**model, **optim}, meta
 
 
