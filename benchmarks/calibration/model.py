@@ -32,34 +32,47 @@ MODELS = ("before", "at batch", "after")
 def calibrations(
     timelines: Sequence[Timeline], schedule: Schedule, profile: LayerProfile, counts: Sequence[int], cores: float,
     bandwidth: float, reduce: Sequence[float] | None = None, steps: Sequence[float] | None = None,
-    affinity: Sequence[Sequence[int]] | None = None,
+    affinity: Sequence[Sequence[int]] | None = None, nodes: Sequence[int] | None = None,
 ) -> dict[str, RunCalibration]:  # fmt: skip
     """P's run calibrated for each model (module docstring); ``reduce``: the probed all-reduce link
     ``(latency, bandwidth)``, ``steps``: P's steps timed as the plans Q are (``timed_step``), both the ``after``
     model's (``before`` and ``at batch`` take the bias against the timelines' makespans, as the runtime does);
     ``affinity``: each rank's CPUs, which then give the cores every model shares (``cores`` left out:
-    :mod:`stagewise.planning.core_share`)."""
+    :mod:`stagewise.planning.core_share`); ``nodes``: P's pipeline ranks' machines (:func:`nodes_of`), so that
+    each model fits the link between machines apart from the one inside a machine (None: one link)."""
     c = None if affinity else cores
-    plain = calibrate_run(timelines, schedule, profile, counts, c, bandwidth, affinity=affinity or None)
+    plain = calibrate_run(timelines, schedule, profile, counts, c, bandwidth, affinity=affinity or None, nodes=nodes)
     link = None if reduce is None else (float(reduce[0]), float(reduce[1]))
     per_action = calibrate_run(
         timelines, schedule, profile, counts, c, bandwidth, per_action=True, steps=steps, reduce=link,
-        affinity=affinity or None,
+        affinity=affinity or None, nodes=nodes,
     )  # fmt: skip
     return {"before": plain, "at batch": plain, "after": per_action}
 
 
+def nodes_of(pp: int, processes: int, per_machine: int | None) -> list[int] | None:
+    """Each pipeline rank's machine for a plan of ``pp`` stages' ranks over ``processes`` processes,
+    ``per_machine`` on each machine, ranks packed in order with pp outermost (the mesh's axes:
+    :func:`stagewise.planning.predict.sharing`); None on one machine (one link, as before ``nodes``)."""
+    if per_machine is None or per_machine >= processes:
+        return None
+    group = processes // pp
+    return [r * group // per_machine for r in range(pp)]
+
+
 def predictions(
     cals: Mapping[str, RunCalibration], profiles: Mapping[int, LayerProfile], b_p: int, schedule: Schedule,
-    counts: Sequence[int], b_q: int, dp: int, processes: int,
+    counts: Sequence[int], b_q: int, dp: int, processes: int, per_machine: int | None = None,
 ) -> dict[str, Prediction]:  # fmt: skip
     """Plan Q (its ``schedule``, ``counts`` layers per stage, ``b_q`` samples per micro-batch, ``dp`` replicas)
-    predicted by each model; ``profiles``: the layers profiled alone per micro-batch size (P's is ``b_p``)."""
+    predicted by each model; ``profiles``: the layers profiled alone per micro-batch size (P's is ``b_p``);
+    ``per_machine``: processes per machine where the job spans machines (:func:`nodes_of`)."""
     prior, out = profiles[b_p], {}
+    nodes = nodes_of(schedule.num_ranks, processes, per_machine)
     for model in MODELS:
         at = profiles.get(b_q) if model != "before" else None
         costs = held_out_costs(cals[model], prior, counts, batch_ratio=b_q / b_p, dp=dp, at=at)
-        out[model] = cals[model].predict(schedule, costs, processes_per_node=processes)
+        out[model] = cals[model].predict(schedule, costs, processes_per_node=processes, nodes=nodes)
     return out
 
 
@@ -90,11 +103,14 @@ def kept(
     profiles: Mapping[int, LayerProfile], timelines: Sequence[Timeline], calibrating: Mapping[str, Any],
     counts: Sequence[int], cores: float, bandwidth: float, processes: int, reduce: Sequence[float] | None = None,
     steps: Sequence[float] | None = None, affinity: Sequence[Sequence[int]] | None = None,
+    per_machine: int | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """What an offline refit needs, as JSON: the profiles, P's calibrating timelines and plan, its cut, the cores,
     the link's prior bandwidth, the processes on the node, the probed all-reduce link, P's timed steps and each
-    rank's CPUs (its affinity, as the runtime's calibrator gathered it)."""
+    rank's CPUs (its affinity, as the runtime's calibrator gathered it), and the processes per machine where the
+    job spans machines."""
     return {
+        "per_machine": per_machine,
         "affinity": None if affinity is None else [list(a) for a in affinity],
         "reduce_link": None if reduce is None else list(reduce),
         "timed_steps": None if steps is None else list(steps),
@@ -124,9 +140,19 @@ def schedule_of(plan: Mapping[str, Any], virtual: int | None) -> Schedule:
     return build_schedule(plan["schedule"], plan["pp"], plan["microbatches"], virtual)
 
 
+def per_machine_of(job: Mapping[str, Any]) -> int | None:
+    """Processes per machine of a stored job that spans machines: as kept, or, for a link job that kept none
+    (before ``nodes``), half its processes (:mod:`.netem` runs every job on 2 machines); None on one machine."""
+    keep = job["kept"]
+    if keep.get("per_machine"):
+        return int(keep["per_machine"])
+    return int(keep["processes"]) // 2 if job.get("link") is not None else None
+
+
 def refit(
-    job: Mapping[str, Any], global_batch: int, reduce: Sequence[float] | None = None, p_swept: bool = False
-) -> list[dict[str, Any]]:
+    job: Mapping[str, Any], global_batch: int, reduce: Sequence[float] | None = None, p_swept: bool = False,
+    split: bool = True,
+) -> list[dict[str, Any]]:  # fmt: skip
     """Every plan of a stored job predicted again by the current code of each model, from the job's ``kept``
     record alone: per plan its name, measured steps and ``{model: (step, low, high)}``. For a job that kept no
     probe or timed P: ``reduce``, an all-reduce link probed elsewhere; ``p_swept``, P's steps timed as a swept
@@ -143,14 +169,16 @@ def refit(
     b_p = global_batch // (p_plan["dp"] * p_plan["microbatches"])
     timelines = [Timeline.from_json(t) for t in keep["timelines"]]
     p_schedule = schedule_of(p_plan, None)
+    per_machine = per_machine_of(job) if split else None
+    p_nodes = nodes_of(p_plan["pp"], keep["processes"], per_machine)
     cals = calibrations(timelines, p_schedule, profiles[b_p], keep["counts"], keep["cores"], keep["bandwidth"],
-                        reduce, steps, affinity_of(job))  # fmt: skip
+                        reduce, steps, affinity_of(job), p_nodes)  # fmt: skip
     rows = []
     for r in plans:
         plan = r["plan"]
         b_q = global_batch // (plan["dp"] * plan["microbatches"])
         got = predictions(cals, profiles, b_p, schedule_of(plan, r.get("virtual")), r["counts"], b_q, plan["dp"],
-                          keep["processes"])  # fmt: skip
+                          keep["processes"], per_machine)  # fmt: skip
         rows.append({"plan": plan, "steps": r["steps"], "builds": r.get("builds"),
                      **{m: (p.step, p.low, p.high) for m, p in got.items()}})  # fmt: skip
     return rows

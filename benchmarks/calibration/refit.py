@@ -58,11 +58,16 @@ def main(argv: list[str] | None = None) -> int:
         help="for jobs that kept no timed P: take P's steps (for the bias) from the sweep's row of P (a regret job's "
         "first) and leave that row out of the figures (a what-if; the table says so)",
     )  # fmt: skip
+    parser.add_argument(
+        "--one-link", action="store_true",
+        help="for jobs across machines: one link for every transfer, as the models were before they fitted the link "
+        "between machines apart from the one inside each (a comparison; the table says so)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     lines = [
-        "| workload | ranks | model | plans | MAE | floor | max | tau (pairs) | tau, builds apart | inside "
+        "| workload | ranks | link | model | plans | MAE | floor | max | tau (pairs) | tau, builds apart | inside "
         "| half-width / spread | pick | sweep regret |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for path in args.results:
         data = json.loads(path.read_text())
@@ -72,16 +77,18 @@ def main(argv: list[str] | None = None) -> int:
                     f"{path}: a {job.get('workload')} job without a 'kept' record (older run): skipped", file=sys.stderr
                 )
                 continue
-            rows = refit(job, GLOBAL_BATCH, args.reduce_link, args.p_swept)
+            rows = refit(job, GLOBAL_BATCH, args.reduce_link, args.p_swept, split=not args.one_link)
             keep = job["kept"]
             note = " (all-reduce link given)" if args.reduce_link and not keep.get("reduce_link") else ""
             note += " (P timed in the sweep)" if args.p_swept and not keep.get("timed_steps") else ""
             note += " (affinity from the job's pin flag)" if job.get("pin") and not keep.get("affinity") else ""
+            note += " (one link)" if args.one_link and job.get("link") is not None else ""
             for model in MODELS:
                 f = figures(rows, model, job.get("p_builds"))
                 name = model + note
                 lines.append(
-                    f"| {job['workload']} | {job['world']} | {name} | {len(rows)} | {f['mae']:.1%} | {f['floor']:.1%} "
+                    f"| {job['workload']} | {job['world']} | {job.get('link') or 'one machine'} "
+                    f"| {name} | {len(rows)} | {f['mae']:.1%} | {f['floor']:.1%} "
                     f"| {f['max']:.1%} | {f['tau']:+.2f} ({f['pairs']}) | {f['tau builds']:+.2f} ({f['pairs builds']}) "
                     f"| {f['inside']:.0%} | {f['width']:.1f} "
                     f"| {describe(rows[f['pick']]['plan'])} | {f['regret']:+.1%} |"

@@ -48,7 +48,7 @@ from .._launch import timed_step
 from ..fidelity.workloads import workloads
 from . import builds, peaks
 from .groups import released
-from .model import calibrations, kept, predictions
+from .model import calibrations, kept, nodes_of, predictions
 from .space import GLOBAL_BATCH, PlanSpec, calibrating, held_out
 
 
@@ -114,11 +114,11 @@ def pooled(
     and the ``kept`` record (``rounds``: how many timelines and steps each round gave)."""
     timelines = [t for r in rounds for t in r["timelines"]]
     steps = [s for r in rounds for s in r["steps"]]
-    first, world = rounds[0], dist.get_world_size()
+    first, world, per = rounds[0], dist.get_world_size(), per_machine()
     cals = calibrations(timelines, first["schedule"], profiles[micro_batch(p_plan)], first["counts"], first["cores"],
-                        bandwidth, reduce, steps, first["affinity"])  # fmt: skip
+                        bandwidth, reduce, steps, first["affinity"], nodes_of(p_plan.pp, world, per))  # fmt: skip
     keep = kept(profiles, timelines, p_plan._asdict(), first["counts"], first["cores"], bandwidth, world, reduce, steps,
-                first["affinity"])  # fmt: skip
+                first["affinity"], per)  # fmt: skip
     keep["rounds"] = [[len(r["timelines"]), len(r["steps"])] for r in rounds]
     return cals, keep
 
@@ -128,11 +128,18 @@ def predicted_row(cals: dict, profiles: dict[int, sw.LayerProfile], p_plan: Plan
     ``high`` (what the figures judge), the others' under their names (``"before"``, ``"at batch"``)."""
     counts = [len(r) for r in q.layer_ranges]
     got = predictions(cals, profiles, micro_batch(p_plan), q.schedule, counts, micro_batch(plan), plan.dp,
-                      dist.get_world_size())  # fmt: skip
+                      dist.get_world_size(), per_machine())  # fmt: skip
     others = {m: {"predicted": p.step, "low": p.low, "high": p.high} for m, p in got.items() if m != "after"}
     after = got["after"]
     return {"plan": plan._asdict(), "name": plan.describe(), "counts": counts, "virtual": virtual(plan.schedule),
             "predicted": after.step, "low": after.low, "high": after.high, **others}  # fmt: skip
+
+
+def per_machine() -> int | None:
+    """Processes per machine where the job spans machines (torchrun's ``LOCAL_WORLD_SIZE`` below the world), else
+    None: the models then fit the link between machines apart from the one inside each (:func:`.model.nodes_of`)."""
+    per = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    return per if 0 < per < dist.get_world_size() else None
 
 
 def prior_bandwidth() -> float:

@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 
 import stagewise as sw
+from stagewise import build_schedule, simulate
 from stagewise.partition import CheckpointCost, LayerCost, LayerProfile
 from stagewise.passes import add_grad_sync
 from stagewise.planning import Calibration, LayoutCost, Link, search
@@ -123,6 +124,23 @@ def test_the_calibrations_links_are_used_unless_the_plan_names_its_own() -> None
     assert own.costs is not None and own.costs.latency == 5e-3
     across = _find(_only(profile, 4, calibration=cal, nodes=4), 4, 4)  # one process per node: pp crosses nodes
     assert across.costs is not None and across.costs.latency == 2e-3
+
+
+def test_a_pipeline_across_nodes_crosses_the_inter_link_only_where_its_ranks_do() -> None:
+    """4 processes on 2 nodes, pp 4: boundaries 0-1 and 2-3 stay inside a node, 1-2 crosses. The planner prices
+    1-2 at the inter link and the others at the intra link, as the simulator with those nodes does."""
+    profile = _profile(4)
+    intra, inter = Link(1e-3, math.inf), Link(0.5, math.inf)
+    got = _find(_only(profile, 4, nodes=2, intra=intra, inter=inter), 4, 4)
+    assert got.costs is not None and got.costs.rank_nodes == (0, 0, 1, 1)
+    assert (got.costs.latency, got.costs.local_latency) == (0.5, 1e-3)
+    plain = replace(got.costs, rank_nodes=(), local_latency=0.0)  # every boundary on the inter link
+    schedule = build_schedule("1f1b", 4, 4)
+    apart, alone = simulate(schedule, got.costs).makespan, simulate(schedule, plain).makespan
+    # free links: (m + p - 1) (F + B) = 7 x 3 s; the critical path crosses the middle boundary 4 times and the two
+    # inside the nodes 3 times each
+    assert got.step_time == pytest.approx(apart) == 21 + 4 * 0.5 + 6 * 1e-3
+    assert alone == pytest.approx(21 + 10 * 0.5)
 
 
 @pytest.mark.parametrize(

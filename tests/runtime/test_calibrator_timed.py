@@ -61,7 +61,7 @@ def test_the_cores_are_the_node_s_from_every_rank_s_affinity(monkeypatch: pytest
     model of one core would halve them, and the record says the ranks were pinned."""
     from stagewise.runtime.calibration import from_run
 
-    monkeypatch.setattr(from_run, "node_affinity", lambda wait: [[0], [1]])
+    monkeypatch.setattr(from_run, "node_layout", lambda wait: ([[0], [1]], ["agent 0", "agent 0"]))
     monkeypatch.setattr(from_run.os, "sched_getaffinity", lambda pid: {0})  # what a pinned rank sees of itself
     run = simulate(build_schedule("1f1b", 2, 4), PRIOR.cost_model([0, 1, 2])).timeline
     calibrator = RunCalibrator(fake_pipe(), warmup=0, after=1)

@@ -130,8 +130,11 @@ def test_a_shm_name_someone_else_made_is_refused(tmp_path: Path, monkeypatch: py
 class _Board:
     failure: str | None = None
 
-    def check(self) -> None:
+    def poll(self, finish: bool = False) -> None:
         pass
+
+    def check(self) -> None:
+        raise AssertionError("a wait's look at the board blocked on the store (board.check): it must poll")
 
     def fail(self, message: str) -> str:
         self.failure = self.failure or message

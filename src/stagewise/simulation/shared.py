@@ -84,8 +84,8 @@ class _SharedCores:
         self.costs, self.m, self.last = costs, m, last
         self.weights, self.cores, self.node, self.pools = weights, cores, node, sorted(set(node))
         self.b_full = list(costs.backward_times())
-        self.delay_f = [costs.transfer_time(s) if s < last and plc[s + 1] != plc[s] else 0.0 for s in range(n)]
-        self.delay_b = [costs.transfer_time(s - 1) if s > 0 and plc[s - 1] != plc[s] else 0.0 for s in range(n)]
+        self.delay_f = list(costs.boundary_transfers(plc, p))  # 0 on one rank, the local link on one node
+        self.delay_b = [0.0, *self.delay_f[:-1]]
         self.ranks = [[a for a in acts if a[1] not in COMM] for acts in schedule.ranks]
         self.arrival: list[float | None] = [None] * (2 * n * m)
         self.pos = [0] * p

@@ -34,7 +34,8 @@ from ...planning.capped import held_speed
 from ...planning.recalibrate import Prediction, RunCalibration, calibrate_run, ring_synced
 from ...planning.stragglers import Detector, Straggler, cut_for_speeds, rank_speeds, slowed
 from ..assembly.combinations import refuse_unwatchable
-from ..measure.cores import node_affinity
+from ..comm.groups import global_ranks, initialized
+from ..measure.cores import node_layout
 from .replicas import ReplicaSyncs
 
 log = logging.getLogger(__name__)
@@ -121,7 +122,9 @@ class RunCalibrator:
         self.makespans: list[float] = []
         #: the CPUs of each rank on this node, read when calibrating without ``cores`` (a collective of every rank;
         #: a Replanner's lead tells the others to join it)
-        self.affinity: Callable[[], list[list[int]]] = lambda: node_affinity(self.pipe.transport.guard.wait)
+        self.affinity: Callable[[], tuple[list[list[int]], list[str]]] = lambda: node_layout(
+            self.pipe.transport.guard.wait
+        )  # and each global rank's machine, from the same gather
         #: the last watched step's speeds of every rank, from when each action could start (``rank_speeds``)
         self.spans: list[float] = []
 
@@ -166,11 +169,11 @@ class RunCalibrator:
         reductions = self._replicas.pairs()
         timed = [s for s in self._timed if s is not None]
         self._steps_timed = len(timed) == len(self._calibrating)
-        affinity = None if self._cores_given else self.affinity()
+        affinity, nodes = (None, None) if self._cores_given else self._layout()
         cal = calibrate_run(
             self._calibrating, schedule, self.prior, self.counts, None if affinity else self.cores, self.bandwidth,
             dp=self._replicas.dp, reductions=reductions, per_action=self.per_action,
-            steps=timed if self._steps_timed else None, reduce=self.reduce, affinity=affinity,
+            steps=timed if self._steps_timed else None, reduce=self.reduce, affinity=affinity, nodes=nodes,
         )  # fmt: skip
         self.cores = cal.cores
         if any(c < 1 for c in self.caps):  # a held rank's speed on this cut, measured here (not another cut's)
@@ -187,7 +190,7 @@ class RunCalibrator:
         costs = ring_synced(cal.profile(self.prior).cost_model(_bounds(self.counts)), self._replicas.dp, cal)
         if self.speeds is not None:  # the plan as it runs: its slow rank still slow
             costs = slowed(costs, [self.speeds[r] for r in schedule.placement])
-        self.prediction = cal.predict(schedule, costs, self.processes)
+        self.prediction = cal.predict(schedule, costs, self.processes, nodes)
         self.emit(
             {
                 "event": "recalibrated",
@@ -202,6 +205,8 @@ class RunCalibrator:
                 "overhead_s": cal.overhead,
                 "cores": cal.cores,
                 "affinity": [list(a) for a in cal.affinity] or None,
+                "nodes": list(cal.nodes) or None,
+                "local_link": None if cal.local is None else list(cal.local),
                 "pinned": cal.pinned,
                 "steps_s": list(cal.steps),
                 "steps_from": "timed" if self._steps_timed else "makespans",
@@ -209,6 +214,19 @@ class RunCalibrator:
                 "speeds": self.speeds,
             }
         )
+
+    def _layout(self) -> tuple[list[list[int]], list[int] | None]:
+        """This node's ranks' CPUs, and each pipeline rank's machine (numbered in order of first appearance; None
+        where the pipeline's global ranks are not known, as on a fake pipeline without a group)."""
+        affinity, machines = self.affinity()
+        try:
+            ranks = global_ranks(self.pipe.transport.group) if initialized() else list(range(self.pipe.num_ranks))
+        except (AttributeError, ValueError, RuntimeError):
+            return affinity, None
+        if len(ranks) != self.pipe.num_ranks or max(ranks) >= len(machines):
+            return affinity, None
+        number: dict[str, int] = {}
+        return affinity, [number.setdefault(machines[g], len(number)) for g in ranks]
 
     def _watch(self, timeline: Timeline) -> None:
         cal = self.calibration

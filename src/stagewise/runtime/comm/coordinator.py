@@ -153,6 +153,22 @@ def call_with_deadline(fn: Any, timeout: float, what: str, me: str | None = None
     return box.get("value")
 
 
+class Posted:
+    """A store call handed to a :class:`DeadlineStore`'s helper (:meth:`DeadlineStore.post`): ``done`` is set when
+    it returned, ``started`` is when it was posted (``time.perf_counter``)."""
+
+    def __init__(self, started: float) -> None:
+        self.started = started
+        self.box: dict[str, Any] = {}
+        self.done = threading.Event()
+
+    def result(self) -> Any:
+        """What the call returned, or its exception raised (only once :attr:`done` is set)."""
+        if "error" in self.box:
+            raise self.box["error"]
+        return self.box.get("value")
+
+
 class DeadlineStore:
     """A store whose every call runs on one helper thread and must return within ``timeout`` seconds.
 
@@ -173,23 +189,34 @@ class DeadlineStore:
 
     def _call(self, name: str, *args: Any) -> Any:
         with self._lock:
-            if self._stuck:
-                raise TimeoutError(f"an earlier store call has not returned after {self.timeout:g} s")
-            if self._helper is None:  # holds the queue and the store, not self: collected, self ends it
-                self._helper = threading.Thread(
-                    target=_serve, args=(self._jobs, self.store), name="stagewise-store", daemon=True
-                )
-                self._helper.start()
-                weakref.finalize(self, self._jobs.put, None)
-            box: dict[str, Any] = {}
-            done = threading.Event()
-            self._jobs.put((name, args, box, done))
-            if not done.wait(self.timeout):
+            posted = self._post(lambda store: getattr(store, name)(*args))
+            if not posted.done.wait(self.timeout):
                 self._stuck = True
                 raise TimeoutError(f"the store did not answer {name}() within {self.timeout:g} s")
-            if "error" in box:
-                raise box["error"]
-            return box.get("value")
+            return posted.result()
+
+    def post(self, fn: Callable[[Any], Any]) -> Posted:
+        """``fn(store)`` on the helper thread, not waited for: a caller that must not block on a round trip to the
+        store host (a wait polling the board while its works may complete any moment) reads it when done."""
+        with self._lock:
+            return self._post(fn)
+
+    def _post(self, fn: Callable[[Any], Any]) -> Posted:
+        if self._stuck:
+            raise TimeoutError(f"an earlier store call has not returned after {self.timeout:g} s")
+        if self._helper is None:  # holds the queue and the store, not self: collected, self ends it
+            self._helper = threading.Thread(
+                target=_serve, args=(self._jobs, self.store), name="stagewise-store", daemon=True
+            )
+            self._helper.start()
+            weakref.finalize(self, self._jobs.put, None)
+        posted = Posted(time.perf_counter())
+        self._jobs.put((fn, posted.box, posted.done))
+        return posted
+
+    def stuck(self) -> None:
+        """A posted call did not return in time: every later call is refused at once, as after a sync one's."""
+        self._stuck = True
 
     def close(self, join_s: float = 2.0) -> None:
         """End the helper thread, so that a board let go leaves none behind (a later call starts another): it is
@@ -199,7 +226,7 @@ class DeadlineStore:
             helper, self._helper = self._helper, None
             if helper is None or self._stuck:
                 return
-            self._jobs.put(("", (), {}, threading.Event()))
+            self._jobs.put((None, {}, threading.Event()))
         if helper is not threading.current_thread():
             helper.join(join_s)
 
@@ -223,12 +250,12 @@ def _serve(jobs: queue.SimpleQueue[Any], store: Any) -> None:
     """A :class:`DeadlineStore`'s helper: its calls, one at a time, until the store is collected (None)."""
     while True:
         job = jobs.get()
-        if job is None or not job[0]:  # the store was collected, or closed (DeadlineStore.close)
+        if job is None or job[0] is None:  # the store was collected, or closed (DeadlineStore.close)
             return
-        name, args, box, done = job
+        fn, box, done = job
         try:
             with inside():  # (see .blocking: not in torch at interpreter exit)
-                box["value"] = getattr(store, name)(*args)
+                box["value"] = fn(store)
         except BaseException as err:  # handed to the caller
             box["error"] = err
         done.set()

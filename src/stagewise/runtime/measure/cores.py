@@ -56,16 +56,35 @@ def pin_local_rank(local_rank: int | None = None, nproc: int | None = None) -> l
     return share
 
 
+#: torchrun's number for the machine's agent: what tells machines apart where they share a host name
+MACHINE_ENV = "GROUP_RANK"
+
+
+def machine_id() -> str:
+    """This process's machine: torchrun's agent number where it runs one (machines emulated on one host, network
+    namespaces, share its name), else the host's name."""
+    agent = os.environ.get(MACHINE_ENV)
+    return f"agent {agent}" if agent is not None else f"host {socket.gethostname()}"
+
+
+def node_layout(wait: Any = None) -> tuple[list[list[int]], list[str]]:
+    """:func:`node_affinity`, and each global rank's machine (:func:`machine_id`), from one gather over every rank
+    of the job (a collective; ``wait``: the pipeline guard's, else plain); this process's alone without a process
+    group. The machines say which of a pipeline's transfers cross the network
+    (:mod:`stagewise.planning.recalibrate`)."""
+    host, cpus = socket.gethostname(), sorted(os.sched_getaffinity(0))
+    if not groups.initialized():
+        return [cpus], [machine_id()]
+    everyone = collectives.gather_json([host, cpus, machine_id()], None, wait, "the ranks' CPU affinity")
+    return [[int(c) for c in theirs] for at, theirs, _ in everyone if at == host], [str(m) for _, _, m in everyone]
+
+
 def node_affinity(wait: Any = None) -> list[list[int]]:
     """The CPUs each rank on this node may run on (``os.sched_getaffinity``), gathered over every rank of the job
     (a collective; ``wait``: the pipeline guard's, else plain) and kept for this host's ranks; this process's alone
     without a process group. Pinned, each rank sees only its own share: the node's cores are their union
     (:func:`stagewise.planning.core_share.node_cores`)."""
-    host, cpus = socket.gethostname(), sorted(os.sched_getaffinity(0))
-    if not groups.initialized():
-        return [cpus]
-    everyone = collectives.gather_json([host, cpus], None, wait, "the ranks' CPU affinity")
-    return [[int(c) for c in theirs] for at, theirs in everyone if at == host]
+    return node_layout(wait)[0]
 
 
 def _listed(cores: list[int]) -> str:

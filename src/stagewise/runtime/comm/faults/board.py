@@ -21,6 +21,7 @@ becomes known, whether posted here or read from the store.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -51,6 +52,7 @@ class ErrorBoard:
         self.key = f"{name}/{_ERROR_KEY}"
         self.failure: str | None = None
         self._on_failure: list[Callable[[], None]] = []
+        self._look: Any = None  # the keys' read in flight (:meth:`poll`), a coordinator.Posted
 
     def close(self) -> None:
         """Let go of the store's helper thread (a later read or post starts another)."""
@@ -119,9 +121,58 @@ class ErrorBoard:
         if self.failure is not None:
             raise PipelineError(self.failure)
 
+    def poll(self, finish: bool = False) -> None:
+        """:meth:`check` for a wait's poll, without blocking on the store: what the last read found stands now (and
+        raises), and the next read is posted to the store's helper thread. Why: a read is a round trip (two, one
+        per key) to the store host, and a wait that reads in its own thread does not notice its works completing
+        until the reads return: on a machine 10 ms from the store host every poll of a wait longer than 50 ms
+        held the step 40 ms (issue 49, 2026-12-05: the pipeline's transfers inside the far machine).
+        ``finish`` (a wait past its deadline): the read is waited for, up to the store's timeout from when it was
+        posted, as a blocking :meth:`check` would be: a store host that does not answer is then the cause named."""
+        if finish and self.failure is None:
+            if self._look is None:
+                self.poll()  # post one (or raise what stands)
+            look = self._look
+            if look is not None:
+                look.done.wait(max(0.0, self.store.timeout - (time.perf_counter() - look.started)))
+        if self.failure is None and self._look is not None:
+            look = self._look
+            if look.done.is_set():
+                self._look = None
+                try:
+                    found = look.result()
+                except Exception as err:  # the coordinator first: it is the one at fault, not this rank
+                    seen = f" (seen by {self.me})" if self.me else ""
+                    self._stand(f"{UNREACHABLE}{seen}: {_brief(err)}")
+                else:
+                    if found is not None:
+                        self._stand(found)
+                        self._seen()
+            elif finish or time.perf_counter() - look.started > self.store.timeout:
+                self.store.stuck()
+                seen = f" (seen by {self.me})" if self.me else ""
+                self._stand(f"{UNREACHABLE}{seen}: the store did not answer within {self.store.timeout:g} s")
+        if self.failure is None and self._look is None:
+            keys = (JOB_KEY, self.key)
+            try:
+                self._look = self.store.post(lambda store: _first_posted(store, keys))
+            except Exception as err:  # a read before this one never returned
+                seen = f" (seen by {self.me})" if self.me else ""
+                self._stand(f"{UNREACHABLE}{seen}: {_brief(err)}")
+        if self.failure is not None:
+            raise PipelineError(self.failure)
+
     def _seen(self) -> None:
         """Say that this rank has read the failure (the origin, maybe the store host, waits for its readers)."""
         self.store.set(f"{SEEN_KEY}/{dist.get_rank()}", "1")
+
+
+def _first_posted(store: Any, keys: tuple[str, ...]) -> str | None:
+    """The failure under the first of ``keys`` that holds one (``store``: the board's own, on its helper thread)."""
+    for key in keys:
+        if store.check([key]):
+            return store.get(key).decode()
+    return None
 
 
 def _brief(err: BaseException) -> str:

@@ -177,12 +177,14 @@ class Guard:
 
         The message names first the ranks that stopped showing signs of life, when some did (a stopped rank
         two hops away is the one at fault, not the neighbour this rank waits for). With ``patience``, the wait
-        goes on past the timeout while no rank is silent, up to ``patience`` seconds.
+        goes on past the timeout while no rank is silent, up to ``patience`` seconds. The board is read without
+        blocking (:meth:`~.board.ErrorBoard.poll`): a failure posted elsewhere stands here one poll later.
         """
-        self.board.check()
+        self.board.poll()
         waited = time.perf_counter() - started
         if waited <= self.timeout:
             return
+        self.board.poll(finish=True)  # the store host not answering is the cause, where it is
         culprit = heartbeat.blame_silent(self.timeout)
         if not culprit and patience is not None and waited <= patience:
             return
