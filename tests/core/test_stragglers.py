@@ -206,3 +206,28 @@ def test_a_speed_moved_past_its_noise_is_told_from_one_inside_it() -> None:
     floor = 1.44 * 2**0.5 * LEAST_ERROR  # an error under the least granted is granted the least
     assert not speeds_moved([1.0], [1 + 0.99 * floor], [0.0]) and speeds_moved([1.0], [1 + 1.01 * floor], [0.0])
     assert speeds_moved([0.0, 1.0], [0.0, 1.0], [0.1, 0.1])  # no reading to compare with: moved
+
+
+def test_an_input_from_the_same_machine_arrives_at_the_local_link_s_latency() -> None:
+    """Rank 1 stopped 2.9 s after its input arrived over loopback (0.1 s after rank 0's F ended), then computing
+    1 s: its own time is 3.9 s. At the network's 10 s the input would not have been there before the action
+    started, and the stop was not counted (1 s); on two machines it is not."""
+    from stagewise.ir import Action, Event, Timeline
+    from stagewise.planning.own_time import own_spans
+
+    events = [Event(0, Action(0, Kind.F, 0), 0.0, 1.0), Event(1, Action(1, Kind.F, 0), 4.0, 5.0)]
+    timeline = Timeline("gpipe", 2, events, source="measured")
+    near = own_spans(timeline, 8.0, latency=10.0, nodes=(0, 0), local=0.1)
+    assert [own for _, own in near] == pytest.approx([1.0, 3.9])
+    assert [own for _, own in own_spans(timeline, 8.0, latency=10.0, nodes=(0, 1), local=0.1)] == [1.0, 1.0]
+    assert [own for _, own in own_spans(timeline, 8.0, latency=10.0)] == [1.0, 1.0]
+
+
+def test_rank_speeds_read_each_input_on_its_own_link() -> None:
+    """The quota case above with the calibration's network link at 10 s: both ranks on one machine (the local
+    link, 0 s) still read 0.25 for rank 1; read at the network's latency, its stop after the first arrival of
+    each step is not counted and it reads faster (0.26)."""
+    cal = replace(calibrated(), latency=10.0, local=(0.0, math.inf), nodes=(0, 0))
+    held = quota(run([1.0, 0.25]), [1.0, 0.5], [1.0, 0.25])
+    assert rank_speeds(held, cal, 2) == pytest.approx([1.0, 0.25])
+    assert rank_speeds(held, replace(cal, nodes=(0, 1)), 2)[1] > 0.255

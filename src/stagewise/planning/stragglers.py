@@ -32,13 +32,13 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..ir import Event, Kind, Schedule, Timeline
+from ..ir import Event, Schedule, Timeline
 from ..partition import LayerProfile, partition_costs
 from .capped import priced
 from .capped import slowed as slowed  # re-exported: from_run imports it from here
 from .defaults import improved_counts
-from .link_fit import COMPUTE
-from .recalibrate import Z85, RunCalibration, deshared, shared_seconds
+from .own_time import own_spans
+from .recalibrate import Z85, RunCalibration, deshared
 
 #: steps whose median speed decides (5: a rank is named on the third of 5 slow steps, within the 5 steps issue
 #: 49 allows, and two preempted steps of 5 are outvoted: the smoke runs on a 2-core machine at load 8 showed
@@ -70,7 +70,10 @@ def rank_speeds(timeline: Timeline, calibration: RunCalibration, num_ranks: int)
     rank's own work between its actions too (posting its messages, the interpreter), and an input counts as
     there only once its producer posted it (:func:`own_spans`): a slowed rank's late sends are its own time,
     not its peer's."""
-    return _speeds(own_spans(timeline, calibration.cores, calibration.latency), calibration, num_ranks)
+    nodes = calibration.nodes if calibration.local is not None and len(calibration.nodes) == num_ranks else None
+    local = calibration.local[0] if calibration.local is not None else 0.0
+    spans = own_spans(timeline, calibration.cores, calibration.latency, nodes, local)
+    return _speeds(spans, calibration, num_ranks)
 
 
 def compute_speeds(timeline: Timeline, calibration: RunCalibration, num_ranks: int) -> list[float]:
@@ -91,59 +94,6 @@ def _speeds(spans: Sequence[tuple[Event, float]], calibration: RunCalibration, n
         expected[e.rank] += cost
         took[e.rank] += own
     return [x / t if t > 0 else 1.0 for x, t in zip(expected, took)]
-
-
-def own_spans(timeline: Timeline, cores: float, latency: float = 0.0) -> list[tuple[Event, float]]:
-    """Each compute event with the seconds its rank spent on it from the moment it could start: the latest of
-    the step's start, the rank's previous compute action's end and its input's arrival, to its end; de-shared as
-    :func:`~stagewise.planning.recalibrate.deshared` does (``n(t)`` the spans open at ``t`` on ``cores``).
-
-    An input from another rank arrives ``latency`` after its producer's end or, when the timeline holds the
-    producer's send, after that send was posted if later: a slowed rank posts its sends late (a CPU quota stops
-    it between an action and the send after it: 7-9 ms gaps at 25 % of a core with a 10 ms period), and the
-    peer waiting for them is not the slow one (read from the producer's end, the peer read slow too and, each
-    speed relative to the fastest, the slowed rank looked 0.65x where it ran at 0.25x)."""
-    compute = sorted((e for e in timeline.events if e.action.kind in COMPUTE), key=lambda e: (e.start, e.rank))
-    if not compute:
-        return []
-    ends = {(e.action.kind, e.action.stage, e.action.microbatch): e for e in compute}
-    sends: dict[tuple[Kind, int, int | None], float] = {
-        (e.action.kind, e.action.stage, e.action.microbatch): e.start
-        for e in timeline.events
-        if e.action.kind in (Kind.SEND_F, Kind.SEND_B)
-    }
-    last = max(e.action.stage for e in compute)
-    begin = min(e.start for e in timeline.events)
-    previous: dict[int, float] = {}
-    spans = []
-    for e in compute:
-        ready = max(begin, previous.get(e.rank, begin))
-        source = _producer(e, last, ends)
-        if source is not None and source.rank != e.rank:
-            sent = sends.get((_SEND[source.action.kind], source.action.stage, source.action.microbatch), source.end)
-            ready = max(ready, max(source.end, sent) + latency)
-        elif source is not None:
-            ready = max(ready, source.end)
-        spans.append((e, min(ready, e.start)))
-        previous[e.rank] = max(previous.get(e.rank, begin), e.end)
-    return list(zip((e for e, _ in spans), shared_seconds([(ready, e.end) for e, ready in spans], cores)))
-
-
-#: the send that carries a compute action's output to another rank
-_SEND = {Kind.F: Kind.SEND_F, Kind.B: Kind.SEND_B, Kind.I: Kind.SEND_B}
-
-
-def _producer(e: Event, last: int, ends: dict[tuple[Kind, int, int | None], Event]) -> Event | None:
-    """The compute event whose output ``e`` takes in: the previous stage's forward, the next stage's backward
-    (or input-gradient), this stage's forward for the last stage's backward, its input-gradient for a W."""
-    a = e.action
-    if a.kind is Kind.F:
-        return ends.get((Kind.F, a.stage - 1, a.microbatch)) if a.stage > 0 else None
-    if a.kind is Kind.W:
-        return ends.get((Kind.I, a.stage, a.microbatch))
-    if a.stage < last:
-        return ends.get((Kind.B, a.stage + 1, a.microbatch)) or ends.get((Kind.I, a.stage + 1, a.microbatch))
-    return ends.get((Kind.F, a.stage, a.microbatch))
 
 
 @dataclass(frozen=True)
