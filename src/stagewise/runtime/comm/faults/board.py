@@ -147,7 +147,10 @@ class ErrorBoard:
                 else:
                     if found is not None:
                         self._stand(found)
-                        self._seen()
+                        try:
+                            self._seen()
+                        except Exception as err:  # the failure stands; its origin's wait for readers times out
+                            log.warning("stagewise: could not say that this rank read the failure: %s", err)
             elif finish or time.perf_counter() - look.started > self.store.timeout:
                 self.store.stuck()
                 seen = f" (seen by {self.me})" if self.me else ""
