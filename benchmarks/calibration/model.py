@@ -21,6 +21,7 @@ from typing import Any
 
 from stagewise import LayerProfile, build_schedule
 from stagewise.ir import Schedule, Timeline
+from stagewise.planning import pipeline_nodes
 
 # internal: the held-out prediction itself (a plan's costs from the calibration, before it runs)
 from stagewise.planning.recalibrate import Prediction, RunCalibration, calibrate_run, held_out_costs
@@ -53,11 +54,10 @@ def calibrations(
 def nodes_of(pp: int, processes: int, per_machine: int | None) -> list[int] | None:
     """Each pipeline rank's machine for a plan of ``pp`` stages' ranks over ``processes`` processes,
     ``per_machine`` on each machine, ranks packed in order with pp outermost (the mesh's axes:
-    :func:`stagewise.planning.predict.sharing`); None on one machine (one link, as before ``nodes``)."""
+    :func:`stagewise.planning.comm.pipeline_nodes`); None on one machine (one link, as before ``nodes``)."""
     if per_machine is None or per_machine >= processes:
         return None
-    group = processes // pp
-    return [r * group // per_machine for r in range(pp)]
+    return pipeline_nodes(pp, processes, per_machine)
 
 
 def predictions(

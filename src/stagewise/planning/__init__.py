@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, TypedDict
 
 from ..partition import LayerProfile
 from .calibration import Calibration, LayoutCost
-from .comm import Link, crosses_nodes, ring_all_gather, ring_all_reduce, ring_reduce_scatter
+from .comm import Link, crosses_nodes, pipeline_nodes, ring_all_gather, ring_all_reduce, ring_reduce_scatter
 from .inputs import make_problem
 from .result import Dropped, Plan, PlanSearch, RankMemory
 from .search import run_search
@@ -39,6 +39,7 @@ __all__ = [
     "RankMemory",
     "plan",
     "crosses_nodes",
+    "pipeline_nodes",
     "ring_all_gather",
     "ring_all_reduce",
     "ring_reduce_scatter",

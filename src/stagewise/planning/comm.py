@@ -68,6 +68,13 @@ def axis_stride(config: ParallelConfig, axis: str) -> int:
     return stride
 
 
+def pipeline_nodes(pp: int, processes: int, per_node: int) -> list[int]:
+    """Each pipeline rank's node: ranks are packed onto nodes in order, pp outermost, so pipeline rank ``r`` is global
+    rank ``r * (processes / pp)`` (its first replica) and sits on node ``r * (processes / pp) // per_node``."""
+    group = processes // pp
+    return [r * group // per_node for r in range(pp)]
+
+
 def crosses_nodes(config: ParallelConfig, axis: str, processes_per_node: int) -> bool:
     """Whether some group along ``axis`` has ranks on two nodes (then its ring runs at the inter-node link)."""
     size = config.size(axis)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from ..parallel import ParallelConfig
 from ..schedules import schedule_info
-from .comm import Link, crosses_nodes
+from .comm import Link, crosses_nodes, pipeline_nodes
 from .inputs import Problem
 
 
@@ -73,7 +73,7 @@ def layout_of(prob: Problem, config: ParallelConfig) -> Layout:
     }
     nodes: tuple[int, ...] = ()
     if crosses_nodes(config, "pp", prob.per_node):  # each boundary on its own link, not all on the inter one
-        nodes = tuple(r * group // prob.per_node for r in range(config.pp))
+        nodes = tuple(pipeline_nodes(config.pp, prob.processes, prob.per_node))
     return Layout(config, speeds, caps, links, prob.global_batch // config.replicas, nodes, prob.intra)
 
 

@@ -8,6 +8,7 @@ from dataclasses import replace
 from ..ir import Kind
 from ..simulation import CostModel, SimResult, shared_makespan, simulate
 from .candidate import Candidate
+from .comm import pipeline_nodes
 from .orders import backward_counts, compute_schedule, placement_of
 from .result import Plan, RankMemory
 
@@ -60,8 +61,7 @@ def sharing(pp: int, processes: int, per_node: int) -> tuple[list[float], list[i
     ``r * g .. (r + 1) * g - 1`` with ``g = processes / pp`` (its replicas): they share a node with the
     neighbouring pipeline ranks when ``g < per_node``, or fill nodes of their own.
     """
-    group = processes // pp
-    return [float(min(group, per_node))] * pp, [r * group // per_node for r in range(pp)]
+    return [float(min(processes // pp, per_node))] * pp, pipeline_nodes(pp, processes, per_node)
 
 
 def cpu_bound(busy: Sequence[float], processes: int, per_node: int, cores: float | None) -> float:
