@@ -55,6 +55,7 @@ def _board(store: Any, timeout: float = 30.0) -> ErrorBoard:
     board = ErrorBoard.__new__(ErrorBoard)  # no process group: the board over a store of the test's
     board.me, board.store, board.name, board.key = "rank 1", DeadlineStore(store, timeout), "b", "b/error"
     board.failure, board._on_failure, board._look = None, [], None
+    board._polling = threading.RLock()
     return board
 
 
@@ -109,3 +110,32 @@ def test_past_its_deadline_a_wait_waits_for_the_read_as_a_blocking_check_did(sto
     with pytest.raises(PipelineError, match="unreachable.*did not answer within 0.3 s"):
         board.poll(finish=True)
     silent.release.set()
+
+
+def test_two_threads_polling_one_board_post_one_read(stood: list[str]) -> None:
+    """The board's poll is one step at a time: a second thread that polls while the first is posting its read
+    finds that read in flight and posts none (the two would otherwise both post, and both report a failure)."""
+    far = _FarStore()  # (answers once the threads are done: the first read stays in flight)
+    board = _board(far)
+    posted, first_in, second_in = [], threading.Event(), threading.Event()
+    post = board.store.post
+
+    def slow_post(fn: Any) -> Any:
+        posted.append(threading.current_thread().name)
+        if not first_in.is_set():
+            first_in.set()
+            second_in.wait(0.5)  # the second poller, unless it is held at the lock, posts meanwhile
+        else:
+            second_in.set()
+        return post(fn)
+
+    board.store.post = slow_post  # type: ignore[method-assign]
+    first = threading.Thread(target=board.poll, name="first")
+    first.start()
+    assert first_in.wait(30)
+    second = threading.Thread(target=board.poll, name="second")
+    second.start()
+    first.join(30)
+    second.join(30)
+    far.release.set()
+    assert posted == ["first"] and board.failure is None

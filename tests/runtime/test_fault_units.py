@@ -173,18 +173,24 @@ def test_past_the_timeout_a_patient_wait_goes_on_while_every_rank_stamps(monkeyp
 def test_a_bounded_call_stops_at_a_failure_posted_for_the_job(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(coordinator, "_watch", None)
     coordinator.watch_calls(lambda: "rank 2: ValueError: boom", lambda timeout: "")
-    finished = threading.Event()
+    finished, done = threading.Event(), threading.Event()
 
     def slow() -> None:
-        time.sleep(30)
+        done.wait(30)  # (the test lets it go at its end: a call left inside torch holds this process's exit)
         finished.set()
 
-    with pytest.raises(PipelineError, match="^rank 2: ValueError: boom$"):
-        coordinator.call_with_deadline(slow, 60.0, "the link probe")
-    assert not finished.is_set()  # it stopped at the posted failure, not at the end of the call
-    coordinator.watch_calls(lambda: None, lambda timeout: "global rank 1 stopped or died (no sign of life for 3.0 s)")
-    with pytest.raises(PipelineError, match=r"^global rank 1 stopped or died .*: rank 0 waited 0.3 s for the probe"):
-        coordinator.call_with_deadline(lambda: time.sleep(30), 0.3, "the probe", me="rank 0")
+    try:
+        with pytest.raises(PipelineError, match="^rank 2: ValueError: boom$"):
+            coordinator.call_with_deadline(slow, 60.0, "the link probe")
+        assert not finished.is_set()  # it stopped at the posted failure, not at the end of the call
+        watched = "global rank 1 stopped or died (no sign of life for 3.0 s)"
+        coordinator.watch_calls(lambda: None, lambda timeout: watched)
+        with pytest.raises(
+            PipelineError, match=r"^global rank 1 stopped or died .*: rank 0 waited 0.3 s for the probe"
+        ):
+            coordinator.call_with_deadline(lambda: done.wait(30), 0.3, "the probe", me="rank 0")
+    finally:
+        done.set()
 
 
 # ---- a reused run id on a store that outlived its job (issue 32) -----------------------------------------------

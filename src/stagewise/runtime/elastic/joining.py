@@ -34,12 +34,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..comm.machine import MACHINE_ENV
 from . import membership as ms
 
 log = logging.getLogger(__name__)
 
 JOIN_ENV = "STAGEWISE_JOIN"  # set (by ``stagewise run --in-place`` on a machine that finds its job running)
-MACHINE_ENV = "GROUP_RANK"  # what the snapshots tell machines apart by (a newcomer's: its first id)
 IDS_ENV = "STAGEWISE_JOIN_IDS"  # this machine's newcomers' ids ("6,7"; set by the agent): they ask together
 TOGETHER_S = 60.0  # the most a newcomer waits for its machine's others to ask before the members make room
 MARGIN = 2  # steps between the first member seeing a request and the generation's end

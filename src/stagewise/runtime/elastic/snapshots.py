@@ -44,6 +44,7 @@ from torch import nn
 
 from ..checkpoint import state
 from ..comm import groups, lifecycle, snapshot_exchange, snapshot_wire
+from ..comm.machine import agent_number
 from ..errors import PipelineError
 from . import folder as folders
 from . import idle, mapped
@@ -61,7 +62,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 RUN_ENV = "TORCHELASTIC_RUN_ID"
-MACHINE_ENV = "GROUP_RANK"
 
 
 @dataclass
@@ -107,7 +107,7 @@ class Snapshotter:
         self.run = os.environ.get(RUN_ENV) or "local"
         self.folder = folders.machine_folder(config.root(), self.run)
         mine = {
-            "machine": os.environ.get(MACHINE_ENV, "0"),
+            "machine": agent_number(),
             "lineage": secrets.token_hex(6),
             "job": secrets.token_hex(6),
         }

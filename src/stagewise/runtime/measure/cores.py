@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..comm import collectives, groups
+from ..comm.machine import machine_id
 
 
 def core_sets(nproc: int, cores: Sequence[int]) -> list[list[int]]:
@@ -54,17 +55,6 @@ def pin_local_rank(local_rank: int | None = None, nproc: int | None = None) -> l
     share = core_sets(count, sorted(os.sched_getaffinity(0)))[rank]
     os.sched_setaffinity(0, share)
     return share
-
-
-#: torchrun's number for the machine's agent: what tells machines apart where they share a host name
-MACHINE_ENV = "GROUP_RANK"
-
-
-def machine_id() -> str:
-    """This process's machine: torchrun's agent number where it runs one (machines emulated on one host, network
-    namespaces, share its name), else the host's name."""
-    agent = os.environ.get(MACHINE_ENV)
-    return f"agent {agent}" if agent is not None else f"host {socket.gethostname()}"
 
 
 def node_layout(wait: Any = None) -> tuple[list[list[int]], list[str]]:

@@ -11,13 +11,12 @@ process of each machine, as a take-over lists them (:mod:`.snapfiles`).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any
 
 from ..checkpoint.declared import PipelineState, Progress
 from ..checkpoint.newest import LIVE, Report, newest
-from ..elastic.snapshots import MACHINE_ENV
+from ..comm.machine import agent_number
 from .snapfiles import Files, listed
 
 
@@ -48,7 +47,7 @@ def current_files(old: PipelineState | None, rank: int) -> Any:
     process of the machine (a process without snapshots lists none)."""
     snap = None if old is None else old.snapshots
     if snap is None:
-        return Files(os.environ.get(MACHINE_ENV, "0"))
+        return Files(agent_number())
     machine = snap.machines[snap.rank]
     first = snap.machines.index(machine) == snap.rank
     files = listed(snap.folder, machine, rank, (snap.step, snap.lineage)) if first else []

@@ -21,7 +21,6 @@ tensors only, by name; None for a newcomer):
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,9 +36,10 @@ from ..checkpoint.verify import META
 from ..comm import groups, relayout_wire
 from ..comm.faults.guard import Guard
 from ..comm.generations import count_from, recorded
+from ..comm.machine import agent_number
 from ..elastic.folder import ended
 from ..elastic.recover import needs_of
-from ..elastic.snapshots import MACHINE_ENV, versions
+from ..elastic.snapshots import versions
 from ..interrupt import note_checkpoint
 from .fill import commit
 from .primitive import Held as Held  # (re-exported: InPlace holds its survivors by it)
@@ -147,7 +147,7 @@ def _record(
     """This process's part of the agreement (plain JSON: names, no shapes nor optimizer metadata: those travel
     in the listing, between the processes a tensor moves between), and the snapshot files it lists."""
     snap = new.snapshots if isinstance(new, PipelineState) else None
-    machine = snap.machines[snap.rank] if snap is not None else os.environ.get(MACHINE_ENV, "0")
+    machine = snap.machines[snap.rank] if snap is not None else agent_number()
     first = snap is not None and snap.machines.index(machine) == snap.rank  # (its group ranks are the world's)
     folder = snap.folder if snap is not None else None
     copies: list[dict[str, Any]] = listed(folder, machine, me) if first and folder else []

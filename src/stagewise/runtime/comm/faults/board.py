@@ -21,6 +21,7 @@ becomes known, whether posted here or read from the store.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -53,6 +54,7 @@ class ErrorBoard:
         self.failure: str | None = None
         self._on_failure: list[Callable[[], None]] = []
         self._look: Any = None  # the keys' read in flight (:meth:`poll`), a coordinator.Posted
+        self._polling = threading.RLock()  # (RLock: a failure's callbacks may look at the board again)
 
     def close(self) -> None:
         """Let go of the store's helper thread (a later read or post starts another)."""
@@ -130,11 +132,19 @@ class ErrorBoard:
         ``finish`` (a wait past its deadline): the read is waited for, up to the store's timeout from when it was
         posted, as a blocking :meth:`check` would be: a store host that does not answer is then the cause named."""
         if finish and self.failure is None:
-            if self._look is None:
-                self.poll()  # post one (or raise what stands)
-            look = self._look
-            if look is not None:
+            with self._polling:
+                self._advance(False)  # post one (or take what stands)
+                look = self._look
+            if look is not None:  # (waited for outside the lock: another thread's poll does not block on it)
                 look.done.wait(max(0.0, self.store.timeout - (time.perf_counter() - look.started)))
+        with self._polling:
+            self._advance(finish)
+        if self.failure is not None:
+            raise PipelineError(self.failure)
+
+    def _advance(self, finish: bool) -> None:
+        """:meth:`poll`'s step under its lock (one read in flight, one failure stood, whichever threads poll):
+        take the read in flight if it is done (or, ``finish``, give up on it), and post the next."""
         if self.failure is None and self._look is not None:
             look = self._look
             if look.done.is_set():
@@ -162,8 +172,6 @@ class ErrorBoard:
             except Exception as err:  # a read before this one never returned
                 seen = f" (seen by {self.me})" if self.me else ""
                 self._stand(f"{UNREACHABLE}{seen}: {_brief(err)}")
-        if self.failure is not None:
-            raise PipelineError(self.failure)
 
     def _seen(self) -> None:
         """Say that this rank has read the failure (the origin, maybe the store host, waits for its readers)."""
