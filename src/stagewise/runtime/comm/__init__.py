@@ -15,7 +15,7 @@ Three rooms and a few modules at the root:
   blocking torch call, none of which may be left when the interpreter finalizes; :mod:`.snapshot_wire` is the
   snapshots' group (``snapshot=``) and :mod:`.snapshot_exchange` a copy's exchange with the peer machines;
   :mod:`.relayout_wire` makes a re-layout's fresh groups and moves its tensors (``Pipeline.relayout``);
-  :mod:`.rendezvous_host` runs a rendezvous store on its own;
+  :mod:`.rendezvous_host` runs a rendezvous store on its own; :mod:`.machine` names this process's machine;
   :mod:`.generations` makes the process group of an in-place elastic job's generation (``sw.runtime.InPlace``);
   :mod:`.release` keeps a failed generation's process groups (never its tensors) until their timeout has
   passed, then lets them go off the recovery's thread.
