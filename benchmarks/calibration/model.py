@@ -10,7 +10,9 @@ change can be evaluated offline against a stored quiet run, ``python -m benchmar
   job probed it (:mod:`.reduce_probe`), the replicas' all-reduce on its own link rather than the point-to-point
   one.
 
-Both are calibrated on the calibrating plan P's timelines only; nothing of a plan Q enters them.
+Both are calibrated on the calibrating plan P's timelines only; nothing of a plan Q enters them. Each waits, in
+every plan and in P, for the gradient sum of the layers the workload ties across stages (the GPTs' head and token
+embedding: :mod:`stagewise.planning.tied_sum`), as the plan's cut places them.
 """
 
 from __future__ import annotations
@@ -34,19 +36,22 @@ def calibrations(
     timelines: Sequence[Timeline], schedule: Schedule, profile: LayerProfile, counts: Sequence[int], cores: float,
     bandwidth: float, reduce: Sequence[float] | None = None, steps: Sequence[float] | None = None,
     affinity: Sequence[Sequence[int]] | None = None, nodes: Sequence[int] | None = None,
+    tied: Sequence[Sequence[int]] = (),
 ) -> dict[str, RunCalibration]:  # fmt: skip
     """P's run calibrated for each model (module docstring); ``reduce``: the probed all-reduce link
     ``(latency, bandwidth)``, ``steps``: P's steps timed as the plans Q are (``timed_step``), both the ``after``
     model's (``before`` and ``at batch`` take the bias against the timelines' makespans, as the runtime does);
     ``affinity``: each rank's CPUs, which then give the cores every model shares (``cores`` left out:
     :mod:`stagewise.planning.core_share`); ``nodes``: P's pipeline ranks' machines (:func:`nodes_of`), so that
-    each model fits the link between machines apart from the one inside a machine (None: one link)."""
+    each model fits the link between machines apart from the one inside a machine (None: one link); ``tied``: the
+    sets of the profile's layers the workload ties across stages (:func:`tied_of`)."""
     c = None if affinity else cores
-    plain = calibrate_run(timelines, schedule, profile, counts, c, bandwidth, affinity=affinity or None, nodes=nodes)
+    plain = calibrate_run(timelines, schedule, profile, counts, c, bandwidth, affinity=affinity or None, nodes=nodes,
+                          tied=tied)  # fmt: skip
     link = None if reduce is None else (float(reduce[0]), float(reduce[1]))
     per_action = calibrate_run(
         timelines, schedule, profile, counts, c, bandwidth, per_action=True, steps=steps, reduce=link,
-        affinity=affinity or None, nodes=nodes,
+        affinity=affinity or None, nodes=nodes, tied=tied,
     )  # fmt: skip
     return {"before": plain, "at batch": plain, "after": per_action}
 
@@ -72,7 +77,8 @@ def predictions(
     for model in MODELS:
         at = profiles.get(b_q) if model != "before" else None
         costs = held_out_costs(cals[model], prior, counts, batch_ratio=b_q / b_p, dp=dp, at=at)
-        out[model] = cals[model].predict(schedule, costs, processes_per_node=processes, nodes=nodes)
+        tied = cals[model].tied_sums(counts, schedule, dp, nodes)
+        out[model] = cals[model].predict(schedule, costs, processes_per_node=processes, nodes=nodes, tied=tied)
     return out
 
 
@@ -103,13 +109,14 @@ def kept(
     profiles: Mapping[int, LayerProfile], timelines: Sequence[Timeline], calibrating: Mapping[str, Any],
     counts: Sequence[int], cores: float, bandwidth: float, processes: int, reduce: Sequence[float] | None = None,
     steps: Sequence[float] | None = None, affinity: Sequence[Sequence[int]] | None = None,
-    per_machine: int | None = None,
+    per_machine: int | None = None, tied: Sequence[Sequence[int]] = (),
 ) -> dict[str, Any]:  # fmt: skip
     """What an offline refit needs, as JSON: the profiles, P's calibrating timelines and plan, its cut, the cores,
     the link's prior bandwidth, the processes on the node, the probed all-reduce link, P's timed steps and each
-    rank's CPUs (its affinity, as the runtime's calibrator gathered it), and the processes per machine where the
-    job spans machines."""
+    rank's CPUs (its affinity, as the runtime's calibrator gathered it), the processes per machine where the
+    job spans machines, and the layers tied across stages."""
     return {
+        "tied": [list(t) for t in tied],
         "per_machine": per_machine,
         "affinity": None if affinity is None else [list(a) for a in affinity],
         "reduce_link": None if reduce is None else list(reduce),
@@ -133,6 +140,21 @@ def affinity_of(job: Mapping[str, Any]) -> list[list[int]]:
         return [list(a) for a in keep["affinity"]]
     k, n = int(keep["cores"]), int(keep["processes"])
     return [list(range(r * k, (r + 1) * k)) for r in range(n)] if job.get("pin") else [list(range(k))] * n
+
+
+#: the layers each workload ties across stages, by name, for jobs that kept none (before ``tied``): the GPTs of
+#: ``benchmarks.fidelity.workloads`` reuse the token embedding as the head (``examples/gpt_model.py``)
+TIED_BY_NAME = (("tokens", "head"),)
+
+
+def tied_of(job: Mapping[str, Any]) -> list[list[int]]:
+    """The sets of layers (indices into the profiles) a stored job's workload ties across stages: as kept, or, for
+    a job that kept none (before ``tied``), those of :data:`TIED_BY_NAME` its profile's layers are named."""
+    keep = job["kept"]
+    if keep.get("tied") is not None:
+        return [list(t) for t in keep["tied"]]
+    names = next(iter(LayerProfile.from_json(p) for p in keep["profiles"].values())).names
+    return [[names.index(n) for n in group] for group in TIED_BY_NAME if all(n in names for n in group)]
 
 
 def schedule_of(plan: Mapping[str, Any], virtual: int | None) -> Schedule:
@@ -172,7 +194,7 @@ def refit(
     per_machine = per_machine_of(job) if split else None
     p_nodes = nodes_of(p_plan["pp"], keep["processes"], per_machine)
     cals = calibrations(timelines, p_schedule, profiles[b_p], keep["counts"], keep["cores"], keep["bandwidth"],
-                        reduce, steps, affinity_of(job), p_nodes)  # fmt: skip
+                        reduce, steps, affinity_of(job), p_nodes, tied_of(job))  # fmt: skip
     rows = []
     for r in plans:
         plan = r["plan"]

@@ -92,7 +92,8 @@ def calibrate_round(
         w = calibrator.warmup
         out = {"record": calibrator.records[0], "timelines": seen[w:], "steps": timed[w:],
                "schedule": pipe.schedule, "counts": [len(r) for r in pipe.layer_ranges],
-               "cores": calibrator.cores, "affinity": calibrator.records[0]["affinity"]}  # fmt: skip
+               "cores": calibrator.cores, "affinity": calibrator.records[0]["affinity"],
+               "tied": [list(t) for t in pipe.tied.layer_sets]}  # fmt: skip
         del pipe, calibrator
     return out
 
@@ -116,9 +117,10 @@ def pooled(
     steps = [s for r in rounds for s in r["steps"]]
     first, world, per = rounds[0], dist.get_world_size(), per_machine()
     cals = calibrations(timelines, first["schedule"], profiles[micro_batch(p_plan)], first["counts"], first["cores"],
-                        bandwidth, reduce, steps, first["affinity"], nodes_of(p_plan.pp, world, per))  # fmt: skip
+                        bandwidth, reduce, steps, first["affinity"], nodes_of(p_plan.pp, world, per),
+                        first["tied"])  # fmt: skip
     keep = kept(profiles, timelines, p_plan._asdict(), first["counts"], first["cores"], bandwidth, world, reduce, steps,
-                first["affinity"], per)  # fmt: skip
+                first["affinity"], per, first["tied"])  # fmt: skip
     keep["rounds"] = [[len(r["timelines"]), len(r["steps"])] for r in rounds]
     return cals, keep
 
@@ -222,9 +224,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         steps = [s for b in builds[k] for s in b]
         once = {"predicted": first["predicted"], "low": first["low"], "high": first["high"]}
         rows.append({**row, "builds": builds[k], "steps": steps, "first": once})
-    record, own = p_rounds[0]["record"], first_cals["after"]
-    again = own.predict(p_rounds[0]["schedule"], own.profile(profiles[b_p]).cost_model(_bounds(p_rounds[0]["counts"])),
-                        world).step  # fmt: skip
+    record, own, first = p_rounds[0]["record"], first_cals["after"], p_rounds[0]
+    p_nodes = nodes_of(p_plan.pp, world, per_machine())
+    tied = own.tied_sums(first["counts"], first["schedule"], p_plan.dp, p_nodes)
+    again = own.predict(first["schedule"], own.profile(profiles[b_p]).cost_model(_bounds(first["counts"])), world,
+                        p_nodes, tied=tied).step  # fmt: skip
     return {
         "workload": args.workload, "world": world, "rounds": args.rounds, "pin": args.pin,
         "calibrating": p_plan._asdict(), "calibration": record, "records": [p["record"] for p in p_rounds],

@@ -84,3 +84,20 @@ def test_without_a_process_group_the_affinity_is_this_process_s() -> None:
     from stagewise.runtime.measure.cores import node_affinity
 
     assert node_affinity() == [sorted(os.sched_getaffinity(0))]
+
+
+def test_the_pipeline_s_tied_layers_are_summed_in_the_prediction() -> None:
+    """The pipeline ties its two layers (an embedding and the head reusing it: ``pipe.tied.layer_sets``), one on
+    each rank; transfers take 0.5 s. Each calibrating step waited 2 s for their gradient sum after the makespan (a
+    ring of 2 ranks: 2 steps of a notice and a message, 0.5 s each) and was timed so: the model holds the sum, so
+    the bias is 1 and the plan is predicted at its timed step."""
+    prior = fake_profile([3.0, 3.0], params=[512.0, 0.0])
+    run = simulate(build_schedule("1f1b", 2, 4), prior.cost_model([0, 1, 2], latency=0.5)).timeline
+    pipe = fake_pipe()
+    pipe.layer_profile, pipe.tied = prior, SimpleNamespace(layer_sets=((0, 1),))
+    calibrator = RunCalibrator(pipe, cores=8, warmup=0)
+    for _ in range(3):
+        calibrator.observe(run, step_s=run.makespan + 2.0)
+    record = calibrator.records[0]
+    assert record["bias"] == pytest.approx(1.0, rel=1e-12)
+    assert record["predicted_s"] == pytest.approx(run.makespan + 2.0, rel=1e-12)

@@ -46,9 +46,11 @@ def priced(
     for c in counts:
         bounds.append(bounds[-1] + int(c))
     costs = calibrated.cost_model(bounds)
+    tied = calibration.tied_sums(counts, schedule)
 
     def step(rank_speeds: Sequence[float]) -> float:
-        return calibration.predict(schedule, slowed(costs, [rank_speeds[r] for r in schedule.placement])).step
+        slow = slowed(costs, [rank_speeds[r] for r in schedule.placement])
+        return calibration.predict(schedule, slow, tied=tied).step
 
     held = [r for r, c in enumerate(caps or ()) if c < 1]
     out = [1.0 if r in held else float(s) for r, s in enumerate(speeds)]

@@ -49,6 +49,18 @@ def ring_all_reduce(nbytes: float, n: int, link: Link) -> float:
     return 2 * (n - 1) * (link.latency + nbytes / (n * link.bandwidth))
 
 
+def posted_ring_all_reduce(nbytes: float, n: int, link: Link) -> float:
+    """Seconds for a ring all-reduce of ``nbytes`` over ``n`` ranks on a transport that moves a message only once
+    its receive is posted (gloo: the receiver's notice crosses the link, then the message does), priced on ``link``
+    as the pipeline's own transfers fit it. The pipeline posts each step's receives at its start, a latency ahead
+    of the values (:mod:`stagewise.runtime.engine.interpreter`), so its transfers take one latency; a ring's step
+    posts its receive as it sends, so each of its ``2 (n - 1)`` steps waits for the notice before the message:
+    ``2 (n - 1) * (2 latency + nbytes / (n bandwidth))`` (0 for one rank or nothing to send)."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return 2 * (n - 1) * (2 * link.latency + nbytes / (n * link.bandwidth))
+
+
 def ring_reduce_scatter(nbytes: float, n: int, link: Link) -> float:
     """Seconds for a ring reduce-scatter (or all-gather) of ``nbytes`` in total over ``n`` ranks."""
     if n <= 1 or nbytes <= 0:

@@ -21,7 +21,10 @@ runtime hands every rank's events on one clock (``pipe.timeline(gather=True)``, 
 
 Held out: a plan Q is predicted from the calibrated *layers* (:meth:`RunCalibration.profile`: each layer's
 profiled costs scaled by what its stage measured in the calibrating run, per kind), cut as Q cuts them, on
-Q's ranks sharing the cores, with the calibrated link; nothing of Q is measured.
+Q's ranks sharing the cores, with the calibrated link; nothing of Q is measured. Layers tied across stages (an
+embedding and the head reusing it) have their gradients summed over their ranks at the step's end, outside the
+action list: each plan waits for that sum as its cut places them (:mod:`stagewise.planning.tied_sum`,
+:meth:`RunCalibration.tied_sums`), P too, so the bias does not carry P's sum to every plan.
 """
 
 from __future__ import annotations
@@ -31,12 +34,15 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from ..ir import Event, Kind, Schedule, Timeline
+from ..ir import Kind, Schedule, Timeline
 from ..partition import LayerProfile
 from ..simulation import CostModel, shared_makespan
 from .action_cost import action_overhead, at_batch, with_overhead
+from .comm import Link, ring_all_reduce
 from .core_share import node_cores, pinned, shared_seconds
 from .link_fit import COMPUTE, fit_link, fit_links
+from .run_stages import deshared, stage_holdout_error, stage_medians, stage_spreads
+from .tied_sum import TiedSum, tied_bytes, tied_sums
 
 __all__ = [
     "COMPUTE", "Prediction", "RunCalibration", "calibrate_run", "deshared", "fit_link", "fit_links", "held_out_costs",
@@ -47,39 +53,6 @@ __all__ = [
 Z85 = 1.44
 #: the model's own error on a plan it was not calibrated on, where the calibrating run cannot estimate it (one stage)
 MODEL_ERROR = 0.05
-
-
-def deshared(timeline: Timeline, cores: float) -> list[tuple[Event, float]]:
-    """Each compute event with its seconds on a core of its own: the integral over the event of
-    ``min(1, cores / n(t))``, ``n(t)`` the compute events in progress at ``t`` (every rank one process)."""
-    if not cores > 0:
-        raise ValueError(f"deshared: cores must be > 0, got {cores!r}")
-    compute = [e for e in timeline.events if e.action.kind in COMPUTE and e.end > e.start]
-    return list(zip(compute, shared_seconds([(e.start, e.end) for e in compute], cores)))
-
-
-def stage_medians(timelines: Sequence[Timeline], cores: float) -> dict[Kind, dict[int, float]]:
-    """Per kind and stage, the median of the de-shared seconds over every micro-batch of every timeline."""
-    seen: dict[Kind, dict[int, list[float]]] = {}
-    for timeline in timelines:
-        for e, own in deshared(timeline, cores):
-            seen.setdefault(e.action.kind, {}).setdefault(e.action.stage, []).append(own)
-    return {k: {s: statistics.median(v) for s, v in by.items()} for k, by in seen.items()}
-
-
-def stage_spreads(timelines: Sequence[Timeline], cores: float, stages: int) -> tuple[float, ...]:
-    """Per stage, the sample standard deviation over the mean of its de-shared compute seconds per timeline
-    (0 with fewer than 2 timelines or a stage that computed nothing)."""
-    totals = [[0.0] * stages for _ in timelines]
-    for k, timeline in enumerate(timelines):
-        for e, own in deshared(timeline, cores):
-            totals[k][e.action.stage] += own
-    out = []
-    for s in range(stages):
-        xs = [t[s] for t in totals]
-        mean = sum(xs) / len(xs) if xs else 0.0
-        out.append(statistics.stdev(xs) / mean if len(xs) > 1 and mean > 0 else 0.0)
-    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -130,6 +103,9 @@ class RunCalibration:
     #: where ``nodes`` put ranks on one node (:attr:`latency` and :attr:`bandwidth` are then the link between
     #: nodes); ``None``: one link for every transfer
     local: tuple[float, float] | None = None
+    #: the model's layers tied across stages (:func:`~stagewise.planning.tied_sum.tied_bytes`): each set's layer
+    #: indices and the bytes its gradient sum moves; empty: none tied
+    tied: tuple[tuple[tuple[int, ...], float], ...] = ()
 
     @property
     def pinned(self) -> bool | None:
@@ -197,16 +173,35 @@ class RunCalibration:
         costs: CostModel,
         processes_per_node: int | None = None,
         nodes: Sequence[int] | None = None,
+        *,
+        tied: Sequence[TiedSum] = (),
     ) -> Prediction:
-        """``schedule`` under ``costs`` (from :meth:`profile`), its ranks sharing :attr:`cores`; times the bias,
-        with the interval of :data:`Z85` x :attr:`error` either way in log (never below 0). ``nodes``: each of
-        the plan's pipeline ranks' node, so that a transfer inside one takes the :attr:`local` link."""
+        """``schedule`` under ``costs`` (from :meth:`profile`), its ranks sharing :attr:`cores`, the step waiting
+        for ``tied`` (the plan's :meth:`tied_sums`); times the bias, with the interval of :data:`Z85` x
+        :attr:`error` either way in log (never below 0). ``nodes``: each of the plan's pipeline ranks' node, so
+        that a transfer inside one takes the :attr:`local` link."""
         costs = with_overhead(self.linked(costs, nodes), self.overhead)
         p = schedule.num_ranks
         weights = [float(processes_per_node or p) / p] * p
-        step = shared_makespan(schedule, costs, weights, self.cores) * self.bias
+        step = shared_makespan(schedule, costs, weights, self.cores, tied=tied) * self.bias
         width = math.exp(Z85 * self.error)  # the error is of logs: the interval is a factor either way
         return Prediction(step, step / width, step * width)
+
+    def tied_sums(
+        self, counts: Sequence[int], schedule: Schedule, dp: int = 1, nodes: Sequence[int] | None = None
+    ) -> tuple[TiedSum, ...]:
+        """The gradient sums of the :attr:`tied` layers in the plan that cuts them by ``counts`` into ``schedule``'s
+        stages, ``dp`` replicas, pipeline ranks on ``nodes`` (:func:`~stagewise.planning.tied_sum.tied_sums`): on the
+        calibrated links (between machines and inside one), the replicas alone on :attr:`reduce_link`."""
+        local = None if self.local is None else Link(*self.local)
+        between = Link(self.latency, self.bandwidth)
+        return tied_sums(self.tied, counts, schedule.placement, between=between, local=local,
+                         replicas=self.reduce_link, dp=dp, nodes=nodes)  # fmt: skip
+
+    @property
+    def reduce_link(self) -> Link:
+        """The replicas' all-reduce link: :attr:`reduce` where probed, else the calibrated one."""
+        return Link(*self.reduce) if self.reduce else Link(self.latency, self.bandwidth)
 
     def linked(self, costs: CostModel, nodes: Sequence[int] | None = None) -> CostModel:
         """``costs`` on the calibrated links: between nodes, and, with ``nodes`` (a plan's pipeline ranks'), inside
@@ -264,30 +259,11 @@ def held_out_costs(
 
 def ring_synced(costs: CostModel, dp: int, calibration: RunCalibration) -> CostModel:
     """``costs`` with each stage's SYNC a ring all-reduce of its parameter bytes over ``dp`` replicas on the
-    calibration's :attr:`~RunCalibration.reduce` link, else the calibrated one (unchanged for one replica)."""
-    from .comm import Link, ring_all_reduce
-
+    calibration's :attr:`~RunCalibration.reduce_link` (unchanged for one replica)."""
     if dp <= 1:
         return costs
-    link = Link(*calibration.reduce) if calibration.reduce else Link(calibration.latency, calibration.bandwidth)
+    link = calibration.reduce_link
     return replace(costs, sync_time=tuple(ring_all_reduce(b, dp, link) for b in costs.parameter_bytes))
-
-
-def stage_holdout_error(measured: dict[Kind, dict[int, float]], charged: CostModel) -> float | None:
-    """Leave one stage out: per kind and stage, the log of the stage's measured-over-charged ratio against the
-    median ratio of the other stages of that kind (what the stage would have been predicted at from them); the
-    root mean square over every kind and stage, or ``None`` with fewer than two stages of any kind measured.
-    ``charged``: the prior's costs cut as the calibrating plan cut them."""
-    columns = {Kind.F: charged.forward, Kind.B: charged.backward_times(), Kind.I: charged.backward_input,
-               Kind.W: charged.backward_weight}  # fmt: skip
-    errors = []
-    for kind, by_stage in measured.items():
-        ratios = {s: v / columns[kind][s] for s, v in by_stage.items() if columns[kind][s] > 0 and v > 0}
-        for s, r in ratios.items():
-            others = [x for t, x in ratios.items() if t != s]
-            if others:
-                errors.append(math.log(r / statistics.median(others)))
-    return math.sqrt(sum(e * e for e in errors) / len(errors)) if errors else None
 
 
 def _bounds(counts: Sequence[int]) -> list[int]:
@@ -356,6 +332,7 @@ def calibrate_run(
     reduce: tuple[float, float] | None = None,
     affinity: Sequence[Sequence[int]] | None = None,
     nodes: Sequence[int] | None = None,
+    tied: Sequence[Sequence[int]] = (),
 ) -> RunCalibration:
     """Calibrate on the run of ``schedule`` cut by ``counts`` (layers per stage of ``prior``): ``timelines``
     (one per step, every rank on one clock) measured on ``cores`` shared cores; then the bias against the
@@ -372,7 +349,8 @@ def calibrate_run(
     pipeline's transport), kept as :attr:`RunCalibration.reduce` and used for the plan's own SYNC too.
     ``affinity``: each of the node's ranks' CPUs; ``cores`` is then theirs (:func:`~.core_share.node_cores`, ``None``
     or the same number): pinned ranks a core each share the union, not one core each. ``nodes``: each pipeline
-    rank's machine; the transfers inside one and between two are fitted apart (:func:`fit_links`)."""
+    rank's machine; the transfers inside one and between two are fitted apart (:func:`fit_links`). ``tied``: sets of
+    ``prior``'s layers tied across stages, whose gradient sum each plan's step waits for (:mod:`.tied_sum`)."""
     cores = _cores(cores, affinity)
     _check(timelines, schedule, prior, counts, steps)
     bounds = _bounds(counts)
@@ -391,10 +369,11 @@ def calibrate_run(
         stage_spread=stage_spreads(timelines, cores, schedule.num_stages),
         reduce=None if reduce is None else (float(reduce[0]), float(reduce[1])),
         affinity=() if affinity is None else tuple(tuple(sorted(int(c) for c in a)) for a in affinity),
+        tied=tied_bytes(prior, tied),
     )
     costs = ring_synced(run.profile(prior).cost_model(bounds), dp, run)
     held_out = stage_holdout_error(run.measured, prior.cost_model(bounds))
     run = replace(run, held_out_error=run.held_out_error if held_out is None else held_out)
     run = replace(run, overhead=action_overhead(timelines, schedule, cores)) if per_action else run
-    own = run.predict(schedule, costs, nodes=nodes).step
+    own = run.predict(schedule, costs, nodes=nodes, tied=run.tied_sums(counts, schedule, dp, nodes)).step
     return replace(run, bias=run.measured_step / own if own > 0 else 1.0)

@@ -19,6 +19,13 @@ It answers the makespan only; the planner uses it in place of
 ``max(simulated, busiest node's work / cores)`` - a bound that holds with
 perfect packing and misses the fill and drain, where fewer ranks compute than
 there are cores, and the steady state, where more do.
+
+``tied``: reductions the step waits for at its end, outside every rank's action
+list - the gradient sum of parameters tied across stages (an embedding and the
+head reusing it: :mod:`stagewise.planning.tied_sum`), which each rank holding
+one of ``stages`` starts at its SYNC of that stage (its last compute action of
+it where the list has no SYNC) and every one of them waits for before the step
+ends. The step lasts at least until ``seconds`` after the last such start.
 """
 
 from __future__ import annotations
@@ -37,12 +44,15 @@ def shared_makespan(
     weights: Sequence[float],
     cores: float,
     nodes: Sequence[int] | None = None,
+    tied: Sequence[tuple[Sequence[int], float]] = (),
 ) -> float:
     """The step's makespan when rank ``r`` is ``weights[r]`` processes computing alike on node ``nodes[r]``'s
-    ``cores`` shared cores (``nodes`` None: one node).
+    ``cores`` shared cores (``nodes`` None: one node); ``tied``: ``(stages, seconds)`` reductions the step waits for
+    at its end (module docstring).
 
-    With ``cores`` at least each node's summed weights it equals ``simulate(schedule, costs).makespan``.
-    Raises ``ValueError`` on a schedule that cannot finish, as the simulator does.
+    With ``cores`` at least each node's summed weights and no ``tied`` it equals
+    ``simulate(schedule, costs).makespan``. Raises ``ValueError`` on a schedule that cannot finish, as the
+    simulator does.
     """
     n, p = schedule.num_stages, schedule.num_ranks
     if costs.num_stages != n:
@@ -54,6 +64,12 @@ def shared_makespan(
     node = [0] * p if nodes is None else list(nodes)
     if len(node) != p:
         raise ValueError(f"shared_makespan: one node per rank ({p}), got {len(node)}")
+    for stages, seconds in tied:
+        if not all(0 <= s < n for s in stages) or not 0 <= seconds < float("inf"):
+            raise ValueError(
+                f"shared_makespan: a tied sum is (stages of 0..{n - 1}, seconds >= 0), "
+                f"got ({list(stages)}, {seconds!r})"
+            )
     replay = _SharedCores(schedule, costs, weights, cores, node)
     while replay.advance(replay.start_ready()):
         pass
@@ -64,7 +80,12 @@ def shared_makespan(
             f"schedule {schedule.name!r} cannot finish: rank {r} waits at {replay.ranks[r][replay.pos[r]]} "
             f"for a value no rank produces first (run validate_schedule for details)"
         )
-    return replay.end - (replay.first or 0.0)
+    end = replay.end
+    for stages, seconds in tied:
+        started = [t for t in (replay.synced[s] for s in stages) if t is not None]
+        if started:
+            end = max(end, max(started) + seconds)
+    return end - (replay.first or 0.0)
 
 
 class _SharedCores:
@@ -72,8 +93,8 @@ class _SharedCores:
     (seconds at full speed), the end of a running SYNC/STEP, and what it is doing; each message's arrival."""
 
     __slots__ = (
-        "arrival", "b_full", "cores", "costs", "delay_b", "delay_f", "end", "first", "last", "left", "m", "node",
-        "pools", "pos", "ranks", "state", "t", "until", "weights",
+        "arrival", "b_full", "cores", "costs", "delay_b", "delay_f", "end", "first", "has_sync", "last", "left", "m",
+        "node", "pools", "pos", "ranks", "state", "synced", "t", "until", "weights",
     )  # fmt: skip
 
     def __init__(
@@ -95,11 +116,16 @@ class _SharedCores:
         self.first: float | None = None
         self.end = 0.0
         self.t = 0.0
+        #: per stage, when its SYNC started (until one does: when its last compute action so far ended)
+        self.synced: list[float | None] = [None] * n
+        self.has_sync = [any(a[1] is _SYNC for a in acts) for acts in self.ranks]
 
     def finish(self, r: int) -> None:
         """Rank ``r``'s running action ends now: its message leaves, the rank is idle."""
         s, kind, i = self.ranks[r][self.pos[r]]
         m = self.m
+        if kind is not _SYNC and kind is not Kind.STEP and not self.has_sync[r]:
+            self.synced[s] = self.t  # no SYNC in the list: a reduction of the stage starts after its last compute
         if kind is _F and s < self.last:
             self.arrival[2 * (s * m + i)] = self.t + self.delay_f[s]  # type: ignore[operator]
         elif (kind is _B or kind is _I) and s:
@@ -150,6 +176,8 @@ class _SharedCores:
                             self.finish(r)
                             swept = False
                     else:
+                        if kind is _SYNC:
+                            self.synced[s] = t
                         took = costs.sync_time[s] if kind is _SYNC else costs.step_time[s]
                         if took > 0:
                             until[r], state[r] = t + took, 2

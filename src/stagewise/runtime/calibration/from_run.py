@@ -170,10 +170,11 @@ class RunCalibrator:
         timed = [s for s in self._timed if s is not None]
         self._steps_timed = len(timed) == len(self._calibrating)
         affinity, nodes = (None, None) if self._cores_given else self._layout()
+        tied = getattr(getattr(self.pipe, "tied", None), "layer_sets", ())  # (a fake pipeline has no tied sums)
         cal = calibrate_run(
             self._calibrating, schedule, self.prior, self.counts, None if affinity else self.cores, self.bandwidth,
             dp=self._replicas.dp, reductions=reductions, per_action=self.per_action,
-            steps=timed if self._steps_timed else None, reduce=self.reduce, affinity=affinity, nodes=nodes,
+            steps=timed if self._steps_timed else None, reduce=self.reduce, affinity=affinity, nodes=nodes, tied=tied,
         )  # fmt: skip
         self.cores = cal.cores
         if any(c < 1 for c in self.caps):  # a held rank's speed on this cut, measured here (not another cut's)
@@ -190,7 +191,8 @@ class RunCalibrator:
         costs = ring_synced(cal.profile(self.prior).cost_model(_bounds(self.counts)), self._replicas.dp, cal)
         if self.speeds is not None:  # the plan as it runs: its slow rank still slow
             costs = slowed(costs, [self.speeds[r] for r in schedule.placement])
-        self.prediction = cal.predict(schedule, costs, self.processes, nodes)
+        sums = cal.tied_sums(self.counts, schedule, self._replicas.dp, nodes)
+        self.prediction = cal.predict(schedule, costs, self.processes, nodes, tied=sums)
         self.emit(
             {
                 "event": "recalibrated",

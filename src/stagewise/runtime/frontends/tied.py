@@ -212,6 +212,9 @@ class TiedSync:
         self.local: dict[str, tuple[nn.Module, set[int]]] = {}  # key -> module, local stages using it
         self.groups: dict[str, Any] = {}
         self.replicas = 1 if mesh is None else mesh.config.replicas
+        #: each key's layers (indices into the layer list), for keys used at several: what the cost model's tied sums
+        #: price (:mod:`stagewise.planning.tied_sum`)
+        self.layer_sets = tuple(tuple(builder.uses[k]) for k in sorted(builder.uses) if len(builder.uses[k]) > 1)
         global_ranks = groups.global_ranks(group)
         world = mesh is not None or len(global_ranks) == groups.world_size()
         for key in sorted(builder.uses):
