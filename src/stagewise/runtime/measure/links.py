@@ -128,8 +128,9 @@ def all_reduce_link(dp: int = 2, *, rounds: int = 5, timeout: float = 60.0) -> L
             dist.all_reduce(t, group=mine)  # the group's connections, not counted
             seen = []
             for _ in range(rounds):
-                dist.barrier()
-                t0 = time.perf_counter()
+                dist.barrier()  # every group at once, as a plan's SYNCs run
+                dist.barrier(group=mine)  # and the group's ranks together: the world's barrier lets ranks go
+                t0 = time.perf_counter()  # one by one, a link's delay apart, and the timed reduce waited for that
                 dist.all_reduce(t, group=mine)
                 seen.append(time.perf_counter() - t0)
             return seen

@@ -1,0 +1,56 @@
+"""The replicas' all-reduce probe times the reduce, not the world's barrier (issue 49, 2026-12-05).
+
+Before each timed round every rank passes a barrier over the whole world; ranks leave it one by one, a link's
+delay apart when the world spans machines, so a replica group inside one machine read the delay between its
+ranks' exits as its own latency (10.4 ms a ring step at 10 ms between machines). One process, a fake
+``torch.distributed`` on a fake clock: this rank's group peer leaves the world's barrier 10 ms after it.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from stagewise.runtime.measure import links
+
+SKEW = 0.010  # the peer's exit from the world's barrier after this rank's
+ALPHA, BETA = 1e-4, 1e-9  # the group's true all-reduce: ALPHA + bytes x BETA seconds
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.peer_ready = 0.0
+
+    def barrier(self, group: Any = None) -> None:
+        if group is None:  # the world's: this rank goes first, its peer SKEW later
+            self.peer_ready = self.now + SKEW
+        else:  # the group's: both leave once both are in
+            self.now = max(self.now, self.peer_ready)
+
+    def all_reduce(self, t: Any, op: Any = None, group: Any = None) -> None:
+        self.now = max(self.now, self.peer_ready) + ALPHA + t.numel() * t.element_size() * BETA
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
+    c = _Clock()
+    fake = SimpleNamespace(
+        get_world_size=lambda: 4, get_rank=lambda: 0, new_group=lambda ranks: tuple(ranks),
+        barrier=c.barrier, all_reduce=c.all_reduce, ReduceOp=SimpleNamespace(MAX="max"),
+    )  # fmt: skip
+    monkeypatch.setattr(links, "dist", fake)
+    monkeypatch.setattr(links.time, "perf_counter", lambda: c.now)
+    monkeypatch.setattr(links, "_bounded", lambda fn, deadline, what: fn())
+    monkeypatch.setattr(links, "slowest", lambda seconds, deadline: seconds)
+    return c
+
+
+def test_the_probe_reads_the_group_s_reduce_not_the_world_s_barrier_exits(clock: _Clock) -> None:
+    link = links.all_reduce_link(2)
+    assert link is not None
+    share, steps = 1.0, 2  # dp 2: half the bytes each way, two ring steps
+    assert link.bandwidth == pytest.approx(1 / (BETA / share))
+    assert link.latency == pytest.approx(ALPHA / steps)  # the skew read as latency: (ALPHA + SKEW) / 2
