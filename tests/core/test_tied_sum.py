@@ -8,6 +8,8 @@ benchmark ranked them backwards (Kendall tau 0.38 at 4 processes). Hand-computed
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from helpers.profiles import fake_profile
@@ -40,6 +42,8 @@ def test_the_sum_is_a_ring_of_posted_receives_on_the_link_its_ranks_span() -> No
     sum it, on the replicas' link as their SYNC is priced: 2 (dp - 1) (latency + bytes / (dp bandwidth))."""
     tied = tied_bytes(fake_profile([1.0] * 4, params=[512.0, 8.0, 8.0, 0.0]), [[3, 0]])
     assert tied == (((0, 3), 512.0),)
+    recorded = replace(fake_profile([1.0] * 4, params=[900.0, 8.0, 8.0, 0.0]), tied=(((0, 3), 512.0),))
+    assert tied_bytes(recorded, [[0, 3]]) == (((0, 3), 512.0),)  # the profile's measured bytes, not the layer's 900
     links = {"between": Link(0.01, 1e4), "local": Link(0.001, 1e5), "replicas": Link(0.002, 1e3)}
     one_f = [0, 1]  # 1F1B's placement of 2 stages
     assert tied_sums(tied, [2, 2], one_f, nodes=[0, 1], **links) == (TiedSum((0, 1), 2 * (0.02 + 0.0256)),)

@@ -85,6 +85,14 @@ class LayerProfile:
     ``loss_bytes``: what the loss keeps for its backward per micro-batch (cross-entropy's log-softmax of the
     logits: for a language model's head often more than a decoder layer), held by the last stage from its
     forward to its backward; 0 when :func:`stagewise.profile` was not given the loss.
+
+    ``tied``: layers that use one parameter (a token embedding and the language model's head reusing its matrix:
+    :class:`stagewise.Tied`, ``head.weight = embed.weight``, or a transformers model's ``tie_word_embeddings``),
+    each set as ``(layer indices, bytes)``: its layers (0-based, ascending) and the bytes of the parameters they
+    share, each once. The runtime sums those gradients over the ranks holding the layers at the end of each step,
+    so :func:`stagewise.plan` prices that sum for every plan (:mod:`stagewise.planning.tied_sum`).
+    :func:`stagewise.profile` records them; empty: none tied (or a profile made before they were recorded: give
+    them with ``dataclasses.replace(profile, tied=(((0, 11), nbytes),))``).
     """
 
     layers: tuple[LayerCost, ...]
@@ -94,8 +102,10 @@ class LayerProfile:
     checkpoint: CheckpointCost | None = None  # None: not measured (recompute then costs the forward again only)
     batch: int | None = None
     loss_bytes: float = 0.0
+    tied: tuple[tuple[tuple[int, ...], float], ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "tied", _checked_ties(self.tied, len(self.layers)))
         if isinstance(self.loss_bytes, bool) or not (
             isinstance(self.loss_bytes, (int, float)) and 0 <= self.loss_bytes < math.inf
         ):
@@ -124,7 +134,8 @@ class LayerProfile:
 
     def to_json(self) -> str:
         """A JSON object: ``device``, ``repeats``, ``warmup``, ``layers`` (one object per layer, LayerCost's fields)
-        and, where known, ``batch`` (samples profiled), ``loss_bytes`` and ``checkpoint`` (CheckpointCost's fields).
+        and, where known, ``batch`` (samples profiled), ``loss_bytes``, ``checkpoint`` (CheckpointCost's fields)
+        and ``tied`` (one ``{"layers": [...], "bytes": ...}`` per set).
 
         ``LayerProfile.from_json(p.to_json()) == p``.
         """
@@ -140,6 +151,8 @@ class LayerProfile:
             data["loss_bytes"] = self.loss_bytes
         if self.checkpoint is not None:
             data["checkpoint"] = asdict(self.checkpoint)
+        if self.tied:
+            data["tied"] = [{"layers": list(layers), "bytes": nbytes} for layers, nbytes in self.tied]
         return json.dumps(data)
 
     @classmethod
@@ -177,6 +190,7 @@ class LayerProfile:
             checkpoint=checkpoint,
             batch=batch,
             loss_bytes=float(data.get("loss_bytes", 0.0)),
+            tied=_ties_from_json(data.get("tied", [])),
         )
 
     def times(self) -> list[float]:
@@ -237,6 +251,34 @@ class LayerProfile:
             bandwidth=bandwidth,
             backward_full=tuple(s.backward for s in stages),
         )
+
+
+def _checked_ties(tied: Any, n: int) -> tuple[tuple[tuple[int, ...], float], ...]:
+    """``LayerProfile.tied`` as tuples (each set's layers ascending); a ``ValueError`` naming a set that does not
+    hold at least two distinct layers of the ``n`` and a finite number of bytes >= 0."""
+    out = []
+    for entry in tied:
+        layers, nbytes = entry if isinstance(entry, (tuple, list)) and len(entry) == 2 else ((), None)
+        ks = sorted(layers) if _all_ints(layers) else []
+        fine = len(set(ks)) == len(ks) >= 2 and 0 <= ks[0] and ks[-1] < n
+        if not (fine and isinstance(nbytes, (int, float)) and not isinstance(nbytes, bool) and 0 <= nbytes < math.inf):
+            raise ValueError(
+                f"LayerProfile.tied: each set is (at least two distinct layer indices of the {n} layers, 0-based; "
+                f"the bytes they share, >= 0), got {entry!r}"
+            )
+        out.append((tuple(ks), float(nbytes)))
+    return tuple(out)
+
+
+def _all_ints(values: Any) -> bool:
+    return isinstance(values, (tuple, list)) and all(isinstance(k, int) and not isinstance(k, bool) for k in values)
+
+
+def _ties_from_json(raw: Any) -> tuple[tuple[tuple[int, ...], float], ...]:
+    """:meth:`LayerProfile.to_json`'s ``tied`` (checked by the profile as it is built)."""
+    if not isinstance(raw, list) or not all(isinstance(x, Mapping) and sorted(x) == ["bytes", "layers"] for x in raw):
+        raise ValueError(f'profile JSON: \'tied\' must be a list of {{"layers": [...], "bytes": ...}}, got {raw!r}')
+    return tuple((x["layers"], x["bytes"]) for x in raw)
 
 
 def shared_bytes(first: LayerCost, then: LayerCost) -> float:

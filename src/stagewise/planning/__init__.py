@@ -99,7 +99,11 @@ def plan(profile: LayerProfile, processes: int, **options: Unpack[PlanOptions]) 
     (:func:`stagewise.profile`); costs scale linearly with the micro-batch size, unless ``profiles`` holds the
     same layers profiled at other sizes: then each layer's forward and backward are a line through every size
     (a fixed part, as ``overhead``, and a part that scales), so that small micro-batches are not priced at a
-    linear share of a larger one's cost.
+    linear share of a larger one's cost. Layers the profile records as tied (:attr:`LayerProfile.tied`: an
+    embedding and the head reusing it, found by :func:`stagewise.profile`) have their gradients summed over the
+    ranks holding them and their replicas at each step's end: every plan waits for that sum, a ring on the link
+    between nodes where those ranks span nodes (none where one rank holds every use, as ZB-V's V does, but for
+    its replicas).
     ``processes`` ranks on ``nodes`` nodes (packed in rank order), each with
     ``memory`` (bytes, or a string with a unit: ``"8GiB"``) and relative ``speeds`` (one number, or one per rank).
     ``global_batch``: samples per step, split over the ``dp * sharding`` replicas, then into

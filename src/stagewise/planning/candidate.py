@@ -8,6 +8,11 @@ left after the rank's last compute adds to the step. With ``sharding > 1``
 the runtime (FSDP2, ``runtime/hybrid/sharding.py``) gathers parameters at a layer's
 first forward and reduce-scatters at SYNC, blocking: those collectives are
 costed as rank time at SYNC (:func:`sync_costs`). The optimizer step itself is not costed.
+
+Layers tied across stages (``LayerProfile.tied``: a token embedding and the head reusing it) have their
+gradients summed over the ranks holding them and their replicas at the step's end, outside the action list:
+:func:`tied_costs` prices each sum on the candidate's links (:mod:`.tied_sum`), and the step waits for it
+(:func:`stagewise.planning.predict.ends_with_async_sync`).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from .inputs import Problem
 from .layouts import Layout
 from .orders import activation_states, placement_of
 from .result import RankMemory, describe, gib
+from .tied_sum import TiedSum, tied_sums
 
 
 @dataclass(frozen=True)
@@ -37,6 +43,7 @@ class Candidate:
     sync_blocking: tuple[float, ...]  # per stage, rank time at SYNC
     sync_async: tuple[float, ...]  # per stage, an all-reduce started at SYNC
     microbatch_size: int
+    tied: tuple[TiedSum, ...] = ()  # the tied layers' gradient sums the step waits for (:func:`tied_costs`)
 
     def describe(self) -> str:
         return describe(self.layout.config, self.schedule, self.v, self.m, self.recompute)
@@ -161,3 +168,19 @@ def sync_costs(
             blocking.append(0.0)
             background.append(ring_all_reduce(nbytes, config.dp, links["dp"]))
     return tuple(blocking), tuple(background)
+
+
+def tied_costs(
+    layout: Layout, placement: Sequence[int], bounds: Sequence[int], tied: Sequence[tuple[Sequence[int], float]]
+) -> tuple[TiedSum, ...]:
+    """The gradient sums of the ``tied`` layers (``LayerProfile.tied``) of a candidate that cuts the layers at
+    ``bounds`` onto pipeline ranks by ``placement`` (:func:`~.tied_sum.tied_sums`): a ring over the ranks holding
+    them and their replicas, on the pipeline's link between nodes where those ranks span nodes, else on the one
+    inside a node; a set held by one rank, over its replicas (``dp x sharding``) on their axis's link."""
+    if not tied:
+        return ()
+    config, links = layout.config, layout.links
+    counts = [b - a for a, b in zip(bounds, bounds[1:])]
+    return tied_sums(tied, counts, placement, between=links["pp"], local=layout.local,
+                     replicas=links["dp" if config.dp > 1 else "sharding"], dp=config.replicas,
+                     nodes=layout.nodes or None)  # fmt: skip

@@ -42,15 +42,27 @@ def simulate_candidate(c: Candidate) -> tuple[SimResult, float, list[float]]:
 
 
 def ends_with_async_sync(sim: SimResult, c: Candidate) -> list[float]:
-    """Each rank's end with each stage's asynchronous all-reduce started at its SYNC, from the first start."""
+    """Each rank's end with each stage's asynchronous all-reduce started at its SYNC, from the first start; and
+    with each of the tied layers' gradient sums (:attr:`Candidate.tied`), started at the last SYNC of its stages
+    (a stage without one: its last action) and waited for by every rank holding one of them, as
+    :func:`stagewise.simulation.shared_makespan` waits for its ``tied``."""
     begin = min(times[0] for times in sim.starts if times)
     ends = []
-    for acts, rank_ends in zip(sim.actions, sim.ends):
-        comm_free = 0.0
-        for a, end in zip(acts, rank_ends):
-            if a.kind is Kind.SYNC and c.sync_async[a.stage] > 0:
-                comm_free = max(comm_free, end) + c.sync_async[a.stage]
+    started: dict[int, tuple[int, float]] = {}  # stage -> (its rank, when its sum may start)
+    for r, (acts, rank_starts, rank_ends) in enumerate(zip(sim.actions, sim.starts, sim.ends)):
+        comm_free, synced = 0.0, any(a.kind is Kind.SYNC for a in acts)
+        for a, start, end in zip(acts, rank_starts, rank_ends):
+            if a.kind is Kind.SYNC:
+                started[a.stage] = (r, start)
+                if c.sync_async[a.stage] > 0:
+                    comm_free = max(comm_free, end) + c.sync_async[a.stage]
+            elif not synced and a.kind is not Kind.STEP:
+                started[a.stage] = (r, end)
         ends.append(max(rank_ends[-1] if rank_ends else 0.0, comm_free) - begin)
+    for stages, seconds in c.tied:
+        done = max(started[s][1] for s in stages) + seconds - begin
+        for s in stages:
+            ends[started[s][0]] = max(ends[started[s][0]], done)
     return ends
 
 
@@ -165,7 +177,8 @@ def _on_shared_cores(
     cpu = cpu_bound(charged, processes, per_node, left)
     if not oversubscribed:
         return cpu, 0.0
-    # the compute (and its hidden CPU) replayed on the node's shared cores, same tail
+    # the compute (and its hidden CPU) replayed on the node's shared cores, with the plain simulation's tail (the
+    # asynchronous all-reduces and the tied sums after its makespan: ends_with_async_sync, priced once for both)
     assert left is not None
     weights, nodes = sharing(pp, processes, per_node)
     schedule = compute_schedule(c.schedule, pp, c.m, c.v)

@@ -63,16 +63,17 @@ class Plan:
     simulated idle fraction of the pipeline ranks' compute; ``memory`` one
     :class:`RankMemory` per pipeline rank. ``breakdown`` splits the step:
     ``compute`` (the busiest rank's compute), ``grad_sync`` (gradient
-    collectives left exposed after the drain) and ``tp_comm`` (tensor-parallel
-    all-reduces inside the busiest rank's compute). ``why`` says why it ranks
-    above the next plan.
+    collectives left exposed after the drain, the tied layers' sum among them)
+    and ``tp_comm`` (tensor-parallel all-reduces inside the busiest rank's
+    compute). ``why`` says why it ranks above the next plan.
 
     **Predicted step time**: the seconds per ``Pipeline.train_step`` of a training loop in its steady state,
     steps run back to back on every rank: the slowest rank's time from the end of one step to the end of the
     next (equal on every rank, as each step ends with every rank holding its loss). It is the simulator's
     makespan of one step's actions - every micro-batch's forward and backward on every stage, the transfers
     between stages, the pipeline's idle time, tensor-parallel all-reduces, the gradient reductions at each
-    stage's SYNC that the drain does not hide (data-parallel all-reduce, FSDP2's gathers and reduce-scatters)
+    stage's SYNC that the drain does not hide (data-parallel all-reduce, FSDP2's gathers and reduce-scatters,
+    the gradient sum of layers tied across ranks: ``LayerProfile.tied``)
     - stretched where processes share cores, plus the runtime's measured costs per action and per step
     (splitting the batch, the step-end exchanges of loss and non-finite check; :class:`Calibration`). It
     leaves out: the optimizer step (``opt.step()``, or the STEP actions of ``Pipeline(optimizer=...)``), the

@@ -7,7 +7,8 @@ partitioner (:func:`stagewise.partition.cut.partition_costs`) cuts the layers
 (balancing F + B per layer, with the ranks' speeds and their memory for
 parameters, gradients and optimizer state), the simulator times one step and
 tracks activations, and the collectives are added from
-:mod:`stagewise.planning.comm`.
+:mod:`stagewise.planning.comm`, the gradient sum of layers tied across
+stages (``LayerProfile.tied``) from :mod:`stagewise.planning.tied_sum`.
 
 A candidate whose activations overflow a rank is cut once more with each
 layer's activations counted (times the most micro-batches a stage holds), so a
@@ -36,7 +37,7 @@ from ..parallel import ParallelConfig
 from ..partition import partition_costs
 from ..schedules import schedule_info
 from .auto import synthesized_plans
-from .candidate import Candidate, memory_of, over_cap, rank_terms, static_memory, sync_costs
+from .candidate import Candidate, memory_of, over_cap, rank_terms, static_memory, sync_costs, tied_costs
 from .costing import partition_weights, stage_base
 from .inputs import Problem
 from .layouts import Layout, divisors, enumerate_layouts, schedule_options
@@ -275,7 +276,9 @@ class _Search:
         g, m, bounds, base, blocking, background, recut = item
         size = g.layout.per_replica // m
         costs = base.at(size / prob.profile_batch, prob.calibration.hooks_for(g.layout.config.sharding))
-        cand = Candidate(g.layout, g.schedule, g.v, m, g.recompute, bounds, costs, blocking, background, size)
+        placement = placement_of(g.schedule, g.layout.config.pp, g.v)
+        tied = tied_costs(g.layout, placement, bounds, prob.profile.tied)
+        cand = Candidate(g.layout, g.schedule, g.v, m, g.recompute, bounds, costs, blocking, background, size, tied)
         memory = memory_of(cand, prob)
         if any(mem.total > mem.cap for mem in memory):
             if not recut and self.memory_cut(g, cand):

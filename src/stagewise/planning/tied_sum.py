@@ -15,7 +15,9 @@ every other schedule 140-190 ms).
 bytes: the first use holds them), a ring over its ranks and their replicas
 (:func:`~stagewise.planning.comm.posted_ring_all_reduce`, on the link between the machines its ranks span, else the
 one inside a machine); the replicas alone, on the replicas' all-reduce link, as their SYNC is priced.
-:func:`stagewise.simulation.shared_makespan` (``tied=``) waits for each at the step's end.
+:func:`stagewise.simulation.shared_makespan` (``tied=``) waits for each at the step's end. The planner prices each
+candidate's the same way, from the sets its profile records (``LayerProfile.tied``, with the bytes measured:
+:func:`stagewise.planning.candidate.tied_costs`); :func:`tied_bytes` serves a run's sets known by index alone.
 """
 
 from __future__ import annotations
@@ -38,7 +40,10 @@ class TiedSum(NamedTuple):
 
 def tied_bytes(profile: LayerProfile, tied: Sequence[Sequence[int]]) -> tuple[tuple[tuple[int, ...], float], ...]:
     """Each set of tied layers (indices into ``profile``'s layers, e.g. ``[[0, 11]]``: the token embedding and the
-    head reusing it) with the bytes its gradient sum moves: its layers' parameter bytes (a later use holds none)."""
+    head reusing it) with the bytes its gradient sum moves: what ``profile.tied`` measured for the same set, else
+    its layers' parameter bytes (a later use holds none; a layer that holds more than the tied matrix, as a
+    transformers model's first and last units do, counts it all)."""
+    measured = {tuple(layers): nbytes for layers, nbytes in profile.tied}
     out = []
     for layers in tied:
         ks = tuple(sorted({int(k) for k in layers}))
@@ -47,7 +52,7 @@ def tied_bytes(profile: LayerProfile, tied: Sequence[Sequence[int]]) -> tuple[tu
                 f"tied layers: each set names at least two of the profile's {len(profile)} layers (0-based), got "
                 f"{list(layers)}"
             )
-        out.append((ks, float(sum(profile.layers[k].parameter_bytes for k in ks))))
+        out.append((ks, float(measured.get(ks, sum(profile.layers[k].parameter_bytes for k in ks)))))
     return tuple(out)
 
 

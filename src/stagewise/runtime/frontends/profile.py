@@ -7,6 +7,7 @@ time, as ``from_hf`` cuts it (:mod:`.hf.profile`); anything else as :func:`..mea
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -15,6 +16,7 @@ from torch import nn
 from ...partition import LayerProfile
 from ..measure import profiling
 from .hf.profile import is_hf_model, profile_hf
+from .ties import tied_layers
 
 
 def profile(
@@ -35,6 +37,10 @@ def profile(
     with the first and the head with the last, as ``from_hf`` cuts it: ``sw.plan`` on that profile returns plans
     ``Pipeline.from_plan(plan, model)`` builds. ``sample_inputs``: ``input_ids`` or ``(input_ids,
     attention_mask)``, one micro-batch.
+
+    Layers that use one parameter (a :class:`~stagewise.Tied` key's uses, ``head.weight = embed.weight``, a
+    transformers model's tied embedding and head) are recorded as ``LayerProfile.tied``
+    (:func:`.ties.tied_layers`): ``sw.plan`` prices their gradient sum across ranks.
     """
     kw: dict[str, Any] = dict(repeats=repeats, warmup=warmup, rounds=rounds, batch=batch)
     if loss_fn is not None or targets is not None:
@@ -42,4 +48,6 @@ def profile(
     if is_hf_model(layers_or_model):
         assert isinstance(layers_or_model, nn.Module)
         return profile_hf(layers_or_model, sample_inputs, **kw)
-    return profiling.profile(layers_or_model, sample_inputs, **kw)
+    measured = profiling.profile(layers_or_model, sample_inputs, **kw)
+    blocks = dict(profiling.measured_blocks(layers_or_model))
+    return replace(measured, tied=tied_layers([blocks[name] for name in measured.names]))

@@ -6,6 +6,10 @@ that uses it holds the parameter, and their gradients are summed at the SYNC of 
 before any optimizer steps. Each name is saved once: a name (``embed.weight``) that stages on two ranks register
 is left out of ``state_dict()`` everywhere but on the first such stage's rank; a different name of the same
 parameter (``head.weight``) is saved where it is held, as ``model.state_dict()`` has both.
+
+:func:`tied_layers`: the same ties among a profile's layers (declared :class:`~stagewise.Tied` uses, found
+ones and a transformers model's tied embedding alike), which ``stagewise.profile`` records for the planner
+(``LayerProfile.tied``).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from typing import Any
 
 from torch import nn
 
-from .tied import TiedBuilder
+from .tied import TiedBuilder, TiedCall
 
 
 class FoundTies(TiedBuilder):
@@ -94,3 +98,34 @@ def save_once(root: nn.Module, skip: set[str]) -> None:
 
     root.register_state_dict_post_hook(drop)
     root.register_load_state_dict_post_hook(allow_missing)
+
+
+def tied_layers(modules: Sequence[nn.Module]) -> tuple[tuple[tuple[int, ...], float], ...]:
+    """The sets of ``modules`` (a profile's layers, in its order) that use one trainable parameter, each with the
+    bytes of the parameters its layers share (each once): ``LayerProfile.tied``. A layer uses its own parameters
+    and those of the shared module of every :class:`~.tied.TiedCall` in it (a later ``sw.Tied`` use registers
+    none); layers sharing any parameter are one set, as the runtime sums them in one group."""
+    users: dict[int, list[int]] = {}
+    size: dict[int, int] = {}
+    for k, module in enumerate(modules):
+        called = [m.target for m in module.modules() if isinstance(m, TiedCall)]
+        for p in (p for m in (module, *called) for p in m.parameters()):
+            if p.requires_grad and k not in users.setdefault(id(p), []):
+                users[id(p)].append(k)
+                size[id(p)] = p.numel() * p.element_size()
+    root = list(range(len(modules)))
+
+    def find(k: int) -> int:
+        while root[k] != k:
+            k = root[k]
+        return k
+
+    for ks in users.values():
+        for k in ks[1:]:
+            root[find(k)] = find(ks[0])
+    sets: dict[int, tuple[set[int], float]] = {}
+    for key, ks in users.items():
+        if len(ks) > 1:
+            layers, nbytes = sets.get(find(ks[0]), (set(), 0.0))
+            sets[find(ks[0])] = (layers | set(ks), nbytes + size[key])
+    return tuple(sorted((tuple(sorted(layers)), nbytes) for layers, nbytes in sets.values()))

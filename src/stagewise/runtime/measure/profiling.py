@@ -175,12 +175,7 @@ def measure_layers(
     if repeats < 1 or warmup < 0:
         raise ValueError(f"profile: need repeats >= 1 and warmup >= 0, got {repeats}, {warmup}")
     inputs = sample_inputs if isinstance(sample_inputs, tuple) else (sample_inputs,)
-    if isinstance(layers_or_model, (nn.Sequential, nn.ModuleList)):
-        named = [(n, m) for n, m in layers_or_model.named_children()]
-    elif isinstance(layers_or_model, nn.Module):
-        named = model_blocks(layers_or_model)
-    else:
-        named = [(str(i), m) for i, m in enumerate(layers_or_model)]
+    named = measured_blocks(layers_or_model)
     if not named:
         raise ValueError("profile: no layers to measure")
     chain = not isinstance(layers_or_model, nn.Module) or isinstance(layers_or_model, (nn.Sequential, nn.ModuleList))
@@ -191,6 +186,17 @@ def measure_layers(
         else:
             calls = _capture_blocks(layers_or_model, named, inputs)  # type: ignore[arg-type]
         return _measure_all(calls, device, repeats, warmup)
+
+
+def measured_blocks(layers_or_model: nn.Module | Sequence[nn.Module]) -> list[tuple[str, nn.Module]]:
+    """The ``(name, module)`` layers :func:`profile` measures, by the names its profile gives them: a chain's
+    children (a list's by position), else the model's :func:`model_blocks` (the profile keeps those its forward
+    calls, in call order)."""
+    if isinstance(layers_or_model, (nn.Sequential, nn.ModuleList)):
+        return list(layers_or_model.named_children())
+    if isinstance(layers_or_model, nn.Module):
+        return model_blocks(layers_or_model)
+    return [(str(i), m) for i, m in enumerate(layers_or_model)]
 
 
 def profile_blocks(
@@ -304,6 +310,7 @@ __all__ = [
     "LayerProfile",
     "checkpoint_chains",
     "measure_layers",
+    "measured_blocks",
     "model_blocks",
     "preserved_state",
     "profile",

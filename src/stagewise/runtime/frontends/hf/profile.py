@@ -5,7 +5,8 @@ from (:class:`.stage.HFStage`, one decoder layer each; the embedding and what ru
 first, the final norm and the head with the last), chained on one micro-batch as the pipeline runs them. So a
 plan of that profile (``sw.plan``) cuts decoder layers, and ``Pipeline.from_plan(plan, hf_model)`` (or
 ``from_hf(model, **plan.pipeline_options())``) builds it. Each unit is named after its decoder layer
-(``model.layers.3``); the first and the last say what they also hold.
+(``model.layers.3``); the first and the last say what they also hold. A tied embedding and head
+(``tie_word_embeddings``) make the first and the last unit one set of ``LayerProfile.tied``.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from ....partition import LayerProfile
 from ...measure.checkpoint_cost import with_checkpoint_cost
 from ...measure.profiling import loss_saved_bytes, samples_in, steadiest
 from ..balance import profile_layers
+from ..ties import tied_layers
 from .discover import recognise
 from .stage import HFStage, decoder_units
 
@@ -64,7 +66,7 @@ def profile_hf(
     loss = 0.0 if loss_fn is None else float(loss_saved_bytes(modules, sample_inputs, loss_fn, targets))
     inputs = sample_inputs if isinstance(sample_inputs, tuple) else (sample_inputs,)
     batch = batch or measured.batch or samples_in(inputs)
-    return with_checkpoint_cost(replace(measured, batch=batch, loss_bytes=loss))
+    return with_checkpoint_cost(replace(measured, batch=batch, loss_bytes=loss, tied=tied_layers(modules)))
 
 
 def profile_config(spec: str, *, seq: int = 128, batch: int = 1, seed: int = 0) -> LayerProfile:
