@@ -36,7 +36,7 @@ def calibrations(
     timelines: Sequence[Timeline], schedule: Schedule, profile: LayerProfile, counts: Sequence[int], cores: float,
     bandwidth: float, reduce: Sequence[float] | None = None, steps: Sequence[float] | None = None,
     affinity: Sequence[Sequence[int]] | None = None, nodes: Sequence[int] | None = None,
-    tied: Sequence[Sequence[int]] = (),
+    tied: Sequence[Sequence[int]] = (), local_bandwidth: float | None = None,
 ) -> dict[str, RunCalibration]:  # fmt: skip
     """P's run calibrated for each model (module docstring); ``reduce``: the probed all-reduce link
     ``(latency, bandwidth)``, ``steps``: P's steps timed as the plans Q are (``timed_step``), both the ``after``
@@ -44,14 +44,16 @@ def calibrations(
     ``affinity``: each rank's CPUs, which then give the cores every model shares (``cores`` left out:
     :mod:`stagewise.planning.core_share`); ``nodes``: P's pipeline ranks' machines (:func:`nodes_of`), so that
     each model fits the link between machines apart from the one inside a machine (None: one link); ``tied``: the
-    sets of the profile's layers the workload ties across stages (:func:`tied_of`)."""
+    sets of the profile's layers the workload ties across stages (:func:`tied_of`); ``bandwidth`` and
+    ``local_bandwidth``: the prior bandwidths between machines and inside one (a job kept before 2026-12-05 20:00
+    has one, its ranks 0-1 ping-pong's, inside a machine at 4 processes)."""
     c = None if affinity else cores
     plain = calibrate_run(timelines, schedule, profile, counts, c, bandwidth, affinity=affinity or None, nodes=nodes,
-                          tied=tied)  # fmt: skip
+                          tied=tied, local_bandwidth=local_bandwidth)  # fmt: skip
     link = None if reduce is None else (float(reduce[0]), float(reduce[1]))
     per_action = calibrate_run(
         timelines, schedule, profile, counts, c, bandwidth, per_action=True, steps=steps, reduce=link,
-        affinity=affinity or None, nodes=nodes, tied=tied,
+        affinity=affinity or None, nodes=nodes, tied=tied, local_bandwidth=local_bandwidth,
     )  # fmt: skip
     return {"before": plain, "at batch": plain, "after": per_action}
 
@@ -109,7 +111,7 @@ def kept(
     profiles: Mapping[int, LayerProfile], timelines: Sequence[Timeline], calibrating: Mapping[str, Any],
     counts: Sequence[int], cores: float, bandwidth: float, processes: int, reduce: Sequence[float] | None = None,
     steps: Sequence[float] | None = None, affinity: Sequence[Sequence[int]] | None = None,
-    per_machine: int | None = None, tied: Sequence[Sequence[int]] = (),
+    per_machine: int | None = None, tied: Sequence[Sequence[int]] = (), local_bandwidth: float | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """What an offline refit needs, as JSON: the profiles, P's calibrating timelines and plan, its cut, the cores,
     the link's prior bandwidth, the processes on the node, the probed all-reduce link, P's timed steps and each
@@ -127,6 +129,7 @@ def kept(
         "counts": list(counts),
         "cores": cores,
         "bandwidth": bandwidth,
+        "local_bandwidth": local_bandwidth,
         "processes": processes,
     }
 
@@ -193,8 +196,9 @@ def refit(
     p_schedule = schedule_of(p_plan, None)
     per_machine = per_machine_of(job) if split else None
     p_nodes = nodes_of(p_plan["pp"], keep["processes"], per_machine)
+    local = keep.get("local_bandwidth")  # (absent before 2026-12-05 20:00: one prior for both links)
     cals = calibrations(timelines, p_schedule, profiles[b_p], keep["counts"], keep["cores"], keep["bandwidth"],
-                        reduce, steps, affinity_of(job), p_nodes, tied_of(job))  # fmt: skip
+                        reduce, steps, affinity_of(job), p_nodes, tied_of(job), local)  # fmt: skip
     rows = []
     for r in plans:
         plan = r["plan"]

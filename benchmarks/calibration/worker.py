@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 import stagewise as sw
 from stagewise.partition import stage_counts
+from stagewise.planning import Calibration, Link
 from stagewise.runtime import RunCalibrator
 
 # internal: --pin, the pinning stagewise run --pin-cores does (the benchmark launches torchrun itself); the link
@@ -67,13 +68,25 @@ def micro_batch(plan: PlanSpec) -> int:
     return GLOBAL_BATCH // (plan.dp * plan.microbatches)
 
 
+def probes(bandwidth: tuple[float, float]) -> Calibration:
+    """The two prior bandwidths (:func:`prior_bandwidth`) as the runtime's calibrator takes them: the inter link
+    between machines, the intra link inside one (their latencies unused: the run's transfers give those)."""
+    between, inside = bandwidth
+    return Calibration(intra=Link(0.0, inside), inter=Link(0.0, between))
+
+
 def reduce_probe() -> tuple[float, float] | None:
     link = all_reduce_link(2)
     return None if link is None else (link.latency, link.bandwidth)
 
 
 def calibrate_round(
-    work: Any, p_plan: PlanSpec, profile: sw.LayerProfile, bandwidth: float, reduce: Any, steps: int = 0
+    work: Any,
+    p_plan: PlanSpec,
+    profile: sw.LayerProfile,
+    bandwidth: tuple[float, float],
+    reduce: Any,
+    steps: int = 0,
 ) -> dict[str, Any]:
     """P built and run until its :class:`RunCalibrator` (the ``after`` model: ``per_action``, the probed
     all-reduce link, each step timed) calibrates, then ``steps`` more timed: the record, the calibrating
@@ -81,7 +94,7 @@ def calibrate_round(
     x, y = work.data(GLOBAL_BATCH)
     with released():
         pipe = build(work, p_plan, profile, x[: micro_batch(p_plan)])
-        calibrator = RunCalibrator(pipe, profile, processes=dist.get_world_size(), bandwidth=bandwidth,
+        calibrator = RunCalibrator(pipe, profile, processes=dist.get_world_size(), bandwidth=probes(bandwidth),
                                    per_action=True, reduce=reduce)  # fmt: skip
         seen, timed = [], []
         while calibrator.calibration is None:
@@ -109,7 +122,11 @@ def calibrated(
 
 
 def pooled(
-    profiles: dict[int, sw.LayerProfile], p_plan: PlanSpec, rounds: list[dict], bandwidth: float, reduce: Any
+    profiles: dict[int, sw.LayerProfile],
+    p_plan: PlanSpec,
+    rounds: list[dict],
+    bandwidth: tuple[float, float],
+    reduce: Any,
 ) -> tuple[dict[str, Any], dict]:
     """The models calibrated on the P runs of ``rounds`` pooled (their calibrating timelines and timed steps),
     and the ``kept`` record (``rounds``: how many timelines and steps each round gave)."""
@@ -117,10 +134,10 @@ def pooled(
     steps = [s for r in rounds for s in r["steps"]]
     first, world, per = rounds[0], dist.get_world_size(), per_machine()
     cals = calibrations(timelines, first["schedule"], profiles[micro_batch(p_plan)], first["counts"], first["cores"],
-                        bandwidth, reduce, steps, first["affinity"], nodes_of(p_plan.pp, world, per),
-                        first["tied"])  # fmt: skip
-    keep = kept(profiles, timelines, p_plan._asdict(), first["counts"], first["cores"], bandwidth, world, reduce, steps,
-                first["affinity"], per, first["tied"])  # fmt: skip
+                        bandwidth[0], reduce, steps, first["affinity"], nodes_of(p_plan.pp, world, per),
+                        first["tied"], bandwidth[1])  # fmt: skip
+    keep = kept(profiles, timelines, p_plan._asdict(), first["counts"], first["cores"], bandwidth[0], world, reduce,
+                steps, first["affinity"], per, first["tied"], bandwidth[1])  # fmt: skip
     keep["rounds"] = [[len(r["timelines"]), len(r["steps"])] for r in rounds]
     return cals, keep
 
@@ -144,10 +161,18 @@ def per_machine() -> int | None:
     return per if 0 < per < dist.get_world_size() else None
 
 
-def prior_bandwidth() -> float:
-    """Bytes/s between ranks 0 and 1 (a ping-pong, 3 rounds): the bandwidth the calibration keeps where P's
-    transfers, all one size, cannot identify it (:mod:`stagewise.planning.link_fit`)."""
-    return ping_pong(0, 1, rounds=3, timeout=300).bandwidth if dist.get_world_size() > 1 else float("inf")
+def prior_bandwidth() -> tuple[float, float]:
+    """Bytes/s between machines and inside one (ping-pongs, 3 rounds: rank 0 with the first rank of the next
+    machine, and with rank 1): the bandwidths the calibration keeps where P's transfers, all one size, cannot
+    identify them (:mod:`stagewise.planning.link_fit`). On one machine, ranks 0 and 1's for both. Until
+    2026-12-05 20:00 ranks 0 and 1's stood for both at 4 processes too: loopback, 4.2 GB/s, kept for a 100 Mbit
+    link."""
+    if dist.get_world_size() < 2:
+        return float("inf"), float("inf")
+    inside = ping_pong(0, 1, rounds=3, timeout=300).bandwidth
+    per = per_machine()
+    between = ping_pong(0, per, rounds=3, timeout=300).bandwidth if per else inside
+    return between, inside
 
 
 def counts_for(plan: PlanSpec, layers: Any, profile: sw.LayerProfile, v: int) -> Any:

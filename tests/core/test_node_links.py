@@ -104,3 +104,29 @@ def test_a_held_out_plan_is_priced_on_both_links() -> None:
     spread = cal.predict(q, costs, processes_per_node=4, nodes=(0, 1, 2, 3)).step
     assert spread == pytest.approx(simulate(q, replace(truth, rank_nodes=(0, 1, 2, 3))).makespan, rel=1e-9)
     assert spread > got
+
+
+def test_each_link_keeps_its_own_prior_bandwidth() -> None:
+    """One message size identifies no bandwidth, so each fit keeps a prior. The truth: 100 bytes a boundary, 1 byte/s
+    between machines (100 s) and 100 bytes/s inside (1 s), no latency. Given its own prior, each link reads latency
+    0; given the loopback's prior for both (a ping-pong inside a machine, issue 49), the link between machines reads
+    its bytes' time as a latency of 99 s, which prices any larger message (a tied sum, an all-reduce) 100 times low."""
+    costs = replace(
+        CostModel.uniform(4, forward=1.0, backward_input=1.0, backward_weight=1.0),
+        output_bytes=(100.0,) * 4, bandwidth=1.0, rank_nodes=NODES, local_bandwidth=100.0,
+    )  # fmt: skip
+    timeline = simulate(GPIPE4, costs).timeline
+    between, inside = fit_links([timeline], GPIPE4, [100.0] * 4, 1.0, nodes=NODES, local_prior=100.0)
+    assert inside is not None
+    assert (between.latency, between.bandwidth) == (pytest.approx(0.0, abs=1e-9), 1.0)
+    assert (inside.latency, inside.bandwidth) == (pytest.approx(0.0, abs=1e-9), 100.0)
+    loopback, same = fit_links([timeline], GPIPE4, [100.0] * 4, 100.0, nodes=NODES)
+    assert same is not None and (same.latency, same.bandwidth) == (pytest.approx(0.0, abs=1e-9), 100.0)
+    assert loopback.bandwidth == 100.0 and loopback.latency == pytest.approx(99.0)
+    prior = fake_profile([3.0] * 4)  # one byte out of each layer
+    truth = replace(prior.cost_model([0, 1, 2, 3, 4], bandwidth=0.01), rank_nodes=NODES, local_bandwidth=1.0)
+    run = simulate(GPIPE4, truth).timeline
+    cal = calibrate_run([run] * 3, GPIPE4, prior, [1, 1, 1, 1], cores=8, prior_bandwidth=0.01, nodes=NODES,
+                        local_bandwidth=1.0)  # fmt: skip
+    assert (cal.latency, cal.bandwidth) == (pytest.approx(0.0, abs=1e-9), 0.01)
+    assert cal.local == (pytest.approx(0.0, abs=1e-9), 1.0) and cal.bias == pytest.approx(1.0)

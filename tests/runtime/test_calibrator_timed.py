@@ -101,3 +101,23 @@ def test_the_pipeline_s_tied_layers_are_summed_in_the_prediction() -> None:
     record = calibrator.records[0]
     assert record["bias"] == pytest.approx(1.0, rel=1e-12)
     assert record["predicted_s"] == pytest.approx(run.makespan + 2.0, rel=1e-12)
+
+
+@pytest.mark.parametrize("machines", [["agent 0", "agent 1"], ["agent 0", "agent 0"]])
+def test_the_link_between_machines_keeps_the_inter_probe(monkeypatch: pytest.MonkeyPatch, machines: list[str]) -> None:
+    """Given a calibration with both probes, a run whose two ranks are on two machines fits its one message size
+    with the inter probe's bandwidth; on one machine, with the intra probe's (a loopback ping-pong kept for the
+    link between machines priced a 100 Mbit link at 4.2 GB/s, issue 49)."""
+    from stagewise.planning import Calibration, Link
+    from stagewise.runtime.calibration import from_run
+
+    monkeypatch.setattr(from_run, "node_layout", lambda wait: ([[0, 1], [0, 1]], machines))
+    run = simulate(build_schedule("1f1b", 2, 4), PRIOR.cost_model([0, 1, 2], latency=0.5)).timeline
+    probes = Calibration(intra=Link(1e-5, 4e9), inter=Link(1e-3, 1.2e7))
+    calibrator = RunCalibrator(fake_pipe(), warmup=0, after=1, bandwidth=probes)
+    calibrator.observe(run)
+    record = calibrator.records[0]
+    spans = machines[0] != machines[1]
+    assert record["nodes"] == ([0, 1] if spans else [0, 0])
+    assert record["bandwidth_Bps"] == (1.2e7 if spans else 4e9)
+    assert record["latency_s"] == pytest.approx(0.5 - 1.0 / record["bandwidth_Bps"], rel=1e-9)

@@ -53,10 +53,20 @@ def test_a_pipeline_built_from_a_searched_plan_keeps_the_plans_link() -> None:
 def test_a_probe_or_a_number_wins_over_the_plan() -> None:
     probe = Calibration(intra=Link(1e-4, 4096.0))
     plan = SimpleNamespace(costs=SimpleNamespace(bandwidth=1e9))
-    assert link_prior(fake_pipe(plan), probe) == (4096.0, "the calibration's intra link")
-    assert link_prior(fake_pipe(plan), 512.0) == (512.0, "given")
-    assert link_prior(fake_pipe(plan)) == (1e9, "the plan's link")
-    assert link_prior(fake_pipe(), Calibration())[0] == math.inf
+    assert link_prior(fake_pipe(plan), probe) == (4096.0, 4096.0, "the calibration's intra link")
+    assert link_prior(fake_pipe(plan), 512.0) == (512.0, 512.0, "given")
+    assert link_prior(fake_pipe(plan)) == (1e9, 1e9, "the plan's link")
+    assert link_prior(fake_pipe(), Calibration())[:2] == (math.inf, math.inf)
+
+
+def test_the_link_between_machines_keeps_the_inter_probe_and_the_one_inside_the_intra() -> None:
+    """A ping-pong inside a machine reads loopback; kept for the link between machines it priced a 100 Mbit link
+    at 4.2 GB/s (issue 49): each link keeps its own probe, the plan's two links likewise."""
+    both = Calibration(intra=Link(1e-5, 4e9), inter=Link(1e-3, 1.2e7))
+    assert link_prior(fake_pipe(), both) == (1.2e7, 4e9, "the calibration's inter and intra link")
+    assert link_prior(fake_pipe(), Calibration(inter=Link(1e-3, 1.2e7)))[:2] == (1.2e7, 1.2e7)
+    plan = SimpleNamespace(costs=SimpleNamespace(bandwidth=1.2e7, local_bandwidth=4e9, rank_nodes=(0, 0, 1, 1)))
+    assert link_prior(fake_pipe(plan)) == (1.2e7, 4e9, "the plan's link")
     with pytest.raises(ValueError, match="bandwidth must be > 0"):
         link_prior(fake_pipe(), 0.0)
 

@@ -199,11 +199,15 @@ def fit_links(
     prior_bandwidth: float = math.inf,
     reductions: Sequence[tuple[float, float]] = (),
     nodes: Sequence[int] | None = None,
+    local_prior: float | None = None,
 ) -> tuple[LinkFit, LinkFit | None]:
     """The link between nodes and the one inside a node (``None`` without ``nodes`` or where no two of the plan's
     ranks share a node), each fitted through its own waited transfers (:func:`fit_link`; the
-    all-reduce messages join the first). Where the run waited for no transfer between nodes (one machine), the
-    local fit stands for both: nothing better is known of the network."""
+    all-reduce messages join the first), each keeping its own prior bandwidth where its transfers cannot identify
+    one (``local_prior`` inside a node, ``prior_bandwidth`` where not given): a ping-pong inside a machine reads
+    loopback, 350 times a 100 Mbit link's bandwidth (issue 49, 4 processes on the bandwidth link). Where the run
+    waited for no transfer between nodes (one machine), the local fit stands for both: nothing better is known of
+    the network."""
     if nodes is not None and len(nodes) != schedule.num_ranks:
         raise ValueError(
             f"fit_links: nodes names {len(nodes)} pipeline ranks' nodes, the schedule has {schedule.num_ranks}"
@@ -212,7 +216,8 @@ def fit_links(
     if not shared:
         return fit_link(timelines, schedule, output_bytes, prior_bandwidth, reductions), None
     between = fit_link(timelines, schedule, output_bytes, prior_bandwidth, reductions, nodes)
-    inside = fit_link(timelines, schedule, output_bytes, prior_bandwidth, (), nodes, local=True)
+    inside_prior = prior_bandwidth if local_prior is None else local_prior
+    inside = fit_link(timelines, schedule, output_bytes, inside_prior, (), nodes, local=True)
     if between.transfers == 0 and inside.transfers > 0:
         between = replace(inside, note=f"no waited transfer between nodes: the local link ({inside.note})")
     return between, inside

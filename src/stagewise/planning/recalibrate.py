@@ -333,6 +333,7 @@ def calibrate_run(
     affinity: Sequence[Sequence[int]] | None = None,
     nodes: Sequence[int] | None = None,
     tied: Sequence[Sequence[int]] = (),
+    local_bandwidth: float | None = None,
 ) -> RunCalibration:
     """Calibrate on the run of ``schedule`` cut by ``counts`` (layers per stage of ``prior``): ``timelines``
     (one per step, every rank on one clock) measured on ``cores`` shared cores; then the bias against the
@@ -349,13 +350,14 @@ def calibrate_run(
     pipeline's transport), kept as :attr:`RunCalibration.reduce` and used for the plan's own SYNC too.
     ``affinity``: each of the node's ranks' CPUs; ``cores`` is then theirs (:func:`~.core_share.node_cores`, ``None``
     or the same number): pinned ranks a core each share the union, not one core each. ``nodes``: each pipeline
-    rank's machine; the transfers inside one and between two are fitted apart (:func:`fit_links`). ``tied``: sets of
+    rank's machine; the transfers inside one and between two are fitted apart (:func:`fit_links`), the one inside
+    keeping ``local_bandwidth`` as its prior (``prior_bandwidth`` where not given). ``tied``: sets of
     ``prior``'s layers tied across stages, whose gradient sum each plan's step waits for (:mod:`.tied_sum`)."""
     cores = _cores(cores, affinity)
     _check(timelines, schedule, prior, counts, steps)
     bounds = _bounds(counts)
     sent = prior.cost_model(bounds).output_bytes
-    link, local = fit_links(timelines, schedule, sent, prior_bandwidth, reductions, nodes)
+    link, local = fit_links(timelines, schedule, sent, prior_bandwidth, reductions, nodes, local_bandwidth)
     run = RunCalibration(
         counts=tuple(int(c) for c in counts),
         measured=stage_medians(timelines, cores),

@@ -25,7 +25,7 @@ import os
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from ...ir import Timeline
 from ...partition import LayerCost, LayerProfile
@@ -65,7 +65,8 @@ class RunCalibrator:
     bytes/s where the run's transfers cannot identify it (one message size), by default the link the
     pipeline's plan was searched with (``Pipeline.from_plan`` of a plan searched with ``sw.calibrate()``'s
     links: its ``costs.bandwidth``), or a probe's: a number (e.g. a ping-pong's,
-    :func:`~stagewise.runtime.measure.links.ping_pong`) or a :class:`~stagewise.planning.Calibration` (its intra link);
+    :func:`~stagewise.runtime.measure.links.ping_pong`) or a :class:`~stagewise.planning.Calibration` (its inter link
+    between machines, its intra link inside one);
     infinite when none is known (:func:`link_prior`; the record's ``link`` and ``bandwidth_from`` say which);
     ``per_action``: what the model misses of this plan's step is a CPU cost per compute action on the shared
     cores (:mod:`stagewise.planning.action_cost`; the record's ``overhead_s``), not a factor on every step;
@@ -106,7 +107,7 @@ class RunCalibrator:
         self.caps = [1.0] * pipe.num_ranks if caps is None else [float(c) for c in caps]
         self.warmup, self.after, self.per_action = warmup, after, per_action
         self.reduce = None if reduce is None else (float(reduce[0]), float(reduce[1]))
-        self.bandwidth, self.bandwidth_from = link_prior(pipe, bandwidth)
+        self.bandwidth, self.local_bandwidth, self.bandwidth_from = link_prior(pipe, bandwidth)
         self.on_event = on_event
         self.records: list[dict[str, Any]] = []
         self.calibration: RunCalibration | None = None
@@ -171,10 +172,12 @@ class RunCalibrator:
         self._steps_timed = len(timed) == len(self._calibrating)
         affinity, nodes = (None, None) if self._cores_given else self._layout()
         tied = getattr(getattr(self.pipe, "tied", None), "layer_sets", ())  # (a fake pipeline has no tied sums)
+        spans = nodes is not None and len(set(nodes)) > 1  # else every transfer is inside one machine
         cal = calibrate_run(
-            self._calibrating, schedule, self.prior, self.counts, None if affinity else self.cores, self.bandwidth,
-            dp=self._replicas.dp, reductions=reductions, per_action=self.per_action,
-            steps=timed if self._steps_timed else None, reduce=self.reduce, affinity=affinity, nodes=nodes, tied=tied,
+            self._calibrating, schedule, self.prior, self.counts, None if affinity else self.cores,
+            self.bandwidth if spans else self.local_bandwidth, dp=self._replicas.dp, reductions=reductions,
+            per_action=self.per_action, steps=timed if self._steps_timed else None, reduce=self.reduce,
+            affinity=affinity, nodes=nodes, tied=tied, local_bandwidth=self.local_bandwidth,
         )  # fmt: skip
         self.cores = cal.cores
         if any(c < 1 for c in self.caps):  # a held rank's speed on this cut, measured here (not another cut's)
@@ -297,24 +300,42 @@ class RunCalibrator:
             self.on_event(record)
 
 
-def link_prior(pipe: Any, given: float | Calibration | None = None) -> tuple[float, str]:
-    """The bandwidth (bytes/s) the link fit keeps where the run cannot identify one, and where it came from:
-    ``given`` (a number, or a :class:`~stagewise.planning.Calibration`'s intra link), else the link the pipeline's plan
-    was searched with (``Pipeline.from_plan``: the plan's ``costs.bandwidth``, finite when the plan had measured
-    links), else infinite."""
+class LinkPriors(NamedTuple):
+    """The bandwidths (bytes/s) the link fit keeps where the run's transfers cannot identify one: ``between``
+    machines and ``inside`` one, and where they came from."""
+
+    between: float
+    inside: float
+    source: str
+
+
+def link_prior(pipe: Any, given: float | Calibration | None = None) -> LinkPriors:
+    """The link fit's prior bandwidths (:class:`LinkPriors`): ``given`` (a number, for both links; or a
+    :class:`~stagewise.planning.Calibration`'s links: its inter link between machines, its intra link inside one
+    and between them where it measured no inter), else the links the pipeline's plan was searched with
+    (``Pipeline.from_plan``: the plan's ``costs.bandwidth`` and, where it placed ranks on machines,
+    ``costs.local_bandwidth``; finite when the plan had measured links), else infinite. Two, because a ping-pong
+    inside a machine reads loopback: kept for the link between machines it priced a 100 Mbit link at 4.2 GB/s
+    (issue 49)."""
     if isinstance(given, Calibration):
-        if given.intra is None:
-            return math.inf, "none (the calibration measured no intra link)"
-        return float(given.intra.bandwidth), "the calibration's intra link"
+        if given.intra is None and given.inter is None:
+            return LinkPriors(math.inf, math.inf, "none (the calibration measured no link)")
+        inside = given.intra or given.inter
+        between = given.inter or given.intra
+        assert inside is not None and between is not None
+        which = " and ".join(n for n, x in (("inter", given.inter), ("intra", given.intra)) if x is not None)
+        return LinkPriors(float(between.bandwidth), float(inside.bandwidth), f"the calibration's {which} link")
     if given is not None:
         if not float(given) > 0:
             raise ValueError(f"RunCalibrator: bandwidth must be > 0 bytes/s, got {given!r}")
-        return float(given), "given"
+        return LinkPriors(float(given), float(given), "given")
     plan = getattr(getattr(pipe, "frontend", None), "plan", None)
     costs = getattr(plan, "costs", None)
     if costs is not None and math.isfinite(costs.bandwidth) and costs.bandwidth > 0:
-        return float(costs.bandwidth), "the plan's link"
-    return math.inf, "none"
+        local = float(getattr(costs, "local_bandwidth", math.inf))
+        inside = local if getattr(costs, "rank_nodes", ()) and local > 0 else float(costs.bandwidth)
+        return LinkPriors(float(costs.bandwidth), inside, "the plan's link")
+    return LinkPriors(math.inf, math.inf, "none")
 
 
 def _bounds(counts: list[int]) -> list[int]:
