@@ -63,7 +63,7 @@ def test_the_tied_sum_flips_the_plan_on_two_machines() -> None:
 def test_every_way_of_predicting_a_step_waits_for_the_sum(options: dict[str, object]) -> None:
     """Each 1F1B-placed plan (its own schedule, or one synthesized for it) pays the 18 s exactly, whether the step is
     the simulator's or the replay on half a core; ZB-V pays nothing, nor does pp=1 x dp=2 (both uses on one rank: its
-    replicas' 10 s ring runs beside the stage's own all-reduce of the same bytes, 10 s too)."""
+    replicas' 10 s ring takes the place of the stage's own all-reduce of the same bytes, which leaves them out)."""
     before, after = _plans(UNTIED, **options), _plans(TIED, **options)
     assert sorted(before) == sorted(after)
     for key, plan in after.items():

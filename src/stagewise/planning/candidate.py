@@ -12,7 +12,8 @@ costed as rank time at SYNC (:func:`sync_costs`). The optimizer step itself is n
 Layers tied across stages (``LayerProfile.tied``: a token embedding and the head reusing it) have their
 gradients summed over the ranks holding them and their replicas at the step's end, outside the action list:
 :func:`tied_costs` prices each sum on the candidate's links (:mod:`.tied_sum`), and the step waits for it
-(:func:`stagewise.planning.predict.ends_with_async_sync`).
+(:func:`stagewise.planning.predict.ends_with_async_sync`). The stage holding a tied weight leaves it out of
+its own collectives at SYNC, as the runtime does; its memory still counts it (:func:`static_memory`).
 """
 
 from __future__ import annotations
@@ -150,11 +151,12 @@ def sync_costs(
     """Per stage: (blocking seconds at SYNC, an asynchronous all-reduce started there); see the module docstring.
 
     Sharding's gather + reduce-scatter come from ``calibration`` when it measured FSDP2 on the
-    group (:meth:`Calibration.sharding_time`), else from the ring model.
+    group (:meth:`Calibration.sharding_time`), else from the ring model. Each moves the stage's parameters
+    less its tied weights (:meth:`StageCosts.reduced_bytes`): those have a sum of their own (:func:`tied_costs`).
     """
     config, links = layout.config, layout.links
     blocking, background = [], []
-    for s, nbytes in enumerate(costs.parameters):
+    for s, nbytes in enumerate(costs.reduced_bytes()):
         if config.sharding > 1:
             units = costs.units[s] if costs.units else 1
             t = calibration.sharding_time(nbytes, units, config.sharding)

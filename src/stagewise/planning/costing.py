@@ -60,7 +60,9 @@ defined on :class:`~stagewise.planning.Plan`; here one candidate, ``b`` samples 
   (``latency + bytes / bandwidth`` per transfer), giving ``T_sim``.
 * Gradient sync at SYNC (:mod:`stagewise.planning.candidate`): dp all-reduce as a ring,
   overlapping the drain; sharding's gather + reduce-scatter as blocking rank time, from the
-  ring model, or when calibrated ``units_s * fixed + bytes_s * per_byte`` (scaled to the group).
+  ring model, or when calibrated ``units_s * fixed + bytes_s * per_byte`` (scaled to the group);
+  ``bytes_s`` the stage's parameters less the tied weights it holds, which have a sum of their own
+  (:func:`stagewise.planning.tied_sum.reduced_bytes`).
 * **Oversubscription** (``cores`` per node given, fewer than the node's processes): processes
   share cores. The compute is replayed with the node's cores shared among the processes computing
   at each moment (:mod:`stagewise.simulation.shared`: ``n`` processes computing on ``c`` cores each
@@ -91,6 +93,7 @@ from dataclasses import dataclass, replace
 
 from ..partition import CheckpointCost, LayerProfile, shared_bytes
 from .comm import Link, ring_all_reduce
+from .tied_sum import reduced_bytes
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,8 @@ class LayerArrays:
     loss: float = 0.0  # bytes the loss saves per micro-batch, held by the last stage (LayerProfile.loss_bytes)
     #: per layer, the bytes it and the next layer both save of the value between them (held once on one stage)
     shared: tuple[float, ...] = ()
+    #: the layers tied across stages and their bytes (``LayerProfile.tied``): out of their stage's own all-reduce
+    tied: tuple[tuple[tuple[int, ...], float], ...] = ()
 
 
 def layer_arrays(profile: LayerProfile, tp: int, tp_layers: frozenset[int]) -> LayerArrays:
@@ -144,6 +149,7 @@ def layer_arrays(profile: LayerProfile, tp: int, tp_layers: frozenset[int]) -> L
         checkpoint=profile.checkpoint,
         loss=profile.loss_bytes,
         shared=tuple(shared_bytes(a, b) / (tp if k in tp_layers else 1) for k, (a, b) in enumerate(pairs)),
+        tied=profile.tied,
     )
 
 
@@ -162,10 +168,16 @@ class StageCosts:
     tp_comm: tuple[float, ...]  # seconds of tp all-reduce per micro-batch (forward + backward)
     units: tuple[int, ...] = ()  # layers with parameters per stage
     backward: tuple[float, ...] = ()  # the full backward B per stage (() = I + W)
+    reduced: tuple[float, ...] = ()  # bytes the stage's own all-reduce moves, its tied weights out (() = parameters)
 
     def backward_times(self) -> tuple[float, ...]:
         """B per stage: ``backward``, or I + W where it is left out."""
         return self.backward or tuple(i + w for i, w in zip(self.backward_input, self.backward_weight))
+
+    def reduced_bytes(self) -> tuple[float, ...]:
+        """Per stage, the bytes its SYNC's collectives over the replicas move: ``reduced``, or its parameters where
+        no weight is tied (:func:`~stagewise.planning.tied_sum.reduced_bytes`)."""
+        return self.reduced or self.parameters
 
 
 @dataclass(frozen=True)
@@ -195,6 +207,7 @@ class StageBase:
     checkpoint_backward: tuple[float, ...] = ()  # ... and to each backward, beyond the forward again
     loss: tuple[float, ...] = ()  # bytes the loss saves (the last stage's; recompute does not reach it)
     fixed_backward: tuple[float, ...] = ()  # seconds of each B (I and W half each) that do not scale; () = fixed
+    reduced: tuple[float, ...] = ()  # StageCosts.reduced
 
     def at(self, scale: float, per_unit: float = 0.0) -> StageCosts:
         """The stage costs for a micro-batch of ``scale`` times the profile batch: F, B, and the split I and W,
@@ -242,6 +255,7 @@ class StageBase:
             tuple(comm),
             self.units,
             tuple(b),
+            self.reduced,
         )
 
 
@@ -265,11 +279,10 @@ def stage_base(
     per_byte = 2 * (tp - 1) / (tp * tp_link.bandwidth) if tp > 1 else 0.0
     cols: list[list[float]] = [[] for _ in range(12)]
     last = len(bounds) - 2
-    units = []
+    units = [sum(1 for k in range(a, b) if arrays.parameters[k] > 0) for a, b in zip(bounds, bounds[1:])]
     ck_f, ck_b = [], []
     loss = [arrays.loss if s == last else 0.0 for s in range(last + 1)]
     for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
-        units.append(sum(1 for k in range(a, b) if arrays.parameters[k] > 0))
         extra = arrays.checkpoint.stage(sum(arrays.saved[a:b])) if arrays.checkpoint and arrays.saved else (0.0, 0.0)
         ck_f.append(extra[0])
         ck_b.append(extra[1])
@@ -304,6 +317,7 @@ def stage_base(
         checkpoint_forward=tuple(ck_f),
         checkpoint_backward=tuple(ck_b),
         loss=tuple(loss),
+        reduced=reduced_bytes(cols[5], bounds, arrays.tied) if arrays.tied else (),  # cols[5]: parameters
     )
 
 

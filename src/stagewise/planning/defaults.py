@@ -11,6 +11,9 @@ estimate).
 (a model so small that a V's extra stages cost more than the bubble they fill), the user is told once, with
 the simulator's figures, instead of finding out from the step time. Pure: a layer profile (measured, or
 estimated from counted work) and the schedule as built; 1F1B gets its own default cut on the same layers.
+Both steps wait for the gradient sum of the profile's tied layers (``LayerProfile.tied``,
+:mod:`stagewise.planning.tied_sum`): what a V placement saves, holding the embedding and the head reusing it on
+one rank, where 1F1B sums them over a ring of its first and last ranks.
 """
 
 from __future__ import annotations
@@ -24,8 +27,10 @@ from ..partition import LayerProfile, uniform_counts
 from ..partition.estimate import balanced_counts
 from ..passes.build import build_schedule
 from ..schedules import is_asynchronous
-from ..simulation import simulate
+from ..simulation import simulate, tied_done
 from .action_cost import with_overhead
+from .comm import Link
+from .tied_sum import tied_sums
 
 #: a boundary move is kept only when it makes the simulated step this much shorter (ties keep the cut)
 MOVE_GAIN = 0.005
@@ -92,19 +97,25 @@ def against_1f1b(
     :func:`~stagewise.partition.estimate.balanced_counts` of the same profile, over a link of ``latency``
     seconds and ``bandwidth`` bytes per second, each compute action costing ``per_action`` seconds more (the
     runtime's own work per action: a schedule of more, smaller actions pays it more often;
-    :func:`stagewise.planning.action_cost.with_overhead`); None where the comparison means nothing (1F1B
-    itself, an asynchronous schedule, one rank, fewer layers than ranks)."""
+    :func:`stagewise.planning.action_cost.with_overhead`), each step waiting for the profile's tied layers'
+    gradient sum as its placement needs one, on the same link (module docstring); None where the comparison
+    means nothing (1F1B itself, an asynchronous schedule, one rank, fewer layers than ranks)."""
     p, m = schedule.num_ranks, schedule.num_microbatches
     if schedule.name == "1f1b" or is_asynchronous(schedule) or p < 2 or len(profile) < p:
         return None
     times = profile.times()
     base_counts = balanced_counts(times, p)
     base = build_schedule("1f1b", p, m)
-    named = with_overhead(profile.cost_model(_bounds(counts), latency=latency, bandwidth=bandwidth), per_action)
-    named_ms = simulate(schedule, named).makespan
-    baseline = profile.cost_model(_bounds(base_counts), latency=latency, bandwidth=bandwidth)
-    base_ms = simulate(base, with_overhead(baseline, per_action)).makespan
-    return Verdict(schedule.name, named_ms, base_ms, tuple(counts), tuple(base_counts))
+    link = Link(latency, bandwidth)
+
+    def step(plan: Schedule, cut: Sequence[int]) -> float:
+        costs = profile.cost_model(_bounds(cut), latency=latency, bandwidth=bandwidth)
+        sim = simulate(plan, with_overhead(costs, per_action))
+        sums = tied_sums(profile.tied, cut, plan.placement, between=link)  # (the V's: none at one replica)
+        begin = min((ts[0] for ts in sim.starts if ts), default=0.0)
+        return max((sim.makespan, *(done - begin for done in tied_done(sim, sums))))
+
+    return Verdict(schedule.name, step(schedule, counts), step(base, base_counts), tuple(counts), tuple(base_counts))
 
 
 def refined_counts(profile: LayerProfile, schedule: Schedule, counts: Sequence[int]) -> list[int]:

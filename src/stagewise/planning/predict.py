@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from ..ir import Kind
-from ..simulation import CostModel, SimResult, shared_makespan, simulate
+from ..simulation import CostModel, SimResult, shared_makespan, simulate, tied_done
 from .candidate import Candidate
 from .comm import pipeline_nodes
 from .orders import backward_counts, compute_schedule, placement_of
@@ -43,26 +43,21 @@ def simulate_candidate(c: Candidate) -> tuple[SimResult, float, list[float]]:
 
 def ends_with_async_sync(sim: SimResult, c: Candidate) -> list[float]:
     """Each rank's end with each stage's asynchronous all-reduce started at its SYNC, from the first start; and
-    with each of the tied layers' gradient sums (:attr:`Candidate.tied`), started at the last SYNC of its stages
-    (a stage without one: its last action) and waited for by every rank holding one of them, as
-    :func:`stagewise.simulation.shared_makespan` waits for its ``tied``."""
+    with each of the tied layers' gradient sums (:attr:`Candidate.tied`) done as
+    :func:`stagewise.simulation.shared_makespan` has its ``tied`` done (:func:`~stagewise.simulation.tied_done`),
+    waited for by every rank holding one of its stages."""
     begin = min(times[0] for times in sim.starts if times)
     ends = []
-    started: dict[int, tuple[int, float]] = {}  # stage -> (its rank, when its sum may start)
-    for r, (acts, rank_starts, rank_ends) in enumerate(zip(sim.actions, sim.starts, sim.ends)):
-        comm_free, synced = 0.0, any(a.kind is Kind.SYNC for a in acts)
-        for a, start, end in zip(acts, rank_starts, rank_ends):
-            if a.kind is Kind.SYNC:
-                started[a.stage] = (r, start)
-                if c.sync_async[a.stage] > 0:
-                    comm_free = max(comm_free, end) + c.sync_async[a.stage]
-            elif not synced and a.kind is not Kind.STEP:
-                started[a.stage] = (r, end)
+    for acts, rank_ends in zip(sim.actions, sim.ends):
+        comm_free = 0.0
+        for a, end in zip(acts, rank_ends):
+            if a.kind is Kind.SYNC and c.sync_async[a.stage] > 0:
+                comm_free = max(comm_free, end) + c.sync_async[a.stage]
         ends.append(max(rank_ends[-1] if rank_ends else 0.0, comm_free) - begin)
-    for stages, seconds in c.tied:
-        done = max(started[s][1] for s in stages) + seconds - begin
-        for s in stages:
-            ends[started[s][0]] = max(ends[started[s][0]], done)
+    placement = placement_of(c.schedule, c.layout.config.pp, c.v)
+    for (stages, _), done in zip(c.tied, tied_done(sim, c.tied)):
+        for r in {placement[s] for s in stages}:
+            ends[r] = max(ends[r], done - begin)
     return ends
 
 

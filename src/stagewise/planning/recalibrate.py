@@ -42,7 +42,7 @@ from .comm import Link, ring_all_reduce
 from .core_share import node_cores, pinned, shared_seconds
 from .link_fit import COMPUTE, fit_link, fit_links
 from .run_stages import deshared, stage_holdout_error, stage_medians, stage_spreads
-from .tied_sum import TiedSum, tied_bytes, tied_sums
+from .tied_sum import TiedSum, reduced_bytes, tied_bytes, tied_sums
 
 __all__ = [
     "COMPUTE", "Prediction", "RunCalibration", "calibrate_run", "deshared", "fit_link", "fit_links", "held_out_costs",
@@ -236,10 +236,11 @@ def held_out_costs(
     by Q's micro-batch over the calibrating plan's (``batch_ratio``, the planner's linear scaling), or, with
     ``at`` (the layers profiled at Q's micro-batch), ``at``'s costs scaled as the run scaled ``prior``'s
     (:func:`~stagewise.planning.action_cost.at_batch`; ``batch_ratio`` is then not applied); with ``dp``
-    replicas each stage's SYNC a ring all-reduce of its gradients (its parameter bytes) over the calibrated
-    link. Nothing of Q is measured."""
+    replicas each stage's SYNC a ring all-reduce of its gradients over the calibrated link (:func:`ring_synced`).
+    Nothing of Q is measured."""
     if at is not None:
-        return ring_synced(at_batch(calibration.profile(prior), prior, at).cost_model(_bounds(counts)), dp, calibration)
+        costs = at_batch(calibration.profile(prior), prior, at).cost_model(_bounds(counts))
+        return ring_synced(costs, dp, calibration, counts)
     layers = calibration.profile(prior).layers
     scaled = tuple(
         replace(
@@ -254,16 +255,23 @@ def held_out_costs(
         )
         for x in layers
     )
-    return ring_synced(replace(prior, layers=scaled).cost_model(_bounds(counts)), dp, calibration)
+    return ring_synced(replace(prior, layers=scaled).cost_model(_bounds(counts)), dp, calibration, counts)
 
 
-def ring_synced(costs: CostModel, dp: int, calibration: RunCalibration) -> CostModel:
-    """``costs`` with each stage's SYNC a ring all-reduce of its parameter bytes over ``dp`` replicas on the
-    calibration's :attr:`~RunCalibration.reduce_link` (unchanged for one replica)."""
+def ring_synced(
+    costs: CostModel, dp: int, calibration: RunCalibration, counts: Sequence[int] | None = None
+) -> CostModel:
+    """``costs`` (the layers cut by ``counts``; None: the calibrating plan's, :attr:`~RunCalibration.counts`) with
+    each stage's SYNC a ring all-reduce over ``dp`` replicas on the calibration's
+    :attr:`~RunCalibration.reduce_link` (unchanged for one replica) of its parameter bytes less the
+    :attr:`~RunCalibration.tied` weights it holds, which the runtime sums apart
+    (:func:`~stagewise.planning.tied_sum.reduced_bytes`)."""
     if dp <= 1:
         return costs
+    bounds = _bounds(calibration.counts if counts is None else counts)
+    nbytes = reduced_bytes(costs.parameter_bytes, bounds, calibration.tied)
     link = calibration.reduce_link
-    return replace(costs, sync_time=tuple(ring_all_reduce(b, dp, link) for b in costs.parameter_bytes))
+    return replace(costs, sync_time=tuple(ring_all_reduce(b, dp, link) for b in nbytes))
 
 
 def _bounds(counts: Sequence[int]) -> list[int]:
@@ -373,7 +381,7 @@ def calibrate_run(
         affinity=() if affinity is None else tuple(tuple(sorted(int(c) for c in a)) for a in affinity),
         tied=tied_bytes(prior, tied),
     )
-    costs = ring_synced(run.profile(prior).cost_model(bounds), dp, run)
+    costs = ring_synced(run.profile(prior).cost_model(bounds), dp, run, counts)
     held_out = stage_holdout_error(run.measured, prior.cost_model(bounds))
     run = replace(run, held_out_error=run.held_out_error if held_out is None else held_out)
     run = replace(run, overhead=action_overhead(timelines, schedule, cores)) if per_action else run

@@ -18,6 +18,11 @@ one inside a machine); the replicas alone, on the replicas' all-reduce link, as 
 :func:`stagewise.simulation.shared_makespan` (``tied=``) waits for each at the step's end. The planner prices each
 candidate's the same way, from the sets its profile records (``LayerProfile.tied``, with the bytes measured:
 :func:`stagewise.planning.candidate.tied_costs`); :func:`tied_bytes` serves a run's sets known by index alone.
+
+The runtime leaves a tied parameter out of its stage's own collectives (the replicas' all-reduce, sharding's
+gathers and reduce-scatters: ``whole`` in :mod:`stagewise.runtime.hybrid.hybrid`), so the bytes of those
+(:func:`reduced_bytes`) are the stage's parameters less the tied sets it holds; pricing both counted a tied matrix
+twice. Its memory still holds them.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from typing import NamedTuple
 from ..partition import LayerProfile
 from .comm import Link, posted_ring_all_reduce, ring_all_reduce
 
-__all__ = ["TiedSum", "tied_bytes", "tied_sums"]
+__all__ = ["TiedSum", "reduced_bytes", "tied_bytes", "tied_sums"]
 
 
 class TiedSum(NamedTuple):
@@ -92,8 +97,22 @@ def tied_sums(
     return tuple(out)
 
 
+def reduced_bytes(
+    parameters: Sequence[float], bounds: Sequence[int], tied: Sequence[tuple[Sequence[int], float]]
+) -> tuple[float, ...]:
+    """Per stage of the cut at ``bounds`` (``parameters`` its parameter bytes), the bytes its own collectives over
+    the replicas move: its parameters less the bytes of each ``tied`` set (``(layers, bytes)``, :func:`tied_bytes`)
+    whose first use it holds (that layer holds the tied matrix), never below 0 (module docstring)."""
+    if len(parameters) != len(bounds) - 1:
+        raise ValueError(f"reduced_bytes: {len(parameters)} stages' parameter bytes for a cut of {len(bounds) - 1}")
+    out = [float(x) for x in parameters]
+    for layers, nbytes in tied:
+        out[_stage_of(min(layers), bounds)] -= nbytes
+    return tuple(max(0.0, x) for x in out)
+
+
 def _stage_of(layer: int, bounds: Sequence[int]) -> int:
     for s in range(len(bounds) - 1):
         if bounds[s] <= layer < bounds[s + 1]:
             return s
-    raise ValueError(f"tied_sums: layer {layer} is outside the plan's {bounds[-1]} layers")
+    raise ValueError(f"tied layer {layer} is outside the plan's {bounds[-1]} layers")

@@ -4,6 +4,7 @@
 * :mod:`.earliest`: that walk, shared with the communication pass;
 * :mod:`.costs`: :class:`CostModel`, per-stage F / B / I / W times, activation sizes, links;
 * :mod:`.shared`: the makespan when ranks share fewer cores than processes;
+* :mod:`.tied`: when a reduction the step waits for outside the action lists (a tied weights' sum) is done;
 * :mod:`.asynchronous`: weight versions alive over a simulated asynchronous schedule.
 
 The plain, action-by-action simulator the array one is tested against lives with the tests
@@ -15,15 +16,18 @@ from .asynchronous import AsyncReport, async_report, labelled_timeline, peak_ver
 from .costs import CostModel
 from .earliest import earliest_starts
 from .shared import shared_makespan
+from .tied import Timed, tied_done
 
 __all__ = [
     "AsyncReport",
     "CostModel",
     "SimResult",
+    "Timed",
     "async_report",
     "earliest_starts",
     "labelled_timeline",
     "peak_versions",
     "shared_makespan",
     "simulate",
+    "tied_done",
 ]

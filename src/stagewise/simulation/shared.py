@@ -25,15 +25,17 @@ list - the gradient sum of parameters tied across stages (an embedding and the
 head reusing it: :mod:`stagewise.planning.tied_sum`), which each rank holding
 one of ``stages`` starts at its SYNC of that stage (its last compute action of
 it where the list has no SYNC) and every one of them waits for before the step
-ends. The step lasts at least until ``seconds`` after the last such start.
+ends. The step lasts at least until ``seconds`` after the last such start
+(:func:`~stagewise.simulation.tied.tied_done`, on the replay's timed actions).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..ir import COMM, Kind, Schedule
+from ..ir import COMM, Action, Kind, Schedule
 from .costs import CostModel
+from .tied import tied_done
 
 _F, _B, _I, _W, _SYNC = Kind.F, Kind.B, Kind.I, Kind.W, Kind.SYNC
 
@@ -80,21 +82,18 @@ def shared_makespan(
             f"schedule {schedule.name!r} cannot finish: rank {r} waits at {replay.ranks[r][replay.pos[r]]} "
             f"for a value no rank produces first (run validate_schedule for details)"
         )
-    end = replay.end
-    for stages, seconds in tied:
-        started = [t for t in (replay.synced[s] for s in stages) if t is not None]
-        if started:
-            end = max(end, max(started) + seconds)
+    end = max((replay.end, *tied_done(replay, tied)))
     return end - (replay.first or 0.0)
 
 
 class _SharedCores:
     """The replay's state at time ``t``: per rank, its next action, the work left of a running compute action
-    (seconds at full speed), the end of a running SYNC/STEP, and what it is doing; each message's arrival."""
+    (seconds at full speed), the end of a running SYNC/STEP, and what it is doing; each message's arrival; the
+    start and end of each action run so far (a :class:`~stagewise.simulation.tied.Timed` step once done)."""
 
     __slots__ = (
-        "arrival", "b_full", "cores", "costs", "delay_b", "delay_f", "end", "first", "has_sync", "last", "left", "m",
-        "node", "pools", "pos", "ranks", "state", "synced", "t", "until", "weights",
+        "arrival", "b_full", "cores", "costs", "delay_b", "delay_f", "end", "ends", "first", "last", "left", "m",
+        "node", "pools", "pos", "ranks", "starts", "state", "t", "until", "weights",
     )  # fmt: skip
 
     def __init__(
@@ -116,16 +115,18 @@ class _SharedCores:
         self.first: float | None = None
         self.end = 0.0
         self.t = 0.0
-        #: per stage, when its SYNC started (until one does: when its last compute action so far ended)
-        self.synced: list[float | None] = [None] * n
-        self.has_sync = [any(a[1] is _SYNC for a in acts) for acts in self.ranks]
+        self.starts: list[list[float]] = [[] for _ in range(p)]
+        self.ends: list[list[float]] = [[] for _ in range(p)]
+
+    @property
+    def actions(self) -> list[list[Action]]:
+        return self.ranks
 
     def finish(self, r: int) -> None:
         """Rank ``r``'s running action ends now: its message leaves, the rank is idle."""
         s, kind, i = self.ranks[r][self.pos[r]]
         m = self.m
-        if kind is not _SYNC and kind is not Kind.STEP and not self.has_sync[r]:
-            self.synced[s] = self.t  # no SYNC in the list: a reduction of the stage starts after its last compute
+        self.ends[r].append(self.t)
         if kind is _F and s < self.last:
             self.arrival[2 * (s * m + i)] = self.t + self.delay_f[s]  # type: ignore[operator]
         elif (kind is _B or kind is _I) and s:
@@ -162,6 +163,7 @@ class _SharedCores:
                         break
                     if first is None:
                         first = self.first = t
+                    self.starts[r].append(t)
                     if kind is _F or kind is _B or kind is _I or kind is _W:
                         work = (
                             costs.forward[s]
@@ -176,8 +178,6 @@ class _SharedCores:
                             self.finish(r)
                             swept = False
                     else:
-                        if kind is _SYNC:
-                            self.synced[s] = t
                         took = costs.sync_time[s] if kind is _SYNC else costs.step_time[s]
                         if took > 0:
                             until[r], state[r] = t + took, 2
