@@ -366,21 +366,29 @@ def test_every_action_starts_as_soon_as_its_rank_and_input_allow(
         bandwidth=2.0,
     )
     result = simulate(schedule, costs)
-    made = {}
-    for e in result.timeline.events:
-        out = produces(e.action, n)
-        if out is not None:
-            made[out] = e
+    # each message arrives its transfer time after it leaves; a rank's messages to another rank (every rank a
+    # machine of its own here) leave one after another, each holding the link for its bytes' time
+    arrives = {}
+    for row in result.timeline.by_rank():
+        lane = 0.0
+        for e in row:
+            out = produces(e.action, n)
+            if out is None:
+                continue
+            size_stage = out.stage if out.direction == "F" else out.stage - 1
+            if schedule.placement[out.stage + (1 if out.direction == "F" else -1)] == e.rank:
+                arrives[out] = e.end
+                continue
+            leaves = max(e.end, lane)
+            lane = leaves + costs.output_bytes[size_stage] / costs.bandwidth
+            arrives[out] = leaves + costs.transfer_time(size_stage)
     for row in result.timeline.by_rank():
         free = 0.0
         for e in row:
             ready = free
             need = consumes(e.action, n)
             if need is not None:
-                src = made[need]
-                cross = schedule.placement[need.stage] != e.rank
-                size_stage = need.stage if need.direction == "F" else need.stage - 1
-                ready = max(ready, src.end + (costs.transfer_time(size_stage) if cross else 0.0))
+                ready = max(ready, arrives[need])
             assert e.start == pytest.approx(ready), e
             free = e.end
     busy = max(result.timeline.busy(r) for r in range(p))

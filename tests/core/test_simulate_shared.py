@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -50,12 +52,17 @@ def test_with_a_core_per_process_it_is_the_simulator(name: str, zeros: bool) -> 
             except ValueError:
                 continue  # a size this schedule does not take
             costs = _random_costs(schedule.num_stages, rng, zeros)
-            weights = [rng.choice([1.0, 2.0]) for _ in range(p)]
+            ones = [1.0] * p
             dedicated = simulate(schedule, costs).makespan
-            assert shared_makespan(schedule, costs, weights, sum(weights)) == pytest.approx(dedicated, rel=1e-12)
+            assert shared_makespan(schedule, costs, ones, p) == pytest.approx(dedicated, rel=1e-12)
+            # replicas (weights 2) send a copy each over a shared link; on an unbounded one they cost nothing more
+            weights = [rng.choice([1.0, 2.0]) for _ in range(p)]
+            free = replace(costs, bandwidth=math.inf)
+            dedicated = simulate(schedule, free).makespan
+            assert shared_makespan(schedule, free, weights, sum(weights)) == pytest.approx(dedicated, rel=1e-12)
             # each rank on a node of its own, with the cores its replicas need
             nodes = list(range(p))
-            assert shared_makespan(schedule, costs, weights, max(weights), nodes) == pytest.approx(dedicated, rel=1e-12)
+            assert shared_makespan(schedule, free, weights, max(weights), nodes) == pytest.approx(dedicated, rel=1e-12)
             checked += 1
     assert checked > 0
 

@@ -25,6 +25,19 @@ class ReferenceResult(NamedTuple):
     ends: list[list[float]]
 
 
+def _crosses(placement: tuple[int, ...], a: int, b: int) -> bool:
+    return 0 <= b < len(placement) and placement[a] != placement[b]
+
+
+def _leave(lane: list[float], rank: int, t: float, wire: float) -> float:
+    """When a message made at ``t`` leaves ``rank``: once the rank's earlier messages have (``wire`` > 0)."""
+    if not wire:
+        return t
+    go = lane[rank] if lane[rank] > t else t
+    lane[rank] = go + wire
+    return go
+
+
 def simulate_reference(schedule: Schedule, costs: CostModel) -> ReferenceResult:
     """Time ``schedule`` one action at a time (ValueError when it cannot finish)."""
     ranks = [[a for a in acts if a[1] not in COMM] for acts in schedule.ranks]
@@ -38,6 +51,13 @@ def simulate_reference(schedule: Schedule, costs: CostModel) -> ReferenceResult:
     # Arrival delay of stage s's output at stage s+1, and of stage s's input gradient at stage s-1.
     delay_f = [costs.transfer_time(s) if s + 1 < n and placement[s + 1] != placement[s] else 0.0 for s in range(n)]
     delay_b = [costs.transfer_time(s - 1) if s > 0 and placement[s - 1] != placement[s] else 0.0 for s in range(n)]
+    # A message to another rank (every rank a machine of its own) holds its sender's link for bytes / bandwidth:
+    # a rank's messages leave one after another.
+    wire_f = [costs.output_bytes[s] / costs.bandwidth if _crosses(placement, s, s + 1) else 0.0
+              for s in range(n)]  # fmt: skip
+    wire_b = [costs.output_bytes[s - 1] / costs.bandwidth if _crosses(placement, s, s - 1) else 0.0
+              for s in range(n)]  # fmt: skip
+    lane = [0.0] * p
     inv_v = 1.0 / schedule.virtual_stages
     last = n - 1
 
@@ -82,7 +102,7 @@ def simulate_reference(schedule: Schedule, costs: CostModel) -> ReferenceResult:
                     pk_b = byt
                 if s < last:
                     key = 2 * (s * m + mb)
-                    arrival[key] = t + delay_f[s]
+                    arrival[key] = _leave(lane, rank, t, wire_f[s]) + delay_f[s]
                     if key in waiting:
                         queue.append(waiting.pop(key))
             elif kind is _B or kind is _I:
@@ -105,7 +125,7 @@ def simulate_reference(schedule: Schedule, costs: CostModel) -> ReferenceResult:
                 cnt -= 1.0
                 if s:
                     key = 2 * (s * m + mb) + 1
-                    arrival[key] = t + delay_b[s]
+                    arrival[key] = _leave(lane, rank, t, wire_b[s]) + delay_b[s]
                     if key in waiting:
                         queue.append(waiting.pop(key))
             elif kind is _W:

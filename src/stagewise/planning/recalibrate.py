@@ -351,16 +351,14 @@ def calibrate_run(
     the transfers; the plan's own prediction then prices each stage's SYNC on the fitted link. ``per_action``:
     each compute action also costs the CPU time its rank spent outside compute events without waiting (the
     calibration's ``overhead``, :mod:`stagewise.planning.action_cost`); the bias keeps the rest of the miss.
-    ``steps``: the calibrating plan's steps measured as the plans to predict will be (a benchmark times a whole
-    ``train_step`` from a barrier, which holds what each rank does before its first action and after its last,
-    outside the timeline); the bias and the spread are taken against them. Default: the timelines' makespans.
-    ``reduce``: the replicas' all-reduce link ``(latency, bandwidth)`` probed apart (gloo's collectives are not the
-    pipeline's transport), kept as :attr:`RunCalibration.reduce` and used for the plan's own SYNC too.
-    ``affinity``: each of the node's ranks' CPUs; ``cores`` is then theirs (:func:`~.core_share.node_cores`, ``None``
-    or the same number): pinned ranks a core each share the union, not one core each. ``nodes``: each pipeline
-    rank's machine; the transfers inside one and between two are fitted apart (:func:`fit_links`), the one inside
-    keeping ``local_bandwidth`` as its prior (``prior_bandwidth`` where not given). ``tied``: sets of
-    ``prior``'s layers tied across stages, whose gradient sum each plan's step waits for (:mod:`.tied_sum`)."""
+    ``steps``: the calibrating plan's steps timed as the plans to predict will be (a whole ``train_step`` from a
+    barrier holds what each rank does outside the timeline); the bias and the spread are taken against them
+    (default: the timelines' makespans). ``reduce``: the replicas' all-reduce link ``(latency, bandwidth)`` probed
+    apart (gloo's collectives are not the pipeline's transport), also used for the plan's own SYNC. ``affinity``:
+    each of the node's ranks' CPUs, ``cores`` then theirs (:func:`~.core_share.node_cores`): pinned ranks a core
+    each share the union. ``nodes``: each pipeline rank's machine; the transfers inside one and between two are
+    fitted apart (:func:`fit_links`), the one inside keeping ``local_bandwidth`` as its prior (``prior_bandwidth``
+    where not given). ``tied``: sets of ``prior``'s layers tied across stages (:mod:`.tied_sum`)."""
     cores = _cores(cores, affinity)
     _check(timelines, schedule, prior, counts, steps)
     bounds = _bounds(counts)

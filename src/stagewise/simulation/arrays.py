@@ -181,7 +181,7 @@ def _simulate(schedule: Schedule, cols: Columns, costs: CostModel) -> SimResult:
     x = _TimedFacts(schedule, cols, costs)
     base_l = x.base.tolist()
     start_l, reached = earliest_starts(
-        x.need.tolist(), x.make.tolist(), x.took.tolist(), x.delay.tolist(), base_l, 2 * n * m
+        x.need.tolist(), x.make.tolist(), x.took.tolist(), x.delay.tolist(), base_l, 2 * n * m, x.wires()
     )
     stuck = [r for r in range(p) if reached[r] < base_l[r + 1]]
     if stuck:
@@ -224,7 +224,8 @@ class _TimedFacts:
 
     ``need`` / ``make``: the message it waits for / makes, or -1 (a message is a flat int: (stage, micro-batch)
     -> ``2 * (stage * m + mb)``, +1 for gradients); ``took``: its duration; ``delay``: its message's transfer
-    time; ``base``: rank r holds ``base[r]`` to ``base[r + 1] - 1``.
+    time, ``wire`` how long it holds the rank's link between machines; ``base``: rank r holds ``base[r]`` to
+    ``base[r + 1] - 1``.
     """
 
     def __init__(self, schedule: Schedule, cols: Columns, costs: CostModel) -> None:
@@ -259,6 +260,15 @@ class _TimedFacts:
             np.asarray(costs.step_time, np.float64)[stage],
         )
         self.delay = np.where(is_f, delay_f[stage], delay_b[stage])
+        # how long its message holds its rank's link between machines (0 inside one: CostModel.boundary_wires)
+        wire_f = np.asarray(costs.boundary_wires(schedule.placement, p), np.float64)
+        wire_b = np.zeros(n)
+        wire_b[1:] = wire_f[:-1]
+        self.wire = np.where(is_f, wire_f[stage], wire_b[stage])
+
+    def wires(self) -> list[float] | None:
+        """How long each action's message holds its rank's link between machines; None where none does."""
+        return self.wire.tolist() if self.wire.any() else None
 
 
 def _per_rank_sums(

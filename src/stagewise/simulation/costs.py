@@ -176,6 +176,19 @@ class CostModel:
             out.append(0.0 if a == b else self.transfer_time(s, self.shares_node(a, b, p)))
         return (*out, 0.0)
 
+    def boundary_wires(self, placement: Sequence[int], num_ranks: int) -> tuple[float, ...]:
+        """Per stage ``s``, how long its message to stage ``s + 1`` (and that stage's gradient back) holds the
+        sender's link between machines: its bytes over :attr:`bandwidth` where the boundary crosses machines (two
+        ranks not sharing a node), else 0 (the loopback inside a machine is the sender's memory copy, not a shared
+        wire). A rank's messages over that link leave one after another; their latency overlaps."""
+        p = num_ranks
+        out = []
+        for s in range(len(placement) - 1):
+            a, b = placement[s], placement[s + 1]
+            crosses = a != b and not self.shares_node(a, b, p)
+            out.append(self.output_bytes[s] / self.bandwidth if crosses else 0.0)
+        return (*out, 0.0)
+
     # ---- JSON ------------------------------------------------------------
     def to_dict(self) -> dict[str, object]:
         """A JSON-ready dict (lists for per-stage values; infinite bandwidth is written as ``None``).

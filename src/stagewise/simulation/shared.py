@@ -9,11 +9,13 @@ waiting for a message sleeps (the transports do not spin) and takes no core.
 
 That is what this event-driven replay does, on the same dependency rules as
 the simulator (an action starts when its rank is free and its input has
-arrived; transfers take ``latency + bytes / bandwidth`` and no core; SYNC and
+arrived; transfers take ``latency + bytes / bandwidth`` and no core, and a
+rank's messages between machines leave its link one after another; SYNC and
 STEP take their time on their rank and no core). One pipeline rank may stand
 for several processes on the node - its data-parallel, sharding and tensor
 replicas, which run the same timeline - so each rank carries a ``weight``: the
-number of the node's processes that compute whenever it does.
+number of the node's processes that compute whenever it does, and that each
+send their own copy of its messages over the link between machines.
 
 It answers the makespan only; the planner uses it in place of
 ``max(simulated, busiest node's work / cores)`` - a bound that holds with
@@ -52,9 +54,9 @@ def shared_makespan(
     ``cores`` shared cores (``nodes`` None: one node); ``tied``: ``(stages, seconds)`` reductions the step waits for
     at its end (module docstring).
 
-    With ``cores`` at least each node's summed weights and no ``tied`` it equals
-    ``simulate(schedule, costs).makespan``. Raises ``ValueError`` on a schedule that cannot finish, as the
-    simulator does.
+    With ``cores`` at least each node's summed weights, no ``tied``, and weights of 1 where a message crosses
+    machines on a finite bandwidth, it equals ``simulate(schedule, costs).makespan``. Raises ``ValueError`` on a
+    schedule that cannot finish, as the simulator does.
     """
     n, p = schedule.num_stages, schedule.num_ranks
     if costs.num_stages != n:
@@ -92,8 +94,8 @@ class _SharedCores:
     start and end of each action run so far (a :class:`~stagewise.simulation.tied.Timed` step once done)."""
 
     __slots__ = (
-        "arrival", "b_full", "cores", "costs", "delay_b", "delay_f", "end", "ends", "first", "last", "left", "m",
-        "node", "pools", "pos", "ranks", "starts", "state", "t", "until", "weights",
+        "arrival", "b_full", "cores", "costs", "delay_b", "delay_f", "end", "ends", "first", "lane", "last", "left",
+        "m", "node", "pools", "pos", "ranks", "starts", "state", "t", "until", "weights", "wire_b", "wire_f",
     )  # fmt: skip
 
     def __init__(
@@ -104,8 +106,15 @@ class _SharedCores:
         self.costs, self.m, self.last = costs, m, last
         self.weights, self.cores, self.node, self.pools = weights, cores, node, sorted(set(node))
         self.b_full = list(costs.backward_times())
-        self.delay_f = list(costs.boundary_transfers(plc, p))  # 0 on one rank, the local link on one node
-        self.delay_b = [0.0, *self.delay_f[:-1]]
+        delay = costs.boundary_transfers(plc, p)  # 0 on one rank, the local link on one node
+        # how long a message holds its sender's link between machines: each of the rank's processes sends its own,
+        # and its receiver waits for the last copy (one copy's time is in the delay already)
+        wire = costs.boundary_wires(plc, p)
+        self.wire_f = [w * weights[plc[s]] for s, w in enumerate(wire)]
+        self.wire_b = [0.0, *(w * weights[plc[s + 1]] for s, w in enumerate(wire[:-1]))]
+        self.delay_f = [d + (w - one) if w != one else d for d, w, one in zip(delay, self.wire_f, wire, strict=True)]
+        self.delay_b = [0.0, *(d + (w - one) if w != one else d for d, w, one in zip(delay, self.wire_b[1:], wire))]
+        self.lane = [0.0] * p  # when each rank's link is free of the messages it already sent
         self.ranks = [[a for a in acts if a[1] not in COMM] for acts in schedule.ranks]
         self.arrival: list[float | None] = [None] * (2 * n * m)
         self.pos = [0] * p
@@ -128,11 +137,20 @@ class _SharedCores:
         m = self.m
         self.ends[r].append(self.t)
         if kind is _F and s < self.last:
-            self.arrival[2 * (s * m + i)] = self.t + self.delay_f[s]  # type: ignore[operator]
+            self.arrival[2 * (s * m + i)] = self.leaves(r, self.wire_f[s]) + self.delay_f[s]  # type: ignore[operator]
         elif (kind is _B or kind is _I) and s:
-            self.arrival[2 * (s * m + i) + 1] = self.t + self.delay_b[s]  # type: ignore[operator]
+            self.arrival[2 * (s * m + i) + 1] = self.leaves(r, self.wire_b[s]) + self.delay_b[s]  # type: ignore[operator]
         self.pos[r] += 1
         self.state[r] = 0
+
+    def leaves(self, r: int, wire: float) -> float:
+        """When rank ``r``'s message made now leaves: now, or (``wire`` > 0: it crosses machines) once the rank's
+        earlier messages have, each holding the link for its ``wire`` (its latency overlaps the others')."""
+        if not wire:
+            return self.t
+        go = max(self.t, self.lane[r])
+        self.lane[r] = go + wire
+        return go
 
     def start_ready(self) -> float:
         """Start on every idle rank what can start now (zero-length actions finish at once, and the ranks are

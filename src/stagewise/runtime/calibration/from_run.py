@@ -320,11 +320,11 @@ def link_prior(pipe: Any, given: float | Calibration | None = None) -> LinkPrior
     if isinstance(given, Calibration):
         if given.intra is None and given.inter is None:
             return LinkPriors(math.inf, math.inf, "none (the calibration measured no link)")
-        inside = given.intra or given.inter
-        between = given.inter or given.intra
-        assert inside is not None and between is not None
+        intra = given.intra or given.inter
+        inter = given.inter or given.intra
+        assert intra is not None and inter is not None
         which = " and ".join(n for n, x in (("inter", given.inter), ("intra", given.intra)) if x is not None)
-        return LinkPriors(float(between.bandwidth), float(inside.bandwidth), f"the calibration's {which} link")
+        return LinkPriors(float(inter.bandwidth), float(intra.bandwidth), f"the calibration's {which} link")
     if given is not None:
         if not float(given) > 0:
             raise ValueError(f"RunCalibrator: bandwidth must be > 0 bytes/s, got {given!r}")
