@@ -10,7 +10,9 @@ Three predictions per schedule, each on the cut the pipeline ran (its ``layer_ra
   ``message`` per message a stage posts, ``step`` once per step, and each kind of compute scaled by what
   ``measure_compute_scale`` measured on the group over the profile (``k_F``, ``k_B``, ``k_IW``: ranks that
   share caches and memory bandwidth compute slower than one process alone); on more processes than cores,
-  the makespan with the ranks sharing ``cores`` (:func:`stagewise.simulation.shared_makespan`);
+  the makespan with the ranks sharing ``cores`` (:func:`stagewise.simulation.shared_makespan`); and the step
+  waits for the gradient sum of layers tied across stages (the GPT's head reusing its embedding:
+  :mod:`stagewise.planning.tied_sum`, from 2026-12-05);
 * *at measured compute*: each stage's F, I, W and B as measured inside this very pipeline (mean over its
   timed steps), with the link: what the schedule and the link alone explain of the measured step. Where this
   is close and *simulated* is not, the compute costs differ between the profile and the pipeline (caches, core
@@ -31,7 +33,8 @@ from stagewise.planning import Link
 
 # internal: the "+ runtime" prediction is the planner's own costing of a stage (no public name gives it)
 from stagewise.planning.costing import LayerArrays, stage_base
-from stagewise.simulation import shared_makespan
+from stagewise.planning.tied_sum import TiedSum, tied_bytes, tied_sums
+from stagewise.simulation import shared_makespan, tied_done
 
 
 def bounds_of(layer_ranges: Sequence[range]) -> list[int]:
@@ -122,6 +125,14 @@ def with_measured(costs: CostModel, means: Mapping[str, float]) -> CostModel:
     return out
 
 
+def tied_of(
+    profile: LayerProfile, layer_sets: Sequence[Sequence[int]], counts: Sequence[int], schedule: Schedule, link: Link
+) -> tuple[TiedSum, ...]:
+    """The gradient sums of the pipeline's tied layers (``pipe.tied.layer_sets``, indices into ``profile``) on the
+    cut of ``counts`` layers per stage, over ``link`` (one machine: the ranks' own link)."""
+    return tied_sums(tied_bytes(profile, layer_sets), counts, schedule.placement, between=link)
+
+
 def profile_costs(profile: LayerProfile, bounds: Sequence[int], latency: float, bandwidth: float) -> CostModel:
     """The profile summed over the cut, with the link (each code's own default for how I and W are charged)."""
     return profile.cost_model(list(bounds), latency=latency, bandwidth=bandwidth)
@@ -133,21 +144,24 @@ def predict(
     calibration: Mapping[str, Any],
     cores: float | None,
     measured: Mapping[str, float] | None = None,
+    tied: Sequence[TiedSum] = (),
 ) -> dict[str, Any]:
     """The three predictions of one schedule (seconds, bytes), and the simulated timeline (JSON).
 
     ``calibration``: ``action``, ``message`` and ``step`` seconds (``sw.calibrate()``'s) and ``compute_scale``
     (``measure_compute_scale``'s; absent: 1); ``cores``: the cores
-    the ranks share (None: a core each); ``measured``: the pipeline's mean per (kind, stage) action.
+    the ranks share (None: a core each); ``measured``: the pipeline's mean per (kind, stage) action; ``tied``:
+    the tied layers' gradient sums (:func:`tied_of`) the "+ runtime" step waits for.
     """
     plain = simulate(schedule, costs)
     runtime = with_overheads(
         costs, calibration.get("action", 0.0), calibration.get("message", 0.0), compute_scale(calibration)
     )
-    with_runtime = simulate(schedule, runtime).makespan
+    timed = simulate(schedule, runtime)
+    with_runtime = max((timed.makespan, *tied_done(timed, tied)))
     shared = None
     if cores is not None and cores < schedule.num_ranks:
-        shared = shared_makespan(schedule, runtime, [1.0] * schedule.num_ranks, cores)
+        shared = shared_makespan(schedule, runtime, [1.0] * schedule.num_ranks, cores, tied=tied)
     timeline = replace(plain.timeline, unit="s")
     out: dict[str, Any] = {
         "makespan": plain.makespan,

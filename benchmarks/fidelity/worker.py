@@ -36,9 +36,10 @@ import torch
 import torch.distributed as dist
 
 import stagewise as sw
+from stagewise.planning import Link
 
 from .breakdown import stage_means, step_record
-from .predicted import bounds_of, predict, profile_costs
+from .predicted import bounds_of, predict, profile_costs, tied_of
 from .workloads import Workload, workloads
 
 AUTO = "auto"
@@ -197,7 +198,9 @@ def predictions(
     for name, pipe in pipes.items():
         bandwidth = math.inf if cal["bandwidth"] is None else cal["bandwidth"]
         costs = profile_costs(profile, bounds_of(pipe.layer_ranges), cal["latency"], bandwidth)
-        out[name] = predict(pipe.schedule, costs, cal, cores, stage_means(records[name]))
+        counts = [len(r) for r in pipe.layer_ranges]
+        tied = tied_of(profile, pipe.tied.layer_sets, counts, pipe.schedule, Link(cal["latency"], bandwidth))
+        out[name] = predict(pipe.schedule, costs, cal, cores, stage_means(records[name]), tied)
     return out
 
 

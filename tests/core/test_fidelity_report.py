@@ -128,3 +128,23 @@ def test_a_job_becomes_rows_with_errors_and_the_pays_checks() -> None:
     assert split[0]["measured_ratio"] == pytest.approx(2.0) and split[0]["profile_ratio"] == pytest.approx(1.0)
     text = job_section(job, list(rows.values()), oversubscribed=False)
     assert "zb-v simulated 800.0 < 1f1b 1000.0 but measured 1050.0 vs 1000.0" in text and "**no**" in text
+
+
+def test_the_planner_s_prediction_waits_for_the_tied_layers_sum() -> None:
+    """The GPT ties its head to its embedding (layers 0 and 3, on ranks 0 and 1): on a link of 1 s latency the sum
+    is a ring of 2 ranks, 2 steps of a notice and a message, 4 s after stage 0's last backward, which ends the
+    step. "+ runtime" waits for it; the plain simulation does not (the simulator alone)."""
+    from benchmarks.fidelity.predicted import predict, tied_of
+
+    from helpers.profiles import fake_profile
+    from stagewise import build_schedule
+    from stagewise.planning import Link
+
+    profile = fake_profile([3.0] * 4, params=[8.0, 0.0, 0.0, 0.0])
+    schedule = build_schedule("1f1b", 2, 4)
+    costs = profile.cost_model([0, 2, 4], latency=1.0)
+    tied = tied_of(profile, [[0, 3]], [2, 2], schedule, Link(1.0, float("inf")))
+    assert [(t.stages, t.seconds) for t in tied] == [((0, 1), 4.0)]
+    got = predict(schedule, costs, {"step": 0.5}, None, tied=tied)
+    assert got["with_runtime"] == pytest.approx(got["makespan"] + 4.0 + 0.5)
+    assert predict(schedule, costs, {"step": 0.5}, None)["with_runtime"] == pytest.approx(got["makespan"] + 0.5)
