@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -37,6 +37,7 @@ from ..measure.profiling import steadiest
 from .layer_timing import ROUNDS, profile_layers
 from .layers import Layer, LayerLike
 from .tied import Tied, TiedBuilder
+from .ties import tied_layers
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,9 @@ def priced(
     named: Sequence[tuple[str, LayerLike]], sample_inputs: Any, *, seed: int, device: str
 ) -> tuple[LayerProfile | None, str]:
     """Each layer's cost on one micro-batch as the default prices it: timed where a layer holds a convolution,
-    else counted on the ``meta`` device; (None, "parameters") without sample inputs or where neither works."""
+    else counted on the ``meta`` device; (None, "parameters") without sample inputs or where neither works. Either
+    profile records the layers that use one parameter (``tied``: :func:`.ties.tied_layers`), whose gradient sum
+    across ranks :func:`warn_if_slower`'s estimate waits for."""
     if sample_inputs is None:
         return None, "parameters"
     if pricing(holds_convolution(named), True) == "timed":
@@ -87,8 +90,14 @@ def priced(
             log.info("stagewise: timing the layers failed (%s); cutting by counted work", err)
     try:
         builder = TiedBuilder(named, seed, None)
-        counted = count_layers([n for n, _ in named], lambda k: builder.build(named[k][1], k), sample_inputs)
-        return estimated_profile(counted, rates_for(device)), "counted"
+        built: list[nn.Module] = []  # (on meta: kept for the finder of ties at no cost)
+
+        def build(k: int) -> nn.Module:
+            built.append(builder.build(named[k][1], k))
+            return built[-1]
+
+        counted = count_layers([n for n, _ in named], build, sample_inputs)
+        return replace(estimated_profile(counted, rates_for(device)), tied=tied_layers(built)), "counted"
     except Exception as err:  # a layer that cannot run on meta: its parameters say what they can
         log.info("stagewise: counting the layers on the meta device failed (%s); cutting by parameters", err)
     return None, "parameters"

@@ -40,8 +40,8 @@ micro-batch (call ``reset_shapes()`` when it changes).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from itertools import chain
 from typing import TYPE_CHECKING, Any
 
@@ -59,7 +59,7 @@ from .parts import BUILT_MODEL, Parts
 from .split import SplitError, collect_tags, split_model
 from .split.trace import first_calls, trace
 from .tied import TiedCall
-from .ties import found_ties, save_once, unsaved_names
+from .ties import found_ties, save_once, tied_layers, unsaved_names
 
 if TYPE_CHECKING:
     from ..options import Options
@@ -134,7 +134,7 @@ class FromModel:
             split = split_model(model, stages=n, partition=counts, concrete_args=options.concrete_args)
         mine = {k: split.stage_modules[k] for k in ctx.local_stages}
         starts = [sum(counts[:k]) for k in range(n + 1)]
-        tied = found_ties(model, split.tied, starts[:-1])  # a parameter used on several stages: summed as sw.Tied
+        tied = found_ties(model, tie_units(model, split.tied, split.blocks, starts))  # summed as sw.Tied
         unsaved = unsaved_names(split.stage_modules, split.tied, sched.placement, ctx.rank, model)
         if options.free_unused:
             free_unheld(model, mine.values())
@@ -156,6 +156,22 @@ class FromModel:
             model_cut=cut,
             tied=tied,
         )
+
+
+def tie_units(
+    model: nn.Module, ties: Mapping[str, Sequence[int]], blocks: Sequence[str], starts: Sequence[int]
+) -> dict[str, list[int]]:
+    """Each tied parameter's (first name -> stages using it) use on each stage as a unit index: the stage's block
+    that holds it, as the profile's ``tied`` names it (:func:`.ties.tied_layers`), so a calibration finds the
+    measured bytes of the set the run sums; the stage's first unit where none does (a use in the model's own
+    code between blocks, or a tagged model, whose units are its stages)."""
+
+    def unit(param: nn.Parameter, k: int) -> int:
+        holders = range(starts[k], min(starts[k + 1], len(blocks)))
+        held = (i for i in holders if any(p is param for p in model.get_submodule(blocks[i]).parameters()))
+        return next(held, starts[k])
+
+    return {name: [unit(model.get_parameter(name), k) for k in stages] for name, stages in ties.items()}
 
 
 def _is_transformers_model(model: nn.Module) -> bool:
@@ -197,13 +213,13 @@ def _block_counts(
         if sample_inputs is None:
             raise ValueError(f"partition={how!r} profiles the model's blocks: pass sample_inputs= (one micro-batch)")
         args = sample_inputs if isinstance(sample_inputs, tuple) else (sample_inputs,)
-        measured = on_first_rank(
-            group,
-            lambda: steadiest(lambda: profile_blocks(model, [(b, named[b]) for b in blocks], args), ROUNDS),
-            "profiling the model's blocks",
-            options.timeout,
-            options.store,
-        )
+        units = [(b, named[b]) for b in blocks]
+
+        def measure() -> LayerProfile:  # the blocks sharing a parameter recorded too (one block's own: no tie)
+            timed = steadiest(lambda: profile_blocks(model, units, args), ROUNDS)
+            return replace(timed, tied=tied_layers([m for _, m in units]))
+
+        measured = on_first_rank(group, measure, "profiling the model's blocks", options.timeout, options.store)
     with caps_explained(sched, memory_caps):
         counts = stage_counts(
             n,

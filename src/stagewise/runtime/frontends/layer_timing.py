@@ -13,6 +13,8 @@ from torch.utils._pytree import tree_map
 
 from ..measure.profiling import LayerProfile, measure_layers, preserved_state, with_checkpoint_cost
 from .layers import LayerLike, build_layer
+from .tied import Tied, TiedBuilder, TiedCall
+from .ties import tied_layers
 
 #: how many times a partition profiles the layers; each keeps its fastest round
 ROUNDS = 3
@@ -34,22 +36,40 @@ def profile_layers(
     module is measured on ``device`` and moved back where it was. What a
     layer returns becomes the next layer's input, needing a gradient where it
     would in training.
+
+    A :class:`~stagewise.Tied` key's module is built once and kept to its last use, each later use calling it
+    (``forward_fn``) as the pipeline does: the head of a tied embedding is timed as the product it computes.
+    The layers that use one parameter are recorded as ``tied`` (:func:`.ties.tied_layers`), as
+    :func:`stagewise.profile` records them; a spec builds fresh parameters, so it ties nothing but through a key.
     """
     device = torch.device(device)
     x: Any = _to(sample_inputs, device)
-    layers = []
+    builder = TiedBuilder(named, seed, make=lambda layer, k: build_layer(layer, k, seed))
+    given = {id(m) for _, layer in named for m in (layer, getattr(layer, "layer", None)) if isinstance(m, nn.Module)}
+    layers, uses = [], []
     for k, (name, layer) in enumerate(named):
-        module = build_layer(layer, k, seed)
-        home = next((t.device for t in module.parameters()), device)
-        module = module.to(device)  # a spec is built on the CPU; an eager module goes back home after
+        module = builder.build(layer, k)
+        shared = [module.target] if isinstance(module, TiedCall) and module.target not in module.children() else []
+        homes = [(m, next((t.device for t in m.parameters()), device)) for m in (module, *shared)]
+        for m, _ in homes:
+            m.to(device)  # a spec is built on the CPU; an eager module goes back home after
         args = x if type(x) is tuple else (x,)
-        (cost,) = measure_layers([module], args, repeats=repeats, warmup=warmup).layers
+        (cost,) = measure_layers([module], args, repeats=repeats, warmup=warmup, uses=shared).layers
         layers.append(replace(cost, name=name))
         x = _next_input(module, args)
-        if module is layer:
-            module.to(home)
-        del module
-    return with_checkpoint_cost(LayerProfile(layers=tuple(layers), device=str(device), repeats=repeats, warmup=warmup))
+        for m, home in homes:
+            if id(m) in given:
+                m.to(home)
+        uses.append(module if isinstance(layer, Tied) or id(module) in given else _FRESH)
+        del module, shared, homes
+    profile = LayerProfile(
+        layers=tuple(layers), device=str(device), repeats=repeats, warmup=warmup, tied=tied_layers(uses)
+    )
+    return with_checkpoint_cost(profile)
+
+
+#: what the finder of ties sees of a layer built from a spec (dropped once measured): no parameter of anyone's
+_FRESH = nn.Module()
 
 
 def _next_input(module: nn.Module, args: tuple[Any, ...]) -> Any:

@@ -91,11 +91,22 @@ class TiedCall(nn.Module):
 
 
 class TiedBuilder:
-    """Builds the layers of a model, each tied key's module once (seeded as its first use)."""
+    """Builds the layers of a model, each tied key's module once (seeded as its first use).
 
-    def __init__(self, named: Sequence[tuple[str, LayerLike]], seed: int, device: Any = None) -> None:
+    ``make(layer, index)``: how one layer is made; by default as a stage held here (:func:`.layers.build_stage_layer`
+    on ``device``); a profile passes :func:`.layers.build_layer`, as it always builds initialised layers."""
+
+    def __init__(
+        self,
+        named: Sequence[tuple[str, LayerLike]],
+        seed: int,
+        device: Any = None,
+        *,
+        make: Callable[[LayerLike, int], nn.Module] | None = None,
+    ) -> None:
         self.seed = seed
         self.device = device
+        self._make = make or (lambda layer, index: build_stage_layer(layer, index, self.seed, self.device))
         self.first: dict[str, tuple[int, str, LayerLike]] = {}
         self.uses: dict[str, list[int]] = {}
         for k, (name, layer) in enumerate(named):
@@ -144,12 +155,12 @@ class TiedBuilder:
     def shared(self, key: str) -> nn.Module:
         if key not in self.built:
             k0, _, spec = self.first[key]
-            self.built[key] = build_stage_layer(spec, k0, self.seed, self.device)
+            self.built[key] = self._make(spec, k0)
         return self.built[key]
 
     def build(self, layer: LayerLike, index: int) -> nn.Module:
         if not isinstance(layer, Tied):
-            return build_stage_layer(layer, index, self.seed, self.device)
+            return self._make(layer, index)
         module = self.shared(layer.key)
         owner = index == self.first[layer.key][0]
         if owner and layer.forward_fn is None:

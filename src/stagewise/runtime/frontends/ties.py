@@ -1,11 +1,11 @@
 """Tied parameters found in a model (not declared with :class:`~stagewise.Tied`), synced as Tied keys are.
 
-``from_model`` finds a parameter used on several stages (``head.weight = embed.weight``, or a head calling
-``h @ self.embed.weight.T``). Each becomes one key of :class:`.tied.TiedSync`: every rank owning a stage
+``from_model`` finds a parameter used on several stages (``head.weight = embed.weight``, or the model's own forward
+computing ``h @ self.embed.weight.T``). Each becomes one key of :class:`.tied.TiedSync`: every rank owning a stage
 that uses it holds the parameter, and their gradients are summed at the SYNC of the last stage using it there,
-before any optimizer steps. Each name is saved once: a name (``embed.weight``) that stages on two ranks register
-is left out of ``state_dict()`` everywhere but on the first such stage's rank; a different name of the same
-parameter (``head.weight``) is saved where it is held, as ``model.state_dict()`` has both.
+before any optimizer steps. Each name is saved once: a name (``embed.weight``) that stages on two ranks register is
+left out of ``state_dict()`` everywhere but on the first such stage's rank; a different name of the same parameter
+(``head.weight``) is saved where it is held, as ``model.state_dict()`` has both.
 
 :func:`tied_layers`: the same ties among a profile's layers (declared :class:`~stagewise.Tied` uses, found
 ones and a transformers model's tied embedding alike), which ``stagewise.profile`` records for the planner
@@ -44,9 +44,9 @@ class FoundTies(TiedBuilder):
         return self.built[key]
 
 
-def found_ties(model: nn.Module, ties: Mapping[str, Sequence[int]], anchors: Sequence[int]) -> FoundTies | None:
-    """``ties``: first name -> stages using it; ``anchors[k]``: a unit index inside stage k's layer range."""
-    if not ties:
+def found_ties(model: nn.Module, uses: Mapping[str, Sequence[int]]) -> FoundTies | None:
+    """``uses``: first name -> the unit (an index into the layer ranges) standing for each stage using it."""
+    if not uses:
         return None
 
     def holder(name: str) -> nn.Module:
@@ -54,7 +54,7 @@ def found_ties(model: nn.Module, ties: Mapping[str, Sequence[int]], anchors: Seq
         box.register_parameter("weight", model.get_parameter(name))
         return box
 
-    return FoundTies({name: [anchors[k] for k in stages] for name, stages in ties.items()}, holder, model.get_parameter)
+    return FoundTies({name: list(units) for name, units in uses.items()}, holder, model.get_parameter)
 
 
 def unsaved_names(

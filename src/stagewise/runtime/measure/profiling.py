@@ -170,8 +170,12 @@ def measure_layers(
     *,
     repeats: int = 5,
     warmup: int = 2,
+    uses: Sequence[nn.Module] = (),
 ) -> LayerProfile:
-    """:func:`profile` without the checkpoint's fitted line (which is taken once per profile, not per layer)."""
+    """:func:`profile` without the checkpoint's fitted line (which is taken once per profile, not per layer).
+
+    ``uses``: modules whose parameters the layers use without holding them (a later ``sw.Tied`` use's shared
+    module, measured alone): what they save of those is a parameter, not an activation, as in a whole model."""
     if repeats < 1 or warmup < 0:
         raise ValueError(f"profile: need repeats >= 1 and warmup >= 0, got {repeats}, {warmup}")
     inputs = sample_inputs if isinstance(sample_inputs, tuple) else (sample_inputs,)
@@ -185,7 +189,7 @@ def measure_layers(
             calls = _capture_chain(named, inputs)
         else:
             calls = _capture_blocks(layers_or_model, named, inputs)  # type: ignore[arg-type]
-        return _measure_all(calls, device, repeats, warmup)
+        return _measure_all(calls, device, repeats, warmup, uses)
 
 
 def measured_blocks(layers_or_model: nn.Module | Sequence[nn.Module]) -> list[tuple[str, nn.Module]]:
@@ -214,8 +218,10 @@ def profile_blocks(
     return with_checkpoint_cost(measured)
 
 
-def _measure_all(calls: list[Call], device: torch.device, repeats: int, warmup: int) -> LayerProfile:
-    shared = frozenset(resident_storages([c[1] for c in calls]))  # a tied later use saves another's parameter
+def _measure_all(
+    calls: list[Call], device: torch.device, repeats: int, warmup: int, uses: Sequence[nn.Module] = ()
+) -> LayerProfile:
+    shared = frozenset(resident_storages([*(c[1] for c in calls), *uses]))  # a tied later use saves another's
     costs = [measure_layer(name, m, args, kwargs, device, repeats, warmup, shared) for name, m, args, kwargs in calls]
     batch = samples_in(calls[0][2:]) if calls else None
     return LayerProfile(layers=tuple(costs), device=str(device), repeats=repeats, warmup=warmup, batch=batch)

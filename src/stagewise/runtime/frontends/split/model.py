@@ -12,6 +12,7 @@ from torch.utils._pytree import tree_leaves
 
 from ....partition import Partition, needs_profile, stage_counts
 from ...measure.profiling import LayerProfile, model_blocks, preserved_state, profile_blocks
+from ..ties import tied_layers
 from .cut import cut, shared_parameters
 from .tags import collect_tags
 from .trace import SplitError, assign_stages, first_calls, tagged_leaves, trace
@@ -197,13 +198,16 @@ def _partition_blocks(
         missing = [b for b in blocks if b not in costs.names]
         if missing:
             raise SplitError(f"the profile has no entry for block(s) {missing}")
-        measured = LayerProfile(tuple(costs[b] for b in blocks), costs.device, costs.repeats, costs.warmup)
+        measured = LayerProfile(
+            tuple(costs[b] for b in blocks), costs.device, costs.repeats, costs.warmup, tied=_ties_of(costs, blocks)
+        )
     elif costs is not None:
         times = [float(c) for c in costs]
     elif needs_profile(partition):
         if inputs is None:
             raise SplitError(f"partition={partition!r} profiles the blocks: pass example_inputs (or costs=)")
         measured = profile_blocks(model, [(b, named[b]) for b in blocks], inputs, repeats=repeats)
+        measured = replace(measured, tied=tied_layers([named[b] for b in blocks]))  # (one block's own: no tie)
     try:
         counts = stage_counts(
             n,
@@ -219,6 +223,19 @@ def _partition_blocks(
     except ValueError as err:  # one set of messages for every frontend, raised as this frontend's error
         raise SplitError(str(err)) from err
     return _from_counts(counts), measured
+
+
+def _ties_of(profile: LayerProfile, blocks: Sequence[str]) -> tuple[tuple[tuple[int, ...], float], ...]:
+    """``profile.tied`` by the indices of ``blocks`` (the profile's layers may be in another order, or more): a set
+    left with one block is no tie across stages."""
+    at = {name: blocks.index(name) for name in profile.names if name in blocks}
+    names = profile.names
+    out = []
+    for layers, nbytes in profile.tied:
+        ks = tuple(sorted({at[names[k]] for k in layers if names[k] in at}))
+        if len(ks) > 1:
+            out.append((ks, nbytes))
+    return tuple(out)
 
 
 def _from_counts(counts: list[int]) -> Partition:
