@@ -33,6 +33,8 @@ from stagewise.planning import Link
 
 # internal: the "+ runtime" prediction is the planner's own costing of a stage (no public name gives it)
 from stagewise.planning.costing import LayerArrays, stage_base
+
+# internal: the tied layers' gradient sum, priced as the planner prices it (no public name gives it for a cut)
 from stagewise.planning.tied_sum import TiedSum, tied_bytes, tied_sums
 from stagewise.simulation import shared_makespan, tied_done
 

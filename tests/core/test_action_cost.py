@@ -54,15 +54,17 @@ def two_rank_run() -> Timeline:
 
 
 def test_the_overhead_is_the_time_outside_compute_not_waiting_on_a_core_of_its_own() -> None:
-    """On 2 cores each rank has a core: (0.25 + 0.75 + 0.5 + 0 + 0) / 4 actions = 0.375 s. On 1 core the
-    counted time ran while the other rank computed, at half speed: 0.1875 s. Over steps, the median step's."""
+    """On 2 cores each rank has a core: the gaps (0.75 + 0.5 + 0 + 0) / 4 actions counted, the posting 0.25 / 8
+    compute actions (every action posts its messages; over the 4 counted it read 0.0625): 0.34375 s. On 1 core
+    the counted time ran while the other rank computed, at half speed: 0.171875 s. Over steps, the median
+    step's."""
     schedule = build_schedule("1f1b", 2, 2)
-    assert action_overhead([two_rank_run()], schedule, cores=2.0) == 0.375
-    assert action_overhead([two_rank_run()], schedule, cores=1.0) == 0.1875
+    assert action_overhead([two_rank_run()], schedule, cores=2.0) == 0.34375
+    assert action_overhead([two_rank_run()], schedule, cores=1.0) == 0.171875
     assert action_overhead([], schedule, cores=1.0) == 0.0
     run = two_rank_run()  # the same step with every time 3x (a step a neighbour preempted): the median of steps
     stretched = replace(run, events=[replace(e, start=3 * e.start, end=3 * e.end) for e in run.events])
-    assert action_overhead([run, stretched, run], schedule, cores=2.0) == 0.375
+    assert action_overhead([run, stretched, run], schedule, cores=2.0) == 0.34375
 
 
 def gapped_run() -> Timeline:

@@ -57,6 +57,10 @@ INTERNAL = {
     ("fidelity/predicted.py", "stagewise.planning.costing"): (
         "the '+ runtime' prediction is the planner's own costing of each stage, which no public name gives"
     ),
+    ("fidelity/predicted.py", "stagewise.planning.tied_sum"): (
+        "the '+ runtime' prediction waits for the tied layers' gradient sum, priced as the planner prices it for a "
+        "pipeline's own cut (tied_sums), which no public name gives"
+    ),
     ("calibration/model.py", "stagewise.planning.recalibrate"): (
         "the held-out prediction itself (held_out_costs), which no public name runs without a pipeline of Q"
     ),
