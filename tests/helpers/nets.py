@@ -158,3 +158,32 @@ class TiedNet(nn.Module):
 
 def token_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+
+
+class _HiddenHead(nn.Module):
+    """Logits on the embedding's matrix, reached through a reference kept outside the module tree."""
+
+    def __init__(self, embed: nn.Embedding) -> None:
+        super().__init__()
+        self.__dict__["embed"] = embed  # not a child: the head holds no parameter
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h @ self.embed.weight.T
+
+
+class HiddenTieNet(nn.Module):
+    """TiedNet's model whose head block reads ``embed.weight`` through ``self.__dict__``: a tie neither the
+    model's registrations nor its traced forward show (``from_model`` refuses it at the first forward)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.embed = nn.Embedding(VOCAB, D, dtype=torch.float64)
+        self.blocks = nn.ModuleList(Block() for _ in range(num_blocks))
+        self.head = _HiddenHead(self.embed)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for blk in self.blocks:
+            h = blk(h)
+        return self.head(h)

@@ -12,6 +12,7 @@ processes. The models are in ``helpers.nets``.
 from __future__ import annotations
 
 import copy
+import functools
 import statistics
 from typing import Any
 
@@ -21,7 +22,18 @@ from torch import nn
 
 import stagewise as sw
 from helpers.compare import ATOL, RTOL, assert_grads_close, assert_params_close
-from helpers.nets import CLASSES, NARROW, VOCAB, Dense, SkipNet, TiedNet, Unbalanced, skip_data, token_loss
+from helpers.nets import (
+    CLASSES,
+    NARROW,
+    VOCAB,
+    Dense,
+    HiddenTieNet,
+    SkipNet,
+    TiedNet,
+    Unbalanced,
+    skip_data,
+    token_loss,
+)  # fmt: skip
 from stagewise.partition.cut import partition_costs
 from worker import Check, Ctx, gather_objects, raises
 
@@ -120,6 +132,26 @@ def tied_model(schedule: str, stages: int, m: int, functional: bool) -> Check:
         return {"owners": owners, "groups": len(pipe.tied.groups)}
 
     return check
+
+
+def hidden_tie(ctx: Ctx) -> None:
+    """A head block reading ``embed.weight`` through ``self.__dict__`` (a tie from_model cannot see), embed and
+    head on two ranks: the first step fails at the head's first forward naming the parameter, its owner and its
+    user (rank 1), and every other rank says so; whether the rank freed its copy or kept one no rank would sum
+    (``free_unused=False``: before, training drifted from the model's silently)."""
+    said = "'head' (stage 1) uses the parameter 'embed.weight' of 'embed' (stage 0), which this rank does not hold"
+    kind = sw.runtime.SplitError if ctx.rank == 1 else sw.PipelineError
+    for free, state in ((True, "has freed it"), (False, "holds a copy whose gradient no rank would sum")):
+        raises(kind, [said, state], functools.partial(_hidden_tie_step, ctx, free))
+
+
+def _hidden_tie_step(ctx: Ctx, free_unused: bool) -> None:
+    pipe = sw.Pipeline.from_model(
+        HiddenTieNet(2), stages=2, partition=[2, 2], loss_fn=token_loss, schedule="1f1b", microbatches=2,
+        free_unused=free_unused, group=ctx.group, timeout=TIMEOUT,
+    )  # fmt: skip
+    ids = torch.randint(0, VOCAB, (4, 3), generator=torch.Generator().manual_seed(0))
+    pipe.train_step(ids, ids)
 
 
 # ---- layer lists: speeds, memory caps, failures ------------------------------------------
@@ -565,4 +597,5 @@ def checks(world: int) -> dict[str, Check]:
         out["default-cut"] = default_cut
         out["resumed-cut"] = resumed_cut
         out["from-stages"] = from_stages
+        out["hidden-tie"] = hidden_tie
     return out

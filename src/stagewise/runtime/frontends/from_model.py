@@ -30,7 +30,9 @@ never allocate other stages at all, give the Pipeline a list of
 Tied parameters (one parameter used on several stages: ``head.weight =
 embed.weight``) are held by every rank owning a stage that uses them and
 their gradients are summed over those ranks at SYNC, as for
-:class:`~stagewise.Tied` (:mod:`.ties`); each name is saved once.
+:class:`~stagewise.Tied` (:mod:`.ties`); each name is saved once. A block
+reaching another rank's parameter through a reference outside its module
+tree is refused at its stage's first forward (:mod:`.unheld`).
 
 Limits: inputs are positional (a tensor, or a tuple of arguments); a
 non-tensor value crossing a cut must be the same at every step for a given
@@ -60,6 +62,7 @@ from .split import SplitError, collect_tags, split_model
 from .split.trace import first_calls, trace
 from .tied import TiedCall
 from .ties import found_ties, save_once, tied_layers, unsaved_names
+from .unheld import watch_first_forward
 
 if TYPE_CHECKING:
     from ..options import Options
@@ -141,6 +144,7 @@ class FromModel:
         given_storage(mine.values(), model, ctx.device)  # (a re-layout's build from a meta twin: filled after)
         names = sorted({name for gm in split.stage_modules for name in _attributes(gm)})
         cut = ModelCut(split.stage_inputs, dict(split.module_stages), split.blocks)
+        watch_first_forward(mine, model, cut.module_stages)  # a parameter used here but held by another rank
         del split  # it holds every stage; this rank keeps its own only
         transient = non_persistent(model)
 

@@ -1,11 +1,12 @@
 """Tied parameters found in a model (not declared with :class:`~stagewise.Tied`), synced as Tied keys are.
 
 ``from_model`` finds a parameter used on several stages (``head.weight = embed.weight``, or the model's own forward
-computing ``h @ self.embed.weight.T``). Each becomes one key of :class:`.tied.TiedSync`: every rank owning a stage
-that uses it holds the parameter, and their gradients are summed at the SYNC of the last stage using it there,
-before any optimizer steps. Each name is saved once: a name (``embed.weight``) that stages on two ranks register is
-left out of ``state_dict()`` everywhere but on the first such stage's rank; a different name of the same parameter
-(``head.weight``) is saved where it is held, as ``model.state_dict()`` has both.
+computing ``h @ self.embed.weight.T``; a block reaching it outside its module tree is refused: :mod:`.unheld`). Each
+becomes one key of :class:`.tied.TiedSync`: every rank owning a stage that uses it holds the parameter, and their
+gradients are summed at the SYNC of the last stage using it there, before any optimizer steps. Each name is saved
+once: a name (``embed.weight``) that stages on two ranks register is left out of ``state_dict()`` everywhere but on
+the first such stage's rank; a different name of the same parameter (``head.weight``) is saved where it is held, as
+``model.state_dict()`` has both.
 
 :func:`tied_layers`: the same ties among a profile's layers (declared :class:`~stagewise.Tied` uses, found
 ones and a transformers model's tied embedding alike), which ``stagewise.profile`` records for the planner
