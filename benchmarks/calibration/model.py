@@ -48,12 +48,15 @@ def calibrations(
     ``local_bandwidth``: the prior bandwidths between machines and inside one (a job kept before 2026-12-05 20:00
     has one, its ranks 0-1 ping-pong's, inside a machine at 4 processes)."""
     c = None if affinity else cores
+    # where P's pipeline ranks share machines (2 processes a machine), the space's dp 2 replicas do too: the mesh
+    # packs pp outermost (nodes_of)
+    inside = nodes is not None and len(set(nodes)) < len(nodes)
     plain = calibrate_run(timelines, schedule, profile, counts, c, bandwidth, affinity=affinity or None, nodes=nodes,
-                          tied=tied, local_bandwidth=local_bandwidth)  # fmt: skip
+                          tied=tied, local_bandwidth=local_bandwidth, replicas_inside=inside)  # fmt: skip
     link = None if reduce is None else (float(reduce[0]), float(reduce[1]))
     per_action = calibrate_run(
         timelines, schedule, profile, counts, c, bandwidth, per_action=True, steps=steps, reduce=link,
-        affinity=affinity or None, nodes=nodes, tied=tied, local_bandwidth=local_bandwidth,
+        affinity=affinity or None, nodes=nodes, tied=tied, local_bandwidth=local_bandwidth, replicas_inside=inside,
     )  # fmt: skip
     return {"before": plain, "at batch": plain, "after": per_action}
 

@@ -130,3 +130,31 @@ def test_each_link_keeps_its_own_prior_bandwidth() -> None:
                         local_bandwidth=1.0)  # fmt: skip
     assert (cal.latency, cal.bandwidth) == (pytest.approx(0.0, abs=1e-9), 0.01)
     assert cal.local == (pytest.approx(0.0, abs=1e-9), 1.0) and cal.bias == pytest.approx(1.0)
+
+
+def test_replicas_on_one_machine_fit_the_link_inside_it() -> None:
+    """Two pipeline ranks, each a machine of its own with its data-parallel replicas (pp 2 x dp 2 over two
+    machines): the replicas' all-reduce messages run inside a machine. Fitted with the transfers between machines
+    (10 s of latency, one size, a prior of 1 byte/s) the fit through both reads neither link; fitted inside,
+    the local link is theirs (0.5 s + bytes / 100) and the one between machines is the transfers'. Without a
+    probe, the replicas' SYNC is then priced on the local link."""
+    two = build_schedule("gpipe", 2, 2)
+    costs = replace(CostModel.uniform(2, forward=1.0, backward_input=1.0, backward_weight=1.0, comm_time=10.0))
+    timeline = simulate(two, costs).timeline
+    local = [(b, 0.5 + b / 100.0) for b in (100.0, 400.0, 1600.0)]
+    mixed, _ = fit_links([timeline], two, [1.0] * 2, 1.0, local, nodes=(0, 1))
+    assert mixed.latency != pytest.approx(9.0, abs=1.0)  # the transfers between machines read wrong
+    between, inside = fit_links([timeline], two, [1.0] * 2, 1.0, (), nodes=(0, 1), local_reductions=local)
+    assert inside is not None and inside.identified
+    assert (between.latency, between.bandwidth) == (pytest.approx(9.0), 1.0)
+    assert (inside.latency, inside.bandwidth) == (pytest.approx(0.5), pytest.approx(100.0))
+    one, none = fit_links([timeline], two, [1.0] * 2, 1.0, (), local_reductions=local)  # machines not known
+    assert none is None and one.transfers == 2 + len(local)
+    prior = fake_profile([3.0, 3.0])
+    cal = calibrate_run([timeline] * 3, two, prior, [1, 1], cores=8, prior_bandwidth=1.0, dp=2,
+                        reductions=local, nodes=(0, 1), replicas_inside=True)  # fmt: skip
+    assert cal.replicas_inside and cal.local == (pytest.approx(0.5), pytest.approx(100.0))
+    assert (cal.reduce_link.latency, cal.reduce_link.bandwidth) == (pytest.approx(0.5), pytest.approx(100.0))
+    apart = calibrate_run([timeline] * 3, two, prior, [1, 1], cores=8, prior_bandwidth=1.0, dp=2,
+                          reductions=local, nodes=(0, 1))  # fmt: skip
+    assert not apart.replicas_inside and apart.reduce_link.latency == apart.latency

@@ -121,3 +121,18 @@ def test_the_link_between_machines_keeps_the_inter_probe(monkeypatch: pytest.Mon
     assert record["nodes"] == ([0, 1] if spans else [0, 0])
     assert record["bandwidth_Bps"] == (1.2e7 if spans else 4e9)
     assert record["latency_s"] == pytest.approx(0.5 - 1.0 / record["bandwidth_Bps"], rel=1e-9)
+
+
+def test_replicas_inside_a_machine_are_read_from_the_mesh() -> None:
+    """pp 2 x dp 2 (the mesh's axes pp, dp, sharding, tp; ranks 0-1 the first pipeline rank's replicas): on two
+    machines of two ranks each replica group shares a machine; placed round the machines it does not."""
+    import torch
+
+    from stagewise.runtime.calibration.from_run import replicas_inside
+
+    mesh = SimpleNamespace(mesh=torch.arange(4).reshape(2, 2, 1, 1), mesh_dim_names=("pp", "dp", "sharding", "tp"))
+    pipe = SimpleNamespace(hybrid=SimpleNamespace(mesh=SimpleNamespace(device_mesh=mesh)))
+    assert replicas_inside(pipe, ["a", "a", "b", "b"])
+    assert not replicas_inside(pipe, ["a", "b", "a", "b"])
+    assert not replicas_inside(pipe, ["a", "a"])  # machines for fewer ranks than the mesh: not known
+    assert not replicas_inside(SimpleNamespace(), ["a"])  # no mesh

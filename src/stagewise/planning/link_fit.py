@@ -200,6 +200,7 @@ def fit_links(
     reductions: Sequence[tuple[float, float]] = (),
     nodes: Sequence[int] | None = None,
     local_prior: float | None = None,
+    local_reductions: Sequence[tuple[float, float]] = (),
 ) -> tuple[LinkFit, LinkFit | None]:
     """The link between nodes and the one inside a node (``None`` without ``nodes`` or where no two of the plan's
     ranks share a node), each fitted through its own waited transfers (:func:`fit_link`; the
@@ -207,17 +208,19 @@ def fit_links(
     one (``local_prior`` inside a node, ``prior_bandwidth`` where not given): a ping-pong inside a machine reads
     loopback, 350 times a 100 Mbit link's bandwidth (issue 49, 4 processes on the bandwidth link). Where the run
     waited for no transfer between nodes (one machine), the local fit stands for both: nothing better is known of
-    the network."""
+    the network. ``local_reductions``: all-reduce messages of replicas that share a machine, which join the fit
+    inside one (and make one where no two pipeline ranks share a node)."""
     if nodes is not None and len(nodes) != schedule.num_ranks:
         raise ValueError(
             f"fit_links: nodes names {len(nodes)} pipeline ranks' nodes, the schedule has {schedule.num_ranks}"
         )
-    shared = nodes is not None and len(set(nodes)) < len(nodes)
-    if not shared:
+    if nodes is None:
+        return fit_link(timelines, schedule, output_bytes, prior_bandwidth, [*reductions, *local_reductions]), None
+    if len(set(nodes)) == len(nodes) and not local_reductions:
         return fit_link(timelines, schedule, output_bytes, prior_bandwidth, reductions), None
     between = fit_link(timelines, schedule, output_bytes, prior_bandwidth, reductions, nodes)
     inside_prior = prior_bandwidth if local_prior is None else local_prior
-    inside = fit_link(timelines, schedule, output_bytes, inside_prior, (), nodes, local=True)
+    inside = fit_link(timelines, schedule, output_bytes, inside_prior, local_reductions, nodes, local=True)
     if between.transfers == 0 and inside.transfers > 0:
         between = replace(inside, note=f"no waited transfer between nodes: the local link ({inside.note})")
     return between, inside

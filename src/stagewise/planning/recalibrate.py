@@ -106,6 +106,9 @@ class RunCalibration:
     #: the model's layers tied across stages (:func:`~stagewise.planning.tied_sum.tied_bytes`): each set's layer
     #: indices and the bytes its gradient sum moves; empty: none tied
     tied: tuple[tuple[tuple[int, ...], float], ...] = ()
+    #: each pipeline rank's replicas share its machine (the calibrating run's layout): without a probe
+    #: (:attr:`reduce`) their all-reduce runs on the :attr:`local` link, not the one between machines
+    replicas_inside: bool = False
 
     @property
     def pinned(self) -> bool | None:
@@ -200,8 +203,11 @@ class RunCalibration:
 
     @property
     def reduce_link(self) -> Link:
-        """The replicas' all-reduce link: :attr:`reduce` where probed, else the calibrated one."""
-        return Link(*self.reduce) if self.reduce else Link(self.latency, self.bandwidth)
+        """The replicas' all-reduce link: :attr:`reduce` where probed, else the calibrated one they run on (the
+        :attr:`local` one where they share a machine)."""
+        if self.reduce:
+            return Link(*self.reduce)
+        return Link(*self.local) if self.replicas_inside and self.local else Link(self.latency, self.bandwidth)
 
     def linked(self, costs: CostModel, nodes: Sequence[int] | None = None) -> CostModel:
         """``costs`` on the calibrated links: between nodes, and, with ``nodes`` (a plan's pipeline ranks'), inside
@@ -342,15 +348,15 @@ def calibrate_run(
     nodes: Sequence[int] | None = None,
     tied: Sequence[Sequence[int]] = (),
     local_bandwidth: float | None = None,
+    replicas_inside: bool = False,
 ) -> RunCalibration:
     """Calibrate on the run of ``schedule`` cut by ``counts`` (layers per stage of ``prior``): ``timelines``
     (one per step, every rank on one clock) measured on ``cores`` shared cores; then the bias against the
     model's own prediction of that plan (module docstring). ``prior_bandwidth`` (bytes/s, e.g. a ping-pong's):
     the link's bandwidth where the run's transfers cannot identify it. With ``dp`` replicas, ``reductions``:
     their all-reduces' per-message pairs (:func:`~stagewise.planning.link_fit.reduce_transfers`), fitted with
-    the transfers; the plan's own prediction then prices each stage's SYNC on the fitted link. ``per_action``:
-    each compute action also costs the CPU time its rank spent outside compute events without waiting (the
-    calibration's ``overhead``, :mod:`stagewise.planning.action_cost`); the bias keeps the rest of the miss.
+    the transfers; the plan's own prediction then prices each stage's SYNC on the fitted link. ``per_action``: a
+    compute action also costs its rank's CPU outside compute events (:mod:`.action_cost`); the bias keeps the rest.
     ``steps``: the calibrating plan's steps timed as the plans to predict will be (a whole ``train_step`` from a
     barrier holds what each rank does outside the timeline); the bias and the spread are taken against them
     (default: the timelines' makespans). ``reduce``: the replicas' all-reduce link ``(latency, bandwidth)`` probed
@@ -358,18 +364,18 @@ def calibrate_run(
     each of the node's ranks' CPUs, ``cores`` then theirs (:func:`~.core_share.node_cores`): pinned ranks a core
     each share the union. ``nodes``: each pipeline rank's machine; the transfers inside one and between two are
     fitted apart (:func:`fit_links`), the one inside keeping ``local_bandwidth`` as its prior (``prior_bandwidth``
-    where not given). ``tied``: sets of ``prior``'s layers tied across stages (:mod:`.tied_sum`)."""
+    where not given); ``replicas_inside``: each pipeline rank's replicas share its machine, so their all-reduce
+    messages fit the link inside one. ``tied``: sets of ``prior``'s layers tied across stages (:mod:`.tied_sum`)."""
     cores = _cores(cores, affinity)
     _check(timelines, schedule, prior, counts, steps)
     bounds = _bounds(counts)
     sent = prior.cost_model(bounds).output_bytes
-    link, local = fit_links(timelines, schedule, sent, prior_bandwidth, reductions, nodes, local_bandwidth)
+    inside = reductions if replicas_inside else ()
+    link, local = fit_links(timelines, schedule, sent, prior_bandwidth, () if inside else reductions, nodes,
+                            local_bandwidth, inside)  # fmt: skip
     run = RunCalibration(
-        counts=tuple(int(c) for c in counts),
-        measured=stage_medians(timelines, cores),
-        latency=link.latency,
-        bandwidth=link.bandwidth,
-        cores=cores,
+        counts=tuple(int(c) for c in counts), measured=stage_medians(timelines, cores), latency=link.latency,
+        bandwidth=link.bandwidth, cores=cores,
         steps=tuple(t.makespan for t in timelines) if steps is None else tuple(float(x) for x in steps),
         link=link.note if local is None else f"between nodes: {link.note}; inside one: {local.note}",
         nodes=() if nodes is None else tuple(int(x) for x in nodes),
@@ -377,8 +383,8 @@ def calibrate_run(
         stage_spread=stage_spreads(timelines, cores, schedule.num_stages),
         reduce=None if reduce is None else (float(reduce[0]), float(reduce[1])),
         affinity=() if affinity is None else tuple(tuple(sorted(int(c) for c in a)) for a in affinity),
-        tied=tied_bytes(prior, tied),
-    )
+        tied=tied_bytes(prior, tied), replicas_inside=replicas_inside,
+    )  # fmt: skip
     costs = ring_synced(run.profile(prior).cost_model(bounds), dp, run, counts)
     held_out = stage_holdout_error(run.measured, prior.cost_model(bounds))
     run = replace(run, held_out_error=run.held_out_error if held_out is None else held_out)

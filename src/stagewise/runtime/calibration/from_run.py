@@ -170,7 +170,7 @@ class RunCalibrator:
         reductions = self._replicas.pairs()
         timed = [s for s in self._timed if s is not None]
         self._steps_timed = len(timed) == len(self._calibrating)
-        affinity, nodes = (None, None) if self._cores_given else self._layout()
+        affinity, nodes, machines = (None, None, []) if self._cores_given else self._layout()
         tied = getattr(getattr(self.pipe, "tied", None), "layer_sets", ())  # (a fake pipeline has no tied sums)
         spans = nodes is not None and len(set(nodes)) > 1  # else every transfer is inside one machine
         cal = calibrate_run(
@@ -178,6 +178,7 @@ class RunCalibrator:
             self.bandwidth if spans else self.local_bandwidth, dp=self._replicas.dp, reductions=reductions,
             per_action=self.per_action, steps=timed if self._steps_timed else None, reduce=self.reduce,
             affinity=affinity, nodes=nodes, tied=tied, local_bandwidth=self.local_bandwidth,
+            replicas_inside=spans and replicas_inside(self.pipe, machines),
         )  # fmt: skip
         self.cores = cal.cores
         if any(c < 1 for c in self.caps):  # a held rank's speed on this cut, measured here (not another cut's)
@@ -212,6 +213,7 @@ class RunCalibrator:
                 "affinity": [list(a) for a in cal.affinity] or None,
                 "nodes": list(cal.nodes) or None,
                 "local_link": None if cal.local is None else list(cal.local),
+                "replicas_inside": cal.replicas_inside,
                 "pinned": cal.pinned,
                 "steps_s": list(cal.steps),
                 "steps_from": "timed" if self._steps_timed else "makespans",
@@ -220,18 +222,19 @@ class RunCalibrator:
             }
         )
 
-    def _layout(self) -> tuple[list[list[int]], list[int] | None]:
-        """This node's ranks' CPUs, and each pipeline rank's machine (numbered in order of first appearance; None
-        where the pipeline's global ranks are not known, as on a fake pipeline without a group)."""
+    def _layout(self) -> tuple[list[list[int]], list[int] | None, list[str]]:
+        """This node's ranks' CPUs, each pipeline rank's machine (numbered in order of first appearance; None
+        where the pipeline's global ranks are not known, as on a fake pipeline without a group), and each global
+        rank's machine."""
         affinity, machines = self.affinity()
         try:
             ranks = global_ranks(self.pipe.transport.group) if initialized() else list(range(self.pipe.num_ranks))
         except (AttributeError, ValueError, RuntimeError):
-            return affinity, None
+            return affinity, None, machines
         if len(ranks) != self.pipe.num_ranks or max(ranks) >= len(machines):
-            return affinity, None
+            return affinity, None, machines
         number: dict[str, int] = {}
-        return affinity, [number.setdefault(machines[g], len(number)) for g in ranks]
+        return affinity, [number.setdefault(machines[g], len(number)) for g in ranks], machines
 
     def _watch(self, timeline: Timeline) -> None:
         cal = self.calibration
@@ -298,6 +301,20 @@ class RunCalibrator:
         self.records.append(record)
         if self.on_event is not None:
             self.on_event(record)
+
+
+def replicas_inside(pipe: Any, machines: Sequence[str]) -> bool:
+    """Whether each data-parallel group of ``pipe``'s mesh lies on one machine (``machines``: each global rank's):
+    its all-reduce then runs on the link inside a machine, and its messages fit that link, not the one between
+    machines (a 100 Mbit link priced a local ring's SYNC at half a second, issue 49)."""
+    mesh = getattr(getattr(getattr(pipe, "hybrid", None), "mesh", None), "device_mesh", None)
+    if mesh is None or "dp" not in (mesh.mesh_dim_names or ()):
+        return False
+    ranks = mesh.mesh.movedim(mesh.mesh_dim_names.index("dp"), -1)
+    groups = ranks.reshape(-1, ranks.shape[-1]).tolist()
+    return all(g < len(machines) for grp in groups for g in grp) and all(
+        len({machines[g] for g in grp}) == 1 for grp in groups
+    )
 
 
 class LinkPriors(NamedTuple):
