@@ -2,8 +2,10 @@
 
 Each rank runs its actions in order; a compute action starts when its rank is
 free and its input has arrived. A value made on another rank arrives one
-transfer time (``latency + bytes / bandwidth``) after it was made: transfers
-overlap compute and links never congest. SYNC and STEP cost ``sync_time`` /
+transfer time (``latency + bytes / bandwidth``) after it leaves: transfers
+overlap compute; a rank's messages to another machine leave its link one after
+another, each holding it for its bytes' time (``CostModel.boundary_wires``),
+and their latencies overlap. SYNC and STEP cost ``sync_time`` /
 ``step_time`` on their own rank and wait for nobody else; SEND/RECV take no
 rank time. The same rules apply to compute-only and complete schedules, so a
 schedule can be timed before lowering.
