@@ -238,15 +238,20 @@ class _AllReduce:
         self.said.append(int(t.item()))
         self.listed.append(sorted(p.name for p in self.folder.glob("*.snap")) if self.folder.exists() else [])
         self.entered.set()
-        outer = self
+        return _Work(self, t)
 
-        class _Work:
-            def wait(self, timeout: Any = None) -> bool:
-                outer.release.wait()
-                t.fill_(outer.lowest)
-                return True
 
-        return _Work()
+class _Work:
+    """The fake all-reduce's work: like torch's, it holds the tensor only while it lives (no reference cycle: the
+    commit waits until every reference taken during the all-reduce is let go, ``blocking.letting_go``)."""
+
+    def __init__(self, reduce: _AllReduce, t: torch.Tensor) -> None:
+        self.reduce, self.t = reduce, t
+
+    def wait(self, timeout: Any = None) -> bool:
+        self.reduce.release.wait()
+        self.t.fill_(self.reduce.lowest)
+        return True
 
 
 @pytest.fixture

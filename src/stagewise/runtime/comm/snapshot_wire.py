@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from ..errors import PipelineError
 from . import groups
+from .blocking import letting_go
 from .collectives import gather_json
 from .snapshot_exchange import failure_of
 
@@ -63,7 +64,8 @@ def lowest(
     """The lowest of every group rank's ``value`` (an all-reduce), or a :class:`PipelineError` when it failed,
     did not end within ``timeout`` seconds, or ``give_up()`` turned true first. The all-reduce runs on a thread
     of its own (``around()``: its context), so a peer that never joins holds the caller only until the run's
-    failure is posted (gloo cannot cancel it: the abandoned thread ends at the timeout)."""
+    failure is posted (gloo cannot cancel it: the abandoned thread ends at the timeout); it returns once gloo's
+    worker let go of the tensor (:func:`.blocking.letting_go`: the last commit is waited for at exit)."""
     out = torch.tensor([value], dtype=torch.int64)
     box: dict[str, PipelineError] = {}
     ended = threading.Event()
@@ -71,8 +73,10 @@ def lowest(
     def run() -> None:
         with (around or nullcontext)():
             try:
-                work = dist.all_reduce(out, op=dist.ReduceOp.MIN, group=group, async_op=True)
-                work.wait(timedelta(seconds=timeout))
+                with letting_go(out, timeout):  # (the last commit's worker must not let go as the process exits)
+                    work = dist.all_reduce(out, op=dist.ReduceOp.MIN, group=group, async_op=True)
+                    work.wait(timedelta(seconds=timeout))
+                    del work  # (held here, the work would outlive the worker's hold: nothing to wait for)
             except Exception as err:
                 box["failed"] = failure_of(err, "the snapshots' commit")
             finally:
