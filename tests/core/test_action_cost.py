@@ -10,7 +10,7 @@ import pytest
 from helpers.profiles import fake_profile
 from stagewise import build_schedule
 from stagewise.ir import Action, Event, Kind, Timeline
-from stagewise.planning.action_cost import action_overhead, at_batch, with_overhead
+from stagewise.planning.action_cost import Overheads, action_overhead, at_batch, with_overhead
 from stagewise.planning.recalibrate import calibrate_run, held_out_costs
 from stagewise.simulation import CostModel, shared_makespan
 
@@ -30,8 +30,28 @@ def test_an_overhead_per_action_is_work_on_the_shared_cores() -> None:
     assert shared_makespan(schedule, with_overhead(costs, 0.5), [2.0], 1.0) == 16.0
     assert shared_makespan(schedule, with_overhead(costs, 0.5), [2.0], 2.0) == 8.0
     assert with_overhead(costs, 0.0) is costs
-    with pytest.raises(ValueError, match="seconds must be >= 0"):
+    with pytest.raises(ValueError, match="must be >= 0"):
         with_overhead(costs, -1.0)
+    with pytest.raises(ValueError, match="needs the placement"):
+        with_overhead(costs, 0.5, 0.25)
+
+
+def test_each_message_is_charged_to_the_action_that_posts_it() -> None:
+    """Four stages of F 1, I 1, W 1 (B 2) on two ranks, 0.5 s an action and 0.25 s a message. Interleaved
+    (stages on ranks 0 1 0 1) crosses ranks at every boundary: the inner stages' F and B post two messages each
+    (one received, one sent), the outer ones one. ZB-V (0 1 1 0) keeps the boundary between stages 1 and 2 on
+    rank 1: every stage's F and B post one. A W posts none."""
+    costs = CostModel.uniform(4, forward=1.0, backward_input=1.0, backward_weight=1.0, backward_full=2.0)
+    interleaved = with_overhead(costs, 0.5, 0.25, [0, 1, 0, 1])
+    assert interleaved.forward == (1.75, 2.0, 2.0, 1.75)
+    assert interleaved.backward_full == (2.75, 3.0, 3.0, 2.75)
+    assert interleaved.backward_input == (1.75, 2.0, 2.0, 1.75)
+    assert interleaved.backward_weight == (1.5,) * 4
+    v = with_overhead(costs, 0.5, 0.25, [0, 1, 1, 0])
+    assert v.forward == (1.75,) * 4 and v.backward_full == (2.75,) * 4 and v.backward_weight == (1.5,) * 4
+    assert with_overhead(costs, 0.5, 0.25, [0, 0, 0, 0]) == with_overhead(costs, 0.5)  # one rank: no message
+    with pytest.raises(ValueError, match="one rank per stage"):
+        with_overhead(costs, 0.5, 0.25, [0, 1])
 
 
 def two_rank_run() -> Timeline:
@@ -54,17 +74,16 @@ def two_rank_run() -> Timeline:
 
 
 def test_the_overhead_is_the_time_outside_compute_not_waiting_on_a_core_of_its_own() -> None:
-    """On 2 cores each rank has a core: the gaps (0.75 + 0.5 + 0 + 0) / 4 actions counted, the posting 0.25 / 8
-    compute actions (every action posts its messages; over the 4 counted it read 0.0625): 0.34375 s. On 1 core
-    the counted time ran while the other rank computed, at half speed: 0.171875 s. Over steps, the median
-    step's."""
+    """On 2 cores each rank has a core: the gaps (0.75 + 0.5 + 0 + 0) / 4 actions counted, 0.3125 s an action;
+    the posting 0.25 s over the one message posted. On 1 core the counted time ran while the other rank
+    computed, at half speed: 0.15625 and 0.125 s. Over steps, the median step's."""
     schedule = build_schedule("1f1b", 2, 2)
-    assert action_overhead([two_rank_run()], schedule, cores=2.0) == 0.34375
-    assert action_overhead([two_rank_run()], schedule, cores=1.0) == 0.171875
-    assert action_overhead([], schedule, cores=1.0) == 0.0
+    assert action_overhead([two_rank_run()], schedule, cores=2.0) == Overheads(0.3125, 0.25)
+    assert action_overhead([two_rank_run()], schedule, cores=1.0) == Overheads(0.15625, 0.125)
+    assert action_overhead([], schedule, cores=1.0) == Overheads(0.0, 0.0)
     run = two_rank_run()  # the same step with every time 3x (a step a neighbour preempted): the median of steps
     stretched = replace(run, events=[replace(e, start=3 * e.start, end=3 * e.end) for e in run.events])
-    assert action_overhead([run, stretched, run], schedule, cores=2.0) == 0.34375
+    assert action_overhead([run, stretched, run], schedule, cores=2.0) == Overheads(0.3125, 0.25)
 
 
 def gapped_run() -> Timeline:

@@ -34,25 +34,26 @@ def test_the_node_s_cores_are_every_rank_s_cpus() -> None:
 def test_a_pinned_rank_s_cpu_outside_compute_serialises_on_its_own_core() -> None:
     """The 1F1B run of ``two_rank_run`` (F 1 s, B 2 s) on two ranks pinned a core each. Each rank computes and
     posts on its own core: rank 0's posting [1, 1.25] and gap [1.25, 2] while rank 1 computes F0 count in full, the
-    overhead is the gaps (0.75 + 0.5 + 0 + 0) / 4 actions counted and the posting 0.25 / 8 compute actions =
-    0.34375 s an action, and every compute event is its own length (F 1, B 2). Held to one core (what the runtime
-    took from each rank's own affinity), the overlaps halve: 0.171875 s, and the stages come out at half their cost.
+    overhead is the gaps (0.75 + 0.5 + 0 + 0) / 4 actions counted, 0.3125 s an action, and the posting 0.25 s a
+    message; every compute event is its own length (F 1, B 2). Held to one core (what the runtime took from each
+    rank's own affinity), the overlaps halve: 0.15625 and 0.125 s, and the stages come out at half their cost.
 
-    A held-out plan, GPipe over 4 micro-batches on the same cut: each action 0.34375 s more (F 1.34375, B 2.34375),
-    no core shared, the link free (no waited transfer took time): (m + p - 1)(F + B) = 5 x 3.6875 = 18.4375 s,
-    times the bias 9.5 / 11.0625 (the run's step over the model's 1F1B at 2 micro-batches, 3 (F + B)): 15.8333 s."""
+    A held-out plan, GPipe over 4 micro-batches on the same cut: each action 0.3125 s more and 0.25 s for the one
+    message it posts (F 1.5625, B 2.5625), no core shared, the link free (no waited transfer took time):
+    (m + p - 1)(F + B) = 5 x 4.125 = 20.625 s, times the bias 9.5 / 12.375 (the run's step over the model's 1F1B
+    at 2 micro-batches, 3 (F + B)): 15.8333 s."""
     one_f = build_schedule("1f1b", 2, 2)
     prior = fake_profile([3.0, 3.0])  # a layer a stage: F 1, B 2
     cal = calibrate_run([two_rank_run()], one_f, prior, [1, 1], None, per_action=True, affinity=PINNED)
     assert cal.cores == 2.0 and cal.pinned and cal.affinity == ((0,), (1,))
-    assert cal.overhead == 0.34375
+    assert (cal.overhead, cal.message_overhead) == (0.3125, 0.25)
     assert cal.measured == {Kind.F: {0: 1.0, 1: 1.0}, Kind.B: {0: 2.0, 1: 2.0}}
-    assert cal.bias == pytest.approx(9.5 / 11.0625, rel=1e-12)
+    assert cal.bias == pytest.approx(9.5 / 12.375, rel=1e-12)
     q = build_schedule("gpipe", 2, 4)
     got = cal.predict(q, held_out_costs(cal, prior, [1, 1]), processes_per_node=2)
-    assert got.step == pytest.approx(18.4375 * 9.5 / 11.0625, rel=1e-12)
+    assert got.step == pytest.approx(20.625 * 9.5 / 12.375, rel=1e-12)
     one_core = calibrate_run([two_rank_run()], one_f, prior, [1, 1], 1.0, per_action=True)
-    assert one_core.overhead == 0.171875 and one_core.pinned is None
+    assert (one_core.overhead, one_core.message_overhead) == (0.15625, 0.125) and one_core.pinned is None
 
 
 def test_cores_that_disagree_with_the_affinity_are_refused() -> None:

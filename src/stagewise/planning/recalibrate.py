@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 from ..ir import Kind, Schedule, Timeline
 from ..partition import LayerProfile
 from ..simulation import CostModel, shared_makespan
-from .action_cost import action_overhead, at_batch, with_overhead
+from .action_cost import Overheads, action_overhead, at_batch, with_overhead
 from .comm import Link, ring_all_reduce
 from .core_share import node_cores, pinned, shared_seconds
 from .link_fit import COMPUTE, fit_link, fit_links
@@ -87,6 +87,9 @@ class RunCalibration:
     #: seconds (on a core of its own) every compute action brings beyond its layers, measured on the calibrating
     #: run (:func:`~stagewise.planning.action_cost.action_overhead`; 0: the bias alone carries the model's miss)
     overhead: float = 0.0
+    #: seconds (on a core of its own) each message a compute action posts to or takes from another rank adds to
+    #: it, measured with :attr:`overhead` (:class:`~stagewise.planning.action_cost.Overheads`)
+    message_overhead: float = 0.0
     #: the relative error a held-out plan's stage costs carry, estimated on the calibrating run alone
     #: (:func:`stage_holdout_error`: each stage predicted from the other stages' scale); :data:`MODEL_ERROR`
     #: where the run has one stage
@@ -183,7 +186,7 @@ class RunCalibration:
         for ``tied`` (the plan's :meth:`tied_sums`); times the bias, with the interval of :data:`Z85` x
         :attr:`error` either way in log (never below 0). ``nodes``: each of the plan's pipeline ranks' node, so
         that a transfer inside one takes the :attr:`local` link."""
-        costs = with_overhead(self.linked(costs, nodes), self.overhead)
+        costs = with_overhead(self.linked(costs, nodes), self.overhead, self.message_overhead, schedule.placement)
         p = schedule.num_ranks
         weights = [float(processes_per_node or p) / p] * p
         step = shared_makespan(schedule, costs, weights, self.cores, tied=tied) * self.bias
@@ -373,6 +376,7 @@ def calibrate_run(
     inside = reductions if replicas_inside else ()
     link, local = fit_links(timelines, schedule, sent, prior_bandwidth, () if inside else reductions, nodes,
                             local_bandwidth, inside)  # fmt: skip
+    o = action_overhead(timelines, schedule, cores) if per_action else Overheads(0.0, 0.0)
     run = RunCalibration(
         counts=tuple(int(c) for c in counts), measured=stage_medians(timelines, cores), latency=link.latency,
         bandwidth=link.bandwidth, cores=cores,
@@ -383,11 +387,10 @@ def calibrate_run(
         stage_spread=stage_spreads(timelines, cores, schedule.num_stages),
         reduce=None if reduce is None else (float(reduce[0]), float(reduce[1])),
         affinity=() if affinity is None else tuple(tuple(sorted(int(c) for c in a)) for a in affinity),
-        tied=tied_bytes(prior, tied), replicas_inside=replicas_inside,
+        tied=tied_bytes(prior, tied), replicas_inside=replicas_inside, overhead=o.action, message_overhead=o.message,
     )  # fmt: skip
     costs = ring_synced(run.profile(prior).cost_model(bounds), dp, run, counts)
     held_out = stage_holdout_error(run.measured, prior.cost_model(bounds))
     run = replace(run, held_out_error=run.held_out_error if held_out is None else held_out)
-    run = replace(run, overhead=action_overhead(timelines, schedule, cores)) if per_action else run
     own = run.predict(schedule, costs, nodes=nodes, tied=run.tied_sums(counts, schedule, dp, nodes)).step
     return replace(run, bias=run.measured_step / own if own > 0 else 1.0)

@@ -68,8 +68,9 @@ class RunCalibrator:
     :func:`~stagewise.runtime.measure.links.ping_pong`) or a :class:`~stagewise.planning.Calibration` (its inter link
     between machines, its intra link inside one);
     infinite when none is known (:func:`link_prior`; the record's ``link`` and ``bandwidth_from`` say which);
-    ``per_action``: what the model misses of this plan's step is a CPU cost per compute action on the shared
-    cores (:mod:`stagewise.planning.action_cost`; the record's ``overhead_s``), not a factor on every step;
+    ``per_action``: what the model misses of this plan's step is a CPU cost per compute action and per message it
+    posts on the shared cores (:mod:`stagewise.planning.action_cost`; the record's ``overhead_s`` and
+    ``message_overhead_s``), not a factor on every step;
     ``reduce``: the replicas' all-reduce link ``(latency, bandwidth)``, probed apart
     (:func:`~stagewise.runtime.measure.links.all_reduce_link`): with dp > 1 each stage's SYNC is priced on it.
     The held-out benchmark (``benchmarks/calibration``) calibrates with ``per_action=True``, ``reduce`` and each
@@ -209,6 +210,7 @@ class RunCalibrator:
                 "bandwidth_from": self.bandwidth_from,
                 "bias": cal.bias,
                 "overhead_s": cal.overhead,
+                "message_overhead_s": cal.message_overhead,
                 "cores": cal.cores,
                 "affinity": [list(a) for a in cal.affinity] or None,
                 "nodes": list(cal.nodes) or None,
