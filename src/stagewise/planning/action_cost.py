@@ -15,11 +15,12 @@ wrong, and this module replaces them:
 * **what the run costs beyond its compute** was a factor on the whole step (the bias); part of it is CPU work
   each action brings outside its compute event (the interpreter's dispatch, posting its messages, handing a
   wait to a helper thread and waking up after it), which takes a core as compute does. :func:`action_overhead`
-  measures it on the calibrating run's timeline (each rank's time between its events while it was not
-  waiting for an input, and its sends' and receives' posting, per compute action, on a core of its own);
-  :func:`with_overhead` adds it to every compute action, so that the processes' sharing of the cores
-  (:func:`stagewise.simulation.shared_makespan`) prices it: a plan with twice the actions pays it twice, a
-  bubble another rank fills does not. The bias keeps what neither term explains.
+  measures it on the calibrating run's timeline, on a core of its own: each rank's time between its events
+  while it was not waiting for an input, per action, and its sends' and receives' posting, per message;
+  :func:`with_overhead` adds the first to every compute action and the second to each action for every message
+  it posts, so that the processes' sharing of the cores (:func:`stagewise.simulation.shared_makespan`) prices
+  them: a plan with twice the actions pays twice, one that crosses ranks at more boundaries pays for its
+  messages, a bubble another rank fills does not. The bias keeps what neither term explains.
 """
 
 from __future__ import annotations
