@@ -54,12 +54,13 @@ from .space import GLOBAL_BATCH, PlanSpec, calibrating, held_out
 
 
 def alone_profiles(work: Any, x: Any, y: Any, sizes: Any) -> dict[int, sw.LayerProfile]:
-    """The layers profiled alone on rank 0 at each micro-batch size of ``sizes`` (samples), handed round."""
+    """The layers profiled alone on rank 0 at each micro-batch size of ``sizes`` (samples), in turns
+    (``sw.profile_sizes``: the sizes' ratio moves every prediction at another micro-batch than P's), handed round."""
     text: list[Any] = [None]
     if dist.get_rank() == 0:
         model = sw.build_model(work.layers(), seed=0)
-        text = [{b: sw.profile(model, x[:b], repeats=5, warmup=2, rounds=2, loss_fn=work.loss, targets=y[:b]).to_json()
-                 for b in sorted(set(sizes))}]  # fmt: skip
+        got = sw.profile_sizes(model, x, sizes, repeats=5, warmup=2, rounds=3, loss_fn=work.loss, targets=y)
+        text = [{b: p.to_json() for b, p in got.items()}]
     dist.broadcast_object_list(text, 0)
     return {int(b): sw.LayerProfile.from_json(t) for b, t in text[0].items()}
 

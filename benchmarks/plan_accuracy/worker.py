@@ -68,16 +68,19 @@ def core_speed(rank: int, rounds: int = 5) -> float:
     return float(spent[0])
 
 
-def alone_profile(layers: list[sw.Layer], sample: Any, rank: int) -> LayerProfile:
-    """Rank 0 profiles while the others wait (a core to itself: the planner's ``cores`` models the sharing), in
-    :data:`PROFILE_ROUNDS` rounds, each layer from its fastest (``sw.profile(rounds=...)``: three profiles of the
-    MLP in one 4-rank run, one after another, gave its per-sample forward 37 / 50 / 53 us)."""
+def alone_profiles(layers: list[sw.Layer], sample: Any, small: int, rank: int) -> tuple[LayerProfile, LayerProfile]:
+    """Rank 0 profiles while the others wait (a core to itself: the planner's ``cores`` models the sharing) at
+    ``small`` samples and at all of ``sample``'s, in turns (``sw.profile_sizes``), :data:`PROFILE_ROUNDS` rounds,
+    each layer from its fastest (three profiles of the MLP in one 4-rank run, one after another, gave its
+    per-sample forward 37 / 50 / 53 us)."""
     text: list[Any] = [None]
     if rank == 0:
         model = sw.build_model(layers, seed=0)  # the layers as a pipeline builds them, each one timed on its own
-        text = [sw.profile(model, sample, repeats=7, warmup=2, rounds=PROFILE_ROUNDS).to_json()]
+        big = len(sample)
+        got = sw.profile_sizes(model, sample, [small, big], repeats=7, warmup=2, rounds=PROFILE_ROUNDS)
+        text = [(got[small].to_json(), got[big].to_json())]
     dist.broadcast_object_list(text, 0)
-    return LayerProfile.from_json(text[0])  # type: ignore[arg-type]
+    return LayerProfile.from_json(text[0][0]), LayerProfile.from_json(text[0][1])  # type: ignore[index]
 
 
 SPAN = 8  # the large profile holds SPAN times the small one's samples: the fit spans the plans' micro-batch sizes
@@ -372,7 +375,7 @@ def main() -> None:
     for model in dict.fromkeys(args.models.split(",")):
         make, _, data, _, b0 = MODELS[model]
         x, _ = data(SPAN * b0, 99)
-        profiles[model] = affine(alone_profile(make(), x[:b0], env.rank), alone_profile(make(), x, env.rank))
+        profiles[model] = affine(*alone_profiles(make(), x, b0, env.rank))
     cal = sw.calibrate(timeout=120)
     report: dict[str, Any] = {
         "world": env.world_size,

@@ -50,6 +50,7 @@ if TYPE_CHECKING:  # loaded on first use (__getattr__): the runtime pulls in tor
         count_tokens,
         init,
         profile,
+        profile_sizes,
         stage,
     )
 
@@ -101,6 +102,7 @@ __all__ = [
     "render_trace",
     # measuring and planning
     "profile",
+    "profile_sizes",
     "LayerProfile",
     "calibrate",
     "plan",

@@ -72,6 +72,7 @@ _NAMES = {
     "causal_lm_loss": ".losses",
     "count_tokens": ".losses",
     "profile": ".frontends.profile",
+    "profile_sizes": ".frontends.profile",
     "calibrate": ".calibration.calibrate",
     "measure_compute_scale": ".calibration.compute_scale",
     "RunCalibrator": ".calibration.from_run",

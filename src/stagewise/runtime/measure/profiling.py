@@ -157,9 +157,15 @@ def loss_saved_bytes(
 
 
 def steadiest(measure: Callable[[], LayerProfile], rounds: int) -> LayerProfile:
-    """``measure()`` taken ``rounds`` times; each layer's costs from its round with the least forward + backward
-    (a measurement on a shared machine is only ever slowed down: the process is preempted, never sped up)."""
-    runs = [measure() for _ in range(rounds)]
+    """``measure()`` taken ``rounds`` times, merged by :func:`fastest`."""
+    return fastest([measure() for _ in range(rounds)])
+
+
+def fastest(runs: Sequence[LayerProfile]) -> LayerProfile:
+    """Each layer's costs from its run with the least forward + backward (a measurement on a shared machine is
+    only ever slowed down: the process is preempted, never sped up); the rest as the first run has it."""
+    if not runs or len({len(r.layers) for r in runs}) != 1:
+        raise ValueError(f"fastest: expected runs of the same layers, got {[len(r.layers) for r in runs]} layers")
     best = [min(costs, key=lambda c: c.forward + c.backward) for costs in zip(*(r.layers for r in runs))]
     return replace(runs[0], layers=tuple(best))
 

@@ -1,0 +1,72 @@
+"""``sw.profile_sizes``: one profile per micro-batch size, measured in turns so that the sizes' ratio is steady."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import stagewise as sw
+from stagewise.runtime.frontends import profile as door
+
+
+def _model() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def test_each_size_is_profiled_on_its_first_samples() -> None:
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    got = sw.profile_sizes(_model(), x, [4, 2, 8], repeats=1, warmup=0, rounds=1,
+                           loss_fn=nn.functional.mse_loss, targets=y)  # fmt: skip
+    assert sorted(got) == [2, 4, 8]
+    for b, p in got.items():
+        assert p.batch == b
+        assert p.names == got[8].names
+        assert p.layers[0].output_bytes == b * 8 * 4  # the first Linear's float32 output at b samples
+        assert p.loss_bytes == pytest.approx(got[8].loss_bytes * b / 8)  # the targets cut with the inputs
+
+
+def test_the_sizes_take_turns_and_each_layer_keeps_its_fastest_round(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    real = door.profile
+
+    def fake(model: Any, inputs: Any, **kw: Any) -> sw.LayerProfile:
+        calls.append(kw["batch"])
+        out = real(model, inputs, repeats=1, warmup=0, batch=kw["batch"])
+        k = len(calls)  # the k-th call: layer 0 fastest in the 2nd round of its size, layer 2 in the 3rd
+        slow = {0: 1.0 if k in (3, 4) else 5.0, 2: 1.0 if k in (5, 6) else 5.0}
+        layers = tuple(replace(c, forward=slow.get(i, 2.0) * b, backward=slow.get(i, 2.0) * b)
+                       for i, (c, b) in enumerate((c, kw["batch"]) for c in out.layers))  # fmt: skip
+        return replace(out, layers=layers)
+
+    monkeypatch.setattr(door, "profile", fake)
+    got = sw.profile_sizes(_model(), torch.randn(4, 4), [2, 4], rounds=3)
+    assert calls == [2, 4, 4, 2, 2, 4]  # in turns, the order reversed each round
+    for b in (2, 4):
+        assert [c.forward for c in got[b].layers] == [1.0 * b, 2.0 * b, 1.0 * b]
+
+
+def test_inputs_beyond_the_batch_are_left_whole() -> None:
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) * scale
+
+    got = sw.profile_sizes([Scaled()], (torch.randn(6, 4), torch.ones(1, 4)), [3, 6], repeats=1, warmup=0, rounds=1)
+    assert got[3].batch == 3 and got[3].layers[0].output_bytes == 3 * 4 * 4
+
+
+@pytest.mark.parametrize(
+    ("sizes", "rounds", "match"),
+    [([2, 16], 1, "hold 8 samples.*largest of sizes \\[2, 16\\]"), ([0, 2], 1, "sizes must be ints >= 1"),
+     ([], 1, "sizes must be ints >= 1"), ([2], 0, "rounds must be an int >= 1")],
+)  # fmt: skip
+def test_bad_sizes_are_refused_before_anything_runs(sizes: list[int], rounds: int, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        sw.profile_sizes(_model(), torch.randn(8, 4), sizes, rounds=rounds)
