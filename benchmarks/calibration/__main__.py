@@ -5,8 +5,9 @@
     sudo OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.calibration --netem --quick --out out/calibration  # + latency
 
 One torchrun job per world size (:mod:`.worker`); the plan space and the seed are :mod:`.space`'s, committed
-before the first full run. P and every Q are built ``--rounds`` times, interleaved (P, the Qs; P, the Qs
-reversed; ...), so that each plan's between-build spread is measured and a drift of the machine falls on all.
+before the first full run. Every Q is built ``--rounds`` times, interleaved (the Qs; the Qs reversed; ...), so
+that each plan's between-build spread is measured and a drift of the machine falls on all; P is built and
+calibrated again before every ``--p-every`` Qs (its level sets every prediction's: read across the whole sweep).
 Per job: each Q's predicted step and interval (from P's runs only) against its measured level (the geometric
 mean of its builds' medians); the mean absolute error, Kendall's tau (pairs of the same m and pp whose medians
 differ by more than twice the pooled spread of their steps; and over the pairs twice their builds' standard
@@ -42,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workload", default="gpt256", help="a workload of benchmarks.fidelity")
     parser.add_argument("--plans", type=int, default=32, help="plans Q per world size (the space's first N)")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per build")
-    parser.add_argument("--rounds", type=int, default=3, help="builds of P and of every Q, interleaved")
+    parser.add_argument("--rounds", type=int, default=3, help="builds of every Q, interleaved")
+    parser.add_argument("--p-every", type=int, default=8, help="P built and calibrated again before every N Qs")
     parser.add_argument("--pin", action="store_true",
                         help="each rank on its own core (stagewise run --pin-cores), in the jobs whose ranks do not "
                         "outnumber the cores")  # fmt: skip
@@ -73,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     jobs = [(world, link) for world in args.ranks for link in links]
     for k, (world, link) in enumerate(jobs):
         worker = ["--workload", args.workload, "--plans", str(args.plans), "--steps", str(args.steps),
-                  "--rounds", str(args.rounds), *(["--pin"] if pinned(args, world) else [])]  # fmt: skip
+                  "--rounds", str(args.rounds), "--p-every", str(args.p_every),
+                  *(["--pin"] if pinned(args, world) else [])]  # fmt: skip
         if link is None:
             path = args.out / f"job-{args.workload}-{world}.json"
             done = subprocess.run(torchrun(world, "benchmarks.calibration.worker", [*worker, "--out", str(path)]),

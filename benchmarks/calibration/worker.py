@@ -1,18 +1,18 @@
 """One rank of ``python -m benchmarks.calibration``: calibrate on plan P's runs, then predict and run every Q,
 each plan built ``--rounds`` times, interleaved.
 
-1. rank 0 profiles the layers alone (``sw.profile``, the loss too) at each micro-batch size the plans run,
+1. rank 0 profiles the layers alone (``sw.profile_sizes``, the loss too) at each micro-batch size the plans run,
    P's among them; every rank gets them; every rank probes the replicas' all-reduce link
    (:func:`~stagewise.runtime.measure.links.all_reduce_link`; P is dp 1 and holds none) and the point-to-point
    bandwidth (:func:`prior_bandwidth`, kept where P's transfers, all one size, cannot identify it);
-2. each round: P built afresh and run under a :class:`~stagewise.runtime.RunCalibrator` (2 warm-up and 3
-   calibrating steps, each timed as every Q is, ``per_action`` and the probed all-reduce link: the runtime's
-   calibration is the ``after`` model's, :func:`calibrate_round`); then every Q of :func:`.space.held_out`
-   built afresh, ``--warmup`` untimed and ``--steps`` timed steps (each from a barrier, the slowest rank's
-   ``train_step``); the order of the Qs reversed every other round, so that a drift of the machine falls on
-   every plan alike;
-3. the predictions: each model of :mod:`.model` calibrated on P's runs of every round pooled (its timelines and
-   timed steps; nothing of any Q enters), and, for comparison with a one-build benchmark, on round 0's P alone
+2. each round: every Q of :func:`.space.held_out` built afresh, ``--warmup`` untimed and ``--steps`` timed
+   steps (each from a barrier, the slowest rank's ``train_step``), the order of the Qs reversed every other
+   round, so that a drift of the machine falls on every plan alike; before every ``--p-every`` Qs, P built
+   afresh and run under a :class:`~stagewise.runtime.RunCalibrator` (2 warm-up and 3 calibrating steps, each
+   timed as every Q is, ``per_action`` and the probed all-reduce link: the runtime's calibration is the
+   ``after`` model's, :func:`calibrate_round`), so that P's level is read across the whole sweep;
+3. the predictions: each model of :mod:`.model` calibrated on all of P's runs pooled (its timelines and
+   timed steps; nothing of any Q enters), and, for comparison with a one-build benchmark, on P's first build alone
    (``"first"``, made before any Q ran).
 
 ``--pin``: each rank on its own core (:func:`stagewise.runtime.measure.cores.pin_local_rank`, what ``stagewise
@@ -51,6 +51,11 @@ from . import builds, peaks
 from .groups import released
 from .model import calibrations, kept, nodes_of, predictions
 from .space import GLOBAL_BATCH, PlanSpec, calibrating, held_out
+
+#: P is built and calibrated again before every this many Qs: the calibration sets the level of every prediction
+#: in the job, and P measured at three moments (once a round) carried a burst of the machine into all of them
+#: (the 2026-12-06 run: P's three builds 517 / 398 / 342 ms, every prediction of the job 7 % high)
+P_EVERY = 8
 
 
 def alone_profiles(work: Any, x: Any, y: Any, sizes: Any) -> dict[int, sw.LayerProfile]:
@@ -201,12 +206,14 @@ def build(work: Any, plan: PlanSpec, profile: sw.LayerProfile, sample: Any, **op
     )  # fmt: skip
 
 
-def measured_builds(work: Any, plans: list[PlanSpec], profile: sw.LayerProfile, args: Any, r: int) -> dict[int, Any]:
-    """Round ``r``: every plan built afresh (reversed order in odd rounds), ``--warmup`` untimed and ``--steps``
-    timed steps: per plan index, ``(what the predictions read of its pipeline, its steps)``."""
+def measured_builds(
+    work: Any, plans: list[PlanSpec], order: list[int], profile: sw.LayerProfile, args: Any
+) -> dict[int, Any]:
+    """The plans ``order`` names, in that order, each built afresh, ``--warmup`` untimed and ``--steps`` timed
+    steps: per plan index, ``(what the predictions read of its pipeline, its steps)``."""
     x, y = work.data(GLOBAL_BATCH)
     out = {}
-    for k in list(range(len(plans)))[:: -1 if r % 2 else 1]:
+    for k in order:
         with released():
             q = build(work, plans[k], profile, x[: micro_batch(plans[k])])
             for _ in range(args.warmup):
@@ -235,12 +242,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cuts: list[_Cut | None] = [None] * len(plans)
     first_cals: dict[str, Any] = {}
     for r in range(args.rounds):
-        p_rounds.append(calibrate_round(work, p_plan, profiles[b_p], bandwidth, reduce))
-        if r == 0:  # the one-build benchmark's calibration, before any Q runs
-            first_cals = pooled(profiles, p_plan, p_rounds, bandwidth, reduce)[0]
-        for k, (seen, steps) in measured_builds(work, plans, profiles[b_p], args, r).items():
-            cuts[k] = cuts[k] or seen
-            builds[k].append(steps)
+        order = list(range(len(plans)))[:: -1 if r % 2 else 1]  # reversed every other round: a drift falls on all
+        for start in range(0, len(order), args.p_every):
+            p_rounds.append(calibrate_round(work, p_plan, profiles[b_p], bandwidth, reduce))
+            if len(p_rounds) == 1:  # the one-build benchmark's calibration, before any Q runs
+                first_cals = pooled(profiles, p_plan, p_rounds, bandwidth, reduce)[0]
+            chunk = order[start : start + args.p_every]
+            for k, (seen, steps) in measured_builds(work, plans, chunk, profiles[b_p], args).items():
+                cuts[k] = cuts[k] or seen
+                builds[k].append(steps)
     cals, keep = pooled(profiles, p_plan, p_rounds, bandwidth, reduce)
     rows = []
     for k, plan in enumerate(plans):
@@ -278,7 +288,8 @@ def main() -> None:
     parser.add_argument("--plans", type=int, default=32)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=3, help="builds of P and of every Q, interleaved")
+    parser.add_argument("--rounds", type=int, default=3, help="builds of every Q, interleaved")
+    parser.add_argument("--p-every", type=int, default=P_EVERY, help="P built and calibrated again before every N Qs")
     parser.add_argument("--pin", action="store_true", help="each rank on its own core (stagewise run --pin-cores)")
     parser.add_argument("--builds", action="store_true", help="P built again and again instead (:mod:`.builds`)")
     parser.add_argument("--peaks", action="store_true", help="the activation peaks instead (:mod:`.peaks`)")
