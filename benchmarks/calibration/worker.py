@@ -1,7 +1,7 @@
 """One rank of ``python -m benchmarks.calibration``: calibrate on plan P's runs, then predict and run every Q,
 each plan built ``--rounds`` times, interleaved.
 
-1. rank 0 profiles the layers alone (``sw.profile_sizes``, the loss too) at each micro-batch size the plans run,
+1. rank 0 profiles the layers alone (``sw.runtime.profile_sizes``, the loss too) at each micro-batch size the plans run,
    P's among them; every rank gets them; every rank probes the replicas' all-reduce link
    (:func:`~stagewise.runtime.measure.links.all_reduce_link`; P is dp 1 and holds none) and the point-to-point
    bandwidth (:func:`prior_bandwidth`, kept where P's transfers, all one size, cannot identify it);
@@ -60,11 +60,12 @@ P_EVERY = 8
 
 def alone_profiles(work: Any, x: Any, y: Any, sizes: Any) -> dict[int, sw.LayerProfile]:
     """The layers profiled alone on rank 0 at each micro-batch size of ``sizes`` (samples), in turns
-    (``sw.profile_sizes``: the sizes' ratio moves every prediction at another micro-batch than P's), handed round."""
+    (``sw.runtime.profile_sizes``: the sizes' ratio moves every prediction at another micro-batch than P's),
+    handed round."""
     text: list[Any] = [None]
     if dist.get_rank() == 0:
         model = sw.build_model(work.layers(), seed=0)
-        got = sw.profile_sizes(model, x, sizes, repeats=5, warmup=2, rounds=3, loss_fn=work.loss, targets=y)
+        got = sw.runtime.profile_sizes(model, x, sizes, repeats=5, warmup=2, rounds=3, loss_fn=work.loss, targets=y)
         text = [{b: p.to_json() for b, p in got.items()}]
     dist.broadcast_object_list(text, 0)
     return {int(b): sw.LayerProfile.from_json(t) for b, t in text[0].items()}

@@ -70,14 +70,14 @@ def core_speed(rank: int, rounds: int = 5) -> float:
 
 def alone_profiles(layers: list[sw.Layer], sample: Any, small: int, rank: int) -> tuple[LayerProfile, LayerProfile]:
     """Rank 0 profiles while the others wait (a core to itself: the planner's ``cores`` models the sharing) at
-    ``small`` samples and at all of ``sample``'s, in turns (``sw.profile_sizes``), :data:`PROFILE_ROUNDS` rounds,
-    each layer from its fastest (three profiles of the MLP in one 4-rank run, one after another, gave its
-    per-sample forward 37 / 50 / 53 us)."""
+    ``small`` samples and at all of ``sample``'s, in turns (``sw.runtime.profile_sizes``), :data:`PROFILE_ROUNDS`
+    rounds, each layer from its fastest (three profiles of the MLP in one 4-rank run, one after another, gave
+    its per-sample forward 37 / 50 / 53 us)."""
     text: list[Any] = [None]
     if rank == 0:
         model = sw.build_model(layers, seed=0)  # the layers as a pipeline builds them, each one timed on its own
         big = len(sample)
-        got = sw.profile_sizes(model, sample, [small, big], repeats=7, warmup=2, rounds=PROFILE_ROUNDS)
+        got = sw.runtime.profile_sizes(model, sample, [small, big], repeats=7, warmup=2, rounds=PROFILE_ROUNDS)
         text = [(got[small].to_json(), got[big].to_json())]
     dist.broadcast_object_list(text, 0)
     return LayerProfile.from_json(text[0][0]), LayerProfile.from_json(text[0][1])  # type: ignore[index]

@@ -50,7 +50,6 @@ if TYPE_CHECKING:  # loaded on first use (__getattr__): the runtime pulls in tor
         count_tokens,
         init,
         profile,
-        profile_sizes,
         stage,
     )
 
@@ -102,7 +101,6 @@ __all__ = [
     "render_trace",
     # measuring and planning
     "profile",
-    "profile_sizes",
     "LayerProfile",
     "calibrate",
     "plan",

@@ -1,4 +1,4 @@
-"""``sw.profile_sizes``: one profile per micro-batch size, measured in turns so that the sizes' ratio is steady."""
+"""``sw.runtime.profile_sizes``: a profile per micro-batch size, measured in turns so that their ratio is steady."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def _model() -> nn.Sequential:
 
 def test_each_size_is_profiled_on_its_first_samples() -> None:
     x, y = torch.randn(8, 4), torch.randn(8, 2)
-    got = sw.profile_sizes(_model(), x, [4, 2, 8], repeats=1, warmup=0, rounds=1,
+    got = sw.runtime.profile_sizes(_model(), x, [4, 2, 8], repeats=1, warmup=0, rounds=1,
                            loss_fn=nn.functional.mse_loss, targets=y)  # fmt: skip
     assert sorted(got) == [2, 4, 8]
     for b, p in got.items():
@@ -43,7 +43,7 @@ def test_the_sizes_take_turns_and_each_layer_keeps_its_fastest_round(monkeypatch
         return replace(out, layers=layers)
 
     monkeypatch.setattr(door, "profile", fake)
-    got = sw.profile_sizes(_model(), torch.randn(4, 4), [2, 4], rounds=3)
+    got = sw.runtime.profile_sizes(_model(), torch.randn(4, 4), [2, 4], rounds=3)
     assert calls == [2, 4, 4, 2, 2, 4]  # in turns, the order reversed each round
     for b in (2, 4):
         assert [c.forward for c in got[b].layers] == [1.0 * b, 2.0 * b, 1.0 * b]
@@ -58,7 +58,8 @@ def test_inputs_beyond_the_batch_are_left_whole() -> None:
         def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
             return self.lin(x) * scale
 
-    got = sw.profile_sizes([Scaled()], (torch.randn(6, 4), torch.ones(1, 4)), [3, 6], repeats=1, warmup=0, rounds=1)
+    inputs = (torch.randn(6, 4), torch.ones(1, 4))
+    got = sw.runtime.profile_sizes([Scaled()], inputs, [3, 6], repeats=1, warmup=0, rounds=1)
     assert got[3].batch == 3 and got[3].layers[0].output_bytes == 3 * 4 * 4
 
 
@@ -69,4 +70,4 @@ def test_inputs_beyond_the_batch_are_left_whole() -> None:
 )  # fmt: skip
 def test_bad_sizes_are_refused_before_anything_runs(sizes: list[int], rounds: int, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        sw.profile_sizes(_model(), torch.randn(8, 4), sizes, rounds=rounds)
+        sw.runtime.profile_sizes(_model(), torch.randn(8, 4), sizes, rounds=rounds)
