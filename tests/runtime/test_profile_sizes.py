@@ -20,7 +20,7 @@ def _model() -> nn.Sequential:
 def test_each_size_is_profiled_on_its_first_samples() -> None:
     x, y = torch.randn(8, 4), torch.randn(8, 2)
     got = sw.runtime.profile_sizes(_model(), x, [4, 2, 8], repeats=1, warmup=0, rounds=1,
-                           loss_fn=nn.functional.mse_loss, targets=y)  # fmt: skip
+                                   loss_fn=nn.functional.mse_loss, targets=y)  # fmt: skip
     assert sorted(got) == [2, 4, 8]
     for b, p in got.items():
         assert p.batch == b
@@ -66,8 +66,14 @@ def test_inputs_beyond_the_batch_are_left_whole() -> None:
 @pytest.mark.parametrize(
     ("sizes", "rounds", "match"),
     [([2, 16], 1, "hold 8 samples.*largest of sizes \\[2, 16\\]"), ([0, 2], 1, "sizes must be ints >= 1"),
-     ([], 1, "sizes must be ints >= 1"), ([2], 0, "rounds must be an int >= 1")],
+     ([], 1, "sizes must be ints >= 1"), ([2], 0, "rounds must be an int >= 1"),
+     ([2], 1.5, "rounds must be an int >= 1")],
 )  # fmt: skip
-def test_bad_sizes_are_refused_before_anything_runs(sizes: list[int], rounds: int, match: str) -> None:
+def test_bad_sizes_are_refused_before_anything_runs(sizes: list[int], rounds: Any, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         sw.runtime.profile_sizes(_model(), torch.randn(8, 4), sizes, rounds=rounds)
+
+
+def test_inputs_without_samples_are_refused() -> None:
+    with pytest.raises(ValueError, match="no tensor with a first dimension"):
+        sw.runtime.profile_sizes(_model(), (3.0,), [1])

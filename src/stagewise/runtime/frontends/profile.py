@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from ..._util import is_count
 from ...partition import LayerProfile
 from ..measure import profiling
 from .hf.profile import is_hf_model, profile_hf
@@ -77,12 +78,14 @@ def profile_sizes(
     have = profiling.samples_in(sample_inputs if isinstance(sample_inputs, tuple) else (sample_inputs,))
     if not wanted or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in wanted):
         raise ValueError(f"profile_sizes: sizes must be ints >= 1 (samples per micro-batch), got {list(sizes)!r}")
-    if have is None or wanted[-1] > have:
+    if have is None:
+        raise ValueError("profile_sizes: sample_inputs hold no tensor with a first dimension (the samples to cut)")
+    if wanted[-1] > have:
         raise ValueError(
             f"profile_sizes: sample_inputs hold {have} samples (their first dimension), fewer than the largest of "
             f"sizes {wanted}: give at least {wanted[-1]}"
         )
-    if rounds < 1:
+    if not is_count(rounds):
         raise ValueError(f"profile_sizes: rounds must be an int >= 1, got {rounds!r}")
     runs: dict[int, list[LayerProfile]] = {b: [] for b in wanted}
     for r in range(rounds):
