@@ -1,10 +1,12 @@
 """One rank of ``python -m benchmarks.calibration``: calibrate on plan P's runs, then predict and run every Q,
 each plan built ``--rounds`` times, interleaved.
 
-1. rank 0 profiles the layers alone (``sw.runtime.profile_sizes``, the loss too) at each micro-batch size the plans run,
-   P's among them; every rank gets them; every rank probes the replicas' all-reduce link
-   (:func:`~stagewise.runtime.measure.links.all_reduce_link`; P is dp 1 and holds none) and the point-to-point
-   bandwidth (:func:`prior_bandwidth`, kept where P's transfers, all one size, cannot identify it);
+1. the layers are profiled (the loss too) at each micro-batch size the plans run, P's among them: with ``--pin``
+   on every rank at once, pooled (:func:`side_by_side_profiles`), else on rank 0 alone
+   (``sw.runtime.profile_sizes``) and handed round; every rank probes the replicas' all-reduce link
+   (:func:`~stagewise.runtime.measure.links.all_reduce_link`, each group alone where the replicas share a machine:
+   :func:`reduce_probe`; P is dp 1 and holds none) and the point-to-point bandwidth (:func:`prior_bandwidth`, kept
+   where P's transfers, all one size, cannot identify it);
 2. each round: every Q of :func:`.space.held_out` built afresh, ``--warmup`` untimed and ``--steps`` timed
    steps (each from a barrier, the slowest rank's ``train_step``), the order of the Qs reversed every other
    round, so that a drift of the machine falls on every plan alike; before every ``--p-every`` Qs, P built
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -41,9 +44,10 @@ from stagewise.runtime import RunCalibrator
 
 # internal: --pin, the pinning stagewise run --pin-cores does (the benchmark launches torchrun itself); the link
 # probes alone (calibrate() probes much else): the ping-pong for the point-to-point bandwidth's prior, the
-# replicas' all-reduce for their SYNC
+# replicas' all-reduce for their SYNC; the profile's fastest round per layer (side_by_side_profiles)
 from stagewise.runtime.measure.cores import pin_local_rank
 from stagewise.runtime.measure.links import all_reduce_link, ping_pong
+from stagewise.runtime.measure.profiling import fastest
 
 from .._launch import timed_step
 from ..fidelity.workloads import workloads
@@ -71,6 +75,39 @@ def alone_profiles(work: Any, x: Any, y: Any, sizes: Any) -> dict[int, sw.LayerP
     return {int(b): sw.LayerProfile.from_json(t) for b, t in text[0].items()}
 
 
+#: a layer's times, pooled over the ranks by :func:`side_by_side_profiles` (its bytes are the same on every rank)
+TIMES = ("forward", "backward", "backward_input", "backward_weight", "checkpoint_forward", "checkpoint_backward")
+
+
+def side_by_side_profiles(work: Any, x: Any, y: Any, sizes: Any, rounds: int = 3) -> dict[int, sw.LayerProfile]:
+    """The layers profiled on every rank at once, each on its own core (``--pin``), each size's turn started
+    together (a barrier; the order reversed each round, as ``profile_sizes`` takes them), each layer's fastest
+    round per rank, then each time the mean over the ranks: the sizes' costs as the layers run beside each other
+    in the pipeline (the other rank's memory traffic, the shared cache), in every process that runs them.
+    2026-12-06: the 2-process jobs' 4-sample plans missed the 2-sample ones by a job's own 1-6 %, the same in
+    each of the job's three rounds, where rank 0 alone had profiled the sizes' ratio."""
+    model = sw.build_model(work.layers(), seed=0)
+    wanted = sorted(set(sizes))
+    runs: dict[int, list[sw.LayerProfile]] = {b: [] for b in wanted}
+    for r in range(rounds):
+        for b in wanted if r % 2 == 0 else wanted[::-1]:
+            dist.barrier()
+            got = sw.runtime.profile_sizes(model, x, [b], repeats=5, warmup=2, rounds=1, loss_fn=work.loss, targets=y)
+            runs[b].append(got[b])
+    mine = {b: fastest(runs[b]).to_json() for b in wanted}
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    out = {}
+    for b in wanted:
+        each = [sw.LayerProfile.from_json(e[b]) for e in everyone]
+        layers = tuple(
+            replace(costs[0], **{f: sum(getattr(c, f) for c in costs) / len(costs) for f in TIMES})
+            for costs in zip(*(p.layers for p in each))
+        )
+        out[b] = replace(each[0], layers=layers)
+    return out
+
+
 def micro_batch(plan: PlanSpec) -> int:
     return GLOBAL_BATCH // (plan.dp * plan.microbatches)
 
@@ -82,9 +119,15 @@ def probes(bandwidth: tuple[float, float]) -> Calibration:
     return Calibration(intra=Link(0.0, inside), inter=Link(0.0, between))
 
 
-def reduce_probe() -> tuple[float, float] | None:
-    link = all_reduce_link(2)
-    return None if link is None else (link.latency, link.bandwidth)
+def reduce_probe() -> tuple[float, float, bool] | None:
+    """The replicas' all-reduce link ``(latency, bandwidth, on_cores)``: where a dp 2 plan's replicas share a
+    machine (one machine, or an even number of processes on each: dp is the mesh's innermost axis), each group
+    timed alone and its SYNC priced as CPU work on the shared cores (``on_cores``; 2026-12-06: the dp 2 plans
+    ran 34-43 ms of CPU a step beyond the dp 1 ones at 4 processes, and were predicted 5-8 % low)."""
+    per = per_machine()
+    alone = per is None or per % 2 == 0
+    link = all_reduce_link(2, alone=alone)
+    return None if link is None else (link.latency, link.bandwidth, alone)
 
 
 def calibrate_round(
@@ -102,7 +145,8 @@ def calibrate_round(
     with released():
         pipe = build(work, p_plan, profile, x[: micro_batch(p_plan)])
         calibrator = RunCalibrator(pipe, profile, processes=dist.get_world_size(), bandwidth=probes(bandwidth),
-                                   per_action=True, reduce=reduce)  # fmt: skip
+                                   per_action=True, reduce=reduce and reduce[:2],
+                                   reduce_on_cores=bool(reduce and reduce[2:] and reduce[2]))  # fmt: skip
         seen, timed = [], []
         while calibrator.calibration is None:
             timed.append(timed_step(pipe, x, y))
@@ -236,7 +280,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     work = workloads()[args.workload]
     x, y = work.data(GLOBAL_BATCH)
     p_plan, plans = calibrating(world), held_out(world, args.plans)
-    profiles = alone_profiles(work, x, y, [micro_batch(p) for p in (p_plan, *plans)])
+    sizes = [micro_batch(p) for p in (p_plan, *plans)]
+    side_by_side = args.pin  # each rank on a core of its own (__main__ pins only the jobs that fit)
+    profiles = (side_by_side_profiles if side_by_side else alone_profiles)(work, x, y, sizes)
     b_p, bandwidth, reduce = micro_batch(p_plan), prior_bandwidth(), reduce_probe()
     p_rounds: list[dict[str, Any]] = []
     builds: list[list[list[float]]] = [[] for _ in plans]
@@ -268,6 +314,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         p_nodes, tied=tied).step  # fmt: skip
     return {
         "workload": args.workload, "world": world, "rounds": args.rounds, "pin": args.pin,
+        "profiled": "side by side" if side_by_side else "alone",
         "calibrating": p_plan._asdict(), "calibration": record, "records": [p["record"] for p in p_rounds],
         "runtime against the after model": record["predicted_s"] / again - 1,
         "p_builds": [p["steps"] for p in p_rounds], "overhead_s": cals["after"].overhead,

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from stagewise.runtime.comm import collectives, groups
 from stagewise.runtime.measure import links
 
 SKEW = 0.010  # the peer's exit from the world's barrier after this rank's
@@ -23,15 +24,19 @@ class _Clock:
     def __init__(self) -> None:
         self.now = 0.0
         self.peer_ready = 0.0
+        self.calls: list[str] = []
 
     def barrier(self, group: Any = None) -> None:
+        self.calls.append("world" if group is None else "group")
         if group is None:  # the world's: this rank goes first, its peer SKEW later
             self.peer_ready = self.now + SKEW
         else:  # the group's: both leave once both are in
             self.now = max(self.now, self.peer_ready)
 
-    def all_reduce(self, t: Any, op: Any = None, group: Any = None) -> None:
+    def all_reduce(self, t: Any, op: Any = None, group: Any = None, async_op: bool = False) -> Any:
+        self.calls.append("reduce")
         self.now = max(self.now, self.peer_ready) + ALPHA + t.numel() * t.element_size() * BETA
+        return SimpleNamespace(wait=lambda: None) if async_op else None
 
 
 @pytest.fixture
@@ -42,6 +47,9 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
         barrier=c.barrier, all_reduce=c.all_reduce, ReduceOp=SimpleNamespace(MAX="max"),
     )  # fmt: skip
     monkeypatch.setattr(links, "dist", fake)
+    # the runtime's SYNC (GradAverager) reduces through the collectives module and sizes its group through groups
+    monkeypatch.setattr(collectives, "dist", SimpleNamespace(all_reduce=c.all_reduce))
+    monkeypatch.setattr(groups, "dist", SimpleNamespace(get_world_size=lambda group=None: 2 if group else 4))
     monkeypatch.setattr(links.time, "perf_counter", lambda: c.now)
     monkeypatch.setattr(links, "_bounded", lambda fn, deadline, what: fn())
     monkeypatch.setattr(links, "slowest", lambda seconds, deadline: seconds)
@@ -54,3 +62,19 @@ def test_the_probe_reads_the_group_s_reduce_not_the_world_s_barrier_exits(clock:
     share, steps = 1.0, 2  # dp 2: half the bytes each way, two ring steps
     assert link.bandwidth == pytest.approx(1 / (BETA / share))
     assert link.latency == pytest.approx(ALPHA / steps)  # the skew read as latency: (ALPHA + SKEW) / 2
+
+
+def test_alone_each_replica_group_reduces_in_a_turn_of_its_own(clock: _Clock) -> None:
+    """World 4, dp 2: groups (0, 1) and (2, 3). Together, every round is one world barrier then this group's
+    reduce; alone (``alone=True``, the replicas' SYNC timed as their node's CPU work), each round passes a world
+    barrier for each group's turn and this rank reduces only in its own, so the other group's reduce never runs
+    beside it. Either way the link read is the group's own."""
+    together = links.all_reduce_link(2, rounds=3)
+    rounds = clock.calls[clock.calls.index("reduce") + 1 :]  # after the first size's untimed reduce
+    assert rounds[:9] == ["world", "group", "reduce"] * 3
+    clock.calls.clear()
+    alone = links.all_reduce_link(2, rounds=3, alone=True)
+    rounds = clock.calls[clock.calls.index("reduce") + 1 :]
+    assert rounds[:12] == ["world", "group", "reduce", "world"] * 3  # this group's turn, then the other's
+    assert together is not None and alone is not None
+    assert alone.bandwidth == pytest.approx(together.bandwidth) and alone.latency == pytest.approx(together.latency)

@@ -37,12 +37,13 @@ from dataclasses import dataclass, replace
 from ..ir import Kind, Schedule, Timeline
 from ..partition import LayerProfile
 from ..simulation import CostModel, shared_makespan
-from .action_cost import Overheads, action_overhead, at_batch, with_overhead
-from .comm import Link, ring_all_reduce
+from .action_cost import Overheads, action_overhead, with_overhead
+from .comm import Link
 from .core_share import node_cores, pinned, shared_seconds
+from .held_out import held_out_costs, layer_bounds, ring_synced
 from .link_fit import COMPUTE, fit_link, fit_links
 from .run_stages import deshared, stage_holdout_error, stage_medians, stage_spreads
-from .tied_sum import TiedSum, reduced_bytes, tied_bytes, tied_sums
+from .tied_sum import TiedSum, tied_bytes, tied_sums
 
 __all__ = [
     "COMPUTE", "Prediction", "RunCalibration", "calibrate_run", "deshared", "fit_link", "fit_links", "held_out_costs",
@@ -112,6 +113,8 @@ class RunCalibration:
     #: each pipeline rank's replicas share its machine (the calibrating run's layout): without a probe
     #: (:attr:`reduce`) their all-reduce runs on the :attr:`local` link, not the one between machines
     replicas_inside: bool = False
+    #: :attr:`reduce` timed each replica group alone on its node's CPUs: a SYNC takes a core (``sync_on_cores``)
+    reduce_on_cores: bool = False
 
     @property
     def pinned(self) -> bool | None:
@@ -232,65 +235,6 @@ class RunCalibration:
         return math.sqrt(self.spread**2 + self.uncertainty**2 + self.held_out_error**2 + miss**2)
 
 
-def held_out_costs(
-    calibration: RunCalibration,
-    prior: LayerProfile,
-    counts: Sequence[int],
-    *,
-    batch_ratio: float = 1.0,
-    dp: int = 1,
-    at: LayerProfile | None = None,
-) -> CostModel:
-    """A plan Q's stage costs from the calibrated layers: cut into ``counts``; every time and activation scaled
-    by Q's micro-batch over the calibrating plan's (``batch_ratio``, the planner's linear scaling), or, with
-    ``at`` (the layers profiled at Q's micro-batch), ``at``'s costs scaled as the run scaled ``prior``'s
-    (:func:`~stagewise.planning.action_cost.at_batch`; ``batch_ratio`` is then not applied); with ``dp``
-    replicas each stage's SYNC a ring all-reduce of its gradients over the calibrated link (:func:`ring_synced`).
-    Nothing of Q is measured."""
-    if at is not None:
-        costs = at_batch(calibration.profile(prior), prior, at).cost_model(_bounds(counts))
-        return ring_synced(costs, dp, calibration, counts)
-    layers = calibration.profile(prior).layers
-    scaled = tuple(
-        replace(
-            x,
-            forward=x.forward * batch_ratio,
-            backward=x.backward * batch_ratio,
-            backward_input=x.backward_input * batch_ratio,
-            backward_weight=x.backward_weight * batch_ratio,
-            activation_bytes=x.activation_bytes * batch_ratio,
-            weight_activation_bytes=x.weight_activation_bytes * batch_ratio,
-            output_bytes=x.output_bytes * batch_ratio,
-        )
-        for x in layers
-    )
-    return ring_synced(replace(prior, layers=scaled).cost_model(_bounds(counts)), dp, calibration, counts)
-
-
-def ring_synced(
-    costs: CostModel, dp: int, calibration: RunCalibration, counts: Sequence[int] | None = None
-) -> CostModel:
-    """``costs`` (the layers cut by ``counts``; None: the calibrating plan's, :attr:`~RunCalibration.counts`) with
-    each stage's SYNC a ring all-reduce over ``dp`` replicas on the calibration's
-    :attr:`~RunCalibration.reduce_link` (unchanged for one replica) of its parameter bytes less the
-    :attr:`~RunCalibration.tied` weights it holds, which the runtime sums apart
-    (:func:`~stagewise.planning.tied_sum.reduced_bytes`)."""
-    if dp <= 1:
-        return costs
-    bounds = _bounds(calibration.counts if counts is None else counts)
-    nbytes = reduced_bytes(costs.parameter_bytes, bounds, calibration.tied)
-    link = calibration.reduce_link
-    return replace(costs, sync_time=tuple(ring_all_reduce(b, dp, link) for b in nbytes))
-
-
-def _bounds(counts: Sequence[int]) -> list[int]:
-    """The layer bounds of stages of ``counts`` layers each (``[0, c0, c0 + c1, ...]``)."""
-    bounds = [0]
-    for c in counts:
-        bounds.append(bounds[-1] + int(c))
-    return bounds
-
-
 def _ratio(measured: dict[Kind, dict[int, float]], kind: Kind, stage: int, charged: float) -> float | None:
     seen = measured.get(kind, {}).get(stage)
     if seen is None or charged <= 0:
@@ -352,6 +296,7 @@ def calibrate_run(
     tied: Sequence[Sequence[int]] = (),
     local_bandwidth: float | None = None,
     replicas_inside: bool = False,
+    reduce_on_cores: bool = False,
 ) -> RunCalibration:
     """Calibrate on the run of ``schedule`` cut by ``counts`` (layers per stage of ``prior``): ``timelines``
     (one per step, every rank on one clock) measured on ``cores`` shared cores; then the bias against the
@@ -362,16 +307,16 @@ def calibrate_run(
     compute action also costs its rank's CPU outside compute events (:mod:`.action_cost`); the bias keeps the rest.
     ``steps``: the calibrating plan's steps timed as the plans to predict will be (a whole ``train_step`` from a
     barrier holds what each rank does outside the timeline); the bias and the spread are taken against them
-    (default: the timelines' makespans). ``reduce``: the replicas' all-reduce link ``(latency, bandwidth)`` probed
-    apart (gloo's collectives are not the pipeline's transport), also used for the plan's own SYNC. ``affinity``:
-    each of the node's ranks' CPUs, ``cores`` then theirs (:func:`~.core_share.node_cores`): pinned ranks a core
-    each share the union. ``nodes``: each pipeline rank's machine; the transfers inside one and between two are
-    fitted apart (:func:`fit_links`), the one inside keeping ``local_bandwidth`` as its prior (``prior_bandwidth``
-    where not given); ``replicas_inside``: each pipeline rank's replicas share its machine, so their all-reduce
-    messages fit the link inside one. ``tied``: sets of ``prior``'s layers tied across stages (:mod:`.tied_sum`)."""
+    (default: the makespans). ``reduce``: the replicas' all-reduce link ``(latency, bandwidth)`` probed apart
+    (gloo's collectives are not the pipeline's transport), also the plan's own SYNC's, on the cores with
+    ``reduce_on_cores`` (:attr:`RunCalibration.reduce_on_cores`). ``affinity``: the node's ranks' CPUs, whose union
+    pinned ranks share (``cores`` then theirs, :func:`~.core_share.node_cores`). ``nodes``: each pipeline rank's
+    machine: the transfers inside one and between two fitted apart (:func:`fit_links`), the one inside on the prior
+    ``local_bandwidth`` (else ``prior_bandwidth``); ``replicas_inside``: each pipeline rank's replicas share its
+    machine, their all-reduce messages fit inside one. ``tied``: ``prior``'s layers tied across stages."""
     cores = _cores(cores, affinity)
     _check(timelines, schedule, prior, counts, steps)
-    bounds = _bounds(counts)
+    bounds = layer_bounds(counts)
     sent = prior.cost_model(bounds).output_bytes
     inside = reductions if replicas_inside else ()
     link, local = fit_links(timelines, schedule, sent, prior_bandwidth, () if inside else reductions, nodes,
@@ -379,11 +324,10 @@ def calibrate_run(
     o = action_overhead(timelines, schedule, cores) if per_action else Overheads(0.0, 0.0)
     run = RunCalibration(
         counts=tuple(int(c) for c in counts), measured=stage_medians(timelines, cores), latency=link.latency,
-        bandwidth=link.bandwidth, cores=cores,
+        bandwidth=link.bandwidth, cores=cores, nodes=() if nodes is None else tuple(int(x) for x in nodes),
         steps=tuple(t.makespan for t in timelines) if steps is None else tuple(float(x) for x in steps),
         link=link.note if local is None else f"between nodes: {link.note}; inside one: {local.note}",
-        nodes=() if nodes is None else tuple(int(x) for x in nodes),
-        local=None if local is None else (local.latency, local.bandwidth),
+        local=None if local is None else (local.latency, local.bandwidth), reduce_on_cores=bool(reduce_on_cores),
         stage_spread=stage_spreads(timelines, cores, schedule.num_stages),
         reduce=None if reduce is None else (float(reduce[0]), float(reduce[1])),
         affinity=() if affinity is None else tuple(tuple(sorted(int(c) for c in a)) for a in affinity),

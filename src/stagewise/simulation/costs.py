@@ -38,6 +38,13 @@ class CostModel:
     network). Why both: a pipeline of 2 ranks per machine crosses the network at
     one stage boundary of three, and one link fitted through all of them reads
     neither (10 ms of delay read as 2.75 ms, issue 49, 2026-12-05).
+
+    ``sync_on_cores``: a SYNC's time is CPU work on its rank's node (the replicas' gradient all-reduce inside one
+    node on CPUs: the flatten, the copies through the kernel, the sums, the copy back), timed with its processes
+    on cores of their own; where a node's processes share its cores (:func:`~stagewise.simulation.shared.
+    shared_makespan`) it takes a core as a compute action does. False: a wait on a link, taking none. Why: on 4
+    processes sharing 2 cores the dp 2 plans ran 34-43 ms a step of CPU beyond the dp 1 ones, the all-reduces
+    (issue 49, 2026-12-06), which a SYNC taking no core lets the other ranks' compute use.
     """
 
     num_stages: int
@@ -56,6 +63,7 @@ class CostModel:
     rank_nodes: tuple[int, ...] = ()  # each pipeline rank's node; () = every rank its own
     local_latency: float = 0.0  # the link between two ranks of one node
     local_bandwidth: float = math.inf
+    sync_on_cores: bool = False
 
     def __post_init__(self) -> None:
         if self.num_stages < 1:

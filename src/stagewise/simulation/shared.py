@@ -11,7 +11,9 @@ That is what this event-driven replay does, on the same dependency rules as
 the simulator (an action starts when its rank is free and its input has
 arrived; transfers take ``latency + bytes / bandwidth`` and no core, and a
 rank's messages between machines leave its link one after another; SYNC and
-STEP take their time on their rank and no core). One pipeline rank may stand
+STEP take their time on their rank and no core, but a SYNC of a cost model
+with ``sync_on_cores``, which computes as F and B do: the replicas' all-reduce
+inside a node on CPUs is the node's CPU work). One pipeline rank may stand
 for several processes on the node - its data-parallel, sharding and tensor
 replicas, which run the same timeline - so each rank carries a ``weight``: the
 number of the node's processes that compute whenever it does, and that each
@@ -157,6 +159,7 @@ class _SharedCores:
         swept again while one of them hands on a message in this instant); the next arrival awaited."""
         ranks, state, pos, arrival, costs, t = self.ranks, self.state, self.pos, self.arrival, self.costs, self.t
         m, last, left, until, first = self.m, self.last, self.left, self.until, self.first
+        on_cores = costs.sync_on_cores
         wake = float("inf")
         swept = False
         while not swept:
@@ -182,13 +185,17 @@ class _SharedCores:
                     if first is None:
                         first = self.first = t
                     self.starts[r].append(t)
-                    if kind is _F or kind is _B or kind is _I or kind is _W:
+                    if kind is _F or kind is _B or kind is _I or kind is _W or (kind is _SYNC and on_cores):
                         work = (
                             costs.forward[s]
                             if kind is _F
                             else self.b_full[s]
                             if kind is _B
-                            else (costs.backward_input[s] if kind is _I else costs.backward_weight[s])
+                            else costs.backward_input[s]
+                            if kind is _I
+                            else costs.backward_weight[s]
+                            if kind is _W
+                            else costs.sync_time[s]
                         )
                         if work > 0:
                             left[r], state[r] = work, 1

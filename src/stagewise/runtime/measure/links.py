@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from ...planning import Link
 from ..comm.coordinator import call_with_deadline
+from ..hybrid.data_parallel import GradAverager
 
 T = TypeVar("T")
 
@@ -105,13 +106,19 @@ def measure_links(nodes: int = 1, *, rounds: int = 10, timeout: float = 30.0) ->
 REDUCE_SIZES = (1 << 20, 1 << 24)
 
 
-def all_reduce_link(dp: int = 2, *, rounds: int = 5, timeout: float = 60.0) -> Link | None:
-    """The replicas' all-reduce as a link, ``2 (dp - 1) / dp`` ring shares priced on it: gloo's ``all_reduce``
-    timed in every replica group of a ``(world / dp) x dp`` layout at once (as a plan's SYNCs run, on the node's
-    shared cores), at two sizes (:data:`REDUCE_SIZES`), the slowest rank's median of ``rounds``; the ring's
-    latency and bandwidth solved through the two. A collective over the default group; None where the world
-    cannot hold ``dp`` replicas. Gloo's collectives do not use the pipeline's point-to-point transport, whose
-    link the calibration fits (a dp 1 plan's run holds no all-reduce at all)."""
+def all_reduce_link(dp: int = 2, *, rounds: int = 5, timeout: float = 60.0, alone: bool = False) -> Link | None:
+    """The replicas' all-reduce as a link, ``2 (dp - 1) / dp`` ring shares priced on it: the runtime's SYNC
+    (:class:`~stagewise.runtime.hybrid.data_parallel.GradAverager`: the gradients flattened into a bucket, gloo's
+    ``all_reduce``, the average and the copy back) timed in every replica group of a ``(world / dp) x dp``
+    layout, at two sizes (:data:`REDUCE_SIZES`), the slowest rank's median of ``rounds``; the ring's latency and
+    bandwidth solved through the two. A collective over the default group; None where the world cannot hold
+    ``dp`` replicas. Gloo's collectives do not use the pipeline's point-to-point transport, whose link the
+    calibration fits (a dp 1 plan's run holds no all-reduce at all).
+
+    Every group at once (default): as a plan's SYNCs run, waits on the node's shared cores. ``alone``: each group
+    by itself while the others wait at a barrier, its processes on cores of their own where the node has them:
+    the seconds of CPU work a SYNC is where the replicas share a machine, which a prediction then shares among
+    the node's processes (``RunCalibrator(reduce_on_cores=True)``)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     if dp < 2 or world % dp:
         return None
@@ -120,19 +127,31 @@ def all_reduce_link(dp: int = 2, *, rounds: int = 5, timeout: float = 60.0) -> L
     groups = [[s * dp + r for r in range(dp)] for s in range(pp)]  # stage s's replicas (dp the innermost axis)
     handles = [dist.new_group(g) for g in groups]  # every rank makes every group, in the same order
     mine = next(h for h, g in zip(handles, groups) if rank in g)
+    turns = groups if alone else [list(range(world))]  # who reduces in each timed turn
     medians = []
     for nbytes in REDUCE_SIZES:
-        t = torch.ones(nbytes // 4)
+        weight = torch.nn.Parameter(torch.zeros(nbytes // 4))
+        weight.grad = torch.ones(nbytes // 4)
+        averager = GradAverager({0: [weight]}, mine)
 
-        def timed(t: torch.Tensor = t) -> list[float]:
-            dist.all_reduce(t, group=mine)  # the group's connections, not counted
+        def sync(averager: GradAverager = averager) -> None:
+            averager.start(0)
+            averager.finish(0)
+
+        def timed() -> list[float]:
+            sync()  # the group's connections, not counted
             seen = []
             for _ in range(rounds):
-                dist.barrier()  # every group at once, as a plan's SYNCs run
-                dist.barrier(group=mine)  # and the group's ranks together: the world's barrier lets ranks go
-                t0 = time.perf_counter()  # one by one, a link's delay apart, and the timed reduce waited for that
-                dist.all_reduce(t, group=mine)
-                seen.append(time.perf_counter() - t0)
+                for turn in turns:
+                    dist.barrier()  # every group at once (or this turn's), as a plan's SYNCs run
+                    if rank not in turn:
+                        continue
+                    # and the group's ranks together: the world's barrier lets ranks go one by one, a link's delay
+                    # apart, and the timed reduce waited for that
+                    dist.barrier(group=mine)
+                    t0 = time.perf_counter()
+                    sync()
+                    seen.append(time.perf_counter() - t0)
             return seen
 
         medians.append(slowest(statistics.median(_bounded(timed, deadline, "the replicas' all-reduce")), deadline))
