@@ -77,3 +77,23 @@ def test_bad_sizes_are_refused_before_anything_runs(sizes: list[int], rounds: An
 def test_inputs_without_samples_are_refused() -> None:
     with pytest.raises(ValueError, match="no tensor with a first dimension"):
         sw.runtime.profile_sizes(_model(), (3.0,), [1])
+
+
+def test_layer_specs_are_built_as_the_pipeline_builds_them() -> None:
+    """A dict of ``sw.Layer`` specs, as a Pipeline takes it, is profiled by its names (each spec built once, as
+    ``sw.build_model`` builds it); before, iterating the dict handed its keys to the measurement, which failed on a
+    ``str``'s ``.parameters()``."""
+    specs = {"up": sw.Layer(nn.Linear, 4, 8), "act": sw.Layer(nn.ReLU), "down": sw.Layer(nn.Linear, 8, 2)}
+    got = sw.runtime.profile_sizes(specs, torch.randn(4, 4), [2, 4], repeats=1, warmup=0, rounds=1)
+    assert got[2].names == got[4].names == ["up", "act", "down"]
+    assert got[4].layers[0].parameter_bytes == (4 * 8 + 8) * 4
+    assert sw.profile([sw.Layer(nn.Linear, 4, 8), nn.ReLU()], torch.randn(2, 4), repeats=1, warmup=0).names == [
+        "0", "1"]  # fmt: skip
+
+
+@pytest.mark.parametrize("bad", [{"up": nn.Linear(4, 4), "oops": "relu"}, [nn.Linear(4, 4), 3]])
+def test_a_layer_that_is_no_module_nor_spec_is_refused_by_name(bad: Any) -> None:
+    with pytest.raises(TypeError, match="profile_sizes: layer '(oops|1)' is a (str|int), not an nn.Module"):
+        sw.runtime.profile_sizes(bad, torch.randn(4, 4), [2], repeats=1, warmup=0, rounds=1)
+    with pytest.raises(TypeError, match="^profile: layer"):
+        sw.profile(bad, torch.randn(4, 4), repeats=1, warmup=0)

@@ -6,7 +6,7 @@ time, as ``from_hf`` cuts it (:mod:`.hf.profile`); anything else as :func:`..mea
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -18,11 +18,13 @@ from ..._util import is_count
 from ...partition import LayerProfile
 from ..measure import profiling
 from .hf.profile import is_hf_model, profile_hf
+from .layers import Layer, Layers, named_layers
+from .one_process import build_model
 from .ties import tied_layers
 
 
 def profile(
-    layers_or_model: nn.Module | Sequence[nn.Module],
+    layers_or_model: nn.Module | Layers,
     sample_inputs: Any,
     *,
     repeats: int = 5,
@@ -42,8 +44,10 @@ def profile(
 
     Layers that use one parameter (a :class:`~stagewise.Tied` key's uses, ``head.weight = embed.weight``, a
     transformers model's tied embedding and head) are recorded as ``LayerProfile.tied``
-    (:func:`.ties.tied_layers`): ``sw.plan`` prices their gradient sum across ranks.
+    (:func:`.ties.tied_layers`): ``sw.plan`` prices their gradient sum across ranks. A layer list as a Pipeline
+    takes it (``sw.Layer`` specs, a dict of them by name) is built first, as ``sw.build_model(layers)`` builds it.
     """
+    layers_or_model = measurable(layers_or_model, "profile")
     kw: dict[str, Any] = dict(repeats=repeats, warmup=warmup, rounds=rounds, batch=batch)
     if loss_fn is not None or targets is not None:
         kw.update(loss_fn=loss_fn, targets=targets)
@@ -56,7 +60,7 @@ def profile(
 
 
 def profile_sizes(
-    layers_or_model: nn.Module | Sequence[nn.Module],
+    layers_or_model: nn.Module | Layers,
     sample_inputs: Any,
     sizes: Sequence[int],
     *,
@@ -87,6 +91,7 @@ def profile_sizes(
         )
     if not is_count(rounds):
         raise ValueError(f"profile_sizes: rounds must be an int >= 1, got {rounds!r}")
+    layers_or_model = measurable(layers_or_model, "profile_sizes")  # (specs built once, not once a turn)
     runs: dict[int, list[LayerProfile]] = {b: [] for b in wanted}
     for r in range(rounds):
         for b in wanted if r % 2 == 0 else wanted[::-1]:
@@ -100,3 +105,19 @@ def profile_sizes(
 def _first(value: Any, b: int, samples: int) -> Any:
     """``value`` with each tensor of ``samples`` rows cut to its first ``b`` (other tensors and values as they are)."""
     return tree_map(lambda t: t[:b] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == samples else t, value)
+
+
+def measurable(layers: nn.Module | Layers, who: str) -> nn.Module | Sequence[nn.Module]:
+    """``layers`` as modules to measure: a model or a list of modules as given; layer specs (``sw.Layer``,
+    ``sw.Tied``, a dict of them by name) built as a Pipeline builds them (``build_model``, seed 0); anything else
+    refused as the Pipeline refuses it, by the layer's name (a dict of specs failed deep in the measurement, on a
+    key's ``.parameters()``, before)."""
+    if isinstance(layers, nn.Module):
+        return layers
+    try:
+        named = named_layers(layers)
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"{who}: {err}") from None
+    if isinstance(layers, Mapping) or any(isinstance(x, Layer) for _, x in named):
+        return build_model(layers, seed=0)
+    return [m for _, m in named]  # type: ignore[misc]
