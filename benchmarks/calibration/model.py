@@ -39,8 +39,8 @@ def calibrations(
     tied: Sequence[Sequence[int]] = (), local_bandwidth: float | None = None,
 ) -> dict[str, RunCalibration]:  # fmt: skip
     """P's run calibrated for each model (module docstring); ``reduce``: the probed all-reduce link
-    ``(latency, bandwidth)``, a third item true where each replica group was timed alone (its SYNC then CPU work
-    on the shared cores: :attr:`~stagewise.planning.recalibrate.RunCalibration.reduce_on_cores`), ``steps``: P's
+    ``(latency, bandwidth)``, a third item where each replica group was timed alone: the share of a SYNC that is
+    CPU work on the shared cores (:attr:`~stagewise.planning.recalibrate.RunCalibration.reduce_cpu`), ``steps``: P's
     steps timed as the plans Q are (``timed_step``), both the ``after`` model's (``before`` and ``at batch`` take
     the bias against the timelines' makespans, as the runtime does);
     ``affinity``: each rank's CPUs, which then give the cores every model shares (``cores`` left out:
@@ -56,11 +56,12 @@ def calibrations(
     plain = calibrate_run(timelines, schedule, profile, counts, c, bandwidth, affinity=affinity or None, nodes=nodes,
                           tied=tied, local_bandwidth=local_bandwidth, replicas_inside=inside)  # fmt: skip
     link = None if reduce is None else (float(reduce[0]), float(reduce[1]))
-    on_cores = reduce is not None and len(reduce) > 2 and bool(reduce[2])  # (a job before 2026-12-06 kept two)
+    # the SYNC's CPU share: kept since 2026-12-06 (at first ``true``, read as 1: all CPU); before, two items: a wait
+    cpu = float(reduce[2]) if reduce is not None and len(reduce) > 2 else 0.0
     per_action = calibrate_run(
         timelines, schedule, profile, counts, c, bandwidth, per_action=True, steps=steps, reduce=link,
         affinity=affinity or None, nodes=nodes, tied=tied, local_bandwidth=local_bandwidth, replicas_inside=inside,
-        reduce_on_cores=on_cores,
+        reduce_cpu=cpu,
     )  # fmt: skip
     return {"before": plain, "at batch": plain, "after": per_action}
 

@@ -46,7 +46,7 @@ from stagewise.runtime import RunCalibrator
 # probes alone (calibrate() probes much else): the ping-pong for the point-to-point bandwidth's prior, the
 # replicas' all-reduce for their SYNC; the profile's fastest round per layer (side_by_side_profiles)
 from stagewise.runtime.measure.cores import pin_local_rank
-from stagewise.runtime.measure.links import all_reduce_link, ping_pong
+from stagewise.runtime.measure.links import all_reduce_cpu, all_reduce_link, ping_pong
 from stagewise.runtime.measure.profiling import fastest
 
 from .._launch import timed_step
@@ -119,15 +119,20 @@ def probes(bandwidth: tuple[float, float]) -> Calibration:
     return Calibration(intra=Link(0.0, inside), inter=Link(0.0, between))
 
 
-def reduce_probe() -> tuple[float, float, bool] | None:
-    """The replicas' all-reduce link ``(latency, bandwidth, on_cores)``: where a dp 2 plan's replicas share a
-    machine (one machine, or an even number of processes on each: dp is the mesh's innermost axis), each group
-    timed alone and its SYNC priced as CPU work on the shared cores (``on_cores``; 2026-12-06: the dp 2 plans
-    ran 34-43 ms of CPU a step beyond the dp 1 ones at 4 processes, and were predicted 5-8 % low)."""
+def reduce_probe() -> tuple[float, float, float] | None:
+    """The replicas' all-reduce link ``(latency, bandwidth, cpu)``: where a dp 2 plan's replicas share a machine
+    (one machine, or an even number of processes on each: dp is the mesh's innermost axis), each group timed
+    alone, and ``cpu`` the share of its SYNC that is CPU work on the shared cores (:func:`all_reduce_cpu`, every
+    process of the job contending for this machine's cores: the namespace machines share them), else 0 (a wait).
+    2026-12-06: the dp 2 plans ran 34-43 ms of CPU a step beyond the dp 1 ones at 4 processes, and were predicted
+    5-8 % low with their SYNCs as waits."""
     per = per_machine()
     alone = per is None or per % 2 == 0
     link = all_reduce_link(2, alone=alone)
-    return None if link is None else (link.latency, link.bandwidth, alone)
+    if link is None:
+        return None
+    cpu = all_reduce_cpu(2, sharing=dist.get_world_size() / len(os.sched_getaffinity(0))) if alone else 0.0
+    return link.latency, link.bandwidth, 0.0 if cpu is None else cpu
 
 
 def calibrate_round(
@@ -146,7 +151,7 @@ def calibrate_round(
         pipe = build(work, p_plan, profile, x[: micro_batch(p_plan)])
         calibrator = RunCalibrator(pipe, profile, processes=dist.get_world_size(), bandwidth=probes(bandwidth),
                                    per_action=True, reduce=reduce and reduce[:2],
-                                   reduce_on_cores=bool(reduce and reduce[2:] and reduce[2]))  # fmt: skip
+                                   reduce_cpu=float(reduce[2]) if reduce and len(reduce) > 2 else 0.0)  # fmt: skip
         seen, timed = [], []
         while calibrator.calibration is None:
             timed.append(timed_step(pipe, x, y))

@@ -66,7 +66,12 @@ INTERNAL = {
     ),
     ("calibration/worker.py", "stagewise.runtime.measure.links"): (
         "the run's one message size cannot identify the link's bandwidth: a ping-pong between two ranks gives the "
-        "prior; the replicas' all-reduce probed alone (all_reduce_link) prices a dp 2 plan's SYNC"
+        "prior; the replicas' all-reduce probed alone (all_reduce_link) prices a dp 2 plan's SYNC, and its CPU "
+        "share (all_reduce_cpu) how much of it takes the shared cores"
+    ),
+    ("calibration/worker.py", "stagewise.runtime.measure.profiling"): (
+        "the profile side by side (side_by_side_profiles): each rank's fastest round per layer, as profile_sizes "
+        "takes it, before the ranks' profiles are pooled"
     ),
     ("calibration/worker.py", "stagewise.runtime.measure.cores"): (
         "--pin: the pinning stagewise run --pin-cores does, in workers the benchmark launches with torchrun itself"

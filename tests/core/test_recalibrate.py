@@ -146,10 +146,10 @@ def test_held_out_costs_scale_with_the_micro_batch_and_sync_over_the_calibrated_
     assert held_out_costs(cal, prior, [2]).sync_time == (0.0,)
     probed = replace(cal, reduce=(0.25, 50.0))  # the replicas' all-reduce probed on its own link
     assert held_out_costs(probed, prior, [1, 1], dp=2).sync_time == (2 * (0.25 + 100 / 100), 2 * (0.25 + 300 / 100))
-    assert not held_out_costs(probed, prior, [1, 1], dp=2).sync_on_cores  # probed with every group at once: waits
-    alone = replace(probed, reduce_on_cores=True)  # each group timed alone: its SYNC is the node's CPU work
-    assert held_out_costs(alone, prior, [1, 1], dp=2).sync_on_cores
-    assert not held_out_costs(replace(cal, reduce_on_cores=True), prior, [1, 1], dp=2).sync_on_cores  # no probe
+    assert held_out_costs(probed, prior, [1, 1], dp=2).sync_cpu == 0.0  # probed with every group at once: waits
+    alone = replace(probed, reduce_cpu=0.4)  # each group timed alone: 40 % of its SYNC is the node's CPU work
+    assert held_out_costs(alone, prior, [1, 1], dp=2).sync_cpu == 0.4
+    assert held_out_costs(replace(cal, reduce_cpu=0.4), prior, [1, 1], dp=2).sync_cpu == 0.0  # no probe: a fit link
 
 
 def test_the_bias_is_taken_against_the_steps_timed_as_the_held_out_plans_are() -> None:

@@ -55,9 +55,10 @@ def test_with_a_core_per_process_it_is_the_simulator(name: str, zeros: bool) -> 
             ones = [1.0] * p
             dedicated = simulate(schedule, costs).makespan
             assert shared_makespan(schedule, costs, ones, p) == pytest.approx(dedicated, rel=1e-12)
-            # a SYNC on the cores is a compute action: with a core each, it takes its own time as a wait does
-            on_cores = replace(costs, sync_on_cores=True)
-            assert shared_makespan(schedule, on_cores, ones, p) == pytest.approx(dedicated, rel=1e-12)
+            # a SYNC's CPU share takes a core: with a core each, the SYNC takes its own time as a wait does
+            for cpu in (0.5, 1.0):
+                on_cores = replace(costs, sync_cpu=cpu)
+                assert shared_makespan(schedule, on_cores, ones, p) == pytest.approx(dedicated, rel=1e-12)
             # replicas (weights 2) send a copy each over a shared link; on an unbounded one they cost nothing more
             weights = [rng.choice([1.0, 2.0]) for _ in range(p)]
             free = replace(costs, bandwidth=math.inf)
@@ -104,19 +105,25 @@ def test_two_ranks_overlapping_share_the_core_in_the_overlap() -> None:
     assert shared_makespan(schedule, costs, [1.0, 1.0], 1.5) == pytest.approx(6.0 + 2 * (1 / 0.75 - 1), rel=1e-12)
 
 
-def test_a_sync_on_the_cores_shares_them_a_sync_on_a_link_does_not() -> None:
+def test_a_sync_s_cpu_share_shares_the_cores_its_wait_does_not() -> None:
     """GPipe, 2 stages, 1 micro-batch, F = B = 1 and a SYNC of 2 on each stage. 0F0 0-1, 1F0 1-2, 1B0 2-3; then
-    rank 1's SYNC and rank 0's B. As waits on a link: 0B0 3-4 alone on the core, 0SYNC 4-6 (6). On the core (the
-    replicas' all-reduce inside one node on CPUs): from 3 both compute at half speed, 0B0 ends at 5 with 1 of
-    1SYNC's 2 done, which ends at 7, and 0SYNC's last second runs alone to 8: all the work on one core. With a
-    core each, both read 6."""
+    rank 1's SYNC beside rank 0's B on one core.
+    - A wait (``sync_cpu`` 0): 0B0 3-4 alone on the core, 0SYNC 4-6: 6.
+    - All CPU (1): from 3 both at half speed, 0B0 ends at 5 with 1 of 1SYNC's 2 done, which ends at 7, and
+      0SYNC's last second runs alone to 8: all the work on one core.
+    - Half (0.5): the SYNC counts as half a process, so the core goes 2/3 to each; 0B0 ends at 4.5, 1SYNC having
+      advanced at 1 / (0.5 + 0.5 x 1.5) = 0.8 (1.2 done); then two half-processes fill the core, both at 1: 1SYNC
+      ends at 5.3, 0SYNC (0.8 of 2 done by then) at 6.5.
+    With a core each, all read 6."""
     schedule = add_grad_sync(generate("gpipe", 2, 1, None))
     waits = replace(CostModel.uniform(2, forward=1.0, backward_input=0.5, backward_weight=0.5), sync_time=(2.0, 2.0))
-    work = replace(waits, sync_on_cores=True)
     assert simulate(schedule, waits).makespan == pytest.approx(6.0)
-    assert shared_makespan(schedule, waits, [1.0, 1.0], 1.0) == pytest.approx(6.0, rel=1e-12)
-    assert shared_makespan(schedule, work, [1.0, 1.0], 1.0) == pytest.approx(8.0, rel=1e-12)
-    assert shared_makespan(schedule, work, [1.0, 1.0], 2.0) == pytest.approx(6.0, rel=1e-12)
+    for cpu, one_core in ((0.0, 6.0), (1.0, 8.0), (0.5, 6.5)):
+        costs = replace(waits, sync_cpu=cpu)
+        assert shared_makespan(schedule, costs, [1.0, 1.0], 1.0) == pytest.approx(one_core, rel=1e-12)
+        assert shared_makespan(schedule, costs, [1.0, 1.0], 2.0) == pytest.approx(6.0, rel=1e-12)
+    with pytest.raises(ValueError, match="sync_cpu is a share of a SYNC's time, in \\[0, 1\\], got 1.5"):
+        replace(waits, sync_cpu=1.5)
 
 
 def test_bad_input_is_named() -> None:

@@ -78,3 +78,19 @@ def test_alone_each_replica_group_reduces_in_a_turn_of_its_own(clock: _Clock) ->
     assert rounds[:12] == ["world", "group", "reduce", "world"] * 3  # this group's turn, then the other's
     assert together is not None and alone is not None
     assert alone.bandwidth == pytest.approx(together.bandwidth) and alone.latency == pytest.approx(together.latency)
+
+
+def test_the_cpu_share_is_read_from_the_sync_alone_and_with_every_group_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``all_reduce_cpu`` times the larger size alone and at once: 20 ms alone, 30 ms with 2 processes a core is
+    a CPU part of 10 ms (it ran twice as slow) beside a 10 ms wait: half."""
+    asked: list[tuple[tuple[int, ...], bool]] = []
+
+    def medians(dp: int, sizes: tuple[int, ...], rounds: int, timeout: float, alone: bool) -> list[float]:
+        asked.append((sizes, alone))
+        return [0.020 if alone else 0.030]
+
+    monkeypatch.setattr(links, "_synced_medians", medians)
+    assert links.all_reduce_cpu(2, sharing=2.0) == pytest.approx(0.5)
+    assert asked == [(links.REDUCE_SIZES[-1:], True), (links.REDUCE_SIZES[-1:], False)]

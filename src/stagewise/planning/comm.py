@@ -49,6 +49,20 @@ def ring_all_reduce(nbytes: float, n: int, link: Link) -> float:
     return 2 * (n - 1) * (link.latency + nbytes / (n * link.bandwidth))
 
 
+def cpu_share(alone: float, together: float, sharing: float) -> float:
+    """The share of a collective's time that is CPU work: ``alone`` seconds with its processes on cores of their
+    own, ``together`` with ``sharing`` processes contending for each core. Its CPU part ``c`` runs ``sharing``
+    times slower together, its wait ``w`` does not: ``alone = w + c``, ``together = w + sharing c``, so
+    ``c / alone = (together - alone) / ((sharing - 1) alone)``, clipped to [0, 1] (noise can put ``together`` under
+    ``alone``). Where nothing contends (``sharing`` at most 1) the split is not seen and matters to no prediction:
+    1 (all CPU)."""
+    if not alone > 0 or not together >= 0:
+        raise ValueError(f"cpu_share: need alone > 0 and together >= 0 seconds, got {alone!r}, {together!r}")
+    if sharing <= 1:
+        return 1.0
+    return min(1.0, max(0.0, (together - alone) / ((sharing - 1) * alone)))
+
+
 def posted_ring_all_reduce(nbytes: float, n: int, link: Link) -> float:
     """Seconds for a ring all-reduce of ``nbytes`` over ``n`` ranks on a transport that moves a message only once
     its receive is posted (gloo: the receiver's notice crosses the link, then the message does), priced on ``link``

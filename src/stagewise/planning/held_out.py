@@ -29,7 +29,7 @@ class Calibrated(Protocol):
     @property
     def reduce(self) -> tuple[float, float] | None: ...
     @property
-    def reduce_on_cores(self) -> bool: ...
+    def reduce_cpu(self) -> float: ...
     @property
     def reduce_link(self) -> Link: ...
 
@@ -76,14 +76,14 @@ def ring_synced(costs: CostModel, dp: int, calibration: Calibrated, counts: Sequ
     each stage's SYNC a ring all-reduce over ``dp`` replicas on the calibration's
     :attr:`RunCalibration.reduce_link` (unchanged for one replica) of its parameter bytes less the
     :attr:`RunCalibration.tied` weights it holds, which the runtime sums apart
-    (:func:`~stagewise.planning.tied_sum.reduced_bytes`); on the cores if :attr:`RunCalibration.reduce_on_cores`."""
+    (:func:`~stagewise.planning.tied_sum.reduced_bytes`); its CPU share :attr:`RunCalibration.reduce_cpu`."""
     if dp <= 1:
         return costs
     bounds = layer_bounds(calibration.counts if counts is None else counts)
     nbytes = reduced_bytes(costs.parameter_bytes, bounds, calibration.tied)
     link = calibration.reduce_link
-    on_cores = calibration.reduce_on_cores and calibration.reduce is not None
-    return replace(costs, sync_time=tuple(ring_all_reduce(b, dp, link) for b in nbytes), sync_on_cores=on_cores)
+    cpu = calibration.reduce_cpu if calibration.reduce is not None else 0.0
+    return replace(costs, sync_time=tuple(ring_all_reduce(b, dp, link) for b in nbytes), sync_cpu=cpu)
 
 
 def layer_bounds(counts: Sequence[int]) -> list[int]:

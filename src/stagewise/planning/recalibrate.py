@@ -113,8 +113,8 @@ class RunCalibration:
     #: each pipeline rank's replicas share its machine (the calibrating run's layout): without a probe
     #: (:attr:`reduce`) their all-reduce runs on the :attr:`local` link, not the one between machines
     replicas_inside: bool = False
-    #: :attr:`reduce` timed each replica group alone on its node's CPUs: a SYNC takes a core (``sync_on_cores``)
-    reduce_on_cores: bool = False
+    #: the share of the replicas' SYNC (timed alone on :attr:`reduce`) that is CPU work of its node (``sync_cpu``)
+    reduce_cpu: float = 0.0
 
     @property
     def pinned(self) -> bool | None:
@@ -296,7 +296,7 @@ def calibrate_run(
     tied: Sequence[Sequence[int]] = (),
     local_bandwidth: float | None = None,
     replicas_inside: bool = False,
-    reduce_on_cores: bool = False,
+    reduce_cpu: float = 0.0,
 ) -> RunCalibration:
     """Calibrate on the run of ``schedule`` cut by ``counts`` (layers per stage of ``prior``): ``timelines``
     (one per step, every rank on one clock) measured on ``cores`` shared cores; then the bias against the
@@ -308,8 +308,8 @@ def calibrate_run(
     ``steps``: the calibrating plan's steps timed as the plans to predict will be (a whole ``train_step`` from a
     barrier holds what each rank does outside the timeline); the bias and the spread are taken against them
     (default: the makespans). ``reduce``: the replicas' all-reduce link ``(latency, bandwidth)`` probed apart
-    (gloo's collectives are not the pipeline's transport), also the plan's own SYNC's, on the cores with
-    ``reduce_on_cores`` (:attr:`RunCalibration.reduce_on_cores`). ``affinity``: the node's ranks' CPUs, whose union
+    (gloo's collectives are not the pipeline's transport), also the plan's own SYNC's, ``reduce_cpu`` of it CPU
+    work on the shared cores (:attr:`RunCalibration.reduce_cpu`). ``affinity``: the node's ranks' CPUs, whose union
     pinned ranks share (``cores`` then theirs, :func:`~.core_share.node_cores`). ``nodes``: each pipeline rank's
     machine: the transfers inside one and between two fitted apart (:func:`fit_links`), the one inside on the prior
     ``local_bandwidth`` (else ``prior_bandwidth``); ``replicas_inside``: each pipeline rank's replicas share its
@@ -327,7 +327,7 @@ def calibrate_run(
         bandwidth=link.bandwidth, cores=cores, nodes=() if nodes is None else tuple(int(x) for x in nodes),
         steps=tuple(t.makespan for t in timelines) if steps is None else tuple(float(x) for x in steps),
         link=link.note if local is None else f"between nodes: {link.note}; inside one: {local.note}",
-        local=None if local is None else (local.latency, local.bandwidth), reduce_on_cores=bool(reduce_on_cores),
+        local=None if local is None else (local.latency, local.bandwidth), reduce_cpu=float(reduce_cpu),
         stage_spread=stage_spreads(timelines, cores, schedule.num_stages),
         reduce=None if reduce is None else (float(reduce[0]), float(reduce[1])),
         affinity=() if affinity is None else tuple(tuple(sorted(int(c) for c in a)) for a in affinity),

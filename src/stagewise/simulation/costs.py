@@ -39,12 +39,13 @@ class CostModel:
     one stage boundary of three, and one link fitted through all of them reads
     neither (10 ms of delay read as 2.75 ms, issue 49, 2026-12-05).
 
-    ``sync_on_cores``: a SYNC's time is CPU work on its rank's node (the replicas' gradient all-reduce inside one
-    node on CPUs: the flatten, the copies through the kernel, the sums, the copy back), timed with its processes
-    on cores of their own; where a node's processes share its cores (:func:`~stagewise.simulation.shared.
-    shared_makespan`) it takes a core as a compute action does. False: a wait on a link, taking none. Why: on 4
-    processes sharing 2 cores the dp 2 plans ran 34-43 ms a step of CPU beyond the dp 1 ones, the all-reduces
-    (issue 49, 2026-12-06), which a SYNC taking no core lets the other ranks' compute use.
+    ``sync_cpu``: the share of a SYNC's time that is CPU work on its rank's node (the replicas' gradient
+    all-reduce inside one node on CPUs: the flatten, gloo's copies through the kernel and sums, the copy back),
+    timed with its processes on cores of their own; where a node's processes share its cores
+    (:func:`~stagewise.simulation.shared.shared_makespan`) that share takes a core, as a forward does, and the rest
+    waits. 0: a wait on a link, taking no core. Why: on 4 processes sharing 2 cores 1F1B at dp 2 ran 34-43 ms of
+    CPU a step beyond dp 1 at the same micro-batches, the all-reduces' (issue 49, 2026-12-06), which a SYNC
+    taking no core left to the other ranks' compute.
     """
 
     num_stages: int
@@ -63,7 +64,7 @@ class CostModel:
     rank_nodes: tuple[int, ...] = ()  # each pipeline rank's node; () = every rank its own
     local_latency: float = 0.0  # the link between two ranks of one node
     local_bandwidth: float = math.inf
-    sync_on_cores: bool = False
+    sync_cpu: float = 0.0
 
     def __post_init__(self) -> None:
         if self.num_stages < 1:
@@ -98,6 +99,8 @@ class CostModel:
                 f"cost model: need local_latency >= 0 and local_bandwidth > 0, got {self.local_latency}, "
                 f"{self.local_bandwidth}"
             )
+        if not 0 <= self.sync_cpu <= 1:
+            raise ValueError(f"cost model: sync_cpu is a share of a SYNC's time, in [0, 1], got {self.sync_cpu!r}")
         nodes = tuple(self.rank_nodes)
         if any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in nodes):
             raise ValueError(f"cost model: rank_nodes must be node numbers >= 0, one per pipeline rank, got {nodes}")

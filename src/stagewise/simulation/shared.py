@@ -11,9 +11,11 @@ That is what this event-driven replay does, on the same dependency rules as
 the simulator (an action starts when its rank is free and its input has
 arrived; transfers take ``latency + bytes / bandwidth`` and no core, and a
 rank's messages between machines leave its link one after another; SYNC and
-STEP take their time on their rank and no core, but a SYNC of a cost model
-with ``sync_on_cores``, which computes as F and B do: the replicas' all-reduce
-inside a node on CPUs is the node's CPU work). One pipeline rank may stand
+STEP take their time on their rank and no core, but the ``sync_cpu`` share of
+a SYNC's time, which computes as F and B do: the replicas' all-reduce inside a
+node on CPUs is partly the node's CPU work, partly a wait for the peer; while
+a share ``f`` of it shares ``c`` cores with ``n`` runnable processes (it counts
+as ``f`` of one), it advances at ``1 / ((1 - f) + f n / c)``). One pipeline rank may stand
 for several processes on the node - its data-parallel, sharding and tensor
 replicas, which run the same timeline - so each rank carries a ``weight``: the
 number of the node's processes that compute whenever it does, and that each
@@ -97,7 +99,7 @@ class _SharedCores:
 
     __slots__ = (
         "arrival", "b_full", "cores", "costs", "delay_b", "delay_f", "end", "ends", "first", "lane", "last", "left",
-        "m", "node", "pools", "pos", "ranks", "starts", "state", "t", "until", "weights", "wire_b", "wire_f",
+        "m", "node", "part", "pools", "pos", "ranks", "starts", "state", "t", "until", "weights", "wire_b", "wire_f",
     )  # fmt: skip
 
     def __init__(
@@ -116,6 +118,7 @@ class _SharedCores:
         self.wire_b = [0.0, *(w * weights[plc[s + 1]] for s, w in enumerate(wire[:-1]))]
         self.delay_f = [d + (w - one) if w != one else d for d, w, one in zip(delay, self.wire_f, wire, strict=True)]
         self.delay_b = [0.0, *(d + (w - one) if w != one else d for d, w, one in zip(delay, self.wire_b[1:], wire))]
+        self.part = [1.0] * p  # the share of a core the rank's running action takes while it runs
         self.lane = [0.0] * p  # when each rank's link is free of the messages it already sent
         self.ranks = [[a for a in acts if a[1] not in COMM] for acts in schedule.ranks]
         self.arrival: list[float | None] = [None] * (2 * n * m)
@@ -159,7 +162,7 @@ class _SharedCores:
         swept again while one of them hands on a message in this instant); the next arrival awaited."""
         ranks, state, pos, arrival, costs, t = self.ranks, self.state, self.pos, self.arrival, self.costs, self.t
         m, last, left, until, first = self.m, self.last, self.left, self.until, self.first
-        on_cores = costs.sync_on_cores
+        cpu = costs.sync_cpu
         wake = float("inf")
         swept = False
         while not swept:
@@ -185,7 +188,8 @@ class _SharedCores:
                     if first is None:
                         first = self.first = t
                     self.starts[r].append(t)
-                    if kind is _F or kind is _B or kind is _I or kind is _W or (kind is _SYNC and on_cores):
+                    self.part[r] = cpu if kind is _SYNC else 1.0
+                    if kind is _F or kind is _B or kind is _I or kind is _W or (kind is _SYNC and cpu > 0):
                         work = (
                             costs.forward[s]
                             if kind is _F
@@ -216,10 +220,12 @@ class _SharedCores:
         state, left, until, t, p = self.state, self.left, self.until, self.t, len(self.state)
         weights, cores, node = self.weights, self.cores, self.node
         busy = dict.fromkeys(self.pools, 0.0)
+        part = self.part  # of a core a computing rank's process takes: 1, a SYNC its CPU share (sync_cpu)
         for r in range(p):
             if state[r] == 1:
-                busy[node[r]] += weights[r]
-        rate = [min(1.0, cores / busy[node[r]]) if state[r] == 1 else 1.0 for r in range(p)]
+                busy[node[r]] += weights[r] * part[r]
+        rate = [1.0 / (1.0 - part[r] + part[r] * max(1.0, busy[node[r]] / cores)) if state[r] == 1 else 1.0
+                for r in range(p)]  # fmt: skip
         done_at = [t + left[r] / rate[r] if state[r] == 1 else until[r] if state[r] == 2 else 0.0 for r in range(p)]
         nxt = min([wake] + [done_at[r] for r in range(p) if state[r] in (1, 2)])
         if nxt == float("inf"):

@@ -73,8 +73,9 @@ class RunCalibrator:
     ``message_overhead_s``), not a factor on every step;
     ``reduce``: the replicas' all-reduce link ``(latency, bandwidth)``, probed apart
     (:func:`~stagewise.runtime.measure.links.all_reduce_link`): with dp > 1 each stage's SYNC is priced on it;
-    ``reduce_on_cores``: it was probed with each replica group alone (``all_reduce_link(alone=True)``), so a SYNC
-    is CPU work of its node, sharing the cores in the prediction (replicas inside one machine, on CPUs).
+    ``reduce_cpu``: where it was probed with each replica group alone (``all_reduce_link(alone=True)``: replicas
+    inside one machine, on CPUs), the share of a SYNC that is its node's CPU work
+    (:func:`~stagewise.runtime.measure.links.all_reduce_cpu`), which takes the shared cores in the prediction.
     The held-out benchmark (``benchmarks/calibration``) calibrates with ``per_action=True``, ``reduce`` and each
     step timed (:meth:`observe`'s ``step_s``): its figures are this calibrator's model.
     """
@@ -94,7 +95,7 @@ class RunCalibrator:
         bandwidth: float | Calibration | None = None,
         per_action: bool = False,
         reduce: tuple[float, float] | None = None,
-        reduce_on_cores: bool = False,
+        reduce_cpu: float = 0.0,
     ) -> None:
         refuse_unwatchable("RunCalibrator", pipe)
         if after < 1 or warmup < 0:
@@ -111,7 +112,9 @@ class RunCalibrator:
         self.caps = [1.0] * pipe.num_ranks if caps is None else [float(c) for c in caps]
         self.warmup, self.after, self.per_action = warmup, after, per_action
         self.reduce = None if reduce is None else (float(reduce[0]), float(reduce[1]))
-        self.reduce_on_cores = bool(reduce_on_cores)
+        if not 0 <= reduce_cpu <= 1:
+            raise ValueError(f"RunCalibrator: reduce_cpu is a share of the SYNC's time, in [0, 1], got {reduce_cpu!r}")
+        self.reduce_cpu = float(reduce_cpu)
         self.bandwidth, self.local_bandwidth, self.bandwidth_from = link_prior(pipe, bandwidth)
         self.on_event = on_event
         self.records: list[dict[str, Any]] = []
@@ -183,7 +186,7 @@ class RunCalibrator:
             self.bandwidth if spans else self.local_bandwidth, dp=self._replicas.dp, reductions=reductions,
             per_action=self.per_action, steps=timed if self._steps_timed else None, reduce=self.reduce,
             affinity=affinity, nodes=nodes, tied=tied, local_bandwidth=self.local_bandwidth,
-            replicas_inside=spans and replicas_inside(self.pipe, machines), reduce_on_cores=self.reduce_on_cores,
+            replicas_inside=spans and replicas_inside(self.pipe, machines), reduce_cpu=self.reduce_cpu,
         )  # fmt: skip
         self.cores = cal.cores
         if any(c < 1 for c in self.caps):  # a held rank's speed on this cut, measured here (not another cut's)
@@ -224,7 +227,7 @@ class RunCalibrator:
                 "steps_s": list(cal.steps),
                 "steps_from": "timed" if self._steps_timed else "makespans",
                 "reduce_link": None if cal.reduce is None else list(cal.reduce),
-                "reduce_on_cores": cal.reduce_on_cores,
+                "reduce_cpu": cal.reduce_cpu,
                 "speeds": self.speeds,
             }
         )

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ...planning import Link
+from ...planning.comm import cpu_share
 from ..comm.coordinator import call_with_deadline
 from ..hybrid.data_parallel import GradAverager
 
@@ -117,8 +118,37 @@ def all_reduce_link(dp: int = 2, *, rounds: int = 5, timeout: float = 60.0, alon
 
     Every group at once (default): as a plan's SYNCs run, waits on the node's shared cores. ``alone``: each group
     by itself while the others wait at a barrier, its processes on cores of their own where the node has them:
-    the seconds of CPU work a SYNC is where the replicas share a machine, which a prediction then shares among
-    the node's processes (``RunCalibrator(reduce_on_cores=True)``)."""
+    a SYNC's own seconds where the replicas share a machine, of which the prediction shares the CPU part
+    (:func:`all_reduce_cpu`) among the node's processes (``RunCalibrator(reduce_cpu=)``)."""
+    medians = _synced_medians(dp, REDUCE_SIZES, rounds, timeout, alone)
+    if medians is None:
+        return None
+    share = 2 * (dp - 1) / dp  # of the bytes each rank sends and receives in a ring
+    per_byte = (medians[1] - medians[0]) / (share * (REDUCE_SIZES[1] - REDUCE_SIZES[0]))
+    steps = 2 * (dp - 1)  # latencies in a ring
+    if per_byte <= 0:
+        return Link(latency=max(medians[0], 0.0) / steps, bandwidth=float("inf"))
+    return Link(latency=max(medians[0] - share * REDUCE_SIZES[0] * per_byte, 0.0) / steps, bandwidth=1 / per_byte)
+
+
+def all_reduce_cpu(dp: int = 2, *, sharing: float, rounds: int = 5, timeout: float = 60.0) -> float | None:
+    """The share of the replicas' SYNC (:func:`all_reduce_link`'s path) that is CPU work of their machine, the
+    rest a wait for the peer: timed at the larger :data:`REDUCE_SIZES` with each replica group alone and with
+    every group at once, when ``sharing`` processes contend for each core (a machine's processes over its cores)
+    (:func:`~stagewise.planning.comm.cpu_share`). A collective over the default group; None where the world
+    cannot hold ``dp`` replicas. 2026-12-06, 4 processes on 2 cores, 13 MB: 18-19 ms alone, 26-31 ms at once:
+    about half of it. A SYNC all CPU read ZB-V's two SYNCs at a step's end, all four processes reducing, twice
+    as long as they ran (7 % high, ordered behind 1F1B)."""
+    alone = _synced_medians(dp, REDUCE_SIZES[-1:], rounds, timeout, True)
+    together = _synced_medians(dp, REDUCE_SIZES[-1:], rounds, timeout, False)
+    if alone is None or together is None:
+        return None
+    return cpu_share(alone[0], together[0], sharing)
+
+
+def _synced_medians(dp: int, sizes: tuple[int, ...], rounds: int, timeout: float, alone: bool) -> list[float] | None:
+    """Per size of ``sizes`` (bytes), the slowest rank's median seconds of ``rounds`` of the runtime's SYNC in
+    every replica group (:func:`all_reduce_link`); None where the world cannot hold ``dp`` replicas."""
     world, rank = dist.get_world_size(), dist.get_rank()
     if dp < 2 or world % dp:
         return None
@@ -129,7 +159,7 @@ def all_reduce_link(dp: int = 2, *, rounds: int = 5, timeout: float = 60.0, alon
     mine = next(h for h, g in zip(handles, groups) if rank in g)
     turns = groups if alone else [list(range(world))]  # who reduces in each timed turn
     medians = []
-    for nbytes in REDUCE_SIZES:
+    for nbytes in sizes:
         weight = torch.nn.Parameter(torch.zeros(nbytes // 4))
         weight.grad = torch.ones(nbytes // 4)
         averager = GradAverager({0: [weight]}, mine)
@@ -155,9 +185,4 @@ def all_reduce_link(dp: int = 2, *, rounds: int = 5, timeout: float = 60.0, alon
             return seen
 
         medians.append(slowest(statistics.median(_bounded(timed, deadline, "the replicas' all-reduce")), deadline))
-    share = 2 * (dp - 1) / dp  # of the bytes each rank sends and receives in a ring
-    per_byte = (medians[1] - medians[0]) / (share * (REDUCE_SIZES[1] - REDUCE_SIZES[0]))
-    steps = 2 * (dp - 1)  # latencies in a ring
-    if per_byte <= 0:
-        return Link(latency=max(medians[0], 0.0) / steps, bandwidth=float("inf"))
-    return Link(latency=max(medians[0] - share * REDUCE_SIZES[0] * per_byte, 0.0) / steps, bandwidth=1 / per_byte)
+    return medians
