@@ -36,7 +36,7 @@ def calibrations(
     timelines: Sequence[Timeline], schedule: Schedule, profile: LayerProfile, counts: Sequence[int], cores: float,
     bandwidth: float, reduce: Sequence[float] | None = None, steps: Sequence[float] | None = None,
     affinity: Sequence[Sequence[int]] | None = None, nodes: Sequence[int] | None = None,
-    tied: Sequence[Sequence[int]] = (), local_bandwidth: float | None = None,
+    tied: Sequence[Sequence[int]] = (), local_bandwidth: float | None = None, link_cpu: float = 0.0,
 ) -> dict[str, RunCalibration]:  # fmt: skip
     """P's run calibrated for each model (module docstring); ``reduce``: the probed all-reduce link
     ``(latency, bandwidth)``, a third item where each replica group was timed alone: the share of a SYNC that is
@@ -48,7 +48,9 @@ def calibrations(
     each model fits the link between machines apart from the one inside a machine (None: one link); ``tied``: the
     sets of the profile's layers the workload ties across stages (:func:`tied_of`); ``bandwidth`` and
     ``local_bandwidth``: the prior bandwidths between machines and inside one (a job kept before 2026-12-05 20:00
-    has one, its ranks 0-1 ping-pong's, inside a machine at 4 processes)."""
+    has one, its ranks 0-1 ping-pong's, inside a machine at 4 processes); ``link_cpu``: the probed share of a
+    core a message between machines takes at each end (the ``after`` model's; 0 in jobs kept before 2026-12-06
+    08:00)."""
     c = None if affinity else cores
     # where P's pipeline ranks share machines (2 processes a machine), the space's dp 2 replicas do too: the mesh
     # packs pp outermost (nodes_of)
@@ -61,7 +63,7 @@ def calibrations(
     per_action = calibrate_run(
         timelines, schedule, profile, counts, c, bandwidth, per_action=True, steps=steps, reduce=link,
         affinity=affinity or None, nodes=nodes, tied=tied, local_bandwidth=local_bandwidth, replicas_inside=inside,
-        reduce_cpu=cpu,
+        reduce_cpu=cpu, link_cpu=link_cpu,
     )  # fmt: skip
     return {"before": plain, "at batch": plain, "after": per_action}
 
@@ -120,12 +122,14 @@ def kept(
     counts: Sequence[int], cores: float, bandwidth: float, processes: int, reduce: Sequence[float] | None = None,
     steps: Sequence[float] | None = None, affinity: Sequence[Sequence[int]] | None = None,
     per_machine: int | None = None, tied: Sequence[Sequence[int]] = (), local_bandwidth: float | None = None,
+    link_cpu: float = 0.0,
 ) -> dict[str, Any]:  # fmt: skip
     """What an offline refit needs, as JSON: the profiles, P's calibrating timelines and plan, its cut, the cores,
     the link's prior bandwidth, the processes on the node, the probed all-reduce link, P's timed steps and each
     rank's CPUs (its affinity, as the runtime's calibrator gathered it), the processes per machine where the
-    job spans machines, and the layers tied across stages."""
+    job spans machines, the layers tied across stages, and the probed CPU share of a message between machines."""
     return {
+        "link_cpu": link_cpu,
         "tied": [list(t) for t in tied],
         "per_machine": per_machine,
         "affinity": None if affinity is None else [list(a) for a in affinity],
@@ -206,7 +210,8 @@ def refit(
     p_nodes = nodes_of(p_plan["pp"], keep["processes"], per_machine)
     local = keep.get("local_bandwidth")  # (absent before 2026-12-05 20:00: one prior for both links)
     cals = calibrations(timelines, p_schedule, profiles[b_p], keep["counts"], keep["cores"], keep["bandwidth"],
-                        reduce, steps, affinity_of(job), p_nodes, tied_of(job), local)  # fmt: skip
+                        reduce, steps, affinity_of(job), p_nodes, tied_of(job), local,
+                        float(keep.get("link_cpu") or 0.0) if split else 0.0)  # fmt: skip
     rows = []
     for r in plans:
         plan = r["plan"]

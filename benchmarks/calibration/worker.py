@@ -46,7 +46,7 @@ from stagewise.runtime import RunCalibrator
 # probes alone (calibrate() probes much else): the ping-pong for the point-to-point bandwidth's prior, the
 # replicas' all-reduce for their SYNC; the profile's fastest round per layer (side_by_side_profiles)
 from stagewise.runtime.measure.cores import pin_local_rank
-from stagewise.runtime.measure.links import all_reduce_cpu, all_reduce_link, ping_pong
+from stagewise.runtime.measure.links import all_reduce_cpu, all_reduce_link, link_cpu, ping_pong
 from stagewise.runtime.measure.profiling import fastest
 
 from .._launch import timed_step
@@ -142,16 +142,19 @@ def calibrate_round(
     bandwidth: tuple[float, float],
     reduce: Any,
     steps: int = 0,
+    share: float = 0.0,
 ) -> dict[str, Any]:
     """P built and run until its :class:`RunCalibrator` (the ``after`` model: ``per_action``, the probed
-    all-reduce link, each step timed) calibrates, then ``steps`` more timed: the record, the calibrating
+    all-reduce link, each step timed, ``share``: :func:`message_cpu`) calibrates, then ``steps`` more timed: the
+    record, the calibrating
     timelines, every timed step after the warm-up, and P's cut and schedule."""
     x, y = work.data(GLOBAL_BATCH)
     with released():
         pipe = build(work, p_plan, profile, x[: micro_batch(p_plan)])
         calibrator = RunCalibrator(pipe, profile, processes=dist.get_world_size(), bandwidth=probes(bandwidth),
                                    per_action=True, reduce=reduce and reduce[:2],
-                                   reduce_cpu=float(reduce[2]) if reduce and len(reduce) > 2 else 0.0)  # fmt: skip
+                                   reduce_cpu=float(reduce[2]) if reduce and len(reduce) > 2 else 0.0,
+                                   link_cpu=share)  # fmt: skip
         seen, timed = [], []
         while calibrator.calibration is None:
             timed.append(timed_step(pipe, x, y))
@@ -172,9 +175,9 @@ def calibrated(
 ) -> tuple[Any, dict[str, Any], dict]:
     """One build of P (:func:`calibrate_round`, ``steps`` more timed): its calibrator's record, the models'
     calibrations (:func:`.model.calibrations`) of its timelines and timed steps, and what a refit needs."""
-    b_p, bandwidth, reduce = micro_batch(p_plan), prior_bandwidth(), reduce_probe()
-    got = calibrate_round(work, p_plan, profiles[b_p], bandwidth, reduce, steps)
-    return got["record"], *pooled(profiles, p_plan, [got], bandwidth, reduce)
+    b_p, bandwidth, reduce, share = micro_batch(p_plan), prior_bandwidth(), reduce_probe(), message_cpu()
+    got = calibrate_round(work, p_plan, profiles[b_p], bandwidth, reduce, steps, share)
+    return got["record"], *pooled(profiles, p_plan, [got], bandwidth, reduce, share)
 
 
 def pooled(
@@ -183,6 +186,7 @@ def pooled(
     rounds: list[dict],
     bandwidth: tuple[float, float],
     reduce: Any,
+    share: float = 0.0,
 ) -> tuple[dict[str, Any], dict]:
     """The models calibrated on the P runs of ``rounds`` pooled (their calibrating timelines and timed steps),
     and the ``kept`` record (``rounds``: how many timelines and steps each round gave)."""
@@ -191,9 +195,9 @@ def pooled(
     first, world, per = rounds[0], dist.get_world_size(), per_machine()
     cals = calibrations(timelines, first["schedule"], profiles[micro_batch(p_plan)], first["counts"], first["cores"],
                         bandwidth[0], reduce, steps, first["affinity"], nodes_of(p_plan.pp, world, per),
-                        first["tied"], bandwidth[1])  # fmt: skip
+                        first["tied"], bandwidth[1], share)  # fmt: skip
     keep = kept(profiles, timelines, p_plan._asdict(), first["counts"], first["cores"], bandwidth[0], world, reduce,
-                steps, first["affinity"], per, first["tied"], bandwidth[1])  # fmt: skip
+                steps, first["affinity"], per, first["tied"], bandwidth[1], share)  # fmt: skip
     keep["rounds"] = [[len(r["timelines"]), len(r["steps"])] for r in rounds]
     return cals, keep
 
@@ -215,6 +219,15 @@ def per_machine() -> int | None:
     None: the models then fit the link between machines apart from the one inside each (:func:`.model.nodes_of`)."""
     per = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
     return per if 0 < per < dist.get_world_size() else None
+
+
+def message_cpu() -> float:
+    """The share of a core a message between the machines takes at each end while on the link
+    (:func:`link_cpu`: rank 0 and the next machine's first rank); 0 on one machine. 2026-12-06: over 100 Mbit/s
+    the compute ran 15-45 % slower than over the veth, the more messages the plan sent, and interleaved 1F1B was
+    predicted 19 % low."""
+    per = per_machine()
+    return link_cpu(0, per) if per else 0.0
 
 
 def prior_bandwidth() -> tuple[float, float]:
@@ -288,7 +301,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     sizes = [micro_batch(p) for p in (p_plan, *plans)]
     side_by_side = args.pin  # each rank on a core of its own (__main__ pins only the jobs that fit)
     profiles = (side_by_side_profiles if side_by_side else alone_profiles)(work, x, y, sizes)
-    b_p, bandwidth, reduce = micro_batch(p_plan), prior_bandwidth(), reduce_probe()
+    b_p, bandwidth, reduce, share = micro_batch(p_plan), prior_bandwidth(), reduce_probe(), message_cpu()
     p_rounds: list[dict[str, Any]] = []
     builds: list[list[list[float]]] = [[] for _ in plans]
     cuts: list[_Cut | None] = [None] * len(plans)
@@ -296,14 +309,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for r in range(args.rounds):
         order = list(range(len(plans)))[:: -1 if r % 2 else 1]  # reversed every other round: a drift falls on all
         for start in range(0, len(order), args.p_every):
-            p_rounds.append(calibrate_round(work, p_plan, profiles[b_p], bandwidth, reduce))
+            p_rounds.append(calibrate_round(work, p_plan, profiles[b_p], bandwidth, reduce, share=share))
             if len(p_rounds) == 1:  # the one-build benchmark's calibration, before any Q runs
-                first_cals = pooled(profiles, p_plan, p_rounds, bandwidth, reduce)[0]
+                first_cals = pooled(profiles, p_plan, p_rounds, bandwidth, reduce, share)[0]
             chunk = order[start : start + args.p_every]
             for k, (seen, steps) in measured_builds(work, plans, chunk, profiles[b_p], args).items():
                 cuts[k] = cuts[k] or seen
                 builds[k].append(steps)
-    cals, keep = pooled(profiles, p_plan, p_rounds, bandwidth, reduce)
+    cals, keep = pooled(profiles, p_plan, p_rounds, bandwidth, reduce, share)
     rows = []
     for k, plan in enumerate(plans):
         q = cuts[k]

@@ -29,7 +29,7 @@ def test_timed_steps_set_the_bias_and_the_report() -> None:
     20 s, are what the report measures (median 19), not the timelines' 15 s."""
     run = simulate(build_schedule("1f1b", 2, 4), PRIOR.cost_model([0, 1, 2])).timeline
     assert run.makespan == 15.0
-    calibrator = RunCalibrator(fake_pipe(), cores=8, warmup=1, reduce=(0.25, 50.0), reduce_cpu=0.5)
+    calibrator = RunCalibrator(fake_pipe(), cores=8, warmup=1, reduce=(0.25, 50.0), reduce_cpu=0.5, link_cpu=0.25)
     for seconds in (30.0, 16.5, 18.0, 19.5):
         calibrator.observe(run, step_s=seconds)
     record = calibrator.records[0]
@@ -37,8 +37,11 @@ def test_timed_steps_set_the_bias_and_the_report() -> None:
     assert record["bias"] == pytest.approx(18.0 / 15.0, rel=1e-9) and record["reduce_link"] == [0.25, 50.0]
     assert record["reduce_cpu"] == 0.5 and calibrator.calibration is not None
     assert calibrator.calibration.reduce_cpu == 0.5  # what the held-out SYNCs take (ring_synced)
+    assert record["link_cpu"] == 0.25 and calibrator.calibration.link_cpu == 0.25  # what its plans' messages take
     with pytest.raises(ValueError, match="reduce_cpu is a share of the SYNC's time, in \\[0, 1\\], got 2"):
         RunCalibrator(fake_pipe(), cores=8, reduce=(0.25, 50.0), reduce_cpu=2)
+    with pytest.raises(ValueError, match="link_cpu is a share of a core, in \\[0, 1\\], got -0.1"):
+        RunCalibrator(fake_pipe(), cores=8, link_cpu=-0.1)
     assert record["predicted_s"] == pytest.approx(18.0, rel=1e-9)
     for seconds in (18.0, 20.0):
         calibrator.observe(run, step_s=seconds)

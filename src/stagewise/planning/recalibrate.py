@@ -115,6 +115,9 @@ class RunCalibration:
     replicas_inside: bool = False
     #: the share of the replicas' SYNC (timed alone on :attr:`reduce`) that is CPU work of its node (``sync_cpu``)
     reduce_cpu: float = 0.0
+    #: the share of a core a message between machines takes at each end while on the link (``link_cpu``, probed:
+    #: :func:`~stagewise.runtime.measure.links.link_cpu`); 0: none
+    link_cpu: float = 0.0
 
     @property
     def pinned(self) -> bool | None:
@@ -218,7 +221,7 @@ class RunCalibration:
     def linked(self, costs: CostModel, nodes: Sequence[int] | None = None) -> CostModel:
         """``costs`` on the calibrated links: between nodes, and, with ``nodes`` (a plan's pipeline ranks'), inside
         one (the :attr:`local` link; the one link where the calibrating run had no transfer inside a node)."""
-        costs = replace(costs, latency=self.latency, bandwidth=self.bandwidth)
+        costs = replace(costs, latency=self.latency, bandwidth=self.bandwidth, link_cpu=self.link_cpu)
         if nodes is None:
             return costs
         local = self.local if self.local is not None else (self.latency, self.bandwidth)
@@ -297,6 +300,7 @@ def calibrate_run(
     local_bandwidth: float | None = None,
     replicas_inside: bool = False,
     reduce_cpu: float = 0.0,
+    link_cpu: float = 0.0,
 ) -> RunCalibration:
     """Calibrate on the run of ``schedule`` cut by ``counts`` (layers per stage of ``prior``): ``timelines``
     (one per step, every rank on one clock) measured on ``cores`` shared cores; then the bias against the
@@ -307,18 +311,17 @@ def calibrate_run(
     compute action also costs its rank's CPU outside compute events (:mod:`.action_cost`); the bias keeps the rest.
     ``steps``: the calibrating plan's steps timed as the plans to predict will be (a whole ``train_step`` from a
     barrier holds what each rank does outside the timeline); the bias and the spread are taken against them
-    (default: the makespans). ``reduce``: the replicas' all-reduce link ``(latency, bandwidth)`` probed apart
-    (gloo's collectives are not the pipeline's transport), also the plan's own SYNC's, ``reduce_cpu`` of it CPU
-    work on the shared cores (:attr:`RunCalibration.reduce_cpu`). ``affinity``: the node's ranks' CPUs, whose union
-    pinned ranks share (``cores`` then theirs, :func:`~.core_share.node_cores`). ``nodes``: each pipeline rank's
-    machine: the transfers inside one and between two fitted apart (:func:`fit_links`), the one inside on the prior
-    ``local_bandwidth`` (else ``prior_bandwidth``); ``replicas_inside``: each pipeline rank's replicas share its
-    machine, their all-reduce messages fit inside one. ``tied``: ``prior``'s layers tied across stages."""
+    (default: the makespans). ``reduce``: the replicas' all-reduce link ``(latency, bandwidth)`` probed apart (gloo's
+    collectives are not the pipeline's transport), also the plan's own SYNC's, ``reduce_cpu`` of it CPU work on the
+    shared cores (:attr:`RunCalibration.reduce_cpu`); ``link_cpu``: :attr:`RunCalibration.link_cpu`. ``affinity``:
+    the node's ranks' CPUs, whose union pinned ranks share (``cores`` then theirs, :func:`~.core_share.node_cores`).
+    ``nodes``: each pipeline rank's machine: the transfers inside one and between two fitted apart
+    (:func:`fit_links`), the one inside on the prior ``local_bandwidth`` (else ``prior_bandwidth``);
+    ``replicas_inside``: each rank's replicas share its machine; ``tied``: ``prior``'s layers tied across stages."""
     cores = _cores(cores, affinity)
     _check(timelines, schedule, prior, counts, steps)
-    bounds = layer_bounds(counts)
-    sent = prior.cost_model(bounds).output_bytes
-    inside = reductions if replicas_inside else ()
+    sent = prior.cost_model(bounds := layer_bounds(counts)).output_bytes
+    inside = reductions if replicas_inside else ()  # the replicas' all-reduce messages then fit inside a machine
     link, local = fit_links(timelines, schedule, sent, prior_bandwidth, () if inside else reductions, nodes,
                             local_bandwidth, inside)  # fmt: skip
     o = action_overhead(timelines, schedule, cores) if per_action else Overheads(0.0, 0.0)
@@ -328,7 +331,7 @@ def calibrate_run(
         steps=tuple(t.makespan for t in timelines) if steps is None else tuple(float(x) for x in steps),
         link=link.note if local is None else f"between nodes: {link.note}; inside one: {local.note}",
         local=None if local is None else (local.latency, local.bandwidth), reduce_cpu=float(reduce_cpu),
-        stage_spread=stage_spreads(timelines, cores, schedule.num_stages),
+        link_cpu=float(link_cpu), stage_spread=stage_spreads(timelines, cores, schedule.num_stages),
         reduce=None if reduce is None else (float(reduce[0]), float(reduce[1])),
         affinity=() if affinity is None else tuple(tuple(sorted(int(c) for c in a)) for a in affinity),
         tied=tied_bytes(prior, tied), replicas_inside=replicas_inside, overhead=o.action, message_overhead=o.message,

@@ -46,6 +46,15 @@ class CostModel:
     waits. 0: a wait on a link, taking no core. Why: on 4 processes sharing 2 cores 1F1B at dp 2 ran 34-43 ms of
     CPU a step beyond dp 1 at the same micro-batches, the all-reduces' (issue 49, 2026-12-06), which a SYNC
     taking no core left to the other ranks' compute.
+
+    ``link_cpu``: the share of a core a message between machines takes at each end while it is on the link (the
+    sender's and the receiver's node), in the shared-core replay
+    (:func:`~stagewise.simulation.shared.shared_makespan`) only. Why: over a link of 100 Mbit/s, gloo's I/O
+    threads and the kernel's network work run beside the ranks' compute all the while a message trickles
+    through, and the compute of 1F1B, GPipe and interleaved 1F1B at 8 micro-batches on 2 ranks ran 15, 35 and
+    45 % slower than over a fast link (the more messages, the slower; issue 49, 2026-12-06): interleaved 1F1B,
+    three times 1F1B's messages, was priced 19 % low. 0: a transfer takes no core (a GPU's copy engine, or a
+    fast link, whose messages are short).
     """
 
     num_stages: int
@@ -65,6 +74,7 @@ class CostModel:
     local_latency: float = 0.0  # the link between two ranks of one node
     local_bandwidth: float = math.inf
     sync_cpu: float = 0.0
+    link_cpu: float = 0.0  # the share of a core a message between machines takes at each end while on the link
 
     def __post_init__(self) -> None:
         if self.num_stages < 1:
@@ -101,6 +111,8 @@ class CostModel:
             )
         if not 0 <= self.sync_cpu <= 1:
             raise ValueError(f"cost model: sync_cpu is a share of a SYNC's time, in [0, 1], got {self.sync_cpu!r}")
+        if not 0 <= self.link_cpu <= 1:
+            raise ValueError(f"cost model: link_cpu is a share of a core, in [0, 1], got {self.link_cpu!r}")
         nodes = tuple(self.rank_nodes)
         if any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in nodes):
             raise ValueError(f"cost model: rank_nodes must be node numbers >= 0, one per pipeline rank, got {nodes}")
@@ -275,6 +287,8 @@ class CostModel:
             rank_nodes=_nodes(data.get("rank_nodes")),
             local_latency=scalar("local_latency", 0.0, 0.0),
             local_bandwidth=scalar("local_bandwidth", math.inf, math.inf),
+            sync_cpu=scalar("sync_cpu", 0.0, 0.0),
+            link_cpu=scalar("link_cpu", 0.0, 0.0),
         )
 
 

@@ -15,7 +15,9 @@ STEP take their time on their rank and no core, but the ``sync_cpu`` share of
 a SYNC's time, which computes as F and B do: the replicas' all-reduce inside a
 node on CPUs is partly the node's CPU work, partly a wait for the peer; while
 a share ``f`` of it shares ``c`` cores with ``n`` runnable processes (it counts
-as ``f`` of one), it advances at ``1 / ((1 - f) + f n / c)``). One pipeline rank may stand
+as ``f`` of one), it advances at ``1 / ((1 - f) + f n / c)``); a message between machines, while on its
+link, counts as ``link_cpu`` of a process at each end (its sender's node and its receiver's: the I/O
+threads and the kernel's network work beside the compute). One pipeline rank may stand
 for several processes on the node - its data-parallel, sharding and tensor
 replicas, which run the same timeline - so each rank carries a ``weight``: the
 number of the node's processes that compute whenever it does, and that each
@@ -98,8 +100,9 @@ class _SharedCores:
     start and end of each action run so far (a :class:`~stagewise.simulation.tied.Timed` step once done)."""
 
     __slots__ = (
-        "arrival", "b_full", "cores", "costs", "delay_b", "delay_f", "end", "ends", "first", "lane", "last", "left",
-        "m", "node", "part", "pools", "pos", "ranks", "starts", "state", "t", "until", "weights", "wire_b", "wire_f",
+        "arrival", "b_full", "cores", "costs", "delay_b", "delay_f", "end", "ends", "first", "flows", "lane", "last",
+        "left", "m", "node", "part", "placement", "pools", "pos", "ranks", "starts", "state", "t", "until", "weights",
+        "wire_b", "wire_f",
     )  # fmt: skip
 
     def __init__(
@@ -107,7 +110,7 @@ class _SharedCores:
     ) -> None:
         n, m, p = schedule.num_stages, schedule.num_microbatches, schedule.num_ranks
         plc, last = schedule.placement, n - 1
-        self.costs, self.m, self.last = costs, m, last
+        self.costs, self.m, self.last, self.placement = costs, m, last, plc
         self.weights, self.cores, self.node, self.pools = weights, cores, node, sorted(set(node))
         self.b_full = list(costs.backward_times())
         delay = costs.boundary_transfers(plc, p)  # 0 on one rank, the local link on one node
@@ -120,6 +123,7 @@ class _SharedCores:
         self.delay_b = [0.0, *(d + (w - one) if w != one else d for d, w, one in zip(delay, self.wire_b[1:], wire))]
         self.part = [1.0] * p  # the share of a core the rank's running action takes while it runs
         self.lane = [0.0] * p  # when each rank's link is free of the messages it already sent
+        self.flows: list[tuple[float, float, int, int]] = []  # messages on a link: from, until, their ends' nodes
         self.ranks = [[a for a in acts if a[1] not in COMM] for acts in schedule.ranks]
         self.arrival: list[float | None] = [None] * (2 * n * m)
         self.pos = [0] * p
@@ -142,20 +146,41 @@ class _SharedCores:
         m = self.m
         self.ends[r].append(self.t)
         if kind is _F and s < self.last:
-            self.arrival[2 * (s * m + i)] = self.leaves(r, self.wire_f[s]) + self.delay_f[s]  # type: ignore[operator]
+            self.send(r, 2 * (s * m + i), self.wire_f[s], self.delay_f[s])  # type: ignore[operator]
         elif (kind is _B or kind is _I) and s:
-            self.arrival[2 * (s * m + i) + 1] = self.leaves(r, self.wire_b[s]) + self.delay_b[s]  # type: ignore[operator]
+            self.send(r, 2 * (s * m + i) + 1, self.wire_b[s], self.delay_b[s])  # type: ignore[operator]
         self.pos[r] += 1
         self.state[r] = 0
 
-    def leaves(self, r: int, wire: float) -> float:
-        """When rank ``r``'s message made now leaves: now, or (``wire`` > 0: it crosses machines) once the rank's
-        earlier messages have, each holding the link for its ``wire`` (its latency overlaps the others')."""
+    def send(self, r: int, msg: int, wire: float, delay: float) -> None:
+        """Rank ``r``'s message ``msg`` made now arrives ``delay`` after it leaves: now, or (``wire`` > 0: it crosses
+        machines) once the rank's earlier messages have, each holding the link for its ``wire`` (its latency
+        overlaps the others'); while on the link it takes ``link_cpu`` of a process at each end."""
         if not wire:
-            return self.t
+            self.arrival[msg] = self.t + delay
+            return
         go = max(self.t, self.lane[r])
         self.lane[r] = go + wire
-        return go
+        self.arrival[msg] = go + delay
+        if self.costs.link_cpu:
+            s = (msg // 2) // self.m
+            to = self.placement[s + 1] if msg % 2 == 0 else self.placement[s - 1]
+            self.flows.append((go, go + wire, self.node[r], self.node[to]))
+
+    def on_links(self, busy: dict[int, float]) -> float:
+        """Add to ``busy`` the CPU of the messages on a link now (``link_cpu`` of a process at each end); the next
+        time one starts or ends (when the shares change)."""
+        t, f = self.t, self.costs.link_cpu
+        self.flows = [x for x in self.flows if x[1] > t]
+        flip = float("inf")
+        for start, end, a, b in self.flows:
+            if start <= t:
+                busy[a] += f
+                busy[b] += f
+                flip = min(flip, end)
+            else:
+                flip = min(flip, start)
+        return flip
 
     def start_ready(self) -> float:
         """Start on every idle rank what can start now (zero-length actions finish at once, and the ranks are
@@ -224,10 +249,11 @@ class _SharedCores:
         for r in range(p):
             if state[r] == 1:
                 busy[node[r]] += weights[r] * part[r]
+        flip = self.on_links(busy) if self.flows else float("inf")
         rate = [1.0 / (1.0 - part[r] + part[r] * max(1.0, busy[node[r]] / cores)) if state[r] == 1 else 1.0
                 for r in range(p)]  # fmt: skip
         done_at = [t + left[r] / rate[r] if state[r] == 1 else until[r] if state[r] == 2 else 0.0 for r in range(p)]
-        nxt = min([wake] + [done_at[r] for r in range(p) if state[r] in (1, 2)])
+        nxt = min([wake, flip] + [done_at[r] for r in range(p) if state[r] in (1, 2)])
         if nxt == float("inf"):
             return False
         for r in range(p):

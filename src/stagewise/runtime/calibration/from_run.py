@@ -75,7 +75,9 @@ class RunCalibrator:
     (:func:`~stagewise.runtime.measure.links.all_reduce_link`): with dp > 1 each stage's SYNC is priced on it;
     ``reduce_cpu``: where it was probed with each replica group alone (``all_reduce_link(alone=True)``: replicas
     inside one machine, on CPUs), the share of a SYNC that is its node's CPU work
-    (:func:`~stagewise.runtime.measure.links.all_reduce_cpu`), which takes the shared cores in the prediction.
+    (:func:`~stagewise.runtime.measure.links.all_reduce_cpu`), which takes the shared cores in the prediction;
+    ``link_cpu``: the share of a core a message between machines takes at each end while it is on the link
+    (:func:`~stagewise.runtime.measure.links.link_cpu`), which the prediction's transfers take from the compute.
     The held-out benchmark (``benchmarks/calibration``) calibrates with ``per_action=True``, ``reduce`` and each
     step timed (:meth:`observe`'s ``step_s``): its figures are this calibrator's model.
     """
@@ -96,6 +98,7 @@ class RunCalibrator:
         per_action: bool = False,
         reduce: tuple[float, float] | None = None,
         reduce_cpu: float = 0.0,
+        link_cpu: float = 0.0,
     ) -> None:
         refuse_unwatchable("RunCalibrator", pipe)
         if after < 1 or warmup < 0:
@@ -115,6 +118,9 @@ class RunCalibrator:
         if not 0 <= reduce_cpu <= 1:
             raise ValueError(f"RunCalibrator: reduce_cpu is a share of the SYNC's time, in [0, 1], got {reduce_cpu!r}")
         self.reduce_cpu = float(reduce_cpu)
+        if not 0 <= link_cpu <= 1:
+            raise ValueError(f"RunCalibrator: link_cpu is a share of a core, in [0, 1], got {link_cpu!r}")
+        self.link_cpu = float(link_cpu)
         self.bandwidth, self.local_bandwidth, self.bandwidth_from = link_prior(pipe, bandwidth)
         self.on_event = on_event
         self.records: list[dict[str, Any]] = []
@@ -187,6 +193,7 @@ class RunCalibrator:
             per_action=self.per_action, steps=timed if self._steps_timed else None, reduce=self.reduce,
             affinity=affinity, nodes=nodes, tied=tied, local_bandwidth=self.local_bandwidth,
             replicas_inside=spans and replicas_inside(self.pipe, machines), reduce_cpu=self.reduce_cpu,
+            link_cpu=self.link_cpu,
         )  # fmt: skip
         self.cores = cal.cores
         if any(c < 1 for c in self.caps):  # a held rank's speed on this cut, measured here (not another cut's)
@@ -228,6 +235,7 @@ class RunCalibrator:
                 "steps_from": "timed" if self._steps_timed else "makespans",
                 "reduce_link": None if cal.reduce is None else list(cal.reduce),
                 "reduce_cpu": cal.reduce_cpu,
+                "link_cpu": cal.link_cpu,
                 "speeds": self.speeds,
             }
         )

@@ -14,7 +14,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -91,6 +91,76 @@ def ping_pong(a: int, b: int, *, rounds: int = 10, timeout: float = 30.0) -> Lin
     return Link(latency=max(float(fit[0]), 0.0), bandwidth=float(fit[1]))
 
 
+#: bytes of each message :func:`link_cpu` streams (an activation of the benchmarks' GPT at 2 samples: 128 KiB)
+STREAM_BYTES = 1 << 17
+
+
+def link_cpu(a: int, b: int, *, nbytes: int = STREAM_BYTES, rounds: int = 5, timeout: float = 120.0) -> float:
+    """The share of a core a message on the link between global ranks ``a`` and ``b`` takes at each end while it
+    is on the link (:attr:`stagewise.simulation.CostModel.link_cpu`): both ranks run a fixed compute loop, alone
+    and then while ``a`` streams messages of ``nbytes`` to ``b`` for longer than the loop lasts; the share is the
+    loop's slowdown (the mean of the two ends, the median of ``rounds``), in [0, 1]. Returned on every rank (a
+    collective; the other ranks wait). 2026-12-06, 100 Mbit/s between two machines: the pipeline's compute ran
+    15-45 % slower than over a fast link, the more so the more messages a plan sends."""
+    deadline = time.monotonic() + timeout
+    me = dist.get_rank()
+    got = torch.zeros(1, dtype=torch.float64)
+    pair = dist.new_group([a, b])  # every rank makes it
+    if me in (a, b):
+        got[0] = _bounded(lambda: _stream_share(me == a, b if me == a else a, pair, nbytes, rounds), deadline,
+                          f"the compute beside a stream between ranks {a} and {b}")  # fmt: skip
+    got[0] = summed([float(got[0])], deadline)[0] / 2
+    dist.destroy_process_group(pair)  # (not after a failure: a broken group is dropped, never destroyed)
+    return min(max(float(got[0]), 0.0), 1.0)
+
+
+def _stream_share(sender: bool, peer: int, pair: Any, nbytes: int, rounds: int) -> float:
+    """This end's median of (the loop beside the stream / the loop alone - 1) over ``rounds``."""
+
+    def loop(n: int) -> float:
+        started = time.perf_counter()
+        _compute(n)
+        return time.perf_counter() - started
+
+    n = max(1, int(64 / max(loop(64), 1e-6) * 0.2))  # about 0.2 s of compute
+    buf = torch.zeros(nbytes // 4)
+    dist.barrier(group=pair)
+    started = time.perf_counter()  # the link's rate: 8 messages (the first sets up the connection)
+    _stream(sender, peer, buf, 8)
+    rate = torch.tensor([8 * nbytes / max(time.perf_counter() - started, 1e-9)], dtype=torch.float64)
+    dist.all_reduce(rate, dist.ReduceOp.MIN, group=pair)  # the receiver's (a sender returns once it is buffered)
+    agreed = torch.tensor([min(4096, max(8, int(1.5 * loop(n) * float(rate) / nbytes)))], dtype=torch.int64)
+    dist.all_reduce(agreed, dist.ReduceOp.MAX, group=pair)  # one count at both ends, the longer loop's
+    count = int(agreed)
+    shares = []
+    for _ in range(rounds):
+        dist.barrier(group=pair)
+        alone = loop(n)
+        dist.barrier(group=pair)
+        works = _post(sender, peer, buf, count)
+        beside = loop(n)
+        for work in works:
+            work.wait()
+        shares.append(beside / alone - 1)
+    return statistics.median(shares)
+
+
+def _compute(n: int) -> None:
+    """``n`` rounds of a small layer's work (a 64 x 256 by 256 x 256 product and a ReLU)."""
+    x, w = torch.ones(64, 256), torch.ones(256, 256)
+    for _ in range(n):
+        torch.mm(x, w).relu_()
+
+
+def _post(sender: bool, peer: int, buf: torch.Tensor, count: int) -> list[Any]:
+    return [(dist.isend if sender else dist.irecv)(buf, peer) for _ in range(count)]
+
+
+def _stream(sender: bool, peer: int, buf: torch.Tensor, count: int) -> None:
+    for work in _post(sender, peer, buf, count):
+        work.wait()
+
+
 def measure_links(nodes: int = 1, *, rounds: int = 10, timeout: float = 30.0) -> tuple[Link | None, Link | None]:
     """``(intra, inter)`` for this group on ``nodes`` nodes: ranks 0-1 inside node 0, ranks 0 and
     ``processes_per_node`` across; None where the shape has no such pair (a collective)."""
@@ -149,13 +219,30 @@ def all_reduce_cpu(dp: int = 2, *, sharing: float, rounds: int = 5, timeout: flo
 def _synced_medians(dp: int, sizes: tuple[int, ...], rounds: int, timeout: float, alone: bool) -> list[float] | None:
     """Per size of ``sizes`` (bytes), the slowest rank's median seconds of ``rounds`` of the runtime's SYNC in
     every replica group (:func:`all_reduce_link`); None where the world cannot hold ``dp`` replicas."""
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world = dist.get_world_size()
     if dp < 2 or world % dp:
         return None
     deadline = time.monotonic() + timeout
     pp = world // dp
     groups = [[s * dp + r for r in range(dp)] for s in range(pp)]  # stage s's replicas (dp the innermost axis)
     handles = [dist.new_group(g) for g in groups]  # every rank makes every group, in the same order
+    medians = _timed_medians(handles, groups, sizes, rounds, deadline, alone, world)
+    for h in handles:  # let them go (not after a failure: a broken group is dropped, never destroyed): a probe
+        dist.destroy_process_group(h)  # called again would otherwise keep a group's threads and sockets each time
+    return medians
+
+
+def _timed_medians(
+    handles: list[Any],
+    groups: list[list[int]],
+    sizes: tuple[int, ...],
+    rounds: int,
+    deadline: float,
+    alone: bool,
+    world: int,
+) -> list[float]:
+    """:func:`_synced_medians` on the replica groups made (``handles``, one per group of ``groups``)."""
+    rank = dist.get_rank()
     mine = next(h for h, g in zip(handles, groups) if rank in g)
     turns = groups if alone else [list(range(world))]  # who reduces in each timed turn
     medians = []
