@@ -8,7 +8,7 @@ change can be evaluated offline against a stored quiet run, ``python -m benchmar
 * ``after``: both terms: the layers at each plan's micro-batch, and every compute action's CPU time outside its
   compute event, measured on P's timeline, priced on the shared cores (the bias keeps the rest); and, where the
   job probed it (:mod:`.reduce_probe`), the replicas' all-reduce on its own link rather than the point-to-point
-  one.
+  one; across machines, each message's CPU at both ends while on the link (``link_cpu``, probed by the worker).
 
 Both are calibrated on the calibrating plan P's timelines only; nothing of a plan Q enters them. Each waits, in
 every plan and in P, for the gradient sum of the layers the workload ties across stages (the GPTs' head and token

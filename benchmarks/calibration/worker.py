@@ -5,8 +5,9 @@ each plan built ``--rounds`` times, interleaved.
    on every rank at once, pooled (:func:`side_by_side_profiles`), else on rank 0 alone
    (``sw.runtime.profile_sizes``) and handed round; every rank probes the replicas' all-reduce link
    (:func:`~stagewise.runtime.measure.links.all_reduce_link`, each group alone where the replicas share a machine:
-   :func:`reduce_probe`; P is dp 1 and holds none) and the point-to-point bandwidth (:func:`prior_bandwidth`, kept
-   where P's transfers, all one size, cannot identify it);
+   :func:`reduce_probe`; P is dp 1 and holds none), the point-to-point bandwidth (:func:`prior_bandwidth`, kept
+   where P's transfers, all one size, cannot identify it) and, across machines, a message's CPU on the link
+   (:func:`message_cpu`);
 2. each round: every Q of :func:`.space.held_out` built afresh, ``--warmup`` untimed and ``--steps`` timed
    steps (each from a barrier, the slowest rank's ``train_step``), the order of the Qs reversed every other
    round, so that a drift of the machine falls on every plan alike; before every ``--p-every`` Qs, P built
@@ -224,7 +225,7 @@ def per_machine() -> int | None:
 def message_cpu() -> float:
     """The share of a core a message between the machines takes at each end while on the link
     (:func:`link_cpu`: rank 0 and the next machine's first rank); 0 on one machine. 2026-12-06: over 100 Mbit/s
-    the compute ran 15-45 % slower than over the veth, the more messages the plan sent, and interleaved 1F1B was
+    the compute ran 26-57 % slower than over the veth (1F1B to ZB-V at 8 micro-batches), and interleaved 1F1B was
     predicted 19 % low."""
     per = per_machine()
     return link_cpu(0, per) if per else 0.0

@@ -1,10 +1,10 @@
 """A message between machines takes CPU at both ends while it is on the link (``CostModel.link_cpu``, issue 49).
 
-Over 100 Mbit/s between two namespace machines the compute of 1F1B, GPipe and interleaved 1F1B (8 micro-batches,
-2 ranks) ran 15, 35 and 45 % slower than over the veth, and interleaved 1F1B, three times 1F1B's messages, was
-predicted 19 % low (2026-12-06). The shared-core replay now counts a message on the link as ``link_cpu`` of a
-process on its sender's node and on its receiver's. Checked by hand on GPipe, 2 ranks, 2 micro-batches, F 1 s,
-B 0 s, each message 1 s on the link, each rank a node of one core.
+Over 100 Mbit/s between two namespace machines the compute of 1F1B, GPipe, interleaved 1F1B and ZB-V (8
+micro-batches, 2 ranks) ran 26, 36, 41 and 57 % slower than over the veth, and interleaved 1F1B, three times
+1F1B's messages, was predicted 19 % low (2026-12-06). The shared-core replay now counts a message on the link
+as ``link_cpu`` of a process on its sender's node and on its receiver's. Checked by hand on GPipe, 2 ranks,
+2 micro-batches, F 1 s, B 0 s, each message 1 s on the link, each rank a node of one core.
 """
 
 from __future__ import annotations

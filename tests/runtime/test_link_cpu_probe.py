@@ -50,7 +50,8 @@ class _Fake:
 def fake(monkeypatch: pytest.MonkeyPatch) -> _Fake:
     f = _Fake()
     dist = SimpleNamespace(
-        get_rank=lambda: 0, new_group=lambda ranks: tuple(ranks), destroy_process_group=lambda g: None,
+        get_rank=lambda: 0, get_world_size=lambda: 2, new_group=lambda ranks: tuple(ranks),
+        destroy_process_group=lambda g: None,
         barrier=lambda group=None: None, all_reduce=f.all_reduce, ReduceOp=SimpleNamespace(MAX="max", MIN="min"),
         isend=lambda buf, peer: f.post("send"), irecv=lambda buf, peer: f.post("recv"),
     )  # fmt: skip
@@ -76,3 +77,11 @@ def test_both_ends_post_the_count_they_agreed(fake: _Fake) -> None:
 def test_the_share_is_clipped_to_a_core(fake: _Fake, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(links, "summed", lambda values, deadline: [2 * 1.7])
     assert links.link_cpu(0, 1) == 1.0
+
+
+def test_a_pair_that_is_not_two_ranks_is_refused(fake: _Fake) -> None:
+    with pytest.raises(ValueError, match="two ranks of the 2 processes, got 1 and 1"):
+        links.link_cpu(1, 1)
+    with pytest.raises(ValueError, match="got 0 and 2"):
+        links.link_cpu(0, 2)
+    assert fake.ops == []  # refused before anything was posted

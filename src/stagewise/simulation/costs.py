@@ -51,9 +51,9 @@ class CostModel:
     sender's and the receiver's node), in the shared-core replay
     (:func:`~stagewise.simulation.shared.shared_makespan`) only. Why: over a link of 100 Mbit/s, gloo's I/O
     threads and the kernel's network work run beside the ranks' compute all the while a message trickles
-    through, and the compute of 1F1B, GPipe and interleaved 1F1B at 8 micro-batches on 2 ranks ran 15, 35 and
-    45 % slower than over a fast link (the more messages, the slower; issue 49, 2026-12-06): interleaved 1F1B,
-    three times 1F1B's messages, was priced 19 % low. 0: a transfer takes no core (a GPU's copy engine, or a
+    through, and the compute of 1F1B, GPipe, interleaved 1F1B and ZB-V at 8 micro-batches on 2 ranks ran 26, 36,
+    41 and 57 % slower than over a fast link (issue 49, 2026-12-06): interleaved 1F1B, three times 1F1B's
+    messages, was priced 19 % low. 0: a transfer takes no core (a GPU's copy engine, or a
     fast link, whose messages are short).
     """
 
