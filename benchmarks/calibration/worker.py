@@ -45,7 +45,8 @@ from stagewise.runtime import RunCalibrator
 
 # internal: --pin, the pinning stagewise run --pin-cores does (the benchmark launches torchrun itself); the link
 # probes alone (calibrate() probes much else): the ping-pong for the point-to-point bandwidth's prior, the
-# replicas' all-reduce for their SYNC; the profile's fastest round per layer (side_by_side_profiles)
+# replicas' all-reduce for their SYNC, a message's CPU on the link between machines; the profile's fastest round
+# per layer (side_by_side_profiles)
 from stagewise.runtime.measure.cores import pin_local_rank
 from stagewise.runtime.measure.links import all_reduce_cpu, all_reduce_link, link_cpu, ping_pong
 from stagewise.runtime.measure.profiling import fastest
@@ -147,8 +148,7 @@ def calibrate_round(
 ) -> dict[str, Any]:
     """P built and run until its :class:`RunCalibrator` (the ``after`` model: ``per_action``, the probed
     all-reduce link, each step timed, ``share``: :func:`message_cpu`) calibrates, then ``steps`` more timed: the
-    record, the calibrating
-    timelines, every timed step after the warm-up, and P's cut and schedule."""
+    record, the calibrating timelines, every timed step after the warm-up, and P's cut and schedule."""
     x, y = work.data(GLOBAL_BATCH)
     with released():
         pipe = build(work, p_plan, profile, x[: micro_batch(p_plan)])
