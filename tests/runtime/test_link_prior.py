@@ -79,3 +79,15 @@ def test_without_a_plan_or_a_probe_the_bandwidth_is_infinite_and_said() -> None:
         record = calibrated(RunCalibrator(pipe, cores=2, warmup=1))
         assert record["bandwidth_Bps"] == math.inf and record["bandwidth_from"] == "none"
         assert "no prior bandwidth: infinite" in record["link"]
+
+
+def test_a_messages_cpu_comes_with_the_calibration_or_the_plan() -> None:
+    """``link_cpu`` left out: the calibration's probe (``sw.calibrate(nodes=2)``), else what the plan was searched
+    with (a plan across nodes keeps it in ``costs``), else 0; given, it wins."""
+    probe = Calibration(inter=Link(1e-3, 1.2e7), link_cpu=0.4, nodes=2)
+    found = sw.plan(PRIOR, 2, nodes=2, global_batch=8, calibration=probe, recompute=(None,), schedules=["1f1b"])[0]
+    assert found.costs is not None and found.costs.link_cpu == 0.4
+    assert RunCalibrator(fake_pipe(), cores=2, bandwidth=probe).link_cpu == 0.4
+    assert RunCalibrator(fake_pipe(found), cores=2).link_cpu == 0.4
+    assert RunCalibrator(fake_pipe(found), cores=2, link_cpu=0.1).link_cpu == 0.1
+    assert RunCalibrator(fake_pipe(), cores=2).link_cpu == 0.0

@@ -133,7 +133,10 @@ class Calibration:
     of :mod:`.comm`). ``sharding_hooks``: the CPU seconds FSDP2's hooks add to one unit's forward and
     backward per micro-batch (None: not measured; the layouts' fitted costs then carry it as a term
     per unit and micro-batch). ``processes`` / ``nodes``: the group it was measured on (None: not recorded); the layout
-    costs and the cores hold for that many processes only.
+    costs and the cores hold for that many processes only. ``link_cpu``: the share of a core a message between
+    nodes takes at each end while on the ``inter`` link (:func:`stagewise.runtime.measure.links.link_cpu`, probed
+    where ``nodes`` > 1; 0: none), which a plan whose pipeline crosses nodes takes from its compute (on 100 Mbit/s,
+    0.27-0.54: the compute ran 26-57 % slower than over a fast link).
 
     A calibration takes minutes to measure: :meth:`save` it, and :meth:`load` it for later plans
     (``stagewise plan --calibration FILE``).
@@ -153,12 +156,15 @@ class Calibration:
     background: float = 0.0
     processes: int | None = None
     nodes: int | None = None
+    link_cpu: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("action", "message", "step", "background"):
             value = getattr(self, name)
             if not 0 <= value < math.inf:
                 raise ValueError(f"Calibration.{name} must be seconds >= 0, got {value!r}")
+        if not 0 <= self.link_cpu <= 1:
+            raise ValueError(f"Calibration.link_cpu is a share of a core, in [0, 1], got {self.link_cpu!r}")
         if self.cores is not None and not 0 < self.cores < math.inf:
             raise ValueError(f"Calibration.cores must be > 0 (cores per node), got {self.cores!r}")
         for row in self.layouts:
@@ -239,6 +245,7 @@ class Calibration:
             "background": self.background,
             "processes": self.processes,
             "nodes": self.nodes,
+            "link_cpu": self.link_cpu,
         }
 
     @classmethod

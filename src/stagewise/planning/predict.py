@@ -13,8 +13,9 @@ from .orders import backward_counts, compute_schedule, placement_of
 from .result import Plan, RankMemory
 
 
-def simulate_candidate(c: Candidate) -> tuple[SimResult, float, list[float]]:
-    """Simulate; return the result, the step time with the asynchronous all-reduces, and each rank's end."""
+def simulate_candidate(c: Candidate, link_cpu: float = 0.0) -> tuple[SimResult, float, list[float]]:
+    """Simulate; return the result, the step time with the asynchronous all-reduces, and each rank's end.
+    ``link_cpu``: kept in the result's cost model for the shared-core replay (the plain simulation leaves it out)."""
     config = c.layout.config
     schedule = compute_schedule(c.schedule, config.pp, c.m, c.v)
     link = c.layout.links["pp"]
@@ -32,6 +33,7 @@ def simulate_candidate(c: Candidate) -> tuple[SimResult, float, list[float]]:
         bandwidth=link.bandwidth,
         sync_time=c.sync_blocking,
         backward_full=c.costs.backward_times(),
+        link_cpu=link_cpu,
     )
     local = c.layout.local
     if c.layout.nodes and local is not None:  # boundaries inside a node on the intra-node link
@@ -96,17 +98,22 @@ def evaluate(
     fixed: float = 0.0,
     hidden: Sequence[float] = (),
     background: float = 0.0,
+    link_cpu: float = 0.0,
 ) -> Plan:
     """Simulate a candidate that fits memory into a plan (its step at least the CPU bound, the cores shared when
-    processes outnumber them, plus ``fixed`` seconds per step; see :mod:`stagewise.planning.costing`).
+    processes outnumber them or a message between nodes takes CPU, plus ``fixed`` seconds per step; see
+    :mod:`stagewise.planning.costing`).
 
     ``hidden``: per pipeline rank, CPU seconds per step each of its processes spends beyond its compute actions
     (transport threads, bookkeeping); on shared cores it is charged with the compute, spread over the rank's
     actions in proportion to their length. ``background``: CPU seconds per second each process spends idle (its
     transport threads), which leaves the node's processes ``cores - per_node * background`` cores for their work.
+    ``link_cpu``: the share of a core each message between nodes takes at each end while on the link
+    (:attr:`~stagewise.planning.Calibration.link_cpu`): a pipeline that crosses nodes is then replayed on the
+    nodes' cores (:func:`~stagewise.simulation.shared_makespan`) even where each process has a core of its own.
     """
     config = c.layout.config
-    sim, simulated, _ = simulate_candidate(c)
+    sim, simulated, _ = simulate_candidate(c, link_cpu)
     placement = placement_of(c.schedule, config.pp, c.v)
     busy = _per_rank(stage_compute(c), placement, config.pp)
     tp_comm = _per_rank([c.m * x for x in c.costs.tp_comm], placement, config.pp)
@@ -156,13 +163,15 @@ def _on_shared_cores(
     cores: float | None,
     bg: float,
 ) -> tuple[float, float]:
-    """The CPU bound, and the step replayed on the node's shared cores (0 unless processes outnumber cores).
+    """The CPU bound, and the step replayed on the node's shared cores (0 unless processes outnumber cores, or
+    messages between nodes take CPU: ``sim.costs.link_cpu`` and a pipeline across nodes).
 
     ``busy`` / ``extra``: per pipeline rank, its compute and its hidden CPU seconds; ``bg``: :func:`evaluate`'s
     ``background``.
     """
     pp = c.layout.config.pp
     oversubscribed = cores is not None and cores < per_node
+    crossing = sim.costs.link_cpu > 0 and len(set(c.layout.nodes)) > 1
     left = cores
     if oversubscribed:  # what the processes' idle transport threads leave (never below a tenth of the cores)
         assert cores is not None
@@ -170,10 +179,13 @@ def _on_shared_cores(
         extra = _beside_sync(extra, _per_rank(c.sync_blocking, placement, pp), left / per_node)
     charged = [b + x for b, x in zip(busy, extra)] if oversubscribed else busy
     cpu = cpu_bound(charged, processes, per_node, left)
-    if not oversubscribed:
+    if not oversubscribed and not crossing:
         return cpu, 0.0
     # the compute (and its hidden CPU) replayed on the node's shared cores, with the plain simulation's tail (the
-    # asynchronous all-reduces and the tied sums after its makespan: ends_with_async_sync, priced once for both)
+    # asynchronous all-reduces and the tied sums after its makespan: ends_with_async_sync, priced once for both);
+    # a process per core (cores None: as many as processes) where only the messages' CPU asks for the replay
+    if not oversubscribed:
+        left = max(float(per_node), float(cores or 0.0))
     assert left is not None
     weights, nodes = sharing(pp, processes, per_node)
     schedule = compute_schedule(c.schedule, pp, c.m, c.v)

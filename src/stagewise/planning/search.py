@@ -290,7 +290,9 @@ class _Search:
         key = (config.pp, config.dp, config.tp, config.sharding)
         fixed = cal.step_for(*key, max(units), m)
         hidden = [cal.cpu_for(*key, u, m) for u in units]
-        plan = evaluate(cand, memory, prob.processes, prob.per_node, prob.cores, fixed, hidden, cal.background)
+        plan = evaluate(
+            cand, memory, prob.processes, prob.per_node, prob.cores, fixed, hidden, cal.background, cal.link_cpu
+        )
         return plan, cand
 
 

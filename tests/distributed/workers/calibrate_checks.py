@@ -50,7 +50,7 @@ def calibrated(ctx: Ctx) -> dict[str, Any]:
     # the group it was measured on, and a file that gives the same calibration back
     assert (cal.processes, cal.nodes) == (ctx.world, 1), cal
     assert Calibration.from_json(cal.to_json()) == cal
-    assert cal.intra is not None and cal.inter is None, cal
+    assert cal.intra is not None and cal.inter is None and cal.link_cpu == 0.0, cal  # (one node: no link between)
     assert _usable(cal.intra.latency) and _usable(cal.intra.bandwidth), cal.intra
     assert 0 <= cal.action < math.inf and 0 <= cal.step < math.inf and cal.message == 0, cal
     assert cal.cores is not None and _usable(cal.cores), cal
@@ -110,8 +110,23 @@ def calibrated(ctx: Ctx) -> dict[str, Any]:
 
 
 def across_nodes(ctx: Ctx) -> dict[str, Any]:
-    """A nodes x processes shape of 2 x 1: the only pair crosses nodes, so inter is measured, intra is not."""
-    cal = sw.calibrate(nodes=ctx.world, sharding=False, layouts=False, timeout=60)
+    """A nodes x processes shape of 2 x 1: the only pair crosses nodes, so inter is measured, intra is not; and a
+    message's CPU between the nodes is probed between node 0's first rank and node 1's (the probe itself, a
+    stream beside a compute loop, is tests/runtime/test_link_cpu_probe.py's: here it answers at once)."""
+    import stagewise.runtime.calibration.calibrate as calibrate_module
+
+    probe, asked = calibrate_module.link_cpu, []
+
+    def answered(a: int, b: int, **_: Any) -> float:
+        asked.append((a, b))
+        return 0.25
+
+    calibrate_module.link_cpu = answered  # type: ignore[assignment]
+    try:
+        cal = sw.calibrate(nodes=ctx.world, sharding=False, layouts=False, timeout=60)
+    finally:
+        calibrate_module.link_cpu = probe
+    assert asked == [(0, 1)] and cal.link_cpu == 0.25, (asked, cal.link_cpu)
     assert cal.layouts == ()
     intra, inter = cal.intra, cal.inter
     assert intra is None and inter is not None and _usable(inter.latency) and _usable(inter.bandwidth), cal

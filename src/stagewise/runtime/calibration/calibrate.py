@@ -59,7 +59,7 @@ from ...simulation import CostModel, simulate
 from ..comm.groups import global_rank, group_size, new_world_subgroup, require_initialized
 from ..interrupt import uncounted
 from ..measure.cores import node_affinity
-from ..measure.links import average, measure_links, slowest
+from ..measure.links import average, link_cpu, measure_links, slowest
 from .layout_probe import CORNERS, Tick, layout_costs, layout_shapes
 from .progress import Steps
 
@@ -79,8 +79,9 @@ def calibrate(
     timeout: float = 60.0,
     progress: bool = True,
 ) -> Calibration:
-    """Measure links, the runtime's cost per action, the cores the node's processes share and (``sharding``)
-    FSDP2's cost per unit and (``layouts``) each layout's cost per step; every rank gets it.
+    """Measure links, the runtime's cost per action, the cores the node's processes share, (``sharding``) FSDP2's
+    cost per unit, (``layouts``) each layout's cost per step and, on ``nodes`` > 1, a message's CPU between nodes
+    (:attr:`Calibration.link_cpu`); every rank gets it.
 
     ``workload``: a piece of the model's own work (a forward and backward of some of its layers on a
     micro-batch, say) for measuring the shared cores (:func:`effective_cores`); left out, a small
@@ -93,8 +94,8 @@ def calibrate(
     times as long (at 8 processes on 2 cores, about 90 s with the default 3). ``progress``: rank 0 draws a bar
     naming the probe under way (rich, on stderr).
 
-    Measuring takes minutes: ``calibrate().save(path)`` keeps it (:meth:`Calibration.save`), for
-    ``Calibration.load(path)`` or ``stagewise plan --calibration path`` later, on the same group.
+    Measuring takes minutes: ``calibrate().save(path)`` keeps it (:meth:`Calibration.save`), for ``Calibration.load``
+    or ``stagewise plan --calibration path`` later, on the same group.
     """
     require_initialized()
     if not timeout > 0:
@@ -105,12 +106,9 @@ def calibrate(
     pairs = world >= 2
     shapes = layout_shapes(world) if layouts and pairs else []
     total = passes * (2 if pairs else 1) + 2 + (sharding and pairs) + passes * len(shapes) * len(CORNERS)
+    total += nodes > 1 and pairs
     with Steps("calibrate", total, progress) as bar, uncounted():  # the probes' steps are not the job's training
-        found = []
-        for k in range(passes):
-            bar.next(f"links, pass {k + 1} of {passes}")
-            found.append(measure_links(nodes, timeout=timeout))
-        intra, inter = (_median_link([pair[k] for pair in found]) for k in (0, 1))
+        intra, inter = _links(nodes, passes, timeout, bar.next)
         link = intra or inter or Link()
         action, step = action_cost(link, passes=passes, timeout=timeout, tick=bar.next) if pairs else (0.0, 0.0)
         bar.next("the cores the processes share")
@@ -127,8 +125,26 @@ def calibrate(
             )
         if shapes:
             cal = replace(cal, layouts=layout_costs(cal, world, nodes, passes=passes, timeout=timeout, tick=bar.next))
+        cal = _message_cpu(cal, nodes, timeout, bar.next) if nodes > 1 and pairs else cal
         bar.next("idle CPU")
         return replace(cal, background=idle_cpu(timeout=timeout))  # last: with every group the probes left
+
+
+def _message_cpu(cal: Calibration, nodes: int, timeout: float, tick: Tick) -> Calibration:
+    """``cal`` with the share of a core a message between nodes takes at each end, probed between node 0's first
+    rank and node 1's (:func:`~stagewise.runtime.measure.links.link_cpu`)."""
+    tick("a message's CPU between nodes")
+    return replace(cal, link_cpu=link_cpu(0, group_size(None) // nodes, timeout=timeout))
+
+
+def _links(nodes: int, passes: int, timeout: float, tick: Tick) -> tuple[Link | None, Link | None]:
+    """The links inside a node and between nodes, each the median over ``passes`` ping-pong passes."""
+    found = []
+    for k in range(passes):
+        tick(f"links, pass {k + 1} of {passes}")
+        found.append(measure_links(nodes, timeout=timeout))
+    intra, inter = (_median_link([pair[k] for pair in found]) for k in (0, 1))
+    return intra, inter
 
 
 def _median_link(links: list[Link | None]) -> Link | None:

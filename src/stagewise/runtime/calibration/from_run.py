@@ -77,7 +77,9 @@ class RunCalibrator:
     inside one machine, on CPUs), the share of a SYNC that is its node's CPU work
     (:func:`~stagewise.runtime.measure.links.all_reduce_cpu`), which takes the shared cores in the prediction;
     ``link_cpu``: the share of a core a message between machines takes at each end while it is on the link
-    (:func:`~stagewise.runtime.measure.links.link_cpu`), which the prediction's transfers take from the compute.
+    (:func:`~stagewise.runtime.measure.links.link_cpu`), which the prediction's transfers take from the compute;
+    by default the ``bandwidth`` calibration's (:attr:`~stagewise.planning.Calibration.link_cpu`), else the
+    pipeline's plan's (a plan searched with it keeps it in ``costs``), else 0 (:func:`link_cpu_prior`).
     The held-out benchmark (``benchmarks/calibration``) calibrates with ``per_action=True``, ``reduce`` and each
     step timed (:meth:`observe`'s ``step_s``): its figures are this calibrator's model.
     """
@@ -98,7 +100,7 @@ class RunCalibrator:
         per_action: bool = False,
         reduce: tuple[float, float] | None = None,
         reduce_cpu: float = 0.0,
-        link_cpu: float = 0.0,
+        link_cpu: float | None = None,
     ) -> None:
         refuse_unwatchable("RunCalibrator", pipe)
         if after < 1 or warmup < 0:
@@ -118,9 +120,9 @@ class RunCalibrator:
         if not 0 <= reduce_cpu <= 1:
             raise ValueError(f"RunCalibrator: reduce_cpu is a share of the SYNC's time, in [0, 1], got {reduce_cpu!r}")
         self.reduce_cpu = float(reduce_cpu)
-        if not 0 <= link_cpu <= 1:
+        self.link_cpu = link_cpu_prior(pipe, bandwidth) if link_cpu is None else float(link_cpu)
+        if not 0 <= self.link_cpu <= 1:
             raise ValueError(f"RunCalibrator: link_cpu is a share of a core, in [0, 1], got {link_cpu!r}")
-        self.link_cpu = float(link_cpu)
         self.bandwidth, self.local_bandwidth, self.bandwidth_from = link_prior(pipe, bandwidth)
         self.on_event = on_event
         self.records: list[dict[str, Any]] = []
@@ -371,6 +373,16 @@ def link_prior(pipe: Any, given: float | Calibration | None = None) -> LinkPrior
         inside = local if getattr(costs, "rank_nodes", ()) and local > 0 else float(costs.bandwidth)
         return LinkPriors(float(costs.bandwidth), inside, "the plan's link")
     return LinkPriors(math.inf, math.inf, "none")
+
+
+def link_cpu_prior(pipe: Any, given: float | Calibration | None = None) -> float:
+    """The share of a core a message between machines takes at each end, where the caller gives none: ``given``'s
+    (a :class:`~stagewise.planning.Calibration` that probed it), else the pipeline's plan's (``Pipeline.from_plan``
+    of a plan searched with one: its ``costs.link_cpu``), else 0."""
+    if isinstance(given, Calibration):
+        return float(given.link_cpu)
+    costs = getattr(getattr(getattr(pipe, "frontend", None), "plan", None), "costs", None)
+    return float(getattr(costs, "link_cpu", 0.0) or 0.0)
 
 
 def _bounds(counts: list[int]) -> list[int]:
