@@ -150,6 +150,13 @@ relayout-leaks: relayout
 # Pipeline.from_hf on every tested transformers family: 1f1b and zb-v, tied and untied heads, right padding and
 # -100 labels, 2 and 4 ranks, against the one-process model; the table of measured errors goes to out/hf_grid.md;
 # then examples/hf_causal_lm.py's Llama on 4 ranks, saved and reloaded with from_pretrained (a few minutes).
+# The 4-D layouts on 8 ranks (tests/distributed/test_hybrid_8ranks.py, about 70 s: pp x sharding x tp, pp x dp x tp,
+# sharding 4, the tied and factory cases, each against the one-process model); `make test` runs the two-axis
+# layouts at 4 ranks. Run it after a change to the mesh, the parallel axes, sharding or tensor parallelism.
+.PHONY: hybrid
+hybrid: $(STAMP)
+	STAGEWISE_HYBRID8=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q tests/distributed/test_hybrid_8ranks.py
+
 .PHONY: hf-grid
 hf-grid: $(STAMP)
 	mkdir -p out
