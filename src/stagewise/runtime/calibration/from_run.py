@@ -366,8 +366,7 @@ def link_prior(pipe: Any, given: float | Calibration | None = None) -> LinkPrior
         if not float(given) > 0:
             raise ValueError(f"RunCalibrator: bandwidth must be > 0 bytes/s, got {given!r}")
         return LinkPriors(float(given), float(given), "given")
-    plan = getattr(getattr(pipe, "frontend", None), "plan", None)
-    costs = getattr(plan, "costs", None)
+    costs = _plan_costs(pipe)
     if costs is not None and math.isfinite(costs.bandwidth) and costs.bandwidth > 0:
         local = float(getattr(costs, "local_bandwidth", math.inf))
         inside = local if getattr(costs, "rank_nodes", ()) and local > 0 else float(costs.bandwidth)
@@ -376,13 +375,16 @@ def link_prior(pipe: Any, given: float | Calibration | None = None) -> LinkPrior
 
 
 def link_cpu_prior(pipe: Any, given: float | Calibration | None = None) -> float:
-    """The share of a core a message between machines takes at each end, where the caller gives none: ``given``'s
-    (a :class:`~stagewise.planning.Calibration` that probed it), else the pipeline's plan's (``Pipeline.from_plan``
-    of a plan searched with one: its ``costs.link_cpu``), else 0."""
+    """A message's CPU share between machines where the caller gives none: ``given``'s (a probed
+    :class:`~stagewise.planning.Calibration`), else the plan the pipeline was built from (its ``costs``), else 0."""
     if isinstance(given, Calibration):
         return float(given.link_cpu)
-    costs = getattr(getattr(getattr(pipe, "frontend", None), "plan", None), "costs", None)
-    return float(getattr(costs, "link_cpu", 0.0) or 0.0)
+    return float(getattr(_plan_costs(pipe), "link_cpu", 0.0) or 0.0)
+
+
+def _plan_costs(pipe: Any) -> Any:
+    """The cost model of the plan the pipeline was built from (``Pipeline.from_plan``), else None."""
+    return getattr(getattr(getattr(pipe, "frontend", None), "plan", None), "costs", None)
 
 
 def _bounds(counts: list[int]) -> list[int]:
