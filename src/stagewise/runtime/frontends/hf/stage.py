@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -49,6 +49,8 @@ class HFStage(nn.Module):
     model: nn.Module  # (not submodules: held in __dict__, so that only the stage's own parts are registered)
     layout: Layout
     decoder: nn.ModuleList
+    #: where the stage sits, not what it does (its layers and flags say that): the counting's key leaves them out
+    position_attributes: ClassVar[frozenset[str]] = frozenset({"start", "stop", "names"})
 
     def __init__(self, model: nn.Module, layout: Layout, layer_ids: Sequence[int], first: bool, last: bool) -> None:
         super().__init__()
