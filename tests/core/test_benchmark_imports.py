@@ -86,6 +86,10 @@ INTERNAL = {
     ("transport_pingpong.py", "stagewise.runtime.comm.shm.transport"): (
         "it times the shm protocol's own path, below the Transport protocol"
     ),
+    ("defaults/count_time.py", "stagewise.runtime.frontends.hf"): "it counts the units from_hf cuts a model into",
+    ("defaults/count_time.py", "stagewise.runtime.measure"): (
+        "it times the count itself, with and without the key that matches a repeated layer"
+    ),
     ("synthesis/measure.py", "stagewise.runtime.frontends.hf"): (
         "an HF model measured as the units from_hf cuts it into, which no public name gives"
     ),
