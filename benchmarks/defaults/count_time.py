@@ -60,8 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         units = [u for _, u in FromHF(model, check=False).units()]
         names = [str(k) for k in range(len(units))]
 
-        def count() -> Any:
-            return counting.count_layers(names, lambda k: units[k], ids)
+        def count(names: list[str] = names, units: list[Any] = units) -> Any:
+            return counting.count_layers(names, units.__getitem__, ids)
 
         matched = timed(count, args.repeats)
         key = counting._work_key
