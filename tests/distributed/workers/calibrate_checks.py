@@ -41,8 +41,8 @@ def _groups() -> int:
 def calibrated(ctx: Ctx) -> dict[str, Any]:
     before = _groups()
     shown = io.StringIO()
-    with contextlib.redirect_stderr(shown):
-        cal = sw.calibrate(timeout=60)
+    with contextlib.redirect_stderr(shown):  # (one pass: what is measured and kept, not how well: that is
+        cal = sw.calibrate(timeout=60, passes=1)  # benchmarks.calibration's; the passes' medians: `again` below)
     made = _groups() - before
     # rank 0 draws the progress (finished: the last state of the bar), the others none (torch may warn on any)
     drawn = shown.getvalue()
