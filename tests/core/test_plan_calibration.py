@@ -50,6 +50,30 @@ def test_action_and_message_costs_enter_each_stage_as_the_equations_say() -> Non
     assert both.costs.forward[0] == pytest.approx(got.costs.forward[0] + 0.5, rel=1e-12)
 
 
+def test_a_boundary_a_v_keeps_on_a_rank_costs_no_message() -> None:
+    """ZB-V at pp=2 places stages 0 1 1 0: the turn-around between stages 1 and 2 stays on rank 1, so each stage
+    posts one message per F and B (not 1 2 2 1 as a stage per rank would), as the calibrated replay charges an F
+    (``with_overhead`` under the same placement; it charges a split W its own action, the planner a B's once)."""
+    from stagewise.ir import boundary_crossings, v_placement
+    from stagewise.planning.action_cost import with_overhead
+
+    assert boundary_crossings(v_placement(2)) == (1, 1, 1, 1)
+    assert boundary_crossings(v_placement(3)) == (1, 2, 1, 1, 2, 1)
+    assert boundary_crossings((0, 1, 0, 1)) == (1, 2, 2, 1) and boundary_crossings((0, 0)) == (0, 0)
+    profile = _profile(8)
+    cal = Calibration(action=0.25, message=0.125)
+    bare = _find(_only(profile, 2, schedules=["zb-v"]), 2, 4)
+    got = _find(_only(profile, 2, schedules=["zb-v"], calibration=cal), 2, 4)
+    assert bare.costs is not None and got.costs is not None and got.costs.num_stages == 4
+    replayed = with_overhead(bare.costs, 0.25, 0.125, v_placement(2))
+    for s in range(4):
+        assert got.costs.forward[s] == pytest.approx(bare.costs.forward[s] + 0.25 + 0.125, rel=1e-12)
+        assert got.costs.forward[s] == pytest.approx(replayed.forward[s], rel=1e-12)
+        b_got = got.costs.backward_input[s] + got.costs.backward_weight[s]
+        b_bare = bare.costs.backward_input[s] + bare.costs.backward_weight[s]
+        assert b_got == pytest.approx(b_bare + 0.25 + 0.125, rel=1e-12)  # (the B's one message each way)
+
+
 def test_processes_beyond_the_cores_are_bounded_by_the_nodes_compute() -> None:
     """dp=4 on one node: each rank computes m (F + B) = 4 * 3 = 12 in 12; on 2 cores the node's 48 take 24. With 4
     cores (or none given) nothing changes; a pipeline of 4 ranks is bounded by the same 48 / 2."""

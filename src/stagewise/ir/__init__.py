@@ -31,7 +31,7 @@ from .columns import (
     insert_after_last,
 )
 from .dataflow import Message, consumer_stage, consumes, message_of, produces
-from .schedule import Schedule, loop_placement, v_placement
+from .schedule import Schedule, boundary_crossings, loop_placement, v_placement
 from .timeline import Event, Timeline
 
 __all__ = [
@@ -55,6 +55,7 @@ __all__ = [
     "Message",
     "Schedule",
     "Timeline",
+    "boundary_crossings",
     "columns",
     "consumer_stage",
     "consumes",

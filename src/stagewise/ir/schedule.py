@@ -39,6 +39,16 @@ def v_placement(num_ranks: int, virtual_stages: int = 2) -> tuple[int, ...]:
     return tuple(placement)
 
 
+def boundary_crossings(placement: Sequence[int]) -> tuple[int, ...]:
+    """Per stage, how many of its boundaries (with the stage before, with the stage after) cross to another rank:
+    the messages its F and its B each post. A V's turn-around stays on a rank (p=2, v=2: 1 1 1 1, not 1 2 2 1)."""
+    n = len(placement)
+    return tuple(
+        (s > 0 and placement[s - 1] != placement[s]) + (s < n - 1 and placement[s + 1] != placement[s])
+        for s in range(n)
+    )
+
+
 @dataclass(frozen=True)
 class Schedule:
     """Per-rank action lists plus the facts needed to read them.

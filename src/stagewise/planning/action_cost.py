@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import NamedTuple
 
-from ..ir import Event, Kind, Schedule, Timeline
+from ..ir import Event, Kind, Schedule, Timeline, boundary_crossings
 from ..partition import LayerCost, LayerProfile
 from ..simulation import CostModel
 
@@ -89,15 +89,13 @@ def with_overhead(
         return costs
     fused = costs.backward_times()
     n = costs.num_stages
-    up, down = [0.0] * n, [0.0] * n  # per stage: messages with the stage before, with the stage after
+    crossing = [0] * n
     if message:
         assert placement is not None
         if len(placement) != n:
             raise ValueError(f"with_overhead: one rank per stage ({n}), got {len(placement)}")
-        for s in range(n):
-            up[s] = message * (s > 0 and placement[s - 1] != placement[s])
-            down[s] = message * (s < n - 1 and placement[s + 1] != placement[s])
-    back = [seconds + u + d for u, d in zip(up, down)]  # an F and a B alike take one message each way
+        crossing = list(boundary_crossings(placement))
+    back = [seconds + message * c for c in crossing]  # an F and a B alike take one message each way
 
     def plus(xs: Sequence[float], extra: Sequence[float]) -> tuple[float, ...]:
         return tuple(x + e for x, e in zip(xs, extra))

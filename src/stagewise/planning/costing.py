@@ -49,10 +49,11 @@ defined on :class:`~stagewise.planning.Plan`; here one candidate, ``b`` samples 
   with ``T_s`` the stage's tp all-reduces and the fixed cost per action
   ``c_s = sum o_l + action + message * (in_s + out_s) + h u_s``: ``o_l`` the profile's per-layer
   ``overhead``, ``action`` the runtime's measured cost per stage action and ``message`` its
-  cost per point-to-point message, ``in_s = [s > 0]``, ``out_s = [s < S - 1]`` (an F receives
-  an activation and sends one; a B the same gradients back); on a sharded layout, ``h`` is half
-  of FSDP2's measured hooks per unit and micro-batch (``Calibration.sharding_hooks``) and ``u_s``
-  the stage's layers with parameters (a recomputed forward runs its hooks again). ``action`` and ``message`` come
+  cost per point-to-point message, ``in_s``, ``out_s`` 1 where the stage before, the stage after is on another
+  rank (an F receives an activation and sends one; a B the same gradients back; a V's turn-around neither); on a
+  sharded layout, ``h`` is half of FSDP2's measured hooks per unit and micro-batch
+  (``Calibration.sharding_hooks``) and ``u_s`` the stage's layers with parameters (a recomputed forward runs
+  its hooks again). ``action`` and ``message`` come
   from :class:`~stagewise.planning.Calibration`; ``(k_F, k_B, k_IW)`` is ``compute_scale`` (1 unless
   given): what the runtime's F, B and split I + W actions measured on the group over these predictions
   for them (:func:`stagewise.measure_compute_scale`).
@@ -271,28 +272,29 @@ def stage_base(
     message: float = 0.0,
     factor: tuple[float, float, float] = (1.0, 1.0, 1.0),
     backward_overhead: Sequence[float] = (),
+    crossing: Sequence[int] | None = None,
 ) -> StageBase:
     """Sum the layers of each stage (``bounds`` as in :class:`~stagewise.partition.cut.Partition`);
     ``backward_overhead``: per layer, the backward's fixed seconds where they differ from ``overhead``'s
-    (:func:`batch_lines`); ``()``: the same."""
+    (:func:`batch_lines`), ``()`` the same; ``crossing``: each stage's boundaries across ranks, a ``message`` each
+    (the placement's :func:`~stagewise.ir.boundary_crossings`; None: all)."""
     per_ar_fixed = 2 * (tp - 1) * tp_link.latency if tp > 1 else 0.0
     per_byte = 2 * (tp - 1) / (tp * tp_link.bandwidth) if tp > 1 else 0.0
     cols: list[list[float]] = [[] for _ in range(12)]
     last = len(bounds) - 2
+    cross = crossing if crossing is not None else [(s > 0) + (s < last) for s in range(last + 1)]
+    actions = [action_overhead + message * c for c in cross]  # the fixed seconds of each stage's F and B
     units = [sum(1 for k in range(a, b) if arrays.parameters[k] > 0) for a, b in zip(bounds, bounds[1:])]
-    ck_f, ck_b = [], []
-    loss = [arrays.loss if s == last else 0.0 for s in range(last + 1)]
+    ck: list[tuple[float, float]] = []  # each stage's checkpoint's extra forward and backward
     for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
-        extra = arrays.checkpoint.stage(sum(arrays.saved[a:b])) if arrays.checkpoint and arrays.saved else (0.0, 0.0)
-        ck_f.append(extra[0])
-        ck_b.append(extra[1])
+        ck.append(arrays.checkpoint.stage(sum(arrays.saved[a:b])) if arrays.checkpoint and arrays.saved else (0.0, 0.0))
         n_tp = sum(1 for k in range(a, b) if arrays.tp_layer[k])
         tp_bytes = sum(arrays.output[k] for k in range(a, b) if arrays.tp_layer[k])
         values = (
             sum(arrays.forward[a:b]),
             sum(arrays.backward_input[a:b]),
             sum(arrays.backward_weight[a:b]),
-            sum(arrays.activation[a:b]) - sum(arrays.shared[a : b - 1]) + loss[s],
+            sum(arrays.activation[a:b]) - sum(arrays.shared[a : b - 1]) + (arrays.loss if s == last else 0.0),
             sum(arrays.keep[a:b]),
             sum(arrays.parameters[a:b]),
             arrays.output[b - 1],
@@ -302,11 +304,10 @@ def stage_base(
             else sum(arrays.backward_input[a:b] + arrays.backward_weight[a:b]),
             2 * n_tp * per_ar_fixed,
             2 * tp_bytes * per_byte,
-            sum(overhead[a:b]) + action_overhead + message * ((s > 0) + (s < last)),
+            sum(overhead[a:b]) + actions[s],
         )
         for col, value in zip(cols, values):
             col.append(value)
-    actions = [action_overhead + message * ((s > 0) + (s < last)) for s in range(last + 1)]
     fixed_b = tuple(sum(backward_overhead[a:b]) + x for (a, b), x in zip(zip(bounds, bounds[1:]), actions))
     return StageBase(  # type: ignore[misc]
         *(tuple(c) for c in cols),  # type: ignore[arg-type]
@@ -314,9 +315,9 @@ def stage_base(
         units=tuple(units),
         recompute=recompute,
         factor=factor,
-        checkpoint_forward=tuple(ck_f),
-        checkpoint_backward=tuple(ck_b),
-        loss=tuple(loss),
+        checkpoint_forward=tuple(f for f, _ in ck),
+        checkpoint_backward=tuple(b for _, b in ck),
+        loss=tuple(arrays.loss if s == last else 0.0 for s in range(last + 1)),
         reduced=reduced_bytes(cols[5], bounds, arrays.tied) if arrays.tied else (),  # cols[5]: parameters
     )
 

@@ -1,10 +1,11 @@
-"""The exact partition of each (tp, recompute, speeds, caps), computed once per search."""
+"""The exact partition of each (tp, recompute, speeds, crossings, caps), computed once per search."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
 
+from ..ir import boundary_crossings
 from ..partition import partition_costs
 from .comm import Link
 from .costing import LayerArrays, StageBase, layer_arrays, partition_weights, stage_base
@@ -35,7 +36,8 @@ class Partitions:
         per_byte = 2 + self.prob.optimizer_state / config.sharding
         caps = tuple(layout.caps[r] / v / per_byte for r in placement) if finite else None
         tp_link = layout.links["tp"]
-        free_key = (config.tp, recompute, speeds, tp_link if config.tp > 1 else None)
+        crossing = boundary_crossings(placement)  # (the messages a stage posts: the key's last, see _partition)
+        free_key = (config.tp, recompute, speeds, tp_link if config.tp > 1 else None, crossing)
         got = self._partition(free_key, None)
         if caps is None or isinstance(got, str):
             return got
@@ -52,7 +54,7 @@ class Partitions:
     def _partition(
         self, key: tuple[object, ...], caps: tuple[float, ...] | None
     ) -> tuple[tuple[int, ...], StageBase] | str:
-        tp, recompute, speeds, tp_link = key[:4]
+        tp, recompute, speeds, tp_link, crossing = key[:5]
         if key not in self.cache:
             arrays = self.layer_arrays(tp)  # type: ignore[arg-type]
             link = tp_link if isinstance(tp_link, Link) else Link()
@@ -86,6 +88,7 @@ class Partitions:
                     message=self.prob.message,
                     factor=self.prob.compute_scale,
                     backward_overhead=self.prob.backward_overhead,
+                    crossing=crossing,  # type: ignore[arg-type]
                 )
                 self.cache[key] = (part.bounds, base)
         return self.cache[key]

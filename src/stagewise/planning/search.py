@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..ir import boundary_crossings
 from ..parallel import ParallelConfig
 from ..partition import partition_costs
 from ..schedules import schedule_info
@@ -215,6 +216,7 @@ class _Search:
             message=prob.message,
             factor=prob.compute_scale,
             backward_overhead=prob.backward_overhead,
+            crossing=boundary_crossings(placement),
         )
         costs = base.at(sigma, prob.calibration.hooks_for(config.sharding))
         blocking, background = sync_costs(g.layout, costs, prob.calibration)
