@@ -170,7 +170,8 @@ def _frozen(v: Any, memo: dict[int, Hashable], depth: int = 0) -> Hashable:
     elif isinstance(v, functools.partial):
         out = ("partial", _frozen((v.func, v.args, v.keywords), memo, depth + 1))
     elif isinstance(v, nn.Module) or callable(v) and not hasattr(v, "__dict__"):
-        out = ("same", id(v))  # (a module outside ``_modules``; a builtin: only itself acts as itself)
+        out = ("same", v)  # (a module outside ``_modules``, a builtin: only itself acts as itself; the key holds it,
+        # so that a layer freed after its count cannot leave its id to another object)
     elif callable(v) and hasattr(v, "__code__"):
         out = ("function", v)  # (a function object by identity: hashable, equal only to itself)
     elif hasattr(v, "__dict__"):
