@@ -10,7 +10,8 @@ count is the same on every machine and every run.
 
 It runs under ``FakeTensorMode``: the ``meta`` tensors are fake ones, which libraries recognise as traced and
 keep off data-dependent paths (transformers' attention masks read a mask's values with ``.item()`` unless a
-tensor is fake): a Hugging Face decoder layer is counted as a plain layer is.
+tensor is fake): a Hugging Face decoder layer is counted as a plain layer is; its routed experts, which pick
+by value, as every token's ``top_k`` experts (:mod:`.routed_experts`).
 
 A layer that repeats the one before (the same classes, parameter shapes and attribute values in every submodule,
 and an input of the same shapes) is not run again: its count is the earlier layer's. A model's decoder layers
@@ -33,6 +34,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
 from ...partition.estimate import CountedLayer
+from .routed_experts import uniform_routing
 
 #: a submodule's attributes that say where a layer sits, not what it does (transformers' ``layer_idx``, Megatron's
 #: ``layer_number``): left out of the key that tells a repeated layer (:func:`_work_key`), with those a class names
@@ -188,7 +190,7 @@ def _count(name: str, module: nn.Module, args: tuple[Any, ...]) -> tuple[Counted
         for n, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
     }
     params = [t for n, t in module.named_parameters() if t.requires_grad]
-    with _Counting() as counting:
+    with _Counting() as counting, uniform_routing(module):
         out = torch.func.functional_call(module, state, args, tie_weights=True, strict=False)
     forward = (counting.flops, counting.bytes, counting.ops)
     roots = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
