@@ -140,8 +140,14 @@ def stage_table(job: Mapping[str, Any]) -> str:
 
 def job_section(job: Mapping[str, Any], rows: Sequence[Mapping[str, Any]], oversubscribed: bool) -> str:
     parts = [heading(job, oversubscribed), goal_table(rows, judged=job["ranks"] == 2 and not oversubscribed)]
-    parts += [causes_table(rows), ranking_line(rows), stage_table(job)]
+    parts += [causes_table(rows), ranking_line(rows), chosen_line(job), stage_table(job)]
     return "\n\n".join(p for p in parts if p)
+
+
+def chosen_line(job: Mapping[str, Any]) -> str:
+    """What ``schedule="auto"`` chose and why, on its own profile (the schedule's ``meta["auto"]``); "" without."""
+    why = job.get("schedules", {}).get("auto", {}).get("chosen")
+    return f"auto chose, on its own profile: {why}." if why else ""
 
 
 def pays_table(rows: Sequence[Mapping[str, Any]]) -> str:

@@ -180,7 +180,7 @@ def metered(work: Workload, pipe: sw.Pipeline, x: Any, y: Any, args: argparse.Na
 def describe(pipe: sw.Pipeline) -> dict[str, Any]:
     s = pipe.schedule
     return {"schedule": s.name, "stages": s.num_stages, "microbatches": s.num_microbatches,
-            "bounds": bounds_of(pipe.layer_ranges)}  # fmt: skip
+            "bounds": bounds_of(pipe.layer_ranges), "chosen": s.meta.get("auto")}  # fmt: skip
 
 
 def gathered(value: Any) -> list[Any]:

@@ -4,12 +4,14 @@ where it beats the registered one it started from by more than the profile's noi
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from torch import nn
 
 import stagewise as sw
 from stagewise.partition import LayerCost, LayerProfile
-from stagewise.runtime.assembly.auto_schedule import REGISTERED_MARGIN, _fastest
+from stagewise.runtime.assembly.auto_schedule import REGISTERED_MARGIN, _fastest, with_loss_bytes
 from stagewise.schedules import generate
 
 
@@ -123,3 +125,64 @@ def test_two_stages_per_rank_must_beat_one_beyond_the_margin(monkeypatch: pytest
     kept, _ = _fastest(prof, 2, 4, [1, 2], "time", _named(8))
     assert kept.virtual_stages == 1 and "; 1 stage(s) per rank" in kept.meta["auto"]
     assert "(vs 2 per rank" in kept.meta["auto"]
+
+
+def _gpt256() -> LayerProfile:
+    """The d 256 GPT of the fidelity benchmark as profiled on 2026-12-06 (ms and KiB, rounded): 8 blocks whose W
+    keeps what their forward saves, a tied vocabulary head whose W keeps 3x (its input and its output's gradient)."""
+    k = 1024.0
+    rows = [("tokens", 0.04, 0.02, 0.01, 1, 0, 512, 128), ("positions", 0.03, 0.03, 0.01, 0, 0, 64, 128)]
+    rows += [(f"block{b}", 3.7, 4.1, 2.55, 2052, 2048, 3085, 128) for b in range(8)]
+    rows += [("ln_f", 0.05, 0.02, 0.01, 129, 0, 2, 128), ("head", 0.48, 0.49, 0.001, 128, 384, 0, 256)]
+    layers = [
+        LayerCost(n, f / 1e3, i / 1e3, w / 1e3, (i + w) / 1e3, a * k, keep * k, par * k, out * k)
+        for n, f, i, w, a, keep, par, out in rows
+    ]
+    return LayerProfile(layers, "synthetic", 1, 0)
+
+
+def test_the_loss_s_kept_bytes_are_estimated_where_the_profile_has_none() -> None:
+    """auto's profile (``sample_inputs``, no targets) holds no loss; the pipeline's loss keeps about its input
+    (cross-entropy: the log-softmax of the logits). Without that, 1F1B's memory on the head's rank is
+    understated and the zero-bubble orders overrun it: auto ran capped orders, slower than ZB-V (2026-12-06)."""
+    bare = _gpt256()
+    assert bare.loss_bytes == 0
+    estimated = with_loss_bytes(bare, True)
+    assert estimated.loss_bytes == bare.layers[-1].output_bytes
+    assert with_loss_bytes(bare, False) is bare  # no loss_fn (evaluation): nothing kept
+    measured = replace(bare, loss_bytes=123.0)
+    assert with_loss_bytes(measured, True) is measured  # measured (sw.profile's loss_fn=): kept as measured
+    p, m = 2, 8
+
+    def simulated(schedule: sw.Schedule, counts: list[int]) -> float:  # on the memory the pipeline will hold
+        return sw.simulate(schedule, estimated.cost_model([sum(counts[:k]) for k in range(len(counts) + 1)])).makespan
+
+    without, cut_without = _fastest(bare, p, m, [1, 2], "time", _named(12))
+    with_loss, cut_with = _fastest(estimated, p, m, [1, 2], "time", _named(12))
+    assert with_loss.meta["auto"].startswith("zb-v kept"), with_loss.meta["auto"]
+    assert not without.meta["auto"].startswith("zb-v kept"), without.meta["auto"]
+    assert simulated(with_loss, cut_with) < 0.97 * simulated(without, cut_without)
+
+
+def test_the_pipeline_s_auto_counts_its_loss_s_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``synthesized`` (what ``Pipeline(schedule="auto")`` calls) on the profile rank 0 hands round: with a loss,
+    the estimate goes in and ZB-V is kept; built for evaluation (no loss), the bare profile decides."""
+    import torch
+    import torch.nn.functional as F
+
+    from stagewise.runtime.assembly import auto_schedule
+    from stagewise.runtime.comm import groups
+    from stagewise.runtime.frontends.layer_list import LayerList
+    from stagewise.runtime.options import Options
+
+    monkeypatch.setattr(auto_schedule, "on_first_rank", lambda *args, **kwargs: _gpt256())
+    monkeypatch.setattr(groups, "global_rank", lambda: 0)
+    frontend = LayerList([nn.Identity() for _ in range(12)])
+
+    def chosen(loss: object) -> str:
+        options = Options(schedule="auto", sample_inputs=torch.zeros(2, 4), loss_fn=loss, microbatches=8,
+                          parallel=sw.ParallelConfig(pp=2))  # fmt: skip
+        return str(auto_schedule.synthesized("Pipeline", frontend, options).schedule.meta["auto"])
+
+    assert chosen(F.cross_entropy).startswith("zb-v kept")
+    assert not chosen(None).startswith("zb-v kept")

@@ -1,7 +1,8 @@
 """``schedule="auto"``: a schedule synthesized for the layers' measured costs (:mod:`stagewise.synthesis`).
 
 Before anything is placed, the first rank profiles the layers on ``sample_inputs`` (one micro-batch) and
-hands the profile to every rank (:func:`..frontends.balance.on_first_rank`); every rank cuts the layers with
+hands the profile to every rank (:func:`..frontends.balance.on_first_rank`), with the bytes the loss keeps
+estimated (:func:`with_loss_bytes`: ``sample_inputs`` carry no targets to run it on); every rank cuts the layers with
 the partition mode (``"time"`` unless layer counts are given) and synthesizes a schedule for those stages'
 measured costs, under 1F1B's activation memory (``min(pp, m)`` micro-batches in flight on every rank, the
 synthesizer's default cap): deterministic, so every rank holds the same one. Unless ``virtual_stages`` is
@@ -69,12 +70,26 @@ def synthesized(entry: str, frontend: Any, options: Options) -> Options:
         options.timeout,
         options.store,
     )
+    profile = with_loss_bytes(profile, options.loss_fn is not None)
     how = "time" if options.partition in ("uniform", "balanced") else options.partition  # the defaults: time it
     choices = [options.virtual_stages] if options.virtual_stages else [1, 2]
     schedule, counts = _fastest(profile, p, m, choices, how, named)
     if groups.global_rank() == 0:
         log.info("stagewise: schedule='auto' chose %s", schedule.meta["auto"])
     return replace(options, schedule=schedule, partition=counts, microbatches=None, virtual_stages=None)
+
+
+def with_loss_bytes(profile: Any, has_loss: bool) -> Any:
+    """``profile`` with the bytes the loss keeps for its backward (``LayerProfile.loss_bytes``) estimated where
+    it was profiled without them (``sample_inputs`` hold no targets to run the loss on): the size of the last
+    layer's output, which a language model's cross-entropy keeps as its log-softmax (measured on the d 256 GPT:
+    263,172 bytes kept for an output of 262,144). The caps the synthesizer orders under count a stage's W stash
+    against its activations; without the loss's bytes a vocabulary head's stash (its input and its output's
+    gradient, 3x what its forward saves) made ZB-V and ZB-H1 overrun 1F1B's memory, and auto ran slower orders
+    capped under it (2026-12-06: 0.937-0.966x 1F1B's step where ZB-V ran 0.855x)."""
+    if not has_loss or profile.loss_bytes or not profile.layers:
+        return profile
+    return replace(profile, loss_bytes=float(profile.layers[-1].output_bytes))
 
 
 def _fastest(profile: Any, p: int, m: int, choices: list[int], how: Any, named: Any) -> tuple[Any, list[int]]:
