@@ -36,7 +36,7 @@ class Partitions:
         per_byte = 2 + self.prob.optimizer_state / config.sharding
         caps = tuple(layout.caps[r] / v / per_byte for r in placement) if finite else None
         tp_link = layout.links["tp"]
-        crossing = boundary_crossings(placement)  # (the messages a stage posts: the key's last, see _partition)
+        crossing = boundary_crossings(placement)  # the messages a stage posts: the free key's fifth, before any caps
         free_key = (config.tp, recompute, speeds, tp_link if config.tp > 1 else None, crossing)
         got = self._partition(free_key, None)
         if caps is None or isinstance(got, str):
