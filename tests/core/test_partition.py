@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -110,6 +111,17 @@ def test_memory_balances_bytes_and_caps_bind() -> None:
     assert stage_counts(6, 2, "time", profile=prof, in_flight=2, memory_caps=[70, 1e9]) == [2, 4]
     with pytest.raises(ValueError, match="fits the memory caps .* 2 micro-batch"):
         stage_counts(6, 2, "memory", profile=prof, in_flight=2, memory_caps=[100, 100])
+
+
+def test_the_last_stage_holds_what_the_loss_keeps() -> None:
+    """``loss_bytes`` (a language model's log-softmax of its logits) sits on the last layer's stage, for as many
+    micro-batches as its activations: a cap that fits the layers alone may not fit them with the loss."""
+    prof = replace(fake_profile([1.0] * 6, params=[10] * 6, acts=[5] * 6), loss_bytes=40.0)
+    assert layer_memory(prof, in_flight=2) == [30, 30, 30, 30, 30, 110]
+    assert stage_counts(6, 2, "memory", profile=prof, in_flight=2) == [4, 2]
+    caps = [1e9, 120.0]  # the last rank holds 4 layers without the loss, with it the last layer only
+    assert stage_counts(6, 2, "time", profile=replace(prof, loss_bytes=0.0), in_flight=2, memory_caps=caps) == [3, 3]
+    assert stage_counts(6, 2, "time", profile=prof, in_flight=2, memory_caps=caps) == [5, 1]
 
 
 def test_partition_options_are_refused_clearly() -> None:

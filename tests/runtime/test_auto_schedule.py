@@ -186,3 +186,22 @@ def test_the_pipeline_s_auto_counts_its_loss_s_bytes(monkeypatch: pytest.MonkeyP
 
     assert chosen(F.cross_entropy).startswith("zb-v kept")
     assert not chosen(None).startswith("zb-v kept")
+
+
+@pytest.mark.parametrize("has_loss", [True, False])
+def test_a_profiled_cut_counts_the_loss_s_bytes_too(monkeypatch: pytest.MonkeyPatch, has_loss: bool) -> None:
+    """``partition="memory"`` / ``"time"`` with ``memory_caps``: the profile the cut reads (the pipeline's
+    ``layer_profile``) carries the loss's estimated bytes where the pipeline trains with a loss."""
+    import torch
+
+    from stagewise.runtime.comm import groups
+    from stagewise.runtime.frontends import balance
+
+    monkeypatch.setattr(balance, "on_first_rank", lambda *args, **kwargs: _gpt256())
+    monkeypatch.setattr(groups, "group_rank", lambda group: 1)  # (no word: the warning is rank 0's)
+    plan = balance.plan_layers(
+        _named(12), generate("1f1b", 2, 4), "memory", group=None, device=torch.device("cpu"), seed=0,
+        sample_inputs=torch.zeros(2, 4), has_loss=has_loss,
+    )  # fmt: skip
+    assert plan.profile is not None
+    assert plan.profile.loss_bytes == (256 * 1024.0 if has_loss else 0.0)

@@ -38,8 +38,12 @@ def needs_profile(how: PartitionSpec, memory_caps: Sequence[float] | None = None
 
 def layer_memory(profile: LayerProfile, in_flight: int = 1) -> list[float]:
     """Bytes each layer makes its stage hold: weights and their gradients, and the activations of
-    ``in_flight`` micro-batches (optimizer state is not counted)."""
-    return [2 * c.parameter_bytes + in_flight * c.activation_bytes for c in profile.layers]
+    ``in_flight`` micro-batches (optimizer state is not counted); the last layer's stage holds what the loss
+    keeps (``loss_bytes``) for as many."""
+    held = [2 * c.parameter_bytes + in_flight * c.activation_bytes for c in profile.layers]
+    if held:
+        held[-1] += in_flight * profile.loss_bytes
+    return held
 
 
 def stage_counts(

@@ -1,20 +1,19 @@
 """``schedule="auto"``: a schedule synthesized for the layers' measured costs (:mod:`stagewise.synthesis`).
 
-Before anything is placed, the first rank profiles the layers on ``sample_inputs`` (one micro-batch) and
-hands the profile to every rank (:func:`..frontends.balance.on_first_rank`), with the bytes the loss keeps
-estimated (:func:`with_loss_bytes`: ``sample_inputs`` carry no targets to run it on); every rank cuts the layers with
-the partition mode (``"time"`` unless layer counts are given) and synthesizes a schedule for those stages'
-measured costs, under 1F1B's activation memory (``min(pp, m)`` micro-batches in flight on every rank, the
-synthesizer's default cap): deterministic, so every rank holds the same one. Unless ``virtual_stages`` is
-given, it does so for one stage per rank (loop placement) and for two (V placement, as zb-v), and keeps the
-faster by the simulator. A synthesized order replaces the fastest registered schedule that fits the same cap
-(the synthesizer's baseline, run as registered) only when it simulates faster by more than
-:data:`REGISTERED_MARGIN`: a gain smaller than the profile's own reproducibility is noise, and on other
-measurements of the same layers it is as often a loss (measured on the d 256 GPT at 2 ranks: the order
-synthesized on auto's own profile simulated 2.1 % slower than zb-v's on a second profile of the same layers,
-and ran 2.7 % slower). The pipeline then runs that ordinary,
-validated :class:`~stagewise.Schedule` as if it had been given; ``meta["synthesis"]`` carries the synthesizer's
-report either way, and ``meta["auto"]`` says which was kept and why.
+Before anything is placed, the first rank profiles the layers on ``sample_inputs`` (one micro-batch) and hands the
+profile to every rank (:func:`..frontends.balance.on_first_rank`), with the bytes the loss keeps estimated
+(:func:`..frontends.layer_timing.with_loss_bytes`: ``sample_inputs`` carry no targets to run it on); every rank
+cuts the layers with the partition mode (``"time"`` unless layer counts are given) and synthesizes a schedule for
+those stages' measured costs, under 1F1B's activation memory (``min(pp, m)`` micro-batches in flight on every rank,
+the synthesizer's default cap): deterministic, so every rank holds the same one. Unless ``virtual_stages`` is
+given, it does so for one stage per rank (loop placement) and for two (V placement, as zb-v), and keeps the faster
+by the simulator. A synthesized order replaces the fastest registered schedule that fits the same cap (the
+synthesizer's baseline, run as registered) only when it simulates faster by more than :data:`REGISTERED_MARGIN`: a
+gain smaller than the profile's own reproducibility is noise, and on other measurements of the same layers it is as
+often a loss (measured on the d 256 GPT at 2 ranks: the order synthesized on auto's own profile simulated 2.1 %
+slower than zb-v's on a second profile of the same layers, and ran 2.7 % slower). The pipeline then runs that
+ordinary, validated :class:`~stagewise.Schedule` as if it had been given; ``meta["synthesis"]`` carries the
+synthesizer's report either way, and ``meta["auto"]`` says which was kept and why.
 
 Layer lists and transformers models (``from_hf``, per decoder layer) are profiled this way; other ways in take
 a synthesized Schedule built by hand (``stagewise.synthesis.synthesize_for``).
@@ -31,6 +30,7 @@ from ..comm import groups
 from ..frontends.balance import ROUNDS, on_first_rank, profile_layers
 from ..frontends.hf import FromHF
 from ..frontends.layer_list import LayerList
+from ..frontends.layer_timing import with_loss_bytes
 from ..frontends.layers import parameter_count
 from ..measure.profiling import steadiest
 from ..options import Options
@@ -77,19 +77,6 @@ def synthesized(entry: str, frontend: Any, options: Options) -> Options:
     if groups.global_rank() == 0:
         log.info("stagewise: schedule='auto' chose %s", schedule.meta["auto"])
     return replace(options, schedule=schedule, partition=counts, microbatches=None, virtual_stages=None)
-
-
-def with_loss_bytes(profile: Any, has_loss: bool) -> Any:
-    """``profile`` with the bytes the loss keeps for its backward (``LayerProfile.loss_bytes``) estimated where
-    it was profiled without them (``sample_inputs`` hold no targets to run the loss on): the size of the last
-    layer's output, which a language model's cross-entropy keeps as its log-softmax (measured on the d 256 GPT:
-    263,172 bytes kept for an output of 262,144). The caps the synthesizer orders under count a stage's W stash
-    against its activations; without the loss's bytes a vocabulary head's stash (its input and its output's
-    gradient, 3x what its forward saves) made ZB-V and ZB-H1 overrun 1F1B's memory, and auto ran slower orders
-    capped under it (2026-12-06: 0.937-0.966x 1F1B's step where ZB-V ran 0.855x)."""
-    if not has_loss or profile.loss_bytes or not profile.layers:
-        return profile
-    return replace(profile, loss_bytes=float(profile.layers[-1].output_bytes))
 
 
 def _fastest(profile: Any, p: int, m: int, choices: list[int], how: Any, named: Any) -> tuple[Any, list[int]]:

@@ -34,6 +34,7 @@ from ..errors import PipelineError
 from ..measure.profiling import LayerProfile, steadiest
 from .layer_timing import ROUNDS as ROUNDS  # re-exported: partition="time"'s callers import them here
 from .layer_timing import profile_layers as profile_layers
+from .layer_timing import with_loss_bytes
 from .layers import LayerLike
 from .layers import partition as partition_layers
 
@@ -131,8 +132,10 @@ def plan_layers(
     memory_caps: Sequence[float] | None = None,
     timeout: float = 300.0,
     store: Any = None,
+    has_loss: bool = False,
 ) -> LayerPlan:
-    """The layer ranges of each stage; ``"time"`` / ``"memory"`` profile ``sample_inputs`` (one micro-batch) first.
+    """The layer ranges of each stage; ``"time"`` / ``"memory"`` profile ``sample_inputs`` (one micro-batch) first
+    (``has_loss``: the pipeline trains with a loss, whose kept bytes the profile estimates: :func:`with_loss_bytes`).
 
     ``group``: the ranks that must cut alike (a collective over it when a
     profile is needed; None is the world, as for the pipelines of a mesh), within ``timeout`` seconds
@@ -155,6 +158,7 @@ def plan_layers(
             timeout,
             store,
         )
+        measured = with_loss_bytes(measured, has_loss)
     with caps_explained(schedule, memory_caps):
         ranges = partition_layers(
             named,

@@ -54,6 +54,7 @@ class LayerList:
             seed=options.seed,
             timeout=options.timeout,
             store=options.store,
+            has_loss=options.loss_fn is not None,
         )
         if ctx.hybrid is not None and ctx.hybrid.config.tp > 1 and parts.tied is not None:
             parts.tied.check_plan([n for n, _ in self.named], options.tp_plan)
@@ -71,6 +72,7 @@ def build_layer_stages(
     seed: int = 0,
     timeout: float = 300.0,
     store: Any = None,
+    has_loss: bool = False,
 ) -> Parts:
     """Plan the layer list over the schedule's stages, then build this rank's layers only (layer k seeded seed+k).
 
@@ -88,6 +90,7 @@ def build_layer_stages(
         memory_caps=memory_caps,
         timeout=timeout,
         store=store,
+        has_loss=has_loss,
     )
     tied = TiedBuilder(named, seed, ctx.device)
     modules: dict[int, list[nn.Module]] = {}

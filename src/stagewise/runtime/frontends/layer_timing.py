@@ -86,3 +86,17 @@ def _next_input(module: nn.Module, args: tuple[Any, ...]) -> Any:
 
 def _to(value: Any, device: torch.device) -> Any:
     return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, value)
+
+
+def with_loss_bytes(profile: LayerProfile, has_loss: bool) -> LayerProfile:
+    """``profile`` with the bytes the loss keeps for its backward (``LayerProfile.loss_bytes``) estimated where
+    it was profiled without them (``sample_inputs`` hold no targets to run the loss on): the size of the last
+    layer's output, which a language model's cross-entropy keeps as its log-softmax (measured on the d 256 GPT:
+    263,172 bytes kept for an output of 262,144). ``schedule="auto"``'s memory cap counts a stage's W stash against
+    its activations: without the loss's bytes a vocabulary head's stash (its input and its output's gradient, 3x
+    what its forward saves) made ZB-V and ZB-H1 overrun 1F1B's memory, and auto ran slower orders capped under it
+    (2026-12-06: 0.937-0.966x 1F1B's step where ZB-V ran 0.855x); ``memory_caps`` left the loss out of the last
+    stage's bytes."""
+    if not has_loss or profile.loss_bytes or not profile.layers:
+        return profile
+    return replace(profile, loss_bytes=float(profile.layers[-1].output_bytes))

@@ -119,6 +119,7 @@ class FromHF:
             memory_caps=options.memory_caps,
             timeout=options.timeout,
             store=options.store,
+            has_loss=options.loss_fn is not None,
         )
         del units
         last = sched.num_stages - 1
