@@ -96,7 +96,8 @@ def with_loss_bytes(profile: LayerProfile, has_loss: bool) -> LayerProfile:
     its activations: without the loss's bytes a vocabulary head's stash (its input and its output's gradient, 3x
     what its forward saves) made ZB-V and ZB-H1 overrun 1F1B's memory, and auto ran slower orders capped under it
     (2026-12-06: 0.937-0.966x 1F1B's step where ZB-V ran 0.855x); ``memory_caps`` left the loss out of the last
-    stage's bytes."""
+    stage's bytes. An estimate: a loss that upcasts half-precision logits first (``causal_lm_loss``, as
+    transformers does) keeps twice the output's bytes; ``sw.profile(..., loss_fn=, targets=)`` measures it."""
     if not has_loss or profile.loss_bytes or not profile.layers:
         return profile
     return replace(profile, loss_bytes=float(profile.layers[-1].output_bytes))
