@@ -29,6 +29,21 @@ def test_a_transformers_model_is_profiled_per_decoder_layer(family: str) -> None
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_the_profile_holds_the_loss_from_hf_trains_with() -> None:
+    """Without ``loss_fn``, a transformers model's profile measures what ``from_hf``'s loss keeps (the float32
+    log-softmax of the logits but the last position's, the input ids as labels): the same bytes as naming that
+    loss, and more than the head's own activations (a plan leaving them out may not fit the last stage)."""
+    from stagewise.runtime.losses import causal_lm_loss
+
+    model = build("llama", 2)
+    (ids, mask), _ = padded_batch(2, seed=0)
+    default = sw.profile(model, (ids, mask), repeats=1, warmup=0)
+    named = sw.profile(model, (ids, mask), repeats=1, warmup=0, loss_fn=causal_lm_loss, targets=ids)
+    vocab = model.config.vocab_size
+    assert default.loss_bytes == named.loss_bytes >= ids.shape[0] * (ids.shape[1] - 1) * vocab * 8  # float64 here
+    assert sw.profile(model, ids, repeats=1, warmup=0).loss_bytes == default.loss_bytes  # ids alone alike
+
+
 def _train_like_the_model(pipe: sw.Pipeline, ref: torch.nn.Module) -> None:
     (ids, mask), labels = padded_batch(4, seed=1)
     loss = pipe.train_step((ids, mask), labels)

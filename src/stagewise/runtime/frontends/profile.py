@@ -40,7 +40,8 @@ def profile(
     A transformers causal LM (what ``Pipeline.from_hf`` takes) is measured per decoder layer, the embedding
     with the first and the head with the last, as ``from_hf`` cuts it: ``sw.plan`` on that profile returns plans
     ``Pipeline.from_plan(plan, model)`` builds. ``sample_inputs``: ``input_ids`` or ``(input_ids,
-    attention_mask)``, one micro-batch.
+    attention_mask)``, one micro-batch. Its loss's kept bytes are measured with ``from_hf``'s own loss unless
+    ``loss_fn`` is given (:func:`.hf.profile.profile_hf`).
 
     Layers that use one parameter (a :class:`~stagewise.Tied` key's uses, ``head.weight = embed.weight``, a
     transformers model's tied embedding and head) are recorded as ``LayerProfile.tied``

@@ -11,7 +11,7 @@ plan of that profile (``sw.plan``) cuts decoder layers, and ``Pipeline.from_plan
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ....partition import LayerProfile
+from ...losses import causal_lm_loss
 from ...measure.checkpoint_cost import with_checkpoint_cost
 from ...measure.profiling import loss_saved_bytes, samples_in, steadiest
 from ..balance import profile_layers
@@ -50,7 +51,14 @@ def profile_hf(
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     targets: Any = None,
 ) -> LayerProfile:
-    """:func:`stagewise.profile` of a transformers causal LM: one cost per decoder layer (see the module)."""
+    """:func:`stagewise.profile` of a transformers causal LM: one cost per decoder layer (see the module).
+
+    Without ``loss_fn`` and ``targets``, the loss's kept bytes are measured with the loss ``from_hf`` trains with
+    (:func:`~stagewise.runtime.losses.causal_lm_loss`, the input ids as labels): the log-softmax of the logits,
+    in float32, is often the largest activation of a language model's last stage (a 128k vocabulary over 8k tokens:
+    4 GiB), and a plan that leaves it out may not fit there."""
+    if loss_fn is None and targets is None:
+        loss_fn, targets = causal_lm_loss, _input_ids(sample_inputs)
     units = hf_units(model)
     if not units:
         raise ValueError(f"profile: {type(model).__name__} has no decoder layers to measure")
@@ -67,6 +75,13 @@ def profile_hf(
     inputs = sample_inputs if isinstance(sample_inputs, tuple) else (sample_inputs,)
     batch = batch or measured.batch or samples_in(inputs)
     return with_checkpoint_cost(replace(measured, batch=batch, loss_bytes=loss, tied=tied_layers(modules)))
+
+
+def _input_ids(sample_inputs: Any) -> Any:
+    """The ``input_ids`` of ``from_hf``'s ``sample_inputs`` (the ids, ``(ids, attention_mask)``, or a dict)."""
+    if isinstance(sample_inputs, Mapping):
+        return sample_inputs["input_ids"]
+    return sample_inputs[0] if isinstance(sample_inputs, (tuple, list)) else sample_inputs
 
 
 def profile_config(spec: str, *, seq: int = 128, batch: int = 1, seed: int = 0) -> LayerProfile:
