@@ -67,15 +67,15 @@ def test_a_model_s_units_count_on_meta_and_the_experts_keep_their_own_forward(fa
     counted = count_layers([str(k) for k in range(len(units))], lambda k: units[k], (ids, mask))
     assert [c.forward_flops > 0 for c in counted] == [True] * len(units)
     assert all("forward" not in m.__dict__ for m in experts)
-    hidden = torch.randn(2, 4, experts[0].hidden_dim, dtype=torch.float64)
     block = model.model.layers[0].mlp
-    picks = block.gate(hidden.view(-1, hidden.shape[-1]))
+    tokens = torch.randn(8, experts[0].hidden_dim, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    _, weights, picked = block.gate(tokens)
+    routed = type(block.experts).forward(block.experts, tokens, picked, weights)  # the router's own picks
     with uniform_routing(block) as found:
         assert found == 1
-        assert "forward" in block.experts.__dict__
-    own = block.experts(hidden.view(-1, hidden.shape[-1]), picks[2], picks[1])
-    again = block.experts(hidden.view(-1, hidden.shape[-1]), picks[2], picks[1])
-    assert torch.equal(own, again)
+        dealt = block.experts(tokens, picked, weights)
+    assert dealt.shape == routed.shape and not torch.allclose(dealt, routed)  # inside: the even deal
+    assert torch.equal(block.experts(tokens, picked, weights), routed)  # after: its own forward again
 
 
 def test_the_count_of_experts_follows_top_k_not_the_number_of_experts() -> None:
