@@ -30,9 +30,9 @@ def test_a_transformers_model_is_profiled_per_decoder_layer(family: str) -> None
 
 
 def test_the_profile_holds_the_loss_from_hf_trains_with() -> None:
-    """Without ``loss_fn``, a transformers model's profile measures what ``from_hf``'s loss keeps (the float32
+    """Without ``loss_fn``, a transformers model's profile measures what ``from_hf``'s loss keeps (the
     log-softmax of the logits but the last position's, the input ids as labels): the same bytes as naming that
-    loss, and more than the head's own activations (a plan leaving them out may not fit the last stage)."""
+    loss, at least those logits' (a plan leaving them out may not fit the last stage)."""
     from stagewise.runtime.losses import causal_lm_loss
 
     model = build("llama", 2)

@@ -55,8 +55,8 @@ def profile_hf(
 
     Without ``loss_fn`` and ``targets``, the loss's kept bytes are measured with the loss ``from_hf`` trains with
     (:func:`~stagewise.runtime.losses.causal_lm_loss`, the input ids as labels): the log-softmax of the logits,
-    in float32, is often the largest activation of a language model's last stage (a 128k vocabulary over 8k tokens:
-    4 GiB), and a plan that leaves it out may not fit there."""
+    in float32 at least, is often the largest activation of a language model's last stage (a 128k vocabulary
+    over 8k tokens: 4 GiB), and a plan that leaves it out may not fit there."""
     if loss_fn is None and targets is None:
         loss_fn, targets = causal_lm_loss, _input_ids(sample_inputs)
     units = hf_units(model)
