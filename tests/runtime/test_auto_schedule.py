@@ -205,3 +205,22 @@ def test_a_profiled_cut_counts_the_loss_s_bytes_too(monkeypatch: pytest.MonkeyPa
     )  # fmt: skip
     assert plan.profile is not None
     assert plan.profile.loss_bytes == (256 * 1024.0 if has_loss else 0.0)
+
+
+@pytest.mark.parametrize("has_loss", [True, False])
+def test_a_model_s_profiled_blocks_count_the_loss_s_bytes_too(monkeypatch: pytest.MonkeyPatch, has_loss: bool) -> None:
+    """``Pipeline.from_model`` with ``partition="memory"``: its blocks' profile gets the same estimate."""
+    import torch
+    import torch.nn.functional as F
+
+    from stagewise.runtime.frontends import from_model
+    from stagewise.runtime.options import Options
+
+    monkeypatch.setattr(from_model, "on_first_rank", lambda *args, **kwargs: _gpt256())
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(12)])
+    options = Options(
+        partition="memory", sample_inputs=torch.zeros(2, 4), loss_fn=F.cross_entropy if has_loss else None
+    )
+    _, measured = from_model._block_counts(model, generate("1f1b", 2, 4), options, None)
+    assert measured is not None
+    assert measured.loss_bytes == (256 * 1024.0 if has_loss else 0.0)

@@ -56,6 +56,7 @@ from ..comm import groups
 from ..measure.profiling import LayerProfile, model_blocks, profile_blocks, steadiest
 from . import default_cut
 from .balance import ROUNDS, caps_explained, in_flight, on_first_rank, per_stage
+from .layer_timing import with_loss_bytes
 from .meta_twin import given_storage
 from .parts import BUILT_MODEL, Parts
 from .split import SplitError, collect_tags, split_model
@@ -224,6 +225,7 @@ def _block_counts(
             return replace(timed, tied=tied_layers([m for _, m in units]))
 
         measured = on_first_rank(group, measure, "profiling the model's blocks", options.timeout, options.store)
+        measured = with_loss_bytes(measured, options.loss_fn is not None)  # (as a layer list's: balance.plan_layers)
     with caps_explained(sched, memory_caps):
         counts = stage_counts(
             n,
