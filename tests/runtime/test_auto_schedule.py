@@ -175,7 +175,8 @@ def test_the_pipeline_s_auto_counts_its_loss_s_bytes(monkeypatch: pytest.MonkeyP
     from stagewise.runtime.frontends.layer_list import LayerList
     from stagewise.runtime.options import Options
 
-    monkeypatch.setattr(auto_schedule, "on_first_rank", lambda *args, **kwargs: _gpt256())
+    monkeypatch.setattr(auto_schedule, "on_first_rank", lambda group, fn, *args, **kwargs: fn())
+    monkeypatch.setattr(auto_schedule, "steadiest", lambda *args, **kwargs: _gpt256())  # rank 0's profile
     monkeypatch.setattr(groups, "global_rank", lambda: 0)
     frontend = LayerList([nn.Identity() for _ in range(12)])
 
@@ -197,7 +198,8 @@ def test_a_profiled_cut_counts_the_loss_s_bytes_too(monkeypatch: pytest.MonkeyPa
     from stagewise.runtime.comm import groups
     from stagewise.runtime.frontends import balance
 
-    monkeypatch.setattr(balance, "on_first_rank", lambda *args, **kwargs: _gpt256())
+    monkeypatch.setattr(balance, "on_first_rank", lambda group, fn, *args, **kwargs: fn())
+    monkeypatch.setattr(balance, "steadiest", lambda *args, **kwargs: _gpt256())  # rank 0's profile
     monkeypatch.setattr(groups, "group_rank", lambda group: 1)  # (no word: the warning is rank 0's)
     plan = balance.plan_layers(
         _named(12), generate("1f1b", 2, 4), "memory", group=None, device=torch.device("cpu"), seed=0,

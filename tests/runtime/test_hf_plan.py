@@ -74,13 +74,44 @@ def test_a_plan_of_the_profile_builds_with_from_plan_and_from_hf(one_rank) -> No
         sw.Pipeline.from_hf(build("llama", 4), plan=top, microbatches=top.microbatches)
 
 
-def test_auto_works_for_from_hf(one_rank) -> None:
+def test_auto_works_for_from_hf(one_rank, monkeypatch: pytest.MonkeyPatch) -> None:
+    """... on a profile whose loss was measured (the ids as labels: ``sw.profile``'s bytes), not estimated."""
+    from stagewise.runtime.assembly import auto_schedule
+
     model = build("llama", 4)
     ref = copy.deepcopy(model)
     (ids, mask), _ = padded_batch(2, seed=0)
+    decided = []
+    real = auto_schedule.with_loss_bytes
+    monkeypatch.setattr(auto_schedule, "with_loss_bytes", lambda *args: decided.append(real(*args)) or decided[-1])
     pipe = sw.Pipeline.from_hf(model, schedule="auto", sample_inputs=(ids, mask), microbatches=2)
     assert "stage(s) per rank" in pipe.schedule.meta["auto"]
+    assert [p.loss_bytes for p in decided] == [sw.profile(ref, (ids, mask), repeats=1, warmup=0).loss_bytes]
     _train_like_the_model(pipe, ref)
+
+
+def test_from_hf_s_profiled_cut_measures_its_loss_in_bfloat16(one_rank) -> None:
+    """``from_hf``'s profiled cuts (``partition="memory"``, ``memory_caps``, ``schedule="auto"``) measure the
+    loss's kept bytes with the input ids as labels, as ``sw.profile`` does: ``causal_lm_loss`` upcasts bfloat16
+    logits, so it keeps about twice their bytes, which the layer lists' estimate (the output's size) halves. A
+    loss that refuses the ids as its targets keeps the estimate."""
+    (ids, mask), _ = padded_batch(2, seed=0)
+    model = build("llama", 2).to(torch.bfloat16)
+    pipe = sw.Pipeline.from_hf(model, partition="memory", sample_inputs=(ids, mask))
+    assert pipe.layer_profile is not None
+    out = pipe.layer_profile.layers[-1].output_bytes
+    assert pipe.layer_profile.loss_bytes == sw.profile(model, (ids, mask), repeats=1, warmup=0).loss_bytes
+    rows, seq, vocab = *ids.shape, model.config.vocab_size
+    assert pipe.layer_profile.loss_bytes >= rows * (seq - 1) * vocab * 4 > 1.5 * out  # float32: the estimate's 2x
+
+    def wants_a_dict(logits: torch.Tensor, targets: object) -> torch.Tensor:
+        if not isinstance(targets, dict):
+            raise TypeError(f"this loss takes {{'labels': ids}}, got a {type(targets).__name__}")
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets["labels"].flatten())
+
+    other = sw.Pipeline.from_hf(build("llama", 2).to(torch.bfloat16), partition="memory", sample_inputs=(ids, mask),
+                                loss_fn=wants_a_dict)  # fmt: skip
+    assert other.layer_profile is not None and other.layer_profile.loss_bytes == out
 
 
 @pytest.mark.parametrize("how", ["name", "path"])

@@ -1,8 +1,9 @@
 """``schedule="auto"``: a schedule synthesized for the layers' measured costs (:mod:`stagewise.synthesis`).
 
 Before anything is placed, the first rank profiles the layers on ``sample_inputs`` (one micro-batch) and hands the
-profile to every rank (:func:`..frontends.balance.on_first_rank`), with the bytes the loss keeps estimated
-(:func:`..frontends.layer_timing.with_loss_bytes`: ``sample_inputs`` carry no targets to run it on); every rank
+profile to every rank (:func:`..frontends.balance.on_first_rank`), with the bytes the loss keeps (a layer list's
+estimated, ``sample_inputs`` carry no targets to run it on; a transformers model's measured with the input ids as
+labels: :func:`..frontends.layer_timing.with_loss_bytes`); every rank
 cuts the layers with the partition mode (``"time"`` unless layer counts are given) and synthesizes a schedule for
 those stages' measured costs, under 1F1B's activation memory (``min(pp, m)`` micro-batches in flight on every rank,
 the synthesizer's default cap): deterministic, so every rank holds the same one. Unless ``virtual_stages`` is
@@ -61,16 +62,18 @@ def synthesized(entry: str, frontend: Any, options: Options) -> Options:
     m = options.microbatches or p
     named: Any = frontend.named if isinstance(frontend, LayerList) else frontend.units()
     device = "cpu" if isinstance(frontend, LayerList) else next(frontend.model.parameters()).device
+    measure_loss = frontend.loss_measure(named, options) if isinstance(frontend, FromHF) else None
     profile = on_first_rank(
         options.group if options.parallel is None else None,
-        lambda: steadiest(
-            lambda: profile_layers(named, options.sample_inputs, seed=options.seed, device=device), ROUNDS
+        lambda: with_loss_bytes(
+            steadiest(lambda: profile_layers(named, options.sample_inputs, seed=options.seed, device=device), ROUNDS),
+            options.loss_fn is not None,
+            measure_loss,
         ),
         "profiling the layers for schedule='auto'",
         options.timeout,
         options.store,
     )
-    profile = with_loss_bytes(profile, options.loss_fn is not None)
     how = "time" if options.partition in ("uniform", "balanced") else options.partition  # the defaults: time it
     choices = [options.virtual_stages] if options.virtual_stages else [1, 2]
     schedule, counts = _fastest(profile, p, m, choices, how, named)

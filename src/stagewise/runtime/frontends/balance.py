@@ -133,13 +133,13 @@ def plan_layers(
     timeout: float = 300.0,
     store: Any = None,
     has_loss: bool = False,
+    measure_loss: Callable[[], float | None] | None = None,
 ) -> LayerPlan:
     """The layer ranges of each stage; ``"time"`` / ``"memory"`` profile ``sample_inputs`` (one micro-batch) first
-    (``has_loss``: the pipeline trains with a loss, whose kept bytes the profile estimates: :func:`with_loss_bytes`).
-
-    ``group``: the ranks that must cut alike (a collective over it when a
-    profile is needed; None is the world, as for the pipelines of a mesh), within ``timeout`` seconds
-    (see :func:`on_first_rank`).
+    (``has_loss``: the pipeline trains with a loss, whose kept bytes the profile measures with ``measure_loss``
+    where given, else estimates: :func:`with_loss_bytes`). ``group``: the ranks that must cut alike (a collective
+    over it when a profile is needed; None is the world, as for the pipelines of a mesh), within ``timeout``
+    seconds (see :func:`on_first_rank`).
     """
     stage_speeds, caps = per_stage(schedule, speeds, memory_caps)
     # every rank checks what it can before the collective, so a bad argument fails everywhere alike
@@ -153,12 +153,15 @@ def plan_layers(
             raise ValueError(f"partition={how!r} profiles the layers: pass sample_inputs= (one micro-batch of inputs)")
         measured = on_first_rank(
             group,
-            lambda: steadiest(lambda: profile_layers(named, sample_inputs, seed=seed, device=device), ROUNDS),
+            lambda: with_loss_bytes(
+                steadiest(lambda: profile_layers(named, sample_inputs, seed=seed, device=device), ROUNDS),
+                has_loss,
+                measure_loss,
+            ),
             "profiling the layers",
             timeout,
             store,
         )
-        measured = with_loss_bytes(measured, has_loss)
     with caps_explained(schedule, memory_caps):
         ranges = partition_layers(
             named,

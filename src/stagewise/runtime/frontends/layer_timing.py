@@ -3,7 +3,7 @@ default cut of a list holding a convolution (:func:`.default_cut.timed_profile`)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -88,16 +88,21 @@ def _to(value: Any, device: torch.device) -> Any:
     return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, value)
 
 
-def with_loss_bytes(profile: LayerProfile, has_loss: bool) -> LayerProfile:
-    """``profile`` with the bytes the loss keeps for its backward (``LayerProfile.loss_bytes``) estimated where
-    it was profiled without them (``sample_inputs`` hold no targets to run the loss on): the size of the last
-    layer's output, which a language model's cross-entropy keeps as its log-softmax (measured on the d 256 GPT:
-    263,172 bytes kept for an output of 262,144). ``schedule="auto"``'s memory cap counts a stage's W stash against
-    its activations: without the loss's bytes a vocabulary head's stash (its input and its output's gradient, 3x
-    what its forward saves) made ZB-V and ZB-H1 overrun 1F1B's memory, and auto ran slower orders capped under it
-    (2026-12-06: 0.937-0.966x 1F1B's step where ZB-V ran 0.855x); ``memory_caps`` left the loss out of the last
-    stage's bytes. An estimate: a loss that upcasts half-precision logits first (``causal_lm_loss``, as
-    transformers does) keeps twice the output's bytes; ``sw.profile(..., loss_fn=, targets=)`` measures it."""
+def with_loss_bytes(
+    profile: LayerProfile, has_loss: bool, measure: Callable[[], float | None] | None = None
+) -> LayerProfile:
+    """``profile`` with the bytes the loss keeps for its backward (``LayerProfile.loss_bytes``) where it was
+    profiled without them (``sample_inputs`` hold no targets to run the loss on): ``measure()``'s where it can
+    (``from_hf``: its loss on the input ids as labels, :func:`.hf.profile.loss_measure`), else an estimate, the
+    size of the last layer's output, which a language model's cross-entropy keeps as its log-softmax (measured
+    on the d 256 GPT: 263,172 bytes kept for an output of 262,144). ``schedule="auto"``'s memory cap counts a
+    stage's W stash against its activations: without the loss's bytes a vocabulary head's stash (its input and
+    its output's gradient, 3x what its forward saves) made ZB-V and ZB-H1 overrun 1F1B's memory, and auto ran
+    slower orders capped under it (2026-12-06: 0.937-0.966x 1F1B's step where ZB-V ran 0.855x); ``memory_caps``
+    left the loss out of the last stage's bytes. The estimate is low for a loss that upcasts half-precision
+    logits first (``causal_lm_loss``, as transformers does: twice the output's bytes), which ``measure`` is for;
+    ``sw.profile(..., loss_fn=, targets=)`` measures a layer list's."""
     if not has_loss or profile.loss_bytes or not profile.layers:
         return profile
-    return replace(profile, loss_bytes=float(profile.layers[-1].output_bytes))
+    measured = measure() if measure is not None else None
+    return replace(profile, loss_bytes=float(profile.layers[-1].output_bytes if measured is None else measured))

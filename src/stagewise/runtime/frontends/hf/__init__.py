@@ -38,6 +38,7 @@ data-parallel replica too), however unevenly they fall over the micro-batches. W
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -51,6 +52,7 @@ from ..parts import BUILT_MODEL, LAYERS_ONLY, Parts
 from ..tied import Tied, TiedBuilder
 from .check import check_model
 from .discover import Layout, decoder_layers, recognise
+from .profile import loss_measure
 from .stage import HFStage, decoder_units
 from .tp_plan import default_tp_plan
 
@@ -93,6 +95,10 @@ class FromHF:
     def stage_count(self, options: Options) -> int | None:
         return None
 
+    def loss_measure(self, units: list[tuple[str, HFStage]], options: Options) -> Callable[[], float | None] | None:
+        """How a profiled cut measures the loss's kept bytes (:func:`.profile.loss_measure`: the ids as labels)."""
+        return loss_measure(units, options.sample_inputs, options.loss_fn)
+
     def units(self) -> list[tuple[str, HFStage]]:
         """The units of the cut (:func:`.stage.decoder_units`), named by index."""
         return decoder_units(self.model, self.layout)
@@ -120,6 +126,7 @@ class FromHF:
             timeout=options.timeout,
             store=options.store,
             has_loss=options.loss_fn is not None,
+            measure_loss=self.loss_measure(units, options),
         )
         del units
         last = sched.num_stages - 1

@@ -11,7 +11,8 @@ plan of that profile (``sw.plan``) cuts decoder layers, and ``Pipeline.from_plan
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import logging
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -26,6 +27,8 @@ from ..balance import profile_layers
 from ..ties import tied_layers
 from .discover import recognise
 from .stage import HFStage, decoder_units
+
+log = logging.getLogger(__name__)
 
 
 def is_hf_model(model: Any) -> bool:
@@ -75,6 +78,27 @@ def profile_hf(
     inputs = sample_inputs if isinstance(sample_inputs, tuple) else (sample_inputs,)
     batch = batch or measured.batch or samples_in(inputs)
     return with_checkpoint_cost(replace(measured, batch=batch, loss_bytes=loss, tied=tied_layers(modules)))
+
+
+def loss_measure(
+    units: Sequence[tuple[str, nn.Module]], sample_inputs: Any, loss_fn: Callable[[Any, Any], torch.Tensor] | None
+) -> Callable[[], float | None] | None:
+    """What ``from_hf``'s profiled cuts (``schedule="auto"``, ``memory_caps``, ``partition="memory"``) measure the
+    loss's kept bytes with (:func:`..layer_timing.with_loss_bytes`): ``loss_fn`` on the units' output with the
+    input ids as labels, as ``sw.profile`` takes them (a causal LM's labels have the ids' shape), so a loss that
+    upcasts bfloat16 logits counts its float32 log-softmax. A loss that refuses the ids (its targets are something
+    else) gives None: the estimate then stands, and the log says why."""
+    if loss_fn is None:
+        return None
+
+    def measure() -> float | None:
+        try:
+            return float(loss_saved_bytes([u for _, u in units], sample_inputs, loss_fn, _input_ids(sample_inputs)))
+        except Exception as err:  # the user's loss on a guess at its targets: any refusal leaves the estimate
+            log.info("stagewise: the loss's kept bytes estimated (loss_fn refused the input ids as labels: %s)", err)
+            return None
+
+    return measure
 
 
 def _input_ids(sample_inputs: Any) -> Any:
