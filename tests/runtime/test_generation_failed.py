@@ -71,3 +71,19 @@ def test_a_silent_member_posted_by_the_stamps_is_named_without_the_rest():
     line = in_words(f"stage 0: the step's wait failed: {posted}", "RuntimeError", (1, 7), [0, 1, 2, 3], 2, "")
     assert line.startswith("generation 1 failed at step 7: lost machine 1 (worker 2); stage 0: the step's wait failed")
     assert "cut off" not in line.split("(the error")[0], line
+
+
+def test_a_failure_naming_no_one_names_the_dead_found_after_it_and_keeps_torchs_text_out():
+    """A snapshot's copy cut off by the lost machine fails with gloo's text after stagewise's and names no rank
+    (2026-12-06, a new user's run: the line carried gloo's C++ location, its address and "GLHF"): the line says
+    what failed in stagewise's words and names the workers the recovery found gone (``lost``)."""
+    cut = f"rank 0: the snapshot of step 223: PipelineError: waiting for the snapshots' copies: RuntimeError: {GLOO}"
+    line = in_words(cut + " (snapshot=)", "PipelineError", (0, 224), [0, 1, 2, 3], 2, "f.txt", lost=[3, 2])
+    assert line.startswith(
+        "generation 0 failed at step 224: lost machine 1 (workers 2, 3); rank 0: the snapshot of step 223: "
+        "PipelineError: waiting for the snapshots' copies: a RuntimeError inside torch. The survivors agree on the "
+        "next generation without them"
+    ), line
+    assert "pair.cc" not in line and "10.0.0.3" not in line
+    unnamed = in_words(cut, "PipelineError", (0, 224), [0, 1, 2, 3], 2, "f.txt")  # nothing found: no one named
+    assert "lost" not in unnamed and "copies: a RuntimeError inside torch." in unnamed

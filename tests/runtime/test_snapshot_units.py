@@ -227,3 +227,20 @@ def test_a_failure_is_one_line_naming_the_lost_machine() -> None:
     assert refused([{"rank": 0, "refusal": True}, {"rank": 1, "refusal": True}], [0, 1])
     assert not refused([{"rank": 0, "refusal": True}], [0, 1])  # rank 1 did not say it refused
     assert not refused([{"rank": 0, "refusal": True}, {"rank": 1, "refusal": False}], [0, 1])
+
+
+def test_machines_sharing_one_folder_are_refused_by_name(tmp_path: Path) -> None:
+    """Two agents of one host on one memory folder took each other's files (a generation failed every two steps,
+    58 times, 2026-12-06): the gathered identities refuse it, naming the machines and the way out; a folder per
+    machine, ranks of one machine sharing theirs, or a folder not made yet pass."""
+    shared, other = tmp_path / "shm", tmp_path / "shm2"
+    shared.mkdir(), other.mkdir()
+    one, two = folders.identity(shared), folders.identity(other)
+    assert one and two and one != two and folders.identity(tmp_path / "absent") == ""
+    assert folders.identity(Path(str(shared) + "/.")) == one  # another spelling of the same folder
+    ranks = [{"machine": "0", "folder": one}, {"machine": "0", "folder": one}, {"machine": "1", "folder": one}]
+    with pytest.raises(ValueError, match=r"machines 0, 1 keep their snapshots in one folder .*STAGEWISE_SNAPSHOT_DIR"):
+        folders.refuse_shared(ranks, shared)
+    folders.refuse_shared([{"machine": "0", "folder": one}, {"machine": "1", "folder": two}], shared)
+    folders.refuse_shared([{"machine": "0", "folder": one}, {"machine": "0", "folder": one}], shared)
+    folders.refuse_shared([{"machine": "0", "folder": ""}, {"machine": "1", "folder": ""}], shared)

@@ -56,7 +56,7 @@ def torchrun(
             with watching:
                 torchrun_main(argv)
         except ChildFailedError as err:
-            print(f"stagewise run: {err}", file=sys.stderr)
+            print(f"stagewise run: {str(err).strip()}", file=sys.stderr)  # (torch's text starts on a new line)
             cause = first_cause(folder)  # last, where the eye lands: which rank failed, where, with what
             if cause is not None:
                 print(f"stagewise run: {cause}", file=sys.stderr, flush=True)

@@ -372,6 +372,12 @@ def check_refusals(ctx: Ctx) -> dict[str, Any]:
         raises(ValueError, "asked for different re-layouts", lambda: pipe.relayout(microbatches=4 + ctx.rank % 2)),
         raises(ValueError, "members must be", lambda: pipe.relayout([0, 9])),
         raises(ValueError, "keep all 4 as members", lambda: pipe.relayout([0, 1], parallel=sw.ParallelConfig(pp=2))),
+        raises(ValueError, "not re-laid out yet", lambda: pipe.relayout(parallel=sw.ParallelConfig(pp=1, sharding=4))),
+        raises(
+            ValueError,
+            "plan= (pp 1, dp 1, tp 1, sharding 4): tensor parallelism and sharding are not",
+            lambda: pipe.relayout(plan=_sharded_plan()),
+        ),  # (found half-way, as a DTensor copy's error, before)
     ]
     assert_same(state_of(pipe), before, "refused")  # nothing changed
     with pipe.no_sync():
@@ -379,6 +385,16 @@ def check_refusals(ctx: Ctx) -> dict[str, Any]:
     refused.append(raises(ValueError, "gradient merge", lambda: pipe.relayout(partition=[2, 2, 2, 2])))
     train(pipe, 1, 1)  # ends the merge: the pipeline trains on
     return {"refused": len(refused)}
+
+
+def _sharded_plan() -> Any:
+    """A plan as ``sw.plan`` often returns on 4 processes: one stage, its optimizer sharded 4 ways."""
+    from stagewise.planning import Plan
+
+    return Plan(
+        layout=sw.ParallelConfig(pp=1, sharding=4), schedule="gpipe", virtual_stages=1, microbatches=2,
+        microbatch_size=4, partition=(8,), recompute=None, step_time=1.0, bubble=0.0, memory=(),
+    )  # fmt: skip
 
 
 def _resources() -> dict[str, int]:

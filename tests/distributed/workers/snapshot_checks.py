@@ -159,6 +159,21 @@ def machines(ctx: Ctx) -> dict[str, Any]:
         os.environ.pop("STAGEWISE_SNAPSHOT_DIR", None)
 
 
+def one_folder(ctx: Ctx) -> dict[str, Any]:
+    """Two machines (ranks 0-1, 2-3) on one memory folder (two agents of one host, one STAGEWISE_SNAPSHOT_DIR):
+    refused at construction on every rank alike, naming both machines and the way out."""
+    root = folder(ctx, "one-folder")
+    os.environ["GROUP_RANK"] = str(ctx.rank // 2)
+    os.environ["STAGEWISE_SNAPSHOT_DIR"] = str(root)
+    try:
+        said = raises(ValueError, ["machines 0, 1 keep their snapshots in one folder", "STAGEWISE_SNAPSHOT_DIR"],
+                      lambda: pipe(snapshot=2))  # fmt: skip
+        return {"refused": said[:80]}
+    finally:
+        os.environ.pop("GROUP_RANK", None)
+        os.environ.pop("STAGEWISE_SNAPSHOT_DIR", None)
+
+
 def damaged(ctx: Ctx) -> dict[str, Any]:
     """A flipped byte in rank 2's newest snapshot, and rank 3's cut short - stage 1's two replicas: both refused
     (logged, never loaded), and the pipeline resumes from the generation before, exactly as it was. (With one
@@ -307,6 +322,7 @@ def checks(world: int) -> dict[str, Check]:
         "same-layout": same_layout,
         "other-layout": other_layout,
         "machines": machines,
+        "one-folder": one_folder,
         "damaged": damaged,
         "disk-newer": disk_newer,
         "fresh": fresh,

@@ -62,13 +62,17 @@ def synthesized(entry: str, frontend: Any, options: Options) -> Options:
     m = options.microbatches or p
     named: Any = frontend.named if isinstance(frontend, LayerList) else frontend.units()
     device = "cpu" if isinstance(frontend, LayerList) else next(frontend.model.parameters()).device
-    measure_loss = frontend.loss_measure(named, options) if isinstance(frontend, FromHF) else None
+    measure_loss = frontend.loss_measure(options) if isinstance(frontend, FromHF) else None
     profile = on_first_rank(
         options.group if options.parallel is None else None,
         lambda: with_loss_bytes(
-            steadiest(lambda: profile_layers(named, options.sample_inputs, seed=options.seed, device=device), ROUNDS),
+            steadiest(
+                lambda: profile_layers(
+                    named, options.sample_inputs, seed=options.seed, device=device, measure_loss=measure_loss
+                ),
+                ROUNDS,
+            ),
             options.loss_fn is not None,
-            measure_loss,
         ),
         "profiling the layers for schedule='auto'",
         options.timeout,

@@ -43,6 +43,35 @@ def machine_folder(root: Path, run: str) -> Path:
     return root / f"stagewise-{safe}"
 
 
+def identity(root: Path) -> str:
+    """Which folder ``root`` is on this boot of this host (the boot, the device and the inode: a path names other
+    folders on other machines, one folder on machines that are processes of one host); "" where it is not yet."""
+    try:
+        st = root.stat()
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+    return f"{boot}:{st.st_dev}:{st.st_ino}"
+
+
+def refuse_shared(everyone: list[dict[str, Any]], root: Path) -> None:
+    """Refuse (on every rank alike: ``everyone`` is the gathered ``machine`` and ``folder`` of each rank) machines
+    that keep their snapshots in one folder: a machine's copies would not outlive it, and the writers take each
+    other's files (on two agents of one host sharing ``/dev/shm``: a generation failed every two steps, 58 times)."""
+    by_folder: dict[str, set[str]] = {}
+    for e in everyone:
+        if e.get("folder"):
+            by_folder.setdefault(str(e["folder"]), set()).add(str(e["machine"]))
+    shared = sorted(sorted(machines) for machines in by_folder.values() if len(machines) > 1)
+    if shared:
+        them = "; ".join(f"machines {', '.join(m)}" for m in shared)
+        raise ValueError(
+            f"snapshot=: {them} keep their snapshots in one folder ({root} on one host): each machine's copies "
+            "must live in its own memory, or a lost machine's copies go with its peer's; give each machine its own "
+            "folder (STAGEWISE_SNAPSHOT_DIR, or Snapshots(folder=...)) where machines are processes of one host"
+        )
+
+
 def file_name(step: int, lineage: str, owner: int) -> str:
     return f"{step:010d}-{lineage}-r{owner:05d}.snap"
 

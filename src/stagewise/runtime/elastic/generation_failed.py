@@ -19,17 +19,31 @@ from .membership import named_dead
 
 # the heartbeat's naming of the dead (heartbeat.blame_*), and what separates it from the rest
 _NAMED = re.compile(r"global ranks? [\d, ]+ stopped or died(?: \((?:[^()]|\([^()]*\))*\))?(?:: |; )?")
+# an exception's text that torch's C++ wrote, as stagewise quotes it: its type, then a source location in brackets
+_TORCH_TEXT = re.compile(r"(?:(\w+(?:Error|Exception)): )?\[[^\]\s]+\.(?:cpp|cc|c|h|hpp):\d+\]")
 
 
-def in_words(message: str, kind: str, at: tuple[int, int], members: Sequence[int], nproc: int, where: str) -> str:
+def in_words(
+    message: str,
+    kind: str,
+    at: tuple[int, int],
+    members: Sequence[int],
+    nproc: int,
+    where: str,
+    lost: Sequence[int] | None = None,
+) -> str:
     """The line for a failure of generation ``at[0]`` at step ``at[1]`` (``message``, an exception of type
     ``kind``; ``members``: the generation's worker ids by rank; ``nproc``: workers per machine, 0 if unknown;
-    ``where``: the file that holds the error, or "" when there is none: its first line is said then)."""
+    ``where``: the file that holds the error, or "" when there is none: its first line is said then; ``lost``: the
+    worker ids found gone, by default those the message names)."""
     first = message.splitlines()[0] if message else ""
-    lost = named_dead(message, members)
-    what = _NAMED.sub("", first, count=1) if lost else first
+    lost = named_dead(message, members) if lost is None else sorted(lost)
+    what = _NAMED.sub("", first, count=1)
     if " failed: " in what:  # stagewise's "<who>: <what> failed: <the error torch raised>"
         what = what.split(" failed: ", 1)[0] + " failed"
+    inside = _TORCH_TEXT.search(what)  # torch's own text after stagewise's ("...: RuntimeError: [pair.cc:537] ...")
+    if inside is not None and inside.start() > 0:
+        what = f"{what[: inside.start()].rstrip(': ')}: a {inside.group(1) or kind} inside torch"
     if not what or what.startswith("["):  # torch's own text from the start (a C++ location first)
         what = f"a {kind} inside torch"
     head = f"generation {at[0]} failed at step {at[1]}: "

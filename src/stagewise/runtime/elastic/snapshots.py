@@ -106,12 +106,10 @@ class Snapshotter:
         self.rank = groups.group_rank(self.group)
         self.run = os.environ.get(RUN_ENV) or "local"
         self.folder = folders.machine_folder(config.root(), self.run)
-        mine = {
-            "machine": agent_number(),
-            "lineage": secrets.token_hex(6),
-            "job": secrets.token_hex(6),
-        }
+        mine = {"machine": agent_number(), "folder": folders.identity(config.root())}
+        mine |= {"lineage": secrets.token_hex(6), "job": secrets.token_hex(6)}
         everyone = snapshot_wire.gather(mine, self.group, timeout, "every rank's machine (snapshot=)")
+        folders.refuse_shared(everyone, config.root())
         self.lineage = str(everyone[0]["lineage"])  # group rank 0's: one generation's files share it
         self.end = Ending(self.folder, str(everyone[0]["job"]), weakref.ref(self))  # the job's name: see Ending
         self.peers = peers_of([str(e["machine"]) for e in everyone], self.rank)

@@ -5,7 +5,7 @@ position to the failure that stands (the first one posted on the error board),
 so a failed step can be read rank by rank against the schedule::
 
     rank 2: stage 1's output for micro-batch 2 from rank 1 failed: ... Connection closed by peer
-    rank 3 at 3F2 (action 9 of 24; last completed: 3B0), waiting for stage 2's output for micro-batch 2
+    rank 3 at 3F2 (action 9 of 24; last completed: 3B0 (action 8 of 24)), waiting for stage 2's output for micro-batch 2
     from rank 2; planned: ... 3F1 3SEND_F1 3RECV_B1 3B1 3RECV_F2 >>3F2<< 3SEND_F2 3RECV_B2 3B2 ...
 """
 

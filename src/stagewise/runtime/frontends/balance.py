@@ -133,7 +133,7 @@ def plan_layers(
     timeout: float = 300.0,
     store: Any = None,
     has_loss: bool = False,
-    measure_loss: Callable[[], float | None] | None = None,
+    measure_loss: Callable[[Any], float | None] | None = None,
 ) -> LayerPlan:
     """The layer ranges of each stage; ``"time"`` / ``"memory"`` profile ``sample_inputs`` (one micro-batch) first
     (``has_loss``: the pipeline trains with a loss, whose kept bytes the profile measures with ``measure_loss``
@@ -153,15 +153,10 @@ def plan_layers(
             raise ValueError(f"partition={how!r} profiles the layers: pass sample_inputs= (one micro-batch of inputs)")
         measured = on_first_rank(
             group,
-            lambda: with_loss_bytes(
-                steadiest(lambda: profile_layers(named, sample_inputs, seed=seed, device=device), ROUNDS),
-                has_loss,
-                measure_loss,
-            ),
-            "profiling the layers",
-            timeout,
-            store,
-        )
+            lambda: with_loss_bytes(steadiest(lambda: profile_layers(named, sample_inputs, seed=seed, device=device,
+                                                                     measure_loss=measure_loss), ROUNDS), has_loss),
+            "profiling the layers", timeout, store,
+        )  # fmt: skip
     with caps_explained(schedule, memory_caps):
         ranges = partition_layers(
             named,

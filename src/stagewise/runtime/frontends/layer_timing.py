@@ -28,6 +28,7 @@ def profile_layers(
     device: torch.device | str = "cpu",
     repeats: int = 5,
     warmup: int = 2,
+    measure_loss: Callable[[Any], float | None] | None = None,
 ) -> LayerProfile:
     """Profile a layer list on one micro-batch, one layer at a time under the calling convention.
 
@@ -41,6 +42,9 @@ def profile_layers(
     (``forward_fn``) as the pipeline does: the head of a tied embedding is timed as the product it computes.
     The layers that use one parameter are recorded as ``tied`` (:func:`.ties.tied_layers`), as
     :func:`stagewise.profile` records them; a spec builds fresh parameters, so it ties nothing but through a key.
+
+    ``measure_loss``: the bytes the loss keeps (``LayerProfile.loss_bytes``), from the last layer's output, where
+    it can tell them (None: not known; ``from_hf``: :func:`.hf.profile.loss_measure`).
     """
     device = torch.device(device)
     x: Any = _to(sample_inputs, device)
@@ -62,9 +66,8 @@ def profile_layers(
                 m.to(home)
         uses.append(module if isinstance(layer, Tied) or id(module) in given else _FRESH)
         del module, shared, homes
-    profile = LayerProfile(
-        layers=tuple(layers), device=str(device), repeats=repeats, warmup=warmup, tied=tied_layers(uses)
-    )
+    loss = (measure_loss(x) if measure_loss is not None else None) or 0.0
+    profile = LayerProfile(tuple(layers), str(device), repeats, warmup, tied=tied_layers(uses), loss_bytes=loss)
     return with_checkpoint_cost(profile)
 
 
@@ -88,21 +91,17 @@ def _to(value: Any, device: torch.device) -> Any:
     return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, value)
 
 
-def with_loss_bytes(
-    profile: LayerProfile, has_loss: bool, measure: Callable[[], float | None] | None = None
-) -> LayerProfile:
-    """``profile`` with the bytes the loss keeps for its backward (``LayerProfile.loss_bytes``) where it was
-    profiled without them (``sample_inputs`` hold no targets to run the loss on): ``measure()``'s where it can
-    (``from_hf``: its loss on the input ids as labels, :func:`.hf.profile.loss_measure`), else an estimate, the
-    size of the last layer's output, which a language model's cross-entropy keeps as its log-softmax (measured
-    on the d 256 GPT: 263,172 bytes kept for an output of 262,144). ``schedule="auto"``'s memory cap counts a
-    stage's W stash against its activations: without the loss's bytes a vocabulary head's stash (its input and
-    its output's gradient, 3x what its forward saves) made ZB-V and ZB-H1 overrun 1F1B's memory, and auto ran
-    slower orders capped under it (2026-12-06: 0.937-0.966x 1F1B's step where ZB-V ran 0.855x); ``memory_caps``
-    left the loss out of the last stage's bytes. The estimate is low for a loss that upcasts half-precision
-    logits first (``causal_lm_loss``, as transformers does: twice the output's bytes), which ``measure`` is for;
-    ``sw.profile(..., loss_fn=, targets=)`` measures a layer list's."""
+def with_loss_bytes(profile: LayerProfile, has_loss: bool) -> LayerProfile:
+    """``profile`` with the bytes the loss keeps for its backward (``LayerProfile.loss_bytes``) estimated where it
+    was profiled without them (``sample_inputs`` hold no targets to run the loss on): the size of the last layer's
+    output, which a language model's cross-entropy keeps as its log-softmax (measured on the d 256 GPT: 263,172
+    bytes kept for an output of 262,144). ``schedule="auto"``'s memory cap counts a stage's W stash against its
+    activations: without the loss's bytes a vocabulary head's stash (its input and its output's gradient, 3x what
+    its forward saves) made ZB-V and ZB-H1 overrun 1F1B's memory, and auto ran slower orders capped under it
+    (2026-12-06: 0.937-0.966x 1F1B's step where ZB-V ran 0.855x); ``memory_caps`` left the loss out of the last
+    stage's bytes. An estimate, low for a loss that upcasts half-precision logits first (``causal_lm_loss``, as
+    transformers does: twice the output's bytes); ``from_hf`` measures its loss instead (``profile_layers``'s
+    ``measure_loss``), as ``sw.profile(..., loss_fn=, targets=)`` does."""
     if not has_loss or profile.loss_bytes or not profile.layers:
         return profile
-    measured = measure() if measure is not None else None
-    return replace(profile, loss_bytes=float(profile.layers[-1].output_bytes if measured is None else measured))
+    return replace(profile, loss_bytes=float(profile.layers[-1].output_bytes))

@@ -49,7 +49,7 @@ here :func:`profile` measures and :mod:`stagewise.partition.cut` decides.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
@@ -135,6 +135,12 @@ def loss_saved_bytes(
         out: Any = inputs
         for m in modules:
             out = m(*out) if isinstance(out, tuple) else m(out)
+    return saved_by_loss(out, loss_fn, targets, params)
+
+
+def saved_by_loss(out: Any, loss_fn: Callable[..., Any], targets: Any, excluded: Collection[int] = ()) -> int:
+    """Bytes autograd saves inside ``loss_fn(out, targets)``, each storage once (``excluded``: the storages not to
+    count, by data pointer: the model's parameters); ``out`` is the model's output (one tensor)."""
     if not isinstance(out, torch.Tensor):
         raise ValueError(
             f"profile: loss_fn takes the model's output, which here is a {type(out).__name__}, not one tensor: "
@@ -145,13 +151,13 @@ def loss_saved_bytes(
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         ptr = t.untyped_storage().data_ptr()
-        if ptr not in params and ptr not in counted and t.numel():
+        if ptr not in excluded and ptr not in counted and t.numel():
             counted.add(ptr)
             sizes.append(t.numel() * t.element_size())
         return t
 
     sizes: list[int] = []
-    with preserved_state(modules, inputs), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with preserved_state([], (leaf,)), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss_fn(leaf, targets)
     return sum(sizes)
 

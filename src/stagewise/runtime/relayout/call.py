@@ -54,7 +54,15 @@ from .kept import lender
 from .models import release_model, twin_of
 from .old_layout import hooks_of, let_go_old
 from .primitive import relay
-from .request import digest, local_refusals, members_of, placement_refusals, refuse_alike, subgroups_ahead
+from .request import (
+    digest,
+    local_refusals,
+    members_of,
+    placement_refusals,
+    plan_refusals,
+    refuse_alike,
+    subgroups_ahead,
+)
 from .takeover import hold_whole
 
 Build = Callable[[Frontend, Options], nn.Module]
@@ -224,7 +232,8 @@ def _agree(
 ) -> tuple[Progress, Any]:
     """The one small exchange: every process's request digest, progress, LR schedule and refusals; refused alike."""
     progress = None if old is None else progress_of(old)
-    refused = local_refusals(frontend, options, progress, changes) + snapshot_refusals(old, live, ranks.size)
+    refused = local_refusals(frontend, options, progress, changes) + plan_refusals(plan)
+    refused += snapshot_refusals(old, live, ranks.size)
     if (plan is not None or changes.get("parallel", options.parallel) is not None) and len(chosen) != ranks.size:
         refused.append(f"parallel= spans every process of the world: keep all {ranks.size} as members")
     if plan is not None and not isinstance(frontend, (LayerList, FromPlan)):

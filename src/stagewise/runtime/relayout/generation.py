@@ -249,10 +249,6 @@ class InPlace:
         assert self._members is not None
         started = time.perf_counter()
         at, where = (self._members.generation, step), file_error(err, self._members.generation)  # gloo's text
-        nproc = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
-        line = in_words(str(err), type(err).__name__, at, self._members.members, nproc, where)
-        lost = ms.named_dead(str(err), self._members.members)
-        self._say(self._members.speaks_for_machine(without=lost), "stagewise elastic: %s", line)
         self._parts, self._sources = {}, {}
         heartbeat.post_failure(str(err))  # every pipeline of the generation stops now, not at its timeout
         with self._timed("hold"):
@@ -260,8 +256,12 @@ class InPlace:
         with self._timed("drop"):
             self._drop_pipeline(err)
         # the dead the failure named, and any other whose port refuses by now (a machine's processes die one
-        # after another: the failure may name only the first)
+        # after another: the failure may name only the first; a snapshot's copy cut off names none): the line
+        # names them all
         gone = ms.named_dead(f"{err} {heartbeat.blame_gone()}", self._members.members)
+        nproc = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+        line = in_words(str(err), type(err).__name__, at, self._members.members, nproc, where, gone)
+        self._say(self._members.speaks_for_machine(without=gone), "stagewise elastic: %s", line)
         self._ports = heartbeat.probe_report()  # (the next generation's heartbeat starts afresh)
         members = self._next_generation(gone)
         self.recoveries.append(

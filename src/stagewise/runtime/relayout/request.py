@@ -87,12 +87,26 @@ def local_refusals(
                 f"partition={how!r} profiles the model, whose other ranks' parts {frontend.entry} freed "
                 "(free_unused=True): give partition= as counts or 'parameters', or build it with free_unused=False"
             )
-    hybrid = changes.get("parallel", options.parallel)
+    return out + parallel_refusals(changes.get("parallel", options.parallel))
+
+
+def parallel_refusals(hybrid: Any) -> list[str]:
+    """What a re-layout cannot move to: a built Mesh, tensor parallelism or sharding (``parallel=``, a plan's
+    layout)."""
     if hybrid is not None and not hasattr(hybrid, "pp"):
-        out.append("parallel= must be a ParallelConfig for a re-layout (a built Mesh holds the old groups)")
-    elif hybrid is not None and (hybrid.tp > 1 or hybrid.sharding > 1):
-        out.append("tensor parallelism and sharding are not re-laid out yet: their tensors are DTensor shards")
-    return out
+        return ["parallel= must be a ParallelConfig for a re-layout (a built Mesh holds the old groups)"]
+    if hybrid is not None and (hybrid.tp > 1 or hybrid.sharding > 1):
+        return ["tensor parallelism and sharding are not re-laid out yet: their tensors are DTensor shards"]
+    return []
+
+
+def plan_refusals(plan: Any) -> list[str]:
+    """``relayout(plan=)``: the plan's layout meets ``parallel=``'s refusals, before anything changes (a plan of
+    ``sw.plan`` often shards: found half-way through the move before, as a DTensor copy's error)."""
+    if plan is None:
+        return []
+    c = plan.layout
+    return [f"plan= (pp {c.pp}, dp {c.dp}, tp {c.tp}, sharding {c.sharding}): {why}" for why in parallel_refusals(c)]
 
 
 def placement_refusals(

@@ -95,9 +95,9 @@ class FromHF:
     def stage_count(self, options: Options) -> int | None:
         return None
 
-    def loss_measure(self, units: list[tuple[str, HFStage]], options: Options) -> Callable[[], float | None] | None:
+    def loss_measure(self, options: Options) -> Callable[[Any], float | None] | None:
         """How a profiled cut measures the loss's kept bytes (:func:`.profile.loss_measure`: the ids as labels)."""
-        return loss_measure(units, options.sample_inputs, options.loss_fn)
+        return loss_measure(options.sample_inputs, options.loss_fn)
 
     def units(self) -> list[tuple[str, HFStage]]:
         """The units of the cut (:func:`.stage.decoder_units`), named by index."""
@@ -126,7 +126,7 @@ class FromHF:
             timeout=options.timeout,
             store=options.store,
             has_loss=options.loss_fn is not None,
-            measure_loss=self.loss_measure(units, options),
+            measure_loss=self.loss_measure(options),
         )
         del units
         last = sched.num_stages - 1

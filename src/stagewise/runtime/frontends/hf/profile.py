@@ -12,7 +12,7 @@ plan of that profile (``sw.plan``) cuts decoder layers, and ``Pipeline.from_plan
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -22,7 +22,7 @@ from torch import nn
 from ....partition import LayerProfile
 from ...losses import causal_lm_loss
 from ...measure.checkpoint_cost import with_checkpoint_cost
-from ...measure.profiling import loss_saved_bytes, samples_in, steadiest
+from ...measure.profiling import loss_saved_bytes, samples_in, saved_by_loss, steadiest
 from ..balance import profile_layers
 from ..ties import tied_layers
 from .discover import recognise
@@ -81,19 +81,23 @@ def profile_hf(
 
 
 def loss_measure(
-    units: Sequence[tuple[str, nn.Module]], sample_inputs: Any, loss_fn: Callable[[Any, Any], torch.Tensor] | None
-) -> Callable[[], float | None] | None:
+    sample_inputs: Any, loss_fn: Callable[[Any, Any], torch.Tensor] | None
+) -> Callable[[Any], float | None] | None:
     """What ``from_hf``'s profiled cuts (``schedule="auto"``, ``memory_caps``, ``partition="memory"``) measure the
-    loss's kept bytes with (:func:`..layer_timing.with_loss_bytes`): ``loss_fn`` on the units' output with the
-    input ids as labels, as ``sw.profile`` takes them (a causal LM's labels have the ids' shape), so a loss that
+    loss's kept bytes with, on the last unit's output as the profile leaves it (no second forward): ``loss_fn`` with
+    the input ids as labels, as ``sw.profile`` takes them (a causal LM's labels have the ids' shape), so a loss that
     upcasts bfloat16 logits counts its float32 log-softmax. A loss that refuses the ids (its targets are something
-    else) gives None: the estimate then stands, and the log says why."""
+    else) gives None: the estimate then stands (:func:`..layer_timing.with_loss_bytes`), and the log says why."""
     if loss_fn is None:
         return None
+    ids = _input_ids(sample_inputs)
 
-    def measure() -> float | None:
+    def measure(logits: Any) -> float | None:
         try:
-            return float(loss_saved_bytes([u for _, u in units], sample_inputs, loss_fn, _input_ids(sample_inputs)))
+            labels = (
+                ids.to(logits.device) if isinstance(ids, torch.Tensor) and isinstance(logits, torch.Tensor) else ids
+            )
+            return float(saved_by_loss(logits, loss_fn, labels))
         except Exception as err:  # the user's loss on a guess at its targets: any refusal leaves the estimate
             log.info("stagewise: the loss's kept bytes estimated (loss_fn refused the input ids as labels: %s)", err)
             return None
