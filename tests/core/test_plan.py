@@ -355,3 +355,12 @@ def test_a_value_two_layers_of_one_stage_both_save_is_charged_once() -> None:
     one = stage_base(arrays, [0, 2], tp=1, tp_link=link, recompute=None, overhead=[0.0, 0.0])
     two = stage_base(arrays, [0, 1, 2], tp=1, tp_link=link, recompute=None, overhead=[0.0, 0.0])
     assert one.activation == (64.0,) and two.activation == (64.0, 96.0)
+
+
+def test_a_swapped_link_pair_is_refused_by_what_it_reads_as() -> None:
+    """``intra=(2.5e10, 5e-6)`` (bandwidth first) was taken as a 2.5e10 s latency: the top plan predicted a
+    2e9-second step, without a word."""
+    profile = _profile([1.0] * 4)
+    with pytest.raises(ValueError, match=r"intra=\(25000000000.0, 5e-06\) reads as 2.5e\+10 s of latency .* swapped"):
+        sw.plan(profile, 2, global_batch=4, intra=(2.5e10, 5e-6))
+    assert sw.plan(profile, 2, global_batch=4, intra=(5e-6, 2.5e10), top=1)

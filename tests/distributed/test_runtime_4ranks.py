@@ -34,7 +34,7 @@ def test_parity(results, name: str) -> None:
     results.assert_ok(name)
 
 
-@pytest.mark.parametrize("name", ["different-options", "different-layout", "alike-per-group"])
+@pytest.mark.parametrize("name", ["different-options", "different-layout", "alike-per-group", "different-weights"])
 def test_ranks_built_alike_or_refused(results, name: str) -> None:
     """Ranks given other options than their pipeline's peers are refused on every rank, naming the option and
     who holds what, before any group is made; pipelines on different groups may differ."""

@@ -93,11 +93,28 @@ def test_a_partial_folder_is_not_the_latest_and_is_refused(tmp_path: Path) -> No
         sw.checkpoint.load(tmp_path / "nowhere", model)
 
 
-def test_keep_prunes_the_oldest(tmp_path: Path) -> None:
+def test_keep_prunes_the_oldest_and_never_a_later_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``keep=2`` keeps the save and the newest one before it. A later step than the one saved is another run's
+    (one that forgot to resume: it saved step 2 with ``keep=1`` and step 100 was deleted, 2026-12-06): kept, and
+    the save warns that a resume takes it; another job's save of a step replaced says so (a job's own, a step
+    redone after a loss, does not)."""
+    import warnings
+
     model, _, _ = _trained()
-    for step in (5, 1, 9, 3):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "first-job")
+    for step in (1, 3, 5, 9):
         sw.checkpoint.save(tmp_path, model, step=step, keep=2)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000003", "step-00000009"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000005", "step-00000009"]
+    with pytest.warns(UserWarning, match=r"holds later steps \(5, 9\): a resume takes step 9, not this one"):
+        sw.checkpoint.save(tmp_path, model, step=2, keep=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000002", "step-00000005", "step-00000009"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sw.checkpoint.save(tmp_path, model, step=9)  # the same job's again: nothing to say
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "second-job")
+    with pytest.warns(UserWarning, match="replaced an earlier save of the same step"):
+        sw.checkpoint.save(tmp_path, model, step=9, keep=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000009"]
     with pytest.raises(ValueError, match="keep must be"):
         sw.checkpoint.save(tmp_path, model, step=10, keep=0)
     with pytest.raises(ValueError, match="step must be"):
@@ -187,3 +204,23 @@ def test_schedulers_in_lockstep_each_keep_their_own_stage_s_rates(tmp_path: Path
         scheds[s].step(), scheds2[s].step()
         assert scheds2[s].state_dict() == scheds[s].state_dict(), s
         assert opts2[s].param_groups[0]["lr"] == opts[s].param_groups[0]["lr"] == [0.5, 0.03][s] * 4 / 4, s
+
+
+def test_another_optimizer_class_is_refused_before_anything_changes(tmp_path: Path) -> None:
+    """An AdamW checkpoint loaded into an SGD said ``optimizer_restored=True`` and left the SGD with AdamW's
+    weight decay, learning rate and moments (2026-12-06): refused now, naming both classes, nothing loaded;
+    ``optimizer=[]`` loads the model alone."""
+    model, opt, _ = _trained()
+    sw.checkpoint.save(tmp_path, model, opt, step=1)
+    fresh = sw.build_model(mdl.lm(2), seed=5)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    sgd = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(CheckpointError, match="optimizer state is AdamW's, and this optimizer is a SGD"):
+        sw.checkpoint.load(tmp_path, fresh, sgd)
+    assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items())  # nothing changed
+    assert sgd.param_groups[0]["lr"] == 0.1 and not sgd.state
+    info = sw.checkpoint.load(tmp_path, fresh, [])
+    assert not info.optimizer_restored
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in fresh.state_dict().items())
+    again = torch.optim.AdamW(fresh.parameters(), lr=1.0)
+    assert sw.checkpoint.load(tmp_path, fresh, again).optimizer_restored and again.param_groups[0]["lr"] == 1e-2 * 0.5

@@ -116,3 +116,32 @@ def test_too_few_layers_for_a_v_schedule_says_it_runs_two_stages_per_rank(one_ra
 
     assert stages_per_rank_note("1f1b", 4, 1) == ""
     assert "(4 ranks x 2 = 8 stages), so it needs at least 8 layers" in stages_per_rank_note("dualpipe-v", 4, 2)
+
+
+def test_a_loss_that_cuts_the_gradient_path_is_refused_at_the_step(one_rank) -> None:
+    """A ``loss_fn`` that detaches the output returned a loss every step and trained nothing (every gradient None,
+    2026-12-06; plain torch's backward refuses it): refused naming the stage and micro-batch; a loss on frozen
+    layers (no gradient anywhere to cut) is not."""
+    x, y = torch.randn(4, 4, dtype=torch.float64), torch.randn(4, 4, dtype=torch.float64)
+    pipe = sw.Pipeline([sw.Layer(nn.Linear, 4, 4, dtype=torch.float64)], loss_fn=lambda o, t: F.mse_loss(o.detach(), t))
+    with pytest.raises(ValueError, match=r"stage 0, micro-batch 0: loss_fn's result does not depend on the model's"):
+        pipe.train_step(x, y)
+    frozen = sw.Pipeline([sw.Layer(nn.Linear, 4, 4, dtype=torch.float64)], loss_fn=lambda o, t: F.mse_loss(o, t))
+    for p in frozen.parameters():
+        p.requires_grad_(False)
+    assert frozen.train_step(x, y) == pytest.approx(F.mse_loss(frozen.eval_step(x), y).item(), rel=1e-12)
+
+
+def test_a_stage_of_no_layers_is_named_in_the_refusal() -> None:
+    """``partition=[3, 0]`` listed the partition modes; it names the empty stage now."""
+    with pytest.raises(ValueError, match=r"partition=\[3, 0\]: every stage needs at least one layer, but stage 1 "):
+        sw.Options(partition=[3, 0])
+    with pytest.raises(ValueError, match="partition must be 'balanced'"):
+        sw.Options(partition=[3, "x"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
+def test_a_cuda_device_without_one_is_refused_by_name(one_rank) -> None:
+    """``device="cuda"`` where no GPU is seen gave torch's own error from deep inside the build."""
+    with pytest.raises(ValueError, match="device='cuda' on rank 0, but this process sees no CUDA device"):
+        sw.Pipeline([sw.Layer(nn.Linear, 4, 4)], device="cuda")

@@ -291,3 +291,28 @@ def _pipe_async(folder: Path) -> sw.Pipeline:
         mdl.lm(), loss_fn=mdl.lm_loss, schedule="pipedream", microbatches=2, seed=5, progress=False,
         metrics=MetricsConfig(folder, tensorboard=False), optimizer=lambda p: torch.optim.SGD(p, lr=0.01),
     )  # fmt: skip
+
+
+def test_the_learning_rate_is_the_one_the_step_trained_with(one_rank, tmp_path: Path) -> None:
+    """``optimizer=`` with ``lr_scheduler=``: the scheduler steps at the step's end, and the lr written was read
+    after it, one step ahead (2026-12-06: 0.002, 0.003 for a step run at 0.001)."""
+    lrs: list[float] = []
+    warmup = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda k: (k + 1) / 3)  # noqa: E731
+    pipe = _pipe(metrics=tmp_path, optimizer=lambda p: torch.optim.SGD(p, lr=3e-3), lr_scheduler=warmup)
+    for step in range(3):
+        lrs.append(pipe.optimizers[0].param_groups[0]["lr"])  # what this step trains with
+        pipe.train_step(*mdl.lm_data(BATCH, seed=step))
+    pipe.metrics.close()
+    rows = [json.loads(line) for line in (tmp_path / "rank0.jsonl").read_text().splitlines()]
+    assert [r["lr"] for r in rows if "lr" in r] == pytest.approx([1e-3, 2e-3, 3e-3], rel=1e-12) == lrs
+
+
+def test_tokens_are_counted_from_a_tuple_s_or_a_dict_s_input_ids() -> None:
+    """Stage 0 of a transformers model holds ``(input_ids, attention_mask)`` or a tokenizer's dict: its tokens
+    were not counted (no ``throughput/tokens_per_s`` there); a float tensor first is no tokens."""
+    from stagewise.runtime.reporting.record import batch_counts
+
+    ids, mask = torch.zeros(2, 8, dtype=torch.long), torch.ones(2, 8, dtype=torch.long)
+    assert batch_counts([(ids, mask)] * 3, None, (0, 0)) == {"samples": 6, "tokens": 48}
+    assert batch_counts([{"input_ids": ids, "attention_mask": mask}], None, (0, 0))["tokens"] == 16
+    assert "tokens" not in batch_counts([(torch.zeros(2, 8), ids)], None, (0, 0))

@@ -20,3 +20,34 @@ def test_run_in_place_gives_the_workers_the_store_and_needs_no_restarts(
     assert "--max-restarts" not in " ".join(calls[0][0])
     assert main([*argv, "--rdzv-host", str(script)]) == 2
     assert "no training machine may host it: drop --rdzv-host" in capsys.readouterr().err
+
+
+def test_in_place_without_a_range_of_sizes_is_refused(
+    launched: tuple[Path, list[tuple[list[str], dict[str, str]]]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--in-place`` with a fixed ``--nnodes`` (or none) was accepted and ignored: the job ran as a fixed one."""
+    script, calls = launched
+    assert main(["run", "-n", "2", "--in-place", str(script)]) == 2
+    assert "--in-place keeps the survivors' processes when a machine is lost, which needs --nnodes MIN:MAX" in (
+        capsys.readouterr().err
+    )
+    assert calls == []  # nothing launched
+
+
+def test_a_file_a_command_writes_gets_its_folder(tmp_path: Path) -> None:
+    """``plan --json`` / ``simulate --png`` into a folder not made yet: made (a FileNotFoundError traceback before)."""
+    out = tmp_path / "new" / "deeper" / "sim.png"
+    assert main(["simulate", "-s", "1f1b", "-p", "2", "-m", "2", "--png", str(out)]) == 0
+    assert out.is_file()
+
+
+def test_a_misspelt_compare_workload_is_refused_before_any_rank_starts(capsys: pytest.CaptureFixture[str]) -> None:
+    """``stagewise compare --workload gtp`` launched the ranks, and each refused it: the choices are the CLI's now,
+    the benchmark's own (held alike here)."""
+    from benchmarks.compare.workloads import WORKLOADS
+
+    from stagewise.cli.compare import WORKLOADS as CHOICES
+
+    assert tuple(sorted(WORKLOADS)) == CHOICES
+    assert main(["compare", "--workload", "gtp"]) == 2
+    assert "invalid choice: 'gtp'" in capsys.readouterr().err

@@ -23,6 +23,11 @@ MODULE = "benchmarks.compare"
 MARKER = Path("benchmarks") / "compare" / "__main__.py"
 
 
+#: the benchmark's workloads (benchmarks/compare/workloads.py; a test holds them alike): a misspelt one is refused
+#: here, not once per launched rank
+WORKLOADS = ("cnn", "gpt", "mlp")
+
+
 def add_command(sub: Subparsers) -> None:
     parser = sub.add_parser(
         "compare",
@@ -32,7 +37,9 @@ def add_command(sub: Subparsers) -> None:
         "Arguments after -- go to the benchmark as they are (see its --help).",
     )
     parser.add_argument("-n", "--nproc", type=int, default=2, metavar="N", help="processes (default 2)")
-    parser.add_argument("--workload", nargs="+", metavar="NAME", help="gpt, cnn and/or mlp (default: gpt cnn)")
+    parser.add_argument(
+        "--workload", nargs="+", choices=WORKLOADS, metavar="NAME", help="gpt, cnn and/or mlp (default: gpt cnn)"
+    )
     parser.add_argument("--steps", type=int, help="mini-batches per run, a multiple of the window (default 48)")
     parser.add_argument("--seeds", type=int, nargs="+", help="seeds (default 0 1 2)")
     parser.add_argument("--out", default="out/compare", help="output folder (default out/compare)")

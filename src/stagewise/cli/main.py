@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from . import compare, plan, rendezvous, run, schedules, simulate, synthesize
@@ -63,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: the options that name a file a command writes (plan --json, simulate --png, synthesize --csv ...)
+WRITTEN = ("png", "trace", "csv", "json")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``stagewise`` command line; returns the exit status (2 for bad arguments)."""
     parser = build_parser()
@@ -74,7 +79,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     handler: Handler = args.handler
     try:
+        for name in WRITTEN:  # a file the command writes goes where it is asked: its folder made, as a user expects
+            if isinstance(getattr(args, name, None), str):
+                Path(getattr(args, name)).parent.mkdir(parents=True, exist_ok=True)
         return handler(args)
+    except OSError as err:
+        print(f"stagewise {args.command}: error: {err}", file=sys.stderr)
+        return 1
     except ScheduleError as err:  # a generator bug, not a bad argument: show every problem
         print(f"stagewise {args.command}: {err}", file=sys.stderr)
         return 1

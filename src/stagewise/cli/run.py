@@ -181,6 +181,11 @@ def rendezvous_args(args: argparse.Namespace) -> list[str]:
     high = args.nnodes.high
     if _elastic(args):
         return _elastic_args(args, restarts)
+    if args.in_place:  # (accepted and ignored before: the job ran as a fixed one, restarting on a loss)
+        raise UsageError(
+            f"--in-place keeps the survivors' processes when a machine is lost, which needs --nnodes MIN:MAX (the "
+            f"sizes the job may run at), not --nnodes {high}"
+        )
     if args.rdzv_host:
         raise UsageError("--rdzv-host is for --nnodes MIN:MAX (with a fixed --nnodes, --node-rank 0 hosts)")
     if high == 1 and args.rdzv_endpoint is None:

@@ -250,7 +250,13 @@ def as_link(value: Link | tuple[float, float] | None, what: str) -> Link | None:
     if value is None or isinstance(value, Link):
         return value
     if isinstance(value, (tuple, list)) and len(value) == 2:
-        return Link(float(value[0]), float(value[1]))
+        latency, bandwidth = float(value[0]), float(value[1])
+        if latency > 1.0 and bandwidth < 1e3:  # (a second's latency, under a kB/s: the pair reads swapped)
+            raise ValueError(
+                f"plan: {what}={tuple(value)!r} reads as {latency:g} s of latency and {bandwidth:g} bytes/s: the "
+                f"pair is (latency seconds, bandwidth bytes per second), e.g. {what}=(5e-6, 2.5e10); swapped?"
+            )
+        return Link(latency, bandwidth)
     raise TypeError(f"plan: {what} must be a Link or (latency seconds, bandwidth bytes per second), got {value!r}")
 
 

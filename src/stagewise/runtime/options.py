@@ -287,6 +287,13 @@ def _check_cut(o: Options) -> None:
         raise TypeError(f"seed must be an int, got {o.seed!r}")
     if o.dropout_seed is not None and (isinstance(o.dropout_seed, bool) or not isinstance(o.dropout_seed, int)):
         raise TypeError(f"dropout_seed must be an int or None (the seed), got {o.dropout_seed!r}")
+    if isinstance(o.partition, Sequence) and not isinstance(o.partition, str) and o.partition:
+        bad = [(s, k) for s, k in enumerate(o.partition) if not is_count(k)]
+        if bad and all(isinstance(k, int) and not isinstance(k, bool) for _, k in bad):
+            raise ValueError(
+                f"partition={list(o.partition)!r}: every stage needs at least one layer, but stage {bad[0][0]} has "
+                f"{bad[0][1]} (counts are layers per stage, in order)"
+            )
     if not isinstance(o.partition, str) and not (
         isinstance(o.partition, Sequence) and all(is_count(k) for k in o.partition)
     ):

@@ -81,7 +81,7 @@ class Pipeline(nn.Module):
         opts = synthesized(entry, frontend, frontend.defaults(opts))  # schedule="auto": synthesized for the costs
         schedule = resolve_schedule_for(opts, frontend.stage_count(opts))
         refuse_options(entry, opts, schedule)
-        check_same_build(entry, opts, schedule)  # before any group is made: ranks built alike, or all refuse
+        check_same_build(entry, opts, schedule, getattr(frontend, "model", None))  # before any group: alike, or refused
         ctx = place(opts, schedule)
         parts = frontend.build(ctx, opts)
         refuse_parts(entry, opts, schedule, parts)
@@ -89,7 +89,7 @@ class Pipeline(nn.Module):
         self._process_rank, self._local_stages = groups.global_rank(), ctx.local_stages
         self.hybrid, self.device, self.options, self.frontend = ctx.hybrid, ctx.device, opts, frontend
         self.layer_ranges, self.layer_profile, self.model_cut = parts.layer_ranges, parts.profile, parts.model_cut
-        self._tied_copies = parts.tied_copies
+        self._tied_copies, self._aliases = parts.tied_copies, parts.aliases
         self._held = Held()
         lifecycle.release_at_exit(self._held)  # a constructor failing later still lets go of its groups at exit
         engine = assemble(self, ctx, parts, opts, self._held)
@@ -305,8 +305,7 @@ class Pipeline(nn.Module):
     @property
     def skipped_steps(self) -> int:
         """How many train steps ``nan_policy="skip"`` skipped for non-finite values (alike on every rank)."""
-        finite = self._engine.finite
-        return 0 if finite is None else finite.skipped
+        return 0 if self._engine.finite is None else self._engine.finite.skipped
 
     @property
     def tied_copies(self) -> dict[str, nn.Module]:
@@ -378,7 +377,8 @@ class Pipeline(nn.Module):
     ) -> Iterator[tuple[str, nn.Parameter]]:
         """This rank's parameters under their one-process names; a tied module held here only for a later use is
         reported under its first use's name (it is not in ``state_dict()``: that is saved where the first use is)."""
-        yield from super().named_parameters(prefix, recurse, remove_duplicate)
+        for name, p in super().named_parameters("", recurse, remove_duplicate):
+            yield (f"{prefix}." if prefix else "") + self._aliases.get(name, name), p
         for name, module in self._tied_copies.items():
             yield from module.named_parameters(f"{prefix}.{name}" if prefix else name, recurse, remove_duplicate)
 

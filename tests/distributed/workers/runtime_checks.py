@@ -383,6 +383,31 @@ def different_layout(ctx: Ctx) -> str:
     return message
 
 
+def different_weights(ctx: Ctx) -> str:
+    """``from_model`` on each rank's own copy of the model: built unseeded, the copies differ, and the pipeline
+    trained a mix no rank's model held without a word (2026-12-06); now rank 0 warns, naming parameters. Seeded
+    alike: nothing said."""
+    import warnings
+
+    from torch import nn
+
+    def built(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        return nn.Sequential(*[nn.Linear(4, 4, dtype=torch.float64) for _ in range(4)])
+
+    said = []
+    for seed in (ctx.rank, 7):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            sw.Pipeline.from_model(built(seed), loss_fn=F.mse_loss, timeout=60)
+        said.append([str(w.message) for w in caught if "holds other weights" in str(w.message)])
+    assert said[1] == [], said  # alike: nothing to say
+    assert len(said[0]) == (1 if ctx.rank == 0 else 0), said
+    if ctx.rank == 0:
+        assert "(0.weight, 0.bias, 1.weight and 5 more)" in said[0][0], said[0][0]
+    return said[0][0] if said[0] else ""
+
+
 def alike_per_group(ctx: Ctx) -> None:
     """Two pipelines on groups {0, 2} and {1, 3} may differ from each other (the check is per pipeline group):
     each trains like one process."""
@@ -421,6 +446,7 @@ SUITES: dict[str, Callable[[int], dict[str, Check]]] = {
         "different-options": different_options,
         "different-layout": different_layout,
         "alike-per-group": alike_per_group,
+        "different-weights": different_weights,
     },
     "transport": transport_checks,
 }

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import warnings
 from typing import Any
 
 import torch
@@ -33,14 +34,15 @@ _OWN = frozenset(
 )
 
 
-def check_same_build(entry: str, options: Options, schedule: Schedule) -> None:
+def check_same_build(entry: str, options: Options, schedule: Schedule, model: Any = None) -> None:
     """Raise ``ValueError`` on every rank of the pipeline's group when its ranks were given different options
-    or schedules (a collective over that group, bounded by ``options.timeout``)."""
+    or schedules (a collective over that group, bounded by ``options.timeout``); warn when the ``model`` each
+    was given (``from_model``, ``from_hf``) holds other weights (:func:`weights_differ`)."""
     group = None if options.parallel is not None else options.group
     groups.require_initialized()
     if groups.group_size(groups.group_or_world(group)) == 1:
         return
-    mine = {"options": described(options), "schedule": schedule_digest(schedule)}
+    mine = {"options": described(options), "schedule": schedule_digest(schedule), "weights": fingerprints(model)}
     waits = setup_guard(options.timeout, options.store)
     try:
         everyone = collectives.gather_json(mine, group, waits.wait, f"every rank's options ({entry})")
@@ -56,6 +58,41 @@ def check_same_build(entry: str, options: Options, schedule: Schedule) -> None:
             "its pipelines with the same options, in the same order (ranks running different action lists would "
             "wait for each other until the deadline)"
         )
+    differ = weights_differ([e["weights"] for e in everyone])
+    if differ and groups.global_rank() == 0:
+        warnings.warn(f"{entry}: {differ}", stacklevel=3)
+
+
+def fingerprints(model: Any) -> dict[str, str]:
+    """Per parameter of a model given whole on every rank, a short digest of up to 16 of its values spread over
+    it (exact values: no sum, so alike on any device); none for a freed (meta) one, or without a model."""
+    if not isinstance(model, torch.nn.Module):
+        return {}
+    named = [(n, p) for n, p in model.named_parameters() if not p.is_meta and p.numel()]
+    if not named:
+        return {}
+    picks = [p.detach().flatten()[:: max(1, p.numel() // 16)][:16].to(torch.float64) for _, p in named]
+    values = torch.cat(picks).cpu().tolist()  # (one copy from a device; a float's repr is exact)
+    out, at = {}, 0
+    for (name, _), v in zip(named, picks):
+        out[name] = hashlib.sha256(repr(values[at : at + v.numel()]).encode()).hexdigest()[:12]
+        at += v.numel()
+    return out
+
+
+def weights_differ(everyone: list[dict[str, str]]) -> str:
+    """What to say when the ranks' copies of the model hold other values for a parameter (each rank takes its
+    stages from its own copy: the pipeline would train a mix no rank holds), or ""."""
+    names = [n for n in everyone[0] if len({e[n] for e in everyone if n in e}) > 1]
+    if not names:
+        return ""
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return (
+        f"the model given on each rank holds other weights on some ranks ({shown}): each rank takes its stages "
+        "from its own copy, so the pipeline trains a mix that no rank's model holds. Seed before building it "
+        "(torch.manual_seed on every rank) or load the same checkpoint everywhere; ignore this only if each rank "
+        "loaded its own stages' weights itself"
+    )
 
 
 def described(options: Options) -> dict[str, Any]:

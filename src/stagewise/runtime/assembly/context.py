@@ -56,7 +56,10 @@ def place(options: Options, schedule: Schedule) -> PipelineContext:
     device = options.device
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if groups.backend_of(pg) == "nccl" else "cpu"
-    return PipelineContext(pg, rank, size, schedule, torch.device(device), hybrid)
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={str(device)!r} on rank {rank}, but this process sees no CUDA device")
+    return PipelineContext(pg, rank, size, schedule, device, hybrid)
 
 
 def pipeline_size(options: Options) -> int:

@@ -116,9 +116,11 @@ def _save(
     problems = []
     if ranks.first:
         try:
+            replaced = retention.job_of(final, META)  # a save of this step, by which job ("" none; None: unknown)
             _publish(staging, final, _record(everyone, model, ranks, step), hashed)
             retention.sweep(root, _job(), staging)  # this job's half-written saves (a restart's, a lost machine's)
             retention.prune(root, keep, final)
+            retention.warn_unexpected(root, final, replaced not in ("", _job()))
         except (OSError, CheckpointError) as err:
             problems.append(f"cannot publish {final}: {err}")
     storage.agree(problems, ranks, f"checkpoint {final} was not saved", patient=True)
@@ -344,9 +346,11 @@ def _record(everyone: list[dict[str, Any]], model: Any, ranks: storage.Ranks, st
             optimizer = optimizer or {"params": {}, "state": {}}
             optimizer["params"].update(mine["optimizer"]["params"])
             optimizer["state"].update(mine["optimizer"]["state"])
+            optimizer["classes"] = sorted({*optimizer.get("classes", ()), *mine["optimizer"]["classes"]})
     return {
         "step": step,
         "generation": recorded(),  # the membership generation that trained it (a resume prefers the newest)
+        "job": _job(),  # (a later save of the same step by another job says it replaced this one)
         "extra": everyone[0]["extra"],
         "scheduler": everyone[0]["scheduler"],
         "layout": state.layout_of(model, ranks.size),

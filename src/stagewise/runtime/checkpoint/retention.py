@@ -23,6 +23,7 @@ import json
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 from .manifest import MANIFEST, CheckpointError
@@ -123,15 +124,53 @@ def publish(staging: Path, final: Path) -> None:
 
 
 def prune(root: Path, keep: int | None, current: Path) -> list[Path]:
-    """Keep ``current`` (just written) and the newest ``keep - 1`` other complete checkpoints by step; delete the
-    rest. Returns what was deleted."""
+    """Keep ``current`` (just written) and the newest ``keep - 1`` other complete checkpoints by step before it;
+    delete the older rest. Returns what was deleted. A checkpoint of a later step than ``current`` is another
+    run's (one that this run did not resume from): never deleted (a run that forgot to resume, saving step 2 with
+    ``keep=1`` into a folder holding step 100, deleted step 100); :func:`newer_than` says so."""
     if keep is None:
         return []
-    others = [path for _, path in steps(root) if path != current]
+    others = [path for step, path in steps(root) if path != current and step < _step_of(current)]
     doomed = others[: max(0, len(others) - (keep - 1))]
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
     return doomed
+
+
+def job_of(folder: Path, record: str) -> str | None:
+    """The job that saved the checkpoint ``folder`` (its ``record`` file's ``job``), "" where there is none, None
+    where it does not say (a save before jobs were recorded, or a record that cannot be read)."""
+    if not folder.exists():
+        return ""
+    try:
+        return str(json.loads((folder / record).read_text())["job"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def newer_than(root: Path, current: Path) -> list[int]:
+    """The complete checkpoints' steps under ``root`` later than ``current``'s (a resume would take the newest)."""
+    return [step for step, path in steps(root) if step > _step_of(current)]
+
+
+def warn_unexpected(root: Path, current: Path, replaced: bool) -> None:
+    """A warning where a save did what its caller may not have meant: it replaced another job's save of the same
+    step (every file of that folder; a job's own re-save, a step redone after a loss, is not worth one), or the
+    folder holds later steps (a run that forgot to resume: a resume takes those)."""
+    newer = newer_than(root, current)
+    if newer:
+        warnings.warn(
+            f"checkpoint {current.name} saved under {root}, which holds later steps ({', '.join(map(str, newer))}): "
+            f"a resume takes step {newer[-1]}, not this one, and keep= removes none of them; did this run skip "
+            "sw.checkpoint.resume?",
+            stacklevel=4,
+        )
+    if replaced:
+        warnings.warn(f"checkpoint {current.name} under {root} replaced an earlier save of the same step", stacklevel=4)
+
+
+def _step_of(folder: Path) -> int:
+    return int(folder.name.removeprefix("step-"))
 
 
 def check_keep(keep: int | None) -> None:

@@ -124,7 +124,8 @@ def optimizer_state(
                         entries[key] = {"value": encode(value, f"optimizer state {key!r} of {name}")}
                 if entries:
                     state[name] = entries
-    return tensors, {"params": params, "state": state}
+    classes = sorted({type(opt).__name__ for opt in optimizers})  # (a resume into another optimizer is refused)
+    return tensors, {"params": params, "state": state, "classes": classes}
 
 
 def optimizer_targets(
@@ -135,7 +136,15 @@ def optimizer_targets(
     tensors: dict[str, torch.Tensor] = {}
     problems: list[str] = []
     described = saved["tensors"]
+    classes = saved["optimizer"].get("classes")  # (None: saved before they were recorded)
     for opt in optimizers:
+        if classes and type(opt).__name__ not in classes:
+            problems.append(
+                f"the checkpoint's optimizer state is {' and '.join(classes)}'s, and this optimizer is a "
+                f"{type(opt).__name__}: it would take another optimizer's state and hyper-parameters; build the "
+                "optimizer the saved run used, or load the model alone (optimizer=[])"
+            )
+            continue
         for group in opt.param_groups:
             for p in group["params"]:
                 name = _name(names, p)

@@ -132,6 +132,12 @@ class Compute:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise ValueError(f"loss_fn must return a scalar tensor (the micro-batch's mean loss), got {shape}")
+        if not loss.requires_grad and any(t.requires_grad for t in flatten(out)[0] if isinstance(t, torch.Tensor)):
+            raise ValueError(
+                f"stage {self.last}, micro-batch {i}: loss_fn's result does not depend on the model's output (no "
+                "gradient reaches it: a .detach(), .item() or a new tensor inside loss_fn?): every gradient would "
+                "stay None"
+            )
         run.record.losses[i] = loss.detach()
         return loss.reshape(())
 

@@ -56,6 +56,7 @@ class Parts:
     (so ``state_dict()`` keys match the one-process model's).
     ``layer_ranges[s]``: which layers (or blocks) of the source stage ``s`` holds.
     ``tied``: the builder of :class:`~stagewise.Tied` modules (None: no ties).
+    ``aliases``: the names ``named_parameters`` gives parameters registered under another name (see the field).
     ``seeded``: every replica built the same weights from the same seed; when False (a model built by the
     user), replicas over ``parallel=``'s data, sharding and tensor axes are made equal by a broadcast from
     the first, as torch's DistributedDataParallel does.
@@ -69,6 +70,9 @@ class Parts:
     tied: TiedBuilder | None = None
     tied_copies: dict[str, nn.Module] = field(default_factory=dict)
     seeded: bool = False
+    #: a parameter registered here under a name of its own that one process lists under another's (a transformers
+    #: head tied to the embedding, held without it: ``lm_head.weight`` is ``model.embed_tokens.weight``)
+    aliases: dict[str, str] = field(default_factory=dict)
 
 
 @runtime_checkable

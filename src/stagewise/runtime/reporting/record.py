@@ -17,7 +17,7 @@ dims. The job's loss is alike on every rank (the runner shares it).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -58,18 +58,22 @@ def batch_counts(
             continue
         if "samples" not in out:
             out["samples"] = sum(batch_size(mb, dim, what) for mb in held)
-        if "tokens" not in out and all(_token_ids(mb) for mb in held):
-            out["tokens"] = sum(int(mb.numel()) for mb in held)
+        ids = [_token_ids(mb) for mb in held]
+        if "tokens" not in out and all(t is not None for t in ids):
+            out["tokens"] = sum(int(t.numel()) for t in ids if t is not None)
     return out
 
 
-def _token_ids(value: Any) -> bool:
-    return (
-        isinstance(value, torch.Tensor)
-        and value.dim() >= 2
-        and not value.is_floating_point()
-        and not value.is_complex()
-    )
+def _token_ids(value: Any) -> torch.Tensor | None:
+    """The token ids of a micro-batch: an integer tensor of at least 2 dimensions, alone, first in a tuple
+    (``(input_ids, attention_mask)``) or a tokenizer's dict's ``input_ids``; None for anything else."""
+    if isinstance(value, Mapping):
+        value = value.get("input_ids")
+    elif isinstance(value, (tuple, list)) and value:
+        value = value[0]
+    if isinstance(value, torch.Tensor) and value.dim() >= 2 and not (value.is_floating_point() or value.is_complex()):
+        return value
+    return None
 
 
 def learning_rate(optimizers: Iterable[torch.optim.Optimizer]) -> float | None:

@@ -67,6 +67,7 @@ class Reporter:
         self._norm: float | None = None  # a gradient norm clipped inside the running step
         self._running = False
         self._started = 0.0
+        self._lr: float | None = None  # the learning rate the running step trains with
         self._param_bytes: float | None = None
 
     # ---- what other parts call ----------------------------------------------------------------
@@ -120,6 +121,7 @@ class Reporter:
         self._running = run.mode == "train"
         self._norm = None
         self._started = time.perf_counter()
+        self._lr = learning_rate([*self.own_optimizers(), *self.watched])  # the step's: lr_scheduler= steps at its end
         yield
 
     def after(self, run: Run) -> None:
@@ -149,9 +151,8 @@ class Reporter:
     def _values(self, run: Run, wall: float) -> dict[str, float]:
         step = run.record
         values: dict[str, float] = {"loss": run.losses[-1] if run.losses else float("nan")}
-        lr = learning_rate([*self.own_optimizers(), *self.watched])
-        if lr is not None:
-            values["lr"] = lr
+        if self._lr is not None:
+            values["lr"] = self._lr
         counts = batch_counts(step.inputs, step.targets, self.dims)
         for what, n in counts.items():
             values[f"throughput/{what}_per_s"] = n / wall if wall > 0 else 0.0

@@ -27,7 +27,8 @@ Names: every module is registered on the Pipeline under its name in the model
 (``model.layers.3.mlp.up_proj.weight``), so ``state_dict()`` keys are a subset of ``model.state_dict()``'s
 and a checkpoint loads back with ``load_state_dict`` or ``from_pretrained``. A tied embedding and head (the
 config's ``tie_word_embeddings``) are one :class:`~stagewise.Tied` key: their gradients are summed over the
-ranks holding them at SYNC; a rank holding the head without the embedding names it ``lm_head.weight``.
+ranks holding them at SYNC; a rank holding the head without the embedding keeps it as ``lm_head.weight`` in
+``state_dict()`` and lists it under the embedding's name in ``named_parameters()``, as one process does.
 
 The loss (default) is transformers' causal-LM loss, :func:`stagewise.causal_lm_loss`, weighted by
 :func:`stagewise.count_tokens`: the mean over the non-ignored tokens of the whole batch (of every
@@ -150,6 +151,7 @@ class FromHF:
             layer_ranges=plan.ranges,
             profile=plan.profile,
             tied=tied,
+            aliases=_head_alias(layout, held) if tied is not None else {},
         )
 
 
@@ -169,6 +171,15 @@ def _ties(model: nn.Module, layout: Layout, n: int) -> TiedBuilder | None:
     named[0] = ("0", Tied("embed", embed))
     named[-1] = (str(n - 1), Tied("embed"))
     return TiedBuilder(named, 0)
+
+
+def _head_alias(layout: Layout, held: list[str]) -> dict[str, str]:
+    """A rank holding the tied head without the embedding lists its weight under the embedding's name, as
+    ``model.named_parameters()`` does (it lists a tied weight once, under its first name): an optimizer's groups
+    built by name (no decay on "embed"...) then treat the copies alike, which stay equal only if they do."""
+    if layout.head in held and layout.embed not in held:
+        return {f"{layout.head}.weight": f"{layout.embed}.weight"}
+    return {}
 
 
 def _register(root: nn.Module, model: nn.Module, held: list[str]) -> None:
