@@ -254,3 +254,29 @@ def test_the_exact_model_without_or_tools_says_how_to_get_it(monkeypatch: pytest
     monkeypatch.setattr(synthesis, "exact_available", lambda: False)
     with pytest.raises(ImportError, match=r"needs OR-Tools: pip install 'stagewise\[exact\]'"):
         synthesize(costs_of("latency", 3), 3, 4, memory=3, exact=1.0)
+
+
+def test_a_plan_written_as_json_reads_back_as_the_same_plan_synthesized_schedule_too() -> None:
+    """``stagewise plan --json`` on one machine, ``Pipeline.from_plan`` on another: ``Plan.from_dict`` reads a plan
+    back with its synthesized schedule's actions (the digest covers them); an edited plan is refused."""
+    import json
+
+    from stagewise.planning import Plan
+
+    options = dict(global_batch=16, top=3, memory=140e9, recompute=(None,), intra=Link(latency=2e-3, bandwidth=1e12))
+    plans = plan(transformer_profile(blocks=16), 4, schedules=["1f1b", "zb-h1", "auto"], **options)  # type: ignore[arg-type]
+    assert any(p.schedule == "auto" for p in plans) and any(p.schedule != "auto" for p in plans)
+    for p in plans:
+        back = Plan.from_dict(json.loads(json.dumps(p.to_dict())))
+        assert (
+            back == p and back.digest() == p.digest() and back.pipeline_options().keys() == p.pipeline_options().keys()
+        )
+        if p.synthesized is not None:
+            assert back.synthesized is not None and back.synthesized.ranks == p.synthesized.ranks
+            assert back.synthesized.placement == p.synthesized.placement
+    edited = plans[0].to_dict() | {"microbatches": plans[0].microbatches + 1}
+    with pytest.raises(ValueError, match="edited since"):
+        Plan.from_dict(edited)
+    bare = {k: v for k, v in next(p for p in plans if p.schedule == "auto").to_dict().items() if k != "synthesized"}
+    with pytest.raises(ValueError, match="carries its synthesized schedule"):
+        Plan.from_dict(bare)

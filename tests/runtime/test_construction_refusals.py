@@ -145,3 +145,13 @@ def test_a_cuda_device_without_one_is_refused_by_name(one_rank) -> None:
     """``device="cuda"`` where no GPU is seen gave torch's own error from deep inside the build."""
     with pytest.raises(ValueError, match="device='cuda' on rank 0, but this process sees no CUDA device"):
         sw.Pipeline([sw.Layer(nn.Linear, 4, 4)], device="cuda")
+
+
+def test_a_sample_of_the_wrong_width_names_the_layer_it_failed_at(one_rank) -> None:
+    """``sw.profile`` and a profiled cut on ``sample_inputs`` of the wrong width gave torch's "mat1 and mat2 shapes
+    cannot be multiplied", naming no layer."""
+    layers = [nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)]
+    with pytest.raises(ValueError, match=r"profile: layer '0' failed on the sample inputs \(shapes \[\(4, 9\)\]\)"):
+        sw.profile(nn.Sequential(*layers), torch.randn(4, 9))
+    with pytest.raises(ValueError, match=r"profile: layer '2 \(2\)' failed on its input \(shapes \[\(4, 16\)\]\)"):
+        sw.Pipeline([nn.Linear(8, 16), nn.Tanh(), nn.Linear(8, 4)], partition="time", sample_inputs=torch.randn(4, 8))

@@ -6,6 +6,7 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..ir import Schedule
 from ..parallel import ParallelConfig
@@ -154,7 +155,51 @@ class Plan:
             "breakdown": dict(self.breakdown),
             "why": self.why,
             "digest": self.digest(),
+            **({} if self.synthesized is None else {"synthesized": _schedule_dict(self.synthesized)}),
         }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        """The plan :meth:`to_dict` wrote (``stagewise plan --json``'s ``plans``): planned on one machine, built
+        on another with ``Pipeline.from_plan``. Refused where its digest says it was edited (what runs would not
+        be what was planned)."""
+        synthesized = data.get("synthesized")
+        plan = cls(
+            layout=ParallelConfig(**data["layout"]),
+            schedule=str(data["schedule"]),
+            virtual_stages=int(data["virtual_stages"]),
+            microbatches=int(data["microbatches"]),
+            microbatch_size=int(data["microbatch_size"]),
+            partition=tuple(int(k) for k in data["partition"]),
+            recompute=data["recompute"],
+            step_time=float(data["step_time"]),
+            bubble=float(data["bubble"]),
+            memory=tuple(RankMemory(**{k: float(m[k]) for k in _MEMORY}) for m in data["memory"]),
+            breakdown=dict(data.get("breakdown", {})),
+            why=str(data.get("why", "")),
+            synthesized=None if synthesized is None else _schedule_of(synthesized),
+        )
+        if plan.schedule == "auto" and synthesized is None:
+            raise ValueError(
+                "Plan.from_dict: a plan of schedule 'auto' carries its synthesized schedule; this one does not"
+            )
+        if "digest" in data and plan.digest() != data["digest"]:
+            raise ValueError(
+                f"Plan.from_dict: the plan's digest is {plan.digest()}, but it was written with {data['digest']}: "
+                "edited since (what runs would not be what was planned); plan again"
+            )
+        return plan
+
+
+_MEMORY = ("parameters", "gradients", "optimizer", "activations", "cap")
+
+
+def _schedule_dict(schedule: Schedule) -> dict[str, Any]:
+    return {"name": schedule.name, "placement": list(schedule.placement), "csv": schedule.to_csv()}
+
+
+def _schedule_of(data: dict[str, Any]) -> Schedule:
+    return Schedule.from_csv(data["csv"], name=data["name"], placement=data["placement"])
 
 
 def describe(layout: ParallelConfig, schedule: str, v: int, m: int, recompute: str | None) -> str:

@@ -72,7 +72,7 @@ def fingerprints(model: Any) -> dict[str, str]:
     if not named:
         return {}
     picks = [p.detach().flatten()[:: max(1, p.numel() // 16)][:16].to(torch.float64) for _, p in named]
-    values = torch.cat(picks).cpu().tolist()  # (one copy from a device; a float's repr is exact)
+    values = torch.cat([v.cpu() for v in picks]).tolist()  # (a model may span devices; a float's repr is exact)
     out, at = {}, 0
     for (name, _), v in zip(named, picks):
         out[name] = hashlib.sha256(repr(values[at : at + v.numel()]).encode()).hexdigest()[:12]

@@ -58,7 +58,9 @@ def profile_layers(
         for m, _ in homes:
             m.to(device)  # a spec is built on the CPU; an eager module goes back home after
         args = x if type(x) is tuple else (x,)
-        (cost,) = measure_layers([module], args, repeats=repeats, warmup=warmup, uses=shared).layers
+        (cost,) = measure_layers(
+            [module], args, repeats=repeats, warmup=warmup, uses=shared, name=f"{k} ({name})"
+        ).layers
         layers.append(replace(cost, name=name))
         x = _next_input(module, args)
         for m, home in homes:

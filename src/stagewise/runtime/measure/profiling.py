@@ -183,8 +183,10 @@ def measure_layers(
     repeats: int = 5,
     warmup: int = 2,
     uses: Sequence[nn.Module] = (),
+    name: str | None = None,
 ) -> LayerProfile:
-    """:func:`profile` without the checkpoint's fitted line (which is taken once per profile, not per layer).
+    """:func:`profile` without the checkpoint's fitted line (which is taken once per profile, not per layer);
+    ``name``: one module's name, where the caller measures a list one layer at a time (said in a failure).
 
     ``uses``: modules whose parameters the layers use without holding them (a later ``sw.Tied`` use's shared
     module, measured alone): what they save of those is a parameter, not an activation, as in a whole model."""
@@ -192,6 +194,8 @@ def measure_layers(
         raise ValueError(f"profile: need repeats >= 1 and warmup >= 0, got {repeats}, {warmup}")
     inputs = sample_inputs if isinstance(sample_inputs, tuple) else (sample_inputs,)
     named = measured_blocks(layers_or_model)
+    if name is not None and len(named) == 1:
+        named = [(name, named[0][1])]
     if not named:
         raise ValueError("profile: no layers to measure")
     chain = not isinstance(layers_or_model, nn.Module) or isinstance(layers_or_model, (nn.Sequential, nn.ModuleList))
@@ -284,9 +288,17 @@ def _detached(value: Any) -> Any:
 def _capture_chain(named: list[tuple[str, nn.Module]], inputs: tuple[Any, ...]) -> list[Call]:
     calls: list[Call] = []
     args = inputs
-    for name, module in named:
+    for k, (name, module) in enumerate(named):
         calls.append((name, module, _detached(args), {}))
-        out = module(*args)
+        try:
+            out = module(*args)
+        except torch.OutOfMemoryError:
+            raise
+        except (RuntimeError, TypeError, ValueError) as err:  # (a shape mismatch: torch names no layer)
+            first = "the sample inputs" if len(named) > 1 else "its input"
+            given = f"the output of {named[k - 1][0]!r}" if k else first
+            shapes = [tuple(t.shape) for t in tree_leaves(args) if isinstance(t, torch.Tensor)]
+            raise ValueError(f"profile: layer {name!r} failed on {given} (shapes {shapes}): {err}") from err
         args = out if isinstance(out, tuple) else (out,)
     return calls
 
