@@ -298,7 +298,8 @@ def _capture_chain(named: list[tuple[str, nn.Module]], inputs: tuple[Any, ...]) 
             first = "the sample inputs" if len(named) > 1 else "its input"
             given = f"the output of {named[k - 1][0]!r}" if k else first
             shapes = [tuple(t.shape) for t in tree_leaves(args) if isinstance(t, torch.Tensor)]
-            raise ValueError(f"profile: layer {name!r} failed on {given} (shapes {shapes}): {err}") from err
+            said = f"profile: layer {name!r} failed on {given} (shapes {shapes}): {err}"
+            raise (type(err)(said) if type(err) in (RuntimeError, TypeError, ValueError) else ValueError(said)) from err
         args = out if isinstance(out, tuple) else (out,)
     return calls
 
