@@ -14,6 +14,7 @@ tensor to every micro-batch".
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -126,3 +127,11 @@ def merge(pieces: list[Any], dim: int = 0) -> Any:
     if isinstance(first, dict):
         return {key: merge([p[key] for p in pieces], dim) for key in first}
     return first
+
+
+def input_ids_of(value: Any) -> Any:
+    """A language model's token ids in a (micro-)batch of inputs: the value itself, the first of a tuple or list
+    (``(input_ids, attention_mask)``), or a tokenizer's dict's ``input_ids`` (None if it has none)."""
+    if isinstance(value, Mapping):  # (a tokenizer's BatchEncoding is a UserDict, not a dict)
+        return value.get("input_ids")
+    return value[0] if isinstance(value, (tuple, list)) and value else value

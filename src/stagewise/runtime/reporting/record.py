@@ -17,13 +17,13 @@ dims. The job's loss is alike on every rank (the runner shares it).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 
 from ...ir import Action
-from ..engine.microbatch import Dims, batch_size
+from ..engine.microbatch import Dims, batch_size, input_ids_of
 
 
 def step_times(events: Iterable[tuple[Action, float, float]], step_time: float) -> dict[str, float]:
@@ -67,10 +67,7 @@ def batch_counts(
 def _token_ids(value: Any) -> torch.Tensor | None:
     """The token ids of a micro-batch: an integer tensor of at least 2 dimensions, alone, first in a tuple
     (``(input_ids, attention_mask)``) or a tokenizer's dict's ``input_ids``; None for anything else."""
-    if isinstance(value, Mapping):
-        value = value.get("input_ids")
-    elif isinstance(value, (tuple, list)) and value:
-        value = value[0]
+    value = input_ids_of(value)
     if isinstance(value, torch.Tensor) and value.dim() >= 2 and not (value.is_floating_point() or value.is_complex()):
         return value
     return None

@@ -12,7 +12,7 @@ plan of that profile (``sw.plan``) cuts decoder layers, and ``Pipeline.from_plan
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ....partition import LayerProfile
+from ...engine.microbatch import input_ids_of
 from ...losses import causal_lm_loss
 from ...measure.checkpoint_cost import with_checkpoint_cost
 from ...measure.profiling import loss_saved_bytes, samples_in, saved_by_loss, steadiest
@@ -61,7 +62,7 @@ def profile_hf(
     in float32 at least, is often the largest activation of a language model's last stage (a 128k vocabulary
     over 8k tokens: 4 GiB), and a plan that leaves it out may not fit there."""
     if loss_fn is None and targets is None:
-        loss_fn, targets = causal_lm_loss, _input_ids(sample_inputs)
+        loss_fn, targets = causal_lm_loss, input_ids_of(sample_inputs)
     units = hf_units(model)
     if not units:
         raise ValueError(f"profile: {type(model).__name__} has no decoder layers to measure")
@@ -90,7 +91,7 @@ def loss_measure(
     else) gives None: the estimate then stands (:func:`..layer_timing.with_loss_bytes`), and the log says why."""
     if loss_fn is None:
         return None
-    ids = _input_ids(sample_inputs)
+    ids = input_ids_of(sample_inputs)
 
     def measure(logits: Any) -> float | None:
         try:
@@ -103,13 +104,6 @@ def loss_measure(
             return None
 
     return measure
-
-
-def _input_ids(sample_inputs: Any) -> Any:
-    """The ``input_ids`` of ``from_hf``'s ``sample_inputs`` (the ids, ``(ids, attention_mask)``, or a dict)."""
-    if isinstance(sample_inputs, Mapping):
-        return sample_inputs["input_ids"]
-    return sample_inputs[0] if isinstance(sample_inputs, (tuple, list)) else sample_inputs
 
 
 def profile_config(spec: str, *, seq: int = 128, batch: int = 1, seed: int = 0) -> LayerProfile:
