@@ -140,8 +140,8 @@ bench: $(STAMP)
 
 # Every pipeline method on the same GPT and CNN, data, seeds and samples: tables, JSON, plots in out/compare (~2-3 min).
 # (benchmarks/compare from this checkout: the same as `$(PY) -m benchmarks.compare --ranks 2 --out out/compare`.)
-# Then its tests on both models (tests/system/test_compare.py; `make test` checks the CNN's rows). Run it after a
-# change to benchmarks/compare or the asynchronous schedules.
+# Then its tests on both models (tests/system/test_compare.py, which `make test` skips: 30 s of CI's time). Run it after
+# a change to benchmarks/compare or the asynchronous schedules.
 compare: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/stagewise compare -n 2 --out out/compare
 	STAGEWISE_COMPARE_ALL=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q tests/system/test_compare.py

@@ -20,6 +20,7 @@ A fenced block without a marker fails :func:`unmarked`.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -111,6 +112,16 @@ def env() -> dict[str, str]:
     return out
 
 
+_SHELL = """
+import json, sys
+from stagewise.cli import main
+for argv in json.loads(sys.argv[1]):
+    code = main(argv)
+    if code:
+        sys.exit(f"stagewise {' '.join(argv)} exited {code}")
+"""
+
+
 def run_block(block: Block, cwd: Path) -> None:
     """Run one block in ``cwd``; an AssertionError says what failed, with the program's output."""
     if block.kind == "python":
@@ -121,16 +132,18 @@ def run_block(block: Block, cwd: Path) -> None:
     elif block.kind == "run":
         _run_on_ranks(block, cwd)
     elif block.kind == "shell":
+        argvs = []
         for line in block.code.replace("\\\n", " ").splitlines():
             command = line.split("#", 1)[0].strip()
             if not command:
                 continue
             assert command.startswith("stagewise "), f"{block.id}: a shell block runs stagewise commands only: {line}"
-            argv = shlex.split(command)
-            result = subprocess.run(
-                [str(BIN / argv[0]), *argv[1:]], cwd=cwd, env=env(), capture_output=True, text=True, timeout=180
-            )
-            assert result.returncode == 0, f"{block.id}: {line}\n{result.stderr}"
+            argvs.append(shlex.split(command)[1:])
+        # the block's commands in one fresh interpreter, in order, each as the console script runs it
+        # (`stagewise = "stagewise.cli:main"`; test_cli_installed.py runs the script itself): one start, not one a line
+        cmd = [sys.executable, "-c", _SHELL, json.dumps(argvs)]
+        result = subprocess.run(cmd, cwd=cwd, env=env(), capture_output=True, text=True, timeout=180 * len(argvs))
+        assert result.returncode == 0, f"{block.id}:\n{result.stdout}\n{result.stderr}"
     else:
         raise AssertionError(f"{block.id}: mode {block.mode!r} does not run")
 

@@ -20,7 +20,7 @@ from stagewise.ir import Action, Kind
 from stagewise.runtime.comm import coordinator
 from stagewise.runtime.comm.attempt_store import elect
 from stagewise.runtime.comm.coordinator import DeadlineStore
-from stagewise.runtime.comm.faults import heartbeat
+from stagewise.runtime.comm.faults import divergence, heartbeat
 from stagewise.runtime.comm.faults.guard import Guard
 from stagewise.runtime.comm.shm import names
 from stagewise.runtime.engine.forensics import position
@@ -144,7 +144,30 @@ class _Board:
 def _guard(timeout: float) -> Guard:
     guard = Guard.__new__(Guard)  # no store, no process group: the deadline logic alone
     guard.board, guard.timeout, guard.me = _Board(), timeout, "rank 3"  # type: ignore[assignment]
+    guard.scope, guard._next_look = "pipe", 0.0
     return guard
+
+
+def test_a_wait_of_a_few_seconds_names_a_peer_in_another_call_before_the_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    read: list[tuple[str, str]] = []
+
+    def diverged(me: str, scope: str) -> str:
+        read.append((me, scope))
+        return "global rank 0 is in sw.checkpoint.save while rank 3 waits in train_step" if len(read) > 1 else ""
+
+    monkeypatch.setattr(divergence, "diverged", diverged)
+    guard = _guard(300.0)
+    guard.check_deadline(time.perf_counter() - 1.0, "x")  # under LOOK_AFTER_S: no read
+    assert read == []
+    guard.check_deadline(time.perf_counter() - 3.0, "x")  # read once: nothing diverges
+    guard.check_deadline(time.perf_counter() - 3.1, "x")  # within a stamp of the last read: not read again
+    assert read == [("rank 3", "pipe")]
+    guard._next_look = 0.0
+    with pytest.raises(PipelineError, match=r"^global rank 0 is in sw\.checkpoint\.save while rank 3 waits"):
+        guard.check_deadline(time.perf_counter() - 3.2, "x")
+    assert guard.board.failure.startswith("global rank 0 is in")  # type: ignore[union-attr]
 
 
 def test_a_deadline_names_the_silent_rank_first(monkeypatch: pytest.MonkeyPatch) -> None:

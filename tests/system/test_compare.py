@@ -32,11 +32,17 @@ from oracles.async_reference import async_reference
 ROOT = Path(__file__).resolve().parents[2]
 
 STEPS, BATCH, M, WINDOW, SEED, LR = 3, 16, 4, 3, 0, 0.1
-#: `make test` runs the CNN; `make compare` (STAGEWISE_COMPARE_ALL=1) the GPT too: the same code paths on a second
-#: model, about 20 s of CI's time on 2 cores
-WORKLOADS = ("gpt", "cnn") if os.environ.get("STAGEWISE_COMPARE_ALL") else ("cnn",)
+#: `make compare` (STAGEWISE_COMPARE_ALL=1) runs this module on both models; `make test` leaves it to that target (30 s
+#: of CI's time on 2 cores: the methods it compares are the library's schedules, whose parity against one process
+#: and against the replay of their rules tests/distributed checks; test_benchmark_help.py imports the benchmark)
+WORKLOADS = ("gpt", "cnn")
 TIMEOUT = 800
-pytestmark = pytest.mark.timeout(TIMEOUT + 60)  # one job for the module; ~40 s of CPU, far longer on a loaded machine
+pytestmark = [
+    pytest.mark.timeout(TIMEOUT + 60),  # one job for the module; ~40 s of CPU, far longer on a loaded machine
+    pytest.mark.skipif(
+        not os.environ.get("STAGEWISE_COMPARE_ALL"), reason="the methods comparison's run: `make compare`"
+    ),
+]
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,9 @@
 it cannot (tests/helpers/doc_blocks.py). A block marked ``| make docs-test: IDS`` runs in ``make docs-test``
 (STAGEWISE_DOCS_TEST=1), not in ``make test``: the tests/distributed checks IDS, which ``make test`` runs, prove the
 API it shows against the one-process reference (a `stagewise run` of 2-4 processes costs 10-60 s of CPU; the
-README's blocks all run here). Also: the layout page matches the tree, every public name is in the API reference,
-and every example documents its options. The site's build and rendering: test_docs_site.py."""
+README's blocks all run here; a page's block that is a README block letter for letter runs there alone). Also:
+the layout page matches the tree, every public name is in the API reference, and every example documents its
+options. The site's build and rendering: test_docs_site.py."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ DISTRIBUTED = ROOT / "tests" / "distributed"
 #: `make docs-test`: run the blocks `make test` leaves to it (those marked ``| make docs-test: IDS``)
 DOCS_TEST = os.environ.get("STAGEWISE_DOCS_TEST") == "1"
 RUNNABLE = [b for page in pages() for b in blocks(page) if b.kind in RUNS]
+#: a page's block that is a README block, letter for letter and run alike, runs once: in test_readme.py
+README_RUNS = {(b.spec, b.code) for b in blocks(ROOT / "README.md") if b.kind in RUNS}
 
 
 def test_every_code_block_is_marked() -> None:
@@ -37,7 +40,18 @@ def test_schedule_tables_are_the_registry() -> None:
     assert tables and all(table == markdown_table() for table in tables)
 
 
-@pytest.mark.parametrize("block", [b for b in RUNNABLE if bool(b.proven_by) == DOCS_TEST], ids=lambda b: b.id)
+def _in_readme(block: Block) -> bool:
+    return (block.spec, block.code) in README_RUNS
+
+
+def test_the_quick_start_is_the_readme_s() -> None:
+    """The site's front page shows the README's quick start: the same text, so one run proves both."""
+    assert [b.id for b in RUNNABLE if _in_readme(b)] == ["docs/index.md:40"]
+
+
+@pytest.mark.parametrize(
+    "block", [b for b in RUNNABLE if bool(b.proven_by) == DOCS_TEST and not _in_readme(b)], ids=lambda b: b.id
+)
 def test_block_runs(block: Block, tmp_path: Path) -> None:
     if block.proven_by:  # `make docs-test`: the checks it names are still there
         collected = set().union(*(_collected(file) for file in {i.split("::")[0] for i in block.proven_by}))

@@ -39,7 +39,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _job(out: Path, how: str = "sys-exit") -> tuple[dict[int, int | None], str]:
+def _job(out: Path, how: str = "sys-exit", transport: str = "auto") -> tuple[dict[int, int | None], str]:
     """Both ranks as plain processes with torchrun's variables (rank 0 hosts the store): exit codes, logs."""
     out.mkdir(parents=True)
     port, procs = _free_port(), {}
@@ -48,7 +48,7 @@ def _job(out: Path, how: str = "sys-exit") -> tuple[dict[int, int | None], str]:
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         for k in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_USE_AGENT_STORE"):
             env.pop(k, None)
-        cmd = [sys.executable, exit_paths.__file__, "--exit", how, "--out", str(out)]
+        cmd = [sys.executable, exit_paths.__file__, "--exit", how, "--out", str(out), "--transport", transport]
         procs[r] = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     codes: dict[int, int | None] = {}
     logs = []
@@ -98,3 +98,44 @@ def test_stagewise_run_blames_the_rank_that_failed_and_ends_with_the_cause(tmp_p
     last = log.strip().splitlines()[-1]  # the first cause, where the eye lands: rank, action, message
     assert last == "stagewise run: rank 1 at 1F0: ValueError: the layer on rank 1 raised", log[-3000:]
     assert not any(sign in log for sign in TRACKER), log[-3000:]
+
+
+# A collective called on some ranks only: a rank left waiting names the call its peer is in (or that its script
+# ended) within seconds, where it used to wait out the timeout (20 s here, 300 by default) and blame no one. Both
+# ranks wait in vain in the first two ways, and either may be the first to see it: either's words stand.
+def _both(a: tuple[int, str], b: tuple[int, str]) -> list[str]:
+    return [
+        f"global rank {x} is in {cx} while rank {y} waits in {cy} (the 3rd" for (x, cx), (y, cy) in ((a, b), (b, a))
+    ]
+
+
+ENDED = (
+    "global rank 1's script ended after 2 collective calls, the last a train_step, while global rank 0 waits in its "
+    "3rd collective call, a train_step"
+)
+MISMATCHES = {  # (way, transport) -> what every failing rank's message starts with: one of these
+    ("save-on-0", "shm"): _both((0, "sw.checkpoint.save"), (1, "train_step")),
+    ("eval-on-1", "torch"): _both((1, "eval_loss"), (0, "train_step")),
+    ("one-more-on-0", "torch"): [ENDED],  # gloo's closed connection
+    ("one-more-on-0", "shm"): [ENDED],  # the peer's process gone
+}
+
+
+def test_a_collective_on_some_ranks_only_is_named_before_the_timeout(tmp_path: Path) -> None:
+    ways = list(MISMATCHES)
+    with ThreadPoolExecutor(len(ways)) as pool:
+        jobs = list(pool.map(lambda w: _job(tmp_path / "-".join(w), *w), ways))
+    for (way, transport), (codes, log) in zip(ways, jobs, strict=True):
+        words, out = MISMATCHES[way, transport], tmp_path / f"{way}-{transport}"
+        ended = way == "one-more-on-0"  # rank 1's script ends cleanly: exit 0
+        expected = {0: 1, 1: 0 if ended else 1}
+        assert codes == expected, (
+            f"{way} on {transport}: exit codes {codes} (None: hung), expected {expected}\n{log[-4000:]}"
+        )
+        for rank in (0,) if ended else (0, 1):
+            said = _report(out, rank)
+            assert any(said.startswith(f"PipelineError: {w}") for w in words), (way, rank, said, log[-4000:])
+            assert "are collectives: make each call on every rank" in said and "waited 20" not in said, (way, said)
+            assert "GLHF" not in said and "died" not in said, (way, said)  # an ended script is no crash
+        if ended:
+            assert _report(out, 1) == "ok"

@@ -160,7 +160,7 @@ class Pipeline(nn.Module):
         at_first_batch(self, batches)  # the default cut without sample inputs: counted on the first batch
         runner, merge = self._engine.runner, self._engine.merge
         try:
-            losses: list[float] = runner.guarded(lambda: runner.train(batches))
+            losses: list[float] = runner.guarded(lambda: runner.train(batches), "train_step")
         except PipelineError:
             merge.dropped()
             raise
@@ -242,7 +242,7 @@ class Pipeline(nn.Module):
         Outputs are concatenated along dim 0, or returned per micro-batch with ``merge_outputs=False``.
         """
         runner = self._engine.runner
-        return runner.guarded(lambda: runner.eval(inputs, merge_outputs))
+        return runner.guarded(lambda: runner.eval(inputs, merge_outputs), "eval_step")
 
     def eval_loss(self, inputs: Any = None, targets: Any = None) -> float:
         """``loss_fn(model(inputs), targets)``, forward only, over every replica, on every rank (a collective)."""

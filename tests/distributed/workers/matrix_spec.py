@@ -81,7 +81,10 @@ _REFUSED: dict[tuple[str, str], tuple[str, str]] = {
 _OBSERVER = "metrics= reads what the step holds, the same Reporter whatever the way in"
 _PROGRESS = "the progress line is the same Reporter's, whatever the way in"
 _SCHEDULER = "a scheduler wraps each stage's own optimizer=, whatever the way in"
+_FINITE = "the finite check reads the loss and gradients the step holds, and holds back its optimizer step"
 _CLIP = "the norm depends on the axes and the ties, trained in the other rows, not on how the stages were built"
+
+_NAN = ("nan_raise", "nan_skip")
 
 #: cells exact by the same code as another cell of their column, which is trained; not run again (CI time):
 #: cell -> (the trained row, why it is the same path). Each ``Pipeline`` way in ends in one assembly
@@ -91,6 +94,7 @@ SAME_AS: dict[tuple[str, str], tuple[str, str]] = {
     **{(row, "progress"): ("layers", _PROGRESS) for row in ROWS if row != "layers"},
     **{(row, "lr_scheduler"): ("layers", _SCHEDULER) for row in ("from_model", "from_hf", "from_stages", "from_plan")},
     **{(row, "clip"): ("layers", _CLIP) for row in ("from_stages", "from_plan")},
+    **{(row, c): ("layers", _FINITE) for row in ("from_model", "from_hf", "from_stages", "from_plan") for c in _NAN},
 }
 
 

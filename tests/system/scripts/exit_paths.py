@@ -8,7 +8,10 @@ way out that used to abort rank 0 at exit ("terminate called without an active e
 returned from a gloo wait while the interpreter finalized); ``uncaught`` lets it end the process (the exit hook);
 ``outside``: rank 1 raises between two steps, in the script's own code, uncaught (it used to die still holding the
 shared-memory names its peer had removed, and Python's resource tracker warned of "leaked" objects);
-``none`` trains without a fault (exit 0). Every rank writes ``DIR/rankR.txt``: ``ok``, or the error it caught.
+``none`` trains without a fault (exit 0). Three ways of calling a collective on some ranks only, each after two
+steps: ``save-on-0`` (rank 0 saves a checkpoint, rank 1 trains on), ``eval-on-1`` (rank 1 evaluates, rank 0 trains
+on), ``one-more-on-0`` (rank 0 trains once more; rank 1's script ends). Every rank writes ``DIR/rankR.txt``:
+``ok``, or the error it caught. ``--transport``: the pipeline's.
 """
 
 from __future__ import annotations
@@ -35,17 +38,55 @@ class Boom(nn.Module):
         return h
 
 
+def _save_on_0(pipe: sw.Pipeline, rank: int, x: torch.Tensor, y: torch.Tensor, out: Path) -> None:
+    pipe.train_step(x, y)
+    pipe.train_step(x, y)
+    if rank == 0:
+        sw.checkpoint.save(out / "checkpoints", pipe, step=2)
+    pipe.train_step(x, y)
+
+
+def _eval_on_1(pipe: sw.Pipeline, rank: int, x: torch.Tensor, y: torch.Tensor, out: Path) -> None:
+    pipe.train_step(x, y)
+    pipe.train_step(x, y)
+    if rank == 1:
+        pipe.eval_loss(x, y)
+    pipe.train_step(x, y)
+
+
+def _one_more_on_0(pipe: sw.Pipeline, rank: int, x: torch.Tensor, y: torch.Tensor, out: Path) -> None:
+    pipe.train_step(x, y)
+    pipe.train_step(x, y)
+    if rank == 0:
+        pipe.train_step(x, y)
+
+
+MISMATCHES = {"save-on-0": _save_on_0, "eval-on-1": _eval_on_1, "one-more-on-0": _one_more_on_0}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--exit", choices=["sys-exit", "uncaught", "outside", "none"], required=True)
+    ways = ["sys-exit", "uncaught", "outside", "none", *MISMATCHES]
+    parser.add_argument("--exit", choices=ways, required=True)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--transport", default="auto")
     args = parser.parse_args()
     torch.set_num_threads(1)
     env = sw.init("gloo", timeout=60.0)
     layers = [sw.Layer(nn.Linear, 8, 8), sw.Layer(nn.Tanh), sw.Layer(Boom), sw.Layer(nn.Linear, 8, 3)]
-    pipe = sw.Pipeline(layers, loss_fn=F.cross_entropy, schedule="1f1b", microbatches=4, timeout=20.0)
+    pipe = sw.Pipeline(
+        layers, loss_fn=F.cross_entropy, schedule="1f1b", microbatches=4, timeout=20.0, transport=args.transport
+    )
     x, y = torch.randn(8, 8, generator=torch.Generator().manual_seed(0)), torch.arange(8) % 3
     report = args.out / f"rank{env.rank}.txt"
+    if args.exit in MISMATCHES:
+        try:
+            MISMATCHES[args.exit](pipe, env.rank, x, y, args.out)
+        except Exception as err:
+            report.write_text(f"{type(err).__name__}: {err}")
+            sys.exit(1)
+        report.write_text("ok")
+        return
     if args.exit == "outside" and env.rank == 1:
         pipe.train_step(x, y)
         report.write_text("outside")

@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import shutil
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ import torch
 from torch import nn
 
 from ..._util import is_count
+from ..comm.faults import calls
 from ..comm.generations import recorded
 from ..interrupt import note_checkpoint
 from . import agreement, retention, state, storage, verify
@@ -93,7 +95,8 @@ def save(
     scheduler = scheduler if scheduler is not None else _own_schedulers(model)
     ranks = _ranks(model, collective, timeout)
     try:
-        final = _save(Path(path), model, optimizer, scheduler, extra, step, keep, ranks)
+        with _counted("save", ranks):
+            final = _save(Path(path), model, optimizer, scheduler, extra, step, keep, ranks)
         note_checkpoint(final, step)  # named by the line a Ctrl-C prints
         return final
     finally:
@@ -219,7 +222,8 @@ def load(
     scheduler = scheduler if scheduler is not None else _own_schedulers(model)
     ranks = _ranks(model, collective, timeout)
     try:
-        info = _load(Path(path), model, optimizer, scheduler, strict, restore_rng, ranks)
+        with _counted("load", ranks):
+            info = _load(Path(path), model, optimizer, scheduler, strict, restore_rng, ranks)
         note_checkpoint(info.path, info.step, loaded=True)  # a resumed job counts on from here
         if isinstance(model, PipelineState):  # snapshot=: its step counter goes on from the loaded step
             for source in model.state_sources():
@@ -310,6 +314,11 @@ def _ranks(model: Any, collective: bool, timeout: float) -> storage.Ranks:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a stagewise.Pipeline or an nn.Module, got {type(model).__name__}")
     return storage.module_ranks(collective, timeout)
+
+
+def _counted(kind: str, ranks: storage.Ranks) -> AbstractContextManager[None]:
+    """A save or load by every rank, counted as a collective call of the pipeline (:mod:`..comm.faults.calls`)."""
+    return calls.call(kind, ranks.guard.scope) if ranks.distributed and ranks.guard is not None else nullcontext()
 
 
 def _own_schedulers(model: Any) -> Any:

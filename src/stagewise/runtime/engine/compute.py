@@ -128,7 +128,14 @@ class Compute:
         if self.loss_fn is None:
             raise ValueError("train_step needs a loss: build the Pipeline with loss_fn=...")
         assert run.record.targets is not None
-        loss = self.loss_fn(out, run.record.targets[i])
+        targets = run.record.targets[i]
+        try:
+            loss = self.loss_fn(out, targets)
+        except (RuntimeError, ValueError, IndexError) as err:
+            said = _unequal_batches(out, targets, run.per_minibatch, self.last, i)
+            if not said:
+                raise
+            raise type(err)(f"{said} ({type(err).__name__}: {err})") from err
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise ValueError(f"loss_fn must return a scalar tensor (the micro-batch's mean loss), got {shape}")
@@ -214,3 +221,20 @@ def _as_leaves(value: Any) -> tuple[Any, list[torch.Tensor]]:
     tensors, spec = flatten(value)
     leaves = [t.detach().requires_grad_(True) if t.requires_grad else t for t in tensors]
     return unflatten(spec, leaves), [t for t in leaves if t.requires_grad]
+
+
+def _unequal_batches(out: Any, targets: Any, m: int, stage: int, i: int) -> str:
+    """When the loss failed on an output and targets of unequal batch sizes, why that is likely: the rank holding
+    stage 0 and the rank holding the last stage were given different batches (each splits its own into ``m``);
+    "" when the sizes agree (the loss's own words are the story then)."""
+    first = [
+        next((t for t in flatten(v)[0] if isinstance(t, torch.Tensor) and t.dim() > 0), None) for v in (out, targets)
+    ]
+    if first[0] is None or first[1] is None or first[0].shape[0] == first[1].shape[0]:
+        return ""
+    a, b = first[0].shape[0], first[1].shape[0]
+    return (
+        f"stage {stage}, micro-batch {i}: the model's output holds {a} samples and the targets {b}: the ranks were "
+        f"given different batches (about {a * m} inputs on the rank holding stage 0, {b * m} targets here, in {m} "
+        "micro-batches)? Give every rank the same global batch, or its own share of it with pipe.local_batch"
+    )

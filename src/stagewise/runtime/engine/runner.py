@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import torch
 
 from ...ir import Action, Schedule
+from ..comm.faults import calls
 from ..comm.transport.protocol import Transport
 from ..errors import PipelineError
 from ..interrupt import note_steps
@@ -97,15 +98,17 @@ class Runner:
     trained: int = 0  # mini-batches trained before the step running (names a failing one in the stream)
     closed: bool = False  # pipe.close() let go of the groups: nothing runs again
 
-    def guarded(self, body: Callable[[], Any]) -> Any:
-        """Run ``body``; any failure is posted to the board (or annotated) with where this rank stood."""
+    def guarded(self, body: Callable[[], Any], call: str) -> Any:
+        """Run ``body``, the collective ``call`` (counted: :mod:`..comm.faults.calls`); any failure is posted to
+        the board (or annotated) with where this rank stood."""
         guard = self.transport.guard
         if self.closed:
             raise PipelineError(f"rank {self.rank}: this Pipeline was closed (pipe.close()): build a new one to train")
         if guard.failure is not None:
             raise PipelineError(f"the pipeline failed earlier and cannot run again: {guard.failure}")
         try:
-            return body()
+            with calls.call(call, guard.scope):
+                return body()
         except PipelineError as err:
             raise PipelineError(f"{err}\n{self.position()}") from err
         except BaseException as err:

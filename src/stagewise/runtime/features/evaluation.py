@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..comm.faults import calls
 from ..engine.batches import to_device
 from ..engine.microbatch import batch_size
 from ..engine.tree import flatten, leaf_paths, same_spec
@@ -69,6 +70,11 @@ class InputStructure:
 
 def eval_loss(pipe: Any, inputs: Any, targets: Any) -> float:
     """:meth:`Pipeline.eval_loss`: the global batch's mean ``loss_fn`` on every rank (a collective)."""
+    with calls.call("eval_loss", pipe.transport.guard.scope):
+        return _eval_loss(pipe, inputs, targets)
+
+
+def _eval_loss(pipe: Any, inputs: Any, targets: Any) -> float:
     options = pipe.options
     if options.loss_fn is None:
         raise ValueError("eval_loss needs loss_fn= (the Pipeline's own loss): build the Pipeline with one")

@@ -101,6 +101,7 @@ def note_failure(failure: str) -> None:
     leaves in order, and hands the failure to ``stagewise run``, which prints it last."""
     global _knew
     _knew = True
+    heartbeat.failed_here()  # the script's end is no clean end now
     _hand_over(failure)
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from ...errors import PipelineError
-from . import heartbeat
+from . import divergence, heartbeat
 from .guard import Guard
 
 _SIGNS = ("gloo", "nccl", "connection closed", "connection reset", "timed out", "broken pipe")
@@ -44,6 +44,9 @@ def comm_failure(guard: Guard, err: BaseException, who: str) -> PipelineError:
         return posted
     lines = str(err).strip().splitlines()
     brief = f"{type(err).__name__}: {lines[0] if lines else ''}"
+    ended = divergence.blame_ended(guard.scope)  # no death: a script that ended (torch's words about a crash mislead)
+    if ended:
+        return PipelineError(guard.fail(f"{ended} ({who}: a collective inside torch failed)"))
     culprit = heartbeat.blame_failed(guard.timeout)
     text = f"{who}: a collective inside torch failed: {brief}"
     return PipelineError(guard.fail(f"{culprit}: {text}" if culprit else text))

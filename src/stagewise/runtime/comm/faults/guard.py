@@ -47,8 +47,9 @@ import torch.distributed as dist
 
 from ...errors import PipelineError
 from ..coordinator import start_call
-from . import exit_hook, heartbeat
+from . import divergence, exit_hook, heartbeat
 from .board import ErrorBoard
+from .calls import LOOK_AFTER_S
 from .waiters import Waiters, Watch, poll_s
 
 T = TypeVar("T")
@@ -59,11 +60,21 @@ class Guard:
 
     ``board``: the board's name (pipelines sharing one see each other's failures: one per mesh); ``me``: how
     messages name this rank; ``orders_streams``: waits on works of the pipeline's backend only order CUDA
-    streams (NCCL), the CPU goes on.
+    streams (NCCL), the CPU goes on; ``scope``: the pipeline's name, alike on its ranks (default: the board's).
     """
 
-    def __init__(self, board: str, timeout: float, me: str, *, store: Any = None, orders_streams: bool = False) -> None:
+    def __init__(
+        self,
+        board: str,
+        timeout: float,
+        me: str,
+        *,
+        store: Any = None,
+        orders_streams: bool = False,
+        scope: str | None = None,
+    ) -> None:
         self.me = me
+        self.scope = board if scope is None else scope  # whose collective calls it counts (:mod:`.calls`)
         self.timeout = timeout
         self.orders_streams = orders_streams
         self.board = ErrorBoard(board, store, timeout, me)
@@ -71,6 +82,7 @@ class Guard:
         exit_hook.install()  # a rank that fails outside any wait still posts, and leaves with exit code 1
         self.waiting = ""  # the last thing waited for, named in the hang report (see engine.forensics)
         self._waiters = Waiters()
+        self._next_look = 0.0  # when a long wait next reads the peers' collective calls (:meth:`_diverged`)
 
     # ---- the error board ------------------------------------------------------------------------
     @property
@@ -151,6 +163,10 @@ class Guard:
             self.board.check()  # the peer's own failure may have been posted meanwhile: that one stands
         except PipelineError:
             return
+        ended = divergence.blame_ended(self.scope)  # no death: a script that ended (gloo's words about a crash mislead)
+        if ended:
+            self.board.fail(f"{ended} ({self.me} waited for {what})")
+            return
         culprit = heartbeat.blame_failed(self.timeout)
         text = f"{self.me}: {what} failed: {error}"
         self.board.fail(f"{culprit}: {text}" if culprit else text)
@@ -182,6 +198,8 @@ class Guard:
         """
         self.board.poll()
         waited = time.perf_counter() - started
+        if waited > LOOK_AFTER_S:
+            self._diverged()
         if waited <= self.timeout:
             return
         self.board.poll(finish=True)  # the store host not answering is the cause, where it is
@@ -194,6 +212,17 @@ class Guard:
         else:
             text = f"{self.me} waited {waited:.1f} s for {what}; is another rank stuck or dead? (timeout={limit:g} s)"
         raise PipelineError(self.board.fail(text))
+
+    def _diverged(self) -> None:
+        """A wait of a few seconds reads the peers' collective calls, once a stamp: a peer in another call than
+        this rank's (``if rank == 0: save(...)``), or whose script ended, is why - said now, not at the deadline."""
+        now = time.monotonic()
+        if now < self._next_look:
+            return
+        self._next_look = now + heartbeat.INTERVAL_S
+        text = divergence.diverged(self.me, self.scope)
+        if text:
+            raise PipelineError(self.board.fail(text))
 
     def wait_gpu(self, device: torch.device, what: str, patience: float | None = None) -> None:
         """On CUDA, wait for the queued kernels and transfers by polling an event (a GPU wait cannot be handed

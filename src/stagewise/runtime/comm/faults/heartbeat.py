@@ -27,7 +27,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from . import probe
+from . import calls, probe
 from .keys import JOB_KEY
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ def start(timeout: float, *, pipeline: bool = True) -> None:
     and calibration use before any pipeline exists) stop at a failure posted for the job, and name the silent
     ranks when their deadline passes.
     """
-    global _thread, _store, _timeout
+    global _thread, _store, _timeout, _rank, _ending_set
     if pipeline:
         _timeout = max(_timeout, timeout)
     if _thread is not None or not dist.is_initialized() or dist.get_world_size() == 1:
@@ -65,15 +65,41 @@ def start(timeout: float, *, pipeline: bool = True) -> None:
     _store = board_client(None, timeout, own=True)
     rank = dist.get_rank()
     stamp(rank)
+    _publish_calls(rank)
     _publish_port(rank)
     _thread = threading.Thread(target=_run, args=(rank, _stop), name="stagewise-heartbeat", daemon=True)
     _thread.start()
+    _rank = rank
+    if not _ending_set:  # registered after lifecycle's exit handler: runs before it, while the groups are whole
+        atexit.register(_ending)
+        _ending_set = True
     watch_calls(job_failure, blame_silent)
 
 
 def stamp(rank: int) -> None:
     if _store is not None:
         _store.set(f"alive/{rank}", repr(time.time()))
+
+
+_failed = False  # a failure stood on one of this process's boards (:func:`failed_here`)
+_rank = -1  # this process's global rank in the membership stamping now
+_ending_set = False
+_at: dict[str, str] = {}  # what ``at/<rank>/<scope>`` says now: this process's collective calls (:mod:`.calls`)
+_publishing = threading.Lock()  # the thread's publish and the exit's: the later state is the one that stands
+
+
+def store() -> Any:
+    """The run's corner of the store, on the heartbeat's own connection (None before :func:`start`)."""
+    return _store
+
+
+def _publish_calls(rank: int) -> None:
+    """Publish ``at/<rank>/<scope>`` for each pipeline whose count of collective calls or state changed here."""
+    with _publishing:
+        for scope, now in calls.published().items():
+            if _at.get(scope) != now and _store is not None:
+                _store.set(f"at/{rank}/{scope}", now)
+                _at[scope] = now
 
 
 def _publish_port(rank: int) -> None:
@@ -99,6 +125,7 @@ def _run(rank: int, stop: threading.Event) -> None:
             everyone = _reach_ports(rank, probes)
             if time.monotonic() - stamped >= INTERVAL_S:
                 stamp(rank)
+                _publish_calls(rank)
                 stamped = time.monotonic()
         except Exception:  # the store is gone: the board reports that; stop stamping
             return
@@ -321,6 +348,8 @@ def stop() -> None:
     if _thread is not None:
         _thread.join(2 * INTERVAL_S)
     _thread, _stop, _store, _probes, _posted = None, threading.Event(), None, probe.Probes(), threading.Event()
+    _at.clear()
+    calls.reset()  # the next membership counts its calls from zero, newcomers and survivors alike
 
 
 @atexit.register
@@ -329,3 +358,20 @@ def _halt() -> None:
     _stop.set()
     if _thread is not None:
         _thread.join(2.0)
+
+
+def _ending() -> None:
+    """Say that this script ended, unless it leaves with a failure (the failure is the news then): before the
+    process groups close, so a peer whose wait fails on the closed connection reads why (:func:`blame_ended`)."""
+    if _store is not None and not _posted.is_set() and not _failed:
+        calls.ended()
+        try:
+            _publish_calls(_rank)
+        except Exception:  # the store is gone: peers learn of the exit from the closed connections
+            pass
+
+
+def failed_here() -> None:
+    """A failure stood on one of this process's boards (:mod:`.exit_hook` says so): its end is no clean end."""
+    global _failed
+    _failed = True

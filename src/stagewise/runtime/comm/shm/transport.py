@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 
 from ...errors import PipelineError
+from ..faults import divergence
 from ..faults.guard import Guard
 from ..faults.waiters import Watch
 from ..groups import backend_of, global_ranks
@@ -121,6 +122,11 @@ class ShmTransport:
         who = self.peers[peer]
         if not who.alive():  # the peer first: it is the one at fault (its global rank where that differs)
             g = global_ranks(self.group)[peer]
+            ended = divergence.ended_words(
+                g, self.guard.scope
+            )  # no death: its script ended, in a call this rank has not made
+            if ended:
+                raise PipelineError(self.guard.fail(f"{ended} ({self.guard.me} waited for {what})"))
             dead = f"rank {peer}" if g == peer else f"pipeline rank {peer} (global rank {g})"
             raise PipelineError(self.guard.fail(f"{dead} died (pid {who.pid}): {self.guard.me} waited for {what}"))
 

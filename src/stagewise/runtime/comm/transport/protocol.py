@@ -119,7 +119,8 @@ def guard_for(spec: TransportSpec) -> Guard:
                 "make the guard from the final spec (guard_for), or leave it None"
             )
         return spec.guard
-    return Guard(board, spec.timeout, spec.label or _me(spec.group), store=spec.store, orders_streams=_nccl(spec.group))
+    me, nccl = spec.label or _me(spec.group), _nccl(spec.group)
+    return Guard(board, spec.timeout, me, store=spec.store, orders_streams=nccl, scope=spec.name)
 
 
 def _me(group: Any) -> str:

@@ -1,0 +1,57 @@
+"""A peer's collective calls read against this process's: why a rank waits in vain, when the script is at fault.
+
+Each process publishes ``at/<global rank>/<scope>`` for each pipeline it runs (:mod:`.heartbeat`, from
+:mod:`.calls`); a rank that has waited a few seconds (:meth:`.guard.Guard.check_deadline`), or whose wait failed
+on a closed connection, reads its pipeline's here. A peer in another call, or whose script ended, is the
+cause - no rank stopped or died.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from . import calls, heartbeat
+
+
+def diverged(me: str, scope: str) -> str:
+    """Why ``me`` (how messages name this rank) waits in vain in the pipeline ``scope`` names, when a peer's
+    published calls diverge from this process's (:func:`.calls.judge`: a peer in another call, or whose script
+    ended), in words; "" when none does (or nothing can be read)."""
+    try:
+        return next((w for r in _peers() if (w := _judged(r, me, scope))), "")
+    except Exception:  # no store, no group: no evidence
+        return ""
+
+
+def blame_ended(scope: str) -> str:
+    """The words for a peer whose script ended while this rank waits in a call of ``scope``'s pipeline that the
+    peer has not made (a closed connection then is no death), or ""."""
+    try:
+        return next((w for r in _peers() if (w := ended_words(r, scope))), "")
+    except Exception:
+        return ""
+
+
+def ended_words(rank: int, scope: str) -> str:
+    """``"global rank 1's script ended after 2 collective calls, ..."`` when global ``rank`` left by ending its
+    script while this rank waits in a call of ``scope``'s pipeline it did not make, else ""."""
+    try:
+        said = _judged(rank, f"global rank {dist.get_rank()}", scope)
+    except Exception:
+        return ""
+    return said if "'s script ended" in said else ""
+
+
+def _peers() -> list[int]:
+    """Every other process of the default group: each publishes its calls by its global rank (a pipeline's
+    ranks are among them; one that runs no pipeline of ``scope`` published nothing for it and is passed over)."""
+    mine = dist.get_rank()
+    return [r for r in range(dist.get_world_size()) if r != mine]
+
+
+def _judged(rank: int, me: str, scope: str) -> str:
+    store = heartbeat.store()
+    key = f"at/{rank}/{scope}"
+    if store is None or not store.check([key]):
+        return ""
+    return calls.judge(calls.current(scope), f"global rank {rank}", store.get(key).decode(), me)

@@ -1,0 +1,116 @@
+"""The collective calls each process counts, and the divergences a waiting rank reads from a peer's count.
+
+The n-th call must be the same call on every rank; a peer merely behind (writing the checkpoint this rank has
+left) or ahead is not a divergence, and must never be named one (a false one would stop a correct job).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from stagewise.runtime.comm.faults import calls
+from stagewise.runtime.comm.faults.calls import History, judge
+
+pytestmark = pytest.mark.runtime
+
+
+def _made(*kinds: str, inside: bool = True) -> History:
+    h = History()
+    for k in kinds:
+        h.enter(k)
+    h.depth = 1 if inside else 0
+    return h
+
+
+def test_kinds_are_counted_in_runs_and_read_back_by_number() -> None:
+    h = _made("train_step", "train_step", "save", "train_step", "eval_loss", "eval_loss")
+    assert h.runs == [["train_step", 2], ["save", 1], ["train_step", 1], ["eval_loss", 2]]
+    got = [h.kind_at(n) for n in range(0, 8)]
+    assert got == [None, "train_step", "train_step", "save", "train_step", "eval_loss", "eval_loss", None]
+    assert h.published() == "6 eval_loss in"
+    h.depth = 0
+    assert h.published() == "6 eval_loss after"
+    h.ended = True
+    assert h.published() == "6 eval_loss ended"
+
+
+def test_a_call_inside_a_call_counts_once_and_a_reset_starts_from_zero() -> None:
+    calls.reset()
+    try:
+        with calls.call("eval_loss", "p0"):
+            with calls.call("eval_step", "p0"):  # eval_loss runs an eval_step: one collective call
+                assert calls.published() == {"p0": "1 eval_loss in"}
+        assert calls.published() == {"p0": "1 eval_loss after"}
+        with calls.call("train_step", "p0"), calls.call("train_step", "p1"):  # another pipeline counts its own
+            pass
+        assert calls.published() == {"p0": "2 train_step after", "p1": "1 train_step after"}
+        calls.ended()
+        assert calls.published() == {"p0": "2 train_step ended", "p1": "1 train_step ended"}
+        assert calls.current("p1").count == 1 and calls.current("p2").count == 0
+    finally:
+        calls.reset()
+    assert calls.published() == {}
+
+
+def test_another_call_at_the_same_count_is_named() -> None:
+    mine = _made("train_step", "train_step", "train_step")
+    said = judge(mine, "global rank 0", "3 save in", "rank 1")
+    assert said.startswith(
+        "global rank 0 is in sw.checkpoint.save while rank 1 waits in train_step (the 3rd collective call of each): "
+    )
+    assert "make each call on every rank" in said
+    after = judge(mine, "global rank 0", "3 save after", "rank 1")
+    assert after.startswith("global rank 0 has made sw.checkpoint.save")
+
+
+def test_a_peer_behind_in_the_same_calls_is_no_divergence_but_one_in_another_call_is() -> None:
+    mine = _made("train_step", "train_step", "save", "train_step")  # left the save; the peer still writes it
+    assert judge(mine, "global rank 1", "3 save in", "rank 0") == ""
+    assert judge(mine, "global rank 1", "2 train_step in", "rank 0") == ""
+    assert judge(mine, "global rank 1", "4 train_step in", "rank 0") == ""
+    said = judge(mine, "global rank 1", "3 eval_loss in", "rank 0")
+    assert said.startswith(
+        "global rank 1 is in eval_loss as its 3rd collective call, where rank 0 made a sw.checkpoint.save; rank 0 "
+        "waits in its 4th collective call, a train_step"
+    )
+
+
+def test_a_peer_ahead_or_not_started_or_unreadable_is_left_to_itself() -> None:
+    mine = _made("train_step", "train_step")
+    assert judge(mine, "global rank 1", "5 save in", "rank 0") == ""  # it waits on us, and says so
+    assert judge(mine, "global rank 1", "0 - after", "rank 0") == ""
+    assert judge(mine, "global rank 1", "garbled", "rank 0") == ""
+    outside = _made("train_step", "train_step", inside=False)  # this rank waits outside any counted call
+    assert judge(outside, "global rank 1", "2 save in", "rank 0") == ""
+
+
+def test_a_script_that_ended_before_this_call_is_named_and_one_that_ended_after_it_is_not() -> None:
+    mine = _made("train_step", "train_step", "train_step")
+    said = judge(mine, "global rank 1", "2 train_step ended", "rank 0")
+    assert said.startswith(
+        "global rank 1's script ended after 2 collective calls, the last a train_step, while rank 0 waits in its 3rd "
+        "collective call, a train_step"
+    )
+    assert judge(mine, "global rank 1", "0 - ended", "rank 0").startswith(
+        "global rank 1's script ended after 0 collective calls, while"
+    )
+    assert judge(mine, "global rank 1", "3 train_step ended", "rank 0") == ""
+
+
+@pytest.mark.parametrize(
+    "n,words",
+    [
+        (1, "1st"),
+        (2, "2nd"),
+        (3, "3rd"),
+        (4, "4th"),
+        (11, "11th"),
+        (12, "12th"),
+        (13, "13th"),
+        (21, "21st"),
+        (112, "112th"),
+        (101, "101st"),
+    ],
+)
+def test_ordinals(n: int, words: str) -> None:
+    assert calls._nth(n) == f"{words} collective call"

@@ -1,0 +1,46 @@
+"""A loss that fails on an output and targets of unequal batch sizes says why that is likely: the rank holding
+stage 0 and the rank holding the last stage were given different batches (mistakes pass, row 70: torch's
+"Expected input batch_size (4) to match target batch_size (2)" was all a user read)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from stagewise.runtime.engine.compute import Compute
+
+pytestmark = pytest.mark.runtime
+
+
+def _loss(out: torch.Tensor, targets: torch.Tensor, loss_fn=F.cross_entropy) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    compute = Compute({1: lambda x: x}, loss_fn, last=1)
+    run = SimpleNamespace(record=SimpleNamespace(targets=[targets], losses={}), per_minibatch=4)
+    return compute.loss(run, out, 0)  # type: ignore[arg-type]
+
+
+def test_unequal_batches_are_named_with_the_global_sizes_and_the_error_keeps_its_type() -> None:
+    out = torch.randn(4, 3, requires_grad=True)
+    with pytest.raises(ValueError) as err:
+        _loss(out, torch.arange(2) % 3)
+    said = str(err.value)
+    assert said.startswith(
+        "stage 1, micro-batch 0: the model's output holds 4 samples and the targets 2: the ranks were given different "
+        "batches (about 16 inputs on the rank holding stage 0, 8 targets here, in 4 micro-batches)?"
+    ), said
+    assert "Expected input batch_size (4) to match target batch_size (2)" in said  # torch's words kept, after ours
+    assert isinstance(err.value.__cause__, ValueError)
+
+
+def test_a_failure_with_equal_batches_is_the_loss_s_own() -> None:
+    out = torch.randn(4, 3, requires_grad=True)
+    with pytest.raises(IndexError, match=r"^Target 7 is out of bounds\.$"):
+        _loss(out, torch.tensor([0, 1, 2, 7]))
+
+
+def test_equal_batches_train_as_before() -> None:
+    out = torch.randn(4, 3, requires_grad=True, dtype=torch.float64)
+    targets = torch.tensor([0, 1, 2, 0])
+    assert torch.equal(_loss(out, targets), F.cross_entropy(out, targets))
