@@ -88,3 +88,19 @@ def test_what_dcp_wraps_is_handed_on_as_what_it_was() -> None:
     with pytest.raises(CheckpointError, match="^refusing to build x$"):
         with dcp_files._unwrapped("reading checkpoint ckpt/step-3"):
             raise _dcp_failure(CheckpointError("refusing to build x"))
+
+
+def test_a_resume_from_a_missing_root_beside_a_near_name_that_holds_checkpoints_warns(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = sw.build_model(mdl.lm(2), seed=0)
+    sw.checkpoint.save(tmp_path / "ckpts", model, step=3, collective=False)
+    (tmp_path / "ckpt-notes").mkdir()  # a near name with no checkpoint in it: no evidence
+    with caplog.at_level(logging.INFO, logger="stagewise"):
+        assert sw.checkpoint.resume(tmp_path / "ckpt", model, collective=False) is None  # a typo: afresh, said
+        assert sw.checkpoint.resume(tmp_path / "runs", model, collective=False) is None  # a job's first run
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warned == [
+        f"stagewise.checkpoint.resume: starting afresh: no {tmp_path / 'ckpt'}, but "
+        f"{tmp_path / 'ckpts'} holds checkpoints: a misspelt path?"
+    ], warned

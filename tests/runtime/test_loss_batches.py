@@ -4,6 +4,7 @@ stage 0 and the rank holding the last stage were given different batches (mistak
 
 from __future__ import annotations
 
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -44,3 +45,35 @@ def test_equal_batches_train_as_before() -> None:
     out = torch.randn(4, 3, requires_grad=True, dtype=torch.float64)
     targets = torch.tensor([0, 1, 2, 0])
     assert torch.equal(_loss(out, targets), F.cross_entropy(out, targets))
+
+
+def test_targets_that_broadcast_against_the_output_into_pairs_of_samples_are_warned_of_once() -> None:
+    """mse_loss of an (n, 1) output and (n,) targets pairs every sample with every other: a micro-batch's loss is
+    then no part of the batch's (mistakes pass, row 7: the pipeline's loss 0.7966, one process's 1.0755)."""
+    compute = Compute({1: lambda x: x}, F.mse_loss, last=1)
+    out, targets = torch.randn(4, 1, requires_grad=True), torch.randn(4)
+    run = SimpleNamespace(record=SimpleNamespace(targets=[targets, targets], losses={}), per_minibatch=2)
+    with pytest.warns(UserWarning) as seen:
+        compute.loss(run, out, 0)  # type: ignore[arg-type]
+        compute.loss(run, out, 1)  # type: ignore[arg-type]
+    ours = [str(w.message) for w in seen if str(w.message).startswith("stage 1:")]
+    assert ours == [
+        "stage 1: loss_fn gets an output of shape (4, 1) and targets of shape (4,), which broadcast to (4, 4): every "
+        "sample is paired with every other of its micro-batch, so a micro-batch's loss is no part of the whole "
+        "batch's and the pipeline's loss differs from one process's; give the targets the output's shape (e.g. "
+        "targets.view_as(output))"
+    ], ours
+
+
+@pytest.mark.parametrize(
+    "out_shape,target_shape", [((4, 1), (4, 1)), ((4, 3), (3,)), ((4, 3), (4, 3))], ids=["same", "per-feature", "equal"]
+)
+def test_targets_of_the_output_s_shape_or_a_broadcast_within_it_are_not_warned_of(
+    out_shape: tuple[int, ...], target_shape: tuple[int, ...]
+) -> None:
+    compute = Compute({1: lambda x: x}, F.mse_loss, last=1)
+    run = SimpleNamespace(record=SimpleNamespace(targets=[torch.randn(target_shape)], losses={}), per_minibatch=1)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        compute.loss(run, torch.randn(out_shape, requires_grad=True), 0)  # type: ignore[arg-type]
+    assert not [w for w in seen if str(w.message).startswith("stage 1:")]  # (torch's own may warn of the shapes)

@@ -9,6 +9,7 @@ even while a stale ``.step-N.tmp`` of the killed attempt is still on disk.
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
 from dataclasses import replace
@@ -18,7 +19,7 @@ from typing import Any
 from torch import nn
 
 from ..comm.generations import count_from
-from . import state, storage
+from . import retention, state, storage
 from .api import _ranks, agreed_newest, load, virtual_worker
 from .declared import CheckpointInfo, Offer, PipelineState, StateSource
 from .newest import DISK, SNAPSHOTS, Report, ranked
@@ -72,7 +73,7 @@ def resume(
     restored = _restore_newest(offers)
     if restored is None:
         if ranks.first:
-            log.info("stagewise.checkpoint.resume: starting afresh: %s", disk.why)
+            _say_afresh(root, disk.why)
         return None
     info, said = restored
     line, cut = "", None
@@ -87,6 +88,32 @@ def resume(
     if cut is not None:  # every rank alike (the same record): the state moves exactly
         _take_back(holder, cut)
     return info
+
+
+def _say_afresh(root: Path, why: str) -> None:
+    """A resume that starts afresh says so (a job's first run: a note; a near name holding steps: a warning)."""
+    near = misspelt(root)
+    if near is not None:
+        log.warning(
+            "stagewise.checkpoint.resume: starting afresh: no %s, but %s holds checkpoints: a misspelt path?",
+            root,
+            near,
+        )
+    else:
+        log.info("stagewise.checkpoint.resume: starting afresh: %s", why)
+
+
+def misspelt(root: Path) -> Path | None:
+    """A folder beside a missing ``root`` whose name is close to its name and that holds ``step-N`` checkpoints
+    (``ckpts`` for ``ckpt``), or None: a resume that starts afresh there is probably a typo."""
+    if root.exists() or not root.parent.is_dir():
+        return None
+    try:
+        names = [p.name for p in root.parent.iterdir() if p.is_dir()]
+    except OSError:  # an unreadable folder: no evidence
+        return None
+    near = (root.parent / name for name in difflib.get_close_matches(root.name, names, n=3, cutoff=0.75))
+    return next((p for p in near if retention.steps(p)), None)
 
 
 def _take_back(pipe: Any, cut: list[int]) -> None:

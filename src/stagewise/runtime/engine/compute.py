@@ -15,6 +15,7 @@ the handlers never look inside a stage.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -93,6 +94,7 @@ class Compute:
         self.facts = dict(facts or {})
         self.meter = meter  # the memory meter, if on: charged what W holds
         self._plain = StageFacts()
+        self._shapes_seen = False  # the first loss's output and targets looked at (:func:`_crossed`)
 
     def handlers(self) -> dict[Kind, Handler]:
         """This part of the interpreter's table."""
@@ -129,6 +131,11 @@ class Compute:
             raise ValueError("train_step needs a loss: build the Pipeline with loss_fn=...")
         assert run.record.targets is not None
         targets = run.record.targets[i]
+        if not self._shapes_seen:
+            self._shapes_seen = True
+            crossed = _crossed(out, targets)
+            if crossed:
+                warnings.warn(f"stage {self.last}: {crossed}", stacklevel=2)
         try:
             loss = self.loss_fn(out, targets)
         except (RuntimeError, ValueError, IndexError) as err:
@@ -237,4 +244,26 @@ def _unequal_batches(out: Any, targets: Any, m: int, stage: int, i: int) -> str:
         f"stage {stage}, micro-batch {i}: the model's output holds {a} samples and the targets {b}: the ranks were "
         f"given different batches (about {a * m} inputs on the rank holding stage 0, {b * m} targets here, in {m} "
         "micro-batches)? Give every rank the same global batch, or its own share of it with pipe.local_batch"
+    )
+
+
+def _crossed(out: Any, targets: Any) -> str:
+    """Why the loss of a micro-batch is no part of the batch's, when an output and targets of other shapes broadcast
+    into one larger than both (``(n, 1)`` against ``(n,)``: every sample paired with every other, n x n terms), or
+    "". torch warns of the shapes; what it means here is that the pipeline's loss is not the one-process loss."""
+    first = [next((t for t in flatten(v)[0] if isinstance(t, torch.Tensor)), None) for v in (out, targets)]
+    a, b = first
+    if a is None or b is None or a.shape == b.shape or not (a.is_floating_point() and b.is_floating_point()):
+        return ""
+    try:
+        both = torch.broadcast_shapes(a.shape, b.shape)
+    except RuntimeError:
+        return ""
+    if both.numel() <= max(a.numel(), b.numel()):
+        return ""
+    return (
+        f"loss_fn gets an output of shape {tuple(a.shape)} and targets of shape {tuple(b.shape)}, which broadcast to "
+        f"{tuple(both)}: every sample is paired with every other of its micro-batch, so a micro-batch's loss is no "
+        "part of the whole batch's and the pipeline's loss differs from one process's; give the targets the output's "
+        "shape (e.g. targets.view_as(output))"
     )
