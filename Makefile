@@ -158,7 +158,8 @@ relayout: $(STAMP)
 relayout-leaks: relayout
 
 # Pipeline.from_hf on every tested transformers family: 1f1b and zb-v, tied and untied heads, right padding and
-# -100 labels, 2 and 4 ranks, against the one-process model; the table of measured errors goes to out/hf_grid.md;
+# -100 labels, and Llama's tied head under every synchronous schedule, 2 and 4 ranks, against the one-process model
+# (`make test` runs each family once and the tied sum under five); the table of measured errors goes to out/hf_grid.md;
 # then examples/hf_causal_lm.py's Llama on 4 ranks, saved and reloaded with from_pretrained (a few minutes).
 # The 4-D layouts on 8 ranks (tests/distributed/test_hybrid_8ranks.py, about 70 s: pp x sharding x tp, pp x dp x tp,
 # sharding 4, the tied and factory cases, each against the one-process model); `make test` runs the two-axis

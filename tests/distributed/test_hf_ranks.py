@@ -2,9 +2,11 @@
 shared 2-rank job and a 4-rank job of its own; each test asserts one check on every rank.
 
 CI runs ``checks(ranks)``: every family once (but those that differ from Llama only inside its decoder layers,
-``LAYERS_ONLY``), the tied sum under every schedule, padding, packing and inputs at 2 ranks; the parallel axes
-and the checkpoint at 4. ``make hf-grid`` sets STAGEWISE_HF_GRID to a file: the module then runs the whole grid
-(every family x 1f1b and zb-v x tied and untied, 2 and 4 ranks) and writes the table of measured errors there.
+``LAYERS_ONLY``, and those it trains in another check, ``ELSEWHERE``), the tied sum under one schedule per placement
+and backward split (``TIED_CI``), padding, packing and inputs at 2 ranks; the parallel axes and the checkpoint at
+4. ``make hf-grid`` sets STAGEWISE_HF_GRID to a file: the module then runs the whole grid (every family x 1f1b and
+zb-v x tied and untied, and the tied sum under every schedule, 2 and 4 ranks) and writes the table of measured
+errors there.
 """
 
 from __future__ import annotations

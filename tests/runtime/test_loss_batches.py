@@ -77,3 +77,26 @@ def test_targets_of_the_output_s_shape_or_a_broadcast_within_it_are_not_warned_o
         warnings.simplefilter("always")
         compute.loss(run, torch.randn(out_shape, requires_grad=True), 0)  # type: ignore[arg-type]
     assert not [w for w in seen if str(w.message).startswith("stage 1:")]  # (torch's own may warn of the shapes)
+
+
+def test_inputs_of_another_dtype_than_stage_0_s_parameters_name_both_and_the_fix() -> None:
+    stage = torch.nn.Linear(3, 2)  # float32
+    compute = Compute({0: stage, 1: lambda x: x}, F.mse_loss, last=1)
+    run = SimpleNamespace(record=SimpleNamespace(inputs=[torch.randn(4, 3, dtype=torch.float64)]), mode="train")
+    run.ready = lambda: None
+    action = SimpleNamespace(stage=0, microbatch=0)
+    with pytest.raises(RuntimeError) as err:
+        compute.forward(run, action)  # type: ignore[arg-type]
+    said = str(err.value)
+    assert said.startswith(
+        "stage 0's inputs are torch.float64 but its parameters torch.float32: convert the inputs "
+        "(x.to(torch.float32)), or build the layers in torch.float64"
+    ), said
+    assert isinstance(err.value.__cause__, RuntimeError)  # torch's own error, kept
+
+
+def test_a_batch_on_the_meta_device_is_refused_saying_it_has_no_data() -> None:
+    from stagewise.runtime.engine.batches import to_device
+
+    with pytest.raises(ValueError, match=r"a batch holds a tensor on the meta device \(shape \(4, 3\)\)"):
+        to_device({"x": torch.empty(4, 3, device="meta")}, torch.device("cpu"))

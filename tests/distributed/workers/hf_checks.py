@@ -367,14 +367,24 @@ def refusals(ctx: Ctx) -> None:
 
 # ---- the suites ---------------------------------------------------------------------------------
 def grid(world: int) -> dict[str, Check]:
-    """Every family x (1f1b, zb-v) x (tied, untied), 2 layers per rank."""
-    out: dict[str, Check] = {}
+    """Every family x (1f1b, zb-v) x (tied, untied), 2 layers per rank; the tied sum under every schedule."""
+    out: dict[str, Check] = {f"llama-tied-{s}": tied_sum(s, world) for s in sw.schedule_names(synchronous=True)}
     for family in FAMILIES:
         for schedule in ("1f1b", "zb-v"):
             for tied in (False, True):
                 name = f"{family}-{schedule}-{'tied' if tied else 'untied'}"
                 out[name] = parity(family, schedule, world + 1, 2 * world, tied=tied)
     return out
+
+
+#: the tied sum in CI: one schedule per placement (one stage a rank, looped, V) and per backward (whole, split into
+#: I and W, DualPipeV's pairs); the grid runs it under every synchronous schedule
+TIED_CI = ("1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "dualpipe-v")
+
+
+def tied_sum(schedule: str, p: int) -> Check:
+    """Llama with its head tied to its embedding under ``schedule`` on ``p`` ranks, against one process."""
+    return parity("llama", schedule, 2 * p if schedule == "dualpipe-v" else p + 1, 2 * p, tied=True)
 
 
 #: families whose model differs from Llama's only inside the decoder layers (a fused projection, a norm's place, a
@@ -397,8 +407,8 @@ def checks(world: int, suite: str = "ci") -> dict[str, Check]:
                 out[f"{family}-1f1b"] = parity(family, "1f1b", 3, 4)
         for family in ("gemma2", "mixtral"):
             out[f"{family}-zb-v-untied"] = parity(family, "zb-v", 3, 4, tied=False)
-        for s in sw.schedule_names(synchronous=True):  # the tied sum under every schedule
-            out[f"llama-tied-{s}"] = parity("llama", s, 2 * p if s == "dualpipe-v" else p + 1, 2 * p, tied=True)
+        for s in TIED_CI:  # the tied sum under each placement and backward split (every schedule: the grid)
+            out[f"llama-tied-{s}"] = tied_sum(s, p)
         for family in ("llama", "gpt2", "qwen3"):  # (not the EAGER families: NaN rows in float64)
             out[f"{family}-left-padded-zb-h1"] = parity(family, "zb-h1", 3, 4, inputs="left")
         out["gpt2-dict-inputs-zb-v"] = parity("gpt2", "zb-v", 3, 4, inputs="dict")

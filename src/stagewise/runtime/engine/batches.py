@@ -198,6 +198,11 @@ def _count(n: Any, i: int) -> float:
 def to_device(value: Any, device: torch.device) -> Any:
     """``value`` (tensors inside tuples, named tuples, lists and dicts) moved to ``device``."""
     if isinstance(value, torch.Tensor):
+        if value.is_meta:  # torch: "Cannot copy out of meta tensor; no data!"
+            raise ValueError(
+                f"a batch holds a tensor on the meta device (shape {tuple(value.shape)}): it has a shape and no "
+                "data; build the batch on the CPU or on the pipeline's device"
+            )
         return value.to(device, non_blocking=True)
     if isinstance(value, (tuple, list)):
         moved = [to_device(v, device) for v in value]

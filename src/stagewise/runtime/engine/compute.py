@@ -113,7 +113,13 @@ class Compute:
             x, leaves = _as_leaves(x) if train else (x, [])
         run.ready()
         with torch.set_grad_enabled(train):
-            out = self.stages[s](x)
+            try:
+                out = self.stages[s](x)
+            except RuntimeError as err:
+                said = _unlike_inputs(self.stages[s], x) if s == 0 else ""
+                if not said:
+                    raise
+                raise RuntimeError(f"{said} ({err})") from err
         if s == self.last:
             if train:
                 loss = self.loss(run, out, i)
@@ -266,4 +272,18 @@ def _crossed(out: Any, targets: Any) -> str:
         f"{tuple(both)}: every sample is paired with every other of its micro-batch, so a micro-batch's loss is no "
         "part of the whole batch's and the pipeline's loss differs from one process's; give the targets the output's "
         "shape (e.g. targets.view_as(output))"
+    )
+
+
+def _unlike_inputs(stage: Any, x: Any) -> str:
+    """When stage 0 failed on inputs of another floating dtype than its parameters' (float64 data into a float32
+    model: torch says "mat1 and mat2 must have the same dtype"), which to convert; "" otherwise."""
+    params = stage.parameters() if isinstance(stage, torch.nn.Module) else ()
+    weight = next((p for p in params if p.is_floating_point()), None)
+    given = next((t for t in flatten(x)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
+    if weight is None or given is None or weight.dtype == given.dtype:
+        return ""
+    return (
+        f"stage 0's inputs are {given.dtype} but its parameters {weight.dtype}: convert the inputs "
+        f"(x.to({weight.dtype})), or build the layers in {given.dtype} (sw.Layer(nn.Linear, ..., dtype={given.dtype}))"
     )
