@@ -66,7 +66,9 @@ def test_targets_that_broadcast_against_the_output_into_pairs_of_samples_are_war
 
 
 @pytest.mark.parametrize(
-    "out_shape,target_shape", [((4, 1), (4, 1)), ((4, 3), (3,)), ((4, 3), (4, 3))], ids=["same", "per-feature", "equal"]
+    "out_shape,target_shape",
+    [((4, 1), (4, 1)), ((4, 3), (3,)), ((4, 3), (4, 3)), ((4, 1), (1, 5))],
+    ids=["same", "per-feature", "equal", "per-column"],
 )
 def test_targets_of_the_output_s_shape_or_a_broadcast_within_it_are_not_warned_of(
     out_shape: tuple[int, ...], target_shape: tuple[int, ...]

@@ -254,12 +254,16 @@ def _unequal_batches(out: Any, targets: Any, m: int, stage: int, i: int) -> str:
 
 
 def _crossed(out: Any, targets: Any) -> str:
-    """Why the loss of a micro-batch is no part of the batch's, when an output and targets of other shapes broadcast
-    into one larger than both (``(n, 1)`` against ``(n,)``: every sample paired with every other, n x n terms), or
-    "". torch warns of the shapes; what it means here is that the pipeline's loss is not the one-process loss."""
+    """Why the loss of a micro-batch is no part of the batch's, when an output and targets with the same batch size
+    but not the same number of dims broadcast their batch dims against each other (``(n, 1)`` against ``(n,)``:
+    every sample paired with every other, n x n terms), or "". torch warns of the shapes; what it means here is
+    that the pipeline's loss is not the one-process loss. Targets that broadcast within the output (per feature,
+    ``(1, k)``) pair nothing."""
     first = [next((t for t in flatten(v)[0] if isinstance(t, torch.Tensor)), None) for v in (out, targets)]
     a, b = first
-    if a is None or b is None or a.shape == b.shape or not (a.is_floating_point() and b.is_floating_point()):
+    if a is None or b is None or a.dim() == b.dim() or min(a.dim(), b.dim()) == 0:
+        return ""
+    if not (a.is_floating_point() and b.is_floating_point()) or not a.shape[0] == b.shape[0] > 1:
         return ""
     try:
         both = torch.broadcast_shapes(a.shape, b.shape)
