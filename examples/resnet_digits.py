@@ -17,6 +17,14 @@ which the test accuracy is measured with, those of whole batches, updated once
 per step as in the one-process model; ``--batchnorm micro`` updates them once
 per micro-batch instead. With ``--compare`` the last stage's rank then trains
 the same model in one process on the same batches and reports both accuracies.
+
+Early in training the running statistics lag weights that still move fast, and
+more so for a model trained on micro-batch statistics: after 30 steps the
+pipeline scored 55.9 % (deferred) and 87.2 % (micro) where one process scored
+94.9 %, and a one-process replay of the micro-batched training scores the same.
+``sw.runtime.update_bn`` (torch's ``swa_utils.update_bn`` for a pipeline)
+estimates them again with the final weights, over the training set: both runs
+report their accuracy after it too.
 """
 
 from __future__ import annotations
@@ -119,7 +127,16 @@ def train_single(args: argparse.Namespace, data: tuple[torch.Tensor, ...]) -> di
     model.eval()
     with torch.no_grad():
         accuracy = float((model(x_test).argmax(1) == y_test).float().mean())
-    return {"first_loss": losses[0], "final_loss": sum(losses[-10:]) / len(losses[-10:]), "test_accuracy": accuracy}
+    torch.optim.swa_utils.update_bn(x_train.split(args.batch_size), model)  # the statistics with the final weights
+    model.eval()
+    with torch.no_grad():
+        estimated = float((model(x_test).argmax(1) == y_test).float().mean())
+    return {
+        "first_loss": losses[0],
+        "final_loss": sum(losses[-10:]) / len(losses[-10:]),
+        "test_accuracy": accuracy,
+        "test_accuracy_update_bn": estimated,
+    }
 
 
 def train_pipelined(args: argparse.Namespace, data: tuple[torch.Tensor, ...]) -> tuple[Any, dict[str, float]]:
@@ -137,15 +154,26 @@ def train_pipelined(args: argparse.Namespace, data: tuple[torch.Tensor, ...]) ->
         pipe.train_step(x_train[idx], y_train[idx])
         for idx in batches(len(x_train), args.batch_size, args.steps, args.seed)
     ]
-    pipe.eval()  # BatchNorm normalises with the running statistics
-    logits = pipe.eval_step(x_test)  # None except on the last stage's rank
-    pipe.train()
-    accuracy = float((logits.argmax(1) == y_test).float().mean()) if logits is not None else float("nan")
+    accuracy = _accuracy(pipe, x_test, y_test)
+    tracked = next(int(b) for n, b in pipe.named_buffers() if n.endswith("num_batches_tracked"))
+    full = x_train[: len(x_train) // args.batch_size * args.batch_size]  # whole batches: every one splits in m
+    sw.runtime.update_bn(full.split(args.batch_size), pipe)  # a collective: the statistics with the final weights
     return pipe, {
         "first_loss": losses[0],
         "final_loss": sum(losses[-10:]) / len(losses[-10:]),
         "test_accuracy": accuracy,
+        "test_accuracy_update_bn": _accuracy(pipe, x_test, y_test),
+        "batches_tracked": tracked,  # a BatchNorm's count before update_bn (after it: the batches it ran)
     }
+
+
+def _accuracy(pipe: sw.Pipeline, x_test: torch.Tensor, y_test: torch.Tensor) -> float:
+    """The test accuracy in eval mode (BatchNorm normalises with the running statistics); NaN but on the last
+    stage's rank, which gets the outputs."""
+    pipe.eval()
+    logits = pipe.eval_step(x_test)  # None except on the last stage's rank
+    pipe.train()
+    return float((logits.argmax(1) == y_test).float().mean()) if logits is not None else float("nan")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -182,10 +210,11 @@ def main(argv: list[str] | None = None) -> int:
     state = gather_state_dict(pipe, dst=reporter)  # a collective: every rank takes part
     if pipe.rank == reporter:
         summary: dict[str, Any] = {"pipelined": piped, "batchnorm": args.batchnorm, "microbatches": args.microbatches}
-        rows = [(f"pipelined ({pipe.num_ranks} stages, batchnorm={args.batchnorm!r})", f"{piped['test_accuracy']:.1%}")]
+        both = "{test_accuracy:.1%} ({test_accuracy_update_bn:.1%} after update_bn)"
+        rows = [(f"pipelined ({pipe.num_ranks} stages, batchnorm={args.batchnorm!r})", both.format(**piped))]
         if args.compare:
             summary["single"] = train_single(args, data)
-            rows.append(("one process", f"{summary['single']['test_accuracy']:.1%}"))
+            rows.append(("one process", both.format(**summary["single"])))
         args.out.mkdir(parents=True, exist_ok=True)
         torch.save({"model": state, "seed": args.seed}, args.out / "checkpoint.pt")
         (args.out / "summary.json").write_text(json.dumps(summary, indent=1))

@@ -144,6 +144,16 @@ def test_micro_with_recompute_updates_once_per_micro_batch(one_rank) -> None:
     assert int(again.get_buffer("1.num_batches_tracked")) == bc.M
 
 
+@pytest.mark.parametrize("mode", ["deferred", "micro"])
+def test_update_bn_estimates_the_statistics_again_as_the_one_process_model_would(one_rank, mode: str) -> None:
+    bc.update_bn_and_compare(_make("1f1b"), mode)
+
+
+def test_update_bn_of_something_else_than_a_pipeline_says_what_it_takes() -> None:
+    with pytest.raises(TypeError, match=r"takes a stagewise Pipeline as pipe, got Linear"):
+        sw.runtime.update_bn([torch.zeros(2, 3)], nn.Linear(3, 3))
+
+
 def test_direct_calls_outside_a_step_are_plain_batchnorm(one_rank) -> None:
     pipe = sw.Pipeline(bc.bn_layers(), loss_fn=F.cross_entropy, microbatches=bc.M, batchnorm="deferred")
     bn = pipe.get_submodule("1")

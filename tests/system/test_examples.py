@@ -243,11 +243,14 @@ def test_resnet_digits_with_deferred_batchnorm_on_2_ranks(tmp_path: Path) -> Non
     for run in ("pipelined", "single"):
         assert summary[run]["final_loss"] < summary[run]["first_loss"] - 0.5, (run, summary[run])
         assert summary[run]["test_accuracy"] > 0.5, (run, summary[run])  # 10 classes: chance is 0.1
+    # the running statistics lag the weights after 30 steps (55.9 % pipelined); estimated again, 93.6 %
+    assert summary["pipelined"]["test_accuracy_update_bn"] > 0.85, summary
     state = torch.load(out / "checkpoint.pt", weights_only=True)["model"]
     model = resnet_digits.ResNet()
     model.load_state_dict(state)  # strict: both stages' parameters and buffers, under the model's names
+    assert summary["pipelined"]["batches_tracked"] == 30, summary  # once per step, not per micro-batch
     counts = {k: int(v) for k, v in state.items() if k.endswith("num_batches_tracked")}
-    assert len(counts) == 15 and set(counts.values()) == {30}, counts  # once per step, not per micro-batch
+    assert len(counts) == 15 and set(counts.values()) == {1500 // 64}, counts  # then update_bn's batches
     _run(
         [sys.executable, str(EXAMPLES / "resnet_digits.py"), "--single", "--steps=3", f"--out={tmp_path}/one"], tmp_path
     )

@@ -66,6 +66,7 @@ _NAMES = {
     "row_parallel": ".hybrid.tensor_parallel",
     "vocab_parallel_embedding": ".hybrid.tensor_parallel",
     "BatchNormPolicy": ".features.batchnorm",
+    "update_bn": ".features.update_bn",
     "aux_loss": ".features.aux_loss",
     "seeded_dropout": ".features.dropout",
     "collect_aux_losses": ".features.aux_loss",

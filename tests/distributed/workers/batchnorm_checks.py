@@ -147,6 +147,73 @@ def train_and_compare(
     return pipe
 
 
+def reference_update_bn(ref: nn.Module, batches: list[torch.Tensor], m: int, mode: str, replicas: int = 1) -> None:
+    """``sw.runtime.update_bn`` in one process, written out: every BatchNorm's statistics estimated again with the
+    weights as they are, as the cumulative average of one estimate per batch (``"deferred"``: the mean and the
+    unbiased variance over the inputs the layer saw in the batch's micro-batches, each normalised alone) or per
+    micro-batch (``"micro"``: torch's own ``update_bn`` over the micro-batches)."""
+    cuts = [c for x in batches for share in split(x, replicas)[0] for c in split(share, m)[0]]
+    if mode == "micro":
+        torch.optim.swa_utils.update_bn(cuts, ref)
+        return
+    norms = batchnorms(ref)
+    seen: dict[int, list[torch.Tensor]] = {id(bn): [] for bn in norms}
+    estimates: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {id(bn): [] for bn in norms}  # (mean, var)
+    hooks = [bn.register_forward_pre_hook(lambda mod, args: seen[id(mod)].append(args[0].detach())) for bn in norms]
+    ref.train()
+    per_batch = len(cuts) // len(batches)
+    try:
+        with torch.no_grad():
+            for b in range(len(batches)):
+                for c in cuts[b * per_batch : (b + 1) * per_batch]:
+                    ref(c)
+                for bn in norms:
+                    x = torch.cat(seen[id(bn)])
+                    dims = [0, *range(2, x.dim())]
+                    estimates[id(bn)].append((x.mean(dims), x.var(dims, correction=1)))
+                    seen[id(bn)] = []
+    finally:
+        for h in hooks:
+            h.remove()
+    with torch.no_grad():
+        for bn in norms:
+            assert bn.running_mean is not None and bn.running_var is not None and bn.num_batches_tracked is not None
+            means, variances = zip(*estimates[id(bn)])
+            bn.running_mean.copy_(torch.stack(means).mean(0))
+            bn.running_var.copy_(torch.stack(variances).mean(0))
+            bn.num_batches_tracked.fill_(len(batches))
+
+
+def update_bn_and_compare(
+    make: Callable[..., sw.Pipeline], mode: Any = "deferred", replicas: int = 1, batch: int = BATCH
+) -> None:
+    """A step trained, then ``sw.runtime.update_bn`` over three batches (DataLoader-style pairs, the last
+    shorter) against :func:`reference_update_bn` on the one-process model: every buffer equal; each layer's
+    momentum and every module's mode (one BatchNorm frozen in eval mode) as they were; then a step and an
+    evaluation of other sizes."""
+    layers = bn_layers()
+    pipe = make(layers, batchnorm=mode, optimizer=lambda ps: torch.optim.SGD(ps, lr=LR))
+    ref = sw.build_model(layers)
+    opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    x, y = data(batch, seed=0)
+    pipe.train_step(*pipe.local_batch(x, y))
+    reference_step(ref, x, y, M, replicas)
+    opt.step()
+    frozen = [name for name, mod in pipe.named_modules() if isinstance(mod, nn.BatchNorm1d)][:1]
+    for name in frozen:
+        pipe.get_submodule(name).eval()
+    before = {n: (mod.training, getattr(mod, "momentum", None)) for n, mod in pipe.named_modules()}
+    batches = [data(batch if k < 2 else batch - 4, seed=10 + k) for k in range(3)]  # a DataLoader's short last one
+    sw.runtime.update_bn([pipe.local_batch(bx, by) for bx, by in batches], pipe)
+    policy = mode if isinstance(mode, str) else mode.mode
+    reference_update_bn(ref, [bx for bx, _ in batches], M, policy, replicas)
+    assert_params_close(pipe, ref, f"update_bn ({policy})", buffers=True)
+    after = {n: (mod.training, getattr(mod, "momentum", None)) for n, mod in pipe.named_modules()}
+    assert after == before, "update_bn left a module's mode or a BatchNorm's momentum changed"
+    pipe.train_step(*pipe.local_batch(x, y))  # the step's own shapes again, and an evaluation's of its own size
+    pipe.eval_step(pipe.local_batch(x)[0])
+
+
 # ---- checks ---------------------------------------------------------------------------
 def deferred(schedule: str, recompute: Any = None) -> Check:
     def check(ctx: Ctx) -> None:
@@ -202,6 +269,27 @@ def replicas(ctx: Ctx) -> None:
     train_and_compare(make, mode=policy, replicas=ctx.world // 2, batch=2 * BATCH)
 
 
+def update_bn(mode: str) -> Check:
+    def check(ctx: Ctx) -> None:
+        def make(layers: list, **kw: Any) -> sw.Pipeline:
+            return sw.Pipeline(layers, loss_fn=F.cross_entropy, microbatches=M, group=ctx.group, timeout=TIMEOUT, **kw)
+
+        update_bn_and_compare(make, mode)
+
+    return check
+
+
+def update_bn_replicas(ctx: Ctx) -> None:
+    """pp=2 x dp=2, across_replicas=True: each estimate over every replica's share of the batch."""
+
+    def make(layers: list, **kw: Any) -> sw.Pipeline:
+        config = sw.ParallelConfig(pp=2, dp=ctx.world // 2)
+        return sw.Pipeline(layers, loss_fn=F.cross_entropy, microbatches=M, parallel=config, timeout=TIMEOUT, **kw)
+
+    policy = sw.runtime.BatchNormPolicy("deferred", across_replicas=True)
+    update_bn_and_compare(make, policy, replicas=ctx.world // 2, batch=2 * BATCH)
+
+
 FOUR_RANKS = ("1f1b", "zb-v", "interleaved-1f1b", "zb-h1")
 
 
@@ -214,6 +302,8 @@ def checks(world: int) -> dict[str, Check]:
             out[f"deferred-{s}-recompute"] = deferred(s, "stage")
     out["deferred-zb-h1-recompute-1"] = deferred("zb-h1", 1)
     out["micro-fails"] = micro_fails
+    out["update-bn-deferred"], out["update-bn-micro"] = update_bn("deferred"), update_bn("micro")
     if world == 4:
         out["deferred-across-replicas"] = replicas
+        out["update-bn-across-replicas"] = update_bn_replicas
     return out

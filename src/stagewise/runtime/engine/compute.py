@@ -24,6 +24,7 @@ import torch
 
 from ...ir import Action, Kind, Message
 from .backward import backward_full, backward_input, backward_weight
+from .hints import crossed_batches, unequal_batches, unlike_inputs
 from .run import Run, Saved
 from .tree import flatten, unflatten
 
@@ -94,7 +95,7 @@ class Compute:
         self.facts = dict(facts or {})
         self.meter = meter  # the memory meter, if on: charged what W holds
         self._plain = StageFacts()
-        self._shapes_seen = False  # the first loss's output and targets looked at (:func:`_crossed`)
+        self._shapes_seen = False  # the first loss's output and targets looked at (:func:`.hints.crossed_batches`)
 
     def handlers(self) -> dict[Kind, Handler]:
         """This part of the interpreter's table."""
@@ -116,7 +117,7 @@ class Compute:
             try:
                 out = self.stages[s](x)
             except RuntimeError as err:
-                said = _unlike_inputs(self.stages[s], x) if s == 0 else ""
+                said = unlike_inputs(self.stages[s], x) if s == 0 else ""
                 if not said:
                     raise
                 raise RuntimeError(f"{said} ({err})") from err
@@ -139,13 +140,13 @@ class Compute:
         targets = run.record.targets[i]
         if not self._shapes_seen:
             self._shapes_seen = True
-            crossed = _crossed(out, targets)
+            crossed = crossed_batches(out, targets)
             if crossed:
                 warnings.warn(f"stage {self.last}: {crossed}", stacklevel=2)
         try:
             loss = self.loss_fn(out, targets)
         except (RuntimeError, ValueError, IndexError) as err:
-            said = _unequal_batches(out, targets, run.per_minibatch, self.last, i)
+            said = unequal_batches(out, targets, run.per_minibatch, self.last, i)
             if not said:
                 raise
             raise type(err)(f"{said} ({type(err).__name__}: {err})") from err
@@ -234,60 +235,3 @@ def _as_leaves(value: Any) -> tuple[Any, list[torch.Tensor]]:
     tensors, spec = flatten(value)
     leaves = [t.detach().requires_grad_(True) if t.requires_grad else t for t in tensors]
     return unflatten(spec, leaves), [t for t in leaves if t.requires_grad]
-
-
-def _unequal_batches(out: Any, targets: Any, m: int, stage: int, i: int) -> str:
-    """When the loss failed on an output and targets of unequal batch sizes, why that is likely: the rank holding
-    stage 0 and the rank holding the last stage were given different batches (each splits its own into ``m``);
-    "" when the sizes agree (the loss's own words are the story then)."""
-    first = [
-        next((t for t in flatten(v)[0] if isinstance(t, torch.Tensor) and t.dim() > 0), None) for v in (out, targets)
-    ]
-    if first[0] is None or first[1] is None or first[0].shape[0] == first[1].shape[0]:
-        return ""
-    a, b = first[0].shape[0], first[1].shape[0]
-    return (
-        f"stage {stage}, micro-batch {i}: the model's output holds {a} samples and the targets {b}: the ranks were "
-        f"given different batches (about {a * m} inputs on the rank holding stage 0, {b * m} targets here, in {m} "
-        "micro-batches)? Give every rank the same global batch, or its own share of it with pipe.local_batch"
-    )
-
-
-def _crossed(out: Any, targets: Any) -> str:
-    """Why the loss of a micro-batch is no part of the batch's, when an output and targets with the same batch size
-    but not the same number of dims broadcast their batch dims against each other (``(n, 1)`` against ``(n,)``:
-    every sample paired with every other, n x n terms), or "". torch warns of the shapes; what it means here is
-    that the pipeline's loss is not the one-process loss. Targets that broadcast within the output (per feature,
-    ``(1, k)``) pair nothing."""
-    first = [next((t for t in flatten(v)[0] if isinstance(t, torch.Tensor)), None) for v in (out, targets)]
-    a, b = first
-    if a is None or b is None or a.dim() == b.dim() or min(a.dim(), b.dim()) == 0:
-        return ""
-    if not (a.is_floating_point() and b.is_floating_point()) or not a.shape[0] == b.shape[0] > 1:
-        return ""
-    try:
-        both = torch.broadcast_shapes(a.shape, b.shape)
-    except RuntimeError:
-        return ""
-    if both.numel() <= max(a.numel(), b.numel()):
-        return ""
-    return (
-        f"loss_fn gets an output of shape {tuple(a.shape)} and targets of shape {tuple(b.shape)}, which broadcast to "
-        f"{tuple(both)}: every sample is paired with every other of its micro-batch, so a micro-batch's loss is no "
-        "part of the whole batch's and the pipeline's loss differs from one process's; give the targets the output's "
-        "shape (e.g. targets.view_as(output))"
-    )
-
-
-def _unlike_inputs(stage: Any, x: Any) -> str:
-    """When stage 0 failed on inputs of another floating dtype than its parameters' (float64 data into a float32
-    model: torch says "mat1 and mat2 must have the same dtype"), which to convert; "" otherwise."""
-    params = stage.parameters() if isinstance(stage, torch.nn.Module) else ()
-    weight = next((p for p in params if p.is_floating_point()), None)
-    given = next((t for t in flatten(x)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
-    if weight is None or given is None or weight.dtype == given.dtype:
-        return ""
-    return (
-        f"stage 0's inputs are {given.dtype} but its parameters {weight.dtype}: convert the inputs "
-        f"(x.to({weight.dtype})), or build the layers in {given.dtype} (sw.Layer(nn.Linear, ..., dtype={given.dtype}))"
-    )

@@ -224,6 +224,7 @@ class BatchNorms:
         #: (stage, mini-batch) -> id(layer) -> the mini-batch's moments so far
         self.pending: dict[tuple[int, int], dict[int, Moments]] = {}
         self.mode: str | None = None  # "train" / "eval" inside a step, else None
+        self.estimating = False  # (.update_bn: an eval pass's forwards counted as a train step's)
         self.committed: dict[int, int] = {}  # stage -> mini-batches committed in this step
         self.minibatches, self.per_minibatch = 1, 0
         self._muted: list[tuple[nn.Module, dict[str, torch.Tensor] | None]] = []  # layers to restore, innermost last
@@ -246,6 +247,7 @@ class BatchNorms:
     def step(self, mode: str, minibatches: int = 1, per_minibatch: int = 0) -> Iterator[None]:
         """Run one train or eval step of ``minibatches`` mini-batches (an asynchronous window has several) of
         ``per_minibatch`` micro-batches each; a train step commits, at its end, any mini-batch no SYNC did."""
+        mode = "train" if self.estimating else mode
         self.mode, self.pending, self.committed = mode, {}, {}
         self.minibatches, self.per_minibatch = minibatches, per_minibatch
         try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import NamedTuple
 
 LOOK_AFTER_S = 2.5  # a wait this long reads the peers' calls (their stamps are at most a second old)
 
@@ -63,6 +64,14 @@ class History:
         return f"{self.count} {kind} {state}"
 
 
+class Divergence(NamedTuple):
+    """What :func:`judge` found: whether the peer's script ended (a closed connection then is no death), and
+    the message."""
+
+    ended: bool
+    words: str
+
+
 _histories: dict[str, History] = {}  # by scope: one pipeline's calls (its ranks make them; others need not)
 
 
@@ -100,8 +109,8 @@ def reset() -> None:
     _histories.clear()
 
 
-def judge(mine: History, peer: str, value: str, me: str) -> str:
-    """The divergence ``peer``'s published ``value`` shows against ``mine`` while ``me`` waits, in words, or "".
+def judge(mine: History, peer: str, value: str, me: str) -> Divergence | None:
+    """The divergence ``peer``'s published ``value`` shows against ``mine`` while ``me`` waits, or None.
 
     Only what cannot be a peer merely behind or ahead: a peer whose script ended while this rank is inside a
     call it has not made, or whose n-th call is another than this rank's n-th.
@@ -110,29 +119,32 @@ def judge(mine: History, peer: str, value: str, me: str) -> str:
         count_s, kind, state = value.split()
         count = int(count_s)
     except ValueError:
-        return ""
+        return None
     if mine.count == 0 or not mine.depth:
-        return ""
+        return None
     now = mine.kind_at(mine.count)
     assert now is not None
     rule = f"{_COLLECTIVES} are collectives: make each call on every rank, as many times and in the same order"
     theirs, here = NAMES.get(kind, kind), NAMES[now]
     if state == "ended":
         if count >= mine.count:
-            return ""
+            return None
         made = f"{count} collective call{'s' if count != 1 else ''}" + (f", the last a {theirs}" if count else "")
-        return f"{peer}'s script ended after {made}, while {me} waits in its {_nth(mine.count)}, a {here}: {rule}"
+        said = f"{peer}'s script ended after {made}, while {me} waits in its {_nth(mine.count)}, a {here}: {rule}"
+        return Divergence(True, said)
     if count > mine.count or count == 0:
-        return ""  # ahead: it waits on this rank, and says so itself if it must
+        return None  # ahead: it waits on this rank, and says so itself if it must
     before = NAMES.get(mine.kind_at(count) or "", "")
     if before == theirs:
-        return ""
+        return None
     where = "is in" if state == "in" else "has made"
     if count == mine.count:
-        return f"{peer} {where} {theirs} while {me} waits in {here} (the {_nth(count)} of each): {rule}"
-    return (
+        said = f"{peer} {where} {theirs} while {me} waits in {here} (the {_nth(count)} of each): {rule}"
+        return Divergence(False, said)
+    return Divergence(
+        False,
         f"{peer} {where} {theirs} as its {_nth(count)}, where {me} made a {before}; {me} waits in its "
-        f"{_nth(mine.count)}, a {here}: {rule}"
+        f"{_nth(mine.count)}, a {here}: {rule}",
     )
 
 

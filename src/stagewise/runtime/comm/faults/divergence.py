@@ -17,41 +17,50 @@ def diverged(me: str, scope: str) -> str:
     """Why ``me`` (how messages name this rank) waits in vain in the pipeline ``scope`` names, when a peer's
     published calls diverge from this process's (:func:`.calls.judge`: a peer in another call, or whose script
     ended), in words; "" when none does (or nothing can be read)."""
-    try:
-        return next((w for r in _peers() if (w := _judged(r, me, scope))), "")
-    except Exception:  # no store, no group: no evidence
-        return ""
+    return _first(_peers(), me, scope, ended_only=False)
 
 
 def blame_ended(scope: str) -> str:
     """The words for a peer whose script ended while this rank waits in a call of ``scope``'s pipeline that the
     peer has not made (a closed connection then is no death), or ""."""
-    try:
-        return next((w for r in _peers() if (w := ended_words(r, scope))), "")
-    except Exception:
-        return ""
+    return _first(_peers(), None, scope, ended_only=True)
 
 
 def ended_words(rank: int, scope: str) -> str:
     """``"global rank 1's script ended after 2 collective calls, ..."`` when global ``rank`` left by ending its
     script while this rank waits in a call of ``scope``'s pipeline it did not make, else ""."""
+    return _first([rank], None, scope, ended_only=True)
+
+
+def _first(ranks: list[int] | None, me: str | None, scope: str, ended_only: bool) -> str:
+    """The words of the first of ``ranks`` whose calls diverge (only a script that ended, with ``ended_only``);
+    ``me`` None: this process by its global rank. "" when none does, or nothing can be read (no store, no
+    group: no evidence)."""
     try:
-        said = _judged(rank, f"global rank {dist.get_rank()}", scope)
+        me = me if me is not None else f"global rank {dist.get_rank()}"
+        for rank in ranks if ranks is not None else []:
+            found = _judged(rank, me, scope)
+            if found is not None and (found.ended or not ended_only):
+                return found.words
     except Exception:
         return ""
-    return said if "'s script ended" in said else ""
+    return ""
 
 
-def _peers() -> list[int]:
+def _peers() -> list[int] | None:
     """Every other process of the default group: each publishes its calls by its global rank (a pipeline's
-    ranks are among them; one that runs no pipeline of ``scope`` published nothing for it and is passed over)."""
-    mine = dist.get_rank()
-    return [r for r in range(dist.get_world_size()) if r != mine]
+    ranks are among them; one that runs no pipeline of ``scope`` published nothing for it and is passed over);
+    None where there is no group."""
+    try:
+        mine = dist.get_rank()
+        return [r for r in range(dist.get_world_size()) if r != mine]
+    except Exception:
+        return None
 
 
-def _judged(rank: int, me: str, scope: str) -> str:
+def _judged(rank: int, me: str, scope: str) -> calls.Divergence | None:
     store = heartbeat.store()
     key = f"at/{rank}/{scope}"
     if store is None or not store.check([key]):
-        return ""
+        return None
     return calls.judge(calls.current(scope), f"global rank {rank}", store.get(key).decode(), me)
