@@ -110,15 +110,19 @@ def eval_loss(ctx: Ctx) -> None:
 
 def eval_structure(ctx: Ctx) -> None:
     """An eval whose inputs differ from training's is refused on the rank holding stage 0 (a ValueError naming
-    both), before the schedule sends anything; the others stop at their first wait, naming it."""
+    both), before the schedule sends anything; the others raise a ValueError saying that rank refused them, and the
+    pipeline evaluates on (:mod:`stagewise.runtime.engine.eval_inputs`)."""
     layers = gelu_mlp()
     pipe = sw.Pipeline(layers, loss_fn=F.cross_entropy, microbatches=2, group=ctx.group, timeout=60.0)
     x, y = mlp_data(6, seed=0)
     pipe.train_step(x, y)
-    kind = ValueError if pipe.rank == pipe.schedule.placement[0] else sw.PipelineError
-    raises(kind, ["eval_step: the inputs differ from training's", "float32"], lambda: pipe.eval_step(x.float()))
-    if kind is ValueError:
-        assert pipe.last_step is not None and not pipe.last_step.events, "the eval ran before the refusal"
+    first = pipe.schedule.placement[0]
+    words = ["eval_step: the inputs differ from training's", "float32"]
+    raises(
+        ValueError, words if pipe.rank == first else "which holds stage 0, refused", lambda: pipe.eval_step(x.float())
+    )
+    assert pipe.last_step is not None and pipe.last_step.mode == "train", "the eval ran before the refusal"
+    pipe.eval_loss(x, y)  # still usable
 
 
 def checks(world: int) -> dict[str, Check]:

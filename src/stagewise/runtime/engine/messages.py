@@ -129,9 +129,11 @@ class Mailbox:
         """Whether ``msg``'s shapes are known in ``mode``, so its receive can be posted before it is needed."""
         return not self.variable_shapes and (mode, msg) in self._known
 
-    def forget_shapes(self) -> None:
-        """Drop every cached meta; the next step exchanges shapes again (call on all ranks)."""
-        self._known.clear()
+    def forget_shapes(self, mode: str | None = None) -> None:
+        """Drop every cached meta (only ``mode``'s: ``"train"`` or ``"eval"``); the next step exchanges shapes
+        again (call on all ranks)."""
+        for key in [k for k in self._known if mode is None or k[0] == mode]:
+            del self._known[key]
 
     def batch(
         self, sends: list[tuple[Message, Any]], recvs: list[Message], mode: str

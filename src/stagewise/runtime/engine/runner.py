@@ -34,6 +34,7 @@ from ..comm.transport.protocol import Transport
 from ..errors import PipelineError
 from ..interrupt import note_steps
 from .batches import Batches
+from .eval_inputs import Refused, agreed_record
 from .forensics import position
 from .interpreter import Interpreter
 from .microbatch import merge
@@ -97,6 +98,7 @@ class Runner:
     losses: list[float] = field(default_factory=list)  # the last train step's (each mini-batch's mean loss)
     trained: int = 0  # mini-batches trained before the step running (names a failing one in the stream)
     closed: bool = False  # pipe.close() let go of the groups: nothing runs again
+    eval_size: int | None = None  # the last evaluation's batch size (.eval_inputs)
 
     def guarded(self, body: Callable[[], Any], call: str) -> Any:
         """Run ``body``, the collective ``call`` (counted: :mod:`..comm.faults.calls`); any failure is posted to
@@ -109,6 +111,8 @@ class Runner:
         try:
             with calls.call(call, guard.scope):
                 return body()
+        except Refused:  # refused alike on every rank before anything was sent: nothing failed
+            raise
         except PipelineError as err:
             raise PipelineError(f"{err}\n{self.position()}") from err
         except BaseException as err:
@@ -140,7 +144,7 @@ class Runner:
 
     def eval(self, inputs: Any, merge_outputs: bool) -> Any:
         m = self.schedule.num_microbatches
-        run = Run("eval", self.batches.prepare("eval", [(inputs, None)], m), 1, m, self.trained)
+        run = Run("eval", agreed_record(self, inputs, m), 1, m, self.trained)
         with torch.no_grad():
             self._run(self.eval_actions, run)
         for part in self.parts:

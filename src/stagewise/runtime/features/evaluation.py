@@ -7,15 +7,16 @@ gets the global batch's mean - what ``loss_fn(model(inputs), targets)`` gives in
 
 :class:`InputStructure` (a step part) remembers the structure of the first training micro-batch's inputs (the
 containers, the number of tensors, each one's dtype and number of dims) and refuses an ``eval_step`` whose inputs
-differ, on the rank holding stage 0, before any message of the schedule is sent (the other ranks stop at their
-first wait, naming it), instead of a stage failing half-way through the communication.
+differ, on the rank holding stage 0, before any message of the schedule is sent (:mod:`..engine.eval_inputs`:
+every rank raises it and the pipeline stays usable), instead of a stage failing half-way through the
+communication.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -46,13 +47,15 @@ class InputStructure:
     @contextmanager
     def around(self, run: Any) -> Iterator[None]:
         inputs = run.record.inputs
-        if inputs:  # the rank holding stage 0
-            seen = describe(inputs[0])
-            if run.mode == "train" and self.trained is None:
-                self.trained = seen
-            elif run.mode == "eval" and self.trained is not None:
-                self.refuse(seen)
+        if inputs and run.mode == "train" and self.trained is None:  # the rank holding stage 0
+            self.trained = describe(inputs[0])
         yield
+
+    def check_eval(self, record: Any) -> None:
+        """An evaluation's inputs, on the rank holding stage 0 before anything is sent
+        (:mod:`..engine.eval_inputs`: refused alike on every rank, the pipeline still usable)."""
+        if record.inputs and self.trained is not None:
+            self.refuse(describe(record.inputs[0]))
 
     def after(self, run: Any) -> None:
         """(Nothing after a step.)"""
@@ -79,22 +82,38 @@ def _eval_loss(pipe: Any, inputs: Any, targets: Any) -> float:
     if options.loss_fn is None:
         raise ValueError("eval_loss needs loss_fn= (the Pipeline's own loss): build the Pipeline with one")
     owner = pipe.schedule.placement[-1]
+    if pipe.rank == owner and targets is None:  # said before the forwards: every rank stops at once
+        _fail(pipe, ValueError(f"rank {pipe.rank} holds the last stage, so eval_loss needs the targets"))
     outputs = pipe.eval_step(inputs)
     buf = torch.zeros(2, dtype=torch.float64, device=pipe.device)
     if pipe.rank == owner:
-        if targets is None:
-            raise ValueError(f"rank {pipe.rank} holds the last stage, so eval_loss needs the targets")
-        targets = to_device(targets, pipe.device)
-        with torch.no_grad():
-            loss = options.loss_fn(outputs, targets)
-        if options.loss_weights is not None:
-            weight = torch.as_tensor(options.loss_weights(targets), dtype=torch.float64).sum()
-        else:
-            weight = torch.tensor(float(batch_size(targets, options.target_batch_dim, "targets")), dtype=torch.float64)
-        buf[0], buf[1] = loss.detach().to(torch.float64) * weight, weight
+        try:
+            buf[0], buf[1] = _weighted_loss(options, outputs, to_device(targets, pipe.device))
+        except Exception as err:  # the others wait for this loss: they stop with this error, not at the deadline
+            _fail(pipe, err)
     if pipe.num_ranks > 1:
         pipe.transport.broadcast(buf, owner, f"the evaluation loss from rank {owner}")
     if pipe.hybrid is not None and pipe.hybrid.config.replicas > 1:
         pipe.hybrid.mesh.all_reduce(buf, ("dp", "sharding"), wait=pipe.transport.guard.wait, what="the eval loss")
     total, weight = buf.tolist()
     return total / weight
+
+
+def _weighted_loss(options: Any, outputs: Any, targets: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last stage's rank: the batch's loss times its weight (its rows, or ``loss_weights``'s total), and the
+    weight."""
+    with torch.no_grad():
+        loss = options.loss_fn(outputs, targets)
+    if options.loss_weights is not None:
+        weight = torch.as_tensor(options.loss_weights(targets), dtype=torch.float64).sum()
+    else:
+        weight = torch.tensor(float(batch_size(targets, options.target_batch_dim, "targets")), dtype=torch.float64)
+    return loss.detach().to(torch.float64) * weight, weight
+
+
+def _fail(pipe: Any, err: Exception) -> NoReturn:
+    """Post ``err`` to the pipeline's board, so that every rank waiting in this evaluation raises it at once,
+    then raise it here."""
+    guard = pipe.transport.guard
+    guard.fail(f"{guard.me}: {type(err).__name__}: {err}")
+    raise err

@@ -130,7 +130,8 @@ class Channels:
                 mm = mmap.mmap(fd, size)
             finally:
                 os.close(fd)
-            data = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=_HEADER) if nbytes else _EMPTY
+            with torch.inference_mode(False):  # kept for every later call: never an inference tensor (an eval's)
+                data = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=_HEADER) if nbytes else _EMPTY
             receiving = dst == self.rank
             header = memoryview(mm)[:16].cast("q")
             found = self._slots[key] = _Slot(path, src if receiving else dst, nbytes, header, data, mm, receiving)

@@ -1,0 +1,53 @@
+"""An evaluation's inputs, checked where stage 0 runs and agreed on by every rank before anything is sent.
+
+``eval_step`` takes a batch of any size (a test set, a DataLoader's short last batch), and only the rank holding
+stage 0 must be given it. The shapes the stages exchange are learned once and then posted ahead (no metadata per
+message), so a second evaluation of another size used to fail the pipeline for good, and so did inputs refused on
+that rank (too few samples for the micro-batches, another structure than training's), though nothing had been
+sent: the other ranks were already waiting for stage 0's output. Now that rank checks the inputs first and tells
+the others, in one broadcast of a number, the batch size it will send or that it refused them. A refusal is then
+raised alike on every rank and leaves the pipeline usable (:class:`Refused`); a size other than the last
+evaluation's makes every rank learn the evaluation's shapes again.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .microbatch import batch_size
+from .run import RunRecord
+
+
+class Refused(ValueError):
+    """An evaluation's inputs refused on every rank alike before anything was sent: the pipeline stays usable."""
+
+
+def agreed_record(runner: Any, inputs: Any, m: int) -> RunRecord:
+    """This rank's record of the evaluation of ``inputs`` in ``m`` micro-batches, once every rank knows its size
+    (``runner``: the :class:`~.runner.Runner`; its ``eval_size`` is the last evaluation's)."""
+    first = runner.schedule.placement[0]
+    record, refusal = None, None
+    code = torch.zeros(1, dtype=torch.int64, device=runner.batches.device)
+    if runner.rank == first:
+        try:
+            record = runner.batches.prepare("eval", [(inputs, None)], m)
+            for part in runner.parts:
+                check = getattr(part, "check_eval", None)  # (the inputs' structure against training's)
+                if check is not None:
+                    check(record)
+            code[0] = batch_size(inputs, runner.batches.batch_dims[0])
+        except ValueError as err:
+            refusal, code[0] = err, -1
+    if runner.schedule.num_ranks > 1:
+        runner.transport.broadcast(code, first, f"the evaluation's batch size from rank {first}")
+    size = int(code.item())
+    if size < 0:
+        if refusal is not None:
+            raise Refused(str(refusal)) from refusal
+        raise Refused(f"eval_step: rank {first}, which holds stage 0, refused the inputs (its error says why)")
+    if size != runner.eval_size:  # every rank alike: the shapes are learned again at a new size
+        runner.interpreter.mailbox.forget_shapes("eval")
+        runner.eval_size = size
+    return record if record is not None else runner.batches.prepare("eval", [(inputs, None)], m)
