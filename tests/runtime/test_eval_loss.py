@@ -77,3 +77,31 @@ def test_eval_loss_needs_a_loss(one_rank) -> None:
     pipe = sw.Pipeline(mdl.mlp(), microbatches=2)
     with pytest.raises(ValueError, match="eval_loss needs loss_fn="):
         pipe.eval_loss(*mdl.mlp_data(4, seed=0))
+
+
+def test_eval_loss_without_targets_on_the_last_stage_is_posted_before_the_forwards(one_rank) -> None:
+    """The other ranks wait for this rank's forwards and loss: the refusal is posted to the pipeline's board before
+    either (so each raises it at once, where it waited out its timeout before), and nothing ran."""
+    pipe = sw.Pipeline(mdl.mlp(), loss_fn=F.cross_entropy, microbatches=2, seed=4)
+    x, y = mdl.mlp_data(4, seed=0)
+    pipe.train_step(x, y)
+    with pytest.raises(ValueError, match="rank 0 holds the last stage, so eval_loss needs the targets"):
+        pipe.eval_loss(x, None)
+    failure = pipe.transport.guard.failure
+    assert failure is not None and "eval_loss needs the targets" in failure
+    assert pipe.last_step is not None and pipe.last_step.mode == "train"  # refused before the forwards
+
+
+def test_a_failing_loss_on_the_last_stage_is_posted(one_rank) -> None:
+    """A loss_fn that raises on the last stage's rank, where the others wait for its loss: posted, then raised."""
+
+    def loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            raise RuntimeError("no evaluation here")
+        return F.cross_entropy(out, y)
+
+    pipe = sw.Pipeline(mdl.mlp(), loss_fn=loss, microbatches=2, seed=4)
+    with pytest.raises(RuntimeError, match="no evaluation here"):
+        pipe.eval_loss(*mdl.mlp_data(4, seed=0))
+    failure = pipe.transport.guard.failure
+    assert failure is not None and "RuntimeError: no evaluation here" in failure

@@ -1,8 +1,8 @@
 """Evaluation on 2 gloo ranks (float64), the ways a user's evaluation went wrong (the evaluation pass of
 2026-12-07): a second evaluation of another size (a DataLoader's short last batch) failed the pipeline for good,
 as did inputs refused where stage 0 runs; under ``torch.inference_mode()`` the next train step failed ("Inplace
-update to inference tensor"); ``eval_loss`` without targets on the last stage's rank left the other rank waiting
-out its timeout.
+update to inference tensor"). (``eval_loss`` without targets on the last stage's rank, which left the other rank
+waiting out its timeout, is checked in one process: tests/runtime/test_eval_loss.py.)
 
     torchrun --standalone --nproc-per-node 2 tests/distributed/workers/worker.py --checks eval_checks --out DIR
 """
@@ -59,19 +59,6 @@ def inference_mode(ctx: Ctx) -> dict[str, Any]:
     return {"transport": type(pipe.transport).__name__}
 
 
-def no_targets(ctx: Ctx) -> dict[str, Any]:
-    """``eval_loss`` without targets on the last stage's rank: every rank says so at once (not at its timeout)."""
-    pipe = _pipeline(ctx, timeout=30.0)
-    x, y = _data(0)
-    last = pipe.schedule.placement[-1]
-    said = raises(
-        Exception,
-        f"rank {last} holds the last stage, so eval_loss needs the targets",
-        lambda: pipe.eval_loss(x, None if pipe.rank == last else y),
-    )
-    return {"said": said}
-
-
 def sizes(ctx: Ctx) -> dict[str, Any]:
     """Evaluations of any size, one after another, each as in one process; inputs refused (fewer samples than
     micro-batches, another dtype than training's) raise on every rank and leave the pipeline usable: it
@@ -118,4 +105,4 @@ def sizes(ctx: Ctx) -> dict[str, Any]:
 
 
 def checks(world: int) -> dict[str, Check]:
-    return {"sizes": sizes, "inference-mode": inference_mode, "no-targets": no_targets}
+    return {"sizes": sizes, "inference-mode": inference_mode}
