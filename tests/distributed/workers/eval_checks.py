@@ -39,6 +39,17 @@ def _data(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
+def _step(pipe: sw.Pipeline, ref: nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
+    """A train step of the pipeline and of the one-process model: the same loss."""
+    x, y = _data(seed)
+    loss = pipe.train_step(x, y)
+    ref_loss = F.mse_loss(ref(x), y)
+    ref_loss.backward()
+    opt.step()
+    opt.zero_grad()
+    assert abs(loss - ref_loss.item()) <= 1e-12, f"train_step {loss} vs {ref_loss.item()}"
+
+
 def inference_mode(ctx: Ctx) -> dict[str, Any]:
     """An evaluation under ``torch.inference_mode()`` (before and between steps), then steps that train as in one
     process: the transport's buffers made during the evaluation are no inference tensors."""
@@ -50,12 +61,7 @@ def inference_mode(ctx: Ctx) -> dict[str, Any]:
             got = pipe.eval_loss(x, y)
             want = F.mse_loss(ref(x), y).item()
         assert abs(got - want) <= 1e-12, f"step {step}: eval_loss {got} vs {want}"
-        loss = pipe.train_step(x, y)
-        ref_loss = F.mse_loss(ref(x), y)
-        ref_loss.backward()
-        opt.step()
-        opt.zero_grad()
-        assert abs(loss - ref_loss.item()) <= 1e-12, f"step {step}: train_step {loss} vs {ref_loss.item()}"
+        _step(pipe, ref, opt, step)
     return {"transport": type(pipe.transport).__name__}
 
 
@@ -66,15 +72,6 @@ def sizes(ctx: Ctx) -> dict[str, Any]:
     pipe, ref = _pipeline(ctx), sw.build_model(_layers(), seed=3)
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     first, last = pipe.schedule.placement[0], pipe.schedule.placement[-1]
-
-    def step(seed: int) -> None:
-        x, y = _data(seed)
-        loss = pipe.train_step(x, y)
-        ref_loss = F.mse_loss(ref(x), y)
-        ref_loss.backward()
-        opt.step()
-        opt.zero_grad()
-        assert abs(loss - ref_loss.item()) <= 1e-12, f"train_step {loss} vs {ref_loss.item()}"
 
     def evaluate(n: int) -> None:
         g = torch.Generator().manual_seed(n)
@@ -87,7 +84,7 @@ def sizes(ctx: Ctx) -> dict[str, Any]:
         got = pipe.eval_loss(x, y)
         assert abs(got - F.mse_loss(want, y).item()) <= 1e-12, f"eval_loss of {n}: {got}"
 
-    step(0)
+    _step(pipe, ref, opt, 0)
     for n in (BATCH, 5, 13, M, 5):  # a DataLoader's batches, its short last one, a test set's
         evaluate(n)
     refusals = {
@@ -99,7 +96,7 @@ def sizes(ctx: Ctx) -> dict[str, Any]:
         here = words if pipe.rank == first else f"rank {first}, which holds stage 0, refused the inputs"
         said[what] = raises(ValueError, here, lambda x=x: pipe.eval_step(x))
     evaluate(7)
-    step(1)
+    _step(pipe, ref, opt, 1)
     evaluate(BATCH)
     return {"said": said}
 
