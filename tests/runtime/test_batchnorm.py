@@ -16,7 +16,8 @@ from torch import nn
 import batchnorm_checks as bc
 import stagewise as sw
 from stagewise.runtime.features import batchnorm as bnm
-from stagewise.runtime.features.batchnorm import BatchNormPolicy, Moments, check_batchnorm, combine, commit
+from stagewise.runtime.features.batchnorm import BatchNormPolicy, check_batchnorm
+from stagewise.runtime.features.batchnorm_moments import Moments, combine, commit
 
 SIZES = [(5,), (4, 4, 3, 3), (1, 7, 2), (2, 2, 2, 2, 2, 2)]
 
@@ -129,7 +130,13 @@ def test_one_rank_deferred_matches_the_one_process_model(one_rank, schedule: str
 
 def test_one_rank_micro_fails_the_deferred_comparison(one_rank) -> None:
     with pytest.raises(AssertionError):
-        bc.train_and_compare(_make("1f1b"), steps=1, mode="micro")
+        bc.train_and_compare(_make("1f1b"), steps=1, mode="micro", expect=bc.DEFERRED)
+
+
+def test_one_rank_micro_is_torch_per_micro_batch(one_rank) -> None:
+    """The reference the replicas' averaging is checked against: with one replica, torch's update once per
+    micro-batch, in order (num_batches_tracked M per step)."""
+    bc.train_and_compare(_make("1f1b"), mode="micro")
 
 
 def test_micro_with_recompute_updates_once_per_micro_batch(one_rank) -> None:

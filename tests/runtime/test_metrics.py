@@ -257,6 +257,18 @@ def test_gather_state_dict_in_one_process_is_the_state_dict(one_rank) -> None:
         assert torch.equal(gathered[k], v)
 
 
+def test_gather_state_dict_takes_each_name_from_the_lowest_rank_and_refuses_two_kinds() -> None:
+    """Replicas and shard ranks hold the same names: each is sent once, by the lowest rank holding it (DDP keeps
+    rank 0's buffers); one name as two tensors is no replica, and is refused naming both ranks."""
+    w, b, r = ["w", "float64", [2, 3]], ["b", "float64", [3]], ["running_mean", "float32", [3]]
+    assert files.owners([[w, b], [r, w, b], [w, r]]) == {"w": 0, "b": 0, "running_mean": 1}
+    assert files.owners([[], [b], [b, w]]) == {"b": 1, "w": 2}
+    with pytest.raises(ValueError, match=r"rank 2 holds 'w' as float32 \[2, 3\], rank 0 as float64 \[2, 3\]"):
+        files.owners([[w], [w], [["w", "float32", [2, 3]]]])
+    with pytest.raises(ValueError, match=r"rank 1 holds 'b' as float64 \[4\]"):
+        files.owners([[b], [["b", "float64", [4]]]])
+
+
 def test_the_metrics_option_and_its_environment_variable() -> None:
     assert metrics_config(None, {}) is None
     assert metrics_config(None, {METRICS_ENV: "runs/a"}) == MetricsConfig("runs/a")

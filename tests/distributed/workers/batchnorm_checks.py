@@ -12,7 +12,11 @@ update over the whole batch. Also importable in one process (tests/runtime/test_
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,6 +32,7 @@ from worker import Check, Ctx, gather_objects
 TIMEOUT = 60.0
 D, CLASSES = 16, 5
 M, BATCH, STEPS, LR = 4, 14, 3, 0.1  # 14 samples in 4 micro-batches: 4, 4, 3, 3
+DEFERRED = sw.runtime.BatchNormPolicy("deferred")
 
 
 # ---- model ----------------------------------------------------------------------------
@@ -75,11 +80,20 @@ def batchnorms(model: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
     return [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
 
 
-def reference_step(ref: nn.Module, x: torch.Tensor, y: torch.Tensor, m: int, replicas: int = 1) -> float:
-    """One deferred-BatchNorm step of the one-process model: its loss; gradients in ``.grad``.
+def reference_step(
+    ref: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    m: int,
+    replicas: int = 1,
+    policy: sw.runtime.BatchNormPolicy = DEFERRED,
+) -> float:
+    """One step of the one-process model: its loss; gradients in ``.grad``; the running statistics as ``policy``
+    says (deferred: once, over the whole batch's inputs; micro: once per micro-batch).
 
     With ``replicas``, the batch is first cut in that many equal shares (``Pipeline.local_batch``), each run as
-    ``m`` micro-batches; the running statistics cover all of them (``across_replicas=True``).
+    ``m`` micro-batches; the running statistics cover all of them (``across_replicas=True``), or else each
+    replica's, updated from the same start, are averaged (:func:`averaged_update`).
     """
     norms = batchnorms(ref)
     buffers = {k: v.clone() for k, v in ref.named_buffers()}
@@ -102,9 +116,28 @@ def reference_step(ref: nn.Module, x: torch.Tensor, y: torch.Tensor, m: int, rep
         for k, v in ref.named_buffers():
             v.copy_(buffers[k])  # undo the per-micro-batch updates
         for bn in norms:
-            if bn.training:
+            if bn.training and policy.mode == "deferred" and (policy.across_replicas or replicas == 1):
                 bn(torch.cat(seen[id(bn)]))  # torch's update, once, over the whole batch
+            elif bn.training:
+                averaged_update(bn, seen[id(bn)], replicas, policy.mode)
     return total
+
+
+def averaged_update(bn: nn.Module, inputs: list[torch.Tensor], replicas: int, mode: str) -> None:
+    """torch's own update on each replica's inputs (its ``len(inputs) / replicas`` micro-batches, in order), every
+    replica from the same start - ``"micro"``: one call per micro-batch, ``"deferred"``: one on their
+    concatenation -, then the replicas' running statistics averaged (``num_batches_tracked``: equal on all)."""
+    start = {k: v.clone() for k, v in bn.named_buffers()}
+    per, ends = len(inputs) // replicas, []
+    for r in range(replicas):
+        for k, v in bn.named_buffers():
+            v.copy_(start[k])
+        mine = inputs[r * per : (r + 1) * per]
+        for chunk in mine if mode == "micro" else [torch.cat(mine)]:
+            bn(chunk)
+        ends.append({k: v.clone() for k, v in bn.named_buffers()})
+    for k, v in bn.named_buffers():
+        v.copy_(torch.stack([e[k] for e in ends]).mean(0) if v.is_floating_point() else ends[0][k])
 
 
 def train_and_compare(
@@ -115,10 +148,13 @@ def train_and_compare(
     evaluate: bool = True,
     replicas: int = 1,
     batch: int = BATCH,
+    expect: sw.runtime.BatchNormPolicy | None = None,
     **kw: Any,
 ) -> sw.Pipeline:
-    """``steps`` SGD steps of the pipeline and the reference; parameters and buffers compared after each,
-    then (``evaluate``) eval_step's outputs against the one-process model's in eval mode."""
+    """``steps`` SGD steps of the pipeline and the reference (``expect``: the policy the reference follows, by
+    default ``mode``); parameters and buffers compared after each, then (``evaluate``) eval_step's outputs
+    against the one-process model's in eval mode."""
+    expect = expect or (mode if isinstance(mode, sw.runtime.BatchNormPolicy) else sw.runtime.BatchNormPolicy(mode))
     layers = bn_layers()
     pipe = make(layers, batchnorm=mode, optimizer=lambda ps: torch.optim.SGD(ps, lr=LR), **kw)
     ref = sw.build_model(layers)
@@ -126,13 +162,14 @@ def train_and_compare(
     for step in range(steps):
         x, y = data(batch, seed=step)
         loss = pipe.train_step(*pipe.local_batch(x, y))
-        ref_loss = reference_step(ref, x, y, m, replicas)
+        ref_loss = reference_step(ref, x, y, m, replicas, expect)
         opt.step()
         opt.zero_grad()
         assert abs(loss - ref_loss) <= 1e-10 * max(1.0, abs(ref_loss)), f"step {step} loss: {loss} vs {ref_loss}"
         assert_params_close(pipe, ref, f"after step {step}", buffers=True)
     counts = {n: int(b) for n, b in pipe.named_buffers() if n.endswith("num_batches_tracked")}
-    assert all(c == steps for c in counts.values()), f"num_batches_tracked {counts}, expected {steps} (one per step)"
+    per_step = 1 if expect.mode == "deferred" else m
+    assert all(c == steps * per_step for c in counts.values()), f"num_batches_tracked {counts}, {per_step} per step"
     if not evaluate:
         return pipe
     pipe.eval()  # eval mode: the running statistics normalise, as in the one-process model
@@ -242,7 +279,7 @@ def micro_fails(ctx: Ctx) -> dict[str, Any]:
 
     failed = False
     try:
-        train_and_compare(make, steps=1, mode="micro", evaluate=False)  # no communication after a failure
+        train_and_compare(make, steps=1, mode="micro", evaluate=False, expect=DEFERRED)  # (no communication after)
     except AssertionError:
         failed = True
     everyone = gather_objects(failed, None)
@@ -267,6 +304,29 @@ def replicas(ctx: Ctx) -> None:
 
     policy = sw.runtime.BatchNormPolicy("deferred", across_replicas=True)
     train_and_compare(make, mode=policy, replicas=ctx.world // 2, batch=2 * BATCH)
+
+
+def replicas_averaged(mode: str) -> Check:
+    """pp=2 x dp=2 without ``across_replicas``: each replica's running statistics averaged at every step, so every
+    replica holds the same (each compared with the reference) and a checkpoint saves; it was refused as "the
+    replicas diverged" before."""
+
+    def check(ctx: Ctx) -> None:
+        def make(layers: list, **kw: Any) -> sw.Pipeline:
+            config = sw.ParallelConfig(pp=2, dp=ctx.world // 2)
+            return sw.Pipeline(layers, loss_fn=F.cross_entropy, microbatches=M, parallel=config, timeout=TIMEOUT, **kw)
+
+        pipe = train_and_compare(make, mode=mode, replicas=ctx.world // 2, batch=2 * BATCH)
+        run = os.environ.get("TORCHELASTIC_RUN_ID", "local")
+        folder = Path(tempfile.gettempdir()) / f"stagewise-bn-replicas-{mode}-{run}"
+        try:
+            sw.checkpoint.save(folder, pipe, step=STEPS)
+        finally:
+            gather_objects(None, None)  # (every rank done with the folder)
+            if ctx.rank == 0:
+                shutil.rmtree(folder, ignore_errors=True)
+
+    return check
 
 
 def update_bn(mode: str) -> Check:
@@ -306,4 +366,6 @@ def checks(world: int) -> dict[str, Check]:
     if world == 4:
         out["deferred-across-replicas"] = replicas
         out["update-bn-across-replicas"] = update_bn_replicas
+        out["micro-replicas-averaged"] = replicas_averaged("micro")
+        out["deferred-replicas-averaged"] = replicas_averaged("deferred")
     return out

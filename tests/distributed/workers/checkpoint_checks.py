@@ -58,6 +58,22 @@ def dump(tag: str, ctx: Ctx, module: nn.Module, optimizers: list[torch.optim.Opt
     torch.save({"params": params, "optim": optimizer_state(module, optimizers)}, root() / f"{tag}.rank{ctx.rank}.pt")
     if ctx.rank == 0:
         (root() / f"{tag}.losses.json").write_text(json.dumps(losses))
+    gathered_as_dumped(tag, ctx, module)
+
+
+def gathered_as_dumped(tag: str, ctx: Ctx, module: nn.Module) -> None:
+    """``gather_state_dict`` merges on the last rank what every rank dumped (each rank's dump precedes its part
+    of the collective): each parameter whole (DTensors gathered) and once (replicas' and shards' names), bit for
+    bit."""
+    merged = sw.runtime.gather_state_dict(module, dst=ctx.world - 1)
+    if ctx.rank != ctx.world - 1:
+        assert merged is None, f"rank {ctx.rank} got a state dict; only rank {ctx.world - 1} should"
+        return
+    assert merged is not None
+    params, _, _ = reference(tag)
+    assert params.keys() <= merged.keys(), f"not gathered: {sorted(params.keys() - merged.keys())}"
+    for name, value in params.items():
+        assert merged[name].dtype == value.dtype and torch.equal(merged[name], value), f"{tag}: {name} gathered wrong"
 
 
 def reference(tag: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[float]]:

@@ -73,6 +73,23 @@ def gather_bytes(
     return [t[:n].cpu() for t, n in zip(out, sizes)]
 
 
+def gather_bytes_to(
+    data: torch.Tensor, sizes: Sequence[int], dst: int, group: Any, wait: Wait | None = None, what: str = "a gather"
+) -> list[torch.Tensor] | None:
+    """Every rank's 1-d uint8 ``data`` on group rank ``dst`` only (None elsewhere), in group-rank order, on the host:
+    one gather, the lengths known to every rank beforehand (``sizes``, by group rank; ``data`` is ``sizes[me]``
+    long). Where :func:`gather_bytes` gives every rank every blob, the whole lands on one rank only."""
+    device = _device(group)
+    me = dist.get_rank(group)
+    if data.numel() != sizes[me]:
+        raise ValueError(f"{what}: group rank {me} has {data.numel()} bytes to send, {sizes[me]} were agreed")
+    padded = torch.zeros(max(max(sizes), 1), dtype=torch.uint8, device=device)
+    padded[: data.numel()] = data.to(device)
+    out = [torch.empty_like(padded) for _ in sizes] if me == dst else None
+    (wait or _plain_wait)([dist.gather(padded, out, dst=_global(group, dst), group=group, async_op=True)], what)
+    return None if out is None else [t[:n].cpu() for t, n in zip(out, sizes)]
+
+
 def _nccl(group: Any) -> bool:
     return str(dist.get_backend(group)) == "nccl"
 

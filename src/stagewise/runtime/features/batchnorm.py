@@ -26,12 +26,15 @@ statistics, the ones eval mode normalises with:
   the total count) and ``num_batches_tracked`` one higher: what one
   BatchNorm call on the concatenation of the micro-batches' inputs does.
 
-With ``BatchNormPolicy("deferred", across_replicas=True)`` and ``parallel=``
-data-parallel or sharded replicas, the accumulated statistics are combined
-over the replicas (``dp x sharding``) at SYNC before they are committed, so
-every replica holds the running statistics of the global batch; off by
-default, as with PyTorch DDP without SyncBatchNorm, where each replica keeps
-its own.
+With ``parallel=`` data-parallel or sharded replicas (``dp x sharding``) every
+replica ends each step holding the same running statistics - what a
+checkpoint, an evaluation on any replica and ``gather_state_dict`` need:
+by default each layer's are averaged over the replicas (:meth:`BatchNorms.agree`;
+PyTorch DDP broadcasts rank 0's buffers at each forward instead, timm's
+``distribute_bn`` averages them). With ``BatchNormPolicy("deferred",
+across_replicas=True)`` the accumulated moments are combined over the replicas
+at SYNC before they are committed: the running statistics of the global batch,
+exactly as the one-process model would have them.
 
 Either way, a forward that a backward recomputes (``recompute=``), and the
 I/W split of zero-bubble schedules (which re-runs no forward of its own, but
@@ -57,6 +60,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ...ir import Kind
 from ..comm import collectives, groups
+from .batchnorm_moments import Moments, commit, sum_over_replicas
 
 if TYPE_CHECKING:
     from ..engine.run import Run
@@ -97,92 +101,6 @@ def check_batchnorm(value: Any) -> BatchNormPolicy | None:
     )
 
 
-# ---- statistics -----------------------------------------------------------------------
-@dataclass
-class Moments:
-    """Per-channel count, mean and sum of squared deviations (M2) of the values seen, in float64."""
-
-    n: int
-    mean: torch.Tensor
-    m2: torch.Tensor
-
-    @staticmethod
-    def zeros(channels: int, device: torch.device | str = "cpu") -> Moments:
-        z = torch.zeros(channels, dtype=torch.float64, device=device)
-        return Moments(0, z, z.clone())
-
-    @staticmethod
-    def of(x: torch.Tensor) -> Moments:
-        """The moments of a BatchNorm input ``(N, C, *)`` per channel (dim 1)."""
-        dims = [0, *range(2, x.dim())]
-        x = x.detach()
-        if x.dtype not in (torch.float32, torch.float64):
-            x = x.float()  # half types: var_mean in float32, then float64 like the rest
-        var, mean = torch.var_mean(x, dim=dims, correction=0)
-        n = x.numel() // max(x.shape[1], 1)
-        return Moments(n, mean.to(torch.float64), var.to(torch.float64) * n)
-
-    def add(self, other: Moments) -> None:
-        """Merge ``other`` in (Chan et al.'s pairwise update): exactly the moments of both sets together."""
-        if other.n == 0:
-            return
-        if self.n == 0:
-            self.n, self.mean, self.m2 = other.n, other.mean.clone(), other.m2.clone()
-            return
-        n = self.n + other.n
-        delta = other.mean - self.mean
-        self.mean = self.mean + delta * (other.n / n)
-        self.m2 = self.m2 + other.m2 + delta * delta * (self.n * other.n / n)
-        self.n = n
-
-    def unbiased_var(self) -> torch.Tensor:
-        """The variance with Bessel's correction over the whole count (what BatchNorm's running_var averages)."""
-        return self.m2 / max(self.n - 1, 1)
-
-
-def combine(parts: Sequence[Moments]) -> Moments:
-    """The moments of the union of ``parts`` (all with the same channel count)."""
-    out = Moments.zeros(parts[0].mean.numel(), parts[0].mean.device)
-    for p in parts:
-        out.add(p)
-    return out
-
-
-@torch.no_grad()
-def commit(bn: _BatchNorm, stats: Moments) -> None:
-    """Update ``bn``'s running statistics with one batch's moments, as ``bn(batch)`` in training mode would."""
-    if stats.n == 0 or bn.running_mean is None or bn.running_var is None:
-        return
-    if bn.num_batches_tracked is not None:
-        bn.num_batches_tracked.add_(1)
-    if bn.momentum is None:  # cumulative moving average
-        factor = 1.0 / float(bn.num_batches_tracked) if bn.num_batches_tracked is not None else 0.0
-    else:
-        factor = float(bn.momentum)
-    for buf, value in ((bn.running_mean, stats.mean), (bn.running_var, stats.unbiased_var())):
-        buf.copy_(buf.to(torch.float64) * (1.0 - factor) + value.to(buf.device) * factor)
-
-
-def sum_over_replicas(parts: list[Moments], reduce: Callable[[torch.Tensor], Any]) -> None:
-    """Make each of ``parts`` the moments of its layer over every replica (``reduce`` sums a tensor in place).
-
-    Two sums: counts and sums give the global mean; then each replica's M2 plus
-    ``n (mean - global mean)^2``, summed, gives the global M2 (no cancellation).
-    """
-    if not parts:
-        return
-    sizes = [p.mean.numel() for p in parts]
-    first = torch.cat([torch.tensor([float(p.n) for p in parts], dtype=torch.float64, device=parts[0].mean.device)])
-    first = torch.cat([first, *(p.mean * p.n for p in parts)])
-    reduce(first)
-    counts = [int(round(c)) for c in first[: len(parts)].tolist()]
-    means = [s / max(n, 1) for s, n in zip(first[len(parts) :].split(sizes), counts)]
-    second = torch.cat([p.m2 + p.n * (p.mean - g) ** 2 for p, g in zip(parts, means)])
-    reduce(second)
-    for p, n, g, m2 in zip(parts, counts, means, second.split(sizes)):
-        p.n, p.mean, p.m2 = n, g, m2.clone()
-
-
 # ---- the pipeline's layers ------------------------------------------------------------
 def batchnorm_layers(modules: Sequence[nn.Module]) -> list[_BatchNorm]:
     """Every BatchNorm (``_BatchNorm``: BatchNorm1d/2d/3d, SyncBatchNorm, lazy ones) under ``modules``, once."""
@@ -211,11 +129,14 @@ class BatchNorms:
         policy: BatchNormPolicy | None,
         stages: dict[int, list[nn.Module]],
         reduce: Callable[[torch.Tensor], Any] | None = None,
+        replicas: int = 1,
     ) -> None:
         self.policy = policy
         self.deferred = policy is not None and policy.mode == "deferred"
         self.run: Run | None = None  # the run in progress (its current action)
         self.reduce = reduce if policy is not None and policy.across_replicas else None
+        self.replicas = replicas  # ``reduce`` sums over this many replicas (see :meth:`agree`)
+        self.averaging = reduce if replicas > 1 and self.reduce is None else None
         self.layers: dict[int, list[_BatchNorm]] = {}
         for s, modules in sorted(stages.items()):
             mine = [bn for bn in batchnorm_layers(modules) if all(bn not in v for v in self.layers.values())]
@@ -262,6 +183,25 @@ class BatchNorms:
                 while self.committed.get(s, 0) < self.minibatches:
                     self.commit(s)
             self.mode = None
+        if self.averaging is not None and (mode == "train" or not self.deferred):
+            self.agree()
+
+    @torch.no_grad()
+    def agree(self) -> None:
+        """Every replica the same running statistics (a checkpoint, an evaluation, ``gather_state_dict``): each
+        training layer's averaged over the data-parallel / sharded replicas at the end of a step that may have
+        changed them. ``"micro"``: the update is linear, so this is torch's per-micro-batch update with each
+        micro-batch's statistics averaged over the replicas; ``"deferred"``: the replicas' estimates averaged
+        (``across_replicas=True`` gets the global batch's exactly instead). Equal values stay bit for bit."""
+        layers = [bn for ls in self.layers.values() for bn in ls if bn.training and bn.running_var is not None]
+        if not layers or self.averaging is None:
+            return
+        buffers = [b for bn in layers for b in (bn.running_mean, bn.running_var) if b is not None]
+        flat = torch.cat([b.reshape(-1).to(torch.float64) for b in buffers])
+        self.averaging(flat)
+        flat /= self.replicas
+        for b, value in zip(buffers, flat.split([b.numel() for b in buffers])):
+            b.copy_(value.view_as(b))
 
     @contextmanager
     def around(self, run: Run) -> Iterator[None]:
@@ -361,7 +301,7 @@ def attach_batchnorms(
     if hybrid is not None and hybrid.config.replicas > 1:
         mesh = hybrid.mesh
         reduce = lambda t: mesh.all_reduce(t, ("dp", "sharding"))  # noqa: E731
-    norms = BatchNorms(policy, stages, reduce)
+    norms = BatchNorms(policy, stages, reduce, hybrid.config.replicas if reduce is not None else 1)
     if policy is None:
         summary = {str(s): kinds for s, kinds in norms.summary().items()}  # JSON keys are strings
         everyone = collectives.gather_json(summary, group, wait, "which stages hold BatchNorm")

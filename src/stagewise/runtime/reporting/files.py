@@ -17,33 +17,66 @@ import torch
 from torch import nn
 
 from ..comm import collectives, groups
+from ..hybrid.tensor_parallel import full
 
 
 def gather_state_dict(module: nn.Module, dst: int = 0, group: Any = None) -> dict[str, torch.Tensor] | None:
     """Every rank's share of ``module``'s state dict (a Pipeline's: one-process names) merged on group rank
     ``dst``, on the host; None on the other ranks. A collective over ``group`` (default: the world); without a
-    process group, ``module.state_dict()`` copied to the host."""
-    mine = {k: v.detach().cpu().contiguous() for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)}
+    process group, ``module.state_dict()`` copied to the host.
+
+    Under any layout each tensor comes whole and once: a DTensor (a parameter split by ``sharding`` or a
+    ``tp_plan``) is gathered to its full value among its mesh's ranks, and a name several ranks hold (the
+    data-parallel replicas of a stage, the ranks of one shard group) is taken from the lowest group rank holding
+    it - as ``DistributedDataParallel`` keeps rank 0's buffers. Only that rank's bytes travel, to ``dst`` alone.
+    Two ranks holding one name with another dtype or shape are refused, naming both."""
+    mine = {
+        k: full(v).detach().cpu().contiguous() for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)
+    }
     if not groups.initialized() or groups.group_size(group) == 1:
         return {k: v.clone() for k, v in mine.items()}
     index = [[k, str(v.dtype).removeprefix("torch."), list(v.shape)] for k, v in mine.items()]
     indexes = collectives.gather_json(index, group, what="the state dict's names")
-    flat = [v.reshape(-1).view(torch.uint8) if v.numel() else torch.zeros(0, dtype=torch.uint8) for v in mine.values()]
+    holders = owners(indexes)
+    me = groups.group_rank(group)
+    sent = [mine[k] for k, _, _ in indexes[me] if holders[k] == me]
+    flat = [v.reshape(-1).view(torch.uint8) for v in sent if v.numel()]
     data = torch.cat(flat) if flat else torch.zeros(0, dtype=torch.uint8)
-    blobs = collectives.gather_bytes(data, group, what="the state dict's values")
-    if groups.group_rank(group) != dst:
+    sizes = [sum(_nbytes(d, s) for k, d, s in names if holders[k] == r) for r, names in enumerate(indexes)]
+    blobs = collectives.gather_bytes_to(data, sizes, dst, group, what="the state dict's values")
+    if blobs is None:
         return None
     merged: dict[str, torch.Tensor] = {}
     for rank, (names, blob) in enumerate(zip(indexes, blobs)):
         at = 0
         for name, dtype, shape in names:
-            if name in merged:
-                raise ValueError(f"gather_state_dict: rank {rank} holds {name!r}, which another rank holds too")
-            kind = getattr(torch, dtype)
-            n = int(torch.Size(shape).numel()) * torch.empty((), dtype=kind).element_size()
-            merged[name] = blob[at : at + n].clone().view(kind).reshape(shape)
+            if holders[name] != rank:
+                continue
+            n = _nbytes(dtype, shape)
+            merged[name] = blob[at : at + n].clone().view(getattr(torch, dtype)).reshape(shape)
             at += n
     return merged
+
+
+def owners(indexes: Sequence[Sequence[Sequence[Any]]]) -> dict[str, int]:
+    """By name, the lowest group rank holding it; a name held with two dtypes or shapes is refused."""
+    found: dict[str, int] = {}
+    kinds: dict[str, tuple[str, list[int]]] = {}
+    for rank, names in enumerate(indexes):
+        for name, dtype, shape in names:
+            if name not in found:
+                found[name], kinds[name] = rank, (dtype, list(shape))
+            elif kinds[name] != (dtype, list(shape)):
+                first = found[name]
+                raise ValueError(
+                    f"gather_state_dict: rank {rank} holds {name!r} as {dtype} {list(shape)}, rank {first} as "
+                    f"{kinds[name][0]} {kinds[name][1]}: one name, two tensors"
+                )
+    return found
+
+
+def _nbytes(dtype: str, shape: Sequence[int]) -> int:
+    return int(torch.Size(shape).numel()) * torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
 
 def read_metrics(folder: str | Path, rank: int = 0) -> list[dict[str, Any]]:
