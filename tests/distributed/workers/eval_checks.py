@@ -93,7 +93,7 @@ def sizes(ctx: Ctx) -> dict[str, Any]:
     }
     said = {}
     for what, (x, words) in refusals.items():
-        here = words if pipe.rank == first else f"rank {first}, which holds stage 0, refused the inputs"
+        here = words if pipe.rank == first else [f"rank {first}, which holds stage 0, refused the inputs: ", words]
         said[what] = raises(ValueError, here, lambda x=x: pipe.eval_step(x))
     evaluate(7)
     _step(pipe, ref, opt, 1)

@@ -118,9 +118,8 @@ def eval_structure(ctx: Ctx) -> None:
     pipe.train_step(x, y)
     first = pipe.schedule.placement[0]
     words = ["eval_step: the inputs differ from training's", "float32"]
-    raises(
-        ValueError, words if pipe.rank == first else "which holds stage 0, refused", lambda: pipe.eval_step(x.float())
-    )
+    theirs = ["which holds stage 0, refused the inputs: ", *words]  # (its words, carried to every rank)
+    raises(ValueError, words if pipe.rank == first else theirs, lambda: pipe.eval_step(x.float()))
     assert pipe.last_step is not None and pipe.last_step.mode == "train", "the eval ran before the refusal"
     pipe.eval_loss(x, y)  # still usable
 

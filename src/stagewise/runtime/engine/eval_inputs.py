@@ -44,10 +44,30 @@ def agreed_record(runner: Any, inputs: Any, m: int) -> RunRecord:
         runner.transport.broadcast(code, first, f"the evaluation's batch size from rank {first}")
     size = int(code.item())
     if size < 0:
+        words = _words(runner, first, refusal)
         if refusal is not None:
             raise Refused(str(refusal)) from refusal
-        raise Refused(f"eval_step: rank {first}, which holds stage 0, refused the inputs (its error says why)")
+        raise Refused(f"rank {first}, which holds stage 0, refused the inputs: {words}")
     if size != runner.eval_size:  # every rank alike: the shapes are learned again at a new size
         runner.interpreter.mailbox.forget_shapes("eval")
         runner.eval_size = size
     return record if record is not None else runner.batches.prepare("eval", [(inputs, None)], m)
+
+
+#: the longest refusal the other ranks are told word for word (the rest is cut, saying so)
+WORDS_BYTES = 1024
+
+
+def _words(runner: Any, first: int, refusal: ValueError | None) -> str:
+    """The refusal's words on every rank: a second broadcast from ``first``, made only when it refused (every rank
+    knows it from the size), so an evaluation that goes on costs one broadcast as before."""
+    text = str(refusal).encode()[:WORDS_BYTES] if refusal is not None else b""
+    data = torch.zeros(WORDS_BYTES + 8, dtype=torch.uint8, device=runner.batches.device)
+    if refusal is not None:
+        data[:8] = torch.tensor(list(len(text).to_bytes(8, "little")), dtype=torch.uint8)
+        data[8 : 8 + len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+    if runner.schedule.num_ranks > 1:
+        runner.transport.broadcast(data, first, f"the words of rank {first}'s refusal of the evaluation's inputs")
+    got = data.cpu().numpy().tobytes()
+    n = int.from_bytes(got[:8], "little")
+    return got[8 : 8 + n].decode("utf-8", "replace")

@@ -116,7 +116,7 @@ class Runner:
         except PipelineError as err:
             raise PipelineError(f"{err}\n{self.position()}") from err
         except BaseException as err:
-            guard.fail(f"{guard.me}: {type(err).__name__}: {err}\n{self.position()}")
+            guard.fail_with(err, self.position())
             raise
 
     def position(self) -> str:

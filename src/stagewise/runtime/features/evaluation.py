@@ -114,6 +114,5 @@ def _weighted_loss(options: Any, outputs: Any, targets: Any) -> tuple[torch.Tens
 def _fail(pipe: Any, err: Exception) -> NoReturn:
     """Post ``err`` to the pipeline's board, so that every rank waiting in this evaluation raises it at once,
     then raise it here."""
-    guard = pipe.transport.guard
-    guard.fail(f"{guard.me}: {type(err).__name__}: {err}")
+    pipe.transport.guard.fail_with(err)
     raise err

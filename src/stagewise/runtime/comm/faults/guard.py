@@ -94,6 +94,10 @@ class Guard:
         """Post ``message`` unless a failure came first; returns the failure that stands."""
         return self.board.fail(message)
 
+    def fail_with(self, err: BaseException, where: str = "") -> str:
+        """Post ``err`` as this rank's failure (``where``: the position line after it), as :meth:`fail` does."""
+        return self.fail(f"{self.me}: {type(err).__name__}: {err}" + (f"\n{where}" if where else ""))
+
     def check(self) -> None:
         """Raise :class:`PipelineError` if any rank has posted a failure (asks the store)."""
         self.board.check()
