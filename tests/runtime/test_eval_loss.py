@@ -105,3 +105,15 @@ def test_a_failing_loss_on_the_last_stage_is_posted(one_rank) -> None:
         pipe.eval_loss(*mdl.mlp_data(4, seed=0))
     failure = pipe.transport.guard.failure
     assert failure is not None and "RuntimeError: no evaluation here" in failure
+
+
+def test_a_failure_before_the_actions_is_placed_before_them(one_rank) -> None:
+    """The posted failure says the call failed before its actions ran, not where the previous step ended."""
+    pipe = sw.Pipeline(mdl.mlp(), loss_fn=F.cross_entropy, microbatches=2, seed=4)
+    x, y = mdl.mlp_data(6, seed=3)
+    pipe.train_step(x, y)
+    with pytest.raises(ValueError, match="2 micro-batches need at least 2 samples"):
+        pipe.train_step(x[:1], y[:1])
+    failure = pipe.transport.guard.failure
+    assert failure is not None and failure.endswith("rank 0 in train_step, before its actions ran"), failure
+    assert "planned:" not in failure, failure

@@ -108,19 +108,24 @@ class Runner:
             raise PipelineError(f"rank {self.rank}: this Pipeline was closed (pipe.close()): build a new one to train")
         if guard.failure is not None:
             raise PipelineError(f"the pipeline failed earlier and cannot run again: {guard.failure}")
+        before = self.last_run  # (a failure before this call's actions ran is placed before them)
         try:
             with calls.call(call, guard.scope):
                 return body()
         except Refused:  # refused alike on every rank before anything was sent: nothing failed
             raise
         except PipelineError as err:
-            raise PipelineError(f"{err}\n{self.position()}") from err
+            raise PipelineError(f"{err}\n{self.position(call, before)}") from err
         except BaseException as err:
-            guard.fail_with(err, self.position())
+            guard.fail_with(err, self.position(call, before))
             raise
 
-    def position(self) -> str:
-        """Where this rank stood in the action list it was running (see :mod:`.forensics`)."""
+    def position(self, call: str = "", before: Run | None = None) -> str:
+        """Where this rank stood in the action list it was running (see :mod:`.forensics`); ``call`` and
+        ``before`` (its last run when ``call`` began): if no run began since, a line saying so, not the last
+        run's place."""
+        if call and self.last_run is before:
+            return f"rank {self.rank} in {call}, before its actions ran"
         step = self.last_step
         done = step.events[-1][0] if step is not None and step.events else None
         current = self.last_run.current if self.last_run is not None else None
