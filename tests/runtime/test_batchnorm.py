@@ -178,3 +178,23 @@ def test_detection_message_once_unless_chosen(one_rank, caplog: pytest.LogCaptur
     texts = [r.getMessage() for r in caplog.records]
     assert len(texts) == 1, texts
     assert "3 BatchNorm1d" in texts[0] and "batchnorm='deferred'" in texts[0] and "batchnorm='micro'" in texts[0]
+
+
+@pytest.mark.parametrize("mode", ["deferred", "micro"])
+def test_eval_step_in_training_mode_updates_as_a_training_forward(one_rank, mode: str) -> None:
+    """As a forward in training mode does in one process: ``eval_step`` with the layers training updates the
+    running statistics as a train step's forwards would (deferred: once over the batch, num_batches_tracked + 1;
+    micro: once per micro-batch); in eval mode it leaves them alone."""
+    layers = bc.bn_layers()
+    pipe = sw.Pipeline(layers, loss_fn=F.cross_entropy, microbatches=bc.M, batchnorm=mode)
+    ref = sw.build_model(layers)
+    x, y = bc.data(bc.BATCH, seed=5)
+    pipe.eval()
+    pipe.eval_step(x)
+    assert all(int(t) == 0 for n, t in pipe.named_buffers() if n.endswith("num_batches_tracked"))
+    pipe.train()
+    pipe.eval_step(x)
+    bc.reference_step(ref, x, y, bc.M, policy=BatchNormPolicy(mode))  # (its gradients unused)
+    bc.assert_params_close(pipe, ref, f"eval_step in training mode ({mode})", buffers=True)
+    tracked = {int(t) for n, t in pipe.named_buffers() if n.endswith("num_batches_tracked")}
+    assert tracked == {1 if mode == "deferred" else bc.M}, tracked

@@ -42,8 +42,10 @@ may trigger a checkpoint's recomputation twice, once for I and once for W),
 leave the running statistics alone: only the schedule's F action of a
 micro-batch counts. A layer in eval mode (frozen BatchNorm) or built with
 ``track_running_stats=False`` is left as it is. ``eval_step`` with the layers
-in training mode normalises per micro-batch; under ``"deferred"`` it does not
-touch the running statistics.
+in training mode (``pipe.train()``) normalises each micro-batch alone and
+updates the running statistics as a train step's forwards do - once per
+micro-batch, or once over the batch under ``"deferred"`` -, as a forward in
+training mode does in one process.
 """
 
 from __future__ import annotations
@@ -145,7 +147,6 @@ class BatchNorms:
         #: (stage, mini-batch) -> id(layer) -> the mini-batch's moments so far
         self.pending: dict[tuple[int, int], dict[int, Moments]] = {}
         self.mode: str | None = None  # "train" / "eval" inside a step, else None
-        self.estimating = False  # (.update_bn: an eval pass's forwards counted as a train step's)
         self.committed: dict[int, int] = {}  # stage -> mini-batches committed in this step
         self.minibatches, self.per_minibatch = 1, 0
         self._muted: list[tuple[nn.Module, dict[str, torch.Tensor] | None]] = []  # layers to restore, innermost last
@@ -168,7 +169,7 @@ class BatchNorms:
     def step(self, mode: str, minibatches: int = 1, per_minibatch: int = 0) -> Iterator[None]:
         """Run one train or eval step of ``minibatches`` mini-batches (an asynchronous window has several) of
         ``per_minibatch`` micro-batches each; a train step commits, at its end, any mini-batch no SYNC did."""
-        mode = "train" if self.estimating else mode
+        mode = "train" if self.deferred else mode  # (a forward in training mode counts, in eval_step too)
         self.mode, self.pending, self.committed = mode, {}, {}
         self.minibatches, self.per_minibatch = minibatches, per_minibatch
         try:
@@ -183,7 +184,7 @@ class BatchNorms:
                 while self.committed.get(s, 0) < self.minibatches:
                     self.commit(s)
             self.mode = None
-        if self.averaging is not None and (mode == "train" or not self.deferred):
+        if self.averaging is not None:
             self.agree()
 
     @torch.no_grad()

@@ -51,15 +51,11 @@ def update_bn(loader: Iterable[Any], pipe: Any) -> None:
     for bn in layers:
         bn.reset_running_stats()
         bn.momentum = None
-    pipe.train()
-    if norms is not None:
-        norms.estimating = True
+    pipe.train()  # (eval_step then counts every forward, as a train step's: see .batchnorm)
     try:
         for batch in loader:
             pipe.eval_step(batch[0] if isinstance(batch, (list, tuple)) else batch, merge_outputs=False)
     finally:
-        if norms is not None:
-            norms.estimating = False
         for bn, momentum in zip(layers, momenta):
             bn.momentum = momentum
         _restore_modes(modes)
