@@ -21,6 +21,7 @@ from stagewise.runtime.comm import groups
 from worker import Check, Ctx, raises
 
 BUILDS = 3
+TP_PLAN = {"0": sw.runtime.column_parallel(), "1": sw.runtime.row_parallel()}
 
 
 def _tasks() -> int:
@@ -42,12 +43,13 @@ def lets_go(options: dict[str, Any]) -> Check:
         g = torch.Generator().manual_seed(7)
         x, y = torch.randn(8, 4, dtype=torch.float64, generator=g), torch.randn(8, 4, dtype=torch.float64, generator=g)
         base = len(groups.registered())
-        losses, tasks = [], []
+        losses, tasks, states = [], [], []
         for _ in range(BUILDS):
             pipe = _pipeline(options)
             made = len(groups.registered()) - base
             assert made > 0, f"the build made no process group: {options} does not test close()"
             losses.append(pipe.train_step(*pipe.local_batch(x, y)))
+            states.append(sw.runtime.gather_state_dict(pipe))  # (tp, sharding: every DTensor gathered whole)
             pipe.close()
             left = len(groups.registered()) - base
             assert left == 0, f"close() left {left} of the {made} groups the build made"
@@ -58,6 +60,8 @@ def lets_go(options: dict[str, Any]) -> Check:
             tasks.append(_tasks())
         assert tasks[-1] <= tasks[0], f"threads grew build after build: {tasks}"
         assert losses == [losses[0]] * BUILDS, f"a pipeline built after a closed one trained differently: {losses}"
+        for state in states[1:]:  # (rank 0's; None elsewhere)
+            assert state is None or all(torch.equal(v, states[0][k]) for k, v in state.items()), "another state"
         return {"tasks": tasks}
 
     return check
@@ -67,4 +71,7 @@ def checks(world: int) -> dict[str, Check]:
     return {
         "close-dp": lets_go({"parallel": sw.ParallelConfig(pp=1, dp=world)}),
         "close-snapshot": lets_go({"snapshot": 1}),
+        # DTensor's caches handed a second build's outputs the first build's mesh, whose groups close() destroyed
+        "close-tp": lets_go({"parallel": sw.ParallelConfig(pp=1, tp=world), "tp_plan": TP_PLAN}),
+        "close-sharding": lets_go({"parallel": sw.ParallelConfig(pp=1, sharding=world)}),
     }

@@ -63,6 +63,7 @@ def leave_generation() -> None:
     groups.forget()
     if dist.is_initialized():
         dist.destroy_process_group()
+    groups.forget_meshes()  # (the next generation's meshes compare equal to this one's: see there)
 
 
 def job_store(where: str, job: str, timeout: float) -> Any:

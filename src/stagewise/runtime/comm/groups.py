@@ -46,11 +46,31 @@ def made_since(before: dict[int, Any]) -> list[Any]:
 
 
 def destroy(made: Sequence[Any]) -> None:
-    """Destroy the groups of ``made`` still registered (each process its own: no collective), never the default."""
+    """Destroy the groups of ``made`` still registered (each process its own: no collective), never the default;
+    then DTensor's caches forgotten (:func:`forget_meshes`)."""
     live = registered()
+    gone = False
     for group in made:
         if id(group) in live and group is not dist.GroupMember.WORLD:
             dist.destroy_process_group(group)
+            gone = True
+    if gone:
+        forget_meshes()
+
+
+def forget_meshes() -> None:
+    """Empty DTensor's sharding-propagation caches. They key on specs whose ``DeviceMesh`` compares equal by shape
+    and names only, and hand back the first mesh seen: a pipeline built after another of the same layout was
+    closed (or re-laid out) got its outputs placed on the old mesh, whose destroyed groups then failed every
+    collective ("Could not resolve the process group registered under the name 11"). Torch's own debug helper,
+    where this torch has it."""
+    try:
+        from torch.distributed.tensor import debug
+    except ImportError:  # (a torch without DTensor: nothing cached)
+        return
+    clear = getattr(debug, "_clear_sharding_prop_cache", None)
+    if clear is not None:
+        clear()
 
 
 def group_or_world(group: Any) -> Any:

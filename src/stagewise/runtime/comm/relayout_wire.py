@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .groups import forget_meshes
 from .release import hold as hold_until
 
 
@@ -26,6 +27,7 @@ def release(group: Any) -> None:
     """Let go of a group this process made (nothing for one it is not in)."""
     if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER:
         dist.destroy_process_group(group)
+        forget_meshes()
 
 
 def release_failed(group: Any, timeout: float) -> None:
@@ -40,6 +42,7 @@ def release_failed(group: Any, timeout: float) -> None:
     if group is None or group is dist.GroupMember.NON_GROUP_MEMBER:
         return
     dist.destroy_process_group(group)
+    forget_meshes()
     hold_until(group, timeout + 1.0)
 
 

@@ -83,6 +83,7 @@ class Hybrid:
         """
         c = self.config
         self._wait = wait
+        marks = parameter_marks(root)
         if c.tp > 1:
             self.require_plan(tp_plan)
             assert tp_plan is not None
@@ -98,6 +99,7 @@ class Hybrid:
                 for s, layers in stages.items()
             }
             self._averager = GradAverager(params, self.mesh.group("dp"), wait=wait)
+        keep_marks(root, marks)
 
     def bound_groups(self, timeout: float) -> None:
         """Every axis group gives up on a collective after ``timeout`` seconds (see :func:`..comm.groups.bound`):
@@ -187,3 +189,19 @@ class Hybrid:
                 f"dp={self.config.dp} x sharding={self.config.sharding} = {r} replicas"
             )
         return parts[self.mesh.replica]
+
+
+def parameter_marks(root: nn.Module) -> dict[str, dict[str, Any]]:
+    """By name, the attributes a user set on ``root``'s parameters (``p.no_decay = True``, read by an ``optimizer=``
+    factory that builds its groups from them)."""
+    return {n: dict(vars(p)) for n, p in root.named_parameters() if vars(p)}
+
+
+def keep_marks(root: nn.Module, marks: dict[str, dict[str, Any]]) -> None:
+    """Those attributes on the parameters that replaced them: ``tp_plan=`` and ``sharding`` make new (DTensor)
+    parameters without them, and a factory reading the marks then built other groups than in one process, with
+    no word (weight decay on every bias and norm). An attribute the new one has already is left as it is."""
+    for name, p in root.named_parameters():
+        for key, value in marks.get(name, {}).items():
+            if key not in vars(p):
+                setattr(p, key, value)
