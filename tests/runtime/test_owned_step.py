@@ -122,3 +122,14 @@ def test_a_checkpoint_keeps_the_schedulers_and_resume_says_when_they_are_dropped
     with caplog.at_level(logging.WARNING, logger="stagewise.runtime.checkpoint.resume"):
         sw.checkpoint.resume(tmp_path, _owned())
     assert "resumed step 3" in caplog.text and "NOT restored" not in caplog.text
+
+
+def test_a_step_that_needs_an_argument_is_refused_at_the_build(one_rank) -> None:
+    """A plateau scheduler's metric and LBFGS's closure cannot be given at a stage's STEP: refused when the pipeline
+    is built, saying what to do, where they failed the first step for good before (a user pass)."""
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau
+    with pytest.raises(ValueError, match=r"ReduceLROnPlateau\.step\(\) needs metrics.*train_step with the loss"):
+        _owned(lr_scheduler=plateau)
+    with pytest.raises(ValueError, match=r"optimizer=: LBFGS\.step\(\) needs a closure"):
+        sw.Pipeline(mdl.mlp(), loss_fn=F.cross_entropy, microbatches=3, optimizer=torch.optim.LBFGS)
+    _owned(lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 2)).train_step(*mdl.mlp_data(7, seed=0))

@@ -13,6 +13,7 @@ interpreter's table (``handler(run, action)``), registered by the assembly.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -93,4 +94,26 @@ def optimizer_per_stage(
         params = stage_parameters(mods, seen)
         if params:
             out[s] = factory(params)
+            _steps_alone(out[s])
     return out
+
+
+def _steps_alone(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer whose step needs a closure (LBFGS): each stage steps alone, mid-schedule, where no
+    closure can evaluate the model again."""
+    if "closure" in step_needs(optimizer):
+        raise ValueError(
+            f"optimizer=: {type(optimizer).__name__}.step() needs a closure that evaluates the model again, which "
+            "a pipeline cannot give (each stage steps alone, at its STEP in the schedule); use an optimizer that "
+            "steps from the gradients (SGD, Adam, AdamW, ...)"
+        )
+
+
+def step_needs(stepped: Any) -> list[str]:
+    """The arguments ``stepped.step()`` cannot go without (a plateau scheduler's metric, LBFGS's closure)."""
+    try:
+        signature = inspect.signature(stepped.step)
+    except (AttributeError, TypeError, ValueError):  # (no step, or one inspect cannot read: left to run)
+        return []
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [q.name for q in signature.parameters.values() if q.default is q.empty and q.kind in kinds]

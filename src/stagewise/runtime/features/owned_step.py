@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ..engine.hooks import OnDevice, Stepper
+from ..engine.hooks import OnDevice, Stepper, step_needs
 from ..engine.run import Run
 from .clip import clip_pipeline_grads
 
@@ -54,7 +54,17 @@ def schedulers_per_stage(
     """One scheduler per stage's optimizer (``lr_scheduler=``), or none."""
     if factory is None:
         return {}
-    return {s: factory(opt) for s, opt in sorted(optimizers.items())}
+    out = {s: factory(opt) for s, opt in sorted(optimizers.items())}
+    for scheduler in out.values():
+        missing = step_needs(scheduler)
+        if missing:
+            raise ValueError(
+                f"lr_scheduler=: {type(scheduler).__name__}.step() needs {', '.join(missing)}, which the pipeline "
+                "cannot give: each stage's scheduler steps at its STEP, before the step's loss is known. Build one "
+                "per pipe.optimizers[stage] yourself and step it after train_step with the loss it returns (or "
+                "your validation loss); sw.checkpoint.save(..., scheduler=[...]) keeps them"
+            )
+    return out
 
 
 class Scheduled:
