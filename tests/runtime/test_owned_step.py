@@ -133,3 +133,22 @@ def test_a_step_that_needs_an_argument_is_refused_at_the_build(one_rank) -> None
     with pytest.raises(ValueError, match=r"optimizer=: LBFGS\.step\(\) needs a closure"):
         sw.Pipeline(mdl.mlp(), loss_fn=F.cross_entropy, microbatches=3, optimizer=torch.optim.LBFGS)
     _owned(lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 2)).train_step(*mdl.mlp_data(7, seed=0))
+
+
+def test_clips_norm_is_in_the_last_record_without_metrics(one_rank) -> None:
+    """What ``clip_grad_norm_`` returns in one process, the norm before clipping, is ``pipe.metrics.last``'s
+    ``grad_norm`` after each step, with no ``metrics=`` (it was only with one, a user pass found)."""
+    pipe = _owned()
+    ref = sw.build_model(mdl.mlp(), seed=2)
+    opt = _sgd(list(ref.parameters()))
+    sched = _warmup(opt)
+    for step in range(3):
+        x, y = mdl.mlp_data(7, seed=step)
+        loss = pipe.train_step(x, y)
+        F.cross_entropy(ref(x), y).backward()
+        norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05))
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        assert pipe.metrics.last["grad_norm"] == pytest.approx(norm, rel=1e-12), step
+        assert pipe.metrics.last["loss"] == loss

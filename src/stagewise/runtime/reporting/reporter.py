@@ -133,7 +133,10 @@ class Reporter:
         self.steps = run.first + run.minibatches
         if not self.sinks and not (
             self.progress and self.process_rank == 0 and progress_log.isEnabledFor(logging.INFO)
-        ):
+        ):  # nothing writes the record: only what costs nothing (clip='s norm, as clip_grad_norm_ returns it)
+            self.last = {"loss": run.losses[-1] if run.losses else float("nan")}
+            if self._norm is not None:
+                self.last["grad_norm"] = self._norm
             return
         values = self._values(run, ended - self._started)
         self.last = values
