@@ -188,37 +188,63 @@ def reference_update_bn(ref: nn.Module, batches: list[torch.Tensor], m: int, mod
     """``sw.runtime.update_bn`` in one process, written out: every BatchNorm's statistics estimated again with the
     weights as they are, as the cumulative average of one estimate per batch (``"deferred"``: the mean and the
     unbiased variance over the inputs the layer saw in the batch's micro-batches, each normalised alone) or per
-    micro-batch (``"micro"``: torch's own ``update_bn`` over the micro-batches)."""
-    cuts = [c for x in batches for share in split(x, replicas)[0] for c in split(share, m)[0]]
-    if mode == "micro":
-        torch.optim.swa_utils.update_bn(cuts, ref)
-        return
+    micro-batch (``"micro"``: torch's own ``update_bn`` over the micro-batches). A micro-batch that gives a layer
+    one value per channel (torch refuses to normalise it by its own statistics) is normalised with the running
+    statistics as they stand and updates nothing; under ``"deferred"`` its values still count in the estimate."""
+    cuts = [[c for share in split(x, replicas)[0] for c in split(share, m)[0]] for x in batches]
     norms = batchnorms(ref)
     seen: dict[int, list[torch.Tensor]] = {id(bn): [] for bn in norms}
-    estimates: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {id(bn): [] for bn in norms}  # (mean, var)
-    hooks = [bn.register_forward_pre_hook(lambda mod, args: seen[id(mod)].append(args[0].detach())) for bn in norms]
-    ref.train()
-    per_batch = len(cuts) // len(batches)
+    alone: list[nn.Module] = []
+
+    def before(mod: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        seen[id(mod)].append(args[0].detach())
+        if args[0].numel() == args[0].shape[1]:
+            mod.eval()
+            alone.append(mod)
+
+    def after(mod: nn.Module, args: Any, out: Any) -> None:
+        if alone and alone[-1] is mod:
+            alone.pop().train()
+
+    hooks = [h for bn in norms for h in (bn.register_forward_pre_hook(before), bn.register_forward_hook(after))]
     try:
-        with torch.no_grad():
-            for b in range(len(batches)):
-                for c in cuts[b * per_batch : (b + 1) * per_batch]:
-                    ref(c)
-                for bn in norms:
-                    x = torch.cat(seen[id(bn)])
-                    dims = [0, *range(2, x.dim())]
-                    estimates[id(bn)].append((x.mean(dims), x.var(dims, correction=1)))
-                    seen[id(bn)] = []
+        if mode == "micro":
+            torch.optim.swa_utils.update_bn([c for batch in cuts for c in batch], ref)
+            return
+        _deferred_estimates(ref, norms, cuts, seen)
     finally:
         for h in hooks:
             h.remove()
-    with torch.no_grad():
+
+
+@torch.no_grad()
+def _deferred_estimates(
+    ref: nn.Module, norms: list[Any], cuts: list[list[torch.Tensor]], seen: dict[int, list[torch.Tensor]]
+) -> None:
+    """The deferred estimates: the forwards use each micro-batch's own statistics and update nothing; after each
+    batch every layer's running statistics are the mean of the estimates so far (momentum None)."""
+    ref.train()
+    estimates: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {id(bn): [] for bn in norms}
+    for bn in norms:
+        bn.reset_running_stats()
+        bn.track_running_stats = False
+    try:
+        for b, batch in enumerate(cuts):
+            for bn in norms:
+                seen[id(bn)] = []
+            for c in batch:
+                ref(c)
+            for bn in norms:
+                x = torch.cat(seen[id(bn)])
+                dims = [0, *range(2, x.dim())]
+                estimates[id(bn)].append((x.mean(dims), x.var(dims, correction=1)))
+                means, variances = zip(*estimates[id(bn)])
+                bn.running_mean.copy_(torch.stack(means).mean(0))
+                bn.running_var.copy_(torch.stack(variances).mean(0))
+                bn.num_batches_tracked.fill_(b + 1)
+    finally:
         for bn in norms:
-            assert bn.running_mean is not None and bn.running_var is not None and bn.num_batches_tracked is not None
-            means, variances = zip(*estimates[id(bn)])
-            bn.running_mean.copy_(torch.stack(means).mean(0))
-            bn.running_var.copy_(torch.stack(variances).mean(0))
-            bn.num_batches_tracked.fill_(len(batches))
+            bn.track_running_stats = True
 
 
 def update_bn_and_compare(
@@ -240,7 +266,8 @@ def update_bn_and_compare(
     for name in frozen:
         pipe.get_submodule(name).eval()
     before = {n: (mod.training, getattr(mod, "momentum", None)) for n, mod in pipe.named_modules()}
-    batches = [data(batch if k < 2 else batch - 4, seed=10 + k) for k in range(3)]  # a DataLoader's short last one
+    # a DataLoader's short last one: 5 samples a replica, in micro-batches of 2, 1, 1, 1 (one value per channel)
+    batches = [data(batch if k < 2 else 5 * replicas, seed=10 + k) for k in range(3)]
     sw.runtime.update_bn([pipe.local_batch(bx, by) for bx, by in batches], pipe)
     policy = mode if isinstance(mode, str) else mode.mode
     reference_update_bn(ref, [bx for bx, _ in batches], M, policy, replicas)

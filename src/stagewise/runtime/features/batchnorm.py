@@ -150,6 +150,7 @@ class BatchNorms:
         self.committed: dict[int, int] = {}  # stage -> mini-batches committed in this step
         self.minibatches, self.per_minibatch = 1, 0
         self._muted: list[tuple[nn.Module, dict[str, torch.Tensor] | None]] = []  # layers to restore, innermost last
+        self._alone: list[nn.Module] = []  # layers normalising one value per channel (see _normalise_alone)
         self._handles = []
         for s, layers in self.layers.items():
             for bn in layers:
@@ -178,6 +179,8 @@ class BatchNorms:
             self.mode = None
             while self._muted:  # left muted by a forward that raised
                 self._restore(*self._muted.pop())
+            while self._alone:
+                self._alone.pop().train(True)
         if mode == "train" and self.deferred:
             self.mode = mode
             for s in self.layers:
@@ -249,7 +252,10 @@ class BatchNorms:
                 return
             action = self.run.current if self.run is not None else None
             forward = action is not None and action.kind is Kind.F
+            alone = forward and self.run is not None and self.run.mode == "eval" and _one_value(args[0])
             if forward and not self.deferred:
+                if alone:
+                    self._normalise_alone(bn)
                 return  # "micro": torch's own update, once per micro-batch
             if not self.deferred:  # "micro", recomputed: run as the F did (checkpoint compares), then undo
                 self._muted.append((bn, {k: b.clone() for k, b in bn.named_buffers(recurse=False)}))
@@ -262,10 +268,22 @@ class BatchNorms:
                 acc = self.pending.setdefault((stage, k), {}).setdefault(id(bn), seen)
                 if acc is not seen:
                     acc.add(seen)
+            if alone:
+                self._normalise_alone(bn)
 
         return hook
 
+    def _normalise_alone(self, bn: nn.Module) -> None:
+        """A forward-only run's micro-batch with one value per channel (a DataLoader's short last batch cut into
+        micro-batches, in ``update_bn`` or an ``eval_step`` in training mode): torch cannot normalise one value by
+        its own statistics and would fail the whole pipeline, so this call normalises with the running ones and
+        updates nothing (under ``"deferred"`` its values still count in the batch's moments)."""
+        bn.train(False)
+        self._alone.append(bn)
+
     def _after(self, bn: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+        if self._alone and self._alone[-1] is bn:
+            self._alone.pop().train(True)
         if self._muted and self._muted[-1][0] is bn:
             self._restore(*self._muted.pop())
 
@@ -337,3 +355,8 @@ def announce(found: dict[int, dict[str, int]], microbatches: int) -> None:
         if sync
         else "",
     )
+
+
+def _one_value(x: Any) -> bool:
+    """A BatchNorm input with one value per channel, which torch refuses to normalise in training mode."""
+    return isinstance(x, torch.Tensor) and x.dim() >= 2 and x.numel() == x.shape[1]

@@ -18,7 +18,9 @@ update, one per micro-batch, which is torch's ``update_bn`` over the micro-batch
 ``across_replicas=True`` every replica's share too). Only a first BatchNorm sees the inputs it would see in one
 process: behind one, each micro-batch was normalised with its own statistics, as in training, so the estimates
 are those of the model the pipeline trains, not torch's ``update_bn`` over whole batches. (In the ResNet above
-with ``"deferred"``: 93.6 % after it.)
+with ``"deferred"``: 93.6 % after it.) A DataLoader's short last batch may give a layer a micro-batch of one value
+per channel, which torch refuses to normalise by its own statistics: that call normalises with the running
+statistics and updates nothing (under ``"deferred"`` its values still count), where it failed the pipeline.
 """
 
 from __future__ import annotations
