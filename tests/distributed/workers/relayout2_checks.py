@@ -50,6 +50,25 @@ def check_pp_dp(ctx: Ctx) -> dict[str, Any]:
     return out
 
 
+def build_owned(group: Any = None, bn: bool = True, **layout: Any) -> sw.Pipeline:
+    """:func:`build` with ``clip=`` and ``offload="optimizer"``."""
+    return build(group, bn, clip=0.05, offload="optimizer", **layout)
+
+
+def check_clip_offload(ctx: Ctx) -> dict[str, Any]:
+    """A partition moved with ``clip=`` and ``offload="optimizer"`` (a user pass: every step after a re-layout failed
+    with ``clip=``, whose part held the emptied pipeline object; the offloaded optimizer's host copies of the moved
+    layers were the build's values, and its first step wrote them back, silently)."""
+    pipe = build_owned()
+    train(pipe, 0)
+    return relaid(pipe, ctx, "2-clip-offload", STEPS, None, make=build_owned, partition=[3, 5])
+
+
 def checks(world: int) -> dict[str, Check]:
     assert world == 2, "relayout2_checks runs on 2 ranks"
-    return {"partition": check_partition, "schedules": check_schedules, "pp2-dp2": check_pp_dp}
+    return {
+        "partition": check_partition,
+        "schedules": check_schedules,
+        "pp2-dp2": check_pp_dp,
+        "clip-offload": check_clip_offload,
+    }

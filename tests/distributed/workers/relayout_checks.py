@@ -263,12 +263,19 @@ def check_pp_dp(ctx: Ctx) -> dict[str, Any]:
 
 
 def check_shrink_grow(ctx: Ctx) -> dict[str, Any]:
-    """4 -> 2 processes (ranks 2 and 3 retire, holding nothing), then back to 4."""
+    """4 -> 2 processes (ranks 2 and 3 retire, holding nothing) under another schedule, then back to 4 without
+    naming it: the retired processes take the change too (they kept the options from before, and bringing them
+    back was refused: "the ranks were built with different options: schedule", a user pass)."""
     pipe = build()
     train(pipe, 0)
-    out = {"shrink": relaid(pipe, ctx, "shrink", STEPS, [0, 1])}
-    out["grow"] = relaid(pipe, ctx, "grow", 2 * STEPS, None)
+    out = {"shrink": relaid(pipe, ctx, "shrink", STEPS, [0, 1], make=build_gpipe, schedule="gpipe")}
+    out["grow"] = relaid(pipe, ctx, "grow", 2 * STEPS, None, make=build_gpipe)
+    assert out["grow"]["schedule"] == "gpipe", out["grow"]
     return out
+
+
+def build_gpipe(group: Any = None, bn: bool = True, **layout: Any) -> sw.Pipeline:
+    return build(group, bn, **{"schedule": "gpipe", **layout})
 
 
 def check_from_model(ctx: Ctx) -> dict[str, Any]:

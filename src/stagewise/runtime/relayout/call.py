@@ -27,6 +27,7 @@ needs nothing; a sampler of one's own reads :attr:`Layout.inputs_at` / :attr:`La
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -151,7 +152,7 @@ def relayout(
     stale = _stale_groups(pipe, old, [group, *prepared])
     before = list(pipe.parameters())
     carry_snapshots(old, new)
-    _become(pipe, new, frontend, options, build, old_hooks)
+    _become(pipe, new, *_held_by(new, frontend, options, changes, plan), build, old_hooks)
     retire(before, pipe.parameters())  # a user's optimizer over them is refused at its next step
     release_model(frontend, options)
     for made in stale:
@@ -322,11 +323,33 @@ def _become(
         pipe.__class__ = type(new)
         if isinstance(pipe, PipelineState) and pipe.snapshots is not None:  # built reading ``new``, now emptied
             pipe.snapshots.root = pipe
+        _repoint(pipe, new)
     else:
         nn.Module.__init__(pipe)
         pipe.__class__ = Retired
         vars(pipe).update({"frontend": frontend, "options": options, "build": build})
     let_go_old(shell, pipe, old_hooks)
+
+
+def _held_by(
+    new: nn.Module | None, frontend: Frontend, options: Options, changes: Mapping[str, Any], plan: Any
+) -> tuple[Frontend, Options]:
+    """The way in and options the user's object keeps: a process retired here keeps the ones with the change made
+    (the re-layout that brings it back agrees on them with the members, which built with them)."""
+    return (frontend, options) if new is not None else _new_source(frontend, options, changes, plan, None)
+
+
+def _repoint(pipe: nn.Module, new: nn.Module) -> None:
+    """The parts built holding ``new`` (``clip=``'s, the reporter's parameter count), emptied once the user's
+    object took its state, hold the user's object instead: an attribute that is ``new``, or a method bound to it.
+    (``clip=`` failed every step after a re-layout: "'Pipeline' object has no attribute 'hybrid'".)"""
+    hooks, metrics = getattr(pipe, "hooks", None), getattr(pipe, "metrics", None)
+    for part in [*(hooks.parts if hooks is not None else ()), metrics]:
+        for key, value in list(vars(part).items()) if hasattr(part, "__dict__") else ():
+            if value is new:
+                setattr(part, key, pipe)
+            elif inspect.ismethod(value) and value.__self__ is new:
+                setattr(part, key, getattr(pipe, value.__name__))
 
 
 def _described(new: PipelineState) -> dict[str, Any]:

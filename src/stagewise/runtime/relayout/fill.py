@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.graph import increment_version
 
 from ..checkpoint import state, storage
 from ..comm import relayout_wire
@@ -58,7 +59,10 @@ def fill(
     """Write the model tensors, then give the optimizers their state through their own ``load_state_dict``.
 
     A model tensor this process kept is aliased (the new tensor takes the old one's storage: no copy, no second
-    buffer past the release) where dtype, device and shape agree and no other new tensor took that storage."""
+    buffer past the release) where dtype, device and shape agree and no other new tensor took that storage.
+    Every tensor written counts as written in its version counter, aliased or received in place too: what keeps
+    a copy by it sees the change (``offload="optimizer"``'s host masters trained on the values the build had
+    given the new stages, silently, before this)."""
     taken: dict[int, int] = {}  # an old storage's address -> the new tensor (id) that took it
     for name, target in targets.items():
         if target is None:
@@ -66,8 +70,11 @@ def fill(
         value = values[name]
         if name in kept and aliasable(target, value) and taken.setdefault(value.data_ptr(), id(target)) == id(target):
             target.data = value
+            increment_version(target)  # (a write autograd does not count: see the docstring)
         elif value.data_ptr() != target.data_ptr():  # (a value received into the target itself is in place)
             target.copy_(value)
+        else:
+            increment_version(target)  # (received in place: not counted either)
     optimizers = state.optimizers_of(new, None)
     if optimizers:
         tensors = {n: v for n, v in values.items() if n.startswith(state.OPTIM)}
