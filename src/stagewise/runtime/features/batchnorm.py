@@ -170,7 +170,8 @@ class BatchNorms:
     def step(self, mode: str, minibatches: int = 1, per_minibatch: int = 0) -> Iterator[None]:
         """Run one train or eval step of ``minibatches`` mini-batches (an asynchronous window has several) of
         ``per_minibatch`` micro-batches each; a train step commits, at its end, any mini-batch no SYNC did."""
-        mode = "train" if self.deferred else mode  # (a forward in training mode counts, in eval_step too)
+        counted = mode == "train" or any(bn.training for layers in self.layers.values() for bn in layers)
+        mode = "train" if self.deferred and counted else mode  # (a forward in training mode counts in eval_step too)
         self.mode, self.pending, self.committed = mode, {}, {}
         self.minibatches, self.per_minibatch = minibatches, per_minibatch
         try:
