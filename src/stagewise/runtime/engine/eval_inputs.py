@@ -54,7 +54,7 @@ def agreed_record(runner: Any, inputs: Any, m: int) -> RunRecord:
     return record if record is not None else runner.batches.prepare("eval", [(inputs, None)], m)
 
 
-#: the longest refusal the other ranks are told word for word (the rest is cut, saying so)
+#: the most bytes of a refusal the other ranks are told word for word (a longer one is cut there)
 WORDS_BYTES = 1024
 
 
