@@ -320,7 +320,8 @@ def attach_batchnorms(
     reduce = None
     if hybrid is not None and hybrid.config.replicas > 1:
         mesh = hybrid.mesh
-        reduce = lambda t: mesh.all_reduce(t, ("dp", "sharding"))  # noqa: E731
+        # under the pipeline's deadline and error board: a replica that died or failed is reported, not waited on
+        reduce = lambda t: mesh.all_reduce(t, ("dp", "sharding"), wait=wait, what="the BatchNorm statistics")  # noqa: E731
     norms = BatchNorms(policy, stages, reduce, hybrid.config.replicas if reduce is not None else 1)
     if policy is None:
         summary = {str(s): kinds for s, kinds in norms.summary().items()}  # JSON keys are strings
