@@ -328,3 +328,25 @@ def test_tokens_are_counted_from_a_tuple_s_or_a_dict_s_input_ids() -> None:
     assert batch_counts([(ids, mask)] * 3, None, (0, 0)) == {"samples": 6, "tokens": 48}
     assert batch_counts([{"input_ids": ids, "attention_mask": mask}], None, (0, 0))["tokens"] == 16
     assert "tokens" not in batch_counts([(torch.zeros(2, 8), ids)], None, (0, 0))
+
+
+def test_memory_report_counts_offloaded_state_on_the_host(one_rank) -> None:
+    """``offload="optimizer"``: the stages' optimizer state is host memory, out of ``optimizer`` and ``total``;
+    ``host`` holds it with each parameter's master and gradient buffer. A watched optimizer stays on the device."""
+    pipe = _pipe(optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), offload="optimizer")
+    extra = torch.nn.Parameter(torch.zeros(5, 7))  # (a user's optimizer may not step the pipeline's parameters)
+    extra.grad = torch.ones_like(extra)
+    watched = torch.optim.SGD([extra], lr=0.0, momentum=0.9)
+    pipe.metrics.watch(watched)
+    pipe.train_step(*mdl.lm_data(BATCH, seed=0))
+    watched.step()
+    report = pipe.memory_report()
+    params = sum(p.numel() * p.element_size() for p in pipe.parameters())
+    state = [v for opt in pipe.optimizers.values() for st in opt.state.values() for v in st.values()]
+    assert len(state) == 3 * len(list(pipe.parameters()))  # AdamW: step, exp_avg, exp_avg_sq, made on the host
+    momentum = extra.numel() * extra.element_size()
+    assert report["optimizer"] == momentum  # the watched SGD's only
+    assert report["host"] == 2 * params + sum(v.numel() * v.element_size() for v in state)  # masters, grads
+    assert report["gradients"] == 0  # (the stages' optimizers clear them at STEP)
+    assert report["total"] == params + momentum
+    assert "host" not in _pipe(optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3)).memory_report()

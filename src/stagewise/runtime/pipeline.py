@@ -359,11 +359,11 @@ class Pipeline(nn.Module):
 
     def memory_report(self) -> dict[str, Any]:
         """This rank's bytes as the planner counts them (``plan.memory[rank]``): ``parameters``, ``gradients``,
-        ``optimizer`` (``optimizer=``'s state and any ``metrics.watch``-ed optimizer's), ``activations`` (the
-        last train step's peak; None without ``measure_memory=True``, which also adds ``peak_bytes``,
-        ``forward_bytes`` and ``weight_bytes``) and ``total``: :mod:`stagewise.runtime.reporting.memory`."""
+        ``optimizer`` (the device-held state of ``optimizer=``'s and ``metrics.watch``-ed optimizers),
+        ``activations`` (None without ``measure_memory=True``, which adds ``peak_bytes``, ``forward_bytes``,
+        ``weight_bytes``), ``total``; with ``offload=`` ``host``: :mod:`stagewise.runtime.reporting.memory`."""
         optimizers = [*self.optimizers.values(), *self.metrics.watched]
-        return memory_report(list(self.parameters()), optimizers, self._engine.meter)
+        return memory_report(list(self.parameters()), optimizers, self._engine.meter, self._engine.offload)
 
     def version_report(self) -> dict[int, dict[str, int]]:
         """Asynchronous schedules: per local stage, the most weight snapshots held at once over every window so

@@ -51,7 +51,7 @@ from ..features.evaluation import InputStructure
 from ..features.finite import FinitePart, finite_check
 from ..features.memory import ActivationMeter
 from ..features.merge import GradientMerge
-from ..features.offload import offload_optimizers
+from ..features.offload import Offload, offload_optimizers
 from ..features.owned_step import Scheduled, clip_part, guard_owned, schedulers_per_stage
 from ..features.precision import autocast_context, autocast_loss
 from ..features.recompute import run_layers
@@ -111,6 +111,7 @@ class Engine:
     snapshots: Snapshotter | None = None  # snapshot=: resumed by sw.checkpoint.resume
     versions: dict[int, StageVersions] | None = None  # an asynchronous schedule's weight versions, per local stage
     schedulers: dict[int, Any] = field(default_factory=dict)  # lr_scheduler=: one per stage's optimizer
+    offload: Offload | None = None  # offload="optimizer": the optimizers' state and update on the host
 
     def add_part(self, part: StepPart, wrap: Callable[[Kind, Handler], Handler] | None = None) -> None:
         """Add ``part`` to every run (after the parts the assembly registered); with ``wrap``, each handler of the
@@ -194,7 +195,7 @@ def _engine(
         transport=transport, optimizers=optimizers, mailbox=mailbox, tied=tied_sync, hooks=hooks, runner=runner,
         eval_schedule=eval_schedule, finite=finite, aux=aux, meter=meter, held=held, merge=merge, dropout=dropout,
         snapshots=snapshots, reporter=reporter, versions=None if asynchronous is None else asynchronous.versions,
-        schedulers=schedulers,
+        schedulers=schedulers, offload=offload,
     )  # fmt: skip
 
 

@@ -205,13 +205,14 @@ class Offload:
         host.update()
         host.push()
 
-    def host_bytes(self) -> int:
-        """Bytes of host memory the offload holds (masters, gradient buffers, optimizer state)."""
-        seen: dict[int, int] = {}
+    def holds(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer``'s state lives on the host (one of the stages' optimizers this offload steps)."""
+        return any(host.optimizer is optimizer for host in self.hosts.values())
+
+    def host_tensors(self) -> Iterator[torch.Tensor]:
+        """Every host tensor the offload holds: masters, gradient buffers and the optimizers' state."""
         for host in self.hosts.values():
-            for t in host.host_tensors():
-                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return sum(seen.values())
+            yield from host.host_tensors()
 
 
 def offload_optimizers(
