@@ -117,3 +117,16 @@ def test_a_failure_before_the_actions_is_placed_before_them(one_rank) -> None:
     failure = pipe.transport.guard.failure
     assert failure is not None and failure.endswith("rank 0 in train_step, before its actions ran"), failure
     assert "planned:" not in failure, failure
+
+
+def test_a_long_refusal_is_cut_for_the_other_ranks_saying_so() -> None:
+    """The other ranks are told a refusal of at most WORDS_BYTES; a longer one says it was cut, and where."""
+    from stagewise.runtime.engine import eval_inputs
+
+    short = "inputs: a list of 2 tensors, expected 3"
+    assert eval_inputs._told(short, 0) == short.encode()
+    long = "é" * eval_inputs.WORDS_BYTES  # (two bytes each: the cut may split one, and decoding replaces it)
+    told = eval_inputs._told(long, 2)
+    assert len(told) == eval_inputs.WORDS_BYTES
+    assert told.decode("utf-8", "replace").endswith("[... cut: rank 2 raised the whole refusal]")
+    assert told.decode("utf-8", "replace").startswith("é" * 100)

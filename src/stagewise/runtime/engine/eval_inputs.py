@@ -54,14 +54,24 @@ def agreed_record(runner: Any, inputs: Any, m: int) -> RunRecord:
     return record if record is not None else runner.batches.prepare("eval", [(inputs, None)], m)
 
 
-#: the most bytes of a refusal the other ranks are told word for word (a longer one is cut there)
+#: the most bytes of a refusal the other ranks are told word for word (a longer one is cut there, and says so)
 WORDS_BYTES = 1024
+_CUT = " [... cut: rank {} raised the whole refusal]"
+
+
+def _told(refusal: str, first: int) -> bytes:
+    """``refusal``'s bytes as the other ranks are told them: whole, or cut to ``WORDS_BYTES`` saying where it is."""
+    text = refusal.encode()
+    if len(text) <= WORDS_BYTES:
+        return text
+    cut = _CUT.format(first).encode()
+    return text[: WORDS_BYTES - len(cut)] + cut
 
 
 def _words(runner: Any, first: int, refusal: ValueError | None) -> str:
     """The refusal's words on every rank: a second broadcast from ``first``, made only when it refused (every rank
     knows it from the size), so an evaluation that goes on costs one broadcast as before."""
-    text = str(refusal).encode()[:WORDS_BYTES] if refusal is not None else b""
+    text = _told(str(refusal), first) if refusal is not None else b""
     data = torch.zeros(WORDS_BYTES + 8, dtype=torch.uint8, device=runner.batches.device)
     if refusal is not None:
         data[:8] = torch.tensor(list(len(text).to_bytes(8, "little")), dtype=torch.uint8)
