@@ -113,6 +113,19 @@ def test_tied_module_with_a_wrapped_first_use_loads_into_one_process(results: di
     assert int(state["step"]) == 2 and state["exp_avg"].abs().sum() > 0
 
 
+def test_found_tie_loads_into_one_process(results: dict[str, SuiteResults], shared) -> None:
+    """A tie ``from_model`` found (``head.weight = embed.weight``), saved at pp 2 where rank 1 holds only the head:
+    its optimizer state is under ``embed.weight`` alone, as one process keys it, and loads strictly there."""
+    results["save2"].assert_ok("save-found-tie-1f1b")
+    record = (sw.checkpoint.latest(shared / "ftie") / "stagewise.json").read_text()
+    assert '"optim/embed.weight/exp_avg"' in record and '"optim/head.weight/' not in record
+    torch.manual_seed(3)
+    model = cc.FoundTie()
+    opt = adamw(list(model.parameters()))
+    sw.checkpoint.load(shared / "ftie", model, opt)  # strict
+    assert cc.assert_same(model, [opt], "ftie") == 1 + 4 * 2
+
+
 def test_tied_pipeline_loss_equals_one_process(results: dict[str, SuiteResults]) -> None:
     info = results["resume2"].get("tied-restore-pp2")[0]["info"]
     assert info["pipeline"] == pytest.approx(info["one_process"], rel=1e-12, abs=0)

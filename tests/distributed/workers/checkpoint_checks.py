@@ -305,6 +305,54 @@ def from_model(ctx: Ctx) -> dict[str, Any]:
     return {"loss": loss}
 
 
+class FoundTie(nn.Module):
+    """A built LM whose head is its embedding (``head.weight = embed.weight``, found by ``from_model``): under 1F1B
+    rank 1 holds it as ``head.weight`` alone, under ZB-V rank 0 holds both names."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(mdl.VOCAB, mdl.D, dtype=torch.float64)
+        self.blocks = nn.Sequential(
+            *(nn.Sequential(nn.Linear(mdl.D, mdl.D, dtype=torch.float64), nn.Tanh()) for _ in range(4))
+        )
+        self.head = nn.Linear(mdl.D, mdl.VOCAB, bias=False, dtype=torch.float64)
+        self.head.weight = self.embed.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.embed(x)))
+
+
+def found_tie(schedule: str, seed: int) -> sw.Pipeline:
+    torch.manual_seed(seed)
+    return sw.Pipeline.from_model(FoundTie(), loss_fn=mdl.lm_loss, schedule=schedule, microbatches=4, optimizer=adamw)
+
+
+def save_found_tie(ctx: Ctx) -> dict[str, Any]:
+    """The tied weight's optimizer state is saved under its one-process name (``embed.weight``) from every rank
+    holding it, so the checkpoint loads into one process and into a layout that holds both names on one rank."""
+    pipe = found_tie("1f1b", seed=1)
+    named = [n for n, p in pipe.named_parameters() if p.shape == (mdl.VOCAB, mdl.D)]
+    assert named == ["embed.weight"], f"rank {ctx.rank} lists the tied weight as {named}"
+    train(pipe, 0, 2)
+    sw.checkpoint.save(root() / "ftie", pipe, step=2)
+    dump("ftie", ctx, pipe, own(pipe), [])
+    next_loss = train(pipe, 2, 1)
+    if ctx.rank == 0:
+        (root() / "ftie.losses.json").write_text(json.dumps(next_loss))
+    return {"named": named}
+
+
+def load_found_tie(ctx: Ctx) -> dict[str, Any]:
+    """The 1F1B checkpoint into ZB-V (the embedding and the head on rank 0): state and next loss as saved."""
+    pipe = found_tie("zb-v", seed=7)
+    info = sw.checkpoint.load(root() / "ftie", pipe)
+    assert info.optimizer_restored
+    n = assert_same(pipe, own(pipe), "ftie")
+    loss = train(pipe, 2, 1)[0]
+    close(loss, reference("ftie")[2][0])
+    return {"parameters": n, "loss": loss}
+
+
 # ---- loading elsewhere ---------------------------------------------------------------------------
 def load_reshard(model: str, schedule: str, tag: str, **kw: Any) -> Check:
     """Load a checkpoint saved under another layout: parameters and optimizer state exact, next loss close."""
@@ -377,6 +425,7 @@ def suites(world: int) -> dict[str, dict[str, Check]]:
             "load-seed-checkpoint-pp2": load_seed,
             "keep-and-latest": keeps_the_last_two,
             "from-model-pipeline": from_model,
+            "save-found-tie-1f1b": save_found_tie,
             "refuses-bad-checkpoints": refuses,
         },
         "save4": {
@@ -394,6 +443,7 @@ def suites(world: int) -> dict[str, dict[str, Check]]:
             "load-pp4-1f1b-into-pp2-zbv": load_reshard("plain", "zb-v", "p4"),
             "load-pp4-1f1b-into-pp2-interleaved": load_reshard("plain", "interleaved-1f1b", "p4"),
             "tied-restore-pp2": tied_restore,
+            "load-found-tie-1f1b-into-zbv": load_found_tie,
             "load-pp2xtp2-into-pp2": load_reshard("tp", "1f1b", "tp"),
         },
         "resume4": {

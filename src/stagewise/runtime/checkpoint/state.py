@@ -82,14 +82,13 @@ def optimizers_of(target: nn.Module, optimizer: Any) -> list[torch.optim.Optimiz
 
 
 def parameter_names(target: nn.Module) -> dict[int, str]:
-    """id(parameter) -> its one-process name; a pipeline's tied copies under their first use (see :func:`tied_name`,
-    the keys of ``Pipeline.tied_copies``)."""
-    if not isinstance(target, PipelineState):
-        return {id(p): name for name, p in target.named_parameters()}
-    out = {id(p): name for name, p in nn.Module.named_parameters(target)}  # without the copies
-    for first, module in target.tied_copies.items():
-        for inner, p in module.named_parameters():
-            out.setdefault(id(p), tied_name(first, inner))
+    """id(parameter) -> its one-process name, as ``named_parameters()`` gives it: a pipeline's lists a tied
+    parameter under the name one process lists it by (its first name, on a rank that holds it under another
+    only) and its tied copies under their first use (:func:`tied_name`), so the optimizer state of a tie is
+    keyed alike on every rank and under every layout."""
+    out: dict[int, str] = {}
+    for name, p in target.named_parameters():
+        out.setdefault(id(p), name)
     return out
 
 
@@ -332,11 +331,13 @@ def scheduler_state(target: object) -> Any:
     return encode(schedulers[min(schedulers)].state_dict(), "the LR scheduler's state") if schedulers else None
 
 
-def restore_scheduler(target: object, saved: Any) -> None:
+def restore_scheduler(target: object, saved: Any) -> bool:
     """Load :func:`scheduler_state`'s ``saved`` into every scheduler of ``target`` (nothing when None), each keeping
-    its own stage's learning rates (:func:`restore_position`)."""
-    if saved is not None and isinstance(target, PipelineState):
-        restore_position(list(target.schedulers.values()), decode(saved))
+    its own stage's learning rates (:func:`restore_position`); whether some scheduler took it."""
+    if saved is None or not isinstance(target, PipelineState) or not target.schedulers:
+        return False
+    restore_position(list(target.schedulers.values()), decode(saved))
+    return True
 
 
 # A scheduler's entries that belong to its own optimizer's param groups, not to the lockstep position: the base

@@ -62,7 +62,7 @@ from .parts import BUILT_MODEL, Parts
 from .split import SplitError, collect_tags, split_model
 from .split.trace import first_calls, trace
 from .tied import TiedCall
-from .ties import found_ties, save_once, tied_layers, unsaved_names
+from .ties import found_ties, save_once, tie_aliases, tied_layers, unsaved_names
 from .unheld import watch_first_forward
 
 if TYPE_CHECKING:
@@ -140,6 +140,7 @@ class FromModel:
         starts = [sum(counts[:k]) for k in range(n + 1)]
         tied = found_ties(model, tie_units(model, split.tied, split.blocks, starts))  # summed as sw.Tied
         unsaved = unsaved_names(split.stage_modules, split.tied, sched.placement, ctx.rank, model)
+        aliases = tie_aliases(mine.values(), split.tied, model)  # listed under the first name, as one process does
         if options.free_unused:
             free_unheld(model, mine.values())
         given_storage(mine.values(), model, ctx.device)  # (a re-layout's build from a meta twin: filled after)
@@ -160,6 +161,7 @@ class FromModel:
             profile=measured,
             model_cut=cut,
             tied=tied,
+            aliases=aliases,
         )
 
 

@@ -15,7 +15,7 @@ ones and a transformers model's tied embedding alike), which ``stagewise.profile
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from torch import nn
@@ -56,6 +56,20 @@ def found_ties(model: nn.Module, uses: Mapping[str, Sequence[int]]) -> FoundTies
         return box
 
     return FoundTies({name: list(units) for name, units in uses.items()}, holder, model.get_parameter)
+
+
+def tie_aliases(held: Iterable[nn.Module], ties: Iterable[str], model: nn.Module) -> dict[str, str]:
+    """The names this rank holds a tied parameter under when it does not hold it under its first name
+    (``head.weight`` without ``embed.weight``), each -> that first name: ``Pipeline.named_parameters`` lists it
+    so, as one process lists a tied parameter once under its first name, and its optimizer state is saved and
+    found under that name on every rank and under every layout (:mod:`..checkpoint.state`)."""
+    out: dict[str, str] = {}
+    for first in ties:
+        param = model.get_parameter(first)
+        names = [n for m in held for n, p in m.named_parameters(remove_duplicate=False) if p is param]
+        if names and first not in names:
+            out.update(dict.fromkeys(names, first))
+    return out
 
 
 def unsaved_names(
