@@ -27,18 +27,33 @@ class Attention(nn.Module):
         return h + F.dropout(self.lin(h), p=self.attention_dropout, training=self.training)
 
 
+class ChildRate(nn.Module):
+    """Holds a dropout layer but hands its rate to the functional dropout, never calling it (transformers' GPT-2
+    gives ``self.attn_dropout.p`` to ``scaled_dot_product_attention``)."""
+
+    def __init__(self, rate: float = 0.2) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D, dtype=torch.float64)
+        self.attn_dropout = nn.Dropout(rate)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + F.dropout(self.lin(h), p=self.attn_dropout.p, training=self.training)
+
+
 def layers() -> list[sw.Layer]:
     out: list[sw.Layer] = []
     for _ in range(3):
         out += [sw.Layer(nn.Linear, D, D, dtype=torch.float64), sw.Layer(nn.Dropout, 0.3), sw.Layer(Attention)]
-    return [*out, sw.Layer(nn.Linear, D, 3, dtype=torch.float64)]
+    return [*out, sw.Layer(ChildRate), sw.Layer(nn.Linear, D, 3, dtype=torch.float64)]
 
 
 def test_what_is_seeded() -> None:
-    """Dropout layers with p > 0 and modules holding a float rate named like one; not a rate of 0, nor a rate
-    under another name, nor an Identity."""
+    """Dropout layers with p > 0, modules holding a float rate named like one or a dropout child; not a rate of
+    0, nor a rate under another name, nor an Identity, nor a container."""
     assert drops(nn.Dropout(0.1)) and drops(nn.AlphaDropout(0.2)) and drops(Attention())
     assert not drops(nn.Dropout(0.0)) and not drops(Attention(0.0)) and not drops(nn.Identity())
+    assert drops(ChildRate()) and not drops(ChildRate(0.0))  # a dropout child: its p may be used without a call
+    assert not drops(nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.1)))  # a container draws only through children
     weird = nn.Linear(2, 2)
     weird.rate = 0.5  # type: ignore[assignment]
     assert not drops(weird)

@@ -3,10 +3,11 @@
 A pipeline's forwards run micro-batch by micro-batch, stage by stage, in the schedule's order, and on other
 ranks: drawn from the global generator, a dropout mask would depend on the layout, the schedule and what
 ran before it on that rank, and no one-process run could give the same masks. So, while a stage's forward
-runs in training, each module that can drop (an ``nn.Dropout`` of any kind with ``p > 0``, or a module with a
-float attribute named ``*dropout*`` or ``*pdrop*`` above 0: an attention calling ``F.dropout`` or
-``scaled_dot_product_attention(dropout_p=...)`` itself) runs with the CPU generator, and the stage's
-device's, seeded by :func:`key` (a forward pre-hook on the module, put there for the forward's time only)::
+runs in training, each module that can drop (an ``nn.Dropout`` of any kind with ``p > 0``; a module with a
+float attribute named ``*dropout*`` or ``*pdrop*`` above 0, or a module, not a container, with such a dropout
+child: an attention calling ``F.dropout`` or ``scaled_dot_product_attention(dropout_p=...)`` itself) runs
+with the CPU generator, and the stage's device's, seeded by :func:`key` (a forward pre-hook on the module, put
+there for the forward's time only)::
 
     key(seed, replica, step, micro-batch, the module's name in the one-process model, the call's number)
 
@@ -79,12 +80,21 @@ def _folded(words: tuple[int, ...]) -> int:
     return h >> 1
 
 
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
 def drops(module: nn.Module) -> bool:
-    """Whether ``module`` itself may drop: a dropout layer with ``p > 0``, or a float ``*dropout*`` / ``*pdrop*``
-    attribute above 0 (an attention that calls the functional dropout with it)."""
+    """Whether ``module`` itself may drop: a dropout layer with ``p > 0``, a float ``*dropout*`` / ``*pdrop*``
+    attribute above 0 (an attention that calls the functional dropout with it), or a dropout child with ``p > 0``
+    of a module that is not a container (an attention that hands the child's ``p`` to
+    ``scaled_dot_product_attention`` and never calls the child: transformers' GPT-2)."""
     if isinstance(module, _DropoutNd):
         return module.p > 0
-    return any(isinstance(v, float) and v > 0 and ("dropout" in k or "pdrop" in k) for k, v in vars(module).items())
+    if any(isinstance(v, float) and v > 0 and ("dropout" in k or "pdrop" in k) for k, v in vars(module).items()):
+        return True
+    return not isinstance(module, _CONTAINERS) and any(
+        isinstance(c, _DropoutNd) and c.p > 0 for c in module._modules.values()
+    )
 
 
 def random_modules(named: Iterator[tuple[str, nn.Module]]) -> dict[int, tuple[str, nn.Module]]:
