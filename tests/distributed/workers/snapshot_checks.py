@@ -82,6 +82,10 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: str) -> i
     return len(a)
 
 
+def decay(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+
+
 def seeded(ctx: Ctx) -> None:
     torch.manual_seed(1000 + ctx.rank)  # dropout's stream, per rank
 
@@ -92,12 +96,14 @@ def same_layout(ctx: Ctx) -> dict[str, Any]:
     the generators come back), and so is the whole state after it."""
     root = folder(ctx, "same")
     seeded(ctx)
-    a = pipe(snapshot=sw.Snapshots(every=2, folder=str(root), extra=lambda: {"seen": 4 * BATCH}))
+    a = pipe(snapshot=sw.Snapshots(every=2, folder=str(root), extra=lambda: {"seen": 4 * BATCH}), lr_scheduler=decay)
     losses = train(a, range(1, 6))
     a.snapshots.wait()
-    b = pipe(seed=9, snapshot=sw.Snapshots(every=2, folder=str(root)))
+    b = pipe(seed=9, snapshot=sw.Snapshots(every=2, folder=str(root)), lr_scheduler=decay)
     info = sw.checkpoint.resume(root / "ckpt", b)
     assert info is not None and info.step == 4 and info.rng_restored, info
+    assert info.scheduler_saved and info.scheduler_restored, info  # lr_scheduler=: at step 4's position
+    assert [s.last_epoch for s in b.schedulers.values()] == [4] * len(b.schedulers)
     assert info.extra == {"seen": 32} and "peer snapshots" in info.reason, info
     assert b.snapshots.step == 4
     again = train(b, range(5, 6))
@@ -110,7 +116,7 @@ def other_layout(ctx: Ctx) -> dict[str, Any]:
     one-process name, equal to the bit to what the saving ranks held; the generators are not restored."""
     root = folder(ctx, "other")
     seeded(ctx)
-    a = pipe(snapshot=sw.Snapshots(every=3, folder=str(root)))
+    a = pipe(snapshot=sw.Snapshots(every=3, folder=str(root)), lr_scheduler=decay)
     train(a, range(1, 4))
     a.snapshots.wait()
     saved: dict[str, torch.Tensor] = {}
@@ -122,6 +128,7 @@ def other_layout(ctx: Ctx) -> dict[str, Any]:
     )  # fmt: skip
     info = sw.checkpoint.resume(root / "ckpt", b)
     assert info is not None and info.step == 3 and not info.rng_restored, info
+    assert info.scheduler_saved and not info.scheduler_restored, info  # b has no lr_scheduler= to take it
     mine = state(b)
     same(mine, {k: saved[k] for k in mine}, "pp 4 from pp 2 x dp 2")
     la, lb = train(a, range(4, 5)), train(b, range(4, 5))  # dropout streams differ: close, not equal

@@ -136,7 +136,8 @@ def _from_snapshots(source: PeerSnapshots, choice: Choice | None, ranks: storage
         raise CheckpointError(f"the peers' snapshots were refused {_TRIES} times in a row: see the log")
     assigned, problems = _assign(model, choice, parts[ranks.rank] if ranks.rank in parts else [])
     storage.agree(problems, ranks, f"the snapshot of step {choice.step} does not fit this model")
-    _apply(model, assigned, choice, parts.get(ranks.rank, []))
+    mine = parts.get(ranks.rank, [])
+    scheduler_restored = _apply(model, assigned, choice, mine)
     note_checkpoint(snap.folder, choice.step, loaded=True)
     extras = source.extras
     owners = sorted(o for (step, lineage, o) in extras if (step, lineage) == (choice.step, choice.lineage))
@@ -149,9 +150,10 @@ def _from_snapshots(source: PeerSnapshots, choice: Choice | None, ranks: storage
         layout=choice.layout,
         versions={"stagewise": VERSION, "torch": torch.__version__},
         optimizer_restored=True,
-        scheduler_restored=False,
+        scheduler_restored=scheduler_restored,
         rng_restored=choice.rng,
         reason=f"peer snapshots: step {choice.step} (generation {choice.lineage}), newer than any checkpoint",
+        scheduler_saved=bool(mine) and mine[0].header.get("scheduler") is not None,
     )
 
 
@@ -277,8 +279,9 @@ def _assign(model: nn.Module, choice: Choice, parts: list[Part]) -> tuple[dict[s
 
 
 @torch.no_grad()
-def _apply(model: nn.Module, assigned: dict[str, torch.Tensor], choice: Choice, parts: list[Part]) -> None:
-    """Write the model's tensors, the optimizers' state and (same layout) the generators' states."""
+def _apply(model: nn.Module, assigned: dict[str, torch.Tensor], choice: Choice, parts: list[Part]) -> bool:
+    """Write the model's tensors, the optimizers' state and (same layout) the generators' states; whether the
+    pipeline's schedulers (``lr_scheduler=``) took the saved one's position."""
     targets = {state.MODEL + k: v for k, v in state.load_targets(model).items()}
     for name, src in assigned.items():
         targets[name].copy_(src)
@@ -302,4 +305,4 @@ def _apply(model: nn.Module, assigned: dict[str, torch.Tensor], choice: Choice, 
     if choice.rng:
         state.set_rng_state(parts[0].header["rng"])  # its own file comes first (see .choose)
     state.restore_dropout(model, parts[0].header.get("dropout"))  # any layout: the masks' step and seed
-    state.restore_scheduler(model, parts[0].header.get("scheduler"))  # lr_scheduler=: where the schedule was
+    return state.restore_scheduler(model, parts[0].header.get("scheduler"))  # lr_scheduler=: where it was
