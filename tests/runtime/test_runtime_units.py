@@ -13,7 +13,7 @@ from torch import nn
 import stagewise as sw
 from helpers import models as mdl
 from stagewise.runtime.engine.microbatch import batch_size, merge, split
-from stagewise.runtime.engine.tree import flatten, leaf_paths, unflatten
+from stagewise.runtime.engine.tree import flatten, leaf_paths, spec_difference, unflatten
 from stagewise.runtime.frontends.layers import Chain, named_layers, parameter_count, partition
 
 Pair = namedtuple("Pair", "a b")
@@ -27,6 +27,27 @@ def test_flatten_round_trips_containers_and_constants() -> None:
     back = unflatten(spec, leaves)
     assert back["rest"][1] == [3, "s", None] and isinstance(back["p"], Pair) and back["p"].b == 2.5
     assert leaf_paths(spec) == ["output['x']", "output['rest'][0]", "output['p'].a"]
+
+
+def test_a_changed_structure_is_named_where_it_first_differs() -> None:
+    """The words a structure change across a stage gets: the first path that differs, and what it was."""
+    t = torch.ones(1)
+
+    def spec(value: object) -> tuple:
+        return flatten(value)[1]
+
+    assert spec_difference(spec((t, t, t)), spec((t, t, None))) == "output[2] is a tensor, where it was None"
+    assert (
+        spec_difference(spec((t, t)), spec((t, t, None)), "input") == "input is a tuple of 2, where it was a tuple of 3"
+    )
+    got = spec_difference(spec({"x": t, "p": Pair(t, 3)}), spec({"x": t, "p": Pair(t, 2)}))
+    assert got == "output['p'].b is 3, where it was 2"
+    assert (
+        spec_difference(spec({"x": t}), spec({"y": t}))
+        == "output is a dict of keys ['x'], where it was a dict of keys ['y']"
+    )
+    assert spec_difference(spec([t, "s"]), spec((t, "s"))) == "output is a list of 2, where it was a tuple of 2"
+    assert spec_difference(spec((t, [1])), spec((t, [1]))) == ""
 
 
 # ---- micro-batches ---------------------------------------------------------------

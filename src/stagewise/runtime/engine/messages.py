@@ -33,7 +33,7 @@ from ..comm.collectives import decode, encode
 from ..comm.faults.waiters import Watch
 from ..comm.transport.protocol import Op, Transport, check_tag
 from ..errors import PipelineError
-from .tree import Spec, flatten, leaf_paths, same_spec, spec_from_plain, spec_to_plain, unflatten
+from .tree import Spec, flatten, leaf_paths, same_spec, spec_difference, spec_from_plain, spec_to_plain, unflatten
 
 
 @dataclass(frozen=True)
@@ -212,7 +212,10 @@ class Mailbox:
         if not same_spec(known.spec, meta.spec):
             problem = (
                 f"stage {msg.stage} sent a value {to} for micro-batch {msg.microbatch} whose structure or "
-                f"non-tensor values changed since the first step: {_brief(meta.spec)}, expected {_brief(known.spec)}"
+                f"non-tensor values changed since the first step: {spec_difference(meta.spec, known.spec, root)} "
+                f"({_brief(meta.spec)}, expected {_brief(known.spec)}); they are fixed after the first step: give "
+                "every step inputs of one form (the same optional inputs, e.g. always or never position_ids), or "
+                "call Pipeline.reset_shapes() on every rank to change it"
             )
         else:
             names = leaf_paths(meta.spec, root)

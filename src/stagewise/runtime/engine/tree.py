@@ -96,6 +96,49 @@ def _paths(spec: Spec, prefix: str, out: list[str]) -> None:
             _paths(s, f"{prefix}[{k!r}]", out)
 
 
+def spec_difference(new: Spec, old: Spec, root: str = "output") -> str:
+    """Where ``new`` first differs from ``old``, in words (``output[2] is a tensor, where it was None``), for
+    error messages; "" when they are the same."""
+    found = _differs(new, old, root)
+    if found is None:
+        return ""
+    path, a, b = found
+    return f"{path} is {_what(a)}, where it was {_what(b)}"
+
+
+def _what(spec: Spec) -> str:
+    tag = spec[0]
+    if tag == "T":
+        return "a tensor"
+    if tag == "C":
+        text = repr(spec[1])
+        return text if len(text) <= 40 else text[:37] + "..."
+    if tag in ("tuple", "list"):
+        return f"a {tag} of {len(spec[1])}"
+    if tag == "namedtuple":
+        return f"a {spec[1].__name__}"
+    return f"a dict of keys {list(spec[1])}"
+
+
+def _differs(new: Spec, old: Spec, prefix: str) -> tuple[str, Spec, Spec] | None:
+    if same_spec(new, old):
+        return None
+    tag = new[0]
+    if tag != old[0] or tag in ("T", "C") or not same_spec(new[1:-1], old[1:-1]) or len(new[-1]) != len(old[-1]):
+        return prefix, new, old  # (the kind, a namedtuple's type, a dict's keys or the length differ)
+    if tag == "namedtuple":
+        names = [f"{prefix}.{f}" for f in new[1]._fields]
+    elif tag == "dict":
+        names = [f"{prefix}[{k!r}]" for k in new[1]]
+    else:
+        names = [f"{prefix}[{k}]" for k in range(len(new[1]))]
+    for name, a, b in zip(names, new[-1], old[-1]):
+        found = _differs(a, b, name)
+        if found is not None:
+            return found
+    return prefix, new, old
+
+
 def same_spec(a: Spec, b: Spec) -> bool:
     """Spec equality that tolerates constants whose ``==`` is not a plain bool."""
     try:
