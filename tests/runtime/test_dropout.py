@@ -53,6 +53,7 @@ def test_what_is_seeded() -> None:
     assert drops(nn.Dropout(0.1)) and drops(nn.AlphaDropout(0.2)) and drops(Attention())
     assert not drops(nn.Dropout(0.0)) and not drops(Attention(0.0)) and not drops(nn.Identity())
     assert drops(ChildRate()) and not drops(ChildRate(0.0))  # a dropout child: its p may be used without a call
+    assert not drops(ChildRate(), root=True)  # the pipeline (or model) holding dropout layers is not seeded itself
     assert not drops(nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.1)))  # a container draws only through children
     weird = nn.Linear(2, 2)
     weird.rate = 0.5  # type: ignore[assignment]

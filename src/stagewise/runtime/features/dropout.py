@@ -83,25 +83,29 @@ def _folded(words: tuple[int, ...]) -> int:
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
 
-def drops(module: nn.Module) -> bool:
+def drops(module: nn.Module, root: bool = False) -> bool:
     """Whether ``module`` itself may drop: a dropout layer with ``p > 0``, a float ``*dropout*`` / ``*pdrop*``
     attribute above 0 (an attention that calls the functional dropout with it), or a dropout child with ``p > 0``
-    of a module that is not a container (an attention that hands the child's ``p`` to
-    ``scaled_dot_product_attention`` and never calls the child: transformers' GPT-2)."""
+    of a module that is neither a container nor the ``root`` (the pipeline, or the model, holding the layers):
+    an attention that hands the child's ``p`` to ``scaled_dot_product_attention`` and never calls the child
+    (transformers' GPT-2)."""
     if isinstance(module, _DropoutNd):
         return module.p > 0
     if any(isinstance(v, float) and v > 0 and ("dropout" in k or "pdrop" in k) for k, v in vars(module).items()):
         return True
-    return not isinstance(module, _CONTAINERS) and any(
-        isinstance(c, _DropoutNd) and c.p > 0 for c in module._modules.values()
+    return (
+        not root
+        and not isinstance(module, _CONTAINERS)
+        and any(isinstance(c, _DropoutNd) and c.p > 0 for c in module._modules.values())
     )
 
 
 def random_modules(named: Iterator[tuple[str, nn.Module]]) -> dict[int, tuple[str, nn.Module]]:
-    """id -> (name, module) of every module that may drop, among ``named`` (a module seen twice: its first name)."""
+    """id -> (name, module) of every module that may drop, among ``named`` (a module seen twice: its first name;
+    ``""``, the root's)."""
     out: dict[int, tuple[str, nn.Module]] = {}
     for name, module in named:
-        if id(module) not in out and drops(module):
+        if id(module) not in out and drops(module, root=name == ""):
             out[id(module)] = (name, module)
     return out
 
