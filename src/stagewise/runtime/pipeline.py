@@ -237,10 +237,8 @@ class Pipeline(nn.Module):
             yield from self._train(window)
 
     def eval_step(self, inputs: Any = None, *, merge_outputs: bool = True) -> Any:
-        """Forward only (no autograd graph); the last stage's rank gets the outputs, others None.
-
-        Outputs are concatenated along dim 0, or returned per micro-batch with ``merge_outputs=False``.
-        """
+        """Forward only (no autograd graph); the last stage's rank gets the outputs, others None: concatenated
+        along dim 0, or per micro-batch with ``merge_outputs=False``."""
         runner = self._engine.runner
         return runner.guarded(lambda: runner.eval(inputs, merge_outputs), "eval_step")
 
@@ -248,12 +246,13 @@ class Pipeline(nn.Module):
         """``loss_fn(model(inputs), targets)``, forward only, over every replica, on every rank (a collective)."""
         return eval_loss(self, inputs, targets)
 
-    def local_batch(self, inputs: Any = None, targets: Any = None) -> tuple[Any, Any]:
-        """This rank's data-parallel share of a global batch (all of it without ``parallel=``)."""
+    def local_batch(self, inputs: Any = None, targets: Any = None, *, uneven: bool = False) -> tuple[Any, Any]:
+        """This rank's data-parallel share of a global batch (all of it without ``parallel=``); ``uneven=True``:
+        ``tensor_split``'s shares, for an evaluation (``eval_loss`` weights them; a train step needs equal ones)."""
         if self.hybrid is None:
             return inputs, targets
-        h, o = self.hybrid, self.options
-        return h.local_batch(inputs, o.batch_dim, "inputs"), h.local_batch(targets, o.target_batch_dim, "targets")
+        h, o, u = self.hybrid, self.options, uneven
+        return h.local_batch(inputs, o.batch_dim, "inputs", u), h.local_batch(targets, o.target_batch_dim, "targets", u)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
         """Clip the gradients of the whole model - every stage, every mesh axis - to total norm ``max_norm``.

@@ -74,13 +74,17 @@ def same_batch(ctx: Ctx) -> None:
 
 
 def eval_over_replicas(ctx: Ctx) -> None:
-    """pp 2 x dp 2 (issue 51 item 5): eval_loss on uneven replica shares is the one-process loss of the whole batch
-    on every rank (each replica's mean weighted by its rows)."""
+    """pp 2 x dp 2 (issue 51 item 5): eval_loss on uneven replica shares (9 rows: 5 and 4, from
+    ``local_batch(..., uneven=True)``, which refuses them without it) is the one-process loss of the whole batch on
+    every rank (each replica's mean weighted by its rows)."""
     layers, config = gelu_mlp(), sw.ParallelConfig(pp=2, dp=2)
     pipe = sw.Pipeline(layers, loss_fn=F.cross_entropy, microbatches=2, parallel=config, timeout=60.0, seed=2)
     ref = sw.build_model(layers, seed=2)
-    x, y = mlp_data(10, seed=4)
-    loss = pipe.eval_loss(*pipe.local_batch(x, y))
+    x, y = mlp_data(9, seed=4)
+    raises(ValueError, "uneven=True", lambda: pipe.local_batch(x, y))
+    mine = pipe.local_batch(x, y, uneven=True)
+    assert len(mine[0]) == len(mine[1]) == (5 if pipe.process_rank in (0, 2) else 4), (pipe.process_rank, len(mine[0]))
+    loss = pipe.eval_loss(*mine)
     with torch.no_grad():
         want = F.cross_entropy(ref(x), y).item()
     assert abs(loss - want) <= 1e-12 * max(1.0, abs(want)), (loss, want)

@@ -177,16 +177,18 @@ class Hybrid:
         attached."""
         self.mesh.all_reduce(t, axes, op, wait=self._wait, what="a reduction over the mesh")
 
-    def local_batch(self, value: Any, dims: Dims, what: str) -> Any:
-        """This replica's equal share of a global batch (``value`` cut along ``dims``)."""
+    def local_batch(self, value: Any, dims: Dims, what: str, uneven: bool = False) -> Any:
+        """This replica's equal share of a global batch (``value`` cut along ``dims``); ``uneven``: its
+        ``tensor_split`` share, for an evaluation."""
         r = self.config.replicas
         if value is None or r == 1:
             return value
         parts, sizes = split(value, r, dims, what)
-        if len(set(sizes)) > 1:
+        if len(set(sizes)) > 1 and not uneven:
             raise ValueError(
                 f"the {what} hold a batch of {sum(sizes)}, which does not split evenly over "
-                f"dp={self.config.dp} x sharding={self.config.sharding} = {r} replicas"
+                f"dp={self.config.dp} x sharding={self.config.sharding} = {r} replicas (a train step needs equal "
+                "shares; for an evaluation, pipe.local_batch(..., uneven=True) gives shares eval_loss weighs)"
             )
         return parts[self.mesh.replica]
 
