@@ -152,3 +152,20 @@ def test_clips_norm_is_in_the_last_record_without_metrics(one_rank) -> None:
         opt.zero_grad()
         assert pipe.metrics.last["grad_norm"] == pytest.approx(norm, rel=1e-12), step
         assert pipe.metrics.last["loss"] == loss
+
+
+def test_the_resume_line_says_what_brings_a_dropped_scheduler_back() -> None:
+    """A checkpoint's scheduler state goes to scheduler= or lr_scheduler=; peer snapshots hold lr_scheduler='s only."""
+    from pathlib import Path
+
+    from stagewise.runtime.checkpoint.declared import CheckpointInfo
+    from stagewise.runtime.checkpoint.resume import scheduler_note
+
+    def info(reason: str, saved: bool = True, restored: bool = False) -> CheckpointInfo:
+        return CheckpointInfo(Path("c"), 3, None, {}, {}, True, restored, True, reason, scheduler_saved=saved)
+
+    disk = scheduler_note(info("the newest checkpoint"))
+    assert "pass scheduler= to resume" in disk and "lr_scheduler=" in disk
+    snapshots = scheduler_note(info("peer snapshots: step 3 (generation 0), newer than any checkpoint"))
+    assert "NOT restored" in snapshots and "lr_scheduler=" in snapshots and "scheduler= to resume" not in snapshots
+    assert scheduler_note(info("peer snapshots: step 3", restored=True)) == scheduler_note(info("x", saved=False)) == ""

@@ -208,6 +208,8 @@ def scheduler_note(info: CheckpointInfo) -> str:
     """What the resumed line adds when the checkpoint's LR scheduler state went nowhere (the warm-up restarts)."""
     if not info.scheduler_saved or info.scheduler_restored:
         return ""
+    if info.reason.startswith("peer snapshots"):  # (elastic.recover's reason) they hold lr_scheduler='s only
+        return "; its LR scheduler state was NOT restored: build the Pipeline with lr_scheduler=, as the saving run was"
     return (
         "; its LR scheduler state was NOT restored (none given): pass scheduler= to resume, or build the "
         "Pipeline with lr_scheduler=, else the schedule starts over"
