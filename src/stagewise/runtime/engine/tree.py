@@ -82,18 +82,22 @@ def leaf_paths(spec: Spec, root: str = "output") -> list[str]:
 
 
 def _paths(spec: Spec, prefix: str, out: list[str]) -> None:
-    tag = spec[0]
-    if tag == "T":
+    if spec[0] == "T":
         out.append(prefix)
-    elif tag in ("tuple", "list"):
-        for k, s in enumerate(spec[1]):
-            _paths(s, f"{prefix}[{k}]", out)
-    elif tag == "namedtuple":
-        for name, s in zip(spec[1]._fields, spec[2]):
-            _paths(s, f"{prefix}.{name}", out)
-    elif tag == "dict":
-        for k, s in zip(spec[1], spec[2]):
-            _paths(s, f"{prefix}[{k!r}]", out)
+    for name, child in _children(spec, prefix):
+        _paths(child, name, out)
+
+
+def _children(spec: Spec, prefix: str) -> list[tuple[str, Spec]]:
+    """A container's parts, each with its readable name (``prefix[1]``, ``prefix.field``, ``prefix['key']``)."""
+    tag = spec[0]
+    if tag in ("tuple", "list"):
+        return [(f"{prefix}[{k}]", s) for k, s in enumerate(spec[1])]
+    if tag == "namedtuple":
+        return [(f"{prefix}.{name}", s) for name, s in zip(spec[1]._fields, spec[2])]
+    if tag == "dict":
+        return [(f"{prefix}[{k!r}]", s) for k, s in zip(spec[1], spec[2])]
+    return []
 
 
 def spec_difference(new: Spec, old: Spec, root: str = "output") -> str:
@@ -126,13 +130,7 @@ def _differs(new: Spec, old: Spec, prefix: str) -> tuple[str, Spec, Spec] | None
     tag = new[0]
     if tag != old[0] or tag in ("T", "C") or not same_spec(new[1:-1], old[1:-1]) or len(new[-1]) != len(old[-1]):
         return prefix, new, old  # (the kind, a namedtuple's type, a dict's keys or the length differ)
-    if tag == "namedtuple":
-        names = [f"{prefix}.{f}" for f in new[1]._fields]
-    elif tag == "dict":
-        names = [f"{prefix}[{k!r}]" for k in new[1]]
-    else:
-        names = [f"{prefix}[{k}]" for k in range(len(new[1]))]
-    for name, a, b in zip(names, new[-1], old[-1]):
+    for (name, a), (_, b) in zip(_children(new, prefix), _children(old, prefix)):
         found = _differs(a, b, name)
         if found is not None:
             return found
