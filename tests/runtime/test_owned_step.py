@@ -6,6 +6,7 @@ saved scheduler state unused says so in its line. On a one-rank group (the multi
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import pytest
 import torch
@@ -169,3 +170,44 @@ def test_the_resume_line_says_what_brings_a_dropped_scheduler_back() -> None:
     snapshots = scheduler_note(info("peer snapshots: step 3 (generation 0), newer than any checkpoint"))
     assert "NOT restored" in snapshots and "lr_scheduler=" in snapshots and "scheduler= to resume" not in snapshots
     assert scheduler_note(info("peer snapshots: step 3", restored=True)) == scheduler_note(info("x", saved=False)) == ""
+
+
+def _one_cycle(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.2, total_steps=3)
+
+
+def _raised(step: Any, *args: Any) -> str | None:
+    """The error ``step(*args)`` raised (its text and notes), or None."""
+    try:
+        step(*args)
+    except ValueError as err:
+        return "\n".join([str(err), *getattr(err, "__notes__", [])])
+    return None
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-v"])
+def test_a_scheduler_that_raises_leaves_the_step_taken_and_the_pipeline_whole(one_rank, tmp_path, schedule) -> None:
+    """``OneCycleLR`` past its ``total_steps`` raises at its ``step()``, after the optimizer stepped: in one process
+    the step stands and the loop can go on. The pipeline raises the scheduler's own error once the train step is
+    done and counted, and stays whole: it trains on, evaluates and saves (a failed pipeline refused all three)."""
+    pipe = _owned(schedule, lr_scheduler=_one_cycle, clip=None)
+    ref = sw.build_model(mdl.mlp(), seed=2)
+    opt = _sgd(list(ref.parameters()))
+    sched = _one_cycle(opt)
+    got, want = [], []
+    for k in range(5):
+        x, y = mdl.mlp_data(7, seed=k)
+        got.append(_raised(pipe.train_step, x, y))
+        F.cross_entropy(ref(x), y).backward()
+        opt.step()
+        want.append(_raised(sched.step))
+        opt.zero_grad()
+    assert [g is None for g in got] == [w is None for w in want] == [True] * 3 + [False] * 2
+    assert all(g.startswith(w) and "the train step ran to its end" in g for g, w in zip(got[3:], want[3:]))
+    assert pipe.train_steps == 5
+    ref_params = dict(ref.named_parameters())
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p, ref_params[name], rtol=1e-11, atol=1e-13)
+    sw.checkpoint.save(tmp_path, pipe, step=pipe.train_steps)
+    x, y = mdl.mlp_data(7, seed=9)
+    assert pipe.eval_loss(x, y) == pytest.approx(F.cross_entropy(ref(x), y).item(), rel=1e-12)

@@ -165,6 +165,7 @@ class Pipeline(nn.Module):
             merge.dropped()
             raise
         merge.stepped()
+        runner.raise_late()  # an LR scheduler's error, the step done and counted
         return losses
 
     def relayout(self, members: Sequence[int] | None = None, /, *, plan: Plan | None = None, **changes: Any) -> Layout:

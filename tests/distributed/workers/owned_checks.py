@@ -53,6 +53,62 @@ def owned(schedule: str) -> Check:
     return check
 
 
+def _one_cycle(opt: torch.optim.Optimizer, total: int = 3) -> Any:
+    """Its ``step()`` raises from the ``total + 1``-th call on (the constructor's own is the first)."""
+    return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.3, total_steps=total)
+
+
+def _raised(step: Any, *args: Any) -> str | None:
+    try:
+        step(*args)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def scheduler_raises(ctx: Ctx) -> None:
+    """``OneCycleLR`` past its ``total_steps`` raises after its optimizer stepped: on every rank, once the step is
+    done; the steps stand as in one process (weights to 1e-10), and the pipeline saves and trains on."""
+    layers, m = gelu_mlp(), 4
+    pipe = sw.Pipeline(
+        layers, loss_fn=F.cross_entropy, microbatches=m, group=ctx.group, timeout=60.0, optimizer=_sgd,
+        lr_scheduler=_one_cycle,
+    )  # fmt: skip
+    ref = sw.build_model(layers)
+    ref_opt = _sgd(list(ref.parameters()))
+    ref_sched = _one_cycle(ref_opt)
+    for step in range(5):
+        x, y = mlp_data(2 * m, seed=step)
+        got = _raised(pipe.train_step, x, y)
+        F.cross_entropy(ref(x), y).backward()
+        ref_opt.step()
+        want = _raised(ref_sched.step)
+        ref_opt.zero_grad()
+        assert (got is None) == (want is None) == (step < 3), (step, got, want)
+        assert got is None or want is not None and got.startswith(want), (got, want)
+    assert pipe.train_steps == 5
+    assert_params_close(pipe, ref, "after five steps, two of them past the scheduler's end")
+    x, y = mlp_data(2 * m, seed=9)
+    assert abs(pipe.eval_loss(x, y) - F.cross_entropy(ref(x), y).item()) < 1e-10
+
+
+def scheduler_raises_in_a_window(ctx: Ctx) -> None:
+    """PipeDream: a window is not cut short; the scheduler's error comes on every rank once it is done and counted,
+    and the pipeline trains on."""
+    pipe = sw.Pipeline(
+        gelu_mlp(), loss_fn=F.cross_entropy, schedule="pipedream", microbatches=2, group=ctx.group, timeout=60.0,
+        optimizer=_sgd, lr_scheduler=lambda opt: _one_cycle(opt, 2),
+    )  # fmt: skip
+    window = pipe._engine.runner.lists.size
+    assert window == 2, window  # the scheduler raises at the second window's first STEP, its second steps
+    batches = [mlp_data(4, seed=k) for k in range(2 * window)]
+    said = _raised(lambda: list(pipe.train_stream(batches)))
+    assert said is not None and said.startswith("Tried to step 3 times"), said
+    assert pipe.train_steps == 2 * window
+    assert all(s.last_epoch == 4 for s in pipe.schedulers.values()), [s.last_epoch for s in pipe.schedulers.values()]
+    assert _raised(lambda: list(pipe.train_stream(batches[:1]))) is not None and pipe.train_steps == 2 * window + 1
+
+
 def same_batch(ctx: Ctx) -> None:
     """pp 2 x dp 2 (issue 51 item 7): every replica given the whole batch (local_batch forgotten) is refused on the
     first step, on every rank, before the schedule runs; each given its share trains on."""
@@ -134,6 +190,8 @@ def checks(world: int) -> dict[str, Check]:
     if world == 2:
         out["eval-loss"] = eval_loss
         out["eval-structure"] = eval_structure
+        out["scheduler-raises"] = scheduler_raises
+        out["scheduler-raises-in-a-window"] = scheduler_raises_in_a_window
     if world == 4:
         out["replicas-same-batch"] = same_batch
         out["eval-over-replicas"] = eval_over_replicas

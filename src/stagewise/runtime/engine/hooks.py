@@ -39,6 +39,17 @@ class Stepper(Protocol):
     def step(self, stage: int, optimizer: torch.optim.Optimizer) -> None: ...
 
 
+class AfterStep(Exception):
+    """What follows a stage's optimizer step (its LR scheduler) raised ``error``: the stage stepped, so the train
+    step runs to its end on every rank and raises ``error`` then, the pipeline whole, as ``opt.step();
+    sched.step()`` in one process leaves its step taken."""
+
+    def __init__(self, stage: int, error: Exception) -> None:
+        super().__init__(f"stage {stage}: {error}")
+        self.stage = stage
+        self.error = error
+
+
 class OnDevice:
     """The optimizer steps where its parameters are."""
 
@@ -76,7 +87,10 @@ class StageHooks:
             part.before_step(run, stage)
         opt = self.optimizers.get(stage)
         if opt is not None and not run.accumulate:
-            self.stepper.step(stage, opt)
+            try:
+                self.stepper.step(stage, opt)
+            except AfterStep as late:
+                run.late.append(late)
             opt.zero_grad(set_to_none=True)
 
 

@@ -71,6 +71,7 @@ class Run:
     accumulate: bool = False  # its gradients only accumulate (a gradient merge's step): no reduction, no STEP
     table: Any = None  # an asynchronous window's version table (which weights each action uses), else None
     kept_inputs: dict[tuple[int, int], Any] = field(default_factory=dict)  # inputs kept for a recomputing B
+    late: list[Any] = field(default_factory=list)  # what raised after a stage stepped (.hooks.AfterStep): at the end
     # ---- the interpreter's, for this run --------------------------------------------------------------
     current: Action | None = None  # the action running (or the last one run)
     inbox: dict[Message, Any] = field(default_factory=dict)  # values from a stage on this rank

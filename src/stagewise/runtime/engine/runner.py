@@ -20,6 +20,8 @@ posted to the error board with this rank's place in its action list (:mod:`.fore
 
 from __future__ import annotations
 
+import logging
+import sys
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, ExitStack
@@ -36,6 +38,7 @@ from ..interrupt import note_steps
 from .batches import Batches
 from .eval_inputs import Refused, agreed_record
 from .forensics import position
+from .hooks import AfterStep
 from .interpreter import Interpreter
 from .microbatch import merge
 from .run import Run, RunRecord
@@ -99,6 +102,7 @@ class Runner:
     trained: int = 0  # mini-batches trained before the step running (names a failing one in the stream)
     closed: bool = False  # pipe.close() let go of the groups: nothing runs again
     eval_size: int | None = None  # the last evaluation's batch size (.eval_inputs)
+    late: AfterStep | None = None  # what raised after a stage stepped in the last train step, to raise after it
 
     def guarded(self, body: Callable[[], Any], call: str) -> Any:
         """Run ``body``, the collective ``call`` (counted: :mod:`..comm.faults.calls`); any failure is posted to
@@ -145,7 +149,24 @@ class Runner:
         self.losses = run.losses
         self.trained += n
         note_steps(n)  # where a Ctrl-C finds this rank
+        self.late = run.late[0] if run.late else None
         return run.losses
+
+    def raise_late(self) -> None:
+        """Raise what raised after a stage stepped in the last train step (an LR scheduler's error), once that step
+        is done and counted on every rank: the pipeline stays whole (:class:`.hooks.AfterStep`)."""
+        late, self.late = self.late, None
+        if late is not None:
+            note = (
+                f"stagewise: stage {late.stage}'s LR scheduler raised after its optimizer stepped; the train step "
+                "ran to its end on every rank and counts (pipe.train_steps): the pipeline can go on, evaluate or "
+                "be saved"
+            )
+            if sys.version_info >= (3, 11):
+                late.error.add_note(note)
+            else:  # pragma: no cover (no notes before 3.11: the log says it)
+                logging.getLogger(__name__).warning(note)
+            raise late.error
 
     def eval(self, inputs: Any, merge_outputs: bool) -> Any:
         m = self.schedule.num_microbatches

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ..engine.hooks import OnDevice, Stepper, step_needs
+from ..engine.hooks import AfterStep, OnDevice, Stepper, step_needs
 from ..engine.run import Run
 from .clip import clip_pipeline_grads
 
@@ -68,7 +68,9 @@ def schedulers_per_stage(
 
 
 class Scheduled:
-    """A stepper that steps each stage's scheduler right after its optimizer (where the optimizer steps)."""
+    """A stepper that steps each stage's scheduler right after its optimizer (where the optimizer steps). A
+    scheduler that raises (``OneCycleLR`` past its ``total_steps``) raises after the stage stepped: the train
+    step ends on every rank before its error is raised (:class:`~..engine.hooks.AfterStep`)."""
 
     def __init__(self, inner: Stepper | None, schedulers: Mapping[int, Any]) -> None:
         self.inner: Stepper = inner if inner is not None else OnDevice()
@@ -78,7 +80,10 @@ class Scheduled:
         self.inner.step(stage, optimizer)
         scheduler = self.schedulers.get(stage)
         if scheduler is not None:
-            scheduler.step()
+            try:
+                scheduler.step()
+            except Exception as err:
+                raise AfterStep(stage, err) from err
 
 
 class ClipPart:
