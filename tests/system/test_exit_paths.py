@@ -118,6 +118,10 @@ MISMATCHES = {  # (way, transport) -> what every failing rank's message starts w
     ("eval-on-1", "torch"): _both((1, "eval_loss"), (0, "train_step")),
     ("one-more-on-0", "torch"): [ENDED],  # gloo's closed connection
     ("one-more-on-0", "shm"): [ENDED],  # the peer's process gone
+    ("relayout-on-0", "torch"): [  # (the re-layout's waits name their process by its global rank)
+        "global rank 1 is in train_step while global rank 0 waits in pipe.relayout (the 3rd",
+        "global rank 0 is in pipe.relayout while rank 1 waits in train_step (the 3rd",
+    ],
 }
 
 

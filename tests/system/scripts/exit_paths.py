@@ -8,9 +8,10 @@ way out that used to abort rank 0 at exit ("terminate called without an active e
 returned from a gloo wait while the interpreter finalized); ``uncaught`` lets it end the process (the exit hook);
 ``outside``: rank 1 raises between two steps, in the script's own code, uncaught (it used to die still holding the
 shared-memory names its peer had removed, and Python's resource tracker warned of "leaked" objects);
-``none`` trains without a fault (exit 0). Three ways of calling a collective on some ranks only, each after two
+``none`` trains without a fault (exit 0). Four ways of calling a collective on some ranks only, each after two
 steps: ``save-on-0`` (rank 0 saves a checkpoint, rank 1 trains on), ``eval-on-1`` (rank 1 evaluates, rank 0 trains
-on), ``one-more-on-0`` (rank 0 trains once more; rank 1's script ends). Every rank writes ``DIR/rankR.txt``:
+on), ``one-more-on-0`` (rank 0 trains once more; rank 1's script ends), ``relayout-on-0`` (rank 0 re-lays the
+pipeline out, rank 1 trains on). Every rank writes ``DIR/rankR.txt``:
 ``ok``, or the error it caught. ``--transport``: the pipeline's.
 """
 
@@ -40,7 +41,12 @@ class Boom(nn.Module):
 
 #: way -> (the rank that makes one call more, that call), after two steps on both ranks; then both train once more
 #: (the third step of the one-more way is the rank's extra call: the other's script ends)
-MISMATCHES = {"save-on-0": (0, "save"), "eval-on-1": (1, "eval"), "one-more-on-0": (0, "step")}
+MISMATCHES = {
+    "save-on-0": (0, "save"),
+    "eval-on-1": (1, "eval"),
+    "one-more-on-0": (0, "step"),
+    "relayout-on-0": (0, "relayout"),
+}
 
 
 def _mismatch(way: str, pipe: sw.Pipeline, rank: int, x: torch.Tensor, y: torch.Tensor, out: Path) -> None:
@@ -52,6 +58,8 @@ def _mismatch(way: str, pipe: sw.Pipeline, rank: int, x: torch.Tensor, y: torch.
             sw.checkpoint.save(out / "checkpoints", pipe, step=2)
         elif extra == "eval":
             pipe.eval_loss(x, y)
+        elif extra == "relayout":
+            pipe.relayout(schedule="gpipe")
         else:
             pipe.train_step(x, y)
     if extra != "step":

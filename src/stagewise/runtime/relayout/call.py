@@ -30,7 +30,8 @@ from __future__ import annotations
 import inspect
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from contextlib import nullcontext
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -40,6 +41,7 @@ from ..checkpoint import storage
 from ..checkpoint.declared import PipelineState, Progress, progress_of, restore_progress
 from ..checkpoint.manifest import CheckpointError
 from ..comm import groups, relayout_wire
+from ..comm.faults import calls
 from ..comm.faults.guard import Guard
 from ..errors import PipelineError
 from ..frontends.layer_list import LayerList
@@ -52,6 +54,7 @@ from .clock import Clock
 from .fill import commit
 from .from_snapshots import chosen_progress, current_files, snapshot_refusals
 from .kept import lender
+from .layout import Layout
 from .models import release_model, twin_of
 from .old_layout import hooks_of, let_go_old
 from .primitive import relay
@@ -70,30 +73,6 @@ Build = Callable[[Frontend, Options], nn.Module]
 Live = Sequence[int] | None  # members (None: every process), or the ranks whose live tensors are sources (None: all)
 
 
-@dataclass(frozen=True)
-class Layout:
-    """Where the pipeline stands after a re-layout (the same on every process but ``pp_rank``/``local_stages``).
-
-    ``members``: the global ranks holding it; ``inputs_at`` / ``targets_at``: those holding the first / last
-    stage (who reads inputs / targets); ``seconds``: the time of each part; ``bytes_moved``: across processes.
-    """
-
-    generation: int
-    members: tuple[int, ...]
-    schedule: str
-    num_ranks: int
-    microbatches: int
-    placement: tuple[int, ...]
-    layer_ranges: tuple[tuple[int, int], ...]
-    parallel: dict[str, int] | None
-    inputs_at: tuple[int, ...]
-    targets_at: tuple[int, ...]
-    pp_rank: int | None
-    local_stages: tuple[int, ...]
-    bytes_moved: int
-    seconds: dict[str, float] = field(default_factory=dict)
-
-
 _generations = [0]  # re-layouts this process took part in (advanced alike on every process)
 _calls = [0]  # relayout calls on this process, refused ones too (advanced alike on every process): boards' names
 #: per pipeline (the user's object, which keeps its identity across re-layouts), the groups made for its layout in
@@ -104,7 +83,19 @@ _owned: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDiction
 def relayout(
     pipe: nn.Module, members: Live, changes: Mapping[str, Any], plan: Any, build: Build, live: Live = None
 ) -> Layout:
-    """See the module docstring (``live``: :mod:`.from_snapshots`); ``build(frontend, options)``: the constructor."""
+    """See the module docstring (``live``: :mod:`.from_snapshots`); ``build(frontend, options)``: the constructor.
+
+    A collective call of the pipeline (:mod:`..comm.faults.calls`): a rank waiting in it for a peer that is in
+    another call (``train_step`` on one rank, ``relayout`` on the other) says so within seconds, on both sides,
+    where both waited out their deadline."""
+    scope = pipe.transport.guard.scope if isinstance(pipe, PipelineState) else None
+    with calls.call("relayout", scope) if scope is not None else nullcontext():
+        return _relayout(pipe, members, changes, plan, build, live, scope)
+
+
+def _relayout(
+    pipe: nn.Module, members: Live, changes: Mapping[str, Any], plan: Any, build: Build, live: Live, scope: str | None
+) -> Layout:
     source: Any = pipe
     frontend, options = source.frontend, source.options
     world, me = groups.world_size(), groups.global_rank()
@@ -112,7 +103,7 @@ def relayout(
     old = pipe if isinstance(pipe, PipelineState) else None
     clock = Clock()
     _calls[0] += 1
-    guard = _guard("agreement", options.timeout, me)
+    guard = _guard("agreement", options.timeout, me, scope)
     agreeing = storage.Ranks(None, me, world, torch.device("cpu"), True, guard, options.timeout, True)
     try:
         progress, schedule = _agree(agreeing, old, frontend, options, chosen, changes, plan, live)
@@ -124,7 +115,7 @@ def relayout(
     exchange = relayout_wire.fresh_group(range(world), options.timeout, backend="gloo")
     prepared = _groups_ahead(chosen, world, options)
     clock.lap("groups")
-    guard = _guard("move", options.timeout, me)
+    guard = _guard("move", options.timeout, me, scope)
     ranks = storage.Ranks(exchange, me, world, torch.device("cpu"), True, guard, options.timeout, True)
     new: nn.Module | None = None
     old_hooks = hooks_of(pipe)  # (before the build: a module the new layout shares gets its hooks too)
@@ -163,11 +154,11 @@ def relayout(
     return layout
 
 
-def _guard(part: str, timeout: float, me: int) -> Guard:
+def _guard(part: str, timeout: float, me: int, scope: str | None) -> Guard:
     """The deadline and error board of one part of this re-layout: the board is named by the count of this
     call, which every process makes alike (a count of pipelines built would not do: a retired process builds
-    none)."""
-    return Guard(f"relayout/{_calls[0]}/{part}", timeout, f"global rank {me}")
+    none); its waits judge the peers' collective calls of the pipeline's ``scope``."""
+    return Guard(f"relayout/{_calls[0]}/{part}", timeout, f"global rank {me}", scope=scope)
 
 
 def _failed(ranks: storage.Ranks, err: BaseException) -> PipelineError | None:

@@ -1,4 +1,4 @@
-"""The seconds of each part of a re-layout (:attr:`~.call.Layout.seconds`), lap by lap."""
+"""The seconds of each part of a re-layout (:attr:`~.layout.Layout.seconds`), lap by lap."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ Three exchanges, every process taking part in each, before any tensor moves:
 1. every process's four key lists (:mod:`.keys`: 8 bytes a model tensor or an optimizer unit), gathered;
 2. a small gather: the model tensors each process needs that no process holds (by name, from the process that
    needs them: so every process refuses the same bad request with the same reason), the bytes each will send,
-   and each member's new stages and layout (what :class:`~.call.Layout` reports);
+   and each member's new stages and layout (what :class:`~.layout.Layout` reports);
 3. point to point, between the pairs a tensor moves between only: the sender's names, shapes and dtypes of what
    it sends, and the optimizer metadata (hyper-parameters, non-tensor state) of each unit it sends; the receiver
    checks every name against the one it needs.

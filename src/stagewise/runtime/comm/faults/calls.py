@@ -25,8 +25,9 @@ NAMES = {  # how the messages name each kind of call
     "eval_loss": "eval_loss",
     "save": "sw.checkpoint.save",
     "load": "sw.checkpoint.load",
+    "relayout": "pipe.relayout",
 }
-_COLLECTIVES = "train_step, eval_step, eval_loss, sw.checkpoint.save and load"
+_COLLECTIVES = "train_step, eval_step, eval_loss, sw.checkpoint.save and load, pipe.relayout"
 
 
 class History:
