@@ -42,7 +42,12 @@ def test_cell(results: SuiteResults, name: str) -> None:
 
 @pytest.mark.parametrize(
     "name",
-    ["protocol-async-nan-later-window", "protocol-async-batchnorm-deferred", "protocol-async-batchnorm-micro"],
+    [
+        "protocol-async-nan-later-window",
+        "protocol-async-batchnorm-deferred",
+        "protocol-async-batchnorm-micro",
+        "protocol-async-batchnorm-micro-recomputed",
+    ],
 )
 def test_asynchronous_windows_run_the_one_step_protocol(results: SuiteResults, name: str) -> None:
     """Options reach every window of a stream: a NaN in the third window raises on every rank; BatchNorm's

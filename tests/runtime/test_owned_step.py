@@ -102,6 +102,10 @@ def test_bad_values_are_refused(keywords: dict, words: str) -> None:
 def test_clip_is_refused_by_asynchronous_schedules(one_rank) -> None:
     with pytest.raises(ValueError, match="asynchronous schedule 'pipedream'.*clip= is not supported"):
         sw.Pipeline(mdl.mlp(), loss_fn=F.cross_entropy, schedule="pipedream", optimizer=_sgd, clip=1.0)
+    pipe = sw.Pipeline(mdl.mlp(), loss_fn=F.cross_entropy, schedule="pipedream", optimizer=_sgd)
+    list(pipe.train_stream([mdl.mlp_data(7, seed=0)]))
+    with pytest.raises(ValueError, match="schedule 'pipedream'.*clip= is refused too.*clip in the optimizer= factory"):
+        pipe.clip_grad_norm_(1.0)  # (it told the user to pass clip=, which the schedule refuses)
 
 
 def test_a_checkpoint_keeps_the_schedulers_and_resume_says_when_they_are_dropped(one_rank, tmp_path, caplog) -> None:

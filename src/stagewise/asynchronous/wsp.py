@@ -153,8 +153,9 @@ def check_more(flags: Sequence[float], wave: int, layout: VWLayout) -> bool:
         going = sorted({layout.worker_of(r) for r, f in enumerate(flags) if round(f) == 1})
         ending = sorted({layout.worker_of(r) for r, f in enumerate(flags) if round(f) == 0})
         raise ValueError(
-            f"the VWs' streams have different lengths: VWs {ending} end after wave {wave}, VWs {going} go on; "
-            "give every VW the same number of mini-batches"
+            f"the VWs' streams end at different waves: VWs {ending} end after wave {wave}, VWs {going} go on; "
+            "every VW must run as many waves: give each as many mini-batches (with a wave size per VW, wave=[...], "
+            "each VW's stream holds its own wave size per wave)"
         )
     return more == {1}
 

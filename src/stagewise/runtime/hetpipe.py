@@ -77,14 +77,15 @@ class HetPipe(StateThrough, SavedInParts):
     each wave as one window of ``wave`` mini-batches of ``microbatches``
     micro-batches; a synchronous one runs ``wave`` train steps of
     ``microbatches`` micro-batches. ``wave``: an int, or one per VW (default:
-    the VW's stage count for asynchronous schedules, 1 otherwise).
+    the deepest VW's stage count for asynchronous schedules, 1 otherwise).
     ``optimizer``: the per-stage factory each VW's pipeline steps. ``speeds``,
     ``memory_caps``, ``emulate_slowdown``: one value per global rank (the last
     an EMULATION of slower devices, see :class:`~stagewise.Pipeline`). Other
     keyword options go to every VW's Pipeline.
 
     Every rank calls :meth:`train_stream` with its VW's own mini-batches
-    (:meth:`local_batch` cuts a global batch); every VW must get as many.
+    (:meth:`local_batch` cuts a global batch); every VW must run as many waves: as many mini-batches, or with
+    a wave size per VW, ``wave[v]`` per wave on VW v.
     :meth:`eval_step` runs this VW's pipeline forward. A checkpoint saves each VW's pipeline under its own
     folder (the protocol :class:`~stagewise.runtime.checkpoint.parts.SavedInParts`). The declared state
     (:class:`~stagewise.runtime.checkpoint.declared.PipelineState`) is, on each rank, its VW's pipeline's
@@ -112,7 +113,7 @@ class HetPipe(StateThrough, SavedInParts):
         self.count = self.layout.count
         p = self.layout.stages(self.vw)
         sched, pipe_m, self.wave_size = _vw_schedule(
-            opts.schedule, p, opts.microbatches, _wave_of(wave, self.layout, self.vw)
+            opts.schedule, p, opts.microbatches, _wave_of(wave, self.layout, self.vw), self.layout
         )
         vw_group, self.group = comm.make_groups(self.layout.workers, opts.timeout)
         board = f"hetpipe{_made[0]}"
@@ -320,15 +321,22 @@ def _wave_of(wave: int | Sequence[int] | None, layout: VWLayout, v: int) -> int 
     return wave[v]
 
 
-def _vw_schedule(name: Any, p: int, m: int | None, wave: int | None) -> tuple[Any, int | None, int]:
-    """The VW's schedule (an asynchronous window, or a synchronous name), the micro-batches to pass, the wave."""
-    if not isinstance(name, str):
-        raise ValueError("HetPipe: schedule must be a registered name (each VW builds it for its own stage count)")
+def _vw_schedule(name: Any, p: int, m: int | None, wave: int | None, layout: VWLayout) -> tuple[Any, int | None, int]:
+    """The VW's schedule (an asynchronous window, or a synchronous name), the micro-batches to pass, the wave.
+
+    An asynchronous schedule's default wave is the deepest VW's stage count, alike on every VW: each VW then runs
+    as many waves on as many mini-batches (a wave of its own stage count each would end a shallower VW's stream
+    waves later than a deeper one's, and the wave rule needs every VW at the same wave)."""
+    if not isinstance(name, str) or name == "auto":
+        raise ValueError(
+            f"HetPipe: schedule must be a registered name (each VW builds it for its own stage count), got {name!r}: "
+            "an asynchronous one (pipedream, pipedream-2bw, xpipe) or a synchronous one (1f1b, ...)"
+        )
     if wave is not None and not is_count(wave):
         raise ValueError(f"HetPipe: wave (mini-batches per wave) must be an integer >= 1, got {wave!r}")
     if not is_asynchronous(name):
         return name, m, wave or 1
-    n = wave or p
+    n = wave or max(layout.stages(v) for v in range(layout.count))
     return async_schedule(name, p, n, m or registry_minibatch(name, p, 1)), None, n
 
 

@@ -172,6 +172,34 @@ def _tied(ctx: Ctx) -> Any:
     )  # fmt: skip
 
 
+class _FoundTie(nn.Module):
+    """A head tied to the embedding by assignment: a tie ``from_model`` finds, across the two ends' stages."""
+
+    def __init__(self, blocks: int) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, mdl.D, dtype=torch.float64)
+        self.mids = [f"mid{k}" for k in range(blocks - 2)]
+        for name in self.mids:
+            setattr(self, name, nn.Linear(mdl.D, mdl.D, dtype=torch.float64))
+        self.head = nn.Linear(mdl.D, 10, bias=False, dtype=torch.float64)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        for name in self.mids:
+            h = torch.tanh(getattr(self, name)(h))
+        return self.head(h)
+
+
+def _found_tie(ctx: Ctx) -> Any:
+    """Its copies stepped at each stage's own times drifted 0.28 apart, silently (a user pass)."""
+    return sw.Pipeline.from_model(
+        _FoundTie(max(3, ctx.world)), loss_fn=F.cross_entropy,
+        schedule=sw.schedules.async_schedule("pipedream", ctx.world, 2),
+        optimizer=optimizer("sgd"),
+    )  # fmt: skip
+
+
 def _sharded(ctx: Ctx) -> Any:
     return sw.Pipeline(
         mdl.mlp(), loss_fn=F.cross_entropy, schedule="pipedream", optimizer=optimizer("sgd"),
@@ -251,6 +279,7 @@ def checks(world: int) -> dict[str, Check]:
     out["refuse-train-step"] = refused(_train_step_refused, "train with train_stream(batches), not train_step")
     out["stream-sync"] = stream_sync
     out["refuse-tied"] = refused(_tied, "tied modules (emb) are not supported")
+    out["refuse-found-tie"] = refused(_found_tie, "tied modules (emb.weight) are not supported")
     out["refuse-split-backward"] = refused(
         _pipe(
             optimizer=optimizer("sgd"),

@@ -89,15 +89,18 @@ class _Sleeps:
 
 def parity(
     workers: list[list[int]], staleness: int, opt: str, schedule: str, wave: int, waves: int,
-    slow: list[float] | None = None,
+    slow: list[float] | None = None, default_wave: bool = False,
 ) -> Check:  # fmt: skip
+    """``default_wave``: HetPipe given no ``wave=`` (the replay ``wave``: the deepest VW's stage count)."""
+
     def check(ctx: Ctx) -> dict[str, Any]:
         data = global_batches(wave * waves - 1, 12)  # a shorter last wave
         kw = {"staleness": staleness, "schedule": schedule, "wave": wave}
         sleeps, real = _Sleeps(), interpreter.time
         interpreter.time = sleeps  # type: ignore[assignment]
+        given = {**kw, "wave": None} if default_wave else kw
         try:
-            het, losses = run(ctx, workers, data, optimizer=optimizer(opt), emulate_slowdown=slow, **kw)
+            het, losses = run(ctx, workers, data, optimizer=optimizer(opt), emulate_slowdown=slow, **given)
         finally:
             interpreter.time = real
         factor = 1.0 if slow is None else slow[ctx.rank]
@@ -194,6 +197,14 @@ def _bad_layout(ctx: Ctx) -> Any:
     )
 
 
+def _auto(ctx: Ctx) -> Any:
+    """(It was refused as an "unknown schedule 'auto'", though every VW's Pipeline takes it.)"""
+    return sw.HetPipe(
+        mdl.mlp(), loss_fn=F.cross_entropy, virtual_workers=[[0, 1], [2, 3]], schedule="auto",
+        optimizer=optimizer("sgd"), timeout=60.0,
+    )  # fmt: skip
+
+
 def checks(world: int) -> dict[str, Check]:
     assert world == 4, "hetpipe_checks runs on 4 ranks"
     pp2 = [[0, 1], [2, 3]]
@@ -203,10 +214,14 @@ def checks(world: int) -> dict[str, Check]:
         "parity-d1-1f1b-2x2": parity(pp2, 1, "sgd", "1f1b", wave=2, waves=3),
         "parity-d1-pp3-pp1": parity([[0, 1, 2], [3]], 1, "sgd", "pipedream", wave=3, waves=3, slow=[1, 1, 1, 2.5]),
         "parity-d2-pp2-pp1-pp1": parity([[0, 1], [2], [3]], 2, "adam", "pipedream-2bw", wave=2, waves=4),
+        # the default wave on VWs of 3 and 1 stages: 3 mini-batches each (a wave of its own depth each made VW 1
+        # run 3 waves to VW 0's 1 on equal streams, refused mid-stream as streams "of different lengths")
+        "parity-default-wave-pp3-pp1": parity([[0, 1, 2], [3]], 1, "sgd", "pipedream", 3, 3, default_wave=True),
         "partitioned-by-speed": partitioned_by_speed,
         "d0-is-data-parallel": d0_is_data_parallel,
         "mutant-d1-replayed-as-d0": mutant_reference,
         "refuse-tied": refused(_tied, "HetPipe does not take tied modules (sw.Tied keys ['emb'])"),
         "refuse-layout": refused(_bad_layout, "ranks [3] of the world (4 ranks) are in no VW"),
+        "refuse-auto": refused(_auto, "HetPipe: schedule must be a registered name (each VW builds it for its own"),
         "mutant-early-pull": mutant_early_pull,  # last: it leaves a failed board behind
     }

@@ -37,13 +37,15 @@ def async_nan_in_a_later_window(ctx: Ctx) -> dict[str, Any]:
     return {"message": text.splitlines()[0]}
 
 
-def async_batchnorm(policy: str) -> Check:
+def async_batchnorm(policy: str, stashing: bool = True) -> Check:
     """pipedream with batchnorm=policy: the running statistics of the one-process replay of the rule, updated
-    per micro-batch's F ("micro") or once per mini-batch over its micro-batches ("deferred")."""
+    per micro-batch's F ("micro") or once per mini-batch over its micro-batches ("deferred"). ``stashing=False``:
+    each backward recomputes its stage on the current weights and leaves the statistics alone (under "micro" its
+    backward failed: the statistics were copied back, in place, under the recomputed graph)."""
 
     def check(ctx: Ctx) -> dict[str, Any]:
         layers = mlp_layers(bn=True)
-        schedule = sw.schedules.async_schedule("pipedream", ctx.world, 3, 2)  # windows of 3 mini-batches of 2
+        schedule = sw.schedules.async_schedule("pipedream", ctx.world, 3, 2, stashing=stashing)  # windows of 3 of 2
         pipe = sw.Pipeline(layers, loss_fn=F.cross_entropy, schedule=schedule, optimizer=sgd, batchnorm=policy,
                            seed=SEED, timeout=60.0)  # fmt: skip
         data = [mlp_data(k) for k in range(6)]
@@ -124,4 +126,5 @@ PROTOCOL: dict[str, Check] = {
     "protocol-async-nan-later-window": async_nan_in_a_later_window,
     "protocol-async-batchnorm-deferred": async_batchnorm("deferred"),
     "protocol-async-batchnorm-micro": async_batchnorm("micro"),
+    "protocol-async-batchnorm-micro-recomputed": async_batchnorm("micro", stashing=False),
 }

@@ -116,8 +116,8 @@ def refuse_snapshot(entry: str, options: Options, schedule: Schedule) -> None:
 
 def refuse_parts(entry: str, options: Options, schedule: Schedule, parts: Parts) -> None:
     """What the built stages cannot do with ``schedule`` (ties are known once the frontend has cut the model)."""
-    if is_asynchronous(schedule) and parts.tied is not None and parts.tied.first:
-        keys = ", ".join(sorted(parts.tied.first))
+    if is_asynchronous(schedule) and parts.tied is not None and parts.tied.uses:  # declared ties and found ones
+        keys = ", ".join(sorted(parts.tied.uses))
         raise ValueError(
             f"{entry} with asynchronous schedule {schedule.name!r}: tied modules ({keys}) are not supported: their "
             "copies on different stages would step at different times and hold different versions"

@@ -22,6 +22,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from ...asynchronous import VersionTable
 from ...ir import Action, Kind
@@ -115,7 +117,7 @@ class AsyncHandlers:
         stage = self.versioned[s]
         stage.using = weights
         try:
-            with torch.enable_grad():
+            with torch.enable_grad(), _statistics_left_alone(stage.holder):  # the F updated them once
                 out = stage(run.kept_inputs.pop((s, i)))
         finally:
             stage.using = None
@@ -144,3 +146,19 @@ class AsyncHandlers:
         gone = table.release[a.stage].get(str(a))
         if gone:
             self.versions[a.stage].release(gone)
+
+
+@contextmanager
+def _statistics_left_alone(module: nn.Module) -> Iterator[None]:
+    """``module``'s BatchNorm layers normalise as in training but leave their running statistics alone (no update,
+    none saved for the backward): the recomputed forward of ``stashing=False``, whose F counted already. (Under
+    ``"micro"`` the batchnorm feature's hooks would run it as the F did and copy the statistics back, in place,
+    under a graph that saved them: its backward failed, "modified by an inplace operation".)"""
+    layers = [m for m in module.modules() if isinstance(m, _BatchNorm) and m.track_running_stats]
+    for bn in layers:
+        bn.track_running_stats = False
+    try:
+        yield
+    finally:
+        for bn in layers:
+            bn.track_running_stats = True

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from ...schedules import is_asynchronous
 from ..engine.hooks import AfterStep, OnDevice, Stepper, step_needs
 from ..engine.run import Run
 from .clip import clip_pipeline_grads
@@ -135,6 +136,13 @@ def clip_between_steps(pipe: Any, merge: Any, max_norm: float, norm_type: float)
     and with ``optimizer=`` (the STEP already stepped and cleared the gradients: ``clip=`` clips before it)."""
     why = "clipping belongs to the optimizer step, on the merged gradient, whose reductions have not run"
     merge.refuse("clip_grad_norm_", why)
+    if pipe.options.optimizer is not None and is_asynchronous(pipe.schedule):
+        raise ValueError(
+            f"clip_grad_norm_ after train_stream does nothing with asynchronous schedule {pipe.schedule.name!r}: "
+            "each stage's optimizer stepped at its STEPs and cleared its gradients, and clip= is refused too (the "
+            "stages step at different times: no moment holds the whole model's gradient of one mini-batch); to "
+            "bound each stage's own gradient, clip in the optimizer= factory's optimizer, before its step"
+        )
     if pipe.options.optimizer is not None:
         raise ValueError(
             "clip_grad_norm_ after train_step does nothing with optimizer=: each stage's optimizer stepped at the "
