@@ -226,3 +226,32 @@ def test_a_model_s_profiled_blocks_count_the_loss_s_bytes_too(monkeypatch: pytes
     _, measured = from_model._block_counts(model, generate("1f1b", 2, 4), options, None)
     assert measured is not None
     assert measured.loss_bytes == (256 * 1024.0 if has_loss else 0.0)
+
+
+def test_layer_counts_set_the_stages_per_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``partition=[...]`` with ``schedule="auto"``: the counts are kept and their number sets the stages per rank
+    (two counts at pp 2: one stage each; four: two, a V). Before, auto also tried the other stage count with the
+    user's counts and failed whichever it was ("partition [6, 6] has 2 entries, but the schedule has 4 stages")."""
+    import torch
+    import torch.nn.functional as F
+
+    from stagewise.runtime.assembly import auto_schedule
+    from stagewise.runtime.comm import groups
+    from stagewise.runtime.frontends.layer_list import LayerList
+    from stagewise.runtime.options import Options
+
+    monkeypatch.setattr(auto_schedule, "on_first_rank", lambda group, fn, *args, **kwargs: fn())
+    monkeypatch.setattr(auto_schedule, "steadiest", lambda *args, **kwargs: _gpt256())
+    monkeypatch.setattr(groups, "global_rank", lambda: 0)
+    frontend = LayerList([nn.Identity() for _ in range(12)])
+
+    def chosen(counts: list[int]) -> Options:
+        options = Options(schedule="auto", sample_inputs=torch.zeros(2, 4), loss_fn=F.cross_entropy, microbatches=8,
+                          parallel=sw.ParallelConfig(pp=2), partition=counts)  # fmt: skip
+        return auto_schedule.synthesized("Pipeline", frontend, options)
+
+    for counts in ([5, 7], [3, 3, 4, 2]):
+        got = chosen(counts)
+        assert got.partition == counts and got.schedule.num_stages == len(counts), (counts, got.schedule.meta)
+    with pytest.raises(ValueError, match=r"partition=\[4, 4, 4\]: 3 stages cannot be spread evenly over 2 ranks"):
+        chosen([4, 4, 4])

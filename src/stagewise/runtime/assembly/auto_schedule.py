@@ -3,18 +3,18 @@
 Before anything is placed, the first rank profiles the layers on ``sample_inputs`` (one micro-batch) and hands the
 profile to every rank (:func:`..frontends.balance.on_first_rank`), with the bytes the loss keeps (a layer list's
 estimated, ``sample_inputs`` carry no targets to run it on; a transformers model's measured with the input ids as
-labels: :func:`..frontends.layer_timing.with_loss_bytes`); every rank
-cuts the layers with the partition mode (``"time"`` unless layer counts are given) and synthesizes a schedule for
-those stages' measured costs, under 1F1B's activation memory (``min(pp, m)`` micro-batches in flight on every rank,
-the synthesizer's default cap): deterministic, so every rank holds the same one. Unless ``virtual_stages`` is
-given, it does so for one stage per rank (loop placement) and for two (V placement, as zb-v), and keeps the faster
-by the simulator. A synthesized order replaces the fastest registered schedule that fits the same cap (the
-synthesizer's baseline, run as registered) only when it simulates faster by more than :data:`REGISTERED_MARGIN`: a
-gain smaller than the profile's own reproducibility is noise, and on other measurements of the same layers it is as
-often a loss (measured on the d 256 GPT at 2 ranks: the order synthesized on auto's own profile simulated 2.1 %
-slower than zb-v's on a second profile of the same layers, and ran 2.7 % slower). The pipeline then runs that
-ordinary, validated :class:`~stagewise.Schedule` as if it had been given; ``meta["synthesis"]`` carries the
-synthesizer's report either way, and ``meta["auto"]`` says which was kept and why.
+labels: :func:`..frontends.layer_timing.with_loss_bytes`); every rank cuts the layers with the partition mode
+(``"time"`` unless layer counts are given) and synthesizes a schedule for those stages' measured costs, under 1F1B's
+activation memory (``min(pp, m)`` micro-batches in flight on every rank, the synthesizer's default cap):
+deterministic, so every rank holds the same one. Unless ``virtual_stages`` is given (or layer counts, one per stage,
+fix the stages per rank), it does so for one stage per rank (loop placement) and for two (V placement, as zb-v), and
+keeps the faster by the simulator. A synthesized order replaces the fastest registered schedule that fits the same
+cap (the synthesizer's baseline, run as registered) only when it simulates faster by more than
+:data:`REGISTERED_MARGIN`: a gain smaller than the profile's own reproducibility is noise, and on other measurements
+of the same layers it is as often a loss (measured on the d 256 GPT at 2 ranks: the order synthesized on auto's own
+profile simulated 2.1 % slower than zb-v's on a second profile of the same layers, and ran 2.7 % slower). The
+pipeline then runs that ordinary, validated :class:`~stagewise.Schedule` as if it had been given;
+``meta["synthesis"]`` carries the synthesizer's report either way, and ``meta["auto"]`` says which was kept and why.
 
 Layer lists and transformers models (``from_hf``, per decoder layer) are profiled this way; other ways in take
 a synthesized Schedule built by hand (``stagewise.synthesis.synthesize_for``).
@@ -79,11 +79,23 @@ def synthesized(entry: str, frontend: Any, options: Options) -> Options:
         options.store,
     )
     how = "time" if options.partition in ("uniform", "balanced") else options.partition  # the defaults: time it
-    choices = [options.virtual_stages] if options.virtual_stages else [1, 2]
+    choices = [options.virtual_stages] if options.virtual_stages else _stages_per_rank(entry, options.partition, p)
     schedule, counts = _fastest(profile, p, m, choices, how, named)
     if groups.global_rank() == 0:
         log.info("stagewise: schedule='auto' chose %s", schedule.meta["auto"])
     return replace(options, schedule=schedule, partition=counts, microbatches=None, virtual_stages=None)
+
+
+def _stages_per_rank(entry: str, partition: Any, p: int) -> list[int]:
+    """The stages per rank ``auto`` compares: the count layer counts give (one per stage), else one and two."""
+    if not isinstance(partition, (list, tuple)):
+        return [1, 2]
+    if len(partition) % p:
+        raise ValueError(
+            f"{entry}: schedule='auto' with partition={list(partition)}: {len(partition)} stages cannot be spread "
+            f"evenly over {p} ranks; give {p} counts (one stage per rank) or {2 * p} (two, as zb-v)"
+        )
+    return [len(partition) // p]
 
 
 def _fastest(profile: Any, p: int, m: int, choices: list[int], how: Any, named: Any) -> tuple[Any, list[int]]:
@@ -99,12 +111,11 @@ def _fastest(profile: Any, p: int, m: int, choices: list[int], how: Any, named: 
     def costs(counts: list[int]) -> Any:
         return profile.cost_model([sum(counts[:k]) for k in range(len(counts) + 1)])
 
-    one = cut(1)
     found = []
     for v in choices:
-        if v > 1 and (p == 1 or len(named) < p * v):
+        if v > 1 and len(choices) > 1 and (p == 1 or len(named) < p * v):
             continue  # too few layers for v stages per rank
-        counts = one if v == 1 else cut(v)
+        counts = cut(v)
         model = costs(counts)
         schedule = _kept(model, p, m, v)
         found.append((simulate(schedule, model).makespan, v, schedule, counts))
