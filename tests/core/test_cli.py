@@ -248,7 +248,16 @@ def test_compare_without_a_checkout_exits_2_saying_so(
     assert compare.find_checkout() == ROOT
 
 
-@pytest.mark.parametrize("argv, reason", [(["-n", "1"], "-n must be >= 2"), (["--steps", "0"], "--steps must be >= 1")])
+@pytest.mark.parametrize(
+    "argv, reason",
+    [
+        (["-n", "1"], "-n must be >= 2"),
+        (["--steps", "0"], "--steps must be >= 1"),
+        (["--steps", "5"], "--steps (5) must be a multiple of the benchmark's window (8 mini-batches"),
+        (["--steps", "8", "--", "--window", "3"], "--steps (8) must be a multiple of the benchmark's window (3 "),
+        (["--steps", "6", "--", "--window=4"], "--steps (6) must be a multiple of the benchmark's window (4 "),
+    ],
+)
 def test_bad_compare_arguments_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str], reason: str) -> None:
     code, _, err = run_main(capsys, "compare", *argv)
     assert code == 2 and reason in err and len(err.strip().splitlines()) == 1

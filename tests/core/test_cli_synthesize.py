@@ -61,6 +61,8 @@ def test_simulate_writes_a_registered_schedule_for_torch(tmp_path: Path, capsys:
     ("argv", "words"),
     [
         (["synthesize", "-p", "0", "-m", "4"], "--ranks must be >= 1"),
+        (["synthesize", "-p", "2", "-m", "4", "--effort", "-3"], "--effort must be >= 0 (0: no local search), got -3"),
+        (["synthesize", "-p", "2", "-m", "4", "--placement", "v"], "placement 'v' zig-zags two or more stages"),
         (["synthesize", "-p", "2", "-m", "4", "--f-time", "-1"], "--f-time must be a finite number"),
         (["synthesize", "-p", "2", "-m", "4", "--torch-csv", "/no/such/folder/x.csv"], "--torch-csv /no/such/folder"),
         (["simulate", "-s", "pipedream", "-p", "2", "-m", "4", "--torch-csv", "x.csv"], "asynchronous"),

@@ -185,6 +185,11 @@ def test_other_bad_arguments() -> None:
         synthesize(CostModel.uniform(4), 2, 4, virtual_stages=2, placement="zigzag")
     with pytest.raises(ValueError, match="memory has 3 caps, expected one per rank"):
         synthesize(CostModel.uniform(4), 4, 4, memory=[4, 4, 4])
+    for effort in (-3, 2.5):  # (a negative effort ran one evaluation per start, silently)
+        with pytest.raises(ValueError, match=f"effort .* must be an int >= 0, got {effort}"):
+            synthesize(CostModel.uniform(2), 2, 4, effort=effort)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="placement 'v' zig-zags two or more stages per rank"):
+        synthesize(CostModel.uniform(2), 2, 4, placement="v")  # (it ran the loop, silently)
 
 
 # ---- what the runtime and the planner call --------------------------------------------------------------
@@ -234,6 +239,13 @@ def test_the_exact_model_proves_zb_h1_optimal_under_1f1bs_memory() -> None:
     validate_schedule(got)
     assert report_of(got).makespan == pytest.approx(simulate(generate("zb-h1", 3, 4), costs).makespan)
     assert max(peaks(got, costs)) <= 3 + 1e-9
+
+
+def test_effort_zero_runs_no_local_search() -> None:
+    """``effort=0``: the play-outs' best as it stands (it ran one evaluation per start); any effort searches on."""
+    costs = costs_of("no-w-memory", 3)
+    none, some = (report_of(synthesize(costs, 3, 4, memory=3, effort=e)) for e in (0, 200))
+    assert some.evaluations > none.evaluations + 2 and some.makespan <= none.makespan
 
 
 def test_the_exact_model_finds_what_the_heuristics_miss() -> None:

@@ -224,3 +224,27 @@ def test_another_optimizer_class_is_refused_before_anything_changes(tmp_path: Pa
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in fresh.state_dict().items())
     again = torch.optim.AdamW(fresh.parameters(), lr=1.0)
     assert sw.checkpoint.load(tmp_path, fresh, again).optimizer_restored and again.param_groups[0]["lr"] == 1e-2 * 0.5
+
+
+def test_a_load_from_where_no_checkpoint_is_says_what_was_likely_meant(tmp_path: Path) -> None:
+    """``step-8`` for ``step-00000008`` (the guides write ``step-N``), a HetPipe's root (its parts under ``vw0/``,
+    ``vw1/``) loaded into one model, a missing folder and a file: each refusal says which."""
+    model, opt, _ = _trained()
+    sw.checkpoint.save(tmp_path / "run", model, opt, step=8, collective=False)
+    for k in (0, 1):
+        sw.checkpoint.save(tmp_path / "het" / f"vw{k}", model, opt, step=4, collective=False)
+    (tmp_path / "file").write_text("")
+    said = {
+        "run/step-8": f"step folders are named with 8 digits: {tmp_path / 'run' / 'step-00000008'}",
+        "het": f"it holds checkpoints in parts (vw0, vw1: a HetPipe saves each virtual worker's pipeline under "
+        f"its own folder): load it into the same HetPipe, or one part ({tmp_path / 'het' / 'vw0'}) into a Pipeline",
+        "nowhere": "(no such folder)",
+        "file": "(a file, not a folder)",
+    }
+    for name, words in said.items():
+        with pytest.raises(CheckpointError) as err:
+            sw.checkpoint.load(tmp_path / name, model, opt, collective=False)
+        assert str(err.value) == f"no checkpoint at {tmp_path / name}: neither a checkpoint folder nor a folder " + (
+            f"holding step-* ones{'' if words.startswith('(') else ';'} {words}"
+        ), str(err.value)
+    sw.checkpoint.load(tmp_path / "het" / "vw0", model, opt, collective=False)  # the part the hint names loads

@@ -44,10 +44,27 @@ def test_a_file_a_command_writes_gets_its_folder(tmp_path: Path) -> None:
 def test_a_misspelt_compare_workload_is_refused_before_any_rank_starts(capsys: pytest.CaptureFixture[str]) -> None:
     """``stagewise compare --workload gtp`` launched the ranks, and each refused it: the choices are the CLI's now,
     the benchmark's own (held alike here)."""
+    from benchmarks.compare.__main__ import parse_args
     from benchmarks.compare.workloads import WORKLOADS
 
+    from stagewise.cli.compare import WINDOW
     from stagewise.cli.compare import WORKLOADS as CHOICES
 
     assert tuple(sorted(WORKLOADS)) == CHOICES
+    assert parse_args([]).window == WINDOW  # the CLI refuses --steps that are no whole windows
     assert main(["compare", "--workload", "gtp"]) == 2
     assert "invalid choice: 'gtp'" in capsys.readouterr().err
+
+
+def test_rendezvous_on_a_port_held_by_another_program_says_so_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """A port in use gave torch's DistNetworkError traceback (EADDRINUSE); now one line, exit 2."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        assert main(["rendezvous", "--host", "127.0.0.1", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot host the store at 127.0.0.1:{port}: " in err and "--port 0 picks a free one" in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err

@@ -23,6 +23,10 @@ MODULE = "benchmarks.compare"
 MARKER = Path("benchmarks") / "compare" / "__main__.py"
 
 
+#: the benchmark's asynchronous window by default (its --window; a test holds them alike): --steps must be a whole
+#: number of windows, refused here, not once per launched rank
+WINDOW = 8
+
 #: the benchmark's workloads (benchmarks/compare/workloads.py; a test holds them alike): a misspelt one is refused
 #: here, not once per launched rank
 WORKLOADS = ("cnn", "gpt", "mlp")
@@ -82,9 +86,25 @@ def run_compare(args: argparse.Namespace) -> int:
         raise UsageError(f"-n must be >= 2 (a pipeline needs two processes), got {args.nproc}")
     if args.steps is not None and args.steps < 1:
         raise UsageError(f"--steps must be >= 1, got {args.steps}")
+    window = _window(args.extra)
+    if args.steps is not None and window and args.steps % window:
+        raise UsageError(
+            f"--steps ({args.steps}) must be a multiple of the benchmark's window ({window} mini-batches; "
+            "-- --window N sets it): whole windows only"
+        )
     root = find_checkout()
     # the ranks import the benchmark by name (torchrun -m) from whatever directory this was started in
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
     from ..runtime.launch import torchrun
 
     return torchrun(torchrun_arguments(args))
+
+
+def _window(extra: list[str]) -> int | None:
+    """The window the benchmark will run: its ``--window`` among the arguments after ``--``, else its default
+    (None where the value is not a number: the benchmark refuses it itself)."""
+    for k, arg in enumerate(extra):
+        value = extra[k + 1] if arg == "--window" and k + 1 < len(extra) else arg.partition("=")[2]
+        if arg == "--window" or arg.startswith("--window="):
+            return int(value) if value.isdigit() else None
+    return WINDOW

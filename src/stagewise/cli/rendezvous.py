@@ -41,7 +41,13 @@ def host_store(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    serve(args.host, args.port, stop, lambda port: print(ready_line(args.host, port), flush=True))
+    try:
+        serve(args.host, args.port, stop, lambda port: print(ready_line(args.host, port), flush=True))
+    except RuntimeError as err:  # torch's DistNetworkError (EADDRINUSE, an address not here): one line, exit 2
+        raise UsageError(
+            f"cannot host the store at {args.host}:{args.port}: {str(err).splitlines()[0]} (another store or "
+            "program holds the port? --port 0 picks a free one)"
+        ) from None
     return 0
 
 

@@ -50,7 +50,11 @@ def add_command(sub: Subparsers) -> None:
         "--memory", type=float, default=None, metavar="N", help="activation cap per rank, in micro-batches"
     )
     parser.add_argument(
-        "--effort", type=int, default=None, metavar="N", help="evaluations of the search (default by size)"
+        "--effort",
+        type=int,
+        default=None,
+        metavar="N",
+        help="evaluations of the local search (default by size; 0: none)",
     )
     add_times(parser)
     parser.add_argument("--csv", metavar="PATH", help="write the schedule as stagewise's CSV")
@@ -67,6 +71,8 @@ def run_synthesize(args: argparse.Namespace) -> int:
     for flag in ("ranks", "microbatches", "virtual_stages"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.effort is not None and args.effort < 0:
+        raise UsageError(f"--effort must be >= 0 (0: no local search), got {args.effort}")
     check_times(args)
     p, m, v = args.ranks, args.microbatches, args.virtual_stages
     costs = cost_model(args, p * v, v, f"{p} ranks with {v} stages per rank")

@@ -137,6 +137,11 @@ def make_problem(
     kind = placement if placement is not None else ("v" if virtual_stages == 2 else "loop")
     if kind not in ("loop", "v"):
         raise ValueError(f"synthesize: placement must be 'loop' or 'v', got {placement!r}")
+    if kind == "v" and virtual_stages < 2:
+        raise ValueError(
+            "synthesize: placement 'v' zig-zags two or more stages per rank; with virtual_stages=1 it is the loop: "
+            "give virtual_stages=2 (as zb-v)"
+        )
     p, v = num_ranks, virtual_stages
     plc = loop_placement(p, v) if kind == "loop" else v_placement(p, v)
     model = as_cost_model(costs, len(plc))

@@ -100,7 +100,8 @@ def synthesize(
     rank; a stage's activations count 1/v, the part W keeps counts its share of the stage's bytes);
     ``memory_bytes``: the same cap in bytes (the simulator's ``peak_activation_bytes``). Neither given:
     1F1B's peak, min(p, m) micro-batches. ``placement``: ``"loop"`` or ``"v"`` (default: V for v = 2,
-    else loop). ``effort``: evaluations of the local search (deterministic; default by size). ``exact``: a
+    else loop). ``effort``: evaluations of the local search (deterministic; default by size; 0: none, the
+    constructive orders' best). ``exact``: a
     budget, in CP-SAT's deterministic seconds, for the exact model (:mod:`.exact`; needs OR-Tools, the
     ``exact`` extra; for small problems: a few hundred actions), seeded with the best order found.
 
@@ -110,6 +111,8 @@ def synthesize(
     Raises ``ValueError`` naming the stage for costs of the wrong shape, and the smallest cap that works
     for a cap nothing fits.
     """
+    if effort is not None and (isinstance(effort, bool) or not isinstance(effort, int) or effort < 0):
+        raise ValueError(f"synthesize: effort (evaluations of the local search) must be an int >= 0, got {effort!r}")
     problem = make_problem(
         costs,
         num_ranks,
@@ -154,7 +157,7 @@ def search(problem: Problem, effort: int, exact: float = 0.0) -> tuple[Problem, 
     evaluations = sum(used for _, used in explored.values())
     best_ms, best = pool[0]
     inst = Instance(sub)
-    if not bound_reached(best_ms, bound):
+    if effort > 0 and not bound_reached(best_ms, bound):  # (0: the play-outs' best, no local search)
         best, best_ms, used = improve(inst, [o for _, o in pool[:3]], effort, bound.value)
         evaluations += used
     if exact > 0 and not bound_reached(best_ms, bound):

@@ -277,6 +277,12 @@ def invalid_arguments(ctx: Ctx) -> None:
     )
     raises(ValueError, f"has {p + 1} entries", lambda: sw.Pipeline(mdl.mlp(), partition=[1] * (p + 1), group=ctx.group))
     raises(ValueError, "unknown schedule", lambda: sw.Pipeline(mdl.mlp(), schedule="no-such", group=ctx.group))
+    window = sw.schedules.async_schedule("pipedream", p, 2, 2)  # (its micro-batches are a window's)
+    raises(
+        ValueError,
+        "microbatches=1, but schedule 'pipedream' runs 4 in a window of 2 mini-batches of 2: a Schedule fixes",
+        lambda: sw.Pipeline(mdl.mlp(), schedule=window, microbatches=1, group=ctx.group),
+    )
     pipe = sw.Pipeline(mdl.mlp(), loss_fn=F.cross_entropy, microbatches=4, group=ctx.group, timeout=TIMEOUT)
     raises(ValueError, "4 micro-batches need at least 4 samples", lambda: pipe.train_step(*mdl.mlp_data(3, seed=0)))
 

@@ -8,7 +8,7 @@ way and refuses bad input before any rank communicates.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -130,8 +130,11 @@ def resolve_schedule(
             f"schedule {schedule.name!r} has {schedule.num_ranks} ranks, but the process group has {num_ranks}"
         )
     if microbatches is not None and microbatches != schedule.num_microbatches:
+        table: Any = schedule.meta.get("versions")  # an asynchronous window's: its mini-batches of m micro-batches
+        per = f" in a window of {table.minibatches} mini-batches of {table.microbatches}" if table is not None else ""
         raise ValueError(
-            f"microbatches={microbatches}, but schedule {schedule.name!r} runs {schedule.num_microbatches}"
+            f"microbatches={microbatches}, but schedule {schedule.name!r} runs {schedule.num_microbatches}{per}: a "
+            "Schedule fixes its micro-batches; drop microbatches= (or give the same number)"
         )
     if virtual_stages is not None and virtual_stages != schedule.virtual_stages:
         raise ValueError(

@@ -377,7 +377,7 @@ def _resolve(path: Path, ranks: storage.Ranks) -> tuple[Path, str]:
     named = (path / mf.MANIFEST).exists() or (path / META).exists()
     chosen, why, _ = agreed_newest(path, ranks, f"which checkpoint under {path} to load", named=named)
     if chosen is None:
-        raise CheckpointError(f"no checkpoint at {path}: neither a checkpoint folder nor a folder holding step-* ones")
+        raise CheckpointError(retention.nothing_at(path))
     if ranks.first and chosen != path:
         log.info("stagewise.checkpoint: loading %s: %s", chosen, why)
     return chosen, why

@@ -86,6 +86,25 @@ def latest(root: str | os.PathLike[str]) -> Path | None:
     return found[-1][1] if found else None
 
 
+def nothing_at(path: Path) -> str:
+    """Why no checkpoint is at ``path``, with what the user likely meant: a step folder's full name
+    (``step-8`` is ``step-00000008``), a model saved in parts (a HetPipe's ``vw0/``, ``vw1/``), or no folder."""
+    said = f"no checkpoint at {path}: neither a checkpoint folder nor a folder holding step-* ones"
+    digits = path.name.removeprefix("step-")
+    if digits != path.name and digits.isdigit() and folder_for(path.parent, int(digits)).exists():
+        return f"{said}; step folders are named with 8 digits: {folder_for(path.parent, int(digits))}"
+    if not path.is_dir():
+        return f"{said} ({'a file, not a folder' if path.exists() else 'no such folder'})"
+    parts = sorted(p.name for p in path.iterdir() if p.is_dir() and steps(p))
+    if parts:
+        return (
+            f"{said}; it holds checkpoints in parts ({', '.join(parts)}: a HetPipe saves each virtual worker's "
+            f"pipeline under its own folder): load it into the same HetPipe, or one part ({path / parts[0]}) "
+            "into a Pipeline"
+        )
+    return said
+
+
 def choose(root: Path) -> tuple[Path | None, str]:
     """The checkpoint a load of ``root`` takes (None if there is none), and why (see the module docstring);
     raises :class:`CheckpointError` if the newest ``step-N`` folder lacks its manifest."""
