@@ -109,15 +109,16 @@ def _both(a: tuple[int, str], b: tuple[int, str]) -> list[str]:
     ]
 
 
-ENDED = (
-    "global rank 1's script ended after 2 collective calls, the last a train_step, while global rank 0 waits in its "
-    "3rd collective call, a train_step"
-)
+ENDED = [  # (a wait that judges the peers names this rank as its pipeline does; a closed connection, globally)
+    f"global rank 1's script ended after 2 collective calls, the last a train_step, while {me} waits in its 3rd "
+    "collective call, a train_step"
+    for me in ("global rank 0", "rank 0")
+]
 MISMATCHES = {  # (way, transport) -> what every failing rank's message starts with: one of these
     ("save-on-0", "shm"): _both((0, "sw.checkpoint.save"), (1, "train_step")),
     ("eval-on-1", "torch"): _both((1, "eval_loss"), (0, "train_step")),
-    ("one-more-on-0", "torch"): [ENDED],  # gloo's closed connection
-    ("one-more-on-0", "shm"): [ENDED],  # the peer's process gone
+    ("one-more-on-0", "torch"): ENDED,  # gloo's closed connection
+    ("one-more-on-0", "shm"): ENDED,  # the peer's process gone
     ("relayout-on-0", "torch"): [  # (the re-layout's waits name their process by its global rank)
         "global rank 1 is in train_step while global rank 0 waits in pipe.relayout (the 3rd",
         "global rank 0 is in pipe.relayout while rank 1 waits in train_step (the 3rd",

@@ -56,7 +56,46 @@ def close(a: float, b: float, what: str) -> None:
     assert abs(a - b) <= 1e-10 * max(1.0, abs(b)), f"{what}: {a} vs {b}"
 
 
+def _saved_bytes(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> int:
+    """The bytes one process's forward and loss save for the backward (each storage once, parameters not counted):
+    the reference."""
+    seen: dict[int, int] = {}
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in params:  # (a weight's transpose, saved by the Linear: a parameter)
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        F.cross_entropy(model(x), y)
+    return sum(seen.values())
+
+
 # ---- checks -------------------------------------------------------------------------
+def memory_tp(ctx: Ctx) -> dict[str, Any]:
+    """``measure_memory=`` under ``tp_plan=`` (it failed the first forward: a column-parallel Linear saves a DTensor,
+    which has no storage of its own). Column then row parallel over every rank: each rank keeps its shards of the
+    two wide activations (the GELU's input and the row Linear's) and the whole of the rest, what one process saves
+    less (1 - 1/tp) of those two."""
+    wide = 4 * D
+    layers = [sw.Layer(nn.Linear, D, wide, dtype=torch.float64), sw.Layer(nn.GELU),
+              sw.Layer(nn.Linear, wide, CLASSES, dtype=torch.float64)]  # fmt: skip
+    plan = {"0": sw.runtime.column_parallel(), "2": sw.runtime.row_parallel()}
+    pipe = sw.Pipeline(
+        layers, loss_fn=F.cross_entropy, microbatches=1, group=ctx.group, timeout=TIMEOUT, measure_memory=True,
+        parallel=sw.ParallelConfig(pp=1, tp=ctx.world), tp_plan=plan,
+    )  # fmt: skip
+    x, y = mlp_data(6, seed=0)
+    ref = sw.build_model(layers)
+    close(pipe.train_step(x, y), F.cross_entropy(ref(x), y).item(), "tp loss")
+    got = pipe.memory_report()["forward_bytes"][(0, 0)]
+    whole = _saved_bytes(ref, x, y)
+    expect = whole - 2 * 6 * wide * 8 * (ctx.world - 1) // ctx.world
+    assert got == expect, f"rank {ctx.rank}: {got} bytes saved, expected {expect} (one process: {whole})"
+    return {"bytes": got, "one_process": whole}
+
+
 def tied(schedule: str) -> Check:
     """Tied embedding / head: loss and gradients, the state dict saved once, clipping counting the weight once,
     and two SGD steps keeping the copies equal."""
@@ -361,6 +400,7 @@ def checks(world: int) -> dict[str, Check]:
         ("gpipe", "stage"),
     ):
         out[f"memory-{s}" + ("" if how is None else f"-recompute-{how}")] = memory(s, how)
+    out["memory-tp"] = memory_tp
     if world > 2:  # keep the 4-rank job short: the features under the three named schedules
         keep = (
             "tied-",

@@ -41,13 +41,24 @@ if TYPE_CHECKING:
 Key = tuple[int, int, int]  # (storage, first byte, end byte): engine.spans.byte_span
 
 
-def _storage_ptr(p: torch.Tensor) -> int | None:
-    """Where a parameter's values live: a sharded (DTensor) parameter's local shard; None if it has no storage."""
-    local = p.to_local() if hasattr(p, "to_local") else p
+def _local(t: torch.Tensor) -> torch.Tensor | None:
+    """What ``t`` holds in this rank's memory: a DTensor's local shard (a sharded parameter, or an activation a
+    tensor-parallel layer saves for its backward), else ``t``; None if it has no storage (a parameter FSDP2 has
+    freed or not materialised)."""
+    if hasattr(t, "to_local"):
+        with torch.no_grad():
+            t = t.to_local()
     try:
-        return int(local.untyped_storage().data_ptr())
-    except RuntimeError:  # e.g. a parameter FSDP2 has freed or not materialised
+        t.untyped_storage().data_ptr()
+    except RuntimeError:
         return None
+    return t
+
+
+def _storage_ptr(p: torch.Tensor) -> int | None:
+    """Where a parameter's values live (:func:`_local`)."""
+    local = _local(p)
+    return None if local is None else int(local.untyped_storage().data_ptr())
 
 
 class _Held:
@@ -88,10 +99,10 @@ class ActivationMeter:
     def _pack(self, t: torch.Tensor) -> Any:
         if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter) or t.device.type == "meta":
             return t  # a parameter, or a view of one (FSDP2 gathers whole parameters into fresh storage each step)
-        ptr = t.untyped_storage().data_ptr()
-        if ptr in self.param_storages or t.numel() == 0:
+        local = _local(t)  # (a DTensor holds no storage of its own: its shard is what this rank keeps)
+        if local is None or local.untyped_storage().data_ptr() in self.param_storages or local.numel() == 0:
             return t
-        key = byte_span(t)
+        key = byte_span(local)
         held = self.live.get(key, 0)
         self.live[key] = held + 1
         if held == 0:
