@@ -160,7 +160,7 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad()
         if mesh.rank == 0 and (step % 10 == 0 or step == args.steps - 1):
-            log.info("step %3d  loss %.3f  grad norm %.3f", step, loss, norm)
+            log.info("step %3d  loss %.3f  grad norm %.3f", step + 1, loss, norm)  # (1-based, as the progress line)
     state = sum(
         v.to_local().numel() * v.element_size() if hasattr(v, "to_local") else v.numel() * v.element_size()
         for s in optimizer.state.values()

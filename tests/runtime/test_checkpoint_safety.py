@@ -96,9 +96,13 @@ def test_a_resume_from_a_missing_root_beside_a_near_name_that_holds_checkpoints_
     model = sw.build_model(mdl.lm(2), seed=0)
     sw.checkpoint.save(tmp_path / "ckpts", model, step=3, collective=False)
     (tmp_path / "ckpt-notes").mkdir()  # a near name with no checkpoint in it: no evidence
+    for series in ("run2", "ck_lterm"):  # another job's folder beside a new one: a series, no typo (a user pass)
+        sw.checkpoint.save(tmp_path / series, model, step=1, collective=False)
     with caplog.at_level(logging.INFO, logger="stagewise"):
         assert sw.checkpoint.resume(tmp_path / "ckpt", model, collective=False) is None  # a typo: afresh, said
         assert sw.checkpoint.resume(tmp_path / "runs", model, collective=False) is None  # a job's first run
+        for new in ("run3", "ck_r0term"):
+            assert sw.checkpoint.resume(tmp_path / new, model, collective=False) is None
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warned == [
         f"stagewise.checkpoint.resume: starting afresh: no {tmp_path / 'ckpt'}, but "

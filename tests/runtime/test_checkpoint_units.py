@@ -172,9 +172,30 @@ def test_a_save_removes_the_half_written_saves_of_its_own_job_only(
         (staging / "rank-0").mkdir()
         retention.claim(staging, job)
     retention.staging_for(tmp_path, 42).mkdir()  # no claim: left alone
+    orphan = retention.staging_for(tmp_path, 39).with_name(".step-00000039.tmp.owner")
+    orphan.write_text('{"job": "job-b"}')  # a claim whose save was published, interrupted before its sweep
     sw.checkpoint.save(tmp_path, model, step=48, collective=False)
     left = sorted(p.name for p in tmp_path.iterdir())
     assert left == [".step-00000041.tmp", ".step-00000041.tmp.owner", ".step-00000042.tmp", "step-00000048"]
+
+
+def test_a_published_save_is_noted_and_its_claim_removed_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Ctrl-C after the rename but before the save returned left the interrupt line naming the step before, and
+    the claim beside the published folder for good (a user pass): both happen with the rename now."""
+    from stagewise.runtime import interrupt
+    from stagewise.runtime.checkpoint import api, retention
+
+    def interrupted(*args: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(retention, "sweep", interrupted)  # the first thing after the publish
+    model = sw.build_model(mdl.lm(2), seed=0)
+    with pytest.raises(KeyboardInterrupt):
+        api.save(tmp_path, model, step=15, collective=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000015"]
+    assert interrupt.where()["checkpoint"] == str(tmp_path / "step-00000015")
 
 
 def _two_stages(seed: int) -> tuple[torch.nn.Module, dict[int, torch.optim.Optimizer], dict[int, Any]]:

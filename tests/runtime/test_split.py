@@ -200,6 +200,40 @@ def test_guarded_model_splits_and_equals_original() -> None:
     _assert_parity(model, inputs, split)
 
 
+class Modal(nn.Module):
+    """A forward with Python-valued arguments: a branch on a string and a float scale."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 6)
+        self.b = nn.Linear(6, 3)
+        self.a.pipeline_stage = 0
+        self.b.pipeline_stage = 1
+
+    def forward(self, x: torch.Tensor, mode: str = "relu", scale: float = 1.0) -> torch.Tensor:
+        h = self.a(x)
+        return self.b(torch.tanh(h) if mode == "tanh" else torch.relu(h)) * scale
+
+
+def test_concrete_args_are_the_values_the_stages_run_with() -> None:
+    """``concrete_args`` fixes Python-valued arguments: the stages, given the inputs alone (as a pipeline gives
+    them), run as the model does with those values. fx kept the forward's own defaults and asserted each value
+    passed equalled the fixed one, so the first step failed ("mode has been specialized to have value tanh")."""
+    torch.manual_seed(0)
+    model, x = Modal(), torch.randn(5, 4)
+    split = split_model(model, (x,), concrete_args={"mode": "tanh", "scale": 2.0})
+    assert split.num_stages == 2
+    model.zero_grad()
+    expected = model(x, "tanh", 2.0)
+    _loss(expected).backward()
+    want = _grads(model)
+    for step in (_plain_step, _pipelined_step):
+        model.zero_grad()
+        torch.testing.assert_close(step(split, (x,)), expected, rtol=0, atol=0)
+        for name, g in _grads(model).items():
+            torch.testing.assert_close(g, want[name], rtol=1e-6, atol=1e-7, msg=name)
+
+
 def test_parameter_names_map_back_to_the_model() -> None:
     model = tagged_net()
     split = split_model(model, (torch.randn(5, 4), torch.randn(5)))

@@ -4,7 +4,9 @@ Ctrl-C (SIGINT) ends the job with one line and exit status 130 (:mod:`stagewise.
 launcher takes SIGINT itself rather than leaving it to torch's agent (whose shutdown logs a warning per
 worker and whose exception ends in a traceback), raises the agent's own ``SignalException`` so that the agent
 forwards SIGINT to every worker and waits for them, quiets the agent's shutdown messages, then prints where
-the workers stopped. Other signals (SIGTERM, SIGHUP, SIGQUIT) stay torch's.
+the workers stopped. SIGTERM (what a scheduler, SLURM or Kubernetes, sends to stop a job) is taken the same
+way: the workers get SIGINT, the one line says "stopped by SIGTERM", the exit status is 143. SIGHUP and SIGQUIT
+stay torch's.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from .interrupt import FOLDER_ENV, first_cause, records, summary
 
 #: the signals torch's agent keeps handling: torchrun's --signals-to-handle, through its environment variable
 #: (PET_ + the option: a torch without the option ignores it, and keeps SIGINT: a traceback, as before)
-_TORCH_SIGNALS = {"PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGHUP,SIGQUIT"}
+_TORCH_SIGNALS = {"PET_SIGNALS_TO_HANDLE": "SIGHUP,SIGQUIT"}
+#: the signals the launcher takes itself: each stops the workers as Ctrl-C does
+_TAKEN = (signal.SIGINT, signal.SIGTERM)
 
 
 def torchrun(
@@ -32,7 +36,8 @@ def torchrun(
     explain: Callable[[BaseException], str] | None = None,
     watch: Callable[[str], AbstractContextManager[None]] | None = None,
 ) -> int:
-    """Hand over to ``torch.distributed.run``; returns the exit status (1 when a child failed, 130 on Ctrl-C).
+    """Hand over to ``torch.distributed.run``; returns the exit status (1 when a child failed, 130 on Ctrl-C, 143 on
+    SIGTERM).
 
     ``env``: variables for torch's agent and the workers (``--nnodes MIN:MAX``: :mod:`.elastic.launch`);
     ``explain``: what a failed rendezvous means, printed as one line (exit status 1) instead of a traceback;
@@ -49,7 +54,7 @@ def torchrun(
         saved = {k: os.environ.get(k) for k in (FOLDER_ENV, *extra)}
         os.environ[FOLDER_ENV] = folder  # the workers inherit it: where they say where they stopped
         os.environ.update(extra)
-        previous = signal.signal(signal.SIGINT, hush.interrupt(SignalException))
+        previous = {sig: signal.signal(sig, hush.interrupt(SignalException)) for sig in _TAKEN}
         hush.attach()
         watching = watch(folder) if watch is not None else nullcontext()
         try:
@@ -67,12 +72,13 @@ def torchrun(
             print(f"stagewise run: {explain(err)}", file=sys.stderr, flush=True)
             return 1
         except SignalException as err:
-            if err.sigval != signal.SIGINT:
+            if err.sigval != signal.SIGINT or hush.received is None:
                 raise
-            print(summary(records(folder)), file=sys.stderr, flush=True)
-            return 128 + int(signal.SIGINT)
+            print(summary(records(folder), hush.received.name), file=sys.stderr, flush=True)
+            return 128 + int(hush.received)
         finally:
-            signal.signal(signal.SIGINT, previous)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
             hush.detach()
             for key, value in saved.items():
                 if value is None:
@@ -91,17 +97,20 @@ class _Hush(logging.Filter):
     def __init__(self) -> None:
         super().__init__()
         self.stopping = False
+        self.received: signal.Signals | None = None  # the signal that stopped the job
         self._on: list[logging.Logger] = []
 
     def interrupt(self, raise_as: type[Exception]) -> Any:
-        """The SIGINT handler: the agent's own signal exception, once (a second Ctrl-C while the workers are
-        leaving is ignored: raising again would abandon them mid-shutdown)."""
+        """The SIGINT / SIGTERM handler: the agent's own signal exception for SIGINT, once, which the agent
+        forwards to the workers (their Ctrl-C: each says where it stopped and leaves the ordinary way); a second
+        signal while they are leaving is ignored: raising again would abandon them mid-shutdown."""
 
         def handler(signum: int, frame: FrameType | None) -> None:
             if self.stopping:
                 return
             self.stopping = True
-            raise raise_as(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))  # type: ignore[call-arg]
+            self.received = signal.Signals(signum)
+            raise raise_as(f"Process {os.getpid()} got signal: {signum}", sigval=signal.SIGINT)  # type: ignore[call-arg]
 
         return handler
 

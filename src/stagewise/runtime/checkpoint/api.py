@@ -171,8 +171,7 @@ def _staged(staging: Path, everyone: list[dict[str, Any]], ranks: storage.Ranks)
 
 
 def _job() -> str:
-    """The job a save belongs to, alike across its restarts: torchrun's run id (``--rdzv-id``; a fresh one per
-    ``--standalone`` launch), else this process."""
+    """The job a save belongs to, alike across its restarts: torchrun's run id (``--rdzv-id``), else this process."""
     return os.environ.get("TORCHELASTIC_RUN_ID") or f"pid-{os.getpid()}"
 
 
@@ -183,6 +182,7 @@ def _publish(staging: Path, final: Path, record: dict[str, Any], hashed: list[di
     digests[META] = mf.digest(staging / META)
     mf.write_manifest(staging, digests)  # last: its presence means complete
     retention.publish(staging, final)
+    note_checkpoint(final, record["step"])  # at once: a Ctrl-C during the others' wait names this one
 
 
 def load(

@@ -113,7 +113,20 @@ def misspelt(root: Path) -> Path | None:
     except OSError:  # an unreadable folder: no evidence
         return None
     near = (root.parent / name for name in difflib.get_close_matches(root.name, names, n=3, cutoff=0.75))
-    return next((p for p in near if retention.steps(p)), None)
+    return next((p for p in near if _a_typo(root.name, p.name) and retention.steps(p)), None)
+
+
+def _a_typo(wanted: str, found: str) -> bool:
+    """Whether ``found`` is ``wanted`` with a slip of the keyboard: at most two characters changed, added or dropped
+    (a doubled or swapped letter: ``ckpts``, ``chekcpoints``), none a digit. A name in a series (``run2`` beside a new
+    ``run3``, ``ck_r0term`` beside ``ck_lterm``) is another job's folder, which a warning would wrongly blame."""
+    edits = [
+        wanted[i1:i2] + found[j1:j2]
+        for op, i1, i2, j1, j2 in difflib.SequenceMatcher(None, wanted, found).get_opcodes()
+        if op != "equal"
+    ]
+    changed = "".join(edits)
+    return 0 < len(changed) <= 2 and not any(c.isdigit() for c in changed)
 
 
 def _take_back(pipe: Any, cut: list[int]) -> None:

@@ -49,6 +49,9 @@ def sweep(root: Path, job: str, current: Path) -> list[Path]:
     claim too (it is published); those of other jobs, and unclaimed ones, stay. Returns what was removed."""
     _owner_of(current).unlink(missing_ok=True)
     removed = []
+    for orphan in root.glob(".step-*.tmp.owner"):  # a claim whose folder is gone (published, or removed)
+        if not orphan.with_name(orphan.name.removesuffix(".owner")).exists():
+            orphan.unlink(missing_ok=True)
     for staging in root.glob(".step-*.tmp"):
         try:
             owner = json.loads(_owner_of(staging).read_text())["job"]
@@ -137,6 +140,7 @@ def publish(staging: Path, final: Path) -> None:
             shutil.rmtree(old)
         os.replace(final, old)
     os.replace(staging, final)
+    _owner_of(staging).unlink(missing_ok=True)  # (its claim: a Ctrl-C before the sweep left it for good)
     _sync_dir(final.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)

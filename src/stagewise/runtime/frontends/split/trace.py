@@ -16,6 +16,7 @@ Rules, applied to the nodes in graph (execution) order:
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from torch import fx, nn
@@ -59,10 +60,22 @@ def trace(model: nn.Module, leaves: set[str], concrete_args: dict[str, Any] | No
             "traceable; tag the module that does it (pipeline_stage) so it is traced as one opaque call, "
             "or pass concrete_args for Python-valued inputs"
         ) from e
+    _fixed_defaults(graph, model, concrete_args or {})
     gm = fx.GraphModule(tracer.root, graph, class_name=type(model).__name__)
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return gm
+
+
+def _fixed_defaults(graph: fx.Graph, model: nn.Module, concrete: dict[str, Any]) -> None:
+    """Each argument ``concrete_args`` fixes defaults to its fixed value: fx keeps the forward's own default and
+    asserts the value passed equals the fixed one, so a step that passed the inputs alone (as a pipeline's does)
+    failed that assertion ("mode has been specialized to have value tanh")."""
+    names = [n for n in inspect.signature(model.forward).parameters]
+    holders = [node for node in graph.nodes if node.op == "placeholder"]
+    for name, node in zip(names, holders):
+        if name in concrete and not isinstance(concrete[name], fx.PH.__class__):
+            node.args = (concrete[name],)
 
 
 def _innermost_module(node: fx.Node) -> str | None:
