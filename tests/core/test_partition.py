@@ -130,7 +130,7 @@ def test_partition_options_are_refused_clearly() -> None:
         stage_counts(4, 2, "fast")
     with pytest.raises(ValueError, match="partition='uniform' does not"):
         stage_counts(4, 2, "uniform", speeds=[1, 2])
-    with pytest.raises(ValueError, match="explicit counts does not"):
+    with pytest.raises(ValueError, match="explicit counts do not"):
         stage_counts(4, 2, [2, 2], memory_caps=[1, 1])
     with pytest.raises(ValueError, match="speeds= does not change"):
         stage_counts(4, 2, "memory", profile=prof, speeds=[1, 2])

@@ -255,3 +255,17 @@ def test_layer_counts_set_the_stages_per_rank(monkeypatch: pytest.MonkeyPatch) -
         assert got.partition == counts and got.schedule.num_stages == len(counts), (counts, got.schedule.meta)
     with pytest.raises(ValueError, match=r"partition=\[4, 4, 4\]: 3 stages cannot be spread evenly over 2 ranks"):
         chosen([4, 4, 4])
+
+
+def test_caps_without_sample_inputs_name_the_caps() -> None:
+    """``memory_caps=`` alone (the default partition) blamed ``partition='balanced'``, which the user never set."""
+    import torch
+
+    from stagewise.runtime.frontends import balance
+
+    for how, words in (("balanced", "memory_caps= measure the layers"), ("time", "partition='time' profiles")):
+        with pytest.raises(ValueError, match=f"{words}.*pass sample_inputs="):
+            balance.plan_layers(
+                _named(12), generate("1f1b", 2, 4), how, group=None, device=torch.device("cpu"), seed=0,
+                memory_caps=[1e9, 1e9],
+            )  # fmt: skip

@@ -63,7 +63,9 @@ def test_given_options_are_remembered_and_keywords_override_a_reused_value() -> 
         ({"seed": 1.5}, TypeError, "seed must be an int"),
         ({"partition": "fast"}, ValueError, "partition must be 'balanced', 'uniform'"),
         ({"partition": [2, 0]}, ValueError, "every stage needs at least one layer, but stage 1 has 0"),
-        ({"speeds": [1.0, -1.0]}, ValueError, "speeds must be numbers > 0"),
+        ({"speeds": [1.0, -1.0]}, ValueError, "speeds must be finite numbers > 0"),
+        ({"speeds": [1.0, float("inf")]}, ValueError, "speeds must be finite numbers > 0"),  # (it was accepted)
+        ({"memory_caps": [float("inf")] * 2}, ValueError, "memory_caps must be finite numbers > 0"),
         ({"memory_caps": "big"}, TypeError, "memory_caps must be a sequence of numbers"),
         ({"nan_policy": "ignore"}, ValueError, "nan_policy must be one of"),
         ({"batchnorm": "sync"}, ValueError, "batchnorm= must be one of"),

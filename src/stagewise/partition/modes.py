@@ -174,9 +174,9 @@ def check_options(
     needs_profile(how)  # an unknown mode
     if not isinstance(how, str) or how == "uniform":
         if speeds is not None or memory_caps is not None:
-            kind = f"partition={how!r}" if isinstance(how, str) else "explicit counts"
+            kind = f"partition={how!r} does not" if isinstance(how, str) else "explicit counts do not"
             raise ValueError(
-                f"speeds= and memory_caps= choose cut points; {kind} does not: "
+                f"speeds= and memory_caps= choose cut points; {kind}: "
                 "use partition='balanced', 'parameters', 'time' or 'memory'"
             )
         if not isinstance(how, str):

@@ -10,6 +10,7 @@ misspelt one is refused naming the closest valid one.
 from __future__ import annotations
 
 import difflib
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, TypedDict
@@ -308,8 +309,8 @@ def _check_cut(o: Options) -> None:
             continue
         if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
             raise TypeError(f"{name} must be a sequence of numbers, one per rank, got {values!r}")
-        if any(isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 for v in values):
-            raise ValueError(f"{name} must be numbers > 0, one per rank, got {list(values)}")
+        if any(isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf for v in values):
+            raise ValueError(f"{name} must be finite numbers > 0, one per rank, got {list(values)}")
 
 
 def _check_slowdown(f: float | Sequence[float] | None) -> None:

@@ -150,7 +150,10 @@ def plan_layers(
         return _default_plan(named, schedule, group, device, seed, sample_inputs, stage_speeds, timeout, store)
     if needs_profile(how, memory_caps):
         if sample_inputs is None:
-            raise ValueError(f"partition={how!r} profiles the layers: pass sample_inputs= (one micro-batch of inputs)")
+            why = "memory_caps= measure" if memory_caps is not None and how in ("balanced", DEFAULT) else (
+                f"partition={how!r} profiles"
+            )  # fmt: skip
+            raise ValueError(f"{why} the layers: pass sample_inputs= (one micro-batch of inputs)")
         measured = on_first_rank(
             group,
             lambda: with_loss_bytes(steadiest(lambda: profile_layers(named, sample_inputs, seed=seed, device=device,
