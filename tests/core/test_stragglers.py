@@ -131,6 +131,7 @@ def test_a_rank_stopped_before_its_sends_is_named_within_5_steps_in_one_line() -
     speeds = detector.speeds()
     line = Straggler(1, speeds[1], tuple(speeds), (7, 1), 0.068, 0.03).line()
     assert "\n" not in line and "rank 1 is slow" in line and f"({1 / speeds[1]:.2f}x slower" in line
+    assert f"the ranks' recent speeds {[round(s, 2) for s in speeds]})" in line  # (it said "the last 3: speeds")
     assert 3.4 < 1 / speeds[1] < 4.0  # the slowdown measured: about 4x (the stall after its last action unread)
 
 

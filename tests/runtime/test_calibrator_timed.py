@@ -42,6 +42,17 @@ def test_timed_steps_set_the_bias_and_the_report() -> None:
         RunCalibrator(fake_pipe(), cores=8, reduce=(0.25, 50.0), reduce_cpu=2)
     with pytest.raises(ValueError, match="link_cpu is a share of a core, in \\[0, 1\\], got -0.1"):
         RunCalibrator(fake_pipe(), cores=8, link_cpu=-0.1)
+    for given, words in (  # each failed the first calibration, steps later (an IndexError, the planner's names)
+        ({"speeds": [1.0]}, "speeds needs one value per rank \\(2\\), got 1"),
+        ({"speeds": [1.0, -0.5]}, "speeds must be finite numbers > 0"),
+        ({"caps": [0, 1]}, "caps must be finite numbers > 0"),
+        ({"caps": [1.0, 1.0, 1.0]}, "caps needs one value per rank"),
+        ({"cores": 0}, "cores \\(the cores the job's processes share\\) must be > 0, got 0"),
+        ({"cores": -2}, "cores .* must be > 0, got -2"),
+        ({"processes": -1}, "processes must be an int >= 1, got -1"),
+    ):
+        with pytest.raises(ValueError, match=f"RunCalibrator: {words}"):
+            RunCalibrator(fake_pipe(), **{"cores": 8, **given})
     assert record["predicted_s"] == pytest.approx(18.0, rel=1e-9)
     for seconds in (18.0, 20.0):
         calibrator.observe(run, step_s=seconds)

@@ -111,8 +111,9 @@ class Straggler:
     def line(self) -> str:
         return (
             f"stagewise: rank {self.rank} is slow: it runs at {self.speed:.2f}x its calibrated speed "
-            f"({1 / self.speed:.2f}x slower, the median of its last {WINDOW} steps; the last {RECENT}: speeds "
-            f"{[round(s, 2) for s in self.speeds]}); the cut for these speeds is {list(self.counts)}, "
+            f"({1 / self.speed:.2f}x slower, the median of its last {WINDOW} steps, each against the step's fastest "
+            f"rank; the ranks' recent speeds {[round(s, 2) for s in self.speeds]}); the cut for these speeds is "
+            f"{list(self.counts)}, "
             f"predicted {self.after * 1e3:.1f} ms a step against "
             f"{self.now * 1e3:.1f} ms now (stagewise.runtime.Replanner applies it live when it pays)"
         )

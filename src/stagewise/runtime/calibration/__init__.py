@@ -8,7 +8,8 @@ alone is :mod:`stagewise.runtime.measure`); the planner reads the results as pla
   (:func:`stagewise.calibrate`), with :mod:`.layout_probe` (what each layout costs beyond the model);
 * :mod:`.from_run`: the cost model recalibrated from a running pipeline's own timeline, and a slow rank named
   (:class:`~stagewise.runtime.calibration.from_run.RunCalibrator`), with :mod:`.replicas` (the data-parallel
-  replicas' all-reduces gathered on one clock, for the link fit);
+  replicas' all-reduces gathered on one clock, for the link fit) and :mod:`.arguments` (what it is given, checked
+  where it is built);
 * :mod:`.replan`: the run re-planned live from that calibration, through ``pipe.relayout``
   (:class:`~stagewise.runtime.calibration.replan.Replanner`), with :mod:`.held` (when a held rank is probed, and
   what the probe found), :mod:`.probe` (a rank's share of a core, by a busy loop or its cgroup quota: a quota

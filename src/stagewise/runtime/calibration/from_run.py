@@ -36,6 +36,7 @@ from ...planning.stragglers import Detector, Straggler, cut_for_speeds, rank_spe
 from ..assembly.combinations import refuse_unwatchable
 from ..comm.groups import global_ranks, initialized
 from ..measure.cores import node_layout
+from .arguments import refuse_bad_arguments
 from .replicas import ReplicaSyncs
 
 log = logging.getLogger(__name__)
@@ -103,8 +104,7 @@ class RunCalibrator:
         link_cpu: float | None = None,
     ) -> None:
         refuse_unwatchable("RunCalibrator", pipe)
-        if after < 1 or warmup < 0:
-            raise ValueError(f"RunCalibrator: after must be >= 1 and warmup >= 0, got {after}, {warmup}")
+        refuse_bad_arguments(pipe.num_ranks, after, warmup, cores, processes, speeds, caps, reduce_cpu)
         self.pipe = pipe
         self.counts = [len(r) for r in pipe.layer_ranges]
         self._prior = prior or pipe.layer_profile
@@ -117,8 +117,6 @@ class RunCalibrator:
         self.caps = [1.0] * pipe.num_ranks if caps is None else [float(c) for c in caps]
         self.warmup, self.after, self.per_action = warmup, after, per_action
         self.reduce = None if reduce is None else (float(reduce[0]), float(reduce[1]))
-        if not 0 <= reduce_cpu <= 1:
-            raise ValueError(f"RunCalibrator: reduce_cpu is a share of the SYNC's time, in [0, 1], got {reduce_cpu!r}")
         self.reduce_cpu = float(reduce_cpu)
         self.link_cpu = link_cpu_prior(pipe, bandwidth) if link_cpu is None else float(link_cpu)
         if not 0 <= self.link_cpu <= 1:
