@@ -249,7 +249,8 @@ def test_another_optimizer_class_is_refused_before_anything_changes(tmp_path: Pa
 
 def test_a_load_from_where_no_checkpoint_is_says_what_was_likely_meant(tmp_path: Path) -> None:
     """``step-8`` for ``step-00000008`` (the guides write ``step-N``), a HetPipe's root (its parts under ``vw0/``,
-    ``vw1/``) loaded into one model, a missing folder and a file: each refusal says which."""
+    ``vw1/``) loaded into one model, a near name of a root holding checkpoints, a missing folder and a file: each
+    refusal says which."""
     model, opt, _ = _trained()
     sw.checkpoint.save(tmp_path / "run", model, opt, step=8, collective=False)
     for k in (0, 1):
@@ -260,6 +261,7 @@ def test_a_load_from_where_no_checkpoint_is_says_what_was_likely_meant(tmp_path:
         "het": f"it holds checkpoints in parts (vw0, vw1: a HetPipe saves each virtual worker's pipeline under "
         f"its own folder): load it into the same HetPipe, or one part ({tmp_path / 'het' / 'vw0'}) into a Pipeline",
         "nowhere": "(no such folder)",
+        "runs": f"{tmp_path / 'run'} holds checkpoints: a misspelt path?",  # (the resume's warning, shared)
         "file": "(a file, not a folder)",
     }
     for name, words in said.items():

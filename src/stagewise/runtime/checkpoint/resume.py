@@ -9,7 +9,6 @@ even while a stale ``.step-N.tmp`` of the killed attempt is still on disk.
 
 from __future__ import annotations
 
-import difflib
 import logging
 import os
 from dataclasses import replace
@@ -92,7 +91,7 @@ def resume(
 
 def _say_afresh(root: Path, why: str) -> None:
     """A resume that starts afresh says so (a job's first run: a note; a near name holding steps: a warning)."""
-    near = misspelt(root)
+    near = retention.misspelt(root)
     if near is not None:
         log.warning(
             "stagewise.checkpoint.resume: starting afresh: no %s, but %s holds checkpoints: a misspelt path?",
@@ -101,32 +100,6 @@ def _say_afresh(root: Path, why: str) -> None:
         )
     else:
         log.info("stagewise.checkpoint.resume: starting afresh: %s", why)
-
-
-def misspelt(root: Path) -> Path | None:
-    """A folder beside a missing ``root`` whose name is close to its name and that holds ``step-N`` checkpoints
-    (``ckpts`` for ``ckpt``), or None: a resume that starts afresh there is probably a typo."""
-    if root.exists() or not root.parent.is_dir():
-        return None
-    try:
-        names = [p.name for p in root.parent.iterdir() if p.is_dir()]
-    except OSError:  # an unreadable folder: no evidence
-        return None
-    near = (root.parent / name for name in difflib.get_close_matches(root.name, names, n=3, cutoff=0.75))
-    return next((p for p in near if _a_typo(root.name, p.name) and retention.steps(p)), None)
-
-
-def _a_typo(wanted: str, found: str) -> bool:
-    """Whether ``found`` is ``wanted`` with a slip of the keyboard: at most two characters changed, added or dropped
-    (a doubled or swapped letter: ``ckpts``, ``chekcpoints``), none a digit. A name in a series (``run2`` beside a new
-    ``run3``, ``ck_r0term`` beside ``ck_lterm``) is another job's folder, which a warning would wrongly blame."""
-    edits = [
-        wanted[i1:i2] + found[j1:j2]
-        for op, i1, i2, j1, j2 in difflib.SequenceMatcher(None, wanted, found).get_opcodes()
-        if op != "equal"
-    ]
-    changed = "".join(edits)
-    return 0 < len(changed) <= 2 and not any(c.isdigit() for c in changed)
 
 
 def _take_back(pipe: Any, cut: list[int]) -> None:

@@ -19,6 +19,7 @@ alive), never another job's, which may be writing now.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import re
@@ -96,6 +97,9 @@ def nothing_at(path: Path) -> str:
     digits = path.name.removeprefix("step-")
     if digits != path.name and digits.isdigit() and folder_for(path.parent, int(digits)).exists():
         return f"{said}; step folders are named with 8 digits: {folder_for(path.parent, int(digits))}"
+    near = misspelt(path)
+    if near is not None:
+        return f"{said}; {near} holds checkpoints: a misspelt path?"
     if not path.is_dir():
         return f"{said} ({'a file, not a folder' if path.exists() else 'no such folder'})"
     parts = sorted(p.name for p in path.iterdir() if p.is_dir() and steps(p))
@@ -213,3 +217,30 @@ def _sync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def misspelt(root: Path) -> Path | None:
+    """A folder beside a missing ``root`` whose name is close to its name and that holds ``step-N`` checkpoints
+    (``ckpts`` for ``ckpt``), or None: a resume that starts afresh there is probably a typo."""
+    if root.exists() or not root.parent.is_dir():
+        return None
+    try:
+        names = [p.name for p in root.parent.iterdir() if p.is_dir()]
+    except OSError:  # an unreadable folder: no evidence
+        return None
+    near = (root.parent / name for name in difflib.get_close_matches(root.name, names, n=3, cutoff=0.75))
+    return next((p for p in near if _a_typo(root.name, p.name) and steps(p)), None)
+
+
+def _a_typo(wanted: str, found: str) -> bool:
+    """Whether ``found`` is ``wanted`` with a slip of the keyboard: at most two characters changed, added or dropped
+    (a doubled or swapped letter: ``ckpts``, ``chekcpoints``), none a digit. A name in a series (``run2`` beside a new
+    ``run3``, ``ck_r0term`` beside ``ck_lterm``) is another job's folder, which a warning would wrongly blame."""
+    edits = [
+        (wanted[i1:i2], found[j1:j2])
+        for op, i1, i2, j1, j2 in difflib.SequenceMatcher(None, wanted, found).get_opcodes()
+        if op != "equal"
+    ]
+    size = sum(max(len(a), len(b)) for a, b in edits)  # a swap ("nu" for "un") is two
+    changed = "".join(a + b for a, b in edits)
+    return 0 < size <= 2 and not any(c.isdigit() for c in changed)
