@@ -82,6 +82,28 @@ def test_simulate_summary_ascii_and_files(capsys: pytest.CaptureFixture[str], tm
     assert sum(e["ph"] == "X" for e in events) == 2 * 2 * 2 + 2  # F and B per rank and micro-batch, one SYNC each
 
 
+def test_every_file_a_command_writes_gets_its_folder_made(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out = tmp_path / "new" / "deeper"
+    argv = [
+        "simulate",
+        "-s",
+        "1f1b",
+        "-p",
+        "2",
+        "-m",
+        "2",
+        "--png",
+        str(out / "g.png"),
+        "--torch-csv",
+        str(out / "t.csv"),
+    ]
+    code, printed, _ = run_main(capsys, *argv)
+    assert code == 0 and (out / "g.png").exists()
+    assert (out / "t.csv").read_text().startswith(
+        "0F0,0F1,0B0,0B1"
+    ) and f"wrote torch compute_only CSV: {out / 't.csv'}" in printed
+
+
 @pytest.mark.parametrize(
     "argv, reason",
     [

@@ -64,7 +64,14 @@ def test_simulate_writes_a_registered_schedule_for_torch(tmp_path: Path, capsys:
         (["synthesize", "-p", "2", "-m", "4", "--effort", "-3"], "--effort must be >= 0 (0: no local search), got -3"),
         (["synthesize", "-p", "2", "-m", "4", "--placement", "v"], "placement 'v' zig-zags two or more stages"),
         (["synthesize", "-p", "2", "-m", "4", "--f-time", "-1"], "--f-time must be a finite number"),
-        (["synthesize", "-p", "2", "-m", "4", "--torch-csv", "/no/such/folder/x.csv"], "--torch-csv /no/such/folder"),
+        (
+            ["synthesize", "-p", "2", "-m", "4", "--torch-csv", "a-file/x.csv"],
+            "--torch-csv a-file/x.csv: cannot make its folder (a-file is a file)",
+        ),
+        (
+            ["simulate", "-s", "1f1b", "-p", "2", "-m", "4", "--png", "a-file/sub/g.png"],
+            "--png a-file/sub/g.png: cannot make",
+        ),
         (["simulate", "-s", "pipedream", "-p", "2", "-m", "4", "--torch-csv", "x.csv"], "asynchronous"),
     ],
 )
@@ -72,5 +79,6 @@ def test_bad_arguments_exit_2_naming_them(
     argv: list[str], words: str, capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.chdir(tmp_path)
+    Path("a-file").write_text("")  # a file where a folder is asked for
     assert main(argv) == 2
     assert words in capsys.readouterr().err

@@ -21,6 +21,31 @@ def test_a_missing_backward_is_named() -> None:
         sw.validate_schedule(schedule)
 
 
+def test_a_gradient_sync_before_its_stages_last_backward_is_named() -> None:
+    """(It was accepted, and the runtime reduced a tied weight's or a replica's gradient before the last
+    micro-batch added its part: wrong gradients, no error.)"""
+    early = _from_text(
+        "rank 0: 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1 0SYNC\n"
+        "rank 1: 1RECV_F0 1F0 1RECV_F1 1B0 1SEND_B0 1F1 1SYNC 1B1 1SEND_B1\n"
+    )
+    with pytest.raises(ScheduleError, match=r"#7 1B1 .*stage 1's B comes after its gradient sync \(#6 1SYNC\)"):
+        sw.validate_schedule(early)
+    with pytest.raises(ScheduleError, match=r"stage 0 has 2 gradient syncs \(0SYNC\), expected 1"):
+        sw.validate_schedule(_from_text("rank 0: 0F0 0B0 0SYNC 0SYNC\n"))
+    with pytest.raises(ScheduleError, match=r"stage 1 has 0 gradient syncs \(1SYNC\), expected 1"):
+        sw.validate_schedule(_from_text("rank 0: 0F0 1F0 1B0 0B0 0SYNC\n"))
+    sw.validate_schedule(_from_text("rank 0: 0F0 1F0 1B0 0I0 0W0 1SYNC 0SYNC\n"))  # after the W: fine
+    with pytest.raises(ScheduleError, match=r"stage 0's W comes after its gradient sync"):
+        sw.validate_schedule(_from_text("rank 0: 0F0 1F0 1B0 0I0 1SYNC 0SYNC 0W0\n"))
+
+
+def test_an_asynchronous_schedule_read_back_from_its_csv_is_told_what_it_lacks() -> None:
+    written = sw.build_schedule("pipedream", 2, 4).to_csv()
+    with pytest.raises(ScheduleError, match=r"is invalid:\n  a stage steps more than once: an asynchronous .*"
+                       r"weight-version table \(meta\['versions'\]\), which a CSV does not hold"):  # fmt: skip
+        sw.validate_schedule(Schedule.from_csv(written))
+
+
 def test_a_duplicated_forward_is_named() -> None:
     with pytest.raises(ScheduleError, match=r"2 forwards \(0F0\)"):
         sw.validate_schedule(_from_text("rank 0: 0F0 0F0 0B0\n"))

@@ -189,6 +189,26 @@ def breaks_optimizer_steps(draw: st.DrawFn) -> Edited:
     return _edited(schedule, ranks)
 
 
+@st.composite
+def breaks_gradient_syncs(draw: st.DrawFn) -> Edited:
+    """A SYNC moved before one of its stage's B or W (the gradients it reduces are not final yet), deleted from
+    one stage while the others keep theirs, or repeated."""
+    schedule = draw(registered(forms=("lowered", "split", "steps")))
+    ranks = _edit(schedule)
+    syncs = [(r, j) for r, acts in enumerate(ranks) for j, a in enumerate(acts) if a.kind is Kind.SYNC]
+    r, j = draw(st.sampled_from(syncs))
+    sync = ranks[r][j]
+    how = draw(st.sampled_from(["early", "delete", "repeat"] if schedule.num_stages > 1 else ["early", "repeat"]))
+    if how == "delete":
+        del ranks[r][j]
+    elif how == "repeat":
+        ranks[r].insert(j + draw(st.integers(0, 1)), sync)
+    else:
+        last = max(k for k, a in enumerate(ranks[r]) if a.stage == sync.stage and a.kind in (Kind.B, Kind.W))
+        ranks[r].insert(draw(st.integers(0, last)), ranks[r].pop(j))
+    return _edited(schedule, ranks)
+
+
 def _channel(schedule: Schedule, a: Action) -> tuple[str, int, int]:
     """The direction and the (sender, receiver) ranks of a communication action's message."""
     plc, s = schedule.placement, a.stage
@@ -314,6 +334,12 @@ def test_broken_local_order_is_refused_by_every_path(edited: Edited) -> None:
 @RULE_SETTINGS
 @given(breaks_optimizer_steps())
 def test_broken_optimizer_steps_are_refused_by_every_path(edited: Edited) -> None:
+    _refused_by_every_path(edited[0], "optimizer steps", edited[1])
+
+
+@RULE_SETTINGS
+@given(breaks_gradient_syncs())
+def test_a_gradient_sync_before_its_stages_last_backward_is_refused_by_every_path(edited: Edited) -> None:
     _refused_by_every_path(edited[0], "optimizer steps", edited[1])
 
 

@@ -74,12 +74,22 @@ def test_given_options_are_remembered_and_keywords_override_a_reused_value() -> 
         ({"optimizer": 3}, TypeError, "optimizer must be a factory"),
         ({"loss_fn": "mse"}, TypeError, "loss_fn must be a function"),
         ({"emulate_slowdown": 0.5}, ValueError, "emulate_slowdown factors must be numbers >= 1"),
+        ({"emulate_slowdown": [1.0, float("inf")]}, ValueError, "emulate_slowdown factors must be numbers >= 1"),
+        ({"memory_caps": ["16", "1GiB"]}, ValueError, "memory_caps[0] 16: give a unit, e.g. 16GiB"),
+        ({"memory_caps": ["1 parsec", 2]}, ValueError, "memory_caps[0]: unknown unit 'parsec'"),
+        ({"memory_caps": ["inf", "1GiB"]}, ValueError, "memory_caps must be finite numbers > 0"),
         ({"group": object(), "parallel": sw.ParallelConfig(pp=1)}, ValueError, "pass either group= or parallel="),
     ],
 )
 def test_bad_values_are_refused_naming_the_option(keywords: dict, error: type, words: str) -> None:
-    with pytest.raises(error, match=words.replace("(", "\\(").replace(")", "\\)")):
+    with pytest.raises(error, match=re.escape(words)):
         Options.of("Pipeline(layers)", None, keywords)
+
+
+def test_memory_caps_take_sizes_written_with_a_unit() -> None:
+    opts = Options.of("Pipeline(layers)", None, {"memory_caps": ["1.5GiB", "512 MiB", 1000.0]})
+    assert list(opts.memory_caps) == [1.5 * 2**30, 512 * 2**20, 1000.0]  # bytes, as a number means
+    assert Options.of("Pipeline(layers)", opts, {"seed": 1}).memory_caps == opts.memory_caps  # reused: stays bytes
 
 
 def test_a_way_in_refuses_only_what_it_cannot_apply_and_only_when_given() -> None:

@@ -25,6 +25,16 @@ def test_bad_options_are_named() -> None:
         Replanner(_pipe(), steps=-1)
     with pytest.raises(ValueError, match="schedules= names 'no-such'"):
         Replanner(_pipe(), steps=10, schedules=["no-such"])
+    with pytest.raises(ValueError, match=r"must be ints >= 0 .* got '10'"):
+        Replanner(_pipe(), steps="10")  # type: ignore[arg-type]  (a raw TypeError from a comparison before)
+    with pytest.raises(ValueError, match="relayout_s \\(seconds\\) must be a finite number >= 0, got -1"):
+        Replanner(_pipe(), steps=10, relayout_s=-1)
+    for bad in ({"cooldown": -1}, {"cooldown": 2.5}):
+        with pytest.raises(ValueError, match="cooldown \\(steps between changes\\) must be an int >= 0"):
+            Replanner(_pipe(), steps=10, **bad)
+    for bad in ({"z": -1.0}, {"margin_s": -0.5}, {"margin_s": float("inf")}, {"z": float("nan")}):
+        with pytest.raises(ValueError, match="margin_s \\(seconds\\) and z \\(spreads\\) must be finite"):
+            Replanner(_pipe(), steps=10, **bad)
 
 
 def test_good_options_are_kept() -> None:

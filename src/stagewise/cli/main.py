@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 #: the options that name a file a command writes (plan --json, simulate --png, synthesize --csv ...)
-WRITTEN = ("png", "trace", "csv", "json")
+WRITTEN = ("png", "trace", "csv", "json", "torch_csv")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -80,8 +80,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler: Handler = args.handler
     try:
         for name in WRITTEN:  # a file the command writes goes where it is asked: its folder made, as a user expects
-            if isinstance(getattr(args, name, None), str):
-                Path(getattr(args, name)).parent.mkdir(parents=True, exist_ok=True)
+            value = getattr(args, name, None)
+            if isinstance(value, str):
+                try:
+                    Path(value).parent.mkdir(parents=True, exist_ok=True)
+                except OSError as err:
+                    why = f"{err.filename} is a file" if isinstance(err, (FileExistsError, NotADirectoryError)) else err
+                    raise UsageError(f"--{name.replace('_', '-')} {value}: cannot make its folder ({why})") from None
         return handler(args)
     except OSError as err:
         print(f"stagewise {args.command}: error: {err}", file=sys.stderr)

@@ -1,8 +1,8 @@
 """Bytes as the planner's people read and write them: one convention for the API, the CLI and the table.
 
 A memory is bytes (a number) or a string with a unit, ``"8GiB"``, ``"512 MiB"``, ``"16GB"`` (decimal units
-too), in ``sw.plan(memory=...)`` and ``stagewise plan --memory`` alike. A table shows every value of a column in
-one unit, the one its largest value reads best in (:func:`unit_for`).
+too), in ``sw.plan(memory=...)``, a pipeline's ``memory_caps=`` and ``stagewise plan --memory`` alike. A table
+shows every value of a column in one unit, the one its largest value reads best in (:func:`unit_for`).
 """
 
 from __future__ import annotations

@@ -124,7 +124,7 @@ class HetPipe(StateThrough, SavedInParts):
             microbatches=pipe_m,
             group=vw_group,
             speeds=self.layout.per_rank(opts.speeds, "speeds", self.vw),
-            memory_caps=self.layout.per_rank(opts.memory_caps, "memory_caps", self.vw),
+            memory_caps=self.layout.per_rank(opts.caps, "memory_caps", self.vw),
             emulate_slowdown=self.layout.per_rank(_listed(opts.emulate_slowdown), "emulate_slowdown", self.vw),
             transport=_on_board(opts.transport, board),
         )

@@ -13,7 +13,7 @@ import difflib
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 import torch
 from torch import nn
@@ -21,6 +21,7 @@ from torch import nn
 from .._util import is_count
 from ..ir import Schedule
 from ..partition import PartitionSpec, needs_profile
+from ..planning.units import parse_bytes
 from ..schedules import canonical_name
 from .comm.choose_transport import TransportChoice, check_choice
 from .elastic.config import SnapshotSpec, snapshot_config
@@ -70,7 +71,8 @@ class Options:
     ``sample_inputs``, else parameters, or for convolutions the first batch), ``"uniform"``, ``"parameters"``,
     ``"time"``, ``"memory"`` or layer counts per stage (``"time"`` / ``"memory"`` profile ``sample_inputs``,
     one micro-batch, on the first rank);
-    ``speeds`` and ``memory_caps`` (bytes), one per rank, for heterogeneous ranks; ``seed``;
+    ``speeds`` and ``memory_caps`` (bytes, or text such as ``"16GiB"``), one per rank, for heterogeneous
+    ranks; ``seed``;
     ``free_unused`` and ``concrete_args`` (models built whole, :meth:`from_model`).
 
     *How it trains.* ``loss_fn(output, target)`` returns the micro-batch's *mean* loss; each micro-batch's
@@ -111,7 +113,7 @@ class Options:
     partition: PartitionSpec = "balanced"
     sample_inputs: Any = None
     speeds: Sequence[float] | None = None
-    memory_caps: Sequence[float] | None = None
+    memory_caps: Sequence[float | str] | None = None
     seed: int = 0
     dropout_seed: int | None = None
     free_unused: bool = True
@@ -138,6 +140,7 @@ class Options:
     given: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "memory_caps", _caps_in_bytes(self.memory_caps))
         _check_what_runs(self)
         _check_cut(self)
         check_policy(self.nan_policy)
@@ -178,6 +181,11 @@ class Options:
             raise TypeError(f"{entry}: {_unknown(unknown)}")
         base = options if options is not None else cls()
         return replace(base, **keywords, given=base.given | frozenset(keywords))
+
+    @property
+    def caps(self) -> Sequence[float] | None:
+        """``memory_caps`` in bytes (text such as ``"16GiB"`` was read when the options were made)."""
+        return cast("Sequence[float] | None", self.memory_caps)
 
     def is_given(self, name: str) -> bool:
         return name in self.given
@@ -231,7 +239,7 @@ class PipelineOptions(TypedDict, total=False):
     partition: PartitionSpec
     sample_inputs: Any
     speeds: Sequence[float] | None
-    memory_caps: Sequence[float] | None
+    memory_caps: Sequence[float | str] | None
     seed: int
     dropout_seed: int | None
     free_unused: bool
@@ -313,11 +321,20 @@ def _check_cut(o: Options) -> None:
             raise ValueError(f"{name} must be finite numbers > 0, one per rank, got {list(values)}")
 
 
+def _caps_in_bytes(caps: Sequence[float | str] | None) -> Sequence[float | str] | None:
+    """``memory_caps`` with sizes written as text (``"16GiB"``) in bytes; anything else is left for the checks."""
+    if caps is None or isinstance(caps, (str, bytes)) or not isinstance(caps, Sequence):
+        return caps
+    if not any(isinstance(v, str) for v in caps):
+        return caps
+    return [parse_bytes(v, f"memory_caps[{i}]", bare=False) if isinstance(v, str) else v for i, v in enumerate(caps)]
+
+
 def _check_slowdown(f: float | Sequence[float] | None) -> None:
     """``emulate_slowdown``: factors >= 1 (sleeping can make a rank slower, never faster)."""
     if f is None:
         return
     values = [f] if isinstance(f, (int, float)) else list(f)
     for v in values:
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 1.0:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 1.0 <= v < math.inf:
             raise ValueError(f"emulate_slowdown factors must be numbers >= 1 (1: full speed), got {f!r}")

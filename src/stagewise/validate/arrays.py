@@ -262,16 +262,19 @@ def _certificate_holds(
 
 
 def _steps_hold(kind: np.ndarray, stage: np.ndarray, pos: np.ndarray, pos_done: np.ndarray, n: int, m: int) -> bool:
-    """SYNC never after its stage's STEP; each STEP after all its stage's backward, once; all stages or none."""
+    """Each SYNC and each STEP after all its stage's backward, once, the SYNC never after the STEP; all stages or
+    none, for each."""
     per_stage = np.nonzero(kind >= _SYNC)[0]
     stepped: dict[int, int] = {}
+    synced: dict[int, int] = {}
     for at in per_stage.tolist():
         s = int(stage[at])
+        if s in stepped or int(pos_done[s * m : (s + 1) * m].max()) > at:
+            return False
         if kind[at] == _SYNC:
-            if s in stepped:
+            if s in synced:
                 return False
+            synced[s] = at
         else:
-            if s in stepped or int(pos_done[s * m : (s + 1) * m].max()) > at:
-                return False
             stepped[s] = at
-    return not stepped or len(stepped) == n
+    return (not stepped or len(stepped) == n) and (not synced or len(synced) == n)

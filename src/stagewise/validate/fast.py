@@ -13,7 +13,8 @@ bytearrays and counters:
   go F (1) -> B (3), or F (1) -> I (2) -> W (3), and a compute action may only
   run once the value it needs is computed on this rank (or received);
 * optimizer steps: a STEP finds all of its stage's backward done, and no SYNC
-  of its stage follows it; one STEP per stage when the schedule has any;
+  of its stage follows it; one STEP per stage when the schedule has any; a SYNC
+  finds all of its stage's backward done too, one per stage when it has any;
 * communication: each message crossing ranks is sent once after it is made and
   received once before it is used (counts, then flags), and on each (sender,
   receiver) channel the sends and receives list the same messages in order;
@@ -128,7 +129,7 @@ class _Scan:
         posted = bytearray(4 * n * m)
         waiter = [-1] * (4 * n * m)  # op not yet posted -> the rank whose batch waits for it
         done = [0] * n  # micro-batches whose backward of stage s is complete
-        steps = [0] * n
+        steps, synced = [0] * n, [0] * n
         complete, forward_only, asynchronous = self.complete, self.forward_only, self.asynchronous
         n_sent = n_recv = 0
         missing = [0] * p  # partners the rank's current batch still waits for
@@ -215,8 +216,12 @@ class _Scan:
                         if asynchronous and (k is SYNC or k is STEP):
                             pass
                         elif k is SYNC:
-                            if forward_only or steps[s]:
-                                return f"rank {rank}: {s}SYNC in a forward-only schedule or after its STEP"
+                            if forward_only or steps[s] or synced[s] or done[s] != m:
+                                return (
+                                    f"rank {rank}: {s}SYNC repeated, in a forward-only schedule, before its last "
+                                    "backward or after its STEP"
+                                )
+                            synced[s] = 1
                         elif k is STEP:
                             if forward_only or steps[s] or done[s] != m:
                                 return (
@@ -248,6 +253,8 @@ class _Scan:
             return "some (stage, micro-batch) lacks its forward or backward"
         if any(steps) and sum(steps) != n:
             return "some stage has no optimizer step while others have one"
+        if any(synced) and sum(synced) != n:
+            return "some stage has no gradient sync while others have one"
         if not complete:
             return None
         crossing = m * sum(in_f_cross) + (0 if forward_only else m * sum(in_b_cross))

@@ -111,10 +111,8 @@ def _check_local_order(schedule: Schedule) -> list[str]:
 
 
 def _check_steps(schedule: Schedule) -> list[str]:
-    """Optimizer steps: one per stage if any, after all the stage's compute and its SYNC.
-
-    A forward-only schedule has neither SYNC nor STEP: it computes no gradients.
-    """
+    """Optimizer steps: one per stage if any, after all the stage's compute and its SYNC (itself checked by
+    :func:`_check_syncs`). A forward-only schedule has neither SYNC nor STEP: it computes no gradients."""
     problems = []
     if is_forward_only(schedule):
         for rank, acts in enumerate(schedule.ranks):
@@ -125,6 +123,13 @@ def _check_steps(schedule: Schedule) -> list[str]:
     if schedule.is_asynchronous:  # a SYNC and a STEP per mini-batch: stagewise.validate.versions checks them
         return problems
     steps: Counter[int] = Counter(a.stage for acts in schedule.ranks for a in acts if a.kind is Kind.STEP)
+    if steps and max(steps.values()) > 1:  # as an asynchronous schedule read back from its CSV: say so first
+        problems.append(
+            "a stage steps more than once: an asynchronous schedule's STEP per mini-batch needs its weight-version "
+            "table (meta['versions']), which a CSV does not hold - build one by name, e.g. "
+            "sw.build_schedule('pipedream', p, m)"
+        )
+    problems += _check_syncs(schedule)
     if not steps:
         return problems
     for s in range(schedule.num_stages):
@@ -142,6 +147,32 @@ def _check_steps(schedule: Schedule) -> list[str]:
                 problems.append(
                     f"{_where(schedule, rank, idx)}: stage {a.stage}'s {a.kind.value} comes after its optimizer "
                     f"step (#{stepped[a.stage]} {a.stage}STEP); STEP must follow all the stage's compute and its SYNC"
+                )
+    return problems
+
+
+def _check_syncs(schedule: Schedule) -> list[str]:
+    """A SYNC marks a stage's gradients final (a replica's all-reduce and a tie's sum start there): a schedule
+    with SYNC actions syncs each stage once, after all of the stage's B and W. One before a B or W of its stage
+    would reduce gradients the later micro-batches still add to (a schedule without any SYNC gets them from the
+    lowering, after each stage's last B or W)."""
+    syncs: Counter[int] = Counter(a.stage for acts in schedule.ranks for a in acts if a.kind is Kind.SYNC)
+    problems = [
+        f"rank {schedule.placement[s]}: stage {s} has {syncs[s]} gradient syncs ({s}SYNC), expected 1 (a schedule "
+        "with SYNC actions syncs every stage once, after its last backward)"
+        for s in range(schedule.num_stages)
+        if syncs and syncs[s] != 1
+    ]
+    for rank, acts in enumerate(schedule.ranks):
+        synced: dict[int, int] = {}  # stage -> index of its first SYNC
+        for idx, a in enumerate(acts):
+            if a.kind is Kind.SYNC:
+                synced.setdefault(a.stage, idx)
+            elif a.stage in synced and a.kind in (Kind.B, Kind.W):
+                problems.append(
+                    f"{_where(schedule, rank, idx)}: stage {a.stage}'s {a.kind.value} comes after its gradient sync "
+                    f"(#{synced[a.stage]} {a.stage}SYNC); a SYNC marks the stage's gradients final, so it must "
+                    f"follow every {a.stage}B and {a.stage}W"
                 )
     return problems
 

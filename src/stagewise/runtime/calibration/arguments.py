@@ -1,5 +1,6 @@
-"""What :class:`~.from_run.RunCalibrator` is given, checked where it is built: a wrong value failed its first
-calibration, steps later, as a bare ``IndexError`` or naming the planner's internals."""
+"""What :class:`~.from_run.RunCalibrator` and :class:`~.replan.Replanner` are given, checked where they are
+built: a wrong value failed the first calibration or decision, steps later, as a bare ``IndexError``, a
+comparison's ``TypeError`` or naming the planner's internals."""
 
 from __future__ import annotations
 
@@ -33,6 +34,16 @@ def refuse_bad_arguments(
             raise ValueError(f"RunCalibrator: {name} must be finite numbers > 0, one per rank, got {list(values)}")
     if not 0 <= reduce_cpu <= 1:
         raise ValueError(f"RunCalibrator: reduce_cpu is a share of the SYNC's time, in [0, 1], got {reduce_cpu!r}")
+
+
+def refuse_bad_counts(steps: int, every: int, probe_every: int, settled_every: int, relayout_s: float | None) -> None:
+    """The Replanner's step counts and its re-layout cost (its margin, z and cooldown: the decisions' own)."""
+    counts = (steps, every, probe_every, settled_every)
+    if any(isinstance(n, bool) or not isinstance(n, int) for n in counts) or min(*counts[:3], settled_every - 1) < 0:
+        raise ValueError(f"Replanner: steps, every and probe_every must be ints >= 0 and settled_every >= 1, got "
+                         f"{steps!r}, {every!r}, {probe_every!r}, {settled_every!r}")  # fmt: skip
+    if relayout_s is not None and not (isinstance(relayout_s, (int, float)) and 0 <= relayout_s < math.inf):
+        raise ValueError(f"Replanner: relayout_s (seconds) must be a finite number >= 0, got {relayout_s!r}")
 
 
 def _positive(value: object) -> bool:

@@ -58,6 +58,7 @@ from ...planning.stragglers import (
 from ..assembly.combinations import refuse_unwatchable
 from ..comm.groups import group_rank
 from ..frontends.balance import on_first_rank
+from .arguments import refuse_bad_counts
 from .from_run import RunCalibrator
 from .held import HeldProbes
 from .lead import LOOP, RELAYOUT, Sides, lead_for, refuse_replicas
@@ -113,9 +114,7 @@ class Replanner:
         leader: bool | None = None,
         settled_every: int = SETTLED_EVERY,
     ) -> None:
-        if min(steps, every, probe_every, settled_every - 1) < 0:
-            raise ValueError(f"Replanner: steps, every and probe_every must be >= 0 and settled_every >= 1, got "
-                             f"{steps}, {every}, {probe_every}, {settled_every}")  # fmt: skip
+        refuse_bad_counts(steps, every, probe_every, settled_every, relayout_s)
         refuse_unwatchable("Replanner", pipe)
         refuse_replicas(pipe)
         self.pipe = pipe

@@ -199,7 +199,7 @@ def _block_counts(
     default (``"balanced"``) is the layer list's default cut over the blocks (:func:`.default_cut.decide`:
     counted on ``sample_inputs`` chained block to block, else parameters, evenly over convolutions; refined for
     the schedule; rank 0 decides; the word)."""
-    how, speeds, memory_caps = options.partition, options.speeds, options.memory_caps
+    how, speeds, memory_caps = options.partition, options.speeds, options.caps
     sample_inputs, concrete_args = options.sample_inputs, options.concrete_args
     named = dict(model_blocks(model))
     blocks = first_calls(trace(model, set(named), concrete_args).graph, list(named))

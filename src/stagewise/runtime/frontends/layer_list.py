@@ -50,7 +50,7 @@ class LayerList:
             partition=options.partition,
             sample_inputs=options.sample_inputs,
             speeds=options.speeds,
-            memory_caps=options.memory_caps,
+            memory_caps=options.caps,
             seed=options.seed,
             timeout=options.timeout,
             store=options.store,

@@ -123,7 +123,7 @@ class FromHF:
             seed=0,
             sample_inputs=options.sample_inputs,
             speeds=options.speeds,
-            memory_caps=options.memory_caps,
+            memory_caps=options.caps,
             timeout=options.timeout,
             store=options.store,
             has_loss=options.loss_fn is not None,
