@@ -150,7 +150,12 @@ def test_peers_are_read_in_order_and_only_an_ended_script_is_blamed_for_a_closed
             with calls.call("train_step", "p"):
                 pass
         with calls.call("train_step", "p"):  # this rank waits in its 3rd call
-            assert divergence.diverged("rank 0", "p").startswith("global rank 1 is in sw.checkpoint.save as its 2nd")
+            said = divergence.diverged("rank 0", "p")  # (this rank is global rank 0: named as its peers are)
+            assert said.startswith("global rank 1 is in sw.checkpoint.save as its 2nd collective call, where global "
+                                   "rank 0 made a train_step; global rank 0 waits in its 3rd")  # fmt: skip
+            assert "pipeline rank 2 (global rank 0) waits" in divergence.diverged(
+                "pipeline rank 2 (global rank 0)", "p"
+            )
             ended = "global rank 3's script ended after 1 collective call, the last a train_step, while global rank 0"
             assert divergence.blame_ended("p").startswith(ended)
             assert divergence.ended_words(3, "p").startswith(ended)

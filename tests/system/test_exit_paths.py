@@ -105,14 +105,14 @@ def test_stagewise_run_blames_the_rank_that_failed_and_ends_with_the_cause(tmp_p
 # ranks wait in vain in the first two ways, and either may be the first to see it: either's words stand.
 def _both(a: tuple[int, str], b: tuple[int, str]) -> list[str]:
     return [
-        f"global rank {x} is in {cx} while rank {y} waits in {cy} (the 3rd" for (x, cx), (y, cy) in ((a, b), (b, a))
+        f"global rank {x} is in {cx} while global rank {y} waits in {cy} (the 3rd"
+        for (x, cx), (y, cy) in ((a, b), (b, a))
     ]
 
 
-ENDED = [  # (a wait that judges the peers names this rank as its pipeline does; a closed connection, globally)
-    f"global rank 1's script ended after 2 collective calls, the last a train_step, while {me} waits in its 3rd "
-    "collective call, a train_step"
-    for me in ("global rank 0", "rank 0")
+ENDED = [  # (every way names the processes by their global ranks, as the peers are named)
+    "global rank 1's script ended after 2 collective calls, the last a train_step, while global rank 0 waits in its "
+    "3rd collective call, a train_step"
 ]
 MISMATCHES = {  # (way, transport) -> what every failing rank's message starts with: one of these
     ("save-on-0", "shm"): _both((0, "sw.checkpoint.save"), (1, "train_step")),
@@ -121,7 +121,7 @@ MISMATCHES = {  # (way, transport) -> what every failing rank's message starts w
     ("one-more-on-0", "shm"): ENDED,  # the peer's process gone
     ("relayout-on-0", "torch"): [  # (the re-layout's waits name their process by its global rank)
         "global rank 1 is in train_step while global rank 0 waits in pipe.relayout (the 3rd",
-        "global rank 0 is in pipe.relayout while rank 1 waits in train_step (the 3rd",
+        "global rank 0 is in pipe.relayout while global rank 1 waits in train_step (the 3rd",
     ],
 }
 

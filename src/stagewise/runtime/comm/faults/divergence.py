@@ -34,10 +34,12 @@ def ended_words(rank: int, scope: str) -> str:
 
 def _first(ranks: list[int] | None, me: str | None, scope: str, ended_only: bool) -> str:
     """The words of the first of ``ranks`` whose calls diverge (only a script that ended, with ``ended_only``);
-    ``me`` None: this process by its global rank. "" when none does, or nothing can be read (no store, no
+    ``me`` None, or the pipeline's ``"rank N"`` where N is also its global rank: this process by its global rank,
+    as the peers are named. "" when none does, or nothing can be read (no store, no
     group: no evidence)."""
     try:
-        me = me if me is not None else f"global rank {dist.get_rank()}"
+        mine = dist.get_rank()
+        me = f"global rank {mine}" if me in (None, f"rank {mine}") else me  # named as the peers are, where alike
         for rank in ranks if ranks is not None else []:
             found = _judged(rank, me, scope)
             if found is not None and (found.ended or not ended_only):
