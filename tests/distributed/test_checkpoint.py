@@ -19,9 +19,11 @@ import pytest
 import torch
 
 import checkpoint_checks as cc
+import checkpoint_models as cm
 import hybrid_checks as hc
 import stagewise as sw
 from checkpoint_models import adamw, plain, tied_wrapped
+from helpers import models as mdl
 from helpers.torchrun import Share, SuiteResults, run_suite, shared_results
 
 ORDER = [("save2", 2), ("save4", 4), ("resume2", 2), ("resume4", 4)]
@@ -90,6 +92,35 @@ def test_load_pp2_checkpoint_into_one_process(results: dict[str, SuiteResults], 
     info = sw.checkpoint.load(shared / "p2", model, opt)
     assert info.step == 2 and info.layout["pipeline"]["ranks"] == 2 and not info.rng_restored
     assert cc.assert_same(model, [opt], "p2") == len(list(model.parameters()))
+
+
+def test_compiled_layers_train_as_one_process_and_their_checkpoint_loads_uncompiled(
+    results: dict[str, SuiteResults], shared
+) -> None:
+    """Layers under torch.compile (pp 2, ZB-V's split backward) train as the plain layers do in one process, and
+    their checkpoint names the tensors without compile's ``_orig_mod`` (as torch.distributed.checkpoint's
+    state-dict helpers do): it loads strictly into the uncompiled one-process model and its AdamW."""
+    results["save2"].assert_ok("save-compiled-zbv")
+    record = (sw.checkpoint.latest(shared / "comp") / "stagewise.json").read_text()
+    assert "_orig_mod" not in record and '"model/1.qkv.weight"' in record
+    reference = sw.build_model(plain(), seed=1)
+    opt = adamw(list(reference.parameters()))
+    for step in range(2):  # the saving job's two steps, in one process, uncompiled
+        x, y = mdl.lm_data(cm.BATCH, seed=100 + step)
+        opt.zero_grad()
+        mdl.lm_loss(reference(x), y).backward()
+        opt.step()
+    model = sw.build_model(plain(), seed=123)
+    loaded = adamw(list(model.parameters()))
+    info = sw.checkpoint.load(shared / "comp", model, loaded)  # strict: every name and optimizer entry found
+    assert info.step == 2 and info.optimizer_restored
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12, msg=f"{name} after the compiled pipeline's steps")
+        torch.testing.assert_close(loaded.state[p]["exp_avg_sq"], opt.state[q]["exp_avg_sq"], rtol=1e-9, atol=1e-18)
+    saved, _, _ = cc.reference("comp")  # what the pipeline itself held: compile's names, the same values
+    assert saved and all("._orig_mod." in n for n in saved)
+    held = dict(model.named_parameters())
+    assert all(torch.equal(held[n.replace("._orig_mod", "")], v) for n, v in saved.items())
 
 
 def test_load_sharded_checkpoint_into_one_process(results: dict[str, SuiteResults], shared) -> None:

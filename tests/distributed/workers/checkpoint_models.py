@@ -50,7 +50,24 @@ def tied_wrapped() -> list[sw.Layer]:
     return [sw.Tied("embed", embedding, forward_fn=_embed), *tied()[1:]]
 
 
-MODELS = {"plain": plain, "dropout": with_dropout, "tied": tied, "tp": hc.tp_lm, "tied-wrapped": tied_wrapped}
+def _compiled(factory: Any, *args: Any, **kwargs: Any) -> nn.Module:
+    # aot_eager: torch.compile's graphs and autograd, without inductor's C++ build (minutes on 2 cores)
+    return torch.compile(factory(*args, **kwargs), backend="aot_eager")
+
+
+def compiled() -> list[sw.Layer]:
+    """``plain()`` with every layer compiled as a user compiles a block (torchtitan does it per block)."""
+    return [sw.Layer(_compiled, spec.factory, *spec.args, **spec.kwargs) for spec in plain()]
+
+
+MODELS = {
+    "plain": plain,
+    "dropout": with_dropout,
+    "tied": tied,
+    "tp": hc.tp_lm,
+    "tied-wrapped": tied_wrapped,
+    "compiled": compiled,
+}
 PP2_TP2 = {"parallel": sw.ParallelConfig(pp=2, tp=2), "tp_plan": hc.tp_plan()}
 PP2_SHARDING2 = {"parallel": sw.ParallelConfig(pp=2, sharding=2)}
 PP2_DP2 = {"parallel": sw.ParallelConfig(pp=2, dp=2)}

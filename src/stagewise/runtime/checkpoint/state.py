@@ -2,7 +2,8 @@
 
 Keys in the tensor file (flat, for DCP):
 
-* ``model/NAME``: a parameter or buffer, NAME as in ``sw.build_model(...).state_dict()``;
+* ``model/NAME``: a parameter or buffer, NAME as in ``sw.build_model(...).state_dict()`` (without
+  ``torch.compile``'s ``_orig_mod``: :func:`canonical`);
 * ``optim/NAME/KEY``: a tensor of the optimizer state of parameter NAME (``exp_avg``, ``step``, ...).
 
 A pipeline rank saves what its ``state_dict()`` holds: a tied module once,
@@ -36,21 +37,28 @@ MODEL, OPTIM = "model/", "optim/"
 
 
 # ---- the model ------------------------------------------------------------------------------
+def canonical(name: str) -> str:
+    """``name`` without ``torch.compile``'s wrapper (an ``OptimizedModule`` holds its module as ``_orig_mod``), as
+    torch.distributed.checkpoint's state-dict helpers write it: what compiled layers save loads into the same
+    layers uncompiled, and back."""
+    return name if "_orig_mod" not in name else ".".join(part for part in name.split(".") if part != "_orig_mod")
+
+
 def saved_tensors(target: nn.Module, keep_vars: bool = False) -> dict[str, torch.Tensor]:
     """What this rank writes of the model: its ``state_dict()`` (DTensors stay DTensors, so DCP writes shards;
     ``keep_vars``: the parameters themselves, which a snapshot's capture tells from the buffers it copies)."""
-    return dict(target.state_dict(keep_vars=keep_vars))
+    return {canonical(k): t for k, t in target.state_dict(keep_vars=keep_vars).items()}
 
 
 def load_targets(target: nn.Module, keep_vars: bool = False) -> dict[str, torch.Tensor]:
     """The tensors this rank fills on load, by name: its ``state_dict()`` plus every tied copy it holds
     (``keep_vars``: the parameters and buffers themselves, not detached views, as ``state_dict`` takes it)."""
-    out = dict(target.state_dict(keep_vars=keep_vars))
+    out = saved_tensors(target, keep_vars)
     if not isinstance(target, PipelineState):
         return out
     for first, module in target.tied_copies.items():
         for inner, t in module.state_dict(keep_vars=keep_vars).items():
-            out[tied_name(first, inner)] = t
+            out[canonical(tied_name(first, inner))] = t
     return out
 
 
@@ -88,7 +96,7 @@ def parameter_names(target: nn.Module) -> dict[int, str]:
     keyed alike on every rank and under every layout."""
     out: dict[int, str] = {}
     for name, p in target.named_parameters():
-        out.setdefault(id(p), name)
+        out.setdefault(id(p), canonical(name))
     return out
 
 
