@@ -252,7 +252,7 @@ def train(
 ) -> tuple[MetricsLog | None, list[sw.Timeline], float, int]:
     """The loop from step ``start + 1``; returns the metrics log, the kept measured timelines, the training
     seconds and the last step done (``--stop-at`` may end it early)."""
-    metrics = MetricsLog(args.out) if runner.reports else None
+    metrics = MetricsLog(args.out, start) if runner.reports else None  # a resume keeps the earlier rows
     progress = TrainingProgress(args.steps, unit="tok/s", enabled=runner.reports and not args.no_progress)
     tokens = args.batch_size * args.seq_len
     recent: deque[float] = deque(maxlen=20)

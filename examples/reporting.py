@@ -71,16 +71,27 @@ class TrainingProgress:
 
 
 class MetricsLog:
-    """Per-step metrics to ``metrics.csv`` (both modes; the pipeline writes its own too: ``metrics=``)."""
+    """Per-step metrics to ``metrics.csv`` (both modes; the pipeline writes its own too: ``metrics=``).
+
+    ``start``: the step a resumed run goes on from: the rows the earlier run wrote up to it are kept (the file
+    and the loss curve tell the whole run), those after it dropped (those steps are trained again); a row logged
+    again for a step (the resumed run's validation at ``start``) adds to it."""
 
     FIELDS = ("step", "loss", "lr", "rate", "bubble", "val_loss", "time")
 
-    def __init__(self, out: Path) -> None:
+    def __init__(self, out: Path, start: int = 0) -> None:
         self.rows: list[dict[str, Any]] = []
         self.path = out / "metrics.csv"
         self._started = time.perf_counter()
+        if start > 0 and self.path.exists():
+            with self.path.open(newline="") as f:
+                earlier = [{k: _number(v) for k, v in row.items()} for row in csv.DictReader(f)]
+            self.rows = [r for r in earlier if r.get("step") is not None and r["step"] <= start]
 
     def log(self, step: int, **values: float | None) -> None:
+        if self.rows and self.rows[-1]["step"] == step:
+            self.rows[-1].update({k: v for k, v in values.items() if v is not None})
+            return
         self.rows.append({"step": step, "time": round(time.perf_counter() - self._started, 3), **values})
 
     def series(self, key: str) -> list[tuple[int, float]]:
@@ -91,6 +102,14 @@ class MetricsLog:
             writer = csv.DictWriter(f, fieldnames=self.FIELDS, extrasaction="ignore")
             writer.writeheader()
             writer.writerows(self.rows)
+
+
+def _number(text: str | None) -> float | int | None:
+    """A CSV cell as it was logged: an int (the step), a float, or None (an empty cell)."""
+    if text is None or text == "":
+        return None
+    value = float(text)
+    return int(value) if value.is_integer() and "." not in text else value
 
 
 def _pct(x: float | None) -> str:

@@ -76,7 +76,8 @@ RUNTIME_FLOORS: list[list[str]] = [
     ["hybrid", "checkpoint"],  # the other parallel axes; save / load (a pipeline by its declared protocol)
     ["features", "asynchronous", "measure", "elastic", "reporting"],  # what plugs into the engine's seams; weight
     # versions; profiling; lost machines (snapshots in the peers' memory); what a pipeline reports (metrics)
-    ["options.py"],  # the one options value, checked by each feature's own rules
+    ["options.py", "standing.py"],  # the one options value, checked by each feature's own rules; where a
+    # pipeline's process stands (its ranks, its replica)
     ["frontends"],  # every way in: from what the user gives to this rank's parts
     ["assembly"],  # the construction path: refusals, agreement, schedule, placement, the engine around parts
     ["relayout"],  # a running pipeline takes a new layout: the construction path again, the state moved

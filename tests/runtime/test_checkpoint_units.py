@@ -136,6 +136,15 @@ def test_another_model_is_refused_naming_the_tensors_unless_not_strict(tmp_path:
     assert torch.equal(bigger.get_submodule("1").qkv.weight, model.get_submodule("1").qkv.weight)
     assert opt.state[bigger.get_submodule("1").qkv.weight]["step"] == 1  # (saved after one AdamW step)
     assert not opt.state[bigger.get_submodule("3").qkv.weight]  # not in the checkpoint: fresh
+    single = sw.build_model(mdl.lm(2, dtype=torch.float32), seed=1)  # the same model in another dtype
+    with pytest.raises(CheckpointError, match=r"'1.qkv.weight': the checkpoint holds it in float64, the model in "
+                       r"float32 \(the same shape, \(48, 16\)\): build the model in float64 to load it"):  # fmt: skip
+        sw.checkpoint.load(tmp_path, single)
+    narrow = sw.build_model(mdl.lm(2), seed=1)
+    narrow.get_submodule("1").qkv = torch.nn.Linear(16, 24, dtype=torch.float64)
+    with pytest.raises(CheckpointError, match=r"'1.qkv.weight': the checkpoint has shape \(48, 16\) float64, the "
+                       r"model \(24, 16\) float64"):  # fmt: skip
+        sw.checkpoint.load(tmp_path, narrow)
 
 
 def test_an_optimizer_over_foreign_parameters_or_none_saved_is_refused(tmp_path: Path) -> None:
@@ -236,7 +245,7 @@ def test_another_optimizer_class_is_refused_before_anything_changes(tmp_path: Pa
     fresh = sw.build_model(mdl.lm(2), seed=5)
     before = {k: v.clone() for k, v in fresh.state_dict().items()}
     sgd = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
-    with pytest.raises(CheckpointError, match="optimizer state is AdamW's, and this optimizer is a SGD"):
+    with pytest.raises(CheckpointError, match="optimizer state is AdamW's, and this optimizer is SGD"):
         sw.checkpoint.load(tmp_path, fresh, sgd)
     assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items())  # nothing changed
     assert sgd.param_groups[0]["lr"] == 0.1 and not sgd.state

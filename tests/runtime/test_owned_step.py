@@ -127,6 +127,17 @@ def test_a_checkpoint_keeps_the_schedulers_and_resume_says_when_they_are_dropped
     with caplog.at_level(logging.WARNING, logger="stagewise.runtime.checkpoint.resume"):
         sw.checkpoint.resume(tmp_path, _owned())
     assert "resumed step 3" in caplog.text and "NOT restored" not in caplog.text
+    # no optimizer to take the saved one's state: said (it was dropped silently, info.optimizer_restored aside)
+    plain = sw.Pipeline(mdl.mlp(), loss_fn=F.cross_entropy, schedule="1f1b", microbatches=3, seed=2)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="stagewise.runtime.checkpoint.resume"):
+        info = sw.checkpoint.resume(tmp_path, plain)
+    assert info is not None and info.optimizer_saved and not info.optimizer_restored
+    assert "its optimizer state was NOT restored (none given): pass your optimizer to resume" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="stagewise.runtime.checkpoint.resume"):
+        info = sw.checkpoint.resume(tmp_path, plain, _sgd(list(plain.parameters())))
+    assert info is not None and info.optimizer_restored and "optimizer state was NOT" not in caplog.text
 
 
 def test_a_step_that_needs_an_argument_is_refused_at_the_build(one_rank) -> None:

@@ -25,7 +25,8 @@ rooms below it (``tests/core/test_layering.py``):
   time, the version-aware interpreter, windows; ``measure/``: profiling a module, probing a link;
 * ``reporting/``: what a pipeline reports: per-step metrics (JSON lines, TensorBoard), the progress line, the
   events, memory, the gathered state dict and the loss plot;
-* ``options.py``: the one options value; ``frontends/``: every way in returns parts for the assembly: layer
+* ``options.py``: the one options value; ``standing.py``: where a pipeline's process stands (its ranks, its
+  replica); ``frontends/``: every way in returns parts for the assembly: layer
   lists, ``from_model`` (torch.fx, ``split/``), ``from_hf``, ``from_stages``, plans;
 * ``assembly/``: the construction path: the schedule and where it runs, what is refused, the ranks'
   agreement, ``schedule="auto"``, the engine around the built stages;

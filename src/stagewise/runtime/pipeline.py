@@ -46,6 +46,7 @@ from .options import Options, check_applicable
 from .relayout import Layout, owned_groups, relayout
 from .reporting.memory import memory_report
 from .reporting.reporter import Reporter
+from .standing import Standing
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -54,7 +55,7 @@ if TYPE_CHECKING:
     from .options import PipelineOptions
 
 
-class Pipeline(nn.Module):
+class Pipeline(Standing, nn.Module):
     """A model pipelined over the ranks of a process group by a schedule.
 
     ``layers``: an ``nn.Sequential``, a list (or dict) of modules, or of :class:`~stagewise.Layer` specs
@@ -271,35 +272,6 @@ class Pipeline(nn.Module):
     def reset_shapes(self) -> None:
         """Forget the cached shapes so the next step may use new ones (call on every rank)."""
         self._engine.mailbox.forget_shapes()
-
-    # ---- where this process stands --------------------------------------------
-    @property
-    def pp_rank(self) -> int:
-        """This process's rank in the pipeline, 0 to :attr:`num_ranks` - 1: which of the schedule's action
-        lists it runs (the "rank" of schedules, timelines and error messages). With ``parallel=`` every
-        data-parallel, sharded or tensor-parallel replica has a process at each pipeline rank, so several
-        processes share it; :attr:`process_rank` tells them apart."""
-        return self._pp_rank
-
-    @property
-    def rank(self) -> int:
-        """:attr:`pp_rank`, the rank the schedule, the timelines and the messages speak of."""
-        return self._pp_rank
-
-    @property
-    def process_rank(self) -> int:
-        """This process's rank among all processes (``torch.distributed.get_rank()``), unique with ``parallel=`` too."""
-        return self._process_rank
-
-    @property
-    def num_ranks(self) -> int:
-        """How many ranks the pipeline runs on: the pipeline group's size (the ``pp`` degree with ``parallel=``)."""
-        return self._num_ranks
-
-    @property
-    def local_stages(self) -> tuple[int, ...]:
-        """The stages this process holds, in the schedule's numbering (several with virtual stages)."""
-        return self._local_stages
 
     # ---- what a step left -----------------------------------------------------
     @property

@@ -127,6 +127,9 @@ def same_batch(ctx: Ctx) -> None:
     loss = again.train_step(*again.local_batch(x, y))
     want = F.cross_entropy(ref(x), y).item()
     assert abs(loss - want) <= 1e-10 * max(1.0, abs(want)), (loss, want)
+    # the replica a sampler over the replicas takes (DistributedSampler's rank): the share local_batch cuts here
+    assert (again.replica, again.num_replicas) == (config.coords(ctx.rank).dp, 2), ctx.rank
+    assert torch.equal(again.local_batch(x, y)[0], x.tensor_split(again.num_replicas)[again.replica]), ctx.rank
 
 
 def eval_over_replicas(ctx: Ctx) -> None:

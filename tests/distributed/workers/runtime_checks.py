@@ -206,6 +206,8 @@ def shape_mismatch(ctx: Ctx) -> None:
     except sw.PipelineError as err:
         text = str(err)
         assert "stage 0" in text and "(3, 16)" in text and "(4, 16)" in text, text
+        assert "another size (a DataLoader's short last batch? DataLoader(..., drop_last=True)" in text, text
+        assert "variable_shapes=True" in text and "reset_shapes()" in text, text
     else:
         raise AssertionError("a batch of another size went through")
     try:
@@ -231,6 +233,26 @@ def reset_shapes(ctx: Ctx) -> None:
         pipe.train_step(x, y)
         F.cross_entropy(ref(x), y).backward()
         assert_grads_close(pipe, ref, f"batch {batch}")
+
+
+def short_last_batch(ctx: Ctx) -> None:
+    """A data loader's epoch ends on a short batch: with variable_shapes=True, plain tensors (not pre-cut
+    MicroBatches) of 8, 8, then 5 rows train as one process does, and the next epoch's 8 again."""
+    layers = mdl.mlp()
+    pipe = sw.Pipeline(
+        layers, loss_fn=F.cross_entropy, schedule="1f1b", microbatches=2, group=ctx.group, timeout=TIMEOUT,
+        variable_shapes=True,
+    )  # fmt: skip
+    ref = sw.build_model(layers)
+    for step, batch in enumerate((8, 8, 5, 8)):
+        pipe.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        x, y = mdl.mlp_data(batch, seed=step)
+        loss = pipe.train_step(x, y)
+        expected = F.cross_entropy(ref(x), y)
+        expected.backward()
+        assert abs(loss - float(expected)) <= 1e-12 * abs(float(expected)), (step, loss, float(expected))
+        assert_grads_close(pipe, ref, f"step {step}, batch {batch}")
 
 
 def failure_propagates(ctx: Ctx) -> None:
@@ -436,6 +458,7 @@ def feature_checks(world: int) -> dict[str, Check]:
         "optimizer-factory": optimizer_factory,
         "state-dict-names": state_dict_names,
         "reset-shapes": reset_shapes,
+        "short-last-batch-variable-shapes": short_last_batch,
         "invalid-arguments": invalid_arguments,
         "grouped-transport": grouped_transport,
         # last: these leave abandoned receives behind (on their own tags)

@@ -9,11 +9,10 @@ A save, on every rank of the mesh (or pipeline group):
 4. the files are hashed, each rank a share; rank 0 writes ``stagewise.json`` (JSON, no pickle), then
    ``MANIFEST.json`` last, and renames the folder to ``ROOT/step-N``; old ones beyond ``keep`` go.
 
-Every wait goes through the pipeline's guard (:mod:`.storage`): a rank that
-stops or dies anywhere in a save or a load gives every other rank a
-:class:`~stagewise.PipelineError` naming it within the pipeline's timeout;
-only a wait behind the others' writing or hashing may last the call's
-``timeout``, and only while every rank shows signs of life.
+Every wait goes through the pipeline's guard (:mod:`.storage`): a rank that stops or dies anywhere in a save
+or a load gives every other rank a :class:`~stagewise.PipelineError` naming it within the pipeline's timeout;
+only a wait behind the others' writing or hashing may last the call's ``timeout``, and only while every rank
+shows signs of life.
 
 A load verifies before it touches anything: every rank hashes a share of the
 files and the verdicts are gathered (a shared file system is assumed, as DCP
@@ -239,8 +238,8 @@ def _load(
     folder, reason = _resolve(path, ranks)
     record = verify.verified(folder, ranks)
     optimizers = state.optimizers_of(model, optimizer)
-    if optimizers and record.get("optimizer") is None and optimizer is None:
-        optimizers = []  # the pipeline's own optimizers stay fresh: a model-only checkpoint
+    if optimizers and record.get("optimizer") is None and optimizer is None:  # the pipeline's own stay fresh:
+        optimizers = []  # a model-only checkpoint
     targets = {state.MODEL + k: v for k, v in state.load_targets(model).items()}
     problems = verify.check_model(record, targets, ranks, strict)
     if not strict:
@@ -269,6 +268,7 @@ def _load(
         rng_restored=rng_restored,
         reason=reason,
         scheduler_saved=record.get("scheduler") is not None,
+        optimizer_saved=record.get("optimizer") is not None,
     )
 
 

@@ -49,6 +49,7 @@ class CheckpointInfo:
     rng_restored: bool
     reason: str = ""
     scheduler_saved: bool = False  # the checkpoint holds an LR scheduler's state (restored or not)
+    optimizer_saved: bool = False  # the checkpoint holds optimizer state (restored or not)
 
 
 @dataclass(frozen=True)

@@ -79,7 +79,7 @@ def resume(
     if isinstance(holder, PipelineState):
         now = state.layout_of(holder, ranks.size)
         cut = recorded_counts(now, info.layout)  # the cut the saving run decided, where this build decided another
-        line = resumed_line(info.step, now, info.layout, said) + scheduler_note(info) + cut_note(cut, holder)
+        line = resumed_line(info.step, now, info.layout, said) + notes(info) + cut_note(cut, holder)
         if ranks.first:
             log.warning("stagewise: %s", line)
     for source in sources:
@@ -187,6 +187,22 @@ def cut_note(cut: list[int] | None, pipe: PipelineState) -> str:
         ""
         if cut is None
         else f"; the recorded cut {cut} kept (this build decided {[len(r) for r in pipe.layer_ranges]})"
+    )
+
+
+def notes(info: CheckpointInfo) -> str:
+    """What the resumed line adds for the state the checkpoint held that went nowhere."""
+    return optimizer_note(info) + scheduler_note(info)
+
+
+def optimizer_note(info: CheckpointInfo) -> str:
+    """What the resumed line adds when the checkpoint's optimizer state went nowhere (Adam's moments and step
+    counts start over, silently before: ``info.optimizer_restored`` said so only to a script that looked)."""
+    if not info.optimizer_saved or info.optimizer_restored:
+        return ""
+    return (
+        "; its optimizer state was NOT restored (none given): pass your optimizer to resume (optimizer=), or build "
+        "the Pipeline with optimizer=, as the saving run did, else the optimizer starts over"
     )
 
 

@@ -147,7 +147,7 @@ def optimizer_targets(
     for opt in optimizers:
         if classes and type(opt).__name__ not in classes:
             problems.append(
-                f"the checkpoint's optimizer state is {' and '.join(classes)}'s, and this optimizer is a "
+                f"the checkpoint's optimizer state is {' and '.join(classes)}'s, and this optimizer is "
                 f"{type(opt).__name__}: it would take another optimizer's state and hyper-parameters; build the "
                 "optimizer the saved run used, or load the model alone (optimizer=[])"
             )

@@ -78,7 +78,12 @@ def check_model(
                 problems.append(f"tensor {name!r} of the model is missing from the checkpoint")
             continue
         want = state.describe({key: t})[key]
-        if saved[key] != want:
+        if saved[key] != want and saved[key]["shape"] == want["shape"]:
+            problems.append(
+                f"tensor {name!r}: the checkpoint holds it in {saved[key]['dtype']}, the model in {want['dtype']} "
+                f"(the same shape, {tuple(want['shape'])}): build the model in {saved[key]['dtype']} to load it"
+            )
+        elif saved[key] != want:
             problems.append(
                 f"tensor {name!r}: the checkpoint has shape {tuple(saved[key]['shape'])} {saved[key]['dtype']}, "
                 f"the model {tuple(want['shape'])} {want['dtype']}"

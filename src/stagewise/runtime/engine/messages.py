@@ -221,15 +221,25 @@ class Mailbox:
             names = leaf_paths(meta.spec, root)
             for name, s_new, s_old, d_new, d_old in zip(names, meta.shapes, known.shapes, meta.dtypes, known.dtypes):
                 if s_new != s_old or d_new != d_old:
+                    rows = d_new == d_old and len(s_new) == len(s_old) > 0 and s_new[1:] == s_old[1:]
                     problem = (
                         f"stage {msg.stage} sent {name} of shape {s_new} ({_dtype(d_new)}) {to} for micro-batch "
                         f"{msg.microbatch}, expected shape {s_old} ({_dtype(d_old)}) as on the first step; "
-                        "shapes are fixed after the first step (call Pipeline.reset_shapes() on every rank to "
-                        "change them)"
+                        + (_ROWS if rows else "")
+                        + "shapes are fixed after the first step: build the pipeline with variable_shapes=True to "
+                        "let every step have its own, or call Pipeline.reset_shapes() on every rank before a step "
+                        "whose shapes change"
                     )
                     break
         if problem is not None:
             raise PipelineError(self.transport.guard.fail(f"rank {self.transport.rank}: {problem}"))
+
+
+#: the words for a value whose first dimension alone changed: most often a data loader's last batch
+_ROWS = (
+    "this step's batch has another size (a DataLoader's short last batch? DataLoader(..., drop_last=True) keeps "
+    "every batch whole); "
+)
 
 
 def _dtype(d: torch.dtype) -> str:
