@@ -30,6 +30,7 @@ from .assembly.context import place, resolve_schedule_for
 from .asynchronous.windows import windows_of
 from .checkpoint.declared import PipelineState, StateSource
 from .comm import groups, lifecycle
+from .engine.given_batches import unlike_batches
 from .engine.reports import gathered_losses, step_meta, step_timeline, version_report
 from .errors import PipelineError
 from .features.evaluation import eval_loss
@@ -98,6 +99,7 @@ class Pipeline(Standing, nn.Module):
         self.transport, self.optimizers, self.tied = engine.transport, engine.optimizers, engine.tied
         self.hooks, self.eval_schedule, self.schedulers = engine.hooks, engine.eval_schedule, engine.schedulers
         self.snapshots = engine.snapshots  # snapshot=: resumed by sw.checkpoint.resume (or None)
+        self._batches_checked = False  # (engine.given_batches, on the first train step)
         self.replanned_cut: list[int] | None = None  # a Replanner's cut, once it moved one (checkpoints record it)
         self.prior_wanted = False  # a RunCalibrator's ask: the layers priced at the first batch (first_batch._prior)
         self._engine, self._clock_offset = engine, time.time() - time.perf_counter()
@@ -160,8 +162,15 @@ class Pipeline(Standing, nn.Module):
         gradient merge: a step refused for non-finite values dropped every merged step's gradients."""
         at_first_batch(self, batches)  # the default cut without sample inputs: counted on the first batch
         runner, merge = self._engine.runner, self._engine.merge
+
+        def train() -> list[float]:
+            if not self._batches_checked:  # the first train step: were the ranks given one batch?
+                self._batches_checked = True
+                unlike_batches(*batches[0], self.transport.group, self.transport.guard.wait)
+            return runner.train(batches)
+
         try:
-            losses: list[float] = runner.guarded(lambda: runner.train(batches), "train_step")
+            losses: list[float] = runner.guarded(train, "train_step")
         except PipelineError:
             merge.dropped()
             raise

@@ -7,6 +7,8 @@ side can list the same names without starting processes.
 
 from __future__ import annotations
 
+import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -255,6 +257,31 @@ def short_last_batch(ctx: Ctx) -> None:
         assert_grads_close(pipe, ref, f"step {step}, batch {batch}")
 
 
+def ranks_given_unlike_batches(ctx: Ctx) -> None:
+    """Each rank fed its own samples (a DistributedSampler over every process): named on the first train step, in
+    a warning on rank 0; the step trains what each rank reads (rank 0's inputs, the last rank's targets), as
+    before; later steps, and None where a rank reads nothing, say nothing."""
+    layers = mdl.mlp()
+    pipe = sw.Pipeline(
+        layers, loss_fn=F.cross_entropy, schedule="1f1b", microbatches=2, group=ctx.group, timeout=TIMEOUT
+    )
+    mine = [mdl.mlp_data(8, seed=10 + r) for r in range(ctx.world)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss = pipe.train_step(*mine[ctx.rank])
+        x, y = mdl.mlp_data(8, seed=3)
+        first, last = ctx.rank == 0, ctx.rank == ctx.world - 1
+        again = pipe.train_step(x if first else None, y if last else None)
+    said = [str(w.message) for w in caught if "were given different" in str(w.message)]
+    assert len(said) == (1 if ctx.rank == 0 else 0), said
+    if said:
+        assert said[0].startswith("pipeline ranks 0 and 1 were given different inputs on the first train step")
+    ref = sw.build_model(layers)
+    want = F.cross_entropy(ref(mine[0][0]), mine[-1][1]).item()  # what was trained: rank 0's x, the last's y
+    assert abs(loss - want) <= 1e-10 * max(1.0, abs(want)), (loss, want)
+    assert math.isfinite(again)
+
+
 def failure_propagates(ctx: Ctx) -> None:
     """A layer raising on the last rank: it raises its own error, every other rank a PipelineError."""
     layers = mdl.mlp(num_layers=6)[:-1] + [sw.Layer(mdl.Boom), mdl.mlp()[-1]]
@@ -459,6 +486,7 @@ def feature_checks(world: int) -> dict[str, Check]:
         "state-dict-names": state_dict_names,
         "reset-shapes": reset_shapes,
         "short-last-batch-variable-shapes": short_last_batch,
+        "ranks-given-unlike-batches": ranks_given_unlike_batches,
         "invalid-arguments": invalid_arguments,
         "grouped-transport": grouped_transport,
         # last: these leave abandoned receives behind (on their own tags)

@@ -278,7 +278,8 @@ def _trivial_step(pipe: Pipeline | None, m: int, steps: int) -> float:
     """The median step of ``pipe`` (:func:`_trivial_pipeline`) after two warm-up steps; 0 where it is None."""
     if pipe is None:
         return 0.0
-    x, y = torch.randn(m, 1), torch.randn(m, 1)
+    g = torch.Generator().manual_seed(0)  # one batch on every rank: a pipeline trains one (engine.given_batches)
+    x, y = torch.randn(m, 1, generator=g), torch.randn(m, 1, generator=g)
     times = []
     for step in range(steps + 2):
         started = time.perf_counter()

@@ -147,7 +147,8 @@ def _layout_step(mesh: Mesh, u: int, m: int, steps: int, timeout: float) -> tupl
         timeout=timeout,
     )
     n = m * dp * sharding
-    x, y = pipe.local_batch(torch.randn(n, 1), torch.randn(n, 1))
+    g = torch.Generator().manual_seed(0)  # one global batch on every rank (engine.given_batches), cut per replica
+    x, y = pipe.local_batch(torch.randn(n, 1, generator=g), torch.randn(n, 1, generator=g))
     slowest(0.0, deadline)  # everyone starts together
     for _ in range(2):  # warm-up: the first step learns shapes and builds buffers
         pipe.train_step(x, y)

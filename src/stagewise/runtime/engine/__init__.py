@@ -8,7 +8,8 @@
 * :mod:`.runner`: the one step protocol (every train step, window and wave), and its seam :class:`.runner.StepPart`;
 * :mod:`.hooks`: what SYNC and STEP do for a stage, and its seam :class:`.hooks.StagePart`;
 * :mod:`.stage`: a stage's layers under the calling convention; :mod:`.batches`: a run's micro-batches
-  (:mod:`.eval_inputs`: an evaluation's, agreed by every rank before anything is sent);
+  (:mod:`.eval_inputs`: an evaluation's, agreed by every rank before anything is sent; :mod:`.given_batches`:
+  the first train step's check that the ranks were given one batch);
   :mod:`.microbatch`: cutting and merging batches; :mod:`.tree`: nested values as flat tensors;
 * :mod:`.messages`: what crosses between stages; :mod:`.forensics`: where a rank stood when it failed;
   :mod:`.reports`: timelines and losses gathered after a step.

@@ -15,23 +15,7 @@ from typing import Any
 
 import torch
 
-from ..engine.tree import flatten
-
-
-def fingerprint(microbatches: list[Any] | None) -> float | None:
-    """A number that differs, almost surely, between two different batches and is equal, bit for bit, for equal
-    ones (the same arithmetic on the same values); None without data. Each value weighted by its position."""
-    if microbatches is None:
-        return None
-    total, found = 0.0, False
-    for k, leaf in enumerate(flatten(microbatches)[0]):
-        if not isinstance(leaf, torch.Tensor) or leaf.is_complex():
-            continue
-        found = True
-        flat = leaf.detach().reshape(-1).to(torch.float64)
-        weights = torch.cos(torch.arange(flat.numel(), dtype=torch.float64, device=flat.device) * 0.618 + k)
-        total += float((flat * weights).sum()) + flat.numel() * (k + 1)
-    return total if found else None
+from ..engine.given_batches import fingerprint
 
 
 def refuse_same_inputs(hybrid: Any, inputs: list[Any] | None, targets: list[Any] | None, wait: Any) -> None:
