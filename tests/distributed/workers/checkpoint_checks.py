@@ -29,6 +29,7 @@ import stagewise as sw
 from checkpoint_models import BATCH, PP2_DP2, PP2_SHARDING2, PP2_TP2, adamw, pipeline, plain, tied, train
 from helpers import models as mdl
 from stagewise.checkpoint import CheckpointError
+from stagewise.runtime.checkpoint.state import canonical
 from stagewise.runtime.hybrid.tensor_parallel import full
 from worker import Check, Ctx, raises
 
@@ -71,6 +72,7 @@ def gathered_as_dumped(tag: str, ctx: Ctx, module: nn.Module) -> None:
         return
     assert merged is not None
     params, _, _ = reference(tag)
+    params = {canonical(k): v for k, v in params.items()}  # (compiled layers: merged as checkpoints name them)
     assert params.keys() <= merged.keys(), f"not gathered: {sorted(params.keys() - merged.keys())}"
     for name, value in params.items():
         assert merged[name].dtype == value.dtype and torch.equal(merged[name], value), f"{tag}: {name} gathered wrong"

@@ -16,12 +16,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..checkpoint.state import canonical
 from ..comm import collectives, groups
 from ..hybrid.tensor_parallel import full
 
 
 def gather_state_dict(module: nn.Module, dst: int = 0, group: Any = None) -> dict[str, torch.Tensor] | None:
-    """Every rank's share of ``module``'s state dict (a Pipeline's: one-process names) merged on group rank
+    """Every rank's share of ``module``'s state dict (a Pipeline's: one-process names, compiled layers' without
+    ``_orig_mod``, as a checkpoint holds them) merged on group rank
     ``dst``, on the host; None on the other ranks. A collective over ``group`` (default: the world); without a
     process group, ``module.state_dict()`` copied to the host.
 
@@ -30,8 +32,10 @@ def gather_state_dict(module: nn.Module, dst: int = 0, group: Any = None) -> dic
     data-parallel replicas of a stage, the ranks of one shard group) is taken from the lowest group rank holding
     it - as ``DistributedDataParallel`` keeps rank 0's buffers. Only that rank's bytes travel, to ``dst`` alone.
     Two ranks holding one name with another dtype or shape are refused, naming both."""
-    mine = {
-        k: full(v).detach().cpu().contiguous() for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)
+    mine = {  # (named as checkpoints name them: without torch.compile's _orig_mod)
+        canonical(k): full(v).detach().cpu().contiguous()
+        for k, v in module.state_dict().items()
+        if isinstance(v, torch.Tensor)
     }
     if not groups.initialized() or groups.group_size(group) == 1:
         return {k: v.clone() for k, v in mine.items()}
