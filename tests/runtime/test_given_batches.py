@@ -42,3 +42,11 @@ def test_ranks_given_different_samples_are_named(monkeypatch: pytest.MonkeyPatch
     said = _decide(monkeypatch, [(a, None), (a, a[:, 0]), (a, b[:, 0])], me=2)  # said on every rank, warned on 0
     assert said is not None and said.startswith("pipeline ranks 1 and 2 were given different targets")
     assert _decide(monkeypatch, [(a, None), (a.flip(0), None)]) is not None  # the same numbers in another order
+
+
+def test_a_large_tensor_is_read_through_an_even_sample() -> None:
+    g = torch.Generator().manual_seed(2)
+    big = torch.randn(given_batches.SAMPLED * 3 + 1, generator=g)
+    assert given_batches.fingerprint(big) == given_batches.fingerprint(big.clone())
+    assert given_batches.fingerprint(big) != given_batches.fingerprint(big + 1e-3)  # another batch differs throughout
+    assert given_batches.fingerprint(big.view(-1, 1)) == given_batches.fingerprint(big)  # (its shape aside)

@@ -14,8 +14,9 @@ The rules of every schedule, stated in :mod:`.reference` (``RULES``, checked in 
 3. **local order**: on a rank, a backward after its own F, a W after its I, and across two stages held by
    the same rank, data order (F of s-1 before F of s, the backward of s+1 before that of s);
 4. **optimizer steps**: a schedule with STEP actions steps each stage exactly once, after all of the
-   stage's compute and its SYNC; a forward-only one has neither SYNC nor STEP (an asynchronous one has a
-   STEP per mini-batch, which the version rules check);
+   stage's compute and its SYNC; one with SYNC actions syncs each stage exactly once, after all of its B and
+   W (its gradients final); a forward-only one has neither SYNC nor STEP (an asynchronous one has a SYNC and
+   a STEP per mini-batch, which the version rules check);
 5. **communication** (complete schedules): every value crossing ranks is sent once after it is made and
    received once before it is used, and on each (sender, receiver) channel the k-th send is the k-th
    receive;
