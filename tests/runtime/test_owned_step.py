@@ -118,26 +118,26 @@ def test_a_checkpoint_keeps_the_schedulers_and_resume_says_when_they_are_dropped
     assert info.scheduler_saved and info.scheduler_restored
     assert [s.last_epoch for s in again.schedulers.values()] == [3] * len(again.schedulers)
     assert again.train_step(*mdl.mlp_data(7, seed=3)) == pipe.train_step(*mdl.mlp_data(7, seed=3))
-    bare = _owned(lr_scheduler=None)
-    with caplog.at_level(logging.WARNING, logger="stagewise.runtime.checkpoint.resume"):
-        info = sw.checkpoint.resume(tmp_path, bare)
+    info, said = _resumed(caplog, tmp_path, _owned(lr_scheduler=None))
     assert info is not None and info.scheduler_saved and not info.scheduler_restored
-    assert "LR scheduler state was NOT restored" in caplog.text
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="stagewise.runtime.checkpoint.resume"):
-        sw.checkpoint.resume(tmp_path, _owned())
-    assert "resumed step 3" in caplog.text and "NOT restored" not in caplog.text
+    assert "LR scheduler state was NOT restored" in said
+    _, said = _resumed(caplog, tmp_path, _owned())
+    assert "resumed step 3" in said and "NOT restored" not in said
     # no optimizer to take the saved one's state: said (it was dropped silently, info.optimizer_restored aside)
     plain = sw.Pipeline(mdl.mlp(), loss_fn=F.cross_entropy, schedule="1f1b", microbatches=3, seed=2)
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="stagewise.runtime.checkpoint.resume"):
-        info = sw.checkpoint.resume(tmp_path, plain)
+    info, said = _resumed(caplog, tmp_path, plain)
     assert info is not None and info.optimizer_saved and not info.optimizer_restored
-    assert "its optimizer state was NOT restored (none given): pass your optimizer to resume" in caplog.text
+    assert "its optimizer state was NOT restored (none given): pass your optimizer to resume" in said
+    info, said = _resumed(caplog, tmp_path, plain, _sgd(list(plain.parameters())))
+    assert info is not None and info.optimizer_restored and "optimizer state was NOT" not in said
+
+
+def _resumed(caplog: Any, root: Any, model: Any, *optimizer: Any) -> tuple[Any, str]:
+    """``sw.checkpoint.resume`` into ``model`` (and ``optimizer``): its info and the warnings it logged."""
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="stagewise.runtime.checkpoint.resume"):
-        info = sw.checkpoint.resume(tmp_path, plain, _sgd(list(plain.parameters())))
-    assert info is not None and info.optimizer_restored and "optimizer state was NOT" not in caplog.text
+        info = sw.checkpoint.resume(root, model, *optimizer)
+    return info, caplog.text
 
 
 def test_a_step_that_needs_an_argument_is_refused_at_the_build(one_rank) -> None:
