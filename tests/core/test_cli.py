@@ -268,6 +268,13 @@ def test_compare_without_a_checkout_exits_2_saying_so(
     assert err.startswith("stagewise compare: error:") and "source checkout" in err and str(tmp_path) in err
     monkeypatch.chdir(ROOT)  # the working directory is a checkout: found there
     assert compare.find_checkout() == ROOT
+    partial = tmp_path / "partial"  # benchmarks/ copied without examples/: named, not a traceback in every rank
+    (partial / compare.MARKER).parent.mkdir(parents=True)
+    (partial / compare.MARKER).write_text("")
+    monkeypatch.chdir(partial)
+    code, _, err = run_main(capsys, "compare", "-n", "2")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"{partial} holds benchmarks/compare/ without examples/digits_cnn.py, examples/gpt_data.py" in err
 
 
 @pytest.mark.parametrize(

@@ -21,6 +21,8 @@ from .common import Subparsers, UsageError
 #: the benchmark's module, and the file that marks a checkout holding it
 MODULE = "benchmarks.compare"
 MARKER = Path("benchmarks") / "compare" / "__main__.py"
+#: what the benchmark imports from the checkout besides itself (benchmarks/compare/workloads.py: the examples)
+NEEDED = tuple(Path("examples") / f"{name}.py" for name in ("digits_cnn", "gpt_data", "gpt_model"))
 
 
 #: the benchmark's asynchronous window by default (its --window; a test holds them alike): --steps must be a whole
@@ -56,6 +58,12 @@ def find_checkout() -> Path:
     directory."""
     for root in (Path(__file__).resolve().parents[3], Path.cwd()):
         if (root / MARKER).is_file():
+            missing = [str(p) for p in NEEDED if not (root / p).is_file()]
+            if missing:  # a partial copy: the benchmark would fail in every rank at its first import
+                raise UsageError(
+                    f"stagewise compare trains the examples' models, and {root} holds {MARKER.parent}/ without "
+                    f"{', '.join(missing)}: run it from a whole checkout"
+                )
             return root
     raise UsageError(
         f"stagewise compare runs the benchmark {MARKER.parent}/ of a stagewise source checkout, and neither this "
