@@ -1,8 +1,10 @@
-"""Small helpers of the pure core: a predicate for counts, and the garbage collector paused around big passes."""
+"""Small helpers of the pure core: predicates for counts and finite numbers, and the garbage collector paused around
+big passes."""
 
 from __future__ import annotations
 
 import gc
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TypeGuard
@@ -16,6 +18,12 @@ def is_count(value: object, least: int = 1) -> TypeGuard[int]:
 
     Each caller words its own error."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def is_finite_number(value: object, least: float = -math.inf) -> TypeGuard[float]:
+    """Whether ``value`` is a finite int or float (not a bool) of at least ``least``. Each caller words its own
+    error."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and least <= value < math.inf
 
 
 @contextmanager

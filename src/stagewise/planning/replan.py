@@ -27,6 +27,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .._util import is_count, is_finite_number
 from .recalibrate import Z85
 
 if TYPE_CHECKING:
@@ -304,9 +305,9 @@ class Decisions:
     :meth:`consider` is given, with ``z``."""
 
     def __init__(self, *, margin_s: float = 0.0, cooldown: int, z: float = Z85) -> None:
-        if not (_finite(margin_s) and margin_s >= 0 and _finite(z) and z >= 0):
+        if not (is_finite_number(margin_s, 0) and is_finite_number(z, 0)):
             raise ValueError(f"margin_s (seconds) and z (spreads) must be finite numbers >= 0, got {margin_s!r}, {z!r}")
-        if isinstance(cooldown, bool) or not isinstance(cooldown, int) or cooldown < 0:
+        if not is_count(cooldown, 0):
             raise ValueError(f"cooldown (steps between changes) must be an int >= 0, got {cooldown!r}")
         self.margin_s, self.cooldown, self.z = float(margin_s), int(cooldown), float(z)
         self.last_change: int | None = None
@@ -389,7 +390,3 @@ def replay(log: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
                 d[audit] = r[audit]
         out.append(d)
     return out
-
-
-def _finite(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

@@ -10,7 +10,6 @@ misspelt one is refused naming the closest valid one.
 from __future__ import annotations
 
 import difflib
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, TypedDict, cast
@@ -18,7 +17,7 @@ from typing import TYPE_CHECKING, Any, TypedDict, cast
 import torch
 from torch import nn
 
-from .._util import is_count
+from .._util import is_count, is_finite_number
 from ..ir import Schedule
 from ..partition import PartitionSpec, needs_profile
 from ..planning.units import parse_bytes
@@ -317,7 +316,7 @@ def _check_cut(o: Options) -> None:
             continue
         if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
             raise TypeError(f"{name} must be a sequence of numbers, one per rank, got {values!r}")
-        if any(isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf for v in values):
+        if not all(is_finite_number(v) and v > 0 for v in values):
             raise ValueError(f"{name} must be finite numbers > 0, one per rank, got {list(values)}")
 
 
@@ -336,5 +335,5 @@ def _check_slowdown(f: float | Sequence[float] | None) -> None:
         return
     values = [f] if isinstance(f, (int, float)) else list(f)
     for v in values:
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 1.0 <= v < math.inf:
+        if not is_finite_number(v, 1.0):
             raise ValueError(f"emulate_slowdown factors must be numbers >= 1 (1: full speed), got {f!r}")

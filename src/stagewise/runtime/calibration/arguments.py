@@ -4,8 +4,9 @@ comparison's ``TypeError`` or naming the planner's internals."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
+
+from ..._util import is_count, is_finite_number
 
 
 def refuse_bad_arguments(
@@ -38,13 +39,12 @@ def refuse_bad_arguments(
 
 def refuse_bad_counts(steps: int, every: int, probe_every: int, settled_every: int, relayout_s: float | None) -> None:
     """The Replanner's step counts and its re-layout cost (its margin, z and cooldown: the decisions' own)."""
-    counts = (steps, every, probe_every, settled_every)
-    if any(isinstance(n, bool) or not isinstance(n, int) for n in counts) or min(*counts[:3], settled_every - 1) < 0:
+    if not (all(is_count(n, 0) for n in (steps, every, probe_every)) and is_count(settled_every)):
         raise ValueError(f"Replanner: steps, every and probe_every must be ints >= 0 and settled_every >= 1, got "
                          f"{steps!r}, {every!r}, {probe_every!r}, {settled_every!r}")  # fmt: skip
-    if relayout_s is not None and not (isinstance(relayout_s, (int, float)) and 0 <= relayout_s < math.inf):
+    if relayout_s is not None and not is_finite_number(relayout_s, 0):
         raise ValueError(f"Replanner: relayout_s (seconds) must be a finite number >= 0, got {relayout_s!r}")
 
 
 def _positive(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
+    return is_finite_number(value) and value > 0
